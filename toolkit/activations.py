@@ -1,0 +1,64 @@
+"""What the activation tracer reports: bytes that the model's own Hugging Face code keeps, region by region.
+
+Plain data, no torch import. `toolkit.tracer.trace_activations` fills it by running a depth-reduced copy of the
+model (same config, fewer layers) forward, loss and backward under FakeTensorMode; the memory model
+(`toolkit.memory`) composes these numbers with model states into a per-GPU breakdown and a peak.
+
+Regions, in execution order: `embedding` (everything before the first decoder layer: token/position embeddings,
+rotary tables, masks), one entry per decoder layer, `head` (final norm, LM head, loss). A storage shared by several
+regions (rotary cos/sin, a mask) is counted once, in the first region that saved it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RegionTrace:
+    saved_bytes: int
+    """Bytes this region holds for backward once its forward is done (deduplicated by storage; parameters and
+    autocast weight copies excluded). With checkpointing, a decoder layer's saved bytes are what the checkpoint
+    keeps (its inputs)."""
+    forward_extra_bytes: int
+    """Peak live bytes during this region's forward above what was live when it started plus what it ends up
+    saving: temporaries that die inside the region (for the head: logits, their fp32 copy, ...)."""
+    backward_extra_bytes: int
+    """Peak live bytes during this region's backward above what was live when it started (its saved tensors,
+    the incoming gradient, every earlier region's saved tensors), excluding parameter gradients, which the memory
+    model counts as model states. With checkpointing this includes the recomputed forward."""
+    autocast_copy_bytes: int = 0
+    """Low-precision copies of this region's weights that autocast keeps alive from forward to backward."""
+
+
+@dataclass(frozen=True)
+class ActivationTrace:
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    """Compute dtype: "float32" | "bfloat16" | "float16"."""
+    autocast: bool
+    """True: fp32 parameters under torch.autocast(dtype) (torch AMP, as DDP runs); False: parameters in dtype."""
+    attention: str
+    device_kind: str
+    checkpointing: bool
+    embedding: RegionTrace
+    layers: tuple[RegionTrace, ...]
+    """One per decoder layer of the full model (layers of the same kind share one traced value)."""
+    head: RegionTrace
+    output_bytes: int
+    """Bytes the model's output object holds (the logits) until the training loop releases it."""
+    loss_bytes: int = 0
+    """The loss tensor the loop keeps (already inside head.saved_bytes if the head saved it)."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """Substitutions and approximations made (GPU kernel stand-ins, uniform MoE routing, ...)."""
+
+    @property
+    def activations_bytes(self) -> int:
+        """Bytes autograd holds for backward once forward and loss are done (output object released)."""
+        return self.embedding.saved_bytes + sum(r.saved_bytes for r in self.layers) + self.head.saved_bytes
+
+    @property
+    def autocast_copy_bytes(self) -> int:
+        return (self.embedding.autocast_copy_bytes + sum(r.autocast_copy_bytes for r in self.layers)
+                + self.head.autocast_copy_bytes)

@@ -1,0 +1,119 @@
+"""Strategies: which engine shards what, named the way users type them.
+
+One `Strategy` value is one way of running a step. Its canonical name round-trips through `parse_strategy` and
+`Strategy.name`, and that name is what plan.json, the CLI and the tables print.
+
+Names:
+  ddp                      torch DDP (one process with --gpus 1x...)
+  zero1 | zero2 | zero3    DeepSpeed ZeRO stage 1/2/3
+  zero1-offload, zero2-offload        ... with the optimizer (states + fp32 master + step) in CPU RAM
+  zero3-offload            ZeRO-3 with optimizer and parameters in CPU RAM
+  zero3-offload-opt        ZeRO-3 with only the optimizer in CPU RAM
+  ...-nvme                 the same offload to NVMe (ZeRO-Infinity) instead of CPU RAM
+  fsdp2                    torch FSDP2, full shard (reshard after forward)
+  fsdp2-grad-op            FSDP2 without resharding after forward (ZeRO-2-like)
+  fsdp2-hybrid             FSDP2 sharded inside a node, replicated across nodes (HSDP)
+  pipeline                 DeepSpeed pipeline engine, all ranks are stages (data parallel 1)
+  hybrid                   DeepSpeed pipeline x data parallel with ZeRO-1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from toolkit.errors import UserError
+
+Kind = Literal["ddp", "zero1", "zero2", "zero3", "fsdp2", "pipeline", "hybrid"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+FsdpMode = Literal["full", "grad_op", "hybrid"]
+
+KINDS: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "pipeline", "hybrid")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    kind: Kind
+    offload_optimizer: OffloadDevice = "none"
+    """Where optimizer states, fp32 master weights and the optimizer step live (ZeRO only)."""
+    offload_params: OffloadDevice = "none"
+    """Where the (bf16/fp16) parameter partitions live between uses (ZeRO-3 only)."""
+    fsdp_mode: FsdpMode = "full"
+    """FSDP2 sharding: full (reshard after forward), grad_op (keep params unsharded to backward), hybrid (HSDP)."""
+
+    @property
+    def engine(self) -> Literal["ddp", "deepspeed", "fsdp2", "pipeline"]:
+        if self.kind == "ddp":
+            return "ddp"
+        if self.kind == "fsdp2":
+            return "fsdp2"
+        if self.kind in ("pipeline", "hybrid"):
+            return "pipeline"
+        return "deepspeed"
+
+    @property
+    def zero_stage(self) -> int:
+        """DeepSpeed ZeRO stage (pipeline plans: 0 for pure pipeline, 1 for hybrid)."""
+        return {"zero1": 1, "zero2": 2, "zero3": 3, "hybrid": 1}.get(self.kind, 0)
+
+    @property
+    def is_pipeline(self) -> bool:
+        return self.kind in ("pipeline", "hybrid")
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload_optimizer != "none" or self.offload_params != "none"
+
+    @property
+    def name(self) -> str:
+        if self.kind == "fsdp2":
+            return {"full": "fsdp2", "grad_op": "fsdp2-grad-op", "hybrid": "fsdp2-hybrid"}[self.fsdp_mode]
+        if not self.offloads:
+            return self.kind
+        device = self.offload_optimizer
+        if self.kind == "zero3":
+            base = "zero3-offload" if self.offload_params != "none" else "zero3-offload-opt"
+        else:
+            base = f"{self.kind}-offload"
+        return base + ("-nvme" if device == "nvme" else "")
+
+
+def parse_strategy(text: str) -> Strategy:
+    """Parse a canonical strategy name (see the module docstring)."""
+    name = text.strip().lower().replace("_", "-")
+    nvme = name.endswith("-nvme")
+    if nvme:
+        name = name[: -len("-nvme")]
+    device: OffloadDevice = "nvme" if nvme else "cpu"
+    table: dict[str, Strategy] = {
+        "ddp": Strategy("ddp"),
+        "zero1": Strategy("zero1"),
+        "zero2": Strategy("zero2"),
+        "zero3": Strategy("zero3"),
+        "fsdp2": Strategy("fsdp2"),
+        "fsdp2-full": Strategy("fsdp2"),
+        "fsdp2-grad-op": Strategy("fsdp2", fsdp_mode="grad_op"),
+        "fsdp2-hybrid": Strategy("fsdp2", fsdp_mode="hybrid"),
+        "pipeline": Strategy("pipeline"),
+        "hybrid": Strategy("hybrid"),
+    }
+    offloaded: dict[str, Strategy] = {
+        "zero1-offload": Strategy("zero1", offload_optimizer=device),
+        "zero2-offload": Strategy("zero2", offload_optimizer=device),
+        "zero3-offload": Strategy("zero3", offload_optimizer=device, offload_params=device),
+        "zero3-offload-opt": Strategy("zero3", offload_optimizer=device),
+    }
+    if nvme:
+        table = offloaded
+    else:
+        table = {**table, **offloaded}
+    if name not in table:
+        raise UserError(f"unknown strategy '{text}'; choose one of: {', '.join(ALL_STRATEGY_NAMES)}")
+    return table[name]
+
+
+ALL_STRATEGY_NAMES: tuple[str, ...] = (
+    "ddp", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload", "zero3-offload-opt", "zero3-offload",
+    "zero2-offload-nvme", "zero3-offload-nvme", "fsdp2", "fsdp2-grad-op", "fsdp2-hybrid", "pipeline", "hybrid",
+)
+"""Every strategy the planner considers, in the order tables list them."""
