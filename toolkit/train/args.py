@@ -1,0 +1,129 @@
+"""Command-line arguments of `python -m toolkit.train` (and `accelerate launch ... -m toolkit.train`).
+
+The plan (plan.json) fixes everything about *how* a step runs: strategy, micro-batch, accumulation, precision,
+sequence length, checkpointing, attention, optimizer. These arguments say *what* to train and for how long: model,
+data, output, schedule, checkpoints. They never override the plan's strategy; to change it, re-plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+from toolkit.errors import UserError
+
+
+@dataclass
+class TrainArgs:
+    plan: str
+    """plan.json, or the directory that holds it (next to the emitted accelerate / DeepSpeed configs)."""
+    data: str
+    """A local .txt / .json / .jsonl / .parquet / .csv file, a folder of them, or a hub dataset name (online)."""
+    output: str
+    """Run directory: checkpoint-N/ folders, then the final model + tokenizer in HF format."""
+    model: str | None = None
+    """Hub id, local model folder, or a config.json path; default: the model the plan was made for."""
+    tokenizer: str | None = None
+    """Hub id or local folder; default: the model's own tokenizer."""
+    random_init: bool = False
+    """Build the model from its config with random weights (pretraining / tests) instead of loading weights."""
+    text_field: str = "text"
+    """Column that holds the documents in json / jsonl / parquet / csv / hub data."""
+    max_steps: int = -1
+    """Optimizer steps to run; -1: run `epochs` epochs."""
+    epochs: float = 1.0
+    lr: float = 1e-4
+    """Peak learning rate (after warmup)."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    """AdamW weight decay (biases and norm weights are exempt, as in the HF Trainer)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    lr_scheduler: str = "cosine"
+    """Any HF scheduler name: linear, cosine, constant, constant_with_warmup, ..."""
+    save_steps: int = 500
+    """Write a resumable checkpoint every N optimizer steps."""
+    save_total_limit: int | None = None
+    """Keep only the newest N checkpoints (None: keep all)."""
+    eval_steps: int | None = None
+    """Evaluate (loss and perplexity) every N steps; default: at save_steps, and always at the end."""
+    logging_steps: int = 10
+    resume: bool = False
+    """Continue from the newest complete checkpoint in `output` (same losses as an uninterrupted run)."""
+    seed: int = 42
+    eval_fraction: float = 0.02
+    """Share of the packed blocks held out for evaluation when the data has no validation file; 0 disables it."""
+    log_dir: str | None = None
+    """TensorBoard event folder; default: OUTPUT/runs."""
+    max_eval_blocks: int | None = None
+    """Cap on evaluation blocks (keeps evaluation short on big held-out sets)."""
+    no_save_final: bool = False
+    """Skip writing the final HF model (rehearsals, benchmarks)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits with a usage block; we raise the one-line UserError every toolkit command uses instead."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"toolkit.train: {message}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m toolkit.train",
+        description="Train a Hugging Face causal LM the way a toolkit plan says (run it under `accelerate launch "
+                    "--config_file PLAN_DIR/accelerate_config.yaml`; see `toolkit launch`).")
+    p.add_argument("--plan", required=True, help="plan.json or the directory holding it")
+    p.add_argument("--data", required=True, help="local text/json/jsonl/parquet/csv file or folder, or a hub dataset")
+    p.add_argument("--output", required=True, help="run directory (checkpoints, final model)")
+    p.add_argument("--model", default=None, help="hub id, local folder or config.json (default: the plan's model)")
+    p.add_argument("--tokenizer", default=None, help="default: the model's tokenizer")
+    p.add_argument("--random-init", action="store_true", help="random weights from the model's config")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (default: run --epochs)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--lr-scheduler", default="cosine")
+    p.add_argument("--save-steps", type=int, default=500)
+    p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--eval-steps", type=int, default=None)
+    p.add_argument("--logging-steps", type=int, default=10)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --output")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--eval-fraction", type=float, default=0.02)
+    p.add_argument("--log-dir", default=None, help="TensorBoard folder (default: OUTPUT/runs)")
+    p.add_argument("--max-eval-blocks", type=int, default=None)
+    p.add_argument("--no-save-final", action="store_true")
+    return p
+
+
+def parse_train_args(argv: Sequence[str] | None = None) -> TrainArgs:
+    """Parse argv into TrainArgs; bad values raise UserError (one line, exit 2) rather than argparse's exit."""
+    ns = _build_parser().parse_args(list(argv) if argv is not None else None)
+    args = TrainArgs(**{f.name: getattr(ns, f.name) for f in fields(TrainArgs)})
+    check_train_args(args)
+    return args
+
+
+def check_train_args(args: TrainArgs) -> None:
+    if args.max_steps == 0 or args.max_steps < -1:
+        raise UserError(f"--max-steps must be a positive number of steps (or -1 for --epochs), got {args.max_steps}")
+    if args.max_steps == -1 and args.epochs <= 0:
+        raise UserError(f"--epochs must be positive, got {args.epochs}")
+    if not 0.0 <= args.eval_fraction < 1.0:
+        raise UserError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    for flag, value in (("--save-steps", args.save_steps), ("--logging-steps", args.logging_steps)):
+        if value <= 0:
+            raise UserError(f"{flag} must be a positive number of steps, got {value}")
+    if args.eval_steps is not None and args.eval_steps <= 0:
+        raise UserError(f"--eval-steps must be a positive number of steps, got {args.eval_steps}")
+    if args.save_total_limit is not None and args.save_total_limit <= 0:
+        raise UserError(f"--save-total-limit must be positive, got {args.save_total_limit}")
+    if args.lr <= 0:
+        raise UserError(f"--lr must be positive, got {args.lr}")
+    if args.warmup_steps < 0 or args.weight_decay < 0 or args.max_grad_norm < 0:
+        raise UserError("--warmup-steps, --weight-decay and --max-grad-norm must not be negative")

@@ -1,0 +1,156 @@
+"""Training data: local files or a hub dataset, tokenized and packed into blocks of exactly seq_len tokens.
+
+Packing (documents joined with the tokenizer's EOS token, cut into equal blocks, the remainder dropped) is what
+causal-LM pretraining and run_clm.py do: no padding, every token trains, every step has the same token count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import UserError
+
+# datasets' builder for each file kind we accept.
+LOADERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+           ".parquet": "parquet", ".csv": "csv"}
+# File stems that mark a held-out split inside a data folder (train.txt + validation.txt, as tiny.write_corpus does).
+EVAL_STEMS = ("validation", "valid", "val", "eval", "test")
+
+
+def build_datasets(data: str, tokenizer: Any, seq_len: int, *, eval_fraction: float, seed: int,
+                   text_field: str = "text", max_eval_blocks: int | None = None):
+    """Return (train, eval or None): datasets.Dataset of packed blocks with "input_ids" and "labels" (seq_len each).
+
+    The held-out set is the data's validation file when a folder has one, else `eval_fraction` of the packed blocks
+    (a seeded shuffle). When a process group is up this is collective: rank 0 tokenizes first and fills the
+    datasets cache, the others then read it, so call it on every rank.
+    """
+    if seq_len <= 0:
+        raise UserError(f"sequence length must be positive, got {seq_len}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise UserError("the tokenizer has no EOS token to separate packed documents; set tokenizer.eos_token "
+                        "(or pass --tokenizer with one)")
+    with _main_process_first():
+        train_raw, eval_raw = _load_raw(data)
+        train = _pack(_texts(train_raw, text_field, data), tokenizer, seq_len, eos)
+        if len(train) == 0:
+            raise UserError(f"data {data} holds fewer than {seq_len} tokens, not one training block of seq_len "
+                            f"{seq_len}; give more text or plan a shorter --seq")
+        if eval_raw is not None:
+            evaluation = _pack(_texts(eval_raw, text_field, data), tokenizer, seq_len, eos)
+            if len(evaluation) == 0:
+                evaluation = None
+        elif eval_fraction > 0 and len(train) >= 2:
+            n_eval = max(1, round(len(train) * eval_fraction))
+            split = train.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+            train, evaluation = split["train"], split["test"]
+        else:
+            evaluation = None
+    if evaluation is not None and max_eval_blocks is not None and len(evaluation) > max_eval_blocks:
+        evaluation = evaluation.select(range(max_eval_blocks))
+    return train, evaluation
+
+
+class _main_process_first:
+    """Rank 0 runs the block first (and fills the cache); other ranks wait, then run it from the cache."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        if self.dist is not None and self.dist.get_rank() != 0:
+            self.dist.barrier()
+
+    def __exit__(self, exc_type, exc, tb):
+        # Rank 0 releases the others even when it failed, so they fail on their own (same error) and do not hang.
+        if self.dist is not None and self.dist.get_rank() == 0:
+            self.dist.barrier()
+        return False
+
+
+def _load_raw(data: str):
+    """(train, eval or None) as datasets.Dataset with the raw documents."""
+    import datasets
+
+    path = Path(data).expanduser()
+    if path.is_file():
+        return _load_files(data, [path]), None
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in LOADERS
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise UserError(f"data folder {data} has no .txt/.json/.jsonl/.parquet/.csv files")
+        kinds = {LOADERS[p.suffix.lower()] for p in files}
+        if len(kinds) > 1:
+            raise UserError(f"data folder {data} mixes file kinds ({', '.join(sorted(kinds))}); keep one kind")
+        eval_files = [p for p in files if p.stem.lower().split("-")[0].split("_")[0] in EVAL_STEMS]
+        train_files = [p for p in files if p not in eval_files]
+        if not train_files:
+            raise UserError(f"data folder {data} holds only validation files ({eval_files[0].name}); add training data")
+        return _load_files(data, train_files), (_load_files(data, eval_files) if eval_files else None)
+    if _looks_local(data):
+        raise UserError(f"data {data} does not exist")
+    try:
+        loaded = datasets.load_dataset(data)
+    except Exception as exc:  # offline, unknown name, private: one line that names it
+        raise UserError(f"data {data} is not a local file or folder, and loading it as a hub dataset failed: "
+                        f"{_first_line(exc)}") from None
+    train = loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
+    evaluation = next((loaded[name] for name in ("validation", "valid", "test") if name in loaded), None)
+    return train, evaluation
+
+
+def _load_files(data: str, files: list[Path]):
+    import datasets
+
+    kind = LOADERS.get(files[0].suffix.lower())
+    if kind is None:
+        raise UserError(f"data file {files[0]} has an unknown kind; use .txt, .json, .jsonl, .parquet or .csv")
+    # A text file's documents are its paragraphs (blank-line separated), which EOS separators then keep apart.
+    options = {"sample_by": "paragraph"} if kind == "text" else {}
+    try:
+        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train", **options)
+    except Exception as exc:
+        raise UserError(f"could not read data {data} as {kind}: {_first_line(exc)}") from None
+
+
+def _texts(raw, text_field: str, data: str):
+    """The dataset reduced to one string column named "text"."""
+    columns = raw.column_names
+    if text_field not in columns:
+        string_columns = [c for c, f in raw.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+        if len(string_columns) != 1:
+            raise UserError(f"data {data} has no '{text_field}' column (columns: {', '.join(columns)}); "
+                            "pass --text-field NAME")
+        text_field = string_columns[0]
+    return raw.select_columns([text_field]).rename_column(text_field, "text") if text_field != "text" \
+        else raw.select_columns(["text"])
+
+
+def _pack(raw, tokenizer, seq_len: int, eos: int):
+    def tokenize_and_pack(batch: dict[str, list]) -> dict[str, list]:
+        ids: list[int] = []
+        for text in batch["text"]:
+            if not text or not text.strip():
+                continue
+            ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+            ids.append(eos)
+        n_blocks = len(ids) // seq_len
+        blocks = [ids[i * seq_len:(i + 1) * seq_len] for i in range(n_blocks)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    # Large batches lose little at block boundaries (each batch's remainder is dropped, as in run_clm.py).
+    return raw.map(tokenize_and_pack, batched=True, batch_size=2000, remove_columns=raw.column_names,
+                   desc=f"tokenizing and packing into {seq_len}-token blocks")
+
+
+def _looks_local(data: str) -> bool:
+    return (data.startswith((".", "/", "~")) or Path(data).suffix.lower() in LOADERS
+            or data.count("/") > 1 or "\\" in data)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
