@@ -1,0 +1,141 @@
+"""Hardware: a GPU from the catalog, how many per node, how many nodes, and the links between them.
+
+Specs users type: `8xH100-80GB`, `H100` (one GPU), `2x8xA100-80GB` (2 nodes of 8), with `--nodes N` as the other
+way to say the node count. The catalog (presets/gpus.json) is the one source of GPU facts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from toolkit.errors import UserError
+from toolkit.paths import GPU_CATALOG_FILE
+
+GIB = 1024**3
+GB = 1000**3
+
+DEFAULT_INTER_NODE_GBPS = 50.0
+"""400 Gb/s InfiniBand / RoCE per node direction (one 400G NIC), a common cluster fabric; override with
+--inter-node-gbps (e.g. 8 x 400G rails = 400 GB/s on a DGX H100)."""
+
+DEFAULT_CPU_RAM_GIB = 1024
+"""Host RAM per node when not given: DGX-class 8-GPU servers ship 1-2 TiB; override with --cpu-ram-gib."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: int
+    bf16_tflops: float
+    fp16_tflops: float
+    fp32_tflops: float
+    tf32_tflops: float
+    hbm_gbps: float
+    intra_node_gbps: float
+    """Per-GPU unidirectional GPU-to-GPU bandwidth inside a node (NVLink / xGMI, or PCIe without them)."""
+    pcie_gbps: float
+    """Host link, per GPU, unidirectional: offload traffic goes through it."""
+    interconnect: str
+    bf16_supported: bool
+    source: str = ""
+
+    def peak_tflops(self, precision: str) -> float:
+        """Dense peak for the precision a step computes in. fp32 uses the plain fp32 peak: torch keeps fp32
+        matmuls out of TF32 unless `allow_tf32` is set, and the HF Trainer leaves it alone by default."""
+        if precision in ("bf16", "bf16-pure"):
+            return self.bf16_tflops if self.bf16_supported else 0.0
+        if precision == "fp16":
+            return self.fp16_tflops
+        return self.fp32_tflops
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: Gpu
+    gpus_per_node: int
+    nodes: int = 1
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+    """Per-node unidirectional network bandwidth between nodes, GB/s."""
+    cpu_ram_bytes_per_node: int = DEFAULT_CPU_RAM_GIB * GIB
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node <= 0 or self.nodes <= 0:
+            raise UserError(f"GPU count must be positive, got {self.gpus_per_node} GPU(s) x {self.nodes} node(s)")
+        if self.inter_node_gbps <= 0:
+            raise UserError(f"--inter-node-gbps must be positive, got {self.inter_node_gbps}")
+        if self.cpu_ram_bytes_per_node <= 0:
+            raise UserError("--cpu-ram-gib must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def spec(self) -> str:
+        prefix = f"{self.nodes}x" if self.nodes > 1 else ""
+        return f"{prefix}{self.gpus_per_node}x{self.gpu.name}"
+
+
+@lru_cache(maxsize=1)
+def gpu_catalog() -> dict[str, Gpu]:
+    """Every GPU by canonical name, plus an alias index (lower case) -> canonical name."""
+    data = json.loads(GPU_CATALOG_FILE.read_text())
+    fields = set(Gpu.__dataclass_fields__)
+    return {entry["name"]: Gpu(**{k: v for k, v in entry.items() if k in fields}) for entry in data["gpus"]}
+
+
+@lru_cache(maxsize=1)
+def _alias_index() -> dict[str, str]:
+    data = json.loads(GPU_CATALOG_FILE.read_text())
+    index: dict[str, str] = {}
+    for entry in data["gpus"]:
+        for alias in [entry["name"], *entry.get("aliases", [])]:
+            index[_norm(alias)] = entry["name"]
+    return index
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[\s_]+", "-", name.strip().lower()).replace("-gb", "gb")
+
+
+def find_gpu(name: str) -> Gpu:
+    key = _norm(name)
+    index = _alias_index()
+    if key not in index:
+        known = ", ".join(sorted(gpu_catalog()))
+        raise UserError(f"unknown GPU '{name}'; known GPUs: {known}")
+    return gpu_catalog()[index[key]]
+
+
+_SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x*]\s*)?(?P<gpu>[A-Za-z].*?)\s*$")
+
+
+def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: float | None = None,
+                   cpu_ram_gib: float | None = None) -> Hardware:
+    """`8xH100-80GB`, `2x8xA100`, `H100` (one GPU); `nodes` overrides the node count of a one-node spec."""
+    match = _SPEC.match(spec or "")
+    if not match:
+        raise UserError(f"cannot read GPU spec '{spec}'; write it like 8xH100-80GB or 2x8xA100-80GB")
+    first, second = match.group("nodes"), match.group("count")
+    if second is None:
+        spec_nodes, count = 1, int(first) if first is not None else 1
+    else:
+        spec_nodes, count = int(first), int(second)
+    if count <= 0 or spec_nodes <= 0:
+        raise UserError(f"GPU spec '{spec}' has a zero or negative count; write it like 8xH100-80GB")
+    if nodes is not None:
+        if nodes <= 0:
+            raise UserError(f"--nodes must be positive, got {nodes}")
+        if second is not None and nodes != spec_nodes:
+            raise UserError(f"GPU spec '{spec}' says {spec_nodes} nodes but --nodes says {nodes}; give one of them")
+        spec_nodes = nodes
+    gpu = find_gpu(match.group("gpu"))
+    kwargs: dict = {}
+    if inter_node_gbps is not None:
+        kwargs["inter_node_gbps"] = float(inter_node_gbps)
+    if cpu_ram_gib is not None:
+        kwargs["cpu_ram_bytes_per_node"] = int(float(cpu_ram_gib) * GIB)
+    return Hardware(gpu=gpu, gpus_per_node=count, nodes=spec_nodes, **kwargs)

@@ -1,0 +1,338 @@
+"""ModelSpec: exact parameter counts and shape of a Hugging Face causal LM, from its config alone.
+
+The model is built on the meta device with its own Hugging Face code and counted (tied weights once), so the
+count is exact for any architecture transformers knows, not a formula. Sources, in the order they are tried:
+a catalog name (presets/models/NAME.json), a local directory or config.json, a hub id (local cache, or online),
+or bare numbers (`shape_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.paths import MODEL_CATALOG_DIR
+
+
+@dataclass(frozen=True, eq=False)
+class ModelSpec:
+    name: str
+    model_type: str
+    config: Any
+    """The transformers PretrainedConfig (the tracer and the trainer build from it)."""
+    params: int
+    """Exact unique parameter count (tied weights once)."""
+    layer_params: tuple[int, ...]
+    """Parameters of each decoder layer."""
+    pre_layer_params: int
+    """Everything that runs before the first decoder layer: token (and position) embeddings, input projections."""
+    post_layer_params: int
+    """Everything after the last decoder layer: final norm, output projections, and the LM head unless tied."""
+    embedding_params: int
+    """The token-embedding matrix alone (vocab x hidden)."""
+    tied: bool
+    """LM head shares the token-embedding matrix."""
+    layer_class: str
+    """Decoder-layer class name (FSDP wrap policy; pipeline conversion)."""
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int | None
+    layer_matmul_params: tuple[int, ...]
+    """Per decoder layer, the weights one token multiplies through (MoE: shared + top-k of the experts)."""
+    head_matmul_params: int
+    """LM head weights a token multiplies through (vocab x hidden, tied or not)."""
+    active_params: int = 0
+    """Parameters one token uses (differs from `params` for mixture-of-experts models)."""
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def largest_layer_params(self) -> int:
+        """Largest unit a ZeRO-3 / FSDP rank gathers at once: a decoder layer, or the embedding/head block."""
+        return max([*self.layer_params, self.pre_layer_params, self.post_layer_params, self.embedding_params])
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "model_type": self.model_type, "params": self.params,
+            "layers": self.num_layers, "hidden": self.hidden, "heads": self.heads, "kv_heads": self.kv_heads,
+            "vocab": self.vocab, "tied_embeddings": self.tied, "layer_class": self.layer_class,
+            "largest_layer_params": self.largest_layer_params, "moe_experts": self.moe_experts,
+        }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Resolving a model name to a config
+
+
+def catalog_names() -> list[str]:
+    return sorted(p.stem for p in MODEL_CATALOG_DIR.glob("*.json"))
+
+
+def _config_from_dict(data: dict[str, Any], where: str):
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise UserError(f"{where} has no 'model_type'; it must be a Hugging Face config.json")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"{where}: transformers does not know model_type '{model_type}' ({exc}); "
+                        "upgrade transformers or give --trust-remote-code with a hub id") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} does not hold a JSON object; it must be a Hugging Face config.json")
+    return data
+
+
+def load_config(model: str, *, trust_remote_code: bool = False):
+    """A transformers config for a catalog name, a local dir/config.json, or a hub id."""
+    catalog_file = MODEL_CATALOG_DIR / f"{model.lower()}.json"
+    if catalog_file.is_file():
+        return _config_from_dict(_read_json(catalog_file), f"catalog entry {catalog_file.name}")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise UserError(f"{path} is a directory without config.json; point at a Hugging Face model folder")
+        return _config_from_dict(_read_json(config_file), str(config_file))
+    if path.is_file():
+        return _config_from_dict(_read_json(path), str(path))
+    if model.count("/") != 1 or model.startswith((".", "/")):
+        raise UserError(f"unknown model '{model}': not a catalog name ({', '.join(catalog_names())}), "
+                        "not a local path, and not a hub id (owner/name)")
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # hub errors come in many classes; all mean the same to the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load the config of '{model}' from the hub or its local cache ({first[:160]}); "
+                        "check the id, log in for gated models, or pass a local path") from None
+
+
+def shape_config(*, layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: int | None = None,
+                 vocab: int = 32000, max_positions: int = 4096, tied: bool = False):
+    """A Llama-architecture config from bare numbers (the common shape of today's decoder LMs)."""
+    from transformers import LlamaConfig
+
+    for flag, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--vocab", vocab)):
+        if value is None or value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    kv_heads = kv_heads or heads
+    if hidden % heads or heads % kv_heads:
+        raise UserError(f"--hidden {hidden} must divide by --heads {heads}, and --heads by --kv-heads {kv_heads}")
+    ffn = ffn or _llama_ffn(hidden)
+    return LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, intermediate_size=ffn, vocab_size=vocab,
+                       max_position_embeddings=max_positions, tie_word_embeddings=tied)
+
+
+def _llama_ffn(hidden: int) -> int:
+    """Llama's SwiGLU width rule: 8/3 x hidden rounded up to a multiple of 256 (Llama-2-7B: 11008)."""
+    return int(math.ceil(8 * hidden / 3 / 256) * 256)
+
+
+def shape_from_params(params: int, *, vocab: int = 32000):
+    """A Llama-shaped config whose size is near `params`: depth and width follow Llama's aspect (hidden ~ 128 x
+    layers, head dim 128). Only the activation estimate depends on this guessed shape."""
+    if params <= 0:
+        raise UserError(f"--params must be positive, got {params}")
+    best = None
+    for hidden in range(256, 32768 + 1, 128):
+        layers = max(1, round(hidden / 128))
+        ffn = _llama_ffn(hidden)
+        count = layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) + 2 * vocab * hidden + hidden
+        if best is None or abs(count - params) < abs(best[0] - params):
+            best = (count, hidden, layers)
+    _, hidden, layers = best
+    heads = max(1, hidden // 128)
+    return shape_config(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, vocab=vocab)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Counting on the meta device
+
+
+def _decoder_layers(model):
+    """The decoder-layer list: the longest nn.ModuleList whose entries share one class."""
+    import torch.nn as nn
+
+    best = None
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
+                best = module
+    if best is None:
+        raise UserError(f"cannot find the decoder layers of {type(model).__name__}; is it a decoder-only causal LM?")
+    return best
+
+
+def _unique_numel(params) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def _is_expert(param_name: str) -> bool:
+    return ".experts." in f".{param_name}"
+
+
+def _matmul_params(module, moe_fraction: float) -> int:
+    """Weights a token multiplies through: tensors of 2+ dims; expert weights scaled by top_k / experts."""
+    total = 0.0
+    for name, p in module.named_parameters():
+        if p.dim() >= 2:
+            total += p.numel() * (moe_fraction if _is_expert(name) else 1.0)
+    return int(round(total))
+
+
+def _moe_shape(config) -> tuple[int, int]:
+    experts = 0
+    for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 1:
+            experts = value
+            break
+    top_k = 0
+    for key in ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            top_k = value
+            break
+    return (experts, top_k) if experts and top_k else (0, 0)
+
+
+_AFTER_LAYERS = {"ln_f", "norm", "final_layer_norm", "final_norm", "project_out", "lm_head"}
+
+
+def build_spec(name: str, config) -> ModelSpec:
+    """Build the model on the meta device with its own code and count everything exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise UserError(f"'{name}' is not a causal LM transformers can build ({str(exc).splitlines()[0][:160]})") \
+            from None
+    layers = _decoder_layers(model)
+    layer_ids = {id(p) for p in layers.parameters()}
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    total = _unique_numel(model.parameters())
+    experts, top_k = _moe_shape(config)
+    moe_fraction = top_k / experts if experts else 1.0
+
+    # Parameters outside the layers: registration order mostly follows execution order; final norms and output
+    # projections registered before the layers (OPT) are recognised by name.
+    pre = post = 0
+    seen: set[int] = set(layer_ids)
+    passed_layers = False
+    for module_name, module in model.named_modules():
+        if module is layers:
+            passed_layers = True
+            continue
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if passed_layers or module_name.rsplit(".", 1)[-1] in _AFTER_LAYERS:
+                post += p.numel()
+            else:
+                pre += p.numel()
+    embedding_params = embed.weight.numel() if embed is not None else 0
+    head_weight = head.weight if head is not None else embed.weight
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text_config, "hidden_size", None) or getattr(text_config, "n_embd"))
+    heads = int(getattr(text_config, "num_attention_heads", None) or getattr(text_config, "n_head"))
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
+    max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+    expert_params = sum(p.numel() for n, p in layers.named_parameters() if _is_expert(n))
+    notes = []
+    if experts:
+        notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token")
+    return ModelSpec(
+        name=name,
+        model_type=config.model_type,
+        config=config,
+        params=total,
+        layer_params=tuple(_unique_numel(layer.parameters()) for layer in layers),
+        pre_layer_params=pre,
+        post_layer_params=post,
+        embedding_params=embedding_params,
+        tied=tied,
+        layer_class=type(layers[0]).__name__,
+        num_layers=len(layers),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=int(head_weight.shape[0]),
+        max_positions=int(max_positions) if max_positions else None,
+        layer_matmul_params=tuple(_matmul_params(layer, moe_fraction) for layer in layers),
+        head_matmul_params=int(head_weight.numel()),
+        active_params=total - int(round(expert_params * (1 - moe_fraction))),
+        moe_experts=experts,
+        moe_top_k=top_k,
+        notes=tuple(notes),
+    )
+
+
+def resolve_model(model: str | None = None, *, params: int | None = None, layers: int | None = None,
+                  hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
+                  ffn: int | None = None, vocab: int | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """The one entry point: a model name/path/id, or bare numbers."""
+    if model:
+        return build_spec(model, load_config(model, trust_remote_code=trust_remote_code))
+    if layers or hidden or heads:
+        if not (layers and hidden and heads):
+            raise UserError("a bare shape needs --layers, --hidden and --heads (and optionally --kv-heads --ffn "
+                            "--vocab)")
+        config = shape_config(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                              vocab=vocab or 32000)
+        return build_spec(f"custom-{layers}L-{hidden}h", config)
+    if params is not None:
+        config = shape_from_params(params, vocab=vocab or 32000)
+        spec = build_spec(f"custom-{params / 1e9:.3g}B", config)
+        return _rescaled(spec, params)
+    raise UserError("name a model (catalog name, local path or hub id), or give --params or --layers/--hidden/--heads")
+
+
+def _rescaled(spec: ModelSpec, params: int) -> ModelSpec:
+    """Keep the guessed shape for activations but make the counts add up to the given total exactly."""
+    from dataclasses import replace
+
+    scale = params / spec.params
+    layer = tuple(int(p * scale) for p in spec.layer_params)
+    pre = int(spec.pre_layer_params * scale)
+    post = params - pre - sum(layer)
+    note = (f"shape guessed from --params {params:,} (Llama-like, {spec.num_layers} layers x {spec.hidden}); "
+            "model-state bytes use the given count exactly, activations the guessed shape")
+    return replace(spec, params=params, active_params=params, layer_params=layer, pre_layer_params=pre, post_layer_params=post,
+                   notes=spec.notes + (note,))
