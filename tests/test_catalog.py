@@ -258,3 +258,13 @@ def test_gpu_spot_values(gpus):
     assert mem["V100-16GB"] < mem["V100-32GB"] < mem["A100-40GB"] < mem["A100-80GB"]
     assert mem["H100-SXM-80GB"] < mem["H200-141GB"] < mem["B200"] < mem["MI300X"]
     assert 60 * 2**30 <= mem["MI250X"] <= 64 * 2**30  # one GCD, as PyTorch sees it
+
+
+def test_gpu_catalog_resolves_through_hardware_module(gpus):
+    """Every name and alias resolves to its own entry through the loader the planner uses."""
+    hardware = pytest.importorskip("toolkit.hardware")
+    for g in gpus:
+        for key in [g["name"], *g["aliases"]]:
+            assert hardware.find_gpu(key).name == g["name"], key
+        gpu = hardware.find_gpu(g["name"])
+        assert gpu.memory_bytes == g["memory_bytes"] and gpu.bf16_tflops == g["bf16_tflops"]
