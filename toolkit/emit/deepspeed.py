@@ -1,0 +1,181 @@
+"""The DeepSpeed JSON for a plan: ZeRO plans (run by the HF Trainer) and pipeline plans (run by toolkit.train).
+
+"auto" policy. A value is concrete wherever plan.json knows it, so the JSON also works outside the Trainer:
+  - batch: train_batch_size = micro x accum x data_parallel, train_micro_batch_size_per_gpu, gradient_accumulation_steps
+    (the Trainer checks them against per_device_train_batch_size / gradient_accumulation_steps and raises on a
+    mismatch, so toolkit.train must pass the plan's values, which it does);
+  - precision: bf16 / fp16 blocks with "enabled" true or false (the Trainer checks them against --bf16 / --fp16);
+  - ZeRO stage, offload devices, and buckets from the hidden size h the way transformers fills them
+    (integrations/deepspeed.py trainer_config_finalize): reduce_bucket_size = h*h,
+    stage3_prefetch_bucket_size = int(0.9*h*h), stage3_param_persistence_threshold = 10*h;
+  - gradient_clipping = 1.0, the HF Trainer's default max_grad_norm (toolkit.train passes the same; a different
+    --max-grad-norm makes the Trainer stop with a clear mismatch message rather than train with another value).
+The one place that keeps "auto": the optimizer block of an optimizer-offload plan with AdamW,
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+which the HF Trainer fills from TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, weight_decay). The
+plan does not know the learning rate; DeepSpeed must own the optimizer there so that it builds DeepSpeedCPUAdam
+(a torch AdamW on CPU partitions is several times slower). Every other plan has no optimizer and no scheduler
+block: the Trainer (or toolkit.train for pipelines) builds them and passes them to deepspeed.initialize.
+
+Pipeline and hybrid JSONs hold no "auto" at all: toolkit.train calls deepspeed.initialize itself, and nothing fills
+them. Pipeline runs are ZeRO 0-1 only (DeepSpeed refuses 2/3 with a PipelineModule); a bf16 pipeline uses ZeRO-1
+with "data_types": {"grad_accum_dtype": "fp32"}, which selects DeepSpeed's fp32-accumulating BF16_Optimizer
+(runtime/engine.py _do_optimizer_sanity_check; bf16 with stage 0 and fp32 accumulation is refused there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.plan import Plan
+
+GRADIENT_CLIPPING = 1.0
+"""transformers.TrainingArguments.max_grad_norm default; toolkit.train clips with the same value."""
+
+FP16_DYNAMIC_LOSS_SCALE: dict[str, Any] = {
+    "enabled": True,
+    "loss_scale": 0,            # 0 = dynamic loss scaling
+    "initial_scale_power": 16,  # start at 2**16, halve on overflow
+    "loss_scale_window": 1000,  # double after this many steps without overflow
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
+"""DeepSpeed's documented dynamic-scaling defaults (runtime/precision_config.py FP16_FORMAT), written out."""
+
+TRAINER_FILLED_AUTO_KEYS: tuple[str, ...] = (
+    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+)
+"""The only keys an emitted JSON leaves "auto" (optimizer-offload plans); the HF Trainer fills them."""
+
+
+def hidden_size(plan: Plan) -> int:
+    """The model's hidden size, read the way transformers reads it for the bucket formulas."""
+    config = plan.model_config
+    for key in ("hidden_size", "n_embd", "d_model"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    if isinstance(config.get("hidden_sizes"), list) and config["hidden_sizes"]:
+        return max(config["hidden_sizes"])
+    text = config.get("text_config")
+    if isinstance(text, dict) and isinstance(text.get("hidden_size"), int):
+        return text["hidden_size"]
+    raise UserError(f"plan for {plan.model} has no hidden_size (or n_embd) in its model_config; "
+                    "re-plan it from the model's config.json")
+
+
+def zero_buckets(hidden: int, stage: int) -> dict[str, int]:
+    """Bucket sizes (elements) from the hidden size: the formulas accelerate and transformers use for "auto"."""
+    if stage == 0:
+        return {}
+    buckets = {"reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        buckets["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+        buckets["stage3_param_persistence_threshold"] = 10 * hidden
+    return buckets
+
+
+def ds_zero_stage(plan: Plan) -> int:
+    """The ZeRO stage the JSON carries: the plan's, except bf16 pipelines which need ZeRO-1 (module docstring)."""
+    if plan.engine == "pipeline":
+        if plan.zero_stage > 1:
+            raise UserError(f"plan {plan.strategy} asks ZeRO-{plan.zero_stage} with pipeline parallelism; "
+                            "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only (use hybrid for ZeRO-1)")
+        if plan.precision in ("bf16", "bf16-pure"):
+            return 1
+    return plan.zero_stage
+
+
+def precision_blocks(plan: Plan, stage: int) -> dict[str, Any]:
+    """bf16 / fp16 blocks, both always present so that precision is explicit and checkable."""
+    if plan.precision == "fp16":
+        return {"fp16": dict(FP16_DYNAMIC_LOSS_SCALE), "bf16": {"enabled": False}}
+    if plan.precision == "bf16":
+        blocks: dict[str, Any] = {"bf16": {"enabled": True}, "fp16": {"enabled": False}}
+        if plan.engine == "pipeline":
+            blocks["data_types"] = {"grad_accum_dtype": "fp32"}
+        return blocks
+    if plan.precision == "bf16-pure":
+        if stage < 1:
+            raise UserError("precision bf16-pure keeps master weights in bf16, which DeepSpeed supports with "
+                            "ZeRO 1-3 only; use --precision bf16 or a ZeRO strategy")
+        return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+                "fp16": {"enabled": False}}
+    return {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
+
+
+def offload_block(device: str, nvme_path: str | None, *, params: bool) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        if not nvme_path:
+            raise UserError(f"plan offloads {'parameters' if params else 'the optimizer'} to NVMe; pass "
+                            "--nvme-path with a directory on a local NVMe drive (each node needs its own)")
+        block["nvme_path"] = nvme_path
+    return block
+
+
+def zero_block(plan: Plan, stage: int, nvme_path: str | None) -> dict[str, Any]:
+    block: dict[str, Any] = {"stage": stage}
+    if stage == 0:
+        return block
+    block["contiguous_gradients"] = True
+    # DeepSpeed's own defaults, written out so the planner's bucket memory reads them: overlap only for stage 3
+    # (overlap costs about 4.5x the bucket sizes) and never under pipeline (the engine disables it).
+    block["overlap_comm"] = stage == 3
+    block.update(zero_buckets(hidden_size(plan), stage))
+    if stage == 3:
+        block["stage3_max_live_parameters"] = 1_000_000_000
+        block["stage3_max_reuse_distance"] = 1_000_000_000
+        # Without it a ZeRO-3 save_model writes an empty model (REFERENCE.md, DeepSpeed).
+        block["stage3_gather_16bit_weights_on_model_save"] = True
+    if plan.offload_optimizer != "none":
+        block["offload_optimizer"] = offload_block(plan.offload_optimizer, nvme_path, params=False)
+    if plan.offload_params != "none":
+        if stage != 3:
+            raise UserError(f"plan {plan.strategy} offloads parameters at ZeRO-{stage}; parameter offload needs "
+                            "ZeRO-3 (use zero3-offload)")
+        block["offload_param"] = offload_block(plan.offload_params, nvme_path, params=True)
+    return block
+
+
+def ds_config(plan: Plan, *, nvme_path: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON (as a dict) for a ZeRO, pipeline or hybrid plan."""
+    if plan.engine not in ("deepspeed", "pipeline"):
+        raise ValueError(f"plan engine {plan.engine} has no DeepSpeed config")
+    stage = ds_zero_stage(plan)
+    config: dict[str, Any] = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": GRADIENT_CLIPPING,
+    }
+    config.update(precision_blocks(plan, stage))
+    config["zero_optimization"] = zero_block(plan, stage, nvme_path)
+    if plan.offload_optimizer != "none":
+        if plan.optimizer == "adamw":
+            config["optimizer"] = {"type": "AdamW", "params": {key.rsplit(".", 1)[1]: "auto"
+                                                               for key in TRAINER_FILLED_AUTO_KEYS}}
+        else:
+            # DeepSpeed refuses a client optimizer next to optimizer offload unless told to accept it.
+            config["zero_force_ds_cpu_optimizer"] = False
+    if plan.optimizer != "adamw" and stage > 0:
+        # ZeRO accepts only the optimizers in runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS without this flag.
+        config["zero_allow_untested_optimizer"] = True
+    if plan.engine == "pipeline":
+        config["steps_per_print"] = 100  # the pipeline engine logs loss and step time this often
+    return config
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def auto_keys(config: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every "auto" value in a DeepSpeed config."""
+    found: list[str] = []
+    if isinstance(config, dict):
+        for key, value in config.items():
+            found += auto_keys(value, f"{prefix}{key}.")
+    elif is_auto(config):
+        found.append(prefix.rstrip("."))
+    return found
