@@ -1,0 +1,323 @@
+"""Per-GPU memory of one training step: model states (toolkit.states) + traced activations (toolkit.tracer),
+composed phase by phase. The peak is the highest live total over the phases of a steady-state step, not a sum
+of every component:
+
+  forward   states + grads kept while accumulating + saved activations so far + the region's temporaries
+  backward  regions in reverse: what is still saved + gradients produced so far + the region's backward temporaries
+  step      states + all gradients + optimizer-step temporaries
+
+Every term carries where it came from, so `--explain` can show it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from toolkit.activations import ActivationTrace, RegionTrace
+from toolkit.errors import UserError
+from toolkit.hardware import GIB, Hardware
+from toolkit.job import Job
+from toolkit.modelspec import ModelSpec
+from toolkit.states import States, ddp_states, fsdp2_states, pipeline_states, zero_states
+from toolkit.strategy import Strategy
+
+CUDA_CONTEXT_BYTES = int(0.75 * GIB)
+"""CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator; ~0.5-0.9 GiB on Ampere/Hopper with
+lazy module loading (CUDA 12). Assumed, not traced."""
+COMM_BUFFER_BYTES = int(0.5 * GIB)
+"""NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed."""
+ALLOCATOR_MARGIN = 0.05
+"""Caching-allocator fragmentation and rounding on top of the tensor peak (stated assumption; 2-10% is typical)."""
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """One GPU's memory for one strategy and job. All in bytes."""
+
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    """Optimizer states and fp32 master weights."""
+    activations_bytes: int
+    """Saved for backward after forward + loss, all in-flight micro-batches (autocast weight copies excluded)."""
+    autocast_copy_bytes: int
+    buffers_bytes: int
+    """Engine buffers: DDP buckets, ZeRO reduce/prefetch buckets, ZeRO-3/FSDP2 gathered parameters."""
+    transient_bytes: int
+    """At the peak phase, what lives only in that phase (logits and their gradients, step temporaries)."""
+    peak_bytes: int
+    """Highest live tensor total over the step (what torch.cuda.max_memory_allocated would report)."""
+    peak_phase: str
+    context_bytes: int
+    margin_bytes: int
+    required_bytes: int
+    """peak + CUDA context + communicator buffers + allocator margin: what must fit in the GPU."""
+    capacity_bytes: int
+    cpu_bytes_per_node: int
+    nvme_bytes_per_node: int
+    terms: tuple[Term, ...] = ()
+    notes: tuple[str, ...] = ()
+    stage_required_bytes: tuple[int, ...] = ()
+    """Pipeline plans: required bytes of every stage (the breakdown describes the largest)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.required_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+                "autocast_copy_bytes", "buffers_bytes", "transient_bytes", "peak_bytes", "peak_phase",
+                "context_bytes", "margin_bytes", "required_bytes", "capacity_bytes", "cpu_bytes_per_node",
+                "nvme_bytes_per_node")
+        out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        if self.stage_required_bytes:
+            out["stage_required_bytes"] = list(self.stage_required_bytes)
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Activation traces, cached per process (a plan asks for the same model/job many times)
+
+
+def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
+    """(compute dtype, autocast): DDP runs torch AMP over fp32 weights; DeepSpeed, FSDP2 and the pipeline
+    engine compute with low-precision weights."""
+    dtype = job.compute_dtype_name
+    return dtype, strategy.engine == "ddp" and job.mixed
+
+
+_TRACE_CACHE: dict[tuple, ActivationTrace] = {}
+
+
+def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
+    from toolkit.tracer import trace_activations
+
+    dtype, autocast = _trace_mode(strategy, job)
+    b = micro_batch or job.micro_batch
+    key = (id(spec), job.seq_len, b, dtype, autocast, job.attention, job.device_kind, job.checkpointing)
+    if key not in _TRACE_CACHE:
+        _TRACE_CACHE[key] = trace_activations(spec.config, seq_len=job.seq_len, micro_batch=b, dtype=dtype,
+                                              autocast=autocast, attention=job.attention,
+                                              device_kind=job.device_kind, checkpointing=job.checkpointing)
+    return _TRACE_CACHE[key]
+
+
+def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
+    f = b - 1
+    return RegionTrace(saved_bytes=r1.saved_bytes + (r2.saved_bytes - r1.saved_bytes) * f,
+                       forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
+                       backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
+                       autocast_copy_bytes=r1.autocast_copy_bytes)
+
+
+def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
+    """The trace at job.micro_batch from traces at micro-batch 1 and 2: saved bytes are affine in the batch
+    (every saved tensor has a batch dimension, or none, as rotary tables do), so two points are exact."""
+    b = job.micro_batch
+    if b <= 2:
+        return activation_trace(spec, job, strategy, b)
+    t1 = activation_trace(spec, job, strategy, 1)
+    t2 = activation_trace(spec, job, strategy, 2)
+    from dataclasses import replace
+
+    return replace(t1, micro_batch=b, embedding=_lerp_region(t1.embedding, t2.embedding, b),
+                   layers=tuple(_lerp_region(a, c, b) for a, c in zip(t1.layers, t2.layers)),
+                   head=_lerp_region(t1.head, t2.head, b),
+                   output_bytes=t1.output_bytes + (t2.output_bytes - t1.output_bytes) * (b - 1),
+                   loss_bytes=t1.loss_bytes)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Phase simulation
+
+
+@dataclass
+class _Region:
+    name: str
+    params: int
+    trace: RegionTrace
+
+
+def _regions(spec: ModelSpec, trace: ActivationTrace, first: int, last: int, with_embedding: bool,
+             with_head: bool) -> list[_Region]:
+    out = []
+    if with_embedding:
+        out.append(_Region("embedding", spec.pre_layer_params, trace.embedding))
+    for i in range(first, last):
+        out.append(_Region(f"layer {i}", spec.layer_params[i], trace.layers[i]))
+    if with_head:
+        out.append(_Region("head + loss", spec.post_layer_params, trace.head))
+    return out
+
+
+@dataclass
+class _Peak:
+    bytes: float = 0.0
+    phase: str = ""
+    transient: float = 0.0
+
+    def offer(self, value: float, phase: str, transient: float) -> None:
+        if value > self.bytes:
+            self.bytes, self.phase, self.transient = value, phase, transient
+
+
+def _simulate(regions: list[_Region], states: States, *, in_flight: int, grad_bytes_per_param: float,
+              accumulating: bool, autocast: bool, stash_bytes: float = 0.0) -> tuple[_Peak, float, float]:
+    """Walk one micro-step forward and backward, then the optimizer step; return the peak, the activations
+    held at the end of forward, and the autocast copies held.
+
+    `in_flight` micro-batches' activations are alive at once (1F1B pipeline stage i: min(P - i, M)); the
+    earlier ones add their saved bytes as a constant.
+    """
+    persistent = states.parameters + states.gradients + states.master + states.optimizer + states.buffers \
+        + states.gathered
+    step_grads_total = states.step_gradients
+    kept_grads = (step_grads_total + states.accumulation_gradients) if accumulating else 0.0
+    saved_total = sum(r.trace.saved_bytes for r in regions)
+    copies_total = sum(r.trace.autocast_copy_bytes for r in regions) if autocast else 0.0
+    earlier = saved_total * (in_flight - 1) + stash_bytes
+    peak = _Peak()
+
+    base = persistent + kept_grads + earlier
+    saved = copies = 0.0
+    for r in regions:
+        extra = r.trace.forward_extra_bytes
+        saved += r.trace.saved_bytes
+        copies += r.trace.autocast_copy_bytes if autocast else 0.0
+        peak.offer(base + saved + copies + extra, f"forward ({r.name})", extra)
+
+    grads_done = 0.0
+    remaining = saved
+    remaining_copies = copies
+    for r in reversed(regions):
+        extra = r.trace.backward_extra_bytes
+        new_grads = 0.0 if accumulating else grads_done + r.params * grad_bytes_per_param
+        peak.offer(base + remaining + remaining_copies + new_grads + extra, f"backward ({r.name})", extra)
+        remaining -= r.trace.saved_bytes
+        remaining_copies -= r.trace.autocast_copy_bytes if autocast else 0.0
+        grads_done += r.params * grad_bytes_per_param
+
+    # At the step, forward/backward are over: gathered parameters are resharded and no activations remain.
+    step_live = persistent - states.gathered + step_grads_total + states.step_transient
+    peak.offer(step_live, "optimizer step", states.step_transient)
+    return peak, saved_total * in_flight + stash_bytes, copies_total
+
+
+def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:
+    accumulating = job.grad_accum > 1
+    if strategy.engine == "ddp":
+        return ddp_states(params, job, world=hw.world_size)
+    if strategy.engine == "deepspeed":
+        return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params)
+    if strategy.engine == "fsdp2":
+        shard = hw.gpus_per_node if strategy.fsdp_mode == "hybrid" else dp
+        return fsdp2_states(params, job, strategy, shard=shard, layer_params=max(spec.layer_params),
+                            root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=accumulating)
+    return pipeline_states(params, job, dp=dp)
+
+
+def _grad_bytes_per_param(strategy: Strategy, job: Job) -> float:
+    """Bytes of gradient that appear per parameter as backward proceeds (before any reduction)."""
+    if strategy.engine == "ddp" and job.precision != "bf16-pure":
+        return 4.0
+    return 4.0 if job.precision == "fp32" else 2.0
+
+
+def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
+                    partition: list[int] | None = None) -> Breakdown:
+    """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
+    breakdown of the stage that needs the most is returned."""
+    world = hw.world_size
+    if strategy.is_pipeline:
+        if partition is None:
+            raise UserError("a pipeline estimate needs a layer partition")
+        dp = world // pipeline_stages
+    else:
+        dp = world
+    trace = scaled_trace(spec, job, strategy)
+    if not strategy.is_pipeline:
+        regions = _regions(spec, trace, 0, spec.num_layers, True, True)
+        states = _states_for(spec, strategy, job, hw, params=spec.params, dp=dp)
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
+
+    breakdowns = []
+    stages = len(partition) - 1
+    for i in range(stages):
+        first, last = partition[i], partition[i + 1]
+        regions = _regions(spec, trace, first, last, i == 0, i == stages - 1)
+        params = sum(r.params for r in regions)
+        if spec.tied and stages > 1 and i == stages - 1:
+            params += spec.embedding_params  # TiedLayerSpec: the last stage holds its own copy of the tied matrix
+            regions[-1] = _Region(regions[-1].name, regions[-1].params + spec.embedding_params, regions[-1].trace)
+        states = _states_for(spec, strategy, job, hw, params=params, dp=dp)
+        in_flight = max(1, min(stages - i, job.grad_accum))
+        breakdowns.append(_compose(spec, strategy, job, hw, trace, regions, states, in_flight=in_flight,
+                                   stage=i))
+    worst = max(breakdowns, key=lambda b: b.required_bytes)
+    from dataclasses import replace
+
+    return replace(worst, stage_required_bytes=tuple(b.required_bytes for b in breakdowns))
+
+
+def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,
+             regions: list[_Region], states: States, *, in_flight: int, stage: int | None = None) -> Breakdown:
+    accumulating = job.grad_accum > 1  # micro-steps after the first add into gradients that already exist
+    peak, activations, copies = _simulate(
+        regions, states, in_flight=in_flight, grad_bytes_per_param=_grad_bytes_per_param(strategy, job),
+        accumulating=accumulating, autocast=states.autocast)
+    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
+    margin = int(peak.bytes * ALLOCATOR_MARGIN)
+    required = int(peak.bytes) + context + margin
+    grads = states.gradients + states.step_gradients + (states.accumulation_gradients if accumulating else 0)
+    terms = [
+        Term("parameters", int(states.parameters), "; ".join(states.sources[:1]) or "model weights"),
+        Term("gradients", int(grads), "gradient buffers that exist at the peak (see sources)"),
+        Term("optimizer + master", int(states.optimizer + states.master),
+             f"{job.optimizer} states{' + fp32 master partition' if states.master else ''}"),
+        Term("activations", int(activations),
+             f"traced {spec.model_type} under FakeTensorMode ({trace.dtype}{', autocast' if trace.autocast else ''}, "
+             f"{trace.attention}, {trace.device_kind} kernels, micro-batch {trace.micro_batch}"
+             f"{', checkpointing' if job.checkpointing else ''}) x {in_flight} in flight"),
+        Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
+        Term("engine buffers", int(states.buffers + states.gathered),
+             "buckets / gathered parameters (" + ", ".join(states.sources[1:]) + ")"),
+        Term("peak-phase temporaries", int(peak.transient), f"live only at the peak: {peak.phase}"),
+        Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/memory.py"),
+        Term("allocator margin", margin, f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak"),
+    ]
+    ranks_per_node = hw.gpus_per_node
+    notes = list(trace.notes) + list(spec.notes)
+    if stage is not None:
+        notes.insert(0, f"pipeline stage {stage}: {len(regions)} region(s), {in_flight} micro-batch(es) in flight")
+    return Breakdown(
+        parameters_bytes=int(states.parameters),
+        gradients_bytes=int(grads),
+        optimizer_bytes=int(states.optimizer + states.master),
+        activations_bytes=int(activations),
+        autocast_copy_bytes=int(copies),
+        buffers_bytes=int(states.buffers + states.gathered),
+        transient_bytes=int(peak.transient),
+        peak_bytes=int(peak.bytes),
+        peak_phase=peak.phase,
+        context_bytes=context,
+        margin_bytes=margin,
+        required_bytes=required,
+        capacity_bytes=hw.gpu.memory_bytes,
+        cpu_bytes_per_node=int(states.cpu * ranks_per_node),
+        nvme_bytes_per_node=int(states.nvme * ranks_per_node),
+        terms=tuple(terms),
+        notes=tuple(dict.fromkeys(notes)),
+    )
