@@ -1,0 +1,154 @@
+"""Measure memory on real tensors (CPU): the ground truth the activation tracer is checked against.
+
+Deliberately shares no code with `toolkit.tracer`: storages are identified by data pointer, autocast weight copies by
+their autograd history, regions by module pre-hooks only, and the whole-step peak comes from torch's own
+`torch.distributed._tools.mem_tracker.MemTracker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    saved_bytes: int
+    """Bytes autograd holds for backward after forward + loss: unique storages of saved tensors, parameters and
+    autocast weight copies excluded."""
+    autocast_copy_bytes: int
+    """Saved low-precision copies of parameters (autocast)."""
+    live_bytes: int
+    """Bytes of every tensor storage still alive after forward + loss with the model output released (loss kept),
+    parameters, buffers and the batch excluded: saved tensors, autocast copies, the loss, and what a checkpoint's
+    recompute closure holds."""
+    by_region: dict[str, int] = field(default_factory=dict)
+    """saved_bytes split by the module that was running when each storage was first saved: "embedding", "layer<i>",
+    "head"."""
+
+
+def _autocast(dtype) -> Any:
+    import torch
+
+    return torch.autocast(device_type="cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _is_parameter_copy(t) -> bool:
+    """True for a tensor made from a parameter by casts and views only (an autocast weight copy)."""
+    fn = t.grad_fn
+    seen_cast = False
+    for _ in range(4):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return seen_cast
+        if name.startswith("ToCopyBackward"):
+            seen_cast = True
+        elif not any(name.startswith(v) for v in ("TBackward", "ViewBackward", "TransposeBackward",
+                                                   "PermuteBackward", "ExpandBackward", "AliasBackward")):
+            return False
+        nexts = [f for f, _ in fn.next_functions if f is not None]
+        if len(nexts) != 1:
+            return False
+        fn = nexts[0]
+    return False
+
+
+def _decoder_layer_list(model):
+    import torch
+
+    n = model.config.num_hidden_layers
+    lists = [(name.count("."), name, m) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    return min(lists, key=lambda x: x[:2])[2]
+
+
+def _storage_key(t) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def measure_saved_bytes(model, batch: dict, *, autocast_dtype=None, keep_graph: bool = False):
+    """Run forward + loss on real tensors and measure what is held for backward. Returns (SavedBytes, loss);
+    call loss.backward() afterwards if you like (the graph is intact)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    param_keys = {_storage_key(p) for p in model.parameters()}
+    region = {"name": "embedding"}
+    layers = _decoder_layer_list(model)
+    handles = []
+    for i, layer in enumerate(layers):
+        def pre(_m, _a, i=i):
+            if torch.is_grad_enabled():  # not during a checkpoint's recompute
+                region["name"] = f"layer{i}"
+        handles.append(layer.register_forward_pre_hook(pre))
+    handles.append(layers[-1].register_forward_hook(lambda *_: region.__setitem__("name", "head")))
+
+    seen: set[tuple[int, int]] = set()
+    saved = {"saved": 0, "autocast": 0}
+    by_region: dict[str, int] = {}
+
+    def pack(t):
+        key = _storage_key(t)
+        if key in param_keys or key in seen:
+            return t
+        seen.add(key)
+        if _is_parameter_copy(t):
+            saved["autocast"] += key[1]
+        else:
+            saved["saved"] += key[1]
+            by_region[region["name"]] = by_region.get(region["name"], 0) + key[1]
+        return t
+
+    tracker = MemTracker()
+    tracker.track_external(model, *[v for v in batch.values() if isinstance(v, torch.Tensor)])
+    with tracker:
+        before = _act_bytes(tracker)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast_dtype):
+            output = model(**batch)
+        loss = output.loss
+        del output
+        live = _act_bytes(tracker) - before
+    for h in handles:
+        h.remove()
+    return SavedBytes(saved_bytes=saved["saved"], autocast_copy_bytes=saved["autocast"], live_bytes=live,
+                      by_region=by_region), loss
+
+
+def _act_bytes(tracker) -> int:
+    """Bytes MemTracker currently sees that are neither parameters, buffers, gradients nor optimizer states."""
+    import gc
+
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    gc.collect()
+    snapshot = tracker.get_tracker_snapshot("current")
+    keep = {_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT, "Total"}
+    return sum(b for dev in snapshot.values() for k, b in dev.items() if k not in keep)
+
+
+def peak_step_bytes(model, batch: dict, *, autocast_dtype=None, lr: float = 1e-4) -> dict[str, int]:
+    """Peak of live tensor bytes over one real training step (forward, loss, backward, AdamW step) on CPU, by
+    MemTracker category ("param", "grad", "act", "opt", "temp", ..., and "total")."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *[v for v in batch.values() if isinstance(v, torch.Tensor)])
+    with tracker:
+        with _autocast(autocast_dtype):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    snapshot = tracker.get_tracker_snapshot("peak")
+    totals: dict[str, int] = {}
+    for dev in snapshot.values():
+        for k, b in dev.items():
+            name = "total" if k == "Total" else str(getattr(k, "value", k)).lower()
+            totals[name] = totals.get(name, 0) + b
+    return totals
