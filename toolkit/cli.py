@@ -1,0 +1,394 @@
+"""`toolkit` command line: estimate, plan, check, launch, profile, demo.
+
+Parse, compute, format: each subcommand parses its flags here, calls pure functions, and formats the result.
+Bad input anywhere raises UserError: one line on stderr, exit 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from toolkit.errors import EXIT_USER_ERROR, UserError
+
+GIB = 1024**3
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad flags as one line with exit 2 (its default usage dump is noise here)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{self.prog}: {message} (see --help)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared flag groups
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="catalog name (see `toolkit models`), local dir/config.json, or hub id")
+    g = p.add_argument_group("model by numbers (instead of a name)")
+    g.add_argument("--params", type=_count, help="parameter count, e.g. 7e9 or 7B (shape guessed Llama-like)")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--kv-heads", type=int)
+    g.add_argument("--ffn", type=int)
+    g.add_argument("--vocab", type=int)
+    g.add_argument("--trust-remote-code", action="store_true", help="allow hub models with custom code")
+
+
+def _add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100-80GB") -> None:
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpus", default=default, help="e.g. 8xH100-80GB, 2x8xA100-80GB, 1xRTX-4090 (default %(default)s)")
+    g.add_argument("--nodes", type=int, help="number of nodes (or write NxGxGPU in --gpus)")
+    g.add_argument("--inter-node-gbps", type=float, help="network bandwidth per node, GB/s (default 50 = 400 Gb/s)")
+    g.add_argument("--cpu-ram-gib", type=float, help="host RAM per node, GiB (default 1024)")
+
+
+def _add_job_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job")
+    g.add_argument("--seq", type=int, default=2048, help="sequence length (default %(default)s)")
+    g.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 | bf16-pure (default %(default)s)")
+    g.add_argument("--optimizer", default="adamw", help="adamw | adamw-8bit | sgd | adafactor")
+    g.add_argument("--attention", default="sdpa", help="eager | sdpa | flash_attention_2 (default %(default)s)")
+    g.add_argument("--device-kind", default="cuda", help="whose kernels' saved tensors to model: cuda | cpu")
+    g.add_argument("--pipeline-stages", type=int, help="pipeline / hybrid stage count")
+
+
+def _count(text: str) -> int:
+    t = text.strip().upper().replace(",", "").replace("_", "")
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], None)
+    try:
+        value = float(t[:-1]) * scale if scale else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a count (write 7e9 or 7B)") from None
+    return int(value)
+
+
+def _spec(args):
+    from toolkit.modelspec import resolve_model
+
+    return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                         kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
+                         trust_remote_code=args.trust_remote_code)
+
+
+def _hardware(args):
+    from toolkit.hardware import parse_hardware
+
+    return parse_hardware(args.gpus, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
+                          cpu_ram_gib=args.cpu_ram_gib)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# estimate
+
+
+def cmd_estimate(args) -> int:
+    from toolkit.job import Job
+    from toolkit.memory import estimate_memory
+    from toolkit.strategy import parse_strategy
+    from toolkit.timing import step_time
+
+    spec = _spec(args)
+    hw = _hardware(args)
+    strategy = parse_strategy(args.strategy)
+    job = Job(seq_len=args.seq, micro_batch=args.micro_batch, grad_accum=args.accumulation,
+              precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
+              attention=args.attention, device_kind=args.device_kind)
+    _check_seq(spec, job.seq_len)
+    stages, partition = 1, None
+    if strategy.is_pipeline:
+        from toolkit.pipeline.partition import check_stage_count
+        from toolkit.planner import _partition
+
+        stages = args.pipeline_stages or (hw.world_size if strategy.kind == "pipeline" else max(2, hw.nodes))
+        check_stage_count(spec.num_layers, stages, hw.world_size)
+        partition = _partition(spec, stages)
+    b = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition)
+    t = step_time(spec, strategy, job, hw, pipeline_stages=stages)
+    if args.json:
+        out = {"model": spec.summary(), "params": spec.params, "hardware": hw.spec, "strategy": strategy.name,
+               "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
+                       "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
+                       "attention": job.attention, "device_kind": job.device_kind},
+               "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
+               "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
+               "notes": list(b.notes) + list(t.assumptions)}
+        if partition:
+            out["partition"] = partition
+        print(json.dumps(out, indent=2))
+        return 0
+    cap = b.capacity_bytes
+    print(f"{spec.name}: {spec.params:,} parameters ({spec.num_layers} x {spec.layer_class}"
+          f"{', tied embeddings' if spec.tied else ''}) | {strategy.name} on {hw.spec} | seq {job.seq_len}, "
+          f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
+          f"{', checkpointing' if job.checkpointing else ''}")
+    rows = [(t_.name, t_.bytes, t_.source) for t_ in b.terms]
+    width = max(len(r[0]) for r in rows) + 2
+    print(f"\n{'per GPU':<{width}}{'GiB':>9}{'of GPU':>9}")
+    for name, value, source in rows:
+        print(f"{name:<{width}}{_gib(value):>9}{value / cap:>9.1%}")
+        if args.explain:
+            print(f"{'':<{width}}  <- {source}")
+    print(f"{'peak (tensors)':<{width}}{_gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
+    print(f"{'required':<{width}}{_gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
+          f"{_gib(cap)} GiB: {'fits' if b.fits else 'DOES NOT FIT'}")
+    if b.stage_required_bytes:
+        print("per stage required GiB: " + ", ".join(_gib(x) for x in b.stage_required_bytes))
+    if b.cpu_bytes_per_node:
+        print(f"host RAM per node for offload: {_gib(b.cpu_bytes_per_node)} GiB "
+              f"of {_gib(hw.cpu_ram_bytes_per_node)}")
+    if b.nvme_bytes_per_node:
+        print(f"NVMe per node: {_gib(b.nvme_bytes_per_node)} GiB")
+    print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
+          f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
+          f"offload {t.offload_s:.3f} s)")
+    if args.explain:
+        for note in list(b.notes) + list(t.assumptions):
+            print(f"  note: {note}")
+    return 0
+
+
+def _check_seq(spec, seq_len: int) -> None:
+    if spec.max_positions and seq_len > spec.max_positions:
+        raise UserError(f"--seq {seq_len} is longer than {spec.name} allows ({spec.max_positions} positions); "
+                        f"use --seq {spec.max_positions} or less")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plan
+
+
+def cmd_plan(args) -> int:
+    from pathlib import Path
+
+    from toolkit.planner import Request, plan_candidates, to_plan
+
+    spec = _spec(args)
+    hw = _hardware(args)
+    _check_seq(spec, args.seq)
+    strategies = tuple(s.strip() for s in args.strategies.split(",")) if args.strategies else None
+    if strategies:
+        from toolkit.strategy import parse_strategy
+
+        strategies = tuple(parse_strategy(s).name for s in strategies)
+    ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
+    req_kwargs: dict[str, Any] = dict(seq_len=args.seq, global_batch=args.global_batch, micro_batch=args.micro_batch,
+                                      grad_accum=args.accumulation, precision=args.precision,
+                                      optimizer=args.optimizer, attention=args.attention,
+                                      device_kind=args.device_kind, checkpointing=ckpt,
+                                      pipeline_stages=args.pipeline_stages)
+    if strategies:
+        req_kwargs["strategies"] = strategies
+    req = Request(**req_kwargs)
+    if args.out:
+        _refuse_existing(Path(args.out), args.force)
+    candidates = plan_candidates(spec, hw, req)
+    feasible = [c for c in candidates if c.feasible]
+    chosen = feasible[0] if feasible else None
+    if args.strategy_choice:
+        from toolkit.strategy import parse_strategy
+
+        wanted = parse_strategy(args.strategy_choice).name
+        match = [c for c in candidates if c.strategy.name == wanted]
+        if not match or not match[0].feasible:
+            why = match[0].reason if match else "not among the planned strategies"
+            raise UserError(f"--choose {wanted} cannot run: {why}")
+        chosen = match[0]
+    rows = [c.row() for c in candidates]
+    if args.json:
+        out = {"model": spec.summary(), "hardware": hw.spec, "candidates": rows,
+               "chosen": chosen.row() if chosen else None}
+    else:
+        _print_plan_table(spec, hw, req, candidates, args.top)
+    written: list[str] = []
+    if chosen and args.out:
+        from toolkit.emit import emit_files
+
+        plan = to_plan(chosen, spec, hw, args.model or spec.name)
+        hosts = args.hosts.split(",") if args.hosts else None
+        written = [str(p) for p in emit_files(plan, Path(args.out), force=args.force, candidates=rows,
+                                              nvme_path=args.nvme_path, hosts=hosts)]
+    if args.json:
+        out["written"] = written
+        print(json.dumps(out, indent=2))
+    elif chosen is None:
+        print("\nno strategy fits: see the reasons above (more GPUs, a shorter --seq, or offload)")
+    elif written:
+        print(f"\nchosen: {chosen.name}; wrote {len(written)} files to {args.out}: "
+              + ", ".join(Path(w).name for w in written))
+        print(f"run it:  toolkit launch {args.out}  (rehearse on CPU first: toolkit launch {args.out} --rehearse)")
+    return 0 if chosen else 1
+
+
+EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "launch.sh", "slurm.sbatch", "hostfile", "plan.json",
+                 "PLAN.md")
+
+
+def _refuse_existing(out, force: bool) -> None:
+    """Refuse before planning, so a long plan never ends in a refusal."""
+    from toolkit.fileio import refuse_overwrite
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory")
+    refuse_overwrite([out / n for n in EMITTED_NAMES], force)
+
+
+def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
+    print(f"{spec.name} ({spec.params / 1e9:.2f}B params, {spec.num_layers} layers) on {hw.spec} "
+          f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
+          + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
+          + f", {req.precision}, {req.optimizer}\n")
+    header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
+             f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}"
+    print(header)
+    print("-" * len(header))
+    shown = 0
+    for c in candidates:
+        if not c.feasible:
+            continue
+        shown += 1
+        if shown > top:
+            continue
+        m, t = c.memory, c.timing
+        host = f"{m.cpu_bytes_per_node / GIB:.0f}" if m.cpu_bytes_per_node else "-"
+        print(f"{shown:>2}  {c.name:<28}{c.job.micro_batch:>6}{c.job.grad_accum:>6}"
+              f"{'yes' if c.job.checkpointing else 'no':>5}{m.required_bytes / GIB:>9.1f}{host:>9}"
+              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>11,.0f}{t.mfu:>6.0%}")
+    if shown > top:
+        print(f"    ... {shown - top} more (raise --top)")
+    refused = [c for c in candidates if not c.feasible]
+    if refused:
+        print("\nnot possible:")
+        for c in refused:
+            print(f"  {c.strategy.name}: {c.reason}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# check / launch / models
+
+
+def cmd_check(args) -> int:
+    from toolkit.check import main_check
+
+    fit = None
+    if args.model:
+        from toolkit.planner import fit_problems
+
+        fit = lambda plan_like: fit_problems(plan_like, model=args.model, gpus=args.gpus)  # noqa: E731
+    return main_check(args.files, fit=fit)
+
+
+def cmd_launch(args) -> int:
+    from toolkit.launch import launch_main
+
+    return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run)
+
+
+def cmd_models(args) -> int:
+    from toolkit.modelspec import catalog_names
+
+    print("\n".join(catalog_names()))
+    return 0
+
+
+def cmd_gpus(args) -> int:
+    from toolkit.hardware import gpu_catalog
+
+    for g in gpu_catalog().values():
+        print(f"{g.name:<18}{g.memory_bytes / GIB:>8.1f} GiB  bf16 {g.bf16_tflops:>7.1f} TFLOP/s  "
+              f"link {g.intra_node_gbps:>5.0f} GB/s ({g.interconnect})")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from toolkit.demo import run_demo
+
+    return run_demo(args.workdir, steps=args.steps, force=args.force)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="toolkit", description="Plan, emit and run distributed training of HF causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("estimate", help="per-GPU memory and step time of one strategy")
+    _add_model_flags(p)
+    _add_hardware_flags(p)
+    _add_job_flags(p)
+    p.add_argument("--strategy", default="ddp", help="ddp, zero1/2/3, zero2-offload, zero3-offload, fsdp2, "
+                                                     "pipeline, hybrid, ... (default %(default)s)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    p.add_argument("--explain", action="store_true", help="show where every term comes from")
+    p.add_argument("--json", action="store_true", help="print only JSON")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("plan", help="rank every strategy; write the chosen one's files")
+    _add_model_flags(p)
+    _add_hardware_flags(p)
+    _add_job_flags(p)
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step over all GPUs")
+    p.add_argument("--micro-batch", type=int, help="samples per GPU per forward (instead of --global-batch)")
+    p.add_argument("--accumulation", type=int, help="gradient accumulation steps")
+    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--strategies", help="comma-separated subset to consider")
+    p.add_argument("--choose", dest="strategy_choice", help="emit this strategy instead of the fastest")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--out", help="directory for the emitted files")
+    p.add_argument("--force", action="store_true", help="overwrite files in --out")
+    p.add_argument("--nvme-path", help="local NVMe directory for ZeRO-Infinity plans")
+    p.add_argument("--hosts", help="comma-separated node host names (multi-node hostfile)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("check", help="check accelerate YAML / DeepSpeed JSON / plan dirs")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--model", help="also check the fit of this model")
+    p.add_argument("--gpus", help="GPU spec for the fit check")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("launch", help="run (or rehearse on CPU) an emitted plan")
+    p.add_argument("plan_dir")
+    p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
+    p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for toolkit.train")
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("demo", help="estimate, plan, emit and train a tiny model end to end on CPU")
+    p.add_argument("--workdir", default="runs/demo")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+    sub.add_parser("models", help="list the model catalog").set_defaults(func=cmd_models)
+    sub.add_parser("gpus", help="list the GPU catalog").set_defaults(func=cmd_gpus)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "train_args", None) and args.train_args[:1] == ["--"]:
+            args.train_args = args.train_args[1:]
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
