@@ -259,8 +259,12 @@ def _json_precision(config: dict[str, Any]) -> str:
 # --- accelerate YAML ---------------------------------------------------------------------------------------------------
 
 def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] | None = None,
-                  plan: Plan | None = None) -> tuple[list[Problem], Path | None]:
-    """Problems of one accelerate YAML, and the DeepSpeed JSON it names (if it exists)."""
+                  plan: Plan | None = None, launcher_names_ds_file: bool = False) -> tuple[list[Problem], Path | None]:
+    """Problems of one accelerate YAML, and the DeepSpeed JSON it names (if it exists).
+
+    launcher_names_ds_file: the directory's launch script passes --deepspeed_config_file itself (emitted
+    directories do), so a relative deepspeed_config_file in the YAML is not a trap.
+    """
     file = str(path)
     out: list[Problem] = []
 
@@ -297,7 +301,7 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
             for key in sorted(set(ds_section) & set(DS_FILE_IGNORED_KEYS)):
                 err(f"deepspeed_config.{key} next to deepspeed_config_file: accelerate refuses it (\"will be "
                     f"ignored\"); remove it and set {DS_FILE_IGNORED_KEYS[key]} in the JSON")
-            ds_path = resolve_ds_file(str(ds_file), path, out)
+            ds_path = resolve_ds_file(str(ds_file), path, out, quiet=launcher_names_ds_file)
             if "mixed_precision" in config and config["mixed_precision"] not in (None, "no"):
                 json_precision = _json_precision(read_mapping(ds_path)) if ds_path else None
                 if json_precision not in (None, config["mixed_precision"]):
@@ -326,13 +330,15 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
     return out, ds_path
 
 
-def resolve_ds_file(name: str, yaml_path: Path, out: list[Problem]) -> Path | None:
+def resolve_ds_file(name: str, yaml_path: Path, out: list[Problem], *, quiet: bool = False) -> Path | None:
     """accelerate opens deepspeed_config_file relative to the launch directory; we also look beside the YAML."""
     candidate = Path(name)
-    if candidate.is_file():
-        return candidate
     beside = yaml_path.parent / name
+    if candidate.is_file() and (candidate.is_absolute() or not beside.is_file()):
+        return candidate
     if not candidate.is_absolute() and beside.is_file():
+        if quiet:
+            return beside
         out.append(Problem(str(yaml_path), "warning",
                            f"deepspeed_config_file {name} is relative: accelerate opens it from the directory you "
                            f"launch in; launch from {yaml_path.parent} or pass --deepspeed_config_file {beside}"))
@@ -431,7 +437,9 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
     checked_json: Path | None = None
     if yaml_path.exists():
         config = read_mapping(yaml_path)
-        found, ds_path = yaml_problems(config, yaml_path, gpus=gpus, plan=plan)
+        scripts = [directory / name for name in ("launch.sh", "slurm.sbatch")]
+        overrides = any(p.exists() and "--deepspeed_config_file" in p.read_text() for p in scripts)
+        found, ds_path = yaml_problems(config, yaml_path, gpus=gpus, plan=plan, launcher_names_ds_file=overrides)
         out += found
         if plan is not None:
             out += yaml_plan_consistency(config, str(yaml_path), plan)
