@@ -41,9 +41,6 @@ class Problem:
         return f"{self.file}: {self.severity}: {self.message}"
 
 
-FitCheck = Callable[..., list[Problem]]
-"""fit_problems(paths, *, model, gpus) -> problems; the planner's "does the model fit" check."""
-
 # --- what the engines accept -----------------------------------------------------------------------------------------
 
 DS_FILE_IGNORED_KEYS: dict[str, str] = {
@@ -499,21 +496,21 @@ def parse_gpus(text: str) -> tuple[int, int]:
 
 
 def main_check(argv_paths: list[str], *, model: str | None = None, gpus: str | None = None,
-               fit_check: FitCheck | None = None, print_fn: Callable[[str], None] = print) -> int:
-    """The CLI: one line per problem; 0 clean, 1 problems, 2 unreadable input."""
+               fit: Callable[[str], list[Problem | str]] | None = None,
+               print_fn: Callable[[str], None] = print) -> int:
+    """The CLI: one line per problem; 0 clean, 1 problems, 2 unreadable input.
+
+    fit: the planner's fit check (toolkit.planner.fit_problems bound to --model/--gpus by the CLI), called once
+    per path; it returns Problems or one-line strings (taken as errors). Skipped when None.
+    """
     try:
         grid = parse_gpus(gpus) if gpus else None
         problems = check_paths(argv_paths, gpus=grid)
-        if model is not None:
-            # The fit check belongs to the planner (toolkit.planner.fit_problems); skipped when it is not there.
-            if fit_check is None:
-                try:
-                    from toolkit.planner import fit_problems as fit_check  # type: ignore[attr-defined,no-redef]
-                except ImportError:
-                    fit_check = None
-                    print_fn("note: the fit check (--model) is not available in this build; skipped")
-            if fit_check is not None:
-                problems += fit_check(argv_paths, model=model, gpus=grid)
+        if fit is not None:
+            for name in argv_paths:
+                problems += [p if isinstance(p, Problem) else Problem(name, "error", str(p)) for p in fit(name)]
+        elif model is not None:
+            print_fn("note: no fit check was given for --model; skipped")
     except UserError as exc:
         print_fn(f"error: {exc}")
         return 2

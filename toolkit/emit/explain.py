@@ -10,7 +10,10 @@ from toolkit.plan import Plan
 GIB = 1024 ** 3
 BAR_WIDTH = 40
 
-SUMMARY_KEYS = ("peak_bytes", "cpu_bytes_per_node", "step_time_s", "tokens_per_s")
+SUMMARY_KEYS = ("peak_bytes", "required_bytes", "capacity_bytes", "cpu_bytes_per_node", "nvme_bytes_per_node")
+"""predicted.* byte counts printed as totals under the component table, not as components."""
+CHART_ROWS = 24
+"""At most this many bars: the best row of each strategy first (the planner lists every batch/checkpointing mix)."""
 
 
 def gib(n_bytes: float) -> str:
@@ -61,16 +64,25 @@ def strategy_sentence(plan: Plan) -> str:
 
 def memory_section(plan: Plan) -> list[str]:
     predicted = plan.predicted
+    def number(key: str) -> float | None:
+        value = predicted.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
     components = [(k, v) for k, v in predicted.items()
-                  if k.endswith("_bytes") and k not in SUMMARY_KEYS and isinstance(v, (int, float))]
-    if not components and "peak_bytes" not in predicted:
-        return ["## Predicted memory", "", "(no prediction in plan.json)", ""]
+                  if k.endswith("_bytes") and k not in SUMMARY_KEYS and number(k) is not None]
+    if not components and number("peak_bytes") is None:
+        return ["## Predicted memory", "", "(no prediction in plan.json: re-plan with `toolkit plan` for one)", ""]
     lines = ["## Predicted memory per GPU", "", "| component | size |", "|---|---:|"]
     lines += [f"| {k[: -len('_bytes')].replace('_', ' ')} | {gib(v)} |" for k, v in components]
-    if "peak_bytes" in predicted:
-        lines.append(f"| **peak** | **{gib(predicted['peak_bytes'])}** |")
-    if "cpu_bytes_per_node" in predicted:
-        lines += ["", f"CPU RAM per node: {gib(predicted['cpu_bytes_per_node'])}"]
+    phase = f" ({predicted['peak_phase']})" if isinstance(predicted.get("peak_phase"), str) else ""
+    for key, label in (("peak_bytes", f"peak{phase}"), ("required_bytes", "required (peak + context + margin)")):
+        if number(key) is not None:
+            lines.append(f"| **{label}** | **{gib(number(key))}** |")
+    if number("capacity_bytes") is not None:
+        lines += ["", f"GPU capacity: {gib(number('capacity_bytes'))}"]
+    for key, label in (("cpu_bytes_per_node", "CPU RAM per node"), ("nvme_bytes_per_node", "NVMe per node")):
+        if number(key):
+            lines += ["", f"{label}: {gib(number(key))}"]
     return lines + [""]
 
 
@@ -89,21 +101,43 @@ def timing_section(plan: Plan) -> list[str]:
 
 def memory_chart(candidates: list[dict[str, Any]]) -> list[str]:
     """One bar per strategy, scaled so that the GPU capacity is a `|` at the same column on every line."""
-    scale = max([c["capacity_bytes"] for c in candidates] + [c["peak_bytes"] for c in candidates])
-    name_width = max(len(c["name"]) for c in candidates)
-    lines = []
-    for c in candidates:
+    rows = chart_rows(candidates)
+    measured = [c for c in rows if c.get("peak_bytes") and c.get("capacity_bytes")]
+    name_width = max(len(str(c["name"])) for c in rows)
+    lines = [f"{c['name']:<{name_width}} (no memory estimate) {c.get('reason') or ''}".rstrip()
+             for c in rows if c not in measured]
+    if not measured:
+        return lines
+    scale = max([c["capacity_bytes"] for c in measured] + [c["peak_bytes"] for c in measured])
+    for c in measured:
         filled = round(BAR_WIDTH * c["peak_bytes"] / scale)
         cap = round(BAR_WIDTH * c["capacity_bytes"] / scale)
         bar = ["#" if i < filled else " " for i in range(BAR_WIDTH + 1)]
         if cap <= BAR_WIDTH:
             bar[cap] = "|" if cap >= filled else "!"
-        verdict = ("fits" if c["feasible"] else f"does not fit: {c.get('reason') or 'over capacity'}")
+        verdict = "fits" if c.get("feasible") else f"does not fit: {c.get('reason') or 'over capacity'}"
         speed = f", {c['tokens_per_s']:,.0f} tok/s" if c.get("tokens_per_s") else ""
         lines.append(f"{c['name']:<{name_width}} {''.join(bar)} {c['peak_bytes'] / GIB:6.1f} / "
                      f"{c['capacity_bytes'] / GIB:.0f} GiB  {verdict}{speed}")
     lines.append(f"{'':<{name_width}} ('#' = predicted peak, '|' = GPU capacity, '!' = capacity exceeded)")
     return lines
+
+
+def chart_rows(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The candidates to draw: all of them when few, else the best of each strategy (fastest feasible, else the
+    smallest peak), fastest first."""
+    if len(candidates) <= CHART_ROWS:
+        return list(candidates)
+
+    def rank(c: dict[str, Any]) -> tuple:
+        return (not c.get("feasible"), -(c.get("tokens_per_s") or 0.0), c.get("peak_bytes") or float("inf"))
+
+    best: dict[str, dict[str, Any]] = {}
+    for c in candidates:
+        key = str(c.get("strategy", c["name"]))
+        if key not in best or rank(c) < rank(best[key]):
+            best[key] = c
+    return sorted(best.values(), key=rank)[:CHART_ROWS]
 
 
 def launch_section(plan: Plan, nvme_path: str | None) -> list[str]:
