@@ -146,8 +146,9 @@ def gpt2_two_stages(assets):
 
 @pytest.fixture(scope="module")
 def llama_hybrid(assets):
-    """Llama (GQA, RoPE, RMSNorm, SwiGLU, untied), 2 stages x 2 data-parallel, ZeRO-1, fp32, checkpointing."""
-    plan = make_plan(assets["llama"], stages=2, dp=2, micro=1, accum=2, checkpointing=True)
+    """Llama (GQA, RoPE, RMSNorm, SwiGLU, untied), 2 stages x 2 data-parallel, ZeRO-1, fp32, activation
+    checkpointing, and the plan's uneven partition (1 + 3 decoder layers)."""
+    plan = make_plan(assets["llama"], stages=2, dp=2, micro=1, accum=2, checkpointing=True, partition=[0, 1, 4])
     plan_dir = write_plan_dir(assets["root"] / "plan_llama", plan, zero_stage=1)
     out = assets["root"] / "run_llama"
     launch(plan_dir, plan, assets["llama"], assets["data"], out, "--save-steps", "100", "--no-save-final")

@@ -127,9 +127,10 @@ class Source:
         """The skeleton's submodule at `path`, on CPU in fp32, with its weights (only its own tensors are read)."""
         module = self.skeleton.get_submodule(path).to_empty(device="cpu")
         if self.weights is None:
+            # HF's own init; apply() visits children before parents, as HF does, so GPT-2's scaled c_proj init
+            # (set from the parent attention/MLP) is the one that stays.
             torch.manual_seed(self.seed + seed_offset)
-            for sub in module.modules():
-                self.skeleton._init_weights(sub)
+            module.apply(self.skeleton._init_weights)
             return module
         from safetensors import safe_open
 

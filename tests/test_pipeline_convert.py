@@ -1,0 +1,109 @@
+"""HF -> pipeline layers, in one process: the layers reproduce HF's logits and loss, load only their own weights,
+and the runner refuses bad input before any process group starts."""
+
+import json
+
+import pytest
+import torch
+
+from toolkit.errors import UserError
+from toolkit.pipeline.convert import (CausalLMLoss, DecoderLayerPipe, HeadPipe, NormPipe, PositionPipe, Source,
+                                      TokenEmbeddingPipe, tied_head)
+
+ARCHS = ("gpt2", "llama", "mistral", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from toolkit.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("convert")
+    return {arch: make_tiny_model(arch, root / arch, corpus_chars=30_000) for arch in ARCHS}
+
+
+def run_layers(source: Source, ids: torch.Tensor) -> torch.Tensor:
+    """Every pipeline layer in order in one process: what the stages compute together."""
+    embed = TokenEmbeddingPipe(source)
+    layers = [embed] + ([PositionPipe(source)] if source.family.positions else [])
+    layers += [DecoderLayerPipe(source, i) for i in range(source.num_layers)] + [NormPipe(source)]
+    head = (lambda h: tied_head(embed, h)) if source.tied else HeadPipe(source)
+    x = ids
+    for layer in layers:
+        x = layer.eval()(x)
+    return head(x)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pipeline_layers_give_hf_logits_and_loss(models, arch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(models[arch])
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = run_layers(Source(config, models[arch]), ids)
+        reference = AutoModelForCausalLM.from_pretrained(models[arch]).eval()(ids, labels=ids)
+    torch.testing.assert_close(logits, reference.logits, atol=0, rtol=0)
+    torch.testing.assert_close(CausalLMLoss(config.vocab_size)(logits, ids), reference.loss)
+
+
+def test_a_layer_reads_only_its_own_weights(models):
+    from transformers import AutoConfig
+
+    source = Source(AutoConfig.from_pretrained(models["llama"]), models["llama"])
+    layer = DecoderLayerPipe(source, 2)
+    materialised = {n for n, p in source.skeleton.named_parameters() if not p.is_meta}
+    assert materialised == {f"model.layers.2.{n}" for n, _ in layer.layer.named_parameters()}
+
+
+def test_random_init_is_hf_init_and_the_same_on_every_rank(models):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(models["gpt2"])
+    a, b = DecoderLayerPipe(Source(config, None, seed=3), 1), DecoderLayerPipe(Source(config, None, seed=3), 1)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    # GPT-2's residual projections get std 0.02 / sqrt(2 x layers) (HF's _init_weights), not the plain 0.02.
+    expected = config.initializer_range / (2 * config.n_layer) ** 0.5
+    assert abs(a.layer.mlp.c_proj.weight.std().item() - expected) < 0.2 * expected
+
+
+def test_unsupported_architecture_is_a_user_error(models):
+    from toolkit.tiny import tiny_config
+
+    with pytest.raises(UserError, match="pipeline conversion supports gpt2, llama, mistral, qwen2, not model_type 'opt'"):
+        Source(tiny_config("opt"), None)
+
+
+def test_runner_refuses_more_stages_than_layers_before_starting(models, tmp_path):
+    from tests.test_pipeline import make_plan, write_plan_dir
+    from toolkit.pipeline.runner import train_pipeline
+    from toolkit.train.args import parse_train_args
+
+    plan = make_plan(models["llama"], stages=5, dp=1)
+    write_plan_dir(tmp_path, plan, zero_stage=0)
+    args = parse_train_args(["--plan", str(tmp_path), "--data", str(tmp_path), "--output", str(tmp_path / "out"),
+                             "--model", str(models["llama"])])
+    with pytest.raises(UserError, match=r"model has 4 layers; --pipeline-stages 5 cannot give each stage a "
+                                        r"decoder layer \(try 1\)"):
+        train_pipeline(plan, args)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"zero_optimization": {"stage": 2}}, "ZeRO stage 2; DeepSpeed's pipeline engine runs ZeRO 0 or 1 only"),
+    ({"train_micro_batch_size_per_gpu": 4}, "sets train_micro_batch_size_per_gpu 4 but the plan says 2"),
+    ({"gradient_clipping": "auto"}, "has \"auto\" values \\(gradient_clipping\\)"),
+    ({"bf16": {"enabled": True}}, "does not match the plan's fp32"),
+])
+def test_ds_config_that_contradicts_the_plan_is_refused(models, tmp_path, change, message):
+    from tests.test_pipeline import make_plan, write_plan_dir
+    from toolkit.pipeline.runner import read_ds_config
+    from toolkit.train.args import parse_train_args
+
+    plan = make_plan(models["llama"], stages=2, dp=1)
+    write_plan_dir(tmp_path, plan, zero_stage=0)
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    ds.update(change)
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds))
+    args = parse_train_args(["--plan", str(tmp_path / "plan.json"), "--data", "x", "--output", str(tmp_path)])
+    with pytest.raises(UserError, match=message):
+        read_ds_config(plan, args)
