@@ -54,27 +54,40 @@ def reference_model() -> tuple[str, dict]:
     return hub_id, {"config": config, "params": params}
 
 
+def reference_plan(strategy: str, precision: str = "bf16", *, nodes: int = 1, gpus_per_node: int = GPUS_PER_NODE,
+                   stages: int = 1, micro: int = 2, accum: int = 8, model_config: dict | None = None,
+                   model: str | None = None, layer_class: str = "LlamaDecoderLayer", params: int | None = None,
+                   notes: list[str] | None = None, seq_len: int = SEQ_LEN) -> Plan:
+    """A Plan for `strategy` on the reference model (or `model_config`), with an even pipeline partition."""
+    if model_config is None:
+        hub_id, reference = reference_model()
+        model_config, params, model = reference["config"], params or reference["params"], model or hub_id
+    layers = model_config.get("num_hidden_layers", model_config.get("n_layer"))
+    s = parse_strategy(strategy)
+    world = nodes * gpus_per_node
+    partition = None
+    if s.is_pipeline:
+        partition = [round(i * layers / stages) for i in range(stages + 1)]
+    dp = world // stages
+    return Plan(
+        model=model or "custom", model_config=model_config, model_type=model_config.get("model_type", "llama"),
+        layer_class=layer_class, num_layers=layers, params=params or 0, strategy=s.name, engine=s.engine,
+        zero_stage=s.zero_stage, offload_optimizer=s.offload_optimizer, offload_params=s.offload_params,
+        fsdp_mode=s.fsdp_mode, num_machines=nodes, gpus_per_node=gpus_per_node, pipeline_stages=stages,
+        data_parallel=dp, partition=partition, seq_len=seq_len, micro_batch=micro, grad_accum=accum,
+        global_batch=micro * accum * dp, precision=precision, optimizer="adamw", checkpointing=True,
+        attention="sdpa", gpu=REFERENCE_GPU, notes=list(notes or []),
+    )
+
+
 def preset_plan(strategy: str, precision: str) -> Plan:
     grid = PRESETS[strategy]
-    hub_id, model = reference_model()
-    config = model["config"]
-    layers = config["num_hidden_layers"]
-    s = parse_strategy(strategy)
-    world = grid["nodes"] * GPUS_PER_NODE
-    stages = grid["stages"]
-    per_stage = layers // stages
-    partition = [i * per_stage for i in range(stages)] + [layers] if s.is_pipeline else None
-    return Plan(
-        model=hub_id, model_config=config, model_type=config["model_type"], layer_class="LlamaDecoderLayer",
-        num_layers=layers, params=model["params"], strategy=s.name, engine=s.engine, zero_stage=s.zero_stage,
-        offload_optimizer=s.offload_optimizer, offload_params=s.offload_params, fsdp_mode=s.fsdp_mode,
-        num_machines=grid["nodes"], gpus_per_node=GPUS_PER_NODE, pipeline_stages=stages,
-        data_parallel=world // stages, partition=partition, seq_len=SEQ_LEN, micro_batch=grid["micro"],
-        grad_accum=grid["accum"], global_batch=GLOBAL_BATCH, precision=precision, optimizer="adamw",
-        checkpointing=True, attention="sdpa", gpu=REFERENCE_GPU,
-        notes=[f"preset {strategy}-{precision}: reference job (toolkit/presets.py); for another model or cluster "
-               "run `toolkit plan` rather than editing these files"],
-    )
+    plan = reference_plan(strategy, precision, nodes=grid["nodes"], stages=grid["stages"], micro=grid["micro"],
+                          accum=grid["accum"],
+                          notes=[f"preset {strategy}-{precision}: reference job (toolkit/presets.py); for another "
+                                 "model or cluster run `toolkit plan` rather than editing these files"])
+    assert plan.global_batch == GLOBAL_BATCH, f"preset {strategy} does not multiply to {GLOBAL_BATCH}"
+    return plan
 
 
 def preset_names() -> list[str]:
