@@ -1,0 +1,168 @@
+"""`toolkit estimate`: the scriptable contract, model-state arithmetic against DeepSpeed's own estimators, and
+one-line refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.hardware import GIB, parse_hardware
+from toolkit.job import Job
+from toolkit.memory import estimate_memory
+from toolkit.modelspec import resolve_model
+from toolkit.states import zero_states
+from toolkit.strategy import parse_strategy
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    return resolve_model("llama-2-7b")
+
+
+def test_json_contract_has_the_documented_keys(capsys):
+    out = run_json(capsys, "gpt2", "--gpus", "1xA100-80GB", "--seq", "1024", "--micro-batch", "2")
+    assert out["params"] == 124_439_808
+    for key in ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes"):
+        assert isinstance(out["per_gpu"][key], int) and out["per_gpu"][key] > 0
+
+
+def test_single_gpu_ddp_mixed_precision_holds_sixteen_bytes_per_parameter(capsys):
+    out = run_json(capsys, "gpt2", "--gpus", "1xA100-80GB", "--seq", "512")
+    P = out["params"]
+    per_gpu = out["per_gpu"]
+    # torch AMP: fp32 weights (4) + fp32 grads (4) + AdamW exp_avg and exp_avg_sq (8).
+    assert per_gpu["parameters_bytes"] == 4 * P
+    assert per_gpu["gradients_bytes"] == 4 * P
+    assert per_gpu["optimizer_bytes"] == 8 * P
+    assert per_gpu["autocast_copy_bytes"] > 0
+
+
+def test_peak_is_not_the_sum_of_every_component(capsys):
+    out = run_json(capsys, "gpt2", "--gpus", "1xA100-80GB", "--seq", "1024", "--micro-batch", "4")
+    g = out["per_gpu"]
+    states = g["parameters_bytes"] + g["optimizer_bytes"]
+    assert states < g["peak_bytes"] < states + g["gradients_bytes"] + g["activations_bytes"] \
+        + g["autocast_copy_bytes"] + g["buffers_bytes"] + g["transient_bytes"] + 1
+
+
+def test_activations_grow_linearly_with_micro_batch(capsys):
+    a1 = run_json(capsys, "gpt2", "--seq", "512", "--micro-batch", "1")["per_gpu"]["activations_bytes"]
+    a2 = run_json(capsys, "gpt2", "--seq", "512", "--micro-batch", "2")["per_gpu"]["activations_bytes"]
+    a4 = run_json(capsys, "gpt2", "--seq", "512", "--micro-batch", "4")["per_gpu"]["activations_bytes"]
+    assert a4 - a2 == 2 * (a2 - a1)
+
+
+def test_checkpointing_keeps_far_fewer_activations(capsys):
+    base = ["llama-2-7b", "--gpus", "8xA100-80GB", "--strategy", "zero3", "--seq", "4096"]
+    full = run_json(capsys, *base)["per_gpu"]["activations_bytes"]
+    ckpt = run_json(capsys, *base, "--checkpointing")["per_gpu"]["activations_bytes"]
+    # A checkpointed Llama layer keeps its bf16 input: 2 bytes x seq x hidden per layer (REFERENCE.md).
+    per_layer_input = 2 * 4096 * 4096
+    assert ckpt < full / 5
+    assert 32 * per_layer_input <= ckpt < 32 * per_layer_input * 1.5 + 2 * 4096 * 32000 * 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model states against DeepSpeed's estimator arithmetic (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py)
+
+
+def test_zero2_states_equal_deepspeeds_2p_plus_18p_over_n(llama7b):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    P, N = llama7b.params, 8
+    _, ds_gpu = estimate_zero2_model_states_mem_needs(P, num_gpus_per_node=N, cpu_offload=False)
+    s = zero_states(P, Job(seq_len=8), parse_strategy("zero2"), dp=N, hidden=4096, largest_layer=0)
+    # Ours: bf16 weights + bf16 grad partition + fp32 grad partition (during the step) + fp32 master + Adam.
+    ours = s.parameters + s.gradients + s.step_transient + s.master + s.optimizer
+    assert ours == pytest.approx(ds_gpu, rel=1e-6)
+
+
+def test_zero2_offload_leaves_only_the_bf16_weights_on_the_gpu(llama7b):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    P = llama7b.params
+    _, ds_gpu = estimate_zero2_model_states_mem_needs(P, num_gpus_per_node=8, cpu_offload=True)
+    s = zero_states(P, Job(seq_len=8), parse_strategy("zero2-offload"), dp=8, hidden=4096, largest_layer=0)
+    assert s.parameters + s.gradients + s.master + s.optimizer == ds_gpu
+
+
+def test_zero3_states_differ_from_deepspeeds_18_by_the_partitioned_bf16_weights(llama7b):
+    """DeepSpeed's ZeRO-3 estimator charges 18 bytes/param/N (2 grads16 + 4 grads32 + 4 params32 + 8 Adam) and
+    leaves out the rank's bf16 parameter partition (2P/N), which stage3.py allocates (fp16_partitioned_groups);
+    ours counts it, and the fp32 gradient only per sub-group during the step."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    P, N, largest = llama7b.params, 8, llama7b.largest_layer_params
+    _, ds_gpu, ds_largest = estimate_zero3_model_states_mem_needs(P, largest, num_gpus_per_node=N, cpu_offload=False)
+    s = zero_states(P, Job(seq_len=8), parse_strategy("zero3"), dp=N, hidden=4096, largest_layer=largest)
+    ours_sharded = s.parameters + s.gradients + s.step_transient + s.master + s.optimizer
+    assert ours_sharded - 2 * P / N == pytest.approx(ds_gpu - ds_largest, rel=1e-6)
+
+
+def test_offload_moves_sixteen_bytes_per_parameter_to_host_ram_per_node(llama7b):
+    hw = parse_hardware("8xA100-80GB")
+    b = estimate_memory(llama7b, parse_strategy("zero2-offload"), Job(seq_len=1024), hw)
+    # fp32 master 4 + Adam 8 + fp32 grads 4, over 8 ranks, 8 ranks per node.
+    assert b.cpu_bytes_per_node == pytest.approx(16 * llama7b.params, rel=1e-6)
+
+
+def test_more_gpus_shrink_zero3_but_not_ddp(llama7b):
+    job = Job(seq_len=1024)
+    z8 = estimate_memory(llama7b, parse_strategy("zero3"), job, parse_hardware("8xH100"))
+    z16 = estimate_memory(llama7b, parse_strategy("zero3"), job, parse_hardware("2x8xH100"))
+    d8 = estimate_memory(llama7b, parse_strategy("ddp"), job, parse_hardware("8xH100"))
+    d16 = estimate_memory(llama7b, parse_strategy("ddp"), job, parse_hardware("2x8xH100"))
+    assert z16.optimizer_bytes * 2 == pytest.approx(z8.optimizer_bytes, rel=1e-9)
+    assert d16.peak_bytes == d8.peak_bytes
+
+
+def test_required_adds_context_and_margin_to_the_peak(llama7b):
+    b = estimate_memory(llama7b, parse_strategy("zero3"), Job(seq_len=2048), parse_hardware("8xH100"))
+    assert b.required_bytes == b.peak_bytes + b.context_bytes + b.margin_bytes
+    assert b.capacity_bytes == pytest.approx(79.1 * GIB, rel=0.01)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2, no traceback
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["no-such-model"], "unknown model"),
+    (["gpt2", "--gpus", "8xFOO"], "unknown GPU"),
+    (["gpt2", "--gpus", "0xH100"], "zero or negative"),
+    (["gpt2", "--seq", "0"], "--seq must be a positive integer"),
+    (["gpt2", "--micro-batch", "-2"], "--micro-batch must be a positive integer"),
+    (["gpt2", "--strategy", "zero9"], "unknown strategy"),
+    (["gpt2", "--precision", "fp8"], "--precision"),
+    (["gpt2", "--seq", "4096"], "longer than gpt2 allows"),
+    (["--layers", "32"], "needs --layers, --hidden and --heads"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, fragment):
+    assert main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err
+    assert len(err.splitlines()) == 1
+
+
+def test_malformed_config_json_is_refused(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "llama", "hidden_size": ')
+    assert main(["estimate", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_bad_input_in_a_real_process_prints_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "estimate", "gpt2", "--gpus", "8xFOO"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: unknown GPU 'FOO'")

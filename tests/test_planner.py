@@ -1,0 +1,136 @@
+"""The planner: batch arithmetic always holds, refusals say why, the ranking prefers what should win."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.errors import UserError
+from toolkit.hardware import parse_hardware
+from toolkit.modelspec import resolve_model
+from toolkit.plan import load_plan
+from toolkit.planner import Request, plan_candidates, to_plan
+from toolkit.strategy import ALL_STRATEGY_NAMES, parse_strategy
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return resolve_model("gpt2")
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    return resolve_model("llama-2-7b")
+
+
+def test_strategy_names_round_trip():
+    for name in ALL_STRATEGY_NAMES:
+        assert parse_strategy(name).name == name
+
+
+def test_hardware_specs():
+    hw = parse_hardware("2x8xA100-80GB")
+    assert (hw.nodes, hw.gpus_per_node, hw.world_size, hw.gpu.name) == (2, 8, 16, "A100-80GB")
+    assert parse_hardware("8xH100", nodes=4).world_size == 32
+    assert parse_hardware("H100").world_size == 1
+    with pytest.raises(UserError, match="says 2 nodes but --nodes says 3"):
+        parse_hardware("2x8xH100", nodes=3)
+
+
+def test_every_feasible_candidate_meets_the_global_batch_exactly(llama7b):
+    hw = parse_hardware("2x8xH100-80GB")
+    cands = plan_candidates(llama7b, hw, Request(seq_len=2048, global_batch=128))
+    feasible = [c for c in cands if c.feasible]
+    assert len(feasible) >= 8
+    for c in feasible:
+        assert c.job.micro_batch * c.job.grad_accum * c.data_parallel == 128
+        assert c.data_parallel * c.pipeline_stages == 16
+
+
+def test_random_models_clusters_and_batches_hold_the_arithmetic_or_refuse_with_a_reason():
+    rng = random.Random(7)
+    for _ in range(12):
+        layers = rng.choice([2, 3, 5, 8, 12])
+        spec = resolve_model(layers=layers, hidden=rng.choice([256, 512]), heads=4, vocab=1000)
+        hw = parse_hardware(f"{rng.choice([1, 2])}x{rng.choice([1, 2, 3, 4, 8])}xA100-80GB")
+        batch = rng.choice([6, 8, 12, 16, 30, 64])
+        for c in plan_candidates(spec, hw, Request(seq_len=256, global_batch=batch)):
+            if c.feasible:
+                assert c.job.micro_batch * c.job.grad_accum * c.data_parallel == batch
+                plan = to_plan(c, spec, hw, spec.name)  # Plan re-asserts the identity
+                assert plan.world_size == hw.world_size
+                if plan.partition:
+                    assert plan.partition[0] == 0 and plan.partition[-1] == layers
+                    assert all(a < b for a, b in zip(plan.partition, plan.partition[1:]))
+            else:
+                assert c.reason and len(c.reason) > 10
+
+
+def test_a_batch_that_does_not_divide_is_refused_per_strategy(gpt2):
+    cands = plan_candidates(gpt2, parse_hardware("8xA100"), Request(seq_len=512, global_batch=12))
+    ddp = next(c for c in cands if c.strategy.name == "ddp")
+    assert not ddp.feasible
+    assert "global batch 12 does not divide over 8 data-parallel ranks" in ddp.reason
+
+
+def test_stage_counts_that_do_not_split_the_layers_are_refused_with_the_ones_that_do(gpt2):
+    cands = plan_candidates(gpt2, parse_hardware("8xA100"),
+                            Request(seq_len=512, global_batch=64, pipeline_stages=16, strategies=("hybrid",)))
+    assert not cands[0].feasible
+    assert "stage" in cands[0].reason
+
+
+def test_a_model_too_big_for_ddp_says_how_much_it_needs(llama7b):
+    cands = plan_candidates(llama7b, parse_hardware("8xA100-80GB"), Request(seq_len=4096, global_batch=64))
+    ddp = next(c for c in cands if c.strategy.name == "ddp")
+    assert not ddp.feasible
+    assert ddp.reason.startswith("needs ") and "GiB of 79.2 per GPU" in ddp.reason
+
+
+def test_small_model_on_one_node_prefers_data_parallel_over_pipeline(gpt2):
+    cands = plan_candidates(gpt2, parse_hardware("8xH100"), Request(seq_len=1024, global_batch=64))
+    feasible = [c.strategy.name for c in cands if c.feasible]
+    assert feasible.index("ddp") < feasible.index("pipeline")
+    assert feasible.index("zero1") < feasible.index("zero3-offload")
+
+
+def test_offload_is_refused_when_the_node_lacks_host_ram(llama7b):
+    cands = plan_candidates(llama7b, parse_hardware("1xA100-80GB", cpu_ram_gib=64),
+                            Request(seq_len=1024, global_batch=8, strategies=("zero2-offload",)))
+    assert not cands[0].feasible and "host RAM" in cands[0].reason
+
+
+def test_plan_command_writes_files_and_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "plan"
+    argv = ["plan", "gpt2", "--gpus", "2xA100-80GB", "--seq", "512", "--global-batch", "16", "--out", str(out)]
+    assert main(argv) == 0
+    plan = load_plan(out)
+    assert plan.global_batch == 16 and plan.micro_batch * plan.grad_accum * plan.data_parallel == 16
+    assert (out / "accelerate_config.yaml").exists() and (out / "PLAN.md").exists()
+    before = (out / "plan.json").read_text()
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (out / "plan.json").read_text() == before
+    assert main(argv + ["--force"]) == 0
+
+
+def test_plan_json_output_lists_every_candidate(capsys):
+    assert main(["plan", "gpt2", "--gpus", "4xA100", "--seq", "512", "--global-batch", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = {row["strategy"] for row in out["candidates"]}
+    assert {"ddp", "zero1", "zero2", "zero3", "fsdp2", "pipeline", "hybrid"} <= names
+    assert out["chosen"]["feasible"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["plan", "gpt2", "--seq", "512"], "give --global-batch"),
+    (["plan", "gpt2", "--seq", "512", "--global-batch", "0"], "must be a positive integer"),
+    (["plan", "gpt2", "--seq", "512", "--global-batch", "8", "--strategies", "zero7"], "unknown strategy"),
+])
+def test_plan_bad_input_exit_2(capsys, argv, fragment):
+    assert main(argv) == 2
+    assert fragment in capsys.readouterr().err
