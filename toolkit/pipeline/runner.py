@@ -92,6 +92,7 @@ def train_pipeline(plan, args) -> None:
         else:
             engine.load_checkpoint(str(output), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
             start_step = json.loads((output / tag / CHECKPOINT_MARKER).read_text())["step"]
+            load_rng_state(output / tag, rank)
             if rank == 0:
                 print(f"resume: {tag}, continuing at step {start_step + 1} of {total_steps}", flush=True)
 
@@ -100,9 +101,7 @@ def train_pipeline(plan, args) -> None:
               f"{boundaries}, micro-batch {plan.micro_batch} x {plan.grad_accum} micro-batches x "
               f"{plan.data_parallel} = {plan.global_batch} blocks of {plan.seq_len} tokens per step, "
               f"{total_steps} steps", flush=True)
-    if rank == 0:
-        output.mkdir(parents=True, exist_ok=True)
-    log = (output / LOG_FILE).open("a") if rank == 0 else None
+    log = RunLog(output, args.log_dir) if rank == 0 else None
     eval_every = args.eval_steps or args.save_steps
     window_start, window_tokens = time.perf_counter(), 0
     for step in range(start_step + 1, total_steps + 1):
@@ -115,12 +114,9 @@ def train_pipeline(plan, args) -> None:
             peaks = [None] * world
             dist.all_gather_object(peaks, peak_memory_bytes())
             if rank == 0:
-                record = {"step": step, "loss": loss, "lr": engine.get_lr()[0],
-                          "tokens_per_s": round(window_tokens / elapsed, 1),
-                          "peak_gib_per_rank": [round(p / 2**30, 3) for p in peaks]}
-                print(json.dumps(record), flush=True)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+                log.write({"step": step, "loss": loss, "lr": engine.get_lr()[0],
+                           "tokens_per_s": round(window_tokens / elapsed, 1),
+                           "peak_gib_per_rank": [round(p / 2**30, 3) for p in peaks]})
             window_start, window_tokens = time.perf_counter(), 0
         if eval_ds is not None and (step % eval_every == 0 or step == total_steps):
             evaluate(engine, eval_ds, plan, dp_rank, rank, step, log)
@@ -191,10 +187,7 @@ def evaluate(engine, eval_ds, plan, dp_rank: int, rank: int, step: int, log) -> 
         total += engine.eval_batch(batches).item()
     loss = total / n_batches
     if rank == 0:
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
-        print(json.dumps(record), flush=True)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+        log.write({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))})
 
 
 def save_checkpoint(engine, output: Path, step: int, rank: int, keep: int | None) -> None:
@@ -204,6 +197,7 @@ def save_checkpoint(engine, output: Path, step: int, rank: int, keep: int | None
 
     tag = f"checkpoint-{step}"
     engine.save_checkpoint(str(output), tag=tag)
+    torch.save(rng_state(), output / tag / f"rng_state_rank{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
         (output / tag / CHECKPOINT_MARKER).write_text(json.dumps({"step": step}) + "\n")
@@ -211,6 +205,54 @@ def save_checkpoint(engine, output: Path, step: int, rank: int, keep: int | None
             for old in sorted(complete_checkpoints(output))[:-keep]:
                 shutil.rmtree(output / f"checkpoint-{old}", ignore_errors=True)
     dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def load_rng_state(checkpoint: Path, rank: int) -> None:
+    """Each rank's random state as saved (dropout masks continue as in an uninterrupted run)."""
+    path = checkpoint / f"rng_state_rank{rank:05d}.pt"
+    if path.is_file():
+        state = torch.load(path, weights_only=True)
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+class RunLog:
+    """Rank 0's log: a JSON line per record on stdout and in OUTPUT/pipeline_log.jsonl, and TensorBoard scalars
+    in log_dir (default OUTPUT/runs) when tensorboard is installed."""
+
+    def __init__(self, output: Path, log_dir: str | None):
+        output.mkdir(parents=True, exist_ok=True)
+        self.file = (output / LOG_FILE).open("a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(log_dir or str(output / "runs"))
+        except ImportError:
+            self.board = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+        if self.board is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.board.add_scalar(f"{'eval' if key.startswith('eval') else 'train'}/{key}", value,
+                                          record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.board is not None:
+            self.board.close()
 
 
 def complete_checkpoints(output: Path) -> list[int]:
