@@ -93,7 +93,10 @@ def first_line(exc: BaseException) -> str:
         except Exception:  # noqa: BLE001 - fall back to the text
             pass
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
+    lines = text.splitlines()
+    # transformers/accelerate list mismatches as "- ds key=value vs hf arg=value" lines under a heading
+    details = [line.strip()[2:] for line in lines[1:] if line.strip().startswith("- ")]
+    return lines[0] + (" " + "; ".join(details) if details else "")
 
 
 # --- DeepSpeed -------------------------------------------------------------------------------------------------------
