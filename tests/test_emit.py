@@ -49,6 +49,9 @@ def test_emitted_files_pass_accelerate_and_deepspeed(tmp_path, name, precision):
     assert ("slurm.sbatch" in names and "hostfile" in names) == (plan.num_machines > 1)
     assert ("ds_config.json" in names) == (plan.engine in ("deepspeed", "pipeline"))
 
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    assert isinstance(load_config_from_file(str(tmp_path / "accelerate_config.yaml")), ClusterConfig)
     args = accelerate_launch_check(tmp_path / "accelerate_config.yaml")
     assert args.num_processes == plan.world_size
     if "ds_config.json" in names:
@@ -255,3 +258,18 @@ def test_random_plans_always_multiply_or_are_refused(tmp_path):
             assert parsed.train_batch_size == parsed.train_micro_batch_size_per_gpu \
                 * parsed.gradient_accumulation_steps * plan.data_parallel
     assert accepted > 20
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp2", "zero2-offload"])
+def test_single_gpu_plans_launch_as_one_process(tmp_path, strategy):
+    plan = reference_plan(strategy, nodes=1, gpus_per_node=1, micro=1, accum=4)
+    emit_files(plan, tmp_path)
+    args = accelerate_launch_check(tmp_path / "accelerate_config.yaml")
+    assert args.num_processes == 1 and not args.multi_gpu
+    if plan.engine == "deepspeed":
+        validate_ds_config_for_plan(load(tmp_path, "ds_config.json"), plan)
+
+
+def test_hosts_must_name_every_node(tmp_path):
+    with pytest.raises(UserError, match="one per node"):
+        emit_files(plan_for("hybrid", "bf16"), tmp_path, hosts=["only-one"])

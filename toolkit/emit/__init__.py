@@ -22,6 +22,7 @@ from toolkit.emit.accelerate import accelerate_yaml, ds_config_reference
 from toolkit.emit.deepspeed import ds_config
 from toolkit.emit.explain import plan_md
 from toolkit.emit.launch import default_hosts, hostfile, launch_sh, slurm_sbatch
+from toolkit.errors import UserError
 from toolkit.fileio import refuse_overwrite, write_atomic
 from toolkit.plan import Plan
 
@@ -41,7 +42,6 @@ def render_files(plan: Plan, out_dir: str | Path, *, candidates: list[dict[str, 
             ref = ds_config_reference(Path(out_dir), relative_paths)
     hosts = hosts or default_hosts(plan)
     if len(hosts) != plan.num_machines:
-        from toolkit.errors import UserError
         raise UserError(f"{len(hosts)} host(s) given for a plan of {plan.num_machines} nodes; give one per node")
     files["accelerate_config.yaml"] = (accelerate_yaml(plan, ds_config_ref=ref, main_host=hosts[0]), READABLE)
     if plan.num_machines == 1:
