@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from toolkit.emit.deepspeed import ds_zero_stage
 from toolkit.emit.launch import batch_arithmetic
 from toolkit.plan import Plan
 
@@ -32,6 +33,11 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
     if plan.engine == "pipeline":
         lines.append(f"- {plan.pipeline_stages} stages x {plan.data_parallel} data-parallel; decoder layers split at "
                      f"{plan.partition}; 1F1B schedule with {plan.grad_accum} micro-batches per step")
+        lines.append("- accelerate only starts the processes; toolkit.train runs DeepSpeed's pipeline engine with "
+                     "ds_config.json (no \"auto\" values: nothing would fill them)")
+        if ds_zero_stage(plan) != plan.zero_stage:
+            lines.append(f"- ds_config.json uses ZeRO-{ds_zero_stage(plan)} with fp32 gradient accumulation: "
+                         "DeepSpeed's bf16 pipeline path needs it (bf16 accumulation is not numerically safe)")
     lines += [f"- notes: {note}" for note in plan.notes]
     lines += ["", "## Batch", "", f"    {batch_arithmetic(plan)}",
               f"    = {plan.tokens_per_step:,} tokens per optimizer step", ""]

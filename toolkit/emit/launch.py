@@ -33,7 +33,8 @@ def summary_line(plan: Plan) -> str:
 
 def batch_arithmetic(plan: Plan) -> str:
     """The batch identity in words, e.g. "micro 4 x accum 8 x dp 16 = 512 sequences of 4096 tokens"."""
-    stages = f" (x {plan.pipeline_stages} pipeline stages)" if plan.pipeline_stages > 1 else ""
+    stages = (f"; {plan.pipeline_stages} pipeline stages x dp {plan.data_parallel} = {plan.world_size} GPUs"
+              if plan.pipeline_stages > 1 else "")
     return (f"micro {plan.micro_batch} x accum {plan.grad_accum} x dp {plan.data_parallel} = "
             f"{plan.global_batch} sequences of {plan.seq_len} tokens per step{stages}")
 
