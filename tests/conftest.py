@@ -1,0 +1,86 @@
+"""Shared fixtures: a tiny real-architecture model, the stdlib corpus, and plans + emitted configs built from them.
+
+No hub access anywhere: models and tokenizers are made locally by toolkit.tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Llama, 2 layers, hidden 64, 256 positions, random weights, a 512-token BPE tokenizer trained locally."""
+    from toolkit import tiny
+
+    return tiny.make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), layers=2, hidden=64,
+                                corpus_chars=100_000)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory) -> Path:
+    from toolkit import tiny
+
+    return tiny.make_tiny_model("gpt2", tmp_path_factory.mktemp("tiny-gpt2"), layers=2, hidden=64,
+                                corpus_chars=100_000)
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """train.txt + validation.txt of standard-library docstrings (about 60 KB)."""
+    from toolkit import tiny
+
+    return tiny.write_corpus(tmp_path_factory.mktemp("corpus"), max_chars=60_000)
+
+
+class TrainRun:
+    """One finished `toolkit.train` run: exit code, output, and what each rank reported."""
+
+    def __init__(self, proc, output: Path, summary_dir: Path):
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.output = output
+        self.ranks = [json.loads(p.read_text()) for p in sorted(summary_dir.glob("rank*.json"))]
+
+    def losses(self, rank: int = 0) -> dict[int, float]:
+        """Training loss by optimizer step (logging every step)."""
+        return {e["step"]: e["loss"] for e in self.ranks[rank]["log_history"] if "loss" in e}
+
+    def check(self) -> "TrainRun":
+        assert self.returncode == 0, f"training failed ({self.returncode}):\n{self.stdout[-3000:]}\n{self.stderr[-6000:]}"
+        return self
+
+
+@pytest.fixture(scope="session")
+def run_training(tmp_path_factory):
+    """Emit a plan's files and run toolkit.train on it: `accelerate launch` for several processes, plain python
+    for one. Returns a TrainRun; pass the same `output` twice (with --resume) to continue a run."""
+    from toolkit.launch import emit_plan_files, launch_command
+
+    def run(plan, name: str, *train_argv: str, output: Path | None = None, timeout: int = 300) -> TrainRun:
+        base = tmp_path_factory.mktemp(name)
+        plan_dir = emit_plan_files(plan, base / "plan")
+        output = output or base / "out"
+        summary_dir = base / "ranks"
+        argv = ["--output", str(output), *train_argv]
+        if plan.world_size > 1:
+            command = launch_command(plan_dir, argv)
+        else:
+            command = [sys.executable, "-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *argv]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOOLKIT_RANK_SUMMARY_DIR": str(summary_dir),
+               "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        return TrainRun(proc, output, summary_dir)
+
+    return run

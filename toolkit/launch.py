@@ -1,0 +1,118 @@
+"""`toolkit launch PLAN_DIR [-- TRAIN ARGS]`: run a plan's training on this node, or rehearse it on CPU first.
+
+One node: prints and runs `accelerate launch --config_file DIR/accelerate_config.yaml -m toolkit.train --plan
+DIR/plan.json ...`. Several nodes: prints each node's command and the SLURM route (sbatch DIR/slurm.sbatch), and
+submits nothing. `--rehearse`: the plan's exact strategy on 2 CPU processes over gloo (4 for hybrid) with a tiny
+model of the same architecture, a locally trained tokenizer and the standard-library corpus, for a few steps:
+problems show up (exit code and message) before GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from toolkit.errors import UserError
+from toolkit.plan import Plan, load_plan
+
+ACCELERATE_CONFIG = "accelerate_config.yaml"
+
+
+def emit_plan_files(plan: Plan, out_dir: str | Path) -> Path:
+    """plan.json + the engine configs for `plan` in out_dir, written by the emitter (toolkit.emit)."""
+    out = Path(out_dir)
+    try:
+        from toolkit.emit import emit_files
+    except ImportError:  # the emitter's front door is not there yet: its two config builders are enough here
+        _emit_minimal(plan, out)
+    else:
+        emit_files(plan, out, force=True)
+    return out
+
+
+def _emit_minimal(plan: Plan, out: Path) -> None:
+    import json
+
+    from toolkit.emit.accelerate import accelerate_yaml
+    from toolkit.emit.deepspeed import ds_config
+    from toolkit.fileio import write_atomic
+
+    ds_file = out / "ds_config.json"
+    write_atomic(out / "plan.json", plan.to_json())
+    write_atomic(out / ACCELERATE_CONFIG, accelerate_yaml(plan, ds_config_ref=str(ds_file.resolve())))
+    if plan.engine in ("deepspeed", "pipeline"):
+        write_atomic(ds_file, json.dumps(ds_config(plan), indent=2) + "\n")
+
+
+def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank: int | None = None,
+                   main_host: str | None = None) -> list[str]:
+    """`accelerate launch` of toolkit.train with the plan's emitted accelerate config."""
+    plan_dir = Path(plan_dir)
+    command = ["accelerate", "launch", "--config_file", str(plan_dir / ACCELERATE_CONFIG)]
+    if machine_rank is not None:
+        command += ["--machine_rank", str(machine_rank)]
+    if main_host is not None:
+        command += ["--main_process_ip", main_host]
+    return command + ["-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *train_argv]
+
+
+def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False) -> int:
+    """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead."""
+    plan_dir = Path(plan_dir)
+    if plan_dir.name == "plan.json":
+        plan_dir = plan_dir.parent
+    plan = load_plan(plan_dir)
+    if not (plan_dir / ACCELERATE_CONFIG).is_file():
+        raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
+                        f"into {plan_dir}")
+    if rehearse:
+        from toolkit.train.rehearsal import rehearse as run_rehearsal
+
+        return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
+    _check_train_argv(plan_dir, train_argv)
+    if plan.num_machines > 1:
+        print(_multi_node_text(plan, plan_dir, train_argv))
+        return 0
+    command = launch_command(plan_dir, train_argv)
+    print("$ " + shlex.join(command), flush=True)
+    if dry_run:
+        return 0
+    return run(command)
+
+
+def run(command: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a launcher command in the foreground; its exit code is ours."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
+    try:
+        return subprocess.run(command, env=full_env).returncode
+    except FileNotFoundError:
+        raise UserError(f"{command[0]} is not on PATH; install accelerate in this environment") from None
+
+
+def _check_train_argv(plan_dir: Path, train_argv: list[str]) -> None:
+    """Catch a typo in the training arguments here rather than in N processes after the model loaded."""
+    from toolkit.train.args import parse_train_args
+
+    if "--plan" in train_argv:
+        raise UserError("pass the plan as `toolkit launch PLAN_DIR`, not --plan in the training arguments")
+    args = parse_train_args(["--plan", str(plan_dir / "plan.json"), *train_argv])
+    data = Path(args.data).expanduser()
+    if (args.data.startswith((".", "/", "~")) or data.suffix) and not data.exists():
+        raise UserError(f"data {args.data} does not exist")
+
+
+def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:
+    lines = [f"plan {plan.strategy} runs on {plan.num_machines} nodes x {plan.gpus_per_node} GPUs; "
+             "nothing was started. Either run on each node (MAIN = the first node's hostname):"]
+    for rank in range(plan.num_machines):
+        command = launch_command(plan_dir, train_argv, machine_rank=rank, main_host="MAIN")
+        lines.append(f"  node {rank}: " + shlex.join(command))
+    sbatch = plan_dir / "slurm.sbatch"
+    lines.append(f"or, under SLURM: sbatch {sbatch} {shlex.join(train_argv)}" + ("" if sbatch.is_file() else " (not emitted yet: run "
+                                                             "`toolkit emit` with this plan)"))
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Workarounds that let the GPU engines run on a machine with no GPU (gloo), measured in REFERENCE.md.
+
+Only the training entry calls these; on a GPU machine every function here is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def exit_process(code: int) -> None:
+    """Leave the process with `code`, tearing down the process group first.
+
+    ZeRO-3 runs sometimes abort at interpreter exit after finishing ("terminate called without an active
+    exception", 3 of 12 runs); destroying the group and leaving with os._exit gave 0 of 8 (REFERENCE.md).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # tearing down must never mask the run's own exit code
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def configure_cpu_state(engine: str):
+    """Create accelerate's shared state over gloo the way each engine needs it on a machine without a GPU.
+
+    Call before TrainingArguments and pass it `accelerator_config={"use_configured_state": True}`; returns the
+    PartialState. What each engine needs (measured, REFERENCE.md "Running the engines on a machine with no GPU"):
+    - ddp: the CPU flag, which gives MULTI_CPU over gloo (the launcher's multi-GPU flag alone would start
+      unsynchronised trainings).
+    - deepspeed: `backend="gloo"` with ACCELERATE_USE_DEEPSPEED (set by `accelerate launch` with a DeepSpeed
+      config); without it accelerate finds no backend and DeepSpeed's batch assertion fails.
+    - fsdp2: gloo, then tell the state it is multi-device; otherwise accelerate silently skips FSDP on CPU.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and engine != "deepspeed":
+        return PartialState(cpu=True)  # one process: nothing to communicate (accelerate refuses a backend here)
+    if engine == "ddp":
+        return PartialState(cpu=True, backend="gloo")
+    if engine == "deepspeed":
+        os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
+        return PartialState(backend="gloo")
+    if engine == "fsdp2":
+        state = PartialState(backend="gloo")
+        if state.num_processes > 1:
+            state.distributed_type = DistributedType.MULTI_GPU
+        return state
+    raise ValueError(f"no CPU state for engine {engine!r}")
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak memory: allocated device memory on a GPU, else the RSS high-water mark."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    # ru_maxrss is KiB on Linux (bytes on macOS).
+    scale = 1 if sys.platform == "darwin" else 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)

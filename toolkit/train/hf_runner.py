@@ -1,0 +1,260 @@
+"""The HF Trainer path: DDP, DeepSpeed ZeRO-1/2/3 (with offload) and FSDP2 plans, configured from plan.json.
+
+Order matters and is the point of this file:
+1. on a machine without a GPU, accelerate's shared state is created over gloo first (toolkit.train.cpu);
+2. TrainingArguments is created before the model, so that for ZeRO-3 its HfDeepSpeedConfig is alive and
+   from_pretrained / from_config build the model partitioned under deepspeed.zero.Init (no full copy per rank);
+3. the Trainer fills the DeepSpeed JSON's "auto" values from these arguments (batch sizes, lr, clipping, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+from toolkit.errors import UserError
+from toolkit.plan import Plan
+from toolkit.train import checkpoints, cpu
+from toolkit.train.args import TrainArgs
+from toolkit.train.data import build_datasets
+from toolkit.train.model import (build_model, check_matches_plan, check_vocab, load_config, load_tokenizer,
+                                 model_source)
+
+# plan.optimizer -> TrainingArguments.optim
+OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
+DS_CONFIG_NAME = "ds_config.json"
+
+
+def plan_dir(args: TrainArgs) -> Path:
+    path = Path(args.plan)
+    return path if path.is_dir() else path.parent
+
+
+def train_hf(plan: Plan, args: TrainArgs) -> int:
+    if plan.engine not in ("ddp", "deepspeed", "fsdp2"):
+        raise UserError(f"plan engine {plan.engine!r} is not one the HF Trainer path runs (ddp, deepspeed, fsdp2)")
+    output = Path(args.output)
+    resume_from = _resume_point(output, args.resume)
+
+    source = model_source(plan, args.model)
+    config = load_config(source)
+    check_matches_plan(config, plan, source)
+    tokenizer = load_tokenizer(args.tokenizer or (source if not Path(source).is_file() else str(Path(source).parent)))
+    check_vocab(config, tokenizer, source)
+
+    state = cpu.configure_cpu_state(plan.engine) if cpu.on_cpu() else None
+    training_args = _training_arguments(plan, args, output, on_cpu=state is not None)
+    _check_world(plan, training_args.world_size)
+    if plan.engine == "deepspeed" and plan.zero_stage == 3:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        # The model must be born partitioned; this holds only while training_args (its HfDeepSpeedConfig) lives.
+        assert is_deepspeed_zero3_enabled(), "ZeRO-3 plan but HfDeepSpeedConfig is not active before model creation"
+
+    from transformers import set_seed
+
+    set_seed(args.seed)  # random init (--random-init, new heads) is the same on every rank and every run
+    model = build_model(source, config, plan, random_init=args.random_init, attention=_attention(plan))
+    train_data, eval_data = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
+                                           seed=args.seed, text_field=args.text_field,
+                                           max_eval_blocks=args.max_eval_blocks)
+    trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data)
+    if state is None or trainer.is_world_process_zero():
+        print(_banner(plan, args, training_args, len(train_data), eval_data), flush=True)
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    if eval_data is not None and trainer.state.global_step % training_args.eval_steps != 0:
+        trainer.evaluate()  # the final model's held-out loss and perplexity, unless the last step just did it
+    trainer.save_state()  # OUTPUT/trainer_state.json: the whole log history (losses, tokens/s, memory)
+    _write_rank_summary(trainer)
+    if not args.no_save_final:
+        save_final(trainer, tokenizer, output)
+    return 0
+
+
+def _resume_point(output: Path, resume: bool) -> Path | None:
+    last = checkpoints.last_complete_checkpoint(output)
+    if resume:
+        if last is None and _is_rank_zero():
+            print(f"note: --resume found no complete checkpoint in {output}; starting from step 0", flush=True)
+        return last
+    if checkpoints.checkpoint_dirs(output):
+        raise UserError(f"output {output} already holds checkpoints; pass --resume to continue that run, "
+                        "or choose another --output")
+    return None
+
+
+def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bool):
+    from transformers import TrainingArguments
+
+    deepspeed = None
+    if plan.engine == "deepspeed":
+        deepspeed = plan_dir(args) / DS_CONFIG_NAME
+        if not deepspeed.is_file():
+            raise UserError(f"plan {args.plan} is a DeepSpeed plan but {deepspeed} is missing; "
+                            "emit it with `toolkit emit` next to plan.json")
+        deepspeed = str(deepspeed)
+    if plan.precision == "fp16" and on_cpu:
+        raise UserError("fp16 cannot run on a CPU (DeepSpeed refuses it and accelerate ignores it); "
+                        "rehearse fp16 plans as bf16 (`toolkit launch --rehearse` does)")
+    report_to = ["tensorboard"] if _has_tensorboard() else []
+    if report_to:
+        os.environ["TENSORBOARD_LOGGING_DIR"] = str(args.log_dir or output / "runs")
+    eval_steps = args.eval_steps or args.save_steps
+    kwargs = dict(
+        output_dir=str(output),
+        per_device_train_batch_size=plan.micro_batch,
+        per_device_eval_batch_size=plan.micro_batch,
+        gradient_accumulation_steps=plan.grad_accum,
+        max_steps=args.max_steps,
+        num_train_epochs=args.epochs,
+        learning_rate=args.lr,
+        lr_scheduler_type=args.lr_scheduler,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        optim=OPTIM.get(plan.optimizer, "adamw_torch"),
+        # bf16-pure loads bf16 weights instead: autocast on top of them would only add copies.
+        # DeepSpeed's bf16 block must match this flag (the Trainer checks), bf16-pure included.
+        bf16=plan.precision == "bf16" or (plan.precision == "bf16-pure" and plan.engine == "deepspeed"),
+        fp16=plan.precision == "fp16",
+        logging_steps=args.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=None,  # rotation is ours: see toolkit.train.checkpoints
+        eval_strategy="steps",  # set to "no" by _make_trainer when the data has no held-out blocks
+        eval_steps=eval_steps,
+        seed=args.seed,
+        data_seed=args.seed,
+        report_to=report_to,
+        deepspeed=deepspeed,
+        dataloader_drop_last=True,
+        remove_unused_columns=False,
+        ddp_find_unused_parameters=False if plan.engine == "ddp" else None,
+        use_cpu=on_cpu,
+    )
+    kwargs.update(_checkpointing_kwargs(plan.checkpointing))
+    if on_cpu:
+        # The state made by configure_cpu_state: without it the Trainer would make its own, without gloo.
+        kwargs["accelerator_config"] = {"use_configured_state": True}
+    if on_cpu and plan.engine == "ddp":
+        kwargs["ddp_backend"] = "gloo"
+    try:
+        return TrainingArguments(**kwargs)
+    except ValueError as exc:
+        raise UserError(f"training arguments rejected: {exc}") from None
+
+
+def _checkpointing_kwargs(enabled: bool) -> dict:
+    """Activation checkpointing of every decoder layer (non-reentrant: works with ZeRO-3 and FSDP2)."""
+    import inspect
+
+    from transformers import TrainingArguments
+
+    # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (the old name warns).
+    name = "activation_checkpointing" if "activation_checkpointing" in inspect.signature(TrainingArguments).parameters \
+        else "gradient_checkpointing"
+    return {name: enabled, f"{name}_kwargs": {"use_reentrant": False} if enabled else None}
+
+
+def _write_rank_summary(trainer) -> None:
+    """Test and debugging hook: with TOOLKIT_RANK_SUMMARY_DIR set, every rank writes what it trained
+    (its log history and a checksum of the parameters it holds), so a test can check that replicas agree."""
+    folder = os.environ.get("TOOLKIT_RANK_SUMMARY_DIR")
+    if not folder:
+        return
+    import json
+
+    import torch
+
+    rank = trainer.args.process_index
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        checksum = sum(float(p.detach().double().abs().sum()) for p in model.parameters())
+        # Every rank runs the forward (ZeRO-3 and FSDP2 gather parameters collectively).
+        probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
+        logits = model(input_ids=probe).logits.float().cpu()
+    model.train(was_training)
+    summary = {"rank": rank, "world": trainer.args.world_size, "global_step": trainer.state.global_step,
+               "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
+               "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist()}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
+
+
+def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data):
+    from transformers import Trainer, default_data_collator
+    from transformers.trainer_utils import IntervalStrategy
+
+    from toolkit.train.callbacks import CheckpointMarker, ThroughputLog
+
+    class PlanTrainer(Trainer):
+        """Adds tokens/s, per-rank peak memory and perplexity to every log line (stdout and TensorBoard)."""
+
+        def log(self, logs, *a, **kw):
+            throughput.add_to(logs, self)
+            if "eval_loss" in logs:
+                logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))
+            super().log(logs, *a, **kw)
+
+    if eval_data is None:
+        training_args.eval_strategy = IntervalStrategy.NO
+    throughput = ThroughputLog(tokens_per_step=plan.global_batch * plan.seq_len)
+    trainer = PlanTrainer(model=model, args=training_args, train_dataset=train_data,
+                          eval_dataset=eval_data if eval_data is not None else None,
+                          data_collator=default_data_collator, processing_class=tokenizer,
+                          callbacks=[CheckpointMarker(args.output, args.save_total_limit)])
+    return trainer
+
+
+def save_final(trainer, tokenizer, output: Path) -> None:
+    """The final model in HF format (ZeRO-3 gathered, FSDP2 full state dict) + tokenizer, loadable by from_pretrained."""
+    accelerator = trainer.accelerator
+    if trainer.is_deepspeed_enabled:
+        # Without this flag a ZeRO-3 save comes out empty (a top user complaint): force the gather for the final save.
+        zero = accelerator.deepspeed_config.get("zero_optimization", {})
+        if zero.get("stage") == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
+            trainer.model_wrapped._config.zero_config.gather_16bit_weights_on_model_save = True
+    if trainer.is_fsdp_enabled:
+        accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    trainer.save_model(str(output))
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(str(output))
+        print(f"saved the trained model and tokenizer to {output} (load with from_pretrained)", flush=True)
+
+
+def _check_world(plan: Plan, world: int) -> None:
+    if world != plan.world_size and _is_rank_zero():
+        print(f"note: running on {world} process(es), the plan was made for {plan.world_size}; the global batch "
+              f"is {plan.micro_batch} x {plan.grad_accum} x {world} = {plan.micro_batch * plan.grad_accum * world}"
+              f" instead of {plan.global_batch}", flush=True)
+
+
+def _attention(plan: Plan) -> str:
+    if plan.attention == "flash_attention_2" and cpu.on_cpu():
+        return "sdpa"  # flash-attention kernels exist only on GPUs; same math
+    return plan.attention
+
+
+def _banner(plan, args, training_args, n_train, eval_data) -> str:
+    return (f"toolkit.train: {plan.strategy} ({plan.engine}), {plan.model_type} {plan.num_layers} layers, "
+            f"seq {plan.seq_len}, micro {plan.micro_batch} x accum {plan.grad_accum} x dp {training_args.world_size}"
+            f" = {plan.micro_batch * plan.grad_accum * training_args.world_size} sequences/step, {plan.precision}, "
+            f"{n_train} train blocks, {len(eval_data) if eval_data is not None else 0} eval blocks")
+
+
+def _is_rank_zero() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _has_tensorboard() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True

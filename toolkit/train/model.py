@@ -1,0 +1,110 @@
+"""Load the model the plan was made for, and refuse a different one with one clear message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.plan import Plan
+
+# Where configs keep the width, in the order HF architectures name it.
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+def model_source(plan: Plan, model: str | None) -> str:
+    return model or plan.model
+
+
+def load_config(source: str):
+    """An HF config from a hub id, a model folder or a config.json path."""
+    from transformers import AutoConfig
+
+    path = Path(source).expanduser()
+    try:
+        if path.is_file():
+            return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" \
+                else _config_from_json(path)
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load the model config from {source}: {_first_line(exc)}") from None
+
+
+def _config_from_json(path: Path):
+    import json
+
+    from transformers import AutoConfig
+
+    data = json.loads(path.read_text())
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def config_value(config: Any, keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if value is not None:
+            return value
+    return None
+
+
+def check_matches_plan(config: Any, plan: Plan, source: str) -> None:
+    """The model to train must be the one the plan's memory and batch arithmetic were computed for."""
+    mismatches = []
+    if config.model_type != plan.model_type:
+        mismatches.append(f"model_type {config.model_type} vs {plan.model_type}")
+    layers = config_value(config, _LAYER_KEYS)
+    if layers != plan.num_layers:
+        mismatches.append(f"{layers} layers vs {plan.num_layers}")
+    hidden, planned_hidden = config_value(config, _HIDDEN_KEYS), config_value(plan.model_config, _HIDDEN_KEYS)
+    if planned_hidden is not None and hidden != planned_hidden:
+        mismatches.append(f"hidden size {hidden} vs {planned_hidden}")
+    if mismatches:
+        raise UserError(f"model {source} is not the model the plan was made for ({plan.model}): "
+                        f"{'; '.join(mismatches)}; re-plan for this model or pass the planned --model")
+    max_positions = config_value(config, _POSITION_KEYS)
+    if max_positions is not None and plan.seq_len > max_positions:
+        raise UserError(f"plan sequence length {plan.seq_len} is longer than model {source} supports "
+                        f"({max_positions} positions); re-plan with --seq {max_positions} or less")
+
+
+def load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load a tokenizer from {source}: {_first_line(exc)}; pass --tokenizer") from None
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"tokenizer {source} has no EOS token to separate packed documents; pass --tokenizer")
+    return tokenizer
+
+
+def check_vocab(config: Any, tokenizer: Any, source: str) -> None:
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but model {source} embeds only {vocab}; "
+                        "use the model's own tokenizer")
+
+
+def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, attention: str):
+    """Create the model. Under ZeRO-3 the caller must keep TrainingArguments(deepspeed=...) alive first, so
+    transformers' HfDeepSpeedConfig makes from_pretrained / from_config partition under deepspeed.zero.Init."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # bf16-pure trains bf16 weights (and optimizer states); mixed precision keeps fp32 master weights.
+    dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
+    kwargs = dict(dtype=dtype, attn_implementation=attention)
+    try:
+        if random_init or Path(source).expanduser().is_file():
+            return AutoModelForCausalLM.from_config(config, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
+    except (OSError, ValueError, ImportError) as exc:
+        raise UserError(f"cannot load model {source}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
