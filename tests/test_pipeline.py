@@ -164,8 +164,9 @@ def test_two_stage_gpt2_matches_single_process_losses_and_weights(assets, gpt2_t
     assert_curves_match(logged_losses(out), losses, 1e-3)
     # The tied embedding trained on both stages: its update used the sum of the embedding's and the head's
     # gradients, as in HF, so every weight moved as in the single-process run. Compared as updates (trained -
-    # initial), relative to the update's size: Adam turns rounding-level gradient differences into updates of up
-    # to lr per element, whereas one stage's share of the tied gradient alone gives a different direction.
+    # initial), relative to the update's size. Measured: 5e-5 here; 1.3e-2 when gradient clipping used stage 0's
+    # gradient norm alone (DeepSpeed's ZeRO-0 path, fixed in convert.build_pipeline); 1.0 when each copy of the
+    # tied weight trains on its own stage's gradient only.
     from transformers import AutoModelForCausalLM
 
     initial = AutoModelForCausalLM.from_pretrained(assets["gpt2"], dtype=torch.float32).state_dict()
@@ -174,7 +175,7 @@ def test_two_stage_gpt2_matches_single_process_losses_and_weights(assets, gpt2_t
     assert "transformer.wte.weight" in trained
     for name, tensor in trained.items():
         ours, theirs = tensor - initial[name], ref_state[name] - initial[name]
-        assert (ours - theirs).norm() <= 0.05 * theirs.norm(), name
+        assert (ours - theirs).norm() <= 1e-3 * theirs.norm(), name
 
 
 @pytest.mark.multiprocess

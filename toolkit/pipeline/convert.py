@@ -286,8 +286,16 @@ def build_pipeline(source: Source, boundaries: list[int], *, topology=None, num_
             self.parts = parts
             self._set_bounds(start=parts[self.stage_id], stop=parts[self.stage_id + 1])
 
-    return HFPipelineModule(specs, num_stages=None if topology is not None else stages, topology=topology,
+    pipe = HFPipelineModule(specs, num_stages=None if topology is not None else stages, topology=topology,
                             loss_fn=CausalLMLoss(source.config.vocab_size), partition_method="uniform")
+    # Gradient clipping without ZeRO (engine.clip_fp32_gradients -> runtime.utils.clip_grad_norm_) counts a
+    # parameter on stages other than the first only when it is marked model-parallel, so unmarked it clips by
+    # stage 0's gradient norm alone. Marking every parameter, except the second copy of a tied weight, makes the
+    # norm the whole model's, as in HF. ZeRO-1 and the bf16 optimizer count every stage already; the mark does
+    # not change them (they also skip ds_pipe_replicated copies).
+    for p in pipe.parameters():
+        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+    return pipe
 
 
 def hf_state_dict(pipe: nn.Module) -> dict[str, torch.Tensor]:

@@ -279,8 +279,8 @@ def peak_memory_bytes() -> int:
 
 
 def read_ds_config(plan, args) -> dict[str, Any]:
-    """DIR/ds_config.json beside plan.json, checked against the plan; gradient clipping from --max-grad-norm
-    unless the JSON states it."""
+    """DIR/ds_config.json beside plan.json, checked against the plan and the flags; --max-grad-norm fills
+    gradient_clipping when the JSON leaves it out, and must agree with it otherwise."""
     plan_path = Path(args.plan)
     path = (plan_path if plan_path.is_dir() else plan_path.parent) / "ds_config.json"
     try:
@@ -308,7 +308,10 @@ def read_ds_config(plan, args) -> dict[str, Any]:
     want = plan.precision
     if (want.startswith("bf16") and not bf16) or (want == "fp16" and not fp16) or (want == "fp32" and (bf16 or fp16)):
         raise UserError(f"{path} precision (bf16 {bf16}, fp16 {fp16}) does not match the plan's {want}; re-emit it")
-    config.setdefault("gradient_clipping", args.max_grad_norm)
+    clipping = config.setdefault("gradient_clipping", args.max_grad_norm)
+    if clipping != args.max_grad_norm:
+        raise UserError(f"{path} sets gradient_clipping {clipping} but --max-grad-norm is {args.max_grad_norm}; "
+                        "make them agree (as the HF Trainer path requires)")
     config.setdefault("steps_per_print", 10**9)
     return config
 
