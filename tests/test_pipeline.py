@@ -37,6 +37,7 @@ def assets(tmp_path_factory):
     return {
         "gpt2": make_tiny_model("gpt2", root / "gpt2", corpus_chars=50_000, **no_dropout),
         "llama": make_tiny_model("llama", root / "llama", corpus_chars=50_000),  # 4 heads, 2 KV heads: GQA
+        "qwen2_tied": make_tiny_model("qwen2", root / "qwen2_tied", corpus_chars=50_000, tie_word_embeddings=True),
         "data": write_corpus(root / "data", max_chars=60_000),
         "root": root,
     }
@@ -230,3 +231,14 @@ def test_hybrid_bf16_matches_single_process_losses(assets):
     launch(plan_dir, plan, assets["llama"], assets["data"], out, "--save-steps", "100", "--no-save-final")
     losses, _ = reference_run(assets["llama"], assets["data"], plan.global_batch)
     assert_curves_match(logged_losses(out), losses, 1e-2)
+
+
+@pytest.mark.multiprocess
+def test_four_stages_with_embeddings_tied_across_the_pipeline_match_single_process(assets):
+    """Middle stages that only receive and send, and a weight tied between stage 0 and stage 3 (Qwen2)."""
+    plan = make_plan(assets["qwen2_tied"], stages=4, dp=1, micro=1, accum=4)
+    plan_dir = write_plan_dir(assets["root"] / "plan_four", plan, zero_stage=0)
+    out = assets["root"] / "run_four"
+    launch(plan_dir, plan, assets["qwen2_tied"], assets["data"], out, "--save-steps", "100", "--no-save-final")
+    losses, _ = reference_run(assets["qwen2_tied"], assets["data"], plan.global_batch)
+    assert_curves_match(logged_losses(out), losses, 1e-3)
