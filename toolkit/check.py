@@ -482,12 +482,17 @@ def check_paths(paths: list[str], *, gpus: tuple[int, int] | None = None) -> lis
 
 
 def parse_gpus(text: str) -> tuple[int, int]:
-    """"8" (one node of 8) or "2x8" (2 nodes of 8) -> (nodes, gpus per node)."""
+    """"8" (one node of 8), "2x8" (2 nodes of 8) or a GPU spec "2x8xH100" -> (nodes, gpus per node)."""
     parts = text.lower().split("x")
     try:
         numbers = [int(p) for p in parts]
     except ValueError:
         numbers = []
+    if not numbers:  # a GPU spec with a type (8xH100-80GB): the grid is its node and GPU counts
+        from toolkit.hardware import parse_hardware
+
+        hw = parse_hardware(text)
+        return hw.nodes, hw.gpus_per_node
     if len(numbers) == 1:
         numbers = [1, numbers[0]]
     if len(numbers) != 2 or min(numbers) < 1:

@@ -283,8 +283,8 @@ def cmd_check(args) -> int:
     if args.model:
         from toolkit.planner import fit_problems
 
-        fit = lambda plan_like: fit_problems(plan_like, model=args.model, gpus=args.gpus)  # noqa: E731
-    return main_check(args.files, fit=fit)
+        fit = lambda path: fit_problems(path, model=args.model, gpus=args.gpus, seq_len=args.seq)  # noqa: E731
+    return main_check(args.files, model=args.model, gpus=args.gpus, fit=fit)
 
 
 def cmd_launch(args) -> int:
@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="check accelerate YAML / DeepSpeed JSON / plan dirs")
     p.add_argument("files", nargs="+")
     p.add_argument("--model", help="also check the fit of this model")
-    p.add_argument("--gpus", help="GPU spec for the fit check")
+    p.add_argument("--gpus", help="GPU spec, e.g. 8xH100-80GB (process counts; with --model, the fit)")
+    p.add_argument("--seq", type=int, help="sequence length for the fit check (plan dirs carry their own)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("launch", help="run (or rehearse on CPU) an emitted plan")

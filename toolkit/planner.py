@@ -280,3 +280,90 @@ def _jsonable(obj: Any) -> Any:
     import json
 
     return json.loads(json.dumps(obj, default=str))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `toolkit check --model M --gpus SPEC`: does the model fit the configuration a file describes?
+
+
+def _strategy_from_ds(ds: dict[str, Any]) -> Strategy:
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0) or 0)
+    opt_dev = (zero.get("offload_optimizer") or {}).get("device", "none") or "none"
+    par_dev = (zero.get("offload_param") or {}).get("device", "none") or "none"
+    if stage == 0:
+        return Strategy("ddp")
+    return Strategy(f"zero{stage}", offload_optimizer=opt_dev if opt_dev in ("cpu", "nvme") else "none",
+                    offload_params=par_dev if par_dev in ("cpu", "nvme") else "none")
+
+
+def _int_or(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and value > 0 else default
+
+
+def _settings_of(path: str) -> dict[str, Any]:
+    """Strategy, micro-batch, accumulation and precision a plan dir / DeepSpeed JSON / accelerate YAML states."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from toolkit.plan import load_plan
+
+    p = Path(path)
+    if p.is_dir() or p.name == "plan.json":
+        plan = load_plan(p)
+        return dict(strategy=parse_strategy(plan.strategy), micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+                    precision=plan.precision, seq_len=plan.seq_len, stages=plan.pipeline_stages,
+                    partition=plan.partition, checkpointing=plan.checkpointing)
+    text = p.read_text()
+    if p.suffix == ".json":
+        ds = json.loads(text)
+        precision = "bf16" if (ds.get("bf16") or {}).get("enabled") is True else \
+            "fp16" if (ds.get("fp16") or {}).get("enabled") is True else "fp32"
+        return dict(strategy=_strategy_from_ds(ds), micro_batch=_int_or(ds.get("train_micro_batch_size_per_gpu"), 1),
+                    grad_accum=_int_or(ds.get("gradient_accumulation_steps"), 1), precision=precision)
+    cfg = yaml.safe_load(text) or {}
+    ds_file = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if ds_file:
+        ds_path = Path(ds_file) if Path(ds_file).is_absolute() else p.parent / ds_file
+        if ds_path.is_file():
+            return _settings_of(str(ds_path))
+    precision = {"bf16": "bf16", "fp16": "fp16"}.get(str(cfg.get("mixed_precision", "no")), "fp32")
+    if cfg.get("distributed_type") == "FSDP":
+        fsdp = cfg.get("fsdp_config") or {}
+        mode = "full" if fsdp.get("fsdp_reshard_after_forward", True) in (True, "FULL_SHARD") else "grad_op"
+        return dict(strategy=Strategy("fsdp2", fsdp_mode=mode), micro_batch=1, grad_accum=1, precision=precision)
+    return dict(strategy=Strategy("ddp"), micro_batch=1, grad_accum=1, precision=precision)
+
+
+def fit_problems(path: str, *, model: str, gpus: str | None, seq_len: int | None = None) -> list[str]:
+    """One line per GPU (or host) that the described configuration would overflow with `model`."""
+    from toolkit.hardware import parse_hardware
+    from toolkit.modelspec import resolve_model
+
+    if not gpus:
+        raise UserError("--model needs --gpus with a GPU type, e.g. --gpus 8xH100-80GB")
+    try:
+        s = _settings_of(path)
+    except (OSError, ValueError) as exc:
+        return [f"cannot read the settings for the fit check: {exc}"]
+    hw = parse_hardware(gpus)
+    spec = resolve_model(model)
+    seq = seq_len or s.get("seq_len") or min(spec.max_positions or 2048, 2048)
+    job = Job(seq_len=seq, micro_batch=s["micro_batch"], grad_accum=s["grad_accum"], precision=s["precision"],
+              checkpointing=bool(s.get("checkpointing", False)))
+    stages = s.get("stages", 1)
+    partition = s.get("partition")
+    if s["strategy"].is_pipeline and partition is None:
+        partition = _partition(spec, stages)
+    memory = estimate_memory(spec, s["strategy"], job, hw, pipeline_stages=stages, partition=partition)
+    problems = []
+    if not memory.fits:
+        problems.append(f"{spec.name} with {s['strategy'].name}, micro-batch {job.micro_batch}, seq {seq}: needs "
+                        f"{memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU "
+                        f"(run `toolkit plan {model} --gpus {gpus} --seq {seq} ...` for one that fits)")
+    if memory.cpu_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
+        problems.append(f"offload needs {memory.cpu_bytes_per_node / GIB:.0f} GiB host RAM per node of "
+                        f"{hw.cpu_ram_bytes_per_node / GIB:.0f}")
+    return problems
