@@ -96,6 +96,13 @@ class Source:
             return None
         return type(self.skeleton.get_submodule(self.family.rotary))(config=self.config)
 
+    def rotary_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """(cos, sin) for these positions, from the rotary module moved once to the stage's device."""
+        rotary = self.rotary
+        if rotary.inv_freq.device != hidden.device:
+            rotary.to(hidden.device)
+        return rotary(hidden, position_ids)
+
     @cached_property
     def _files(self) -> dict[str, Path]:
         """Tensor name -> safetensors file holding it."""
@@ -209,7 +216,7 @@ class DecoderLayerPipe(nn.Module):
         position_ids = _positions(hidden)
         extra = {}
         if self.source.rotary is not None:
-            extra["position_embeddings"] = self.source.rotary(hidden, position_ids)
+            extra["position_embeddings"] = self.source.rotary_embeddings(hidden, position_ids)
         out = self.layer(hidden, attention_mask=self.source.attention_mask(self.index, hidden, position_ids),
                          position_ids=position_ids, **extra)
         return out[0] if isinstance(out, tuple) else out

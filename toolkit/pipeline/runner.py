@@ -46,6 +46,9 @@ def train_pipeline(plan, args) -> None:
     model_dir, weights = resolve_model(args.model or plan.model, random_init=args.random_init)
     config = AutoConfig.from_pretrained(model_dir)
     num_layers = config.get_text_config().num_hidden_layers
+    if plan.num_layers and plan.num_layers != num_layers:
+        raise UserError(f"the plan was made for a model with {plan.num_layers} layers ({plan.model}) but "
+                        f"{model_dir} has {num_layers}; re-plan for this model")
     check_stage_count(num_layers, stages, plan.world_size)
     boundaries = list(plan.partition) if plan.partition else balanced_partition([1.0] * num_layers, stages)
     check_partition(boundaries, num_layers, stages)
