@@ -36,7 +36,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTIONS = ("eager", "sdpa", "flash_attention_2")
 DEVICE_KINDS = ("cpu", "cuda")
 # Registered with transformers for the duration of a flash-attention trace (flash kernels cannot run on CPU).
-_FLASH_STANDIN = "toolkit_flash_standin"
+_FLASH_STANDIN = "toolkit_fa2_standin"  # no "flash" in the name: transformers would try to import the kernel
 
 
 def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
@@ -202,7 +202,8 @@ class _StorageLog:
         return [0, *accumulate(0 if s in excluded else d for s, d in self.events)]
 
 
-def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copy_ids: set[int]):
+def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copy_ids: set[int | None]):
+    """Logs storages; puts the serials of casts of parameters (autocast weight copies) in autocast_copy_ids."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -218,8 +219,9 @@ def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copy_ids: set
                     st = t.untyped_storage()
                     if id(st) not in inputs:  # not a view or in-place result of something already known
                         log.note(st)
-            if func is to_copy and isinstance(args[0], torch.Tensor) and id(args[0].untyped_storage()) in param_ids:
-                autocast_copy_ids.add(id(out.untyped_storage()))
+            if (func is to_copy and isinstance(args[0], torch.Tensor)
+                    and id(args[0].untyped_storage()) in param_ids):
+                autocast_copy_ids.add(log.serial_of(out.untyped_storage()))
             return out
 
     return Recorder()
@@ -266,7 +268,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
 
         log = _StorageLog()
         param_ids = {id(p.untyped_storage()) for p in model.parameters()}
-        autocast_copy_ids: set[int] = set()
+        autocast_copy_ids: set[int | None] = set()
         regions = {name: _Region() for name in ("embedding", *(f"layer{i}" for i in range(n)), "head")}
         state = {"region": "embedding", "phase": "forward"}
         charged: set = set()
@@ -282,7 +284,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
                 return
             charged.add(ident)
             region = regions[region_name or state["region"]]
-            if key in autocast_copy_ids:
+            if serial is not None and serial in autocast_copy_ids:
                 region.autocast_copy_bytes += st.nbytes()
             else:
                 region.saved_bytes += st.nbytes()
@@ -425,6 +427,7 @@ def _trace_environment(attention: str, device_kind: str, notes: list[str]):
         return original_find(position_ids)
 
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    grouped_mm_patch = _grouped_mm_fake_fix()
     F = torch.nn.functional
     original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
     attn_impl = attention
@@ -438,7 +441,38 @@ def _trace_environment(attention: str, device_kind: str, notes: list[str]):
         yield attn_impl
     finally:
         masking_utils.find_packed_sequence_indices = original_find
+        if grouped_mm_patch is not None:
+            grouped_mm_patch()
         F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
+
+
+def _grouped_mm_fake_fix():
+    """MoE experts run as grouped matrix multiplies over all routed tokens (transformers' default experts
+    implementation), so their footprint does not depend on the routing. torch's fake kernel for grouped_mm accepts
+    only bfloat16 where the real CPU kernel also takes float32: route other dtypes through transformers' own
+    fallback op, which saves the same tensors. Returns an undo function, or None when there is nothing to patch."""
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:
+        return None
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        return None
+    from torch._subclasses.fake_tensor import FakeTensor
+    import torch
+
+    original = moe._can_use_grouped_mm
+
+    def can_use_grouped_mm(input, weight, offs):
+        if isinstance(weight, FakeTensor) and weight.dtype != torch.bfloat16:
+            return False
+        return original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use_grouped_mm
+
+    def undo():
+        moe._can_use_grouped_mm = original
+
+    return undo
 
 
 def _attention_kernel_function():

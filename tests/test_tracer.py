@@ -1,0 +1,199 @@
+"""The activation tracer against bytes measured on real tensors (CPU, tiny models of real architectures)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from toolkit.livebytes import measure_saved_bytes, peak_step_bytes
+from toolkit.tiny import tiny_config
+from toolkit.tracer import trace_activations
+
+TOLERANCE = 0.03
+
+
+def _measure(config, *, dtype: str, autocast: bool, attention: str, checkpointing: bool, micro_batch: int,
+             seq_len: int):
+    compute = getattr(torch, dtype)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if autocast else compute,
+                                             attn_implementation=attention)
+    model.train()
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+    measured, loss = measure_saved_bytes(model, {"input_ids": ids, "labels": ids},
+                                         autocast_dtype=compute if autocast else None)
+    loss.backward()
+    return measured, ids.nbytes
+
+
+def _trace(config, **kw):
+    return trace_activations(config, device_kind=kw.pop("device_kind", "cpu"), **kw)
+
+
+def _close(predicted: int, measured: int) -> bool:
+    return abs(predicted - measured) <= TOLERANCE * measured
+
+
+CASES = [
+    # arch, dtype, autocast, attention, checkpointing, micro_batch, seq_len
+    ("llama", "float32", False, "eager", False, 2, 64),
+    ("llama", "bfloat16", False, "sdpa", False, 1, 256),
+    ("llama", "bfloat16", True, "sdpa", False, 4, 32),
+    ("llama", "bfloat16", False, "sdpa", True, 2, 128),
+    ("gpt2", "float32", False, "sdpa", False, 2, 64),
+    ("gpt2", "bfloat16", True, "eager", True, 1, 128),
+    ("gpt2", "bfloat16", False, "eager", False, 3, 64),
+    ("opt", "bfloat16", False, "sdpa", False, 2, 128),
+    ("opt", "float32", False, "eager", True, 2, 64),
+    ("qwen2", "bfloat16", True, "eager", False, 2, 64),
+    ("qwen2", "float32", False, "sdpa", True, 1, 64),
+    ("gemma2", "float32", False, "eager", False, 2, 64),
+    ("gemma2", "bfloat16", True, "eager", True, 1, 128),
+    ("mistral", "bfloat16", False, "eager", False, 2, 128),
+    ("mistral", "bfloat16", True, "sdpa", True, 4, 64),
+]
+
+
+@pytest.mark.parametrize("arch,dtype,autocast,attention,checkpointing,micro_batch,seq_len", CASES)
+def test_traced_activations_match_real_tensors(arch, dtype, autocast, attention, checkpointing, micro_batch,
+                                               seq_len):
+    config = tiny_config(arch, layers=2, hidden=64, vocab_size=512)
+    kw = dict(dtype=dtype, autocast=autocast, attention=attention, checkpointing=checkpointing,
+              micro_batch=micro_batch, seq_len=seq_len)
+    trace = _trace(config, **kw)
+    measured, batch_bytes = _measure(config, **kw)
+    # Everything alive after forward + loss: saved tensors (the batch's token ids among them, which the
+    # measurement counts as an input), autocast weight copies, the loss, what a checkpoint's closure holds.
+    predicted_live = trace.activations_bytes + trace.autocast_copy_bytes + trace.loss_bytes
+    assert _close(predicted_live, measured.live_bytes + batch_bytes), (predicted_live, measured)
+    assert trace.autocast_copy_bytes == measured.autocast_copy_bytes
+    if not checkpointing:  # a non-reentrant checkpoint holds its keyword inputs outside autograd's saved tensors
+        assert _close(trace.activations_bytes, measured.saved_bytes), (trace.activations_bytes, measured)
+
+
+def test_regions_match_real_tensors_layer_by_layer():
+    config = tiny_config("llama", layers=2, hidden=64)
+    trace = _trace(config, dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False,
+                   micro_batch=2, seq_len=64)
+    measured, _ = _measure(config, dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False,
+                           micro_batch=2, seq_len=64)
+    assert [r.saved_bytes for r in trace.layers] == [measured.by_region["layer0"], measured.by_region["layer1"]]
+    assert trace.head.saved_bytes == measured.by_region["head"]
+
+
+@pytest.mark.parametrize("arch,attention", [("llama", "sdpa"), ("gemma2", "eager")])
+def test_reduced_trace_expands_exactly_to_six_layers(arch, attention):
+    config = tiny_config(arch, layers=6, hidden=64)
+    kw = dict(dtype="bfloat16", autocast=False, attention=attention, checkpointing=False, micro_batch=2,
+              seq_len=64)
+    trace = _trace(config, **kw)
+    measured, _ = _measure(config, **kw)
+    assert len(trace.layers) == 6
+    assert trace.activations_bytes == measured.saved_bytes
+    assert [r.saved_bytes for r in trace.layers] == [measured.by_region[f"layer{i}"] for i in range(6)]
+
+
+def test_checkpointed_expansion_to_six_layers_matches_live_bytes():
+    config = tiny_config("llama", layers=6, hidden=64)
+    kw = dict(dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=True, micro_batch=2, seq_len=64)
+    trace = _trace(config, **kw)
+    measured, batch_bytes = _measure(config, **kw)
+    assert trace.activations_bytes + trace.loss_bytes == measured.live_bytes + batch_bytes
+
+
+def test_first_layer_is_charged_the_shared_rotary_tables_once():
+    config = tiny_config("llama", layers=4, hidden=64)
+    trace = _trace(config, dtype="float32", autocast=False, attention="sdpa", checkpointing=False,
+                   micro_batch=1, seq_len=64)
+    head_dim = 64 // 4
+    assert trace.layers[0].saved_bytes - trace.layers[1].saved_bytes == 2 * 64 * head_dim * 4  # cos and sin
+    assert trace.layers[1] == trace.layers[2] == trace.layers[3]
+
+
+def test_mixtral_experts_trace_matches_real_tensors():
+    config = tiny_config("mixtral", layers=2, hidden=64)
+    kw = dict(dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False, micro_batch=2, seq_len=64)
+    trace = _trace(config, **kw)
+    measured, _ = _measure(config, **kw)
+    assert _close(trace.activations_bytes, measured.saved_bytes)
+
+
+def test_eager_attention_without_dropout_is_the_same_on_cpu_and_cuda():
+    config = tiny_config("llama", layers=2, hidden=64)
+    kw = dict(dtype="bfloat16", autocast=False, attention="eager", checkpointing=False, micro_batch=2, seq_len=64)
+    assert _trace(config, device_kind="cpu", **kw).layers == _trace(config, device_kind="cuda", **kw).layers
+
+
+def test_cuda_sdpa_keeps_no_seq_by_seq_tensor_even_with_dropout():
+    config = tiny_config("gpt2", layers=2, hidden=64, max_positions=512)  # dropout 0.1 everywhere
+
+    def layer_bytes(seq_len, device_kind):
+        trace = _trace(config, dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False,
+                       micro_batch=1, seq_len=seq_len, device_kind=device_kind)
+        return trace.layers[1].saved_bytes, trace.notes
+
+    (short, notes), (long, _) = layer_bytes(128, "cuda"), layer_bytes(256, "cuda")
+    assert long == 2 * short
+    assert any(n.startswith("sdpa: CUDA") for n in notes)
+    cpu_short, cpu_long = layer_bytes(128, "cpu")[0], layer_bytes(256, "cpu")[0]
+    assert cpu_long > 2 * cpu_short  # CPU's math fallback keeps seq x seq tensors
+
+
+def test_cuda_dropout_masks_take_one_byte_per_element():
+    config = tiny_config("gpt2", layers=2, hidden=64, attn_pdrop=0.0, embd_pdrop=0.0)  # dropout after MLP only
+    kw = dict(dtype="float32", autocast=False, attention="eager", checkpointing=False, micro_batch=1, seq_len=64)
+    cpu, cuda = _trace(config, device_kind="cpu", **kw), _trace(config, device_kind="cuda", **kw)
+    # resid dropout after attention and after the MLP: 2 masks of seq x hidden per layer, 4 bytes -> 1 byte
+    assert cpu.layers[1].saved_bytes - cuda.layers[1].saved_bytes == 2 * 64 * 64 * 3
+    assert any(n.startswith("dropout: CUDA") for n in cuda.notes)
+
+
+def test_flash_attention_keeps_grouped_kv_unrepeated_and_linear_in_seq():
+    config = tiny_config("llama", layers=2, hidden=64, heads=4, kv_heads=1, max_positions=512)
+    kw = dict(dtype="bfloat16", autocast=False, checkpointing=False, micro_batch=1)
+    flash = [_trace(config, attention="flash_attention_2", seq_len=s, **kw).layers[1].saved_bytes
+             for s in (128, 256)]
+    assert flash[1] == 2 * flash[0]
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        _trace(config, attention="flash_attention_2", seq_len=64, **{**kw, "dtype": "float32"})
+
+
+def test_checkpointing_keeps_only_layer_inputs():
+    config = tiny_config("llama", layers=4, hidden=64)
+    trace = _trace(config, dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=True, micro_batch=2,
+                   seq_len=64)
+    assert trace.layers[2].saved_bytes == 2 * 64 * 64 * 2  # hidden states in, bf16
+    assert trace.layers[2].backward_extra_bytes > trace.layers[2].saved_bytes  # the recompute
+
+
+def test_output_bytes_are_the_logits():
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=1000)
+    trace = _trace(config, dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False, micro_batch=2,
+                   seq_len=32)
+    assert trace.output_bytes == 2 * 32 * 1000 * 2
+    assert trace.loss_bytes == 4
+
+
+def test_real_training_step_peak_is_measured():
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2, hidden=64))
+    ids = torch.randint(0, 512, (2, 32))
+    peak = peak_step_bytes(model, {"input_ids": ids, "labels": ids})
+    param_bytes = sum(p.nbytes for p in model.parameters())
+    assert peak["total"] >= 4 * param_bytes  # weights, gradients, two AdamW moments
+
+
+def test_llama_3_70b_shaped_trace_at_8k_completes():
+    config = AutoConfig.for_model("llama", hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                                  num_key_value_heads=8, num_hidden_layers=80, vocab_size=128256,
+                                  max_position_embeddings=8192)
+    trace = trace_activations(config, seq_len=8192, micro_batch=1, dtype="bfloat16", autocast=False,
+                              attention="flash_attention_2", device_kind="cuda", checkpointing=True)
+    assert len(trace.layers) == 80
+    assert trace.layers[1].saved_bytes == 8192 * 8192 * 2
