@@ -107,11 +107,18 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
 
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
-    key = (id(spec), job.seq_len, b, dtype, autocast, job.attention, job.device_kind, job.checkpointing)
+    attention = spec.effective_attention(job.attention)
+    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing)
     if key not in _TRACE_CACHE:
-        _TRACE_CACHE[key] = trace_activations(spec.config, seq_len=job.seq_len, micro_batch=b, dtype=dtype,
-                                              autocast=autocast, attention=job.attention,
-                                              device_kind=job.device_kind, checkpointing=job.checkpointing)
+        from dataclasses import replace
+
+        trace = trace_activations(spec.config, seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
+                                  attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing)
+        if attention != job.attention:
+            trace = replace(trace, notes=trace.notes + (
+                f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "
+                f"{attention}, which a run will use",))
+        _TRACE_CACHE[key] = trace
     return _TRACE_CACHE[key]
 
 

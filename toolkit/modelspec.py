@@ -49,6 +49,8 @@ class ModelSpec:
     """Per decoder layer, the weights one token multiplies through (MoE: shared + top-k of the experts)."""
     head_matmul_params: int
     """LM head weights a token multiplies through (vocab x hidden, tied or not)."""
+    attention_support: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
+    """Attention implementations the model's HF class accepts (gemma2 refuses sdpa, for one)."""
     active_params: int = 0
     """Parameters one token uses (differs from `params` for mixture-of-experts models)."""
     moe_experts: int = 0
@@ -59,6 +61,10 @@ class ModelSpec:
     def largest_layer_params(self) -> int:
         """Largest unit a ZeRO-3 / FSDP rank gathers at once: a decoder layer, or the embedding/head block."""
         return max([*self.layer_params, self.pre_layer_params, self.post_layer_params, self.embedding_params])
+
+    def effective_attention(self, requested: str) -> str:
+        """The implementation a run will use: the requested one if the model takes it, else eager."""
+        return requested if requested in self.attention_support else "eager"
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -297,6 +303,9 @@ def build_spec(name: str, config) -> ModelSpec:
         max_positions=int(max_positions) if max_positions else None,
         layer_matmul_params=tuple(_matmul_params(layer, moe_fraction) for layer in layers),
         head_matmul_params=int(head_weight.numel()),
+        attention_support=tuple(["eager"] + (["sdpa"] if getattr(model, "_supports_sdpa", False) else [])
+                                + (["flash_attention_2"] if getattr(model, "_supports_flash_attn", False)
+                                   or getattr(model, "_supports_flash_attn_2", False) else [])),
         active_params=total - int(round(expert_params * (1 - moe_fraction))),
         moe_experts=experts,
         moe_top_k=top_k,

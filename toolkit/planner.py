@@ -272,7 +272,8 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> Pla
         gpus_per_node=hw.gpus_per_node, pipeline_stages=c.pipeline_stages, data_parallel=c.data_parallel,
         partition=list(c.partition) if c.partition else None, seq_len=c.job.seq_len, micro_batch=c.job.micro_batch,
         grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
-        optimizer=c.job.optimizer, checkpointing=c.job.checkpointing, attention=c.job.attention, gpu=hw.gpu.name,
+        optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
+        attention=spec.effective_attention(c.job.attention), gpu=hw.gpu.name,
         predicted=predicted, notes=notes)
 
 

@@ -1,0 +1,91 @@
+"""Estimator accuracy: predicted vs measured memory of a real single-process training step on this machine's CPU.
+
+For each configuration a real model of the architecture (random weights) runs a steady-state step (forward with
+HF's loss, backward, fused AdamW, as the Trainer path does); measured are the bytes saved for backward
+(saved-tensor hooks, deduplicated by storage) and the peak of live tensor bytes (torch MemTracker). Predicted is
+`toolkit estimate` with --device-kind cpu (the CPU kernels' saved tensors) for the same step. Ratios are
+predicted / measured, all from one run.
+
+    python benchmarks/accuracy.py            # writes benchmarks/results/accuracy.{md,json}
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from toolkit.profile import measure_step, predict_step
+from toolkit.tiny import tiny_config
+
+# (architecture, precision, attention, checkpointing, micro-batch, seq, shape)
+CONFIGS = [
+    ("gpt2", "fp32", "eager", False, 2, 256, dict(hidden=256, layers=4, heads=4, ffn=1024)),
+    ("gpt2", "bf16", "sdpa", False, 4, 128, dict(hidden=256, layers=4, heads=4, ffn=1024)),
+    ("gpt2", "bf16-pure", "sdpa", True, 2, 256, dict(hidden=256, layers=4, heads=4, ffn=1024)),
+    ("llama", "fp32", "sdpa", False, 2, 256, dict(hidden=256, layers=4, heads=8, kv_heads=2, ffn=688)),
+    ("llama", "bf16", "eager", False, 2, 256, dict(hidden=256, layers=4, heads=8, kv_heads=2, ffn=688)),
+    ("llama", "bf16", "sdpa", True, 4, 256, dict(hidden=256, layers=4, heads=8, kv_heads=2, ffn=688)),
+    ("llama", "bf16-pure", "sdpa", False, 1, 512, dict(hidden=256, layers=4, heads=8, kv_heads=2, ffn=688)),
+    ("qwen2", "bf16", "sdpa", False, 2, 256, dict(hidden=256, layers=4, heads=8, kv_heads=2, ffn=688)),
+    ("mistral", "bf16-pure", "eager", True, 2, 256, dict(hidden=256, layers=4, heads=8, kv_heads=2, ffn=688)),
+    ("opt", "fp32", "sdpa", False, 2, 256, dict(hidden=256, layers=4, heads=4, ffn=1024)),
+    ("opt", "bf16", "eager", True, 2, 256, dict(hidden=256, layers=4, heads=4, ffn=1024)),
+    ("gemma2", "bf16", "eager", False, 2, 256, dict(hidden=256, layers=4, heads=4, kv_heads=2, ffn=688)),
+    ("gemma2", "bf16-pure", "eager", True, 2, 256, dict(hidden=256, layers=4, heads=4, kv_heads=2, ffn=688)),
+    ("llama", "fp32", "eager", False, 3, 384, dict(hidden=192, layers=3, heads=6, kv_heads=3, ffn=512)),
+]
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    rows = []
+    for arch, precision, attention, ckpt, b, s, shape in CONFIGS:
+        config = tiny_config(arch, vocab_size=4000, max_positions=1024, **shape)
+        kwargs = dict(seq_len=s, micro_batch=b, precision=precision, attention=attention, checkpointing=ckpt)
+        start = time.perf_counter()
+        measured = measure_step(config, steps=1, **kwargs)
+        predicted = predict_step(config, device_kind="cpu", **kwargs)
+        row = {"arch": arch, "precision": precision, "attention": attention, "checkpointing": ckpt,
+               "micro_batch": b, "seq": s, "params": predicted["params"],
+               "act_measured": measured.activations_bytes, "act_predicted": predicted["activations_bytes"],
+               "peak_measured": measured.peak_bytes, "peak_predicted": predicted["peak_bytes"],
+               "peak_phase": predicted["peak_phase"]}
+        row["act_ratio"] = row["act_predicted"] / row["act_measured"]
+        row["peak_ratio"] = row["peak_predicted"] / row["peak_measured"]
+        rows.append(row)
+        print(f"{arch:8}{precision:10}{attention:6}{'ckpt' if ckpt else '    '} b{b} s{s}: activations "
+              f"{row['act_ratio']:.4f}, peak {row['peak_ratio']:.4f} ({time.perf_counter() - start:.0f} s)",
+              flush=True)
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "date": time.strftime("%Y-%m-%d")}
+    (out / "accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = ["# Estimator accuracy: predicted / measured on real CPU tensors", "",
+             f"One run, {meta['date']}, torch {meta['torch']}, {meta['machine']}. Produced by "
+             "`python benchmarks/accuracy.py`. Measured: bytes saved for backward (saved-tensor hooks, by storage) "
+             "and the peak of live tensor bytes over a steady-state step (forward, HF loss, backward, fused AdamW; "
+             "torch MemTracker). Predicted: `toolkit estimate --device-kind cpu --strategy ddp` on one device.", "",
+             "| arch | precision | attention | ckpt | b | seq | params | activations MiB (pred / meas) | ratio | "
+             "peak MiB (pred / meas) | ratio | peak phase |", "|" + "---|" * 12]
+    for r in rows:
+        lines.append(f"| {r['arch']} | {r['precision']} | {r['attention']} | {'yes' if r['checkpointing'] else 'no'} "
+                     f"| {r['micro_batch']} | {r['seq']} | {r['params']:,} | {r['act_predicted'] / 2**20:.2f} / "
+                     f"{r['act_measured'] / 2**20:.2f} | {r['act_ratio']:.4f} | {r['peak_predicted'] / 2**20:.2f} / "
+                     f"{r['peak_measured'] / 2**20:.2f} | {r['peak_ratio']:.4f} | {r['peak_phase']} |")
+    worst_act = max(abs(r["act_ratio"] - 1) for r in rows)
+    worst_peak = max(abs(r["peak_ratio"] - 1) for r in rows)
+    lines += ["", f"Worst activation error {worst_act:.2%}; worst peak error {worst_peak:.2%} "
+              f"over {len(rows)} configurations.", ""]
+    (out / "accuracy.md").write_text("\n".join(lines))
+    print(f"worst activations {worst_act:.2%}, worst peak {worst_peak:.2%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
