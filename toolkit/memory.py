@@ -181,8 +181,8 @@ class _Peak:
             self.bytes, self.phase, self.transient = value, phase, transient
 
 
-def _simulate(regions: list[_Region], states: States, *, in_flight: int, grad_bytes_per_param: float,
-              accumulating: bool, autocast: bool, stash_bytes: float = 0.0) -> tuple[_Peak, float, float]:
+def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumulating: bool, autocast: bool,
+              stash_bytes: float = 0.0) -> tuple[_Peak, float, float]:
     """Walk one micro-step forward and backward, then the optimizer step; return the peak, the activations
     held at the end of forward, and the autocast copies held.
 
@@ -196,6 +196,11 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, grad_by
     saved_total = sum(r.trace.saved_bytes for r in regions)
     copies_total = sum(r.trace.autocast_copy_bytes for r in regions) if autocast else 0.0
     earlier = saved_total * (in_flight - 1) + stash_bytes
+    # Step gradients appear region by region as backward reaches each one's parameters (full-size grads for DDP,
+    # ZeRO-1 and pipeline stages; FSDP2's sharded grads after each reduce-scatter; none for ZeRO-2/3, whose
+    # partitions are persistent buffers).
+    region_params = sum(r.params for r in regions)
+    grad_bytes_per_param = step_grads_total / region_params if region_params else 0.0
     peak = _Peak()
 
     base = persistent + kept_grads + earlier
@@ -234,13 +239,6 @@ def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, 
         return fsdp2_states(params, job, strategy, shard=shard, layer_params=max(spec.layer_params),
                             root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=accumulating)
     return pipeline_states(params, job, dp=dp)
-
-
-def _grad_bytes_per_param(strategy: Strategy, job: Job) -> float:
-    """Bytes of gradient that appear per parameter as backward proceeds (before any reduction)."""
-    if strategy.engine == "ddp" and job.precision != "bf16-pure":
-        return 4.0
-    return 4.0 if job.precision == "fp32" else 2.0
 
 
 def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
@@ -282,9 +280,8 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,
              regions: list[_Region], states: States, *, in_flight: int, stage: int | None = None) -> Breakdown:
     accumulating = job.grad_accum > 1  # micro-steps after the first add into gradients that already exist
-    peak, activations, copies = _simulate(
-        regions, states, in_flight=in_flight, grad_bytes_per_param=_grad_bytes_per_param(strategy, job),
-        accumulating=accumulating, autocast=states.autocast)
+    peak, activations, copies = _simulate(regions, states, in_flight=in_flight, accumulating=accumulating,
+                                          autocast=states.autocast)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
     margin = int(peak.bytes * ALLOCATOR_MARGIN)
     required = int(peak.bytes) + context + margin
