@@ -293,8 +293,11 @@ def build_pipeline(source: Source, boundaries: list[int], *, topology=None, num_
             self.parts = parts
             self._set_bounds(start=parts[self.stage_id], stop=parts[self.stage_id + 1])
 
-    pipe = HFPipelineModule(specs, num_stages=None if topology is not None else stages, topology=topology,
-                            loss_fn=CausalLMLoss(source.config.vocab_size), partition_method="uniform")
+    # no_grad: the constructor broadcasts tied weights in place; recorded by autograd, that broadcast would sit in
+    # every later backward graph (torch warns "c10d::broadcast_: an autograd kernel was not registered").
+    with torch.no_grad():
+        pipe = HFPipelineModule(specs, num_stages=None if topology is not None else stages, topology=topology,
+                                loss_fn=CausalLMLoss(source.config.vocab_size), partition_method="uniform")
     # Gradient clipping without ZeRO (engine.clip_fp32_gradients -> runtime.utils.clip_grad_norm_) counts a
     # parameter on stages other than the first only when it is marked model-parallel, so unmarked it clips by
     # stage 0's gradient norm alone. Marking every parameter, except the second copy of a tied weight, makes the
