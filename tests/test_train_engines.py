@@ -84,13 +84,19 @@ def test_engine_matches_single_process_losses(engine, engine_runs, reference):
     assert sum(got[s] for s in (5, 6)) / 2 < got[1] - 0.1, "loss did not go down"
 
 
+def _untimed(history):
+    """Log entries without wall-clock values (each rank times itself)."""
+    return [{k: v for k, v in e.items() if "runtime" not in k and "per_s" not in k} for e in history]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ENGINES)
 def test_ranks_agree(engine, engine_runs):
     rank0, rank1 = engine_runs(engine).ranks
     assert rank0["global_step"] == rank1["global_step"] == STEPS
-    assert rank0["log_history"] == rank1["log_history"]
-    assert rank0["probe_logits"] == pytest.approx(rank1["probe_logits"], abs=1e-6)
+    assert _untimed(rank0["log_history"]) == _untimed(rank1["log_history"])
+    torch.testing.assert_close(torch.tensor(rank0["probe_logits"]), torch.tensor(rank1["probe_logits"]),
+                               atol=1e-6, rtol=0)
     if engine in ("ddp", "zero1", "zero2", "zero2-offload"):  # replicated parameters: bit-identical replicas
         assert rank0["local_param_abs_sum"] == rank1["local_param_abs_sum"]
 
@@ -106,7 +112,7 @@ def test_saved_model_reloads_with_trained_logits(engine, engine_runs):
     assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
-    assert logits.tolist() == pytest.approx(run.ranks[0]["probe_logits"], abs=1e-5)
+    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.multiprocess
