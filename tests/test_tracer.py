@@ -131,6 +131,27 @@ def test_eager_attention_without_dropout_is_the_same_on_cpu_and_cuda():
     assert _trace(config, device_kind="cpu", **kw).layers == _trace(config, device_kind="cuda", **kw).layers
 
 
+def test_cuda_attention_stand_ins_match_cpu_flash_kernel_without_dropout():
+    # CPU SDPA without dropout runs a flash kernel that saves what the CUDA kernels save.
+    config = tiny_config("llama", layers=2, hidden=64)
+    for autocast in (False, True):
+        kw = dict(dtype="bfloat16", autocast=autocast, checkpointing=False, micro_batch=2, seq_len=64)
+        cpu = _trace(config, attention="sdpa", device_kind="cpu", **kw)
+        assert cpu.layers == _trace(config, attention="sdpa", device_kind="cuda", **kw).layers
+        assert cpu.layers == _trace(config, attention="flash_attention_2", device_kind="cuda", **kw).layers
+
+
+def test_cuda_autocast_keeps_softmax_and_gelu_in_float32():
+    config = tiny_config("gpt2", layers=2, hidden=64, heads=4, ffn=128, attn_pdrop=0.0, embd_pdrop=0.0,
+                         resid_pdrop=0.0)
+    kw = dict(dtype="bfloat16", autocast=True, attention="eager", checkpointing=False, micro_batch=2, seq_len=64)
+    cpu, cuda = _trace(config, device_kind="cpu", **kw), _trace(config, device_kind="cuda", **kw)
+    softmax_probs = 2 * 4 * 64 * 64  # batch x heads x seq x seq
+    gelu_tanh = 2 * 64 * 128  # batch x seq x ffn
+    # 2 more bytes per element for each: float32 on CUDA, bfloat16 under CPU autocast
+    assert cuda.layers[1].saved_bytes - cpu.layers[1].saved_bytes == 2 * (softmax_probs + gelu_tanh)
+
+
 def test_cuda_sdpa_keeps_no_seq_by_seq_tensor_even_with_dropout():
     config = tiny_config("gpt2", layers=2, hidden=64, max_positions=512)  # dropout 0.1 everywhere
 

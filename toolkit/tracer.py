@@ -65,7 +65,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     traced_config = _reduced_config(config, len(full_kinds), traced_count)
 
     notes: list[str] = []
-    with _trace_environment(attention, device_kind, notes) as attn_impl:
+    cuda_autocast = device_kind == "cuda" and autocast and compute_dtype != torch.float32
+    with _trace_environment(attention, device_kind, notes, cuda_autocast=cuda_autocast) as attn_impl:
         run = _run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
                              micro_batch, seq_len, checkpointing)
     traced_kinds = run.layer_kinds
@@ -74,7 +75,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                            "copy differ from those of the full model; cannot trace this architecture by depth "
                            "reduction")
     if autocast and compute_dtype != torch.float32:
-        notes.append(f"autocast traced with CPU autocast op lists (torch.autocast('cpu', {dtype}))")
+        notes.append(f"autocast: torch.autocast('cpu', {dtype})" + (" with CUDA's float32 op list applied on top"
+                                                                    if cuda_autocast else ""))
     notes.append(f"traced {traced_count} of {len(full_kinds)} layers, expanded by layer kind")
 
     layers = tuple(run.layers[_traced_index_for(i, full_kinds, traced_count)] for i in range(len(full_kinds)))
@@ -411,7 +413,7 @@ def _charging_checkpoint(checkpoint_func, i: int, enter_layer, charge, state):
 
 
 @contextlib.contextmanager
-def _trace_environment(attention: str, device_kind: str, notes: list[str]):
+def _trace_environment(attention: str, device_kind: str, notes: list[str], *, cuda_autocast: bool = False):
     """Yields the attn_implementation to build the model with."""
     import torch
     import transformers.masking_utils as masking_utils
@@ -438,7 +440,8 @@ def _trace_environment(attention: str, device_kind: str, notes: list[str]):
             F.scaled_dot_product_attention = _cuda_sdpa_standin(original_sdpa, notes)
         if device_kind == "cuda":
             F.dropout = _cuda_dropout_standin(original_dropout, notes)
-        yield attn_impl
+        with _cuda_autocast_float32_ops() if cuda_autocast else contextlib.nullcontext():
+            yield attn_impl
     finally:
         masking_utils.find_packed_sequence_indices = original_find
         if grouped_mm_patch is not None:
@@ -483,21 +486,35 @@ def _attention_kernel_function():
 
     class AttentionKernel(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, mask, out_shape, heads_dim):
-            out = q.new_empty(out_shape)
-            lse_shape = (q.shape[0], q.shape[heads_dim], q.shape[1 if heads_dim == 2 else 2])
-            lse = q.new_empty(lse_shape, dtype=torch.float32)
-            kept = [q, k, v, out, lse] + ([mask] if isinstance(mask, torch.Tensor) else [])
-            ctx.save_for_backward(*kept)
-            ctx.has_mask = isinstance(mask, torch.Tensor)
+        def forward(ctx, q, k, v, mask, heads_first: bool):
+            # Both kernels write their output as (batch, seq, heads, dim); SDPA returns it as a (b, h, s, d) view.
+            if heads_first:
+                b, h, s_q, _ = q.shape
+                out = q.new_empty((b, s_q, h, v.shape[-1])).transpose(1, 2)
+            else:
+                b, s_q, h, _ = q.shape
+                out = q.new_empty((b, s_q, h, v.shape[-1]))
+            lse = q.new_empty((b, h, s_q), dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
             return out
 
         @staticmethod
         def backward(ctx, grad_out):
             q, k, v = ctx.saved_tensors[:3]
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None, None
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
 
     return AttentionKernel
+
+
+def _autocast_inputs(*tensors):
+    """As autocast casts the inputs of attention kernels (sdpa is on its lower-precision list; transformers casts
+    flash-attention inputs to the autocast dtype)."""
+    import torch
+
+    if not torch.is_autocast_enabled("cpu"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
 def _cuda_sdpa_standin(original, notes: list[str]):
@@ -506,8 +523,8 @@ def _cuda_sdpa_standin(original, notes: list[str]):
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                      scale=None, enable_gqa=False):
         notes.append("sdpa: CUDA kernel footprint (q, k, v, out, fp32 logsumexp; no seq x seq) instead of CPU's")
-        out_shape = (*query.shape[:-1], value.shape[-1])
-        return kernel.apply(query, key, value, attn_mask, out_shape, 1)
+        query, key, value = _autocast_inputs(query, key, value)
+        return kernel.apply(query, key, value, attn_mask, True)
 
     return scaled_dot_product_attention
 
@@ -522,9 +539,8 @@ def _register_flash_standin(notes: list[str]) -> str:
         notes.append("flash_attention_2: traced with a stand-in of the flash kernel's footprint (q, k, v, out, "
                      "fp32 logsumexp; grouped k/v not repeated, no mask)")
         # As transformers' flash_attention_forward: (b, s, h, d) views of the projections go to the kernel.
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        out_shape = (*q.shape[:-1], v.shape[-1])
-        return kernel.apply(q, k, v, None, out_shape, 2), None
+        q, k, v = (t.transpose(1, 2) for t in _autocast_inputs(query, key, value))
+        return kernel.apply(q, k, v, None, False), None
 
     AttentionInterface.register(_FLASH_STANDIN, flash_attention)
     AttentionMaskInterface.register(_FLASH_STANDIN, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
@@ -541,3 +557,47 @@ def _cuda_dropout_standin(original, notes: list[str]):
         return torch.native_dropout(input, p, True)[0]
 
     return dropout
+
+
+# CUDA autocast runs these in float32 (torch/csrc/autocast_mode.cpp, "fp32" and "fp32_set_opt_dtype" CUDA lists);
+# CPU autocast leaves them in the input dtype, so a bf16 softmax or GELU saves half the bytes it would on a GPU.
+_CUDA_AUTOCAST_FLOAT32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "softplus", "layer_norm", "group_norm", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "nll_loss", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+    "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
+    "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "cross_entropy", "dist",
+    "pdist", "cdist", "renorm", "logsumexp", "prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "norm",
+)
+
+
+@contextlib.contextmanager
+def _cuda_autocast_float32_ops():
+    """While CPU autocast is on, run the ops CUDA autocast keeps in float32 in float32 (inputs cast up, as CUDA
+    autocast does), so the saved tensors have the GPU's dtypes."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    F = torch.nn.functional
+    funcs = set()
+    for name in _CUDA_AUTOCAST_FLOAT32:
+        for owner in (torch, torch.Tensor, F, torch.special, torch.linalg):
+            f = getattr(owner, name, None)
+            if f is not None:
+                funcs.add(f)
+    funcs.update({torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.linalg.vector_norm})
+    low = (torch.bfloat16, torch.float16)
+
+    def up(x):
+        return x.float() if isinstance(x, torch.Tensor) and x.dtype in low else x
+
+    class Float32Ops(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in funcs and torch.is_autocast_enabled("cpu"):
+                args = tuple(up(a) for a in args)
+                kwargs = {k: up(v) for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+
+    with Float32Ops():
+        yield
