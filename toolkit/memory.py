@@ -241,6 +241,24 @@ def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, 
     return pipeline_states(params, job, dp=dp)
 
 
+def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
+                       partition: list[int] | None = None) -> int:
+    """A lower bound on the required bytes without tracing: persistent model states and the CUDA context.
+    The planner refuses candidates above capacity on this alone, which saves their traces."""
+    world = hw.world_size
+    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if world > 1 else 0)
+    if strategy.is_pipeline and partition is not None:
+        dp = world // pipeline_stages
+        stage_params = [sum(spec.layer_params[a:b]) for a, b in zip(partition, partition[1:])]
+        stage_params[0] += spec.pre_layer_params
+        stage_params[-1] += spec.post_layer_params
+        params = max(stage_params)
+    else:
+        dp, params = world, spec.params
+    s = _states_for(spec, strategy, job, hw, params=params, dp=dp)
+    return int(s.parameters + s.gradients + s.master + s.optimizer) + context
+
+
 def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
                     partition: list[int] | None = None) -> Breakdown:
     """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the

@@ -13,7 +13,7 @@ from typing import Any
 from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
 from toolkit.job import Job
-from toolkit.memory import Breakdown, estimate_memory
+from toolkit.memory import Breakdown, estimate_memory, states_floor_bytes
 from toolkit.modelspec import ModelSpec
 from toolkit.plan import Plan
 from toolkit.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
@@ -178,6 +178,12 @@ def _check_hardware(strategy: Strategy, req: Request, hw: Hardware) -> str | Non
 
 def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, *, stages: int, dp: int,
              partition: list[int] | None) -> Candidate:
+    floor = states_floor_bytes(spec, strategy, job, hw, pipeline_stages=stages, partition=partition)
+    if floor > hw.gpu.memory_bytes:
+        return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
+                         global_batch=job.micro_batch * job.grad_accum * dp, partition=partition,
+                         reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
+                                "model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition)
     stage_params = None
     if partition is not None:
@@ -204,7 +210,13 @@ def _better(a: Candidate, b: Candidate | None) -> bool:
         ka = (round(a.timing.tokens_per_s, 6), a.memory.headroom_bytes)
         kb = (round(b.timing.tokens_per_s, 6), b.memory.headroom_bytes)
         return ka > kb
-    return a.memory.required_bytes < b.memory.required_bytes  # the least-infeasible explains best
+    return _need(a) < _need(b)  # the least-infeasible explains best
+
+
+def _need(c: Candidate) -> float:
+    if c.memory is not None:
+        return c.memory.required_bytes
+    return float("inf") if c.reason is None else 1e30
 
 
 def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
@@ -242,7 +254,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
 
 def _rank_key(c: Candidate):
     if not c.feasible:
-        return (1, c.memory.required_bytes if c.memory else float("inf"))
+        return (1, _need(c))
     return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
 
 

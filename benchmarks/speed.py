@@ -1,0 +1,58 @@
+"""Cold-process speed of `toolkit estimate` and `toolkit plan`, as ratios to importing transformers' auto class.
+
+    python benchmarks/speed.py      # writes benchmarks/results/speed.md
+
+Targets (issues 2 and 3): estimate llama-3-70b --seq 8192 < 2x, plan Llama-3-70B on 64 GPUs over all
+candidates < 3x the time of `python -c "from transformers import AutoModelForCausalLM"`. Each command runs in a
+fresh process, best of 3 (the machine is shared; the minimum is the least disturbed), all in one run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BASELINE = [sys.executable, "-c", "from transformers import AutoModelForCausalLM"]
+COMMANDS = {
+    "estimate llama-3-70b --seq 8192": [sys.executable, "-m", "toolkit", "estimate", "llama-3-70b", "--seq", "8192",
+                                        "--gpus", "8x8xH100", "--strategy", "zero3", "--json"],
+    "plan llama-3-70b, 64 GPUs, all candidates": [sys.executable, "-m", "toolkit", "plan", "llama-3-70b", "--gpus",
+                                                   "8x8xH100-80GB", "--seq", "8192", "--global-batch", "512",
+                                                   "--json"],
+}
+TARGETS = {"estimate llama-3-70b --seq 8192": 2.0, "plan llama-3-70b, 64 GPUs, all candidates": 3.0}
+
+
+def best_of(cmd: list[str], n: int = 3) -> float:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> int:
+    base = best_of(BASELINE)
+    lines = ["# Speed: cold-process time as a ratio to importing transformers", "",
+             f"{time.strftime('%Y-%m-%d')}, `python benchmarks/speed.py`, best of 3 fresh processes each, one run. "
+             f"Baseline `from transformers import AutoModelForCausalLM`: {base:.2f} s.", "",
+             "| command | seconds | ratio | target |", "|---|---|---|---|"]
+    ok = True
+    for name, cmd in COMMANDS.items():
+        t = best_of(cmd)
+        ratio = t / base
+        ok &= ratio < TARGETS[name]
+        lines.append(f"| {name} | {t:.2f} | {ratio:.2f}x | < {TARGETS[name]:.0f}x |")
+    lines.append("")
+    out = Path(__file__).parent / "results" / "speed.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
