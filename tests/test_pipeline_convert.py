@@ -94,6 +94,8 @@ def test_runner_refuses_more_stages_than_layers_before_starting(models, tmp_path
     ({"gradient_clipping": "auto"}, "has \"auto\" values \\(gradient_clipping\\)"),
     ({"bf16": {"enabled": True}}, "does not match the plan's fp32"),
     ({"gradient_clipping": 0.5}, "sets gradient_clipping 0.5 but --max-grad-norm is 1.0"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+     "bf16 with fp32 gradient accumulation needs ZeRO stage 1"),
 ])
 def test_ds_config_that_contradicts_the_plan_is_refused(models, tmp_path, change, message):
     from tests.test_pipeline import make_plan, write_plan_dir

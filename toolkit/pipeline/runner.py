@@ -307,6 +307,10 @@ def read_ds_config(plan, args) -> dict[str, Any]:
     if stage > 1:
         raise UserError(f"{path} asks for ZeRO stage {stage}; DeepSpeed's pipeline engine runs ZeRO 0 or 1 only")
     bf16 = config.get("bf16", {}).get("enabled", False)
+    if bf16 and stage == 0 and config.get("data_types", {}).get("grad_accum_dtype") == "fp32":
+        # DeepSpeed 0.19: NotImplementedError "unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32".
+        raise UserError(f"{path}: bf16 with fp32 gradient accumulation needs ZeRO stage 1 under the pipeline "
+                        "engine (its BF16 optimizer), also with data_parallel 1; set zero_optimization.stage to 1")
     fp16 = config.get("fp16", {}).get("enabled", False)
     want = plan.precision
     if (want.startswith("bf16") and not bf16) or (want == "fp16" and not fp16) or (want == "fp32" and (bf16 or fp16)):
