@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.livebytes import measure_saved_bytes, peak_step_bytes
+from toolkit.livebytes import measure_layer_peaks, measure_saved_bytes, peak_step_bytes
 from toolkit.tiny import tiny_config
 from toolkit.tracer import trace_activations
 
@@ -218,3 +218,26 @@ def test_llama_3_70b_shaped_trace_at_8k_completes():
                               attention="flash_attention_2", device_kind="cuda", checkpointing=True)
     assert len(trace.layers) == 80
     assert trace.layers[1].saved_bytes == 8192 * 8192 * 2
+
+
+@pytest.mark.parametrize("arch,dtype,autocast,attention,checkpointing", [
+    ("llama", "float32", False, "sdpa", False),
+    ("gpt2", "bfloat16", False, "eager", False),
+    ("qwen2", "bfloat16", True, "sdpa", False),
+    ("llama", "bfloat16", False, "sdpa", True),
+])
+def test_layer_transient_peaks_match_real_tensors(arch, dtype, autocast, attention, checkpointing):
+    config = tiny_config(arch, layers=2, hidden=64, vocab_size=1000)
+    trace = _trace(config, dtype=dtype, autocast=autocast, attention=attention, checkpointing=checkpointing,
+                   micro_batch=2, seq_len=128)
+    compute = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if autocast else compute,
+                                             attn_implementation=attention)
+    model.train()
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    ids = torch.randint(0, 1000, (2, 128))
+    real = measure_layer_peaks(model, {"input_ids": ids, "labels": ids}, autocast_dtype=compute if autocast else None)
+    for traced, measured in zip(trace.layers, real):
+        assert _close(traced.forward_extra_bytes, measured.forward_extra_bytes), (traced, measured)
+        assert _close(traced.backward_extra_bytes, measured.backward_extra_bytes), (traced, measured)

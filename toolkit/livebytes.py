@@ -152,3 +152,38 @@ def peak_step_bytes(model, batch: dict, *, autocast_dtype=None, lr: float = 1e-4
             name = "total" if k == "Total" else str(getattr(k, "value", k)).lower()
             totals[name] = totals.get(name, 0) + b
     return totals
+
+
+@dataclass(frozen=True)
+class LayerPeaks:
+    forward_extra_bytes: int
+    """Peak during the layer's forward above the larger of what was live at its start and at its end."""
+    backward_extra_bytes: int
+    """Peak during the layer's backward above what was live when it started."""
+
+
+def measure_layer_peaks(model, batch: dict, *, autocast_dtype=None) -> list[LayerPeaks]:
+    """Forward, loss and backward on real tensors; per decoder layer, the transient peaks MemTracker's module
+    snapshots show (parameters, buffers and gradients left out)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+    tracker = MemTracker()
+    tracker.track_external(model, *[v for v in batch.values() if isinstance(v, torch.Tensor)])
+    with tracker:
+        with _autocast(autocast_dtype):
+            loss = model(**batch).loss
+        loss.backward()
+    skip = {_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, "Total"}
+
+    def act(state, snapshots) -> int:
+        return sum(b for dev in snapshots[state][0].values() for k, b in dev.items() if k not in skip)
+
+    peaks = []
+    for layer in _decoder_layer_list(model):
+        snaps = tracker.memory_tracking[layer].snapshots
+        start, end = act(_ModState.PRE_FW, snaps), act(_ModState.POST_FW, snaps)
+        peaks.append(LayerPeaks(
+            forward_extra_bytes=max(0, act(_ModState.PEAK_FW, snaps) - max(start, end)),
+            backward_extra_bytes=max(0, act(_ModState.PEAK_BW, snaps) - act(_ModState.PRE_BW, snaps))))
+    return peaks
