@@ -46,6 +46,18 @@ def test_pipeline_layers_give_hf_logits_and_loss(models, arch):
     torch.testing.assert_close(CausalLMLoss(config.vocab_size)(logits, ids), reference.loss)
 
 
+def test_the_plans_attention_implementation_is_used_with_its_own_mask(models):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(models["mistral"])
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = run_layers(Source(config, models["mistral"], attention="eager"), ids)
+        reference = AutoModelForCausalLM.from_pretrained(models["mistral"], attn_implementation="eager").eval()(ids)
+    assert config._attn_implementation == "eager"
+    torch.testing.assert_close(logits, reference.logits, atol=0, rtol=0)
+
+
 def test_a_layer_reads_only_its_own_weights(models):
     from transformers import AutoConfig
 

@@ -62,7 +62,8 @@ class Source:
     initialisation of each layer, seeded by layer so every rank that builds a layer builds the same one).
     """
 
-    def __init__(self, config: Any, weights: str | Path | None, *, seed: int = 0, checkpointing: bool = False):
+    def __init__(self, config: Any, weights: str | Path | None, *, seed: int = 0, checkpointing: bool = False,
+                 attention: str | None = None):
         model_type = config.model_type
         if model_type not in FAMILIES:
             raise UserError(f"pipeline conversion supports {', '.join(sorted(FAMILIES))}, not model_type "
@@ -72,6 +73,8 @@ class Source:
         self.weights = Path(weights) if weights is not None else None
         self.seed = seed
         self.checkpointing = checkpointing
+        self.attention = attention
+        """HF attn_implementation (eager | sdpa | flash_attention_2); None: transformers' default."""
 
     @property
     def num_layers(self) -> int:
@@ -85,8 +88,14 @@ class Source:
     def skeleton(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+        options = {"attn_implementation": self.attention} if self.attention else {}
+        try:
+            with torch.device("meta"):
+                # from_config keeps self.config as the model's config, so the masks see the chosen attention.
+                return AutoModelForCausalLM.from_config(self.config, dtype=torch.float32, **options)
+        except (ValueError, ImportError) as exc:
+            raise UserError(f"cannot build {self.config.model_type} with attention {self.attention}: "
+                            f"{str(exc).strip().splitlines()[0]}") from None
 
     @cached_property
     def rotary(self) -> nn.Module | None:

@@ -69,7 +69,7 @@ def train_pipeline(plan, args) -> None:
     total_steps = args.max_steps if args.max_steps > 0 else max(1, int(args.epochs * order.steps_per_epoch))
 
     topology = PipeDataParallelTopology(num_pp=stages, num_dp=plan.data_parallel)
-    source = Source(config, weights, seed=args.seed, checkpointing=plan.checkpointing)
+    source = Source(config, weights, seed=args.seed, checkpointing=plan.checkpointing, attention=plan.attention)
     module = build_pipeline(source, boundaries, topology=topology)
     optimizer = scheduler = None
     if "optimizer" not in ds_config:
