@@ -47,30 +47,39 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     state = cpu.configure_cpu_state(plan.engine) if cpu.on_cpu() else None
     training_args = _training_arguments(plan, args, output, on_cpu=state is not None)
     _check_world(plan, training_args.world_size)
-    if plan.engine == "deepspeed" and plan.zero_stage == 3:
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
-        # The model must be born partitioned; this holds only while training_args (its HfDeepSpeedConfig) lives.
-        assert is_deepspeed_zero3_enabled(), "ZeRO-3 plan but HfDeepSpeedConfig is not active before model creation"
-
+    # Data before the model: bad data fails in seconds, not after a 70B model has loaded.
+    train_data, eval_data = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
+                                           seed=args.seed, text_field=args.text_field,
+                                           max_eval_blocks=args.max_eval_blocks)
     from transformers import set_seed
 
     set_seed(args.seed)  # random init (--random-init, new heads) is the same on every rank and every run
     model = build_model(source, config, plan, random_init=args.random_init, attention=_attention(plan))
-    train_data, eval_data = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
-                                           seed=args.seed, text_field=args.text_field,
-                                           max_eval_blocks=args.max_eval_blocks)
+    if plan.engine == "deepspeed" and plan.zero_stage == 3:
+        _check_born_partitioned(model)
     trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data)
+    seen_dtypes = _watch_layer_dtype(model, plan.layer_class)
     if state is None or trainer.is_world_process_zero():
         print(_banner(plan, args, training_args, len(train_data), eval_data), flush=True)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     if eval_data is not None and trainer.state.global_step % training_args.eval_steps != 0:
         trainer.evaluate()  # the final model's held-out loss and perplexity, unless the last step just did it
     trainer.save_state()  # OUTPUT/trainer_state.json: the whole log history (losses, tokens/s, memory)
-    _write_rank_summary(trainer)
+    _write_rank_summary(trainer, seen_dtypes)
     if not args.no_save_final:
         save_final(trainer, tokenizer, output)
     return 0
+
+
+def _check_born_partitioned(model) -> None:
+    """ZeRO-3: from_pretrained / from_config must have run under deepspeed.zero.Init (each rank holds 1/N of
+    every weight; otherwise every rank first holds a full copy in host RAM). That needs TrainingArguments
+    (with its HfDeepSpeedConfig) alive before the model is created, which train_hf guarantees."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    param = next(model.parameters())
+    if not (is_deepspeed_zero3_enabled() and hasattr(param, "ds_id")):
+        raise RuntimeError("ZeRO-3 plan but the model was not created under deepspeed.zero.Init")
 
 
 def _resume_point(output: Path, resume: bool) -> Path | None:
@@ -159,7 +168,23 @@ def _checkpointing_kwargs(enabled: bool) -> dict:
     return {name: enabled, f"{name}_kwargs": {"use_reentrant": False} if enabled else None}
 
 
-def _write_rank_summary(trainer) -> None:
+def _watch_layer_dtype(model, layer_class: str) -> dict:
+    """With TOOLKIT_RANK_SUMMARY_DIR set: record the dtype the first decoder layer computes in during training
+    (shows that bf16 autocast / DeepSpeed bf16 / the FSDP2 mixed-precision policy really applied)."""
+    seen: dict = {}
+    if not os.environ.get("TOOLKIT_RANK_SUMMARY_DIR"):
+        return seen
+    layer = next((m for m in model.modules() if type(m).__name__ == layer_class), None)
+    if layer is not None:
+        def hook(module, inputs, output):
+            if module.training:
+                first = output[0] if isinstance(output, (tuple, list)) else output
+                seen["train_layer_output_dtype"] = str(getattr(first, "dtype", None))
+        layer.register_forward_hook(hook)
+    return seen
+
+
+def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     """Test and debugging hook: with TOOLKIT_RANK_SUMMARY_DIR set, every rank writes what it trained
     (its log history and a checksum of the parameters it holds), so a test can check that replicas agree."""
     folder = os.environ.get("TOOLKIT_RANK_SUMMARY_DIR")
@@ -181,7 +206,7 @@ def _write_rank_summary(trainer) -> None:
     model.train(was_training)
     summary = {"rank": rank, "world": trainer.args.world_size, "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
-               "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist()}
+               "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes}
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
 

@@ -168,10 +168,16 @@ def _validate_real_configs(plan: Plan, plan_dir: Path) -> list[str]:
         import json
 
         config = json.loads(ds_file.read_text())
+        dp = plan.data_parallel
+        batch = config.get("train_batch_size")
+        if batch != config.get("train_micro_batch_size_per_gpu", 0) * config.get("gradient_accumulation_steps", 0) * dp:
+            problems.append(f"{ds_file}: train_batch_size {batch} != micro x accumulation x {dp} data-parallel ranks")
         try:
             from deepspeed.runtime.config import DeepSpeedConfig
 
-            DeepSpeedConfig(_fill_auto(config), mpu=None)
+            # Outside a process group DeepSpeedConfig assumes one rank: check the per-rank share of the batch.
+            single = {**_fill_auto(config), "train_batch_size": batch // dp if isinstance(batch, int) else batch}
+            DeepSpeedConfig(single, mpu=None)
         except Exception as exc:  # any reason DeepSpeed refuses the real file is worth reporting
             problems.append(f"DeepSpeed refuses {ds_file}: {str(exc).strip().splitlines()[0]}")
         if plan.precision == "fp16" and not config.get("fp16", {}).get("enabled"):
