@@ -216,8 +216,13 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     remaining_copies = copies
     for r in reversed(regions):
         extra = r.trace.backward_extra_bytes
-        new_grads = 0.0 if accumulating else grads_done + r.params * grad_bytes_per_param
-        peak.offer(base + remaining + remaining_copies + new_grads + extra, f"backward ({r.name})", extra)
+        # The region's own temporaries peak before its weight gradients land (the loss/logits gradients come
+        # first in the head; a layer's largest gradient temporaries precede most of its weight grads), so its
+        # grads are charged once the region is done, with its saved tensors released.
+        before = 0.0 if accumulating else grads_done
+        after = 0.0 if accumulating else grads_done + r.params * grad_bytes_per_param
+        peak.offer(base + remaining + remaining_copies + before + extra, f"backward ({r.name})", extra)
+        peak.offer(base + remaining - r.trace.saved_bytes + remaining_copies + after, f"backward ({r.name})", 0.0)
         remaining -= r.trace.saved_bytes
         remaining_copies -= r.trace.autocast_copy_bytes if autocast else 0.0
         grads_done += r.params * grad_bytes_per_param
