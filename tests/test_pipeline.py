@@ -70,7 +70,8 @@ def write_plan_dir(directory: Path, plan: Plan, *, zero_stage: int) -> Path:
     return directory
 
 
-def launch(plan_dir: Path, plan: Plan, model: Path, data: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
+def launch(plan_dir: Path, plan: Plan, model: Path, data: Path, output: Path,
+           *extra: str) -> subprocess.CompletedProcess:
     """`accelerate launch` as a plain multi-process launcher over gloo (REFERENCE.md: --multi_gpu with
     ACCELERATE_USE_CPU=1), running the training entry."""
     with socket.socket() as s:
@@ -108,9 +109,9 @@ def reference_run(model_dir: Path, data: Path, global_batch: int, steps: int = S
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": HYPER["weight_decay"]},
-                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=HYPER["lr"])
+    decay, no_decay = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["weight_decay"]},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=HYPER["lr"])
     scheduler = get_scheduler(HYPER["lr_scheduler"], optimizer, num_warmup_steps=HYPER["warmup_steps"],
                               num_training_steps=steps)
     losses = []

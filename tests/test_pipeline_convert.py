@@ -82,7 +82,7 @@ def test_random_init_is_hf_init_and_the_same_on_every_rank(models):
 def test_unsupported_architecture_is_a_user_error(models):
     from toolkit.tiny import tiny_config
 
-    with pytest.raises(UserError, match="pipeline conversion supports gpt2, llama, mistral, qwen2, not model_type 'opt'"):
+    with pytest.raises(UserError, match="supports gpt2, llama, mistral, qwen2, not model_type 'opt'"):
         Source(tiny_config("opt"), None)
 
 

@@ -60,6 +60,9 @@ def train_pipeline(plan, args) -> None:
                         f"{plan.data_parallel} data-parallel) but {world} were launched; launch with the plan's "
                         "accelerate_config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+    if len(tokenizer) > config.get_text_config().vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only "
+                        f"{config.get_text_config().vocab_size}; use the model's own tokenizer")
 
     torch.manual_seed(args.seed)
     train_ds, eval_ds = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
