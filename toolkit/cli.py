@@ -293,6 +293,34 @@ def cmd_launch(args) -> int:
     return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run)
 
 
+def cmd_profile(args) -> int:
+    """Predicted vs measured for one real single-device step of the model (random weights, this process)."""
+    from toolkit.profile import measure_step, predict_step
+
+    spec = _spec(args)
+    _check_seq(spec, args.seq)
+    device = args.device
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    attention = spec.effective_attention(args.attention)
+    kwargs = dict(seq_len=args.seq, micro_batch=args.micro_batch, precision=args.precision, attention=attention,
+                  checkpointing=args.checkpointing)
+    predicted = predict_step(spec.config, device_kind=kind, **kwargs)
+    measured = measure_step(spec.config, device=device, steps=args.steps, **kwargs)
+    rows = {"activations_bytes": (predicted["activations_bytes"], measured.activations_bytes),
+            "peak_bytes": (predicted["peak_bytes"], measured.peak_bytes)}
+    if args.json:
+        print(json.dumps({"model": spec.name, "device": device, **kwargs,
+                          "predicted": predicted, "measured": measured.__dict__}, indent=2))
+        return 0
+    print(f"{spec.name} on {device}: one process, seq {args.seq}, micro-batch {args.micro_batch}, {args.precision}, "
+          f"{attention}{', checkpointing' if args.checkpointing else ''}")
+    print(f"{'':<20}{'predicted GiB':>15}{'measured GiB':>15}{'ratio':>9}")
+    for name, (p, m) in rows.items():
+        print(f"{name:<20}{p / GIB:>15.3f}{m / GIB:>15.3f}{p / m:>9.3f}")
+    print(f"measured step {measured.step_time_s:.3f} s, {measured.tokens_per_s:,.0f} tokens/s")
+    return 0
+
+
 def cmd_models(args) -> int:
     from toolkit.modelspec import catalog_names
 
@@ -366,6 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for toolkit.train")
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("profile", help="predicted vs measured memory of real steps on this machine")
+    _add_model_flags(p)
+    _add_job_flags(p)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after the measured one")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("demo", help="estimate, plan, emit and train a tiny model end to end on CPU")
     p.add_argument("--workdir", default="runs/demo")
