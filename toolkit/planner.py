@@ -105,6 +105,11 @@ def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> l
         return [(1, world)]
     if world < 2:
         return "needs 2+ GPUs"
+    from toolkit.pipeline.convert import FAMILIES
+
+    if spec.model_type not in FAMILIES:
+        return (f"pipeline conversion supports {', '.join(sorted(FAMILIES))}, not {spec.model_type}; "
+                "ZeRO and FSDP2 run it")
     if req.pipeline_stages is not None:
         stage_options = [req.pipeline_stages]
     elif strategy.kind == "pipeline":
