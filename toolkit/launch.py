@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from toolkit.errors import UserError
+from toolkit.errors import EXIT_USER_ERROR, UserError
 from toolkit.plan import Plan, load_plan
 
 ACCELERATE_CONFIG = "accelerate_config.yaml"
@@ -73,7 +73,7 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
         from toolkit.train.rehearsal import rehearse as run_rehearsal
 
         return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
-    _check_train_argv(plan_dir, train_argv)
+    preflight(plan, plan_dir, train_argv)
     if plan.num_machines > 1:
         print(_multi_node_text(plan, plan_dir, train_argv))
         return 0
@@ -85,16 +85,34 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
 
 
 def run(command: list[str], env: dict[str, str] | None = None) -> int:
-    """Run a launcher command in the foreground; its exit code is ours."""
-    full_env = {**os.environ, **(env or {})}
-    full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
-    try:
-        return subprocess.run(command, env=full_env).returncode
-    except FileNotFoundError:
-        raise UserError(f"{command[0]} is not on PATH; install accelerate in this environment") from None
+    """Run a launcher command in the foreground; its exit code is ours, and 2 when the training refused its
+    input (rank 0 wrote the one-line reason to TOOLKIT_ERROR_FILE; torchrun itself would report 1)."""
+    with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as tmp:
+        error_file = Path(tmp) / "error.txt"
+        full_env = {**os.environ, **(env or {}), "TOOLKIT_ERROR_FILE": str(error_file)}
+        full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
+        try:
+            code = subprocess.run(command, env=full_env).returncode
+        except FileNotFoundError:
+            raise UserError(f"{command[0]} is not on PATH; install accelerate in this environment") from None
+        if code != 0 and error_file.is_file():
+            return EXIT_USER_ERROR
+        return code
 
 
-def _check_train_argv(plan_dir: Path, train_argv: list[str]) -> None:
+def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
+    """The checks that need no process group, made before any process starts: arguments, data path, the model's
+    config against the plan (type, layers, width, sequence length) and the engine's config file."""
+    from toolkit.train.model import check_matches_plan, load_config, model_source
+
+    args = _check_train_argv(plan_dir, train_argv)
+    source = model_source(plan, args.model)
+    check_matches_plan(load_config(source), plan, source)
+    if plan.engine in ("deepspeed", "pipeline") and not (plan_dir / "ds_config.json").is_file():
+        raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")
+
+
+def _check_train_argv(plan_dir: Path, train_argv: list[str]):
     """Catch a typo in the training arguments here rather than in N processes after the model loaded."""
     from toolkit.train.args import parse_train_args
 
@@ -104,6 +122,7 @@ def _check_train_argv(plan_dir: Path, train_argv: list[str]) -> None:
     data = Path(args.data).expanduser()
     if (args.data.startswith((".", "/", "~")) or data.suffix) and not data.exists():
         raise UserError(f"data {args.data} does not exist")
+    return args
 
 
 def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:
@@ -116,3 +135,25 @@ def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:
     lines.append(f"or, under SLURM: sbatch {sbatch} {shlex.join(train_argv)}" + ("" if sbatch.is_file() else " (not emitted yet: run "
                                                              "`toolkit emit` with this plan)"))
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m toolkit.launch PLAN_DIR [--rehearse] [--dry-run] [TRAIN ARGS...]` (the toolkit CLI's launch)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="toolkit launch", description=__doc__.splitlines()[0])
+    parser.add_argument("plan_dir")
+    parser.add_argument("--rehearse", action="store_true", help="run the strategy on 2 CPU processes first")
+    parser.add_argument("--dry-run", action="store_true", help="print the command(s), run nothing")
+    ns, train_argv = parser.parse_known_args(argv)
+    if train_argv[:1] == ["--"]:
+        train_argv = train_argv[1:]
+    try:
+        return launch_main(ns.plan_dir, train_argv, rehearse=ns.rehearse, dry_run=ns.dry_run)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

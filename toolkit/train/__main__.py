@@ -29,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if _rank() == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
+            # `toolkit launch` reads it back: the multi-process launcher (torchrun) reports any failing worker
+            # as its own exit code 1, which would hide that this was bad input.
+            error_file = os.environ.get("TOOLKIT_ERROR_FILE")
+            if error_file:
+                with open(error_file, "w") as f:
+                    f.write(f"{exc}\n")
         return EXIT_USER_ERROR
 
 

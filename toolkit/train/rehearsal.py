@@ -97,9 +97,16 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
     import shutil
     import tempfile
 
-    from toolkit.launch import _check_train_argv, emit_plan_files, launch_command, run
+    from toolkit.errors import UserError
+    from toolkit.launch import emit_plan_files, launch_command, preflight, run
 
-    _check_train_argv(plan_dir, train_argv)
+    if train_argv:  # the real run's arguments, when given, are checked as the real launch would
+        preflight(plan, plan_dir, train_argv)
+    else:
+        try:
+            preflight(plan, plan_dir, ["--data", ".", "--output", "."])
+        except UserError as exc:
+            print(f"note: the real model was not checked against the plan: {exc}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     model_dir = make_rehearsal_model(plan, work / "model")
     small, said = rehearsal_plan(plan, model_dir)

@@ -1,0 +1,97 @@
+"""Bad input to toolkit.train: one line from rank 0, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from toolkit.train.rehearsal import plan_for_model
+
+
+def _one_error_line(run) -> str:
+    assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-4000:])
+    assert "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, run.stderr[-4000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def one_process_plan(tiny_llama_dir):
+    return plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32)
+
+
+def test_missing_data(run_training, one_process_plan, tmp_path):
+    run = run_training(one_process_plan, "no-data", "--data", str(tmp_path / "nothing.txt"), "--max-steps", "1")
+    assert "does not exist" in _one_error_line(run)
+
+
+def test_empty_dataset(run_training, one_process_plan, tmp_path):
+    (tmp_path / "tiny.txt").write_text("too short\n")
+    run = run_training(one_process_plan, "empty-data", "--data", str(tmp_path / "tiny.txt"), "--max-steps", "1")
+    assert "not one training block" in _one_error_line(run)
+
+
+def test_sequence_longer_than_model_positions(run_training, tiny_llama_dir, corpus_dir):
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=1, seq_len=512)  # model: 256
+    run = run_training(plan, "long-seq", "--data", str(corpus_dir), "--max-steps", "1")
+    assert "longer than model" in _one_error_line(run)
+
+
+def test_plan_and_model_disagree(run_training, one_process_plan, tiny_gpt2_dir, corpus_dir):
+    run = run_training(one_process_plan, "other-model", "--data", str(corpus_dir), "--model", str(tiny_gpt2_dir),
+                       "--max-steps", "1")
+    line = _one_error_line(run)
+    assert "is not the model the plan was made for" in line and "gpt2 vs llama" in line
+
+
+def test_malformed_plan(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "plan.json").write_text(json.dumps({"version": 1, "model": "x"}))
+    proc = subprocess.run([sys.executable, "-m", "toolkit.train", "--plan", str(tmp_path), "--data", "d",
+                           "--output", str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: plan file") and "incomplete" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_existing_checkpoints_without_resume(run_training, one_process_plan, corpus_dir, tmp_path):
+    (tmp_path / "out" / "checkpoint-5").mkdir(parents=True)
+    run = run_training(one_process_plan, "exists", "--data", str(corpus_dir), "--max-steps", "1",
+                       output=tmp_path / "out")
+    assert "pass --resume" in _one_error_line(run)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_only_rank0_reports_and_launch_exits_2(tiny_llama_dir, tmp_path):
+    """The empty-data check runs in the workers (it needs the tokenizer); torchrun reports the failed workers as
+    its own exit 1 with a summary block, and `toolkit launch` turns that back into exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    from toolkit.launch import emit_plan_files
+
+    (tmp_path / "tiny.txt").write_text("too short\n")
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
+    proc = subprocess.run([sys.executable, "-m", "toolkit.launch", str(plan_dir), "--data", str(tmp_path / "tiny.txt"),
+                           "--output", str(tmp_path / "out"), "--max-steps", "1"],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "not one training block" in errors[0]
+
+
+def test_launch_preflight_refuses_a_mismatched_model_before_starting(tiny_llama_dir, tiny_gpt2_dir, tmp_path,
+                                                                     capsys):
+    from toolkit.launch import emit_plan_files, main
+
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
+    code = main([str(plan_dir), "--data", str(tmp_path), "--output", str(tmp_path / "o"), "--model",
+                 str(tiny_gpt2_dir)])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not the model the plan was made for" in err[0]
