@@ -234,15 +234,15 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
 
 def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:
-    accumulating = job.grad_accum > 1
     if strategy.engine == "ddp":
         return ddp_states(params, job, world=hw.world_size)
     if strategy.engine == "deepspeed":
         return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params)
     if strategy.engine == "fsdp2":
         shard = hw.gpus_per_node if strategy.fsdp_mode == "hybrid" else dp
+        # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         return fsdp2_states(params, job, strategy, shard=shard, layer_params=max(spec.layer_params),
-                            root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=accumulating)
+                            root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False)
     return pipeline_states(params, job, dp=dp)
 
 

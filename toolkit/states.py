@@ -155,8 +155,11 @@ def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_para
     Sharded fp32 params and grads, optimizer states sharded; no separate master copy (REFERENCE: 4P/N + 4P/N +
     8P/N). Unsharded low-precision params: the layer being computed plus one prefetched; the root module
     (embeddings, head) stays unsharded after forward; reshard_after_forward=False (grad-op) keeps every layer's
-    unsharded params from forward to backward. Accumulating: the Trainer wraps non-final micro-steps in
-    accelerator.no_sync, which for FSDP2 is set_requires_gradient_sync(False): unsharded grads accumulate.
+    unsharded params from forward to backward. Accumulating: by default the Trainer wraps non-final micro-steps
+    in accelerator.no_sync, which for FSDP2 is set_requires_gradient_sync(False) and keeps every layer's
+    unsharded gradient (P x compute bytes) until the last micro-step; toolkit.train sets sync_each_batch for
+    FSDP2 plans instead (reduce-scatter every micro-step, grads stay sharded), so `accumulating` is False for
+    runs through toolkit.train.
     """
     N = shard
     full = 4 if job.precision in ("fp32", "bf16", "fp16") else 2

@@ -1,0 +1,64 @@
+"""What `toolkit plan` chooses for the three reference cases, with every rejection and its reason.
+
+    python benchmarks/plans.py     # writes benchmarks/results/plans.md (the justification is in that file)
+
+Cases (shared/REFERENCE.md), bf16 mixed precision, AdamW, sdpa attention with the GPU kernels' footprint:
+  A  GPT-2 XL, 8 x A100-80GB, seq 1024, global batch 64 (micro-batch 4 in the peer comparison)
+  B  Llama-2-7B, 8 x A100-80GB, seq 4096, global batch 64
+  C  Llama-3-70B, 8 nodes x 8 x H100-80GB (400 GB/s per node), seq 8192, global batch 512
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from toolkit.hardware import GIB, parse_hardware
+from toolkit.modelspec import resolve_model
+from toolkit.planner import Request, plan_candidates
+
+CASES = {
+    "A": ("gpt2-xl", "8xA100-80GB", None, 1024, 64),
+    "B": ("llama-2-7b", "8xA100-80GB", None, 4096, 64),
+    "C": ("llama-3-70b", "8x8xH100-80GB", 400.0, 8192, 512),
+}
+
+
+def main() -> int:
+    lines = ["# Chosen plans for the reference cases", "",
+             f"{time.strftime('%Y-%m-%d')}, `python benchmarks/plans.py`. Ranked by predicted tokens/s; GiB is the "
+             "required memory per GPU (tensor peak + context + margin).", ""]
+    for case, (model, gpus, inter, seq, batch) in CASES.items():
+        spec = resolve_model(model)
+        hw = parse_hardware(gpus, inter_node_gbps=inter)
+        cands = plan_candidates(spec, hw, Request(seq_len=seq, global_batch=batch))
+        lines += [f"## Case {case}: {model} on {hw.spec}, seq {seq}, global batch {batch}", "",
+                  "| rank | strategy | micro x accum | ckpt | GiB/GPU | host GiB/node | step s | tokens/s | MFU |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        rank = 0
+        for c in cands:
+            if not c.feasible:
+                continue
+            rank += 1
+            m, t = c.memory, c.timing
+            lines.append(f"| {rank} | {c.name} | {c.job.micro_batch} x {c.job.grad_accum} | "
+                         f"{'yes' if c.job.checkpointing else 'no'} | {m.required_bytes / GIB:.1f} | "
+                         f"{m.cpu_bytes_per_node / GIB:.0f} | {t.step_time_s:.2f} | {t.tokens_per_s:,.0f} | "
+                         f"{t.mfu:.0%} |")
+        lines += ["", "Not possible:", ""]
+        lines += [f"- {c.strategy.name}: {c.reason}" for c in cands if not c.feasible] or ["- (none)"]
+        lines.append("")
+    out = Path(__file__).parent / "results" / "plans.md"
+    out.parent.mkdir(exist_ok=True)
+    text = "\n".join(lines)
+    marker = "## Why these choices"
+    if out.exists() and marker in out.read_text():
+        text += "\n" + out.read_text()[out.read_text().index(marker):]
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
