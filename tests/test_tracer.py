@@ -58,6 +58,8 @@ CASES = [
     ("gemma2", "bfloat16", True, "eager", True, 1, 128),
     ("mistral", "bfloat16", False, "eager", False, 2, 128),
     ("mistral", "bfloat16", True, "sdpa", True, 4, 64),
+    ("llama", "float16", False, "sdpa", False, 2, 64),
+    ("gpt2", "float16", True, "sdpa", False, 2, 64),
 ]
 
 
@@ -98,6 +100,32 @@ def test_reduced_trace_expands_exactly_to_six_layers(arch, attention):
     assert len(trace.layers) == 6
     assert trace.activations_bytes == measured.saved_bytes
     assert [r.saved_bytes for r in trace.layers] == [measured.by_region[f"layer{i}"] for i in range(6)]
+
+
+# Architectures the tracer has no knowledge of: MLA attention with a dense first layer then MoE (deepseek_v3),
+# MoE every other layer with a shared expert (qwen2_moe), 5 sliding-window layers per global one (gemma3).
+UNSEEN = {
+    "deepseek_v3": dict(num_hidden_layers=6, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
+    "qwen2_moe": dict(num_hidden_layers=7, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2),
+    "gemma3_text": dict(num_hidden_layers=13, head_dim=16, sliding_window=32, query_pre_attn_scalar=16),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(UNSEEN))
+def test_unseen_architectures_expand_exactly(arch):
+    config = AutoConfig.for_model(arch, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=128, vocab_size=512, max_position_embeddings=256,
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0, **UNSEEN[arch])
+    kw = dict(dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False, micro_batch=2, seq_len=64)
+    trace = _trace(config, **kw)
+    measured, _ = _measure(config, **kw)
+    # Real MoE runs vary by a few hundred bytes a layer with the routing (tensors sized by the experts hit).
+    for i, layer in enumerate(trace.layers):
+        assert _close(layer.saved_bytes, measured.by_region[f"layer{i}"]), (i, layer, measured.by_region)
+    assert _close(trace.activations_bytes, measured.saved_bytes)
 
 
 def test_checkpointed_expansion_to_six_layers_matches_live_bytes():

@@ -78,6 +78,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
         notes.append(f"autocast: torch.autocast('cpu', {dtype})" + (" with CUDA's float32 op list applied on top"
                                                                     if cuda_autocast else ""))
     notes.append(f"traced {traced_count} of {len(full_kinds)} layers, expanded by layer kind")
+    notes.append("batch without attention mask (unpadded sequences); labels = inputs")
 
     layers = tuple(run.layers[_traced_index_for(i, full_kinds, traced_count)] for i in range(len(full_kinds)))
     return ActivationTrace(
