@@ -127,7 +127,8 @@ def cmd_estimate(args) -> int:
         print(json.dumps(out, indent=2))
         return 0
     cap = b.capacity_bytes
-    print(f"{spec.name}: {spec.params:,} parameters ({spec.num_layers} x {spec.layer_class}"
+    active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
+    print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {strategy.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
           f"{', checkpointing' if job.checkpointing else ''}")

@@ -234,16 +234,19 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
 
 def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:
+    fe = int(params * spec.factored_state_fraction)
     if strategy.engine == "ddp":
-        return ddp_states(params, job, world=hw.world_size)
+        return ddp_states(params, job, world=hw.world_size, factored_elems=fe)
     if strategy.engine == "deepspeed":
-        return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params)
+        return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params,
+                           factored_elems=fe)
     if strategy.engine == "fsdp2":
         shard = hw.gpus_per_node if strategy.fsdp_mode == "hybrid" else dp
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         return fsdp2_states(params, job, strategy, shard=shard, layer_params=max(spec.layer_params),
-                            root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False)
-    return pipeline_states(params, job, dp=dp)
+                            root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
+                            factored_elems=fe)
+    return pipeline_states(params, job, dp=dp, factored_elems=fe)
 
 
 def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,

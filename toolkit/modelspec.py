@@ -51,6 +51,8 @@ class ModelSpec:
     """LM head weights a token multiplies through (vocab x hidden, tied or not)."""
     attention_support: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
     """Attention implementations the model's HF class accepts (gemma2 refuses sdpa, for one)."""
+    factored_state_fraction: float = 0.0
+    """Adafactor's factored second moment (row + column statistics per matrix, full for vectors) per parameter."""
     active_params: int = 0
     """Parameters one token uses (differs from `params` for mixture-of-experts models)."""
     moe_experts: int = 0
@@ -70,7 +72,7 @@ class ModelSpec:
         return {
             "name": self.name, "model_type": self.model_type, "params": self.params,
             "layers": self.num_layers, "hidden": self.hidden, "heads": self.heads, "kv_heads": self.kv_heads,
-            "vocab": self.vocab, "tied_embeddings": self.tied, "layer_class": self.layer_class,
+            "active_params": self.active_params, "vocab": self.vocab, "tied_embeddings": self.tied, "layer_class": self.layer_class,
             "largest_layer_params": self.largest_layer_params, "moe_experts": self.moe_experts,
         }
 
@@ -279,6 +281,10 @@ def build_spec(name: str, config) -> ModelSpec:
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
     max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+    factored = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        shape = tuple(p.shape)
+        factored += math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] if len(shape) >= 2 else p.numel()
     expert_params = sum(p.numel() for n, p in layers.named_parameters() if _is_expert(n))
     notes = []
     if experts:
@@ -306,6 +312,7 @@ def build_spec(name: str, config) -> ModelSpec:
         attention_support=tuple(["eager"] + (["sdpa"] if getattr(model, "_supports_sdpa", False) else [])
                                 + (["flash_attention_2"] if getattr(model, "_supports_flash_attn", False)
                                    or getattr(model, "_supports_flash_attn_2", False) else [])),
+        factored_state_fraction=factored / total if total else 0.0,
         active_params=total - int(round(expert_params * (1 - moe_fraction))),
         moe_experts=experts,
         moe_top_k=top_k,
