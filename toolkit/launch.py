@@ -24,28 +24,11 @@ ACCELERATE_CONFIG = "accelerate_config.yaml"
 
 def emit_plan_files(plan: Plan, out_dir: str | Path) -> Path:
     """plan.json + the engine configs for `plan` in out_dir, written by the emitter (toolkit.emit)."""
+    from toolkit.emit import emit_files
+
     out = Path(out_dir)
-    try:
-        from toolkit.emit import emit_files
-    except ImportError:  # the emitter's front door is not there yet: its two config builders are enough here
-        _emit_minimal(plan, out)
-    else:
-        emit_files(plan, out, force=True)
+    emit_files(plan, out, force=True)
     return out
-
-
-def _emit_minimal(plan: Plan, out: Path) -> None:
-    import json
-
-    from toolkit.emit.accelerate import accelerate_yaml
-    from toolkit.emit.deepspeed import ds_config
-    from toolkit.fileio import write_atomic
-
-    ds_file = out / "ds_config.json"
-    write_atomic(out / "plan.json", plan.to_json())
-    write_atomic(out / ACCELERATE_CONFIG, accelerate_yaml(plan, ds_config_ref=str(ds_file.resolve())))
-    if plan.engine in ("deepspeed", "pipeline"):
-        write_atomic(ds_file, json.dumps(ds_config(plan), indent=2) + "\n")
 
 
 def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank: int | None = None,
@@ -53,6 +36,9 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
     """`accelerate launch` of toolkit.train with the plan's emitted accelerate config."""
     plan_dir = Path(plan_dir)
     command = ["accelerate", "launch", "--config_file", str(plan_dir / ACCELERATE_CONFIG)]
+    if (plan_dir / "ds_config.json").is_file() and _is_deepspeed_yaml(plan_dir):
+        # accelerate resolves the YAML's deepspeed_config_file against the working directory; name it exactly.
+        command += ["--deepspeed_config_file", str(plan_dir / "ds_config.json")]
     if machine_rank is not None:
         command += ["--machine_rank", str(machine_rank)]
     if main_host is not None:
@@ -110,6 +96,10 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     check_matches_plan(load_config(source), plan, source)
     if plan.engine in ("deepspeed", "pipeline") and not (plan_dir / "ds_config.json").is_file():
         raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")
+    if plan.engine == "deepspeed":
+        from toolkit.train.hf_runner import check_ds_config_agrees
+
+        check_ds_config_agrees(plan, args, plan_dir / "ds_config.json")
 
 
 def _check_train_argv(plan_dir: Path, train_argv: list[str]):
@@ -125,6 +115,15 @@ def _check_train_argv(plan_dir: Path, train_argv: list[str]):
     return args
 
 
+def _is_deepspeed_yaml(plan_dir: Path) -> bool:
+    import yaml
+
+    try:
+        return yaml.safe_load((plan_dir / ACCELERATE_CONFIG).read_text()).get("distributed_type") == "DEEPSPEED"
+    except (OSError, AttributeError, yaml.YAMLError):
+        return False
+
+
 def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:
     lines = [f"plan {plan.strategy} runs on {plan.num_machines} nodes x {plan.gpus_per_node} GPUs; "
              "nothing was started. Either run on each node (MAIN = the first node's hostname):"]
@@ -132,8 +131,10 @@ def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:
         command = launch_command(plan_dir, train_argv, machine_rank=rank, main_host="MAIN")
         lines.append(f"  node {rank}: " + shlex.join(command))
     sbatch = plan_dir / "slurm.sbatch"
-    lines.append(f"or, under SLURM: sbatch {sbatch} {shlex.join(train_argv)}" + ("" if sbatch.is_file() else " (not emitted yet: run "
-                                                             "`toolkit emit` with this plan)"))
+    # slurm.sbatch finds the plan directory as the directory it was submitted from.
+    route = f"(cd {shlex.quote(str(plan_dir))} && sbatch slurm.sbatch {shlex.join(train_argv)})"
+    lines.append(f"or, under SLURM: {route}" + ("" if sbatch.is_file() else
+                                                 "  (slurm.sbatch is missing: emit the plan's files again)"))
     return "\n".join(lines)
 
 

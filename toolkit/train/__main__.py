@@ -13,6 +13,10 @@ from toolkit.errors import EXIT_USER_ERROR, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # torch's collective-API renames warn on every ZeRO / FSDP step; nothing a user of this entry can act on.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     from toolkit.plan import load_plan
     from toolkit.train.args import parse_train_args
 

@@ -94,6 +94,27 @@ def _resume_point(output: Path, resume: bool) -> Path | None:
     return None
 
 
+def check_ds_config_agrees(plan: Plan, args: TrainArgs, ds_file: Path) -> None:
+    """The concrete values of ds_config.json against the plan and flags, before any process group or model: the
+    Trainer checks the same only inside train(), after the model has loaded, and with a traceback per rank."""
+    import json
+
+    try:
+        config = json.loads(Path(ds_file).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read {ds_file}: {exc}") from None
+    wanted = {
+        "train_micro_batch_size_per_gpu": (plan.micro_batch, "the plan's micro-batch"),
+        "gradient_accumulation_steps": (plan.grad_accum, "the plan's accumulation"),
+        "gradient_clipping": (args.max_grad_norm, "--max-grad-norm"),
+    }
+    for key, (value, source) in wanted.items():
+        found = config.get(key, "auto")
+        if found != "auto" and float(found) != float(value):
+            raise UserError(f"{ds_file} sets {key} {found} but {source} is {value}; make them agree (edit the JSON "
+                            f"or re-emit the plan)")
+
+
 def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bool):
     from transformers import TrainingArguments
 
@@ -103,6 +124,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         if not deepspeed.is_file():
             raise UserError(f"plan {args.plan} is a DeepSpeed plan but {deepspeed} is missing; "
                             "emit it with `toolkit emit` next to plan.json")
+        check_ds_config_agrees(plan, args, deepspeed)
         deepspeed = str(deepspeed)
     if plan.precision == "fp16" and on_cpu:
         raise UserError("fp16 cannot run on a CPU (DeepSpeed refuses it and accelerate ignores it); "

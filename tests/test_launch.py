@@ -1,0 +1,81 @@
+"""toolkit launch: the command it prints and runs, the multi-node route, and the CPU rehearsal."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from toolkit.launch import emit_plan_files, launch_main
+from toolkit.train.rehearsal import plan_for_model
+
+
+def test_dry_run_prints_the_accelerate_command(tiny_llama_dir, tmp_path, capsys):
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero3", micro_batch=2, seq_len=32), tmp_path / "p")
+    code = launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "out")], dry_run=True)
+    assert code == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("$ accelerate launch --config_file ")
+    words = shlex.split(line[2:])
+    assert words[words.index("--config_file") + 1] == str(plan_dir / "accelerate_config.yaml")
+    assert words[words.index("--deepspeed_config_file") + 1] == str(plan_dir / "ds_config.json")
+    assert words[words.index("-m") + 1] == "toolkit.train"
+    assert words[words.index("--plan") + 1] == str(plan_dir / "plan.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_multi_node_prints_each_node_and_slurm_without_running(tiny_llama_dir, tmp_path, capsys):
+    plan = plan_for_model(tiny_llama_dir, "zero2", num_machines=2, gpus_per_node=4, micro_batch=2, seq_len=32)
+    plan_dir = emit_plan_files(plan, tmp_path / "p")
+    code = launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "out")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "--machine_rank 0" in out and "--machine_rank 1" in out
+    assert "sbatch slurm.sbatch" in out and "nothing was started" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_accelerate_config_is_one_clear_error(tiny_llama_dir, tmp_path):
+    from toolkit.errors import UserError
+
+    (tmp_path / "plan.json").write_text(plan_for_model(tiny_llama_dir, "ddp", seq_len=32).to_json())
+    with pytest.raises(UserError, match="accelerate_config.yaml is missing"):
+        launch_main(tmp_path, ["--data", str(tmp_path), "--output", str(tmp_path / "o")])
+
+
+@pytest.mark.multiprocess
+def test_rehearsal_runs_an_fp16_zero3_plan_as_bf16_and_passes(tiny_llama_dir, tmp_path, capfd):
+    """A 'big' plan (8 GPUs, micro 8, accum 16, seq 256, fp16, flash attention) rehearsed on 2 CPU processes."""
+    plan = plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=8, micro_batch=8, grad_accum=16, seq_len=256,
+                          precision="fp16", attention="flash_attention_2", checkpointing=True)
+    plan_dir = emit_plan_files(plan, tmp_path / "p")
+    code = launch_main(plan_dir, [], rehearse=True)
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "note: fp16 cannot run on these CPUs" in out
+    assert "rehearsal passed" in out
+
+
+def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_llama_dir, tmp_path):
+    """The Trainer would find this only inside train(), after loading the model, with a traceback per rank."""
+    from toolkit.errors import UserError
+
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
+    with pytest.raises(UserError, match="gradient_clipping 1.0 but --max-grad-norm is 0.5"):
+        launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "o"), "--max-grad-norm", "0.5"],
+                    rehearse=True)
+
+
+@pytest.mark.multiprocess
+def test_rehearsal_reports_a_failing_run_with_its_exit_code(tiny_llama_dir, tmp_path, capfd):
+    """A plan whose DeepSpeed JSON was edited by hand into nonsense fails in the rehearsal, not on the GPUs."""
+    import json
+
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
+    ds = json.loads((plan_dir / "ds_config.json").read_text())
+    ds["zero_optimization"]["stage"] = 7
+    (plan_dir / "ds_config.json").write_text(json.dumps(ds))
+    code = launch_main(plan_dir, [], rehearse=True)
+    out = capfd.readouterr().out
+    assert code != 0
+    assert "rehearsal problem: DeepSpeed refuses" in out and "rehearsal FAILED" in out
