@@ -26,6 +26,7 @@ class SavedBytes:
     by_region: dict[str, int] = field(default_factory=dict)
     """saved_bytes split by the module that was running when each storage was first saved: "embedding", "layer<i>",
     "head"."""
+    autocast_copy_by_region: dict[str, int] = field(default_factory=dict)
 
 
 def _autocast(dtype) -> Any:
@@ -90,14 +91,16 @@ def measure_saved_bytes(model, batch: dict, *, autocast_dtype=None, keep_graph: 
     seen: set[tuple[int, int]] = set()
     saved = {"saved": 0, "autocast": 0}
     by_region: dict[str, int] = {}
+    copies_by_region: dict[str, int] = {}
 
     def pack(t):
         key = _storage_key(t)
         if key in param_keys or key in seen:
             return t
         seen.add(key)
-        if _is_parameter_copy(t):
+        if autocast_dtype is not None and _is_parameter_copy(t):
             saved["autocast"] += key[1]
+            copies_by_region[region["name"]] = copies_by_region.get(region["name"], 0) + key[1]
         else:
             saved["saved"] += key[1]
             by_region[region["name"]] = by_region.get(region["name"], 0) + key[1]
@@ -115,7 +118,7 @@ def measure_saved_bytes(model, batch: dict, *, autocast_dtype=None, keep_graph: 
     for h in handles:
         h.remove()
     return SavedBytes(saved_bytes=saved["saved"], autocast_copy_bytes=saved["autocast"], live_bytes=live,
-                      by_region=by_region), loss
+                      by_region=by_region, autocast_copy_by_region=copies_by_region), loss
 
 
 def _act_bytes(tracker) -> int:
@@ -156,34 +159,31 @@ def peak_step_bytes(model, batch: dict, *, autocast_dtype=None, lr: float = 1e-4
 
 @dataclass(frozen=True)
 class LayerPeaks:
-    forward_extra_bytes: int
-    """Peak during the layer's forward above the larger of what was live at its start and at its end."""
-    backward_extra_bytes: int
-    """Peak during the layer's backward above what was live when it started."""
+    forward_peak_bytes: int
+    """Peak live bytes during the layer's forward (parameters, buffers, gradients and the batch left out)."""
+    backward_peak_bytes: int
+    """Peak live bytes during the layer's backward, on the same terms."""
 
 
 def measure_layer_peaks(model, batch: dict, *, autocast_dtype=None) -> list[LayerPeaks]:
-    """Forward, loss and backward on real tensors; per decoder layer, the transient peaks MemTracker's module
-    snapshots show (parameters, buffers and gradients left out)."""
+    """Forward, loss and backward on real tensors; per decoder layer, the peaks MemTracker's module snapshots
+    show."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
+    inputs = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    batch_bytes = sum({_storage_key(t): t.untyped_storage().nbytes() for t in inputs}.values())
     tracker = MemTracker()
-    tracker.track_external(model, *[v for v in batch.values() if isinstance(v, torch.Tensor)])
+    tracker.track_external(model, *inputs)
     with tracker:
         with _autocast(autocast_dtype):
             loss = model(**batch).loss
         loss.backward()
     skip = {_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, "Total"}
 
-    def act(state, snapshots) -> int:
-        return sum(b for dev in snapshots[state][0].values() for k, b in dev.items() if k not in skip)
+    def live(state, snapshots) -> int:
+        return sum(b for dev in snapshots[state][0].values() for k, b in dev.items() if k not in skip) - batch_bytes
 
-    peaks = []
-    for layer in _decoder_layer_list(model):
-        snaps = tracker.memory_tracking[layer].snapshots
-        start, end = act(_ModState.PRE_FW, snaps), act(_ModState.POST_FW, snaps)
-        peaks.append(LayerPeaks(
-            forward_extra_bytes=max(0, act(_ModState.PEAK_FW, snaps) - max(start, end)),
-            backward_extra_bytes=max(0, act(_ModState.PEAK_BW, snaps) - act(_ModState.PRE_BW, snaps))))
-    return peaks
+    return [LayerPeaks(forward_peak_bytes=live(_ModState.PEAK_FW, snaps),
+                       backward_peak_bytes=live(_ModState.PEAK_BW, snaps))
+            for snaps in (tracker.memory_tracking[layer].snapshots for layer in _decoder_layer_list(model))]

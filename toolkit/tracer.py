@@ -163,6 +163,9 @@ def _reduced_config(config, num_layers: int, keep: int):
         if isinstance(value, (list, tuple)) and len(value) == num_layers and keep < num_layers:
             setattr(reduced, key, type(value)(value[:keep]))
     reduced.num_hidden_layers = keep
+    # The HF Trainer sets config.use_cache = TrainingArguments.use_cache (False by default): no KV cache in training.
+    if hasattr(reduced, "use_cache"):
+        reduced.use_cache = False
     return reduced
 
 
@@ -287,7 +290,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
                 return
             charged.add(ident)
             region = regions[region_name or state["region"]]
-            if serial is not None and serial in autocast_copy_ids:
+            if autocast_dtype is not None and serial is not None and serial in autocast_copy_ids:
                 region.autocast_copy_bytes += st.nbytes()
             else:
                 region.saved_bytes += st.nbytes()
@@ -353,11 +356,18 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
     marks = log.marks
     last = f"layer{n - 1}"
 
+    # Extras are measured above what the memory model composes as live: every region's saved bytes and autocast
+    # copies up to and including this one (toolkit.memory._simulate). What else is live at that moment (a layer's
+    # output not yet saved by the next one, the incoming gradient) is part of the extra, so the composed peak is
+    # the traced one.
+    order = ["embedding", *(f"layer{i}" for i in range(n)), "head"]
+    held = dict(zip(order, accumulate(regions[r].saved_bytes + regions[r].autocast_copy_bytes for r in order)))
+
     def region_trace(name: str, fwd: tuple[str, str], bwd: tuple[str, str]) -> RegionTrace:
         region = regions[name]
         return RegionTrace(saved_bytes=region.saved_bytes,
-                           forward_extra_bytes=_extra(curve, marks, *fwd, settle=True),
-                           backward_extra_bytes=_extra(curve, marks, *bwd, settle=False),
+                           forward_extra_bytes=_peak_above(curve, marks, *fwd, held[name]),
+                           backward_extra_bytes=_peak_above(curve, marks, *bwd, held[name]),
                            autocast_copy_bytes=region.autocast_copy_bytes)
 
     embedding = region_trace("embedding", ("f:embedding", "f:layer0"), ("be:layer0", "b:end"))
@@ -373,14 +383,11 @@ def _kind_ids(kinds: tuple) -> tuple:
     return tuple(ids.setdefault(k, len(ids)) for k in kinds)
 
 
-def _extra(curve: list[int], marks: dict[str, int], start: str, end: str, *, settle: bool) -> int:
-    """Peak live bytes between two marks above live bytes at the start (settle: above the larger of start and
-    end, i.e. only temporaries that die inside the span)."""
+def _peak_above(curve: list[int], marks: dict[str, int], start: str, end: str, held: int) -> int:
+    """Peak live bytes between two marks, above `held`."""
     if start not in marks or end not in marks or marks[end] < marks[start]:
         return 0
-    i, j = marks[start], marks[end]
-    base = max(curve[i], curve[j]) if settle else curve[i]
-    return max(0, max(curve[i:j + 1]) - base)
+    return max(0, max(curve[marks[start]:marks[end] + 1]) - held)
 
 
 def _enable_checkpointing(model) -> None:
