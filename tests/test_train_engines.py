@@ -142,3 +142,14 @@ def test_zero3_resume_reproduces_uninterrupted_losses(run_training, engine_runs,
     got, want = resumed.losses(), full.losses()
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(want[step], abs=1e-6), (step, got, want)
+
+
+@pytest.mark.multiprocess
+def test_tensorboard_gets_loss_throughput_and_per_rank_memory(engine_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(engine_runs("ddp").output / "runs")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/tokens_per_s", "train/peak_mem_gib/rank0", "train/peak_mem_gib/rank1",
+            "eval/loss", "eval/perplexity"} <= tags, tags
+    assert all(e.value > 0 for e in events.Scalars("train/peak_mem_gib/rank1"))
