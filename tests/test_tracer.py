@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.livebytes import measure_layer_peaks, measure_saved_bytes, peak_step_bytes
+from toolkit.livebytes import measure_peaks, measure_saved_bytes, peak_step_bytes
 from toolkit.tiny import tiny_config
 from toolkit.tracer import trace_activations
 
@@ -262,7 +262,7 @@ def test_llama_3_70b_shaped_trace_at_8k_completes():
     ("llama", "bfloat16", False, "sdpa", True),
     ("gemma2", "bfloat16", True, "eager", True),
 ])
-def test_composed_layer_peaks_match_real_tensors(arch, dtype, autocast, attention, checkpointing):
+def test_composed_peaks_match_real_tensors(arch, dtype, autocast, attention, checkpointing):
     # As toolkit.memory composes them: everything saved so far, plus the region's extra.
     config = tiny_config(arch, layers=3, hidden=64, vocab_size=1000)  # traced with 2, expanded to 3
     kw = dict(dtype=dtype, autocast=autocast, attention=attention, checkpointing=checkpointing, micro_batch=2,
@@ -271,9 +271,13 @@ def test_composed_layer_peaks_match_real_tensors(arch, dtype, autocast, attentio
     compute = getattr(torch, dtype)
     model = _real_model(config, dtype=dtype, autocast=autocast, attention=attention, checkpointing=checkpointing)
     ids = torch.randint(0, 1000, (2, 128))
-    real = measure_layer_peaks(model, {"input_ids": ids, "labels": ids}, autocast_dtype=compute if autocast else None)
-    held = trace.embedding.saved_bytes + trace.embedding.autocast_copy_bytes
-    for traced, measured in zip(trace.layers, real):
-        held += traced.saved_bytes + traced.autocast_copy_bytes
-        assert _close(held + traced.forward_extra_bytes, measured.forward_peak_bytes), (traced, measured)
-        assert _close(held + traced.backward_extra_bytes, measured.backward_peak_bytes), (traced, measured)
+    real = measure_peaks(model, {"input_ids": ids, "labels": ids}, autocast_dtype=compute if autocast else None)
+    held, composed = 0, []
+    for region in (trace.embedding, *trace.layers, trace.head):
+        held += region.saved_bytes + region.autocast_copy_bytes
+        composed.append((held + region.forward_extra_bytes, held + region.backward_extra_bytes))
+    for (forward, backward), measured in zip(composed[1:-1], real.layers):
+        assert _close(forward, measured.forward_peak_bytes), (composed, measured)
+        assert _close(backward, measured.backward_peak_bytes), (composed, measured)
+    assert _close(max(f for f, _ in composed), real.forward_peak_bytes)
+    assert _close(max(b for _, b in composed), real.backward_peak_bytes)

@@ -165,9 +165,18 @@ class LayerPeaks:
     """Peak live bytes during the layer's backward, on the same terms."""
 
 
-def measure_layer_peaks(model, batch: dict, *, autocast_dtype=None) -> list[LayerPeaks]:
-    """Forward, loss and backward on real tensors; per decoder layer, the peaks MemTracker's module snapshots
-    show."""
+@dataclass(frozen=True)
+class Peaks:
+    forward_peak_bytes: int
+    """Peak live bytes during the whole forward + loss (parameters, buffers, gradients and the batch left out)."""
+    backward_peak_bytes: int
+    """Peak live bytes during the whole backward, on the same terms."""
+    layers: tuple[LayerPeaks, ...]
+
+
+def measure_peaks(model, batch: dict, *, autocast_dtype=None) -> Peaks:
+    """Forward, loss and backward on real tensors; the peaks MemTracker's module snapshots show, for the whole
+    model and per decoder layer."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
@@ -181,9 +190,12 @@ def measure_layer_peaks(model, batch: dict, *, autocast_dtype=None) -> list[Laye
         loss.backward()
     skip = {_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, "Total"}
 
-    def live(state, snapshots) -> int:
-        return sum(b for dev in snapshots[state][0].values() for k, b in dev.items() if k not in skip) - batch_bytes
+    def live(state, module) -> int:
+        snapshot = tracker.memory_tracking[module].snapshots[state][0]
+        return sum(b for dev in snapshot.values() for k, b in dev.items() if k not in skip) - batch_bytes
 
-    return [LayerPeaks(forward_peak_bytes=live(_ModState.PEAK_FW, snaps),
-                       backward_peak_bytes=live(_ModState.PEAK_BW, snaps))
-            for snaps in (tracker.memory_tracking[layer].snapshots for layer in _decoder_layer_list(model))]
+    layers = tuple(LayerPeaks(forward_peak_bytes=live(_ModState.PEAK_FW, layer),
+                              backward_peak_bytes=live(_ModState.PEAK_BW, layer))
+                   for layer in _decoder_layer_list(model))
+    return Peaks(forward_peak_bytes=live(_ModState.PEAK_FW, model),
+                 backward_peak_bytes=live(_ModState.PEAK_BW, model), layers=layers)

@@ -54,6 +54,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     _check_choice("device_kind", device_kind, DEVICE_KINDS)
     if seq_len < 1 or micro_batch < 1:
         raise ValueError(f"seq_len and micro_batch must be positive (got {seq_len}, {micro_batch})")
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
     compute_dtype = getattr(torch, dtype)
     if attention == "flash_attention_2" and compute_dtype == torch.float32:
         raise ValueError("flash_attention_2 runs in bfloat16 or float16 only; use dtype bfloat16/float16 "
@@ -67,8 +69,14 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     notes: list[str] = []
     cuda_autocast = device_kind == "cuda" and autocast and compute_dtype != torch.float32
     with _trace_environment(attention, device_kind, notes, cuda_autocast=cuda_autocast) as attn_impl:
-        run = _run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
-                             micro_batch, seq_len, checkpointing)
+        try:
+            run = _run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
+                                 micro_batch, seq_len, checkpointing, notes)
+        except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+            raise NotImplementedError(
+                f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
+                "MoE experts looped over the tokens routed to each; such models trace only through transformers' "
+                "grouped_mm experts implementation") from None
     traced_kinds = run.layer_kinds
     if traced_kinds != full_kinds[:traced_count]:
         raise RuntimeError(f"{type(config).__name__}: the first {traced_count} layers of a {traced_count}-layer "
@@ -217,7 +225,11 @@ def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copy_ids: set
     to_copy = torch.ops.aten._to_copy.default
 
     class Recorder(TorchDispatchMode):
+        grouped_mm = False  # MoE experts ran as grouped matmuls
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "grouped_mm" in func.__name__:
+                self.grouped_mm = True
             out = func(*args, **(kwargs or {}))
             inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             for t in tree_leaves(out):
@@ -257,7 +269,7 @@ def _tensors_in(obj):
 
 
 def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
-                   checkpointing: bool) -> _Run:
+                   checkpointing: bool, notes: list[str]) -> _Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -347,6 +359,9 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
             log.mark("b:begin")
             loss.backward()
             log.mark("b:end")
+        if recorder.grouped_mm:
+            notes.append("MoE experts: grouped matmuls over tokens x top_k routed rows, a footprint that does not "
+                         "depend on the routing (real runs differ by a few hundred bytes a layer)")
         for h in handles:
             h.remove()
         grad_serials = {log.serial_of(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
