@@ -125,23 +125,39 @@ def test_checkpoints_are_marked_complete(engine_runs):
 
 
 @pytest.mark.multiprocess
-def test_zero3_resume_reproduces_uninterrupted_losses(run_training, engine_runs, tiny_llama_dir, corpus_dir,
-                                                      tmp_path):
-    """Resume from checkpoint-3 of a run whose later checkpoint is gone (as if killed after step 3)."""
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_resume_reproduces_uninterrupted_losses(engine, run_training, engine_runs, tiny_llama_dir, corpus_dir,
+                                                tmp_path):
+    """Resume from checkpoint-3 of a run whose later checkpoint is half-written (as if killed during step 6's save)."""
     import shutil
 
-    full = engine_runs("zero3")
+    full = engine_runs(engine)
     output = tmp_path / "resumed"
     shutil.copytree(full.output / "checkpoint-3", output / "checkpoint-3")
     # A half-written later checkpoint (no completion marker) must be ignored.
     (output / "checkpoint-6").mkdir()
     (output / "checkpoint-6" / "config.json").write_text("{}")
-    plan = _plan(tiny_llama_dir, "zero3")
-    resumed = run_training(plan, "zero3-resume", *_args(corpus_dir, "--resume", "--no-save-final"),
-                           output=output).check()
+    resumed = run_training(_plan(tiny_llama_dir, engine), f"{engine}-resume",
+                           *_args(corpus_dir, "--resume", "--no-save-final"), output=output).check()
     got, want = resumed.losses(), full.losses()
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(want[step], abs=1e-6), (step, got, want)
+
+
+@pytest.mark.multiprocess
+def test_gpt2_zero3_with_tied_embeddings_saves_a_complete_model(run_training, tiny_gpt2_dir, corpus_dir):
+    """GPT-2 ties its LM head to the embedding: the gathered ZeRO-3 save must still hold every weight."""
+    from transformers import AutoModelForCausalLM
+
+    plan = plan_for_model(tiny_gpt2_dir, "zero3", micro_batch=2, seq_len=SEQ)
+    run = run_training(plan, "gpt2-zero3", *_args(corpus_dir)).check()
+    model = AutoModelForCausalLM.from_pretrained(run.output).eval()
+    assert sum(p.numel() for p in model.parameters()) == plan.params
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
+    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
+    losses = run.losses()
+    assert (losses[5] + losses[6]) / 2 < losses[1] - 0.1
 
 
 @pytest.mark.multiprocess
