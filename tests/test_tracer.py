@@ -281,3 +281,19 @@ def test_composed_peaks_match_real_tensors(arch, dtype, autocast, attention, che
         assert _close(backward, measured.backward_peak_bytes), (composed, measured)
     assert _close(max(f for f, _ in composed), real.forward_peak_bytes)
     assert _close(max(b for _, b in composed), real.backward_peak_bytes)
+
+
+def test_moe_with_data_dependent_expert_loops_is_refused_clearly():
+    config = tiny_config("mixtral", layers=2, hidden=64)
+    config._experts_implementation = "eager"  # a Python loop over the tokens routed to each expert
+    with pytest.raises(NotImplementedError, match="depend on the data"):
+        _trace(config, dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False, micro_batch=1,
+               seq_len=32)
+
+
+def test_the_callers_config_is_left_unchanged():
+    config = tiny_config("gemma2", layers=6, hidden=64)
+    before = config.to_dict()
+    _trace(config, dtype="bfloat16", autocast=False, attention="eager", checkpointing=True, micro_batch=1,
+           seq_len=32)
+    assert config.to_dict() == before

@@ -134,7 +134,17 @@ def _layer_kind(layer) -> tuple:
     return tuple(parts)
 
 
+_KINDS_CACHE: dict[str, tuple] = {}
+
+
 def _layer_kinds_of_full_model(config) -> tuple:
+    key = config.to_json_string(use_diff=False)
+    if key not in _KINDS_CACHE:
+        _KINDS_CACHE[key] = _build_layer_kinds(config)
+    return _KINDS_CACHE[key]
+
+
+def _build_layer_kinds(config) -> tuple:
     import torch
     from transformers import AutoModelForCausalLM
 
