@@ -93,7 +93,7 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
 
     args = _check_train_argv(plan_dir, train_argv)
     source = model_source(plan, args.model)
-    check_matches_plan(load_config(source), plan, source)
+    check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
     if plan.engine in ("deepspeed", "pipeline") and not (plan_dir / "ds_config.json").is_file():
         raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")
     if plan.engine == "deepspeed":

@@ -39,7 +39,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     resume_from = _resume_point(output, args.resume)
 
     source = model_source(plan, args.model)
-    config = load_config(source)
+    config = load_config(source, random_init=args.random_init)
     check_matches_plan(config, plan, source)
     tokenizer = load_tokenizer(args.tokenizer or (source if not Path(source).is_file() else str(Path(source).parent)))
     check_vocab(config, tokenizer, source)

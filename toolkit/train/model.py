@@ -18,18 +18,30 @@ def model_source(plan: Plan, model: str | None) -> str:
     return model or plan.model
 
 
-def load_config(source: str):
-    """An HF config from a hub id, a model folder or a config.json path."""
+def load_config(source: str, *, random_init: bool = False):
+    """An HF config from a hub id, a model folder or a config.json path; a toolkit catalog name (a config
+    without weights, as plans made from `--model llama-2-7b` name it) only for --random-init."""
     from transformers import AutoConfig
 
+    from toolkit.paths import MODEL_CATALOG_DIR
+
     path = Path(source).expanduser()
+    in_catalog = (MODEL_CATALOG_DIR / f"{source.lower()}.json").is_file() and not path.exists()
+    if in_catalog and random_init:
+        from toolkit.modelspec import load_config as catalog_config
+
+        return catalog_config(source)
     try:
         if path.is_file():
             return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" \
                 else _config_from_json(path)
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load the model config from {source}: {_first_line(exc)}") from None
+        if in_catalog:
+            raise UserError(f"plan model '{source}' is a toolkit catalog entry (a config, no weights): pass --model "
+                            "with the hub id or local folder of its weights, or --random-init") from None
+        raise UserError(f"cannot load the model config from {source}: {_first_line(exc)}; pass --model with a "
+                        "hub id, a local model folder or a config.json") from None
 
 
 def _config_from_json(path: Path):
