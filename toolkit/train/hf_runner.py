@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from pathlib import Path
 
 from toolkit.errors import UserError
@@ -164,6 +163,8 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         dataloader_drop_last=True,
         remove_unused_columns=False,
         ddp_find_unused_parameters=False if plan.engine == "ddp" else None,
+        # On CPU this also lifts transformers' GPU-only bf16 check (is_torch_bf16_gpu_available), which refuses
+        # bf16 with DeepSpeed otherwise; the engines themselves run on the gloo state configured before.
         use_cpu=on_cpu,
     )
     kwargs.update(_checkpointing_kwargs(plan.checkpointing))
@@ -276,6 +277,10 @@ def save_final(trainer, tokenizer, output: Path) -> None:
 
 
 def _check_world(plan: Plan, world: int) -> None:
+    if world != plan.world_size and plan.engine == "deepspeed":
+        raise UserError(f"the plan is for {plan.world_size} processes but {world} were started; its DeepSpeed "
+                        f"train_batch_size {plan.global_batch} assumes {plan.data_parallel} data-parallel ranks "
+                        "(start it with `toolkit launch`, or re-plan for this GPU count)")
     if world != plan.world_size and _is_rank_zero():
         print(f"note: running on {world} process(es), the plan was made for {plan.world_size}; the global batch "
               f"is {plan.micro_batch} x {plan.grad_accum} x {world} = {plan.micro_batch * plan.grad_accum * world}"
