@@ -122,9 +122,16 @@ def _decoder_layers(model, count: int):
     return min(lists, key=lambda x: x[:2])[2]
 
 
-def _layer_kind(layer) -> tuple:
+def _per_layer_settings(config, n: int) -> list[tuple]:
+    """Per-layer entries of the config (lists with one value per layer, such as layer_types), layer by layer:
+    the model's forward may read them by index (which mask a layer gets) without the layer storing them."""
+    lists = sorted((k, v) for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == n)
+    return [tuple((k, repr(v[i])) for k, v in lists) for i in range(n)]
+
+
+def _layer_kind(layer, settings: tuple = ()) -> tuple:
     """What makes two decoder layers trace alike: module classes, parameter shapes, per-layer settings."""
-    parts = []
+    parts = [settings]
     for name, module in layer.named_modules():
         settings = tuple(sorted((k, v) for k, v in vars(module).items()
                                 if not k.startswith("_") and k != "training" and "idx" not in k
@@ -151,7 +158,8 @@ def _build_layer_kinds(config) -> tuple:
     n = _num_layers(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    kinds = tuple(_layer_kind(layer) for layer in _decoder_layers(model, n))
+    kinds = tuple(_layer_kind(layer, settings)
+                  for layer, settings in zip(_decoder_layers(model, n), _per_layer_settings(config, n)))
     # Kinds as small integers in order of first appearance: cheap to compare and to show.
     ids: dict[tuple, int] = {}
     return tuple(ids.setdefault(k, len(ids)) for k in kinds)
@@ -289,7 +297,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
         model.train()
         layers = _decoder_layers(model, n)
-        kinds = tuple(_layer_kind(layer) for layer in layers)
+        kinds = tuple(_layer_kind(layer, settings) for layer, settings in zip(layers, _per_layer_settings(config, n)))
         if checkpointing:
             _enable_checkpointing(model)
         input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
