@@ -1,0 +1,142 @@
+"""Single-process pieces of the training entry: arguments, data packing, checkpoint bookkeeping, model checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from toolkit.errors import UserError
+
+
+# --- arguments -------------------------------------------------------------------------------------------------
+
+def test_train_args_defaults_and_flags():
+    from toolkit.train.args import parse_train_args
+
+    args = parse_train_args(["--plan", "p", "--data", "d", "--output", "o", "--max-steps", "5", "--resume",
+                             "--save-total-limit", "2", "--lr-scheduler", "linear"])
+    assert (args.plan, args.data, args.output, args.max_steps, args.resume) == ("p", "d", "o", 5, True)
+    assert args.save_total_limit == 2 and args.lr_scheduler == "linear" and args.model is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plan", "p"], "required"),
+    (["--plan", "p", "--data", "d", "--output", "o", "--max-steps", "0"], "--max-steps"),
+    (["--plan", "p", "--data", "d", "--output", "o", "--eval-fraction", "1.5"], "--eval-fraction"),
+    (["--plan", "p", "--data", "d", "--output", "o", "--bogus"], "unrecognized"),
+])
+def test_bad_train_args_are_user_errors(argv, message):
+    from toolkit.train.args import parse_train_args
+
+    with pytest.raises(UserError, match=message):
+        parse_train_args(argv)
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def test_blocks_are_exactly_seq_len_with_eos_between_documents(tokenizer, tmp_path):
+    from toolkit.train.data import build_datasets
+
+    docs = [f"document number {i} says something about packing." for i in range(40)]
+    (tmp_path / "d.txt").write_text("\n\n".join(docs) + "\n")
+    train, evaluation = build_datasets(str(tmp_path / "d.txt"), tokenizer, 16, eval_fraction=0.0, seed=0)
+    assert evaluation is None
+    assert all(len(ids) == 16 for ids in train["input_ids"])
+    assert train["input_ids"] == train["labels"]
+    flat = [t for ids in train["input_ids"] for t in ids]
+    eos = tokenizer.eos_token_id
+    ends = [i for i, t in enumerate(flat) if t == eos]
+    pieces = [flat[a + 1:b] for a, b in zip([-1, *ends], ends)]
+    assert [tokenizer.decode(p) for p in pieces] == docs[:len(pieces)]  # in order, one EOS after each
+    assert len(pieces) >= len(docs) - 1  # only the tail shorter than a block is dropped
+
+
+def test_folder_with_validation_file_uses_it_for_eval(tokenizer, corpus_dir):
+    from toolkit.train.data import build_datasets
+
+    train, evaluation = build_datasets(str(corpus_dir), tokenizer, 32, eval_fraction=0.5, seed=0)
+    whole, _ = build_datasets(str(corpus_dir / "train.txt"), tokenizer, 32, eval_fraction=0.0, seed=0)
+    assert len(train) == len(whole) and evaluation is not None and len(evaluation) > 0
+
+
+def test_eval_fraction_holds_out_blocks(tokenizer, corpus_dir):
+    from toolkit.train.data import build_datasets
+
+    train, evaluation = build_datasets(str(corpus_dir / "train.txt"), tokenizer, 32, eval_fraction=0.1, seed=0)
+    assert len(evaluation) == round((len(train) + len(evaluation)) * 0.1)
+
+
+def test_jsonl_with_another_text_column(tokenizer, tmp_path):
+    from toolkit.train.data import build_datasets
+
+    rows = [{"id": i, "body": "some words in a json line " * 5} for i in range(20)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _ = build_datasets(str(tmp_path / "d.jsonl"), tokenizer, 16, eval_fraction=0.0, seed=0)
+    assert len(train) > 0
+    (tmp_path / "two.jsonl").write_text("".join(json.dumps({"a": "x" * 50, "b": "y" * 50}) + "\n" for _ in range(5)))
+    with pytest.raises(UserError, match="no 'text' column"):
+        build_datasets(str(tmp_path / "two.jsonl"), tokenizer, 16, eval_fraction=0.0, seed=0)
+
+
+def test_hub_name_offline_is_one_user_error(tokenizer, monkeypatch):
+    from toolkit.train.data import build_datasets
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(UserError, match="loading it as a hub dataset failed"):
+        build_datasets("someone/some-dataset-that-is-not-here", tokenizer, 16, eval_fraction=0.0, seed=0)
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------
+
+def _checkpoint(root, step, complete=True):
+    from toolkit.train.checkpoints import mark_complete
+
+    path = root / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / "trainer_state.json").write_text("{}")
+        mark_complete(path)
+    return path
+
+
+def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
+    from toolkit.train.checkpoints import last_complete_checkpoint
+
+    _checkpoint(tmp_path, 10)
+    _checkpoint(tmp_path, 20)
+    _checkpoint(tmp_path, 30, complete=False)  # killed while writing
+    assert last_complete_checkpoint(tmp_path).name == "checkpoint-20"
+
+
+def test_rotation_never_deletes_the_last_complete_checkpoint(tmp_path):
+    from toolkit.train.checkpoints import checkpoint_dirs, rotate
+
+    _checkpoint(tmp_path, 5, complete=False)
+    for step in (10, 20, 30):
+        _checkpoint(tmp_path, step)
+    _checkpoint(tmp_path, 40, complete=False)  # being written right now
+    rotate(tmp_path, keep=1)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["checkpoint-30", "checkpoint-40"]
+
+
+# --- model against plan ----------------------------------------------------------------------------------------
+
+def test_model_checks(tiny_llama_dir, tiny_gpt2_dir):
+    from toolkit.train.model import check_matches_plan, load_config
+    from toolkit.train.rehearsal import plan_for_model
+
+    plan = plan_for_model(tiny_llama_dir, "ddp", seq_len=32)
+    check_matches_plan(load_config(str(tiny_llama_dir)), plan, "m")
+    check_matches_plan(load_config(str(tiny_llama_dir / "config.json")), plan, "m")
+    with pytest.raises(UserError, match="model_type gpt2 vs llama"):
+        check_matches_plan(load_config(str(tiny_gpt2_dir)), plan, "m")
+    with pytest.raises(UserError, match="longer than model"):
+        check_matches_plan(load_config(str(tiny_llama_dir)), plan.replace(seq_len=4096), "m")
