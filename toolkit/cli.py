@@ -83,6 +83,13 @@ def _hardware(args):
                           cpu_ram_gib=args.cpu_ram_gib)
 
 
+def _human(n: int) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
@@ -244,7 +251,7 @@ def _refuse_existing(out, force: bool) -> None:
 
 
 def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
-    print(f"{spec.name} ({spec.params / 1e9:.2f}B params, {spec.num_layers} layers) on {hw.spec} "
+    print(f"{spec.name} ({_human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
           + f", {req.precision}, {req.optimizer}\n")
@@ -408,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="estimate, plan, emit and train a tiny model end to end on CPU")
     p.add_argument("--workdir", default="runs/demo")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=200, help="training steps of the tiny model (default %(default)s)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_demo)
 
