@@ -348,7 +348,10 @@ def cmd_gpus(args) -> int:
 def cmd_demo(args) -> int:
     from toolkit.demo import run_demo
 
-    return run_demo(args.workdir, steps=args.steps, force=args.force)
+    import time
+
+    workdir = args.workdir or time.strftime("runs/demo-%Y%m%d-%H%M%S")
+    return run_demo(workdir, steps=args.steps, force=args.force)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -414,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("demo", help="estimate, plan, emit and train a tiny model end to end on CPU")
-    p.add_argument("--workdir", default="runs/demo")
+    p.add_argument("--workdir", help="where the demo writes (default: a new runs/demo-DATE-TIME)")
     p.add_argument("--steps", type=int, default=200, help="training steps of the tiny model (default %(default)s)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_demo)
