@@ -29,6 +29,10 @@ class RegionTrace:
     model counts as model states. With checkpointing this includes the recomputed forward."""
     autocast_copy_bytes: int = 0
     """Low-precision copies of this region's weights that autocast keeps alive from forward to backward."""
+    autocast_cache_bytes: int = 0
+    """Low-precision copies of this region's weights that autocast's cache holds until the autocast region (the
+    forward) ends but nothing saves for backward (a checkpointed layer's weights, biases): live at the forward peak,
+    gone before backward starts."""
 
 
 @dataclass(frozen=True)

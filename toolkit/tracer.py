@@ -234,8 +234,9 @@ class _StorageLog:
         return [0, *accumulate(0 if s in excluded else d for s, d in self.events)]
 
 
-def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copy_ids: set[int | None]):
-    """Logs storages; puts the serials of casts of parameters (autocast weight copies) in autocast_copy_ids."""
+def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copies: dict[int, tuple[str, int]], region_now):
+    """Logs storages; notes casts of parameters (autocast weight copies) in autocast_copies: serial -> (region
+    that made it, bytes)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -257,7 +258,10 @@ def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copy_ids: set
                         log.note(st)
             if (func is to_copy and isinstance(args[0], torch.Tensor)
                     and id(args[0].untyped_storage()) in param_ids):
-                autocast_copy_ids.add(log.serial_of(out.untyped_storage()))
+                st = out.untyped_storage()
+                serial = log.serial_of(st)
+                if serial is not None:
+                    autocast_copies[serial] = (region_now(), st.nbytes())
             return out
 
     return Recorder()
@@ -267,6 +271,7 @@ def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copy_ids: set
 class _Region:
     saved_bytes: int = 0
     autocast_copy_bytes: int = 0
+    autocast_cache_bytes: int = 0
 
 
 @dataclass
@@ -304,7 +309,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
 
         log = _StorageLog()
         param_ids = {id(p.untyped_storage()) for p in model.parameters()}
-        autocast_copy_ids: set[int | None] = set()
+        autocast_copies: dict[int, tuple[str, int]] = {}
         regions = {name: _Region() for name in ("embedding", *(f"layer{i}" for i in range(n)), "head")}
         state = {"region": "embedding", "phase": "forward"}
         charged: set = set()
@@ -320,7 +325,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
                 return
             charged.add(ident)
             region = regions[region_name or state["region"]]
-            if autocast_dtype is not None and serial is not None and serial in autocast_copy_ids:
+            if autocast_dtype is not None and serial is not None and serial in autocast_copies:
                 region.autocast_copy_bytes += st.nbytes()
             else:
                 region.saved_bytes += st.nbytes()
@@ -359,13 +364,18 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
                 layer._gradient_checkpointing_func = _charging_checkpoint(
                     layer._gradient_checkpointing_func, i, enter_layer, charge, state)
 
-        recorder = _make_recorder(log, param_ids, autocast_copy_ids)
+        recorder = _make_recorder(log, param_ids, autocast_copies, lambda: state["region"])
         amp = (torch.autocast(device_type="cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             log.mark("f:embedding")
             with amp:
                 output = model(input_ids=input_ids, labels=input_ids)
+                if autocast_dtype is not None:
+                    alive = {entry[0] for entry in log.alive.values()}
+                    for serial, (name, nbytes) in autocast_copies.items():
+                        if serial in alive and ("serial", serial) not in charged:
+                            regions[name].autocast_cache_bytes += nbytes
             loss = output.loss
             logits = [st for st in {id(t.untyped_storage()): t.untyped_storage()
                                     for t in _tensors_in(output.logits)}.values()]
@@ -390,18 +400,21 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
     last = f"layer{n - 1}"
 
     # Extras are measured above what the memory model composes as live: every region's saved bytes and autocast
-    # copies up to and including this one (toolkit.memory._simulate). What else is live at that moment (a layer's
+    # copies up to and including this one (toolkit.memory._simulate), and in forward the copies autocast's cache
+    # holds. What else is live at that moment (a layer's
     # output not yet saved by the next one, the incoming gradient) is part of the extra, so the composed peak is
     # the traced one.
     order = ["embedding", *(f"layer{i}" for i in range(n)), "head"]
     held = dict(zip(order, accumulate(regions[r].saved_bytes + regions[r].autocast_copy_bytes for r in order)))
+    cached = dict(zip(order, accumulate(regions[r].autocast_cache_bytes for r in order)))
 
     def region_trace(name: str, fwd: tuple[str, str], bwd: tuple[str, str]) -> RegionTrace:
         region = regions[name]
         return RegionTrace(saved_bytes=region.saved_bytes,
-                           forward_extra_bytes=_peak_above(curve, marks, *fwd, held[name]),
+                           forward_extra_bytes=_peak_above(curve, marks, *fwd, held[name] + cached[name]),
                            backward_extra_bytes=_peak_above(curve, marks, *bwd, held[name]),
-                           autocast_copy_bytes=region.autocast_copy_bytes)
+                           autocast_copy_bytes=region.autocast_copy_bytes,
+                           autocast_cache_bytes=region.autocast_cache_bytes)
 
     embedding = region_trace("embedding", ("f:embedding", "f:layer0"), ("be:layer0", "b:end"))
     layer_traces = [region_trace(f"layer{i}", (f"f:layer{i}", f"e:layer{i}"), (f"b:layer{i}", f"be:layer{i}"))
