@@ -7,9 +7,14 @@ sequence, batch, processes), so that a few steps take seconds on gloo and fail t
 
 from __future__ import annotations
 
+import shlex
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from toolkit import tiny
+from toolkit.errors import UserError
 from toolkit.plan import Plan
 from toolkit.strategy import parse_strategy
 
@@ -94,10 +99,6 @@ REHEARSAL_STEPS = 4
 
 def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False) -> int:
     """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed."""
-    import shutil
-    import tempfile
-
-    from toolkit.errors import UserError
     from toolkit.launch import emit_plan_files, launch_command, preflight, run
 
     if train_argv:  # the real run's arguments, when given, are checked as the real launch would
@@ -111,8 +112,6 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
     model_dir = make_rehearsal_model(plan, work / "model")
     small, said = rehearsal_plan(plan, model_dir)
     small_dir = emit_plan_files(small, work / "plan")
-    from toolkit import tiny
-
     data = tiny.write_corpus(work / "data", max_chars=60_000)
     argv = ["--data", str(data), "--output", str(work / "out"), "--random-init", "--max-steps", str(REHEARSAL_STEPS),
             "--save-steps", "2", "--logging-steps", "1", "--max-eval-blocks", "8", *_kept(train_argv)]
@@ -123,7 +122,7 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
     for line in said:
         print(f"note: {line}", flush=True)
     problems = _validate_real_configs(plan, plan_dir)
-    print("$ " + shlex_join(command), flush=True)
+    print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
     code = run(command, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -143,9 +142,6 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
 
 def make_rehearsal_model(plan: Plan, out_dir: Path) -> Path:
     """A tiny model of the plan's architecture (random weights) with a tokenizer trained on the local corpus."""
-    from toolkit import tiny
-    from toolkit.errors import UserError
-
     if plan.model_type not in tiny.TINY_ARCHITECTURES:
         raise UserError(f"no rehearsal model for model_type {plan.model_type}; rehearsals know "
                         f"{', '.join(tiny.TINY_ARCHITECTURES)}")
@@ -220,8 +216,3 @@ def _hidden(plan: Plan):
 
     return config_value(plan.model_config, _HIDDEN_KEYS)
 
-
-def shlex_join(command: list[str]) -> str:
-    import shlex
-
-    return shlex.join(command)
