@@ -71,7 +71,7 @@ def _storage_key(t) -> tuple[int, int]:
     return st.data_ptr(), st.nbytes()
 
 
-def measure_saved_bytes(model, batch: dict, *, autocast_dtype=None, keep_graph: bool = False):
+def measure_saved_bytes(model, batch: dict, *, autocast_dtype=None):
     """Run forward + loss on real tensors and measure what is held for backward. Returns (SavedBytes, loss);
     call loss.backward() afterwards if you like (the graph is intact)."""
     import torch

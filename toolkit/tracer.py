@@ -234,7 +234,8 @@ class _StorageLog:
         return [0, *accumulate(0 if s in excluded else d for s, d in self.events)]
 
 
-def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copies: dict[int, tuple[str, int]], region_now):
+def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copies: dict[int, tuple[str, int]],
+                   region_now):
     """Logs storages; notes casts of parameters (autocast weight copies) in autocast_copies: serial -> (region
     that made it, bytes)."""
     import torch
