@@ -22,7 +22,9 @@ from toolkit.train.model import (build_model, check_matches_plan, check_vocab, l
                                  model_source)
 
 # plan.optimizer -> TrainingArguments.optim
-OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
+# adamw: torch's fused AdamW (the Trainer's own default on torch >= 2.8): no foreach step temporaries, which is
+# what the memory model assumes (toolkit/states.py).
+OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 DS_CONFIG_NAME = "ds_config.json"
 
 
@@ -168,9 +170,16 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         use_cpu=on_cpu,
     )
     kwargs.update(_checkpointing_kwargs(plan.checkpointing))
+    accelerator_config: dict = {}
     if on_cpu:
         # The state made by configure_cpu_state: without it the Trainer would make its own, without gloo.
-        kwargs["accelerator_config"] = {"use_configured_state": True}
+        accelerator_config["use_configured_state"] = True
+    if plan.engine == "fsdp2" and plan.grad_accum > 1:
+        # Reduce-scatter every micro-batch: the Trainer's default no_sync keeps every layer's unsharded gradient
+        # until the last micro-batch (P x 2 bytes per GPU), which the plan's memory did not budget for.
+        accelerator_config["gradient_accumulation_kwargs"] = {"sync_each_batch": True}
+    if accelerator_config:
+        kwargs["accelerator_config"] = accelerator_config
     if on_cpu and plan.engine == "ddp":
         kwargs["ddp_backend"] = "gloo"
     try:

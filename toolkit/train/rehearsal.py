@@ -167,35 +167,19 @@ def _validate_real_configs(plan: Plan, plan_dir: Path) -> list[str]:
     """Checks on the real plan's files that the CPU run cannot make (fp16 is validated, not run)."""
     problems = []
     ds_file = plan_dir / "ds_config.json"
-    if plan.engine == "deepspeed" and ds_file.is_file():
+    if plan.engine in ("deepspeed", "pipeline") and ds_file.is_file():
         import json
 
-        config = json.loads(ds_file.read_text())
-        dp = plan.data_parallel
-        batch = config.get("train_batch_size")
-        if batch != config.get("train_micro_batch_size_per_gpu", 0) * config.get("gradient_accumulation_steps", 0) * dp:
-            problems.append(f"{ds_file}: train_batch_size {batch} != micro x accumulation x {dp} data-parallel ranks")
-        try:
-            from deepspeed.runtime.config import DeepSpeedConfig
+        from toolkit.emit.validate import validate_ds_config_for_plan
 
-            # Outside a process group DeepSpeedConfig assumes one rank: check the per-rank share of the batch.
-            single = {**_fill_auto(config), "train_batch_size": batch // dp if isinstance(batch, int) else batch}
-            DeepSpeedConfig(single, mpu=None)
+        config = json.loads(ds_file.read_text())
+        try:
+            validate_ds_config_for_plan(config, plan)  # at the plan's world size, "auto" resolved as the runner does
         except Exception as exc:  # any reason DeepSpeed refuses the real file is worth reporting
             problems.append(f"DeepSpeed refuses {ds_file}: {str(exc).strip().splitlines()[0]}")
         if plan.precision == "fp16" and not config.get("fp16", {}).get("enabled"):
             problems.append(f"plan is fp16 but {ds_file} does not enable fp16")
     return problems
-
-
-def _fill_auto(config: Any) -> Any:
-    """Resolve the "auto" values the Trainer fills (optimizer params) so DeepSpeedConfig can parse the file."""
-    if isinstance(config, dict):
-        return {k: (_AUTO_VALUES.get(k, 0.0) if v == "auto" else _fill_auto(v)) for k, v in config.items()}
-    return config
-
-
-_AUTO_VALUES: dict[str, Any] = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 
 
 def _check_saved_model(out: Path, small: Plan) -> list[str]:
