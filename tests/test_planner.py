@@ -145,3 +145,33 @@ def test_check_with_a_model_reports_a_config_that_does_not_fit(capsys):
 
 def test_check_with_a_model_that_fits_is_clean(capsys):
     assert main(["check", "presets/sets/zero3-bf16", "--model", "gpt2", "--gpus", "8xH100"]) == 0
+
+
+@pytest.mark.parametrize("model, gpus, seq, batch", [
+    ("gpt2", "4xA100-80GB", 1024, 32),
+    ("llama-2-7b", "8xH100-80GB", 4096, 64),
+    ("qwen2.5-0.5b", "2x4xA100-40GB", 2048, 32),
+])
+def test_every_planned_strategy_emits_files_the_engines_accept(tmp_path, model, gpus, seq, batch):
+    """The planner's own choices, not hand-made plans: each feasible strategy's YAML passes accelerate's launch
+    validation and its DeepSpeed JSON passes DeepSpeedConfig at the planned world size."""
+    import json as _json
+
+    from toolkit.emit import emit_files
+    from toolkit.emit.validate import accelerate_launch_check, validate_ds_config_for_plan
+
+    spec = resolve_model(model)
+    hw = parse_hardware(gpus)
+    feasible = [c for c in plan_candidates(spec, hw, Request(seq_len=seq, global_batch=batch)) if c.feasible]
+    assert feasible
+    for i, c in enumerate(feasible):
+        plan = to_plan(c, spec, hw, model)
+        out = tmp_path / f"{i}-{c.strategy.name}"
+        emit_files(plan, out, nvme_path=str(tmp_path / "nvme") if "nvme" in plan.strategy else None)
+        assert load_plan(out) == plan
+        accelerate_launch_check(out / "accelerate_config.yaml")
+        if (out / "ds_config.json").exists():
+            ds = _json.loads((out / "ds_config.json").read_text())
+            validate_ds_config_for_plan(ds, plan)
+            assert ds["train_micro_batch_size_per_gpu"] == plan.micro_batch
+            assert ds["gradient_accumulation_steps"] == plan.grad_accum

@@ -21,12 +21,15 @@ class RegionTrace:
     autocast weight copies excluded). With checkpointing, a decoder layer's saved bytes are what the checkpoint
     keeps (its inputs)."""
     forward_extra_bytes: int
-    """Peak live bytes during this region's forward above what was live when it started plus what it ends up
-    saving: temporaries that die inside the region (for the head: logits, their fp32 copy, ...)."""
+    """Peak live bytes during this region's forward above what the memory model composes as live there: the saved
+    bytes and autocast copies of every region up to and including this one, plus autocast's weight cache. So it
+    holds the temporaries that die inside the region (for the head: logits, their fp32 copy, ...) and the
+    region's output until the next region saves it."""
     backward_extra_bytes: int
-    """Peak live bytes during this region's backward above what was live when it started (its saved tensors,
-    the incoming gradient, every earlier region's saved tensors), excluding parameter gradients, which the memory
-    model counts as model states. With checkpointing this includes the recomputed forward."""
+    """Peak live bytes during this region's backward above the saved bytes and autocast copies of every region
+    up to and including this one: the incoming gradient and the region's gradient temporaries, excluding
+    parameter gradients, which the memory model counts as model states. With checkpointing this includes the
+    recomputed forward."""
     autocast_copy_bytes: int = 0
     """Low-precision copies of this region's weights that autocast keeps alive from forward to backward."""
     autocast_cache_bytes: int = 0

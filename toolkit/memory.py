@@ -127,7 +127,7 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
     return RegionTrace(saved_bytes=r1.saved_bytes + (r2.saved_bytes - r1.saved_bytes) * f,
                        forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
                        backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
-                       autocast_copy_bytes=r1.autocast_copy_bytes)
+                       autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes)
 
 
 def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
@@ -204,12 +204,14 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     peak = _Peak()
 
     base = persistent + kept_grads + earlier
-    saved = copies = 0.0
+    saved = copies = cache = 0.0
     for r in regions:
         extra = r.trace.forward_extra_bytes
         saved += r.trace.saved_bytes
         copies += r.trace.autocast_copy_bytes if autocast else 0.0
-        peak.offer(base + saved + copies + extra, f"forward ({r.name})", extra)
+        # Weight casts autocast caches until the forward ends without saving them for backward (checkpointed layers).
+        cache += r.trace.autocast_cache_bytes if autocast else 0.0
+        peak.offer(base + saved + copies + cache + extra, f"forward ({r.name})", extra)
 
     grads_done = 0.0
     remaining = saved

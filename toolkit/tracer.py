@@ -458,7 +458,7 @@ def _charging_checkpoint(checkpoint_func, i: int, enter_layer, charge, state):
             enter_layer(i, args[0] if args else None)
             for t in _tensors_in((getattr(function, "keywords", {}), kwargs)):
                 charge(t, f"layer{i}")
-        return checkpoint_func(function, *args, **kwargs)
+        return checkpoint_func(_with_float32_ops(function), *args, **kwargs)
 
     return call
 
@@ -626,10 +626,12 @@ _CUDA_AUTOCAST_FLOAT32 = (
 )
 
 
-@contextlib.contextmanager
-def _cuda_autocast_float32_ops():
-    """While CPU autocast is on, run the ops CUDA autocast keeps in float32 in float32 (inputs cast up, as CUDA
-    autocast does), so the saved tensors have the GPU's dtypes."""
+_FLOAT32_OPS_ACTIVE = [0]
+"""How many _cuda_autocast_float32_ops contexts are open: a checkpoint's recompute runs in the autograd engine,
+outside the TorchFunctionMode stack of the forward, so checkpointed layers re-enter the mode themselves."""
+
+
+def _float32_ops_mode():
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -654,5 +656,28 @@ def _cuda_autocast_float32_ops():
                 kwargs = {k: up(v) for k, v in kwargs.items()}
             return func(*args, **kwargs)
 
-    with Float32Ops():
-        yield
+    return Float32Ops()
+
+
+@contextlib.contextmanager
+def _cuda_autocast_float32_ops():
+    """While CPU autocast is on, run the ops CUDA autocast keeps in float32 in float32 (inputs cast up, as CUDA
+    autocast does), so the saved tensors have the GPU's dtypes."""
+    _FLOAT32_OPS_ACTIVE[0] += 1
+    try:
+        with _float32_ops_mode():
+            yield
+    finally:
+        _FLOAT32_OPS_ACTIVE[0] -= 1
+
+
+def _with_float32_ops(function):
+    """`function` run under the float32-ops mode, in forward and in a checkpoint's recompute alike."""
+    if not _FLOAT32_OPS_ACTIVE[0]:
+        return function
+
+    def run(*args, **kwargs):
+        with _float32_ops_mode():
+            return function(*args, **kwargs)
+
+    return run
