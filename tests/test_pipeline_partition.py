@@ -71,3 +71,10 @@ def test_a_plan_partition_must_cover_every_layer_once():
     for bad in ([0, 4], [0, 2, 3], [0, 0, 4], [1, 2, 4], [0, 3, 2, 4]):
         with pytest.raises(UserError, match="does not split 4 layers"):
             check_partition(bad, 4, 2)
+
+
+def test_the_planners_list_of_pipeline_architectures_is_the_converters():
+    from toolkit.pipeline.convert import FAMILIES
+    from toolkit.pipeline.partition import PIPELINE_MODEL_TYPES
+
+    assert set(PIPELINE_MODEL_TYPES) == set(FAMILIES)

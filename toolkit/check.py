@@ -491,7 +491,11 @@ def parse_gpus(text: str) -> tuple[int, int]:
     if not numbers:  # a GPU spec with a type (8xH100-80GB): the grid is its node and GPU counts
         from toolkit.hardware import parse_hardware
 
-        hw = parse_hardware(text)
+        try:
+            hw = parse_hardware(text)
+        except UserError:
+            raise UserError(f"--gpus '{text}' is not understood; write GPUS (one node) or NODESxGPUS, e.g. 2x8, "
+                            "or a GPU spec such as 8xH100-80GB") from None
         return hw.nodes, hw.gpus_per_node
     if len(numbers) == 1:
         numbers = [1, numbers[0]]

@@ -312,8 +312,8 @@ def cmd_profile(args) -> int:
     attention = spec.effective_attention(args.attention)
     kwargs = dict(seq_len=args.seq, micro_batch=args.micro_batch, precision=args.precision, attention=attention,
                   checkpointing=args.checkpointing)
-    predicted = predict_step(spec.config, device_kind=kind, **kwargs)
-    measured = measure_step(spec.config, device=device, steps=args.steps, **kwargs)
+    predicted = predict_step(spec.hf_config(), device_kind=kind, **kwargs)
+    measured = measure_step(spec.hf_config(), device=device, steps=args.steps, **kwargs)
     rows = {"activations_bytes": (predicted["activations_bytes"], measured.activations_bytes),
             "peak_bytes": (predicted["peak_bytes"], measured.peak_bytes)}
     if args.json:

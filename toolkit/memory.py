@@ -11,8 +11,7 @@ Every term carries where it came from, so `--explain` can show it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from toolkit.activations import ActivationTrace, RegionTrace
@@ -102,9 +101,13 @@ def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
 _TRACE_CACHE: dict[tuple, ActivationTrace] = {}
 
 
-def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
-    from toolkit.tracer import trace_activations
+def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
+    return ActivationTrace(**{**data, "embedding": RegionTrace(**data["embedding"]),
+                              "layers": tuple(RegionTrace(**r) for r in data["layers"]),
+                              "head": RegionTrace(**data["head"]), "notes": tuple(data["notes"])})
 
+
+def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)
@@ -112,8 +115,20 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
     if key not in _TRACE_CACHE:
         from dataclasses import replace
 
-        trace = trace_activations(spec.config, seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
-                                  attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing)
+        from toolkit import cache
+
+        disk_key = [spec.source_key, *key[1:]] if spec.source_key else None
+        stored = cache.get("trace", disk_key) if disk_key else None
+        if stored is not None:
+            trace = trace_from_dict(stored)
+        else:
+            from toolkit.tracer import trace_activations
+
+            trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
+                                      autocast=autocast, attention=attention, device_kind=job.device_kind,
+                                      checkpointing=job.checkpointing)
+            if disk_key:
+                cache.put("trace", disk_key, asdict(trace))
         if attention != job.attention:
             trace = replace(trace, notes=trace.notes + (
                 f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "

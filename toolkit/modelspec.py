@@ -8,6 +8,7 @@ or bare numbers (`shape_config`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -58,11 +59,40 @@ class ModelSpec:
     moe_experts: int = 0
     moe_top_k: int = 0
     notes: tuple[str, ...] = ()
+    source_key: str | None = None
+    """Hash of where the config came from (its config.json text, or the bare numbers): the on-disk cache key of
+    this spec and of its activation traces. None (hub ids) caches nothing."""
 
     @property
     def largest_layer_params(self) -> int:
         """Largest unit a ZeRO-3 / FSDP rank gathers at once: a decoder layer, or the embedding/head block."""
         return max([*self.layer_params, self.pre_layer_params, self.post_layer_params, self.embedding_params])
+
+    def hf_config(self):
+        """The transformers config (built on first use when the spec came from the cache as a plain dict)."""
+        if isinstance(self.config, dict):
+            object.__setattr__(self, "config", _config_from_dict(dict(self.config), self.name))
+        return self.config
+
+    def config_dict(self) -> dict[str, Any]:
+        return dict(self.config) if isinstance(self.config, dict) else self.config.to_dict()
+
+    def to_cache(self) -> dict[str, Any]:
+        from dataclasses import fields
+
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config"}
+        data["config"] = json.loads(json.dumps(self.config_dict(), default=str))
+        return data
+
+    @classmethod
+    def from_cache(cls, data: dict[str, Any]) -> "ModelSpec":
+        from dataclasses import fields
+
+        kwargs = {}
+        for f in fields(cls):
+            value = data[f.name]
+            kwargs[f.name] = tuple(value) if isinstance(value, list) and f.name != "config" else value
+        return cls(**kwargs)
 
     def effective_attention(self, requested: str) -> str:
         """The implementation a run will use: the requested one if the model takes it, else eager."""
@@ -323,7 +353,41 @@ def build_spec(name: str, config) -> ModelSpec:
 def resolve_model(model: str | None = None, *, params: int | None = None, layers: int | None = None,
                   hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
                   ffn: int | None = None, vocab: int | None = None, trust_remote_code: bool = False) -> ModelSpec:
-    """The one entry point: a model name/path/id, or bare numbers."""
+    """The one entry point: a model name/path/id, or bare numbers. Specs of configs read from disk and of bare
+    numbers come from the on-disk cache when they were built before (toolkit.cache)."""
+    from toolkit import cache
+
+    key = _source_key(model, params=params, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                      vocab=vocab)
+    if key is not None:
+        hit = cache.get("spec", key)
+        if hit is not None:
+            return ModelSpec.from_cache(hit)
+    spec = _resolve_uncached(model, params=params, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                             ffn=ffn, vocab=vocab, trust_remote_code=trust_remote_code)
+    if key is not None:
+        from dataclasses import replace
+
+        spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
+        cache.put("spec", key, spec.to_cache())
+    return spec
+
+
+def _source_key(model: str | None, **numbers: Any) -> list | None:
+    """What determines the spec, readable without transformers: the config.json text, or the numbers."""
+    if model:
+        catalog_file = MODEL_CATALOG_DIR / f"{model.lower()}.json"
+        path = Path(model).expanduser()
+        for candidate in (catalog_file, path / "config.json", path):
+            if candidate.is_file():
+                return ["file", model, json.dumps(_read_json(candidate), sort_keys=True)]
+        return None
+    return ["numbers", sorted(numbers.items())]
+
+
+def _resolve_uncached(model: str | None = None, *, params: int | None = None, layers: int | None = None,
+                      hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
+                      ffn: int | None = None, vocab: int | None = None, trust_remote_code: bool = False) -> ModelSpec:
     if model:
         return build_spec(model, load_config(model, trust_remote_code=trust_remote_code))
     if layers or hidden or heads:

@@ -105,10 +105,10 @@ def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> l
         return [(1, world)]
     if world < 2:
         return "needs 2+ GPUs"
-    from toolkit.pipeline.convert import FAMILIES
+    from toolkit.pipeline.partition import PIPELINE_MODEL_TYPES
 
-    if spec.model_type not in FAMILIES:
-        return (f"pipeline conversion supports {', '.join(sorted(FAMILIES))}, not {spec.model_type}; "
+    if spec.model_type not in PIPELINE_MODEL_TYPES:
+        return (f"pipeline conversion supports {', '.join(PIPELINE_MODEL_TYPES)}, not {spec.model_type}; "
                 "ZeRO and FSDP2 run it")
     if req.pipeline_stages is not None:
         stage_options = [req.pipeline_stages]
@@ -197,7 +197,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, *, sta
     reason = None
     if not memory.fits:
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU"
-                  + (f" (largest stage)" if strategy.is_pipeline else ""))
+                  + (" (largest stage)" if strategy.is_pipeline else ""))
     elif memory.cpu_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
         reason = (f"offload needs {memory.cpu_bytes_per_node / GIB:.0f} GiB host RAM per node of "
                   f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free)")
@@ -280,7 +280,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> Pla
     notes = list(c.memory.notes) if c.memory else []
     if c.timing:
         notes += list(c.timing.assumptions)
-    config = spec.config.to_dict() if hasattr(spec.config, "to_dict") else dict(spec.config)
+    config = spec.config_dict()
     return Plan(
         model=model_name, model_config=_jsonable(config), model_type=spec.model_type, layer_class=spec.layer_class,
         num_layers=spec.num_layers, params=spec.params, strategy=c.strategy.name, engine=c.strategy.engine,

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from toolkit.errors import UserError
 
+PIPELINE_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+"""Architectures toolkit.pipeline.convert turns into a PipelineModule (its FAMILIES); torch-free, for the planner."""
+
 
 def balanced_partition(layer_costs: list[float], stages: int, *, first_extra: float = 0.0,
                        last_extra: float = 0.0) -> list[int]:

@@ -1,0 +1,46 @@
+"""The on-disk cache of model specs and activation traces: a hit gives the same answer without importing torch;
+a changed config.json is a miss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = """
+import json, sys
+from toolkit.cli import main
+main(["estimate", sys.argv[1], "--gpus", "8xH100", "--strategy", "zero3", "--seq", "1024", "--json"])
+print(json.dumps({"torch_imported": "torch" in sys.modules}))
+"""
+
+
+def run(model: str, cache: str) -> tuple[dict, bool]:
+    env = {**os.environ, "TOOLKIT_CACHE_DIR": cache}
+    env.pop("TOOLKIT_NO_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, model], capture_output=True, text=True, env=env, check=True)
+    decoder = json.JSONDecoder()
+    estimate, end = decoder.raw_decode(out.stdout)
+    return estimate, json.loads(out.stdout[end:])["torch_imported"]
+
+
+def test_a_cache_hit_gives_the_same_estimate_without_importing_torch(tmp_path):
+    first, torch_first = run("gpt2", str(tmp_path))
+    second, torch_second = run("gpt2", str(tmp_path))
+    assert torch_first and not torch_second
+    assert first == second
+
+
+def test_a_changed_config_is_not_served_from_the_cache(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    (model / "config.json").write_text(json.dumps(config))
+    before, _ = run(str(model), str(tmp_path / "cache"))
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    after, torch_imported = run(str(model), str(tmp_path / "cache"))
+    assert torch_imported
+    assert after["params"] > before["params"]
+    assert after["per_gpu"]["activations_bytes"] > before["per_gpu"]["activations_bytes"]
