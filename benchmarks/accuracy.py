@@ -1,8 +1,8 @@
 """Estimator accuracy: predicted vs measured memory of a real single-process training step on this machine's CPU.
 
 For each configuration a real model of the architecture (random weights) runs a steady-state step (forward with
-HF's loss, backward, fused AdamW, as the Trainer path does); measured are the bytes saved for backward
-(saved-tensor hooks, deduplicated by storage) and the peak of live tensor bytes (torch MemTracker). Predicted is
+HF's loss, backward, fused AdamW, as the Trainer path does); measured are the bytes held for backward after
+forward + loss (live storages: saved tensors and what checkpoint recompute closures hold) and the peak of live tensor bytes (torch MemTracker). Predicted is
 `toolkit estimate` with --device-kind cpu (the CPU kernels' saved tensors) for the same step. Ratios are
 predicted / measured, all from one run.
 
@@ -68,8 +68,9 @@ def main() -> int:
     (out / "accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = ["# Estimator accuracy: predicted / measured on real CPU tensors", "",
              f"One run, {meta['date']}, torch {meta['torch']}, {meta['machine']}. Produced by "
-             "`python benchmarks/accuracy.py`. Measured: bytes saved for backward (saved-tensor hooks, by storage) "
-             "and the peak of live tensor bytes over a steady-state step (forward, HF loss, backward, fused AdamW; "
+             "`python benchmarks/accuracy.py`. Measured: bytes held for backward once forward and loss are done "
+             "(every storage still alive, by storage: saved tensors and checkpoint closures; autocast weight copies "
+             "excluded) and the peak of live tensor bytes over a steady-state step (forward, HF loss, backward, fused AdamW; "
              "torch MemTracker). Predicted: `toolkit estimate --device-kind cpu --strategy ddp` on one device.", "",
              "| arch | precision | attention | ckpt | b | seq | params | activations MiB (pred / meas) | ratio | "
              "peak MiB (pred / meas) | ratio | peak phase |", "|" + "---|" * 12]

@@ -19,7 +19,9 @@ from typing import Any
 class Measured:
     peak_bytes: int
     activations_bytes: int
-    """Saved for backward after forward + loss (toolkit.livebytes.measure_saved_bytes)."""
+    """Held for backward after forward + loss with the output released, autocast weight copies excluded: every
+    storage still alive (saved tensors, what checkpoint recompute closures hold: masks, rotary tables; the loss),
+    as toolkit.livebytes.measure_saved_bytes sees it."""
     step_time_s: float
     tokens_per_s: float
     device: str
@@ -107,7 +109,7 @@ def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / steps
-    return Measured(peak_bytes=int(peak), activations_bytes=saved.saved_bytes, step_time_s=elapsed,
+    return Measured(peak_bytes=int(peak), activations_bytes=saved.live_bytes - saved.autocast_copy_bytes, step_time_s=elapsed,
                     tokens_per_s=micro_batch * seq_len / elapsed, device=device)
 
 
