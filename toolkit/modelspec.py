@@ -350,21 +350,21 @@ def build_spec(name: str, config) -> ModelSpec:
     )
 
 
-def resolve_model(model: str | None = None, *, params: int | None = None, layers: int | None = None,
-                  hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
-                  ffn: int | None = None, vocab: int | None = None, trust_remote_code: bool = False) -> ModelSpec:
-    """The one entry point: a model name/path/id, or bare numbers. Specs of configs read from disk and of bare
-    numbers come from the on-disk cache when they were built before (toolkit.cache)."""
+def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, **numbers: int | None) -> ModelSpec:
+    """The one entry point: a model name/path/id, or bare numbers (params, or layers / hidden / heads / kv_heads /
+    ffn / vocab). Specs of configs read from disk and of bare numbers come from the on-disk cache when they were
+    built before (toolkit.cache)."""
     from toolkit import cache
 
-    key = _source_key(model, params=params, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
-                      vocab=vocab)
+    unknown = set(numbers) - {"params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab"}
+    if unknown:
+        raise TypeError(f"resolve_model() got unexpected keyword(s) {sorted(unknown)}")
+    key = _source_key(model, **numbers)
     if key is not None:
         hit = cache.get("spec", key)
         if hit is not None:
             return ModelSpec.from_cache(hit)
-    spec = _resolve_uncached(model, params=params, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                             ffn=ffn, vocab=vocab, trust_remote_code=trust_remote_code)
+    spec = _resolve_uncached(model, trust_remote_code=trust_remote_code, **numbers)
     if key is not None:
         from dataclasses import replace
 
