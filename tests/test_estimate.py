@@ -166,3 +166,29 @@ def test_bad_input_in_a_real_process_prints_no_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error: unknown GPU 'FOO'")
+
+
+@pytest.mark.parametrize("model_type, kwargs", [
+    ("phi3", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=500, pad_token_id=0)),
+    ("gpt_neox", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      vocab_size=500)),
+    ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=500)),
+    ("starcoder2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=500)),
+    ("qwen3_moe", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                       vocab_size=500)),
+])
+def test_parameter_count_is_exact_for_architectures_outside_the_catalog(tmp_path, model_type, kwargs):
+    """Hand-written configs of other architectures: the meta-device count equals the real model's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **kwargs)
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    spec = resolve_model(str(tmp_path))
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(config)
+    assert spec.params == sum(p.numel() for p in real.parameters())
+    assert spec.num_layers == kwargs["num_hidden_layers"]
