@@ -78,12 +78,27 @@ def run(command: list[str], env: dict[str, str] | None = None) -> int:
         full_env = {**os.environ, **(env or {}), "TOOLKIT_ERROR_FILE": str(error_file)}
         full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
         try:
-            code = subprocess.run(command, env=full_env).returncode
+            code = subprocess.run(_resolve_launcher(command), env=full_env).returncode
         except FileNotFoundError:
             raise UserError(f"{command[0]} is not on PATH; install accelerate in this environment") from None
         if code != 0 and error_file.is_file():
             return EXIT_USER_ERROR
         return code
+
+
+def _resolve_launcher(command: list[str]) -> list[str]:
+    """`accelerate` from PATH, else the one installed beside this interpreter (a venv used without activating
+    it), else this interpreter running accelerate's launch module."""
+    import shutil
+
+    if command[:1] != ["accelerate"] or shutil.which("accelerate"):
+        return command
+    beside = Path(sys.executable).parent / "accelerate"
+    if beside.is_file():
+        return [str(beside), *command[1:]]
+    if command[1:2] == ["launch"]:
+        return [sys.executable, "-m", "accelerate.commands.launch", *command[2:]]
+    return command
 
 
 def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
