@@ -48,6 +48,9 @@ class Breakdown:
     """Optimizer states and fp32 master weights."""
     activations_bytes: int
     """Saved for backward after forward + loss, all in-flight micro-batches (autocast weight copies excluded)."""
+    logits_loss_bytes: int
+    """Part of activations_bytes: what the final norm, LM head and loss keep (the fp32 log-softmax of the
+    logits dominates for large vocabularies); 0 on pipeline stages without the head."""
     autocast_copy_bytes: int
     buffers_bytes: int
     """Engine buffers: DDP buckets, ZeRO reduce/prefetch buckets, ZeRO-3/FSDP2 gathered parameters."""
@@ -77,7 +80,7 @@ class Breakdown:
         return self.capacity_bytes - self.required_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+        keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "logits_loss_bytes",
                 "autocast_copy_bytes", "buffers_bytes", "transient_bytes", "peak_bytes", "peak_phase",
                 "context_bytes", "margin_bytes", "required_bytes", "capacity_bytes", "cpu_bytes_per_node",
                 "nvme_bytes_per_node")
@@ -327,6 +330,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
                                           autocast=states.autocast)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
     margin = int(peak.bytes * ALLOCATOR_MARGIN)
+    head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + context + margin
     grads = states.gradients + states.step_gradients + (states.accumulation_gradients if accumulating else 0)
     terms = [
@@ -338,6 +342,8 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
              f"traced {spec.model_type} under FakeTensorMode ({trace.dtype}{', autocast' if trace.autocast else ''}, "
              f"{trace.attention}, {trace.device_kind} kernels, micro-batch {trace.micro_batch}"
              f"{', checkpointing' if job.checkpointing else ''}) x {in_flight} in flight"),
+        Term("  of which head + loss", int(head_saved),
+             "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
         Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
         Term("engine buffers", int(states.buffers + states.gathered),
              "buckets / gathered parameters (" + ", ".join(states.sources[1:]) + ")"),
@@ -354,6 +360,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         gradients_bytes=int(grads),
         optimizer_bytes=int(states.optimizer + states.master),
         activations_bytes=int(activations),
+        logits_loss_bytes=int(head_saved),
         autocast_copy_bytes=int(copies),
         buffers_bytes=int(states.buffers + states.gathered),
         transient_bytes=int(peak.transient),
