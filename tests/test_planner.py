@@ -175,3 +175,12 @@ def test_every_planned_strategy_emits_files_the_engines_accept(tmp_path, model, 
             validate_ds_config_for_plan(ds, plan)
             assert ds["train_micro_batch_size_per_gpu"] == plan.micro_batch
             assert ds["gradient_accumulation_steps"] == plan.grad_accum
+
+
+def test_emit_rewrites_a_plans_files_only_with_force(tmp_path, capsys):
+    out = tmp_path / "p"
+    assert main(["emit", "presets/sets/zero2-bf16/plan.json", "--out", str(out)]) == 0
+    assert (out / "ds_config.json").exists() and load_plan(out).strategy == "zero2"
+    assert main(["emit", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["emit", str(out), "--force"]) == 0

@@ -284,6 +284,21 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
 # check / launch / models
 
 
+def cmd_emit(args) -> int:
+    """Write a plan's files from its plan.json (after editing it, or into another directory)."""
+    from pathlib import Path
+
+    from toolkit.emit import emit_files
+    from toolkit.plan import load_plan
+
+    plan = load_plan(args.plan)
+    out = Path(args.out) if args.out else (Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent)
+    hosts = args.hosts.split(",") if args.hosts else None
+    written = emit_files(plan, out, force=args.force, nvme_path=args.nvme_path, hosts=hosts)
+    print(f"wrote {len(written)} files to {out}: " + ", ".join(p.name for p in written))
+    return 0
+
+
 def cmd_check(args) -> int:
     from toolkit.check import main_check
 
@@ -391,6 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", help="comma-separated node host names (multi-node hostfile)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("emit", help="write a plan's config files from its plan.json")
+    p.add_argument("plan", help="plan.json or the directory holding it")
+    p.add_argument("--out", help="directory (default: the plan's own; rewriting needs --force)")
+    p.add_argument("--force", action="store_true", help="overwrite files in --out")
+    p.add_argument("--nvme-path", help="local NVMe directory for ZeRO-Infinity plans")
+    p.add_argument("--hosts", help="comma-separated node host names (multi-node hostfile)")
+    p.set_defaults(func=cmd_emit)
 
     p = sub.add_parser("check", help="check accelerate YAML / DeepSpeed JSON / plan dirs")
     p.add_argument("files", nargs="+")
