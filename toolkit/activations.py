@@ -32,6 +32,12 @@ class RegionTrace:
     recomputed forward."""
     autocast_copy_bytes: int = 0
     """Low-precision copies of this region's weights that autocast keeps alive from forward to backward."""
+    backward_grad_bytes: int = 0
+    """Parameter-gradient bytes this region's backward has created by the moment of its backward peak (in the
+    traced parameter dtype); the memory model scales them to the engine's gradient bytes."""
+    grad_bytes: int = 0
+    """Parameter-gradient bytes this region's backward creates in all (a tied LM head creates the embedding
+    matrix's gradient here, not in the embedding region)."""
     autocast_cache_bytes: int = 0
     """Low-precision copies of this region's weights that autocast's cache holds until the autocast region (the
     forward) ends but nothing saves for backward (a checkpointed layer's weights, biases): live at the forward peak,

@@ -145,7 +145,8 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
     return RegionTrace(saved_bytes=r1.saved_bytes + (r2.saved_bytes - r1.saved_bytes) * f,
                        forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
                        backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
-                       autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes)
+                       autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes,
+                       backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes)
 
 
 def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
@@ -200,7 +201,7 @@ class _Peak:
 
 
 def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumulating: bool, autocast: bool,
-              stash_bytes: float = 0.0) -> tuple[_Peak, float, float]:
+              traced_grad_bytes_per_param: float, stash_bytes: float = 0.0) -> tuple[_Peak, float, float]:
     """Walk one micro-step forward and backward, then the optimizer step; return the peak, the activations
     held at the end of forward, and the autocast copies held.
 
@@ -219,6 +220,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     # partitions are persistent buffers).
     region_params = sum(r.params for r in regions)
     grad_bytes_per_param = step_grads_total / region_params if region_params else 0.0
+    grad_scale = grad_bytes_per_param / traced_grad_bytes_per_param
     peak = _Peak()
 
     base = persistent + kept_grads + earlier
@@ -236,16 +238,21 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     remaining_copies = copies
     for r in reversed(regions):
         extra = r.trace.backward_extra_bytes
-        # The region's own temporaries peak before its weight gradients land (the loss/logits gradients come
-        # first in the head; a layer's largest gradient temporaries precede most of its weight grads), so its
-        # grads are charged once the region is done, with its saved tensors released.
-        before = 0.0 if accumulating else grads_done
-        after = 0.0 if accumulating else grads_done + r.params * grad_bytes_per_param
+        # The region's weight gradients that exist at its backward peak, and all it creates, as traced (a tied
+        # head creates the embedding matrix's gradient), scaled from the traced parameter dtype to the bytes of
+        # gradient this engine creates per parameter.
+        if r.trace.grad_bytes:
+            at_peak = r.trace.backward_grad_bytes * grad_scale
+            created = r.trace.grad_bytes * grad_scale
+        else:
+            at_peak, created = 0.0, r.params * grad_bytes_per_param
+        before = 0.0 if accumulating else grads_done + at_peak
         peak.offer(base + remaining + remaining_copies + before + extra, f"backward ({r.name})", extra)
+        grads_done += created
+        after = 0.0 if accumulating else grads_done
         peak.offer(base + remaining - r.trace.saved_bytes + remaining_copies + after, f"backward ({r.name})", 0.0)
         remaining -= r.trace.saved_bytes
         remaining_copies -= r.trace.autocast_copy_bytes if autocast else 0.0
-        grads_done += r.params * grad_bytes_per_param
 
     # At the step, forward/backward are over: gathered parameters are resharded and no activations remain.
     step_live = persistent - states.gathered + step_grads_total + states.step_transient
@@ -326,8 +333,9 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,
              regions: list[_Region], states: States, *, in_flight: int, stage: int | None = None) -> Breakdown:
     accumulating = job.grad_accum > 1  # micro-steps after the first add into gradients that already exist
+    traced_grad = 4.0 if (trace.autocast or trace.dtype == "float32") else 2.0
     peak, activations, copies = _simulate(regions, states, in_flight=in_flight, accumulating=accumulating,
-                                          autocast=states.autocast)
+                                          autocast=states.autocast, traced_grad_bytes_per_param=traced_grad)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
     margin = int(peak.bytes * ALLOCATOR_MARGIN)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")

@@ -397,6 +397,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
         loss_bytes = loss.untyped_storage().nbytes()
 
     curve = log.live_curve(grad_serials - {None})
+    grad_curve = [0, *accumulate(d if s in grad_serials else 0 for s, d in log.events)]
     marks = log.marks
     last = f"layer{n - 1}"
 
@@ -411,11 +412,13 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
 
     def region_trace(name: str, fwd: tuple[str, str], bwd: tuple[str, str]) -> RegionTrace:
         region = regions[name]
+        backward_extra, grads_at_peak, grads = _backward_peak(curve, grad_curve, marks, *bwd, held[name])
         return RegionTrace(saved_bytes=region.saved_bytes,
                            forward_extra_bytes=_peak_above(curve, marks, *fwd, held[name] + cached[name]),
-                           backward_extra_bytes=_peak_above(curve, marks, *bwd, held[name]),
+                           backward_extra_bytes=backward_extra,
                            autocast_copy_bytes=region.autocast_copy_bytes,
-                           autocast_cache_bytes=region.autocast_cache_bytes)
+                           autocast_cache_bytes=region.autocast_cache_bytes,
+                           backward_grad_bytes=grads_at_peak, grad_bytes=grads)
 
     embedding = region_trace("embedding", ("f:embedding", "f:layer0"), ("be:layer0", "b:end"))
     layer_traces = [region_trace(f"layer{i}", (f"f:layer{i}", f"e:layer{i}"), (f"b:layer{i}", f"be:layer{i}"))
@@ -435,6 +438,19 @@ def _peak_above(curve: list[int], marks: dict[str, int], start: str, end: str, h
     if start not in marks or end not in marks or marks[end] < marks[start]:
         return 0
     return max(0, max(curve[marks[start]:marks[end] + 1]) - held)
+
+
+def _backward_peak(curve: list[int], grad_curve: list[int], marks: dict[str, int], start: str, end: str,
+                   held: int) -> tuple[int, int, int]:
+    """(peak live bytes above `held`, parameter-gradient bytes created by then, all created in the window) for a
+    backward window; the peak is that of activations plus the gradients the window has created, since both are
+    live together on the device."""
+    if start not in marks or end not in marks or marks[end] < marks[start]:
+        return 0, 0, 0
+    a, b = marks[start], marks[end]
+    base = grad_curve[a]
+    k = max(range(a, b + 1), key=lambda i: curve[i] + grad_curve[i] - base)
+    return max(0, curve[k] - held), max(0, grad_curve[k] - base), max(0, grad_curve[b] - base)
 
 
 def _enable_checkpointing(model) -> None:
