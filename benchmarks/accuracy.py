@@ -40,12 +40,30 @@ CONFIGS = [
     ("llama", "fp32", "eager", False, 3, 384, dict(hidden=192, layers=3, heads=6, kv_heads=3, ffn=512)),
 ]
 
+# Architectures with no tiny preset and no special case anywhere in toolkit: plain transformers configs.
+_HF = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=256, vocab_size=4000)
+HF_CONFIGS = [
+    ("deepseek_v3", "bf16", "eager", False, 2, 128, dict(moe_intermediate_size=64, n_routed_experts=4,
+     num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+     v_head_dim=32, first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4)),
+    ("bloom", "fp32", "eager", True, 2, 128, dict(n_layer=3, n_head=4)),
+    ("gptj", "bf16", "eager", False, 2, 128, dict(n_embd=128, n_layer=3, n_head=4, rotary_dim=16)),
+    ("gemma3_text", "fp32", "eager", True, 2, 128, dict(num_key_value_heads=2, head_dim=32)),
+    ("phi", "bf16", "sdpa", False, 2, 128, {}),
+    ("falcon", "fp32", "sdpa", True, 2, 128, {}),
+]
+
 
 def main() -> int:
     torch.set_num_threads(1)
+    from transformers import AutoConfig
+
     rows = []
-    for arch, precision, attention, ckpt, b, s, shape in CONFIGS:
-        config = tiny_config(arch, vocab_size=4000, max_positions=1024, **shape)
+    configs = [(a, p, at, c, b, s, tiny_config(a, vocab_size=4000, max_positions=1024, **shape))
+               for a, p, at, c, b, s, shape in CONFIGS]
+    configs += [(a, p, at, c, b, s, AutoConfig.for_model(a, **{**_HF, **extra}))
+                for a, p, at, c, b, s, extra in HF_CONFIGS]
+    for arch, precision, attention, ckpt, b, s, config in configs:
         kwargs = dict(seq_len=s, micro_batch=b, precision=precision, attention=attention, checkpointing=ckpt)
         start = time.perf_counter()
         measured = measure_step(config, steps=1, **kwargs)
@@ -58,7 +76,7 @@ def main() -> int:
         row["act_ratio"] = row["act_predicted"] / row["act_measured"]
         row["peak_ratio"] = row["peak_predicted"] / row["peak_measured"]
         rows.append(row)
-        print(f"{arch:8}{precision:10}{attention:6}{'ckpt' if ckpt else '    '} b{b} s{s}: activations "
+        print(f"{arch:12}{precision:10}{attention:6}{'ckpt' if ckpt else '    '} b{b} s{s}: activations "
               f"{row['act_ratio']:.4f}, peak {row['peak_ratio']:.4f} ({time.perf_counter() - start:.0f} s)",
               flush=True)
     out = Path(__file__).parent / "results"
@@ -71,7 +89,8 @@ def main() -> int:
              "`python benchmarks/accuracy.py`. Measured: bytes held for backward once forward and loss are done "
              "(every storage still alive, by storage: saved tensors and checkpoint closures; autocast weight copies "
              "excluded) and the peak of live tensor bytes over a steady-state step (forward, HF loss, backward, fused AdamW; "
-             "torch MemTracker). Predicted: `toolkit estimate --device-kind cpu --strategy ddp` on one device.", "",
+             "torch MemTracker). Predicted: `toolkit estimate --device-kind cpu --strategy ddp` on one device. The last "
+             f"{len(HF_CONFIGS)} rows are architectures with no preset or special case in toolkit.", "",
              "| arch | precision | attention | ckpt | b | seq | params | activations MiB (pred / meas) | ratio | "
              "peak MiB (pred / meas) | ratio | peak phase |", "|" + "---|" * 12]
     for r in rows:
