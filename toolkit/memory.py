@@ -101,7 +101,8 @@ def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
     return dtype, strategy.engine == "ddp" and job.mixed
 
 
-_TRACE_CACHE: dict[tuple, ActivationTrace] = {}
+_TRACE_CACHE: dict[tuple, tuple[ModelSpec, ActivationTrace]] = {}
+"""Per process, keyed by the spec's identity; the entry keeps the spec alive so its id is never reused."""
 
 
 def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
@@ -136,8 +137,8 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
             trace = replace(trace, notes=trace.notes + (
                 f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "
                 f"{attention}, which a run will use",))
-        _TRACE_CACHE[key] = trace
-    return _TRACE_CACHE[key]
+        _TRACE_CACHE[key] = (spec, trace)
+    return _TRACE_CACHE[key][1]
 
 
 def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
