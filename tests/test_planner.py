@@ -184,3 +184,14 @@ def test_emit_rewrites_a_plans_files_only_with_force(tmp_path, capsys):
     assert main(["emit", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
     assert main(["emit", str(out), "--force"]) == 0
+
+
+def test_launch_flags_before_the_double_dash_are_toolkits_after_it_trains(tmp_path, capsys):
+    out = tmp_path / "p"
+    assert main(["emit", "presets/sets/zero2-bf16/plan.json", "--out", str(out)]) == 0
+    capsys.readouterr()
+    # --dry-run is toolkit's own flag; the training arguments after -- are checked as toolkit.train reads them.
+    assert main(["launch", str(out), "--dry-run", "--", "--data", "d", "--output", "o"]) == 2
+    assert "toolkit catalog entry" in capsys.readouterr().err
+    assert main(["plan", "gpt2", "--seq", "64", "--global-batch", "8", "--", "--data", "d"]) == 2
+    assert "only `toolkit launch`" in capsys.readouterr().err

@@ -426,8 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan_dir")
     p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for toolkit.train")
-    p.set_defaults(func=cmd_launch)
+    p.set_defaults(func=cmd_launch, train_args=[])
+    p.epilog = "Arguments after -- go to toolkit.train: toolkit launch DIR -- --model M --data D --output OUT"
 
     p = sub.add_parser("profile", help="predicted vs measured memory of real steps on this machine")
     _add_model_flags(p)
@@ -451,10 +451,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `toolkit launch DIR [--rehearse] -- TRAIN ARGS`: what follows -- belongs to toolkit.train, untouched.
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     try:
         args = build_parser().parse_args(argv)
-        if getattr(args, "train_args", None) and args.train_args[:1] == ["--"]:
-            args.train_args = args.train_args[1:]
+        if passthrough and args.command != "launch":
+            raise UserError("`--` passes arguments to toolkit.train and only `toolkit launch` takes them")
+        if args.command == "launch":
+            args.train_args = passthrough
         return int(args.func(args) or 0)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

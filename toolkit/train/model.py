@@ -31,6 +31,14 @@ def load_config(source: str, *, random_init: bool = False):
         from toolkit.modelspec import load_config as catalog_config
 
         return catalog_config(source)
+    if in_catalog:  # no weights to train, and not a hub id: say what to pass instead of asking the hub
+        import json
+
+        hub_id = json.loads((MODEL_CATALOG_DIR / f"{source.lower()}.json").read_text()).get("_hub_id")
+        hint = f"--model {hub_id} (its hub id), a local folder of its weights," if hub_id else \
+            "--model with the hub id or local folder of its weights,"
+        raise UserError(f"plan model '{source}' is a toolkit catalog entry (a config, no weights): pass {hint} "
+                        "or --random-init")
     try:
         if path.is_file():
             return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" \
