@@ -81,8 +81,9 @@ def test_zero2_states_equal_deepspeeds_2p_plus_18p_over_n(llama7b):
     P, N = llama7b.params, 8
     _, ds_gpu = estimate_zero2_model_states_mem_needs(P, num_gpus_per_node=N, cpu_offload=False)
     s = zero_states(P, Job(seq_len=8), parse_strategy("zero2"), dp=N, hidden=4096, largest_layer=0)
-    # Ours: bf16 weights + bf16 grad partition + fp32 grad partition (during the step) + fp32 master + Adam.
-    ours = s.parameters + s.gradients + s.step_transient + s.master + s.optimizer
+    # Ours: bf16 weights + bf16 grad partition (backward to step) + fp32 grad partition (during the step) + fp32
+    # master + Adam: the same bytes, each alive in the phases DeepSpeed allocates it.
+    ours = s.parameters + s.backward_gradients + s.step_transient + s.master + s.optimizer
     assert ours == pytest.approx(ds_gpu, rel=1e-6)
 
 

@@ -212,7 +212,10 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     persistent = states.parameters + states.gradients + states.master + states.optimizer + states.buffers \
         + states.gathered
     step_grads_total = states.step_gradients
-    kept_grads = (step_grads_total + states.accumulation_gradients) if accumulating else 0.0
+    kept_grads = (step_grads_total + states.accumulation_gradients + states.backward_gradients) if accumulating \
+        else 0.0
+    # Alive only once backward has started (and, for the gradient partitions, until the step).
+    in_backward = states.backward_buffers + (0.0 if accumulating else states.backward_gradients)
     saved_total = sum(r.trace.saved_bytes for r in regions)
     copies_total = sum(r.trace.autocast_copy_bytes for r in regions) if autocast else 0.0
     earlier = saved_total * (in_flight - 1) + stash_bytes
@@ -237,8 +240,11 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     grads_done = 0.0
     remaining = saved
     remaining_copies = copies
-    for r in reversed(regions):
+    for k, r in enumerate(reversed(regions)):
         extra = r.trace.backward_extra_bytes
+        # Engine gradient buffers (ZeRO-2's partition and bucket, FSDP2's unsharded grads) appear once the first
+        # region's weight gradients exist: after the loss/logits gradient peak of the head (measured on CPU).
+        engine_now = in_backward if k else 0.0
         # The region's weight gradients that exist at its backward peak, and all it creates, as traced (a tied
         # head creates the embedding matrix's gradient), scaled from the traced parameter dtype to the bytes of
         # gradient this engine creates per parameter.
@@ -248,15 +254,16 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
         else:
             at_peak, created = 0.0, r.params * grad_bytes_per_param
         before = 0.0 if accumulating else grads_done + at_peak
-        peak.offer(base + remaining + remaining_copies + before + extra, f"backward ({r.name})", extra)
+        peak.offer(base + engine_now + remaining + remaining_copies + before + extra, f"backward ({r.name})", extra)
         grads_done += created
         after = 0.0 if accumulating else grads_done
-        peak.offer(base + remaining - r.trace.saved_bytes + remaining_copies + after, f"backward ({r.name})", 0.0)
+        peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + after,
+                   f"backward ({r.name})", 0.0)
         remaining -= r.trace.saved_bytes
         remaining_copies -= r.trace.autocast_copy_bytes if autocast else 0.0
 
     # At the step, forward/backward are over: gathered parameters are resharded and no activations remain.
-    step_live = persistent - states.gathered + step_grads_total + states.step_transient
+    step_live = persistent - states.gathered + step_grads_total + states.backward_gradients + states.step_transient
     peak.offer(step_live, "optimizer step", states.step_transient)
     return peak, saved_total * in_flight + stash_bytes, copies_total
 
@@ -273,7 +280,7 @@ def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, 
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         return fsdp2_states(params, job, strategy, shard=shard, layer_params=max(spec.layer_params),
                             root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
-                            factored_elems=fe)
+                            factored_elems=fe, prefetch_layers=2 if job.device_kind == "cuda" else 1)
     return pipeline_states(params, job, dp=dp, factored_elems=fe)
 
 
@@ -341,7 +348,8 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     margin = int(peak.bytes * ALLOCATOR_MARGIN)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + context + margin
-    grads = states.gradients + states.step_gradients + (states.accumulation_gradients if accumulating else 0)
+    grads = states.gradients + states.step_gradients + states.backward_gradients \
+        + (states.accumulation_gradients if accumulating else 0)
     terms = [
         Term("parameters", int(states.parameters), "; ".join(states.sources[:1]) or "model weights"),
         Term("gradients", int(grads), "gradient buffers that exist at the peak (see sources)"),
@@ -354,7 +362,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         Term("  of which head + loss", int(head_saved),
              "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
         Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
-        Term("engine buffers", int(states.buffers + states.gathered),
+        Term("engine buffers", int(states.buffers + states.backward_buffers + states.gathered),
              "buckets / gathered parameters (" + ", ".join(states.sources[1:]) + ")"),
         Term("peak-phase temporaries", int(peak.transient), f"live only at the peak: {peak.phase}"),
         Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/memory.py"),
@@ -371,7 +379,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         activations_bytes=int(activations),
         logits_loss_bytes=int(head_saved),
         autocast_copy_bytes=int(copies),
-        buffers_bytes=int(states.buffers + states.gathered),
+        buffers_bytes=int(states.buffers + states.backward_buffers + states.gathered),
         transient_bytes=int(peak.transient),
         peak_bytes=int(peak.bytes),
         peak_phase=peak.phase,

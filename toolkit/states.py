@@ -48,7 +48,12 @@ class States:
     """fp32 master weights (mixed precision engines that keep them apart from the compute weights)."""
     optimizer: float = 0.0
     buffers: float = 0.0
-    """Engine buffers alive through backward (DDP buckets, ZeRO reduce buckets)."""
+    """Engine buffers that persist across steps (DDP buckets, ZeRO-3's reduce bucket)."""
+    backward_buffers: float = 0.0
+    """Buffers that exist only during backward (ZeRO-2's reduce bucket, FSDP2's unsharded gradients)."""
+    backward_gradients: float = 0.0
+    """Gradient partitions created in backward and freed by the step (ZeRO-2's grads_in_partition); while
+    accumulating they persist between micro-steps."""
     gathered: float = 0.0
     """ZeRO-3 / FSDP2 unsharded parameters live at a time during forward/backward."""
     step_transient: float = 0.0
@@ -115,18 +120,27 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
             s.step_gradients = P * pb
             s.sources.append(f"ZeRO-1: {pb} B/param weights, full {pb} B/param grads until the step")
         else:
-            s.gradients = 0.0 if off_opt else P * pb / N
-            # ipg bucket (contiguous_gradients) of reduce_bucket_size elements; overlap_comm doubles it.
-            s.buffers = bucket * pb * 2
-            s.sources.append(f"ZeRO-2: {pb} B/param weights, {pb}P/N grad partition, reduce buckets 2 x h^2")
+            # grads_in_partition appears at the first bucket reduction in backward (stage_1_and_2.py
+            # reduce_independent_p_g_buckets_and_remove_grads) and is freed by step(); the ipg bucket of
+            # reduce_bucket_size elements lives only during backward (setup_buckets; one buffer: the emitted
+            # JSON leaves overlap_comm off for stage 2). Measured on CPU: benchmarks/results/distributed_memory.md.
+            s.backward_gradients = 0.0 if off_opt else P * pb / N
+            s.backward_buffers = bucket * pb
+            s.sources.append(f"ZeRO-2: {pb} B/param weights, {pb}P/N grad partition from backward to the step, "
+                             "one h^2 reduce bucket in backward")
     else:
         s.parameters = 0.0 if off_par else P * pb / N
         s.gradients = 0.0 if off_opt else P * pb / N
-        # Live gathered parameters: the layer being computed plus the prefetch bucket (stage3.py).
-        s.gathered = (largest_layer + 0.9 * hidden * hidden) * pb
-        s.buffers = bucket * pb * 2 * 2
-        s.sources.append(f"ZeRO-3: {pb}P/N params + {pb}P/N grads, live = largest layer + prefetch bucket, "
-                         "reduce buckets with overlap_comm")
+        # Gathered parameters: DeepSpeed keeps a parameter gathered from forward to backward when its reuse
+        # distance is under stage3_max_reuse_distance (1e9 elements in the emitted JSON), which holds for the
+        # parameters used in the last max_reuse_distance / 2 elements of forward, plus the layer being computed,
+        # capped by stage3_max_live_parameters (1e9) and the model (partitioned_param_coordinator.py; measured
+        # on CPU: the whole small model stays gathered, benchmarks/results/distributed_memory.md).
+        s.gathered = min(float(P), 1e9, 0.5e9 + largest_layer + 0.9 * hidden * hidden) * pb
+        # One persistent reduce bucket of reduce_bucket_size elements (stage3.py __init__).
+        s.buffers = bucket * pb
+        s.sources.append(f"ZeRO-3: {pb}P/N params + {pb}P/N grads, gathered params kept for reuse "
+                         "(up to 1e9), one h^2 reduce bucket")
     if off_opt:
         host = master + opt + fp32_grad
         if off_par:
@@ -149,12 +163,13 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
 
 
 def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_params: int, root_params: int,
-                 accumulating: bool, factored_elems: int | None = None) -> States:
+                 accumulating: bool, factored_elems: int | None = None, prefetch_layers: int = 2) -> States:
     """torch FSDP2 (fully_shard) with MixedPrecisionPolicy(param_dtype=bf16) as accelerate sets it.
 
     Sharded fp32 params and grads, optimizer states sharded; no separate master copy (REFERENCE: 4P/N + 4P/N +
-    8P/N). Unsharded low-precision params: the layer being computed plus one prefetched; the root module
-    (embeddings, head) stays unsharded after forward; reshard_after_forward=False (grad-op) keeps every layer's
+    8P/N). Unsharded low-precision params: the layer being computed plus, on GPUs, the next one prefetched on
+    the all-gather stream (prefetch_layers 2; 1 on CPU/gloo, measured); the root module (embeddings, head)
+    stays unsharded after forward; reshard_after_forward=False (grad-op) keeps every layer's
     unsharded params from forward to backward. Accumulating: by default the Trainer wraps non-final micro-steps
     in accelerator.no_sync, which for FSDP2 is set_requires_gradient_sync(False) and keeps every layer's
     unsharded gradient (P x compute bytes) until the last micro-step; toolkit.train sets sync_each_batch for
@@ -169,13 +184,14 @@ def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_para
     if strategy.fsdp_mode == "grad_op":
         s.gathered = P * compute
     else:
-        s.gathered = (2 * layer_params + root_params) * compute
-    # Unsharded gradients of the layer being reduce-scattered (and the next one produced meanwhile).
-    s.buffers = 2 * layer_params * compute
+        s.gathered = (prefetch_layers * layer_params + root_params) * compute
+    # Unsharded gradients of the layers being reduce-scattered, freed after each reduce-scatter
+    # (_fsdp_param_group.py post_backward): backward only.
+    s.backward_buffers = prefetch_layers * layer_params * compute
     if accumulating:
         s.accumulation_gradients = P * compute
     s.sources.append(f"FSDP2: {full}P/N params + {full}P/N grads + optimizer/N; unsharded {compute} B/param "
-                     f"params of {'all layers (no reshard)' if strategy.fsdp_mode == 'grad_op' else '2 layers + root'}")
+                     f"params of {'all layers (no reshard)' if strategy.fsdp_mode == 'grad_op' else f'{prefetch_layers} layer(s) + root'}")
     return s
 
 
