@@ -58,6 +58,13 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-stages", type=int, help="pipeline / hybrid stage count")
 
 
+def _add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
+    p.add_argument("--out", help=out_help)
+    p.add_argument("--force", action="store_true", help="overwrite files in --out")
+    p.add_argument("--nvme-path", help="local NVMe directory for ZeRO-Infinity plans")
+    p.add_argument("--hosts", help="comma-separated node host names (multi-node hostfile)")
+
+
 def _count(text: str) -> int:
     t = text.strip().upper().replace(",", "").replace("_", "")
     scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], None)
@@ -400,19 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", help="comma-separated subset to consider")
     p.add_argument("--choose", dest="strategy_choice", help="emit this strategy instead of the fastest")
     p.add_argument("--top", type=int, default=10)
-    p.add_argument("--out", help="directory for the emitted files")
-    p.add_argument("--force", action="store_true", help="overwrite files in --out")
-    p.add_argument("--nvme-path", help="local NVMe directory for ZeRO-Infinity plans")
-    p.add_argument("--hosts", help="comma-separated node host names (multi-node hostfile)")
+    _add_output_flags(p, "directory for the emitted files")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("emit", help="write a plan's config files from its plan.json")
     p.add_argument("plan", help="plan.json or the directory holding it")
-    p.add_argument("--out", help="directory (default: the plan's own; rewriting needs --force)")
-    p.add_argument("--force", action="store_true", help="overwrite files in --out")
-    p.add_argument("--nvme-path", help="local NVMe directory for ZeRO-Infinity plans")
-    p.add_argument("--hosts", help="comma-separated node host names (multi-node hostfile)")
+    _add_output_flags(p, "directory (default: the plan's own; rewriting needs --force)")
     p.set_defaults(func=cmd_emit)
 
     p = sub.add_parser("check", help="check accelerate YAML / DeepSpeed JSON / plan dirs")

@@ -247,19 +247,18 @@ def _matmul_params(module, moe_fraction: float) -> int:
     return int(round(total))
 
 
+def _first_int(config, keys: tuple[str, ...], minimum: int) -> int:
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value >= minimum:
+            return value
+    return 0
+
+
 def _moe_shape(config) -> tuple[int, int]:
-    experts = 0
-    for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 1:
-            experts = value
-            break
-    top_k = 0
-    for key in ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            top_k = value
-            break
+    """(experts, experts per token) under the names MoE configs use; (0, 0) for dense models."""
+    experts = _first_int(config, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"), 2)
+    top_k = _first_int(config, ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token"), 1)
     return (experts, top_k) if experts and top_k else (0, 0)
 
 
