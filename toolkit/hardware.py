@@ -80,18 +80,22 @@ class Hardware:
 
 
 @lru_cache(maxsize=1)
+def _catalog_entries() -> list[dict]:
+    return json.loads(GPU_CATALOG_FILE.read_text())["gpus"]
+
+
+@lru_cache(maxsize=1)
 def gpu_catalog() -> dict[str, Gpu]:
-    """Every GPU by canonical name, plus an alias index (lower case) -> canonical name."""
-    data = json.loads(GPU_CATALOG_FILE.read_text())
+    """Every GPU by canonical name."""
     fields = set(Gpu.__dataclass_fields__)
-    return {entry["name"]: Gpu(**{k: v for k, v in entry.items() if k in fields}) for entry in data["gpus"]}
+    return {entry["name"]: Gpu(**{k: v for k, v in entry.items() if k in fields}) for entry in _catalog_entries()}
 
 
 @lru_cache(maxsize=1)
 def _alias_index() -> dict[str, str]:
-    data = json.loads(GPU_CATALOG_FILE.read_text())
+    """Every name and alias (normalised) -> canonical name."""
     index: dict[str, str] = {}
-    for entry in data["gpus"]:
+    for entry in _catalog_entries():
         for alias in [entry["name"], *entry.get("aliases", [])]:
             index[_norm(alias)] = entry["name"]
     return index

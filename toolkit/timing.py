@@ -78,10 +78,10 @@ def _ring(bytes_: float, n: int, gbps: float, factor: float) -> float:
     return factor * (n - 1) / n * bytes_ / (gbps * 1e9)
 
 
-def _group_bandwidth(hw: Hardware, group: int, within_node: bool) -> float:
+def _group_bandwidth(hw: Hardware, group: int) -> float:
     """Bus bandwidth of a collective over `group` ranks: NVLink inside a node; the node's network once the
     group spans nodes (hierarchical rings leave each node once per ring)."""
-    if within_node or group <= hw.gpus_per_node:
+    if group <= hw.gpus_per_node:
         return hw.gpu.intra_node_gbps
     return min(hw.gpu.intra_node_gbps, hw.inter_node_gbps)
 
@@ -110,10 +110,10 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     A = job.grad_accum
     if strategy.engine == "ddp":
         grad_bytes = P * (4 if job.precision in ("fp32", "bf16", "fp16") else 2)
-        comm = _ring(grad_bytes, dp, _group_bandwidth(hw, dp, False), 2)
+        comm = _ring(grad_bytes, dp, _group_bandwidth(hw, dp), 2)
         assumptions.append("DDP: one all-reduce of the gradients per step (no_sync while accumulating)")
     elif strategy.engine == "deepspeed":
-        bw = _group_bandwidth(hw, dp, False)
+        bw = _group_bandwidth(hw, dp)
         if strategy.zero_stage == 1:
             comm = _ring(P * pb, dp, bw, 1) + _ring(P * pb, dp, bw, 1)
         elif strategy.zero_stage == 2:
@@ -141,7 +141,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             comm += _ring(P * pb / shard, replicas, hw.inter_node_gbps, 2)
         else:
             gathers = 2 if strategy.fsdp_mode == "grad_op" else 3
-            comm = A * gathers * _ring(P * pb, dp, _group_bandwidth(hw, dp, False), 1)
+            comm = A * gathers * _ring(P * pb, dp, _group_bandwidth(hw, dp), 1)
     else:
         # Pipeline: activations cross stage boundaries; stages across nodes, data parallel inside a node.
         M = A
