@@ -180,24 +180,28 @@ def test_refuses_to_overwrite_and_writes_nothing(tmp_path):
     assert (tmp_path / "PLAN.md").read_text() != "mine"
 
 
-def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
-    import toolkit.fileio as fileio
+def test_a_failed_write_leaves_the_old_folder_whole(tmp_path):
+    """A real write failure (the file-size limit, EFBIG) while re-emitting over an existing plan folder: the old
+    folder is untouched, file for file, and no staging folder or lock is left beside it."""
+    import subprocess
+    import sys
 
-    real_replace = os.replace
-    calls = []
-
-    def failing_replace(src, dst):
-        calls.append(dst)
-        if len(calls) == 2:
-            raise OSError("disk full")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(fileio.os, "replace", failing_replace)
-    with pytest.raises(OSError, match="disk full"):
-        emit_files(plan_for("zero2", "bf16"), tmp_path)
-    leftovers = sorted(p.name for p in tmp_path.iterdir())
-    assert leftovers == ["ds_config.json"]  # the first file complete, no temporary file, no partial second one
-    json.loads((tmp_path / "ds_config.json").read_text())
+    old = tmp_path / "plan"
+    emit_files(plan_for("zero2", "bf16"), old)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    script = (
+        "import resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "from toolkit.emit import emit_files\n"
+        "from toolkit.plan import load_plan\n"
+        "plan = load_plan(sys.argv[1]).replace(precision='fp16')\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (600, 600))  # plan.json is larger\n"
+        "emit_files(plan, Path(sys.argv[1]), force=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(old)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "File too large" in proc.stderr, proc.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
 
 
 def test_plan_md_charts_candidates_against_capacity():

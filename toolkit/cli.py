@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from toolkit import bounds
+from toolkit.bounds import float_arg, int_arg, text_arg
 from toolkit.errors import EXIT_USER_ERROR, UserError
 
 GIB = 1024**3
@@ -28,41 +30,46 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="catalog name (see `toolkit models`), local dir/config.json, or hub id")
+    p.add_argument("model", nargs="?", type=text_arg("model"),
+                   help="catalog name (see `toolkit models`), local dir/config.json, or hub id")
     g = p.add_argument_group("model by numbers (instead of a name)")
     g.add_argument("--params", type=_count, help="parameter count, e.g. 7e9 or 7B (shape guessed Llama-like)")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--hidden", type=int)
-    g.add_argument("--heads", type=int)
-    g.add_argument("--kv-heads", type=int)
-    g.add_argument("--ffn", type=int)
-    g.add_argument("--vocab", type=int)
+    g.add_argument("--layers", type=int_arg("--layers", bounds.LAYERS))
+    g.add_argument("--hidden", type=int_arg("--hidden", bounds.HIDDEN))
+    g.add_argument("--heads", type=int_arg("--heads", bounds.HEADS))
+    g.add_argument("--kv-heads", type=int_arg("--kv-heads", bounds.HEADS))
+    g.add_argument("--ffn", type=int_arg("--ffn", bounds.FFN))
+    g.add_argument("--vocab", type=int_arg("--vocab", bounds.VOCAB))
     g.add_argument("--trust-remote-code", action="store_true", help="allow hub models with custom code")
 
 
 def _add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100-80GB") -> None:
     g = p.add_argument_group("hardware")
-    g.add_argument("--gpus", default=default, help="e.g. 8xH100-80GB, 2x8xA100-80GB, 1xRTX-4090 (default %(default)s)")
-    g.add_argument("--nodes", type=int, help="number of nodes (or write NxGxGPU in --gpus)")
-    g.add_argument("--inter-node-gbps", type=float, help="network bandwidth per node, GB/s (default 50 = 400 Gb/s)")
-    g.add_argument("--cpu-ram-gib", type=float, help="host RAM per node, GiB (default 1024)")
+    g.add_argument("--gpus", default=default, type=text_arg("--gpus"),
+                   help="e.g. 8xH100-80GB, 2x8xA100-80GB, 1xRTX-4090 (default %(default)s)")
+    g.add_argument("--nodes", type=int_arg("--nodes", bounds.NODES),
+                   help="number of nodes (or write NxGxGPU in --gpus)")
+    g.add_argument("--inter-node-gbps", type=float_arg("--inter-node-gbps", bounds.INTER_NODE_GBPS),
+                   help="network bandwidth per node, GB/s (default 50 = 400 Gb/s)")
+    g.add_argument("--cpu-ram-gib", type=float_arg("--cpu-ram-gib", bounds.CPU_RAM_GIB),
+                   help="host RAM per node, GiB (default 1024)")
 
 
 def _add_job_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
-    g.add_argument("--seq", type=int, default=2048, help="sequence length (default %(default)s)")
+    g.add_argument("--seq", type=int_arg("--seq", bounds.SEQ), default=2048, help="sequence length (default %(default)s)")
     g.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 | bf16-pure (default %(default)s)")
     g.add_argument("--optimizer", default="adamw", help="adamw | adamw-8bit | sgd | adafactor")
     g.add_argument("--attention", default="sdpa", help="eager | sdpa | flash_attention_2 (default %(default)s)")
     g.add_argument("--device-kind", default="cuda", help="whose kernels' saved tensors to model: cuda | cpu")
-    g.add_argument("--pipeline-stages", type=int, help="pipeline / hybrid stage count")
+    g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES), help="pipeline / hybrid stage count")
 
 
 def _add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
-    p.add_argument("--out", help=out_help)
+    p.add_argument("--out", type=text_arg("--out"), help=out_help)
     p.add_argument("--force", action="store_true", help="overwrite files in --out")
-    p.add_argument("--nvme-path", help="local NVMe directory for ZeRO-Infinity plans")
-    p.add_argument("--hosts", help="comma-separated node host names (multi-node hostfile)")
+    p.add_argument("--nvme-path", type=text_arg("--nvme-path"), help="local NVMe directory for ZeRO-Infinity plans")
+    p.add_argument("--hosts", type=_hosts, help="comma-separated node host names (multi-node hostfile)")
 
 
 def _count(text: str) -> int:
@@ -71,13 +78,38 @@ def _count(text: str) -> int:
     try:
         value = float(t[:-1]) * scale if scale else float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a count (write 7e9 or 7B)") from None
+        raise UserError(f"--params '{text}' is not a count (write 7e9 or 7B)") from None
+    bounds.check_number("--params", value, bounds.PARAMS)
     return int(value)
+
+
+def _hosts(text: str) -> list[str]:
+    """Comma-separated host names; each must be a plain host name (it reaches the hostfile and scripts)."""
+    import re
+
+    names = [h.strip() for h in text.split(",")]
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*", name):
+            raise UserError(f"--hosts entry {name!r} is not a host name; give names like node1,node2 (letters, "
+                            "digits, '.', '-', '_')")
+    return names
+
+
+def _refuse_model_contradictions(args) -> None:
+    """A model name fixes the shape; numbers beside it would be silently ignored, so they are refused."""
+    given = [f"--{k.replace('_', '-')}" for k in ("params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+             if getattr(args, k, None) is not None]
+    if args.model and given:
+        raise UserError(f"{given[0]} cannot be combined with the model name '{args.model}'; give the name or the "
+                        "numbers, not both")
+    if args.params is not None and len(given) > 1:
+        raise UserError(f"--params cannot be combined with {given[1]}; give the count or the shape, not both")
 
 
 def _spec(args):
     from toolkit.modelspec import resolve_model
 
+    _refuse_model_contradictions(args)
     return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
                          kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
                          trust_remote_code=args.trust_remote_code)
@@ -114,10 +146,18 @@ def cmd_estimate(args) -> int:
     spec = _spec(args)
     hw = _hardware(args)
     strategy = parse_strategy(args.strategy)
+    if args.pipeline_stages is not None and not strategy.is_pipeline:
+        raise UserError(f"--pipeline-stages applies to pipeline and hybrid strategies, not {strategy.name}; drop it "
+                        "or give --strategy pipeline / hybrid")
     job = Job(seq_len=args.seq, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind)
     _check_seq(spec, job.seq_len)
+    from toolkit.planner import _check_hardware
+
+    unfit = _check_hardware(strategy, job, hw)  # the planner's rule, so estimate and plan agree
+    if unfit:
+        raise UserError(unfit)
     stages, partition = 1, None
     if strategy.is_pipeline:
         from toolkit.pipeline.partition import check_stage_count
@@ -195,6 +235,9 @@ def cmd_plan(args) -> int:
         from toolkit.strategy import parse_strategy
 
         strategies = tuple(parse_strategy(s).name for s in strategies)
+        if args.pipeline_stages is not None and not any(parse_strategy(s).is_pipeline for s in strategies):
+            raise UserError("--pipeline-stages applies to pipeline and hybrid strategies, and --strategies names "
+                            "none; drop it or add pipeline / hybrid to --strategies")
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     req_kwargs: dict[str, Any] = dict(seq_len=args.seq, global_batch=args.global_batch, micro_batch=args.micro_batch,
                                       grad_accum=args.accumulation, precision=args.precision,
@@ -228,8 +271,8 @@ def cmd_plan(args) -> int:
     if chosen and args.out:
         from toolkit.emit import emit_files
 
-        plan = to_plan(chosen, spec, hw, args.model or spec.name)
-        hosts = args.hosts.split(",") if args.hosts else None
+        plan = to_plan(chosen, spec, hw, _recorded_model(args.model) or spec.name)
+        hosts = args.hosts
         written = [str(p) for p in emit_files(plan, Path(args.out), force=args.force, candidates=rows,
                                               nvme_path=args.nvme_path, hosts=hosts)]
     if args.json:
@@ -242,6 +285,19 @@ def cmd_plan(args) -> int:
               + ", ".join(Path(w).name for w in written))
         print(f"run it:  toolkit launch {args.out}  (rehearse on CPU first: toolkit launch {args.out} --rehearse)")
     return 0 if chosen else 1
+
+
+def _recorded_model(model: str | None) -> str | None:
+    """A local model path as an absolute path (a plan launched from another folder still finds it); catalog names
+    and hub ids as given. A catalog name wins over a same-named folder, as in modelspec.load_config."""
+    from pathlib import Path
+
+    from toolkit.paths import MODEL_CATALOG_DIR
+
+    if not model or (MODEL_CATALOG_DIR / f"{model.lower()}.json").is_file():
+        return model
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
 
 
 EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "launch.sh", "slurm.sbatch", "hostfile", "plan.json",
@@ -300,7 +356,7 @@ def cmd_emit(args) -> int:
 
     plan = load_plan(args.plan)
     out = Path(args.out) if args.out else (Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent)
-    hosts = args.hosts.split(",") if args.hosts else None
+    hosts = args.hosts
     written = emit_files(plan, out, force=args.force, nvme_path=args.nvme_path, hosts=hosts)
     print(f"wrote {len(written)} files to {out}: " + ", ".join(p.name for p in written))
     return 0
@@ -314,7 +370,10 @@ def cmd_check(args) -> int:
         from toolkit.planner import fit_problems
 
         fit = lambda path: fit_problems(path, model=args.model, gpus=args.gpus, seq_len=args.seq)  # noqa: E731
-    return main_check(args.files, model=args.model, gpus=args.gpus, fit=fit)
+    def print_fn(line: str) -> None:  # its refusals are the one line on stderr every command gives
+        print(line, file=sys.stderr if line.startswith("error: ") else sys.stdout)
+
+    return main_check(args.files, model=args.model, gpus=args.gpus, fit=fit, print_fn=print_fn)
 
 
 def cmd_launch(args) -> int:
@@ -351,6 +410,14 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _device(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d{1,3})?", text.strip()):
+        raise UserError(f"--device '{text}' is not known; give cpu, cuda or cuda:N")
+    return text.strip()
+
+
 def cmd_models(args) -> int:
     from toolkit.modelspec import catalog_names
 
@@ -373,6 +440,10 @@ def cmd_demo(args) -> int:
     import time
 
     workdir = args.workdir or time.strftime("runs/demo-%Y%m%d-%H%M%S")
+    from pathlib import Path
+
+    if Path(workdir).exists() and not Path(workdir).is_dir():
+        raise UserError(f"--workdir {workdir} is a file; give a folder (it is created if missing)")
     return run_demo(workdir, steps=args.steps, force=args.force)
 
 
@@ -389,8 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_flags(p)
     p.add_argument("--strategy", default="ddp", help="ddp, zero1/2/3, zero2-offload, zero3-offload, fsdp2, "
                                                      "pipeline, hybrid, ... (default %(default)s)")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
+    p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), default=1)
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--json", action="store_true", help="print only JSON")
@@ -400,31 +471,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p)
     _add_hardware_flags(p)
     _add_job_flags(p)
-    p.add_argument("--global-batch", type=int, help="samples per optimizer step over all GPUs")
-    p.add_argument("--micro-batch", type=int, help="samples per GPU per forward (instead of --global-batch)")
-    p.add_argument("--accumulation", type=int, help="gradient accumulation steps")
+    p.add_argument("--global-batch", type=int_arg("--global-batch", bounds.BATCH),
+                   help="samples per optimizer step over all GPUs")
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
+                   help="samples per GPU per forward (instead of --global-batch)")
+    p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), help="gradient accumulation steps")
     p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto")
-    p.add_argument("--strategies", help="comma-separated subset to consider")
-    p.add_argument("--choose", dest="strategy_choice", help="emit this strategy instead of the fastest")
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--strategies", type=text_arg("--strategies"), help="comma-separated subset to consider")
+    p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
+                   help="emit this strategy instead of the fastest")
+    p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10)
     _add_output_flags(p, "directory for the emitted files")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("emit", help="write a plan's config files from its plan.json")
-    p.add_argument("plan", help="plan.json or the directory holding it")
+    p.add_argument("plan", type=text_arg("plan"), help="plan.json or the directory holding it")
     _add_output_flags(p, "directory (default: the plan's own; rewriting needs --force)")
     p.set_defaults(func=cmd_emit)
 
     p = sub.add_parser("check", help="check accelerate YAML / DeepSpeed JSON / plan dirs")
-    p.add_argument("files", nargs="+")
-    p.add_argument("--model", help="also check the fit of this model")
-    p.add_argument("--gpus", help="GPU spec, e.g. 8xH100-80GB (process counts; with --model, the fit)")
-    p.add_argument("--seq", type=int, help="sequence length for the fit check (plan dirs carry their own)")
+    p.add_argument("files", nargs="+", type=text_arg("path"))
+    p.add_argument("--model", type=text_arg("--model"), help="also check the fit of this model")
+    p.add_argument("--gpus", type=text_arg("--gpus"),
+                   help="GPU spec, e.g. 8xH100-80GB (process counts; with --model, the fit)")
+    p.add_argument("--seq", type=int_arg("--seq", bounds.SEQ), help="sequence length for the fit check (plan dirs carry their own)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("launch", help="run (or rehearse on CPU) an emitted plan")
-    p.add_argument("plan_dir")
+    p.add_argument("plan_dir", type=text_arg("plan folder"))
     p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.set_defaults(func=cmd_launch, train_args=[])
@@ -433,16 +508,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="predicted vs measured memory of real steps on this machine")
     _add_model_flags(p)
     _add_job_flags(p)
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
     p.add_argument("--checkpointing", action="store_true")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--steps", type=int, default=3, help="timed steps after the measured one")
+    p.add_argument("--device", default="cpu", type=_device, help="cpu or cuda[:N]")
+    p.add_argument("--steps", type=int_arg("--steps", bounds.PROFILE_STEPS), default=3,
+                   help="timed steps after the measured one")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("demo", help="estimate, plan, emit and train a tiny model end to end on CPU")
-    p.add_argument("--workdir", help="where the demo writes (default: a new runs/demo-DATE-TIME)")
-    p.add_argument("--steps", type=int, default=200, help="training steps of the tiny model (default %(default)s)")
+    p.add_argument("--workdir", type=text_arg("--workdir"),
+                   help="where the demo writes (default: a new runs/demo-DATE-TIME)")
+    p.add_argument("--steps", type=int_arg("--steps", bounds.STEPS), default=200, help="training steps of the tiny model (default %(default)s)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_demo)
 

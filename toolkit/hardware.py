@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from toolkit import bounds
+from toolkit.bounds import check_number
 from toolkit.errors import UserError
 from toolkit.paths import GPU_CATALOG_FILE
 
@@ -64,10 +66,10 @@ class Hardware:
     def __post_init__(self) -> None:
         if self.gpus_per_node <= 0 or self.nodes <= 0:
             raise UserError(f"GPU count must be positive, got {self.gpus_per_node} GPU(s) x {self.nodes} node(s)")
-        if self.inter_node_gbps <= 0:
-            raise UserError(f"--inter-node-gbps must be positive, got {self.inter_node_gbps}")
-        if self.cpu_ram_bytes_per_node <= 0:
-            raise UserError("--cpu-ram-gib must be positive")
+        check_number("GPUs per node", self.gpus_per_node, bounds.GPUS_PER_NODE)
+        check_number("node count", self.nodes, bounds.NODES)
+        check_number("--inter-node-gbps", self.inter_node_gbps, bounds.INTER_NODE_GBPS)
+        check_number("--cpu-ram-gib", self.cpu_ram_bytes_per_node / GIB, bounds.CPU_RAM_GIB)
 
     @property
     def world_size(self) -> int:
@@ -114,7 +116,7 @@ def find_gpu(name: str) -> Gpu:
     return gpu_catalog()[index[key]]
 
 
-_SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x*]\s*)?(?P<gpu>[A-Za-z].*?)\s*$")
+_SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x*]\s*)?(?P<gpu>[A-Za-z][^\x00-\x1f]*?)\s*$")
 
 
 def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: float | None = None,
@@ -130,6 +132,8 @@ def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: floa
         spec_nodes, count = int(first), int(second)
     if count <= 0 or spec_nodes <= 0:
         raise UserError(f"GPU spec '{spec}' has a zero or negative count; write it like 8xH100-80GB")
+    check_number(f"GPU spec '{spec}': GPUs per node", count, bounds.GPUS_PER_NODE)
+    check_number(f"GPU spec '{spec}': node count", spec_nodes, bounds.NODES)
     if nodes is not None:
         if nodes <= 0:
             raise UserError(f"--nodes must be positive, got {nodes}")
@@ -141,5 +145,6 @@ def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: floa
     if inter_node_gbps is not None:
         kwargs["inter_node_gbps"] = float(inter_node_gbps)
     if cpu_ram_gib is not None:
+        check_number("--cpu-ram-gib", float(cpu_ram_gib), bounds.CPU_RAM_GIB)
         kwargs["cpu_ram_bytes_per_node"] = int(float(cpu_ram_gib) * GIB)
     return Hardware(gpu=gpu, gpus_per_node=count, nodes=spec_nodes, **kwargs)

@@ -122,11 +122,59 @@ def _config_from_dict(data: dict[str, Any], where: str):
     model_type = data.pop("model_type", None)
     if not model_type:
         raise UserError(f"{where} has no 'model_type'; it must be a Hugging Face config.json")
+    if not isinstance(model_type, str):
+        raise UserError(f"{where}: 'model_type' is {model_type!r}, not a name; fix the config.json")
+    check_config_shape(data, where)
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"{where}: transformers does not know model_type '{model_type}'; "
+                        "upgrade transformers or give --trust-remote-code with a hub id")
     try:
         return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as exc:
-        raise UserError(f"{where}: transformers does not know model_type '{model_type}' ({exc}); "
-                        "upgrade transformers or give --trust-remote-code with a hub id") from None
+    except Exception as exc:  # the config class's own validation (transformers' rules, not ours), in any class
+        cause = exc.__cause__ or exc
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[-1].strip()
+        raise UserError(f"{where}: transformers refuses this {model_type} config ({first[:200]}); fix the "
+                        "config.json") from None
+
+
+# Shape keys of Hugging Face configs (the Llama names first, then GPT-2's / OPT's), with their sane bounds. A
+# value here that is not a whole number in bounds would fail deep inside the model's constructor, or build an
+# absurd model for minutes; checked on the raw JSON so the message names the key.
+_SHAPE_KEYS: tuple[tuple[str, Any, bool], ...] = (
+    ("hidden_size", "HIDDEN", True), ("n_embd", "HIDDEN", True), ("d_model", "HIDDEN", True),
+    ("num_attention_heads", "HEADS", True), ("n_head", "HEADS", True),
+    ("num_key_value_heads", "HEADS", False), ("head_dim", "HIDDEN", False),
+    ("num_hidden_layers", "LAYERS", True), ("n_layer", "LAYERS", True),
+    ("intermediate_size", "FFN", True), ("n_inner", "FFN", False), ("ffn_dim", "FFN", True),
+    ("vocab_size", "VOCAB", True), ("max_position_embeddings", "SEQ", False), ("n_positions", "SEQ", True),
+)
+
+
+def check_config_shape(data: dict[str, Any], where: str) -> None:
+    """Every shape value a whole number in bounds, hidden divisible by heads (unless head_dim says otherwise),
+    heads divisible by KV heads (grouped-query attention shares each KV head by a whole group of query heads)."""
+    from toolkit import bounds
+
+    for key, bound_name, required in _SHAPE_KEYS:
+        if key not in data:
+            continue
+        value = data[key]
+        if value is None and not required:
+            continue  # null means "derive it" for these keys (n_inner = 4 x hidden, KV heads = heads)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{where}: '{key}' is {json.dumps(value)[:40]}, not a whole number; fix the config.json")
+        bounds.check_number(f"{where}: '{key}'", value, getattr(bounds, bound_name))
+    hidden = next((data[k] for k in ("hidden_size", "n_embd", "d_model") if k in data), None)
+    heads = next((data[k] for k in ("num_attention_heads", "n_head") if k in data), None)
+    kv_heads = data.get("num_key_value_heads")
+    if hidden and heads and data.get("head_dim") is None and hidden % heads:
+        raise UserError(f"{where}: hidden size {hidden} does not divide by {heads} attention heads; fix the "
+                        "config.json (or give head_dim)")
+    if heads and kv_heads and heads % kv_heads:
+        raise UserError(f"{where}: {heads} attention heads do not divide into {kv_heads} key/value heads; "
+                        "num_key_value_heads must divide num_attention_heads")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -134,6 +182,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not text (binary or not UTF-8); point at a Hugging Face config.json") from None
+    except RecursionError:
+        raise UserError(f"{path} nests too deeply to be a config.json; fix or re-download it") from None
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror}") from None
     if not isinstance(data, dict):
@@ -175,6 +227,11 @@ def shape_config(*, layers: int, hidden: int, heads: int, kv_heads: int | None =
     for flag, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--vocab", vocab)):
         if value is None or value <= 0:
             raise UserError(f"{flag} must be a positive integer, got {value}")
+    for flag, value in (("--kv-heads", kv_heads), ("--ffn", ffn)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    if kv_heads is not None and kv_heads > heads:
+        raise UserError(f"--kv-heads {kv_heads} is more than --heads {heads}; give at most {heads}")
     kv_heads = kv_heads or heads
     if hidden % heads or heads % kv_heads:
         raise UserError(f"--hidden {hidden} must divide by --heads {heads}, and --heads by --kv-heads {kv_heads}")

@@ -8,8 +8,9 @@
         plan.json                the plan itself (toolkit.train reads it)
         PLAN.md                  the plan explained: strategy, batch arithmetic, memory, speed, candidates chart
 
-plan.json is the only input. Every file is written atomically, and nothing is written when any target exists
-(unless force).
+plan.json is the only input. The folder is written whole or not at all (toolkit.fileio.write_folder: staged
+beside it, swapped in with one rename, under a lock that refuses a concurrent writer), and nothing is written when
+any target exists (unless force).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from toolkit.emit.deepspeed import ds_config
 from toolkit.emit.explain import plan_md
 from toolkit.emit.launch import default_hosts, hostfile, launch_sh, slurm_sbatch
 from toolkit.errors import UserError
-from toolkit.fileio import refuse_overwrite, write_atomic
+from toolkit.fileio import write_folder
 from toolkit.plan import Plan
 
 EXECUTABLE = 0o755
@@ -68,8 +69,8 @@ def emit_files(plan: Plan, out_dir: str | Path, *, force: bool = False,
     out_dir = Path(out_dir)
     files = render_files(plan, out_dir, candidates=candidates, nvme_path=nvme_path, hosts=hosts,
                          relative_paths=relative_paths)
-    targets = [out_dir / name for name in files]
-    refuse_overwrite(targets, force)
-    for target, (text, mode) in zip(targets, files.values()):
-        write_atomic(target, text, mode)
-    return targets
+    try:
+        write_folder(out_dir, files, force=force)
+    except OSError as exc:
+        raise UserError(f"cannot write {out_dir}: {exc.strerror or exc}; choose another folder") from None
+    return [out_dir / name for name in files]

@@ -110,6 +110,14 @@ def parse_train_args(argv: Sequence[str] | None = None) -> TrainArgs:
 
 
 def check_train_args(args: TrainArgs) -> None:
+    import math
+
+    for flag in ("--epochs", "--lr", "--weight-decay", "--max-grad-norm", "--eval-fraction"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not math.isfinite(value):
+            raise UserError(f"{flag} {value} is not a finite number; give a number such as "
+                            f"{_build_parser().get_default(flag[2:].replace('-', '_'))}")
+    check_paths(args)
     if args.max_steps == 0 or args.max_steps < -1:
         raise UserError(f"--max-steps must be a positive number of steps (or -1 for --epochs), got {args.max_steps}")
     if args.max_steps == -1 and args.epochs <= 0:
@@ -127,3 +135,25 @@ def check_train_args(args: TrainArgs) -> None:
         raise UserError(f"--lr must be positive, got {args.lr}")
     if args.warmup_steps < 0 or args.weight_decay < 0 or args.max_grad_norm < 0:
         raise UserError("--warmup-steps, --weight-decay and --max-grad-norm must not be negative")
+
+
+def check_paths(args: TrainArgs) -> None:
+    """Local paths the run reads or writes, checked before any process starts (inside the workers these fail as
+    N tracebacks, or as nothing when the launcher kills the rank that would have reported)."""
+    from pathlib import Path
+
+    for flag, value in (("--output", args.output), ("--log-dir", args.log_dir)):
+        if value is not None and not str(value).strip():
+            raise UserError(f"{flag} is empty; give a folder")
+        if value is not None and Path(value).expanduser().is_file():
+            raise UserError(f"{flag} {value} is a file; give a folder (it is created if missing)")
+    for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        if value is None:
+            continue
+        if not str(value).strip():
+            raise UserError(f"{flag} is empty; give a hub id or a local folder")
+        # A hub id is owner/name; anything that reads as a path must exist here.
+        if value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
+            raise UserError(f"{flag} {value} does not exist; give an existing local folder or a hub id")
+    if not str(args.data).strip():
+        raise UserError("--data is empty; give a local file or folder, or a hub dataset name")

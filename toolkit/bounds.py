@@ -1,0 +1,144 @@
+"""Sane bounds for every number a user types, and the argparse types that enforce them where input enters.
+
+A value outside its bound is refused as one line naming the flag, the value and the range, before anything runs:
+NaN, inf, negative and zero counts, and absurd sizes (10^20 GPUs per node, 100,000 layers) never reach the
+planner, where they would hang a model build or print a meaningless answer.
+
+Each upper bound is far above the largest real instance (the source is given beside it), so no real job is
+refused; it only stops sizes that cannot describe hardware or a model that exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from toolkit.errors import UserError
+
+
+@dataclass(frozen=True)
+class Bound:
+    low: float
+    high: float
+    why: str
+    """What the upper bound is measured against (printed in the refusal)."""
+    low_inclusive: bool = True
+
+
+# Model shape. Largest published dense decoders: Llama-3.1-405B has 126 layers, hidden 16384, 128 heads, 8 KV heads,
+# FFN 53248, vocab 128256 (its config.json); Megatron-LM's 1T configuration has 128 layers and hidden 25600
+# (Narayanan et al. 2021, table 1); Gemma-2's vocab is 256000 (its config.json).
+LAYERS = Bound(1, 1024, "8x the deepest published decoder (126 layers)")
+HIDDEN = Bound(1, 131072, "5x the widest published decoder (hidden 25600)")
+HEADS = Bound(1, 4096, "32x the most heads of a published decoder (128)")
+FFN = Bound(1, 1048576, "about 20x the widest published FFN (53248)")
+VOCAB = Bound(1, 16777216, "64x the largest published vocabulary (256000)")
+PARAMS = Bound(1, 1e15, "1000x the largest published dense model (1T)")
+SEQ = Bound(1, 16777216, "16x the longest published context window (1M tokens)")
+
+# Hardware. The largest NVLink domain is GB200 NVL72 (72 GPUs); the largest reported clusters hold about 10^5
+# GPUs, so nodes are bounded at 2^17 and per-node GPUs at 1024 (counts beyond one node's slots).
+GPUS_PER_NODE = Bound(1, 1024, "14x the largest NVLink domain (NVL72)")
+NODES = Bound(1, 131072, "above the largest reported GPU clusters (~10^5 GPUs)")
+INTER_NODE_GBPS = Bound(0, 100000, "100 TB/s per node, 100x an 8 x 800G-rail node", low_inclusive=False)
+CPU_RAM_GIB = Bound(0, 1048576, "1 PiB of host RAM per node", low_inclusive=False)
+
+# Batch and steps.
+BATCH = Bound(1, 16777216, "2^24 samples")
+STAGES = Bound(1, 1024, "one stage per layer of the deepest allowed model")
+STEPS = Bound(1, 1e9, "10^9 optimizer steps")
+PROFILE_STEPS = Bound(1, 10000, "timed steps of one profile run")
+TOP = Bound(1, 100000, "rows to print")
+
+
+def check_number(flag: str, value: float, bound: Bound) -> None:
+    """Raise UserError unless value is finite and inside bound."""
+    low_ok = value >= bound.low if bound.low_inclusive else value > bound.low
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{flag} {value} is not a finite number; give a number from "
+                        f"{_range_text(bound)}")
+    if not low_ok:
+        kind = "a positive integer" if bound.low == 1 and bound.low_inclusive else "positive"
+        raise UserError(f"{flag} must be {kind}, got {_show(value)} (give {_range_text(bound)})")
+    if value > bound.high:
+        raise UserError(f"{flag} {_show(value)} is absurdly large (limit {_show(bound.high)}: {bound.why}); "
+                        f"give a number from {_range_text(bound)}")
+
+
+def _range_text(bound: Bound) -> str:
+    low = _show(bound.low) if bound.low_inclusive else f"more than {_show(bound.low)}"
+    return f"{low} to {_show(bound.high)}"
+
+
+def _show(value: float) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        value = int(value)
+    if isinstance(value, int) and abs(value) >= 10**4:
+        return f"{value:,}" if abs(value) < 10**16 else f"{value:.3g}"
+    return str(value)
+
+
+def parse_int(flag: str, text: str, bound: Bound) -> int:
+    """A whole number inside bound ('1e3' and '1_000' are read too; '2.5' is refused)."""
+    t = str(text).strip().replace("_", "")
+    try:
+        value = int(t)
+    except ValueError:
+        try:
+            as_float = float(t)
+        except ValueError:
+            raise UserError(f"{flag} '{text}' is not a whole number") from None
+        check_number(flag, as_float, bound)
+        if not as_float.is_integer():
+            raise UserError(f"{flag} '{text}' is not a whole number")
+        value = int(as_float)
+    check_number(flag, value, bound)
+    return value
+
+
+def parse_float(flag: str, text: str, bound: Bound) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise UserError(f"{flag} '{text}' is not a number") from None
+    check_number(flag, value, bound)
+    return value
+
+
+def int_arg(flag: str, bound: Bound):
+    """argparse `type=` for a bounded whole number (the refusal is a UserError: one line, exit 2)."""
+
+    def convert(text: str) -> int:
+        return parse_int(flag, text, bound)
+
+    convert.__name__ = flag  # argparse names the type in its own messages
+    return convert
+
+
+def float_arg(flag: str, bound: Bound):
+    def convert(text: str) -> float:
+        return parse_float(flag, text, bound)
+
+    convert.__name__ = flag
+    return convert
+
+
+def text_arg(flag: str):
+    """argparse `type=` for a non-empty name or path without control characters (a newline in a path would end a
+    comment line in an emitted script and run the rest as a command)."""
+
+    def convert(text: str) -> str:
+        if not text.strip():
+            raise UserError(f"{flag} is empty; give a value")
+        check_no_control_chars(flag, text)
+        return text
+
+    convert.__name__ = flag
+    return convert
+
+
+def check_no_control_chars(what: str, text: str) -> None:
+    bad = [c for c in text if ord(c) < 32 or ord(c) == 127]
+    if bad:
+        raise UserError(f"{what} {text!r} holds a control character ({bad[0]!r}); remove it")
+
