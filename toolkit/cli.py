@@ -535,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
+    previous = _finish_on_termination()
     try:
         args = build_parser().parse_args(argv)
         if passthrough and args.command != "launch":
@@ -547,6 +548,36 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130
+    except Terminated as exc:
+        return 128 + exc.signum
+    finally:
+        import signal
+
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the program is, so that every `finally` runs (staging folders and locks
+    are removed) before the process exits; like KeyboardInterrupt for SIGINT."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _finish_on_termination() -> dict:
+    """Install the handlers; returns the previous ones (main restores them: a caller embedding main keeps its own)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # signal handlers can only be set from the main thread
+
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    return {signum: signal.signal(signum, raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
 
 
 if __name__ == "__main__":

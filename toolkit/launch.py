@@ -5,12 +5,19 @@ DIR/plan.json ...`. Several nodes: prints each node's command and the SLURM rout
 submits nothing. `--rehearse`: the plan's exact strategy on 2 CPU processes over gloo (4 for hybrid) with a tiny
 model of the same architecture, a locally trained tokenizer and the standard-library corpus, for a few steps:
 problems show up (exit code and message) before GPU time is spent.
+
+A run holds its output folder (a lock with the owner's pid and host; a second run into it is refused), keeps every
+rank's stderr in OUTPUT/toolkit-launch.log, and reports a failure as one line from the first failing rank. SIGINT,
+SIGTERM and SIGHUP stop every rank it started (the launcher's process group and the workers the launcher put in
+sessions of their own), leave the last complete checkpoint as it is, and print the command that resumes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,7 +66,7 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
         from toolkit.train.rehearsal import rehearse as run_rehearsal
 
         return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
-    preflight(plan, plan_dir, train_argv)
+    args = preflight(plan, plan_dir, train_argv)
     if plan.num_machines > 1:
         print(_multi_node_text(plan, plan_dir, train_argv))
         return 0
@@ -67,23 +74,187 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
-    return run(command)
+    resume = train_argv if args.resume else [*train_argv, "--resume"]
+    return run(command, output=Path(args.output),
+               resume_command=f"toolkit launch {shlex.quote(str(plan_dir))} -- {shlex.join(resume)}")
 
 
-def run(command: list[str], env: dict[str, str] | None = None) -> int:
-    """Run a launcher command in the foreground; its exit code is ours, and 2 when the training refused its
-    input (rank 0 wrote the one-line reason to TOOLKIT_ERROR_FILE; torchrun itself would report 1)."""
-    with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as tmp:
-        error_file = Path(tmp) / "error.txt"
-        full_env = {**os.environ, **(env or {}), "TOOLKIT_ERROR_FILE": str(error_file)}
-        full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
+LOG_NAME = "toolkit-launch.log"
+LOCK_NAME = ".toolkit-run.lock"
+STOP_GRACE_S = 20.0
+"""After SIGTERM, how long ranks get to exit before SIGKILL (a rank writing a checkpoint is not waited for: an
+incomplete checkpoint has no completion marker and resume skips it, toolkit.train.checkpoints)."""
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def run(command: list[str], env: dict[str, str] | None = None, *, output: Path | None = None,
+        resume_command: str | None = None) -> int:
+    """Run a launcher command in the foreground; its exit code is ours, 2 when the training refused its input.
+
+    output: the run's folder. It is locked for the run (a second run into it is refused), and every rank's stderr
+    goes to output/toolkit-launch.log instead of the terminal: a failure is one line here, from the first failing
+    rank (TOOLKIT_ERROR_FILE), never torchrun's traceback of every worker. Without output, stderr is the
+    terminal's. SIGINT / SIGTERM / SIGHUP stop every process the run started and return 128 + the signal.
+    """
+    from toolkit.fileio import FolderLock
+
+    lock = None
+    log = None
+    if output is not None:
         try:
-            code = subprocess.run(_resolve_launcher(command), env=full_env).returncode
-        except FileNotFoundError:
-            raise UserError(f"{command[0]} is not on PATH; install accelerate in this environment") from None
-        if code != 0 and error_file.is_file():
-            return EXIT_USER_ERROR
-        return code
+            output.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create --output {output}: {exc.strerror}; choose another folder") from None
+        lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+    try:
+        with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as tmp:
+            error_file = Path(tmp) / "error.json"
+            full_env = {**os.environ, **(env or {}), "TOOLKIT_ERROR_FILE": str(error_file)}
+            full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
+            if output is not None:
+                log = open(output / LOG_NAME, "ab")
+            code, stopped = _run_stoppable(_resolve_launcher(command), full_env, log)
+            if stopped:
+                print(_stopped_text(stopped, output, resume_command), file=sys.stderr, flush=True)
+                return 128 + stopped
+            if code == 0:
+                return 0
+            failure = _read_failure(error_file)
+            where = f" (full log: {output / LOG_NAME})" if output is not None else ""
+            if failure is not None and failure["user_error"]:
+                if log is not None:  # the rank's own line went to the log
+                    print(f"error: {failure['message']}{where}", file=sys.stderr, flush=True)
+                return EXIT_USER_ERROR
+            if log is not None:
+                what = (f"rank {failure['rank']} failed: {failure['message']}" if failure else
+                        f"training failed with exit code {code}")
+                print(f"error: {what}{where}", file=sys.stderr, flush=True)
+            return code
+    finally:
+        if log is not None:
+            log.close()
+        if lock is not None:
+            lock.release()
+
+
+def _run_stoppable(command: list[str], env: dict[str, str], log) -> tuple[int, int]:
+    """(exit code, signal that stopped it or 0). The launcher runs in a session of its own, so a terminal's
+    Ctrl-C reaches only us and we stop everything in order; it dies with us even when we are SIGKILLed
+    (PR_SET_PDEATHSIG), and toolkit.train sets the same on every rank, so no rank outlives its launcher."""
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def on_signal(signum, frame):
+        raise _Stop(signum)
+
+    try:
+        proc = subprocess.Popen(command, env=env, stderr=log, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    except FileNotFoundError:
+        raise UserError(f"{command[0]} is not on PATH; install accelerate in this environment") from None
+    previous = {s: signal.signal(s, on_signal) for s in stop_signals}
+    try:
+        try:
+            return proc.wait(), 0
+        except _Stop as stop:
+            for s in stop_signals:  # a second Ctrl-C while stopping must not leave ranks behind
+                signal.signal(s, signal.SIG_IGN)
+            stop_process_tree(proc)
+            return proc.returncode, stop.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def die_with_parent(signum: int) -> None:
+    """Ask Linux to send `signum` to this process when its parent dies (prctl PR_SET_PDEATHSIG); no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl(pr_set_pdeathsig, int(signum))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living descendant of pid (from /proc; torchrun puts each worker in a session of its own, so the
+    launcher's process group alone does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name in parentheses may hold spaces
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_process_tree(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the launcher's process group and every descendant, then SIGKILL whatever is left after grace_s."""
+    import time
+
+    def signal_all(signum: int) -> None:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    family = descendants(proc.pid)
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in family)):
+        time.sleep(0.1)
+    if proc.poll() is None or any(_alive(p) for p in family):
+        signal_all(signal.SIGKILL)
+        for pid in family:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _read_failure(error_file: Path) -> dict | None:
+    try:
+        data = json.loads(error_file.read_text())
+        return {"rank": int(data["rank"]), "user_error": bool(data["user_error"]), "message": str(data["message"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _stopped_text(signum: int, output: Path | None, resume_command: str | None) -> str:
+    from toolkit.train.checkpoints import last_complete_checkpoint
+
+    name = signal.Signals(signum).name
+    last = last_complete_checkpoint(output) if output is not None else None
+    kept = (f"the last complete checkpoint is {last}" if last else "no checkpoint was complete yet")
+    resume = f"; resume with: {resume_command}" if resume_command and last else ""
+    return f"stopped by {name}: every rank was stopped; {kept}{resume}"
 
 
 def _resolve_launcher(command: list[str]) -> list[str]:
@@ -107,6 +278,7 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     from toolkit.train.model import check_matches_plan, load_config, model_source
 
     args = _check_train_argv(plan_dir, train_argv)
+    _check_output(Path(args.output), args.resume)
     source = model_source(plan, args.model)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
     if plan.engine in ("deepspeed", "pipeline") and not (plan_dir / "ds_config.json").is_file():
@@ -115,6 +287,22 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
         from toolkit.train.hf_runner import check_ds_config_agrees
 
         check_ds_config_agrees(plan, args, plan_dir / "ds_config.json")
+    return args
+
+
+def _check_output(output: Path, resume: bool) -> None:
+    """The run's own refusals that need no process: a live run holding the folder, or checkpoints of an earlier
+    run without --resume (toolkit.train refuses that too, but only after every rank loaded the model)."""
+    from toolkit.train.checkpoints import checkpoint_dirs
+
+    if checkpoint_dirs(output) and not resume:
+        raise UserError(f"output {output} already holds checkpoints; pass --resume to continue that run, "
+                        "or choose another --output")
+    lock = output / LOCK_NAME
+    if lock.is_file():  # a held lock refuses here, before any process starts; run() takes it for real
+        from toolkit.fileio import FolderLock
+
+        FolderLock(lock, f"output {output}").acquire().release()
 
 
 def _check_train_argv(plan_dir: Path, train_argv: list[str]):

@@ -7,6 +7,7 @@ else to the HF Trainer path. Bad input is one line from rank 0 and exit code 2 o
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
@@ -20,6 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     from toolkit.plan import load_plan
     from toolkit.train.args import parse_train_args
 
+    if "LOCAL_RANK" in os.environ:  # started by a launcher: never outlive it (it may be SIGKILLed)
+        from toolkit.launch import die_with_parent
+
+        die_with_parent(signal.SIGKILL)
+        if os.getppid() == 1:  # the launcher died before the line above
+            return 1
     try:
         args = parse_train_args(argv)
         plan = load_plan(args.plan)
@@ -31,15 +38,34 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_hf(plan, args)
     except UserError as exc:
-        if _rank() == 0:
+        first = _report_failure(exc, user_error=True)
+        if _rank() == 0 or first:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-            # `toolkit launch` reads it back: the multi-process launcher (torchrun) reports any failing worker
-            # as its own exit code 1, which would hide that this was bad input.
-            error_file = os.environ.get("TOOLKIT_ERROR_FILE")
-            if error_file:
-                with open(error_file, "w") as f:
-                    f.write(f"{exc}\n")
         return EXIT_USER_ERROR
+    except Exception as exc:
+        _report_failure(exc, user_error=False)
+        raise  # a bug: its traceback goes to the run's log
+
+
+def _report_failure(exc: Exception, *, user_error: bool) -> bool:
+    """Tell `toolkit launch` why this rank failed, if it failed first (O_EXCL: the first rank to fail wins; later
+    ranks usually fail only because the first one left the process group). torchrun reports any failing worker
+    as its own exit code 1, which would hide that this was bad input. True when this rank's report was first."""
+    import json
+
+    error_file = os.environ.get("TOOLKIT_ERROR_FILE")
+    if not error_file:
+        return False
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if not user_error:
+        message = f"{type(exc).__name__}: {message}"
+    try:
+        fd = os.open(error_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"rank": _rank(), "user_error": user_error, "message": message[:2000]}, f)
+    return True
 
 
 def _rank() -> int:

@@ -99,7 +99,7 @@ REHEARSAL_STEPS = 4
 
 def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False) -> int:
     """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed."""
-    from toolkit.launch import emit_plan_files, launch_command, preflight, run
+    from toolkit.launch import preflight
 
     if train_argv:  # the real run's arguments, when given, are checked as the real launch would
         preflight(plan, plan_dir, train_argv)
@@ -109,6 +109,15 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
         except UserError as exc:
             print(f"note: the real model was not checked against the plan: {exc}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
+    try:  # the temporary folder goes on every way out: success, failure, refusal, Ctrl-C
+        return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool) -> int:
+    from toolkit.launch import LOG_NAME, emit_plan_files, launch_command, run
+
     model_dir = make_rehearsal_model(plan, work / "model")
     small, said = rehearsal_plan(plan, model_dir)
     small_dir = emit_plan_files(small, work / "plan")
@@ -125,18 +134,21 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
-    code = run(command, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    code = run(command, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+               output=work / "out")
     if code == 0:
         problems += _check_saved_model(work / "out", small)
     if code != 0 or problems:
         for problem in problems:
             print(f"rehearsal problem: {problem}", flush=True)
-        print(f"rehearsal FAILED (exit code {code}); fix this before spending GPU time. Files kept in {work}",
-              flush=True)
+        log = work / "out" / LOG_NAME
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
+        for line in tail:  # the log itself goes with the temporary folder
+            print(f"  log: {line}", flush=True)
+        print(f"rehearsal FAILED (exit code {code}); fix this before spending GPU time", flush=True)
         return code or 1
     print(f"rehearsal passed: {plan.strategy} trained {REHEARSAL_STEPS} steps, checkpointed, saved and reloaded",
           flush=True)
-    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
