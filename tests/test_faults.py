@@ -1,0 +1,173 @@
+"""Signals and races with real processes: a killed launcher leaves no rank and an exact resume; two writers of one
+plan folder, one refused; a writer killed mid-write leaves the old folder whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_hostile import _snapshot, run_cli
+from toolkit.launch import _alive, descendants, emit_plan_files
+from toolkit.train.rehearsal import plan_for_model
+
+# A writer that pauses inside write_folder after its first staged file, until its stdin gets a line.
+PAUSING_WRITER = """
+import sys
+from pathlib import Path
+from toolkit.cli import _finish_on_termination
+from toolkit.emit import render_files
+from toolkit.fileio import write_folder
+from toolkit.plan import load_plan
+
+class Pausing(dict):
+    def items(self):
+        for i, item in enumerate(super().items()):
+            if i == 1:
+                print("paused", flush=True)
+                sys.stdin.readline()
+            yield item
+
+if sys.argv[2] == "cli":
+    _finish_on_termination()  # as toolkit's CLI runs
+folder = Path(sys.argv[1])
+plan = load_plan(folder).replace(precision="fp32")
+write_folder(folder, Pausing(render_files(plan, folder)), force=True)
+"""
+
+
+def _start_pausing_writer(folder: Path, mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", PAUSING_WRITER, str(folder), mode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "paused", proc.stderr.read()
+    return proc
+
+
+def test_two_writers_one_refused_and_a_terminated_writer_leaves_the_old_folder(tiny_llama_dir, tmp_path):
+    folder = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
+    before = _snapshot(tmp_path)
+    writer = _start_pausing_writer(folder, "cli")
+    try:
+        # A second writer while the first is mid-write: refused, naming the owner; nothing it does shows.
+        code, _, err = run_cli(["emit", str(folder), "--force"])
+        assert code == 2 and len(err.strip().splitlines()) == 1
+        assert f"in use by pid {writer.pid} on " in err
+        staged = [p for p in tmp_path.iterdir() if p.name.endswith(".staging")]
+        assert len(staged) == 1 and (staged[0] / "ds_config.json").is_file()  # the first writer's half-made copy
+    finally:
+        writer.send_signal(signal.SIGTERM)
+        writer.wait(timeout=60)
+    assert writer.returncode != 0
+    assert _snapshot(tmp_path) == before  # old folder whole; staging folder and lock removed
+
+
+def test_a_killed_writers_lock_is_taken_over_and_its_staging_swept(tiny_llama_dir, tmp_path):
+    folder = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
+    before = _snapshot(tmp_path)
+    writer = _start_pausing_writer(folder, "raw")
+    writer.kill()  # SIGKILL: no cleanup at all
+    writer.wait(timeout=60)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left != ["p"] and ".p.lock" in left  # the dead writer's lock file and staging folder remain
+    assert {k: v for k, v in _snapshot(tmp_path).items() if k.startswith(str(folder) + "/")} == \
+        {k: v for k, v in before.items() if k.startswith(str(folder) + "/")}
+    code, out, err = run_cli(["emit", str(folder), "--force"])
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _final_state(output: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(output / "model.safetensors"))
+
+
+@pytest.mark.multiprocess
+def test_launcher_killed_stops_every_rank_refuses_a_second_run_and_resumes_exactly(tiny_llama_dir, corpus_dir,
+                                                                                   tmp_path):
+    import torch
+
+    from toolkit.train.checkpoints import COMPLETE_MARKER, is_complete, last_complete_checkpoint
+
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), tmp_path / "p")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    steps = ["--data", str(corpus_dir), "--random-init", "--max-steps", "12", "--save-steps", "2",
+             "--logging-steps", "1", "--lr-scheduler", "constant", "--max-eval-blocks", "2", "--seed", "3"]
+    toolkit = [sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--"]
+
+    killed = tmp_path / "killed"
+    launcher = subprocess.Popen([*toolkit, *steps, "--output", str(killed)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (killed / ".toolkit-run.lock").is_file(), 120, "the run's lock")
+        # A second run into the folder the live run holds: refused before it starts anything.
+        code, _, err = run_cli(["launch", str(plan_dir), "--", *steps, "--output", str(killed)])
+        assert code == 2 and f"in use by pid {launcher.pid}" in err, err
+        _wait_for(lambda: (killed / "checkpoint-2" / COMPLETE_MARKER).is_file(), 300, "checkpoint-2")
+        ranks = descendants(launcher.pid)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert len(ranks) >= 3  # accelerate's launcher and two training ranks
+    assert not [pid for pid in ranks if _alive(pid)]
+    last = last_complete_checkpoint(killed)
+    assert last is not None and is_complete(last)
+    assert err.strip().splitlines()[-1].startswith("stopped by SIGTERM: every rank was stopped; "
+                                                   f"the last complete checkpoint is {last}; resume with: ")
+    assert not (killed / "model.safetensors").exists()  # the run did not go on to write its final model
+    assert not (killed / ".toolkit-run.lock").exists()
+
+    resume = subprocess.run([*toolkit, *steps, "--output", str(killed), "--resume"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    whole = subprocess.run([*toolkit, *steps, "--output", str(tmp_path / "whole")], env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed, reference = _final_state(killed), _final_state(tmp_path / "whole")
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+    losses = [json.loads((d / "trainer_state.json").read_text())["log_history"]
+              for d in (killed / "checkpoint-12", tmp_path / "whole" / "checkpoint-12")]
+    assert [e["loss"] for e in losses[0] if "loss" in e and e["step"] > int(last.name.split("-")[1])] == \
+        [e["loss"] for e in losses[1] if "loss" in e and e["step"] > int(last.name.split("-")[1])]
+
+
+@pytest.mark.multiprocess
+def test_sigkill_of_the_launcher_leaves_no_rank_running(tiny_llama_dir, corpus_dir, tmp_path):
+    """No handler runs on SIGKILL: the ranks go because each process asked to die with its parent."""
+    from toolkit.train.checkpoints import COMPLETE_MARKER
+
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), tmp_path / "p")
+    output = tmp_path / "out"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--", "--data", str(corpus_dir),
+         "--random-init", "--max-steps", "100000", "--save-steps", "2", "--output", str(output)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: (output / "checkpoint-2" / COMPLETE_MARKER).is_file(), 300, "checkpoint-2")
+        ranks = descendants(launcher.pid)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=60)
+    assert len(ranks) >= 3
+    _wait_for(lambda: not [pid for pid in ranks if _alive(pid)], 60, "every rank to exit")
+    code, _, err = run_cli(["launch", str(plan_dir), "--dry-run", "--", "--data", str(corpus_dir),
+                            "--output", str(output), "--resume"])
+    assert code == 0, err  # the dead launcher's lock is taken over
