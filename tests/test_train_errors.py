@@ -81,8 +81,11 @@ def test_two_processes_only_rank0_reports_and_launch_exits_2(tiny_llama_dir, tmp
                            "--output", str(tmp_path / "out"), "--max-steps", "1"],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 2, proc.stderr[-4000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "not one training block" in errors[0]
+    errors = proc.stderr.strip().splitlines()  # no launcher traceback: every rank's stderr is in the log
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "not one training block" in errors[0]
+    log = tmp_path / "out" / "toolkit-launch.log"
+    assert f"(full log: {log})" in errors[0] and "not one training block" in log.read_text()
+    assert not (tmp_path / "out" / ".toolkit-run.lock").exists()
 
 
 def test_launch_preflight_refuses_a_mismatched_model_before_starting(tiny_llama_dir, tiny_gpt2_dir, tmp_path,
