@@ -17,6 +17,7 @@ from typing import Any
 from toolkit.activations import ActivationTrace, RegionTrace
 from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
+from toolkit.grid import ParallelGrid, grid_of
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
 from toolkit.states import States, ddp_states, fsdp2_states, pipeline_states, zero_states
@@ -268,17 +269,17 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     return peak, saved_total * in_flight + stash_bytes, copies_total
 
 
-def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:
+def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
     fe = int(params * spec.factored_state_fraction)
+    dp = grid.data_parallel
     if strategy.engine == "ddp":
-        return ddp_states(params, job, world=hw.world_size, factored_elems=fe)
+        return ddp_states(params, job, world=grid.world, factored_elems=fe)
     if strategy.engine == "deepspeed":
         return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params,
                            factored_elems=fe)
     if strategy.engine == "fsdp2":
-        shard = hw.gpus_per_node if strategy.fsdp_mode == "hybrid" else dp
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
-        return fsdp2_states(params, job, strategy, shard=shard, layer_params=max(spec.layer_params),
+        return fsdp2_states(params, job, strategy, shard=grid.shard_group, layer_params=max(spec.layer_params),
                             root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
                             factored_elems=fe, prefetch_layers=2 if job.device_kind == "cuda" else 1)
     return pipeline_states(params, job, dp=dp, factored_elems=fe)
@@ -288,47 +289,35 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
                        partition: list[int] | None = None) -> int:
     """A lower bound on the required bytes without tracing: persistent model states and the CUDA context.
     The planner refuses candidates above capacity on this alone, which saves their traces."""
-    world = hw.world_size
-    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if world > 1 else 0)
-    if strategy.is_pipeline and partition is not None:
-        dp = world // pipeline_stages
-        stage_params = [sum(spec.layer_params[a:b]) for a, b in zip(partition, partition[1:])]
-        stage_params[0] += spec.pre_layer_params
-        stage_params[-1] += spec.post_layer_params
-        params = max(stage_params)
-    else:
-        dp, params = world, spec.params
-    s = _states_for(spec, strategy, job, hw, params=params, dp=dp)
+    grid = grid_of(strategy, hw, pipeline_stages)
+    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if grid.world > 1 else 0)
+    params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
+    s = _states_for(spec, strategy, job, grid, params=params)
     return int(s.parameters + s.gradients + s.master + s.optimizer) + context
 
 
 def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
                     partition: list[int] | None = None) -> Breakdown:
     """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
-    breakdown of the stage that needs the most is returned."""
-    world = hw.world_size
-    if strategy.is_pipeline:
-        if partition is None:
-            raise UserError("a pipeline estimate needs a layer partition")
-        dp = world // pipeline_stages
-    else:
-        dp = world
+    breakdown of the stage that needs the most is returned (partition None: the grid's balanced one)."""
+    grid = grid_of(strategy, hw, pipeline_stages)
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
-        states = _states_for(spec, strategy, job, hw, params=spec.params, dp=dp)
+        states = _states_for(spec, strategy, job, grid, params=spec.params)
         return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
 
+    bounds = partition if partition is not None else grid.partition(spec)
+    stage_params = grid.stage_params(spec, bounds)
     breakdowns = []
-    stages = len(partition) - 1
+    stages = len(bounds) - 1
     for i in range(stages):
-        first, last = partition[i], partition[i + 1]
+        first, last = bounds[i], bounds[i + 1]
         regions = _regions(spec, trace, first, last, i == 0, i == stages - 1)
-        params = sum(r.params for r in regions)
-        if spec.tied and stages > 1 and i == stages - 1:
-            params += spec.embedding_params  # TiedLayerSpec: the last stage holds its own copy of the tied matrix
-            regions[-1] = _Region(regions[-1].name, regions[-1].params + spec.embedding_params, regions[-1].trace)
-        states = _states_for(spec, strategy, job, hw, params=params, dp=dp)
+        tied_copy = stage_params[i] - sum(r.params for r in regions)
+        if tied_copy:  # TiedLayerSpec: the last stage holds its own copy of the tied matrix
+            regions[-1] = _Region(regions[-1].name, regions[-1].params + tied_copy, regions[-1].trace)
+        states = _states_for(spec, strategy, job, grid, params=stage_params[i])
         in_flight = max(1, min(stages - i, job.grad_accum))
         breakdowns.append(_compose(spec, strategy, job, hw, trace, regions, states, in_flight=in_flight,
                                    stage=i))
