@@ -16,6 +16,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-pure")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class Job:
     attention: Attention = "sdpa"
     device_kind: DeviceKind = "cuda"
     """Whose kernels' saved tensors to model: the GPU kernels (default) or the real CPU dispatch."""
+    optimizer_impl: str = "fused"
+    """How torch's optimizer runs its step (toolkit.savers): fused (the HF Trainer's adamw_torch_fused), foreach
+    (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
+    liger: bool = False
+    """Liger kernels (the Trainer's use_liger_kernel): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE."""
+    activation_offloading: bool = False
+    """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -44,6 +52,7 @@ class Job:
         check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
+        check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
 
     @property
     def mixed(self) -> bool:

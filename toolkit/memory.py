@@ -19,6 +19,7 @@ from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
+from toolkit.savers import offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.states import States, ddp_states, fsdp2_states, pipeline_states, zero_states
 from toolkit.strategy import Strategy
 
@@ -29,6 +30,12 @@ COMM_BUFFER_BYTES = int(0.5 * GIB)
 """NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed."""
 ALLOCATOR_MARGIN = 0.05
 """Caching-allocator fragmentation and rounding on top of the tensor peak (stated assumption; 2-10% is typical)."""
+
+
+def reserved_bytes(peak_bytes: int) -> int:
+    """What torch.cuda.max_memory_reserved would report for a tensor peak: the caching allocator's segments, the
+    peak plus ALLOCATOR_MARGIN (CUDA context and NCCL buffers are outside it)."""
+    return int(peak_bytes * (1 + ALLOCATOR_MARGIN))
 
 
 @dataclass(frozen=True)
@@ -269,6 +276,18 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
 
 def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:
+    s = _engine_states(spec, strategy, job, hw, params=params, dp=dp)
+    if strategy.engine in ("ddp", "fsdp2"):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
+        shard = 1 if strategy.engine == "ddp" else (hw.gpus_per_node if strategy.fsdp_mode == "hybrid" else dp)
+        state_bytes = 2 if job.precision == "bf16-pure" else 4
+        extra = optimizer_step_temporary_bytes(
+            impl=job.optimizer_impl, optimizer=job.optimizer, group_state_bytes=params * state_bytes / shard,
+            largest_param_state_bytes=spec.embedding_params * state_bytes / shard)
+        s.step_transient += extra
+    return s
+
+
+def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:
     fe = int(params * spec.factored_state_fraction)
     if strategy.engine == "ddp":
         return ddp_states(params, job, world=hw.world_size, factored_elems=fe)
@@ -315,9 +334,16 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
         dp = world
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
+        offloaded = 0
+        if job.activation_offloading:
+            trace, offloaded = offload_layer_activations(trace)
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states = _states_for(spec, strategy, job, hw, params=spec.params, dp=dp)
+        states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
         return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
+    if job.activation_offloading:
+        raise UserError("activation offloading is not available with the pipeline engine; use a ZeRO or FSDP2 "
+                        "strategy, or drop --activation-offloading")
 
     breakdowns = []
     stages = len(partition) - 1
@@ -345,7 +371,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     peak, activations, copies = _simulate(regions, states, in_flight=in_flight, accumulating=accumulating,
                                           autocast=states.autocast, traced_grad_bytes_per_param=traced_grad)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
-    margin = int(peak.bytes * ALLOCATOR_MARGIN)
+    margin = reserved_bytes(int(peak.bytes)) - int(peak.bytes)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + context + margin
     grads = states.gradients + states.step_gradients + states.backward_gradients \
