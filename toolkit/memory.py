@@ -17,6 +17,7 @@ from typing import Any
 from toolkit.activations import ActivationTrace, RegionTrace
 from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
+from toolkit.hostram import HostRam, host_ram
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
 from toolkit.savers import offload_layer_activations, optimizer_step_temporary_bytes
@@ -77,6 +78,8 @@ class Breakdown:
     notes: tuple[str, ...] = ()
     stage_required_bytes: tuple[int, ...] = ()
     """Pipeline plans: required bytes of every stage (the breakdown describes the largest)."""
+    host: HostRam | None = None
+    """Host RAM per node at load, during training and at save (toolkit.hostram)."""
 
     @property
     def fits(self) -> bool:
@@ -94,6 +97,10 @@ class Breakdown:
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
         if self.stage_required_bytes:
             out["stage_required_bytes"] = list(self.stage_required_bytes)
+        if self.host is not None:
+            out["host_load_bytes_per_node"] = self.host.load_bytes_per_node
+            out["host_save_bytes_per_node"] = self.host.save_bytes_per_node
+            out["host_peak_bytes_per_node"] = self.host.peak_bytes_per_node
         return out
 
 
@@ -415,6 +422,9 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         capacity_bytes=hw.gpu.memory_bytes,
         cpu_bytes_per_node=int(states.cpu * ranks_per_node),
         nvme_bytes_per_node=int(states.nvme * ranks_per_node),
+        host=host_ram(params=spec.params, largest_layer_params=spec.largest_layer_params, strategy=strategy, job=job,
+                      gpus_per_node=ranks_per_node, world=hw.world_size,
+                      resident_bytes_per_node=int(states.cpu * ranks_per_node)),
         terms=tuple(terms),
         notes=tuple(dict.fromkeys(notes)),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.errorband import band_for
 from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
 from toolkit.job import Job
@@ -57,6 +58,8 @@ class Candidate:
             "peak_bytes": self.memory.required_bytes if self.memory else None,
             "capacity_bytes": self.memory.capacity_bytes if self.memory else None,
             "cpu_bytes_per_node": self.memory.cpu_bytes_per_node if self.memory else None,
+            "host_peak_bytes_per_node": self.memory.host.peak_bytes_per_node if self.memory else None,
+            "error_band": band_for(self.strategy.engine, self.job.checkpointing).text(),
             "step_time_s": self.timing.step_time_s if self.timing else None,
             "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
         }
@@ -76,6 +79,8 @@ class Request:
     device_kind: str = "cuda"
     checkpointing: bool | None = None
     """None: let the planner choose; True/False: force it."""
+    optimizer_impl: str = "fused"
+    activation_offloading: bool = False
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
 
@@ -87,7 +92,7 @@ class Request:
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
-            attention=self.attention, device_kind=self.device_kind)
+            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl)
 
 
 def _divisors(n: int) -> list[int]:
@@ -176,6 +181,8 @@ def _partition(spec: ModelSpec, stages: int) -> list[int]:
 def _check_hardware(strategy: Strategy, req: Request, hw: Hardware) -> str | None:
     if req.precision in ("bf16", "bf16-pure") and not hw.gpu.bf16_supported:
         return f"{hw.gpu.name} has no bf16; use --precision fp16 or fp32"
+    if strategy.is_pipeline and req.activation_offloading:
+        return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
     if strategy.is_pipeline and req.precision == "bf16-pure":
         return "pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
     return None
@@ -201,6 +208,18 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, *, sta
     elif memory.cpu_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
         reason = (f"offload needs {memory.cpu_bytes_per_node / GIB:.0f} GiB host RAM per node of "
                   f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free)")
+    elif memory.host.peak_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
+        h = memory.host
+        when = "loading the model" if h.load_bytes_per_node >= h.resident_bytes_per_node + h.save_bytes_per_node \
+            else "saving the model"
+        reason = (f"needs {h.peak_bytes_per_node / GIB:.0f} GiB host RAM per node while {when} of "
+                  f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free; more --cpu-ram-gib, "
+                  "or a strategy that loads once per node: fsdp2, zero3)")
+    elif memory.required_bytes + band_for(strategy.engine, job.checkpointing).headroom_bytes(memory.peak_bytes) \
+            > memory.capacity_bytes:
+        band = band_for(strategy.engine, job.checkpointing)
+        reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU, inside "
+                  f"the estimate's error band ({band.text()})")
     return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                      global_batch=job.micro_batch * job.grad_accum * dp, partition=partition, memory=memory,
                      timing=timing, reason=reason)
@@ -249,7 +268,8 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                 for ckpt in ckpt_options:
                     job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
                               optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
-                              device_kind=req.device_kind)
+                              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
+                              activation_offloading=req.activation_offloading)
                     cand = evaluate(spec, hw, strategy, job, stages=stages, dp=dp, partition=partition)
                     if _better(cand, best.get(key)):
                         best[key] = cand
