@@ -144,3 +144,27 @@ def test_host_ram_at_load_refuses_every_rank_loading_the_whole_model(capsys):
     out = capsys.readouterr().out
     assert f"host RAM per node: load {8 * spec.params * 4 / GIB:.2f} GiB" in out
     assert "error band: peak +-" in out and "GPU case" in out
+
+
+def test_activation_offloading_moves_layer_activations_to_host():
+    """The decoder layers' saved bytes leave the GPU for pinned host RAM (per rank); one layer's are on the GPU while
+    it computes. (TRL's offloading copies to the host, which a CPU run cannot show: arithmetic on the trace.)"""
+    from dataclasses import replace
+
+    from toolkit.hardware import parse_hardware
+    from toolkit.job import Job
+    from toolkit.memory import estimate_memory, scaled_trace
+    from toolkit.modelspec import resolve_model
+    from toolkit.strategy import parse_strategy
+
+    spec = resolve_model("qwen2.5-0.5b")
+    hw = parse_hardware("2xA100-80GB")
+    fsdp = parse_strategy("fsdp2")
+    job = Job(seq_len=2048, micro_batch=4)
+    plain = estimate_memory(spec, fsdp, job, hw)
+    off = estimate_memory(spec, fsdp, replace(job, activation_offloading=True), hw)
+    layers = [r.saved_bytes for r in scaled_trace(spec, job, fsdp).layers]
+    assert off.cpu_bytes_per_node - plain.cpu_bytes_per_node == 2 * sum(layers)
+    assert off.activations_bytes == plain.activations_bytes - sum(layers)
+    assert plain.peak_bytes - off.peak_bytes >= sum(layers) - 2 * max(layers)
+    assert off.host.resident_bytes_per_node == off.cpu_bytes_per_node

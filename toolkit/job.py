@@ -38,8 +38,6 @@ class Job:
     optimizer_impl: str = "fused"
     """How torch's optimizer runs its step (toolkit.savers): fused (the HF Trainer's adamw_torch_fused), foreach
     (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
-    liger: bool = False
-    """Liger kernels (the Trainer's use_liger_kernel): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE."""
     activation_offloading: bool = False
     """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
 

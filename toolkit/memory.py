@@ -26,11 +26,17 @@ from toolkit.strategy import Strategy
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
 """CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator; ~0.5-0.9 GiB on Ampere/Hopper with
-lazy module loading (CUDA 12). Assumed, not traced."""
+lazy module loading (CUDA 12). Still assumed: benchmarks/gpu_check.py measures it per GPU / CUDA / torch version
+(cudaMemGetInfo minus reserved) and benchmarks/gpu_derive.py reports it; no GPU run is recorded yet."""
 COMM_BUFFER_BYTES = int(0.5 * GIB)
-"""NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed."""
+"""NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed: no
+published source separates them (the published nvidia-smi readings lump them with the context)."""
 ALLOCATOR_MARGIN = 0.05
-"""Caching-allocator fragmentation and rounding on top of the tensor peak (stated assumption; 2-10% is typical)."""
+"""Caching-allocator reserved over allocated, minus 1. Still assumed. The one published reserved/allocated pair of
+a modelled job (accelerate benchmarks/fsdp2, Qwen2.5-1.5B FSDP2 on 8 x H100, seq 128: ~4350 MiB allocated, ~7050
+MiB reserved, benchmarks/results/published.md) gives 1.62, but its allocated figure is sampled by a thread and misses
+short peaks, and the absolute gap (2.6 GiB) is of the size of FSDP2's per-stream all-gather / reduce-scatter blocks
+rather than a share of the peak; gpu_check.py measures both per engine on one GPU so the margin can be derived."""
 
 
 def reserved_bytes(peak_bytes: int) -> int:
