@@ -56,6 +56,10 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="sdpa", help="eager | sdpa | flash_attention_2 (default %(default)s)")
     g.add_argument("--device-kind", default="cuda", help="whose kernels' saved tensors to model: cuda | cpu")
     g.add_argument("--pipeline-stages", type=int, help="pipeline / hybrid stage count")
+    g.add_argument("--optimizer-impl", default="fused",
+                   help="torch optimizer step: fused | foreach | for-loop (default %(default)s, the Trainer's)")
+    g.add_argument("--activation-offloading", action="store_true",
+                   help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
@@ -114,6 +118,7 @@ def cmd_estimate(args) -> int:
     from toolkit.grid import ParallelGrid
     from toolkit.job import Job, check_job
     from toolkit.planner import evaluate
+    from toolkit.errorband import band_for
     from toolkit.strategy import parse_strategy
 
     spec = _spec(args)
@@ -122,18 +127,21 @@ def cmd_estimate(args) -> int:
     seq_len, seq_note = _seq(spec, args)
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
-              attention=args.attention, device_kind=args.device_kind)
+              attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
+              activation_offloading=args.activation_offloading)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
     c = evaluate(spec, hw, strategy, job, grid, prune=False)
     b, t, partition = c.memory, c.timing, c.partition
+    band = band_for(strategy.engine, job.checkpointing)
     if args.json:
         out = {"model": spec.summary(), "params": spec.params, "hardware": hw.spec, "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": job.attention, "device_kind": job.device_kind},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
+               "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
@@ -158,8 +166,16 @@ def cmd_estimate(args) -> int:
     print(f"{'peak (tensors)':<{width}}{_gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
     print(f"{'required':<{width}}{_gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
           f"{_gib(cap)} GiB: {'fits' if b.fits else 'DOES NOT FIT'}")
+    print(f"error band: {band.text()}" + (f"; required + band = {_gib(b.required_bytes + band.headroom_bytes(b.peak_bytes))}"
+                                          f" GiB" if band.cases else ""))
     if b.stage_required_bytes:
         print("per stage required GiB: " + ", ".join(_gib(x) for x in b.stage_required_bytes))
+    if b.host is not None:
+        print(f"host RAM per node: load {_gib(b.host.load_bytes_per_node)} GiB, save "
+              f"{_gib(b.host.save_bytes_per_node)} GiB on top of {_gib(b.host.resident_bytes_per_node)} GiB resident; "
+              f"peak {_gib(b.host.peak_bytes_per_node)} of {_gib(hw.cpu_ram_bytes_per_node)} GiB")
+        if args.explain:
+            print(f"  <- load: {b.host.load_source}; save: {b.host.save_source}")
     if b.cpu_bytes_per_node:
         print(f"host RAM per node for offload: {_gib(b.cpu_bytes_per_node)} GiB "
               f"of {_gib(hw.cpu_ram_bytes_per_node)}")
@@ -207,6 +223,8 @@ def cmd_plan(args) -> int:
                                       grad_accum=args.accumulation, precision=args.precision,
                                       optimizer=args.optimizer, attention=args.attention,
                                       device_kind=args.device_kind, checkpointing=ckpt,
+                                      optimizer_impl=args.optimizer_impl,
+                                      activation_offloading=args.activation_offloading,
                                       pipeline_stages=args.pipeline_stages)
     if strategies:
         req_kwargs["strategies"] = strategies
@@ -287,6 +305,13 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
               f"{t.step_time_s:>9.2f}{t.tokens_per_s:>11,.0f}{t.mfu:>6.0%}")
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
+    chosen = next((c for c in candidates if c.feasible), None)
+    if chosen is not None:
+        from toolkit.errorband import band_for
+
+        band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
+        print(f"\nerror band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
+              f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
     refused = [c for c in candidates if not c.feasible]
     if refused:
         print("\nnot possible:")

@@ -21,6 +21,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-pure")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class Job:
     attention: Attention = "sdpa"
     device_kind: DeviceKind = "cuda"
     """Whose kernels' saved tensors to model: the GPU kernels (default) or the real CPU dispatch."""
+    optimizer_impl: str = "fused"
+    """How torch's optimizer runs its step (toolkit.savers): fused (the HF Trainer's adamw_torch_fused), foreach
+    (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
+    activation_offloading: bool = False
+    """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -49,6 +55,7 @@ class Job:
         check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
+        check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
 
     @property
     def mixed(self) -> bool:
@@ -97,10 +104,13 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
                         f"use --seq {spec.max_positions} or less")
 
 
-def precision_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None) -> str | None:
-    """Why `precision` cannot run on `gpu` (with `strategy`), or None."""
+def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
+                activation_offloading: bool = False) -> str | None:
+    """Why a job with `precision` (and activation offloading) cannot run on `gpu` with `strategy`, or None."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
         return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
+    if strategy is not None and strategy.is_pipeline and activation_offloading:
+        return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
     if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
         return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
     return None
@@ -111,7 +121,7 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     """Raise UserError when `job` cannot run `spec` on `hw`: sequence longer than the model's positions,
     precision the GPU lacks, a pipeline grid the model cannot be split over."""
     check_seq_len(spec, job.seq_len)
-    problem = precision_problem(job.precision, hw.gpu, strategy)
+    problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading)
     if problem:
         raise UserError(problem)
     if strategy is not None and strategy.is_pipeline:

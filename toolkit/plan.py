@@ -85,6 +85,10 @@ class Plan:
     optimizer: Optimizer = "adamw"
     checkpointing: bool = False
     attention: Attention = "sdpa"
+    optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"
+    """How torch's optimizer runs its step (DDP / FSDP2; toolkit.savers)."""
+    activation_offloading: bool = False
+    """Decoder layers' saved activations in host RAM (TRL's activation_offloading)."""
 
     # --- hardware ---------------------------------------------------------------------------------------------------
     gpu: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")

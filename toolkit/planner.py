@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.errorband import band_for
 from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
 from toolkit.grid import ParallelGrid, stage_options
-from toolkit.job import Job, precision_problem
+from toolkit.job import Job, job_problem
 from toolkit.memory import Breakdown, estimate_memory, states_floor_bytes
 from toolkit.modelspec import ModelSpec
 from toolkit.plan import Plan
@@ -57,6 +58,8 @@ class Candidate:
             "peak_bytes": self.memory.required_bytes if self.memory else None,
             "capacity_bytes": self.memory.capacity_bytes if self.memory else None,
             "cpu_bytes_per_node": self.memory.cpu_bytes_per_node if self.memory else None,
+            "host_peak_bytes_per_node": self.memory.host.peak_bytes_per_node if self.memory else None,
+            "error_band": band_for(self.strategy.engine, self.job.checkpointing).text(),
             "step_time_s": self.timing.step_time_s if self.timing else None,
             "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
         }
@@ -76,6 +79,8 @@ class Request:
     device_kind: str = "cuda"
     checkpointing: bool | None = None
     """None: let the planner choose; True/False: force it."""
+    optimizer_impl: str = "fused"
+    activation_offloading: bool = False
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
 
@@ -87,7 +92,7 @@ class Request:
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
-            attention=self.attention, device_kind=self.device_kind)
+            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl)
 
 
 def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:
@@ -135,6 +140,18 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
     elif memory.cpu_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
         reason = (f"offload needs {memory.cpu_bytes_per_node / GIB:.0f} GiB host RAM per node of "
                   f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free)")
+    elif memory.host.peak_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
+        h = memory.host
+        when = "loading the model" if h.load_bytes_per_node >= h.resident_bytes_per_node + h.save_bytes_per_node \
+            else "saving the model"
+        reason = (f"needs {h.peak_bytes_per_node / GIB:.0f} GiB host RAM per node while {when} of "
+                  f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free; more --cpu-ram-gib, "
+                  "or a strategy that loads once per node: fsdp2, zero3)")
+    elif memory.required_bytes + band_for(strategy.engine, job.checkpointing).headroom_bytes(memory.peak_bytes) \
+            > memory.capacity_bytes:
+        band = band_for(strategy.engine, job.checkpointing)
+        reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU, inside "
+                  f"the estimate's error band ({band.text()})")
     return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                      global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
                      memory=memory, timing=timing, reason=reason)
@@ -168,7 +185,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
     for strategy in strategies:
         key = strategy.name
-        problem = precision_problem(req.precision, hw.gpu, strategy)
+        problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading)
         grids = _grids(strategy, spec, hw, req) if problem is None else problem
         if isinstance(grids, str):
             refused[key] = _refusal(strategy, req, hw, grids)
@@ -184,7 +201,8 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                 for ckpt in ckpt_options:
                     job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
                               optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
-                              device_kind=req.device_kind)
+                              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
+                              activation_offloading=req.activation_offloading)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     if _better(cand, best.get(key)):
                         best[key] = cand
@@ -222,7 +240,8 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> Pla
         partition=list(c.partition) if c.partition else None, seq_len=c.job.seq_len, micro_batch=c.job.micro_batch,
         grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
         optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
-        attention=spec.effective_attention(c.job.attention), gpu=hw.gpu.name,
+        attention=spec.effective_attention(c.job.attention), optimizer_impl=c.job.optimizer_impl,
+        activation_offloading=c.job.activation_offloading, gpu=hw.gpu.name,
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
         notes=[n.replace("\n", " ") for n in notes])
     return plan.with_prediction(predicted)
@@ -239,7 +258,8 @@ def predict_plan(plan: Plan) -> Plan:
     strategy = plan.strategy_spec
     job = Job(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
-              attention=plan.attention)
+              attention=plan.attention, optimizer_impl=plan.optimizer_impl,
+              activation_offloading=plan.activation_offloading)
     from toolkit.job import check_job
 
     check_job(spec, job, hw, strategy, pipeline_stages=plan.pipeline_stages)
