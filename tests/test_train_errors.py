@@ -54,7 +54,7 @@ def test_malformed_plan(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "toolkit.train", "--plan", str(tmp_path), "--data", "d",
                            "--output", str(tmp_path / "out")], capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: plan file") and "incomplete" in proc.stderr
+    assert proc.stderr.strip().startswith("error: plan file") and "Field required" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
