@@ -291,3 +291,15 @@ def test_hostile_input_is_one_line_exit_2_and_no_change(name, argv, world, monke
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and "Traceback" not in err
     assert _snapshot(*roots) == before
+
+
+def test_a_relative_model_path_is_recorded_absolute(tiny_llama_dir, tmp_path, monkeypatch):
+    """A plan made from `./model` must launch from any folder (the hub is never asked for a local path)."""
+    import shutil
+
+    shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["plan", "./model", "--seq", "64", "--micro-batch", "1", "--gpus", "2xH100",
+                            "--strategies", "ddp", "--out", "p"])
+    assert code == 0, err
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["model"] == str(tmp_path / "model")
