@@ -167,6 +167,11 @@ def _cases() -> list[tuple[str, list[str]]]:
                         ("--warmup-steps", "-1"), ("--save-total-limit", "0"), ("--seed", "x")):
         add(f"train {flag} {value}", *base, *run_args, flag, value)
     add("train unknown flag", *base, *run_args, "--bogus", "1")
+    add("train --lr-scheduler unknown", *base, *run_args, "--lr-scheduler", "nope")
+    add("train --data a binary .txt", *base, "--data", "{W}/binary.txt", "--output", "{W}/run")
+    add("train --data a folder with a binary .jsonl", *base, "--data", "{W}/bin-data", "--output", "{W}/run")
+    add("rehearse with a bad learning rate", "launch", "{P}", "--rehearse", "--", *run_args, "--lr", "nan")
+    add("rehearse a plan folder without plan", "launch", "{W}/empty", "--rehearse")
     add("train missing --data", *base, "--output", "{W}/run")
     add("train --plan given", *base, *run_args, "--plan", "{P}")
     add("train args to a non-launch command", "estimate", "{M}", "--", "--lr", "1")
@@ -218,6 +223,9 @@ def world(tmp_path_factory, tiny_llama_dir, tiny_gpt2_dir, corpus_dir):
     (w / "empty").mkdir()
     (w / "notes.txt").write_text("not a config\n")
     (w / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    (w / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    (w / "bin-data").mkdir()
+    (w / "bin-data" / "train.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n' * 10)
     base = json.loads((tiny_llama_dir / "config.json").read_text())
     for name, change in BAD_CONFIGS.items():
         folder = w / "bad" / name
@@ -303,3 +311,13 @@ def test_a_relative_model_path_is_recorded_absolute(tiny_llama_dir, tmp_path, mo
                             "--strategies", "ddp", "--out", "p"])
     assert code == 0, err
     assert json.loads((tmp_path / "p" / "plan.json").read_text())["model"] == str(tmp_path / "model")
+
+
+def test_a_rehearsal_leaves_no_temporary_folder(world, tmp_path, monkeypatch):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    code, out, err = run_cli(["launch", str(world["P"]), "--rehearse", "--dry-run"])
+    assert code == 0, err
+    assert "toolkit-rehearsal-" in out  # the folder was made (the command runs in it) ...
+    assert list(temp.iterdir()) == []  # ... and removed

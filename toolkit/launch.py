@@ -315,7 +315,27 @@ def _check_train_argv(plan_dir: Path, train_argv: list[str]):
     data = Path(args.data).expanduser()
     if (args.data.startswith((".", "/", "~")) or data.suffix) and not data.exists():
         raise UserError(f"data {args.data} does not exist")
+    _check_text_data(data)
     return args
+
+
+def _check_text_data(data: Path) -> None:
+    """Local text-format data (toolkit.train.data.LOADERS: text / json / csv) must be UTF-8; a binary file fails
+    inside every worker, as a decoding traceback, after the model has loaded. Reads the first 64 KiB of each."""
+    from toolkit.train.data import LOADERS
+
+    files = sorted(data.iterdir()) if data.is_dir() else [data] if data.is_file() else []
+    for path in files:
+        if not path.is_file() or LOADERS.get(path.suffix.lower()) not in ("text", "json", "csv"):
+            continue
+        with open(path, "rb") as f:
+            head = f.read(65536)
+        try:
+            head.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.start < len(head) - 4:  # not merely a character cut at the 64 KiB boundary
+                raise UserError(f"data file {path} is not UTF-8 text (byte {exc.start}); convert it or give a "
+                                "text / json / jsonl / csv / parquet file") from None
 
 
 def _is_deepspeed_yaml(plan_dir: Path) -> bool:

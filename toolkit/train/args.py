@@ -118,6 +118,11 @@ def check_train_args(args: TrainArgs) -> None:
             raise UserError(f"{flag} {value} is not a finite number; give a number such as "
                             f"{_build_parser().get_default(flag[2:].replace('-', '_'))}")
     check_paths(args)
+    from transformers.trainer_utils import SchedulerType  # the Trainer's own list of schedulers
+
+    known = [s.value for s in SchedulerType]
+    if args.lr_scheduler not in known:
+        raise UserError(f"--lr-scheduler '{args.lr_scheduler}' is not known; choose one of: {', '.join(known)}")
     if args.max_steps == 0 or args.max_steps < -1:
         raise UserError(f"--max-steps must be a positive number of steps (or -1 for --epochs), got {args.max_steps}")
     if args.max_steps == -1 and args.epochs <= 0:
