@@ -63,7 +63,8 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", default="adamw", help="adamw | adamw-8bit | sgd | adafactor")
     g.add_argument("--attention", default="sdpa", help="eager | sdpa | flash_attention_2 (default %(default)s)")
     g.add_argument("--device-kind", default="cuda", help="whose kernels' saved tensors to model: cuda | cpu")
-    g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES), help="pipeline / hybrid stage count")
+    g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES),
+                   help="pipeline / hybrid stage count")
     g.add_argument("--optimizer-impl", default="fused",
                    help="torch optimizer step: fused | foreach | for-loop (default %(default)s, the Trainer's)")
     g.add_argument("--activation-offloading", action="store_true",
@@ -539,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=text_arg("--model"), help="also check the fit of this model")
     p.add_argument("--gpus", type=text_arg("--gpus"),
                    help="GPU spec, e.g. 8xH100-80GB (process counts; with --model, the fit)")
-    p.add_argument("--seq", type=int_arg("--seq", bounds.SEQ), help="sequence length for the fit check (plan dirs carry their own)")
+    p.add_argument("--seq", type=int_arg("--seq", bounds.SEQ),
+                   help="sequence length for the fit check (plan dirs carry their own)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("launch", help="run (or rehearse on CPU) an emitted plan")
@@ -563,7 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="estimate, plan, emit and train a tiny model end to end on CPU")
     p.add_argument("--workdir", type=text_arg("--workdir"),
                    help="where the demo writes (default: a new runs/demo-DATE-TIME)")
-    p.add_argument("--steps", type=int_arg("--steps", bounds.STEPS), default=200, help="training steps of the tiny model (default %(default)s)")
+    p.add_argument("--steps", type=int_arg("--steps", bounds.STEPS), default=200,
+                   help="training steps of the tiny model (default %(default)s)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_demo)
 

@@ -116,7 +116,8 @@ def find_gpu(name: str) -> Gpu:
     return gpu_catalog()[index[key]]
 
 
-_SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x*]\s*)?(?P<gpu>[A-Za-z][^\x00-\x1f]*?)\s*$")
+_SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x*]\s*)?"
+                   r"(?P<gpu>[A-Za-z][^\x00-\x1f]*?)\s*$")  # no control characters in the GPU name
 
 
 def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: float | None = None,
