@@ -37,14 +37,16 @@ PARAMS = Bound(1, 1e15, "1000x the largest published dense model (1T)")
 SEQ = Bound(1, 16777216, "16x the longest published context window (1M tokens)")
 
 # Hardware. The largest NVLink domain is GB200 NVL72 (72 GPUs); the largest reported clusters hold about 10^5
-# GPUs, so nodes are bounded at 2^17 and per-node GPUs at 1024 (counts beyond one node's slots).
+# GPUs (about 1.3 x 10^4 nodes of 8), so nodes are bounded at 2^16 and per-node GPUs at 1024. The plan.json schema
+# (toolkit/plan.py) bounds the same fields; these are kept at or inside its bounds, so a flag accepted here never
+# makes a plan the schema refuses.
 GPUS_PER_NODE = Bound(1, 1024, "14x the largest NVLink domain (NVL72)")
-NODES = Bound(1, 131072, "above the largest reported GPU clusters (~10^5 GPUs)")
+NODES = Bound(1, 65536, "5x the nodes of the largest reported GPU clusters (~10^5 GPUs)")
 INTER_NODE_GBPS = Bound(0, 100000, "100 TB/s per node, 100x an 8 x 800G-rail node", low_inclusive=False)
 CPU_RAM_GIB = Bound(0, 1048576, "1 PiB of host RAM per node", low_inclusive=False)
 
 # Batch and steps.
-BATCH = Bound(1, 16777216, "2^24 samples")
+BATCH = Bound(1, 1000000, "10^6 samples")
 STAGES = Bound(1, 1024, "one stage per layer of the deepest allowed model")
 STEPS = Bound(1, 1e9, "10^9 optimizer steps")
 PROFILE_STEPS = Bound(1, 10000, "timed steps of one profile run")
