@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -172,6 +173,11 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("train --data a folder with a binary .jsonl", *base, "--data", "{W}/bin-data", "--output", "{W}/run")
     add("rehearse with a bad learning rate", "launch", "{P}", "--rehearse", "--", *run_args, "--lr", "nan")
     add("rehearse a plan folder without plan", "launch", "{W}/empty", "--rehearse")
+    zbase = ["launch", "{W}/z-bad", "--dry-run", "--", *run_args]
+    add("rehearse a truncated ds_config", "launch", "{W}/z-cut", "--rehearse", "--dry-run")
+    add("launch a truncated ds_config", "launch", "{W}/z-cut", "--dry-run", "--", *run_args)
+    add("launch a ds_config that is a list", "launch", "{W}/z-list", "--dry-run", "--", *run_args)
+    add("launch a ds_config with a list and a string for numbers", *zbase)
     add("train missing --data", *base, "--output", "{W}/run")
     add("train --plan given", *base, *run_args, "--plan", "{P}")
     add("train args to a non-launch command", "estimate", "{M}", "--", "--lr", "1")
@@ -244,6 +250,12 @@ def world(tmp_path_factory, tiny_llama_dir, tiny_gpt2_dir, corpus_dir):
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), w / "plan")
     zero_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), w / "plan-z2")
     (w / "tmp").mkdir()
+    ds_text = (zero_dir / "ds_config.json").read_text()
+    for name, text in (("z-cut", ds_text[:100]), ("z-list", "[1, 2]"),
+                       ("z-bad", json.dumps({**json.loads(ds_text), "train_micro_batch_size_per_gpu": [2],
+                                             "gradient_clipping": "big"}))):
+        shutil.copytree(zero_dir, w / name)
+        (w / name / "ds_config.json").write_text(text)
     return {"W": w, "M": tiny_llama_dir, "P": plan_dir, "Z": zero_dir, "D": corpus_dir}
 
 
@@ -303,8 +315,6 @@ def test_hostile_input_is_one_line_exit_2_and_no_change(name, argv, world, monke
 
 def test_a_relative_model_path_is_recorded_absolute(tiny_llama_dir, tmp_path, monkeypatch):
     """A plan made from `./model` must launch from any folder (the hub is never asked for a local path)."""
-    import shutil
-
     shutil.copytree(tiny_llama_dir, tmp_path / "model")
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(["plan", "./model", "--seq", "64", "--micro-batch", "1", "--gpus", "2xH100",

@@ -62,6 +62,8 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     if not (plan_dir / ACCELERATE_CONFIG).is_file():
         raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
                         f"into {plan_dir}")
+    if plan.engine in ("deepspeed", "pipeline") and (plan_dir / "ds_config.json").is_file():
+        read_ds_config(plan_dir / "ds_config.json")  # unreadable is refused here, rehearsal or not
     if rehearse:
         from toolkit.train.rehearsal import rehearse as run_rehearsal
 
@@ -283,11 +285,38 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
     if plan.engine in ("deepspeed", "pipeline") and not (plan_dir / "ds_config.json").is_file():
         raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")
+    if plan.engine in ("deepspeed", "pipeline"):
+        from toolkit.emit.validate import validate_ds_config_for_plan
+
+        ds_file = plan_dir / "ds_config.json"
+        try:  # DeepSpeed's and the Trainer's own validation, at the plan's world size, before any process starts
+            validate_ds_config_for_plan(read_ds_config(ds_file), plan)
+        except UserError:
+            raise
+        except Exception as exc:  # any reason the engine refuses the file, in whatever class it raises
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"DeepSpeed refuses {ds_file}: {first[:300]}; fix it or re-emit it with "
+                            "`toolkit emit`") from None
     if plan.engine == "deepspeed":
         from toolkit.train.hf_runner import check_ds_config_agrees
 
         check_ds_config_agrees(plan, args, plan_dir / "ds_config.json")
     return args
+
+
+def read_ds_config(path: Path) -> dict:
+    """ds_config.json as a dict, or one line saying why it cannot be (truncated, binary, not an object)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix it or re-emit it with "
+                        "`toolkit emit`") from None
+    except (OSError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"cannot read {path} ({type(exc).__name__}); fix it or re-emit it with `toolkit emit`") \
+            from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} does not hold a JSON object; re-emit it with `toolkit emit`")
+    return data
 
 
 def _check_output(output: Path, resume: bool) -> None:
