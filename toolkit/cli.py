@@ -311,10 +311,15 @@ def cmd_check(args) -> int:
 
     fit = None
     if args.model:
-        from toolkit.planner import fit_problems
+        from toolkit.check_fit import Pins, fit_findings
 
-        fit = lambda path: fit_problems(path, model=args.model, gpus=args.gpus, seq_len=args.seq)  # noqa: E731
-    return main_check(args.files, model=args.model, gpus=args.gpus, fit=fit)
+        ckpt = {None: None, "on": True, "off": False}[args.checkpointing]
+        pins = Pins(micro_batch=args.micro_batch, precision=args.precision, checkpointing=ckpt)
+        fit = lambda path: fit_findings(path, model=args.model, gpus=args.gpus, seq_len=args.seq,  # noqa: E731
+                                        pins=pins)
+    elif args.micro_batch or args.precision or args.checkpointing:
+        raise UserError("--micro-batch / --precision / --checkpointing pin the fit check; give --model and --gpus too")
+    return main_check(args.files, gpus=args.gpus, runner=args.runner, fit=fit, strict=args.strict, as_json=args.json)
 
 
 def cmd_launch(args) -> int:
@@ -421,6 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="also check the fit of this model")
     p.add_argument("--gpus", help="GPU spec, e.g. 8xH100-80GB (process counts; with --model, the fit)")
     p.add_argument("--seq", type=int, help="sequence length for the fit check (plan dirs carry their own)")
+    p.add_argument("--micro-batch", type=int, help="fit check: samples per GPU, where the files leave it to the runner")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16", "bf16-pure"),
+                   help="fit check: precision, where the files leave it to the runner")
+    p.add_argument("--checkpointing", choices=("on", "off"), help="fit check: activation checkpointing")
+    p.add_argument("--runner", choices=("trainer", "accelerate", "deepspeed"),
+                   help="who reads a DeepSpeed JSON: its failures become errors (default: every runner that can)")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too (notes never fail)")
+    p.add_argument("--json", action="store_true", help="findings as one JSON object on stdout")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("launch", help="run (or rehearse on CPU) an emitted plan")
