@@ -181,3 +181,199 @@ def test_gpus_flag_is_nodes_x_gpus():
     assert parse_gpus("8") == (1, 8) and parse_gpus("2x8") == (2, 8)
     with pytest.raises(UserError, match="NODESxGPUS"):
         parse_gpus("eight")
+
+
+# --- real-world configs (tests/real_configs/MANIFEST.tsv) --------------------------------------------------------------
+
+REAL = Path(__file__).parent / "real_configs"
+SEVERITY_ORDER = ["clean", "note", "warning", "error"]
+
+
+def manifest() -> list[dict[str, str]]:
+    names = ["file", "repository", "path", "commit", "licence", "verdict", "why"]
+    rows = [line.split("\t") for line in (REAL / "MANIFEST.tsv").read_text().splitlines() if not line.startswith("#")]
+    return [dict(zip(names, row)) for row in rows]
+
+
+def test_real_corpus_is_listed_whole_with_sources():
+    rows = manifest()
+    on_disk = {str(p.relative_to(REAL)) for p in REAL.rglob("*") if p.is_file() and p.name != "MANIFEST.tsv"}
+    assert {r["file"] for r in rows} == on_disk and len(rows) >= 40
+    projects = {r["repository"] for r in rows}
+    assert {"huggingface/trl", "huggingface/accelerate", "axolotl-ai-cloud/axolotl", "hiyouga/LLaMA-Factory",
+            "huggingface/transformers", "microsoft/DeepSpeedExamples"} <= projects
+    for row in rows:
+        assert len(row["commit"]) == 40 and row["licence"] and row["verdict"] in SEVERITY_ORDER, row
+        assert (REAL / row["file"]).stat().st_size < 8_000
+        assert row["verdict"] == "clean" or row["why"], row
+
+
+@pytest.mark.parametrize("row", manifest(), ids=lambda r: r["file"])
+def test_real_config_gets_its_verdict(row):
+    """No crash, no false alarm: the most severe finding on the file itself is the one the manifest records."""
+    path = str(REAL / row["file"])
+    found = [p for p in check_paths([path]) if p.file == path]
+    verdict = max((p.severity for p in found), key=SEVERITY_ORDER.index, default="clean")
+    assert verdict == row["verdict"], [str(p) for p in found]
+
+
+def test_every_error_on_the_real_corpus_is_reproduced_below():
+    assert {r["file"] for r in manifest() if r["verdict"] == "error"} == {
+        "axolotl/deepspeed_configs/zero1_torch_compile.json", "transformers/tests/deepspeed/ds_config_zero3_bf16.json"}
+
+
+def test_deepspeed_itself_refuses_axolotls_compile_block():
+    """DeepSpeed 0.19's CompileConfig forbids extra keys; axolotl's "disable"/"backend" are not among its fields."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = json.loads((REAL / "axolotl/deepspeed_configs/zero1_torch_compile.json").read_text())
+    config = {k: v for k, v in config.items() if v != "auto"} | {"train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(Exception, match="Extra inputs are not permitted"):
+        DeepSpeedConfig(config)
+
+
+def test_accelerate_itself_refuses_the_unfilled_bfloat16_auto():
+    """The old "bfloat16" block: the HF Trainer fills only "bf16.enabled"; accelerate then raises for the rest."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from toolkit.check import accelerate_fills, trainer_view
+
+    config = json.loads((REAL / "transformers/tests/deepspeed/ds_config_zero3_bf16.json").read_text())
+    filled, refused = trainer_view(config, world_size=8)
+    assert refused is None and filled["bfloat16"]["enabled"] == "auto"
+    plugin = DeepSpeedPlugin(hf_ds_config=filled)
+    # What Accelerator._prepare_deepspeed hands to deepspeed_config_process (values do not matter, only the keys).
+    with pytest.raises(ValueError, match="`bfloat16.enabled` not found in kwargs"):
+        plugin.deepspeed_config_process(must_match=False, **{key: 1 for key in accelerate_fills()})
+
+
+def test_accelerate_fills_are_read_from_its_source():
+    from toolkit.check import accelerate_fills
+
+    fills = accelerate_fills()
+    assert {"train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping", "fp16.enabled", "bf16.enabled",
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save", "zero_optimization.reduce_bucket_size",
+            "zero_optimization.stage3_prefetch_bucket_size", "optimizer.params.lr"} <= fills
+    assert "zero_optimization.allgather_bucket_size" not in fills and "optimizer.params.betas" not in fills
+
+
+@pytest.mark.parametrize("name", ["stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                                  "stage3_gather_fp16_weights_on_model_save"])
+def test_every_spelling_of_the_zero3_save_flag_counts(tmp_path, name):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, name: True}}))
+    found = check_paths([str(path)])
+    assert not [p for p in found if "save_model" in p.message]
+    deprecated = [p for p in found if "deprecated name" in p.message]
+    assert [p.severity for p in deprecated] == (["note"] if "fp16" in name else [])
+
+
+def test_top_level_keys_deepspeed_never_reads(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+                                "_comment": "x", "steps_per_prnt": 10, "my_own_setting": 1, "wall_clock_breakdown": 0}))
+    found = {p.message.split('"')[1]: p.severity for p in check_paths([str(path)])}
+    assert found == {"_comment": "note", "steps_per_prnt": "error", "my_own_setting": "warning"}
+
+
+def test_runner_pins_the_severity():
+    path = str(CORPUS / "ds-missing-zero-optimization.json")
+    assert {p.severity for p in check_paths([path], runner="trainer")} == {"error"}
+    assert check_paths([path], runner="deepspeed") == []
+
+
+def test_fsdp_wrap_falls_back_to_no_split_modules():
+    """Why the missing fsdp_transformer_layer_cls_to_wrap is a note: accelerate's plugin wraps _no_split_modules."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.emit.validate import accelerate_launch_plugins
+
+    _, plugin, _ = accelerate_launch_plugins(REAL / "llamafactory/examples/accelerate/fsdp_config.yaml")
+    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy and plugin.transformer_cls_names_to_wrap is None
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=64))
+    plugin.set_auto_wrap_policy(model)
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+
+
+def test_parallelism_config_sizes_must_multiply_to_the_processes(tmp_path):
+    base = (REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml").read_text()
+    assert check_paths([str(REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml")])[0].severity \
+        == "note"
+    bad = tmp_path / "tp.yaml"
+    bad.write_text(base.replace("num_processes: 8", "num_processes: 6"))
+    errors = [p for p in check_paths([str(bad)]) if p.severity == "error"]
+    assert len(errors) == 1 and "ParallelismConfig total_size (8) does not match num_processes (6)" in errors[0].message
+
+
+# --- robust reading: one line on stderr, exit 2, nothing on stdout ---------------------------------------------------
+
+HOSTILE = {
+    "binary.json": bytes(range(256)) * 4,
+    "deep.json": b"[" * 100_000 + b"]" * 100_000,
+    "deep-object.json": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    "deep.yaml": b"a:\n" + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+    "deep-indent.yaml": b"".join(b"  " * i + b"k:\n" for i in range(3000)) + b"  " * 3000 + b"v: 1\n",
+    "bomb.yaml": b"a: &a [x, x, x, x, x, x, x, x, x]\n" + b"".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n".encode() for i in range(8)),
+    "self-alias.yaml": b"a: &a [*a]\n",
+    "batch-list.json": json.dumps({"train_batch_size": [8], "zero_optimization": {"stage": 2}}).encode(),
+    "stage-string.json": json.dumps({"zero_optimization": {"stage": "three"}}).encode(),
+    "processes-string.yaml": b"distributed_type: MULTI_GPU\nnum_processes: eight\n",
+    "machines-list.yaml": b"distributed_type: MULTI_GPU\nnum_machines: [1, 2]\nnum_processes: 8\n",
+    "not-utf8.yaml": "distributed_type: FSDP\n# caf\u00e9\n".encode("latin-1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_input_is_one_line_and_exit_2(tmp_path, capsys, name):
+    from toolkit.cli import main
+
+    path = tmp_path / name
+    path.write_bytes(HOSTILE[name])
+    assert main(["check", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}") and "Traceback" not in captured.err
+
+
+# --- fit check -----------------------------------------------------------------------------------------------------------
+
+def test_fit_reads_an_inline_deepspeed_yaml_as_zero3_and_states_its_assumptions():
+    from toolkit.check_fit import Pins, fit_findings
+
+    path = str(REAL / "trl/examples/accelerate_configs/deepspeed_zero3.yaml")
+    found = fit_findings(path, model="llama-3-8b", gpus="8xA100-80GB")
+    notes = [p.message for p in found if p.severity == "note"]
+    assert any("micro-batch taken as 1: train_micro_batch_size_per_gpu is \"auto\"" in n for n in notes)
+    assert any("activation checkpointing taken as off" in n for n in notes)
+    assert any("sequence length taken as 2048" in n for n in notes)
+    verdict = notes[-1]
+    assert "llama-3-8b with zero3, bf16, micro-batch 1, seq 2048: fits" in verdict
+    used = float(verdict.split("fits, ")[1].split(" GiB")[0])
+    assert 20 < used < 60  # under DDP the same model needs > 100 GiB (the bug this replaced)
+
+    pinned = fit_findings(path, model="llama-3-8b", gpus="8xA100-80GB", seq_len=2048,
+                          pins=Pins(micro_batch=4, checkpointing=True))
+    assert not any("taken as" in p.message for p in pinned)
+    assert "micro-batch 4, seq 2048, checkpointing" in pinned[-1].message
+
+
+def test_fit_takes_auto_precision_as_bf16_and_says_so():
+    from toolkit.check_fit import Pins, fit_settings
+
+    path = str(REAL / "transformers/tests/deepspeed/ds_config_zero3.json")
+    settings = fit_settings(path)
+    assert settings.precision == "bf16" and settings.strategy.name == "zero3-offload"
+    assert any("precision taken as bf16" in a for a in settings.assumptions)
+    assert fit_settings(path, Pins(precision="fp16")).precision == "fp16"
+
+
+def test_fit_of_an_fsdp_yaml_with_sync_module_states_touches_no_device():
+    from toolkit.check_fit import fit_settings
+
+    settings = fit_settings(str(REAL / "accelerate/tests/test_configs/latest_fsdp.yaml"))
+    assert settings.strategy.name == "fsdp2" and settings.precision == "fp32" and settings.checkpointing is False
+    assert fit_settings(str(REAL / "trl/examples/accelerate_configs/fsdp1.yaml")).precision == "bf16"
