@@ -476,8 +476,7 @@ class _Findings:
         if not concerned:
             return
         severity: Severity = "error" if concerned == self.readers.runners else "warning"
-        if at_most != "error" and severity == "error":
-            severity = at_most
+        severity = min(severity, at_most, key=["note", "warning", "error"].index)
         label = EVERY if concerned >= HF_RUNNERS | {self.readers.direct} else ", ".join(sorted(concerned))
         self.out.append(Problem(self.file, severity, message, label))
 
@@ -499,9 +498,14 @@ def ds_problems(config: dict[str, Any], file: str, readers: Readers) -> list[Pro
     everyone = HF_RUNNERS | {direct}
     zero = config.get("zero_optimization")
     if zero is None:
-        # accelerate's DeepSpeedPlugin.__post_init__: "Please specify the ZeRO optimization config".
+        # accelerate's DeepSpeedPlugin.__post_init__: "Please specify the ZeRO optimization config". DeepSpeed itself
+        # defaults to stage 0, so a file without "auto" (likely a deepspeed-launcher file) gets a note; the DeepSpeed
+        # autotuner writes the block into each experiment's config.
+        tuned = enabled(config.get("autotuning"))
         f.fail(HF_RUNNERS, "no \"zero_optimization\" block: accelerate refuses the file; add \"zero_optimization\": "
-               "{\"stage\": 0} (or the stage you want)")
+               "{\"stage\": 0} (or the stage you want)" + ("; the DeepSpeed autotuner adds it to each experiment it "
+                                                           "runs" if tuned else ""),
+               at_most="note" if tuned or DEEPSPEED in readers.runners else "error")
         zero = {}
     elif not isinstance(zero, dict):
         f.fail(everyone, "\"zero_optimization\" must be an object like {\"stage\": 2}")
