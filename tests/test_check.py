@@ -311,6 +311,20 @@ def test_fsdp_wrap_falls_back_to_no_split_modules():
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
 
 
+def test_inline_deepspeed_yaml_is_read_as_the_config_accelerate_builds(tmp_path):
+    base = (REAL / "trl/examples/accelerate_configs/deepspeed_zero2.yaml").read_text()
+    assert "zero_stage: 2" in base and "offload_param_device: none" in base
+    assert check_paths([str(REAL / "trl/examples/accelerate_configs/deepspeed_zero2.yaml")]) == []
+    bad = tmp_path / "zero2-offload-param.yaml"
+    bad.write_text(base.replace("offload_param_device: none", "offload_param_device: cpu"))
+    found = check_paths([str(bad)])
+    assert [(p.severity, p.runner) for p in found] == [("error", "HF Trainer, accelerate script")]
+    assert "offload_param_device cpu at zero_stage 2" in found[0].message
+    zero3 = tmp_path / "zero3.yaml"
+    zero3.write_text(base.replace("zero_stage: 2", "zero_stage: 3"))
+    assert [p.severity for p in check_paths([str(zero3)])] == ["warning"]
+
+
 def test_parallelism_config_sizes_must_multiply_to_the_processes(tmp_path):
     base = (REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml").read_text()
     assert check_paths([str(REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml")])[0].severity \

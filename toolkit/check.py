@@ -798,14 +798,40 @@ def accelerate_problems(path: Path, ds_path: Path | None, flags: list[str] | Non
     extra = (["--deepspeed_config_file", str(ds_path)] if ds_path is not None else []) + (flags or [])
     try:
         with quiet_engines():
-            args, _, env = accelerate_launch_plugins(path, extra)
+            args, plugin, env = accelerate_launch_plugins(path, extra)
     except ConfigRejected as exc:
         return [Problem(str(path), "error", f"accelerate launch refuses it: {exc}", LAUNCH)]
     except (RuntimeError, ImportError) as exc:
         # e.g. "FP8 is not available on this machine": a property of the machine running the check.
         return [Problem(str(path), "note", f"accelerate's launch check stops on this machine ({first_line(exc)}); "
                         "the rest of its checks did not run here", LAUNCH)]
-    return parallelism_problems(path, args, env)
+    found = parallelism_problems(path, args, env)
+    if args.use_deepspeed and ds_path is None and plugin is not None:
+        found += inline_deepspeed_problems(path, plugin.deepspeed_config)
+    return found
+
+
+def inline_deepspeed_problems(path: Path, built: dict[str, Any]) -> list[Problem]:
+    """A YAML's own deepspeed_config fields, as the DeepSpeed config DeepSpeedPlugin builds from them."""
+    settings = zero_settings(_mapping(built.get("zero_optimization")))
+    if settings is None:
+        return []
+    out = []
+    both = ", ".join(sorted(HF_RUNNERS))
+    if settings.offload_params != "none" and settings.stage < 3:
+        out.append(Problem(str(path), "error", f"offload_param_device {settings.offload_params} at zero_stage "
+                           f"{settings.stage}: DeepSpeed offloads parameters only at ZeRO-3 and ignores it; set "
+                           "zero_stage: 3 or offload_param_device: none", both))
+    if settings.offload_optimizer != "none" and settings.stage < 1:
+        out.append(Problem(str(path), "error", f"offload_optimizer_device {settings.offload_optimizer} at zero_stage "
+                           "0: DeepSpeed offloads the optimizer only at ZeRO 1-3 and ignores it; set zero_stage: 2",
+                           both))
+    if settings.stage == 3 and not settings.gather_16bit_on_save:
+        out.append(Problem(str(path), "warning", "ZeRO-3 without zero3_save_16bit_model: true: save_model writes an "
+                           "empty model (the HF Trainer keeps only the DeepSpeed checkpoint, to be merged with "
+                           "zero_to_fp32.py; accelerate's save_model raises); add zero3_save_16bit_model: true to "
+                           "deepspeed_config", both))
+    return out
 
 
 def parallelism_problems(path: Path, args: SimpleNamespace, env: dict[str, str]) -> list[Problem]:
