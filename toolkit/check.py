@@ -710,9 +710,17 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
         close = difflib.get_close_matches(str(key), known, n=1)
         hint = f"did you mean \"{close[0]}\"? " if close else ""
         err(f"unknown key \"{key}\": accelerate refuses the file; {hint}remove or rename it")
-    for key in ("deepspeed_config", "fsdp_config", "parallelism_config", "megatron_lm_config"):
-        if config.get(key) is not None and not isinstance(config[key], dict):
-            err(f"{key} must be a mapping of keys to values, not {type(config[key]).__name__}")
+    for key, wanted in sorted(_cluster_config_shapes().items()):
+        value = config.get(key)
+        if value is None:
+            continue
+        if wanted is dict and not isinstance(value, dict):
+            err(f"{key} must be a mapping of keys to values, not {type(value).__name__}")
+        elif wanted is list and not isinstance(value, list):
+            err(f"{key} must be a list, not {type(value).__name__}")
+        elif wanted is None and isinstance(value, (dict, list)):
+            # accelerate's launch code calls string methods on these and fails with an AttributeError.
+            err(f"{key} must be a single value, not a {type(value).__name__}; accelerate launch crashes on it")
 
     kind = str(config.get("distributed_type", ""))
     machines = config.get("num_machines", 1)
@@ -772,6 +780,22 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
     if not any(p.severity == "error" for p in out):
         out += accelerate_problems(path, ds_path, launch_flags)
     return out, ds_path
+
+
+@functools.lru_cache(maxsize=1)
+def _cluster_config_shapes() -> dict[str, type | None]:
+    """accelerate's ClusterConfig field types, reduced to dict / list / None (a single value)."""
+    import typing
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    shapes: dict[str, type | None] = {}
+    for name, hint in typing.get_type_hints(ClusterConfig).items():
+        union = typing.get_origin(hint) is typing.Union
+        args = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+        origins = {typing.get_origin(a) or a for a in args}
+        shapes[name] = dict if origins == {dict} else list if origins == {list} else None
+    return shapes
 
 
 def resolve_ds_file(name: str, yaml_path: Path, out: list[Problem], *, quiet: bool = False) -> Path | None:

@@ -100,6 +100,8 @@ def accelerate_launch_plugins(config_file: str | Path, extra_args: list[str] | N
         raise ConfigRejected(f"accelerate launch refused the arguments (exit {exc.code})") from None
     except (ValueError, TypeError, KeyError, FileNotFoundError, OSError) as exc:
         raise ConfigRejected(first_line(exc)) from exc
+    except (AttributeError, IndexError) as exc:  # accelerate's own code tripping over a value of the wrong type
+        raise ConfigRejected(f"accelerate fails on a value of the wrong type ({type(exc).__name__}: {exc})") from exc
     return args, plugin, env
 
 
