@@ -405,3 +405,23 @@ def test_fit_of_an_fsdp_yaml_with_sync_module_states_touches_no_device():
     settings = fit_settings(str(REAL / "accelerate/tests/test_configs/latest_fsdp.yaml"))
     assert settings.strategy.name == "fsdp2" and settings.precision == "fp32" and settings.checkpointing is False
     assert fit_settings(str(REAL / "trl/examples/accelerate_configs/fsdp1.yaml")).precision == "bf16"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("gradient_accumulation_steps", 2), ("gradient_clipping", 1.0), ("zero_stage", 2),
+    ("offload_optimizer_device", "cpu"), ("offload_param_device", "cpu"), ("offload_optimizer_nvme_path", "/nvme"),
+    ("offload_param_nvme_path", "/nvme"), ("zero3_save_16bit_model", True)])
+def test_accelerate_itself_refuses_each_yaml_key_beside_a_json(tmp_path, key, value):
+    """DS_FILE_IGNORED_KEYS is the set accelerate refuses next to deepspeed_config_file; this keeps it honest."""
+    import yaml as _yaml
+
+    from toolkit.check import DS_FILE_IGNORED_KEYS
+    from toolkit.emit.validate import ConfigRejected, accelerate_launch_plugins
+
+    assert key in DS_FILE_IGNORED_KEYS
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    config = {"distributed_type": "DEEPSPEED", "num_machines": 1, "num_processes": 2,
+              "deepspeed_config": {"deepspeed_config_file": str(tmp_path / "ds.json"), key: value}}
+    (tmp_path / "a.yaml").write_text(_yaml.safe_dump(config))
+    with pytest.raises(ConfigRejected, match=key):
+        accelerate_launch_plugins(tmp_path / "a.yaml")

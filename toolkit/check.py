@@ -1055,10 +1055,14 @@ def main_check(argv_paths: list[str], *, gpus: str | None = None, runner: str | 
     --model/--gpus by the CLI (toolkit.check_fit.fit_findings), called once per path.
     """
     grid = parse_gpus(gpus) if gpus else None
+    problems: list[Problem] = []
     with quiet_engines():  # DeepSpeed logs its accelerator choice on stdout when first imported
-        problems = check_paths(argv_paths, gpus=grid, runner=runner)
-        if fit is not None:
-            for name in argv_paths:
+        for name in argv_paths:
+            found = check_paths([name], gpus=grid, runner=runner)
+            problems += found
+            if fit is not None and any(p.severity == "error" for p in found):
+                problems.append(Problem(name, "note", "fit check skipped: the files have errors; fix them first"))
+            elif fit is not None:
                 problems += fit(name)
     code = exit_code(problems, strict=strict)
     if as_json:

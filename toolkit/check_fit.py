@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.check import (EVERY, Problem, concrete_int, enabled, is_plan_json, quiet_engines, read_config,
-                           zero_settings)
+from toolkit.check import (EVERY, Problem, _mapping, concrete_int, enabled, is_plan_json, quiet_engines,
+                           read_config, zero_settings)
 from toolkit.errors import UserError
 from toolkit.strategy import Strategy
 
@@ -120,13 +120,13 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
     kind = str(config.get("distributed_type", "NO"))
     source = f"{path.name} ({kind})"
     notes: list[str] = []
-    parallel = config.get("parallelism_config") if isinstance(config.get("parallelism_config"), dict) else {}
+    parallel = _mapping(config.get("parallelism_config"))
     for key, value in sorted(parallel.items()):
         if key.endswith(("_tp_size", "_cp_size", "_sp_size")) and concrete_int(value) and value > 1:
             notes.append(f"{key.removeprefix('parallelism_config_')} {value} is not modelled: the estimate holds "
                          "whole sequences and unsplit layers on each GPU, an upper bound")
     extra: list[str] = []
-    ds_file = (config.get("deepspeed_config") or {}).get("deepspeed_config_file") if kind == "DEEPSPEED" else None
+    ds_file = _mapping(config.get("deepspeed_config")).get("deepspeed_config_file") if kind == "DEEPSPEED" else None
     if ds_file:
         ds_path = resolve_ds_file(str(ds_file), path, [], quiet=True)
         if ds_path is None:
