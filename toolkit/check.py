@@ -292,9 +292,11 @@ def zero_settings(zero: dict[str, Any]) -> ZeroSettings | None:
         return str(block.nvme_path) if block is not None and block.nvme_path is not None else None
 
     return ZeroSettings(stage=int(model.stage), offload_optimizer=device(model.offload_optimizer),
-                        offload_params=device(model.offload_param), offload_optimizer_nvme_path=nvme(model.offload_optimizer),
+                        offload_params=device(model.offload_param),
+                        offload_optimizer_nvme_path=nvme(model.offload_optimizer),
                         offload_params_nvme_path=nvme(model.offload_param),
-                        gather_16bit_on_save=bool(model.gather_16bit_weights_on_model_save), deprecated=tuple(deprecated))
+                        gather_16bit_on_save=bool(model.gather_16bit_weights_on_model_save),
+                        deprecated=tuple(deprecated))
 
 
 class _ReadRecorder(dict):
@@ -479,9 +481,6 @@ class _Findings:
         severity = min(severity, at_most, key=["note", "warning", "error"].index)
         label = EVERY if concerned >= HF_RUNNERS | {self.readers.direct} else ", ".join(sorted(concerned))
         self.out.append(Problem(self.file, severity, message, label))
-
-    def every(self, message: str, *, at_most: Severity = "error") -> None:
-        self.fail(self.readers.runners, message, at_most=at_most)
 
     def note(self, message: str, runner: str = EVERY) -> None:
         self.out.append(Problem(self.file, "note", message, runner))
