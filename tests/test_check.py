@@ -425,3 +425,19 @@ def test_accelerate_itself_refuses_each_yaml_key_beside_a_json(tmp_path, key, va
     (tmp_path / "a.yaml").write_text(_yaml.safe_dump(config))
     with pytest.raises(ConfigRejected, match=key):
         accelerate_launch_plugins(tmp_path / "a.yaml")
+
+
+def test_fit_shards_fsdp_over_the_parallelism_configs_dp_shard_group():
+    from toolkit.check_fit import fit_findings
+
+    def used(found):
+        return float(found[-1].message.split("fits, ")[1].split(" GiB")[0])
+
+    hsdp = fit_findings(str(REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml"),
+                        model="llama-3-8b", gpus="8xH100-80GB")
+    full = fit_findings(str(REAL / "trl/examples/accelerate_configs/fsdp2.yaml"), model="llama-3-8b",
+                        gpus="8xH100-80GB")
+    assert "with fsdp2-hybrid" in hsdp[-1].message and "with fsdp2," in full[-1].message
+    assert any("dp_shard x cp = 2 of 8 GPUs" in p.message for p in hsdp)
+    assert any("tp_size 2 is not modelled" in p.message for p in hsdp)
+    assert used(hsdp) > used(full) + 10  # sharded 2 ways instead of 8

@@ -13,7 +13,7 @@ The memory model is toolkit.memory.estimate_memory, the planner's own.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,9 @@ class FitSettings:
     stages: int = 1
     partition: list[int] | None = None
     assumptions: tuple[str, ...] = ()
+    shard_group: int | None = None
+    """FSDP under parallelism_config: the dp_shard x cp group FSDP shards over (accelerate's `dp_shard_cp` mesh
+    dimension), when smaller than the world."""
 
 
 @dataclass(frozen=True)
@@ -157,12 +160,16 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
     if pins.micro_batch is None:
         notes.append(f"micro-batch taken as 1: {source} does not set it (the HF Trainer's "
                      "--per_device_train_batch_size or the script's DataLoader does); pin it with --micro-batch")
+    shard_group = None
     if kind == "FSDP" and plugin is not None:
         strategy, said_ckpt = _fsdp_strategy(plugin, notes)
+        sizes = {k.removeprefix("PARALLELISM_CONFIG_"): v for k, v in env.items() if k.startswith("PARALLELISM_CONFIG_")}
+        if sizes.get("DP_SHARD_SIZE", "").isdigit() and sizes.get("CP_SIZE", "1").isdigit():
+            shard_group = int(sizes["DP_SHARD_SIZE"]) * int(sizes.get("CP_SIZE", "1"))
     else:
         strategy, said_ckpt = Strategy("ddp"), None
     checkpointing = _checkpointing(pins, said_ckpt, source, notes)
-    return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes))
+    return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes), shard_group=shard_group)
 
 
 def _fsdp_strategy(plugin: Any, notes: list[str]) -> tuple[Strategy, bool | None]:
@@ -200,12 +207,18 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
         seq = min(spec.max_positions or 2048, 2048)
         notes.append(f"sequence length taken as {seq} (the model's limit, at most 2048); pin it with --seq")
     job = Job(seq_len=seq, micro_batch=s.micro_batch, precision=s.precision, checkpointing=s.checkpointing)
+    strategy = s.strategy
+    if s.shard_group and s.shard_group < hw.world_size and hw.world_size % s.shard_group == 0:
+        # The estimator's hybrid FSDP shards within a "node"; a node of dp_shard x cp GPUs is that group.
+        strategy = replace(strategy, fsdp_mode="hybrid")
+        hw = replace(hw, gpus_per_node=s.shard_group, nodes=hw.world_size // s.shard_group)
+        notes.append(f"FSDP shards over dp_shard x cp = {s.shard_group} of {hw.world_size} GPUs (parallelism_config)")
     partition = s.partition
     if s.strategy.is_pipeline and partition is None:
         partition = _partition(spec, s.stages)
-    memory = estimate_memory(spec, s.strategy, job, hw, pipeline_stages=s.stages, partition=partition)
+    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=s.stages, partition=partition)
     out = [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes]
-    what = (f"{spec.name} with {s.strategy.name}, {s.precision}, micro-batch {s.micro_batch}, seq {seq}"
+    what = (f"{spec.name} with {strategy.name}, {s.precision}, micro-batch {s.micro_batch}, seq {seq}"
             f"{', checkpointing' if s.checkpointing else ''}")
     if not memory.fits:
         out.append(Problem(path, "error", f"{what}: needs {memory.required_bytes / GIB:.1f} GiB of "
