@@ -375,7 +375,8 @@ def test_fit_reads_an_inline_deepspeed_yaml_as_zero3_and_states_its_assumptions(
     path = str(REAL / "trl/examples/accelerate_configs/deepspeed_zero3.yaml")
     found = fit_findings(path, model="llama-3-8b", gpus="8xA100-80GB")
     notes = [p.message for p in found if p.severity == "note"]
-    assert any("micro-batch taken as 1: train_micro_batch_size_per_gpu is \"auto\"" in n for n in notes)
+    assert any("micro-batch taken as 1 (the least it can be): train_micro_batch_size_per_gpu is \"auto\"" in n
+               for n in notes)
     assert any("activation checkpointing taken as off" in n for n in notes)
     assert any("sequence length taken as 2048" in n for n in notes)
     verdict = notes[-1]
@@ -441,3 +442,17 @@ def test_fit_shards_fsdp_over_the_parallelism_configs_dp_shard_group():
     assert any("dp_shard x cp = 2 of 8 GPUs" in p.message for p in hsdp)
     assert any("tp_size 2 is not modelled" in p.message for p in hsdp)
     assert used(hsdp) > used(full) + 10  # sharded 2 ways instead of 8
+
+
+def test_fit_leaves_precision_open_when_the_yaml_does_not_say_and_never_aborts_the_check(capsys):
+    from toolkit.cli import main
+
+    # The YAML names a JSON with fp16 enabled and states no mixed_precision: fp16, no assumption about it.
+    yaml_path = REAL / "accelerate/examples/config_yaml_templates/deepspeed.yaml"
+    code = main(["check", str(yaml_path), "--model", "qwen2.5-0.5b", "--gpus", "2xH100-80GB"])
+    out = capsys.readouterr().out
+    assert code == 0 and "qwen2.5-0.5b with zero1, fp16, micro-batch 1" in out and "precision taken as" not in out
+    # --gpus 8 against num_processes 2 is an error of the check; the fit still runs on the GPUs given.
+    assert main(["check", str(yaml_path), "--model", "llama-3-8b", "--gpus", "8xH100-80GB"]) == 1
+    out = capsys.readouterr().out
+    assert "does not match 1 node(s) x 8 GPUs" in out and "llama-3-8b with zero1" in out

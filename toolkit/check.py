@@ -1057,11 +1057,8 @@ def main_check(argv_paths: list[str], *, gpus: str | None = None, runner: str | 
     problems: list[Problem] = []
     with quiet_engines():  # DeepSpeed logs its accelerator choice on stdout when first imported
         for name in argv_paths:
-            found = check_paths([name], gpus=grid, runner=runner)
-            problems += found
-            if fit is not None and any(p.severity == "error" for p in found):
-                problems.append(Problem(name, "note", "fit check skipped: the files have errors; fix them first"))
-            elif fit is not None:
+            problems += check_paths([name], gpus=grid, runner=runner)
+            if fit is not None:
                 problems += fit(name)
     code = exit_code(problems, strict=strict)
     if as_json:

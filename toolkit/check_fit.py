@@ -82,9 +82,9 @@ def _from_deepspeed(ds: dict[str, Any], pins: Pins, source: str, *, yaml_precisi
     if micro is None:
         micro = 1
         said = "\"auto\"" if ds.get("train_micro_batch_size_per_gpu") == "auto" else "not set"
-        notes.append(f"micro-batch taken as 1: train_micro_batch_size_per_gpu is {said} in {source}, so the runner "
-                     "decides (the HF Trainer's --per_device_train_batch_size, default 8; an accelerate script's "
-                     "DataLoader batch size); pin it with --micro-batch")
+        notes.append(f"micro-batch taken as 1 (the least it can be): train_micro_batch_size_per_gpu is {said} in "
+                     f"{source}, so the runner decides (the HF Trainer's --per_device_train_batch_size, default 8; an "
+                     "accelerate script's DataLoader batch size); pin it with --micro-batch")
     precision = pins.precision
     if precision is None:
         bf16 = ds.get("bf16", ds.get("bfloat16"))
@@ -129,6 +129,7 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
             notes.append(f"{key.removeprefix('parallelism_config_')} {value} is not modelled: the estimate holds "
                          "whole sequences and unsplit layers on each GPU, an upper bound")
     extra: list[str] = []
+    ds_path = None
     ds_file = _mapping(config.get("deepspeed_config")).get("deepspeed_config_file") if kind == "DEEPSPEED" else None
     if ds_file:
         ds_path = resolve_ds_file(str(ds_file), path, [], quiet=True)
@@ -152,9 +153,14 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
     if kind == "DEEPSPEED" and plugin is not None:
         # The plugin's config: the JSON after accelerate filled it, or the one it builds from the YAML's fields.
         ds = json.loads(json.dumps(plugin.deepspeed_config, default=str))
-        said_mp = "mixed_precision" in config or bool(ds_file)
-        return _from_deepspeed(ds, pins, source, yaml_precision=yaml_precision if said_mp else None,
-                               assumptions=tuple(notes))
+        if "mixed_precision" not in config:
+            # accelerate filled the flags from its default "no"; the HF Trainer fills them from --bf16 / --fp16
+            # instead, so what the files leave open stays open.
+            raw = read_config(ds_path) if ds_file else {}
+            for key in ("bf16", "fp16"):
+                ds[key] = raw.get(key, {"enabled": "auto"})
+            yaml_precision = None
+        return _from_deepspeed(ds, pins, source, yaml_precision=yaml_precision, assumptions=tuple(notes))
     precision = pins.precision or yaml_precision or "fp32"
     micro = pins.micro_batch or 1
     if pins.micro_batch is None:
@@ -163,7 +169,8 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
     shard_group = None
     if kind == "FSDP" and plugin is not None:
         strategy, said_ckpt = _fsdp_strategy(plugin, notes)
-        sizes = {k.removeprefix("PARALLELISM_CONFIG_"): v for k, v in env.items() if k.startswith("PARALLELISM_CONFIG_")}
+        prefix = "PARALLELISM_CONFIG_"
+        sizes = {k.removeprefix(prefix): v for k, v in env.items() if k.startswith(prefix)}
         if sizes.get("DP_SHARD_SIZE", "").isdigit() and sizes.get("CP_SIZE", "1").isdigit():
             shard_group = int(sizes["DP_SHARD_SIZE"]) * int(sizes.get("CP_SIZE", "1"))
     else:
@@ -200,7 +207,10 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
         raise UserError("--model needs --gpus with a GPU type, e.g. --gpus 8xH100-80GB")
     hw = parse_hardware(gpus)
     spec = resolve_model(model)
-    s = fit_settings(path, pins)
+    try:
+        s = fit_settings(path, pins)
+    except UserError as exc:  # the check's own findings say what is wrong with the file
+        return [Problem(path, "note", f"fit check skipped: {exc}", EVERY)]
     notes = list(s.assumptions)
     seq = seq_len or s.seq_len
     if seq is None:
