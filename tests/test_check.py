@@ -290,6 +290,15 @@ def test_top_level_keys_deepspeed_never_reads(tmp_path):
     assert found == {"_comment": "note", "steps_per_prnt": "error", "my_own_setting": "warning"}
 
 
+def test_keys_read_at_initialize_are_known(tmp_path):
+    """sequence_parallel_size / data_parallel_size are read by deepspeed.initialize, not by the config getters."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3,
+                                "stage3_gather_16bit_weights_on_model_save": True},
+                                "sequence_parallel_size": 2, "data_parallel_size": 4}))
+    assert check_paths([str(path)]) == []
+
+
 def test_runner_pins_the_severity():
     path = str(CORPUS / "ds-missing-zero-optimization.json")
     assert {p.severity for p in check_paths([path], runner="trainer")} == {"error"}

@@ -339,7 +339,32 @@ def deepspeed_reads(config: dict[str, Any], data_parallel: int) -> tuple[set[str
             deepspeed_config_at(_ReadRecorder(config, seen), data_parallel)
     except ConfigRejected as exc:
         return None, str(exc)
-    return seen, None
+    return seen | initialize_reads(), None
+
+
+@functools.lru_cache(maxsize=1)
+def initialize_reads() -> frozenset[str]:
+    """Top-level keys read outside the config getters, which deepspeed_config_at does not run: the world-size
+    branch of DeepSpeedConfig.__init__ (sequence_parallel_size) and deepspeed.initialize (data_parallel_size, ...),
+    taken from their source as `"key" in config`, `config["key"]` and `config.get("key")`."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    keys: set[str] = set()
+    for function in (DeepSpeedConfig.__init__, deepspeed.initialize):
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) \
+                    and any(isinstance(op, ast.In) for op in node.ops) \
+                    and any(getattr(c, "id", None) == "config" for c in node.comparators):
+                keys.add(node.left.value)
+            elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "config" \
+                    and isinstance(node.slice, ast.Constant):
+                keys.add(node.slice.value)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" \
+                    and getattr(node.func.value, "id", None) == "config" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                keys.add(node.args[0].value)
+    return frozenset(k for k in keys if isinstance(k, str))
 
 
 # --- "auto": what each runner fills ------------------------------------------------------------------------------------
