@@ -122,7 +122,9 @@ def test_random_emitted_plans_stay_clean(tmp_path):
         strategy = rng.choice(["zero1", "zero2", "zero3", "pipeline", "hybrid", "fsdp2", "ddp"])
         stages = rng.choice([2, 4]) if strategy in ("pipeline", "hybrid") else 1
         nodes, gpus = rng.choice([1, 2]), rng.choice([2, 4, 8])
-        if (nodes * gpus) % stages:
+        if strategy == "pipeline":
+            stages = nodes * gpus  # the pipeline strategy makes every GPU a stage (hybrid adds data parallel)
+        if (nodes * gpus) % stages or (strategy == "hybrid" and nodes * gpus // stages < 2):
             continue
         config = {"model_type": "llama", "hidden_size": rng.choice([512, 2048]), "num_hidden_layers": 16}
         plan = reference_plan(strategy, rng.choice(["bf16", "fp16"]), nodes=nodes, gpus_per_node=gpus,

@@ -144,7 +144,7 @@ def test_check_with_a_model_reports_a_config_that_does_not_fit(capsys):
 
 
 def test_check_with_a_model_that_fits_is_clean(capsys):
-    assert main(["check", "presets/sets/zero3-bf16", "--model", "gpt2", "--gpus", "8xH100"]) == 0
+    assert main(["check", "presets/sets/zero3-bf16", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024"]) == 0
 
 
 @pytest.mark.parametrize("model, gpus, seq, batch", [

@@ -198,10 +198,11 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
                  pins: Pins = Pins()) -> list[Problem]:
     """The assumptions (notes), then an error per GPU (or host) limit the described training would overflow."""
     from toolkit.hardware import GIB, parse_hardware
-    from toolkit.job import Job
+    from toolkit.grid import ParallelGrid
+    from toolkit.job import Job, check_job, default_seq_len
     from toolkit.memory import estimate_memory
     from toolkit.modelspec import resolve_model
-    from toolkit.planner import CPU_RAM_RESERVE, _partition
+    from toolkit.planner import CPU_RAM_RESERVE
 
     if not gpus:
         raise UserError("--model needs --gpus with a GPU type, e.g. --gpus 8xH100-80GB")
@@ -212,10 +213,10 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
     except UserError as exc:  # the check's own findings say what is wrong with the file
         return [Problem(path, "note", f"fit check skipped: {exc}", EVERY)]
     notes = list(s.assumptions)
-    seq = seq_len or s.seq_len
-    if seq is None:
-        seq = min(spec.max_positions or 2048, 2048)
-        notes.append(f"sequence length taken as {seq} (the model's limit, at most 2048); pin it with --seq")
+    seq, adapted = default_seq_len(spec, seq_len or s.seq_len)
+    if seq_len is None and s.seq_len is None:
+        notes.append(f"sequence length taken as {seq}" + (f" ({adapted})" if adapted else " (toolkit's default)")
+                     + "; pin it with --seq")
     job = Job(seq_len=seq, micro_batch=s.micro_batch, precision=s.precision, checkpointing=s.checkpointing)
     strategy = s.strategy
     if s.shard_group and s.shard_group < hw.world_size and hw.world_size % s.shard_group == 0:
@@ -223,9 +224,15 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
         strategy = replace(strategy, fsdp_mode="hybrid")
         hw = replace(hw, gpus_per_node=s.shard_group, nodes=hw.world_size // s.shard_group)
         notes.append(f"FSDP shards over dp_shard x cp = {s.shard_group} of {hw.world_size} GPUs (parallelism_config)")
+    try:
+        check_job(spec, job, hw, strategy, pipeline_stages=s.stages)
+    except UserError as exc:
+        return [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes] + [
+            Problem(path, "error", f"{spec.name}: {exc}", EVERY)]
     partition = s.partition
-    if s.strategy.is_pipeline and partition is None:
-        partition = _partition(spec, s.stages)
+    if strategy.is_pipeline and partition is None:
+        partition = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                              pipeline_stages=s.stages).partition(spec)
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=s.stages, partition=partition)
     out = [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes]
     what = (f"{spec.name} with {strategy.name}, {s.precision}, micro-batch {s.micro_batch}, seq {seq}"
