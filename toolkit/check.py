@@ -628,15 +628,17 @@ def _zero3_save_problem(config: dict[str, Any], zero: dict[str, Any], f: _Findin
     gathered = zero_settings(_mapping((view or config).get("zero_optimization")) or zero)
     if gathered is None or gathered.gather_16bit_on_save:
         return
+    auto = view is not None and any(zero.get(k) == "auto" for k in ("stage3_gather_16bit_weights_on_model_save",
+                                                                      "gather_16bit_weights_on_model_save"))
     said = ("is \"auto\", which accelerate's DeepSpeedPlugin fills from `accelerate launch --zero3_save_16bit_model` "
-            "(default false)") if view is not None and any(
-        zero.get(k) == "auto" for k in ("stage3_gather_16bit_weights_on_model_save",
-                                        "gather_16bit_weights_on_model_save")) else "is not true"
-    # transformers Trainer.save_model: catches accelerate's ValueError, keeps only the DeepSpeed checkpoint.
+            "(default false)") if auto else "is not true"
+    # transformers Trainer.save_model: catches accelerate's ValueError, keeps only the DeepSpeed checkpoint. "auto"
+    # leaves the choice to the launch command, so it is a note; false or missing is a warning.
     f.fail(HF_RUNNERS, f"ZeRO-3 and \"stage3_gather_16bit_weights_on_model_save\" {said}: save_model writes an empty "
            "model (the HF Trainer keeps only the DeepSpeed checkpoint, to be merged with zero_to_fp32.py; accelerate's "
-           "save_model raises); add \"stage3_gather_16bit_weights_on_model_save\": true to zero_optimization",
-           at_most="warning")
+           "save_model raises); " + ("launch with --zero3_save_16bit_model true or write true here" if auto else
+                                     "add \"stage3_gather_16bit_weights_on_model_save\": true to zero_optimization"),
+           at_most="note" if auto else "warning")
 
 
 def _engine_problems(config: dict[str, Any], f: _Findings) -> None:
