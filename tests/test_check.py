@@ -301,6 +301,13 @@ def test_keys_read_at_initialize_are_known(tmp_path):
     assert check_paths([str(path)]) == []
 
 
+def test_a_concrete_global_batch_with_auto_micro_batch_is_fine_when_the_gpus_are_unknown(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}))
+    assert check_paths([str(path)]) == []
+
+
 def test_runner_pins_the_severity():
     path = str(CORPUS / "ds-missing-zero-optimization.json")
     assert {p.severity for p in check_paths([path], runner="trainer")} == {"error"}

@@ -441,6 +441,10 @@ def trainer_view(config: dict[str, Any], world_size: int | None) -> tuple[dict[s
     world = world_size
     if world is None and batch and micro and accum and batch % (micro * accum) == 0:
         world = batch // (micro * accum)
+    elif world is None and batch is not None:
+        # The process count is unknown: a concrete train_batch_size can agree with some launch (batch_problems
+        # checks that one exists when micro-batch and accumulation are concrete).
+        config = {k: v for k, v in config.items() if k != "train_batch_size"}
     precision = "bf16" if enabled(config.get("bf16")) else "fp16" if enabled(config.get("fp16")) else "fp32"
     try:
         with quiet_engines():
