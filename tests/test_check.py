@@ -233,7 +233,7 @@ REFUSED_BY_DEEPSPEED = {
 
 def test_every_error_on_the_real_corpus_is_reproduced_below():
     assert {r["file"] for r in manifest() if r["verdict"] == "error"} == set(REFUSED_BY_DEEPSPEED) | {
-        "transformers/tests/deepspeed/ds_config_zero3_bf16.json"}
+        "transformers/tests/deepspeed/ds_config_zero3_bf16.json", "accelerate/tests/test_configs/invalid_keys.yaml"}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_BY_DEEPSPEED))
@@ -246,6 +246,13 @@ def test_deepspeed_itself_refuses_the_real_config(name):
     config.setdefault("train_micro_batch_size_per_gpu", 1)
     with pytest.raises(Exception, match=REFUSED_BY_DEEPSPEED[name]):
         DeepSpeedConfig(config)
+
+
+def test_accelerate_itself_refuses_its_invalid_keys_test_config():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    with pytest.raises(ValueError, match="invalid_key"):
+        load_config_from_file(str(REAL / "accelerate/tests/test_configs/invalid_keys.yaml"))
 
 
 def test_accelerate_itself_refuses_the_unfilled_bfloat16_auto():

@@ -733,8 +733,16 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
     def warn(message: str) -> None:
         out.append(Problem(file, "warning", message, LAUNCH))
 
-    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
 
+    if str(config.get("compute_environment")) == "AMAZON_SAGEMAKER":
+        # load_config_from_file picks SageMakerConfig; the launch itself happens on SageMaker, not here.
+        known = set(SageMakerConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
+        out += [Problem(file, "error", f"unknown key \"{key}\": accelerate refuses the file", LAUNCH)
+                for key in sorted(set(config) - known, key=str)]
+        out.append(Problem(file, "note", "a SageMaker config: its keys were checked; the launch runs on SageMaker "
+                           "and is not rehearsed here", LAUNCH))
+        return out, None
     known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
     for key in sorted(set(config) - known, key=str):
         close = difflib.get_close_matches(str(key), known, n=1)
@@ -762,7 +770,9 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
         if gpus is not None and (machines, processes) != (gpus[0], gpus[0] * gpus[1]):
             err(f"num_machines {machines} x num_processes {processes} does not match {gpus[0]} node(s) x {gpus[1]} "
                 f"GPUs: set num_machines: {gpus[0]} and num_processes: {gpus[0] * gpus[1]}")
-        if kind in ("MULTI_CPU",) or config.get("use_cpu") is True:
+        # accelerate's launch_command: CPU runs go to simple_launcher, one process unless mpirun starts them.
+        mpirun = _mapping(config.get("mpirun_config")).get("mpirun_hostfile")
+        if (kind in ("MULTI_CPU",) or config.get("use_cpu") is True) and not mpirun:
             warn(f"{kind or 'use_cpu'} with num_processes {processes}: accelerate starts one process on this path; "
                  "use MULTI_GPU (with ACCELERATE_USE_CPU=1 on CPUs)")
 
