@@ -262,6 +262,8 @@ def test_accelerate_itself_refuses_the_unfilled_bfloat16_auto():
     from toolkit.check import accelerate_fills, trainer_view
 
     config = json.loads((REAL / "transformers/tests/deepspeed/ds_config_zero3_bf16.json").read_text())
+    messages = [p.message for p in check_paths([str(REAL / "transformers/tests/deepspeed/ds_config_zero3_bf16.json")])]
+    assert any('"bfloat16.enabled" is "auto": no runner fills it; rename the block to "bf16"' in m for m in messages)
     filled, refused = trainer_view(config, world_size=8)
     assert refused is None and filled["bfloat16"]["enabled"] == "auto"
     plugin = DeepSpeedPlugin(hf_ds_config=filled)

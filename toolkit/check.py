@@ -617,6 +617,10 @@ def _auto_problems(config: dict[str, Any], f: _Findings, stage: int) -> None:
         fillers = sorted((HF_RUNNERS & f.readers.runners) - runners)
         if not fillers:
             why = "no runner fills it; write a concrete value"
+            from deepspeed.runtime.constants import BFLOAT16, BFLOAT16_OLD
+
+            if key.startswith(f"{BFLOAT16_OLD}."):  # DeepSpeed's old block name; the runners fill only the new one
+                why = f"no runner fills it; rename the block to \"{BFLOAT16}\" (DeepSpeed's current name; they fill it)"
             if key.startswith("zero_optimization.stage3_") and stage != 3 and TRAINER in runners:
                 why = (f"the HF Trainer fills it only at ZeRO-3 (this file is ZeRO-{stage}); remove the key or "
                        "write a value")
