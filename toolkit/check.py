@@ -95,11 +95,13 @@ def read_mapping(path: Path) -> dict[str, Any]:
     if len(raw) > MAX_FILE_BYTES:
         raise UserError(f"{path} is {len(raw)} bytes, too large for a config file (limit {MAX_FILE_BYTES})")
     try:
-        text = raw.decode("utf-8")
+        # JSON has no byte-order mark (DeepSpeed's json.load refuses one too); YAML may start with one.
+        text = raw.decode("utf-8" if path.suffix == ".json" else "utf-8-sig")
     except UnicodeDecodeError:
         text = None
     if text is None or "\x00" in text:
-        raise UserError(f"{path} is not a text file (binary content); give the YAML or JSON config")
+        raise UserError(f"{path} is not UTF-8 text (binary content, or another encoding); give the YAML or JSON "
+                        "config, saved as UTF-8")
     try:
         data = _parse_json(text, path) if path.suffix == ".json" else _parse_yaml(text, path)
     except RecursionError:
