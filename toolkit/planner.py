@@ -8,7 +8,7 @@ layers do not split into the stages, the GPU lacks the precision, the node lacks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolkit.errorband import band_for
 from toolkit.errors import UserError
@@ -17,9 +17,11 @@ from toolkit.grid import ParallelGrid, stage_options
 from toolkit.job import Job, job_problem
 from toolkit.memory import Breakdown, estimate_memory, states_floor_bytes
 from toolkit.modelspec import ModelSpec
-from toolkit.plan import Plan
 from toolkit.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
 from toolkit.timing import Timing, step_time
+
+if TYPE_CHECKING:
+    from toolkit.plan import Plan  # pydantic: imported only where a plan is built (estimate never needs it)
 
 CPU_RAM_RESERVE = 0.10
 """Share of host RAM left to the OS, dataloaders and the Python processes when offloading."""
@@ -223,8 +225,10 @@ def _refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str) -> Can
                      global_batch=req.global_batch or 0, reason=reason)
 
 
-def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> Plan:
+def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Plan":
     """The chosen candidate as the Plan that emit, launch and train read, its prediction keyed to its inputs."""
+    from toolkit.plan import Plan
+
     predicted: dict[str, Any] = {}
     if c.memory:
         predicted.update(c.memory.to_dict())
@@ -247,7 +251,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> Pla
     return plan.with_prediction(predicted)
 
 
-def predict_plan(plan: Plan) -> Plan:
+def predict_plan(plan: "Plan") -> "Plan":
     """The plan with its memory and step-time prediction recomputed from its own fields (after an edit)."""
     from toolkit.hardware import parse_hardware
     from toolkit.modelspec import spec_from_config_dict
