@@ -483,3 +483,20 @@ def test_fit_leaves_precision_open_when_the_yaml_does_not_say_and_never_aborts_t
     assert main(["check", str(yaml_path), "--model", "llama-3-8b", "--gpus", "8xH100-80GB"]) == 1
     out = capsys.readouterr().out
     assert "does not match 1 node(s) x 8 GPUs" in out and "llama-3-8b with zero1" in out
+
+
+def test_zero_stage_auto_is_what_accelerate_fills(tmp_path):
+    """accelerate's DeepSpeedPlugin fills "stage": "auto" from --zero_stage (default 2): checked and fitted as such,
+    and a rule that depends on the stage is only a warning (the launch command may say 3)."""
+    from toolkit.check_fit import fit_settings
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                "zero_optimization": {"stage": "auto", "offload_param": {"device": "cpu"}}}))
+    found = check_paths([str(path)])
+    assert [p.severity for p in found] == ["note", "warning"]
+    assert "(here 2); checked as ZeRO-2" in found[0].message and "offload_param at ZeRO-2" in found[1].message
+    settings = fit_settings(str(path))
+    assert settings.strategy.name == "zero2" and settings.precision == "fp32"
+    assert any("ZeRO stage taken as 2" in a for a in settings.assumptions)
+    assert any("precision taken as fp32" in a for a in settings.assumptions)

@@ -202,10 +202,10 @@ def require_numbers(config: dict[str, Any], path: Path) -> None:
         if key not in block or block[key] is None:
             continue
         value = block[key]
-        if concrete_int(value) is None and not (kind == "json" and value == "auto" and key != "stage"):
+        if concrete_int(value) is None and not (kind == "json" and value == "auto"):
             shown = json.dumps(value, default=str)
             shown = shown if len(shown) <= 40 else shown[:37] + "..."
-            allowed = "a whole number" + (' or "auto"' if kind == "json" and key != "stage" else "")
+            allowed = "a whole number" + (' or "auto"' if kind == "json" else "")
             raise UserError(f"{path}: {dotted} is {shown} ({type(value).__name__}); it must be {allowed}")
 
 
@@ -540,6 +540,14 @@ def ds_problems(config: dict[str, Any], file: str, readers: Readers) -> list[Pro
     elif not isinstance(zero, dict):
         f.fail(everyone, "\"zero_optimization\" must be an object like {\"stage\": 2}")
         zero = {}
+    stage_auto = zero.get("stage") == "auto"
+    if stage_auto and HF_RUNNERS & readers.runners:
+        # DeepSpeedPlugin fills it from `accelerate launch --zero_stage` (default 2) through fill_match.
+        view, _ = accelerate_view(config)
+        filled = _mapping(_mapping(view).get("zero_optimization")).get("stage")
+        f.note(f"zero_optimization.stage is \"auto\": accelerate fills it from `accelerate launch --zero_stage` "
+               f"(here {filled}); checked as ZeRO-{filled}", ", ".join(sorted(HF_RUNNERS & readers.runners)))
+        zero = {**zero, "stage": filled} if isinstance(filled, int) else zero
     settings = zero_settings(zero)
     stage = settings.stage if settings else (zero.get("stage") if isinstance(zero.get("stage"), int) else 0)
     for name, new in settings.deprecated if settings else ():
@@ -573,7 +581,8 @@ def ds_problems(config: dict[str, Any], file: str, readers: Readers) -> list[Pro
                 continue
             if stage < min_stage:  # DeepSpeed ignores the block below these stages: no offload, silently
                 f.fail(everyone, f"zero_optimization.{name} at ZeRO-{stage}: {name.replace('_', ' ')} needs {what}; "
-                       f"set \"stage\": {min_stage if min_stage == 3 else 2} or remove {name}")
+                       f"set \"stage\": {min_stage if min_stage == 3 else 2} or remove {name}",
+                       at_most="warning" if stage_auto else "error")  # "auto": the launch command may say 3
             if device == "nvme" and not path:
                 f.fail(everyone, f"zero_optimization.{name} goes to nvme without \"nvme_path\": set it to a "
                        "directory on a local NVMe drive of every node")

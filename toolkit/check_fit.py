@@ -71,7 +71,13 @@ def fit_settings(path: str, pins: Pins = Pins()) -> FitSettings:
 def _from_deepspeed(ds: dict[str, Any], pins: Pins, source: str, *, yaml_precision: str | None = None,
                     assumptions: tuple[str, ...] = ()) -> FitSettings:
     notes = list(assumptions)
-    zero = zero_settings(ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {})
+    block = _mapping(ds.get("zero_optimization"))
+    if block.get("stage") == "auto":
+        # accelerate's DeepSpeedPlugin fills it from --zero_stage, default 2 (ACCELERATE_DEEPSPEED_ZERO_STAGE)
+        block = {**block, "stage": 2}
+        notes.append(f"ZeRO stage taken as 2: \"stage\" is \"auto\" in {source}, filled from `accelerate launch "
+                     "--zero_stage` (default 2)")
+    zero = zero_settings(block)
     stage = zero.stage if zero else 0
     if stage == 0:
         strategy = Strategy("ddp")
@@ -100,6 +106,9 @@ def _from_deepspeed(ds: dict[str, Any], pins: Pins, source: str, *, yaml_precisi
                          "with --precision")
         else:
             precision = yaml_precision or "fp32"
+            if not any(k in ds for k in ("bf16", "bfloat16", "fp16")) and yaml_precision is None:
+                notes.append(f"precision taken as fp32: {source} has no bf16 or fp16 block (the HF Trainer's --bf16 / "
+                             "--fp16 or accelerate's --mixed_precision add one); pin it with --precision")
     checkpointing = _checkpointing(pins, None, source, notes)
     return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes))
 
