@@ -500,3 +500,17 @@ def test_zero_stage_auto_is_what_accelerate_fills(tmp_path):
     assert settings.strategy.name == "zero2" and settings.precision == "fp32"
     assert any("ZeRO stage taken as 2" in a for a in settings.assumptions)
     assert any("precision taken as fp32" in a for a in settings.assumptions)
+
+
+def test_cli_json_is_the_whole_stdout_and_usage_errors_go_to_stderr(capsys):
+    from toolkit.cli import main
+
+    path = str(REAL / "trl/examples/accelerate_configs/deepspeed_zero3.yaml")
+    assert main(["check", path, "--json", "--model", "qwen2.5-0.5b", "--gpus", "8xA100-80GB"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["exit_code"] == 0 and all(f["severity"] == "note" for f in report["findings"])
+    assert any("qwen2.5-0.5b with zero3" in f["message"] for f in report["findings"])
+    assert main(["check", path, "--micro-batch", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "give --model and --gpus too" in captured.err
