@@ -477,11 +477,11 @@ def test_fit_leaves_precision_open_when_the_yaml_does_not_say_and_never_aborts_t
     # The YAML names a JSON with fp16 enabled and states no mixed_precision: fp16, no assumption about it.
     yaml_path = REAL / "accelerate/examples/config_yaml_templates/deepspeed.yaml"
     code = main(["check", str(yaml_path), "--model", "qwen2.5-0.5b", "--gpus", "2xH100-80GB"])
-    out = capsys.readouterr().out
+    out = "".join(capsys.readouterr())
     assert code == 0 and "qwen2.5-0.5b with zero1, fp16, micro-batch 1" in out and "precision taken as" not in out
     # --gpus 8 against num_processes 2 is an error of the check; the fit still runs on the GPUs given.
     assert main(["check", str(yaml_path), "--model", "llama-3-8b", "--gpus", "8xH100-80GB"]) == 1
-    out = capsys.readouterr().out
+    out = "".join(capsys.readouterr())
     assert "does not match 1 node(s) x 8 GPUs" in out and "llama-3-8b with zero1" in out
 
 

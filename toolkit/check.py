@@ -31,6 +31,7 @@ import functools
 import inspect
 import io
 import json
+import sys
 import logging
 import os
 import textwrap
@@ -1104,7 +1105,8 @@ def exit_code(problems: list[Problem], *, strict: bool = False) -> int:
 def main_check(argv_paths: list[str], *, gpus: str | None = None, runner: str | None = None,
                fit: Callable[[str], list[Problem]] | None = None, strict: bool = False, as_json: bool = False,
                print_fn: Callable[[str], None] = print) -> int:
-    """The CLI: findings on stdout, one line each (or one JSON object); 0 / 1 as exit_code says.
+    """The CLI: errors and warnings on stderr, notes and the summary on stdout, one line each, like every other
+    command (or, with --json, one JSON object on stdout); 0 / 1 as exit_code says.
 
     Unreadable input raises UserError (the CLI prints it on stderr and exits 2). fit: the fit check bound to
     --model/--gpus by the CLI (toolkit.check_fit.fit_findings), called once per path.
@@ -1122,7 +1124,10 @@ def main_check(argv_paths: list[str], *, gpus: str | None = None, runner: str | 
                              "findings": [asdict(p) for p in problems]}, indent=2))
         return code
     for problem in problems:
-        print_fn(str(problem))
+        if problem.severity in ("error", "warning") and print_fn is print:
+            print(str(problem), file=sys.stderr)
+        else:
+            print_fn(str(problem))
     counts = {s: sum(p.severity == s for p in problems) for s in ("error", "warning", "note")}
     print_fn(f"{len(argv_paths)} path(s) checked: " + (", ".join(f"{n} {s}(s)" for s, n in counts.items() if n)
                                                          or "no findings"))
