@@ -60,6 +60,9 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
                    help="torch optimizer step: fused | foreach | for-loop (default %(default)s, the Trainer's)")
     g.add_argument("--activation-offloading", action="store_true",
                    help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
+    g.add_argument("--liger", action="store_true",
+                   help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
+                        "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
 
 
 def _add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
@@ -128,7 +131,7 @@ def cmd_estimate(args) -> int:
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
-              activation_offloading=args.activation_offloading)
+              activation_offloading=args.activation_offloading, liger=args.liger)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
@@ -224,7 +227,7 @@ def cmd_plan(args) -> int:
                                       optimizer=args.optimizer, attention=args.attention,
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
-                                      activation_offloading=args.activation_offloading,
+                                      activation_offloading=args.activation_offloading, liger=args.liger,
                                       pipeline_stages=args.pipeline_stages)
     if strategies:
         req_kwargs["strategies"] = strategies

@@ -45,6 +45,8 @@ class Job:
     (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
     activation_offloading: bool = False
     """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
+    liger: bool = False
+    """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.liger)."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -56,6 +58,8 @@ class Job:
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        if self.liger and self.device_kind != "cuda":
+            raise UserError("--liger: Liger's kernels are Triton and run on GPUs only; drop --device-kind cpu")
 
     @property
     def mixed(self) -> bool:
@@ -105,12 +109,14 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
 
 
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
-                activation_offloading: bool = False) -> str | None:
+                activation_offloading: bool = False, liger: bool = False) -> str | None:
     """Why a job with `precision` (and activation offloading) cannot run on `gpu` with `strategy`, or None."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
         return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
     if strategy is not None and strategy.is_pipeline and activation_offloading:
         return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
+    if strategy is not None and strategy.is_pipeline and liger:
+        return "Liger kernels patch the Hugging Face model the Trainer runs (ZeRO / FSDP2 / DDP), not pipeline stages"
     if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
         return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
     return None
@@ -121,7 +127,12 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     """Raise UserError when `job` cannot run `spec` on `hw`: sequence longer than the model's positions,
     precision the GPU lacks, a pipeline grid the model cannot be split over."""
     check_seq_len(spec, job.seq_len)
-    problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading)
+    problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
+                          liger=job.liger)
+    if job.liger and problem is None:
+        from toolkit.liger import liger_problem
+
+        problem = liger_problem(spec.model_type)
     if problem:
         raise UserError(problem)
     if strategy is not None and strategy.is_pipeline:

@@ -1,0 +1,198 @@
+"""Liger kernels (--liger): the pure-torch substitutes against the Hugging Face modules they replace, the traced bytes
+against a real CPU run of the patched model, and what the estimate gains for a large vocabulary."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from toolkit.errors import UserError
+from toolkit.liger import fused_linear_cross_entropy, functions, liger_applied, liger_problem, liger_rotary_pos_emb
+from toolkit.livebytes import measure_saved_bytes
+from toolkit.tiny import tiny_config
+from toolkit.tracer import trace_activations
+
+
+def _model(arch: str, dtype=torch.float32, vocab_size: int = 512):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, layers=2, hidden=64, vocab_size=vocab_size),
+                                             dtype=dtype)
+    model.config.use_cache = False
+    return model.train()
+
+
+def _grads(*tensors):
+    return [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_each_substitute_matches_the_module_it_replaces(arch):
+    model = _model(arch)
+    modeling = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, 64)
+
+    # RMSNorm: output, input gradient and weight gradient
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    for use_liger in (False, True):
+        xi = x.clone().requires_grad_()
+        out = (functions()["rms_norm"].apply(xi, norm.weight, norm.variance_epsilon) if use_liger else norm(xi))
+        (out * torch.linspace(-1, 1, 64)).sum().backward()
+        if use_liger:
+            torch.testing.assert_close(out, ref_out)
+            torch.testing.assert_close(_grads(xi, norm.weight), ref_grads)
+        else:
+            ref_out, ref_grads = out.detach(), _grads(xi, norm.weight)
+        norm.weight.grad = None
+
+    # SwiGLU MLP
+    mlp = model.model.layers[0].mlp
+    params = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    for use_liger in (False, True):
+        xi = x.clone().requires_grad_()
+        out = (mlp.down_proj(functions()["silu_mul"].apply(mlp.gate_proj(xi), mlp.up_proj(xi))) if use_liger
+               else mlp(xi))
+        out.pow(2).sum().backward()
+        if use_liger:
+            torch.testing.assert_close(out, ref_out)
+            torch.testing.assert_close(_grads(xi, *params), ref_grads)
+        else:
+            ref_out, ref_grads = out.detach(), _grads(xi, *params)
+        for p in params:
+            p.grad = None
+
+    # RoPE on (b, h, s, d) views of (b, s, h, d) projections, as the attention modules pass them
+    ids = torch.arange(16)[None].expand(2, 16)
+    cos, sin = model.model.rotary_emb(x, ids)
+    q0, k0 = torch.randn(2, 16, 4, 16), torch.randn(2, 16, 2, 16)
+    for use_liger in (False, True):
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        rope = liger_rotary_pos_emb if use_liger else modeling.apply_rotary_pos_emb
+        qe, ke = rope(q.transpose(1, 2) * 1, k.transpose(1, 2) * 1, cos, sin)  # * 1: a fresh buffer, as a Linear's
+        (qe.pow(2).sum() + (ke * 3).sum()).backward()
+        if use_liger:
+            torch.testing.assert_close((qe, ke), ref_out)
+            torch.testing.assert_close(_grads(q, k), ref_grads)
+        else:
+            ref_out, ref_grads = (qe.detach(), ke.detach()), _grads(q, k)
+
+    # Fused linear cross-entropy against lm_head + the model's own loss, with ignored labels
+    labels = torch.randint(0, 512, (2, 16))
+    labels[0, :5] = -100
+    head = model.lm_head.weight
+    for use_liger in (False, True):
+        xi = x.clone().requires_grad_()
+        loss = (fused_linear_cross_entropy(xi, head, labels) if use_liger
+                else model.loss_function(logits=model.lm_head(xi), labels=labels, vocab_size=512))
+        loss.backward()
+        if use_liger:
+            torch.testing.assert_close(loss, ref_loss)
+            torch.testing.assert_close(_grads(xi, head), ref_grads)
+        else:
+            ref_loss, ref_grads = loss.detach(), _grads(xi, head)
+        head.grad = None
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("mistral", torch.float32),
+                                        ("qwen2", torch.bfloat16)])
+def test_patched_model_gives_the_same_loss_and_gradients(arch, dtype):
+    ref = _model(arch, dtype)
+    patched = copy.deepcopy(ref)
+    ids = torch.randint(0, 512, (2, 32))
+    ref(input_ids=ids, labels=ids).loss.backward()
+    with liger_applied(patched):
+        out = patched(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert out.logits is None  # the fused loss never makes them
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), **tol)
+    for (name, p), q in zip(ref.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad.float(), p.grad.float(), **tol, msg=name)
+
+
+@pytest.mark.parametrize("arch,dtype,autocast,checkpointing", [
+    ("llama", "bfloat16", False, False),
+    ("qwen2", "bfloat16", True, False),
+    ("mistral", "float32", False, True),
+])
+def test_traced_bytes_with_liger_equal_a_real_run(arch, dtype, autocast, checkpointing):
+    config = tiny_config(arch, layers=2, hidden=64, vocab_size=512)
+    kw = dict(dtype=dtype, autocast=autocast, attention="sdpa", checkpointing=checkpointing, micro_batch=2,
+              seq_len=64)
+    trace = trace_activations(config, device_kind="cpu", liger=True, **kw)
+    compute = getattr(torch, dtype)
+    model = _model(arch, torch.float32 if autocast else compute)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    ids = torch.randint(0, 512, (2, 64))
+    with liger_applied(model):
+        measured, loss = measure_saved_bytes(model, {"input_ids": ids, "labels": ids},
+                                             autocast_dtype=compute if autocast else None)
+        grad_weight = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        loss.backward()
+    # The fused loss saves the LM head's weight gradient (made in forward): the trace reports it apart.
+    assert trace.head.forward_grad_bytes == grad_weight
+    # Alive after forward + loss: the saved tensors (the token ids among them, which the measurement counts as an
+    # input), that gradient, autocast weight copies, the loss, what a checkpoint's closure holds (rotary tables).
+    predicted_live = (trace.activations_bytes + trace.head.forward_grad_bytes + trace.autocast_copy_bytes
+                      + trace.loss_bytes)
+    assert predicted_live == measured.live_bytes + ids.nbytes
+    if not checkpointing:  # a non-reentrant checkpoint holds its keyword inputs outside autograd's saved tensors
+        assert trace.activations_bytes + trace.head.forward_grad_bytes == measured.saved_bytes
+        assert [r.saved_bytes for r in trace.layers] == [measured.by_region[f"layer{i}"] for i in range(2)]
+    assert trace.autocast_copy_bytes == measured.autocast_copy_bytes
+    assert trace.output_bytes == 0
+    assert any("Liger" in n for n in trace.notes)
+
+
+def test_liger_drops_the_logits_term_of_llama_3_8b_at_8k():
+    from dataclasses import replace
+
+    from toolkit.hardware import parse_hardware
+    from toolkit.job import Job
+    from toolkit.memory import estimate_memory
+    from toolkit.modelspec import resolve_model
+    from toolkit.strategy import parse_strategy
+
+    spec = resolve_model("llama-3-8b")
+    hw = parse_hardware("8xH100-80GB")
+    zero3 = parse_strategy("zero3")
+    job = Job(seq_len=8192, micro_batch=1, precision="bf16")
+    plain = estimate_memory(spec, zero3, job, hw)
+    liger = estimate_memory(spec, zero3, replace(job, liger=True), hw)
+    tokens, hidden, vocab = 8192, 4096, 128256
+    # Without Liger the head keeps the fp32 log-softmax of the logits (and more); with it, what the fused loss
+    # saves: grad_input (tokens x hidden, bf16), plus the final norm's input (bf16) and fp32 inverse RMS.
+    assert plain.logits_loss_bytes >= tokens * vocab * 4
+    assert liger.logits_loss_bytes == tokens * hidden * 2 * 2 + tokens * 4
+    head_grad = [t for t in liger.terms if t.name == "LM-head gradient made in forward"]
+    assert head_grad and head_grad[0].bytes == vocab * hidden * 2  # bf16 under ZeRO-3
+    assert plain.peak_bytes - liger.peak_bytes > tokens * vocab * 4
+    assert liger.activations_bytes < plain.activations_bytes - (plain.logits_loss_bytes - liger.logits_loss_bytes)
+
+
+def test_unsupported_architectures_engines_and_devices_are_refused():
+    assert liger_problem("llama") is None
+    assert "llama, mistral, qwen2, qwen3" in liger_problem("gpt2")
+    assert "gemma2" in liger_problem("gemma2") and "drop --liger" in liger_problem("gemma2")
+    from toolkit.hardware import parse_hardware
+    from toolkit.job import Job, check_job, job_problem
+    from toolkit.modelspec import resolve_model
+    from toolkit.strategy import parse_strategy
+
+    hw = parse_hardware("8xH100-80GB")
+    with pytest.raises(UserError, match="llama, mistral, qwen2, qwen3"):
+        check_job(resolve_model("gpt2"), Job(seq_len=512, liger=True), hw, parse_strategy("zero2"))
+    assert "pipeline" in job_problem("bf16", hw.gpu, parse_strategy("pipeline"), liger=True)
+    with pytest.raises(UserError, match="Triton"):
+        Job(seq_len=512, liger=True, device_kind="cpu")
