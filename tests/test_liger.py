@@ -196,3 +196,31 @@ def test_unsupported_architectures_engines_and_devices_are_refused():
     assert "pipeline" in job_problem("bf16", hw.gpu, parse_strategy("pipeline"), liger=True)
     with pytest.raises(UserError, match="Triton"):
         Job(seq_len=512, liger=True, device_kind="cpu")
+
+
+def test_plan_carries_liger_and_its_prediction_is_reproduced(capsys):
+    from toolkit.cli import main
+    from toolkit.hardware import parse_hardware
+    from toolkit.modelspec import resolve_model
+    from toolkit.planner import Request, plan_candidates, predict_plan, to_plan
+
+    spec = resolve_model("qwen2.5-0.5b")  # tied embeddings: the fused loss's gradient is the embedding's
+    hw = parse_hardware("2xA100-80GB")
+    strategies = ("zero2", "pipeline")
+    plain = plan_candidates(spec, hw, Request(seq_len=2048, global_batch=8, strategies=strategies))
+    fused = plan_candidates(spec, hw, Request(seq_len=2048, global_batch=8, strategies=strategies, liger=True))
+    by_name = {c.strategy.name: c for c in fused}
+    assert "pipeline" in by_name["pipeline"].reason  # Liger patches the HF model, not pipeline stages
+    chosen = by_name["zero2"]
+    before = {c.strategy.name: c for c in plain}["zero2"]
+    assert chosen.job.liger and chosen.memory.logits_loss_bytes < before.memory.logits_loss_bytes
+    plan = to_plan(chosen, spec, hw, "qwen2.5-0.5b")
+    assert plan.liger and not plan.prediction_is_stale
+    again = predict_plan(plan)
+    assert again.predicted["peak_bytes"] == plan.predicted["peak_bytes"]
+    assert predict_plan(plan.replace(liger=False)).predicted["peak_bytes"] > plan.predicted["peak_bytes"]
+
+    capsys.readouterr()
+    assert main(["estimate", "gpt2", "--seq", "512", "--liger"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "llama, mistral, qwen2, qwen3" in err
