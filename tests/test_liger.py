@@ -166,17 +166,17 @@ def test_liger_drops_the_logits_term_of_llama_3_8b_at_8k():
 
     spec = resolve_model("llama-3-8b")
     hw = parse_hardware("8xH100-80GB")
-    zero3 = parse_strategy("zero3")
+    fsdp2 = parse_strategy("fsdp2")
     job = Job(seq_len=8192, micro_batch=1, precision="bf16")
-    plain = estimate_memory(spec, zero3, job, hw)
-    liger = estimate_memory(spec, zero3, replace(job, liger=True), hw)
+    plain = estimate_memory(spec, fsdp2, job, hw)
+    liger = estimate_memory(spec, fsdp2, replace(job, liger=True), hw)
     tokens, hidden, vocab = 8192, 4096, 128256
     # Without Liger the head keeps the fp32 log-softmax of the logits (and more); with it, what the fused loss
     # saves: grad_input (tokens x hidden, bf16), plus the final norm's input (bf16) and fp32 inverse RMS.
     assert plain.logits_loss_bytes >= tokens * vocab * 4
     assert liger.logits_loss_bytes == tokens * hidden * 2 * 2 + tokens * 4
     head_grad = [t for t in liger.terms if t.name == "LM-head gradient made in forward"]
-    assert head_grad and head_grad[0].bytes == vocab * hidden * 2  # bf16 under ZeRO-3
+    assert head_grad and head_grad[0].bytes == vocab * hidden * 2  # bf16: FSDP2 computes with bf16 weights
     assert plain.peak_bytes - liger.peak_bytes > tokens * vocab * 4
     assert liger.activations_bytes < plain.activations_bytes - (plain.logits_loss_bytes - liger.logits_loss_bytes)
 
@@ -194,6 +194,8 @@ def test_unsupported_architectures_engines_and_devices_are_refused():
     with pytest.raises(UserError, match="llama, mistral, qwen2, qwen3"):
         check_job(resolve_model("gpt2"), Job(seq_len=512, liger=True), hw, parse_strategy("zero2"))
     assert "pipeline" in job_problem("bf16", hw.gpu, parse_strategy("pipeline"), liger=True)
+    assert "ZeRO-3" in job_problem("bf16", hw.gpu, parse_strategy("zero3-offload"), liger=True)
+    assert job_problem("bf16", hw.gpu, parse_strategy("zero2"), liger=True) is None
     with pytest.raises(UserError, match="Triton"):
         Job(seq_len=512, liger=True, device_kind="cpu")
 

@@ -117,6 +117,12 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
         return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
     if strategy is not None and strategy.is_pipeline and liger:
         return "Liger kernels patch the Hugging Face model the Trainer runs (ZeRO / FSDP2 / DDP), not pipeline stages"
+    if strategy is not None and liger and strategy.engine == "deepspeed" and strategy.zero_stage == 3:
+        # Liger's lce_forward reads lm_head.weight without calling the lm_head module, and ZeRO-3 gathers a
+        # parameter only in its module's forward hook: the fused loss gets an empty shard (liger-kernel 0.8.2 has no
+        # ZeRO-3 path; linkedin/Liger-Kernel issue 1048).
+        return ("--liger with ZeRO-3: Liger's fused loss reads lm_head.weight outside the lm_head module, which ZeRO-3 "
+                "leaves partitioned there; use zero2 or fsdp2, or drop --liger")
     if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
         return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
     return None
