@@ -58,8 +58,6 @@ class Job:
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
-        if self.liger and self.device_kind != "cuda":
-            raise UserError("--liger: Liger's kernels are Triton and run on GPUs only; drop --device-kind cpu")
 
     @property
     def mixed(self) -> bool:

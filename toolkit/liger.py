@@ -35,9 +35,11 @@ liger-kernel 0.8.2 (github linkedin/Liger-Kernel @ead96b6, 2026-08-21):
   incoming gradient, in place, when it is not 1, and returns them: autograd then takes grad_weight as the
   lm_head's .grad, so that gradient exists from the forward on.
 
-Under FakeTensorMode the substitutes allocate exactly what the kernels allocate (the tracer measures the GPU
-footprint); on real tensors they compute the values with torch ops (their temporaries are CPU-only) and save the
-same tensors, which tests/test_liger.py checks against the Hugging Face modules they replace.
+Traced for a GPU (`liger_applied(model, gpu_footprint=True)` under FakeTensorMode) the substitutes allocate exactly
+what the kernels allocate. Otherwise, on real tensors or traced with device_kind "cpu", they compute the values
+with torch ops, whose temporaries (fp32 copies, the softmax of a logits block) only a CPU run of the substitutes
+has; they save the same tensors either way. tests/test_liger.py checks them against the Hugging Face modules they
+replace and the trace against a real CPU run.
 """
 
 from __future__ import annotations
@@ -73,10 +75,21 @@ def liger_problem(model_type: str) -> str | None:
     return f"Liger kernels do not support model type {model_type!r} (toolkit models {modelled}): drop --liger"
 
 
+_GPU_FOOTPRINT = [False]
+"""Set by liger_applied(gpu_footprint=True) for a trace of the GPU kernels."""
+
+
 def _fake(*tensors) -> bool:
+    """True when only the kernels' allocations matter: fake tensors traced for a GPU."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(isinstance(t, FakeTensor) for t in tensors)
+    return _GPU_FOOTPRINT[0] and any(isinstance(t, FakeTensor) for t in tensors)
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -219,7 +232,7 @@ def _build_functions() -> dict[str, type]:
             grad_input, grad_weight, grad_bias = ctx.saved_tensors
             # Liger skips the scaling when the incoming gradient is exactly 1 (a data-dependent test fake tensors
             # cannot answer; the in-place scaling allocates nothing either way).
-            if _fake(grad_loss) or not torch.equal(grad_loss, torch.ones_like(grad_loss)):
+            if _is_fake(grad_loss) or not torch.equal(grad_loss, torch.ones_like(grad_loss)):
                 for t in (grad_input, grad_weight, grad_bias):
                     if t is not None:
                         t.mul_(grad_loss.to(t.dtype))
@@ -299,9 +312,10 @@ def _bind(module, name: str, function) -> None:
 
 
 @contextlib.contextmanager
-def liger_applied(model):
+def liger_applied(model, *, gpu_footprint: bool = False):
     """Patch `model` as liger-kernel's _apply_liger_kernel_to_instance does (with the substitutes), for the duration
-    of the block: instance forwards stay bound afterwards, the module-global RoPE function is restored."""
+    of the block: instance forwards stay bound afterwards, the module-global RoPE function is restored.
+    `gpu_footprint`: fake tensors allocate what Liger's kernels allocate on a GPU (the tracer's device_kind cuda)."""
     model_type = model.config.model_type
     problem = liger_problem(model_type)
     if problem:
@@ -314,9 +328,11 @@ def liger_applied(model):
         _bind(layer.input_layernorm, "forward", _rms_norm_forward)
         _bind(layer.post_attention_layernorm, "forward", _rms_norm_forward)
     _bind(model, "forward", _lce_forward)
-    original = modeling.apply_rotary_pos_emb
+    original, footprint = modeling.apply_rotary_pos_emb, _GPU_FOOTPRINT[0]
     modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
+    _GPU_FOOTPRINT[0] = gpu_footprint
     try:
         yield model
     finally:
         modeling.apply_rotary_pos_emb = original
+        _GPU_FOOTPRINT[0] = footprint

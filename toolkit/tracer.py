@@ -72,7 +72,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     with _trace_environment(attention, device_kind, notes, cuda_autocast=cuda_autocast) as attn_impl:
         try:
             run = _run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
-                                 micro_batch, seq_len, checkpointing, notes, liger=liger)
+                                 micro_batch, seq_len, checkpointing, notes, liger=liger,
+                                 device_kind=device_kind)
         except (DynamicOutputShapeException, DataDependentOutputException) as exc:
             raise NotImplementedError(
                 f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
@@ -92,7 +93,10 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
         from toolkit.liger import LIGER_SOURCE
 
         notes.append(f"Liger kernels (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) traced with substitutes "
-                     f"that save what {LIGER_SOURCE} saves")
+                     f"that save what {LIGER_SOURCE} saves" + (" and allocate what its kernels allocate"
+                                                               if device_kind == "cuda" else
+                                                               "; device_kind cpu: the substitutes' own CPU run "
+                                                               "(Liger's Triton kernels do not run on CPU)"))
 
     layers = tuple(run.layers[_traced_index_for(i, full_kinds, traced_count)] for i in range(len(full_kinds)))
     return ActivationTrace(
@@ -300,7 +304,7 @@ def _tensors_in(obj):
 
 
 def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
-                   checkpointing: bool, notes: list[str], liger: bool = False) -> _Run:
+                   checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda") -> _Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -312,7 +316,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
         if liger:
             from toolkit.liger import liger_applied
 
-            patches.enter_context(liger_applied(model))
+            patches.enter_context(liger_applied(model, gpu_footprint=device_kind == "cuda"))
         layers = _decoder_layers(model, n)
         kinds = tuple(_layer_kind(layer, settings) for layer, settings in zip(layers, _per_layer_settings(config, n)))
         if checkpointing:
