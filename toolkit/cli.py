@@ -142,7 +142,7 @@ def cmd_estimate(args) -> int:
         out = {"model": spec.summary(), "params": spec.params, "hardware": hw.spec, "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
-                       "attention": job.attention, "device_kind": job.device_kind},
+                       "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
@@ -158,7 +158,7 @@ def cmd_estimate(args) -> int:
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {strategy.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
-          f"{', checkpointing' if job.checkpointing else ''}")
+          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}")
     rows = [(t_.name, t_.bytes, t_.source) for t_ in b.terms]
     width = max(len(r[0]) for r in rows) + 2
     print(f"\n{'per GPU':<{width}}{'GiB':>9}{'of GPU':>9}")
@@ -289,7 +289,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
     print(f"{spec.name} ({_human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
-          + f", {req.precision}, {req.optimizer}\n")
+          + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
              f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}"
     print(header)

@@ -200,7 +200,6 @@ def _build_functions() -> dict[str, type]:
             loss_rows = torch.zeros(rows, dtype=torch.float32, device=x.device)
             valid = target != _IGNORE_INDEX
             count = valid.sum()  # Liger reads it with .item(); a tensor here, so fake tensors pass
-            del valid
             for start in range(0, rows, chunk):
                 x_chunk = x[start:start + chunk]
                 block = x_chunk @ weight.t()
