@@ -268,3 +268,24 @@ def test_whole_step_peak_with_liger_matches_a_real_cpu_step(arch, precision, voc
     job = Job(seq_len=128, micro_batch=2, precision=precision, device_kind="cpu", liger=True)
     predicted = estimate_memory(build_spec(arch, config), parse_strategy("ddp"), job, parse_hardware("1xH200"))
     assert predicted.peak_bytes == pytest.approx(measured, rel=0.01), (predicted.peak_phase, measured)
+
+
+@pytest.mark.parametrize("dtype,autocast,weight_temporaries,cached_copy,head_grad", [
+    # bf16 weights: grad_weight (bf16) += torch.mm(block.t(), x).float(): a bf16 V x H product and its fp32 copy
+    ("bfloat16", False, 6, 0, 2),
+    # fp32 weights under autocast (DDP AMP): fp32 grad_weight filled by addmm(out_dtype=float32); autocast casts
+    # weight.t() (a view, never cached) to bf16 for every block and caches the bf16 weight of block @ weight
+    ("bfloat16", True, 2, 2, 4),
+    # fp32: the fp32 V x H product (.float() is a no-op)
+    ("float32", False, 4, 0, 4),
+])
+def test_fused_loss_forward_temporaries_follow_ligers_code(dtype, autocast, weight_temporaries, cached_copy,
+                                                           head_grad):
+    config = tiny_config("llama", layers=2, hidden=128, heads=4, kv_heads=2, ffn=344, vocab_size=16000,
+                         max_positions=256)
+    weight = 16000 * 128  # V x H elements: the chunked logits (4 rows x V) and the rest are small beside it
+    head = trace_activations(config, seq_len=128, micro_batch=2, dtype=dtype, autocast=autocast,
+                             device_kind="cuda", liger=True).head
+    assert weight_temporaries * weight <= head.forward_extra_bytes < (weight_temporaries + 0.2) * weight
+    assert head.autocast_cache_bytes == cached_copy * weight
+    assert head.forward_grad_bytes == head_grad * weight
