@@ -54,10 +54,15 @@ LIGER_SOURCE = "liger-kernel 0.8.2 (linkedin/Liger-Kernel @ead96b6)"
 
 MODELLED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose Liger patch (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) is modelled here."""
-OTHER_LIGER_MODEL_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text", "granite", "mixtral", "phi3", "olmo2",
-                           "qwen3_moe", "smollm3", "glm4", "nemotron", "gpt_oss", "ministral", "llama4")
-"""Some of the other types in Liger's MODEL_TYPE_TO_APPLY_LIGER_FN (monkey_patch.py): other norms (Gemma's
-offset), GeGLU, fused gate_up (Phi-3) or expert MLPs; not modelled yet."""
+OTHER_LIGER_MODEL_TYPES = (
+    "deepseek_v4", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text",
+    "glm4", "glm4v", "glm4v_moe", "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe", "internvl", "llama4",
+    "llama4_text", "llava", "ministral", "mixtral", "mllama", "mllama_text_model", "nemotron", "olmo2", "olmo3",
+    "paligemma", "phi3", "pixtral", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl", "qwen2_vl_text", "qwen3_5",
+    "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen3_vl", "qwen3_vl_moe",
+    "qwen3_vl_moe_text", "qwen3_vl_text", "smollm3", "smolvlm")
+"""The other keys of Liger's MODEL_TYPE_TO_APPLY_LIGER_FN (monkey_patch.py, 0.8.2): other norms (Gemma's offset),
+GeGLU, fused gate_up (Phi-3), expert MLPs, vision towers, or no fused loss (Granite); not modelled yet."""
 
 H100_SM_COUNT = 132
 """Streaming multiprocessors of an H100 SXM: rows of the fp32 partial dW buffer in Liger's RMSNorm backward."""
@@ -79,7 +84,7 @@ _GPU_FOOTPRINT = [False]
 """Set by liger_applied(gpu_footprint=True) for a trace of the GPU kernels."""
 
 
-def _fake(*tensors) -> bool:
+def _gpu_footprint(*tensors) -> bool:
     """True when only the kernels' allocations matter: fake tensors traced for a GPU."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -118,7 +123,7 @@ def _build_functions() -> dict[str, type]:
         @staticmethod
         def forward(ctx, x, weight, eps):
             rows = x.reshape(-1, x.shape[-1])  # a view: Liger saves the input's own storage
-            if _fake(x, weight):
+            if _gpu_footprint(x, weight):
                 y = torch.empty_like(rows)
                 rstd = rows.new_empty(rows.shape[0], dtype=torch.float32)
             else:  # casting mode "llama": only the inverse RMS in fp32, as LlamaRMSNorm
@@ -132,7 +137,7 @@ def _build_functions() -> dict[str, type]:
         def backward(ctx, dy):
             rows, weight, rstd = ctx.saved_tensors
             d = dy.reshape(-1, rows.shape[-1])
-            if _fake(d):
+            if _gpu_footprint(d):
                 partial = d.new_empty((H100_SM_COUNT, rows.shape[-1]), dtype=torch.float32)
                 return d.view(dy.shape), partial.sum(0).to(weight.dtype), None  # dX written into dY
             xhat = rows.float() * rstd[:, None]
@@ -147,14 +152,17 @@ def _build_functions() -> dict[str, type]:
         @staticmethod
         def forward(ctx, a, b):
             a, b = a.contiguous(), b.contiguous()
-            c = torch.empty_like(a) if _fake(a, b) else torch.nn.functional.silu(a.float()).to(b.dtype) * b
+            if _gpu_footprint(a, b):
+                c = torch.empty_like(a)
+            else:
+                c = torch.nn.functional.silu(a.float()).to(b.dtype) * b
             ctx.save_for_backward(a, b)
             return c
 
         @staticmethod
         def backward(ctx, dc):
             a, b = ctx.saved_tensors
-            if not _fake(dc):  # the kernel writes da and db over a and b
+            if not _gpu_footprint(dc):  # the kernel writes da and db over a and b
                 a32, dc32 = a.float(), dc.float()
                 sig = torch.sigmoid(a32)
                 silu = a32 * sig
@@ -169,7 +177,7 @@ def _build_functions() -> dict[str, type]:
         def forward(ctx, q, k, cos, sin):
             qt, kt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
             cos, sin = cos.contiguous(), sin.contiguous()
-            if not _fake(q, k):  # rotated in place, in the (b, s, h, d) buffers
+            if not _gpu_footprint(q, k):  # rotated in place, in the (b, s, h, d) buffers
                 c, s = cos.unsqueeze(2), sin.unsqueeze(2)
                 qt.copy_(qt * c + _rotate_half(qt) * s)
                 kt.copy_(kt * c + _rotate_half(kt) * s)
@@ -180,7 +188,7 @@ def _build_functions() -> dict[str, type]:
         def backward(ctx, dq, dk):
             cos, sin = ctx.saved_tensors
             dqt, dkt = dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous()
-            if not _fake(dq, dk):  # the transpose of the rotation: x*cos - rotate_half(x*sin)
+            if not _gpu_footprint(dq, dk):  # the transpose of the rotation: x*cos - rotate_half(x*sin)
                 c, s = cos.unsqueeze(2), sin.unsqueeze(2)
                 dqt.copy_(dqt * c - _rotate_half(dqt * s))
                 dkt.copy_(dkt * c - _rotate_half(dkt * s))
@@ -193,7 +201,7 @@ def _build_functions() -> dict[str, type]:
             vocab = weight.shape[0]
             inc_factor = -(-vocab // hidden)
             chunk = 1 << max(0, (-(-rows // inc_factor) - 1).bit_length())  # next power of 2
-            fake = _fake(x, weight)
+            footprint = _gpu_footprint(x, weight)
             grad_input = torch.zeros_like(x)
             grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
             grad_bias = torch.zeros_like(bias) if bias is not None else None
@@ -206,11 +214,11 @@ def _build_functions() -> dict[str, type]:
                 if bias is not None:
                     block = block + bias
                 _cross_entropy_rows_(block, target[start:start + chunk], count, loss_rows[start:start + chunk],
-                                     fake)
+                                     footprint)
                 grad_input[start:start + chunk] = block @ weight
                 if grad_weight is not None:
                     low = block.dtype in (torch.float16, torch.bfloat16)
-                    if grad_weight.dtype == torch.float32 and low and fake:  # CUDA sm80+: addmm into fp32
+                    if grad_weight.dtype == torch.float32 and low and footprint:  # CUDA sm80+: addmm into fp32
                         torch.addmm(grad_weight, block.t(), x_chunk.to(block.dtype), out_dtype=torch.float32,
                                     out=grad_weight)
                     elif grad_weight.dtype == torch.float32 and low:  # same sums on CPU (no dtype_out kernel)
@@ -237,10 +245,10 @@ def _build_functions() -> dict[str, type]:
                         t.mul_(grad_loss.to(t.dtype))
             return grad_input, grad_weight, None, grad_bias
 
-    def _cross_entropy_rows_(block, target, count, loss_rows, fake):
+    def _cross_entropy_rows_(block, target, count, loss_rows, footprint):
         """Liger's cross-entropy kernel on one block: per-row loss (mean over the non-ignored rows of the whole
         batch) into loss_rows, the logits' gradient written over the block. The kernel works in registers."""
-        if fake:
+        if footprint:
             return
         logits = block.float()
         valid = target != _IGNORE_INDEX
