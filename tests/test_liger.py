@@ -289,3 +289,28 @@ def test_fused_loss_forward_temporaries_follow_ligers_code(dtype, autocast, weig
     assert weight_temporaries * weight <= head.forward_extra_bytes < (weight_temporaries + 0.2) * weight
     assert head.autocast_cache_bytes == cached_copy * weight
     assert head.forward_grad_bytes == head_grad * weight
+
+
+def test_qwen3_with_its_qk_norms_left_alone_matches_hf_and_a_real_run():
+    # Liger's instance patch binds the layer norms and the MLP of each decoder layer; Qwen3's q_norm / k_norm stay.
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  intermediate_size=128, vocab_size=512, num_hidden_layers=2,
+                                  max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config).train()
+    ref.config.use_cache = False
+    patched = copy.deepcopy(ref)
+    ids = torch.randint(0, 512, (2, 32))
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    with liger_applied(patched):
+        measured, loss = measure_saved_bytes(patched, {"input_ids": ids, "labels": ids})
+        loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach())
+    for p, q in zip(ref.parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    assert "forward" not in vars(patched.model.layers[0].self_attn.q_norm)
+    trace = trace_activations(config, seq_len=32, micro_batch=2, dtype="float32", device_kind="cpu", liger=True)
+    assert trace.activations_bytes + trace.head.forward_grad_bytes == measured.saved_bytes
