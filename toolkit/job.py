@@ -108,7 +108,8 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
 
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
                 activation_offloading: bool = False, liger: bool = False) -> str | None:
-    """Why a job with `precision` (and activation offloading) cannot run on `gpu` with `strategy`, or None."""
+    """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
+    None. The model types Liger supports are checked in check_job (toolkit.liger.liger_problem)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
         return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
     if strategy is not None and strategy.is_pipeline and activation_offloading:

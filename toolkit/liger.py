@@ -5,7 +5,8 @@ tensors each of its autograd Functions saves for backward and what it allocates;
 liger-kernel 0.8.2 (github linkedin/Liger-Kernel @ead96b6, 2026-08-21):
 
 - `_apply_liger_kernel_to_instance` (src/liger_kernel/transformers/monkey_patch.py), which the Trainer calls through
-  transformers/integrations/liger.py `apply_liger_kernel(model, args.liger_kernel_config)`, patches a loaded model of
+  transformers/integrations/liger.py `apply_liger_kernel(model, args.liger_kernel_config)` (transformers 5.24,
+  Trainer.__init__ when args.use_liger_kernel; PEFT models unwrapped first), patches a loaded model of
   type llama / mistral / qwen2 / qwen3 by `apply_liger_kernel_to_<type>(model=...)` with its defaults: rope=True,
   rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, cross_entropy=False. On an instance that means:
   `modeling_<type>.apply_rotary_pos_emb = liger_rotary_pos_emb` (a module global, so existing attention modules
