@@ -2,7 +2,8 @@
 
 Liger's kernels are Triton, so they cannot run on CPU or under FakeTensorMode. What matters for memory is which
 tensors each of its autograd Functions saves for backward and what it allocates; that is copied here, read from
-liger-kernel 0.8.2 (github linkedin/Liger-Kernel @ead96b6, 2026-08-21):
+liger-kernel 0.8.2 (github linkedin/Liger-Kernel, tag v0.8.2; the files named below are unchanged at @ead96b6,
+2026-08-21):
 
 - `_apply_liger_kernel_to_instance` (src/liger_kernel/transformers/monkey_patch.py), which the Trainer calls through
   transformers/integrations/liger.py `apply_liger_kernel(model, args.liger_kernel_config)` (transformers 5.24,
@@ -34,7 +35,10 @@ liger-kernel 0.8.2 (github linkedin/Liger-Kernel @ead96b6, 2026-08-21):
   block's dtype; otherwise `grad_weight += torch.mm(block.t(), input_chunk).float()`, a (V, H) product and its fp32
   copy). It saves (grad_input, grad_weight, grad_bias) and never holds the logits; backward only scales them by the
   incoming gradient, in place, when it is not 1, and returns them: autograd then takes grad_weight as the
-  lm_head's .grad, so that gradient exists from the forward on.
+  lm_head's .grad, so that gradient exists from the forward on. The grad_weight update is version-dependent:
+  an in-place `torch.addmm(out=grad_weight)` (no (V, H) temporary) before 0.6.2, `+= torch.mm(...).float()` since
+  0.6.2 (PR 830), the fp32 out_dtype addmm since 0.8.1 (PR 1239; sm80 guard in 0.8.2). Liger's own published
+  memory table (benchmark/data/all_benchmark_data.csv) was measured with 0.4.2, before that change.
 
 Traced for a GPU (`liger_applied(model, gpu_footprint=True)` under FakeTensorMode) the substitutes allocate exactly
 what the kernels allocate. Otherwise, on real tensors or traced with device_kind "cpu", they compute the values
