@@ -181,7 +181,7 @@ def test_liger_drops_the_logits_term_of_llama_3_8b_at_8k():
     assert liger.activations_bytes < plain.activations_bytes - (plain.logits_loss_bytes - liger.logits_loss_bytes)
 
 
-def test_unsupported_architectures_engines_and_devices_are_refused():
+def test_unsupported_architectures_and_engines_are_refused():
     assert liger_problem("llama") is None
     assert "llama, mistral, qwen2, qwen3" in liger_problem("gpt2")
     assert "gemma2" in liger_problem("gemma2") and "drop --liger" in liger_problem("gemma2")
