@@ -60,6 +60,9 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
                    help="torch optimizer step: fused | foreach | for-loop (default %(default)s, the Trainer's)")
     g.add_argument("--activation-offloading", action="store_true",
                    help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
+    g.add_argument("--liger", action="store_true",
+                   help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
+                        "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
 
 
 def _add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
@@ -128,7 +131,7 @@ def cmd_estimate(args) -> int:
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
-              activation_offloading=args.activation_offloading)
+              activation_offloading=args.activation_offloading, liger=args.liger)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
@@ -139,7 +142,7 @@ def cmd_estimate(args) -> int:
         out = {"model": spec.summary(), "params": spec.params, "hardware": hw.spec, "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
-                       "attention": job.attention, "device_kind": job.device_kind},
+                       "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
@@ -155,7 +158,7 @@ def cmd_estimate(args) -> int:
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {strategy.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
-          f"{', checkpointing' if job.checkpointing else ''}")
+          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}")
     rows = [(t_.name, t_.bytes, t_.source) for t_ in b.terms]
     width = max(len(r[0]) for r in rows) + 2
     print(f"\n{'per GPU':<{width}}{'GiB':>9}{'of GPU':>9}")
@@ -224,7 +227,7 @@ def cmd_plan(args) -> int:
                                       optimizer=args.optimizer, attention=args.attention,
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
-                                      activation_offloading=args.activation_offloading,
+                                      activation_offloading=args.activation_offloading, liger=args.liger,
                                       pipeline_stages=args.pipeline_stages)
     if strategies:
         req_kwargs["strategies"] = strategies
@@ -286,7 +289,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
     print(f"{spec.name} ({_human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
-          + f", {req.precision}, {req.optimizer}\n")
+          + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
              f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}"
     print(header)
