@@ -151,14 +151,12 @@ def _predict(case: Case, config, kind: str, gpu: str) -> dict:
 
     spec = build_spec("llama", config)
     job = Job(seq_len=case.seq_len, micro_batch=case.micro_batch, precision=case.precision,
-              checkpointing=case.checkpointing, device_kind=kind)
+              checkpointing=case.checkpointing, device_kind=kind, liger=case.liger)
     strategy = parse_strategy("ddp" if case.strategy == "lora" else case.strategy)
     hw = parse_hardware(f"1x{gpu}")
     out = {"params": spec.params}
-    if case.strategy == "lora" or case.liger:
-        # Liger's kernels are Triton (GPU only), so the tracer cannot run them on CPU: measured here, to model from.
-        out["note"] = ("not predicted: " + ("LoRA (issue 12's model)" if case.strategy == "lora" else "Liger") +
-                       " is not in the memory model yet")
+    if case.strategy == "lora":
+        out["note"] = "not predicted: LoRA (issue 12's model) is not in the memory model yet"
         return out
     b = estimate_memory(spec, strategy, job, hw)
     t = step_time(spec, strategy, job, hw)

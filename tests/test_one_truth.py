@@ -130,7 +130,9 @@ def test_a_prediction_that_cannot_be_refreshed_is_marked_stale_in_the_first_line
 def test_check_refuses_a_sequence_the_model_cannot_take_as_estimate_does(capsys):
     code = main(["check", "presets/sets/zero3-bf16", "--model", "gpt2", "--gpus", "8xH100-80GB", "--seq", "8192"])
     assert code == 1
-    assert "--seq 8192 is longer than gpt2 allows (1024 positions)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "--seq 8192 is longer than gpt2 allows (1024 positions)" in captured.err  # an error: stderr
+    assert "1 error" in captured.out
     assert main(["estimate", "gpt2", "--seq", "8192"]) == 2
     assert "--seq 8192 is longer than gpt2 allows (1024 positions)" in _one_error_line(capsys)
 

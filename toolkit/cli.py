@@ -69,6 +69,9 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
                    help="torch optimizer step: fused | foreach | for-loop (default %(default)s, the Trainer's)")
     g.add_argument("--activation-offloading", action="store_true",
                    help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
+    g.add_argument("--liger", action="store_true",
+                   help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
+                        "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
 
 
 def _add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
@@ -162,7 +165,7 @@ def cmd_estimate(args) -> int:
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
-              activation_offloading=args.activation_offloading)
+              activation_offloading=args.activation_offloading, liger=args.liger)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
@@ -173,7 +176,7 @@ def cmd_estimate(args) -> int:
         out = {"model": spec.summary(), "params": spec.params, "hardware": hw.spec, "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
-                       "attention": job.attention, "device_kind": job.device_kind},
+                       "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
@@ -189,7 +192,7 @@ def cmd_estimate(args) -> int:
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {strategy.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
-          f"{', checkpointing' if job.checkpointing else ''}")
+          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}")
     rows = [(t_.name, t_.bytes, t_.source) for t_ in b.terms]
     width = max(len(r[0]) for r in rows) + 2
     print(f"\n{'per GPU':<{width}}{'GiB':>9}{'of GPU':>9}")
@@ -266,7 +269,7 @@ def cmd_plan(args) -> int:
                                       optimizer=args.optimizer, attention=args.attention,
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
-                                      activation_offloading=args.activation_offloading,
+                                      activation_offloading=args.activation_offloading, liger=args.liger,
                                       pipeline_stages=args.pipeline_stages)
     if strategies:
         req_kwargs["strategies"] = strategies
@@ -341,7 +344,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
     print(f"{spec.name} ({_human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
-          + f", {req.precision}, {req.optimizer}\n")
+          + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
              f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}"
     print(header)
@@ -407,13 +410,15 @@ def cmd_check(args) -> int:
 
     fit = None
     if args.model:
-        from toolkit.planner import fit_problems
+        from toolkit.check_fit import Pins, fit_findings
 
-        fit = lambda path: fit_problems(path, model=args.model, gpus=args.gpus, seq_len=args.seq)  # noqa: E731
-    def print_fn(line: str) -> None:  # its refusals are the one line on stderr every command gives
-        print(line, file=sys.stderr if line.startswith("error: ") else sys.stdout)
-
-    return main_check(args.files, model=args.model, gpus=args.gpus, fit=fit, print_fn=print_fn)
+        ckpt = {None: None, "on": True, "off": False}[args.checkpointing]
+        pins = Pins(micro_batch=args.micro_batch, precision=args.precision, checkpointing=ckpt)
+        fit = lambda path: fit_findings(path, model=args.model, gpus=args.gpus, seq_len=args.seq,  # noqa: E731
+                                        pins=pins)
+    elif args.micro_batch or args.precision or args.checkpointing:
+        raise UserError("--micro-batch / --precision / --checkpointing pin the fit check; give --model and --gpus too")
+    return main_check(args.files, gpus=args.gpus, runner=args.runner, fit=fit, strict=args.strict, as_json=args.json)
 
 
 def cmd_launch(args) -> int:
@@ -542,6 +547,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU spec, e.g. 8xH100-80GB (process counts; with --model, the fit)")
     p.add_argument("--seq", type=int_arg("--seq", bounds.SEQ),
                    help="sequence length for the fit check (plan dirs carry their own)")
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
+                   help="fit check: samples per GPU, where the files leave it to the runner")
+    p.add_argument("--precision", help="fit check: fp32 | bf16 | fp16 | bf16-pure, where the files leave it open")
+    p.add_argument("--checkpointing", choices=("on", "off"), help="fit check: activation checkpointing")
+    p.add_argument("--runner", choices=("trainer", "accelerate", "deepspeed"),
+                   help="who reads a DeepSpeed JSON: its failures become errors (default: every runner that can)")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too (notes never fail)")
+    p.add_argument("--json", action="store_true", help="findings as one JSON object on stdout")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("launch", help="run (or rehearse on CPU) an emitted plan")

@@ -137,6 +137,8 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)
     key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing)
+    if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
+        key += ("liger",)
     if key not in _TRACE_CACHE:
         from dataclasses import replace
 
@@ -151,7 +153,7 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
 
             trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                       autocast=autocast, attention=attention, device_kind=job.device_kind,
-                                      checkpointing=job.checkpointing)
+                                      checkpointing=job.checkpointing, liger=job.liger)
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace))
         if attention != job.attention:
@@ -168,7 +170,8 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
                        forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
                        backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
                        autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes,
-                       backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes)
+                       backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes,
+                       forward_grad_bytes=r1.forward_grad_bytes)
 
 
 def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
@@ -250,13 +253,17 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
     base = persistent + kept_grads + earlier
     saved = copies = cache = 0.0
+    # Gradients made in forward (Liger's fused linear cross-entropy: the LM head's, in the traced parameter dtype,
+    # which is the dtype the engine computes with), live until their region's backward.
+    early = 0.0
     for r in regions:
         extra = r.trace.forward_extra_bytes
+        early += r.trace.forward_grad_bytes
         saved += r.trace.saved_bytes
         copies += r.trace.autocast_copy_bytes if autocast else 0.0
         # Weight casts autocast caches until the forward ends without saving them for backward (checkpointed layers).
         cache += r.trace.autocast_cache_bytes if autocast else 0.0
-        peak.offer(base + saved + copies + cache + extra, f"forward ({r.name})", extra)
+        peak.offer(base + saved + copies + cache + early + extra, f"forward ({r.name})", extra)
 
     grads_done = 0.0
     remaining = saved
@@ -269,16 +276,18 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
         # The region's weight gradients that exist at its backward peak, and all it creates, as traced (a tied
         # head creates the embedding matrix's gradient), scaled from the traced parameter dtype to the bytes of
         # gradient this engine creates per parameter.
-        if r.trace.grad_bytes:
+        if r.trace.grad_bytes or r.trace.forward_grad_bytes:
             at_peak = r.trace.backward_grad_bytes * grad_scale
-            created = r.trace.grad_bytes * grad_scale
+            created = (r.trace.grad_bytes + r.trace.forward_grad_bytes) * grad_scale
         else:
             at_peak, created = 0.0, r.params * grad_bytes_per_param
         before = 0.0 if accumulating else grads_done + at_peak
-        peak.offer(base + engine_now + remaining + remaining_copies + before + extra, f"backward ({r.name})", extra)
+        peak.offer(base + engine_now + remaining + remaining_copies + early + before + extra,
+                   f"backward ({r.name})", extra)
         grads_done += created
+        early -= r.trace.forward_grad_bytes
         after = 0.0 if accumulating else grads_done
-        peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + after,
+        peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + early + after,
                    f"backward ({r.name})", 0.0)
         remaining -= r.trace.saved_bytes
         remaining_copies -= r.trace.autocast_copy_bytes if autocast else 0.0
@@ -396,6 +405,11 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/memory.py"),
         Term("allocator margin", margin, f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak"),
     ]
+    forward_grads = sum(r.trace.forward_grad_bytes for r in regions)
+    if forward_grads:
+        terms.insert(5, Term("LM-head gradient made in forward", int(forward_grads),
+                             "Liger's fused linear cross-entropy computes it chunk by chunk in forward and holds it "
+                             "until backward (toolkit.liger); part of the peak from the head's forward on"))
     ranks_per_node = hw.gpus_per_node
     notes = list(trace.notes) + list(spec.notes)
     if stage is not None:

@@ -89,6 +89,8 @@ class Plan:
     """How torch's optimizer runs its step (DDP / FSDP2; toolkit.savers)."""
     activation_offloading: bool = False
     """Decoder layers' saved activations in host RAM (TRL's activation_offloading)."""
+    liger: bool = False
+    """Liger kernels (the HF Trainer's use_liger_kernel=True): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE."""
 
     # --- hardware ---------------------------------------------------------------------------------------------------
     gpu: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")

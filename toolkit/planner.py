@@ -83,6 +83,7 @@ class Request:
     """None: let the planner choose; True/False: force it."""
     optimizer_impl: str = "fused"
     activation_offloading: bool = False
+    liger: bool = False
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
 
@@ -94,7 +95,8 @@ class Request:
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
-            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl)
+            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
+            liger=self.liger)
 
 
 def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:
@@ -179,6 +181,12 @@ def _need(c: Candidate) -> float:
 
 def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
     """One best candidate per strategy (and per stage count for pipeline plans), feasible first by tokens/s."""
+    if req.liger:
+        from toolkit.liger import liger_problem
+
+        problem = liger_problem(spec.model_type)
+        if problem:
+            raise UserError(problem)
     strategies = [parse_strategy(s) for s in req.strategies]
     if hw.world_size == 1:
         strategies = [s for s in strategies if s.kind == "ddp" or s.offloads] or strategies
@@ -187,7 +195,8 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
     for strategy in strategies:
         key = strategy.name
-        problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading)
+        problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
+                              liger=req.liger)
         grids = _grids(strategy, spec, hw, req) if problem is None else problem
         if isinstance(grids, str):
             refused[key] = _refusal(strategy, req, hw, grids)
@@ -204,7 +213,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                     job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
                               optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
                               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
-                              activation_offloading=req.activation_offloading)
+                              activation_offloading=req.activation_offloading, liger=req.liger)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     if _better(cand, best.get(key)):
                         best[key] = cand
@@ -245,7 +254,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
         grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
         optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
         attention=spec.effective_attention(c.job.attention), optimizer_impl=c.job.optimizer_impl,
-        activation_offloading=c.job.activation_offloading, gpu=hw.gpu.name,
+        activation_offloading=c.job.activation_offloading, liger=c.job.liger, gpu=hw.gpu.name,
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
         notes=[n.replace("\n", " ") for n in notes])
     return plan.with_prediction(predicted)
@@ -263,7 +272,7 @@ def predict_plan(plan: "Plan") -> "Plan":
     job = Job(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
               attention=plan.attention, optimizer_impl=plan.optimizer_impl,
-              activation_offloading=plan.activation_offloading)
+              activation_offloading=plan.activation_offloading, liger=plan.liger)
     from toolkit.job import check_job
 
     check_job(spec, job, hw, strategy, pipeline_stages=plan.pipeline_stages)
@@ -282,97 +291,3 @@ def _jsonable(obj: Any) -> Any:
     import json
 
     return json.loads(json.dumps(obj, default=str))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# `toolkit check --model M --gpus SPEC`: does the model fit the configuration a file describes?
-
-
-def _strategy_from_ds(ds: dict[str, Any]) -> Strategy:
-    zero = ds.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0) or 0)
-    opt_dev = (zero.get("offload_optimizer") or {}).get("device", "none") or "none"
-    par_dev = (zero.get("offload_param") or {}).get("device", "none") or "none"
-    if stage == 0:
-        return Strategy("ddp")
-    return Strategy(f"zero{stage}", offload_optimizer=opt_dev if opt_dev in ("cpu", "nvme") else "none",
-                    offload_params=par_dev if par_dev in ("cpu", "nvme") else "none")
-
-
-def _int_or(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and value > 0 else default
-
-
-def _settings_of(path: str) -> dict[str, Any]:
-    """Strategy, micro-batch, accumulation and precision a plan dir / DeepSpeed JSON / accelerate YAML states."""
-    import json
-    from pathlib import Path
-
-    import yaml
-
-    from toolkit.plan import load_plan
-
-    p = Path(path)
-    if p.is_dir() or p.name == "plan.json":
-        plan = load_plan(p)
-        return dict(strategy=parse_strategy(plan.strategy), micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
-                    precision=plan.precision, seq_len=plan.seq_len, stages=plan.pipeline_stages,
-                    partition=plan.partition, checkpointing=plan.checkpointing)
-    text = p.read_text()
-    if p.suffix == ".json":
-        ds = json.loads(text)
-        precision = "bf16" if (ds.get("bf16") or {}).get("enabled") is True else \
-            "fp16" if (ds.get("fp16") or {}).get("enabled") is True else "fp32"
-        return dict(strategy=_strategy_from_ds(ds), micro_batch=_int_or(ds.get("train_micro_batch_size_per_gpu"), 1),
-                    grad_accum=_int_or(ds.get("gradient_accumulation_steps"), 1), precision=precision)
-    cfg = yaml.safe_load(text) or {}
-    ds_file = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
-    if ds_file:
-        ds_path = Path(ds_file) if Path(ds_file).is_absolute() else p.parent / ds_file
-        if ds_path.is_file():
-            return _settings_of(str(ds_path))
-    precision = {"bf16": "bf16", "fp16": "fp16"}.get(str(cfg.get("mixed_precision", "no")), "fp32")
-    if cfg.get("distributed_type") == "FSDP":
-        fsdp = cfg.get("fsdp_config") or {}
-        mode = "full" if fsdp.get("fsdp_reshard_after_forward", True) in (True, "FULL_SHARD") else "grad_op"
-        return dict(strategy=Strategy("fsdp2", fsdp_mode=mode), micro_batch=1, grad_accum=1, precision=precision)
-    return dict(strategy=Strategy("ddp"), micro_batch=1, grad_accum=1, precision=precision)
-
-
-def fit_problems(path: str, *, model: str, gpus: str | None, seq_len: int | None = None) -> list[str]:
-    """One line per GPU (or host) that the described configuration would overflow with `model`."""
-    from toolkit.hardware import parse_hardware
-    from toolkit.modelspec import resolve_model
-
-    if not gpus:
-        raise UserError("--model needs --gpus with a GPU type, e.g. --gpus 8xH100-80GB")
-    try:
-        s = _settings_of(path)
-    except (OSError, ValueError) as exc:
-        return [f"cannot read the settings for the fit check: {exc}"]
-    hw = parse_hardware(gpus)
-    spec = resolve_model(model)
-    from toolkit.job import check_job, default_seq_len
-
-    seq, _ = default_seq_len(spec, seq_len or s.get("seq_len"))
-    job = Job(seq_len=seq, micro_batch=s["micro_batch"], grad_accum=s["grad_accum"], precision=s["precision"],
-              checkpointing=bool(s.get("checkpointing", False)))
-    stages = s.get("stages", 1)
-    try:
-        check_job(spec, job, hw, s["strategy"], pipeline_stages=stages)
-    except UserError as exc:
-        return [f"{spec.name}: {exc}"]
-    partition = s.get("partition")
-    if s["strategy"].is_pipeline and partition is None:
-        partition = ParallelGrid.for_strategy(s["strategy"], nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
-                                              pipeline_stages=stages).partition(spec)
-    memory = estimate_memory(spec, s["strategy"], job, hw, pipeline_stages=stages, partition=partition)
-    problems = []
-    if not memory.fits:
-        problems.append(f"{spec.name} with {s['strategy'].name}, micro-batch {job.micro_batch}, seq {seq}: needs "
-                        f"{memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU "
-                        f"(run `toolkit plan {model} --gpus {gpus} --seq {seq} ...` for one that fits)")
-    if memory.cpu_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
-        problems.append(f"offload needs {memory.cpu_bytes_per_node / GIB:.0f} GiB host RAM per node of "
-                        f"{hw.cpu_ram_bytes_per_node / GIB:.0f}")
-    return problems

@@ -41,11 +41,12 @@ _FLASH_STANDIN = "toolkit_fa2_standin"  # no "flash" in the name: transformers w
 
 def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                       autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
-                      checkpointing: bool = False) -> ActivationTrace:
+                      checkpointing: bool = False, liger: bool = False) -> ActivationTrace:
     """Bytes the model keeps for backward, region by region, for one micro-batch of `micro_batch` x `seq_len`.
 
     `config` is any decoder-only causal-LM config; it is not modified. The batch has no attention mask (unpadded
     fixed-length sequences, as the Trainer feeds packed or truncated text) and the labels are the inputs.
+    `liger`: the model patched as the Trainer's use_liger_kernel does, with toolkit.liger's substitutes.
     """
     import torch
 
@@ -71,7 +72,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     with _trace_environment(attention, device_kind, notes, cuda_autocast=cuda_autocast) as attn_impl:
         try:
             run = _run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
-                                 micro_batch, seq_len, checkpointing, notes)
+                                 micro_batch, seq_len, checkpointing, notes, liger=liger,
+                                 device_kind=device_kind)
         except (DynamicOutputShapeException, DataDependentOutputException) as exc:
             raise NotImplementedError(
                 f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
@@ -87,6 +89,14 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                                                                     if cuda_autocast else ""))
     notes.append(f"traced {traced_count} of {len(full_kinds)} layers, expanded by layer kind")
     notes.append("batch without attention mask (unpadded sequences); labels = inputs")
+    if liger:
+        from toolkit.liger import LIGER_SOURCE
+
+        notes.append(f"Liger kernels (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) traced with substitutes "
+                     f"that save what {LIGER_SOURCE} saves" + (" and allocate what its kernels allocate"
+                                                               if device_kind == "cuda" else
+                                                               "; device_kind cpu: the substitutes' own CPU run "
+                                                               "(Liger's Triton kernels do not run on CPU)"))
 
     layers = tuple(run.layers[_traced_index_for(i, full_kinds, traced_count)] for i in range(len(full_kinds)))
     return ActivationTrace(
@@ -271,6 +281,7 @@ def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copies: dict[
 @dataclass
 class _Region:
     saved_bytes: int = 0
+    forward_grad_bytes: int = 0
     autocast_copy_bytes: int = 0
     autocast_cache_bytes: int = 0
 
@@ -293,15 +304,19 @@ def _tensors_in(obj):
 
 
 def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
-                   checkpointing: bool, notes: list[str]) -> _Run:
+                   checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda") -> _Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
     n = _num_layers(config)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as patches:
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
         model.train()
+        if liger:
+            from toolkit.liger import liger_applied
+
+            patches.enter_context(liger_applied(model, gpu_footprint=device_kind == "cuda"))
         layers = _decoder_layers(model, n)
         kinds = tuple(_layer_kind(layer, settings) for layer, settings in zip(layers, _per_layer_settings(config, n)))
         if checkpointing:
@@ -314,6 +329,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
         regions = {name: _Region() for name in ("embedding", *(f"layer{i}" for i in range(n)), "head")}
         state = {"region": "embedding", "phase": "forward"}
         charged: set = set()
+        charged_serials: list[tuple[str, int, int]] = []  # (region, serial, bytes) of saved storages
 
         def charge(t, region_name: str | None = None) -> None:
             st = t.untyped_storage()
@@ -330,6 +346,8 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
                 region.autocast_copy_bytes += st.nbytes()
             else:
                 region.saved_bytes += st.nbytes()
+                if serial is not None:
+                    charged_serials.append((region_name or state["region"], serial, st.nbytes()))
 
         def pack(t):
             if state["phase"] == "forward":
@@ -396,6 +414,14 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
         grad_serials = {log.serial_of(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
         loss_bytes = loss.untyped_storage().nbytes()
 
+    # A saved storage that ends as a parameter's .grad was a gradient made in forward (Liger's fused linear
+    # cross-entropy computes the LM head's weight gradient there): the memory model counts it apart from the
+    # activations, from that forward until its region's backward turns it into the parameter's gradient.
+    for name, serial, nbytes in charged_serials:
+        if serial in grad_serials:
+            regions[name].saved_bytes -= nbytes
+            regions[name].forward_grad_bytes += nbytes
+
     curve = log.live_curve(grad_serials - {None})
     grad_curve = [0, *accumulate(d if s in grad_serials else 0 for s, d in log.events)]
     marks = log.marks
@@ -418,7 +444,8 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
                            backward_extra_bytes=backward_extra,
                            autocast_copy_bytes=region.autocast_copy_bytes,
                            autocast_cache_bytes=region.autocast_cache_bytes,
-                           backward_grad_bytes=grads_at_peak, grad_bytes=grads)
+                           backward_grad_bytes=grads_at_peak, grad_bytes=grads,
+                           forward_grad_bytes=region.forward_grad_bytes)
 
     embedding = region_trace("embedding", ("f:embedding", "f:layer0"), ("be:layer0", "b:end"))
     layer_traces = [region_trace(f"layer{i}", (f"f:layer{i}", f"e:layer{i}"), (f"b:layer{i}", f"be:layer{i}"))
