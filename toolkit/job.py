@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from toolkit.errors import UserError
+from toolkit.lora import FULL, Adapter
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-pure"]
 Optimizer = Literal["adamw", "adamw-8bit", "sgd", "adafactor"]
@@ -34,6 +35,8 @@ class Job:
     attention: Attention = "sdpa"
     device_kind: DeviceKind = "cuda"
     """Whose kernels' saved tensors to model: the GPU kernels (default) or the real CPU dispatch."""
+    adapter: Adapter = FULL
+    """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.lora)."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -53,6 +56,10 @@ class Job:
     @property
     def compute_dtype_name(self) -> str:
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16-pure": "bfloat16"}[self.precision]
+
+    @property
+    def method(self) -> str:
+        return self.adapter.method
 
     @property
     def tokens_per_micro_batch(self) -> int:
