@@ -170,14 +170,17 @@ def peft_model_on_meta(config, adapter: Adapter):
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     quantized = _quantized_linears(model) if adapter.method == "qlora" else {}
+    names = sorted({n.rsplit(".", 1)[-1] for n in _linear_modules(model)})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peft_model = get_peft_model(model, adapter.lora_config(), low_cpu_mem_usage=True)
     except ValueError as exc:
-        names = sorted({n.rsplit(".", 1)[-1] for n in _linear_modules(model)})
-        raise UserError(f"--lora-targets {adapter.targets}: {str(exc).splitlines()[0][:120]}; name modules "
-                        f"{type(model).__name__} has ({','.join(names)}) or use all-linear") from None
+        message = str(exc).splitlines()[0][:160]
+        if "not found" in message:
+            raise UserError(f"--lora-targets {adapter.targets}: {message}; name modules {type(model).__name__} "
+                            f"has ({','.join(names)}) or use all-linear") from None
+        raise UserError(f"PEFT refuses this LoRA setting for {type(model).__name__}: {message}") from None
     return peft_model, quantized
 
 
@@ -269,3 +272,30 @@ def print_trainable_parameters_line(peft_model) -> str:
     with contextlib.redirect_stdout(buf):
         peft_model.print_trainable_parameters()
     return buf.getvalue().strip()
+
+
+def counts_for_spec(spec, adapter: Adapter) -> AdapterCounts:
+    """adapter_counts of a ModelSpec's model, kept in the on-disk cache (toolkit.cache) when the spec has a source
+    key: building a 70B model on the meta device and wrapping it takes seconds."""
+    from dataclasses import asdict
+
+    from toolkit import cache
+
+    key = None
+    if spec.source_key:
+        from importlib import metadata
+
+        key = [spec.source_key, adapter.to_dict(), metadata.version("peft")]
+        stored = cache.get("lora_counts", key)
+        if stored is not None:
+            return AdapterCounts(**{**stored, "per_layer": tuple(stored["per_layer"])})
+    counts = adapter_counts(spec.hf_config(), adapter, cache_key=spec.source_key)
+    if key is not None:
+        cache.put("lora_counts", key, asdict(counts))
+    return counts
+
+
+def base_storage_bytes_per_param(precision: str) -> int:
+    """Bytes per frozen base parameter as toolkit.train loads it (and DeepSpeed / FSDP2 keep it): the compute
+    dtype, fp32 only for fp32 jobs."""
+    return 4 if precision == "fp32" else 2

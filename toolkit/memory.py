@@ -19,7 +19,7 @@ from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
-from toolkit.states import States, ddp_states, fsdp2_states, pipeline_states, zero_states
+from toolkit.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
 from toolkit.strategy import Strategy
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
@@ -115,13 +115,18 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)
-    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing)
+    adapter = job.adapter if job.adapter.is_adapter else None
+    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing, adapter)
     if key not in _TRACE_CACHE:
         from dataclasses import replace
 
         from toolkit import cache
 
-        disk_key = [spec.source_key, *key[1:]] if spec.source_key else None
+        disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
+        if disk_key and adapter is not None:
+            from importlib import metadata
+
+            disk_key += [adapter.to_dict(), metadata.version("peft")]
         stored = cache.get("trace", disk_key) if disk_key else None
         if stored is not None:
             trace = trace_from_dict(stored)
@@ -130,7 +135,7 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
 
             trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                       autocast=autocast, attention=attention, device_kind=job.device_kind,
-                                      checkpointing=job.checkpointing)
+                                      checkpointing=job.checkpointing, adapter=adapter)
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace))
         if attention != job.attention:
@@ -268,7 +273,28 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     return peak, saved_total * in_flight + stash_bytes, copies_total
 
 
+def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, dp: int) -> States:
+    from toolkit.lora import base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes
+
+    if strategy.is_pipeline:
+        raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
+                        "offload variants), not the pipeline engine; choose one of those strategies")
+    counts = counts_for_spec(spec, job.adapter)
+    base = frozen_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+    return adapter_states(
+        counts.trainable_params, base, job, strategy, dp=dp, hidden=spec.hidden, total_params=counts.all_params,
+        largest_layer=spec.largest_layer_params, layer_total_params=max(spec.layer_params) + max(counts.per_layer),
+        root_total_params=spec.pre_layer_params + spec.post_layer_params,
+        layer_trainable_params=max(counts.per_layer),
+        root_trainable_params=counts.pre_layer_trainable + counts.post_layer_trainable,
+        shard=hw.gpus_per_node if strategy.fsdp_mode == "hybrid" else dp,
+        prefetch_layers=2 if job.device_kind == "cuda" else 1,
+        base_shardable=job.adapter.method != "qlora" or job.adapter.quant_storage != "uint8")
+
+
 def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:
+    if job.adapter.is_adapter:
+        return _adapter_states(spec, strategy, job, hw, dp=dp)
     fe = int(params * spec.factored_state_fraction)
     if strategy.engine == "ddp":
         return ddp_states(params, job, world=hw.world_size, factored_elems=fe)
@@ -314,6 +340,16 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     else:
         dp = world
     trace = scaled_trace(spec, job, strategy)
+    if job.adapter.is_adapter:
+        from toolkit.lora import counts_for_spec
+
+        states = _adapter_states(spec, strategy, job, hw, dp=dp)
+        counts = counts_for_spec(spec, job.adapter)
+        # Gradients exist only for the trainable parameters: regions carry those counts.
+        regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
+                   *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),
+                   _Region("head + loss", counts.post_layer_trainable, trace.head)]
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
     if not strategy.is_pipeline:
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states = _states_for(spec, strategy, job, hw, params=spec.params, dp=dp)

@@ -74,6 +74,14 @@ class Plan:
     predicted: dict[str, Any] = field(default_factory=dict)
     """peak_bytes, per-component bytes, cpu_bytes_per_node, step_time_s, tokens_per_s, ... (planner output)."""
     notes: list[str] = field(default_factory=list)
+    # --- training method (LoRA / QLoRA, toolkit.lora); the defaults describe full fine-tuning, so older plans load
+    method: str = "full"
+    """full | lora | qlora."""
+    adapter: dict[str, Any] = field(default_factory=dict)
+    """toolkit.lora.Adapter fields: r, alpha, dropout, targets, modules_to_save, quant_type, double_quant,
+    compute_dtype, quant_storage (empty for full fine-tuning)."""
+    trainable_params: int = 0
+    """Parameters that get gradients (PEFT's count for adapters; 0 means all, as in full fine-tuning)."""
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
 from toolkit.job import Job
+from toolkit.lora import FULL, Adapter
 from toolkit.memory import Breakdown, estimate_memory, states_floor_bytes
 from toolkit.modelspec import ModelSpec
 from toolkit.plan import Plan
@@ -78,6 +79,8 @@ class Request:
     """None: let the planner choose; True/False: force it."""
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
+    adapter: Adapter = FULL
+    """Training method (full, LoRA, QLoRA) and its settings."""
 
     def __post_init__(self) -> None:
         if self.global_batch is None and self.micro_batch is None:
@@ -178,6 +181,8 @@ def _check_hardware(strategy: Strategy, req: Request, hw: Hardware) -> str | Non
         return f"{hw.gpu.name} has no bf16; use --precision fp16 or fp32"
     if strategy.is_pipeline and req.precision == "bf16-pure":
         return "pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
+    if strategy.is_pipeline and req.adapter.is_adapter:
+        return f"{req.adapter.method} trains through PEFT on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline engine"
     return None
 
 
@@ -249,7 +254,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                 for ckpt in ckpt_options:
                     job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
                               optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
-                              device_kind=req.device_kind)
+                              device_kind=req.device_kind, adapter=req.adapter)
                     cand = evaluate(spec, hw, strategy, job, stages=stages, dp=dp, partition=partition)
                     if _better(cand, best.get(key)):
                         best[key] = cand
@@ -265,7 +270,8 @@ def _rank_key(c: Candidate):
 
 def _refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str) -> Candidate:
     job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
-              precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind)
+              precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind,
+              adapter=req.adapter)
     return Candidate(strategy=strategy, job=job, pipeline_stages=1, data_parallel=hw.world_size,
                      global_batch=req.global_batch or 0, reason=reason)
 
@@ -291,7 +297,17 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> Pla
         grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
         optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
         attention=spec.effective_attention(c.job.attention), gpu=hw.gpu.name,
-        predicted=predicted, notes=notes)
+        predicted=predicted, notes=notes, **_adapter_fields(c.job, spec))
+
+
+def _adapter_fields(job: Job, spec: ModelSpec) -> dict[str, Any]:
+    """plan.json's method fields (defaults describe full fine-tuning)."""
+    if not job.adapter.is_adapter:
+        return {}
+    from toolkit.lora import counts_for_spec
+
+    return {"method": job.adapter.method, "adapter": job.adapter.to_dict(),
+            "trainable_params": counts_for_spec(spec, job.adapter).trainable_params}
 
 
 def _jsonable(obj: Any) -> Any:
