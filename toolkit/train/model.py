@@ -108,15 +108,24 @@ def check_vocab(config: Any, tokenizer: Any, source: str) -> None:
                         "use the model's own tokenizer")
 
 
-def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, attention: str):
+def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, attention: str, adapter=None):
     """Create the model. Under ZeRO-3 the caller must keep TrainingArguments(deepspeed=...) alive first, so
-    transformers' HfDeepSpeedConfig makes from_pretrained / from_config partition under deepspeed.zero.Init."""
+    transformers' HfDeepSpeedConfig makes from_pretrained / from_config partition under deepspeed.zero.Init.
+    With a LoRA / QLoRA `adapter` the frozen base is loaded in the compute dtype (4-bit for QLoRA)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     # bf16-pure trains bf16 weights (and optimizer states); mixed precision keeps fp32 master weights.
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
     kwargs = dict(dtype=dtype, attn_implementation=attention)
+    if adapter is not None:
+        from toolkit.train.adapters import base_dtype, quantization_config
+
+        kwargs["dtype"] = base_dtype(plan)
+        if adapter.method == "qlora":
+            if random_init:
+                raise UserError("--qlora quantises pretrained weights; it cannot start from --random-init")
+            kwargs["quantization_config"] = quantization_config(adapter)
     try:
         if random_init or Path(source).expanduser().is_file():
             return AutoModelForCausalLM.from_config(config, **kwargs)
