@@ -326,11 +326,25 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
               f"{t.step_time_s:>9.2f}{t.tokens_per_s:>11,.0f}{t.mfu:>6.0%}")
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
+    _note_adapter_ddp(req, [c for c in candidates if c.feasible])
     refused = [c for c in candidates if not c.feasible]
     if refused:
         print("\nnot possible:")
         for c in refused:
             print(f"  {c.strategy.name}: {c.reason}")
+
+
+def _note_adapter_ddp(req, feasible) -> None:
+    """LoRA / QLoRA: gradients and optimizer states are the adapters' only, so sharding them saves little and DDP
+    (no gathers) is usually as fast as the best; say so when it is."""
+    if not req.adapter.is_adapter or not feasible:
+        return
+    ddp = next((c for c in feasible if c.strategy.name == "ddp"), None)
+    best = feasible[0]
+    if ddp is not None and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
+        print(f"\nnote: with {req.adapter.method} only the adapters have gradients and optimizer states; DDP is "
+              f"within 1% of the fastest ({best.name}) and needs {ddp.memory.required_bytes / GIB:.1f} GiB vs "
+              f"{best.memory.required_bytes / GIB:.1f}: choose it with --choose ddp for the simplest run")
 
 
 # ----------------------------------------------------------------------------------------------------------------

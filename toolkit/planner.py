@@ -349,7 +349,8 @@ def _settings_of(path: str) -> dict[str, Any]:
         plan = load_plan(p)
         return dict(strategy=parse_strategy(plan.strategy), micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                     precision=plan.precision, seq_len=plan.seq_len, stages=plan.pipeline_stages,
-                    partition=plan.partition, checkpointing=plan.checkpointing)
+                    partition=plan.partition, checkpointing=plan.checkpointing,
+                    adapter=Adapter(**plan.adapter) if plan.method != "full" and plan.adapter else FULL)
     text = p.read_text()
     if p.suffix == ".json":
         ds = json.loads(text)
@@ -386,7 +387,7 @@ def fit_problems(path: str, *, model: str, gpus: str | None, seq_len: int | None
     spec = resolve_model(model)
     seq = seq_len or s.get("seq_len") or min(spec.max_positions or 2048, 2048)
     job = Job(seq_len=seq, micro_batch=s["micro_batch"], grad_accum=s["grad_accum"], precision=s["precision"],
-              checkpointing=bool(s.get("checkpointing", False)))
+              checkpointing=bool(s.get("checkpointing", False)), adapter=s.get("adapter", FULL))
     stages = s.get("stages", 1)
     partition = s.get("partition")
     if s["strategy"].is_pipeline and partition is None:
