@@ -223,23 +223,13 @@ def adapter_counts(config, adapter: Adapter, *, cache_key: str | None = None) ->
             per_module[module] = per_module.get(module, 0) + p.numel()
         else:
             saved += p.numel()
+    from toolkit.modelspec import _decoder_layers, outside_layer_params
+
     base = peft_model.get_base_model()
-    layers = _decoder_layer_list(base)
-    layer_ids = {id(p) for p in layers.parameters()}
+    layers = _decoder_layers(base)
     per_layer = tuple(sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers)
-    # Trainable parameters outside the layers, before or after them (modules_to_save such as embed_tokens / lm_head).
-    pre = post = 0
-    passed = False
-    for module_name, module in base.named_modules():
-        if module is layers:
-            passed = True
-            continue
-        for p in module.parameters(recurse=False):
-            if id(p) not in layer_ids and p.requires_grad:
-                if passed or module_name.split(".")[-1] in ("lm_head", "norm", "ln_f") or "lm_head" in module_name:
-                    post += p.numel()
-                else:
-                    pre += p.numel()
+    # Trainable parameters outside the layers (modules_to_save such as embed_tokens / lm_head).
+    pre, post = outside_layer_params(base, layers, wanted=lambda p: p.requires_grad)
     counts = AdapterCounts(
         trainable_params=trainable, all_params=total, adapter_params=adapter_params, saved_module_params=saved,
         frozen_params=total - trainable, quantized_params=sum(quantized.values()),
@@ -250,12 +240,6 @@ def adapter_counts(config, adapter: Adapter, *, cache_key: str | None = None) ->
         pre_layer_trainable=pre, post_layer_trainable=post)
     _COUNTS_CACHE[key] = counts
     return counts
-
-
-def _decoder_layer_list(model):
-    from toolkit.modelspec import _decoder_layers
-
-    return _decoder_layers(model)
 
 
 def frozen_base_bytes(counts: AdapterCounts, adapter: Adapter, storage_bytes_per_param: float) -> float:

@@ -339,17 +339,19 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
         dp = world // pipeline_stages
     else:
         dp = world
-    trace = scaled_trace(spec, job, strategy)
     if job.adapter.is_adapter:
         from toolkit.lora import counts_for_spec
 
-        states = _adapter_states(spec, strategy, job, hw, dp=dp)
+        # Counts first: they check the adapter against the model (one clear error for unknown target modules).
         counts = counts_for_spec(spec, job.adapter)
+        states = _adapter_states(spec, strategy, job, hw, dp=dp)
+        trace = scaled_trace(spec, job, strategy)
         # Gradients exist only for the trainable parameters: regions carry those counts.
         regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
                    *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),
                    _Region("head + loss", counts.post_layer_trainable, trace.head)]
         return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
+    trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states = _states_for(spec, strategy, job, hw, params=spec.params, dp=dp)
