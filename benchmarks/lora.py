@@ -119,8 +119,9 @@ def main() -> int:
               "toolkit.train (which leaves them in bf16), and fits shorter sequences.",
               "- Longest sequences: ours are 1.3-1.8x Unsloth's HF + FA2 baseline. Not measured here (this session had no "
               "GPU; benchmarks/gpu_check.py --qlora is the check to run). Known differences: the baseline's recipe "
-              "(prepare_model_for_kbit_training
-              "use 8-bit AdamW and gradient checkpointing) and padding to the length; our activations are traced "
+              "(if it calls peft.prepare_model_for_kbit_training, embeddings, LM head and norms are upcast to fp32; "
+              "the page does not state the optimizer or checkpointing) and padding to the length; our activations "
+              "are traced "
               "and within 3% of real tensors on CPU (tests/test_lora.py), the CUDA context and allocator margin "
               "are assumed (toolkit/memory.py).",
               "- Answer.AI's 70B on 2 x 24 GB also offloads parameters to CPU; toolkit plans FSDP2 without CPU "
