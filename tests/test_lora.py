@@ -11,21 +11,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from toolkit.lora import Adapter, adapter_counts, peft_model_on_meta, print_trainable_parameters_line
+from toolkit.lora import (Adapter, adapter_counts, counts_of_peft_model, peft_model_on_meta,
+                          print_trainable_parameters_line)
 from toolkit.modelspec import catalog_names, load_config
 
 
 def _attention_targets(config) -> str:
     """The linear modules inside each layer's attention block, by name (q_proj,k_proj,... / c_attn,c_proj / qkv_proj)."""
-    model, _ = peft_model_on_meta(config, Adapter(method="lora", dropout=0.0, targets="all-linear"))
-    names = set()
-    for name, _m in model.get_base_model().named_modules():
-        if ".lora_" in name or not re.search(r"\.(self_attn|attn|attention)\.", name + "."):
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in ("base_layer", "self_attn", "attn", "attention") and hasattr(_m, "base_layer"):
-            names.add(leaf)
-    return ",".join(sorted(names))
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config)
+    return ",".join(sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                            if isinstance(m, (torch.nn.Linear, Conv1D))
+                            and re.search(r"\.(self_attn|attn|attention)\.", name)}))
 
 
 def _targets(config) -> list[Adapter]:
@@ -39,8 +41,8 @@ def _targets(config) -> list[Adapter]:
 def test_trainable_counts_equal_peft_for_every_catalog_model(name):
     config = load_config(name)
     for adapter in _targets(config):
-        counts = adapter_counts(config, adapter)
-        peft_model, _ = peft_model_on_meta(config, adapter)
+        peft_model, quantized = peft_model_on_meta(config, adapter)
+        counts = counts_of_peft_model(peft_model, quantized, adapter)
         line = print_trainable_parameters_line(peft_model)
         printed = dict(re.findall(r"(trainable params|all params): ([\d,]+)", line))
         assert counts.trainable_params == int(printed["trainable params"].replace(",", "")), (name, adapter, line)
@@ -58,6 +60,7 @@ def test_trainable_counts_equal_peft_for_every_catalog_model(name):
             head = peft_model.get_base_model().get_output_embeddings()
             assert counts.saved_module_params == head.weight.numel()
         assert counts.frozen_params == counts.all_params - counts.trainable_params
+    assert adapter_counts(config, adapter) == counts  # the entry point the estimator uses
 
 
 def test_4bit_bytes_match_real_bitsandbytes_tensors():

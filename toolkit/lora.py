@@ -210,7 +210,13 @@ def adapter_counts(config, adapter: Adapter, *, cache_key: str | None = None) ->
     key = (cache_key or config.to_json_string(use_diff=False), adapter)
     if key in _COUNTS_CACHE:
         return _COUNTS_CACHE[key]
-    peft_model, quantized = peft_model_on_meta(config, adapter)
+    counts = counts_of_peft_model(*peft_model_on_meta(config, adapter), adapter)
+    _COUNTS_CACHE[key] = counts
+    return counts
+
+
+def counts_of_peft_model(peft_model, quantized: dict[str, int], adapter: Adapter) -> AdapterCounts:
+    """AdapterCounts of a model peft_model_on_meta built."""
     trainable, total = peft_model.get_nb_trainable_parameters()
     per_module: dict[str, int] = {}
     adapter_params = saved = 0
@@ -238,7 +244,6 @@ def adapter_counts(config, adapter: Adapter, *, cache_key: str | None = None) ->
                                                  quant_storage=adapter.quant_storage) for n in quantized.values()),
         per_module=dict(sorted(per_module.items())), per_layer=per_layer,
         pre_layer_trainable=pre, post_layer_trainable=post)
-    _COUNTS_CACHE[key] = counts
     return counts
 
 
