@@ -102,6 +102,14 @@ def test_lora_zero3_resume_is_exact(run_training, lora_runs, tiny_llama_dir, cor
         assert got[step] == pytest.approx(want[step], abs=1e-6), (step, got, want)
 
 
+def test_rehearsal_plan_keeps_the_method(tiny_llama_dir):
+    from toolkit.train.rehearsal import rehearsal_plan
+
+    plan = _plan(tiny_llama_dir, "fsdp2").replace(method="qlora", adapter={**ADAPTER.to_dict(), "method": "qlora"})
+    small, _ = rehearsal_plan(plan, tiny_llama_dir)
+    assert (small.method, small.adapter) == ("qlora", plan.adapter)
+
+
 def test_train_flags_choose_the_adapter(tiny_llama_dir):
     from toolkit.errors import UserError
     from toolkit.train.adapters import adapter_for_run

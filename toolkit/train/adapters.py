@@ -38,9 +38,10 @@ def adapter_for_run(plan, args) -> Adapter | None:
             and adapter.quant_storage == "uint8":
         raise UserError("QLoRA under ZeRO-3 needs a floating 4-bit storage dtype to partition the base; plan with "
                         "--qlora-quant-storage bfloat16")
-    if args.merge_final and args.random_init:
-        raise UserError("--merge-final merges the adapter into the base weights, which a --random-init run does not "
-                        "save; drop one of them")
+    if args.merge_final and (args.random_init or adapter.method == "qlora"):
+        raise UserError("--merge-final merges the adapter into saved 16-bit base weights: a --random-init run has "
+                        "none and a QLoRA base is 4-bit; drop --merge-final (merge onto the original weights with "
+                        "PeftModel.merge_and_unload)")
     return adapter
 
 

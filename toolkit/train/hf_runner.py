@@ -296,7 +296,11 @@ def save_final(trainer, tokenizer, output: Path) -> None:
     trainer.save_model(str(output))
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(str(output))
-        print(f"saved the trained model and tokenizer to {output} (load with from_pretrained)", flush=True)
+        if hasattr(trainer.model, "peft_config"):
+            print(f"saved the trained adapter (PEFT format) and tokenizer to {output} (load with "
+                  "PeftModel.from_pretrained onto the base model)", flush=True)
+        else:
+            print(f"saved the trained model and tokenizer to {output} (load with from_pretrained)", flush=True)
 
 
 def _check_world(plan: Plan, world: int) -> None:

@@ -123,9 +123,23 @@ def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, atte
 
         kwargs["dtype"] = base_dtype(plan)
         if adapter.method == "qlora":
-            if random_init:
-                raise UserError("--qlora quantises pretrained weights; it cannot start from --random-init")
             kwargs["quantization_config"] = quantization_config(adapter)
+            if random_init or Path(source).expanduser().is_file():
+                # transformers quantises weights only as it loads a checkpoint: write the random (seeded, so
+                # equal on every rank) weights to a temporary folder and load them back (rehearsals, tests).
+                # Every rank writes its own (save_pretrained writes on the main process only).
+                import tempfile
+
+                from safetensors.torch import save_model
+
+                from transformers import GenerationConfig
+
+                with tempfile.TemporaryDirectory() as tmp:
+                    config.to_json_file(str(Path(tmp) / "config.json"))
+                    GenerationConfig.from_model_config(config).to_json_file(str(Path(tmp) / "generation_config.json"))
+                    save_model(AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"]),
+                               str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+                    return AutoModelForCausalLM.from_pretrained(tmp, config=config, **kwargs)
     try:
         if random_init or Path(source).expanduser().is_file():
             return AutoModelForCausalLM.from_config(config, **kwargs)
