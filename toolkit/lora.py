@@ -129,6 +129,8 @@ class AdapterCounts:
     quantized_tensors: int
     quantized_bytes: int
     """QLoRA: bytes of those 4-bit weights with their quantisation constants (quantized_4bit_bytes per tensor)."""
+    largest_quantized_params: int = 0
+    """QLoRA: elements of the largest 4-bit weight (bitsandbytes dequantises one whole weight at a time)."""
     per_module: dict[str, int] = field(default_factory=dict)
     """Adapter parameters by target module name (e.g. "q_proj": total over all layers)."""
     per_layer: tuple[int, ...] = ()
@@ -240,6 +242,7 @@ def counts_of_peft_model(peft_model, quantized: dict[str, int], adapter: Adapter
         trainable_params=trainable, all_params=total, adapter_params=adapter_params, saved_module_params=saved,
         frozen_params=total - trainable, quantized_params=sum(quantized.values()),
         quantized_tensors=len(quantized),
+        largest_quantized_params=max(quantized.values(), default=0),
         quantized_bytes=sum(quantized_4bit_bytes(n, double_quant=adapter.double_quant,
                                                  quant_storage=adapter.quant_storage) for n in quantized.values()),
         per_module=dict(sorted(per_module.items())), per_layer=per_layer,

@@ -289,7 +289,8 @@ def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
         root_trainable_params=counts.pre_layer_trainable + counts.post_layer_trainable,
         shard=hw.gpus_per_node if strategy.fsdp_mode == "hybrid" else dp,
         prefetch_layers=2 if job.device_kind == "cuda" else 1,
-        base_shardable=job.adapter.method != "qlora" or job.adapter.quant_storage != "uint8")
+        base_shardable=job.adapter.method != "qlora" or job.adapter.quant_storage != "uint8",
+        dequantized_bytes=counts.largest_quantized_params * (4 if job.adapter.compute_dtype == "float32" else 2))
 
 
 def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:

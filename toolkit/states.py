@@ -218,7 +218,7 @@ def pipeline_states(P: int, job: Job, *, dp: int, factored_elems: int | None = N
 def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strategy, *, dp: int, hidden: int,
                    total_params: int, largest_layer: int, layer_total_params: int, root_total_params: int,
                    layer_trainable_params: int, root_trainable_params: int, shard: int, prefetch_layers: int,
-                   base_shardable: bool = True) -> States:
+                   base_shardable: bool = True, dequantized_bytes: float = 0.0) -> States:
     """LoRA / QLoRA: the trainable adapters carry the engine's usual states (weights, gradients, master, optimizer:
     the functions above with P = trainable), the frozen base only its weights, `base_bytes` in its storage dtype
     (4-bit weights with their constants for QLoRA).
@@ -263,6 +263,12 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
     else:
         raise ValueError("LoRA / QLoRA runs on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline engine")
     s.parameters += base_per_gpu
+    if dequantized_bytes:
+        # bitsandbytes MatMul4Bit dequantises the whole 4-bit weight to the compute dtype for each matmul, in
+        # forward and again in backward for the input gradient (bitsandbytes autograd/_functions.py), freed after.
+        s.backward_buffers += dequantized_bytes
+        s.sources.append(f"QLoRA: one dequantised weight ({dequantized_bytes / 2**20:.0f} MiB) live during each "
+                         "4-bit matmul")
     s.sources.insert(0, f"{job.adapter.method}: frozen base {base_bytes / 2**30:.2f} GiB in all"
                         f"{' (4-bit + constants)' if job.adapter.method == 'qlora' else ''}, "
                         f"{base_per_gpu / 2**30:.2f} GiB per GPU; {trainable:,} trainable parameters with "
