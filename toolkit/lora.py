@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.errors import UserError
+
+# peft imports bitsandbytes, whose CPU backend warns on import that an optional faster 4-bit kernel (the `kernels`
+# package) is missing: noise on every CPU command (its pure-torch path runs instead), and not one clear line.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 METHODS: tuple[str, ...] = ("full", "lora", "qlora")
 QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
