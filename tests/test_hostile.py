@@ -91,6 +91,11 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("shape: partial", "estimate", "--layers", "2", "--hidden", "64")
     add("--seq above the model's positions", "estimate", "{M}", "--seq", "100000")
 
+    # LoRA / QLoRA flags (their rules are toolkit.job's; here: that they reach the user as one line).
+    for flag, value in (("--lora-r", "0"), ("--lora-r", "1e20"), ("--lora-alpha", "nan"), ("--lora-dropout", "2"),
+                        ("--lora-dropout", "nan"), ("--lora-targets", ""), ("--method", "bogus")):
+        add(f"estimate lora {flag} {value!r}", "estimate", "{M}", "--method", "lora", flag, value)
+
     # Choices.
     for flag, value in (("--precision", "fp8"), ("--optimizer", "lion"), ("--attention", "flash9"),
                         ("--device-kind", "tpu"), ("--strategy", "zero9"), ("--strategy", "")):

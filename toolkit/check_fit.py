@@ -66,7 +66,8 @@ def fit_settings(path: str, pins: Pins = Pins()) -> FitSettings:
                            plan.seq_len, plan.pipeline_stages, plan.partition,
                            job_options=(("grad_accum", plan.grad_accum), ("optimizer", plan.optimizer),
                                         ("optimizer_impl", plan.optimizer_impl), ("liger", plan.liger),
-                                        ("activation_offloading", plan.activation_offloading)))
+                                        ("activation_offloading", plan.activation_offloading),
+                                        ("adapter", plan.adapter_spec)))
     config = read_config(p)
     if p.suffix == ".json":
         return _from_deepspeed(config, pins, f"{p.name} (a DeepSpeed JSON)")

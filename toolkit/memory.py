@@ -22,7 +22,7 @@ from toolkit.hostram import HostRam, host_ram
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
 from toolkit.savers import offload_layer_activations, optimizer_step_temporary_bytes
-from toolkit.states import States, ddp_states, fsdp2_states, pipeline_states, zero_states
+from toolkit.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
 from toolkit.strategy import Strategy
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
@@ -136,7 +136,8 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)
-    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing)
+    adapter = job.adapter if job.adapter.is_adapter else None
+    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing, adapter)
     if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
         key += ("liger",)
     if key not in _TRACE_CACHE:
@@ -144,7 +145,11 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
 
         from toolkit import cache
 
-        disk_key = [spec.source_key, *key[1:]] if spec.source_key else None
+        disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
+        if disk_key and adapter is not None:
+            from importlib import metadata
+
+            disk_key += [adapter.to_dict(), metadata.version("peft")]
         stored = cache.get("trace", disk_key) if disk_key else None
         if stored is not None:
             trace = trace_from_dict(stored)
@@ -153,7 +158,7 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
 
             trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                       autocast=autocast, attention=attention, device_kind=job.device_kind,
-                                      checkpointing=job.checkpointing, liger=job.liger)
+                                      checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace))
         if attention != job.attention:
@@ -298,7 +303,29 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     return peak, saved_total * in_flight + stash_bytes, copies_total
 
 
+def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
+    from toolkit.lora import base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes
+
+    if strategy.is_pipeline:
+        raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
+                        "offload variants), not the pipeline engine; choose one of those strategies")
+    counts = counts_for_spec(spec, job.adapter)
+    base = frozen_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+    return adapter_states(
+        counts.trainable_params, base, job, strategy, dp=grid.data_parallel, hidden=spec.hidden,
+        total_params=counts.all_params, largest_layer=spec.largest_layer_params,
+        layer_total_params=max(spec.layer_params) + max(counts.per_layer),
+        root_total_params=spec.pre_layer_params + spec.post_layer_params,
+        layer_trainable_params=max(counts.per_layer),
+        root_trainable_params=counts.pre_layer_trainable + counts.post_layer_trainable,
+        shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
+        base_shardable=job.adapter.method != "qlora" or job.adapter.quant_storage != "uint8",
+        dequantized_bytes=counts.largest_quantized_params * (4 if job.adapter.compute_dtype == "float32" else 2))
+
+
 def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
+    if job.adapter.is_adapter:
+        return _adapter_states(spec, strategy, job, grid)
     s = _engine_states(spec, strategy, job, grid, params=params)
     if strategy.engine in ("ddp", "fsdp2"):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
         shard = grid.shard_group
@@ -342,6 +369,18 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
     breakdown of the stage that needs the most is returned (partition None: the grid's balanced one)."""
     grid = grid_of(strategy, hw, pipeline_stages)
+    if job.adapter.is_adapter:
+        from toolkit.lora import counts_for_spec
+
+        # Counts first: they check the adapter against the model (one clear error for unknown target modules).
+        counts = counts_for_spec(spec, job.adapter)
+        states = _adapter_states(spec, strategy, job, grid)
+        trace = scaled_trace(spec, job, strategy)
+        # Gradients exist only for the trainable parameters: regions carry those counts.
+        regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
+                   *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),
+                   _Region("head + loss", counts.post_layer_trainable, trace.head)]
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
         offloaded = 0

@@ -15,6 +15,7 @@ from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
 from toolkit.grid import ParallelGrid, stage_options
 from toolkit.job import Job, job_problem
+from toolkit.lora import FULL, Adapter
 from toolkit.memory import Breakdown, estimate_memory, states_floor_bytes
 from toolkit.modelspec import ModelSpec
 from toolkit.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
@@ -86,6 +87,8 @@ class Request:
     liger: bool = False
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
+    adapter: Adapter = FULL
+    """Training method (full, LoRA, QLoRA) and its settings."""
 
     def __post_init__(self) -> None:
         if self.global_batch is None and self.micro_batch is None:
@@ -196,7 +199,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
     for strategy in strategies:
         key = strategy.name
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
-                              liger=req.liger)
+                              liger=req.liger, adapter=req.adapter)
         grids = _grids(strategy, spec, hw, req) if problem is None else problem
         if isinstance(grids, str):
             refused[key] = _refusal(strategy, req, hw, grids)
@@ -213,7 +216,8 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                     job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
                               optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
                               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
-                              activation_offloading=req.activation_offloading, liger=req.liger)
+                              activation_offloading=req.activation_offloading, liger=req.liger,
+                              adapter=req.adapter)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     if _better(cand, best.get(key)):
                         best[key] = cand
@@ -229,7 +233,8 @@ def _rank_key(c: Candidate):
 
 def _refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str) -> Candidate:
     job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
-              precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind)
+              precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind,
+              adapter=req.adapter)
     return Candidate(strategy=strategy, job=job, pipeline_stages=1, data_parallel=hw.world_size,
                      global_batch=req.global_batch or 0, reason=reason)
 
@@ -256,7 +261,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
         attention=spec.effective_attention(c.job.attention), optimizer_impl=c.job.optimizer_impl,
         activation_offloading=c.job.activation_offloading, liger=c.job.liger, gpu=hw.gpu.name,
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
-        notes=[n.replace("\n", " ") for n in notes])
+        notes=[n.replace("\n", " ") for n in notes], **_adapter_fields(c.job, spec))
     return plan.with_prediction(predicted)
 
 
@@ -272,7 +277,7 @@ def predict_plan(plan: "Plan") -> "Plan":
     job = Job(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
               attention=plan.attention, optimizer_impl=plan.optimizer_impl,
-              activation_offloading=plan.activation_offloading, liger=plan.liger)
+              activation_offloading=plan.activation_offloading, liger=plan.liger, adapter=plan.adapter_spec)
     from toolkit.job import check_job
 
     check_job(spec, job, hw, strategy, pipeline_stages=plan.pipeline_stages)
@@ -285,6 +290,16 @@ def predict_plan(plan: "Plan") -> "Plan":
     if c.reason:
         predicted["does_not_fit"] = c.reason
     return plan.with_prediction(predicted)
+
+
+def _adapter_fields(job: Job, spec: ModelSpec) -> dict[str, Any]:
+    """plan.json's method fields (defaults describe full fine-tuning)."""
+    if not job.adapter.is_adapter:
+        return {}
+    from toolkit.lora import counts_for_spec
+
+    return {"method": job.adapter.method, "adapter": job.adapter.to_dict(),
+            "trainable_params": counts_for_spec(spec, job.adapter).trainable_params}
 
 
 def _jsonable(obj: Any) -> Any:

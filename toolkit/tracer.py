@@ -41,10 +41,14 @@ _FLASH_STANDIN = "toolkit_fa2_standin"  # no "flash" in the name: transformers w
 
 def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                       autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
-                      checkpointing: bool = False, liger: bool = False) -> ActivationTrace:
+                      checkpointing: bool = False, liger: bool = False, adapter=None) -> ActivationTrace:
     """Bytes the model keeps for backward, region by region, for one micro-batch of `micro_batch` x `seq_len`.
 
-    `config` is any decoder-only causal-LM config; it is not modified. The batch has no attention mask (unpadded
+    `config` is any decoder-only causal-LM config; it is not modified. `adapter` (a toolkit.lora.Adapter with
+    method lora or qlora) wraps the model with the real PEFT LoRA layers before the step: the base in the compute
+    dtype and frozen, the adapters trainable (fp32 under autocast, as PEFT's autocast_adapter_dtype leaves them), so
+    the trace holds the adapter intermediates, the dropout masks and dropped copies of each target's input, and the
+    frozen base's input gradients; parameter gradients exist only for the adapters. The batch has no attention mask (unpadded
     fixed-length sequences, as the Trainer feeds packed or truncated text) and the labels are the inputs.
     `liger`: the model patched as the Trainer's use_liger_kernel does, with toolkit.liger's substitutes.
     """
@@ -73,7 +77,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
         try:
             run = _run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
                                  micro_batch, seq_len, checkpointing, notes, liger=liger,
-                                 device_kind=device_kind)
+                                 device_kind=device_kind, adapter=adapter)
         except (DynamicOutputShapeException, DataDependentOutputException) as exc:
             raise NotImplementedError(
                 f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
@@ -304,14 +308,19 @@ def _tensors_in(obj):
 
 
 def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
-                   checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda") -> _Run:
+                   checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
+                   adapter=None) -> _Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
     n = _num_layers(config)
+    lora = adapter is not None and adapter.is_adapter
     with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as patches:
-        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
+        # LoRA: the frozen base is stored in the compute dtype (toolkit.train loads it so; autocast then only
+        # copies the small adapters).
+        base_dtype = (autocast_dtype or param_dtype) if lora else param_dtype
+        model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
         model.train()
         if liger:
             from toolkit.liger import liger_applied
@@ -320,7 +329,13 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
         layers = _decoder_layers(model, n)
         kinds = tuple(_layer_kind(layer, settings) for layer, settings in zip(layers, _per_layer_settings(config, n)))
         if checkpointing:
+            # Before wrapping, as the Trainer does on the PeftModel (which forwards to the base): transformers'
+            # activation_checkpointing_enable also calls enable_input_require_grads, so the frozen embedding's
+            # output requires grad and the checkpointed layers' recompute reaches the adapters.
             _enable_checkpointing(model)
+        if lora:
+            model = _wrap_with_peft(model, adapter, autocast=autocast_dtype is not None, notes=notes)
+            model.train()
         input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
 
         log = _StorageLog()
@@ -478,6 +493,40 @@ def _backward_peak(curve: list[int], grad_curve: list[int], marks: dict[str, int
     base = grad_curve[a]
     k = max(range(a, b + 1), key=lambda i: curve[i] + grad_curve[i] - base)
     return max(0, curve[k] - held), max(0, grad_curve[k] - base), max(0, grad_curve[b] - base)
+
+
+def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
+    """The real PEFT LoRA wrapper (peft.get_peft_model) around the fake base model."""
+    import warnings
+
+    from peft import get_peft_model
+
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    # Adapters are born in their training dtype on the fake CPU device: fp32 under autocast (PEFT's default
+    # autocast_adapter_dtype=True upcasts bf16/fp16 adapters), else the base's dtype (DeepSpeed casts the whole
+    # module, FSDP2's MixedPrecisionPolicy computes in it). PEFT's move of each adapter to its base layer's
+    # device and dtype is skipped, as are PEFT's module.to(base weight's device) calls: they are no-ops here, and
+    # nn.Module.to() cannot swap fake parameters.
+    adapter_dtype = torch.float32 if autocast else next(model.parameters()).dtype
+    previous_dtype, previous_move = torch.get_default_dtype(), BaseTunerLayer._move_adapter_to_device_of_base_layer
+    previous_to = torch.nn.Module.to
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.set_default_dtype(adapter_dtype)
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+        torch.nn.Module.to = lambda self, *a, **k: self
+        try:
+            wrapped = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=False)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+            BaseTunerLayer._move_adapter_to_device_of_base_layer = previous_move
+            torch.nn.Module.to = previous_to
+    notes.append(f"{adapter.method}: PEFT LoRA r={adapter.r}, dropout {adapter.dropout}, targets {adapter.targets}"
+                 + ("; 4-bit base traced as its compute-dtype matmuls (bitsandbytes MatMul4Bit saves no input "
+                    "for a frozen weight, as a frozen nn.Linear)" if adapter.method == "qlora" else ""))
+    return wrapped
 
 
 def _enable_checkpointing(model) -> None:
