@@ -1,7 +1,7 @@
 """The Plan: what plan.json holds. The planner writes it; emit, check, launch and train read it.
 
 A plan file is shared between people and machines, so it is untrusted input: `Plan` is one strict, typed model
-(pydantic) whose closed choices are enums, whose strings cannot carry control characters, and whose parts must
+(pydantic) whose closed choices are enums, whose strings cannot carry control characters, whose sizes have the bounds every command uses (toolkit.bounds), and whose parts must
 agree with each other (the grid multiplies, the batch identity holds, the partition splits the layers). Everything
 derivable is derived, never stored twice: the engine, the ZeRO stage, the offload targets and the FSDP mode come
 from the strategy name (toolkit.strategy); the data-parallel degree and the world size from the grid
@@ -29,6 +29,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_vali
 from pydantic.dataclasses import dataclass
 from pydantic_core import ArgsKwargs
 
+from toolkit import bounds
 from toolkit.errors import UserError
 from toolkit.grid import ParallelGrid
 from toolkit.job import Attention, Optimizer, Precision
@@ -66,23 +67,23 @@ class Plan:
     """config.model_type, e.g. "llama", "gpt2"."""
     layer_class: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
     """Decoder-layer class name, e.g. "LlamaDecoderLayer" (FSDP wrap policy, pipeline conversion)."""
-    num_layers: int = Field(ge=1, le=100_000)
-    params: int = Field(ge=1)
+    num_layers: int = Field(ge=1, le=int(bounds.LAYERS.high))
+    params: int = Field(ge=1, le=int(bounds.PARAMS.high))
     """Exact unique parameter count."""
 
     # --- strategy and grid ------------------------------------------------------------------------------------------
     strategy: StrategyName
     """Canonical strategy name (toolkit.strategy); engine, ZeRO stage, offload and FSDP mode derive from it."""
-    num_machines: int = Field(ge=1, le=65_536)
-    gpus_per_node: int = Field(ge=1, le=1024)
-    pipeline_stages: int = Field(default=1, ge=1, le=100_000)
+    num_machines: int = Field(ge=1, le=int(bounds.NODES.high))
+    gpus_per_node: int = Field(ge=1, le=int(bounds.GPUS_PER_NODE.high))
+    pipeline_stages: int = Field(default=1, ge=1, le=int(bounds.STAGES.high))
     partition: list[int] | None = None
     """Pipeline only: decoder-layer boundaries, len = stages + 1, e.g. [0, 12, 24] for 24 layers on 2 stages."""
 
     # --- batch and job ------------------------------------------------------------------------------------------------
-    seq_len: int = Field(ge=1, le=16_777_216)
-    micro_batch: int = Field(ge=1, le=1_000_000)
-    grad_accum: int = Field(ge=1, le=1_000_000)
+    seq_len: int = Field(ge=1, le=int(bounds.SEQ.high))
+    micro_batch: int = Field(ge=1, le=int(bounds.BATCH.high))
+    grad_accum: int = Field(ge=1, le=int(bounds.BATCH.high))
     global_batch: int = Field(ge=1)
     precision: Precision
     optimizer: Optimizer = "adamw"
@@ -98,9 +99,9 @@ class Plan:
     # --- hardware ---------------------------------------------------------------------------------------------------
     gpu: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
     """GPU catalog name (toolkit gpus)."""
-    inter_node_gbps: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
+    inter_node_gbps: float | None = Field(default=None, gt=0, le=bounds.INTER_NODE_GBPS.high, allow_inf_nan=False)
     """Network bandwidth per node the prediction assumed (None: the default)."""
-    cpu_ram_gib: float | None = Field(default=None, gt=0, le=1e7, allow_inf_nan=False)
+    cpu_ram_gib: float | None = Field(default=None, gt=0, le=bounds.CPU_RAM_GIB.high, allow_inf_nan=False)
     """Host RAM per node the prediction assumed (None: the default)."""
 
     # --- predictions (informational for train; printed by launch / PLAN.md) -------------------------------------
