@@ -270,6 +270,8 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
 
     from accelerate.commands.config.config_args import ClusterConfig
 
+    from toolkit.emit.accelerate import inline_ds_config
+
     known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
     for key in sorted(set(config) - known):
         close = difflib.get_close_matches(key, known, n=1)
@@ -298,7 +300,16 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
             for key in sorted(set(ds_section) & set(DS_FILE_IGNORED_KEYS)):
                 err(f"deepspeed_config.{key} next to deepspeed_config_file: accelerate refuses it (\"will be "
                     f"ignored\"); remove it and set {DS_FILE_IGNORED_KEYS[key]} in the JSON")
-            ds_path = resolve_ds_file(str(ds_file), path, out, quiet=launcher_names_ds_file)
+            inline = inline_ds_config(ds_file)
+            if inline is not None:  # emitted YAMLs carry the JSON itself (toolkit.emit.accelerate)
+                ds_path = path.parent / "ds_config.json"
+                if not ds_path.is_file():
+                    ds_path = None
+                elif read_mapping(ds_path) != inline:
+                    out.append(Problem(file, "warning", "deepspeed_config_file (inline JSON) differs from "
+                                       f"{ds_path}: accelerate launch uses the YAML's; re-emit with `toolkit emit`"))
+            else:
+                ds_path = resolve_ds_file(str(ds_file), path, out, quiet=launcher_names_ds_file)
             if "mixed_precision" in config and config["mixed_precision"] not in (None, "no"):
                 json_precision = _json_precision(read_mapping(ds_path)) if ds_path else None
                 if json_precision not in (None, config["mixed_precision"]):

@@ -244,8 +244,8 @@ def cmd_plan(args) -> int:
     return 0 if chosen else 1
 
 
-EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "launch.sh", "slurm.sbatch", "hostfile", "plan.json",
-                 "PLAN.md")
+EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",
+                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md")
 
 
 def _refuse_existing(out, force: bool) -> None:

@@ -43,7 +43,14 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
         command += ["--machine_rank", str(machine_rank)]
     if main_host is not None:
         command += ["--main_process_ip", main_host]
+    if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs
+        return command + train_argv
     return command + ["-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *train_argv]
+
+
+def is_user_script(train_argv: list[str]) -> bool:
+    """A first argument ending in .py names the user's own training script (launch.sh decides the same way)."""
+    return bool(train_argv) and train_argv[0].endswith(".py")
 
 
 def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False) -> int:
@@ -59,7 +66,14 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
         from toolkit.train.rehearsal import rehearse as run_rehearsal
 
         return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
-    preflight(plan, plan_dir, train_argv)
+    if is_user_script(train_argv):
+        if not Path(train_argv[0]).is_file():
+            raise UserError(f"training script {train_argv[0]} does not exist")
+        if plan.engine == "pipeline":
+            raise UserError("a pipeline plan runs DeepSpeed's pipeline engine, which only toolkit.train drives; "
+                            "launch it without a script (toolkit launch DIR -- --data D --output O)")
+    else:
+        preflight(plan, plan_dir, train_argv)
     if plan.num_machines > 1:
         print(_multi_node_text(plan, plan_dir, train_argv))
         return 0
@@ -67,7 +81,7 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
-    return run(command)
+    return run(command, env={"TOOLKIT_PLAN_DIR": str(plan_dir.resolve())})
 
 
 def run(command: list[str], env: dict[str, str] | None = None) -> int:
@@ -107,7 +121,7 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     from toolkit.train.model import check_matches_plan, load_config, model_source
 
     args = _check_train_argv(plan_dir, train_argv)
-    source = model_source(plan, args.model)
+    source = model_source(plan, args.model, random_init=args.random_init)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
     if plan.engine in ("deepspeed", "pipeline") and not (plan_dir / "ds_config.json").is_file():
         raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")

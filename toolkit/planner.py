@@ -319,6 +319,19 @@ def _int_or(value: Any, default: int) -> int:
     return value if isinstance(value, int) and value > 0 else default
 
 
+def _inline_ds(p, text: str) -> dict[str, Any] | None:
+    """The DeepSpeed config an emitted accelerate YAML carries as JSON text (toolkit.emit.accelerate), else None."""
+    import yaml
+
+    from toolkit.emit.accelerate import inline_ds_config
+
+    if p.suffix not in (".yaml", ".yml"):
+        return None
+    cfg = yaml.safe_load(text) or {}
+    return inline_ds_config((cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")) \
+        if isinstance(cfg, dict) else None
+
+
 def _settings_of(path: str) -> dict[str, Any]:
     """Strategy, micro-batch, accumulation and precision a plan dir / DeepSpeed JSON / accelerate YAML states."""
     import json
@@ -335,8 +348,8 @@ def _settings_of(path: str) -> dict[str, Any]:
                     precision=plan.precision, seq_len=plan.seq_len, stages=plan.pipeline_stages,
                     partition=plan.partition, checkpointing=plan.checkpointing)
     text = p.read_text()
-    if p.suffix == ".json":
-        ds = json.loads(text)
+    if p.suffix == ".json" or _inline_ds(p, text) is not None:
+        ds = json.loads(text) if p.suffix == ".json" else _inline_ds(p, text)
         precision = "bf16" if (ds.get("bf16") or {}).get("enabled") is True else \
             "fp16" if (ds.get("fp16") or {}).get("enabled") is True else "fp32"
         return dict(strategy=_strategy_from_ds(ds), micro_batch=_int_or(ds.get("train_micro_batch_size_per_gpu"), 1),
