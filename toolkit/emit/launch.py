@@ -96,7 +96,9 @@ SLURM_HEADER = [
 
 
 def slurm(*, here: str, model: str | None, header: list[str], sbatch: list[str]) -> str:
-    run = ['MAIN_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+    # sed reads all of scontrol's output: `head -n 1` may exit first, and under pipefail scontrol's SIGPIPE (141)
+    # would stop the script.
+    run = ['MAIN_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
            "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
            "  bash -c 'exec accelerate launch --machine_rank \"$SLURM_NODEID\" \"$@\"' accelerate-launch \\",
            '  --config_file "$HERE/accelerate_config.yaml" --main_process_ip "$MAIN_HOST" '
