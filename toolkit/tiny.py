@@ -68,6 +68,32 @@ def write_corpus(out_dir: str | Path, max_chars: int = 400_000, eval_fraction: f
     return out
 
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+"""A ChatML-like template for the tiny tokenizers; {% generation %} marks the assistant's tokens (what TRL's
+assistant_only_loss and transformers' return_assistant_tokens_mask read)."""
+
+
+def write_chat_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_fraction: float = 0.05) -> Path:
+    """train.jsonl + validation.jsonl of conversations ({"messages": [...]}) made from the corpus: the user asks
+    about a paragraph's first words, the assistant answers with the paragraph. Returns out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for paragraph in corpus_text(max_chars).split("\n\n"):
+        topic = " ".join(paragraph.split()[:2])
+        rows.append({"messages": [{"role": "user", "content": f"Explain: {topic}"},
+                                  {"role": "assistant", "content": paragraph}]})
+    n_eval = max(1, int(len(rows) * eval_fraction))
+    for name, part in (("train.jsonl", rows[:-n_eval]), ("validation.jsonl", rows[-n_eval:])):
+        (out / name).write_text("".join(json.dumps(row) + "\n" for row in part))
+    return out
+
+
 def train_tokenizer(text: str, vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on `text`, as a transformers PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -79,8 +105,10 @@ def train_tokenizer(text: str, vocab_size: int = 512):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([text], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                        unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def tiny_config(arch: str, vocab_size: int = 512, *, layers: int = 4, hidden: int = 64, heads: int = 4,
