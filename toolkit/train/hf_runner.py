@@ -160,6 +160,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         # bf16 with DeepSpeed otherwise; the engines themselves run on the gloo state configured before.
         use_cpu=on_cpu,
     )
+    kwargs.update(user_trainer_flags(plan, args.trainer_flags, kwargs))
     accelerator_config: dict = dict(kwargs.pop("accelerator_config", {}))
     if on_cpu:
         # The state made by configure_cpu_state: without it the Trainer would make its own, without gloo.
@@ -172,6 +173,26 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         return TrainingArguments(**kwargs)
     except ValueError as exc:
         raise UserError(f"training arguments rejected: {exc}") from None
+
+
+PLAN_OWNED_FLAGS = ("deepspeed", "fsdp", "fsdp_config", "use_cpu", "accelerator_config", "gradient_checkpointing",
+                    "gradient_checkpointing_kwargs", "activation_checkpointing", "activation_checkpointing_kwargs")
+"""TrainingArguments the plan (or toolkit.train's engine set-up) decides, besides training_arguments(plan)'s keys."""
+
+
+def user_trainer_flags(plan: Plan, flags: dict, kwargs: dict) -> dict:
+    """The TrainingArguments flags a user gave (e.g. --report_to wandb) that toolkit.train passes on: all of them,
+    except a value for a plan-owned setting that differs from the plan's, which is dropped with a warning."""
+    owned = set(training_arguments(plan)) | set(PLAN_OWNED_FLAGS)
+    passed = {}
+    for name, value in flags.items():
+        if name in owned:
+            if value != kwargs.get(name) and _is_rank_zero():
+                print(f"warning: --{name} {value} ignored: the plan sets {name}={kwargs.get(name)!r} (its memory and "
+                      "batch arithmetic depend on it; re-plan to change it)", flush=True)
+            continue
+        passed[name] = value
+    return passed
 
 
 def _watch_layer_dtype(model, layer_class: str) -> dict:
