@@ -51,10 +51,13 @@ def _add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH10
 def _add_job_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
     g.add_argument("--seq", type=int, default=2048, help="sequence length (default %(default)s)")
-    g.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 | bf16-pure (default %(default)s)")
-    g.add_argument("--optimizer", default="adamw", help="adamw | adamw-8bit | sgd | adafactor")
-    g.add_argument("--attention", default="sdpa", help="eager | sdpa | flash_attention_2 (default %(default)s)")
-    g.add_argument("--device-kind", default="cuda", help="whose kernels' saved tensors to model: cuda | cpu")
+    from toolkit.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZERS, PRECISIONS
+
+    g.add_argument("--precision", default="bf16", choices=PRECISIONS, help="(default %(default)s)")
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
+    g.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="(default %(default)s)")
+    g.add_argument("--device-kind", default="cuda", choices=DEVICE_KINDS,
+                   help="whose kernels' saved tensors to model (default %(default)s)")
     g.add_argument("--pipeline-stages", type=int, help="pipeline / hybrid stage count")
 
 
@@ -76,11 +79,13 @@ def _count(text: str) -> int:
 
 
 def _spec(args):
+    from toolkit.cli_help import status
     from toolkit.modelspec import resolve_model
 
-    return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                         kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
-                         trust_remote_code=args.trust_remote_code)
+    with status(f"reading {args.model or 'the model'} (tracing its layers the first time)"):
+        return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden,
+                             heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
+                             trust_remote_code=args.trust_remote_code)
 
 
 def _hardware(args):
@@ -139,7 +144,7 @@ def cmd_estimate(args) -> int:
         if partition:
             out["partition"] = partition
         print(json.dumps(out, indent=2))
-        return 0
+        return _fit_exit(args, b.fits)
     cap = b.capacity_bytes
     active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
@@ -169,7 +174,12 @@ def cmd_estimate(args) -> int:
     if args.explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")
-    return 0
+    return _fit_exit(args, b.fits)
+
+
+def _fit_exit(args, fits: bool) -> int:
+    """estimate --require-fit: exit 1 when the configuration does not fit (for scripts); 0 otherwise."""
+    return 1 if args.require_fit and not fits else 0
 
 
 def _check_seq(spec, seq_len: int) -> None:
@@ -206,7 +216,10 @@ def cmd_plan(args) -> int:
     req = Request(**req_kwargs)
     if args.out:
         _refuse_existing(Path(args.out), args.force)
-    candidates = plan_candidates(spec, hw, req)
+    from toolkit.cli_help import status
+
+    with status("planning: every strategy, batch split and checkpointing choice"):
+        candidates = plan_candidates(spec, hw, req)
     feasible = [c for c in candidates if c.feasible]
     chosen = feasible[0] if feasible else None
     if args.strategy_choice:
@@ -314,7 +327,10 @@ def cmd_check(args) -> int:
         from toolkit.planner import fit_problems
 
         fit = lambda path: fit_problems(path, model=args.model, gpus=args.gpus, seq_len=args.seq)  # noqa: E731
-    return main_check(args.files, model=args.model, gpus=args.gpus, fit=fit)
+    from toolkit.cli_help import status
+
+    with status("checking with accelerate's and DeepSpeed's own validation"):
+        return main_check(args.files, model=args.model, gpus=args.gpus, fit=fit)
 
 
 def cmd_launch(args) -> int:
@@ -362,7 +378,9 @@ def cmd_gpus(args) -> int:
     from toolkit.hardware import gpu_catalog
 
     for g in gpu_catalog().values():
-        print(f"{g.name:<18}{g.memory_bytes / GIB:>8.1f} GiB  bf16 {g.bf16_tflops:>7.1f} TFLOP/s  "
+        # A GPU without bf16 (V100, T4) trains in fp16: show that rate, not "bf16 0.0".
+        rate = f"bf16 {g.bf16_tflops:>7.1f}" if g.bf16_supported else f"fp16 {g.fp16_tflops:>7.1f}"
+        print(f"{g.name:<18}{g.memory_bytes / GIB:>8.1f} GiB  {rate} TFLOP/s  "
               f"link {g.intra_node_gbps:>5.0f} GB/s ({g.interconnect})")
     return 0
 
@@ -394,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--json", action="store_true", help="print only JSON")
+    p.add_argument("--require-fit", action="store_true", help="exit 1 when it does not fit (for scripts)")
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("plan", help="rank every strategy; write the chosen one's files")
@@ -448,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the model catalog").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list the GPU catalog").set_defaults(func=cmd_gpus)
+    from toolkit.cli_help import add_examples
+
+    add_examples(sub)
     return parser
 
 
