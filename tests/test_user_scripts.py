@@ -89,7 +89,10 @@ def test_user_script_trains_with_a_copied_plan_folder(script, strategy, copied_p
     assert sum(losses[-2:]) / 2 < losses[0] - 0.1, losses
     # Ranks agree: the same logged losses, and the same trained model (a forward of a fixed probe).
     assert ranks[1]["losses"] == pytest.approx(losses, abs=1e-6)
-    assert ranks[1]["probe_logits"] == pytest.approx(ranks[0]["probe_logits"], abs=1e-5)
+    import torch
+
+    difference = (torch.tensor(ranks[1]["probe_logits"]) - torch.tensor(ranks[0]["probe_logits"])).abs().max()
+    assert float(difference) < 1e-5
 
 
 def test_trainer_deepspeed_route_accepts_the_listed_arguments(tmp_path, tiny_llama_dir):
