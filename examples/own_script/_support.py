@@ -9,6 +9,21 @@ import os
 from pathlib import Path
 
 
+def parse_arguments(data_help: str, *, output: bool = True):
+    """The examples' own command line: the plan folder, model, data, output and a short schedule."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plan", help="the plan folder (default: $TOOLKIT_PLAN_DIR)")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True, help=data_help)
+    if output:
+        parser.add_argument("--output", required=True)
+    parser.add_argument("--max_steps", type=int, default=8)
+    parser.add_argument("--learning_rate", type=float, default=3e-3)
+    return parser.parse_args()
+
+
 def plan_settings(plan_dir: str | None) -> dict:
     """training_args.json of the plan folder (`--plan`, or TOOLKIT_PLAN_DIR set by launch.sh / toolkit launch)."""
     folder = plan_dir or os.environ.get("TOOLKIT_PLAN_DIR")

@@ -10,19 +10,11 @@ the loop passes accelerate.utils.DummyOptim, which accelerate requires next to t
 
 from __future__ import annotations
 
-import argparse
-
-from _support import cpu_state, packed_blocks, plan_settings, report
+from _support import cpu_state, packed_blocks, parse_arguments, plan_settings, report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plan")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True, help="a folder with train.txt")
-    parser.add_argument("--max_steps", type=int, default=8)
-    parser.add_argument("--learning_rate", type=float, default=3e-3)
-    cli = parser.parse_args()
+    cli = parse_arguments("a folder with train.txt", output=False)
 
     import torch
     from accelerate import Accelerator

@@ -9,20 +9,11 @@ SFTConfig's plan keys come from PLAN/training_args.json ("sft_config"); the loss
 
 from __future__ import annotations
 
-import argparse
-
-from _support import cpu_training_kwargs, plan_settings, report
+from _support import cpu_training_kwargs, parse_arguments, plan_settings, report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plan")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True, help="a .jsonl file of {\"messages\": [...]} rows")
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--max_steps", type=int, default=8)
-    parser.add_argument("--learning_rate", type=float, default=3e-3)
-    cli = parser.parse_args()
+    cli = parse_arguments("a .jsonl file of {\"messages\": [...]} rows")
 
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer

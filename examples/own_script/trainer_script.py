@@ -10,20 +10,11 @@ steps, logging) is this script's own.
 
 from __future__ import annotations
 
-import argparse
-
-from _support import cpu_training_kwargs, packed_blocks, plan_settings, report
+from _support import cpu_training_kwargs, packed_blocks, parse_arguments, plan_settings, report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plan")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True, help="a folder with train.txt")
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--max_steps", type=int, default=8)
-    parser.add_argument("--learning_rate", type=float, default=3e-3)
-    cli = parser.parse_args()
+    cli = parse_arguments("a folder with train.txt")
 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
