@@ -182,3 +182,21 @@ def test_hostile_host_names_are_refused(tmp_path, capsys):
     code = cli(["emit", str(tmp_path / "plan.json"), "--out", str(tmp_path / "o"), "--hosts", f"a;touch {MARKER},b"])
     assert code == 2 and "host name" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_toolkit_launch_runs_a_users_script_with_the_plan(tmp_path, capsys):
+    import shlex
+
+    from toolkit.errors import UserError
+    from toolkit.launch import launch_main
+
+    plan_dir = tmp_path / "p"
+    emit_files(reference_plan("zero3", nodes=1, gpus_per_node=2), plan_dir)
+    script = tmp_path / "my_train.py"
+    script.write_text("print('hi')\n")
+    assert launch_main(plan_dir, [str(script), "--lr", "1"], dry_run=True) == 0
+    words = shlex.split(capsys.readouterr().out.strip().splitlines()[-1][2:])
+    assert words[:4] == ["accelerate", "launch", "--config_file", str(plan_dir / "accelerate_config.yaml")]
+    assert words[-3:] == [str(script), "--lr", "1"] and "toolkit.train" not in words
+    with pytest.raises(UserError, match="does not exist"):
+        launch_main(plan_dir, [str(tmp_path / "missing.py")], dry_run=True)
