@@ -80,7 +80,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m toolkit.train", allow_abbrev=False,  # `--eval_strategy` must not abbreviate `--eval-steps`
         description="Train a Hugging Face causal LM the way a toolkit plan says (run it under `accelerate launch "
-                    "--config_file PLAN_DIR/accelerate_config.yaml`; see `toolkit launch`).")
+                    "--config_file PLAN_DIR/accelerate_config.yaml`; see `toolkit launch`).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every transformers TrainingArguments flag is accepted as well, in its own spelling (e.g. "
+               "--report_to wandb,\n--adam_beta2 0.95); the plan's batch, precision, optimizer and checkpointing win "
+               "over a conflicting one.\nData: plain text (packed) or chat (a 'messages' column; loss on the "
+               "assistant's tokens).\n\nexample:\n  accelerate launch --config_file plan/accelerate_config.yaml "
+               "-m toolkit.train --plan plan \\\n      --data corpus/ --output runs/out --max-steps 1000 "
+               "--report_to tensorboard")
     p.add_argument("--plan", required=True, help="plan.json or the directory holding it")
     p.add_argument("--data", required=True, help="local text/json/jsonl/parquet/csv file or folder, or a hub dataset")
     p.add_argument("--output", required=True, help="run directory (checkpoints, final model)")
