@@ -29,7 +29,8 @@ EVAL_STEMS = ("validation", "valid", "val", "eval", "test")
 
 def build_datasets(data: str, tokenizer: Any, seq_len: int, *, eval_fraction: float, seed: int,
                    text_field: str = "text", max_eval_blocks: int | None = None):
-    """Return (train, eval or None): datasets.Dataset of packed blocks with "input_ids" and "labels" (seq_len each).
+    """Return (train, eval or None): datasets.Dataset of seq_len sequences with "input_ids" and "labels" (packed
+    text, or one conversation each with an "attention_mask" for chat data; module docstring).
 
     The held-out set is the data's validation file when a folder has one, else `eval_fraction` of the packed blocks
     (a seeded shuffle). When a process group is up this is collective: rank 0 tokenizes first and fills the
@@ -43,21 +44,22 @@ def build_datasets(data: str, tokenizer: Any, seq_len: int, *, eval_fraction: fl
                         "(or pass --tokenizer with one)")
     with _main_process_first():
         train_raw, eval_raw = _load_raw(data)
-        if CHAT_FIELD in train_raw.column_names:
-            train = _chat_blocks(train_raw, tokenizer, seq_len, data)
-            evaluation = _chat_blocks(eval_raw, tokenizer, seq_len, data) if eval_raw is not None else None
-            if evaluation is None and eval_fraction > 0 and len(train) >= 2:
-                split = train.train_test_split(test_size=max(1, round(len(train) * eval_fraction)), seed=seed)
-                train, evaluation = split["train"], split["test"]
-            if evaluation is not None and max_eval_blocks is not None and len(evaluation) > max_eval_blocks:
-                evaluation = evaluation.select(range(max_eval_blocks))
-            return train, evaluation
-        train = _pack(_texts(train_raw, text_field, data), tokenizer, seq_len, eos)
+        chat = CHAT_FIELD in train_raw.column_names
+
+        def blocks(raw):
+            if chat:
+                return _chat_blocks(raw, tokenizer, seq_len)
+            return _pack(_texts(raw, text_field, data), tokenizer, seq_len, eos)
+
+        train = blocks(train_raw)
+        if len(train) == 0 and chat:
+            raise UserError(f"chat data {data}: no conversation has an assistant token within the first {seq_len} "
+                            "tokens; plan a longer --seq or shorten the prompts")
         if len(train) == 0:
             raise UserError(f"data {data} holds fewer than {seq_len} tokens, not one training block of seq_len "
                             f"{seq_len}; give more text or plan a shorter --seq")
         if eval_raw is not None:
-            evaluation = _pack(_texts(eval_raw, text_field, data), tokenizer, seq_len, eos)
+            evaluation = blocks(eval_raw)
             if len(evaluation) == 0:
                 evaluation = None
         elif eval_fraction > 0 and len(train) >= 2:
@@ -212,7 +214,7 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], *, generation_prom
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _chat_blocks(raw, tokenizer, seq_len: int, data: str):
+def _chat_blocks(raw, tokenizer, seq_len: int):
     """Conversations as padded sequences; ones with no assistant token left after truncation are dropped."""
     def render(batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
@@ -225,12 +227,8 @@ def _chat_blocks(raw, tokenizer, seq_len: int, data: str):
                     out[key].append(example[key])
         return out
 
-    blocks = raw.map(render, batched=True, batch_size=500, remove_columns=raw.column_names,
-                     desc=f"rendering conversations into {seq_len}-token sequences")
-    if len(blocks) == 0:
-        raise UserError(f"chat data {data}: no conversation has an assistant token within the first {seq_len} "
-                        "tokens; plan a longer --seq or shorten the prompts")
-    return blocks
+    return raw.map(render, batched=True, batch_size=500, remove_columns=raw.column_names,
+                   desc=f"rendering conversations into {seq_len}-token sequences")
 
 
 def _looks_local(data: str) -> bool:
