@@ -80,3 +80,9 @@ def report(rank: int, losses: list[float], model, device) -> None:
         logits = model(input_ids=probe).logits.float().cpu()
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "probe_logits": logits.tolist()}))
+
+
+def report_trainer(trainer) -> None:
+    """report() for a Trainer (or TRL trainer): its logged losses and trained model."""
+    report(trainer.args.process_index, [e["loss"] for e in trainer.state.log_history if "loss" in e], trainer.model,
+           trainer.args.device)

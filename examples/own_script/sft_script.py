@@ -9,7 +9,7 @@ SFTConfig's plan keys come from PLAN/training_args.json ("sft_config"); the loss
 
 from __future__ import annotations
 
-from _support import cpu_training_kwargs, parse_arguments, plan_settings, report
+from _support import cpu_training_kwargs, parse_arguments, plan_settings, report_trainer
 
 
 def main() -> None:
@@ -28,8 +28,7 @@ def main() -> None:
     train = load_dataset("json", data_files=cli.data, split="train")
     trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
     trainer.train()
-    report(config.process_index, [e["loss"] for e in trainer.state.log_history if "loss" in e], trainer.model,
-           config.device)
+    report_trainer(trainer)
 
 
 if __name__ == "__main__":

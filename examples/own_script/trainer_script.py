@@ -10,7 +10,7 @@ steps, logging) is this script's own.
 
 from __future__ import annotations
 
-from _support import cpu_training_kwargs, packed_blocks, parse_arguments, plan_settings, report
+from _support import cpu_training_kwargs, packed_blocks, parse_arguments, plan_settings, report_trainer
 
 
 def main() -> None:
@@ -29,8 +29,7 @@ def main() -> None:
     train = Dataset.from_dict(packed_blocks(cli.data, tokenizer, settings["sft_config"]["max_length"]))
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=default_data_collator)
     trainer.train()
-    report(args.process_index, [e["loss"] for e in trainer.state.log_history if "loss" in e], trainer.model,
-           args.device)
+    report_trainer(trainer)
 
 
 if __name__ == "__main__":
