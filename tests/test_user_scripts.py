@@ -129,8 +129,15 @@ def test_offload_plans_tell_a_custom_loop_to_use_dummy_optim(tmp_path, tiny_llam
     assert "optimizer" in json.loads((tmp_path / "ds_config.json").read_text())
     plain = plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=SEQ)
     emit_files(plain, tmp_path / "plain")
-    assert json.loads((tmp_path / "plain" / "training_args.json").read_text())["accelerate_loop"][
-        "use_dummy_optim"] is False
+    plain_settings = json.loads((tmp_path / "plain" / "training_args.json").read_text())
+    assert plain_settings["accelerate_loop"]["use_dummy_optim"] is False
+    # The rest of what a user's script needs: the launch line, and TRL's keys on top of the Trainer's.
+    assert plain_settings["accelerate_launch"].startswith("accelerate launch --config_file ")
+    assert plain_settings["sft_config"]["max_length"] == SEQ
+    assert plain_settings["sft_config"]["per_device_train_batch_size"] == 2
+    assert plain_settings["sft_config"]["packing"] is False  # sdpa: packed conversations would see each other
+    md = (tmp_path / "plain" / "PLAN.md").read_text()
+    assert plain_settings["accelerate_launch"] in md and "per_device_train_batch_size=2," in md
 
 
 def test_checkpointing_is_written_where_each_route_reads_it(tmp_path, tiny_llama_dir):
