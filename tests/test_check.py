@@ -18,12 +18,13 @@ CORPUS = Path(__file__).parent / "check_corpus"
 EXPECTED: dict[str, tuple[str, str]] = {
     # corpus entry: (severity, message fragment)
     "ds-auto-no-runner-fills.json": ("error", '"zero_optimization.allgather_bucket_size" is "auto": no runner fills it'),
-    "ds-auto-prefetch-at-zero2.json": ("error", "the HF Trainer fills it only at ZeRO-3 (this file is ZeRO-2)"),
     "ds-batch-not-a-multiple.json": ("error", "train_batch_size 30 is not a multiple of micro 2 x accum 4"),
     "ds-batch-wrong-for-8-gpus.json": ("error", "train_batch_size 32 != micro 2 x accum 4 x data-parallel 8"),
     "ds-bf16-and-fp16-both-enabled.json": ("error", "bf16 and fp16 are both enabled"),
     "ds-fp16-loss-scale-not-a-number.json": ("error", "fp16.loss_scale must be a number"),
-    "ds-missing-zero-optimization.json": ("error", 'no "zero_optimization" block: accelerate refuses the file'),
+    # Without "auto" values the file is likely for the deepspeed launcher, which needs no ZeRO block: a note naming
+    # the runners that refuse it (--runner trainer makes it an error, test_runner_pins_the_severity).
+    "ds-missing-zero-optimization.json": ("note", 'no "zero_optimization" block: accelerate refuses the file'),
     "ds-nvme-offload-without-path.json": ("error", 'offload_optimizer goes to nvme without "nvme_path"'),
     "ds-offload-optimizer-at-zero0.json": ("error", "offload_optimizer at ZeRO-0"),
     "ds-offload-param-below-zero3.json": ("error", "offload_param at ZeRO-2: offload param needs ZeRO-3"),
@@ -51,7 +52,8 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "yaml-ds-file-with-mixed-precision.yaml": ("error", "mixed_precision bf16 next to deepspeed_config_file"),
     "yaml-ds-file-with-zero-stage.yaml": ("error", 'set "zero_optimization": {"stage": ...} in the JSON'),
     "yaml-fsdp-no-wrap-policy.yaml": ("warning", "FSDP without an auto-wrap policy"),
-    "yaml-fsdp-without-layer-class.yaml": ("error", "TRANSFORMER_BASED_WRAP without fsdp_transformer_layer_cls_to_wrap"),
+    # accelerate wraps the model's _no_split_modules (test_fsdp_wrap_falls_back_to_no_split_modules): a note.
+    "yaml-fsdp-without-layer-class.yaml": ("note", "accelerate wraps the classes the model lists in _no_split_modules"),
     "yaml-fsdp2-with-string-reshard.yaml": ("error", "accelerate launch refuses it: invalid truth value full_shard"),
     "yaml-mixed-precision-conflicts-with-json.yaml": ("error", "mixed_precision fp16 in the YAML but ds_config enables bf16"),
     "yaml-multi-cpu-many-processes.yaml": ("warning", "accelerate starts one process"),
@@ -110,7 +112,8 @@ def test_every_emitted_directory_is_clean(tmp_path, strategy, nodes, stages, pre
     plan = reference_plan(strategy, precision, nodes=nodes, gpus_per_node=4, stages=stages, micro=1, accum=4)
     emit_files(plan, tmp_path)
     assert check_paths([str(tmp_path)]) == []
-    assert check_paths([str(tmp_path / "accelerate_config.yaml")], gpus=(nodes, 4)) == []
+    # The YAML alone does not say who reads its JSON; toolkit.train runs the HF Trainer.
+    assert check_paths([str(tmp_path / "accelerate_config.yaml")], gpus=(nodes, 4), runner="trainer") == []
 
 
 def test_random_emitted_plans_stay_clean(tmp_path):
@@ -119,7 +122,9 @@ def test_random_emitted_plans_stay_clean(tmp_path):
         strategy = rng.choice(["zero1", "zero2", "zero3", "pipeline", "hybrid", "fsdp2", "ddp"])
         stages = rng.choice([2, 4]) if strategy in ("pipeline", "hybrid") else 1
         nodes, gpus = rng.choice([1, 2]), rng.choice([2, 4, 8])
-        if (nodes * gpus) % stages:
+        if strategy == "pipeline":
+            stages = nodes * gpus  # the pipeline strategy makes every GPU a stage (hybrid adds data parallel)
+        if (nodes * gpus) % stages or (strategy == "hybrid" and nodes * gpus // stages < 2):
             continue
         config = {"model_type": "llama", "hidden_size": rng.choice([512, 2048]), "num_hidden_layers": 16}
         plan = reference_plan(strategy, rng.choice(["bf16", "fp16"]), nodes=nodes, gpus_per_node=gpus,
@@ -142,12 +147,24 @@ def test_a_changed_accumulation_breaks_the_arithmetic_in_the_json(tmp_path):
 def test_main_check_exit_codes_and_one_line_per_problem(tmp_path):
     lines: list[str] = []
     assert main_check([str(CORPUS / "clean" / "plan-hybrid-2x4")], print_fn=lines.append) == 0
+    assert lines == ["1 path(s) checked: no findings"]
     lines.clear()
     assert main_check([str(CORPUS / "ds-bf16-and-fp16-both-enabled.json")], print_fn=lines.append) == 1
-    assert len(lines) == 1 and "bf16 and fp16 are both enabled" in lines[0]
-    lines.clear()
-    assert main_check([str(CORPUS / "unreadable" / "malformed-json.json")], print_fn=lines.append) == 2
-    assert lines[0].startswith("error: ") and "not valid JSON" in lines[0]
+    assert len(lines) == 2 and "error: [every runner] bf16 and fp16 are both enabled" in lines[0]
+    assert lines[1] == "1 path(s) checked: 1 error(s)"
+    with pytest.raises(UserError, match="not valid JSON"):
+        main_check([str(CORPUS / "unreadable" / "malformed-json.json")], print_fn=lines.append)
+
+
+def test_warnings_exit_0_unless_strict_and_json_lists_the_findings():
+    path = str(CORPUS / "ds-zero3-without-16bit-save.json")
+    assert main_check([path], print_fn=lambda line: None) == 0
+    assert main_check([path], strict=True, print_fn=lambda line: None) == 1
+    out: list[str] = []
+    assert main_check([path], as_json=True, print_fn=out.append) == 0
+    report = json.loads(out[0])
+    assert report["exit_code"] == 0 and [f["severity"] for f in report["findings"]] == ["warning"]
+    assert report["findings"][0]["runner"] == "HF Trainer, accelerate script"
 
 
 def test_main_check_runs_the_fit_callback_per_path():
@@ -155,15 +172,346 @@ def test_main_check_runs_the_fit_callback_per_path():
 
     def fit(path):
         seen.append(path)
-        return ["needs 93.1 GiB of 80", Problem(path, "warning", "tight")]
+        return [Problem(path, "error", "needs 93.1 GiB of 80"), Problem(path, "note", "assumed")]
 
     lines: list[str] = []
     path = str(CORPUS / "clean" / "plan-hybrid-2x4")
     assert main_check([path], fit=fit, print_fn=lines.append) == 1
-    assert seen == [path] and len(lines) == 2 and "needs 93.1 GiB of 80" in lines[0]
+    assert seen == [path] and len(lines) == 3 and "needs 93.1 GiB of 80" in lines[0]
 
 
 def test_gpus_flag_is_nodes_x_gpus():
     assert parse_gpus("8") == (1, 8) and parse_gpus("2x8") == (2, 8)
     with pytest.raises(UserError, match="NODESxGPUS"):
         parse_gpus("eight")
+
+
+# --- real-world configs (tests/real_configs/MANIFEST.tsv) --------------------------------------------------------------
+
+REAL = Path(__file__).parent / "real_configs"
+SEVERITY_ORDER = ["clean", "note", "warning", "error"]
+
+
+def manifest() -> list[dict[str, str]]:
+    names = ["file", "repository", "path", "commit", "licence", "verdict", "why"]
+    rows = [line.split("\t") for line in (REAL / "MANIFEST.tsv").read_text().splitlines() if not line.startswith("#")]
+    return [dict(zip(names, row)) for row in rows]
+
+
+def test_real_corpus_is_listed_whole_with_sources():
+    rows = manifest()
+    on_disk = {str(p.relative_to(REAL)) for p in REAL.rglob("*") if p.is_file() and p.name != "MANIFEST.tsv"}
+    assert {r["file"] for r in rows} == on_disk and len(rows) >= 40
+    projects = {r["repository"] for r in rows}
+    assert {"huggingface/trl", "huggingface/accelerate", "axolotl-ai-cloud/axolotl", "hiyouga/LLaMA-Factory",
+            "huggingface/transformers", "microsoft/DeepSpeedExamples"} <= projects
+    for row in rows:
+        assert len(row["commit"]) == 40 and row["licence"] and row["verdict"] in SEVERITY_ORDER, row
+        assert (REAL / row["file"]).stat().st_size < 8_000
+        assert row["verdict"] == "clean" or row["why"], row
+
+
+@pytest.mark.parametrize("row", manifest(), ids=lambda r: r["file"])
+def test_real_config_gets_its_verdict(row):
+    """No crash, no false alarm: the most severe finding on the file itself is the one the manifest records."""
+    path = str(REAL / row["file"])
+    found = [p for p in check_paths([path]) if p.file == path]
+    verdict = max((p.severity for p in found), key=SEVERITY_ORDER.index, default="clean")
+    assert verdict == row["verdict"], [str(p) for p in found]
+
+
+REFUSED_BY_DEEPSPEED = {
+    # DeepSpeed 0.19's CompileConfig forbids extra keys; axolotl's "disable"/"backend" are not among its fields.
+    "axolotl/deepspeed_configs/zero1_torch_compile.json": "Extra inputs are not permitted",
+    "axolotl/deepspeed_configs/zero2_torch_compile.json": "Extra inputs are not permitted",
+    # Features DeepSpeed removed; its config refuses the leftover blocks rather than ignore them.
+    "deepspeedexamples/training/bing_bert/deepspeed_bsz4k_progressive_layer_drop_config_seq128.json":
+        "Progressive Layer Dropping has been removed",
+    "deepspeedexamples/compression/gpt2/config/ds_config_W8A8_Qgroup64_fp16.json":
+        "compression library has been removed",
+}
+
+
+def test_every_error_on_the_real_corpus_is_reproduced_below():
+    assert {r["file"] for r in manifest() if r["verdict"] == "error"} == set(REFUSED_BY_DEEPSPEED) | {
+        "transformers/tests/deepspeed/ds_config_zero3_bf16.json", "accelerate/tests/test_configs/invalid_keys.yaml"}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_BY_DEEPSPEED))
+def test_deepspeed_itself_refuses_the_real_config(name):
+    """DeepSpeed's own DeepSpeedConfig (one process: world size 1), "auto" values taken out as the runners fill them."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = json.loads((REAL / name).read_text())
+    config = {k: v for k, v in config.items() if v != "auto" and k != "train_batch_size"}
+    config.setdefault("train_micro_batch_size_per_gpu", 1)
+    with pytest.raises(Exception, match=REFUSED_BY_DEEPSPEED[name]):
+        DeepSpeedConfig(config)
+
+
+def test_accelerate_itself_refuses_its_invalid_keys_test_config():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    with pytest.raises(ValueError, match="invalid_key"):
+        load_config_from_file(str(REAL / "accelerate/tests/test_configs/invalid_keys.yaml"))
+
+
+def test_accelerate_itself_refuses_the_unfilled_bfloat16_auto():
+    """The old "bfloat16" block: the HF Trainer fills only "bf16.enabled"; accelerate then raises for the rest."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from toolkit.check import accelerate_fills, trainer_view
+
+    config = json.loads((REAL / "transformers/tests/deepspeed/ds_config_zero3_bf16.json").read_text())
+    messages = [p.message for p in check_paths([str(REAL / "transformers/tests/deepspeed/ds_config_zero3_bf16.json")])]
+    assert any('"bfloat16.enabled" is "auto": no runner fills it; rename the block to "bf16"' in m for m in messages)
+    filled, refused = trainer_view(config, world_size=8)
+    assert refused is None and filled["bfloat16"]["enabled"] == "auto"
+    plugin = DeepSpeedPlugin(hf_ds_config=filled)
+    # What Accelerator._prepare_deepspeed hands to deepspeed_config_process (values do not matter, only the keys).
+    with pytest.raises(ValueError, match="`bfloat16.enabled` not found in kwargs"):
+        plugin.deepspeed_config_process(must_match=False, **{key: 1 for key in accelerate_fills()})
+
+
+def test_accelerate_fills_are_read_from_its_source():
+    from toolkit.check import accelerate_fills
+
+    fills = accelerate_fills()
+    assert {"train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping", "fp16.enabled", "bf16.enabled",
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save", "zero_optimization.reduce_bucket_size",
+            "zero_optimization.stage3_prefetch_bucket_size", "optimizer.params.lr"} <= fills
+    assert "zero_optimization.allgather_bucket_size" not in fills and "optimizer.params.betas" not in fills
+
+
+@pytest.mark.parametrize("name", ["stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                                  "stage3_gather_fp16_weights_on_model_save"])
+def test_every_spelling_of_the_zero3_save_flag_counts(tmp_path, name):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, name: True}}))
+    found = check_paths([str(path)])
+    assert not [p for p in found if "save_model" in p.message]
+    deprecated = [p for p in found if "deprecated name" in p.message]
+    assert [p.severity for p in deprecated] == (["note"] if "fp16" in name else [])
+
+
+def test_top_level_keys_deepspeed_never_reads(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+                                "_comment": "x", "steps_per_prnt": 10, "my_own_setting": 1, "wall_clock_breakdown": 0}))
+    found = {p.message.split('"')[1]: p.severity for p in check_paths([str(path)])}
+    assert found == {"_comment": "note", "steps_per_prnt": "error", "my_own_setting": "warning"}
+
+
+def test_keys_read_at_initialize_are_known(tmp_path):
+    """sequence_parallel_size / data_parallel_size are read by deepspeed.initialize, not by the config getters."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3,
+                                "stage3_gather_16bit_weights_on_model_save": True},
+                                "sequence_parallel_size": 2, "data_parallel_size": 4}))
+    assert check_paths([str(path)]) == []
+
+
+def test_a_concrete_global_batch_with_auto_micro_batch_is_fine_when_the_gpus_are_unknown(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}))
+    assert check_paths([str(path)]) == []
+
+
+def test_runner_pins_the_severity():
+    path = str(CORPUS / "ds-missing-zero-optimization.json")
+    assert {p.severity for p in check_paths([path], runner="trainer")} == {"error"}
+    assert check_paths([path], runner="deepspeed") == []
+
+
+def test_fsdp_wrap_falls_back_to_no_split_modules():
+    """Why the missing fsdp_transformer_layer_cls_to_wrap is a note: accelerate's plugin wraps _no_split_modules."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.emit.validate import accelerate_launch_plugins
+
+    _, plugin, _ = accelerate_launch_plugins(REAL / "llamafactory/examples/accelerate/fsdp_config.yaml")
+    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy and plugin.transformer_cls_names_to_wrap is None
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=64))
+    plugin.set_auto_wrap_policy(model)
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+
+
+def test_inline_deepspeed_yaml_is_read_as_the_config_accelerate_builds(tmp_path):
+    base = (REAL / "trl/examples/accelerate_configs/deepspeed_zero2.yaml").read_text()
+    assert "zero_stage: 2" in base and "offload_param_device: none" in base
+    assert check_paths([str(REAL / "trl/examples/accelerate_configs/deepspeed_zero2.yaml")]) == []
+    bad = tmp_path / "zero2-offload-param.yaml"
+    bad.write_text(base.replace("offload_param_device: none", "offload_param_device: cpu"))
+    found = check_paths([str(bad)])
+    assert [(p.severity, p.runner) for p in found] == [("error", "HF Trainer, accelerate script")]
+    assert "offload_param_device cpu at zero_stage 2" in found[0].message
+    zero3 = tmp_path / "zero3.yaml"
+    zero3.write_text(base.replace("zero_stage: 2", "zero_stage: 3"))
+    assert [p.severity for p in check_paths([str(zero3)])] == ["warning"]
+
+
+def test_parallelism_config_sizes_must_multiply_to_the_processes(tmp_path):
+    base = (REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml").read_text()
+    assert check_paths([str(REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml")])[0].severity \
+        == "note"
+    bad = tmp_path / "tp.yaml"
+    bad.write_text(base.replace("num_processes: 8", "num_processes: 6"))
+    errors = [p for p in check_paths([str(bad)]) if p.severity == "error"]
+    assert len(errors) == 1 and "ParallelismConfig total_size (8) does not match num_processes (6)" in errors[0].message
+
+
+# --- robust reading: one line on stderr, exit 2, nothing on stdout ---------------------------------------------------
+
+HOSTILE = {
+    "binary.json": bytes(range(256)) * 4,
+    "deep.json": b"[" * 100_000 + b"]" * 100_000,
+    "deep-object.json": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    "deep.yaml": b"a:\n" + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+    "deep-indent.yaml": b"".join(b"  " * i + b"k:\n" for i in range(3000)) + b"  " * 3000 + b"v: 1\n",
+    "bomb.yaml": b"a: &a [x, x, x, x, x, x, x, x, x]\n" + b"".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n".encode() for i in range(8)),
+    "self-alias.yaml": b"a: &a [*a]\n",
+    "batch-list.json": json.dumps({"train_batch_size": [8], "zero_optimization": {"stage": 2}}).encode(),
+    "stage-string.json": json.dumps({"zero_optimization": {"stage": "three"}}).encode(),
+    "processes-string.yaml": b"distributed_type: MULTI_GPU\nnum_processes: eight\n",
+    "machines-list.yaml": b"distributed_type: MULTI_GPU\nnum_machines: [1, 2]\nnum_processes: 8\n",
+    "not-utf8.yaml": "distributed_type: FSDP\n# caf\u00e9\n".encode("latin-1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_input_is_one_line_and_exit_2(tmp_path, capsys, name):
+    from toolkit.cli import main
+
+    path = tmp_path / name
+    path.write_bytes(HOSTILE[name])
+    assert main(["check", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}") and "Traceback" not in captured.err
+
+
+# --- fit check -----------------------------------------------------------------------------------------------------------
+
+def test_fit_reads_an_inline_deepspeed_yaml_as_zero3_and_states_its_assumptions():
+    from toolkit.check_fit import Pins, fit_findings
+
+    path = str(REAL / "trl/examples/accelerate_configs/deepspeed_zero3.yaml")
+    found = fit_findings(path, model="llama-3-8b", gpus="8xA100-80GB")
+    notes = [p.message for p in found if p.severity == "note"]
+    assert any("micro-batch taken as 1 (the least it can be): train_micro_batch_size_per_gpu is \"auto\"" in n
+               for n in notes)
+    assert any("activation checkpointing taken as off" in n for n in notes)
+    assert any("sequence length taken as 2048" in n for n in notes)
+    verdict = notes[-1]
+    assert "llama-3-8b with zero3, bf16, micro-batch 1, seq 2048: fits" in verdict
+    used = float(verdict.split("fits, ")[1].split(" GiB")[0])
+    assert 20 < used < 60  # under DDP the same model needs > 100 GiB (the bug this replaced)
+
+    pinned = fit_findings(path, model="llama-3-8b", gpus="8xA100-80GB", seq_len=2048,
+                          pins=Pins(micro_batch=4, checkpointing=True))
+    assert not any("taken as" in p.message for p in pinned)
+    assert "micro-batch 4, seq 2048, checkpointing" in pinned[-1].message
+
+
+def test_fit_takes_auto_precision_as_bf16_and_says_so():
+    from toolkit.check_fit import Pins, fit_settings
+
+    path = str(REAL / "transformers/tests/deepspeed/ds_config_zero3.json")
+    settings = fit_settings(path)
+    assert settings.precision == "bf16" and settings.strategy.name == "zero3-offload"
+    assert any("precision taken as bf16" in a for a in settings.assumptions)
+    assert fit_settings(path, Pins(precision="fp16")).precision == "fp16"
+
+
+def test_fit_of_an_fsdp_yaml_with_sync_module_states_touches_no_device():
+    from toolkit.check_fit import fit_settings
+
+    settings = fit_settings(str(REAL / "accelerate/tests/test_configs/latest_fsdp.yaml"))
+    assert settings.strategy.name == "fsdp2" and settings.precision == "fp32" and settings.checkpointing is False
+    assert fit_settings(str(REAL / "trl/examples/accelerate_configs/fsdp1.yaml")).precision == "bf16"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("gradient_accumulation_steps", 2), ("gradient_clipping", 1.0), ("zero_stage", 2),
+    ("offload_optimizer_device", "cpu"), ("offload_param_device", "cpu"), ("offload_optimizer_nvme_path", "/nvme"),
+    ("offload_param_nvme_path", "/nvme"), ("zero3_save_16bit_model", True)])
+def test_accelerate_itself_refuses_each_yaml_key_beside_a_json(tmp_path, key, value):
+    """DS_FILE_IGNORED_KEYS is the set accelerate refuses next to deepspeed_config_file; this keeps it honest."""
+    import yaml as _yaml
+
+    from toolkit.check import DS_FILE_IGNORED_KEYS
+    from toolkit.emit.validate import ConfigRejected, accelerate_launch_plugins
+
+    assert key in DS_FILE_IGNORED_KEYS
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    config = {"distributed_type": "DEEPSPEED", "num_machines": 1, "num_processes": 2,
+              "deepspeed_config": {"deepspeed_config_file": str(tmp_path / "ds.json"), key: value}}
+    (tmp_path / "a.yaml").write_text(_yaml.safe_dump(config))
+    with pytest.raises(ConfigRejected, match=key):
+        accelerate_launch_plugins(tmp_path / "a.yaml")
+
+
+def test_fit_shards_fsdp_over_the_parallelism_configs_dp_shard_group():
+    from toolkit.check_fit import fit_findings
+
+    def used(found):
+        return float(found[-1].message.split("fits, ")[1].split(" GiB")[0])
+
+    hsdp = fit_findings(str(REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml"),
+                        model="llama-3-8b", gpus="8xH100-80GB")
+    full = fit_findings(str(REAL / "trl/examples/accelerate_configs/fsdp2.yaml"), model="llama-3-8b",
+                        gpus="8xH100-80GB")
+    assert "with fsdp2-hybrid" in hsdp[-1].message and "with fsdp2," in full[-1].message
+    assert any("dp_shard x cp = 2 of 8 GPUs" in p.message for p in hsdp)
+    assert any("tp_size 2 is not modelled" in p.message for p in hsdp)
+    assert used(hsdp) > used(full) + 10  # sharded 2 ways instead of 8
+
+
+def test_fit_leaves_precision_open_when_the_yaml_does_not_say_and_never_aborts_the_check(capsys):
+    from toolkit.cli import main
+
+    # The YAML names a JSON with fp16 enabled and states no mixed_precision: fp16, no assumption about it.
+    yaml_path = REAL / "accelerate/examples/config_yaml_templates/deepspeed.yaml"
+    code = main(["check", str(yaml_path), "--model", "qwen2.5-0.5b", "--gpus", "2xH100-80GB"])
+    out = "".join(capsys.readouterr())
+    assert code == 0 and "qwen2.5-0.5b with zero1, fp16, micro-batch 1" in out and "precision taken as" not in out
+    # --gpus 8 against num_processes 2 is an error of the check; the fit still runs on the GPUs given.
+    assert main(["check", str(yaml_path), "--model", "llama-3-8b", "--gpus", "8xH100-80GB"]) == 1
+    out = "".join(capsys.readouterr())
+    assert "does not match 1 node(s) x 8 GPUs" in out and "llama-3-8b with zero1" in out
+
+
+def test_zero_stage_auto_is_what_accelerate_fills(tmp_path):
+    """accelerate's DeepSpeedPlugin fills "stage": "auto" from --zero_stage (default 2): checked and fitted as such,
+    and a rule that depends on the stage is only a warning (the launch command may say 3)."""
+    from toolkit.check_fit import fit_settings
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                "zero_optimization": {"stage": "auto", "offload_param": {"device": "cpu"}}}))
+    found = check_paths([str(path)])
+    assert [p.severity for p in found] == ["note", "warning"]
+    assert "(here 2); checked as ZeRO-2" in found[0].message and "offload_param at ZeRO-2" in found[1].message
+    settings = fit_settings(str(path))
+    assert settings.strategy.name == "zero2" and settings.precision == "fp32"
+    assert any("ZeRO stage taken as 2" in a for a in settings.assumptions)
+    assert any("precision taken as fp32" in a for a in settings.assumptions)
+
+
+def test_cli_json_is_the_whole_stdout_and_usage_errors_go_to_stderr(capsys):
+    from toolkit.cli import main
+
+    path = str(REAL / "trl/examples/accelerate_configs/deepspeed_zero3.yaml")
+    assert main(["check", path, "--json", "--model", "qwen2.5-0.5b", "--gpus", "8xA100-80GB"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["exit_code"] == 0 and all(f["severity"] == "note" for f in report["findings"])
+    assert any("qwen2.5-0.5b with zero3" in f["message"] for f in report["findings"])
+    assert main(["check", path, "--micro-batch", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "give --model and --gpus too" in captured.err

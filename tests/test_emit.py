@@ -255,7 +255,15 @@ def test_random_plans_always_multiply_or_are_refused(tmp_path):
             plan = reference_plan(strategy, nodes=nodes, gpus_per_node=gpus, stages=stages, micro=micro,
                                   accum=accum, model_config=config).replace(global_batch=global_batch)
         except UserError:
-            assert micro * accum * (world // stages) != global_batch or (world // stages) * stages != world
+            from toolkit.grid import ParallelGrid
+            from toolkit.strategy import parse_strategy
+
+            try:  # refused: either the grid cannot hold the strategy, or the batch does not multiply on it
+                grid = ParallelGrid.for_strategy(parse_strategy(strategy), nodes=nodes, gpus_per_node=gpus,
+                                                 pipeline_stages=stages if strategy in ("pipeline", "hybrid") else None)
+            except UserError:
+                continue
+            assert grid.global_batch(micro, accum) != global_batch or grid.pipeline_stages > layers
             continue
         accepted += 1
         if plan.engine in ("deepspeed", "pipeline"):

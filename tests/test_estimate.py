@@ -65,7 +65,7 @@ def test_checkpointing_keeps_far_fewer_activations(capsys):
     base = ["llama-2-7b", "--gpus", "8xA100-80GB", "--strategy", "zero3", "--seq", "4096"]
     full = run_json(capsys, *base)["per_gpu"]["activations_bytes"]
     ckpt = run_json(capsys, *base, "--checkpointing")["per_gpu"]["activations_bytes"]
-    # A checkpointed Llama layer keeps its bf16 input: 2 bytes x seq x hidden per layer (REFERENCE.md).
+    # A checkpointed Llama layer keeps its bf16 input: 2 bytes x seq x hidden per layer (docs/ENGINE_FACTS.md, measured).
     per_layer_input = 2 * 4096 * 4096
     assert ckpt < full / 5
     assert 32 * per_layer_input <= ckpt < 32 * per_layer_input * 1.5 + 2 * 4096 * 32000 * 4

@@ -72,7 +72,7 @@ def write_plan_dir(directory: Path, plan: Plan, *, zero_stage: int) -> Path:
 
 def launch(plan_dir: Path, plan: Plan, model: Path, data: Path, output: Path,
            *extra: str) -> subprocess.CompletedProcess:
-    """`accelerate launch` as a plain multi-process launcher over gloo (REFERENCE.md: --multi_gpu with
+    """`accelerate launch` as a plain multi-process launcher over gloo (docs/ENGINE_FACTS.md: --multi_gpu with
     ACCELERATE_USE_CPU=1), running the training entry."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

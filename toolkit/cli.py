@@ -50,15 +50,19 @@ def _add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH10
 
 def _add_job_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
-    g.add_argument("--seq", type=int, default=2048, help="sequence length (default %(default)s)")
-    from toolkit.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZERS, PRECISIONS
+    from toolkit.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
+    g.add_argument("--seq", type=int, help="sequence length (default 2048, or the model's maximum if shorter)")
     g.add_argument("--precision", default="bf16", choices=PRECISIONS, help="(default %(default)s)")
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
     g.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="(default %(default)s)")
     g.add_argument("--device-kind", default="cuda", choices=DEVICE_KINDS,
                    help="whose kernels' saved tensors to model (default %(default)s)")
     g.add_argument("--pipeline-stages", type=int, help="pipeline / hybrid stage count")
+    g.add_argument("--optimizer-impl", default="fused", choices=OPTIMIZER_IMPLS,
+                   help="torch optimizer step (default %(default)s, the Trainer's)")
+    g.add_argument("--activation-offloading", action="store_true",
+                   help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
@@ -95,6 +99,11 @@ def _hardware(args):
                           cpu_ram_gib=args.cpu_ram_gib)
 
 
+def _note(text: str) -> None:
+    """Warnings and notes go to stderr, so stdout holds only the result (a table, JSON)."""
+    print(f"note: {text}", file=sys.stderr)
+
+
 def _human(n: int) -> str:
     for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
@@ -111,40 +120,41 @@ def _gib(n: float) -> str:
 
 
 def cmd_estimate(args) -> int:
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory
+    from toolkit.grid import ParallelGrid
+    from toolkit.job import Job, check_job
+    from toolkit.planner import evaluate
+    from toolkit.errorband import band_for
     from toolkit.strategy import parse_strategy
-    from toolkit.timing import step_time
 
     spec = _spec(args)
     hw = _hardware(args)
     strategy = parse_strategy(args.strategy)
-    job = Job(seq_len=args.seq, micro_batch=args.micro_batch, grad_accum=args.accumulation,
+    seq_len, seq_note = _seq(spec, args)
+    job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
-              attention=args.attention, device_kind=args.device_kind)
-    _check_seq(spec, job.seq_len)
-    stages, partition = 1, None
-    if strategy.is_pipeline:
-        from toolkit.pipeline.partition import check_stage_count
-        from toolkit.planner import _partition
-
-        stages = args.pipeline_stages or (hw.world_size if strategy.kind == "pipeline" else max(2, hw.nodes))
-        check_stage_count(spec.num_layers, stages, hw.world_size)
-        partition = _partition(spec, stages)
-    b = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition)
-    t = step_time(spec, strategy, job, hw, pipeline_stages=stages)
+              attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
+              activation_offloading=args.activation_offloading)
+    grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                     pipeline_stages=args.pipeline_stages)
+    check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
+    c = evaluate(spec, hw, strategy, job, grid, prune=False)
+    b, t, partition = c.memory, c.timing, c.partition
+    band = band_for(strategy.engine, job.checkpointing)
     if args.json:
         out = {"model": spec.summary(), "params": spec.params, "hardware": hw.spec, "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": job.attention, "device_kind": job.device_kind},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
+               "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
-               "notes": list(b.notes) + list(t.assumptions)}
+               "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
             out["partition"] = partition
         print(json.dumps(out, indent=2))
         return _fit_exit(args, b.fits)
+    if seq_note:
+        _note(seq_note)
     cap = b.capacity_bytes
     active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
@@ -161,8 +171,16 @@ def cmd_estimate(args) -> int:
     print(f"{'peak (tensors)':<{width}}{_gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
     print(f"{'required':<{width}}{_gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
           f"{_gib(cap)} GiB: {'fits' if b.fits else 'DOES NOT FIT'}")
+    print(f"error band: {band.text()}" + (f"; required + band = {_gib(b.required_bytes + band.headroom_bytes(b.peak_bytes))}"
+                                          f" GiB" if band.cases else ""))
     if b.stage_required_bytes:
         print("per stage required GiB: " + ", ".join(_gib(x) for x in b.stage_required_bytes))
+    if b.host is not None:
+        print(f"host RAM per node: load {_gib(b.host.load_bytes_per_node)} GiB, save "
+              f"{_gib(b.host.save_bytes_per_node)} GiB on top of {_gib(b.host.resident_bytes_per_node)} GiB resident; "
+              f"peak {_gib(b.host.peak_bytes_per_node)} of {_gib(hw.cpu_ram_bytes_per_node)} GiB")
+        if args.explain:
+            print(f"  <- load: {b.host.load_source}; save: {b.host.save_source}")
     if b.cpu_bytes_per_node:
         print(f"host RAM per node for offload: {_gib(b.cpu_bytes_per_node)} GiB "
               f"of {_gib(hw.cpu_ram_bytes_per_node)}")
@@ -182,10 +200,13 @@ def _fit_exit(args, fits: bool) -> int:
     return 1 if args.require_fit and not fits else 0
 
 
-def _check_seq(spec, seq_len: int) -> None:
-    if spec.max_positions and seq_len > spec.max_positions:
-        raise UserError(f"--seq {seq_len} is longer than {spec.name} allows ({spec.max_positions} positions); "
-                        f"use --seq {spec.max_positions} or less")
+def _seq(spec, args) -> tuple[int, str | None]:
+    """--seq as given (checked against the model), or the default adapted to the model's positions."""
+    from toolkit.job import check_seq_len, default_seq_len
+
+    seq_len, note = default_seq_len(spec, args.seq)
+    check_seq_len(spec, seq_len)
+    return seq_len, note
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,17 +220,21 @@ def cmd_plan(args) -> int:
 
     spec = _spec(args)
     hw = _hardware(args)
-    _check_seq(spec, args.seq)
+    seq_len, seq_note = _seq(spec, args)
+    if seq_note:
+        _note(seq_note)
     strategies = tuple(s.strip() for s in args.strategies.split(",")) if args.strategies else None
     if strategies:
         from toolkit.strategy import parse_strategy
 
         strategies = tuple(parse_strategy(s).name for s in strategies)
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
-    req_kwargs: dict[str, Any] = dict(seq_len=args.seq, global_batch=args.global_batch, micro_batch=args.micro_batch,
+    req_kwargs: dict[str, Any] = dict(seq_len=seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                                       grad_accum=args.accumulation, precision=args.precision,
                                       optimizer=args.optimizer, attention=args.attention,
                                       device_kind=args.device_kind, checkpointing=ckpt,
+                                      optimizer_impl=args.optimizer_impl,
+                                      activation_offloading=args.activation_offloading,
                                       pipeline_stages=args.pipeline_stages)
     if strategies:
         req_kwargs["strategies"] = strategies
@@ -293,6 +318,13 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
               f"{t.step_time_s:>9.2f}{t.tokens_per_s:>11,.0f}{t.mfu:>6.0%}")
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
+    chosen = next((c for c in candidates if c.feasible), None)
+    if chosen is not None:
+        from toolkit.errorband import band_for
+
+        band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
+        print(f"\nerror band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
+              f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
     refused = [c for c in candidates if not c.feasible]
     if refused:
         print("\nnot possible:")
@@ -314,6 +346,15 @@ def cmd_emit(args) -> int:
     plan = load_plan(args.plan)
     out = Path(args.out) if args.out else (Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent)
     hosts = args.hosts.split(",") if args.hosts else None
+    if plan.prediction_is_stale:
+        from toolkit.planner import predict_plan
+
+        try:
+            plan = predict_plan(plan)
+            _note("plan.json was edited after its prediction: memory and step time re-predicted for the new values")
+        except UserError as exc:
+            _note(f"plan.json was edited after its prediction and it could not be re-predicted ({exc}); PLAN.md "
+                  "says the prediction is stale")
     written = emit_files(plan, out, force=args.force, nvme_path=args.nvme_path, hosts=hosts)
     print(f"wrote {len(written)} files to {out}: " + ", ".join(p.name for p in written))
     return 0
@@ -324,13 +365,19 @@ def cmd_check(args) -> int:
 
     fit = None
     if args.model:
-        from toolkit.planner import fit_problems
+        from toolkit.check_fit import Pins, fit_findings
 
-        fit = lambda path: fit_problems(path, model=args.model, gpus=args.gpus, seq_len=args.seq)  # noqa: E731
+        ckpt = {None: None, "on": True, "off": False}[args.checkpointing]
+        pins = Pins(micro_batch=args.micro_batch, precision=args.precision, checkpointing=ckpt)
+        fit = lambda path: fit_findings(path, model=args.model, gpus=args.gpus, seq_len=args.seq,  # noqa: E731
+                                        pins=pins)
+    elif args.micro_batch or args.precision or args.checkpointing:
+        raise UserError("--micro-batch / --precision / --checkpointing pin the fit check; give --model and --gpus too")
     from toolkit.cli_help import status
 
     with status("checking with accelerate's and DeepSpeed's own validation"):
-        return main_check(args.files, model=args.model, gpus=args.gpus, fit=fit)
+        return main_check(args.files, gpus=args.gpus, runner=args.runner, fit=fit, strict=args.strict,
+                          as_json=args.json)
 
 
 def cmd_launch(args) -> int:
@@ -344,7 +391,9 @@ def cmd_profile(args) -> int:
     from toolkit.profile import measure_step, predict_step
 
     spec = _spec(args)
-    _check_seq(spec, args.seq)
+    args.seq, seq_note = _seq(spec, args)
+    if seq_note:
+        _note(seq_note)
     device = args.device
     kind = "cuda" if device.startswith("cuda") else "cpu"
     attention = spec.effective_attention(args.attention)
@@ -398,7 +447,10 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from toolkit import __version__
+
     parser = _Parser(prog="toolkit", description="Plan, emit and run distributed training of HF causal LMs.")
+    parser.add_argument("--version", action="version", version=f"toolkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("estimate", help="per-GPU memory and step time of one strategy")
@@ -440,6 +492,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="also check the fit of this model")
     p.add_argument("--gpus", help="GPU spec, e.g. 8xH100-80GB (process counts; with --model, the fit)")
     p.add_argument("--seq", type=int, help="sequence length for the fit check (plan dirs carry their own)")
+    p.add_argument("--micro-batch", type=int, help="fit check: samples per GPU, where the files leave it to the runner")
+    p.add_argument("--precision", help="fit check: fp32 | bf16 | fp16 | bf16-pure, where the files leave it open")
+    p.add_argument("--checkpointing", choices=("on", "off"), help="fit check: activation checkpointing")
+    p.add_argument("--runner", choices=("trainer", "accelerate", "deepspeed"),
+                   help="who reads a DeepSpeed JSON: its failures become errors (default: every runner that can)")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too (notes never fail)")
+    p.add_argument("--json", action="store_true", help="findings as one JSON object on stdout")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("launch", help="run (or rehearse on CPU) an emitted plan")

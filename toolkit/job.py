@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from toolkit.errors import UserError
+
+if TYPE_CHECKING:
+    from toolkit.hardware import Gpu, Hardware
+    from toolkit.modelspec import ModelSpec
+    from toolkit.strategy import Strategy
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-pure"]
 Optimizer = Literal["adamw", "adamw-8bit", "sgd", "adafactor"]
@@ -16,6 +21,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-pure")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,11 @@ class Job:
     attention: Attention = "sdpa"
     device_kind: DeviceKind = "cuda"
     """Whose kernels' saved tensors to model: the GPU kernels (default) or the real CPU dispatch."""
+    optimizer_impl: str = "fused"
+    """How torch's optimizer runs its step (toolkit.savers): fused (the HF Trainer's adamw_torch_fused), foreach
+    (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
+    activation_offloading: bool = False
+    """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -44,6 +55,7 @@ class Job:
         check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
+        check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
 
     @property
     def mixed(self) -> bool:
@@ -62,3 +74,57 @@ class Job:
 def check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UserError(f"{flag} '{value}' is not known; choose one of: {', '.join(choices)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rules a job must meet on a model and hardware: estimate, plan, check (--model/--gpus) and launch's preflight
+# all call these, so the same job is refused (or adapted) the same way everywhere.
+
+DEFAULT_SEQ_LEN = 2048
+"""Sequence length when none is given (adapted down to the model's positions)."""
+
+
+def default_seq_len(spec: "ModelSpec", requested: int | None) -> tuple[int, str | None]:
+    """The sequence length to use and, when it was adapted, the sentence that says so. A length the user gave is
+    kept (and checked by `check_job`); the default shrinks to what the model can take."""
+    if requested is not None:
+        return requested, None
+    limit = spec.max_positions
+    if limit and limit < DEFAULT_SEQ_LEN:
+        return limit, (f"--seq not given: using {limit}, the most {spec.name} takes (max_position_embeddings); "
+                       f"the default {DEFAULT_SEQ_LEN} is longer")
+    return DEFAULT_SEQ_LEN, None
+
+
+def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise UserError(f"--seq must be a positive integer, got {seq_len!r}")
+    if spec.max_positions and seq_len > spec.max_positions:
+        raise UserError(f"--seq {seq_len} is longer than {spec.name} allows ({spec.max_positions} positions); "
+                        f"use --seq {spec.max_positions} or less")
+
+
+def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
+                activation_offloading: bool = False) -> str | None:
+    """Why a job with `precision` (and activation offloading) cannot run on `gpu` with `strategy`, or None."""
+    if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
+        return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
+    if strategy is not None and strategy.is_pipeline and activation_offloading:
+        return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
+    if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
+        return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
+    return None
+
+
+def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy | None" = None, *,
+              pipeline_stages: int | None = None) -> None:
+    """Raise UserError when `job` cannot run `spec` on `hw`: sequence longer than the model's positions,
+    precision the GPU lacks, a pipeline grid the model cannot be split over."""
+    check_seq_len(spec, job.seq_len)
+    problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading)
+    if problem:
+        raise UserError(problem)
+    if strategy is not None and strategy.is_pipeline:
+        from toolkit.grid import grid_of
+
+        grid_of(strategy, hw, pipeline_stages).check_model(spec)

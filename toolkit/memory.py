@@ -17,18 +17,33 @@ from typing import Any
 from toolkit.activations import ActivationTrace, RegionTrace
 from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
+from toolkit.grid import ParallelGrid, grid_of
+from toolkit.hostram import HostRam, host_ram
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
+from toolkit.savers import offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.states import States, ddp_states, fsdp2_states, pipeline_states, zero_states
 from toolkit.strategy import Strategy
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
 """CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator; ~0.5-0.9 GiB on Ampere/Hopper with
-lazy module loading (CUDA 12). Assumed, not traced."""
+lazy module loading (CUDA 12). Still assumed: benchmarks/gpu_check.py measures it per GPU / CUDA / torch version
+(cudaMemGetInfo minus reserved) and benchmarks/gpu_derive.py reports it; no GPU run is recorded yet."""
 COMM_BUFFER_BYTES = int(0.5 * GIB)
-"""NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed."""
+"""NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed: no
+published source separates them (the published nvidia-smi readings lump them with the context)."""
 ALLOCATOR_MARGIN = 0.05
-"""Caching-allocator fragmentation and rounding on top of the tensor peak (stated assumption; 2-10% is typical)."""
+"""Caching-allocator reserved over allocated, minus 1. Still assumed. The one published reserved/allocated pair of
+a modelled job (accelerate benchmarks/fsdp2, Qwen2.5-1.5B FSDP2 on 8 x H100, seq 128: ~4350 MiB allocated, ~7050
+MiB reserved, benchmarks/results/published.md) gives 1.62, but its allocated figure is sampled by a thread and misses
+short peaks, and the absolute gap (2.6 GiB) is of the size of FSDP2's per-stream all-gather / reduce-scatter blocks
+rather than a share of the peak; gpu_check.py measures both per engine on one GPU so the margin can be derived."""
+
+
+def reserved_bytes(peak_bytes: int) -> int:
+    """What torch.cuda.max_memory_reserved would report for a tensor peak: the caching allocator's segments, the
+    peak plus ALLOCATOR_MARGIN (CUDA context and NCCL buffers are outside it)."""
+    return int(peak_bytes * (1 + ALLOCATOR_MARGIN))
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,8 @@ class Breakdown:
     notes: tuple[str, ...] = ()
     stage_required_bytes: tuple[int, ...] = ()
     """Pipeline plans: required bytes of every stage (the breakdown describes the largest)."""
+    host: HostRam | None = None
+    """Host RAM per node at load, during training and at save (toolkit.hostram)."""
 
     @property
     def fits(self) -> bool:
@@ -87,6 +104,10 @@ class Breakdown:
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
         if self.stage_required_bytes:
             out["stage_required_bytes"] = list(self.stage_required_bytes)
+        if self.host is not None:
+            out["host_load_bytes_per_node"] = self.host.load_bytes_per_node
+            out["host_save_bytes_per_node"] = self.host.save_bytes_per_node
+            out["host_peak_bytes_per_node"] = self.host.peak_bytes_per_node
         return out
 
 
@@ -268,17 +289,29 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     return peak, saved_total * in_flight + stash_bytes, copies_total
 
 
-def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, params: int, dp: int) -> States:
+def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
+    s = _engine_states(spec, strategy, job, grid, params=params)
+    if strategy.engine in ("ddp", "fsdp2"):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
+        shard = grid.shard_group
+        state_bytes = 2 if job.precision == "bf16-pure" else 4
+        extra = optimizer_step_temporary_bytes(
+            impl=job.optimizer_impl, optimizer=job.optimizer, group_state_bytes=params * state_bytes / shard,
+            largest_param_state_bytes=spec.embedding_params * state_bytes / shard)
+        s.step_transient += extra
+    return s
+
+
+def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
     fe = int(params * spec.factored_state_fraction)
+    dp = grid.data_parallel
     if strategy.engine == "ddp":
-        return ddp_states(params, job, world=hw.world_size, factored_elems=fe)
+        return ddp_states(params, job, world=grid.world, factored_elems=fe)
     if strategy.engine == "deepspeed":
         return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params,
                            factored_elems=fe)
     if strategy.engine == "fsdp2":
-        shard = hw.gpus_per_node if strategy.fsdp_mode == "hybrid" else dp
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
-        return fsdp2_states(params, job, strategy, shard=shard, layer_params=max(spec.layer_params),
+        return fsdp2_states(params, job, strategy, shard=grid.shard_group, layer_params=max(spec.layer_params),
                             root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
                             factored_elems=fe, prefetch_layers=2 if job.device_kind == "cuda" else 1)
     return pipeline_states(params, job, dp=dp, factored_elems=fe)
@@ -288,47 +321,42 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
                        partition: list[int] | None = None) -> int:
     """A lower bound on the required bytes without tracing: persistent model states and the CUDA context.
     The planner refuses candidates above capacity on this alone, which saves their traces."""
-    world = hw.world_size
-    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if world > 1 else 0)
-    if strategy.is_pipeline and partition is not None:
-        dp = world // pipeline_stages
-        stage_params = [sum(spec.layer_params[a:b]) for a, b in zip(partition, partition[1:])]
-        stage_params[0] += spec.pre_layer_params
-        stage_params[-1] += spec.post_layer_params
-        params = max(stage_params)
-    else:
-        dp, params = world, spec.params
-    s = _states_for(spec, strategy, job, hw, params=params, dp=dp)
+    grid = grid_of(strategy, hw, pipeline_stages)
+    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if grid.world > 1 else 0)
+    params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
+    s = _states_for(spec, strategy, job, grid, params=params)
     return int(s.parameters + s.gradients + s.master + s.optimizer) + context
 
 
 def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
                     partition: list[int] | None = None) -> Breakdown:
     """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
-    breakdown of the stage that needs the most is returned."""
-    world = hw.world_size
-    if strategy.is_pipeline:
-        if partition is None:
-            raise UserError("a pipeline estimate needs a layer partition")
-        dp = world // pipeline_stages
-    else:
-        dp = world
+    breakdown of the stage that needs the most is returned (partition None: the grid's balanced one)."""
+    grid = grid_of(strategy, hw, pipeline_stages)
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
+        offloaded = 0
+        if job.activation_offloading:
+            trace, offloaded = offload_layer_activations(trace)
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
-        states = _states_for(spec, strategy, job, hw, params=spec.params, dp=dp)
+        states = _states_for(spec, strategy, job, grid, params=spec.params)
+        states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
         return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
+    if job.activation_offloading:
+        raise UserError("activation offloading is not available with the pipeline engine; use a ZeRO or FSDP2 "
+                        "strategy, or drop --activation-offloading")
 
+    bounds = partition if partition is not None else grid.partition(spec)
+    stage_params = grid.stage_params(spec, bounds)
     breakdowns = []
-    stages = len(partition) - 1
+    stages = len(bounds) - 1
     for i in range(stages):
-        first, last = partition[i], partition[i + 1]
+        first, last = bounds[i], bounds[i + 1]
         regions = _regions(spec, trace, first, last, i == 0, i == stages - 1)
-        params = sum(r.params for r in regions)
-        if spec.tied and stages > 1 and i == stages - 1:
-            params += spec.embedding_params  # TiedLayerSpec: the last stage holds its own copy of the tied matrix
-            regions[-1] = _Region(regions[-1].name, regions[-1].params + spec.embedding_params, regions[-1].trace)
-        states = _states_for(spec, strategy, job, hw, params=params, dp=dp)
+        tied_copy = stage_params[i] - sum(r.params for r in regions)
+        if tied_copy:  # TiedLayerSpec: the last stage holds its own copy of the tied matrix
+            regions[-1] = _Region(regions[-1].name, regions[-1].params + tied_copy, regions[-1].trace)
+        states = _states_for(spec, strategy, job, grid, params=stage_params[i])
         in_flight = max(1, min(stages - i, job.grad_accum))
         breakdowns.append(_compose(spec, strategy, job, hw, trace, regions, states, in_flight=in_flight,
                                    stage=i))
@@ -345,7 +373,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     peak, activations, copies = _simulate(regions, states, in_flight=in_flight, accumulating=accumulating,
                                           autocast=states.autocast, traced_grad_bytes_per_param=traced_grad)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
-    margin = int(peak.bytes * ALLOCATOR_MARGIN)
+    margin = reserved_bytes(int(peak.bytes)) - int(peak.bytes)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + context + margin
     grads = states.gradients + states.step_gradients + states.backward_gradients \
@@ -389,6 +417,9 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         capacity_bytes=hw.gpu.memory_bytes,
         cpu_bytes_per_node=int(states.cpu * ranks_per_node),
         nvme_bytes_per_node=int(states.nvme * ranks_per_node),
+        host=host_ram(params=spec.params, largest_layer_params=spec.largest_layer_params, strategy=strategy, job=job,
+                      gpus_per_node=ranks_per_node, world=hw.world_size,
+                      resident_bytes_per_node=int(states.cpu * ranks_per_node)),
         terms=tuple(terms),
         notes=tuple(dict.fromkeys(notes)),
     )

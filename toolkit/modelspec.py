@@ -415,3 +415,21 @@ def _rescaled(spec: ModelSpec, params: int) -> ModelSpec:
             "model-state bytes use the given count exactly, activations the guessed shape")
     return replace(spec, params=params, active_params=params, layer_params=layer, pre_layer_params=pre, post_layer_params=post,
                    notes=spec.notes + (note,))
+
+
+def spec_from_config_dict(config: dict[str, Any], *, name: str, params: int | None = None) -> ModelSpec:
+    """The spec of a config carried as a dict (a plan's model_config), cached like a config read from disk;
+    `params` rescales the counts when the plan was made from bare numbers (--params)."""
+    from dataclasses import replace
+
+    from toolkit import cache
+
+    key = ["dict", name, json.dumps(config, sort_keys=True)]
+    hit = cache.get("spec", key)
+    if hit is not None:
+        spec = ModelSpec.from_cache(hit)
+    else:
+        spec = build_spec(name, _config_from_dict(dict(config), f"the plan's model_config ({name})"))
+        spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
+        cache.put("spec", key, spec.to_cache())
+    return _rescaled(spec, params) if params is not None and params != spec.params else spec

@@ -1,8 +1,12 @@
-"""Where the repository's data lives (catalogs and presets ship next to the package)."""
+"""Where the package's data lives: the model and GPU catalogs and the generated preset sets ship inside the
+package (toolkit/catalog), so a wheel or a non-editable install has them. The top-level `presets/` of a checkout
+is a link to the same folder, for browsing."""
 
+from importlib.resources import files
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PRESETS_DIR = REPO_ROOT / "presets"
-MODEL_CATALOG_DIR = PRESETS_DIR / "models"
-GPU_CATALOG_FILE = PRESETS_DIR / "gpus.json"
+CATALOG_DIR = Path(str(files("toolkit") / "catalog"))
+PRESETS_DIR = CATALOG_DIR
+MODEL_CATALOG_DIR = CATALOG_DIR / "models"
+GPU_CATALOG_FILE = CATALOG_DIR / "gpus.json"
+SETS_DIR = CATALOG_DIR / "sets"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.hardware import Hardware
+from toolkit.grid import grid_of
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
 from toolkit.strategy import Strategy
@@ -87,10 +88,12 @@ def _group_bandwidth(hw: Hardware, group: int) -> float:
 
 
 def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
-              stage_params: list[int] | None = None) -> Timing:
-    world = hw.world_size
-    P_stages = pipeline_stages if strategy.is_pipeline else 1
-    dp = world // P_stages
+              partition: list[int] | None = None) -> Timing:
+    """Predicted time of one optimizer step (pipeline: partition None means the grid's balanced one)."""
+    grid = grid_of(strategy, hw, pipeline_stages)
+    world = grid.world
+    P_stages = grid.pipeline_stages
+    dp = grid.data_parallel
     tokens_per_gpu_step = job.seq_len * job.micro_batch * job.grad_accum  # per data-parallel replica
     total_flops, model_flops = flops_per_token(spec, job.seq_len, job.checkpointing)
     peak = hw.gpu.peak_tflops(job.precision) * 1e12
@@ -135,8 +138,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                                f"{CPU_ADAM_PARAMS_PER_S / 1e9:.0f}B params/s per node")
     elif strategy.engine == "fsdp2":
         if strategy.fsdp_mode == "hybrid":
-            shard = hw.gpus_per_node
-            replicas = world // shard
+            shard, replicas = grid.dp_shard, grid.dp_replicate
             comm = A * 3 * _ring(P * pb, shard, hw.gpu.intra_node_gbps, 1)
             comm += _ring(P * pb / shard, replicas, hw.inter_node_gbps, 2)
         else:
@@ -149,13 +151,13 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         boundary_bytes = job.micro_batch * job.seq_len * spec.hidden * pb
         link = hw.inter_node_gbps if hw.nodes > 1 else hw.gpu.intra_node_gbps
         comm_p2p = 2 * M * boundary_bytes / (link * 1e9 * P2P_EFFICIENCY) if P_stages > 1 else 0.0
-        stage_P = max(stage_params) if stage_params else P / P_stages
+        stage_P = max(grid.stage_params(spec, partition))
         comm_dp = _ring(stage_P * pb, dp, hw.gpu.intra_node_gbps, 2) if dp > 1 else 0.0
         comm = comm_p2p * 0.5 + comm_dp  # sends overlap with the other direction's compute about half the time
         assumptions.append(f"1F1B bubble (P-1)/M of compute with P={P_stages}, M={M}")
     exposed = max(0.0, comm - OVERLAP * min(comm, backward)) if strategy.engine != "pipeline" else comm
     step = compute + bubble + exposed + offload
-    tokens = tokens_per_gpu_step * dp
+    tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, job.seq_len)
     mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
                   bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions))

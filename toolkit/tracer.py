@@ -493,7 +493,7 @@ def _trace_environment(attention: str, device_kind: str, notes: list[str], *, cu
     original_find = masking_utils.find_packed_sequence_indices
 
     # Under FakeTensorMode transformers treats fake tensors as graph tracing and builds a full (b, 1, s, s) mask
-    # (and SDPA then expands grouped key/value heads) where real unpacked inputs get none (REFERENCE.md).
+    # (and SDPA then expands grouped key/value heads) where real unpacked inputs get none (docs/ENGINE_FACTS.md).
     def find_packed_sequence_indices(position_ids):
         if isinstance(position_ids, FakeTensor):
             return None

@@ -149,7 +149,7 @@ def zero_block(plan: Plan, stage: int, nvme_path: str | None) -> dict[str, Any]:
     if stage == 3:
         block["stage3_max_live_parameters"] = 1_000_000_000
         block["stage3_max_reuse_distance"] = 1_000_000_000
-        # Without it a ZeRO-3 save_model writes an empty model (REFERENCE.md, DeepSpeed).
+        # Without it a ZeRO-3 save_model writes an empty model (docs/ENGINE_FACTS.md, DeepSpeed).
         block["stage3_gather_16bit_weights_on_model_save"] = True
     if plan.offload_optimizer != "none":
         block["offload_optimizer"] = offload_block(plan.offload_optimizer, nvme_path, params=False)

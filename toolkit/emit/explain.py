@@ -23,7 +23,12 @@ def gib(n_bytes: float) -> str:
 
 
 def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_path: str | None = None) -> str:
-    lines = [f"# Plan: {plan.strategy} for {plan.model}", ""]
+    lines = []
+    if plan.prediction_is_stale:
+        lines += ["> STALE PREDICTION: plan.json was edited after the memory and speed below were predicted; they "
+                  "describe the plan before the edit. Refresh them with `toolkit emit plan.json --force` (or re-plan "
+                  "with `toolkit plan`).", ""]
+    lines += [f"# Plan: {plan.strategy} for {plan.model}", ""]
     lines += ["## Model and hardware", "",
               f"- model: `{plan.model}` ({plan.model_type}, {plan.params:,} parameters, {plan.num_layers} layers of "
               f"`{plan.layer_class}`)",

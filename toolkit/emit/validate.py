@@ -53,6 +53,22 @@ def accelerate_launch_check(config_file: str | Path, extra_args: list[str] | Non
 
     Returns the parsed launch arguments; raises ConfigRejected with accelerate's message.
     """
+    return accelerate_launch_plugins(config_file, extra_args)[0]
+
+
+# FSDP1 `sync_module_states` (forced on by `cpu_ram_efficient_loading`) makes FullyShardedDataParallelPlugin ask the
+# accelerator for its current device (accelerate utils/dataclasses.py __post_init__), which raises on a machine
+# without one. The flag only picks the device for param_init_fn; every other rule is checked without it.
+_NO_DEVICE_ENV = {"FSDP_SYNC_MODULE_STATES": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
+
+
+def accelerate_launch_plugins(config_file: str | Path, extra_args: list[str] | None = None
+                              ) -> tuple[SimpleNamespace, Any, dict[str, str]]:
+    """accelerate's launch validation of `config_file`, and the plugin the Accelerator would build from it.
+
+    Returns (launch arguments, DeepSpeedPlugin / FullyShardedDataParallelPlugin / None, the processes' environment);
+    raises ConfigRejected with accelerate's message. Never touches a device.
+    """
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
@@ -60,6 +76,8 @@ def accelerate_launch_check(config_file: str | Path, extra_args: list[str] | Non
     # Port 0: pick a free port, so a port in use on this machine does not fail the check of a file.
     argv = ["--config_file", str(config_file), *(extra_args or []), "--main_process_port", "0",
             "-m", "toolkit.train"]
+    plugin = None
+    env: dict[str, str] = {}
     try:
         args = launch_command_parser().parse_args(argv)
         args, defaults, mp_from_config = _validate_launch_command(args)
@@ -76,13 +94,15 @@ def accelerate_launch_check(config_file: str | Path, extra_args: list[str] | Non
         elif args.use_fsdp or args.multi_gpu:
             env = prepare_multi_gpu_env(args)
             if args.use_fsdp:
-                with _environment(env):
-                    FullyShardedDataParallelPlugin()
+                with _environment({**env, **_NO_DEVICE_ENV}):
+                    plugin = FullyShardedDataParallelPlugin()
     except SystemExit as exc:  # argparse
         raise ConfigRejected(f"accelerate launch refused the arguments (exit {exc.code})") from None
     except (ValueError, TypeError, KeyError, FileNotFoundError, OSError) as exc:
         raise ConfigRejected(first_line(exc)) from exc
-    return args
+    except (AttributeError, IndexError) as exc:  # accelerate's own code tripping over a value of the wrong type
+        raise ConfigRejected(f"accelerate fails on a value of the wrong type ({type(exc).__name__}: {exc})") from exc
+    return args, plugin, env
 
 
 def first_line(exc: BaseException) -> str:
@@ -130,11 +150,13 @@ def deepspeed_config_at(config: dict[str, Any], world_size: int):
 
 def resolve_like_trainer(config: dict[str, Any], *, world_size: int, micro_batch: int, grad_accum: int,
                          hidden_size: int, precision: str, max_grad_norm: float = 1.0,
-                         learning_rate: float = 5e-5, num_training_steps: int = 1000) -> dict[str, Any]:
+                         learning_rate: float = 5e-5, num_training_steps: int = 1000,
+                         trainer_args: dict[str, Any] | None = None, leave_auto: bool = False) -> dict[str, Any]:
     """Fill "auto" values with the HF Trainer's own code (transformers HfTrainerDeepSpeedConfig).
 
-    The arguments are what toolkit.train passes to TrainingArguments for the plan. Raises ConfigRejected when the
-    Trainer would refuse (a concrete value that mismatches the arguments) or leave an "auto" unfilled.
+    The arguments are what toolkit.train passes to TrainingArguments for the plan (trainer_args: more
+    TrainingArguments fields, e.g. adam_beta1). Raises ConfigRejected when the Trainer would refuse (a concrete value
+    that mismatches the arguments) or, unless leave_auto, leave an "auto" unfilled.
     """
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
@@ -145,6 +167,8 @@ def resolve_like_trainer(config: dict[str, Any], *, world_size: int, micro_batch
         fp16=precision == "fp16", fp16_full_eval=False, bf16=precision in ("bf16", "bf16-pure"), bf16_full_eval=False,
         get_warmup_steps=lambda steps: 0,
     )
+    for name, value in (trainer_args or {}).items():
+        setattr(args, name, value)
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=hidden_size))
     try:
         hf_config = HfTrainerDeepSpeedConfig(copy.deepcopy(config))
@@ -156,7 +180,7 @@ def resolve_like_trainer(config: dict[str, Any], *, world_size: int, micro_batch
     finally:
         unset_hf_deepspeed_config()  # the constructor registers a process-wide weakref (is_deepspeed_zero3_enabled)
     left = auto_keys(resolved)
-    if left:
+    if left and not leave_auto:
         raise ConfigRejected(f"the HF Trainer does not fill \"auto\" in {', '.join(left)}; write a value")
     return resolved
 

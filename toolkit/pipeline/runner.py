@@ -22,7 +22,6 @@ from typing import Any, Iterator
 import torch
 
 from toolkit.errors import UserError
-from toolkit.pipeline.partition import balanced_partition, check_partition, check_stage_count
 
 CHECKPOINT_MARKER = "pipeline_state.json"
 """Written last into checkpoint-N/: a checkpoint without it is incomplete and resume skips it."""
@@ -49,9 +48,7 @@ def train_pipeline(plan, args) -> None:
     if plan.num_layers and plan.num_layers != num_layers:
         raise UserError(f"the plan was made for a model with {plan.num_layers} layers ({plan.model}) but "
                         f"{model_dir} has {num_layers}; re-plan for this model")
-    check_stage_count(num_layers, stages, plan.world_size)
-    boundaries = list(plan.partition) if plan.partition else balanced_partition([1.0] * num_layers, stages)
-    check_partition(boundaries, num_layers, stages)
+    boundaries = list(plan.partition)  # the plan checked that it splits its num_layers over its stages
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,4 @@
-"""Workarounds that let the GPU engines run on a machine with no GPU (gloo), measured in REFERENCE.md.
+"""Workarounds that let the GPU engines run on a machine with no GPU (gloo), measured (docs/ENGINE_FACTS.md).
 
 Only the training entry calls these; on a GPU machine every function here is a no-op.
 """
@@ -13,7 +13,7 @@ def exit_process(code: int) -> None:
     """Leave the process with `code`, tearing down the process group first.
 
     ZeRO-3 runs sometimes abort at interpreter exit after finishing ("terminate called without an active
-    exception", 3 of 12 runs); destroying the group and leaving with os._exit gave 0 of 8 (REFERENCE.md).
+    exception", 3 of 12 runs); destroying the group and leaving with os._exit gave 0 of 8 (docs/ENGINE_FACTS.md).
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -39,7 +39,7 @@ def configure_cpu_state(engine: str):
     """Create accelerate's shared state over gloo the way each engine needs it on a machine without a GPU.
 
     Call before TrainingArguments and pass it `accelerator_config={"use_configured_state": True}`; returns the
-    PartialState. What each engine needs (measured, REFERENCE.md "Running the engines on a machine with no GPU"):
+    PartialState. What each engine needs (measured, docs/ENGINE_FACTS.md "Running the engines without a GPU"):
     - ddp: the CPU flag, which gives MULTI_CPU over gloo (the launcher's multi-GPU flag alone would start
       unsynchronised trainings).
     - deepspeed: `backend="gloo"` with ACCELERATE_USE_DEEPSPEED (set by `accelerate launch` with a DeepSpeed

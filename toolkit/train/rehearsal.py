@@ -15,6 +15,7 @@ from typing import Any
 
 from toolkit import tiny
 from toolkit.errors import UserError
+from toolkit.grid import ParallelGrid
 from toolkit.plan import Plan
 from toolkit.strategy import parse_strategy
 
@@ -35,21 +36,14 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     config = load_config(str(model_dir))
     spec = build_spec(str(model_dir), config)
     kind = parse_strategy(strategy)
-    world = num_machines * gpus_per_node
-    stages = pipeline_stages if kind.is_pipeline else 1
-    data_parallel = world // stages
-    partition = None
-    if kind.is_pipeline:
-        per = spec.num_layers // stages
-        partition = [min(i * per, spec.num_layers) for i in range(stages)] + [spec.num_layers]
+    grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
+                                     pipeline_stages=pipeline_stages if kind.is_pipeline else None)
     return Plan(
         model=str(model_dir), model_config=_plain(config.to_dict()), model_type=spec.model_type,
-        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params,
-        strategy=kind.name, engine=kind.engine, zero_stage=kind.zero_stage,
-        offload_optimizer=kind.offload_optimizer, offload_params=kind.offload_params, fsdp_mode=kind.fsdp_mode,
-        num_machines=num_machines, gpus_per_node=gpus_per_node, pipeline_stages=stages,
-        data_parallel=data_parallel, partition=partition, seq_len=seq_len, micro_batch=micro_batch,
-        grad_accum=grad_accum, global_batch=micro_batch * grad_accum * data_parallel, precision=precision,
+        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind.name,
+        num_machines=num_machines, gpus_per_node=gpus_per_node, pipeline_stages=grid.pipeline_stages,
+        partition=grid.partition(spec) if kind.is_pipeline else None, seq_len=seq_len, micro_batch=micro_batch,
+        grad_accum=grad_accum, global_batch=grid.global_batch(micro_batch, grad_accum), precision=precision,
         optimizer=optimizer, checkpointing=checkpointing, attention=attention, gpu=gpu, notes=list(notes or []),
     )
 

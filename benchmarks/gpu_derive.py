@@ -1,0 +1,76 @@
+"""Derive the GPU-only constants and the step-time efficiency from a gpu_check.json (benchmarks/gpu_check.py).
+
+    python benchmarks/gpu_derive.py benchmarks/results/gpu_check.json    # writes gpu_derived.{json,md} beside it
+
+What it derives, per engine where the run has it:
+  reserved / allocated   max_memory_reserved over max_memory_allocated of the same step: the caching allocator's
+                         share on top of the tensor peak (toolkit.memory.ALLOCATOR_MARGIN is this minus 1)
+  context                device memory in use outside the allocator after the first cuBLAS call
+                         (toolkit.memory.CUDA_CONTEXT_BYTES), for the run's GPU, CUDA and torch versions
+  peak error             predicted allocated / measured allocated - 1 (the error band's GPU cases)
+  step-time ratio        predicted / measured step time; the measured MFU is the efficiency toolkit.timing
+                         assumes (MFU_LOW_PRECISION) times predicted / measured
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def derive(results: dict) -> dict:
+    rows = [r for r in results["rows"] if "allocated_measured" in r]
+    out: dict = {"meta": results["meta"], "engines": {}, "cases": []}
+    if "context_bytes" in results["meta"]:
+        out["context_bytes"] = results["meta"]["context_bytes"]
+    by_engine: dict[str, list[dict]] = {}
+    for r in rows:
+        by_engine.setdefault(r["strategy"], []).append(r)
+        case = {"label": r["label"], "strategy": r["strategy"], "checkpointing": r["checkpointing"],
+                "reserved_over_allocated": r["reserved_measured"] / r["allocated_measured"]}
+        if "allocated_predicted" in r:
+            case["peak_error"] = r["allocated_predicted"] / r["allocated_measured"] - 1
+            case["reserved_error"] = r["reserved_predicted"] / r["reserved_measured"] - 1
+            case["step_ratio"] = r["step_predicted_s"] / r["step_measured_s"]
+            case["mfu_measured"] = r["mfu_predicted"] * case["step_ratio"]
+        out["cases"].append(case)
+    for engine, group in by_engine.items():
+        cases = [c for c in out["cases"] if c["strategy"] == engine]
+        entry = {"cases": len(group),
+                 "reserved_over_allocated_median": statistics.median(c["reserved_over_allocated"] for c in cases)}
+        errors = [c["peak_error"] for c in cases if "peak_error" in c]
+        if errors:
+            entry["peak_error_worst"] = max(errors, key=abs)
+            entry["mfu_measured_median"] = statistics.median(c["mfu_measured"] for c in cases if "mfu_measured" in c)
+        out["engines"][engine] = entry
+    return out
+
+
+def render(d: dict) -> str:
+    m = d["meta"]
+    lines = [f"# GPU constants derived from gpu_check ({m.get('device')}, torch {m.get('torch')}, "
+             f"CUDA {m.get('cuda', '-')}, {m.get('date')})", ""]
+    if "context_bytes" in d:
+        lines += [f"CUDA context + cuBLAS workspace outside the allocator: {d['context_bytes'] / 2**30:.2f} GiB", ""]
+    lines += ["| engine | cases | reserved / allocated (median) | worst peak error | measured MFU (median) |",
+              "|---|---|---|---|---|"]
+    for engine, e in d["engines"].items():
+        lines.append(f"| {engine} | {e['cases']} | {e['reserved_over_allocated_median']:.3f} | "
+                     f"{e.get('peak_error_worst', float('nan')):+.1%} | {e.get('mfu_measured_median', float('nan')):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    path = Path((argv or sys.argv[1:] or [str(Path(__file__).parent / "results" / "gpu_check.json")])[0])
+    d = derive(json.loads(path.read_text()))
+    (path.parent / "gpu_derived.json").write_text(json.dumps(d, indent=1) + "\n")
+    text = render(d)
+    (path.parent / "gpu_derived.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

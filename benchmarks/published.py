@@ -1,0 +1,204 @@
+"""Our estimate beside published GPU measurements, like with like.
+
+Every row of benchmarks/data/published_gpu.json (torchtitan, torchao, torchtune and accelerate benchmark runs, each
+with its source) is re-estimated for the same job: the model from its config (presets catalog or
+benchmarks/data/models), the same GPU count, strategy, precision, sequence, micro-batch, checkpointing and
+optimizer implementation. The published peak is compared with the figure of ours that measures the same thing:
+
+  allocated / active   -> Breakdown.peak_bytes (the highest live tensor total; torchtune's active_bytes peak is
+                          allocated plus blocks pending free, the same tensors)
+  reserved             -> toolkit.memory.reserved_bytes(peak) (the caching allocator's segments)
+
+Rows that use a technique the estimator does not model say which and why, and are kept out of the error summary;
+for torchtitan's per-op selective checkpointing, which lies between none and full checkpointing, both bounds are
+shown. No constant is fitted to any row: the same estimator runs for every row, and the rows are the test set.
+
+    python benchmarks/published.py        # writes benchmarks/results/published.{md,json}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+DATA = HERE / "data" / "published_gpu.json"
+MODELS = HERE / "data" / "models"
+RESULTS = HERE / "results"
+
+UNMODELLED = {
+    "compile": "torch.compile: the tensors a compiled step saves come from the min-cut partition of its joint "
+               "graph (fused elementwise ops save fewer, different tensors); not traced",
+    "selective-op": "torchtitan per-op selective checkpointing (saves every other matmul output and the SDPA "
+                    "outputs) is not a checkpointing mode the toolkit plans or traces",
+    "float8": "float8 training (torchao Float8Linear: fp8 casts saved for backward, fp8 all-gather) not modelled",
+    "optimizer_in_backward": "optimizer step fused into backward (gradients freed per parameter) is a torchtune "
+                             "recipe, not something the HF Trainer / DeepSpeed / FSDP2 paths do",
+    "chunked-8": "torchtune CEWithChunkedOutputLoss (bf16 logits kept in 8 chunks, fp32 upcast per chunk) is "
+                 "neither HF's loss nor Liger's fused linear cross-entropy",
+    "rocm": "ROCm caching allocator on MI300X (other block rounding and segment sizes); only CUDA is modelled",
+    "lora": "LoRA adapters are issue 12's model (toolkit method=lora); scored here once it lands",
+}
+
+
+def load_rows() -> list[dict]:
+    return json.loads(DATA.read_text())["rows"]
+
+
+def _spec(model: str):
+    from toolkit.modelspec import resolve_model
+
+    local = MODELS / f"{model}.json"
+    return resolve_model(str(local) if local.is_file() else model)
+
+
+def unmodelled(job: dict) -> list[str]:
+    """Keys of UNMODELLED that apply to a row's job."""
+    out = []
+    if job.get("compile"):
+        out.append("compile")
+    if job.get("checkpointing") == "selective-op":
+        out.append("selective-op")
+    if job.get("float8"):
+        out.append("float8")
+    if job.get("optimizer_in_backward"):
+        out.append("optimizer_in_backward")
+    if job.get("loss") == "chunked-8":
+        out.append("chunked-8")
+    if job.get("gpu") == "MI300X":
+        out.append("rocm")
+    if job.get("lora"):
+        out.append("lora")
+    return out
+
+
+def estimate_row(row: dict, checkpointing: bool | None = None) -> dict:
+    """Our figures for one published row; `checkpointing` overrides the row's (for the selective-AC bounds)."""
+    from toolkit.hardware import parse_hardware
+    from toolkit.job import Job
+    from toolkit.memory import estimate_memory, reserved_bytes
+    from toolkit.strategy import parse_strategy
+
+    job_in = row["job"]
+    spec = _spec(job_in["model"])
+    gpus = row["num_gpus"]
+    hw = parse_hardware(f"{gpus // 8}x8x{job_in['gpu']}" if gpus > 8 else f"{gpus}x{job_in['gpu']}")
+    ckpt = job_in["checkpointing"] == "full" if checkpointing is None else checkpointing
+    job = Job(seq_len=row["seq_len"], micro_batch=row["micro_batch"], grad_accum=row["grad_accum"],
+              precision=job_in["precision"], optimizer=job_in["optimizer"], checkpointing=ckpt,
+              attention=job_in["attention"], device_kind="cuda", optimizer_impl=job_in["optimizer_impl"],
+              activation_offloading=job_in["activation_offloading"])
+    b = estimate_memory(spec, parse_strategy(job_in["strategy"]), job, hw)
+    return {"params": spec.params, "allocated_bytes": b.peak_bytes, "reserved_bytes": reserved_bytes(b.peak_bytes),
+            "peak_phase": b.peak_phase, "checkpointing": ckpt}
+
+
+def compare(row: dict) -> dict:
+    """One result line: published metric and value, ours for the same metric, error, or the reason."""
+    from toolkit.hardware import GIB
+
+    reasons = unmodelled(row["job"])
+    out = {"id": row["id"], "source": row["source"], "confidence": row["confidence"],
+           "unmodelled": [UNMODELLED[k] for k in reasons], "modelled": not reasons, "metrics": []}
+    if row["job"].get("lora"):  # a full fine-tune's figure would only mislead
+        return out
+    try:
+        ours = [estimate_row(row)]
+        if row["job"]["checkpointing"] == "selective-op":
+            ours = [estimate_row(row, checkpointing=True), estimate_row(row, checkpointing=False)]
+    except NotImplementedError as exc:  # a job field the estimator refuses (e.g. LoRA before issue 12)
+        out["modelled"] = False
+        out["unmodelled"].append(str(exc))
+        return out
+    for key, published_gib in row["measured"].items():
+        metric = key.removesuffix("_gib")
+        field = "reserved_bytes" if metric == "reserved" else "allocated_bytes"
+        values = [o[field] / GIB for o in ours]
+        entry = {"metric": metric, "published_gib": published_gib, "ours_gib": values,
+                 "error": [v / published_gib - 1 for v in values]}
+        out["metrics"].append(entry)
+    out["peak_phase"] = ours[0]["peak_phase"]
+    return out
+
+
+def band_cases(results: list[dict], rows: list[dict]) -> list[dict]:
+    """The modelled tensor-peak comparisons (allocated / active metrics), as toolkit.errorband reads them."""
+    by_id = {r["id"]: r for r in rows}
+    from toolkit.strategy import parse_strategy
+
+    out = []
+    for r in results:
+        if not r["modelled"]:
+            continue
+        job = by_id[r["id"]]["job"]
+        for m in r["metrics"]:
+            if m["metric"] in ("allocated", "active"):
+                out.append({"id": r["id"], "engine": parse_strategy(job["strategy"]).engine,
+                            "checkpointing": job["checkpointing"] == "full", "error": round(m["error"][0], 4)})
+    return out
+
+
+def summary(results: list[dict]) -> dict:
+    errors = [abs(m["error"][0]) for r in results if r["modelled"] for m in r["metrics"]]
+    if not errors:
+        return {"cases": 0}
+    return {"cases": len(errors), "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
+
+
+def render(results: list[dict], summ: dict) -> str:
+    lines = ["# Estimate vs published GPU measurements", "",
+             "Generated by `python benchmarks/published.py` from benchmarks/data/published_gpu.json (each row's "
+             "source is listed below). Ours: `toolkit estimate` for the same job, compared on the metric the source "
+             "reports (allocated / active -> our tensor peak; reserved -> our peak plus the allocator margin). "
+             "Error = ours / published - 1. No constant is fitted per row.", ""]
+    if summ["cases"]:
+        lines += [f"**Modelled rows: {summ['cases']} comparison(s); median |error| {summ['median_abs_error']:.1%}, "
+                  f"worst {summ['worst_abs_error']:.1%}** (goal: within 10%).", ""]
+    lines += ["| row | metric | published GiB | ours GiB | error | modelled | our peak phase |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for m in r["metrics"] or [{"metric": "-", "published_gib": float("nan"), "ours_gib": [], "error": []}]:
+            ours = " .. ".join(f"{v:.1f}" for v in m["ours_gib"]) or "-"
+            err = " .. ".join(f"{e:+.1%}" for e in m["error"]) or "-"
+            if len(m["ours_gib"]) == 2:
+                ours += " (full AC .. none)"
+            published = "-" if m["metric"] == "-" else f"{m['published_gib']:.2f}"
+            lines.append(f"| {r['id']} | {m['metric']} | {published} | {ours} | {err} | "
+                         f"{'yes' if r['modelled'] else 'no'} | {r.get('peak_phase', '-')} |")
+    lines += ["", "Reading: only the accelerate FSDP2 row uses nothing the estimator lacks. Its tensor peak (allocated) "
+              "is within the goal; its reserved figure is not, because the allocator term (toolkit.memory."
+              "ALLOCATOR_MARGIN, 5%) is still an assumption: see its docstring for why this one pair does not fix it "
+              "and benchmarks/gpu_check.py for the run that will. The selective-AC rows bracket the published figure "
+              "between full and no checkpointing, as they must. The modelled cases feed the error band that estimate "
+              "and plan print (toolkit/gpu_error_band.json).",
+              "", "## Rows not modelled, and why", ""]
+    for r in results:
+        if not r["modelled"]:
+            lines.append(f"- **{r['id']}**: " + "; ".join(r["unmodelled"]))
+    lines += ["", "## Sources", ""]
+    for r in results:
+        lines.append(f"- {r['id']} ({r['confidence']} confidence): {r['source']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    rows = load_rows()
+    results = [compare(row) for row in rows]
+    summ = summary(results)
+    from toolkit.errorband import BAND_FILE
+
+    BAND_FILE.write_text(json.dumps({"about": "written by benchmarks/published.py: modelled published GPU cases, "
+                                              "tensor-peak error (ours / published - 1)",
+                                     "cases": band_cases(results, rows)}, indent=1) + "\n")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "published.json").write_text(json.dumps({"summary": summ, "rows": results}, indent=1) + "\n")
+    text = render(results, summ)
+    (RESULTS / "published.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

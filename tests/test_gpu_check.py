@@ -1,0 +1,52 @@
+"""benchmarks/gpu_check.py rehearsed on CPU with tiny shapes (every engine path it will run on the GPU), and the
+derive step's arithmetic on recorded numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_rehearses_every_engine_on_cpu(tmp_path):
+    only = "ddp llama-1b bf16,zero2 llama-1b bf16 ckpt,zero3 llama-1b bf16,fsdp2 llama-3b bf16 ckpt," \
+           "lora llama-8b bf16-pure,ddp llama-1b bf16 liger"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--out", str(tmp_path), "--only", only], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["label"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
+    assert set(rows) == set(only.split(","))
+    for label in ("ddp llama-1b bf16", "zero2 llama-1b bf16 ckpt", "zero3 llama-1b bf16", "fsdp2 llama-3b bf16 ckpt"):
+        r = rows[label]
+        assert "error" not in r, r
+        assert r["step_measured_s"] > 0 and r["allocated_predicted"] > 0
+        assert r["reserved_predicted"] > r["allocated_predicted"]
+    assert "Triton" in rows["ddp llama-1b bf16 liger"]["skipped"]
+
+
+def test_derive_reads_allocator_ratio_and_errors():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_derive import derive
+
+    gib = 2**30
+    results = {"meta": {"device": "NVIDIA H200", "context_bytes": int(0.6 * gib)}, "rows": [
+        {"label": "a", "strategy": "fsdp2", "checkpointing": False, "allocated_measured": 40 * gib,
+         "reserved_measured": 44 * gib, "allocated_predicted": 42 * gib, "reserved_predicted": 44 * gib,
+         "step_measured_s": 2.0, "step_predicted_s": 1.0, "mfu_predicted": 0.45},
+        {"label": "b", "strategy": "fsdp2", "checkpointing": True, "allocated_measured": 20 * gib,
+         "reserved_measured": 24 * gib, "allocated_predicted": 19 * gib, "reserved_predicted": 20 * gib,
+         "step_measured_s": 1.0, "step_predicted_s": 1.0, "mfu_predicted": 0.45},
+        {"label": "c", "skipped": "peft is not installed"}]}
+    d = derive(results)
+    e = d["engines"]["fsdp2"]
+    assert e["cases"] == 2
+    assert abs(e["reserved_over_allocated_median"] - (1.1 + 1.2) / 2) < 1e-9
+    assert abs(e["peak_error_worst"] - 0.05) < 1e-9
+    assert abs(e["mfu_measured_median"] - (0.225 + 0.45) / 2) < 1e-9
+    assert d["context_bytes"] == int(0.6 * gib)
