@@ -1,9 +1,8 @@
 """What may reach an emitted script, comment, hostfile or config: checked before anything is written.
 
 Every plan value that a script uses is shell-quoted where it is written (toolkit.emit.launch); this module refuses
-what quoting cannot make safe or what would make the files wrong: control characters (a newline ends a `#`
-comment or an `#SBATCH` line and starts a command), strategy / precision / optimizer / attention names the
-engines do not know, a layer class that is not a Python name, host names that are not host names.
+what quoting cannot make safe: control characters (a newline ends a `#` comment or an `#SBATCH` line and starts a
+command) and host names that are not host names. Names the engines must know are the plan schema's (toolkit.plan).
 """
 
 from __future__ import annotations
@@ -18,36 +17,18 @@ from toolkit.plan import Plan
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """RFC 1123 host names (letters, digits, '-', '.'), plus '_' which clusters use in node names."""
-PYTHON_NAMES = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(,\s*[A-Za-z_][A-Za-z0-9_]*)*")
-"""fsdp_transformer_layer_cls_to_wrap: one class name or a comma-separated list (accelerate splits on ',')."""
 
 
 def check_plan_for_emit(plan: Plan) -> None:
-    """Refuse a plan.json whose values would make wrong or unsafe files (UserError: one line, exit 2)."""
-    from toolkit.job import ATTENTIONS, OPTIMIZERS, PRECISIONS, check_choice
-    from toolkit.strategy import parse_strategy
+    """Refuse a plan whose strings hold control characters (UserError: one line, exit 2).
 
+    The plan schema (toolkit.plan) already refuses unknown strategies / precisions / optimizers, malformed
+    layer-class and GPU names, and control characters in the model, GPU and notes; this also covers every other
+    string a plan carries (model_config, predictions), which reach PLAN.md and the YAML."""
     for where, value in _strings(asdict(plan), "plan"):
         if CONTROL_CHARACTERS.search(value):
             raise UserError(f"{where} holds a control character ({value[:40]!r}); plan.json values end up in "
                             "scripts and comments: remove it (re-plan, or edit plan.json)")
-    try:
-        strategy = parse_strategy(plan.strategy)
-    except UserError as exc:
-        raise UserError(f"plan.json strategy: {exc}") from None
-    derived = {"engine": strategy.engine, "zero_stage": strategy.zero_stage,
-               "offload_optimizer": strategy.offload_optimizer, "offload_params": strategy.offload_params,
-               "fsdp_mode": strategy.fsdp_mode}
-    for key, wanted in derived.items():
-        if getattr(plan, key) != wanted:
-            raise UserError(f"plan.json {key} {getattr(plan, key)!r} contradicts strategy {plan.strategy} "
-                            f"({key} {wanted!r}); fix one of them or re-plan")
-    check_choice("plan.json precision", plan.precision, PRECISIONS)
-    check_choice("plan.json optimizer", plan.optimizer, OPTIMIZERS)
-    check_choice("plan.json attention", plan.attention, ATTENTIONS)
-    if not PYTHON_NAMES.fullmatch(plan.layer_class):
-        raise UserError(f"plan.json layer_class {plan.layer_class!r} is not a Python class name (e.g. "
-                        "LlamaDecoderLayer); re-plan from the model's config")
 
 
 def check_hosts(hosts: list[str]) -> None:
