@@ -42,6 +42,10 @@ class RegionTrace:
     """Low-precision copies of this region's weights that autocast's cache holds until the autocast region (the
     forward) ends but nothing saves for backward (a checkpointed layer's weights, biases): live at the forward peak,
     gone before backward starts."""
+    forward_grad_bytes: int = 0
+    """Parameter gradients this region's forward already creates (in the traced parameter dtype), alive until its
+    backward, where they become the parameters' gradients: Liger's fused linear cross-entropy computes the LM
+    head's weight gradient in forward (toolkit.liger). Not part of saved_bytes."""
 
 
 @dataclass(frozen=True)

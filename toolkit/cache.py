@@ -20,7 +20,7 @@ from typing import Any
 
 from toolkit.fileio import write_atomic
 
-_CODE_FILES = ("tracer.py", "modelspec.py", "activations.py", "cache.py")
+_CODE_FILES = ("tracer.py", "modelspec.py", "activations.py", "cache.py", "lora.py")
 
 
 def enabled() -> bool:

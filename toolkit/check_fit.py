@@ -34,6 +34,8 @@ class FitSettings:
     stages: int = 1
     partition: list[int] | None = None
     assumptions: tuple[str, ...] = ()
+    job_options: tuple[tuple[str, object], ...] = ()
+    """Further Job fields a plan.json states (accumulation, optimizer implementation, Liger, offloading)."""
     shard_group: int | None = None
     """FSDP under parallelism_config: the dp_shard x cp group FSDP shards over (accelerate's `dp_shard_cp` mesh
     dimension), when smaller than the world."""
@@ -61,7 +63,11 @@ def fit_settings(path: str, pins: Pins = Pins()) -> FitSettings:
         return FitSettings(parse_strategy(plan.strategy), pins.micro_batch or plan.micro_batch,
                            pins.precision or plan.precision,
                            plan.checkpointing if pins.checkpointing is None else pins.checkpointing,
-                           plan.seq_len, plan.pipeline_stages, plan.partition)
+                           plan.seq_len, plan.pipeline_stages, plan.partition,
+                           job_options=(("grad_accum", plan.grad_accum), ("optimizer", plan.optimizer),
+                                        ("optimizer_impl", plan.optimizer_impl), ("liger", plan.liger),
+                                        ("activation_offloading", plan.activation_offloading),
+                                        ("adapter", plan.adapter_spec)))
     config = read_config(p)
     if p.suffix == ".json":
         return _from_deepspeed(config, pins, f"{p.name} (a DeepSpeed JSON)")
@@ -229,7 +235,8 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
     if seq_len is None and s.seq_len is None:
         notes.append(f"sequence length taken as {seq}" + (f" ({adapted})" if adapted else " (toolkit's default)")
                      + "; pin it with --seq")
-    job = Job(seq_len=seq, micro_batch=s.micro_batch, precision=s.precision, checkpointing=s.checkpointing)
+    job = Job(seq_len=seq, micro_batch=s.micro_batch, precision=s.precision, checkpointing=s.checkpointing,
+              **dict(s.job_options))
     strategy = s.strategy
     if s.shard_group and s.shard_group < hw.world_size and hw.world_size % s.shard_group == 0:
         # The estimator's hybrid FSDP shards within a "node"; a node of dp_shard x cp GPUs is that group.

@@ -63,6 +63,45 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
                    help="torch optimizer step (default %(default)s, the Trainer's)")
     g.add_argument("--activation-offloading", action="store_true",
                    help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
+    g.add_argument("--liger", action="store_true",
+                   help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
+                        "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
+    _add_adapter_flags(p)
+
+
+def _add_adapter_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA / QLoRA (toolkit.lora)")
+    g.add_argument("--method", default="full", help="full | lora | qlora (default %(default)s)")
+    g.add_argument("--lora-r", type=int, default=16, help="adapter rank (default %(default)s)")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (default %(default)s)")
+    g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on each target's input (default %(default)s)")
+    g.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names, "
+                                                                 "e.g. q_proj,v_proj (default %(default)s)")
+    g.add_argument("--lora-modules-to-save", default="", help="modules trained in full beside the adapters, "
+                                                              "e.g. lm_head,embed_tokens")
+    g.add_argument("--qlora-quant-type", default="nf4", help="nf4 | fp4 (default %(default)s)")
+    g.add_argument("--qlora-no-double-quant", action="store_true", help="do not quantise the absmax constants")
+    g.add_argument("--qlora-compute-dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    g.add_argument("--qlora-quant-storage", default="uint8",
+                   help="uint8 | bfloat16 | float16 | float32: a floating storage lets FSDP2 / ZeRO-3 shard the "
+                        "4-bit base (default %(default)s)")
+
+
+def _adapter(args):
+    from toolkit.lora import Adapter
+
+    return Adapter(method=args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                   targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
+                   quant_type=args.qlora_quant_type, double_quant=not args.qlora_no_double_quant,
+                   compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
+
+
+def _trainable_params(spec, adapter) -> int:
+    if not adapter.is_adapter:
+        return spec.params
+    from toolkit.lora import counts_for_spec
+
+    return counts_for_spec(spec, adapter).trainable_params
 
 
 def _add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
@@ -133,7 +172,7 @@ def cmd_estimate(args) -> int:
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
-              activation_offloading=args.activation_offloading)
+              activation_offloading=args.activation_offloading, liger=args.liger, adapter=_adapter(args))
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
@@ -141,10 +180,12 @@ def cmd_estimate(args) -> int:
     b, t, partition = c.memory, c.timing, c.partition
     band = band_for(strategy.engine, job.checkpointing)
     if args.json:
-        out = {"model": spec.summary(), "params": spec.params, "hardware": hw.spec, "strategy": strategy.name,
+        out = {"model": spec.summary(), "params": spec.params,
+               "trainable_params": _trainable_params(spec, job.adapter), "hardware": hw.spec, "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
-                       "attention": job.attention, "device_kind": job.device_kind},
+                       "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
+                       "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
@@ -160,7 +201,12 @@ def cmd_estimate(args) -> int:
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {strategy.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
-          f"{', checkpointing' if job.checkpointing else ''}")
+          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}")
+    if job.adapter.is_adapter:
+        a = job.adapter
+        print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
+              f"{', 4-bit ' + a.quant_type if a.method == 'qlora' else ''}: "
+              f"{_trainable_params(spec, a):,} trainable parameters")
     rows = [(t_.name, t_.bytes, t_.source) for t_ in b.terms]
     width = max(len(r[0]) for r in rows) + 2
     print(f"\n{'per GPU':<{width}}{'GiB':>9}{'of GPU':>9}")
@@ -234,8 +280,8 @@ def cmd_plan(args) -> int:
                                       optimizer=args.optimizer, attention=args.attention,
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
-                                      activation_offloading=args.activation_offloading,
-                                      pipeline_stages=args.pipeline_stages)
+                                      activation_offloading=args.activation_offloading, liger=args.liger,
+                                      pipeline_stages=args.pipeline_stages, adapter=_adapter(args))
     if strategies:
         req_kwargs["strategies"] = strategies
     req = Request(**req_kwargs)
@@ -258,8 +304,9 @@ def cmd_plan(args) -> int:
         chosen = match[0]
     rows = [c.row() for c in candidates]
     if args.json:
-        out = {"model": spec.summary(), "hardware": hw.spec, "candidates": rows,
-               "chosen": chosen.row() if chosen else None}
+        out = {"model": spec.summary(), "params": spec.params,
+               "trainable_params": _trainable_params(spec, req.adapter), "method": req.adapter.method,
+               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top)
     written: list[str] = []
@@ -299,7 +346,9 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
     print(f"{spec.name} ({_human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
-          + f", {req.precision}, {req.optimizer}\n")
+          + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}"
+          + (f", {req.adapter.method} r={req.adapter.r} ({_trainable_params(spec, req.adapter):,} trainable)"
+             if req.adapter.is_adapter else "") + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
              f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}"
     print(header)
@@ -325,11 +374,25 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
         band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
         print(f"\nerror band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
+    _note_adapter_ddp(req, [c for c in candidates if c.feasible])
     refused = [c for c in candidates if not c.feasible]
     if refused:
         print("\nnot possible:")
         for c in refused:
             print(f"  {c.strategy.name}: {c.reason}")
+
+
+def _note_adapter_ddp(req, feasible) -> None:
+    """LoRA / QLoRA: gradients and optimizer states are the adapters' only, so sharding them saves little and DDP
+    (no gathers) is usually as fast as the best; say so when it is."""
+    if not req.adapter.is_adapter or not feasible:
+        return
+    ddp = next((c for c in feasible if c.strategy.name == "ddp"), None)
+    best = feasible[0]
+    if ddp is not None and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
+        print(f"\nnote: with {req.adapter.method} only the adapters have gradients and optimizer states; DDP is "
+              f"within 1% of the fastest ({best.name}) and needs {ddp.memory.required_bytes / GIB:.1f} GiB vs "
+              f"{best.memory.required_bytes / GIB:.1f}: choose it with --choose ddp for the simplest run")
 
 
 # ----------------------------------------------------------------------------------------------------------------

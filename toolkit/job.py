@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from toolkit.errors import UserError
+from toolkit.lora import FULL, Adapter
 
 if TYPE_CHECKING:
     from toolkit.hardware import Gpu, Hardware
@@ -45,6 +46,10 @@ class Job:
     (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
     activation_offloading: bool = False
     """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
+    liger: bool = False
+    """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.liger)."""
+    adapter: Adapter = FULL
+    """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.lora)."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -65,6 +70,10 @@ class Job:
     @property
     def compute_dtype_name(self) -> str:
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16-pure": "bfloat16"}[self.precision]
+
+    @property
+    def method(self) -> str:
+        return self.adapter.method
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -105,12 +114,24 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
 
 
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
-                activation_offloading: bool = False) -> str | None:
-    """Why a job with `precision` (and activation offloading) cannot run on `gpu` with `strategy`, or None."""
+                activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL) -> str | None:
+    """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
+    None. The model types Liger supports are checked in check_job (toolkit.liger.liger_problem)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
         return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
+    if strategy is not None and strategy.is_pipeline and adapter.is_adapter:
+        return (f"{adapter.method} trains through PEFT on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline "
+                "engine")
     if strategy is not None and strategy.is_pipeline and activation_offloading:
         return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
+    if strategy is not None and strategy.is_pipeline and liger:
+        return "Liger kernels patch the Hugging Face model the Trainer runs (ZeRO / FSDP2 / DDP), not pipeline stages"
+    if strategy is not None and liger and strategy.engine == "deepspeed" and strategy.zero_stage == 3:
+        # Liger's lce_forward reads lm_head.weight without calling the lm_head module, and ZeRO-3 gathers a
+        # parameter only in its module's forward hook: the fused loss gets an empty shard (liger-kernel 0.8.2 has no
+        # ZeRO-3 path; linkedin/Liger-Kernel issue 1048).
+        return ("--liger with ZeRO-3: Liger's fused loss reads lm_head.weight outside the lm_head module, which ZeRO-3 "
+                "leaves partitioned there; use zero2 or fsdp2, or drop --liger")
     if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
         return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
     return None
@@ -121,7 +142,12 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     """Raise UserError when `job` cannot run `spec` on `hw`: sequence longer than the model's positions,
     precision the GPU lacks, a pipeline grid the model cannot be split over."""
     check_seq_len(spec, job.seq_len)
-    problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading)
+    problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
+                          liger=job.liger, adapter=job.adapter)
+    if job.liger and problem is None:
+        from toolkit.liger import liger_problem
+
+        problem = liger_problem(spec.model_type)
     if problem:
         raise UserError(problem)
     if strategy is not None and strategy.is_pipeline:

@@ -35,6 +35,34 @@ def _autocast(dtype) -> Any:
     return torch.autocast(device_type="cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def frozen_params_trackable():
+    """torch's MemTracker registers a gradient hook on every parameter of a module it enters, which torch refuses
+    for parameters that need no gradient (the frozen base of a LoRA model). While this is open such a
+    registration returns a handle that does nothing: a frozen parameter never gets a gradient to report."""
+    import torch
+
+    names = ("register_hook", "register_post_accumulate_grad_hook")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    class _NoHandle:
+        def remove(self) -> None:
+            pass
+
+    def guarded(original):
+        def register(self, hook):
+            return original(self, hook) if self.requires_grad else _NoHandle()
+        return register
+
+    for name in names:
+        setattr(torch.Tensor, name, guarded(originals[name]))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(torch.Tensor, name, originals[name])
+
+
 def _is_parameter_copy(t) -> bool:
     """True for a tensor made from a parameter by casts and views only (an autocast weight copy)."""
     fn = t.grad_fn
@@ -108,7 +136,7 @@ def measure_saved_bytes(model, batch: dict, *, autocast_dtype=None):
 
     tracker = MemTracker()
     tracker.track_external(model, *[v for v in batch.values() if isinstance(v, torch.Tensor)])
-    with tracker:
+    with frozen_params_trackable(), tracker:
         before = _act_bytes(tracker)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast_dtype):
             output = model(**batch)
@@ -142,7 +170,7 @@ def peak_step_bytes(model, batch: dict, *, autocast_dtype=None, lr: float = 1e-4
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *[v for v in batch.values() if isinstance(v, torch.Tensor)])
-    with tracker:
+    with frozen_params_trackable(), tracker:
         with _autocast(autocast_dtype):
             loss = model(**batch).loss
         loss.backward()
@@ -184,7 +212,7 @@ def measure_peaks(model, batch: dict, *, autocast_dtype=None) -> Peaks:
     batch_bytes = sum({_storage_key(t): t.untyped_storage().nbytes() for t in inputs}.values())
     tracker = MemTracker()
     tracker.track_external(model, *inputs)
-    with tracker:
+    with frozen_params_trackable(), tracker:
         with _autocast(autocast_dtype):
             loss = model(**batch).loss
         loss.backward()

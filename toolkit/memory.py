@@ -22,7 +22,7 @@ from toolkit.hostram import HostRam, host_ram
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
 from toolkit.savers import offload_layer_activations, optimizer_step_temporary_bytes
-from toolkit.states import States, ddp_states, fsdp2_states, pipeline_states, zero_states
+from toolkit.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
 from toolkit.strategy import Strategy
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
@@ -136,13 +136,20 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)
-    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing)
+    adapter = job.adapter if job.adapter.is_adapter else None
+    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing, adapter)
+    if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
+        key += ("liger",)
     if key not in _TRACE_CACHE:
         from dataclasses import replace
 
         from toolkit import cache
 
-        disk_key = [spec.source_key, *key[1:]] if spec.source_key else None
+        disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
+        if disk_key and adapter is not None:
+            from importlib import metadata
+
+            disk_key += [adapter.to_dict(), metadata.version("peft")]
         stored = cache.get("trace", disk_key) if disk_key else None
         if stored is not None:
             trace = trace_from_dict(stored)
@@ -151,7 +158,7 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
 
             trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                       autocast=autocast, attention=attention, device_kind=job.device_kind,
-                                      checkpointing=job.checkpointing)
+                                      checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace))
         if attention != job.attention:
@@ -168,7 +175,8 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
                        forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
                        backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
                        autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes,
-                       backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes)
+                       backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes,
+                       forward_grad_bytes=r1.forward_grad_bytes)
 
 
 def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
@@ -250,13 +258,17 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
     base = persistent + kept_grads + earlier
     saved = copies = cache = 0.0
+    # Gradients made in forward (Liger's fused linear cross-entropy: the LM head's, in the traced parameter dtype,
+    # which is the dtype the engine computes with), live until their region's backward.
+    early = 0.0
     for r in regions:
         extra = r.trace.forward_extra_bytes
+        early += r.trace.forward_grad_bytes
         saved += r.trace.saved_bytes
         copies += r.trace.autocast_copy_bytes if autocast else 0.0
         # Weight casts autocast caches until the forward ends without saving them for backward (checkpointed layers).
         cache += r.trace.autocast_cache_bytes if autocast else 0.0
-        peak.offer(base + saved + copies + cache + extra, f"forward ({r.name})", extra)
+        peak.offer(base + saved + copies + cache + early + extra, f"forward ({r.name})", extra)
 
     grads_done = 0.0
     remaining = saved
@@ -269,16 +281,18 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
         # The region's weight gradients that exist at its backward peak, and all it creates, as traced (a tied
         # head creates the embedding matrix's gradient), scaled from the traced parameter dtype to the bytes of
         # gradient this engine creates per parameter.
-        if r.trace.grad_bytes:
+        if r.trace.grad_bytes or r.trace.forward_grad_bytes:
             at_peak = r.trace.backward_grad_bytes * grad_scale
-            created = r.trace.grad_bytes * grad_scale
+            created = (r.trace.grad_bytes + r.trace.forward_grad_bytes) * grad_scale
         else:
             at_peak, created = 0.0, r.params * grad_bytes_per_param
         before = 0.0 if accumulating else grads_done + at_peak
-        peak.offer(base + engine_now + remaining + remaining_copies + before + extra, f"backward ({r.name})", extra)
+        peak.offer(base + engine_now + remaining + remaining_copies + early + before + extra,
+                   f"backward ({r.name})", extra)
         grads_done += created
+        early -= r.trace.forward_grad_bytes
         after = 0.0 if accumulating else grads_done
-        peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + after,
+        peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + early + after,
                    f"backward ({r.name})", 0.0)
         remaining -= r.trace.saved_bytes
         remaining_copies -= r.trace.autocast_copy_bytes if autocast else 0.0
@@ -289,7 +303,29 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     return peak, saved_total * in_flight + stash_bytes, copies_total
 
 
+def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
+    from toolkit.lora import base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes
+
+    if strategy.is_pipeline:
+        raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
+                        "offload variants), not the pipeline engine; choose one of those strategies")
+    counts = counts_for_spec(spec, job.adapter)
+    base = frozen_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+    return adapter_states(
+        counts.trainable_params, base, job, strategy, dp=grid.data_parallel, hidden=spec.hidden,
+        total_params=counts.all_params, largest_layer=spec.largest_layer_params,
+        layer_total_params=max(spec.layer_params) + max(counts.per_layer),
+        root_total_params=spec.pre_layer_params + spec.post_layer_params,
+        layer_trainable_params=max(counts.per_layer),
+        root_trainable_params=counts.pre_layer_trainable + counts.post_layer_trainable,
+        shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
+        base_shardable=job.adapter.method != "qlora" or job.adapter.quant_storage != "uint8",
+        dequantized_bytes=counts.largest_quantized_params * (4 if job.adapter.compute_dtype == "float32" else 2))
+
+
 def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
+    if job.adapter.is_adapter:
+        return _adapter_states(spec, strategy, job, grid)
     s = _engine_states(spec, strategy, job, grid, params=params)
     if strategy.engine in ("ddp", "fsdp2"):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
         shard = grid.shard_group
@@ -333,6 +369,18 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
     breakdown of the stage that needs the most is returned (partition None: the grid's balanced one)."""
     grid = grid_of(strategy, hw, pipeline_stages)
+    if job.adapter.is_adapter:
+        from toolkit.lora import counts_for_spec
+
+        # Counts first: they check the adapter against the model (one clear error for unknown target modules).
+        counts = counts_for_spec(spec, job.adapter)
+        states = _adapter_states(spec, strategy, job, grid)
+        trace = scaled_trace(spec, job, strategy)
+        # Gradients exist only for the trainable parameters: regions carry those counts.
+        regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
+                   *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),
+                   _Region("head + loss", counts.post_layer_trainable, trace.head)]
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
         offloaded = 0
@@ -396,6 +444,11 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/memory.py"),
         Term("allocator margin", margin, f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak"),
     ]
+    forward_grads = sum(r.trace.forward_grad_bytes for r in regions)
+    if forward_grads:
+        terms.insert(5, Term("LM-head gradient made in forward", int(forward_grads),
+                             "Liger's fused linear cross-entropy computes it chunk by chunk in forward and holds it "
+                             "until backward (toolkit.liger); part of the peak from the head's forward on"))
     ranks_per_node = hw.gpus_per_node
     notes = list(trace.notes) + list(spec.notes)
     if stage is not None:

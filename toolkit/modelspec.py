@@ -265,6 +265,28 @@ def _moe_shape(config) -> tuple[int, int]:
 _AFTER_LAYERS = {"ln_f", "norm", "final_layer_norm", "final_norm", "project_out", "lm_head"}
 
 
+def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int]:
+    """(before, after) the decoder layers: elements of the `wanted` parameters outside them, tied ones once.
+    Registration order mostly follows execution order; final norms and output projections registered before the
+    layers (OPT) are recognised by name."""
+    pre = post = 0
+    seen: set[int] = {id(p) for p in layers.parameters()}
+    passed_layers = False
+    for module_name, module in model.named_modules():
+        if module is layers:
+            passed_layers = True
+            continue
+        for p in module.parameters(recurse=False):
+            if id(p) in seen or not wanted(p):
+                continue
+            seen.add(id(p))
+            if passed_layers or module_name.rsplit(".", 1)[-1] in _AFTER_LAYERS:
+                post += p.numel()
+            else:
+                pre += p.numel()
+    return pre, post
+
+
 def build_spec(name: str, config) -> ModelSpec:
     """Build the model on the meta device with its own code and count everything exactly."""
     import torch
@@ -277,7 +299,6 @@ def build_spec(name: str, config) -> ModelSpec:
         raise UserError(f"'{name}' is not a causal LM transformers can build ({str(exc).splitlines()[0][:160]})") \
             from None
     layers = _decoder_layers(model)
-    layer_ids = {id(p) for p in layers.parameters()}
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
@@ -285,23 +306,7 @@ def build_spec(name: str, config) -> ModelSpec:
     experts, top_k = _moe_shape(config)
     moe_fraction = top_k / experts if experts else 1.0
 
-    # Parameters outside the layers: registration order mostly follows execution order; final norms and output
-    # projections registered before the layers (OPT) are recognised by name.
-    pre = post = 0
-    seen: set[int] = set(layer_ids)
-    passed_layers = False
-    for module_name, module in model.named_modules():
-        if module is layers:
-            passed_layers = True
-            continue
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if passed_layers or module_name.rsplit(".", 1)[-1] in _AFTER_LAYERS:
-                post += p.numel()
-            else:
-                pre += p.numel()
+    pre, post = outside_layer_params(model, layers)
     embedding_params = embed.weight.numel() if embed is not None else 0
     head_weight = head.weight if head is not None else embed.weight
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

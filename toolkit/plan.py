@@ -22,7 +22,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dataclasses import asdict, replace
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -33,6 +33,9 @@ from toolkit.errors import UserError
 from toolkit.grid import ParallelGrid
 from toolkit.job import Attention, Optimizer, Precision
 from toolkit.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
+
+if TYPE_CHECKING:
+    from toolkit.lora import Adapter
 
 PLAN_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -89,6 +92,8 @@ class Plan:
     """How torch's optimizer runs its step (DDP / FSDP2; toolkit.savers)."""
     activation_offloading: bool = False
     """Decoder layers' saved activations in host RAM (TRL's activation_offloading)."""
+    liger: bool = False
+    """Liger kernels (the HF Trainer's use_liger_kernel=True): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE."""
 
     # --- hardware ---------------------------------------------------------------------------------------------------
     gpu: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
@@ -104,6 +109,13 @@ class Plan:
     predicted_for: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
     """prediction_key() of the fields `predicted` was computed from; a mismatch means the prediction is stale."""
     notes: list[str] = Field(default_factory=list, max_length=1000)
+    # --- training method (LoRA / QLoRA, toolkit.lora); the defaults describe full fine-tuning, so older plans load
+    method: Literal["full", "lora", "qlora"] = "full"
+    adapter: dict[str, Any] = Field(default_factory=dict)
+    """toolkit.lora.Adapter fields: r, alpha, dropout, targets, modules_to_save, quant_type, double_quant,
+    compute_dtype, quant_storage (empty for full fine-tuning); checked by toolkit.lora when the plan loads."""
+    trainable_params: int = Field(default=0, ge=0)
+    """Parameters that get gradients (PEFT's count for adapters; 0 means all, as in full fine-tuning)."""
     version: Literal[2] = PLAN_VERSION
 
     # --- validation ----------------------------------------------------------------------------------------------
@@ -169,6 +181,15 @@ class Plan:
                 raise ValueError(f"{grid.pipeline_stages} pipeline stages need a 'partition' of the layers")
             grid.check_partition(self.partition, self.num_layers)
         grid.check_batch(self.global_batch, self.micro_batch, self.grad_accum)
+        if self.method == "full" and self.adapter:
+            raise ValueError("'adapter' settings need 'method' lora or qlora (or delete 'adapter')")
+        if self.method != "full":
+            try:
+                adapter = self.adapter_spec
+            except TypeError as exc:
+                raise ValueError(f"'adapter' holds an unknown setting ({exc})") from None
+            if adapter.method != self.method:
+                raise ValueError(f"'adapter' says method {adapter.method!r} but 'method' is {self.method!r}")
         return self
 
     # --- derived ----------------------------------------------------------------------------------------------------
@@ -181,6 +202,13 @@ class Plan:
     def grid(self) -> ParallelGrid:
         return ParallelGrid.for_strategy(self.strategy_spec, nodes=self.num_machines,
                                          gpus_per_node=self.gpus_per_node, pipeline_stages=self.pipeline_stages)
+
+    @property
+    def adapter_spec(self) -> "Adapter":
+        """The training method as toolkit.lora.Adapter (FULL for full fine-tuning)."""
+        from toolkit.lora import FULL, Adapter
+
+        return Adapter(**self.adapter) if self.method != "full" else FULL
 
     @property
     def engine(self) -> str:

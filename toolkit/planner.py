@@ -15,6 +15,7 @@ from toolkit.errors import UserError
 from toolkit.hardware import GIB, Hardware
 from toolkit.grid import ParallelGrid, stage_options
 from toolkit.job import Job, job_problem
+from toolkit.lora import FULL, Adapter
 from toolkit.memory import Breakdown, estimate_memory, states_floor_bytes
 from toolkit.modelspec import ModelSpec
 from toolkit.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
@@ -83,8 +84,11 @@ class Request:
     """None: let the planner choose; True/False: force it."""
     optimizer_impl: str = "fused"
     activation_offloading: bool = False
+    liger: bool = False
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
+    adapter: Adapter = FULL
+    """Training method (full, LoRA, QLoRA) and its settings."""
 
     def __post_init__(self) -> None:
         if self.global_batch is None and self.micro_batch is None:
@@ -94,7 +98,8 @@ class Request:
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
-            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl)
+            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
+            liger=self.liger)
 
 
 def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:
@@ -179,6 +184,12 @@ def _need(c: Candidate) -> float:
 
 def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
     """One best candidate per strategy (and per stage count for pipeline plans), feasible first by tokens/s."""
+    if req.liger:
+        from toolkit.liger import liger_problem
+
+        problem = liger_problem(spec.model_type)
+        if problem:
+            raise UserError(problem)
     strategies = [parse_strategy(s) for s in req.strategies]
     if hw.world_size == 1:
         strategies = [s for s in strategies if s.kind == "ddp" or s.offloads] or strategies
@@ -187,7 +198,8 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
     for strategy in strategies:
         key = strategy.name
-        problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading)
+        problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
+                              liger=req.liger, adapter=req.adapter)
         grids = _grids(strategy, spec, hw, req) if problem is None else problem
         if isinstance(grids, str):
             refused[key] = _refusal(strategy, req, hw, grids)
@@ -204,7 +216,8 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                     job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
                               optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
                               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
-                              activation_offloading=req.activation_offloading)
+                              activation_offloading=req.activation_offloading, liger=req.liger,
+                              adapter=req.adapter)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     if _better(cand, best.get(key)):
                         best[key] = cand
@@ -220,7 +233,8 @@ def _rank_key(c: Candidate):
 
 def _refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str) -> Candidate:
     job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
-              precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind)
+              precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind,
+              adapter=req.adapter)
     return Candidate(strategy=strategy, job=job, pipeline_stages=1, data_parallel=hw.world_size,
                      global_batch=req.global_batch or 0, reason=reason)
 
@@ -245,9 +259,9 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
         grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
         optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
         attention=spec.effective_attention(c.job.attention), optimizer_impl=c.job.optimizer_impl,
-        activation_offloading=c.job.activation_offloading, gpu=hw.gpu.name,
+        activation_offloading=c.job.activation_offloading, liger=c.job.liger, gpu=hw.gpu.name,
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
-        notes=[n.replace("\n", " ") for n in notes])
+        notes=[n.replace("\n", " ") for n in notes], **_adapter_fields(c.job, spec))
     return plan.with_prediction(predicted)
 
 
@@ -263,7 +277,7 @@ def predict_plan(plan: "Plan") -> "Plan":
     job = Job(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
               attention=plan.attention, optimizer_impl=plan.optimizer_impl,
-              activation_offloading=plan.activation_offloading)
+              activation_offloading=plan.activation_offloading, liger=plan.liger, adapter=plan.adapter_spec)
     from toolkit.job import check_job
 
     check_job(spec, job, hw, strategy, pipeline_stages=plan.pipeline_stages)
@@ -276,6 +290,16 @@ def predict_plan(plan: "Plan") -> "Plan":
     if c.reason:
         predicted["does_not_fit"] = c.reason
     return plan.with_prediction(predicted)
+
+
+def _adapter_fields(job: Job, spec: ModelSpec) -> dict[str, Any]:
+    """plan.json's method fields (defaults describe full fine-tuning)."""
+    if not job.adapter.is_adapter:
+        return {}
+    from toolkit.lora import counts_for_spec
+
+    return {"method": job.adapter.method, "adapter": job.adapter.to_dict(),
+            "trainable_params": counts_for_spec(spec, job.adapter).trainable_params}
 
 
 def _jsonable(obj: Any) -> Any:

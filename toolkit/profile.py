@@ -33,7 +33,10 @@ def _dtype(precision: str):
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": None}[precision]
 
 
-def build_model(config, precision: str, attention: str, checkpointing: bool, device: str, seed: int = 0):
+def build_model(config, precision: str, attention: str, checkpointing: bool, device: str, seed: int = 0,
+                adapter=None):
+    """The model as the DDP path trains it; with a LoRA `adapter` (toolkit.lora.Adapter), the base in the compute
+    dtype wrapped by PEFT (adapters in fp32 under autocast), as toolkit.train does."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -42,12 +45,24 @@ def build_model(config, precision: str, attention: str, checkpointing: bool, dev
     config._attn_implementation = attention
     if hasattr(config, "use_cache"):
         config.use_cache = False
-    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    lora = adapter is not None and adapter.is_adapter
+    if lora:
+        from toolkit.lora import base_storage_bytes_per_param
+
+        dtype = {4: torch.float32, 2: torch.float16 if precision == "fp16" else torch.bfloat16}[
+            base_storage_bytes_per_param(precision)]
+    else:
+        dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
     model.train()
     if checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
+    if lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=precision != "bf16-pure")
+        model.train()
     return model
 
 
@@ -61,20 +76,20 @@ def _batch(config, micro_batch: int, seq_len: int, device: str, seed: int = 0) -
 
 
 def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
-                 checkpointing: bool = False, device: str = "cpu", steps: int = 3) -> Measured:
+                 checkpointing: bool = False, device: str = "cpu", steps: int = 3, adapter=None) -> Measured:
     """Peak memory of a steady-state step and the mean time of `steps` steps, in this process."""
     import contextlib
 
     import torch
 
-    from toolkit.livebytes import measure_saved_bytes
+    from toolkit.livebytes import frozen_params_trackable, measure_saved_bytes
 
-    model = build_model(config, precision, attention, checkpointing, device)
+    model = build_model(config, precision, attention, checkpointing, device, adapter=adapter)
     batch = _batch(config, micro_batch, seq_len, device)
     amp = _dtype(precision)
     autocast = (lambda: torch.autocast(device_type=device.split(":")[0], dtype=amp)) if amp \
         else contextlib.nullcontext
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def step() -> None:
         with autocast():
@@ -100,7 +115,7 @@ def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
 
         tracker = MemTracker()
         tracker.track_external(model, optimizer, *batch.values())
-        with tracker:
+        with frozen_params_trackable(), tracker:
             step()
         peak = sum(dev["Total"] for dev in tracker.get_tracker_snapshot("peak").values())
     start = time.perf_counter()
@@ -114,7 +129,7 @@ def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
 
 
 def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
-                 checkpointing: bool = False, device_kind: str = "cpu") -> dict[str, Any]:
+                 checkpointing: bool = False, device_kind: str = "cpu", adapter=None) -> dict[str, Any]:
     """The estimator's prediction for the same single-device step (DDP engine, one process)."""
     from toolkit.hardware import parse_hardware
     from toolkit.job import Job
@@ -124,7 +139,7 @@ def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
 
     spec = build_spec(getattr(config, "model_type", "model"), config)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
-              checkpointing=checkpointing, device_kind=device_kind)
+              checkpointing=checkpointing, device_kind=device_kind, **({"adapter": adapter} if adapter else {}))
     b = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200"))
     return {"peak_bytes": b.peak_bytes, "activations_bytes": b.activations_bytes, "peak_phase": b.peak_phase,
             "params": spec.params}

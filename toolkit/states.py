@@ -213,3 +213,64 @@ def pipeline_states(P: int, job: Job, *, dp: int, factored_elems: int | None = N
         s.sources.append("bf16/fp16 pipeline: fp32 gradient accumulation buffer for the whole stage (4P)")
     s.sources.append(f"pipeline stage: {P:,} params, optimizer sharded over dp={dp}")
     return s
+
+
+def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strategy, *, dp: int, hidden: int,
+                   total_params: int, largest_layer: int, layer_total_params: int, root_total_params: int,
+                   layer_trainable_params: int, root_trainable_params: int, shard: int, prefetch_layers: int,
+                   base_shardable: bool = True, dequantized_bytes: float = 0.0) -> States:
+    """LoRA / QLoRA: the trainable adapters carry the engine's usual states (weights, gradients, master, optimizer:
+    the functions above with P = trainable), the frozen base only its weights, `base_bytes` in its storage dtype
+    (4-bit weights with their constants for QLoRA).
+
+    Where the base lives, per engine:
+    - DDP: whole on every GPU. toolkit.train loads it in the compute dtype; PEFT keeps adapters in fp32
+      (get_peft_model(autocast_adapter_dtype=True)); DDP's Reducer buckets only parameters that require grad.
+    - ZeRO-1/2: whole on every GPU; DeepSpeed casts the whole module to bf16/fp16 (engine.py _configure_distributed_model)
+      and partitions only the optimizer's (trainable) parameters.
+    - ZeRO-3: every parameter is partitioned, frozen ones included (partition_parameters.py zero.Init), and
+      gathered for compute like the others: the gathered bytes are those of the whole model.
+    - FSDP2: every floating parameter is sharded; accelerate upcasts the trainable ones to fp32 and leaves the frozen
+      base in its dtype (accelerate utils/fsdp_utils.py fsdp2_prepare_model); 4-bit weights stored as uint8 are
+      left out of sharding (same function: "non-floating frozen Params4bit"), so they stay whole on every GPU
+      unless bnb_4bit_quant_storage is a floating dtype (`base_shardable`).
+    """
+    base_per_gpu = base_bytes
+    if strategy.engine == "ddp":
+        s = ddp_states(trainable, job, world=dp)
+    elif strategy.engine == "deepspeed":
+        s = zero_states(trainable, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
+        if strategy.zero_stage == 3:
+            pb = _param_bytes(job)
+            whole = zero_states(total_params, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
+            s.gathered = whole.gathered * (base_bytes + trainable * pb) / max(total_params * pb, 1)
+            base_per_gpu = base_bytes / dp
+            if strategy.offload_params != "none":
+                s.cpu += base_per_gpu
+                base_per_gpu = 0.0
+    elif strategy.engine == "fsdp2":
+        s = fsdp2_states(trainable, job, strategy, shard=shard, layer_params=layer_trainable_params,
+                         root_params=root_trainable_params, accumulating=False, prefetch_layers=prefetch_layers)
+        compute = 4 if job.precision == "fp32" else 2
+        whole = fsdp2_states(total_params, job, strategy, shard=shard, layer_params=layer_total_params,
+                             root_params=root_total_params, accumulating=False, prefetch_layers=prefetch_layers)
+        s.gathered = whole.gathered * (base_bytes + trainable * compute) / max(total_params * compute, 1)
+        if base_shardable:
+            base_per_gpu = base_bytes / shard
+        else:
+            s.sources.append("4-bit base stored as uint8: accelerate leaves it out of FSDP2 sharding (whole per GPU); "
+                             "set --qlora-quant-storage bfloat16 to shard it")
+    else:
+        raise ValueError("LoRA / QLoRA runs on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline engine")
+    s.parameters += base_per_gpu
+    if dequantized_bytes:
+        # bitsandbytes MatMul4Bit dequantises the whole 4-bit weight to the compute dtype for each matmul, in
+        # forward and again in backward for the input gradient (bitsandbytes autograd/_functions.py), freed after.
+        s.backward_buffers += dequantized_bytes
+        s.sources.append(f"QLoRA: one dequantised weight ({dequantized_bytes / 2**20:.0f} MiB) live during each "
+                         "4-bit matmul")
+    s.sources.insert(0, f"{job.adapter.method}: frozen base {base_bytes / 2**30:.2f} GiB in all"
+                        f"{' (4-bit + constants)' if job.adapter.method == 'qlora' else ''}, "
+                        f"{base_per_gpu / 2**30:.2f} GiB per GPU; {trainable:,} trainable parameters with "
+                        "gradients and optimizer states")
+    return s

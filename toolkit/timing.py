@@ -54,15 +54,26 @@ class Timing:
                 "mfu": self.mfu}
 
 
-def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool) -> tuple[float, float]:
-    """(training FLOPs per token including recompute, model FLOPs per token without it)."""
+def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
+                    trainable_params: int | None = None) -> tuple[float, float]:
+    """(training FLOPs per token including recompute, model FLOPs per token without it).
+
+    Full fine-tuning: backward = 2 x forward (input gradients + weight gradients). LoRA / QLoRA
+    (`trainable_params` = the adapters' count): the frozen base runs forward and the input-gradient half of
+    backward only (no weight-gradient FLOPs for frozen weights); each adapter parameter adds 2 FLOPs forward and
+    4 backward per token (an nn.Linear's 6 per weight)."""
     matmul = sum(spec.layer_matmul_params) + spec.head_matmul_params
     attn_dim = spec.heads * spec.head_dim
     # Causal attention: QK^T and AV each 2 x seq/2 x attn_dim multiply-adds per token per layer on average.
     attention = 2 * 2 * (seq_len / 2) * attn_dim * spec.num_layers
     forward = 2 * matmul + attention
-    model = 3 * forward
     layers_forward = forward - 2 * spec.head_matmul_params
+    if trainable_params is not None:
+        # Attention has no weights: its backward is still twice its forward.
+        model = forward + (2 * matmul + 2 * attention) + 6 * trainable_params
+        layers_forward += 2 * trainable_params
+    else:
+        model = 3 * forward
     return model + (layers_forward if checkpointing else 0.0), model
 
 
@@ -95,7 +106,12 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     P_stages = grid.pipeline_stages
     dp = grid.data_parallel
     tokens_per_gpu_step = job.seq_len * job.micro_batch * job.grad_accum  # per data-parallel replica
-    total_flops, model_flops = flops_per_token(spec, job.seq_len, job.checkpointing)
+    trainable = None
+    if job.adapter.is_adapter:
+        from toolkit.lora import counts_for_spec
+
+        trainable = counts_for_spec(spec, job.adapter).trainable_params
+    total_flops, model_flops = flops_per_token(spec, job.seq_len, job.checkpointing, trainable)
     peak = hw.gpu.peak_tflops(job.precision) * 1e12
     if peak <= 0:
         peak = hw.gpu.fp32_tflops * 1e12  # no bf16 on this GPU: it would emulate; say so via the assumptions
@@ -107,29 +123,35 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     backward = compute * 2 / 3
     pb = 4 if job.precision == "fp32" else 2
     P = spec.params
+    # Gradients (all-reduce, reduce-scatter, offload traffic, CPU Adam) exist for trainable parameters only;
+    # ZeRO-3 / FSDP2 all-gathers move the whole model (the frozen base included).
+    P_grad = trainable if trainable is not None else P
     comm = 0.0
     bubble = 0.0
     offload = 0.0
     A = job.grad_accum
+    if trainable is not None:
+        assumptions.append(f"{job.adapter.method}: frozen base runs forward + input-gradient backward; "
+                           f"{trainable:,} trainable parameters get weight gradients and the optimizer step")
     if strategy.engine == "ddp":
-        grad_bytes = P * (4 if job.precision in ("fp32", "bf16", "fp16") else 2)
+        grad_bytes = P_grad * (4 if job.precision in ("fp32", "bf16", "fp16") else 2)
         comm = _ring(grad_bytes, dp, _group_bandwidth(hw, dp), 2)
         assumptions.append("DDP: one all-reduce of the gradients per step (no_sync while accumulating)")
     elif strategy.engine == "deepspeed":
         bw = _group_bandwidth(hw, dp)
         if strategy.zero_stage == 1:
-            comm = _ring(P * pb, dp, bw, 1) + _ring(P * pb, dp, bw, 1)
+            comm = _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
         elif strategy.zero_stage == 2:
-            comm = A * _ring(P * pb, dp, bw, 1) + _ring(P * pb, dp, bw, 1)
+            comm = A * _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
             assumptions.append("ZeRO-2 reduce-scatters gradients every micro-step")
         else:
-            comm = A * 3 * _ring(P * pb, dp, bw, 1)
+            comm = A * (2 * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
             assumptions.append("ZeRO-3: all-gather forward + all-gather backward + reduce-scatter, every micro-step")
         if strategy.offload_optimizer != "none":
             host_link = hw.gpu.pcie_gbps * 1e9
             # fp32 grads down, bf16 params up, per rank; ranks share the node's CPU for the Adam step.
-            offload += (P / dp) * (4 + pb) / host_link
-            offload += P * hw.gpus_per_node / dp / CPU_ADAM_PARAMS_PER_S
+            offload += (P_grad / dp) * (4 + pb) / host_link
+            offload += P_grad * hw.gpus_per_node / dp / CPU_ADAM_PARAMS_PER_S
             if strategy.offload_params != "none":
                 offload += A * 2 * (P / dp) * pb / host_link
             if strategy.offload_optimizer == "nvme":
@@ -139,11 +161,13 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     elif strategy.engine == "fsdp2":
         if strategy.fsdp_mode == "hybrid":
             shard, replicas = grid.dp_shard, grid.dp_replicate
-            comm = A * 3 * _ring(P * pb, shard, hw.gpu.intra_node_gbps, 1)
-            comm += _ring(P * pb / shard, replicas, hw.inter_node_gbps, 2)
+            comm = A * (2 * _ring(P * pb, shard, hw.gpu.intra_node_gbps, 1)
+                         + _ring(P_grad * pb, shard, hw.gpu.intra_node_gbps, 1))
+            comm += _ring(P_grad * pb / shard, replicas, hw.inter_node_gbps, 2)
         else:
-            gathers = 2 if strategy.fsdp_mode == "grad_op" else 3
-            comm = A * gathers * _ring(P * pb, dp, _group_bandwidth(hw, dp), 1)
+            gathers = 1 if strategy.fsdp_mode == "grad_op" else 2
+            bw = _group_bandwidth(hw, dp)
+            comm = A * (gathers * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
     else:
         # Pipeline: activations cross stage boundaries; stages across nodes, data parallel inside a node.
         M = A

@@ -41,11 +41,16 @@ _FLASH_STANDIN = "toolkit_fa2_standin"  # no "flash" in the name: transformers w
 
 def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                       autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
-                      checkpointing: bool = False) -> ActivationTrace:
+                      checkpointing: bool = False, liger: bool = False, adapter=None) -> ActivationTrace:
     """Bytes the model keeps for backward, region by region, for one micro-batch of `micro_batch` x `seq_len`.
 
-    `config` is any decoder-only causal-LM config; it is not modified. The batch has no attention mask (unpadded
+    `config` is any decoder-only causal-LM config; it is not modified. `adapter` (a toolkit.lora.Adapter with
+    method lora or qlora) wraps the model with the real PEFT LoRA layers before the step: the base in the compute
+    dtype and frozen, the adapters trainable (fp32 under autocast, as PEFT's autocast_adapter_dtype leaves them), so
+    the trace holds the adapter intermediates, the dropout masks and dropped copies of each target's input, and the
+    frozen base's input gradients; parameter gradients exist only for the adapters. The batch has no attention mask (unpadded
     fixed-length sequences, as the Trainer feeds packed or truncated text) and the labels are the inputs.
+    `liger`: the model patched as the Trainer's use_liger_kernel does, with toolkit.liger's substitutes.
     """
     import torch
 
@@ -71,7 +76,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     with _trace_environment(attention, device_kind, notes, cuda_autocast=cuda_autocast) as attn_impl:
         try:
             run = _run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
-                                 micro_batch, seq_len, checkpointing, notes)
+                                 micro_batch, seq_len, checkpointing, notes, liger=liger,
+                                 device_kind=device_kind, adapter=adapter)
         except (DynamicOutputShapeException, DataDependentOutputException) as exc:
             raise NotImplementedError(
                 f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
@@ -87,6 +93,14 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                                                                     if cuda_autocast else ""))
     notes.append(f"traced {traced_count} of {len(full_kinds)} layers, expanded by layer kind")
     notes.append("batch without attention mask (unpadded sequences); labels = inputs")
+    if liger:
+        from toolkit.liger import LIGER_SOURCE
+
+        notes.append(f"Liger kernels (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) traced with substitutes "
+                     f"that save what {LIGER_SOURCE} saves" + (" and allocate what its kernels allocate"
+                                                               if device_kind == "cuda" else
+                                                               "; device_kind cpu: the substitutes' own CPU run "
+                                                               "(Liger's Triton kernels do not run on CPU)"))
 
     layers = tuple(run.layers[_traced_index_for(i, full_kinds, traced_count)] for i in range(len(full_kinds)))
     return ActivationTrace(
@@ -271,6 +285,7 @@ def _make_recorder(log: _StorageLog, param_ids: set[int], autocast_copies: dict[
 @dataclass
 class _Region:
     saved_bytes: int = 0
+    forward_grad_bytes: int = 0
     autocast_copy_bytes: int = 0
     autocast_cache_bytes: int = 0
 
@@ -293,19 +308,34 @@ def _tensors_in(obj):
 
 
 def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
-                   checkpointing: bool, notes: list[str]) -> _Run:
+                   checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
+                   adapter=None) -> _Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
     n = _num_layers(config)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
+    lora = adapter is not None and adapter.is_adapter
+    with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as patches:
+        # LoRA: the frozen base is stored in the compute dtype (toolkit.train loads it so; autocast then only
+        # copies the small adapters).
+        base_dtype = (autocast_dtype or param_dtype) if lora else param_dtype
+        model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
         model.train()
+        if liger:
+            from toolkit.liger import liger_applied
+
+            patches.enter_context(liger_applied(model, gpu_footprint=device_kind == "cuda"))
         layers = _decoder_layers(model, n)
         kinds = tuple(_layer_kind(layer, settings) for layer, settings in zip(layers, _per_layer_settings(config, n)))
         if checkpointing:
+            # Before wrapping, as the Trainer does on the PeftModel (which forwards to the base): transformers'
+            # activation_checkpointing_enable also calls enable_input_require_grads, so the frozen embedding's
+            # output requires grad and the checkpointed layers' recompute reaches the adapters.
             _enable_checkpointing(model)
+        if lora:
+            model = _wrap_with_peft(model, adapter, autocast=autocast_dtype is not None, notes=notes)
+            model.train()
         input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
 
         log = _StorageLog()
@@ -314,6 +344,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
         regions = {name: _Region() for name in ("embedding", *(f"layer{i}" for i in range(n)), "head")}
         state = {"region": "embedding", "phase": "forward"}
         charged: set = set()
+        charged_serials: list[tuple[str, int, int]] = []  # (region, serial, bytes) of saved storages
 
         def charge(t, region_name: str | None = None) -> None:
             st = t.untyped_storage()
@@ -330,6 +361,8 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
                 region.autocast_copy_bytes += st.nbytes()
             else:
                 region.saved_bytes += st.nbytes()
+                if serial is not None:
+                    charged_serials.append((region_name or state["region"], serial, st.nbytes()))
 
         def pack(t):
             if state["phase"] == "forward":
@@ -396,6 +429,14 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
         grad_serials = {log.serial_of(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
         loss_bytes = loss.untyped_storage().nbytes()
 
+    # A saved storage that ends as a parameter's .grad was a gradient made in forward (Liger's fused linear
+    # cross-entropy computes the LM head's weight gradient there): the memory model counts it apart from the
+    # activations, from that forward until its region's backward turns it into the parameter's gradient.
+    for name, serial, nbytes in charged_serials:
+        if serial in grad_serials:
+            regions[name].saved_bytes -= nbytes
+            regions[name].forward_grad_bytes += nbytes
+
     curve = log.live_curve(grad_serials - {None})
     grad_curve = [0, *accumulate(d if s in grad_serials else 0 for s, d in log.events)]
     marks = log.marks
@@ -418,7 +459,8 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
                            backward_extra_bytes=backward_extra,
                            autocast_copy_bytes=region.autocast_copy_bytes,
                            autocast_cache_bytes=region.autocast_cache_bytes,
-                           backward_grad_bytes=grads_at_peak, grad_bytes=grads)
+                           backward_grad_bytes=grads_at_peak, grad_bytes=grads,
+                           forward_grad_bytes=region.forward_grad_bytes)
 
     embedding = region_trace("embedding", ("f:embedding", "f:layer0"), ("be:layer0", "b:end"))
     layer_traces = [region_trace(f"layer{i}", (f"f:layer{i}", f"e:layer{i}"), (f"b:layer{i}", f"be:layer{i}"))
@@ -451,6 +493,40 @@ def _backward_peak(curve: list[int], grad_curve: list[int], marks: dict[str, int
     base = grad_curve[a]
     k = max(range(a, b + 1), key=lambda i: curve[i] + grad_curve[i] - base)
     return max(0, curve[k] - held), max(0, grad_curve[k] - base), max(0, grad_curve[b] - base)
+
+
+def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
+    """The real PEFT LoRA wrapper (peft.get_peft_model) around the fake base model."""
+    import warnings
+
+    from peft import get_peft_model
+
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    # Adapters are born in their training dtype on the fake CPU device: fp32 under autocast (PEFT's default
+    # autocast_adapter_dtype=True upcasts bf16/fp16 adapters), else the base's dtype (DeepSpeed casts the whole
+    # module, FSDP2's MixedPrecisionPolicy computes in it). PEFT's move of each adapter to its base layer's
+    # device and dtype is skipped, as are PEFT's module.to(base weight's device) calls: they are no-ops here, and
+    # nn.Module.to() cannot swap fake parameters.
+    adapter_dtype = torch.float32 if autocast else next(model.parameters()).dtype
+    previous_dtype, previous_move = torch.get_default_dtype(), BaseTunerLayer._move_adapter_to_device_of_base_layer
+    previous_to = torch.nn.Module.to
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.set_default_dtype(adapter_dtype)
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+        torch.nn.Module.to = lambda self, *a, **k: self
+        try:
+            wrapped = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=False)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+            BaseTunerLayer._move_adapter_to_device_of_base_layer = previous_move
+            torch.nn.Module.to = previous_to
+    notes.append(f"{adapter.method}: PEFT LoRA r={adapter.r}, dropout {adapter.dropout}, targets {adapter.targets}"
+                 + ("; 4-bit base traced as its compute-dtype matmuls (bitsandbytes MatMul4Bit saves no input "
+                    "for a frozen weight, as a frozen nn.Linear)" if adapter.method == "qlora" else ""))
+    return wrapped
 
 
 def _enable_checkpointing(model) -> None:

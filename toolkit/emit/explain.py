@@ -34,7 +34,17 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
               f"`{plan.layer_class}`)",
               f"- hardware: {plan.num_machines} node(s) x {plan.gpus_per_node} {plan.gpu} = {plan.world_size} GPUs",
               f"- job: sequence {plan.seq_len}, precision {plan.precision}, optimizer {plan.optimizer}, "
-              f"activation checkpointing {'on' if plan.checkpointing else 'off'}, attention {plan.attention}", ""]
+              f"activation checkpointing {'on' if plan.checkpointing else 'off'}, attention {plan.attention}"]
+    if plan.method != "full":
+        a = plan.adapter
+        lines.append(f"- method: {plan.method} through PEFT (r {a.get('r')}, alpha {a.get('alpha')}, dropout "
+                     f"{a.get('dropout')}, targets {a.get('targets')}"
+                     + (f", modules to save {a['modules_to_save']}" if a.get("modules_to_save") else "")
+                     + (f", 4-bit {a.get('quant_type')}{' double-quantised' if a.get('double_quant') else ''}, "
+                        f"storage {a.get('quant_storage')}" if plan.method == "qlora" else "")
+                     + f"): {plan.trainable_params:,} trainable parameters; toolkit.train saves the adapter "
+                     "(adapter_config.json + adapter_model.safetensors)")
+    lines.append("")
     lines += ["## Strategy", "", f"- {strategy_sentence(plan)}"]
     if plan.engine == "pipeline":
         lines.append(f"- {plan.pipeline_stages} stages x {plan.data_parallel} data-parallel; decoder layers split at "

@@ -65,6 +65,17 @@ class TrainArgs:
     """Cap on evaluation blocks (keeps evaluation short on big held-out sets)."""
     no_save_final: bool = False
     """Skip writing the final HF model (rehearsals, benchmarks)."""
+    lora: bool = False
+    """Train LoRA adapters through PEFT (the plan's adapter settings, or LoRA defaults for a full plan)."""
+    qlora: bool = False
+    """Train LoRA adapters over a 4-bit base (bitsandbytes)."""
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: str | None = None
+    lora_modules_to_save: str | None = None
+    merge_final: bool = False
+    """LoRA: also write the base with the adapter merged in, in OUTPUT/merged (HF format)."""
     trainer_flags: dict[str, Any] = field(default_factory=dict)
     """TrainingArguments flags given on the command line (name -> parsed value), e.g. {"report_to": "wandb"}."""
 
@@ -112,6 +123,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="TensorBoard folder (default: OUTPUT/runs)")
     p.add_argument("--max-eval-blocks", type=int, default=None)
     p.add_argument("--no-save-final", action="store_true")
+    g = p.add_argument_group("LoRA / QLoRA (default: the plan's method)")
+    g.add_argument("--lora", action="store_true", help="train LoRA adapters through PEFT")
+    g.add_argument("--qlora", action="store_true", help="train LoRA adapters over a 4-bit base")
+    g.add_argument("--lora-r", type=int, default=None)
+    g.add_argument("--lora-alpha", type=float, default=None)
+    g.add_argument("--lora-dropout", type=float, default=None)
+    g.add_argument("--lora-targets", default=None, help="all-linear or module names, e.g. q_proj,v_proj")
+    g.add_argument("--lora-modules-to-save", default=None, help="e.g. lm_head")
+    g.add_argument("--merge-final", action="store_true", help="also save the merged model in OUTPUT/merged")
     return p
 
 

@@ -42,6 +42,9 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     tokenizer = load_tokenizer(args.tokenizer or (source if not Path(source).is_file() else str(Path(source).parent)))
     check_vocab(config, tokenizer, source)
 
+    from toolkit.train.adapters import adapter_for_run
+
+    adapter = adapter_for_run(plan, args)
     state = cpu.configure_cpu_state(plan.engine) if cpu.on_cpu() else None
     training_args = _training_arguments(plan, args, output, on_cpu=state is not None)
     _check_world(plan, training_args.world_size)
@@ -52,9 +55,14 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     from transformers import set_seed
 
     set_seed(args.seed)  # random init (--random-init, new heads) is the same on every rank and every run
-    model = build_model(source, config, plan, random_init=args.random_init, attention=_attention(plan))
+    model = build_model(source, config, plan, random_init=args.random_init, attention=_attention(plan),
+                        adapter=adapter)
     if plan.engine == "deepspeed" and plan.zero_stage == 3:
         _check_born_partitioned(model)
+    if adapter is not None:
+        from toolkit.train.adapters import wrap_model
+
+        model = wrap_model(model, adapter, checkpointing=plan.checkpointing)
     trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data)
     seen_dtypes = _watch_layer_dtype(model, plan.layer_class)
     if state is None or trainer.is_world_process_zero():
@@ -66,6 +74,12 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     _write_rank_summary(trainer, seen_dtypes)
     if not args.no_save_final:
         save_final(trainer, tokenizer, output)
+        if adapter is not None and args.merge_final and trainer.is_world_process_zero():
+            from toolkit.train.adapters import base_dtype, save_merged
+
+            save_merged(source, output, output / "merged", base_dtype(plan))
+            tokenizer.save_pretrained(str(output / "merged"))
+            print(f"saved the merged model to {output / 'merged'}", flush=True)
     return 0
 
 
@@ -277,7 +291,11 @@ def save_final(trainer, tokenizer, output: Path) -> None:
     trainer.save_model(str(output))
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(str(output))
-        print(f"saved the trained model and tokenizer to {output} (load with from_pretrained)", flush=True)
+        if hasattr(trainer.model, "peft_config"):
+            print(f"saved the trained adapter (PEFT format) and tokenizer to {output} (load with "
+                  "PeftModel.from_pretrained onto the base model)", flush=True)
+        else:
+            print(f"saved the trained model and tokenizer to {output} (load with from_pretrained)", flush=True)
 
 
 def _check_world(plan: Plan, world: int) -> None:

@@ -134,15 +134,38 @@ def check_vocab(config: Any, tokenizer: Any, source: str) -> None:
                         "use the model's own tokenizer")
 
 
-def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, attention: str):
+def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, attention: str, adapter=None):
     """Create the model. Under ZeRO-3 the caller must keep TrainingArguments(deepspeed=...) alive first, so
-    transformers' HfDeepSpeedConfig makes from_pretrained / from_config partition under deepspeed.zero.Init."""
+    transformers' HfDeepSpeedConfig makes from_pretrained / from_config partition under deepspeed.zero.Init.
+    With a LoRA / QLoRA `adapter` the frozen base is loaded in the compute dtype (4-bit for QLoRA)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     # bf16-pure trains bf16 weights (and optimizer states); mixed precision keeps fp32 master weights.
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
     kwargs = dict(dtype=dtype, attn_implementation=attention)
+    if adapter is not None:
+        from toolkit.train.adapters import base_dtype, quantization_config
+
+        kwargs["dtype"] = base_dtype(plan)
+        if adapter.method == "qlora":
+            kwargs["quantization_config"] = quantization_config(adapter)
+            if random_init or Path(source).expanduser().is_file():
+                # transformers quantises weights only as it loads a checkpoint: write the random (seeded, so
+                # equal on every rank) weights to a temporary folder and load them back (rehearsals, tests).
+                # Every rank writes its own (save_pretrained writes on the main process only).
+                import tempfile
+
+                from safetensors.torch import save_model
+
+                from transformers import GenerationConfig
+
+                with tempfile.TemporaryDirectory() as tmp:
+                    config.to_json_file(str(Path(tmp) / "config.json"))
+                    GenerationConfig.from_model_config(config).to_json_file(str(Path(tmp) / "generation_config.json"))
+                    save_model(AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"]),
+                               str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+                    return AutoModelForCausalLM.from_pretrained(tmp, config=config, **kwargs)
     try:
         if random_init or Path(source).expanduser().is_file():
             return AutoModelForCausalLM.from_config(config, **kwargs)

@@ -75,6 +75,9 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path) -> tuple[Plan, list[s
         grad_accum=grad_accum, seq_len=min(plan.seq_len, REHEARSAL_SEQ_LEN), precision=precision,
         checkpointing=plan.checkpointing, attention=attention, optimizer=plan.optimizer, pipeline_stages=stages,
         notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
+    if plan.method != "full":
+        # The plan's LoRA / QLoRA adapter on the tiny model of the same architecture (same module names).
+        small = small.replace(method=plan.method, adapter=dict(plan.adapter))
     return small, said
 
 
@@ -177,6 +180,8 @@ def _validate_real_configs(plan: Plan, plan_dir: Path) -> list[str]:
 
 
 def _check_saved_model(out: Path, small: Plan) -> list[str]:
+    if small.method != "full":
+        return _check_saved_adapter(out, small)
     try:
         from transformers import AutoModelForCausalLM
 
@@ -186,6 +191,19 @@ def _check_saved_model(out: Path, small: Plan) -> list[str]:
     n = sum(p.numel() for p in model.parameters())
     if n != small.params:
         return [f"the saved model has {n} parameters, the model trained had {small.params}"]
+    return []
+
+
+def _check_saved_adapter(out: Path, small: Plan) -> list[str]:
+    """A LoRA / QLoRA run saves the adapter (PEFT format): it must load onto the base it was trained on."""
+    try:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(small.model), str(out))
+    except Exception as exc:
+        return [f"the saved adapter does not load with PeftModel.from_pretrained: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"]
     return []
 
 

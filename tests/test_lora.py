@@ -1,0 +1,199 @@
+"""LoRA / QLoRA: exact counts against PEFT itself, 4-bit bytes against real bitsandbytes tensors, traced activations
+and whole-step peaks against real CPU tensors of PEFT-wrapped tiny models, and the per-engine memory composition."""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from toolkit.lora import (Adapter, adapter_counts, counts_of_peft_model, peft_model_on_meta,
+                          print_trainable_parameters_line)
+from toolkit.modelspec import catalog_names, load_config
+
+
+def _attention_targets(config) -> str:
+    """The linear modules inside each layer's attention block, by name (q_proj,k_proj,... / c_attn,c_proj / qkv_proj)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config)
+    return ",".join(sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                            if isinstance(m, (torch.nn.Linear, Conv1D))
+                            and re.search(r"\.(self_attn|attn|attention)\.", name)}))
+
+
+def _targets(config) -> list[Adapter]:
+    # Dropout 0: PEFT wraps fused MoE expert parameters (Mixtral in transformers 5) only without dropout.
+    return [Adapter(method="lora", r=16, dropout=0.0, targets="all-linear"),
+            Adapter(method="lora", r=8, dropout=0.0, targets=_attention_targets(config)),
+            Adapter(method="qlora", r=4, dropout=0.0, targets="all-linear", modules_to_save="lm_head")]
+
+
+@pytest.mark.parametrize("name", catalog_names())
+def test_trainable_counts_equal_peft_for_every_catalog_model(name):
+    config = load_config(name)
+    for adapter in _targets(config):
+        peft_model, quantized = peft_model_on_meta(config, adapter)
+        counts = counts_of_peft_model(peft_model, quantized, adapter)
+        line = print_trainable_parameters_line(peft_model)
+        printed = dict(re.findall(r"(trainable params|all params): ([\d,]+)", line))
+        assert counts.trainable_params == int(printed["trainable params"].replace(",", "")), (name, adapter, line)
+        assert counts.all_params == int(printed["all params"].replace(",", "")), (name, adapter, line)
+        # Independent of PEFT's own sum: every adapter of a linear layer is r x (in + out) (fused MoE expert
+        # parameters, which PEFT wraps per expert, are left to PEFT's count).
+        wrapped = [m for _n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+        linear = [m for m in wrapped if hasattr(m, "in_features") and type(m).__name__ != "ParamWrapper"]
+        if len(linear) == len(wrapped):
+            assert counts.adapter_params == sum(adapter.r * (m.in_features + m.out_features) for m in linear)
+        assert sum(counts.per_module.values()) == counts.adapter_params
+        assert sum(counts.per_layer) + counts.pre_layer_trainable + counts.post_layer_trainable \
+            == counts.trainable_params
+        if adapter.modules_to_save:
+            head = peft_model.get_base_model().get_output_embeddings()
+            assert counts.saved_module_params == head.weight.numel()
+        assert counts.frozen_params == counts.all_params - counts.trainable_params
+    assert adapter_counts(config, adapter) == counts  # the entry point the estimator uses
+
+
+def test_4bit_bytes_match_real_bitsandbytes_tensors():
+    torch = pytest.importorskip("torch")
+    F = pytest.importorskip("bitsandbytes.functional")
+    from toolkit.lora import quantized_4bit_bytes
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    for shape in ((64, 64), (300, 128), (1000, 77), (5, 3)):
+        for double_quant in (False, True):
+            w = torch.randn(*shape, dtype=torch.bfloat16)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                packed, state = F.quantize_4bit(w, compress_statistics=double_quant, quant_type="nf4")
+            real = nbytes(packed) + nbytes(state.absmax) + nbytes(state.code)
+            if double_quant:
+                real += nbytes(state.state2.absmax) + nbytes(state.state2.code) + nbytes(state.offset)
+            assert quantized_4bit_bytes(w.numel(), double_quant=double_quant) == real, (shape, double_quant)
+
+
+CASES = [
+    # arch, targets, dropout, checkpointing, precision
+    ("llama", "all-linear", 0.1, False, "bf16"),
+    ("llama", "q_proj,k_proj,v_proj,o_proj", 0.0, True, "bf16"),
+    ("qwen2", "q_proj,k_proj,v_proj,o_proj", 0.1, False, "fp32"),
+    ("qwen2", "all-linear", 0.0, True, "bf16-pure"),
+    ("mistral", "all-linear", 0.0, False, "bf16"),
+    ("mistral", "q_proj,v_proj", 0.1, True, "bf16"),
+]
+
+
+@pytest.mark.parametrize("arch,targets,dropout,checkpointing,precision", CASES,
+                         ids=[f"{a}-{'attn' if 'q_proj' in t else 'all'}-p{d}-{'ckpt' if c else 'full'}-{p}"
+                              for a, t, d, c, p in CASES])
+def test_lora_activations_and_peak_match_real_cpu_tensors(arch, targets, dropout, checkpointing, precision):
+    """Traced (FakeTensorMode, PEFT-wrapped) against a real PEFT model's step on CPU: activations within 3%,
+    the whole-step peak (fused AdamW over the adapters, steady state) within 5%."""
+    from toolkit.profile import measure_step, predict_step
+    from toolkit.tiny import tiny_config
+
+    config = tiny_config(arch, vocab_size=1000, max_positions=256, hidden=128, layers=3, heads=4, kv_heads=2,
+                         ffn=344)
+    adapter = Adapter(method="lora", r=8, alpha=16, dropout=dropout, targets=targets)
+    kwargs = dict(seq_len=128, micro_batch=2, precision=precision, checkpointing=checkpointing)
+    measured = measure_step(config, steps=1, adapter=adapter, **kwargs)
+    predicted = predict_step(config, device_kind="cpu", adapter=adapter, **kwargs)
+    assert predicted["activations_bytes"] == pytest.approx(measured.activations_bytes, rel=0.03)
+    assert predicted["peak_bytes"] == pytest.approx(measured.peak_bytes, rel=0.05)
+
+
+def test_dropout_copies_and_input_grads_are_in_the_trace():
+    """The trace is not a formula: dropout on the targets' inputs keeps a mask and a dropped copy per target, and
+    attention-only adapters keep less than all-linear ones."""
+    from toolkit.tiny import tiny_config
+    from toolkit.tracer import trace_activations
+
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
+    kw = dict(seq_len=64, micro_batch=2, dtype="bfloat16", autocast=False, attention="sdpa", device_kind="cpu")
+
+    def saved(**a) -> int:
+        return trace_activations(config, adapter=Adapter(method="lora", r=8, **a), **kw).activations_bytes
+
+    base = trace_activations(config, **kw).activations_bytes
+    no_drop, drop = saved(dropout=0.0, targets="all-linear"), saved(dropout=0.1, targets="all-linear")
+    attn_only = saved(dropout=0.0, targets="q_proj,v_proj")
+    assert attn_only < no_drop
+    assert drop > no_drop
+    # Without dropout every target's input is already saved (or shared): the adapters add their r-wide
+    # intermediates only, far less than the frozen base saves.
+    assert no_drop - base < base
+
+
+def test_engine_memory_of_lora_and_qlora():
+    """Per-GPU states of a 7B-class model: the frozen base whole (DDP), partitioned (ZeRO-3), sharded (FSDP2) and
+    4-bit (QLoRA, whole per GPU under FSDP2 when stored as uint8); adapters with fp32 grads and AdamW states."""
+    from dataclasses import replace
+
+    from toolkit.hardware import parse_hardware
+    from toolkit.job import Job
+    from toolkit.lora import counts_for_spec
+    from toolkit.grid import grid_of
+    from toolkit.memory import _adapter_states
+    from toolkit.modelspec import resolve_model
+    from toolkit.strategy import parse_strategy
+
+    spec = resolve_model("llama-2-7b")
+    hw = parse_hardware("4xA100-80GB")
+    lora = Adapter(method="lora", r=16, targets="all-linear")
+    job = Job(seq_len=1024, adapter=lora)
+    c = counts_for_spec(spec, lora)
+    assert c.trainable_params == 39_976_960  # PEFT's count for Llama-2-7B, r=16, all-linear
+    ddp = _adapter_states(spec, parse_strategy("ddp"), job, grid_of(parse_strategy("ddp"), hw))
+    assert ddp.parameters == c.frozen_params * 2 + c.trainable_params * 4
+    assert ddp.step_gradients == c.trainable_params * 4
+    assert ddp.optimizer == c.trainable_params * 8
+    assert ddp.buffers == c.trainable_params * 4  # DDP buckets only parameters that need grad
+    z3 = _adapter_states(spec, parse_strategy("zero3"), job, grid_of(parse_strategy("zero3"), hw))
+    assert z3.parameters == pytest.approx(c.frozen_params * 2 / 4 + c.trainable_params * 2 / 4)
+    assert z3.master == pytest.approx(c.trainable_params * 4 / 4)
+    fsdp = _adapter_states(spec, parse_strategy("fsdp2"), job, grid_of(parse_strategy("fsdp2"), hw))
+    assert fsdp.parameters == pytest.approx(c.frozen_params * 2 / 4 + c.trainable_params * 4 / 4)
+    qlora = replace(lora, method="qlora")
+    cq = counts_for_spec(spec, qlora)
+    assert cq.quantized_tensors == 32 * 7
+    assert cq.unquantized_frozen_params == spec.embedding_params * 2 + 4096 * (2 * 32 + 1)  # embed, head, norms
+    qjob = Job(seq_len=1024, adapter=qlora)
+    q_ddp = _adapter_states(spec, parse_strategy("ddp"), qjob, grid_of(parse_strategy("ddp"), hw))
+    assert q_ddp.parameters == cq.quantized_bytes + cq.unquantized_frozen_params * 2 + cq.trainable_params * 4
+    # ~0.52 bytes per quantised weight with double quantisation (4 bits + 8-bit absmax per 64 + constants).
+    assert 0.515 < cq.quantized_bytes / cq.quantized_params < 0.52
+    q_fsdp = _adapter_states(spec, parse_strategy("fsdp2"), qjob, grid_of(parse_strategy("fsdp2"), hw))
+    sharded = _adapter_states(spec, parse_strategy("fsdp2"), Job(seq_len=1024, adapter=replace(
+        qlora, quant_storage="bfloat16")), grid_of(parse_strategy("fsdp2"), hw))
+    assert q_fsdp.parameters - sharded.parameters == pytest.approx(
+        (cq.quantized_bytes + cq.unquantized_frozen_params * 2) * 3 / 4, rel=1e-3)
+
+
+def test_cli_estimate_json_has_trainable_params_and_refuses_bad_adapters(capsys):
+    import json
+
+    from toolkit.cli import main
+
+    assert main(["estimate", "gpt2", "--gpus", "1xA100-80GB", "--seq", "128", "--method", "lora",
+                 "--lora-targets", "c_attn", "--lora-r", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 124_439_808
+    assert out["trainable_params"] == 12 * 8 * (768 + 3 * 768)
+    assert out["job"]["method"] == "lora"
+    assert main(["estimate", "gpt2", "--gpus", "1xA100-80GB", "--seq", "128", "--method", "lora",
+                 "--lora-targets", "q_proj"]) == 2
+    err = capsys.readouterr().err
+    assert "c_attn" in err and err.count("\n") == 1
+    assert main(["estimate", "gpt2", "--method", "dora"]) == 2
+    assert main(["estimate", "gpt2", "--method", "lora", "--lora-dropout", "1.5"]) == 2

@@ -1,0 +1,158 @@
+"""LoRA through toolkit.train: real 2-process runs (gloo) of DDP, ZeRO-3 and FSDP2 against one single-process run,
+the adapter saved in PEFT format reloading with PeftModel.from_pretrained to the trained logits, the merged model,
+and an exact resume. Same tiny Llama, corpus and schedule as tests/test_train_engines.py (fp32, global batch 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.lora import Adapter
+from toolkit.train.rehearsal import plan_for_model
+
+STEPS = 6
+SEQ = 32
+LOSS_TOLERANCE = 2e-4
+ADAPTER = Adapter(method="lora", r=4, alpha=8, dropout=0.0, targets="all-linear")
+COMMON = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", "3", "--lr", "2e-2",
+          "--lr-scheduler", "constant", "--seed", "7", "--max-eval-blocks", "8")
+
+
+def _plan(model_dir, strategy, *, world=2, micro=2):
+    plan = plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, seq_len=SEQ,
+                          precision="fp32")
+    return plan.replace(method="lora", adapter=ADAPTER.to_dict())
+
+
+@pytest.fixture(scope="module")
+def lora_reference(run_training, tiny_llama_dir, corpus_dir):
+    return run_training(_plan(tiny_llama_dir, "ddp", world=1, micro=4), "lora-ref", "--data", str(corpus_dir),
+                        *COMMON, "--merge-final").check()
+
+
+@pytest.fixture(scope="module")
+def lora_runs(run_training, tiny_llama_dir, corpus_dir):
+    cache = {}
+
+    def get(engine):
+        if engine not in cache:
+            cache[engine] = run_training(_plan(tiny_llama_dir, engine), f"lora-{engine}", "--data", str(corpus_dir),
+                                         *COMMON).check()
+        return cache[engine]
+
+    return get
+
+
+def _probe_logits_of_saved_adapter(base_dir, run) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(run.output)).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
+
+
+def test_lora_single_process_trains_only_the_adapter_and_merges(lora_reference, tiny_llama_dir):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    losses = lora_reference.losses()
+    assert len(losses) == STEPS and (losses[5] + losses[6]) / 2 < losses[1] - 0.05
+    config = json.loads((lora_reference.output / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4
+    assert not (lora_reference.output / "model.safetensors").exists()  # the adapter, not a full model
+    trained = torch.tensor(lora_reference.ranks[0]["probe_logits"])
+    torch.testing.assert_close(_probe_logits_of_saved_adapter(tiny_llama_dir, lora_reference), trained,
+                               atol=1e-5, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(lora_reference.output / "merged").eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert sum(p.numel() for p in merged.parameters()) == sum(p.numel() for p in base.parameters())
+    with torch.no_grad():
+        logits = merged(input_ids=torch.tensor(lora_reference.ranks[0]["probe_input_ids"])).logits
+    torch.testing.assert_close(logits, trained, atol=1e-4, rtol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
+def test_lora_engines_match_single_process_and_adapter_reloads(engine, lora_runs, lora_reference, tiny_llama_dir):
+    run = lora_runs(engine)
+    assert len(run.ranks) == 2
+    ref, got = lora_reference.losses(), run.losses()
+    assert got.keys() == ref.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (engine, step, got, ref)
+    trained = torch.tensor(run.ranks[0]["probe_logits"])
+    torch.testing.assert_close(torch.tensor(run.ranks[1]["probe_logits"]), trained, atol=1e-6, rtol=0)
+    torch.testing.assert_close(_probe_logits_of_saved_adapter(tiny_llama_dir, run), trained, atol=1e-5, rtol=0)
+
+
+@pytest.mark.multiprocess
+def test_lora_zero3_resume_is_exact(run_training, lora_runs, tiny_llama_dir, corpus_dir, tmp_path):
+    import shutil
+
+    full = lora_runs("zero3")
+    output = tmp_path / "resumed"
+    shutil.copytree(full.output / "checkpoint-3", output / "checkpoint-3")
+    resumed = run_training(_plan(tiny_llama_dir, "zero3"), "lora-zero3-resume", "--data", str(corpus_dir), *COMMON,
+                           "--resume", "--no-save-final", output=output).check()
+    got, want = resumed.losses(), full.losses()
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), (step, got, want)
+
+
+def test_rehearsal_plan_keeps_the_method(tiny_llama_dir):
+    from toolkit.train.rehearsal import rehearsal_plan
+
+    plan = _plan(tiny_llama_dir, "fsdp2").replace(method="qlora", adapter={**ADAPTER.to_dict(), "method": "qlora"})
+    small, _ = rehearsal_plan(plan, tiny_llama_dir)
+    assert (small.method, small.adapter) == ("qlora", plan.adapter)
+
+
+def test_train_flags_choose_the_adapter(tiny_llama_dir):
+    from toolkit.errors import UserError
+    from toolkit.train.adapters import adapter_for_run
+    from toolkit.train.args import parse_train_args
+
+    full = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, seq_len=SEQ)
+    base = ["--plan", "p", "--data", "d", "--output", "o"]
+    assert adapter_for_run(full, parse_train_args(base)) is None
+    chosen = adapter_for_run(full, parse_train_args([*base, "--lora", "--lora-r", "32", "--lora-targets", "q_proj"]))
+    assert (chosen.method, chosen.r, chosen.targets) == ("lora", 32, "q_proj")
+    lora_plan = _plan(tiny_llama_dir, "ddp", world=1)
+    assert adapter_for_run(lora_plan, parse_train_args(base)) == ADAPTER
+    with pytest.raises(UserError, match="--lora or --qlora"):
+        adapter_for_run(full, parse_train_args([*base, "--lora-r", "8"]))
+    with pytest.raises(UserError, match="--lora-dropout"):
+        adapter_for_run(full, parse_train_args([*base, "--lora", "--lora-dropout", "2"]))
+    zero3 = plan_for_model(tiny_llama_dir, "zero3", seq_len=SEQ)
+    with pytest.raises(UserError, match="quant-storage"):
+        adapter_for_run(zero3, parse_train_args([*base, "--qlora"]))
+
+
+@pytest.mark.multiprocess
+def test_qlora_trains_on_cpu_with_ddp_and_reloads_on_the_4bit_base(run_training, tiny_llama_dir, corpus_dir):
+    """bitsandbytes >= 0.46 runs 4-bit Linear4bit forward and backward on CPU: QLoRA (NF4, double quantisation)
+    trains over gloo like LoRA, and the saved adapter on a freshly quantised base gives the trained logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.train.adapters import quantization_config
+
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=2, micro_batch=2, seq_len=SEQ, precision="fp32")
+    run = run_training(plan, "qlora-ddp", "--data", str(corpus_dir), *COMMON, "--qlora", "--lora-r", "4",
+                       "--lora-dropout", "0").check()
+    losses = run.losses()
+    assert (losses[5] + losses[6]) / 2 < losses[1] - 0.02
+    assert run.losses(1) == losses
+    qlora = Adapter(method="qlora", r=4, dropout=0.0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=quantization_config(qlora),
+                                                dtype=torch.float32)
+    assert type(base.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    model = PeftModel.from_pretrained(base, str(run.output)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
+    # bf16 compute (bnb_4bit_compute_dtype): a fresh process rounds a few logits differently; training moved
+    # them by ~1e-1.
+    torch.testing.assert_close(logits.float(), torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-3, rtol=0)

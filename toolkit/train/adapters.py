@@ -1,0 +1,90 @@
+"""LoRA / QLoRA in toolkit.train: which adapter a run trains (the plan's method, or --lora / --qlora), the PEFT
+wrapping of the loaded model, and the merged-model save.
+
+The base is loaded in the compute dtype (what toolkit.memory budgets: toolkit.lora.base_storage_bytes_per_param)
+and wrapped by peft.get_peft_model, whose default autocast_adapter_dtype=True keeps the adapters in fp32. The
+Trainer then sees a PeftModel: it saves adapter_config.json + adapter_model.safetensors (PEFT format) in every
+checkpoint and in the final output, and resumes from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from toolkit.errors import UserError
+from toolkit.lora import Adapter
+
+
+def adapter_for_run(plan, args) -> Adapter | None:
+    """The plan's adapter, switched on or changed by the run's flags; None for full fine-tuning."""
+    adapter = Adapter(**plan.adapter) if plan.adapter else Adapter()
+    if plan.method != "full" and not plan.adapter:
+        adapter = replace(adapter, method=plan.method)
+    if args.lora and args.qlora:
+        raise UserError("give --lora or --qlora, not both")
+    if args.lora or args.qlora:
+        adapter = replace(adapter, method="qlora" if args.qlora else "lora")
+    overrides = {k: v for k, v in (("r", args.lora_r), ("alpha", args.lora_alpha), ("dropout", args.lora_dropout),
+                                   ("targets", args.lora_targets), ("modules_to_save", args.lora_modules_to_save))
+                 if v is not None}
+    if overrides and not adapter.is_adapter:
+        raise UserError("--lora-r/--lora-alpha/--lora-dropout/--lora-targets need a LoRA run: give --lora or "
+                        "--qlora, or plan with --method lora")
+    adapter = replace(adapter, **overrides)  # validates the values (UserError on bad ones)
+    if not adapter.is_adapter:
+        return None
+    if adapter.method == "qlora" and plan.engine == "deepspeed" and plan.zero_stage == 3 \
+            and adapter.quant_storage == "uint8":
+        raise UserError("QLoRA under ZeRO-3 needs a floating 4-bit storage dtype to partition the base; plan with "
+                        "--qlora-quant-storage bfloat16")
+    if args.merge_final and (args.random_init or adapter.method == "qlora"):
+        raise UserError("--merge-final merges the adapter into saved 16-bit base weights: a --random-init run has "
+                        "none and a QLoRA base is 4-bit; drop --merge-final (merge onto the original weights with "
+                        "PeftModel.merge_and_unload)")
+    return adapter
+
+
+def base_dtype(plan):
+    import torch
+
+    from toolkit.lora import base_storage_bytes_per_param
+
+    if base_storage_bytes_per_param(plan.precision) == 4:
+        return torch.float32
+    return torch.float16 if plan.precision == "fp16" else torch.bfloat16
+
+
+def quantization_config(adapter: Adapter):
+    """transformers' BitsAndBytesConfig for a QLoRA base."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=adapter.quant_type,
+                              bnb_4bit_use_double_quant=adapter.double_quant,
+                              bnb_4bit_compute_dtype=getattr(torch, adapter.compute_dtype),
+                              bnb_4bit_quant_storage=getattr(torch, adapter.quant_storage))
+
+
+def wrap_model(model, adapter: Adapter, *, checkpointing: bool):
+    """The PEFT model the Trainer trains. With activation checkpointing the frozen embedding's output must
+    require grad so that the checkpointed layers' recompute reaches the adapters (enable_input_require_grads,
+    which transformers' activation_checkpointing_enable also calls)."""
+    from peft import get_peft_model
+
+    if checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    try:
+        return get_peft_model(model, adapter.lora_config())
+    except ValueError as exc:
+        raise UserError(f"PEFT refuses the adapter ({str(exc).splitlines()[0][:200]}); check --lora-targets") from None
+
+
+def save_merged(base_source: str, adapter_dir: Path, out_dir: Path, dtype) -> None:
+    """Load the base weights, apply the saved adapter (PEFT format) and write the merged model in HF format."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_source, dtype=dtype)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out_dir))
