@@ -137,7 +137,8 @@ def test_a_changed_accumulation_breaks_the_arithmetic_in_the_json(tmp_path):
     plan = reference_plan("zero2", nodes=1, gpus_per_node=8, micro=2, accum=4)
     emit_files(plan, tmp_path)
     data = json.loads((tmp_path / "ds_config.json").read_text())
-    data["gradient_accumulation_steps"] = 2
+    # Emitted, the batch keys are "auto" (the runner fills them); a hand-edited file with numbers is checked.
+    data.update(train_batch_size=64, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     (tmp_path / "ds_config.json").write_text(json.dumps(data))
     messages = [p.message for p in check_paths([str(tmp_path)])]
     assert any("train_batch_size 64 != micro 2 x accum 2 x data-parallel 8" in m for m in messages)

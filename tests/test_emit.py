@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from toolkit.emit import emit_files
-from toolkit.emit.deepspeed import auto_keys, ds_config
+from toolkit.emit.deepspeed import OFFLOAD_OPTIMIZER_AUTO_KEYS, RUNNER_FILLED_AUTO_KEYS, auto_keys, ds_config
 from toolkit.emit.validate import (ConfigRejected, accelerate_launch_check, deepspeed_config_at,
                                    validate_ds_config_for_plan)
 from toolkit.errors import UserError
@@ -71,7 +71,8 @@ def test_batch_arithmetic_is_the_same_in_plan_yaml_json_and_plan_md(tmp_path, na
     assert config["num_processes"] == plan.data_parallel * plan.pipeline_stages
     assert config["num_machines"] == plan.num_machines
     if plan.engine in ("deepspeed", "pipeline"):
-        ds = load(tmp_path, "ds_config.json")
+        # ZeRO plans: the runner fills ds_config.json's batch keys; the DeepSpeed-launcher file has the numbers.
+        ds = load(tmp_path, "ds_config.json" if plan.engine == "pipeline" else "ds_config.deepspeed.json")
         assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] \
             * plan.data_parallel == plan.global_batch
     md = (tmp_path / "PLAN.md").read_text()
@@ -93,15 +94,18 @@ def test_bf16_pipeline_accumulates_in_fp32_with_zero1():
     assert config["zero_optimization"]["stage"] == 1
 
 
-def test_only_offload_optimizer_block_is_left_auto_for_the_trainer():
+def test_auto_only_where_both_the_trainer_and_accelerate_fill_it():
     for name in STRATEGIES:
         plan = plan_for(name, "bf16")
         if plan.engine != "deepspeed":
             continue
-        autos = auto_keys(ds_config(plan))
-        expected = ["optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
-                    "optimizer.params.weight_decay"] if plan.offload_optimizer != "none" else []
-        assert autos == expected, name
+        expected = list(RUNNER_FILLED_AUTO_KEYS)
+        if plan.offload_optimizer != "none":
+            expected += list(OFFLOAD_OPTIMIZER_AUTO_KEYS)
+        assert sorted(auto_keys(ds_config(plan))) == sorted(expected), name
+        concrete = ds_config(plan, runner_fills=False)
+        assert auto_keys(concrete) == [], name
+        deepspeed_config_at(concrete, plan.data_parallel)  # the DeepSpeed-launcher file as DeepSpeed reads it
 
 
 def test_buckets_follow_the_hidden_size():
@@ -128,7 +132,9 @@ def test_deepspeed_yaml_sets_no_key_that_accelerate_ignores_next_to_the_json(tmp
     config = load(tmp_path, "accelerate_config.yaml")
     assert "mixed_precision" not in config
     assert set(config["deepspeed_config"]) == {"deepspeed_config_file", "zero3_init_flag"}
-    assert os.path.isabs(config["deepspeed_config"]["deepspeed_config_file"])
+    # No path: the JSON itself, one line, equal to ds_config.json (a copied folder needs nothing else).
+    inline = config["deepspeed_config"]["deepspeed_config_file"]
+    assert "\n" not in inline and json.loads(inline) == load(tmp_path, "ds_config.json")
 
 
 def test_fsdp2_yaml_wraps_the_plan_layer_class(tmp_path):
@@ -156,8 +162,7 @@ def test_launch_sh_is_executable_and_quotes_the_model(tmp_path):
     script = tmp_path / "launch.sh"
     assert script.stat().st_mode & stat.S_IXUSR
     text = script.read_text()
-    assert "--model '/models/my llama'" in text
-    assert '--deepspeed_config_file "$HERE/ds_config.json"' in text
+    assert "MODEL='/models/my llama'" in text
 
 
 def test_multinode_sbatch_launches_every_node_with_its_rank(tmp_path):
@@ -165,7 +170,7 @@ def test_multinode_sbatch_launches_every_node_with_its_rank(tmp_path):
     emit_files(plan, tmp_path, hosts=["gpu-a", "gpu-b"])
     sbatch = (tmp_path / "slurm.sbatch").read_text()
     assert "#SBATCH --nodes=2" in sbatch and '--machine_rank "$SLURM_NODEID"' in sbatch
-    assert f"--num_processes {plan.world_size}" in sbatch
+    assert '--main_process_ip "$MAIN_HOST"' in sbatch
     assert (tmp_path / "hostfile").read_text() == "gpu-a slots=8\ngpu-b slots=8\n"
     assert load(tmp_path, "accelerate_config.yaml")["main_process_ip"] == "gpu-a"
 
@@ -221,7 +226,7 @@ def test_plan_md_charts_candidates_against_capacity():
 def test_deepspeed_config_at_world_size_agrees_with_deepspeed_at_world_one():
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    config = ds_config(reference_plan("zero3", nodes=1, gpus_per_node=1, micro=2, accum=4))
+    config = ds_config(reference_plan("zero3", nodes=1, gpus_per_node=1, micro=2, accum=4), runner_fills=False)
     ours = vars(deepspeed_config_at(config, 1))
     theirs = vars(DeepSpeedConfig(json.loads(json.dumps(config))))
     assert ours.keys() == theirs.keys()
@@ -233,7 +238,7 @@ def test_deepspeed_config_at_world_size_agrees_with_deepspeed_at_world_one():
 
 
 def test_deepspeed_config_at_world_size_enforces_the_batch_identity():
-    config = ds_config(plan_for("zero2", "bf16"))
+    config = ds_config(plan_for("zero2", "bf16"), runner_fills=False)
     deepspeed_config_at(config, 8)
     with pytest.raises(ConfigRejected, match="train_batch_size is not equal"):
         deepspeed_config_at(config, 4)

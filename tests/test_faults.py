@@ -38,7 +38,7 @@ if sys.argv[2] == "cli":
     _finish_on_termination()  # as toolkit's CLI runs
 folder = Path(sys.argv[1])
 plan = load_plan(folder).replace(precision="fp32")
-write_folder(folder, Pausing(render_files(plan, folder)), force=True)
+write_folder(folder, Pausing(render_files(plan)), force=True)
 """
 
 

@@ -60,7 +60,12 @@ def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_l
     """The Trainer would find this only inside train(), after loading the model, with a traceback per rank."""
     from toolkit.errors import UserError
 
+    import json
+
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
+    ds = json.loads((plan_dir / "ds_config.json").read_text())
+    ds["gradient_clipping"] = 1.0  # edited by hand: emitted, it is "auto" (the Trainer fills --max-grad-norm)
+    (plan_dir / "ds_config.json").write_text(json.dumps(ds))
     with pytest.raises(UserError, match="gradient_clipping 1.0 but --max-grad-norm is 0.5"):
         launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "o"), "--max-grad-norm", "0.5"],
                     rehearse=True)

@@ -100,11 +100,12 @@ def test_launch_preflight_refuses_a_mismatched_model_before_starting(tiny_llama_
     assert len(err) == 1 and "is not the model the plan was made for" in err[0]
 
 
-def test_catalog_model_without_weights_asks_for_model_or_random_init(tiny_llama_dir, tmp_path):
+def test_catalog_model_loads_as_its_hub_id(tiny_llama_dir, tmp_path):
+    """A plan made for a catalog name trains its hub id (offline here: one line naming the hub id and the fix)."""
     from toolkit.errors import UserError
     from toolkit.launch import emit_plan_files, launch_main
 
     plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32).replace(model="llama-2-7b")
     plan_dir = emit_plan_files(plan, tmp_path / "p")
-    with pytest.raises(UserError, match="catalog entry .* pass --model .* or --random-init"):
+    with pytest.raises(UserError, match="from meta-llama/Llama-2-7b-hf: .* pass --model"):
         launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "o")], dry_run=True)

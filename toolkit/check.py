@@ -749,6 +749,8 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
     def warn(message: str) -> None:
         out.append(Problem(file, "warning", message, LAUNCH))
 
+    from toolkit.emit.accelerate import inline_ds_config
+
     from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
 
     if str(config.get("compute_environment")) == "AMAZON_SAGEMAKER":
@@ -800,7 +802,16 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
             for key in sorted(set(ds_section) & set(DS_FILE_IGNORED_KEYS)):
                 err(f"deepspeed_config.{key} next to deepspeed_config_file: accelerate refuses it (\"will be "
                     f"ignored\"); remove it and set {DS_FILE_IGNORED_KEYS[key]} in the JSON")
-            ds_path = resolve_ds_file(str(ds_file), path, out, quiet=launcher_names_ds_file)
+            inline = inline_ds_config(ds_file)
+            if inline is not None:  # emitted YAMLs carry the JSON itself (toolkit.emit.accelerate)
+                ds_path = path.parent / "ds_config.json"
+                if not ds_path.is_file():
+                    ds_path = None
+                elif read_mapping(ds_path) != inline:
+                    warn("deepspeed_config_file (inline JSON) differs from "
+                         f"{ds_path}: accelerate launch uses the YAML's; re-emit with `toolkit emit`")
+            else:
+                ds_path = resolve_ds_file(str(ds_file), path, out, quiet=launcher_names_ds_file)
             if config.get("mixed_precision") not in (None, "no"):
                 mp = config["mixed_precision"]
                 precision = json_precision(read_mapping(ds_path)) if ds_path else None

@@ -146,7 +146,10 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
     extra: list[str] = []
     ds_path = None
     ds_file = _mapping(config.get("deepspeed_config")).get("deepspeed_config_file") if kind == "DEEPSPEED" else None
-    if ds_file:
+    from toolkit.emit.accelerate import inline_ds_config
+
+    inline = inline_ds_config(ds_file) if ds_file else None  # emitted YAMLs carry the JSON text; accelerate parses it
+    if ds_file and inline is None:
         ds_path = resolve_ds_file(str(ds_file), path, [], quiet=True)
         if ds_path is None:
             raise UserError(f"{path}: deepspeed_config_file {ds_file} does not exist; the fit check needs it")
@@ -171,7 +174,7 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
         if "mixed_precision" not in config:
             # accelerate filled the flags from its default "no"; the HF Trainer fills them from --bf16 / --fp16
             # instead, so what the files leave open stays open.
-            raw = read_config(ds_path) if ds_file else {}
+            raw = read_config(ds_path) if ds_path else (inline or {})
             for key in ("bf16", "fp16"):
                 ds[key] = raw.get(key, {"enabled": "auto"})
             yaml_precision = None

@@ -57,16 +57,19 @@ def _add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH10
 
 def _add_job_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
+    from toolkit.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+
     g.add_argument("--seq", type=int_arg("--seq", bounds.SEQ),
                    help="sequence length (default 2048, or the model's maximum if shorter)")
-    g.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 | bf16-pure (default %(default)s)")
-    g.add_argument("--optimizer", default="adamw", help="adamw | adamw-8bit | sgd | adafactor")
-    g.add_argument("--attention", default="sdpa", help="eager | sdpa | flash_attention_2 (default %(default)s)")
-    g.add_argument("--device-kind", default="cuda", help="whose kernels' saved tensors to model: cuda | cpu")
+    g.add_argument("--precision", default="bf16", choices=PRECISIONS, help="(default %(default)s)")
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
+    g.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="(default %(default)s)")
+    g.add_argument("--device-kind", default="cuda", choices=DEVICE_KINDS,
+                   help="whose kernels' saved tensors to model (default %(default)s)")
     g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES),
                    help="pipeline / hybrid stage count")
-    g.add_argument("--optimizer-impl", default="fused",
-                   help="torch optimizer step: fused | foreach | for-loop (default %(default)s, the Trainer's)")
+    g.add_argument("--optimizer-impl", default="fused", choices=OPTIMIZER_IMPLS,
+                   help="torch optimizer step (default %(default)s, the Trainer's)")
     g.add_argument("--activation-offloading", action="store_true",
                    help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
     g.add_argument("--liger", action="store_true",
@@ -152,12 +155,14 @@ def _refuse_model_contradictions(args) -> None:
 
 
 def _spec(args):
+    from toolkit.cli_help import status
     from toolkit.modelspec import resolve_model
 
     _refuse_model_contradictions(args)
-    return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                         kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
-                         trust_remote_code=args.trust_remote_code)
+    with status(f"reading {args.model or 'the model'} (tracing its layers the first time)"):
+        return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden,
+                             heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
+                             trust_remote_code=args.trust_remote_code)
 
 
 def _hardware(args):
@@ -222,7 +227,7 @@ def cmd_estimate(args) -> int:
         if partition:
             out["partition"] = partition
         print(json.dumps(out, indent=2))
-        return 0
+        return _fit_exit(args, b.fits)
     if seq_note:
         _note(seq_note)
     cap = b.capacity_bytes
@@ -267,7 +272,12 @@ def cmd_estimate(args) -> int:
     if args.explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")
-    return 0
+    return _fit_exit(args, b.fits)
+
+
+def _fit_exit(args, fits: bool) -> int:
+    """estimate --require-fit: exit 1 when the configuration does not fit (for scripts); 0 otherwise."""
+    return 1 if args.require_fit and not fits else 0
 
 
 def _seq(spec, args) -> tuple[int, str | None]:
@@ -319,7 +329,10 @@ def cmd_plan(args) -> int:
     req = Request(**req_kwargs)
     if args.out:
         _refuse_existing(Path(args.out), args.force)
-    candidates = plan_candidates(spec, hw, req)
+    from toolkit.cli_help import status
+
+    with status("planning: every strategy, batch split and checkpointing choice"):
+        candidates = plan_candidates(spec, hw, req)
     feasible = [c for c in candidates if c.feasible]
     chosen = feasible[0] if feasible else None
     if args.strategy_choice:
@@ -371,8 +384,8 @@ def _recorded_model(model: str | None) -> str | None:
     return str(path.resolve()) if path.exists() else model
 
 
-EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "launch.sh", "slurm.sbatch", "hostfile", "plan.json",
-                 "PLAN.md")
+EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",
+                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md")
 
 
 def _refuse_existing(out, force: bool) -> None:
@@ -478,7 +491,11 @@ def cmd_check(args) -> int:
                                         pins=pins)
     elif args.micro_batch or args.precision or args.checkpointing:
         raise UserError("--micro-batch / --precision / --checkpointing pin the fit check; give --model and --gpus too")
-    return main_check(args.files, gpus=args.gpus, runner=args.runner, fit=fit, strict=args.strict, as_json=args.json)
+    from toolkit.cli_help import status
+
+    with status("checking with accelerate's and DeepSpeed's own validation"):
+        return main_check(args.files, gpus=args.gpus, runner=args.runner, fit=fit, strict=args.strict,
+                          as_json=args.json)
 
 
 def cmd_launch(args) -> int:
@@ -536,7 +553,9 @@ def cmd_gpus(args) -> int:
     from toolkit.hardware import gpu_catalog
 
     for g in gpu_catalog().values():
-        print(f"{g.name:<18}{g.memory_bytes / GIB:>8.1f} GiB  bf16 {g.bf16_tflops:>7.1f} TFLOP/s  "
+        # A GPU without bf16 (V100, T4) trains in fp16: show that rate, not "bf16 0.0".
+        rate = f"bf16 {g.bf16_tflops:>7.1f}" if g.bf16_supported else f"fp16 {g.fp16_tflops:>7.1f}"
+        print(f"{g.name:<18}{g.memory_bytes / GIB:>8.1f} GiB  {rate} TFLOP/s  "
               f"link {g.intra_node_gbps:>5.0f} GB/s ({g.interconnect})")
     return 0
 
@@ -575,6 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--json", action="store_true", help="print only JSON")
+    p.add_argument("--require-fit", action="store_true", help="exit 1 when it does not fit (for scripts)")
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("plan", help="rank every strategy; write the chosen one's files")
@@ -645,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the model catalog").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list the GPU catalog").set_defaults(func=cmd_gpus)
+    from toolkit.cli_help import add_examples
+
+    add_examples(sub)
     return parser
 
 

@@ -50,7 +50,14 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
         command += ["--machine_rank", str(machine_rank)]
     if main_host is not None:
         command += ["--main_process_ip", main_host]
+    if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs
+        return command + train_argv
     return command + ["-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *train_argv]
+
+
+def is_user_script(train_argv: list[str]) -> bool:
+    """A first argument ending in .py names the user's own training script (launch.sh decides the same way)."""
+    return bool(train_argv) and train_argv[0].endswith(".py")
 
 
 def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False) -> int:
@@ -68,7 +75,15 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
         from toolkit.train.rehearsal import rehearse as run_rehearsal
 
         return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
-    args = preflight(plan, plan_dir, train_argv)
+    args = None
+    if is_user_script(train_argv):
+        if not Path(train_argv[0]).is_file():
+            raise UserError(f"training script {train_argv[0]} does not exist")
+        if plan.engine == "pipeline":
+            raise UserError("a pipeline plan runs DeepSpeed's pipeline engine, which only toolkit.train drives; "
+                            "launch it without a script (toolkit launch DIR -- --data D --output O)")
+    else:
+        args = preflight(plan, plan_dir, train_argv)
     if plan.num_machines > 1:
         print(_multi_node_text(plan, plan_dir, train_argv))
         return 0
@@ -76,8 +91,11 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
+    env = {"TOOLKIT_PLAN_DIR": str(plan_dir.resolve())}
+    if args is None:  # the user's own script: its output folder and resume flags are its own
+        return run(command, env=env)
     resume = train_argv if args.resume else [*train_argv, "--resume"]
-    return run(command, output=Path(args.output),
+    return run(command, env=env, output=Path(args.output),
                resume_command=f"toolkit launch {shlex.quote(str(plan_dir))} -- {shlex.join(resume)}")
 
 
@@ -281,7 +299,7 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
 
     args = _check_train_argv(plan_dir, train_argv)
     _check_output(Path(args.output), args.resume)
-    source = model_source(plan, args.model)
+    source = model_source(plan, args.model, random_init=args.random_init)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
     if plan.engine in ("deepspeed", "pipeline") and not (plan_dir / "ds_config.json").is_file():
         raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")

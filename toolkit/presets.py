@@ -103,7 +103,7 @@ def write_presets(sets_dir: Path = SETS_DIR) -> list[Path]:
             folder = sets_dir / f"{strategy}-{precision}"
             if folder.exists():
                 shutil.rmtree(folder)  # a set is the emitter's output and nothing else
-            written += emit_files(preset_plan(strategy, precision), folder, relative_paths=True)
+            written += emit_files(preset_plan(strategy, precision), folder)
     return written
 
 

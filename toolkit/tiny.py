@@ -23,8 +23,16 @@ TINY_ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "opt", "gemma2", "mix
 
 
 def corpus_text(max_chars: int | None = None) -> str:
-    """Docstrings of standard-library modules, classes and functions, in a fixed order."""
-    chunks: list[str] = []
+    """Docstrings of standard-library modules, classes and functions, in a fixed order, as blank-line separated
+    paragraphs, each paragraph once.
+
+    The standard library repeats itself (inherited docstrings, shared boilerplate such as "Return self==value."):
+    without this deduplication most validation paragraphs also stood in the training text, and the demo's eval
+    perplexity (1.9 at a training loss of 3.65) measured recall, not generalisation. The text ends at a paragraph
+    boundary, so a cut never makes a fragment of a paragraph that is also present whole.
+    """
+    paragraphs: list[str] = []
+    seen: set[str] = set()
     total = 0
     for name in CORPUS_MODULES:
         try:
@@ -36,11 +44,16 @@ def corpus_text(max_chars: int | None = None) -> str:
             if not isinstance(doc, str) or len(doc) < 80:
                 continue
             doc = "\n".join(line.strip() for line in doc.strip().splitlines())
-            chunks.append(doc)
-            total += len(doc) + 2
-            if max_chars is not None and total >= max_chars:
-                return "\n\n".join(chunks)[:max_chars]
-    return "\n\n".join(chunks)
+            for paragraph in doc.split("\n\n"):
+                paragraph = paragraph.strip()
+                if not paragraph or paragraph in seen:
+                    continue
+                if max_chars is not None and total + len(paragraph) > max_chars:
+                    return "\n\n".join(paragraphs)
+                seen.add(paragraph)
+                paragraphs.append(paragraph)
+                total += len(paragraph) + 2
+    return "\n\n".join(paragraphs)
 
 
 def write_corpus(out_dir: str | Path, max_chars: int = 400_000, eval_fraction: float = 0.05) -> Path:
@@ -48,10 +61,36 @@ def write_corpus(out_dir: str | Path, max_chars: int = 400_000, eval_fraction: f
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = corpus_text(max_chars)
-    paragraphs = text.split("\n\n")
+    paragraphs = text.split("\n\n")  # unique (corpus_text), so the two files share no paragraph
     n_eval = max(1, int(len(paragraphs) * eval_fraction))
     (out / "train.txt").write_text("\n\n".join(paragraphs[:-n_eval]) + "\n")
     (out / "validation.txt").write_text("\n\n".join(paragraphs[-n_eval:]) + "\n")
+    return out
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+"""A ChatML-like template for the tiny tokenizers; {% generation %} marks the assistant's tokens (what TRL's
+assistant_only_loss and transformers' return_assistant_tokens_mask read)."""
+
+
+def write_chat_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_fraction: float = 0.05) -> Path:
+    """train.jsonl + validation.jsonl of conversations ({"messages": [...]}) made from the corpus: the user asks
+    about a paragraph's first words, the assistant answers with the paragraph. Returns out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for paragraph in corpus_text(max_chars).split("\n\n"):
+        topic = " ".join(paragraph.split()[:2])
+        rows.append({"messages": [{"role": "user", "content": f"Explain: {topic}"},
+                                  {"role": "assistant", "content": paragraph}]})
+    n_eval = max(1, int(len(rows) * eval_fraction))
+    for name, part in (("train.jsonl", rows[:-n_eval]), ("validation.jsonl", rows[-n_eval:])):
+        (out / name).write_text("".join(json.dumps(row) + "\n" for row in part))
     return out
 
 
@@ -66,8 +105,10 @@ def train_tokenizer(text: str, vocab_size: int = 512):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([text], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                        unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def tiny_config(arch: str, vocab_size: int = 512, *, layers: int = 4, hidden: int = 64, heads: int = 4,

@@ -1,16 +1,19 @@
 """emit: a Plan as the files that run it, unchanged.
 
     emit_files(plan, out_dir) ->
-        accelerate_config.yaml   always (accelerate launch --config_file)
-        ds_config.json           ZeRO, pipeline and hybrid plans (see toolkit.emit.deepspeed for the "auto" policy)
-        launch.sh                one-node plans: the accelerate launch line, executable
-        slurm.sbatch, hostfile   multi-node plans
-        plan.json                the plan itself (toolkit.train reads it)
-        PLAN.md                  the plan explained: strategy, batch arithmetic, memory, speed, candidates chart
+        accelerate_config.yaml     always (accelerate launch --config_file; a DeepSpeed plan's YAML carries its JSON)
+        ds_config.json             ZeRO, pipeline and hybrid plans (see toolkit.emit.deepspeed for the "auto" policy)
+        ds_config.deepspeed.json   ZeRO plans: every value concrete (DeepSpeed's launcher, deepspeed.initialize)
+        training_args.json         the settings a user's own script needs (toolkit.emit.user_settings)
+        launch.sh                  one-node plans: the accelerate launch line, executable
+        slurm.sbatch, deepspeed.sh, hostfile   multi-node plans (toolkit.emit.launch)
+        plan.json                  the plan itself (toolkit.train reads it)
+        PLAN.md                    the plan explained: strategy, batch arithmetic, memory, speed, candidates chart
 
-plan.json is the only input. The folder is written whole or not at all (toolkit.fileio.write_folder: staged
-beside it, swapped in with one rename, under a lock that refuses a concurrent writer), and nothing is written when
-any target exists (unless force).
+plan.json is the only input. Nothing is written when a value would make an unsafe or wrong file
+(toolkit.emit.safety) or when any target exists (unless force). The folder is written whole or not at all
+(toolkit.fileio.write_folder: staged beside it, swapped in with one rename, under a lock that refuses a concurrent
+writer).
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from toolkit.emit.accelerate import accelerate_yaml, ds_config_reference
+from toolkit.emit.accelerate import accelerate_yaml
 from toolkit.emit.deepspeed import ds_config
 from toolkit.emit.explain import plan_md
-from toolkit.emit.launch import default_hosts, hostfile, launch_sh, slurm_sbatch
+from toolkit.emit.launch import default_hosts, deepspeed_sh, hostfile, launch_sh, slurm_sbatch
+from toolkit.emit.safety import check_hosts, check_path_text, check_plan_for_emit
+from toolkit.emit.user_settings import DS_LAUNCHER_CONFIG, SETTINGS_FILE, settings_json
 from toolkit.errors import UserError
 from toolkit.fileio import write_folder
 from toolkit.plan import Plan
@@ -31,25 +36,35 @@ EXECUTABLE = 0o755
 READABLE = 0o644  # write_atomic's temporary file is 0o600; configs are shared with the team
 
 
-def render_files(plan: Plan, out_dir: str | Path, *, candidates: list[dict[str, Any]] | None = None,
-                 nvme_path: str | None = None, hosts: list[str] | None = None,
-                 relative_paths: bool = False) -> dict[str, tuple[str, int]]:
-    """File name -> (text, mode) for a plan; pure apart from resolving out_dir for the YAML's JSON path."""
-    files: dict[str, tuple[str, int]] = {}
-    ref = None
-    if plan.engine in ("deepspeed", "pipeline"):
-        files["ds_config.json"] = (json.dumps(ds_config(plan, nvme_path=nvme_path), indent=2) + "\n", READABLE)
-        if plan.engine == "deepspeed":
-            ref = ds_config_reference(Path(out_dir), relative_paths)
+def render_files(plan: Plan, *, candidates: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
+                 hosts: list[str] | None = None) -> dict[str, tuple[str, int]]:
+    """File name -> (text, mode) for a plan; pure (no file names another by path, so the folder can move)."""
+    from toolkit.train.model import loadable_model
+
+    check_plan_for_emit(plan)
+    check_path_text("--nvme-path", nvme_path)
     hosts = hosts or default_hosts(plan)
+    check_hosts(hosts)
     if len(hosts) != plan.num_machines:
         raise UserError(f"{len(hosts)} host(s) given for a plan of {plan.num_machines} nodes; give one per node")
-    files["accelerate_config.yaml"] = (accelerate_yaml(plan, ds_config_ref=ref, main_host=hosts[0]), READABLE)
+    files: dict[str, tuple[str, int]] = {}
+    runner_config = None
+    if plan.engine in ("deepspeed", "pipeline"):
+        runner_config = ds_config(plan, nvme_path=nvme_path)
+        files["ds_config.json"] = (json.dumps(runner_config, indent=2) + "\n", READABLE)
+    if plan.engine == "deepspeed":
+        concrete = ds_config(plan, nvme_path=nvme_path, runner_fills=False)
+        files[DS_LAUNCHER_CONFIG] = (json.dumps(concrete, indent=2) + "\n", READABLE)
+    yaml_ds = runner_config if plan.engine == "deepspeed" else None
+    files["accelerate_config.yaml"] = (accelerate_yaml(plan, ds_config=yaml_ds, main_host=hosts[0]), READABLE)
+    model = loadable_model(plan.model)
     if plan.num_machines == 1:
-        files["launch.sh"] = (launch_sh(plan), EXECUTABLE)
+        files["launch.sh"] = (launch_sh(plan, model), EXECUTABLE)
     else:
-        files["slurm.sbatch"] = (slurm_sbatch(plan), EXECUTABLE)
+        files["slurm.sbatch"] = (slurm_sbatch(plan, model), EXECUTABLE)
+        files["deepspeed.sh"] = (deepspeed_sh(plan, model), EXECUTABLE)
         files["hostfile"] = (hostfile(plan, hosts), READABLE)
+    files[SETTINGS_FILE] = (settings_json(plan), READABLE)
     files["plan.json"] = (plan.to_json(), READABLE)
     files["PLAN.md"] = (plan_md(plan, candidates, nvme_path=nvme_path), READABLE)
     return files
@@ -57,18 +72,15 @@ def render_files(plan: Plan, out_dir: str | Path, *, candidates: list[dict[str, 
 
 def emit_files(plan: Plan, out_dir: str | Path, *, force: bool = False,
                candidates: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
-               hosts: list[str] | None = None, relative_paths: bool = False) -> list[Path]:
+               hosts: list[str] | None = None) -> list[Path]:
     """Write the plan's files into out_dir; returns their paths in writing order.
 
     nvme_path: directory on a local NVMe drive, required when the plan offloads to NVMe (UserError otherwise).
     hosts: node host names for the hostfile and the YAML's main_process_ip (default node0, node1, ...; slurm.sbatch
     reads the real first host from the allocation).
-    relative_paths: the YAML names ds_config.json by file name instead of absolute path (presets; launch.sh
-    passes the full path anyway).
     """
     out_dir = Path(out_dir)
-    files = render_files(plan, out_dir, candidates=candidates, nvme_path=nvme_path, hosts=hosts,
-                         relative_paths=relative_paths)
+    files = render_files(plan, candidates=candidates, nvme_path=nvme_path, hosts=hosts)
     try:
         write_folder(out_dir, files, force=force)
     except OSError as exc:

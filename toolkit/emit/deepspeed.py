@@ -1,21 +1,39 @@
-"""The DeepSpeed JSON for a plan: ZeRO plans (run by the HF Trainer) and pipeline plans (run by toolkit.train).
+"""The DeepSpeed JSON for a plan: ZeRO plans (run by the HF Trainer, TRL or a user's accelerate loop) and pipeline
+plans (run by toolkit.train).
 
-"auto" policy. A value is concrete wherever plan.json knows it, so the JSON also works outside the Trainer:
-  - batch: train_batch_size = micro x accum x data_parallel, train_micro_batch_size_per_gpu, gradient_accumulation_steps
-    (the Trainer checks them against per_device_train_batch_size / gradient_accumulation_steps and raises on a
-    mismatch, so toolkit.train must pass the plan's values, which it does);
-  - precision: bf16 / fp16 blocks with "enabled" true or false (the Trainer checks them against --bf16 / --fp16);
+Two files for ZeRO plans, from one function:
+  ds_config.json            HF-style "auto" where *both* runners that read it fill the value themselves, so the same
+                            file works under the HF Trainer / TRL (transformers integrations/deepspeed.py
+                            HfTrainerDeepSpeedConfig.trainer_config_process) and under a custom accelerate loop
+                            (accelerate accelerator.py Accelerator._prepare_deepspeed):
+                              train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps
+                                (Trainer: per_device_train_batch_size x gradient_accumulation_steps x world;
+                                 accelerate: the prepared DataLoader's batch_size x Accelerator's accumulation),
+                              gradient_clipping (Trainer: max_grad_norm; accelerate: 1.0),
+                              optimizer.params.lr / weight_decay of an optimizer-offload plan (Trainer: learning_rate /
+                                weight_decay; accelerate: DummyOptim(lr=..., weight_decay=...)).
+                            The plan's numbers for them travel in training_args.json (toolkit.emit.user_settings).
+                            Everything else is concrete, because only one of the runners would fill it: precision
+                            blocks (accelerate cannot set mixed_precision next to a DeepSpeed file, so an "auto" bf16
+                            would silently become fp32 in a custom loop; the Trainer checks the concrete value against
+                            bf16/fp16, which training_args.json sets to match), the optimizer's betas / eps (accelerate
+                            fills neither), and bucket sizes (both would fill the same values).
+  ds_config.deepspeed.json  the same with every value concrete, for DeepSpeed's own launcher and a script that calls
+                            deepspeed.initialize(config=...) itself (nothing fills "auto" there). Its optimizer block,
+                            when there is one, has no lr / weight_decay: the plan does not know them (DeepSpeed's
+                            defaults apply unless the script adds them).
+
+Concrete values:
+  - precision: bf16 / fp16 blocks with "enabled" true or false;
   - ZeRO stage, offload devices, and buckets from the hidden size h the way transformers fills them
     (integrations/deepspeed.py trainer_config_finalize): reduce_bucket_size = h*h,
     stage3_prefetch_bucket_size = int(0.9*h*h), stage3_param_persistence_threshold = 10*h;
-  - gradient_clipping = 1.0, the HF Trainer's default max_grad_norm (toolkit.train passes the same; a different
-    --max-grad-norm makes the Trainer stop with a clear mismatch message rather than train with another value).
-The one place that keeps "auto": the optimizer block of an optimizer-offload plan with AdamW,
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
-which the HF Trainer fills from TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, weight_decay). The
-plan does not know the learning rate; DeepSpeed must own the optimizer there so that it builds DeepSpeedCPUAdam
-(a torch AdamW on CPU partitions is several times slower). Every other plan has no optimizer and no scheduler
-block: the Trainer (or toolkit.train for pipelines) builds them and passes them to deepspeed.initialize.
+  - the optimizer-offload AdamW block {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+    "betas": [0.9, 0.999], "eps": 1e-8}} (TrainingArguments' defaults for betas / eps): DeepSpeed must own the
+    optimizer there so that it builds DeepSpeedCPUAdam (a torch AdamW on CPU partitions is several times slower).
+    Consequence for a user's accelerate loop: it must pass accelerate.utils.DummyOptim (accelerate refuses a real
+    optimizer next to an "optimizer" block); PLAN.md and training_args.json say so. Every other plan has no
+    optimizer and no scheduler block: the Trainer (or the user's loop, or toolkit.train for pipelines) builds them.
 
 Pipeline and hybrid JSONs hold no "auto" at all: toolkit.train calls deepspeed.initialize itself, and nothing fills
 them. Pipeline runs are ZeRO 0-1 only (DeepSpeed refuses 2/3 with a PipelineModule); a bf16 pipeline uses ZeRO-1
@@ -31,7 +49,10 @@ from toolkit.errors import UserError
 from toolkit.plan import Plan
 
 GRADIENT_CLIPPING = 1.0
-"""transformers.TrainingArguments.max_grad_norm default; toolkit.train clips with the same value."""
+"""transformers.TrainingArguments.max_grad_norm default, and what accelerate fills for "auto": the plan's value."""
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPSILON = 1e-8
+"""TrainingArguments' adam_beta1 / adam_beta2 / adam_epsilon defaults (written concrete: accelerate fills neither)."""
 
 FP16_DYNAMIC_LOSS_SCALE: dict[str, Any] = {
     "enabled": True,
@@ -43,10 +64,12 @@ FP16_DYNAMIC_LOSS_SCALE: dict[str, Any] = {
 }
 """DeepSpeed's documented dynamic-scaling defaults (runtime/precision_config.py FP16_FORMAT), written out."""
 
-TRAINER_FILLED_AUTO_KEYS: tuple[str, ...] = (
-    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+RUNNER_FILLED_AUTO_KEYS: tuple[str, ...] = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
 )
-"""The only keys an emitted JSON leaves "auto" (optimizer-offload plans); the HF Trainer fills them."""
+"""Keys ds_config.json of a ZeRO plan leaves "auto": the HF Trainer and accelerate both fill them (module docstring)."""
+OFFLOAD_OPTIMIZER_AUTO_KEYS: tuple[str, ...] = ("optimizer.params.lr", "optimizer.params.weight_decay")
+"""The optimizer-offload AdamW block's "auto" keys (Trainer: TrainingArguments; accelerate: DummyOptim)."""
 
 
 def hidden_size(plan: Plan) -> int:
@@ -138,10 +161,17 @@ def zero_block(plan: Plan, stage: int, nvme_path: str | None) -> dict[str, Any]:
     return block
 
 
-def ds_config(plan: Plan, *, nvme_path: str | None = None) -> dict[str, Any]:
-    """The DeepSpeed JSON (as a dict) for a ZeRO, pipeline or hybrid plan."""
+def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON (as a dict) for a ZeRO, pipeline or hybrid plan.
+
+    runner_fills: leave RUNNER_FILLED_AUTO_KEYS (and the offload optimizer's lr / weight_decay) "auto" for the HF
+    Trainer / accelerate to fill (ds_config.json); default: for ZeRO plans, never for pipelines (nothing fills
+    them). False gives the fully concrete file (ds_config.deepspeed.json).
+    """
     if plan.engine not in ("deepspeed", "pipeline"):
         raise ValueError(f"plan engine {plan.engine} has no DeepSpeed config")
+    if runner_fills is None:
+        runner_fills = plan.engine == "deepspeed"
     stage = ds_zero_stage(plan)
     config: dict[str, Any] = {
         "train_batch_size": plan.global_batch,
@@ -149,12 +179,16 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None) -> dict[str, Any]:
         "gradient_accumulation_steps": plan.grad_accum,
         "gradient_clipping": GRADIENT_CLIPPING,
     }
+    if runner_fills:
+        config.update({key: "auto" for key in RUNNER_FILLED_AUTO_KEYS})
     config.update(precision_blocks(plan, stage))
     config["zero_optimization"] = zero_block(plan, stage, nvme_path)
     if plan.offload_optimizer != "none":
         if plan.optimizer == "adamw":
-            config["optimizer"] = {"type": "AdamW", "params": {key.rsplit(".", 1)[1]: "auto"
-                                                               for key in TRAINER_FILLED_AUTO_KEYS}}
+            params: dict[str, Any] = {key.rsplit(".", 1)[1]: "auto" for key in OFFLOAD_OPTIMIZER_AUTO_KEYS} \
+                if runner_fills else {}
+            params.update({"betas": list(ADAM_BETAS), "eps": ADAM_EPSILON})
+            config["optimizer"] = {"type": "AdamW", "params": params}
         else:
             # DeepSpeed refuses a client optimizer next to optimizer offload unless told to accept it.
             config["zero_force_ds_cpu_optimizer"] = False
@@ -164,6 +198,11 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None) -> dict[str, Any]:
     if plan.engine == "pipeline":
         config["steps_per_print"] = 100  # the pipeline engine logs loss and step time this often
     return config
+
+
+def owns_optimizer(plan: Plan) -> bool:
+    """ds_config.json holds an "optimizer" block: a user's accelerate loop must pass accelerate's DummyOptim."""
+    return plan.engine == "deepspeed" and plan.offload_optimizer != "none" and plan.optimizer == "adamw"
 
 
 def is_auto(value: Any) -> bool:

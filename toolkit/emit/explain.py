@@ -6,6 +6,7 @@ from typing import Any
 
 from toolkit.emit.deepspeed import ds_zero_stage
 from toolkit.emit.launch import batch_arithmetic
+from toolkit.emit.user_settings import plan_md_section
 from toolkit.plan import Plan
 
 GIB = 1024 ** 3
@@ -61,6 +62,8 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
     if candidates:
         lines += ["## Peak memory per strategy (per GPU)", "", "```"] + memory_chart(candidates) + ["```", ""]
     lines += launch_section(plan, nvme_path)
+    if plan.engine != "pipeline":
+        lines += plan_md_section(plan)
     return "\n".join(lines)
 
 
@@ -162,17 +165,18 @@ def chart_rows(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def launch_section(plan: Plan, nvme_path: str | None) -> list[str]:
-    lines = ["## Launch", ""]
+    from toolkit.train.model import loadable_model
+
+    lines = ["## Launch", "", f"The model loads as `{loadable_model(plan.model)}`.", ""]
     if plan.num_machines == 1:
-        lines.append("    ./launch.sh --data DATA --output OUT")
+        lines += ["    ./launch.sh --data DATA --output OUT          # toolkit.train",
+                  "    ./launch.sh my_train.py [ARGS]                # your own script"]
     else:
         lines += ["SLURM (from this directory; one `accelerate launch` per node):", "",
                   "    sbatch slurm.sbatch --data DATA --output OUT", "",
-                  "Without SLURM: run the `accelerate launch` line of `slurm.sbatch` on every node, with "
-                  "`--machine_rank R` and `--main_process_ip FIRST_HOST`."]
-        if plan.engine == "deepspeed":
-            lines.append("DeepSpeed's pdsh route instead: put your host names in `hostfile`, then on the first "
-                         "host add `--deepspeed_multinode_launcher pdsh --deepspeed_hostfile hostfile`.")
+                  "Without SLURM: run `accelerate launch --config_file accelerate_config.yaml --machine_rank R "
+                  "--main_process_ip FIRST_HOST ...` on every node, or DeepSpeed's launcher over ssh with the host "
+                  "names in `hostfile`: `./deepspeed.sh --data DATA --output OUT` on the first host."]
     if nvme_path:
         lines.append(f"\nNVMe offload writes to `{nvme_path}` on every node: a local NVMe drive with room for the "
                      "offloaded states.")

@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         if plan.engine == "pipeline":
             from toolkit.pipeline.runner import train_pipeline
 
+            if args.trainer_flags:
+                raise UserError(f"--{next(iter(args.trainer_flags))}: TrainingArguments flags configure the HF "
+                                "Trainer, which pipeline plans do not use (DeepSpeed's pipeline engine runs them)")
+
             return train_pipeline(plan, args) or 0
         from toolkit.train.hf_runner import train_hf
 

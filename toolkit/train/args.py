@@ -3,13 +3,18 @@
 The plan (plan.json) fixes everything about *how* a step runs: strategy, micro-batch, accumulation, precision,
 sequence length, checkpointing, attention, optimizer. These arguments say *what* to train and for how long: model,
 data, output, schedule, checkpoints. They never override the plan's strategy; to change it, re-plan.
+
+Every other transformers.TrainingArguments flag is accepted too, in its own spelling (`--report_to wandb`,
+`--warmup_ratio 0.03`, `--lr_scheduler_kwargs '{...}'`), parsed by transformers' own HfArgumentParser and handed to
+the Trainer (TrainArgs.trainer_flags, only the flags given). Where such a flag sets a number the plan owns
+(batch, accumulation, precision, optimizer, checkpointing, the engine configs), the plan's value wins with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
-from typing import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
 
 from toolkit.errors import UserError
 
@@ -71,6 +76,8 @@ class TrainArgs:
     lora_modules_to_save: str | None = None
     merge_final: bool = False
     """LoRA: also write the base with the adapter merged in, in OUTPUT/merged (HF format)."""
+    trainer_flags: dict[str, Any] = field(default_factory=dict)
+    """TrainingArguments flags given on the command line (name -> parsed value), e.g. {"report_to": "wandb"}."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,9 +89,16 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="python -m toolkit.train",
+        prog="python -m toolkit.train", allow_abbrev=False,  # `--eval_strategy` must not abbreviate `--eval-steps`
         description="Train a Hugging Face causal LM the way a toolkit plan says (run it under `accelerate launch "
-                    "--config_file PLAN_DIR/accelerate_config.yaml`; see `toolkit launch`).")
+                    "--config_file PLAN_DIR/accelerate_config.yaml`; see `toolkit launch`).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every transformers TrainingArguments flag is accepted as well, in its own spelling (e.g. "
+               "--report_to wandb,\n--adam_beta2 0.95); the plan's batch, precision, optimizer and checkpointing win "
+               "over a conflicting one.\nData: plain text (packed) or chat (a 'messages' column; loss on the "
+               "assistant's tokens).\n\nexample:\n  accelerate launch --config_file plan/accelerate_config.yaml "
+               "-m toolkit.train --plan plan \\\n      --data corpus/ --output runs/out --max-steps 1000 "
+               "--report_to tensorboard")
     p.add_argument("--plan", required=True, help="plan.json or the directory holding it")
     p.add_argument("--data", required=True, help="local text/json/jsonl/parquet/csv file or folder, or a hub dataset")
     p.add_argument("--output", required=True, help="run directory (checkpoints, final model)")
@@ -123,10 +137,35 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def parse_train_args(argv: Sequence[str] | None = None) -> TrainArgs:
     """Parse argv into TrainArgs; bad values raise UserError (one line, exit 2) rather than argparse's exit."""
-    ns = _build_parser().parse_args(list(argv) if argv is not None else None)
-    args = TrainArgs(**{f.name: getattr(ns, f.name) for f in fields(TrainArgs)})
+    import sys
+
+    ns, rest = _build_parser().parse_known_args(list(argv) if argv is not None else sys.argv[1:])
+    values = {f.name: getattr(ns, f.name) for f in fields(TrainArgs) if f.name != "trainer_flags"}
+    args = TrainArgs(**values, trainer_flags=trainer_flags(rest))
     check_train_args(args)
     return args
+
+
+def trainer_flags(argv: list[str]) -> dict[str, Any]:
+    """The TrainingArguments flags in argv, parsed by transformers' HfArgumentParser; only those given."""
+    if not argv:
+        return {}
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser(TrainingArguments)
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public way to drop the defaults
+        action.default = argparse.SUPPRESS
+        action.required = False
+    try:
+        ns, unknown = parser.parse_known_args(argv)
+    except SystemExit:  # argparse already printed why (a bad value for a known flag)
+        raise UserError(f"toolkit.train: bad TrainingArguments value in {' '.join(argv)}") from None
+    if unknown:
+        raise UserError(f"toolkit.train: unrecognized arguments: {' '.join(unknown)} (neither a toolkit.train flag "
+                        "nor a transformers TrainingArguments flag; see --help)")
+    given = vars(ns)
+    given.pop("output_dir", None)  # --output is ours
+    return given
 
 
 def check_train_args(args: TrainArgs) -> None:

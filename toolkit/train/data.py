@@ -1,7 +1,16 @@
-"""Training data: local files or a hub dataset, tokenized and packed into blocks of exactly seq_len tokens.
+"""Training data: local files or a hub dataset, as blocks of exactly seq_len tokens.
 
-Packing (documents joined with the tokenizer's EOS token, cut into equal blocks, the remainder dropped) is what
-causal-LM pretraining and run_clm.py do: no padding, every token trains, every step has the same token count.
+Plain text (a "text" column, or --text-field): packed. Documents are joined with the tokenizer's EOS token and cut
+into equal blocks, the remainder dropped, as causal-LM pretraining and transformers' run_clm.py do: no padding, every
+token trains, every step has the seq_len tokens the plan's memory was computed for. Attention does cross the EOS
+into the previous document inside a block; keeping documents apart needs per-document attention masks (varlen
+flash-attention kernels fed with position_ids), which sdpa / eager attention on a padded batch do not give, and
+for continued pretraining the EOS boundary is the accepted convention (GPT-2, run_clm.py).
+
+Chat data (a "messages" column of {"role", "content"} lists): each conversation is rendered with the tokenizer's
+chat template, the loss is on the assistant's tokens only (labels -100 elsewhere), and conversations are *not*
+packed: each is one sequence, truncated to seq_len and right-padded (attention_mask 0, labels -100), so attention
+never crosses conversations and every step keeps the planned shape.
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ EVAL_STEMS = ("validation", "valid", "val", "eval", "test")
 
 def build_datasets(data: str, tokenizer: Any, seq_len: int, *, eval_fraction: float, seed: int,
                    text_field: str = "text", max_eval_blocks: int | None = None):
-    """Return (train, eval or None): datasets.Dataset of packed blocks with "input_ids" and "labels" (seq_len each).
+    """Return (train, eval or None): datasets.Dataset of seq_len sequences with "input_ids" and "labels" (packed
+    text, or one conversation each with an "attention_mask" for chat data; module docstring).
 
     The held-out set is the data's validation file when a folder has one, else `eval_fraction` of the packed blocks
     (a seeded shuffle). When a process group is up this is collective: rank 0 tokenizes first and fills the
@@ -34,12 +44,22 @@ def build_datasets(data: str, tokenizer: Any, seq_len: int, *, eval_fraction: fl
                         "(or pass --tokenizer with one)")
     with _main_process_first():
         train_raw, eval_raw = _load_raw(data)
-        train = _pack(_texts(train_raw, text_field, data), tokenizer, seq_len, eos)
+        chat = CHAT_FIELD in train_raw.column_names
+
+        def blocks(raw):
+            if chat:
+                return _chat_blocks(raw, tokenizer, seq_len)
+            return _pack(_texts(raw, text_field, data), tokenizer, seq_len, eos)
+
+        train = blocks(train_raw)
+        if len(train) == 0 and chat:
+            raise UserError(f"chat data {data}: no conversation has an assistant token within the first {seq_len} "
+                            "tokens; plan a longer --seq or shorten the prompts")
         if len(train) == 0:
             raise UserError(f"data {data} holds fewer than {seq_len} tokens, not one training block of seq_len "
                             f"{seq_len}; give more text or plan a shorter --seq")
         if eval_raw is not None:
-            evaluation = _pack(_texts(eval_raw, text_field, data), tokenizer, seq_len, eos)
+            evaluation = blocks(eval_raw)
             if len(evaluation) == 0:
                 evaluation = None
         elif eval_fraction > 0 and len(train) >= 2:
@@ -144,6 +164,71 @@ def _pack(raw, tokenizer, seq_len: int, eos: int):
     # Large batches lose little at block boundaries (each batch's remainder is dropped, as in run_clm.py).
     return raw.map(tokenize_and_pack, batched=True, batch_size=2000, remove_columns=raw.column_names,
                    desc=f"tokenizing and packing into {seq_len}-token blocks")
+
+
+CHAT_FIELD = "messages"
+IGNORE_INDEX = -100
+"""Label of tokens without loss (torch CrossEntropyLoss ignore_index, what HF causal LMs use)."""
+
+
+def chat_example(messages: list[dict[str, str]], tokenizer: Any, seq_len: int) -> dict[str, list[int]]:
+    """One conversation as input_ids / attention_mask / labels of exactly seq_len: the chat template's tokens,
+    labels only on the assistant's turns, truncated and right-padded.
+
+    The assistant's tokens: the template's own {% generation %} marks when it has them (transformers'
+    return_assistant_tokens_mask), else each assistant turn is the span between the rendering of the conversation
+    up to it (with the generation prompt) and the rendering including it, which holds for templates whose
+    rendering of a prefix is a prefix of the whole (checked; refused otherwise).
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise UserError("chat data (a 'messages' column) needs a tokenizer with a chat template; pass --tokenizer "
+                        "with one (an instruct model's), or give the data as plain text")
+    if "{% generation %}" in template or "{%- generation %}" in template:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)
+        ids = list(rendered["input_ids"])
+        mask = list(rendered["assistant_masks"])
+    else:
+        ids = _chat_ids(tokenizer, messages, generation_prompt=False)
+        mask = [0] * len(ids)
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            start = _chat_ids(tokenizer, messages[:i], generation_prompt=True) if i else []
+            end = _chat_ids(tokenizer, messages[:i + 1], generation_prompt=False)
+            if ids[:len(end)] != end or end[:len(start)] != start:
+                raise UserError("the tokenizer's chat template renders a conversation's beginning differently "
+                                "from the whole, so the assistant's tokens cannot be found; use a template with "
+                                "{% generation %} marks")
+            mask[len(start):len(end)] = [1] * (len(end) - len(start))
+    ids, mask = ids[:seq_len], mask[:seq_len]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    n_pad = seq_len - len(ids)
+    return {"input_ids": ids + [pad] * n_pad, "attention_mask": [1] * len(ids) + [0] * n_pad,
+            "labels": [t if m else IGNORE_INDEX for t, m in zip(ids, mask)] + [IGNORE_INDEX] * n_pad}
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _chat_blocks(raw, tokenizer, seq_len: int):
+    """Conversations as padded sequences; ones with no assistant token left after truncation are dropped."""
+    def render(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
+        for messages in batch[CHAT_FIELD]:
+            if not messages:
+                continue
+            example = chat_example(messages, tokenizer, seq_len)
+            if any(label != IGNORE_INDEX for label in example["labels"]):
+                for key in out:
+                    out[key].append(example[key])
+        return out
+
+    return raw.map(render, batched=True, batch_size=500, remove_columns=raw.column_names,
+                   desc=f"rendering conversations into {seq_len}-token sequences")
 
 
 def _looks_local(data: str) -> bool:

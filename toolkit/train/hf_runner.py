@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+from toolkit.emit.user_settings import training_arguments
 from toolkit.errors import UserError
 from toolkit.plan import Plan
 from toolkit.train import checkpoints, cpu
@@ -21,10 +22,6 @@ from toolkit.train.data import build_datasets
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, load_config, load_tokenizer,
                                  model_source)
 
-# plan.optimizer -> TrainingArguments.optim
-# adamw: torch's fused AdamW (the Trainer's own default on torch >= 2.8): no foreach step temporaries, which is
-# what the memory model assumes (toolkit/states.py).
-OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 DS_CONFIG_NAME = "ds_config.json"
 
 
@@ -39,7 +36,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     output = Path(args.output)
     resume_from = _resume_point(output, args.resume)
 
-    source = model_source(plan, args.model)
+    source = model_source(plan, args.model, random_init=args.random_init)
     config = load_config(source, random_init=args.random_init)
     check_matches_plan(config, plan, source)
     tokenizer = load_tokenizer(args.tokenizer or (source if not Path(source).is_file() else str(Path(source).parent)))
@@ -148,11 +145,11 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
     if report_to:
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(args.log_dir or output / "runs")
     eval_steps = args.eval_steps or args.save_steps
-    kwargs = dict(
+    # The plan's numbers (batch, accumulation, precision, optimizer, clipping, checkpointing): the same dict a user's
+    # script gets in training_args.json.
+    kwargs = dict(training_arguments(plan))
+    kwargs.update(
         output_dir=str(output),
-        per_device_train_batch_size=plan.micro_batch,
-        per_device_eval_batch_size=plan.micro_batch,
-        gradient_accumulation_steps=plan.grad_accum,
         max_steps=args.max_steps,
         num_train_epochs=args.epochs,
         learning_rate=args.lr,
@@ -160,11 +157,6 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm,
-        optim=OPTIM.get(plan.optimizer, "adamw_torch"),
-        # bf16-pure loads bf16 weights instead: autocast on top of them would only add copies.
-        # DeepSpeed's bf16 block must match this flag (the Trainer checks), bf16-pure included.
-        bf16=plan.precision == "bf16" or (plan.precision == "bf16-pure" and plan.engine == "deepspeed"),
-        fp16=plan.precision == "fp16",
         logging_steps=args.logging_steps,
         logging_first_step=True,
         save_strategy="steps",
@@ -178,20 +170,15 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         deepspeed=deepspeed,
         dataloader_drop_last=True,
         remove_unused_columns=False,
-        ddp_find_unused_parameters=False if plan.engine == "ddp" else None,
         # On CPU this also lifts transformers' GPU-only bf16 check (is_torch_bf16_gpu_available), which refuses
         # bf16 with DeepSpeed otherwise; the engines themselves run on the gloo state configured before.
         use_cpu=on_cpu,
     )
-    kwargs.update(_checkpointing_kwargs(plan.checkpointing))
-    accelerator_config: dict = {}
+    kwargs.update(user_trainer_flags(plan, args.trainer_flags, kwargs))
+    accelerator_config: dict = dict(kwargs.pop("accelerator_config", {}))
     if on_cpu:
         # The state made by configure_cpu_state: without it the Trainer would make its own, without gloo.
         accelerator_config["use_configured_state"] = True
-    if plan.engine == "fsdp2" and plan.grad_accum > 1:
-        # Reduce-scatter every micro-batch: the Trainer's default no_sync keeps every layer's unsharded gradient
-        # until the last micro-batch (P x 2 bytes per GPU), which the plan's memory did not budget for.
-        accelerator_config["gradient_accumulation_kwargs"] = {"sync_each_batch": True}
     if accelerator_config:
         kwargs["accelerator_config"] = accelerator_config
     if on_cpu and plan.engine == "ddp":
@@ -202,16 +189,24 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         raise UserError(f"training arguments rejected: {exc}") from None
 
 
-def _checkpointing_kwargs(enabled: bool) -> dict:
-    """Activation checkpointing of every decoder layer (non-reentrant: works with ZeRO-3 and FSDP2)."""
-    import inspect
+PLAN_OWNED_FLAGS = ("deepspeed", "fsdp", "fsdp_config", "use_cpu", "accelerator_config", "gradient_checkpointing",
+                    "gradient_checkpointing_kwargs", "activation_checkpointing", "activation_checkpointing_kwargs")
+"""TrainingArguments the plan (or toolkit.train's engine set-up) decides, besides training_arguments(plan)'s keys."""
 
-    from transformers import TrainingArguments
 
-    # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (the old name warns).
-    name = "activation_checkpointing" if "activation_checkpointing" in inspect.signature(TrainingArguments).parameters \
-        else "gradient_checkpointing"
-    return {name: enabled, f"{name}_kwargs": {"use_reentrant": False} if enabled else None}
+def user_trainer_flags(plan: Plan, flags: dict, kwargs: dict) -> dict:
+    """The TrainingArguments flags a user gave (e.g. --report_to wandb) that toolkit.train passes on: all of them,
+    except a value for a plan-owned setting that differs from the plan's, which is dropped with a warning."""
+    owned = set(training_arguments(plan)) | set(PLAN_OWNED_FLAGS)
+    passed = {}
+    for name, value in flags.items():
+        if name in owned:
+            if value != kwargs.get(name) and _is_rank_zero():
+                print(f"warning: --{name} {value} ignored: the plan sets {name}={kwargs.get(name)!r} (its memory and "
+                      "batch arithmetic depend on it; re-plan to change it)", flush=True)
+            continue
+        passed[name] = value
+    return passed
 
 
 def _watch_layer_dtype(model, layer_class: str) -> dict:

@@ -14,8 +14,36 @@ _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
-def model_source(plan: Plan, model: str | None) -> str:
-    return model or plan.model
+def model_source(plan: Plan, model: str | None, *, random_init: bool = False) -> str:
+    """What to load: --model when given; else the plan's model as something that loads (loadable_model), except a
+    catalog name under --random-init, whose config the catalog itself supplies (no download)."""
+    if model:
+        return model
+    if random_init and catalog_hub_id(plan.model) is not None and not Path(plan.model).expanduser().exists():
+        return plan.model
+    return loadable_model(plan.model)
+
+
+def catalog_hub_id(name: str) -> str | None:
+    """The hub id of a toolkit catalog entry (presets/models/NAME.json "_hub_id"), None for any other name."""
+    import json
+
+    from toolkit.paths import MODEL_CATALOG_DIR
+
+    entry = MODEL_CATALOG_DIR / f"{name.lower()}.json"
+    if not entry.is_file():
+        return None
+    hub_id = json.loads(entry.read_text()).get("_hub_id")
+    return hub_id if isinstance(hub_id, str) and hub_id else None
+
+
+def loadable_model(name: str) -> str:
+    """A plan's model name as from_pretrained takes it: a local folder (or config.json) as an absolute path, a
+    catalog name as its hub id, anything else unchanged (a hub id). launch.sh and slurm.sbatch name this."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    return catalog_hub_id(name) or name
 
 
 def load_config(source: str, *, random_init: bool = False):
@@ -32,9 +60,7 @@ def load_config(source: str, *, random_init: bool = False):
 
         return catalog_config(source)
     if in_catalog:  # no weights to train, and not a hub id: say what to pass instead of asking the hub
-        import json
-
-        hub_id = json.loads((MODEL_CATALOG_DIR / f"{source.lower()}.json").read_text()).get("_hub_id")
+        hub_id = catalog_hub_id(source)
         hint = f"--model {hub_id} (its hub id), a local folder of its weights," if hub_id else \
             "--model with the hub id or local folder of its weights,"
         raise UserError(f"plan model '{source}' is a toolkit catalog entry (a config, no weights): pass {hint} "

@@ -1,0 +1,167 @@
+"""What a user's own training script needs from a plan: training_args.json and PLAN.md's "your own script" part.
+
+A plan folder is launched with `accelerate launch --config_file PLAN/accelerate_config.yaml SCRIPT`; the YAML (and
+the DeepSpeed JSON it carries) fixes the engine, and these settings fix the numbers a script must use so that the
+run is the planned one:
+
+  training_arguments   transformers.TrainingArguments keyword arguments (HF Trainer scripts; `toolkit.train` uses
+                       the same dict, so there is one source for them);
+  sft_config           the same plus TRL's SFTConfig keys (max_length = the plan's sequence length, packing);
+  accelerate_loop      a custom accelerate loop's numbers: DataLoader batch_size, Accelerator's
+                       gradient_accumulation_steps, clipping, checkpointing, and whether DeepSpeed owns the optimizer
+                       (then the loop passes accelerate.utils.DummyOptim: accelerate refuses a real optimizer next to
+                       the JSON's "optimizer" block, accelerator.py _prepare_deepspeed);
+  accelerate_launch    the command line.
+
+Everything here is derived from plan.json alone (pure functions).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shlex
+from typing import Any
+
+from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
+from toolkit.plan import Plan
+
+SETTINGS_FILE = "training_args.json"
+DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
+"""The fully concrete DeepSpeed JSON, for DeepSpeed's launcher / deepspeed.initialize (toolkit.emit.deepspeed)."""
+
+OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
+"""plan.optimizer -> TrainingArguments.optim. adamw: torch's fused AdamW (the Trainer's default on torch >= 2.8): no
+foreach step temporaries, which is what the memory model assumes (toolkit/states.py)."""
+
+
+def checkpointing_name() -> str:
+    """TrainingArguments' name for activation checkpointing: transformers 5.2x renamed gradient_checkpointing to
+    activation_checkpointing (the old name is a deprecated alias); older versions know only the old one."""
+    from transformers import TrainingArguments
+
+    return "activation_checkpointing" if "activation_checkpointing" in inspect.signature(TrainingArguments).parameters \
+        else "gradient_checkpointing"
+
+
+def trainer_checkpointing(plan: Plan) -> bool:
+    """Checkpointing through TrainingArguments: on when the plan checkpoints, except FSDP2, where the accelerate
+    YAML's fsdp_activation_checkpointing does it (transformers refuses both at once)."""
+    return plan.checkpointing and plan.engine != "fsdp2"
+
+
+def uses_bf16_autocast(plan: Plan) -> bool:
+    """TrainingArguments.bf16. bf16-pure loads bf16 weights instead (autocast on top would only add copies), except
+    under DeepSpeed, whose bf16 block must match this flag (the Trainer checks)."""
+    return plan.precision == "bf16" or (plan.precision == "bf16-pure" and plan.engine == "deepspeed")
+
+
+def training_arguments(plan: Plan) -> dict[str, Any]:
+    """The TrainingArguments keyword arguments that carry the plan (JSON-safe)."""
+    name = checkpointing_name()
+    checkpointing = trainer_checkpointing(plan)
+    kwargs: dict[str, Any] = {
+        "per_device_train_batch_size": plan.micro_batch,
+        "per_device_eval_batch_size": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "bf16": uses_bf16_autocast(plan),
+        "fp16": plan.precision == "fp16",
+        "optim": OPTIM[plan.optimizer],
+        "max_grad_norm": GRADIENT_CLIPPING,
+        name: checkpointing,
+        # Non-reentrant checkpointing works with ZeRO-3 and FSDP2 (reentrant re-gathers inside the recompute).
+        f"{name}_kwargs": {"use_reentrant": False} if checkpointing else None,
+    }
+    if plan.engine == "ddp":
+        kwargs["ddp_find_unused_parameters"] = False
+    if plan.engine == "fsdp2" and plan.grad_accum > 1:
+        # Reduce-scatter every micro-batch: the Trainer's default no_sync keeps every layer's unsharded gradient
+        # until the last micro-batch (P x 2 bytes per GPU), which the plan's memory did not budget for.
+        kwargs["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    return kwargs
+
+
+def sft_config(plan: Plan) -> dict[str, Any]:
+    """TRL SFTConfig keyword arguments: TrainingArguments' plus the sequence length and packing.
+
+    Packing only with flash attention: TRL packs padding-free (sft_config.py: "only supported with the FlashAttention
+    2 or 3"), and only the varlen kernels keep the packed conversations from attending to each other. Without it,
+    every sequence is padded to at most max_length, which the plan's memory (seq_len tokens per sequence) covers.
+    bf16 and checkpointing are always written: SFTConfig's defaults differ from TrainingArguments' (both True).
+    """
+    return {**training_arguments(plan), "max_length": plan.seq_len,
+            "packing": plan.attention == "flash_attention_2"}
+
+
+def accelerate_loop(plan: Plan) -> dict[str, Any]:
+    """A custom accelerate loop's numbers (see the module docstring)."""
+    return {
+        "dataloader_batch_size": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "max_grad_norm": GRADIENT_CLIPPING,
+        "gradient_checkpointing": trainer_checkpointing(plan),
+        "sequence_length": plan.seq_len,
+        "use_dummy_optim": owns_optimizer(plan),
+        "model_dtype": "bfloat16" if plan.precision == "bf16-pure" else "float32",
+    }
+
+
+def launch_line(script: str = "your_script.py", plan_dir: str = "PLAN_DIR") -> str:
+    return shlex.join(["accelerate", "launch", "--config_file", f"{plan_dir}/accelerate_config.yaml", script]) \
+        + " [ARGS]"
+
+
+def notes(plan: Plan) -> list[str]:
+    """What a user's script must do beyond passing the numbers."""
+    out = [f"Load the model in {accelerate_loop(plan)['model_dtype']} (dtype=...); the engines cast for compute."]
+    if plan.engine == "fsdp2" and plan.checkpointing:
+        out.append("Activation checkpointing is on through the YAML (fsdp_activation_checkpointing); leave "
+                   "gradient checkpointing off in your script.")
+    elif plan.checkpointing:
+        out.append("The plan's memory assumes activation checkpointing: TrainingArguments carry it; a custom loop "
+                   "calls model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+                   "False}).")
+    if owns_optimizer(plan):
+        out.append("ds_config.json holds an \"optimizer\" block (DeepSpeed's CPU Adam for the offloaded states): "
+                   "a custom accelerate loop must pass accelerate.utils.DummyOptim(params, lr=..., "
+                   "weight_decay=...) instead of a torch optimizer (accelerate refuses one next to the block); "
+                   "the HF Trainer and TRL do this themselves.")
+    if plan.engine == "deepspeed":
+        out.append("HF Trainer without accelerate launch: --deepspeed PLAN_DIR/ds_config.json with these "
+                   "TrainingArguments (its \"auto\" values are filled from them). DeepSpeed's own launcher or "
+                   f"deepspeed.initialize(config=...): {DS_LAUNCHER_CONFIG} (every value concrete).")
+    if plan.engine == "pipeline":
+        out.append("Pipeline plans run DeepSpeed's pipeline engine: use toolkit.train (Trainer, TRL and accelerate "
+                   "loops cannot run a PipelineModule).")
+    return out
+
+
+def settings(plan: Plan) -> dict[str, Any]:
+    return {
+        "accelerate_launch": launch_line(),
+        "training_arguments": training_arguments(plan),
+        "sft_config": sft_config(plan),
+        "accelerate_loop": accelerate_loop(plan),
+        "notes": notes(plan),
+    }
+
+
+def settings_json(plan: Plan) -> str:
+    return json.dumps(settings(plan), indent=2) + "\n"
+
+
+def plan_md_section(plan: Plan) -> list[str]:
+    """PLAN.md's "your own script" section."""
+    args = training_arguments(plan)
+    lines = ["## Your own training script", "",
+             "Launch it with the plan's accelerate config (from any directory; the folder may be copied):", "",
+             f"    {launch_line()}", "",
+             "or `toolkit launch PLAN_DIR -- your_script.py [ARGS]`. Use these settings "
+             f"(machine-readable in `{SETTINGS_FILE}`):", "",
+             "TrainingArguments (HF Trainer):", "", "```python"]
+    lines += [f"{key}={value!r}," for key, value in args.items()]
+    lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
+              f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents apart).", "",
+              "A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
+    lines += [f"- {note}" for note in notes(plan)]
+    return lines + [""]
