@@ -8,7 +8,7 @@ engine are created, so the engines' flat buffers are seen; measured are the live
 steady-state step (persistent states) and the peak of live tensor bytes over that step.
 
 DeepSpeed runs the JSON the project's emitter writes (toolkit.emit.deepspeed.ds_config for a plan made by
-toolkit.train.rehearsal.plan_for_model), with "auto" values resolved the way the HF Trainer does
+toolkit.rehearsal.plan_for_model), with "auto" values resolved the way the HF Trainer does
 (toolkit.emit.validate.resolve_like_trainer). Predicted is toolkit.memory.estimate_memory for the same job on
 "2xA100-80GB" with --device-kind cpu.
 
@@ -49,7 +49,7 @@ def _config():
 def _ds_config(strategy: str, precision: str, model_dir: str) -> dict:
     from toolkit.emit.deepspeed import ds_config, hidden_size
     from toolkit.emit.validate import resolve_like_trainer
-    from toolkit.train.rehearsal import plan_for_model
+    from toolkit.rehearsal import plan_for_model
 
     plan = plan_for_model(model_dir, strategy, gpus_per_node=WORLD, micro_batch=MICRO, seq_len=SEQ,
                           precision=precision)

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.test_hostile import _snapshot, run_cli
-from toolkit.launch import _alive, descendants, emit_plan_files
-from toolkit.train.rehearsal import plan_for_model
+from toolkit.launch import emit_plan_files
+from toolkit.processes import _alive, descendants
+from toolkit.rehearsal import plan_for_model
 
 # A writer that pauses inside write_folder after its first staged file, until its stdin gets a line.
 PAUSING_WRITER = """

@@ -228,7 +228,7 @@ BAD_CONFIGS = {
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_llama_dir, tiny_gpt2_dir, corpus_dir):
     from toolkit.launch import emit_plan_files
-    from toolkit.train.rehearsal import plan_for_model
+    from toolkit.rehearsal import plan_for_model
 
     w = tmp_path_factory.mktemp("hostile")
     (w / "empty").mkdir()

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from toolkit.launch import emit_plan_files, launch_main
-from toolkit.train.rehearsal import plan_for_model
+from toolkit.rehearsal import plan_for_model
 
 
 def test_dry_run_prints_the_accelerate_command(tiny_llama_dir, tmp_path, capsys):

@@ -47,13 +47,19 @@ def make_plan(model_dir: Path, *, stages: int, dp: int, micro: int = 2, accum: i
               checkpointing: bool = False, partition: list[int] | None = None) -> Plan:
     from transformers import AutoConfig
 
+    from toolkit.grid import ParallelGrid
+    from toolkit.modelspec import build_spec
+    from toolkit.strategy import parse_strategy
+
     config = AutoConfig.from_pretrained(model_dir)
+    spec = build_spec(str(model_dir), config)
+    strategy = parse_strategy("hybrid" if dp > 1 else "pipeline")
+    grid = ParallelGrid.for_strategy(strategy, nodes=1, gpus_per_node=stages * dp, pipeline_stages=stages)
     return Plan(model=str(model_dir), model_config=config.to_dict(), model_type=config.model_type,
-                layer_class="", num_layers=config.num_hidden_layers, params=0,
-                strategy="hybrid" if dp > 1 else "pipeline", engine="pipeline", zero_stage=1 if dp > 1 else 0,
-                offload_optimizer="none", offload_params="none", fsdp_mode="full", num_machines=1,
-                gpus_per_node=stages * dp, pipeline_stages=stages, data_parallel=dp, partition=partition,
-                seq_len=SEQ, micro_batch=micro, grad_accum=accum, global_batch=micro * accum * dp,
+                layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=strategy.name,
+                num_machines=1, gpus_per_node=stages * dp, pipeline_stages=stages,
+                partition=partition if partition is not None else grid.partition(spec), seq_len=SEQ,
+                micro_batch=micro, grad_accum=accum, global_batch=grid.global_batch(micro, accum),
                 precision=precision, optimizer="adamw", checkpointing=checkpointing, attention="sdpa", gpu="cpu")
 
 

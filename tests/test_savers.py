@@ -170,3 +170,24 @@ def test_activation_offloading_moves_layer_activations_to_host():
     assert off.activations_bytes == plain.activations_bytes - sum(layers)
     assert plain.peak_bytes - off.peak_bytes >= sum(layers) - 2 * max(layers)
     assert off.host.resident_bytes_per_node == off.cpu_bytes_per_node
+
+
+def test_the_memory_savers_a_plan_assumes_reach_the_settings_each_runner_reads():
+    """A plan predicted with a foreach step, Liger and activation offloading says so where each route reads it:
+    TrainingArguments (optim, use_liger_kernel), TRL's SFTConfig (activation_offloading), a custom loop's
+    optimizer kwargs; and what a route cannot do is said, not silently dropped."""
+    from toolkit.emit.user_settings import accelerate_loop, notes, sft_config, training_arguments
+    from toolkit.presets import preset_plan
+
+    base = preset_plan("zero2", "bf16")
+    assert training_arguments(base)["optim"] == "adamw_torch_fused" and "use_liger_kernel" not in \
+        training_arguments(base)
+    plan = base.replace(strategy="fsdp2", optimizer_impl="foreach", liger=True, activation_offloading=True)
+    args = training_arguments(plan)
+    assert args["optim"] == "adamw_torch" and args["use_liger_kernel"] is True
+    assert sft_config(plan)["activation_offloading"] is True
+    assert accelerate_loop(plan)["optimizer_kwargs"] == {"fused": False, "foreach": True}
+    said = " ".join(notes(plan))
+    assert "use_liger_kernel" in said and "activation_offloading" in said
+    loop = base.replace(strategy="fsdp2", optimizer_impl="for-loop")
+    assert "foreach=False" in " ".join(notes(loop))

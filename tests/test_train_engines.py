@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from toolkit.train.rehearsal import plan_for_model
+from toolkit.rehearsal import plan_for_model
 
 STEPS = 6
 SEQ = 32

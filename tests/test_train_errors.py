@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from toolkit.train.rehearsal import plan_for_model
+from toolkit.rehearsal import plan_for_model
 
 
 def _one_error_line(run) -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from toolkit.lora import Adapter
-from toolkit.train.rehearsal import plan_for_model
+from toolkit.rehearsal import plan_for_model
 
 STEPS = 6
 SEQ = 32
@@ -75,7 +75,7 @@ def test_lora_single_process_trains_only_the_adapter_and_merges(lora_reference, 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "zero2", "zero3", "fsdp2"])
 def test_lora_engines_match_single_process_and_adapter_reloads(engine, lora_runs, lora_reference, tiny_llama_dir):
     run = lora_runs(engine)
     assert len(run.ranks) == 2
@@ -103,7 +103,7 @@ def test_lora_zero3_resume_is_exact(run_training, lora_runs, tiny_llama_dir, cor
 
 
 def test_rehearsal_plan_keeps_the_method(tiny_llama_dir):
-    from toolkit.train.rehearsal import rehearsal_plan
+    from toolkit.rehearsal import rehearsal_plan
 
     plan = _plan(tiny_llama_dir, "fsdp2").replace(method="qlora", adapter={**ADAPTER.to_dict(), "method": "qlora"})
     small, _ = rehearsal_plan(plan, tiny_llama_dir)

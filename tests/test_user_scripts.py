@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.emit import emit_files
-from toolkit.train.rehearsal import plan_for_model
+from toolkit.rehearsal import plan_for_model
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "examples" / "own_script"

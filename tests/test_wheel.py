@@ -13,29 +13,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+"""No PYTHONPATH: a checkout on it would make pip find the toolkit "already installed" and the venv see it."""
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(work / "dist"), str(ROOT)], check=True, capture_output=True)
+                    str(work / "dist"), str(ROOT)], check=True, capture_output=True, env=CLEAN_ENV)
     wheel = next((work / "dist").glob("toolkit-*.whl"))
     venv = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, env=CLEAN_ENV)
     # The heavy dependencies (torch, transformers, ...) come from this interpreter's site-packages through a .pth
     # line; the toolkit itself only from the wheel (a .pth path line does not run the editable install's hook).
     site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+                                "['purelib'])"], check=True, capture_output=True, text=True, env=CLEAN_ENV).stdout.strip())
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-                    "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True)
+                    "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True, env=CLEAN_ENV)
     return venv
 
 
 def _run(venv: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env.update(TOOLKIT_NO_CACHE="1", HF_HUB_OFFLINE="1")
+    env = {**CLEAN_ENV, "TOOLKIT_NO_CACHE": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run([str(venv / "bin" / "toolkit"), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -44,7 +45,7 @@ def test_the_installed_wheel_runs_from_outside_the_checkout(installed, tmp_path)
     where = _run(installed, tmp_path, "--version")
     assert where.returncode == 0 and where.stdout.startswith("toolkit ")
     located = subprocess.run([str(installed / "bin" / "python"), "-c", "import toolkit; print(toolkit.__file__)"],
-                             cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+                             cwd=tmp_path, capture_output=True, text=True, check=True, env=CLEAN_ENV).stdout
     assert str(installed) in located and str(ROOT) not in located  # the wheel's copy, not the checkout
 
     models = _run(installed, tmp_path, "models")

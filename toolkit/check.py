@@ -47,6 +47,7 @@ import yaml
 from toolkit.emit.deepspeed import auto_keys, ds_zero_stage
 from toolkit.errors import UserError
 from toolkit.plan import Plan, load_plan
+from toolkit.strategy import Engine
 
 Severity = Literal["error", "warning", "note"]
 
@@ -822,7 +823,7 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
                 else:
                     err(f"mixed_precision {mp} next to deepspeed_config_file: accelerate refuses it (\"will be "
                         "ignored\"); remove it and enable the JSON's bf16 or fp16 block")
-        if plan is not None and plan.engine == "pipeline":
+        if plan is not None and plan.engine == Engine.PIPELINE:
             err("distributed_type DEEPSPEED for a pipeline plan: accelerate cannot run DeepSpeed pipelines; use a "
                 "MULTI_GPU config (accelerate only starts the processes, toolkit.train runs the pipeline engine)")
     if kind == "FSDP":
@@ -955,7 +956,7 @@ def parallelism_problems(path: Path, args: SimpleNamespace, env: dict[str, str])
 
 def plan_readers(plan: Plan) -> Readers:
     """toolkit.train runs the HF Trainer, or hands the file to the pipeline engine unchanged."""
-    runner = PIPELINE if plan.engine == "pipeline" else TRAINER
+    runner = PIPELINE if plan.engine == Engine.PIPELINE else TRAINER
     return Readers(frozenset({runner}), plan.world_size, plan.pipeline_stages)
 
 
@@ -1005,10 +1006,10 @@ def yaml_plan_consistency(config: dict[str, Any], file: str, plan: Plan) -> list
     expected = {"ddp": ("MULTI_GPU", "NO"), "deepspeed": ("DEEPSPEED",), "fsdp2": ("FSDP",),
                 "pipeline": ("MULTI_GPU", "NO")}[plan.engine]
     kind = config.get("distributed_type")
-    if kind not in expected and not (kind == "DEEPSPEED" and plan.engine == "pipeline"):
+    if kind not in expected and not (kind == "DEEPSPEED" and plan.engine == Engine.PIPELINE):
         out.append(Problem(file, "error", f"distributed_type {kind} but plan.json plans {plan.strategy} "
                            f"(needs {expected[0]}); re-emit the plan directory", LAUNCH))
-    if plan.engine in ("ddp", "fsdp2"):
+    if plan.engine in (Engine.DDP, Engine.FSDP2):
         from toolkit.emit.accelerate import ACCELERATE_MIXED_PRECISION
 
         mp = config.get("mixed_precision") or "no"
@@ -1045,7 +1046,7 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
                            "needs it; re-emit the plan directory", LAUNCH))
     if json_path.exists() and json_path.resolve() != checked_json:
         out += json_file_problems(read_config(json_path), str(json_path), plan_readers(plan), plan)
-    elif plan.engine in ("deepspeed", "pipeline") and checked_json is None:
+    elif plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and checked_json is None:
         out.append(Problem(str(directory), "error", f"no ds_config.json for a {plan.strategy} plan; re-emit the "
                            "plan directory", next(iter(plan_readers(plan).runners))))
     return out

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
 from toolkit.pipeline.partition import PIPELINE_MODEL_TYPES, balanced_partition, check_partition, check_stage_count
-from toolkit.strategy import Strategy
+from toolkit.strategy import Kind, Strategy
 
 if TYPE_CHECKING:
     from toolkit.hardware import Hardware
@@ -75,9 +75,9 @@ class ParallelGrid:
             if pipeline_stages not in (None, 1):
                 raise UserError(f"--pipeline-stages {pipeline_stages} needs a pipeline strategy (pipeline or "
                                 f"hybrid), not {strategy.name}; drop the flag or choose --strategy hybrid")
-            if strategy.kind == "ddp":
+            if strategy.kind == Kind.DDP:
                 return cls(nodes, gpus_per_node, dp_replicate=world)
-            if strategy.kind == "fsdp2" and strategy.fsdp_mode == "hybrid":
+            if strategy.kind == Kind.FSDP2 and strategy.fsdp_mode == "hybrid":
                 if nodes < 2:
                     raise UserError("fsdp2-hybrid shards inside a node and replicates across nodes; it needs 2+ "
                                     "nodes (use fsdp2 on one node)")
@@ -90,10 +90,10 @@ class ParallelGrid:
             raise UserError(f"--pipeline-stages {stages} does not divide {world} GPUs into whole data-parallel "
                             f"replicas (try {', '.join(str(s) for s in _divisors(world) if s > 1)})")
         dp = world // stages
-        if strategy.kind == "pipeline" and dp != 1:
+        if strategy.kind == Kind.PIPELINE and dp != 1:
             raise UserError(f"pipeline uses every GPU as a stage ({world} stages); for {stages} stages x {dp} "
                             "data-parallel use --strategy hybrid")
-        if strategy.kind == "hybrid" and dp < 2:
+        if strategy.kind == Kind.HYBRID and dp < 2:
             raise UserError(f"hybrid needs data-parallel 2+ ({stages} stages on {world} GPUs leaves 1); "
                             "use --strategy pipeline or fewer stages")
         # The pipeline engine's ZeRO-1 (hybrid, and bf16 pipelines) partitions optimizer states over dp.
@@ -220,7 +220,7 @@ def grid_of(strategy: Strategy, hw: "Hardware", pipeline_stages: int | None = 1)
 def default_stages(strategy: Strategy, nodes: int, gpus_per_node: int) -> int:
     """Stage count when the user names none: pipeline uses every GPU; hybrid one stage per node (at least 2)."""
     world = nodes * gpus_per_node
-    if strategy.kind == "pipeline":
+    if strategy.kind == Kind.PIPELINE:
         return world
     return max(2, nodes) if world % max(2, nodes) == 0 else 2
 
@@ -230,7 +230,7 @@ def stage_options(strategy: Strategy, nodes: int, gpus_per_node: int) -> list[in
     world = nodes * gpus_per_node
     if not strategy.is_pipeline:
         return [1]
-    if strategy.kind == "pipeline":
+    if strategy.kind == Kind.PIPELINE:
         return [world]
     return [p for p in _divisors(world) if 1 < p < world]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.job import Job
-from toolkit.strategy import Strategy
+from toolkit.strategy import Engine, Kind, Strategy
 
 SAVE_SHARD_BYTES = 5 * 1000**3
 """transformers save_pretrained max_shard_size default "5GB" (modeling_utils.py): the host buffer of a
@@ -51,23 +51,23 @@ def host_ram(*, params: int, largest_layer_params: int, strategy: Strategy, job:
              world: int, resident_bytes_per_node: int) -> HostRam:
     load_b = 2 if job.precision == "bf16-pure" else 4
     full = params * load_b
-    if strategy.kind == "zero3":
+    if strategy.kind == Kind.ZERO3:
         load = gpus_per_node * (full // world) + largest_layer_params * load_b
         load_src = "ZeRO-3 zero3_init: each rank's 1/N partition + one module gathered while loading"
-    elif strategy.engine == "fsdp2":
+    elif strategy.engine == Engine.FSDP2:
         load = full
         load_src = "FSDP2 cpu_ram_efficient_loading: one full copy on rank 0, others on the meta device"
     else:
         load = gpus_per_node * full
         load_src = f"every rank builds the whole model on the CPU ({gpus_per_node} x {load_b} B/param)"
-    if strategy.engine == "fsdp2":
+    if strategy.engine == Engine.FSDP2:
         save = full
         save_src = f"FSDP2 FULL_STATE_DICT gathered on rank 0's host ({load_b} B/param)"
-    elif strategy.kind == "zero3":
+    elif strategy.kind == Kind.ZERO3:
         save = params * 2
         save_src = "ZeRO-3 16-bit weights gathered on rank 0's host (2 B/param)"
     else:
-        weight_b = 2 if strategy.engine in ("deepspeed", "pipeline") and job.precision != "fp32" else load_b
+        weight_b = 2 if strategy.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and job.precision != "fp32" else load_b
         save = min(params * weight_b, SAVE_SHARD_BYTES)
         save_src = "save_pretrained: one safetensors shard at a time on rank 0's host"
     return HostRam(load_bytes_per_node=int(load), save_bytes_per_node=int(save),

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 from toolkit.errors import UserError
 from toolkit.lora import FULL, Adapter
+from toolkit.strategy import Engine
 
 if TYPE_CHECKING:
     from toolkit.hardware import Gpu, Hardware
@@ -126,7 +127,7 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
         return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
     if strategy is not None and strategy.is_pipeline and liger:
         return "Liger kernels patch the Hugging Face model the Trainer runs (ZeRO / FSDP2 / DDP), not pipeline stages"
-    if strategy is not None and liger and strategy.engine == "deepspeed" and strategy.zero_stage == 3:
+    if strategy is not None and liger and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
         # Liger's lce_forward reads lm_head.weight without calling the lm_head module, and ZeRO-3 gathers a
         # parameter only in its module's forward hook: the fused loss gets an empty shard (liger-kernel 0.8.2 has no
         # ZeRO-3 path; linkedin/Liger-Kernel issue 1048).

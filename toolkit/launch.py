@@ -24,7 +24,9 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
+from toolkit.processes import die_with_parent, stop_process_tree
 from toolkit.plan import Plan, load_plan
+from toolkit.strategy import Engine
 
 ACCELERATE_CONFIG = "accelerate_config.yaml"
 
@@ -69,17 +71,17 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     if not (plan_dir / ACCELERATE_CONFIG).is_file():
         raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
                         f"into {plan_dir}")
-    if plan.engine in ("deepspeed", "pipeline") and (plan_dir / "ds_config.json").is_file():
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (plan_dir / "ds_config.json").is_file():
         read_ds_config(plan_dir / "ds_config.json")  # unreadable is refused here, rehearsal or not
     if rehearse:
-        from toolkit.train.rehearsal import rehearse as run_rehearsal
+        from toolkit.rehearsal import rehearse as run_rehearsal
 
         return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
     args = None
     if is_user_script(train_argv):
         if not Path(train_argv[0]).is_file():
             raise UserError(f"training script {train_argv[0]} does not exist")
-        if plan.engine == "pipeline":
+        if plan.engine == Engine.PIPELINE:
             raise UserError("a pipeline plan runs DeepSpeed's pipeline engine, which only toolkit.train drives; "
                             "launch it without a script (toolkit launch DIR -- --data D --output O)")
     else:
@@ -101,9 +103,6 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
 
 LOG_NAME = "toolkit-launch.log"
 LOCK_NAME = ".toolkit-run.lock"
-STOP_GRACE_S = 20.0
-"""After SIGTERM, how long ranks get to exit before SIGKILL (a rank writing a checkpoint is not waited for: an
-incomplete checkpoint has no completion marker and resume skips it, toolkit.train.checkpoints)."""
 
 
 class _Stop(Exception):
@@ -189,76 +188,6 @@ def _run_stoppable(command: list[str], env: dict[str, str], log) -> tuple[int, i
             signal.signal(s, handler)
 
 
-def die_with_parent(signum: int) -> None:
-    """Ask Linux to send `signum` to this process when its parent dies (prctl PR_SET_PDEATHSIG); no-op elsewhere."""
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl(pr_set_pdeathsig, int(signum))
-
-
-def descendants(pid: int) -> list[int]:
-    """Every living descendant of pid (from /proc; torchrun puts each worker in a session of its own, so the
-    launcher's process group alone does not reach them)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name in parentheses may hold spaces
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def stop_process_tree(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the launcher's process group and every descendant, then SIGKILL whatever is left after grace_s."""
-    import time
-
-    def signal_all(signum: int) -> None:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    family = descendants(proc.pid)
-    signal_all(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in family)):
-        time.sleep(0.1)
-    if proc.poll() is None or any(_alive(p) for p in family):
-        signal_all(signal.SIGKILL)
-        for pid in family:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
-
-
 def _read_failure(error_file: Path) -> dict | None:
     try:
         data = json.loads(error_file.read_text())
@@ -301,9 +230,9 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     _check_output(Path(args.output), args.resume)
     source = model_source(plan, args.model, random_init=args.random_init)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
-    if plan.engine in ("deepspeed", "pipeline") and not (plan_dir / "ds_config.json").is_file():
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and not (plan_dir / "ds_config.json").is_file():
         raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")
-    if plan.engine in ("deepspeed", "pipeline"):
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE):
         from toolkit.emit.validate import validate_ds_config_for_plan
 
         ds_file = plan_dir / "ds_config.json"
@@ -315,7 +244,7 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise UserError(f"DeepSpeed refuses {ds_file}: {first[:300]}; fix it or re-emit it with "
                             "`toolkit emit`") from None
-    if plan.engine == "deepspeed":
+    if plan.engine == Engine.DEEPSPEED:
         from toolkit.train.hf_runner import check_ds_config_agrees
 
         check_ds_config_agrees(plan, args, plan_dir / "ds_config.json")

@@ -23,7 +23,7 @@ from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
 from toolkit.savers import offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
-from toolkit.strategy import Strategy
+from toolkit.strategy import Engine, Strategy
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
 """CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator; ~0.5-0.9 GiB on Ampere/Hopper with
@@ -119,7 +119,7 @@ def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
     """(compute dtype, autocast): DDP runs torch AMP over fp32 weights; DeepSpeed, FSDP2 and the pipeline
     engine compute with low-precision weights."""
     dtype = job.compute_dtype_name
-    return dtype, strategy.engine == "ddp" and job.mixed
+    return dtype, strategy.engine == Engine.DDP and job.mixed
 
 
 _TRACE_CACHE: dict[tuple, tuple[ModelSpec, ActivationTrace]] = {}
@@ -327,7 +327,7 @@ def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGri
     if job.adapter.is_adapter:
         return _adapter_states(spec, strategy, job, grid)
     s = _engine_states(spec, strategy, job, grid, params=params)
-    if strategy.engine in ("ddp", "fsdp2"):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
+    if strategy.engine in (Engine.DDP, Engine.FSDP2):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
         shard = grid.shard_group
         state_bytes = 2 if job.precision == "bf16-pure" else 4
         extra = optimizer_step_temporary_bytes(
@@ -340,12 +340,12 @@ def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGri
 def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
     fe = int(params * spec.factored_state_fraction)
     dp = grid.data_parallel
-    if strategy.engine == "ddp":
+    if strategy.engine == Engine.DDP:
         return ddp_states(params, job, world=grid.world, factored_elems=fe)
-    if strategy.engine == "deepspeed":
+    if strategy.engine == Engine.DEEPSPEED:
         return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params,
                            factored_elems=fe)
-    if strategy.engine == "fsdp2":
+    if strategy.engine == Engine.FSDP2:
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         return fsdp2_states(params, job, strategy, shard=grid.shard_group, layer_params=max(spec.layer_params),
                             root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,

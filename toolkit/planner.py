@@ -18,7 +18,7 @@ from toolkit.job import Job, job_problem
 from toolkit.lora import FULL, Adapter
 from toolkit.memory import Breakdown, estimate_memory, states_floor_bytes
 from toolkit.modelspec import ModelSpec
-from toolkit.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
+from toolkit.strategy import ALL_STRATEGY_NAMES, Kind, Strategy, parse_strategy
 from toolkit.timing import Timing, step_time
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
             raise UserError(problem)
     strategies = [parse_strategy(s) for s in req.strategies]
     if hw.world_size == 1:
-        strategies = [s for s in strategies if s.kind == "ddp" or s.offloads] or strategies
+        strategies = [s for s in strategies if s.kind == Kind.DDP or s.offloads] or strategies
     best: dict[str, Candidate] = {}
     refused: dict[str, Candidate] = {}
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from toolkit.job import Job
-from toolkit.strategy import Strategy
+from toolkit.strategy import Engine, Strategy
 
 # Optimizer state bytes per parameter when states are fp32 (torch keeps states in the parameter dtype, so
 # bf16-pure halves them). adamw-8bit: bitsandbytes blockwise 8-bit exp_avg and exp_avg_sq (1 byte each) plus one
@@ -236,9 +236,9 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
       unless bnb_4bit_quant_storage is a floating dtype (`base_shardable`).
     """
     base_per_gpu = base_bytes
-    if strategy.engine == "ddp":
+    if strategy.engine == Engine.DDP:
         s = ddp_states(trainable, job, world=dp)
-    elif strategy.engine == "deepspeed":
+    elif strategy.engine == Engine.DEEPSPEED:
         s = zero_states(trainable, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
         if strategy.zero_stage == 3:
             pb = _param_bytes(job)
@@ -248,7 +248,7 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
             if strategy.offload_params != "none":
                 s.cpu += base_per_gpu
                 base_per_gpu = 0.0
-    elif strategy.engine == "fsdp2":
+    elif strategy.engine == Engine.FSDP2:
         s = fsdp2_states(trainable, job, strategy, shard=shard, layer_params=layer_trainable_params,
                          root_params=root_trainable_params, accumulating=False, prefetch_layers=prefetch_layers)
         compute = 4 if job.precision == "fp32" else 2

@@ -20,20 +20,51 @@ Names:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
 from toolkit.errors import UserError
 
-Kind = Literal["ddp", "zero1", "zero2", "zero3", "fsdp2", "pipeline", "hybrid"]
+class _Name(str, Enum):
+    """A closed choice that compares, prints and serialises as its plain name ("ddp"), so a typo in a comparison
+    is an AttributeError rather than a silent False."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Engine(_Name):
+    """Which engine runs a strategy's step."""
+    DDP = "ddp"
+    DEEPSPEED = "deepspeed"
+    FSDP2 = "fsdp2"
+    PIPELINE = "pipeline"
+
+
+class Kind(_Name):
+    """A strategy's family (offload and FSDP mode are separate fields of Strategy)."""
+    DDP = "ddp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    FSDP2 = "fsdp2"
+    PIPELINE = "pipeline"
+    HYBRID = "hybrid"
+
+
+KindName = Literal["ddp", "zero1", "zero2", "zero3", "fsdp2", "pipeline", "hybrid"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 FsdpMode = Literal["full", "grad_op", "hybrid"]
 
-KINDS: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "pipeline", "hybrid")
+KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
 
 
 @dataclass(frozen=True)
 class Strategy:
-    kind: Kind
+    kind: KindName
     offload_optimizer: OffloadDevice = "none"
     """Where optimizer states, fp32 master weights and the optimizer step live (ZeRO only)."""
     offload_params: OffloadDevice = "none"
@@ -42,14 +73,14 @@ class Strategy:
     """FSDP2 sharding: full (reshard after forward), grad_op (keep params unsharded to backward), hybrid (HSDP)."""
 
     @property
-    def engine(self) -> Literal["ddp", "deepspeed", "fsdp2", "pipeline"]:
-        if self.kind == "ddp":
-            return "ddp"
-        if self.kind == "fsdp2":
-            return "fsdp2"
-        if self.kind in ("pipeline", "hybrid"):
-            return "pipeline"
-        return "deepspeed"
+    def engine(self) -> Engine:
+        if self.kind == Kind.DDP:
+            return Engine.DDP
+        if self.kind == Kind.FSDP2:
+            return Engine.FSDP2
+        if self.kind in (Kind.PIPELINE, Kind.HYBRID):
+            return Engine.PIPELINE
+        return Engine.DEEPSPEED
 
     @property
     def zero_stage(self) -> int:

@@ -16,7 +16,7 @@ from toolkit.hardware import Hardware
 from toolkit.grid import grid_of
 from toolkit.job import Job
 from toolkit.modelspec import ModelSpec
-from toolkit.strategy import Strategy
+from toolkit.strategy import Engine, Strategy
 
 MFU_LOW_PRECISION = 0.45
 """Fraction of dense bf16/fp16 peak a well-sized HF model step reaches (torchtitan: 33-58% on H100/A100)."""
@@ -133,11 +133,11 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     if trainable is not None:
         assumptions.append(f"{job.adapter.method}: frozen base runs forward + input-gradient backward; "
                            f"{trainable:,} trainable parameters get weight gradients and the optimizer step")
-    if strategy.engine == "ddp":
+    if strategy.engine == Engine.DDP:
         grad_bytes = P_grad * (4 if job.precision in ("fp32", "bf16", "fp16") else 2)
         comm = _ring(grad_bytes, dp, _group_bandwidth(hw, dp), 2)
         assumptions.append("DDP: one all-reduce of the gradients per step (no_sync while accumulating)")
-    elif strategy.engine == "deepspeed":
+    elif strategy.engine == Engine.DEEPSPEED:
         bw = _group_bandwidth(hw, dp)
         if strategy.zero_stage == 1:
             comm = _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
@@ -158,7 +158,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                 offload += 2 * (P / dp) * 16 * hw.gpus_per_node / (NVME_GBPS * 1e9)
             assumptions.append(f"offload: host link {hw.gpu.pcie_gbps:.0f} GB/s, CPU Adam "
                                f"{CPU_ADAM_PARAMS_PER_S / 1e9:.0f}B params/s per node")
-    elif strategy.engine == "fsdp2":
+    elif strategy.engine == Engine.FSDP2:
         if strategy.fsdp_mode == "hybrid":
             shard, replicas = grid.dp_shard, grid.dp_replicate
             comm = A * (2 * _ring(P * pb, shard, hw.gpu.intra_node_gbps, 1)
@@ -179,7 +179,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         comm_dp = _ring(stage_P * pb, dp, hw.gpu.intra_node_gbps, 2) if dp > 1 else 0.0
         comm = comm_p2p * 0.5 + comm_dp  # sends overlap with the other direction's compute about half the time
         assumptions.append(f"1F1B bubble (P-1)/M of compute with P={P_stages}, M={M}")
-    exposed = max(0.0, comm - OVERLAP * min(comm, backward)) if strategy.engine != "pipeline" else comm
+    exposed = max(0.0, comm - OVERLAP * min(comm, backward)) if strategy.engine != Engine.PIPELINE else comm
     step = compute + bubble + exposed + offload
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, job.seq_len)
     mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0

@@ -31,6 +31,7 @@ from toolkit.emit.user_settings import DS_LAUNCHER_CONFIG, SETTINGS_FILE, settin
 from toolkit.errors import UserError
 from toolkit.fileio import write_folder
 from toolkit.plan import Plan
+from toolkit.strategy import Engine
 
 EXECUTABLE = 0o755
 READABLE = 0o644  # write_atomic's temporary file is 0o600; configs are shared with the team
@@ -49,13 +50,13 @@ def render_files(plan: Plan, *, candidates: list[dict[str, Any]] | None = None, 
         raise UserError(f"{len(hosts)} host(s) given for a plan of {plan.num_machines} nodes; give one per node")
     files: dict[str, tuple[str, int]] = {}
     runner_config = None
-    if plan.engine in ("deepspeed", "pipeline"):
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE):
         runner_config = ds_config(plan, nvme_path=nvme_path)
         files["ds_config.json"] = (json.dumps(runner_config, indent=2) + "\n", READABLE)
-    if plan.engine == "deepspeed":
+    if plan.engine == Engine.DEEPSPEED:
         concrete = ds_config(plan, nvme_path=nvme_path, runner_fills=False)
         files[DS_LAUNCHER_CONFIG] = (json.dumps(concrete, indent=2) + "\n", READABLE)
-    yaml_ds = runner_config if plan.engine == "deepspeed" else None
+    yaml_ds = runner_config if plan.engine == Engine.DEEPSPEED else None
     files["accelerate_config.yaml"] = (accelerate_yaml(plan, ds_config=yaml_ds, main_host=hosts[0]), READABLE)
     model = loadable_model(plan.model)
     if plan.num_machines == 1:

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from toolkit.plan import Plan
+from toolkit.strategy import Engine
 
 MAIN_PROCESS_PORT = 29500
 """torchrun's default rendezvous port (accelerate uses the same when none is set)."""
@@ -47,7 +48,7 @@ def accelerate_config(plan: Plan, *, ds_config: dict[str, Any] | None = None,
     """The YAML as a dict. `ds_config`: ds_config.json's content, carried inline (DeepSpeed plans only)."""
     config: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
     multi_process = plan.world_size > 1
-    if plan.engine == "deepspeed":
+    if plan.engine == Engine.DEEPSPEED:
         config["distributed_type"] = "DEEPSPEED"
         if ds_config is None:
             raise ValueError("a DeepSpeed plan's YAML carries its ds_config.json: pass ds_config")
@@ -56,7 +57,7 @@ def accelerate_config(plan: Plan, *, ds_config: dict[str, Any] | None = None,
         if plan.num_machines > 1:
             ds["deepspeed_multinode_launcher"] = "standard"
         config["deepspeed_config"] = ds
-    elif plan.engine == "fsdp2":
+    elif plan.engine == Engine.FSDP2:
         config["distributed_type"] = "FSDP"
         config["mixed_precision"] = ACCELERATE_MIXED_PRECISION[plan.precision]
         config["fsdp_config"] = fsdp_config(plan)
@@ -67,7 +68,7 @@ def accelerate_config(plan: Plan, *, ds_config: dict[str, Any] | None = None,
             }
     else:  # ddp, pipeline: plain processes
         config["distributed_type"] = "MULTI_GPU" if multi_process else "NO"
-        precision = "no" if plan.engine == "pipeline" else ACCELERATE_MIXED_PRECISION[plan.precision]
+        precision = "no" if plan.engine == Engine.PIPELINE else ACCELERATE_MIXED_PRECISION[plan.precision]
         config["mixed_precision"] = precision
     config["num_machines"] = plan.num_machines
     config["num_processes"] = plan.world_size

@@ -47,6 +47,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.plan import Plan
+from toolkit.strategy import Engine
 
 GRADIENT_CLIPPING = 1.0
 """transformers.TrainingArguments.max_grad_norm default, and what accelerate fills for "auto": the plan's value."""
@@ -100,7 +101,7 @@ def zero_buckets(hidden: int, stage: int) -> dict[str, int]:
 
 def ds_zero_stage(plan: Plan) -> int:
     """The ZeRO stage the JSON carries: the plan's, except bf16 pipelines which need ZeRO-1 (module docstring)."""
-    if plan.engine == "pipeline":
+    if plan.engine == Engine.PIPELINE:
         if plan.zero_stage > 1:
             raise UserError(f"plan {plan.strategy} asks ZeRO-{plan.zero_stage} with pipeline parallelism; "
                             "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only (use hybrid for ZeRO-1)")
@@ -115,7 +116,7 @@ def precision_blocks(plan: Plan, stage: int) -> dict[str, Any]:
         return {"fp16": dict(FP16_DYNAMIC_LOSS_SCALE), "bf16": {"enabled": False}}
     if plan.precision == "bf16":
         blocks: dict[str, Any] = {"bf16": {"enabled": True}, "fp16": {"enabled": False}}
-        if plan.engine == "pipeline":
+        if plan.engine == Engine.PIPELINE:
             blocks["data_types"] = {"grad_accum_dtype": "fp32"}
         return blocks
     if plan.precision == "bf16-pure":
@@ -168,10 +169,10 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
     Trainer / accelerate to fill (ds_config.json); default: for ZeRO plans, never for pipelines (nothing fills
     them). False gives the fully concrete file (ds_config.deepspeed.json).
     """
-    if plan.engine not in ("deepspeed", "pipeline"):
+    if plan.engine not in (Engine.DEEPSPEED, Engine.PIPELINE):
         raise ValueError(f"plan engine {plan.engine} has no DeepSpeed config")
     if runner_fills is None:
-        runner_fills = plan.engine == "deepspeed"
+        runner_fills = plan.engine == Engine.DEEPSPEED
     stage = ds_zero_stage(plan)
     config: dict[str, Any] = {
         "train_batch_size": plan.global_batch,
@@ -195,14 +196,14 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
     if plan.optimizer != "adamw" and stage > 0:
         # ZeRO accepts only the optimizers in runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS without this flag.
         config["zero_allow_untested_optimizer"] = True
-    if plan.engine == "pipeline":
+    if plan.engine == Engine.PIPELINE:
         config["steps_per_print"] = 100  # the pipeline engine logs loss and step time this often
     return config
 
 
 def owns_optimizer(plan: Plan) -> bool:
     """ds_config.json holds an "optimizer" block: a user's accelerate loop must pass accelerate's DummyOptim."""
-    return plan.engine == "deepspeed" and plan.offload_optimizer != "none" and plan.optimizer == "adamw"
+    return plan.engine == Engine.DEEPSPEED and plan.offload_optimizer != "none" and plan.optimizer == "adamw"
 
 
 def is_auto(value: Any) -> bool:

@@ -8,6 +8,7 @@ from toolkit.emit.deepspeed import ds_zero_stage
 from toolkit.emit.launch import batch_arithmetic
 from toolkit.emit.user_settings import plan_md_section
 from toolkit.plan import Plan
+from toolkit.strategy import Engine
 
 GIB = 1024 ** 3
 BAR_WIDTH = 40
@@ -46,7 +47,7 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
                      "(adapter_config.json + adapter_model.safetensors)")
     lines.append("")
     lines += ["## Strategy", "", f"- {strategy_sentence(plan)}"]
-    if plan.engine == "pipeline":
+    if plan.engine == Engine.PIPELINE:
         lines.append(f"- {plan.pipeline_stages} stages x {plan.data_parallel} data-parallel; decoder layers split at "
                      f"{plan.partition}; 1F1B schedule with {plan.grad_accum} micro-batches per step")
         lines.append("- accelerate only starts the processes; toolkit.train runs DeepSpeed's pipeline engine with "
@@ -62,7 +63,7 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
     if candidates:
         lines += ["## Peak memory per strategy (per GPU)", "", "```"] + memory_chart(candidates) + ["```", ""]
     lines += launch_section(plan, nvme_path)
-    if plan.engine != "pipeline":
+    if plan.engine != Engine.PIPELINE:
         lines += plan_md_section(plan)
     return "\n".join(lines)
 

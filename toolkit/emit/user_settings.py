@@ -25,6 +25,7 @@ from typing import Any
 
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
 from toolkit.plan import Plan
+from toolkit.strategy import Engine
 
 SETTINGS_FILE = "training_args.json"
 DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
@@ -32,7 +33,15 @@ DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
 
 OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 """plan.optimizer -> TrainingArguments.optim. adamw: torch's fused AdamW (the Trainer's default on torch >= 2.8): no
-foreach step temporaries, which is what the memory model assumes (toolkit/states.py)."""
+foreach step temporaries, which is what the memory model assumes by default (toolkit/savers.py)."""
+ADAMW_IMPL = {"fused": "adamw_torch_fused", "foreach": "adamw_torch", "for-loop": "adamw_torch"}
+"""plan.optimizer_impl -> TrainingArguments.optim for AdamW. The Trainer's adamw_torch builds torch's AdamW with its
+defaults (foreach where the tensors allow it) and passes no optim_args to it (transformers trainer_optimizer.py
+_get_adamw_torch), so a for-loop step is only reachable from a custom loop (foreach=False); notes() says so."""
+
+
+def optim_name(plan: Plan) -> str:
+    return ADAMW_IMPL[plan.optimizer_impl] if plan.optimizer == "adamw" else OPTIM[plan.optimizer]
 
 
 def checkpointing_name() -> str:
@@ -47,13 +56,13 @@ def checkpointing_name() -> str:
 def trainer_checkpointing(plan: Plan) -> bool:
     """Checkpointing through TrainingArguments: on when the plan checkpoints, except FSDP2, where the accelerate
     YAML's fsdp_activation_checkpointing does it (transformers refuses both at once)."""
-    return plan.checkpointing and plan.engine != "fsdp2"
+    return plan.checkpointing and plan.engine != Engine.FSDP2
 
 
 def uses_bf16_autocast(plan: Plan) -> bool:
     """TrainingArguments.bf16. bf16-pure loads bf16 weights instead (autocast on top would only add copies), except
     under DeepSpeed, whose bf16 block must match this flag (the Trainer checks)."""
-    return plan.precision == "bf16" or (plan.precision == "bf16-pure" and plan.engine == "deepspeed")
+    return plan.precision == "bf16" or (plan.precision == "bf16-pure" and plan.engine == Engine.DEEPSPEED)
 
 
 def training_arguments(plan: Plan) -> dict[str, Any]:
@@ -66,15 +75,17 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
         "gradient_accumulation_steps": plan.grad_accum,
         "bf16": uses_bf16_autocast(plan),
         "fp16": plan.precision == "fp16",
-        "optim": OPTIM[plan.optimizer],
+        "optim": optim_name(plan),
         "max_grad_norm": GRADIENT_CLIPPING,
         name: checkpointing,
         # Non-reentrant checkpointing works with ZeRO-3 and FSDP2 (reentrant re-gathers inside the recompute).
         f"{name}_kwargs": {"use_reentrant": False} if checkpointing else None,
     }
-    if plan.engine == "ddp":
+    if plan.liger:  # only when on: the Trainer imports liger-kernel (and needs a GPU) for it
+        kwargs["use_liger_kernel"] = True
+    if plan.engine == Engine.DDP:
         kwargs["ddp_find_unused_parameters"] = False
-    if plan.engine == "fsdp2" and plan.grad_accum > 1:
+    if plan.engine == Engine.FSDP2 and plan.grad_accum > 1:
         # Reduce-scatter every micro-batch: the Trainer's default no_sync keeps every layer's unsharded gradient
         # until the last micro-batch (P x 2 bytes per GPU), which the plan's memory did not budget for.
         kwargs["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
@@ -90,7 +101,8 @@ def sft_config(plan: Plan) -> dict[str, Any]:
     bf16 and checkpointing are always written: SFTConfig's defaults differ from TrainingArguments' (both True).
     """
     return {**training_arguments(plan), "max_length": plan.seq_len,
-            "packing": plan.attention == "flash_attention_2"}
+            "packing": plan.attention == "flash_attention_2",
+            **({"activation_offloading": True} if plan.activation_offloading else {})}
 
 
 def accelerate_loop(plan: Plan) -> dict[str, Any]:
@@ -102,6 +114,8 @@ def accelerate_loop(plan: Plan) -> dict[str, Any]:
         "gradient_checkpointing": trainer_checkpointing(plan),
         "sequence_length": plan.seq_len,
         "use_dummy_optim": owns_optimizer(plan),
+        "optimizer_kwargs": ({"fused": plan.optimizer_impl == "fused", "foreach": plan.optimizer_impl == "foreach"}
+                             if plan.optimizer == "adamw" and not owns_optimizer(plan) else {}),
         "model_dtype": "bfloat16" if plan.precision == "bf16-pure" else "float32",
     }
 
@@ -114,23 +128,34 @@ def launch_line(script: str = "your_script.py", plan_dir: str = "PLAN_DIR") -> s
 def notes(plan: Plan) -> list[str]:
     """What a user's script must do beyond passing the numbers."""
     out = [f"Load the model in {accelerate_loop(plan)['model_dtype']} (dtype=...); the engines cast for compute."]
-    if plan.engine == "fsdp2" and plan.checkpointing:
+    if plan.engine == Engine.FSDP2 and plan.checkpointing:
         out.append("Activation checkpointing is on through the YAML (fsdp_activation_checkpointing); leave "
                    "gradient checkpointing off in your script.")
     elif plan.checkpointing:
         out.append("The plan's memory assumes activation checkpointing: TrainingArguments carry it; a custom loop "
                    "calls model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
                    "False}).")
+    if plan.optimizer == "adamw" and plan.optimizer_impl == "for-loop":
+        out.append("The plan's memory assumes a for-loop AdamW step (foreach=False): the Trainer and TRL cannot "
+                   "select it (optim adamw_torch runs torch's foreach default, which needs more memory at the step); "
+                   "a custom loop passes foreach=False, fused=False.")
+    if plan.activation_offloading:
+        out.append("The plan's memory assumes activation offloading: TRL's SFTConfig carries activation_offloading; "
+                   "the HF Trainer and toolkit.train have no such option (re-plan without --activation-offloading "
+                   "for them).")
+    if plan.liger:
+        out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
+                   "liger-kernel >= 0.8.2; its kernels need a GPU).")
     if owns_optimizer(plan):
         out.append("ds_config.json holds an \"optimizer\" block (DeepSpeed's CPU Adam for the offloaded states): "
                    "a custom accelerate loop must pass accelerate.utils.DummyOptim(params, lr=..., "
                    "weight_decay=...) instead of a torch optimizer (accelerate refuses one next to the block); "
                    "the HF Trainer and TRL do this themselves.")
-    if plan.engine == "deepspeed":
+    if plan.engine == Engine.DEEPSPEED:
         out.append("HF Trainer without accelerate launch: --deepspeed PLAN_DIR/ds_config.json with these "
                    "TrainingArguments (its \"auto\" values are filled from them). DeepSpeed's own launcher or "
                    f"deepspeed.initialize(config=...): {DS_LAUNCHER_CONFIG} (every value concrete).")
-    if plan.engine == "pipeline":
+    if plan.engine == Engine.PIPELINE:
         out.append("Pipeline plans run DeepSpeed's pipeline engine: use toolkit.train (Trainer, TRL and accelerate "
                    "loops cannot run a PipelineModule).")
     return out

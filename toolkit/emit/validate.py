@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 from toolkit.emit.deepspeed import auto_keys
+from toolkit.strategy import Engine
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ def validate_ds_config_for_plan(config: dict[str, Any], plan) -> Any:
     """Check a DeepSpeed JSON the way the plan's runner reads it; returns DeepSpeed's parsed config."""
     from toolkit.emit.deepspeed import hidden_size
 
-    if plan.engine == "pipeline":
+    if plan.engine == Engine.PIPELINE:
         # toolkit.train hands the file to deepspeed.initialize unchanged; the pipeline engine's data-parallel
         # world is world / stages (its mpu), which is what its batch assertion uses.
         return deepspeed_config_at(config, plan.data_parallel)

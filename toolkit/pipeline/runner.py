@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,9 +20,9 @@ from typing import Any, Iterator
 import torch
 
 from toolkit.errors import UserError
+from toolkit.train import checkpoints
+from toolkit.train.cpu import peak_memory_bytes
 
-CHECKPOINT_MARKER = "pipeline_state.json"
-"""Written last into checkpoint-N/: a checkpoint without it is incomplete and resume skips it."""
 LOG_FILE = "pipeline_log.jsonl"
 """One JSON line per logged step (rank 0), next to the checkpoints."""
 
@@ -34,20 +32,19 @@ def train_pipeline(plan, args) -> None:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-    from transformers import AutoConfig, AutoTokenizer
-
     from toolkit.pipeline.convert import Source, build_pipeline
     from toolkit.pipeline.export import save_hf_model
     from toolkit.train.data import build_datasets
+    from toolkit.train.model import check_matches_plan, check_vocab, load_config, load_tokenizer, model_source
 
     ds_config = read_ds_config(plan, args)
     stages = plan.pipeline_stages
-    model_dir, weights = resolve_model(args.model or plan.model, random_init=args.random_init)
-    config = AutoConfig.from_pretrained(model_dir)
-    num_layers = config.get_text_config().num_hidden_layers
-    if plan.num_layers and plan.num_layers != num_layers:
-        raise UserError(f"the plan was made for a model with {plan.num_layers} layers ({plan.model}) but "
-                        f"{model_dir} has {num_layers}; re-plan for this model")
+    # The same model resolution as the Trainer runner: what to load, its config, and the check that it is the
+    # planned model; the pipeline then needs the folder of its safetensors (each stage reads only its layers).
+    name = model_source(plan, args.model, random_init=args.random_init)
+    config = load_config(name, random_init=args.random_init)
+    check_matches_plan(config, plan, name)
+    model_dir, weights = weights_folder(name, random_init=args.random_init)
     boundaries = list(plan.partition)  # the plan checked that it splits its num_layers over its stages
 
     deepspeed.init_distributed()
@@ -56,10 +53,8 @@ def train_pipeline(plan, args) -> None:
         raise UserError(f"the plan is for {plan.world_size} processes ({plan.pipeline_stages} stages x "
                         f"{plan.data_parallel} data-parallel) but {world} were launched; launch with the plan's "
                         "accelerate_config.yaml")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
-    if len(tokenizer) > config.get_text_config().vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only "
-                        f"{config.get_text_config().vocab_size}; use the model's own tokenizer")
+    tokenizer = load_tokenizer(args.tokenizer or model_dir)
+    check_vocab(config.get_text_config(), tokenizer, name)
 
     torch.manual_seed(args.seed)
     train_ds, eval_ds = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
@@ -88,14 +83,15 @@ def train_pipeline(plan, args) -> None:
     output = Path(args.output)
     start_step = 0
     if args.resume:
-        tag = newest_checkpoint(output)
-        if tag is None:
+        last = checkpoints.last_complete_checkpoint(output)
+        if last is None:
             if rank == 0:
                 print(f"resume: no complete checkpoint in {output}; starting at step 0", flush=True)
         else:
+            tag = last.name
             engine.load_checkpoint(str(output), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-            start_step = json.loads((output / tag / CHECKPOINT_MARKER).read_text())["step"]
-            load_rng_state(output / tag, rank)
+            start_step = checkpoints.step_of(last)
+            load_rng_state(last, rank)
             if rank == 0:
                 print(f"resume: {tag}, continuing at step {start_step + 1} of {total_steps}", flush=True)
 
@@ -203,10 +199,8 @@ def save_checkpoint(engine, output: Path, step: int, rank: int, keep: int | None
     torch.save(rng_state(), output / tag / f"rng_state_rank{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
-        (output / tag / CHECKPOINT_MARKER).write_text(json.dumps({"step": step}) + "\n")
-        if keep is not None:
-            for old in sorted(complete_checkpoints(output))[:-keep]:
-                shutil.rmtree(output / f"checkpoint-{old}", ignore_errors=True)
+        checkpoints.mark_complete(output / tag)
+        checkpoints.rotate(output, keep)
     dist.barrier()
 
 
@@ -256,29 +250,6 @@ class RunLog:
         self.file.close()
         if self.board is not None:
             self.board.close()
-
-
-def complete_checkpoints(output: Path) -> list[int]:
-    steps = []
-    for path in output.glob("checkpoint-*"):
-        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
-        if match and (path / CHECKPOINT_MARKER).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def newest_checkpoint(output: Path) -> str | None:
-    steps = complete_checkpoints(output)
-    return f"checkpoint-{steps[-1]}" if steps else None
-
-
-def peak_memory_bytes() -> int:
-    """Peak accelerator memory of this rank, or the process's peak resident memory on a CPU-only machine."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def read_ds_config(plan, args) -> dict[str, Any]:
@@ -331,8 +302,9 @@ def _flatten(d: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def resolve_model(name: str, *, random_init: bool) -> tuple[str, str | None]:
-    """(folder or hub id for config and tokenizer, folder holding the safetensors or None for random init)."""
+def weights_folder(name: str, *, random_init: bool) -> tuple[str, str | None]:
+    """(folder or hub id for the tokenizer, folder holding the safetensors or None for random init) of a model
+    that toolkit.train.model.model_source named."""
     path = Path(name).expanduser()
     if path.is_file() and path.name == "config.json":
         if not random_init:

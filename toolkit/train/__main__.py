@@ -11,6 +11,7 @@ import signal
 import sys
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
+from toolkit.strategy import Engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from toolkit.train.args import parse_train_args
 
     if "LOCAL_RANK" in os.environ:  # started by a launcher: never outlive it (it may be SIGKILLed)
-        from toolkit.launch import die_with_parent
+        from toolkit.processes import die_with_parent
 
         die_with_parent(signal.SIGKILL)
         if os.getppid() == 1:  # the launcher died before the line above
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_train_args(argv)
         plan = load_plan(args.plan)
-        if plan.engine == "pipeline":
+        if plan.engine == Engine.PIPELINE:
             from toolkit.pipeline.runner import train_pipeline
 
             if args.trainer_flags:

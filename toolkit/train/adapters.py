@@ -14,6 +14,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.lora import Adapter
+from toolkit.strategy import Engine
 
 
 def adapter_for_run(plan, args) -> Adapter | None:
@@ -34,7 +35,7 @@ def adapter_for_run(plan, args) -> Adapter | None:
     adapter = replace(adapter, **overrides)  # validates the values (UserError on bad ones)
     if not adapter.is_adapter:
         return None
-    if adapter.method == "qlora" and plan.engine == "deepspeed" and plan.zero_stage == 3 \
+    if adapter.method == "qlora" and plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3 \
             and adapter.quant_storage == "uint8":
         raise UserError("QLoRA under ZeRO-3 needs a floating 4-bit storage dtype to partition the base; plan with "
                         "--qlora-quant-storage bfloat16")

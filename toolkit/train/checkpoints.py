@@ -1,6 +1,6 @@
 """Checkpoint folders a killed run can always resume from.
 
-The Trainer writes `checkpoint-N/` in several steps (model, optimizer, per-rank RNG state, trainer_state.json) with
+Both runners (the HF Trainer's and the pipeline runner) use these. The Trainer writes `checkpoint-N/` in several steps (model, optimizer, per-rank RNG state, trainer_state.json) with
 no marker of completion, and `get_last_checkpoint` takes the newest folder whatever it holds. We add the marker:
 after every rank has finished writing (a barrier), rank 0 writes COMPLETE_MARKER last; resume only takes marked
 folders, and old checkpoints are deleted only after a newer one is marked (the Trainer's own rotation could delete
@@ -27,7 +27,14 @@ def checkpoint_dirs(output: str | Path) -> list[Path]:
 
 
 def is_complete(checkpoint: Path) -> bool:
-    return (checkpoint / COMPLETE_MARKER).is_file() and (checkpoint / "trainer_state.json").is_file()
+    """The marker is written after every rank finished its part (both runners: the Trainer's CheckpointMarker
+    callback, the pipeline runner's save_checkpoint)."""
+    return (checkpoint / COMPLETE_MARKER).is_file()
+
+
+def step_of(checkpoint: Path) -> int:
+    """The optimizer step a checkpoint-N folder was written after."""
+    return int(_CHECKPOINT_RE.match(checkpoint.name).group(1))
 
 
 def last_complete_checkpoint(output: str | Path) -> Path | None:

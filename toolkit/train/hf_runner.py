@@ -19,6 +19,7 @@ from toolkit.plan import Plan
 from toolkit.train import checkpoints, cpu
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
+from toolkit.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, load_config, load_tokenizer,
                                  model_source)
 
@@ -31,8 +32,12 @@ def plan_dir(args: TrainArgs) -> Path:
 
 
 def train_hf(plan: Plan, args: TrainArgs) -> int:
-    if plan.engine not in ("ddp", "deepspeed", "fsdp2"):
+    if plan.engine not in (Engine.DDP, Engine.DEEPSPEED, Engine.FSDP2):
         raise UserError(f"plan engine {plan.engine!r} is not one the HF Trainer path runs (ddp, deepspeed, fsdp2)")
+    if plan.activation_offloading:
+        raise UserError("the plan offloads activations, which TRL's SFTTrainer does and toolkit.train does not: run "
+                        "it with your own TRL script (training_args.json, sft_config) or re-plan without "
+                        "--activation-offloading")
     output = Path(args.output)
     resume_from = _resume_point(output, args.resume)
 
@@ -57,7 +62,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     set_seed(args.seed)  # random init (--random-init, new heads) is the same on every rank and every run
     model = build_model(source, config, plan, random_init=args.random_init, attention=_attention(plan),
                         adapter=adapter)
-    if plan.engine == "deepspeed" and plan.zero_stage == 3:
+    if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
         _check_born_partitioned(model)
     if adapter is not None:
         from toolkit.train.adapters import wrap_model
@@ -131,7 +136,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
     from transformers import TrainingArguments
 
     deepspeed = None
-    if plan.engine == "deepspeed":
+    if plan.engine == Engine.DEEPSPEED:
         deepspeed = plan_dir(args) / DS_CONFIG_NAME
         if not deepspeed.is_file():
             raise UserError(f"plan {args.plan} is a DeepSpeed plan but {deepspeed} is missing; "
@@ -181,7 +186,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         accelerator_config["use_configured_state"] = True
     if accelerator_config:
         kwargs["accelerator_config"] = accelerator_config
-    if on_cpu and plan.engine == "ddp":
+    if on_cpu and plan.engine == Engine.DDP:
         kwargs["ddp_backend"] = "gloo"
     try:
         return TrainingArguments(**kwargs)
@@ -299,7 +304,7 @@ def save_final(trainer, tokenizer, output: Path) -> None:
 
 
 def _check_world(plan: Plan, world: int) -> None:
-    if world != plan.world_size and plan.engine == "deepspeed":
+    if world != plan.world_size and plan.engine == Engine.DEEPSPEED:
         raise UserError(f"the plan is for {plan.world_size} processes but {world} were started; its DeepSpeed "
                         f"train_batch_size {plan.global_batch} assumes {plan.data_parallel} data-parallel ranks "
                         "(start it with `toolkit launch`, or re-plan for this GPU count)")

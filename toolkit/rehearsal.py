@@ -16,8 +16,9 @@ from typing import Any
 from toolkit import tiny
 from toolkit.errors import UserError
 from toolkit.grid import ParallelGrid
+from toolkit.launch import LOG_NAME, emit_plan_files, launch_command, preflight, run
 from toolkit.plan import Plan
-from toolkit.strategy import parse_strategy
+from toolkit.strategy import Engine, parse_strategy
 
 REHEARSAL_SEQ_LEN = 64
 REHEARSAL_LAYERS = 4
@@ -65,11 +66,16 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path) -> tuple[Plan, list[s
         said.append("flash-attention kernels need a GPU: rehearsing with sdpa")
     stages = 1
     world = 2
-    if plan.engine == "pipeline":
+    if plan.engine == Engine.PIPELINE:
         stages = 2
         world = 4 if plan.strategy == "hybrid" or plan.data_parallel > 1 else 2
+    if plan.liger:
+        said.append("Liger's Triton kernels need a GPU: rehearsing without them (the memory savers change no "
+                    "engine code path)")
+    if plan.activation_offloading:
+        said.append("activation offloading is TRL's (SFTTrainer): the rehearsal runs toolkit.train without it")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
-    grad_accum = min(plan.grad_accum, 2) if plan.engine != "pipeline" else max(2, min(plan.grad_accum, 4))
+    grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
     small = plan_for_model(
         tiny_model_dir, plan.strategy, gpus_per_node=world, micro_batch=min(plan.micro_batch, 2),
         grad_accum=grad_accum, seq_len=min(plan.seq_len, REHEARSAL_SEQ_LEN), precision=precision,
@@ -96,7 +102,6 @@ REHEARSAL_STEPS = 4
 
 def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False) -> int:
     """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed."""
-    from toolkit.launch import preflight
 
     if train_argv:  # the real run's arguments, when given, are checked as the real launch would
         preflight(plan, plan_dir, train_argv)
@@ -113,7 +118,6 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
 
 
 def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool) -> int:
-    from toolkit.launch import LOG_NAME, emit_plan_files, launch_command, run
 
     model_dir = make_rehearsal_model(plan, work / "model")
     small, said = rehearsal_plan(plan, model_dir)
@@ -176,7 +180,7 @@ def _validate_real_configs(plan: Plan, plan_dir: Path) -> list[str]:
     """Checks on the real plan's files that the CPU run cannot make (fp16 is validated, not run)."""
     problems = []
     ds_file = plan_dir / "ds_config.json"
-    if plan.engine in ("deepspeed", "pipeline") and ds_file.is_file():
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and ds_file.is_file():
         import json
 
         from toolkit.emit.validate import validate_ds_config_for_plan
