@@ -258,6 +258,7 @@ def worker(strategy: str, precision: str, model_dir: str, out_path: str) -> None
 def predict(strategy: str, precision: str) -> dict:
     from toolkit.hardware import parse_hardware
     from toolkit.job import Job
+    from toolkit.grid import grid_of
     from toolkit.memory import _states_for, estimate_memory
     from toolkit.modelspec import build_spec
     from toolkit.strategy import parse_strategy
@@ -268,7 +269,7 @@ def predict(strategy: str, precision: str) -> dict:
     hw = parse_hardware(f"{WORLD}xA100-80GB")
     kind = parse_strategy(strategy)
     b = estimate_memory(spec, kind, job, hw)
-    s = _states_for(spec, kind, job, hw, params=spec.params, dp=WORLD)
+    s = _states_for(spec, kind, job, grid_of(kind, hw), params=spec.params)
     return {"params": spec.params, "peak_bytes": b.peak_bytes, "peak_phase": b.peak_phase,
             "breakdown_states_bytes": b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes,
             # What the states model says is alive between steps (no step grads, no gathered params, no step temps).

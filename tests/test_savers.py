@@ -191,3 +191,21 @@ def test_the_memory_savers_a_plan_assumes_reach_the_settings_each_runner_reads()
     assert "use_liger_kernel" in said and "activation_offloading" in said
     loop = base.replace(strategy="fsdp2", optimizer_impl="for-loop")
     assert "foreach=False" in " ".join(notes(loop))
+
+
+def test_pipeline_ranks_load_only_their_stage_into_host_ram():
+    """toolkit.pipeline.convert reads each stage's tensors from the safetensors: a node of 8 pipeline ranks holds
+    about one model's worth at load, where 8 DDP ranks hold eight."""
+    from toolkit.hardware import parse_hardware
+    from toolkit.job import Job
+    from toolkit.memory import estimate_memory
+    from toolkit.modelspec import resolve_model
+    from toolkit.strategy import parse_strategy
+
+    spec, hw = resolve_model("llama-2-7b"), parse_hardware("8xA100-80GB")
+    job = Job(seq_len=512)
+    ddp = estimate_memory(spec, parse_strategy("ddp"), job, hw).host
+    pipe = estimate_memory(spec, parse_strategy("pipeline"), job, hw, pipeline_stages=8).host
+    assert ddp.load_bytes_per_node == 8 * spec.params * 4
+    assert spec.params * 4 <= pipe.load_bytes_per_node < 1.3 * spec.params * 4
+    assert "its stage" in pipe.load_source

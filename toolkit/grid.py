@@ -79,8 +79,8 @@ class ParallelGrid:
                 return cls(nodes, gpus_per_node, dp_replicate=world)
             if strategy.kind == Kind.FSDP2 and strategy.fsdp_mode == "hybrid":
                 if nodes < 2:
-                    raise UserError("fsdp2-hybrid shards inside a node and replicates across nodes; it needs 2+ "
-                                    "nodes (use fsdp2 on one node)")
+                    raise UserError("HSDP (fsdp2-hybrid) shards inside a node and replicates across nodes; it "
+                                    "needs 2+ nodes (use fsdp2 on one node)")
                 return cls(nodes, gpus_per_node, dp_replicate=nodes, dp_shard=gpus_per_node)
             return cls(nodes, gpus_per_node, dp_shard=world)
         if world < 2:

@@ -4,7 +4,9 @@ What toolkit.train and its emitted configs do (toolkit/train/model.py, toolkit/e
 
 load  from_pretrained / from_config builds the model on the CPU in the load dtype (fp32 for fp32 and mixed precision:
       the Trainer keeps fp32 master weights; bf16 for bf16-pure) before the engine moves or shards it.
-      - DDP, ZeRO-1/2, pipeline: every rank builds the whole model: ranks per node x params x load bytes.
+      - DDP, ZeRO-1/2: every rank builds the whole model: ranks per node x params x load bytes.
+      - pipeline: every rank builds only its stage (toolkit.pipeline.convert reads the stage's tensors from the
+        safetensors): ranks per node x the largest stage's params x load bytes.
       - ZeRO-3 with zero3_init (emitted zero3_init_flag): parameters are partitioned as each module is built
         (deepspeed.zero.Init); a rank holds its 1/N partition and one module gathered while it is filled.
       - FSDP2 with fsdp_cpu_ram_efficient_loading (emitted): rank 0 builds the model, the others build it on the
@@ -48,7 +50,7 @@ class HostRam:
 
 
 def host_ram(*, params: int, largest_layer_params: int, strategy: Strategy, job: Job, gpus_per_node: int,
-             world: int, resident_bytes_per_node: int) -> HostRam:
+             world: int, resident_bytes_per_node: int, stage_params: int | None = None) -> HostRam:
     load_b = 2 if job.precision == "bf16-pure" else 4
     full = params * load_b
     if strategy.kind == Kind.ZERO3:
@@ -57,6 +59,10 @@ def host_ram(*, params: int, largest_layer_params: int, strategy: Strategy, job:
     elif strategy.engine == Engine.FSDP2:
         load = full
         load_src = "FSDP2 cpu_ram_efficient_loading: one full copy on rank 0, others on the meta device"
+    elif strategy.is_pipeline and stage_params is not None:
+        load = gpus_per_node * stage_params * load_b
+        load_src = ("pipeline: each rank builds only its stage's layers and reads their weights from the "
+                    f"safetensors (toolkit.pipeline.convert; {gpus_per_node} x the largest stage)")
     else:
         load = gpus_per_node * full
         load_src = f"every rank builds the whole model on the CPU ({gpus_per_node} x {load_b} B/param)"

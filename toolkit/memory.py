@@ -472,7 +472,8 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         nvme_bytes_per_node=int(states.nvme * ranks_per_node),
         host=host_ram(params=spec.params, largest_layer_params=spec.largest_layer_params, strategy=strategy, job=job,
                       gpus_per_node=ranks_per_node, world=hw.world_size,
-                      resident_bytes_per_node=int(states.cpu * ranks_per_node)),
+                      resident_bytes_per_node=int(states.cpu * ranks_per_node),
+                      stage_params=sum(r.params for r in regions) if strategy.is_pipeline else None),
         terms=tuple(terms),
         notes=tuple(dict.fromkeys(notes)),
     )
