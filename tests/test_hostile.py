@@ -176,6 +176,9 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("train --lr-scheduler unknown", *base, *run_args, "--lr-scheduler", "nope")
     add("train --data a binary .txt", *base, "--data", "{W}/binary.txt", "--output", "{W}/run")
     add("train --data a folder with a binary .jsonl", *base, "--data", "{W}/bin-data", "--output", "{W}/run")
+    add("train --data a .jsonl with a broken line", *base, "--data", "{W}/bad-lines.jsonl", "--output", "{W}/run")
+    add("train --data a .json that is neither JSON nor JSON Lines", *base, "--data", "{W}/bad.json", "--output",
+        "{W}/run")
     add("rehearse with a bad learning rate", "launch", "{P}", "--rehearse", "--", *run_args, "--lr", "nan")
     add("rehearse a plan folder without plan", "launch", "{W}/empty", "--rehearse")
     zbase = ["launch", "{W}/z-bad", "--dry-run", "--", *run_args]
@@ -237,6 +240,8 @@ def world(tmp_path_factory, tiny_llama_dir, tiny_gpt2_dir, corpus_dir):
     (w / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
     (w / "bin-data").mkdir()
     (w / "bin-data" / "train.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n' * 10)
+    (w / "bad-lines.jsonl").write_text('{"text": "fine"}\n' * 5 + '{"text": "cut\n' + '{"text": "fine"}\n')
+    (w / "bad.json").write_text('[{"text": "a"}, {"text": ')
     base = json.loads((tiny_llama_dir / "config.json").read_text())
     for name, change in BAD_CONFIGS.items():
         folder = w / "bad" / name

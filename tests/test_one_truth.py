@@ -251,3 +251,24 @@ def test_version_and_errors_on_stderr(capsys):
     assert main(["estimate", "no-such-model"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("error: ")
+
+
+def test_launch_preflight_applies_the_same_job_rules_as_estimate(tmp_path, capsys):
+    """A plan edited to bf16 on a GPU without bf16 is refused by launch before anything starts, with the message
+    estimate and plan give for the same job."""
+    data = json.loads((ROOT / "presets/sets/zero2-bf16/plan.json").read_text())
+    data["gpu"] = "V100-32GB"
+    plan_dir = tmp_path / "p"
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "plan.json").write_text(json.dumps(data))
+    assert main(["emit", str(tmp_path / "src" / "plan.json"), "--out", str(plan_dir)]) == 2  # emit refuses too
+    assert "V100-32GB has no bf16" in _one_error_line(capsys)
+    shutil.copytree(ROOT / "presets/sets/zero2-bf16", plan_dir)
+    (plan_dir / "plan.json").write_text(json.dumps(data))
+    (tmp_path / "data.txt").write_text("some text\n")
+    code = main(["launch", str(plan_dir), "--dry-run", "--", "--data", str(tmp_path / "data.txt"), "--output",
+                 str(tmp_path / "out")])
+    assert code == 2
+    assert "V100-32GB has no bf16; use --precision fp16 or fp32" in _one_error_line(capsys)
+    assert main(["estimate", "llama-2-7b", "--gpus", "8xV100-32GB", "--seq", "512", "--strategy", "zero2"]) == 2
+    assert "V100-32GB has no bf16; use --precision fp16 or fp32" in _one_error_line(capsys)

@@ -699,12 +699,17 @@ def batch_problems(config: dict[str, Any], *, world_size: int | None, pipeline_s
     if batch is None or micro is None or accum is None or micro <= 0 or accum <= 0:
         return []
     if world_size is not None:
-        dp = world_size // pipeline_stages
-        if batch != micro * accum * dp:
+        from toolkit.grid import ParallelGrid
+
+        if pipeline_stages < 1 or world_size % pipeline_stages:
+            return [f"{pipeline_stages} pipeline stages do not divide {world_size} processes"]
+        grid = ParallelGrid(1, world_size, pipeline_stages=pipeline_stages, dp_shard=world_size // pipeline_stages)
+        expected = grid.global_batch(micro, accum)
+        if batch != expected:
             stages = f" / {pipeline_stages} pipeline stages" if pipeline_stages > 1 else ""
-            return [f"train_batch_size {batch} != micro {micro} x accum {accum} x data-parallel {dp} "
-                    f"({world_size} processes{stages}) = {micro * accum * dp}; set train_batch_size to "
-                    f"{micro * accum * dp} or change the accumulation"]
+            return [f"train_batch_size {batch} != micro {micro} x accum {accum} x data-parallel "
+                    f"{grid.data_parallel} ({world_size} processes{stages}) = {expected}; set train_batch_size to "
+                    f"{expected} or change the accumulation"]
     elif batch % (micro * accum):
         return [f"train_batch_size {batch} is not a multiple of micro {micro} x accum {accum} = {micro * accum}: no "
                 "GPU count satisfies DeepSpeed's batch identity; fix one of the three"]

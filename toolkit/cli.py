@@ -464,15 +464,21 @@ def cmd_emit(args) -> int:
     plan = load_plan(args.plan)
     out = Path(args.out) if args.out else (Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent)
     hosts = args.hosts
-    if plan.prediction_is_stale:
-        from toolkit.planner import predict_plan
+    from toolkit.job import check_job
+    from toolkit.planner import plan_job, predict_plan
 
-        try:
-            plan = predict_plan(plan)
-            _note("plan.json was edited after its prediction: memory and step time re-predicted for the new values")
-        except UserError as exc:
+    try:  # the model, GPU and job the plan describes (a plan for a GPU outside the catalog is emitted as is)
+        spec, hw, job = plan_job(plan, check=False)
+    except UserError as exc:
+        spec = None
+        if plan.prediction_is_stale:
             _note(f"plan.json was edited after its prediction and it could not be re-predicted ({exc}); PLAN.md "
                   "says the prediction is stale")
+    if spec is not None:
+        check_job(spec, job, hw, plan.strategy_spec, pipeline_stages=plan.pipeline_stages)  # estimate's rules
+        if plan.prediction_is_stale:
+            plan = predict_plan(plan)
+            _note("plan.json was edited after its prediction: memory and step time re-predicted for the new values")
     written = emit_files(plan, out, force=args.force, nvme_path=args.nvme_path, hosts=hosts)
     print(f"wrote {len(written)} files to {out}: " + ", ".join(p.name for p in written))
     return 0

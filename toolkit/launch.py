@@ -224,10 +224,15 @@ def _resolve_launcher(command: list[str]) -> list[str]:
 def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     """The checks that need no process group, made before any process starts: arguments, data path, the model's
     config against the plan (type, layers, width, sequence length) and the engine's config file."""
+    from toolkit.hardware import gpu_catalog
     from toolkit.train.model import check_matches_plan, load_config, model_source
 
     args = _check_train_argv(plan_dir, train_argv)
     _check_output(Path(args.output), args.resume)
+    if plan.gpu in gpu_catalog():  # the job rules estimate and plan apply (plans made for catalog GPUs)
+        from toolkit.planner import plan_job
+
+        plan_job(plan)
     source = model_source(plan, args.model, random_init=args.random_init)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and not (plan_dir / "ds_config.json").is_file():
@@ -312,6 +317,36 @@ def _check_text_data(data: Path) -> None:
             if exc.start < len(head) - 4:  # not merely a character cut at the 64 KiB boundary
                 raise UserError(f"data file {path} is not UTF-8 text (byte {exc.start}); convert it or give a "
                                 "text / json / jsonl / csv / parquet file") from None
+        if LOADERS.get(path.suffix.lower()) == "json":
+            _check_json_records(path)
+
+
+def _check_json_records(path: Path) -> None:
+    """A JSON / JSON Lines data file must parse (datasets' json loader takes a JSON document or one object per
+    line); a bad line otherwise fails inside every worker after the model has loaded. Streams the file once."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.read(1)
+            if path.suffix.lower() == ".json" and first in ("[", "{"):
+                try:
+                    json.loads(first + f.read())
+                    return
+                except json.JSONDecodeError:
+                    f.seek(0)  # not one document: maybe JSON Lines in a .json file
+            else:
+                f.seek(0)
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    json.loads(line)
+    except json.JSONDecodeError as exc:
+        where = f"line {number}" if "number" in locals() else f"line {exc.lineno}"
+        raise UserError(f"data file {path} is not valid JSON Lines ({where}: {exc.msg}); fix that line or give "
+                        "a text / csv / parquet file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"data file {path} is not UTF-8 text; convert it or give a text / json / jsonl / csv / "
+                        "parquet file") from None
 
 
 def _is_deepspeed_yaml(plan_dir: Path) -> bool:

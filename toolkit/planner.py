@@ -265,22 +265,29 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
     return plan.with_prediction(predicted)
 
 
-def predict_plan(plan: "Plan") -> "Plan":
-    """The plan with its memory and step-time prediction recomputed from its own fields (after an edit)."""
+def plan_job(plan: "Plan", *, check: bool = True) -> tuple[ModelSpec, Hardware, Job]:
+    """The model, hardware and job a plan describes, checked (check=True) by the same job rules estimate and plan
+    apply (toolkit.job.check_job): re-prediction, emit and launch's preflight all start here."""
     from toolkit.hardware import parse_hardware
+    from toolkit.job import check_job
     from toolkit.modelspec import spec_from_config_dict
 
     hw = parse_hardware(f"{plan.num_machines}x{plan.gpus_per_node}x{plan.gpu}", inter_node_gbps=plan.inter_node_gbps,
                         cpu_ram_gib=plan.cpu_ram_gib)
     spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params)
-    strategy = plan.strategy_spec
     job = Job(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
               attention=plan.attention, optimizer_impl=plan.optimizer_impl,
               activation_offloading=plan.activation_offloading, liger=plan.liger, adapter=plan.adapter_spec)
-    from toolkit.job import check_job
+    if check:
+        check_job(spec, job, hw, plan.strategy_spec, pipeline_stages=plan.pipeline_stages)
+    return spec, hw, job
 
-    check_job(spec, job, hw, strategy, pipeline_stages=plan.pipeline_stages)
+
+def predict_plan(plan: "Plan") -> "Plan":
+    """The plan with its memory and step-time prediction recomputed from its own fields (after an edit)."""
+    spec, hw, job = plan_job(plan)
+    strategy = plan.strategy_spec
     c = evaluate(spec, hw, strategy, job, plan.grid, plan.partition)
     predicted: dict[str, Any] = {}
     if c.memory:

@@ -310,8 +310,15 @@ def _check_world(plan: Plan, world: int) -> None:
                         "(start it with `toolkit launch`, or re-plan for this GPU count)")
     if world != plan.world_size and _is_rank_zero():
         print(f"note: running on {world} process(es), the plan was made for {plan.world_size}; the global batch "
-              f"is {plan.micro_batch} x {plan.grad_accum} x {world} = {plan.micro_batch * plan.grad_accum * world}"
-              f" instead of {plan.global_batch}", flush=True)
+              f"is {plan.micro_batch} x {plan.grad_accum} x {world} = {_global_batch(plan, world)} instead of "
+              f"{plan.global_batch}", flush=True)
+
+
+def _global_batch(plan: Plan, world: int) -> int:
+    """The batch a launch of `world` processes really steps with (the plan's grid at that world size)."""
+    from toolkit.grid import ParallelGrid
+
+    return ParallelGrid(1, world, dp_shard=world).global_batch(plan.micro_batch, plan.grad_accum)
 
 
 def _attention(plan: Plan) -> str:
@@ -323,7 +330,7 @@ def _attention(plan: Plan) -> str:
 def _banner(plan, args, training_args, n_train, eval_data) -> str:
     return (f"toolkit.train: {plan.strategy} ({plan.engine}), {plan.model_type} {plan.num_layers} layers, "
             f"seq {plan.seq_len}, micro {plan.micro_batch} x accum {plan.grad_accum} x dp {training_args.world_size}"
-            f" = {plan.micro_batch * plan.grad_accum * training_args.world_size} sequences/step, {plan.precision}, "
+            f" = {_global_batch(plan, training_args.world_size)} sequences/step, {plan.precision}, "
             f"{n_train} train blocks, {len(eval_data) if eval_data is not None else 0} eval blocks")
 
 
