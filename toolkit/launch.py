@@ -207,15 +207,18 @@ def _stopped_text(signum: int, output: Path | None, resume_command: str | None) 
 
 
 def _resolve_launcher(command: list[str]) -> list[str]:
-    """`accelerate` from PATH, else the one installed beside this interpreter (a venv used without activating
-    it), else this interpreter running accelerate's launch module."""
+    """The `accelerate` of the environment toolkit runs in: the one installed beside this interpreter (a venv used
+    without activating it must not pick up another Python's accelerate from PATH, which would lack DeepSpeed or
+    this toolkit), else PATH's, else this interpreter running accelerate's launch module."""
     import shutil
 
-    if command[:1] != ["accelerate"] or shutil.which("accelerate"):
+    if command[:1] != ["accelerate"]:
         return command
     beside = Path(sys.executable).parent / "accelerate"
     if beside.is_file():
         return [str(beside), *command[1:]]
+    if shutil.which("accelerate"):
+        return command
     if command[1:2] == ["launch"]:
         return [sys.executable, "-m", "accelerate.commands.launch", *command[2:]]
     return command
