@@ -29,7 +29,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
                    micro_batch: int = 2, grad_accum: int = 1, seq_len: int = REHEARSAL_SEQ_LEN,
                    precision: str = "fp32", checkpointing: bool = False, attention: str = "sdpa",
                    optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
-                   notes: list[str] | None = None) -> Plan:
+                   notes: list[str] | None = None, tensor: int = 1, context: int = 1, sequence: int = 1) -> Plan:
     """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
     from toolkit.modelspec import build_spec
     from toolkit.train.model import load_config
@@ -38,7 +38,10 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     spec = build_spec(str(model_dir), config)
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
-                                     pipeline_stages=pipeline_stages if kind.is_pipeline else None)
+                                     pipeline_stages=pipeline_stages if kind.is_pipeline else None,
+                                     tensor=tensor, context=context, sequence=sequence)
+    grid.check_model(spec)
+    grid.check_sequence(seq_len, attention)
     return Plan(
         model=str(model_dir), model_config=_plain(config.to_dict()), model_type=spec.model_type,
         layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind.name,
@@ -46,6 +49,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
         partition=grid.partition(spec) if kind.is_pipeline else None, seq_len=seq_len, micro_batch=micro_batch,
         grad_accum=grad_accum, global_batch=grid.global_batch(micro_batch, grad_accum), precision=precision,
         optimizer=optimizer, checkpointing=checkpointing, attention=attention, gpu=gpu, notes=list(notes or []),
+        tensor_parallel=tensor, context_parallel=context, sequence_parallel=sequence,
     )
 
 
@@ -66,6 +70,10 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path) -> tuple[Plan, list[s
         said.append("flash-attention kernels need a GPU: rehearsing with sdpa")
     stages = 1
     world = 2
+    tensor, context, sequence = (min(d, 2) for d in (plan.tensor_parallel, plan.context_parallel,
+                                                     plan.sequence_parallel))
+    if tensor > 1:
+        world = 4  # FSDP2 x TP: 2 x 2 (tensor parallelism alone leaves FSDP2 nothing to shard over)
     if plan.engine == Engine.PIPELINE:
         stages = 2
         world = 4 if plan.strategy == "hybrid" or plan.data_parallel > 1 else 2
@@ -80,7 +88,7 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path) -> tuple[Plan, list[s
         tiny_model_dir, plan.strategy, gpus_per_node=world, micro_batch=min(plan.micro_batch, 2),
         grad_accum=grad_accum, seq_len=min(plan.seq_len, REHEARSAL_SEQ_LEN), precision=precision,
         checkpointing=plan.checkpointing, attention=attention, optimizer=plan.optimizer, pipeline_stages=stages,
-        notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
+        tensor=tensor, context=context, sequence=sequence, notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
     if plan.method != "full":
         # The plan's LoRA / QLoRA adapter on the tiny model of the same architecture (same module names).
         small = small.replace(method=plan.method, adapter=dict(plan.adapter))
