@@ -111,3 +111,33 @@ def test_context_parallel_is_refused_on_cpu_with_one_line(tiny_llama_dir, corpus
     assert len(lines) == 1 and "context parallelism needs a GPU" in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_rehearsal_of_a_sequence_parallel_plan_runs_sp_2_and_passes(tiny_llama_dir, tmp_path, capfd):
+    """A 'big' ZeRO-3 x SP 4 plan on 8 GPUs at seq 4096 rehearses as sp 2 on 2 CPU processes, and passes."""
+    from toolkit.launch import emit_plan_files, launch_main
+
+    plan = plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=8, micro_batch=1, grad_accum=4, seq_len=256,
+                          sequence=4)
+    code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "rehearsal of zero3 dp=1 x sp=2 (fp32) on 2 CPU processes" in out and "rehearsal passed" in out
+
+
+def test_rehearsal_of_a_tensor_parallel_plan_is_fsdp2_x_tp_on_4_processes(tiny_llama_dir, tmp_path, capfd):
+    from toolkit.launch import emit_plan_files, launch_main
+
+    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=8, micro_batch=4, seq_len=256, tensor=2)
+    assert launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True, dry_run=True) == 0
+    assert "rehearsal of fsdp2 dp=2 x tp=2 (fp32) on 4 CPU processes" in capfd.readouterr().out
+
+
+def test_rehearsal_of_a_context_parallel_plan_is_refused_in_one_line(tiny_llama_dir, tmp_path):
+    from toolkit.errors import UserError
+    from toolkit.launch import emit_plan_files, launch_main
+
+    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=8, micro_batch=1, seq_len=256, context=2)
+    with pytest.raises(UserError, match="cannot rehearse on CPU: context parallelism needs a GPU"):
+        launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)

@@ -110,6 +110,10 @@ REHEARSAL_STEPS = 4
 
 def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False) -> int:
     """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed."""
+    if plan.context_parallel > 1:
+        from toolkit.train.dimensions import CP_NEEDS_CUDA
+
+        raise UserError(f"cannot rehearse on CPU: {CP_NEEDS_CUDA}")
 
     if train_argv:  # the real run's arguments, when given, are checked as the real launch would
         preflight(plan, plan_dir, train_argv)
@@ -134,7 +138,7 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
     argv = ["--data", str(data), "--output", str(work / "out"), "--random-init", "--max-steps", str(REHEARSAL_STEPS),
             "--save-steps", "2", "--logging-steps", "1", "--max-eval-blocks", "8", *_kept(train_argv)]
     command = launch_command(small_dir, argv)
-    print(f"rehearsal of {plan.strategy} ({plan.precision}) on {small.world_size} CPU processes over gloo: "
+    print(f"rehearsal of {_label(small)} ({plan.precision}) on {small.world_size} CPU processes over gloo: "
           f"{small.model_type} {small.num_layers} layers, hidden {_hidden(small)}, seq {small.seq_len}, "
           f"micro {small.micro_batch} x accum {small.grad_accum}, {REHEARSAL_STEPS} steps", flush=True)
     for line in said:
@@ -156,7 +160,7 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
             print(f"  log: {line}", flush=True)
         print(f"rehearsal FAILED (exit code {code}); fix this before spending GPU time", flush=True)
         return code or 1
-    print(f"rehearsal passed: {plan.strategy} trained {REHEARSAL_STEPS} steps, checkpointed, saved and reloaded",
+    print(f"rehearsal passed: {_label(small)} trained {REHEARSAL_STEPS} steps, checkpointed, saved and reloaded",
           flush=True)
     return 0
 
@@ -229,6 +233,13 @@ def _check_saved_adapter(out: Path, small: Plan) -> list[str]:
         return [f"the saved adapter does not load with PeftModel.from_pretrained: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"]
     return []
+
+
+def _label(plan: Plan) -> str:
+    """The strategy, with its model-parallel degrees when it has any ("fsdp2 dp=2 x tp=2")."""
+    if plan.grid.model_parallel > 1:
+        return f"{plan.strategy} {plan.grid.describe()}"
+    return plan.strategy
 
 
 def _hidden(plan: Plan):
