@@ -22,6 +22,10 @@ import pytest
 
 from toolkit.cli import main
 
+GOLDEN_MESSAGES = Path(__file__).parent / "golden" / "hostile_messages.json"
+"""Each case's error line as recorded before the layout of issue 16 moved the code, the world's folders written as
+{W}, {M}, ...; TOOLKIT_RECORD_GOLDEN=1 records them again (a changed error line is a change to the public CLI)."""
+
 BAD_NUMBERS = ("nan", "inf", "-inf", "-1", "0", "1e20", "abc", "")
 """Values no count or size may take (0 and -1 are fine for none of the flags below)."""
 
@@ -321,6 +325,13 @@ def test_hostile_input_is_one_line_exit_2_and_no_change(name, argv, world, monke
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and "Traceback" not in err
     assert _snapshot(*roots) == before
+    message = lines[0]
+    for key, value in sorted(world.items(), key=lambda kv: -len(str(kv[1]))):
+        message = message.replace(str(value), "{" + key + "}")
+    if os.environ.get("TOOLKIT_RECORD_GOLDEN") == "1":
+        recorded = json.loads(GOLDEN_MESSAGES.read_text()) if GOLDEN_MESSAGES.is_file() else {}
+        GOLDEN_MESSAGES.write_text(json.dumps({**recorded, name: message}, indent=1, sort_keys=True) + "\n")
+    assert message == json.loads(GOLDEN_MESSAGES.read_text())[name]
 
 
 def test_a_relative_model_path_is_recorded_absolute(tiny_llama_dir, tmp_path, monkeypatch):
