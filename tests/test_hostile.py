@@ -4,7 +4,7 @@ nothing changed on disk.
 Run in-process through toolkit.cli.main (argument parsing and every check before a process starts are in-process),
 so the whole corpus takes seconds. Placeholders: {W} a scratch world folder (the working directory, snapshotted
 before and after each case), {M} a tiny Llama folder, {P} an emitted DDP plan of it, {Z} an emitted ZeRO-2 plan,
-{D} a small text corpus. plan.json field contents are the plan schema's tests (toolkit/plan.py), not these.
+{D} a small text corpus. plan.json field contents are the plan schema's tests (toolkit/plan/schema.py), not these.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("shape: partial", "estimate", "--layers", "2", "--hidden", "64")
     add("--seq above the model's positions", "estimate", "{M}", "--seq", "100000")
 
-    # LoRA / QLoRA flags (their rules are toolkit.job's; here: that they reach the user as one line).
+    # LoRA / QLoRA flags (their rules are toolkit.inputs.job's; here: that they reach the user as one line).
     for flag, value in (("--lora-r", "0"), ("--lora-r", "1e20"), ("--lora-alpha", "nan"), ("--lora-dropout", "2"),
                         ("--lora-dropout", "nan"), ("--lora-targets", ""), ("--method", "bogus")):
         add(f"estimate lora {flag} {value!r}", "estimate", "{M}", "--method", "lora", flag, value)
@@ -234,8 +234,8 @@ BAD_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_llama_dir, tiny_gpt2_dir, corpus_dir):
-    from toolkit.launch import emit_plan_files
-    from toolkit.rehearsal import plan_for_model
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
 
     w = tmp_path_factory.mktemp("hostile")
     (w / "empty").mkdir()
