@@ -31,6 +31,7 @@ from itertools import accumulate
 from typing import Any
 
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
+from toolkit.inputs.modelspec import reduced_config
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTIONS = ("eager", "sdpa", "flash_attention_2")
@@ -69,7 +70,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
 
     full_kinds = _layer_kinds_of_full_model(config)
     traced_count = _traced_layer_count(full_kinds)
-    traced_config = _reduced_config(config, len(full_kinds), traced_count)
+    traced_config = reduced_config(config, len(full_kinds), traced_count)
 
     notes: list[str] = []
     cuda_autocast = device_kind == "cuda" and autocast and compute_dtype != torch.float32
@@ -194,19 +195,6 @@ def _traced_index_for(i: int, kinds: tuple, traced_count: int) -> int:
     if i < traced_count:
         return i
     return max(j for j in range(traced_count) if kinds[j] == kinds[i])
-
-
-def _reduced_config(config, num_layers: int, keep: int):
-    """A copy of config with `keep` layers; per-layer lists (e.g. layer_types) cut to match."""
-    reduced = copy.deepcopy(config)
-    for key, value in list(vars(reduced).items()):
-        if isinstance(value, (list, tuple)) and len(value) == num_layers and keep < num_layers:
-            setattr(reduced, key, type(value)(value[:keep]))
-    reduced.num_hidden_layers = keep
-    # The HF Trainer sets config.use_cache = TrainingArguments.use_cache (False by default): no KV cache in training.
-    if hasattr(reduced, "use_cache"):
-        reduced.use_cache = False
-    return reduced
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ or bare numbers (`shape_config`).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -239,6 +240,19 @@ def shape_config(*, layers: int, hidden: int, heads: int, kv_heads: int | None =
     return LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                        num_key_value_heads=kv_heads, intermediate_size=ffn, vocab_size=vocab,
                        max_position_embeddings=max_positions, tie_word_embeddings=tied)
+
+
+def reduced_config(config, num_layers: int, keep: int):
+    """A copy of config with `keep` layers; per-layer lists (e.g. layer_types) cut to match."""
+    reduced = copy.deepcopy(config)
+    for key, value in list(vars(reduced).items()):
+        if isinstance(value, (list, tuple)) and len(value) == num_layers and keep < num_layers:
+            setattr(reduced, key, type(value)(value[:keep]))
+    reduced.num_hidden_layers = keep
+    # The HF Trainer sets config.use_cache = TrainingArguments.use_cache (False by default): no KV cache in training.
+    if hasattr(reduced, "use_cache"):
+        reduced.use_cache = False
+    return reduced
 
 
 def _llama_ffn(hidden: int) -> int:
