@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.rehearsal import plan_for_model
+from toolkit.run.rehearsal import plan_for_model
 
 STEPS = 4
 SEQ = 32
@@ -99,7 +99,7 @@ def test_context_parallel_is_refused_on_cpu_with_one_line(tiny_llama_dir, corpus
     import subprocess
     import sys
 
-    from toolkit.launch import emit_plan_files
+    from toolkit.run.launcher import emit_plan_files
 
     plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=2, micro_batch=1, seq_len=SEQ, context=2)
     plan_dir = emit_plan_files(plan, tmp_path / "plan")
@@ -116,7 +116,8 @@ def test_context_parallel_is_refused_on_cpu_with_one_line(tiny_llama_dir, corpus
 @pytest.mark.multiprocess
 def test_rehearsal_of_a_sequence_parallel_plan_runs_sp_2_and_passes(tiny_llama_dir, tmp_path, capfd):
     """A 'big' ZeRO-3 x SP 4 plan on 8 GPUs at seq 4096 rehearses as sp 2 on 2 CPU processes, and passes."""
-    from toolkit.launch import emit_plan_files, launch_main
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
 
     plan = plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=8, micro_batch=1, grad_accum=4, seq_len=256,
                           sequence=4)
@@ -127,7 +128,8 @@ def test_rehearsal_of_a_sequence_parallel_plan_runs_sp_2_and_passes(tiny_llama_d
 
 
 def test_rehearsal_of_a_tensor_parallel_plan_is_fsdp2_x_tp_on_4_processes(tiny_llama_dir, tmp_path, capfd):
-    from toolkit.launch import emit_plan_files, launch_main
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
 
     plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=8, micro_batch=4, seq_len=256, tensor=2)
     assert launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True, dry_run=True) == 0
@@ -136,7 +138,8 @@ def test_rehearsal_of_a_tensor_parallel_plan_is_fsdp2_x_tp_on_4_processes(tiny_l
 
 def test_rehearsal_of_a_context_parallel_plan_is_refused_in_one_line(tiny_llama_dir, tmp_path):
     from toolkit.errors import UserError
-    from toolkit.launch import emit_plan_files, launch_main
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
 
     plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=8, micro_batch=1, seq_len=256, context=2)
     with pytest.raises(UserError, match="cannot rehearse on CPU: context parallelism needs a GPU"):

@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.plan import Plan
+from toolkit.plan.schema import Plan
 
 CP_NEEDS_CUDA = ("context parallelism needs a GPU: torch's ring attention shards only the CUDA SDPA kernels "
                  "(on CPU: 'aten._scaled_dot_product_flash_attention_for_cpu does not have a sharding strategy "
