@@ -25,8 +25,8 @@ COMMON = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str
 RUNS = {  # name: (strategy, world, micro, accum, tensor, sequence); each at global batch 4
     "fsdp2-tp2": ("fsdp2", 4, 2, 1, 2, 1),
     "zero3-sp2": ("zero3", 2, 2, 2, 1, 2),
-    "zero1-sp2": ("zero1", 2, 4, 1, 1, 2),
 }
+"""ZeRO-1 x SP runs in the rehearsal test below; ZeRO-2 x SP matched exactly in the spike (docs/ENGINE_FACTS.md)."""
 
 
 def _args(corpus_dir, *extra):
@@ -115,16 +115,16 @@ def test_context_parallel_is_refused_on_cpu_with_one_line(tiny_llama_dir, corpus
 
 @pytest.mark.multiprocess
 def test_rehearsal_of_a_sequence_parallel_plan_runs_sp_2_and_passes(tiny_llama_dir, tmp_path, capfd):
-    """A 'big' ZeRO-3 x SP 4 plan on 8 GPUs at seq 4096 rehearses as sp 2 on 2 CPU processes, and passes."""
+    """A 'big' ZeRO-1 x SP 4 plan on 8 GPUs rehearses as sp 2 on 2 CPU processes, trains, saves and reloads."""
     from toolkit.commands.launch import launch_main
     from toolkit.run.launcher import emit_plan_files
 
-    plan = plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=8, micro_batch=1, grad_accum=4, seq_len=256,
+    plan = plan_for_model(tiny_llama_dir, "zero1", gpus_per_node=8, micro_batch=1, grad_accum=4, seq_len=256,
                           sequence=4)
     code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
     out = capfd.readouterr().out
     assert code == 0, out[-3000:]
-    assert "rehearsal of zero3 dp=1 x sp=2 (fp32) on 2 CPU processes" in out and "rehearsal passed" in out
+    assert "rehearsal of zero1 dp=1 x sp=2 (fp32) on 2 CPU processes" in out and "rehearsal passed" in out
 
 
 def test_rehearsal_of_a_tensor_parallel_plan_is_fsdp2_x_tp_on_4_processes(tiny_llama_dir, tmp_path, capfd):

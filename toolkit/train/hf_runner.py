@@ -326,6 +326,10 @@ def save_final(trainer, tokenizer, output: Path) -> None:
 
 
 def _check_world(plan: Plan, world: int) -> None:
+    if world != plan.world_size and plan.grid.model_parallel > 1:
+        raise UserError(f"the plan is for {plan.world_size} processes ({plan.grid.describe()}) but {world} were "
+                        "started; its tensor / sequence / context groups need exactly that many (start it with "
+                        "`toolkit launch`, or re-plan for this GPU count)")
     if world != plan.world_size and plan.engine == Engine.DEEPSPEED:
         raise UserError(f"the plan is for {plan.world_size} processes but {world} were started; its DeepSpeed "
                         f"train_batch_size {plan.global_batch} assumes {plan.data_parallel} data-parallel ranks "
@@ -345,6 +349,10 @@ def _global_batch(plan: Plan, world: int) -> int:
     return ParallelGrid(1, world, dp_shard=world).global_batch(plan.micro_batch, plan.grad_accum)
 
 
+def _degrees(plan: Plan) -> str:
+    return f"{plan.grid.describe()}, " if plan.grid.model_parallel > 1 else ""
+
+
 def _data_parallel(plan: Plan, world: int) -> int:
     return plan.grid.data_parallel if world == plan.world_size else world
 
@@ -357,7 +365,8 @@ def _attention(plan: Plan) -> str:
 
 def _banner(plan, args, training_args, n_train, eval_data) -> str:
     return (f"toolkit.train: {plan.strategy} ({plan.engine}), {plan.model_type} {plan.num_layers} layers, "
-            f"seq {plan.seq_len}, micro {plan.micro_batch} x accum {plan.grad_accum} x dp {_data_parallel(plan, training_args.world_size)}"
+            f"{_degrees(plan)}seq {plan.seq_len}, micro {plan.micro_batch} x accum {plan.grad_accum} x dp "
+            f"{_data_parallel(plan, training_args.world_size)}"
             f" = {_global_batch(plan, training_args.world_size)} sequences/step, {plan.precision}, "
             f"{n_train} train blocks, {len(eval_data) if eval_data is not None else 0} eval blocks")
 
