@@ -196,7 +196,7 @@ def cmd_estimate(args) -> int:
     from toolkit.grid import ParallelGrid
     from toolkit.job import Job, check_job
     from toolkit.planner import evaluate
-    from toolkit.errorband import band_for
+    from toolkit.errorband import band_for, time_band
     from toolkit.strategy import parse_strategy
 
     spec = _spec(args)
@@ -222,6 +222,8 @@ def cmd_estimate(args) -> int:
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
+               "time_error_band": {**time_band().to_dict(),
+                                   "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
@@ -269,6 +271,10 @@ def cmd_estimate(args) -> int:
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
           f"offload {t.offload_s:.3f} s)")
+    print(f"time band: {time_band().text()}"
+          + ("" if time_band().covers(strategy.name, hw.world_size) else
+             f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
+             "unverified"))
     if args.explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")
@@ -296,7 +302,8 @@ def _seq(spec, args) -> tuple[int, str | None]:
 def cmd_plan(args) -> int:
     from pathlib import Path
 
-    from toolkit.planner import Request, plan_candidates, to_plan
+    from toolkit.errorband import time_band
+    from toolkit.planner import Request, plan_candidates, speed_ties, to_plan
 
     spec = _spec(args)
     hw = _hardware(args)
@@ -348,7 +355,8 @@ def cmd_plan(args) -> int:
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": _trainable_params(spec, req.adapter), "method": req.adapter.method,
-               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None}
+               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None,
+               "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)]}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top)
     written: list[str] = []
@@ -398,6 +406,8 @@ def _refuse_existing(out, force: bool) -> None:
 
 
 def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
+    from toolkit.errorband import time_band
+
     print(f"{spec.name} ({_human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
@@ -417,9 +427,10 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
             continue
         m, t = c.memory, c.timing
         host = f"{m.cpu_bytes_per_node / GIB:.0f}" if m.cpu_bytes_per_node else "-"
+        mark = "" if time_band().covers(c.strategy.name, hw.world_size) else "*"
         print(f"{shown:>2}  {c.name:<28}{c.job.micro_batch:>6}{c.job.grad_accum:>6}"
               f"{'yes' if c.job.checkpointing else 'no':>5}{m.required_bytes / GIB:>9.1f}{host:>9}"
-              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>11,.0f}{t.mfu:>6.0%}")
+              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>10,.0f}{mark:1}{t.mfu:>6.0%}")
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
     chosen = next((c for c in candidates if c.feasible), None)
@@ -429,12 +440,32 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
         band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
         print(f"\nerror band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
+        _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
     refused = [c for c in candidates if not c.feasible]
     if refused:
         print("\nnot possible:")
         for c in refused:
             print(f"  {c.strategy.name}: {c.reason}")
+
+
+def _note_time_band(hw, candidates, top: int) -> None:
+    """Say which top candidates the step-time model cannot tell apart, and which speeds no published run backs."""
+    from toolkit.errorband import time_band
+    from toolkit.planner import speed_ties
+
+    band = time_band()
+    tied = speed_ties(candidates)
+    if len(tied) > 1:
+        names = ", ".join(c.name for c in tied[:top])
+        print(f"{band.text()}: #1-#{len(tied)} ({names}) are within it of the fastest, so they are ordered by "
+              "simplicity and robustness (no offload, fewer sharded or pipelined parts), not by speed")
+    else:
+        print(f"{band.text()}: #1 is faster than the rest by more than the band")
+    shown = [c for c in candidates if c.feasible][:top]
+    if any(not band.covers(c.strategy.name, hw.world_size) for c in shown):
+        print("* speed unverified: no published run of this engine at this scale in the step-time corpus; its "
+              "communication / bubble / offload terms are unmeasured (benchmarks/results/throughput.md)")
 
 
 def _note_adapter_ddp(req, feasible) -> None:
