@@ -201,10 +201,15 @@ def nelder_mead(f, x0, steps, iterations=400):
     return pts[i], vals[i]
 
 
+def calibration_rows(rows: list[dict]) -> list[dict]:
+    """The rows a constant may be fitted on: modelled and not held out."""
+    return [r for r in rows if not unmodelled(r) and not held_out(r["id"])]
+
+
 def fit(rows: list[dict]):
     from toolkit.efficiency import COMPUTE
 
-    calibration = [r for r in rows if not unmodelled(r) and not held_out(r["id"])]
+    calibration = calibration_rows(rows)
     x0 = [COMPUTE.ceiling["hopper"], COMPUTE.ceiling["ampere"], math.log(COMPUTE.tokens_half),
           math.log(COMPUTE.hidden_half_per_balance), COMPUTE.attention_relative["hopper"],
           COMPUTE.attention_relative["ampere"]]
