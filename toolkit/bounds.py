@@ -48,6 +48,7 @@ CPU_RAM_GIB = Bound(0, 1048576, "1 PiB of host RAM per node", low_inclusive=Fals
 # Batch and steps.
 BATCH = Bound(1, 1000000, "10^6 samples")
 STAGES = Bound(1, 1024, "one stage per layer of the deepest allowed model")
+DEGREE = Bound(1, 1024, "the GPUs-per-node bound; no real model has heads to split over more")
 STEPS = Bound(1, 1e9, "10^9 optimizer steps")
 PROFILE_STEPS = Bound(1, 10000, "timed steps of one profile run")
 TOP = Bound(1, 100000, "rows to print")

@@ -44,6 +44,9 @@ SCHEMA_FILE = Path(__file__).with_name("plan.schema.json")
 
 StrategyName = Literal[ALL_STRATEGY_NAMES]  # type: ignore[valid-type]
 
+_DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel")
+"""Model-parallel degrees (added within version 2, default 1)."""
+
 _DERIVED_V1 = ("engine", "zero_stage", "offload_optimizer", "offload_params", "fsdp_mode", "data_parallel")
 """Keys version 1 stored beside the strategy and grid; read only to check that they agree."""
 
@@ -79,6 +82,14 @@ class Plan:
     pipeline_stages: int = Field(default=1, ge=1, le=int(bounds.STAGES.high))
     partition: list[int] | None = None
     """Pipeline only: decoder-layer boundaries, len = stages + 1, e.g. [0, 12, 24] for 24 layers on 2 stages."""
+    tensor_parallel: int = Field(default=1, ge=1, le=int(bounds.DEGREE.high))
+    """Tensor-parallel degree (fsdp2 strategies): the model's own tp_plan splits the layers over this many GPUs of
+    a node (accelerate ParallelismConfig tp_size)."""
+    context_parallel: int = Field(default=1, ge=1, le=int(bounds.DEGREE.high))
+    """Context-parallel degree (fsdp2 strategies, torch ring attention; accelerate cp_size, cp_backend torch)."""
+    sequence_parallel: int = Field(default=1, ge=1, le=int(bounds.DEGREE.high))
+    """Sequence-parallel degree (zero1-3 strategies, DeepSpeed Ulysses / ALST; accelerate sp_size, sp_backend
+    deepspeed)."""
 
     # --- batch and job ------------------------------------------------------------------------------------------------
     seq_len: int = Field(ge=1, le=int(bounds.SEQ.high))
@@ -181,6 +192,7 @@ class Plan:
             if self.partition is None:
                 raise ValueError(f"{grid.pipeline_stages} pipeline stages need a 'partition' of the layers")
             grid.check_partition(self.partition, self.num_layers)
+        grid.check_sequence(self.seq_len, self.attention)
         grid.check_batch(self.global_batch, self.micro_batch, self.grad_accum)
         if self.method == "full" and self.adapter:
             raise ValueError("'adapter' settings need 'method' lora or qlora (or delete 'adapter')")
@@ -202,7 +214,9 @@ class Plan:
     @property
     def grid(self) -> ParallelGrid:
         return ParallelGrid.for_strategy(self.strategy_spec, nodes=self.num_machines,
-                                         gpus_per_node=self.gpus_per_node, pipeline_stages=self.pipeline_stages)
+                                         gpus_per_node=self.gpus_per_node, pipeline_stages=self.pipeline_stages,
+                                         tensor=self.tensor_parallel, context=self.context_parallel,
+                                         sequence=self.sequence_parallel)
 
     @property
     def adapter_spec(self) -> "Adapter":
@@ -256,7 +270,10 @@ class Plan:
     # --- (de)serialisation -------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self)))
+        """The plan as plan.json holds it; degrees of 1 are left out, so a plan without tensor / context /
+        sequence parallelism reads as it did before they existed."""
+        data = json.loads(json.dumps(asdict(self)))
+        return {k: v for k, v in data.items() if not (k in _DEGREES and v == 1)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
