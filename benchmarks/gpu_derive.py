@@ -5,15 +5,15 @@
 
 What it derives, per engine where the run has it:
   reserved / allocated   max_memory_reserved over max_memory_allocated of the same step: the caching allocator's
-                         share on top of the tensor peak (toolkit.memory.ALLOCATOR_MARGIN is this minus 1)
+                         share on top of the tensor peak (toolkit.estimate.memory.ALLOCATOR_MARGIN is this minus 1)
   context                device memory in use outside the allocator after the first cuBLAS call
-                         (toolkit.memory.CUDA_CONTEXT_BYTES), for the run's GPU, CUDA and torch versions
+                         (toolkit.estimate.memory.CUDA_CONTEXT_BYTES), for the run's GPU, CUDA and torch versions
   peak error             predicted allocated / measured allocated - 1 (the error band's GPU cases)
   step-time ratio        predicted / measured step time; the measured MFU is the predicted MFU times
                          predicted / measured
 From a --timing run (gpu_timing.json):
   efficiency per micro-step   predicted / measured step per tokens-per-micro-step and width: a ratio that drifts
-                              with tokens says toolkit.efficiency's tokens_half is off on this GPU, with width its
+                              with tokens says toolkit.estimate.efficiency's tokens_half is off on this GPU, with width its
                               hidden term, with sequence its attention factor
   engine overhead             each engine's step over DDP's for the same model and batch, minus 1 (world of one)
   pipeline overhead           (pipeline engine - DDP) / M seconds per micro-batch, from the M = 8 pair

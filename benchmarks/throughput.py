@@ -2,20 +2,20 @@
 
 Every row of benchmarks/data/throughput_gpu.json (llm-foundry's MPT benchmark tables, torchtitan's Llama 3.1
 benchmarks, NVIDIA NeMo AutoModel's performance summary, torchao's and torchtune's published runs; each with its source file, commit and table line) is
-re-estimated with toolkit.timing.step_time for the same job: the model from its config, the same GPU, count,
+re-estimated with toolkit.estimate.timing.step_time for the same job: the model from its config, the same GPU, count,
 nodes and link, the toolkit strategy closest to the one that ran, sequence, micro-batch, accumulation,
-checkpointing (torchtitan's per-op selective checkpointing as toolkit.efficiency.SELECTIVE_OP_RECOMPUTE) and
+checkpointing (torchtitan's per-op selective checkpointing as toolkit.estimate.efficiency.SELECTIVE_OP_RECOMPUTE) and
 precision. Published and ours are compared in tokens/s per GPU (a definition-free figure; the MFU definitions of
 the sources differ and are kept in the corpus).
 
 The split, stated once and never changed to suit a result: a modelled row is HELD OUT when the first 8 hex digits
 of sha256(row id) are divisible by 3 (about a third), CALIBRATION otherwise. `--fit` sets the constants of
-toolkit.efficiency.COMPUTE from the calibration rows only (least squares on log(ours / published), Nelder-Mead);
+toolkit.estimate.efficiency.COMPUTE from the calibration rows only (least squares on log(ours / published), Nelder-Mead);
 the held-out rows are scored with the constants as committed and give the step-time error band
-(toolkit/time_error_band.json, read by toolkit.errorband.time_band).
+(toolkit/estimate/time_error_band.json, read by toolkit.estimate.errorband.time_band).
 
-    python benchmarks/throughput.py          # writes benchmarks/results/throughput.{md,json}, toolkit/time_error_band.json
-    python benchmarks/throughput.py --fit    # prints the calibration fit (paste into toolkit/efficiency.py)
+    python benchmarks/throughput.py          # writes benchmarks/results/throughput.{md,json}, toolkit/estimate/time_error_band.json
+    python benchmarks/throughput.py --fit    # prints the calibration fit (paste into toolkit/estimate/efficiency.py)
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def unmodelled(row: dict) -> list[str]:
 
 
 def _spec(model: str):
-    from toolkit.modelspec import resolve_model
+    from toolkit.inputs.modelspec import resolve_model
 
     local = MODELS / f"{model}.json"
     return resolve_model(str(local) if local.is_file() else model)
@@ -94,11 +94,11 @@ def _spec(model: str):
 
 def prepared(row: dict):
     """(spec, strategy, job, hardware, recompute) for a row, built once."""
-    from toolkit.efficiency import SELECTIVE_OP_RECOMPUTE, Recompute
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.lora import FULL, Adapter
-    from toolkit.strategy import parse_strategy
+    from toolkit.estimate.efficiency import SELECTIVE_OP_RECOMPUTE, Recompute
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.lora import FULL, Adapter
+    from toolkit.inputs.strategy import parse_strategy
 
     spec = _spec(row["model"])
     nodes, per_node = row["nodes"], row["gpus_per_node"]
@@ -119,8 +119,8 @@ def prepared(row: dict):
 
 
 def ours_tokens_per_gpu(prep, compute_model=None) -> tuple[float, dict]:
-    from toolkit.efficiency import COMPUTE
-    from toolkit.timing import step_time
+    from toolkit.estimate.efficiency import COMPUTE
+    from toolkit.estimate.timing import step_time
 
     spec, strategy, job, hw, recompute = prep
     t = step_time(spec, strategy, job, hw, recompute=recompute, compute_model=compute_model or COMPUTE)
@@ -158,7 +158,7 @@ def _stats(errors: list[float]) -> dict:
 
 
 def _model_from(x):
-    from toolkit.efficiency import ComputeModel
+    from toolkit.estimate.efficiency import ComputeModel
 
     return ComputeModel(ceiling={"hopper": x[0], "ampere": x[1]}, tokens_half=math.exp(x[2]),
                         hidden_half_per_balance=math.exp(x[3]), attention_relative={"hopper": x[4], "ampere": x[5]})
@@ -207,7 +207,7 @@ def calibration_rows(rows: list[dict]) -> list[dict]:
 
 
 def fit(rows: list[dict]):
-    from toolkit.efficiency import COMPUTE
+    from toolkit.estimate.efficiency import COMPUTE
 
     calibration = calibration_rows(rows)
     x0 = [COMPUTE.ceiling["hopper"], COMPUTE.ceiling["ampere"], math.log(COMPUTE.tokens_half),
@@ -224,12 +224,12 @@ def fit(rows: list[dict]):
 
 def pipeline_question(results: list[dict]) -> list[str]:
     """Llama-3-8B, seq 8192, 8 x H100: what the corpus says about pipeline vs ZeRO / FSDP2."""
-    from toolkit.grid import ParallelGrid
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.modelspec import resolve_model
-    from toolkit.strategy import parse_strategy
-    from toolkit.timing import step_time
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
+    from toolkit.estimate.timing import step_time
 
     spec = resolve_model("llama-3-8b")
     hw = parse_hardware("8xH100-SXM-80GB")
@@ -259,15 +259,15 @@ def pipeline_question(results: list[dict]) -> list[str]:
 
 
 def render(results: list[dict], calib: dict, held: dict, fit_info: str) -> str:
-    from toolkit.efficiency import COMPUTE
+    from toolkit.estimate.efficiency import COMPUTE
 
     c = COMPUTE
     lines = ["# Step time vs published GPU throughput", "",
              "Generated by `python benchmarks/throughput.py` from benchmarks/data/throughput_gpu.json (every row's "
-             "source file, commit and table line is in that file). Ours: `toolkit.timing.step_time` for the same "
+             "source file, commit and table line is in that file). Ours: `toolkit.estimate.timing.step_time` for the same "
              "job; compared in tokens/s per GPU. Error = ours / published - 1.", "",
              "Split: a modelled row is **held-out** when sha256(row id)[:8] (hex) is divisible by 3, **calibration** "
-             "otherwise. The constants of toolkit.efficiency.COMPUTE were fitted on the calibration rows only "
+             "otherwise. The constants of toolkit.estimate.efficiency.COMPUTE were fitted on the calibration rows only "
              f"(`--fit`); as committed: matmul ceiling hopper {c.ceiling['hopper']:.3f}, ampere "
              f"{c.ceiling['ampere']:.3f}; tokens-per-micro-step half point {c.tokens_half:,.0f}; hidden half point "
              f"{c.hidden_half_per_balance:.2f} x machine balance (FLOP/byte; H100 SXM: "
@@ -282,9 +282,9 @@ def render(results: list[dict], calib: dict, held: dict, fit_info: str) -> str:
              "in torchtitan) on A100 and H100, 125M to 70B parameters, sequences 512 to 65536, with and without full "
              "checkpointing; the band is theirs. DDP, DeepSpeed ZeRO, offload and the pipeline engine have no "
              "published row with a full configuration in the corpus: their communication, offload and bubble terms "
-             "are the ring / PCIe / 1F1B arithmetic of toolkit.timing, unverified. Communication overlap could not "
+             "are the ring / PCIe / 1F1B arithmetic of toolkit.estimate.timing, unverified. Communication overlap could not "
              "be fitted: on the links these runs had, FSDP's collectives are small beside compute, so the rows "
-             "cannot tell overlap from efficiency (toolkit.timing.OVERLAP stays 0.7, stated as assumed).", "",
+             "cannot tell overlap from efficiency (toolkit.estimate.timing.OVERLAP stays 0.7, stated as assumed).", "",
              "## Llama-3-8B, seq 8192, 8 x H100: pipeline vs ZeRO / FSDP2", ""]
     lines += pipeline_question(results)
     lines += ["", "## Every row", "",
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     calib = _stats([r["error"] for r in results if r["split"] == "calibration"])
     held = _stats([r["error"] for r in results if r["split"] == "held-out"])
     fit_info = (f"{sum(1 for r in results if r['modelled'])} of {len(results)} rows modelled.")
-    from toolkit.errorband import TIME_BAND_FILE
+    from toolkit.estimate.errorband import TIME_BAND_FILE
 
     TIME_BAND_FILE.write_text(json.dumps({
         "about": "written by benchmarks/throughput.py: step-time error (ours / published tokens/s - 1) of the "

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.grid import ParallelGrid
-from toolkit.modelspec import resolve_model
-from toolkit.strategy import parse_strategy
+from toolkit.inputs.grid import ParallelGrid
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.inputs.strategy import parse_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def _plan_data(**changes):
 
 
 def test_plan_json_carries_the_degrees_and_builds_its_grid_from_them():
-    from toolkit.plan import parse_plan
+    from toolkit.plan.schema import parse_plan
 
     base = parse_plan(_plan_data())  # Llama-2-7B fsdp2 on 8 GPUs, global batch 128 = 2 x 8 x 8
     assert (base.tensor_parallel, base.context_parallel, base.sequence_parallel) == (1, 1, 1)
@@ -111,7 +111,7 @@ def test_plan_json_carries_the_degrees_and_builds_its_grid_from_them():
 
 
 def test_a_plan_with_degrees_the_engines_refuse_names_the_field():
-    from toolkit.plan import parse_plan
+    from toolkit.plan.schema import parse_plan
 
     with pytest.raises(UserError, match="sequence parallelism .Ulysses. runs under DeepSpeed ZeRO"):
         parse_plan(_plan_data(sequence_parallel=2))
@@ -120,7 +120,7 @@ def test_a_plan_with_degrees_the_engines_refuse_names_the_field():
 
 
 def test_plans_without_degrees_keep_their_prediction_key():
-    from toolkit.plan import parse_plan
+    from toolkit.plan.schema import parse_plan
 
     plan = parse_plan(_plan_data())
     assert not plan.prediction_is_stale
@@ -129,7 +129,7 @@ def test_plans_without_degrees_keep_their_prediction_key():
 # --- the model's tp_plan ---------------------------------------------------------------------------------------
 
 def test_tp_sharded_parameters_are_the_sum_over_the_tp_plans_modules():
-    from toolkit.tensorplan import model_tp_plan, per_rank_spec, tensor_split
+    from toolkit.inputs.tensorplan import model_tp_plan, per_rank_spec, tensor_split
 
     spec = resolve_model("llama-3.1-8b")
     plan = model_tp_plan(spec)

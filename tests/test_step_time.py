@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from toolkit.cli import main
-from toolkit.efficiency import COMPUTE, FULL_RECOMPUTE, NO_RECOMPUTE, flop_split, matmul_efficiency
-from toolkit.errorband import TIME_BAND_FILE, time_band
-from toolkit.hardware import find_gpu
-from toolkit.modelspec import resolve_model
+from toolkit.estimate.efficiency import COMPUTE, FULL_RECOMPUTE, NO_RECOMPUTE, flop_split, matmul_efficiency
+from toolkit.estimate.errorband import TIME_BAND_FILE, time_band
+from toolkit.inputs.hardware import find_gpu
+from toolkit.inputs.modelspec import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
