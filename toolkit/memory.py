@@ -343,8 +343,9 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
     if strategy.engine == Engine.DDP:
         return ddp_states(params, job, world=grid.world, factored_elems=fe)
     if strategy.engine == Engine.DEEPSPEED:
-        return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params,
-                           factored_elems=fe)
+        # ZeRO partitions over the sequence-data-parallel group: dp, times sp under Ulysses.
+        return zero_states(params, job, strategy, dp=grid.shard_group, hidden=spec.hidden,
+                           largest_layer=spec.largest_layer_params, factored_elems=fe)
     if strategy.engine == Engine.FSDP2:
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         return fsdp2_states(params, job, strategy, shard=grid.shard_group, layer_params=max(spec.layer_params),
@@ -354,10 +355,15 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
 
 
 def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
-                       partition: list[int] | None = None) -> int:
+                       partition: list[int] | None = None, grid: ParallelGrid | None = None) -> int:
     """A lower bound on the required bytes without tracing: persistent model states and the CUDA context.
-    The planner refuses candidates above capacity on this alone, which saves their traces."""
-    grid = grid_of(strategy, hw, pipeline_stages)
+    The planner refuses candidates above capacity on this alone, which saves their traces. `grid`: the grid to
+    use (default: the strategy's plain grid on hw)."""
+    grid = grid or grid_of(strategy, hw, pipeline_stages)
+    if grid.tensor > 1:
+        from toolkit.tensorplan import per_rank_spec
+
+        spec = per_rank_spec(spec, grid.tensor)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if grid.world > 1 else 0)
     params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
     s = _states_for(spec, strategy, job, grid, params=params)
@@ -365,10 +371,13 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
 
 
 def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
-                    partition: list[int] | None = None) -> Breakdown:
+                    partition: list[int] | None = None, grid: ParallelGrid | None = None) -> Breakdown:
     """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
-    breakdown of the stage that needs the most is returned (partition None: the grid's balanced one)."""
-    grid = grid_of(strategy, hw, pipeline_stages)
+    breakdown of the stage that needs the most is returned (partition None: the grid's balanced one). `grid`:
+    the grid to use, with its tensor / context / sequence degrees (default: the strategy's plain grid on hw)."""
+    grid = grid or grid_of(strategy, hw, pipeline_stages)
+    if grid.model_parallel > 1:
+        return _model_parallel_memory(spec, strategy, job, hw, grid)
     if job.adapter.is_adapter:
         from toolkit.lora import counts_for_spec
 
@@ -412,6 +421,29 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     from dataclasses import replace
 
     return replace(worst, stage_required_bytes=tuple(b.required_bytes for b in breakdowns))
+
+
+def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
+                           grid: ParallelGrid) -> Breakdown:
+    """One rank of a tensor / context / sequence-parallel grid: the trace and the states at the per-rank shapes
+    (toolkit.dimensions), with the communication buffers tracing cannot see."""
+    from dataclasses import replace
+
+    from toolkit.dimensions import apply_to_trace, rank_view
+
+    view = rank_view(spec, job, grid)
+    trace = apply_to_trace(scaled_trace(view.spec, view.job, strategy), view, job.checkpointing)
+    regions = _regions(view.spec, trace, 0, view.spec.num_layers, True, True)
+    states = _states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
+    out = _compose(view.spec, strategy, view.job, hw, trace, regions, states, in_flight=1)
+    terms = list(out.terms)
+    where = next(i for i, t in enumerate(terms) if t.name == "activations")
+    terms[where] = Term("activations", terms[where].bytes,
+                        terms[where].source + f"; one rank's share: {grid.describe()}, {view.job.seq_len} of "
+                        f"{job.seq_len} tokens per sample")
+    extra = [Term(f"  {name} (per layer)", n, source) for name, n, source in view.terms]
+    return replace(out, terms=tuple(terms[:where + 2] + extra + terms[where + 2:]),
+                   notes=tuple(dict.fromkeys(view.notes + out.notes)))
 
 
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,

@@ -40,15 +40,29 @@ class Candidate:
     timing: Timing | None = None
     reason: str | None = None
     """Why it cannot run (None: feasible)."""
+    grid: ParallelGrid | None = None
+    """The grid it was costed on (None for a refusal before any grid)."""
+    dimension: str | None = None
+    """"tp", "cp" or "sp" for a model-parallel candidate (its row's family), else None."""
 
     @property
     def feasible(self) -> bool:
         return self.reason is None
 
     @property
+    def degrees(self) -> tuple[int, int, int]:
+        """(tensor, context, sequence) degrees."""
+        g = self.grid
+        return (g.tensor, g.context, g.sequence) if g is not None else (1, 1, 1)
+
+    @property
     def name(self) -> str:
         if self.strategy.is_pipeline:
             return f"{self.strategy.name} (pp={self.pipeline_stages} x dp={self.data_parallel})"
+        if self.grid is not None and self.grid.model_parallel > 1:
+            return f"{self.strategy.name} ({self.grid.describe()})"
+        if self.dimension:
+            return f"{self.strategy.name} x {self.dimension}"
         return self.strategy.name
 
     def row(self) -> dict[str, Any]:
@@ -58,6 +72,8 @@ class Candidate:
             "micro_batch": self.job.micro_batch, "grad_accum": self.job.grad_accum,
             "checkpointing": self.job.checkpointing, "pipeline_stages": self.pipeline_stages,
             "data_parallel": self.data_parallel, "global_batch": self.global_batch,
+            "tensor_parallel": self.degrees[0], "context_parallel": self.degrees[1],
+            "sequence_parallel": self.degrees[2],
             "peak_bytes": self.memory.required_bytes if self.memory else None,
             "capacity_bytes": self.memory.capacity_bytes if self.memory else None,
             "cpu_bytes_per_node": self.memory.cpu_bytes_per_node if self.memory else None,
@@ -87,6 +103,12 @@ class Request:
     liger: bool = False
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
+    tensor_parallel: int | None = None
+    """None: the planner tries every degree the model and node allow (FSDP2 x TP); 1: no tensor parallelism."""
+    context_parallel: int | None = None
+    """None: every degree the sequence and world allow (FSDP2 x CP); 1: none."""
+    sequence_parallel: int | None = None
+    """None: every degree the heads, sequence and world allow (ZeRO x Ulysses SP); 1: none."""
     adapter: Adapter = FULL
     """Training method (full, LoRA, QLoRA) and its settings."""
 
@@ -94,7 +116,9 @@ class Request:
         if self.global_batch is None and self.micro_batch is None:
             raise UserError("give --global-batch G, or --micro-batch B (with optional --accumulation A)")
         for flag, value in (("--global-batch", self.global_batch), ("--micro-batch", self.micro_batch),
-                            ("--accumulation", self.grad_accum), ("--pipeline-stages", self.pipeline_stages)):
+                            ("--accumulation", self.grad_accum), ("--pipeline-stages", self.pipeline_stages),
+                            ("--tensor-parallel", self.tensor_parallel), ("--context-parallel", self.context_parallel),
+                            ("--sequence-parallel", self.sequence_parallel)):
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
@@ -132,14 +156,15 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
     stages, dp = grid.pipeline_stages, grid.data_parallel
     if strategy.is_pipeline and partition is None:
         partition = grid.partition(spec)
-    floor = states_floor_bytes(spec, strategy, job, hw, pipeline_stages=stages, partition=partition) if prune else 0
+    floor = states_floor_bytes(spec, strategy, job, hw, pipeline_stages=stages, partition=partition,
+                               grid=grid) if prune else 0
     if floor > hw.gpu.memory_bytes:
         return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                          global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
-                         reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
+                         grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
                                 "model states alone")
-    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition)
-    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition)
+    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
+    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
     reason = None
     if not memory.fits:
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU"
@@ -161,7 +186,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                   f"the estimate's error band ({band.text()})")
     return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                      global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
-                     memory=memory, timing=timing, reason=reason)
+                     memory=memory, timing=timing, reason=reason, grid=grid)
 
 
 def _better(a: Candidate, b: Candidate | None) -> bool:
@@ -204,25 +229,87 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
         if isinstance(grids, str):
             refused[key] = _refusal(strategy, req, hw, grids)
             continue
-        for grid in grids:
-            try:
-                batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
-            except UserError as exc:
-                refused.setdefault(key, _refusal(strategy, req, hw, str(exc)))
+        _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options)
+    if hw.world_size > 1:
+        for dimension, strategy, grids in _model_parallel_options(spec, hw, req):
+            key = f"{strategy.name} x {dimension}"
+            if isinstance(grids, str):
+                refused[key] = _refusal(strategy, req, hw, grids, dimension=dimension)
                 continue
-            partition = grid.partition(spec) if strategy.is_pipeline else None
-            for micro, accum in sorted(batches, reverse=True):
-                for ckpt in ckpt_options:
-                    job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
-                              optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
-                              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
-                              activation_offloading=req.activation_offloading, liger=req.liger,
-                              adapter=req.adapter)
-                    cand = evaluate(spec, hw, strategy, job, grid, partition)
-                    if _better(cand, best.get(key)):
-                        best[key] = cand
+            _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension)
     ranked = sorted(best.values(), key=_rank_key)
     return ranked + [c for k, c in refused.items() if k not in best]
+
+
+def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
+            best: dict[str, Candidate], refused: dict[str, Candidate], ckpt_options: list[bool], *,
+            dimension: str | None = None) -> None:
+    """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`."""
+    for grid in grids:
+        try:
+            batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
+        except UserError as exc:
+            refused.setdefault(key, _refusal(strategy, req, hw, str(exc), dimension=dimension))
+            continue
+        partition = grid.partition(spec) if strategy.is_pipeline else None
+        for micro, accum in sorted(batches, reverse=True):
+            for ckpt in ckpt_options:
+                job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
+                          optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
+                          device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
+                          activation_offloading=req.activation_offloading, liger=req.liger,
+                          adapter=req.adapter)
+                cand = evaluate(spec, hw, strategy, job, grid, partition)
+                if _better(cand, best.get(key)):
+                    best[key] = cand
+
+
+MODEL_PARALLEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("tp", ("fsdp2", "fsdp2-hybrid")),
+    ("cp", ("fsdp2",)),
+    ("sp", ("zero3", "zero2", "zero1")),
+)
+"""Which data-parallel strategies each model-parallel dimension runs under (toolkit.grid: accelerate's
+ParallelismConfig rules): FSDP2 x TP (HSDP across nodes), FSDP2 x CP, ZeRO x Ulysses SP."""
+
+
+def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request):
+    """(dimension, strategy, grids or the reason there are none) for every model-parallel family the request
+    allows. Degrees the user fixed are tried alone; otherwise every degree the grid's rules admit."""
+    fixed = {"tp": req.tensor_parallel, "cp": req.context_parallel, "sp": req.sequence_parallel}
+    attention = spec.effective_attention(req.attention)
+    for dimension, names in MODEL_PARALLEL_FAMILIES:
+        if fixed[dimension] == 1 or req.adapter.is_adapter or req.activation_offloading:
+            continue
+        if any(v not in (None, 1) for d, v in fixed.items() if d != dimension):
+            continue  # a degree fixed for another dimension: plan that one alone
+        for name in names:
+            if name not in req.strategies:
+                continue
+            strategy = parse_strategy(name)
+            if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
+                continue
+            problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger)
+            if problem:
+                yield dimension, strategy, problem
+                continue
+            degrees = [fixed[dimension]] if fixed[dimension] else \
+                [d for d in range(2, hw.world_size + 1) if hw.world_size % d == 0]
+            grids, problems = [], []
+            for degree in degrees:
+                try:
+                    grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                                     **{_DEGREE_ARG[dimension]: degree})
+                    grid.check_model(spec)
+                    grid.check_sequence(req.seq_len, attention)
+                except UserError as exc:
+                    problems.append(str(exc))
+                    continue
+                grids.append(grid)
+            yield dimension, strategy, grids or "; ".join(dict.fromkeys(problems[:1] + problems[-1:]))
+
+
+_DEGREE_ARG = {"tp": "tensor", "cp": "context", "sp": "sequence"}
 
 
 def _rank_key(c: Candidate):
@@ -231,12 +318,12 @@ def _rank_key(c: Candidate):
     return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
 
 
-def _refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str) -> Candidate:
+def _refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
     job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
               precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind,
               adapter=req.adapter)
     return Candidate(strategy=strategy, job=job, pipeline_stages=1, data_parallel=hw.world_size,
-                     global_batch=req.global_batch or 0, reason=reason)
+                     global_batch=req.global_batch or 0, reason=reason, dimension=dimension)
 
 
 def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Plan":
@@ -255,6 +342,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
         model=model_name, model_config=_jsonable(spec.config_dict()), model_type=spec.model_type,
         layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy.name,
         num_machines=hw.nodes, gpus_per_node=hw.gpus_per_node, pipeline_stages=c.pipeline_stages,
+        tensor_parallel=c.degrees[0], context_parallel=c.degrees[1], sequence_parallel=c.degrees[2],
         partition=list(c.partition) if c.partition else None, seq_len=c.job.seq_len, micro_batch=c.job.micro_batch,
         grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
         optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
