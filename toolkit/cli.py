@@ -55,12 +55,20 @@ def _add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH10
                    help="host RAM per node, GiB (default 1024)")
 
 
-def _add_job_flags(p: argparse.ArgumentParser) -> None:
+def _add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
     g = p.add_argument_group("job")
     from toolkit.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
-    g.add_argument("--seq", type=int_arg("--seq", bounds.SEQ),
-                   help="sequence length (default 2048, or the model's maximum if shorter)")
+    g.add_argument("--seq", type=_seq_arg if seq_max else int_arg("--seq", bounds.SEQ),
+                   help="sequence length (default 2048, or the model's maximum if shorter)"
+                        + ("; max: the longest each strategy fits, with a memory-vs-length chart" if seq_max else ""))
+    if seq_max:
+        for dim, what in (("tensor", "FSDP2 x TP, the model's tp_plan, inside a node"),
+                          ("context", "FSDP2 x CP, torch ring attention"),
+                          ("sequence", "ZeRO x Ulysses SP, DeepSpeed ALST")):
+            g.add_argument(f"--{dim}-parallel", type=int_arg(f"--{dim}-parallel", bounds.DEGREE),
+                           help=f"{dim}-parallel degree ({what}); 1: none"
+                                + ("" if p.prog.endswith("estimate") else " (default: the planner tries each)"))
     g.add_argument("--precision", default="bf16", choices=PRECISIONS, help="(default %(default)s)")
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
     g.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="(default %(default)s)")
@@ -94,6 +102,13 @@ def _add_adapter_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qlora-quant-storage", default="uint8",
                    help="uint8 | bfloat16 | float16 | float32: a floating storage lets FSDP2 / ZeRO-3 shard the "
                         "4-bit base (default %(default)s)")
+
+
+def _seq_arg(text: str):
+    """--seq N, or max (plan / estimate): the longest sequence that fits."""
+    if str(text).strip().lower() == "max":
+        return "max"
+    return bounds.parse_int("--seq", text, bounds.SEQ)
 
 
 def _adapter(args):
@@ -202,14 +217,20 @@ def cmd_estimate(args) -> int:
     spec = _spec(args)
     hw = _hardware(args)
     strategy = parse_strategy(args.strategy)
+    degrees = dict(tensor=args.tensor_parallel or 1, context=args.context_parallel or 1,
+                   sequence=args.sequence_parallel or 1)
+    if args.seq == "max":
+        return _estimate_seq_max(args, spec, hw, strategy, degrees)
     seq_len, seq_note = _seq(spec, args)
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger, adapter=_adapter(args))
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
-                                     pipeline_stages=args.pipeline_stages)
+                                     pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
+    grid.check_model(spec)
+    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
     c = evaluate(spec, hw, strategy, job, grid, prune=False)
     b, t, partition = c.memory, c.timing, c.partition
     band = band_for(strategy.engine, job.checkpointing)
@@ -233,7 +254,7 @@ def cmd_estimate(args) -> int:
     cap = b.capacity_bytes
     active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
-          f"{', tied embeddings' if spec.tied else ''}) | {strategy.name} on {hw.spec} | seq {job.seq_len}, "
+          f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
           f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}")
     if job.adapter.is_adapter:
@@ -275,6 +296,44 @@ def cmd_estimate(args) -> int:
     return _fit_exit(args, b.fits)
 
 
+def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
+    """estimate --seq max: the longest sequence `strategy` fits on this grid, and its memory curve."""
+    from toolkit.grid import ParallelGrid
+    from toolkit.longest import longest_on_grid, text_chart
+    from toolkit.planner import Request
+
+    grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                     pipeline_stages=args.pipeline_stages, **degrees)
+    grid.check_model(spec)
+    req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
+                  optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
+                  checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
+                  adapter=_adapter(args))
+    found = longest_on_grid(spec, hw, strategy, grid, req)
+    if args.json:
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategy": found.name,
+                          "longest_seq": found.seq_len, "capped_by_positions": found.capped_by_positions,
+                          "reason": found.reason, "curve": [{"seq": s, "required_bytes": b} for s, b in found.curve]},
+                         indent=2))
+        return 0 if found.seq_len else 1
+    print(_longest_line(found, spec))
+    chart = text_chart([found], hw.gpu.memory_bytes)
+    if chart:
+        print("\n" + chart)
+    return 0 if found.seq_len else 1
+
+
+def _longest_line(found, spec) -> str:
+    if not found.seq_len:
+        return f"{found.name}: no sequence fits ({found.reason})"
+    c = found.candidate
+    tail = (f" (the model's {spec.max_positions} positions; memory allows more)" if found.capped_by_positions
+            else "")
+    return (f"{found.name}: longest sequence {found.seq_len:,} tokens{tail}, {c.memory.required_bytes / GIB:.1f} "
+            f"GiB per GPU, {c.timing.tokens_per_s:,.0f} tokens/s (micro-batch 1"
+            f"{', checkpointing' if c.job.checkpointing else ''})")
+
+
 def _fit_exit(args, fits: bool) -> int:
     """estimate --require-fit: exit 1 when the configuration does not fit (for scripts); 0 otherwise."""
     return 1 if args.require_fit and not fits else 0
@@ -300,6 +359,11 @@ def cmd_plan(args) -> int:
 
     spec = _spec(args)
     hw = _hardware(args)
+    seq_max = args.seq == "max"
+    if seq_max:
+        from toolkit.longest import seq_cap
+
+        args.seq = seq_cap(spec)
     seq_len, seq_note = _seq(spec, args)
     from toolkit.job import job_problem
 
@@ -323,12 +387,18 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      pipeline_stages=args.pipeline_stages, adapter=_adapter(args))
+                                      pipeline_stages=args.pipeline_stages, adapter=_adapter(args),
+                                      tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
+                                      sequence_parallel=args.sequence_parallel)
     if strategies:
         req_kwargs["strategies"] = strategies
+    if seq_max:
+        req_kwargs.update(global_batch=None, micro_batch=1)
     req = Request(**req_kwargs)
     if args.out:
         _refuse_existing(Path(args.out), args.force)
+    if seq_max:
+        return _plan_seq_max(args, spec, hw, req)
     from toolkit.cli_help import status
 
     with status("planning: every strategy, batch split and checkpointing choice"):
@@ -371,6 +441,46 @@ def cmd_plan(args) -> int:
     return 0 if chosen else 1
 
 
+def _plan_seq_max(args, spec, hw, req) -> int:
+    """plan --seq max: the longest sequence per strategy, the memory-vs-length chart, and (--out) the plan of the
+    strategy that fits longest (fastest among equals) at that length, with the chart as an SVG beside it."""
+    from pathlib import Path
+
+    from toolkit.cli_help import status
+    from toolkit.longest import svg_chart, text_chart, longest_sequences
+    from toolkit.planner import to_plan
+
+    with status("--seq max: the longest sequence each strategy fits"):
+        results = longest_sequences(spec, hw, req)
+    best = next((r for r in results if r.seq_len), None)
+    title = f"{spec.name} on {hw.spec}: per-GPU memory vs sequence length (micro-batch 1)"
+    if args.json:
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategies": [
+            {"name": r.name, "longest_seq": r.seq_len, "capped_by_positions": r.capped_by_positions,
+             "reason": r.reason, "candidate": r.candidate.row() if r.candidate else None,
+             "curve": [{"seq": s, "required_bytes": b} for s, b in r.curve]} for r in results]}, indent=2))
+    else:
+        print(f"{spec.name} ({_human(spec.params)} params, positions {spec.max_positions}) on {hw.spec} "
+              f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | longest sequence per strategy, micro-batch 1, "
+              f"{req.precision}\n")
+        for r in results:
+            print("  " + _longest_line(r, spec))
+        chart = text_chart(results, hw.gpu.memory_bytes, top=args.top)
+        if chart:
+            print("\n" + chart)
+    if best is not None and args.out:
+        from toolkit.emit import emit_files
+
+        plan = to_plan(best.candidate, spec, hw, _recorded_model(args.model) or spec.name)
+        svg = svg_chart(results, hw.gpu.memory_bytes, title)
+        written = emit_files(plan, Path(args.out), force=args.force, candidates=[best.candidate.row()],
+                             nvme_path=args.nvme_path, hosts=args.hosts, extra={"memory_vs_seq.svg": svg})
+        if not args.json:
+            print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
+                  "(memory_vs_seq.svg: the chart)")
+    return 0 if best is not None else 1
+
+
 def _recorded_model(model: str | None) -> str | None:
     """A local model path as an absolute path (a plan launched from another folder still finds it); catalog names
     and hub ids as given. A catalog name wins over a same-named folder, as in modelspec.load_config."""
@@ -385,7 +495,7 @@ def _recorded_model(model: str | None) -> str | None:
 
 
 EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",
-                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md")
+                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md", "memory_vs_seq.svg")
 
 
 def _refuse_existing(out, force: bool) -> None:
@@ -434,7 +544,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
     if refused:
         print("\nnot possible:")
         for c in refused:
-            print(f"  {c.strategy.name}: {c.reason}")
+            print(f"  {c.name}: {c.reason}")
 
 
 def _note_adapter_ddp(req, feasible) -> None:
@@ -592,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="per-GPU memory and step time of one strategy")
     _add_model_flags(p)
     _add_hardware_flags(p)
-    _add_job_flags(p)
+    _add_job_flags(p, seq_max=True)
     p.add_argument("--strategy", default="ddp", help="ddp, zero1/2/3, zero2-offload, zero3-offload, fsdp2, "
                                                      "pipeline, hybrid, ... (default %(default)s)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
@@ -606,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="rank every strategy; write the chosen one's files")
     _add_model_flags(p)
     _add_hardware_flags(p)
-    _add_job_flags(p)
+    _add_job_flags(p, seq_max=True)
     p.add_argument("--global-batch", type=int_arg("--global-batch", bounds.BATCH),
                    help="samples per optimizer step over all GPUs")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),

@@ -132,7 +132,55 @@ def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
                               "head": RegionTrace(**data["head"]), "notes": tuple(data["notes"])})
 
 
+_SEQ_ANCHORED = False
+"""True inside `traces_linear_in_seq`: traces at other lengths come from two traced lengths (toolkit.longest)."""
+
+SEQ_ANCHOR_MIN = 1024
+"""Shortest anchor length: below it a trace is taken at the exact length."""
+
+
+class traces_linear_in_seq:
+    """Within this context, a trace at sequence length L is interpolated between exact traces at a and 2a, a the
+    power of two at or below L (L >= SEQ_ANCHOR_MIN): saved bytes, temporaries and the logits are linear in the
+    sequence for the GPU kernels' footprint (no s x s tensor with flash / efficient SDPA), measured exact from
+    2048 tokens on (tests/test_dimensions.py). A search over lengths then traces once per octave it visits,
+    never per probe."""
+
+    def __enter__(self):
+        global _SEQ_ANCHORED
+        self._was, _SEQ_ANCHORED = _SEQ_ANCHORED, True
+        return self
+
+    def __exit__(self, *exc):
+        global _SEQ_ANCHORED
+        _SEQ_ANCHORED = self._was
+
+
+def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> ActivationTrace | None:
+    L = job.seq_len
+    if not _SEQ_ANCHORED or L < SEQ_ANCHOR_MIN or L & (L - 1) == 0:
+        return None
+    from dataclasses import replace
+
+    a = 1 << (L.bit_length() - 1)
+    t1 = _exact_trace(spec, replace(job, seq_len=a), strategy, b)
+    t2 = _exact_trace(spec, replace(job, seq_len=2 * a), strategy, b)
+    f = (L - a) / a
+
+    def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
+        return RegionTrace(**{k: int(round(v + (getattr(r2, k) - v) * f)) for k, v in asdict(r1).items()})
+
+    return replace(t1, seq_len=L, embedding=lerp(t1.embedding, t2.embedding),
+                   layers=tuple(lerp(x, y) for x, y in zip(t1.layers, t2.layers)), head=lerp(t1.head, t2.head),
+                   output_bytes=int(round(t1.output_bytes + (t2.output_bytes - t1.output_bytes) * f)))
+
+
 def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
+    b = micro_batch or job.micro_batch
+    return _seq_anchored(spec, job, strategy, b) or _exact_trace(spec, job, strategy, b)
+
+
+def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)

@@ -215,30 +215,36 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
         problem = liger_problem(spec.model_type)
         if problem:
             raise UserError(problem)
-    strategies = [parse_strategy(s) for s in req.strategies]
-    if hw.world_size == 1:
-        strategies = [s for s in strategies if s.kind == Kind.DDP or s.offloads] or strategies
     best: dict[str, Candidate] = {}
     refused: dict[str, Candidate] = {}
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
-    for strategy in strategies:
-        key = strategy.name
-        problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
-                              liger=req.liger, adapter=req.adapter)
-        grids = _grids(strategy, spec, hw, req) if problem is None else problem
+    for key, strategy, grids in options_for(spec, hw, req):
+        dimension = key.split(" x ")[1] if " x " in key else None
         if isinstance(grids, str):
-            refused[key] = _refusal(strategy, req, hw, grids)
+            refused[key] = refusal(strategy, req, hw, grids, dimension=dimension)
             continue
-        _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options)
-    if hw.world_size > 1:
-        for dimension, strategy, grids in _model_parallel_options(spec, hw, req):
-            key = f"{strategy.name} x {dimension}"
-            if isinstance(grids, str):
-                refused[key] = _refusal(strategy, req, hw, grids, dimension=dimension)
-                continue
-            _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension)
+        _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension)
     ranked = sorted(best.values(), key=_rank_key)
     return ranked + [c for k, c in refused.items() if k not in best]
+
+
+def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: bool = True):
+    """(row key, strategy, grids to try or the reason there are none) for every strategy the request allows and
+    every model-parallel family (FSDP2 x TP, FSDP2 x CP, ZeRO x SP). `sequence_rule` False: do not hold the
+    grids to req.seq_len's divisibility (a search over lengths picks lengths that divide)."""
+    strategies = [parse_strategy(s) for s in req.strategies]
+    if hw.world_size == 1:
+        strategies = [s for s in strategies if s.kind == Kind.DDP or s.offloads] or strategies
+    fixed = (req.tensor_parallel, req.context_parallel, req.sequence_parallel)
+    if any(v not in (None, 1) for v in fixed):
+        strategies = []  # a degree the user fixed: plan that dimension alone
+    for strategy in strategies:
+        problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
+                              liger=req.liger, adapter=req.adapter)
+        yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
+    if hw.world_size > 1:
+        for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
+            yield f"{strategy.name} x {dimension}", strategy, grids
 
 
 def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
@@ -249,7 +255,7 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
         try:
             batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
         except UserError as exc:
-            refused.setdefault(key, _refusal(strategy, req, hw, str(exc), dimension=dimension))
+            refused.setdefault(key, refusal(strategy, req, hw, str(exc), dimension=dimension))
             continue
         partition = grid.partition(spec) if strategy.is_pipeline else None
         for micro, accum in sorted(batches, reverse=True):
@@ -273,7 +279,7 @@ MODEL_PARALLEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 ParallelismConfig rules): FSDP2 x TP (HSDP across nodes), FSDP2 x CP, ZeRO x Ulysses SP."""
 
 
-def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request):
+def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequence_rule: bool = True):
     """(dimension, strategy, grids or the reason there are none) for every model-parallel family the request
     allows. Degrees the user fixed are tried alone; otherwise every degree the grid's rules admit."""
     fixed = {"tp": req.tensor_parallel, "cp": req.context_parallel, "sp": req.sequence_parallel}
@@ -301,7 +307,7 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request):
                     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                                      **{_DEGREE_ARG[dimension]: degree})
                     grid.check_model(spec)
-                    grid.check_sequence(req.seq_len, attention)
+                    grid.check_sequence(req.seq_len if sequence_rule else granule(grid), attention)
                 except UserError as exc:
                     problems.append(str(exc))
                     continue
@@ -312,13 +318,20 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request):
 _DEGREE_ARG = {"tp": "tensor", "cp": "context", "sp": "sequence"}
 
 
+def granule(grid: ParallelGrid) -> int:
+    from toolkit.longest import granule as g
+
+    return g(grid)
+
+
 def _rank_key(c: Candidate):
     if not c.feasible:
         return (1, _need(c))
     return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
 
 
-def _refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
+def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
+    """A row that cannot run, with the reason."""
     job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
               precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind,
               adapter=req.adapter)
