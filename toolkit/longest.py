@@ -58,7 +58,11 @@ def seq_cap(spec: "ModelSpec") -> int:
     if not spec.max_positions:
         raise UserError(f"--seq max needs the model's position limit, and {spec.name}'s config has no "
                         "max_position_embeddings; give --seq N")
-    return int(spec.max_positions)
+    cap = int(spec.max_positions)
+    if cap < GRANULE:
+        raise UserError(f"--seq max searches lengths in steps of {GRANULE} tokens up to the model's positions, and "
+                        f"{spec.name} stops at {cap}; give --seq N (at most {cap})")
+    return cap
 
 
 def granule(grid: "ParallelGrid") -> int:
@@ -75,9 +79,6 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
     from toolkit.planner import options_for
 
     cap = seq_cap(spec)
-    if cap < CHART_FROM // 2:
-        raise UserError(f"--seq max searches from {GRANULE} tokens up to the model's positions, and "
-                        f"{spec.name} stops at {cap}; give --seq N (at most {cap})")
     probe_req = replace(req, seq_len=cap - cap % GRANULE or cap)
     out: list[Longest] = []
     with traces_linear_in_seq():

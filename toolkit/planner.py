@@ -7,7 +7,7 @@ layers do not split into the stages, the GPU lacks the precision, the node lacks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from toolkit.errorband import band_for
@@ -57,7 +57,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        if self.strategy.is_pipeline:
+        if self.strategy.is_pipeline and (self.grid is not None or self.reason is None):
             return f"{self.strategy.name} (pp={self.pipeline_stages} x dp={self.data_parallel})"
         if self.grid is not None and self.grid.model_parallel > 1:
             return f"{self.strategy.name} ({self.grid.describe()})"
@@ -266,6 +266,8 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                           activation_offloading=req.activation_offloading, liger=req.liger,
                           adapter=req.adapter)
                 cand = evaluate(spec, hw, strategy, job, grid, partition)
+                if dimension:
+                    cand = replace(cand, dimension=dimension)
                 if _better(cand, best.get(key)):
                     best[key] = cand
 

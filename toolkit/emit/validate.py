@@ -97,6 +97,14 @@ def accelerate_launch_plugins(config_file: str | Path, extra_args: list[str] | N
             if args.use_fsdp:
                 with _environment({**env, **_NO_DEVICE_ENV}):
                     plugin = FullyShardedDataParallelPlugin()
+        if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+            # What Accelerator() builds from the launcher's variables when the script passes no config.
+            from accelerate.parallelism_config import ParallelismConfig
+
+            with _environment(env):
+                pc = ParallelismConfig()
+            engine = "deepspeed" if args.use_deepspeed else "fsdp2" if args.use_fsdp else "ddp"
+            validate_parallelism_config(_kwargs_of(pc), world_size=int(args.num_processes), engine=engine)
     except SystemExit as exc:  # argparse
         raise ConfigRejected(f"accelerate launch refused the arguments (exit {exc.code})") from None
     except (ValueError, TypeError, KeyError, FileNotFoundError, OSError) as exc:
@@ -104,6 +112,18 @@ def accelerate_launch_plugins(config_file: str | Path, extra_args: list[str] | N
     except (AttributeError, IndexError) as exc:  # accelerate's own code tripping over a value of the wrong type
         raise ConfigRejected(f"accelerate fails on a value of the wrong type ({type(exc).__name__}: {exc})") from exc
     return args, plugin, env
+
+
+def _kwargs_of(pc) -> dict[str, Any]:
+    """A ParallelismConfig's sizes and backends as keyword arguments (its handlers are rebuilt from them)."""
+    kw = {f"{d}_size": getattr(pc, f"{d}_size") for d in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    kw.update(cp_backend=pc.cp_backend, sp_backend=pc.sp_backend)
+    if pc.sp_handler is not None:
+        kw["sp_handler"] = {k: getattr(pc.sp_handler, k) for k in
+                            ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")}
+    if pc.cp_handler is not None:
+        kw["cp_handler"] = {"cp_comm_strategy": pc.cp_handler.cp_comm_strategy}
+    return kw
 
 
 def first_line(exc: BaseException) -> str:
@@ -194,7 +214,35 @@ def validate_ds_config_for_plan(config: dict[str, Any], plan) -> Any:
         # toolkit.train hands the file to deepspeed.initialize unchanged; the pipeline engine's data-parallel
         # world is world / stages (its mpu), which is what its batch assertion uses.
         return deepspeed_config_at(config, plan.data_parallel)
-    resolved = resolve_like_trainer(config, world_size=plan.world_size, micro_batch=plan.micro_batch,
+    # Under Ulysses the data-parallel world is world / sp: accelerate sets train_batch_size from
+    # ParallelismConfig.data_parallel_size at prepare time, and DeepSpeed's world is world / sp (its mpu).
+    resolved = resolve_like_trainer(config, world_size=plan.data_parallel, micro_batch=plan.micro_batch,
                                     grad_accum=plan.grad_accum, hidden_size=hidden_size(plan),
                                     precision=plan.precision)
-    return deepspeed_config_at(resolved, plan.world_size)
+    return deepspeed_config_at(resolved, plan.data_parallel)
+
+
+def validate_parallelism_config(kwargs: dict[str, Any], *, world_size: int, engine: str):
+    """accelerate's own ParallelismConfig checks of `kwargs` (training_args.json's parallelism_config, or a YAML
+    block read back): the constructor's rules, and the world-size and engine rules of Accelerator
+    (`_validate_accelerator`) without an accelerator. Returns the ParallelismConfig; raises ConfigRejected."""
+    from toolkit.emit.parallelism import build_parallelism_config
+
+    try:
+        pc = build_parallelism_config(kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigRejected(first_line(exc)) from exc
+    if not (pc.sp_backend == "deepspeed" and pc.sp_size > 1) and pc.total_size != world_size:
+        raise ConfigRejected(f"ParallelismConfig total_size ({pc.total_size}) does not match num_processes "
+                             f"({world_size})")
+    if pc.sp_size > 1 and pc.data_parallel_size * pc.sp_size != world_size:
+        raise ConfigRejected(f"sp_size {pc.sp_size} x dp_replicate x dp_shard {pc.data_parallel_size} is not the "
+                             f"{world_size} processes DeepSpeed groups into sequence x data parallel")
+    if engine == "fsdp2" and not pc.dp_shard_enabled and not pc.cp_enabled:
+        raise ConfigRejected("FSDP is enabled but the parallelism config has no dimension for FSDP to shard across")
+    if (pc.tp_size > 1 or pc.cp_size > 1) and engine != "fsdp2":
+        raise ConfigRejected("tp_size / cp_size > 1 run under FSDP2 (cp: accelerate state.py requires an FSDP2 "
+                             "plugin)")
+    if pc.sp_size > 1 and engine != "deepspeed":
+        raise ConfigRejected("sp_size > 1 needs DeepSpeed (sp_backend deepspeed)")
+    return pc
