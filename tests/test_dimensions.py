@@ -392,3 +392,50 @@ def test_seq_max_answers_and_writes_the_chart(model, gpus, tmp_path, capsys):
     assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}polyline")) >= 1
     plan = load_plan(tmp_path / "p")
     assert f"at seq {plan.seq_len:,}" in out
+
+
+# --- toolkit check on configs toolkit did not write -------------------------------------------------------------
+
+REAL = Path(__file__).parent / "real_configs"
+
+SP_YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3
+  zero3_save_16bit_model: true
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+parallelism_config:
+  parallelism_config_sp_size: {sp}
+  parallelism_config_sp_backend: deepspeed
+  parallelism_config_sp_seq_length_is_variable: true
+  parallelism_config_sp_attn_implementation: sdpa
+"""
+
+
+def test_check_models_accelerates_own_cp_example_per_rank():
+    from toolkit.check_fit import fit_findings
+
+    found = fit_findings(str(REAL / "accelerate/examples/torch_native_parallelism/configs/cp.yaml"),
+                         model="llama-3.1-8b", gpus="8xH100-80GB", seq_len=131072)
+    assert any("parallelism_config: dp=1 x cp=8" in p.message for p in found)
+    assert found[-1].severity == "note" and "fits" in found[-1].message
+
+
+def test_check_judges_a_stock_ulysses_yaml_and_names_what_the_engines_refuse(tmp_path):
+    from toolkit.check import check_paths
+    from toolkit.check_fit import Pins, fit_findings
+
+    good = tmp_path / "sp.yaml"
+    good.write_text(SP_YAML.format(sp=8))
+    assert [p for p in check_paths([str(good)]) if p.severity == "error"] == []
+    fit = fit_findings(str(good), model="llama-3.1-8b", gpus="8xH100-80GB", seq_len=65536,
+                       pins=Pins(checkpointing=True))
+    assert any("dp=1 x sp=8" in p.message for p in fit) and fit[-1].severity == "note"
+    heads = fit_findings(str(good), model="qwen2.5-7b", gpus="8xH100-80GB", seq_len=65536)
+    assert heads[-1].severity == "error" and "does not divide qwen2.5-7b's 28 attention heads" in heads[-1].message
+    bad = tmp_path / "sp3.yaml"
+    bad.write_text(SP_YAML.format(sp=3))
+    errors = [p for p in check_paths([str(bad)]) if p.severity == "error"]
+    assert len(errors) == 1 and "sp_size 3 needs DeepSpeed with dp_replicate x dp_shard x sp = 8" in errors[0].message

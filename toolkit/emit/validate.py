@@ -103,8 +103,9 @@ def accelerate_launch_plugins(config_file: str | Path, extra_args: list[str] | N
 
             with _environment(env):
                 pc = ParallelismConfig()
-            engine = "deepspeed" if args.use_deepspeed else "fsdp2" if args.use_fsdp else "ddp"
-            validate_parallelism_config(_kwargs_of(pc), world_size=int(args.num_processes), engine=engine)
+            fsdp2 = bool(args.use_fsdp) and str(getattr(args, "fsdp_version", "1")) == "2"
+            engine = "deepspeed" if args.use_deepspeed else "fsdp2" if fsdp2 else "fsdp1" if args.use_fsdp else "ddp"
+            check_parallelism_config(pc, world_size=int(args.num_processes or 1), engine=engine)
     except SystemExit as exc:  # argparse
         raise ConfigRejected(f"accelerate launch refused the arguments (exit {exc.code})") from None
     except (ValueError, TypeError, KeyError, FileNotFoundError, OSError) as exc:
@@ -112,18 +113,6 @@ def accelerate_launch_plugins(config_file: str | Path, extra_args: list[str] | N
     except (AttributeError, IndexError) as exc:  # accelerate's own code tripping over a value of the wrong type
         raise ConfigRejected(f"accelerate fails on a value of the wrong type ({type(exc).__name__}: {exc})") from exc
     return args, plugin, env
-
-
-def _kwargs_of(pc) -> dict[str, Any]:
-    """A ParallelismConfig's sizes and backends as keyword arguments (its handlers are rebuilt from them)."""
-    kw = {f"{d}_size": getattr(pc, f"{d}_size") for d in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
-    kw.update(cp_backend=pc.cp_backend, sp_backend=pc.sp_backend)
-    if pc.sp_handler is not None:
-        kw["sp_handler"] = {k: getattr(pc.sp_handler, k) for k in
-                            ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")}
-    if pc.cp_handler is not None:
-        kw["cp_handler"] = {"cp_comm_strategy": pc.cp_handler.cp_comm_strategy}
-    return kw
 
 
 def first_line(exc: BaseException) -> str:
@@ -223,26 +212,48 @@ def validate_ds_config_for_plan(config: dict[str, Any], plan) -> Any:
 
 
 def validate_parallelism_config(kwargs: dict[str, Any], *, world_size: int, engine: str):
-    """accelerate's own ParallelismConfig checks of `kwargs` (training_args.json's parallelism_config, or a YAML
-    block read back): the constructor's rules, and the world-size and engine rules of Accelerator
-    (`_validate_accelerator`) without an accelerator. Returns the ParallelismConfig; raises ConfigRejected."""
+    """accelerate's own checks of a ParallelismConfig given as keyword arguments (training_args.json's
+    `parallelism_config`): its constructor, then `Accelerator._validate_accelerator` against a stand-in accelerator of
+    `world_size` processes running `engine` ("fsdp2", "deepspeed", "ddp"). Returns the ParallelismConfig; raises
+    ConfigRejected with accelerate's message."""
     from toolkit.emit.parallelism import build_parallelism_config
 
     try:
         pc = build_parallelism_config(kwargs)
     except (ValueError, TypeError) as exc:
         raise ConfigRejected(first_line(exc)) from exc
-    if not (pc.sp_backend == "deepspeed" and pc.sp_size > 1) and pc.total_size != world_size:
-        raise ConfigRejected(f"ParallelismConfig total_size ({pc.total_size}) does not match num_processes "
-                             f"({world_size})")
-    if pc.sp_size > 1 and pc.data_parallel_size * pc.sp_size != world_size:
-        raise ConfigRejected(f"sp_size {pc.sp_size} x dp_replicate x dp_shard {pc.data_parallel_size} is not the "
-                             f"{world_size} processes DeepSpeed groups into sequence x data parallel")
-    if engine == "fsdp2" and not pc.dp_shard_enabled and not pc.cp_enabled:
-        raise ConfigRejected("FSDP is enabled but the parallelism config has no dimension for FSDP to shard across")
-    if (pc.tp_size > 1 or pc.cp_size > 1) and engine != "fsdp2":
-        raise ConfigRejected("tp_size / cp_size > 1 run under FSDP2 (cp: accelerate state.py requires an FSDP2 "
-                             "plugin)")
-    if pc.sp_size > 1 and engine != "deepspeed":
-        raise ConfigRejected("sp_size > 1 needs DeepSpeed (sp_backend deepspeed)")
+    check_parallelism_config(pc, world_size=world_size, engine=engine)
     return pc
+
+
+def check_parallelism_config(pc, *, world_size: int, engine: str) -> None:
+    """`Accelerator._validate_accelerator` of `pc` (accelerate's code), plus the two rules accelerate applies
+    elsewhere: context parallelism needs the FSDP2 plugin (state.py) and DeepSpeed groups world / sp data-parallel
+    ranks (parallel_state_sp.initialize_sequence_parallel asserts sp divides the world)."""
+    from accelerate.utils import DistributedType
+
+    kind = {"deepspeed": DistributedType.DEEPSPEED, "fsdp2": DistributedType.FSDP}.get(engine,
+                                                                                        DistributedType.MULTI_GPU)
+    accelerator = SimpleNamespace(multi_device=world_size > 1, num_processes=world_size, is_fsdp2=engine == "fsdp2",
+                                  distributed_type=kind, is_main_process=True)
+    try:
+        with _quiet_warnings():
+            pc._validate_accelerator(accelerator)
+    except (ValueError, TypeError) as exc:
+        raise ConfigRejected(first_line(exc)) from exc
+    if (pc.tp_size > 1 or pc.cp_size > 1) and engine != "fsdp2":
+        raise ConfigRejected("tp_size / cp_size > 1 need FSDP2 (accelerate: cp_size > 1 requires an FSDP2 plugin; "
+                             "tensor parallelism through ParallelismConfig is applied with FSDP2)")
+    if pc.sp_size > 1 and (engine != "deepspeed" or world_size % pc.sp_size
+                           or pc.data_parallel_size * pc.sp_size != world_size):
+        raise ConfigRejected(f"sp_size {pc.sp_size} needs DeepSpeed with dp_replicate x dp_shard x sp = "
+                             f"{world_size} processes (got {pc.data_parallel_size} x {pc.sp_size})")
+
+
+@contextlib.contextmanager
+def _quiet_warnings() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
