@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.grid import ParallelGrid
-from toolkit.modelspec import resolve_model
-from toolkit.strategy import parse_strategy
+from toolkit.inputs.grid import ParallelGrid
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.inputs.strategy import parse_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def _plan_data(**changes):
 
 
 def test_plan_json_carries_the_degrees_and_builds_its_grid_from_them():
-    from toolkit.plan import parse_plan
+    from toolkit.plan.schema import parse_plan
 
     base = parse_plan(_plan_data())  # Llama-2-7B fsdp2 on 8 GPUs, global batch 128 = 2 x 8 x 8
     assert (base.tensor_parallel, base.context_parallel, base.sequence_parallel) == (1, 1, 1)
@@ -111,7 +111,7 @@ def test_plan_json_carries_the_degrees_and_builds_its_grid_from_them():
 
 
 def test_a_plan_with_degrees_the_engines_refuse_names_the_field():
-    from toolkit.plan import parse_plan
+    from toolkit.plan.schema import parse_plan
 
     with pytest.raises(UserError, match="sequence parallelism .Ulysses. runs under DeepSpeed ZeRO"):
         parse_plan(_plan_data(sequence_parallel=2))
@@ -120,7 +120,7 @@ def test_a_plan_with_degrees_the_engines_refuse_names_the_field():
 
 
 def test_plans_without_degrees_keep_their_prediction_key():
-    from toolkit.plan import parse_plan
+    from toolkit.plan.schema import parse_plan
 
     plan = parse_plan(_plan_data())
     assert not plan.prediction_is_stale
@@ -129,7 +129,7 @@ def test_plans_without_degrees_keep_their_prediction_key():
 # --- the model's tp_plan ---------------------------------------------------------------------------------------
 
 def test_tp_sharded_parameters_are_the_sum_over_the_tp_plans_modules():
-    from toolkit.tensorplan import model_tp_plan, per_rank_spec, tensor_split
+    from toolkit.inputs.tensorplan import model_tp_plan, per_rank_spec, tensor_split
 
     spec = resolve_model("llama-3.1-8b")
     plan = model_tp_plan(spec)
@@ -154,17 +154,17 @@ def test_tp_sharded_parameters_are_the_sum_over_the_tp_plans_modules():
 
 def _small(kv_heads: int = 2, positions: int = 65536):
     """A Llama-shaped model small enough to trace in a second: 2 layers, hidden 256, 8 heads."""
-    from toolkit.modelspec import build_spec, shape_config
+    from toolkit.inputs.modelspec import build_spec, shape_config
 
     return build_spec("small", shape_config(layers=2, hidden=256, heads=8, kv_heads=kv_heads, vocab=1000,
                                             max_positions=positions))
 
 
 def test_sp_activations_at_seq_s_are_the_trace_at_s_over_sp_plus_ulysses_kv_replication():
-    from toolkit.dimensions import kv_replication_bytes
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory, scaled_trace
+    from toolkit.estimate.dimensions import kv_replication_bytes
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory, scaled_trace
 
     hw = parse_hardware("4xH100-80GB")
     strategy = parse_strategy("zero3")
@@ -180,10 +180,10 @@ def test_sp_activations_at_seq_s_are_the_trace_at_s_over_sp_plus_ulysses_kv_repl
 
 
 def test_tp_parameters_per_rank_are_the_tp_plans_share_sharded_again_by_fsdp2():
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory
-    from toolkit.tensorplan import per_rank_spec
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.tensorplan import per_rank_spec
 
     spec = _small(kv_heads=4)
     hw = parse_hardware("8xH100-80GB")
@@ -197,9 +197,9 @@ def test_tp_parameters_per_rank_are_the_tp_plans_share_sharded_again_by_fsdp2():
 
 
 def test_cp_memory_is_the_trace_at_seq_over_cp_plus_the_gathered_kv():
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory, scaled_trace
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory, scaled_trace
 
     spec = _small(kv_heads=4)
     strategy = parse_strategy("fsdp2")
@@ -213,9 +213,9 @@ def test_cp_memory_is_the_trace_at_seq_over_cp_plus_the_gathered_kv():
 
 
 def test_model_parallel_comm_terms_are_the_ring_and_all_to_all_volumes():
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.timing import tensor_parallel_comm_s, ulysses_comm_s
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.timing import tensor_parallel_comm_s, ulysses_comm_s
 
     spec = resolve_model("llama-3.1-8b")
     hw = parse_hardware("8xH100-80GB")
@@ -231,8 +231,8 @@ def test_model_parallel_comm_terms_are_the_ring_and_all_to_all_volumes():
 # --- the planner and --seq max ---------------------------------------------------------------------------------
 
 def test_llama_8b_at_128k_on_8_h100s_fits_only_by_splitting_the_sequence():
-    from toolkit.hardware import parse_hardware
-    from toolkit.planner import Request, plan_candidates
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.estimate.search import Request, plan_candidates
 
     cands = plan_candidates(resolve_model("llama-3.1-8b"), parse_hardware("8xH100-80GB"),
                             Request(seq_len=131072, micro_batch=1, checkpointing=True))
@@ -246,8 +246,8 @@ def test_llama_8b_at_128k_on_8_h100s_fits_only_by_splitting_the_sequence():
 def test_a_trace_between_two_powers_of_two_is_their_interpolation_and_equals_the_exact_trace():
     from dataclasses import asdict
 
-    from toolkit.job import Job
-    from toolkit.memory import activation_trace, traces_linear_in_seq
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import activation_trace, traces_linear_in_seq
 
     spec = _small()
     strategy = parse_strategy("zero3")
@@ -258,10 +258,10 @@ def test_a_trace_between_two_powers_of_two_is_their_interpolation_and_equals_the
 
 
 def test_seq_max_finds_the_longest_length_that_fits_and_the_next_granule_does_not():
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.longest import granule, longest_on_grid
-    from toolkit.planner import Request, evaluate
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.longest import granule, longest_on_grid
+    from toolkit.estimate.search import Request, evaluate
 
     spec = resolve_model("qwen2.5-7b")
     hw = parse_hardware("8xH100-80GB")
@@ -288,9 +288,9 @@ def test_emitted_parallelism_passes_accelerates_and_deepspeeds_own_checks(preset
     import yaml
 
     from toolkit.emit import emit_files
-    from toolkit.emit.validate import (accelerate_launch_plugins, validate_ds_config_for_plan,
+    from toolkit.engines.validate import (accelerate_launch_plugins, validate_ds_config_for_plan,
                                        validate_parallelism_config)
-    from toolkit.plan import parse_plan
+    from toolkit.plan.schema import parse_plan
 
     data = json.loads((ROOT / f"presets/sets/{preset}/plan.json").read_text())
     data.update(changes)
@@ -316,7 +316,7 @@ def test_emitted_parallelism_passes_accelerates_and_deepspeeds_own_checks(preset
 
 
 def test_accelerate_refuses_what_our_validation_refuses():
-    from toolkit.emit.validate import ConfigRejected, validate_parallelism_config
+    from toolkit.engines.validate import ConfigRejected, validate_parallelism_config
 
     with pytest.raises(ConfigRejected, match="mutually exclusive"):
         validate_parallelism_config({"dp_shard_size": 2, "cp_size": 2, "sp_size": 2}, world_size=8, engine="fsdp2")
@@ -350,7 +350,7 @@ def test_bad_degrees_get_one_line_and_exit_2(argv, fragment, capsys, tmp_path, m
     from toolkit.cli import main
 
     if "tiny-positions" in argv:
-        from toolkit.modelspec import shape_config
+        from toolkit.inputs.modelspec import shape_config
 
         cfg = shape_config(layers=2, hidden=64, heads=4, vocab=100, max_positions=64)
         cfg.save_pretrained(tmp_path / "tiny-positions")
@@ -383,7 +383,7 @@ def test_seq_max_answers_and_writes_the_chart(model, gpus, tmp_path, capsys):
     import xml.etree.ElementTree as ET
 
     from toolkit.cli import main
-    from toolkit.plan import load_plan
+    from toolkit.plan.schema import load_plan
 
     assert main(["plan", model, "--gpus", gpus, "--seq", "max", "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
@@ -415,7 +415,7 @@ parallelism_config:
 
 
 def test_check_models_accelerates_own_cp_example_per_rank():
-    from toolkit.check_fit import fit_findings
+    from toolkit.check.fit import fit_findings
 
     found = fit_findings(str(REAL / "accelerate/examples/torch_native_parallelism/configs/cp.yaml"),
                          model="llama-3.1-8b", gpus="8xH100-80GB", seq_len=131072)
@@ -424,8 +424,8 @@ def test_check_models_accelerates_own_cp_example_per_rank():
 
 
 def test_check_judges_a_stock_ulysses_yaml_and_names_what_the_engines_refuse(tmp_path):
-    from toolkit.check import check_paths
-    from toolkit.check_fit import Pins, fit_findings
+    from toolkit.check.folder import check_paths
+    from toolkit.check.fit import Pins, fit_findings
 
     good = tmp_path / "sp.yaml"
     good.write_text(SP_YAML.format(sp=8))

@@ -38,7 +38,7 @@ SEQ = Bound(1, 16777216, "16x the longest published context window (1M tokens)")
 
 # Hardware. The largest NVLink domain is GB200 NVL72 (72 GPUs); the largest reported clusters hold about 10^5
 # GPUs (about 1.3 x 10^4 nodes of 8), so nodes are bounded at 2^16 and per-node GPUs at 1024. The plan.json schema
-# (toolkit/plan.py) bounds the same fields; these are kept at or inside its bounds, so a flag accepted here never
+# (toolkit/plan/schema.py) bounds the same fields; these are kept at or inside its bounds, so a flag accepted here never
 # makes a plan the schema refuses.
 GPUS_PER_NODE = Bound(1, 1024, "14x the largest NVLink domain (NVL72)")
 NODES = Bound(1, 65536, "5x the nodes of the largest reported GPU clusters (~10^5 GPUs)")

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 YAML_PREFIX = "parallelism_config_"
 CP_COMM_STRATEGY = "allgather"
 """accelerate's default for cp_comm_strategy (TorchContextParallelConfig); the memory model assumes it
-(toolkit.dimensions.CP_COMM_STRATEGY)."""
+(toolkit.estimate.dimensions.CP_COMM_STRATEGY)."""
 
 
 def parallelism_kwargs(plan: Plan) -> dict[str, Any]:
