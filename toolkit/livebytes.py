@@ -227,3 +227,28 @@ def measure_peaks(model, batch: dict, *, autocast_dtype=None) -> Peaks:
                    for layer in _decoder_layer_list(model))
     return Peaks(forward_peak_bytes=live(_ModState.PEAK_FW, model),
                  backward_peak_bytes=live(_ModState.PEAK_BW, model), layers=layers)
+
+
+def measure_compiled_saved_bytes(model, batch: dict, *, steps: int = 1) -> tuple[int, list]:
+    """Compile `model` with torch.compile (inductor) and run `steps` real forward + backward steps on CPU; returns
+    the bytes the compiled forward of the last step saved for backward (unique storages, parameters and buffers
+    excluded; the compiled autograd function passes them through ctx.save_for_backward, so the pack hook sees
+    them) and their (shape, dtype, bytes)."""
+    import torch
+
+    persistent = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    compiled = torch.compile(model)
+    seen: dict = {}
+    for _ in range(steps):
+        seen.clear()
+
+        def pack(t):
+            key = _storage_key(t)
+            if key not in persistent:
+                seen[key] = (tuple(t.shape), str(t.dtype), key[1])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = compiled(**batch).loss
+        loss.backward()
+    return sum(v[2] for v in seen.values()), list(seen.values())
