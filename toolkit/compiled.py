@@ -20,15 +20,18 @@ to the flash kernel without a mask or the memory-efficient kernel with one (whic
 compile). The trace calls those CUDA aten ops (their meta kernels give the shapes: out, fp32 logsumexp, the bias),
 so the joint graph holds what a CUDA compile would see.
 
-What a compiled step keeps beyond the saved tensors (temporaries inside the compiled forward and backward) is taken
-from the eager trace (toolkit.tracer): inductor frees intermediates inside a fused kernel, so this is an upper
-bound there; the note says so.
+The temporaries of the compiled forward and backward come from a liveness walk over the two partitioned graphs in
+their order, with inductor's fusion rule applied: a pointwise op's result is a buffer only when an extern kernel
+(matmul, attention, embedding backward, ...) or the graph's output reads it, else it is computed inside its
+consumer's kernel; views share their base's buffer; a buffer dies after its last reader; the backward graph frees
+each saved input after its last use (inductor's generated code deletes its inputs as it goes), and the gradients it
+returns stay (they become .grad).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from toolkit.activations import ActivationTrace
 
@@ -45,6 +48,9 @@ class CompiledSaved:
     """Saved low-precision casts of parameters (under autocast, when the partitioner keeps them)."""
     saved: tuple
     """(region, shape, dtype, bytes) of every saved tensor, for --explain and tests."""
+    extras: dict = field(default_factory=dict)
+    """region -> (forward_extra_bytes, backward_extra_bytes, backward_grad_bytes, grad_bytes) from the liveness
+    walk over the partitioned graphs (the meanings of toolkit.activations.RegionTrace's fields)."""
 
     @property
     def total_bytes(self) -> int:
@@ -76,8 +82,11 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
                                  autocast=autocast, attention=attention, device_kind=device_kind, notes=notes)
 
     def region(name: str, eager_region):
+        forward_extra, backward_extra, backward_grads, grads = saved.extras.get(name, (0, 0, 0, 0))
         return replace(eager_region, saved_bytes=saved.by_region.get(name, 0),
-                       autocast_copy_bytes=saved.autocast_copy_by_region.get(name, 0))
+                       autocast_copy_bytes=saved.autocast_copy_by_region.get(name, 0),
+                       forward_extra_bytes=forward_extra, backward_extra_bytes=backward_extra,
+                       backward_grad_bytes=backward_grads, grad_bytes=grads)
 
     if checkpointing:
         layers = eager.layers
@@ -86,8 +95,8 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
         layers = tuple(region(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", eager.layers[i])
                        for i in range(len(full_kinds)))
     notes.append(f"torch.compile: saved tensors from AOTAutograd's joint graph split by {PARTITIONER} "
-                 "(inductor decompositions, FakeTensorMode); temporaries from the eager trace (an upper bound "
-                 "inside fused kernels)")
+                 "(inductor decompositions, FakeTensorMode); temporaries from a liveness walk over the partitioned "
+                 "graphs with inductor's pointwise fusion")
     return replace(eager, embedding=region("embedding", eager.embedding), layers=layers,
                    head=region("head", eager.head), notes=tuple(dict.fromkeys(eager.notes + tuple(notes))))
 
@@ -201,7 +210,153 @@ def _saved_of(fw, bw, *, n_inputs: int, n_params: int, autocast: bool) -> Compil
         else:
             by_region[region] = by_region.get(region, 0) + nbytes
         rows.append((region, tuple(value.shape), str(value.dtype).replace("torch.", ""), nbytes))
-    return CompiledSaved(by_region=by_region, autocast_copy_by_region=copies, saved=tuple(rows))
+    order = ["embedding", *sorted({r for r in by_region if r.startswith("layer")}, key=lambda r: int(r[5:])), "head"]
+    return CompiledSaved(by_region=by_region, autocast_copy_by_region=copies, saved=tuple(rows),
+                         extras=_extras(fw, bw, order, {r: by_region.get(r, 0) + copies.get(r, 0) for r in order},
+                                        n_inputs=n_inputs))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Liveness of the compiled graphs
+
+
+def _nbytes(node) -> int:
+    import torch
+
+    value = node.meta.get("val")
+    return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
+
+
+def _kind(node) -> str:
+    """"input", "view", "fusible" (pointwise: inside its consumer's kernel), "reduction", "extern" or "other"."""
+    import torch
+
+    if node.op == "placeholder":
+        return "input"
+    if node.op != "call_function":
+        return "other"
+    target = node.target
+    if getattr(target, "__name__", "") == "getitem":
+        return "extern"  # one output of a multi-output kernel (attention's out / logsumexp)
+    tags = getattr(target, "tags", ())
+    if getattr(target, "is_view", False):
+        return "view"
+    if torch.Tag.pointwise in tags or "convert_element_type" in str(target):
+        return "fusible"
+    if not node.all_input_nodes or "inductor_random" in str(target) or "inductor_lookup_seed" in str(target):
+        return "fusible"  # factories (full, iota) and inductor's in-kernel random numbers are generated in place
+    if torch.Tag.reduction in tags:
+        return "reduction"
+    return "extern"
+
+
+def _walk(graph, *, freed_inputs: set, counted_inputs: set):
+    """Live bytes after each node of `graph` runs (before the buffers it read last die), by inductor's rules; returns
+    [(node, live_bytes_after_alloc)], and the output node's inputs stay live to the end."""
+    nodes = [n for n in graph.nodes]
+    index = {n: i for i, n in enumerate(nodes)}
+    output = nodes[-1]
+    returned = {a for a in output.all_input_nodes}
+    kinds = {n: _kind(n) for n in nodes}
+    extern_like = {"extern", "reduction", "other"}
+
+    def materialized(n) -> bool:
+        k = kinds[n]
+        if k == "fusible":
+            stack, seen = list(n.users), set()
+            while stack:
+                u = stack.pop()
+                if u in seen:
+                    continue
+                seen.add(u)
+                if u.op == "output" or kinds[u] == "extern":
+                    return True
+                if kinds[u] == "view":
+                    stack.extend(u.users)
+            return n in returned
+        return k in extern_like
+
+    buffers = {n: _nbytes(n) for n in nodes if n.op == "call_function" and materialized(n)}
+    # Where each node's value is really read: at its own kernel if it is one, else inside its consumers' kernels.
+    read_at: dict = {}
+    for n in reversed(nodes):
+        if n in buffers or n.op in ("output", "placeholder") or not n.users:
+            read_at[n] = index[n]
+        else:
+            read_at[n] = max(read_at[u] for u in n.users)
+
+    root = _root
+    last_use: dict = {}
+    for u in nodes:
+        for x in u.all_input_nodes:
+            r = root(x)
+            last_use[r] = max(last_use.get(r, -1), len(nodes) if u.op == "output" else read_at[u])
+    live = sum(_nbytes(n) for n in nodes if n.op == "placeholder" and n.name in counted_inputs)
+    dying: dict = {}
+    for r, k in last_use.items():
+        if (r in buffers) or (r.op == "placeholder" and r.name in freed_inputs and r.name in counted_inputs):
+            dying.setdefault(k, []).append(r)
+    curve = []
+    for i, n in enumerate(nodes):
+        live += buffers.get(n, 0)
+        curve.append((n, live))
+        for r in dying.get(i, ()):
+            live -= buffers.get(r, 0) if r in buffers else _nbytes(r)
+    return curve
+
+
+def _root(node):
+    """The node whose buffer `node` reads: itself, or the base of a chain of views."""
+    while _kind(node) == "view" and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _regions_along(curve, order: list, *, backward: bool):
+    """(region, node, live) along a graph's run. A node's region is its FX annotation, held monotone (forward: never
+    back to an earlier region, backward: never to a later one), since the partitioner moves some small nodes
+    (views of saved values, casts) out of their region's stretch, only kernels of their own (matmuls, reductions)
+    move it on; graph inputs are skipped."""
+    rank = {r: i for i, r in enumerate(order)}
+    current = len(order) - 1 if backward else 0
+    for node, live in curve:
+        if node.op == "placeholder":
+            continue
+        name = (node.meta.get("custom") or {}).get("toolkit_region")
+        if name in rank and _kind(node) in ("extern", "reduction"):
+            current = min(current, rank[name]) if backward else max(current, rank[name])
+        yield order[current], node, live
+
+
+def _extras(fw, bw, order: list, held_by_region: dict, *, n_inputs: int) -> dict:
+    """Per region: forward and backward peaks above the saved bytes of every region up to and including it, and the
+    parameter gradients the backward has made by its peak and in all."""
+    from itertools import accumulate
+
+    held = dict(zip(order, accumulate(held_by_region[r] for r in order)))
+    extras = {r: [0, 0, 0, 0] for r in order}
+    fw_inputs = [n.name for n in fw.graph.nodes if n.op == "placeholder"]
+    fw_curve = _walk(fw.graph, freed_inputs=set(), counted_inputs=set(fw_inputs[n_inputs:]))
+    for region, _node, live in _regions_along(fw_curve, order, backward=False):
+        extras[region][0] = max(extras[region][0], live - held[region])
+    bw_inputs = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+    static = set(fw_inputs[:n_inputs])
+    grads_out = {_root(a) for a in list(bw.graph.nodes)[-1].all_input_nodes}
+    grad_total = 0
+    start: dict = {}
+    # The incoming gradients count too: AOTAutograd materializes zeros for the logits, which the loss does not reach
+    # (measured: a logits-sized buffer is allocated before the compiled backward runs).
+    bw_curve = _walk(bw.graph, freed_inputs=bw_inputs, counted_inputs=bw_inputs - static)
+    for region, node, live in _regions_along(bw_curve, order, backward=True):
+        start.setdefault(region, grad_total)
+        if node in grads_out:
+            grad_total += _nbytes(node)
+            extras[region][3] += _nbytes(node)
+        above = live - grad_total - held[region]
+        if above > extras[region][1]:
+            extras[region][1] = above
+            extras[region][2] = grad_total - start[region]
+    return {r: tuple(max(0, v) for v in e) for r, e in extras.items()}
 
 
 def _is_cast_of(node, params: set) -> bool:
