@@ -24,8 +24,8 @@ import shlex
 from typing import Any
 
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 SETTINGS_FILE = "training_args.json"
 DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
@@ -33,7 +33,7 @@ DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
 
 OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 """plan.optimizer -> TrainingArguments.optim. adamw: torch's fused AdamW (the Trainer's default on torch >= 2.8): no
-foreach step temporaries, which is what the memory model assumes by default (toolkit/savers.py)."""
+foreach step temporaries, which is what the memory model assumes by default (toolkit/estimate/savers.py)."""
 ADAMW_IMPL = {"fused": "adamw_torch_fused", "foreach": "adamw_torch", "for-loop": "adamw_torch"}
 """plan.optimizer_impl -> TrainingArguments.optim for AdamW. The Trainer's adamw_torch builds torch's AdamW with its
 defaults (foreach where the tensors allow it) and passes no optim_args to it (transformers trainer_optimizer.py
@@ -158,17 +158,58 @@ def notes(plan: Plan) -> list[str]:
     if plan.engine == Engine.PIPELINE:
         out.append("Pipeline plans run DeepSpeed's pipeline engine: use toolkit.train (Trainer, TRL and accelerate "
                    "loops cannot run a PipelineModule).")
+    out += model_parallel_notes(plan)
+    return out
+
+
+def model_parallel_notes(plan: Plan) -> list[str]:
+    """What a script must do under tensor / context / sequence parallelism (the engines' adapters)."""
+    g = plan.grid
+    if g.model_parallel == 1:
+        return []
+    out = ["The accelerate YAML's parallelism_config block sets the sizes for every script it launches (Accelerator "
+           "builds ParallelismConfig from them when the script passes none). Without the YAML, pass "
+           "TrainingArguments(**training_arguments, parallelism_config=ParallelismConfig(**parallelism_config)) "
+           "with the handlers built from their dicts (toolkit.emit.parallelism.build_parallelism_config does it). "
+           f"The batch arithmetic counts {g.data_parallel} data-parallel rank(s): the {g.model_parallel} ranks of "
+           "one tensor / context / sequence group share each sample."]
+    if g.sequence > 1:
+        out.append(f"Ulysses sequence parallelism (sp {g.sequence}): every batch needs position_ids and a length "
+                   f"divisible by {g.sequence}; attention {plan.attention} (never eager). The HF Trainer wraps its "
+                   "data loader itself (accelerator.deepspeed_ulysses_dl_adapter) and computes the loss from the "
+                   "shard's shift_labels; a custom accelerate loop gets UlyssesSPDataLoaderAdapter from "
+                   "accelerator.prepare(model, optimizer, dataloader) and must compute the loss per shard from "
+                   "batch['shift_labels'] (labels are already shifted: pass them to the loss without shifting), "
+                   "then average over the sequence group weighted by each shard's non-ignored tokens "
+                   "(deepspeed/runtime/sequence_parallel/ulysses_sp.py).")
+    if g.context > 1:
+        out.append(f"Context parallelism (cp {g.context}, torch ring attention): attention must be sdpa; "
+                   f"sequences divisible by {2 * g.context}. The HF Trainer enters accelerator.maybe_context_parallel "
+                   "itself (transformers trainer.py); a custom loop makes shift_labels (labels shifted left, padded with "
+                   "-100), wraps forward and backward in `with accelerator.maybe_context_parallel(buffers=[input_ids, "
+                   "shift_labels, position_ids], buffer_seq_dims=[1, 1, 1], no_restore_buffers={input_ids, "
+                   "shift_labels, position_ids}):`, passes no attention mask (causal only) and computes the loss "
+                   "from its chunk's shift_labels.")
+    if g.tensor > 1:
+        out.append(f"Tensor parallelism (tp {g.tensor}) follows the model's own tp_plan (accelerate shards it in "
+                   "prepare); load the model normally, and save with accelerator.save_model / the Trainer (they "
+                   "gather the DTensor shards).")
     return out
 
 
 def settings(plan: Plan) -> dict[str, Any]:
-    return {
+    from toolkit.emit.parallelism import parallelism_kwargs
+
+    out = {
         "accelerate_launch": launch_line(),
         "training_arguments": training_arguments(plan),
         "sft_config": sft_config(plan),
         "accelerate_loop": accelerate_loop(plan),
         "notes": notes(plan),
     }
+    if plan.grid.model_parallel > 1:
+        out["parallelism_config"] = parallelism_kwargs(plan)
+    return out
 
 
 def settings_json(plan: Plan) -> str:
@@ -188,5 +229,11 @@ def plan_md_section(plan: Plan) -> list[str]:
     lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
               f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents apart).", "",
               "A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
+    if plan.grid.model_parallel > 1:
+        from toolkit.emit.parallelism import parallelism_kwargs
+
+        lines += ["Parallelism (accelerate ParallelismConfig; the YAML sets it, `parallelism_config` in "
+                  f"`{SETTINGS_FILE}` for scripts run without it):", "", "```python",
+                  f"ParallelismConfig(**{parallelism_kwargs(plan)!r})", "```", ""]
     lines += [f"- {note}" for note in notes(plan)]
     return lines + [""]
