@@ -7,16 +7,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from toolkit.compiled import compiled_saved_bytes, trace_compiled_activations
-from toolkit.livebytes import measure_compiled_step
-from toolkit.tiny import tiny_config
-from toolkit.tracer import trace_activations
+from toolkit.estimate.compiled import compiled_saved_bytes, trace_compiled_activations
+from toolkit.estimate.livebytes import measure_compiled_step
+from toolkit.run.tiny import tiny_config
+from toolkit.estimate.tracer import trace_activations
 
 TOLERANCE = 0.05
 
 
 def _composed_peak(trace) -> int:
-    """Forward + backward peak as toolkit.memory composes it (parameters left out): what is saved so far plus the
+    """Forward + backward peak as toolkit.estimate.memory composes it (parameters left out): what is saved so far plus the
     region's temporaries; in backward, plus the gradients made so far."""
     regions = [trace.embedding, *trace.layers, trace.head]
     held, peak = [], 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field, replace
 
-from toolkit.activations import ActivationTrace
+from toolkit.estimate.activations import ActivationTrace
 
 PARTITIONER = "torch._inductor.compile_fx.partition_fn -> torch._functorch.partitioners.min_cut_rematerialization_partition"
 
@@ -50,7 +50,7 @@ class CompiledSaved:
     """(region, shape, dtype, bytes) of every saved tensor, for --explain and tests."""
     extras: dict = field(default_factory=dict)
     """region -> (forward_extra_bytes, backward_extra_bytes, backward_grad_bytes, grad_bytes) from the liveness
-    walk over the partitioned graphs (the meanings of toolkit.activations.RegionTrace's fields)."""
+    walk over the partitioned graphs (the meanings of toolkit.estimate.activations.RegionTrace's fields)."""
 
     @property
     def total_bytes(self) -> int:
@@ -66,7 +66,8 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
     With checkpointing, each decoder layer keeps what the eager checkpoint keeps (its inputs: the compiled
     checkpoint saves the inputs of the wrapped region and recomputes the rest), and embedding and head are traced
     compiled."""
-    from toolkit import tracer
+    from toolkit.estimate import tracer
+    from toolkit.inputs.modelspec import reduced_config
 
     if attention == "flash_attention_2":
         raise NotImplementedError("--compile with flash_attention_2: the flash-attn kernels are traced only eagerly; "
@@ -76,7 +77,7 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
                                      checkpointing=checkpointing)
     full_kinds = tracer._layer_kinds_of_full_model(config)
     traced_count = tracer._traced_layer_count(full_kinds)
-    reduced = tracer._reduced_config(config, len(full_kinds), traced_count)
+    reduced = reduced_config(config, len(full_kinds), traced_count)
     notes: list[str] = []
     saved = compiled_saved_bytes(reduced, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                                  autocast=autocast, attention=attention, device_kind=device_kind, notes=notes)
@@ -116,7 +117,7 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from toolkit import tracer
+    from toolkit.estimate import tracer
 
     notes = notes if notes is not None else []
     compute_dtype = getattr(torch, dtype)
