@@ -46,7 +46,8 @@ def check_runnable(plan: Plan, *, on_cpu: bool) -> None:
 
 
 def leave_sharding_to_transformers(plan: Plan) -> None:
-    """For a TP plan launched with an FSDP accelerate config: turn accelerate's FSDP plugin and its
+    """A TP plan's YAML is a plain multi-process launch (toolkit.emit.parallelism); a TP plan launched with an FSDP
+    config of another origin would make the Trainer fail opaquely. Turn accelerate's FSDP plugin and its
     parallelism_config off in this process, because transformers shards the model (FSDP2 included) as it loads it.
     Call before accelerate's state exists."""
     if not tensor_parallel(plan):
@@ -58,41 +59,29 @@ def leave_sharding_to_transformers(plan: Plan) -> None:
 
 
 def distributed_config(plan: Plan):
-    """transformers' DistributedConfig for a TP plan: the grid's tensor x FSDP2 shard x HSDP replica degrees."""
-    if not tensor_parallel(plan):
+    """transformers' DistributedConfig for a TP plan, from the keyword arguments training_args.json carries."""
+    from toolkit.emit.parallelism import distributed_config as config_kwargs
+
+    kwargs = config_kwargs(plan)
+    if not kwargs:
         return None
     from transformers.distributed.configuration_utils import DistributedConfig
 
-    grid = plan.grid
-    return DistributedConfig(tp_size=grid.tensor, fsdp_size=grid.dp_shard, dp_replicate_size=grid.dp_replicate)
+    return DistributedConfig(**kwargs)
 
 
-def parallelism_config(plan: Plan):
-    """TrainingArguments' `parallelism_config` for an SP or CP plan (None otherwise: TP's comes from the model)."""
-    grid = plan.grid
-    if grid.sequence > 1:
-        from accelerate.parallelism_config import ParallelismConfig
-        from accelerate.utils import DeepSpeedSequenceParallelConfig
+def parallelism_config(plan: Plan, attention: str):
+    """TrainingArguments' `parallelism_config` for an SP or CP plan, from the keyword arguments training_args.json
+    carries (None otherwise: a TP plan's comes from the sharded model). `attention`: the implementation the model
+    runs with here (Ulysses refuses a model whose attention differs from the one it wraps)."""
+    from toolkit.emit.parallelism import build_parallelism_config, parallelism_kwargs
 
-        handler = DeepSpeedSequenceParallelConfig(sp_seq_length=plan.seq_len, sp_seq_length_is_variable=True,
-                                                  sp_attn_implementation=sp_attention(plan))
-        return ParallelismConfig(dp_replicate_size=grid.dp_replicate, dp_shard_size=grid.dp_shard,
-                                 sp_size=grid.sequence, sp_backend="deepspeed", sp_handler=handler)
-    if grid.context > 1:
-        from accelerate.parallelism_config import ParallelismConfig
-
-        return ParallelismConfig(dp_replicate_size=grid.dp_replicate, dp_shard_size=grid.dp_shard,
-                                 cp_size=grid.context, cp_backend="torch")
-    return None
-
-
-def sp_attention(plan: Plan) -> str:
-    """The attention Ulysses wraps: the plan's, with flash-attention kernels replaced by sdpa where there is no GPU."""
-    from toolkit.train.cpu import on_cpu
-
-    if plan.attention == "flash_attention_2" and on_cpu():
-        return "sdpa"
-    return plan.attention
+    kwargs = parallelism_kwargs(plan)
+    if not kwargs:
+        return None
+    if "sp_handler" in kwargs:
+        kwargs["sp_handler"] = {**kwargs["sp_handler"], "sp_attn_implementation": attention}
+    return build_parallelism_config(kwargs)
 
 
 def sequence_parallel_collator(base):

@@ -185,12 +185,8 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         # bf16 with DeepSpeed otherwise; the engines themselves run on the gloo state configured before.
         use_cpu=on_cpu,
     )
-    # ParallelismConfig is built here from the plan's grid (training_args.json holds it as a dict).
-    kwargs.pop("parallelism_config", None)
-    if (parallelism := dimensions.parallelism_config(plan)) is not None:
+    if (parallelism := dimensions.parallelism_config(plan, _attention(plan))) is not None:
         kwargs["parallelism_config"] = parallelism
-    if dimensions.tensor_parallel(plan):
-        kwargs["save_only_model"] = True  # the Trainer refuses optimizer checkpoints of load-time-sharded models
     kwargs.update(user_trainer_flags(plan, args.trainer_flags, kwargs))
     accelerator_config: dict = dict(kwargs.pop("accelerator_config", {}))
     if on_cpu:
@@ -207,7 +203,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
 
 
 PLAN_OWNED_FLAGS = ("deepspeed", "fsdp", "fsdp_config", "use_cpu", "accelerator_config", "parallelism_config",
-                    "save_only_model", "gradient_checkpointing",
+                    "gradient_checkpointing",
                     "gradient_checkpointing_kwargs", "activation_checkpointing", "activation_checkpointing_kwargs")
 """TrainingArguments the plan (or toolkit.train's engine set-up) decides, besides training_arguments(plan)'s keys."""
 
