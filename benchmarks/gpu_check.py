@@ -533,36 +533,31 @@ def _multi_gpu_run(run: MultiGpuRun, work: Path, quick: bool) -> dict:
         out[f"{name}_peak_gib_by_rank"] = {k: v for e in history for k, v in e.items()
                                           if k.startswith("peak_mem_gib/rank")}
     out["max_loss_difference"] = max(abs(a - b) for a, b in zip(out["run_losses"], out["reference_losses"]))
-    try:
-        from toolkit.estimate.memory import estimate_memory
-        from toolkit.inputs.hardware import parse_hardware
-        from toolkit.inputs.job import Job
-        from toolkit.inputs.modelspec import build_spec
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import build_spec
 
-        spec = build_spec("llama", _config(shape, 1000 if quick else 32000, seq))
-        job = Job(seq_len=seq, micro_batch=micro, precision="fp32", device_kind="cuda")
-        b = estimate_memory(spec, plan.strategy_spec, job, parse_hardware(f"{run.gpus}xH200"), grid=plan.grid)
-        out["allocated_predicted"] = b.peak_bytes
-    except TypeError as exc:  # a memory model without per-grid estimates
-        out["allocated_predicted"] = f"not predicted: {exc}"
+    spec = build_spec("llama", _config(shape, 1000 if quick else 32000, seq))
+    job = Job(seq_len=seq, micro_batch=micro, precision="fp32", device_kind="cuda")
+    out["allocated_predicted"] = estimate_memory(spec, plan.strategy_spec, job, parse_hardware(f"{run.gpus}xH200"),
+                                                 grid=plan.grid).peak_bytes
     return out
 
 
+def _side_check_args(flag: str) -> argparse.Namespace:
+    """Arguments of the checks run apart from main(): --qlora, --multi-gpu."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(flag, action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
-    if "--multi-gpu" in sys.argv:
-        multi_args = argparse.ArgumentParser()
-        multi_args.add_argument("--multi-gpu", action="store_true")
-        multi_args.add_argument("--device", default="cuda")
-        multi_args.add_argument("--quick", action="store_true")
-        multi_args.add_argument("--out", default=str(Path(__file__).parent / "results"))
-        a = multi_args.parse_args()
-        sys.exit(multi_gpu_check(a.device, a.quick, a.out))
-    if "--qlora" in sys.argv:
-        qlora_args = argparse.ArgumentParser()
-        qlora_args.add_argument("--qlora", action="store_true")
-        qlora_args.add_argument("--device", default="cuda")
-        qlora_args.add_argument("--quick", action="store_true")
-        qlora_args.add_argument("--out", default=str(Path(__file__).parent / "results"))
-        a = qlora_args.parse_args()
-        sys.exit(qlora_check(a.device, a.quick, a.out))
+    for flag, check in (("--multi-gpu", multi_gpu_check), ("--qlora", qlora_check)):
+        if flag in sys.argv:
+            a = _side_check_args(flag)
+            sys.exit(check(a.device, a.quick, a.out))
     sys.exit(main())
