@@ -272,3 +272,29 @@ def test_launch_preflight_applies_the_same_job_rules_as_estimate(tmp_path, capsy
     assert "V100-32GB has no bf16; use --precision fp16 or fp32" in _one_error_line(capsys)
     assert main(["estimate", "llama-2-7b", "--gpus", "8xV100-32GB", "--seq", "512", "--strategy", "zero2"]) == 2
     assert "V100-32GB has no bf16; use --precision fp16 or fp32" in _one_error_line(capsys)
+
+
+def test_ds_config_against_plan_json_is_one_rule_for_check_and_both_runners(tiny_llama_dir, tmp_path):
+    """`toolkit check`, the Trainer runner and the pipeline runner ask one function whether ds_config.json agrees
+    with plan.json (emit.deepspeed.plan_disagreements); "auto" agrees, a concrete different number does not."""
+    from toolkit.check.folder import plan_json_consistency
+    from toolkit.emit.deepspeed import plan_disagreements
+    from toolkit.errors import UserError
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.args import parse_train_args
+    from toolkit.train.hf_runner import check_ds_config_agrees
+
+    plan = plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32)
+    folder = emit_plan_files(plan, tmp_path / "p")
+    config = json.loads((folder / "ds_config.json").read_text())
+    assert plan_disagreements(config, plan, max_grad_norm=1.0) == {}
+    config.update(train_micro_batch_size_per_gpu=4, gradient_clipping=0.5, gradient_accumulation_steps="auto")
+    assert plan_disagreements(config, plan, max_grad_norm=1.0) == {"train_micro_batch_size_per_gpu": (4, 2),
+                                                                   "gradient_clipping": (0.5, 1.0)}
+    assert [p.message.split(" but ")[0] for p in plan_json_consistency(config, "ds_config.json", plan)] == \
+        ["train_micro_batch_size_per_gpu 4"]
+    (folder / "ds_config.json").write_text(json.dumps(config))
+    args = parse_train_args(["--plan", str(folder / "plan.json"), "--data", "x", "--output", str(tmp_path / "o")])
+    with pytest.raises(UserError, match="sets train_micro_batch_size_per_gpu 4 but the plan's micro-batch is 2"):
+        check_ds_config_agrees(plan, args, folder / "ds_config.json")

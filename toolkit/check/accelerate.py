@@ -12,7 +12,7 @@ from typing import Any
 
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
-from toolkit.check.deepspeed import json_precision
+from toolkit.emit.deepspeed import json_precision
 from toolkit.check.findings import HF_RUNNERS, LAUNCH, Problem
 from toolkit.check.read import read_mapping
 from toolkit.engines.readers import _mapping, concrete_int, quiet_engines, zero_settings

@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Any
 
 
-from toolkit.emit.deepspeed import ds_zero_stage
 from toolkit.errors import UserError
 from toolkit.plan.schema import Plan, load_plan
 from toolkit.inputs.strategy import Engine
 from toolkit.check.accelerate import yaml_problems
-from toolkit.check.deepspeed import ds_problems, json_precision, Readers, readers_of_json
+from toolkit.check.deepspeed import ds_problems, Readers, readers_of_json
 from toolkit.check.findings import HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER_CHOICES, TRAINER
 from toolkit.check.read import is_plan_json, read_config
-from toolkit.engines.readers import _mapping, concrete_int, quiet_engines
+from toolkit.engines.readers import concrete_int, quiet_engines
+from toolkit.emit.deepspeed import plan_disagreements
 
 
 # --- plan directory ----------------------------------------------------------------------------------------------------
@@ -65,21 +65,17 @@ def json_file_problems(config: dict[str, Any], file: str, readers: Readers, plan
 def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan) -> list[Problem]:
     out: list[Problem] = []
     runner = next(iter(plan_readers(plan).runners))
-    for key, planned in (("train_batch_size", plan.global_batch), ("train_micro_batch_size_per_gpu", plan.micro_batch),
-                         ("gradient_accumulation_steps", plan.grad_accum)):
-        value = config.get(key)
-        if concrete_int(value) is not None and value != planned:
+    for key, (value, planned) in plan_disagreements(config, plan).items():
+        if key == "precision":
+            out.append(Problem(file, "error", f"ds_config trains in {value} but plan.json plans {planned}; "
+                               "toolkit.train passes the plan's precision and the Trainer will refuse the mismatch",
+                               runner))
+        elif key == "zero_optimization.stage":
+            out.append(Problem(file, "error", f"ZeRO stage {value} but plan.json plans {plan.strategy} "
+                               f"(stage {planned}); the memory prediction assumes the plan's stage", runner))
+        else:
             out.append(Problem(file, "error", f"{key} {value} but plan.json plans {planned}; re-emit the plan "
                                "directory or make them agree", runner))
-    precision = json_precision(config)
-    planned_precision = {"bf16-pure": "bf16"}.get(plan.precision, plan.precision)
-    if precision != planned_precision:
-        out.append(Problem(file, "error", f"ds_config trains in {precision} but plan.json plans {plan.precision}; "
-                           "toolkit.train passes the plan's precision and the Trainer will refuse the mismatch", runner))
-    stage = _mapping(config.get("zero_optimization")).get("stage")
-    if isinstance(stage, int) and stage != ds_zero_stage(plan):
-        out.append(Problem(file, "error", f"ZeRO stage {stage} but plan.json plans {plan.strategy} "
-                           f"(stage {ds_zero_stage(plan)}); the memory prediction assumes the plan's stage", runner))
     return out
 
 

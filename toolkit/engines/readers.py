@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 
-from toolkit.emit.deepspeed import auto_keys
+from toolkit.emit.deepspeed import auto_keys, enabled
 
 
 def _mapping(value: Any) -> dict[str, Any]:
@@ -50,10 +50,6 @@ def quiet_engines() -> Iterator[None]:
 
 
 # --- DeepSpeed: what the engine reads ----------------------------------------------------------------------------------
-
-def enabled(block: Any) -> bool:
-    return isinstance(block, dict) and str(block.get("enabled", False)).lower() == "true"
-
 
 def concrete_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None

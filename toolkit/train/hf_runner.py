@@ -120,14 +120,14 @@ def check_ds_config_agrees(plan: Plan, args: TrainArgs, ds_file: Path) -> None:
         config = json.loads(Path(ds_file).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot read {ds_file}: {exc}") from None
-    wanted = {
-        "train_micro_batch_size_per_gpu": (plan.micro_batch, "the plan's micro-batch"),
-        "gradient_accumulation_steps": (plan.grad_accum, "the plan's accumulation"),
-        "gradient_clipping": (args.max_grad_norm, "--max-grad-norm"),
-    }
-    for key, (value, source) in wanted.items():
-        found = config.get(key, "auto")
-        if found != "auto" and float(found) != float(value):
+    from toolkit.emit.deepspeed import plan_disagreements
+
+    sources = {"train_micro_batch_size_per_gpu": "the plan's micro-batch",
+               "gradient_accumulation_steps": "the plan's accumulation", "gradient_clipping": "--max-grad-norm"}
+    disagree = plan_disagreements(config, plan, max_grad_norm=args.max_grad_norm)
+    for key, source in sources.items():  # the rest (batch size, precision, stage) the Trainer's own checks refuse
+        if key in disagree:
+            found, value = disagree[key]
             raise UserError(f"{ds_file} sets {key} {found} but {source} is {value}; make them agree (edit the JSON "
                             f"or re-emit the plan)")
 
