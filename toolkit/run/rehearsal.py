@@ -32,7 +32,9 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
                    optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
                    notes: list[str] | None = None) -> Plan:
     """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
+    from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import build_spec
+    from toolkit.plan.build import build_plan
     from toolkit.train.model import load_config
 
     config = load_config(str(model_dir))
@@ -40,13 +42,12 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
                                      pipeline_stages=pipeline_stages if kind.is_pipeline else None)
-    return Plan(
+    job = Job(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
+              optimizer=optimizer, checkpointing=checkpointing, attention=attention)
+    return build_plan(
         model=str(model_dir), model_config=_plain(config.to_dict()), model_type=spec.model_type,
-        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind.name,
-        num_machines=num_machines, gpus_per_node=gpus_per_node, pipeline_stages=grid.pipeline_stages,
-        partition=grid.partition(spec) if kind.is_pipeline else None, seq_len=seq_len, micro_batch=micro_batch,
-        grad_accum=grad_accum, global_batch=grid.global_batch(micro_batch, grad_accum), precision=precision,
-        optimizer=optimizer, checkpointing=checkpointing, attention=attention, gpu=gpu, notes=list(notes or []),
+        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind, grid=grid,
+        job=job, gpu=gpu, partition=grid.partition(spec) if kind.is_pipeline else None, notes=list(notes or []),
     )
 
 
