@@ -298,3 +298,24 @@ def test_ds_config_against_plan_json_is_one_rule_for_check_and_both_runners(tiny
     args = parse_train_args(["--plan", str(folder / "plan.json"), "--data", "x", "--output", str(tmp_path / "o")])
     with pytest.raises(UserError, match="sets train_micro_batch_size_per_gpu 4 but the plan's micro-batch is 2"):
         check_ds_config_agrees(plan, args, folder / "ds_config.json")
+
+
+def test_a_local_folder_wins_over_a_catalog_name_of_the_same_spelling_everywhere(tiny_llama_dir, tmp_path,
+                                                                                  monkeypatch):
+    """One resolver, one precedence (toolkit.inputs.resolve): an existing local folder, then the catalog, then
+    the hub. estimate / plan, plan.json, the emitted scripts and toolkit.train all read the same model."""
+    from toolkit.inputs.resolve import catalog_hub_id, loadable_model, locate_model, recorded_model
+    from toolkit.train.model import load_config
+
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copytree(tiny_llama_dir, tmp_path / "gpt2")  # a llama folder spelled like the catalog's gpt2
+    monkeypatch.chdir(tmp_path)
+    assert locate_model("gpt2").kind == "local"
+    assert resolve_model("gpt2").model_type == "llama"
+    assert load_config("gpt2").model_type == "llama"
+    assert loadable_model("gpt2") == recorded_model("gpt2") == str(tmp_path / "gpt2")
+
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no such folder here: the catalog entry
+    assert locate_model("gpt2").kind == "catalog"
+    assert resolve_model("gpt2").model_type == "gpt2"
+    assert loadable_model("gpt2") == (catalog_hub_id("gpt2") or "gpt2") and recorded_model("gpt2") == "gpt2"

@@ -93,8 +93,9 @@ def cmd_plan(args) -> int:
     written: list[str] = []
     if chosen and args.out:
         from toolkit.emit import emit_files
+        from toolkit.inputs.resolve import recorded_model
 
-        plan = to_plan(chosen, spec, hw, _recorded_model(args.model) or spec.name)
+        plan = to_plan(chosen, spec, hw, recorded_model(args.model) or spec.name)
         hosts = args.hosts
         written = [str(p) for p in emit_files(plan, Path(args.out), force=args.force, candidates=rows,
                                               nvme_path=args.nvme_path, hosts=hosts)]
@@ -108,19 +109,6 @@ def cmd_plan(args) -> int:
               + ", ".join(Path(w).name for w in written))
         print(f"run it:  toolkit launch {args.out}  (rehearse on CPU first: toolkit launch {args.out} --rehearse)")
     return 0 if chosen else 1
-
-
-def _recorded_model(model: str | None) -> str | None:
-    """A local model path as an absolute path (a plan launched from another folder still finds it); catalog names
-    and hub ids as given. A catalog name wins over a same-named folder, as in modelspec.load_config."""
-    from pathlib import Path
-
-    from toolkit.paths import MODEL_CATALOG_DIR
-
-    if not model or (MODEL_CATALOG_DIR / f"{model.lower()}.json").is_file():
-        return model
-    path = Path(model).expanduser()
-    return str(path.resolve()) if path.exists() else model
 
 
 EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",

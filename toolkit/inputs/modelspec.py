@@ -195,10 +195,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_config(model: str, *, trust_remote_code: bool = False):
-    """A transformers config for a catalog name, a local dir/config.json, or a hub id."""
-    catalog_file = MODEL_CATALOG_DIR / f"{model.lower()}.json"
-    if catalog_file.is_file():
-        return _config_from_dict(_read_json(catalog_file), f"catalog entry {catalog_file.name}")
+    """A transformers config for a local dir/config.json, a catalog name, or a hub id (that precedence:
+    toolkit.inputs.resolve.locate_model)."""
+    from toolkit.inputs.resolve import locate_model
+
+    where = locate_model(model)
+    if where.kind == "catalog":
+        return _config_from_dict(_read_json(where.path), f"catalog entry {where.path.name}")
     path = Path(model).expanduser()
     if path.is_dir():
         config_file = path / "config.json"
@@ -451,9 +454,11 @@ def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, 
 def _source_key(model: str | None, **numbers: Any) -> list | None:
     """What determines the spec, readable without transformers: the config.json text, or the numbers."""
     if model:
-        catalog_file = MODEL_CATALOG_DIR / f"{model.lower()}.json"
-        path = Path(model).expanduser()
-        for candidate in (catalog_file, path / "config.json", path):
+        from toolkit.inputs.resolve import locate_model
+
+        where = locate_model(model)
+        candidates = () if where.path is None else (where.path / "config.json", where.path)
+        for candidate in candidates:
             if candidate.is_file():
                 return ["file", model, json.dumps(_read_json(candidate), sort_keys=True)]
         return None
