@@ -319,3 +319,21 @@ def test_a_local_folder_wins_over_a_catalog_name_of_the_same_spelling_everywhere
     assert locate_model("gpt2").kind == "catalog"
     assert resolve_model("gpt2").model_type == "gpt2"
     assert loadable_model("gpt2") == (catalog_hub_id("gpt2") or "gpt2") and recorded_model("gpt2") == "gpt2"
+
+
+def test_plan_folder_file_names_are_spelled_once():
+    """toolkit.plan.files names every file of a plan folder; code elsewhere uses its constants (a name inside a
+    message or a docstring is text, not a spelling the code relies on)."""
+    import ast
+
+    from toolkit.plan import files
+
+    names = set(files.EMITTED)
+    spelled = []
+    for path in (ROOT / "toolkit").rglob("*.py"):
+        if path == ROOT / "toolkit" / "plan" / "files.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                spelled.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value}")
+    assert spelled == []

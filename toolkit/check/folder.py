@@ -36,6 +36,7 @@ from toolkit.check.findings import HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER
 from toolkit.check.read import is_plan_json, read_config
 from toolkit.engines.readers import concrete_int, quiet_engines
 from toolkit.emit.deepspeed import plan_disagreements
+from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, LAUNCH_SH, PLAN_JSON, SLURM_SBATCH
 
 
 # --- plan directory ----------------------------------------------------------------------------------------------------
@@ -102,21 +103,21 @@ def yaml_plan_consistency(config: dict[str, Any], file: str, plan: Plan) -> list
 
 
 def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Problem]:
-    plan_path = directory / "plan.json"
+    plan_path = directory / PLAN_JSON
     plan = load_plan(plan_path) if plan_path.exists() else None
     if plan is None:
-        names = [directory / n for n in ("accelerate_config.yaml", "ds_config.json") if (directory / n).exists()]
+        names = [directory / n for n in (ACCELERATE_CONFIG, DS_CONFIG) if (directory / n).exists()]
         if not names:
             raise UserError(f"{directory} holds no plan.json, accelerate_config.yaml or ds_config.json; give the "
                             "config files themselves")
         return check_paths([str(n) for n in names[:1]], gpus=gpus)  # the YAML names its JSON, else the JSON
     out: list[Problem] = []
-    yaml_path = directory / "accelerate_config.yaml"
-    json_path = directory / "ds_config.json"
+    yaml_path = directory / ACCELERATE_CONFIG
+    json_path = directory / DS_CONFIG
     checked_json: Path | None = None
     if yaml_path.exists():
         config = read_config(yaml_path)
-        scripts = [directory / name for name in ("launch.sh", "slurm.sbatch")]
+        scripts = [directory / name for name in (LAUNCH_SH, SLURM_SBATCH)]
         overrides = any(p.exists() and "--deepspeed_config_file" in p.read_text() for p in scripts)
         found, ds_path = yaml_problems(config, yaml_path, gpus=gpus, plan=plan, launcher_names_ds_file=overrides)
         out += found + yaml_plan_consistency(config, str(yaml_path), plan)

@@ -111,17 +111,14 @@ def cmd_plan(args) -> int:
     return 0 if chosen else 1
 
 
-EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",
-                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md")
-
-
 def _refuse_existing(out, force: bool) -> None:
     """Refuse before planning, so a long plan never ends in a refusal."""
     from toolkit.fileio import refuse_overwrite
+    from toolkit.plan.files import EMITTED
 
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
-    refuse_overwrite([out / n for n in EMITTED_NAMES], force)
+    refuse_overwrite([out / n for n in EMITTED], force)
 
 
 def _print_plan_table(spec, hw, req, candidates, top: int) -> None:

@@ -20,6 +20,7 @@ from toolkit.run.launcher import LOG_NAME, emit_plan_files, launch_command, run
 from toolkit.run.preflight import preflight
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine, parse_strategy
+from toolkit.plan.files import DS_CONFIG
 
 REHEARSAL_SEQ_LEN = 64
 REHEARSAL_LAYERS = 4
@@ -181,7 +182,7 @@ def _kept(train_argv: list[str]) -> list[str]:
 def _validate_real_configs(plan: Plan, plan_dir: Path) -> list[str]:
     """Checks on the real plan's files that the CPU run cannot make (fp16 is validated, not run)."""
     problems = []
-    ds_file = plan_dir / "ds_config.json"
+    ds_file = plan_dir / DS_CONFIG
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and ds_file.is_file():
         import json
 

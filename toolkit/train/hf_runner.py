@@ -22,8 +22,7 @@ from toolkit.train.data import build_datasets
 from toolkit.inputs.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, load_config, load_tokenizer,
                                  model_source)
-
-DS_CONFIG_NAME = "ds_config.json"
+from toolkit.plan.files import DS_CONFIG
 
 
 def plan_dir(args: TrainArgs) -> Path:
@@ -137,7 +136,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
 
     deepspeed = None
     if plan.engine == Engine.DEEPSPEED:
-        deepspeed = plan_dir(args) / DS_CONFIG_NAME
+        deepspeed = plan_dir(args) / DS_CONFIG
         if not deepspeed.is_file():
             raise UserError(f"plan {args.plan} is a DeepSpeed plan but {deepspeed} is missing; "
                             "emit it with `toolkit emit` next to plan.json")

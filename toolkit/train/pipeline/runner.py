@@ -22,6 +22,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.train import checkpoints
 from toolkit.train.cpu import peak_memory_bytes
+from toolkit.plan.files import DS_CONFIG
 
 LOG_FILE = "pipeline_log.jsonl"
 """One JSON line per logged step (rank 0), next to the checkpoints."""
@@ -256,7 +257,7 @@ def read_ds_config(plan, args) -> dict[str, Any]:
     """DIR/ds_config.json beside plan.json, checked against the plan and the flags; --max-grad-norm fills
     gradient_clipping when the JSON leaves it out, and must agree with it otherwise."""
     plan_path = Path(args.plan)
-    path = (plan_path if plan_path.is_dir() else plan_path.parent) / "ds_config.json"
+    path = (plan_path if plan_path.is_dir() else plan_path.parent) / DS_CONFIG
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
