@@ -144,23 +144,22 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
         from dataclasses import replace
 
         from toolkit import cache
+        from toolkit.estimate.tracer import trace_activations
 
         disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
         if disk_key and adapter is not None:
             from importlib import metadata
 
             disk_key += [adapter.to_dict(), metadata.version("peft")]
-        stored = cache.get("trace", disk_key) if disk_key else None
+        stored = cache.get("trace", disk_key, code=trace_activations) if disk_key else None
         if stored is not None:
             trace = trace_from_dict(stored)
         else:
-            from toolkit.estimate.tracer import trace_activations
-
             trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                       autocast=autocast, attention=attention, device_kind=job.device_kind,
                                       checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
             if disk_key:
-                cache.put("trace", disk_key, asdict(trace))
+                cache.put("trace", disk_key, asdict(trace), code=trace_activations)
         if attention != job.attention:
             trace = replace(trace, notes=trace.notes + (
                 f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "

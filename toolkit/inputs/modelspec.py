@@ -439,7 +439,7 @@ def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, 
         raise TypeError(f"resolve_model() got unexpected keyword(s) {sorted(unknown)}")
     key = _source_key(model, **numbers)
     if key is not None:
-        hit = cache.get("spec", key)
+        hit = cache.get("spec", key, code=build_spec)
         if hit is not None:
             return ModelSpec.from_cache(hit)
     spec = _resolve_uncached(model, trust_remote_code=trust_remote_code, **numbers)
@@ -447,7 +447,7 @@ def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, 
         from dataclasses import replace
 
         spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
-        cache.put("spec", key, spec.to_cache())
+        cache.put("spec", key, spec.to_cache(), code=build_spec)
     return spec
 
 
@@ -506,11 +506,11 @@ def spec_from_config_dict(config: dict[str, Any], *, name: str, params: int | No
     from toolkit import cache
 
     key = ["dict", name, json.dumps(config, sort_keys=True)]
-    hit = cache.get("spec", key)
+    hit = cache.get("spec", key, code=build_spec)
     if hit is not None:
         spec = ModelSpec.from_cache(hit)
     else:
         spec = build_spec(name, _config_from_dict(dict(config), f"the plan's model_config ({name})"))
         spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
-        cache.put("spec", key, spec.to_cache())
+        cache.put("spec", key, spec.to_cache(), code=build_spec)
     return _rescaled(spec, params) if params is not None and params != spec.params else spec
