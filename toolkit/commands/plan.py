@@ -263,7 +263,7 @@ def _note_adapter_ddp(req, feasible) -> None:
         return
     ddp = next((c for c in feasible if c.strategy.name == "ddp"), None)
     best = feasible[0]
-    if ddp is not None and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
+    if ddp is not None and ddp is not best and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
         print(f"\nnote: with {req.adapter.method} only the adapters have gradients and optimizer states; DDP is "
               f"within 1% of the fastest ({best.name}) and needs {ddp.memory.required_bytes / GIB:.1f} GiB vs "
               f"{best.memory.required_bytes / GIB:.1f}: choose it with --choose ddp for the simplest run")
