@@ -13,7 +13,9 @@ LAUNCH_SH = "launch.sh"
 SLURM_SBATCH = "slurm.sbatch"
 DEEPSPEED_SH = "deepspeed.sh"
 HOSTFILE = "hostfile"
+MEMORY_CHART = "memory_vs_seq.svg"
+"""`toolkit plan --seq max`: per-GPU memory against sequence length, per strategy."""
 
 EMITTED = (ACCELERATE_CONFIG, DS_CONFIG, DS_CONFIG_CONCRETE, TRAINING_ARGS, LAUNCH_SH, SLURM_SBATCH, DEEPSPEED_SH,
-           HOSTFILE, PLAN_JSON, PLAN_MD)
+           HOSTFILE, PLAN_JSON, PLAN_MD, MEMORY_CHART)
 """Every file an emit may write (a plan refuses before planning when any of them exists without --force)."""
