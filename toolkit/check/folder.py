@@ -8,15 +8,7 @@ would fail or silently misbehave; otherwise a warning or a note. A JSON on its o
 a failure that only some of them hit is a warning naming them (`--runner` says which one you use, and makes it an
 error).
 
-The knowledge comes from the installed engines, so the check follows their versions:
-- DeepSpeed: `DeepSpeedZeroConfig` reads the ZeRO block (aliases such as stage3_gather_16bit_weights_on_model_save,
-  deprecated names such as stage3_gather_fp16_weights_on_model_save); `DeepSpeedConfig` judges the whole file, and
-  the top-level keys it never reads while doing so are the ones DeepSpeed ignores.
-- "auto": transformers' `HfTrainerDeepSpeedConfig` fills what the HF Trainer fills; accelerate's `DeepSpeedPlugin`
-  (run on the file) plus the keys `Accelerator._prepare_deepspeed` / `DeepSpeedPlugin.set_mixed_precision` fill
-  (read from their source, below) give what an accelerate script fills. The Trainer runs through accelerate too.
-- YAML: accelerate's launch validation and the plugin the Accelerator would build (toolkit.engines.validate), and
-  `ParallelismConfig`'s own size checks. No device is touched.
+The knowledge comes from the installed engines (toolkit.engines), so the check follows their versions.
 
 Unreadable input (missing, binary, malformed, nested too deep, an alias bomb) is a UserError, not a Problem.
 """
