@@ -16,7 +16,7 @@ from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
 from toolkit.inputs.job import Job, job_problem
 from toolkit.inputs.lora import FULL, Adapter
-from toolkit.estimate.memory import Breakdown, estimate_memory, states_floor_bytes
+from toolkit.estimate.memory import Breakdown, activation_trace, estimate_memory, states_floor_bytes
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Kind, Strategy, parse_strategy
 from toolkit.estimate.timing import Timing, step_time
@@ -101,6 +101,8 @@ class Request:
     optimizer_impl: str = "fused"
     activation_offloading: bool = False
     liger: bool = False
+    compile: bool = False
+    """torch.compile (inductor) of the model: activations from the compiler's partition, the compiled step time."""
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
     tensor_parallel: int | None = None
@@ -123,7 +125,7 @@ class Request:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
             attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
-            liger=self.liger)
+            liger=self.liger, compile=self.compile)
 
 
 def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:
@@ -164,7 +166,9 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                          grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
                                 "model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
-    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
+    traffic = activation_trace(spec, job, strategy, 1).compile_traffic if job.compile else ()
+    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid,
+                       compile_traffic=traffic)
     reason = None
     if not memory.fits:
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU"
@@ -240,7 +244,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
         strategies = []  # a degree the user fixed: plan that dimension alone
     for strategy in strategies:
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
-                              liger=req.liger, adapter=req.adapter)
+                              liger=req.liger, adapter=req.adapter, compile=req.compile, attention=req.attention)
         yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
@@ -264,7 +268,7 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                           optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
                           device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
                           activation_offloading=req.activation_offloading, liger=req.liger,
-                          adapter=req.adapter)
+                          adapter=req.adapter, compile=req.compile)
                 cand = evaluate(spec, hw, strategy, job, grid, partition)
                 if dimension:
                     cand = replace(cand, dimension=dimension)
@@ -297,7 +301,8 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
             strategy = parse_strategy(name)
             if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
                 continue
-            problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger)
+            problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
+                                  attention=req.attention)
             if problem:
                 yield dimension, strategy, problem
                 continue
@@ -362,7 +367,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
         grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
         optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
         attention=spec.effective_attention(c.job.attention), optimizer_impl=c.job.optimizer_impl,
-        activation_offloading=c.job.activation_offloading, liger=c.job.liger, gpu=hw.gpu.name,
+        activation_offloading=c.job.activation_offloading, liger=c.job.liger, compile=c.job.compile, gpu=hw.gpu.name,
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
         notes=[n.replace("\n", " ") for n in notes], **_adapter_fields(c.job, spec))
     return plan.with_prediction(predicted)
