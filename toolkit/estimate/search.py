@@ -57,6 +57,11 @@ class Candidate:
 
     @property
     def name(self) -> str:
+        job = getattr(self, "job", None)
+        return self._base_name + (" +compile" if job is not None and job.compile else "")
+
+    @property
+    def _base_name(self) -> str:
         if self.strategy.is_pipeline and (self.grid is not None or self.reason is None):
             return f"{self.strategy.name} (pp={self.pipeline_stages} x dp={self.data_parallel})"
         if self.grid is not None and self.grid.model_parallel > 1:
@@ -243,8 +248,9 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     if any(v not in (None, 1) for v in fixed):
         strategies = []  # a degree the user fixed: plan that dimension alone
     for strategy in strategies:
+        # compile=False: with --compile the search offers each strategy eager too (_search), compiled where it can.
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
-                              liger=req.liger, adapter=req.adapter, compile=req.compile, attention=req.attention)
+                              liger=req.liger, adapter=req.adapter)
         yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
@@ -262,18 +268,33 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
             refused.setdefault(key, refusal(strategy, req, hw, str(exc), dimension=dimension))
             continue
         partition = grid.partition(spec) if strategy.is_pipeline else None
-        for micro, accum in sorted(batches, reverse=True):
-            for ckpt in ckpt_options:
-                job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
-                          optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
-                          device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
-                          activation_offloading=req.activation_offloading, liger=req.liger,
-                          adapter=req.adapter, compile=req.compile)
-                cand = evaluate(spec, hw, strategy, job, grid, partition)
-                if dimension:
-                    cand = replace(cand, dimension=dimension)
-                if _better(cand, best.get(key)):
-                    best[key] = cand
+        for compiled in _compile_options(strategy, grid, req):
+            slot = f"{key} +compile" if compiled else key
+            for micro, accum in sorted(batches, reverse=True):
+                for ckpt in ckpt_options:
+                    job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
+                              optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
+                              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
+                              activation_offloading=req.activation_offloading, liger=req.liger,
+                              adapter=req.adapter, compile=compiled)
+                    cand = evaluate(spec, hw, strategy, job, grid, partition)
+                    if dimension:
+                        cand = replace(cand, dimension=dimension)
+                    if _better(cand, best.get(slot)):
+                        best[slot] = cand
+
+
+def _compile_options(strategy: Strategy, grid: ParallelGrid, req: Request) -> list[bool]:
+    """Eager always; with --compile also compiled, where the engines compose with compile
+    (toolkit.inputs.job.compile_problem) and the grid has no model-parallel degree (the compiled trace is of the
+    whole model on one rank)."""
+    from toolkit.inputs.job import compile_problem
+
+    if not req.compile or grid.model_parallel > 1:
+        return [False]
+    problem = compile_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
+                              adapter=req.adapter, attention=req.attention)
+    return [False] if problem else [True, False]
 
 
 MODEL_PARALLEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
