@@ -238,9 +238,9 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = ()) -> str:
             lines.append(f"| {s['pair']} | {s['published_ratio']:.3f} | {s['ours_ratio']:.3f} | {s['error']:+.1%} |")
         errors = [s["error"] for s in speedups]
         lines += ["", f"Ours is {min(errors):+.0%} to {max(errors):+.0%} off the published speed-ups. The term's two "
-                  "constants (ELEMENTWISE_HBM_EFFICIENCY, KERNEL_OVERHEAD_S) are assumed, not fitted; the eager "
-                  "efficiency it is subtracted from (MFU_LOW_PRECISION, fitted to eager runs) already absorbs part of "
-                  "the eager elementwise time, so the term overstates the gain, most for small models whose step is "
+                  "constants (ELEMENTWISE_HBM_EFFICIENCY, KERNEL_OVERHEAD_S) are assumed, not fitted; the compute "
+                  "time it is subtracted from (toolkit.estimate.efficiency) already absorbs part of the elementwise "
+                  "time, so the term overstates the gain, most for small models whose step is "
                   "mostly elementwise work (the saving is capped at half the compute time).", ""]
     lines += ["## Rows not modelled, and why", ""]
     for r in results:

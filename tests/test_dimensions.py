@@ -51,7 +51,8 @@ def test_zero_under_ulysses_partitions_over_dp_times_sp():
     ("fsdp2", {"context": 2, "sequence": 2}, "sequence parallelism"),
     ("fsdp2", {"tensor": 8}, "leaves FSDP2 nothing to shard"),
     ("fsdp2", {"tensor": 3}, "does not divide the 8 GPUs"),
-    ("fsdp2", {"tensor": 4, "context": 4}, "does not divide 8 GPUs"),
+    ("fsdp2", {"context": 16}, "does not divide 8 GPUs"),
+    ("fsdp2", {"tensor": 2, "context": 2}, "is not planned"),
 ])
 def test_combinations_the_engines_refuse_are_refused_naming_the_knob(strategy, degrees, fragment):
     with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -282,7 +283,6 @@ def test_seq_max_finds_the_longest_length_that_fits_and_the_next_granule_does_no
 @pytest.mark.parametrize("preset, changes, engine", [
     ("zero3-bf16", {"sequence_parallel": 8, "grad_accum": 64}, "deepspeed"),
     ("fsdp2-bf16", {"context_parallel": 4, "grad_accum": 32}, "fsdp2"),
-    ("fsdp2-bf16", {"tensor_parallel": 2, "grad_accum": 16}, "fsdp2"),
 ])
 def test_emitted_parallelism_passes_accelerates_and_deepspeeds_own_checks(preset, changes, engine, tmp_path):
     import yaml
@@ -313,6 +313,33 @@ def test_emitted_parallelism_passes_accelerates_and_deepspeeds_own_checks(preset
         assert parsed.train_batch_size == 128 and parsed.gradient_accumulation_steps == 64
         assert block["parallelism_config_sp_seq_length"] == plan.seq_len
         assert "UlyssesSPDataLoaderAdapter" in plan_md and "shift_labels" in plan_md
+
+
+def test_tensor_parallel_plans_load_through_transformers_distributed_config(tmp_path):
+    import yaml
+    from transformers.distributed import DistributedConfig
+
+    from toolkit.emit import emit_files
+    from toolkit.engines.validate import accelerate_launch_plugins
+    from toolkit.plan.schema import parse_plan
+
+    data = json.loads((ROOT / "presets/sets/fsdp2-bf16/plan.json").read_text())
+    data.update(tensor_parallel=2, grad_accum=16, checkpointing=True)
+    plan = parse_plan(data)
+    emit_files(plan, tmp_path / "p")
+    config = yaml.safe_load((tmp_path / "p/accelerate_config.yaml").read_text())
+    assert config["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in config
+    assert "parallelism_config" not in config
+    args, plugin, env = accelerate_launch_plugins(tmp_path / "p/accelerate_config.yaml")
+    assert args.num_processes == 8 and "ACCELERATE_USE_PARALLELISM_CONFIG" not in env
+    settings = json.loads((tmp_path / "p/training_args.json").read_text())
+    assert "parallelism_config" not in settings
+    dist = DistributedConfig(**settings["distributed_config"])  # transformers' own checks
+    assert (dist.tp_size, dist.fsdp_size, dist.fsdp_mixed_precision) == (2, 4, True)
+    args_ = settings["training_arguments"]
+    assert args_["save_only_model"] is True
+    assert any(v is True for k, v in args_.items() if k.endswith("checkpointing"))  # no FSDP plugin to do it
+    assert "DistributedConfig(**{'tp_size': 2, 'fsdp_size': 4" in (tmp_path / "p/PLAN.md").read_text()
 
 
 def test_accelerate_refuses_what_our_validation_refuses():

@@ -30,7 +30,7 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.job import Job, check_job
     from toolkit.estimate.search import evaluate
-    from toolkit.estimate.errorband import band_for
+    from toolkit.estimate.errorband import band_for, time_band
     from toolkit.inputs.strategy import parse_strategy
 
     spec = model_spec(args)
@@ -64,6 +64,8 @@ def cmd_estimate(args) -> int:
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
+               "time_error_band": {**time_band().to_dict(),
+                                   "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
@@ -112,6 +114,10 @@ def cmd_estimate(args) -> int:
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
           f"offload {t.offload_s:.3f} s)")
+    print(f"time band: {time_band().text()}"
+          + ("" if time_band().covers(strategy.name, hw.world_size) else
+             f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
+             "unverified"))
     if args.explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")

@@ -1,5 +1,13 @@
 """accelerate's ParallelismConfig for a plan: one source for the accelerate YAML's `parallelism_config:` block, the
-`parallelism_config` of training_args.json and DeepSpeed's sequence-parallel key.
+`parallelism_config` of training_args.json and DeepSpeed's sequence-parallel key; and transformers' DistributedConfig
+for tensor-parallel plans.
+
+Tensor parallelism goes through transformers, not accelerate's FSDP plugin: the HF Trainer (5.2x) runs a TP model
+only when transformers sharded it at load time (`from_pretrained(..., distributed_config=DistributedConfig(tp_size,
+fsdp_size, dp_replicate_size))`, which also applies FSDP2 over the other ranks); it then builds ParallelismConfig from
+the model itself (trainer.py `model_tp_size`), while a YAML with an FSDP plugin and tp_size makes it prepare the model
+without its optimizer, which accelerate refuses under FSDP2 (measured on CPU by the run side, issue 17). So a TP
+plan's YAML is a plain multi-process launch and training_args.json carries `distributed_config`.
 
 accelerate 1.15 reads the YAML block by copying each key onto `accelerate launch`'s arguments as it stands
 (commands/launch.py), so the YAML keys are the argparse names, `parallelism_config_<field>`; launch then hands them
@@ -28,7 +36,7 @@ def parallelism_kwargs(plan: Plan) -> dict[str, Any]:
     out, except dp_shard_size, which every plan with a block names."""
     g = plan.grid
     hsdp = plan.engine == Engine.FSDP2 and plan.fsdp_mode == "hybrid" and plan.num_machines > 1
-    if g.model_parallel == 1 and not hsdp:
+    if (g.model_parallel == 1 and not hsdp) or g.tensor > 1:  # TP: transformers' DistributedConfig instead
         return {}
     kw: dict[str, Any] = {}
     if g.dp_replicate > 1:
@@ -45,6 +53,25 @@ def parallelism_kwargs(plan: Plan) -> dict[str, Any]:
                   sp_handler={"sp_seq_length": plan.seq_len, "sp_seq_length_is_variable": True,
                               "sp_attn_implementation": plan.attention})
     return kw
+
+
+def distributed_config(plan: Plan) -> dict[str, Any]:
+    """transformers DistributedConfig keyword arguments for a tensor-parallel plan (empty otherwise): TP over
+    `tp_size` ranks of a node, FSDP2 over `fsdp_size` (HSDP: `dp_replicate_size` replicas), bf16 compute over fp32
+    shards as the memory model's FSDP2 assumes (transformers distributed/fsdp.py MixedPrecisionPolicy)."""
+    g = plan.grid
+    if g.tensor == 1:
+        return {}
+    kw: dict[str, Any] = {"tp_size": g.tensor, "fsdp_size": g.dp_shard}
+    if g.dp_replicate > 1:
+        kw["dp_replicate_size"] = g.dp_replicate
+    if plan.precision in ("bf16", "fp16"):
+        kw["fsdp_mixed_precision"] = True
+    return kw
+
+
+def uses_transformers_tp(plan: Plan) -> bool:
+    return plan.grid.tensor > 1
 
 
 def yaml_block(plan: Plan) -> dict[str, Any]:

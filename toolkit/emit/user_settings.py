@@ -56,7 +56,7 @@ def checkpointing_name() -> str:
 def trainer_checkpointing(plan: Plan) -> bool:
     """Checkpointing through TrainingArguments: on when the plan checkpoints, except FSDP2, where the accelerate
     YAML's fsdp_activation_checkpointing does it (transformers refuses both at once)."""
-    return plan.checkpointing and plan.engine != Engine.FSDP2
+    return plan.checkpointing and (plan.engine != Engine.FSDP2 or plan.tensor_parallel > 1)
 
 
 def uses_bf16_autocast(plan: Plan) -> bool:
@@ -87,7 +87,10 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
         kwargs["torch_compile"] = True
     if plan.engine == Engine.DDP:
         kwargs["ddp_find_unused_parameters"] = False
-    if plan.engine == Engine.FSDP2 and plan.grad_accum > 1:
+    if plan.tensor_parallel > 1:
+        # transformers refuses optimizer checkpoints of a model it sharded at load (the run side, issue 17).
+        kwargs["save_only_model"] = True
+    if plan.engine == Engine.FSDP2 and plan.grad_accum > 1 and plan.tensor_parallel == 1:
         # Reduce-scatter every micro-batch: the Trainer's default no_sync keeps every layer's unsharded gradient
         # until the last micro-batch (P x 2 bytes per GPU), which the plan's memory did not budget for.
         kwargs["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
@@ -130,7 +133,7 @@ def launch_line(script: str = "your_script.py", plan_dir: str = "PLAN_DIR") -> s
 def notes(plan: Plan) -> list[str]:
     """What a user's script must do beyond passing the numbers."""
     out = [f"Load the model in {accelerate_loop(plan)['model_dtype']} (dtype=...); the engines cast for compute."]
-    if plan.engine == Engine.FSDP2 and plan.checkpointing:
+    if plan.engine == Engine.FSDP2 and plan.checkpointing and plan.tensor_parallel == 1:
         out.append("Activation checkpointing is on through the YAML (fsdp_activation_checkpointing); leave "
                    "gradient checkpointing off in your script.")
     elif plan.checkpointing:
@@ -173,12 +176,22 @@ def model_parallel_notes(plan: Plan) -> list[str]:
     g = plan.grid
     if g.model_parallel == 1:
         return []
+    share = (f"The batch arithmetic counts {g.data_parallel} data-parallel rank(s): the {g.model_parallel} ranks "
+             "of one tensor / context / sequence group share each sample.")
+    if g.tensor > 1:
+        out = [f"Tensor parallelism (tp {g.tensor}) follows the model's own tp_plan, applied by transformers at load: "
+               "model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=transformers.distributed."
+               "DistributedConfig(**distributed_config)) with training_args.json's distributed_config (FSDP2 over "
+               "the other ranks included); the Trainer reads the sizes from the model. Launch with the plan's YAML "
+               "(plain processes). The Trainer saves the model only (save_only_model=True): transformers refuses "
+               "optimizer checkpoints of a model it sharded at load, so such a run restarts rather than resumes.",
+               share]
+        return out
     out = ["The accelerate YAML's parallelism_config block sets the sizes for every script it launches (Accelerator "
            "builds ParallelismConfig from them when the script passes none). Without the YAML, pass "
            "TrainingArguments(**training_arguments, parallelism_config=ParallelismConfig(**parallelism_config)) "
            "with the handlers built from their dicts (toolkit.emit.parallelism.build_parallelism_config does it). "
-           f"The batch arithmetic counts {g.data_parallel} data-parallel rank(s): the {g.model_parallel} ranks of "
-           "one tensor / context / sequence group share each sample."]
+           + share]
     if g.sequence > 1:
         out.append(f"Ulysses sequence parallelism (sp {g.sequence}): every batch needs position_ids and a length "
                    f"divisible by {g.sequence}; attention {plan.attention} (never eager). The HF Trainer wraps its "
@@ -196,15 +209,11 @@ def model_parallel_notes(plan: Plan) -> list[str]:
                    "shift_labels, position_ids], buffer_seq_dims=[1, 1, 1], no_restore_buffers={input_ids, "
                    "shift_labels, position_ids}):`, passes no attention mask (causal only) and computes the loss "
                    "from its chunk's shift_labels.")
-    if g.tensor > 1:
-        out.append(f"Tensor parallelism (tp {g.tensor}) follows the model's own tp_plan (accelerate shards it in "
-                   "prepare); load the model normally, and save with accelerator.save_model / the Trainer (they "
-                   "gather the DTensor shards).")
     return out
 
 
 def settings(plan: Plan) -> dict[str, Any]:
-    from toolkit.emit.parallelism import parallelism_kwargs
+    from toolkit.emit.parallelism import distributed_config, parallelism_kwargs
 
     out = {
         "accelerate_launch": launch_line(),
@@ -213,8 +222,10 @@ def settings(plan: Plan) -> dict[str, Any]:
         "accelerate_loop": accelerate_loop(plan),
         "notes": notes(plan),
     }
-    if plan.grid.model_parallel > 1:
+    if parallelism_kwargs(plan) and plan.grid.model_parallel > 1:
         out["parallelism_config"] = parallelism_kwargs(plan)
+    if distributed_config(plan):
+        out["distributed_config"] = distributed_config(plan)
     return out
 
 
@@ -235,11 +246,16 @@ def plan_md_section(plan: Plan) -> list[str]:
     lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
               f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents apart).", "",
               "A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
-    if plan.grid.model_parallel > 1:
-        from toolkit.emit.parallelism import parallelism_kwargs
+    from toolkit.emit.parallelism import distributed_config, parallelism_kwargs
 
+    if plan.grid.model_parallel > 1 and parallelism_kwargs(plan):
         lines += ["Parallelism (accelerate ParallelismConfig; the YAML sets it, `parallelism_config` in "
                   f"`{SETTINGS_FILE}` for scripts run without it):", "", "```python",
                   f"ParallelismConfig(**{parallelism_kwargs(plan)!r})", "```", ""]
+    if distributed_config(plan):
+        lines += ["Tensor parallelism (transformers shards the model at load; `distributed_config` in "
+                  f"`{SETTINGS_FILE}`):", "", "```python",
+                  f"model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=DistributedConfig("
+                  f"**{distributed_config(plan)!r}))", "```", ""]
     lines += [f"- {note}" for note in notes(plan)]
     return lines + [""]

@@ -1,5 +1,7 @@
 """The planner: every strategy the engines support x micro-batch x accumulation x checkpointing x pipeline
-stages, each costed by the memory and step-time models, ranked by predicted tokens/s (ties: more headroom).
+stages, each costed by the memory and step-time models, ranked by predicted tokens/s. Candidates whose speeds differ
+by less than the step-time error band (toolkit.estimate.errorband.time_band) are ties: among them the simplest and most
+robust comes first (no offload, fewer sharded or pipelined parts, fewer stages), then the faster.
 
 A candidate that cannot run says why: it does not fit ("needs 93.1 GiB of 79.1"), the batch does not divide, the
 layers do not split into the stages, the GPU lacks the precision, the node lacks host RAM for offload.
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from toolkit.estimate.errorband import band_for
+from toolkit.estimate.errorband import band_for, time_band
 from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
@@ -50,6 +52,13 @@ class Candidate:
         return self.reason is None
 
     @property
+    def speed_evidenced(self) -> bool:
+        """Whether published runs of this engine at this scale back the predicted speed (toolkit.estimate.errorband
+        .time_band); a tensor / context / sequence dimension has none yet."""
+        gpus = self.pipeline_stages * self.data_parallel
+        return self.dimension is None and time_band().covers(self.strategy.name, gpus)
+
+    @property
     def degrees(self) -> tuple[int, int, int]:
         """(tensor, context, sequence) degrees."""
         g = self.grid
@@ -86,6 +95,7 @@ class Candidate:
             "error_band": band_for(self.strategy.engine, self.job.checkpointing).text(),
             "step_time_s": self.timing.step_time_s if self.timing else None,
             "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
+            "speed_evidenced": self.speed_evidenced,
         }
 
 
@@ -233,7 +243,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
             refused[key] = refusal(strategy, req, hw, grids, dimension=dimension)
             continue
         _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension)
-    ranked = sorted(best.values(), key=_rank_key)
+    ranked = rank(list(best.values()))
     return ranked + [c for k, c in refused.items() if k not in best]
 
 
@@ -356,6 +366,46 @@ def _rank_key(c: Candidate):
     if not c.feasible:
         return (1, _need(c))
     return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
+
+
+OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
+KIND_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3, "hybrid": 5, "pipeline": 5}
+"""Moving parts per family: DDP keeps whole copies; ZeRO-1/2 and FSDP2 grad-op shard states; ZeRO-3 / FSDP2 gather
+parameters every layer; pipelines add stages, a schedule and point-to-point sends."""
+
+
+def simplicity(c: Candidate) -> tuple[int, int, int]:
+    """Smaller is simpler and more robust: offload (host RAM, PCIe, CPU Adam, NVMe) first, then the family's moving
+    parts (FSDP2's HSDP counts one more than full shard; a tensor / context / sequence dimension two more: collectives
+    inside every layer), then pipeline stages (processes per model replica)."""
+    s = c.strategy
+    offload = max(OFFLOAD_ORDER[s.offload_optimizer], OFFLOAD_ORDER[s.offload_params]) * 2 \
+        + (s.offload_params != "none")
+    parts = KIND_ORDER[s.kind] + (1 if s.kind == "fsdp2" and s.fsdp_mode == "hybrid" else 0) \
+        - (1 if s.kind == "fsdp2" and s.fsdp_mode == "grad_op" else 0) + (2 if c.dimension else 0)
+    return offload, parts, c.pipeline_stages
+
+
+def speed_ties(ranked: list[Candidate]) -> list[Candidate]:
+    """The feasible candidates whose predicted speed is within the step-time band of the fastest one."""
+    feasible = [c for c in ranked if c.feasible]
+    if not feasible:
+        return []
+    fastest = max(c.timing.tokens_per_s for c in feasible)
+    band = time_band()
+    return [c for c in feasible if c.timing.tokens_per_s >= fastest or band.ties(fastest, c.timing.tokens_per_s)]
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """Feasible first by tokens/s, except that candidates inside the step-time band of the fastest are ordered by
+    simplicity first: a difference the model cannot tell apart never decides for the riskier setup."""
+    ordered = sorted(cands, key=_rank_key)
+    tied = speed_ties(ordered)
+    if len(tied) < 2:
+        return ordered
+    tied_ids = {id(c) for c in tied}
+    rest = [c for c in ordered if id(c) not in tied_ids]
+    return sorted(tied, key=lambda c: (simplicity(c), _rank_key(c))) + rest
 
 
 def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
