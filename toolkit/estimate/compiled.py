@@ -267,25 +267,7 @@ def _walk(graph, *, freed_inputs: set, counted_inputs: set):
     output = nodes[-1]
     returned = {a for a in output.all_input_nodes}
     kinds = {n: _kind(n) for n in nodes}
-    extern_like = {"extern", "reduction", "other"}
-
-    def materialized(n) -> bool:
-        k = kinds[n]
-        if k == "fusible":
-            stack, seen = list(n.users), set()
-            while stack:
-                u = stack.pop()
-                if u in seen:
-                    continue
-                seen.add(u)
-                if u.op == "output" or kinds[u] == "extern":
-                    return True
-                if kinds[u] == "view":
-                    stack.extend(u.users)
-            return n in returned
-        return k in extern_like
-
-    buffers = {n: _nbytes(n) for n in nodes if n.op == "call_function" and materialized(n)}
+    buffers = {n: _nbytes(n) for n in nodes if n.op == "call_function" and _materialized(n, kinds, returned)}
     # Where each node's value is really read: at its own kernel if it is one, else inside its consumers' kernels.
     read_at: dict = {}
     for n in reversed(nodes):
