@@ -83,6 +83,8 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
     }
     if plan.liger:  # only when on: the Trainer imports liger-kernel (and needs a GPU) for it
         kwargs["use_liger_kernel"] = True
+    if plan.compile:  # the Trainer hands it to accelerate's dynamo plugin (backend inductor), which compiles in prepare
+        kwargs["torch_compile"] = True
     if plan.engine == Engine.DDP:
         kwargs["ddp_find_unused_parameters"] = False
     if plan.tensor_parallel > 1:
@@ -146,6 +148,10 @@ def notes(plan: Plan) -> list[str]:
         out.append("The plan's memory assumes activation offloading: TRL's SFTConfig carries activation_offloading; "
                    "the HF Trainer and toolkit.train have no such option (re-plan without --activation-offloading "
                    "for them).")
+    if plan.compile:
+        out.append("The plan's memory and speed assume torch.compile (inductor): TrainingArguments carry "
+                   "torch_compile and the YAML dynamo_config (backend INDUCTOR); a custom loop gets it from the YAML "
+                   "through accelerator.prepare.")
     if plan.liger:
         out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
                    "liger-kernel >= 0.8.2; its kernels need a GPU).")

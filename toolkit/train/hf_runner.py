@@ -179,6 +179,8 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         # bf16 with DeepSpeed otherwise; the engines themselves run on the gloo state configured before.
         use_cpu=on_cpu,
     )
+    if args.compile:
+        kwargs["torch_compile"] = True
     kwargs.update(user_trainer_flags(plan, args.trainer_flags, kwargs))
     accelerator_config: dict = dict(kwargs.pop("accelerator_config", {}))
     if on_cpu:
@@ -252,9 +254,21 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     model.train(was_training)
     summary = {"rank": rank, "world": trainer.args.world_size, "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
-               "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes}
+               "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
+               "compiled_graphs": _compiled_graphs()}
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile (Dynamo) compiled in this process: 0 when nothing ran compiled."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data):
