@@ -54,6 +54,21 @@ def test_traced_compiled_activations_and_peak_match_a_real_compiled_step(arch):
     assert not _close(eager.activations_bytes, real.saved_bytes)
 
 
+def test_checkpointing_inside_the_compiled_model_keeps_what_the_trace_says():
+    # The Trainer's non-reentrant checkpoint inside the compiled graph: each layer keeps its inputs (and the
+    # recompute's RNG state), the head what the compiled partition saves.
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
+    traced = trace_compiled_activations(config, seq_len=64, micro_batch=2, dtype="float32", attention="sdpa",
+                                        device_kind="cpu", checkpointing=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 512, (2, 64))
+    real = measure_compiled_step(model, {"input_ids": ids, "labels": ids})
+    assert _close(traced.activations_bytes, real.saved_bytes), (traced.activations_bytes, real.saved)
+
+
 def test_cuda_compile_keeps_the_kernels_logsumexp_and_no_seq_by_seq_score():
     config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
     notes: list = []
@@ -114,3 +129,12 @@ def test_estimate_compile_prints_less_activation_memory_and_a_faster_step(capsys
     assert compiled["timing"]["tokens_per_s"] > eager["timing"]["tokens_per_s"]
     assert any("min_cut_rematerialization_partition" in n for n in compiled["notes"])
     assert main(["estimate", "gpt2", "--gpus", "2xH100-80GB", "--strategy", "pipeline", "--compile"]) == 2
+
+
+def test_a_compiled_plan_is_rehearsed_compiled(tiny_llama_dir):
+    from toolkit.run.rehearsal import plan_for_model, rehearsal_plan
+
+    plan = plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=8, micro_batch=4, grad_accum=2, seq_len=64,
+                          precision="bf16").replace(compile=True)
+    small, said = rehearsal_plan(plan, tiny_llama_dir)
+    assert small.compile and any("torch.compile" in s for s in said)

@@ -270,8 +270,13 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
 def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
             best: dict[str, Candidate], refused: dict[str, Candidate], ckpt_options: list[bool], *,
             dimension: str | None = None) -> None:
-    """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`."""
+    """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`.
+    Model-parallel grids come in rising degree and the search stops at the first degree that fits: a larger degree
+    only adds communication inside the sample and takes ranks from data parallelism (and costs a trace at its
+    own per-rank shapes)."""
     for grid in grids:
+        if dimension and key in best and best[key].feasible:
+            break
         try:
             batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
         except UserError as exc:

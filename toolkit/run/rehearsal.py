@@ -87,6 +87,11 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path) -> tuple[Plan, list[s
     if plan.method != "full":
         # The plan's LoRA / QLoRA adapter on the tiny model of the same architecture (same module names).
         small = small.replace(method=plan.method, adapter=dict(plan.adapter))
+    if plan.compile:
+        # Compiled on CPU too (inductor's C++ backend): every rank compiles first, minutes on a small machine.
+        said.append("torch.compile: the rehearsal compiles with inductor's CPU (C++) backend; the first step waits "
+                    "for the compiler")
+        small = small.replace(compile=True, notes=[*small.notes, said[-1]])
     return small, said
 
 
