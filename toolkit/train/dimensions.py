@@ -77,7 +77,7 @@ def parallelism_config(plan: Plan, attention: str):
     from toolkit.emit.parallelism import build_parallelism_config, parallelism_kwargs
 
     kwargs = parallelism_kwargs(plan)
-    if not kwargs:
+    if not kwargs or plan.grid.model_parallel == 1:  # as training_args.json: only with a tp / cp / sp degree
         return None
     if "sp_handler" in kwargs:
         kwargs["sp_handler"] = {**kwargs["sp_handler"], "sp_attn_implementation": attention}
