@@ -79,30 +79,35 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_adapter_flags(p: argparse.ArgumentParser) -> None:
+    # No defaults here: a flag the user did not give is None, so that a flag the method does not read is refused
+    # (toolkit.lora.adapter_from_flags); the defaults are the Adapter's own.
+    from toolkit.lora import FULL
+
     g = p.add_argument_group("LoRA / QLoRA (toolkit.lora)")
     g.add_argument("--method", default="full", help="full | lora | qlora (default %(default)s)")
-    g.add_argument("--lora-r", type=int, default=16, help="adapter rank (default %(default)s)")
-    g.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (default %(default)s)")
-    g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on each target's input (default %(default)s)")
-    g.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names, "
-                                                                 "e.g. q_proj,v_proj (default %(default)s)")
-    g.add_argument("--lora-modules-to-save", default="", help="modules trained in full beside the adapters, "
-                                                              "e.g. lm_head,embed_tokens")
-    g.add_argument("--qlora-quant-type", default="nf4", help="nf4 | fp4 (default %(default)s)")
-    g.add_argument("--qlora-no-double-quant", action="store_true", help="do not quantise the absmax constants")
-    g.add_argument("--qlora-compute-dtype", default="bfloat16", help="bfloat16 | float16 | float32")
-    g.add_argument("--qlora-quant-storage", default="uint8",
+    g.add_argument("--lora-r", type=int, help=f"adapter rank (default {FULL.r})")
+    g.add_argument("--lora-alpha", type=float, help=f"LoRA alpha (default {FULL.alpha})")
+    g.add_argument("--lora-dropout", type=float, help=f"dropout on each target's input (default {FULL.dropout})")
+    g.add_argument("--lora-targets", help="all-linear or comma-separated module names, "
+                                          f"e.g. q_proj,v_proj (default {FULL.targets})")
+    g.add_argument("--lora-modules-to-save", help="modules trained in full beside the adapters, "
+                                                  "e.g. lm_head,embed_tokens")
+    g.add_argument("--qlora-quant-type", help=f"nf4 | fp4 (default {FULL.quant_type})")
+    g.add_argument("--qlora-no-double-quant", action="store_const", const=False, dest="qlora_double_quant",
+                   help="do not quantise the absmax constants")
+    g.add_argument("--qlora-compute-dtype", help="bfloat16 | float16 | float32")
+    g.add_argument("--qlora-quant-storage",
                    help="uint8 | bfloat16 | float16 | float32: a floating storage lets FSDP2 / ZeRO-3 shard the "
-                        "4-bit base (default %(default)s)")
+                        f"4-bit base (default {FULL.quant_storage})")
 
 
 def _adapter(args):
-    from toolkit.lora import Adapter
+    from toolkit.lora import adapter_from_flags
 
-    return Adapter(method=args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                   targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
-                   quant_type=args.qlora_quant_type, double_quant=not args.qlora_no_double_quant,
-                   compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
+    return adapter_from_flags(args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                              targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
+                              quant_type=args.qlora_quant_type, double_quant=args.qlora_double_quant,
+                              compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
 
 
 def _trainable_params(spec, adapter) -> int:
@@ -329,6 +334,10 @@ def cmd_plan(args) -> int:
     req = Request(**req_kwargs)
     if args.out:
         _refuse_existing(Path(args.out), args.force)
+        if args.model:
+            from toolkit.preflight import check_model_to_plan
+
+            check_model_to_plan(args.model)
     from toolkit.cli_help import status
 
     with status("planning: every strategy, batch split and checkpointing choice"):
@@ -465,10 +474,12 @@ def cmd_emit(args) -> int:
     out = Path(args.out) if args.out else (Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent)
     hosts = args.hosts
     from toolkit.job import check_job
-    from toolkit.planner import plan_job, predict_plan
+    from toolkit.planner import PlanContradiction, plan_job, predict_plan
 
     try:  # the model, GPU and job the plan describes (a plan for a GPU outside the catalog is emitted as is)
         spec, hw, job = plan_job(plan, check=False)
+    except PlanContradiction:
+        raise
     except UserError as exc:
         spec = None
         if plan.prediction_is_stale:
@@ -520,6 +531,16 @@ def cmd_profile(args) -> int:
         _note(seq_note)
     device = args.device
     kind = "cuda" if device.startswith("cuda") else "cpu"
+    if kind == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= count:
+            raise UserError(f"--device {device}: this machine has {count or 'no'} CUDA device"
+                            f"{'s' if count != 1 else ''} (torch {torch.__version__}"
+                            f"{'' if torch.version.cuda else ', built without CUDA'}); use --device cpu or run it "
+                            "where the GPU is")
     attention = spec.effective_attention(args.attention)
     kwargs = dict(seq_len=args.seq, micro_batch=args.micro_batch, precision=args.precision, attention=attention,
                   checkpointing=args.checkpointing)
@@ -574,8 +595,9 @@ def cmd_demo(args) -> int:
     workdir = args.workdir or time.strftime("runs/demo-%Y%m%d-%H%M%S")
     from pathlib import Path
 
-    if Path(workdir).exists() and not Path(workdir).is_dir():
-        raise UserError(f"--workdir {workdir} is a file; give a folder (it is created if missing)")
+    from toolkit.fileio import check_folder_path
+
+    check_folder_path(Path(workdir), "--workdir")  # a file, or a file on its way: refused before any stage runs
     return run_demo(workdir, steps=args.steps, force=args.force)
 
 

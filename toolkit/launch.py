@@ -68,19 +68,27 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     if plan_dir.name == "plan.json":
         plan_dir = plan_dir.parent
     plan = load_plan(plan_dir)
+    from toolkit.fileio import file_kind_problem
+
+    problem = file_kind_problem(plan_dir / ACCELERATE_CONFIG)
+    if problem is not None:
+        raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is {problem}, not the accelerate config; re-emit the "
+                        f"plan's files with `toolkit emit {plan_dir} --force`")
     if not (plan_dir / ACCELERATE_CONFIG).is_file():
         raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
                         f"into {plan_dir}")
-    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (plan_dir / "ds_config.json").is_file():
-        read_ds_config(plan_dir / "ds_config.json")  # unreadable is refused here, rehearsal or not
+    ds_file = plan_dir / "ds_config.json"
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (ds_file.exists() or ds_file.is_symlink()):
+        read_ds_config(ds_file)  # unreadable is refused here, rehearsal or not
     if rehearse:
         from toolkit.rehearsal import rehearse as run_rehearsal
 
         return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
     args = None
     if is_user_script(train_argv):
-        if not Path(train_argv[0]).is_file():
-            raise UserError(f"training script {train_argv[0]} does not exist")
+        from toolkit.preflight import check_script
+
+        check_script(train_argv[0])
         if plan.engine == Engine.PIPELINE:
             raise UserError("a pipeline plan runs DeepSpeed's pipeline engine, which only toolkit.train drives; "
                             "launch it without a script (toolkit launch DIR -- --data D --output O)")
@@ -124,11 +132,17 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
     lock = None
     log = None
     if output is not None:
+        from toolkit.fileio import os_error_line, remove_created_folders
+
+        existing = next(p for p in (output, *output.parents) if p.exists())
         try:
             output.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"cannot create --output {output}: {exc.strerror}; choose another folder") from None
-        lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+            lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+        except (OSError, UserError) as exc:  # a full disk: nothing of this run is left behind
+            remove_created_folders(output, existing)
+            if isinstance(exc, UserError):
+                raise
+            raise UserError(os_error_line(exc, f"create --output {output}")) from None
     try:
         with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as tmp:
             error_file = Path(tmp) / "error.json"
@@ -238,6 +252,9 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
         plan_job(plan)
     source = model_source(plan, args.model, random_init=args.random_init)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
+    from toolkit.preflight import check_run
+
+    check_run(plan, args)  # model folder, tokenizer, adapter, data: before any process or file
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and not (plan_dir / "ds_config.json").is_file():
         raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE):
@@ -261,8 +278,10 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
 
 def read_ds_config(path: Path) -> dict:
     """ds_config.json as a dict, or one line saying why it cannot be (truncated, binary, not an object)."""
+    from toolkit.fileio import read_bytes_limited
+
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(read_bytes_limited(Path(path), "DeepSpeed config").decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix it or re-emit it with "
                         "`toolkit emit`") from None
@@ -299,57 +318,7 @@ def _check_train_argv(plan_dir: Path, train_argv: list[str]):
     data = Path(args.data).expanduser()
     if (args.data.startswith((".", "/", "~")) or data.suffix) and not data.exists():
         raise UserError(f"data {args.data} does not exist")
-    _check_text_data(data)
     return args
-
-
-def _check_text_data(data: Path) -> None:
-    """Local text-format data (toolkit.train.data.LOADERS: text / json / csv) must be UTF-8; a binary file fails
-    inside every worker, as a decoding traceback, after the model has loaded. Reads the first 64 KiB of each."""
-    from toolkit.train.data import LOADERS
-
-    files = sorted(data.iterdir()) if data.is_dir() else [data] if data.is_file() else []
-    for path in files:
-        if not path.is_file() or LOADERS.get(path.suffix.lower()) not in ("text", "json", "csv"):
-            continue
-        with open(path, "rb") as f:
-            head = f.read(65536)
-        try:
-            head.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            if exc.start < len(head) - 4:  # not merely a character cut at the 64 KiB boundary
-                raise UserError(f"data file {path} is not UTF-8 text (byte {exc.start}); convert it or give a "
-                                "text / json / jsonl / csv / parquet file") from None
-        if LOADERS.get(path.suffix.lower()) == "json":
-            _check_json_records(path)
-
-
-def _check_json_records(path: Path) -> None:
-    """A JSON / JSON Lines data file must parse (datasets' json loader takes a JSON document or one object per
-    line); a bad line otherwise fails inside every worker after the model has loaded. Streams the file once."""
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            first = f.read(1)
-            if path.suffix.lower() == ".json" and first in ("[", "{"):
-                try:
-                    json.loads(first + f.read())
-                    return
-                except json.JSONDecodeError:
-                    f.seek(0)  # not one document: maybe JSON Lines in a .json file
-            else:
-                f.seek(0)
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    json.loads(line)
-    except json.JSONDecodeError as exc:
-        where = f"line {number}" if "number" in locals() else f"line {exc.lineno}"
-        raise UserError(f"data file {path} is not valid JSON Lines ({where}: {exc.msg}); fix that line or give "
-                        "a text / csv / parquet file") from None
-    except UnicodeDecodeError:
-        raise UserError(f"data file {path} is not UTF-8 text; convert it or give a text / json / jsonl / csv / "
-                        "parquet file") from None
 
 
 def _is_deepspeed_yaml(plan_dir: Path) -> bool:

@@ -178,8 +178,10 @@ def check_config_shape(data: dict[str, Any], where: str) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    from toolkit.fileio import read_bytes_limited
+
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_bytes_limited(path, "model config").decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from None
     except UnicodeDecodeError:
@@ -201,7 +203,7 @@ def load_config(model: str, *, trust_remote_code: bool = False):
     path = Path(model).expanduser()
     if path.is_dir():
         config_file = path / "config.json"
-        if not config_file.is_file():
+        if not config_file.exists() and not config_file.is_symlink():
             raise UserError(f"{path} is a directory without config.json; point at a Hugging Face model folder")
         return _config_from_dict(_read_json(config_file), str(config_file))
     if path.is_file():
@@ -344,11 +346,31 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
     return pre, post
 
 
+def causal_lm_problem(config) -> str | None:
+    """Why `config` is not a decoder-only causal LM, from the config and the model classes transformers maps:
+    an encoder-decoder (T5, BART: `is_encoder_decoder`), or an encoder whose type transformers also maps to a
+    masked LM (BERT, RoBERTa) and whose config does not ask for causal attention (`is_decoder`). Such models can
+    be built with AutoModelForCausalLM, but train bidirectionally (or not as one stack): not what we plan."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        return (f"{kind} is an encoder-decoder model (is_encoder_decoder in its config), not a causal LM; toolkit "
+                "plans decoder-only causal LMs")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return (f"{kind} is an encoder (bidirectional attention; transformers maps it to a masked LM), not a causal "
+                "LM; set \"is_decoder\": true in its config.json to train it as one, or plan a decoder-only model")
+    return None
+
+
 def build_spec(name: str, config) -> ModelSpec:
     """Build the model on the meta device with its own code and count everything exactly."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    problem = causal_lm_problem(config)
+    if problem:
+        raise UserError(f"'{name}': {problem}")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

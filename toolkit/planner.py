@@ -100,6 +100,7 @@ class Request:
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
             attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
             liger=self.liger)
+        ParallelGrid.check_batch_request(self.global_batch, self.micro_batch, self.grad_accum)
 
 
 def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:
@@ -193,8 +194,10 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
     strategies = [parse_strategy(s) for s in req.strategies]
     if hw.world_size == 1:
         strategies = [s for s in strategies if s.kind == Kind.DDP or s.offloads] or strategies
+    _check_stages(strategies, hw, req.pipeline_stages)
     best: dict[str, Candidate] = {}
     refused: dict[str, Candidate] = {}
+    batch_refusals: list[str] = []
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
     for strategy in strategies:
         key = strategy.name
@@ -209,6 +212,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                 batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
             except UserError as exc:
                 refused.setdefault(key, _refusal(strategy, req, hw, str(exc)))
+                batch_refusals.append(str(exc))
                 continue
             partition = grid.partition(spec) if strategy.is_pipeline else None
             for micro, accum in sorted(batches, reverse=True):
@@ -221,8 +225,27 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     if _better(cand, best.get(key)):
                         best[key] = cand
+    if not best and batch_refusals and all(c.reason in batch_refusals for c in refused.values()):
+        raise UserError(batch_refusals[0])  # the batch itself, not the strategies: one line names it (exit 2)
     ranked = sorted(best.values(), key=_rank_key)
     return ranked + [c for k, c in refused.items() if k not in best]
+
+
+def _check_stages(strategies: list[Strategy], hw: Hardware, stages: int | None) -> None:
+    """--pipeline-stages against the GPUs, by the grid's rule that estimate applies (the same refusal and exit
+    code in every command): refused when no pipeline strategy asked for can take that stage count."""
+    if stages is None:
+        return
+    problems = []
+    pipelines = [s for s in strategies if s.is_pipeline]
+    for strategy in pipelines:
+        try:
+            ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                      pipeline_stages=stages)
+        except UserError as exc:
+            problems.append(str(exc))
+    if pipelines and len(problems) == len(pipelines):
+        raise UserError(problems[0])
 
 
 def _rank_key(c: Candidate):
@@ -272,9 +295,10 @@ def plan_job(plan: "Plan", *, check: bool = True) -> tuple[ModelSpec, Hardware, 
     from toolkit.job import check_job
     from toolkit.modelspec import spec_from_config_dict
 
+    spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params)
+    check_plan_agrees(plan, spec)
     hw = parse_hardware(f"{plan.num_machines}x{plan.gpus_per_node}x{plan.gpu}", inter_node_gbps=plan.inter_node_gbps,
                         cpu_ram_gib=plan.cpu_ram_gib)
-    spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params)
     job = Job(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
               attention=plan.attention, optimizer_impl=plan.optimizer_impl,
@@ -282,6 +306,21 @@ def plan_job(plan: "Plan", *, check: bool = True) -> tuple[ModelSpec, Hardware, 
     if check:
         check_job(spec, job, hw, plan.strategy_spec, pipeline_stages=plan.pipeline_stages)
     return spec, hw, job
+
+
+class PlanContradiction(UserError):
+    """plan.json's own fields disagree with the model config it carries (an edit of one and not the other)."""
+
+
+def check_plan_agrees(plan: "Plan", spec: ModelSpec) -> None:
+    """The model facts plan.json states (model_type, num_layers, layer_class) must be its model_config's: an edit
+    of one alone would re-predict and emit for a model that does not exist."""
+    wrong = [f"{name} {stated!r} but the model's config gives {actual!r}" for name, stated, actual in
+             (("model_type", plan.model_type, spec.model_type), ("num_layers", plan.num_layers, spec.num_layers),
+              ("layer_class", plan.layer_class, spec.layer_class)) if stated != actual]
+    if wrong:
+        raise PlanContradiction(f"plan.json contradicts its model: it says {'; '.join(wrong)}; undo the edit or "
+                                "re-plan with `toolkit plan`")
 
 
 def predict_plan(plan: "Plan") -> "Plan":
