@@ -24,8 +24,8 @@ import shlex
 from typing import Any
 
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 SETTINGS_FILE = "training_args.json"
 DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
@@ -33,7 +33,7 @@ DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
 
 OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 """plan.optimizer -> TrainingArguments.optim. adamw: torch's fused AdamW (the Trainer's default on torch >= 2.8): no
-foreach step temporaries, which is what the memory model assumes by default (toolkit/savers.py)."""
+foreach step temporaries, which is what the memory model assumes by default (toolkit/estimate/savers.py)."""
 ADAMW_IMPL = {"fused": "adamw_torch_fused", "foreach": "adamw_torch", "for-loop": "adamw_torch"}
 """plan.optimizer_impl -> TrainingArguments.optim for AdamW. The Trainer's adamw_torch builds torch's AdamW with its
 defaults (foreach where the tensors allow it) and passes no optim_args to it (transformers trainer_optimizer.py
