@@ -29,8 +29,8 @@ def check_folder_path(folder: Path, what: str) -> None:
     for parent in (folder, *folder.parents):
         if parent.exists() or parent.is_symlink():
             if not parent.is_dir():
-                under = "" if parent == folder else f" (under {parent}, which is a file)"
-                raise UserError(f"{what} {folder} is a file{under}; give a folder" if parent == folder else
+                raise UserError(f"{what} {folder} is a file; give a folder (it is created if missing)"
+                                if parent == folder else
                                 f"{what} {folder} is under a file: {parent} is a file; give a folder")
             break
     if folder.is_dir() and not folder.stat().st_mode & stat.S_IWUSR:
