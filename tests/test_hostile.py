@@ -508,6 +508,11 @@ def _wave2() -> list[tuple[str, list[str], str]]:
     add("estimate: config.json a directory", "directory", "estimate", "{W}/models/dir-config")
     add("estimate: config.json a FIFO", "FIFO", "estimate", "{W}/models/fifo-config")
     add("check: a named FIFO", "FIFO", "check", "{W}/data/fifo")
+    for name, expect in (("nan.json", "not a finite number"), ("inf.json", "not a finite number"),
+                         ("neg-inf.json", "not a finite number"), ("dup.json", "twice"),
+                         ("dup-nested.json", "twice"), ("dup.yaml", "twice"), ("dup-nested.yaml", "twice"),
+                         ("nan.yaml", "not a finite number"), ("inf.yaml", "not a finite number")):
+        add(f"check: {name}", expect, "check", f"{{W}}/cfg/{name}")
     add("check: /dev/zero", "character device", "check", "/dev/zero")
 
     # Disk and permissions.
@@ -566,6 +571,19 @@ def world2(world, tmp_path_factory, tiny_llama_dir):
     (d / "strings.json").write_text('["a", "b"]')
     os.mkfifo(d / "fifo")
     (big / "one-line.jsonl").write_text('{"text": "' + "word " * 4_000_000 + '"}\n')
+
+    cfg_dir = w / "cfg"
+    cfg_dir.mkdir()
+    ds = '{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1'
+    yml = "num_processes: 2\nnum_machines: 1\nmachine_rank: 0\ndistributed_type: MULTI_GPU\n"
+    for name, text in (("nan.json", ds + ', "gradient_clipping": NaN}'), ("inf.json", ds + ', "gradient_clipping": Infinity}'),
+                       ("neg-inf.json", ds + ', "optimizer": {"params": {"lr": -Infinity}}}'),
+                       ("dup.json", ds + ', "train_batch_size": 16}'),
+                       ("dup-nested.json", ds + ', "zero_optimization": {"stage": 2, "stage": 3}}'),
+                       ("dup.yaml", yml + "num_processes: 4\n"),
+                       ("dup-nested.yaml", yml + "deepspeed_config:\n  zero_stage: 2\n  zero_stage: 3\n"),
+                       ("nan.yaml", yml + "gradient_clipping: .nan\n"), ("inf.yaml", yml + "x: [1, .inf]\n")):
+        (cfg_dir / name).write_text(text)
 
     c = w / "chat"
     c.mkdir()
@@ -688,3 +706,113 @@ def test_second_wave_is_one_line_exit_2_and_no_change(name, argv, expect, world2
     assert lines[0].startswith("error: ") and "Traceback" not in err
     assert expect in lines[0], lines[0]
     assert after == before
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What the second wave must still accept, and the disk cases that need a real file system.
+
+def test_check_reads_a_process_substitution_and_stdin(world2, monkeypatch):
+    text = (world2["W"] / "cfg" / "dup.yaml").read_text().rsplit("num_processes: 4", 1)[0]
+    read_end, write_end = os.pipe()
+    os.write(write_end, text.encode())
+    os.close(write_end)
+    try:
+        code, out, err = run_cli(["check", f"/dev/fd/{read_end}"])  # what `check <(cat x.yaml)` names
+    finally:
+        os.close(read_end)
+    assert code == 0 and "1 path(s) checked: no findings" in out, err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO((world2["W"] / "cfg" / "dup.json").read_bytes())))
+    code, out, err = run_cli(["check", "-"])
+    assert code == 2 and err.strip() == "error: - sets 'train_batch_size' twice in one object; keep one"
+
+
+def test_good_chat_and_text_data_pass_the_preflight(world2, tmp_path, tiny_llama_dir):
+    from toolkit.run import tiny
+
+    chat = tiny.write_chat_corpus(tmp_path / "chat", max_chars=20_000)
+    for data in (chat, world2["D"]):
+        code, out, err = run_cli(["launch", str(world2["P"]), "--dry-run", "--", "--data", str(data), "--output",
+                                  str(tmp_path / "out")])
+        assert code == 0, err
+    # a folder without weights trains from random weights when asked to
+    code, _, err = run_cli(["launch", str(world2["P"]), "--dry-run", "--", "--data", str(world2["D"]), "--output",
+                            str(tmp_path / "out"), "--model", str(world2["W"] / "models" / "no-weights"),
+                            "--random-init"])
+    assert code == 0, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupted_cache_entry_is_a_miss(tmp_path, monkeypatch, tiny_llama_dir):
+    from toolkit import cache
+    from toolkit.inputs.modelspec import resolve_model
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
+    first = resolve_model(str(tiny_llama_dir))
+    for entry in (tmp_path / "cache").rglob("*.json"):
+        entry.write_text(json.dumps({"wrong": "fields"}))  # valid JSON, not a spec
+    assert resolve_model(str(tiny_llama_dir)).params == first.params
+    assert cache.get("spec", ["nope"], lambda v: v["missing"]) is None
+
+
+def test_runner_refuses_to_call_zero_steps_trained(tiny_llama_dir):
+    from toolkit.errors import UserError
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.hf_runner import refuse_untrained
+
+    plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32)
+    with pytest.raises(UserError, match="no optimizer step"):
+        refuse_untrained(0, 1, plan)
+    refuse_untrained(1, 1, plan)
+
+
+def test_a_rewritten_plan_folder_keeps_its_mode(world, tmp_path):
+    out = tmp_path / "p"
+    assert run_cli(["emit", str(world["P"]), "--out", str(out)])[0] == 0
+    os.chmod(out, 0o750)
+    code, _, err = run_cli(["emit", str(world["P"]), "--out", str(out), "--force"])
+    assert code == 0, err
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no staging folder, no lock
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str):
+    """A small real file system (root only): ENOSPC and a folder that cannot be renamed, without mocks."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path):
+    with _tmpfs(tmp_path / "full", "8k") as disk:
+        (disk / "filler").write_bytes(b"x" * 4096)
+        try:
+            while True:  # fill the rest
+                with open(disk / f"f{len(list(disk.iterdir()))}", "wb") as f:
+                    f.write(b"x" * 1024)
+        except OSError:
+            pass
+        before = sorted(p.name for p in disk.iterdir())
+        code, out, err = run_cli(["emit", str(world["P"]), "--out", str(disk / "plan")])
+        assert code == 2 and err.count("\n") == 1 and "disk is full" in err, err
+        code, out, err = run_cli(["launch", str(world["P"]), "--", "--data", str(world["D"]), "--output",
+                                  str(disk / "run" / "deep")])
+        assert code == 2 and err.count("\n") == 1 and "disk is full" in err and "Traceback" not in err, err
+        assert sorted(p.name for p in disk.iterdir()) == before  # no run folder, no lock, no staging folder
+
+
+def test_plan_force_over_a_folder_it_cannot_replace(world, tmp_path):
+    with _tmpfs(tmp_path / "mounted", "1m") as folder:  # a mount point cannot be renamed (EBUSY)
+        assert run_cli(["emit", str(world["P"]), "--out", str(folder)])[0] == 2  # the rename fails ...
+        (folder / "plan.json").write_text("{}")
+        code, _, err = run_cli(["emit", str(world["P"]), "--out", str(folder), "--force"])
+        assert code == 2 and err.count("\n") == 1 and "cannot write" in err, err
+        assert [p.name for p in folder.iterdir()] == ["plan.json"]
+        assert [p.name for p in tmp_path.iterdir()] == ["mounted"]  # ... and no staging folder or lock is left

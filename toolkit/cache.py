@@ -16,7 +16,7 @@ import os
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from toolkit.fileio import write_atomic
 
@@ -55,12 +55,15 @@ def _path(kind: str, key: Any) -> Path:
     return cache_dir() / kind / f"{digest[:32]}.json"
 
 
-def get(kind: str, key: Any) -> Any | None:
+def get(kind: str, key: Any, decode: Callable[[Any], Any] | None = None) -> Any | None:
+    """The stored value (passed through `decode`), or None: a missing, unreadable or corrupted entry (valid JSON
+    with the wrong fields, say) is a miss, never an error; the caller computes and stores it again."""
     if not enabled():
         return None
     try:
-        return json.loads(_path(kind, key).read_text())
-    except (OSError, ValueError):
+        value = json.loads(_path(kind, key).read_text())
+        return decode(value) if decode is not None else value
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None
 
 

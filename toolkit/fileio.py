@@ -93,7 +93,7 @@ def read_bytes_limited(path: Path, what: str, *, limit: int = MAX_CONFIG_BYTES, 
         return data
     path = Path(path)
     problem = file_kind_problem(path)
-    if problem == "a FIFO (named pipe)" and streams:
+    if problem in ("a FIFO (named pipe)", "a socket") and streams:
         problem = None
     if problem is not None:
         raise UserError(f"{what} {path} is {problem}, not a file; give the file itself")

@@ -150,10 +150,8 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
             from importlib import metadata
 
             disk_key += [adapter.to_dict(), metadata.version("peft")]
-        stored = cache.get("trace", disk_key) if disk_key else None
-        if stored is not None:
-            trace = trace_from_dict(stored)
-        else:
+        trace = cache.get("trace", disk_key, trace_from_dict) if disk_key else None
+        if trace is None:
             from toolkit.estimate.tracer import trace_activations
 
             trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,

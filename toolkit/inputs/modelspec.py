@@ -458,9 +458,9 @@ def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, 
         raise TypeError(f"resolve_model() got unexpected keyword(s) {sorted(unknown)}")
     key = _source_key(model, **numbers)
     if key is not None:
-        hit = cache.get("spec", key)
+        hit = cache.get("spec", key, ModelSpec.from_cache)
         if hit is not None:
-            return ModelSpec.from_cache(hit)
+            return hit
     spec = _resolve_uncached(model, trust_remote_code=trust_remote_code, **numbers)
     if key is not None:
         from dataclasses import replace
@@ -523,10 +523,8 @@ def spec_from_config_dict(config: dict[str, Any], *, name: str, params: int | No
     from toolkit import cache
 
     key = ["dict", name, json.dumps(config, sort_keys=True)]
-    hit = cache.get("spec", key)
-    if hit is not None:
-        spec = ModelSpec.from_cache(hit)
-    else:
+    spec = cache.get("spec", key, ModelSpec.from_cache)
+    if spec is None:
         spec = build_spec(name, _config_from_dict(dict(config), f"the plan's model_config ({name})"))
         spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
         cache.put("spec", key, spec.to_cache())
