@@ -723,7 +723,8 @@ def test_check_reads_a_process_substitution_and_stdin(world2, monkeypatch):
     assert code == 0 and "1 path(s) checked: no findings" in out, err
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO((world2["W"] / "cfg" / "dup.json").read_bytes())))
     code, out, err = run_cli(["check", "-"])
-    assert code == 2 and err.strip() == "error: - sets 'train_batch_size' twice in one object; keep one"
+    assert code == 2 and err.strip() == ("error: - sets 'train_batch_size' twice in one object, to 8 and 16; keep "
+                                         "the one you mean")
 
 
 def test_good_chat_and_text_data_pass_the_preflight(world2, tmp_path, tiny_llama_dir):
