@@ -89,7 +89,7 @@ def read_bytes_limited(path: Path, what: str, *, limit: int = MAX_CONFIG_BYTES, 
     if str(path) == "-" and streams:
         data = sys.stdin.buffer.read(limit + 1)
         if len(data) > limit:
-            raise UserError(f"{what} on stdin is larger than {limit:,} bytes; it cannot be a {what.split()[-1]}")
+            raise UserError(f"{what} on stdin is larger than {limit // (1024 * 1024)} MiB; it cannot be a {what}")
         return data
     path = Path(path)
     problem = file_kind_problem(path)
@@ -105,8 +105,8 @@ def read_bytes_limited(path: Path, what: str, *, limit: int = MAX_CONFIG_BYTES, 
     except OSError as exc:
         raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None
     if len(data) > limit:
-        raise UserError(f"{what} {path} is larger than {limit // (1024 * 1024)} MiB; it cannot be a "
-                        f"{what.split()[-1]} (is it the right file?)")
+        raise UserError(f"{what} {path} is larger than {limit // (1024 * 1024)} MiB; it cannot be a {what} (is it "
+                        "the right file?)")
     return data
 
 

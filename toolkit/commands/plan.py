@@ -37,6 +37,10 @@ def cmd_plan(args) -> int:
 
     from toolkit.estimate.search import Request, plan_candidates, to_plan
 
+    if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
+        from toolkit.run.preflight import check_model_to_plan
+
+        check_model_to_plan(args.model)
     spec = model_spec(args)
     hw = hardware_of(args)
     seq_len, seq_note = seq_len_of(spec, args)
@@ -68,10 +72,6 @@ def cmd_plan(args) -> int:
     req = Request(**req_kwargs)
     if args.out:
         _refuse_existing(Path(args.out), args.force)
-        if args.model:
-            from toolkit.run.preflight import check_model_to_plan
-
-            check_model_to_plan(args.model)  # a folder meant to launch: the model must be able to train
     from toolkit.commands.help import status
 
     with status("planning: every strategy, batch split and checkpointing choice"):

@@ -238,16 +238,18 @@ def _check_named_modules(model, adapter: Adapter, linear_names: list[str]) -> No
 
 def _check_rank(peft_model, adapter: Adapter) -> None:
     """LoRA's update B @ A has rank at most min(in, out) of the adapted matrix: a larger r adds parameters (and
-    memory) that can learn nothing more. The bound is the smallest adapted matrix's smaller side."""
+    memory) that can learn nothing more. Refused when r is above that bound for every adapted matrix (a small one
+    among them, such as Mixtral's 8 x 4096 router under all-linear, is common and only caps its own update)."""
     sides = [(min(m.in_features, m.out_features), name, m.out_features, m.in_features)
              for name, m in peft_model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "in_features")
              and isinstance(getattr(m, "in_features", None), int)]
     if not sides:
         return
-    smallest, name, out_features, in_features = min(sides)
-    if adapter.r > smallest:
-        raise UserError(f"--lora-r {adapter.r} is above the rank of the adapted matrices ({name.split('.')[-1]} is "
-                        f"{out_features} x {in_features}: rank at most {smallest}); use --lora-r {smallest} or less")
+    largest, name, out_features, in_features = max(sides)
+    if adapter.r > largest:
+        raise UserError(f"--lora-r {adapter.r} is above the rank of every adapted matrix (the largest, "
+                        f"{name.split('.')[-1]}, is {out_features} x {in_features}: rank at most {largest}); use "
+                        f"--lora-r {largest} or less")
 
 
 def _quantized_linears(model) -> dict[str, int]:

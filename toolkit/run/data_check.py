@@ -246,8 +246,8 @@ def _check_text(data: str, sample: DataSample, text_field: str, tokenizer: Any, 
     for row, where in zip(sample.rows, sample.where):
         value = row.get(field_name)
         if value is not None and not isinstance(value, str):
-            raise UserError(f"data {data}: '{field_name}' of {where} is a {type(value).__name__}, not text; give "
-                            "strings (or pass --text-field with the text column)")
+            raise UserError(f"data {data}: '{field_name}' of {where} is of type {type(value).__name__}, not text; "
+                            "give strings (or pass --text-field with the text column)")
     needed = seq_len * global_batch
     tokens = 0
     for row in sample.rows:
@@ -300,7 +300,9 @@ def conversation_problem(messages: Any) -> str | None:
         role = turn.get("role")
         if role not in CHAT_ROLES:
             return f"turn {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}"
-        if not isinstance(turn.get("content"), str):
+        if "content" not in turn:
+            return f"turn {i} ({role}) has no 'content'"
+        if not isinstance(turn["content"], str):
             return (f"turn {i} ({role}) has content of type {type(turn.get('content')).__name__}; give the "
                     "content as a string")
     if not any(turn["role"] == "assistant" for turn in messages):
