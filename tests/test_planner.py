@@ -47,7 +47,7 @@ def test_every_feasible_candidate_meets_the_global_batch_exactly(llama7b):
     assert len(feasible) >= 8
     for c in feasible:
         assert c.job.micro_batch * c.job.grad_accum * c.data_parallel == 128
-        assert c.data_parallel * c.pipeline_stages == 16
+        assert c.data_parallel * c.pipeline_stages * c.grid.model_parallel == 16
 
 
 def test_random_models_clusters_and_batches_hold_the_arithmetic_or_refuse_with_a_reason():
