@@ -57,7 +57,7 @@ def test_rehearsal_runs_an_fp16_zero3_plan_as_bf16_and_passes(tiny_llama_dir, tm
     assert "rehearsal passed" in out
 
 
-def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_llama_dir, tmp_path):
+def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_llama_dir, corpus_dir, tmp_path):
     """The Trainer would find this only inside train(), after loading the model, with a traceback per rank."""
     from toolkit.errors import UserError
 
@@ -68,7 +68,7 @@ def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_l
     ds["gradient_clipping"] = 1.0  # edited by hand: emitted, it is "auto" (the Trainer fills --max-grad-norm)
     (plan_dir / "ds_config.json").write_text(json.dumps(ds))
     with pytest.raises(UserError, match="gradient_clipping 1.0 but --max-grad-norm is 0.5"):
-        launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "o"), "--max-grad-norm", "0.5"],
+        launch_main(plan_dir, ["--data", str(corpus_dir), "--output", str(tmp_path / "o"), "--max-grad-norm", "0.5"],
                     rehearse=True)
 
 
