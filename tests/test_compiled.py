@@ -129,3 +129,12 @@ def test_estimate_compile_prints_less_activation_memory_and_a_faster_step(capsys
     assert compiled["timing"]["tokens_per_s"] > eager["timing"]["tokens_per_s"]
     assert any("min_cut_rematerialization_partition" in n for n in compiled["notes"])
     assert main(["estimate", "gpt2", "--gpus", "2xH100-80GB", "--strategy", "pipeline", "--compile"]) == 2
+
+
+def test_a_compiled_plan_is_rehearsed_compiled(tiny_llama_dir):
+    from toolkit.run.rehearsal import plan_for_model, rehearsal_plan
+
+    plan = plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=8, micro_batch=4, grad_accum=2, seq_len=64,
+                          precision="bf16").replace(compile=True)
+    small, said = rehearsal_plan(plan, tiny_llama_dir)
+    assert small.compile and any("torch.compile" in s for s in said)

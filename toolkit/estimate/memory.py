@@ -195,6 +195,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         from dataclasses import replace
 
         from toolkit import cache
+        from toolkit.estimate.compiled import trace_compiled_activations
+        from toolkit.estimate.tracer import trace_activations
 
         disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
         if disk_key and job.compile:
@@ -205,15 +207,12 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             from importlib import metadata
 
             disk_key += [adapter.to_dict(), metadata.version("peft")]
-        stored = cache.get("trace", disk_key) if disk_key else None
+        traced_by = trace_compiled_activations if job.compile else trace_activations
+        stored = cache.get("trace", disk_key, code=traced_by) if disk_key else None
         if stored is not None:
             trace = trace_from_dict(stored)
         else:
-            from toolkit.estimate.tracer import trace_activations
-
             if job.compile:
-                from toolkit.estimate.compiled import trace_compiled_activations
-
                 trace = trace_compiled_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                                    autocast=autocast, attention=attention,
                                                    device_kind=job.device_kind, checkpointing=job.checkpointing)
@@ -222,7 +221,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                                           autocast=autocast, attention=attention, device_kind=job.device_kind,
                                           checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
             if disk_key:
-                cache.put("trace", disk_key, asdict(trace))
+                cache.put("trace", disk_key, asdict(trace), code=traced_by)
         if attention != job.attention:
             trace = replace(trace, notes=trace.notes + (
                 f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "

@@ -178,8 +178,8 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
     if floor > hw.gpu.memory_bytes:
         return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                          global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
-                         grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
-                                "model states alone")
+                         grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} "
+                                           "per GPU for model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
     traffic = activation_trace(spec, job, strategy, 1).compile_traffic if job.compile else ()
     timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid,
@@ -424,7 +424,7 @@ def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dime
 
 def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Plan":
     """The chosen candidate as the Plan that emit, launch and train read, its prediction keyed to its inputs."""
-    from toolkit.plan.schema import Plan
+    from toolkit.plan.build import build_plan
 
     predicted: dict[str, Any] = {}
     if c.memory:
@@ -434,18 +434,13 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
     notes = list(c.memory.notes) if c.memory else []
     if c.timing:
         notes += list(c.timing.assumptions)
-    plan = Plan(
+    plan = build_plan(
         model=model_name, model_config=_jsonable(spec.config_dict()), model_type=spec.model_type,
-        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy.name,
-        num_machines=hw.nodes, gpus_per_node=hw.gpus_per_node, pipeline_stages=c.pipeline_stages,
-        tensor_parallel=c.degrees[0], context_parallel=c.degrees[1], sequence_parallel=c.degrees[2],
-        partition=list(c.partition) if c.partition else None, seq_len=c.job.seq_len, micro_batch=c.job.micro_batch,
-        grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
-        optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
-        attention=spec.effective_attention(c.job.attention), optimizer_impl=c.job.optimizer_impl,
-        activation_offloading=c.job.activation_offloading, liger=c.job.liger, compile=c.job.compile, gpu=hw.gpu.name,
+        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy,
+        grid=c.grid, job=c.job, gpu=hw.gpu.name, partition=c.partition,
+        notes=[n.replace("\n", " ") for n in notes], attention=spec.effective_attention(c.job.attention),
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
-        notes=[n.replace("\n", " ") for n in notes], **_adapter_fields(c.job, spec))
+        **_adapter_fields(c.job, spec))
     return plan.with_prediction(predicted)
 
 

@@ -34,6 +34,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.job import Attention, Optimizer, Precision
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
+from toolkit.plan.files import PLAN_JSON
 
 if TYPE_CHECKING:
     from toolkit.inputs.lora import Adapter
@@ -328,7 +329,7 @@ def load_plan(path: str | Path) -> Plan:
     """Read plan.json (or a directory holding one); one clear error for anything unreadable or inconsistent."""
     path = Path(path)
     if path.is_dir():
-        path = path / "plan.json"
+        path = path / PLAN_JSON
     try:
         text = path.read_bytes().decode("utf-8")
         data = json.loads(text)

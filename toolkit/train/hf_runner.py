@@ -22,8 +22,7 @@ from toolkit.train.data import build_datasets
 from toolkit.inputs.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, load_config, load_tokenizer,
                                  model_source)
-
-DS_CONFIG_NAME = "ds_config.json"
+from toolkit.plan.files import DS_CONFIG
 
 
 def plan_dir(args: TrainArgs) -> Path:
@@ -120,14 +119,14 @@ def check_ds_config_agrees(plan: Plan, args: TrainArgs, ds_file: Path) -> None:
         config = json.loads(Path(ds_file).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot read {ds_file}: {exc}") from None
-    wanted = {
-        "train_micro_batch_size_per_gpu": (plan.micro_batch, "the plan's micro-batch"),
-        "gradient_accumulation_steps": (plan.grad_accum, "the plan's accumulation"),
-        "gradient_clipping": (args.max_grad_norm, "--max-grad-norm"),
-    }
-    for key, (value, source) in wanted.items():
-        found = config.get(key, "auto")
-        if found != "auto" and float(found) != float(value):
+    from toolkit.emit.deepspeed import plan_disagreements
+
+    sources = {"train_micro_batch_size_per_gpu": "the plan's micro-batch",
+               "gradient_accumulation_steps": "the plan's accumulation", "gradient_clipping": "--max-grad-norm"}
+    disagree = plan_disagreements(config, plan, max_grad_norm=args.max_grad_norm)
+    for key, source in sources.items():  # the rest (batch size, precision, stage) the Trainer's own checks refuse
+        if key in disagree:
+            found, value = disagree[key]
             raise UserError(f"{ds_file} sets {key} {found} but {source} is {value}; make them agree (edit the JSON "
                             f"or re-emit the plan)")
 
@@ -137,7 +136,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
 
     deepspeed = None
     if plan.engine == Engine.DEEPSPEED:
-        deepspeed = plan_dir(args) / DS_CONFIG_NAME
+        deepspeed = plan_dir(args) / DS_CONFIG
         if not deepspeed.is_file():
             raise UserError(f"plan {args.plan} is a DeepSpeed plan but {deepspeed} is missing; "
                             "emit it with `toolkit emit` next to plan.json")
