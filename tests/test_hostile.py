@@ -744,7 +744,10 @@ def test_a_corrupted_cache_entry_is_a_miss(tmp_path, monkeypatch, tiny_llama_dir
     for entry in (tmp_path / "cache").rglob("*.json"):
         entry.write_text(json.dumps({"wrong": "fields"}))  # valid JSON, not a spec
     assert resolve_model(str(tiny_llama_dir)).params == first.params
-    assert cache.get("spec", ["nope"], lambda v: v["missing"]) is None
+    from toolkit.inputs.modelspec import build_spec
+
+    cache.put("spec", ["corrupt"], {"wrong": "fields"}, code=build_spec)
+    assert cache.get("spec", ["corrupt"], code=build_spec, decode=lambda v: v["missing"]) is None
 
 
 def test_runner_refuses_to_call_zero_steps_trained(tiny_llama_dir):

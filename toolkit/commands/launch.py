@@ -38,11 +38,12 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead."""
     from toolkit.inputs.strategy import Engine
     from toolkit.plan.schema import load_plan
-    from toolkit.run.launcher import ACCELERATE_CONFIG, is_user_script, launch_command, run
+    from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, PLAN_JSON
+    from toolkit.run.launcher import is_user_script, launch_command, run
     from toolkit.run.preflight import preflight, read_ds_config
 
     plan_dir = Path(plan_dir)
-    if plan_dir.name == "plan.json":
+    if plan_dir.name == PLAN_JSON:
         plan_dir = plan_dir.parent
     plan = load_plan(plan_dir)
     from toolkit.fileio import file_kind_problem
@@ -54,7 +55,7 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     if not (plan_dir / ACCELERATE_CONFIG).is_file():
         raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
                         f"into {plan_dir}")
-    ds_file = plan_dir / "ds_config.json"
+    ds_file = plan_dir / DS_CONFIG
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (ds_file.exists() or ds_file.is_symlink()):
         read_ds_config(ds_file)  # unreadable is refused here, rehearsal or not
     if rehearse:
@@ -87,6 +88,7 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
 
 
 def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:
+    from toolkit.plan.files import SLURM_SBATCH
     from toolkit.run.launcher import launch_command
 
     lines = [f"plan {plan.strategy} runs on {plan.num_machines} nodes x {plan.gpus_per_node} GPUs; "
@@ -94,7 +96,7 @@ def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:
     for rank in range(plan.num_machines):
         command = launch_command(plan_dir, train_argv, machine_rank=rank, main_host="MAIN")
         lines.append(f"  node {rank}: " + shlex.join(command))
-    sbatch = plan_dir / "slurm.sbatch"
+    sbatch = plan_dir / SLURM_SBATCH
     # slurm.sbatch finds the plan directory as the directory it was submitted from.
     route = f"(cd {shlex.quote(str(plan_dir))} && sbatch slurm.sbatch {shlex.join(train_argv)})"
     lines.append(f"or, under SLURM: {route}" + ("" if sbatch.is_file() else
