@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Literal
 
 import yaml
 
-from toolkit.emit.deepspeed import auto_keys, ds_zero_stage
+from toolkit.emit.deepspeed import auto_keys, ds_zero_stage, is_auto
 from toolkit.errors import UserError
 from toolkit.plan import Plan, load_plan
 from toolkit.strategy import Engine
@@ -992,7 +992,8 @@ def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan) -> list
                                "directory or make them agree", runner))
     precision = json_precision(config)
     planned_precision = {"bf16-pure": "bf16"}.get(plan.precision, plan.precision)
-    if precision != planned_precision:
+    runner_decides = any(is_auto(_mapping(config.get(name)).get("enabled")) for name in ("bf16", "fp16"))
+    if precision != planned_precision and not runner_decides:  # "auto": the runner fills it (toolkit.emit.deepspeed)
         out.append(Problem(file, "error", f"ds_config trains in {precision} but plan.json plans {plan.precision}; "
                            "toolkit.train passes the plan's precision and the Trainer will refuse the mismatch", runner))
     stage = _mapping(config.get("zero_optimization")).get("stage")

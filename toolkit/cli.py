@@ -507,7 +507,8 @@ def cmd_check(args) -> int:
 def cmd_launch(args) -> int:
     from toolkit.launch import launch_main
 
-    return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run)
+    return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run,
+                       processes=args.processes, cpu=args.cpu)
 
 
 def cmd_profile(args) -> int:
@@ -647,6 +648,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan_dir", type=text_arg("plan folder"))
     p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--processes", type=int_arg("--processes", bounds.PROCESSES),
+                   help="run the plan on N processes of this machine (fewer GPUs, or CPU processes with --cpu); "
+                        "the global batch is kept by accumulation")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on CPU processes over gloo (bf16 instead of fp16; your own script gets the set-up "
+                        "from toolkit.train.own_script)")
     p.set_defaults(func=cmd_launch, train_args=[])
     p.epilog = "Arguments after -- go to toolkit.train: toolkit launch DIR -- --model M --data D --output OUT"
 

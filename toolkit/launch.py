@@ -52,8 +52,9 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
         command += ["--machine_rank", str(machine_rank)]
     if main_host is not None:
         command += ["--main_process_ip", main_host]
-    if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs
-        return command + train_argv
+    if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs,
+        # run as `python my_train.py ARGS` would, except that the first rank to fail says why in one line.
+        return command + ["-m", "toolkit.train.own_script", *train_argv]
     return command + ["-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *train_argv]
 
 
@@ -62,12 +63,45 @@ def is_user_script(train_argv: list[str]) -> bool:
     return bool(train_argv) and train_argv[0].endswith(".py")
 
 
-def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False) -> int:
-    """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead."""
+def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False,
+                processes: int | None = None, cpu: bool = False) -> int:
+    """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead. processes /
+    cpu: the plan on a smaller box (toolkit.smaller_box), its files emitted for it into a temporary folder."""
     plan_dir = Path(plan_dir)
     if plan_dir.name == "plan.json":
         plan_dir = plan_dir.parent
     plan = load_plan(plan_dir)
+    if (processes is not None or cpu) and not rehearse:
+        return _launch_on_this_box(plan, plan_dir, train_argv, processes=processes, cpu=cpu, dry_run=dry_run)
+    return _launch_folder(plan, plan_dir, train_argv, rehearse=rehearse, dry_run=dry_run)
+
+
+def _launch_on_this_box(plan: Plan, plan_dir: Path, train_argv: list[str], *, processes: int | None, cpu: bool,
+                        dry_run: bool) -> int:
+    from toolkit.smaller_box import box_plan
+
+    if processes is None and cpu:
+        processes = min(plan.world_size, os.cpu_count() or 1)
+    box, said = box_plan(plan, processes=processes, cpu=cpu)
+    where = f"{box.world_size} CPU processes over gloo" if cpu else f"{box.world_size} processes"
+    print(f"{plan.strategy} on {where} (planned for {plan.world_size} x {plan.gpu}); files for this box are "
+          "emitted from plan.json into a temporary folder", flush=True)
+    for line in said:
+        print(f"note: {line}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="toolkit-box-"))
+    try:
+        box_dir = emit_plan_files(box, work / "plan")
+        relaunch = f"toolkit launch {shlex.quote(str(plan_dir))} --processes {box.world_size}" + (" --cpu" if cpu else "")
+        return _launch_folder(box, box_dir, train_argv, rehearse=False, dry_run=dry_run, log_dir=plan_dir,
+                              relaunch=relaunch, env={"CUDA_VISIBLE_DEVICES": ""} if cpu else None)
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehearse: bool, dry_run: bool,
+                   log_dir: Path | None = None, relaunch: str | None = None, env: dict[str, str] | None = None) -> int:
     if not (plan_dir / ACCELERATE_CONFIG).is_file():
         raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
                         f"into {plan_dir}")
@@ -93,12 +127,23 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
-    env = {"TOOLKIT_PLAN_DIR": str(plan_dir.resolve())}
-    if args is None:  # the user's own script: its output folder and resume flags are its own
-        return run(command, env=env)
+    env = {**(env or {}), "TOOLKIT_PLAN_DIR": str(plan_dir.resolve())}
+    shown_dir = log_dir or plan_dir  # the user's folder (a box's files live in a temporary one)
+    if args is None:  # the user's own script: its output folder and resume flags are its own; its log goes beside
+        return run(command, env=env, log_path=_writable_log(shown_dir))  # the plan
     resume = train_argv if args.resume else [*train_argv, "--resume"]
     return run(command, env=env, output=Path(args.output),
-               resume_command=f"toolkit launch {shlex.quote(str(plan_dir))} -- {shlex.join(resume)}")
+               resume_command=f"{relaunch or 'toolkit launch ' + shlex.quote(str(shown_dir))} -- {shlex.join(resume)}")
+
+
+def _writable_log(folder: Path) -> Path:
+    """folder/toolkit-launch.log (appended to), or one in the temporary directory when folder is read-only."""
+    path = folder / LOG_NAME
+    try:
+        with open(path, "ab"):
+            return path
+    except OSError:
+        return Path(tempfile.gettempdir()) / f"toolkit-launch-{os.getpid()}.log"
 
 
 LOG_NAME = "toolkit-launch.log"
@@ -111,13 +156,14 @@ class _Stop(Exception):
 
 
 def run(command: list[str], env: dict[str, str] | None = None, *, output: Path | None = None,
-        resume_command: str | None = None) -> int:
+        resume_command: str | None = None, log_path: Path | None = None) -> int:
     """Run a launcher command in the foreground; its exit code is ours, 2 when the training refused its input.
 
     output: the run's folder. It is locked for the run (a second run into it is refused), and every rank's stderr
     goes to output/toolkit-launch.log instead of the terminal: a failure is one line here, from the first failing
     rank (TOOLKIT_ERROR_FILE), never torchrun's traceback of every worker. Without output, stderr is the
-    terminal's. SIGINT / SIGTERM / SIGHUP stop every process the run started and return 128 + the signal.
+    terminal's, unless log_path names the log (a user's script: no output folder of ours). SIGINT / SIGTERM /
+    SIGHUP stop every process the run started and return 128 + the signal.
     """
     from toolkit.fileio import FolderLock
 
@@ -135,7 +181,9 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
             full_env = {**os.environ, **(env or {}), "TOOLKIT_ERROR_FILE": str(error_file)}
             full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
             if output is not None:
-                log = open(output / LOG_NAME, "ab")
+                log_path = output / LOG_NAME
+            if log_path is not None:
+                log = open(log_path, "ab")
             code, stopped = _run_stoppable(_resolve_launcher(command), full_env, log)
             if stopped:
                 print(_stopped_text(stopped, output, resume_command), file=sys.stderr, flush=True)
@@ -143,7 +191,7 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
             if code == 0:
                 return 0
             failure = _read_failure(error_file)
-            where = f" (full log: {output / LOG_NAME})" if output is not None else ""
+            where = f" (full log: {log_path})" if log_path is not None else ""
             if failure is not None and failure["user_error"]:
                 if log is not None:  # the rank's own line went to the log
                     print(f"error: {failure['message']}{where}", file=sys.stderr, flush=True)

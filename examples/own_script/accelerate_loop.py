@@ -24,7 +24,8 @@ def main() -> None:
 
     loop = plan_settings(cli.plan)["accelerate_loop"]
     cpu_state()
-    accelerator = Accelerator(gradient_accumulation_steps=loop["gradient_accumulation_steps"])
+    accelerator = Accelerator(gradient_accumulation_steps=loop["gradient_accumulation_steps"],
+                              mixed_precision=loop["mixed_precision"])
     set_seed(7)
     model = AutoModelForCausalLM.from_pretrained(cli.model, dtype=getattr(torch, loop["model_dtype"]))
     if loop["gradient_checkpointing"]:

@@ -105,11 +105,18 @@ def sft_config(plan: Plan) -> dict[str, Any]:
             **({"activation_offloading": True} if plan.activation_offloading else {})}
 
 
+def loop_mixed_precision(plan: Plan) -> str:
+    """Accelerator(mixed_precision=...) of a custom loop: the same autocast as TrainingArguments' bf16 / fp16. Under
+    DeepSpeed it also fills ds_config.json's "auto" bf16 / fp16 blocks (toolkit.emit.deepspeed)."""
+    return "bf16" if uses_bf16_autocast(plan) else "fp16" if plan.precision == "fp16" else "no"
+
+
 def accelerate_loop(plan: Plan) -> dict[str, Any]:
     """A custom accelerate loop's numbers (see the module docstring)."""
     return {
         "dataloader_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
+        "mixed_precision": loop_mixed_precision(plan),
         "max_grad_norm": GRADIENT_CLIPPING,
         "gradient_checkpointing": trainer_checkpointing(plan),
         "sequence_length": plan.seq_len,
@@ -151,6 +158,11 @@ def notes(plan: Plan) -> list[str]:
                    "a custom accelerate loop must pass accelerate.utils.DummyOptim(params, lr=..., "
                    "weight_decay=...) instead of a torch optimizer (accelerate refuses one next to the block); "
                    "the HF Trainer and TRL do this themselves.")
+    if plan.engine == Engine.DEEPSPEED and plan.precision != "bf16-pure":
+        out.append("ds_config.json leaves precision to the runner (bf16 / fp16 \"auto\"): the HF Trainer and TRL "
+                   "take it from bf16 / fp16 above, a custom accelerate loop from Accelerator(mixed_precision="
+                   f"{loop_mixed_precision(plan)!r}); leaving it out runs fp32, which the plan's memory did not "
+                   "assume.")
     if plan.engine == Engine.DEEPSPEED:
         out.append("HF Trainer without accelerate launch: --deepspeed PLAN_DIR/ds_config.json with these "
                    "TrainingArguments (its \"auto\" values are filled from them). DeepSpeed's own launcher or "
