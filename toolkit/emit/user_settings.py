@@ -123,8 +123,43 @@ def accelerate_loop(plan: Plan) -> dict[str, Any]:
         "use_dummy_optim": owns_optimizer(plan),
         "optimizer_kwargs": ({"fused": plan.optimizer_impl == "fused", "foreach": plan.optimizer_impl == "foreach"}
                              if plan.optimizer == "adamw" and not owns_optimizer(plan) else {}),
-        "model_dtype": "bfloat16" if plan.precision == "bf16-pure" else "float32",
+        "model_dtype": model_dtype(plan),
     }
+
+
+def model_dtype(plan: Plan) -> str:
+    """The dtype to load the model in (torch attribute name): fp32 master weights for mixed precision, bf16 for
+    bf16-pure, and for LoRA / QLoRA the frozen base in the compute dtype (toolkit.lora)."""
+    if plan.method != "full":
+        from toolkit.lora import base_dtype_name
+
+        return base_dtype_name(plan.precision)
+    return "bfloat16" if plan.precision == "bf16-pure" else "float32"
+
+
+METHOD_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}
+KBIT_PREPARATION = (
+    "load the base with quantization_config=BitsAndBytesConfig(**bnb_config) and dtype=model_dtype; with activation "
+    "checkpointing call model.enable_input_require_grads() before get_peft_model (so the recompute reaches the "
+    "adapters), as toolkit.train does. peft.prepare_model_for_kbit_training does that too, but also casts every "
+    "parameter that is not 4-bit (embeddings, norms, lm_head) to float32, which the plan's memory does not include: "
+    "call it only with headroom to spare.")
+
+
+def adapter_settings(plan: Plan) -> dict[str, Any] | None:
+    """LoRA / QLoRA: what the plan assumes, as a script builds it (peft.LoraConfig, transformers.BitsAndBytesConfig
+    keyword arguments, the dtype to load the base in, the k-bit preparation step); None for full fine-tuning.
+    TRL: SFTTrainer(peft_config=LoraConfig(**lora_config)), with the model loaded as described."""
+    if plan.method == "full":
+        return None
+    adapter = plan.adapter_spec
+    out: dict[str, Any] = {"method": plan.method, "model_dtype": model_dtype(plan),
+                           "lora_config": adapter.lora_config_kwargs(),
+                           "gradient_checkpointing_needs_input_grads": plan.checkpointing}
+    if plan.method == "qlora":
+        out["bnb_config"] = adapter.bnb_config_kwargs()
+        out["kbit_preparation"] = KBIT_PREPARATION
+    return out
 
 
 def launch_line(script: str = "your_script.py", plan_dir: str = "PLAN_DIR") -> str:
@@ -134,7 +169,15 @@ def launch_line(script: str = "your_script.py", plan_dir: str = "PLAN_DIR") -> s
 
 def notes(plan: Plan) -> list[str]:
     """What a user's script must do beyond passing the numbers."""
-    out = [f"Load the model in {accelerate_loop(plan)['model_dtype']} (dtype=...); the engines cast for compute."]
+    out = [f"Load the model in {model_dtype(plan)} (dtype=...); the engines cast for compute."]
+    if plan.method != "full":
+        quantised = " 4-bit (quantization_config=BitsAndBytesConfig(**adapter['bnb_config']))" \
+            if plan.method == "qlora" else ""
+        out.append(f"{METHOD_NAMES[plan.method]}: load the frozen base{quantised} in {model_dtype(plan)}, wrap it with "
+                   "peft.get_peft_model(model, LoraConfig(**adapter['lora_config'])) (TRL: SFTTrainer(peft_config="
+                   "LoraConfig(...))); the adapters stay float32 (PEFT's autocast_adapter_dtype).")
+    if plan.method == "qlora":
+        out.append("k-bit preparation: " + KBIT_PREPARATION)
     if plan.engine == Engine.FSDP2 and plan.checkpointing:
         out.append("Activation checkpointing is on through the YAML (fsdp_activation_checkpointing); leave "
                    "gradient checkpointing off in your script.")
@@ -174,13 +217,17 @@ def notes(plan: Plan) -> list[str]:
 
 
 def settings(plan: Plan) -> dict[str, Any]:
-    return {
+    out = {
         "accelerate_launch": launch_line(),
         "training_arguments": training_arguments(plan),
         "sft_config": sft_config(plan),
         "accelerate_loop": accelerate_loop(plan),
-        "notes": notes(plan),
     }
+    adapter = adapter_settings(plan)
+    if adapter is not None:
+        out["adapter"] = adapter
+    out["notes"] = notes(plan)
+    return out
 
 
 def settings_json(plan: Plan) -> str:
@@ -193,12 +240,28 @@ def plan_md_section(plan: Plan) -> list[str]:
     lines = ["## Your own training script", "",
              "Launch it with the plan's accelerate config (from any directory; the folder may be copied):", "",
              f"    {launch_line()}", "",
-             "or `toolkit launch PLAN_DIR -- your_script.py [ARGS]`. Use these settings "
-             f"(machine-readable in `{SETTINGS_FILE}`):", "",
+             "or `toolkit launch PLAN_DIR -- your_script.py [ARGS]`; on a smaller box first (fewer GPUs, or CPU "
+             "processes over gloo), `toolkit launch PLAN_DIR --processes 2 --cpu -- your_script.py [ARGS]` keeps the "
+             "strategy and the global batch (by accumulation). The one import your script needs:", "",
+             "```python",
+             "from toolkit.train.own_script import training_arguments  # or sft_config, accelerate_loop",
+             "args = TrainingArguments(output_dir=..., learning_rate=..., **training_arguments())",
+             "```", "",
+             "It returns these settings for the box the script runs on (on a machine without a GPU it also creates "
+             f"accelerate's gloo state first); they are machine-readable in `{SETTINGS_FILE}`:", "",
              "TrainingArguments (HF Trainer):", "", "```python"]
     lines += [f"{key}={value!r}," for key, value in args.items()]
     lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
               f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents apart).", "",
               "A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
+    adapter = adapter_settings(plan)
+    if adapter is not None:
+        lines += [f"{METHOD_NAMES[plan.method]} (peft / bitsandbytes; `adapter` in `{SETTINGS_FILE}`; "
+                  "`toolkit.train.own_script.model_kwargs()` and `lora_config()` build them):", "", "```python"]
+        if "bnb_config" in adapter:
+            lines.append(f"bnb_config = {adapter['bnb_config']!r}  # dtype names: getattr(torch, name)")
+        lines += [f"model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.{adapter['model_dtype']}"
+                  + (", quantization_config=BitsAndBytesConfig(**bnb_config))" if "bnb_config" in adapter else ")"),
+                  f"lora_config = LoraConfig(**{adapter['lora_config']!r})", "```", ""]
     lines += [f"- {note}" for note in notes(plan)]
     return lines + [""]

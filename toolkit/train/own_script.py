@@ -63,6 +63,34 @@ def accelerate_loop(plan: str | Path | None = None) -> dict[str, Any]:
     return settings
 
 
+def model_kwargs(plan: str | Path | None = None) -> dict[str, Any]:
+    """from_pretrained keyword arguments the plan assumes: the dtype to load in, and for QLoRA the 4-bit
+    quantization_config (transformers.BitsAndBytesConfig)."""
+    import torch
+
+    settings = plan_settings(plan)
+    adapter = settings.get("adapter")
+    if adapter is None:
+        return {"dtype": getattr(torch, settings["accelerate_loop"]["model_dtype"])}
+    out: dict[str, Any] = {"dtype": getattr(torch, adapter["model_dtype"])}
+    if "bnb_config" in adapter:
+        from toolkit.train.adapters import bnb_config
+
+        out["quantization_config"] = bnb_config(adapter["bnb_config"])
+    return out
+
+
+def lora_config(plan: str | Path | None = None):
+    """The plan's peft.LoraConfig (for get_peft_model, or TRL's SFTTrainer(peft_config=...)); None for a full
+    fine-tuning plan."""
+    adapter = plan_settings(plan).get("adapter")
+    if adapter is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(**adapter["lora_config"])
+
+
 def prepare_this_box() -> bool:
     """On a machine without a GPU: create accelerate's shared state over gloo the way the launched engine needs it
     (DeepSpeed, FSDP2 or DDP: read from the environment `accelerate launch` sets). True when it did; on a GPU,
