@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.plan import load_plan
+from toolkit.plan.schema import load_plan
 
 STORY = Path(__file__).resolve().parent / "story"
 PLAN_ARGS = ["phi-3-mini", "--gpus", "4xA10G-24GB", "--global-batch", "32", "--seq", "2048"]
@@ -35,7 +35,7 @@ def toolkit(*argv: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
 
 @pytest.fixture(scope="module")
 def tiny_phi3(tmp_path_factory) -> Path:
-    from toolkit import tiny
+    from toolkit.run import tiny
 
     # Rotary positions cost no parameters: long enough for the plan's 2048-token max_length.
     return tiny.make_tiny_model("phi3", tmp_path_factory.mktemp("phi3"), corpus_chars=100_000, max_positions=2048)
@@ -78,7 +78,7 @@ def test_plain_trainer_script_runs_the_4_gpu_plan_on_2_cpu_processes(tmp_path, t
 
 @pytest.mark.multiprocess
 def test_sft_lora_script_runs_the_qlora_plan_on_2_cpu_processes(tmp_path, tiny_phi3):
-    from toolkit import tiny
+    from toolkit.run import tiny
 
     copy, plan_file = planned_and_copied(tmp_path, "--method", "qlora")
     plan = load_plan(plan_file)
@@ -98,7 +98,7 @@ def test_sft_lora_script_runs_the_qlora_plan_on_2_cpu_processes(tmp_path, tiny_p
 @pytest.mark.multiprocess
 def test_a_failing_script_is_one_line_from_the_first_failing_rank(tmp_path, tiny_llama_dir):
     from toolkit.emit import emit_files
-    from toolkit.rehearsal import plan_for_model
+    from toolkit.run.rehearsal import plan_for_model
 
     folder = tmp_path / "plan"
     emit_files(plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=4, micro_batch=1, grad_accum=2), folder)
@@ -122,8 +122,8 @@ def test_lora_and_qlora_plans_carry_what_a_script_builds(tmp_path, tiny_llama_di
     import torch
 
     from toolkit.emit import emit_files
-    from toolkit.lora import Adapter
-    from toolkit.rehearsal import plan_for_model
+    from toolkit.inputs.lora import Adapter
+    from toolkit.run.rehearsal import plan_for_model
     from toolkit.train.own_script import lora_config, model_kwargs, plan_settings
 
     base = plan_for_model(tiny_llama_dir, "ddp", precision="bf16", checkpointing=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from toolkit.errors import UserError
-from toolkit.pipeline.convert import (CausalLMLoss, DecoderLayerPipe, HeadPipe, NormPipe, PositionPipe, Source,
+from toolkit.train.pipeline.convert import (CausalLMLoss, DecoderLayerPipe, HeadPipe, NormPipe, PositionPipe, Source,
                                       TokenEmbeddingPipe, tied_head)
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")
@@ -15,7 +15,7 @@ ARCHS = ("gpt2", "llama", "mistral", "qwen2")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from toolkit.tiny import make_tiny_model
+    from toolkit.run.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("convert")
     return {arch: make_tiny_model(arch, root / arch, corpus_chars=30_000) for arch in ARCHS}
@@ -80,7 +80,7 @@ def test_random_init_is_hf_init_and_the_same_on_every_rank(models):
 
 
 def test_unsupported_architecture_is_a_user_error(models):
-    from toolkit.tiny import tiny_config
+    from toolkit.run.tiny import tiny_config
 
     with pytest.raises(UserError, match="supports gpt2, llama, mistral, qwen2, not model_type 'opt'"):
         Source(tiny_config("opt"), None)
@@ -106,7 +106,7 @@ def test_a_plan_with_more_stages_than_layers_is_refused_before_anything_runs(mod
 ])
 def test_ds_config_that_contradicts_the_plan_is_refused(models, tmp_path, change, message):
     from tests.test_pipeline import make_plan, write_plan_dir
-    from toolkit.pipeline.runner import read_ds_config
+    from toolkit.train.pipeline.runner import read_ds_config
     from toolkit.train.args import parse_train_args
 
     plan = make_plan(models["llama"], stages=2, dp=1)

@@ -3,7 +3,7 @@
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.pipeline.partition import balanced_partition, check_partition, check_stage_count, stage_counts
+from toolkit.inputs.partition import balanced_partition, check_partition, check_stage_count, stage_counts
 
 
 def stage_costs(bounds, costs, first_extra=0.0, last_extra=0.0):
@@ -74,7 +74,7 @@ def test_a_plan_partition_must_cover_every_layer_once():
 
 
 def test_the_planners_list_of_pipeline_architectures_is_the_converters():
-    from toolkit.pipeline.convert import FAMILIES
-    from toolkit.pipeline.partition import PIPELINE_MODEL_TYPES
+    from toolkit.train.pipeline.convert import FAMILIES
+    from toolkit.inputs.partition import PIPELINE_MODEL_TYPES
 
     assert set(PIPELINE_MODEL_TYPES) == set(FAMILIES)

@@ -9,11 +9,11 @@ import pytest
 
 from toolkit.cli import main
 from toolkit.errors import UserError
-from toolkit.hardware import parse_hardware
-from toolkit.modelspec import resolve_model
-from toolkit.plan import load_plan
-from toolkit.planner import Request, plan_candidates, to_plan
-from toolkit.strategy import ALL_STRATEGY_NAMES, parse_strategy
+from toolkit.inputs.hardware import parse_hardware
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.plan.schema import load_plan
+from toolkit.estimate.search import Request, plan_candidates, to_plan
+from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, parse_strategy
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_every_planned_strategy_emits_files_the_engines_accept(tmp_path, model, 
     import json as _json
 
     from toolkit.emit import emit_files
-    from toolkit.emit.validate import accelerate_launch_check, validate_ds_config_for_plan
+    from toolkit.engines.validate import accelerate_launch_check, validate_ds_config_for_plan
 
     spec = resolve_model(model)
     hw = parse_hardware(gpus)

@@ -1,6 +1,6 @@
 """The accelerate YAML for a plan: what `accelerate launch --config_file` reads.
 
-Choices (each checked against accelerate 1.15's own loader and launch validation in toolkit.emit.validate):
+Choices (each checked against accelerate 1.15's own loader and launch validation in toolkit.engines.validate):
   - DDP: MULTI_GPU over all processes (NO for a single process: accelerate refuses --multi_gpu with one process).
   - ZeRO: DEEPSPEED with `deepspeed_config_file` (+ zero3_init_flag, and the multi-node launcher).
     Every training knob lives in the JSON: accelerate refuses a YAML that sets gradient_accumulation_steps,
@@ -33,8 +33,8 @@ from typing import Any
 
 import yaml
 
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 MAIN_PROCESS_PORT = 29500
 """torchrun's default rendezvous port (accelerate uses the same when none is set)."""

@@ -48,8 +48,8 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 GRADIENT_CLIPPING = 1.0
 """transformers.TrainingArguments.max_grad_norm default, and what accelerate fills for "auto": the plan's value."""

@@ -24,8 +24,8 @@ import shlex
 from typing import Any
 
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 SETTINGS_FILE = "training_args.json"
 DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
@@ -33,7 +33,7 @@ DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
 
 OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 """plan.optimizer -> TrainingArguments.optim. adamw: torch's fused AdamW (the Trainer's default on torch >= 2.8): no
-foreach step temporaries, which is what the memory model assumes by default (toolkit/savers.py)."""
+foreach step temporaries, which is what the memory model assumes by default (toolkit/estimate/savers.py)."""
 ADAMW_IMPL = {"fused": "adamw_torch_fused", "foreach": "adamw_torch", "for-loop": "adamw_torch"}
 """plan.optimizer_impl -> TrainingArguments.optim for AdamW. The Trainer's adamw_torch builds torch's AdamW with its
 defaults (foreach where the tensors allow it) and passes no optim_args to it (transformers trainer_optimizer.py
@@ -129,9 +129,9 @@ def accelerate_loop(plan: Plan) -> dict[str, Any]:
 
 def model_dtype(plan: Plan) -> str:
     """The dtype to load the model in (torch attribute name): fp32 master weights for mixed precision, bf16 for
-    bf16-pure, and for LoRA / QLoRA the frozen base in the compute dtype (toolkit.lora)."""
+    bf16-pure, and for LoRA / QLoRA the frozen base in the compute dtype (toolkit.inputs.lora)."""
     if plan.method != "full":
-        from toolkit.lora import base_dtype_name
+        from toolkit.inputs.lora import base_dtype_name
 
         return base_dtype_name(plan.precision)
     return "bfloat16" if plan.precision == "bf16-pure" else "float32"

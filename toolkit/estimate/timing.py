@@ -1,0 +1,252 @@
+"""Step time: compute over the GPU's dense peak at an assumed efficiency, communication over the links each
+strategy uses, the pipeline bubble, and offload traffic. Ranking needs the order right more than the absolute
+time; every assumption is a named constant here and is printed by `--explain`.
+
+Sources: FLOPs = 6 x active params per token + attention (Kaplan et al. 2020; Korthikanti et al. 2022 for the
+attention term and recompute); collective costs are ring algorithms (all-reduce 2(N-1)/N x bytes, all-gather and
+reduce-scatter (N-1)/N x bytes: NCCL's bus-bandwidth convention); pipeline bubble (P-1)/(M+P-1) for 1F1B
+(Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.inputs.hardware import Hardware
+from toolkit.inputs.grid import grid_of
+from toolkit.inputs.job import Job
+from toolkit.inputs.modelspec import ModelSpec
+from toolkit.inputs.strategy import Engine, Strategy
+
+MFU_LOW_PRECISION = 0.45
+"""Fraction of dense bf16/fp16 peak a well-sized HF model step reaches (torchtitan: 33-58% on H100/A100)."""
+MFU_FP32 = 0.70
+"""fp32 runs on CUDA cores whose peak is low; kernels get closer to it."""
+SMALL_MODEL_HIDDEN = 4096
+"""Below this hidden size GEMMs are too small to fill the GPU: efficiency scales down as (h/4096)^0.5."""
+SMALL_BATCH_TOKENS = 4096
+"""Below this many tokens per micro-batch efficiency scales down as (tokens/4096)^0.3 (launch-bound kernels)."""
+OVERLAP = 0.7
+"""Fraction of gradient / parameter communication hidden behind backward (bucketed overlap in DDP, ZeRO, FSDP)."""
+CPU_ADAM_PARAMS_PER_S = 2.0e9
+"""DeepSpeedCPUAdam throughput per node (AVX-512, all cores): ~1 s per 2B parameters. Assumed."""
+NVME_GBPS = 6.0
+"""NVMe read/write bandwidth per node (two Gen4 drives). Assumed."""
+P2P_EFFICIENCY = 0.8
+HBM_EFFICIENCY = 0.7
+"""Fraction of the GPU's memory bandwidth an elementwise / skinny-matmul kernel streams at. Assumed."""
+LORA_PASSES = 3
+"""A LoRA adapter's passes over its activations per micro-batch: forward, input gradient, weight gradient (+1 forward
+recompute with checkpointing)."""
+LORA_BYTES_PER_FEATURE = 2
+"""Per token, adapter feature and pass: the input read again (dropout writes its own copy) and the rank-r product
+written back into the base output: one read and one write of an activation element. Assumed."""
+LORA_KERNELS_PER_MODULE = 16
+"""Small kernels a LoRA-wrapped Linear adds per micro-batch (dropout, two matmuls, scale, add forward; their
+gradients backward), each a launch the GPU waits for at these sizes. Assumed."""
+KERNEL_LAUNCH_S = 5e-6
+"""Time of one small kernel launch on the critical path (CUDA launch latency). Assumed."""
+DEQUANT_EFFICIENCY = 0.35
+"""Fraction of memory bandwidth bitsandbytes' 4-bit dequantisation kernel reaches (it reads packed codes and
+absmax blocks and writes the compute-dtype weight). Assumed, not measured here: with it a QLoRA step of Llama-2-7B
+on one A100 at seq 512 comes out 21% slower than LoRA, at seq 2048 about 9%; published comparisons report QLoRA
+30-40% slower at short sequences (S. Raschka's LoRA / QLoRA experiments, 2023), so this is if anything low.
+Issue 22's re-fit of the step-time model owns the number."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    step_time_s: float
+    tokens_per_s: float
+    compute_s: float
+    communication_s: float
+    """Exposed (not overlapped) communication."""
+    bubble_s: float
+    offload_s: float
+    mfu: float
+    """Model FLOPs utilisation the prediction implies (useful FLOPs / peak), recompute excluded."""
+    assumptions: tuple[str, ...] = ()
+    lora_overhead_s: float = 0.0
+    """LoRA / QLoRA: the adapters' extra matmuls beyond their FLOPs (memory-bound passes over the activations and
+    small-kernel launches; lora_overhead_s())."""
+    dequant_s: float = 0.0
+    """QLoRA: dequantising every 4-bit weight to the compute dtype before each matmul that uses it (dequant_s())."""
+
+    def to_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
+                "communication_s": self.communication_s, "bubble_s": self.bubble_s, "offload_s": self.offload_s,
+                "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s, "mfu": self.mfu}
+
+
+def lora_overhead_s(counts, adapter, *, num_layers: int, tokens: int, micro_steps: int, checkpointing: bool,
+                    activation_bytes: int, hbm_gbps: float) -> float:
+    """Time the adapters add beyond their FLOPs (flops_per_token counts those) for one replica's step.
+
+    Each adapted Linear of in x out features adds r x (in + out) parameters, so the adapters' trainable count / r is
+    the summed in + out features the extra passes stream per token (modules_to_save, trained in full, make this an
+    over-estimate). Passes: LORA_PASSES (+1 recompute). Plus LORA_KERNELS_PER_MODULE launches per adapted module and
+    micro-batch."""
+    passes = LORA_PASSES + (1 if checkpointing else 0)
+    features = counts.trainable_params / adapter.r
+    streamed = tokens * features * activation_bytes * LORA_BYTES_PER_FEATURE * passes
+    modules = num_layers * max(1, len(counts.per_module))
+    launches = micro_steps * modules * LORA_KERNELS_PER_MODULE * (passes / LORA_PASSES)
+    return streamed / (hbm_gbps * 1e9 * HBM_EFFICIENCY) + launches * KERNEL_LAUNCH_S
+
+
+def dequant_s(counts, *, micro_steps: int, checkpointing: bool, compute_bytes: int, hbm_gbps: float) -> float:
+    """QLoRA: bitsandbytes dequantises a whole 4-bit weight into the compute dtype for every matmul that uses it in
+    training (forward, input-gradient backward, recompute), then runs a dense matmul. Each time it reads the packed
+    weight with its constants and writes compute_bytes per element."""
+    passes = 2 + (1 if checkpointing else 0)
+    per_pass = counts.quantized_bytes + counts.quantized_params * compute_bytes
+    return micro_steps * passes * per_pass / (hbm_gbps * 1e9 * DEQUANT_EFFICIENCY)
+
+
+def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
+                    trainable_params: int | None = None) -> tuple[float, float]:
+    """(training FLOPs per token including recompute, model FLOPs per token without it).
+
+    Full fine-tuning: backward = 2 x forward (input gradients + weight gradients). LoRA / QLoRA
+    (`trainable_params` = the adapters' count): the frozen base runs forward and the input-gradient half of
+    backward only (no weight-gradient FLOPs for frozen weights); each adapter parameter adds 2 FLOPs forward and
+    4 backward per token (an nn.Linear's 6 per weight)."""
+    matmul = sum(spec.layer_matmul_params) + spec.head_matmul_params
+    attn_dim = spec.heads * spec.head_dim
+    # Causal attention: QK^T and AV each 2 x seq/2 x attn_dim multiply-adds per token per layer on average.
+    attention = 2 * 2 * (seq_len / 2) * attn_dim * spec.num_layers
+    forward = 2 * matmul + attention
+    layers_forward = forward - 2 * spec.head_matmul_params
+    if trainable_params is not None:
+        # Attention has no weights: its backward is still twice its forward.
+        model = forward + (2 * matmul + 2 * attention) + 6 * trainable_params
+        layers_forward += 2 * trainable_params
+    else:
+        model = 3 * forward
+    return model + (layers_forward if checkpointing else 0.0), model
+
+
+def _efficiency(spec: ModelSpec, job: Job) -> float:
+    base = MFU_FP32 if job.precision == "fp32" else MFU_LOW_PRECISION
+    width = min(1.0, spec.hidden / SMALL_MODEL_HIDDEN) ** 0.5
+    tokens = min(1.0, job.tokens_per_micro_batch / SMALL_BATCH_TOKENS) ** 0.3
+    return base * width * tokens
+
+
+def _ring(bytes_: float, n: int, gbps: float, factor: float) -> float:
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return factor * (n - 1) / n * bytes_ / (gbps * 1e9)
+
+
+def _group_bandwidth(hw: Hardware, group: int) -> float:
+    """Bus bandwidth of a collective over `group` ranks: NVLink inside a node; the node's network once the
+    group spans nodes (hierarchical rings leave each node once per ring)."""
+    if group <= hw.gpus_per_node:
+        return hw.gpu.intra_node_gbps
+    return min(hw.gpu.intra_node_gbps, hw.inter_node_gbps)
+
+
+def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
+              partition: list[int] | None = None) -> Timing:
+    """Predicted time of one optimizer step (pipeline: partition None means the grid's balanced one)."""
+    grid = grid_of(strategy, hw, pipeline_stages)
+    world = grid.world
+    P_stages = grid.pipeline_stages
+    dp = grid.data_parallel
+    tokens_per_gpu_step = job.seq_len * job.micro_batch * job.grad_accum  # per data-parallel replica
+    trainable = None
+    counts = None
+    if job.adapter.is_adapter:
+        from toolkit.inputs.lora import counts_for_spec
+
+        counts = counts_for_spec(spec, job.adapter)
+        trainable = counts.trainable_params
+    total_flops, model_flops = flops_per_token(spec, job.seq_len, job.checkpointing, trainable)
+    peak = hw.gpu.peak_tflops(job.precision) * 1e12
+    if peak <= 0:
+        peak = hw.gpu.fp32_tflops * 1e12  # no bf16 on this GPU: it would emulate; say so via the assumptions
+    eff = _efficiency(spec, job)
+    assumptions = [f"efficiency {eff:.2f} of {peak / 1e12:.0f} TFLOP/s dense peak"]
+
+    # Compute: the replica's tokens through the whole model, split over the pipeline stages (balanced).
+    compute = tokens_per_gpu_step * total_flops / (peak * eff) / P_stages
+    backward = compute * 2 / 3
+    pb = 4 if job.precision == "fp32" else 2
+    P = spec.params
+    # Gradients (all-reduce, reduce-scatter, offload traffic, CPU Adam) exist for trainable parameters only;
+    # ZeRO-3 / FSDP2 all-gathers move the whole model (the frozen base included).
+    P_grad = trainable if trainable is not None else P
+    comm = 0.0
+    bubble = 0.0
+    offload = 0.0
+    A = job.grad_accum
+    if trainable is not None:
+        assumptions.append(f"{job.adapter.method}: frozen base runs forward + input-gradient backward; "
+                           f"{trainable:,} trainable parameters get weight gradients and the optimizer step")
+    if strategy.engine == Engine.DDP:
+        grad_bytes = P_grad * (4 if job.precision in ("fp32", "bf16", "fp16") else 2)
+        comm = _ring(grad_bytes, dp, _group_bandwidth(hw, dp), 2)
+        assumptions.append("DDP: one all-reduce of the gradients per step (no_sync while accumulating)")
+    elif strategy.engine == Engine.DEEPSPEED:
+        bw = _group_bandwidth(hw, dp)
+        if strategy.zero_stage == 1:
+            comm = _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
+        elif strategy.zero_stage == 2:
+            comm = A * _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
+            assumptions.append("ZeRO-2 reduce-scatters gradients every micro-step")
+        else:
+            comm = A * (2 * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+            assumptions.append("ZeRO-3: all-gather forward + all-gather backward + reduce-scatter, every micro-step")
+        if strategy.offload_optimizer != "none":
+            host_link = hw.gpu.pcie_gbps * 1e9
+            # fp32 grads down, bf16 params up, per rank; ranks share the node's CPU for the Adam step.
+            offload += (P_grad / dp) * (4 + pb) / host_link
+            offload += P_grad * hw.gpus_per_node / dp / CPU_ADAM_PARAMS_PER_S
+            if strategy.offload_params != "none":
+                offload += A * 2 * (P / dp) * pb / host_link
+            if strategy.offload_optimizer == "nvme":
+                offload += 2 * (P / dp) * 16 * hw.gpus_per_node / (NVME_GBPS * 1e9)
+            assumptions.append(f"offload: host link {hw.gpu.pcie_gbps:.0f} GB/s, CPU Adam "
+                               f"{CPU_ADAM_PARAMS_PER_S / 1e9:.0f}B params/s per node")
+    elif strategy.engine == Engine.FSDP2:
+        if strategy.fsdp_mode == "hybrid":
+            shard, replicas = grid.dp_shard, grid.dp_replicate
+            comm = A * (2 * _ring(P * pb, shard, hw.gpu.intra_node_gbps, 1)
+                         + _ring(P_grad * pb, shard, hw.gpu.intra_node_gbps, 1))
+            comm += _ring(P_grad * pb / shard, replicas, hw.inter_node_gbps, 2)
+        else:
+            gathers = 1 if strategy.fsdp_mode == "grad_op" else 2
+            bw = _group_bandwidth(hw, dp)
+            comm = A * (gathers * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+    else:
+        # Pipeline: activations cross stage boundaries; stages across nodes, data parallel inside a node.
+        M = A
+        bubble = compute * (P_stages - 1) / M if M else 0.0
+        boundary_bytes = job.micro_batch * job.seq_len * spec.hidden * pb
+        link = hw.inter_node_gbps if hw.nodes > 1 else hw.gpu.intra_node_gbps
+        comm_p2p = 2 * M * boundary_bytes / (link * 1e9 * P2P_EFFICIENCY) if P_stages > 1 else 0.0
+        stage_P = max(grid.stage_params(spec, partition))
+        comm_dp = _ring(stage_P * pb, dp, hw.gpu.intra_node_gbps, 2) if dp > 1 else 0.0
+        comm = comm_p2p * 0.5 + comm_dp  # sends overlap with the other direction's compute about half the time
+        assumptions.append(f"1F1B bubble (P-1)/M of compute with P={P_stages}, M={M}")
+    lora_s = quant_s = 0.0
+    if counts is not None:
+        lora_s = lora_overhead_s(counts, job.adapter, num_layers=spec.num_layers, tokens=tokens_per_gpu_step,
+                                 micro_steps=A, checkpointing=job.checkpointing, activation_bytes=pb,
+                                 hbm_gbps=hw.gpu.hbm_gbps) / P_stages
+        assumptions.append(f"LoRA adapters' extra passes over the activations at {HBM_EFFICIENCY:.0%} of "
+                           f"{hw.gpu.hbm_gbps:.0f} GB/s, {LORA_KERNELS_PER_MODULE} kernel launches per module")
+        if job.adapter.method == "qlora":
+            quant_s = dequant_s(counts, micro_steps=A, checkpointing=job.checkpointing, compute_bytes=2,
+                                hbm_gbps=hw.gpu.hbm_gbps) / P_stages
+            assumptions.append(f"QLoRA: every 4-bit weight dequantised per forward / backward"
+                               f"{' / recompute' if job.checkpointing else ''} at {DEQUANT_EFFICIENCY:.0%} of "
+                               "memory bandwidth")
+    exposed = max(0.0, comm - OVERLAP * min(comm, backward)) if strategy.engine != Engine.PIPELINE else comm
+    step = compute + bubble + exposed + offload + lora_s + quant_s
+    tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, job.seq_len)
+    mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
+    return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
+                  bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
+                  lora_overhead_s=lora_s, dequant_s=quant_s)
