@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -147,3 +148,78 @@ def test_lora_and_qlora_plans_carry_what_a_script_builds(tmp_path, tiny_llama_di
             assert "quantization_config" not in loaded and "bnb_config" not in settings
     emit_files(base, tmp_path / "full")
     assert "adapter" not in plan_settings(tmp_path / "full") and lora_config(tmp_path / "full") is None
+
+
+@pytest.mark.multiprocess
+def test_rehearsing_own_script_of_a_catalog_plan_never_asks_the_hub(tmp_path, tiny_phi3):
+    """`--rehearse -- my_train.py` runs the user's script on the rehearsal's tiny model (named by the rehearsal's
+    '$TOOLKIT_REHEARSAL_MODEL'), and checking the catalog model's config needs no network: with HF_HUB_OFFLINE
+    unset and the hub unreachable, nothing fails or notes a missed check."""
+    copy, plan_file = planned_and_copied(tmp_path)
+    report = tmp_path / "report.json"
+    shutil.copy(STORY / "my_train.py", tmp_path / "my_train.py")
+    env_before = {k: os.environ.pop(k, None) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"  # nothing listens: a hub call would fail, not hang
+    try:
+        done = toolkit("launch", str(copy), "--rehearse", "--", "my_train.py", "$TOOLKIT_REHEARSAL_MODEL",
+                       "$TOOLKIT_REHEARSAL_DATA", str(tmp_path / "out"), str(report), cwd=tmp_path)
+    finally:
+        os.environ.pop("HF_ENDPOINT")
+        os.environ.update({k: v for k, v in env_before.items() if v is not None})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rehearsal passed: your script with" in done.stdout and "not checked" not in done.stdout
+    seen = json.loads(report.read_text())
+    assert seen["world"] == 2 and seen["steps"] == 1
+
+
+def test_a_catalog_models_hub_id_resolves_from_the_package(monkeypatch):
+    from toolkit.inputs.modelspec import load_config
+    from toolkit.inputs.resolve import catalog_hub_id, catalog_name_of_hub_id
+    from toolkit.train.model import load_config as run_config
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    hub_id = catalog_hub_id("phi-3-mini")
+    assert catalog_name_of_hub_id(hub_id) == "phi-3-mini"
+    assert load_config(hub_id).num_hidden_layers == 32
+    assert run_config(hub_id).hidden_size == 3072
+    assert catalog_name_of_hub_id("someone/not-in-the-catalog") is None
+
+
+SUGGESTION = re.compile(r"\b(?:pass|use|give|add|with|choose|try|set|drop|re-plan with|plan with)\s+"
+                        r"(--[a-z][a-z0-9_-]*)")
+NOT_OURS = {
+    # accelerate launch's own options, named where accelerate is the program that takes them
+    "--deepspeed_config_file", "--zero3_save_16bit_model",
+}
+
+
+def _printed_texts():
+    """Every string literal (f-strings with their holes blanked) in the toolkit package, with where it is."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "toolkit"
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                yield path, node.lineno, node.value
+            elif isinstance(node, ast.JoinedStr):
+                yield path, node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "X" for v in node.values)
+
+
+def test_every_suggested_flag_exists():
+    """A hint such as "pass --model" names an option some parser of ours (a toolkit command or toolkit.train) or
+    accelerate's launcher really has, in its spelling."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from toolkit.commands import build_parser
+    from toolkit.train.args import _build_parser as train_parser
+
+    parsers = [*build_parser()._subparsers._group_actions[0].choices.values(), train_parser(),  # noqa: SLF001
+               launch_command_parser()]
+    known = {o for parser in parsers for action in parser._actions for o in action.option_strings}  # noqa: SLF001
+    pending = {"--tensor-parallel", "--context-parallel", "--sequence-parallel"} - known  # the grid's degrees:
+    # their flags come with issue 17; until then the grid's messages name them ahead of the CLI
+    missing = [f"{path.name}:{line}: {flag}" for path, line, text in _printed_texts()
+               for flag in SUGGESTION.findall(text) if flag not in known | NOT_OURS | pending]
+    assert missing == []

@@ -196,8 +196,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_config(model: str, *, trust_remote_code: bool = False):
     """A transformers config for a catalog name, a local dir/config.json, or a hub id."""
-    catalog_file = MODEL_CATALOG_DIR / f"{model.lower()}.json"
-    if catalog_file.is_file():
+    from toolkit.inputs.resolve import catalog_name_of_hub_id
+
+    catalog_file = MODEL_CATALOG_DIR / f"{(catalog_name_of_hub_id(model) or model).lower()}.json"
+    if catalog_file.is_file():  # a catalog name, or the hub id of one: its config ships in the package
         return _config_from_dict(_read_json(catalog_file), f"catalog entry {catalog_file.name}")
     path = Path(model).expanduser()
     if path.is_dir():

@@ -26,3 +26,22 @@ def loadable_model(name: str) -> str:
     if path.exists():
         return str(path.resolve())
     return catalog_hub_id(name) or name
+
+
+def catalog_name_of_hub_id(hub_id: str) -> str | None:
+    """The catalog entry whose "_hub_id" is `hub_id` (case as the hub spells it), None for any other id. Its
+    config ships in the package: a config lookup for it needs no network (the hub's config.json is the entry
+    without its "_" keys)."""
+    import json
+
+    from toolkit.paths import MODEL_CATALOG_DIR
+
+    if hub_id.count("/") != 1 or Path(hub_id).expanduser().exists():
+        return None
+    for entry in sorted(MODEL_CATALOG_DIR.glob("*.json")):
+        try:
+            if json.loads(entry.read_text()).get("_hub_id") == hub_id:
+                return entry.stem
+        except (OSError, ValueError):
+            continue
+    return None

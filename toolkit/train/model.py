@@ -32,7 +32,14 @@ def load_config(source: str, *, random_init: bool = False):
 
     from toolkit.paths import MODEL_CATALOG_DIR
 
+    from toolkit.inputs.resolve import catalog_name_of_hub_id
+
     path = Path(source).expanduser()
+    shipped = catalog_name_of_hub_id(source)
+    if shipped is not None:  # the hub id of a catalog model: its config ships in the package, no network call
+        from toolkit.inputs.modelspec import load_config as catalog_config
+
+        return catalog_config(shipped)
     in_catalog = (MODEL_CATALOG_DIR / f"{source.lower()}.json").is_file() and not path.exists()
     if in_catalog and random_init:
         from toolkit.inputs.modelspec import load_config as catalog_config

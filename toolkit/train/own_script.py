@@ -130,7 +130,7 @@ def run_script(argv: list[str]) -> int:
 
         die_with_parent(signal.SIGKILL)
     script = Path(argv[0])
-    sys.argv = [str(script), *argv[1:]]
+    sys.argv = [str(script), *(_rehearsal_paths(a) for a in argv[1:])]
     sys.path[0] = str(script.resolve().parent)
     try:
         runpy.run_path(str(script), run_name="__main__")
@@ -148,6 +148,18 @@ def run_script(argv: list[str]) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+REHEARSAL_NAMES = ("TOOLKIT_REHEARSAL_MODEL", "TOOLKIT_REHEARSAL_DATA")
+"""Set by `toolkit launch DIR --rehearse -- SCRIPT ARGS` (toolkit.run.rehearsal): the tiny model and data folder."""
+
+
+def _rehearsal_paths(arg: str) -> str:
+    """'$TOOLKIT_REHEARSAL_MODEL' / '$TOOLKIT_REHEARSAL_DATA' in an argument, when a rehearsal set them."""
+    for name in REHEARSAL_NAMES:
+        if name in os.environ:
+            arg = arg.replace(f"${{{name}}}", os.environ[name]).replace(f"${name}", os.environ[name])
+    return arg
 
 
 if __name__ == "__main__":
