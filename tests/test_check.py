@@ -34,7 +34,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "ds-typo-in-zero-block.json": ("error", "reduce_bucket_sise: Extra inputs are not permitted"),
     "ds-typo-top-level-key.json": ("error", 'unknown key "gradient_acumulation_steps": DeepSpeed ignores it silently; '
                                             'did you mean "gradient_accumulation_steps"?'),
-    "ds-zero-stage-4.json": ("error", "DeepSpeed/transformers refuse it: stage: Input should be 0, 1, 2, 3"),
+    "ds-zero-stage-4.json": ("error", "DeepSpeed/transformers refuse it: zero_optimization.stage: Input should be 0, 1, 2, 3"),
     "ds-zero3-without-16bit-save.json": ("warning", "save_model writes an empty model"),
     "plan-bf16-pipeline-fp32-accumulation-at-zero0": ("error", "at ZeRO-0: DeepSpeed refuses this mix"),
     "plan-bf16-pipeline-without-fp32-accumulation": ("warning", "bf16 pipeline accumulates gradients in bf16"),
@@ -518,3 +518,16 @@ def test_cli_json_is_the_whole_stdout_and_usage_errors_go_to_stderr(capsys):
     assert main(["check", path, "--micro-batch", "2"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "give --model and --gpus too" in captured.err
+
+
+def test_three_typos_in_a_deepspeed_json_are_all_reported_in_one_run(tmp_path):
+    """Each problem DeepSpeed names is its own finding: fixing one typo never reveals the next one."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                                "zero_optimization": {"stage": 2, "overlap_com": True, "reduce_bucket_sise": 5e8},
+                                "bf16": {"enable": True}, "gradient_clipin": 1.0}))
+    messages = [p.message for p in check_paths([str(path)]) if p.severity == "error"]
+    for typo in ("zero_optimization.overlap_com", "zero_optimization.reduce_bucket_sise", "bf16.enable",
+                 "\"gradient_clipin\""):
+        assert sum(typo in m for m in messages) == 1, (typo, messages)
+    assert any("did you mean \"gradient_clipping\"" in m for m in messages)

@@ -140,17 +140,63 @@ class _ReadRecorder(dict):
         return _ReadRecorder(copy.deepcopy(dict(self), memo), self.seen)
 
 
+MAX_REFUSALS = 20
+"""How many separate refusals one check collects from DeepSpeed before it stops asking (each costs a config pass)."""
+
+
 def deepspeed_reads(config: dict[str, Any], data_parallel: int) -> tuple[set[str] | None, str | None]:
     """DeepSpeedConfig on `config` at a data-parallel size: (the top-level keys it read, None) or (None, refusal)."""
+    seen, refusals = deepspeed_reads_all(config, data_parallel)
+    return (None, "; ".join(text for text, _ in refusals)) if refusals else (seen, None)
+
+
+def deepspeed_reads_all(config: dict[str, Any], data_parallel: int) -> tuple[set[str], list[tuple[str, bool]]]:
+    """Every refusal DeepSpeedConfig has for `config`, not only the first: a refusal that names fields (pydantic's
+    errors: unknown or mistyped keys) is recorded, those fields are taken out, and the rest is asked again. Returns
+    the keys read by the last pass (as deepspeed_reads) and the refusals, one per problem, each with whether it
+    names a field (True) or is the engine's whole-file refusal (False, at most one, last)."""
     from toolkit.engines.validate import ConfigRejected, deepspeed_config_at
 
-    seen: set[str] = set()
+    trial = copy.deepcopy(config)
+    refusals: list[tuple[str, bool]] = []
+    for _ in range(MAX_REFUSALS):
+        seen: set[str] = set()
+        try:
+            with quiet_engines():
+                deepspeed_config_at(_ReadRecorder(trial, seen), data_parallel)
+        except ConfigRejected as exc:
+            fields = _field_errors(exc.__cause__)
+            where = [_drop_key(trial, loc[-1]) for loc, _ in fields]
+            if not fields or None in where:
+                refusals.append((str(exc), False))
+                return seen | initialize_reads(), refusals
+            refusals += [(f"{path}: {msg}", True) for path, (_, msg) in zip(where, fields)]
+            continue
+        return seen | initialize_reads(), refusals
+    return seen | initialize_reads(), refusals
+
+
+def _field_errors(exc: BaseException | None) -> list[tuple[tuple, str]]:
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return []
     try:
-        with quiet_engines():
-            deepspeed_config_at(_ReadRecorder(config, seen), data_parallel)
-    except ConfigRejected as exc:
-        return None, str(exc)
-    return seen | initialize_reads(), None
+        return [(tuple(e["loc"]), str(e["msg"])) for e in errors() if e.get("loc")]
+    except Exception:  # noqa: BLE001 - not pydantic's shape after all
+        return []
+
+
+def _drop_key(config: dict[str, Any], key: Any) -> str | None:
+    """Remove `key` where it is, at the top or one block down (pydantic's loc starts at the model's own fields);
+    its dotted path, or None when it is nowhere."""
+    if key in config:
+        del config[key]
+        return str(key)
+    for block, value in config.items():
+        if isinstance(value, dict) and key in value:
+            del value[key]
+            return f"{block}.{key}"
+    return None
 
 
 @functools.lru_cache(maxsize=1)
