@@ -531,3 +531,25 @@ def test_three_typos_in_a_deepspeed_json_are_all_reported_in_one_run(tmp_path):
                  "\"gradient_clipin\""):
         assert sum(typo in m for m in messages) == 1, (typo, messages)
     assert any("did you mean \"gradient_clipping\"" in m for m in messages)
+
+
+def test_fsdp1_keys_under_fsdp_version_2_are_named_with_what_accelerate_does(tmp_path):
+    """From accelerate's own conversion table (accelerate to-fsdp2): removed keys are ignored with a warning, a
+    renamed one is read as its FSDP2 key (with the value it maps to), an unimplemented one is refused."""
+    import yaml
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump({
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2, "num_machines": 1,
+        "machine_rank": 0, "mixed_precision": "bf16",
+        "fsdp_config": {"fsdp_version": 2, "fsdp_sharding_strategy": "SHARD_GRAD_OP",
+                        "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_use_orig_params": True,
+                        "fsdp_forward_prefetch": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}}))
+    problems = {p.message.split(" ", 1)[0]: p for p in check_paths([str(path)])
+                if p.message.startswith("fsdp_config.")}
+    assert set(problems) == {"fsdp_config.fsdp_sharding_strategy", "fsdp_config.fsdp_backward_prefetch",
+                             "fsdp_config.fsdp_use_orig_params", "fsdp_config.fsdp_forward_prefetch"}
+    assert "write fsdp_reshard_after_forward: false" in problems["fsdp_config.fsdp_sharding_strategy"].message
+    assert "ignores it" in problems["fsdp_config.fsdp_use_orig_params"].message
+    assert problems["fsdp_config.fsdp_forward_prefetch"].severity == "error"

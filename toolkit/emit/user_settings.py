@@ -196,6 +196,14 @@ def notes(plan: Plan) -> list[str]:
     if plan.liger:
         out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
                    "liger-kernel >= 0.8.2; its kernels need a GPU).")
+    if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
+        out.append("ZeRO-3: create TrainingArguments (or SFTConfig) before from_pretrained: while they exist, "
+                   "transformers loads the model already partitioned (zero.Init through HfDeepSpeedConfig); a model "
+                   "loaded first is whole in every rank's host RAM and GPU. A custom loop creates its Accelerator "
+                   "first for the same reason.")
+    if owns_optimizer(plan):
+        out.append("DeepSpeed builds its CPU-Adam extension (C++, with the compiler) on first use: the first run on "
+                   "a machine waits minutes before the first step (cached in ~/.cache/torch_extensions after).")
     if owns_optimizer(plan):
         out.append("ds_config.json holds an \"optimizer\" block (DeepSpeed's CPU Adam for the offloaded states): "
                    "a custom accelerate loop must pass accelerate.utils.DummyOptim(params, lr=..., "
