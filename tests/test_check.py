@@ -553,3 +553,18 @@ def test_fsdp1_keys_under_fsdp_version_2_are_named_with_what_accelerate_does(tmp
     assert "write fsdp_reshard_after_forward: false" in problems["fsdp_config.fsdp_sharding_strategy"].message
     assert "ignores it" in problems["fsdp_config.fsdp_use_orig_params"].message
     assert problems["fsdp_config.fsdp_forward_prefetch"].severity == "error"
+
+    # Without the refused key accelerate gets as far as its own deprecation warning: a finding of this file (a
+    # note), not a line on the terminal.
+    import contextlib
+    import io
+
+    config = yaml.safe_load(path.read_text())
+    del config["fsdp_config"]["fsdp_forward_prefetch"]
+    path.write_text(yaml.safe_dump(config))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        found = check_paths([str(path)])
+    assert printed.getvalue() == ""
+    assert any(p.file == str(path) and p.severity == "note" and
+               p.message.startswith("the engines said while reading it: backward_prefetch") for p in found)

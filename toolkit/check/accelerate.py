@@ -166,6 +166,8 @@ def fsdp1_keys_under_fsdp2(config: dict[str, Any], file: str) -> list[Problem]:
     out = []
     for key in sorted(k for k in fsdp if isinstance(k, str)):
         target = ARGUMENT_KEY_MAPPING.get(key)
+        if key == "fsdp_sync_module_states" and str(fsdp.get("fsdp_cpu_ram_efficient_loading")).lower() == "true":
+            continue  # accelerate launch still demands it next to cpu_ram_efficient_loading (utils/launch.py)
         if target is ConversionStatus.REMOVED:
             out.append(Problem(file, "warning", f"fsdp_config.{key} is an FSDP1 key: under fsdp_version 2 accelerate "
                                "ignores it (a deprecation warning at launch; FSDP2 has no such setting); remove it",

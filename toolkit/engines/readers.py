@@ -49,6 +49,38 @@ def quiet_engines() -> Iterator[None]:
         ds_logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def engine_output() -> Iterator[list[str]]:
+    """Everything the engines print or log while the block runs (stdout, stderr, warnings, log records of
+    accelerate / transformers / DeepSpeed), collected as lines instead of reaching the terminal, so `check` can say
+    which file made an engine speak. The list fills when the block ends."""
+    lines: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.extend(record.getMessage().splitlines())
+
+    handler = _Collect(level=logging.WARNING)
+    loggers = [logging.getLogger(), logging.getLogger("DeepSpeed")]
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in loggers]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        for lg in loggers:
+            lg.handlers = [handler]
+        logging.getLogger("DeepSpeed").propagate = False
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield lines
+        lines += [str(w.message) for w in caught]
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers = handlers
+            lg.propagate = propagate
+        lines += out.getvalue().splitlines() + err.getvalue().splitlines()
+        lines[:] = list(dict.fromkeys(line.strip() for line in lines if line.strip()))
+
+
 # --- DeepSpeed: what the engine reads ----------------------------------------------------------------------------------
 
 def enabled(block: Any) -> bool:
