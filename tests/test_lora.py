@@ -224,8 +224,6 @@ def test_qlora_step_is_slower_than_lora_by_its_named_terms(capsys):
     assert qlora["step_time_s"] > lora["step_time_s"]
 
 
-@pytest.mark.xfail(reason="needs issue 22's ties within the step-time error band (ordered by simplicity); until "
-                          "then zero3-offload wins by ~3%, inside the model's error", strict=False)
 def test_llama_3_8b_lora_on_one_rtx_4090_picks_ddp(capsys, tmp_path):
     import json
 

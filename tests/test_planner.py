@@ -47,7 +47,7 @@ def test_every_feasible_candidate_meets_the_global_batch_exactly(llama7b):
     assert len(feasible) >= 8
     for c in feasible:
         assert c.job.micro_batch * c.job.grad_accum * c.data_parallel == 128
-        assert c.data_parallel * c.pipeline_stages == 16
+        assert c.data_parallel * c.pipeline_stages * c.grid.model_parallel == 16
 
 
 def test_random_models_clusters_and_batches_hold_the_arithmetic_or_refuse_with_a_reason():
@@ -193,7 +193,11 @@ def test_launch_flags_before_the_double_dash_are_toolkits_after_it_trains(tmp_pa
     assert main(["emit", "presets/sets/zero2-bf16/plan.json", "--out", str(out)]) == 0
     capsys.readouterr()
     # --dry-run is toolkit's own flag; the training arguments after -- are checked as toolkit.train reads them.
-    assert main(["launch", str(out), "--dry-run", "--", "--data", "d", "--output", "o"]) == 2
-    assert "--model" in capsys.readouterr().err  # the preset names a hub id this offline machine cannot load
+    # The preset names a catalog model's hub id: its config ships in the package, so the dry run checks it
+    # offline and prints the command.
+    assert main(["launch", str(out), "--dry-run", "--", "--data", "d", "--output", "o"]) == 0
+    assert "-m toolkit.train --plan" in capsys.readouterr().out
+    assert main(["launch", str(out), "--dry-run", "--", "--data", "d", "--output", "o", "--model", "no/such"]) == 2
+    assert "--model" in capsys.readouterr().err
     assert main(["plan", "gpt2", "--seq", "64", "--global-batch", "8", "--", "--data", "d"]) == 2
     assert "only `toolkit launch`" in capsys.readouterr().err

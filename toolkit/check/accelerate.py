@@ -6,7 +6,6 @@ from __future__ import annotations
 import difflib
 import functools
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 
@@ -232,7 +231,7 @@ def accelerate_problems(path: Path, ds_path: Path | None, flags: list[str] | Non
         # e.g. "FP8 is not available on this machine": a property of the machine running the check.
         return [Problem(str(path), "note", f"accelerate's launch check stops on this machine ({first_line(exc)}); "
                         "the rest of its checks did not run here", LAUNCH)]
-    found = parallelism_problems(path, args, env)
+    found: list[Problem] = []  # parallelism_config: checked inside accelerate_launch_plugins (accelerate's code)
     if args.use_deepspeed and ds_path is None and plugin is not None:
         found += inline_deepspeed_problems(path, plugin.deepspeed_config)
     return found
@@ -260,28 +259,3 @@ def inline_deepspeed_problems(path: Path, built: dict[str, Any]) -> list[Problem
                            "deepspeed_config", both))
     return out
 
-
-def parallelism_problems(path: Path, args: SimpleNamespace, env: dict[str, str]) -> list[Problem]:
-    """parallelism_config (tp / cp / sp / dp sizes): ParallelismConfig reads the launcher's environment and checks
-    its sizes; its Accelerator-time check compares their product with the process count."""
-    if not getattr(args, "use_parallelism_config", False):
-        return []
-    from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import DistributedType
-
-    from toolkit.engines.validate import _environment, first_line
-
-    kind = DistributedType.DEEPSPEED if args.use_deepspeed else DistributedType.FSDP if args.use_fsdp else \
-        DistributedType.MULTI_GPU if args.multi_gpu else DistributedType.NO
-    fsdp2 = bool(args.use_fsdp) and str(getattr(args, "fsdp_version", "1")) == "2"
-    # What Accelerator._validate_accelerator reads: num_processes is the whole world (accelerate state).
-    accelerator = SimpleNamespace(multi_device=bool(args.multi_gpu or args.use_fsdp or args.use_deepspeed),
-                                  num_processes=int(args.num_processes or 1), is_fsdp2=fsdp2, distributed_type=kind,
-                                  is_main_process=True)
-    try:
-        with _environment(env), quiet_engines():
-            parallel = ParallelismConfig()
-            parallel._validate_accelerator(accelerator)
-    except (ValueError, TypeError) as exc:
-        return [Problem(str(path), "error", f"accelerate refuses its parallelism_config: {first_line(exc)}", LAUNCH)]
-    return []

@@ -21,7 +21,7 @@ from toolkit.check.findings import EVERY, Problem
 from toolkit.check.read import is_plan_json, read_config
 from toolkit.engines.readers import _mapping, concrete_int, enabled, quiet_engines, zero_settings
 from toolkit.errors import UserError
-from toolkit.inputs.strategy import Strategy
+from toolkit.inputs.strategy import Engine, Strategy
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class FitSettings:
     shard_group: int | None = None
     """FSDP under parallelism_config: the dp_shard x cp group FSDP shards over (accelerate's `dp_shard_cp` mesh
     dimension), when smaller than the world."""
+    sizes: tuple[tuple[str, int], ...] = ()
+    """parallelism_config sizes the files state (dp_replicate, dp_shard, tp, cp, sp), or a plan's degrees."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ def fit_settings(path: str, pins: Pins = Pins()) -> FitSettings:
                            job_options=(("grad_accum", plan.grad_accum), ("optimizer", plan.optimizer),
                                         ("optimizer_impl", plan.optimizer_impl), ("liger", plan.liger),
                                         ("activation_offloading", plan.activation_offloading),
-                                        ("adapter", plan.adapter_spec)))
+                                        ("adapter", plan.adapter_spec)),
+                           sizes=_plan_sizes(plan))
     config = read_config(p)
     if p.suffix == ".json":
         return _from_deepspeed(config, pins, f"{p.name} (a DeepSpeed JSON)")
@@ -139,11 +142,6 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
     kind = str(config.get("distributed_type", "NO"))
     source = f"{path.name} ({kind})"
     notes: list[str] = []
-    parallel = _mapping(config.get("parallelism_config"))
-    for key, value in sorted(parallel.items()):
-        if key.endswith(("_tp_size", "_cp_size", "_sp_size")) and concrete_int(value) and value > 1:
-            notes.append(f"{key.removeprefix('parallelism_config_')} {value} is not modelled: the estimate holds "
-                         "whole sequences and unsplit layers on each GPU, an upper bound")
     extra: list[str] = []
     ds_path = None
     ds_file = _mapping(config.get("deepspeed_config")).get("deepspeed_config_file") if kind == "DEEPSPEED" else None
@@ -179,7 +177,8 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
             for key in ("bf16", "fp16"):
                 ds[key] = raw.get(key, {"enabled": "auto"})
             yaml_precision = None
-        return _from_deepspeed(ds, pins, source, yaml_precision=yaml_precision, assumptions=tuple(notes))
+        return replace(_from_deepspeed(ds, pins, source, yaml_precision=yaml_precision, assumptions=tuple(notes)),
+                       sizes=_env_sizes(env))
     precision = pins.precision or yaml_precision or "fp32"
     micro = pins.micro_batch or 1
     if pins.micro_batch is None:
@@ -195,7 +194,27 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
     else:
         strategy, said_ckpt = Strategy("ddp"), None
     checkpointing = _checkpointing(pins, said_ckpt, source, notes)
-    return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes), shard_group=shard_group)
+    return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes), shard_group=shard_group,
+                       sizes=_env_sizes(env))
+
+
+def _env_sizes(env: dict[str, str]) -> tuple[tuple[str, int], ...]:
+    """The sizes accelerate's launcher hands the processes (PARALLELISM_CONFIG_*), when the YAML has the block."""
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
+        return ()
+    out = []
+    for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp"):
+        value = env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")
+        out.append((name, int(value) if value.isdigit() else 1))
+    return tuple(out)
+
+
+def _plan_sizes(plan) -> tuple[tuple[str, int], ...]:
+    g = plan.grid
+    if g.model_parallel == 1:
+        return ()
+    return (("dp_replicate", g.dp_replicate), ("dp_shard", g.dp_shard), ("tp", g.tensor), ("cp", g.context),
+            ("sp", g.sequence))
 
 
 def _fsdp_strategy(plugin: Any, notes: list[str]) -> tuple[Strategy, bool | None]:
@@ -239,7 +258,24 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
     job = Job(seq_len=seq, micro_batch=s.micro_batch, precision=s.precision, checkpointing=s.checkpointing,
               **dict(s.job_options))
     strategy = s.strategy
-    if s.shard_group and s.shard_group < hw.world_size and hw.world_size % s.shard_group == 0:
+    sizes = dict(s.sizes)
+    grid = None
+    if any(sizes.get(k, 1) > 1 for k in ("tp", "cp", "sp")):
+        # Tensor / context / sequence parallelism: the grid the files describe, with its rules (toolkit.inputs.grid).
+        try:
+            grid = ParallelGrid(hw.nodes, hw.gpus_per_node, dp_replicate=sizes["dp_replicate"],
+                                dp_shard=hw.world_size // (sizes["dp_replicate"] * sizes["tp"] * sizes["cp"]
+                                                           * sizes["sp"]) if strategy.engine == Engine.DEEPSPEED
+                                else sizes["dp_shard"], tensor=sizes["tp"], context=sizes["cp"],
+                                sequence=sizes["sp"])
+            grid.check_model(spec)
+            grid.check_sequence(seq, spec.effective_attention(job.attention))
+        except UserError as exc:
+            return [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes] + [
+                Problem(path, "error", f"{spec.name}: {exc}", EVERY)]
+        notes.append(f"parallelism_config: {grid.describe()} (tensor / context / sequence parallelism modelled "
+                     "per rank: toolkit.estimate.dimensions)")
+    elif s.shard_group and s.shard_group < hw.world_size and hw.world_size % s.shard_group == 0:
         # The estimator's hybrid FSDP shards within a "node"; a node of dp_shard x cp GPUs is that group.
         strategy = replace(strategy, fsdp_mode="hybrid")
         hw = replace(hw, gpus_per_node=s.shard_group, nodes=hw.world_size // s.shard_group)
@@ -253,7 +289,7 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
     if strategy.is_pipeline and partition is None:
         partition = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                               pipeline_stages=s.stages).partition(spec)
-    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=s.stages, partition=partition)
+    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=s.stages, partition=partition, grid=grid)
     out = [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes]
     what = (f"{spec.name} with {strategy.name}, {s.precision}, micro-batch {s.micro_batch}, seq {seq}"
             f"{', checkpointing' if s.checkpointing else ''}")

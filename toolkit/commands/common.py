@@ -40,12 +40,22 @@ def add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100
                    help="host RAM per node, GiB (default 1024)")
 
 
-def add_job_flags(p: argparse.ArgumentParser) -> None:
+def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
+    """The job's flags; `seq_max` (plan, estimate): --seq also takes max, and the tensor / context / sequence
+    degrees are flags."""
     g = p.add_argument_group("job")
     from toolkit.inputs.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
-    g.add_argument("--seq", type=int_arg("--seq", bounds.SEQ),
-                   help="sequence length (default 2048, or the model's maximum if shorter)")
+    g.add_argument("--seq", type=seq_arg if seq_max else int_arg("--seq", bounds.SEQ),
+                   help="sequence length (default 2048, or the model's maximum if shorter)"
+                        + ("; max: the longest each strategy fits, with a memory-vs-length chart" if seq_max else ""))
+    if seq_max:
+        for dim, what in (("tensor", "FSDP2 x TP, the model's tp_plan, inside a node"),
+                          ("context", "FSDP2 x CP, torch ring attention"),
+                          ("sequence", "ZeRO x Ulysses SP, DeepSpeed ALST")):
+            g.add_argument(f"--{dim}-parallel", type=int_arg(f"--{dim}-parallel", bounds.DEGREE),
+                           help=f"{dim}-parallel degree ({what}); 1: none"
+                                + ("" if p.prog.endswith("estimate") else " (default: the planner tries each)"))
     g.add_argument("--precision", default="bf16", choices=PRECISIONS, help="(default %(default)s)")
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
     g.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="(default %(default)s)")
@@ -61,6 +71,25 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
                    help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
                         "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
     add_adapter_flags(p)
+
+
+def seq_arg(text: str):
+    """--seq N, or max (plan / estimate): the longest sequence that fits."""
+    if str(text).strip().lower() == "max":
+        return "max"
+    return bounds.parse_int("--seq", text, bounds.SEQ)
+
+
+def longest_line(found, spec) -> str:
+    """One strategy's --seq max answer."""
+    if not found.seq_len:
+        return f"{found.name}: no sequence fits ({found.reason})"
+    c = found.candidate
+    tail = (f" (the model's {spec.max_positions} positions; memory allows more)" if found.capped_by_positions
+            else "")
+    return (f"{found.name}: longest sequence {found.seq_len:,} tokens{tail}, {c.memory.required_bytes / GIB:.1f} "
+            f"GiB per GPU, {c.timing.tokens_per_s:,.0f} tokens/s (micro-batch 1"
+            f"{', checkpointing' if c.job.checkpointing else ''})")
 
 
 def add_adapter_flags(p: argparse.ArgumentParser) -> None:

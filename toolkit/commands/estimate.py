@@ -7,14 +7,14 @@ import json
 from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
-                                     model_spec, print_note, seq_len_of, trainable_params)
+                                     longest_line, model_spec, print_note, seq_len_of, trainable_params)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("estimate", help="per-GPU memory and step time of one strategy")
     add_model_flags(p)
     add_hardware_flags(p)
-    add_job_flags(p)
+    add_job_flags(p, seq_max=True)
     p.add_argument("--strategy", default="ddp", help="ddp, zero1/2/3, zero2-offload, zero3-offload, fsdp2, "
                                                      "pipeline, hybrid, ... (default %(default)s)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
@@ -30,20 +30,26 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.job import Job, check_job
     from toolkit.estimate.search import evaluate
-    from toolkit.estimate.errorband import band_for
+    from toolkit.estimate.errorband import band_for, time_band
     from toolkit.inputs.strategy import parse_strategy
 
     spec = model_spec(args)
     hw = hardware_of(args)
     strategy = parse_strategy(args.strategy)
+    degrees = dict(tensor=args.tensor_parallel or 1, context=args.context_parallel or 1,
+                   sequence=args.sequence_parallel or 1)
+    if args.seq == "max":
+        return _estimate_seq_max(args, spec, hw, strategy, degrees)
     seq_len, seq_note = seq_len_of(spec, args)
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args))
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
-                                     pipeline_stages=args.pipeline_stages)
+                                     pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
+    grid.check_model(spec)
+    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
     c = evaluate(spec, hw, strategy, job, grid, prune=False)
     b, t, partition = c.memory, c.timing, c.partition
     band = band_for(strategy.engine, job.checkpointing)
@@ -56,6 +62,8 @@ def cmd_estimate(args) -> int:
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
+               "time_error_band": {**time_band().to_dict(),
+                                   "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
@@ -67,7 +75,7 @@ def cmd_estimate(args) -> int:
     cap = b.capacity_bytes
     active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
-          f"{', tied embeddings' if spec.tied else ''}) | {strategy.name} on {hw.spec} | seq {job.seq_len}, "
+          f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
           f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}")
     if job.adapter.is_adapter:
@@ -103,10 +111,41 @@ def cmd_estimate(args) -> int:
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
           f"offload {t.offload_s:.3f} s)")
+    print(f"time band: {time_band().text()}"
+          + ("" if time_band().covers(strategy.name, hw.world_size) else
+             f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
+             "unverified"))
     if args.explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")
     return _fit_exit(args, b.fits)
+
+
+def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
+    """estimate --seq max: the longest sequence `strategy` fits on this grid, and its memory curve."""
+    from toolkit.estimate.longest import longest_on_grid, text_chart
+    from toolkit.estimate.search import Request
+    from toolkit.inputs.grid import ParallelGrid
+
+    grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                     pipeline_stages=args.pipeline_stages, **degrees)
+    grid.check_model(spec)
+    req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
+                  optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
+                  checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
+                  adapter=adapter_of(args))
+    found = longest_on_grid(spec, hw, strategy, grid, req)
+    if args.json:
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategy": found.name,
+                          "longest_seq": found.seq_len, "capped_by_positions": found.capped_by_positions,
+                          "reason": found.reason, "curve": [{"seq": s, "required_bytes": b} for s, b in found.curve]},
+                         indent=2))
+        return 0 if found.seq_len else 1
+    print(longest_line(found, spec))
+    chart = text_chart([found], hw.gpu.memory_bytes)
+    if chart:
+        print("\n" + chart)
+    return 0 if found.seq_len else 1
 
 
 def _fit_exit(args, fits: bool) -> int:

@@ -9,20 +9,23 @@ from toolkit import bounds
 from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
 from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
-                                     GIB, hardware_of, human, model_spec, print_note, seq_len_of, trainable_params)
+                                     GIB, hardware_of, human, longest_line, model_spec, print_note, seq_len_of,
+                                     trainable_params)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank every strategy; write the chosen one's files")
     add_model_flags(p)
     add_hardware_flags(p)
-    add_job_flags(p)
+    add_job_flags(p, seq_max=True)
     p.add_argument("--global-batch", type=int_arg("--global-batch", bounds.BATCH),
-                   help="samples per optimizer step over all GPUs")
+                   help="samples per optimizer step over all GPUs (required unless --micro-batch is given)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
                    help="samples per GPU per forward (instead of --global-batch)")
     p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), help="gradient accumulation steps")
-    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto", nargs="?", const="on",
+                   help="activation checkpointing: auto (the planner decides), on (also the bare flag, as in "
+                        "estimate), off (default %(default)s)")
     p.add_argument("--strategies", type=text_arg("--strategies"), help="comma-separated subset to consider")
     p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
                    help="emit this strategy instead of the fastest")
@@ -35,10 +38,16 @@ def add_parser(sub) -> None:
 def cmd_plan(args) -> int:
     from pathlib import Path
 
-    from toolkit.estimate.search import Request, plan_candidates, to_plan
+    from toolkit.estimate.errorband import time_band
+    from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan
 
     spec = model_spec(args)
     hw = hardware_of(args)
+    seq_max = args.seq == "max"
+    if seq_max:
+        from toolkit.estimate.longest import seq_cap
+
+        args.seq = seq_cap(spec)
     seq_len, seq_note = seq_len_of(spec, args)
     from toolkit.inputs.job import job_problem
 
@@ -62,12 +71,18 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      pipeline_stages=args.pipeline_stages, adapter=adapter_of(args))
+                                      pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
+                                      tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
+                                      sequence_parallel=args.sequence_parallel)
     if strategies:
         req_kwargs["strategies"] = strategies
+    if seq_max:
+        req_kwargs.update(global_batch=None, micro_batch=1)
     req = Request(**req_kwargs)
     if args.out:
         _refuse_existing(Path(args.out), args.force)
+    if seq_max:
+        return _plan_seq_max(args, spec, hw, req)
     from toolkit.commands.help import status
 
     with status("planning: every strategy, batch split and checkpointing choice"):
@@ -78,7 +93,8 @@ def cmd_plan(args) -> int:
         from toolkit.inputs.strategy import parse_strategy
 
         wanted = parse_strategy(args.strategy_choice).name
-        match = [c for c in candidates if c.strategy.name == wanted]
+        match = [c for c in candidates if c.strategy.name == wanted and c.dimension is None] or \
+            [c for c in candidates if c.strategy.name == wanted]
         if not match or not match[0].feasible:
             why = match[0].reason if match else "not among the planned strategies"
             raise UserError(f"--choose {wanted} cannot run: {why}")
@@ -87,7 +103,8 @@ def cmd_plan(args) -> int:
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
-               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None}
+               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None,
+               "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)]}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top)
     written: list[str] = []
@@ -110,6 +127,50 @@ def cmd_plan(args) -> int:
     return 0 if chosen else 1
 
 
+def _plan_seq_max(args, spec, hw, req) -> int:
+    """plan --seq max: the longest sequence per strategy, the memory-vs-length chart, and (--out) the plan of the
+    strategy that fits longest (fastest among equals) at that length, with the chart as an SVG beside it."""
+    from pathlib import Path
+
+    from toolkit.commands.help import status
+    from toolkit.estimate.longest import longest_sequences, svg_chart, text_chart
+    from toolkit.estimate.search import to_plan
+
+    with status("--seq max: the longest sequence each strategy fits"):
+        results = longest_sequences(spec, hw, req)
+    best = next((r for r in results if r.seq_len), None)
+    if args.json:
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategies": [
+            {"name": r.name, "longest_seq": r.seq_len, "capped_by_positions": r.capped_by_positions,
+             "reason": r.reason, "candidate": r.candidate.row() if r.candidate else None,
+             "curve": [{"seq": s, "required_bytes": b} for s, b in r.curve]} for r in results]}, indent=2))
+    else:
+        print(f"{spec.name} ({human(spec.params)} params, positions {spec.max_positions}) on {hw.spec} "
+              f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | longest sequence per strategy, micro-batch 1, "
+              f"{req.precision}\n")
+        for r in results:
+            print("  " + longest_line(r, spec))
+        chart = text_chart(results, hw.gpu.memory_bytes, top=args.top)
+        if chart:
+            print("\n" + chart)
+    if best is not None and args.out:
+        from toolkit.emit import emit_files
+
+        plan = to_plan(best.candidate, spec, hw, _recorded_model(args.model) or spec.name)
+        title = f"{spec.name} on {hw.spec}: per-GPU memory vs sequence length (micro-batch 1)"
+        written = emit_files(plan, Path(args.out), force=args.force, candidates=[best.candidate.row()],
+                             nvme_path=args.nvme_path, hosts=args.hosts,
+                             extra={CHART_NAME: svg_chart(results, hw.gpu.memory_bytes, title)})
+        if not args.json:
+            print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
+                  f"({CHART_NAME}: the chart)")
+    return 0 if best is not None else 1
+
+
+CHART_NAME = "memory_vs_seq.svg"
+"""--seq max's chart in the plan folder."""
+
+
 def _recorded_model(model: str | None) -> str | None:
     """A local model path as an absolute path (a plan launched from another folder still finds it); catalog names
     and hub ids as given. A catalog name wins over a same-named folder, as in modelspec.load_config."""
@@ -124,7 +185,7 @@ def _recorded_model(model: str | None) -> str | None:
 
 
 EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",
-                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md")
+                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md", "memory_vs_seq.svg")
 
 
 def _refuse_existing(out, force: bool) -> None:
@@ -156,9 +217,10 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
             continue
         m, t = c.memory, c.timing
         host = f"{m.cpu_bytes_per_node / GIB:.0f}" if m.cpu_bytes_per_node else "-"
+        mark = "" if c.speed_evidenced else "*"
         print(f"{shown:>2}  {c.name:<28}{c.job.micro_batch:>6}{c.job.grad_accum:>6}"
               f"{'yes' if c.job.checkpointing else 'no':>5}{m.required_bytes / GIB:>9.1f}{host:>9}"
-              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>11,.0f}{t.mfu:>6.0%}")
+              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>10,.0f}{mark:1}{t.mfu:>6.0%}")
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
     chosen = next((c for c in candidates if c.feasible), None)
@@ -168,12 +230,32 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
         band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
         print(f"\nerror band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
+        _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
     refused = [c for c in candidates if not c.feasible]
     if refused:
         print("\nnot possible:")
         for c in refused:
-            print(f"  {c.strategy.name}: {c.reason}")
+            print(f"  {c.name}: {c.reason}")
+
+
+def _note_time_band(hw, candidates, top: int) -> None:
+    """Say which top candidates the step-time model cannot tell apart, and which speeds no published run backs."""
+    from toolkit.estimate.errorband import time_band
+    from toolkit.estimate.search import speed_ties
+
+    band = time_band()
+    tied = speed_ties(candidates)
+    if len(tied) > 1:
+        names = ", ".join(c.name for c in tied[:top])
+        print(f"{band.text()}: #1-#{len(tied)} ({names}) are within it of the fastest, so they are ordered by "
+              "simplicity and robustness (no offload, fewer sharded or pipelined parts), not by speed")
+    else:
+        print(f"{band.text()}: #1 is faster than the rest by more than the band")
+    shown = [c for c in candidates if c.feasible][:top]
+    if any(not c.speed_evidenced for c in shown):
+        print("* speed unverified: no published run of this engine at this scale in the step-time corpus; its "
+              "communication / bubble / offload terms are unmeasured (benchmarks/results/throughput.md)")
 
 
 def _note_adapter_ddp(req, feasible) -> None:
@@ -183,7 +265,7 @@ def _note_adapter_ddp(req, feasible) -> None:
         return
     ddp = next((c for c in feasible if c.strategy.name == "ddp"), None)
     best = feasible[0]
-    if ddp is not None and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
+    if ddp is not None and ddp is not best and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
         print(f"\nnote: with {req.adapter.method} only the adapters have gradients and optimizer states; DDP is "
               f"within 1% of the fastest ({best.name}) and needs {ddp.memory.required_bytes / GIB:.1f} GiB vs "
               f"{best.memory.required_bytes / GIB:.1f}: choose it with --choose ddp for the simplest run")

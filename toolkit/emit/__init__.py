@@ -73,7 +73,7 @@ def render_files(plan: Plan, *, candidates: list[dict[str, Any]] | None = None, 
 
 def emit_files(plan: Plan, out_dir: str | Path, *, force: bool = False,
                candidates: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
-               hosts: list[str] | None = None) -> list[Path]:
+               hosts: list[str] | None = None, extra: dict[str, str] | None = None) -> list[Path]:
     """Write the plan's files into out_dir; returns their paths in writing order.
 
     nvme_path: directory on a local NVMe drive, required when the plan offloads to NVMe (UserError otherwise).
@@ -82,6 +82,7 @@ def emit_files(plan: Plan, out_dir: str | Path, *, force: bool = False,
     """
     out_dir = Path(out_dir)
     files = render_files(plan, candidates=candidates, nvme_path=nvme_path, hosts=hosts)
+    files.update({name: (text, READABLE) for name, text in (extra or {}).items()})  # --seq max: the chart
     try:
         write_folder(out_dir, files, force=force)
     except OSError as exc:

@@ -97,6 +97,15 @@ def accelerate_launch_plugins(config_file: str | Path, extra_args: list[str] | N
             if args.use_fsdp:
                 with _environment({**env, **_NO_DEVICE_ENV}):
                     plugin = FullyShardedDataParallelPlugin()
+        if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+            # What Accelerator() builds from the launcher's variables when the script passes no config.
+            from accelerate.parallelism_config import ParallelismConfig
+
+            with _environment(env):
+                pc = ParallelismConfig()
+            fsdp2 = bool(args.use_fsdp) and str(getattr(args, "fsdp_version", "1")) == "2"
+            engine = "deepspeed" if args.use_deepspeed else "fsdp2" if fsdp2 else "fsdp1" if args.use_fsdp else "ddp"
+            check_parallelism_config(pc, world_size=int(args.num_processes or 1), engine=engine)
     except SystemExit as exc:  # argparse
         raise ConfigRejected(f"accelerate launch refused the arguments (exit {exc.code})") from None
     except (ValueError, TypeError, KeyError, FileNotFoundError, OSError) as exc:
@@ -194,7 +203,57 @@ def validate_ds_config_for_plan(config: dict[str, Any], plan) -> Any:
         # toolkit.train hands the file to deepspeed.initialize unchanged; the pipeline engine's data-parallel
         # world is world / stages (its mpu), which is what its batch assertion uses.
         return deepspeed_config_at(config, plan.data_parallel)
-    resolved = resolve_like_trainer(config, world_size=plan.world_size, micro_batch=plan.micro_batch,
+    # Under Ulysses the data-parallel world is world / sp: accelerate sets train_batch_size from
+    # ParallelismConfig.data_parallel_size at prepare time, and DeepSpeed's world is world / sp (its mpu).
+    resolved = resolve_like_trainer(config, world_size=plan.data_parallel, micro_batch=plan.micro_batch,
                                     grad_accum=plan.grad_accum, hidden_size=hidden_size(plan),
                                     precision=plan.precision)
-    return deepspeed_config_at(resolved, plan.world_size)
+    return deepspeed_config_at(resolved, plan.data_parallel)
+
+
+def validate_parallelism_config(kwargs: dict[str, Any], *, world_size: int, engine: str):
+    """accelerate's own checks of a ParallelismConfig given as keyword arguments (training_args.json's
+    `parallelism_config`): its constructor, then `Accelerator._validate_accelerator` against a stand-in accelerator of
+    `world_size` processes running `engine` ("fsdp2", "deepspeed", "ddp"). Returns the ParallelismConfig; raises
+    ConfigRejected with accelerate's message."""
+    from toolkit.emit.parallelism import build_parallelism_config
+
+    try:
+        pc = build_parallelism_config(kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigRejected(first_line(exc)) from exc
+    check_parallelism_config(pc, world_size=world_size, engine=engine)
+    return pc
+
+
+def check_parallelism_config(pc, *, world_size: int, engine: str) -> None:
+    """`Accelerator._validate_accelerator` of `pc` (accelerate's code), plus the two rules accelerate applies
+    elsewhere: context parallelism needs the FSDP2 plugin (state.py) and DeepSpeed groups world / sp data-parallel
+    ranks (parallel_state_sp.initialize_sequence_parallel asserts sp divides the world)."""
+    from accelerate.utils import DistributedType
+
+    kind = {"deepspeed": DistributedType.DEEPSPEED, "fsdp2": DistributedType.FSDP}.get(engine,
+                                                                                        DistributedType.MULTI_GPU)
+    accelerator = SimpleNamespace(multi_device=world_size > 1, num_processes=world_size, is_fsdp2=engine == "fsdp2",
+                                  distributed_type=kind, is_main_process=True)
+    try:
+        with _quiet_warnings():
+            pc._validate_accelerator(accelerator)
+    except (ValueError, TypeError) as exc:
+        raise ConfigRejected(first_line(exc)) from exc
+    if (pc.tp_size > 1 or pc.cp_size > 1) and engine != "fsdp2":
+        raise ConfigRejected("tp_size / cp_size > 1 need FSDP2 (accelerate: cp_size > 1 requires an FSDP2 plugin; "
+                             "tensor parallelism through ParallelismConfig is applied with FSDP2)")
+    if pc.sp_size > 1 and (engine != "deepspeed" or world_size % pc.sp_size
+                           or pc.data_parallel_size * pc.sp_size != world_size):
+        raise ConfigRejected(f"sp_size {pc.sp_size} needs DeepSpeed with dp_replicate x dp_shard x sp = "
+                             f"{world_size} processes (got {pc.data_parallel_size} x {pc.sp_size})")
+
+
+@contextlib.contextmanager
+def _quiet_warnings() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -227,3 +227,50 @@ def measure_peaks(model, batch: dict, *, autocast_dtype=None) -> Peaks:
                    for layer in _decoder_layer_list(model))
     return Peaks(forward_peak_bytes=live(_ModState.PEAK_FW, model),
                  backward_peak_bytes=live(_ModState.PEAK_BW, model), layers=layers)
+
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    saved_bytes: int
+    """Bytes the compiled forward saved for backward (unique storages, parameters and buffers excluded; the
+    compiled autograd function passes them through ctx.save_for_backward, so the pack hook sees them)."""
+    saved: tuple
+    """(shape, dtype, bytes) of each saved storage."""
+    peak_bytes: int
+    """Peak bytes allocated over forward + loss + backward above what was live before it (parameters, buffers,
+    the batch): activations, temporaries and the parameter gradients, from the CPU allocator's own records in the
+    profiler (inductor's kernels allocate outside the dispatcher, where MemTracker cannot see them)."""
+
+
+def measure_compiled_step(model, batch: dict) -> CompiledStep:
+    """torch.compile `model` (inductor), run one step to compile it, drop the gradients, and measure a second
+    forward + backward on CPU."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    persistent = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    compiled = torch.compile(model)
+    compiled(**batch).loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    seen: dict = {}
+
+    def pack(t):
+        key = _storage_key(t)
+        if key not in persistent:
+            seen[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), key[1])
+        return t
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = compiled(**batch).loss
+        loss.backward()
+    # The kineto records keep every allocation and free (prof.events() drops some of them).
+    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in changes:
+        live += nbytes
+        peak = max(peak, live)
+    return CompiledStep(saved_bytes=sum(v[2] for v in seen.values()), saved=tuple(seen.values()), peak_bytes=peak)

@@ -132,7 +132,55 @@ def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
                               "head": RegionTrace(**data["head"]), "notes": tuple(data["notes"])})
 
 
+_SEQ_ANCHORED = False
+"""True inside `traces_linear_in_seq`: traces at other lengths come from two traced lengths (toolkit.estimate.longest)."""
+
+SEQ_ANCHOR_MIN = 1024
+"""Shortest anchor length: below it a trace is taken at the exact length."""
+
+
+class traces_linear_in_seq:
+    """Within this context, a trace at sequence length L is interpolated between exact traces at a and 2a, a the
+    power of two at or below L (L >= SEQ_ANCHOR_MIN): saved bytes, temporaries and the logits are linear in the
+    sequence for the GPU kernels' footprint (no s x s tensor with flash / efficient SDPA), measured exact from
+    2048 tokens on (tests/test_dimensions.py). A search over lengths then traces once per octave it visits,
+    never per probe."""
+
+    def __enter__(self):
+        global _SEQ_ANCHORED
+        self._was, _SEQ_ANCHORED = _SEQ_ANCHORED, True
+        return self
+
+    def __exit__(self, *exc):
+        global _SEQ_ANCHORED
+        _SEQ_ANCHORED = self._was
+
+
+def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> ActivationTrace | None:
+    L = job.seq_len
+    if not _SEQ_ANCHORED or L < SEQ_ANCHOR_MIN or L & (L - 1) == 0:
+        return None
+    from dataclasses import replace
+
+    a = 1 << (L.bit_length() - 1)
+    t1 = _exact_trace(spec, replace(job, seq_len=a), strategy, b)
+    t2 = _exact_trace(spec, replace(job, seq_len=2 * a), strategy, b)
+    f = (L - a) / a
+
+    def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
+        return RegionTrace(**{k: int(round(v + (getattr(r2, k) - v) * f)) for k, v in asdict(r1).items()})
+
+    return replace(t1, seq_len=L, embedding=lerp(t1.embedding, t2.embedding),
+                   layers=tuple(lerp(x, y) for x, y in zip(t1.layers, t2.layers)), head=lerp(t1.head, t2.head),
+                   output_bytes=int(round(t1.output_bytes + (t2.output_bytes - t1.output_bytes) * f)))
+
+
 def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
+    b = micro_batch or job.micro_batch
+    return _seq_anchored(spec, job, strategy, b) or _exact_trace(spec, job, strategy, b)
+
+
+def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)
@@ -343,8 +391,9 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
     if strategy.engine == Engine.DDP:
         return ddp_states(params, job, world=grid.world, factored_elems=fe)
     if strategy.engine == Engine.DEEPSPEED:
-        return zero_states(params, job, strategy, dp=dp, hidden=spec.hidden, largest_layer=spec.largest_layer_params,
-                           factored_elems=fe)
+        # ZeRO partitions over the sequence-data-parallel group: dp, times sp under Ulysses.
+        return zero_states(params, job, strategy, dp=grid.shard_group, hidden=spec.hidden,
+                           largest_layer=spec.largest_layer_params, factored_elems=fe)
     if strategy.engine == Engine.FSDP2:
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         return fsdp2_states(params, job, strategy, shard=grid.shard_group, layer_params=max(spec.layer_params),
@@ -354,10 +403,15 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
 
 
 def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
-                       partition: list[int] | None = None) -> int:
+                       partition: list[int] | None = None, grid: ParallelGrid | None = None) -> int:
     """A lower bound on the required bytes without tracing: persistent model states and the CUDA context.
-    The planner refuses candidates above capacity on this alone, which saves their traces."""
-    grid = grid_of(strategy, hw, pipeline_stages)
+    The planner refuses candidates above capacity on this alone, which saves their traces. `grid`: the grid to
+    use (default: the strategy's plain grid on hw)."""
+    grid = grid or grid_of(strategy, hw, pipeline_stages)
+    if grid.tensor > 1:
+        from toolkit.inputs.tensorplan import per_rank_spec
+
+        spec = per_rank_spec(spec, grid.tensor)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if grid.world > 1 else 0)
     params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
     s = _states_for(spec, strategy, job, grid, params=params)
@@ -365,10 +419,13 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
 
 
 def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
-                    partition: list[int] | None = None) -> Breakdown:
+                    partition: list[int] | None = None, grid: ParallelGrid | None = None) -> Breakdown:
     """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
-    breakdown of the stage that needs the most is returned (partition None: the grid's balanced one)."""
-    grid = grid_of(strategy, hw, pipeline_stages)
+    breakdown of the stage that needs the most is returned (partition None: the grid's balanced one). `grid`:
+    the grid to use, with its tensor / context / sequence degrees (default: the strategy's plain grid on hw)."""
+    grid = grid or grid_of(strategy, hw, pipeline_stages)
+    if grid.model_parallel > 1:
+        return _model_parallel_memory(spec, strategy, job, hw, grid)
     if job.adapter.is_adapter:
         from toolkit.inputs.lora import counts_for_spec
 
@@ -412,6 +469,29 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     from dataclasses import replace
 
     return replace(worst, stage_required_bytes=tuple(b.required_bytes for b in breakdowns))
+
+
+def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
+                           grid: ParallelGrid) -> Breakdown:
+    """One rank of a tensor / context / sequence-parallel grid: the trace and the states at the per-rank shapes
+    (toolkit.estimate.dimensions), with the communication buffers tracing cannot see."""
+    from dataclasses import replace
+
+    from toolkit.estimate.dimensions import apply_to_trace, rank_view
+
+    view = rank_view(spec, job, grid)
+    trace = apply_to_trace(scaled_trace(view.spec, view.job, strategy), view, job.checkpointing)
+    regions = _regions(view.spec, trace, 0, view.spec.num_layers, True, True)
+    states = _states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
+    out = _compose(view.spec, strategy, view.job, hw, trace, regions, states, in_flight=1)
+    terms = list(out.terms)
+    where = next(i for i, t in enumerate(terms) if t.name == "activations")
+    terms[where] = Term("activations", terms[where].bytes,
+                        terms[where].source + f"; one rank's share: {grid.describe()}, {view.job.seq_len} of "
+                        f"{job.seq_len} tokens per sample")
+    extra = [Term(f"  {name} (per layer)", n, source) for name, n, source in view.terms]
+    return replace(out, terms=tuple(terms[:where + 2] + extra + terms[where + 2:]),
+                   notes=tuple(dict.fromkeys(view.notes + out.notes)))
 
 
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,

@@ -1,5 +1,7 @@
 """The planner: every strategy the engines support x micro-batch x accumulation x checkpointing x pipeline
-stages, each costed by the memory and step-time models, ranked by predicted tokens/s (ties: more headroom).
+stages, each costed by the memory and step-time models, ranked by predicted tokens/s. Candidates whose speeds differ
+by less than the step-time error band (toolkit.estimate.errorband.time_band) are ties: among them the simplest and most
+robust comes first (no offload, fewer sharded or pipelined parts, fewer stages), then the faster.
 
 A candidate that cannot run says why: it does not fit ("needs 93.1 GiB of 79.1"), the batch does not divide, the
 layers do not split into the stages, the GPU lacks the precision, the node lacks host RAM for offload.
@@ -7,10 +9,10 @@ layers do not split into the stages, the GPU lacks the precision, the node lacks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from toolkit.estimate.errorband import band_for
+from toolkit.estimate.errorband import band_for, time_band
 from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
@@ -40,15 +42,36 @@ class Candidate:
     timing: Timing | None = None
     reason: str | None = None
     """Why it cannot run (None: feasible)."""
+    grid: ParallelGrid | None = None
+    """The grid it was costed on (None for a refusal before any grid)."""
+    dimension: str | None = None
+    """"tp", "cp" or "sp" for a model-parallel candidate (its row's family), else None."""
 
     @property
     def feasible(self) -> bool:
         return self.reason is None
 
     @property
+    def speed_evidenced(self) -> bool:
+        """Whether published runs of this engine at this scale back the predicted speed (toolkit.estimate.errorband
+        .time_band); a tensor / context / sequence dimension has none yet."""
+        gpus = self.pipeline_stages * self.data_parallel
+        return self.dimension is None and time_band().covers(self.strategy.name, gpus)
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        """(tensor, context, sequence) degrees."""
+        g = self.grid
+        return (g.tensor, g.context, g.sequence) if g is not None else (1, 1, 1)
+
+    @property
     def name(self) -> str:
-        if self.strategy.is_pipeline:
+        if self.strategy.is_pipeline and (self.grid is not None or self.reason is None):
             return f"{self.strategy.name} (pp={self.pipeline_stages} x dp={self.data_parallel})"
+        if self.grid is not None and self.grid.model_parallel > 1:
+            return f"{self.strategy.name} ({self.grid.describe()})"
+        if self.dimension:
+            return f"{self.strategy.name} x {self.dimension}"
         return self.strategy.name
 
     def row(self) -> dict[str, Any]:
@@ -58,6 +81,8 @@ class Candidate:
             "micro_batch": self.job.micro_batch, "grad_accum": self.job.grad_accum,
             "checkpointing": self.job.checkpointing, "pipeline_stages": self.pipeline_stages,
             "data_parallel": self.data_parallel, "global_batch": self.global_batch,
+            "tensor_parallel": self.degrees[0], "context_parallel": self.degrees[1],
+            "sequence_parallel": self.degrees[2],
             "peak_bytes": self.memory.required_bytes if self.memory else None,
             "capacity_bytes": self.memory.capacity_bytes if self.memory else None,
             "cpu_bytes_per_node": self.memory.cpu_bytes_per_node if self.memory else None,
@@ -65,6 +90,7 @@ class Candidate:
             "error_band": band_for(self.strategy.engine, self.job.checkpointing).text(),
             "step_time_s": self.timing.step_time_s if self.timing else None,
             "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
+            "speed_evidenced": self.speed_evidenced,
         }
 
 
@@ -87,6 +113,12 @@ class Request:
     liger: bool = False
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
+    tensor_parallel: int | None = None
+    """None: the planner tries every degree the model and node allow (FSDP2 x TP); 1: no tensor parallelism."""
+    context_parallel: int | None = None
+    """None: every degree the sequence and world allow (FSDP2 x CP); 1: none."""
+    sequence_parallel: int | None = None
+    """None: every degree the heads, sequence and world allow (ZeRO x Ulysses SP); 1: none."""
     adapter: Adapter = FULL
     """Training method (full, LoRA, QLoRA) and its settings."""
 
@@ -94,7 +126,9 @@ class Request:
         if self.global_batch is None and self.micro_batch is None:
             raise UserError("give --global-batch G, or --micro-batch B (with optional --accumulation A)")
         for flag, value in (("--global-batch", self.global_batch), ("--micro-batch", self.micro_batch),
-                            ("--accumulation", self.grad_accum), ("--pipeline-stages", self.pipeline_stages)):
+                            ("--accumulation", self.grad_accum), ("--pipeline-stages", self.pipeline_stages),
+                            ("--tensor-parallel", self.tensor_parallel), ("--context-parallel", self.context_parallel),
+                            ("--sequence-parallel", self.sequence_parallel)):
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
@@ -132,14 +166,15 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
     stages, dp = grid.pipeline_stages, grid.data_parallel
     if strategy.is_pipeline and partition is None:
         partition = grid.partition(spec)
-    floor = states_floor_bytes(spec, strategy, job, hw, pipeline_stages=stages, partition=partition) if prune else 0
+    floor = states_floor_bytes(spec, strategy, job, hw, pipeline_stages=stages, partition=partition,
+                               grid=grid) if prune else 0
     if floor > hw.gpu.memory_bytes:
         return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                          global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
-                         reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
+                         grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
                                 "model states alone")
-    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition)
-    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition)
+    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
+    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
     reason = None
     if not memory.fits:
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU"
@@ -161,7 +196,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                   f"the estimate's error band ({band.text()})")
     return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                      global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
-                     memory=memory, timing=timing, reason=reason)
+                     memory=memory, timing=timing, reason=reason, grid=grid)
 
 
 def _better(a: Candidate, b: Candidate | None) -> bool:
@@ -190,39 +225,115 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
         problem = liger_problem(spec.model_type)
         if problem:
             raise UserError(problem)
-    strategies = [parse_strategy(s) for s in req.strategies]
-    if hw.world_size == 1:
-        strategies = [s for s in strategies if s.kind == Kind.DDP or s.offloads] or strategies
     best: dict[str, Candidate] = {}
     refused: dict[str, Candidate] = {}
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
+    for key, strategy, grids in options_for(spec, hw, req):
+        dimension = key.split(" x ")[1] if " x " in key else None
+        if isinstance(grids, str):
+            refused[key] = refusal(strategy, req, hw, grids, dimension=dimension)
+            continue
+        _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension)
+    ranked = rank(list(best.values()))
+    return ranked + [c for k, c in refused.items() if k not in best]
+
+
+def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: bool = True):
+    """(row key, strategy, grids to try or the reason there are none) for every strategy the request allows and
+    every model-parallel family (FSDP2 x TP, FSDP2 x CP, ZeRO x SP). `sequence_rule` False: do not hold the
+    grids to req.seq_len's divisibility (a search over lengths picks lengths that divide)."""
+    strategies = [parse_strategy(s) for s in req.strategies]
+    if hw.world_size == 1:
+        strategies = [s for s in strategies if s.kind == Kind.DDP or s.offloads] or strategies
+    fixed = (req.tensor_parallel, req.context_parallel, req.sequence_parallel)
+    if any(v not in (None, 1) for v in fixed):
+        strategies = []  # a degree the user fixed: plan that dimension alone
     for strategy in strategies:
-        key = strategy.name
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
                               liger=req.liger, adapter=req.adapter)
-        grids = _grids(strategy, spec, hw, req) if problem is None else problem
-        if isinstance(grids, str):
-            refused[key] = _refusal(strategy, req, hw, grids)
+        yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
+    if hw.world_size > 1:
+        for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
+            yield f"{strategy.name} x {dimension}", strategy, grids
+
+
+def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
+            best: dict[str, Candidate], refused: dict[str, Candidate], ckpt_options: list[bool], *,
+            dimension: str | None = None) -> None:
+    """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`."""
+    for grid in grids:
+        try:
+            batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
+        except UserError as exc:
+            refused.setdefault(key, refusal(strategy, req, hw, str(exc), dimension=dimension))
             continue
-        for grid in grids:
-            try:
-                batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
-            except UserError as exc:
-                refused.setdefault(key, _refusal(strategy, req, hw, str(exc)))
+        partition = grid.partition(spec) if strategy.is_pipeline else None
+        for micro, accum in sorted(batches, reverse=True):
+            for ckpt in ckpt_options:
+                job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
+                          optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
+                          device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
+                          activation_offloading=req.activation_offloading, liger=req.liger,
+                          adapter=req.adapter)
+                cand = evaluate(spec, hw, strategy, job, grid, partition)
+                if dimension:
+                    cand = replace(cand, dimension=dimension)
+                if _better(cand, best.get(key)):
+                    best[key] = cand
+
+
+MODEL_PARALLEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("tp", ("fsdp2", "fsdp2-hybrid")),
+    ("cp", ("fsdp2",)),
+    ("sp", ("zero3", "zero2", "zero1")),
+)
+"""Which data-parallel strategies each model-parallel dimension runs under (toolkit.inputs.grid: accelerate's
+ParallelismConfig rules): FSDP2 x TP (HSDP across nodes), FSDP2 x CP, ZeRO x Ulysses SP."""
+
+
+def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequence_rule: bool = True):
+    """(dimension, strategy, grids or the reason there are none) for every model-parallel family the request
+    allows. Degrees the user fixed are tried alone; otherwise every degree the grid's rules admit."""
+    fixed = {"tp": req.tensor_parallel, "cp": req.context_parallel, "sp": req.sequence_parallel}
+    attention = spec.effective_attention(req.attention)
+    for dimension, names in MODEL_PARALLEL_FAMILIES:
+        if fixed[dimension] == 1 or req.adapter.is_adapter or req.activation_offloading:
+            continue
+        if any(v not in (None, 1) for d, v in fixed.items() if d != dimension):
+            continue  # a degree fixed for another dimension: plan that one alone
+        for name in names:
+            if name not in req.strategies:
                 continue
-            partition = grid.partition(spec) if strategy.is_pipeline else None
-            for micro, accum in sorted(batches, reverse=True):
-                for ckpt in ckpt_options:
-                    job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
-                              optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
-                              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
-                              activation_offloading=req.activation_offloading, liger=req.liger,
-                              adapter=req.adapter)
-                    cand = evaluate(spec, hw, strategy, job, grid, partition)
-                    if _better(cand, best.get(key)):
-                        best[key] = cand
-    ranked = sorted(best.values(), key=_rank_key)
-    return ranked + [c for k, c in refused.items() if k not in best]
+            strategy = parse_strategy(name)
+            if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
+                continue
+            problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger)
+            if problem:
+                yield dimension, strategy, problem
+                continue
+            degrees = [fixed[dimension]] if fixed[dimension] else \
+                [d for d in range(2, hw.world_size + 1) if hw.world_size % d == 0]
+            grids, problems = [], []
+            for degree in degrees:
+                try:
+                    grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                                     **{_DEGREE_ARG[dimension]: degree})
+                    grid.check_model(spec)
+                    grid.check_sequence(req.seq_len if sequence_rule else granule(grid), attention)
+                except UserError as exc:
+                    problems.append(str(exc))
+                    continue
+                grids.append(grid)
+            yield dimension, strategy, grids or "; ".join(dict.fromkeys(problems[:1] + problems[-1:]))
+
+
+_DEGREE_ARG = {"tp": "tensor", "cp": "context", "sp": "sequence"}
+
+
+def granule(grid: ParallelGrid) -> int:
+    from toolkit.estimate.longest import granule as g
+
+    return g(grid)
 
 
 def _rank_key(c: Candidate):
@@ -231,12 +342,53 @@ def _rank_key(c: Candidate):
     return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
 
 
-def _refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str) -> Candidate:
+OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
+KIND_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3, "hybrid": 5, "pipeline": 5}
+"""Moving parts per family: DDP keeps whole copies; ZeRO-1/2 and FSDP2 grad-op shard states; ZeRO-3 / FSDP2 gather
+parameters every layer; pipelines add stages, a schedule and point-to-point sends."""
+
+
+def simplicity(c: Candidate) -> tuple[int, int, int]:
+    """Smaller is simpler and more robust: offload (host RAM, PCIe, CPU Adam, NVMe) first, then the family's moving
+    parts (FSDP2's HSDP counts one more than full shard; a tensor / context / sequence dimension two more: collectives
+    inside every layer), then pipeline stages (processes per model replica)."""
+    s = c.strategy
+    offload = max(OFFLOAD_ORDER[s.offload_optimizer], OFFLOAD_ORDER[s.offload_params]) * 2 \
+        + (s.offload_params != "none")
+    parts = KIND_ORDER[s.kind] + (1 if s.kind == "fsdp2" and s.fsdp_mode == "hybrid" else 0) \
+        - (1 if s.kind == "fsdp2" and s.fsdp_mode == "grad_op" else 0) + (2 if c.dimension else 0)
+    return offload, parts, c.pipeline_stages
+
+
+def speed_ties(ranked: list[Candidate]) -> list[Candidate]:
+    """The feasible candidates whose predicted speed is within the step-time band of the fastest one."""
+    feasible = [c for c in ranked if c.feasible]
+    if not feasible:
+        return []
+    fastest = max(c.timing.tokens_per_s for c in feasible)
+    band = time_band()
+    return [c for c in feasible if c.timing.tokens_per_s >= fastest or band.ties(fastest, c.timing.tokens_per_s)]
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """Feasible first by tokens/s, except that candidates inside the step-time band of the fastest are ordered by
+    simplicity first: a difference the model cannot tell apart never decides for the riskier setup."""
+    ordered = sorted(cands, key=_rank_key)
+    tied = speed_ties(ordered)
+    if len(tied) < 2:
+        return ordered
+    tied_ids = {id(c) for c in tied}
+    rest = [c for c in ordered if id(c) not in tied_ids]
+    return sorted(tied, key=lambda c: (simplicity(c), _rank_key(c))) + rest
+
+
+def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
+    """A row that cannot run, with the reason."""
     job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
               precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind,
               adapter=req.adapter)
     return Candidate(strategy=strategy, job=job, pipeline_stages=1, data_parallel=hw.world_size,
-                     global_batch=req.global_batch or 0, reason=reason)
+                     global_batch=req.global_batch or 0, reason=reason, dimension=dimension)
 
 
 def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Plan":
@@ -255,6 +407,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
         model=model_name, model_config=_jsonable(spec.config_dict()), model_type=spec.model_type,
         layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy.name,
         num_machines=hw.nodes, gpus_per_node=hw.gpus_per_node, pipeline_stages=c.pipeline_stages,
+        tensor_parallel=c.degrees[0], context_parallel=c.degrees[1], sequence_parallel=c.degrees[2],
         partition=list(c.partition) if c.partition else None, seq_len=c.job.seq_len, micro_batch=c.job.micro_batch,
         grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
         optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,

@@ -140,6 +140,11 @@ class ParallelGrid:
         if context > 1 and sequence > 1:
             raise UserError(f"context parallel {context} and sequence parallel {sequence} cannot combine "
                             "(accelerate runs one of them); drop --context-parallel or --sequence-parallel")
+        if tensor > 1 and context > 1:
+            # TP runs through transformers' load-time sharding (DistributedConfig), which has no context parallelism;
+            # accelerate's CP needs its own FSDP plugin (toolkit.emit.parallelism).
+            raise UserError(f"tensor parallel {tensor} with context parallel {context} is not planned (transformers "
+                            "applies TP at load without CP); use one of them")
         if tensor > 1 and gpus_per_node % tensor:
             options = [d for d in _divisors(gpus_per_node) if d > 1]
             raise UserError(f"--tensor-parallel {tensor} does not divide the {gpus_per_node} GPUs of a node "

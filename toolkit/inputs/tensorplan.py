@@ -122,6 +122,17 @@ def per_rank_spec(spec: "ModelSpec", tensor: int) -> "ModelSpec":
     rowwise outputs are) so the tracer records the activations one rank saves."""
     if tensor == 1:
         return spec
+    key = (id(spec), tensor)
+    if key not in _RANK_SPECS:  # one object per model and degree, so the tracer's per-spec cache holds
+        _RANK_SPECS[key] = (spec, _per_rank_spec(spec, tensor))
+    return _RANK_SPECS[key][1]
+
+
+_RANK_SPECS: dict[tuple[int, int], tuple["ModelSpec", "ModelSpec"]] = {}
+"""Keyed by the spec's identity; the entry keeps the spec alive so its id is never reused."""
+
+
+def _per_rank_spec(spec: "ModelSpec", tensor: int) -> "ModelSpec":
     split = tensor_split(spec, tensor)
     fraction = split.layer_fraction()
     layer_params = tuple(int(round(p * fraction)) for p in spec.layer_params)
