@@ -466,3 +466,14 @@ def test_check_judges_a_stock_ulysses_yaml_and_names_what_the_engines_refuse(tmp
     bad.write_text(SP_YAML.format(sp=3))
     errors = [p for p in check_paths([str(bad)]) if p.severity == "error"]
     assert len(errors) == 1 and "sp_size 3 needs DeepSpeed with dp_replicate x dp_shard x sp = 8" in errors[0].message
+
+
+@pytest.mark.parametrize("degree", ["--sequence-parallel 8", "--context-parallel 4", "--tensor-parallel 2"])
+def test_check_finds_nothing_wrong_in_the_folders_plan_writes(degree, tmp_path):
+    from toolkit.check.folder import check_paths
+    from toolkit.cli import main
+
+    out = tmp_path / "p"
+    assert main(["plan", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--seq", "16384", "--global-batch", "16",
+                 *degree.split(), "--out", str(out)]) == 0
+    assert check_paths([str(out)]) == []

@@ -11,10 +11,11 @@ from typing import Any
 
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
-from toolkit.check.deepspeed import json_precision
+from toolkit.emit.deepspeed import json_precision
 from toolkit.check.findings import HF_RUNNERS, LAUNCH, Problem
 from toolkit.check.read import read_mapping
 from toolkit.engines.readers import _mapping, concrete_int, quiet_engines, zero_settings
+from toolkit.plan.files import DS_CONFIG
 
 
 # --- accelerate YAML ---------------------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
                     f"ignored\"); remove it and set {DS_FILE_IGNORED_KEYS[key]} in the JSON")
             inline = inline_ds_config(ds_file)
             if inline is not None:  # emitted YAMLs carry the JSON itself (toolkit.emit.accelerate)
-                ds_path = path.parent / "ds_config.json"
+                ds_path = path.parent / DS_CONFIG
                 if not ds_path.is_file():
                     ds_path = None
                 elif read_mapping(ds_path) != inline:

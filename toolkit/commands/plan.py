@@ -71,7 +71,7 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
+                                      compile=args.compile, pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel)
     if strategies:
@@ -110,8 +110,9 @@ def cmd_plan(args) -> int:
     written: list[str] = []
     if chosen and args.out:
         from toolkit.emit import emit_files
+        from toolkit.inputs.resolve import recorded_model
 
-        plan = to_plan(chosen, spec, hw, _recorded_model(args.model) or spec.name)
+        plan = to_plan(chosen, spec, hw, recorded_model(args.model) or spec.name)
         hosts = args.hosts
         written = [str(p) for p in emit_files(plan, Path(args.out), force=args.force, candidates=rows,
                                               nvme_path=args.nvme_path, hosts=hosts)]
@@ -155,46 +156,28 @@ def _plan_seq_max(args, spec, hw, req) -> int:
             print("\n" + chart)
     if best is not None and args.out:
         from toolkit.emit import emit_files
+        from toolkit.inputs.resolve import recorded_model
+        from toolkit.plan.files import MEMORY_CHART
 
-        plan = to_plan(best.candidate, spec, hw, _recorded_model(args.model) or spec.name)
+        plan = to_plan(best.candidate, spec, hw, recorded_model(args.model) or spec.name)
         title = f"{spec.name} on {hw.spec}: per-GPU memory vs sequence length (micro-batch 1)"
         written = emit_files(plan, Path(args.out), force=args.force, candidates=[best.candidate.row()],
                              nvme_path=args.nvme_path, hosts=args.hosts,
-                             extra={CHART_NAME: svg_chart(results, hw.gpu.memory_bytes, title)})
+                             extra={MEMORY_CHART: svg_chart(results, hw.gpu.memory_bytes, title)})
         if not args.json:
             print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
-                  f"({CHART_NAME}: the chart)")
+                  f"({MEMORY_CHART}: the chart)")
     return 0 if best is not None else 1
-
-
-CHART_NAME = "memory_vs_seq.svg"
-"""--seq max's chart in the plan folder."""
-
-
-def _recorded_model(model: str | None) -> str | None:
-    """A local model path as an absolute path (a plan launched from another folder still finds it); catalog names
-    and hub ids as given. A catalog name wins over a same-named folder, as in modelspec.load_config."""
-    from pathlib import Path
-
-    from toolkit.paths import MODEL_CATALOG_DIR
-
-    if not model or (MODEL_CATALOG_DIR / f"{model.lower()}.json").is_file():
-        return model
-    path = Path(model).expanduser()
-    return str(path.resolve()) if path.exists() else model
-
-
-EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",
-                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md", "memory_vs_seq.svg")
 
 
 def _refuse_existing(out, force: bool) -> None:
     """Refuse before planning, so a long plan never ends in a refusal."""
     from toolkit.fileio import refuse_overwrite
+    from toolkit.plan.files import EMITTED
 
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
-    refuse_overwrite([out / n for n in EMITTED_NAMES], force)
+    refuse_overwrite([out / n for n in EMITTED], force)
 
 
 def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
@@ -202,6 +185,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
           + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}"
+          + f"{', torch.compile' if req.compile else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
              if req.adapter.is_adapter else "") + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \

@@ -26,9 +26,8 @@ from typing import Any
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
+from toolkit.plan.files import DS_CONFIG_CONCRETE, TRAINING_ARGS
 
-SETTINGS_FILE = "training_args.json"
-DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
 """The fully concrete DeepSpeed JSON, for DeepSpeed's launcher / deepspeed.initialize (toolkit.emit.deepspeed)."""
 
 OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
@@ -83,6 +82,8 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
     }
     if plan.liger:  # only when on: the Trainer imports liger-kernel (and needs a GPU) for it
         kwargs["use_liger_kernel"] = True
+    if plan.compile:  # the Trainer hands it to accelerate's dynamo plugin (backend inductor), which compiles in prepare
+        kwargs["torch_compile"] = True
     if plan.engine == Engine.DDP:
         kwargs["ddp_find_unused_parameters"] = False
     if plan.tensor_parallel > 1:
@@ -196,6 +197,10 @@ def notes(plan: Plan) -> list[str]:
         out.append("The plan's memory assumes activation offloading: TRL's SFTConfig carries activation_offloading; "
                    "the HF Trainer and toolkit.train have no such option (re-plan without --activation-offloading "
                    "for them).")
+    if plan.compile:
+        out.append("The plan's memory and speed assume torch.compile (inductor): TrainingArguments carry "
+                   "torch_compile and the YAML dynamo_config (backend INDUCTOR); a custom loop gets it from the YAML "
+                   "through accelerator.prepare.")
     if plan.liger:
         out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
                    "liger-kernel >= 0.8.2; its kernels need a GPU).")
@@ -220,7 +225,7 @@ def notes(plan: Plan) -> list[str]:
     if plan.engine == Engine.DEEPSPEED:
         out.append("HF Trainer without accelerate launch: --deepspeed PLAN_DIR/ds_config.json with these "
                    "TrainingArguments (its \"auto\" values are filled from them). DeepSpeed's own launcher or "
-                   f"deepspeed.initialize(config=...): {DS_LAUNCHER_CONFIG} (every value concrete).")
+                   f"deepspeed.initialize(config=...): {DS_CONFIG_CONCRETE} (every value concrete).")
     if plan.engine == Engine.PIPELINE:
         out.append("Pipeline plans run DeepSpeed's pipeline engine: use toolkit.train (Trainer, TRL and accelerate "
                    "loops cannot run a PipelineModule).")
@@ -307,7 +312,7 @@ def plan_md_section(plan: Plan) -> list[str]:
              "args = TrainingArguments(output_dir=..., learning_rate=..., **training_arguments())",
              "```", "",
              "It returns these settings for the box the script runs on (on a machine without a GPU it also creates "
-             f"accelerate's gloo state first); they are machine-readable in `{SETTINGS_FILE}`:", "",
+             f"accelerate's gloo state first); they are machine-readable in `{TRAINING_ARGS}`:", "",
              "TrainingArguments (HF Trainer):", "", "```python"]
     lines += [f"{key}={value!r}," for key, value in args.items()]
     lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
@@ -315,7 +320,7 @@ def plan_md_section(plan: Plan) -> list[str]:
               "A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
     adapter = adapter_settings(plan)
     if adapter is not None:
-        lines += [f"{METHOD_NAMES[plan.method]} (peft / bitsandbytes; `adapter` in `{SETTINGS_FILE}`; "
+        lines += [f"{METHOD_NAMES[plan.method]} (peft / bitsandbytes; `adapter` in `{TRAINING_ARGS}`; "
                   "`toolkit.train.own_script.model_kwargs()` and `lora_config()` build them):", "", "```python"]
         if "bnb_config" in adapter:
             lines.append(f"bnb_config = {adapter['bnb_config']!r}  # dtype names: getattr(torch, name)")
@@ -326,11 +331,11 @@ def plan_md_section(plan: Plan) -> list[str]:
 
     if plan.grid.model_parallel > 1 and parallelism_kwargs(plan):
         lines += ["Parallelism (accelerate ParallelismConfig; the YAML sets it, `parallelism_config` in "
-                  f"`{SETTINGS_FILE}` for scripts run without it):", "", "```python",
+                  f"`{TRAINING_ARGS}` for scripts run without it):", "", "```python",
                   f"ParallelismConfig(**{parallelism_kwargs(plan)!r})", "```", ""]
     if distributed_config(plan):
         lines += ["Tensor parallelism (transformers shards the model at load; `distributed_config` in "
-                  f"`{SETTINGS_FILE}`):", "", "```python",
+                  f"`{TRAINING_ARGS}`):", "", "```python",
                   f"model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=DistributedConfig("
                   f"**{distributed_config(plan)!r}))", "```", ""]
     lines += [f"- {note}" for note in notes(plan)]

@@ -50,6 +50,18 @@ on one A100 at seq 512 comes out 21% slower than LoRA, at seq 2048 about 9%; pub
 30-40% slower at short sequences (S. Raschka's LoRA / QLoRA experiments, 2023), so this is if anything low.
 Issue 22's re-fit of the step-time model owns the number."""
 
+# torch.compile's speed-up, kept apart from the compute efficiency (toolkit.estimate.efficiency): the elementwise and
+# reduction work (norms, activations, residual adds, rotary, casts, the loss's softmax) is memory-bound, and
+# inductor fuses it into fewer kernels that move fewer bytes (toolkit.estimate.compiled._traffic counts both sides
+# from the partitioned graphs). Matmuls and attention run the same kernels either way.
+ELEMENTWISE_HBM_EFFICIENCY = 0.8
+"""Fraction of HBM peak a memory-bound elementwise kernel streams at (STREAM-style copy / triad kernels reach
+80-90% of HBM3 peak on H100; NVIDIA H100 tuning guide, "memory-bound kernels"). Assumed for eager and compiled
+kernels alike."""
+KERNEL_OVERHEAD_S = 3e-6
+"""Fixed cost of one small GPU kernel in a stream (launch latency, ramp-up and tail: ~2-5 us on A100/H100, NVIDIA
+Nsight measurements quoted in the CUDA Graphs blog, developer.nvidia.com/blog/cuda-graphs). Assumed."""
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -68,11 +80,14 @@ class Timing:
     small-kernel launches; lora_overhead_s())."""
     dequant_s: float = 0.0
     """QLoRA: dequantising every 4-bit weight to the compute dtype before each matmul that uses it (dequant_s())."""
+    compile_saved_s: float = 0.0
+    """torch.compile: compute time the fused elementwise kernels save (already taken off compute_s)."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
                 "communication_s": self.communication_s, "bubble_s": self.bubble_s, "offload_s": self.offload_s,
-                "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s, "mfu": self.mfu}
+                "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s,
+                "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {})}
 
 
 def lora_overhead_s(counts, adapter, *, num_layers: int, tokens: int, micro_steps: int, checkpointing: bool,
@@ -124,7 +139,8 @@ def _group_bandwidth(hw: Hardware, group: int) -> float:
 
 def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
               partition: list[int] | None = None, grid: ParallelGrid | None = None,
-              recompute: Recompute | None = None, compute_model: ComputeModel = COMPUTE) -> Timing:
+              recompute: Recompute | None = None, compute_model: ComputeModel = COMPUTE,
+              compile_traffic: tuple = ()) -> Timing:
     """Predicted time of one optimizer step (pipeline: partition None means the grid's balanced one). `grid`: the
     grid with its tensor / context / sequence degrees (default: the strategy's plain grid on hw). `recompute`
     overrides what job.checkpointing implies (the published-run benchmark uses it for selective checkpointing);
@@ -165,6 +181,12 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     # Compute: the replica's tokens through the whole model, split over the pipeline stages (balanced) and the
     # ranks that share each sample.
     compute = tokens_per_gpu_step * per_token_s / P_stages / grid.model_parallel
+    compile_saved = 0.0
+    if compile_traffic:
+        micro_steps = job.micro_batch * job.grad_accum / P_stages / grid.model_parallel
+        compile_saved = min(compute / 2, compile_saving_s(compile_traffic, hw) * micro_steps)
+        compute -= compile_saved
+        assumptions.append(compile_assumption(compile_traffic, hw, compile_saved))
     backward = compute * 2 / 3
     pb = 4 if job.precision == "fp32" else 2
     P = spec.params
@@ -249,7 +271,24 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
                   bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
-                  lora_overhead_s=lora_s, dequant_s=quant_s)
+                  compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s)
+
+
+def compile_saving_s(traffic: tuple, hw: Hardware) -> float:
+    """Seconds torch.compile saves on one sample's forward + backward: the elementwise bytes and kernels it no
+    longer needs, at ELEMENTWISE_HBM_EFFICIENCY of the GPU's HBM bandwidth and KERNEL_OVERHEAD_S a kernel."""
+    eager_bytes, compiled_bytes, eager_kernels, compiled_kernels = traffic
+    bandwidth = hw.gpu.hbm_gbps * 1e9 * ELEMENTWISE_HBM_EFFICIENCY
+    return max(0.0, (eager_bytes - compiled_bytes) / bandwidth + (eager_kernels - compiled_kernels)
+               * KERNEL_OVERHEAD_S)
+
+
+def compile_assumption(traffic: tuple, hw: Hardware, saved_s: float) -> str:
+    eager_bytes, compiled_bytes, eager_kernels, compiled_kernels = traffic
+    return (f"torch.compile: elementwise traffic {eager_bytes / 2**30:.2f} -> {compiled_bytes / 2**30:.2f} GiB and "
+            f"{eager_kernels} -> {compiled_kernels} kernels a sample (fused by inductor), at "
+            f"{ELEMENTWISE_HBM_EFFICIENCY:.0%} of {hw.gpu.hbm_gbps:.0f} GB/s and {KERNEL_OVERHEAD_S * 1e6:.0f} us a "
+            f"kernel: {saved_s:.3f} s a step off compute")
 
 
 # ----------------------------------------------------------------------------------------------------------------

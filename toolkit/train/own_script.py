@@ -28,7 +28,6 @@ from typing import Any
 PLAN_DIR_ENV = "TOOLKIT_PLAN_DIR"
 """Set by `toolkit launch` and the plan's launch.sh: the plan folder this run uses (for --processes / --cpu, the
 folder made for this box)."""
-SETTINGS_FILE = "training_args.json"
 
 
 def plan_settings(plan: str | Path | None = None) -> dict[str, Any]:
@@ -37,7 +36,9 @@ def plan_settings(plan: str | Path | None = None) -> dict[str, Any]:
     if not folder:
         raise SystemExit(f"no plan folder: start the script with `toolkit launch PLAN_DIR -- SCRIPT` (which sets "
                          f"{PLAN_DIR_ENV}) or pass plan=PLAN_DIR")
-    path = Path(folder) / SETTINGS_FILE
+    from toolkit.plan.files import TRAINING_ARGS
+
+    path = Path(folder) / TRAINING_ARGS
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
