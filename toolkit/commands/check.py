@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
                    help="fit check: samples per GPU, where the files leave it to the runner")
     p.add_argument("--precision", help="fit check: fp32 | bf16 | fp16 | bf16-pure, where the files leave it open")
-    p.add_argument("--checkpointing", choices=("on", "off"), help="fit check: activation checkpointing")
+    p.add_argument("--checkpointing", choices=("on", "off"), nargs="?", const="on",
+                   help="fit check: activation checkpointing on (also the bare flag, as in estimate) or off")
     p.add_argument("--runner", choices=("trainer", "accelerate", "deepspeed"),
                    help="who reads a DeepSpeed JSON: its failures become errors (default: every runner that can)")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too (notes never fail)")

@@ -93,13 +93,22 @@ class Adapter:
         targets = self.target_list()
         return "all-linear" if targets == ["all-linear"] else targets
 
+    def lora_config_kwargs(self) -> dict[str, Any]:
+        """peft.LoraConfig keyword arguments (JSON-safe): what training_args.json gives a user's script."""
+        return dict(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                    target_modules=self.peft_target_modules(), modules_to_save=self.save_list() or None,
+                    task_type="CAUSAL_LM")
+
     def lora_config(self):
         """The real peft.LoraConfig of this adapter."""
         from peft import LoraConfig
 
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=self.peft_target_modules(), modules_to_save=self.save_list() or None,
-                          task_type="CAUSAL_LM")
+        return LoraConfig(**self.lora_config_kwargs())
+
+    def bnb_config_kwargs(self) -> dict[str, Any]:
+        """transformers.BitsAndBytesConfig keyword arguments of a QLoRA base (dtypes as torch attribute names)."""
+        return dict(load_in_4bit=True, bnb_4bit_quant_type=self.quant_type, bnb_4bit_use_double_quant=self.double_quant,
+                    bnb_4bit_compute_dtype=self.compute_dtype, bnb_4bit_quant_storage=self.quant_storage)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -352,6 +361,14 @@ def counts_for_spec(spec, adapter: Adapter) -> AdapterCounts:
     if key is not None:
         cache.put("lora_counts", key, asdict(counts), code=adapter_counts)
     return counts
+
+
+def base_dtype_name(precision: str) -> str:
+    """The torch dtype (attribute name) the frozen base is loaded in: the compute dtype, fp32 only for fp32 jobs
+    (base_storage_bytes_per_param's bytes)."""
+    if base_storage_bytes_per_param(precision) == 4:
+        return "float32"
+    return "float16" if precision == "fp16" else "bfloat16"
 
 
 def base_storage_bytes_per_param(precision: str) -> int:

@@ -199,10 +199,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 def load_config(model: str, *, trust_remote_code: bool = False):
     """A transformers config for a local dir/config.json, a catalog name, or a hub id (that precedence:
     toolkit.inputs.resolve.locate_model)."""
-    from toolkit.inputs.resolve import locate_model
+    from toolkit.inputs.resolve import catalog_name_of_hub_id, locate_model
 
-    where = locate_model(model)
-    if where.kind == "catalog":
+    where = locate_model(catalog_name_of_hub_id(model) or model)
+    if where.kind == "catalog":  # a catalog name, or the hub id of one: its config ships in the package
         return _config_from_dict(_read_json(where.path), f"catalog entry {where.path.name}")
     path = Path(model).expanduser()
     if path.is_dir():
