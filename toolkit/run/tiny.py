@@ -19,7 +19,7 @@ CORPUS_MODULES = (
     "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile",
 )
 
-TINY_ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "opt", "gemma2", "mixtral")
+TINY_ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "opt", "gemma2", "mixtral", "phi3")
 
 
 def corpus_text(max_chars: int | None = None) -> str:
@@ -124,7 +124,7 @@ def tiny_config(arch: str, vocab_size: int = 512, *, layers: int = 4, hidden: in
         kw = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=ffn,
                   word_embed_proj_dim=hidden, max_position_embeddings=max_positions, bos_token_id=0,
                   eos_token_id=0, pad_token_id=0)
-    elif arch in ("llama", "mistral", "qwen2", "gemma2", "mixtral"):
+    elif arch in ("llama", "mistral", "qwen2", "gemma2", "mixtral", "phi3"):
         kw = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=max_positions,
                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -134,6 +134,8 @@ def tiny_config(arch: str, vocab_size: int = 512, *, layers: int = 4, hidden: in
             kw.update(head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads, sliding_window=128)
         if arch == "mixtral":
             kw.update(num_local_experts=4, num_experts_per_tok=2)
+        if arch == "phi3":  # Phi-3-mini's own: positions it was trained on, no sliding window at this length
+            kw.update(original_max_position_embeddings=max_positions, sliding_window=None)
     else:
         raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}")
     kw.update(common)
