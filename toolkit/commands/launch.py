@@ -98,24 +98,29 @@ def _launch_on_this_box(plan: Plan, plan_dir: Path, train_argv: list[str], *, pr
 
 def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehearse: bool, dry_run: bool,
                    log_dir: Path | None = None, relaunch: str | None = None, env: dict[str, str] | None = None) -> int:
+    from toolkit.fileio import file_kind_problem
     from toolkit.inputs.strategy import Engine
     from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG
     from toolkit.run.launcher import is_user_script, launch_command, run, writable_log
-    from toolkit.run.preflight import preflight, read_ds_config
+    from toolkit.run.preflight import check_script, preflight, read_ds_config
 
+    problem = file_kind_problem(plan_dir / ACCELERATE_CONFIG)
+    if problem is not None:
+        raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is {problem}, not the accelerate config; re-emit the "
+                        f"plan's files with `toolkit emit {plan_dir} --force`")
     if not (plan_dir / ACCELERATE_CONFIG).is_file():
         raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
                         f"into {plan_dir}")
-    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (plan_dir / DS_CONFIG).is_file():
-        read_ds_config(plan_dir / DS_CONFIG)  # unreadable is refused here, rehearsal or not
+    ds_file = plan_dir / DS_CONFIG
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (ds_file.exists() or ds_file.is_symlink()):
+        read_ds_config(ds_file)  # unreadable is refused here, rehearsal or not
     if rehearse:
         from toolkit.run.rehearsal import rehearse as run_rehearsal
 
         return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
     args = None
     if is_user_script(train_argv):
-        if not Path(train_argv[0]).is_file():
-            raise UserError(f"training script {train_argv[0]} does not exist")
+        check_script(train_argv[0])
         if plan.engine == Engine.PIPELINE:
             raise UserError("a pipeline plan runs DeepSpeed's pipeline engine, which only toolkit.train drives; "
                             "launch it without a script (toolkit launch DIR -- --data D --output O)")

@@ -41,7 +41,11 @@ def cmd_plan(args) -> int:
     from toolkit.estimate.errorband import time_band
     from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan
 
-    spec = model_spec(args)
+    spec = model_spec(args)  # a config that is wrong is named first
+    if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
+        from toolkit.run.preflight import check_model_to_plan
+
+        check_model_to_plan(args.model)
     hw = hardware_of(args)
     seq_max = args.seq == "max"
     if seq_max:

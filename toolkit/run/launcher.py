@@ -86,11 +86,17 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
     lock = None
     log = None
     if output is not None:
+        from toolkit.fileio import os_error_line, remove_created_folders
+
+        existing = next(p for p in (output, *output.parents) if p.exists())
         try:
             output.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"cannot create --output {output}: {exc.strerror}; choose another folder") from None
-        lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+            lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+        except (OSError, UserError) as exc:  # a full disk: nothing of this run is left behind
+            remove_created_folders(output, existing)
+            if isinstance(exc, UserError):
+                raise
+            raise UserError(os_error_line(exc, f"create --output {output}")) from None
     try:
         with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as tmp:
             error_file = Path(tmp) / "error.json"
