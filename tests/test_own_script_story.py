@@ -225,8 +225,6 @@ def test_every_suggested_flag_exists():
     assert missing == []
 
 
-@pytest.mark.xfail(reason="issue 20's validation pass refuses a model folder that cannot train; until it lands the "
-                          "plan is written and the run fails later", strict=False)
 def test_a_config_only_model_folder_is_refused_at_plan_time(tmp_path, tiny_phi3):
     """The story's folder with only config.json: no tokenizer and no weights to fine-tune. `toolkit plan` refuses
     it in one line naming what is missing, and writes nothing."""
