@@ -139,12 +139,21 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool) -> int:
-
+def _small_setup(plan: Plan, work: Path, *, chat: bool = False) -> tuple[Path, Plan, list[str], Path, Path]:
+    """In `work`: the tiny model, the small plan and its emitted folder, and the local corpus (with chat: its
+    conversations beside it as train.jsonl, for a user's script; toolkit.train reads one kind of file per folder).
+    Returns (model folder, small plan, what changed, plan folder, data folder)."""
     model_dir = make_rehearsal_model(plan, work / "model")
     small, said = rehearsal_plan(plan, model_dir)
     small_dir = emit_plan_files(small, work / "plan")
     data = tiny.write_corpus(work / "data", max_chars=60_000)
+    if chat:
+        tiny.write_chat_corpus(data, max_chars=60_000)
+    return model_dir, small, said, small_dir, data
+
+
+def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool) -> int:
+    _, small, said, small_dir, data = _small_setup(plan, work)
     argv = ["--data", str(data), "--output", str(work / "out"), "--random-init", "--max-steps", str(REHEARSAL_STEPS),
             "--save-steps", "2", "--logging-steps", "1", "--max-eval-blocks", "8", *_kept(train_argv)]
     command = launch_command(small_dir, argv)
@@ -193,11 +202,7 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
                         "rehearse it without a script (toolkit launch DIR --rehearse)")
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     try:
-        model_dir = make_rehearsal_model(plan, work / "model")
-        small, said = rehearsal_plan(plan, model_dir)
-        small_dir = emit_plan_files(small, work / "plan")
-        data = tiny.write_corpus(work / "data", max_chars=60_000)
-        tiny.write_chat_corpus(data, max_chars=60_000)
+        model_dir, small, said, small_dir, data = _small_setup(plan, work, chat=True)
         command = launch_command(small_dir, train_argv)
         print(f"rehearsal of your script with {plan.strategy} ({small.precision}) on {small.world_size} CPU "
               f"processes over gloo: micro {small.micro_batch} x accum {small.grad_accum}; a tiny "
