@@ -404,12 +404,34 @@ CPU it is a no-op and the shard stays a view that keeps the whole loaded tensor'
 first (`_compact_local_shards`); the losses are unchanged bit for bit.
 
 **Peaks.** ZeRO-1 x SP and ZeRO-3 x SP are within 3% (the planner traces the layers at seq / sp tokens and adds the
-Ulysses all-to-all staging of q, k, v and the KV-head replication as derived terms). FSDP2 x TP is over-predicted
-by 7%, more than the 5% bar: the planner puts the peak in the head's backward with one prefetched layer and the
-root gathered, while the measured peak is in the LM head's forward, where `colwise_gather_output` holds the local
-logits and the gathered whole-vocabulary logits (2 x 2.0 MB here) and FSDP2 keeps the unsharded TP shards of
-transformers' fsdp_plan (its `keep_full_weight` tail and the layers' unsharded parameters, 352 KB each). Which term
-is too large is the planning side's to settle (issue 17 contract); the measured storages are in the JSON.
+Ulysses all-to-all staging of q, k, v and the KV-head replication as derived terms). FSDP2 x TP matches to 0.1%,
+in the phase where it is measured: the LM head's forward. It was over-predicted by 7.4% (35.06 MB in the head's
+backward against 32.65 MB measured) until the model followed what the run does (toolkit.estimate.dimensions
+`logits_gather_bytes`, toolkit.estimate.memory `_fsdp_plan_groups`):
+- FSDP2 groups. transformers wraps a tensor-parallel model itself (distributed/fsdp.py
+  `apply_fully_sharded_data_parallelism`, from the model's `fsdp_plan`): the final norm + LM head, marked
+  `keep_full_weight`, are one group unsharded from the head's forward to its backward (1,025,024 B per rank here);
+  the embedding and every layer are their own groups, resharded after forward, and the root holds no parameter.
+  The model had the accelerate wrapping instead (the root, embedding + norm + head, gathered all step, plus a
+  layer): 2.4 MB too many at the head. Now the tail is the constant, and a layer's or the embedding's unsharded
+  parameters live only while that region computes, plus, in forward, the group's all-gather output that FSDP2
+  holds until the next group's copy-out or the end of the root's forward (`_fsdp_param_group.py`
+  wait_for_unshard, `all_gather_state`; the 1,025,024 B storage at the peak beside the tail's own 1,024,000 +
+  1,024 B parameters).
+- The head's forward. `colwise_gather_output` computes this rank's vocab / tp slice of the logits (1,024,000 B)
+  and gathers them (DTensor Shard(-1) -> Replicate: an all-gather into a buffer along dim 0, then chunk + cat
+  into the whole-vocabulary logits, 2 x 2,048,000 B), all alive at once, while the loss's fp32 log-softmax (part
+  of the head's saved bytes in the trace) does not exist yet. The trace at the rank's shapes keeps the head whole
+  (the logits are whole after the gather) and only saw the whole logits; the model now takes the larger of the
+  two moments. The gathered logits and their gradients are whole on every rank (the loss sees the whole
+  vocabulary), the fp32 logits are counted once (fp32: `.float()` is a no-op), and the head saves the normed
+  hidden state, not the logits.
+- The head's backward, now modelled at 32,644,616 B, is as high as the forward: a probe run that recorded the
+  backward's own peak found 32,649,028 B (the log-softmax, its gradient and the logits' gradient, whole, with
+  only the tail unsharded); the forward's gather is 1 KB higher. Checked on its own over gloo: a Shard(-1) ->
+  Replicate redistribute of a 1,024,000 B slice peaks at the slice + 2 x 2,048,000 B.
+The CPU-side TP view (transformers' `source[slices].to(device)`) plays no part in the peak once the shards are
+copied out (above); on CPU MemTracker sees no gloo-internal buffer, as on a GPU it would not see NCCL's.
 
 **Not measured here**: context parallelism (needs CUDA, benchmarks/gpu_check.py --multi-gpu), bf16 (the HF
 Trainer refuses bf16 with DeepSpeed on CPU; the states terms for bf16 are those of distributed_memory.md), and the

@@ -197,6 +197,38 @@ def test_tp_parameters_per_rank_are_the_tp_plans_share_sharded_again_by_fsdp2():
     assert tp.optimizer_bytes == pytest.approx(plain.optimizer_bytes * rank.params / spec.params, rel=1e-6)
 
 
+def test_tp_head_gathers_whole_logits_in_forward_and_fsdp2_keeps_only_the_fsdp_plans_tail():
+    """benchmarks/results/dimension_memory.md: measured on 4 CPU processes, the FSDP2 x TP peak of the tiny Llama is
+    the LM head's forward (colwise_gather_output's all-gather), with only the fsdp_plan's keep_full_weight tail
+    unsharded (the layers and the embedding are resharded after forward)."""
+    from toolkit.estimate.dimensions import apply_to_trace, logits_gather_bytes, rank_view
+    from toolkit.estimate.memory import estimate_memory, scaled_trace
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.tensorplan import model_fsdp_plan, tensor_split
+
+    spec = _small(kv_heads=4)
+    split = tensor_split(spec, 2)
+    assert split.head_style == "colwise_gather_output"
+    assert model_fsdp_plan(spec)["model.norm"] == "keep_full_weight"
+    # kept unsharded from the head's forward to its backward: the whole norm and half of the untied LM head
+    assert split.rank_kept_outside_params == 256 + 1000 * 256 // 2 and not split.layers_kept
+    job = Job(seq_len=128, micro_batch=2, precision="fp32", device_kind="cpu")
+    strategy = parse_strategy("fsdp2")
+    grid = _grid("fsdp2", gpus=4, tensor=2)
+    view = rank_view(spec, job, grid)
+    trace = scaled_trace(view.spec, view.job, strategy)
+    logits = 2 * 128 * 1000 * 4
+    assert trace.output_bytes == logits
+    head = apply_to_trace(trace, view, False).head
+    # the rank's half of the logits + the all-gather buffer + the gathered logits, before the fp32 log-softmax
+    assert logits_gather_bytes(trace, trace.head, 2) == logits // 2 + 2 * logits - logits
+    assert head.forward_extra_bytes == max(trace.head.forward_extra_bytes, logits // 2 + logits)
+    b = estimate_memory(spec, strategy, job, parse_hardware("4xA100-80GB"), grid=grid)
+    kept = split.rank_kept_outside_params * 4
+    assert b.buffers_bytes == kept + view.spec.layer_params[0] * 4  # the tail + one layer's unsharded gradients
+
+
 def test_cp_memory_is_the_trace_at_seq_over_cp_plus_the_gathered_kv():
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job

@@ -53,6 +53,13 @@ class RankView:
     head_grad_fraction: float = 1.0
     """Share of the LM head's weight gradient one rank makes (colwise_gather_output splits the weight; the logits
     are gathered whole, as traced)."""
+    head_gather: int = 1
+    """The tensor degree over which the LM head (tp_plan `colwise_gather_output`) all-gathers its logits (1: none)."""
+    fsdp_kept_outside_params: int | None = None
+    """Tensor parallel (transformers' own FSDP2 wrapping from the model's fsdp_plan): one rank's parameters outside
+    the layers that stay unsharded from their forward to their backward (keep_full_weight: final norm + LM head);
+    the other ones (the embedding) are gathered only while their region computes. None: not that route."""
+    fsdp_layers_kept: bool = False
 
 
 def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
@@ -76,6 +83,7 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
     pb = 4 if job.precision == "fp32" else 2
     d = spec.head_dim
     fwd = bwd = saved = 0
+    head_gather, kept, layers_kept = 1, None, False
     terms: list[tuple[str, int, str]] = []
     notes: list[str] = []
     if grid.tensor > 1:
@@ -88,7 +96,13 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
                       "input-gradient all-reduce)"))
         notes.append(f"tensor parallel {grid.tensor}: layers traced at heads/{grid.tensor}, KV heads/"
                      f"{grid.tensor}, FFN/{grid.tensor} (the model's tp_plan); LM head gathered whole "
-                     "(colwise_gather_output)")
+                     "(colwise_gather_output: its forward holds the rank's logits slice, the all-gather buffer and "
+                     "the whole logits at once); FSDP2 groups from the model's fsdp_plan")
+        from toolkit.inputs.tensorplan import tensor_split
+
+        split = tensor_split(spec, grid.tensor)
+        head_gather = grid.tensor if split.head_style == "colwise_gather_output" else 1
+        kept, layers_kept = split.rank_kept_outside_params, split.layers_kept
     if grid.sequence > 1:
         p = grid.sequence
         qkv = b * local_seq * (spec.heads + 2 * spec.kv_heads) * d * pb
@@ -116,7 +130,8 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
     return RankView(rank_spec, rank_job, layer_forward_extra=fwd, layer_backward_extra=bwd,
                     layer_saved_extra=saved, terms=tuple(terms), notes=tuple(notes),
                     embedding_grad_fraction=_share(rank_spec.pre_layer_params, spec.pre_layer_params),
-                    head_grad_fraction=_share(rank_spec.post_layer_params, spec.post_layer_params))
+                    head_grad_fraction=_share(rank_spec.post_layer_params, spec.post_layer_params),
+                    head_gather=head_gather, fsdp_kept_outside_params=kept, fsdp_layers_kept=layers_kept)
 
 
 def _share(part: int, whole: int) -> float:
@@ -136,8 +151,11 @@ def kv_replication_bytes(spec: "ModelSpec", job: "Job", sp: int) -> int:
 def apply_to_trace(trace: "ActivationTrace", view: RankView, checkpointing: bool) -> "ActivationTrace":
     """The per-rank trace with the derived terms added to each decoder layer (with checkpointing a layer's
     attention tensors exist only while it recomputes, so the replication joins its backward temporaries)."""
-    trace = replace(trace, embedding=_scale_grads(trace.embedding, view.embedding_grad_fraction),
-                    head=_scale_grads(trace.head, view.head_grad_fraction))
+    head = _scale_grads(trace.head, view.head_grad_fraction)
+    if view.head_gather > 1:
+        head = replace(head, forward_extra_bytes=max(head.forward_extra_bytes,
+                                                     logits_gather_bytes(trace, head, view.head_gather)))
+    trace = replace(trace, embedding=_scale_grads(trace.embedding, view.embedding_grad_fraction), head=head)
     if not (view.layer_forward_extra or view.layer_backward_extra or view.layer_saved_extra):
         return trace
     layers = []
@@ -148,6 +166,19 @@ def apply_to_trace(trace: "ActivationTrace", view: RankView, checkpointing: bool
                               forward_extra_bytes=r.forward_extra_bytes + view.layer_forward_extra,
                               backward_extra_bytes=r.backward_extra_bytes + back))
     return replace(trace, layers=tuple(layers))
+
+
+def logits_gather_bytes(trace: "ActivationTrace", head, tensor: int) -> int:
+    """The head's forward at the moment `colwise_gather_output` gathers the logits, above the head's saved bytes
+    (what the memory model composes as live): this rank's vocab/t slice of the logits, the all-gather's output
+    buffer and the whole-vocabulary logits it is re-laid into (DTensor Shard(-1) -> Replicate: torch
+    _functional_collectives.all_gather_single gathers along dim 0, then chunk + cat along the last dim), while the
+    loss's fp32 log-softmax, part of the head's saved bytes, does not exist yet. Measured on CPU over gloo:
+    local + 2 x whole logits at that moment (benchmarks/results/dimension_memory.md)."""
+    logits = trace.output_bytes  # the whole-vocabulary logits of one micro-batch, in the compute dtype
+    pb = 4 if trace.dtype == "float32" and not trace.autocast else 2
+    log_softmax = min(head.saved_bytes, logits * 4 // pb)  # transformers' ForCausalLMLoss upcasts to fp32
+    return logits // tensor + 2 * logits - log_softmax
 
 
 def _scale_grads(region, fraction: float):

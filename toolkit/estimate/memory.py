@@ -492,8 +492,11 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
 
     view = rank_view(spec, job, grid)
     trace = apply_to_trace(scaled_trace(view.spec, view.job, strategy), view, job.checkpointing)
-    regions = _regions(view.spec, trace, 0, view.spec.num_layers, True, True)
     states = _states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
+    if view.fsdp_kept_outside_params is not None and strategy.engine == Engine.FSDP2 \
+            and strategy.fsdp_mode != "grad_op" and not view.fsdp_layers_kept:
+        trace = _fsdp_plan_groups(view, trace, states, job)
+    regions = _regions(view.spec, trace, 0, view.spec.num_layers, True, True)
     out = _compose(view.spec, strategy, view.job, hw, trace, regions, states, in_flight=1)
     terms = list(out.terms)
     where = next(i for i, t in enumerate(terms) if t.name == "activations")
@@ -503,6 +506,35 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
     extra = [Term(f"  {name} (per layer)", n, source) for name, n, source in view.terms]
     return replace(out, terms=tuple(terms[:where + 2] + extra + terms[where + 2:]),
                    notes=tuple(dict.fromkeys(view.notes + out.notes)))
+
+
+def _fsdp_plan_groups(view, trace: ActivationTrace, states: States, job: Job) -> ActivationTrace:
+    """FSDP2 as transformers wraps a tensor-parallel model (distributed/fsdp.py apply_fully_sharded_data_parallelism,
+    from the model's fsdp_plan), instead of the root-holds-the-rest wrapping `fsdp2_states` models: the
+    keep_full_weight modules outside the layers (final norm + LM head) are one group, unsharded from the head's
+    forward to its backward; every layer and the embedding are their own groups, resharded after forward (and
+    after backward), so a layer's or the embedding's unsharded parameters exist only while that region computes.
+    In forward FSDP2 also holds each group's all-gather output until the next group's all-gather has been copied
+    out or the root's forward ends (_fsdp_param_group.py wait_for_unshard, all_gather_state): one more copy of the
+    group being computed, the head's included. Moves those bytes from the constant `gathered` into the regions."""
+    from dataclasses import replace
+
+    per_param = 4 if job.precision == "fp32" else 2  # unsharded in the compute dtype, as fsdp2_states
+    prefetch = 2 if job.device_kind == "cuda" else 1
+    spec = view.spec
+    kept = view.fsdp_kept_outside_params * per_param
+    embedding = max(0, spec.pre_layer_params + spec.post_layer_params - view.fsdp_kept_outside_params) * per_param
+    states.gathered = kept
+    states.sources[:] = [x.replace("layer(s) + root", "layer(s) while it computes + the fsdp_plan's "
+                                   "keep_full_weight modules (transformers' FSDP2 groups)") for x in states.sources]
+
+    def grow(r: RegionTrace, unsharded: int, buffer: int) -> RegionTrace:
+        return replace(r, forward_extra_bytes=r.forward_extra_bytes + unsharded + buffer,
+                       backward_extra_bytes=r.backward_extra_bytes + unsharded)
+
+    layers = tuple(grow(r, prefetch * p * per_param, p * per_param) for r, p in zip(trace.layers, spec.layer_params))
+    return replace(trace, embedding=grow(trace.embedding, embedding, embedding), layers=layers,
+                   head=grow(trace.head, 0, kept))
 
 
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,

@@ -54,6 +54,15 @@ class TensorSplit:
     """One rank's share of everything outside the decoder layers."""
     by_pattern: tuple[tuple[str, str, int], ...] = ()
     """(pattern, style, whole parameters it covers in layer 0 + outside) for --explain."""
+    rank_kept_outside_params: int = 0
+    """One rank's share of the parameters outside the decoder layers that the model's `fsdp_plan` marks
+    `keep_full_weight` (Llama: the final norm and the LM head), which transformers' FSDP2 wrapping
+    (distributed/fsdp.py apply_fully_sharded_data_parallelism) leaves unsharded from their forward to their
+    backward; the rest outside the layers (the embedding) is resharded after its forward."""
+    layers_kept: bool = False
+    """The fsdp_plan keeps the decoder layers unsharded too (keep_full_weight on `layers.*`)."""
+    head_style: str | None = None
+    """The tp_plan's style for the output embedding (`lm_head`: colwise_gather_output gathers the logits)."""
 
     def layer_fraction(self) -> float:
         return self.rank_layer_params / (self.layer_sharded_params + self.layer_whole_params)
@@ -62,6 +71,12 @@ class TensorSplit:
 def model_tp_plan(spec: "ModelSpec") -> dict[str, str]:
     """The tp_plan transformers applies to this model (empty: the architecture has none)."""
     return dict(_split_inputs(spec)[0])
+
+
+def model_fsdp_plan(spec: "ModelSpec") -> dict[str, str]:
+    """The fsdp_plan transformers' own FSDP2 wrapping applies to this model (module pattern -> free_full_weight |
+    keep_full_weight; empty: none)."""
+    return dict(_split_inputs(spec)[2])
 
 
 def tp_plan_problem(spec: "ModelSpec", tensor: int) -> str | None:
@@ -88,8 +103,9 @@ def tp_plan_problem(spec: "ModelSpec", tensor: int) -> str | None:
 
 def tensor_split(spec: "ModelSpec", tensor: int) -> TensorSplit:
     """One rank's parameters under the model's tp_plan at degree `tensor` (cached per model and degree)."""
-    plan, named = _split_inputs(spec)
-    layer_sharded = layer_whole = out_sharded = out_whole = rank_layer = rank_out = 0
+    plan, named, fsdp_plan = _split_inputs(spec)
+    layer_sharded = layer_whole = out_sharded = out_whole = rank_layer = rank_out = kept_out = 0
+    layers_kept = False
     covered: dict[tuple[str, str], int] = {}
     for name, shape, in_layer in named:
         style, pattern = _style_for(name, plan)
@@ -110,10 +126,17 @@ def tensor_split(spec: "ModelSpec", tensor: int) -> TensorSplit:
             out_sharded += numel if dim is not None else 0
             out_whole += numel if dim is None else 0
             rank_out += share
+        if _style_for(name, fsdp_plan)[0] == "keep_full_weight":
+            if in_layer:
+                layers_kept = True
+            else:
+                kept_out += share
+    head = next((style for pattern, style in plan if pattern == "lm_head" or pattern.endswith(".lm_head")), None)
     return TensorSplit(tensor=tensor, plan=tuple(plan), layer_sharded_params=layer_sharded,
                        layer_whole_params=layer_whole, outside_sharded_params=out_sharded,
                        outside_whole_params=out_whole, rank_layer_params=rank_layer, rank_outside_params=rank_out,
-                       by_pattern=tuple((p, s, n) for (p, s), n in covered.items()))
+                       by_pattern=tuple((p, s, n) for (p, s), n in covered.items()),
+                       rank_kept_outside_params=kept_out, layers_kept=layers_kept, head_style=head)
 
 
 def per_rank_spec(spec: "ModelSpec", tensor: int) -> "ModelSpec":
@@ -167,7 +190,8 @@ def _embedding_split(split: TensorSplit) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------------
 
-_CACHE: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[int, ...], bool], ...]]] = {}
+_CACHE: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[int, ...], bool], ...],
+                        tuple[tuple[str, str], ...]]] = {}
 
 
 def _text(config: Any) -> Any:
@@ -175,7 +199,8 @@ def _text(config: Any) -> Any:
 
 
 def _split_inputs(spec: "ModelSpec"):
-    """(the resolved tp_plan, [(parameter name, shape, inside decoder layer 0)]) from a one-layer meta build."""
+    """(the resolved tp_plan, [(parameter name, shape, inside decoder layer 0)], the fsdp_plan) from a one-layer
+    meta build."""
     config = spec.hf_config()
     key = config.to_json_string(use_diff=False)
     if key not in _CACHE:
@@ -201,7 +226,8 @@ def _split_inputs(spec: "ModelSpec"):
                 continue
             seen.add(id(p))
             named.append((name, tuple(p.shape), ".layers.0." in f".{name}" or name.startswith("layers.0.")))
-        _CACHE[key] = (tuple(resolved.items()), tuple(named))
+        fsdp_plan = dict(getattr(model, "fsdp_plan", None) or getattr(model, "_fsdp_plan", None) or {})
+        _CACHE[key] = (tuple(resolved.items()), tuple(named), tuple(fsdp_plan.items()))
     return _CACHE[key]
 
 
