@@ -20,7 +20,7 @@ from typing import Any
 
 from toolkit.fileio import write_atomic
 
-_CODE_FILES = ("tracer.py", "modelspec.py", "activations.py", "cache.py", "lora.py")
+_CODE_FILES = ("tracer.py", "modelspec.py", "activations.py", "cache.py", "lora.py", "decoder_parts.py")
 
 
 def enabled() -> bool:

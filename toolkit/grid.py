@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
-from toolkit.pipeline.partition import PIPELINE_MODEL_TYPES, balanced_partition, check_partition, check_stage_count
+from toolkit.pipeline.partition import balanced_partition, check_partition, check_stage_count
 from toolkit.strategy import Kind, Strategy
 
 if TYPE_CHECKING:
@@ -166,9 +166,9 @@ class ParallelGrid:
         """Whether this grid's stages can hold `spec` (a stage per layer at least; a convertible architecture)."""
         if self.pipeline_stages == 1:
             return
-        if spec.model_type not in PIPELINE_MODEL_TYPES:
-            raise UserError(f"pipeline conversion supports {', '.join(PIPELINE_MODEL_TYPES)}, not "
-                            f"{spec.model_type}; ZeRO and FSDP2 run it")
+        if spec.pipeline_blocker:
+            raise UserError(f"pipeline conversion cannot split {spec.model_type} ({spec.pipeline_blocker}); ZeRO "
+                            "and FSDP2 run it")
         check_stage_count(spec.num_layers, self.pipeline_stages, self.world)
 
     def partition(self, spec: "ModelSpec") -> list[int]:

@@ -59,6 +59,9 @@ class ModelSpec:
     moe_experts: int = 0
     moe_top_k: int = 0
     notes: tuple[str, ...] = ()
+    pipeline_blocker: str | None = None
+    """Why the pipeline converter cannot split this model (the part that stops it), or None: it can
+    (toolkit.decoder_parts, found from the model's own modules)."""
     source_key: str | None = None
     """Hash of where the config came from (its config.json text, or the bare numbers): the on-disk cache key of
     this spec and of its activation traces. None (hub ids) caches nothing."""
@@ -377,6 +380,8 @@ def build_spec(name: str, config) -> ModelSpec:
         shape = tuple(p.shape)
         factored += math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] if len(shape) >= 2 else p.numel()
     expert_params = sum(p.numel() for n, p in layers.named_parameters() if _is_expert(n))
+    from toolkit.decoder_parts import pipeline_blocker
+
     notes = []
     if experts:
         notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token")
@@ -408,6 +413,7 @@ def build_spec(name: str, config) -> ModelSpec:
         moe_experts=experts,
         moe_top_k=top_k,
         notes=tuple(notes),
+        pipeline_blocker=pipeline_blocker(model, config),
     )
 
 

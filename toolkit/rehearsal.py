@@ -154,15 +154,12 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
 
 
 def make_rehearsal_model(plan: Plan, out_dir: Path) -> Path:
-    """A tiny model of the plan's architecture (random weights) with a tokenizer trained on the local corpus."""
-    if plan.model_type not in tiny.TINY_ARCHITECTURES:
-        raise UserError(f"no rehearsal model for model_type {plan.model_type}; rehearsals know "
-                        f"{', '.join(tiny.TINY_ARCHITECTURES)}")
-    overrides = {}
-    if "tie_word_embeddings" in plan.model_config:
-        overrides["tie_word_embeddings"] = plan.model_config["tie_word_embeddings"]
-    return tiny.make_tiny_model(plan.model_type, out_dir, layers=REHEARSAL_LAYERS, corpus_chars=100_000,
-                                **overrides)
+    """A tiny model of the plan's own architecture (random weights) with a tokenizer trained on the local corpus:
+    the plan's config shrunk by its own config class (toolkit.tiny.shrink_config), every non-size setting kept."""
+    from toolkit.modelspec import _config_from_dict
+
+    config = _config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)
+    return tiny.make_tiny_model(config, out_dir, layers=REHEARSAL_LAYERS, corpus_chars=100_000)
 
 
 def _kept(train_argv: list[str]) -> list[str]:
