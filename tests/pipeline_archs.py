@@ -1,6 +1,6 @@
 """Launched by tests/test_pipeline_archs.py under torchrun with 2 processes: for each model folder given, a 2-stage
 DeepSpeed pipeline built by toolkit.pipeline.convert trains STEPS steps on fixed random batches (2 micro-batches of
-2 sequences per step, torch AdamW, fp32); the last stage writes the losses to OUT_FILE as {folder: [losses]}.
+2 sequences per step, torch AdamW, no clipping, fp32); the last stage writes the losses to OUT_FILE as {folder: [losses]}.
 
 One launch serves every architecture (imports and process-group start-up are most of a launch's cost).
 Usage: pipeline_archs.py OUT_FILE MODEL_DIR [MODEL_DIR ...]."""
@@ -39,7 +39,8 @@ if __name__ == "__main__":
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR, weight_decay=0.0)
         engine, *_ = deepspeed.initialize(model=pipe, optimizer=optimizer, config={
             "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
-            "train_batch_size": MICRO * ACCUM, "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 9})
+            "train_batch_size": MICRO * ACCUM, "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 9,
+            "gradient_clipping": 0.0})  # DeepSpeed 0.19 clips at 1.0 unless told (runtime/constants.py)
         vocab = config.get_text_config().vocab_size
         results[model_dir] = [engine.train_batch(batches(vocab, step)).item() for step in range(STEPS)]
         dist.barrier()

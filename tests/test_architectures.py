@@ -69,3 +69,19 @@ def test_a_family_member_the_converter_cannot_split_is_refused_at_plan_time_nami
     out = capsys.readouterr()
     assert code == 2
     assert "pipeline conversion cannot split falcon (falcon: ALiBi attention bias" in out.err + out.out
+
+
+@pytest.mark.multiprocess
+def test_the_rehearsal_of_a_moe_pipeline_plan_from_a_real_config_passes(tmp_path, capfd):
+    """Qwen1.5-MoE, which rehearsals refused before ("no rehearsal model for model_type qwen2_moe"): its config
+    shrunk, 2 pipeline stages on 2 CPU processes, with the router loss on (carried between the stages)."""
+    from toolkit.launch import emit_plan_files, launch_main
+    from toolkit.rehearsal import plan_for_model
+
+    plan = plan_for_model(str(MODELS / "qwen1.5-moe-a2.7b.json"), "pipeline", gpus_per_node=8, pipeline_stages=8,
+                          micro_batch=2, grad_accum=4, seq_len=512)
+    plan = plan.replace(model_config={**plan.model_config, "output_router_logits": True})
+    code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "qwen2_moe 4 layers" in out and "rehearsal passed" in out
