@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.profile import measure_step, predict_step
-from toolkit.tiny import tiny_config
+from toolkit.estimate.profile import measure_step, predict_step
+from toolkit.run.tiny import tiny_config
 
 # (architecture, precision, attention, checkpointing, micro-batch, seq, shape)
 CONFIGS = [

@@ -3,13 +3,13 @@
 For DDP (control), DeepSpeed ZeRO-1/2/3 and torch FSDP2, in fp32 and bf16, two processes (torchrun, gloo) train a
 small random-init Llama (seq 128, micro-batch 2) for a few steps: forward with labels, backward, optimizer step
 (torch AdamW(fused=True) as the client optimizer, what the HF Trainer passes). On every rank torch's MemTracker
-(torch.distributed._tools.mem_tracker, the tracker toolkit.livebytes uses) is active from before the model and the
+(torch.distributed._tools.mem_tracker, the tracker toolkit.estimate.livebytes uses) is active from before the model and the
 engine are created, so the engines' flat buffers are seen; measured are the live tensor bytes just before a
 steady-state step (persistent states) and the peak of live tensor bytes over that step.
 
 DeepSpeed runs the JSON the project's emitter writes (toolkit.emit.deepspeed.ds_config for a plan made by
-toolkit.rehearsal.plan_for_model), with "auto" values resolved the way the HF Trainer does
-(toolkit.emit.validate.resolve_like_trainer). Predicted is toolkit.memory.estimate_memory for the same job on
+toolkit.run.rehearsal.plan_for_model), with "auto" values resolved the way the HF Trainer does
+(toolkit.engines.validate.resolve_like_trainer). Predicted is toolkit.estimate.memory.estimate_memory for the same job on
 "2xA100-80GB" with --device-kind cpu.
 
     python benchmarks/distributed_memory.py          # writes benchmarks/results/distributed_memory.{md,json}
@@ -37,7 +37,7 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def _config():
-    from toolkit.tiny import tiny_config
+    from toolkit.run.tiny import tiny_config
 
     return tiny_config("llama", **SHAPE)
 
@@ -48,8 +48,8 @@ def _config():
 
 def _ds_config(strategy: str, precision: str, model_dir: str) -> dict:
     from toolkit.emit.deepspeed import ds_config, hidden_size
-    from toolkit.emit.validate import resolve_like_trainer
-    from toolkit.rehearsal import plan_for_model
+    from toolkit.engines.validate import resolve_like_trainer
+    from toolkit.run.rehearsal import plan_for_model
 
     plan = plan_for_model(model_dir, strategy, gpus_per_node=WORLD, micro_batch=MICRO, seq_len=SEQ,
                           precision=precision)
@@ -256,12 +256,12 @@ def worker(strategy: str, precision: str, model_dir: str, out_path: str) -> None
 
 
 def predict(strategy: str, precision: str) -> dict:
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.grid import grid_of
-    from toolkit.memory import _states_for, estimate_memory
-    from toolkit.modelspec import build_spec
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.grid import grid_of
+    from toolkit.estimate.memory import _states_for, estimate_memory
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
 
     config = _config()
     spec = build_spec("llama", config)
@@ -311,7 +311,7 @@ def main(argv: list[str]) -> int:
         return 0
     import torch
 
-    from toolkit.tiny import tiny_config  # noqa: F401  (fail early)
+    from toolkit.run.tiny import tiny_config  # noqa: F401  (fail early)
 
     pairs = [tuple(a.split(":")) for a in argv] or [(s, p) for s in STRATEGIES for p in PRECISIONS]
     rows = []
@@ -367,7 +367,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# Distributed states: predicted / measured per-rank memory of real 2-process CPU runs", "",
              (f"One run, {meta['date']}, torch {meta['torch']}, DeepSpeed {meta.get('deepspeed', '-')}, "
              f"{meta['machine']}. Produced by `python benchmarks/distributed_memory.py` (about 2 minutes on 2 idle cores). "
-             f"Model: toolkit.tiny llama {meta['shape']} (P = {rows[0]['predicted']['params']:,} parameters), random "
+             f"Model: toolkit.run.tiny llama {meta['shape']} (P = {rows[0]['predicted']['params']:,} parameters), random "
              f"init, seq {meta['seq']}, micro-batch {meta['micro_batch']}, {meta['world']} processes over gloo "
              "(torchrun), sdpa. Step: forward with labels, backward, torch AdamW(fused=True) as the client optimizer; "
              "step 3 is measured (step 1 allocates the optimizer states)."), "",
@@ -382,7 +382,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "",
              ("Predicted: `estimate_memory(spec, parse_strategy(s), Job(seq_len=128, micro_batch=2, precision, "
              "device_kind='cpu'), parse_hardware('2xA100-80GB'))`. *Persistent* predicted = the states model's "
-             "parameters + gradients + master + optimizer + buffers (toolkit.states, no step gradients, no gathered "
+             "parameters + gradients + master + optimizer + buffers (toolkit.estimate.states, no step gradients, no gathered "
              "parameters, no step temporaries), i.e. what the model treats as alive across steps. Ratios are "
              "predicted / measured."), "",
              ("| strategy | precision | persistent MiB (pred / meas) | ratio | peak MiB (pred / meas) | ratio | "
@@ -412,7 +412,7 @@ source lines are DeepSpeed 0.19.8 / torch 2.13 as installed. Storage names come 
 (`storages`: live CPU storages before the measured step, named by the engine attribute that holds them;
 `at_peak`: the same at the step's peak, plus, for ZeRO-3, which parameters are gathered there).
 
-What the states model (toolkit/states.py) counts, and the measurement each term rests on:
+What the states model (toolkit/estimate/states.py) counts, and the measurement each term rests on:
 
 **DDP, ZeRO-1**: ZeRO-1 holds pb*P weights (flat `bit16_groups`), the fp32 master partition 4P/N
 (`single_partition_of_fp32_groups`), AdamW states 8P/N, and nothing else between steps; DDP the replicated states

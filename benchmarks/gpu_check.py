@@ -14,7 +14,7 @@ on CUDA), which exercises each engine's own buffers.
 Measured on CUDA: torch.cuda.max_memory_allocated / max_memory_reserved over a steady-state step (after one step
 that creates the optimizer states), the mean time of the next steps, and once per run the CUDA context (device
 memory in use outside the caching allocator, from cudaMemGetInfo). On CPU only the step runs and times (there is no
-allocator to read). Predicted: toolkit.memory.estimate_memory for the same job on 1 x the catalog GPU.
+allocator to read). Predicted: toolkit.estimate.memory.estimate_memory for the same job on 1 x the catalog GPU.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def cases() -> list[Case]:
 
 
 def _config(shape: dict, vocab: int, seq_len: int):
-    from toolkit.tiny import tiny_config
+    from toolkit.run.tiny import tiny_config
 
     return tiny_config("llama", vocab_size=vocab, max_positions=max(seq_len, 2048), **shape)
 
@@ -142,12 +142,12 @@ def _wrap(case: Case, model, device: str):
 
 
 def _predict(case: Case, config, kind: str, gpu: str) -> dict:
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory, reserved_bytes
-    from toolkit.modelspec import build_spec
-    from toolkit.strategy import parse_strategy
-    from toolkit.timing import step_time
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory, reserved_bytes
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+    from toolkit.estimate.timing import step_time
 
     spec = build_spec("llama", config)
     job = Job(seq_len=case.seq_len, micro_batch=case.micro_batch, precision=case.precision,
@@ -168,7 +168,7 @@ def _predict(case: Case, config, kind: str, gpu: str) -> dict:
 def run_case(case: Case, device: str, quick: bool, gpu: str) -> dict:
     import torch
 
-    from toolkit.profile import _batch, build_model
+    from toolkit.estimate.profile import _batch, build_model
 
     cuda = device.startswith("cuda")
     shape = QUICK_SHAPE if quick else SHAPES[case.shape]
@@ -279,13 +279,13 @@ def qlora_check(device: str, quick: bool, out_dir: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.lora import Adapter, counts_for_spec, frozen_base_bytes
-    from toolkit.memory import estimate_memory
-    from toolkit.modelspec import build_spec
-    from toolkit.strategy import parse_strategy
-    from toolkit.tiny import tiny_config
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.lora import Adapter, counts_for_spec, frozen_base_bytes
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+    from toolkit.run.tiny import tiny_config
     from toolkit.train.adapters import quantization_config, wrap_model
 
     kind = "cuda" if device.startswith("cuda") else "cpu"

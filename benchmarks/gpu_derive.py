@@ -4,11 +4,11 @@
 
 What it derives, per engine where the run has it:
   reserved / allocated   max_memory_reserved over max_memory_allocated of the same step: the caching allocator's
-                         share on top of the tensor peak (toolkit.memory.ALLOCATOR_MARGIN is this minus 1)
+                         share on top of the tensor peak (toolkit.estimate.memory.ALLOCATOR_MARGIN is this minus 1)
   context                device memory in use outside the allocator after the first cuBLAS call
-                         (toolkit.memory.CUDA_CONTEXT_BYTES), for the run's GPU, CUDA and torch versions
+                         (toolkit.estimate.memory.CUDA_CONTEXT_BYTES), for the run's GPU, CUDA and torch versions
   peak error             predicted allocated / measured allocated - 1 (the error band's GPU cases)
-  step-time ratio        predicted / measured step time; the measured MFU is the efficiency toolkit.timing
+  step-time ratio        predicted / measured step time; the measured MFU is the efficiency toolkit.estimate.timing
                          assumes (MFU_LOW_PRECISION) times predicted / measured
 """
 

@@ -23,12 +23,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from toolkit.hardware import parse_hardware
-from toolkit.job import Job
-from toolkit.lora import Adapter, counts_for_spec
-from toolkit.memory import estimate_memory
-from toolkit.modelspec import resolve_model
-from toolkit.strategy import parse_strategy
+from toolkit.inputs.hardware import parse_hardware
+from toolkit.inputs.job import Job
+from toolkit.inputs.lora import Adapter, counts_for_spec
+from toolkit.estimate.memory import estimate_memory
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.inputs.strategy import parse_strategy
 
 GB = 1e9
 GIB = 2**30
@@ -59,7 +59,7 @@ def main() -> int:
     lines = ["# LoRA / QLoRA: our estimates beside the peers' published numbers", "",
              f"{time.strftime('%Y-%m-%d')}, `python benchmarks/lora.py`. bf16 compute, AdamW over the adapters, "
              "micro-batch 1, activation checkpointing, Flash Attention 2 footprint, one GPU (DDP) unless stated. "
-             "'required' = tensor peak + CUDA context + allocator margin (toolkit/memory.py). Peers' sources are in "
+             "'required' = tensor peak + CUDA context + allocator margin (toolkit/estimate/memory.py). Peers' sources are in "
              "the docstring of benchmarks/lora.py.", ""]
 
     lines += ["## Trainable parameters (PEFT on the meta device)", "",
@@ -123,7 +123,7 @@ def main() -> int:
               "the page does not state the optimizer or checkpointing) and padding to the length; our activations "
               "are traced "
               "and within 3% of real tensors on CPU (tests/test_lora.py), the CUDA context and allocator margin "
-              "are assumed (toolkit/memory.py).",
+              "are assumed (toolkit/estimate/memory.py).",
               "- Answer.AI's 70B on 2 x 24 GB also offloads parameters to CPU; toolkit plans FSDP2 without CPU "
               "offload, so our estimate says it does not fit at seq 2048 without it.",
               "- FSDP2 with 4-bit weights stored as uint8: accelerate leaves them out of sharding (fsdp_utils.py), so "

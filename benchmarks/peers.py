@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.hardware import GIB, parse_hardware
-from toolkit.job import Job
-from toolkit.memory import estimate_memory
-from toolkit.modelspec import resolve_model
-from toolkit.strategy import parse_strategy
+from toolkit.inputs.hardware import GIB, parse_hardware
+from toolkit.inputs.job import Job
+from toolkit.estimate.memory import estimate_memory
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.inputs.strategy import parse_strategy
 
 CASES = {
     "A": ("gpt2-xl", "8xA100-80GB", 1024, 4),

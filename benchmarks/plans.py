@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.hardware import GIB, parse_hardware
-from toolkit.modelspec import resolve_model
-from toolkit.planner import Request, plan_candidates
+from toolkit.inputs.hardware import GIB, parse_hardware
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.estimate.search import Request, plan_candidates
 
 CASES = {
     "A": ("gpt2-xl", "8xA100-80GB", None, 1024, 64),

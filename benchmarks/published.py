@@ -7,7 +7,7 @@ optimizer implementation. The published peak is compared with the figure of ours
 
   allocated / active   -> Breakdown.peak_bytes (the highest live tensor total; torchtune's active_bytes peak is
                           allocated plus blocks pending free, the same tensors)
-  reserved             -> toolkit.memory.reserved_bytes(peak) (the caching allocator's segments)
+  reserved             -> toolkit.estimate.memory.reserved_bytes(peak) (the caching allocator's segments)
 
 Rows that use a technique the estimator does not model say which and why, and are kept out of the error summary;
 for torchtitan's per-op selective checkpointing, which lies between none and full checkpointing, both bounds are
@@ -48,7 +48,7 @@ def load_rows() -> list[dict]:
 
 
 def _spec(model: str):
-    from toolkit.modelspec import resolve_model
+    from toolkit.inputs.modelspec import resolve_model
 
     local = MODELS / f"{model}.json"
     return resolve_model(str(local) if local.is_file() else model)
@@ -76,10 +76,10 @@ def unmodelled(job: dict) -> list[str]:
 
 def estimate_row(row: dict, checkpointing: bool | None = None) -> dict:
     """Our figures for one published row; `checkpointing` overrides the row's (for the selective-AC bounds)."""
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory, reserved_bytes
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory, reserved_bytes
+    from toolkit.inputs.strategy import parse_strategy
 
     job_in = row["job"]
     spec = _spec(job_in["model"])
@@ -97,7 +97,7 @@ def estimate_row(row: dict, checkpointing: bool | None = None) -> dict:
 
 def compare(row: dict) -> dict:
     """One result line: published metric and value, ours for the same metric, error, or the reason."""
-    from toolkit.hardware import GIB
+    from toolkit.inputs.hardware import GIB
 
     reasons = unmodelled(row["job"])
     out = {"id": row["id"], "source": row["source"], "confidence": row["confidence"],
@@ -125,9 +125,9 @@ def compare(row: dict) -> dict:
 
 
 def band_cases(results: list[dict], rows: list[dict]) -> list[dict]:
-    """The modelled tensor-peak comparisons (allocated / active metrics), as toolkit.errorband reads them."""
+    """The modelled tensor-peak comparisons (allocated / active metrics), as toolkit.estimate.errorband reads them."""
     by_id = {r["id"]: r for r in rows}
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.strategy import parse_strategy
 
     out = []
     for r in results:
@@ -152,7 +152,7 @@ def _liger_sentence(results: list[dict]) -> str:
     """What the table says about Liger kernels (a row's job.liger, estimated with toolkit estimate --liger)."""
     ids = [r["id"] for r in results if r.get("liger")]
     if not ids:
-        return ("No row of the file ran Liger kernels, so --liger (toolkit.liger) is not scored against a published "
+        return ("No row of the file ran Liger kernels, so --liger (toolkit.estimate.liger) is not scored against a published "
                 "GPU figure yet; a row with job.liger true is estimated with it.")
     return f"Rows run with Liger kernels, estimated with --liger: {', '.join(ids)}."
 
@@ -178,11 +178,11 @@ def render(results: list[dict], summ: dict) -> str:
             lines.append(f"| {r['id']} | {m['metric']} | {published} | {ours} | {err} | "
                          f"{'yes' if r['modelled'] else 'no'} | {r.get('peak_phase', '-')} |")
     lines += ["", "Reading: only the accelerate FSDP2 row uses nothing the estimator lacks. Its tensor peak (allocated) "
-              "is within the goal; its reserved figure is not, because the allocator term (toolkit.memory."
+              "is within the goal; its reserved figure is not, because the allocator term (toolkit.estimate.memory."
               "ALLOCATOR_MARGIN, 5%) is still an assumption: see its docstring for why this one pair does not fix it "
               "and benchmarks/gpu_check.py for the run that will. The selective-AC rows bracket the published figure "
               "between full and no checkpointing, as they must. The modelled cases feed the error band that estimate "
-              "and plan print (toolkit/gpu_error_band.json). "
+              "and plan print (toolkit/estimate/gpu_error_band.json). "
               f"{_liger_sentence(results)}",
               "", "## Rows not modelled, and why", ""]
     for r in results:
@@ -198,7 +198,7 @@ def main() -> int:
     rows = load_rows()
     results = [compare(row) for row in rows]
     summ = summary(results)
-    from toolkit.errorband import BAND_FILE
+    from toolkit.estimate.errorband import BAND_FILE
 
     BAND_FILE.write_text(json.dumps({"about": "written by benchmarks/published.py: modelled published GPU cases, "
                                               "tensor-peak error (ours / published - 1)",

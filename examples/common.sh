@@ -7,7 +7,7 @@ WORK="${WORK:-$(mktemp -d)}"
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ ! -f "$WORK/model/config.json" ]; then
   "$PY" -c "
-from toolkit.tiny import make_tiny_model, write_corpus
+from toolkit.run.tiny import make_tiny_model, write_corpus
 make_tiny_model('llama', '$WORK/model', layers=4, hidden=64, heads=4, kv_heads=2, ffn=128)
 write_corpus('$WORK/data', max_chars=200_000)"
 fi

@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny real-architecture model, the stdlib corpus, and plans + emitted configs built from them.
 
-No hub access anywhere: models and tokenizers are made locally by toolkit.tiny.
+No hub access anywhere: models and tokenizers are made locally by toolkit.run.tiny.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """Llama, 2 layers, hidden 64, 256 positions, random weights, a 512-token BPE tokenizer trained locally."""
-    from toolkit import tiny
+    from toolkit.run import tiny
 
     return tiny.make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), layers=2, hidden=64,
                                 corpus_chars=100_000)
@@ -29,7 +29,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory) -> Path:
-    from toolkit import tiny
+    from toolkit.run import tiny
 
     return tiny.make_tiny_model("gpt2", tmp_path_factory.mktemp("tiny-gpt2"), layers=2, hidden=64,
                                 corpus_chars=100_000)
@@ -38,7 +38,7 @@ def tiny_gpt2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     """train.txt + validation.txt of standard-library docstrings (about 60 KB)."""
-    from toolkit import tiny
+    from toolkit.run import tiny
 
     return tiny.write_corpus(tmp_path_factory.mktemp("corpus"), max_chars=60_000)
 
@@ -66,7 +66,7 @@ class TrainRun:
 def run_training(tmp_path_factory):
     """Emit a plan's files and run toolkit.train on it: `accelerate launch` for several processes, plain python
     for one. Returns a TrainRun; pass the same `output` twice (with --resume) to continue a run."""
-    from toolkit.launch import emit_plan_files, launch_command
+    from toolkit.run.launcher import emit_plan_files, launch_command
 
     def run(plan, name: str, *train_argv: str, output: Path | None = None, timeout: int = 300) -> TrainRun:
         base = tmp_path_factory.mktemp(name)

@@ -1,5 +1,5 @@
 """Launched by tests/test_pipeline_archs.py under torchrun with 2 processes: for each model folder given, a 2-stage
-DeepSpeed pipeline built by toolkit.pipeline.convert trains STEPS steps on fixed random batches (2 micro-batches of
+DeepSpeed pipeline built by toolkit.train.pipeline.convert trains STEPS steps on fixed random batches (2 micro-batches of
 2 sequences per step, torch AdamW, no clipping, fp32); the last stage writes the losses to OUT_FILE as {folder: [losses]}.
 
 One launch serves every architecture (imports and process-group start-up are most of a launch's cost).
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from toolkit.pipeline.convert import Source, build_pipeline
+from toolkit.train.pipeline.convert import Source, build_pipeline
 
 STEPS, MICRO, ACCUM, SEQ, LR = 3, 2, 2, 32, 1e-3
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from toolkit.pipeline.convert import Source, build_pipeline
+from toolkit.train.pipeline.convert import Source, build_pipeline
 
 model_dir, ids_file, out_file = sys.argv[1:4]
 deepspeed.init_distributed()

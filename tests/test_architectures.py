@@ -32,11 +32,11 @@ def test_a_real_config_of_each_family_plans_pipeline_and_its_rehearsal_model_con
     from transformers import AutoModelForCausalLM
 
     from tests.test_pipeline_convert import run_layers
-    from toolkit.grid import ParallelGrid
-    from toolkit.modelspec import resolve_model
-    from toolkit.pipeline.convert import CausalLMLoss, RouterStats, Source
-    from toolkit.rehearsal import make_rehearsal_model, plan_for_model
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.train.pipeline.convert import CausalLMLoss, RouterStats, Source
+    from toolkit.run.rehearsal import make_rehearsal_model, plan_for_model
+    from toolkit.inputs.strategy import parse_strategy
 
     spec = resolve_model(str(FAMILIES[family]))
     assert spec.model_type == family and spec.pipeline_blocker is None
@@ -75,8 +75,9 @@ def test_a_family_member_the_converter_cannot_split_is_refused_at_plan_time_nami
 def test_the_rehearsal_of_a_moe_pipeline_plan_from_a_real_config_passes(tmp_path, capfd):
     """Qwen1.5-MoE, which rehearsals refused before ("no rehearsal model for model_type qwen2_moe"): its config
     shrunk, 2 pipeline stages on 2 CPU processes, with the router loss on (carried between the stages)."""
-    from toolkit.launch import emit_plan_files, launch_main
-    from toolkit.rehearsal import plan_for_model
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
 
     plan = plan_for_model(str(MODELS / "qwen1.5-moe-a2.7b.json"), "pipeline", gpus_per_node=8, pipeline_stages=8,
                           micro_batch=2, grad_accum=4, seq_len=512)

@@ -262,7 +262,7 @@ def test_gpu_spot_values(gpus):
 
 def test_gpu_catalog_resolves_through_hardware_module(gpus):
     """Every name and alias resolves to its own entry through the loader the planner uses."""
-    hardware = pytest.importorskip("toolkit.hardware")
+    hardware = pytest.importorskip("toolkit.inputs.hardware")
     for g in gpus:
         for key in [g["name"], *g["aliases"]]:
             assert hardware.find_gpu(key).name == g["name"], key

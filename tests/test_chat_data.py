@@ -28,7 +28,7 @@ PLAIN_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from toolkit.tiny import corpus_text, train_tokenizer
+    from toolkit.run.tiny import corpus_text, train_tokenizer
 
     return train_tokenizer(corpus_text(30_000), vocab_size=400)
 

@@ -44,7 +44,7 @@ def test_status_line_only_on_a_terminal(monkeypatch):
     import io
     import sys
 
-    from toolkit import cli_help
+    from toolkit.commands import help as cli_help
 
     fake = io.StringIO()
     fake.isatty = lambda: True  # type: ignore[method-assign]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toolkit.tiny import write_corpus
+from toolkit.run.tiny import write_corpus
 
 
 def _paragraphs(path) -> list[str]:
@@ -10,7 +10,7 @@ def _paragraphs(path) -> list[str]:
 
 
 def test_demo_corpus_has_no_duplicates_and_no_train_validation_overlap(tmp_path):
-    # The demo's own size (toolkit/demo.py): the repeats were worst there (150 of 155 validation paragraphs).
+    # The demo's own size (toolkit/commands/demo.py): the repeats were worst there (150 of 155 validation paragraphs).
     out = write_corpus(tmp_path, max_chars=600_000)
     train, validation = _paragraphs(out / "train.txt"), _paragraphs(out / "validation.txt")
     assert len(train) > 1000 and len(validation) > 50

@@ -12,11 +12,11 @@ import yaml
 
 from toolkit.emit import emit_files
 from toolkit.emit.deepspeed import OFFLOAD_OPTIMIZER_AUTO_KEYS, RUNNER_FILLED_AUTO_KEYS, auto_keys, ds_config
-from toolkit.emit.validate import (ConfigRejected, accelerate_launch_check, deepspeed_config_at,
+from toolkit.engines.validate import (ConfigRejected, accelerate_launch_check, deepspeed_config_at,
                                    validate_ds_config_for_plan)
 from toolkit.errors import UserError
-from toolkit.plan import Plan
-from toolkit.presets import reference_plan
+from toolkit.plan.schema import Plan
+from toolkit.emit.presets import reference_plan
 
 STRATEGIES = {
     # strategy: grid (nodes, stages)
@@ -198,7 +198,7 @@ def test_a_failed_write_leaves_the_old_folder_whole(tmp_path):
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
         "from toolkit.emit import emit_files\n"
-        "from toolkit.plan import load_plan\n"
+        "from toolkit.plan.schema import load_plan\n"
         "plan = load_plan(sys.argv[1]).replace(precision='fp16')\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (600, 600))  # plan.json is larger\n"
@@ -259,8 +259,8 @@ def test_random_plans_always_multiply_or_are_refused(tmp_path):
             plan = reference_plan(strategy, nodes=nodes, gpus_per_node=gpus, stages=stages, micro=micro,
                                   accum=accum, model_config=config).replace(global_batch=global_batch)
         except UserError:
-            from toolkit.grid import ParallelGrid
-            from toolkit.strategy import parse_strategy
+            from toolkit.inputs.grid import ParallelGrid
+            from toolkit.inputs.strategy import parse_strategy
 
             try:  # refused: either the grid cannot hold the strategy, or the batch does not multiply on it
                 grid = ParallelGrid.for_strategy(parse_strategy(strategy), nodes=nodes, gpus_per_node=gpus,

@@ -10,12 +10,12 @@ import sys
 import pytest
 
 from toolkit.cli import main
-from toolkit.hardware import GIB, parse_hardware
-from toolkit.job import Job
-from toolkit.memory import estimate_memory
-from toolkit.modelspec import resolve_model
-from toolkit.states import zero_states
-from toolkit.strategy import parse_strategy
+from toolkit.inputs.hardware import GIB, parse_hardware
+from toolkit.inputs.job import Job
+from toolkit.estimate.memory import estimate_memory
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.estimate.states import zero_states
+from toolkit.inputs.strategy import parse_strategy
 
 
 def run_json(capsys, *argv: str) -> dict:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.test_hostile import _snapshot, run_cli
-from toolkit.launch import emit_plan_files
+from toolkit.run.launcher import emit_plan_files
 from toolkit.processes import _alive, descendants
-from toolkit.rehearsal import plan_for_model
+from toolkit.run.rehearsal import plan_for_model
 
 # A writer that pauses inside write_folder after its first staged file, until its stdin gets a line.
 PAUSING_WRITER = """
@@ -25,7 +25,7 @@ from pathlib import Path
 from toolkit.cli import _finish_on_termination
 from toolkit.emit import render_files
 from toolkit.fileio import write_folder
-from toolkit.plan import load_plan
+from toolkit.plan.schema import load_plan
 
 class Pausing(dict):
     def items(self):
@@ -177,7 +177,7 @@ def test_sigkill_of_the_launcher_leaves_no_rank_running(tiny_llama_dir, corpus_d
 def test_the_first_failing_rank_is_the_one_reported(tmp_path, monkeypatch):
     """Ranks that fail later (usually because the first one left the process group) do not overwrite it."""
     from toolkit.errors import UserError
-    from toolkit.launch import _read_failure
+    from toolkit.run.launcher import _read_failure
     from toolkit.train.__main__ import _report_failure
 
     error_file = tmp_path / "error.json"

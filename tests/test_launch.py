@@ -6,8 +6,9 @@ import shlex
 
 import pytest
 
-from toolkit.launch import emit_plan_files, launch_main
-from toolkit.rehearsal import plan_for_model
+from toolkit.commands.launch import launch_main
+from toolkit.run.launcher import emit_plan_files
+from toolkit.run.rehearsal import plan_for_model
 
 
 def test_dry_run_prints_the_accelerate_command(tiny_llama_dir, tmp_path, capsys):

@@ -13,8 +13,8 @@ import pytest
 
 from toolkit.cli import main as cli
 from toolkit.emit import emit_files
-from toolkit.emit.launch import generic_scripts
-from toolkit.presets import reference_plan
+from toolkit.emit.scripts import generic_scripts
+from toolkit.emit.presets import reference_plan
 
 REPO = Path(__file__).resolve().parent.parent
 FAKES = {
@@ -59,7 +59,7 @@ def bash_n(script: Path) -> None:
 def test_launch_folder_is_rendered_from_the_templates_and_parses():
     for name, text in generic_scripts().items():
         path = REPO / "launch" / name
-        assert path.read_text() == text, f"launch/{name} is stale: python -m toolkit.emit.launch launch"
+        assert path.read_text() == text, f"launch/{name} is stale: python -m toolkit.emit.scripts launch"
         assert os.access(path, os.X_OK)
         assert "# When:" in text
         bash_n(path)
@@ -191,7 +191,7 @@ def test_toolkit_launch_runs_a_users_script_with_the_plan(tmp_path, capsys):
     import shlex
 
     from toolkit.errors import UserError
-    from toolkit.launch import launch_main
+    from toolkit.commands.launch import launch_main
 
     plan_dir = tmp_path / "p"
     emit_files(reference_plan("zero3", nodes=1, gpus_per_node=2), plan_dir)

@@ -14,10 +14,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from toolkit.errors import UserError
-from toolkit.liger import fused_linear_cross_entropy, functions, liger_applied, liger_problem, liger_rotary_pos_emb
-from toolkit.livebytes import measure_saved_bytes
-from toolkit.tiny import tiny_config
-from toolkit.tracer import trace_activations
+from toolkit.estimate.liger import (fused_linear_cross_entropy, functions, liger_applied, liger_problem,
+                                    liger_rotary_pos_emb)
+from toolkit.estimate.livebytes import measure_saved_bytes
+from toolkit.run.tiny import tiny_config
+from toolkit.estimate.tracer import trace_activations
 
 
 def _model(arch: str, dtype=torch.float32, vocab_size: int = 512):
@@ -158,11 +159,11 @@ def test_traced_bytes_with_liger_equal_a_real_run(arch, dtype, autocast, checkpo
 def test_liger_drops_the_logits_term_of_llama_3_8b_at_8k():
     from dataclasses import replace
 
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory
-    from toolkit.modelspec import resolve_model
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
 
     spec = resolve_model("llama-3-8b")
     hw = parse_hardware("8xH100-80GB")
@@ -185,10 +186,10 @@ def test_unsupported_architectures_and_engines_are_refused():
     assert liger_problem("llama") is None
     assert "llama, mistral, qwen2, qwen3" in liger_problem("gpt2")
     assert "gemma2" in liger_problem("gemma2") and "drop --liger" in liger_problem("gemma2")
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job, check_job, job_problem
-    from toolkit.modelspec import resolve_model
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job, check_job, job_problem
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
 
     hw = parse_hardware("8xH100-80GB")
     with pytest.raises(UserError, match="llama, mistral, qwen2, qwen3"):
@@ -200,9 +201,9 @@ def test_unsupported_architectures_and_engines_are_refused():
 
 def test_plan_carries_liger_and_its_prediction_is_reproduced(capsys):
     from toolkit.cli import main
-    from toolkit.hardware import parse_hardware
-    from toolkit.modelspec import resolve_model
-    from toolkit.planner import Request, plan_candidates, predict_plan, to_plan
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.estimate.search import Request, plan_candidates, predict_plan, to_plan
 
     spec = resolve_model("qwen2.5-0.5b")  # tied embeddings: the fused loss's gradient is the embedding's
     hw = parse_hardware("2xA100-80GB")
@@ -237,12 +238,12 @@ def test_whole_step_peak_with_liger_matches_a_real_cpu_step(arch, precision, voc
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory
-    from toolkit.modelspec import build_spec
-    from toolkit.profile import _batch, _dtype, build_model
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.estimate.profile import _batch, _dtype, build_model
+    from toolkit.inputs.strategy import parse_strategy
 
     config = tiny_config(arch, vocab_size=vocab_size, max_positions=256, hidden=128, layers=3, heads=4, kv_heads=2,
                          ffn=344)  # vocab 1000 / hidden 128: the fused loss runs 8 chunks of 32 rows

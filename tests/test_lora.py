@@ -11,9 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from toolkit.lora import (Adapter, adapter_counts, counts_of_peft_model, peft_model_on_meta,
+from toolkit.inputs.lora import (Adapter, adapter_counts, counts_of_peft_model, peft_model_on_meta,
                           print_trainable_parameters_line)
-from toolkit.modelspec import catalog_names, load_config
+from toolkit.inputs.modelspec import catalog_names, load_config
 
 
 def _attention_targets(config) -> str:
@@ -66,7 +66,7 @@ def test_trainable_counts_equal_peft_for_every_catalog_model(name):
 def test_4bit_bytes_match_real_bitsandbytes_tensors():
     torch = pytest.importorskip("torch")
     F = pytest.importorskip("bitsandbytes.functional")
-    from toolkit.lora import quantized_4bit_bytes
+    from toolkit.inputs.lora import quantized_4bit_bytes
 
     def nbytes(t) -> int:
         return t.numel() * t.element_size()
@@ -100,8 +100,8 @@ CASES = [
 def test_lora_activations_and_peak_match_real_cpu_tensors(arch, targets, dropout, checkpointing, precision):
     """Traced (FakeTensorMode, PEFT-wrapped) against a real PEFT model's step on CPU: activations within 3%,
     the whole-step peak (fused AdamW over the adapters, steady state) within 5%."""
-    from toolkit.profile import measure_step, predict_step
-    from toolkit.tiny import tiny_config
+    from toolkit.estimate.profile import measure_step, predict_step
+    from toolkit.run.tiny import tiny_config
 
     config = tiny_config(arch, vocab_size=1000, max_positions=256, hidden=128, layers=3, heads=4, kv_heads=2,
                          ffn=344)
@@ -116,8 +116,8 @@ def test_lora_activations_and_peak_match_real_cpu_tensors(arch, targets, dropout
 def test_dropout_copies_and_input_grads_are_in_the_trace():
     """The trace is not a formula: dropout on the targets' inputs keeps a mask and a dropped copy per target, and
     attention-only adapters keep less than all-linear ones."""
-    from toolkit.tiny import tiny_config
-    from toolkit.tracer import trace_activations
+    from toolkit.run.tiny import tiny_config
+    from toolkit.estimate.tracer import trace_activations
 
     config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
     kw = dict(seq_len=64, micro_batch=2, dtype="bfloat16", autocast=False, attention="sdpa", device_kind="cpu")
@@ -140,13 +140,13 @@ def test_engine_memory_of_lora_and_qlora():
     4-bit (QLoRA, whole per GPU under FSDP2 when stored as uint8); adapters with fp32 grads and AdamW states."""
     from dataclasses import replace
 
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.lora import counts_for_spec
-    from toolkit.grid import grid_of
-    from toolkit.memory import _adapter_states
-    from toolkit.modelspec import resolve_model
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.lora import counts_for_spec
+    from toolkit.inputs.grid import grid_of
+    from toolkit.estimate.memory import _adapter_states
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
 
     spec = resolve_model("llama-2-7b")
     hw = parse_hardware("4xA100-80GB")

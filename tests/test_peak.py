@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from toolkit.profile import measure_step, predict_step
-from toolkit.tiny import tiny_config
+from toolkit.estimate.profile import measure_step, predict_step
+from toolkit.run.tiny import tiny_config
 
 CASES = [
     ("gpt2", "fp32", False, dict(hidden=128, layers=3, heads=4, ffn=512)),

@@ -1,4 +1,4 @@
-"""Pipeline and hybrid training (toolkit.pipeline): real multi-process CPU runs against a single-process HF run.
+"""Pipeline and hybrid training (toolkit.train.pipeline): real multi-process CPU runs against a single-process HF run.
 
 The reference is the plain HF model with torch AdamW, the same initial weights, data order (runner.BatchOrder)
 and hyper-parameters, the loss averaged over the global batch. Runs are shared between assertions (module-scoped
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.plan import Plan
+from toolkit.plan.schema import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 32
@@ -30,7 +30,7 @@ HYPER = dict(lr=3e-3, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0, lr_sc
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from toolkit.tiny import make_tiny_model, write_corpus
+    from toolkit.run.tiny import make_tiny_model, write_corpus
 
     root = tmp_path_factory.mktemp("pipeline")
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -47,9 +47,9 @@ def make_plan(model_dir: Path, *, stages: int, dp: int, micro: int = 2, accum: i
               checkpointing: bool = False, partition: list[int] | None = None) -> Plan:
     from transformers import AutoConfig
 
-    from toolkit.grid import ParallelGrid
-    from toolkit.modelspec import build_spec
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
 
     config = AutoConfig.from_pretrained(model_dir)
     spec = build_spec(str(model_dir), config)
@@ -106,7 +106,7 @@ def reference_run(model_dir: Path, data: Path, global_batch: int, steps: int = S
     """Single process: HF model + torch AdamW, same data order and hyper-parameters; (losses, trained model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-    from toolkit.pipeline.runner import BatchOrder
+    from toolkit.train.pipeline.runner import BatchOrder
     from toolkit.train.data import build_datasets
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,4 +1,4 @@
-"""Every decoder architecture the converter finds the parts of (toolkit.decoder_parts) trains as a 2-stage
+"""Every decoder architecture the converter finds the parts of (toolkit.inputs.decoder_parts) trains as a 2-stage
 DeepSpeed pipeline with the losses of the plain single-process HF model: one 2-process launch for all of them."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def pipeline_losses(tmp_path_factory):
     """{arch: (model folder, losses of the 2-stage pipeline)} from one torchrun launch of tests/pipeline_archs.py."""
-    from toolkit.tiny import make_tiny_model
+    from toolkit.run.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("archs")
     models = {arch: make_tiny_model(arch, root / arch, corpus_chars=20_000, **pipeline_test_overrides(arch))

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from toolkit.errors import UserError
-from toolkit.pipeline.convert import (CausalLMLoss, DecoderLayerPipe, HeadPipe, InputsPipe, NormPipe, RouterStats,
+from toolkit.train.pipeline.convert import (CausalLMLoss, DecoderLayerPipe, HeadPipe, InputsPipe, NormPipe, RouterStats,
                                       Source, TokenEmbeddingPipe, tied_head)
 
-# Every architecture the issue names, as transformers' default config of each shrunk by toolkit.tiny: the converter
-# finds their parts from the model (toolkit.decoder_parts), no table. MoE models ask for the router's
+# Every architecture the issue names, as transformers' default config of each shrunk by toolkit.run.tiny: the converter
+# finds their parts from the model (toolkit.inputs.decoder_parts), no table. MoE models ask for the router's
 # load-balancing loss (output_router_logits), so it must reach the pipeline's loss; sliding windows are shorter
 # than the sequence, so the sliding masks matter.
 ARCHS = ("phi3", "gemma2", "gemma3_text", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmo2", "stablelm",
@@ -34,7 +34,7 @@ def pipeline_test_overrides(arch: str) -> dict:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from toolkit.tiny import make_tiny_model
+    from toolkit.run.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("convert")
     return {arch: make_tiny_model(arch, root / arch, corpus_chars=30_000, **pipeline_test_overrides(arch))
@@ -105,7 +105,7 @@ def test_random_init_is_hf_init_and_the_same_on_every_rank(models):
 
 
 def test_an_architecture_not_built_from_the_standard_parts_is_refused_naming_the_part(models):
-    from toolkit.tiny import tiny_config
+    from toolkit.run.tiny import tiny_config
 
     with pytest.raises(UserError, match=r"cannot split this model: bloom: part 'transformer.ln_f' \(LayerNorm\) is "
                                         r"a second norm beside 'transformer.word_embeddings_layernorm'"):
@@ -134,7 +134,7 @@ def test_a_plan_with_more_stages_than_layers_is_refused_before_anything_runs(mod
 ])
 def test_ds_config_that_contradicts_the_plan_is_refused(models, tmp_path, change, message):
     from tests.test_pipeline import make_plan, write_plan_dir
-    from toolkit.pipeline.runner import read_ds_config
+    from toolkit.train.pipeline.runner import read_ds_config
     from toolkit.train.args import parse_train_args
 
     plan = make_plan(models["llama"], stages=2, dp=1)

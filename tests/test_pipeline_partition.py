@@ -3,7 +3,7 @@
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.pipeline.partition import balanced_partition, check_partition, check_stage_count, stage_counts
+from toolkit.inputs.partition import balanced_partition, check_partition, check_stage_count, stage_counts
 
 
 def stage_costs(bounds, costs, first_extra=0.0, last_extra=0.0):
@@ -76,10 +76,10 @@ def test_a_plan_partition_must_cover_every_layer_once():
 @pytest.mark.parametrize("arch, blocked", [("phi3", False), ("gemma3_text", False), ("qwen2_moe", False),
                                            ("bloom", True)])
 def test_the_planner_and_the_converter_agree_on_what_can_be_split(arch, blocked):
-    """One finder (toolkit.decoder_parts) answers both: the planner's spec and the converter's Source."""
-    from toolkit.modelspec import build_spec
-    from toolkit.pipeline.convert import Source
-    from toolkit.tiny import tiny_config
+    """One finder (toolkit.inputs.decoder_parts) answers both: the planner's spec and the converter's Source."""
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.train.pipeline.convert import Source
+    from toolkit.run.tiny import tiny_config
 
     config = tiny_config(arch, output_router_logits=True) if arch == "qwen2_moe" else tiny_config(arch)
     spec = build_spec(arch, config)

@@ -9,11 +9,11 @@ import pytest
 
 from toolkit.cli import main
 from toolkit.errors import UserError
-from toolkit.hardware import parse_hardware
-from toolkit.modelspec import resolve_model
-from toolkit.plan import load_plan
-from toolkit.planner import Request, plan_candidates, to_plan
-from toolkit.strategy import ALL_STRATEGY_NAMES, parse_strategy
+from toolkit.inputs.hardware import parse_hardware
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.plan.schema import load_plan
+from toolkit.estimate.search import Request, plan_candidates, to_plan
+from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, parse_strategy
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_every_feasible_candidate_meets_the_global_batch_exactly(llama7b):
     assert len(feasible) >= 8
     for c in feasible:
         assert c.job.micro_batch * c.job.grad_accum * c.data_parallel == 128
-        assert c.data_parallel * c.pipeline_stages == 16
+        assert c.data_parallel * c.pipeline_stages * c.grid.model_parallel == 16
 
 
 def test_random_models_clusters_and_batches_hold_the_arithmetic_or_refuse_with_a_reason():
@@ -158,7 +158,7 @@ def test_every_planned_strategy_emits_files_the_engines_accept(tmp_path, model, 
     import json as _json
 
     from toolkit.emit import emit_files
-    from toolkit.emit.validate import accelerate_launch_check, validate_ds_config_for_plan
+    from toolkit.engines.validate import accelerate_launch_check, validate_ds_config_for_plan
 
     spec = resolve_model(model)
     hw = parse_hardware(gpus)

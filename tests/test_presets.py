@@ -1,12 +1,12 @@
-"""presets/sets/ is exactly what the emitter writes today (regenerate: python -m toolkit.presets --write)."""
+"""presets/sets/ is exactly what the emitter writes today (regenerate: python -m toolkit.emit.presets --write)."""
 
 from __future__ import annotations
 
 import filecmp
 import stat
 
-from toolkit.check import check_paths
-from toolkit.presets import SETS_DIR, preset_names, preset_plan, write_presets
+from toolkit.check.folder import check_paths
+from toolkit.emit.presets import SETS_DIR, preset_names, preset_plan, write_presets
 
 
 def tree(root):
@@ -16,9 +16,9 @@ def tree(root):
 def test_preset_folder_equals_the_emitter_output_byte_for_byte(tmp_path):
     write_presets(tmp_path)
     fresh, committed = tree(tmp_path), tree(SETS_DIR)
-    assert sorted(committed) == sorted(fresh), "run: python -m toolkit.presets --write"
+    assert sorted(committed) == sorted(fresh), "run: python -m toolkit.emit.presets --write"
     for name, path in fresh.items():
-        assert filecmp.cmp(path, committed[name], shallow=False), f"{name} differs; run python -m toolkit.presets --write"
+        assert filecmp.cmp(path, committed[name], shallow=False), f"{name} differs; run python -m toolkit.emit.presets --write"
         assert bool(path.stat().st_mode & stat.S_IXUSR) == bool(committed[name].stat().st_mode & stat.S_IXUSR), name
 
 

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from toolkit.savers import optimizer_step_temporary_bytes
+from toolkit.estimate.savers import optimizer_step_temporary_bytes
 
 
 def _step_temporaries(optimizer, params) -> int:
@@ -64,14 +64,14 @@ def test_adamw_step_temporaries_match_torch(impl):
 def test_foreach_adds_a_group_sized_temporary_to_the_fsdp2_step():
     from dataclasses import replace
 
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import _states_for
-    from toolkit.modelspec import resolve_model
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import _states_for
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
 
     spec = resolve_model(layers=2, hidden=64, heads=4, vocab=256)
-    from toolkit.grid import grid_of
+    from toolkit.inputs.grid import grid_of
 
     hw = parse_hardware("4xH100")
     job = Job(seq_len=32)
@@ -88,13 +88,13 @@ def test_foreach_adds_a_group_sized_temporary_to_the_fsdp2_step():
 def test_planner_refuses_a_candidate_inside_the_error_band():
     """Some micro-batch fits the GPU by the estimate but not with the band's headroom: it is refused, and the plan
     picks a smaller one."""
-    from toolkit.errorband import band_for
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.modelspec import resolve_model
-    from toolkit.grid import grid_of
-    from toolkit.planner import Request, evaluate, plan_candidates
-    from toolkit.strategy import parse_strategy
+    from toolkit.estimate.errorband import band_for
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.grid import grid_of
+    from toolkit.estimate.search import Request, evaluate, plan_candidates
+    from toolkit.inputs.strategy import parse_strategy
 
     spec = resolve_model("gpt2")
     hw = parse_hardware("1xL4")
@@ -125,9 +125,9 @@ def test_host_ram_at_load_refuses_every_rank_loading_the_whole_model(capsys):
     """gpt2-xl (1.56B): DDP builds the fp32 model on every rank (8 x 6.2 GB on one node), FSDP2's
     cpu_ram_efficient_loading once, ZeRO-3 partitions while building."""
     from toolkit.cli import main
-    from toolkit.hardware import GIB, parse_hardware
-    from toolkit.modelspec import resolve_model
-    from toolkit.planner import Request, plan_candidates
+    from toolkit.inputs.hardware import GIB, parse_hardware
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.estimate.search import Request, plan_candidates
 
     spec = resolve_model("gpt2-xl")
     hw = parse_hardware("8xA100-80GB", cpu_ram_gib=40)
@@ -153,11 +153,11 @@ def test_activation_offloading_moves_layer_activations_to_host():
     it computes. (TRL's offloading copies to the host, which a CPU run cannot show: arithmetic on the trace.)"""
     from dataclasses import replace
 
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory, scaled_trace
-    from toolkit.modelspec import resolve_model
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory, scaled_trace
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
 
     spec = resolve_model("qwen2.5-0.5b")
     hw = parse_hardware("2xA100-80GB")
@@ -177,7 +177,7 @@ def test_the_memory_savers_a_plan_assumes_reach_the_settings_each_runner_reads()
     TrainingArguments (optim, use_liger_kernel), TRL's SFTConfig (activation_offloading), a custom loop's
     optimizer kwargs; and what a route cannot do is said, not silently dropped."""
     from toolkit.emit.user_settings import accelerate_loop, notes, sft_config, training_arguments
-    from toolkit.presets import preset_plan
+    from toolkit.emit.presets import preset_plan
 
     base = preset_plan("zero2", "bf16")
     assert training_arguments(base)["optim"] == "adamw_torch_fused" and "use_liger_kernel" not in \
@@ -194,13 +194,13 @@ def test_the_memory_savers_a_plan_assumes_reach_the_settings_each_runner_reads()
 
 
 def test_pipeline_ranks_load_only_their_stage_into_host_ram():
-    """toolkit.pipeline.convert reads each stage's tensors from the safetensors: a node of 8 pipeline ranks holds
+    """toolkit.train.pipeline.convert reads each stage's tensors from the safetensors: a node of 8 pipeline ranks holds
     about one model's worth at load, where 8 DDP ranks hold eight."""
-    from toolkit.hardware import parse_hardware
-    from toolkit.job import Job
-    from toolkit.memory import estimate_memory
-    from toolkit.modelspec import resolve_model
-    from toolkit.strategy import parse_strategy
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
 
     spec, hw = resolve_model("llama-2-7b"), parse_hardware("8xA100-80GB")
     job = Job(seq_len=512)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.livebytes import measure_peaks, measure_saved_bytes, peak_step_bytes
-from toolkit.tiny import tiny_config
-from toolkit.tracer import trace_activations
+from toolkit.estimate.livebytes import measure_peaks, measure_saved_bytes, peak_step_bytes
+from toolkit.run.tiny import tiny_config
+from toolkit.estimate.tracer import trace_activations
 
 TOLERANCE = 0.03
 
@@ -264,7 +264,7 @@ def test_llama_3_70b_shaped_trace_at_8k_completes():
     ("llama", "bfloat16", True, "sdpa", True),
 ])
 def test_composed_peaks_match_real_tensors(arch, dtype, autocast, attention, checkpointing):
-    # As toolkit.memory composes them: everything saved so far, plus the region's extra.
+    # As toolkit.estimate.memory composes them: everything saved so far, plus the region's extra.
     config = tiny_config(arch, layers=3, hidden=64, vocab_size=1000)  # traced with 2, expanded to 3
     kw = dict(dtype=dtype, autocast=autocast, attention=attention, checkpointing=checkpointing, micro_batch=2,
               seq_len=128)

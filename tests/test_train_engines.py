@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from toolkit.rehearsal import plan_for_model
+from toolkit.run.rehearsal import plan_for_model
 
 STEPS = 6
 SEQ = 32
@@ -181,7 +181,7 @@ def test_run_killed_mid_training_resumes_from_its_last_complete_checkpoint(tiny_
     import subprocess
     import time
 
-    from toolkit.launch import emit_plan_files, launch_command
+    from toolkit.run.launcher import emit_plan_files, launch_command
     from toolkit.train.checkpoints import last_complete_checkpoint
 
     plan_dir = emit_plan_files(_plan(tiny_llama_dir, "ddp"), tmp_path / "plan")

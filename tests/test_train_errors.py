@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from toolkit.rehearsal import plan_for_model
+from toolkit.run.rehearsal import plan_for_model
 
 
 def _one_error_line(run) -> str:
@@ -73,11 +73,12 @@ def test_two_processes_only_rank0_reports_and_launch_exits_2(tiny_llama_dir, tmp
     import subprocess
     import sys
 
-    from toolkit.launch import emit_plan_files
+    from toolkit.run.launcher import emit_plan_files
 
     (tmp_path / "tiny.txt").write_text("too short\n")
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
-    proc = subprocess.run([sys.executable, "-m", "toolkit.launch", str(plan_dir), "--data", str(tmp_path / "tiny.txt"),
+    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--", "--data",
+                           str(tmp_path / "tiny.txt"),
                            "--output", str(tmp_path / "out"), "--max-steps", "1"],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 2, proc.stderr[-4000:]
@@ -90,10 +91,11 @@ def test_two_processes_only_rank0_reports_and_launch_exits_2(tiny_llama_dir, tmp
 
 def test_launch_preflight_refuses_a_mismatched_model_before_starting(tiny_llama_dir, tiny_gpt2_dir, tmp_path,
                                                                      capsys):
-    from toolkit.launch import emit_plan_files, main
+    from toolkit.cli import main
+    from toolkit.run.launcher import emit_plan_files
 
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
-    code = main([str(plan_dir), "--data", str(tmp_path), "--output", str(tmp_path / "o"), "--model",
+    code = main(["launch", str(plan_dir), "--", "--data", str(tmp_path), "--output", str(tmp_path / "o"), "--model",
                  str(tiny_gpt2_dir)])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -103,7 +105,8 @@ def test_launch_preflight_refuses_a_mismatched_model_before_starting(tiny_llama_
 def test_catalog_model_loads_as_its_hub_id(tiny_llama_dir, tmp_path):
     """A plan made for a catalog name trains its hub id (offline here: one line naming the hub id and the fix)."""
     from toolkit.errors import UserError
-    from toolkit.launch import emit_plan_files, launch_main
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
 
     plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32).replace(model="llama-2-7b")
     plan_dir = emit_plan_files(plan, tmp_path / "p")

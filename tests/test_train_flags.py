@@ -10,7 +10,7 @@ from toolkit.train.args import parse_train_args
 
 def test_trainer_flags_reach_the_trainer_and_the_plan_wins(tiny_llama_dir, tmp_path, capsys):
     from toolkit.train.hf_runner import _training_arguments
-    from toolkit.rehearsal import plan_for_model
+    from toolkit.run.rehearsal import plan_for_model
 
     plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, grad_accum=3, seq_len=32)
     args = parse_train_args(["--plan", "p", "--data", "d", "--output", str(tmp_path), "--report_to", "tensorboard",

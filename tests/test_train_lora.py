@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.lora import Adapter
-from toolkit.rehearsal import plan_for_model
+from toolkit.inputs.lora import Adapter
+from toolkit.run.rehearsal import plan_for_model
 
 STEPS = 6
 SEQ = 32
@@ -103,7 +103,7 @@ def test_lora_zero3_resume_is_exact(run_training, lora_runs, tiny_llama_dir, cor
 
 
 def test_rehearsal_plan_keeps_the_method(tiny_llama_dir):
-    from toolkit.rehearsal import rehearsal_plan
+    from toolkit.run.rehearsal import rehearsal_plan
 
     plan = _plan(tiny_llama_dir, "fsdp2").replace(method="qlora", adapter={**ADAPTER.to_dict(), "method": "qlora"})
     small, _ = rehearsal_plan(plan, tiny_llama_dir)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from toolkit.rehearsal import plan_for_model
+from toolkit.run.rehearsal import plan_for_model
 
 STEPS = 6
 ARGS = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", "6", "--lr", "3e-3",
@@ -40,8 +40,8 @@ def test_fp16_plan_is_refused_on_cpu_with_one_line(run_training, tiny_llama_dir,
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3-offload", "zero1"])
 def test_fp16_deepspeed_config_validates(strategy, tiny_llama_dir, tmp_path):
-    from toolkit.launch import emit_plan_files
-    from toolkit.rehearsal import _validate_real_configs
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import _validate_real_configs
 
     plan = plan_for_model(tiny_llama_dir, strategy, micro_batch=2, grad_accum=4, seq_len=32, precision="fp16")
     plan_dir = emit_plan_files(plan, tmp_path / "plan")
@@ -51,7 +51,7 @@ def test_fp16_deepspeed_config_validates(strategy, tiny_llama_dir, tmp_path):
 
 
 def test_rehearsal_runs_fp16_plans_as_bf16(tiny_llama_dir):
-    from toolkit.rehearsal import rehearsal_plan
+    from toolkit.run.rehearsal import rehearsal_plan
 
     plan = plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=8, micro_batch=8, grad_accum=16, seq_len=256,
                           precision="fp16", attention="flash_attention_2")

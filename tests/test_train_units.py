@@ -130,7 +130,7 @@ def test_rotation_never_deletes_the_last_complete_checkpoint(tmp_path):
 
 def test_rotation_keeps_three_complete_checkpoints_by_default_as_plan_md_says(tmp_path):
     from toolkit.emit.explain import launch_section
-    from toolkit.rehearsal import plan_for_model
+    from toolkit.run.rehearsal import plan_for_model
     from toolkit.train.args import parse_train_args
     from toolkit.train.checkpoints import checkpoint_dirs, rotate
 
@@ -148,7 +148,7 @@ def test_rotation_keeps_three_complete_checkpoints_by_default_as_plan_md_says(tm
 
 def test_model_checks(tiny_llama_dir, tiny_gpt2_dir):
     from toolkit.train.model import check_matches_plan, load_config
-    from toolkit.rehearsal import plan_for_model
+    from toolkit.run.rehearsal import plan_for_model
 
     plan = plan_for_model(tiny_llama_dir, "ddp", seq_len=32)
     check_matches_plan(load_config(str(tiny_llama_dir)), plan, "m")

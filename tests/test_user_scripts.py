@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.emit import emit_files
-from toolkit.rehearsal import plan_for_model
+from toolkit.run.rehearsal import plan_for_model
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "examples" / "own_script"
@@ -53,7 +53,7 @@ def copied_plans(tmp_path_factory, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory) -> Path:
-    from toolkit import tiny
+    from toolkit.run import tiny
 
     return tiny.write_chat_corpus(tmp_path_factory.mktemp("chat"), max_chars=60_000) / "train.jsonl"
 

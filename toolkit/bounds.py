@@ -38,7 +38,7 @@ SEQ = Bound(1, 16777216, "16x the longest published context window (1M tokens)")
 
 # Hardware. The largest NVLink domain is GB200 NVL72 (72 GPUs); the largest reported clusters hold about 10^5
 # GPUs (about 1.3 x 10^4 nodes of 8), so nodes are bounded at 2^16 and per-node GPUs at 1024. The plan.json schema
-# (toolkit/plan.py) bounds the same fields; these are kept at or inside its bounds, so a flag accepted here never
+# (toolkit/plan/schema.py) bounds the same fields; these are kept at or inside its bounds, so a flag accepted here never
 # makes a plan the schema refuses.
 GPUS_PER_NODE = Bound(1, 1024, "14x the largest NVLink domain (NVL72)")
 NODES = Bound(1, 65536, "5x the nodes of the largest reported GPU clusters (~10^5 GPUs)")
@@ -48,6 +48,7 @@ CPU_RAM_GIB = Bound(0, 1048576, "1 PiB of host RAM per node", low_inclusive=Fals
 # Batch and steps.
 BATCH = Bound(1, 1000000, "10^6 samples")
 STAGES = Bound(1, 1024, "one stage per layer of the deepest allowed model")
+DEGREE = Bound(1, 1024, "the GPUs-per-node bound; no real model has heads to split over more")
 STEPS = Bound(1, 1e9, "10^9 optimizer steps")
 PROFILE_STEPS = Bound(1, 10000, "timed steps of one profile run")
 TOP = Bound(1, 100000, "rows to print")

@@ -20,7 +20,8 @@ from typing import Any
 
 from toolkit.fileio import write_atomic
 
-_CODE_FILES = ("tracer.py", "modelspec.py", "activations.py", "cache.py", "lora.py", "decoder_parts.py")
+_CODE_FILES = ("estimate/tracer.py", "inputs/modelspec.py", "estimate/activations.py", "cache.py", "inputs/lora.py",
+               "inputs/decoder_parts.py")
 
 
 def enabled() -> bool:

@@ -1,6 +1,6 @@
 """Processes a run starts, and how they end: the launcher's tree is stopped as a whole and no rank outlives it.
 
-toolkit.launch runs the launcher with these; toolkit.train's ranks set die_with_parent themselves. Linux facts used:
+toolkit.run.launcher runs the launcher with these; toolkit.train's ranks set die_with_parent themselves. Linux facts used:
 prctl PR_SET_PDEATHSIG (<linux/prctl.h>), /proc/PID/stat for the process tree (torchrun puts each worker in a
 session of its own, so a process group alone does not reach them).
 """

@@ -6,7 +6,7 @@
         ds_config.deepspeed.json   ZeRO plans: every value concrete (DeepSpeed's launcher, deepspeed.initialize)
         training_args.json         the settings a user's own script needs (toolkit.emit.user_settings)
         launch.sh                  one-node plans: the accelerate launch line, executable
-        slurm.sbatch, deepspeed.sh, hostfile   multi-node plans (toolkit.emit.launch)
+        slurm.sbatch, deepspeed.sh, hostfile   multi-node plans (toolkit.emit.scripts)
         plan.json                  the plan itself (toolkit.train reads it)
         PLAN.md                    the plan explained: strategy, batch arithmetic, memory, speed, candidates chart
 
@@ -25,13 +25,13 @@ from typing import Any
 from toolkit.emit.accelerate import accelerate_yaml
 from toolkit.emit.deepspeed import ds_config
 from toolkit.emit.explain import plan_md
-from toolkit.emit.launch import default_hosts, deepspeed_sh, hostfile, launch_sh, slurm_sbatch
+from toolkit.emit.scripts import default_hosts, deepspeed_sh, hostfile, launch_sh, slurm_sbatch
 from toolkit.emit.safety import check_hosts, check_path_text, check_plan_for_emit
 from toolkit.emit.user_settings import DS_LAUNCHER_CONFIG, SETTINGS_FILE, settings_json
 from toolkit.errors import UserError
 from toolkit.fileio import write_folder
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 EXECUTABLE = 0o755
 READABLE = 0o644  # write_atomic's temporary file is 0o600; configs are shared with the team
@@ -40,7 +40,7 @@ READABLE = 0o644  # write_atomic's temporary file is 0o600; configs are shared w
 def render_files(plan: Plan, *, candidates: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
                  hosts: list[str] | None = None) -> dict[str, tuple[str, int]]:
     """File name -> (text, mode) for a plan; pure (no file names another by path, so the folder can move)."""
-    from toolkit.train.model import loadable_model
+    from toolkit.inputs.resolve import loadable_model
 
     check_plan_for_emit(plan)
     check_path_text("--nvme-path", nvme_path)
@@ -73,7 +73,7 @@ def render_files(plan: Plan, *, candidates: list[dict[str, Any]] | None = None, 
 
 def emit_files(plan: Plan, out_dir: str | Path, *, force: bool = False,
                candidates: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
-               hosts: list[str] | None = None) -> list[Path]:
+               hosts: list[str] | None = None, extra: dict[str, str] | None = None) -> list[Path]:
     """Write the plan's files into out_dir; returns their paths in writing order.
 
     nvme_path: directory on a local NVMe drive, required when the plan offloads to NVMe (UserError otherwise).
@@ -82,6 +82,7 @@ def emit_files(plan: Plan, out_dir: str | Path, *, force: bool = False,
     """
     out_dir = Path(out_dir)
     files = render_files(plan, candidates=candidates, nvme_path=nvme_path, hosts=hosts)
+    files.update({name: (text, READABLE) for name, text in (extra or {}).items()})  # --seq max: the chart
     try:
         write_folder(out_dir, files, force=force)
     except OSError as exc:

@@ -1,6 +1,6 @@
 """The accelerate YAML for a plan: what `accelerate launch --config_file` reads.
 
-Choices (each checked against accelerate 1.15's own loader and launch validation in toolkit.emit.validate):
+Choices (each checked against accelerate 1.15's own loader and launch validation in toolkit.engines.validate):
   - DDP: MULTI_GPU over all processes (NO for a single process: accelerate refuses --multi_gpu with one process).
   - ZeRO: DEEPSPEED with `deepspeed_config_file` (+ zero3_init_flag, and the multi-node launcher).
     Every training knob lives in the JSON: accelerate refuses a YAML that sets gradient_accumulation_steps,
@@ -21,7 +21,9 @@ Choices (each checked against accelerate 1.15's own loader and launch validation
     is fsdp_activation_checkpointing (= plan.checkpointing): accelerate applies it for every script it launches
     (Trainer, TRL, a custom loop), where a TrainingArguments flag would reach Trainer scripts only; the emitted
     TrainingArguments leave gradient_checkpointing off for FSDP2 (transformers refuses both at once, trainer.py). Hybrid shard (HSDP) is a
-    parallelism_config: replicate across nodes, shard within a node.
+    parallelism_config: replicate across nodes, shard within a node; context parallelism adds cp to it, Ulysses
+    sequence parallelism (under DEEPSPEED) its sp settings. Tensor parallelism is a plain multi-process launch:
+    transformers shards the model at load (DistributedConfig) and runs FSDP2 itself (toolkit.emit.parallelism).
   - pipeline / hybrid: a plain multi-process launch (MULTI_GPU, mixed_precision no): accelerate only starts the
     processes; toolkit.train calls deepspeed.initialize on a PipelineModule with ds_config.json.
 """
@@ -33,8 +35,9 @@ from typing import Any
 
 import yaml
 
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.emit.parallelism import uses_transformers_tp, yaml_block
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 MAIN_PROCESS_PORT = 29500
 """torchrun's default rendezvous port (accelerate uses the same when none is set)."""
@@ -57,16 +60,15 @@ def accelerate_config(plan: Plan, *, ds_config: dict[str, Any] | None = None,
         if plan.num_machines > 1:
             ds["deepspeed_multinode_launcher"] = "standard"
         config["deepspeed_config"] = ds
-    elif plan.engine == Engine.FSDP2:
+        if yaml_block(plan):  # Ulysses sequence parallelism (sp_backend deepspeed)
+            config["parallelism_config"] = yaml_block(plan)
+    elif plan.engine == Engine.FSDP2 and not uses_transformers_tp(plan):
         config["distributed_type"] = "FSDP"
         config["mixed_precision"] = ACCELERATE_MIXED_PRECISION[plan.precision]
         config["fsdp_config"] = fsdp_config(plan)
-        if plan.fsdp_mode == "hybrid" and plan.num_machines > 1:
-            config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": plan.num_machines,
-                "parallelism_config_dp_shard_size": plan.gpus_per_node,
-            }
-    else:  # ddp, pipeline: plain processes
+        if yaml_block(plan):  # HSDP, tensor and context parallelism (toolkit.emit.parallelism)
+            config["parallelism_config"] = yaml_block(plan)
+    else:  # ddp, pipeline, and tensor parallelism that transformers applies at load (toolkit.emit.parallelism)
         config["distributed_type"] = "MULTI_GPU" if multi_process else "NO"
         precision = "no" if plan.engine == Engine.PIPELINE else ACCELERATE_MIXED_PRECISION[plan.precision]
         config["mixed_precision"] = precision

@@ -46,8 +46,8 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 GRADIENT_CLIPPING = 1.0
 """transformers.TrainingArguments.max_grad_norm default, and what accelerate fills for "auto": the plan's value."""
@@ -198,6 +198,10 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
         config["zero_allow_untested_optimizer"] = True
     if plan.engine == Engine.PIPELINE:
         config["steps_per_print"] = 100  # the pipeline engine logs loss and step time this often
+    if plan.sequence_parallel > 1:
+        # Ulysses: DeepSpeedConfig divides the world by it for the batch identity when it has no mpu (the HF
+        # zero.Init path, deepspeed/runtime/config.py); train_batch_size above already counts world / sp ranks.
+        config["sequence_parallel_size"] = plan.sequence_parallel
     return config
 
 

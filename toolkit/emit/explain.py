@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.emit.deepspeed import ds_zero_stage
-from toolkit.emit.launch import batch_arithmetic
+from toolkit.emit.scripts import batch_arithmetic
 from toolkit.emit.user_settings import plan_md_section
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 GIB = 1024 ** 3
 BAR_WIDTH = 40
@@ -166,7 +166,7 @@ def chart_rows(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def launch_section(plan: Plan, nvme_path: str | None) -> list[str]:
-    from toolkit.train.model import loadable_model
+    from toolkit.inputs.resolve import loadable_model
 
     lines = ["## Launch", "", f"The model loads as `{loadable_model(plan.model)}`.", ""]
     if plan.num_machines == 1:

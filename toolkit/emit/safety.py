@@ -1,8 +1,8 @@
 """What may reach an emitted script, comment, hostfile or config: checked before anything is written.
 
-Every plan value that a script uses is shell-quoted where it is written (toolkit.emit.launch); this module refuses
+Every plan value that a script uses is shell-quoted where it is written (toolkit.emit.scripts); this module refuses
 what quoting cannot make safe: control characters (a newline ends a `#` comment or an `#SBATCH` line and starts a
-command) and host names that are not host names. Names the engines must know are the plan schema's (toolkit.plan).
+command) and host names that are not host names. Names the engines must know are the plan schema's (toolkit.plan.schema).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.plan import Plan
+from toolkit.plan.schema import Plan
 
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -22,7 +22,7 @@ HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 def check_plan_for_emit(plan: Plan) -> None:
     """Refuse a plan whose strings hold control characters (UserError: one line, exit 2).
 
-    The plan schema (toolkit.plan) already refuses unknown strategies / precisions / optimizers, malformed
+    The plan schema (toolkit.plan.schema) already refuses unknown strategies / precisions / optimizers, malformed
     layer-class and GPU names, and control characters in the model, GPU and notes; this also covers every other
     string a plan carries (model_config, predictions), which reach PLAN.md and the YAML."""
     for where, value in _strings(asdict(plan), "plan"):

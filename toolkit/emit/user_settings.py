@@ -24,8 +24,8 @@ import shlex
 from typing import Any
 
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
-from toolkit.plan import Plan
-from toolkit.strategy import Engine
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine
 
 SETTINGS_FILE = "training_args.json"
 DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
@@ -33,7 +33,7 @@ DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
 
 OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 """plan.optimizer -> TrainingArguments.optim. adamw: torch's fused AdamW (the Trainer's default on torch >= 2.8): no
-foreach step temporaries, which is what the memory model assumes by default (toolkit/savers.py)."""
+foreach step temporaries, which is what the memory model assumes by default (toolkit/estimate/savers.py)."""
 ADAMW_IMPL = {"fused": "adamw_torch_fused", "foreach": "adamw_torch", "for-loop": "adamw_torch"}
 """plan.optimizer_impl -> TrainingArguments.optim for AdamW. The Trainer's adamw_torch builds torch's AdamW with its
 defaults (foreach where the tensors allow it) and passes no optim_args to it (transformers trainer_optimizer.py
@@ -56,7 +56,7 @@ def checkpointing_name() -> str:
 def trainer_checkpointing(plan: Plan) -> bool:
     """Checkpointing through TrainingArguments: on when the plan checkpoints, except FSDP2, where the accelerate
     YAML's fsdp_activation_checkpointing does it (transformers refuses both at once)."""
-    return plan.checkpointing and plan.engine != Engine.FSDP2
+    return plan.checkpointing and (plan.engine != Engine.FSDP2 or plan.tensor_parallel > 1)
 
 
 def uses_bf16_autocast(plan: Plan) -> bool:
@@ -85,7 +85,10 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
         kwargs["use_liger_kernel"] = True
     if plan.engine == Engine.DDP:
         kwargs["ddp_find_unused_parameters"] = False
-    if plan.engine == Engine.FSDP2 and plan.grad_accum > 1:
+    if plan.tensor_parallel > 1:
+        # transformers refuses optimizer checkpoints of a model it sharded at load (the run side, issue 17).
+        kwargs["save_only_model"] = True
+    if plan.engine == Engine.FSDP2 and plan.grad_accum > 1 and plan.tensor_parallel == 1:
         # Reduce-scatter every micro-batch: the Trainer's default no_sync keeps every layer's unsharded gradient
         # until the last micro-batch (P x 2 bytes per GPU), which the plan's memory did not budget for.
         kwargs["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
@@ -128,7 +131,7 @@ def launch_line(script: str = "your_script.py", plan_dir: str = "PLAN_DIR") -> s
 def notes(plan: Plan) -> list[str]:
     """What a user's script must do beyond passing the numbers."""
     out = [f"Load the model in {accelerate_loop(plan)['model_dtype']} (dtype=...); the engines cast for compute."]
-    if plan.engine == Engine.FSDP2 and plan.checkpointing:
+    if plan.engine == Engine.FSDP2 and plan.checkpointing and plan.tensor_parallel == 1:
         out.append("Activation checkpointing is on through the YAML (fsdp_activation_checkpointing); leave "
                    "gradient checkpointing off in your script.")
     elif plan.checkpointing:
@@ -158,17 +161,66 @@ def notes(plan: Plan) -> list[str]:
     if plan.engine == Engine.PIPELINE:
         out.append("Pipeline plans run DeepSpeed's pipeline engine: use toolkit.train (Trainer, TRL and accelerate "
                    "loops cannot run a PipelineModule).")
+    out += model_parallel_notes(plan)
+    return out
+
+
+def model_parallel_notes(plan: Plan) -> list[str]:
+    """What a script must do under tensor / context / sequence parallelism (the engines' adapters)."""
+    g = plan.grid
+    if g.model_parallel == 1:
+        return []
+    share = (f"The batch arithmetic counts {g.data_parallel} data-parallel rank(s): the {g.model_parallel} ranks "
+             "of one tensor / context / sequence group share each sample.")
+    if g.tensor > 1:
+        out = [f"Tensor parallelism (tp {g.tensor}) follows the model's own tp_plan, applied by transformers at load: "
+               "model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=transformers.distributed."
+               "DistributedConfig(**distributed_config)) with training_args.json's distributed_config (FSDP2 over "
+               "the other ranks included); the Trainer reads the sizes from the model. Launch with the plan's YAML "
+               "(plain processes). The Trainer saves the model only (save_only_model=True): transformers refuses "
+               "optimizer checkpoints of a model it sharded at load, so such a run restarts rather than resumes.",
+               share]
+        return out
+    out = ["The accelerate YAML's parallelism_config block sets the sizes for every script it launches (Accelerator "
+           "builds ParallelismConfig from them when the script passes none). Without the YAML, pass "
+           "TrainingArguments(**training_arguments, parallelism_config=ParallelismConfig(**parallelism_config)) "
+           "with the handlers built from their dicts (toolkit.emit.parallelism.build_parallelism_config does it). "
+           + share]
+    if g.sequence > 1:
+        out.append(f"Ulysses sequence parallelism (sp {g.sequence}): every batch needs position_ids and a length "
+                   f"divisible by {g.sequence}; attention {plan.attention} (never eager). The HF Trainer wraps its "
+                   "data loader itself (accelerator.deepspeed_ulysses_dl_adapter) and computes the loss from the "
+                   "shard's shift_labels; a custom accelerate loop gets UlyssesSPDataLoaderAdapter from "
+                   "accelerator.prepare(model, optimizer, dataloader) and must compute the loss per shard from "
+                   "batch['shift_labels'] (labels are already shifted: pass them to the loss without shifting), "
+                   "then average over the sequence group weighted by each shard's non-ignored tokens "
+                   "(deepspeed/runtime/sequence_parallel/ulysses_sp.py).")
+    if g.context > 1:
+        out.append(f"Context parallelism (cp {g.context}, torch ring attention): attention must be sdpa; "
+                   f"sequences divisible by {2 * g.context}. The HF Trainer enters accelerator.maybe_context_parallel "
+                   "itself (transformers trainer.py); a custom loop makes shift_labels (labels shifted left, padded with "
+                   "-100), wraps forward and backward in `with accelerator.maybe_context_parallel(buffers=[input_ids, "
+                   "shift_labels, position_ids], buffer_seq_dims=[1, 1, 1], no_restore_buffers={input_ids, "
+                   "shift_labels, position_ids}):`, passes no attention mask (causal only) and computes the loss "
+                   "from its chunk's shift_labels.")
     return out
 
 
 def settings(plan: Plan) -> dict[str, Any]:
-    return {
+    from toolkit.emit.parallelism import distributed_config, parallelism_kwargs
+
+    out = {
         "accelerate_launch": launch_line(),
         "training_arguments": training_arguments(plan),
         "sft_config": sft_config(plan),
         "accelerate_loop": accelerate_loop(plan),
         "notes": notes(plan),
     }
+    if parallelism_kwargs(plan) and plan.grid.model_parallel > 1:
+        out["parallelism_config"] = parallelism_kwargs(plan)
+    if distributed_config(plan):
+        out["distributed_config"] = distributed_config(plan)
+    return out
 
 
 def settings_json(plan: Plan) -> str:
@@ -188,5 +240,16 @@ def plan_md_section(plan: Plan) -> list[str]:
     lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
               f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents apart).", "",
               "A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
+    from toolkit.emit.parallelism import distributed_config, parallelism_kwargs
+
+    if plan.grid.model_parallel > 1 and parallelism_kwargs(plan):
+        lines += ["Parallelism (accelerate ParallelismConfig; the YAML sets it, `parallelism_config` in "
+                  f"`{SETTINGS_FILE}` for scripts run without it):", "", "```python",
+                  f"ParallelismConfig(**{parallelism_kwargs(plan)!r})", "```", ""]
+    if distributed_config(plan):
+        lines += ["Tensor parallelism (transformers shards the model at load; `distributed_config` in "
+                  f"`{SETTINGS_FILE}`):", "", "```python",
+                  f"model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=DistributedConfig("
+                  f"**{distributed_config(plan)!r}))", "```", ""]
     lines += [f"- {note}" for note in notes(plan)]
     return lines + [""]

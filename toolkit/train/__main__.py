@@ -1,6 +1,6 @@
 """Entry point: `python -m toolkit.train --plan PLAN --data DATA --output DIR ...` (under `accelerate launch`).
 
-Pipeline and hybrid plans go to toolkit.pipeline (neither Accelerate nor the HF Trainer can run them); everything
+Pipeline and hybrid plans go to toolkit.train.pipeline (neither Accelerate nor the HF Trainer can run them); everything
 else to the HF Trainer path. Bad input is one line from rank 0 and exit code 2 on every rank, with no traceback.
 """
 
@@ -11,7 +11,7 @@ import signal
 import sys
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
-from toolkit.strategy import Engine
+from toolkit.inputs.strategy import Engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # torch's collective-API renames warn on every ZeRO / FSDP step; nothing a user of this entry can act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    from toolkit.plan import load_plan
+    from toolkit.plan.schema import load_plan
     from toolkit.train.args import parse_train_args
 
     if "LOCAL_RANK" in os.environ:  # started by a launcher: never outlive it (it may be SIGKILLed)
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_train_args(argv)
         plan = load_plan(args.plan)
         if plan.engine == Engine.PIPELINE:
-            from toolkit.pipeline.runner import train_pipeline
+            from toolkit.train.pipeline.runner import train_pipeline
 
             if args.trainer_flags:
                 raise UserError(f"--{next(iter(args.trainer_flags))}: TrainingArguments flags configure the HF "

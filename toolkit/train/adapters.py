@@ -1,7 +1,7 @@
 """LoRA / QLoRA in toolkit.train: which adapter a run trains (the plan's method, or --lora / --qlora), the PEFT
 wrapping of the loaded model, and the merged-model save.
 
-The base is loaded in the compute dtype (what toolkit.memory budgets: toolkit.lora.base_storage_bytes_per_param)
+The base is loaded in the compute dtype (what toolkit.estimate.memory budgets: toolkit.inputs.lora.base_storage_bytes_per_param)
 and wrapped by peft.get_peft_model, whose default autocast_adapter_dtype=True keeps the adapters in fp32. The
 Trainer then sees a PeftModel: it saves adapter_config.json + adapter_model.safetensors (PEFT format) in every
 checkpoint and in the final output, and resumes from them.
@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.lora import Adapter
-from toolkit.strategy import Engine
+from toolkit.inputs.lora import Adapter
+from toolkit.inputs.strategy import Engine
 
 
 def adapter_for_run(plan, args) -> Adapter | None:
@@ -49,7 +49,7 @@ def adapter_for_run(plan, args) -> Adapter | None:
 def base_dtype(plan):
     import torch
 
-    from toolkit.lora import base_storage_bytes_per_param
+    from toolkit.inputs.lora import base_storage_bytes_per_param
 
     if base_storage_bytes_per_param(plan.precision) == 4:
         return torch.float32

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from toolkit.emit.user_settings import training_arguments
 from toolkit.errors import UserError
-from toolkit.plan import Plan
+from toolkit.plan.schema import Plan
 from toolkit.train import checkpoints, cpu
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
-from toolkit.strategy import Engine
+from toolkit.inputs.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, load_config, load_tokenizer,
                                  model_source)
 
@@ -316,7 +316,7 @@ def _check_world(plan: Plan, world: int) -> None:
 
 def _global_batch(plan: Plan, world: int) -> int:
     """The batch a launch of `world` processes really steps with (the plan's grid at that world size)."""
-    from toolkit.grid import ParallelGrid
+    from toolkit.inputs.grid import ParallelGrid
 
     return ParallelGrid(1, world, dp_shard=world).global_batch(plan.micro_batch, plan.grad_accum)
 

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.plan import Plan
+from toolkit.inputs.resolve import catalog_hub_id, loadable_model
+from toolkit.plan.schema import Plan
 
 # Where configs keep the width, in the order HF architectures name it.
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
@@ -24,28 +25,6 @@ def model_source(plan: Plan, model: str | None, *, random_init: bool = False) ->
     return loadable_model(plan.model)
 
 
-def catalog_hub_id(name: str) -> str | None:
-    """The hub id of a toolkit catalog entry (presets/models/NAME.json "_hub_id"), None for any other name."""
-    import json
-
-    from toolkit.paths import MODEL_CATALOG_DIR
-
-    entry = MODEL_CATALOG_DIR / f"{name.lower()}.json"
-    if not entry.is_file():
-        return None
-    hub_id = json.loads(entry.read_text()).get("_hub_id")
-    return hub_id if isinstance(hub_id, str) and hub_id else None
-
-
-def loadable_model(name: str) -> str:
-    """A plan's model name as from_pretrained takes it: a local folder (or config.json) as an absolute path, a
-    catalog name as its hub id, anything else unchanged (a hub id). launch.sh and slurm.sbatch name this."""
-    path = Path(name).expanduser()
-    if path.exists():
-        return str(path.resolve())
-    return catalog_hub_id(name) or name
-
-
 def load_config(source: str, *, random_init: bool = False):
     """An HF config from a hub id, a model folder or a config.json path; a toolkit catalog name (a config
     without weights, as plans made from `--model llama-2-7b` name it) only for --random-init."""
@@ -56,7 +35,7 @@ def load_config(source: str, *, random_init: bool = False):
     path = Path(source).expanduser()
     in_catalog = (MODEL_CATALOG_DIR / f"{source.lower()}.json").is_file() and not path.exists()
     if in_catalog and random_init:
-        from toolkit.modelspec import load_config as catalog_config
+        from toolkit.inputs.modelspec import load_config as catalog_config
 
         return catalog_config(source)
     if in_catalog:  # no weights to train, and not a hub id: say what to pass instead of asking the hub

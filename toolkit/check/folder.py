@@ -1,0 +1,171 @@
+"""`toolkit check`'s files: what each runner would do with an accelerate YAML, a DeepSpeed JSON, or a plan directory.
+
+    check_paths(["run/accelerate_config.yaml", "ds_config.json", "plans/llama7b/"]) -> [Problem, ...]
+
+Every finding names the runner it concerns - the HF Trainer, an accelerate script, a script started by the deepspeed
+launcher (or toolkit.train's pipeline engine), accelerate launch itself - and is an error only when that runner
+would fail or silently misbehave; otherwise a warning or a note. A JSON on its own may be read by several runners:
+a failure that only some of them hit is a warning naming them (`--runner` says which one you use, and makes it an
+error).
+
+The knowledge comes from the installed engines, so the check follows their versions:
+- DeepSpeed: `DeepSpeedZeroConfig` reads the ZeRO block (aliases such as stage3_gather_16bit_weights_on_model_save,
+  deprecated names such as stage3_gather_fp16_weights_on_model_save); `DeepSpeedConfig` judges the whole file, and
+  the top-level keys it never reads while doing so are the ones DeepSpeed ignores.
+- "auto": transformers' `HfTrainerDeepSpeedConfig` fills what the HF Trainer fills; accelerate's `DeepSpeedPlugin`
+  (run on the file) plus the keys `Accelerator._prepare_deepspeed` / `DeepSpeedPlugin.set_mixed_precision` fill
+  (read from their source, below) give what an accelerate script fills. The Trainer runs through accelerate too.
+- YAML: accelerate's launch validation and the plugin the Accelerator would build (toolkit.engines.validate), and
+  `ParallelismConfig`'s own size checks. No device is touched.
+
+Unreadable input (missing, binary, malformed, nested too deep, an alias bomb) is a UserError, not a Problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+from toolkit.emit.deepspeed import ds_zero_stage
+from toolkit.errors import UserError
+from toolkit.plan.schema import Plan, load_plan
+from toolkit.inputs.strategy import Engine
+from toolkit.check.accelerate import yaml_problems
+from toolkit.check.deepspeed import ds_problems, json_precision, Readers, readers_of_json
+from toolkit.check.findings import HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER_CHOICES, TRAINER
+from toolkit.check.read import is_plan_json, read_config
+from toolkit.engines.readers import _mapping, concrete_int, quiet_engines
+
+
+# --- plan directory ----------------------------------------------------------------------------------------------------
+
+def plan_readers(plan: Plan) -> Readers:
+    """toolkit.train runs the HF Trainer, or hands the file to the pipeline engine unchanged."""
+    runner = PIPELINE if plan.engine == Engine.PIPELINE else TRAINER
+    return Readers(frozenset({runner}), plan.world_size, plan.pipeline_stages)
+
+
+def json_file_problems(config: dict[str, Any], file: str, readers: Readers, plan: Plan | None = None) -> list[Problem]:
+    found = ds_problems(config, file, readers)
+    if plan is not None:
+        found += plan_json_consistency(config, file, plan)
+        if not any(p.severity == "error" for p in found):
+            from toolkit.engines.validate import ConfigRejected, validate_ds_config_for_plan
+
+            try:
+                with quiet_engines():
+                    validate_ds_config_for_plan(config, plan)
+            except ConfigRejected as exc:
+                found.append(Problem(file, "error", f"DeepSpeed/transformers refuse it: {exc}",
+                                     next(iter(readers.runners))))
+    return found
+
+
+def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan) -> list[Problem]:
+    out: list[Problem] = []
+    runner = next(iter(plan_readers(plan).runners))
+    for key, planned in (("train_batch_size", plan.global_batch), ("train_micro_batch_size_per_gpu", plan.micro_batch),
+                         ("gradient_accumulation_steps", plan.grad_accum)):
+        value = config.get(key)
+        if concrete_int(value) is not None and value != planned:
+            out.append(Problem(file, "error", f"{key} {value} but plan.json plans {planned}; re-emit the plan "
+                               "directory or make them agree", runner))
+    precision = json_precision(config)
+    planned_precision = {"bf16-pure": "bf16"}.get(plan.precision, plan.precision)
+    if precision != planned_precision:
+        out.append(Problem(file, "error", f"ds_config trains in {precision} but plan.json plans {plan.precision}; "
+                           "toolkit.train passes the plan's precision and the Trainer will refuse the mismatch", runner))
+    stage = _mapping(config.get("zero_optimization")).get("stage")
+    if isinstance(stage, int) and stage != ds_zero_stage(plan):
+        out.append(Problem(file, "error", f"ZeRO stage {stage} but plan.json plans {plan.strategy} "
+                           f"(stage {ds_zero_stage(plan)}); the memory prediction assumes the plan's stage", runner))
+    return out
+
+
+def yaml_plan_consistency(config: dict[str, Any], file: str, plan: Plan) -> list[Problem]:
+    out: list[Problem] = []
+    if config.get("num_processes") != plan.world_size or config.get("num_machines", 1) != plan.num_machines:
+        out.append(Problem(file, "error", f"num_machines {config.get('num_machines', 1)} / num_processes "
+                           f"{config.get('num_processes')} but plan.json plans {plan.num_machines} node(s) x "
+                           f"{plan.gpus_per_node} = {plan.world_size} processes; set them to match", LAUNCH))
+    expected = {"ddp": ("MULTI_GPU", "NO"), "deepspeed": ("DEEPSPEED",), "fsdp2": ("FSDP",),
+                "pipeline": ("MULTI_GPU", "NO")}[plan.engine]
+    kind = config.get("distributed_type")
+    if kind not in expected and not (kind == "DEEPSPEED" and plan.engine == Engine.PIPELINE):
+        out.append(Problem(file, "error", f"distributed_type {kind} but plan.json plans {plan.strategy} "
+                           f"(needs {expected[0]}); re-emit the plan directory", LAUNCH))
+    if plan.engine in (Engine.DDP, Engine.FSDP2):
+        from toolkit.emit.accelerate import ACCELERATE_MIXED_PRECISION
+
+        mp = config.get("mixed_precision") or "no"
+        if mp != ACCELERATE_MIXED_PRECISION[plan.precision]:
+            out.append(Problem(file, "error", f"mixed_precision {mp} but plan.json plans {plan.precision}; set "
+                               f"mixed_precision: {ACCELERATE_MIXED_PRECISION[plan.precision]}", LAUNCH))
+    return out
+
+
+def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Problem]:
+    plan_path = directory / "plan.json"
+    plan = load_plan(plan_path) if plan_path.exists() else None
+    if plan is None:
+        names = [directory / n for n in ("accelerate_config.yaml", "ds_config.json") if (directory / n).exists()]
+        if not names:
+            raise UserError(f"{directory} holds no plan.json, accelerate_config.yaml or ds_config.json; give the "
+                            "config files themselves")
+        return check_paths([str(n) for n in names[:1]], gpus=gpus)  # the YAML names its JSON, else the JSON
+    out: list[Problem] = []
+    yaml_path = directory / "accelerate_config.yaml"
+    json_path = directory / "ds_config.json"
+    checked_json: Path | None = None
+    if yaml_path.exists():
+        config = read_config(yaml_path)
+        scripts = [directory / name for name in ("launch.sh", "slurm.sbatch")]
+        overrides = any(p.exists() and "--deepspeed_config_file" in p.read_text() for p in scripts)
+        found, ds_path = yaml_problems(config, yaml_path, gpus=gpus, plan=plan, launcher_names_ds_file=overrides)
+        out += found + yaml_plan_consistency(config, str(yaml_path), plan)
+        if ds_path is not None:
+            out += json_file_problems(read_config(ds_path), str(ds_path), plan_readers(plan), plan)
+            checked_json = ds_path.resolve()
+    else:
+        out.append(Problem(str(directory), "error", "no accelerate_config.yaml: `accelerate launch --config_file` "
+                           "needs it; re-emit the plan directory", LAUNCH))
+    if json_path.exists() and json_path.resolve() != checked_json:
+        out += json_file_problems(read_config(json_path), str(json_path), plan_readers(plan), plan)
+    elif plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and checked_json is None:
+        out.append(Problem(str(directory), "error", f"no ds_config.json for a {plan.strategy} plan; re-emit the "
+                           "plan directory", next(iter(plan_readers(plan).runners))))
+    return out
+
+
+# --- entry points ------------------------------------------------------------------------------------------------------
+
+def check_paths(paths: list[str], *, gpus: tuple[int, int] | None = None, runner: str | None = None) -> list[Problem]:
+    """Findings for each path: an accelerate YAML, a DeepSpeed JSON, a plan.json, or a plan directory.
+
+    runner: "trainer", "accelerate" or "deepspeed" when the user says who reads a lone JSON (or a YAML's JSON).
+    """
+    pinned = RUNNER_CHOICES[runner] if runner else None
+    out: list[Problem] = []
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            out += check_plan_dir(path, gpus=gpus)
+            continue
+        config = read_config(path)
+        if path.suffix == ".json" and is_plan_json(config):
+            out += check_plan_dir(path.parent, gpus=gpus)
+        elif path.suffix == ".json":
+            world = gpus[0] * gpus[1] if gpus else None
+            out += json_file_problems(config, str(path), readers_of_json(config, world_size=world, runner=pinned))
+        else:
+            found, ds_path = yaml_problems(config, path, gpus=gpus)
+            out += found
+            if ds_path is not None:
+                ds_config = read_config(ds_path)
+                world = concrete_int(config.get("num_processes"))
+                # accelerate launches it: the HF Trainer or an accelerate script reads the JSON.
+                readers = readers_of_json(ds_config, world_size=world, named_by_yaml=True,
+                                          runner=pinned if pinned in HF_RUNNERS else None)
+                out += json_file_problems(ds_config, str(ds_path), readers)
+    return out

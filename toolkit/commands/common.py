@@ -1,0 +1,211 @@
+"""Flags and helpers the subcommands share: the model, hardware, job, adapter and output flag groups, the
+model and hardware they name, the sequence length default, and how numbers are shown."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from toolkit import bounds
+from toolkit.bounds import float_arg, int_arg, text_arg
+from toolkit.errors import UserError
+
+
+GIB = 1024**3
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", type=text_arg("model"),
+                   help="catalog name (see `toolkit models`), local dir/config.json, or hub id")
+    g = p.add_argument_group("model by numbers (instead of a name)")
+    g.add_argument("--params", type=count, help="parameter count, e.g. 7e9 or 7B (shape guessed Llama-like)")
+    g.add_argument("--layers", type=int_arg("--layers", bounds.LAYERS))
+    g.add_argument("--hidden", type=int_arg("--hidden", bounds.HIDDEN))
+    g.add_argument("--heads", type=int_arg("--heads", bounds.HEADS))
+    g.add_argument("--kv-heads", type=int_arg("--kv-heads", bounds.HEADS))
+    g.add_argument("--ffn", type=int_arg("--ffn", bounds.FFN))
+    g.add_argument("--vocab", type=int_arg("--vocab", bounds.VOCAB))
+    g.add_argument("--trust-remote-code", action="store_true", help="allow hub models with custom code")
+
+
+def add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100-80GB") -> None:
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpus", default=default, type=text_arg("--gpus"),
+                   help="e.g. 8xH100-80GB, 2x8xA100-80GB, 1xRTX-4090 (default %(default)s)")
+    g.add_argument("--nodes", type=int_arg("--nodes", bounds.NODES),
+                   help="number of nodes (or write NxGxGPU in --gpus)")
+    g.add_argument("--inter-node-gbps", type=float_arg("--inter-node-gbps", bounds.INTER_NODE_GBPS),
+                   help="network bandwidth per node, GB/s (default 50 = 400 Gb/s)")
+    g.add_argument("--cpu-ram-gib", type=float_arg("--cpu-ram-gib", bounds.CPU_RAM_GIB),
+                   help="host RAM per node, GiB (default 1024)")
+
+
+def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
+    """The job's flags; `seq_max` (plan, estimate): --seq also takes max, and the tensor / context / sequence
+    degrees are flags."""
+    g = p.add_argument_group("job")
+    from toolkit.inputs.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+
+    g.add_argument("--seq", type=seq_arg if seq_max else int_arg("--seq", bounds.SEQ),
+                   help="sequence length (default 2048, or the model's maximum if shorter)"
+                        + ("; max: the longest each strategy fits, with a memory-vs-length chart" if seq_max else ""))
+    if seq_max:
+        for dim, what in (("tensor", "FSDP2 x TP, the model's tp_plan, inside a node"),
+                          ("context", "FSDP2 x CP, torch ring attention"),
+                          ("sequence", "ZeRO x Ulysses SP, DeepSpeed ALST")):
+            g.add_argument(f"--{dim}-parallel", type=int_arg(f"--{dim}-parallel", bounds.DEGREE),
+                           help=f"{dim}-parallel degree ({what}); 1: none"
+                                + ("" if p.prog.endswith("estimate") else " (default: the planner tries each)"))
+    g.add_argument("--precision", default="bf16", choices=PRECISIONS, help="(default %(default)s)")
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
+    g.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="(default %(default)s)")
+    g.add_argument("--device-kind", default="cuda", choices=DEVICE_KINDS,
+                   help="whose kernels' saved tensors to model (default %(default)s)")
+    g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES),
+                   help="pipeline / hybrid stage count")
+    g.add_argument("--optimizer-impl", default="fused", choices=OPTIMIZER_IMPLS,
+                   help="torch optimizer step (default %(default)s, the Trainer's)")
+    g.add_argument("--activation-offloading", action="store_true",
+                   help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
+    g.add_argument("--liger", action="store_true",
+                   help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
+                        "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
+    add_adapter_flags(p)
+
+
+def seq_arg(text: str):
+    """--seq N, or max (plan / estimate): the longest sequence that fits."""
+    if str(text).strip().lower() == "max":
+        return "max"
+    return bounds.parse_int("--seq", text, bounds.SEQ)
+
+
+def longest_line(found, spec) -> str:
+    """One strategy's --seq max answer."""
+    if not found.seq_len:
+        return f"{found.name}: no sequence fits ({found.reason})"
+    c = found.candidate
+    tail = (f" (the model's {spec.max_positions} positions; memory allows more)" if found.capped_by_positions
+            else "")
+    return (f"{found.name}: longest sequence {found.seq_len:,} tokens{tail}, {c.memory.required_bytes / GIB:.1f} "
+            f"GiB per GPU, {c.timing.tokens_per_s:,.0f} tokens/s (micro-batch 1"
+            f"{', checkpointing' if c.job.checkpointing else ''})")
+
+
+def add_adapter_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA / QLoRA (toolkit.lora)")
+    g.add_argument("--method", default="full", help="full | lora | qlora (default %(default)s)")
+    g.add_argument("--lora-r", type=int, default=16, help="adapter rank (default %(default)s)")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (default %(default)s)")
+    g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on each target's input (default %(default)s)")
+    g.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names, "
+                                                                 "e.g. q_proj,v_proj (default %(default)s)")
+    g.add_argument("--lora-modules-to-save", default="", help="modules trained in full beside the adapters, "
+                                                              "e.g. lm_head,embed_tokens")
+    g.add_argument("--qlora-quant-type", default="nf4", help="nf4 | fp4 (default %(default)s)")
+    g.add_argument("--qlora-no-double-quant", action="store_true", help="do not quantise the absmax constants")
+    g.add_argument("--qlora-compute-dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    g.add_argument("--qlora-quant-storage", default="uint8",
+                   help="uint8 | bfloat16 | float16 | float32: a floating storage lets FSDP2 / ZeRO-3 shard the "
+                        "4-bit base (default %(default)s)")
+
+
+def adapter_of(args):
+    from toolkit.inputs.lora import Adapter
+
+    return Adapter(method=args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                   targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
+                   quant_type=args.qlora_quant_type, double_quant=not args.qlora_no_double_quant,
+                   compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
+
+
+def trainable_params(spec, adapter) -> int:
+    if not adapter.is_adapter:
+        return spec.params
+    from toolkit.inputs.lora import counts_for_spec
+
+    return counts_for_spec(spec, adapter).trainable_params
+
+
+def add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
+    p.add_argument("--out", type=text_arg("--out"), help=out_help)
+    p.add_argument("--force", action="store_true", help="overwrite files in --out")
+    p.add_argument("--nvme-path", type=text_arg("--nvme-path"), help="local NVMe directory for ZeRO-Infinity plans")
+    p.add_argument("--hosts", type=host_names, help="comma-separated node host names (multi-node hostfile)")
+
+
+def count(text: str) -> int:
+    t = text.strip().upper().replace(",", "").replace("_", "")
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], None)
+    try:
+        value = float(t[:-1]) * scale if scale else float(t)
+    except ValueError:
+        raise UserError(f"--params '{text}' is not a count (write 7e9 or 7B)") from None
+    bounds.check_number("--params", value, bounds.PARAMS)
+    return int(value)
+
+
+def host_names(text: str) -> list[str]:
+    """Comma-separated host names; each must be a plain host name (it reaches the hostfile and scripts)."""
+    import re
+
+    names = [h.strip() for h in text.split(",")]
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*", name):
+            raise UserError(f"--hosts entry {name!r} is not a host name; give names like node1,node2 (letters, "
+                            "digits, '.', '-', '_')")
+    return names
+
+
+def _refuse_model_contradictions(args) -> None:
+    """A model name fixes the shape; numbers beside it would be silently ignored, so they are refused."""
+    given = [f"--{k.replace('_', '-')}" for k in ("params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+             if getattr(args, k, None) is not None]
+    if args.model and given:
+        raise UserError(f"{given[0]} cannot be combined with the model name '{args.model}'; give the name or the "
+                        "numbers, not both")
+    if args.params is not None and len(given) > 1:
+        raise UserError(f"--params cannot be combined with {given[1]}; give the count or the shape, not both")
+
+
+def model_spec(args):
+    from toolkit.commands.help import status
+    from toolkit.inputs.modelspec import resolve_model
+
+    _refuse_model_contradictions(args)
+    with status(f"reading {args.model or 'the model'} (tracing its layers the first time)"):
+        return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden,
+                             heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
+                             trust_remote_code=args.trust_remote_code)
+
+
+def hardware_of(args):
+    from toolkit.inputs.hardware import parse_hardware
+
+    return parse_hardware(args.gpus, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
+                          cpu_ram_gib=args.cpu_ram_gib)
+
+
+def print_note(text: str) -> None:
+    """Warnings and notes go to stderr, so stdout holds only the result (a table, JSON)."""
+    print(f"note: {text}", file=sys.stderr)
+
+
+def human(n: int) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def seq_len_of(spec, args) -> tuple[int, str | None]:
+    """--seq as given (checked against the model), or the default adapted to the model's positions."""
+    from toolkit.inputs.job import check_seq_len, default_seq_len
+
+    seq_len, note = default_seq_len(spec, args.seq)
+    check_seq_len(spec, seq_len)
+    return seq_len, note

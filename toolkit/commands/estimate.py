@@ -1,0 +1,147 @@
+"""`toolkit estimate`: per-GPU memory and step time of one strategy (a table, or --json)."""
+
+from __future__ import annotations
+
+import json
+
+from toolkit import bounds
+from toolkit.bounds import int_arg
+from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
+                                     longest_line, model_spec, print_note, seq_len_of, trainable_params)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("estimate", help="per-GPU memory and step time of one strategy")
+    add_model_flags(p)
+    add_hardware_flags(p)
+    add_job_flags(p, seq_max=True)
+    p.add_argument("--strategy", default="ddp", help="ddp, zero1/2/3, zero2-offload, zero3-offload, fsdp2, "
+                                                     "pipeline, hybrid, ... (default %(default)s)")
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
+    p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), default=1)
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    p.add_argument("--explain", action="store_true", help="show where every term comes from")
+    p.add_argument("--json", action="store_true", help="print only JSON")
+    p.add_argument("--require-fit", action="store_true", help="exit 1 when it does not fit (for scripts)")
+    p.set_defaults(func=cmd_estimate)
+
+
+def cmd_estimate(args) -> int:
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.job import Job, check_job
+    from toolkit.estimate.search import evaluate
+    from toolkit.estimate.errorband import band_for
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec = model_spec(args)
+    hw = hardware_of(args)
+    strategy = parse_strategy(args.strategy)
+    degrees = dict(tensor=args.tensor_parallel or 1, context=args.context_parallel or 1,
+                   sequence=args.sequence_parallel or 1)
+    if args.seq == "max":
+        return _estimate_seq_max(args, spec, hw, strategy, degrees)
+    seq_len, seq_note = seq_len_of(spec, args)
+    job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
+              precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
+              attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
+              activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args))
+    grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                     pipeline_stages=args.pipeline_stages, **degrees)
+    check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
+    grid.check_model(spec)
+    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
+    c = evaluate(spec, hw, strategy, job, grid, prune=False)
+    b, t, partition = c.memory, c.timing, c.partition
+    band = band_for(strategy.engine, job.checkpointing)
+    if args.json:
+        out = {"model": spec.summary(), "params": spec.params,
+               "trainable_params": trainable_params(spec, job.adapter), "hardware": hw.spec, "strategy": strategy.name,
+               "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
+                       "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
+                       "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
+                       "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
+               "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
+               "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
+               "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
+               "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
+        if partition:
+            out["partition"] = partition
+        print(json.dumps(out, indent=2))
+        return _fit_exit(args, b.fits)
+    if seq_note:
+        print_note(seq_note)
+    cap = b.capacity_bytes
+    active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
+    print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
+          f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
+          f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
+          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}")
+    if job.adapter.is_adapter:
+        a = job.adapter
+        print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
+              f"{', 4-bit ' + a.quant_type if a.method == 'qlora' else ''}: "
+              f"{trainable_params(spec, a):,} trainable parameters")
+    rows = [(t_.name, t_.bytes, t_.source) for t_ in b.terms]
+    width = max(len(r[0]) for r in rows) + 2
+    print(f"\n{'per GPU':<{width}}{'GiB':>9}{'of GPU':>9}")
+    for name, value, source in rows:
+        print(f"{name:<{width}}{gib(value):>9}{value / cap:>9.1%}")
+        if args.explain:
+            print(f"{'':<{width}}  <- {source}")
+    print(f"{'peak (tensors)':<{width}}{gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
+    print(f"{'required':<{width}}{gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
+          f"{gib(cap)} GiB: {'fits' if b.fits else 'DOES NOT FIT'}")
+    print(f"error band: {band.text()}" + (f"; required + band = {gib(b.required_bytes + band.headroom_bytes(b.peak_bytes))}"
+                                          f" GiB" if band.cases else ""))
+    if b.stage_required_bytes:
+        print("per stage required GiB: " + ", ".join(gib(x) for x in b.stage_required_bytes))
+    if b.host is not None:
+        print(f"host RAM per node: load {gib(b.host.load_bytes_per_node)} GiB, save "
+              f"{gib(b.host.save_bytes_per_node)} GiB on top of {gib(b.host.resident_bytes_per_node)} GiB resident; "
+              f"peak {gib(b.host.peak_bytes_per_node)} of {gib(hw.cpu_ram_bytes_per_node)} GiB")
+        if args.explain:
+            print(f"  <- load: {b.host.load_source}; save: {b.host.save_source}")
+    if b.cpu_bytes_per_node:
+        print(f"host RAM per node for offload: {gib(b.cpu_bytes_per_node)} GiB "
+              f"of {gib(hw.cpu_ram_bytes_per_node)}")
+    if b.nvme_bytes_per_node:
+        print(f"NVMe per node: {gib(b.nvme_bytes_per_node)} GiB")
+    print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
+          f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
+          f"offload {t.offload_s:.3f} s)")
+    if args.explain:
+        for note in list(b.notes) + list(t.assumptions):
+            print(f"  note: {note}")
+    return _fit_exit(args, b.fits)
+
+
+def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
+    """estimate --seq max: the longest sequence `strategy` fits on this grid, and its memory curve."""
+    from toolkit.estimate.longest import longest_on_grid, text_chart
+    from toolkit.estimate.search import Request
+    from toolkit.inputs.grid import ParallelGrid
+
+    grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                     pipeline_stages=args.pipeline_stages, **degrees)
+    grid.check_model(spec)
+    req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
+                  optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
+                  checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
+                  adapter=adapter_of(args))
+    found = longest_on_grid(spec, hw, strategy, grid, req)
+    if args.json:
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategy": found.name,
+                          "longest_seq": found.seq_len, "capped_by_positions": found.capped_by_positions,
+                          "reason": found.reason, "curve": [{"seq": s, "required_bytes": b} for s, b in found.curve]},
+                         indent=2))
+        return 0 if found.seq_len else 1
+    print(longest_line(found, spec))
+    chart = text_chart([found], hw.gpu.memory_bytes)
+    if chart:
+        print("\n" + chart)
+    return 0 if found.seq_len else 1
+
+
+def _fit_exit(args, fits: bool) -> int:
+    """estimate --require-fit: exit 1 when the configuration does not fit (for scripts); 0 otherwise."""
+    return 1 if args.require_fit and not fits else 0

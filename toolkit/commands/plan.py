@@ -1,0 +1,246 @@
+"""`toolkit plan`: every strategy ranked for a model and cluster; the chosen one's files written with --out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from toolkit import bounds
+from toolkit.bounds import int_arg, text_arg
+from toolkit.errors import UserError
+from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
+                                     GIB, hardware_of, human, longest_line, model_spec, print_note, seq_len_of,
+                                     trainable_params)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="rank every strategy; write the chosen one's files")
+    add_model_flags(p)
+    add_hardware_flags(p)
+    add_job_flags(p, seq_max=True)
+    p.add_argument("--global-batch", type=int_arg("--global-batch", bounds.BATCH),
+                   help="samples per optimizer step over all GPUs")
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
+                   help="samples per GPU per forward (instead of --global-batch)")
+    p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), help="gradient accumulation steps")
+    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--strategies", type=text_arg("--strategies"), help="comma-separated subset to consider")
+    p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
+                   help="emit this strategy instead of the fastest")
+    p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10)
+    add_output_flags(p, "directory for the emitted files")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from pathlib import Path
+
+    from toolkit.estimate.search import Request, plan_candidates, to_plan
+
+    spec = model_spec(args)
+    hw = hardware_of(args)
+    seq_max = args.seq == "max"
+    if seq_max:
+        from toolkit.estimate.longest import seq_cap
+
+        args.seq = seq_cap(spec)
+    seq_len, seq_note = seq_len_of(spec, args)
+    from toolkit.inputs.job import job_problem
+
+    unfit = job_problem(args.precision, hw.gpu)  # true of every strategy: one refusal, not one per candidate
+    if unfit:
+        raise UserError(unfit)
+    if seq_note:
+        print_note(seq_note)
+    strategies = tuple(s.strip() for s in args.strategies.split(",")) if args.strategies else None
+    if strategies:
+        from toolkit.inputs.strategy import parse_strategy
+
+        strategies = tuple(parse_strategy(s).name for s in strategies)
+        if args.pipeline_stages is not None and not any(parse_strategy(s).is_pipeline for s in strategies):
+            raise UserError("--pipeline-stages applies to pipeline and hybrid strategies, and --strategies names "
+                            "none; drop it or add pipeline / hybrid to --strategies")
+    ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
+    req_kwargs: dict[str, Any] = dict(seq_len=seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
+                                      grad_accum=args.accumulation, precision=args.precision,
+                                      optimizer=args.optimizer, attention=args.attention,
+                                      device_kind=args.device_kind, checkpointing=ckpt,
+                                      optimizer_impl=args.optimizer_impl,
+                                      activation_offloading=args.activation_offloading, liger=args.liger,
+                                      pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
+                                      tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
+                                      sequence_parallel=args.sequence_parallel)
+    if strategies:
+        req_kwargs["strategies"] = strategies
+    if seq_max:
+        req_kwargs.update(global_batch=None, micro_batch=1)
+    req = Request(**req_kwargs)
+    if args.out:
+        _refuse_existing(Path(args.out), args.force)
+    if seq_max:
+        return _plan_seq_max(args, spec, hw, req)
+    from toolkit.commands.help import status
+
+    with status("planning: every strategy, batch split and checkpointing choice"):
+        candidates = plan_candidates(spec, hw, req)
+    feasible = [c for c in candidates if c.feasible]
+    chosen = feasible[0] if feasible else None
+    if args.strategy_choice:
+        from toolkit.inputs.strategy import parse_strategy
+
+        wanted = parse_strategy(args.strategy_choice).name
+        match = [c for c in candidates if c.strategy.name == wanted and c.dimension is None] or \
+            [c for c in candidates if c.strategy.name == wanted]
+        if not match or not match[0].feasible:
+            why = match[0].reason if match else "not among the planned strategies"
+            raise UserError(f"--choose {wanted} cannot run: {why}")
+        chosen = match[0]
+    rows = [c.row() for c in candidates]
+    if args.json:
+        out = {"model": spec.summary(), "params": spec.params,
+               "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
+               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None}
+    else:
+        _print_plan_table(spec, hw, req, candidates, args.top)
+    written: list[str] = []
+    if chosen and args.out:
+        from toolkit.emit import emit_files
+
+        plan = to_plan(chosen, spec, hw, _recorded_model(args.model) or spec.name)
+        hosts = args.hosts
+        written = [str(p) for p in emit_files(plan, Path(args.out), force=args.force, candidates=rows,
+                                              nvme_path=args.nvme_path, hosts=hosts)]
+    if args.json:
+        out["written"] = written
+        print(json.dumps(out, indent=2))
+    elif chosen is None:
+        print("\nno strategy fits: see the reasons above (more GPUs, a shorter --seq, or offload)")
+    elif written:
+        print(f"\nchosen: {chosen.name}; wrote {len(written)} files to {args.out}: "
+              + ", ".join(Path(w).name for w in written))
+        print(f"run it:  toolkit launch {args.out}  (rehearse on CPU first: toolkit launch {args.out} --rehearse)")
+    return 0 if chosen else 1
+
+
+def _plan_seq_max(args, spec, hw, req) -> int:
+    """plan --seq max: the longest sequence per strategy, the memory-vs-length chart, and (--out) the plan of the
+    strategy that fits longest (fastest among equals) at that length, with the chart as an SVG beside it."""
+    from pathlib import Path
+
+    from toolkit.commands.help import status
+    from toolkit.estimate.longest import longest_sequences, svg_chart, text_chart
+    from toolkit.estimate.search import to_plan
+
+    with status("--seq max: the longest sequence each strategy fits"):
+        results = longest_sequences(spec, hw, req)
+    best = next((r for r in results if r.seq_len), None)
+    if args.json:
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategies": [
+            {"name": r.name, "longest_seq": r.seq_len, "capped_by_positions": r.capped_by_positions,
+             "reason": r.reason, "candidate": r.candidate.row() if r.candidate else None,
+             "curve": [{"seq": s, "required_bytes": b} for s, b in r.curve]} for r in results]}, indent=2))
+    else:
+        print(f"{spec.name} ({human(spec.params)} params, positions {spec.max_positions}) on {hw.spec} "
+              f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | longest sequence per strategy, micro-batch 1, "
+              f"{req.precision}\n")
+        for r in results:
+            print("  " + longest_line(r, spec))
+        chart = text_chart(results, hw.gpu.memory_bytes, top=args.top)
+        if chart:
+            print("\n" + chart)
+    if best is not None and args.out:
+        from toolkit.emit import emit_files
+
+        plan = to_plan(best.candidate, spec, hw, _recorded_model(args.model) or spec.name)
+        title = f"{spec.name} on {hw.spec}: per-GPU memory vs sequence length (micro-batch 1)"
+        written = emit_files(plan, Path(args.out), force=args.force, candidates=[best.candidate.row()],
+                             nvme_path=args.nvme_path, hosts=args.hosts,
+                             extra={CHART_NAME: svg_chart(results, hw.gpu.memory_bytes, title)})
+        if not args.json:
+            print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
+                  f"({CHART_NAME}: the chart)")
+    return 0 if best is not None else 1
+
+
+CHART_NAME = "memory_vs_seq.svg"
+"""--seq max's chart in the plan folder."""
+
+
+def _recorded_model(model: str | None) -> str | None:
+    """A local model path as an absolute path (a plan launched from another folder still finds it); catalog names
+    and hub ids as given. A catalog name wins over a same-named folder, as in modelspec.load_config."""
+    from pathlib import Path
+
+    from toolkit.paths import MODEL_CATALOG_DIR
+
+    if not model or (MODEL_CATALOG_DIR / f"{model.lower()}.json").is_file():
+        return model
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
+EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",
+                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md", "memory_vs_seq.svg")
+
+
+def _refuse_existing(out, force: bool) -> None:
+    """Refuse before planning, so a long plan never ends in a refusal."""
+    from toolkit.fileio import refuse_overwrite
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory")
+    refuse_overwrite([out / n for n in EMITTED_NAMES], force)
+
+
+def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
+    print(f"{spec.name} ({human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
+          f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
+          + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
+          + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}"
+          + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
+             if req.adapter.is_adapter else "") + "\n")
+    header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
+             f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}"
+    print(header)
+    print("-" * len(header))
+    shown = 0
+    for c in candidates:
+        if not c.feasible:
+            continue
+        shown += 1
+        if shown > top:
+            continue
+        m, t = c.memory, c.timing
+        host = f"{m.cpu_bytes_per_node / GIB:.0f}" if m.cpu_bytes_per_node else "-"
+        print(f"{shown:>2}  {c.name:<28}{c.job.micro_batch:>6}{c.job.grad_accum:>6}"
+              f"{'yes' if c.job.checkpointing else 'no':>5}{m.required_bytes / GIB:>9.1f}{host:>9}"
+              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>11,.0f}{t.mfu:>6.0%}")
+    if shown > top:
+        print(f"    ... {shown - top} more (raise --top)")
+    chosen = next((c for c in candidates if c.feasible), None)
+    if chosen is not None:
+        from toolkit.estimate.errorband import band_for
+
+        band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
+        print(f"\nerror band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
+              f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
+    _note_adapter_ddp(req, [c for c in candidates if c.feasible])
+    refused = [c for c in candidates if not c.feasible]
+    if refused:
+        print("\nnot possible:")
+        for c in refused:
+            print(f"  {c.name}: {c.reason}")
+
+
+def _note_adapter_ddp(req, feasible) -> None:
+    """LoRA / QLoRA: gradients and optimizer states are the adapters' only, so sharding them saves little and DDP
+    (no gathers) is usually as fast as the best; say so when it is."""
+    if not req.adapter.is_adapter or not feasible:
+        return
+    ddp = next((c for c in feasible if c.strategy.name == "ddp"), None)
+    best = feasible[0]
+    if ddp is not None and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
+        print(f"\nnote: with {req.adapter.method} only the adapters have gradients and optimizer states; DDP is "
+              f"within 1% of the fastest ({best.name}) and needs {ddp.memory.required_bytes / GIB:.1f} GiB vs "
+              f"{best.memory.required_bytes / GIB:.1f}: choose it with --choose ddp for the simplest run")

@@ -1,0 +1,61 @@
+"""`toolkit profile`: predicted vs measured memory and time of real steps of the model on this machine."""
+
+from __future__ import annotations
+
+import json
+
+from toolkit import bounds
+from toolkit.bounds import int_arg
+from toolkit.errors import UserError
+from toolkit.commands.common import add_job_flags, add_model_flags, GIB, model_spec, print_note, seq_len_of
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="predicted vs measured memory of real steps on this machine")
+    add_model_flags(p)
+    add_job_flags(p)
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--device", default="cpu", type=_device, help="cpu or cuda[:N]")
+    p.add_argument("--steps", type=int_arg("--steps", bounds.PROFILE_STEPS), default=3,
+                   help="timed steps after the measured one")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args) -> int:
+    """Predicted vs measured for one real single-device step of the model (random weights, this process)."""
+    from toolkit.estimate.profile import measure_step, predict_step
+
+    spec = model_spec(args)
+    args.seq, seq_note = seq_len_of(spec, args)
+    if seq_note:
+        print_note(seq_note)
+    device = args.device
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    attention = spec.effective_attention(args.attention)
+    kwargs = dict(seq_len=args.seq, micro_batch=args.micro_batch, precision=args.precision, attention=attention,
+                  checkpointing=args.checkpointing)
+    predicted = predict_step(spec.hf_config(), device_kind=kind, **kwargs)
+    measured = measure_step(spec.hf_config(), device=device, steps=args.steps, **kwargs)
+    rows = {"activations_bytes": (predicted["activations_bytes"], measured.activations_bytes),
+            "peak_bytes": (predicted["peak_bytes"], measured.peak_bytes)}
+    if args.json:
+        print(json.dumps({"model": spec.name, "device": device, **kwargs,
+                          "predicted": predicted, "measured": measured.__dict__}, indent=2))
+        return 0
+    print(f"{spec.name} on {device}: one process, seq {args.seq}, micro-batch {args.micro_batch}, {args.precision}, "
+          f"{attention}{', checkpointing' if args.checkpointing else ''}")
+    print(f"{'':<20}{'predicted GiB':>15}{'measured GiB':>15}{'ratio':>9}")
+    for name, (p, m) in rows.items():
+        print(f"{name:<20}{p / GIB:>15.3f}{m / GIB:>15.3f}{p / m:>9.3f}")
+    print(f"measured step {measured.step_time_s:.3f} s, {measured.tokens_per_s:,.0f} tokens/s")
+    return 0
+
+
+def _device(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d{1,3})?", text.strip()):
+        raise UserError(f"--device '{text}' is not known; give cpu, cuda or cuda:N")
+    return text.strip()

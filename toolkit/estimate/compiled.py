@@ -1,0 +1,420 @@
+"""What a torch.compile'd training step keeps for backward, traced the way the compiler partitions it, on CPU.
+
+torch.compile's inductor backend hands the step's forward to AOTAutograd, which traces forward and backward into
+one joint graph (with inductor's decompositions), and splits it with inductor's partition function: its joint-graph
+passes, then `min_cut_rematerialization_partition`, which chooses the cheapest set of forward values to keep for
+backward and recomputes the rest (fused elementwise chains, casts) in the backward graph
+(torch/_inductor/compile_fx.py `partition_fn`, torch/_functorch/partitioners.py). The backward graph's inputs other
+than the incoming gradients are exactly the tensors the compiled forward saves: the compiled autograd function
+hands them to `ctx.save_for_backward`.
+
+We run that same pipeline, with the same decompositions and the same partition function, on a depth-reduced copy of
+the model under FakeTensorMode (no memory, seconds), with `torch.compiler.is_compiling()` reporting True as it does
+under Dynamo, so transformers takes the code paths a compiled model takes (it builds the full boolean causal mask
+instead of relying on SDPA's is_causal). Each saved value is charged to the region whose forward made it (an FX
+annotation set by module hooks while tracing). Parameters and buffers are graph inputs with a static lifetime, as
+Dynamo marks them, so saving one costs nothing.
+
+device_kind="cuda": CPU's SDPA lowers to `_scaled_dot_product_flash_attention_for_cpu`; on CUDA the same call lowers
+to the flash kernel without a mask or the memory-efficient kernel with one (which transformers passes under
+compile). The trace calls those CUDA aten ops (their meta kernels give the shapes: out, fp32 logsumexp, the bias),
+so the joint graph holds what a CUDA compile would see.
+
+The temporaries of the compiled forward and backward come from a liveness walk over the two partitioned graphs in
+their order, with inductor's fusion rule applied: a pointwise op's result is a buffer only when an extern kernel
+(matmul, attention, embedding backward, ...) or the graph's output reads it, else it is computed inside its
+consumer's kernel; views share their base's buffer; a buffer dies after its last reader; the backward graph frees
+each saved input after its last use (inductor's generated code deletes its inputs as it goes), and the gradients it
+returns stay (they become .grad).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+
+from toolkit.estimate.activations import ActivationTrace
+
+PARTITIONER = "torch._inductor.compile_fx.partition_fn -> torch._functorch.partitioners.min_cut_rematerialization_partition"
+
+
+@dataclass(frozen=True)
+class CompiledSaved:
+    """Bytes the compiled forward saves for backward, by region of the traced (depth-reduced) model."""
+
+    by_region: dict
+    """region ("embedding", "layer<i>", "head") -> bytes of unique saved storages (parameters, buffers excluded)."""
+    autocast_copy_by_region: dict
+    """Saved low-precision casts of parameters (under autocast, when the partitioner keeps them)."""
+    saved: tuple
+    """(region, shape, dtype, bytes) of every saved tensor, for --explain and tests."""
+    extras: dict = field(default_factory=dict)
+    """region -> (forward_extra_bytes, backward_extra_bytes, backward_grad_bytes, grad_bytes) from the liveness
+    walk over the partitioned graphs (the meanings of toolkit.estimate.activations.RegionTrace's fields)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.by_region.values())
+
+
+def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
+                               autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
+                               checkpointing: bool = False) -> ActivationTrace:
+    """The activation trace of a torch.compile'd step: saved bytes from the compiler's partition, the rest
+    (temporaries, autocast cache, output) from the eager trace of the same job.
+
+    With checkpointing, each decoder layer keeps what the eager checkpoint keeps (its inputs: the compiled
+    checkpoint saves the inputs of the wrapped region and recomputes the rest), and embedding and head are traced
+    compiled."""
+    from toolkit.estimate import tracer
+    from toolkit.inputs.modelspec import reduced_config
+
+    if attention == "flash_attention_2":
+        raise NotImplementedError("--compile with flash_attention_2: the flash-attn kernels are traced only eagerly; "
+                                  "use sdpa (which compiles to the same flash kernel without a mask)")
+    eager = tracer.trace_activations(config, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
+                                     autocast=autocast, attention=attention, device_kind=device_kind,
+                                     checkpointing=checkpointing)
+    full_kinds = tracer._layer_kinds_of_full_model(config)
+    traced_count = tracer._traced_layer_count(full_kinds)
+    reduced = reduced_config(config, len(full_kinds), traced_count)
+    notes: list[str] = []
+    saved = compiled_saved_bytes(reduced, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
+                                 autocast=autocast, attention=attention, device_kind=device_kind, notes=notes)
+
+    def region(name: str, eager_region):
+        forward_extra, backward_extra, backward_grads, grads = saved.extras.get(name, (0, 0, 0, 0))
+        return replace(eager_region, saved_bytes=saved.by_region.get(name, 0),
+                       autocast_copy_bytes=saved.autocast_copy_by_region.get(name, 0),
+                       forward_extra_bytes=forward_extra, backward_extra_bytes=backward_extra,
+                       backward_grad_bytes=backward_grads, grad_bytes=grads)
+
+    if checkpointing:
+        layers = eager.layers
+        notes.append("checkpointed layers keep their inputs (as eager); embedding and head traced compiled")
+    else:
+        layers = tuple(region(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", eager.layers[i])
+                       for i in range(len(full_kinds)))
+    notes.append(f"torch.compile: saved tensors from AOTAutograd's joint graph split by {PARTITIONER} "
+                 "(inductor decompositions, FakeTensorMode); temporaries from a liveness walk over the partitioned "
+                 "graphs with inductor's pointwise fusion")
+    return replace(eager, embedding=region("embedding", eager.embedding), layers=layers,
+                   head=region("head", eager.head), notes=tuple(dict.fromkeys(eager.notes + tuple(notes))))
+
+
+def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
+                         autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
+                         notes: list | None = None) -> CompiledSaved:
+    """Partition the joint graph of `config`'s model (at its own depth) as inductor does, and sum what the
+    forward graph saves for backward, region by region."""
+    import torch
+    import torch.fx.traceback as fx_traceback
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+    from torch._inductor.compile_fx import partition_fn as inductor_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.estimate import tracer
+
+    notes = notes if notes is not None else []
+    compute_dtype = getattr(torch, dtype)
+    param_dtype = torch.float32 if autocast else compute_dtype
+    n = tracer._num_layers(config)
+    captured: dict = {}
+    cuda_autocast = device_kind == "cuda" and autocast and compute_dtype != torch.float32
+    with contextlib.ExitStack() as stack:
+        attn_impl = stack.enter_context(tracer._trace_environment(attention, "cpu", notes))
+        stack.enter_context(_compiling())
+        if device_kind == "cuda" and attention == "sdpa":
+            stack.enter_context(_cuda_sdpa_ops(notes))
+        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
+        model.train()
+        named = [*model.named_parameters(), *model.named_buffers()]
+        n_params = len(list(model.parameters()))
+        names, tensors = [k for k, _ in named], [v for _, v in named]
+        layers = tracer._decoder_layers(model, n)
+        regions = contextlib.ExitStack()
+
+        def enter(name):
+            regions.close()
+            regions.enter_context(fx_traceback.annotate({"toolkit_region": name}))
+
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(lambda *_, i=i: enter(f"layer{i}"))
+            layer.register_forward_hook(lambda *_: enter("head"))
+
+        def step(*args):
+            enter("embedding")
+            try:
+                out = torch.func.functional_call(model, dict(zip(names, args[:-1])), (args[-1],),
+                                                 {"labels": args[-1]})
+                return out.loss, out.logits
+            finally:
+                regions.close()
+
+        def partition(gm, joint_inputs, **kwargs):
+            # Dynamo marks parameters and buffers static inputs; inductor passes their indices on.
+            kwargs["static_lifetime_input_indices"] = list(range(len(tensors)))
+            with V.set_fake_mode(fake_mode):  # as compile_fx partitions (its random-seed passes read it)
+                fw, bw = inductor_partition(gm, joint_inputs, **kwargs)
+            captured["fw"], captured["bw"] = fw, bw
+            return fw, bw
+
+        def keep(gm, _inputs):
+            return make_boxed_func(gm.forward)
+
+        compiled = aot_function(step, fw_compiler=keep, bw_compiler=keep, partition_fn=partition,
+                                decompositions=select_decomp_table())
+        input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        amp = (torch.autocast(device_type="cpu", dtype=compute_dtype) if autocast and compute_dtype != torch.float32
+               else contextlib.nullcontext())
+        with fx_traceback.preserve_node_meta(), amp, (tracer._cuda_autocast_float32_ops() if cuda_autocast
+                                                      else contextlib.nullcontext()):
+            compiled(*tensors, input_ids)
+    return _saved_of(captured["fw"], captured["bw"], n_inputs=len(tensors), n_params=n_params,
+                     autocast=autocast)
+
+
+def _saved_of(fw, bw, *, n_inputs: int, n_params: int, autocast: bool) -> CompiledSaved:
+    """The backward graph's non-gradient inputs, by storage, with the region of the forward node that made them."""
+    import torch
+
+    fw_nodes = {node.name: node for node in fw.graph.nodes}
+    placeholders = [node for node in fw.graph.nodes if node.op == "placeholder"]
+    static = {node.name for node in placeholders[:n_inputs]}
+    params = {node.name for node in placeholders[:n_params]}
+    by_region: dict[str, int] = {}
+    copies: dict[str, int] = {}
+    rows = []
+    seen: set = set()
+    for node in bw.graph.nodes:
+        if node.op != "placeholder" or node.name.startswith("tangents") or node.name in static:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue  # saved sizes (SymInts), RNG seeds as ints
+        storage = value.untyped_storage()
+        if id(storage) in seen:
+            continue
+        seen.add(id(storage))
+        source = fw_nodes.get(node.name)
+        region = ((source.meta.get("custom") or {}).get("toolkit_region") if source is not None else None) or "head"
+        if source is not None and source.op == "placeholder":
+            region = "embedding"  # the batch (token ids), saved for the embedding's backward
+        nbytes = storage.nbytes()
+        if autocast and source is not None and _is_cast_of(source, params):
+            copies[region] = copies.get(region, 0) + nbytes
+        else:
+            by_region[region] = by_region.get(region, 0) + nbytes
+        rows.append((region, tuple(value.shape), str(value.dtype).replace("torch.", ""), nbytes))
+    order = ["embedding", *sorted({r for r in by_region if r.startswith("layer")}, key=lambda r: int(r[5:])), "head"]
+    return CompiledSaved(by_region=by_region, autocast_copy_by_region=copies, saved=tuple(rows),
+                         extras=_extras(fw, bw, order, {r: by_region.get(r, 0) + copies.get(r, 0) for r in order},
+                                        n_inputs=n_inputs))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Liveness of the compiled graphs
+
+
+def _nbytes(node) -> int:
+    import torch
+
+    value = node.meta.get("val")
+    return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
+
+
+def _kind(node) -> str:
+    """"input", "view", "fusible" (pointwise: inside its consumer's kernel), "reduction", "extern" or "other"."""
+    import torch
+
+    if node.op == "placeholder":
+        return "input"
+    if node.op != "call_function":
+        return "other"
+    target = node.target
+    if getattr(target, "__name__", "") == "getitem":
+        return "extern"  # one output of a multi-output kernel (attention's out / logsumexp)
+    tags = getattr(target, "tags", ())
+    if getattr(target, "is_view", False):
+        return "view"
+    if torch.Tag.pointwise in tags or "convert_element_type" in str(target):
+        return "fusible"
+    if not node.all_input_nodes or "inductor_random" in str(target) or "inductor_lookup_seed" in str(target):
+        return "fusible"  # factories (full, iota) and inductor's in-kernel random numbers are generated in place
+    if torch.Tag.reduction in tags:
+        return "reduction"
+    return "extern"
+
+
+def _walk(graph, *, freed_inputs: set, counted_inputs: set):
+    """Live bytes after each node of `graph` runs (before the buffers it read last die), by inductor's rules; returns
+    [(node, live_bytes_after_alloc)], and the output node's inputs stay live to the end."""
+    nodes = [n for n in graph.nodes]
+    index = {n: i for i, n in enumerate(nodes)}
+    output = nodes[-1]
+    returned = {a for a in output.all_input_nodes}
+    kinds = {n: _kind(n) for n in nodes}
+    extern_like = {"extern", "reduction", "other"}
+
+    def materialized(n) -> bool:
+        k = kinds[n]
+        if k == "fusible":
+            stack, seen = list(n.users), set()
+            while stack:
+                u = stack.pop()
+                if u in seen:
+                    continue
+                seen.add(u)
+                if u.op == "output" or kinds[u] == "extern":
+                    return True
+                if kinds[u] == "view":
+                    stack.extend(u.users)
+            return n in returned
+        return k in extern_like
+
+    buffers = {n: _nbytes(n) for n in nodes if n.op == "call_function" and materialized(n)}
+    # Where each node's value is really read: at its own kernel if it is one, else inside its consumers' kernels.
+    read_at: dict = {}
+    for n in reversed(nodes):
+        if n in buffers or n.op in ("output", "placeholder") or not n.users:
+            read_at[n] = index[n]
+        else:
+            read_at[n] = max(read_at[u] for u in n.users)
+
+    root = _root
+    last_use: dict = {}
+    for u in nodes:
+        for x in u.all_input_nodes:
+            r = root(x)
+            last_use[r] = max(last_use.get(r, -1), len(nodes) if u.op == "output" else read_at[u])
+    live = sum(_nbytes(n) for n in nodes if n.op == "placeholder" and n.name in counted_inputs)
+    dying: dict = {}
+    for r, k in last_use.items():
+        if (r in buffers) or (r.op == "placeholder" and r.name in freed_inputs and r.name in counted_inputs):
+            dying.setdefault(k, []).append(r)
+    curve = []
+    for i, n in enumerate(nodes):
+        live += buffers.get(n, 0)
+        curve.append((n, live))
+        for r in dying.get(i, ()):
+            live -= buffers.get(r, 0) if r in buffers else _nbytes(r)
+    return curve
+
+
+def _root(node):
+    """The node whose buffer `node` reads: itself, or the base of a chain of views."""
+    while _kind(node) == "view" and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _regions_along(curve, order: list, *, backward: bool):
+    """(region, node, live) along a graph's run. A node's region is its FX annotation, held monotone (forward: never
+    back to an earlier region, backward: never to a later one), since the partitioner moves some small nodes
+    (views of saved values, casts) out of their region's stretch, only kernels of their own (matmuls, reductions)
+    move it on; graph inputs are skipped."""
+    rank = {r: i for i, r in enumerate(order)}
+    current = len(order) - 1 if backward else 0
+    for node, live in curve:
+        if node.op == "placeholder":
+            continue
+        name = (node.meta.get("custom") or {}).get("toolkit_region")
+        if name in rank and _kind(node) in ("extern", "reduction"):
+            current = min(current, rank[name]) if backward else max(current, rank[name])
+        yield order[current], node, live
+
+
+def _extras(fw, bw, order: list, held_by_region: dict, *, n_inputs: int) -> dict:
+    """Per region: forward and backward peaks above the saved bytes of every region up to and including it, and the
+    parameter gradients the backward has made by its peak and in all."""
+    from itertools import accumulate
+
+    held = dict(zip(order, accumulate(held_by_region[r] for r in order)))
+    extras = {r: [0, 0, 0, 0] for r in order}
+    fw_inputs = [n.name for n in fw.graph.nodes if n.op == "placeholder"]
+    fw_curve = _walk(fw.graph, freed_inputs=set(), counted_inputs=set(fw_inputs[n_inputs:]))
+    for region, _node, live in _regions_along(fw_curve, order, backward=False):
+        extras[region][0] = max(extras[region][0], live - held[region])
+    bw_inputs = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+    static = set(fw_inputs[:n_inputs])
+    grads_out = {_root(a) for a in list(bw.graph.nodes)[-1].all_input_nodes}
+    grad_total = 0
+    start: dict = {}
+    # The incoming gradients count too: AOTAutograd materializes zeros for the logits, which the loss does not reach
+    # (measured: a logits-sized buffer is allocated before the compiled backward runs).
+    bw_curve = _walk(bw.graph, freed_inputs=bw_inputs, counted_inputs=bw_inputs - static)
+    for region, node, live in _regions_along(bw_curve, order, backward=True):
+        start.setdefault(region, grad_total)
+        if node in grads_out:
+            grad_total += _nbytes(node)
+            extras[region][3] += _nbytes(node)
+        above = live - grad_total - held[region]
+        if above > extras[region][1]:
+            extras[region][1] = above
+            extras[region][2] = grad_total - start[region]
+    return {r: tuple(max(0, v) for v in e) for r, e in extras.items()}
+
+
+def _is_cast_of(node, params: set) -> bool:
+    """A forward node made from a parameter by dtype conversions and views only (an autocast weight copy)."""
+    for _ in range(4):
+        if node.op == "placeholder":
+            return node.name in params
+        args = [a for a in node.args if hasattr(a, "op")]
+        if len(args) != 1:
+            return False
+        node = args[0]
+    return False
+
+
+@contextlib.contextmanager
+def _compiling():
+    """torch.compiler.is_compiling() True while tracing, as under Dynamo: transformers reads it to choose the code
+    paths a compiled model runs (masks built in full, no data-dependent shortcuts)."""
+    import torch
+
+    original = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = original
+
+
+@contextlib.contextmanager
+def _cuda_sdpa_ops(notes: list):
+    """F.scaled_dot_product_attention as it lowers on CUDA: the flash kernel without a mask, the memory-efficient
+    kernel (with a bias) when transformers passes the compiled path's boolean mask (torch's sdp_utils: flash takes no
+    arbitrary mask). Their autograd formulas save q, k, v, out, the fp32 logsumexp and the bias."""
+    import torch
+
+    F = torch.nn.functional
+    original = F.scaled_dot_product_attention
+    aten = torch.ops.aten
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if key.shape[1] != query.shape[1]:
+            # Neither CUDA kernel takes grouped k/v under autograd here: torch repeats them (math of enable_gqa).
+            repeat = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+        if attn_mask is None:
+            notes.append("sdpa: CUDA flash kernel (aten._scaled_dot_product_flash_attention) in the joint graph")
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                            scale=scale)[0]
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+        notes.append("sdpa: CUDA memory-efficient kernel (aten._scaled_dot_product_efficient_attention, with the "
+                     "compiled path's mask as bias) in the joint graph")
+        return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask.to(query.dtype), True,
+                                                            dropout_p, is_causal, scale=scale)[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

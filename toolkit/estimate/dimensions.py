@@ -1,0 +1,136 @@
+"""What one rank of a tensor / context / sequence-parallel grid holds, for the memory model (toolkit.estimate.memory).
+
+Traced, at the per-rank shapes (toolkit.estimate.tracer under FakeTensorMode, the model's own code):
+  - tensor parallel t: the decoder layers with heads / t, KV heads / t and FFN / t and the hidden size whole
+    (colwise layers take the whole hidden state in, rowwise layers give it back whole after the all-reduce), and the
+    parameters the model's tp_plan leaves on a rank (toolkit.inputs.tensorplan). The LM head is `colwise_gather_output`:
+    the logits are gathered whole before the loss, so the head + loss region is the untensored one.
+  - sequence parallel p (Ulysses) and context parallel c: every rank holds seq / p (seq / c) tokens of each sample
+    outside attention, so the whole model is traced at that length: embeddings, norms, MLP, logits and loss all
+    divide. Inside attention Ulysses holds heads / p for the whole sequence: for q, the output and the log-sum-exp
+    that is the same number of elements as all heads for seq / p tokens, so the trace at seq / p already counts
+    them; only KV heads fewer than p differ (each rank then holds one whole KV head: `kv_replication_bytes`).
+    Context parallelism keeps the local chunk's q, k, v, output and log-sum-exp (torch's ring flash backward
+    re-exchanges k, v), also the trace at seq / c.
+Derived (tracing one process cannot see them): the communication buffers of each dimension, per layer, as
+temporaries in forward and backward (`comm_extra`). Each term is printed by --explain with where it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from toolkit.errors import UserError
+
+if TYPE_CHECKING:
+    from toolkit.estimate.activations import ActivationTrace
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import ModelSpec
+
+CP_COMM_STRATEGY = "allgather"
+"""accelerate's default cp_comm_strategy (commands/launch.py): k and v of the whole sequence are all-gathered in
+each attention (the other choice, alltoall, rotates chunks)."""
+
+
+@dataclass(frozen=True)
+class RankView:
+    """The model and job one rank computes, and what the trace at those shapes does not hold."""
+
+    spec: "ModelSpec"
+    job: "Job"
+    layer_forward_extra: int = 0
+    """Communication temporaries alive in one layer's forward (per micro-batch)."""
+    layer_backward_extra: int = 0
+    layer_saved_extra: int = 0
+    """Bytes a layer saves beyond the trace at the per-rank shapes (Ulysses KV replication)."""
+    terms: tuple[tuple[str, int, str], ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
+    """The per-rank model and job for `grid` (itself when the grid has no model-parallel degree)."""
+    if grid.model_parallel == 1:
+        return RankView(spec, job)
+    if job.adapter.is_adapter:
+        raise UserError(f"{job.adapter.method} with tensor / context / sequence parallelism is not planned; use "
+                        "full fine-tuning with them, or drop the degree")
+    if job.activation_offloading:
+        raise UserError("activation offloading with tensor / context / sequence parallelism is not planned; drop "
+                        "--activation-offloading or the degree")
+    grid.check_model(spec)
+    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
+    from toolkit.inputs.tensorplan import per_rank_spec
+
+    rank_spec = per_rank_spec(spec, grid.tensor)
+    local_seq = job.seq_len // grid.seq_split
+    rank_job = replace(job, seq_len=local_seq)
+    b = job.micro_batch
+    pb = 4 if job.precision == "fp32" else 2
+    d = spec.head_dim
+    fwd = bwd = saved = 0
+    terms: list[tuple[str, int, str]] = []
+    notes: list[str] = []
+    if grid.tensor > 1:
+        # Rowwise outputs (o_proj, down_proj) are all-reduced in place; DTensor's redistribute of the colwise
+        # input's gradient keeps one whole-hidden buffer alive in backward.
+        buf = b * local_seq * spec.hidden * pb
+        fwd, bwd = fwd + buf, bwd + buf
+        terms.append(("tensor-parallel all-reduce buffer", buf,
+                      "derived: one micro-batch x seq x hidden activation per layer (rowwise output / colwise "
+                      "input-gradient all-reduce)"))
+        notes.append(f"tensor parallel {grid.tensor}: layers traced at heads/{grid.tensor}, KV heads/"
+                     f"{grid.tensor}, FFN/{grid.tensor} (the model's tp_plan); LM head gathered whole "
+                     "(colwise_gather_output)")
+    if grid.sequence > 1:
+        p = grid.sequence
+        qkv = b * local_seq * (spec.heads + 2 * spec.kv_heads) * d * pb
+        fwd, bwd = fwd + qkv, bwd + qkv
+        terms.append(("Ulysses all-to-all buffers", qkv,
+                      f"derived: q, k, v of seq/{p} tokens staged for the all-to-all (ulysses_sp.py), per layer"))
+        extra = kv_replication_bytes(spec, job, p)
+        if extra:
+            saved += extra
+            terms.append(("Ulysses KV-head replication", extra,
+                          f"derived: {spec.kv_heads} KV heads < sp {p}, so each rank holds one whole KV head of the "
+                          "full sequence for k and v (ulysses_sp.py kv_replication_factor), per layer"))
+        notes.append(f"sequence parallel {p} (Ulysses): traced at seq/{p} = {local_seq} tokens per rank; "
+                     f"attention holds heads/{p} of the whole sequence, the same bytes")
+    if grid.context > 1:
+        c = grid.context
+        kv_whole = 2 * b * job.seq_len * spec.kv_heads * d * pb
+        fwd += kv_whole
+        bwd += 2 * kv_whole  # gathered k, v again plus their gradients before the reduce-scatter
+        terms.append(("context-parallel k, v all-gather", kv_whole,
+                      f"derived: k and v of the whole sequence gathered in each attention ({CP_COMM_STRATEGY}, "
+                      "torch context_parallel); twice that in backward"))
+        notes.append(f"context parallel {c}: traced at seq/{c} = {local_seq} tokens per rank (torch ring "
+                     "attention, load-balanced chunks)")
+    return RankView(rank_spec, rank_job, layer_forward_extra=fwd, layer_backward_extra=bwd,
+                    layer_saved_extra=saved, terms=tuple(terms), notes=tuple(notes))
+
+
+def kv_replication_bytes(spec: "ModelSpec", job: "Job", sp: int) -> int:
+    """Extra bytes per layer Ulysses keeps for k and v when the KV heads are fewer than sp: one whole KV head of the
+    whole sequence per rank instead of kv_heads heads of seq / sp tokens."""
+    if spec.kv_heads >= sp:
+        return 0
+    pb = 4 if job.precision == "fp32" else 2
+    per_tensor = job.micro_batch * spec.head_dim * pb * (job.seq_len - job.seq_len // sp * spec.kv_heads)
+    return 2 * per_tensor
+
+
+def apply_to_trace(trace: "ActivationTrace", view: RankView, checkpointing: bool) -> "ActivationTrace":
+    """The per-rank trace with the derived terms added to each decoder layer (with checkpointing a layer's
+    attention tensors exist only while it recomputes, so the replication joins its backward temporaries)."""
+    if not (view.layer_forward_extra or view.layer_backward_extra or view.layer_saved_extra):
+        return trace
+    layers = []
+    for r in trace.layers:
+        saved = 0 if checkpointing else view.layer_saved_extra
+        back = view.layer_backward_extra + (view.layer_saved_extra if checkpointing else 0)
+        layers.append(replace(r, saved_bytes=r.saved_bytes + saved,
+                              forward_extra_bytes=r.forward_extra_bytes + view.layer_forward_extra,
+                              backward_extra_bytes=r.backward_extra_bytes + back))
+    return replace(trace, layers=tuple(layers))

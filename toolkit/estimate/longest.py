@@ -1,0 +1,272 @@
+"""The long-context question: the longest sequence each strategy fits on the given GPUs, and per-GPU memory
+against sequence length per strategy (`toolkit plan / estimate --seq max`).
+
+The search runs the same evaluation as the planner (toolkit.estimate.search.evaluate: states, traced activations, buffers,
+error band, host RAM) at one micro-batch per GPU, under `traces_linear_in_seq` (toolkit.estimate.memory): a length between
+two powers of two is interpolated between the exact traces at both, so the model is traced once per octave a
+search visits, never per probe. Lengths stop at the model's positions (max_position_embeddings), as `--seq` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from toolkit.errors import UserError
+from toolkit.inputs.hardware import GIB
+
+if TYPE_CHECKING:
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.hardware import Hardware
+    from toolkit.inputs.modelspec import ModelSpec
+    from toolkit.estimate.search import Candidate, Request
+    from toolkit.inputs.strategy import Strategy
+
+GRANULE = 128
+"""Sequence lengths are searched in multiples of this (times what the grid's split needs): packed blocks are
+multiples of 64 / 128 in practice, and kernels tile by 64 / 128."""
+CHART_FROM = 1024
+"""Shortest length on the chart."""
+
+
+@dataclass(frozen=True)
+class Longest:
+    """The longest sequence one strategy (at its best degree) fits."""
+
+    key: str
+    """The planner's row key, e.g. "zero3", "zero3 x sp"."""
+    seq_len: int
+    """Longest length that fits (0: none does)."""
+    candidate: "Candidate | None"
+    """The evaluation at seq_len (or the last refusal when none fits)."""
+    capped_by_positions: bool = False
+    """The model's positions stop before memory does."""
+    curve: tuple[tuple[int, int], ...] = ()
+    """(sequence length, required bytes per GPU) at powers of two, for the chart."""
+
+    @property
+    def name(self) -> str:
+        return self.candidate.name if self.candidate is not None else self.key
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.seq_len else (self.candidate.reason if self.candidate else "no grid")
+
+
+def seq_cap(spec: "ModelSpec") -> int:
+    if not spec.max_positions:
+        raise UserError(f"--seq max needs the model's position limit, and {spec.name}'s config has no "
+                        "max_position_embeddings; give --seq N")
+    cap = int(spec.max_positions)
+    if cap < GRANULE:
+        raise UserError(f"--seq max searches lengths in steps of {GRANULE} tokens up to the model's positions, and "
+                        f"{spec.name} stops at {cap}; give --seq N (at most {cap})")
+    return cap
+
+
+def granule(grid: "ParallelGrid") -> int:
+    """Lengths a grid can split: multiples of sp, of 2 x cp (torch's load balancer), and of GRANULE."""
+    return math.lcm(GRANULE, grid.sequence, 2 * grid.context)
+
+
+def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list[Longest]:
+    """The longest sequence per planner row (strategy, and model-parallel family at its best degree), longest
+    first; rows that fit nothing last, with the reason at the shortest length tried."""
+    from dataclasses import replace
+
+    from toolkit.estimate.memory import traces_linear_in_seq
+    from toolkit.estimate.search import options_for
+
+    cap = seq_cap(spec)
+    probe_req = replace(req, seq_len=cap - cap % GRANULE or cap)
+    out: list[Longest] = []
+    with traces_linear_in_seq():
+        for key, strategy, grids in options_for(spec, hw, probe_req, sequence_rule=False):
+            if isinstance(grids, str):
+                from toolkit.estimate.search import refusal
+
+                out.append(Longest(key, 0, refusal(strategy, probe_req, hw, grids, dimension=_dim(key))))
+                continue
+            best: Longest | None = None
+            for grid in grids:
+                found = _longest_on(spec, hw, strategy, grid, req, cap, key)
+                if best is None or (found.seq_len, _speed(found)) > (best.seq_len, _speed(best)):
+                    best = found
+            if best is not None:
+                out.append(replace(best, curve=_curve(spec, hw, strategy, best, req, cap)))
+    return sorted(out, key=lambda x: (-x.seq_len, -_speed(x)))
+
+
+def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", grid: "ParallelGrid",
+                    req: "Request") -> Longest:
+    """The longest sequence one strategy fits on one grid, with its memory curve (estimate --seq max)."""
+    from dataclasses import replace
+
+    from toolkit.estimate.memory import traces_linear_in_seq
+
+    cap = seq_cap(spec)
+    with traces_linear_in_seq():
+        found = _longest_on(spec, hw, strategy, grid, req, cap, strategy.name)
+        return replace(found, curve=_curve(spec, hw, strategy, found, req, cap, grid))
+
+
+def _dim(key: str) -> str | None:
+    return key.split(" x ")[1] if " x " in key else None
+
+
+def _speed(x: Longest) -> float:
+    c = x.candidate
+    return c.timing.tokens_per_s if c is not None and c.timing is not None and c.feasible else 0.0
+
+
+def _evaluate(spec, hw, strategy, grid, req, seq_len: int) -> "Candidate":
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.search import evaluate
+
+    job = Job(seq_len=seq_len, micro_batch=1, grad_accum=req.grad_accum or 1, precision=req.precision,
+              optimizer=req.optimizer, checkpointing=req.checkpointing is not False, attention=req.attention,
+              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl, liger=req.liger, adapter=req.adapter)
+    partition = grid.partition(spec) if strategy.is_pipeline else None
+    return evaluate(spec, hw, strategy, job, grid, partition)
+
+
+def _longest_on(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
+    """Largest multiple of the grid's granule up to `cap` that fits: halve from the cap until one fits, then
+    bisect the octave above it."""
+    g = granule(grid)
+    hi = cap - cap % g
+    if hi < g:
+        return Longest(key, 0, _evaluate(spec, hw, strategy, grid, req, g))
+    top = _evaluate(spec, hw, strategy, grid, req, hi)
+    if top.feasible:
+        return Longest(key, hi, top, capped_by_positions=True)
+    fail, lo, lo_c = hi, None, top
+    s = 1 << (hi.bit_length() - 1)
+    if s == hi:
+        s //= 2
+    while s >= g:
+        c = _evaluate(spec, hw, strategy, grid, req, s - s % g)
+        if c.feasible:
+            lo, lo_c = s - s % g, c
+            break
+        fail, lo_c = s - s % g, c
+        s //= 2
+    if lo is None:
+        return Longest(key, 0, lo_c)
+    while fail - lo > g:
+        mid = (lo + fail) // 2
+        mid -= mid % g
+        if mid <= lo:
+            break
+        c = _evaluate(spec, hw, strategy, grid, req, mid)
+        if c.feasible:
+            lo, lo_c = mid, c
+        else:
+            fail = mid
+    return Longest(key, lo, lo_c)
+
+
+def _curve(spec, hw, strategy, found: Longest, req, cap: int, grid=None) -> tuple[tuple[int, int], ...]:
+    """Required bytes at powers of two from CHART_FROM to the cap (and the cap), on the grid that fits longest."""
+    c = found.candidate
+    grid = grid or (c.grid if c is not None else None)
+    if grid is None:
+        return ()
+    points = []
+    s = CHART_FROM
+    lengths = []
+    while s < cap:
+        lengths.append(s)
+        s *= 2
+    lengths.append(cap)
+    g = granule(grid)
+    for s in lengths:
+        s -= s % g
+        if s < g:
+            continue
+        e = _evaluate(spec, hw, strategy, grid, req, s)
+        if e.memory is None:  # refused on the states floor alone: the floor is the whole curve
+            break
+        points.append((s, e.memory.required_bytes))
+    return tuple(points)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output: a text chart for the terminal, an SVG for the plan folder (no plotting library: a few lines of SVG).
+
+
+def text_chart(results: list[Longest], capacity_bytes: int, top: int = 12) -> str:
+    """Per-GPU GiB at each charted length per strategy; '-' where it does not fit."""
+    shown = [r for r in results if r.curve][:top]
+    if not shown:
+        return ""
+    lengths = sorted({s for r in shown for s, _ in r.curve})
+    width = max(len(r.name) for r in shown) + 2
+    head = "".join(f"{_k(s):>7}" for s in lengths)
+    lines = [f"per-GPU GiB by sequence length ('-': over {capacity_bytes / GIB:.0f} GiB)",
+             f"{'strategy':<{width}}{head}"]
+    for r in shown:
+        at = dict(r.curve)
+        cells = "".join(f"{(at[s] / GIB if at[s] <= capacity_bytes else float('nan')):>7.1f}" if s in at else
+                        f"{'':>7}" for s in lengths).replace("nan", "  -")
+        lines.append(f"{r.name:<{width}}{cells}")
+    return "\n".join(lines)
+
+
+def _k(s: int) -> str:
+    return f"{s // 1024}k" if s % 1024 == 0 else str(s)
+
+
+_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f",
+            "#bcbd22")
+
+
+def svg_chart(results: list[Longest], capacity_bytes: int, title: str, top: int = 10) -> str:
+    """Per-GPU memory (GiB, linear) against sequence length (log2) per strategy, with the GPU's capacity."""
+    shown = [r for r in results if r.curve][:top]
+    W, H, L, R, T, B = 760, 420, 60, 230, 36, 44
+    lengths = sorted({s for r in shown for s, _ in r.curve}) or [CHART_FROM, 2 * CHART_FROM]
+    x0, x1 = math.log2(lengths[0]), math.log2(lengths[-1])
+    ymax = max([capacity_bytes / GIB * 1.25] + [min(b / GIB, capacity_bytes / GIB * 2) for r in shown
+                                                 for _, b in r.curve])
+
+    def X(s: float) -> float:
+        return L + (math.log2(s) - x0) / max(x1 - x0, 1e-9) * (W - L - R)
+
+    def Y(gib: float) -> float:
+        return H - B - min(gib, ymax) / ymax * (H - T - B)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+           f'font-size="11">', f'<rect width="{W}" height="{H}" fill="white"/>',
+           f'<text x="{L}" y="20" font-size="13">{_esc(title)}</text>',
+           f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
+           f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>']
+    for s in lengths:
+        out.append(f'<line x1="{X(s):.1f}" y1="{H - B}" x2="{X(s):.1f}" y2="{H - B + 4}" stroke="black"/>'
+                   f'<text x="{X(s):.1f}" y="{H - B + 16}" text-anchor="middle">{_k(s)}</text>')
+    step = 10 if ymax <= 120 else 20 if ymax <= 240 else 50
+    for v in range(0, int(ymax) + 1, step):
+        out.append(f'<line x1="{L - 4}" y1="{Y(v):.1f}" x2="{L}" y2="{Y(v):.1f}" stroke="black"/>'
+                   f'<text x="{L - 6}" y="{Y(v) + 4:.1f}" text-anchor="end">{v}</text>')
+    out.append(f'<text x="{(L + W - R) / 2:.0f}" y="{H - 8}" text-anchor="middle">sequence length (tokens)</text>')
+    out.append(f'<text x="14" y="{(T + H - B) / 2:.0f}" transform="rotate(-90 14 {(T + H - B) / 2:.0f})" '
+               'text-anchor="middle">per-GPU memory (GiB)</text>')
+    cap = capacity_bytes / GIB
+    out.append(f'<line x1="{L}" y1="{Y(cap):.1f}" x2="{W - R}" y2="{Y(cap):.1f}" stroke="black" '
+               f'stroke-dasharray="6 4"/><text x="{W - R - 4}" y="{Y(cap) - 4:.1f}" text-anchor="end">GPU '
+               f'{cap:.0f} GiB</text>')
+    for i, r in enumerate(shown):
+        colour = _COLOURS[i % len(_COLOURS)]
+        pts = " ".join(f"{X(s):.1f},{Y(b / GIB):.1f}" for s, b in r.curve)
+        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{pts}"/>')
+        y = T + 8 + i * 16
+        label = f"{r.name}: {_k(r.seq_len) if r.seq_len else 'none'}"
+        out.append(f'<line x1="{W - R + 10}" y1="{y}" x2="{W - R + 28}" y2="{y}" stroke="{colour}" '
+                   f'stroke-width="2"/><text x="{W - R + 32}" y="{y + 4}">{_esc(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _esc(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

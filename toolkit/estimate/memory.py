@@ -1,0 +1,559 @@
+"""Per-GPU memory of one training step: model states (toolkit.estimate.states) + traced activations (toolkit.estimate.tracer),
+composed phase by phase. The peak is the highest live total over the phases of a steady-state step, not a sum
+of every component:
+
+  forward   states + grads kept while accumulating + saved activations so far + the region's temporaries
+  backward  regions in reverse: what is still saved + gradients produced so far + the region's backward temporaries
+  step      states + all gradients + optimizer-step temporaries
+
+Every term carries where it came from, so `--explain` can show it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from toolkit.estimate.activations import ActivationTrace, RegionTrace
+from toolkit.errors import UserError
+from toolkit.inputs.hardware import GIB, Hardware
+from toolkit.inputs.grid import ParallelGrid, grid_of
+from toolkit.estimate.hostram import HostRam, host_ram
+from toolkit.inputs.job import Job
+from toolkit.inputs.modelspec import ModelSpec
+from toolkit.estimate.savers import offload_layer_activations, optimizer_step_temporary_bytes
+from toolkit.estimate.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
+from toolkit.inputs.strategy import Engine, Strategy
+
+CUDA_CONTEXT_BYTES = int(0.75 * GIB)
+"""CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator; ~0.5-0.9 GiB on Ampere/Hopper with
+lazy module loading (CUDA 12). Still assumed: benchmarks/gpu_check.py measures it per GPU / CUDA / torch version
+(cudaMemGetInfo minus reserved) and benchmarks/gpu_derive.py reports it; no GPU run is recorded yet."""
+COMM_BUFFER_BYTES = int(0.5 * GIB)
+"""NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed: no
+published source separates them (the published nvidia-smi readings lump them with the context)."""
+ALLOCATOR_MARGIN = 0.05
+"""Caching-allocator reserved over allocated, minus 1. Still assumed. The one published reserved/allocated pair of
+a modelled job (accelerate benchmarks/fsdp2, Qwen2.5-1.5B FSDP2 on 8 x H100, seq 128: ~4350 MiB allocated, ~7050
+MiB reserved, benchmarks/results/published.md) gives 1.62, but its allocated figure is sampled by a thread and misses
+short peaks, and the absolute gap (2.6 GiB) is of the size of FSDP2's per-stream all-gather / reduce-scatter blocks
+rather than a share of the peak; gpu_check.py measures both per engine on one GPU so the margin can be derived."""
+
+
+def reserved_bytes(peak_bytes: int) -> int:
+    """What torch.cuda.max_memory_reserved would report for a tensor peak: the caching allocator's segments, the
+    peak plus ALLOCATOR_MARGIN (CUDA context and NCCL buffers are outside it)."""
+    return int(peak_bytes * (1 + ALLOCATOR_MARGIN))
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """One GPU's memory for one strategy and job. All in bytes."""
+
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    """Optimizer states and fp32 master weights."""
+    activations_bytes: int
+    """Saved for backward after forward + loss, all in-flight micro-batches (autocast weight copies excluded)."""
+    logits_loss_bytes: int
+    """Part of activations_bytes: what the final norm, LM head and loss keep (the fp32 log-softmax of the
+    logits dominates for large vocabularies); 0 on pipeline stages without the head."""
+    autocast_copy_bytes: int
+    buffers_bytes: int
+    """Engine buffers: DDP buckets, ZeRO reduce/prefetch buckets, ZeRO-3/FSDP2 gathered parameters."""
+    transient_bytes: int
+    """At the peak phase, what lives only in that phase (logits and their gradients, step temporaries)."""
+    peak_bytes: int
+    """Highest live tensor total over the step (what torch.cuda.max_memory_allocated would report)."""
+    peak_phase: str
+    context_bytes: int
+    margin_bytes: int
+    required_bytes: int
+    """peak + CUDA context + communicator buffers + allocator margin: what must fit in the GPU."""
+    capacity_bytes: int
+    cpu_bytes_per_node: int
+    nvme_bytes_per_node: int
+    terms: tuple[Term, ...] = ()
+    notes: tuple[str, ...] = ()
+    stage_required_bytes: tuple[int, ...] = ()
+    """Pipeline plans: required bytes of every stage (the breakdown describes the largest)."""
+    host: HostRam | None = None
+    """Host RAM per node at load, during training and at save (toolkit.estimate.hostram)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.required_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "logits_loss_bytes",
+                "autocast_copy_bytes", "buffers_bytes", "transient_bytes", "peak_bytes", "peak_phase",
+                "context_bytes", "margin_bytes", "required_bytes", "capacity_bytes", "cpu_bytes_per_node",
+                "nvme_bytes_per_node")
+        out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        if self.stage_required_bytes:
+            out["stage_required_bytes"] = list(self.stage_required_bytes)
+        if self.host is not None:
+            out["host_load_bytes_per_node"] = self.host.load_bytes_per_node
+            out["host_save_bytes_per_node"] = self.host.save_bytes_per_node
+            out["host_peak_bytes_per_node"] = self.host.peak_bytes_per_node
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Activation traces, cached per process (a plan asks for the same model/job many times)
+
+
+def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
+    """(compute dtype, autocast): DDP runs torch AMP over fp32 weights; DeepSpeed, FSDP2 and the pipeline
+    engine compute with low-precision weights."""
+    dtype = job.compute_dtype_name
+    return dtype, strategy.engine == Engine.DDP and job.mixed
+
+
+_TRACE_CACHE: dict[tuple, tuple[ModelSpec, ActivationTrace]] = {}
+"""Per process, keyed by the spec's identity; the entry keeps the spec alive so its id is never reused."""
+
+
+def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
+    return ActivationTrace(**{**data, "embedding": RegionTrace(**data["embedding"]),
+                              "layers": tuple(RegionTrace(**r) for r in data["layers"]),
+                              "head": RegionTrace(**data["head"]), "notes": tuple(data["notes"])})
+
+
+_SEQ_ANCHORED = False
+"""True inside `traces_linear_in_seq`: traces at other lengths come from two traced lengths (toolkit.estimate.longest)."""
+
+SEQ_ANCHOR_MIN = 1024
+"""Shortest anchor length: below it a trace is taken at the exact length."""
+
+
+class traces_linear_in_seq:
+    """Within this context, a trace at sequence length L is interpolated between exact traces at a and 2a, a the
+    power of two at or below L (L >= SEQ_ANCHOR_MIN): saved bytes, temporaries and the logits are linear in the
+    sequence for the GPU kernels' footprint (no s x s tensor with flash / efficient SDPA), measured exact from
+    2048 tokens on (tests/test_dimensions.py). A search over lengths then traces once per octave it visits,
+    never per probe."""
+
+    def __enter__(self):
+        global _SEQ_ANCHORED
+        self._was, _SEQ_ANCHORED = _SEQ_ANCHORED, True
+        return self
+
+    def __exit__(self, *exc):
+        global _SEQ_ANCHORED
+        _SEQ_ANCHORED = self._was
+
+
+def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> ActivationTrace | None:
+    L = job.seq_len
+    if not _SEQ_ANCHORED or L < SEQ_ANCHOR_MIN or L & (L - 1) == 0:
+        return None
+    from dataclasses import replace
+
+    a = 1 << (L.bit_length() - 1)
+    t1 = _exact_trace(spec, replace(job, seq_len=a), strategy, b)
+    t2 = _exact_trace(spec, replace(job, seq_len=2 * a), strategy, b)
+    f = (L - a) / a
+
+    def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
+        return RegionTrace(**{k: int(round(v + (getattr(r2, k) - v) * f)) for k, v in asdict(r1).items()})
+
+    return replace(t1, seq_len=L, embedding=lerp(t1.embedding, t2.embedding),
+                   layers=tuple(lerp(x, y) for x, y in zip(t1.layers, t2.layers)), head=lerp(t1.head, t2.head),
+                   output_bytes=int(round(t1.output_bytes + (t2.output_bytes - t1.output_bytes) * f)))
+
+
+def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
+    b = micro_batch or job.micro_batch
+    return _seq_anchored(spec, job, strategy, b) or _exact_trace(spec, job, strategy, b)
+
+
+def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
+    dtype, autocast = _trace_mode(strategy, job)
+    b = micro_batch or job.micro_batch
+    attention = spec.effective_attention(job.attention)
+    adapter = job.adapter if job.adapter.is_adapter else None
+    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing, adapter)
+    if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
+        key += ("liger",)
+    if key not in _TRACE_CACHE:
+        from dataclasses import replace
+
+        from toolkit import cache
+
+        disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
+        if disk_key and adapter is not None:
+            from importlib import metadata
+
+            disk_key += [adapter.to_dict(), metadata.version("peft")]
+        stored = cache.get("trace", disk_key) if disk_key else None
+        if stored is not None:
+            trace = trace_from_dict(stored)
+        else:
+            from toolkit.estimate.tracer import trace_activations
+
+            trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
+                                      autocast=autocast, attention=attention, device_kind=job.device_kind,
+                                      checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
+            if disk_key:
+                cache.put("trace", disk_key, asdict(trace))
+        if attention != job.attention:
+            trace = replace(trace, notes=trace.notes + (
+                f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "
+                f"{attention}, which a run will use",))
+        _TRACE_CACHE[key] = (spec, trace)
+    return _TRACE_CACHE[key][1]
+
+
+def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
+    f = b - 1
+    return RegionTrace(saved_bytes=r1.saved_bytes + (r2.saved_bytes - r1.saved_bytes) * f,
+                       forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
+                       backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
+                       autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes,
+                       backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes,
+                       forward_grad_bytes=r1.forward_grad_bytes)
+
+
+def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
+    """The trace at job.micro_batch from traces at micro-batch 1 and 2: saved bytes are affine in the batch
+    (every saved tensor has a batch dimension, or none, as rotary tables do), so two points are exact."""
+    b = job.micro_batch
+    if b <= 2:
+        return activation_trace(spec, job, strategy, b)
+    t1 = activation_trace(spec, job, strategy, 1)
+    t2 = activation_trace(spec, job, strategy, 2)
+    from dataclasses import replace
+
+    return replace(t1, micro_batch=b, embedding=_lerp_region(t1.embedding, t2.embedding, b),
+                   layers=tuple(_lerp_region(a, c, b) for a, c in zip(t1.layers, t2.layers)),
+                   head=_lerp_region(t1.head, t2.head, b),
+                   output_bytes=t1.output_bytes + (t2.output_bytes - t1.output_bytes) * (b - 1),
+                   loss_bytes=t1.loss_bytes)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Phase simulation
+
+
+@dataclass
+class _Region:
+    name: str
+    params: int
+    trace: RegionTrace
+
+
+def _regions(spec: ModelSpec, trace: ActivationTrace, first: int, last: int, with_embedding: bool,
+             with_head: bool) -> list[_Region]:
+    out = []
+    if with_embedding:
+        out.append(_Region("embedding", spec.pre_layer_params, trace.embedding))
+    for i in range(first, last):
+        out.append(_Region(f"layer {i}", spec.layer_params[i], trace.layers[i]))
+    if with_head:
+        out.append(_Region("head + loss", spec.post_layer_params, trace.head))
+    return out
+
+
+@dataclass
+class _Peak:
+    bytes: float = 0.0
+    phase: str = ""
+    transient: float = 0.0
+
+    def offer(self, value: float, phase: str, transient: float) -> None:
+        if value > self.bytes:
+            self.bytes, self.phase, self.transient = value, phase, transient
+
+
+def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumulating: bool, autocast: bool,
+              traced_grad_bytes_per_param: float, stash_bytes: float = 0.0) -> tuple[_Peak, float, float]:
+    """Walk one micro-step forward and backward, then the optimizer step; return the peak, the activations
+    held at the end of forward, and the autocast copies held.
+
+    `in_flight` micro-batches' activations are alive at once (1F1B pipeline stage i: min(P - i, M)); the
+    earlier ones add their saved bytes as a constant.
+    """
+    persistent = states.parameters + states.gradients + states.master + states.optimizer + states.buffers \
+        + states.gathered
+    step_grads_total = states.step_gradients
+    kept_grads = (step_grads_total + states.accumulation_gradients + states.backward_gradients) if accumulating \
+        else 0.0
+    # Alive only once backward has started (and, for the gradient partitions, until the step).
+    in_backward = states.backward_buffers + (0.0 if accumulating else states.backward_gradients)
+    saved_total = sum(r.trace.saved_bytes for r in regions)
+    copies_total = sum(r.trace.autocast_copy_bytes for r in regions) if autocast else 0.0
+    earlier = saved_total * (in_flight - 1) + stash_bytes
+    # Step gradients appear region by region as backward reaches each one's parameters (full-size grads for DDP,
+    # ZeRO-1 and pipeline stages; FSDP2's sharded grads after each reduce-scatter; none for ZeRO-2/3, whose
+    # partitions are persistent buffers).
+    region_params = sum(r.params for r in regions)
+    grad_bytes_per_param = step_grads_total / region_params if region_params else 0.0
+    grad_scale = grad_bytes_per_param / traced_grad_bytes_per_param
+    peak = _Peak()
+
+    base = persistent + kept_grads + earlier
+    saved = copies = cache = 0.0
+    # Gradients made in forward (Liger's fused linear cross-entropy: the LM head's, in the traced parameter dtype,
+    # which is the dtype the engine computes with), live until their region's backward.
+    early = 0.0
+    for r in regions:
+        extra = r.trace.forward_extra_bytes
+        early += r.trace.forward_grad_bytes
+        saved += r.trace.saved_bytes
+        copies += r.trace.autocast_copy_bytes if autocast else 0.0
+        # Weight casts autocast caches until the forward ends without saving them for backward (checkpointed layers).
+        cache += r.trace.autocast_cache_bytes if autocast else 0.0
+        peak.offer(base + saved + copies + cache + early + extra, f"forward ({r.name})", extra)
+
+    grads_done = 0.0
+    remaining = saved
+    remaining_copies = copies
+    for k, r in enumerate(reversed(regions)):
+        extra = r.trace.backward_extra_bytes
+        # Engine gradient buffers (ZeRO-2's partition and bucket, FSDP2's unsharded grads) appear once the first
+        # region's weight gradients exist: after the loss/logits gradient peak of the head (measured on CPU).
+        engine_now = in_backward if k else 0.0
+        # The region's weight gradients that exist at its backward peak, and all it creates, as traced (a tied
+        # head creates the embedding matrix's gradient), scaled from the traced parameter dtype to the bytes of
+        # gradient this engine creates per parameter.
+        if r.trace.grad_bytes or r.trace.forward_grad_bytes:
+            at_peak = r.trace.backward_grad_bytes * grad_scale
+            created = (r.trace.grad_bytes + r.trace.forward_grad_bytes) * grad_scale
+        else:
+            at_peak, created = 0.0, r.params * grad_bytes_per_param
+        before = 0.0 if accumulating else grads_done + at_peak
+        peak.offer(base + engine_now + remaining + remaining_copies + early + before + extra,
+                   f"backward ({r.name})", extra)
+        grads_done += created
+        early -= r.trace.forward_grad_bytes
+        after = 0.0 if accumulating else grads_done
+        peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + early + after,
+                   f"backward ({r.name})", 0.0)
+        remaining -= r.trace.saved_bytes
+        remaining_copies -= r.trace.autocast_copy_bytes if autocast else 0.0
+
+    # At the step, forward/backward are over: gathered parameters are resharded and no activations remain.
+    step_live = persistent - states.gathered + step_grads_total + states.backward_gradients + states.step_transient
+    peak.offer(step_live, "optimizer step", states.step_transient)
+    return peak, saved_total * in_flight + stash_bytes, copies_total
+
+
+def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
+    from toolkit.inputs.lora import base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes
+
+    if strategy.is_pipeline:
+        raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
+                        "offload variants), not the pipeline engine; choose one of those strategies")
+    counts = counts_for_spec(spec, job.adapter)
+    base = frozen_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+    return adapter_states(
+        counts.trainable_params, base, job, strategy, dp=grid.data_parallel, hidden=spec.hidden,
+        total_params=counts.all_params, largest_layer=spec.largest_layer_params,
+        layer_total_params=max(spec.layer_params) + max(counts.per_layer),
+        root_total_params=spec.pre_layer_params + spec.post_layer_params,
+        layer_trainable_params=max(counts.per_layer),
+        root_trainable_params=counts.pre_layer_trainable + counts.post_layer_trainable,
+        shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
+        base_shardable=job.adapter.method != "qlora" or job.adapter.quant_storage != "uint8",
+        dequantized_bytes=counts.largest_quantized_params * (4 if job.adapter.compute_dtype == "float32" else 2))
+
+
+def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
+    if job.adapter.is_adapter:
+        return _adapter_states(spec, strategy, job, grid)
+    s = _engine_states(spec, strategy, job, grid, params=params)
+    if strategy.engine in (Engine.DDP, Engine.FSDP2):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
+        shard = grid.shard_group
+        state_bytes = 2 if job.precision == "bf16-pure" else 4
+        extra = optimizer_step_temporary_bytes(
+            impl=job.optimizer_impl, optimizer=job.optimizer, group_state_bytes=params * state_bytes / shard,
+            largest_param_state_bytes=spec.embedding_params * state_bytes / shard)
+        s.step_transient += extra
+    return s
+
+
+def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
+    fe = int(params * spec.factored_state_fraction)
+    dp = grid.data_parallel
+    if strategy.engine == Engine.DDP:
+        return ddp_states(params, job, world=grid.world, factored_elems=fe)
+    if strategy.engine == Engine.DEEPSPEED:
+        # ZeRO partitions over the sequence-data-parallel group: dp, times sp under Ulysses.
+        return zero_states(params, job, strategy, dp=grid.shard_group, hidden=spec.hidden,
+                           largest_layer=spec.largest_layer_params, factored_elems=fe)
+    if strategy.engine == Engine.FSDP2:
+        # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
+        return fsdp2_states(params, job, strategy, shard=grid.shard_group, layer_params=max(spec.layer_params),
+                            root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
+                            factored_elems=fe, prefetch_layers=2 if job.device_kind == "cuda" else 1)
+    return pipeline_states(params, job, dp=dp, factored_elems=fe)
+
+
+def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
+                       partition: list[int] | None = None, grid: ParallelGrid | None = None) -> int:
+    """A lower bound on the required bytes without tracing: persistent model states and the CUDA context.
+    The planner refuses candidates above capacity on this alone, which saves their traces. `grid`: the grid to
+    use (default: the strategy's plain grid on hw)."""
+    grid = grid or grid_of(strategy, hw, pipeline_stages)
+    if grid.tensor > 1:
+        from toolkit.inputs.tensorplan import per_rank_spec
+
+        spec = per_rank_spec(spec, grid.tensor)
+    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if grid.world > 1 else 0)
+    params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
+    s = _states_for(spec, strategy, job, grid, params=params)
+    return int(s.parameters + s.gradients + s.master + s.optimizer) + context
+
+
+def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
+                    partition: list[int] | None = None, grid: ParallelGrid | None = None) -> Breakdown:
+    """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
+    breakdown of the stage that needs the most is returned (partition None: the grid's balanced one). `grid`:
+    the grid to use, with its tensor / context / sequence degrees (default: the strategy's plain grid on hw)."""
+    grid = grid or grid_of(strategy, hw, pipeline_stages)
+    if grid.model_parallel > 1:
+        return _model_parallel_memory(spec, strategy, job, hw, grid)
+    if job.adapter.is_adapter:
+        from toolkit.inputs.lora import counts_for_spec
+
+        # Counts first: they check the adapter against the model (one clear error for unknown target modules).
+        counts = counts_for_spec(spec, job.adapter)
+        states = _adapter_states(spec, strategy, job, grid)
+        trace = scaled_trace(spec, job, strategy)
+        # Gradients exist only for the trainable parameters: regions carry those counts.
+        regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
+                   *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),
+                   _Region("head + loss", counts.post_layer_trainable, trace.head)]
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
+    trace = scaled_trace(spec, job, strategy)
+    if not strategy.is_pipeline:
+        offloaded = 0
+        if job.activation_offloading:
+            trace, offloaded = offload_layer_activations(trace)
+        regions = _regions(spec, trace, 0, spec.num_layers, True, True)
+        states = _states_for(spec, strategy, job, grid, params=spec.params)
+        states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
+    if job.activation_offloading:
+        raise UserError("activation offloading is not available with the pipeline engine; use a ZeRO or FSDP2 "
+                        "strategy, or drop --activation-offloading")
+
+    bounds = partition if partition is not None else grid.partition(spec)
+    stage_params = grid.stage_params(spec, bounds)
+    breakdowns = []
+    stages = len(bounds) - 1
+    for i in range(stages):
+        first, last = bounds[i], bounds[i + 1]
+        regions = _regions(spec, trace, first, last, i == 0, i == stages - 1)
+        tied_copy = stage_params[i] - sum(r.params for r in regions)
+        if tied_copy:  # TiedLayerSpec: the last stage holds its own copy of the tied matrix
+            regions[-1] = _Region(regions[-1].name, regions[-1].params + tied_copy, regions[-1].trace)
+        states = _states_for(spec, strategy, job, grid, params=stage_params[i])
+        in_flight = max(1, min(stages - i, job.grad_accum))
+        breakdowns.append(_compose(spec, strategy, job, hw, trace, regions, states, in_flight=in_flight,
+                                   stage=i))
+    worst = max(breakdowns, key=lambda b: b.required_bytes)
+    from dataclasses import replace
+
+    return replace(worst, stage_required_bytes=tuple(b.required_bytes for b in breakdowns))
+
+
+def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
+                           grid: ParallelGrid) -> Breakdown:
+    """One rank of a tensor / context / sequence-parallel grid: the trace and the states at the per-rank shapes
+    (toolkit.estimate.dimensions), with the communication buffers tracing cannot see."""
+    from dataclasses import replace
+
+    from toolkit.estimate.dimensions import apply_to_trace, rank_view
+
+    view = rank_view(spec, job, grid)
+    trace = apply_to_trace(scaled_trace(view.spec, view.job, strategy), view, job.checkpointing)
+    regions = _regions(view.spec, trace, 0, view.spec.num_layers, True, True)
+    states = _states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
+    out = _compose(view.spec, strategy, view.job, hw, trace, regions, states, in_flight=1)
+    terms = list(out.terms)
+    where = next(i for i, t in enumerate(terms) if t.name == "activations")
+    terms[where] = Term("activations", terms[where].bytes,
+                        terms[where].source + f"; one rank's share: {grid.describe()}, {view.job.seq_len} of "
+                        f"{job.seq_len} tokens per sample")
+    extra = [Term(f"  {name} (per layer)", n, source) for name, n, source in view.terms]
+    return replace(out, terms=tuple(terms[:where + 2] + extra + terms[where + 2:]),
+                   notes=tuple(dict.fromkeys(view.notes + out.notes)))
+
+
+def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,
+             regions: list[_Region], states: States, *, in_flight: int, stage: int | None = None) -> Breakdown:
+    accumulating = job.grad_accum > 1  # micro-steps after the first add into gradients that already exist
+    traced_grad = 4.0 if (trace.autocast or trace.dtype == "float32") else 2.0
+    peak, activations, copies = _simulate(regions, states, in_flight=in_flight, accumulating=accumulating,
+                                          autocast=states.autocast, traced_grad_bytes_per_param=traced_grad)
+    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
+    margin = reserved_bytes(int(peak.bytes)) - int(peak.bytes)
+    head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
+    required = int(peak.bytes) + context + margin
+    grads = states.gradients + states.step_gradients + states.backward_gradients \
+        + (states.accumulation_gradients if accumulating else 0)
+    terms = [
+        Term("parameters", int(states.parameters), "; ".join(states.sources[:1]) or "model weights"),
+        Term("gradients", int(grads), "gradient buffers that exist at the peak (see sources)"),
+        Term("optimizer + master", int(states.optimizer + states.master),
+             f"{job.optimizer} states{' + fp32 master partition' if states.master else ''}"),
+        Term("activations", int(activations),
+             f"traced {spec.model_type} under FakeTensorMode ({trace.dtype}{', autocast' if trace.autocast else ''}, "
+             f"{trace.attention}, {trace.device_kind} kernels, micro-batch {trace.micro_batch}"
+             f"{', checkpointing' if job.checkpointing else ''}) x {in_flight} in flight"),
+        Term("  of which head + loss", int(head_saved),
+             "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
+        Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
+        Term("engine buffers", int(states.buffers + states.backward_buffers + states.gathered),
+             "buckets / gathered parameters (" + ", ".join(states.sources[1:]) + ")"),
+        Term("peak-phase temporaries", int(peak.transient), f"live only at the peak: {peak.phase}"),
+        Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/estimate/memory.py"),
+        Term("allocator margin", margin, f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak"),
+    ]
+    forward_grads = sum(r.trace.forward_grad_bytes for r in regions)
+    if forward_grads:
+        terms.insert(5, Term("LM-head gradient made in forward", int(forward_grads),
+                             "Liger's fused linear cross-entropy computes it chunk by chunk in forward and holds it "
+                             "until backward (toolkit.estimate.liger); part of the peak from the head's forward on"))
+    ranks_per_node = hw.gpus_per_node
+    notes = list(trace.notes) + list(spec.notes)
+    if stage is not None:
+        notes.insert(0, f"pipeline stage {stage}: {len(regions)} region(s), {in_flight} micro-batch(es) in flight")
+    return Breakdown(
+        parameters_bytes=int(states.parameters),
+        gradients_bytes=int(grads),
+        optimizer_bytes=int(states.optimizer + states.master),
+        activations_bytes=int(activations),
+        logits_loss_bytes=int(head_saved),
+        autocast_copy_bytes=int(copies),
+        buffers_bytes=int(states.buffers + states.backward_buffers + states.gathered),
+        transient_bytes=int(peak.transient),
+        peak_bytes=int(peak.bytes),
+        peak_phase=peak.phase,
+        context_bytes=context,
+        margin_bytes=margin,
+        required_bytes=required,
+        capacity_bytes=hw.gpu.memory_bytes,
+        cpu_bytes_per_node=int(states.cpu * ranks_per_node),
+        nvme_bytes_per_node=int(states.nvme * ranks_per_node),
+        host=host_ram(params=spec.params, largest_layer_params=spec.largest_layer_params, strategy=strategy, job=job,
+                      gpus_per_node=ranks_per_node, world=hw.world_size,
+                      resident_bytes_per_node=int(states.cpu * ranks_per_node),
+                      stage_params=sum(r.params for r in regions) if strategy.is_pipeline else None),
+        terms=tuple(terms),
+        notes=tuple(dict.fromkeys(notes)),
+    )

@@ -1,0 +1,145 @@
+"""Calibration: run real training steps of a model in this process and compare with the prediction.
+
+The same step the Trainer path runs on one device: forward with labels (HF's loss), backward, fused AdamW step,
+zero_grad(set_to_none). Precision as the DDP engine runs it: torch AMP (fp32 weights under autocast) for bf16/fp16,
+bf16 weights for bf16-pure. The step measured is a steady-state one: a first step allocates the optimizer states.
+
+Measured peak: on CUDA, torch.cuda.max_memory_allocated over the measured step; on CPU, the peak of live tensor
+bytes seen by torch's MemTracker (torch.distributed._tools.mem_tracker), which counts every storage once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Measured:
+    peak_bytes: int
+    activations_bytes: int
+    """Held for backward after forward + loss with the output released, autocast weight copies excluded: every
+    storage still alive (saved tensors, what checkpoint recompute closures hold: masks, rotary tables; the loss),
+    as toolkit.estimate.livebytes.measure_saved_bytes sees it."""
+    step_time_s: float
+    tokens_per_s: float
+    device: str
+
+
+def _dtype(precision: str):
+    import torch
+
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": None}[precision]
+
+
+def build_model(config, precision: str, attention: str, checkpointing: bool, device: str, seed: int = 0,
+                adapter=None):
+    """The model as the DDP path trains it; with a LoRA `adapter` (toolkit.inputs.lora.Adapter), the base in the compute
+    dtype wrapped by PEFT (adapters in fp32 under autocast), as toolkit.train does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = config.__class__.from_dict(config.to_dict())
+    config._attn_implementation = attention
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    lora = adapter is not None and adapter.is_adapter
+    if lora:
+        from toolkit.inputs.lora import base_storage_bytes_per_param
+
+        dtype = {4: torch.float32, 2: torch.float16 if precision == "fp16" else torch.bfloat16}[
+            base_storage_bytes_per_param(precision)]
+    else:
+        dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    model.train()
+    if checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    if lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=precision != "bf16-pure")
+        model.train()
+    return model
+
+
+def _batch(config, micro_batch: int, seq_len: int, device: str, seed: int = 0) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
+    ids = torch.randint(0, vocab, (micro_batch, seq_len), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
+                 checkpointing: bool = False, device: str = "cpu", steps: int = 3, adapter=None) -> Measured:
+    """Peak memory of a steady-state step and the mean time of `steps` steps, in this process."""
+    import contextlib
+
+    import torch
+
+    from toolkit.estimate.livebytes import frozen_params_trackable, measure_saved_bytes
+
+    model = build_model(config, precision, attention, checkpointing, device, adapter=adapter)
+    batch = _batch(config, micro_batch, seq_len, device)
+    amp = _dtype(precision)
+    autocast = (lambda: torch.autocast(device_type=device.split(":")[0], dtype=amp)) if amp \
+        else contextlib.nullcontext
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+    def step() -> None:
+        with autocast():
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # allocates the optimizer states: what follows is a steady-state step
+    saved, loss = measure_saved_bytes(model, batch, autocast_dtype=amp)
+    loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    del loss
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = 0
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer, *batch.values())
+        with frozen_params_trackable(), tracker:
+            step()
+        peak = sum(dev["Total"] for dev in tracker.get_tracker_snapshot("peak").values())
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / steps
+    return Measured(peak_bytes=int(peak), activations_bytes=saved.live_bytes - saved.autocast_copy_bytes, step_time_s=elapsed,
+                    tokens_per_s=micro_batch * seq_len / elapsed, device=device)
+
+
+def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
+                 checkpointing: bool = False, device_kind: str = "cpu", adapter=None) -> dict[str, Any]:
+    """The estimator's prediction for the same single-device step (DDP engine, one process)."""
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec = build_spec(getattr(config, "model_type", "model"), config)
+    job = Job(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
+              checkpointing=checkpointing, device_kind=device_kind, **({"adapter": adapter} if adapter else {}))
+    b = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200"))
+    return {"peak_bytes": b.peak_bytes, "activations_bytes": b.activations_bytes, "peak_phase": b.peak_phase,
+            "params": spec.params}

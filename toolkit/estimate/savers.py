@@ -1,0 +1,58 @@
+"""Memory savers users switch on, and what each changes in a step's memory. Pure functions on counts; no torch.
+
+Optimizer implementation (Job.optimizer_impl), read from torch/optim/adam.py (torch 2.13, AdamW = Adam with
+decoupled weight decay) and checked on CPU with real torch.optim.AdamW (tests/test_savers.py):
+
+  fused     one kernel per tensor list, updates in place: no temporaries (the HF Trainer's default
+            `adamw_torch_fused` for torch >= 2.8; DeepSpeed's FusedAdam likewise).
+  foreach   _multi_tensor_adam: `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)` allocates one tensor per
+            parameter of the group, all alive until `_foreach_addcdiv_`: a temporary as large as the group's
+            second-moment states (state dtype = parameter dtype). Groups are split by device and dtype only, so a
+            group's whole size is live at once (torchtitan: one group; the Trainer: decay and no-decay groups,
+            the decay group holds nearly all).
+  for-loop  _single_tensor_adam: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` makes two
+            temporaries of the parameter being updated (the sqrt, then the quotient) before the sqrt dies:
+            2 x the largest parameter tensor.
+
+8-bit optimizers (bitsandbytes AdamW8bit: blockwise-quantised states, toolkit.estimate.states) update in their own kernel:
+no temporaries beyond its states.
+"""
+
+from __future__ import annotations
+
+OPTIMIZERS_WITH_IMPL = ("adamw",)
+"""Optimizers whose step temporaries depend on torch's implementation choice (bitsandbytes' 8-bit AdamW and
+Adafactor have their own kernels / loops; SGD's momentum update is in place)."""
+
+
+def optimizer_step_temporary_bytes(*, impl: str, optimizer: str, group_state_bytes: float,
+                                   largest_param_state_bytes: float) -> float:
+    """Bytes the optimizer step allocates beyond its states and the gradients, at its peak.
+
+    `group_state_bytes`: one second-moment state of the largest parameter group this rank steps (bytes);
+    `largest_param_state_bytes`: the same for the largest single parameter tensor of this rank."""
+    if optimizer not in OPTIMIZERS_WITH_IMPL or impl == "fused":
+        return 0.0
+    if impl == "foreach":
+        return float(group_state_bytes)
+    if impl == "for-loop":
+        return 2.0 * float(largest_param_state_bytes)
+    raise ValueError(f"unknown optimizer implementation {impl!r}")
+
+
+# Activation offloading (Job.activation_offloading): TRL's `activation_offloading` (trl/models/activation_offloading.py,
+# after torchtune's OffloadActivations) packs every saved tensor of the wrapped model into pinned host memory on a side
+# stream and brings it back before the backward that needs it; the output head is left on the GPU (its logits
+# gradient is needed at once). Modelled: the decoder layers' saved bytes live in host RAM; on the GPU a layer's saved
+# bytes exist while that layer computes (forward: until the copy-out completes; backward: once copied back).
+
+
+def offload_layer_activations(trace):
+    """(trace with the decoder layers' saved bytes moved off the GPU, host bytes per micro-batch)."""
+    from dataclasses import replace
+
+    layers = tuple(replace(r, saved_bytes=0, forward_extra_bytes=r.forward_extra_bytes + r.saved_bytes,
+                           backward_extra_bytes=r.backward_extra_bytes + r.saved_bytes) for r in trace.layers)
+    host = sum(r.saved_bytes for r in trace.layers)
+    return replace(trace, layers=layers,
+                   notes=trace.notes + ("activation offloading: decoder layers' saved tensors in pinned host RAM",)), host

@@ -1,0 +1,401 @@
+"""The planner: every strategy the engines support x micro-batch x accumulation x checkpointing x pipeline
+stages, each costed by the memory and step-time models, ranked by predicted tokens/s (ties: more headroom).
+
+A candidate that cannot run says why: it does not fit ("needs 93.1 GiB of 79.1"), the batch does not divide, the
+layers do not split into the stages, the GPU lacks the precision, the node lacks host RAM for offload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from toolkit.estimate.errorband import band_for
+from toolkit.errors import UserError
+from toolkit.inputs.hardware import GIB, Hardware
+from toolkit.inputs.grid import ParallelGrid, stage_options
+from toolkit.inputs.job import Job, job_problem
+from toolkit.inputs.lora import FULL, Adapter
+from toolkit.estimate.memory import Breakdown, estimate_memory, states_floor_bytes
+from toolkit.inputs.modelspec import ModelSpec
+from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Kind, Strategy, parse_strategy
+from toolkit.estimate.timing import Timing, step_time
+
+if TYPE_CHECKING:
+    from toolkit.plan.schema import Plan  # pydantic: imported only where a plan is built (estimate never needs it)
+
+CPU_RAM_RESERVE = 0.10
+"""Share of host RAM left to the OS, dataloaders and the Python processes when offloading."""
+
+
+@dataclass(frozen=True, eq=False)
+class Candidate:
+    strategy: Strategy
+    job: Job
+    pipeline_stages: int
+    data_parallel: int
+    global_batch: int
+    partition: list[int] | None = None
+    memory: Breakdown | None = None
+    timing: Timing | None = None
+    reason: str | None = None
+    """Why it cannot run (None: feasible)."""
+    grid: ParallelGrid | None = None
+    """The grid it was costed on (None for a refusal before any grid)."""
+    dimension: str | None = None
+    """"tp", "cp" or "sp" for a model-parallel candidate (its row's family), else None."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.reason is None
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        """(tensor, context, sequence) degrees."""
+        g = self.grid
+        return (g.tensor, g.context, g.sequence) if g is not None else (1, 1, 1)
+
+    @property
+    def name(self) -> str:
+        if self.strategy.is_pipeline and (self.grid is not None or self.reason is None):
+            return f"{self.strategy.name} (pp={self.pipeline_stages} x dp={self.data_parallel})"
+        if self.grid is not None and self.grid.model_parallel > 1:
+            return f"{self.strategy.name} ({self.grid.describe()})"
+        if self.dimension:
+            return f"{self.strategy.name} x {self.dimension}"
+        return self.strategy.name
+
+    def row(self) -> dict[str, Any]:
+        """The plain-dict view the emitters' PLAN.md chart and --json output use."""
+        return {
+            "name": self.name, "strategy": self.strategy.name, "feasible": self.feasible, "reason": self.reason,
+            "micro_batch": self.job.micro_batch, "grad_accum": self.job.grad_accum,
+            "checkpointing": self.job.checkpointing, "pipeline_stages": self.pipeline_stages,
+            "data_parallel": self.data_parallel, "global_batch": self.global_batch,
+            "tensor_parallel": self.degrees[0], "context_parallel": self.degrees[1],
+            "sequence_parallel": self.degrees[2],
+            "peak_bytes": self.memory.required_bytes if self.memory else None,
+            "capacity_bytes": self.memory.capacity_bytes if self.memory else None,
+            "cpu_bytes_per_node": self.memory.cpu_bytes_per_node if self.memory else None,
+            "host_peak_bytes_per_node": self.memory.host.peak_bytes_per_node if self.memory else None,
+            "error_band": band_for(self.strategy.engine, self.job.checkpointing).text(),
+            "step_time_s": self.timing.step_time_s if self.timing else None,
+            "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
+        }
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for, before any strategy is chosen."""
+
+    seq_len: int
+    global_batch: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    attention: str = "sdpa"
+    device_kind: str = "cuda"
+    checkpointing: bool | None = None
+    """None: let the planner choose; True/False: force it."""
+    optimizer_impl: str = "fused"
+    activation_offloading: bool = False
+    liger: bool = False
+    pipeline_stages: int | None = None
+    strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
+    tensor_parallel: int | None = None
+    """None: the planner tries every degree the model and node allow (FSDP2 x TP); 1: no tensor parallelism."""
+    context_parallel: int | None = None
+    """None: every degree the sequence and world allow (FSDP2 x CP); 1: none."""
+    sequence_parallel: int | None = None
+    """None: every degree the heads, sequence and world allow (ZeRO x Ulysses SP); 1: none."""
+    adapter: Adapter = FULL
+    """Training method (full, LoRA, QLoRA) and its settings."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch is None and self.micro_batch is None:
+            raise UserError("give --global-batch G, or --micro-batch B (with optional --accumulation A)")
+        for flag, value in (("--global-batch", self.global_batch), ("--micro-batch", self.micro_batch),
+                            ("--accumulation", self.grad_accum), ("--pipeline-stages", self.pipeline_stages),
+                            ("--tensor-parallel", self.tensor_parallel), ("--context-parallel", self.context_parallel),
+                            ("--sequence-parallel", self.sequence_parallel)):
+            if value is not None and value <= 0:
+                raise UserError(f"{flag} must be a positive integer, got {value}")
+        Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
+            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
+            liger=self.liger)
+
+
+def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:
+    """The grids to try for a strategy, or the reason there are none."""
+    options = [req.pipeline_stages] if (req.pipeline_stages is not None and strategy.is_pipeline) else \
+        stage_options(strategy, hw.nodes, hw.gpus_per_node)
+    if not strategy.is_pipeline and req.pipeline_stages not in (None, 1):
+        return f"no pipeline stages in {strategy.name}"
+    grids, problems = [], []
+    for stages in options:
+        try:
+            grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                             pipeline_stages=stages if strategy.is_pipeline else None)
+            grid.check_model(spec)
+        except UserError as exc:
+            problems.append(str(exc))
+            continue
+        grids.append(grid)
+    if grids:
+        return grids
+    if not problems:
+        return f"{hw.world_size} GPUs leave no pipeline stage count between 1 and {hw.world_size}"
+    return "; ".join(dict.fromkeys(problems))
+
+
+def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: ParallelGrid,
+             partition: list[int] | None = None, *, prune: bool = True) -> Candidate:
+    """Memory and step time of one configuration (the one function estimate and plan both call). `prune`:
+    refuse on the states floor alone when it already exceeds the GPU (saves the trace)."""
+    stages, dp = grid.pipeline_stages, grid.data_parallel
+    if strategy.is_pipeline and partition is None:
+        partition = grid.partition(spec)
+    floor = states_floor_bytes(spec, strategy, job, hw, pipeline_stages=stages, partition=partition,
+                               grid=grid) if prune else 0
+    if floor > hw.gpu.memory_bytes:
+        return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
+                         global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
+                         grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
+                                "model states alone")
+    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
+    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
+    reason = None
+    if not memory.fits:
+        reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU"
+                  + (" (largest stage)" if strategy.is_pipeline else ""))
+    elif memory.cpu_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
+        reason = (f"offload needs {memory.cpu_bytes_per_node / GIB:.0f} GiB host RAM per node of "
+                  f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free)")
+    elif memory.host.peak_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
+        h = memory.host
+        when = "loading the model" if h.load_bytes_per_node >= h.resident_bytes_per_node + h.save_bytes_per_node \
+            else "saving the model"
+        reason = (f"needs {h.peak_bytes_per_node / GIB:.0f} GiB host RAM per node while {when} of "
+                  f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free; more --cpu-ram-gib, "
+                  "or a strategy that loads once per node: fsdp2, zero3)")
+    elif memory.required_bytes + band_for(strategy.engine, job.checkpointing).headroom_bytes(memory.peak_bytes) \
+            > memory.capacity_bytes:
+        band = band_for(strategy.engine, job.checkpointing)
+        reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU, inside "
+                  f"the estimate's error band ({band.text()})")
+    return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
+                     global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
+                     memory=memory, timing=timing, reason=reason, grid=grid)
+
+
+def _better(a: Candidate, b: Candidate | None) -> bool:
+    if b is None:
+        return True
+    if a.feasible != b.feasible:
+        return a.feasible
+    if a.feasible:
+        ka = (round(a.timing.tokens_per_s, 6), a.memory.headroom_bytes)
+        kb = (round(b.timing.tokens_per_s, 6), b.memory.headroom_bytes)
+        return ka > kb
+    return _need(a) < _need(b)  # the least-infeasible explains best
+
+
+def _need(c: Candidate) -> float:
+    if c.memory is not None:
+        return c.memory.required_bytes
+    return float("inf") if c.reason is None else 1e30
+
+
+def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
+    """One best candidate per strategy (and per stage count for pipeline plans), feasible first by tokens/s."""
+    if req.liger:
+        from toolkit.inputs.job import liger_problem
+
+        problem = liger_problem(spec.model_type)
+        if problem:
+            raise UserError(problem)
+    best: dict[str, Candidate] = {}
+    refused: dict[str, Candidate] = {}
+    ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
+    for key, strategy, grids in options_for(spec, hw, req):
+        dimension = key.split(" x ")[1] if " x " in key else None
+        if isinstance(grids, str):
+            refused[key] = refusal(strategy, req, hw, grids, dimension=dimension)
+            continue
+        _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension)
+    ranked = sorted(best.values(), key=_rank_key)
+    return ranked + [c for k, c in refused.items() if k not in best]
+
+
+def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: bool = True):
+    """(row key, strategy, grids to try or the reason there are none) for every strategy the request allows and
+    every model-parallel family (FSDP2 x TP, FSDP2 x CP, ZeRO x SP). `sequence_rule` False: do not hold the
+    grids to req.seq_len's divisibility (a search over lengths picks lengths that divide)."""
+    strategies = [parse_strategy(s) for s in req.strategies]
+    if hw.world_size == 1:
+        strategies = [s for s in strategies if s.kind == Kind.DDP or s.offloads] or strategies
+    fixed = (req.tensor_parallel, req.context_parallel, req.sequence_parallel)
+    if any(v not in (None, 1) for v in fixed):
+        strategies = []  # a degree the user fixed: plan that dimension alone
+    for strategy in strategies:
+        problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
+                              liger=req.liger, adapter=req.adapter)
+        yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
+    if hw.world_size > 1:
+        for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
+            yield f"{strategy.name} x {dimension}", strategy, grids
+
+
+def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
+            best: dict[str, Candidate], refused: dict[str, Candidate], ckpt_options: list[bool], *,
+            dimension: str | None = None) -> None:
+    """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`."""
+    for grid in grids:
+        try:
+            batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
+        except UserError as exc:
+            refused.setdefault(key, refusal(strategy, req, hw, str(exc), dimension=dimension))
+            continue
+        partition = grid.partition(spec) if strategy.is_pipeline else None
+        for micro, accum in sorted(batches, reverse=True):
+            for ckpt in ckpt_options:
+                job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
+                          optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
+                          device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
+                          activation_offloading=req.activation_offloading, liger=req.liger,
+                          adapter=req.adapter)
+                cand = evaluate(spec, hw, strategy, job, grid, partition)
+                if dimension:
+                    cand = replace(cand, dimension=dimension)
+                if _better(cand, best.get(key)):
+                    best[key] = cand
+
+
+MODEL_PARALLEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("tp", ("fsdp2", "fsdp2-hybrid")),
+    ("cp", ("fsdp2",)),
+    ("sp", ("zero3", "zero2", "zero1")),
+)
+"""Which data-parallel strategies each model-parallel dimension runs under (toolkit.inputs.grid: accelerate's
+ParallelismConfig rules): FSDP2 x TP (HSDP across nodes), FSDP2 x CP, ZeRO x Ulysses SP."""
+
+
+def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequence_rule: bool = True):
+    """(dimension, strategy, grids or the reason there are none) for every model-parallel family the request
+    allows. Degrees the user fixed are tried alone; otherwise every degree the grid's rules admit."""
+    fixed = {"tp": req.tensor_parallel, "cp": req.context_parallel, "sp": req.sequence_parallel}
+    attention = spec.effective_attention(req.attention)
+    for dimension, names in MODEL_PARALLEL_FAMILIES:
+        if fixed[dimension] == 1 or req.adapter.is_adapter or req.activation_offloading:
+            continue
+        if any(v not in (None, 1) for d, v in fixed.items() if d != dimension):
+            continue  # a degree fixed for another dimension: plan that one alone
+        for name in names:
+            if name not in req.strategies:
+                continue
+            strategy = parse_strategy(name)
+            if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
+                continue
+            problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger)
+            if problem:
+                yield dimension, strategy, problem
+                continue
+            degrees = [fixed[dimension]] if fixed[dimension] else \
+                [d for d in range(2, hw.world_size + 1) if hw.world_size % d == 0]
+            grids, problems = [], []
+            for degree in degrees:
+                try:
+                    grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                                     **{_DEGREE_ARG[dimension]: degree})
+                    grid.check_model(spec)
+                    grid.check_sequence(req.seq_len if sequence_rule else granule(grid), attention)
+                except UserError as exc:
+                    problems.append(str(exc))
+                    continue
+                grids.append(grid)
+            yield dimension, strategy, grids or "; ".join(dict.fromkeys(problems[:1] + problems[-1:]))
+
+
+_DEGREE_ARG = {"tp": "tensor", "cp": "context", "sp": "sequence"}
+
+
+def granule(grid: ParallelGrid) -> int:
+    from toolkit.estimate.longest import granule as g
+
+    return g(grid)
+
+
+def _rank_key(c: Candidate):
+    if not c.feasible:
+        return (1, _need(c))
+    return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
+
+
+def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
+    """A row that cannot run, with the reason."""
+    job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
+              precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind,
+              adapter=req.adapter)
+    return Candidate(strategy=strategy, job=job, pipeline_stages=1, data_parallel=hw.world_size,
+                     global_batch=req.global_batch or 0, reason=reason, dimension=dimension)
+
+
+def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Plan":
+    """The chosen candidate as the Plan that emit, launch and train read, its prediction keyed to its inputs."""
+    from toolkit.plan.schema import Plan
+
+    predicted: dict[str, Any] = {}
+    if c.memory:
+        predicted.update(c.memory.to_dict())
+    if c.timing:
+        predicted.update(c.timing.to_dict())
+    notes = list(c.memory.notes) if c.memory else []
+    if c.timing:
+        notes += list(c.timing.assumptions)
+    plan = Plan(
+        model=model_name, model_config=_jsonable(spec.config_dict()), model_type=spec.model_type,
+        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy.name,
+        num_machines=hw.nodes, gpus_per_node=hw.gpus_per_node, pipeline_stages=c.pipeline_stages,
+        tensor_parallel=c.degrees[0], context_parallel=c.degrees[1], sequence_parallel=c.degrees[2],
+        partition=list(c.partition) if c.partition else None, seq_len=c.job.seq_len, micro_batch=c.job.micro_batch,
+        grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
+        optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
+        attention=spec.effective_attention(c.job.attention), optimizer_impl=c.job.optimizer_impl,
+        activation_offloading=c.job.activation_offloading, liger=c.job.liger, gpu=hw.gpu.name,
+        inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
+        notes=[n.replace("\n", " ") for n in notes], **_adapter_fields(c.job, spec))
+    return plan.with_prediction(predicted)
+
+
+def predict_plan(plan: "Plan") -> "Plan":
+    """The plan with its memory and step-time prediction recomputed from its own fields (after an edit)."""
+    from toolkit.plan.job import plan_job
+
+    spec, hw, job = plan_job(plan)
+    strategy = plan.strategy_spec
+    c = evaluate(spec, hw, strategy, job, plan.grid, plan.partition)
+    predicted: dict[str, Any] = {}
+    if c.memory:
+        predicted.update(c.memory.to_dict())
+    if c.timing:
+        predicted.update(c.timing.to_dict())
+    if c.reason:
+        predicted["does_not_fit"] = c.reason
+    return plan.with_prediction(predicted)
+
+
+def _adapter_fields(job: Job, spec: ModelSpec) -> dict[str, Any]:
+    """plan.json's method fields (defaults describe full fine-tuning)."""
+    if not job.adapter.is_adapter:
+        return {}
+    from toolkit.inputs.lora import counts_for_spec
+
+    return {"method": job.adapter.method, "adapter": job.adapter.to_dict(),
+            "trainable_params": counts_for_spec(spec, job.adapter).trainable_params}
+
+
+def _jsonable(obj: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(obj, default=str))

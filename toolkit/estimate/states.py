@@ -1,0 +1,276 @@
+"""Model states: the bytes each engine really holds per parameter, and where (GPU, CPU, NVMe).
+
+One function per engine family, each citing the engine source it follows (DeepSpeed 0.19, torch 2.13,
+transformers 5.2x, accelerate 1.15). Inputs are counts, outputs are bytes; nothing here imports torch.
+
+Notation: P = parameters this rank's model part holds (a pipeline stage's, or the whole model), N = the degree
+the states are sharded over (data-parallel ranks; FSDP hybrid: GPUs per node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.inputs.job import Job
+from toolkit.inputs.strategy import Engine, Strategy
+
+# Optimizer state bytes per parameter when states are fp32 (torch keeps states in the parameter dtype, so
+# bf16-pure halves them). adamw-8bit: bitsandbytes blockwise 8-bit exp_avg and exp_avg_sq (1 byte each) plus one
+# fp32 absmax per 256-element block per state; adafactor: factored second moment, no first moment (HF defaults).
+_STATE_BYTES_FP32 = {"adamw": 8.0, "adamw-8bit": 2.0 + 2 * 4 / 256, "sgd": 4.0, "adafactor": 0.0}
+
+
+def optimizer_state_bytes(params: int, job: Job, factored_elems: int | None = None) -> float:
+    """Optimizer states of `params` parameters (no master weights)."""
+    if job.optimizer == "adafactor":
+        # Row + column statistics per matrix, full second moment for vectors (~ (r + c) / (r x c) of params).
+        elems = factored_elems if factored_elems is not None else params * 0.002
+        return elems * (2 if job.precision == "bf16-pure" else 4)
+    per = _STATE_BYTES_FP32[job.optimizer]
+    if job.precision == "bf16-pure" and job.optimizer in ("adamw", "sgd"):
+        per /= 2
+    return params * per
+
+
+@dataclass
+class States:
+    """Per-rank model-state bytes by component, plus what lives off the GPU."""
+
+    parameters: float = 0.0
+    """Weights the GPU holds for compute (bf16/fp16 copies for DeepSpeed mixed precision, fp32 for AMP)."""
+    gradients: float = 0.0
+    """Gradient bytes that persist across steps (partition buffers)."""
+    step_gradients: float = 0.0
+    """Gradient bytes created by backward and freed after the optimizer step (param.grad with set_to_none)."""
+    accumulation_gradients: float = 0.0
+    """Extra gradient bytes held between micro-steps when accumulating (FSDP2 without sync: unsharded grads)."""
+    master: float = 0.0
+    """fp32 master weights (mixed precision engines that keep them apart from the compute weights)."""
+    optimizer: float = 0.0
+    buffers: float = 0.0
+    """Engine buffers that persist across steps (DDP buckets, ZeRO-3's reduce bucket)."""
+    backward_buffers: float = 0.0
+    """Buffers that exist only during backward (ZeRO-2's reduce bucket, FSDP2's unsharded gradients)."""
+    backward_gradients: float = 0.0
+    """Gradient partitions created in backward and freed by the step (ZeRO-2's grads_in_partition); while
+    accumulating they persist between micro-steps."""
+    gathered: float = 0.0
+    """ZeRO-3 / FSDP2 unsharded parameters live at a time during forward/backward."""
+    step_transient: float = 0.0
+    """Extra bytes only during the optimizer step (DeepSpeed's fp32 gradient partition, foreach temporaries)."""
+    cpu: float = 0.0
+    """Host RAM per rank for offloaded states and their pinned buffers."""
+    nvme: float = 0.0
+    """NVMe bytes per rank (ZeRO-Infinity)."""
+    autocast: bool = False
+    """Whether activations are traced with fp32 weights under torch.autocast (AMP) rather than low-precision weights."""
+    sources: list[str] = field(default_factory=list)
+
+
+def _param_bytes(job: Job) -> int:
+    return 4 if job.precision == "fp32" else 2
+
+
+def ddp_states(P: int, job: Job, *, world: int, factored_elems: int | None = None) -> States:
+    """torch DDP (through accelerate / the HF Trainer) with AMP.
+
+    AMP keeps fp32 weights and fp32 grads (torch.amp: weights are cast per op, the copies live until backward);
+    bf16-pure keeps everything in bf16. The Trainer's default optimizer is fused AdamW (transformers
+    training_args.py: adamw_torch_fused for torch >= 2.8): no step temporaries. DDP's Reducer allocates flat bucket
+    tensors as large as all gradients (torch reducer.cpp initialize_buckets) unless gradient_as_bucket_view=True,
+    which accelerate leaves False (accelerate utils/dataclasses.py).
+    """
+    pb = 4 if job.precision in ("fp32", "bf16", "fp16") else 2
+    s = States(parameters=P * pb, step_gradients=P * pb, optimizer=optimizer_state_bytes(P, job, factored_elems),
+               autocast=job.mixed)
+    if world > 1:
+        s.buffers = P * pb
+        s.sources.append("DDP gradient buckets = one more copy of the gradients (gradient_as_bucket_view=False)")
+    s.sources.append(f"{pb} B/param weights + {pb} B/param grads; optimizer {job.optimizer} "
+                     f"{optimizer_state_bytes(1, job):.3g} B/param (fused AdamW: no step temporaries)")
+    return s
+
+
+def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, largest_layer: int,
+                factored_elems: int | None = None) -> States:
+    """DeepSpeed ZeRO stage 1/2/3 with the HF Trainer's "auto" bucket sizes (reduce_bucket_size = h*h,
+    stage3_prefetch_bucket_size = 0.9*h*h; accelerate/transformers fill formulas).
+
+    Mixed precision: the module is cast to bf16/fp16 (2 B/param), fp32 master partition 4P/N, optimizer states
+    /N, and the fp32 gradient partition (stage_1_and_2.py step(): flat_grad_partition.to(fp32), freed per group
+    after its step; stage3.py _prepare_fp32_grad_for_sub_group, per sub-group of at most 1e9 elements).
+    Stage 2 keeps a low-precision gradient partition (grads_in_partition, 2P/N); stage 3 its
+    grad_partitions_flat_buffer (2P/N) and the parameter partitions (2P/N). Offload moves master, optimizer and
+    fp32 grads to host RAM (pinned) and runs the step there (DeepSpeedCPUAdam).
+    """
+    N = dp
+    stage = strategy.zero_stage
+    pb = _param_bytes(job)
+    opt = optimizer_state_bytes(P, job, factored_elems) / N
+    master = 0.0 if job.precision == "bf16-pure" else 4 * P / N
+    # fp32 runs still clone an fp32 partition (single_partition_of_fp32_groups is a .clone().float()).
+    fp32_grad = 4 * P / N if job.precision != "bf16-pure" else 0.0
+    bucket = float(hidden * hidden)
+    s = States(autocast=False)
+    off_opt = strategy.offload_optimizer != "none"
+    off_par = strategy.offload_params != "none"
+    if stage in (1, 2):
+        s.parameters = P * pb
+        if stage == 1:
+            s.step_gradients = P * pb
+            s.sources.append(f"ZeRO-1: {pb} B/param weights, full {pb} B/param grads until the step")
+        else:
+            # grads_in_partition appears at the first bucket reduction in backward (stage_1_and_2.py
+            # reduce_independent_p_g_buckets_and_remove_grads) and is freed by step(); the ipg bucket of
+            # reduce_bucket_size elements lives only during backward (setup_buckets; one buffer: the emitted
+            # JSON leaves overlap_comm off for stage 2). Measured on CPU: benchmarks/results/distributed_memory.md.
+            s.backward_gradients = 0.0 if off_opt else P * pb / N
+            s.backward_buffers = bucket * pb
+            s.sources.append(f"ZeRO-2: {pb} B/param weights, {pb}P/N grad partition from backward to the step, "
+                             "one h^2 reduce bucket in backward")
+    else:
+        s.parameters = 0.0 if off_par else P * pb / N
+        s.gradients = 0.0 if off_opt else P * pb / N
+        # Gathered parameters: DeepSpeed keeps a parameter gathered from forward to backward when its reuse
+        # distance is under stage3_max_reuse_distance (1e9 elements in the emitted JSON), which holds for the
+        # parameters used in the last max_reuse_distance / 2 elements of forward, plus the layer being computed,
+        # capped by stage3_max_live_parameters (1e9) and the model (partitioned_param_coordinator.py; measured
+        # on CPU: the whole small model stays gathered, benchmarks/results/distributed_memory.md).
+        s.gathered = min(float(P), 1e9, 0.5e9 + largest_layer + 0.9 * hidden * hidden) * pb
+        # One persistent reduce bucket of reduce_bucket_size elements (stage3.py __init__).
+        s.buffers = bucket * pb
+        s.sources.append(f"ZeRO-3: {pb}P/N params + {pb}P/N grads, gathered params kept for reuse "
+                         "(up to 1e9), one h^2 reduce bucket")
+    if off_opt:
+        host = master + opt + fp32_grad
+        if off_par:
+            host += P * pb / N
+        if strategy.offload_optimizer == "nvme":
+            s.nvme = host
+            # Pinned swap buffers (buffer_count 4 x buffer_size 1e8 elements fp32) in host RAM.
+            s.cpu = 4 * 1e8 * 4
+        else:
+            s.cpu = host
+        s.sources.append(f"offload: master + optimizer + fp32 grads ({host / max(P, 1):.3g} B/param) in "
+                         f"{strategy.offload_optimizer.upper()}")
+    else:
+        s.master = master
+        s.optimizer = opt
+        # fp32 grad partition during the step: stage 1/2 per param group (Trainer: 2 groups, decay/no-decay,
+        # the decay one holds almost everything); stage 3 per sub-group of <= 1e9 elements.
+        s.step_transient = min(fp32_grad, 4 * 1e9) if stage == 3 else fp32_grad
+    return s
+
+
+def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_params: int, root_params: int,
+                 accumulating: bool, factored_elems: int | None = None, prefetch_layers: int = 2) -> States:
+    """torch FSDP2 (fully_shard) with MixedPrecisionPolicy(param_dtype=bf16) as accelerate sets it.
+
+    Sharded fp32 params and grads, optimizer states sharded; no separate master copy (REFERENCE: 4P/N + 4P/N +
+    8P/N). Unsharded low-precision params: the layer being computed plus, on GPUs, the next one prefetched on
+    the all-gather stream (prefetch_layers 2; 1 on CPU/gloo, measured); the root module (embeddings, head)
+    stays unsharded after forward; reshard_after_forward=False (grad-op) keeps every layer's
+    unsharded params from forward to backward. Accumulating: by default the Trainer wraps non-final micro-steps
+    in accelerator.no_sync, which for FSDP2 is set_requires_gradient_sync(False) and keeps every layer's
+    unsharded gradient (P x compute bytes) until the last micro-step; toolkit.train sets sync_each_batch for
+    FSDP2 plans instead (reduce-scatter every micro-step, grads stay sharded), so `accumulating` is False for
+    runs through toolkit.train.
+    """
+    N = shard
+    full = 4 if job.precision in ("fp32", "bf16", "fp16") else 2
+    compute = 4 if job.precision == "fp32" else 2
+    s = States(parameters=P * full / N, step_gradients=P * full / N,
+               optimizer=optimizer_state_bytes(P, job, factored_elems) / N, autocast=False)
+    if strategy.fsdp_mode == "grad_op":
+        s.gathered = P * compute
+    else:
+        s.gathered = (prefetch_layers * layer_params + root_params) * compute
+    # Unsharded gradients of the layers being reduce-scattered, freed after each reduce-scatter
+    # (_fsdp_param_group.py post_backward): backward only.
+    s.backward_buffers = prefetch_layers * layer_params * compute
+    if accumulating:
+        s.accumulation_gradients = P * compute
+    s.sources.append(f"FSDP2: {full}P/N params + {full}P/N grads + optimizer/N; unsharded {compute} B/param "
+                     f"params of {'all layers (no reshard)' if strategy.fsdp_mode == 'grad_op' else f'{prefetch_layers} layer(s) + root'}")
+    return s
+
+
+def pipeline_states(P: int, job: Job, *, dp: int, factored_elems: int | None = None) -> States:
+    """DeepSpeed pipeline engine, one stage holding P parameters, ZeRO 0/1 over `dp` ranks.
+
+    bf16: BF16_Optimizer (selected by grad_accum_dtype fp32): bf16 weights and grads, a full fp32 gradient
+    accumulation buffer (bf16_optimizer.py: torch.zeros_like(bf16_groups_flat, dtype=grad_acc_dtype)), fp32
+    master and optimizer partitions /dp. fp16: FP16 optimizer (ZeRO-0) or ZeRO-1 partitions; fp32: plain.
+    """
+    opt = optimizer_state_bytes(P, job, factored_elems) / dp
+    if job.precision == "fp32":
+        s = States(parameters=4 * P, step_gradients=4 * P, optimizer=opt)
+        s.master = 4 * P / dp if dp > 1 else 0.0
+    elif job.precision == "bf16-pure":
+        s = States(parameters=2 * P, step_gradients=2 * P, optimizer=opt)
+    else:
+        s = States(parameters=2 * P, step_gradients=2 * P, gradients=4 * P, master=4 * P / dp, optimizer=opt)
+        s.sources.append("bf16/fp16 pipeline: fp32 gradient accumulation buffer for the whole stage (4P)")
+    s.sources.append(f"pipeline stage: {P:,} params, optimizer sharded over dp={dp}")
+    return s
+
+
+def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strategy, *, dp: int, hidden: int,
+                   total_params: int, largest_layer: int, layer_total_params: int, root_total_params: int,
+                   layer_trainable_params: int, root_trainable_params: int, shard: int, prefetch_layers: int,
+                   base_shardable: bool = True, dequantized_bytes: float = 0.0) -> States:
+    """LoRA / QLoRA: the trainable adapters carry the engine's usual states (weights, gradients, master, optimizer:
+    the functions above with P = trainable), the frozen base only its weights, `base_bytes` in its storage dtype
+    (4-bit weights with their constants for QLoRA).
+
+    Where the base lives, per engine:
+    - DDP: whole on every GPU. toolkit.train loads it in the compute dtype; PEFT keeps adapters in fp32
+      (get_peft_model(autocast_adapter_dtype=True)); DDP's Reducer buckets only parameters that require grad.
+    - ZeRO-1/2: whole on every GPU; DeepSpeed casts the whole module to bf16/fp16 (engine.py _configure_distributed_model)
+      and partitions only the optimizer's (trainable) parameters.
+    - ZeRO-3: every parameter is partitioned, frozen ones included (partition_parameters.py zero.Init), and
+      gathered for compute like the others: the gathered bytes are those of the whole model.
+    - FSDP2: every floating parameter is sharded; accelerate upcasts the trainable ones to fp32 and leaves the frozen
+      base in its dtype (accelerate utils/fsdp_utils.py fsdp2_prepare_model); 4-bit weights stored as uint8 are
+      left out of sharding (same function: "non-floating frozen Params4bit"), so they stay whole on every GPU
+      unless bnb_4bit_quant_storage is a floating dtype (`base_shardable`).
+    """
+    base_per_gpu = base_bytes
+    if strategy.engine == Engine.DDP:
+        s = ddp_states(trainable, job, world=dp)
+    elif strategy.engine == Engine.DEEPSPEED:
+        s = zero_states(trainable, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
+        if strategy.zero_stage == 3:
+            pb = _param_bytes(job)
+            whole = zero_states(total_params, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
+            s.gathered = whole.gathered * (base_bytes + trainable * pb) / max(total_params * pb, 1)
+            base_per_gpu = base_bytes / dp
+            if strategy.offload_params != "none":
+                s.cpu += base_per_gpu
+                base_per_gpu = 0.0
+    elif strategy.engine == Engine.FSDP2:
+        s = fsdp2_states(trainable, job, strategy, shard=shard, layer_params=layer_trainable_params,
+                         root_params=root_trainable_params, accumulating=False, prefetch_layers=prefetch_layers)
+        compute = 4 if job.precision == "fp32" else 2
+        whole = fsdp2_states(total_params, job, strategy, shard=shard, layer_params=layer_total_params,
+                             root_params=root_total_params, accumulating=False, prefetch_layers=prefetch_layers)
+        s.gathered = whole.gathered * (base_bytes + trainable * compute) / max(total_params * compute, 1)
+        if base_shardable:
+            base_per_gpu = base_bytes / shard
+        else:
+            s.sources.append("4-bit base stored as uint8: accelerate leaves it out of FSDP2 sharding (whole per GPU); "
+                             "set --qlora-quant-storage bfloat16 to shard it")
+    else:
+        raise ValueError("LoRA / QLoRA runs on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline engine")
+    s.parameters += base_per_gpu
+    if dequantized_bytes:
+        # bitsandbytes MatMul4Bit dequantises the whole 4-bit weight to the compute dtype for each matmul, in
+        # forward and again in backward for the input gradient (bitsandbytes autograd/_functions.py), freed after.
+        s.backward_buffers += dequantized_bytes
+        s.sources.append(f"QLoRA: one dequantised weight ({dequantized_bytes / 2**20:.0f} MiB) live during each "
+                         "4-bit matmul")
+    s.sources.insert(0, f"{job.adapter.method}: frozen base {base_bytes / 2**30:.2f} GiB in all"
+                        f"{' (4-bit + constants)' if job.adapter.method == 'qlora' else ''}, "
+                        f"{base_per_gpu / 2**30:.2f} GiB per GPU; {trainable:,} trainable parameters with "
+                        "gradients and optimizer states")
+    return s

@@ -1,0 +1,291 @@
+"""Step time: compute over the GPU's dense peak at an assumed efficiency, communication over the links each
+strategy uses, the pipeline bubble, and offload traffic. Ranking needs the order right more than the absolute
+time; every assumption is a named constant here and is printed by `--explain`.
+
+Sources: FLOPs = 6 x active params per token + attention (Kaplan et al. 2020; Korthikanti et al. 2022 for the
+attention term and recompute); collective costs are ring algorithms (all-reduce 2(N-1)/N x bytes, all-gather and
+reduce-scatter (N-1)/N x bytes: NCCL's bus-bandwidth convention); pipeline bubble (P-1)/(M+P-1) for 1F1B
+(Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.inputs.hardware import Hardware
+from toolkit.inputs.grid import ParallelGrid, grid_of
+from toolkit.inputs.job import Job
+from toolkit.inputs.modelspec import ModelSpec
+from toolkit.inputs.strategy import Engine, Strategy
+
+MFU_LOW_PRECISION = 0.45
+"""Fraction of dense bf16/fp16 peak a well-sized HF model step reaches (torchtitan: 33-58% on H100/A100)."""
+MFU_FP32 = 0.70
+"""fp32 runs on CUDA cores whose peak is low; kernels get closer to it."""
+SMALL_MODEL_HIDDEN = 4096
+"""Below this hidden size GEMMs are too small to fill the GPU: efficiency scales down as (h/4096)^0.5."""
+SMALL_BATCH_TOKENS = 4096
+"""Below this many tokens per micro-batch efficiency scales down as (tokens/4096)^0.3 (launch-bound kernels)."""
+OVERLAP = 0.7
+"""Fraction of gradient / parameter communication hidden behind backward (bucketed overlap in DDP, ZeRO, FSDP)."""
+CPU_ADAM_PARAMS_PER_S = 2.0e9
+"""DeepSpeedCPUAdam throughput per node (AVX-512, all cores): ~1 s per 2B parameters. Assumed."""
+NVME_GBPS = 6.0
+"""NVMe read/write bandwidth per node (two Gen4 drives). Assumed."""
+P2P_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Timing:
+    step_time_s: float
+    tokens_per_s: float
+    compute_s: float
+    communication_s: float
+    """Exposed (not overlapped) communication."""
+    bubble_s: float
+    offload_s: float
+    mfu: float
+    """Model FLOPs utilisation the prediction implies (useful FLOPs / peak), recompute excluded."""
+    assumptions: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
+                "communication_s": self.communication_s, "bubble_s": self.bubble_s, "offload_s": self.offload_s,
+                "mfu": self.mfu}
+
+
+def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
+                    trainable_params: int | None = None) -> tuple[float, float]:
+    """(training FLOPs per token including recompute, model FLOPs per token without it).
+
+    Full fine-tuning: backward = 2 x forward (input gradients + weight gradients). LoRA / QLoRA
+    (`trainable_params` = the adapters' count): the frozen base runs forward and the input-gradient half of
+    backward only (no weight-gradient FLOPs for frozen weights); each adapter parameter adds 2 FLOPs forward and
+    4 backward per token (an nn.Linear's 6 per weight)."""
+    matmul = sum(spec.layer_matmul_params) + spec.head_matmul_params
+    attn_dim = spec.heads * spec.head_dim
+    # Causal attention: QK^T and AV each 2 x seq/2 x attn_dim multiply-adds per token per layer on average.
+    attention = 2 * 2 * (seq_len / 2) * attn_dim * spec.num_layers
+    forward = 2 * matmul + attention
+    layers_forward = forward - 2 * spec.head_matmul_params
+    if trainable_params is not None:
+        # Attention has no weights: its backward is still twice its forward.
+        model = forward + (2 * matmul + 2 * attention) + 6 * trainable_params
+        layers_forward += 2 * trainable_params
+    else:
+        model = 3 * forward
+    return model + (layers_forward if checkpointing else 0.0), model
+
+
+def _efficiency(spec: ModelSpec, job: Job) -> float:
+    base = MFU_FP32 if job.precision == "fp32" else MFU_LOW_PRECISION
+    width = min(1.0, spec.hidden / SMALL_MODEL_HIDDEN) ** 0.5
+    tokens = min(1.0, job.tokens_per_micro_batch / SMALL_BATCH_TOKENS) ** 0.3
+    return base * width * tokens
+
+
+def _ring(bytes_: float, n: int, gbps: float, factor: float) -> float:
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return factor * (n - 1) / n * bytes_ / (gbps * 1e9)
+
+
+def _group_bandwidth(hw: Hardware, group: int) -> float:
+    """Bus bandwidth of a collective over `group` ranks: NVLink inside a node; the node's network once the
+    group spans nodes (hierarchical rings leave each node once per ring)."""
+    if group <= hw.gpus_per_node:
+        return hw.gpu.intra_node_gbps
+    return min(hw.gpu.intra_node_gbps, hw.inter_node_gbps)
+
+
+def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
+              partition: list[int] | None = None, grid: ParallelGrid | None = None) -> Timing:
+    """Predicted time of one optimizer step (pipeline: partition None means the grid's balanced one). `grid`: the
+    grid with its tensor / context / sequence degrees (default: the strategy's plain grid on hw)."""
+    grid = grid or grid_of(strategy, hw, pipeline_stages)
+    full_spec, full_job = spec, job
+    if grid.model_parallel > 1:
+        from toolkit.estimate.dimensions import rank_view
+
+        view = rank_view(spec, job, grid)
+        spec, job = view.spec, view.job  # one rank's parameters and tokens per sample
+    world = grid.world
+    P_stages = grid.pipeline_stages
+    dp = grid.data_parallel
+    tokens_per_gpu_step = full_job.seq_len * job.micro_batch * job.grad_accum  # per data-parallel replica
+    trainable = None
+    if job.adapter.is_adapter:
+        from toolkit.inputs.lora import counts_for_spec
+
+        trainable = counts_for_spec(spec, job.adapter).trainable_params
+    # FLOPs of the whole model over the whole sample (attention grows with the full sequence), shared by the
+    # ranks that split one sample: tensor x context x sequence.
+    total_flops, model_flops = flops_per_token(full_spec, full_job.seq_len, job.checkpointing, trainable)
+    total_flops /= grid.model_parallel
+    peak = hw.gpu.peak_tflops(job.precision) * 1e12
+    if peak <= 0:
+        peak = hw.gpu.fp32_tflops * 1e12  # no bf16 on this GPU: it would emulate; say so via the assumptions
+    eff = _efficiency(spec, job)
+    assumptions = [f"efficiency {eff:.2f} of {peak / 1e12:.0f} TFLOP/s dense peak"]
+
+    # Compute: the replica's tokens through the whole model, split over the pipeline stages (balanced).
+    compute = tokens_per_gpu_step * total_flops / (peak * eff) / P_stages
+    backward = compute * 2 / 3
+    pb = 4 if job.precision == "fp32" else 2
+    P = spec.params
+    # Gradients (all-reduce, reduce-scatter, offload traffic, CPU Adam) exist for trainable parameters only;
+    # ZeRO-3 / FSDP2 all-gathers move the whole model (the frozen base included).
+    P_grad = trainable if trainable is not None else P
+    comm = 0.0
+    bubble = 0.0
+    offload = 0.0
+    A = job.grad_accum
+    if trainable is not None:
+        assumptions.append(f"{job.adapter.method}: frozen base runs forward + input-gradient backward; "
+                           f"{trainable:,} trainable parameters get weight gradients and the optimizer step")
+    if strategy.engine == Engine.DDP:
+        grad_bytes = P_grad * (4 if job.precision in ("fp32", "bf16", "fp16") else 2)
+        comm = _ring(grad_bytes, dp, _group_bandwidth(hw, dp), 2)
+        assumptions.append("DDP: one all-reduce of the gradients per step (no_sync while accumulating)")
+    elif strategy.engine == Engine.DEEPSPEED:
+        dp = grid.shard_group  # ZeRO's partition group: dp, times sp under Ulysses
+        bw = _group_bandwidth(hw, dp)
+        if strategy.zero_stage == 1:
+            comm = _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
+        elif strategy.zero_stage == 2:
+            comm = A * _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
+            assumptions.append("ZeRO-2 reduce-scatters gradients every micro-step")
+        else:
+            comm = A * (2 * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+            assumptions.append("ZeRO-3: all-gather forward + all-gather backward + reduce-scatter, every micro-step")
+        if strategy.offload_optimizer != "none":
+            host_link = hw.gpu.pcie_gbps * 1e9
+            # fp32 grads down, bf16 params up, per rank; ranks share the node's CPU for the Adam step.
+            offload += (P_grad / dp) * (4 + pb) / host_link
+            offload += P_grad * hw.gpus_per_node / dp / CPU_ADAM_PARAMS_PER_S
+            if strategy.offload_params != "none":
+                offload += A * 2 * (P / dp) * pb / host_link
+            if strategy.offload_optimizer == "nvme":
+                offload += 2 * (P / dp) * 16 * hw.gpus_per_node / (NVME_GBPS * 1e9)
+            assumptions.append(f"offload: host link {hw.gpu.pcie_gbps:.0f} GB/s, CPU Adam "
+                               f"{CPU_ADAM_PARAMS_PER_S / 1e9:.0f}B params/s per node")
+    elif strategy.engine == Engine.FSDP2:
+        dp = grid.shard_group  # FSDP2 shards over dp_shard x cp
+        if strategy.fsdp_mode == "hybrid":
+            shard, replicas = grid.shard_group, grid.dp_replicate
+            comm = A * (2 * _ring(P * pb, shard, hw.gpu.intra_node_gbps, 1)
+                         + _ring(P_grad * pb, shard, hw.gpu.intra_node_gbps, 1))
+            comm += _ring(P_grad * pb / shard, replicas, hw.inter_node_gbps, 2)
+        else:
+            gathers = 1 if strategy.fsdp_mode == "grad_op" else 2
+            bw = _group_bandwidth(hw, dp)
+            comm = A * (gathers * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+    else:
+        # Pipeline: activations cross stage boundaries; stages across nodes, data parallel inside a node.
+        M = A
+        bubble = compute * (P_stages - 1) / M if M else 0.0
+        boundary_bytes = job.micro_batch * job.seq_len * spec.hidden * pb
+        link = hw.inter_node_gbps if hw.nodes > 1 else hw.gpu.intra_node_gbps
+        comm_p2p = 2 * M * boundary_bytes / (link * 1e9 * P2P_EFFICIENCY) if P_stages > 1 else 0.0
+        stage_P = max(grid.stage_params(spec, partition))
+        comm_dp = _ring(stage_P * pb, dp, hw.gpu.intra_node_gbps, 2) if dp > 1 else 0.0
+        comm = comm_p2p * 0.5 + comm_dp  # sends overlap with the other direction's compute about half the time
+        assumptions.append(f"1F1B bubble (P-1)/M of compute with P={P_stages}, M={M}")
+    exposed = max(0.0, comm - OVERLAP * min(comm, backward)) if strategy.engine != Engine.PIPELINE else comm
+    if grid.model_parallel > 1:
+        extra, said = model_parallel_comm_s(full_spec, full_job, grid, hw, compute)
+        exposed += extra
+        assumptions += said
+    step = compute + bubble + exposed + offload
+    tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
+    mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
+    return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
+                  bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensor / context / sequence parallelism: communication inside one sample, per optimizer step. Kept apart from the
+# data-parallel terms above; each is blocking (exposed) unless it says otherwise.
+
+TP_COLLECTIVES_PER_LAYER = 4
+"""All-reduces per decoder layer and micro-step under the tp_plan's colwise -> rowwise pairs: forward after o_proj
+and after down_proj, backward for the inputs' gradients of the q/k/v and gate/up projections (Megatron-LM's f / g
+operators, Shoeybi et al. 2019)."""
+ULYSSES_ALL_TO_ALLS_PER_LAYER = 4
+"""All-to-alls per layer and micro-step: q, k, v in and the output back in forward, the same two in backward
+(Jacobs et al. 2023, DeepSpeed-Ulysses)."""
+
+
+def _all_to_all(bytes_per_rank: float, n: int, gbps: float) -> float:
+    """An all-to-all where each rank sends (n - 1) / n of its bytes."""
+    if n <= 1 or bytes_per_rank <= 0:
+        return 0.0
+    return (n - 1) / n * bytes_per_rank / (gbps * 1e9)
+
+
+def _recompute_factor(job: Job) -> float:
+    """Forward collectives run again when a checkpointed layer recomputes: half of each layer's collectives."""
+    return 1.5 if job.checkpointing else 1.0
+
+
+def tensor_parallel_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) -> float:
+    """Blocking all-reduces of the activations one tensor-parallel group exchanges per step, over the node's link."""
+    if grid.tensor <= 1:
+        return 0.0
+    pb = 4 if job.precision == "fp32" else 2
+    local_tokens = job.seq_len // grid.seq_split * job.micro_batch
+    per = _ring(local_tokens * spec.hidden * pb, grid.tensor, hw.gpu.intra_node_gbps, 2)
+    per_micro = TP_COLLECTIVES_PER_LAYER * spec.num_layers * per * _recompute_factor(job)
+    return job.grad_accum * per_micro
+
+
+def ulysses_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) -> float:
+    """Blocking all-to-alls of q, k, v and the attention output, per step (sequence groups span nodes when sp
+    exceeds a node)."""
+    if grid.sequence <= 1:
+        return 0.0
+    p = grid.sequence
+    pb = 4 if job.precision == "fp32" else 2
+    local = job.seq_len // p * job.micro_batch * spec.head_dim * pb
+    qkv, out = local * (spec.heads + 2 * spec.kv_heads), local * spec.heads
+    bw = _group_bandwidth(hw, p)
+    per_layer = (ULYSSES_ALL_TO_ALLS_PER_LAYER / 2) * (_all_to_all(qkv, p, bw) + _all_to_all(out, p, bw))
+    return job.grad_accum * spec.num_layers * per_layer * _recompute_factor(job)
+
+
+def ring_attention_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware,
+                          attention_compute_s: float) -> float:
+    """Exposed time of context parallelism's k / v exchange: gathered in forward, gathered again and the gradients
+    reduce-scattered in backward, overlapped with the attention compute it feeds (torch's ring runs the next
+    chunk's exchange behind the current chunk's attention)."""
+    if grid.context <= 1:
+        return 0.0
+    c = grid.context
+    pb = 4 if job.precision == "fp32" else 2
+    kv = 2 * job.seq_len * job.micro_batch * spec.kv_heads * spec.head_dim * pb
+    bw = _group_bandwidth(hw, c)
+    per_layer = 3 * _ring(kv, c, bw, 1)  # all-gather forward; all-gather + reduce-scatter backward
+    total = job.grad_accum * spec.num_layers * per_layer * _recompute_factor(job)
+    return max(0.0, total - attention_compute_s)
+
+
+def model_parallel_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware,
+                          compute_s: float) -> tuple[float, list[str]]:
+    """Exposed seconds of tensor / sequence / context communication per step, and what was assumed. `spec` and
+    `job` are the whole model and sample; `compute_s` the rank's compute time."""
+    total, model = flops_per_token(spec, job.seq_len, job.checkpointing)
+    attn = 3 * 2 * 2 * (job.seq_len / 2) * spec.heads * spec.head_dim * spec.num_layers
+    attention_s = compute_s * attn / total if total else 0.0
+    tp, sp = tensor_parallel_comm_s(spec, job, grid, hw), ulysses_comm_s(spec, job, grid, hw)
+    cp = ring_attention_comm_s(spec, job, grid, hw, attention_s)
+    said = []
+    if tp:
+        said.append(f"tensor parallel {grid.tensor}: {TP_COLLECTIVES_PER_LAYER} blocking all-reduces per layer "
+                    f"on the node link ({tp:.3f} s/step)")
+    if sp:
+        said.append(f"Ulysses sp {grid.sequence}: {ULYSSES_ALL_TO_ALLS_PER_LAYER} blocking all-to-alls per layer "
+                    f"({sp:.3f} s/step)")
+    if grid.context > 1:
+        said.append(f"context parallel {grid.context}: k/v exchange hidden behind attention, {cp:.3f} s/step "
+                    "exposed")
+    return tp + sp + cp, said

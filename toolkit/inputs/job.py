@@ -1,0 +1,179 @@
+"""The training job: what one step does, independent of the hardware and the strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from toolkit.errors import UserError
+from toolkit.inputs.lora import FULL, Adapter
+from toolkit.inputs.strategy import Engine
+
+if TYPE_CHECKING:
+    from toolkit.inputs.hardware import Gpu, Hardware
+    from toolkit.inputs.modelspec import ModelSpec
+    from toolkit.inputs.strategy import Strategy
+
+Precision = Literal["fp32", "bf16", "fp16", "bf16-pure"]
+Optimizer = Literal["adamw", "adamw-8bit", "sgd", "adafactor"]
+Attention = Literal["eager", "sdpa", "flash_attention_2"]
+DeviceKind = Literal["cuda", "cpu"]
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-pure")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
+ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
+DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
+
+
+@dataclass(frozen=True)
+class Job:
+    seq_len: int
+    """Tokens per sample (packed blocks of this length)."""
+    micro_batch: int = 1
+    """Samples per GPU per forward/backward (per pipeline micro-batch for pipeline plans)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (pipeline: micro-batches per step, which feed 1F1B)."""
+    precision: Precision = "bf16"
+    """fp32; bf16 / fp16 mixed (fp32 master weights; fp16 with dynamic loss scaling); bf16-pure (all in bf16)."""
+    optimizer: Optimizer = "adamw"
+    checkpointing: bool = False
+    """Activation checkpointing of every decoder layer."""
+    attention: Attention = "sdpa"
+    device_kind: DeviceKind = "cuda"
+    """Whose kernels' saved tensors to model: the GPU kernels (default) or the real CPU dispatch."""
+    optimizer_impl: str = "fused"
+    """How torch's optimizer runs its step (toolkit.estimate.savers): fused (the HF Trainer's adamw_torch_fused), foreach
+    (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
+    activation_offloading: bool = False
+    """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
+    liger: bool = False
+    """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.estimate.liger)."""
+    adapter: Adapter = FULL
+    """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""
+
+    def __post_init__(self) -> None:
+        for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
+                             ("--accumulation", self.grad_accum)):
+            if not isinstance(value, int) or value <= 0:
+                raise UserError(f"{field} must be a positive integer, got {value!r}")
+        check_choice("--precision", self.precision, PRECISIONS)
+        check_choice("--optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("--attention", self.attention, ATTENTIONS)
+        check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
+        check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: low-precision compute over fp32 master weights."""
+        return self.precision in ("bf16", "fp16")
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "bf16-pure": "bfloat16"}[self.precision]
+
+    @property
+    def method(self) -> str:
+        return self.adapter.method
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
+
+
+def check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"{flag} '{value}' is not known; choose one of: {', '.join(choices)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rules a job must meet on a model and hardware: estimate, plan, check (--model/--gpus) and launch's preflight
+# all call these, so the same job is refused (or adapted) the same way everywhere.
+
+DEFAULT_SEQ_LEN = 2048
+"""Sequence length when none is given (adapted down to the model's positions)."""
+
+
+def default_seq_len(spec: "ModelSpec", requested: int | None) -> tuple[int, str | None]:
+    """The sequence length to use and, when it was adapted, the sentence that says so. A length the user gave is
+    kept (and checked by `check_job`); the default shrinks to what the model can take."""
+    if requested is not None:
+        return requested, None
+    limit = spec.max_positions
+    if limit and limit < DEFAULT_SEQ_LEN:
+        return limit, (f"--seq not given: using {limit}, the most {spec.name} takes (max_position_embeddings); "
+                       f"the default {DEFAULT_SEQ_LEN} is longer")
+    return DEFAULT_SEQ_LEN, None
+
+
+def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise UserError(f"--seq must be a positive integer, got {seq_len!r}")
+    if spec.max_positions and seq_len > spec.max_positions:
+        raise UserError(f"--seq {seq_len} is longer than {spec.name} allows ({spec.max_positions} positions); "
+                        f"use --seq {spec.max_positions} or less")
+
+
+def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
+                activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL) -> str | None:
+    """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
+    None. The model types Liger supports are checked in check_job (liger_problem, below)."""
+    if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
+        return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
+    if strategy is not None and strategy.is_pipeline and adapter.is_adapter:
+        return (f"{adapter.method} trains through PEFT on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline "
+                "engine")
+    if strategy is not None and strategy.is_pipeline and activation_offloading:
+        return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
+    if strategy is not None and strategy.is_pipeline and liger:
+        return "Liger kernels patch the Hugging Face model the Trainer runs (ZeRO / FSDP2 / DDP), not pipeline stages"
+    if strategy is not None and liger and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
+        # Liger's lce_forward reads lm_head.weight without calling the lm_head module, and ZeRO-3 gathers a
+        # parameter only in its module's forward hook: the fused loss gets an empty shard (liger-kernel 0.8.2 has no
+        # ZeRO-3 path; linkedin/Liger-Kernel issue 1048).
+        return ("--liger with ZeRO-3: Liger's fused loss reads lm_head.weight outside the lm_head module, which ZeRO-3 "
+                "leaves partitioned there; use zero2 or fsdp2, or drop --liger")
+    if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
+        return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
+    return None
+
+
+def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy | None" = None, *,
+              pipeline_stages: int | None = None) -> None:
+    """Raise UserError when `job` cannot run `spec` on `hw`: sequence longer than the model's positions,
+    precision the GPU lacks, a pipeline grid the model cannot be split over."""
+    check_seq_len(spec, job.seq_len)
+    problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
+                          liger=job.liger, adapter=job.adapter)
+    if job.liger and problem is None:
+        problem = liger_problem(spec.model_type)
+    if problem:
+        raise UserError(problem)
+    if strategy is not None and strategy.is_pipeline:
+        from toolkit.inputs.grid import grid_of
+
+        grid_of(strategy, hw, pipeline_stages).check_model(spec)
+
+
+MODELLED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""Model types whose Liger patch (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) is modelled here."""
+OTHER_LIGER_MODEL_TYPES = (
+    "deepseek_v4", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text",
+    "glm4", "glm4v", "glm4v_moe", "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe", "internvl", "llama4",
+    "llama4_text", "llava", "ministral", "mixtral", "mllama", "mllama_text_model", "nemotron", "olmo2", "olmo3",
+    "paligemma", "phi3", "pixtral", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl", "qwen2_vl_text", "qwen3_5",
+    "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen3_vl", "qwen3_vl_moe",
+    "qwen3_vl_moe_text", "qwen3_vl_text", "smollm3", "smolvlm")
+"""The other keys of Liger's MODEL_TYPE_TO_APPLY_LIGER_FN (monkey_patch.py, 0.8.2): other norms (Gemma's offset),
+GeGLU, fused gate_up (Phi-3), expert MLPs, vision towers, or no fused loss (Granite); not modelled yet."""
+
+
+def liger_problem(model_type: str) -> str | None:
+    """Why --liger cannot be modelled for `model_type`, or None."""
+    if model_type in MODELLED_MODEL_TYPES:
+        return None
+    modelled = ", ".join(MODELLED_MODEL_TYPES)
+    if model_type in OTHER_LIGER_MODEL_TYPES:
+        return (f"--liger is modelled for model types {modelled}; Liger patches {model_type} with other kernels "
+                "that toolkit does not model yet: drop --liger")
+    return f"Liger kernels do not support model type {model_type!r} (toolkit models {modelled}): drop --liger"

@@ -1,0 +1,298 @@
+"""LoRA and QLoRA: the adapter a job trains, and exact counts of what it adds and freezes.
+
+The counts come from the model built on the meta device and wrapped by the real `peft` package (get_peft_model
+with the job's LoraConfig), never from a formula: trainable adapter parameters per module, the frozen base, and for
+QLoRA which weights transformers' bitsandbytes integration quantises (every nn.Linear but the ones
+`transformers.quantizers.base.get_keys_to_not_convert` keeps: the LM head, tied weights, the last module).
+
+4-bit storage follows bitsandbytes 0.4x/0.5x `functional.quantize_4bit`: two 4-bit codes per byte, one fp32 absmax
+per block of 64 elements (the default blocksize), a 16-entry fp32 code table per tensor; with double quantisation
+(compress_statistics=True, BitsAndBytesConfig.bnb_4bit_use_double_quant) the absmax values are themselves quantised
+by `quantize_blockwise` to 1 byte each in blocks of 256, which adds one fp32 absmax per 256 blocks, a 256-entry fp32
+code table and an fp32 offset per tensor. tests/test_lora.py checks these bytes against real bnb tensors.
+
+Nothing here imports torch at module level: a Job (toolkit.inputs.job) holds an Adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkit.errors import UserError
+
+# peft imports bitsandbytes, whose CPU backend warns on import that an optional faster 4-bit kernel (the `kernels`
+# package) is missing: noise on every CPU command (its pure-torch path runs instead), and not one clear line.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+METHODS: tuple[str, ...] = ("full", "lora", "qlora")
+QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
+COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+QUANT_STORAGE_DTYPES: tuple[str, ...] = ("uint8", "bfloat16", "float16", "float32")
+
+BNB_4BIT_BLOCKSIZE = 64
+"""bitsandbytes quantize_4bit: blocksize None -> 64 (functional.py; 128 only on ROCm)."""
+BNB_NESTED_BLOCKSIZE = 256
+"""quantize_4bit with compress_statistics: quantize_blockwise(absmax, blocksize=256)."""
+BNB_4BIT_CODE_ENTRIES = 16
+BNB_DYNAMIC_CODE_ENTRIES = 256
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """The training method. `full` trains every weight (the other fields are ignored)."""
+
+    method: str = "full"
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: str = "all-linear"
+    """PEFT target_modules: "all-linear" (every nn.Linear but the output layer) or comma-separated module names."""
+    modules_to_save: str = ""
+    """Comma-separated modules trained in full beside the adapters (PEFT modules_to_save), e.g. "lm_head"."""
+    quant_type: str = "nf4"
+    """QLoRA: BitsAndBytesConfig.bnb_4bit_quant_type."""
+    double_quant: bool = True
+    """QLoRA: bnb_4bit_use_double_quant."""
+    compute_dtype: str = "bfloat16"
+    """QLoRA: bnb_4bit_compute_dtype."""
+    quant_storage: str = "uint8"
+    """QLoRA: bnb_4bit_quant_storage; set it to the compute dtype for FSDP / ZeRO-3, which shard floating tensors."""
+
+    def __post_init__(self) -> None:
+        _check("--method", self.method, METHODS)
+        if self.method == "full":
+            return
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise UserError(f"--lora-r must be a positive integer, got {self.r!r}")
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0 and math.isfinite(self.alpha)):
+            raise UserError(f"--lora-alpha must be a positive number, got {self.alpha!r}")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_list():
+            raise UserError("--lora-targets is empty; give all-linear or module names such as q_proj,v_proj")
+        _check("--qlora-quant-type", self.quant_type, QUANT_TYPES)
+        _check("--qlora-compute-dtype", self.compute_dtype, COMPUTE_DTYPES)
+        _check("--qlora-quant-storage", self.quant_storage, QUANT_STORAGE_DTYPES)
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+    def target_list(self) -> list[str]:
+        return [t.strip() for t in self.targets.split(",") if t.strip()]
+
+    def save_list(self) -> list[str]:
+        return [t.strip() for t in self.modules_to_save.split(",") if t.strip()]
+
+    def peft_target_modules(self) -> str | list[str]:
+        targets = self.target_list()
+        return "all-linear" if targets == ["all-linear"] else targets
+
+    def lora_config(self):
+        """The real peft.LoraConfig of this adapter."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=self.peft_target_modules(), modules_to_save=self.save_list() or None,
+                          task_type="CAUSAL_LM")
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _check(flag: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"{flag} '{value}' is not known; choose one of: {', '.join(choices)}")
+
+
+FULL = Adapter()
+
+
+@dataclass(frozen=True)
+class AdapterCounts:
+    """Exact parameter counts of a PEFT-wrapped model."""
+
+    trainable_params: int
+    """What PEFT's get_nb_trainable_parameters reports as trainable: adapters + modules_to_save copies."""
+    all_params: int
+    """PEFT's "all params": base (tied weights once) + adapters + modules_to_save copies."""
+    adapter_params: int
+    """lora_A / lora_B weights alone."""
+    saved_module_params: int
+    """Trainable copies of modules_to_save."""
+    frozen_params: int
+    """Base parameters that get no gradient (the originals of modules_to_save included: PEFT keeps them)."""
+    quantized_params: int
+    """QLoRA: elements of the base weights stored in 4 bits (every Linear except those transformers skips)."""
+    quantized_tensors: int
+    quantized_bytes: int
+    """QLoRA: bytes of those 4-bit weights with their quantisation constants (quantized_4bit_bytes per tensor)."""
+    largest_quantized_params: int = 0
+    """QLoRA: elements of the largest 4-bit weight (bitsandbytes dequantises one whole weight at a time)."""
+    per_module: dict[str, int] = field(default_factory=dict)
+    """Adapter parameters by target module name (e.g. "q_proj": total over all layers)."""
+    per_layer: tuple[int, ...] = ()
+    """Trainable parameters of each decoder layer."""
+    pre_layer_trainable: int = 0
+    post_layer_trainable: int = 0
+
+    @property
+    def unquantized_frozen_params(self) -> int:
+        return self.frozen_params - self.quantized_params
+
+
+def quantized_4bit_bytes(numel: int, *, double_quant: bool, quant_storage: str = "uint8") -> int:
+    """Bytes bitsandbytes holds for one 4-bit weight of `numel` elements: packed codes and quantisation constants
+    (see the module docstring for the rules and their source)."""
+    item = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}[quant_storage]
+    packed = math.ceil(math.ceil(numel / 2) / item) * item
+    blocks = math.ceil(numel / BNB_4BIT_BLOCKSIZE)
+    code = BNB_4BIT_CODE_ENTRIES * 4
+    if not double_quant:
+        return packed + 4 * blocks + code
+    nested = math.ceil(blocks / BNB_NESTED_BLOCKSIZE)
+    return packed + blocks + 4 * nested + BNB_DYNAMIC_CODE_ENTRIES * 4 + 4 + code
+
+
+_COUNTS_CACHE: dict[tuple, AdapterCounts] = {}
+
+
+def peft_model_on_meta(config, adapter: Adapter):
+    """The model built on the meta device from `config`, wrapped with PEFT (no memory, a few seconds)."""
+    import copy
+    import warnings
+
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    quantized = _quantized_linears(model) if adapter.method == "qlora" else {}
+    names = sorted({n.rsplit(".", 1)[-1] for n in _linear_modules(model)})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft_model = get_peft_model(model, adapter.lora_config(), low_cpu_mem_usage=True)
+    except ValueError as exc:
+        message = str(exc).splitlines()[0][:160]
+        if "not found" in message:
+            raise UserError(f"--lora-targets {adapter.targets}: {message}; name modules {type(model).__name__} "
+                            f"has ({','.join(names)}) or use all-linear") from None
+        raise UserError(f"PEFT refuses this LoRA setting for {type(model).__name__}: {message}") from None
+    return peft_model, quantized
+
+
+def _quantized_linears(model) -> dict[str, int]:
+    """{module name: weight elements} of the Linear layers transformers' bitsandbytes integration replaces with
+    Linear4bit (replace_with_bnb_linear skips get_keys_to_not_convert's modules)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    skip = get_keys_to_not_convert(model)
+    return {name: weight for name, weight in _linear_modules(model).items()
+            if not any(name == k or name.endswith("." + k) or name.startswith(k + ".") for k in skip)}
+
+
+def _linear_modules(model) -> dict[str, int]:
+    """{name: weight elements} of nn.Linear and transformers' Conv1D (GPT-2) modules: what bitsandbytes replaces
+    (transformers integrations/bitsandbytes.py) and what PEFT's all-linear targets."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return {name: m.weight.numel() for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
+
+
+def adapter_counts(config, adapter: Adapter, *, cache_key: str | None = None) -> AdapterCounts:
+    """Exact counts of `config`'s model wrapped with `adapter` (PEFT on the meta device)."""
+    if not adapter.is_adapter:
+        raise ValueError("adapter_counts needs a lora or qlora adapter")
+    key = (cache_key or config.to_json_string(use_diff=False), adapter)
+    if key in _COUNTS_CACHE:
+        return _COUNTS_CACHE[key]
+    counts = counts_of_peft_model(*peft_model_on_meta(config, adapter), adapter)
+    _COUNTS_CACHE[key] = counts
+    return counts
+
+
+def counts_of_peft_model(peft_model, quantized: dict[str, int], adapter: Adapter) -> AdapterCounts:
+    """AdapterCounts of a model peft_model_on_meta built."""
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    per_module: dict[str, int] = {}
+    adapter_params = saved = 0
+    for name, p in peft_model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if ".lora_" in name:
+            adapter_params += p.numel()
+            module = name.split(".lora_")[0].rsplit(".", 1)[-1]
+            per_module[module] = per_module.get(module, 0) + p.numel()
+        else:
+            saved += p.numel()
+    from toolkit.inputs.modelspec import _decoder_layers, outside_layer_params
+
+    base = peft_model.get_base_model()
+    layers = _decoder_layers(base)
+    per_layer = tuple(sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers)
+    # Trainable parameters outside the layers (modules_to_save such as embed_tokens / lm_head).
+    pre, post = outside_layer_params(base, layers, wanted=lambda p: p.requires_grad)
+    counts = AdapterCounts(
+        trainable_params=trainable, all_params=total, adapter_params=adapter_params, saved_module_params=saved,
+        frozen_params=total - trainable, quantized_params=sum(quantized.values()),
+        quantized_tensors=len(quantized),
+        largest_quantized_params=max(quantized.values(), default=0),
+        quantized_bytes=sum(quantized_4bit_bytes(n, double_quant=adapter.double_quant,
+                                                 quant_storage=adapter.quant_storage) for n in quantized.values()),
+        per_module=dict(sorted(per_module.items())), per_layer=per_layer,
+        pre_layer_trainable=pre, post_layer_trainable=post)
+    return counts
+
+
+def frozen_base_bytes(counts: AdapterCounts, adapter: Adapter, storage_bytes_per_param: float) -> float:
+    """Bytes of the frozen base: 4-bit weights with their constants for QLoRA (the rest, embeddings, norms and the
+    LM head, in `storage_bytes_per_param`), all of it in that dtype for LoRA."""
+    if adapter.method != "qlora":
+        return counts.frozen_params * storage_bytes_per_param
+    return counts.quantized_bytes + counts.unquantized_frozen_params * storage_bytes_per_param
+
+
+def print_trainable_parameters_line(peft_model) -> str:
+    """What peft's print_trainable_parameters prints (for tests and --explain)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        peft_model.print_trainable_parameters()
+    return buf.getvalue().strip()
+
+
+def counts_for_spec(spec, adapter: Adapter) -> AdapterCounts:
+    """adapter_counts of a ModelSpec's model, kept in the on-disk cache (toolkit.cache) when the spec has a source
+    key: building a 70B model on the meta device and wrapping it takes seconds."""
+    from dataclasses import asdict
+
+    from toolkit import cache
+
+    key = None
+    if spec.source_key:
+        from importlib import metadata
+
+        key = [spec.source_key, adapter.to_dict(), metadata.version("peft")]
+        stored = cache.get("lora_counts", key)
+        if stored is not None:
+            return AdapterCounts(**{**stored, "per_layer": tuple(stored["per_layer"])})
+    counts = adapter_counts(spec.hf_config(), adapter, cache_key=spec.source_key)
+    if key is not None:
+        cache.put("lora_counts", key, asdict(counts))
+    return counts
+
+
+def base_storage_bytes_per_param(precision: str) -> int:
+    """Bytes per frozen base parameter as toolkit.train loads it (and DeepSpeed / FSDP2 keep it): the compute
+    dtype, fp32 only for fp32 jobs."""
+    return 4 if precision == "fp32" else 2

@@ -1,0 +1,215 @@
+"""Tensor parallelism as the model's own `tp_plan` does it: which parameters one rank holds, and the per-rank shapes
+its decoder layers compute with.
+
+The plan is the one transformers applies (transformers/distributed/mixin.py `init_parallel_plans`): the causal-LM
+class's `_tp_plan` (e.g. `lm_head: colwise_gather_output`), the config's `base_model_tp_plan` under the base model's
+prefix, and `embed_tokens: embedding_rowwise` added when the plan is not empty. Each style shards what
+transformers/distributed/tensor_parallel.py shards: colwise splits a weight's output dimension (and its bias),
+rowwise its input dimension (the bias stays whole), embedding styles one dimension of the table; every parameter the
+plan does not name (norms, routers, a bias after a row reduce) stays whole on every rank. A dimension that does not
+divide leaves the first ranks one row more (torch's Shard placement); we count the largest rank's share.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from toolkit.inputs.modelspec import ModelSpec
+
+SHARDING_STYLES = {
+    # style -> which dimension of a 2-D weight it splits (bias: split with colwise, whole with rowwise)
+    "colwise": -2, "colwise_rep": -2, "colwise_gather_output": -2, "packed_colwise": -2,
+    "rowwise": -1, "rowwise_rep": -1, "packed_rowwise": -1, "rowwise_split_input": -1,
+    "embedding_rowwise": 0, "embedding_colwise": 1, "moe_tp_experts": -2,
+}
+"""Styles that split parameters (transformers/distributed/tensor_parallel.py ALL_PARALLEL_STYLES); the others
+(replicate, sequence_parallel, all_reduce, replicated_with_grad_allreduce, local_params, ...) keep them whole."""
+
+HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+FFN_KEYS = ("intermediate_size",)
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """What tensor parallelism of degree `tensor` leaves on one rank."""
+
+    tensor: int
+    plan: tuple[tuple[str, str], ...]
+    """The model's tp_plan as transformers resolves it (module pattern, style)."""
+    layer_sharded_params: int
+    """Parameters of decoder layer 0 that the plan splits (whole-model count, before the split)."""
+    layer_whole_params: int
+    """Parameters of decoder layer 0 every rank keeps whole (norms, biases after a row reduce, ...)."""
+    outside_sharded_params: int
+    """Embedding / LM head / final norm parameters the plan splits (whole count)."""
+    outside_whole_params: int
+    rank_layer_params: int
+    """One rank's share of decoder layer 0."""
+    rank_outside_params: int
+    """One rank's share of everything outside the decoder layers."""
+    by_pattern: tuple[tuple[str, str, int], ...] = ()
+    """(pattern, style, whole parameters it covers in layer 0 + outside) for --explain."""
+
+    def layer_fraction(self) -> float:
+        return self.rank_layer_params / (self.layer_sharded_params + self.layer_whole_params)
+
+
+def model_tp_plan(spec: "ModelSpec") -> dict[str, str]:
+    """The tp_plan transformers applies to this model (empty: the architecture has none)."""
+    return dict(_split_inputs(spec)[0])
+
+
+def tp_plan_problem(spec: "ModelSpec", tensor: int) -> str | None:
+    """Why tensor parallelism of degree `tensor` cannot run this model, or None."""
+    plan = model_tp_plan(spec)
+    if not plan:
+        return (f"{spec.name} ({spec.model_type}) has no tp_plan in transformers (config.base_model_tp_plan), so "
+                "accelerate cannot tensor-parallelise it; use fsdp2 / zero without --tensor-parallel, or "
+                "--sequence-parallel")
+    config = spec.hf_config()
+    missing = [k for k in HEAD_KEYS[:1] + FFN_KEYS if getattr(_text(config), k, None) is None]
+    if missing:
+        return (f"{spec.model_type}'s config has no {', '.join(missing)}, from which toolkit derives the per-rank "
+                "shapes of its tp_plan; tensor parallelism is not planned for it")
+    for what, count in (("attention heads", spec.heads), ("KV heads", spec.kv_heads)):
+        if count % tensor:
+            # transformers get_kv_heads_per_rank: heads that do not divide by tp cannot be sharded evenly.
+            options = [d for d in range(2, count + 1) if count % d == 0 and spec.heads % d == 0
+                       and spec.kv_heads % d == 0]
+            return (f"--tensor-parallel {tensor} does not divide {spec.name}'s {count} {what} (the tp_plan splits "
+                    f"attention by heads; try {', '.join(map(str, options[:6])) or 'no tensor parallelism'})")
+    return None
+
+
+def tensor_split(spec: "ModelSpec", tensor: int) -> TensorSplit:
+    """One rank's parameters under the model's tp_plan at degree `tensor` (cached per model and degree)."""
+    plan, named = _split_inputs(spec)
+    layer_sharded = layer_whole = out_sharded = out_whole = rank_layer = rank_out = 0
+    covered: dict[tuple[str, str], int] = {}
+    for name, shape, in_layer in named:
+        style, pattern = _style_for(name, plan)
+        numel = math.prod(shape)
+        dim = SHARDING_STYLES.get(style) if style else None
+        if dim is not None and name.endswith(".bias") and style.startswith(("rowwise", "packed_rowwise")):
+            dim = None  # rowwise: the bias is added after the reduce, whole on every rank
+        if dim is not None and len(shape) == 1:
+            dim = 0
+        share = numel if dim is None else numel // shape[dim] * math.ceil(shape[dim] / tensor)
+        if dim is not None:
+            covered[(pattern, style)] = covered.get((pattern, style), 0) + numel
+        if in_layer:
+            layer_sharded += numel if dim is not None else 0
+            layer_whole += numel if dim is None else 0
+            rank_layer += share
+        else:
+            out_sharded += numel if dim is not None else 0
+            out_whole += numel if dim is None else 0
+            rank_out += share
+    return TensorSplit(tensor=tensor, plan=tuple(plan), layer_sharded_params=layer_sharded,
+                       layer_whole_params=layer_whole, outside_sharded_params=out_sharded,
+                       outside_whole_params=out_whole, rank_layer_params=rank_layer, rank_outside_params=rank_out,
+                       by_pattern=tuple((p, s, n) for (p, s), n in covered.items()))
+
+
+def per_rank_spec(spec: "ModelSpec", tensor: int) -> "ModelSpec":
+    """`spec` as one tensor-parallel rank sees it: parameters divided as the tp_plan divides them, and a config with
+    the per-rank shapes (heads / tp, KV heads / tp, FFN / tp; the hidden size whole, as the colwise inputs and
+    rowwise outputs are) so the tracer records the activations one rank saves."""
+    if tensor == 1:
+        return spec
+    key = (id(spec), tensor)
+    if key not in _RANK_SPECS:  # one object per model and degree, so the tracer's per-spec cache holds
+        _RANK_SPECS[key] = (spec, _per_rank_spec(spec, tensor))
+    return _RANK_SPECS[key][1]
+
+
+_RANK_SPECS: dict[tuple[int, int], tuple["ModelSpec", "ModelSpec"]] = {}
+"""Keyed by the spec's identity; the entry keeps the spec alive so its id is never reused."""
+
+
+def _per_rank_spec(spec: "ModelSpec", tensor: int) -> "ModelSpec":
+    split = tensor_split(spec, tensor)
+    fraction = split.layer_fraction()
+    layer_params = tuple(int(round(p * fraction)) for p in spec.layer_params)
+    outside = spec.pre_layer_params + spec.post_layer_params
+    out_fraction = split.rank_outside_params / outside if outside else 1.0
+    config = copy.deepcopy(spec.hf_config())
+    text = _text(config)
+    head_dim = spec.head_dim
+    for key in HEAD_KEYS:
+        if getattr(text, key, None):
+            setattr(text, key, getattr(text, key) // tensor)
+    text.head_dim = head_dim  # keep the per-head width when the heads shrink
+    for key in FFN_KEYS:
+        if getattr(text, key, None):
+            setattr(text, key, math.ceil(getattr(text, key) / tensor))
+    pre = int(round(spec.pre_layer_params * out_fraction))
+    post = int(round(spec.post_layer_params * out_fraction))
+    source = f"{spec.source_key}-tp{tensor}" if spec.source_key else None
+    return replace(spec, config=config, params=sum(layer_params) + pre + post, layer_params=layer_params,
+                   pre_layer_params=pre, post_layer_params=post,
+                   embedding_params=math.ceil(spec.embedding_params / tensor) if _embedding_split(split) else
+                   spec.embedding_params,
+                   layer_matmul_params=tuple(int(round(p / tensor)) for p in spec.layer_matmul_params),
+                   source_key=source, notes=spec.notes + (
+                       f"tensor parallel {tensor}: each rank holds {fraction:.1%} of a decoder layer's parameters "
+                       "(the model's tp_plan) and traces heads / tp, KV heads / tp, FFN / tp",))
+
+
+def _embedding_split(split: TensorSplit) -> bool:
+    return any(p.endswith("embed_tokens") and s in SHARDING_STYLES for p, s, _ in split.by_pattern)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+_CACHE: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[int, ...], bool], ...]]] = {}
+
+
+def _text(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _split_inputs(spec: "ModelSpec"):
+    """(the resolved tp_plan, [(parameter name, shape, inside decoder layer 0)]) from a one-layer meta build."""
+    config = spec.hf_config()
+    key = config.to_json_string(use_diff=False)
+    if key not in _CACHE:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from toolkit.inputs.modelspec import reduced_config
+
+        one = reduced_config(config, spec.num_layers, 1)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(one)
+        plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+        base_prefix = getattr(model, "base_model_prefix", "model")
+        resolved = {}
+        for pattern, style in plan.items():
+            full = pattern if pattern.startswith(base_prefix + ".") or pattern == "lm_head" or \
+                pattern.split(".")[0] in dict(model.named_children()) else f"{base_prefix}.{pattern}"
+            resolved[full] = style
+        named = []
+        seen: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            named.append((name, tuple(p.shape), ".layers.0." in f".{name}" or name.startswith("layers.0.")))
+        _CACHE[key] = (tuple(resolved.items()), tuple(named))
+    return _CACHE[key]
+
+
+def _style_for(param_name: str, plan) -> tuple[str | None, str | None]:
+    """The plan entry that covers a parameter: its module (or the parameter itself) matches the pattern, '*'
+    standing for a layer number."""
+    module = param_name.rsplit(".", 1)[0]
+    for pattern, style in plan:
+        if fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(param_name, pattern):
+            return style, pattern
+    return None, None

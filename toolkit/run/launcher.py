@@ -1,0 +1,193 @@
+"""Running a plan's training (`toolkit launch PLAN_DIR [-- TRAIN ARGS]`, toolkit.commands.launch): the command
+line, and the supervision of the processes it starts.
+
+One node: prints and runs `accelerate launch --config_file DIR/accelerate_config.yaml -m toolkit.train --plan
+DIR/plan.json ...`. Several nodes: prints each node's command and the SLURM route (sbatch DIR/slurm.sbatch), and
+submits nothing. `--rehearse`: the plan's exact strategy on 2 CPU processes over gloo (4 for hybrid) with a tiny
+model of the same architecture, a locally trained tokenizer and the standard-library corpus, for a few steps:
+problems show up (exit code and message) before GPU time is spent.
+
+A run holds its output folder (a lock with the owner's pid and host; a second run into it is refused), keeps every
+rank's stderr in OUTPUT/toolkit-launch.log, and reports a failure as one line from the first failing rank. SIGINT,
+SIGTERM and SIGHUP stop every rank it started (the launcher's process group and the workers the launcher put in
+sessions of their own), leave the last complete checkpoint as it is, and print the command that resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from toolkit.errors import EXIT_USER_ERROR, UserError
+from toolkit.processes import die_with_parent, stop_process_tree
+from toolkit.plan.schema import Plan
+
+ACCELERATE_CONFIG = "accelerate_config.yaml"
+
+
+def emit_plan_files(plan: Plan, out_dir: str | Path) -> Path:
+    """plan.json + the engine configs for `plan` in out_dir, written by the emitter (toolkit.emit)."""
+    from toolkit.emit import emit_files
+
+    out = Path(out_dir)
+    emit_files(plan, out, force=True)
+    return out
+
+
+def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank: int | None = None,
+                   main_host: str | None = None) -> list[str]:
+    """`accelerate launch` of toolkit.train with the plan's emitted accelerate config."""
+    plan_dir = Path(plan_dir)
+    command = ["accelerate", "launch", "--config_file", str(plan_dir / ACCELERATE_CONFIG)]
+    if (plan_dir / "ds_config.json").is_file() and _is_deepspeed_yaml(plan_dir):
+        # accelerate resolves the YAML's deepspeed_config_file against the working directory; name it exactly.
+        command += ["--deepspeed_config_file", str(plan_dir / "ds_config.json")]
+    if machine_rank is not None:
+        command += ["--machine_rank", str(machine_rank)]
+    if main_host is not None:
+        command += ["--main_process_ip", main_host]
+    if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs
+        return command + train_argv
+    return command + ["-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *train_argv]
+
+
+def is_user_script(train_argv: list[str]) -> bool:
+    """A first argument ending in .py names the user's own training script (launch.sh decides the same way)."""
+    return bool(train_argv) and train_argv[0].endswith(".py")
+
+
+LOG_NAME = "toolkit-launch.log"
+LOCK_NAME = ".toolkit-run.lock"
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def run(command: list[str], env: dict[str, str] | None = None, *, output: Path | None = None,
+        resume_command: str | None = None) -> int:
+    """Run a launcher command in the foreground; its exit code is ours, 2 when the training refused its input.
+
+    output: the run's folder. It is locked for the run (a second run into it is refused), and every rank's stderr
+    goes to output/toolkit-launch.log instead of the terminal: a failure is one line here, from the first failing
+    rank (TOOLKIT_ERROR_FILE), never torchrun's traceback of every worker. Without output, stderr is the
+    terminal's. SIGINT / SIGTERM / SIGHUP stop every process the run started and return 128 + the signal.
+    """
+    from toolkit.fileio import FolderLock
+
+    lock = None
+    log = None
+    if output is not None:
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create --output {output}: {exc.strerror}; choose another folder") from None
+        lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+    try:
+        with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as tmp:
+            error_file = Path(tmp) / "error.json"
+            full_env = {**os.environ, **(env or {}), "TOOLKIT_ERROR_FILE": str(error_file)}
+            full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
+            if output is not None:
+                log = open(output / LOG_NAME, "ab")
+            code, stopped = _run_stoppable(_resolve_launcher(command), full_env, log)
+            if stopped:
+                print(_stopped_text(stopped, output, resume_command), file=sys.stderr, flush=True)
+                return 128 + stopped
+            if code == 0:
+                return 0
+            failure = _read_failure(error_file)
+            where = f" (full log: {output / LOG_NAME})" if output is not None else ""
+            if failure is not None and failure["user_error"]:
+                if log is not None:  # the rank's own line went to the log
+                    print(f"error: {failure['message']}{where}", file=sys.stderr, flush=True)
+                return EXIT_USER_ERROR
+            if log is not None:
+                what = (f"rank {failure['rank']} failed: {failure['message']}" if failure else
+                        f"training failed with exit code {code}")
+                print(f"error: {what}{where}", file=sys.stderr, flush=True)
+            return code
+    finally:
+        if log is not None:
+            log.close()
+        if lock is not None:
+            lock.release()
+
+
+def _run_stoppable(command: list[str], env: dict[str, str], log) -> tuple[int, int]:
+    """(exit code, signal that stopped it or 0). The launcher runs in a session of its own, so a terminal's
+    Ctrl-C reaches only us and we stop everything in order; it dies with us even when we are SIGKILLed
+    (PR_SET_PDEATHSIG), and toolkit.train sets the same on every rank, so no rank outlives its launcher."""
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def on_signal(signum, frame):
+        raise _Stop(signum)
+
+    try:
+        proc = subprocess.Popen(command, env=env, stderr=log, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    except FileNotFoundError:
+        raise UserError(f"{command[0]} is not on PATH; install accelerate in this environment") from None
+    previous = {s: signal.signal(s, on_signal) for s in stop_signals}
+    try:
+        try:
+            return proc.wait(), 0
+        except _Stop as stop:
+            for s in stop_signals:  # a second Ctrl-C while stopping must not leave ranks behind
+                signal.signal(s, signal.SIG_IGN)
+            stop_process_tree(proc)
+            return proc.returncode, stop.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _read_failure(error_file: Path) -> dict | None:
+    try:
+        data = json.loads(error_file.read_text())
+        return {"rank": int(data["rank"]), "user_error": bool(data["user_error"]), "message": str(data["message"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _stopped_text(signum: int, output: Path | None, resume_command: str | None) -> str:
+    from toolkit.train.checkpoints import last_complete_checkpoint
+
+    name = signal.Signals(signum).name
+    last = last_complete_checkpoint(output) if output is not None else None
+    kept = (f"the last complete checkpoint is {last}" if last else "no checkpoint was complete yet")
+    resume = f"; resume with: {resume_command}" if resume_command and last else ""
+    return f"stopped by {name}: every rank was stopped; {kept}{resume}"
+
+
+def _resolve_launcher(command: list[str]) -> list[str]:
+    """The `accelerate` of the environment toolkit runs in: the one installed beside this interpreter (a venv used
+    without activating it must not pick up another Python's accelerate from PATH, which would lack DeepSpeed or
+    this toolkit), else PATH's, else this interpreter running accelerate's launch module."""
+    import shutil
+
+    if command[:1] != ["accelerate"]:
+        return command
+    beside = Path(sys.executable).parent / "accelerate"
+    if beside.is_file():
+        return [str(beside), *command[1:]]
+    if shutil.which("accelerate"):
+        return command
+    if command[1:2] == ["launch"]:
+        return [sys.executable, "-m", "accelerate.commands.launch", *command[2:]]
+    return command
+
+
+def _is_deepspeed_yaml(plan_dir: Path) -> bool:
+    import yaml
+
+    try:
+        return yaml.safe_load((plan_dir / ACCELERATE_CONFIG).read_text()).get("distributed_type") == "DEEPSPEED"
+    except (OSError, AttributeError, yaml.YAMLError):
+        return False

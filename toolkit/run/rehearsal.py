@@ -1,0 +1,228 @@
+"""Small plans of the same strategy: what `toolkit launch --rehearse` runs on 2 (or 4) CPU processes.
+
+A rehearsal keeps everything about how a step runs (strategy, engine, ZeRO stage, offload, FSDP mode, precision,
+activation checkpointing, accumulation, pipeline stages) and shrinks everything about size (layers, width,
+sequence, batch, processes), so that a few steps take seconds on gloo and fail the way the real run would fail.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from toolkit.run import tiny
+from toolkit.errors import UserError
+from toolkit.inputs.grid import ParallelGrid
+from toolkit.run.launcher import LOG_NAME, emit_plan_files, launch_command, run
+from toolkit.run.preflight import preflight
+from toolkit.plan.schema import Plan
+from toolkit.inputs.strategy import Engine, parse_strategy
+
+REHEARSAL_SEQ_LEN = 64
+REHEARSAL_LAYERS = 4
+"""4 layers: enough for two pipeline stages of two layers each, and for more than one FSDP / ZeRO-3 unit."""
+
+
+def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 1, gpus_per_node: int = 2,
+                   micro_batch: int = 2, grad_accum: int = 1, seq_len: int = REHEARSAL_SEQ_LEN,
+                   precision: str = "fp32", checkpointing: bool = False, attention: str = "sdpa",
+                   optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
+                   notes: list[str] | None = None) -> Plan:
+    """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.train.model import load_config
+
+    config = load_config(str(model_dir))
+    spec = build_spec(str(model_dir), config)
+    kind = parse_strategy(strategy)
+    grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
+                                     pipeline_stages=pipeline_stages if kind.is_pipeline else None)
+    return Plan(
+        model=str(model_dir), model_config=_plain(config.to_dict()), model_type=spec.model_type,
+        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind.name,
+        num_machines=num_machines, gpus_per_node=gpus_per_node, pipeline_stages=grid.pipeline_stages,
+        partition=grid.partition(spec) if kind.is_pipeline else None, seq_len=seq_len, micro_batch=micro_batch,
+        grad_accum=grad_accum, global_batch=grid.global_batch(micro_batch, grad_accum), precision=precision,
+        optimizer=optimizer, checkpointing=checkpointing, attention=attention, gpu=gpu, notes=list(notes or []),
+    )
+
+
+def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path) -> tuple[Plan, list[str]]:
+    """The plan's strategy on a tiny model of the same architecture, on 2 processes (4 for hybrid).
+
+    Returns the small plan and what was changed that the user should know about.
+    """
+    said: list[str] = []
+    precision = plan.precision
+    if precision == "fp16":
+        precision = "bf16"
+        said.append("fp16 cannot run on these CPUs (DeepSpeed refuses it, accelerate ignores it): "
+                    "rehearsing as bf16; the fp16 loss-scaling config is validated, not run")
+    attention = plan.attention
+    if attention == "flash_attention_2":
+        attention = "sdpa"
+        said.append("flash-attention kernels need a GPU: rehearsing with sdpa")
+    stages = 1
+    world = 2
+    if plan.engine == Engine.PIPELINE:
+        stages = 2
+        world = 4 if plan.strategy == "hybrid" or plan.data_parallel > 1 else 2
+    if plan.liger:
+        said.append("Liger's Triton kernels need a GPU: rehearsing without them (the memory savers change no "
+                    "engine code path)")
+    if plan.activation_offloading:
+        said.append("activation offloading is TRL's (SFTTrainer): the rehearsal runs toolkit.train without it")
+    # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
+    grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
+    small = plan_for_model(
+        tiny_model_dir, plan.strategy, gpus_per_node=world, micro_batch=min(plan.micro_batch, 2),
+        grad_accum=grad_accum, seq_len=min(plan.seq_len, REHEARSAL_SEQ_LEN), precision=precision,
+        checkpointing=plan.checkpointing, attention=attention, optimizer=plan.optimizer, pipeline_stages=stages,
+        notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
+    if plan.method != "full":
+        # The plan's LoRA / QLoRA adapter on the tiny model of the same architecture (same module names).
+        small = small.replace(method=plan.method, adapter=dict(plan.adapter))
+    return small, said
+
+
+def _plain(config: dict[str, Any]) -> dict[str, Any]:
+    """config.to_dict() made JSON-safe (dtype objects and the like become strings)."""
+    import json
+
+    return json.loads(json.dumps(config, default=str))
+
+
+# Training arguments that say how a step runs: a rehearsal keeps them (a --max-grad-norm that disagrees with the
+# DeepSpeed JSON fails here as it would on the GPUs). Everything else (model, data, length) is the rehearsal's own.
+KEPT_FLAGS = ("--lr", "--lr-scheduler", "--warmup-steps", "--weight-decay", "--max-grad-norm", "--seed")
+REHEARSAL_STEPS = 4
+
+
+def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False) -> int:
+    """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed."""
+
+    if train_argv:  # the real run's arguments, when given, are checked as the real launch would
+        preflight(plan, plan_dir, train_argv)
+    else:
+        try:
+            preflight(plan, plan_dir, ["--data", ".", "--output", "."])
+        except UserError as exc:
+            print(f"note: the real model was not checked against the plan: {exc}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
+    try:  # the temporary folder goes on every way out: success, failure, refusal, Ctrl-C
+        return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool) -> int:
+
+    model_dir = make_rehearsal_model(plan, work / "model")
+    small, said = rehearsal_plan(plan, model_dir)
+    small_dir = emit_plan_files(small, work / "plan")
+    data = tiny.write_corpus(work / "data", max_chars=60_000)
+    argv = ["--data", str(data), "--output", str(work / "out"), "--random-init", "--max-steps", str(REHEARSAL_STEPS),
+            "--save-steps", "2", "--logging-steps", "1", "--max-eval-blocks", "8", *_kept(train_argv)]
+    command = launch_command(small_dir, argv)
+    print(f"rehearsal of {plan.strategy} ({plan.precision}) on {small.world_size} CPU processes over gloo: "
+          f"{small.model_type} {small.num_layers} layers, hidden {_hidden(small)}, seq {small.seq_len}, "
+          f"micro {small.micro_batch} x accum {small.grad_accum}, {REHEARSAL_STEPS} steps", flush=True)
+    for line in said:
+        print(f"note: {line}", flush=True)
+    problems = _validate_real_configs(plan, plan_dir)
+    print("$ " + shlex.join(command), flush=True)
+    if dry_run:
+        return 0
+    code = run(command, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+               output=work / "out")
+    if code == 0:
+        problems += _check_saved_model(work / "out", small)
+    if code != 0 or problems:
+        for problem in problems:
+            print(f"rehearsal problem: {problem}", flush=True)
+        log = work / "out" / LOG_NAME
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
+        for line in tail:  # the log itself goes with the temporary folder
+            print(f"  log: {line}", flush=True)
+        print(f"rehearsal FAILED (exit code {code}); fix this before spending GPU time", flush=True)
+        return code or 1
+    print(f"rehearsal passed: {plan.strategy} trained {REHEARSAL_STEPS} steps, checkpointed, saved and reloaded",
+          flush=True)
+    return 0
+
+
+def make_rehearsal_model(plan: Plan, out_dir: Path) -> Path:
+    """A tiny model of the plan's own architecture (random weights) with a tokenizer trained on the local corpus:
+    the plan's config shrunk by its own config class (toolkit.run.tiny.shrink_config), every non-size setting kept."""
+    from toolkit.inputs.modelspec import _config_from_dict
+
+    config = _config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)
+    return tiny.make_tiny_model(config, out_dir, layers=REHEARSAL_LAYERS, corpus_chars=100_000)
+
+
+def _kept(train_argv: list[str]) -> list[str]:
+    kept, i = [], 0
+    while i < len(train_argv):
+        flag = train_argv[i].split("=", 1)[0]
+        takes_value = "=" not in train_argv[i] and i + 1 < len(train_argv)
+        if flag in KEPT_FLAGS:
+            kept += train_argv[i:i + 2] if takes_value else [train_argv[i]]
+        i += 2 if takes_value and not train_argv[i + 1].startswith("--") else 1
+    return kept
+
+
+def _validate_real_configs(plan: Plan, plan_dir: Path) -> list[str]:
+    """Checks on the real plan's files that the CPU run cannot make (fp16 is validated, not run)."""
+    problems = []
+    ds_file = plan_dir / "ds_config.json"
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and ds_file.is_file():
+        import json
+
+        from toolkit.engines.validate import validate_ds_config_for_plan
+
+        config = json.loads(ds_file.read_text())
+        try:
+            validate_ds_config_for_plan(config, plan)  # at the plan's world size, "auto" resolved as the runner does
+        except Exception as exc:  # any reason DeepSpeed refuses the real file is worth reporting
+            problems.append(f"DeepSpeed refuses {ds_file}: {str(exc).strip().splitlines()[0]}")
+        if plan.precision == "fp16" and not config.get("fp16", {}).get("enabled"):
+            problems.append(f"plan is fp16 but {ds_file} does not enable fp16")
+    return problems
+
+
+def _check_saved_model(out: Path, small: Plan) -> list[str]:
+    if small.method != "full":
+        return _check_saved_adapter(out, small)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(out)
+    except Exception as exc:
+        return [f"the saved model does not load with from_pretrained: {str(exc).strip().splitlines()[0]}"]
+    n = sum(p.numel() for p in model.parameters())
+    if n != small.params:
+        return [f"the saved model has {n} parameters, the model trained had {small.params}"]
+    return []
+
+
+def _check_saved_adapter(out: Path, small: Plan) -> list[str]:
+    """A LoRA / QLoRA run saves the adapter (PEFT format): it must load onto the base it was trained on."""
+    try:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(small.model), str(out))
+    except Exception as exc:
+        return [f"the saved adapter does not load with PeftModel.from_pretrained: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"]
+    return []
+
+
+def _hidden(plan: Plan):
+    from toolkit.train.model import _HIDDEN_KEYS, config_value
+
+    return config_value(plan.model_config, _HIDDEN_KEYS)
+
