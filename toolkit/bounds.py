@@ -145,3 +145,9 @@ def check_no_control_chars(what: str, text: str) -> None:
     if bad:
         raise UserError(f"{what} {text!r} holds a control character ({bad[0]!r}); remove it")
 
+
+# Checkpoint rotation (toolkit.train --save-total-limit; PLAN.md states it).
+DEFAULT_SAVE_TOTAL_LIMIT = 3
+"""Complete checkpoints kept by default: the newest one to resume from, two older ones in case the newest turns out
+bad (a loss spike), and a bounded disk (a 70B checkpoint with its AdamW states is about 1 TB: 16 bytes a parameter).
+An older one is deleted only after a newer one is complete (toolkit.train.checkpoints.rotate)."""

@@ -178,7 +178,7 @@ def launch_section(plan: Plan, nvme_path: str | None) -> list[str]:
                   "Without SLURM: run `accelerate launch --config_file accelerate_config.yaml --machine_rank R "
                   "--main_process_ip FIRST_HOST ...` on every node, or DeepSpeed's launcher over ssh with the host "
                   "names in `hostfile`: `./deepspeed.sh --data DATA --output OUT` on the first host."]
-    from toolkit.train.checkpoints import DEFAULT_SAVE_TOTAL_LIMIT
+    from toolkit.bounds import DEFAULT_SAVE_TOTAL_LIMIT
 
     lines.append(f"\nCheckpoints: toolkit.train writes `OUT/checkpoint-N` every `--save-steps` steps and keeps "
                  f"the newest {DEFAULT_SAVE_TOTAL_LIMIT} complete ones (`--save-total-limit`); an older one is "

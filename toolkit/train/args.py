@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from toolkit.errors import UserError
-from toolkit.train.checkpoints import DEFAULT_SAVE_TOTAL_LIMIT
+from toolkit.bounds import DEFAULT_SAVE_TOTAL_LIMIT
 
 
 @dataclass

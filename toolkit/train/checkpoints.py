@@ -14,10 +14,6 @@ import shutil
 from pathlib import Path
 
 COMPLETE_MARKER = "toolkit_checkpoint_complete"
-DEFAULT_SAVE_TOTAL_LIMIT = 3
-"""Complete checkpoints kept by default (--save-total-limit; PLAN.md states it): the newest one to resume from, two
-older ones in case the newest turns out bad (a loss spike), and a bounded disk: a 70B ZeRO-3 checkpoint with its
-optimizer states is about 1 TB."""
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
