@@ -52,6 +52,7 @@ DEGREE = Bound(1, 1024, "the GPUs-per-node bound; no real model has heads to spl
 STEPS = Bound(1, 1e9, "10^9 optimizer steps")
 PROFILE_STEPS = Bound(1, 10000, "timed steps of one profile run")
 TOP = Bound(1, 100000, "rows to print")
+RESTARTS = Bound(0, 1000, "1000 elastic restarts: more means the job is failing, not recovering")
 
 
 def check_number(flag: str, value: float, bound: Bound) -> None:

@@ -13,7 +13,8 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.bounds import text_arg
+from toolkit import bounds
+from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -25,16 +26,21 @@ def add_parser(sub) -> None:
     p.add_argument("plan_dir", type=text_arg("plan folder"))
     p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--max-restarts", type=int_arg("--max-restarts", bounds.RESTARTS), default=0,
+                   help="restart the workers up to N times when one dies (torchrun's elastic agent); each restart "
+                        "resumes from the last complete checkpoint (default %(default)s)")
     p.set_defaults(func=cmd_launch, train_args=[])
     p.epilog = "Arguments after -- go to toolkit.train: toolkit launch DIR -- --model M --data D --output OUT"
 
 
 def cmd_launch(args) -> int:
 
-    return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run)
+    return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run,
+                       max_restarts=args.max_restarts)
 
 
-def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False) -> int:
+def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False,
+                max_restarts: int = 0) -> int:
     """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead."""
     from toolkit.inputs.strategy import Engine
     from toolkit.plan.schema import load_plan
@@ -66,7 +72,7 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     if plan.num_machines > 1:
         print(_multi_node_text(plan, plan_dir, train_argv))
         return 0
-    command = launch_command(plan_dir, train_argv)
+    command = launch_command(plan_dir, train_argv, max_restarts=max_restarts)
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
@@ -74,7 +80,7 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     if args is None:  # the user's own script: its output folder and resume flags are its own
         return run(command, env=env)
     resume = train_argv if args.resume else [*train_argv, "--resume"]
-    return run(command, env=env, output=Path(args.output),
+    return run(command, env=env, output=Path(args.output), max_restarts=max_restarts,
                resume_command=f"toolkit launch {shlex.quote(str(plan_dir))} -- {shlex.join(resume)}")
 
 

@@ -68,7 +68,7 @@ def find_parts(model: Any, config: Any) -> DecoderParts:
         raise NotStandard(f"{kind}: no token embedding (get_input_embeddings)")
     if head is None or id(head) not in paths:
         raise NotStandard(f"{kind}: no LM head (get_output_embeddings)")
-    layer_list = _decoder_layers(model, getattr(text, "num_hidden_layers", None))
+    layer_list = decoder_layers(model, getattr(text, "num_hidden_layers", None))
     if layer_list is None:
         raise NotStandard(f"{kind}: no list of decoder layers (an nn.ModuleList of num_hidden_layers entries)")
     layers_path = paths[id(layer_list)]
@@ -153,7 +153,7 @@ def _params(fn) -> list[str]:
     return [n for n, p in inspect.signature(fn).parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
 
 
-def _decoder_layers(model: Any, count: int | None):
+def decoder_layers(model: Any, count: int | None = None):
     """The nn.ModuleList of `count` entries of one class (the longest such list when count is unknown)."""
     import torch.nn as nn
 

@@ -286,13 +286,9 @@ def shape_from_params(params: int, *, vocab: int = 32000):
 
 def _decoder_layers(model):
     """The decoder-layer list: the longest nn.ModuleList whose entries share one class."""
-    import torch.nn as nn
+    from toolkit.inputs.decoder_parts import decoder_layers
 
-    best = None
-    for _, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
+    best = decoder_layers(model)
     if best is None:
         raise UserError(f"cannot find the decoder layers of {type(model).__name__}; is it a decoder-only causal LM?")
     return best

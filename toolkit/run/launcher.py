@@ -40,8 +40,10 @@ def emit_plan_files(plan: Plan, out_dir: str | Path) -> Path:
 
 
 def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank: int | None = None,
-                   main_host: str | None = None) -> list[str]:
-    """`accelerate launch` of toolkit.train with the plan's emitted accelerate config."""
+                   main_host: str | None = None, max_restarts: int = 0) -> list[str]:
+    """`accelerate launch` of toolkit.train with the plan's emitted accelerate config. max_restarts > 0: torchrun's
+    elastic agent restarts the workers when one dies (accelerate hands --max_restarts and --monitor_interval to
+    torchrun), and toolkit.train resumes each restart from the last complete checkpoint."""
     plan_dir = Path(plan_dir)
     command = ["accelerate", "launch", "--config_file", str(plan_dir / ACCELERATE_CONFIG)]
     if (plan_dir / "ds_config.json").is_file() and _is_deepspeed_yaml(plan_dir):
@@ -51,6 +53,8 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
         command += ["--machine_rank", str(machine_rank)]
     if main_host is not None:
         command += ["--main_process_ip", main_host]
+    if max_restarts:
+        command += ["--max_restarts", str(max_restarts), "--monitor_interval", "1"]
     if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs
         return command + train_argv
     return command + ["-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *train_argv]
@@ -71,7 +75,7 @@ class _Stop(Exception):
 
 
 def run(command: list[str], env: dict[str, str] | None = None, *, output: Path | None = None,
-        resume_command: str | None = None) -> int:
+        resume_command: str | None = None, max_restarts: int = 0) -> int:
     """Run a launcher command in the foreground; its exit code is ours, 2 when the training refused its input.
 
     output: the run's folder. It is locked for the run (a second run into it is refused), and every rank's stderr
@@ -111,6 +115,8 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
             if log is not None:
                 what = (f"rank {failure['rank']} failed: {failure['message']}" if failure else
                         f"training failed with exit code {code}")
+                if max_restarts:
+                    what = _gave_up_text(what, max_restarts, output, resume_command)
                 print(f"error: {what}{where}", file=sys.stderr, flush=True)
             return code
     finally:
@@ -164,6 +170,17 @@ def _stopped_text(signum: int, output: Path | None, resume_command: str | None) 
     kept = (f"the last complete checkpoint is {last}" if last else "no checkpoint was complete yet")
     resume = f"; resume with: {resume_command}" if resume_command and last else ""
     return f"stopped by {name}: every rank was stopped; {kept}{resume}"
+
+
+def _gave_up_text(what: str, max_restarts: int, output: Path | None, resume_command: str | None) -> str:
+    """The one line for a run whose workers (or a node) did not come back within --max-restarts."""
+    from toolkit.train.checkpoints import last_complete_checkpoint
+
+    last = last_complete_checkpoint(output) if output is not None else None
+    kept = f"the last complete checkpoint is {last}" if last else "no checkpoint was complete"
+    resume = f"; when the machines are back, resume with: {resume_command}" if resume_command and last else ""
+    return (f"the workers did not recover within --max-restarts {max_restarts} (a worker kept dying, or a node "
+            f"never came back): {what}; {kept}{resume}")
 
 
 def _resolve_launcher(command: list[str]) -> list[str]:
