@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("plan_dir", type=text_arg("plan folder"))
     p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
-    p.add_argument("--max-restarts", type=int_arg("--max-restarts", bounds.RESTARTS), default=0,
+    p.add_argument("--max-restarts", type=int_arg("--max-restarts", bounds.RESTARTS), default=0, metavar="N",
                    help="restart the workers up to N times when one dies (torchrun's elastic agent); each restart "
                         "resumes from the last complete checkpoint (default %(default)s)")
     p.set_defaults(func=cmd_launch, train_args=[])
