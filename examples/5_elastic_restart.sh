@@ -24,5 +24,5 @@ print(ranks[-1])")
 kill -9 "$victim"
 echo "killed worker $victim after checkpoint-2; torchrun restarts the workers, which resume"
 wait "$launcher"
-grep -i "restart" "$out/toolkit-launch.log" | head -3
+grep "toolkit.train: restart" "$out/toolkit-launch.log" | head -1
 echo "elastic: worker killed, restarted, resumed; trained to step 12; model saved in $out"

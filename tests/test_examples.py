@@ -61,6 +61,6 @@ def test_seed_fault_tolerance_a_killed_worker_is_restarted_and_the_run_finishes(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "killed worker" in proc.stdout
     log = (work / "elastic" / "out" / "toolkit-launch.log").read_text(errors="replace")
-    assert "restart" in log.lower()
+    assert "toolkit.train: restart 1 after a worker died" in log
     state = json.loads((work / "elastic" / "out" / "checkpoint-12" / "trainer_state.json").read_text())
     assert state["global_step"] == 12

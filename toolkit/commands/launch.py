@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("plan_dir", type=text_arg("plan folder"))
     p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--nodes", type=int_arg("--nodes", bounds.NODES), default=1, metavar="N",
+                   help="with --rehearse: run the rehearsal as N launcher invocations (machine ranks 0..N-1) over "
+                        "loopback, as the nodes of a multi-node run (default %(default)s)")
     p.add_argument("--max-restarts", type=int_arg("--max-restarts", bounds.RESTARTS), default=0, metavar="N",
                    help="restart the workers up to N times when one dies (torchrun's elastic agent); each restart "
                         "resumes from the last complete checkpoint (default %(default)s)")
@@ -36,11 +39,11 @@ def add_parser(sub) -> None:
 def cmd_launch(args) -> int:
 
     return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run,
-                       max_restarts=args.max_restarts)
+                       max_restarts=args.max_restarts, nodes=args.nodes)
 
 
 def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False,
-                max_restarts: int = 0) -> int:
+                max_restarts: int = 0, nodes: int = 1) -> int:
     """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead."""
     from toolkit.inputs.strategy import Engine
     from toolkit.plan.schema import load_plan
@@ -56,10 +59,13 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
                         f"into {plan_dir}")
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (plan_dir / "ds_config.json").is_file():
         read_ds_config(plan_dir / "ds_config.json")  # unreadable is refused here, rehearsal or not
+    if nodes > 1 and not rehearse:
+        raise UserError(f"--nodes {nodes} runs a rehearsal as {nodes} nodes on this machine; add --rehearse (a real "
+                        "multi-node run starts on each node: see PLAN.md)")
     if rehearse:
         from toolkit.run.rehearsal import rehearse as run_rehearsal
 
-        return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
+        return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run, nodes=nodes)
     args = None
     if is_user_script(train_argv):
         if not Path(train_argv[0]).is_file():

@@ -145,23 +145,13 @@ def parse_train_args(argv: Sequence[str] | None = None) -> TrainArgs:
 
     ns, rest = _build_parser().parse_known_args(list(argv) if argv is not None else sys.argv[1:])
     values = {f.name: getattr(ns, f.name) for f in fields(TrainArgs) if f.name != "trainer_flags"}
-    if restarted_by_torchrun():
+    from toolkit.train.elastic import restart_count
+
+    if restart_count() > 0:
         values["resume"] = True  # an elastic restart continues from the last complete checkpoint, never from 0
     args = TrainArgs(**values, trainer_flags=trainer_flags(rest))
     check_train_args(args)
     return args
-
-
-def restarted_by_torchrun() -> bool:
-    """Whether torchrun restarted this worker group after a worker died (`toolkit launch --max-restarts N`, which
-    accelerate launch hands to torchrun): torch.distributed.elastic sets TORCHELASTIC_RESTART_COUNT to the number of
-    restarts so far (torch/distributed/elastic/agent/server/local_elastic_agent.py)."""
-    import os
-
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    except ValueError:
-        return False
 
 
 def trainer_flags(argv: list[str]) -> dict[str, Any]:
