@@ -8,8 +8,22 @@ Llama-style shapes of 1B to 8B parameters. All engines run in this one process a
 on CUDA), which exercises each engine's own buffers.
 
     python benchmarks/gpu_check.py --device cuda --out "$OUT"     # on the GPU machine
+    python benchmarks/gpu_check.py --device cuda --timing --out "$OUT"   # the step-time measurements (below)
     python benchmarks/gpu_check.py --device cpu --quick            # rehearsal here (tiny shapes; tests run it)
     python benchmarks/gpu_derive.py gpu_check.json                 # the constants and efficiencies it implies
+
+--timing runs what the published corpus (benchmarks/results/throughput.md) cannot settle, on one GPU:
+  efficiency per micro-step   DDP steps of one model at 512 to 16,384 tokens per micro-step and at two widths,
+                              and one long-sequence case: the measured step over toolkit.estimate.efficiency's prediction
+                              tests tokens_half, the hidden term and the Hopper attention factor on this GPU
+  engine overhead             the same model and batch under DDP, ZeRO-2, ZeRO-3 and FSDP2 as a world of one: no
+                              network, so what each engine adds over DDP is its own non-overlapped work (gathers
+                              and frees, bucket copies, partitioned optimizer); the exposed share of real
+                              communication needs 2+ GPUs and stays unverified
+  pipeline overhead           the DeepSpeed pipeline engine with one stage and M = 1 and 8 micro-batches beside
+                              DDP accumulating the same M micro-batches: (pipeline - DDP) / M is the engine's
+                              per-micro-batch cost (schedule, buffers, loss on the last stage) that the 1F1B
+                              bubble term does not hold
 
 Measured on CUDA: torch.cuda.max_memory_allocated / max_memory_reserved over a steady-state step (after one step
 that creates the optimizer states), the mean time of the next steps, and once per run the CUDA context (device
@@ -69,6 +83,24 @@ def cases() -> list[Case]:
     return out
 
 
+def timing_cases() -> list[Case]:
+    """The --timing set (see the module docstring): efficiency per micro-step, engine overhead, pipeline overhead."""
+    out = [Case(f"eff ddp llama-1b s{seq} mb{mb}", "llama-1b", "ddp", micro_batch=mb, seq_len=seq)
+           for seq, mb in ((512, 1), (1024, 1), (2048, 1), (2048, 2), (2048, 4), (2048, 8))]
+    out += [Case("eff ddp llama-1b s8192 mb1", "llama-1b", "ddp", micro_batch=1, seq_len=8192),
+            Case("eff ddp llama-1b s16384 mb1 ckpt", "llama-1b", "ddp", micro_batch=1, seq_len=16384,
+                 checkpointing=True),
+            Case("eff ddp llama-3b s2048 mb1 ckpt", "llama-3b", "ddp", micro_batch=1, checkpointing=True),
+            Case("eff ddp llama-3b s2048 mb4 ckpt", "llama-3b", "ddp", micro_batch=4, checkpointing=True)]
+    out += [Case(f"engine {s} llama-1b s2048 mb2", "llama-1b", s, micro_batch=2)
+            for s in ("ddp", "zero2", "zero3", "fsdp2")]
+    for m in (1, 8):
+        out += [Case(f"pipe ddp llama-1b s2048 mb1 M{m}", "llama-1b", "ddp", micro_batch=1, extra={"accum": m}),
+                Case(f"pipe pipeline1 llama-1b s2048 mb1 M{m}", "llama-1b", "pipeline1", micro_batch=1,
+                     extra={"accum": m})]
+    return out
+
+
 def _config(shape: dict, vocab: int, seq_len: int):
     from toolkit.run.tiny import tiny_config
 
@@ -95,16 +127,20 @@ def _wrap(case: Case, model, device: str):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    accum = case.extra.get("accum", 1)
     if case.strategy in ("ddp", "lora"):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
         def step(batch):
-            with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=amp):
-                loss = model(**batch).loss
-            loss.backward()
+            for _ in range(accum):
+                with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=amp):
+                    loss = model(**batch).loss
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
+    if case.strategy == "pipeline1":
+        return _pipeline_step(case, model, device, accum)
     _init_world(device)
     if case.strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -141,6 +177,39 @@ def _wrap(case: Case, model, device: str):
     return step
 
 
+def _pipeline_step(case: Case, model, device: str, accum: int):
+    """The DeepSpeed pipeline engine over the toolkit's own conversion of the model, one stage, `accum` micro-batches
+    per train_batch: its per-micro-batch cost beside DDP doing the same micro-batches."""
+    import deepspeed
+    import torch
+
+    from toolkit.train.pipeline.convert import Source, build_pipeline
+
+    _init_world(device)
+    deepspeed.init_distributed("nccl" if device.startswith("cuda") else "gloo")  # the pipeline module asks its backend
+    config = model.config
+    source = Source(config, None, checkpointing=case.checkpointing, attention="sdpa")
+    with torch.device(device) if device.startswith("cuda") else _null():
+        module = build_pipeline(source, [0, config.num_hidden_layers], num_stages=1)
+    ds_config = {"train_micro_batch_size_per_gpu": case.micro_batch, "gradient_accumulation_steps": accum,
+                 "bf16": {"enabled": case.precision != "fp32"}, "zero_allow_untested_optimizer": True,
+                 "steps_per_print": 10**9}
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=ds_config,
+                                      model_parameters=[p for p in module.parameters() if p.requires_grad])
+
+    def step(batch):
+        ids = batch["input_ids"]
+        engine.train_batch(iter([(ids, batch["labels"])] * accum))
+    return step
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def _predict(case: Case, config, kind: str, gpu: str) -> dict:
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
@@ -150,9 +219,10 @@ def _predict(case: Case, config, kind: str, gpu: str) -> dict:
     from toolkit.estimate.timing import step_time
 
     spec = build_spec("llama", config)
-    job = Job(seq_len=case.seq_len, micro_batch=case.micro_batch, precision=case.precision,
-              checkpointing=case.checkpointing, device_kind=kind, liger=case.liger)
-    strategy = parse_strategy("ddp" if case.strategy == "lora" else case.strategy)
+    job = Job(seq_len=case.seq_len, micro_batch=case.micro_batch, grad_accum=case.extra.get("accum", 1),
+              precision=case.precision, checkpointing=case.checkpointing, device_kind=kind, liger=case.liger)
+    # One stage of the pipeline engine is DDP's arithmetic at a world of one; the measured difference is the point.
+    strategy = parse_strategy("ddp" if case.strategy in ("lora", "pipeline1") else case.strategy)
     hw = parse_hardware(f"1x{gpu}")
     out = {"params": spec.params}
     if case.strategy == "lora":
@@ -174,7 +244,7 @@ def run_case(case: Case, device: str, quick: bool, gpu: str) -> dict:
     shape = QUICK_SHAPE if quick else SHAPES[case.shape]
     if quick:
         case = Case(case.label, case.shape, case.strategy, case.precision, case.checkpointing, case.liger,
-                    micro_batch=2, seq_len=64)
+                    micro_batch=2, seq_len=64, extra=case.extra)
     if case.strategy == "lora":
         import importlib.util
 
@@ -188,7 +258,8 @@ def run_case(case: Case, device: str, quick: bool, gpu: str) -> dict:
     config = _config(shape, 1000 if quick else 128256, case.seq_len)
     row = {"label": case.label, "strategy": case.strategy, "precision": case.precision,
            "checkpointing": case.checkpointing, "liger": case.liger, "micro_batch": case.micro_batch,
-           "seq_len": case.seq_len, **_predict(case, config, "cuda" if cuda else "cpu", gpu)}
+           "seq_len": case.seq_len, "accum": case.extra.get("accum", 1), "hidden": shape["hidden"],
+           **_predict(case, config, "cuda" if cuda else "cpu", gpu)}
     model_precision = "bf16-pure" if case.precision == "bf16-pure" or case.strategy == "lora" else "fp32"
     import contextlib
 
@@ -227,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--gpu", default="H200", help="catalog GPU for the prediction")
     ap.add_argument("--only", help="comma-separated labels to run")
+    ap.add_argument("--timing", action="store_true",
+                    help="the step-time set: efficiency per micro-step, engine and pipeline overheads")
     args = ap.parse_args(argv)
 
     import gc
@@ -243,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["cuda"] = torch.version.cuda
     rows = []
     wanted = set(args.only.split(",")) if args.only else None
-    for case in cases():
+    for case in (timing_cases() if args.timing else cases()):
         if wanted and case.label not in wanted:
             continue
         start = time.perf_counter()
@@ -259,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    name = "gpu_timing.json" if args.timing else "gpu_check.json"
+    (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from toolkit.inputs.hardware import GIB, parse_hardware
 from toolkit.inputs.modelspec import resolve_model
-from toolkit.estimate.search import Request, plan_candidates
+from toolkit.estimate.errorband import time_band
+from toolkit.estimate.search import Request, plan_candidates, speed_ties
 
 CASES = {
     "A": ("gpt2-xl", "8xA100-80GB", None, 1024, 64),
@@ -27,16 +28,20 @@ CASES = {
 
 def main() -> int:
     lines = ["# Chosen plans for the reference cases", "",
-             f"{time.strftime('%Y-%m-%d')}, `python benchmarks/plans.py`. Ranked by predicted tokens/s; GiB is the "
-             "required memory per GPU (tensor peak + context + margin).", ""]
+             f"{time.strftime('%Y-%m-%d')}, `python benchmarks/plans.py`. Ranked by predicted tokens/s, except that "
+             "candidates within the step-time band of the fastest (marked 'tie') are ordered by simplicity and "
+             "robustness; `*` marks a speed no published run of that engine at that scale backs "
+             f"({time_band().text()}; benchmarks/results/throughput.md). GiB is the required memory per GPU (tensor "
+             "peak + context + margin).", ""]
     for case, (model, gpus, inter, seq, batch) in CASES.items():
         spec = resolve_model(model)
         hw = parse_hardware(gpus, inter_node_gbps=inter)
         cands = plan_candidates(spec, hw, Request(seq_len=seq, global_batch=batch))
         lines += [f"## Case {case}: {model} on {hw.spec}, seq {seq}, global batch {batch}", "",
-                  "| rank | strategy | micro x accum | ckpt | GiB/GPU | host GiB/node | step s | tokens/s | MFU |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| rank | strategy | micro x accum | ckpt | GiB/GPU | host GiB/node | step s | tokens/s | MFU | band |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         rank = 0
+        tied = {id(c) for c in speed_ties(cands)} if len(speed_ties(cands)) > 1 else set()
         for c in cands:
             if not c.feasible:
                 continue
@@ -44,8 +49,8 @@ def main() -> int:
             m, t = c.memory, c.timing
             lines.append(f"| {rank} | {c.name} | {c.job.micro_batch} x {c.job.grad_accum} | "
                          f"{'yes' if c.job.checkpointing else 'no'} | {m.required_bytes / GIB:.1f} | "
-                         f"{m.cpu_bytes_per_node / GIB:.0f} | {t.step_time_s:.2f} | {t.tokens_per_s:,.0f} | "
-                         f"{t.mfu:.0%} |")
+                         f"{m.cpu_bytes_per_node / GIB:.0f} | {t.step_time_s:.2f} | {t.tokens_per_s:,.0f}"
+                         f"{'' if c.speed_evidenced else '*'} | {t.mfu:.0%} | {'tie' if id(c) in tied else ''} |")
         lines += ["", "Not possible:", ""]
         lines += [f"- {c.strategy.name}: {c.reason}" for c in cands if not c.feasible] or ["- (none)"]
         lines.append("")

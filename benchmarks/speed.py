@@ -3,7 +3,9 @@
     python benchmarks/speed.py      # writes benchmarks/results/speed.md
 
 Targets (issues 2 and 3): estimate llama-3-70b --seq 8192 < 2x, plan Llama-3-70B on 64 GPUs over all
-candidates < 3x the time of `python -c "from transformers import AutoModelForCausalLM"`. Each command runs in a
+candidates < 3x the time of `python -c "from transformers import AutoModelForCausalLM"`. Issue 17: `plan --seq max`
+(the longest sequence per strategy, with the chart) < 2x a single `plan` of the same model and GPUs, first use: the
+search interpolates traces between powers of two and never re-traces per probe. Each command runs in a
 fresh process, best of 3 (the machine is shared; the minimum is the least disturbed), all in one run, twice:
 with an empty on-disk cache each time (first use of a model: the model is built on the meta device and traced)
 and with the cache the first use left (every later use of the same model and job).
@@ -25,6 +27,13 @@ COMMANDS = {
                                                    "--json"],
 }
 TARGETS = {"estimate llama-3-70b --seq 8192": 2.0, "plan llama-3-70b, 64 GPUs, all candidates": 3.0}
+
+SEQ_MAX_PAIRS = {
+    "llama-3.1-8b, 8xH100-80GB": ("llama-3.1-8b", "8xH100-80GB"),
+    "qwen2.5-7b, 1xA100-80GB": ("qwen2.5-7b", "1xA100-80GB"),
+}
+"""--seq max against one plan at --seq 8192 (micro-batch 1), first use (empty cache) each."""
+SEQ_MAX_TARGET = 2.0
 
 
 def best_of(cmd: list[str], n: int = 3, *, cache: str | None = None, fresh_cache: bool = False) -> float:
@@ -63,6 +72,18 @@ def main() -> int:
             ratio = t / base
             ok &= ratio < TARGETS[name]
             lines.append(f"| {name} | {label} | {t:.2f} | {ratio:.2f}x | < {TARGETS[name]:.0f}x |")
+    lines += ["", "## plan --seq max against one plan (issue 17)", "",
+              "First use (cache emptied before every process), best of 3. One plan: `--seq 8192 --micro-batch 1`, "
+              "every strategy and tensor / context / sequence degree; --seq max: the longest sequence of every "
+              "strategy by bisection plus the memory curve at each power of two.", "",
+              "| model, GPUs | one plan s | --seq max s | ratio | target |", "|---|---|---|---|---|"]
+    for name, (model, gpus) in SEQ_MAX_PAIRS.items():
+        one = best_of([sys.executable, "-m", "toolkit", "plan", model, "--gpus", gpus, "--seq", "8192",
+                       "--micro-batch", "1", "--json"], cache=cache, fresh_cache=True)
+        longest = best_of([sys.executable, "-m", "toolkit", "plan", model, "--gpus", gpus, "--seq", "max",
+                           "--json"], cache=cache, fresh_cache=True)
+        ok &= longest / one < SEQ_MAX_TARGET
+        lines.append(f"| {name} | {one:.2f} | {longest:.2f} | {longest / one:.2f}x | < {SEQ_MAX_TARGET:.0f}x |")
     lines.append("")
     out = Path(__file__).parent / "results" / "speed.md"
     out.parent.mkdir(exist_ok=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 SCRIPT = """
 import json, sys
@@ -16,10 +18,11 @@ print(json.dumps({"torch_imported": "torch" in sys.modules}))
 """
 
 
-def run(model: str, cache: str) -> tuple[dict, bool]:
-    env = {**os.environ, "TOOLKIT_CACHE_DIR": cache}
+def run(model: str, cache: str, cwd: str | None = None, **env_vars: str) -> tuple[dict, bool]:
+    env = {**os.environ, "TOOLKIT_CACHE_DIR": cache, **env_vars}
     env.pop("TOOLKIT_NO_CACHE", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, model], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, model], capture_output=True, text=True, env=env, check=True,
+                         cwd=cwd)  # cwd: `python -c` puts it first on sys.path
     decoder = json.JSONDecoder()
     estimate, end = decoder.raw_decode(out.stdout)
     return estimate, json.loads(out.stdout[end:])["torch_imported"]
@@ -44,3 +47,20 @@ def test_a_changed_config_is_not_served_from_the_cache(tmp_path):
     assert torch_imported
     assert after["params"] > before["params"]
     assert after["per_gpu"]["activations_bytes"] > before["per_gpu"]["activations_bytes"]
+
+
+def test_a_change_in_any_module_the_computation_imports_misses_the_cache(tmp_path):
+    """The cache follows the imports of the code that computes a value (toolkit.cache.code_closure), so a change
+    in a module the tracer only imports inside a function (estimate/liger.py) is a miss, with no list to update."""
+    package = tmp_path / "copy"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "toolkit", package / "toolkit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    cache = str(tmp_path / "cache")
+    first, _ = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
+    hit, torch_imported = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
+    assert not torch_imported
+    liger = package / "toolkit" / "estimate" / "liger.py"
+    liger.write_text(liger.read_text() + "\n# a change\n")
+    again, torch_imported = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
+    assert torch_imported  # traced again
+    assert first == hit == again

@@ -153,9 +153,10 @@ GPU_NUMERIC = [
     "hbm_gbps", "intra_node_gbps", "pcie_gbps",
 ]
 GPU_FIELDS = {
-    "name", "aliases", "memory_bytes", *GPU_NUMERIC,
+    "name", "architecture", "aliases", "memory_bytes", *GPU_NUMERIC,
     "interconnect", "bf16_supported", "source",
 }
+ARCHITECTURES = {"volta", "turing", "ampere", "ada", "hopper", "blackwell", "cdna2", "cdna3"}
 INTERCONNECTS = {
     "nvlink2", "nvlink3", "nvlink4", "nvlink5", "pcie3", "pcie4", "pcie5", "pcie6", "xgmi",
 }
@@ -191,6 +192,7 @@ def test_gpu_fields_and_ranges(gpus):
         name = g.get("name")
         assert set(g) == GPU_FIELDS, f"{name}: fields {sorted(set(g) ^ GPU_FIELDS)}"
         assert isinstance(name, str) and name
+        assert g["architecture"] in ARCHITECTURES, f"{name}: architecture {g['architecture']!r}"
         assert isinstance(g["aliases"], list)
         assert all(isinstance(a, str) and a for a in g["aliases"])
         mem = g["memory_bytes"]

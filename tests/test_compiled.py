@@ -54,6 +54,21 @@ def test_traced_compiled_activations_and_peak_match_a_real_compiled_step(arch):
     assert not _close(eager.activations_bytes, real.saved_bytes)
 
 
+def test_checkpointing_inside_the_compiled_model_keeps_what_the_trace_says():
+    # The Trainer's non-reentrant checkpoint inside the compiled graph: each layer keeps its inputs (and the
+    # recompute's RNG state), the head what the compiled partition saves.
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
+    traced = trace_compiled_activations(config, seq_len=64, micro_batch=2, dtype="float32", attention="sdpa",
+                                        device_kind="cpu", checkpointing=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 512, (2, 64))
+    real = measure_compiled_step(model, {"input_ids": ids, "labels": ids})
+    assert _close(traced.activations_bytes, real.saved_bytes), (traced.activations_bytes, real.saved)
+
+
 def test_cuda_compile_keeps_the_kernels_logsumexp_and_no_seq_by_seq_score():
     config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
     notes: list = []
@@ -65,3 +80,61 @@ def test_cuda_compile_keeps_the_kernels_logsumexp_and_no_seq_by_seq_score():
     assert sum(1 for r in layer if r[1][-2:] == (160, 160)) <= 1  # at most the mask as a bias, never scores
     cpu = compiled_saved_bytes(config, seq_len=160, micro_batch=1, dtype="bfloat16", device_kind="cpu")
     assert cpu.total_bytes != saved.total_bytes
+
+
+def test_compile_is_refused_where_it_cannot_run_or_is_not_modelled():
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import job_problem
+    from toolkit.inputs.lora import Adapter
+    from toolkit.inputs.strategy import parse_strategy
+
+    gpu = parse_hardware("8xH100-80GB").gpu
+    assert "pipeline runner" in job_problem("bf16", gpu, parse_strategy("pipeline"), compile=True)
+    assert job_problem("bf16", gpu, parse_strategy("zero3"), compile=True) is None
+    assert job_problem("bf16", gpu, parse_strategy("fsdp2"), compile=True) is None
+    assert "not modelled" in job_problem("bf16", gpu, parse_strategy("ddp"), compile=True,
+                                         adapter=Adapter(method="lora"))
+    assert "flash_attention_2" in job_problem("bf16", gpu, parse_strategy("ddp"), compile=True,
+                                              attention="flash_attention_2")
+
+
+def test_a_compiled_plan_emits_torch_compile_and_the_dynamo_yaml(tiny_llama_dir):
+    from toolkit.emit.accelerate import accelerate_config
+    from toolkit.emit.user_settings import training_arguments
+    from toolkit.run.rehearsal import plan_for_model
+
+    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=2, micro_batch=1, grad_accum=1, seq_len=32,
+                          precision="fp32")
+    assert "compile" not in plan.to_dict() and "torch_compile" not in training_arguments(plan)
+    compiled = plan.replace(compile=True)
+    assert compiled.to_dict()["compile"] is True
+    assert training_arguments(compiled)["torch_compile"] is True
+    assert accelerate_config(compiled)["dynamo_config"] == {"dynamo_backend": "INDUCTOR"}
+    assert compiled.prediction_key() != plan.prediction_key()
+
+
+def test_estimate_compile_prints_less_activation_memory_and_a_faster_step(capsys):
+    import json
+
+    from toolkit.cli import main
+
+    argv = ["estimate", "gpt2", "--gpus", "1xH100-80GB", "--seq", "256", "--json"]
+    assert main(argv) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--compile"]) == 0
+    compiled = json.loads(capsys.readouterr().out)
+    assert compiled["job"]["compile"] is True
+    assert compiled["per_gpu"]["activations_bytes"] < eager["per_gpu"]["activations_bytes"]
+    assert compiled["timing"]["compile_saved_s"] > 0
+    assert compiled["timing"]["tokens_per_s"] > eager["timing"]["tokens_per_s"]
+    assert any("min_cut_rematerialization_partition" in n for n in compiled["notes"])
+    assert main(["estimate", "gpt2", "--gpus", "2xH100-80GB", "--strategy", "pipeline", "--compile"]) == 2
+
+
+def test_a_compiled_plan_is_rehearsed_compiled(tiny_llama_dir):
+    from toolkit.run.rehearsal import plan_for_model, rehearsal_plan
+
+    plan = plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=8, micro_batch=4, grad_accum=2, seq_len=64,
+                          precision="bf16").replace(compile=True)
+    small, said = rehearsal_plan(plan, tiny_llama_dir)
+    assert small.compile and any("torch.compile" in s for s in said)

@@ -466,3 +466,43 @@ def test_check_judges_a_stock_ulysses_yaml_and_names_what_the_engines_refuse(tmp
     bad.write_text(SP_YAML.format(sp=3))
     errors = [p for p in check_paths([str(bad)]) if p.severity == "error"]
     assert len(errors) == 1 and "sp_size 3 needs DeepSpeed with dp_replicate x dp_shard x sp = 8" in errors[0].message
+
+
+@pytest.mark.parametrize("degree", ["--sequence-parallel 8", "--context-parallel 4", "--tensor-parallel 2"])
+def test_check_finds_nothing_wrong_in_the_folders_plan_writes(degree, tmp_path):
+    from toolkit.check.folder import check_paths
+    from toolkit.cli import main
+
+    out = tmp_path / "p"
+    assert main(["plan", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--seq", "16384", "--global-batch", "16",
+                 *degree.split(), "--out", str(out)]) == 0
+    assert check_paths([str(out)]) == []
+
+
+def test_tp_head_and_embedding_make_only_their_shards_gradients():
+    from toolkit.estimate.dimensions import apply_to_trace, rank_view
+    from toolkit.estimate.memory import scaled_trace
+    from toolkit.inputs.job import Job
+
+    spec = _small(kv_heads=4)
+    job = Job(seq_len=2048)
+    view = rank_view(spec, job, _grid("fsdp2", tensor=2))
+    strategy = parse_strategy("fsdp2")
+    traced = scaled_trace(view.spec, view.job, strategy)
+    rank = apply_to_trace(traced, view, checkpointing=False)
+    assert traced.head.grad_bytes > 0
+    assert rank.head.grad_bytes == int(traced.head.grad_bytes * view.spec.post_layer_params / spec.post_layer_params)
+    assert view.spec.post_layer_params < 0.6 * spec.post_layer_params  # the vocabulary splits, the norm does not
+    assert rank.head.saved_bytes == traced.head.saved_bytes  # the gathered logits are whole on every rank
+
+
+def test_check_tells_trainer_scripts_how_to_run_accelerates_tp_example():
+    from toolkit.check.findings import TRAINER
+    from toolkit.check.folder import check_paths
+
+    found = check_paths([str(REAL / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml")])
+    # A note, not an error: the file is made for accelerate's own example loop, which prepares model and optimizer
+    # together and runs it; only a Trainer script cannot.
+    about_tp = [p for p in found if "DistributedConfig" in p.message]
+    assert len(about_tp) == 1 and about_tp[0].runner == TRAINER and about_tp[0].severity == "note"
+    assert not [p for p in found if p.severity in ("warning", "error")]

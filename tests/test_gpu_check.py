@@ -50,3 +50,37 @@ def test_derive_reads_allocator_ratio_and_errors():
     assert abs(e["peak_error_worst"] - 0.05) < 1e-9
     assert abs(e["mfu_measured_median"] - (0.225 + 0.45) / 2) < 1e-9
     assert d["context_bytes"] == int(0.6 * gib)
+
+
+def test_timing_set_rehearses_the_pipeline_engine_beside_ddp_on_cpu(tmp_path):
+    only = "pipe ddp llama-1b s2048 mb1 M1,pipe pipeline1 llama-1b s2048 mb1 M1"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--timing", "--out", str(tmp_path), "--only", only], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["label"]: r for r in json.loads((tmp_path / "gpu_timing.json").read_text())["rows"]}
+    assert set(rows) == set(only.split(","))
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["step_measured_s"] > 0 and r["step_predicted_s"] > 0 and r["accum"] == 1
+
+
+def test_derive_timing_reads_efficiency_engine_and_pipeline_overheads():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_derive import derive_timing
+
+    def row(label, strategy, step, accum=1, predicted=1.0, mb=2, seq=2048):
+        return {"label": label, "strategy": strategy, "step_measured_s": step, "step_predicted_s": predicted,
+                "accum": accum, "micro_batch": mb, "seq_len": seq, "hidden": 2048}
+
+    d = derive_timing({"meta": {"device": "NVIDIA H200"}, "rows": [
+        row("eff ddp llama-1b s2048 mb2", "ddp", 2.0),
+        row("engine ddp llama-1b s2048 mb2", "ddp", 1.0), row("engine zero3 llama-1b s2048 mb2", "zero3", 1.25),
+        row("pipe ddp llama-1b s2048 mb1 M8", "ddp", 4.0, accum=8),
+        row("pipe pipeline1 llama-1b s2048 mb1 M8", "pipeline1", 4.8, accum=8),
+        {"label": "x", "error": "OOM"}]})
+    assert d["efficiency"][0]["step_ratio"] == 0.5 and d["efficiency"][0]["tokens_per_micro_step"] == 4096
+    assert abs(d["engine_overhead"]["zero3"] - 0.25) < 1e-9
+    assert abs(d["pipeline"]["8"]["per_micro_batch_s"] - 0.1) < 1e-9
+    assert abs(d["pipeline"]["8"]["per_micro_batch_fraction"] - 0.2) < 1e-9

@@ -272,3 +272,68 @@ def test_launch_preflight_applies_the_same_job_rules_as_estimate(tmp_path, capsy
     assert "V100-32GB has no bf16; use --precision fp16 or fp32" in _one_error_line(capsys)
     assert main(["estimate", "llama-2-7b", "--gpus", "8xV100-32GB", "--seq", "512", "--strategy", "zero2"]) == 2
     assert "V100-32GB has no bf16; use --precision fp16 or fp32" in _one_error_line(capsys)
+
+
+def test_ds_config_against_plan_json_is_one_rule_for_check_and_both_runners(tiny_llama_dir, tmp_path):
+    """`toolkit check`, the Trainer runner and the pipeline runner ask one function whether ds_config.json agrees
+    with plan.json (emit.deepspeed.plan_disagreements); "auto" agrees, a concrete different number does not."""
+    from toolkit.check.folder import plan_json_consistency
+    from toolkit.emit.deepspeed import plan_disagreements
+    from toolkit.errors import UserError
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.args import parse_train_args
+    from toolkit.train.hf_runner import check_ds_config_agrees
+
+    plan = plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32)
+    folder = emit_plan_files(plan, tmp_path / "p")
+    config = json.loads((folder / "ds_config.json").read_text())
+    assert plan_disagreements(config, plan, max_grad_norm=1.0) == {}
+    config.update(train_micro_batch_size_per_gpu=4, gradient_clipping=0.5, gradient_accumulation_steps="auto")
+    assert plan_disagreements(config, plan, max_grad_norm=1.0) == {"train_micro_batch_size_per_gpu": (4, 2),
+                                                                   "gradient_clipping": (0.5, 1.0)}
+    assert [p.message.split(" but ")[0] for p in plan_json_consistency(config, "ds_config.json", plan)] == \
+        ["train_micro_batch_size_per_gpu 4"]
+    (folder / "ds_config.json").write_text(json.dumps(config))
+    args = parse_train_args(["--plan", str(folder / "plan.json"), "--data", "x", "--output", str(tmp_path / "o")])
+    with pytest.raises(UserError, match="sets train_micro_batch_size_per_gpu 4 but the plan's micro-batch is 2"):
+        check_ds_config_agrees(plan, args, folder / "ds_config.json")
+
+
+def test_a_local_folder_wins_over_a_catalog_name_of_the_same_spelling_everywhere(tiny_llama_dir, tmp_path,
+                                                                                  monkeypatch):
+    """One resolver, one precedence (toolkit.inputs.resolve): an existing local folder, then the catalog, then
+    the hub. estimate / plan, plan.json, the emitted scripts and toolkit.train all read the same model."""
+    from toolkit.inputs.resolve import catalog_hub_id, loadable_model, locate_model, recorded_model
+    from toolkit.train.model import load_config
+
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copytree(tiny_llama_dir, tmp_path / "gpt2")  # a llama folder spelled like the catalog's gpt2
+    monkeypatch.chdir(tmp_path)
+    assert locate_model("gpt2").kind == "local"
+    assert resolve_model("gpt2").model_type == "llama"
+    assert load_config("gpt2").model_type == "llama"
+    assert loadable_model("gpt2") == recorded_model("gpt2") == str(tmp_path / "gpt2")
+
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no such folder here: the catalog entry
+    assert locate_model("gpt2").kind == "catalog"
+    assert resolve_model("gpt2").model_type == "gpt2"
+    assert loadable_model("gpt2") == (catalog_hub_id("gpt2") or "gpt2") and recorded_model("gpt2") == "gpt2"
+
+
+def test_plan_folder_file_names_are_spelled_once():
+    """toolkit.plan.files names every file of a plan folder; code elsewhere uses its constants (a name inside a
+    message or a docstring is text, not a spelling the code relies on)."""
+    import ast
+
+    from toolkit.plan import files
+
+    names = set(files.EMITTED)
+    spelled = []
+    for path in (ROOT / "toolkit").rglob("*.py"):
+        if path == ROOT / "toolkit" / "plan" / "files.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                spelled.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value}")
+    assert spelled == []

@@ -3,9 +3,11 @@ the meta device and activation traces.
 
 A hit needs no torch and no transformers import, so repeated estimates and plans of the same model start in a
 fraction of a second. Keys hash the model's config.json text and every argument; entries also hash the code that
-produced them (toolkit's tracer and model-spec sources) and the installed torch / transformers versions, so a
-change to any of them is a miss, never a stale answer. Set TOOLKIT_CACHE_DIR to move it, TOOLKIT_NO_CACHE=1 to
-bypass it.
+produced them and the installed torch / transformers versions, so a change to any of them is a miss, never a stale
+answer. The code is found from the function that computes the value (`code=`): the source of its module and of
+every toolkit module that module imports (at the top or inside a function), followed transitively. There is no list
+of file names to keep up to date: a moved or a new module is covered as soon as it is imported. Set
+TOOLKIT_CACHE_DIR to move it, TOOLKIT_NO_CACHE=1 to bypass it.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from toolkit.fileio import write_atomic
 
-_CODE_FILES = ("estimate/tracer.py", "inputs/modelspec.py", "estimate/activations.py", "cache.py", "inputs/lora.py",
-               "inputs/decoder_parts.py")
+_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(toolkit(?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[\w \t,]+)"
+                     r"|import[ \t]+(toolkit(?:\.\w+)*))", re.M)
+"""`from toolkit.x import a, b` / `import toolkit.x`, at any indentation (imports inside functions count)."""
 
 
 def enabled() -> bool:
@@ -36,13 +40,40 @@ def cache_dir() -> Path:
     return Path(base) / "toolkit"
 
 
-@lru_cache(maxsize=1)
-def fingerprint() -> str:
-    """The code and library versions a cached value depends on."""
+def _source_file(module: str) -> Path | None:
+    """The source of a toolkit module (a package's __init__.py), found without importing it."""
+    base = Path(__file__).resolve().parent.parent.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def code_closure(module: str) -> list[Path]:
+    """The source files of `module` and of every toolkit module it imports, transitively."""
+    seen: dict[str, Path] = {}
+    todo = [module, __name__]  # and this module: the entries' format
+    while todo:
+        name = todo.pop()
+        path = _source_file(name)
+        if name in seen or path is None:
+            continue
+        seen[name] = path
+        for base, names, plain in _IMPORT.findall(path.read_text()):
+            todo.append(plain or base)
+            if base:  # `from toolkit import cache`: the names may be modules
+                todo += [f"{base}.{n.split()[0]}" for n in names.strip("()").split(",") if n.strip()]
+    return sorted(set(seen.values()))
+
+
+@lru_cache(maxsize=None)
+def fingerprint(module: str) -> str:
+    """The code (module's closure) and library versions a value computed in `module` depends on."""
+    if _source_file(module) is None:
+        raise ValueError(f"the cache keys values by the toolkit module that computes them; {module} is not one")
     h = hashlib.sha256()
-    here = Path(__file__).parent
-    for name in _CODE_FILES:
-        h.update((here / name).read_bytes())
+    for path in code_closure(module):
+        h.update(path.read_bytes())
     for package in ("torch", "transformers"):
         try:
             h.update(f"{package}={metadata.version(package)}".encode())
@@ -51,24 +82,28 @@ def fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def _path(kind: str, key: Any) -> Path:
-    digest = hashlib.sha256(json.dumps([fingerprint(), key], sort_keys=True, default=str).encode()).hexdigest()
+def _path(kind: str, key: Any, code: Callable[..., Any]) -> Path:
+    digest = hashlib.sha256(json.dumps([fingerprint(code.__module__), key], sort_keys=True, default=str)
+                            .encode()).hexdigest()
     return cache_dir() / kind / f"{digest[:32]}.json"
 
 
-def get(kind: str, key: Any) -> Any | None:
+def get(kind: str, key: Any, *, code: Callable[..., Any]) -> Any | None:
+    """The value stored for `key` by `code` (the function that computes it), or None."""
     if not enabled():
         return None
+    path = _path(kind, key, code)
     try:
-        return json.loads(_path(kind, key).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def put(kind: str, key: Any, value: Any) -> None:
+def put(kind: str, key: Any, value: Any, *, code: Callable[..., Any]) -> None:
     if not enabled():
         return
+    path = _path(kind, key, code)
     try:
-        write_atomic(_path(kind, key), json.dumps(value))
+        write_atomic(path, json.dumps(value))
     except OSError:  # a read-only or full disk costs speed, never a result
         pass

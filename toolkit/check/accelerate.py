@@ -11,10 +11,11 @@ from typing import Any
 
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
-from toolkit.check.deepspeed import json_precision
-from toolkit.check.findings import HF_RUNNERS, LAUNCH, Problem
+from toolkit.emit.deepspeed import json_precision
+from toolkit.check.findings import HF_RUNNERS, LAUNCH, TRAINER, Problem
 from toolkit.check.read import read_mapping
 from toolkit.engines.readers import _mapping, concrete_int, quiet_engines, zero_settings
+from toolkit.plan.files import DS_CONFIG
 
 
 # --- accelerate YAML ---------------------------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
                     f"ignored\"); remove it and set {DS_FILE_IGNORED_KEYS[key]} in the JSON")
             inline = inline_ds_config(ds_file)
             if inline is not None:  # emitted YAMLs carry the JSON itself (toolkit.emit.accelerate)
-                ds_path = path.parent / "ds_config.json"
+                ds_path = path.parent / DS_CONFIG
                 if not ds_path.is_file():
                     ds_path = None
                 elif read_mapping(ds_path) != inline:
@@ -198,6 +199,16 @@ def accelerate_problems(path: Path, ds_path: Path | None, flags: list[str] | Non
         return [Problem(str(path), "note", f"accelerate's launch check stops on this machine ({first_line(exc)}); "
                         "the rest of its checks did not run here", LAUNCH)]
     found: list[Problem] = []  # parallelism_config: checked inside accelerate_launch_plugins (accelerate's code)
+    tp = env.get("PARALLELISM_CONFIG_TP_SIZE", "1")
+    if args.use_fsdp and tp.isdigit() and int(tp) > 1:
+        # transformers 5.2x: the Trainer runs TP only for a model transformers sharded at load; with accelerate's
+        # FSDP2 plugin it prepares the model without its optimizer, which accelerate refuses (issue 17, measured).
+        found.append(Problem(str(path), "note", f"parallelism_config tp_size {tp} under the FSDP plugin: the HF "
+                             "Trainer cannot prepare it (\"When using FSDP2, a model and optimizer must be passed "
+                             "together\"); for a Trainer script load the model with from_pretrained(..., "
+                             "distributed_config=DistributedConfig(tp_size=..., fsdp_size=...)) and launch without "
+                             "the FSDP plugin (toolkit plan --tensor-parallel writes such a folder); an accelerate "
+                             "loop that prepares model and optimizer together runs it", TRAINER))
     if args.use_deepspeed and ds_path is None and plugin is not None:
         found += inline_deepspeed_problems(path, plugin.deepspeed_config)
     return found

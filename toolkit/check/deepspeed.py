@@ -264,8 +264,3 @@ def batch_problems(config: dict[str, Any], *, world_size: int | None, pipeline_s
                 "GPU count satisfies DeepSpeed's batch identity; fix one of the three"]
     return []
 
-
-def json_precision(config: dict[str, Any]) -> str:
-    if enabled(config.get("bf16")) or enabled(config.get("bfloat16")):
-        return "bf16"
-    return "fp16" if enabled(config.get("fp16")) else "fp32"

@@ -68,7 +68,7 @@ def fit_settings(path: str, pins: Pins = Pins()) -> FitSettings:
                            plan.checkpointing if pins.checkpointing is None else pins.checkpointing,
                            plan.seq_len, plan.pipeline_stages, plan.partition,
                            job_options=(("grad_accum", plan.grad_accum), ("optimizer", plan.optimizer),
-                                        ("optimizer_impl", plan.optimizer_impl), ("liger", plan.liger),
+                                        ("optimizer_impl", plan.optimizer_impl), ("liger", plan.liger), ("compile", plan.compile),
                                         ("activation_offloading", plan.activation_offloading),
                                         ("adapter", plan.adapter_spec)),
                            sizes=_plan_sizes(plan))

@@ -8,15 +8,7 @@ would fail or silently misbehave; otherwise a warning or a note. A JSON on its o
 a failure that only some of them hit is a warning naming them (`--runner` says which one you use, and makes it an
 error).
 
-The knowledge comes from the installed engines, so the check follows their versions:
-- DeepSpeed: `DeepSpeedZeroConfig` reads the ZeRO block (aliases such as stage3_gather_16bit_weights_on_model_save,
-  deprecated names such as stage3_gather_fp16_weights_on_model_save); `DeepSpeedConfig` judges the whole file, and
-  the top-level keys it never reads while doing so are the ones DeepSpeed ignores.
-- "auto": transformers' `HfTrainerDeepSpeedConfig` fills what the HF Trainer fills; accelerate's `DeepSpeedPlugin`
-  (run on the file) plus the keys `Accelerator._prepare_deepspeed` / `DeepSpeedPlugin.set_mixed_precision` fill
-  (read from their source, below) give what an accelerate script fills. The Trainer runs through accelerate too.
-- YAML: accelerate's launch validation and the plugin the Accelerator would build (toolkit.engines.validate), and
-  `ParallelismConfig`'s own size checks. No device is touched.
+The knowledge comes from the installed engines (toolkit.engines), so the check follows their versions.
 
 Unreadable input (missing, binary, malformed, nested too deep, an alias bomb) is a UserError, not a Problem.
 """
@@ -27,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 
-from toolkit.emit.deepspeed import ds_zero_stage
 from toolkit.errors import UserError
 from toolkit.plan.schema import Plan, load_plan
 from toolkit.inputs.strategy import Engine
 from toolkit.check.accelerate import yaml_problems
-from toolkit.check.deepspeed import ds_problems, json_precision, Readers, readers_of_json
+from toolkit.check.deepspeed import ds_problems, Readers, readers_of_json
 from toolkit.check.findings import HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER_CHOICES, TRAINER
 from toolkit.check.read import is_plan_json, read_config
-from toolkit.engines.readers import _mapping, concrete_int, quiet_engines
+from toolkit.engines.readers import concrete_int, quiet_engines
+from toolkit.emit.deepspeed import plan_disagreements
+from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, LAUNCH_SH, PLAN_JSON, SLURM_SBATCH
 
 
 # --- plan directory ----------------------------------------------------------------------------------------------------
@@ -65,21 +58,17 @@ def json_file_problems(config: dict[str, Any], file: str, readers: Readers, plan
 def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan) -> list[Problem]:
     out: list[Problem] = []
     runner = next(iter(plan_readers(plan).runners))
-    for key, planned in (("train_batch_size", plan.global_batch), ("train_micro_batch_size_per_gpu", plan.micro_batch),
-                         ("gradient_accumulation_steps", plan.grad_accum)):
-        value = config.get(key)
-        if concrete_int(value) is not None and value != planned:
+    for key, (value, planned) in plan_disagreements(config, plan).items():
+        if key == "precision":
+            out.append(Problem(file, "error", f"ds_config trains in {value} but plan.json plans {planned}; "
+                               "toolkit.train passes the plan's precision and the Trainer will refuse the mismatch",
+                               runner))
+        elif key == "zero_optimization.stage":
+            out.append(Problem(file, "error", f"ZeRO stage {value} but plan.json plans {plan.strategy} "
+                               f"(stage {planned}); the memory prediction assumes the plan's stage", runner))
+        else:
             out.append(Problem(file, "error", f"{key} {value} but plan.json plans {planned}; re-emit the plan "
                                "directory or make them agree", runner))
-    precision = json_precision(config)
-    planned_precision = {"bf16-pure": "bf16"}.get(plan.precision, plan.precision)
-    if precision != planned_precision:
-        out.append(Problem(file, "error", f"ds_config trains in {precision} but plan.json plans {plan.precision}; "
-                           "toolkit.train passes the plan's precision and the Trainer will refuse the mismatch", runner))
-    stage = _mapping(config.get("zero_optimization")).get("stage")
-    if isinstance(stage, int) and stage != ds_zero_stage(plan):
-        out.append(Problem(file, "error", f"ZeRO stage {stage} but plan.json plans {plan.strategy} "
-                           f"(stage {ds_zero_stage(plan)}); the memory prediction assumes the plan's stage", runner))
     return out
 
 
@@ -89,8 +78,12 @@ def yaml_plan_consistency(config: dict[str, Any], file: str, plan: Plan) -> list
         out.append(Problem(file, "error", f"num_machines {config.get('num_machines', 1)} / num_processes "
                            f"{config.get('num_processes')} but plan.json plans {plan.num_machines} node(s) x "
                            f"{plan.gpus_per_node} = {plan.world_size} processes; set them to match", LAUNCH))
+    from toolkit.emit.parallelism import uses_transformers_tp
+
     expected = {"ddp": ("MULTI_GPU", "NO"), "deepspeed": ("DEEPSPEED",), "fsdp2": ("FSDP",),
                 "pipeline": ("MULTI_GPU", "NO")}[plan.engine]
+    if uses_transformers_tp(plan):  # transformers shards and runs FSDP2 itself: a plain launch
+        expected = ("MULTI_GPU",)
     kind = config.get("distributed_type")
     if kind not in expected and not (kind == "DEEPSPEED" and plan.engine == Engine.PIPELINE):
         out.append(Problem(file, "error", f"distributed_type {kind} but plan.json plans {plan.strategy} "
@@ -106,21 +99,21 @@ def yaml_plan_consistency(config: dict[str, Any], file: str, plan: Plan) -> list
 
 
 def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Problem]:
-    plan_path = directory / "plan.json"
+    plan_path = directory / PLAN_JSON
     plan = load_plan(plan_path) if plan_path.exists() else None
     if plan is None:
-        names = [directory / n for n in ("accelerate_config.yaml", "ds_config.json") if (directory / n).exists()]
+        names = [directory / n for n in (ACCELERATE_CONFIG, DS_CONFIG) if (directory / n).exists()]
         if not names:
             raise UserError(f"{directory} holds no plan.json, accelerate_config.yaml or ds_config.json; give the "
                             "config files themselves")
         return check_paths([str(n) for n in names[:1]], gpus=gpus)  # the YAML names its JSON, else the JSON
     out: list[Problem] = []
-    yaml_path = directory / "accelerate_config.yaml"
-    json_path = directory / "ds_config.json"
+    yaml_path = directory / ACCELERATE_CONFIG
+    json_path = directory / DS_CONFIG
     checked_json: Path | None = None
     if yaml_path.exists():
         config = read_config(yaml_path)
-        scripts = [directory / name for name in ("launch.sh", "slurm.sbatch")]
+        scripts = [directory / name for name in (LAUNCH_SH, SLURM_SBATCH)]
         overrides = any(p.exists() and "--deepspeed_config_file" in p.read_text() for p in scripts)
         found, ds_path = yaml_problems(config, yaml_path, gpus=gpus, plan=plan, launcher_names_ds_file=overrides)
         out += found + yaml_plan_consistency(config, str(yaml_path), plan)

@@ -30,7 +30,7 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.job import Job, check_job
     from toolkit.estimate.search import evaluate
-    from toolkit.estimate.errorband import band_for
+    from toolkit.estimate.errorband import band_for, time_band
     from toolkit.inputs.strategy import parse_strategy
 
     spec = model_spec(args)
@@ -44,7 +44,8 @@ def cmd_estimate(args) -> int:
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
-              activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args))
+              activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args),
+              compile=args.compile)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
@@ -59,9 +60,12 @@ def cmd_estimate(args) -> int:
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
+                       **({"compile": True} if job.compile else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
+               "time_error_band": {**time_band().to_dict(),
+                                   "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
@@ -75,7 +79,8 @@ def cmd_estimate(args) -> int:
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
-          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}")
+          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}"
+          f"{', torch.compile' if job.compile else ''}")
     if job.adapter.is_adapter:
         a = job.adapter
         print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
@@ -109,6 +114,10 @@ def cmd_estimate(args) -> int:
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
           f"offload {t.offload_s:.3f} s)")
+    print(f"time band: {time_band().text()}"
+          + ("" if time_band().covers(strategy.name, hw.world_size) else
+             f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
+             "unverified"))
     if args.explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")
@@ -127,7 +136,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
                   optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
                   checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
-                  adapter=adapter_of(args))
+                  adapter=adapter_of(args), compile=args.compile)
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategy": found.name,

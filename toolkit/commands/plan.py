@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
 def cmd_plan(args) -> int:
     from pathlib import Path
 
-    from toolkit.estimate.search import Request, plan_candidates, to_plan
+    from toolkit.estimate.errorband import time_band
+    from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan
 
     spec = model_spec(args)
     hw = hardware_of(args)
@@ -68,7 +69,7 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
+                                      compile=args.compile, pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel)
     if strategies:
@@ -100,14 +101,16 @@ def cmd_plan(args) -> int:
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
-               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None}
+               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None,
+               "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)]}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top)
     written: list[str] = []
     if chosen and args.out:
         from toolkit.emit import emit_files
+        from toolkit.inputs.resolve import recorded_model
 
-        plan = to_plan(chosen, spec, hw, _recorded_model(args.model) or spec.name)
+        plan = to_plan(chosen, spec, hw, recorded_model(args.model) or spec.name)
         hosts = args.hosts
         written = [str(p) for p in emit_files(plan, Path(args.out), force=args.force, candidates=rows,
                                               nvme_path=args.nvme_path, hosts=hosts)]
@@ -151,46 +154,28 @@ def _plan_seq_max(args, spec, hw, req) -> int:
             print("\n" + chart)
     if best is not None and args.out:
         from toolkit.emit import emit_files
+        from toolkit.inputs.resolve import recorded_model
+        from toolkit.plan.files import MEMORY_CHART
 
-        plan = to_plan(best.candidate, spec, hw, _recorded_model(args.model) or spec.name)
+        plan = to_plan(best.candidate, spec, hw, recorded_model(args.model) or spec.name)
         title = f"{spec.name} on {hw.spec}: per-GPU memory vs sequence length (micro-batch 1)"
         written = emit_files(plan, Path(args.out), force=args.force, candidates=[best.candidate.row()],
                              nvme_path=args.nvme_path, hosts=args.hosts,
-                             extra={CHART_NAME: svg_chart(results, hw.gpu.memory_bytes, title)})
+                             extra={MEMORY_CHART: svg_chart(results, hw.gpu.memory_bytes, title)})
         if not args.json:
             print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
-                  f"({CHART_NAME}: the chart)")
+                  f"({MEMORY_CHART}: the chart)")
     return 0 if best is not None else 1
-
-
-CHART_NAME = "memory_vs_seq.svg"
-"""--seq max's chart in the plan folder."""
-
-
-def _recorded_model(model: str | None) -> str | None:
-    """A local model path as an absolute path (a plan launched from another folder still finds it); catalog names
-    and hub ids as given. A catalog name wins over a same-named folder, as in modelspec.load_config."""
-    from pathlib import Path
-
-    from toolkit.paths import MODEL_CATALOG_DIR
-
-    if not model or (MODEL_CATALOG_DIR / f"{model.lower()}.json").is_file():
-        return model
-    path = Path(model).expanduser()
-    return str(path.resolve()) if path.exists() else model
-
-
-EMITTED_NAMES = ("accelerate_config.yaml", "ds_config.json", "ds_config.deepspeed.json", "training_args.json",
-                 "launch.sh", "slurm.sbatch", "deepspeed.sh", "hostfile", "plan.json", "PLAN.md", "memory_vs_seq.svg")
 
 
 def _refuse_existing(out, force: bool) -> None:
     """Refuse before planning, so a long plan never ends in a refusal."""
     from toolkit.fileio import refuse_overwrite
+    from toolkit.plan.files import EMITTED
 
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
-    refuse_overwrite([out / n for n in EMITTED_NAMES], force)
+    refuse_overwrite([out / n for n in EMITTED], force)
 
 
 def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
@@ -198,6 +183,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
           + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}"
+          + f"{', torch.compile' if req.compile else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
              if req.adapter.is_adapter else "") + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
@@ -213,9 +199,10 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
             continue
         m, t = c.memory, c.timing
         host = f"{m.cpu_bytes_per_node / GIB:.0f}" if m.cpu_bytes_per_node else "-"
+        mark = "" if c.speed_evidenced else "*"
         print(f"{shown:>2}  {c.name:<28}{c.job.micro_batch:>6}{c.job.grad_accum:>6}"
               f"{'yes' if c.job.checkpointing else 'no':>5}{m.required_bytes / GIB:>9.1f}{host:>9}"
-              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>11,.0f}{t.mfu:>6.0%}")
+              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>10,.0f}{mark:1}{t.mfu:>6.0%}")
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
     chosen = next((c for c in candidates if c.feasible), None)
@@ -225,12 +212,32 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
         band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
         print(f"\nerror band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
+        _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
     refused = [c for c in candidates if not c.feasible]
     if refused:
         print("\nnot possible:")
         for c in refused:
             print(f"  {c.name}: {c.reason}")
+
+
+def _note_time_band(hw, candidates, top: int) -> None:
+    """Say which top candidates the step-time model cannot tell apart, and which speeds no published run backs."""
+    from toolkit.estimate.errorband import time_band
+    from toolkit.estimate.search import speed_ties
+
+    band = time_band()
+    tied = speed_ties(candidates)
+    if len(tied) > 1:
+        names = ", ".join(c.name for c in tied[:top])
+        print(f"{band.text()}: #1-#{len(tied)} ({names}) are within it of the fastest, so they are ordered by "
+              "simplicity and robustness (no offload, fewer sharded or pipelined parts), not by speed")
+    else:
+        print(f"{band.text()}: #1 is faster than the rest by more than the band")
+    shown = [c for c in candidates if c.feasible][:top]
+    if any(not c.speed_evidenced for c in shown):
+        print("* speed unverified: no published run of this engine at this scale in the step-time corpus; its "
+              "communication / bubble / offload terms are unmeasured (benchmarks/results/throughput.md)")
 
 
 def _note_adapter_ddp(req, feasible) -> None:
@@ -240,7 +247,7 @@ def _note_adapter_ddp(req, feasible) -> None:
         return
     ddp = next((c for c in feasible if c.strategy.name == "ddp"), None)
     best = feasible[0]
-    if ddp is not None and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
+    if ddp is not None and ddp is not best and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
         print(f"\nnote: with {req.adapter.method} only the adapters have gradients and optimizer states; DDP is "
               f"within 1% of the fastest ({best.name}) and needs {ddp.memory.required_bytes / GIB:.1f} GiB vs "
               f"{best.memory.required_bytes / GIB:.1f}: choose it with --choose ddp for the simplest run")

@@ -27,6 +27,9 @@ def cmd_profile(args) -> int:
     """Predicted vs measured for one real single-device step of the model (random weights, this process)."""
     from toolkit.estimate.profile import measure_step, predict_step
 
+    if args.compile:
+        raise UserError("profile measures an eager step; --compile is checked against real compiled CPU steps in "
+                        "tests/test_compiled.py, not by profile yet: drop --compile")
     spec = model_spec(args)
     args.seq, seq_note = seq_len_of(spec, args)
     if seq_note:

@@ -27,11 +27,13 @@ from toolkit.emit.deepspeed import ds_config
 from toolkit.emit.explain import plan_md
 from toolkit.emit.scripts import default_hosts, deepspeed_sh, hostfile, launch_sh, slurm_sbatch
 from toolkit.emit.safety import check_hosts, check_path_text, check_plan_for_emit
-from toolkit.emit.user_settings import DS_LAUNCHER_CONFIG, SETTINGS_FILE, settings_json
+from toolkit.emit.user_settings import settings_json
 from toolkit.errors import UserError
 from toolkit.fileio import write_folder
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
+from toolkit.plan.files import (ACCELERATE_CONFIG, DEEPSPEED_SH, DS_CONFIG, DS_CONFIG_CONCRETE, HOSTFILE, LAUNCH_SH,
+                                PLAN_JSON, PLAN_MD, SLURM_SBATCH, TRAINING_ARGS)
 
 EXECUTABLE = 0o755
 READABLE = 0o644  # write_atomic's temporary file is 0o600; configs are shared with the team
@@ -52,22 +54,22 @@ def render_files(plan: Plan, *, candidates: list[dict[str, Any]] | None = None, 
     runner_config = None
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE):
         runner_config = ds_config(plan, nvme_path=nvme_path)
-        files["ds_config.json"] = (json.dumps(runner_config, indent=2) + "\n", READABLE)
+        files[DS_CONFIG] = (json.dumps(runner_config, indent=2) + "\n", READABLE)
     if plan.engine == Engine.DEEPSPEED:
         concrete = ds_config(plan, nvme_path=nvme_path, runner_fills=False)
-        files[DS_LAUNCHER_CONFIG] = (json.dumps(concrete, indent=2) + "\n", READABLE)
+        files[DS_CONFIG_CONCRETE] = (json.dumps(concrete, indent=2) + "\n", READABLE)
     yaml_ds = runner_config if plan.engine == Engine.DEEPSPEED else None
-    files["accelerate_config.yaml"] = (accelerate_yaml(plan, ds_config=yaml_ds, main_host=hosts[0]), READABLE)
+    files[ACCELERATE_CONFIG] = (accelerate_yaml(plan, ds_config=yaml_ds, main_host=hosts[0]), READABLE)
     model = loadable_model(plan.model)
     if plan.num_machines == 1:
-        files["launch.sh"] = (launch_sh(plan, model), EXECUTABLE)
+        files[LAUNCH_SH] = (launch_sh(plan, model), EXECUTABLE)
     else:
-        files["slurm.sbatch"] = (slurm_sbatch(plan, model), EXECUTABLE)
-        files["deepspeed.sh"] = (deepspeed_sh(plan, model), EXECUTABLE)
-        files["hostfile"] = (hostfile(plan, hosts), READABLE)
-    files[SETTINGS_FILE] = (settings_json(plan), READABLE)
-    files["plan.json"] = (plan.to_json(), READABLE)
-    files["PLAN.md"] = (plan_md(plan, candidates, nvme_path=nvme_path), READABLE)
+        files[SLURM_SBATCH] = (slurm_sbatch(plan, model), EXECUTABLE)
+        files[DEEPSPEED_SH] = (deepspeed_sh(plan, model), EXECUTABLE)
+        files[HOSTFILE] = (hostfile(plan, hosts), READABLE)
+    files[TRAINING_ARGS] = (settings_json(plan), READABLE)
+    files[PLAN_JSON] = (plan.to_json(), READABLE)
+    files[PLAN_MD] = (plan_md(plan, candidates, nvme_path=nvme_path), READABLE)
     return files
 
 

@@ -81,6 +81,10 @@ def accelerate_config(plan: Plan, *, ds_config: dict[str, Any] | None = None,
         config["main_process_port"] = MAIN_PROCESS_PORT
         config["rdzv_backend"] = "static"
         config["same_network"] = True
+    if plan.compile:
+        # accelerate's dynamo plugin: torch.compile in prepare(), DeepSpeed's engine.compile() under DeepSpeed
+        # (accelerator.py); the keys `accelerate config` writes (commands/config/cluster.py).
+        config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     config["gpu_ids"] = "all"
     config["use_cpu"] = False
     return config

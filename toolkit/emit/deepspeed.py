@@ -223,3 +223,46 @@ def auto_keys(config: Any, prefix: str = "") -> list[str]:
     elif is_auto(config):
         found.append(prefix.rstrip("."))
     return found
+
+
+def enabled(block: Any) -> bool:
+    """A precision or offload block switched on, as DeepSpeed reads "enabled" (a bool, or the string "true")."""
+    return isinstance(block, dict) and str(block.get("enabled", False)).lower() == "true"
+
+
+def json_precision(config: dict[str, Any]) -> str:
+    """The precision a DeepSpeed JSON trains in: bf16, fp16 or fp32."""
+    if enabled(config.get("bf16")) or enabled(config.get("bfloat16")):
+        return "bf16"
+    return "fp16" if enabled(config.get("fp16")) else "fp32"
+
+
+def plan_disagreements(config: dict[str, Any], plan: Plan, *,
+                       max_grad_norm: float | None = None) -> dict[str, tuple[Any, Any]]:
+    """Where a DeepSpeed JSON disagrees with the plan it sits beside (and with the run's --max-grad-norm, when
+    given): {key: (the file's value, the planned value)}. The one rule `toolkit check`, the Trainer runner and the
+    pipeline runner apply. "auto" and absent keys agree (a runner fills them); any other value must equal the
+    plan's number. Keys: train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+    gradient_clipping (with max_grad_norm), precision (bf16 / fp16 / fp32, bf16-pure planned as bf16) and
+    zero_optimization.stage (ds_zero_stage)."""
+    out: dict[str, tuple[Any, Any]] = {}
+    numbers = [("train_batch_size", plan.global_batch), ("train_micro_batch_size_per_gpu", plan.micro_batch),
+               ("gradient_accumulation_steps", plan.grad_accum)]
+    if max_grad_norm is not None:
+        numbers.append(("gradient_clipping", max_grad_norm))
+    for key, planned in numbers:
+        value = config.get(key)
+        if value is None or is_auto(value):
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or float(value) != float(planned):
+            out[key] = (value, planned)
+    planned_precision = {"bf16-pure": "bf16"}.get(plan.precision, plan.precision)
+    if json_precision(config) != planned_precision:
+        out["precision"] = (json_precision(config), plan.precision)
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if isinstance(stage, int) and stage != ds_zero_stage(plan):
+        out["zero_optimization.stage"] = (stage, ds_zero_stage(plan))
+    return out
+

@@ -24,6 +24,8 @@ from pathlib import Path
 from toolkit.emit import emit_files
 from toolkit.paths import MODEL_CATALOG_DIR, SETS_DIR
 from toolkit.inputs.grid import ParallelGrid
+from toolkit.inputs.job import Job
+from toolkit.plan.build import build_plan
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import parse_strategy
 
@@ -67,12 +69,12 @@ def reference_plan(strategy: str, precision: str = "bf16", *, nodes: int = 1, gp
     grid = ParallelGrid.for_strategy(s, nodes=nodes, gpus_per_node=gpus_per_node,
                                      pipeline_stages=stages if s.is_pipeline else None)
     partition = grid.even_partition(layers) if s.is_pipeline else None
-    return Plan(
+    job = Job(seq_len=seq_len, micro_batch=micro, grad_accum=accum, precision=precision, optimizer="adamw",
+              checkpointing=True, attention="sdpa")
+    return build_plan(
         model=model or "custom", model_config=model_config, model_type=model_config.get("model_type", "llama"),
-        layer_class=layer_class, num_layers=layers, params=params or 1, strategy=s.name, num_machines=nodes,
-        gpus_per_node=gpus_per_node, pipeline_stages=grid.pipeline_stages, partition=partition, seq_len=seq_len,
-        micro_batch=micro, grad_accum=accum, global_batch=grid.global_batch(micro, accum), precision=precision,
-        optimizer="adamw", checkpointing=True, attention="sdpa", gpu=REFERENCE_GPU, notes=list(notes or []),
+        layer_class=layer_class, num_layers=layers, params=params or 1, strategy=s, grid=grid, job=job,
+        gpu=REFERENCE_GPU, partition=partition, notes=list(notes or []),
     )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from toolkit.emit.accelerate import MAIN_PROCESS_PORT
 from toolkit.plan.schema import Plan
+from toolkit.plan.files import DEEPSPEED_SH, SLURM_SBATCH
 
 PLAN_DIR_FROM_ARG = ('if [[ $# -lt 1 || ! -f "$1/plan.json" ]]; then\n'
                      '  echo "usage: $0 PLAN_DIR [--data D --output O | your_script.py ARGS]" >&2; exit 2\n'
@@ -157,11 +158,11 @@ def generic_scripts() -> dict[str, str]:
     return {
         "one_node.sh": one_node(here=PLAN_DIR_FROM_ARG, model=None, header=[
             *ONE_NODE_HEADER, "usage: launch/one_node.sh PLAN_DIR --data D --output O  |  ... PLAN_DIR my_train.py"]),
-        "slurm.sbatch": slurm(here=PLAN_DIR_FROM_ARG, model=None, sbatch=[
+        SLURM_SBATCH: slurm(here=PLAN_DIR_FROM_ARG, model=None, sbatch=[
             "#SBATCH --job-name=toolkit", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive"], header=[
             *SLURM_HEADER, "usage: sbatch --nodes=N --gpus-per-node=G launch/slurm.sbatch PLAN_DIR [ARGS]",
             "(N and G as in PLAN_DIR/PLAN.md; a plan folder's own slurm.sbatch has them written in)"]),
-        "deepspeed.sh": deepspeed(here=PLAN_DIR_FROM_ARG, hostfile='HOSTFILE="${HOSTFILE:-$HERE/hostfile}"',
+        DEEPSPEED_SH: deepspeed(here=PLAN_DIR_FROM_ARG, hostfile='HOSTFILE="${HOSTFILE:-$HERE/hostfile}"',
                                   model=None, header=[
                                       *DEEPSPEED_HEADER,
                                       "usage: [HOSTFILE=FILE] launch/deepspeed.sh PLAN_DIR [ARGS]"]),

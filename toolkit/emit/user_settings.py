@@ -26,9 +26,8 @@ from typing import Any
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
+from toolkit.plan.files import DS_CONFIG_CONCRETE, TRAINING_ARGS
 
-SETTINGS_FILE = "training_args.json"
-DS_LAUNCHER_CONFIG = "ds_config.deepspeed.json"
 """The fully concrete DeepSpeed JSON, for DeepSpeed's launcher / deepspeed.initialize (toolkit.emit.deepspeed)."""
 
 OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd", "adafactor": "adafactor"}
@@ -83,6 +82,8 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
     }
     if plan.liger:  # only when on: the Trainer imports liger-kernel (and needs a GPU) for it
         kwargs["use_liger_kernel"] = True
+    if plan.compile:  # the Trainer hands it to accelerate's dynamo plugin (backend inductor), which compiles in prepare
+        kwargs["torch_compile"] = True
     if plan.engine == Engine.DDP:
         kwargs["ddp_find_unused_parameters"] = False
     if plan.tensor_parallel > 1:
@@ -146,6 +147,10 @@ def notes(plan: Plan) -> list[str]:
         out.append("The plan's memory assumes activation offloading: TRL's SFTConfig carries activation_offloading; "
                    "the HF Trainer and toolkit.train have no such option (re-plan without --activation-offloading "
                    "for them).")
+    if plan.compile:
+        out.append("The plan's memory and speed assume torch.compile (inductor): TrainingArguments carry "
+                   "torch_compile and the YAML dynamo_config (backend INDUCTOR); a custom loop gets it from the YAML "
+                   "through accelerator.prepare.")
     if plan.liger:
         out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
                    "liger-kernel >= 0.8.2; its kernels need a GPU).")
@@ -157,7 +162,7 @@ def notes(plan: Plan) -> list[str]:
     if plan.engine == Engine.DEEPSPEED:
         out.append("HF Trainer without accelerate launch: --deepspeed PLAN_DIR/ds_config.json with these "
                    "TrainingArguments (its \"auto\" values are filled from them). DeepSpeed's own launcher or "
-                   f"deepspeed.initialize(config=...): {DS_LAUNCHER_CONFIG} (every value concrete).")
+                   f"deepspeed.initialize(config=...): {DS_CONFIG_CONCRETE} (every value concrete).")
     if plan.engine == Engine.PIPELINE:
         out.append("Pipeline plans run DeepSpeed's pipeline engine: use toolkit.train (Trainer, TRL and accelerate "
                    "loops cannot run a PipelineModule).")
@@ -234,7 +239,7 @@ def plan_md_section(plan: Plan) -> list[str]:
              "Launch it with the plan's accelerate config (from any directory; the folder may be copied):", "",
              f"    {launch_line()}", "",
              "or `toolkit launch PLAN_DIR -- your_script.py [ARGS]`. Use these settings "
-             f"(machine-readable in `{SETTINGS_FILE}`):", "",
+             f"(machine-readable in `{TRAINING_ARGS}`):", "",
              "TrainingArguments (HF Trainer):", "", "```python"]
     lines += [f"{key}={value!r}," for key, value in args.items()]
     lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
@@ -244,11 +249,11 @@ def plan_md_section(plan: Plan) -> list[str]:
 
     if plan.grid.model_parallel > 1 and parallelism_kwargs(plan):
         lines += ["Parallelism (accelerate ParallelismConfig; the YAML sets it, `parallelism_config` in "
-                  f"`{SETTINGS_FILE}` for scripts run without it):", "", "```python",
+                  f"`{TRAINING_ARGS}` for scripts run without it):", "", "```python",
                   f"ParallelismConfig(**{parallelism_kwargs(plan)!r})", "```", ""]
     if distributed_config(plan):
         lines += ["Tensor parallelism (transformers shards the model at load; `distributed_config` in "
-                  f"`{SETTINGS_FILE}`):", "", "```python",
+                  f"`{TRAINING_ARGS}`):", "", "```python",
                   f"model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=DistributedConfig("
                   f"**{distributed_config(plan)!r}))", "```", ""]
     lines += [f"- {note}" for note in notes(plan)]

@@ -1,13 +1,11 @@
-"""What the installed engines read and fill in a DeepSpeed JSON, taken from the engines themselves:
-
-The knowledge comes from the installed engines, so the check follows their versions:
+"""What the installed engines read and fill in a DeepSpeed JSON, taken from the engines themselves (so toolkit check
+follows their versions):
 - DeepSpeed: `DeepSpeedZeroConfig` reads the ZeRO block (aliases such as stage3_gather_16bit_weights_on_model_save,
   deprecated names such as stage3_gather_fp16_weights_on_model_save); `DeepSpeedConfig` judges the whole file, and
   the top-level keys it never reads while doing so are the ones DeepSpeed ignores.
 - "auto": transformers' `HfTrainerDeepSpeedConfig` fills what the HF Trainer fills; accelerate's `DeepSpeedPlugin`
   (run on the file) plus the keys `Accelerator._prepare_deepspeed` / `DeepSpeedPlugin.set_mixed_precision` fill
   (read from their source, below) give what an accelerate script fills. The Trainer runs through accelerate too.
-- YAML: accelerate's launch validation and the plugin the Accelerator would build (toolkit.engines.validate), and
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 
-from toolkit.emit.deepspeed import auto_keys
+from toolkit.emit.deepspeed import auto_keys, enabled
 
 
 def _mapping(value: Any) -> dict[str, Any]:
@@ -50,10 +48,6 @@ def quiet_engines() -> Iterator[None]:
 
 
 # --- DeepSpeed: what the engine reads ----------------------------------------------------------------------------------
-
-def enabled(block: Any) -> bool:
-    return isinstance(block, dict) and str(block.get("enabled", False)).lower() == "true"
-
 
 def concrete_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,4 +1,5 @@
-"""Predicting a run before it starts: the activation tracer (tracer, activations, liger, livebytes), the model
-states (states), memory savers (savers), the per-GPU breakdown (memory), host RAM (hostram), step time (timing),
-the measured error band (errorband), predicted vs measured on this machine (profile), and the planner's search over
-strategies and batch splits (search)."""
+"""Predicting a run before it starts: the activation tracer (tracer, activations, liger, livebytes, compiled for
+torch.compile'd steps), what one rank of a tensor / context / sequence grid holds (dimensions), the model states
+(states), memory savers (savers), the per-GPU breakdown (memory), host RAM (hostram), step time (timing, efficiency),
+the measured error bands (errorband), the longest sequence each strategy fits (longest), predicted vs measured on
+this machine (profile), and the planner's search over strategies and batch splits (search)."""

@@ -67,6 +67,10 @@ class ActivationTrace:
     """Bytes the model's output object holds (the logits) until the training loop releases it."""
     loss_bytes: int = 0
     """The loss tensor the loop keeps (already inside head.saved_bytes if the head saved it)."""
+    compile_traffic: tuple = ()
+    """torch.compile only: (eager elementwise bytes, compiled elementwise bytes, eager kernels, compiled kernels) of
+    one micro-batch's forward + backward over the full depth (toolkit.estimate.compiled._traffic); the step-time
+    model's compile term reads it."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Substitutions and approximations made (GPU kernel stand-ins, uniform MoE routing, ...)."""
 

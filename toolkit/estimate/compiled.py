@@ -48,6 +48,9 @@ class CompiledSaved:
     """Saved low-precision casts of parameters (under autocast, when the partitioner keeps them)."""
     saved: tuple
     """(region, shape, dtype, bytes) of every saved tensor, for --explain and tests."""
+    traffic: dict = field(default_factory=dict)
+    """region -> (eager elementwise bytes, compiled elementwise bytes, eager kernels, compiled kernels) over forward
+    and backward (`_traffic`)."""
     extras: dict = field(default_factory=dict)
     """region -> (forward_extra_bytes, backward_extra_bytes, backward_grad_bytes, grad_bytes) from the liveness
     walk over the partitioned graphs (the meanings of toolkit.estimate.activations.RegionTrace's fields)."""
@@ -95,11 +98,15 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
     else:
         layers = tuple(region(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", eager.layers[i])
                        for i in range(len(full_kinds)))
+    per_region = [saved.traffic.get("embedding", (0, 0, 0, 0)), saved.traffic.get("head", (0, 0, 0, 0)),
+                  *(saved.traffic.get(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", (0, 0, 0, 0))
+                    for i in range(len(full_kinds)))]
+    traffic = tuple(sum(t[k] for t in per_region) for k in range(4))
     notes.append(f"torch.compile: saved tensors from AOTAutograd's joint graph split by {PARTITIONER} "
                  "(inductor decompositions, FakeTensorMode); temporaries from a liveness walk over the partitioned "
                  "graphs with inductor's pointwise fusion")
     return replace(eager, embedding=region("embedding", eager.embedding), layers=layers,
-                   head=region("head", eager.head), notes=tuple(dict.fromkeys(eager.notes + tuple(notes))))
+                   head=region("head", eager.head), compile_traffic=traffic, notes=tuple(dict.fromkeys(eager.notes + tuple(notes))))
 
 
 def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
@@ -213,6 +220,7 @@ def _saved_of(fw, bw, *, n_inputs: int, n_params: int, autocast: bool) -> Compil
         rows.append((region, tuple(value.shape), str(value.dtype).replace("torch.", ""), nbytes))
     order = ["embedding", *sorted({r for r in by_region if r.startswith("layer")}, key=lambda r: int(r[5:])), "head"]
     return CompiledSaved(by_region=by_region, autocast_copy_by_region=copies, saved=tuple(rows),
+                         traffic=_traffic(fw, bw, order),
                          extras=_extras(fw, bw, order, {r: by_region.get(r, 0) + copies.get(r, 0) for r in order},
                                         n_inputs=n_inputs))
 
@@ -259,25 +267,7 @@ def _walk(graph, *, freed_inputs: set, counted_inputs: set):
     output = nodes[-1]
     returned = {a for a in output.all_input_nodes}
     kinds = {n: _kind(n) for n in nodes}
-    extern_like = {"extern", "reduction", "other"}
-
-    def materialized(n) -> bool:
-        k = kinds[n]
-        if k == "fusible":
-            stack, seen = list(n.users), set()
-            while stack:
-                u = stack.pop()
-                if u in seen:
-                    continue
-                seen.add(u)
-                if u.op == "output" or kinds[u] == "extern":
-                    return True
-                if kinds[u] == "view":
-                    stack.extend(u.users)
-            return n in returned
-        return k in extern_like
-
-    buffers = {n: _nbytes(n) for n in nodes if n.op == "call_function" and materialized(n)}
+    buffers = {n: _nbytes(n) for n in nodes if n.op == "call_function" and _materialized(n, kinds, returned)}
     # Where each node's value is really read: at its own kernel if it is one, else inside its consumers' kernels.
     read_at: dict = {}
     for n in reversed(nodes):
@@ -358,6 +348,69 @@ def _extras(fw, bw, order: list, held_by_region: dict, *, n_inputs: int) -> dict
             extras[region][1] = above
             extras[region][2] = grad_total - start[region]
     return {r: tuple(max(0, v) for v in e) for r, e in extras.items()}
+
+
+def _traffic(fw, bw, order: list) -> dict:
+    """Memory traffic and kernel launches of the elementwise and reduction work, eager against compiled, per region.
+
+    Eager: each ATen op the model called is one kernel (the nodes a decomposition made from one op share its
+    `original_aten` and autograd sequence number) that reads its inputs from memory and writes its outputs.
+    Compiled: each buffer the fusion rule materializes (`_walk`) is one kernel that reads the buffers and inputs
+    its fused chain reaches and writes itself. Matmuls, attention and other extern kernels run in both and are left
+    out. Returns region -> (eager bytes, compiled bytes, eager kernels, compiled kernels)."""
+    out = {r: [0, 0, 0, 0] for r in order}
+    for graph, backward in ((fw.graph, False), (bw.graph, True)):
+        nodes = list(graph.nodes)
+        kinds = {n: _kind(n) for n in nodes}
+        elementwise = {n for n in nodes if kinds[n] in ("fusible", "reduction") and n.all_input_nodes}
+        groups: dict = {}
+        for n in elementwise:
+            key = (n.meta.get("seq_nr"), str(n.meta.get("original_aten") or n.target))
+            groups.setdefault(key, set()).add(n)
+        region_of = {node: region for region, node, _ in _regions_along(((n, 0) for n in nodes), order,
+                                                                        backward=backward)}
+        for members in groups.values():
+            inputs = {x for n in members for x in n.all_input_nodes if x not in members}
+            outputs = {n for n in members if any(u not in members for u in n.users)}
+            region = region_of.get(next(iter(members)), order[-1 if backward else 0])
+            out[region][0] += sum(_nbytes(x) for x in inputs) + sum(_nbytes(n) for n in outputs)
+            out[region][2] += 1
+        returned = set(nodes[-1].all_input_nodes)
+        for n in elementwise:
+            if not _materialized(n, kinds, returned):
+                continue
+            leaves, stack, seen = set(), list(n.all_input_nodes), set()
+            while stack:
+                x = stack.pop()
+                if x in seen:
+                    continue
+                seen.add(x)
+                if x in elementwise and not _materialized(x, kinds, returned) or kinds.get(x) == "view":
+                    stack.extend(x.all_input_nodes)
+                else:
+                    leaves.add(_root(x))
+            region = region_of.get(n, order[-1 if backward else 0])
+            out[region][1] += _nbytes(n) + sum(_nbytes(x) for x in leaves)
+            out[region][3] += 1
+    return {r: tuple(v) for r, v in out.items()}
+
+
+def _materialized(n, kinds: dict, returned: set) -> bool:
+    """Inductor's fusion rule (see _walk): a pointwise result is a buffer only when an extern kernel or the graph's
+    output reads it; reductions, extern kernels and the like always are."""
+    if kinds[n] != "fusible":
+        return kinds[n] in ("extern", "reduction", "other")
+    stack, seen = list(n.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == "output" or kinds.get(u) == "extern":
+            return True
+        if kinds.get(u) == "view":
+            stack.extend(u.users)
+    return n in returned
 
 
 def _is_cast_of(node, params: set) -> bool:

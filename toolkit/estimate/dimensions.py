@@ -47,6 +47,12 @@ class RankView:
     """Bytes a layer saves beyond the trace at the per-rank shapes (Ulysses KV replication)."""
     terms: tuple[tuple[str, int, str], ...] = ()
     notes: tuple[str, ...] = ()
+    embedding_grad_fraction: float = 1.0
+    """Share of the embedding's weight gradient one rank makes (the tp_plan's embedding_rowwise splits it); the
+    trace keeps the whole vocabulary, since the lookup's output is whole."""
+    head_grad_fraction: float = 1.0
+    """Share of the LM head's weight gradient one rank makes (colwise_gather_output splits the weight; the logits
+    are gathered whole, as traced)."""
 
 
 def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
@@ -108,7 +114,13 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
         notes.append(f"context parallel {c}: traced at seq/{c} = {local_seq} tokens per rank (torch ring "
                      "attention, load-balanced chunks)")
     return RankView(rank_spec, rank_job, layer_forward_extra=fwd, layer_backward_extra=bwd,
-                    layer_saved_extra=saved, terms=tuple(terms), notes=tuple(notes))
+                    layer_saved_extra=saved, terms=tuple(terms), notes=tuple(notes),
+                    embedding_grad_fraction=_share(rank_spec.pre_layer_params, spec.pre_layer_params),
+                    head_grad_fraction=_share(rank_spec.post_layer_params, spec.post_layer_params))
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 1.0
 
 
 def kv_replication_bytes(spec: "ModelSpec", job: "Job", sp: int) -> int:
@@ -124,6 +136,8 @@ def kv_replication_bytes(spec: "ModelSpec", job: "Job", sp: int) -> int:
 def apply_to_trace(trace: "ActivationTrace", view: RankView, checkpointing: bool) -> "ActivationTrace":
     """The per-rank trace with the derived terms added to each decoder layer (with checkpointing a layer's
     attention tensors exist only while it recomputes, so the replication joins its backward temporaries)."""
+    trace = replace(trace, embedding=_scale_grads(trace.embedding, view.embedding_grad_fraction),
+                    head=_scale_grads(trace.head, view.head_grad_fraction))
     if not (view.layer_forward_extra or view.layer_backward_extra or view.layer_saved_extra):
         return trace
     layers = []
@@ -134,3 +148,13 @@ def apply_to_trace(trace: "ActivationTrace", view: RankView, checkpointing: bool
                               forward_extra_bytes=r.forward_extra_bytes + view.layer_forward_extra,
                               backward_extra_bytes=r.backward_extra_bytes + back))
     return replace(trace, layers=tuple(layers))
+
+
+def _scale_grads(region, fraction: float):
+    """A region whose weights tensor parallelism splits but whose activations it does not: its weight gradients
+    shrink to the rank's share."""
+    if fraction == 1.0:
+        return region
+    return replace(region, backward_grad_bytes=int(region.backward_grad_bytes * fraction),
+                   grad_bytes=int(region.grad_bytes * fraction),
+                   forward_grad_bytes=int(region.forward_grad_bytes * fraction))

@@ -127,6 +127,7 @@ _TRACE_CACHE: dict[tuple, tuple[ModelSpec, ActivationTrace]] = {}
 
 
 def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
+    data = {**data, "compile_traffic": tuple(data.get("compile_traffic", ()))}
     return ActivationTrace(**{**data, "embedding": RegionTrace(**data["embedding"]),
                               "layers": tuple(RegionTrace(**r) for r in data["layers"]),
                               "head": RegionTrace(**data["head"]), "notes": tuple(data["notes"])})
@@ -188,27 +189,39 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
     key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing, adapter)
     if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
         key += ("liger",)
+    if job.compile:
+        key += ("compile",)
     if key not in _TRACE_CACHE:
         from dataclasses import replace
 
         from toolkit import cache
+        from toolkit.estimate.compiled import trace_compiled_activations
+        from toolkit.estimate.tracer import trace_activations
 
         disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
+        if disk_key and job.compile:
+            from importlib import metadata
+
+            disk_key += ["compile", metadata.version("torch")]
         if disk_key and adapter is not None:
             from importlib import metadata
 
             disk_key += [adapter.to_dict(), metadata.version("peft")]
-        stored = cache.get("trace", disk_key) if disk_key else None
+        traced_by = trace_compiled_activations if job.compile else trace_activations
+        stored = cache.get("trace", disk_key, code=traced_by) if disk_key else None
         if stored is not None:
             trace = trace_from_dict(stored)
         else:
-            from toolkit.estimate.tracer import trace_activations
-
-            trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
-                                      autocast=autocast, attention=attention, device_kind=job.device_kind,
-                                      checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
+            if job.compile:
+                trace = trace_compiled_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
+                                                   autocast=autocast, attention=attention,
+                                                   device_kind=job.device_kind, checkpointing=job.checkpointing)
+            else:
+                trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
+                                          autocast=autocast, attention=attention, device_kind=job.device_kind,
+                                          checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
             if disk_key:
-                cache.put("trace", disk_key, asdict(trace))
+                cache.put("trace", disk_key, asdict(trace), code=traced_by)
         if attention != job.attention:
             trace = replace(trace, notes=trace.notes + (
                 f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "

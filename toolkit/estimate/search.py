@@ -1,5 +1,7 @@
 """The planner: every strategy the engines support x micro-batch x accumulation x checkpointing x pipeline
-stages, each costed by the memory and step-time models, ranked by predicted tokens/s (ties: more headroom).
+stages, each costed by the memory and step-time models, ranked by predicted tokens/s. Candidates whose speeds differ
+by less than the step-time error band (toolkit.estimate.errorband.time_band) are ties: among them the simplest and most
+robust comes first (no offload, fewer sharded or pipelined parts, fewer stages), then the faster.
 
 A candidate that cannot run says why: it does not fit ("needs 93.1 GiB of 79.1"), the batch does not divide, the
 layers do not split into the stages, the GPU lacks the precision, the node lacks host RAM for offload.
@@ -10,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from toolkit.estimate.errorband import band_for
+from toolkit.estimate.errorband import band_for, time_band
 from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
 from toolkit.inputs.job import Job, job_problem
 from toolkit.inputs.lora import FULL, Adapter
-from toolkit.estimate.memory import Breakdown, estimate_memory, states_floor_bytes
+from toolkit.estimate.memory import Breakdown, activation_trace, estimate_memory, states_floor_bytes
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Kind, Strategy, parse_strategy
 from toolkit.estimate.timing import Timing, step_time
@@ -50,6 +52,13 @@ class Candidate:
         return self.reason is None
 
     @property
+    def speed_evidenced(self) -> bool:
+        """Whether published runs of this engine at this scale back the predicted speed (toolkit.estimate.errorband
+        .time_band); a tensor / context / sequence dimension has none yet."""
+        gpus = self.pipeline_stages * self.data_parallel
+        return self.dimension is None and time_band().covers(self.strategy.name, gpus)
+
+    @property
     def degrees(self) -> tuple[int, int, int]:
         """(tensor, context, sequence) degrees."""
         g = self.grid
@@ -57,6 +66,11 @@ class Candidate:
 
     @property
     def name(self) -> str:
+        job = getattr(self, "job", None)
+        return self._base_name + (" +compile" if job is not None and job.compile else "")
+
+    @property
+    def _base_name(self) -> str:
         if self.strategy.is_pipeline and (self.grid is not None or self.reason is None):
             return f"{self.strategy.name} (pp={self.pipeline_stages} x dp={self.data_parallel})"
         if self.grid is not None and self.grid.model_parallel > 1:
@@ -81,6 +95,7 @@ class Candidate:
             "error_band": band_for(self.strategy.engine, self.job.checkpointing).text(),
             "step_time_s": self.timing.step_time_s if self.timing else None,
             "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
+            "speed_evidenced": self.speed_evidenced,
         }
 
 
@@ -101,6 +116,8 @@ class Request:
     optimizer_impl: str = "fused"
     activation_offloading: bool = False
     liger: bool = False
+    compile: bool = False
+    """torch.compile (inductor) of the model: activations from the compiler's partition, the compiled step time."""
     pipeline_stages: int | None = None
     strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
     tensor_parallel: int | None = None
@@ -123,7 +140,7 @@ class Request:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
             attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
-            liger=self.liger)
+            liger=self.liger, compile=self.compile)
 
 
 def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:
@@ -161,10 +178,12 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
     if floor > hw.gpu.memory_bytes:
         return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                          global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
-                         grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} per GPU for "
-                                "model states alone")
+                         grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} "
+                                           "per GPU for model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
-    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
+    traffic = activation_trace(spec, job, strategy, 1).compile_traffic if job.compile else ()
+    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid,
+                       compile_traffic=traffic)
     reason = None
     if not memory.fits:
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU"
@@ -224,7 +243,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
             refused[key] = refusal(strategy, req, hw, grids, dimension=dimension)
             continue
         _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension)
-    ranked = sorted(best.values(), key=_rank_key)
+    ranked = rank(list(best.values()))
     return ranked + [c for k, c in refused.items() if k not in best]
 
 
@@ -239,6 +258,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     if any(v not in (None, 1) for v in fixed):
         strategies = []  # a degree the user fixed: plan that dimension alone
     for strategy in strategies:
+        # compile=False: with --compile the search offers each strategy eager too (_search), compiled where it can.
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
                               liger=req.liger, adapter=req.adapter)
         yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
@@ -250,26 +270,46 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
 def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
             best: dict[str, Candidate], refused: dict[str, Candidate], ckpt_options: list[bool], *,
             dimension: str | None = None) -> None:
-    """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`."""
+    """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`.
+    Model-parallel grids come in rising degree and the search stops at the first degree that fits: a larger degree
+    only adds communication inside the sample and takes ranks from data parallelism (and costs a trace at its
+    own per-rank shapes)."""
     for grid in grids:
+        if dimension and key in best and best[key].feasible:
+            break
         try:
             batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
         except UserError as exc:
             refused.setdefault(key, refusal(strategy, req, hw, str(exc), dimension=dimension))
             continue
         partition = grid.partition(spec) if strategy.is_pipeline else None
-        for micro, accum in sorted(batches, reverse=True):
-            for ckpt in ckpt_options:
-                job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
-                          optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
-                          device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
-                          activation_offloading=req.activation_offloading, liger=req.liger,
-                          adapter=req.adapter)
-                cand = evaluate(spec, hw, strategy, job, grid, partition)
-                if dimension:
-                    cand = replace(cand, dimension=dimension)
-                if _better(cand, best.get(key)):
-                    best[key] = cand
+        for compiled in _compile_options(strategy, grid, req):
+            slot = f"{key} +compile" if compiled else key
+            for micro, accum in sorted(batches, reverse=True):
+                for ckpt in ckpt_options:
+                    job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
+                              optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
+                              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
+                              activation_offloading=req.activation_offloading, liger=req.liger,
+                              adapter=req.adapter, compile=compiled)
+                    cand = evaluate(spec, hw, strategy, job, grid, partition)
+                    if dimension:
+                        cand = replace(cand, dimension=dimension)
+                    if _better(cand, best.get(slot)):
+                        best[slot] = cand
+
+
+def _compile_options(strategy: Strategy, grid: ParallelGrid, req: Request) -> list[bool]:
+    """Eager always; with --compile also compiled, where the engines compose with compile
+    (toolkit.inputs.job.compile_problem) and the grid has no model-parallel degree (the compiled trace is of the
+    whole model on one rank)."""
+    from toolkit.inputs.job import compile_problem
+
+    if not req.compile or grid.model_parallel > 1:
+        return [False]
+    problem = compile_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
+                              adapter=req.adapter, attention=req.attention)
+    return [False] if problem else [True, False]
 
 
 MODEL_PARALLEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -297,7 +337,8 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
             strategy = parse_strategy(name)
             if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
                 continue
-            problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger)
+            problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
+                                  attention=req.attention)
             if problem:
                 yield dimension, strategy, problem
                 continue
@@ -332,6 +373,46 @@ def _rank_key(c: Candidate):
     return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
 
 
+OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
+KIND_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3, "hybrid": 5, "pipeline": 5}
+"""Moving parts per family: DDP keeps whole copies; ZeRO-1/2 and FSDP2 grad-op shard states; ZeRO-3 / FSDP2 gather
+parameters every layer; pipelines add stages, a schedule and point-to-point sends."""
+
+
+def simplicity(c: Candidate) -> tuple[int, int, int]:
+    """Smaller is simpler and more robust: offload (host RAM, PCIe, CPU Adam, NVMe) first, then the family's moving
+    parts (FSDP2's HSDP counts one more than full shard; a tensor / context / sequence dimension two more: collectives
+    inside every layer), then pipeline stages (processes per model replica)."""
+    s = c.strategy
+    offload = max(OFFLOAD_ORDER[s.offload_optimizer], OFFLOAD_ORDER[s.offload_params]) * 2 \
+        + (s.offload_params != "none")
+    parts = KIND_ORDER[s.kind] + (1 if s.kind == "fsdp2" and s.fsdp_mode == "hybrid" else 0) \
+        - (1 if s.kind == "fsdp2" and s.fsdp_mode == "grad_op" else 0) + (2 if c.dimension else 0)
+    return offload, parts, c.pipeline_stages
+
+
+def speed_ties(ranked: list[Candidate]) -> list[Candidate]:
+    """The feasible candidates whose predicted speed is within the step-time band of the fastest one."""
+    feasible = [c for c in ranked if c.feasible]
+    if not feasible:
+        return []
+    fastest = max(c.timing.tokens_per_s for c in feasible)
+    band = time_band()
+    return [c for c in feasible if c.timing.tokens_per_s >= fastest or band.ties(fastest, c.timing.tokens_per_s)]
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """Feasible first by tokens/s, except that candidates inside the step-time band of the fastest are ordered by
+    simplicity first: a difference the model cannot tell apart never decides for the riskier setup."""
+    ordered = sorted(cands, key=_rank_key)
+    tied = speed_ties(ordered)
+    if len(tied) < 2:
+        return ordered
+    tied_ids = {id(c) for c in tied}
+    rest = [c for c in ordered if id(c) not in tied_ids]
+    return sorted(tied, key=lambda c: (simplicity(c), _rank_key(c))) + rest
+
+
 def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
     """A row that cannot run, with the reason."""
     job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
@@ -343,7 +424,7 @@ def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dime
 
 def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Plan":
     """The chosen candidate as the Plan that emit, launch and train read, its prediction keyed to its inputs."""
-    from toolkit.plan.schema import Plan
+    from toolkit.plan.build import build_plan
 
     predicted: dict[str, Any] = {}
     if c.memory:
@@ -353,18 +434,13 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
     notes = list(c.memory.notes) if c.memory else []
     if c.timing:
         notes += list(c.timing.assumptions)
-    plan = Plan(
+    plan = build_plan(
         model=model_name, model_config=_jsonable(spec.config_dict()), model_type=spec.model_type,
-        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy.name,
-        num_machines=hw.nodes, gpus_per_node=hw.gpus_per_node, pipeline_stages=c.pipeline_stages,
-        tensor_parallel=c.degrees[0], context_parallel=c.degrees[1], sequence_parallel=c.degrees[2],
-        partition=list(c.partition) if c.partition else None, seq_len=c.job.seq_len, micro_batch=c.job.micro_batch,
-        grad_accum=c.job.grad_accum, global_batch=c.global_batch, precision=c.job.precision,
-        optimizer=c.job.optimizer, checkpointing=c.job.checkpointing,
-        attention=spec.effective_attention(c.job.attention), optimizer_impl=c.job.optimizer_impl,
-        activation_offloading=c.job.activation_offloading, liger=c.job.liger, gpu=hw.gpu.name,
+        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy,
+        grid=c.grid, job=c.job, gpu=hw.gpu.name, partition=c.partition,
+        notes=[n.replace("\n", " ") for n in notes], attention=spec.effective_attention(c.job.attention),
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
-        notes=[n.replace("\n", " ") for n in notes], **_adapter_fields(c.job, spec))
+        **_adapter_fields(c.job, spec))
     return plan.with_prediction(predicted)
 
 

@@ -1,6 +1,7 @@
-"""Step time: compute over the GPU's dense peak at an assumed efficiency, communication over the links each
-strategy uses, the pipeline bubble, and offload traffic. Ranking needs the order right more than the absolute
-time; every assumption is a named constant here and is printed by `--explain`.
+"""Step time: compute over the GPU's dense peak at the efficiency toolkit.estimate.efficiency fits to published runs,
+communication over the links each strategy uses, the pipeline bubble, and offload traffic. Ranking needs the order
+right more than the absolute time; every assumption is a named constant here or there and is printed by `--explain`;
+the held-out error of the whole step against published runs is the time band (toolkit.estimate.errorband.time_band).
 
 Sources: FLOPs = 6 x active params per token + attention (Kaplan et al. 2020; Korthikanti et al. 2022 for the
 attention term and recompute); collective costs are ring algorithms (all-reduce 2(N-1)/N x bytes, all-gather and
@@ -12,27 +13,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compute_seconds_per_token,
+                                          flop_split, matmul_efficiency)
 from toolkit.inputs.hardware import Hardware
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import Engine, Strategy
 
-MFU_LOW_PRECISION = 0.45
-"""Fraction of dense bf16/fp16 peak a well-sized HF model step reaches (torchtitan: 33-58% on H100/A100)."""
-MFU_FP32 = 0.70
-"""fp32 runs on CUDA cores whose peak is low; kernels get closer to it."""
-SMALL_MODEL_HIDDEN = 4096
-"""Below this hidden size GEMMs are too small to fill the GPU: efficiency scales down as (h/4096)^0.5."""
-SMALL_BATCH_TOKENS = 4096
-"""Below this many tokens per micro-batch efficiency scales down as (tokens/4096)^0.3 (launch-bound kernels)."""
 OVERLAP = 0.7
-"""Fraction of gradient / parameter communication hidden behind backward (bucketed overlap in DDP, ZeRO, FSDP)."""
+"""Fraction of gradient / parameter communication hidden behind backward (bucketed overlap in DDP, ZeRO, FSDP).
+Not fitted: in the published corpus the FSDP runs' communication is small beside compute on the links they had, so
+the rows cannot separate overlap from efficiency (benchmarks/results/throughput.md); gpu_check measures it."""
 CPU_ADAM_PARAMS_PER_S = 2.0e9
 """DeepSpeedCPUAdam throughput per node (AVX-512, all cores): ~1 s per 2B parameters. Assumed."""
 NVME_GBPS = 6.0
 """NVMe read/write bandwidth per node (two Gen4 drives). Assumed."""
 P2P_EFFICIENCY = 0.8
+
+# torch.compile's speed-up, kept apart from the compute efficiency (toolkit.estimate.efficiency): the elementwise and
+# reduction work (norms, activations, residual adds, rotary, casts, the loss's softmax) is memory-bound, and
+# inductor fuses it into fewer kernels that move fewer bytes (toolkit.estimate.compiled._traffic counts both sides
+# from the partitioned graphs). Matmuls and attention run the same kernels either way.
+ELEMENTWISE_HBM_EFFICIENCY = 0.8
+"""Fraction of HBM peak a memory-bound elementwise kernel streams at (STREAM-style copy / triad kernels reach
+80-90% of HBM3 peak on H100; NVIDIA H100 tuning guide, "memory-bound kernels"). Assumed for eager and compiled
+kernels alike."""
+KERNEL_OVERHEAD_S = 3e-6
+"""Fixed cost of one small GPU kernel in a stream (launch latency, ramp-up and tail: ~2-5 us on A100/H100, NVIDIA
+Nsight measurements quoted in the CUDA Graphs blog, developer.nvidia.com/blog/cuda-graphs). Assumed."""
 
 
 @dataclass(frozen=True)
@@ -47,41 +56,21 @@ class Timing:
     mfu: float
     """Model FLOPs utilisation the prediction implies (useful FLOPs / peak), recompute excluded."""
     assumptions: tuple[str, ...] = ()
+    compile_saved_s: float = 0.0
+    """torch.compile: compute time the fused elementwise kernels save (already taken off compute_s)."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
                 "communication_s": self.communication_s, "bubble_s": self.bubble_s, "offload_s": self.offload_s,
-                "mfu": self.mfu}
+                "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {})}
 
 
 def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
                     trainable_params: int | None = None) -> tuple[float, float]:
-    """(training FLOPs per token including recompute, model FLOPs per token without it).
-
-    Full fine-tuning: backward = 2 x forward (input gradients + weight gradients). LoRA / QLoRA
-    (`trainable_params` = the adapters' count): the frozen base runs forward and the input-gradient half of
-    backward only (no weight-gradient FLOPs for frozen weights); each adapter parameter adds 2 FLOPs forward and
-    4 backward per token (an nn.Linear's 6 per weight)."""
-    matmul = sum(spec.layer_matmul_params) + spec.head_matmul_params
-    attn_dim = spec.heads * spec.head_dim
-    # Causal attention: QK^T and AV each 2 x seq/2 x attn_dim multiply-adds per token per layer on average.
-    attention = 2 * 2 * (seq_len / 2) * attn_dim * spec.num_layers
-    forward = 2 * matmul + attention
-    layers_forward = forward - 2 * spec.head_matmul_params
-    if trainable_params is not None:
-        # Attention has no weights: its backward is still twice its forward.
-        model = forward + (2 * matmul + 2 * attention) + 6 * trainable_params
-        layers_forward += 2 * trainable_params
-    else:
-        model = 3 * forward
-    return model + (layers_forward if checkpointing else 0.0), model
-
-
-def _efficiency(spec: ModelSpec, job: Job) -> float:
-    base = MFU_FP32 if job.precision == "fp32" else MFU_LOW_PRECISION
-    width = min(1.0, spec.hidden / SMALL_MODEL_HIDDEN) ** 0.5
-    tokens = min(1.0, job.tokens_per_micro_batch / SMALL_BATCH_TOKENS) ** 0.3
-    return base * width * tokens
+    """(training FLOPs per token including recompute, model FLOPs per token without it); see
+    toolkit.estimate.efficiency.flop_split for the counts."""
+    split = flop_split(spec, seq_len, Recompute.of(checkpointing), trainable_params)
+    return split.total, split.model
 
 
 def _ring(bytes_: float, n: int, gbps: float, factor: float) -> float:
@@ -99,9 +88,13 @@ def _group_bandwidth(hw: Hardware, group: int) -> float:
 
 
 def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
-              partition: list[int] | None = None, grid: ParallelGrid | None = None) -> Timing:
+              partition: list[int] | None = None, grid: ParallelGrid | None = None,
+              recompute: Recompute | None = None, compute_model: ComputeModel = COMPUTE,
+              compile_traffic: tuple = ()) -> Timing:
     """Predicted time of one optimizer step (pipeline: partition None means the grid's balanced one). `grid`: the
-    grid with its tensor / context / sequence degrees (default: the strategy's plain grid on hw)."""
+    grid with its tensor / context / sequence degrees (default: the strategy's plain grid on hw). `recompute`
+    overrides what job.checkpointing implies (the published-run benchmark uses it for selective checkpointing);
+    `compute_model` other efficiency constants (benchmarks/throughput.py --fit tries them)."""
     grid = grid or grid_of(strategy, hw, pipeline_stages)
     full_spec, full_job = spec, job
     if grid.model_parallel > 1:
@@ -119,17 +112,29 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
 
         trainable = counts_for_spec(spec, job.adapter).trainable_params
     # FLOPs of the whole model over the whole sample (attention grows with the full sequence), shared by the
-    # ranks that split one sample: tensor x context x sequence.
-    total_flops, model_flops = flops_per_token(full_spec, full_job.seq_len, job.checkpointing, trainable)
-    total_flops /= grid.model_parallel
+    # ranks that split one sample: tensor x context x sequence. The efficiency is the rank's: its own GEMM widths
+    # and tokens per micro-step.
+    split = flop_split(full_spec, full_job.seq_len, recompute or Recompute.of(job.checkpointing), trainable)
+    model_flops = split.model
     peak = hw.gpu.peak_tflops(job.precision) * 1e12
     if peak <= 0:
         peak = hw.gpu.fp32_tflops * 1e12  # no bf16 on this GPU: it would emulate; say so via the assumptions
-    eff = _efficiency(spec, job)
-    assumptions = [f"efficiency {eff:.2f} of {peak / 1e12:.0f} TFLOP/s dense peak"]
+    eff, eff_note = matmul_efficiency(hw.gpu, job.precision, job.tokens_per_micro_batch, spec.hidden, compute_model)
+    per_token_s, attn_note = compute_seconds_per_token(split, hw.gpu, peak, eff,
+                                                       spec.effective_attention(job.attention), compute_model)
+    assumptions = [f"matmul efficiency {eff:.2f} of {peak / 1e12:.0f} TFLOP/s dense peak at "
+                   f"{job.tokens_per_micro_batch:,} tokens per micro-step, hidden {spec.hidden} (toolkit.estimate.efficiency)"]
+    assumptions += [n for n in (eff_note, attn_note) if n]
 
-    # Compute: the replica's tokens through the whole model, split over the pipeline stages (balanced).
-    compute = tokens_per_gpu_step * total_flops / (peak * eff) / P_stages
+    # Compute: the replica's tokens through the whole model, split over the pipeline stages (balanced) and the
+    # ranks that share each sample.
+    compute = tokens_per_gpu_step * per_token_s / P_stages / grid.model_parallel
+    compile_saved = 0.0
+    if compile_traffic:
+        micro_steps = job.micro_batch * job.grad_accum / P_stages / grid.model_parallel
+        compile_saved = min(compute / 2, compile_saving_s(compile_traffic, hw) * micro_steps)
+        compute -= compile_saved
+        assumptions.append(compile_assumption(compile_traffic, hw, compile_saved))
     backward = compute * 2 / 3
     pb = 4 if job.precision == "fp32" else 2
     P = spec.params
@@ -200,7 +205,25 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
     mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
-                  bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions))
+                  bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
+                  compile_saved_s=compile_saved)
+
+
+def compile_saving_s(traffic: tuple, hw: Hardware) -> float:
+    """Seconds torch.compile saves on one sample's forward + backward: the elementwise bytes and kernels it no
+    longer needs, at ELEMENTWISE_HBM_EFFICIENCY of the GPU's HBM bandwidth and KERNEL_OVERHEAD_S a kernel."""
+    eager_bytes, compiled_bytes, eager_kernels, compiled_kernels = traffic
+    bandwidth = hw.gpu.hbm_gbps * 1e9 * ELEMENTWISE_HBM_EFFICIENCY
+    return max(0.0, (eager_bytes - compiled_bytes) / bandwidth + (eager_kernels - compiled_kernels)
+               * KERNEL_OVERHEAD_S)
+
+
+def compile_assumption(traffic: tuple, hw: Hardware, saved_s: float) -> str:
+    eager_bytes, compiled_bytes, eager_kernels, compiled_kernels = traffic
+    return (f"torch.compile: elementwise traffic {eager_bytes / 2**30:.2f} -> {compiled_bytes / 2**30:.2f} GiB and "
+            f"{eager_kernels} -> {compiled_kernels} kernels a sample (fused by inductor), at "
+            f"{ELEMENTWISE_HBM_EFFICIENCY:.0%} of {hw.gpu.hbm_gbps:.0f} GB/s and {KERNEL_OVERHEAD_S * 1e6:.0f} us a "
+            f"kernel: {saved_s:.3f} s a step off compute")
 
 
 # ----------------------------------------------------------------------------------------------------------------

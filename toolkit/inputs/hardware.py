@@ -43,6 +43,8 @@ class Gpu:
     interconnect: str
     bf16_supported: bool
     source: str = ""
+    architecture: str = ""
+    """Chip generation (ampere, hopper, ...): what the step-time model's compute efficiency is keyed by."""
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for the precision a step computes in. fp32 uses the plain fp32 peak: torch keeps fp32

@@ -49,6 +49,9 @@ class Job:
     """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
     liger: bool = False
     """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.estimate.liger)."""
+    compile: bool = False
+    """torch.compile (inductor) of the model, as TrainingArguments(torch_compile=True) has accelerate do it: the
+    activations are what the compiler's partition saves (toolkit.estimate.compiled)."""
     adapter: Adapter = FULL
     """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""
 
@@ -115,7 +118,8 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
 
 
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
-                activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL) -> str | None:
+                activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL,
+                compile: bool = False, attention: str = "sdpa") -> str | None:
     """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
     None. The model types Liger supports are checked in check_job (liger_problem, below)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
@@ -133,6 +137,11 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
         # ZeRO-3 path; linkedin/Liger-Kernel issue 1048).
         return ("--liger with ZeRO-3: Liger's fused loss reads lm_head.weight outside the lm_head module, which ZeRO-3 "
                 "leaves partitioned there; use zero2 or fsdp2, or drop --liger")
+    if compile:
+        problem = compile_problem(strategy, activation_offloading=activation_offloading, liger=liger,
+                                  adapter=adapter, attention=attention)
+        if problem:
+            return problem
     if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
         return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
     return None
@@ -144,7 +153,7 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     precision the GPU lacks, a pipeline grid the model cannot be split over."""
     check_seq_len(spec, job.seq_len)
     problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
-                          liger=job.liger, adapter=job.adapter)
+                          liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention)
     if job.liger and problem is None:
         problem = liger_problem(spec.model_type)
     if problem:
@@ -153,6 +162,23 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
         from toolkit.inputs.grid import grid_of
 
         grid_of(strategy, hw, pipeline_stages).check_model(spec)
+
+
+def compile_problem(strategy: "Strategy | None", *, activation_offloading: bool = False, liger: bool = False,
+                    adapter: Adapter = FULL, attention: str = "sdpa") -> str | None:
+    """Why --compile cannot be planned with the rest of the job, or None (docs/ENGINE_FACTS.md, torch.compile)."""
+    if strategy is not None and strategy.is_pipeline:
+        # accelerate compiles the model in prepare() (torch.compile, or DeepSpeed's engine.compile()); the pipeline
+        # runner builds its own DeepSpeed PipelineEngine outside accelerate's prepare and compiles nothing.
+        return ("--compile runs on the HF Trainer path (DDP, ZeRO, FSDP2): toolkit's pipeline runner builds "
+                "DeepSpeed's PipelineEngine outside accelerate and does not compile stages; drop --compile")
+    for on, what in ((adapter.is_adapter, adapter.method), (liger, "--liger"),
+                     (activation_offloading, "--activation-offloading"),
+                     (attention == "flash_attention_2", "--attention flash_attention_2")):
+        if on:
+            return (f"--compile with {what} is not modelled yet (the compiled trace covers the model's own HF code "
+                    f"with sdpa / eager attention); drop one of them")
+    return None
 
 
 MODELLED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -283,12 +283,12 @@ def counts_for_spec(spec, adapter: Adapter) -> AdapterCounts:
         from importlib import metadata
 
         key = [spec.source_key, adapter.to_dict(), metadata.version("peft")]
-        stored = cache.get("lora_counts", key)
+        stored = cache.get("lora_counts", key, code=adapter_counts)
         if stored is not None:
             return AdapterCounts(**{**stored, "per_layer": tuple(stored["per_layer"])})
     counts = adapter_counts(spec.hf_config(), adapter, cache_key=spec.source_key)
     if key is not None:
-        cache.put("lora_counts", key, asdict(counts))
+        cache.put("lora_counts", key, asdict(counts), code=adapter_counts)
     return counts
 
 

@@ -198,10 +198,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_config(model: str, *, trust_remote_code: bool = False):
-    """A transformers config for a catalog name, a local dir/config.json, or a hub id."""
-    catalog_file = MODEL_CATALOG_DIR / f"{model.lower()}.json"
-    if catalog_file.is_file():
-        return _config_from_dict(_read_json(catalog_file), f"catalog entry {catalog_file.name}")
+    """A transformers config for a local dir/config.json, a catalog name, or a hub id (that precedence:
+    toolkit.inputs.resolve.locate_model)."""
+    from toolkit.inputs.resolve import locate_model
+
+    where = locate_model(model)
+    if where.kind == "catalog":
+        return _config_from_dict(_read_json(where.path), f"catalog entry {where.path.name}")
     path = Path(model).expanduser()
     if path.is_dir():
         config_file = path / "config.json"
@@ -438,7 +441,7 @@ def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, 
         raise TypeError(f"resolve_model() got unexpected keyword(s) {sorted(unknown)}")
     key = _source_key(model, **numbers)
     if key is not None:
-        hit = cache.get("spec", key)
+        hit = cache.get("spec", key, code=build_spec)
         if hit is not None:
             return ModelSpec.from_cache(hit)
     spec = _resolve_uncached(model, trust_remote_code=trust_remote_code, **numbers)
@@ -446,16 +449,18 @@ def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, 
         from dataclasses import replace
 
         spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
-        cache.put("spec", key, spec.to_cache())
+        cache.put("spec", key, spec.to_cache(), code=build_spec)
     return spec
 
 
 def _source_key(model: str | None, **numbers: Any) -> list | None:
     """What determines the spec, readable without transformers: the config.json text, or the numbers."""
     if model:
-        catalog_file = MODEL_CATALOG_DIR / f"{model.lower()}.json"
-        path = Path(model).expanduser()
-        for candidate in (catalog_file, path / "config.json", path):
+        from toolkit.inputs.resolve import locate_model
+
+        where = locate_model(model)
+        candidates = () if where.path is None else (where.path / "config.json", where.path)
+        for candidate in candidates:
             if candidate.is_file():
                 return ["file", model, json.dumps(_read_json(candidate), sort_keys=True)]
         return None
@@ -503,11 +508,11 @@ def spec_from_config_dict(config: dict[str, Any], *, name: str, params: int | No
     from toolkit import cache
 
     key = ["dict", name, json.dumps(config, sort_keys=True)]
-    hit = cache.get("spec", key)
+    hit = cache.get("spec", key, code=build_spec)
     if hit is not None:
         spec = ModelSpec.from_cache(hit)
     else:
         spec = build_spec(name, _config_from_dict(dict(config), f"the plan's model_config ({name})"))
         spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
-        cache.put("spec", key, spec.to_cache())
+        cache.put("spec", key, spec.to_cache(), code=build_spec)
     return _rescaled(spec, params) if params is not None and params != spec.params else spec

@@ -26,7 +26,8 @@ def plan_job(plan: "Plan", *, check: bool = True) -> tuple[ModelSpec, Hardware, 
     job = Job(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
               attention=plan.attention, optimizer_impl=plan.optimizer_impl,
-              activation_offloading=plan.activation_offloading, liger=plan.liger, adapter=plan.adapter_spec)
+              activation_offloading=plan.activation_offloading, liger=plan.liger, adapter=plan.adapter_spec,
+              compile=plan.compile)
     if check:
         check_job(spec, job, hw, plan.strategy_spec, pipeline_stages=plan.pipeline_stages)
     return spec, hw, job

@@ -34,6 +34,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.job import Attention, Optimizer, Precision
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
+from toolkit.plan.files import PLAN_JSON
 
 if TYPE_CHECKING:
     from toolkit.inputs.lora import Adapter
@@ -106,6 +107,9 @@ class Plan:
     """Decoder layers' saved activations in host RAM (TRL's activation_offloading)."""
     liger: bool = False
     """Liger kernels (the HF Trainer's use_liger_kernel=True): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE."""
+    compile: bool = False
+    """torch.compile (inductor) of the model: TrainingArguments torch_compile, accelerate's dynamo_config. Left out
+    of plan.json when off, so plans written before it read unchanged."""
 
     # --- hardware ---------------------------------------------------------------------------------------------------
     gpu: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
@@ -270,10 +274,10 @@ class Plan:
     # --- (de)serialisation -------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as plan.json holds it; degrees of 1 are left out, so a plan without tensor / context /
-        sequence parallelism reads as it did before they existed."""
+        """The plan as plan.json holds it; degrees of 1 and compile off are left out, so a plan without tensor /
+        context / sequence parallelism or compile reads as it did before they existed."""
         data = json.loads(json.dumps(asdict(self)))
-        return {k: v for k, v in data.items() if not (k in _DEGREES and v == 1)}
+        return {k: v for k, v in data.items() if not ((k in _DEGREES and v == 1) or (k == "compile" and v is False))}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -325,7 +329,7 @@ def load_plan(path: str | Path) -> Plan:
     """Read plan.json (or a directory holding one); one clear error for anything unreadable or inconsistent."""
     path = Path(path)
     if path.is_dir():
-        path = path / "plan.json"
+        path = path / PLAN_JSON
     try:
         text = path.read_bytes().decode("utf-8")
         data = json.loads(text)

@@ -26,8 +26,8 @@ from pathlib import Path
 from toolkit.errors import EXIT_USER_ERROR, UserError
 from toolkit.processes import die_with_parent, stop_process_tree
 from toolkit.plan.schema import Plan
+from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, PLAN_JSON
 
-ACCELERATE_CONFIG = "accelerate_config.yaml"
 
 
 def emit_plan_files(plan: Plan, out_dir: str | Path) -> Path:
@@ -46,9 +46,9 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
     torchrun), and toolkit.train resumes each restart from the last complete checkpoint."""
     plan_dir = Path(plan_dir)
     command = ["accelerate", "launch", "--config_file", str(plan_dir / ACCELERATE_CONFIG)]
-    if (plan_dir / "ds_config.json").is_file() and _is_deepspeed_yaml(plan_dir):
+    if (plan_dir / DS_CONFIG).is_file() and _is_deepspeed_yaml(plan_dir):
         # accelerate resolves the YAML's deepspeed_config_file against the working directory; name it exactly.
-        command += ["--deepspeed_config_file", str(plan_dir / "ds_config.json")]
+        command += ["--deepspeed_config_file", str(plan_dir / DS_CONFIG)]
     if machine_rank is not None:
         command += ["--machine_rank", str(machine_rank)]
     if main_host is not None:
@@ -59,7 +59,7 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
         command += ["--max_restarts", str(max_restarts), "--monitor_interval", "1"]
     if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs
         return command + train_argv
-    return command + ["-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *train_argv]
+    return command + ["-m", "toolkit.train", "--plan", str(plan_dir / PLAN_JSON), *train_argv]
 
 
 def is_user_script(train_argv: list[str]) -> bool:

@@ -12,6 +12,7 @@ from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
 
 from toolkit.run.launcher import LOCK_NAME
+from toolkit.plan.files import DS_CONFIG, PLAN_JSON
 
 
 def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
@@ -28,12 +29,12 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
         plan_job(plan)
     source = model_source(plan, args.model, random_init=args.random_init)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
-    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and not (plan_dir / "ds_config.json").is_file():
-        raise UserError(f"{plan_dir / 'ds_config.json'} is missing; emit the plan's files with `toolkit emit`")
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and not (plan_dir / DS_CONFIG).is_file():
+        raise UserError(f"{plan_dir / DS_CONFIG} is missing; emit the plan's files with `toolkit emit`")
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE):
         from toolkit.engines.validate import validate_ds_config_for_plan
 
-        ds_file = plan_dir / "ds_config.json"
+        ds_file = plan_dir / DS_CONFIG
         try:  # DeepSpeed's and the Trainer's own validation, at the plan's world size, before any process starts
             validate_ds_config_for_plan(read_ds_config(ds_file), plan)
         except UserError:
@@ -45,7 +46,7 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     if plan.engine == Engine.DEEPSPEED:
         from toolkit.train.hf_runner import check_ds_config_agrees
 
-        check_ds_config_agrees(plan, args, plan_dir / "ds_config.json")
+        check_ds_config_agrees(plan, args, plan_dir / DS_CONFIG)
     return args
 
 
@@ -85,7 +86,7 @@ def _check_train_argv(plan_dir: Path, train_argv: list[str]):
 
     if "--plan" in train_argv:
         raise UserError("pass the plan as `toolkit launch PLAN_DIR`, not --plan in the training arguments")
-    args = parse_train_args(["--plan", str(plan_dir / "plan.json"), *train_argv])
+    args = parse_train_args(["--plan", str(plan_dir / PLAN_JSON), *train_argv])
     data = Path(args.data).expanduser()
     if (args.data.startswith((".", "/", "~")) or data.suffix) and not data.exists():
         raise UserError(f"data {args.data} does not exist")

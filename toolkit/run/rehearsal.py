@@ -20,6 +20,7 @@ from toolkit.run.launcher import LOG_NAME, emit_plan_files, free_port, launch_co
 from toolkit.run.preflight import preflight
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine, parse_strategy
+from toolkit.plan.files import DS_CONFIG
 
 REHEARSAL_SEQ_LEN = 64
 REHEARSAL_LAYERS = 4
@@ -32,7 +33,9 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
                    optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
                    notes: list[str] | None = None) -> Plan:
     """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
+    from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import build_spec
+    from toolkit.plan.build import build_plan
     from toolkit.train.model import load_config
 
     config = load_config(str(model_dir))
@@ -40,13 +43,12 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
                                      pipeline_stages=pipeline_stages if kind.is_pipeline else None)
-    return Plan(
+    job = Job(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
+              optimizer=optimizer, checkpointing=checkpointing, attention=attention)
+    return build_plan(
         model=str(model_dir), model_config=_plain(config.to_dict()), model_type=spec.model_type,
-        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind.name,
-        num_machines=num_machines, gpus_per_node=gpus_per_node, pipeline_stages=grid.pipeline_stages,
-        partition=grid.partition(spec) if kind.is_pipeline else None, seq_len=seq_len, micro_batch=micro_batch,
-        grad_accum=grad_accum, global_batch=grid.global_batch(micro_batch, grad_accum), precision=precision,
-        optimizer=optimizer, checkpointing=checkpointing, attention=attention, gpu=gpu, notes=list(notes or []),
+        layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind, grid=grid,
+        job=job, gpu=gpu, partition=grid.partition(spec) if kind.is_pipeline else None, notes=list(notes or []),
     )
 
 
@@ -90,6 +92,11 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
     if plan.method != "full":
         # The plan's LoRA / QLoRA adapter on the tiny model of the same architecture (same module names).
         small = small.replace(method=plan.method, adapter=dict(plan.adapter))
+    if plan.compile:
+        # Compiled on CPU too (inductor's C++ backend): every rank compiles first, minutes on a small machine.
+        said.append("torch.compile: the rehearsal compiles with inductor's CPU (C++) backend; the first step waits "
+                    "for the compiler")
+        small = small.replace(compile=True, notes=[*small.notes, said[-1]])
     return small, said
 
 
@@ -217,7 +224,7 @@ def _kept(train_argv: list[str]) -> list[str]:
 def _validate_real_configs(plan: Plan, plan_dir: Path) -> list[str]:
     """Checks on the real plan's files that the CPU run cannot make (fp16 is validated, not run)."""
     problems = []
-    ds_file = plan_dir / "ds_config.json"
+    ds_file = plan_dir / DS_CONFIG
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and ds_file.is_file():
         import json
 

@@ -67,6 +67,8 @@ class TrainArgs:
     """Cap on evaluation blocks (keeps evaluation short on big held-out sets)."""
     no_save_final: bool = False
     """Skip writing the final HF model (rehearsals, benchmarks)."""
+    compile: bool = False
+    """torch.compile the model (TrainingArguments torch_compile) whatever the plan says."""
     lora: bool = False
     """Train LoRA adapters through PEFT (the plan's adapter settings, or LoRA defaults for a full plan)."""
     qlora: bool = False
@@ -127,6 +129,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="TensorBoard folder (default: OUTPUT/runs)")
     p.add_argument("--max-eval-blocks", type=int, default=None)
     p.add_argument("--no-save-final", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (TrainingArguments torch_compile, inductor) even if the plan does not")
     g = p.add_argument_group("LoRA / QLoRA (default: the plan's method)")
     g.add_argument("--lora", action="store_true", help="train LoRA adapters through PEFT")
     g.add_argument("--qlora", action="store_true", help="train LoRA adapters over a 4-bit base")

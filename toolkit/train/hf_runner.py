@@ -22,8 +22,7 @@ from toolkit.train.data import build_datasets
 from toolkit.inputs.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, load_config, load_tokenizer,
                                  model_source)
-
-DS_CONFIG_NAME = "ds_config.json"
+from toolkit.plan.files import DS_CONFIG
 
 
 def plan_dir(args: TrainArgs) -> Path:
@@ -120,14 +119,14 @@ def check_ds_config_agrees(plan: Plan, args: TrainArgs, ds_file: Path) -> None:
         config = json.loads(Path(ds_file).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot read {ds_file}: {exc}") from None
-    wanted = {
-        "train_micro_batch_size_per_gpu": (plan.micro_batch, "the plan's micro-batch"),
-        "gradient_accumulation_steps": (plan.grad_accum, "the plan's accumulation"),
-        "gradient_clipping": (args.max_grad_norm, "--max-grad-norm"),
-    }
-    for key, (value, source) in wanted.items():
-        found = config.get(key, "auto")
-        if found != "auto" and float(found) != float(value):
+    from toolkit.emit.deepspeed import plan_disagreements
+
+    sources = {"train_micro_batch_size_per_gpu": "the plan's micro-batch",
+               "gradient_accumulation_steps": "the plan's accumulation", "gradient_clipping": "--max-grad-norm"}
+    disagree = plan_disagreements(config, plan, max_grad_norm=args.max_grad_norm)
+    for key, source in sources.items():  # the rest (batch size, precision, stage) the Trainer's own checks refuse
+        if key in disagree:
+            found, value = disagree[key]
             raise UserError(f"{ds_file} sets {key} {found} but {source} is {value}; make them agree (edit the JSON "
                             f"or re-emit the plan)")
 
@@ -137,7 +136,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
 
     deepspeed = None
     if plan.engine == Engine.DEEPSPEED:
-        deepspeed = plan_dir(args) / DS_CONFIG_NAME
+        deepspeed = plan_dir(args) / DS_CONFIG
         if not deepspeed.is_file():
             raise UserError(f"plan {args.plan} is a DeepSpeed plan but {deepspeed} is missing; "
                             "emit it with `toolkit emit` next to plan.json")
@@ -179,6 +178,8 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         # bf16 with DeepSpeed otherwise; the engines themselves run on the gloo state configured before.
         use_cpu=on_cpu,
     )
+    if args.compile:
+        kwargs["torch_compile"] = True
     kwargs.update(user_trainer_flags(plan, args.trainer_flags, kwargs))
     accelerator_config: dict = dict(kwargs.pop("accelerator_config", {}))
     if on_cpu:
@@ -252,9 +253,21 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     model.train(was_training)
     summary = {"rank": rank, "world": trainer.args.world_size, "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
-               "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes}
+               "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
+               "compiled_graphs": _compiled_graphs()}
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile (Dynamo) compiled in this process: 0 when nothing ran compiled."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data):

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.inputs.resolve import catalog_hub_id, loadable_model
+from toolkit.inputs.resolve import catalog_hub_id, loadable_model, locate_model
 from toolkit.plan.schema import Plan
 
 # Where configs keep the width, in the order HF architectures name it.
@@ -20,7 +20,7 @@ def model_source(plan: Plan, model: str | None, *, random_init: bool = False) ->
     catalog name under --random-init, whose config the catalog itself supplies (no download)."""
     if model:
         return model
-    if random_init and catalog_hub_id(plan.model) is not None and not Path(plan.model).expanduser().exists():
+    if random_init and locate_model(plan.model).kind == "catalog" and catalog_hub_id(plan.model) is not None:
         return plan.model
     return loadable_model(plan.model)
 
@@ -30,10 +30,8 @@ def load_config(source: str, *, random_init: bool = False):
     without weights, as plans made from `--model llama-2-7b` name it) only for --random-init."""
     from transformers import AutoConfig
 
-    from toolkit.paths import MODEL_CATALOG_DIR
-
     path = Path(source).expanduser()
-    in_catalog = (MODEL_CATALOG_DIR / f"{source.lower()}.json").is_file() and not path.exists()
+    in_catalog = locate_model(source).kind == "catalog"
     if in_catalog and random_init:
         from toolkit.inputs.modelspec import load_config as catalog_config
 

@@ -22,6 +22,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.train import checkpoints
 from toolkit.train.cpu import peak_memory_bytes
+from toolkit.plan.files import DS_CONFIG
 
 LOG_FILE = "pipeline_log.jsonl"
 """One JSON line per logged step (rank 0), next to the checkpoints."""
@@ -256,7 +257,7 @@ def read_ds_config(plan, args) -> dict[str, Any]:
     """DIR/ds_config.json beside plan.json, checked against the plan and the flags; --max-grad-norm fills
     gradient_clipping when the JSON leaves it out, and must agree with it otherwise."""
     plan_path = Path(args.plan)
-    path = (plan_path if plan_path.is_dir() else plan_path.parent) / "ds_config.json"
+    path = (plan_path if plan_path.is_dir() else plan_path.parent) / DS_CONFIG
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
@@ -268,11 +269,14 @@ def read_ds_config(plan, args) -> dict[str, Any]:
     if autos:
         raise UserError(f"{path} has \"auto\" values ({', '.join(autos)}); the pipeline runner fills none: "
                         "re-emit it for a pipeline plan")
+    from toolkit.emit.deepspeed import plan_disagreements
+
+    disagree = plan_disagreements(config, plan, max_grad_norm=args.max_grad_norm)
     expected = {"train_micro_batch_size_per_gpu": plan.micro_batch,
                 "gradient_accumulation_steps": plan.grad_accum, "train_batch_size": plan.global_batch}
-    for key, value in expected.items():
-        if key in config and config[key] != value:
-            raise UserError(f"{path} sets {key} {config[key]} but the plan says {value}; re-emit it")
+    for key in expected:
+        if key in disagree:
+            raise UserError(f"{path} sets {key} {config[key]} but the plan says {expected[key]}; re-emit it")
     config.update(expected)
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage > 1:
@@ -284,10 +288,10 @@ def read_ds_config(plan, args) -> dict[str, Any]:
                         "engine (its BF16 optimizer), also with data_parallel 1; set zero_optimization.stage to 1")
     fp16 = config.get("fp16", {}).get("enabled", False)
     want = plan.precision
-    if (want.startswith("bf16") and not bf16) or (want == "fp16" and not fp16) or (want == "fp32" and (bf16 or fp16)):
+    if "precision" in disagree:
         raise UserError(f"{path} precision (bf16 {bf16}, fp16 {fp16}) does not match the plan's {want}; re-emit it")
     clipping = config.setdefault("gradient_clipping", args.max_grad_norm)
-    if clipping != args.max_grad_norm:
+    if "gradient_clipping" in disagree:
         raise UserError(f"{path} sets gradient_clipping {clipping} but --max-grad-norm is {args.max_grad_norm}; "
                         "make them agree (as the HF Trainer path requires)")
     config.setdefault("steps_per_print", 10**9)

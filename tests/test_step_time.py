@@ -1,0 +1,104 @@
+"""The step-time model against published runs: the corpus, the calibration / held-out split, the efficiency terms'
+physical direction, the time band in estimate and plan, and ties ordered by simplicity."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.estimate.efficiency import COMPUTE, FULL_RECOMPUTE, NO_RECOMPUTE, flop_split, matmul_efficiency
+from toolkit.estimate.errorband import TIME_BAND_FILE, time_band
+from toolkit.inputs.hardware import find_gpu
+from toolkit.inputs.modelspec import resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import throughput  # noqa: E402  (benchmarks/ is not a package)
+
+REQUIRED = ("id", "source", "model", "gpu", "gpus", "gpus_per_node", "nodes", "strategy", "degrees", "seq_len",
+            "micro_batch", "grad_accum", "checkpointing", "precision", "attention", "compile", "published")
+
+
+def test_corpus_rows_carry_a_full_job_and_where_each_number_was_read():
+    rows = throughput.load_rows()
+    assert len(rows) >= 40
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert all(k in r for k in REQUIRED), r["id"]
+        assert r["source"]["url"].startswith("https://") and r["source"]["where"] and r["source"]["commit"], r["id"]
+        assert r["published"]["tokens_per_s_per_gpu"] > 0 and r["published"]["mfu_definition"], r["id"]
+        assert r["micro_batch"] * r["grad_accum"] * r["degrees"]["dp_shard"] * r["degrees"].get("dp_replicate", 1) \
+            <= r["global_batch"] * r["degrees"].get("cp", 1), r["id"]
+        assert not throughput.unmodelled(r) or all(k in throughput.UNMODELLED for k in throughput.unmodelled(r))
+
+
+def test_no_held_out_row_can_set_a_constant():
+    rows = throughput.load_rows()
+    calibration = throughput.calibration_rows(rows)
+    held = [r for r in rows if not throughput.unmodelled(r) and throughput.held_out(r["id"])]
+    assert calibration and held and len(held) >= 20
+    assert not {r["id"] for r in calibration} & {r["id"] for r in held}
+    assert throughput.held_out("TT-8B-128G-eager") is throughput.held_out("TT-8B-128G-eager")  # a pure function
+
+
+def test_committed_band_is_the_held_out_rows_p90_and_reaches_the_median_goal():
+    results = json.loads((ROOT / "benchmarks" / "results" / "throughput.json").read_text())
+    band = json.loads(TIME_BAND_FILE.read_text())
+    errors = [r["error"] for r in results["rows"] if r["split"] == "held-out"]
+    assert band["held_out"]["rows"] == len(errors)
+    assert band["band"] == pytest.approx(throughput._stats(errors)["p90_abs_error"], abs=1e-4)
+    assert statistics.median(abs(e) for e in errors) < 0.10
+    assert time_band().fraction == band["band"]
+
+
+def test_efficiency_grows_with_tokens_per_micro_step_and_width_and_with_hbm_bandwidth():
+    h100, h200, a100 = find_gpu("H100"), find_gpu("H200"), find_gpu("A100-80GB")
+    small, _ = matmul_efficiency(h100, "bf16", 1024, 4096)
+    large, _ = matmul_efficiency(h100, "bf16", 16384, 4096)
+    narrow, _ = matmul_efficiency(h100, "bf16", 16384, 1024)
+    assert small < large and narrow < large
+    assert matmul_efficiency(h200, "bf16", 16384, 4096)[0] > large  # same peak, more HBM bandwidth
+    assert all(0 < e < 1 for e in (small, large, narrow, matmul_efficiency(a100, "bf16", 8192, 4096)[0]))
+    _, note = matmul_efficiency(find_gpu("RTX-4090"), "bf16", 4096, 4096)
+    assert note and "ampere" in note  # no published Ada run: said, not hidden
+    assert COMPUTE.attention_relative["hopper"] < 1
+
+
+def test_full_checkpointing_adds_one_layer_forward_and_causal_attention_counts_half_the_square():
+    spec = resolve_model("llama-3-8b")
+    none, full = flop_split(spec, 8192, NO_RECOMPUTE), flop_split(spec, 8192, FULL_RECOMPUTE)
+    assert none.model == full.model
+    assert full.matmul - none.matmul == pytest.approx(2 * sum(spec.layer_matmul_params))
+    assert none.attention == pytest.approx(3 * 2 * 8192 * spec.heads * spec.head_dim * spec.num_layers)
+
+
+def test_estimate_json_carries_the_time_band(capsys):
+    assert main(["estimate", "gpt2", "--gpus", "1xA100-80GB", "--seq", "1024", "--micro-batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    band = out["time_error_band"]
+    assert band["fraction"] == time_band().fraction > 0 and band["held_out_rows"] >= 20
+    assert band["evidenced_here"] is True  # DDP on one GPU: published one-GPU runs back it
+    assert "step time" in band["text"]
+
+
+def test_plan_orders_speeds_within_the_band_by_simplicity_and_says_so(capsys):
+    """One RTX 4090, Llama-3-8B LoRA: DDP and the ZeRO offload variants are within the band; DDP comes first."""
+    argv = ["plan", "llama-3-8b", "--gpus", "1xRTX-4090-24GB", "--seq", "2048", "--global-batch", "16",
+            "--method", "lora"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    feasible = [c for c in out["candidates"] if c["feasible"]]
+    assert out["chosen"]["strategy"] == "ddp"
+    assert len(out["speed_ties"]) > 1 and out["speed_ties"][0] == "ddp"
+    fastest = max(c["tokens_per_s"] for c in feasible)
+    assert all(fastest / c["tokens_per_s"] - 1 < time_band().fraction
+               for c in feasible if c["name"] in out["speed_ties"])
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "are within it of the fastest, so they are ordered by simplicity" in text
+    assert "* speed unverified" in text  # ZeRO offload has no published run in the corpus

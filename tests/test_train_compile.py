@@ -1,0 +1,40 @@
+"""toolkit.train --compile: real 2-process runs over gloo with the model torch.compile'd (inductor, C++ on CPU),
+checked against one eager single-process run of the same job.
+
+Same tiny Llama, corpus, global batch and seed as tests/test_train_engines.py; fewer steps, since every rank
+compiles the model (inductor's cache shares the kernels between runs). Compiled kernels fuse and reorder
+floating-point work, so losses agree to COMPILE_TOLERANCE rather than the engines' 2e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from toolkit.run.rehearsal import plan_for_model
+
+STEPS = 3
+SEQ = 32
+COMPILE_TOLERANCE = 1e-3
+COMMON = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", "100", "--lr", "3e-3",
+          "--lr-scheduler", "constant", "--seed", "7", "--eval-fraction", "0", "--no-save-final")
+
+
+def _plan(model_dir, strategy, *, world=2, micro=2, accum=1):
+    return plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, grad_accum=accum,
+                          seq_len=SEQ, precision="fp32")
+
+
+@pytest.mark.multiprocess
+def test_compiled_training_matches_eager_losses_under_ddp_zero2_and_fsdp2(run_training, tiny_llama_dir,
+                                                                         corpus_dir):
+    eager = run_training(_plan(tiny_llama_dir, "ddp", world=1, micro=4), "eager", "--data", str(corpus_dir),
+                         *COMMON).check().losses()
+    assert len(eager) == STEPS
+    for strategy, micro, accum in (("ddp", 2, 1), ("zero2", 1, 2), ("fsdp2", 2, 1)):
+        run = run_training(_plan(tiny_llama_dir, strategy, micro=micro, accum=accum), f"compiled-{strategy}",
+                           "--data", str(corpus_dir), *COMMON, "--compile", timeout=900).check()
+        assert all(rank["compiled_graphs"] > 0 for rank in run.ranks), strategy
+        got = run.losses()
+        assert got.keys() == eager.keys(), (strategy, got)
+        for step in eager:
+            assert got[step] == pytest.approx(eager[step], abs=COMPILE_TOLERANCE), (strategy, step, got, eager)

@@ -1,0 +1,31 @@
+"""Building a Plan: the one place where a model, a strategy on a process grid and a job become plan.json's fields.
+The planner's choice (toolkit.estimate.search.to_plan), the CPU rehearsal's plans (toolkit.run.rehearsal) and the
+presets (toolkit.emit.presets) all come through here, so the grid's shape, its degrees and the batch arithmetic are
+read from the grid, never recomputed beside it."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from toolkit.inputs.grid import ParallelGrid
+from toolkit.inputs.job import Job
+from toolkit.inputs.strategy import Strategy
+from toolkit.plan.schema import Plan
+
+
+def build_plan(*, model: str, model_config: dict[str, Any], model_type: str, layer_class: str, num_layers: int,
+               params: int, strategy: Strategy, grid: ParallelGrid, job: Job, gpu: str,
+               partition: Sequence[int] | None = None, notes: Sequence[str] = (), **fields: Any) -> Plan:
+    """The Plan of `job` with `strategy` on `grid` for the model described by the first six fields. `fields`: the
+    plan's other fields (attention as the model runs it, hardware numbers, adapter fields), validated by Plan."""
+    fields.setdefault("attention", job.attention)
+    return Plan(
+        model=model, model_config=model_config, model_type=model_type, layer_class=layer_class,
+        num_layers=num_layers, params=params, strategy=strategy.name, num_machines=grid.nodes,
+        gpus_per_node=grid.gpus_per_node, pipeline_stages=grid.pipeline_stages,
+        tensor_parallel=grid.tensor, context_parallel=grid.context, sequence_parallel=grid.sequence,
+        partition=list(partition) if partition else None, seq_len=job.seq_len, micro_batch=job.micro_batch,
+        grad_accum=job.grad_accum, global_batch=grid.global_batch(job.micro_batch, job.grad_accum),
+        precision=job.precision, optimizer=job.optimizer, checkpointing=job.checkpointing,
+        optimizer_impl=job.optimizer_impl, activation_offloading=job.activation_offloading, liger=job.liger,
+        compile=job.compile, gpu=gpu, notes=list(notes), **fields)
