@@ -34,7 +34,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "ds-typo-in-zero-block.json": ("error", "reduce_bucket_sise: Extra inputs are not permitted"),
     "ds-typo-top-level-key.json": ("error", 'unknown key "gradient_acumulation_steps": DeepSpeed ignores it silently; '
                                             'did you mean "gradient_accumulation_steps"?'),
-    "ds-zero-stage-4.json": ("error", "DeepSpeed/transformers refuse it: stage: Input should be 0, 1, 2, 3"),
+    "ds-zero-stage-4.json": ("error", "DeepSpeed/transformers refuse it: zero_optimization.stage: Input should be 0, 1, 2, 3"),
     "ds-zero3-without-16bit-save.json": ("warning", "save_model writes an empty model"),
     "plan-bf16-pipeline-fp32-accumulation-at-zero0": ("error", "at ZeRO-0: DeepSpeed refuses this mix"),
     "plan-bf16-pipeline-without-fp32-accumulation": ("warning", "bf16 pipeline accumulates gradients in bf16"),
@@ -518,3 +518,53 @@ def test_cli_json_is_the_whole_stdout_and_usage_errors_go_to_stderr(capsys):
     assert main(["check", path, "--micro-batch", "2"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "give --model and --gpus too" in captured.err
+
+
+def test_three_typos_in_a_deepspeed_json_are_all_reported_in_one_run(tmp_path):
+    """Each problem DeepSpeed names is its own finding: fixing one typo never reveals the next one."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                                "zero_optimization": {"stage": 2, "overlap_com": True, "reduce_bucket_sise": 5e8},
+                                "bf16": {"enable": True}, "gradient_clipin": 1.0}))
+    messages = [p.message for p in check_paths([str(path)]) if p.severity == "error"]
+    for typo in ("zero_optimization.overlap_com", "zero_optimization.reduce_bucket_sise", "bf16.enable",
+                 "\"gradient_clipin\""):
+        assert sum(typo in m for m in messages) == 1, (typo, messages)
+    assert any("did you mean \"gradient_clipping\"" in m for m in messages)
+
+
+def test_fsdp1_keys_under_fsdp_version_2_are_named_with_what_accelerate_does(tmp_path):
+    """From accelerate's own conversion table (accelerate to-fsdp2): removed keys are ignored with a warning, a
+    renamed one is read as its FSDP2 key (with the value it maps to), an unimplemented one is refused."""
+    import yaml
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump({
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2, "num_machines": 1,
+        "machine_rank": 0, "mixed_precision": "bf16",
+        "fsdp_config": {"fsdp_version": 2, "fsdp_sharding_strategy": "SHARD_GRAD_OP",
+                        "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_use_orig_params": True,
+                        "fsdp_forward_prefetch": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}}))
+    problems = {p.message.split(" ", 1)[0]: p for p in check_paths([str(path)])
+                if p.message.startswith("fsdp_config.")}
+    assert set(problems) == {"fsdp_config.fsdp_sharding_strategy", "fsdp_config.fsdp_backward_prefetch",
+                             "fsdp_config.fsdp_use_orig_params", "fsdp_config.fsdp_forward_prefetch"}
+    assert "write fsdp_reshard_after_forward: false" in problems["fsdp_config.fsdp_sharding_strategy"].message
+    assert "ignores it" in problems["fsdp_config.fsdp_use_orig_params"].message
+    assert problems["fsdp_config.fsdp_forward_prefetch"].severity == "error"
+
+    # Without the refused key accelerate gets as far as its own deprecation warning: a finding of this file (a
+    # note), not a line on the terminal.
+    import contextlib
+    import io
+
+    config = yaml.safe_load(path.read_text())
+    del config["fsdp_config"]["fsdp_forward_prefetch"]
+    path.write_text(yaml.safe_dump(config))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        found = check_paths([str(path)])
+    assert printed.getvalue() == ""
+    assert any(p.file == str(path) and p.severity == "note" and
+               p.message.startswith("the engines said while reading it: backward_prefetch") for p in found)

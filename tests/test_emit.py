@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from toolkit.emit import emit_files
-from toolkit.emit.deepspeed import OFFLOAD_OPTIMIZER_AUTO_KEYS, RUNNER_FILLED_AUTO_KEYS, auto_keys, ds_config
+from toolkit.emit.deepspeed import (OFFLOAD_OPTIMIZER_AUTO_KEYS, PRECISION_AUTO_KEYS, RUNNER_FILLED_AUTO_KEYS,
+                                    auto_keys, ds_config)
 from toolkit.engines.validate import (ConfigRejected, accelerate_launch_check, deepspeed_config_at,
                                    validate_ds_config_for_plan)
 from toolkit.errors import UserError
@@ -99,7 +100,7 @@ def test_auto_only_where_both_the_trainer_and_accelerate_fill_it():
         plan = plan_for(name, "bf16")
         if plan.engine != "deepspeed":
             continue
-        expected = list(RUNNER_FILLED_AUTO_KEYS)
+        expected = list(RUNNER_FILLED_AUTO_KEYS) + list(PRECISION_AUTO_KEYS)
         if plan.offload_optimizer != "none":
             expected += list(OFFLOAD_OPTIMIZER_AUTO_KEYS)
         assert sorted(auto_keys(ds_config(plan))) == sorted(expected), name
@@ -123,8 +124,26 @@ def test_gpt2_hidden_size_comes_from_n_embd():
 
 
 def test_fp16_uses_dynamic_loss_scaling():
-    fp16 = ds_config(plan_for("zero2", "fp16"))["fp16"]
+    fp16 = ds_config(plan_for("zero2", "fp16"), runner_fills=False)["fp16"]
     assert fp16["enabled"] is True and fp16["loss_scale"] == 0 and fp16["initial_scale_power"] == 16
+    # ds_config.json: the runner turns it on (TrainingArguments' fp16, Accelerator's mixed_precision); the loss
+    # scaling it then uses is the plan's.
+    filled = ds_config(plan_for("zero2", "fp16"))
+    assert filled["fp16"] == {**fp16, "enabled": "auto"} and filled["bf16"] == {"enabled": "auto"}
+
+
+def test_the_trainer_fills_precision_from_its_own_flags(tmp_path):
+    """A script that turns bf16 off on a dev box runs fp32 instead of being refused for a mismatch."""
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    emit_files(plan_for("zero2", "bf16"), tmp_path)
+    for bf16 in (True, False):
+        args = TrainingArguments(output_dir=str(tmp_path / "o"), deepspeed=str(tmp_path / "ds_config.json"),
+                                 use_cpu=True, bf16=bf16, per_device_train_batch_size=1)
+        assert args.hf_deepspeed_config.config["bf16"]["enabled"] is bf16
+        assert args.hf_deepspeed_config.config["fp16"]["enabled"] is False
+        unset_hf_deepspeed_config()
 
 
 def test_deepspeed_yaml_sets_no_key_that_accelerate_ignores_next_to_the_json(tmp_path):

@@ -274,12 +274,12 @@ def test_the_first_failing_rank_is_the_one_reported(tmp_path, monkeypatch):
     """Ranks that fail later (usually because the first one left the process group) do not overwrite it."""
     from toolkit.errors import UserError
     from toolkit.run.launcher import _read_failure
-    from toolkit.train.__main__ import _report_failure
+    from toolkit.train.failures import report_failure
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TOOLKIT_ERROR_FILE", str(error_file))
     monkeypatch.setenv("RANK", "1")
-    assert _report_failure(UserError("data shard 1 is empty"), user_error=True)
+    assert report_failure(UserError("data shard 1 is empty"), user_error=True)
     monkeypatch.setenv("RANK", "0")
-    assert not _report_failure(RuntimeError("Connection closed by peer"), user_error=False)
+    assert not report_failure(RuntimeError("Connection closed by peer"), user_error=False)
     assert _read_failure(error_file) == {"rank": 1, "user_error": True, "message": "data shard 1 is empty"}

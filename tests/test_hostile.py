@@ -309,6 +309,12 @@ def test_the_corpus_is_large_and_covers_every_command():
 
 @pytest.mark.parametrize("name,argv", CASES, ids=[name for name, _ in CASES])
 def test_hostile_input_is_one_line_exit_2_and_no_change(name, argv, world, monkeypatch):
+    _one_line_exit_2_and_no_change(name, argv, world, monkeypatch)
+
+
+def _one_line_exit_2_and_no_change(name: str, argv: list[str], world: dict, monkeypatch) -> str:
+    """Run one case in `world`: exit 2, one line, no traceback, nothing changed on disk, the recorded line (or
+    record it: TOOLKIT_RECORD_GOLDEN=1). Returns the line."""
     def fill(arg: str) -> str:
         for key, value in world.items():
             arg = arg.replace("{" + key + "}", str(value))
@@ -319,12 +325,17 @@ def test_hostile_input_is_one_line_exit_2_and_no_change(name, argv, world, monke
     monkeypatch.setattr(tempfile, "tempdir", str(world["W"] / "tmp"))  # a temporary folder left behind shows
     roots = (world["W"], world["M"])
     before = _snapshot(*roots)
-    code, out, err = run_cli(argv)
+    try:
+        code, out, err = run_cli(argv)
+        after = _snapshot(*roots)
+    finally:  # a case that wrongly wrote must not fail the next ones
+        for left in ("run", "never"):
+            shutil.rmtree(world["W"] / left, ignore_errors=True)
     lines = err.strip().splitlines()
     assert code == 2, f"exit {code}; stdout {out[-500:]!r}; stderr {err[-1000:]!r}"
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and "Traceback" not in err
-    assert _snapshot(*roots) == before
+    assert after == before
     message = lines[0]
     for key, value in sorted(world.items(), key=lambda kv: -len(str(kv[1]))):
         message = message.replace(str(value), "{" + key + "}")
@@ -332,6 +343,7 @@ def test_hostile_input_is_one_line_exit_2_and_no_change(name, argv, world, monke
         recorded = json.loads(GOLDEN_MESSAGES.read_text()) if GOLDEN_MESSAGES.is_file() else {}
         GOLDEN_MESSAGES.write_text(json.dumps({**recorded, name: message}, indent=1, sort_keys=True) + "\n")
     assert message == json.loads(GOLDEN_MESSAGES.read_text())[name]
+    return lines[0]
 
 
 def test_a_relative_model_path_is_recorded_absolute(tiny_llama_dir, tmp_path, monkeypatch):
@@ -352,3 +364,451 @@ def test_a_rehearsal_leaves_no_temporary_folder(world, tmp_path, monkeypatch):
     assert code == 0, err
     assert "toolkit-rehearsal-" in out  # the folder was made (the command runs in it) ...
     assert list(temp.iterdir()) == []  # ... and removed
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The second wave (issue 20): every input of a training run checked before anything starts, LoRA flags as a set,
+# contradictions named, files of the wrong kind, disk and permissions. Each case also names a fragment of the
+# message it must print (the refusal is the right one, not any one line). More placeholders: {L} a LoRA plan,
+# {X} big files (outside the snapshot: 20 MB and 50 MB inputs are read, never written).
+
+def _wave2() -> list[tuple[str, list[str], str]]:
+    cases: list[tuple[str, list[str], str]] = []
+
+    def add(name: str, expect: str, *argv: str) -> None:
+        if argv[:1] in (("estimate",), ("plan",)) and "--seq" not in argv:
+            argv = (argv[0], "--seq", "64", *argv[1:])
+        cases.append((name, list(argv), expect))
+
+    # LoRA / QLoRA flags as a set: bounds from the model, flags of another method, every named module.
+    lora = ("estimate", "{M}", "--method", "lora")
+    add("lora rank 10^6 on hidden 64", "above the rank", *lora, "--lora-r", "1000000")
+    add("lora rank one above every matrix", "rank at most 64", *lora, "--lora-r", "65")
+    add("qlora rank 10^5", "above the rank", "estimate", "{M}", "--method", "qlora", "--lora-r", "100000")
+    add("lora rank on q_proj only above its side", "rank at most", *lora, "--lora-targets", "q_proj",
+        "--lora-r", "1000")
+    for flag, value in (("--lora-r", "8"), ("--lora-alpha", "16"), ("--lora-dropout", "0.1"),
+                        ("--lora-targets", "q_proj"), ("--lora-modules-to-save", "lm_head")):
+        add(f"{flag} without --method lora", "applies to --method lora", "estimate", "{M}", flag, value)
+        add(f"plan {flag} without --method lora", "applies to --method lora", "plan", "{M}", "--micro-batch", "1",
+            flag, value)
+    for flag, value in (("--qlora-quant-type", "fp4"), ("--qlora-compute-dtype", "float16"),
+                        ("--qlora-quant-storage", "bfloat16")):
+        add(f"{flag} under lora", "applies to --method qlora", *lora, flag, value)
+        add(f"{flag} under full", "applies to --method qlora", "estimate", "{M}", flag, value)
+    add("--qlora-no-double-quant under lora", "applies to --method qlora", *lora, "--qlora-no-double-quant")
+    add("plan --qlora-quant-type under lora", "applies to --method qlora", "plan", "{M}", "--micro-batch", "1",
+        "--method", "lora", "--qlora-quant-type", "fp4")
+    add("unknown modules_to_save", "does not have", *lora, "--lora-modules-to-save", "nope")
+    add("one unknown among modules_to_save", "'nope'", *lora, "--lora-modules-to-save", "lm_head,nope")
+    add("plan unknown modules_to_save", "does not have", "plan", "{M}", "--micro-batch", "1", "--method", "lora",
+        "--lora-modules-to-save", "nope", "--out", "{W}/never")
+    add("unknown target among known", "'nope'", *lora, "--lora-targets", "q_proj,nope")
+    add("plan lora rank 10^6", "above the rank", "plan", "{M}", "--micro-batch", "1", "--method", "lora",
+        "--lora-r", "1000000", "--out", "{W}/never")
+    data = ["--data", "{D}", "--output", "{W}/run"]
+    run = ["launch", "{P}", "--dry-run", "--", *data]
+    add("launch --lora --lora-r 0", "--lora-r must be a positive", *run, "--lora", "--lora-r", "0")
+    add("launch --lora --lora-r -1", "--lora-r must be a positive", *run, "--lora", "--lora-r", "-1")
+    add("launch --lora --lora-r 10^6", "above the rank", *run, "--lora", "--lora-r", "1000000")
+    add("launch --lora --lora-targets nope", "nope", *run, "--lora", "--lora-targets", "nope")
+    add("launch --lora --lora-modules-to-save nope", "does not have", *run, "--lora", "--lora-modules-to-save",
+        "nope")
+    add("launch --lora --lora-dropout 1", "--lora-dropout", *run, "--lora", "--lora-dropout", "1")
+    add("launch --lora-r without --lora", "need a LoRA run", *run, "--lora-r", "8")
+    add("launch --lora and --qlora", "not both", *run, "--lora", "--qlora")
+    add("launch a LoRA plan with an unknown target", "nope", "launch", "{W}/plan-lora-nope", "--dry-run", "--",
+        *data)
+
+    # Data: refused before the output folder (or its log) exists.
+    def data_case(name: str, expect: str, path: str, *extra: str, plan: str = "{P}") -> None:
+        add(name, expect, "launch", plan, "--dry-run", "--", "--data", path, "--output", "{W}/run", *extra)
+
+    data_case("data: an empty folder", "has no .txt", "{W}/data/empty-dir")
+    data_case("data: a folder of empty folders", "has no .txt", "{W}/data/only-subdirs")
+    data_case("data: an empty file", "holds no rows", "{W}/data/empty.txt")
+    data_case("data: blank lines only", "holds no rows", "{W}/data/blank.txt")
+    data_case("data: an empty JSON Lines file", "holds no rows", "{W}/data/empty.jsonl")
+    data_case("data: an empty JSON list", "holds no rows", "{W}/data/empty-list.json")
+    data_case("data: a binary file without extension", "unknown kind", "{W}/data/binfile")
+    data_case("data: a file of an unknown extension", "unknown kind", "{W}/data/notes.docx")
+    data_case("data: a corrupt parquet", "not a readable parquet", "{W}/data/corrupt.parquet")
+    data_case("data: a parquet without rows", "holds no rows", "{W}/data/empty.parquet")
+    data_case("data: too few tokens", "fewer than one optimizer step", "{W}/data/tiny.txt")
+    data_case("data: too few tokens in JSON Lines", "fewer than one optimizer step", "{W}/data/tiny.jsonl")
+    data_case("data: no text column (numbers)", "no 'text' column", "{W}/data/notext.jsonl")
+    data_case("data: no text column (two strings)", "no 'text' column", "{W}/data/twocols.jsonl")
+    data_case("data: --text-field naming no column", "no 'body' column", "{W}/data/twocols.jsonl",
+              "--text-field", "body")
+    data_case("data: CSV without a text column", "no 'text' column", "{W}/data/notext.csv")
+    data_case("data: CSV with a header only", "holds no rows", "{W}/data/header-only.csv")
+    data_case("data: a text column of numbers", "not text", "{W}/data/text-numbers.jsonl")
+    data_case("data: JSON Lines of lists", "not an object", "{W}/data/lists.jsonl")
+    data_case("data: a JSON list of strings", "not an object", "{W}/data/strings.json")
+    data_case("data: a FIFO", "FIFO", "{W}/data/fifo")
+    data_case("data: a character device", "character device", "/dev/null")
+    data_case("data: a 20 MB single line", "longer than", "{X}/one-line.jsonl")
+
+    # Chat data: the right fix for each problem, before any rank starts.
+    data_case("chat: an unknown role", "role 'robot'", "{W}/chat/role.jsonl")
+    data_case("chat: a missing role", "role None", "{W}/chat/no-role.jsonl")
+    data_case("chat: an empty messages list", "empty list", "{W}/chat/empty.jsonl")
+    data_case("chat: no assistant turn", "no assistant turn", "{W}/chat/no-assistant.jsonl")
+    data_case("chat: content a number", "content of type int", "{W}/chat/content-int.jsonl")
+    data_case("chat: content a list", "content of type list", "{W}/chat/content-list.jsonl")
+    data_case("chat: content missing", "has no 'content'", "{W}/chat/no-content.jsonl")
+    data_case("chat: messages a string", "is a string", "{W}/chat/messages-string.jsonl")
+    data_case("chat: messages an object", "is a dict", "{W}/chat/messages-dict.jsonl")
+    data_case("chat: a turn that is a string", "turn 1 is a str", "{W}/chat/turn-string.jsonl")
+    data_case("chat: chat and plain text rows mixed", "mixes chat rows", "{W}/chat/mixed.jsonl")
+    data_case("chat: text rows first, then chat", "mixes chat rows", "{W}/chat/mixed-text-first.jsonl")
+    data_case("chat: a JSON document mixing kinds", "mixes chat rows", "{W}/chat/mixed.json")
+    data_case("chat: answers beyond the sequence", "plan a longer --seq", "{W}/chat/long-prompt.jsonl")
+    data_case("chat: fewer conversations than one step", "fewer than one optimizer step", "{W}/chat/one.jsonl")
+    data_case("chat: one 50 MB conversation", "longer than", "{X}/huge-chat.jsonl")
+
+    # The model folder (issue 19 item 4) and its tokenizer.
+    add("plan a config-only folder", "cannot train", "plan", "{W}/models/config-only", "--micro-batch", "1",
+        "--out", "{W}/never")
+    data_case("train a config-only folder", "no tokenizer", "{D}", "--model", "{W}/models/config-only")
+    data_case("train a folder without weights", "no weights", "{D}", "--model", "{W}/models/no-weights")
+    data_case("train a folder without a tokenizer", "no tokenizer", "{D}", "--model", "{W}/models/no-tokenizer")
+    data_case("train with a tokenizer of another vocabulary", "not this model's tokenizer", "{D}", "--model",
+              "{W}/models/wide-vocab")
+    data_case("train with a tokenizer larger than the embedding", "embeds only", "{D}", "--model",
+              "{W}/models/big-tokenizer")
+    data_case("train --tokenizer an empty folder", "no tokenizer", "{D}", "--tokenizer", "{W}/empty")
+
+    # Contradictions: named as such, by the rule that owns them.
+    one = ("--gpus", "1xH100")
+    add("global 16 with micro 3 x accumulation 5", "contradict", "plan", "{M}", *one, "--global-batch", "16",
+        "--micro-batch", "3", "--accumulation", "5")
+    add("global 16 with micro 3", "16", "plan", "{M}", *one, "--global-batch", "16", "--micro-batch", "3")
+    add("global 15 with accumulation 2", "15", "plan", "{M}", *one, "--global-batch", "15", "--accumulation", "2")
+    add("global 8 on 3 GPUs", "3 data-parallel", "plan", "{M}", "--gpus", "3xH100", "--global-batch", "8",
+        "--strategies", "ddp")
+    add("plan 3 stages on 2 GPUs", "stages", "plan", "{M}", "--gpus", "2xH100", "--micro-batch", "1",
+        "--pipeline-stages", "3")
+    add("plan 4 stages on 2 GPUs", "stages", "plan", "{M}", "--gpus", "2xH100", "--micro-batch", "1",
+        "--pipeline-stages", "4", "--strategies", "pipeline")
+    add("estimate 3 stages on 2 GPUs", "stages", "estimate", "{M}", "--gpus", "2xH100", "--strategy", "pipeline",
+        "--pipeline-stages", "3")
+    add("emit a plan.json whose num_layers contradicts the model", "num_layers", "emit", "{W}/plan-layers",
+        "--out", "{W}/never")
+    add("emit a plan.json whose model_type contradicts the model", "model_type", "emit", "{W}/plan-type",
+        "--out", "{W}/never")
+    add("launch a plan.json whose num_layers contradicts the model", "layers", "launch", "{W}/plan-layers",
+        "--dry-run", "--", *data)
+    for arch in ("bert", "roberta", "t5", "bart"):
+        add(f"estimate a {arch} config", "causal", "estimate", f"{{W}}/models/{arch}")
+    add("plan a bert config", "causal", "plan", "{W}/models/bert", "--micro-batch", "1")
+
+    # Files of the wrong kind where a file is expected, read with a size limit.
+    add("emit: plan.json a directory", "is a directory", "emit", "{W}/plan-dir")
+    add("launch: plan.json a directory", "is a directory", "launch", "{W}/plan-dir", "--dry-run")
+    add("emit: plan.json -> /dev/zero", "character device", "emit", "{W}/plan-zero", "--out", "{W}/never")
+    add("launch: plan.json -> /dev/zero", "character device", "launch", "{W}/plan-zero", "--dry-run")
+    add("emit: plan.json a FIFO", "FIFO", "emit", "{W}/plan-fifo", "--out", "{W}/never")
+    add("emit: plan.json of 20 MB", "larger than", "emit", "{X}/plan-big", "--out", "{W}/never")
+    add("launch: accelerate_config.yaml a directory", "is a directory", "launch", "{W}/plan-yaml-dir", "--dry-run",
+        "--", *data)
+    add("launch: ds_config.json -> /dev/zero", "character device", "launch", "{W}/z-zero", "--dry-run", "--", *data)
+    add("launch: ds_config.json a directory", "is a directory", "launch", "{W}/z-dir", "--dry-run", "--", *data)
+    add("launch: a script that is a directory", "is a directory", "launch", "{P}", "--dry-run", "--",
+        "{W}/script-dir.py")
+    add("estimate: config.json -> /dev/zero", "character device", "estimate", "{W}/models/zero-config")
+    add("estimate: config.json a directory", "directory", "estimate", "{W}/models/dir-config")
+    add("estimate: config.json a FIFO", "FIFO", "estimate", "{W}/models/fifo-config")
+    add("check: a named FIFO", "FIFO", "check", "{W}/data/fifo")
+    for name, expect in (("nan.json", "not a finite number"), ("inf.json", "not a finite number"),
+                         ("neg-inf.json", "not a finite number"), ("dup.json", "twice"),
+                         ("dup-nested.json", "twice"), ("dup.yaml", "twice"), ("dup-nested.yaml", "twice"),
+                         ("nan.yaml", "not a finite number"), ("inf.yaml", "not a finite number")):
+        add(f"check: {name}", expect, "check", f"{{W}}/cfg/{name}")
+    add("check: /dev/zero", "character device", "check", "/dev/zero")
+
+    # Disk and permissions.
+    add("plan --out into a read-only folder", "read-only", "plan", "{M}", "--micro-batch", "1", "--gpus", "1xH100",
+        "--out", "{W}/read-only")
+    add("plan --force over a read-only folder", "read-only", "plan", "{M}", "--micro-batch", "1", "--gpus",
+        "1xH100", "--out", "{W}/read-only-plan", "--force")
+    add("emit --out into a read-only folder", "read-only", "emit", "{P}", "--out", "{W}/read-only")
+    add("demo --workdir under a file", "is a file", "demo", "--workdir", "{W}/notes.txt/demo")
+    add("demo --workdir deep under a file", "is a file", "demo", "--workdir", "{W}/notes.txt/a/b")
+    add("launch --output under a file", "is a file", *run[:-1], "{W}/notes.txt/run")
+    add("profile --device cuda without CUDA", "CUDA", "profile", *SHAPE.split(), "--device", "cuda")
+    add("profile --device cuda:3 without CUDA", "CUDA", "profile", *SHAPE.split(), "--device", "cuda:3")
+    return cases
+
+
+WAVE2 = _wave2()
+
+
+def test_the_second_wave_is_large():
+    assert len(WAVE2) >= 80
+
+
+@pytest.fixture(scope="module")
+def world2(world, tmp_path_factory, tiny_llama_dir):
+    """The second wave's inputs, inside the first wave's world (so its snapshot covers them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from toolkit.run import tiny
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+
+    w = world["W"]
+    big = tmp_path_factory.mktemp("hostile-big")
+    d = w / "data"
+    d.mkdir()
+    (d / "empty-dir").mkdir()
+    (d / "only-subdirs" / "a" / "b").mkdir(parents=True)
+    (d / "empty.txt").write_text("")
+    (d / "blank.txt").write_text("\n\n   \n\n")
+    (d / "empty.jsonl").write_text("\n\n")
+    (d / "empty-list.json").write_text("[]")
+    (d / "binfile").write_bytes(bytes(range(256)) * 8)
+    (d / "notes.docx").write_text("text")
+    (d / "corrupt.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 4 + b"PAR1")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), d / "empty.parquet")
+    (d / "tiny.txt").write_text("hello world\n")
+    (d / "tiny.jsonl").write_text('{"text": "hello"}\n' * 3)
+    (d / "notext.jsonl").write_text('{"a": 1, "b": 2}\n' * 20)
+    (d / "twocols.jsonl").write_text('{"x": "one", "y": "two"}\n' * 20)
+    (d / "notext.csv").write_text("a,b\n1,2\n3,4\n")
+    (d / "header-only.csv").write_text("text\n")
+    (d / "text-numbers.jsonl").write_text('{"text": 5}\n' * 20)
+    (d / "lists.jsonl").write_text("[1, 2]\n" * 5)
+    (d / "strings.json").write_text('["a", "b"]')
+    os.mkfifo(d / "fifo")
+    (big / "one-line.jsonl").write_text('{"text": "' + "word " * 4_000_000 + '"}\n')
+
+    cfg_dir = w / "cfg"
+    cfg_dir.mkdir()
+    ds = '{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1'
+    yml = "num_processes: 2\nnum_machines: 1\nmachine_rank: 0\ndistributed_type: MULTI_GPU\n"
+    for name, text in (("nan.json", ds + ', "gradient_clipping": NaN}'), ("inf.json", ds + ', "gradient_clipping": Infinity}'),
+                       ("neg-inf.json", ds + ', "optimizer": {"params": {"lr": -Infinity}}}'),
+                       ("dup.json", ds + ', "train_batch_size": 16}'),
+                       ("dup-nested.json", ds + ', "zero_optimization": {"stage": 2, "stage": 3}}'),
+                       ("dup.yaml", yml + "num_processes: 4\n"),
+                       ("dup-nested.yaml", yml + "deepspeed_config:\n  zero_stage: 2\n  zero_stage: 3\n"),
+                       ("nan.yaml", yml + "gradient_clipping: .nan\n"), ("inf.yaml", yml + "x: [1, .inf]\n")):
+        (cfg_dir / name).write_text(text)
+
+    c = w / "chat"
+    c.mkdir()
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+
+    def rows(name: str, *items) -> None:
+        (c / name).write_text("".join(json.dumps(i) + "\n" for i in items))
+
+    many = [{"messages": good}] * 10
+    rows("role.jsonl", *many, {"messages": [{"role": "robot", "content": "x"}, *good]})
+    rows("no-role.jsonl", {"messages": [{"content": "x"}, *good]}, *many)
+    rows("empty.jsonl", *many, {"messages": []})
+    rows("no-assistant.jsonl", *many, {"messages": [{"role": "user", "content": "only a question"}]})
+    rows("content-int.jsonl", {"messages": [{"role": "user", "content": 5}, good[1]]}, *many)
+    rows("content-list.jsonl", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}, good[1]]})
+    rows("no-content.jsonl", {"messages": [{"role": "user"}, good[1]]})
+    rows("messages-string.jsonl", {"messages": "user: hi"})
+    rows("messages-dict.jsonl", {"messages": {"role": "user", "content": "hi"}})
+    rows("turn-string.jsonl", {"messages": ["hi", "hello"]})
+    rows("mixed.jsonl", *many, {"text": "a plain document"})
+    rows("mixed-text-first.jsonl", {"text": "a plain document"}, *many)
+    (c / "mixed.json").write_text(json.dumps([{"messages": good}, {"text": "plain"}]))
+    rows("long-prompt.jsonl", *[{"messages": [{"role": "user", "content": "word " * 200}, good[1]]}] * 10)
+    rows("one.jsonl", {"messages": good})
+    (big / "huge-chat.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "x " * 25_000_000}, good[1]]}) + "\n")
+
+    m = w / "models"
+    only = m / "config-only"
+    only.mkdir(parents=True)
+    shutil.copy(tiny_llama_dir / "config.json", only / "config.json")
+    shutil.copytree(tiny_llama_dir, m / "no-weights")
+    for f in (m / "no-weights").glob("*.safetensors"):
+        f.unlink()
+    shutil.copytree(tiny_llama_dir, m / "no-tokenizer")
+    for f in (m / "no-tokenizer").iterdir():
+        if "token" in f.name or f.name in ("vocab.json", "merges.txt"):
+            f.unlink()
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    shutil.copytree(tiny_llama_dir, m / "wide-vocab")
+    (m / "wide-vocab" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 8192}))
+    shutil.copytree(tiny_llama_dir, m / "big-tokenizer")
+    (m / "big-tokenizer" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 256}))
+    from transformers import AutoConfig
+
+    for arch, extra in (("bert", {}), ("roberta", {}), ("t5", {"d_ff": 128, "d_kv": 16}),
+                        ("bart", {"encoder_layers": 2, "decoder_layers": 2})):
+        conf = AutoConfig.for_model(arch, vocab_size=512, hidden_size=64, d_model=64, num_hidden_layers=2,
+                                    num_layers=2, num_attention_heads=4, num_heads=4, intermediate_size=128,
+                                    **extra)
+        (m / arch).mkdir()
+        conf.to_json_file(str(m / arch / "config.json"))
+    (m / "zero-config").mkdir()
+    os.symlink("/dev/zero", m / "zero-config" / "config.json")
+    (m / "dir-config" / "config.json").mkdir(parents=True)
+    (m / "fifo-config").mkdir()
+    os.mkfifo(m / "fifo-config" / "config.json")
+
+    p = world["P"]
+    for name in ("plan-dir", "plan-zero", "plan-fifo", "plan-layers", "plan-type", "plan-yaml-dir"):
+        shutil.copytree(p, w / name)
+    (w / "plan-dir" / "plan.json").unlink()
+    (w / "plan-dir" / "plan.json").mkdir()
+    (w / "plan-zero" / "plan.json").unlink()
+    os.symlink("/dev/zero", w / "plan-zero" / "plan.json")
+    (w / "plan-fifo" / "plan.json").unlink()
+    os.mkfifo(w / "plan-fifo" / "plan.json")
+    shutil.copytree(p, big / "plan-big")
+    with open(big / "plan-big" / "plan.json", "ab") as f:
+        f.truncate(20 * 1024 * 1024)
+    plan = json.loads((p / "plan.json").read_text())
+    (w / "plan-layers" / "plan.json").write_text(json.dumps({**plan, "num_layers": 7}))
+    (w / "plan-type" / "plan.json").write_text(json.dumps({**plan, "model_type": "gpt2"}))
+    (w / "plan-yaml-dir" / "accelerate_config.yaml").unlink()
+    (w / "plan-yaml-dir" / "accelerate_config.yaml").mkdir()
+    for name in ("z-zero", "z-dir"):
+        shutil.copytree(world["Z"], w / name)
+        (w / name / "ds_config.json").unlink()
+    os.symlink("/dev/zero", w / "z-zero" / "ds_config.json")
+    (w / "z-dir" / "ds_config.json").mkdir()
+    (w / "script-dir.py").mkdir()
+    from dataclasses import replace
+
+    from toolkit.inputs.lora import Adapter
+
+    lora_plan = replace(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), method="lora",
+                        adapter=Adapter(method="lora", r=4).to_dict())
+    nope = emit_plan_files(lora_plan, w / "plan-lora-nope")
+    text = json.loads((nope / "plan.json").read_text())
+    text["adapter"]["targets"] = "nope"
+    (nope / "plan.json").write_text(json.dumps(text))
+    (w / "read-only").mkdir(mode=0o555)
+    os.chmod(w / "read-only", 0o555)
+    shutil.copytree(p, w / "read-only-plan")
+    os.chmod(w / "read-only-plan", 0o555)
+    return {**world, "X": big}
+
+
+@pytest.mark.parametrize("name,argv,expect", WAVE2, ids=[name for name, _, _ in WAVE2])
+def test_second_wave_is_one_line_exit_2_and_no_change(name, argv, expect, world2, monkeypatch):
+    line = _one_line_exit_2_and_no_change(name, argv, world2, monkeypatch)
+    assert expect in line, line
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What the second wave must still accept, and the disk cases that need a real file system.
+
+def test_check_reads_a_process_substitution_and_stdin(world2, monkeypatch):
+    text = (world2["W"] / "cfg" / "dup.yaml").read_text().rsplit("num_processes: 4", 1)[0]
+    read_end, write_end = os.pipe()
+    os.write(write_end, text.encode())
+    os.close(write_end)
+    try:
+        code, out, err = run_cli(["check", f"/dev/fd/{read_end}"])  # what `check <(cat x.yaml)` names
+    finally:
+        os.close(read_end)
+    assert code == 0 and "1 path(s) checked: no findings" in out, err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO((world2["W"] / "cfg" / "dup.json").read_bytes())))
+    code, out, err = run_cli(["check", "-"])
+    assert code == 2 and err.strip() == ("error: - sets 'train_batch_size' twice in one object, to 8 and 16; keep "
+                                         "the one you mean")
+
+
+def test_good_chat_and_text_data_pass_the_preflight(world2, tmp_path, tiny_llama_dir):
+    from toolkit.run import tiny
+
+    chat = tiny.write_chat_corpus(tmp_path / "chat", max_chars=20_000)
+    for data in (chat, world2["D"]):
+        code, out, err = run_cli(["launch", str(world2["P"]), "--dry-run", "--", "--data", str(data), "--output",
+                                  str(tmp_path / "out")])
+        assert code == 0, err
+    # a folder without weights trains from random weights when asked to
+    code, _, err = run_cli(["launch", str(world2["P"]), "--dry-run", "--", "--data", str(world2["D"]), "--output",
+                            str(tmp_path / "out"), "--model", str(world2["W"] / "models" / "no-weights"),
+                            "--random-init"])
+    assert code == 0, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupted_cache_entry_is_a_miss(tmp_path, monkeypatch, tiny_llama_dir):
+    from toolkit import cache
+    from toolkit.inputs.modelspec import resolve_model
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
+    first = resolve_model(str(tiny_llama_dir))
+    for entry in (tmp_path / "cache").rglob("*.json"):
+        entry.write_text(json.dumps({"wrong": "fields"}))  # valid JSON, not a spec
+    assert resolve_model(str(tiny_llama_dir)).params == first.params
+    from toolkit.inputs.modelspec import build_spec
+
+    cache.put("spec", ["corrupt"], {"wrong": "fields"}, code=build_spec)
+    assert cache.get("spec", ["corrupt"], code=build_spec, decode=lambda v: v["missing"]) is None
+
+
+def test_runner_refuses_to_call_zero_steps_trained(tiny_llama_dir):
+    from toolkit.errors import UserError
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.hf_runner import refuse_untrained
+
+    plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32)
+    with pytest.raises(UserError, match="no optimizer step"):
+        refuse_untrained(0, 1, plan)
+    refuse_untrained(1, 1, plan)
+
+
+def test_a_rewritten_plan_folder_keeps_its_mode(world, tmp_path):
+    out = tmp_path / "p"
+    assert run_cli(["emit", str(world["P"]), "--out", str(out)])[0] == 0
+    os.chmod(out, 0o750)
+    code, _, err = run_cli(["emit", str(world["P"]), "--out", str(out), "--force"])
+    assert code == 0, err
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no staging folder, no lock
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str):
+    """A small real file system (root only): ENOSPC and a folder that cannot be renamed, without mocks."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path):
+    with _tmpfs(tmp_path / "full", "8k") as disk:
+        (disk / "filler").write_bytes(b"x" * 4096)
+        try:
+            while True:  # fill the rest
+                with open(disk / f"f{len(list(disk.iterdir()))}", "wb") as f:
+                    f.write(b"x" * 1024)
+        except OSError:
+            pass
+        before = sorted(p.name for p in disk.iterdir())
+        code, out, err = run_cli(["emit", str(world["P"]), "--out", str(disk / "plan")])
+        assert code == 2 and err.count("\n") == 1 and "disk is full" in err, err
+        code, out, err = run_cli(["launch", str(world["P"]), "--", "--data", str(world["D"]), "--output",
+                                  str(disk / "run" / "deep")])
+        assert code == 2 and err.count("\n") == 1 and "disk is full" in err and "Traceback" not in err, err
+        assert sorted(p.name for p in disk.iterdir()) == before  # no run folder, no lock, no staging folder
+
+
+def test_plan_force_over_a_folder_it_cannot_replace(world, tmp_path):
+    with _tmpfs(tmp_path / "mounted", "1m") as folder:  # a mount point cannot be renamed (EBUSY)
+        assert run_cli(["emit", str(world["P"]), "--out", str(folder)])[0] == 2  # the rename fails ...
+        (folder / "plan.json").write_text("{}")
+        code, _, err = run_cli(["emit", str(world["P"]), "--out", str(folder), "--force"])
+        assert code == 2 and err.count("\n") == 1 and "cannot write" in err, err
+        assert [p.name for p in folder.iterdir()] == ["plan.json"]
+        assert [p.name for p in tmp_path.iterdir()] == ["mounted"]  # ... and no staging folder or lock is left

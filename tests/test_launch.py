@@ -11,9 +11,9 @@ from toolkit.run.launcher import emit_plan_files
 from toolkit.run.rehearsal import plan_for_model
 
 
-def test_dry_run_prints_the_accelerate_command(tiny_llama_dir, tmp_path, capsys):
+def test_dry_run_prints_the_accelerate_command(tiny_llama_dir, corpus_dir, tmp_path, capsys):
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero3", micro_batch=2, seq_len=32), tmp_path / "p")
-    code = launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "out")], dry_run=True)
+    code = launch_main(plan_dir, ["--data", str(corpus_dir), "--output", str(tmp_path / "out")], dry_run=True)
     assert code == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("$ accelerate launch --config_file ")
@@ -25,10 +25,10 @@ def test_dry_run_prints_the_accelerate_command(tiny_llama_dir, tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
-def test_multi_node_prints_each_node_and_slurm_without_running(tiny_llama_dir, tmp_path, capsys):
+def test_multi_node_prints_each_node_and_slurm_without_running(tiny_llama_dir, corpus_dir, tmp_path, capsys):
     plan = plan_for_model(tiny_llama_dir, "zero2", num_machines=2, gpus_per_node=4, micro_batch=2, seq_len=32)
     plan_dir = emit_plan_files(plan, tmp_path / "p")
-    code = launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "out")])
+    code = launch_main(plan_dir, ["--data", str(corpus_dir), "--output", str(tmp_path / "out")])
     assert code == 0
     out = capsys.readouterr().out
     assert "--machine_rank 0" in out and "--machine_rank 1" in out
@@ -57,7 +57,7 @@ def test_rehearsal_runs_an_fp16_zero3_plan_as_bf16_and_passes(tiny_llama_dir, tm
     assert "rehearsal passed" in out
 
 
-def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_llama_dir, tmp_path):
+def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_llama_dir, corpus_dir, tmp_path):
     """The Trainer would find this only inside train(), after loading the model, with a traceback per rank."""
     from toolkit.errors import UserError
 
@@ -68,7 +68,7 @@ def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_l
     ds["gradient_clipping"] = 1.0  # edited by hand: emitted, it is "auto" (the Trainer fills --max-grad-norm)
     (plan_dir / "ds_config.json").write_text(json.dumps(ds))
     with pytest.raises(UserError, match="gradient_clipping 1.0 but --max-grad-norm is 0.5"):
-        launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "o"), "--max-grad-norm", "0.5"],
+        launch_main(plan_dir, ["--data", str(corpus_dir), "--output", str(tmp_path / "o"), "--max-grad-norm", "0.5"],
                     rehearse=True)
 
 

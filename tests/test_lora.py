@@ -197,3 +197,40 @@ def test_cli_estimate_json_has_trainable_params_and_refuses_bad_adapters(capsys)
     assert "c_attn" in err and err.count("\n") == 1
     assert main(["estimate", "gpt2", "--method", "dora"]) == 2
     assert main(["estimate", "gpt2", "--method", "lora", "--lora-dropout", "1.5"]) == 2
+
+
+def _timing(capsys, model: str, gpus: str, method: str, *extra: str) -> dict:
+    import json
+
+    from toolkit.cli import main
+
+    assert main(["estimate", model, "--gpus", gpus, "--seq", "2048", "--micro-batch", "1", "--accumulation", "8",
+                 "--checkpointing", "--method", method, "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)["timing"]
+
+
+def test_qlora_step_is_slower_than_lora_by_its_named_terms(capsys):
+    """The same job: LoRA adds its adapters' extra passes (lora_overhead_s) to the frozen base's compute; QLoRA adds
+    dequantising every 4-bit weight on top (dequant_s), so it no longer ranks as fast as LoRA."""
+    full = _timing(capsys, "llama-3-8b", "1xRTX-4090-24GB", "full")
+    lora = _timing(capsys, "llama-3-8b", "1xRTX-4090-24GB", "lora")
+    qlora = _timing(capsys, "llama-3-8b", "1xRTX-4090-24GB", "qlora")
+    assert full["lora_overhead_s"] == full["dequant_s"] == 0.0
+    assert lora["lora_overhead_s"] > 0 and lora["dequant_s"] == 0.0
+    assert qlora["lora_overhead_s"] == pytest.approx(lora["lora_overhead_s"])
+    assert qlora["compute_s"] == pytest.approx(lora["compute_s"])
+    assert qlora["dequant_s"] > 0
+    assert qlora["step_time_s"] == pytest.approx(lora["step_time_s"] + qlora["dequant_s"])
+    assert qlora["step_time_s"] > lora["step_time_s"]
+
+
+def test_llama_3_8b_lora_on_one_rtx_4090_picks_ddp(capsys, tmp_path):
+    import json
+
+    from toolkit.cli import main
+
+    assert main(["plan", "llama-3-8b", "--gpus", "1xRTX-4090-24GB", "--seq", "2048", "--global-batch", "16",
+                 "--method", "lora", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    chosen = out.get("chosen") or out["candidates"][0]
+    assert (chosen.get("strategy") if isinstance(chosen, dict) else chosen) == "ddp"

@@ -41,6 +41,7 @@ SEQ = Bound(1, 16777216, "16x the longest published context window (1M tokens)")
 # (toolkit/plan/schema.py) bounds the same fields; these are kept at or inside its bounds, so a flag accepted here never
 # makes a plan the schema refuses.
 GPUS_PER_NODE = Bound(1, 1024, "14x the largest NVLink domain (NVL72)")
+PROCESSES = Bound(1, 1024, "as many processes as GPUs per node (--processes of launch)")
 NODES = Bound(1, 65536, "5x the nodes of the largest reported GPU clusters (~10^5 GPUs)")
 INTER_NODE_GBPS = Bound(0, 100000, "100 TB/s per node, 100x an 8 x 800G-rail node", low_inclusive=False)
 CPU_RAM_GIB = Bound(0, 1048576, "1 PiB of host RAM per node", low_inclusive=False)

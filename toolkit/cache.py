@@ -88,14 +88,17 @@ def _path(kind: str, key: Any, code: Callable[..., Any]) -> Path:
     return cache_dir() / kind / f"{digest[:32]}.json"
 
 
-def get(kind: str, key: Any, *, code: Callable[..., Any]) -> Any | None:
-    """The value stored for `key` by `code` (the function that computes it), or None."""
+def get(kind: str, key: Any, *, code: Callable[..., Any], decode: Callable[[Any], Any] | None = None) -> Any | None:
+    """The value stored for `key` by `code` (the function that computes it), passed through `decode`, or None: a
+    missing, unreadable or corrupted entry (valid JSON with the wrong fields, say) is a miss, never an error; the
+    caller computes and stores it again."""
     if not enabled():
         return None
     path = _path(kind, key, code)
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(path.read_text())
+        return decode(value) if decode is not None else value
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None
 
 

@@ -19,6 +19,25 @@ def refuse_overwrite(paths: list[Path], force: bool) -> None:
                         "pass --force to overwrite or choose another --out")
 
 
+def check_folder_path(folder: Path, what: str) -> None:
+    """A folder we are to create or write: refused when it, or a folder on its way, is a file (mkdir would fail
+    half-way, after other steps ran), or when it exists read-only (its owner made it so: we neither write into it
+    nor swap in a writable copy)."""
+    import stat
+
+    folder = Path(folder).expanduser()
+    for parent in (folder, *folder.parents):
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise UserError(f"{what} {folder} is a file; give a folder (it is created if missing)"
+                                if parent == folder else
+                                f"{what} {folder} is under a file: {parent} is a file; give a folder")
+            break
+    if folder.is_dir() and not folder.stat().st_mode & stat.S_IWUSR:
+        raise UserError(f"{what} {folder} is read-only (mode {stat.S_IMODE(folder.stat().st_mode):o}); make it "
+                        "writable (chmod u+w) or choose another folder")
+
+
 def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     """Write `text` to a temporary file beside `path`, then rename it into place."""
     path = Path(path)
@@ -37,6 +56,74 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Reading what the user points at: the kind of file first, then at most a stated number of bytes
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+"""The most a config, plan.json or DeepSpeed / accelerate file may hold: the largest emitted one is a few KiB, and
+a real HF config.json (with its id2label maps) stays under 1 MiB; 16 MiB leaves room and stops /dev/zero."""
+
+
+def file_kind_problem(path: Path) -> str | None:
+    """What `path` is when it is not a regular file ("a directory", "a FIFO (named pipe)", ...), None for a
+    regular file or a path that does not exist. Follows symlinks (a plan.json linked to /dev/zero is a device)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, what in ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def read_bytes_limited(path: Path, what: str, *, limit: int = MAX_CONFIG_BYTES, streams: bool = False) -> bytes:
+    """The bytes of the file `what` names (e.g. "plan file"), refused as one line when it is missing, a directory,
+    a FIFO or a device, or larger than `limit`. streams=True also reads a pipe (a shell's process substitution
+    /dev/fd/N, or "-" for stdin) up to the same limit."""
+    import sys
+
+    if str(path) == "-" and streams:
+        data = sys.stdin.buffer.read(limit + 1)
+        if len(data) > limit:
+            raise UserError(f"{what} on stdin is larger than {limit // (1024 * 1024)} MiB; it cannot be a {what}")
+        return data
+    path = Path(path)
+    problem = file_kind_problem(path)
+    if problem in ("a FIFO (named pipe)", "a socket") and streams:
+        problem = None
+    if problem is not None:
+        raise UserError(f"{what} {path} is {problem}, not a file; give the file itself")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise UserError(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if len(data) > limit:
+        raise UserError(f"{what} {path} is larger than {limit // (1024 * 1024)} MiB; it cannot be a {what} (is it "
+                        "the right file?)")
+    return data
+
+
+def os_error_line(exc: OSError, doing: str) -> str:
+    """One line for a failed write: ENOSPC and EACCES / EROFS named with what to do about them."""
+    import errno
+
+    fixes = {errno.ENOSPC: "the disk is full; free space or choose a folder on another disk",
+             errno.EDQUOT: "the disk quota is exhausted; free space or choose another folder",
+             errno.EACCES: "permission denied; choose a folder you can write to",
+             errno.EPERM: "operation not permitted; choose a folder you can write to",
+             errno.EROFS: "the file system is read-only; choose a folder on a writable disk"}
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    return f"cannot {doing}{where}: {fixes.get(exc.errno, exc.strerror or type(exc).__name__)}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Locks: one writer per folder, with the owner named in the refusal
 
 
@@ -51,6 +138,14 @@ class FolderLock:
         self._fd: int | None = None
 
     def acquire(self) -> "FolderLock":
+        """Take the lock; a full disk or a folder we may not write is one line (UserError), and leaves no lock
+        file behind."""
+        try:
+            return self._acquire()
+        except OSError as exc:
+            raise UserError(os_error_line(exc, f"lock {self.what}")) from None
+
+    def _acquire(self) -> "FolderLock":
         import fcntl
         import json
         import socket
@@ -73,8 +168,13 @@ class FolderLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        except OSError:
+            os.unlink(self.path)  # ours: we hold its flock
+            os.close(fd)
+            raise
         self._fd = fd
         return self
 
@@ -127,13 +227,34 @@ def write_folder(folder: Path, files: dict[str, tuple[str, int]], *, force: bool
     signal before the swap leaves the old folder untouched; the staging folder is removed on every way out, and a
     staging folder a killed writer left behind is removed by the next writer.
     """
-    import shutil
-
     folder = Path(folder).absolute()
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file; give a folder")
+    check_folder_path(folder, "folder")
     targets = [folder / name for name in files]
     refuse_overwrite(targets, force)
+    try:
+        _write_folder_locked(folder, files, targets, force)
+    except OSError as exc:  # a full disk, a folder we may not replace: one line, and nothing left behind
+        raise UserError(os_error_line(exc, f"write {folder}")) from None
+    return targets
+
+
+def _write_folder_locked(folder: Path, files: dict[str, tuple[str, int]], targets: list[Path], force: bool) -> None:
+    folder_mode = folder.stat().st_mode & 0o7777 if folder.is_dir() else 0o755
+    existing = next(p for p in folder.parents if p.exists())  # what a failure must leave as the deepest folder
+    try:
+        _write_under_lock(folder, files, targets, force, folder_mode)
+    except BaseException:
+        if not folder.exists():
+            remove_created_folders(folder.parent, existing)
+        raise
+
+
+def _write_under_lock(folder: Path, files: dict[str, tuple[str, int]], targets: list[Path], force: bool,
+                      folder_mode: int) -> None:
+    import shutil
+
     with sibling_lock(folder, f"folder {folder}"):
         refuse_overwrite(targets, force)  # again under the lock: another writer may have finished meanwhile
         for left in folder.parent.glob(f".{folder.name}.*{_STAGE_SUFFIX}"):
@@ -150,14 +271,39 @@ def write_folder(folder: Path, files: dict[str, tuple[str, int]], *, force: bool
                     f.flush()
                     os.fsync(f.fileno())
                 os.chmod(stage / name, mode)
-            os.chmod(stage, 0o755)  # mkdtemp makes it 0o700
+            os.chmod(stage, folder_mode)  # mkdtemp makes it 0o700; an existing folder keeps its own mode
             if folder.is_dir():
                 _exchange(stage, folder)  # stage now holds the old content
             else:
                 os.rename(stage, folder)
         finally:
-            shutil.rmtree(stage, ignore_errors=True)
-    return targets
+            _remove_tree(stage)
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that also removes folders whose mode forbids it (a staging copy of a read-only folder)."""
+    import shutil
+
+    def writable_and_retry(function, name, exc_info):
+        try:
+            os.chmod(os.path.dirname(name), 0o700)
+            function(name)
+        except OSError:
+            pass
+
+    if os.path.lexists(path):
+        shutil.rmtree(path, onerror=writable_and_retry)
+
+
+def remove_created_folders(folder: Path, keep: Path) -> None:
+    """Remove the empty folders a failed write created, from `folder` up to (not including) `keep`, the deepest
+    folder that existed before."""
+    while folder != keep and keep in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
 
 
 def _link_tree(src: Path, dst: Path) -> None:

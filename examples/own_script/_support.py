@@ -1,5 +1,5 @@
-"""Shared by the three example scripts: reading the plan's settings, simple data, and two things only a machine
-without a GPU (CI, tests) needs. Nothing here changes how a plan trains on GPUs.
+"""Shared by the three example scripts: their command line, simple data, and a report for the tests. The plan's
+settings, and the set-up a machine without a GPU needs, come from toolkit.train.own_script (public), not from here.
 """
 
 from __future__ import annotations
@@ -24,14 +24,6 @@ def parse_arguments(data_help: str, *, output: bool = True):
     return parser.parse_args()
 
 
-def plan_settings(plan_dir: str | None) -> dict:
-    """training_args.json of the plan folder (`--plan`, or TOOLKIT_PLAN_DIR set by launch.sh / toolkit launch)."""
-    folder = plan_dir or os.environ.get("TOOLKIT_PLAN_DIR")
-    if not folder:
-        raise SystemExit("pass --plan PLAN_DIR (or start the script with the plan's launch.sh)")
-    return json.loads((Path(folder) / "training_args.json").read_text())
-
-
 def packed_blocks(data_dir: str, tokenizer, seq_len: int) -> dict[str, list]:
     """train.txt's paragraphs, tokenized, joined with EOS and cut into seq_len blocks (input_ids, labels)."""
     ids: list[int] = []
@@ -40,30 +32,6 @@ def packed_blocks(data_dir: str, tokenizer, seq_len: int) -> dict[str, list]:
             ids += tokenizer(paragraph, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     blocks = [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
     return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
-
-
-def cpu_training_kwargs(trainer_settings: dict) -> dict:
-    """On a machine without a GPU: accelerate's state over gloo first (toolkit.train.cpu), and TrainingArguments
-    that use it. On a GPU: the plan's settings unchanged."""
-    import torch
-
-    if torch.cuda.is_available():
-        return dict(trainer_settings)
-    cpu_state()
-    accelerator_config = {**trainer_settings.get("accelerator_config", {}), "use_configured_state": True}
-    return {**trainer_settings, "use_cpu": True, "accelerator_config": accelerator_config}
-
-
-def cpu_state() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    from toolkit.train.cpu import configure_cpu_state
-
-    engine = ("deepspeed" if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" else
-              "fsdp2" if os.environ.get("ACCELERATE_USE_FSDP") == "true" else "ddp")
-    configure_cpu_state(engine)
 
 
 def report(rank: int, losses: list[float], model, device) -> None:

@@ -10,7 +10,9 @@ the loop passes accelerate.utils.DummyOptim, which accelerate requires next to t
 
 from __future__ import annotations
 
-from _support import cpu_state, packed_blocks, parse_arguments, plan_settings, report
+from _support import packed_blocks, parse_arguments, report
+
+from toolkit.train.own_script import accelerate_loop
 
 
 def main() -> None:
@@ -22,9 +24,9 @@ def main() -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 
-    loop = plan_settings(cli.plan)["accelerate_loop"]
-    cpu_state()
-    accelerator = Accelerator(gradient_accumulation_steps=loop["gradient_accumulation_steps"])
+    loop = accelerate_loop(cli.plan)  # before the Accelerator: on a machine without a GPU, the gloo set-up
+    accelerator = Accelerator(gradient_accumulation_steps=loop["gradient_accumulation_steps"],
+                              mixed_precision=loop["mixed_precision"])
     set_seed(7)
     model = AutoModelForCausalLM.from_pretrained(cli.model, dtype=getattr(torch, loop["model_dtype"]))
     if loop["gradient_checkpointing"]:

@@ -9,7 +9,9 @@ SFTConfig's plan keys come from PLAN/training_args.json ("sft_config"); the loss
 
 from __future__ import annotations
 
-from _support import cpu_training_kwargs, parse_arguments, plan_settings, report_trainer
+from _support import parse_arguments, report_trainer
+
+from toolkit.train.own_script import sft_config
 
 
 def main() -> None:
@@ -19,10 +21,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    settings = plan_settings(cli.plan)
     config = SFTConfig(output_dir=cli.output, max_steps=cli.max_steps, learning_rate=cli.learning_rate,
                        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=7,
-                       assistant_only_loss=True, **cpu_training_kwargs(settings["sft_config"]))
+                       assistant_only_loss=True, **sft_config(cli.plan))
     model = AutoModelForCausalLM.from_pretrained(cli.model)
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
     train = load_dataset("json", data_files=cli.data, split="train")

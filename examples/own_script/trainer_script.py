@@ -10,7 +10,9 @@ steps, logging) is this script's own.
 
 from __future__ import annotations
 
-from _support import cpu_training_kwargs, packed_blocks, parse_arguments, plan_settings, report_trainer
+from _support import packed_blocks, parse_arguments, report_trainer
+
+from toolkit.train.own_script import plan_settings, training_arguments
 
 
 def main() -> None:
@@ -22,7 +24,7 @@ def main() -> None:
     settings = plan_settings(cli.plan)
     args = TrainingArguments(output_dir=cli.output, max_steps=cli.max_steps, learning_rate=cli.learning_rate,
                              lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-                             seed=7, **cpu_training_kwargs(settings["training_arguments"]))
+                             seed=7, **training_arguments(cli.plan))
     # After TrainingArguments: under a ZeRO-3 plan the model is then created already partitioned.
     model = AutoModelForCausalLM.from_pretrained(cli.model)
     tokenizer = AutoTokenizer.from_pretrained(cli.model)

@@ -63,6 +63,7 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
         out.append(Problem(file, "note", "a SageMaker config: its keys were checked; the launch runs on SageMaker "
                            "and is not rehearsed here", LAUNCH))
         return out, None
+    out += fsdp1_keys_under_fsdp2(config, file)
     known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
     for key in sorted(set(config) - known, key=str):
         close = difflib.get_close_matches(str(key), known, n=1)
@@ -149,6 +150,39 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
     if not any(p.severity == "error" for p in out):
         out += accelerate_problems(path, ds_path, launch_flags)
     return out, ds_path
+
+
+def fsdp1_keys_under_fsdp2(config: dict[str, Any], file: str) -> list[Problem]:
+    """FSDP1 keys in an fsdp_version 2 config, each with what accelerate does with it, read from accelerate's own
+    conversion table (`accelerate to-fsdp2`, commands/to_fsdp2.py ARGUMENT_KEY_MAPPING / ARGUMENT_VALUE_MAPPING):
+    a removed key is dropped with a deprecation warning at launch (FullyShardedDataParallelPlugin.__post_init__), a
+    not-yet-implemented one makes the plugin raise, and a renamed one (fsdp_sharding_strategy) is still read, with
+    a warning, as the FSDP2 key it maps to."""
+    fsdp = config.get("fsdp_config")
+    if not isinstance(fsdp, dict) or str(fsdp.get("fsdp_version", "1")) != "2":
+        return []
+    from accelerate.commands.to_fsdp2 import ARGUMENT_KEY_MAPPING, ARGUMENT_VALUE_MAPPING, ConversionStatus
+
+    out = []
+    for key in sorted(k for k in fsdp if isinstance(k, str)):
+        target = ARGUMENT_KEY_MAPPING.get(key)
+        if key == "fsdp_sync_module_states" and str(fsdp.get("fsdp_cpu_ram_efficient_loading")).lower() == "true":
+            continue  # accelerate launch still demands it next to cpu_ram_efficient_loading (utils/launch.py)
+        if target is ConversionStatus.REMOVED:
+            out.append(Problem(file, "warning", f"fsdp_config.{key} is an FSDP1 key: under fsdp_version 2 accelerate "
+                               "ignores it (a deprecation warning at launch; FSDP2 has no such setting); remove it",
+                               LAUNCH))
+        elif target is ConversionStatus.NOT_YET_IMPLEMENTED:
+            out.append(Problem(file, "error", f"fsdp_config.{key} is an FSDP1 key that FSDP2 does not implement: "
+                               "accelerate refuses it under fsdp_version 2; remove it (or use fsdp_version 1)",
+                               LAUNCH))
+        elif isinstance(target, str) and target != key:
+            value = ARGUMENT_VALUE_MAPPING.get(key, {}).get(str(fsdp[key]).upper())
+            becomes = f"{target}: {str(value).lower()}" if value is not None else target
+            out.append(Problem(file, "warning", f"fsdp_config.{key} is an FSDP1 key: under fsdp_version 2 accelerate "
+                               f"reads it as {target} with a deprecation warning; write {becomes} instead "
+                               "(`accelerate to-fsdp2` converts a file)", LAUNCH))
+    return out
 
 
 @functools.lru_cache(maxsize=1)

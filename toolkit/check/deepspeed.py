@@ -12,7 +12,7 @@ from typing import Any
 
 from toolkit.emit.deepspeed import auto_keys
 from toolkit.check.findings import ACCELERATE, DEEPSPEED, EVERY, HF_RUNNERS, PIPELINE, Problem, Severity, TRAINER
-from toolkit.engines.readers import (_mapping, accelerate_view, concrete_int, deepspeed_reads, enabled, trainer_view,
+from toolkit.engines.readers import (_mapping, accelerate_view, concrete_int, deepspeed_reads_all, enabled, trainer_view,
                                      unfilled, without_auto, zero_settings)
 
 
@@ -223,12 +223,11 @@ def _engine_problems(config: dict[str, Any], f: _Findings) -> None:
         data_parallel = 1
     else:
         data_parallel = max(f.readers.world_size // f.readers.pipeline_stages, 1)
-    seen, refusal = deepspeed_reads(trial, data_parallel)
+    seen, refusals = deepspeed_reads_all(trial, data_parallel)
     everyone = HF_RUNNERS | {f.readers.direct}
-    if refusal is not None:
-        if not f.has_error:
+    for refusal, names_a_field in refusals:  # every problem DeepSpeed names, each its own finding
+        if names_a_field or not f.has_error:  # a whole-file refusal usually repeats a finding of ours
             f.fail(everyone, f"DeepSpeed/transformers refuse it: {refusal}")
-        return
     known = sorted(k for k in seen if isinstance(k, str))
     for key in sorted(set(config) - set(seen)):
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)

@@ -24,9 +24,9 @@ from toolkit.plan.schema import Plan, load_plan
 from toolkit.inputs.strategy import Engine
 from toolkit.check.accelerate import yaml_problems
 from toolkit.check.deepspeed import ds_problems, Readers, readers_of_json
-from toolkit.check.findings import HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER_CHOICES, TRAINER
+from toolkit.check.findings import EVERY, HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER_CHOICES, TRAINER
 from toolkit.check.read import is_plan_json, read_config
-from toolkit.engines.readers import concrete_int, quiet_engines
+from toolkit.engines.readers import concrete_int, engine_output, quiet_engines
 from toolkit.emit.deepspeed import plan_disagreements
 from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, LAUNCH_SH, PLAN_JSON, SLURM_SBATCH
 
@@ -140,25 +140,35 @@ def check_paths(paths: list[str], *, gpus: tuple[int, int] | None = None, runner
     """
     pinned = RUNNER_CHOICES[runner] if runner else None
     out: list[Problem] = []
+    with engine_output():  # the engines' import-time banners (DeepSpeed's accelerator detection) belong to no file
+        import accelerate  # noqa: F401
+        import deepspeed  # noqa: F401
     for name in paths:
-        path = Path(name)
-        if path.is_dir():
-            out += check_plan_dir(path, gpus=gpus)
-            continue
-        config = read_config(path)
-        if path.suffix == ".json" and is_plan_json(config):
-            out += check_plan_dir(path.parent, gpus=gpus)
-        elif path.suffix == ".json":
-            world = gpus[0] * gpus[1] if gpus else None
-            out += json_file_problems(config, str(path), readers_of_json(config, world_size=world, runner=pinned))
-        else:
-            found, ds_path = yaml_problems(config, path, gpus=gpus)
-            out += found
-            if ds_path is not None:
-                ds_config = read_config(ds_path)
-                world = concrete_int(config.get("num_processes"))
-                # accelerate launches it: the HF Trainer or an accelerate script reads the JSON.
-                readers = readers_of_json(ds_config, world_size=world, named_by_yaml=True,
-                                          runner=pinned if pinned in HF_RUNNERS else None)
-                out += json_file_problems(ds_config, str(ds_path), readers)
+        with engine_output() as said:  # an engine's own print, named with the file that made it speak
+            found = _check_path(Path(name), gpus=gpus, pinned=pinned)
+        out += found
+        out += [Problem(name, "note", f"the engines said while reading it: {line[:300]}", EVERY) for line in said]
+    return out
+
+
+def _check_path(path: Path, *, gpus: tuple[int, int] | None, pinned) -> list[Problem]:
+    out: list[Problem] = []
+    if path.is_dir():
+        return check_plan_dir(path, gpus=gpus)
+    config = read_config(path)
+    if path.suffix == ".json" and is_plan_json(config):
+        out += check_plan_dir(path.parent, gpus=gpus)
+    elif path.suffix == ".json":
+        world = gpus[0] * gpus[1] if gpus else None
+        out += json_file_problems(config, str(path), readers_of_json(config, world_size=world, runner=pinned))
+    else:
+        found, ds_path = yaml_problems(config, path, gpus=gpus)
+        out += found
+        if ds_path is not None:
+            ds_config = read_config(ds_path)
+            world = concrete_int(config.get("num_processes"))
+            # accelerate launches it: the HF Trainer or an accelerate script reads the JSON.
+            readers = readers_of_json(ds_config, world_size=world, named_by_yaml=True,
+                                      runner=pinned if pinned in HF_RUNNERS else None)
+            out += json_file_problems(ds_config, str(ds_path), readers)
     return out

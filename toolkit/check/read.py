@@ -20,10 +20,38 @@ MAX_VALUES = 200_000
 hostile file is one clear line instead of a RecursionError or an exponential walk."""
 
 
+STREAM_PREFIXES = ("/dev/fd/", "/proc/self/fd/", "/dev/stdin")
+"""Paths that name a pipe a shell opened for us (`check <(cat x.yaml)`), read like "-" (stdin)."""
+
+
+def is_stream(name: str) -> bool:
+    return name == "-" or name.startswith(STREAM_PREFIXES)
+
+
+def stream_to_file(name: str, folder: Path) -> Path:
+    """Read stdin ("-") or a process substitution once, up to MAX_FILE_BYTES, into a file in `folder` named by its
+    content (stdin.json for a JSON object, stdin.yaml otherwise): the check reads a file more than once, a pipe
+    only once."""
+    from toolkit.fileio import read_bytes_limited
+
+    raw = read_bytes_limited(Path(name), "config", limit=MAX_FILE_BYTES, streams=True)
+    kind = ".json" if raw.lstrip()[:1] == b"{" else ".yaml"
+    copy = folder / ("stdin" + kind)
+    copy.write_bytes(raw)
+    return copy
+
+
 def read_mapping(path: Path) -> dict[str, Any]:
     """A YAML or JSON file as a dict; UserError for anything unreadable."""
+    from toolkit.fileio import file_kind_problem
+
+    problem = file_kind_problem(path)
+    if problem not in (None, "a directory"):  # a FIFO would block the read, /dev/zero would never end
+        raise UserError(f"{path} is {problem}, not a config file; give the YAML or JSON file (a shell's <(...) "
+                        "and - for stdin are read too)")
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise UserError(f"{path} does not exist") from None
     except IsADirectoryError:
@@ -31,7 +59,7 @@ def read_mapping(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise UserError(f"{path} cannot be read ({exc.strerror})") from None
     if len(raw) > MAX_FILE_BYTES:
-        raise UserError(f"{path} is {len(raw)} bytes, too large for a config file (limit {MAX_FILE_BYTES})")
+        raise UserError(f"{path} is larger than {MAX_FILE_BYTES} bytes, too large for a config file")
     try:
         # JSON has no byte-order mark (DeepSpeed's json.load refuses one too); YAML may start with one.
         text = raw.decode("utf-8" if path.suffix == ".json" else "utf-8-sig")
@@ -51,8 +79,17 @@ def read_mapping(path: Path) -> dict[str, Any]:
 
 
 def _parse_json(text: str, path: Path) -> Any:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen and seen[key] != value:  # json.loads keeps the last silently
+                raise UserError(f"{path} sets '{key}' twice in one object, to {seen[key]!r} and {value!r}; keep "
+                                "the one you mean")
+            seen[key] = value
+        return seen
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
 
@@ -94,9 +131,25 @@ def _check_yaml_nodes(root: yaml.Node, path: Path) -> None:
             continue
         if id(node) in open_nodes:
             raise UserError(f"{path} has a YAML alias that refers to itself; write the value out")
+        if isinstance(node, yaml.MappingNode):
+            _refuse_duplicate_keys(node, path)
         open_nodes.add(id(node))
         stack.append((node, depth, True))
         stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)
+
+
+def _refuse_duplicate_keys(node: yaml.MappingNode, path: Path) -> None:
+    """A key set twice to different values (PyYAML keeps the last silently, so accelerate would read a value the
+    writer may not have meant). The same value twice (accelerate's own test configs have one) is harmless."""
+    seen: dict[str, yaml.Node] = {}
+    for key, value in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.value == "<<":
+            continue
+        first = seen.setdefault(key.value, value)
+        if first is not value and not (isinstance(first, yaml.ScalarNode) and isinstance(value, yaml.ScalarNode)
+                                       and (first.tag, first.value) == (value.tag, value.value)):
+            raise UserError(f"{path} sets '{key.value}' twice in one mapping (lines {first.start_mark.line + 1} and "
+                            f"{value.start_mark.line + 1}), to different values; keep the one you mean")
 
 
 def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
@@ -109,18 +162,23 @@ def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
 
 def _check_shape(data: Any, path: Path) -> None:
     """Depth and size of parsed data, iteratively (JSON has no aliases, but can nest a few hundred deep)."""
-    stack, count = [(data, 0)], 0
+    import math
+
+    stack, count = [(data, 0, "")], 0
     while stack:
-        value, depth = stack.pop()
+        value, depth, where = stack.pop()
         count += 1
         if depth > MAX_DEPTH:
             raise UserError(f"{path} is nested too deeply to be a config (more than {MAX_DEPTH} levels)")
         if count > MAX_VALUES:
             raise UserError(f"{path} holds more than {MAX_VALUES} values; not a config file")
+        if isinstance(value, float) and not math.isfinite(value):
+            # Python's json and YAML's .nan / .inf read these; no setting of an engine means them: write a number
+            raise UserError(f"{path}: {where or 'the value'} is {value!r}, not a finite number; write a number")
         if isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values())
+            stack.extend((v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in value.items())
         elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value)
+            stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value))
 
 
 NUMBERS_READ: dict[str, tuple[str, ...]] = {

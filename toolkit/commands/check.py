@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from toolkit import bounds
@@ -25,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
                    help="fit check: samples per GPU, where the files leave it to the runner")
     p.add_argument("--precision", help="fit check: fp32 | bf16 | fp16 | bf16-pure, where the files leave it open")
-    p.add_argument("--checkpointing", choices=("on", "off"), help="fit check: activation checkpointing")
+    p.add_argument("--checkpointing", choices=("on", "off"), nargs="?", const="on",
+                   help="fit check: activation checkpointing on (also the bare flag, as in estimate) or off")
     p.add_argument("--runner", choices=("trainer", "accelerate", "deepspeed"),
                    help="who reads a DeepSpeed JSON: its failures become errors (default: every runner that can)")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too (notes never fail)")
@@ -67,13 +69,28 @@ def main_check(argv_paths: list[str], *, gpus: str | None = None, runner: str | 
     from toolkit.check.read import parse_gpus
     from toolkit.engines.readers import quiet_engines
 
+    import tempfile
+    from dataclasses import replace
+
+    from toolkit.check.read import is_stream, stream_to_file
+
     grid = parse_gpus(gpus) if gpus else None
     problems: list[Problem] = []
-    with quiet_engines():  # DeepSpeed logs its accelerator choice on stdout when first imported
-        for name in argv_paths:
-            problems += check_paths([name], gpus=grid, runner=runner)
-            if fit is not None:
-                problems += fit(name)
+    with quiet_engines(), tempfile.TemporaryDirectory(prefix="toolkit-check-") as tmp:
+        # DeepSpeed logs its accelerator choice on stdout when first imported (quiet_engines)
+        for number, name in enumerate(argv_paths):
+            path = name
+            if is_stream(name):  # stdin or <(...): read once into a file, findings named by what the user gave
+                folder = Path(tmp) / str(number)
+                folder.mkdir()
+                path = str(stream_to_file(name, folder))
+            try:
+                found = check_paths([path], gpus=grid, runner=runner)
+                if fit is not None:
+                    found += fit(path)
+            except UserError as exc:
+                raise UserError(str(exc).replace(path, name)) from None
+            problems += [replace(p, file=p.file.replace(path, name)) for p in found] if path != name else found
     code = exit_code(problems, strict=strict)
     if as_json:
         print_fn(json.dumps({"exit_code": code, "strict": strict, "paths": argv_paths,

@@ -96,30 +96,35 @@ def longest_line(found, spec) -> str:
 
 
 def add_adapter_flags(p: argparse.ArgumentParser) -> None:
+    # No defaults here: a flag the user did not give is None, so that a flag the method does not read is refused
+    # (toolkit.inputs.lora.adapter_from_flags); the defaults are the Adapter's own.
+    from toolkit.inputs.lora import FULL
+
     g = p.add_argument_group("LoRA / QLoRA (toolkit.lora)")
     g.add_argument("--method", default="full", help="full | lora | qlora (default %(default)s)")
-    g.add_argument("--lora-r", type=int, default=16, help="adapter rank (default %(default)s)")
-    g.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (default %(default)s)")
-    g.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on each target's input (default %(default)s)")
-    g.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names, "
-                                                                 "e.g. q_proj,v_proj (default %(default)s)")
-    g.add_argument("--lora-modules-to-save", default="", help="modules trained in full beside the adapters, "
-                                                              "e.g. lm_head,embed_tokens")
-    g.add_argument("--qlora-quant-type", default="nf4", help="nf4 | fp4 (default %(default)s)")
-    g.add_argument("--qlora-no-double-quant", action="store_true", help="do not quantise the absmax constants")
-    g.add_argument("--qlora-compute-dtype", default="bfloat16", help="bfloat16 | float16 | float32")
-    g.add_argument("--qlora-quant-storage", default="uint8",
+    g.add_argument("--lora-r", type=int, help=f"adapter rank (default {FULL.r})")
+    g.add_argument("--lora-alpha", type=float, help=f"LoRA alpha (default {FULL.alpha})")
+    g.add_argument("--lora-dropout", type=float, help=f"dropout on each target's input (default {FULL.dropout})")
+    g.add_argument("--lora-targets", help="all-linear or comma-separated module names, "
+                                          f"e.g. q_proj,v_proj (default {FULL.targets})")
+    g.add_argument("--lora-modules-to-save", help="modules trained in full beside the adapters, "
+                                                  "e.g. lm_head,embed_tokens")
+    g.add_argument("--qlora-quant-type", help=f"nf4 | fp4 (default {FULL.quant_type})")
+    g.add_argument("--qlora-no-double-quant", action="store_const", const=False, dest="qlora_double_quant",
+                   help="do not quantise the absmax constants")
+    g.add_argument("--qlora-compute-dtype", help="bfloat16 | float16 | float32")
+    g.add_argument("--qlora-quant-storage",
                    help="uint8 | bfloat16 | float16 | float32: a floating storage lets FSDP2 / ZeRO-3 shard the "
-                        "4-bit base (default %(default)s)")
+                        f"4-bit base (default {FULL.quant_storage})")
 
 
 def adapter_of(args):
-    from toolkit.inputs.lora import Adapter
+    from toolkit.inputs.lora import adapter_from_flags
 
-    return Adapter(method=args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                   targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
-                   quant_type=args.qlora_quant_type, double_quant=not args.qlora_no_double_quant,
-                   compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
+    return adapter_from_flags(args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                              targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
+                              quant_type=args.qlora_quant_type, double_quant=args.qlora_double_quant,
+                              compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
 
 
 def trainable_params(spec, adapter) -> int:

@@ -32,8 +32,9 @@ def cmd_demo(args) -> int:
     workdir = args.workdir or time.strftime("runs/demo-%Y%m%d-%H%M%S")
     from pathlib import Path
 
-    if Path(workdir).exists() and not Path(workdir).is_dir():
-        raise UserError(f"--workdir {workdir} is a file; give a folder (it is created if missing)")
+    from toolkit.fileio import check_folder_path
+
+    check_folder_path(Path(workdir), "--workdir")  # a file, or a file on its way: refused before any stage runs
     return run_demo(workdir, steps=args.steps, force=args.force)
 
 

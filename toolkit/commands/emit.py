@@ -27,10 +27,12 @@ def cmd_emit(args) -> int:
     hosts = args.hosts
     from toolkit.inputs.job import check_job
     from toolkit.estimate.search import predict_plan
-    from toolkit.plan.job import plan_job
+    from toolkit.plan.job import PlanContradiction, plan_job
 
     try:  # the model, GPU and job the plan describes (a plan for a GPU outside the catalog is emitted as is)
         spec, hw, job = plan_job(plan, check=False)
+    except PlanContradiction:
+        raise
     except UserError as exc:
         spec = None
         if plan.prediction_is_stale:

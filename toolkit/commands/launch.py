@@ -26,6 +26,12 @@ def add_parser(sub) -> None:
     p.add_argument("plan_dir", type=text_arg("plan folder"))
     p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--processes", type=int_arg("--processes", bounds.PROCESSES),
+                   help="run the plan on N processes of this machine (fewer GPUs, or CPU processes with --cpu); "
+                        "the global batch is kept by accumulation")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on CPU processes over gloo (bf16 instead of fp16; your own script gets the set-up "
+                        "from toolkit.train.own_script)")
     p.add_argument("--nodes", type=int_arg("--nodes", bounds.NODES), default=1, metavar="N",
                    help="with --rehearse: run the rehearsal as N launcher invocations (machine ranks 0..N-1) over "
                         "loopback, as the nodes of a multi-node run (default %(default)s)")
@@ -33,44 +39,101 @@ def add_parser(sub) -> None:
                    help="restart the workers up to N times when one dies (torchrun's elastic agent); each restart "
                         "resumes from the last complete checkpoint (default %(default)s)")
     p.set_defaults(func=cmd_launch, train_args=[])
-    p.epilog = "Arguments after -- go to toolkit.train: toolkit launch DIR -- --model M --data D --output OUT"
+    p.epilog = LAUNCH_EPILOG
+
+
+LAUNCH_EPILOG = """\
+Arguments after -- go to toolkit.train (--data D --output OUT, optional --model M; --resume continues from OUT's
+last complete checkpoint), or to your own script when the first one ends in .py: TOOLKIT_PLAN_DIR is set, and
+toolkit.train.own_script gives the script the plan's settings for this box.
+--processes N [--cpu]: the plan's strategy on N processes of this machine (CPU processes over gloo with --cpu),
+the global batch kept by accumulation. --rehearse: the strategy on a tiny model of the same architecture, 2 CPU
+processes, a few steps.
+A failing run prints one line from the first failing rank with the log's path (OUT/toolkit-launch.log; DIR/ for
+your own script); Ctrl-C stops every rank and prints the command that resumes."""
 
 
 def cmd_launch(args) -> int:
 
     return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run,
-                       max_restarts=args.max_restarts, nodes=args.nodes)
+                       processes=args.processes, cpu=args.cpu, max_restarts=args.max_restarts, nodes=args.nodes)
 
 
 def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False,
-                max_restarts: int = 0, nodes: int = 1) -> int:
-    """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead."""
-    from toolkit.inputs.strategy import Engine
+                processes: int | None = None, cpu: bool = False, max_restarts: int = 0, nodes: int = 1) -> int:
+    """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead. processes /
+    cpu: the plan on a smaller box (toolkit.run.smaller_box), its files emitted for it into a temporary folder."""
+    from toolkit.plan.files import PLAN_JSON
     from toolkit.plan.schema import load_plan
-    from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, PLAN_JSON
-    from toolkit.run.launcher import is_user_script, launch_command, run
-    from toolkit.run.preflight import preflight, read_ds_config
 
     plan_dir = Path(plan_dir)
     if plan_dir.name == PLAN_JSON:
         plan_dir = plan_dir.parent
     plan = load_plan(plan_dir)
-    if not (plan_dir / ACCELERATE_CONFIG).is_file():
-        raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
-                        f"into {plan_dir}")
-    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (plan_dir / DS_CONFIG).is_file():
-        read_ds_config(plan_dir / DS_CONFIG)  # unreadable is refused here, rehearsal or not
     if nodes > 1 and not rehearse:
         raise UserError(f"--nodes {nodes} runs a rehearsal as {nodes} nodes on this machine; add --rehearse (a real "
                         "multi-node run starts on each node: see PLAN.md)")
+    if (processes is not None or cpu) and not rehearse:
+        return _launch_on_this_box(plan, plan_dir, train_argv, processes=processes, cpu=cpu, dry_run=dry_run,
+                                   max_restarts=max_restarts)
+    return _launch_folder(plan, plan_dir, train_argv, rehearse=rehearse, dry_run=dry_run, nodes=nodes,
+                          max_restarts=max_restarts)
+
+
+def _launch_on_this_box(plan: Plan, plan_dir: Path, train_argv: list[str], *, processes: int | None, cpu: bool,
+                        dry_run: bool, max_restarts: int = 0) -> int:
+    import os
+    import shutil
+    import tempfile
+
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.smaller_box import box_plan
+
+    if processes is None and cpu:
+        processes = min(plan.world_size, os.cpu_count() or 1)
+    box, said = box_plan(plan, processes=processes, cpu=cpu)
+    where = f"{box.world_size} CPU processes over gloo" if cpu else f"{box.world_size} processes"
+    print(f"{plan.strategy} on {where} (planned for {plan.world_size} x {plan.gpu}); files for this box are "
+          "emitted from plan.json into a temporary folder", flush=True)
+    for line in said:
+        print(f"note: {line}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="toolkit-box-"))
+    try:
+        box_dir = emit_plan_files(box, work / "plan")
+        relaunch = f"toolkit launch {shlex.quote(str(plan_dir))} --processes {box.world_size}" + (" --cpu" if cpu else "")
+        return _launch_folder(box, box_dir, train_argv, rehearse=False, dry_run=dry_run, log_dir=plan_dir,
+                              relaunch=relaunch, env={"CUDA_VISIBLE_DEVICES": ""} if cpu else None,
+                              max_restarts=max_restarts)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehearse: bool, dry_run: bool,
+                   log_dir: Path | None = None, relaunch: str | None = None, env: dict[str, str] | None = None,
+                   nodes: int = 1, max_restarts: int = 0) -> int:
+    from toolkit.fileio import file_kind_problem
+    from toolkit.inputs.strategy import Engine
+    from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG
+    from toolkit.run.launcher import is_user_script, launch_command, run, writable_log
+    from toolkit.run.preflight import check_script, preflight, read_ds_config
+
+    problem = file_kind_problem(plan_dir / ACCELERATE_CONFIG)
+    if problem is not None:
+        raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is {problem}, not the accelerate config; re-emit the "
+                        f"plan's files with `toolkit emit {plan_dir} --force`")
+    if not (plan_dir / ACCELERATE_CONFIG).is_file():
+        raise UserError(f"{plan_dir / ACCELERATE_CONFIG} is missing; emit the plan's files with `toolkit emit` "
+                        f"into {plan_dir}")
+    ds_file = plan_dir / DS_CONFIG
+    if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and (ds_file.exists() or ds_file.is_symlink()):
+        read_ds_config(ds_file)  # unreadable is refused here, rehearsal or not
     if rehearse:
         from toolkit.run.rehearsal import rehearse as run_rehearsal
 
         return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run, nodes=nodes)
     args = None
     if is_user_script(train_argv):
-        if not Path(train_argv[0]).is_file():
-            raise UserError(f"training script {train_argv[0]} does not exist")
+        check_script(train_argv[0])
         if plan.engine == Engine.PIPELINE:
             raise UserError("a pipeline plan runs DeepSpeed's pipeline engine, which only toolkit.train drives; "
                             "launch it without a script (toolkit launch DIR -- --data D --output O)")
@@ -83,12 +146,14 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
-    env = {"TOOLKIT_PLAN_DIR": str(plan_dir.resolve())}
-    if args is None:  # the user's own script: its output folder and resume flags are its own
-        return run(command, env=env)
+    env = {**(env or {}), "TOOLKIT_PLAN_DIR": str(plan_dir.resolve())}
+    shown_dir = log_dir or plan_dir  # the user's folder (a box's files live in a temporary one)
+    if args is None:  # the user's own script: its output folder and resume flags are its own; its log goes beside
+        return run(command, env=env, log_path=writable_log(shown_dir))  # the plan
     resume = train_argv if args.resume else [*train_argv, "--resume"]
-    return run(command, env=env, output=Path(args.output), max_restarts=max_restarts,
-               resume_command=f"toolkit launch {shlex.quote(str(plan_dir))} -- {shlex.join(resume)}")
+    relaunch = relaunch or f"toolkit launch {shlex.quote(str(shown_dir))}"
+    return run(command, env=env, output=Path(args.output), resume_command=f"{relaunch} -- {shlex.join(resume)}",
+               max_restarts=max_restarts)
 
 
 def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:

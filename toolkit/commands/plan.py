@@ -19,11 +19,13 @@ def add_parser(sub) -> None:
     add_hardware_flags(p)
     add_job_flags(p, seq_max=True)
     p.add_argument("--global-batch", type=int_arg("--global-batch", bounds.BATCH),
-                   help="samples per optimizer step over all GPUs")
+                   help="samples per optimizer step over all GPUs (required unless --micro-batch is given)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
                    help="samples per GPU per forward (instead of --global-batch)")
     p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), help="gradient accumulation steps")
-    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto", nargs="?", const="on",
+                   help="activation checkpointing: auto (the planner decides), on (also the bare flag, as in "
+                        "estimate), off (default %(default)s)")
     p.add_argument("--strategies", type=text_arg("--strategies"), help="comma-separated subset to consider")
     p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
                    help="emit this strategy instead of the fastest")
@@ -39,7 +41,11 @@ def cmd_plan(args) -> int:
     from toolkit.estimate.errorband import time_band
     from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan
 
-    spec = model_spec(args)
+    spec = model_spec(args)  # a config that is wrong is named first
+    if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
+        from toolkit.run.preflight import check_model_to_plan
+
+        check_model_to_plan(args.model)
     hw = hardware_of(args)
     seq_max = args.seq == "max"
     if seq_max:

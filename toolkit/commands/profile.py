@@ -36,6 +36,16 @@ def cmd_profile(args) -> int:
         print_note(seq_note)
     device = args.device
     kind = "cuda" if device.startswith("cuda") else "cpu"
+    if kind == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= count:
+            raise UserError(f"--device {device}: this machine has {count or 'no'} CUDA device"
+                            f"{'s' if count != 1 else ''} (torch {torch.__version__}"
+                            f"{'' if torch.version.cuda else ', built without CUDA'}); use --device cpu or run it "
+                            "where the GPU is")
     attention = spec.effective_attention(args.attention)
     kwargs = dict(seq_len=args.seq, micro_batch=args.micro_batch, precision=args.precision, attention=attention,
                   checkpointing=args.checkpointing)

@@ -11,13 +11,15 @@ Two files for ZeRO plans, from one function:
                                  accelerate: the prepared DataLoader's batch_size x Accelerator's accumulation),
                               gradient_clipping (Trainer: max_grad_norm; accelerate: 1.0),
                               optimizer.params.lr / weight_decay of an optimizer-offload plan (Trainer: learning_rate /
-                                weight_decay; accelerate: DummyOptim(lr=..., weight_decay=...)).
+                                weight_decay; accelerate: DummyOptim(lr=..., weight_decay=...)),
+                              bf16.enabled / fp16.enabled (Trainer: bf16 / fp16; accelerate: the Accelerator's
+                                mixed_precision, which training_args.json's accelerate_loop names: a YAML next to a
+                                DeepSpeed file cannot set it, so a loop that omits it runs fp32; bf16-pure plans keep
+                                them concrete).
                             The plan's numbers for them travel in training_args.json (toolkit.emit.user_settings).
-                            Everything else is concrete, because only one of the runners would fill it: precision
-                            blocks (accelerate cannot set mixed_precision next to a DeepSpeed file, so an "auto" bf16
-                            would silently become fp32 in a custom loop; the Trainer checks the concrete value against
-                            bf16/fp16, which training_args.json sets to match), the optimizer's betas / eps (accelerate
-                            fills neither), and bucket sizes (both would fill the same values).
+                            Everything else is concrete, because only one of the runners would fill it: the
+                            optimizer's betas / eps (accelerate fills neither), and bucket sizes (both would fill the
+                            same values).
   ds_config.deepspeed.json  the same with every value concrete, for DeepSpeed's own launcher and a script that calls
                             deepspeed.initialize(config=...) itself (nothing fills "auto" there). Its optimizer block,
                             when there is one, has no lr / weight_decay: the plan does not know them (DeepSpeed's
@@ -69,6 +71,8 @@ RUNNER_FILLED_AUTO_KEYS: tuple[str, ...] = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
 )
 """Keys ds_config.json of a ZeRO plan leaves "auto": the HF Trainer and accelerate both fill them (module docstring)."""
+PRECISION_AUTO_KEYS: tuple[str, ...] = ("bf16.enabled", "fp16.enabled")
+"""Also "auto" in ds_config.json of a ZeRO plan, bf16-pure excepted (precision_blocks)."""
 OFFLOAD_OPTIMIZER_AUTO_KEYS: tuple[str, ...] = ("optimizer.params.lr", "optimizer.params.weight_decay")
 """The optimizer-offload AdamW block's "auto" keys (Trainer: TrainingArguments; accelerate: DummyOptim)."""
 
@@ -110,8 +114,23 @@ def ds_zero_stage(plan: Plan) -> int:
     return plan.zero_stage
 
 
-def precision_blocks(plan: Plan, stage: int) -> dict[str, Any]:
-    """bf16 / fp16 blocks, both always present so that precision is explicit and checkable."""
+def precision_blocks(plan: Plan, stage: int, *, runner_fills: bool = False) -> dict[str, Any]:
+    """bf16 / fp16 blocks, both always present so that precision is explicit and checkable.
+
+    runner_fills: "enabled" is "auto" in both blocks (bf16-pure excepted: its master-weight keys mean nothing
+    without bf16), because both runners fill it: the HF Trainer from TrainingArguments' bf16 / fp16
+    (HfTrainerDeepSpeedConfig.trainer_config_process), accelerate from the Accelerator's mixed_precision
+    (DeepSpeedPlugin.set_mixed_precision). A script that turns bf16 off on a dev box then runs fp32 instead of
+    being refused for a mismatch; training_args.json states what each runner must set for the plan's precision.
+    """
+    blocks = _concrete_precision_blocks(plan, stage)
+    if runner_fills and plan.precision != "bf16-pure":
+        for name in ("bf16", "fp16"):
+            blocks[name] = {**blocks[name], "enabled": "auto"}
+    return blocks
+
+
+def _concrete_precision_blocks(plan: Plan, stage: int) -> dict[str, Any]:
     if plan.precision == "fp16":
         return {"fp16": dict(FP16_DYNAMIC_LOSS_SCALE), "bf16": {"enabled": False}}
     if plan.precision == "bf16":
@@ -182,7 +201,7 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
     }
     if runner_fills:
         config.update({key: "auto" for key in RUNNER_FILLED_AUTO_KEYS})
-    config.update(precision_blocks(plan, stage))
+    config.update(precision_blocks(plan, stage, runner_fills=runner_fills))
     config["zero_optimization"] = zero_block(plan, stage, nvme_path)
     if plan.offload_optimizer != "none":
         if plan.optimizer == "adamw":
@@ -258,7 +277,9 @@ def plan_disagreements(config: dict[str, Any], plan: Plan, *,
         if not number or float(value) != float(planned):
             out[key] = (value, planned)
     planned_precision = {"bf16-pure": "bf16"}.get(plan.precision, plan.precision)
-    if json_precision(config) != planned_precision:
+    runner_decides = any(isinstance(config.get(name), dict) and is_auto(config[name].get("enabled"))
+                         for name in ("bf16", "fp16"))  # "auto": the runner fills it (precision_blocks)
+    if json_precision(config) != planned_precision and not runner_decides:
         out["precision"] = (json_precision(config), plan.precision)
     zero = config.get("zero_optimization")
     stage = zero.get("stage") if isinstance(zero, dict) else None

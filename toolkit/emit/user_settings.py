@@ -109,19 +109,61 @@ def sft_config(plan: Plan) -> dict[str, Any]:
             **({"activation_offloading": True} if plan.activation_offloading else {})}
 
 
+def loop_mixed_precision(plan: Plan) -> str:
+    """Accelerator(mixed_precision=...) of a custom loop: the same autocast as TrainingArguments' bf16 / fp16. Under
+    DeepSpeed it also fills ds_config.json's "auto" bf16 / fp16 blocks (toolkit.emit.deepspeed)."""
+    return "bf16" if uses_bf16_autocast(plan) else "fp16" if plan.precision == "fp16" else "no"
+
+
 def accelerate_loop(plan: Plan) -> dict[str, Any]:
     """A custom accelerate loop's numbers (see the module docstring)."""
     return {
         "dataloader_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
+        "mixed_precision": loop_mixed_precision(plan),
         "max_grad_norm": GRADIENT_CLIPPING,
         "gradient_checkpointing": trainer_checkpointing(plan),
         "sequence_length": plan.seq_len,
         "use_dummy_optim": owns_optimizer(plan),
         "optimizer_kwargs": ({"fused": plan.optimizer_impl == "fused", "foreach": plan.optimizer_impl == "foreach"}
                              if plan.optimizer == "adamw" and not owns_optimizer(plan) else {}),
-        "model_dtype": "bfloat16" if plan.precision == "bf16-pure" else "float32",
+        "model_dtype": model_dtype(plan),
     }
+
+
+def model_dtype(plan: Plan) -> str:
+    """The dtype to load the model in (torch attribute name): fp32 master weights for mixed precision, bf16 for
+    bf16-pure, and for LoRA / QLoRA the frozen base in the compute dtype (toolkit.inputs.lora)."""
+    if plan.method != "full":
+        from toolkit.inputs.lora import base_dtype_name
+
+        return base_dtype_name(plan.precision)
+    return "bfloat16" if plan.precision == "bf16-pure" else "float32"
+
+
+METHOD_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}
+KBIT_PREPARATION = (
+    "load the base with quantization_config=BitsAndBytesConfig(**bnb_config) and dtype=model_dtype; with activation "
+    "checkpointing call model.enable_input_require_grads() before get_peft_model (so the recompute reaches the "
+    "adapters), as toolkit.train does. peft.prepare_model_for_kbit_training does that too, but also casts every "
+    "parameter that is not 4-bit (embeddings, norms, lm_head) to float32, which the plan's memory does not include: "
+    "call it only with headroom to spare.")
+
+
+def adapter_settings(plan: Plan) -> dict[str, Any] | None:
+    """LoRA / QLoRA: what the plan assumes, as a script builds it (peft.LoraConfig, transformers.BitsAndBytesConfig
+    keyword arguments, the dtype to load the base in, the k-bit preparation step); None for full fine-tuning.
+    TRL: SFTTrainer(peft_config=LoraConfig(**lora_config)), with the model loaded as described."""
+    if plan.method == "full":
+        return None
+    adapter = plan.adapter_spec
+    out: dict[str, Any] = {"method": plan.method, "model_dtype": model_dtype(plan),
+                           "lora_config": adapter.lora_config_kwargs(),
+                           "gradient_checkpointing_needs_input_grads": plan.checkpointing}
+    if plan.method == "qlora":
+        out["bnb_config"] = adapter.bnb_config_kwargs()
+        out["kbit_preparation"] = KBIT_PREPARATION
+    return out
 
 
 def launch_line(script: str = "your_script.py", plan_dir: str = "PLAN_DIR") -> str:
@@ -131,7 +173,15 @@ def launch_line(script: str = "your_script.py", plan_dir: str = "PLAN_DIR") -> s
 
 def notes(plan: Plan) -> list[str]:
     """What a user's script must do beyond passing the numbers."""
-    out = [f"Load the model in {accelerate_loop(plan)['model_dtype']} (dtype=...); the engines cast for compute."]
+    out = [f"Load the model in {model_dtype(plan)} (dtype=...); the engines cast for compute."]
+    if plan.method != "full":
+        quantised = " 4-bit (quantization_config=BitsAndBytesConfig(**adapter['bnb_config']))" \
+            if plan.method == "qlora" else ""
+        out.append(f"{METHOD_NAMES[plan.method]}: load the frozen base{quantised} in {model_dtype(plan)}, wrap it with "
+                   "peft.get_peft_model(model, LoraConfig(**adapter['lora_config'])) (TRL: SFTTrainer(peft_config="
+                   "LoraConfig(...))); the adapters stay float32 (PEFT's autocast_adapter_dtype).")
+    if plan.method == "qlora":
+        out.append("k-bit preparation: " + KBIT_PREPARATION)
     if plan.engine == Engine.FSDP2 and plan.checkpointing and plan.tensor_parallel == 1:
         out.append("Activation checkpointing is on through the YAML (fsdp_activation_checkpointing); leave "
                    "gradient checkpointing off in your script.")
@@ -154,11 +204,24 @@ def notes(plan: Plan) -> list[str]:
     if plan.liger:
         out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
                    "liger-kernel >= 0.8.2; its kernels need a GPU).")
+    if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
+        out.append("ZeRO-3: create TrainingArguments (or SFTConfig) before from_pretrained: while they exist, "
+                   "transformers loads the model already partitioned (zero.Init through HfDeepSpeedConfig); a model "
+                   "loaded first is whole in every rank's host RAM and GPU. A custom loop creates its Accelerator "
+                   "first for the same reason.")
+    if owns_optimizer(plan):
+        out.append("DeepSpeed builds its CPU-Adam extension (C++, with the compiler) on first use: the first run on "
+                   "a machine waits minutes before the first step (cached in ~/.cache/torch_extensions after).")
     if owns_optimizer(plan):
         out.append("ds_config.json holds an \"optimizer\" block (DeepSpeed's CPU Adam for the offloaded states): "
                    "a custom accelerate loop must pass accelerate.utils.DummyOptim(params, lr=..., "
                    "weight_decay=...) instead of a torch optimizer (accelerate refuses one next to the block); "
                    "the HF Trainer and TRL do this themselves.")
+    if plan.engine == Engine.DEEPSPEED and plan.precision != "bf16-pure":
+        out.append("ds_config.json leaves precision to the runner (bf16 / fp16 \"auto\"): the HF Trainer and TRL "
+                   "take it from bf16 / fp16 above, a custom accelerate loop from Accelerator(mixed_precision="
+                   f"{loop_mixed_precision(plan)!r}); leaving it out runs fp32, which the plan's memory did not "
+                   "assume.")
     if plan.engine == Engine.DEEPSPEED:
         out.append("HF Trainer without accelerate launch: --deepspeed PLAN_DIR/ds_config.json with these "
                    "TrainingArguments (its \"auto\" values are filled from them). DeepSpeed's own launcher or "
@@ -219,12 +282,15 @@ def settings(plan: Plan) -> dict[str, Any]:
         "training_arguments": training_arguments(plan),
         "sft_config": sft_config(plan),
         "accelerate_loop": accelerate_loop(plan),
-        "notes": notes(plan),
     }
     if parallelism_kwargs(plan) and plan.grid.model_parallel > 1:
         out["parallelism_config"] = parallelism_kwargs(plan)
     if distributed_config(plan):
         out["distributed_config"] = distributed_config(plan)
+    adapter = adapter_settings(plan)
+    if adapter is not None:
+        out["adapter"] = adapter
+    out["notes"] = notes(plan)
     return out
 
 
@@ -238,13 +304,29 @@ def plan_md_section(plan: Plan) -> list[str]:
     lines = ["## Your own training script", "",
              "Launch it with the plan's accelerate config (from any directory; the folder may be copied):", "",
              f"    {launch_line()}", "",
-             "or `toolkit launch PLAN_DIR -- your_script.py [ARGS]`. Use these settings "
-             f"(machine-readable in `{TRAINING_ARGS}`):", "",
+             "or `toolkit launch PLAN_DIR -- your_script.py [ARGS]`; on a smaller box first (fewer GPUs, or CPU "
+             "processes over gloo), `toolkit launch PLAN_DIR --processes 2 --cpu -- your_script.py [ARGS]` keeps the "
+             "strategy and the global batch (by accumulation). The one import your script needs:", "",
+             "```python",
+             "from toolkit.train.own_script import training_arguments  # or sft_config, accelerate_loop",
+             "args = TrainingArguments(output_dir=..., learning_rate=..., **training_arguments())",
+             "```", "",
+             "It returns these settings for the box the script runs on (on a machine without a GPU it also creates "
+             f"accelerate's gloo state first); they are machine-readable in `{TRAINING_ARGS}`:", "",
              "TrainingArguments (HF Trainer):", "", "```python"]
     lines += [f"{key}={value!r}," for key, value in args.items()]
     lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
               f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents apart).", "",
               "A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
+    adapter = adapter_settings(plan)
+    if adapter is not None:
+        lines += [f"{METHOD_NAMES[plan.method]} (peft / bitsandbytes; `adapter` in `{TRAINING_ARGS}`; "
+                  "`toolkit.train.own_script.model_kwargs()` and `lora_config()` build them):", "", "```python"]
+        if "bnb_config" in adapter:
+            lines.append(f"bnb_config = {adapter['bnb_config']!r}  # dtype names: getattr(torch, name)")
+        lines += [f"model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.{adapter['model_dtype']}"
+                  + (", quantization_config=BitsAndBytesConfig(**bnb_config))" if "bnb_config" in adapter else ")"),
+                  f"lora_config = LoraConfig(**{adapter['lora_config']!r})", "```", ""]
     from toolkit.emit.parallelism import distributed_config, parallelism_kwargs
 
     if plan.grid.model_parallel > 1 and parallelism_kwargs(plan):

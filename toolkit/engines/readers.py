@@ -47,6 +47,38 @@ def quiet_engines() -> Iterator[None]:
         ds_logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def engine_output() -> Iterator[list[str]]:
+    """Everything the engines print or log while the block runs (stdout, stderr, warnings, log records of
+    accelerate / transformers / DeepSpeed), collected as lines instead of reaching the terminal, so `check` can say
+    which file made an engine speak. The list fills when the block ends."""
+    lines: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.extend(record.getMessage().splitlines())
+
+    handler = _Collect(level=logging.WARNING)
+    loggers = [logging.getLogger(), logging.getLogger("DeepSpeed")]
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in loggers]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        for lg in loggers:
+            lg.handlers = [handler]
+        logging.getLogger("DeepSpeed").propagate = False
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield lines
+        lines += [str(w.message) for w in caught]
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers = handlers
+            lg.propagate = propagate
+        lines += out.getvalue().splitlines() + err.getvalue().splitlines()
+        lines[:] = list(dict.fromkeys(line.strip() for line in lines if line.strip()))
+
+
 # --- DeepSpeed: what the engine reads ----------------------------------------------------------------------------------
 
 def concrete_int(value: Any) -> int | None:
@@ -134,17 +166,63 @@ class _ReadRecorder(dict):
         return _ReadRecorder(copy.deepcopy(dict(self), memo), self.seen)
 
 
+MAX_REFUSALS = 20
+"""How many separate refusals one check collects from DeepSpeed before it stops asking (each costs a config pass)."""
+
+
 def deepspeed_reads(config: dict[str, Any], data_parallel: int) -> tuple[set[str] | None, str | None]:
     """DeepSpeedConfig on `config` at a data-parallel size: (the top-level keys it read, None) or (None, refusal)."""
+    seen, refusals = deepspeed_reads_all(config, data_parallel)
+    return (None, "; ".join(text for text, _ in refusals)) if refusals else (seen, None)
+
+
+def deepspeed_reads_all(config: dict[str, Any], data_parallel: int) -> tuple[set[str], list[tuple[str, bool]]]:
+    """Every refusal DeepSpeedConfig has for `config`, not only the first: a refusal that names fields (pydantic's
+    errors: unknown or mistyped keys) is recorded, those fields are taken out, and the rest is asked again. Returns
+    the keys read by the last pass (as deepspeed_reads) and the refusals, one per problem, each with whether it
+    names a field (True) or is the engine's whole-file refusal (False, at most one, last)."""
     from toolkit.engines.validate import ConfigRejected, deepspeed_config_at
 
-    seen: set[str] = set()
+    trial = copy.deepcopy(config)
+    refusals: list[tuple[str, bool]] = []
+    for _ in range(MAX_REFUSALS):
+        seen: set[str] = set()
+        try:
+            with quiet_engines():
+                deepspeed_config_at(_ReadRecorder(trial, seen), data_parallel)
+        except ConfigRejected as exc:
+            fields = _field_errors(exc.__cause__)
+            where = [_drop_key(trial, loc[-1]) for loc, _ in fields]
+            if not fields or None in where:
+                refusals.append((str(exc), False))
+                return seen | initialize_reads(), refusals
+            refusals += [(f"{path}: {msg}", True) for path, (_, msg) in zip(where, fields)]
+            continue
+        return seen | initialize_reads(), refusals
+    return seen | initialize_reads(), refusals
+
+
+def _field_errors(exc: BaseException | None) -> list[tuple[tuple, str]]:
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return []
     try:
-        with quiet_engines():
-            deepspeed_config_at(_ReadRecorder(config, seen), data_parallel)
-    except ConfigRejected as exc:
-        return None, str(exc)
-    return seen | initialize_reads(), None
+        return [(tuple(e["loc"]), str(e["msg"])) for e in errors() if e.get("loc")]
+    except Exception:  # noqa: BLE001 - not pydantic's shape after all
+        return []
+
+
+def _drop_key(config: dict[str, Any], key: Any) -> str | None:
+    """Remove `key` where it is, at the top or one block down (pydantic's loc starts at the model's own fields);
+    its dotted path, or None when it is nowhere."""
+    if key in config:
+        del config[key]
+        return str(key)
+    for block, value in config.items():
+        if isinstance(value, dict) and key in value:
+            del value[key]
+            return f"{block}.{key}"
+    return None
 
 
 @functools.lru_cache(maxsize=1)

@@ -208,10 +208,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
 
             disk_key += [adapter.to_dict(), metadata.version("peft")]
         traced_by = trace_compiled_activations if job.compile else trace_activations
-        stored = cache.get("trace", disk_key, code=traced_by) if disk_key else None
-        if stored is not None:
-            trace = trace_from_dict(stored)
-        else:
+        trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
+        if trace is None:
             if job.compile:
                 trace = trace_compiled_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                                    autocast=autocast, attention=attention,

@@ -141,6 +141,7 @@ class Request:
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
             attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
             liger=self.liger, compile=self.compile)
+        ParallelGrid.check_batch_request(self.global_batch, self.micro_batch, self.grad_accum)
 
 
 def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:
@@ -234,15 +235,20 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
         problem = liger_problem(spec.model_type)
         if problem:
             raise UserError(problem)
+    _check_stages([parse_strategy(s) for s in req.strategies], hw, req.pipeline_stages)
     best: dict[str, Candidate] = {}
     refused: dict[str, Candidate] = {}
+    batch_refusals: list[str] = []
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
     for key, strategy, grids in options_for(spec, hw, req):
         dimension = key.split(" x ")[1] if " x " in key else None
         if isinstance(grids, str):
             refused[key] = refusal(strategy, req, hw, grids, dimension=dimension)
             continue
-        _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension)
+        _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension,
+                batch_refusals=batch_refusals)
+    if not best and batch_refusals and all(c.reason in batch_refusals for c in refused.values()):
+        raise UserError(batch_refusals[0])  # the batch itself, not the strategies: one line names it (exit 2)
     ranked = rank(list(best.values()))
     return ranked + [c for k, c in refused.items() if k not in best]
 
@@ -269,11 +275,11 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
 
 def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
             best: dict[str, Candidate], refused: dict[str, Candidate], ckpt_options: list[bool], *,
-            dimension: str | None = None) -> None:
+            dimension: str | None = None, batch_refusals: list[str] | None = None) -> None:
     """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`.
     Model-parallel grids come in rising degree and the search stops at the first degree that fits: a larger degree
     only adds communication inside the sample and takes ranks from data parallelism (and costs a trace at its
-    own per-rank shapes)."""
+    own per-rank shapes). A batch the grid cannot split is added to batch_refusals."""
     for grid in grids:
         if dimension and key in best and best[key].feasible:
             break
@@ -281,6 +287,8 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
             batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
         except UserError as exc:
             refused.setdefault(key, refusal(strategy, req, hw, str(exc), dimension=dimension))
+            if batch_refusals is not None:
+                batch_refusals.append(str(exc))
             continue
         partition = grid.partition(spec) if strategy.is_pipeline else None
         for compiled in _compile_options(strategy, grid, req):
@@ -365,6 +373,23 @@ def granule(grid: ParallelGrid) -> int:
     from toolkit.estimate.longest import granule as g
 
     return g(grid)
+
+
+def _check_stages(strategies: list[Strategy], hw: Hardware, stages: int | None) -> None:
+    """--pipeline-stages against the GPUs, by the grid's rule that estimate applies (the same refusal and exit
+    code in every command): refused when no pipeline strategy asked for can take that stage count."""
+    if stages is None:
+        return
+    problems = []
+    pipelines = [s for s in strategies if s.is_pipeline]
+    for strategy in pipelines:
+        try:
+            ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                      pipeline_stages=stages)
+        except UserError as exc:
+            problems.append(str(exc))
+    if pipelines and len(problems) == len(pipelines):
+        raise UserError(problems[0])
 
 
 def _rank_key(c: Candidate):

@@ -30,6 +30,25 @@ CPU_ADAM_PARAMS_PER_S = 2.0e9
 NVME_GBPS = 6.0
 """NVMe read/write bandwidth per node (two Gen4 drives). Assumed."""
 P2P_EFFICIENCY = 0.8
+HBM_EFFICIENCY = 0.7
+"""Fraction of the GPU's memory bandwidth an elementwise / skinny-matmul kernel streams at. Assumed."""
+LORA_PASSES = 3
+"""A LoRA adapter's passes over its activations per micro-batch: forward, input gradient, weight gradient (+1 forward
+recompute with checkpointing)."""
+LORA_BYTES_PER_FEATURE = 2
+"""Per token, adapter feature and pass: the input read again (dropout writes its own copy) and the rank-r product
+written back into the base output: one read and one write of an activation element. Assumed."""
+LORA_KERNELS_PER_MODULE = 16
+"""Small kernels a LoRA-wrapped Linear adds per micro-batch (dropout, two matmuls, scale, add forward; their
+gradients backward), each a launch the GPU waits for at these sizes. Assumed."""
+KERNEL_LAUNCH_S = 5e-6
+"""Time of one small kernel launch on the critical path (CUDA launch latency). Assumed."""
+DEQUANT_EFFICIENCY = 0.35
+"""Fraction of memory bandwidth bitsandbytes' 4-bit dequantisation kernel reaches (it reads packed codes and
+absmax blocks and writes the compute-dtype weight). Assumed, not measured here: with it a QLoRA step of Llama-2-7B
+on one A100 at seq 512 comes out 21% slower than LoRA, at seq 2048 about 9%; published comparisons report QLoRA
+30-40% slower at short sequences (S. Raschka's LoRA / QLoRA experiments, 2023), so this is if anything low.
+Issue 22's re-fit of the step-time model owns the number."""
 
 # torch.compile's speed-up, kept apart from the compute efficiency (toolkit.estimate.efficiency): the elementwise and
 # reduction work (norms, activations, residual adds, rotary, casts, the loss's softmax) is memory-bound, and
@@ -56,13 +75,44 @@ class Timing:
     mfu: float
     """Model FLOPs utilisation the prediction implies (useful FLOPs / peak), recompute excluded."""
     assumptions: tuple[str, ...] = ()
+    lora_overhead_s: float = 0.0
+    """LoRA / QLoRA: the adapters' extra matmuls beyond their FLOPs (memory-bound passes over the activations and
+    small-kernel launches; lora_overhead_s())."""
+    dequant_s: float = 0.0
+    """QLoRA: dequantising every 4-bit weight to the compute dtype before each matmul that uses it (dequant_s())."""
     compile_saved_s: float = 0.0
     """torch.compile: compute time the fused elementwise kernels save (already taken off compute_s)."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
                 "communication_s": self.communication_s, "bubble_s": self.bubble_s, "offload_s": self.offload_s,
+                "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s,
                 "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {})}
+
+
+def lora_overhead_s(counts, adapter, *, num_layers: int, tokens: int, micro_steps: int, checkpointing: bool,
+                    activation_bytes: int, hbm_gbps: float) -> float:
+    """Time the adapters add beyond their FLOPs (flops_per_token counts those) for one replica's step.
+
+    Each adapted Linear of in x out features adds r x (in + out) parameters, so the adapters' trainable count / r is
+    the summed in + out features the extra passes stream per token (modules_to_save, trained in full, make this an
+    over-estimate). Passes: LORA_PASSES (+1 recompute). Plus LORA_KERNELS_PER_MODULE launches per adapted module and
+    micro-batch."""
+    passes = LORA_PASSES + (1 if checkpointing else 0)
+    features = counts.trainable_params / adapter.r
+    streamed = tokens * features * activation_bytes * LORA_BYTES_PER_FEATURE * passes
+    modules = num_layers * max(1, len(counts.per_module))
+    launches = micro_steps * modules * LORA_KERNELS_PER_MODULE * (passes / LORA_PASSES)
+    return streamed / (hbm_gbps * 1e9 * HBM_EFFICIENCY) + launches * KERNEL_LAUNCH_S
+
+
+def dequant_s(counts, *, micro_steps: int, checkpointing: bool, compute_bytes: int, hbm_gbps: float) -> float:
+    """QLoRA: bitsandbytes dequantises a whole 4-bit weight into the compute dtype for every matmul that uses it in
+    training (forward, input-gradient backward, recompute), then runs a dense matmul. Each time it reads the packed
+    weight with its constants and writes compute_bytes per element."""
+    passes = 2 + (1 if checkpointing else 0)
+    per_pass = counts.quantized_bytes + counts.quantized_params * compute_bytes
+    return micro_steps * passes * per_pass / (hbm_gbps * 1e9 * DEQUANT_EFFICIENCY)
 
 
 def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
@@ -107,10 +157,12 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     dp = grid.data_parallel
     tokens_per_gpu_step = full_job.seq_len * job.micro_batch * job.grad_accum  # per data-parallel replica
     trainable = None
+    counts = None
     if job.adapter.is_adapter:
         from toolkit.inputs.lora import counts_for_spec
 
-        trainable = counts_for_spec(spec, job.adapter).trainable_params
+        counts = counts_for_spec(spec, job.adapter)
+        trainable = counts.trainable_params
     # FLOPs of the whole model over the whole sample (attention grows with the full sequence), shared by the
     # ranks that split one sample: tensor x context x sequence. The efficiency is the rank's: its own GEMM widths
     # and tokens per micro-step.
@@ -196,17 +248,30 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         comm_dp = _ring(stage_P * pb, dp, hw.gpu.intra_node_gbps, 2) if dp > 1 else 0.0
         comm = comm_p2p * 0.5 + comm_dp  # sends overlap with the other direction's compute about half the time
         assumptions.append(f"1F1B bubble (P-1)/M of compute with P={P_stages}, M={M}")
+    lora_s = quant_s = 0.0
+    if counts is not None:
+        lora_s = lora_overhead_s(counts, job.adapter, num_layers=spec.num_layers, tokens=tokens_per_gpu_step,
+                                 micro_steps=A, checkpointing=job.checkpointing, activation_bytes=pb,
+                                 hbm_gbps=hw.gpu.hbm_gbps) / P_stages
+        assumptions.append(f"LoRA adapters' extra passes over the activations at {HBM_EFFICIENCY:.0%} of "
+                           f"{hw.gpu.hbm_gbps:.0f} GB/s, {LORA_KERNELS_PER_MODULE} kernel launches per module")
+        if job.adapter.method == "qlora":
+            quant_s = dequant_s(counts, micro_steps=A, checkpointing=job.checkpointing, compute_bytes=2,
+                                hbm_gbps=hw.gpu.hbm_gbps) / P_stages
+            assumptions.append(f"QLoRA: every 4-bit weight dequantised per forward / backward"
+                               f"{' / recompute' if job.checkpointing else ''} at {DEQUANT_EFFICIENCY:.0%} of "
+                               "memory bandwidth")
     exposed = max(0.0, comm - OVERLAP * min(comm, backward)) if strategy.engine != Engine.PIPELINE else comm
     if grid.model_parallel > 1:
         extra, said = model_parallel_comm_s(full_spec, full_job, grid, hw, compute)
         exposed += extra
         assumptions += said
-    step = compute + bubble + exposed + offload
+    step = compute + bubble + exposed + offload + lora_s + quant_s
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
     mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
                   bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
-                  compile_saved_s=compile_saved)
+                  compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s)
 
 
 def compile_saving_s(traffic: tuple, hw: Hardware) -> float:

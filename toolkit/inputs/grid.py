@@ -219,6 +219,25 @@ class ParallelGrid:
         raise UserError(f"batch does not multiply: micro-batch {micro_batch} x accumulation {grad_accum} x "
                         f"data-parallel {self.data_parallel} = {got}, not the global batch {global_batch}{hint}")
 
+    @staticmethod
+    def check_batch_request(global_batch: int | None, micro_batch: int | None, grad_accum: int | None) -> None:
+        """The batch identity before any grid: global = micro x accumulation x data-parallel ranks, so the global
+        batch is a multiple of every factor given with it, whatever the data-parallel degree. A request that
+        breaks it is a contradiction of the user's own numbers (named as one), not a strategy that does not fit."""
+        if global_batch is None:
+            return
+        given = [(flag, value) for flag, value in (("--micro-batch", micro_batch), ("--accumulation", grad_accum))
+                 if value is not None]
+        product = 1
+        for _, value in given:
+            product *= value
+        if given and global_batch % product:
+            names = " x ".join(f"{flag} {value}" for flag, value in given)
+            fits = ", ".join(str(product * k) for k in (1, 2, 4))
+            raise UserError(f"--global-batch {global_batch} contradicts {names}: the global batch is micro-batch x "
+                            f"accumulation x data-parallel ranks, a multiple of {product}; give a global batch of "
+                            f"{fits}, ..., or drop one of them and let the plan choose it")
+
     def batch_splits(self, global_batch: int | None, *, micro_batch: int | None = None,
                      grad_accum: int | None = None, max_micro_batch: int = MAX_MICRO_BATCH) -> list[tuple[int, int]]:
         """Every (micro-batch, accumulation) pair that meets `global_batch` exactly on this grid, honouring the

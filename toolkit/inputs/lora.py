@@ -93,13 +93,22 @@ class Adapter:
         targets = self.target_list()
         return "all-linear" if targets == ["all-linear"] else targets
 
+    def lora_config_kwargs(self) -> dict[str, Any]:
+        """peft.LoraConfig keyword arguments (JSON-safe): what training_args.json gives a user's script."""
+        return dict(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                    target_modules=self.peft_target_modules(), modules_to_save=self.save_list() or None,
+                    task_type="CAUSAL_LM")
+
     def lora_config(self):
         """The real peft.LoraConfig of this adapter."""
         from peft import LoraConfig
 
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=self.peft_target_modules(), modules_to_save=self.save_list() or None,
-                          task_type="CAUSAL_LM")
+        return LoraConfig(**self.lora_config_kwargs())
+
+    def bnb_config_kwargs(self) -> dict[str, Any]:
+        """transformers.BitsAndBytesConfig keyword arguments of a QLoRA base (dtypes as torch attribute names)."""
+        return dict(load_in_4bit=True, bnb_4bit_quant_type=self.quant_type, bnb_4bit_use_double_quant=self.double_quant,
+                    bnb_4bit_compute_dtype=self.compute_dtype, bnb_4bit_quant_storage=self.quant_storage)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -113,6 +122,29 @@ def _check(flag: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 FULL = Adapter()
+
+LORA_FLAGS = {"r": "--lora-r", "alpha": "--lora-alpha", "dropout": "--lora-dropout", "targets": "--lora-targets",
+              "modules_to_save": "--lora-modules-to-save"}
+"""Adapter fields only LoRA and QLoRA read, with the flag that sets each."""
+QLORA_FLAGS = {"quant_type": "--qlora-quant-type", "double_quant": "--qlora-no-double-quant",
+               "compute_dtype": "--qlora-compute-dtype", "quant_storage": "--qlora-quant-storage"}
+"""Adapter fields only QLoRA reads (the 4-bit base), with the flag that sets each."""
+
+
+def adapter_from_flags(method: str, **given: Any) -> Adapter:
+    """The Adapter of a command line, its flags checked as a set: a flag the method does not read is refused
+    (a LoRA rank under full fine-tuning, a 4-bit quantisation type under LoRA), never silently ignored. `given`
+    holds only the flags the user gave (None: not given)."""
+    _check("--method", method, METHODS)
+    given = {k: v for k, v in given.items() if v is not None}
+    unread = [LORA_FLAGS[k] for k in LORA_FLAGS if k in given and method == "full"]
+    unread += [QLORA_FLAGS[k] for k in QLORA_FLAGS if k in given and method != "qlora"]
+    if unread:
+        wants = "--method lora or qlora" if unread[0] in LORA_FLAGS.values() else "--method qlora"
+        raise UserError(f"{unread[0]} applies to {wants}, and --method is {method}: it would be ignored; "
+                        f"{'add ' + wants.split(' or ')[0] if method == 'full' else 'use --method qlora'} "
+                        f"or drop {unread[0]}")
+    return Adapter(method=method, **given)
 
 
 @dataclass(frozen=True)
@@ -178,6 +210,7 @@ def peft_model_on_meta(config, adapter: Adapter):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     quantized = _quantized_linears(model) if adapter.method == "qlora" else {}
     names = sorted({n.rsplit(".", 1)[-1] for n in _linear_modules(model)})
+    _check_named_modules(model, adapter, names)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -188,7 +221,44 @@ def peft_model_on_meta(config, adapter: Adapter):
             raise UserError(f"--lora-targets {adapter.targets}: {message}; name modules {type(model).__name__} "
                             f"has ({','.join(names)}) or use all-linear") from None
         raise UserError(f"PEFT refuses this LoRA setting for {type(model).__name__}: {message}") from None
+    _check_rank(peft_model, adapter)
     return peft_model, quantized
+
+
+def check_adapter_on_model(config, adapter: Adapter) -> None:
+    """Refuse an adapter the model cannot take (unknown target or saved module, a rank above the adapted
+    matrices), built on the meta device as estimate and plan build it: before any process starts."""
+    peft_model_on_meta(config, adapter)
+
+
+def _check_named_modules(model, adapter: Adapter, linear_names: list[str]) -> None:
+    """Every module the adapter names must be one of the model's (PEFT matches a name as the last part of a
+    module's path; an unknown modules_to_save name it ignores silently)."""
+    paths = [name for name, _ in model.named_modules() if name]
+    for flag, wanted in (("--lora-targets", [] if adapter.target_list() == ["all-linear"] else adapter.target_list()),
+                         ("--lora-modules-to-save", adapter.save_list())):
+        for name in wanted:
+            if not any(path == name or path.endswith("." + name) for path in paths):
+                top = sorted({path.rsplit(".", 1)[-1] for path in paths if path.count(".") == 1})
+                known = linear_names if flag == "--lora-targets" else top + ["lm_head"] * ("lm_head" not in top)
+                raise UserError(f"{flag} names '{name}', which {type(model).__name__} does not have; name its "
+                                f"modules ({','.join(known)})")
+
+
+def _check_rank(peft_model, adapter: Adapter) -> None:
+    """LoRA's update B @ A has rank at most min(in, out) of the adapted matrix: a larger r adds parameters (and
+    memory) that can learn nothing more. Refused when r is above that bound for every adapted matrix (a small one
+    among them, such as Mixtral's 8 x 4096 router under all-linear, is common and only caps its own update)."""
+    sides = [(min(m.in_features, m.out_features), name, m.out_features, m.in_features)
+             for name, m in peft_model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "in_features")
+             and isinstance(getattr(m, "in_features", None), int)]
+    if not sides:
+        return
+    largest, name, out_features, in_features = max(sides)
+    if adapter.r > largest:
+        raise UserError(f"--lora-r {adapter.r} is above the rank of every adapted matrix (the largest, "
+                        f"{name.split('.')[-1]}, is {out_features} x {in_features}: rank at most {largest}); use "
+                        f"--lora-r {largest} or less")
 
 
 def _quantized_linears(model) -> dict[str, int]:
@@ -283,13 +353,22 @@ def counts_for_spec(spec, adapter: Adapter) -> AdapterCounts:
         from importlib import metadata
 
         key = [spec.source_key, adapter.to_dict(), metadata.version("peft")]
-        stored = cache.get("lora_counts", key, code=adapter_counts)
+        stored = cache.get("lora_counts", key, code=adapter_counts,
+                           decode=lambda value: AdapterCounts(**{**value, "per_layer": tuple(value["per_layer"])}))
         if stored is not None:
-            return AdapterCounts(**{**stored, "per_layer": tuple(stored["per_layer"])})
+            return stored
     counts = adapter_counts(spec.hf_config(), adapter, cache_key=spec.source_key)
     if key is not None:
         cache.put("lora_counts", key, asdict(counts), code=adapter_counts)
     return counts
+
+
+def base_dtype_name(precision: str) -> str:
+    """The torch dtype (attribute name) the frozen base is loaded in: the compute dtype, fp32 only for fp32 jobs
+    (base_storage_bytes_per_param's bytes)."""
+    if base_storage_bytes_per_param(precision) == 4:
+        return "float32"
+    return "float16" if precision == "fp16" else "bfloat16"
 
 
 def base_storage_bytes_per_param(precision: str) -> int:

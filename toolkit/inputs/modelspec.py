@@ -182,8 +182,10 @@ def check_config_shape(data: dict[str, Any], where: str) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    from toolkit.fileio import read_bytes_limited
+
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_bytes_limited(path, "model config").decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from None
     except UnicodeDecodeError:
@@ -200,15 +202,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 def load_config(model: str, *, trust_remote_code: bool = False):
     """A transformers config for a local dir/config.json, a catalog name, or a hub id (that precedence:
     toolkit.inputs.resolve.locate_model)."""
-    from toolkit.inputs.resolve import locate_model
+    from toolkit.inputs.resolve import catalog_name_of_hub_id, locate_model
 
-    where = locate_model(model)
-    if where.kind == "catalog":
+    where = locate_model(catalog_name_of_hub_id(model) or model)
+    if where.kind == "catalog":  # a catalog name, or the hub id of one: its config ships in the package
         return _config_from_dict(_read_json(where.path), f"catalog entry {where.path.name}")
     path = Path(model).expanduser()
     if path.is_dir():
         config_file = path / "config.json"
-        if not config_file.is_file():
+        if not config_file.exists() and not config_file.is_symlink():
             raise UserError(f"{path} is a directory without config.json; point at a Hugging Face model folder")
         return _config_from_dict(_read_json(config_file), str(config_file))
     if path.is_file():
@@ -360,11 +362,31 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
     return pre, post
 
 
+def causal_lm_problem(config) -> str | None:
+    """Why `config` is not a decoder-only causal LM, from the config and the model classes transformers maps:
+    an encoder-decoder (T5, BART: `is_encoder_decoder`), or an encoder whose type transformers also maps to a
+    masked LM (BERT, RoBERTa) and whose config does not ask for causal attention (`is_decoder`). Such models can
+    be built with AutoModelForCausalLM, but train bidirectionally (or not as one stack): not what we plan."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        return (f"{kind} is an encoder-decoder model (is_encoder_decoder in its config), not a causal LM; toolkit "
+                "plans decoder-only causal LMs")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return (f"{kind} is an encoder (bidirectional attention; transformers maps it to a masked LM), not a causal "
+                "LM; set \"is_decoder\": true in its config.json to train it as one, or plan a decoder-only model")
+    return None
+
+
 def build_spec(name: str, config) -> ModelSpec:
     """Build the model on the meta device with its own code and count everything exactly."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    problem = causal_lm_problem(config)
+    if problem:
+        raise UserError(f"'{name}': {problem}")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -441,9 +463,9 @@ def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, 
         raise TypeError(f"resolve_model() got unexpected keyword(s) {sorted(unknown)}")
     key = _source_key(model, **numbers)
     if key is not None:
-        hit = cache.get("spec", key, code=build_spec)
+        hit = cache.get("spec", key, code=build_spec, decode=ModelSpec.from_cache)
         if hit is not None:
-            return ModelSpec.from_cache(hit)
+            return hit
     spec = _resolve_uncached(model, trust_remote_code=trust_remote_code, **numbers)
     if key is not None:
         from dataclasses import replace
@@ -508,10 +530,8 @@ def spec_from_config_dict(config: dict[str, Any], *, name: str, params: int | No
     from toolkit import cache
 
     key = ["dict", name, json.dumps(config, sort_keys=True)]
-    hit = cache.get("spec", key, code=build_spec)
-    if hit is not None:
-        spec = ModelSpec.from_cache(hit)
-    else:
+    spec = cache.get("spec", key, code=build_spec, decode=ModelSpec.from_cache)
+    if spec is None:
         spec = build_spec(name, _config_from_dict(dict(config), f"the plan's model_config ({name})"))
         spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
         cache.put("spec", key, spec.to_cache(), code=build_spec)

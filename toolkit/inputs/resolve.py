@@ -68,3 +68,20 @@ def recorded_model(name: str | None) -> str | None:
         return name
     where = locate_model(name)
     return str(where.path) if where.kind == "local" else name
+
+
+def catalog_name_of_hub_id(hub_id: str) -> str | None:
+    """The catalog entry whose "_hub_id" is `hub_id` (case as the hub spells it), None for any other id. Its
+    config ships in the package: a config lookup for it needs no network (the hub's config.json is the entry
+    without its "_" keys)."""
+    from toolkit.paths import MODEL_CATALOG_DIR
+
+    if hub_id.count("/") != 1 or locate_model(hub_id).kind != "hub":
+        return None
+    for entry in sorted(MODEL_CATALOG_DIR.glob("*.json")):
+        try:
+            if json.loads(entry.read_text()).get("_hub_id") == hub_id:
+                return entry.stem
+        except (OSError, ValueError):
+            continue
+    return None

@@ -327,20 +327,18 @@ def parse_plan(data: Any, where: str = "plan") -> Plan:
 
 def load_plan(path: str | Path) -> Plan:
     """Read plan.json (or a directory holding one); one clear error for anything unreadable or inconsistent."""
+    from toolkit.fileio import read_bytes_limited
+
     path = Path(path)
     if path.is_dir():
         path = path / PLAN_JSON
+    if not path.exists() and not path.is_symlink():
+        raise UserError(f"plan file {path} does not exist; run `toolkit plan ... --out DIR` first")
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = read_bytes_limited(path, "plan file").decode("utf-8")
         data = json.loads(text)
-    except FileNotFoundError:
-        raise UserError(f"plan file {path} does not exist; run `toolkit plan ... --out DIR` first") from None
-    except IsADirectoryError:
-        raise UserError(f"plan file {path} is a directory; give plan.json or the folder holding it") from None
     except UnicodeDecodeError:
         raise UserError(f"plan file {path} is not UTF-8 text; re-emit it with `toolkit plan`") from None
-    except OSError as exc:
-        raise UserError(f"cannot read plan file {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"plan file {path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
                         "re-emit it with `toolkit plan`") from None

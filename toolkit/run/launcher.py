@@ -57,8 +57,9 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
         command += ["--main_process_port", str(main_port)]
     if max_restarts:
         command += ["--max_restarts", str(max_restarts), "--monitor_interval", "1"]
-    if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs
-        return command + train_argv
+    if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs,
+        # run as `python my_train.py ARGS` would, except that the first rank to fail says why in one line.
+        return command + ["-m", "toolkit.train.own_script", *train_argv]
     return command + ["-m", "toolkit.train", "--plan", str(plan_dir / PLAN_JSON), *train_argv]
 
 
@@ -77,31 +78,40 @@ class _Stop(Exception):
 
 
 def run(command: list[str], env: dict[str, str] | None = None, *, output: Path | None = None,
-        resume_command: str | None = None, max_restarts: int = 0) -> int:
+        resume_command: str | None = None, log_path: Path | None = None, max_restarts: int = 0) -> int:
     """Run a launcher command in the foreground; its exit code is ours, 2 when the training refused its input.
 
     output: the run's folder. It is locked for the run (a second run into it is refused), and every rank's stderr
     goes to output/toolkit-launch.log instead of the terminal: a failure is one line here, from the first failing
     rank (TOOLKIT_ERROR_FILE), never torchrun's traceback of every worker. Without output, stderr is the
-    terminal's. SIGINT / SIGTERM / SIGHUP stop every process the run started and return 128 + the signal.
+    terminal's, unless log_path names the log (a user's script: no output folder of ours). SIGINT / SIGTERM /
+    SIGHUP stop every process the run started and return 128 + the signal.
     """
     from toolkit.fileio import FolderLock
 
     lock = None
     log = None
     if output is not None:
+        from toolkit.fileio import os_error_line, remove_created_folders
+
+        existing = next(p for p in (output, *output.parents) if p.exists())
         try:
             output.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"cannot create --output {output}: {exc.strerror}; choose another folder") from None
-        lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+            lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+        except (OSError, UserError) as exc:  # a full disk: nothing of this run is left behind
+            remove_created_folders(output, existing)
+            if isinstance(exc, UserError):
+                raise
+            raise UserError(os_error_line(exc, f"create --output {output}")) from None
     try:
         with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as tmp:
             error_file = Path(tmp) / "error.json"
             full_env = {**os.environ, **(env or {}), "TOOLKIT_ERROR_FILE": str(error_file)}
             full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
             if output is not None:
-                log = open(output / LOG_NAME, "ab")
+                log_path = output / LOG_NAME
+            if log_path is not None:
+                log = open(log_path, "ab")
             code, stopped = _run_stoppable(_resolve_launcher(command), full_env, log)
             if stopped:
                 print(_stopped_text(stopped, output, resume_command), file=sys.stderr, flush=True)
@@ -109,7 +119,7 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
             if code == 0:
                 return 0
             failure = _read_failure(error_file)
-            where = f" (full log: {output / LOG_NAME})" if output is not None else ""
+            where = f" (full log: {log_path})" if log_path is not None else ""
             if failure is not None and failure["user_error"]:
                 if log is not None:  # the rank's own line went to the log
                     print(f"error: {failure['message']}{where}", file=sys.stderr, flush=True)
@@ -260,3 +270,13 @@ def _is_deepspeed_yaml(plan_dir: Path) -> bool:
         return yaml.safe_load((plan_dir / ACCELERATE_CONFIG).read_text()).get("distributed_type") == "DEEPSPEED"
     except (OSError, AttributeError, yaml.YAMLError):
         return False
+
+
+def writable_log(folder: Path) -> Path:
+    """folder/toolkit-launch.log (appended to), or one in the temporary directory when folder is read-only."""
+    path = folder / LOG_NAME
+    try:
+        with open(path, "ab"):
+            return path
+    except OSError:
+        return Path(tempfile.gettempdir()) / f"toolkit-launch-{os.getpid()}.log"

@@ -1,11 +1,16 @@
-"""The checks made before any training process starts (`toolkit launch`, the rehearsal): the training
-arguments, the data path, the output folder, the model's config against the plan, the job rules and the engine's
-config file. Each refusal is one line (UserError)."""
+"""The checks made before any training process starts and before any file is written, the run log and lock
+included (`toolkit launch`, `launch --dry-run`, the rehearsal): the training arguments, the output folder, the
+model's config against the plan, the job rules, the engine's config file, the model folder (a config, a tokenizer
+and weights where the run loads weights: a config-only folder is a plan, not a model), the tokenizer against the
+config's vocabulary, the adapter (every named module present, the rank within the adapted matrices), the data
+(toolkit.run.data_check) and a user's own script. Each refusal is one line (UserError)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.plan.schema import Plan
@@ -29,6 +34,7 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
         plan_job(plan)
     source = model_source(plan, args.model, random_init=args.random_init)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
+    check_run(plan, args)  # model folder, tokenizer, adapter, data: before any process or file
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and not (plan_dir / DS_CONFIG).is_file():
         raise UserError(f"{plan_dir / DS_CONFIG} is missing; emit the plan's files with `toolkit emit`")
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE):
@@ -52,8 +58,10 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
 
 def read_ds_config(path: Path) -> dict:
     """ds_config.json as a dict, or one line saying why it cannot be (truncated, binary, not an object)."""
+    from toolkit.fileio import read_bytes_limited
+
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(read_bytes_limited(Path(path), "DeepSpeed config").decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix it or re-emit it with "
                         "`toolkit emit`") from None
@@ -90,54 +98,123 @@ def _check_train_argv(plan_dir: Path, train_argv: list[str]):
     data = Path(args.data).expanduser()
     if (args.data.startswith((".", "/", "~")) or data.suffix) and not data.exists():
         raise UserError(f"data {args.data} does not exist")
-    _check_text_data(data)
     return args
 
 
-def _check_text_data(data: Path) -> None:
-    """Local text-format data (toolkit.train.data.LOADERS: text / json / csv) must be UTF-8; a binary file fails
-    inside every worker, as a decoding traceback, after the model has loaded. Reads the first 64 KiB of each."""
-    from toolkit.train.data import LOADERS
-
-    files = sorted(data.iterdir()) if data.is_dir() else [data] if data.is_file() else []
-    for path in files:
-        if not path.is_file() or LOADERS.get(path.suffix.lower()) not in ("text", "json", "csv"):
-            continue
-        with open(path, "rb") as f:
-            head = f.read(65536)
-        try:
-            head.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            if exc.start < len(head) - 4:  # not merely a character cut at the 64 KiB boundary
-                raise UserError(f"data file {path} is not UTF-8 text (byte {exc.start}); convert it or give a "
-                                "text / json / jsonl / csv / parquet file") from None
-        if LOADERS.get(path.suffix.lower()) == "json":
-            _check_json_records(path)
+# ----------------------------------------------------------------------------------------------------------------
+# The model folder
 
 
-def _check_json_records(path: Path) -> None:
-    """A JSON / JSON Lines data file must parse (datasets' json loader takes a JSON document or one object per
-    line); a bad line otherwise fails inside every worker after the model has loaded. Streams the file once."""
-    import json
+def model_folder_problems(folder: Path, *, need_weights: bool, need_tokenizer: bool) -> list[str]:
+    """What a local model folder lacks for training: "no tokenizer files", "no weights"."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
+    problems = []
+    if need_tokenizer and not tokenizer_files(folder):
+        problems.append("no tokenizer (tokenizer.json, tokenizer_config.json or the vocabulary files)")
+    if need_weights and not any((folder / name).is_file() for name in
+                                (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        problems.append(f"no weights ({SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or their sharded index)")
+    return problems
+
+
+def tokenizer_files(folder: Path) -> list[str]:
+    """The tokenizer files a folder holds: the fast tokenizer's tokenizer.json, tokenizer_config.json, or the
+    vocabulary files the config's tokenizer classes name (transformers' TOKENIZER_MAPPING, vocab_files_names)."""
+    names = {"tokenizer.json", "tokenizer_config.json"}
     try:
-        with open(path, encoding="utf-8") as f:
-            first = f.read(1)
-            if path.suffix.lower() == ".json" and first in ("[", "{"):
-                try:
-                    json.loads(first + f.read())
-                    return
-                except json.JSONDecodeError:
-                    f.seek(0)  # not one document: maybe JSON Lines in a .json file
-            else:
-                f.seek(0)
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    json.loads(line)
-    except json.JSONDecodeError as exc:
-        where = f"line {number}" if "number" in locals() else f"line {exc.lineno}"
-        raise UserError(f"data file {path} is not valid JSON Lines ({where}: {exc.msg}); fix that line or give "
-                        "a text / csv / parquet file") from None
-    except UnicodeDecodeError:
-        raise UserError(f"data file {path} is not UTF-8 text; convert it or give a text / json / jsonl / csv / "
-                        "parquet file") from None
+        from transformers import AutoConfig
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+        classes = TOKENIZER_MAPPING[type(AutoConfig.from_pretrained(str(folder)))]
+        for cls in classes if isinstance(classes, tuple) else (classes,):
+            names.update(getattr(cls, "vocab_files_names", {}).values() if cls is not None else ())
+    except Exception:  # an unknown model type: the two generic files decide
+        pass
+    return sorted(name for name in names if (folder / name).is_file())
+
+
+def check_model_for_training(source: str, *, tokenizer: str | None, random_init: bool) -> None:
+    """Refuse a local model folder that cannot train: no tokenizer (unless --tokenizer gives one), no weights
+    (unless --random-init). Hub ids and catalog names are not looked at here (no network in a preflight)."""
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return
+    problems = model_folder_problems(path, need_weights=not random_init, need_tokenizer=tokenizer is None)
+    if problems:
+        fixes = []
+        if any(p.startswith("no tokenizer") for p in problems):
+            fixes.append("pass --tokenizer with the model's own")
+        if any(p.startswith("no weights") for p in problems):
+            fixes.append("add the weights (or pass --random-init to train from random weights)")
+        raise UserError(f"model folder {path} cannot train: it holds {' and '.join(problems)}; "
+                        f"{'; '.join(fixes)}")
+
+
+def check_model_to_plan(model: str) -> None:
+    """`plan --out` writes a folder meant to launch: a local model folder without a tokenizer or weights cannot
+    (issue 19: a config-only folder failed 87 s into the ranks). Its config.json alone still plans."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return
+    problems = model_folder_problems(path, need_weights=True, need_tokenizer=True)
+    if problems:
+        raise UserError(f"model folder {path} cannot train: it holds {' and '.join(problems)}; add the model's "
+                        f"files, or plan {path / 'config.json'} (the config alone) and launch with --model or "
+                        "--random-init")
+
+
+def check_tokenizer(tokenizer: Any, config: Any, source: str) -> None:
+    """The tokenizer must fit the model's embedding (an id past it crashes the first forward) and be the model's
+    vocabulary, not a stand-in (under half the embedding rows: a tokenizer of another model, or one built from a
+    config alone)."""
+    from toolkit.train.model import check_vocab
+
+    check_vocab(config, tokenizer, source)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) * 2 < vocab:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but model {source} embeds {vocab}: it is not "
+                        "this model's tokenizer; pass --tokenizer with the model's own")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The whole run
+
+
+def check_script(path: str) -> None:
+    """A user's training script: an existing regular file."""
+    from toolkit.fileio import file_kind_problem
+
+    script = Path(path).expanduser()
+    problem = file_kind_problem(script)
+    if problem is not None:
+        raise UserError(f"training script {path} is {problem}, not a Python file; give the script itself")
+    if not script.is_file():
+        raise UserError(f"training script {path} does not exist")
+
+
+def check_run(plan: Any, args: Any) -> None:
+    """Model folder, tokenizer, adapter and data of a toolkit.train run of `plan`, before any process starts."""
+    from toolkit.train.adapters import adapter_for_run
+    from toolkit.run.data_check import check_data
+    from toolkit.train.model import load_config, load_tokenizer, model_source
+
+    source = model_source(plan, args.model, random_init=args.random_init)
+    check_model_for_training(source, tokenizer=args.tokenizer, random_init=args.random_init)
+    config = load_config(source, random_init=args.random_init)
+    adapter = adapter_for_run(plan, args)
+    if adapter is not None:
+        from toolkit.inputs.lora import check_adapter_on_model
+
+        check_adapter_on_model(config, adapter)
+    tokenizer_source = args.tokenizer or (source if not Path(source).is_file() else str(Path(source).parent))
+    local = Path(tokenizer_source).expanduser()
+    if not local.exists():
+        return  # a hub id: the ranks load it (a preflight does not reach for the network)
+    if local.is_dir() and not tokenizer_files(local):
+        raise UserError(f"tokenizer folder {local} holds no tokenizer (tokenizer.json, tokenizer_config.json or the "
+                        "vocabulary files); pass --tokenizer with the model's own")
+    tokenizer = load_tokenizer(tokenizer_source)
+    check_tokenizer(tokenizer, config, source)
+    check_data(args.data, text_field=args.text_field, tokenizer=tokenizer, seq_len=plan.seq_len,
+               global_batch=plan.global_batch)

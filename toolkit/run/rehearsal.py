@@ -16,7 +16,8 @@ from typing import Any
 from toolkit.run import tiny
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
-from toolkit.run.launcher import LOG_NAME, emit_plan_files, free_port, launch_command, run, run_nodes
+from toolkit.run.launcher import (LOG_NAME, emit_plan_files, free_port, is_user_script, launch_command, run,
+                                   run_nodes, writable_log)
 from toolkit.run.preflight import preflight
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine, parse_strategy
@@ -118,13 +119,16 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
     as many launcher invocations (machine ranks 0..nodes-1) over loopback, training one model together, as the
     nodes of a real multi-node run do."""
 
+    if is_user_script(train_argv):
+        return _rehearse_script(plan, plan_dir, train_argv, dry_run=dry_run)
     if train_argv:  # the real run's arguments, when given, are checked as the real launch would
         preflight(plan, plan_dir, train_argv)
     else:
         try:
             preflight(plan, plan_dir, ["--data", ".", "--output", "."])
         except UserError as exc:
-            print(f"note: the real model was not checked against the plan: {exc}", flush=True)
+            print(f"note: the real model was not checked against the plan: {exc} (give toolkit.train's arguments "
+                  "after --: toolkit launch DIR --rehearse -- --model M --data D --output OUT)", flush=True)
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     try:  # the temporary folder goes on every way out: success, failure, refusal, Ctrl-C
         return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run, nodes=nodes)
@@ -199,6 +203,49 @@ def _check_replicas(folder: Path, small: Plan) -> list[str]:
             if len(sums) != 1:
                 problems.append(f"HSDP replicas of shard {local} differ across nodes after training: {sorted(sums)}")
     return problems
+
+
+REHEARSAL_MODEL_ENV = "TOOLKIT_REHEARSAL_MODEL"
+REHEARSAL_DATA_ENV = "TOOLKIT_REHEARSAL_DATA"
+"""A user's script rehearsed with `--rehearse -- SCRIPT ARGS` finds the tiny model (with its tokenizer) and a data
+folder (train.txt / validation.txt, and train.jsonl / validation.jsonl chat rows) here; '$TOOLKIT_REHEARSAL_MODEL'
+and '$TOOLKIT_REHEARSAL_DATA' in ARGS (quoted, so the shell leaves them) are replaced by them
+(toolkit.train.own_script)."""
+
+
+def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool) -> int:
+    """The user's own script on the rehearsal's small plan: 2 CPU processes, the plan's strategy, a tiny model of
+    the same architecture. The script decides its own steps, model and data (see REHEARSAL_MODEL_ENV)."""
+    if not Path(train_argv[0]).is_file():
+        raise UserError(f"training script {train_argv[0]} does not exist")
+    if plan.engine == Engine.PIPELINE:
+        raise UserError("a pipeline plan runs DeepSpeed's pipeline engine, which only toolkit.train drives; "
+                        "rehearse it without a script (toolkit launch DIR --rehearse)")
+    work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
+    try:
+        model_dir = make_rehearsal_model(plan, work / "model")
+        small, said = rehearsal_plan(plan, model_dir)
+        small_dir = emit_plan_files(small, work / "plan")
+        data = tiny.write_corpus(work / "data", max_chars=60_000)
+        tiny.write_chat_corpus(data, max_chars=60_000)
+        command = launch_command(small_dir, train_argv)
+        print(f"rehearsal of your script with {plan.strategy} ({small.precision}) on {small.world_size} CPU "
+              f"processes over gloo: micro {small.micro_batch} x accum {small.grad_accum}; a tiny "
+              f"{small.model_type} is in ${REHEARSAL_MODEL_ENV}, data in ${REHEARSAL_DATA_ENV}", flush=True)
+        for line in said:
+            print(f"note: {line}", flush=True)
+        print("$ " + shlex.join(command), flush=True)
+        if dry_run:
+            return 0
+        env = {"TOOLKIT_PLAN_DIR": str(small_dir), REHEARSAL_MODEL_ENV: str(model_dir),
+               REHEARSAL_DATA_ENV: str(data), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+        code = run(command, env=env, log_path=writable_log(plan_dir))
+        print(f"rehearsal {'passed' if code == 0 else f'FAILED (exit code {code})'}: your script with "
+              f"{plan.strategy}", flush=True)
+        return code
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def make_rehearsal_model(plan: Plan, out_dir: Path) -> Path:

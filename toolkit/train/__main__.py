@@ -12,6 +12,7 @@ import sys
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
 from toolkit.inputs.strategy import Engine
+from toolkit.train.failures import rank, report_failure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,39 +47,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_hf(plan, args)
     except UserError as exc:
-        first = _report_failure(exc, user_error=True)
-        if _rank() == 0 or first:
+        first = report_failure(exc, user_error=True)
+        if rank() == 0 or first:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except Exception as exc:
-        _report_failure(exc, user_error=False)
+        report_failure(exc, user_error=False)
         raise  # a bug: its traceback goes to the run's log
-
-
-def _report_failure(exc: Exception, *, user_error: bool) -> bool:
-    """Tell `toolkit launch` why this rank failed, if it failed first (O_EXCL: the first rank to fail wins; later
-    ranks usually fail only because the first one left the process group). torchrun reports any failing worker
-    as its own exit code 1, which would hide that this was bad input. True when this rank's report was first."""
-    import json
-
-    error_file = os.environ.get("TOOLKIT_ERROR_FILE")
-    if not error_file:
-        return False
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    if not user_error:
-        message = f"{type(exc).__name__}: {message}"
-    try:
-        fd = os.open(error_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump({"rank": _rank(), "user_error": user_error, "message": message[:2000]}, f)
-    return True
-
-
-def _rank() -> int:
-    """The global rank from the launcher's environment (set before any process group exists)."""
-    return int(os.environ.get("RANK", "0"))
 
 
 if __name__ == "__main__":

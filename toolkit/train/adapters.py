@@ -49,22 +49,24 @@ def adapter_for_run(plan, args) -> Adapter | None:
 def base_dtype(plan):
     import torch
 
-    from toolkit.inputs.lora import base_storage_bytes_per_param
+    from toolkit.inputs.lora import base_dtype_name
 
-    if base_storage_bytes_per_param(plan.precision) == 4:
-        return torch.float32
-    return torch.float16 if plan.precision == "fp16" else torch.bfloat16
+    return getattr(torch, base_dtype_name(plan.precision))
 
 
 def quantization_config(adapter: Adapter):
     """transformers' BitsAndBytesConfig for a QLoRA base."""
+    return bnb_config(adapter.bnb_config_kwargs())
+
+
+def bnb_config(kwargs: dict):
+    """BitsAndBytesConfig from Adapter.bnb_config_kwargs() (dtype names become torch dtypes)."""
     import torch
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=adapter.quant_type,
-                              bnb_4bit_use_double_quant=adapter.double_quant,
-                              bnb_4bit_compute_dtype=getattr(torch, adapter.compute_dtype),
-                              bnb_4bit_quant_storage=getattr(torch, adapter.quant_storage))
+    dtypes = {k: getattr(torch, v) for k, v in kwargs.items() if k in ("bnb_4bit_compute_dtype",
+                                                                        "bnb_4bit_quant_storage")}
+    return BitsAndBytesConfig(**{**kwargs, **dtypes})
 
 
 def wrap_model(model, adapter: Adapter, *, checkpointing: bool):

@@ -221,8 +221,10 @@ def check_paths(args: TrainArgs) -> None:
     for flag, value in (("--output", args.output), ("--log-dir", args.log_dir)):
         if value is not None and not str(value).strip():
             raise UserError(f"{flag} is empty; give a folder")
-        if value is not None and Path(value).expanduser().is_file():
-            raise UserError(f"{flag} {value} is a file; give a folder (it is created if missing)")
+        if value is not None:
+            from toolkit.fileio import check_folder_path
+
+            check_folder_path(Path(value), flag)
     for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
         if value is None:
             continue

@@ -94,9 +94,33 @@ def _load_raw(data: str):
     """(train, eval or None) as datasets.Dataset with the raw documents."""
     import datasets
 
+    local = local_data_files(data)
+    if local is not None:
+        train_files, eval_files = local
+        return _load_files(data, train_files), (_load_files(data, eval_files) if eval_files else None)
+    try:
+        loaded = datasets.load_dataset(data)
+    except Exception as exc:  # offline, unknown name, private: one line that names it
+        raise UserError(f"data {data} is not a local file or folder, and loading it as a hub dataset failed: "
+                        f"{_first_line(exc)}") from None
+    train = loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
+    evaluation = next((loaded[name] for name in ("validation", "valid", "test") if name in loaded), None)
+    return train, evaluation
+
+
+def local_data_files(data: str) -> tuple[list[Path], list[Path]] | None:
+    """(training files, validation files) of local data, None for a hub dataset name. A file is its own training
+    set; a folder's files of one kind (LOADERS) split by their stem (EVAL_STEMS). Refuses what cannot be read."""
+    from toolkit.fileio import file_kind_problem
+
     path = Path(data).expanduser()
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise UserError(f"data {data} is {file_kind_problem(path)}; give a regular file or a folder of them")
     if path.is_file():
-        return _load_files(data, [path]), None
+        if path.suffix.lower() not in LOADERS:
+            raise UserError(f"data file {data} has an unknown kind ({path.suffix or 'no extension'}); use .txt, "
+                            ".json, .jsonl, .parquet or .csv")
+        return [path], []
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in LOADERS
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
@@ -109,17 +133,10 @@ def _load_raw(data: str):
         train_files = [p for p in files if p not in eval_files]
         if not train_files:
             raise UserError(f"data folder {data} holds only validation files ({eval_files[0].name}); add training data")
-        return _load_files(data, train_files), (_load_files(data, eval_files) if eval_files else None)
+        return train_files, eval_files
     if _looks_local(data):
         raise UserError(f"data {data} does not exist")
-    try:
-        loaded = datasets.load_dataset(data)
-    except Exception as exc:  # offline, unknown name, private: one line that names it
-        raise UserError(f"data {data} is not a local file or folder, and loading it as a hub dataset failed: "
-                        f"{_first_line(exc)}") from None
-    train = loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
-    evaluation = next((loaded[name] for name in ("validation", "valid", "test") if name in loaded), None)
-    return train, evaluation
+    return None
 
 
 def _load_files(data: str, files: list[Path]):

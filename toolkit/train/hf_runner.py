@@ -72,6 +72,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     if state is None or trainer.is_world_process_zero():
         print(_banner(plan, args, training_args, len(train_data), eval_data), flush=True)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    refuse_untrained(trainer.state.global_step, len(train_data), plan)
     if eval_data is not None and trainer.state.global_step % training_args.eval_steps != 0:
         trainer.evaluate()  # the final model's held-out loss and perplexity, unless the last step just did it
     trainer.save_state()  # OUTPUT/trainer_state.json: the whole log history (losses, tokens/s, memory)
@@ -85,6 +86,15 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
             tokenizer.save_pretrained(str(output / "merged"))
             print(f"saved the merged model to {output / 'merged'}", flush=True)
     return 0
+
+
+def refuse_untrained(steps: int, sequences: int, plan: Plan) -> None:
+    """A run that made no optimizer step must not save its model as trained (nor exit 0): the data held fewer
+    sequences than one step takes, or every one was dropped."""
+    if steps == 0:
+        raise UserError(f"training made no optimizer step ({sequences} training sequence(s) of {plan.seq_len} "
+                        f"tokens; one step takes a global batch of {plan.global_batch}); nothing was saved as "
+                        "trained: give more data or plan a smaller --global-batch")
 
 
 def _check_born_partitioned(model) -> None:

@@ -30,7 +30,14 @@ def load_config(source: str, *, random_init: bool = False):
     without weights, as plans made from `--model llama-2-7b` name it) only for --random-init."""
     from transformers import AutoConfig
 
+    from toolkit.inputs.resolve import catalog_name_of_hub_id
+
     path = Path(source).expanduser()
+    shipped = catalog_name_of_hub_id(source)
+    if shipped is not None:  # the hub id of a catalog model: its config ships in the package, no network call
+        from toolkit.inputs.modelspec import load_config as catalog_config
+
+        return catalog_config(shipped)
     in_catalog = locate_model(source).kind == "catalog"
     if in_catalog and random_init:
         from toolkit.inputs.modelspec import load_config as catalog_config

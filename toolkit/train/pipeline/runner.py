@@ -101,6 +101,9 @@ def train_pipeline(plan, args) -> None:
               f"{boundaries}, micro-batch {plan.micro_batch} x {plan.grad_accum} micro-batches x "
               f"{plan.data_parallel} = {plan.global_batch} blocks of {plan.seq_len} tokens per step, "
               f"{total_steps} steps", flush=True)
+    from toolkit.train.hf_runner import refuse_untrained
+
+    refuse_untrained(total_steps, len(train_ds), plan)  # no step to run: never save the model as trained
     log = RunLog(output, args.log_dir) if rank == 0 else None
     eval_every = args.eval_steps or args.save_steps
     window_start, window_tokens = time.perf_counter(), 0

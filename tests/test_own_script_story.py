@@ -1,0 +1,225 @@
+"""The new user's story, played end to end: plan phi-3-mini for 4 x A10G, copy the folder, and run one's own script on
+a 2-core box without a GPU before going to the cluster:
+
+    toolkit launch COPY --processes 2 --cpu -- my_train.py ...
+
+with a plain HF Trainer script and a TRL SFTTrainer LoRA script (tests/story/), whose only toolkit import is the
+documented helper toolkit.train.own_script, on a tiny Phi-3 of random weights. What the Trainer really used (read
+back from the running script) must be the plan's: the global batch (kept by accumulation on 2 processes instead of
+4), the micro-batch, checkpointing, precision; for the QLoRA plan the 4-bit base and the plan's adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.plan.schema import load_plan
+
+STORY = Path(__file__).resolve().parent / "story"
+PLAN_ARGS = ["phi-3-mini", "--gpus", "4xA10G-24GB", "--global-batch", "32", "--seq", "2048"]
+
+
+def toolkit(*argv: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run([sys.executable, "-m", "toolkit", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory) -> Path:
+    from toolkit.run import tiny
+
+    # Rotary positions cost no parameters: long enough for the plan's 2048-token max_length.
+    return tiny.make_tiny_model("phi3", tmp_path_factory.mktemp("phi3"), corpus_chars=100_000, max_positions=2048)
+
+
+def planned_and_copied(tmp_path: Path, *extra: str) -> tuple[Path, Path]:
+    """`toolkit plan ... --out planned`, then the folder copied elsewhere and the original removed."""
+    done = toolkit("plan", *PLAN_ARGS, *extra, "--out", str(tmp_path / "planned"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    copy = Path(shutil.copytree(tmp_path / "planned", tmp_path / "elsewhere" / "copy"))
+    shutil.rmtree(tmp_path / "planned")
+    return copy, copy / "plan.json"
+
+
+def launch_on_cpu(copy: Path, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    shutil.copy(STORY / script, cwd / script)
+    return toolkit("launch", str(copy), "--processes", "2", "--cpu", "--", script, *args, cwd=cwd)
+
+
+@pytest.mark.multiprocess
+def test_plain_trainer_script_runs_the_4_gpu_plan_on_2_cpu_processes(tmp_path, tiny_phi3, corpus_dir):
+    copy, plan_file = planned_and_copied(tmp_path)
+    plan = load_plan(plan_file)
+    assert plan.world_size == 4
+    report = tmp_path / "report.json"
+    done = launch_on_cpu(copy, "my_train.py", str(tiny_phi3), str(corpus_dir), str(tmp_path / "out"), str(report),
+                         cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = json.loads(report.read_text())
+    assert seen["world"] == 2 and seen["steps"] == 1
+    assert seen["micro_batch"] * seen["accumulation"] * seen["world"] == plan.global_batch == 32
+    assert seen["micro_batch"] == plan.micro_batch
+    assert seen["accumulation"] == plan.grad_accum * 2  # half the processes, twice the accumulation
+    assert seen["checkpointing"] is plan.checkpointing
+    assert seen["bf16"] is (plan.precision == "bf16")  # bf16 runs on these CPUs
+    assert seen["fsdp2"] is (plan.strategy == "fsdp2")
+    assert f"keeps the global batch {plan.global_batch}" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_sft_lora_script_runs_the_qlora_plan_on_2_cpu_processes(tmp_path, tiny_phi3):
+    from toolkit.run import tiny
+
+    copy, plan_file = planned_and_copied(tmp_path, "--method", "qlora")
+    plan = load_plan(plan_file)
+    chat = tiny.write_chat_corpus(tmp_path / "chat", max_chars=40_000) / "train.jsonl"
+    report = tmp_path / "report.json"
+    done = launch_on_cpu(copy, "my_sft.py", str(tiny_phi3), str(chat), str(tmp_path / "out"), str(report),
+                         cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = json.loads(report.read_text())
+    assert seen["micro_batch"] * seen["accumulation"] * seen["world"] == plan.global_batch
+    assert seen["world"] == 2 and seen["micro_batch"] <= plan.micro_batch and seen["steps"] == 1
+    assert seen["checkpointing"] is plan.checkpointing and seen["max_length"] == plan.seq_len
+    assert seen["quantised"] == ["Linear4bit"]  # the plan's 4-bit base, from training_args.json's bnb_config
+    assert 0 < seen["trainable"] < seen["total"] / 2  # only the adapters train
+
+
+@pytest.mark.multiprocess
+def test_a_failing_script_is_one_line_from_the_first_failing_rank(tmp_path, tiny_llama_dir):
+    from toolkit.emit import emit_files
+    from toolkit.run.rehearsal import plan_for_model
+
+    folder = tmp_path / "plan"
+    emit_files(plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=4, micro_batch=1, grad_accum=2), folder)
+    (tmp_path / "broken.py").write_text(
+        "import os\nfrom transformers import TrainingArguments\n"
+        "from toolkit.train.own_script import training_arguments\n"
+        "TrainingArguments(output_dir='o', **training_arguments())\n"
+        "raise ValueError(f\"column text missing on rank {os.environ['RANK']}\")\n")
+    done = toolkit("launch", str(folder), "--processes", "2", "--cpu", "--", "broken.py", cwd=tmp_path)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, done.stderr
+    assert "failed: ValueError: column text missing on rank" in errors[0]
+    assert f"(full log: {folder / 'toolkit-launch.log'})" in errors[0]
+    assert "Traceback" in (folder / "toolkit-launch.log").read_text()
+
+
+def test_lora_and_qlora_plans_carry_what_a_script_builds(tmp_path, tiny_llama_dir):
+    """training_args.json holds the LoraConfig / BitsAndBytesConfig the plan assumes and the dtype to load in; the
+    helper turns them into the real objects."""
+    import torch
+
+    from toolkit.emit import emit_files
+    from toolkit.inputs.lora import Adapter
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.own_script import lora_config, model_kwargs, plan_settings
+
+    base = plan_for_model(tiny_llama_dir, "ddp", precision="bf16", checkpointing=True)
+    for method in ("lora", "qlora"):
+        adapter = Adapter(method=method, r=8, targets="q_proj,v_proj")
+        emit_files(base.replace(method=method, adapter=adapter.to_dict()), tmp_path / method)
+        settings = plan_settings(tmp_path / method)["adapter"]
+        assert settings["model_dtype"] == "bfloat16"
+        assert settings["lora_config"] == adapter.lora_config_kwargs()
+        config = lora_config(tmp_path / method)
+        assert config.r == 8 and set(config.target_modules) == {"q_proj", "v_proj"}
+        loaded = model_kwargs(tmp_path / method)
+        assert loaded["dtype"] == torch.bfloat16
+        md = (tmp_path / method / "PLAN.md").read_text()
+        assert "LoraConfig(**{" in md and "dtype=torch.bfloat16" in md
+        if method == "qlora":
+            assert loaded["quantization_config"].bnb_4bit_quant_type == "nf4"
+            assert "prepare_model_for_kbit_training" in settings["kbit_preparation"]
+            assert "BitsAndBytesConfig(**bnb_config)" in md
+        else:
+            assert "quantization_config" not in loaded and "bnb_config" not in settings
+    emit_files(base, tmp_path / "full")
+    assert "adapter" not in plan_settings(tmp_path / "full") and lora_config(tmp_path / "full") is None
+
+
+@pytest.mark.multiprocess
+def test_rehearsing_own_script_of_a_catalog_plan_never_asks_the_hub(tmp_path, tiny_phi3):
+    """`--rehearse -- my_train.py` runs the user's script on the rehearsal's tiny model (named by the rehearsal's
+    '$TOOLKIT_REHEARSAL_MODEL'), and checking the catalog model's config needs no network: with HF_HUB_OFFLINE
+    unset and the hub unreachable, nothing fails or notes a missed check."""
+    copy, plan_file = planned_and_copied(tmp_path)
+    report = tmp_path / "report.json"
+    shutil.copy(STORY / "my_train.py", tmp_path / "my_train.py")
+    env_before = {k: os.environ.pop(k, None) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"  # nothing listens: a hub call would fail, not hang
+    try:
+        done = toolkit("launch", str(copy), "--rehearse", "--", "my_train.py", "$TOOLKIT_REHEARSAL_MODEL",
+                       "$TOOLKIT_REHEARSAL_DATA", str(tmp_path / "out"), str(report), cwd=tmp_path)
+    finally:
+        os.environ.pop("HF_ENDPOINT")
+        os.environ.update({k: v for k, v in env_before.items() if v is not None})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rehearsal passed: your script with" in done.stdout and "not checked" not in done.stdout
+    seen = json.loads(report.read_text())
+    assert seen["world"] == 2 and seen["steps"] == 1
+
+
+def test_a_catalog_models_hub_id_resolves_from_the_package(monkeypatch):
+    from toolkit.inputs.modelspec import load_config
+    from toolkit.inputs.resolve import catalog_hub_id, catalog_name_of_hub_id
+    from toolkit.train.model import load_config as run_config
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    hub_id = catalog_hub_id("phi-3-mini")
+    assert catalog_name_of_hub_id(hub_id) == "phi-3-mini"
+    assert load_config(hub_id).num_hidden_layers == 32
+    assert run_config(hub_id).hidden_size == 3072
+    assert catalog_name_of_hub_id("someone/not-in-the-catalog") is None
+
+
+SUGGESTION = re.compile(r"\b(?:pass|use|give|add|with|choose|try|set|drop|re-plan with|plan with)\s+"
+                        r"(--[a-z][a-z0-9_-]*)")
+NOT_OURS = {
+    # accelerate launch's own options, named where accelerate is the program that takes them
+    "--deepspeed_config_file", "--zero3_save_16bit_model",
+}
+
+
+def _printed_texts():
+    """Every string literal (f-strings with their holes blanked) in the toolkit package, with where it is."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "toolkit"
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                yield path, node.lineno, node.value
+            elif isinstance(node, ast.JoinedStr):
+                yield path, node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "X" for v in node.values)
+
+
+def test_every_suggested_flag_exists():
+    """A hint such as "pass --model" names an option some parser of ours (a toolkit command or toolkit.train) or
+    accelerate's launcher really has, in its spelling."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from toolkit.commands import build_parser
+    from toolkit.train.args import _build_parser as train_parser
+
+    parsers = [*build_parser()._subparsers._group_actions[0].choices.values(), train_parser(),  # noqa: SLF001
+               launch_command_parser()]
+    known = {o for parser in parsers for action in parser._actions for o in action.option_strings}  # noqa: SLF001
+    pending = {"--tensor-parallel", "--context-parallel", "--sequence-parallel"} - known  # the grid's degrees:
+    # their flags come with issue 17; until then the grid's messages name them ahead of the CLI
+    missing = [f"{path.name}:{line}: {flag}" for path, line, text in _printed_texts()
+               for flag in SUGGESTION.findall(text) if flag not in known | NOT_OURS | pending]
+    assert missing == []
