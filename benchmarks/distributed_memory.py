@@ -46,13 +46,15 @@ def _config():
 # Worker (one rank, under torchrun)
 
 
-def _ds_config(strategy: str, precision: str, model_dir: str) -> dict:
+def _ds_config(strategy: str, precision: str, model_dir: str, plan=None) -> dict:
+    """The emitter's DeepSpeed JSON for `plan` (default: `strategy` on WORLD ranks), "auto" resolved as the
+    HF Trainer resolves it."""
     from toolkit.emit.deepspeed import ds_config, hidden_size
     from toolkit.engines.validate import resolve_like_trainer
     from toolkit.run.rehearsal import plan_for_model
 
-    plan = plan_for_model(model_dir, strategy, gpus_per_node=WORLD, micro_batch=MICRO, seq_len=SEQ,
-                          precision=precision)
+    plan = plan or plan_for_model(model_dir, strategy, gpus_per_node=WORLD, micro_batch=MICRO, seq_len=SEQ,
+                                  precision=precision)
     config = ds_config(plan)
     resolved = resolve_like_trainer(config, world_size=plan.world_size, micro_batch=plan.micro_batch,
                                     grad_accum=plan.grad_accum, hidden_size=hidden_size(plan),

@@ -11,6 +11,8 @@ on CUDA), which exercises each engine's own buffers.
     python benchmarks/gpu_check.py --device cuda --timing --out "$OUT"   # the step-time measurements (below)
     python benchmarks/gpu_check.py --device cpu --quick            # rehearsal here (tiny shapes; tests run it)
     python benchmarks/gpu_derive.py gpu_check.json                 # the constants and efficiencies it implies
+    python benchmarks/gpu_check.py --multi-gpu --out "$OUT"        # tensor / context / sequence parallel runs
+                                                                   # (MULTI_GPU_RUNS: need 2-4 GPUs)
 
 --timing runs what the published corpus (benchmarks/results/throughput.md) cannot settle, on one GPU:
   efficiency per micro-step   DDP steps of one model at 512 to 16,384 tokens per micro-step and at two widths,
@@ -430,13 +432,132 @@ def qlora_check(device: str, quick: bool, out_dir: str) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class MultiGpuRun:
+    """A model-parallel dimension that needs more than one GPU, or CUDA itself, to run (docs/ENGINE_FACTS.md "Which
+    dimensions run on CPU"): run by toolkit.train from a plan, against a one-GPU reference at the same global batch."""
+    label: str
+    strategy: str
+    gpus: int
+    context: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    why: str = ""
+    """Why it is on this list and not in the CPU tests."""
+    measure: str = ""
+    """What the run must show."""
+
+
+MULTI_GPU_RUNS = [
+    MultiGpuRun("fsdp2 x cp=2 llama-1b fp32", "fsdp2", gpus=2, context=2,
+                why="context parallelism: torch's ring attention shards only the CUDA SDPA kernels (on CPU "
+                    "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy)",
+                measure="4 steps' losses vs the 1-GPU run within 1e-3 (fp32); ranks agree; the saved model reloads; "
+                        "per-rank peak allocated vs estimate_memory(grid=plan.grid) within the error band; step "
+                        "time vs the timing model's CP ring exchange term"),
+    MultiGpuRun("fsdp2 x tp=2 llama-1b fp32", "fsdp2", gpus=4, tensor=2,
+                why="runs on CPU (tests/test_train_dimensions.py); here for NCCL's TP all-reduce time and the "
+                    "CUDA allocator's view of DTensor shards",
+                measure="losses vs the 1-GPU run within 1e-3; per-rank peak allocated vs the model; step time vs "
+                        "the TP all-reduce term"),
+    MultiGpuRun("zero3 x sp=2 llama-1b fp32", "zero3", gpus=2, sequence=2,
+                why="runs on CPU (tests/test_train_dimensions.py); here for the Ulysses all-to-all time on NVLink",
+                measure="losses vs the 1-GPU run within 1e-3; per-rank peak allocated vs the model; step time vs "
+                        "the all-to-all term"),
+]
+"""The GPU run list for tensor / context / sequence parallelism. A machine with fewer GPUs than a run needs
+records it as skipped (the lent machine has one H200: every run here needs a machine with 2-4 GPUs)."""
+
+
+def multi_gpu_check(device: str, quick: bool, out_dir: str) -> int:
+    """Each MultiGpuRun through `toolkit launch` machinery: emit the plan, run toolkit.train on its GPUs and on one
+    GPU at the same global batch, and record losses, per-rank peak memory (the runner's peak_mem_gib/rank<i>) and
+    the prediction."""
+    import tempfile
+
+    import torch
+
+    have = torch.cuda.device_count() if device.startswith("cuda") else 0
+    rows = []
+    for run in MULTI_GPU_RUNS:
+        row = {"label": run.label, "gpus": run.gpus, "why": run.why, "measure": run.measure}
+        if have < run.gpus:
+            row["skipped"] = f"needs {run.gpus} GPUs, this machine has {have}"
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    row.update(_multi_gpu_run(run, Path(tmp), quick))
+                except Exception as exc:  # one failing run must not cost the others
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "multi_gpu_check.json").write_text(json.dumps({"device": device, "quick": quick, "rows": rows},
+                                                         indent=2) + "\n")
+    return 0
+
+
+def _multi_gpu_run(run: MultiGpuRun, work: Path, quick: bool) -> dict:
+    import subprocess
+
+    from toolkit.run import tiny
+    from toolkit.run.launcher import emit_plan_files, launch_command
+    from toolkit.run.rehearsal import plan_for_model
+
+    shape = QUICK_SHAPE if quick else SHAPES["llama-1b"]
+    seq, micro = (64, 2) if quick else (2048, 1)
+    model_dir = work / "model"
+    _config(shape, 1000 if quick else 32000, seq).save_pretrained(model_dir)
+    tokenizer = tiny.train_tokenizer(tiny.corpus_text(100_000), vocab_size=512)
+    tokenizer.save_pretrained(model_dir)
+    data = tiny.write_corpus(work / "data", max_chars=400_000)
+    plan = plan_for_model(model_dir, run.strategy, gpus_per_node=run.gpus, micro_batch=micro, seq_len=seq,
+                          tensor=run.tensor, context=run.context, sequence=run.sequence)
+    global_batch = plan.global_batch
+    reference = plan_for_model(model_dir, "ddp", gpus_per_node=1, micro_batch=global_batch, seq_len=seq)
+    argv = ["--data", str(data), "--random-init", "--max-steps", "4", "--logging-steps", "1", "--save-steps", "4",
+            "--lr", "3e-3", "--lr-scheduler", "constant", "--seed", "7", "--max-eval-blocks", "4"]
+    out: dict = {"global_batch": global_batch}
+    for name, p in (("reference", reference), ("run", plan)):
+        plan_dir = emit_plan_files(p, work / f"plan-{name}")
+        summaries = work / f"ranks-{name}"
+        command = launch_command(plan_dir, [*argv, "--output", str(work / f"out-{name}")])
+        env = {**os.environ, "TOOLKIT_RANK_SUMMARY_DIR": str(summaries), "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode:
+            raise RuntimeError(f"{name} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-400:]}")
+        ranks = [json.loads(f.read_text()) for f in sorted(summaries.glob("rank*.json"))]
+        history = ranks[0]["log_history"]
+        out[f"{name}_losses"] = [e["loss"] for e in history if "loss" in e]
+        out[f"{name}_peak_gib_by_rank"] = {k: v for e in history for k, v in e.items()
+                                          if k.startswith("peak_mem_gib/rank")}
+    out["max_loss_difference"] = max(abs(a - b) for a, b in zip(out["run_losses"], out["reference_losses"]))
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import build_spec
+
+    spec = build_spec("llama", _config(shape, 1000 if quick else 32000, seq))
+    job = Job(seq_len=seq, micro_batch=micro, precision="fp32", device_kind="cuda")
+    out["allocated_predicted"] = estimate_memory(spec, plan.strategy_spec, job, parse_hardware(f"{run.gpus}xH200"),
+                                                 grid=plan.grid).peak_bytes
+    return out
+
+
+def _side_check_args(flag: str) -> argparse.Namespace:
+    """Arguments of the checks run apart from main(): --qlora, --multi-gpu."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(flag, action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
-    if "--qlora" in sys.argv:
-        qlora_args = argparse.ArgumentParser()
-        qlora_args.add_argument("--qlora", action="store_true")
-        qlora_args.add_argument("--device", default="cuda")
-        qlora_args.add_argument("--quick", action="store_true")
-        qlora_args.add_argument("--out", default=str(Path(__file__).parent / "results"))
-        a = qlora_args.parse_args()
-        sys.exit(qlora_check(a.device, a.quick, a.out))
+    for flag, check in (("--multi-gpu", multi_gpu_check), ("--qlora", qlora_check)):
+        if flag in sys.argv:
+            a = _side_check_args(flag)
+            sys.exit(check(a.device, a.quick, a.out))
     sys.exit(main())

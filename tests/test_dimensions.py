@@ -308,7 +308,12 @@ def test_emitted_parallelism_passes_accelerates_and_deepspeeds_own_checks(preset
     assert "ParallelismConfig(**" in plan_md
     if engine == "deepspeed":
         ds = json.loads((tmp_path / "p/ds_config.json").read_text())
-        assert ds["sequence_parallel_size"] == 8
+        # The Trainer-filled file leaves the key out (zero.Init would divide the Trainer's all-rank batch by it);
+        # the concrete file, whose train_batch_size counts world / sp ranks, has it.
+        assert "sequence_parallel_size" not in ds
+        concrete = tmp_path / "p/ds_config.deepspeed.json"
+        if concrete.is_file():
+            assert json.loads(concrete.read_text())["sequence_parallel_size"] == 8
         parsed = validate_ds_config_for_plan(ds, plan)
         assert parsed.train_batch_size == 128 and parsed.gradient_accumulation_steps == 64
         assert block["parallelism_config_sp_seq_length"] == plan.seq_len

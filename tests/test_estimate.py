@@ -193,3 +193,21 @@ def test_parameter_count_is_exact_for_architectures_outside_the_catalog(tmp_path
     real = AutoModelForCausalLM.from_config(config)
     assert spec.params == sum(p.numel() for p in real.parameters())
     assert spec.num_layers == kwargs["num_hidden_layers"]
+
+
+def test_checkpointing_is_spelled_the_same_in_every_command(capsys):
+    """The bare `--checkpointing` (estimate's, profile's) and `--checkpointing on|off` (plan's, check's) work in
+    each of them."""
+    from toolkit.cli import main
+    from toolkit.commands import build_parser
+
+    parser = build_parser()
+    for argv, expected in ((["estimate", "gpt2", "--checkpointing"], True),
+                           (["estimate", "gpt2", "--checkpointing", "off"], False),
+                           (["estimate", "gpt2", "--checkpointing", "on"], True), (["estimate", "gpt2"], False),
+                           (["profile", "gpt2", "--checkpointing", "on"], True),
+                           (["plan", "gpt2", "--checkpointing"], "on"), (["plan", "gpt2", "--checkpointing", "off"], "off"),
+                           (["check", "x.json", "--checkpointing"], "on")):
+        assert parser.parse_args(argv).checkpointing == expected, argv
+    assert main(["estimate", "gpt2", "--checkpointing", "maybe"]) == 2
+    assert "give on or off" in capsys.readouterr().err

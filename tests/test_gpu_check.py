@@ -84,3 +84,16 @@ def test_derive_timing_reads_efficiency_engine_and_pipeline_overheads():
     assert abs(d["engine_overhead"]["zero3"] - 0.25) < 1e-9
     assert abs(d["pipeline"]["8"]["per_micro_batch_s"] - 0.1) < 1e-9
     assert abs(d["pipeline"]["8"]["per_micro_batch_fraction"] - 0.2) < 1e-9
+
+
+def test_multi_gpu_runs_list_context_parallelism_and_skip_without_gpus(tmp_path):
+    """CP needs CUDA (docs/ENGINE_FACTS.md): it is on the GPU run list, with what to measure; without GPUs every
+    run is recorded as skipped, saying how many GPUs it needs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--multi-gpu", "--device",
+                           "cpu", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["label"]: r for r in json.loads((tmp_path / "multi_gpu_check.json").read_text())["rows"]}
+    cp = rows["fsdp2 x cp=2 llama-1b fp32"]
+    assert "ring attention" in cp["why"] and "losses" in cp["measure"]
+    assert all(r["skipped"] == f"needs {r['gpus']} GPUs, this machine has 0" for r in rows.values())

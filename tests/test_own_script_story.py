@@ -223,3 +223,35 @@ def test_every_suggested_flag_exists():
     missing = [f"{path.name}:{line}: {flag}" for path, line, text in _printed_texts()
                for flag in SUGGESTION.findall(text) if flag not in known | NOT_OURS | pending]
     assert missing == []
+
+
+def test_a_config_only_model_folder_is_refused_at_plan_time(tmp_path, tiny_phi3):
+    """The story's folder with only config.json: no tokenizer and no weights to fine-tune. `toolkit plan` refuses
+    it in one line naming what is missing, and writes nothing."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    shutil.copy(tiny_phi3 / "config.json", folder / "config.json")
+    done = toolkit("plan", str(folder), "--gpus", "1xA100-80GB", "--global-batch", "8", "--seq", "128", "--out",
+                   str(tmp_path / "plan"), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout[-2000:]
+    assert done.stderr.count("\n") == 1 and "tokenizer" in done.stderr
+    assert not (tmp_path / "plan").exists()
+
+
+def test_a_smaller_box_keeps_the_global_batch_or_says_which_process_counts_do(tiny_llama_dir):
+    from toolkit.errors import UserError
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.run.smaller_box import box_plan
+
+    plan = plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=8, micro_batch=4, grad_accum=2,
+                          precision="fp16", attention="flash_attention_2")
+    box, said = box_plan(plan, processes=2, cpu=True)
+    assert (box.world_size, box.micro_batch, box.grad_accum, box.global_batch) == (2, 4, 8, 64)
+    assert (box.strategy, box.precision, box.attention, box.gpu) == ("zero2", "bf16", "sdpa", "cpu")
+    assert any("keeps the global batch 64" in line for line in said) and any("fp16" in line for line in said)
+    # 3 processes cannot split 64 samples: a smaller micro-batch does not help, and the refusal names counts that do
+    with pytest.raises(UserError, match=r"cannot be kept on 3 processes.*use --processes 1 or 2 or 4 or 8"):
+        box_plan(plan, processes=3, cpu=True)
+    # a micro-batch that no longer divides is made smaller, never larger
+    box, _ = box_plan(plan.replace(micro_batch=4, grad_accum=1, global_batch=32), processes=16, cpu=False)
+    assert (box.micro_batch, box.grad_accum, box.precision) == (2, 1, "fp16")

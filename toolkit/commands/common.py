@@ -76,6 +76,18 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
     add_adapter_flags(p)
 
 
+def add_checkpointing_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """`--checkpointing` as estimate and profile always took it (a bare flag: on), and as plan and check spell it
+    (`--checkpointing on|off`): both spellings in every command. Gives a bool, False when absent."""
+    def on_off(text: str) -> bool:
+        if text.lower() not in ("on", "off"):
+            raise argparse.ArgumentTypeError(f"give on or off, not {text!r}")
+        return text.lower() == "on"
+
+    p.add_argument("--checkpointing", nargs="?", const=True, default=False, type=on_off, metavar="on|off",
+                   help=help)
+
+
 def seq_arg(text: str):
     """--seq N, or max (plan / estimate): the longest sequence that fits."""
     if str(text).strip().lower() == "max":

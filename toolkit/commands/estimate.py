@@ -6,7 +6,7 @@ import json
 
 from toolkit import bounds
 from toolkit.bounds import int_arg
-from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
+from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
                                      longest_line, model_spec, print_note, seq_len_of, trainable_params)
 
 
@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
                                                      "pipeline, hybrid, ... (default %(default)s)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
     p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), default=1)
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    add_checkpointing_flag(p, "activation checkpointing of every layer (the bare flag means on)")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--json", action="store_true", help="print only JSON")
     p.add_argument("--require-fit", action="store_true", help="exit 1 when it does not fit (for scripts)")

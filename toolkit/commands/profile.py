@@ -7,7 +7,7 @@ import json
 from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
-from toolkit.commands.common import add_job_flags, add_model_flags, GIB, model_spec, print_note, seq_len_of
+from toolkit.commands.common import add_checkpointing_flag, add_job_flags, add_model_flags, GIB, model_spec, print_note, seq_len_of
 
 
 def add_parser(sub) -> None:
@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_job_flags(p)
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
-    p.add_argument("--checkpointing", action="store_true")
+    add_checkpointing_flag(p, "activation checkpointing (the bare flag means on)")
     p.add_argument("--device", default="cpu", type=_device, help="cpu or cuda[:N]")
     p.add_argument("--steps", type=int_arg("--steps", bounds.PROFILE_STEPS), default=3,
                    help="timed steps after the measured one")

@@ -217,9 +217,13 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
         config["zero_allow_untested_optimizer"] = True
     if plan.engine == Engine.PIPELINE:
         config["steps_per_print"] = 100  # the pipeline engine logs loss and step time this often
-    if plan.sequence_parallel > 1:
+    if plan.sequence_parallel > 1 and not runner_fills:
         # Ulysses: DeepSpeedConfig divides the world by it for the batch identity when it has no mpu (the HF
         # zero.Init path, deepspeed/runtime/config.py); train_batch_size above already counts world / sp ranks.
+        # Not in the file the HF Trainer fills: it fills "auto" train_batch_size over every rank (world x micro x
+        # accumulation, integrations/deepspeed.py; accelerate narrows it to the data-parallel ranks only at
+        # deepspeed.initialize), so with this key ZeRO-3's zero.Init refuses the Trainer's value (measured, issue 17:
+        # "train_batch_size is not equal to ... 8 != 2 * 2 * 1.0" for ZeRO-3 x SP 2).
         config["sequence_parallel_size"] = plan.sequence_parallel
     return config
 

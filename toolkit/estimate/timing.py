@@ -45,10 +45,9 @@ KERNEL_LAUNCH_S = 5e-6
 """Time of one small kernel launch on the critical path (CUDA launch latency). Assumed."""
 DEQUANT_EFFICIENCY = 0.35
 """Fraction of memory bandwidth bitsandbytes' 4-bit dequantisation kernel reaches (it reads packed codes and
-absmax blocks and writes the compute-dtype weight). Assumed, not measured here: with it a QLoRA step of Llama-2-7B
-on one A100 at seq 512 comes out 21% slower than LoRA, at seq 2048 about 9%; published comparisons report QLoRA
-30-40% slower at short sequences (S. Raschka's LoRA / QLoRA experiments, 2023), so this is if anything low.
-Issue 22's re-fit of the step-time model owns the number."""
+absmax blocks and writes the compute-dtype weight). Assumed, not measured here: with it a QLoRA step comes out
+1.26x LoRA's for Llama-2-7B on one A100 at seq 512 and 1.11x for Llama-3-8B on an RTX 4090 at seq 2048
+(benchmarks/results/lora.md). A measurement on a GPU (issue 22's re-fit of the step-time model) replaces it."""
 
 # torch.compile's speed-up, kept apart from the compute efficiency (toolkit.estimate.efficiency): the elementwise and
 # reduction work (norms, activations, residual adds, rotary, casts, the loss's softmax) is memory-bound, and

@@ -32,7 +32,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
                    micro_batch: int = 2, grad_accum: int = 1, seq_len: int = REHEARSAL_SEQ_LEN,
                    precision: str = "fp32", checkpointing: bool = False, attention: str = "sdpa",
                    optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
-                   notes: list[str] | None = None) -> Plan:
+                   notes: list[str] | None = None, tensor: int = 1, context: int = 1, sequence: int = 1) -> Plan:
     """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
     from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import build_spec
@@ -43,7 +43,10 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     spec = build_spec(str(model_dir), config)
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
-                                     pipeline_stages=pipeline_stages if kind.is_pipeline else None)
+                                     pipeline_stages=pipeline_stages if kind.is_pipeline else None,
+                                     tensor=tensor, context=context, sequence=sequence)
+    grid.check_model(spec)
+    grid.check_sequence(seq_len, attention)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
               optimizer=optimizer, checkpointing=checkpointing, attention=attention)
     return build_plan(
@@ -71,6 +74,10 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
         said.append("flash-attention kernels need a GPU: rehearsing with sdpa")
     stages = 1
     world = 2
+    tensor, context, sequence = (min(d, 2) for d in (plan.tensor_parallel, plan.context_parallel,
+                                                     plan.sequence_parallel))
+    if tensor > 1:
+        world = 4  # FSDP2 x TP: 2 x 2 (tensor parallelism alone leaves FSDP2 nothing to shard over)
     if plan.engine == Engine.PIPELINE:
         stages = 2
         world = 4 if plan.strategy == "hybrid" or plan.data_parallel > 1 else 2
@@ -86,10 +93,11 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
     grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
     small = plan_for_model(
-        tiny_model_dir, plan.strategy, num_machines=nodes, gpus_per_node=world // nodes, micro_batch=min(plan.micro_batch, 2),
+        tiny_model_dir, plan.strategy, num_machines=nodes, gpus_per_node=world // nodes,
+        micro_batch=min(plan.micro_batch, 2),
         grad_accum=grad_accum, seq_len=min(plan.seq_len, REHEARSAL_SEQ_LEN), precision=precision,
         checkpointing=plan.checkpointing, attention=attention, optimizer=plan.optimizer, pipeline_stages=stages,
-        notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
+        tensor=tensor, context=context, sequence=sequence, notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
     if plan.method != "full":
         # The plan's LoRA / QLoRA adapter on the tiny model of the same architecture (same module names).
         small = small.replace(method=plan.method, adapter=dict(plan.adapter))
@@ -118,6 +126,10 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
     """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed. nodes > 1:
     as many launcher invocations (machine ranks 0..nodes-1) over loopback, training one model together, as the
     nodes of a real multi-node run do."""
+    if plan.context_parallel > 1:
+        from toolkit.train.dimensions import CP_NEEDS_CUDA
+
+        raise UserError(f"cannot rehearse on CPU: {CP_NEEDS_CUDA}")
 
     if is_user_script(train_argv):
         return _rehearse_script(plan, plan_dir, train_argv, dry_run=dry_run)
@@ -136,20 +148,30 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool,
-                 nodes: int = 1) -> int:
-
+def _small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1) -> tuple[Path, Plan, list[str], Path,
+                                                                                       Path]:
+    """In `work`: the tiny model, the small plan and its emitted folder, and the local corpus (with chat: its
+    conversations beside it as train.jsonl, for a user's script; toolkit.train reads one kind of file per folder).
+    Returns (model folder, small plan, what changed, plan folder, data folder)."""
     model_dir = make_rehearsal_model(plan, work / "model")
     small, said = rehearsal_plan(plan, model_dir, nodes)
     small_dir = emit_plan_files(small, work / "plan")
     data = tiny.write_corpus(work / "data", max_chars=60_000)
+    if chat:
+        tiny.write_chat_corpus(data, max_chars=60_000)
+    return model_dir, small, said, small_dir, data
+
+
+def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool,
+                 nodes: int = 1) -> int:
+    _, small, said, small_dir, data = _small_setup(plan, work, nodes=nodes)
     argv = ["--data", str(data), "--output", str(work / "out"), "--random-init", "--max-steps", str(REHEARSAL_STEPS),
             "--save-steps", "2", "--logging-steps", "1", "--max-eval-blocks", "8", *_kept(train_argv)]
     port = free_port()
     commands = [launch_command(small_dir, argv, machine_rank=r, main_host="127.0.0.1", main_port=port)
                 for r in range(nodes)] if nodes > 1 else [launch_command(small_dir, argv)]
     where = f" ({nodes} launcher invocations, machine ranks 0-{nodes - 1}, over loopback)" if nodes > 1 else ""
-    print(f"rehearsal of {plan.strategy} ({plan.precision}) on {small.world_size} CPU processes over gloo{where}: "
+    print(f"rehearsal of {_label(small)} ({plan.precision}) on {small.world_size} CPU processes over gloo{where}: "
           f"{small.model_type} {small.num_layers} layers, hidden {_hidden(small)}, seq {small.seq_len}, "
           f"micro {small.micro_batch} x accum {small.grad_accum}, {REHEARSAL_STEPS} steps", flush=True)
     for line in said:
@@ -178,7 +200,7 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
             print(f"  log: {line}", flush=True)
         print(f"rehearsal FAILED (exit code {code}); fix this before spending GPU time", flush=True)
         return code or 1
-    print(f"rehearsal passed: {plan.strategy} trained {REHEARSAL_STEPS} steps, checkpointed, saved and reloaded",
+    print(f"rehearsal passed: {_label(small)} trained {REHEARSAL_STEPS} steps, checkpointed, saved and reloaded",
           flush=True)
     return 0
 
@@ -223,11 +245,7 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
                         "rehearse it without a script (toolkit launch DIR --rehearse)")
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     try:
-        model_dir = make_rehearsal_model(plan, work / "model")
-        small, said = rehearsal_plan(plan, model_dir)
-        small_dir = emit_plan_files(small, work / "plan")
-        data = tiny.write_corpus(work / "data", max_chars=60_000)
-        tiny.write_chat_corpus(data, max_chars=60_000)
+        model_dir, small, said, small_dir, data = _small_setup(plan, work, chat=True)
         command = launch_command(small_dir, train_argv)
         print(f"rehearsal of your script with {plan.strategy} ({small.precision}) on {small.world_size} CPU "
               f"processes over gloo: micro {small.micro_batch} x accum {small.grad_accum}; a tiny "
@@ -313,6 +331,13 @@ def _check_saved_adapter(out: Path, small: Plan) -> list[str]:
         return [f"the saved adapter does not load with PeftModel.from_pretrained: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"]
     return []
+
+
+def _label(plan: Plan) -> str:
+    """The strategy, with its model-parallel degrees when it has any ("fsdp2 dp=2 x tp=2")."""
+    if plan.grid.model_parallel > 1:
+        return f"{plan.strategy} {plan.grid.describe()}"
+    return plan.strategy
 
 
 def _hidden(plan: Plan):

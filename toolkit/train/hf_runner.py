@@ -16,7 +16,7 @@ from pathlib import Path
 from toolkit.emit.user_settings import training_arguments
 from toolkit.errors import UserError
 from toolkit.plan.schema import Plan
-from toolkit.train import checkpoints, cpu
+from toolkit.train import checkpoints, cpu, dimensions
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
 from toolkit.inputs.strategy import Engine
@@ -37,6 +37,11 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         raise UserError("the plan offloads activations, which TRL's SFTTrainer does and toolkit.train does not: run "
                         "it with your own TRL script (training_args.json, sft_config) or re-plan without "
                         "--activation-offloading")
+    dimensions.check_runnable(plan, on_cpu=cpu.on_cpu())
+    if args.resume and dimensions.tensor_parallel(plan):
+        raise UserError("a tensor-parallel run cannot resume: the HF Trainer does not checkpoint the optimizer of a "
+                        "model transformers sharded at load time (its checkpoints hold the model only); start "
+                        "again without --resume")
     output = Path(args.output)
     resume_from = _resume_point(output, args.resume)
 
@@ -49,6 +54,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     from toolkit.train.adapters import adapter_for_run
 
     adapter = adapter_for_run(plan, args)
+    dimensions.leave_sharding_to_transformers(plan)
     state = cpu.configure_cpu_state(plan.engine) if cpu.on_cpu() else None
     training_args = _training_arguments(plan, args, output, on_cpu=state is not None)
     _check_world(plan, training_args.world_size)
@@ -60,7 +66,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
 
     set_seed(args.seed)  # random init (--random-init, new heads) is the same on every rank and every run
     model = build_model(source, config, plan, random_init=args.random_init, attention=_attention(plan),
-                        adapter=adapter)
+                        adapter=adapter, distributed_config=dimensions.distributed_config(plan))
     if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
         _check_born_partitioned(model)
     if adapter is not None:
@@ -188,6 +194,8 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         # bf16 with DeepSpeed otherwise; the engines themselves run on the gloo state configured before.
         use_cpu=on_cpu,
     )
+    if (parallelism := dimensions.parallelism_config(plan, _attention(plan))) is not None:
+        kwargs["parallelism_config"] = parallelism
     if args.compile:
         kwargs["torch_compile"] = True
     kwargs.update(user_trainer_flags(plan, args.trainer_flags, kwargs))
@@ -205,7 +213,8 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         raise UserError(f"training arguments rejected: {exc}") from None
 
 
-PLAN_OWNED_FLAGS = ("deepspeed", "fsdp", "fsdp_config", "use_cpu", "accelerator_config", "gradient_checkpointing",
+PLAN_OWNED_FLAGS = ("deepspeed", "fsdp", "fsdp_config", "use_cpu", "accelerator_config", "parallelism_config",
+                    "gradient_checkpointing",
                     "gradient_checkpointing_kwargs", "activation_checkpointing", "activation_checkpointing_kwargs")
 """TrainingArguments the plan (or toolkit.train's engine set-up) decides, besides training_arguments(plan)'s keys."""
 
@@ -256,7 +265,9 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        checksum = sum(float(p.detach().double().abs().sum()) for p in model.parameters())
+        # The shard this rank holds (a DTensor's local part under tensor parallelism).
+        checksum = sum(float(getattr(p, "_local_tensor", p).detach().double().abs().sum())
+                       for p in model.parameters())
         # Every rank runs the forward (ZeRO-3 and FSDP2 gather parameters collectively).
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
@@ -295,12 +306,19 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
                 logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))
             super().log(logs, *a, **kw)
 
+        def _prepare_inputs(self, inputs):
+            inputs = super()._prepare_inputs(inputs)
+            return dimensions.contiguous_inputs(inputs) if sequence_parallel and cpu.on_cpu() else inputs
+
     if eval_data is None:
         training_args.eval_strategy = IntervalStrategy.NO
     throughput = ThroughputLog(tokens_per_step=plan.global_batch * plan.seq_len)
+    sequence_parallel = plan.sequence_parallel > 1
+    collator = dimensions.sequence_parallel_collator(default_data_collator) if sequence_parallel \
+        else default_data_collator
     trainer = PlanTrainer(model=model, args=training_args, train_dataset=train_data,
                           eval_dataset=eval_data if eval_data is not None else None,
-                          data_collator=default_data_collator, processing_class=tokenizer,
+                          data_collator=collator, processing_class=tokenizer,
                           callbacks=[CheckpointMarker(args.output, args.save_total_limit)])
     return trainer
 
@@ -327,6 +345,10 @@ def save_final(trainer, tokenizer, output: Path) -> None:
 
 
 def _check_world(plan: Plan, world: int) -> None:
+    if world != plan.world_size and plan.grid.model_parallel > 1:
+        raise UserError(f"the plan is for {plan.world_size} processes ({plan.grid.describe()}) but {world} were "
+                        "started; its tensor / sequence / context groups need exactly that many (start it with "
+                        "`toolkit launch`, or re-plan for this GPU count)")
     if world != plan.world_size and plan.engine == Engine.DEEPSPEED:
         raise UserError(f"the plan is for {plan.world_size} processes but {world} were started; its DeepSpeed "
                         f"train_batch_size {plan.global_batch} assumes {plan.data_parallel} data-parallel ranks "
@@ -341,7 +363,17 @@ def _global_batch(plan: Plan, world: int) -> int:
     """The batch a launch of `world` processes really steps with (the plan's grid at that world size)."""
     from toolkit.inputs.grid import ParallelGrid
 
+    if world == plan.world_size:
+        return plan.grid.global_batch(plan.micro_batch, plan.grad_accum)
     return ParallelGrid(1, world, dp_shard=world).global_batch(plan.micro_batch, plan.grad_accum)
+
+
+def _degrees(plan: Plan) -> str:
+    return f"{plan.grid.describe()}, " if plan.grid.model_parallel > 1 else ""
+
+
+def _data_parallel(plan: Plan, world: int) -> int:
+    return plan.grid.data_parallel if world == plan.world_size else world
 
 
 def _attention(plan: Plan) -> str:
@@ -352,7 +384,8 @@ def _attention(plan: Plan) -> str:
 
 def _banner(plan, args, training_args, n_train, eval_data) -> str:
     return (f"toolkit.train: {plan.strategy} ({plan.engine}), {plan.model_type} {plan.num_layers} layers, "
-            f"seq {plan.seq_len}, micro {plan.micro_batch} x accum {plan.grad_accum} x dp {training_args.world_size}"
+            f"{_degrees(plan)}seq {plan.seq_len}, micro {plan.micro_batch} x accum {plan.grad_accum} x dp "
+            f"{_data_parallel(plan, training_args.world_size)}"
             f" = {_global_batch(plan, training_args.world_size)} sequences/step, {plan.precision}, "
             f"{n_train} train blocks, {len(eval_data) if eval_data is not None else 0} eval blocks")
 

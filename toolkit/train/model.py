@@ -118,10 +118,13 @@ def check_vocab(config: Any, tokenizer: Any, source: str) -> None:
                         "use the model's own tokenizer")
 
 
-def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, attention: str, adapter=None):
+def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, attention: str, adapter=None,
+                distributed_config=None):
     """Create the model. Under ZeRO-3 the caller must keep TrainingArguments(deepspeed=...) alive first, so
     transformers' HfDeepSpeedConfig makes from_pretrained / from_config partition under deepspeed.zero.Init.
-    With a LoRA / QLoRA `adapter` the frozen base is loaded in the compute dtype (4-bit for QLoRA)."""
+    With a LoRA / QLoRA `adapter` the frozen base is loaded in the compute dtype (4-bit for QLoRA).
+    With a `distributed_config` (tensor parallelism) transformers shards the model as it loads it; it shards only
+    while loading a checkpoint, so random weights go through a temporary folder, as for QLoRA."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -135,27 +138,35 @@ def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, atte
         if adapter.method == "qlora":
             kwargs["quantization_config"] = quantization_config(adapter)
             if random_init or Path(source).expanduser().is_file():
-                # transformers quantises weights only as it loads a checkpoint: write the random (seeded, so
-                # equal on every rank) weights to a temporary folder and load them back (rehearsals, tests).
-                # Every rank writes its own (save_pretrained writes on the main process only).
-                import tempfile
-
-                from safetensors.torch import save_model
-
-                from transformers import GenerationConfig
-
-                with tempfile.TemporaryDirectory() as tmp:
-                    config.to_json_file(str(Path(tmp) / "config.json"))
-                    GenerationConfig.from_model_config(config).to_json_file(str(Path(tmp) / "generation_config.json"))
-                    save_model(AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"]),
-                               str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
-                    return AutoModelForCausalLM.from_pretrained(tmp, config=config, **kwargs)
+                # transformers quantises weights only as it loads a checkpoint (rehearsals, tests).
+                return _load_random_through_checkpoint(config, kwargs)
+    if distributed_config is not None:
+        kwargs["distributed_config"] = distributed_config
+        if random_init or Path(source).expanduser().is_file():
+            return _load_random_through_checkpoint(config, kwargs)
     try:
         if random_init or Path(source).expanduser().is_file():
             return AutoModelForCausalLM.from_config(config, **kwargs)
         return AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
     except (OSError, ValueError, ImportError) as exc:
         raise UserError(f"cannot load model {source}: {_first_line(exc)}") from None
+
+
+def _load_random_through_checkpoint(config: Any, kwargs: dict):
+    """Random (seeded, so equal on every rank) weights written to a temporary folder and loaded back with
+    `kwargs`: transformers quantises (QLoRA) and shards (tensor parallelism) only as it loads a checkpoint.
+    Every rank writes its own (save_pretrained writes on the main process only)."""
+    import tempfile
+
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config.to_json_file(str(Path(tmp) / "config.json"))
+        GenerationConfig.from_model_config(config).to_json_file(str(Path(tmp) / "generation_config.json"))
+        save_model(AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"]),
+                   str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(tmp, config=config, **kwargs)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,0 +1,146 @@
+"""Tensor and sequence parallelism run by toolkit.train over gloo, against one single-process run.
+
+The dimensions the engines run on CPU (docs/ENGINE_FACTS.md "Which dimensions run on CPU"): FSDP2 x TP (transformers'
+load-time DTensor sharding, 2 x 2 = 4 processes) and ZeRO x Ulysses SP (2 processes). Every run trains the tiny Llama
+(4 heads, 2 KV heads) on the packed corpus at global batch 4, fp32, constant learning rate, like
+tests/test_train_engines.py, so the losses must equal the single-process ones up to reduction order. Context
+parallelism needs CUDA: it is refused here with one line. One run per dimension checks losses, rank agreement and
+the saved model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.run.rehearsal import plan_for_model
+
+STEPS = 4
+SEQ = 32
+LOSS_TOLERANCE = 1e-3
+"""The issue's bar (fp32); measured differences are ~1e-6."""
+COMMON = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str(STEPS), "--lr", "3e-3",
+          "--lr-scheduler", "constant", "--seed", "7", "--max-eval-blocks", "4")
+
+RUNS = {  # name: (strategy, world, micro, accum, tensor, sequence); each at global batch 4
+    "fsdp2-tp2": ("fsdp2", 4, 2, 1, 2, 1),
+    "zero3-sp2": ("zero3", 2, 2, 2, 1, 2),
+}
+"""ZeRO-1 x SP runs in the rehearsal test below; ZeRO-2 x SP matched exactly in the spike (docs/ENGINE_FACTS.md)."""
+
+
+def _args(corpus_dir, *extra):
+    return ("--data", str(corpus_dir), *COMMON, *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(run_training, tiny_llama_dir, corpus_dir):
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=4, seq_len=SEQ)
+    return run_training(plan, "dims-ref", *_args(corpus_dir)).check()
+
+
+@pytest.fixture(scope="module")
+def dimension_runs(run_training, tiny_llama_dir, corpus_dir):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            strategy, world, micro, accum, tensor, sequence = RUNS[name]
+            plan = plan_for_model(tiny_llama_dir, strategy, gpus_per_node=world, micro_batch=micro,
+                                  grad_accum=accum, seq_len=SEQ, tensor=tensor, sequence=sequence)
+            assert plan.global_batch == 4
+            cache[name] = run_training(plan, name, *_args(corpus_dir), timeout=600).check()
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(RUNS))
+def test_dimension_matches_single_process_losses_and_ranks_agree(name, dimension_runs, reference):
+    run = dimension_runs(name)
+    world = RUNS[name][1]
+    assert len(run.ranks) == world
+    ref = reference.losses()
+    for rank in range(world):
+        got = run.losses(rank)
+        assert got.keys() == ref.keys() and len(got) == STEPS
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (name, rank, step, got, ref)
+        assert run.ranks[rank]["global_step"] == STEPS
+        torch.testing.assert_close(torch.tensor(run.ranks[rank]["probe_logits"]),
+                                   torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-6, rtol=0)
+    assert run.losses()[STEPS] < run.losses()[1], "loss did not go down"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(RUNS))
+def test_dimension_saves_a_model_that_reloads_to_the_trained_logits(name, dimension_runs, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    run = dimension_runs(name)
+    model = AutoModelForCausalLM.from_pretrained(run.output).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in reference.parameters())
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
+    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_ranks_hold_shards(dimension_runs):
+    """tp 2 x dp_shard 2: each rank holds a quarter of the sharded weights (norms: a half), not a replica."""
+    ranks = dimension_runs("fsdp2-tp2").ranks
+    sums = [r["local_param_abs_sum"] for r in ranks]
+    assert len(set(sums)) == 4, sums
+
+
+def test_context_parallel_is_refused_on_cpu_with_one_line(tiny_llama_dir, corpus_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from toolkit.run.launcher import emit_plan_files
+
+    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=2, micro_batch=1, seq_len=SEQ, context=2)
+    plan_dir = emit_plan_files(plan, tmp_path / "plan")
+    proc = subprocess.run([sys.executable, "-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"),
+                           "--data", str(corpus_dir), "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "context parallelism needs a GPU" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_rehearsal_of_a_sequence_parallel_plan_runs_sp_2_and_passes(tiny_llama_dir, tmp_path, capfd):
+    """A 'big' ZeRO-1 x SP 4 plan on 8 GPUs rehearses as sp 2 on 2 CPU processes, trains, saves and reloads."""
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+
+    plan = plan_for_model(tiny_llama_dir, "zero1", gpus_per_node=8, micro_batch=1, grad_accum=4, seq_len=256,
+                          sequence=4)
+    code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "rehearsal of zero1 dp=1 x sp=2 (fp32) on 2 CPU processes" in out and "rehearsal passed" in out
+
+
+def test_rehearsal_of_a_tensor_parallel_plan_is_fsdp2_x_tp_on_4_processes(tiny_llama_dir, tmp_path, capfd):
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+
+    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=8, micro_batch=4, seq_len=256, tensor=2)
+    assert launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True, dry_run=True) == 0
+    assert "rehearsal of fsdp2 dp=2 x tp=2 (fp32) on 4 CPU processes" in capfd.readouterr().out
+
+
+def test_rehearsal_of_a_context_parallel_plan_is_refused_in_one_line(tiny_llama_dir, tmp_path):
+    from toolkit.errors import UserError
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+
+    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=8, micro_batch=1, seq_len=256, context=2)
+    with pytest.raises(UserError, match="cannot rehearse on CPU: context parallelism needs a GPU"):
+        launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)

@@ -1,0 +1,110 @@
+"""Tensor, sequence and context parallelism in the HF Trainer run: who shards what, from the plan's grid.
+
+Measured on CPU over gloo (docs/ENGINE_FACTS.md, "Which dimensions run on CPU"):
+- tensor parallelism (FSDP2 x TP, HSDP x TP): transformers shards the model as it loads it
+  (`from_pretrained(distributed_config=DistributedConfig(tp_size, fsdp_size, dp_replicate_size))`, the model's own
+  tp_plan, FSDP2 over the rest of the mesh). The Trainer then only prepares it; accelerate's FSDP plugin must stay
+  off (with it on, the Trainer's load-time-sharded branch hands accelerate an optimizer alone, which FSDP2 refuses),
+  and the Trainer derives its ParallelismConfig from the model. Such a model's optimizer is not checkpointed (the
+  Trainer refuses it): checkpoints hold the model only and the run cannot resume.
+- sequence parallelism (DeepSpeed Ulysses / ALST with ZeRO-1/2/3): TrainingArguments' `parallelism_config` with
+  sp_backend "deepspeed"; accelerate registers the Ulysses attention and the Trainer wraps the data loader in
+  DeepSpeed's adapter, which needs position_ids in every batch.
+- context parallelism (FSDP2 x CP, torch ring attention): needs CUDA's SDPA kernels; refused on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.plan.schema import Plan
+
+CP_NEEDS_CUDA = ("context parallelism needs a GPU: torch's ring attention shards only the CUDA SDPA kernels "
+                 "(on CPU: 'aten._scaled_dot_product_flash_attention_for_cpu does not have a sharding strategy "
+                 "registered'); it is validated here and checked by benchmarks/gpu_check.py on 2+ GPUs")
+"""One line for a CP plan on a machine without a GPU (docs/ENGINE_FACTS.md)."""
+
+
+def tensor_parallel(plan: Plan) -> bool:
+    return plan.tensor_parallel > 1
+
+
+def check_runnable(plan: Plan, *, on_cpu: bool) -> None:
+    """Refuse, before any process group or model, the dimensions this runner cannot run here."""
+    if plan.context_parallel > 1 and plan.tensor_parallel > 1:
+        raise UserError(f"toolkit.train runs tensor parallel {plan.tensor_parallel} through transformers' load-time "
+                        f"sharding, whose mesh has no context-parallel axis: re-plan with --tensor-parallel or "
+                        f"--context-parallel {plan.context_parallel}, not both")
+    if plan.context_parallel > 1 and on_cpu:
+        raise UserError(CP_NEEDS_CUDA)
+    if plan.method != "full" and (plan.tensor_parallel > 1 or plan.sequence_parallel > 1
+                                  or plan.context_parallel > 1):
+        raise UserError(f"toolkit.train does not run {plan.method} adapters with tensor / sequence / context "
+                        "parallelism; re-plan without the model-parallel degree, or train the full model")
+
+
+def leave_sharding_to_transformers(plan: Plan) -> None:
+    """A TP plan's YAML is a plain multi-process launch (toolkit.emit.parallelism); a TP plan launched with an FSDP
+    config of another origin would make the Trainer fail opaquely. Turn accelerate's FSDP plugin and its
+    parallelism_config off in this process, because transformers shards the model (FSDP2 included) as it loads it.
+    Call before accelerate's state exists."""
+    if not tensor_parallel(plan):
+        return
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
+    for name in [n for n in os.environ if n.startswith("PARALLELISM_CONFIG_")]:
+        del os.environ[name]  # the Trainer builds its ParallelismConfig from the sharded model
+    os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+
+
+def distributed_config(plan: Plan):
+    """transformers' DistributedConfig for a TP plan, from the keyword arguments training_args.json carries."""
+    from toolkit.emit.parallelism import distributed_config as config_kwargs
+
+    kwargs = config_kwargs(plan)
+    if not kwargs:
+        return None
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    return DistributedConfig(**kwargs)
+
+
+def parallelism_config(plan: Plan, attention: str):
+    """TrainingArguments' `parallelism_config` for an SP or CP plan, from the keyword arguments training_args.json
+    carries (None otherwise: a TP plan's comes from the sharded model). `attention`: the implementation the model
+    runs with here (Ulysses refuses a model whose attention differs from the one it wraps)."""
+    from toolkit.emit.parallelism import build_parallelism_config, parallelism_kwargs
+
+    kwargs = parallelism_kwargs(plan)
+    if not kwargs or plan.grid.model_parallel == 1:  # as training_args.json: only with a tp / cp / sp degree
+        return None
+    if "sp_handler" in kwargs:
+        kwargs["sp_handler"] = {**kwargs["sp_handler"], "sp_attn_implementation": attention}
+    return build_parallelism_config(kwargs)
+
+
+def sequence_parallel_collator(base):
+    """DeepSpeed's Ulysses data-loader adapter shards every batch along the sequence and needs position_ids to keep
+    each token's global position (ulysses_sp.py UlyssesSPDataLoaderAdapter.refill raises without them). Blocks are
+    whole sequences here (packed text, or one right-padded conversation), so positions run 0..seq-1. The attention
+    mask is dropped: Ulysses attends causally over the gathered sequence, and right padding (labels -100) is never
+    attended to by a real token under a causal mask."""
+    import torch
+
+    def collate(features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = base(features)
+        batch.pop("attention_mask", None)
+        batch_size, seq_len = batch["input_ids"].shape
+        batch["position_ids"] = torch.arange(seq_len).unsqueeze(0).expand(batch_size, -1).contiguous()
+        return batch
+
+    return collate
+
+
+def contiguous_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """On CPU, DeepSpeed's Ulysses adapter hands out sequence shards as views (`.cpu()` copies nothing), which the
+    causal-LM loss cannot `.view(-1)` when the micro-batch is above 1; `.to(cuda)` copies them on a GPU anyway."""
+    import torch
+
+    return {k: v.contiguous() if torch.is_tensor(v) else v for k, v in inputs.items()}
