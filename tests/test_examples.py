@@ -53,3 +53,14 @@ def test_seed_accumulation_mixed_precision_and_resume(work):
     state = json.loads((work / "accum" / "out" / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["global_step"] == 8
     assert reloads(work / "accum" / "out") == plan["params"]
+
+
+@pytest.mark.multiprocess
+def test_seed_fault_tolerance_a_killed_worker_is_restarted_and_the_run_finishes(work):
+    proc = run_example("5_elastic_restart.sh", work)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "killed worker" in proc.stdout
+    log = (work / "elastic" / "out" / "toolkit-launch.log").read_text(errors="replace")
+    assert "toolkit.train: restart 1 after a worker died" in log
+    state = json.loads((work / "elastic" / "out" / "checkpoint-12" / "trainer_state.json").read_text())
+    assert state["global_step"] == 12

@@ -97,17 +97,50 @@ def _final_state(output: Path) -> dict:
     return load_file(str(output / "model.safetensors"))
 
 
-@pytest.mark.multiprocess
-def test_launcher_killed_stops_every_rank_refuses_a_second_run_and_resumes_exactly(tiny_llama_dir, corpus_dir,
-                                                                                   tmp_path):
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _steps(corpus_dir: Path) -> list[str]:
+    return ["--data", str(corpus_dir), "--random-init", "--max-steps", "12", "--save-steps", "2",
+            "--logging-steps", "1", "--lr-scheduler", "constant", "--max-eval-blocks", "2", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_llama_dir, corpus_dir, tmp_path_factory):
+    """(plan folder, output) of a DDP run of 12 steps that nothing interrupts: what every interrupted run of the
+    same plan and flags must end with."""
+    root = tmp_path_factory.mktemp("whole")
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), root / "p")
+    whole = subprocess.run([sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--",
+                            *_steps(corpus_dir), "--output", str(root / "whole")], env=ENV, capture_output=True,
+                           text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return plan_dir, root / "whole"
+
+
+def _losses_after(output: Path, step: int) -> list[float]:
+    log = json.loads((output / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
+    return [e["loss"] for e in log if "loss" in e and e["step"] > step]
+
+
+def _same_end(output: Path, reference: Path, resumed_at: int) -> None:
     import torch
 
+    ours, theirs = _final_state(output), _final_state(reference)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert _losses_after(output, resumed_at) == _losses_after(reference, resumed_at)
+    assert len(_losses_after(reference, resumed_at)) == 12 - resumed_at
+
+
+@pytest.mark.multiprocess
+def test_launcher_killed_stops_every_rank_refuses_a_second_run_and_resumes_exactly(corpus_dir, uninterrupted,
+                                                                                   tmp_path):
     from toolkit.train.checkpoints import COMPLETE_MARKER, is_complete, last_complete_checkpoint
 
-    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), tmp_path / "p")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    steps = ["--data", str(corpus_dir), "--random-init", "--max-steps", "12", "--save-steps", "2",
-             "--logging-steps", "1", "--lr-scheduler", "constant", "--max-eval-blocks", "2", "--seed", "3"]
+    plan_dir, whole = uninterrupted
+    env = ENV
+    steps = _steps(corpus_dir)
     toolkit = [sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--"]
 
     killed = tmp_path / "killed"
@@ -138,16 +171,79 @@ def test_launcher_killed_stops_every_rank_refuses_a_second_run_and_resumes_exact
     resume = subprocess.run([*toolkit, *steps, "--output", str(killed), "--resume"], env=env,
                             capture_output=True, text=True, timeout=600)
     assert resume.returncode == 0, resume.stderr[-3000:]
-    whole = subprocess.run([*toolkit, *steps, "--output", str(tmp_path / "whole")], env=env, capture_output=True,
-                           text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    resumed, reference = _final_state(killed), _final_state(tmp_path / "whole")
-    assert resumed.keys() == reference.keys()
-    assert all(torch.equal(resumed[k], reference[k]) for k in reference)
-    losses = [json.loads((d / "trainer_state.json").read_text())["log_history"]
-              for d in (killed / "checkpoint-12", tmp_path / "whole" / "checkpoint-12")]
-    assert [e["loss"] for e in losses[0] if "loss" in e and e["step"] > int(last.name.split("-")[1])] == \
-        [e["loss"] for e in losses[1] if "loss" in e and e["step"] > int(last.name.split("-")[1])]
+    _same_end(killed, whole, int(last.name.split("-")[1]))
+
+
+def _training_ranks(launcher_pid: int) -> list[int]:
+    """The toolkit.train worker processes under a launcher (not accelerate's or torchrun's own)."""
+    ranks = []
+    for pid in descendants(launcher_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"toolkit.train" in cmdline and b"accelerate" not in b" ".join(cmdline[:3]):
+            ranks.append(pid)
+    return ranks
+
+
+@pytest.mark.multiprocess
+def test_a_worker_killed_mid_run_is_restarted_and_ends_with_the_uninterrupted_runs_losses(corpus_dir, uninterrupted,
+                                                                                          tmp_path):
+    """`toolkit launch --max-restarts 1`: SIGKILL of one training rank after checkpoint-2; torchrun's elastic
+    agent restarts the workers, toolkit.train resumes them from the last complete checkpoint, and the run ends
+    with the weights and (after the resume point) the losses of a run nothing interrupted."""
+    from toolkit.train.checkpoints import COMPLETE_MARKER, last_complete_checkpoint
+
+    plan_dir, whole = uninterrupted
+    output = tmp_path / "elastic"
+    launcher = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--max-restarts",
+                                 "1", "--", *_steps(corpus_dir), "--output", str(output)],
+                                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (output / "checkpoint-2" / COMPLETE_MARKER).is_file(), 300, "checkpoint-2")
+        ranks = _training_ranks(launcher.pid)
+        assert len(ranks) == 2, ranks
+        resumed_at = int(last_complete_checkpoint(output).name.split("-")[1])
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    log = (output / "toolkit-launch.log").read_text(errors="replace")
+    assert "toolkit.train: restart 1 after a worker died; resuming from the last complete checkpoint" in log
+    # The restart resumed from the newest complete checkpoint at the time of the kill, or a later one if the ranks
+    # wrote one before they noticed: either way the end is the uninterrupted run's.
+    _same_end(output, whole, resumed_at)
+
+
+@pytest.mark.multiprocess
+def test_a_worker_that_keeps_dying_ends_the_run_with_one_line(tiny_llama_dir, corpus_dir, tmp_path):
+    """The restarts run out (a worker killed again after the restart; a node that never comes back ends the same
+    way: its rendezvous fails): one line naming --max-restarts and the checkpoint to resume from."""
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), tmp_path / "p")
+    output = tmp_path / "dying"
+    launcher = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--max-restarts",
+                                 "1", "--", *_steps(corpus_dir), "--max-steps", "100000", "--output", str(output)],
+                                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for attempt in range(2):
+            _wait_for(lambda: len(_training_ranks(launcher.pid)) == 2, 300, f"the workers of attempt {attempt}")
+            first = _training_ranks(launcher.pid)
+            time.sleep(1.0)
+            os.kill(first[0], signal.SIGKILL)
+            _wait_for(lambda: first[0] not in _training_ranks(launcher.pid), 60, "the killed worker to go")
+            if attempt == 0:
+                _wait_for(lambda: not set(first) & set(_training_ranks(launcher.pid)), 120, "the restart")
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode not in (0, 2)
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: the workers did not recover within --max-restarts 1 (a worker kept dying, "
+                                "or a node never came back)"), err[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -95,3 +95,25 @@ def test_rehearsal_of_a_hybrid_plan_runs_2_stages_x_2_data_parallel(tiny_llama_d
     out = capfd.readouterr().out
     assert code == 0, out[-3000:]
     assert "on 4 CPU processes" in out and "rehearsal passed" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp2"])
+def test_a_two_node_rehearsal_trains_one_model_over_loopback(tiny_llama_dir, tmp_path, capfd, strategy):
+    """`--rehearse --nodes 2`: two launcher invocations (machine ranks 0 and 1, one process each) rendezvous over
+    127.0.0.1 and train together; every rank's model gives the same logits afterwards (the rehearsal checks it
+    from toolkit.train's rank summaries), and the saved model reloads."""
+    plan = plan_for_model(tiny_llama_dir, strategy, num_machines=2, gpus_per_node=4, micro_batch=2, seq_len=64)
+    code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True, nodes=2)
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "(2 launcher invocations, machine ranks 0-1, over loopback)" in out and "rehearsal passed" in out
+    assert "--machine_rank 0 --main_process_ip 127.0.0.1" in out and "--machine_rank 1 --main_process_ip 127.0.0.1" in out
+
+
+def test_nodes_without_rehearse_is_refused_in_one_line(tiny_llama_dir, tmp_path):
+    from toolkit.errors import UserError
+
+    plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero3", micro_batch=2, seq_len=32), tmp_path / "p")
+    with pytest.raises(UserError, match="--nodes 2 runs a rehearsal as 2 nodes on this machine; add --rehearse"):
+        launch_main(plan_dir, [], nodes=2)

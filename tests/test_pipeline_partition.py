@@ -73,8 +73,19 @@ def test_a_plan_partition_must_cover_every_layer_once():
             check_partition(bad, 4, 2)
 
 
-def test_the_planners_list_of_pipeline_architectures_is_the_converters():
-    from toolkit.train.pipeline.convert import FAMILIES
-    from toolkit.inputs.partition import PIPELINE_MODEL_TYPES
+@pytest.mark.parametrize("arch, blocked", [("phi3", False), ("gemma3_text", False), ("qwen2_moe", False),
+                                           ("bloom", True)])
+def test_the_planner_and_the_converter_agree_on_what_can_be_split(arch, blocked):
+    """One finder (toolkit.inputs.decoder_parts) answers both: the planner's spec and the converter's Source."""
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.train.pipeline.convert import Source
+    from toolkit.run.tiny import tiny_config
 
-    assert set(PIPELINE_MODEL_TYPES) == set(FAMILIES)
+    config = tiny_config(arch, output_router_logits=True) if arch == "qwen2_moe" else tiny_config(arch)
+    spec = build_spec(arch, config)
+    assert bool(spec.pipeline_blocker) == blocked
+    if blocked:
+        with pytest.raises(UserError, match=spec.pipeline_blocker.split(":")[0]):
+            Source(config, None)
+    else:
+        assert Source(config, None).parts.layers

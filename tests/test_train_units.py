@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,22 @@ def test_rotation_never_deletes_the_last_complete_checkpoint(tmp_path):
     _checkpoint(tmp_path, 40, complete=False)  # being written right now
     rotate(tmp_path, keep=1)
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["checkpoint-30", "checkpoint-40"]
+
+
+def test_rotation_keeps_three_complete_checkpoints_by_default_as_plan_md_says(tmp_path):
+    from toolkit.emit.explain import launch_section
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.args import parse_train_args
+    from toolkit.train.checkpoints import checkpoint_dirs, rotate
+
+    keep = parse_train_args(["--plan", "p", "--data", "d", "--output", "o"]).save_total_limit
+    assert keep == 3
+    for step in (10, 20, 30, 40, 50):
+        _checkpoint(tmp_path, step)
+    rotate(tmp_path, keep)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["checkpoint-30", "checkpoint-40", "checkpoint-50"]
+    plan = plan_for_model(str(Path(__file__).parents[1] / "toolkit" / "catalog" / "models" / "gpt2.json"), "ddp")
+    assert "keeps the newest 3 complete ones (`--save-total-limit`)" in "\n".join(launch_section(plan, None))
 
 
 # --- model against plan ----------------------------------------------------------------------------------------

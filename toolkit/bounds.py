@@ -53,6 +53,7 @@ DEGREE = Bound(1, 1024, "the GPUs-per-node bound; no real model has heads to spl
 STEPS = Bound(1, 1e9, "10^9 optimizer steps")
 PROFILE_STEPS = Bound(1, 10000, "timed steps of one profile run")
 TOP = Bound(1, 100000, "rows to print")
+RESTARTS = Bound(0, 1000, "1000 elastic restarts: more means the job is failing, not recovering")
 
 
 def check_number(flag: str, value: float, bound: Bound) -> None:
@@ -146,3 +147,9 @@ def check_no_control_chars(what: str, text: str) -> None:
     if bad:
         raise UserError(f"{what} {text!r} holds a control character ({bad[0]!r}); remove it")
 
+
+# Checkpoint rotation (toolkit.train --save-total-limit; PLAN.md states it).
+DEFAULT_SAVE_TOTAL_LIMIT = 3
+"""Complete checkpoints kept by default: the newest one to resume from, two older ones in case the newest turns out
+bad (a loss spike), and a bounded disk (a 70B checkpoint with its AdamW states is about 1 TB: 16 bytes a parameter).
+An older one is deleted only after a newer one is complete (toolkit.train.checkpoints.rotate)."""

@@ -32,6 +32,12 @@ def add_parser(sub) -> None:
     p.add_argument("--cpu", action="store_true",
                    help="run on CPU processes over gloo (bf16 instead of fp16; your own script gets the set-up "
                         "from toolkit.train.own_script)")
+    p.add_argument("--nodes", type=int_arg("--nodes", bounds.NODES), default=1, metavar="N",
+                   help="with --rehearse: run the rehearsal as N launcher invocations (machine ranks 0..N-1) over "
+                        "loopback, as the nodes of a multi-node run (default %(default)s)")
+    p.add_argument("--max-restarts", type=int_arg("--max-restarts", bounds.RESTARTS), default=0, metavar="N",
+                   help="restart the workers up to N times when one dies (torchrun's elastic agent); each restart "
+                        "resumes from the last complete checkpoint (default %(default)s)")
     p.set_defaults(func=cmd_launch, train_args=[])
     p.epilog = LAUNCH_EPILOG
 
@@ -50,11 +56,11 @@ your own script); Ctrl-C stops every rank and prints the command that resumes.""
 def cmd_launch(args) -> int:
 
     return launch_main(args.plan_dir, args.train_args, rehearse=args.rehearse, dry_run=args.dry_run,
-                       processes=args.processes, cpu=args.cpu)
+                       processes=args.processes, cpu=args.cpu, max_restarts=args.max_restarts, nodes=args.nodes)
 
 
 def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool = False, dry_run: bool = False,
-                processes: int | None = None, cpu: bool = False) -> int:
+                processes: int | None = None, cpu: bool = False, max_restarts: int = 0, nodes: int = 1) -> int:
     """Run (or print) the plan's training; with rehearse, a CPU rehearsal of the same strategy instead. processes /
     cpu: the plan on a smaller box (toolkit.run.smaller_box), its files emitted for it into a temporary folder."""
     from toolkit.plan.files import PLAN_JSON
@@ -64,13 +70,18 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     if plan_dir.name == PLAN_JSON:
         plan_dir = plan_dir.parent
     plan = load_plan(plan_dir)
+    if nodes > 1 and not rehearse:
+        raise UserError(f"--nodes {nodes} runs a rehearsal as {nodes} nodes on this machine; add --rehearse (a real "
+                        "multi-node run starts on each node: see PLAN.md)")
     if (processes is not None or cpu) and not rehearse:
-        return _launch_on_this_box(plan, plan_dir, train_argv, processes=processes, cpu=cpu, dry_run=dry_run)
-    return _launch_folder(plan, plan_dir, train_argv, rehearse=rehearse, dry_run=dry_run)
+        return _launch_on_this_box(plan, plan_dir, train_argv, processes=processes, cpu=cpu, dry_run=dry_run,
+                                   max_restarts=max_restarts)
+    return _launch_folder(plan, plan_dir, train_argv, rehearse=rehearse, dry_run=dry_run, nodes=nodes,
+                          max_restarts=max_restarts)
 
 
 def _launch_on_this_box(plan: Plan, plan_dir: Path, train_argv: list[str], *, processes: int | None, cpu: bool,
-                        dry_run: bool) -> int:
+                        dry_run: bool, max_restarts: int = 0) -> int:
     import os
     import shutil
     import tempfile
@@ -91,13 +102,15 @@ def _launch_on_this_box(plan: Plan, plan_dir: Path, train_argv: list[str], *, pr
         box_dir = emit_plan_files(box, work / "plan")
         relaunch = f"toolkit launch {shlex.quote(str(plan_dir))} --processes {box.world_size}" + (" --cpu" if cpu else "")
         return _launch_folder(box, box_dir, train_argv, rehearse=False, dry_run=dry_run, log_dir=plan_dir,
-                              relaunch=relaunch, env={"CUDA_VISIBLE_DEVICES": ""} if cpu else None)
+                              relaunch=relaunch, env={"CUDA_VISIBLE_DEVICES": ""} if cpu else None,
+                              max_restarts=max_restarts)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehearse: bool, dry_run: bool,
-                   log_dir: Path | None = None, relaunch: str | None = None, env: dict[str, str] | None = None) -> int:
+                   log_dir: Path | None = None, relaunch: str | None = None, env: dict[str, str] | None = None,
+                   nodes: int = 1, max_restarts: int = 0) -> int:
     from toolkit.fileio import file_kind_problem
     from toolkit.inputs.strategy import Engine
     from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG
@@ -117,7 +130,7 @@ def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehears
     if rehearse:
         from toolkit.run.rehearsal import rehearse as run_rehearsal
 
-        return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run)
+        return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run, nodes=nodes)
     args = None
     if is_user_script(train_argv):
         check_script(train_argv[0])
@@ -129,7 +142,7 @@ def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehears
     if plan.num_machines > 1:
         print(_multi_node_text(plan, plan_dir, train_argv))
         return 0
-    command = launch_command(plan_dir, train_argv)
+    command = launch_command(plan_dir, train_argv, max_restarts=max_restarts)
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
@@ -139,7 +152,8 @@ def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehears
         return run(command, env=env, log_path=writable_log(shown_dir))  # the plan
     resume = train_argv if args.resume else [*train_argv, "--resume"]
     relaunch = relaunch or f"toolkit launch {shlex.quote(str(shown_dir))}"
-    return run(command, env=env, output=Path(args.output), resume_command=f"{relaunch} -- {shlex.join(resume)}")
+    return run(command, env=env, output=Path(args.output), resume_command=f"{relaunch} -- {shlex.join(resume)}",
+               max_restarts=max_restarts)
 
 
 def _multi_node_text(plan: Plan, plan_dir: Path, train_argv: list[str]) -> str:

@@ -178,6 +178,12 @@ def launch_section(plan: Plan, nvme_path: str | None) -> list[str]:
                   "Without SLURM: run `accelerate launch --config_file accelerate_config.yaml --machine_rank R "
                   "--main_process_ip FIRST_HOST ...` on every node, or DeepSpeed's launcher over ssh with the host "
                   "names in `hostfile`: `./deepspeed.sh --data DATA --output OUT` on the first host."]
+    from toolkit.bounds import DEFAULT_SAVE_TOTAL_LIMIT
+
+    lines.append(f"\nCheckpoints: toolkit.train writes `OUT/checkpoint-N` every `--save-steps` steps and keeps "
+                 f"the newest {DEFAULT_SAVE_TOTAL_LIMIT} complete ones (`--save-total-limit`); an older one is "
+                 "deleted only after a newer one is complete, so the last complete checkpoint is never lost. "
+                 "`--resume` continues from it with the losses of an uninterrupted run.")
     if nvme_path:
         lines.append(f"\nNVMe offload writes to `{nvme_path}` on every node: a local NVMe drive with room for the "
                      "offloaded states.")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
-from toolkit.inputs.partition import PIPELINE_MODEL_TYPES, balanced_partition, check_partition, check_stage_count
+from toolkit.inputs.partition import balanced_partition, check_partition, check_stage_count
 from toolkit.inputs.strategy import Engine, Kind, Strategy
 
 if TYPE_CHECKING:
@@ -287,9 +287,9 @@ class ParallelGrid:
                                 f"{_or([d for d in _divisors_above(spec.heads) if d % spec.kv_heads == 0 or spec.kv_heads % d == 0])})")
         if self.pipeline_stages == 1:
             return
-        if spec.model_type not in PIPELINE_MODEL_TYPES:
-            raise UserError(f"pipeline conversion supports {', '.join(PIPELINE_MODEL_TYPES)}, not "
-                            f"{spec.model_type}; ZeRO and FSDP2 run it")
+        if spec.pipeline_blocker:
+            raise UserError(f"pipeline conversion cannot split {spec.model_type} ({spec.pipeline_blocker}); ZeRO "
+                            "and FSDP2 run it")
         check_stage_count(spec.num_layers, self.pipeline_stages, self.world)
 
     def check_sequence(self, seq_len: int, attention: str) -> None:

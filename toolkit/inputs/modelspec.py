@@ -60,6 +60,9 @@ class ModelSpec:
     moe_experts: int = 0
     moe_top_k: int = 0
     notes: tuple[str, ...] = ()
+    pipeline_blocker: str | None = None
+    """Why the pipeline converter cannot split this model (the part that stops it), or None: it can
+    (toolkit.inputs.decoder_parts, found from the model's own modules)."""
     source_key: str | None = None
     """Hash of where the config came from (its config.json text, or the bare numbers): the on-disk cache key of
     this spec and of its activation traces. None (hub ids) caches nothing."""
@@ -288,13 +291,9 @@ def shape_from_params(params: int, *, vocab: int = 32000):
 
 def _decoder_layers(model):
     """The decoder-layer list: the longest nn.ModuleList whose entries share one class."""
-    import torch.nn as nn
+    from toolkit.inputs.decoder_parts import decoder_layers
 
-    best = None
-    for _, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
+    best = decoder_layers(model)
     if best is None:
         raise UserError(f"cannot find the decoder layers of {type(model).__name__}; is it a decoder-only causal LM?")
     return best
@@ -416,6 +415,8 @@ def build_spec(name: str, config) -> ModelSpec:
         shape = tuple(p.shape)
         factored += math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] if len(shape) >= 2 else p.numel()
     expert_params = sum(p.numel() for n, p in layers.named_parameters() if _is_expert(n))
+    from toolkit.inputs.decoder_parts import pipeline_blocker
+
     notes = []
     if experts:
         notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token")
@@ -447,6 +448,7 @@ def build_spec(name: str, config) -> ModelSpec:
         moe_experts=experts,
         moe_top_k=top_k,
         notes=tuple(notes),
+        pipeline_blocker=pipeline_blocker(model, config),
     )
 
 

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 from toolkit.errors import UserError
 
-PIPELINE_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
-"""Architectures toolkit.train.pipeline.convert turns into a PipelineModule (its FAMILIES); torch-free, for the planner."""
-
-
 def balanced_partition(layer_costs: list[float], stages: int, *, first_extra: float = 0.0,
                        last_extra: float = 0.0) -> list[int]:
     """Decoder-layer boundaries [0, ..., len(layer_costs)] (len stages + 1) minimising the costliest stage.

@@ -40,8 +40,10 @@ def emit_plan_files(plan: Plan, out_dir: str | Path) -> Path:
 
 
 def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank: int | None = None,
-                   main_host: str | None = None) -> list[str]:
-    """`accelerate launch` of toolkit.train with the plan's emitted accelerate config."""
+                   main_host: str | None = None, max_restarts: int = 0, main_port: int | None = None) -> list[str]:
+    """`accelerate launch` of toolkit.train with the plan's emitted accelerate config. max_restarts > 0: torchrun's
+    elastic agent restarts the workers when one dies (accelerate hands --max_restarts and --monitor_interval to
+    torchrun), and toolkit.train resumes each restart from the last complete checkpoint."""
     plan_dir = Path(plan_dir)
     command = ["accelerate", "launch", "--config_file", str(plan_dir / ACCELERATE_CONFIG)]
     if (plan_dir / DS_CONFIG).is_file() and _is_deepspeed_yaml(plan_dir):
@@ -51,6 +53,10 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
         command += ["--machine_rank", str(machine_rank)]
     if main_host is not None:
         command += ["--main_process_ip", main_host]
+    if main_port is not None:
+        command += ["--main_process_port", str(main_port)]
+    if max_restarts:
+        command += ["--max_restarts", str(max_restarts), "--monitor_interval", "1"]
     if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs,
         # run as `python my_train.py ARGS` would, except that the first rank to fail says why in one line.
         return command + ["-m", "toolkit.train.own_script", *train_argv]
@@ -72,7 +78,7 @@ class _Stop(Exception):
 
 
 def run(command: list[str], env: dict[str, str] | None = None, *, output: Path | None = None,
-        resume_command: str | None = None, log_path: Path | None = None) -> int:
+        resume_command: str | None = None, log_path: Path | None = None, max_restarts: int = 0) -> int:
     """Run a launcher command in the foreground; its exit code is ours, 2 when the training refused its input.
 
     output: the run's folder. It is locked for the run (a second run into it is refused), and every rank's stderr
@@ -121,6 +127,8 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
             if log is not None:
                 what = (f"rank {failure['rank']} failed: {failure['message']}" if failure else
                         f"training failed with exit code {code}")
+                if max_restarts:
+                    what = _gave_up_text(what, max_restarts, output, resume_command)
                 print(f"error: {what}{where}", file=sys.stderr, flush=True)
             return code
     finally:
@@ -128,6 +136,56 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
             log.close()
         if lock is not None:
             lock.release()
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous over loopback)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(commands: list[list[str]], env: dict[str, str] | None = None, *, output: Path) -> int:
+    """Several launcher invocations on this host, one per machine rank, as the nodes of a multi-node run: all
+    start, each node's stderr goes to output/node-R.log, and when one fails the others are stopped (a node whose
+    peer died would wait at its next collective). The first failing node's exit code is ours."""
+    import time
+
+    from toolkit.fileio import FolderLock
+
+    output.mkdir(parents=True, exist_ok=True)
+    lock = FolderLock(output / LOCK_NAME, f"output {output}").acquire()
+    procs, logs = [], []
+    try:
+        full_env = {**os.environ, **(env or {})}
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        for rank, command in enumerate(commands):
+            logs.append(open(output / f"node-{rank}.log", "ab"))
+            procs.append(subprocess.Popen(_resolve_launcher(command), env=full_env, stderr=logs[-1],
+                                          start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM)))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                for p in procs:
+                    if p.poll() is None:
+                        stop_process_tree(p)
+                rank, code = failed[0]
+                print(f"error: node {rank} failed with exit code {code} (its log: {output / f'node-{rank}.log'})",
+                      file=sys.stderr, flush=True)
+                return code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                stop_process_tree(p)
+        for log in logs:
+            log.close()
+        lock.release()
 
 
 def _run_stoppable(command: list[str], env: dict[str, str], log) -> tuple[int, int]:
@@ -174,6 +232,17 @@ def _stopped_text(signum: int, output: Path | None, resume_command: str | None) 
     kept = (f"the last complete checkpoint is {last}" if last else "no checkpoint was complete yet")
     resume = f"; resume with: {resume_command}" if resume_command and last else ""
     return f"stopped by {name}: every rank was stopped; {kept}{resume}"
+
+
+def _gave_up_text(what: str, max_restarts: int, output: Path | None, resume_command: str | None) -> str:
+    """The one line for a run whose workers (or a node) did not come back within --max-restarts."""
+    from toolkit.train.checkpoints import last_complete_checkpoint
+
+    last = last_complete_checkpoint(output) if output is not None else None
+    kept = f"the last complete checkpoint is {last}" if last else "no checkpoint was complete"
+    resume = f"; when the machines are back, resume with: {resume_command}" if resume_command and last else ""
+    return (f"the workers did not recover within --max-restarts {max_restarts} (a worker kept dying, or a node "
+            f"never came back): {what}; {kept}{resume}")
 
 
 def _resolve_launcher(command: list[str]) -> list[str]:

@@ -16,7 +16,8 @@ from typing import Any
 from toolkit.run import tiny
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
-from toolkit.run.launcher import LOG_NAME, emit_plan_files, is_user_script, launch_command, run, writable_log
+from toolkit.run.launcher import (LOG_NAME, emit_plan_files, free_port, is_user_script, launch_command, run,
+                                   run_nodes, writable_log)
 from toolkit.run.preflight import preflight
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine, parse_strategy
@@ -55,8 +56,9 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     )
 
 
-def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path) -> tuple[Plan, list[str]]:
-    """The plan's strategy on a tiny model of the same architecture, on 2 processes (4 for hybrid).
+def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tuple[Plan, list[str]]:
+    """The plan's strategy on a tiny model of the same architecture, on 2 processes (4 for hybrid and HSDP), on
+    `nodes` launcher invocations (machine ranks) that split the processes evenly.
 
     Returns the small plan and what was changed that the user should know about.
     """
@@ -82,12 +84,17 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path) -> tuple[Plan, list[s
     if plan.liger:
         said.append("Liger's Triton kernels need a GPU: rehearsing without them (the memory savers change no "
                     "engine code path)")
+    if plan.strategy == "fsdp2-hybrid":
+        world = 4  # HSDP: shards inside a node, replicas across nodes
+    if world % nodes:
+        raise UserError(f"--nodes {nodes} does not divide the rehearsal's {world} processes (try 2)")
     if plan.activation_offloading:
         said.append("activation offloading is TRL's (SFTTrainer): the rehearsal runs toolkit.train without it")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
     grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
     small = plan_for_model(
-        tiny_model_dir, plan.strategy, gpus_per_node=world, micro_batch=min(plan.micro_batch, 2),
+        tiny_model_dir, plan.strategy, num_machines=nodes, gpus_per_node=world // nodes,
+        micro_batch=min(plan.micro_batch, 2),
         grad_accum=grad_accum, seq_len=min(plan.seq_len, REHEARSAL_SEQ_LEN), precision=precision,
         checkpointing=plan.checkpointing, attention=attention, optimizer=plan.optimizer, pipeline_stages=stages,
         tensor=tensor, context=context, sequence=sequence, notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
@@ -115,8 +122,10 @@ KEPT_FLAGS = ("--lr", "--lr-scheduler", "--warmup-steps", "--weight-decay", "--m
 REHEARSAL_STEPS = 4
 
 
-def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False) -> int:
-    """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed."""
+def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False, nodes: int = 1) -> int:
+    """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed. nodes > 1:
+    as many launcher invocations (machine ranks 0..nodes-1) over loopback, training one model together, as the
+    nodes of a real multi-node run do."""
     if plan.context_parallel > 1:
         from toolkit.train.dimensions import CP_NEEDS_CUDA
 
@@ -134,17 +143,18 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
                   "after --: toolkit launch DIR --rehearse -- --model M --data D --output OUT)", flush=True)
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     try:  # the temporary folder goes on every way out: success, failure, refusal, Ctrl-C
-        return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run)
+        return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run, nodes=nodes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _small_setup(plan: Plan, work: Path, *, chat: bool = False) -> tuple[Path, Plan, list[str], Path, Path]:
+def _small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1) -> tuple[Path, Plan, list[str], Path,
+                                                                                       Path]:
     """In `work`: the tiny model, the small plan and its emitted folder, and the local corpus (with chat: its
     conversations beside it as train.jsonl, for a user's script; toolkit.train reads one kind of file per folder).
     Returns (model folder, small plan, what changed, plan folder, data folder)."""
     model_dir = make_rehearsal_model(plan, work / "model")
-    small, said = rehearsal_plan(plan, model_dir)
+    small, said = rehearsal_plan(plan, model_dir, nodes)
     small_dir = emit_plan_files(small, work / "plan")
     data = tiny.write_corpus(work / "data", max_chars=60_000)
     if chat:
@@ -152,22 +162,33 @@ def _small_setup(plan: Plan, work: Path, *, chat: bool = False) -> tuple[Path, P
     return model_dir, small, said, small_dir, data
 
 
-def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool) -> int:
-    _, small, said, small_dir, data = _small_setup(plan, work)
+def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool,
+                 nodes: int = 1) -> int:
+    _, small, said, small_dir, data = _small_setup(plan, work, nodes=nodes)
     argv = ["--data", str(data), "--output", str(work / "out"), "--random-init", "--max-steps", str(REHEARSAL_STEPS),
             "--save-steps", "2", "--logging-steps", "1", "--max-eval-blocks", "8", *_kept(train_argv)]
-    command = launch_command(small_dir, argv)
-    print(f"rehearsal of {_label(small)} ({plan.precision}) on {small.world_size} CPU processes over gloo: "
+    port = free_port()
+    commands = [launch_command(small_dir, argv, machine_rank=r, main_host="127.0.0.1", main_port=port)
+                for r in range(nodes)] if nodes > 1 else [launch_command(small_dir, argv)]
+    where = f" ({nodes} launcher invocations, machine ranks 0-{nodes - 1}, over loopback)" if nodes > 1 else ""
+    print(f"rehearsal of {_label(small)} ({plan.precision}) on {small.world_size} CPU processes over gloo{where}: "
           f"{small.model_type} {small.num_layers} layers, hidden {_hidden(small)}, seq {small.seq_len}, "
           f"micro {small.micro_batch} x accum {small.grad_accum}, {REHEARSAL_STEPS} steps", flush=True)
     for line in said:
         print(f"note: {line}", flush=True)
     problems = _validate_real_configs(plan, plan_dir)
-    print("$ " + shlex.join(command), flush=True)
+    for command in commands:
+        print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return 0
-    code = run(command, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
-               output=work / "out")
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if nodes > 1:
+        env["TOOLKIT_RANK_SUMMARY_DIR"] = str(work / "ranks")
+        code = run_nodes(commands, env=env, output=work / "out")
+    else:
+        code = run(commands[0], env=env, output=work / "out")
+    if code == 0 and nodes > 1 and small.engine != Engine.PIPELINE:
+        problems += _check_replicas(work / "ranks", small)
     if code == 0:
         problems += _check_saved_model(work / "out", small)
     if code != 0 or problems:
@@ -182,6 +203,28 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
     print(f"rehearsal passed: {_label(small)} trained {REHEARSAL_STEPS} steps, checkpointed, saved and reloaded",
           flush=True)
     return 0
+
+
+def _check_replicas(folder: Path, small: Plan) -> list[str]:
+    """After a multi-node rehearsal: every rank's forward of the same probe gives the same logits (the model all
+    nodes trained is one model), and ranks that hold the same shard on different nodes (HSDP's replicas) hold the
+    same parameters, as toolkit.train's rank summaries report them."""
+    import json
+
+    ranks = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    if len(ranks) != small.world_size:
+        return [f"{len(ranks)} of {small.world_size} ranks reported after training"]
+    summaries = [json.loads(p.read_text()) for p in ranks]
+    problems = []
+    if any(s["probe_logits"] != summaries[0]["probe_logits"] for s in summaries):
+        problems.append("the ranks' models give different logits after training: the nodes did not train one model")
+    if small.strategy == "fsdp2-hybrid":
+        per_node = small.gpus_per_node
+        for local in range(per_node):
+            sums = {s["local_param_abs_sum"] for s in summaries[local::per_node]}
+            if len(sums) != 1:
+                problems.append(f"HSDP replicas of shard {local} differ across nodes after training: {sorted(sums)}")
+    return problems
 
 
 REHEARSAL_MODEL_ENV = "TOOLKIT_REHEARSAL_MODEL"
@@ -224,15 +267,12 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
 
 
 def make_rehearsal_model(plan: Plan, out_dir: Path) -> Path:
-    """A tiny model of the plan's architecture (random weights) with a tokenizer trained on the local corpus."""
-    if plan.model_type not in tiny.TINY_ARCHITECTURES:
-        raise UserError(f"no rehearsal model for model_type {plan.model_type}; rehearsals know "
-                        f"{', '.join(tiny.TINY_ARCHITECTURES)}")
-    overrides = {}
-    if "tie_word_embeddings" in plan.model_config:
-        overrides["tie_word_embeddings"] = plan.model_config["tie_word_embeddings"]
-    return tiny.make_tiny_model(plan.model_type, out_dir, layers=REHEARSAL_LAYERS, corpus_chars=100_000,
-                                **overrides)
+    """A tiny model of the plan's own architecture (random weights) with a tokenizer trained on the local corpus:
+    the plan's config shrunk by its own config class (toolkit.run.tiny.shrink_config), every non-size setting kept."""
+    from toolkit.inputs.modelspec import _config_from_dict
+
+    config = _config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)
+    return tiny.make_tiny_model(config, out_dir, layers=REHEARSAL_LAYERS, corpus_chars=100_000)
 
 
 def _kept(train_argv: list[str]) -> list[str]:

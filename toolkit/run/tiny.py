@@ -19,9 +19,6 @@ CORPUS_MODULES = (
     "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile",
 )
 
-TINY_ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "opt", "gemma2", "mixtral", "phi3")
-
-
 def corpus_text(max_chars: int | None = None) -> str:
     """Docstrings of standard-library modules, classes and functions, in a fixed order, as blank-line separated
     paragraphs, each paragraph once.
@@ -111,51 +108,162 @@ def train_tokenizer(text: str, vocab_size: int = 512):
     return tokenizer
 
 
+# Size knobs under the names HF configs use (canonical names reach renamed attributes through the config class's
+# own attribute_map, e.g. GPT-2's n_embd). Everything else in a config (norms, activations, rope type, soft-caps,
+# biases, layer pattern) is kept: a rehearsal model differs from the real one in size only.
+_FFN_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+_EXPERT_FFN_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size")
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token")
+_KV_KEYS = ("num_key_value_heads", "num_kv_heads")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int = 64, heads: int = 4,
+                  kv_heads: int | None = None, ffn: int = 128, max_positions: int = 256, experts: int = 4,
+                  **overrides: Any):
+    """The same architecture as `config` (its own config class, every non-size setting kept), small enough to train
+    in seconds on CPU: `layers` decoder layers of width `hidden` with `heads` heads of hidden / heads dims.
+
+    Found from the config itself, not per architecture: the size attributes under their usual names (and the class's
+    attribute_map), the key/value-head ratio (kv_heads=None keeps the real model's grouping: multi-query stays
+    multi-query, GQA keeps a group size that divides `heads`), experts and experts per token, sliding windows, the
+    per-layer pattern (layer_types keeps every kind of layer it had), layer-index lists, and rope scaling tables
+    sized by the rotary dimension."""
+    cls = type(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        config = text
+        cls = type(text)
+    data = config.to_dict()
+    amap = dict(getattr(cls, "attribute_map", {}) or {})
+
+    def key(name: str) -> str:
+        return amap.get(name, name)
+
+    def present(name: str) -> bool:
+        return key(name) in data
+
+    old_layers = int(data.get(key("num_hidden_layers")) or layers)
+    old_hidden = int(data.get(key("hidden_size")) or hidden)
+    old_heads = int(data.get(key("num_attention_heads")) or heads)
+    old_head_dim = int(data.get("head_dim") or old_hidden // old_heads)
+    head_dim = hidden // heads
+    data[key("num_hidden_layers")] = layers
+    data[key("hidden_size")] = hidden
+    data[key("num_attention_heads")] = heads
+    if "head_dim" in data and data["head_dim"] is not None:
+        data["head_dim"] = head_dim
+    if data.get("query_pre_attn_scalar") == old_head_dim:  # Gemma: the attention scale is 1 / sqrt(head_dim)
+        data["query_pre_attn_scalar"] = head_dim
+    for name in _KV_KEYS:
+        if present(name) and data[key(name)] is not None:
+            if kv_heads is not None:
+                data[key(name)] = kv_heads
+            else:
+                group = max(1, old_heads // max(1, int(data[key(name)])))
+                data[key(name)] = max(1, heads // min(group, heads))
+    for name in _FFN_KEYS:
+        if present(name):
+            data[key(name)] = ffn
+    for name in _EXPERT_FFN_KEYS:
+        if data.get(key(name)):
+            data[key(name)] = max(16, ffn // 2)
+    for name in _EXPERT_KEYS:
+        if isinstance(data.get(key(name)), int) and data[key(name)] >= 2:
+            data[key(name)] = experts
+    for name in _TOP_K_KEYS:
+        if isinstance(data.get(key(name)), int) and data[key(name)] >= 1:
+            data[key(name)] = min(data[key(name)], 2, experts)
+    if present("word_embed_proj_dim"):  # OPT: an input / output projection exists when this differs from hidden
+        data["word_embed_proj_dim"] = hidden if data["word_embed_proj_dim"] == old_hidden else hidden // 2
+    if isinstance(data.get("sliding_window"), int) and data["sliding_window"] > 0:
+        data["sliding_window"] = min(data["sliding_window"], max_positions // 2)
+    if isinstance(data.get("max_window_layers"), int):
+        data["max_window_layers"] = min(data["max_window_layers"], layers)
+    for name, value in list(data.items()):
+        if name.endswith("_layers") and isinstance(value, list) and all(isinstance(v, int) for v in value):
+            data[name] = [v for v in value if v < layers]  # layer-index lists (Qwen-MoE's mlp_only_layers)
+    if isinstance(data.get("layer_types"), list):
+        data["layer_types"] = _shrunk_pattern(data["layer_types"], layers)
+    old_positions = data.get(key("max_position_embeddings"))
+    if present("max_position_embeddings"):
+        data[key("max_position_embeddings")] = max_positions
+    ratio = max_positions / old_positions if isinstance(old_positions, int) and old_positions else 1.0
+    old_rotary, new_rotary = old_head_dim // 2, head_dim // 2
+    for name in ("rope_parameters", "rope_scaling"):
+        if isinstance(data.get(name), dict):
+            data[name] = _shrunk_rope(data[name], ratio, old_rotary, new_rotary)
+    if isinstance(data.get("original_max_position_embeddings"), int):
+        data["original_max_position_embeddings"] = max(1, int(data["original_max_position_embeddings"] * ratio))
+    data[key("vocab_size")] = vocab_size
+    for name in _TOKEN_ID_KEYS:  # the tiny tokenizer has one special token, id 0
+        if data.get(name) is not None:
+            data[name] = 0
+    for name in ("transformers_version", "architectures", "torch_dtype", "dtype"):
+        data.pop(name, None)  # the tiny model is stored in fp32; the plan's precision is the run's
+    data.update(overrides)
+    return cls(**data)
+
+
+def _shrunk_pattern(pattern: list, layers: int) -> list:
+    """The first `layers` entries of a per-layer pattern, its last entries replaced by any kind of layer that the
+    cut lost (Gemma-3's five sliding layers then one full one keeps a full-attention layer)."""
+    out = list(pattern[:layers]) + [pattern[-1]] * max(0, layers - len(pattern))
+    missing = [kind for kind in dict.fromkeys(pattern) if kind not in out]
+    for i, kind in enumerate(missing[:layers]):
+        out[layers - 1 - i] = kind
+    return out
+
+
+def _shrunk_rope(rope: dict, ratio: float, old_rotary: int, new_rotary: int) -> dict:
+    """Rope parameters for the shrunk model: position lengths scaled with max_position_embeddings, per-frequency
+    tables (Phi-3's longrope short/long factors) resampled to the new rotary size; nested per-layer-type dicts too."""
+    out = {}
+    for name, value in rope.items():
+        if isinstance(value, dict):
+            out[name] = _shrunk_rope(value, ratio, old_rotary, new_rotary)
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+            size = max(1, round(len(value) * new_rotary / max(1, old_rotary)))
+            out[name] = [value[int(i * len(value) / size)] for i in range(size)]
+        elif name == "original_max_position_embeddings" and isinstance(value, int):
+            out[name] = max(1, int(value * ratio))
+        else:
+            out[name] = value
+    return out
+
+
 def tiny_config(arch: str, vocab_size: int = 512, *, layers: int = 4, hidden: int = 64, heads: int = 4,
                 kv_heads: int = 2, ffn: int = 128, max_positions: int = 256, **overrides: Any):
-    """A small config of a real architecture (random init, trains in seconds on CPU)."""
-    from transformers import AutoConfig
+    """A small config of a real architecture (model_type `arch`, transformers' defaults shrunk by shrink_config;
+    random init, trains in seconds on CPU)."""
+    from transformers import AutoConfig, CONFIG_MAPPING
 
-    common = dict(vocab_size=vocab_size)
-    if arch == "gpt2":
-        kw = dict(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=ffn, n_positions=max_positions,
-                  bos_token_id=0, eos_token_id=0)
-    elif arch == "opt":
-        kw = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=ffn,
-                  word_embed_proj_dim=hidden, max_position_embeddings=max_positions, bos_token_id=0,
-                  eos_token_id=0, pad_token_id=0)
-    elif arch in ("llama", "mistral", "qwen2", "gemma2", "mixtral", "phi3"):
-        kw = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=max_positions,
-                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
-        if arch == "llama":
-            kw["tie_word_embeddings"] = False
-        if arch == "gemma2":
-            kw.update(head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads, sliding_window=128)
-        if arch == "mixtral":
-            kw.update(num_local_experts=4, num_experts_per_tok=2)
-        if arch == "phi3":  # Phi-3-mini's own: positions it was trained on, no sliding window at this length
-            kw.update(original_max_position_embeddings=max_positions, sliding_window=None)
-    else:
-        raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}")
-    kw.update(common)
-    kw.update(overrides)
-    return AutoConfig.for_model(arch, **kw)
+    if arch not in CONFIG_MAPPING:
+        raise ValueError(f"transformers knows no model_type {arch!r}")
+    return shrink_config(AutoConfig.for_model(arch), vocab_size=vocab_size, layers=layers, hidden=hidden,
+                         heads=heads, kv_heads=kv_heads, ffn=ffn, max_positions=max_positions, **overrides)
 
 
-def make_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0, corpus_chars: int = 200_000,
+def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corpus_chars: int = 200_000,
                     vocab_size: int = 512, **config_overrides: Any) -> Path:
-    """Save a randomly initialised tiny model and a locally trained tokenizer in out_dir (HF format)."""
+    """Save a randomly initialised tiny model and a locally trained tokenizer in out_dir (HF format).
+
+    `arch` is a model_type (transformers' default config of it is shrunk) or a config of a real model (shrunk the
+    same way: same architecture and settings, small sizes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus_text(corpus_chars), vocab_size=vocab_size)
-    config = tiny_config(arch, vocab_size=len(tokenizer), **config_overrides)
+    if isinstance(arch, str):
+        config = tiny_config(arch, vocab_size=len(tokenizer), **config_overrides)
+    else:
+        config = shrink_config(arch, vocab_size=len(tokenizer), **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "toolkit_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
+    (out / "toolkit_tiny.json").write_text(json.dumps({"arch": config.model_type, "seed": seed}) + "\n")
     return out

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_train_args(argv)
         plan = load_plan(args.plan)
+        from toolkit.train.elastic import join_restarted_group
+
+        join_restarted_group()
         if plan.engine == Engine.PIPELINE:
             from toolkit.train.pipeline.runner import train_pipeline
 

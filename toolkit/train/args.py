@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from toolkit.errors import UserError
+from toolkit.bounds import DEFAULT_SAVE_TOTAL_LIMIT
 
 
 @dataclass
@@ -49,8 +50,9 @@ class TrainArgs:
     """Any HF scheduler name: linear, cosine, constant, constant_with_warmup, ..."""
     save_steps: int = 500
     """Write a resumable checkpoint every N optimizer steps."""
-    save_total_limit: int | None = None
-    """Keep only the newest N checkpoints (None: keep all)."""
+    save_total_limit: int | None = DEFAULT_SAVE_TOTAL_LIMIT
+    """Keep only the newest N complete checkpoints (None: keep all); an older one goes only after a newer one is
+    complete, so the last complete checkpoint is never deleted (toolkit.train.checkpoints.rotate)."""
     eval_steps: int | None = None
     """Evaluate (loss and perplexity) every N steps; default: at save_steps, and always at the end."""
     logging_steps: int = 10
@@ -116,7 +118,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--lr-scheduler", default="cosine")
     p.add_argument("--save-steps", type=int, default=500)
-    p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--save-total-limit", type=int, default=DEFAULT_SAVE_TOTAL_LIMIT,
+                   help="keep the newest N complete checkpoints (default %(default)s); the last complete one is "
+                        "never deleted")
     p.add_argument("--eval-steps", type=int, default=None)
     p.add_argument("--logging-steps", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --output")
@@ -145,6 +149,10 @@ def parse_train_args(argv: Sequence[str] | None = None) -> TrainArgs:
 
     ns, rest = _build_parser().parse_known_args(list(argv) if argv is not None else sys.argv[1:])
     values = {f.name: getattr(ns, f.name) for f in fields(TrainArgs) if f.name != "trainer_flags"}
+    from toolkit.train.elastic import restart_count
+
+    if restart_count() > 0:
+        values["resume"] = True  # an elastic restart continues from the last complete checkpoint, never from 0
     args = TrainArgs(**values, trainer_flags=trainer_flags(rest))
     check_train_args(args)
     return args

@@ -27,32 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from toolkit.inputs.decoder_parts import NotStandard, find_parts
 from toolkit.errors import UserError
-
-
-@dataclass(frozen=True)
-class Family:
-    """Where an HF architecture keeps its parts (attribute paths inside *ForCausalLM)."""
-    embed: str
-    layers: str
-    norm: str
-    positions: str | None = None
-    """Learned absolute position embedding (GPT-2), added after the token embedding."""
-    dropout: str | None = None
-    """Embedding dropout (GPT-2)."""
-    rotary: str | None = None
-    """Rotary embedding module (Llama family); recomputed on every stage."""
-    head: str = "lm_head"
-
-
-_LLAMA = Family(embed="model.embed_tokens", layers="model.layers", norm="model.norm", rotary="model.rotary_emb")
-FAMILIES: dict[str, Family] = {
-    "gpt2": Family(embed="transformer.wte", layers="transformer.h", norm="transformer.ln_f",
-                   positions="transformer.wpe", dropout="transformer.drop"),
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _LLAMA,
-}
 
 
 class Source:
@@ -64,21 +40,22 @@ class Source:
 
     def __init__(self, config: Any, weights: str | Path | None, *, seed: int = 0, checkpointing: bool = False,
                  attention: str | None = None):
-        model_type = config.model_type
-        if model_type not in FAMILIES:
-            raise UserError(f"pipeline conversion supports {', '.join(sorted(FAMILIES))}, not model_type "
-                            f"'{model_type}'; use a ZeRO or FSDP2 strategy for this model")
         self.config = config
-        self.family = FAMILIES[model_type]
         self.weights = Path(weights) if weights is not None else None
         self.seed = seed
         self.checkpointing = checkpointing
         self.attention = attention
         """HF attn_implementation (eager | sdpa | flash_attention_2); None: transformers' default."""
+        try:
+            self.parts = find_parts(self.skeleton, config)
+        except NotStandard as exc:
+            raise UserError(f"pipeline conversion cannot split this model: {exc}; use a ZeRO or FSDP2 strategy "
+                            "for it") from None
+        self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
 
     @property
     def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+        return self.text_config.num_hidden_layers
 
     @property
     def tied(self) -> bool:
@@ -101,15 +78,19 @@ class Source:
     def rotary(self) -> nn.Module | None:
         """The model's rotary module, built for real on CPU, kept outside every stage's module tree: DeepSpeed's
         bf16 cast would otherwise round its fp32 inv_freq buffer, which HF keeps in fp32."""
-        if self.family.rotary is None:
+        if self.parts.rotary is None:
             return None
-        return type(self.skeleton.get_submodule(self.family.rotary))(config=self.config)
+        return type(self.skeleton.get_submodule(self.parts.rotary))(config=self.text_config)
 
-    def rotary_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
-        """(cos, sin) for these positions, from the rotary module moved once to the stage's device."""
+    def rotary_embeddings(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """(cos, sin) for layer `index` at these positions, from the rotary module moved once to the stage's
+        device (Gemma-3's takes the layer type: local and global layers use different rope bases)."""
         rotary = self.rotary
-        if rotary.inv_freq.device != hidden.device:
+        buffer = next(rotary.buffers(), None)
+        if buffer is not None and buffer.device != hidden.device:
             rotary.to(hidden.device)
+        if self.parts.rotary_per_layer_type:
+            return rotary(hidden, position_ids, self.text_config.layer_types[index])
         return rotary(hidden, position_ids)
 
     @cached_property
@@ -129,15 +110,30 @@ class Source:
         with safe_open(str(single), framework="pt") as f:
             return {name: single for name in f.keys()}
 
-    def _stored_name(self, name: str) -> str:
-        """Name in the files; old GPT-2 checkpoints store the base model without its prefix ('h.0...' not
-        'transformer.h.0...')."""
-        if name in self._files:
-            return name
-        prefix = getattr(self.skeleton, "base_model_prefix", "") + "."
-        if name.startswith(prefix) and name[len(prefix):] in self._files:
-            return name[len(prefix):]
-        raise UserError(f"weights in {self.weights} have no tensor '{name}'; is this the planned model?")
+    @cached_property
+    def _conversions(self) -> tuple[list, list, list]:
+        """transformers' checkpoint conversions for this model (renamings such as GPT-NeoX's embed_out -> lm_head,
+        converters such as the fusing of per-expert MoE weights): (all of them, renamings, converters)."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        mapping = get_model_conversion_mapping(self.skeleton)
+        return (mapping, [m for m in mapping if isinstance(m, WeightRenaming)],
+                [m for m in mapping if isinstance(m, WeightConverter)])
+
+    def _stored_names_for(self, path: str) -> list[str]:
+        """The names in the files of the tensors that load into the module at `path`, found by transformers' own
+        key renaming (which also adds or strips the base-model prefix: old GPT-2 files store 'h.0...')."""
+        from transformers.core_model_loading import rename_source_key
+
+        _, renamings, converters = self._conversions
+        meta = self.__dict__.setdefault("_meta_state", dict.fromkeys(self.skeleton.state_dict()))
+        prefix = getattr(self.skeleton, "base_model_prefix", None)
+        names = [name for name in self._files
+                 if (rename_source_key(name, renamings, converters, prefix, meta)[0] + ".").startswith(path + ".")]
+        if not names:
+            raise UserError(f"weights in {self.weights} have no tensors for '{path}'; is this the planned model?")
+        return names
 
     def materialise(self, path: str, seed_offset: int = 0) -> nn.Module:
         """The skeleton's submodule at `path`, on CPU in fp32, with its weights (only its own tensors are read)."""
@@ -149,17 +145,31 @@ class Source:
             module.apply(self.skeleton._init_weights)
             return module
         from safetensors import safe_open
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
 
-        wanted = {key: self._stored_name(f"{path}.{key}") for key in module.state_dict()}
+        for sub in module.modules():  # non-persistent buffers (Gemma's embedding scale) are not in the files
+            if getattr(sub, "_non_persistent_buffers_set", None):
+                self.skeleton._init_weights(sub)
+        expected = {f"{path}.{k}" for k in module.state_dict()} - {f"{path}.{b}" for b in _non_persistent(module)}
+        if not expected:  # nothing stored (a dropout)
+            return module
         state: dict[str, torch.Tensor] = {}
         by_file: dict[Path, list[str]] = {}
-        for key, stored in wanted.items():
-            by_file.setdefault(self._files[stored], []).append(key)
-        for file, keys in by_file.items():
+        for stored in self._stored_names_for(path):
+            by_file.setdefault(self._files[stored], []).append(stored)
+        for file, names in by_file.items():
             with safe_open(str(file), framework="pt") as f:
-                for key in keys:
-                    state[key] = f.get_tensor(wanted[key]).float()
-        module.load_state_dict(state)
+                for name in names:
+                    state[name] = f.get_tensor(name).float()
+        # transformers' loader applies the model's conversions and fills the skeleton's (now real) submodule; the
+        # rest of the skeleton stays on the meta device, reported as missing, which it is on this stage.
+        info, _ = convert_and_load_state_dict_in_model(
+            model=self.skeleton, state_dict=state,
+            load_config=LoadStateDictConfig(weight_mapping=self._conversions[0], dtype=torch.float32))
+        missing = sorted(expected & set(info.missing_keys))
+        if missing:
+            raise UserError(f"weights in {self.weights} have no tensor '{missing[0]}'; is this the planned model?")
         return module
 
     def attention_mask(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor):
@@ -167,14 +177,19 @@ class Source:
         is_causal). Sliding-window layers (Mistral, Qwen2 layer_types) get HF's sliding-window mask."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        layer_types = getattr(self.config, "layer_types", None)
+        layer_types = getattr(self.text_config, "layer_types", None)
         if layer_types is not None:
             sliding = layer_types[index] == "sliding_attention"
         else:
-            sliding = getattr(self.config, "sliding_window", None) is not None
+            sliding = getattr(self.text_config, "sliding_window", None) is not None
         make = create_sliding_window_causal_mask if sliding else create_causal_mask
-        return make(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+        return make(config=self.text_config, inputs_embeds=hidden, attention_mask=None, cache=None,
                     position_ids=position_ids)
+
+
+def _non_persistent(module: nn.Module) -> set[str]:
+    return {f"{name}.{b}" if name else b for name, sub in module.named_modules()
+            for b in getattr(sub, "_non_persistent_buffers_set", ())}
 
 
 def _positions(hidden: torch.Tensor) -> torch.Tensor:
@@ -182,93 +197,193 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
 
 
 class TokenEmbeddingPipe(nn.Module):
-    """input_ids -> token embeddings. Also the tied LM head's weight holder (see `tied_head`)."""
+    """input_ids -> token embeddings (scaled inside the module for Gemma). Also the tied LM head's weight holder
+    (see `tied_head`)."""
 
     def __init__(self, source: Source):
         super().__init__()
-        self.embed = source.materialise(source.family.embed, seed_offset=-1)
-        self.hf_names = {"embed": source.family.embed}
+        self.embed = source.materialise(source.parts.embed, seed_offset=-1)
+        self.cap = getattr(source.text_config, "final_logit_softcapping", None)
+        self.hf_names = {"embed": source.parts.embed}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
 
 
-class PositionPipe(nn.Module):
-    """GPT-2: add the learned position embedding, then the embedding dropout, as GPT2Model.forward does."""
+class InputsPipe(nn.Module):
+    """What runs between the token embedding and the first decoder layer, in HF's order: the input projection
+    (OPT), the learned position embedding (GPT-2, OPT), the embedding dropout (GPT-2, GPT-NeoX)."""
 
     def __init__(self, source: Source):
         super().__init__()
-        self.positions = source.materialise(source.family.positions, seed_offset=-2)
-        self.dropout = source.materialise(source.family.dropout)
-        self.hf_names = {"positions": source.family.positions}
+        parts = source.parts
+        self.take_mask = parts.positions_take_mask
+        self.hf_names = {}
+        for attr, path, offset in (("project_in", parts.project_in, -5), ("positions", parts.positions, -2),
+                                   ("dropout", parts.dropout, 0)):
+            setattr(self, attr, source.materialise(path, seed_offset=offset) if path else None)
+            if path and attr != "dropout":
+                self.hf_names[attr] = path
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.dropout(hidden + self.positions(_positions(hidden)))
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)
+        if self.positions is not None:
+            ids = _positions(hidden)
+            hidden = hidden + (self.positions(torch.ones_like(ids), position_ids=ids) if self.take_mask
+                               else self.positions(ids))
+        return self.dropout(hidden) if self.dropout is not None else hidden
 
 
 class DecoderLayerPipe(nn.Module):
-    """One HF decoder layer; rebuilds its mask and rotary embeddings, optionally recomputed in backward."""
+    """One HF decoder layer; rebuilds its mask and rotary embeddings, optionally recomputed in backward.
+
+    MoE models whose config asks for the router's load-balancing loss carry its running sums to the last stage
+    next to the hidden states (see `RouterStats`)."""
 
     def __init__(self, source: Source, index: int):
         super().__init__()
         self.source = source
         self.index = index
-        self.layer = source.materialise(f"{source.family.layers}.{index}", seed_offset=index)
-        self.hf_names = {"layer": f"{source.family.layers}.{index}"}
+        self.layer = source.materialise(f"{source.parts.layers}.{index}", seed_offset=index)
+        self.hf_names = {"layer": f"{source.parts.layers}.{index}"}
+        self.router = RouterStats.for_source(source)
+        self._router_logits: list[torch.Tensor] = []
+        if self.router is not None:
+            for module in self.layer.modules():
+                if type(module).__name__ == source.parts.router_class:
+                    module.register_forward_hook(self._record_router)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _record_router(self, module, args, output):
+        self._router_logits.append(output[self.source.parts.router_index] if isinstance(output, tuple) else output)
+
+    def forward(self, x):
         if self.source.checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, hidden, use_reentrant=False)
-        return self._forward(hidden)
+            return checkpoint(self._forward, *(x if isinstance(x, tuple) else (x,)), use_reentrant=False)
+        return self._forward(*(x if isinstance(x, tuple) else (x,)))
 
-    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _forward(self, hidden: torch.Tensor, stats: torch.Tensor | None = None):
         position_ids = _positions(hidden)
-        extra = {}
+        extra = {name: None for name in self.source.parts.layer_none_inputs}
         if self.source.rotary is not None:
-            extra["position_embeddings"] = self.source.rotary_embeddings(hidden, position_ids)
+            extra["position_embeddings"] = self.source.rotary_embeddings(self.index, hidden, position_ids)
+        self._router_logits = []
         out = self.layer(hidden, attention_mask=self.source.attention_mask(self.index, hidden, position_ids),
                          position_ids=position_ids, **extra)
-        return out[0] if isinstance(out, tuple) else out
+        hidden = out[0] if isinstance(out, tuple) else out
+        if self.router is None:
+            return hidden
+        if stats is None:
+            stats = self.router.zeros(hidden)
+        for logits in self._router_logits:
+            stats = stats + self.router.layer_sums(logits)
+        return hidden, stats
+
+
+class RouterStats:
+    """The MoE load-balancing loss of HF's load_balancing_loss_func (Switch Transformer, eqs. 4-6), split over
+    stages: it is a product of two means over every routed layer's tokens, so each layer adds its sums to a
+    [2, experts + 1] tensor that travels with the hidden states (row 0: top-k assignments per expert and the
+    token-row count, no gradient; row 1: router probabilities per expert), and the loss is formed on the last stage.
+    None when the config does not ask for the loss (output_router_logits false: HF adds nothing either)."""
+
+    def __init__(self, experts: int, top_k: int, coefficient: float):
+        self.experts, self.top_k, self.coefficient = experts, top_k, coefficient
+
+    @classmethod
+    def for_source(cls, source: Source) -> "RouterStats | None":
+        if source.parts.router_class is None:
+            return None
+        model = source.skeleton
+        return cls(int(model.num_experts), int(model.num_experts_per_tok), float(model.router_aux_loss_coef))
+
+    def zeros(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(2, self.experts + 1, dtype=torch.float32, device=hidden.device)
+
+    def layer_sums(self, router_logits: torch.Tensor) -> torch.Tensor:
+        weights = F.softmax(router_logits.float(), dim=-1)
+        _, selected = torch.topk(weights, self.top_k, dim=-1)
+        # histc as HF: float on CPU (supported, deterministic), int32 on accelerators (deterministic there).
+        dtype = torch.float32 if weights.device.type in ("cpu", "mps") else torch.int32
+        counts = torch.histc(selected.reshape(-1).to(dtype), bins=self.experts, min=0, max=self.experts).float()
+        rows = torch.full((1,), float(weights.shape[0]), device=weights.device)
+        assigned = torch.cat([counts, rows]).detach()
+        probs = torch.cat([weights.sum(dim=0), torch.zeros(1, device=weights.device)])
+        return torch.stack([assigned, probs])
+
+    def loss(self, stats: torch.Tensor) -> torch.Tensor:
+        rows = stats[0, -1]
+        return torch.sum(stats[0, :-1] / rows * (stats[1, :-1] / rows)) * self.experts
+
+
+def _split(x):
+    """(hidden, carried) from what a layer received: a tensor, or hidden states with the router sums."""
+    return (x[0], x[1:]) if isinstance(x, tuple) else (x, ())
 
 
 class NormPipe(nn.Module):
+    """The final norm and, where the model has one, the output projection (OPT's project_out)."""
+
     def __init__(self, source: Source):
         super().__init__()
-        self.norm = source.materialise(source.family.norm, seed_offset=-3)
-        self.hf_names = {"norm": source.family.norm}
+        parts = source.parts
+        self.norm = source.materialise(parts.norm, seed_offset=-3) if parts.norm else None
+        self.project_out = source.materialise(parts.project_out, seed_offset=-6) if parts.project_out else None
+        self.hf_names = {k: v for k, v in (("norm", parts.norm), ("project_out", parts.project_out)) if v}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+    def forward(self, x):
+        hidden, carried = _split(x)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        return (hidden, *carried) if carried else hidden
+
+
+def _soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma-2's final logit soft-capping, as its ForCausalLM applies it: cap * tanh(logits / cap)."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 class HeadPipe(nn.Module):
-    """Untied LM head: hidden -> logits."""
+    """Untied LM head: hidden -> logits (soft-capped where the config says so)."""
 
     def __init__(self, source: Source):
         super().__init__()
-        self.head = source.materialise(source.family.head, seed_offset=-4)
-        self.hf_names = {"head": source.family.head}
+        self.head = source.materialise(source.parts.head, seed_offset=-4)
+        self.cap = getattr(source.text_config, "final_logit_softcapping", None)
+        self.hf_names = {"head": source.parts.head}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
+    def forward(self, x):
+        hidden, carried = _split(x)
+        logits = _soft_cap(self.head(hidden), self.cap)
+        return (logits, *carried) if carried else logits
 
 
-def tied_head(embedding: TokenEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+def tied_head(embedding: TokenEmbeddingPipe, x):
     """Tied LM head: logits with the token embedding's weight (HF's bias-free lm_head tied to it)."""
-    return F.linear(hidden, embedding.embed.weight)
+    hidden, carried = _split(x)
+    logits = _soft_cap(F.linear(hidden, embedding.embed.weight), embedding.cap)
+    return (logits, *carried) if carried else logits
 
 
 class CausalLMLoss:
-    """HF's causal-LM loss (shift labels by one, mean cross-entropy in fp32, -100 ignored)."""
+    """HF's causal-LM loss (shift labels by one, mean cross-entropy in fp32, -100 ignored), plus the MoE router's
+    load-balancing loss times its coefficient when the model carries it (as HF's MoE ForCausalLM adds it)."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, router: "RouterStats | None" = None):
         self.vocab_size = vocab_size
+        self.router = router
         self.__name__ = "ForCausalLMLoss"
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         from transformers.loss.loss_utils import ForCausalLMLoss
 
-        return ForCausalLMLoss(logits, labels, vocab_size=self.vocab_size)
+        logits, carried = _split(outputs)
+        loss = ForCausalLMLoss(logits, labels, vocab_size=self.vocab_size)
+        if self.router is not None and carried:
+            loss = loss + self.router.coefficient * self.router.loss(carried[0]).to(loss.device)
+        return loss
 
 
 def layer_specs(source: Source) -> tuple[list, int]:
@@ -282,8 +397,9 @@ def layer_specs(source: Source) -> tuple[list, int]:
     else:
         first = [LayerSpec(TokenEmbeddingPipe, source)]
         last = [LayerSpec(HeadPipe, source)]
-    if source.family.positions is not None:
-        first.append(LayerSpec(PositionPipe, source))
+    parts = source.parts
+    if parts.positions is not None or parts.dropout is not None or parts.project_in is not None:
+        first.append(LayerSpec(InputsPipe, source))
     blocks = [LayerSpec(DecoderLayerPipe, source, i) for i in range(source.num_layers)]
     return first + blocks + [LayerSpec(NormPipe, source)] + last, len(first)
 
@@ -306,7 +422,7 @@ def build_pipeline(source: Source, boundaries: list[int], *, topology=None, num_
     # every later backward graph (torch warns "c10d::broadcast_: an autograd kernel was not registered").
     with torch.no_grad():
         pipe = HFPipelineModule(specs, num_stages=None if topology is not None else stages, topology=topology,
-                                loss_fn=CausalLMLoss(source.config.vocab_size), partition_method="uniform")
+                                loss_fn=CausalLMLoss(source.text_config.vocab_size, RouterStats.for_source(source)), partition_method="uniform")
     # Gradient clipping without ZeRO (engine.clip_fp32_gradients -> runtime.utils.clip_grad_norm_) counts a
     # parameter on stages other than the first only when it is marked model-parallel, so unmarked it clips by
     # stage 0's gradient norm alone. Marking every parameter, except the second copy of a tied weight, makes the
