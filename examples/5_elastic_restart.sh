@@ -7,7 +7,8 @@
 # a lost GPU would) once the first checkpoint is complete. A worker that keeps dying, or a node that never comes
 # back, ends the run with one line naming the checkpoint to resume from.
 source "$(dirname "$0")/common.sh"
-toolkit plan "$WORK/model" --gpus 2xA100-80GB --seq 64 --precision fp32 --choose ddp --force --out "$WORK/elastic/plan"
+toolkit plan "$WORK/model" --gpus 2xA100-80GB --seq 64 --precision fp32 --global-batch 8 \
+  --choose ddp --force --out "$WORK/elastic/plan"
 out="$WORK/elastic/out"
 toolkit launch "$WORK/elastic/plan" --max-restarts 2 -- --model "$WORK/model" --data "$WORK/data" \
   --output "$out" --max-steps 12 --save-steps 2 --logging-steps 2 --lr 3e-3 &

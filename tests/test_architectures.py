@@ -12,7 +12,7 @@ import torch
 from toolkit.errors import UserError
 
 HERE = Path(__file__).resolve().parent
-MODELS = HERE / "real_configs" / "models"
+MODELS = HERE / "arch_configs"
 CATALOG = HERE.parent / "toolkit" / "catalog" / "models"
 
 # family -> a published config.json of it (the catalog's where it has one)

@@ -471,8 +471,10 @@ def test_fit_shards_fsdp_over_the_parallelism_configs_dp_shard_group():
                         gpus="8xH100-80GB")
     assert "with fsdp2," in hsdp[-1].message and "with fsdp2," in full[-1].message
     assert any("parallelism_config: dp=2x2 x tp=2" in p.message for p in hsdp)
-    # States sharded 2 (FSDP) x 2 (TP) ways instead of 8 (+15 GiB); TP splits the layers' activations (-4 GiB).
-    assert used(full) + 5 < used(hsdp) < used(full) + 15
+    # States sharded 2 (FSDP) x 2 (TP) ways instead of 8 (+15 GiB); TP splits the layers' activations (-4 GiB), and
+    # FSDP2 under TP keeps only the model's fsdp_plan tail (final norm + head) unsharded, not the whole root with
+    # the embedding (-2.7 GiB; measured in benchmarks/results/dimension_memory.md).
+    assert used(full) + 3 < used(hsdp) < used(full) + 15
 
 
 def test_fit_leaves_precision_open_when_the_yaml_does_not_say_and_never_aborts_the_check(capsys):
