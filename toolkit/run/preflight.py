@@ -245,7 +245,7 @@ def read_hostfile(path: Path) -> list[tuple[str, int]]:
     from toolkit.fileio import read_bytes_limited
 
     try:
-        text = read_bytes_limited(Path(path), "hostfile").decode("utf-8")
+        text = read_bytes_limited(Path(path), "DeepSpeed host list").decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read hostfile {path} ({type(exc).__name__}); write `host slots=GPUS` lines") \
             from None
