@@ -70,9 +70,17 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
     if plan_dir.name == PLAN_JSON:
         plan_dir = plan_dir.parent
     plan = load_plan(plan_dir)
+    if nodes > 1:
+        from toolkit.run.preflight import check_node_count
+
+        check_node_count(plan, nodes)
     if nodes > 1 and not rehearse:
         raise UserError(f"--nodes {nodes} runs a rehearsal as {nodes} nodes on this machine; add --rehearse (a real "
                         "multi-node run starts on each node: see PLAN.md)")
+    if not rehearse and processes is None and not cpu:  # a real run: its SLURM allocation and hostfile
+        from toolkit.run.preflight import check_multi_node
+
+        check_multi_node(plan, plan_dir)
     if (processes is not None or cpu) and not rehearse:
         return _launch_on_this_box(plan, plan_dir, train_argv, processes=processes, cpu=cpu, dry_run=dry_run,
                                    max_restarts=max_restarts)

@@ -96,10 +96,32 @@ SLURM_HEADER = [
 ]
 
 
-def slurm(*, here: str, model: str | None, header: list[str], sbatch: list[str]) -> str:
+def allocation_check(need: list[str]) -> list[str]:
+    """Shell lines that refuse, with one line and exit 2 before srun starts anything, a SLURM allocation smaller
+    than the plan (NEED_NODES x NEED_GPUS, set by `need`). Counts SLURM leaves unset, or writes in a form other
+    than a number (after a `type:` prefix), are not compared."""
+    return [*need,
+            'HAVE_NODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-$NEED_NODES}}"',
+            'HAVE_GPUS="${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-$NEED_GPUS}}"; HAVE_GPUS="${HAVE_GPUS##*:}"',
+            'if [[ "$HAVE_NODES$HAVE_GPUS" =~ ^[0-9]+$ ]] \\',
+            '    && (( HAVE_NODES < NEED_NODES || HAVE_GPUS < NEED_GPUS )); then',
+            '  echo "error: the SLURM allocation has $HAVE_NODES node(s) x $HAVE_GPUS GPU(s) but the plan needs '
+            '$NEED_NODES x $NEED_GPUS; submit with --nodes=$NEED_NODES --gpus-per-node=$NEED_GPUS" >&2',
+            '  exit 2',
+            'fi']
+
+
+PLAN_NEED = ['NEED_NODES="$(sed -n \'s/^num_machines: *\\([0-9]*\\) *$/\\1/p\' "$HERE/accelerate_config.yaml")"',
+             'NEED_PROCESSES="$(sed -n \'s/^num_processes: *\\([0-9]*\\) *$/\\1/p\' "$HERE/accelerate_config.yaml")"',
+             'NEED_NODES="${NEED_NODES:-1}"; NEED_GPUS=$(( ${NEED_PROCESSES:-1} / NEED_NODES ))']
+"""Generic slurm.sbatch: the plan's geometry from its accelerate_config.yaml (num_machines, num_processes)."""
+
+
+def slurm(*, here: str, model: str | None, header: list[str], sbatch: list[str], need: list[str]) -> str:
     # sed reads all of scontrol's output: `head -n 1` may exit first, and under pipefail scontrol's SIGPIPE (141)
     # would stop the script.
-    run = ['MAIN_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
+    run = [*allocation_check(need),
+           'MAIN_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
            "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
            "  bash -c 'exec accelerate launch --machine_rank \"$SLURM_NODEID\" \"$@\"' accelerate-launch \\",
            '  --config_file "$HERE/accelerate_config.yaml" --main_process_ip "$MAIN_HOST" '
@@ -115,7 +137,8 @@ def slurm_sbatch(plan: Plan, model: str) -> str:
               f"#SBATCH --gpus-per-node={plan.gpus_per_node}",
               "#SBATCH --exclusive"]
     # SLURM runs a copy of the script: the plan directory is where it was submitted from.
-    return slurm(here='HERE="${TOOLKIT_PLAN_DIR:-$SLURM_SUBMIT_DIR}"', model=model, sbatch=sbatch, header=[
+    return slurm(here='HERE="${TOOLKIT_PLAN_DIR:-$SLURM_SUBMIT_DIR}"', model=model, sbatch=sbatch,
+                 need=[f"NEED_NODES={plan.num_machines} NEED_GPUS={plan.gpus_per_node}"], header=[
         summary_line(plan), *SLURM_HEADER,
         "usage (from this directory): sbatch slurm.sbatch --data DATA --output OUT | sbatch slurm.sbatch my_train.py"])
 
@@ -158,7 +181,7 @@ def generic_scripts() -> dict[str, str]:
     return {
         "one_node.sh": one_node(here=PLAN_DIR_FROM_ARG, model=None, header=[
             *ONE_NODE_HEADER, "usage: launch/one_node.sh PLAN_DIR --data D --output O  |  ... PLAN_DIR my_train.py"]),
-        SLURM_SBATCH: slurm(here=PLAN_DIR_FROM_ARG, model=None, sbatch=[
+        SLURM_SBATCH: slurm(here=PLAN_DIR_FROM_ARG, model=None, need=PLAN_NEED, sbatch=[
             "#SBATCH --job-name=toolkit", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive"], header=[
             *SLURM_HEADER, "usage: sbatch --nodes=N --gpus-per-node=G launch/slurm.sbatch PLAN_DIR [ARGS]",
             "(N and G as in PLAN_DIR/PLAN.md; a plan folder's own slurm.sbatch has them written in)"]),

@@ -218,3 +218,114 @@ def check_run(plan: Any, args: Any) -> None:
     check_tokenizer(tokenizer, config, source)
     check_data(args.data, text_field=args.text_field, tokenizer=tokenizer, seq_len=plan.seq_len,
                global_batch=plan.global_batch)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multi-node input: the node count, the hostfile, the SLURM allocation (checked before any process or file; no
+# connection is attempted, a host name is only resolved)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_node_count(plan: Plan, nodes: int) -> None:
+    """`--nodes N` must split the plan's world into equal nodes."""
+    if plan.world_size % nodes:
+        works = ", ".join(str(d) for d in _divisors(plan.world_size))
+        raise UserError(f"--nodes {nodes} does not divide the plan's {plan.world_size} GPUs into equal nodes; "
+                        f"give a node count that does: {works}")
+
+
+def read_hostfile(path: Path) -> list[tuple[str, int]]:
+    """DeepSpeed's hostfile as (host, slots) pairs, read as deepspeed.launcher.runner reads it: lines starting
+    `host slots=N`, `#` comment lines and blank lines skipped, each host once (docs/ENGINE_FACTS.md)."""
+    import re
+
+    from toolkit.fileio import read_bytes_limited
+
+    try:
+        text = read_bytes_limited(Path(path), "DeepSpeed host list").decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read hostfile {path} ({type(exc).__name__}); write `host slots=GPUS` lines") \
+            from None
+    hosts: list[tuple[str, int]] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"(\S+)\s+slots=(\d+)", line)
+        if match is None:
+            raise UserError(f"hostfile {path} line {number} is not `host slots=GPUS`: {line[:80]!r}")
+        host = match.group(1)
+        if any(host == seen for seen, _ in hosts):
+            raise UserError(f"hostfile {path} names host {host} twice; give each host once")
+        hosts.append((host, int(match.group(2))))
+    if not hosts:
+        raise UserError(f"hostfile {path} names no host; write one `host slots=GPUS` line per node")
+    return hosts
+
+
+def check_hostfile(plan: Plan, path: Path) -> None:
+    """The hostfile's slots must add up to the plan's GPUs, and every host must resolve (getaddrinfo only: no
+    connection). The placeholders `toolkit emit` writes without --hosts (node0, node1, ...) are not resolved."""
+    import socket
+
+    from toolkit.emit.scripts import default_hosts
+
+    hosts = read_hostfile(path)
+    slots = sum(n for _, n in hosts)
+    if slots != plan.world_size:
+        works = "; ".join(f"{d} host(s) x slots={plan.world_size // d}" for d in _divisors(plan.world_size))
+        raise UserError(f"hostfile {path} gives {slots} slots on {len(hosts)} host(s) but the plan runs on "
+                        f"{plan.world_size} GPUs ({plan.num_machines} x {plan.gpus_per_node}); give {works}")
+    if [h for h, _ in hosts] == default_hosts(plan):
+        return
+    for host, _ in hosts:
+        try:
+            socket.getaddrinfo(host, None)
+        except (OSError, UnicodeError):
+            raise UserError(f"host {host} in hostfile {path} cannot be resolved; fix its name (or re-emit with "
+                            "`toolkit emit --hosts`)") from None
+
+
+def _slurm_int(value: str | None) -> int | None:
+    """A SLURM count: "4", or "a100:4" / "4(x2)" in the GPU variables."""
+    import re
+
+    if not value:
+        return None
+    match = re.match(r"(?:[^:,(]*:)?(\d+)", value.strip())
+    return int(match.group(1)) if match else None
+
+
+def check_slurm_allocation(plan: Plan, environ: dict[str, str]) -> None:
+    """Inside a SLURM allocation, refuse one smaller than the plan (nodes, GPUs per node, tasks); outside one
+    (no SLURM variables) there is nothing to compare."""
+    nodes = _slurm_int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES"))
+    gpus = _slurm_int(environ.get("SLURM_GPUS_ON_NODE") or environ.get("SLURM_GPUS_PER_NODE"))
+    tasks = _slurm_int(environ.get("SLURM_NTASKS"))
+    have = []
+    if nodes is not None and nodes < plan.num_machines:
+        have.append(f"{nodes} node(s)")
+    if gpus is not None and gpus < plan.gpus_per_node:
+        have.append(f"{gpus} GPU(s) per node")
+    if tasks is not None and nodes is not None and tasks < min(nodes, plan.num_machines):
+        have.append(f"{tasks} task(s)")
+    if have:
+        raise UserError(f"the SLURM allocation has {' and '.join(have)} but the plan needs {plan.num_machines} "
+                        f"node(s) x {plan.gpus_per_node} GPUs; allocate --nodes={plan.num_machines} "
+                        f"--gpus-per-node={plan.gpus_per_node} (sbatch slurm.sbatch does)")
+
+
+def check_multi_node(plan: Plan, plan_dir: Path, environ: dict[str, str] | None = None) -> None:
+    """`toolkit launch` of a real run (not a rehearsal): the SLURM allocation it runs in, and for a multi-node
+    plan the hostfile beside it."""
+    import os
+
+    from toolkit.plan.files import HOSTFILE
+
+    check_slurm_allocation(plan, dict(os.environ if environ is None else environ))
+    hostfile = plan_dir / HOSTFILE
+    if plan.num_machines > 1 and (hostfile.exists() or hostfile.is_symlink()):
+        check_hostfile(plan, hostfile)
