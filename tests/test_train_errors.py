@@ -104,12 +104,14 @@ def test_launch_preflight_refuses_a_mismatched_model_before_starting(tiny_llama_
 
 
 def test_catalog_model_loads_as_its_hub_id(tiny_llama_dir, tmp_path):
-    """A plan made for a catalog name trains its hub id (offline here: one line naming the hub id and the fix)."""
+    """A plan made for a catalog name trains its hub id, read from the config the package ships (no network): here
+    the plan's numbers are a tiny model's, so the hub id's config contradicts them, named in one line with the fix."""
     from toolkit.errors import UserError
     from toolkit.commands.launch import launch_main
     from toolkit.run.launcher import emit_plan_files
 
     plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32).replace(model="llama-2-7b")
     plan_dir = emit_plan_files(plan, tmp_path / "p")
-    with pytest.raises(UserError, match="from meta-llama/Llama-2-7b-hf: .* pass --model"):
+    with pytest.raises(UserError, match=r"model meta-llama/Llama-2-7b-hf is not the model the plan was made for "
+                                        r"\(llama-2-7b\): 32 layers vs 2.*pass the planned --model"):
         launch_main(plan_dir, ["--data", str(tmp_path), "--output", str(tmp_path / "o")], dry_run=True)
