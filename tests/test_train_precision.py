@@ -46,7 +46,10 @@ def test_fp16_deepspeed_config_validates(strategy, tiny_llama_dir, tmp_path):
     plan = plan_for_model(tiny_llama_dir, strategy, micro_batch=2, grad_accum=4, seq_len=32, precision="fp16")
     plan_dir = emit_plan_files(plan, tmp_path / "plan")
     ds = json.loads((plan_dir / "ds_config.json").read_text())
-    assert ds["fp16"]["enabled"] is True and ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    concrete = json.loads((plan_dir / "ds_config.deepspeed.json").read_text())
+    # The runner decides precision in the file it fills ("auto"); DeepSpeed's own launcher gets it stated.
+    assert ds["fp16"]["enabled"] == "auto" and concrete["fp16"]["enabled"] is True
+    assert ds["fp16"]["loss_scale"] == concrete["fp16"]["loss_scale"] == 0  # dynamic loss scaling
     assert _validate_real_configs(plan, plan_dir) == []
 
 

@@ -65,4 +65,4 @@ def test_the_installed_wheel_runs_from_outside_the_checkout(installed, tmp_path)
     preset = Path(toolkit.__file__).parent / "catalog" / "sets" / "zero3-bf16"
     installed_preset = next((installed / "lib").glob("python*/site-packages/toolkit/catalog/sets/zero3-bf16"))
     assert sorted(p.name for p in installed_preset.iterdir()) == sorted(p.name for p in preset.iterdir())
-    assert (installed_preset.parent.parent.parent / "plan.schema.json").is_file()
+    assert (installed_preset.parent.parent.parent / "plan" / "plan.schema.json").is_file()
