@@ -133,6 +133,23 @@ def test_no_import_circles():
     assert circles(graph()) == []
 
 
+def module_graph() -> dict[str, set[str]]:
+    """module -> the toolkit modules it imports, lazy imports inside functions included (a folder is no node)."""
+    known = modules()
+    edges: dict[str, set[str]] = {}
+    for module, path in known.items():
+        edges.setdefault(module, set())
+        for imported in _imports(ast.parse(path.read_text()), module):
+            target = imported if imported in known else f"{imported}.__init__"
+            if target in known and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def test_no_import_circles_between_modules_inside_a_wing_either():
+    assert circles(module_graph()) == []
+
+
 def test_at_most_one_import_runs_back_up_the_layers():
     assert len(upward(graph())) <= 1, upward(graph())
 

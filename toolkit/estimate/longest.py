@@ -67,7 +67,7 @@ def seq_cap(spec: "ModelSpec") -> int:
 
 def granule(grid: "ParallelGrid") -> int:
     """Lengths a grid can split: multiples of sp, of 2 x cp (torch's load balancer), and of GRANULE."""
-    return math.lcm(GRANULE, grid.sequence, 2 * grid.context)
+    return math.lcm(GRANULE, grid.sequence_multiple())
 
 
 def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list[Longest]:

@@ -358,7 +358,7 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
                     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                                      **{_DEGREE_ARG[dimension]: degree})
                     grid.check_model(spec)
-                    grid.check_sequence(req.seq_len if sequence_rule else granule(grid), attention)
+                    grid.check_sequence(req.seq_len if sequence_rule else grid.sequence_multiple(), attention)
                 except UserError as exc:
                     problems.append(str(exc))
                     continue
@@ -367,12 +367,6 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
 
 
 _DEGREE_ARG = {"tp": "tensor", "cp": "context", "sp": "sequence"}
-
-
-def granule(grid: ParallelGrid) -> int:
-    from toolkit.estimate.longest import granule as g
-
-    return g(grid)
 
 
 def _check_stages(strategies: list[Strategy], hw: Hardware, stages: int | None) -> None:

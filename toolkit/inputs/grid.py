@@ -21,6 +21,8 @@ naming the degree) and accelerate's ParallelismConfig (dp_replicate / dp_shard /
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -291,6 +293,10 @@ class ParallelGrid:
             raise UserError(f"pipeline conversion cannot split {spec.model_type} ({spec.pipeline_blocker}); ZeRO "
                             "and FSDP2 run it")
         check_stage_count(spec.num_layers, self.pipeline_stages, self.world)
+
+    def sequence_multiple(self) -> int:
+        """The smallest length check_sequence's divisibility rules accept: a multiple of sp and of 2 x cp."""
+        return math.lcm(self.sequence, 2 * self.context) if self.context > 1 else self.sequence
 
     def check_sequence(self, seq_len: int, attention: str) -> None:
         """Whether one sample of `seq_len` tokens splits over the context / sequence ranks with `attention`."""
