@@ -169,3 +169,12 @@ def test_the_multi_node_scripts_train_one_model_as_two_nodes(two_node_plan, corp
             assert proc.stdout.startswith("Submitted batch job ") and "toolkit.train: zero3" in job_log
     first = results[ROUTES[0]]
     assert len(first) == 2 and all(loss == first for loss in results.values()), results
+
+
+def test_an_hsdp_plan_rehearses_as_two_nodes_without_being_asked(tiny_llama_dir, tmp_path, capsys):
+    """HSDP needs two nodes (the grid refuses it on one): `--rehearse` alone runs it as 2 launcher invocations."""
+    plan = plan_for_model(tiny_llama_dir, "fsdp2-hybrid", num_machines=2, gpus_per_node=4)
+    assert launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True, dry_run=True) == 0
+    out = capsys.readouterr().out
+    assert "rehearsing it as 2 nodes on this machine" in out and TWO_NODES in out
+    assert "--machine_rank 0" in out and "--machine_rank 1" in out
