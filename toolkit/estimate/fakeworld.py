@@ -13,8 +13,8 @@ The wrapping follows what our runs do:
     dtype, accelerate utils/dataclasses.py set_mixed_precision); HSDP over a (replicate, shard) mesh.
   - FSDP2 x TP (and HSDP x TP): transformers' own load-time route, `maybe_distribute_model` with the
     DistributedConfig our emitter writes (the model's tp_plan, then FSDP2 from its fsdp_plan), as toolkit.train runs it.
-Not traceable here (`untraceable_reason` says which and why): DeepSpeed ZeRO (its engine starts real communicators
-and allocates its flat buffers on the accelerator), DDP and the pipeline engine, context parallelism (torch's ring
+Not traceable here (`untraceable_reason` says which and why): DeepSpeed ZeRO (deepspeed.initialize fails under
+FakeTensorMode, measured with the fake process group at ZeRO-2 and ZeRO-3), DDP and the pipeline engine, context parallelism (torch's ring
 attention shards only the CUDA SDPA kernels), Ulysses sequence parallelism (DeepSpeed), adapters, Liger,
 activation offloading, torch.compile and optimizers other than AdamW / SGD.
 What it cannot see, derived elsewhere: the CUDA context, NCCL buffers and the caching allocator's margin; the
@@ -73,8 +73,9 @@ class WorldTrace:
 def untraceable_reason(strategy: "Strategy", grid: "ParallelGrid", job: "Job") -> str | None:
     """Why this row cannot be traced in a fake world (None: it can)."""
     if strategy.engine == Engine.DEEPSPEED:
-        return ("DeepSpeed ZeRO starts its own communicators and allocates its flat buffers on the accelerator at "
-                "deepspeed.initialize, which a fake process group on a CPU build cannot host")
+        return ("DeepSpeed ZeRO does not start under FakeTensorMode (deepspeed.initialize moves the module with .to(), "
+                "which cannot swap fake parameters: 'Couldn't swap Embedding.weight'); its states are derived from "
+                "its source and checked on real gloo ranks (benchmarks/results/distributed_memory.md)")
     if strategy.engine != Engine.FSDP2:
         return f"{strategy.name} shards nothing across ranks: the single-process trace already is one rank"
     if grid.context > 1:
