@@ -111,6 +111,11 @@ def _prefetched_layer_bytes(spec, grid, job, strategy) -> int:
     return max(rank.layer_params) * (4 if job.precision == "fp32" else 2)
 
 
+def _set_aside(r: dict) -> float:
+    """Traced peak over the model's peak without the GPU-prefetched layer."""
+    return r["traced"]["peak_bytes"] / (r["estimate"]["peak_bytes"] - r["prefetch_layer_bytes"])
+
+
 def _mb(n: int) -> str:
     return f"{n / 2 ** 20:,.2f}"
 
@@ -121,19 +126,20 @@ def _line(r: dict) -> str:
     step = t["optimizer_bytes"] - e["optimizer_bytes"]
     measured = r["measured_peak_bytes"]
     real = f"{_mb(measured)} ({t['peak_bytes'] / measured:.3f} / {e['peak_bytes'] / measured:.3f})" if measured else "-"
-    seen = e["peak_bytes"] - r["prefetch_layer_bytes"]
     return (f"| {r['case']} | {r['grid']} | {r['trace_s']} | {_mb(t['parameters_bytes'])} "
             f"{same(t['parameters_bytes'], e['parameters_bytes'])} | {_mb(t['gradients_bytes'])} "
             f"{same(t['gradients_bytes'], e['gradients_bytes'])} | {_mb(t['optimizer_bytes'])} +{step:,} B | "
-            f"{_mb(t['peak_bytes'])} | {_mb(e['peak_bytes'])} | {e['peak_phase']} | {t['peak_bytes'] / e['peak_bytes']:.3f} | "
-            f"{t['peak_bytes'] / seen:.3f} | {real} |")
+            f"{_mb(t['peak_bytes'])} | {_mb(e['peak_bytes'])} | {e['peak_phase']} | "
+            f"{t['peak_bytes'] / e['peak_bytes']:.3f} | "
+            f"{_set_aside(r):.3f} | {real} |")
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     exact = all(r["traced"]["parameters_bytes"] == r["estimate"]["parameters_bytes"]
                 and r["traced"]["gradients_bytes"] == r["estimate"]["gradients_bytes"] for r in rows)
     raw = [r["traced"]["peak_bytes"] / r["estimate"]["peak_bytes"] for r in rows]
-    head_rows = [r for r in rows if r["prefetch_layer_bytes"] and r["estimate"]["peak_phase"].startswith("backward (head")]
+    head_rows = [r for r in rows
+                 if r["prefetch_layer_bytes"] and r["estimate"]["peak_phase"].startswith("backward (head")]
     layer_rows = [r for r in rows if r["prefetch_layer_bytes"] and r not in head_rows]
     real = [r for r in rows if r["measured_peak_bytes"]]
     slowest = max(rows, key=lambda r: r["trace_s"])
@@ -170,8 +176,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "on its own CUDA stream while the current group computes; the fake world dispatches on the CPU, where there "
         "is no such stream, so it cannot see that layer in forward (derived, and listed as derived by --explain). "
         "Where the model's peak is in the head's backward with that layer in it, setting it aside gives "
-        + ", ".join(f"{r['case']} {r['traced']['peak_bytes'] / (r['estimate']['peak_bytes'] - r['prefetch_layer_bytes']):.3f}"
-                    for r in head_rows)
+        + ", ".join(f"{r['case']} {_set_aside(r):.3f}" for r in head_rows)
         + ". Where the model's peak is inside a layer's backward (" + ", ".join(r["case"] for r in layer_rows)
         + "), the raw ratio is the one to read: FSDP2's backward prefetch is issued by its pre-backward hook on any "
         "device, so the fake world holds the second layer there too. The CPU cases (device kind cpu, no prefetch) "
@@ -193,7 +198,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "dispatch per module and grows with layers and wrapped groups, not with sizes. That is why it is an option "
         "(`--trace-world`, disk-cached) and never on the default plan path.",
         "",
-        "**What it cannot trace** (toolkit.estimate.fakeworld.untraceable_reason): DeepSpeed ZeRO (deepspeed.initialize "
+        "**What it cannot trace** (toolkit.estimate.fakeworld.untraceable_reason): DeepSpeed ZeRO "
+        "(deepspeed.initialize "
         "moves the module with .to(), which cannot swap fake parameters: \"Couldn't swap Embedding.weight\", at ZeRO-2 "
         "and ZeRO-3), context parallelism (torch's ring "
         "attention shards only the CUDA SDPA kernels), Ulysses SP (DeepSpeed), DDP and the pipeline engine (nothing "

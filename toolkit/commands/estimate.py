@@ -8,6 +8,7 @@ from dataclasses import replace
 from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
+from toolkit.inputs.job import checkpointing_words
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
                                      longest_line, model_spec, print_note, seq_len_of, trainable_params)
 
@@ -21,7 +22,8 @@ def add_parser(sub) -> None:
                                                      "pipeline, hybrid, ... (default %(default)s)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
     p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), default=1)
-    add_checkpointing_flag(p, "activation checkpointing of every layer (the bare flag means on)")
+    add_checkpointing_flag(p, "activation checkpointing of every layer (the bare flag means on; op: torchtitan's per-op "
+                           "selective policy)")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--trace-world", action="store_true",
                    help="trace one rank of an FSDP2 / FSDP2 x TP / HSDP row in a fake world of the plan's size (the "
@@ -97,7 +99,7 @@ def cmd_estimate(args) -> int:
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
-          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}"
+          f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{', torch.compile' if job.compile else ''}")
     if job.adapter.is_adapter:
         a = job.adapter

@@ -14,9 +14,10 @@ The wrapping follows what our runs do:
   - FSDP2 x TP (and HSDP x TP): transformers' own load-time route, `maybe_distribute_model` with the
     DistributedConfig our emitter writes (the model's tp_plan, then FSDP2 from its fsdp_plan), as toolkit.train runs it.
 Not traceable here (`untraceable_reason` says which and why): DeepSpeed ZeRO (deepspeed.initialize fails under
-FakeTensorMode, measured with the fake process group at ZeRO-2 and ZeRO-3), DDP and the pipeline engine, context parallelism (torch's ring
-attention shards only the CUDA SDPA kernels), Ulysses sequence parallelism (DeepSpeed), adapters, Liger,
-activation offloading, torch.compile and optimizers other than AdamW / SGD.
+FakeTensorMode, measured with the fake process group at ZeRO-2 and ZeRO-3), DDP and the pipeline engine, context
+parallelism (torch's ring attention shards only the CUDA SDPA kernels), Ulysses sequence parallelism (DeepSpeed),
+adapters, Liger, activation offloading, torch.compile, per-op selective checkpointing and optimizers other than
+AdamW / SGD.
 What it cannot see, derived elsewhere: the CUDA context, NCCL buffers and the caching allocator's margin; the
 second layer FSDP2 prefetches on the GPU's all-gather stream (on the CPU dispatch there is no stream); GPU kernel
 footprints (attention and dropout are traced with the same GPU stand-ins as toolkit.estimate.tracer).
@@ -83,7 +84,8 @@ def untraceable_reason(strategy: "Strategy", grid: "ParallelGrid", job: "Job") -
     if grid.sequence > 1:
         return "Ulysses sequence parallelism runs in DeepSpeed"
     for flag, what in ((job.adapter.is_adapter, f"{job.adapter.method} adapters"), (job.liger, "Liger kernels"),
-                       (job.activation_offloading, "activation offloading"), (job.compile, "torch.compile")):
+                       (job.activation_offloading, "activation offloading"), (job.compile, "torch.compile"),
+                       (job.checkpointing not in (True, False), "per-op selective checkpointing")):
         if flag:
             return f"{what} are not traced in a fake world"
     if job.optimizer not in ("adamw", "sgd"):
@@ -277,7 +279,8 @@ def traced_terms(terms: tuple, world: WorldTrace) -> tuple:
 def peak_line(world: WorldTrace, estimated_peak_bytes: int) -> str:
     unit, div = ("GiB", 1024 ** 3) if world.peak_bytes >= 1024 ** 3 else ("MiB", 1024 ** 2)
     kinds = ", ".join(f"{k} {v / div:.2f}" for k, v in world.peak_by_kind)
-    return (f"fake-world peak (tensors, CPU dispatch, {world.world} ranks): {world.peak_bytes / div:.2f} {unit} against "
-            f"the estimate's {estimated_peak_bytes / div:.2f} {unit} ({world.peak_bytes / estimated_peak_bytes:.3f}); "
+    return (f"fake-world peak (tensors, CPU dispatch, {world.world} ranks): {world.peak_bytes / div:.2f} {unit} "
+            f"against the estimate's {estimated_peak_bytes / div:.2f} {unit} "
+            f"({world.peak_bytes / estimated_peak_bytes:.3f}); "
             f"at it, {unit}: {kinds}. Derived, not seen there: the GPU's prefetched all-gather of the next layer, GPU "
             "kernel footprints beyond the tracer's stand-ins, the CUDA context, NCCL buffers and the allocator margin")
