@@ -24,6 +24,8 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
+COMPILE_BLOCKS = "blocks"
+"""--compile-blocks: each decoder layer compiled apart, the rest eager (torchtitan's apply_compile)."""
 CHECKPOINTING_OP = "op"
 """--checkpointing op: torchtitan's per-op selective activation checkpointing (toolkit.estimate.selective)."""
 
@@ -36,6 +38,15 @@ def checkpointing_words(checkpointing: bool | str) -> str:
     return ", checkpointing" if checkpointing else ""
 
 
+def compile_words(compile: bool | str) -> str:
+    """The job summaries' words for a compile setting."""
+    if compile == COMPILE_BLOCKS:
+        return ", torch.compile per decoder layer"
+    return ", torch.compile" if compile else ""
+
+
+BLOCKS_COMPILE_PROBLEM = ("--compile-blocks (each decoder layer compiled apart, as torchtitan does) is modelled by "
+                          "estimate only: TrainingArguments torch_compile compiles the whole model; use --compile")
 OP_CHECKPOINTING_PROBLEM = ("--checkpointing op (torchtitan's per-op selective policy) is modelled by estimate and "
                             "profile only: the HF Trainer, accelerate and DeepSpeed have no setting that applies it; "
                             "use --checkpointing on or off")
@@ -65,9 +76,11 @@ class Job:
     """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
     liger: bool = False
     """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.estimate.liger)."""
-    compile: bool = False
+    compile: bool | str = False
     """torch.compile (inductor) of the model, as TrainingArguments(torch_compile=True) has accelerate do it: the
-    activations are what the compiler's partition saves (toolkit.estimate.compiled)."""
+    activations are what the compiler's partition saves (toolkit.estimate.compiled). COMPILE_BLOCKS ("blocks"):
+    each decoder layer compiled on its own, embedding, head and loss eager (torchtitan's apply_compile; estimate
+    only)."""
     adapter: Adapter = FULL
     """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""
 
@@ -81,6 +94,8 @@ class Job:
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        if self.compile not in (False, True, COMPILE_BLOCKS):
+            raise UserError(f"compile must be True, False or {COMPILE_BLOCKS!r}, got {self.compile!r}")
         if self.checkpointing not in (False, True, CHECKPOINTING_OP):
             raise UserError(f"--checkpointing must be on, off or {CHECKPOINTING_OP}, got {self.checkpointing!r}")
 
