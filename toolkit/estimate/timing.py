@@ -116,6 +116,29 @@ def dequant_s(counts, *, micro_steps: int, checkpointing: bool, compute_bytes: i
     return micro_steps * passes * per_pass / (hbm_gbps * 1e9 * DEQUANT_EFFICIENCY)
 
 
+def data_parallel_gather_bytes(counts, job: Job) -> float:
+    """LoRA / QLoRA: bytes one ZeRO-3 / FSDP2 all-gather pass moves over the whole model (before the ring's
+    (N-1)/N): the frozen base as those engines shard it (toolkit.inputs.lora.sharded_base_bytes: QLoRA's packed
+    4-bit codes without their constants, which stay on every GPU) and the adapters in the compute dtype (FSDP2's
+    MixedPrecisionPolicy param_dtype; DeepSpeed's bf16 module)."""
+    from toolkit.inputs.lora import base_storage_bytes_per_param, sharded_base_bytes
+
+    compute = 4 if job.precision == "fp32" else 2
+    return (sharded_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+            + counts.trainable_params * compute)
+
+
+def data_parallel_gather_note(job: Job) -> str:
+    """What data_parallel_gather_bytes counts for the frozen base, in words."""
+    from toolkit.inputs.lora import quantized_base_sharded
+
+    if job.adapter.method != "qlora":
+        return "frozen base in its dtype + adapters"
+    if quantized_base_sharded(job.adapter):
+        return f"4-bit codes packed in {job.adapter.quant_storage}, constants kept on every GPU; rest + adapters"
+    return "4-bit base stored as uint8 is not sharded, so not gathered; rest + adapters"
+
+
 def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
                     trainable_params: int | None = None) -> tuple[float, float]:
     """(training FLOPs per token including recompute, model FLOPs per token without it); see
@@ -192,8 +215,9 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     pb = 4 if job.precision == "fp32" else 2
     P = spec.params
     # Gradients (all-reduce, reduce-scatter, offload traffic, CPU Adam) exist for trainable parameters only;
-    # ZeRO-3 / FSDP2 all-gathers move the whole model (the frozen base included).
+    # ZeRO-3 / FSDP2 all-gathers move every sharded parameter in the compute dtype (gather_bytes).
     P_grad = trainable if trainable is not None else P
+    gather_bytes = P * pb if counts is None else data_parallel_gather_bytes(counts, job)
     comm = 0.0
     bubble = 0.0
     offload = 0.0
@@ -214,7 +238,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             comm = A * _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
             assumptions.append("ZeRO-2 reduce-scatters gradients every micro-step")
         else:
-            comm = A * (2 * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+            comm = A * (2 * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
             assumptions.append("ZeRO-3: all-gather forward + all-gather backward + reduce-scatter, every micro-step")
         if strategy.offload_optimizer != "none":
             host_link = hw.gpu.pcie_gbps * 1e9
@@ -222,22 +246,22 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             offload += (P_grad / dp) * (4 + pb) / host_link
             offload += P_grad * hw.gpus_per_node / dp / CPU_ADAM_PARAMS_PER_S
             if strategy.offload_params != "none":
-                offload += A * 2 * (P / dp) * pb / host_link
+                offload += A * 2 * (gather_bytes / dp) / host_link
             if strategy.offload_optimizer == "nvme":
-                offload += 2 * (P / dp) * 16 * hw.gpus_per_node / (NVME_GBPS * 1e9)
+                offload += 2 * (P_grad / dp) * 16 * hw.gpus_per_node / (NVME_GBPS * 1e9)
             assumptions.append(f"offload: host link {hw.gpu.pcie_gbps:.0f} GB/s, CPU Adam "
                                f"{CPU_ADAM_PARAMS_PER_S / 1e9:.0f}B params/s per node")
     elif strategy.engine == Engine.FSDP2:
         dp = grid.shard_group  # FSDP2 shards over dp_shard x cp
         if strategy.fsdp_mode == "hybrid":
             shard, replicas = grid.shard_group, grid.dp_replicate
-            comm = A * (2 * _ring(P * pb, shard, hw.gpu.intra_node_gbps, 1)
+            comm = A * (2 * _ring(gather_bytes, shard, hw.gpu.intra_node_gbps, 1)
                          + _ring(P_grad * pb, shard, hw.gpu.intra_node_gbps, 1))
             comm += _ring(P_grad * pb / shard, replicas, hw.inter_node_gbps, 2)
         else:
             gathers = 1 if strategy.fsdp_mode == "grad_op" else 2
             bw = _group_bandwidth(hw, dp)
-            comm = A * (gathers * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+            comm = A * (gathers * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
     else:
         # Pipeline: activations cross stage boundaries; stages across nodes, data parallel inside a node.
         M = A
@@ -249,6 +273,10 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         comm_dp = _ring(stage_P * pb, dp, hw.gpu.intra_node_gbps, 2) if dp > 1 else 0.0
         comm = comm_p2p * 0.5 + comm_dp  # sends overlap with the other direction's compute about half the time
         assumptions.append(f"1F1B bubble (P-1)/M of compute with P={P_stages}, M={M}")
+    if counts is not None and (strategy.engine == Engine.FSDP2 or strategy.zero_stage == 3):
+        assumptions.append(f"{job.adapter.method}: each all-gather pass moves {gather_bytes / 2**30:.2f} GiB "
+                           f"({data_parallel_gather_note(job)}); gradients reduced for the adapters only "
+                           f"({P_grad * pb / 2**30:.3f} GiB)")
     lora_s = quant_s = 0.0
     if counts is not None:
         lora_s = lora_overhead_s(counts, job.adapter, num_layers=spec.num_layers, tokens=tokens_per_gpu_step,
