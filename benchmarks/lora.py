@@ -283,7 +283,8 @@ def traffic_section() -> list[str]:
              "codes, a quarter of the same layers in bf16. 'required': our required memory per GPU for the "
              "row's job on a catalog GPU of the same capacity (named), a stand-in for GPUs the catalog lacks "
              "(memory does not depend on speed).", "",
-             "| row | GPUs | method | mb x acc | gathered per pass | sent per GPU per micro-step | published s per micro-step "
+             "| row | GPUs | method | mb x acc | gathered per pass | sent per GPU per micro-step "
+             "| published s per micro-step "
              "| peak GiB published / required |",
              "|---|---|---|---|---:|---:|---:|---|"]
     sent = {}
@@ -341,7 +342,8 @@ def main() -> int:
               "and adapters in bf16; QLoRA with the codes stored in bf16 (bnb_4bit_quant_storage=bfloat16, the "
               "FSDP-QLoRA route) moves the packed codes only, its quantisation constants staying whole on every GPU "
               "(docs/ENGINE_FACTS.md, 'QLoRA under FSDP2 / ZeRO-3').", "",
-              "| model | targets | r | trainable | all params (PEFT) | QLoRA frozen base (4-bit + constants; rest bf16) "
+              "| model | targets | r | trainable | all params (PEFT) "
+              "| QLoRA frozen base (4-bit + constants; rest bf16) "
               "| gathered per pass: LoRA | QLoRA (codes in bf16) |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]
     from toolkit.estimate.timing import data_parallel_gather_bytes
@@ -453,7 +455,8 @@ def main() -> int:
               "quantisation constants, which stay on every GPU; docs/ENGINE_FACTS.md), so QLoRA's gathers are 29% "
               "of LoRA's for Llama-2-7B r64 (section 'FSDP rows: what crosses the link'); the pair's times put the "
               "link at no more than about 3 GB/s. In the scored rows (NVLink A100 / H100, PCIe 4.0 x16 4090s at "
-              "batch 6-10) the exposed communication stays a few percent of the step, so their errors barely move.",
+              "batch 6-10) our exposed communication is 2% of the step for the LoRA row and under 0.5% for the QLoRA "
+              "rows, so their errors move by about a point at most (the 70B QLoRA rows' gathers shrank).",
               "- Absolute speed: the 4 x H100 Llama-2-70B QLoRA row is the outlier (ours +40%); its source gives "
               "no cause beyond that this setup was compute-bound (line 206) and LoRA vs QLoRA or batch 8 vs 12 "
               "made little difference. The RTX 4090 rows carry the compute efficiency borrowed from Ampere.",
@@ -467,7 +470,7 @@ def main() -> int:
               "assumed: the LitGPT LoRA rows fix the length, and no other pair isolates the passes (2-11% of each "
               "step). benchmarks/gpu_check.py on a lent GPU is the measurement that would settle both.",
               "- Peak memory: Answer.AI's peak reserved per GPU vs our required: LoRA DDP batch 4 22.0 vs 22.0 GiB; "
-              "the FSDP and QLoRA rows 20.9-21.4 vs 17.6-18.0 GiB (ours below: their reserved includes what the "
+              "the FSDP and QLoRA rows 20.9-21.4 vs 17.9-18.0 GiB (ours below: their reserved includes what the "
               "caching allocator kept at batch 6-10; pure bf16 AdamW and reentrant checkpointing differ from our "
               "bf16 recipe). torchtune's 8B figures are 6-8 GiB below ours: its chunked cross-entropy never holds "
               "the full-vocabulary fp32 logits (2.0 GiB in ours plus the loss transient), compile fuses "

@@ -220,6 +220,8 @@ def test_fsdp2_qlora_gathers_the_packed_4bit_base_a_quarter_of_loras_bytes():
     q_layer = layer_sharded_base_bytes(cq, qlora, 2, spec.layer_params)[0]
     norms = spec.layer_params[0] - cq.per_layer_quantized[0]
     assert (q_layer - norms * 2) / (cq.per_layer_quantized[0] * 2) == 0.25
+    # Memory: FSDP2's unsharded buffers hold 4-bit layers (this one and the prefetched next) and the bf16 root.
+    assert states.gathered == 2 * (q_layer + cq.per_layer[0] * 2) + (spec.pre_layer_params + spec.post_layer_params) * 2
     # Whole model: the bf16 embeddings and head and the r=64 adapters are gathered at 2 bytes in both, so QLoRA
     # moves 29% of LoRA's bytes.
     assert 0.285 < qgather / data_parallel_gather_bytes(c, jobs["lora"]) < 0.30
