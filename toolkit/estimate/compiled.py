@@ -51,6 +51,8 @@ class CompiledSaved:
     traffic: dict = field(default_factory=dict)
     """region -> (eager elementwise bytes, compiled elementwise bytes, eager kernels, compiled kernels) over forward
     and backward (`_traffic`)."""
+    forward_traffic: dict = field(default_factory=dict)
+    """The forward graph's share of `traffic`: what a checkpointed layer runs again in backward."""
     extras: dict = field(default_factory=dict)
     """region -> (forward_extra_bytes, backward_extra_bytes, backward_grad_bytes, grad_bytes) from the liveness
     walk over the partitioned graphs (the meanings of toolkit.estimate.activations.RegionTrace's fields)."""
@@ -62,13 +64,14 @@ class CompiledSaved:
 
 def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                                autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
-                               checkpointing: bool = False) -> ActivationTrace:
+                               checkpointing: bool | str = False) -> ActivationTrace:
     """The activation trace of a torch.compile'd step: saved bytes from the compiler's partition, the rest
     (temporaries, autocast cache, output) from the eager trace of the same job.
 
-    With checkpointing, each decoder layer keeps what the eager checkpoint keeps (its inputs: the compiled
-    checkpoint saves the inputs of the wrapped region and recomputes the rest), and embedding and head are traced
-    compiled."""
+    With checkpointing (True, or "op" for the per-op selective policy), each decoder layer keeps what the eager
+    checkpoint keeps (its inputs: the compiled checkpoint saves the inputs of the wrapped region and recomputes the
+    rest; the per-op policy's MUST_SAVE outputs as well, which the partitioner keeps as tagged), and embedding and
+    head are traced compiled. Measured against real compiled CPU steps: tests/test_compiled.py."""
     from toolkit.estimate import tracer
     from toolkit.inputs.modelspec import reduced_config
 
@@ -94,12 +97,20 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
 
     if checkpointing:
         layers = eager.layers
-        notes.append("checkpointed layers keep their inputs (as eager); embedding and head traced compiled")
+        notes.append("checkpointed layers keep what the eager checkpoint keeps (inputs; with the per-op policy also "
+                     "its kept matmul and attention outputs); embedding and head traced compiled")
     else:
         layers = tuple(region(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", eager.layers[i])
                        for i in range(len(full_kinds)))
+    def layer_traffic(name: str):
+        # A checkpointed layer runs its forward's elementwise work again in backward (the per-op policy recomputes
+        # all but matmuls and attention), fused the same way.
+        t = saved.traffic.get(name, (0, 0, 0, 0))
+        again = saved.forward_traffic.get(name, (0, 0, 0, 0)) if checkpointing else (0, 0, 0, 0)
+        return tuple(a + b for a, b in zip(t, again))
+
     per_region = [saved.traffic.get("embedding", (0, 0, 0, 0)), saved.traffic.get("head", (0, 0, 0, 0)),
-                  *(saved.traffic.get(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", (0, 0, 0, 0))
+                  *(layer_traffic(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}")
                     for i in range(len(full_kinds)))]
     traffic = tuple(sum(t[k] for t in per_region) for k in range(4))
     notes.append(f"torch.compile: saved tensors from AOTAutograd's joint graph split by {PARTITIONER} "
@@ -251,10 +262,14 @@ def _saved_of(graphs: list, *, n_params: int, autocast: bool) -> CompiledSaved:
             rows.append((region, tuple(value.shape), str(value.dtype).replace("torch.", ""), nbytes))
     order = ["embedding", *sorted({r for r in by_region if r.startswith("layer")}, key=lambda r: int(r[5:])), "head"]
     traffic = {r: (0, 0, 0, 0) for r in order}
+    forward = {r: (0, 0, 0, 0) for r in order}
     for fw, bw, _ in graphs:
         for r, t in _traffic(fw, bw, order).items():
             traffic[r] = tuple(a + b for a, b in zip(traffic[r], t))
+        for r, t in _traffic(fw, bw, order, forward_only=True).items():
+            forward[r] = tuple(a + b for a, b in zip(forward[r], t))
     return CompiledSaved(by_region=by_region, autocast_copy_by_region=copies, saved=tuple(rows), traffic=traffic,
+                         forward_traffic=forward,
                          extras=_extras(graphs, order, {r: by_region.get(r, 0) + copies.get(r, 0) for r in order}))
 
 
@@ -398,7 +413,7 @@ def _extras(graphs: list, order: list, held_by_region: dict) -> dict:
     return {r: tuple(max(0, v) for v in e) for r, e in extras.items()}
 
 
-def _traffic(fw, bw, order: list) -> dict:
+def _traffic(fw, bw, order: list, *, forward_only: bool = False) -> dict:
     """Memory traffic and kernel launches of the elementwise and reduction work, eager against compiled, per region.
 
     Eager: each ATen op the model called is one kernel (the nodes a decomposition made from one op share its
@@ -407,7 +422,7 @@ def _traffic(fw, bw, order: list) -> dict:
     its fused chain reaches and writes itself. Matmuls, attention and other extern kernels run in both and are left
     out. Returns region -> (eager bytes, compiled bytes, eager kernels, compiled kernels)."""
     out = {r: [0, 0, 0, 0] for r in order}
-    for graph, backward in ((fw.graph, False), (bw.graph, True)):
+    for graph, backward in ((fw.graph, False),) + (() if forward_only else ((bw.graph, True),)):
         nodes = list(graph.nodes)
         kinds = {n: _kind(n) for n in nodes}
         elementwise = {n for n in nodes if kinds[n] in ("fusible", "reduction") and n.all_input_nodes}
