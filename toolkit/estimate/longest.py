@@ -127,7 +127,7 @@ def _evaluate(spec, hw, strategy, grid, req, seq_len: int) -> "Candidate":
     job = Job(seq_len=seq_len, micro_batch=1, grad_accum=req.grad_accum or 1, precision=req.precision,
               optimizer=req.optimizer, checkpointing=req.checkpointing is not False, attention=req.attention,
               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl, liger=req.liger, adapter=req.adapter,
-              compile=req.compile)
+              compile=req.compile, tiled=req.tiled)
     partition = grid.partition(spec) if strategy.is_pipeline else None
     return evaluate(spec, hw, strategy, job, grid, partition)
 
