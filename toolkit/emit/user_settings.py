@@ -242,8 +242,8 @@ def tiling_paragraph(plan: Plan) -> str:
     local = plan.seq_len // max(1, plan.sequence_parallel * plan.context_parallel)
     hidden = int(plan.model_config.get("hidden_size") or plan.model_config.get("n_embd") or 0)
     vocab = int(plan.model_config.get("vocab_size") or 0)
-    chunks = (f" (here {mlp_shards(local, hidden)} MLP chunks and {loss_shards(plan.micro_batch, local, vocab)} loss "
-              f"chunk(s) of the {local} tokens per rank)" if hidden and vocab else "")
+    chunks = (f"; here {mlp_shards(local, hidden)} and {loss_shards(plan.micro_batch, local, vocab)} chunks of the "
+              f"{local} tokens per rank" if hidden and vocab else "")
     return ("The plan's memory and speed assume ALST tiling: every decoder layer's MLP through DeepSpeed's TiledMLP "
             "(ceil(tokens per rank / hidden) chunks) and the logits + loss through sequence_tiled_compute "
             f"(ceil(fp32 logits / 1 GiB) chunks){chunks}. Neither transformers nor TRL applies them (no "

@@ -34,12 +34,14 @@ def _mlps(model):
 
 
 def _tiled_mlp_forward(self, x):
+    import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     shards = mlp_shards(x.shape[-2], x.shape[-1])
     if _AGREE[0]:
         shards = _agreed(shards, x.device)
-    LAST_CHUNKS["mlp"] = shards
+    if self.training and torch.is_grad_enabled():
+        LAST_CHUNKS["mlp"] = shards
     # The MLP class's own forward, run per chunk by the engine's autograd function.
     return TiledMLP.apply(lambda mlp, chunk: type(mlp).forward(mlp, chunk), self, x, shards,
                           [p for p in self.parameters()])
@@ -129,7 +131,8 @@ def _traced_loss():
 
 
 LAST_CHUNKS: dict[str, int] = {}
-"""Chunk counts of the last tiled MLP / loss call in this process (toolkit.train's rank summary reports them)."""
+"""Chunk counts of the last training-mode tiled MLP / loss call in this process (toolkit.train's rank summary
+reports them)."""
 _AGREE = [False]
 _INNER_HOOKS = [contextlib.nullcontext]
 _LOSS_FUNCTION = [_engine_loss]
