@@ -19,7 +19,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.estimate.hostram import HostRam, host_ram
-from toolkit.inputs.job import Job
+from toolkit.inputs.job import Job, checkpointing_words
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.estimate.savers import offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.estimate.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
@@ -562,7 +562,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         Term("activations", int(activations),
              f"traced {spec.model_type} under FakeTensorMode ({trace.dtype}{', autocast' if trace.autocast else ''}, "
              f"{trace.attention}, {trace.device_kind} kernels, micro-batch {trace.micro_batch}"
-             f"{', checkpointing' if job.checkpointing else ''}"
+             f"{checkpointing_words(job.checkpointing)}"
              f"{', tiled MLP: each layer keeps its MLP input, the FFN-wide tensors exist one chunk at a time' if job.tiled else ''}"
              f") x {in_flight} in flight"),
         Term("  of which head + loss", int(head_saved),
