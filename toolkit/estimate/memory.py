@@ -191,6 +191,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         key += ("liger",)
     if job.compile:
         key += ("compile",)
+    if job.tiled:
+        key += ("tiled",)
     if key not in _TRACE_CACHE:
         from dataclasses import replace
 
@@ -207,6 +209,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             from importlib import metadata
 
             disk_key += [adapter.to_dict(), metadata.version("peft")]
+        if disk_key and job.tiled:
+            disk_key += ["tiled"]
         traced_by = trace_compiled_activations if job.compile else trace_activations
         trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
         if trace is None:
@@ -217,7 +221,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             else:
                 trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                           autocast=autocast, attention=attention, device_kind=job.device_kind,
-                                          checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
+                                          checkpointing=job.checkpointing, liger=job.liger, adapter=adapter,
+                                          tiled=job.tiled)
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace), code=traced_by)
         if attention != job.attention:
@@ -561,8 +566,13 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         Term("activations", int(activations),
              f"traced {spec.model_type} under FakeTensorMode ({trace.dtype}{', autocast' if trace.autocast else ''}, "
              f"{trace.attention}, {trace.device_kind} kernels, micro-batch {trace.micro_batch}"
-             f"{checkpointing_words(job.checkpointing)}) x {in_flight} in flight"),
+             f"{checkpointing_words(job.checkpointing)}"
+             f"{', tiled MLP: each layer keeps its MLP input, the FFN-wide tensors exist one chunk at a time' if job.tiled else ''}"
+             f") x {in_flight} in flight"),
         Term("  of which head + loss", int(head_saved),
+             "final norm and the hidden states and labels the tiled logits + loss keeps for backward (its logits and "
+             "fp32 log-softmax exist one chunk at a time, in forward and again in backward: peak-phase temporaries)"
+             if job.tiled else
              "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
         Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
         Term("engine buffers", int(states.buffers + states.backward_buffers + states.gathered),

@@ -90,12 +90,30 @@ class Timing:
     """QLoRA: dequantising every 4-bit weight to the compute dtype before each matmul that uses it (dequant_s())."""
     compile_saved_s: float = 0.0
     """torch.compile: compute time the fused elementwise kernels save (already taken off compute_s)."""
+    tiled_recompute_s: float = 0.0
+    """ALST tiling: the MLPs' and LM head's forward that DeepSpeed's tiled functions run again in backward
+    (tiled_recompute_s())."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
                 "communication_s": self.communication_s, "bubble_s": self.bubble_s, "offload_s": self.offload_s,
                 "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s,
-                "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {})}
+                "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {}),
+                **({"tiled_recompute_s": self.tiled_recompute_s} if self.tiled_recompute_s else {})}
+
+
+def mlp_matmul_params(spec: ModelSpec) -> int:
+    """Weights one token multiplies through in the decoder layers' MLPs: the layers' matmul weights less the
+    attention projections (q and o: hidden x heads x head_dim each; k and v: hidden x KV heads x head_dim each)."""
+    attention = spec.hidden * spec.head_dim * 2 * (spec.heads + spec.kv_heads)
+    return sum(max(0, p - attention) for p in spec.layer_matmul_params)
+
+
+def tiled_recompute_s(spec: ModelSpec, tokens: int, per_token_flop_s: float) -> float:
+    """DeepSpeed's TiledMLP and SequenceTiledCompute run each chunk's forward under no_grad, then again with grad in
+    backward (ulysses_sp.py): one more forward of the MLPs and of the LM head (2 FLOPs per weight per token) over
+    the step's tokens."""
+    return 2 * (mlp_matmul_params(spec) + spec.head_matmul_params) * tokens * per_token_flop_s
 
 
 def lora_overhead_s(counts, adapter, *, num_layers: int, tokens: int, micro_steps: int, checkpointing: bool,
@@ -218,6 +236,13 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         compile_saved = min(compute / 2, compile_saving_s(compile_traffic, hw) * micro_steps)
         compute -= compile_saved
         assumptions.append(compile_assumption(compile_traffic, hw, compile_saved))
+    tiled_s = 0.0
+    if job.tiled:
+        # Seconds per matmul FLOP at the rank's efficiency (as the compute term), over the ranks sharing a sample.
+        tiled_s = tiled_recompute_s(full_spec, tokens_per_gpu_step, 1 / (peak * eff)) / P_stages / grid.model_parallel
+        assumptions.append(f"tiled MLP + loss: the MLPs' and the LM head's forward run again in backward "
+                           f"({mlp_matmul_params(full_spec) + full_spec.head_matmul_params:,} weights a token "
+                           "multiplies; DeepSpeed ulysses_sp.py TiledMLP, SequenceTiledCompute)")
     backward = compute * 2 / 3
     pb = 4 if job.precision == "fp32" else 2
     P = spec.params
@@ -302,12 +327,13 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         extra, said = model_parallel_comm_s(full_spec, full_job, grid, hw, compute)
         exposed += extra
         assumptions += said
-    step = compute + bubble + exposed + offload + lora_s + quant_s
+    step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
     mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
                   bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
-                  compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s)
+                  compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s,
+                  tiled_recompute_s=tiled_s)
 
 
 def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:
