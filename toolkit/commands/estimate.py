@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from toolkit import bounds
 from toolkit.bounds import int_arg
+from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
                                      longest_line, model_spec, print_note, seq_len_of, trainable_params)
@@ -23,6 +25,9 @@ def add_parser(sub) -> None:
     add_checkpointing_flag(p, "activation checkpointing of every layer (the bare flag means on; op: torchtitan's per-op "
                            "selective policy)")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
+    p.add_argument("--trace-world", action="store_true",
+                   help="trace one rank of an FSDP2 / FSDP2 x TP / HSDP row in a fake world of the plan's size (the "
+                        "real wrapping, one process, no GPU) and take its model states from it; slower, cached")
     p.add_argument("--json", action="store_true", help="print only JSON")
     p.add_argument("--require-fit", action="store_true", help="exit 1 when it does not fit (for scripts)")
     p.set_defaults(func=cmd_estimate)
@@ -47,14 +52,26 @@ def cmd_estimate(args) -> int:
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args),
-              compile=args.compile)
+              compile=args.compile, tiled=args.tiled)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
     grid.check_model(spec)
     grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
+    if args.trace_world:
+        from toolkit.estimate.fakeworld import untraceable_reason
+
+        reason = untraceable_reason(strategy, grid, job)
+        if reason:
+            raise UserError(f"--trace-world cannot trace {strategy.name}: {reason}; drop --trace-world")
     c = evaluate(spec, hw, strategy, job, grid, prune=False)
     b, t, partition = c.memory, c.timing, c.partition
+    world = None
+    if args.trace_world:
+        from toolkit.estimate.fakeworld import trace_world, traced_terms
+
+        world = trace_world(spec, strategy, job, grid)
+        b = replace(b, terms=traced_terms(b.terms, world))
     band = band_for(strategy.engine, job.checkpointing)
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
@@ -62,13 +79,14 @@ def cmd_estimate(args) -> int:
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
-                       **({"compile": job.compile} if job.compile else {}),
+                       **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "time_error_band": {**time_band().to_dict(),
                                    "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
+               **({"fake_world": world.to_dict()} if world else {}),
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
             out["partition"] = partition
@@ -82,7 +100,7 @@ def cmd_estimate(args) -> int:
           f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
-          f"{compile_words(job.compile)}")
+          f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}")
     if job.adapter.is_adapter:
         a = job.adapter
         print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
@@ -98,6 +116,10 @@ def cmd_estimate(args) -> int:
     print(f"{'peak (tensors)':<{width}}{gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
     print(f"{'required':<{width}}{gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
           f"{gib(cap)} GiB: {'fits' if b.fits else 'DOES NOT FIT'}")
+    if world is not None:
+        from toolkit.estimate.fakeworld import peak_line
+
+        print(peak_line(world, b.peak_bytes))
     print(f"error band: {band.text()}" + (f"; required + band = {gib(b.required_bytes + band.headroom_bytes(b.peak_bytes))}"
                                           f" GiB" if band.cases else ""))
     if b.stage_required_bytes:
@@ -115,7 +137,7 @@ def cmd_estimate(args) -> int:
         print(f"NVMe per node: {gib(b.nvme_bytes_per_node)} GiB")
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
-          f"offload {t.offload_s:.3f} s)")
+          f"offload {t.offload_s:.3f} s{f', tiled recompute {t.tiled_recompute_s:.3f} s' if t.tiled_recompute_s else ''})")
     print(f"time band: {time_band().text()}"
           + ("" if time_band().covers(strategy.name, hw.world_size) else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
@@ -128,6 +150,9 @@ def cmd_estimate(args) -> int:
 
 def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     """estimate --seq max: the longest sequence `strategy` fits on this grid, and its memory curve."""
+    if args.trace_world:
+        raise UserError("--trace-world traces one sequence length, not --seq max; give --seq a number or drop "
+                        "--trace-world")
     from toolkit.estimate.longest import longest_on_grid, text_chart
     from toolkit.estimate.search import Request
     from toolkit.inputs.grid import ParallelGrid
@@ -138,7 +163,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
                   optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
                   checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
-                  adapter=adapter_of(args), compile=args.compile)
+                  adapter=adapter_of(args), compile=args.compile, tiled=args.tiled)
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategy": found.name,
