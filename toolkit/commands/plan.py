@@ -8,7 +8,7 @@ from typing import Any
 from toolkit import bounds
 from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.job import CHECKPOINTING_OP, OP_CHECKPOINTING_PROBLEM
+from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, CHECKPOINTING_OP, COMPILE_BLOCKS, OP_CHECKPOINTING_PROBLEM
 from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
                                      GIB, hardware_of, human, longest_line, model_spec, print_note, seq_len_of,
                                      trainable_params)
@@ -71,6 +71,8 @@ def cmd_plan(args) -> int:
                             "none; drop it or add pipeline / hybrid to --strategies")
     if args.checkpointing == CHECKPOINTING_OP:
         raise UserError(OP_CHECKPOINTING_PROBLEM)
+    if args.compile == COMPILE_BLOCKS:
+        raise UserError(BLOCKS_COMPILE_PROBLEM)
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     req_kwargs: dict[str, Any] = dict(seq_len=seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                                       grad_accum=args.accumulation, precision=args.precision,
@@ -78,7 +80,7 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      compile=args.compile, pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
+                                      compile=args.compile, tiled=args.tiled, pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel)
     if strategies:
@@ -192,7 +194,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
           + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}"
-          + f"{', torch.compile' if req.compile else ''}"
+          + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
              if req.adapter.is_adapter else "") + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \

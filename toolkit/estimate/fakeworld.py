@@ -56,8 +56,7 @@ class WorldTrace:
     optimizer_bytes: int
     """The optimizer states the rank holds after a step."""
     peak_bytes: int
-    """FSDPMemTracker's peak over the steps: every tensor live at once on the rank (collective outputs the fake
-    process group makes on the meta device included)."""
+    """FSDPMemTracker's peak over the steps on the rank's device: every tensor live at once."""
     peak_by_kind: tuple[tuple[str, int], ...]
     """The peak's categories as FSDPMemTracker sorts them (sharded / unsharded params, all-gather, activations, ...)."""
 
@@ -231,11 +230,11 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
             params = _local_bytes(params)
             states = _local_bytes(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
             peak = tracker.get_tracker_snapshot("peak")
-    kinds: dict[str, int] = {}
-    for per_device in peak.values():
-        for kind, n in per_device.items():
-            name = getattr(kind, "value", str(kind))
-            kinds[name] = kinds.get(name, 0) + int(n)
+    # The CPU device's peak only: the tracker also charges tensors made on the meta device, and under TP those are
+    # transformers' stride probes (distributed/tensor_parallel.py builds `torch.empty(shape, device="meta")` to read
+    # a layout), never memory. Without them the TP rank's peak equals a real gloo rank's within 0.01%
+    # (benchmarks/results/fakeworld.md).
+    kinds = {getattr(kind, "value", str(kind)): int(n) for kind, n in peak.get(torch.device("cpu"), {}).items()}
     total = kinds.pop("Total", 0)
     return WorldTrace(world=grid.world, route=route, parameters_bytes=params, gradients_bytes=grads,
                       optimizer_bytes=states, peak_bytes=total,
