@@ -94,6 +94,9 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("shape: hidden not dividing heads", "estimate", "--layers", "2", "--hidden", "63", "--heads", "4")
     add("shape: partial", "estimate", "--layers", "2", "--hidden", "64")
     add("--seq above the model's positions", "estimate", "{M}", "--seq", "100000")
+    add("--seq max: positions stop before the grid's shortest length", "estimate", "{M}", "--seq", "max",
+        "--strategy", "fsdp2", "--gpus", "3xH100", "--context-parallel", "3")
+    add("--tiled with a strategy that does not run it", "estimate", "{M}", "--strategy", "fsdp2", "--tiled")
 
     # LoRA / QLoRA flags (their rules are toolkit.inputs.job's; here: that they reach the user as one line).
     for flag, value in (("--lora-r", "0"), ("--lora-r", "1e20"), ("--lora-alpha", "nan"), ("--lora-dropout", "2"),
