@@ -343,20 +343,26 @@ def worst_rows(results: list[dict]) -> list[str]:
 
 def lora_sentence(results: list[dict]) -> str:
     """The one-GPU LoRA rows with and without the LoRA overhead term (toolkit.estimate.timing.lora_overhead_s, its
-    constants assumed): what the corpus says about that term."""
+    efficiency fitted by benchmarks/lora.py on both corpora's calibration rows): what the corpus says about it."""
+    from toolkit.estimate.timing import LORA_HBM_EFFICIENCY
+
     parts = []
     for r in results:
         t = r.get("timing") or {}
         if r["modelled"] and t.get("lora_overhead_s"):
             tokens = r["ours"] * t["step_time_s"]
             without = tokens / (t["step_time_s"] - t["lora_overhead_s"]) / r["published"] - 1
-            parts.append(f"{r['id']} {r['error']:+.1%} with it, {without:+.1%} without")
+            parts.append(f"{r['id']} {r['error']:+.1%} with it ({t['lora_overhead_s'] / t['step_time_s']:.0%} of "
+                         f"the step), {without:+.1%} without")
     if not parts:
         return "No modelled LoRA row."
     return ("LoRA: the one-GPU LoRA rows (NeMo AutoModel) carry the LoRA overhead term of toolkit.estimate.timing "
-            "(lora_overhead_s: the adapters' memory-bound passes and kernel launches, constants assumed, not fitted "
-            "here): " + "; ".join(parts) + ". The term, not the compute model, puts them off; it is the LoRA "
-            "timing's constants to settle, not fitted here (two rows, one GPU kind).")
+            "(lora_overhead_s: the bytes peft's unfused LoRA kernels move, at an effective LORA_HBM_EFFICIENCY "
+            f"{LORA_HBM_EFFICIENCY:g} x HBM bandwidth, fitted with the LoRA / QLoRA corpus by benchmarks/lora.py, "
+            "whose section 'The LoRA term fitted on both corpora' has the profile and the reading): "
+            + "; ".join(parts) + ". Above 1 the constant says these rows' LoRA cost is below PEFT's bytes at HBM "
+            "peak (NeMo runs its own LoRA module, not PEFT's); both rows stay calibration rows, so the band does "
+            "not move with them.")
 
 
 def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile: list[str]) -> str:
