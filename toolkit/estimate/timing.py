@@ -21,10 +21,13 @@ from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import Engine, Strategy
 
-OVERLAP = 0.7
-"""Fraction of gradient / parameter communication hidden behind backward (bucketed overlap in DDP, ZeRO, FSDP).
-Not fitted: in the published corpus the FSDP runs' communication is small beside compute on the links they had, so
-the rows cannot separate overlap from efficiency (benchmarks/results/throughput.md); gpu_check measures it."""
+OVERLAP = {Engine.FSDP2: 0.37, Engine.DDP: 0.7, Engine.DEEPSPEED: 0.7}
+"""Fraction of the data-parallel communication (up to the backward's length) hidden behind compute, per engine.
+FSDP2's is fitted with the compute constants on the calibration rows of the published corpus (benchmarks/
+throughput.py --fit; FSDP rows whose collectives are up to half their compute: 13B-70B at micro-batch 2 across
+nodes). DDP's and ZeRO's are assumed (bucketed gradient overlap, the same order): no published multi-GPU DDP or
+ZeRO row with a full configuration; gpu_check --timing measures them."""
+OVERLAP_FITTED = frozenset({Engine.FSDP2})
 CPU_ADAM_PARAMS_PER_S = 2.0e9
 """DeepSpeedCPUAdam throughput per node (AVX-512, all cores): ~1 s per 2B parameters. Assumed."""
 NVME_GBPS = 6.0
@@ -188,11 +191,12 @@ def _group_bandwidth(hw: Hardware, group: int) -> float:
 def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
               partition: list[int] | None = None, grid: ParallelGrid | None = None,
               recompute: Recompute | None = None, compute_model: ComputeModel = COMPUTE,
-              compile_traffic: tuple = ()) -> Timing:
+              compile_traffic: tuple = (), overlap: float | None = None) -> Timing:
     """Predicted time of one optimizer step (pipeline: partition None means the grid's balanced one). `grid`: the
     grid with its tensor / context / sequence degrees (default: the strategy's plain grid on hw). `recompute`
     overrides what job.checkpointing implies (the published-run benchmark uses it for selective checkpointing);
-    `compute_model` other efficiency constants (benchmarks/throughput.py --fit tries them)."""
+    `compute_model` other efficiency constants and `overlap` another communication overlap than the engine's
+    (benchmarks/throughput.py --fit tries them)."""
     grid = grid or grid_of(strategy, hw, pipeline_stages)
     full_spec, full_job = spec, job
     if grid.model_parallel > 1:
@@ -321,7 +325,11 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             assumptions.append(f"QLoRA: every 4-bit weight dequantised per forward / backward"
                                f"{' / recompute' if job.checkpointing else ''} at {DEQUANT_EFFICIENCY:.0%} of "
                                "memory bandwidth")
-    exposed = max(0.0, comm - OVERLAP * min(comm, backward)) if strategy.engine != Engine.PIPELINE else comm
+    hidden = OVERLAP.get(strategy.engine, 0.0) if overlap is None else overlap
+    exposed = max(0.0, comm - hidden * min(comm, backward)) if strategy.engine != Engine.PIPELINE else comm
+    if comm > 0 and strategy.engine != Engine.PIPELINE:
+        assumptions.append(f"{hidden:.2f} of the communication hidden behind backward ("
+                           f"{'fitted to published runs' if strategy.engine in OVERLAP_FITTED else 'assumed'})")
     if grid.model_parallel > 1:
         extra, said = model_parallel_comm_s(full_spec, full_job, grid, hw, compute)
         exposed += extra
