@@ -281,7 +281,7 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
         lines += ["", f"ELEMENTWISE_HBM_EFFICIENCY is fitted on the calibration pair alone (this run's fit: "
                   f"{efficiency:.3f}; the code holds it rounded) and KERNEL_OVERHEAD_S is assumed (3 us, NVIDIA's "
                   "figures): the pairs cannot separate the two constants (an exact fit of both on the two independent "
-                  "pairs gives a negative efficiency and 106 us a kernel), and the launches are a few per cent of the "
+                  "pairs gives a negative efficiency and 101 us a kernel), and the launches are a few per cent of the "
                   "saving. The held-out pairs are "
                   f"{min(held):+.1%} to {max(held):+.1%} off their published speed-ups. The 128-GPU pair shares the "
                   "calibration pair's model and job and differs in its exposed communication; the torchtune pair "
