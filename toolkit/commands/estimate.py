@@ -57,7 +57,7 @@ def cmd_estimate(args) -> int:
                                      pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
     grid.check_model(spec)
-    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
+    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention), spec)
     if args.trace_world:
         from toolkit.estimate.fakeworld import untraceable_reason
 

@@ -577,7 +577,8 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
              "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
         Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
         Term("engine buffers", int(states.buffers + states.backward_buffers + states.gathered),
-             "buckets / gathered parameters (" + ", ".join(states.sources[1:]) + ")"),
+             "buckets / gathered parameters (" + (", ".join(states.sources[1:])
+                                                   or "the engine's rule on the parameters line") + ")"),
         Term("peak-phase temporaries", int(peak.transient), f"live only at the peak: {peak.phase}"),
         Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/estimate/memory.py"),
         Term("allocator margin", margin, f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak"),
