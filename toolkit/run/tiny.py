@@ -154,6 +154,15 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     data[key("num_attention_heads")] = heads
     if "head_dim" in data and data["head_dim"] is not None:
         data["head_dim"] = head_dim
+    for name, value in list(data.items()):
+        # Multi-head latent attention (DeepSeek-V2/V3): per-head parts (qk_nope / qk_rope / v_head_dim) scale with
+        # the head, the low-rank projections (kv / q_lora_rank) with the width.
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            continue
+        if name.endswith("_head_dim") and name != "head_dim":
+            data[name] = max(2, 2 * round(value * head_dim / old_head_dim / 2))
+        elif name.endswith("_lora_rank"):
+            data[name] = max(8, value * hidden // old_hidden)
     if data.get("query_pre_attn_scalar") == old_head_dim:  # Gemma: the attention scale is 1 / sqrt(head_dim)
         data["query_pre_attn_scalar"] = head_dim
     for name in _KV_KEYS:
@@ -175,6 +184,12 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     for name in _TOP_K_KEYS:
         if isinstance(data.get(key(name)), int) and data[key(name)] >= 1:
             data[key(name)] = min(data[key(name)], 2, experts)
+    if isinstance(data.get("n_group"), int) and data["n_group"] > 1:  # group-limited routing (DeepSeek-V3):
+        data["n_group"] = max(1, min(data["n_group"], experts // 2))  # 2+ experts per group, groups divide experts
+        while experts % data["n_group"]:
+            data["n_group"] -= 1
+        if isinstance(data.get("topk_group"), int):
+            data["topk_group"] = min(data["topk_group"], data["n_group"])
     if present("word_embed_proj_dim"):  # OPT: an input / output projection exists when this differs from hidden
         data["word_embed_proj_dim"] = hidden if data["word_embed_proj_dim"] == old_hidden else hidden // 2
     if isinstance(data.get("sliding_window"), int) and data["sliding_window"] > 0:
@@ -184,8 +199,8 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     for name, value in list(data.items()):
         if name.endswith("_layers") and isinstance(value, list) and all(isinstance(v, int) for v in value):
             data[name] = [v for v in value if v < layers]  # layer-index lists (Qwen-MoE's mlp_only_layers)
-    if isinstance(data.get("layer_types"), list):
-        data["layer_types"] = _shrunk_pattern(data["layer_types"], layers)
+    if isinstance(data.get(key("layer_types")), list):  # Nemotron-H's attribute_map: layers_block_type
+        data[key("layer_types")] = _shrunk_pattern(data[key("layer_types")], layers)
     old_positions = data.get(key("max_position_embeddings"))
     if present("max_position_embeddings"):
         data[key("max_position_embeddings")] = max_positions
