@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,15 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     old_heads = int(data.get(key("num_attention_heads")) or heads)
     old_head_dim = int(data.get("head_dim") or old_hidden // old_heads)
     head_dim = hidden // heads
+    # The rotary part of a head (partial_rotary_factor) and the sections it is split into (Qwen3.5's multimodal
+    # mrope_section: lists summing to the rotary half): a head with its own size (head_dim in the config) stays wide
+    # enough to give every section a frequency.
+    rope = next((data[n] for n in ("rope_parameters", "rope_scaling") if isinstance(data.get(n), dict)), {})
+    partial = float(rope.get("partial_rotary_factor") or data.get("partial_rotary_factor") or 1.0)
+    old_rotary = int(old_head_dim * partial) // 2
+    sections = max((len(v) for v in rope.values() if _is_partition(v, old_rotary)), default=0)
+    if data.get("head_dim") and int(head_dim * partial) // 2 < sections:
+        head_dim = 2 * math.ceil(sections / partial)
     data[key("num_hidden_layers")] = layers
     data[key("hidden_size")] = hidden
     data[key("num_attention_heads")] = heads
@@ -205,7 +215,7 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     if present("max_position_embeddings"):
         data[key("max_position_embeddings")] = max_positions
     ratio = max_positions / old_positions if isinstance(old_positions, int) and old_positions else 1.0
-    old_rotary, new_rotary = old_head_dim // 2, head_dim // 2
+    new_rotary = int(head_dim * partial) // 2
     for name in ("rope_parameters", "rope_scaling"):
         if isinstance(data.get(name), dict):
             data[name] = _shrunk_rope(data[name], ratio, old_rotary, new_rotary)
@@ -238,6 +248,8 @@ def _shrunk_rope(rope: dict, ratio: float, old_rotary: int, new_rotary: int) -> 
     for name, value in rope.items():
         if isinstance(value, dict):
             out[name] = _shrunk_rope(value, ratio, old_rotary, new_rotary)
+        elif _is_partition(value, old_rotary) and len(value) <= new_rotary:
+            out[name] = _rescaled_partition(value, new_rotary)
         elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
             size = max(1, round(len(value) * new_rotary / max(1, old_rotary)))
             out[name] = [value[int(i * len(value) / size)] for i in range(size)]
@@ -281,4 +293,20 @@ def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corp
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "toolkit_tiny.json").write_text(json.dumps({"arch": config.model_type, "seed": seed}) + "\n")
+    return out
+
+
+def _is_partition(value: Any, total: int) -> bool:
+    """A list of positive ints summing to `total`: the rotary frequencies split into sections (mrope_section)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                                            for v in value) and sum(value) == total
+
+
+def _rescaled_partition(value: list[int], total: int) -> list[int]:
+    """The same sections in proportion, summing to `total`, each at least 1 (largest remainders round up)."""
+    spare = total - len(value)
+    exact = [v / sum(value) * spare for v in value]
+    out = [1 + int(e) for e in exact]
+    for i in sorted(range(len(value)), key=lambda i: int(exact[i]) - exact[i])[:total - sum(out)]:
+        out[i] += 1
     return out
