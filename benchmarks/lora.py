@@ -12,16 +12,24 @@ Peers (all published numbers, none re-measured here):
   48 GB OOM.
 - Answer.AI FSDP + QLoRA (answer.ai/posts/2024-03-06-fsdp-qlora): Llama-2-70B trains on two 24 GB GPUs with FSDP,
   4-bit weights stored in a float dtype, gradient checkpointing, CPU offload and Flash Attention 2.
+- Published LoRA / QLoRA speeds with their jobs (Answer.AI fsdp_qlora benchmarks_03_2024.md, torchtune README,
+  ms-swift Benchmark.md; file, commit and line per row): benchmarks/data/lora_gpu.json, scored in the section
+  'Published LoRA / QLoRA speeds' with benchmarks/throughput.py's split rule.
 Ours come from the same code `toolkit estimate --method lora|qlora` runs (GPU kernels, bf16). GB here = 10^9
 bytes where peers say GB; our required bytes are printed in both GB and GiB.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/throughput.py: the split rule, local model configs
 
 from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.job import Job
@@ -50,6 +58,211 @@ def _longest_fit(model: str, gpus: str, adapter: Adapter, limit: int) -> int:
         _, b = _estimate(model, gpus, "ddp", mid * 128, adapter)
         lo, hi = (mid, hi) if b.fits else (lo, mid - 1)
     return lo * 128
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Published LoRA / QLoRA speeds (benchmarks/data/lora_gpu.json) against toolkit.estimate.timing.step_time.
+
+DATA = Path(__file__).parent / "data" / "lora_gpu.json"
+DEQUANT_TRIED = (0.15, 0.25, 0.35, 0.5, 0.7, 1.0)
+"""Dequantisation efficiencies the calibration rows are scored at (the step is linear in 1 / efficiency)."""
+
+
+def _corpus_adapter(lora: dict) -> Adapter:
+    extra = {"quant_storage": lora["quant_storage"]} if lora.get("quant_storage") else {}
+    return Adapter(method=lora["method"], r=lora["r"], alpha=lora.get("alpha", 2 * lora["r"]),
+                   dropout=lora.get("dropout", 0.0), targets=lora["targets"], **extra)
+
+
+def _ours_for_row(row: dict, seq_len: int | None = None) -> dict:
+    """Our step for the row's job: tokens/s per GPU, the LoRA / dequant terms, required memory per GPU.
+    `seq_len`: for a row whose source does not state it (matched_length)."""
+    from throughput import _spec  # catalog name or benchmarks/data/models/<name>.json
+    from toolkit.estimate.timing import step_time
+
+    spec, hw = _spec(row["model"]), parse_hardware(f"{row['gpus']}x{row['gpu']}")
+    job = Job(seq_len=seq_len or row["seq_len"], micro_batch=row["micro_batch"], grad_accum=row["grad_accum"],
+              precision=row["precision"], checkpointing=row["checkpointing"] != "none",
+              attention="flash_attention_2" if row["attention"] == "flash" else "sdpa",
+              adapter=_corpus_adapter(row["lora"]))
+    strategy = parse_strategy(row["strategy"])
+    t = step_time(spec, strategy, job, hw)
+    mem = estimate_memory(spec, strategy, job, hw)
+    return {"seq_len": job.seq_len, "tokens_per_gpu": t.tokens_per_s / hw.world_size, "step_s": t.step_time_s,
+            "s_per_micro_step": t.step_time_s / (job.micro_batch * job.grad_accum), "lora_s": t.lora_overhead_s,
+            "dequant_s": t.dequant_s, "required_gib": mem.required_bytes / GIB,
+            "efficiency_note": next((a for a in t.assumptions if "no published" in a), t.assumptions[0])}
+
+
+def matched_length(row: dict, lo: int = 16, hi: int = 4096) -> int:
+    """The sequence length at which our LoRA step per micro-step equals the row's published seconds per iteration
+    (bisection; the step grows with the length). For sources that do not say how long their samples were: the
+    LoRA row fixes the length, its QLoRA rows are then predicted at it."""
+    target = row["published"]["s_per_iteration"]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _ours_for_row(row, mid)["s_per_micro_step"] < target else (lo, mid)
+    return lo
+
+
+def _pairs(row: dict) -> list[str]:
+    pair = row.get("pair") or []
+    return [pair] if isinstance(pair, str) else pair
+
+
+def _at_dequant(entry: dict, efficiency: float) -> float:
+    """The row's tokens/s per GPU had the dequantisation run at `efficiency` of memory bandwidth."""
+    from toolkit.estimate.timing import DEQUANT_EFFICIENCY
+
+    o = entry["ours"]
+    step = o["step_s"] - o["dequant_s"] + o["dequant_s"] * DEQUANT_EFFICIENCY / efficiency
+    return o["tokens_per_gpu"] * o["step_s"] / step
+
+
+def _median_abs(errors: list[float]) -> str:
+    return f"{statistics.median(abs(e) for e in errors):.1%}" if errors else "-"
+
+
+def _speed(entry: dict) -> float:
+    """What the source printed, as a speed: tokens/s per GPU, samples/s, or 1 / seconds per iteration."""
+    published = entry["row"]["published"]
+    if published.get("tokens_per_s_per_gpu"):
+        return published["tokens_per_s_per_gpu"]
+    return published["samples_per_s"] if "samples_per_s" in published else 1 / published["s_per_iteration"]
+
+
+def _pair_line(lines: list[str], e: dict, q: dict) -> None:
+    row = e["row"]
+    pub = _speed(e) / _speed(q)
+    ours = (f"{e['ours']['tokens_per_gpu'] / q['ours']['tokens_per_gpu']:.2f}"
+            if e.get("ours") and q.get("ours") else "-")
+    differs = []
+    if row["micro_batch"] != q["row"]["micro_batch"]:
+        differs.append(f"micro-batch {row['micro_batch']} vs {q['row']['micro_batch']}")
+    if row["lora"]["targets"] != q["row"]["lora"]["targets"]:
+        differs.append("LoRA targets")
+    if q["row"]["lora"].get("double_quant") is False:
+        differs.append("no double quantisation")
+    if not row["seq_len"] and e.get("ours"):
+        differs.append(f"length not stated: {e['ours']['seq_len']} tokens, where our LoRA time matches the source's")
+    if ours == "-":
+        differs.append("not modelled: " + row["unmodelled"].split(":")[0].split(";")[0])
+    lines.append(f"| {row['id']} | {q['row']['id']} | {pub:.2f} | {ours} | {'; '.join(differs) or 'adapter only'} |")
+    print(lines[-1], flush=True)
+
+
+def published_section() -> list[str]:
+    from throughput import held_out  # one split rule for every published corpus
+    from toolkit.estimate.timing import DEQUANT_EFFICIENCY, HBM_EFFICIENCY
+
+    rows = json.loads(DATA.read_text())["rows"]
+    entries = []
+    for row in rows:
+        entry = {"row": row, "published": row["published"].get("tokens_per_s_per_gpu")}
+        # torch.compile rows (torchtune) are re-estimated for the QLoRA / LoRA ratio only; others with a stated
+        # reason are shown and never estimated.
+        entry["kind"] = ("ratio only" if row.get("compile") else "not modelled" if row.get("unmodelled")
+                         else "held-out" if held_out(row["id"]) else "calibration")
+        if entry["kind"] != "not modelled" and row["seq_len"]:
+            entry["ours"] = _ours_for_row(row)
+            if entry["published"]:
+                entry["error"] = entry["ours"]["tokens_per_gpu"] / entry["published"] - 1
+        entries.append(entry)
+    by_id = {e["row"]["id"]: e for e in entries}
+    # Rows without a stated length (LitGPT's Alpaca runs): the LoRA row is matched (never scored), each QLoRA row
+    # is predicted at that length and scored on its time relative to the LoRA row's (published tokens/s per GPU
+    # here = our matched LoRA tokens/s x published LoRA time / published QLoRA time).
+    for e in entries:
+        row = e["row"]
+        if row["seq_len"] or e["kind"] == "not modelled" or row["lora"]["method"] != "lora":
+            continue
+        seq = matched_length(row)
+        e["kind"], e["ours"] = "matched length", _ours_for_row(row, seq)
+        e["published"] = e["ours"]["tokens_per_gpu"] * e["ours"]["s_per_micro_step"] / row["published"]["s_per_iteration"]
+        for qid in _pairs(row):
+            q = by_id[qid]
+            q["ours"] = _ours_for_row(q["row"], seq)
+            q["published"] = e["published"] * row["published"]["s_per_iteration"] / q["row"]["published"]["s_per_iteration"]
+            q["error"] = q["ours"]["tokens_per_gpu"] / q["published"] - 1
+
+    lines = ["", "## Published LoRA / QLoRA speeds beside ours (benchmarks/data/lora_gpu.json)", "",
+             "Every row is a published run with its job (model, GPUs, strategy, sequence, micro-batch, "
+             "accumulation, checkpointing, rank and targets, 4-bit settings) and its source file, commit and line "
+             "in the corpus. Ours: toolkit.estimate.timing.step_time for the same job, tokens/s per GPU. Split as "
+             "benchmarks/throughput.py: a scored row is held-out when sha256(id)[:8] is divisible by 3. "
+             "'ratio only': torch.compile runs (torchtune), re-estimated without compile for the QLoRA / LoRA ratio, "
+             "never scored. 'matched length': LitGPT does not state its samples' length; the LoRA row sets it (the length "
+             "in brackets, where our LoRA time equals theirs), is never scored, and its QLoRA rows are scored on "
+             "their time relative to it. Peak memory: the source's figure (Answer.AI: peak reserved per GPU; "
+             "torchtune 8B: peak per GPU; torchtune 3B: peak active; LitGPT: 'Max GPU RAM', GB) beside our "
+             "'required' per GPU (GiB).", "",
+             "| row | split | model | GPUs | strategy | seq | mb x acc | method r targets | published tok/s/GPU | "
+             "ours | error | ours LoRA extra / dequant (% of step) | peak GiB published / ours |",
+             "|---|---|---|---|---|---:|---|---|---:|---:|---:|---|---|"]
+    for e in entries:
+        row, o = e["row"], e.get("ours")
+        lora = row["lora"]
+        published = (f"{e['published']:,.0f}" if e["published"] else
+                     f"({row['published']['samples_per_s']} samples/s)" if "samples_per_s" in row["published"] else
+                     f"({row['published']['s_per_iteration']} s/iteration)")
+        mem_pub = row["published"].get("peak_memory_gib", row["published"].get("peak_memory_gb"))
+        mem = f"{mem_pub if mem_pub is not None else '-'} / {o['required_gib']:.1f}" if o else (
+            f"{mem_pub} / -" if mem_pub is not None else "-")
+        terms = (f"{o['lora_s'] / o['step_s']:.0%} / {o['dequant_s'] / o['step_s']:.0%}" if o else "-")
+        ours = f"{o['tokens_per_gpu']:,.0f}" if o else "-"
+        error = f"{e['error']:+.1%}" if "error" in e and e["kind"] in ("calibration", "held-out") else "-"
+        seq = row["seq_len"] or (f"({o['seq_len']})" if o else "?")
+        lines.append(f"| {row['id']} | {e['kind']} | {row['model']} | {row['gpus']}x{row['gpu']} | {row['strategy']} | "
+                     f"{seq} | {row['micro_batch']} x {row['grad_accum']} | {lora['method']} r{lora['r']} "
+                     f"{lora['targets']} | {published} | {ours} | {error} | {terms} | {mem} |")
+        print(lines[-1], flush=True)
+
+    lines += ["", "Rows not modelled (shown, never scored), and why:", ""]
+    lines += [f"- **{e['row']['id']}**: {e['row']['unmodelled']}" for e in entries if e["kind"] == "not modelled"]
+    lines += ["", "### QLoRA / LoRA: time per token, published vs ours", "",
+              "Each LoRA row's QLoRA counterpart in the same table (`pair`). Published: LoRA tokens/s over QLoRA "
+              "tokens/s (samples/s or seconds per iteration where that is all the source gives); ours: the same ratio of our estimates for "
+              "the two jobs as they ran (their batch sizes and targets, which are not always equal).", "",
+              "| LoRA row | QLoRA row | published QLoRA / LoRA | ours | what differs between the two runs |",
+              "|---|---|---:|---:|---|"]
+    for e in entries:
+        row = e["row"]
+        for q in (by_id[qid] for qid in _pairs(row)):
+            _pair_line(lines, e, q)
+
+    scored = [e for e in entries if e["kind"] in ("calibration", "held-out") and "error" in e]
+    calib = [e for e in scored if e["kind"] == "calibration"]
+    held = [e for e in scored if e["kind"] == "held-out"]
+    qcal = [e for e in calib if e["row"]["lora"]["method"] == "qlora"]
+
+    def sq_log(efficiency: float) -> float:
+        return sum(math.log(_at_dequant(e, efficiency) / e["published"]) ** 2 for e in qcal)
+
+    best = min((round(0.05 + 0.01 * i, 2) for i in range(96)), key=sq_log)  # 0.05 .. 1.00
+    lines += ["", "### Can these rows set the LoRA / dequantisation constants?", "",
+              f"Scored rows: {len(calib)} calibration, {len(held)} held-out. Median |error| with the committed "
+              f"constants (DEQUANT_EFFICIENCY {DEQUANT_EFFICIENCY}, HBM_EFFICIENCY {HBM_EFFICIENCY} for the LoRA "
+              f"passes): calibration {_median_abs([e['error'] for e in calib])}, held-out "
+              f"{_median_abs([e['error'] for e in held])} (worst held-out "
+              f"{max((abs(e['error']) for e in held), default=0):.1%}).", "",
+              "The calibration QLoRA rows scored at other dequantisation efficiencies (the held-out rows are "
+              "shown, never used to choose):", "",
+              "| dequant efficiency | calibration QLoRA median abs error | sum log^2 (calibration) | "
+              "held-out median abs error |", "|---:|---:|---:|---:|"]
+    for eff in sorted({*DEQUANT_TRIED, best, DEQUANT_EFFICIENCY}):
+        cal_err = [_at_dequant(e, eff) / e["published"] - 1 for e in qcal]
+        held_err = [_at_dequant(e, eff) / e["published"] - 1 for e in held]
+        mark = " ".join(m for m, hit in (("(committed)", eff == DEQUANT_EFFICIENCY), ("(calibration fit)", eff == best))
+                        if hit)
+        lines.append(f"| {eff} {mark} | {_median_abs(cal_err)} | {sq_log(eff):.4f} | {_median_abs(held_err)} |")
+    dq_shares = ", ".join(f"{e['ours']['dequant_s'] / e['ours']['step_s']:.0%}" for e in qcal)
+    lora_shares = ", ".join(f"{e['ours']['lora_s'] / e['ours']['step_s']:.0%}" for e in calib)
+    note = next(e["ours"]["efficiency_note"] for e in scored if e["row"]["gpu"] == "RTX-4090")
+    lines += ["", f"Calibration fit (least squares on log(ours / published), 0.01 grid): {best}. Dequantisation is {dq_shares} of the step in the "
+              f"calibration QLoRA rows and the LoRA passes {lora_shares} in all calibration "
+              "rows, beside compute at an efficiency that is itself uncertain (the RTX 4090 rows borrow another "
+              f"architecture's: '{note}').", ""]
+    return lines
 
 
 def main() -> int:
@@ -113,9 +326,8 @@ def main() -> int:
     lines += ["", "## Step time: full, LoRA and QLoRA on the same job (toolkit/estimate/timing.py)", "",
               "Same job, DDP on one GPU, micro-batch 1 x accumulation 8, checkpointing, r=16 on all linear layers. "
               "LoRA's extra passes (lora_overhead_s) and QLoRA's 4-bit dequantisation (dequant_s) are named terms "
-              "of the step; their bandwidth efficiencies are assumed, not measured (no GPU in the session that "
-              "wrote them). No peer publishes step times for these exact jobs that we could verify; the "
-              "published speeds beside them are still to be recorded.", "",
+              "of the step; the dequantisation efficiency is fitted to the published runs of the next section, the LoRA "
+              "passes' bandwidth is assumed (toolkit/estimate/timing.py; said there).", "",
               "| model | GPU | seq | method | step s | compute s | LoRA extra s | dequant s | QLoRA / LoRA |",
               "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     from toolkit.estimate.timing import step_time
@@ -133,6 +345,8 @@ def main() -> int:
             lines.append(f"| {model} | {gpus} | {seq} | {method} | {timing.step_time_s:.2f} | {timing.compute_s:.2f} "
                          f"| {timing.lora_overhead_s:.2f} | {timing.dequant_s:.2f} | {ratio} |")
             print(lines[-1], flush=True)
+
+    lines += published_section()
 
     lines += ["", "## Reading the comparison", "",
               "- LLaMA-Factory's table gives one number per model size with no sequence length or rank; ours depend "
@@ -152,6 +366,37 @@ def main() -> int:
               "offload, so our estimate says it does not fit at seq 2048 without it.",
               "- FSDP2 with 4-bit weights stored as uint8: accelerate leaves them out of sharding (fsdp_utils.py), so "
               "each GPU holds the whole 4-bit base; store them in bf16 (--qlora-quant-storage bfloat16) to shard.",
+              "- Published QLoRA / LoRA time per token spans 0.51-2.05 and depends on what else changed. Same "
+              "adapter and batch: LitGPT (bitsandbytes 0.41.1, A100-40GB, micro-batch 1, no checkpointing) 1.09 / "
+              "1.47 / 1.56 / 2.00 for 1.3B / 3B / 7B / 13B (nf4; double quantisation adds 3-6%), ms-swift Qwen-1 "
+              "7B / 14B 1.79 / 1.91 (bitsandbytes 0.41.3, batch 1, checkpointing; not modelled), torchtune 3B on an "
+              "A100 1.02 (torchao NF4, compile). QLoRA at the larger batch its freed memory allows (Answer.AI, 2 x "
+              "RTX 4090, bitsandbytes of 2024): 0.97-1.03. torchtune 8B on a 4090 1.28 with QLoRA adapting seven "
+              "modules per layer and LoRA two. Ours for each pair is in the table; for the same job ours keeps "
+              "QLoRA above LoRA (the same-job table above; tests/test_lora.py).",
+              "- The 0.51 pair (Answer.AI, 2 x RTX 3090 without NVLink, FSDP, batch 1): gathering bf16 weights over "
+              "slow PCIe dominates LoRA, and 4-bit weights stored in bf16 gather a quarter of the bytes. Our "
+              "FSDP2 / ZeRO-3 gather term counts 2 bytes for every parameter also under QLoRA, which over-states "
+              "QLoRA's communication where links are slow; in the scored rows (NVLink A100 / H100, PCIe 4.0 x16 "
+              "4090s) our exposed communication is at most 2% of the step. Not changed here.",
+              "- Absolute speed: the 4 x H100 Llama-2-70B QLoRA row is the outlier (ours +40%); its source gives "
+              "no cause beyond that this setup was compute-bound (line 206) and LoRA vs QLoRA or batch 8 vs 12 "
+              "made little difference. The RTX 4090 rows carry the compute efficiency borrowed from Ampere.",
+              "- DEQUANT_EFFICIENCY is the calibration fit (was an assumed 0.35). The LitGPT rows carry it "
+              "(dequantisation is 40-49% of their step at the fit); their sample length is not stated and is set where our "
+              "LoRA time matches theirs, which for Llama 2 13B lands at an implausibly short 61 tokens (our LoRA "
+              "step is slower than theirs at any longer length), so the 13B rows overstate the dequantisation "
+              "share and pull the fit down. Their bitsandbytes is of 2023; later releases may dequantise faster, "
+              "and the 2024 rows (Answer.AI) are insensitive to it. Double quantisation costs LitGPT 3-6% more "
+              "time; ours counts only its fewer bytes. The LoRA passes' bandwidth (HBM_EFFICIENCY) stays "
+              "assumed: the LitGPT LoRA rows fix the length, and no other pair isolates the passes (2-11% of each "
+              "step). benchmarks/gpu_check.py on a lent GPU is the measurement that would settle both.",
+              "- Peak memory: Answer.AI's peak reserved per GPU vs our required: LoRA DDP batch 4 22.0 vs 22.0 GiB; "
+              "the FSDP and QLoRA rows 20.9-21.4 vs 17.6-18.0 GiB (ours below: their reserved includes what the "
+              "caching allocator kept at batch 6-10; pure bf16 AdamW and reentrant checkpointing differ from our "
+              "bf16 recipe). torchtune's 8B figures are 6-8 GiB below ours: its chunked cross-entropy never holds "
+              "the full-vocabulary fp32 logits (2.0 GiB in ours plus the loss transient), compile fuses "
+              "activations, and its figure leaves out the CUDA context we add.",
               ""]
     out = Path(__file__).parent / "results" / "lora.md"
     out.write_text("\n".join(lines))

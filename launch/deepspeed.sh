@@ -18,4 +18,5 @@ else
 fi
 export TOOLKIT_PLAN_DIR="$HERE"  # your script finds training_args.json there
 HOSTFILE="${HOSTFILE:-$HERE/hostfile}"
-exec deepspeed --hostfile "$HOSTFILE" --master_port 29500 --no_local_rank "${PROGRAM[@]}"
+PORT="${MASTER_PORT:-29500}"  # rendezvous port on the first host (MASTER_PORT=N: another)
+exec deepspeed --hostfile "$HOSTFILE" --master_port "$PORT" --no_local_rank "${PROGRAM[@]}"

@@ -45,10 +45,10 @@ def test_traced_compiled_activations_and_peak_match_a_real_compiled_step(arch):
     ids = torch.randint(0, 512, (2, 64))
     real = measure_compiled_step(model, {"input_ids": ids, "labels": ids})
     assert _close(traced.activations_bytes, real.saved_bytes), (traced.activations_bytes, real.saved)
-    if arch != "gpt2":
-        # GPT-2's compiled backward gets no zero-filled gradient for the logits (Llama's does): the walk counts one,
-        # so its backward peak is over by the logits' bytes (+13% here, where the logits are most of the step).
-        assert _close(_composed_peak(traced), real.peak_bytes), (_composed_peak(traced), real.peak_bytes)
+    # GPT-2 runs its loss as a graph of its own (a Dynamo graph break in transformers' loss lookup): its model graph
+    # gets the logits' real gradient, where Llama's one graph gets a zero-filled one for its logits output.
+    assert _close(_composed_peak(traced), real.peak_bytes), (_composed_peak(traced), real.peak_bytes)
+    assert any("loss runs as its own graph" in n for n in traced.notes) == (arch == "gpt2")
     eager = trace_activations(config, **kw)
     # The partition keeps other tensors than eager autograd does, and the eager figure would miss the goal.
     assert not _close(eager.activations_bytes, real.saved_bytes)
@@ -138,3 +138,21 @@ def test_a_compiled_plan_is_rehearsed_compiled(tiny_llama_dir):
                           precision="bf16").replace(compile=True)
     small, said = rehearsal_plan(plan, tiny_llama_dir)
     assert small.compile and any("torch.compile" in s for s in said)
+
+
+def test_per_op_selective_checkpointing_inside_the_compiled_model_keeps_what_the_trace_says():
+    # torchtitan's per-op policy under compile: the partitioner keeps the policy's MUST_SAVE outputs, and each layer
+    # keeps what the eager policy keeps (+4.7% here: the compiled step keeps a float mask where eager keeps less).
+    from toolkit.estimate.selective import op_context_fn
+
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
+    traced = trace_compiled_activations(config, seq_len=64, micro_batch=2, dtype="float32", attention="sdpa",
+                                        device_kind="cpu", checkpointing="op")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn": op_context_fn()})
+    ids = torch.randint(0, 512, (2, 64))
+    real = measure_compiled_step(model, {"input_ids": ids, "labels": ids})
+    assert _close(traced.activations_bytes, real.saved_bytes), (traced.activations_bytes, real.saved)
+    assert _close(_composed_peak(traced), real.peak_bytes), (_composed_peak(traced), real.peak_bytes)

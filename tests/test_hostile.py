@@ -108,6 +108,8 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("plan --strategies empty", "plan", "{M}", "--strategies", "", "--micro-batch", "1")
     add("plan --choose unknown", "plan", "{M}", "--choose", "nope", "--micro-batch", "1")
     add("plan --checkpointing maybe", "plan", "{M}", "--checkpointing", "maybe", "--micro-batch", "1")
+    add("plan --checkpointing op", "plan", "{M}", "--checkpointing", "op", "--micro-batch", "1")
+    add("estimate --checkpointing maybe", "estimate", "{M}", "--checkpointing", "maybe")
     add("profile --device tpu", "profile", *SHAPE.split(), "--device", "tpu")
     add("profile --device cuda;ls", "profile", *SHAPE.split(), "--device", "cuda;ls")
 

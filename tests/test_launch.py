@@ -88,16 +88,6 @@ def test_rehearsal_reports_a_failing_run_with_its_exit_code(tiny_llama_dir, tmp_
 
 
 @pytest.mark.multiprocess
-def test_rehearsal_of_a_hybrid_plan_runs_2_stages_x_2_data_parallel(tiny_llama_dir, tmp_path, capfd):
-    plan = plan_for_model(tiny_llama_dir, "hybrid", gpus_per_node=8, pipeline_stages=2, micro_batch=4,
-                          grad_accum=8, seq_len=128, precision="bf16")
-    code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
-    out = capfd.readouterr().out
-    assert code == 0, out[-3000:]
-    assert "on 4 CPU processes" in out and "rehearsal passed" in out
-
-
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp2"])
 def test_a_two_node_rehearsal_trains_one_model_over_loopback(tiny_llama_dir, tmp_path, capfd, strategy):
     """`--rehearse --nodes 2`: two launcher invocations (machine ranks 0 and 1, one process each) rendezvous over

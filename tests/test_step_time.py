@@ -37,6 +37,32 @@ def test_corpus_rows_carry_a_full_job_and_where_each_number_was_read():
         assert not throughput.unmodelled(r) or all(k in throughput.UNMODELLED for k in throughput.unmodelled(r))
 
 
+def test_lora_corpus_rows_say_where_each_number_was_read_and_pair_lora_with_qlora():
+    """benchmarks/data/lora_gpu.json (benchmarks/lora.py): every row names its file, commit and line; a row we
+    score has a catalog model and GPU and a tokens/s that follows from what the source printed; pairs go LoRA ->
+    QLoRA in the same source."""
+    rows = json.loads((ROOT / "benchmarks" / "data" / "lora_gpu.json").read_text())["rows"]
+    by_id = {r["id"]: r for r in rows}
+    assert len(by_id) == len(rows) >= 20
+    scored = [r for r in rows if not r.get("unmodelled") and not r.get("compile")]
+    assert {r["lora"]["method"] for r in scored} == {"lora", "qlora"}
+    assert any(throughput.held_out(r["id"]) for r in scored) and not all(throughput.held_out(r["id"]) for r in scored)
+    for r in rows:
+        src = r["source"]
+        assert src["url"].startswith("https://") and len(src["commit"]) == 40 and "line" in src["where"], r["id"]
+        assert r["lora"]["method"] in ("lora", "qlora") and r["lora"]["r"] > 0, r["id"]
+        for qid in [r["pair"]] if isinstance(r.get("pair"), str) else r.get("pair", []):
+            q = by_id[qid]
+            assert (r["lora"]["method"], q["lora"]["method"], q["source"]["repo"]) == ("lora", "qlora", src["repo"])
+        assert r["seq_len"] or r.get("seq_len_note"), r["id"]  # unstated lengths say so
+        if "time_s" in r["published"]:  # Answer.AI: samples x context / time / GPUs
+            tps = r["published"]["samples"] * r["seq_len"] / r["published"]["time_s"] / r["gpus"]
+            assert r["published"]["tokens_per_s_per_gpu"] == pytest.approx(tps, rel=1e-3), r["id"]
+    for r in scored:
+        assert throughput._spec(r["model"]).params > 0 and find_gpu(r["gpu"]) is not None, r["id"]
+        assert r["published"].get("tokens_per_s_per_gpu", 0) > 0 or r["published"]["s_per_iteration"] > 0, r["id"]
+
+
 def test_no_held_out_row_can_set_a_constant():
     rows = throughput.load_rows()
     calibration = throughput.calibration_rows(rows)

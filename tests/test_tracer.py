@@ -24,7 +24,11 @@ def _real_model(config, *, dtype: str, autocast: bool, attention: str, checkpoin
                                              attn_implementation=attention)
     model.config.use_cache = False
     model.train()
-    if checkpointing:
+    if checkpointing == "op":  # torchtitan's per-op selective policy as the checkpoint's context_fn
+        from toolkit.estimate.selective import op_context_fn
+
+        model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": op_context_fn()})
+    elif checkpointing:
         model.activation_checkpointing_enable()
     return model
 
@@ -67,6 +71,9 @@ CASES = [
     ("mistral", "bfloat16", True, "sdpa", True, 4, 64),
     ("llama", "float16", False, "sdpa", False, 2, 64),
     ("gpt2", "float16", True, "sdpa", False, 2, 64),
+    ("llama", "bfloat16", True, "sdpa", "op", 2, 64),
+    ("qwen2", "float32", False, "sdpa", "op", 1, 64),
+    ("mistral", "bfloat16", False, "eager", "op", 2, 64),
 ]
 
 
@@ -301,3 +308,17 @@ def test_the_callers_config_is_left_unchanged():
     _trace(config, dtype="bfloat16", autocast=False, attention="eager", checkpointing=True, micro_batch=1,
            seq_len=32)
     assert config.to_dict() == before
+
+
+def test_the_op_policy_keeps_every_other_matmul_and_the_cuda_attention_kernels_outputs():
+    # torchtitan's per-op policy on the GPU kernels: a Llama layer keeps, beyond a full checkpoint's inputs, the 1st,
+    # 3rd, 5th and 7th matmul outputs (q, v, gate, down) and the attention kernel's output and fp32 logsumexp.
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
+    kw = dict(seq_len=128, micro_batch=2, dtype="bfloat16", device_kind="cuda")
+    op = trace_activations(config, checkpointing="op", **kw)
+    full = trace_activations(config, checkpointing=True, **kw)
+    tokens, heads, head_dim = 2 * 128, config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    kept = tokens * (heads * head_dim + config.num_key_value_heads * head_dim + config.intermediate_size
+                     + config.hidden_size) * 2
+    attention = tokens * heads * head_dim * 2 + 2 * heads * 128 * 4
+    assert op.layers[1].saved_bytes - full.layers[1].saved_bytes == kept + attention

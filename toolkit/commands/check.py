@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 from toolkit import bounds
 from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
+from toolkit.inputs.job import CHECKPOINTING_OP, OP_CHECKPOINTING_PROBLEM
 
 if TYPE_CHECKING:
     from toolkit.check.findings import Problem
@@ -26,8 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
                    help="fit check: samples per GPU, where the files leave it to the runner")
     p.add_argument("--precision", help="fit check: fp32 | bf16 | fp16 | bf16-pure, where the files leave it open")
-    p.add_argument("--checkpointing", choices=("on", "off"), nargs="?", const="on",
-                   help="fit check: activation checkpointing on (also the bare flag, as in estimate) or off")
+    p.add_argument("--checkpointing", choices=("on", "off", "op"), nargs="?", const="on",
+                   help="fit check: activation checkpointing on (also the bare flag, as in estimate) or off; op "
+                        "(per-op selective) is estimate's only")
     p.add_argument("--runner", choices=("trainer", "accelerate", "deepspeed"),
                    help="who reads a DeepSpeed JSON: its failures become errors (default: every runner that can)")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too (notes never fail)")
@@ -40,6 +42,8 @@ def cmd_check(args) -> int:
     if args.model:
         from toolkit.check.fit import Pins, fit_findings
 
+        if args.checkpointing == CHECKPOINTING_OP:
+            raise UserError(OP_CHECKPOINTING_PROBLEM)
         ckpt = {None: None, "on": True, "off": False}[args.checkpointing]
         pins = Pins(micro_batch=args.micro_batch, precision=args.precision, checkpointing=ckpt)
         fit = lambda path: fit_findings(path, model=args.model, gpus=args.gpus, seq_len=args.seq,  # noqa: E731

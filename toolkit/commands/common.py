@@ -9,6 +9,7 @@ import sys
 from toolkit import bounds
 from toolkit.bounds import float_arg, int_arg, text_arg
 from toolkit.errors import UserError
+from toolkit.inputs.job import checkpointing_words
 
 
 GIB = 1024**3
@@ -78,13 +79,16 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
 
 def add_checkpointing_flag(p: argparse.ArgumentParser, help: str) -> None:
     """`--checkpointing` as estimate and profile always took it (a bare flag: on), and as plan and check spell it
-    (`--checkpointing on|off`): both spellings in every command. Gives a bool, False when absent."""
-    def on_off(text: str) -> bool:
-        if text.lower() not in ("on", "off"):
-            raise argparse.ArgumentTypeError(f"give on or off, not {text!r}")
-        return text.lower() == "on"
+    (`--checkpointing on|off`): both spellings in every command, and `op` (torchtitan's per-op selective policy).
+    Gives a bool, False when absent, or "op"."""
+    from toolkit.inputs.job import CHECKPOINTING_OP
 
-    p.add_argument("--checkpointing", nargs="?", const=True, default=False, type=on_off, metavar="on|off",
+    def on_off(text: str) -> bool | str:
+        if text.lower() not in ("on", "off", CHECKPOINTING_OP):
+            raise argparse.ArgumentTypeError(f"give on, off or {CHECKPOINTING_OP}, not {text!r}")
+        return CHECKPOINTING_OP if text.lower() == CHECKPOINTING_OP else text.lower() == "on"
+
+    p.add_argument("--checkpointing", nargs="?", const=True, default=False, type=on_off, metavar="on|off|op",
                    help=help)
 
 
@@ -104,7 +108,7 @@ def longest_line(found, spec) -> str:
             else "")
     return (f"{found.name}: longest sequence {found.seq_len:,} tokens{tail}, {c.memory.required_bytes / GIB:.1f} "
             f"GiB per GPU, {c.timing.tokens_per_s:,.0f} tokens/s (micro-batch 1"
-            f"{', checkpointing' if c.job.checkpointing else ''})")
+            f"{checkpointing_words(c.job.checkpointing)})")
 
 
 def add_adapter_flags(p: argparse.ArgumentParser) -> None:

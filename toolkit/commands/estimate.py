@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from toolkit import bounds
 from toolkit.bounds import int_arg
+from toolkit.errors import UserError
+from toolkit.inputs.job import checkpointing_words
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
                                      longest_line, model_spec, print_note, seq_len_of, trainable_params)
 
@@ -19,8 +22,12 @@ def add_parser(sub) -> None:
                                                      "pipeline, hybrid, ... (default %(default)s)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
     p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), default=1)
-    add_checkpointing_flag(p, "activation checkpointing of every layer (the bare flag means on)")
+    add_checkpointing_flag(p, "activation checkpointing of every layer (the bare flag means on; op: torchtitan's per-op "
+                           "selective policy)")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
+    p.add_argument("--trace-world", action="store_true",
+                   help="trace one rank of an FSDP2 / FSDP2 x TP / HSDP row in a fake world of the plan's size (the "
+                        "real wrapping, one process, no GPU) and take its model states from it; slower, cached")
     p.add_argument("--json", action="store_true", help="print only JSON")
     p.add_argument("--require-fit", action="store_true", help="exit 1 when it does not fit (for scripts)")
     p.set_defaults(func=cmd_estimate)
@@ -51,8 +58,20 @@ def cmd_estimate(args) -> int:
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
     grid.check_model(spec)
     grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
+    if args.trace_world:
+        from toolkit.estimate.fakeworld import untraceable_reason
+
+        reason = untraceable_reason(strategy, grid, job)
+        if reason:
+            raise UserError(f"--trace-world cannot trace {strategy.name}: {reason}; drop --trace-world")
     c = evaluate(spec, hw, strategy, job, grid, prune=False)
     b, t, partition = c.memory, c.timing, c.partition
+    world = None
+    if args.trace_world:
+        from toolkit.estimate.fakeworld import trace_world, traced_terms
+
+        world = trace_world(spec, strategy, job, grid)
+        b = replace(b, terms=traced_terms(b.terms, world))
     band = band_for(strategy.engine, job.checkpointing)
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
@@ -67,6 +86,7 @@ def cmd_estimate(args) -> int:
                "time_error_band": {**time_band().to_dict(),
                                    "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
                "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
+               **({"fake_world": world.to_dict()} if world else {}),
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
             out["partition"] = partition
@@ -79,7 +99,7 @@ def cmd_estimate(args) -> int:
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
-          f"{', checkpointing' if job.checkpointing else ''}{', Liger kernels' if job.liger else ''}"
+          f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{', torch.compile' if job.compile else ''}")
     if job.adapter.is_adapter:
         a = job.adapter
@@ -96,6 +116,10 @@ def cmd_estimate(args) -> int:
     print(f"{'peak (tensors)':<{width}}{gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
     print(f"{'required':<{width}}{gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
           f"{gib(cap)} GiB: {'fits' if b.fits else 'DOES NOT FIT'}")
+    if world is not None:
+        from toolkit.estimate.fakeworld import peak_line
+
+        print(peak_line(world, b.peak_bytes))
     print(f"error band: {band.text()}" + (f"; required + band = {gib(b.required_bytes + band.headroom_bytes(b.peak_bytes))}"
                                           f" GiB" if band.cases else ""))
     if b.stage_required_bytes:
@@ -126,6 +150,9 @@ def cmd_estimate(args) -> int:
 
 def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     """estimate --seq max: the longest sequence `strategy` fits on this grid, and its memory curve."""
+    if args.trace_world:
+        raise UserError("--trace-world traces one sequence length, not --seq max; give --seq a number or drop "
+                        "--trace-world")
     from toolkit.estimate.longest import longest_on_grid, text_chart
     from toolkit.estimate.search import Request
     from toolkit.inputs.grid import ParallelGrid

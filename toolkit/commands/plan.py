@@ -8,6 +8,7 @@ from typing import Any
 from toolkit import bounds
 from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
+from toolkit.inputs.job import CHECKPOINTING_OP, OP_CHECKPOINTING_PROBLEM
 from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
                                      GIB, hardware_of, human, longest_line, model_spec, print_note, seq_len_of,
                                      trainable_params)
@@ -23,9 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
                    help="samples per GPU per forward (instead of --global-batch)")
     p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), help="gradient accumulation steps")
-    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto", nargs="?", const="on",
+    p.add_argument("--checkpointing", choices=("auto", "on", "off", "op"), default="auto", nargs="?", const="on",
                    help="activation checkpointing: auto (the planner decides), on (also the bare flag, as in "
-                        "estimate), off (default %(default)s)")
+                        "estimate), off (default %(default)s); op (per-op selective) is estimate's only")
     p.add_argument("--strategies", type=text_arg("--strategies"), help="comma-separated subset to consider")
     p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
                    help="emit this strategy instead of the fastest")
@@ -68,6 +69,8 @@ def cmd_plan(args) -> int:
         if args.pipeline_stages is not None and not any(parse_strategy(s).is_pipeline for s in strategies):
             raise UserError("--pipeline-stages applies to pipeline and hybrid strategies, and --strategies names "
                             "none; drop it or add pipeline / hybrid to --strategies")
+    if args.checkpointing == CHECKPOINTING_OP:
+        raise UserError(OP_CHECKPOINTING_PROBLEM)
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     req_kwargs: dict[str, Any] = dict(seq_len=seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                                       grad_accum=args.accumulation, precision=args.precision,

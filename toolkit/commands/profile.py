@@ -7,6 +7,7 @@ import json
 from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
+from toolkit.inputs.job import checkpointing_words
 from toolkit.commands.common import add_checkpointing_flag, add_job_flags, add_model_flags, GIB, model_spec, print_note, seq_len_of
 
 
@@ -15,7 +16,7 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_job_flags(p)
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
-    add_checkpointing_flag(p, "activation checkpointing (the bare flag means on)")
+    add_checkpointing_flag(p, "activation checkpointing (the bare flag means on; op: torchtitan's per-op selective policy)")
     p.add_argument("--device", default="cpu", type=_device, help="cpu or cuda[:N]")
     p.add_argument("--steps", type=int_arg("--steps", bounds.PROFILE_STEPS), default=3,
                    help="timed steps after the measured one")
@@ -58,7 +59,7 @@ def cmd_profile(args) -> int:
                           "predicted": predicted, "measured": measured.__dict__}, indent=2))
         return 0
     print(f"{spec.name} on {device}: one process, seq {args.seq}, micro-batch {args.micro_batch}, {args.precision}, "
-          f"{attention}{', checkpointing' if args.checkpointing else ''}")
+          f"{attention}{checkpointing_words(args.checkpointing)}")
     print(f"{'':<20}{'predicted GiB':>15}{'measured GiB':>15}{'ratio':>9}")
     for name, (p, m) in rows.items():
         print(f"{name:<20}{p / GIB:>15.3f}{m / GIB:>15.3f}{p / m:>9.3f}")

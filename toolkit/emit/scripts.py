@@ -45,6 +45,11 @@ fi
 export TOOLKIT_PLAN_DIR="$HERE"  # your script finds training_args.json there"""
 
 
+PORT_LINE = (f'PORT="${{MASTER_PORT:-{MAIN_PROCESS_PORT}}}"  '
+             '# rendezvous port on the first host (MASTER_PORT=N: another)')
+"""Multi-node scripts: the rendezvous port, overridable by the environment (two jobs on one host, a port taken)."""
+
+
 def summary_line(plan: Plan) -> str:
     return (f"{plan.strategy} on {plan.num_machines} x {plan.gpus_per_node} {plan.gpu}, {plan.model}, "
             f"{batch_arithmetic(plan)}")
@@ -122,10 +127,11 @@ def slurm(*, here: str, model: str | None, header: list[str], sbatch: list[str],
     # would stop the script.
     run = [*allocation_check(need),
            'MAIN_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
+           PORT_LINE,
            "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
            "  bash -c 'exec accelerate launch --machine_rank \"$SLURM_NODEID\" \"$@\"' accelerate-launch \\",
            '  --config_file "$HERE/accelerate_config.yaml" --main_process_ip "$MAIN_HOST" '
-           f'--main_process_port {MAIN_PROCESS_PORT} \\',
+           '--main_process_port "$PORT" \\',
            '  "${PROGRAM[@]}"']
     return _script(header, sbatch, here, model, PROGRAM % {"module_flag": "-m"}, run)
 
@@ -153,8 +159,8 @@ DEEPSPEED_HEADER = [
 
 
 def deepspeed(*, here: str, hostfile: str, model: str | None, header: list[str]) -> str:
-    run = [hostfile,
-           f'exec deepspeed --hostfile "$HOSTFILE" --master_port {MAIN_PROCESS_PORT} --no_local_rank "${{PROGRAM[@]}}"']
+    run = [hostfile, PORT_LINE,
+           'exec deepspeed --hostfile "$HOSTFILE" --master_port "$PORT" --no_local_rank "${PROGRAM[@]}"']
     return _script(header, [], here, model, PROGRAM % {"module_flag": "--module"}, run)
 
 

@@ -51,6 +51,8 @@ class CompiledSaved:
     traffic: dict = field(default_factory=dict)
     """region -> (eager elementwise bytes, compiled elementwise bytes, eager kernels, compiled kernels) over forward
     and backward (`_traffic`)."""
+    forward_traffic: dict = field(default_factory=dict)
+    """The forward graph's share of `traffic`: what a checkpointed layer runs again in backward."""
     extras: dict = field(default_factory=dict)
     """region -> (forward_extra_bytes, backward_extra_bytes, backward_grad_bytes, grad_bytes) from the liveness
     walk over the partitioned graphs (the meanings of toolkit.estimate.activations.RegionTrace's fields)."""
@@ -62,13 +64,14 @@ class CompiledSaved:
 
 def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                                autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
-                               checkpointing: bool = False) -> ActivationTrace:
+                               checkpointing: bool | str = False) -> ActivationTrace:
     """The activation trace of a torch.compile'd step: saved bytes from the compiler's partition, the rest
     (temporaries, autocast cache, output) from the eager trace of the same job.
 
-    With checkpointing, each decoder layer keeps what the eager checkpoint keeps (its inputs: the compiled
-    checkpoint saves the inputs of the wrapped region and recomputes the rest), and embedding and head are traced
-    compiled."""
+    With checkpointing (True, or "op" for the per-op selective policy), each decoder layer keeps what the eager
+    checkpoint keeps (its inputs: the compiled checkpoint saves the inputs of the wrapped region and recomputes the
+    rest; the per-op policy's MUST_SAVE outputs as well, which the partitioner keeps as tagged), and embedding and
+    head are traced compiled. Measured against real compiled CPU steps: tests/test_compiled.py."""
     from toolkit.estimate import tracer
     from toolkit.inputs.modelspec import reduced_config
 
@@ -94,12 +97,20 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
 
     if checkpointing:
         layers = eager.layers
-        notes.append("checkpointed layers keep their inputs (as eager); embedding and head traced compiled")
+        notes.append("checkpointed layers keep what the eager checkpoint keeps (inputs; with the per-op policy also "
+                     "its kept matmul and attention outputs); embedding and head traced compiled")
     else:
         layers = tuple(region(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", eager.layers[i])
                        for i in range(len(full_kinds)))
+    def layer_traffic(name: str):
+        # A checkpointed layer runs its forward's elementwise work again in backward (the per-op policy recomputes
+        # all but matmuls and attention), fused the same way.
+        t = saved.traffic.get(name, (0, 0, 0, 0))
+        again = saved.forward_traffic.get(name, (0, 0, 0, 0)) if checkpointing else (0, 0, 0, 0)
+        return tuple(a + b for a, b in zip(t, again))
+
     per_region = [saved.traffic.get("embedding", (0, 0, 0, 0)), saved.traffic.get("head", (0, 0, 0, 0)),
-                  *(saved.traffic.get(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", (0, 0, 0, 0))
+                  *(layer_traffic(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}")
                     for i in range(len(full_kinds)))]
     traffic = tuple(sum(t[k] for t in per_region) for k in range(4))
     notes.append(f"torch.compile: saved tensors from AOTAutograd's joint graph split by {PARTITIONER} "
@@ -154,75 +165,112 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
             layer.register_forward_pre_hook(lambda *_, i=i: enter(f"layer{i}"))
             layer.register_forward_hook(lambda *_: enter("head"))
 
+        loss_apart = _loss_in_own_graph(model)
+        if loss_apart:
+            notes.append("torch.compile: the loss runs as its own graph (Dynamo breaks the graph where transformers "
+                         "logs that the model's loss_type is unknown): the model's graph returns the logits and "
+                         "gets their real gradient, the loss graph saves its own tensors")
+
         def step(*args):
             enter("embedding")
             try:
                 out = torch.func.functional_call(model, dict(zip(names, args[:-1])), (args[-1],),
-                                                 {"labels": args[-1]})
-                return out.loss, out.logits
+                                                 None if loss_apart else {"labels": args[-1]})
+                return out.logits if loss_apart else (out.loss, out.logits)
+            finally:
+                regions.close()
+
+        def loss_step(logits, labels):
+            enter("head")
+            try:
+                return model.loss_function(logits, labels, vocab_size=model.config.vocab_size)
             finally:
                 regions.close()
 
         def partition(gm, joint_inputs, **kwargs):
             # Dynamo marks parameters and buffers static inputs; inductor passes their indices on.
-            kwargs["static_lifetime_input_indices"] = list(range(len(tensors)))
+            kwargs["static_lifetime_input_indices"] = list(range(len(tensors))) if not captured else []
             with V.set_fake_mode(fake_mode):  # as compile_fx partitions (its random-seed passes read it)
                 fw, bw = inductor_partition(gm, joint_inputs, **kwargs)
-            captured["fw"], captured["bw"] = fw, bw
+            captured[len(captured)] = (fw, bw)
             return fw, bw
 
         def keep(gm, _inputs):
             return make_boxed_func(gm.forward)
 
-        compiled = aot_function(step, fw_compiler=keep, bw_compiler=keep, partition_fn=partition,
+        def compiled(fn):
+            return aot_function(fn, fw_compiler=keep, bw_compiler=keep, partition_fn=partition,
                                 decompositions=select_decomp_table())
+
         input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         amp = (torch.autocast(device_type="cpu", dtype=compute_dtype) if autocast and compute_dtype != torch.float32
                else contextlib.nullcontext())
         with fx_traceback.preserve_node_meta(), amp, (tracer._cuda_autocast_float32_ops() if cuda_autocast
                                                       else contextlib.nullcontext()):
-            compiled(*tensors, input_ids)
-    return _saved_of(captured["fw"], captured["bw"], n_inputs=len(tensors), n_params=n_params,
-                     autocast=autocast)
+            logits = compiled(step)(*tensors, input_ids)
+            if loss_apart:
+                compiled(loss_step)(logits, input_ids)
+    graphs = [(fw, bw, len(tensors) if i == 0 else 0) for i, (fw, bw) in sorted(captured.items())]
+    return _saved_of(graphs, n_params=n_params, autocast=autocast)
 
 
-def _saved_of(fw, bw, *, n_inputs: int, n_params: int, autocast: bool) -> CompiledSaved:
-    """The backward graph's non-gradient inputs, by storage, with the region of the forward node that made them."""
+def _loss_in_own_graph(model) -> bool:
+    """Whether Dynamo runs the model's loss as a graph of its own: transformers' `PreTrainedModel.loss_function`
+    logs a warning (Python logging, which Dynamo does not trace: a graph break) when the model class's `loss_type`
+    is not a key of its LOSS_MAPPING (GPT2LMHeadModel: None) and no loss function was set on the model."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return "_loss_function" not in vars(model) and getattr(model, "loss_type", None) not in LOSS_MAPPING
+
+
+def _saved_of(graphs: list, *, n_params: int, autocast: bool) -> CompiledSaved:
+    """The backward graphs' non-gradient inputs, by storage, with the region of the forward node that made them.
+    `graphs`: (forward, backward, number of static inputs) of each compiled graph in the order the step runs them
+    (the model, then the loss when it is a graph of its own)."""
     import torch
 
-    fw_nodes = {node.name: node for node in fw.graph.nodes}
-    placeholders = [node for node in fw.graph.nodes if node.op == "placeholder"]
-    static = {node.name for node in placeholders[:n_inputs]}
-    params = {node.name for node in placeholders[:n_params]}
     by_region: dict[str, int] = {}
     copies: dict[str, int] = {}
     rows = []
     seen: set = set()
-    for node in bw.graph.nodes:
-        if node.op != "placeholder" or node.name.startswith("tangents") or node.name in static:
-            continue
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            continue  # saved sizes (SymInts), RNG seeds as ints
-        storage = value.untyped_storage()
-        if id(storage) in seen:
-            continue
-        seen.add(id(storage))
-        source = fw_nodes.get(node.name)
-        region = ((source.meta.get("custom") or {}).get("toolkit_region") if source is not None else None) or "head"
-        if source is not None and source.op == "placeholder":
-            region = "embedding"  # the batch (token ids), saved for the embedding's backward
-        nbytes = storage.nbytes()
-        if autocast and source is not None and _is_cast_of(source, params):
-            copies[region] = copies.get(region, 0) + nbytes
-        else:
-            by_region[region] = by_region.get(region, 0) + nbytes
-        rows.append((region, tuple(value.shape), str(value.dtype).replace("torch.", ""), nbytes))
+    for index, (fw, bw, n_inputs) in enumerate(graphs):
+        fw_nodes = {node.name: node for node in fw.graph.nodes}
+        placeholders = [node for node in fw.graph.nodes if node.op == "placeholder"]
+        static = {node.name for node in placeholders[:n_inputs]}
+        params = {node.name for node in placeholders[:min(n_params, n_inputs)]}
+        for node in bw.graph.nodes:
+            if node.op != "placeholder" or node.name.startswith("tangents") or node.name in static:
+                continue
+            value = node.meta.get("val")
+            if not isinstance(value, torch.Tensor):
+                continue  # saved sizes (SymInts), RNG seeds as ints
+            storage = value.untyped_storage()
+            if id(storage) in seen:
+                continue
+            seen.add(id(storage))
+            source = fw_nodes.get(node.name)
+            region = (((source.meta.get("custom") or {}).get("toolkit_region") if source is not None else None)
+                      or "head")
+            if source is not None and source.op == "placeholder":
+                # the model graph's batch (token ids, for the embedding's backward); a later graph's inputs
+                region = "embedding" if index == 0 else "head"
+            nbytes = storage.nbytes()
+            if autocast and source is not None and _is_cast_of(source, params):
+                copies[region] = copies.get(region, 0) + nbytes
+            else:
+                by_region[region] = by_region.get(region, 0) + nbytes
+            rows.append((region, tuple(value.shape), str(value.dtype).replace("torch.", ""), nbytes))
     order = ["embedding", *sorted({r for r in by_region if r.startswith("layer")}, key=lambda r: int(r[5:])), "head"]
-    return CompiledSaved(by_region=by_region, autocast_copy_by_region=copies, saved=tuple(rows),
-                         traffic=_traffic(fw, bw, order),
-                         extras=_extras(fw, bw, order, {r: by_region.get(r, 0) + copies.get(r, 0) for r in order},
-                                        n_inputs=n_inputs))
+    traffic = {r: (0, 0, 0, 0) for r in order}
+    forward = {r: (0, 0, 0, 0) for r in order}
+    for fw, bw, _ in graphs:
+        for r, t in _traffic(fw, bw, order).items():
+            traffic[r] = tuple(a + b for a, b in zip(traffic[r], t))
+        for r, t in _traffic(fw, bw, order, forward_only=True).items():
+            forward[r] = tuple(a + b for a, b in zip(forward[r], t))
+    return CompiledSaved(by_region=by_region, autocast_copy_by_region=copies, saved=tuple(rows), traffic=traffic,
+                         forward_traffic=forward,
+                         extras=_extras(graphs, order, {r: by_region.get(r, 0) + copies.get(r, 0) for r in order}))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -319,38 +367,53 @@ def _regions_along(curve, order: list, *, backward: bool):
         yield order[current], node, live
 
 
-def _extras(fw, bw, order: list, held_by_region: dict, *, n_inputs: int) -> dict:
+def _extras(graphs: list, order: list, held_by_region: dict) -> dict:
     """Per region: forward and backward peaks above the saved bytes of every region up to and including it, and the
-    parameter gradients the backward has made by its peak and in all."""
+    parameter gradients the backward has made by its peak and in all. `graphs` as in `_saved_of`: the forwards run
+    in order, each on top of what the earlier ones left (their saved tensors and outputs), the backwards in reverse,
+    each on top of the saved inputs of the backwards still to come; a later graph's input gradients are the
+    incoming gradients of the graph before it (counted there), only the first graph's are parameter gradients."""
     from itertools import accumulate
 
     held = dict(zip(order, accumulate(held_by_region[r] for r in order)))
     extras = {r: [0, 0, 0, 0] for r in order}
-    fw_inputs = [n.name for n in fw.graph.nodes if n.op == "placeholder"]
-    fw_curve = _walk(fw.graph, freed_inputs=set(), counted_inputs=set(fw_inputs[n_inputs:]))
-    for region, _node, live in _regions_along(fw_curve, order, backward=False):
-        extras[region][0] = max(extras[region][0], live - held[region])
-    bw_inputs = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
-    static = set(fw_inputs[:n_inputs])
-    grads_out = {_root(a) for a in list(bw.graph.nodes)[-1].all_input_nodes}
+    base = 0
+    waiting = []  # bytes each backward's saved inputs hold while the later graphs' backwards run
+    for index, (fw, bw, n_inputs) in enumerate(graphs):
+        fw_inputs = [n.name for n in fw.graph.nodes if n.op == "placeholder"]
+        counted = set(fw_inputs[n_inputs:]) if index == 0 else set()  # a later graph's inputs are counted already
+        fw_curve = _walk(fw.graph, freed_inputs=set(), counted_inputs=counted)
+        for region, _node, live in _regions_along(fw_curve, order, backward=False):
+            extras[region][0] = max(extras[region][0], base + live - held[region])
+        base += fw_curve[-1][1] if fw_curve else 0
+        static = set(fw_inputs[:n_inputs])
+        waiting.append(sum(_nbytes(n) for n in bw.graph.nodes if n.op == "placeholder"
+                           and not n.name.startswith("tangents") and n.name not in static))
     grad_total = 0
     start: dict = {}
-    # The incoming gradients count too: AOTAutograd materializes zeros for the logits, which the loss does not reach
-    # (measured: a logits-sized buffer is allocated before the compiled backward runs).
-    bw_curve = _walk(bw.graph, freed_inputs=bw_inputs, counted_inputs=bw_inputs - static)
-    for region, node, live in _regions_along(bw_curve, order, backward=True):
-        start.setdefault(region, grad_total)
-        if node in grads_out:
-            grad_total += _nbytes(node)
-            extras[region][3] += _nbytes(node)
-        above = live - grad_total - held[region]
-        if above > extras[region][1]:
-            extras[region][1] = above
-            extras[region][2] = grad_total - start[region]
+    for index in reversed(range(len(graphs))):
+        fw, bw, n_inputs = graphs[index]
+        bw_inputs = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+        static = {n.name for n in list(fw.graph.nodes)[:n_inputs] if n.op == "placeholder"}
+        grads_out = {_root(a) for a in list(bw.graph.nodes)[-1].all_input_nodes} if index == 0 else set()
+        # The incoming gradients count too: AOTAutograd materializes zeros for an output the loss does not reach
+        # (the logits when the loss is in the model's graph; measured: a logits-sized buffer is allocated before the
+        # compiled backward runs).
+        bw_curve = _walk(bw.graph, freed_inputs=bw_inputs, counted_inputs=bw_inputs - static)
+        earlier = sum(waiting[:index])
+        for region, node, live in _regions_along(bw_curve, order, backward=True):
+            start.setdefault(region, grad_total)
+            if node in grads_out:
+                grad_total += _nbytes(node)
+                extras[region][3] += _nbytes(node)
+            above = earlier + live - grad_total - held[region]
+            if above > extras[region][1]:
+                extras[region][1] = above
+                extras[region][2] = grad_total - start[region]
     return {r: tuple(max(0, v) for v in e) for r, e in extras.items()}
 
 
-def _traffic(fw, bw, order: list) -> dict:
+def _traffic(fw, bw, order: list, *, forward_only: bool = False) -> dict:
     """Memory traffic and kernel launches of the elementwise and reduction work, eager against compiled, per region.
 
     Eager: each ATen op the model called is one kernel (the nodes a decomposition made from one op share its
@@ -359,7 +422,7 @@ def _traffic(fw, bw, order: list) -> dict:
     its fused chain reaches and writes itself. Matmuls, attention and other extern kernels run in both and are left
     out. Returns region -> (eager bytes, compiled bytes, eager kernels, compiled kernels)."""
     out = {r: [0, 0, 0, 0] for r in order}
-    for graph, backward in ((fw.graph, False), (bw.graph, True)):
+    for graph, backward in ((fw.graph, False),) + (() if forward_only else ((bw.graph, True),)):
         nodes = list(graph.nodes)
         kinds = {n: _kind(n) for n in nodes}
         elementwise = {n for n in nodes if kinds[n] in ("fusible", "reduction") and n.all_input_nodes}

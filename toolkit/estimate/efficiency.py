@@ -43,7 +43,9 @@ class Recompute:
     @staticmethod
     def of(checkpointing: bool) -> "Recompute":
         """Full checkpointing (the HF / DeepSpeed / FSDP wrapper around each decoder layer) reruns each layer's whole
-        forward; no checkpointing reruns nothing."""
+        forward; no checkpointing reruns nothing; the per-op selective policy ("op") about half the matmuls."""
+        if checkpointing == "op":
+            return SELECTIVE_OP_RECOMPUTE
         return FULL_RECOMPUTE if checkpointing else NO_RECOMPUTE
 
 

@@ -19,7 +19,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.estimate.hostram import HostRam, host_ram
-from toolkit.inputs.job import Job
+from toolkit.inputs.job import Job, checkpointing_words
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.estimate.savers import offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.estimate.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
@@ -557,7 +557,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         Term("activations", int(activations),
              f"traced {spec.model_type} under FakeTensorMode ({trace.dtype}{', autocast' if trace.autocast else ''}, "
              f"{trace.attention}, {trace.device_kind} kernels, micro-batch {trace.micro_batch}"
-             f"{', checkpointing' if job.checkpointing else ''}) x {in_flight} in flight"),
+             f"{checkpointing_words(job.checkpointing)}) x {in_flight} in flight"),
         Term("  of which head + loss", int(head_saved),
              "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
         Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),

@@ -326,7 +326,8 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
             # Before wrapping, as the Trainer does on the PeftModel (which forwards to the base): transformers'
             # activation_checkpointing_enable also calls enable_input_require_grads, so the frozen embedding's
             # output requires grad and the checkpointed layers' recompute reaches the adapters.
-            _enable_checkpointing(model)
+            _enable_checkpointing(model, op_policy=checkpointing == "op",
+                                  on_save=lambda out: [charge(t) for t in _tensors_in(out)])
         if lora:
             model = _wrap_with_peft(model, adapter, autocast=autocast_dtype is not None, notes=notes)
             model.train()
@@ -523,16 +524,21 @@ def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
     return wrapped
 
 
-def _enable_checkpointing(model) -> None:
-    """As the HF Trainer does (transformers 5: activation_checkpointing_enable, use_reentrant=False by default)."""
+def _enable_checkpointing(model, *, op_policy: bool = False, on_save=None) -> None:
+    """As the HF Trainer does (transformers 5: activation_checkpointing_enable, use_reentrant=False by default);
+    `op_policy`: with torchtitan's per-op selective policy as the checkpoint's context_fn (toolkit.estimate.selective),
+    whose kept outputs go to `on_save`."""
     import warnings
 
+    from toolkit.estimate.selective import op_context_fn
+
+    kwargs = {"use_reentrant": False, "context_fn": op_context_fn(on_save)} if op_policy else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable()
+            model.activation_checkpointing_enable(kwargs)
         else:
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable(kwargs)
 
 
 def _charging_checkpoint(checkpoint_func, i: int, enter_layer, charge, state):
@@ -625,6 +631,8 @@ def _attention_kernel_function():
     seq x seq tensor (PyTorch aten/src/ATen/native/transformers/cuda/attention_backward.cu)."""
     import torch
 
+    from toolkit.estimate.selective import kernel_saved
+
     class AttentionKernel(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, mask, heads_first: bool):
@@ -636,6 +644,7 @@ def _attention_kernel_function():
                 b, s_q, h, _ = q.shape
                 out = q.new_empty((b, s_q, h, v.shape[-1]))
             lse = q.new_empty((b, h, s_q), dtype=torch.float32)
+            kernel_saved(out, lse)  # the selective op policy keeps the attention kernel's outputs
             ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
             return out
 

@@ -24,6 +24,21 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
+CHECKPOINTING_OP = "op"
+"""--checkpointing op: torchtitan's per-op selective activation checkpointing (toolkit.estimate.selective)."""
+
+
+def checkpointing_words(checkpointing: bool | str) -> str:
+    """The job summaries' words for a checkpointing setting: ", checkpointing", ", per-op selective checkpointing"
+    or nothing."""
+    if checkpointing == CHECKPOINTING_OP:
+        return ", per-op selective checkpointing"
+    return ", checkpointing" if checkpointing else ""
+
+
+OP_CHECKPOINTING_PROBLEM = ("--checkpointing op (torchtitan's per-op selective policy) is modelled by estimate and "
+                            "profile only: the HF Trainer, accelerate and DeepSpeed have no setting that applies it; "
+                            "use --checkpointing on or off")
 
 
 @dataclass(frozen=True)
@@ -37,8 +52,9 @@ class Job:
     precision: Precision = "bf16"
     """fp32; bf16 / fp16 mixed (fp32 master weights; fp16 with dynamic loss scaling); bf16-pure (all in bf16)."""
     optimizer: Optimizer = "adamw"
-    checkpointing: bool = False
-    """Activation checkpointing of every decoder layer."""
+    checkpointing: bool | str = False
+    """Activation checkpointing of every decoder layer: True (each layer recomputed whole in backward), False, or
+    CHECKPOINTING_OP ("op": torchtitan's per-op selective policy, toolkit.estimate.selective; estimate only)."""
     attention: Attention = "sdpa"
     device_kind: DeviceKind = "cuda"
     """Whose kernels' saved tensors to model: the GPU kernels (default) or the real CPU dispatch."""
@@ -65,6 +81,8 @@ class Job:
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        if self.checkpointing not in (False, True, CHECKPOINTING_OP):
+            raise UserError(f"--checkpointing must be on, off or {CHECKPOINTING_OP}, got {self.checkpointing!r}")
 
     @property
     def mixed(self) -> bool:

@@ -7,6 +7,7 @@ sequence, batch, processes), so that a few steps take seconds on gloo and fail t
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import tempfile
@@ -142,6 +143,10 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
         except UserError as exc:
             print(f"note: the real model was not checked against the plan: {exc} (give toolkit.train's arguments "
                   "after --: toolkit launch DIR --rehearse -- --model M --data D --output OUT)", flush=True)
+    if plan.strategy == "fsdp2-hybrid" and nodes == 1:
+        nodes = 2  # HSDP replicates across nodes: one node would be plain FSDP2 (the grid refuses it)
+        print("note: HSDP shards inside a node and replicates across nodes: rehearsing it as 2 nodes on this "
+              "machine (--nodes 2)", flush=True)
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     try:  # the temporary folder goes on every way out: success, failure, refusal, Ctrl-C
         return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run, nodes=nodes)
@@ -149,7 +154,7 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1) -> tuple[Path, Plan, list[str], Path,
+def small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1) -> tuple[Path, Plan, list[str], Path,
                                                                                        Path]:
     """In `work`: the tiny model, the small plan and its emitted folder, and the local corpus (with chat: its
     conversations beside it as train.jsonl, for a user's script; toolkit.train reads one kind of file per folder).
@@ -165,9 +170,8 @@ def _small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1) 
 
 def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool,
                  nodes: int = 1) -> int:
-    _, small, said, small_dir, data = _small_setup(plan, work, nodes=nodes)
-    argv = ["--data", str(data), "--output", str(work / "out"), "--random-init", "--max-steps", str(REHEARSAL_STEPS),
-            "--save-steps", "2", "--logging-steps", "1", "--max-eval-blocks", "8", *_kept(train_argv)]
+    _, small, said, small_dir, data = small_setup(plan, work, nodes=nodes)
+    argv = rehearsal_argv(data, work / "out", train_argv)
     port = free_port()
     commands = [launch_command(small_dir, argv, machine_rank=r, main_host="127.0.0.1", main_port=port)
                 for r in range(nodes)] if nodes > 1 else [launch_command(small_dir, argv)]
@@ -184,12 +188,14 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
         return 0
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if nodes > 1:
-        env["TOOLKIT_RANK_SUMMARY_DIR"] = str(work / "ranks")
+        # Where the ranks report what they trained: the caller's folder when it names one (kept after the run).
+        summaries = Path(os.environ.get("TOOLKIT_RANK_SUMMARY_DIR") or work / "ranks")
+        env["TOOLKIT_RANK_SUMMARY_DIR"] = str(summaries)
         code = run_nodes(commands, env=env, output=work / "out")
+        if code == 0:
+            problems += _check_replicas(summaries, small)
     else:
         code = run(commands[0], env=env, output=work / "out")
-    if code == 0 and nodes > 1 and small.engine != Engine.PIPELINE:
-        problems += _check_replicas(work / "ranks", small)
     if code == 0:
         problems += _check_saved_model(work / "out", small)
     if code != 0 or problems:
@@ -206,10 +212,18 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
     return 0
 
 
+def rehearsal_argv(data: Path, output: Path, train_argv: list[str]) -> list[str]:
+    """toolkit.train's arguments in a rehearsal: the tiny model's random weights, a few steps, a checkpoint on the
+    way, and the flags of the real run that say how a step runs (KEPT_FLAGS)."""
+    return ["--data", str(data), "--output", str(output), "--random-init", "--max-steps", str(REHEARSAL_STEPS),
+            "--save-steps", "2", "--logging-steps", "1", "--max-eval-blocks", "8", *_kept(train_argv)]
+
+
 def _check_replicas(folder: Path, small: Plan) -> list[str]:
     """After a multi-node rehearsal: every rank's forward of the same probe gives the same logits (the model all
     nodes trained is one model), and ranks that hold the same shard on different nodes (HSDP's replicas) hold the
-    same parameters, as toolkit.train's rank summaries report them."""
+    same parameters, as toolkit.train's rank summaries report them. Pipeline: the data-parallel replicas of each
+    stage hold the same parameters."""
     import json
 
     ranks = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
@@ -217,6 +231,12 @@ def _check_replicas(folder: Path, small: Plan) -> list[str]:
         return [f"{len(ranks)} of {small.world_size} ranks reported after training"]
     summaries = [json.loads(p.read_text()) for p in ranks]
     problems = []
+    if small.engine == Engine.PIPELINE:  # each stage holds its own layers; its data-parallel replicas hold the same
+        stages: dict[int, set[float]] = {}
+        for summary in summaries:
+            stages.setdefault(summary["stage"], set()).add(summary["local_param_abs_sum"])
+        return [f"the data-parallel replicas of pipeline stage {stage} differ after training: {sorted(sums)}"
+                for stage, sums in sorted(stages.items()) if len(sums) != 1]
     if any(s["probe_logits"] != summaries[0]["probe_logits"] for s in summaries):
         problems.append("the ranks' models give different logits after training: the nodes did not train one model")
     if small.strategy == "fsdp2-hybrid":
@@ -246,7 +266,7 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
                         "rehearse it without a script (toolkit launch DIR --rehearse)")
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     try:
-        model_dir, small, said, small_dir, data = _small_setup(plan, work, chat=True)
+        model_dir, small, said, small_dir, data = small_setup(plan, work, chat=True)
         command = launch_command(small_dir, train_argv)
         print(f"rehearsal of your script with {plan.strategy} ({small.precision}) on {small.world_size} CPU "
               f"processes over gloo: micro {small.micro_batch} x accum {small.grad_accum}; a tiny "

@@ -256,8 +256,6 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     folder = os.environ.get("TOOLKIT_RANK_SUMMARY_DIR")
     if not folder:
         return
-    import json
-
     import torch
 
     rank = trainer.args.process_index
@@ -272,12 +270,29 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
     model.train(was_training)
-    summary = {"rank": rank, "world": trainer.args.world_size, "global_step": trainer.state.global_step,
+    summary = {"rank": rank, "world": trainer.args.world_size, "node": launcher_node_rank(),
+               "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
                "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
                "compiled_graphs": _compiled_graphs()}
+    write_rank_summary(folder, rank, summary)
+
+
+def write_rank_summary(folder: str, rank: int, summary: dict) -> None:
+    """folder/rankN.json: what rank N trained (both runners write one; toolkit.run.rehearsal compares them)."""
+    import json
+
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
+
+
+def launcher_node_rank() -> int | None:
+    """The node this process was started on, as its launcher numbered it: torchrun's GROUP_RANK (accelerate
+    launch --machine_rank), DeepSpeed launch's CROSS_RANK (--node_rank); None when neither launcher said."""
+    for name in ("GROUP_RANK", "CROSS_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
 
 
 def _compiled_graphs() -> int:

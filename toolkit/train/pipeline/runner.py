@@ -107,10 +107,11 @@ def train_pipeline(plan, args) -> None:
     log = RunLog(output, args.log_dir) if rank == 0 else None
     eval_every = args.eval_steps or args.save_steps
     window_start, window_tokens = time.perf_counter(), 0
+    losses: dict[int, float] = {}
     for step in range(start_step + 1, total_steps + 1):
         batches = micro_batches(train_ds, order.step_indices(step - 1), dp_rank, plan.data_parallel,
                                 plan.micro_batch, plan.grad_accum)
-        loss = engine.train_batch(batches).item()
+        loss = losses[step] = engine.train_batch(batches).item()
         window_tokens += plan.tokens_per_step
         if step % args.logging_steps == 0 or step == total_steps or step == start_step + 1:
             elapsed = time.perf_counter() - window_start
@@ -127,11 +128,31 @@ def train_pipeline(plan, args) -> None:
             save_checkpoint(engine, output, step, rank, args.save_total_limit)
     if log is not None:
         log.close()
+    write_stage_summary(engine.module, rank=rank, world=world, stage=stage, dp_rank=dp_rank, losses=losses)
     if not args.no_save_final:
         save_hf_model(engine.module, output, config=config, tokenizer=tokenizer, stage=stage, stages=stages,
                       data_rank=dp_rank, global_rank=rank, barrier=dist.barrier)
         if rank == 0:
             print(f"saved the final model in HF format to {output}", flush=True)
+
+
+def write_stage_summary(module, *, rank: int, world: int, stage: int, dp_rank: int, losses: dict[int, float]) -> None:
+    """Test and debugging hook (toolkit.train.hf_runner's rank summary, for a pipeline): with
+    TOOLKIT_RANK_SUMMARY_DIR set, every rank writes its stage, data-parallel rank, node, the loss of each step
+    (the pipeline engine hands every rank the step's loss) and a checksum of the parameters its stage holds, so
+    that the replicas of a stage can be compared."""
+    import os
+
+    from toolkit.train.hf_runner import launcher_node_rank, write_rank_summary
+
+    folder = os.environ.get("TOOLKIT_RANK_SUMMARY_DIR")
+    if not folder:
+        return
+    checksum = sum(float(p.detach().double().abs().sum()) for p in module.parameters())
+    write_rank_summary(folder, rank, {
+        "rank": rank, "world": world, "node": launcher_node_rank(), "stage": stage, "data_rank": dp_rank,
+        "log_history": [{"step": step, "loss": loss} for step, loss in sorted(losses.items())],
+        "local_param_abs_sum": checksum})
 
 
 class BatchOrder:
