@@ -94,20 +94,18 @@ def test_plan_offers_a_rehearsal_that_converts_or_refuses_pipeline_naming_the_pa
         return
 
     # The rehearsal's model: the config shrunk by its own class. For MoE models also with the router's
-    # load-balancing loss on (carried between stages): the plan's verdict on that config is the converter's too.
-    plan = plan_for_model(str(path), "zero3")
-    settings = [{}] + ([{"output_router_logits": True}] if spec.moe_experts else [])
-    for extra in settings:
+    # load-balancing loss on (carried between stages): the plan's verdict on that setting is the converter's too.
+    tiny_dir = make_rehearsal_model(plan_for_model(str(path), "zero3"), tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    # A vision-language config's rehearsal model is its text model (what AutoModelForCausalLM builds: Qwen3.5).
+    assert model.config.model_type in (kind, load_config(str(path)).get_text_config().model_type)
+    assert model.config.get_text_config().num_hidden_layers == 4
+    for extra in [{}] + ([{"output_router_logits": True}] if spec.moe_experts else []):
         config = load_config(str(path))
-        for key, value in extra.items():
+        for key, value in extra.items():  # the plan's verdict on the real config with this setting ...
             setattr(config.get_text_config(), key, value)
         blocker = build_spec(str(path), config).pipeline_blocker
-        tiny_dir = make_rehearsal_model(plan.replace(model_config={**plan.model_config, **extra}),
-                                        tmp_path / f"tiny{len(extra)}")
-        model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
-        # A vision-language config's rehearsal model is its text model (what AutoModelForCausalLM builds: Qwen3.5).
-        assert model.config.model_type in (kind, config.get_text_config().model_type)
-        assert model.config.get_text_config().num_hidden_layers == 4
+        model.config.get_text_config().output_router_logits = bool(extra)  # ... and the converter's on the tiny one
         if blocker is not None:
             with pytest.raises(UserError, match="pipeline conversion cannot split this model"):
                 Source(model.config, tiny_dir)
