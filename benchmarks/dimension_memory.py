@@ -40,20 +40,27 @@ import distributed_memory as dm  # noqa: E402  (the shared model shape and MemTr
 
 SEQ, MICRO = dm.SEQ, dm.MICRO
 STEPS = 3  # step 1 allocates optimizer states; step 3 is measured
-CASES = {  # name: (strategy, world, tensor, sequence)
-    "fsdp2-tp2": ("fsdp2", 4, 2, 1),
-    "zero1-sp2": ("zero1", 2, 1, 2),
-    "zero3-sp2": ("zero3", 2, 1, 2),
+CASES = {  # name: (strategy, world, tensor, sequence, ALST tiling, sequence length)
+    "fsdp2-tp2": ("fsdp2", 4, 2, 1, False, SEQ),
+    "zero1-sp2": ("zero1", 2, 1, 2, False, SEQ),
+    "zero3-sp2": ("zero3", 2, 1, 2, False, SEQ),
+    "zero3-sp2-tiled": ("zero3", 2, 1, 2, True, SEQ),
+    "zero3-tiled": ("zero3", 2, 1, 1, True, 4 * SEQ),
 }
+"""The tiled cases run toolkit.estimate.tiling's patch (DeepSpeed TiledMLP + SequenceTiledCompute for the logits +
+loss), as toolkit.train does: zero3-sp2-tiled beside zero3-sp2 (64 tokens per rank: one chunk each, so the
+difference is what tiling keeps and recomputes), zero3-tiled at 512 tokens per rank (TiledMLP in 2 chunks of 256 =
+the hidden size)."""
 PRECISION = "fp32"
 
 
 def _plan(name: str, model_dir: str):
     from toolkit.run.rehearsal import plan_for_model
 
-    strategy, world, tensor, sequence = CASES[name]
-    return plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=MICRO, seq_len=SEQ,
+    strategy, world, tensor, sequence, tiled, seq = CASES[name]
+    plan = plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=MICRO, seq_len=seq,
                           precision=PRECISION, tensor=tensor, sequence=sequence)
+    return plan.replace(tiled=True) if tiled else plan
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -70,6 +77,7 @@ def worker(name: str, model_dir: str, out_path: str) -> None:
     rank = int(os.environ["RANK"])
     plan = _plan(name, model_dir)
     grid = plan.grid
+    seq = plan.seq_len
     tracker = MemTracker()
     result: dict = {"rank": rank}
     with tracker:
@@ -94,9 +102,15 @@ def worker(name: str, model_dir: str, out_path: str) -> None:
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
             model.config.use_cache = False
             model.train()
-            mpu = UlyssesSPAttentionHF.register_with_transformers(
-                model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=grid.sequence,
-                micro_batch_size=MICRO, seq_length=SEQ, seq_length_is_variable=True)
+            mpu = None
+            if grid.sequence > 1:
+                mpu = UlyssesSPAttentionHF.register_with_transformers(
+                    model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=grid.sequence,
+                    micro_batch_size=MICRO, seq_length=seq, seq_length_is_variable=True)
+            if plan.tiled:
+                from toolkit.estimate.tiling import apply_tiling
+
+                apply_tiling(model, agree_across_ranks=True)
             ds = dm._ds_config(plan.strategy, PRECISION, model_dir, plan=plan)
             # accelerate's _prepare_deepspeed sets this last under SP: micro x accumulation x data-parallel ranks.
             ds["train_batch_size"] = plan.grid.global_batch(plan.micro_batch, plan.grad_accum)
@@ -107,12 +121,12 @@ def worker(name: str, model_dir: str, out_path: str) -> None:
         # Every rank of a data-parallel group reads the same batch (dp 1 in the SP cases; per dp rank under TP).
         dp_rank = rank // (grid.tensor * grid.sequence)
         g = torch.Generator().manual_seed(dp_rank)
-        ids = torch.randint(0, dm.SHAPE["vocab_size"], (MICRO, SEQ), generator=g)
+        ids = torch.randint(0, dm.SHAPE["vocab_size"], (MICRO, seq), generator=g)
         if grid.sequence > 1:
-            sp_rank, chunk = rank % grid.sequence, SEQ // grid.sequence
+            sp_rank, chunk = rank % grid.sequence, seq // grid.sequence
             shifted = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
             part = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
-            positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO, -1)
+            positions = torch.arange(seq).unsqueeze(0).expand(MICRO, -1)
             batch = {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous(),
                      "shift_labels": shifted[:, part].contiguous()}
             batch["labels"] = batch["shift_labels"]
@@ -129,6 +143,9 @@ def worker(name: str, model_dir: str, out_path: str) -> None:
                 tokens = (batch["shift_labels"] != -100).sum()
                 counts = torch.distributed.nn.functional.all_gather(tokens, group=group)
                 loss = (torch.stack(losses) * torch.stack(counts)).sum() / torch.stack(counts).sum()
+                engine.backward(loss)
+                engine.step()
+            elif engine is not model:  # DeepSpeed without SP
                 engine.backward(loss)
                 engine.step()
             else:
@@ -235,9 +252,10 @@ def predict(name: str, model_dir: str) -> dict:
 
     plan = _plan(name, model_dir)
     spec = build_spec("llama", dm._config())
-    out = {"params": spec.params, "grid": plan.grid.describe()}
+    out = {"params": spec.params, "grid": plan.grid.describe() + (", tiled" if plan.tiled else "")
+           + (f", seq {plan.seq_len}" if plan.seq_len != SEQ else "")}
     out["formula"] = states_formula(name, spec, plan)
-    job = Job(seq_len=SEQ, micro_batch=MICRO, precision=PRECISION, device_kind="cpu")
+    job = Job(seq_len=plan.seq_len, micro_batch=MICRO, precision=PRECISION, device_kind="cpu", tiled=plan.tiled)
     hw = parse_hardware(f"{plan.world_size}xA100-80GB")
     b = estimate_memory(spec, plan.strategy_spec, job, hw, grid=plan.grid)
     # Persistent as distributed_memory.py predicts it: the states model's terms alive across steps (no step

@@ -408,7 +408,12 @@ def _one_error_line(capsys) -> str:
     (["plan", "llama-3.1-8b", "--strategies", "fsdp2", "--sequence-parallel", "2", "--seq", "4096",
       "--micro-batch", "1"], None),
     (["estimate", "gpt2", "--strategy", "fsdp2", "--tensor-parallel", "2"], "has no tp_plan"),
+    (["plan", "phi-3-mini", "--gpus", "8xH100-80GB", "--context-parallel", "2", "--seq", "4096", "--micro-batch",
+      "1"], None),  # sliding-window layers: accelerate's CP refuses them (the row says so, see below)
     (["estimate", "tiny-positions", "--strategy", "zero3", "--seq", "max"], "stops at 64"),
+    # 256 positions, but cp 3 splits only multiples of lcm(128, 2 x 3) = 384 tokens: no length to answer with.
+    (["estimate", "tiny-positions", "--strategy", "fsdp2", "--gpus", "3xH100", "--context-parallel", "3", "--seq",
+      "max"], "searches lengths in multiples of 384 tokens"),
 ])
 def test_bad_degrees_get_one_line_and_exit_2(argv, fragment, capsys, tmp_path, monkeypatch):
     from toolkit.cli import main
@@ -416,12 +421,16 @@ def test_bad_degrees_get_one_line_and_exit_2(argv, fragment, capsys, tmp_path, m
     if "tiny-positions" in argv:
         from toolkit.inputs.modelspec import shape_config
 
-        cfg = shape_config(layers=2, hidden=64, heads=4, vocab=100, max_positions=64)
+        cfg = shape_config(layers=2, hidden=64, heads=4, vocab=100,
+                           max_positions=256 if "--context-parallel" in argv else 64)
         cfg.save_pretrained(tmp_path / "tiny-positions")
         monkeypatch.chdir(tmp_path)
     code = main(argv)
     if fragment is None:  # a fixed degree no strategy of the subset runs: every row refused, nothing fits
         assert code == 1
+        if "phi-3-mini" in argv:
+            assert "fsdp2 x cp: --context-parallel 2 cannot run phi-3-mini: its sliding_attention layers" in \
+                capsys.readouterr().out
         return
     assert code == 2
     assert fragment in _one_error_line(capsys)

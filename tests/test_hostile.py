@@ -93,7 +93,21 @@ def _cases() -> list[tuple[str, list[str]]]:
         "--kv-heads", "8")
     add("shape: hidden not dividing heads", "estimate", "--layers", "2", "--hidden", "63", "--heads", "4")
     add("shape: partial", "estimate", "--layers", "2", "--hidden", "64")
+    # Issue 17's bad degrees, each refused before any trace: the engines' own rules (docs/ENGINE_FACTS.md).
+    add("tensor parallel not dividing the KV heads", "estimate", "llama-3.1-8b", "--gpus", "2x16xH100-80GB",
+        "--strategy", "fsdp2", "--tensor-parallel", "16")
+    add("sequence parallel above the sequence", "estimate", "llama-3.1-8b", "--strategy", "zero3",
+        "--sequence-parallel", "8", "--seq", "4")
+    add("context parallel with eager attention", "estimate", "llama-3.1-8b", "--strategy", "fsdp2",
+        "--context-parallel", "2", "--attention", "eager")
+    add("context parallel on sliding-window layers", "estimate", "mistral-7b", "--strategy", "fsdp2",
+        "--context-parallel", "2", "--seq", "4096")
+    add("context parallel on soft-capped attention", "estimate", "gemma-2-2b", "--strategy", "fsdp2",
+        "--context-parallel", "2", "--seq", "4096")
     add("--seq above the model's positions", "estimate", "{M}", "--seq", "100000")
+    add("--seq max: positions stop before the grid's shortest length", "estimate", "{M}", "--seq", "max",
+        "--strategy", "fsdp2", "--gpus", "3xH100", "--context-parallel", "3")
+    add("--tiled with a strategy that does not run it", "estimate", "{M}", "--strategy", "fsdp2", "--tiled")
 
     # LoRA / QLoRA flags (their rules are toolkit.inputs.job's; here: that they reach the user as one line).
     for flag, value in (("--lora-r", "0"), ("--lora-r", "1e20"), ("--lora-alpha", "nan"), ("--lora-dropout", "2"),

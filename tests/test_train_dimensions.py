@@ -5,7 +5,8 @@ load-time DTensor sharding, 2 x 2 = 4 processes) and ZeRO x Ulysses SP (2 proces
 (4 heads, 2 KV heads) on the packed corpus at global batch 4, fp32, constant learning rate, like
 tests/test_train_engines.py, so the losses must equal the single-process ones up to reduction order. Context
 parallelism needs CUDA: it is refused here with one line. One run per dimension checks losses, rank agreement and
-the saved model.
+the saved model. The SP run also runs ALST's tiling (DeepSpeed TiledMLP in both layers, in 2 chunks of its 128
+tokens per rank, and the tiled logits + loss; toolkit.estimate.tiling), so its losses check the tiling too.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import torch
 from toolkit.run.rehearsal import plan_for_model
 
 STEPS = 4
-SEQ = 32
+SEQ = 256
+"""Long enough that TiledMLP cuts each SP rank's 128 tokens into 2 chunks (ceil(seq / hidden 64))."""
 LOSS_TOLERANCE = 1e-3
 """The issue's bar (fp32); measured differences are ~1e-6."""
 COMMON = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str(STEPS), "--lr", "3e-3",
           "--lr-scheduler", "constant", "--seed", "7", "--max-eval-blocks", "4")
 
-RUNS = {  # name: (strategy, world, micro, accum, tensor, sequence); each at global batch 4
-    "fsdp2-tp2": ("fsdp2", 4, 2, 1, 2, 1),
-    "zero3-sp2": ("zero3", 2, 2, 2, 1, 2),
+RUNS = {  # name: (strategy, world, micro, accum, tensor, sequence, tiled); each at global batch 4
+    "fsdp2-tp2": ("fsdp2", 4, 2, 1, 2, 1, False),
+    "zero3-sp2-tiled": ("zero3", 2, 2, 2, 1, 2, True),
 }
 """ZeRO-1 x SP runs in the rehearsal test below; ZeRO-2 x SP matched exactly in the spike (docs/ENGINE_FACTS.md)."""
 
@@ -45,9 +47,11 @@ def dimension_runs(run_training, tiny_llama_dir, corpus_dir):
 
     def get(name):
         if name not in cache:
-            strategy, world, micro, accum, tensor, sequence = RUNS[name]
+            strategy, world, micro, accum, tensor, sequence, tiled = RUNS[name]
             plan = plan_for_model(tiny_llama_dir, strategy, gpus_per_node=world, micro_batch=micro,
                                   grad_accum=accum, seq_len=SEQ, tensor=tensor, sequence=sequence)
+            if tiled:
+                plan = plan.replace(tiled=True)
             assert plan.global_batch == 4
             cache[name] = run_training(plan, name, *_args(corpus_dir), timeout=600).check()
         return cache[name]
@@ -71,6 +75,8 @@ def test_dimension_matches_single_process_losses_and_ranks_agree(name, dimension
         torch.testing.assert_close(torch.tensor(run.ranks[rank]["probe_logits"]),
                                    torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-6, rtol=0)
     assert run.losses()[STEPS] < run.losses()[1], "loss did not go down"
+    if RUNS[name][-1]:  # ALST tiling ran: TiledMLP in 2 chunks, the tiled logits + loss in 1 (1 GiB fp32 each)
+        assert all(r["tiled_chunks"] == {"mlp": 2, "loss": 1} for r in run.ranks), [r["tiled_chunks"] for r in run.ranks]
 
 
 @pytest.mark.multiprocess

@@ -71,6 +71,9 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
     g.add_argument("--liger", action="store_true",
                    help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
                         "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
+    g.add_argument("--tiled", action="store_true",
+                   help="ALST tiling over the sequence (DeepSpeed TiledMLP in every layer, tiled logits + loss): "
+                        "the MLP's and the logits' tensors held one chunk at a time; ZeRO only")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile (inductor), as TrainingArguments torch_compile: activations from the "
                         "compiler's partition, the compiled step time")

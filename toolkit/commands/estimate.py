@@ -52,7 +52,7 @@ def cmd_estimate(args) -> int:
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args),
-              compile=args.compile)
+              compile=args.compile, tiled=args.tiled)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
@@ -79,7 +79,7 @@ def cmd_estimate(args) -> int:
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
-                       **({"compile": True} if job.compile else {}),
+                       **({"compile": True} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
@@ -100,7 +100,7 @@ def cmd_estimate(args) -> int:
           f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
-          f"{', torch.compile' if job.compile else ''}")
+          f"{', torch.compile' if job.compile else ''}{', tiled MLP + loss' if job.tiled else ''}")
     if job.adapter.is_adapter:
         a = job.adapter
         print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
@@ -137,7 +137,7 @@ def cmd_estimate(args) -> int:
         print(f"NVMe per node: {gib(b.nvme_bytes_per_node)} GiB")
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
-          f"offload {t.offload_s:.3f} s)")
+          f"offload {t.offload_s:.3f} s{f', tiled recompute {t.tiled_recompute_s:.3f} s' if t.tiled_recompute_s else ''})")
     print(f"time band: {time_band().text()}"
           + ("" if time_band().covers(strategy.name, hw.world_size) else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
@@ -163,7 +163,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
                   optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
                   checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
-                  adapter=adapter_of(args), compile=args.compile)
+                  adapter=adapter_of(args), compile=args.compile, tiled=args.tiled)
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategy": found.name,

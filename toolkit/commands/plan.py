@@ -78,7 +78,7 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      compile=args.compile, pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
+                                      compile=args.compile, tiled=args.tiled, pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel)
     if strategies:
@@ -192,7 +192,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
           + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}"
-          + f"{', torch.compile' if req.compile else ''}"
+          + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
              if req.adapter.is_adapter else "") + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \

@@ -28,6 +28,9 @@ def cmd_profile(args) -> int:
     """Predicted vs measured for one real single-device step of the model (random weights, this process)."""
     from toolkit.estimate.profile import measure_step, predict_step
 
+    if args.tiled:
+        raise UserError("profile measures one plain step; --tiled is measured against live tensors by "
+                        "benchmarks/dimension_memory.py, not by profile yet: drop --tiled")
     if args.compile:
         raise UserError("profile measures an eager step; --compile is checked against real compiled CPU steps in "
                         "tests/test_compiled.py, not by profile yet: drop --compile")

@@ -204,6 +204,8 @@ def notes(plan: Plan) -> list[str]:
     if plan.liger:
         out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
                    "liger-kernel >= 0.8.2; its kernels need a GPU).")
+    if plan.tiled:
+        out.append(tiling_paragraph(plan))
     if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
         out.append("ZeRO-3: create TrainingArguments (or SFTConfig) before from_pretrained: while they exist, "
                    "transformers loads the model already partitioned (zero.Init through HfDeepSpeedConfig); a model "
@@ -231,6 +233,24 @@ def notes(plan: Plan) -> list[str]:
                    "loops cannot run a PipelineModule).")
     out += model_parallel_notes(plan)
     return out
+
+
+def tiling_paragraph(plan: Plan) -> str:
+    """What a user's script does for a --tiled plan: no TrainingArguments key exists for it."""
+    from toolkit.inputs.job import loss_shards, mlp_shards
+
+    local = plan.seq_len // max(1, plan.sequence_parallel * plan.context_parallel)
+    hidden = int(plan.model_config.get("hidden_size") or plan.model_config.get("n_embd") or 0)
+    vocab = int(plan.model_config.get("vocab_size") or 0)
+    chunks = (f"; here {mlp_shards(local, hidden)} and {loss_shards(plan.micro_batch, local, vocab)} chunks of the "
+              f"{local} tokens per rank" if hidden and vocab else "")
+    return ("The plan's memory and speed assume ALST tiling: every decoder layer's MLP through DeepSpeed's TiledMLP "
+            "(ceil(tokens per rank / hidden) chunks) and the logits + loss through sequence_tiled_compute "
+            f"(ceil(fp32 logits / 1 GiB) chunks){chunks}. Neither transformers nor TRL applies them (no "
+            "TrainingArguments key): toolkit.train does; in your own script call "
+            "toolkit.estimate.tiling.apply_tiling(model, agree_across_ranks=True) after from_pretrained and before "
+            "the Trainer, or patch the model as ArcticTraining does (deepspeed/runtime/sequence_parallel/"
+            "ulysses_sp.py). Not TiledFusedLogitsLoss: it makes the LM head's weight gradient for an unscaled loss.")
 
 
 def model_parallel_notes(plan: Plan) -> list[str]:

@@ -10,7 +10,7 @@ search visits, never per probe. Lengths stop at the model's positions (max_posit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
@@ -54,7 +54,10 @@ class Longest:
         return None if self.seq_len else (self.candidate.reason if self.candidate else "no grid")
 
 
-def seq_cap(spec: "ModelSpec") -> int:
+def seq_cap(spec: "ModelSpec", grid: "ParallelGrid | None" = None) -> int:
+    """The longest length `--seq max` may try: the model's positions. A model whose positions stop before the
+    shortest length the search answers (GRANULE, or on `grid` the granule its split needs) is bad input: there is
+    no length to answer with."""
     if not spec.max_positions:
         raise UserError(f"--seq max needs the model's position limit, and {spec.name}'s config has no "
                         "max_position_embeddings; give --seq N")
@@ -62,7 +65,16 @@ def seq_cap(spec: "ModelSpec") -> int:
     if cap < GRANULE:
         raise UserError(f"--seq max searches lengths in steps of {GRANULE} tokens up to the model's positions, and "
                         f"{spec.name} stops at {cap}; give --seq N (at most {cap})")
+    if grid is not None and cap < granule(grid):
+        raise UserError(positions_stop_early(spec, grid, cap))
     return cap
+
+
+def positions_stop_early(spec: "ModelSpec", grid: "ParallelGrid", cap: int) -> str:
+    g = granule(grid)
+    return (f"--seq max on {grid.describe()} searches lengths in multiples of {g} tokens (steps of {GRANULE}, split "
+            f"evenly over the ranks), and {spec.name} stops at {cap} positions; use a degree that divides {GRANULE}, "
+            f"or give --seq N (at most {cap})")
 
 
 def granule(grid: "ParallelGrid") -> int:
@@ -73,8 +85,6 @@ def granule(grid: "ParallelGrid") -> int:
 def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list[Longest]:
     """The longest sequence per planner row (strategy, and model-parallel family at its best degree), longest
     first; rows that fit nothing last, with the reason at the shortest length tried."""
-    from dataclasses import replace
-
     from toolkit.estimate.memory import traces_linear_in_seq
     from toolkit.estimate.search import options_for
 
@@ -101,11 +111,9 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
 def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", grid: "ParallelGrid",
                     req: "Request") -> Longest:
     """The longest sequence one strategy fits on one grid, with its memory curve (estimate --seq max)."""
-    from dataclasses import replace
-
     from toolkit.estimate.memory import traces_linear_in_seq
 
-    cap = seq_cap(spec)
+    cap = seq_cap(spec, grid)
     with traces_linear_in_seq():
         found = _longest_on(spec, hw, strategy, grid, req, cap, strategy.name)
         return replace(found, curve=_curve(spec, hw, strategy, found, req, cap, grid))
@@ -127,7 +135,7 @@ def _evaluate(spec, hw, strategy, grid, req, seq_len: int) -> "Candidate":
     job = Job(seq_len=seq_len, micro_batch=1, grad_accum=req.grad_accum or 1, precision=req.precision,
               optimizer=req.optimizer, checkpointing=req.checkpointing is not False, attention=req.attention,
               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl, liger=req.liger, adapter=req.adapter,
-              compile=req.compile)
+              compile=req.compile, tiled=req.tiled)
     partition = grid.partition(spec) if strategy.is_pipeline else None
     return evaluate(spec, hw, strategy, job, grid, partition)
 
@@ -137,8 +145,11 @@ def _longest_on(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
     bisect the octave above it."""
     g = granule(grid)
     hi = cap - cap % g
-    if hi < g:
-        return Longest(key, 0, _evaluate(spec, hw, strategy, grid, req, g))
+    if hi < g:  # no length this grid splits is within the model's positions: refused, not evaluated beyond them
+        from toolkit.estimate.search import refusal
+
+        return Longest(key, 0, refusal(strategy, replace(req, seq_len=cap), hw,
+                                       positions_stop_early(spec, grid, cap), dimension=_dim(key)))
     top = _evaluate(spec, hw, strategy, grid, req, hi)
     if top.feasible:
         return Longest(key, hi, top, capped_by_positions=True)

@@ -191,6 +191,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         key += ("liger",)
     if job.compile:
         key += ("compile",)
+    if job.tiled:
+        key += ("tiled",)
     if key not in _TRACE_CACHE:
         from dataclasses import replace
 
@@ -207,6 +209,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             from importlib import metadata
 
             disk_key += [adapter.to_dict(), metadata.version("peft")]
+        if disk_key and job.tiled:
+            disk_key += ["tiled"]
         traced_by = trace_compiled_activations if job.compile else trace_activations
         trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
         if trace is None:
@@ -217,7 +221,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             else:
                 trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                           autocast=autocast, attention=attention, device_kind=job.device_kind,
-                                          checkpointing=job.checkpointing, liger=job.liger, adapter=adapter)
+                                          checkpointing=job.checkpointing, liger=job.liger, adapter=adapter,
+                                          tiled=job.tiled)
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace), code=traced_by)
         if attention != job.attention:
@@ -363,22 +368,26 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
 
 def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
-    from toolkit.inputs.lora import base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes
+    from toolkit.inputs.lora import (base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes,
+                                     layer_sharded_base_bytes, sharded_base_bytes)
 
     if strategy.is_pipeline:
         raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
                         "offload variants), not the pipeline engine; choose one of those strategies")
     counts = counts_for_spec(spec, job.adapter)
-    base = frozen_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+    storage = base_storage_bytes_per_param(job.precision)
+    compute = 4 if job.precision == "fp32" else 2  # FSDP2 gathers the adapters in MixedPrecisionPolicy's param_dtype
+    layers = layer_sharded_base_bytes(counts, job.adapter, storage, spec.layer_params)
+    root_trainable = counts.pre_layer_trainable + counts.post_layer_trainable
     return adapter_states(
-        counts.trainable_params, base, job, strategy, dp=grid.data_parallel, hidden=spec.hidden,
-        total_params=counts.all_params, largest_layer=spec.largest_layer_params,
-        layer_total_params=max(spec.layer_params) + max(counts.per_layer),
-        root_total_params=spec.pre_layer_params + spec.post_layer_params,
-        layer_trainable_params=max(counts.per_layer),
-        root_trainable_params=counts.pre_layer_trainable + counts.post_layer_trainable,
+        counts.trainable_params, frozen_base_bytes(counts, job.adapter, storage), job, strategy,
+        dp=grid.data_parallel, hidden=spec.hidden, total_params=counts.all_params,
+        largest_layer=spec.largest_layer_params,
+        base_sharded_bytes=sharded_base_bytes(counts, job.adapter, storage),
+        layer_gathered_bytes=max(b + t * compute for b, t in zip(layers, counts.per_layer)),
+        root_gathered_bytes=(spec.pre_layer_params + spec.post_layer_params) * storage + root_trainable * compute,
+        layer_trainable_params=max(counts.per_layer), root_trainable_params=root_trainable,
         shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
-        base_shardable=job.adapter.method != "qlora" or job.adapter.quant_storage != "uint8",
         dequantized_bytes=counts.largest_quantized_params * (4 if job.adapter.compute_dtype == "float32" else 2))
 
 
@@ -557,8 +566,13 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         Term("activations", int(activations),
              f"traced {spec.model_type} under FakeTensorMode ({trace.dtype}{', autocast' if trace.autocast else ''}, "
              f"{trace.attention}, {trace.device_kind} kernels, micro-batch {trace.micro_batch}"
-             f"{checkpointing_words(job.checkpointing)}) x {in_flight} in flight"),
+             f"{checkpointing_words(job.checkpointing)}"
+             f"{', tiled MLP: each layer keeps its MLP input, the FFN-wide tensors exist one chunk at a time' if job.tiled else ''}"
+             f") x {in_flight} in flight"),
         Term("  of which head + loss", int(head_saved),
+             "final norm and the hidden states and labels the tiled logits + loss keeps for backward (its logits and "
+             "fp32 log-softmax exist one chunk at a time, in forward and again in backward: peak-phase temporaries)"
+             if job.tiled else
              "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
         Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
         Term("engine buffers", int(states.buffers + states.backward_buffers + states.gathered),

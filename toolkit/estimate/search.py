@@ -116,6 +116,8 @@ class Request:
     optimizer_impl: str = "fused"
     activation_offloading: bool = False
     liger: bool = False
+    tiled: bool = False
+    """ALST's tiled MLP and tiled logits + loss (toolkit.estimate.tiling) in every row; engines that refuse it say so."""
     compile: bool = False
     """torch.compile (inductor) of the model: activations from the compiler's partition, the compiled step time."""
     pipeline_stages: int | None = None
@@ -140,7 +142,7 @@ class Request:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
             attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
-            liger=self.liger, compile=self.compile)
+            liger=self.liger, compile=self.compile, tiled=self.tiled)
         ParallelGrid.check_batch_request(self.global_batch, self.micro_batch, self.grad_accum)
 
 
@@ -235,6 +237,12 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
         problem = liger_problem(spec.model_type)
         if problem:
             raise UserError(problem)
+    if req.tiled:
+        from toolkit.inputs.job import tiling_problem
+
+        problem = tiling_problem(spec.config)
+        if problem:
+            raise UserError(problem)
     _check_stages([parse_strategy(s) for s in req.strategies], hw, req.pipeline_stages)
     best: dict[str, Candidate] = {}
     refused: dict[str, Candidate] = {}
@@ -266,7 +274,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     for strategy in strategies:
         # compile=False: with --compile the search offers each strategy eager too (_search), compiled where it can.
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
-                              liger=req.liger, adapter=req.adapter)
+                              liger=req.liger, adapter=req.adapter, tiled=req.tiled)
         yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
@@ -299,7 +307,7 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                               optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
                               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
                               activation_offloading=req.activation_offloading, liger=req.liger,
-                              adapter=req.adapter, compile=compiled)
+                              adapter=req.adapter, compile=compiled, tiled=req.tiled)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     if dimension:
                         cand = replace(cand, dimension=dimension)
@@ -313,7 +321,7 @@ def _compile_options(strategy: Strategy, grid: ParallelGrid, req: Request) -> li
     whole model on one rank)."""
     from toolkit.inputs.job import compile_problem
 
-    if not req.compile or grid.model_parallel > 1:
+    if not req.compile or grid.model_parallel > 1 or req.tiled:  # tiled: modelled eager only (tiled_problem)
         return [False]
     problem = compile_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
                               adapter=req.adapter, attention=req.attention)
@@ -346,7 +354,7 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
             if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
                 continue
             problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
-                                  attention=req.attention)
+                                  attention=req.attention, tiled=req.tiled)
             if problem:
                 yield dimension, strategy, problem
                 continue

@@ -90,12 +90,30 @@ class Timing:
     """QLoRA: dequantising every 4-bit weight to the compute dtype before each matmul that uses it (dequant_s())."""
     compile_saved_s: float = 0.0
     """torch.compile: compute time the fused elementwise kernels save (already taken off compute_s)."""
+    tiled_recompute_s: float = 0.0
+    """ALST tiling: the MLPs' and LM head's forward that DeepSpeed's tiled functions run again in backward
+    (tiled_recompute_s())."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
                 "communication_s": self.communication_s, "bubble_s": self.bubble_s, "offload_s": self.offload_s,
                 "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s,
-                "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {})}
+                "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {}),
+                **({"tiled_recompute_s": self.tiled_recompute_s} if self.tiled_recompute_s else {})}
+
+
+def mlp_matmul_params(spec: ModelSpec) -> int:
+    """Weights one token multiplies through in the decoder layers' MLPs: the layers' matmul weights less the
+    attention projections (q and o: hidden x heads x head_dim each; k and v: hidden x KV heads x head_dim each)."""
+    attention = spec.hidden * spec.head_dim * 2 * (spec.heads + spec.kv_heads)
+    return sum(max(0, p - attention) for p in spec.layer_matmul_params)
+
+
+def tiled_recompute_s(spec: ModelSpec, tokens: int, per_token_flop_s: float) -> float:
+    """DeepSpeed's TiledMLP and SequenceTiledCompute run each chunk's forward under no_grad, then again with grad in
+    backward (ulysses_sp.py): one more forward of the MLPs and of the LM head (2 FLOPs per weight per token) over
+    the step's tokens."""
+    return 2 * (mlp_matmul_params(spec) + spec.head_matmul_params) * tokens * per_token_flop_s
 
 
 def lora_overhead_s(counts, adapter, *, num_layers: int, tokens: int, micro_steps: int, checkpointing: bool,
@@ -121,6 +139,29 @@ def dequant_s(counts, *, micro_steps: int, checkpointing: bool, compute_bytes: i
     passes = 2 + (1 if checkpointing else 0)
     per_pass = counts.quantized_bytes + counts.quantized_params * compute_bytes
     return micro_steps * passes * per_pass / (hbm_gbps * 1e9 * DEQUANT_EFFICIENCY)
+
+
+def data_parallel_gather_bytes(counts, job: Job) -> float:
+    """LoRA / QLoRA: bytes one ZeRO-3 / FSDP2 all-gather pass moves over the whole model (before the ring's
+    (N-1)/N): the frozen base as those engines shard it (toolkit.inputs.lora.sharded_base_bytes: QLoRA's packed
+    4-bit codes without their constants, which stay on every GPU) and the adapters in the compute dtype (FSDP2's
+    MixedPrecisionPolicy param_dtype; DeepSpeed's bf16 module)."""
+    from toolkit.inputs.lora import base_storage_bytes_per_param, sharded_base_bytes
+
+    compute = 4 if job.precision == "fp32" else 2
+    return (sharded_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+            + counts.trainable_params * compute)
+
+
+def data_parallel_gather_note(job: Job) -> str:
+    """What data_parallel_gather_bytes counts for the frozen base, in words."""
+    from toolkit.inputs.lora import quantized_base_sharded
+
+    if job.adapter.method != "qlora":
+        return "frozen base in its dtype + adapters"
+    if quantized_base_sharded(job.adapter):
+        return f"4-bit codes packed in {job.adapter.quant_storage}, constants kept on every GPU; rest + adapters"
+    return "4-bit base stored as uint8 is not sharded, so not gathered; rest + adapters"
 
 
 def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
@@ -195,12 +236,20 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         compile_saved = min(compute / 2, compile_saving_s(compile_traffic, hw) * micro_steps)
         compute -= compile_saved
         assumptions.append(compile_assumption(compile_traffic, hw, compile_saved))
+    tiled_s = 0.0
+    if job.tiled:
+        # Seconds per matmul FLOP at the rank's efficiency (as the compute term), over the ranks sharing a sample.
+        tiled_s = tiled_recompute_s(full_spec, tokens_per_gpu_step, 1 / (peak * eff)) / P_stages / grid.model_parallel
+        assumptions.append(f"tiled MLP + loss: the MLPs' and the LM head's forward run again in backward "
+                           f"({mlp_matmul_params(full_spec) + full_spec.head_matmul_params:,} weights a token "
+                           "multiplies; DeepSpeed ulysses_sp.py TiledMLP, SequenceTiledCompute)")
     backward = compute * 2 / 3
     pb = 4 if job.precision == "fp32" else 2
     P = spec.params
     # Gradients (all-reduce, reduce-scatter, offload traffic, CPU Adam) exist for trainable parameters only;
-    # ZeRO-3 / FSDP2 all-gathers move the whole model (the frozen base included).
+    # ZeRO-3 / FSDP2 all-gathers move every sharded parameter in the compute dtype (gather_bytes).
     P_grad = trainable if trainable is not None else P
+    gather_bytes = P * pb if counts is None else data_parallel_gather_bytes(counts, job)
     comm = 0.0
     bubble = 0.0
     offload = 0.0
@@ -221,7 +270,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             comm = A * _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
             assumptions.append("ZeRO-2 reduce-scatters gradients every micro-step")
         else:
-            comm = A * (2 * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+            comm = A * (2 * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
             assumptions.append("ZeRO-3: all-gather forward + all-gather backward + reduce-scatter, every micro-step")
         if strategy.offload_optimizer != "none":
             host_link = hw.gpu.pcie_gbps * 1e9
@@ -229,22 +278,22 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             offload += (P_grad / dp) * (4 + pb) / host_link
             offload += P_grad * hw.gpus_per_node / dp / CPU_ADAM_PARAMS_PER_S
             if strategy.offload_params != "none":
-                offload += A * 2 * (P / dp) * pb / host_link
+                offload += A * 2 * (gather_bytes / dp) / host_link
             if strategy.offload_optimizer == "nvme":
-                offload += 2 * (P / dp) * 16 * hw.gpus_per_node / (NVME_GBPS * 1e9)
+                offload += 2 * (P_grad / dp) * 16 * hw.gpus_per_node / (NVME_GBPS * 1e9)
             assumptions.append(f"offload: host link {hw.gpu.pcie_gbps:.0f} GB/s, CPU Adam "
                                f"{CPU_ADAM_PARAMS_PER_S / 1e9:.0f}B params/s per node")
     elif strategy.engine == Engine.FSDP2:
         dp = grid.shard_group  # FSDP2 shards over dp_shard x cp
         if strategy.fsdp_mode == "hybrid":
             shard, replicas = grid.shard_group, grid.dp_replicate
-            comm = A * (2 * _ring(P * pb, shard, hw.gpu.intra_node_gbps, 1)
+            comm = A * (2 * _ring(gather_bytes, shard, hw.gpu.intra_node_gbps, 1)
                          + _ring(P_grad * pb, shard, hw.gpu.intra_node_gbps, 1))
             comm += _ring(P_grad * pb / shard, replicas, hw.inter_node_gbps, 2)
         else:
             gathers = 1 if strategy.fsdp_mode == "grad_op" else 2
             bw = _group_bandwidth(hw, dp)
-            comm = A * (gathers * _ring(P * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+            comm = A * (gathers * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
     else:
         # Pipeline: activations cross stage boundaries; stages across nodes, data parallel inside a node.
         M = A
@@ -256,6 +305,10 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         comm_dp = _ring(stage_P * pb, dp, hw.gpu.intra_node_gbps, 2) if dp > 1 else 0.0
         comm = comm_p2p * 0.5 + comm_dp  # sends overlap with the other direction's compute about half the time
         assumptions.append(f"1F1B bubble (P-1)/M of compute with P={P_stages}, M={M}")
+    if counts is not None and (strategy.engine == Engine.FSDP2 or strategy.zero_stage == 3):
+        assumptions.append(f"{job.adapter.method}: each all-gather pass moves {gather_bytes / 2**30:.2f} GiB "
+                           f"({data_parallel_gather_note(job)}); gradients reduced for the adapters only "
+                           f"({P_grad * pb / 2**30:.3f} GiB)")
     lora_s = quant_s = 0.0
     if counts is not None:
         lora_s = lora_overhead_s(counts, job.adapter, num_layers=spec.num_layers, tokens=tokens_per_gpu_step,
@@ -274,12 +327,13 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         extra, said = model_parallel_comm_s(full_spec, full_job, grid, hw, compute)
         exposed += extra
         assumptions += said
-    step = compute + bubble + exposed + offload + lora_s + quant_s
+    step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
     mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
                   bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
-                  compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s)
+                  compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s,
+                  tiled_recompute_s=tiled_s)
 
 
 def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:

@@ -277,6 +277,10 @@ class ParallelGrid:
             problem = tp_plan_problem(spec, self.tensor)
             if problem:
                 raise UserError(problem)
+        if self.context > 1:
+            problem = context_parallel_problem(spec, self.context)
+            if problem:
+                raise UserError(problem)
         if self.sequence > 1:
             # deepspeed/runtime/sequence_parallel/ulysses_sp.py UlyssesSPAttentionHF.__init__.
             sp = self.sequence
@@ -370,6 +374,42 @@ class ParallelGrid:
         if self.dp_replicate > 1 and self.dp_shard > 1:
             return f"dp={self.dp_replicate} replicas x {self.dp_shard} shards"
         return f"dp={self.data_parallel}"
+
+
+def context_parallel_problem(spec: "ModelSpec", context: int) -> str | None:
+    """Why context parallelism (accelerate's, on torch's ring attention) cannot run this model's attention, or None.
+
+    The ring replaces only the SDPA kernels (and takes no explicit mask), so a model transformers gives no SDPA path
+    (Gemma-2: attention soft-capping, which SDPA lacks) cannot run it; and accelerate drops every layer's mask for
+    `is_causal`, so it refuses models with sliding-window or chunked layers up front (its own check, applied here to
+    the model's config: accelerate/big_modeling.py `_attach_context_parallel_hooks`)."""
+    import torch
+
+    reasons = []
+    if "sdpa" not in spec.attention_support:
+        config = spec.hf_config()
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        why = f"SDPA has no attention soft-capping, attn_logit_softcapping {softcap:g}" if softcap else \
+            "its class does not support SDPA"
+        reasons.append(f"transformers gives it no SDPA attention ({why}), and torch's ring attention replaces only "
+                       "the SDPA kernels")
+    try:
+        from accelerate.big_modeling import _attach_context_parallel_hooks
+    except ImportError:  # an accelerate without the check: nothing more to ask
+        _attach_context_parallel_hooks = None
+    if _attach_context_parallel_hooks is not None:
+        probe = torch.nn.Module()  # no submodules: only the config check runs, no hook is attached
+        probe.config = spec.hf_config()
+        try:
+            _attach_context_parallel_hooks(probe)
+        except ValueError as exc:
+            kinds = str(exc).split("of type [", 1)[-1].split("]", 1)[0].replace("'", "")
+            reasons.append(f"its {kinds} layers need their own mask, which accelerate's context parallelism drops "
+                           "(accelerate refuses such models)")
+    if not reasons:
+        return None
+    return (f"--context-parallel {context} cannot run {spec.name}: {'; and '.join(reasons)}; use --sequence-parallel "
+            "(Ulysses) or no context parallelism")
 
 
 def grid_of(strategy: Strategy, hw: "Hardware", pipeline_stages: int | None = 1, *, tensor: int = 1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -65,6 +66,9 @@ class Job:
     """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
     liger: bool = False
     """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.estimate.liger)."""
+    tiled: bool = False
+    """ALST's tiled compute over the sequence: every decoder layer's MLP through DeepSpeed's TiledMLP and the logits
+    + loss through its TiledFusedLogitsLoss, chunk by chunk (toolkit.estimate.tiling)."""
     compile: bool = False
     """torch.compile (inductor) of the model, as TrainingArguments(torch_compile=True) has accelerate do it: the
     activations are what the compiler's partition saves (toolkit.estimate.compiled)."""
@@ -137,7 +141,7 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
 
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
                 activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL,
-                compile: bool = False, attention: str = "sdpa") -> str | None:
+                compile: bool = False, attention: str = "sdpa", tiled: bool = False) -> str | None:
     """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
     None. The model types Liger supports are checked in check_job (liger_problem, below)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
@@ -155,6 +159,11 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
         # ZeRO-3 path; linkedin/Liger-Kernel issue 1048).
         return ("--liger with ZeRO-3: Liger's fused loss reads lm_head.weight outside the lm_head module, which ZeRO-3 "
                 "leaves partitioned there; use zero2 or fsdp2, or drop --liger")
+    if tiled:
+        problem = tiled_problem(strategy, activation_offloading=activation_offloading, liger=liger,
+                                adapter=adapter, compile=compile)
+        if problem:
+            return problem
     if compile:
         problem = compile_problem(strategy, activation_offloading=activation_offloading, liger=liger,
                                   adapter=adapter, attention=attention)
@@ -171,9 +180,12 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     precision the GPU lacks, a pipeline grid the model cannot be split over."""
     check_seq_len(spec, job.seq_len)
     problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
-                          liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention)
+                          liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention,
+                          tiled=job.tiled)
     if job.liger and problem is None:
         problem = liger_problem(spec.model_type)
+    if job.tiled and problem is None:
+        problem = tiling_problem(spec.config)
     if problem:
         raise UserError(problem)
     if strategy is not None and strategy.is_pipeline:
@@ -196,6 +208,47 @@ def compile_problem(strategy: "Strategy | None", *, activation_offloading: bool 
         if on:
             return (f"--compile with {what} is not modelled yet (the compiled trace covers the model's own HF code "
                     f"with sdpa / eager attention); drop one of them")
+    return None
+
+
+def tiled_problem(strategy: "Strategy | None", *, activation_offloading: bool = False, liger: bool = False,
+                  adapter: Adapter = FULL, compile: bool = False) -> str | None:
+    """Why --tiled cannot be planned with the rest of the job, or None (docs/ENGINE_FACTS.md, "ALST tiling")."""
+    if strategy is not None and strategy.engine != Engine.DEEPSPEED:
+        # TiledMLP / TiledFusedLogitsLoss back-propagate chunk by chunk and tell only ZeRO to wait for the last
+        # chunk before reducing a weight's gradient (param.ds_grad_is_ready; ulysses_sp.py: "XXX: DDP, FSDP will
+        # need something similar"); DDP's reducer would see each weight's gradient hook fire once per chunk.
+        return (f"--tiled runs under DeepSpeed ZeRO (DeepSpeed's tiled functions hold a weight's gradient until the "
+                f"last chunk only for ZeRO), not {strategy.name}; use zero1, zero2 or zero3, or drop --tiled")
+    for on, what in ((liger, "--liger"), (compile, "--compile"), (adapter.is_adapter, adapter.method),
+                     (activation_offloading, "--activation-offloading")):
+        if on:
+            return (f"--tiled with {what} is not modelled (both change how the MLP / loss run or what they save); "
+                    "drop one of them")
+    return None
+
+
+LOSS_TILE_BYTES = 1 << 30
+"""fp32 logits per loss chunk (ArcticTraining's num_loss_logit_shards "auto": slice_size_in_gb = 1)."""
+
+
+def mlp_shards(seq_len: int, hidden: int) -> int:
+    """Chunks TiledMLP runs one rank's sequence in: ceil(seq / hidden) (DeepSpeed's TiledMLP example)."""
+    return max(1, math.ceil(seq_len / hidden))
+
+
+def loss_shards(micro_batch: int, seq_len: int, vocab: int) -> int:
+    """Chunks the tiled logits + loss runs in: fp32 logits of about 1 GiB each (ArcticTraining's "auto")."""
+    return max(1, math.ceil(micro_batch * seq_len * vocab * 4 / LOSS_TILE_BYTES))
+
+
+def tiling_problem(config) -> str | None:
+    """Why the tiled logits + loss cannot stand in for this model's head, or None: it computes lm_head(hidden) and
+    the model's own loss function per chunk, so a head that rescales or caps the logits is not that."""
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return (f"--tiled: {type(config).__name__} transforms its logits ({key}), which the tiled logits + loss "
+                    "(lm_head then the loss, per chunk) does not; drop --tiled")
     return None
 
 

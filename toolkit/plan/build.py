@@ -28,4 +28,4 @@ def build_plan(*, model: str, model_config: dict[str, Any], model_type: str, lay
         grad_accum=job.grad_accum, global_batch=grid.global_batch(job.micro_batch, job.grad_accum),
         precision=job.precision, optimizer=job.optimizer, checkpointing=job.checkpointing,
         optimizer_impl=job.optimizer_impl, activation_offloading=job.activation_offloading, liger=job.liger,
-        compile=job.compile, gpu=gpu, notes=list(notes), **fields)
+        compile=job.compile, tiled=job.tiled, gpu=gpu, notes=list(notes), **fields)

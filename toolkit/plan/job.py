@@ -29,7 +29,7 @@ def plan_job(plan: "Plan", *, check: bool = True) -> tuple[ModelSpec, Hardware, 
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
               attention=plan.attention, optimizer_impl=plan.optimizer_impl,
               activation_offloading=plan.activation_offloading, liger=plan.liger, adapter=plan.adapter_spec,
-              compile=plan.compile)
+              compile=plan.compile, tiled=plan.tiled)
     if check:
         check_job(spec, job, hw, plan.strategy_spec, pipeline_stages=plan.pipeline_stages)
     return spec, hw, job

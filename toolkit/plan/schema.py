@@ -110,6 +110,9 @@ class Plan:
     compile: bool = False
     """torch.compile (inductor) of the model: TrainingArguments torch_compile, accelerate's dynamo_config. Left out
     of plan.json when off, so plans written before it read unchanged."""
+    tiled: bool = False
+    """ALST's tiled MLP and tiled logits + loss (DeepSpeed TiledMLP / TiledFusedLogitsLoss; toolkit.estimate.tiling),
+    which toolkit.train applies and a user's own script must. Left out of plan.json when off."""
 
     # --- hardware ---------------------------------------------------------------------------------------------------
     gpu: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
@@ -277,7 +280,7 @@ class Plan:
         """The plan as plan.json holds it; degrees of 1 and compile off are left out, so a plan without tensor /
         context / sequence parallelism or compile reads as it did before they existed."""
         data = json.loads(json.dumps(asdict(self)))
-        return {k: v for k, v in data.items() if not ((k in _DEGREES and v == 1) or (k == "compile" and v is False))}
+        return {k: v for k, v in data.items() if not ((k in _DEGREES and v == 1) or (k in ("compile", "tiled") and v is False))}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"

@@ -69,6 +69,12 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
                         adapter=adapter, distributed_config=dimensions.distributed_config(plan))
     if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
         _check_born_partitioned(model)
+    if plan.tiled:
+        # The patch the planner traced (toolkit.estimate.tiling): DeepSpeed's TiledMLP in every layer, the tiled
+        # logits + loss in the forward; ranks agree on the chunk counts (ZeRO-3 gathers per module call).
+        from toolkit.estimate.tiling import apply_tiling
+
+        apply_tiling(model, agree_across_ranks=True)
     if adapter is not None:
         from toolkit.train.adapters import wrap_model
 
@@ -274,7 +280,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
                "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
-               "compiled_graphs": _compiled_graphs()}
+               "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks()}
     write_rank_summary(folder, rank, summary)
 
 
@@ -284,6 +290,13 @@ def write_rank_summary(folder: str, rank: int, summary: dict) -> None:
 
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
+
+
+def _tiled_chunks() -> dict:
+    """The chunk counts ALST tiling last ran (empty when it did not run)."""
+    from toolkit.estimate.tiling import LAST_CHUNKS
+
+    return dict(LAST_CHUNKS)
 
 
 def launcher_node_rank() -> int | None:

@@ -1,0 +1,104 @@
+"""ALST tiling (--tiled): DeepSpeed's TiledMLP and the logits + loss through its sequence_tiled_compute, applied by
+toolkit.estimate.tiling, traced by the tracer and run by toolkit.train (the multi-process run with Ulysses SP is in
+tests/test_train_dimensions.py; per-rank memory against live tensors in benchmarks/results/dimension_memory.md)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from toolkit.run.tiny import tiny_config
+
+
+@pytest.fixture(scope="module")
+def config():
+    return tiny_config("llama", layers=2, hidden=64)
+
+
+def test_tiled_model_has_the_plain_models_loss_and_gradients(config):
+    """Same loss and every parameter's gradient within fp32 rounding, with labels masked in part (chunks of
+    different labelled counts) and a micro-batch of 2 (strided chunks)."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.estimate.tiling import LAST_CHUNKS, apply_tiling
+
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    tiled = copy.deepcopy(plain)
+    apply_tiling(tiled)
+    ids = torch.randint(0, config.vocab_size, (2, 256))
+    labels = ids.clone()
+    labels[0, :100] = -100
+    for model in (plain, tiled):
+        model(input_ids=ids, labels=labels).loss.backward()
+    assert LAST_CHUNKS == {"mlp": 4, "loss": 1}  # ceil(256 / 64); 2 x 256 x 512 fp32 logits << 1 GiB
+    torch.testing.assert_close(tiled(input_ids=ids, labels=labels).loss, plain(input_ids=ids, labels=labels).loss)
+    for (name, a), b in zip(plain.named_parameters(), tiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_traced_tiling_keeps_the_mlp_input_and_no_logits(config):
+    """Tiled, a layer saves less (the MLP's FFN-wide tensors are recomputed per chunk), the head keeps the hidden
+    states instead of the fp32 log-softmax, and no whole-sequence logits come out."""
+    from toolkit.estimate.tracer import trace_activations
+
+    plain = trace_activations(config, seq_len=1024, dtype="float32")
+    tiled = trace_activations(config, seq_len=1024, dtype="float32", tiled=True)
+    hidden = 1024 * config.hidden_size * 4
+    logits = 1024 * config.vocab_size * 4
+    assert tiled.layers[0].saved_bytes < plain.layers[0].saved_bytes - 1024 * config.intermediate_size * 4
+    assert tiled.head.saved_bytes < plain.head.saved_bytes - logits
+    assert tiled.head.saved_bytes >= hidden  # SequenceTiledCompute keeps its input for the backward recompute
+    assert plain.output_bytes == logits and tiled.output_bytes == 0
+    assert any("MLP in 16 chunks" in n for n in tiled.notes)
+
+
+def test_tiled_estimate_fits_longer_and_pays_the_recompute(capsys):
+    """Llama-3.1-8B, ZeRO-3 x SP 8 at 131072 tokens: --tiled lowers the peak and adds the MLPs' and LM head's
+    recompute to the step; --explain names the terms."""
+    import json
+
+    from toolkit.cli import main
+
+    argv = ["estimate", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--strategy", "zero3", "--sequence-parallel", "8",
+            "--seq", "131072", "--micro-batch", "1", "--checkpointing", "--json"]
+    out = {}
+    for tiled in (False, True):
+        main(argv + (["--tiled"] if tiled else []))
+        out[tiled] = json.loads(capsys.readouterr().out)
+    assert out[True]["per_gpu"]["peak_bytes"] < 0.7 * out[False]["per_gpu"]["peak_bytes"]
+    assert out[True]["timing"]["tiled_recompute_s"] > 0 and "tiled_recompute_s" not in out[False]["timing"]
+    assert out[True]["timing"]["step_time_s"] == pytest.approx(
+        out[False]["timing"]["step_time_s"] + out[True]["timing"]["tiled_recompute_s"], rel=1e-6)
+    assert out[True]["job"]["tiled"] is True
+    assert any("tiled MLP" in t["source"] for t in out[True]["terms"])
+    assert any("tiled logits + loss" in t["source"] for t in out[True]["terms"])
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--strategy", "fsdp2"], "--tiled runs under DeepSpeed ZeRO"),
+    (["--strategy", "ddp"], "--tiled runs under DeepSpeed ZeRO"),
+    (["--strategy", "zero2", "--liger"], "--tiled with --liger is not modelled"),
+    (["--strategy", "zero2", "--method", "lora"], "--tiled with lora is not modelled"),
+])
+def test_tiled_where_the_engines_do_not_run_it_is_one_line(extra, fragment, capsys):
+    from toolkit.cli import main
+
+    assert main(["estimate", "llama-3.1-8b", "--gpus", "2xH100-80GB", "--seq", "4096", "--tiled", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+
+
+def test_tiled_plan_tells_the_users_script_how(tiny_llama_dir):
+    from toolkit.emit.user_settings import notes
+    from toolkit.run.rehearsal import plan_for_model
+
+    plan = plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=2, seq_len=256, sequence=2).replace(tiled=True)
+    assert plan.to_dict()["tiled"] is True
+    said = " ".join(notes(plan))
+    assert "apply_tiling(model, agree_across_ranks=True)" in said
+    assert "here 2 and 1 chunks of the 128 tokens per rank" in said
+    untiled = plan.replace(tiled=False)
+    assert "tiled" not in untiled.to_dict() and "apply_tiling" not in " ".join(notes(untiled))
