@@ -104,6 +104,10 @@ def _cases() -> list[tuple[str, list[str]]]:
         "--context-parallel", "2", "--seq", "4096")
     add("context parallel on soft-capped attention", "estimate", "gemma-2-2b", "--strategy", "fsdp2",
         "--context-parallel", "2", "--seq", "4096")
+    add("sequence parallel with sdpa past a sliding window", "estimate", "mistral-7b", "--strategy", "zero3",
+        "--sequence-parallel", "2", "--seq", "8192")
+    add("sequence parallel on an eager-only model", "estimate", "gemma-2-2b", "--strategy", "zero3",
+        "--sequence-parallel", "2", "--seq", "4096")
     add("--seq above the model's positions", "estimate", "{M}", "--seq", "100000")
     add("--seq max: positions stop before the grid's shortest length", "estimate", "{M}", "--seq", "max",
         "--strategy", "fsdp2", "--gpus", "3xH100", "--context-parallel", "3")
@@ -123,6 +127,7 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("plan --choose unknown", "plan", "{M}", "--choose", "nope", "--micro-batch", "1")
     add("plan --checkpointing maybe", "plan", "{M}", "--checkpointing", "maybe", "--micro-batch", "1")
     add("plan --checkpointing op", "plan", "{M}", "--checkpointing", "op", "--micro-batch", "1")
+    add("plan --compile-blocks", "plan", "{M}", "--compile-blocks", "--micro-batch", "1")
     add("estimate --checkpointing maybe", "estimate", "{M}", "--checkpointing", "maybe")
     add("profile --device tpu", "profile", *SHAPE.split(), "--device", "tpu")
     add("profile --device cuda;ls", "profile", *SHAPE.split(), "--device", "cuda;ls")

@@ -48,7 +48,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
                                      pipeline_stages=pipeline_stages if kind.is_pipeline else None,
                                      tensor=tensor, context=context, sequence=sequence)
     grid.check_model(spec)
-    grid.check_sequence(seq_len, attention)
+    grid.check_sequence(seq_len, attention, spec)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
               optimizer=optimizer, checkpointing=checkpointing, attention=attention)
     return build_plan(
