@@ -66,7 +66,7 @@ def test_trainable_counts_equal_peft_for_every_catalog_model(name):
 def test_4bit_bytes_match_real_bitsandbytes_tensors():
     torch = pytest.importorskip("torch")
     F = pytest.importorskip("bitsandbytes.functional")
-    from toolkit.inputs.lora import quantized_4bit_bytes
+    from toolkit.inputs.lora import packed_4bit_bytes, quantized_4bit_bytes
 
     def nbytes(t) -> int:
         return t.numel() * t.element_size()
@@ -81,6 +81,11 @@ def test_4bit_bytes_match_real_bitsandbytes_tensors():
             if double_quant:
                 real += nbytes(state.state2.absmax) + nbytes(state.state2.code) + nbytes(state.offset)
             assert quantized_4bit_bytes(w.numel(), double_quant=double_quant) == real, (shape, double_quant)
+            assert packed_4bit_bytes(w.numel()) == nbytes(packed)
+        with warnings.catch_warnings():  # the FSDP-QLoRA storage: codes packed into bf16 elements
+            warnings.simplefilter("ignore")
+            packed, _ = F.quantize_4bit(w, quant_type="nf4", quant_storage=torch.bfloat16)
+        assert packed.dtype == torch.bfloat16 and packed_4bit_bytes(w.numel(), "bfloat16") == nbytes(packed)
 
 
 CASES = [
@@ -176,8 +181,63 @@ def test_engine_memory_of_lora_and_qlora():
     q_fsdp = _adapter_states(spec, parse_strategy("fsdp2"), qjob, grid_of(parse_strategy("fsdp2"), hw))
     sharded = _adapter_states(spec, parse_strategy("fsdp2"), Job(seq_len=1024, adapter=replace(
         qlora, quant_storage="bfloat16")), grid_of(parse_strategy("fsdp2"), hw))
-    assert q_fsdp.parameters - sharded.parameters == pytest.approx(
-        (cq.quantized_bytes + cq.unquantized_frozen_params * 2) * 3 / 4, rel=1e-3)
+    # uint8 codes stay whole on each of the 4 GPUs (accelerate's ignored_params); the bf16 embeddings, norms and
+    # head are sharded either way, and the quantisation constants are whole on every GPU either way.
+    assert q_fsdp.parameters - sharded.parameters == cq.quantized_packed_bytes * 3 / 4
+    assert sharded.parameters == (cq.quantized_packed_bytes + cq.unquantized_frozen_params * 2) / 4 \
+        + (cq.quantized_bytes - cq.quantized_packed_bytes) + cq.trainable_params * 4 / 4
+
+
+def test_fsdp2_qlora_gathers_the_packed_4bit_base_a_quarter_of_loras_bytes():
+    """FSDP2 all-gathers what it sharded: for QLoRA (codes stored in bf16) the packed 4-bit codes and the bf16 rest,
+    exactly the sharded part of the states' frozen base, never the quantisation constants (whole on every GPU);
+    per decoder layer a quarter of LoRA's bf16 bytes. The step's communication is those bytes on the ring."""
+    from dataclasses import replace
+
+    from toolkit.estimate.memory import _adapter_states
+    from toolkit.estimate.timing import OVERLAP, _ring, data_parallel_gather_bytes, step_time
+    from toolkit.inputs.grid import grid_of
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.lora import counts_for_spec, layer_sharded_base_bytes
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec, hw, fsdp = resolve_model("llama-2-7b"), parse_hardware("2xRTX-4090"), parse_strategy("fsdp2")
+    lora = Adapter(method="lora", r=64, targets="q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj")
+    qlora = replace(lora, method="qlora", quant_storage="bfloat16")
+    jobs = {a.method: Job(seq_len=2048, micro_batch=1, grad_accum=1, checkpointing=True, adapter=a)
+            for a in (lora, qlora)}
+    c, cq = counts_for_spec(spec, lora), counts_for_spec(spec, qlora)
+    states = _adapter_states(spec, fsdp, jobs["qlora"], grid_of(fsdp, hw))
+    constants = cq.quantized_bytes - cq.quantized_packed_bytes
+    sharded_frozen = (states.parameters - constants - cq.trainable_params * 4 / 2) * 2  # the states' own count
+    assert sharded_frozen == cq.quantized_packed_bytes + cq.unquantized_frozen_params * 2
+    qgather = data_parallel_gather_bytes(cq, jobs["qlora"])
+    assert qgather == sharded_frozen + cq.trainable_params * 2
+    assert data_parallel_gather_bytes(c, jobs["lora"]) == (c.frozen_params + c.trainable_params) * 2
+    # Per layer: 4 bits of 16 for every quantised weight.
+    q_layer = layer_sharded_base_bytes(cq, qlora, 2, spec.layer_params)[0]
+    norms = spec.layer_params[0] - cq.per_layer_quantized[0]
+    assert (q_layer - norms * 2) / (cq.per_layer_quantized[0] * 2) == 0.25
+    # Memory: FSDP2's unsharded buffers hold 4-bit layers (this one and the prefetched next) and the bf16 root.
+    assert states.gathered == 2 * (q_layer + cq.per_layer[0] * 2) + (spec.pre_layer_params + spec.post_layer_params) * 2
+    # Whole model: the bf16 embeddings and head and the r=64 adapters are gathered at 2 bytes in both, so QLoRA
+    # moves 29% of LoRA's bytes.
+    assert 0.285 < qgather / data_parallel_gather_bytes(c, jobs["lora"]) < 0.30
+    # uint8 codes are not sharded (accelerate's ignored_params), so no pass gathers them.
+    u8 = replace(qlora, quant_storage="uint8")
+    assert data_parallel_gather_bytes(counts_for_spec(spec, u8), replace(jobs["qlora"], adapter=u8)) \
+        == cq.unquantized_frozen_params * 2 + cq.trainable_params * 2
+    # The step: forward + backward all-gathers and the adapters' reduce-scatter over the 4090s' PCIe link.
+    for method, counts in (("lora", c), ("qlora", cq)):
+        t = step_time(spec, fsdp, jobs[method], hw)
+        bw = hw.gpu.intra_node_gbps
+        comm = 2 * _ring(data_parallel_gather_bytes(counts, jobs[method]), 2, bw, 1) \
+            + _ring(counts.trainable_params * 2, 2, bw, 1)
+        assert t.communication_s == pytest.approx(max(0.0, comm - OVERLAP * min(comm, t.compute_s * 2 / 3)))
+    assert step_time(spec, fsdp, jobs["qlora"], hw).communication_s \
+        < step_time(spec, fsdp, jobs["lora"], hw).communication_s
 
 
 def test_cli_estimate_json_has_trainable_params_and_refuses_bad_adapters(capsys):

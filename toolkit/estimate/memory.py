@@ -190,7 +190,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
     if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
         key += ("liger",)
     if job.compile:
-        key += ("compile",)
+        key += ("compile",) if job.compile is True else ("compile", job.compile)
     if job.tiled:
         key += ("tiled",)
     if key not in _TRACE_CACHE:
@@ -204,7 +204,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         if disk_key and job.compile:
             from importlib import metadata
 
-            disk_key += ["compile", metadata.version("torch")]
+            disk_key += ["compile", metadata.version("torch")] + ([] if job.compile is True else [job.compile])
         if disk_key and adapter is not None:
             from importlib import metadata
 
@@ -217,7 +217,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             if job.compile:
                 trace = trace_compiled_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                                    autocast=autocast, attention=attention,
-                                                   device_kind=job.device_kind, checkpointing=job.checkpointing)
+                                                   device_kind=job.device_kind, checkpointing=job.checkpointing,
+                                                   blocks=job.compile == "blocks")
             else:
                 trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                           autocast=autocast, attention=attention, device_kind=job.device_kind,
@@ -368,22 +369,26 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
 
 def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
-    from toolkit.inputs.lora import base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes
+    from toolkit.inputs.lora import (base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes,
+                                     layer_sharded_base_bytes, sharded_base_bytes)
 
     if strategy.is_pipeline:
         raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
                         "offload variants), not the pipeline engine; choose one of those strategies")
     counts = counts_for_spec(spec, job.adapter)
-    base = frozen_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+    storage = base_storage_bytes_per_param(job.precision)
+    compute = 4 if job.precision == "fp32" else 2  # FSDP2 gathers the adapters in MixedPrecisionPolicy's param_dtype
+    layers = layer_sharded_base_bytes(counts, job.adapter, storage, spec.layer_params)
+    root_trainable = counts.pre_layer_trainable + counts.post_layer_trainable
     return adapter_states(
-        counts.trainable_params, base, job, strategy, dp=grid.data_parallel, hidden=spec.hidden,
-        total_params=counts.all_params, largest_layer=spec.largest_layer_params,
-        layer_total_params=max(spec.layer_params) + max(counts.per_layer),
-        root_total_params=spec.pre_layer_params + spec.post_layer_params,
-        layer_trainable_params=max(counts.per_layer),
-        root_trainable_params=counts.pre_layer_trainable + counts.post_layer_trainable,
+        counts.trainable_params, frozen_base_bytes(counts, job.adapter, storage), job, strategy,
+        dp=grid.data_parallel, hidden=spec.hidden, total_params=counts.all_params,
+        largest_layer=spec.largest_layer_params,
+        base_sharded_bytes=sharded_base_bytes(counts, job.adapter, storage),
+        layer_gathered_bytes=max(b + t * compute for b, t in zip(layers, counts.per_layer)),
+        root_gathered_bytes=(spec.pre_layer_params + spec.post_layer_params) * storage + root_trainable * compute,
+        layer_trainable_params=max(counts.per_layer), root_trainable_params=root_trainable,
         shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
-        base_shardable=job.adapter.method != "qlora" or job.adapter.quant_storage != "uint8",
         dequantized_bytes=counts.largest_quantized_params * (4 if job.adapter.compute_dtype == "float32" else 2))
 
 
@@ -572,7 +577,8 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
              "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
         Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
         Term("engine buffers", int(states.buffers + states.backward_buffers + states.gathered),
-             "buckets / gathered parameters (" + ", ".join(states.sources[1:]) + ")"),
+             "buckets / gathered parameters (" + (", ".join(states.sources[1:])
+                                                   or "the engine's rule on the parameters line") + ")"),
         Term("peak-phase temporaries", int(peak.transient), f"live only at the peak: {peak.phase}"),
         Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/estimate/memory.py"),
         Term("allocator margin", margin, f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak"),

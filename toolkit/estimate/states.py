@@ -181,10 +181,8 @@ def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_para
     compute = 4 if job.precision == "fp32" else 2
     s = States(parameters=P * full / N, step_gradients=P * full / N,
                optimizer=optimizer_state_bytes(P, job, factored_elems) / N, autocast=False)
-    if strategy.fsdp_mode == "grad_op":
-        s.gathered = P * compute
-    else:
-        s.gathered = (prefetch_layers * layer_params + root_params) * compute
+    s.gathered = fsdp2_gathered_bytes(strategy, whole=P * compute, layer=layer_params * compute,
+                                      root=root_params * compute, prefetch_layers=prefetch_layers)
     # Unsharded gradients of the layers being reduce-scattered, freed after each reduce-scatter
     # (_fsdp_param_group.py post_backward): backward only.
     s.backward_buffers = prefetch_layers * layer_params * compute
@@ -193,6 +191,15 @@ def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_para
     s.sources.append(f"FSDP2: {full}P/N params + {full}P/N grads + optimizer/N; unsharded {compute} B/param "
                      f"params of {'all layers (no reshard)' if strategy.fsdp_mode == 'grad_op' else f'{prefetch_layers} layer(s) + root'}")
     return s
+
+
+def fsdp2_gathered_bytes(strategy: Strategy, *, whole: float, layer: float, root: float,
+                         prefetch_layers: int) -> float:
+    """FSDP2's unsharded parameters live at a time (fsdp2_states), from the bytes each group gathers: `whole` (every
+    sharded parameter), `layer` (the largest decoder layer), `root` (embeddings, final norm, head)."""
+    if strategy.fsdp_mode == "grad_op":
+        return whole
+    return prefetch_layers * layer + root
 
 
 def pipeline_states(P: int, job: Job, *, dp: int, factored_elems: int | None = None) -> States:
@@ -216,25 +223,31 @@ def pipeline_states(P: int, job: Job, *, dp: int, factored_elems: int | None = N
 
 
 def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strategy, *, dp: int, hidden: int,
-                   total_params: int, largest_layer: int, layer_total_params: int, root_total_params: int,
-                   layer_trainable_params: int, root_trainable_params: int, shard: int, prefetch_layers: int,
-                   base_shardable: bool = True, dequantized_bytes: float = 0.0) -> States:
+                   total_params: int, largest_layer: int, base_sharded_bytes: float, layer_gathered_bytes: float,
+                   root_gathered_bytes: float, layer_trainable_params: int, root_trainable_params: int, shard: int,
+                   prefetch_layers: int, dequantized_bytes: float = 0.0) -> States:
     """LoRA / QLoRA: the trainable adapters carry the engine's usual states (weights, gradients, master, optimizer:
     the functions above with P = trainable), the frozen base only its weights, `base_bytes` in its storage dtype
-    (4-bit weights with their constants for QLoRA).
+    (4-bit weights with their constants for QLoRA), of which ZeRO-3 / FSDP2 shard and gather `base_sharded_bytes`
+    (toolkit.inputs.lora.sharded_base_bytes: the 4-bit codes without their constants; the rest stays whole on every
+    GPU). `layer_gathered_bytes` / `root_gathered_bytes`: the largest layer's and the root's gathered bytes, frozen
+    and trainable, as FSDP2 unshards them.
 
     Where the base lives, per engine:
     - DDP: whole on every GPU. toolkit.train loads it in the compute dtype; PEFT keeps adapters in fp32
       (get_peft_model(autocast_adapter_dtype=True)); DDP's Reducer buckets only parameters that require grad.
     - ZeRO-1/2: whole on every GPU; DeepSpeed casts the whole module to bf16/fp16 (engine.py _configure_distributed_model)
       and partitions only the optimizer's (trainable) parameters.
-    - ZeRO-3: every parameter is partitioned, frozen ones included (partition_parameters.py zero.Init), and
-      gathered for compute like the others: the gathered bytes are those of the whole model.
-    - FSDP2: every floating parameter is sharded; accelerate upcasts the trainable ones to fp32 and leaves the frozen
-      base in its dtype (accelerate utils/fsdp_utils.py fsdp2_prepare_model); 4-bit weights stored as uint8 are
-      left out of sharding (same function: "non-floating frozen Params4bit"), so they stay whole on every GPU
-      unless bnb_4bit_quant_storage is a floating dtype (`base_shardable`).
+    - ZeRO-3: every parameter is partitioned, frozen ones included (DeepSpeed partitions each parameter's data at
+      engine start: transformers skips zero.Init for quantised models), and gathered for compute like the others.
+    - FSDP2: every floating parameter is sharded; accelerate upcasts the trainable ones to fp32 (not when the model
+      holds Params4bit) and leaves the frozen base in its dtype (accelerate utils/fsdp_utils.py fsdp2_prepare_model);
+      4-bit weights stored as uint8 are left out of sharding (same function: "non-floating frozen Params4bit"), so
+      they stay whole on every GPU unless bnb_4bit_quant_storage is a floating dtype.
     """
+    from toolkit.inputs.lora import quantized_base_sharded
+
+    whole_bytes = base_bytes - base_sharded_bytes  # on every GPU whatever the engine
     base_per_gpu = base_bytes
     if strategy.engine == Engine.DDP:
         s = ddp_states(trainable, job, world=dp)
@@ -243,21 +256,20 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
         if strategy.zero_stage == 3:
             pb = _param_bytes(job)
             whole = zero_states(total_params, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
-            s.gathered = whole.gathered * (base_bytes + trainable * pb) / max(total_params * pb, 1)
-            base_per_gpu = base_bytes / dp
+            s.gathered = whole.gathered * (base_sharded_bytes + trainable * pb) / max(total_params * pb, 1)
+            base_per_gpu = base_sharded_bytes / dp + whole_bytes
             if strategy.offload_params != "none":
-                s.cpu += base_per_gpu
-                base_per_gpu = 0.0
+                s.cpu += base_sharded_bytes / dp
+                base_per_gpu = whole_bytes
     elif strategy.engine == Engine.FSDP2:
         s = fsdp2_states(trainable, job, strategy, shard=shard, layer_params=layer_trainable_params,
                          root_params=root_trainable_params, accumulating=False, prefetch_layers=prefetch_layers)
         compute = 4 if job.precision == "fp32" else 2
-        whole = fsdp2_states(total_params, job, strategy, shard=shard, layer_params=layer_total_params,
-                             root_params=root_total_params, accumulating=False, prefetch_layers=prefetch_layers)
-        s.gathered = whole.gathered * (base_bytes + trainable * compute) / max(total_params * compute, 1)
-        if base_shardable:
-            base_per_gpu = base_bytes / shard
-        else:
+        s.gathered = fsdp2_gathered_bytes(strategy, whole=base_sharded_bytes + trainable * compute,
+                                          layer=layer_gathered_bytes, root=root_gathered_bytes,
+                                          prefetch_layers=prefetch_layers)
+        base_per_gpu = base_sharded_bytes / shard + whole_bytes
+        if job.adapter.method == "qlora" and not quantized_base_sharded(job.adapter):
             s.sources.append("4-bit base stored as uint8: accelerate leaves it out of FSDP2 sharding (whole per GPU); "
                              "set --qlora-quant-storage bfloat16 to shard it")
     else:

@@ -168,6 +168,12 @@ class AdapterCounts:
     """QLoRA: bytes of those 4-bit weights with their quantisation constants (quantized_4bit_bytes per tensor)."""
     largest_quantized_params: int = 0
     """QLoRA: elements of the largest 4-bit weight (bitsandbytes dequantises one whole weight at a time)."""
+    quantized_packed_bytes: int = 0
+    """QLoRA: the packed 4-bit codes alone (packed_4bit_bytes per tensor): what FSDP2 / ZeRO-3 shard and gather."""
+    per_layer_quantized: tuple[int, ...] = ()
+    """QLoRA: 4-bit weight elements in each decoder layer."""
+    per_layer_quantized_packed: tuple[int, ...] = ()
+    """QLoRA: packed 4-bit bytes in each decoder layer (packed_4bit_bytes per tensor)."""
     per_module: dict[str, int] = field(default_factory=dict)
     """Adapter parameters by target module name (e.g. "q_proj": total over all layers)."""
     per_layer: tuple[int, ...] = ()
@@ -180,17 +186,30 @@ class AdapterCounts:
         return self.frozen_params - self.quantized_params
 
 
-def quantized_4bit_bytes(numel: int, *, double_quant: bool, quant_storage: str = "uint8") -> int:
-    """Bytes bitsandbytes holds for one 4-bit weight of `numel` elements: packed codes and quantisation constants
-    (see the module docstring for the rules and their source)."""
+def packed_4bit_bytes(numel: int, quant_storage: str = "uint8") -> int:
+    """Bytes of one 4-bit weight's packed codes alone (two codes per byte, rounded up to whole `quant_storage`
+    elements): the Params4bit's tensor data, the only part of a 4-bit weight FSDP2 and ZeRO-3 shard and all-gather
+    (docs/ENGINE_FACTS.md, "QLoRA under FSDP2 / ZeRO-3")."""
     item = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}[quant_storage]
-    packed = math.ceil(math.ceil(numel / 2) / item) * item
+    return math.ceil(math.ceil(numel / 2) / item) * item
+
+
+def quant_constants_bytes(numel: int, *, double_quant: bool) -> int:
+    """Bytes of one 4-bit weight's quantisation constants (bitsandbytes QuantState: absmax, code tables, nested
+    absmax and offset). The QuantState is a Python attribute of the Params4bit (and of its Linear4bit), not a tensor
+    FSDP2 or ZeRO-3 see: every GPU keeps it whole, and no collective moves it."""
     blocks = math.ceil(numel / BNB_4BIT_BLOCKSIZE)
     code = BNB_4BIT_CODE_ENTRIES * 4
     if not double_quant:
-        return packed + 4 * blocks + code
+        return 4 * blocks + code
     nested = math.ceil(blocks / BNB_NESTED_BLOCKSIZE)
-    return packed + blocks + 4 * nested + BNB_DYNAMIC_CODE_ENTRIES * 4 + 4 + code
+    return blocks + 4 * nested + BNB_DYNAMIC_CODE_ENTRIES * 4 + 4 + code
+
+
+def quantized_4bit_bytes(numel: int, *, double_quant: bool, quant_storage: str = "uint8") -> int:
+    """Bytes bitsandbytes holds for one 4-bit weight of `numel` elements: packed codes and quantisation constants
+    (see the module docstring for the rules and their source)."""
+    return packed_4bit_bytes(numel, quant_storage) + quant_constants_bytes(numel, double_quant=double_quant)
 
 
 _COUNTS_CACHE: dict[tuple, AdapterCounts] = {}
@@ -313,6 +332,10 @@ def counts_of_peft_model(peft_model, quantized: dict[str, int], adapter: Adapter
     per_layer = tuple(sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers)
     # Trainable parameters outside the layers (modules_to_save such as embed_tokens / lm_head).
     pre, post = outside_layer_params(base, layers, wanted=lambda p: p.requires_grad)
+    # 4-bit weights per layer: the quantised names are the unwrapped model's, which PEFT keeps (it wraps in place).
+    paths = {id(m): name + "." for name, m in base.named_modules()}
+    packed = {name: packed_4bit_bytes(n, adapter.quant_storage) for name, n in quantized.items()}
+    in_layer = [[name for name in quantized if name.startswith(paths[id(layer)])] for layer in layers]
     counts = AdapterCounts(
         trainable_params=trainable, all_params=total, adapter_params=adapter_params, saved_module_params=saved,
         frozen_params=total - trainable, quantized_params=sum(quantized.values()),
@@ -320,6 +343,9 @@ def counts_of_peft_model(peft_model, quantized: dict[str, int], adapter: Adapter
         largest_quantized_params=max(quantized.values(), default=0),
         quantized_bytes=sum(quantized_4bit_bytes(n, double_quant=adapter.double_quant,
                                                  quant_storage=adapter.quant_storage) for n in quantized.values()),
+        quantized_packed_bytes=sum(packed.values()),
+        per_layer_quantized=tuple(sum(quantized[n] for n in names) for names in in_layer) if quantized else (),
+        per_layer_quantized_packed=tuple(sum(packed[n] for n in names) for names in in_layer) if quantized else (),
         per_module=dict(sorted(per_module.items())), per_layer=per_layer,
         pre_layer_trainable=pre, post_layer_trainable=post)
     return counts
@@ -331,6 +357,35 @@ def frozen_base_bytes(counts: AdapterCounts, adapter: Adapter, storage_bytes_per
     if adapter.method != "qlora":
         return counts.frozen_params * storage_bytes_per_param
     return counts.quantized_bytes + counts.unquantized_frozen_params * storage_bytes_per_param
+
+
+def quantized_base_sharded(adapter: Adapter) -> bool:
+    """Whether FSDP2 / ZeRO-3 shard a QLoRA base's packed 4-bit codes: only when bnb_4bit_quant_storage is a
+    floating dtype. accelerate's fsdp2_prepare_model passes frozen non-floating Params4bit (uint8 storage) to
+    fully_shard as ignored_params, so they stay whole on every GPU; toolkit.train refuses uint8 under ZeRO-3."""
+    return adapter.method == "qlora" and adapter.quant_storage != "uint8"
+
+
+def sharded_base_bytes(counts: AdapterCounts, adapter: Adapter, storage_bytes_per_param: float) -> float:
+    """The part of frozen_base_bytes that FSDP2 / ZeRO-3 shard, and so all-gather for compute: the frozen weights
+    in their dtype, and for QLoRA the packed 4-bit codes alone (when their storage is floating,
+    quantized_base_sharded). The rest, the 4-bit quantisation constants (and uint8-stored codes), stays whole on
+    every GPU and never crosses a link. The bytes on the wire of every gather come from here."""
+    if adapter.method != "qlora":
+        return frozen_base_bytes(counts, adapter, storage_bytes_per_param)
+    packed = counts.quantized_packed_bytes if quantized_base_sharded(adapter) else 0
+    return packed + counts.unquantized_frozen_params * storage_bytes_per_param
+
+
+def layer_sharded_base_bytes(counts: AdapterCounts, adapter: Adapter, storage_bytes_per_param: float,
+                             layer_params: list[int] | tuple[int, ...]) -> list[float]:
+    """sharded_base_bytes of each decoder layer (`layer_params`: the base's parameters per layer, ModelSpec's
+    layer_params): what FSDP2 all-gathers into the unsharded buffer while that layer computes."""
+    quantized = counts.per_layer_quantized or (0,) * len(layer_params)
+    packed = counts.per_layer_quantized_packed or (0,) * len(layer_params)
+    keep = quantized_base_sharded(adapter)
+    return [(p - q) * storage_bytes_per_param + (b if keep else 0)
+            for p, q, b in zip(layer_params, quantized, packed)]
 
 
 def print_trainable_parameters_line(peft_model) -> str:
@@ -354,7 +409,8 @@ def counts_for_spec(spec, adapter: Adapter) -> AdapterCounts:
 
         key = [spec.source_key, adapter.to_dict(), metadata.version("peft")]
         stored = cache.get("lora_counts", key, code=adapter_counts,
-                           decode=lambda value: AdapterCounts(**{**value, "per_layer": tuple(value["per_layer"])}))
+                           decode=lambda value: AdapterCounts(**{**value, **{k: tuple(value[k]) for k in (
+                               "per_layer", "per_layer_quantized", "per_layer_quantized_packed")}}))
         if stored is not None:
             return stored
     counts = adapter_counts(spec.hf_config(), adapter, cache_key=spec.source_key)
