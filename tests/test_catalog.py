@@ -156,6 +156,7 @@ GPU_FIELDS = {
     "name", "architecture", "aliases", "memory_bytes", *GPU_NUMERIC,
     "interconnect", "bf16_supported", "source",
 }
+OPTIONAL_GPU_FIELDS = {"tdp_w", "die"}  # power: the TDP the peaks are quoted at, and the die entries share
 ARCHITECTURES = {"volta", "turing", "ampere", "ada", "hopper", "blackwell", "cdna2", "cdna3"}
 INTERCONNECTS = {
     "nvlink2", "nvlink3", "nvlink4", "nvlink5", "pcie3", "pcie4", "pcie5", "pcie6", "xgmi",
@@ -190,7 +191,9 @@ def test_gpu_catalog_complete(gpus):
 def test_gpu_fields_and_ranges(gpus):
     for g in gpus:
         name = g.get("name")
-        assert set(g) == GPU_FIELDS, f"{name}: fields {sorted(set(g) ^ GPU_FIELDS)}"
+        assert GPU_FIELDS <= set(g) <= GPU_FIELDS | OPTIONAL_GPU_FIELDS, f"{name}: fields {sorted(set(g) ^ GPU_FIELDS)}"
+        if "tdp_w" in g or "die" in g:
+            assert 50 <= g["tdp_w"] <= 1500 and isinstance(g["die"], str) and g["die"], f"{name}: power fields"
         assert isinstance(name, str) and name
         assert g["architecture"] in ARCHITECTURES, f"{name}: architecture {g['architecture']!r}"
         assert isinstance(g["aliases"], list)
@@ -270,3 +273,22 @@ def test_gpu_catalog_resolves_through_hardware_module(gpus):
             assert hardware.find_gpu(key).name == g["name"], key
         gpu = hardware.find_gpu(g["name"])
         assert gpu.memory_bytes == g["memory_bytes"] and gpu.bf16_tflops == g["bf16_tflops"]
+
+
+def test_power_limit_lowers_the_tensor_peak_between_one_dies_datasheet_points():
+    """H100 SXM (700 W, 989 TFLOP/s) and H100 NVL (400 W, 835.5) share a die: a 500 W limit sits on the line between
+    them; at or above the TDP nothing changes; a GPU with no sibling entry refuses a limit with one line."""
+    hardware = pytest.importorskip("toolkit.inputs.hardware")
+    from toolkit.errors import UserError
+
+    sxm = hardware.find_gpu("H100-SXM-96GB")
+    capped = hardware.power_limited(sxm, 500)
+    assert capped.bf16_tflops == pytest.approx(835.5 + (989.4 - 835.5) / 3, rel=1e-6)
+    assert capped.fp16_tflops / sxm.fp16_tflops == pytest.approx(capped.bf16_tflops / sxm.bf16_tflops)
+    assert capped.hbm_gbps == sxm.hbm_gbps == 2400 and capped.power_limit_w == 500
+    assert hardware.power_limited(sxm, 700) is sxm
+    assert hardware.power_limited(hardware.find_gpu("H100-NVL"), 400).bf16_tflops == pytest.approx(835.5)
+    hw = hardware.parse_hardware("2x8xH100-SXM-96GB", power_limit_w=500)
+    assert hw.gpu.bf16_tflops == pytest.approx(capped.bf16_tflops) and hw.world_size == 16
+    with pytest.raises(UserError, match="power limit cannot be modelled"):
+        hardware.power_limited(hardware.find_gpu("A100-80GB"), 300)

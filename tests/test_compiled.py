@@ -156,3 +156,21 @@ def test_per_op_selective_checkpointing_inside_the_compiled_model_keeps_what_the
     real = measure_compiled_step(model, {"input_ids": ids, "labels": ids})
     assert _close(traced.activations_bytes, real.saved_bytes), (traced.activations_bytes, real.saved)
     assert _close(_composed_peak(traced), real.peak_bytes), (_composed_peak(traced), real.peak_bytes)
+
+
+def test_each_region_is_charged_its_own_elementwise_traffic_and_blocks_compile_only_the_layers():
+    # Two identical layers move the same elementwise bytes whatever order the partitioner leaves the backward in
+    # (the loss's and the tied weight's gradient sums belong to the head, not to the last layer).
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=4096)
+    config.tie_word_embeddings = True
+    saved = compiled_saved_bytes(config, seq_len=128, micro_batch=2, dtype="bfloat16", device_kind="cuda")
+    layer0, layer1 = saved.traffic["layer0"], saved.traffic["layer1"]
+    assert abs(layer0[0] - layer1[0]) <= 0.05 * layer0[0], (layer0, layer1, saved.traffic["head"])
+    # --compile-blocks (torchtitan): layers compiled, embedding / head / loss as eager, only the layers' traffic.
+    kw = dict(seq_len=128, micro_batch=2, dtype="bfloat16")
+    whole = trace_compiled_activations(config, **kw)
+    blocks = trace_compiled_activations(config, blocks=True, **kw)
+    eager = trace_activations(config, **kw)
+    assert blocks.head == eager.head and blocks.embedding == eager.embedding
+    assert blocks.layers == whole.layers and blocks.head != whole.head
+    assert 0 < blocks.compile_traffic[0] < whole.compile_traffic[0]

@@ -408,6 +408,10 @@ def _one_error_line(capsys) -> str:
     (["plan", "llama-3.1-8b", "--strategies", "fsdp2", "--sequence-parallel", "2", "--seq", "4096",
       "--micro-batch", "1"], None),
     (["estimate", "gpt2", "--strategy", "fsdp2", "--tensor-parallel", "2"], "has no tp_plan"),
+    (["estimate", "mistral-7b", "--strategy", "zero3", "--sequence-parallel", "2", "--seq", "8192"],
+     "Ulysses drops the mask that holds its 4096-token sliding window; use --attention flash_attention_2"),
+    (["plan", "phi-3-mini", "--gpus", "8xH100-80GB", "--context-parallel", "2", "--seq", "4096", "--micro-batch",
+      "1"], None),  # sliding-window layers: accelerate's CP refuses them (the row says so, see below)
     (["estimate", "tiny-positions", "--strategy", "zero3", "--seq", "max"], "stops at 64"),
     # 256 positions, but cp 3 splits only multiples of lcm(128, 2 x 3) = 384 tokens: no length to answer with.
     (["estimate", "tiny-positions", "--strategy", "fsdp2", "--gpus", "3xH100", "--context-parallel", "3", "--seq",
@@ -426,9 +430,27 @@ def test_bad_degrees_get_one_line_and_exit_2(argv, fragment, capsys, tmp_path, m
     code = main(argv)
     if fragment is None:  # a fixed degree no strategy of the subset runs: every row refused, nothing fits
         assert code == 1
+        if "phi-3-mini" in argv:
+            assert "fsdp2 x cp: --context-parallel 2 cannot run phi-3-mini: its sliding_attention layers" in \
+                capsys.readouterr().out
         return
     assert code == 2
     assert fragment in _one_error_line(capsys)
+
+
+def test_plan_refuses_cp_and_sdpa_sp_for_a_sliding_window_model_once_per_row(capsys):
+    """Mistral-7B (a 4096-token window on every layer): accelerate refuses its CP, and Ulysses with sdpa would drop
+    the window past 4096 tokens; each refused row says so once, for every degree, while TP still plans."""
+    from toolkit.cli import main
+
+    assert main(["plan", "mistral-7b", "--gpus", "8xH100-80GB", "--seq", "8192", "--micro-batch", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(":", 1)[0].strip(): line for line in out.splitlines() if " x cp:" in line or " x sp:" in line}
+    assert set(rows) == {"fsdp2 x cp", "zero1 x sp", "zero2 x sp", "zero3 x sp"}, rows
+    assert "sliding_attention layers need their own mask" in rows["fsdp2 x cp"]
+    assert "4096-token sliding window" in rows["zero3 x sp"]
+    assert all(line.endswith("(the same for every degree tried: 2, 4, 8)") for line in rows.values()), rows
+    assert "(dp=4 x tp=2)" in out
 
 
 def test_plan_at_8k_32k_128k_lists_tp_cp_sp_with_memory_and_time(capsys):
@@ -444,6 +466,32 @@ def test_plan_at_8k_32k_128k_lists_tp_cp_sp_with_memory_and_time(capsys):
         assert all(r["peak_bytes"] and r["tokens_per_s"] for r in rows if r["feasible"])
         if seq == 131072:
             assert out["chosen"]["context_parallel"] * out["chosen"]["sequence_parallel"] == 8
+
+
+@pytest.mark.parametrize("degree, derived, comm", [
+    ("--tensor-parallel 4", "tensor-parallel all-reduce buffer", "4 blocking all-reduces per layer"),
+    ("--context-parallel 4", "context-parallel k, v all-gather", "k/v exchange hidden behind attention"),
+    ("--sequence-parallel 4", "Ulysses all-to-all buffers", "4 blocking all-to-alls per layer"),
+])
+def test_explain_names_the_source_of_every_term(degree, derived, comm, capsys):
+    """Each memory term of a TP / CP / SP estimate says where it comes from (traced, derived, assumed, the
+    engine's rule), the derived buffer of the dimension is a term of its own, and the step time names the
+    dimension's communication."""
+    from toolkit.cli import main
+
+    strategy = "zero2" if "sequence" in degree else "fsdp2"
+    assert main(["estimate", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--strategy", strategy, *degree.split(),
+                 "--seq", "8192", "--micro-batch", "1", "--explain"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("per GPU")) + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith("peak (tensors)"))
+    terms = lines[start:end:2]
+    sources = [line.strip() for line in lines[start + 1:end:2]]
+    assert len(terms) >= 9 and all(s.startswith("<- ") and len(s) > 12 and "()" not in s for s in sources), sources
+    row = next(i for i, t in enumerate(terms) if t.strip().startswith(derived))
+    assert sources[row].startswith("<- derived: ")
+    assert any(comm in line for line in lines if line.strip().startswith("note:")), lines[end:]
+    assert "exposed comm" in next(line for line in lines if line.startswith("predicted step"))
 
 
 @pytest.mark.parametrize("model, gpus", [("llama-3.1-8b", "8xH100-80GB"), ("qwen2.5-7b", "1xA100-80GB")])

@@ -207,7 +207,12 @@ def test_checkpointing_is_spelled_the_same_in_every_command(capsys):
                            (["estimate", "gpt2", "--checkpointing", "on"], True), (["estimate", "gpt2"], False),
                            (["profile", "gpt2", "--checkpointing", "on"], True),
                            (["plan", "gpt2", "--checkpointing"], "on"), (["plan", "gpt2", "--checkpointing", "off"], "off"),
-                           (["check", "x.json", "--checkpointing"], "on")):
+                           (["check", "x.json", "--checkpointing"], "on"),
+                           # torchtitan's per-op selective policy: one word in every command (plan / check refuse it)
+                           (["estimate", "gpt2", "--checkpointing", "op"], "op"),
+                           (["profile", "gpt2", "--checkpointing", "op"], "op"),
+                           (["plan", "gpt2", "--checkpointing", "op"], "op"),
+                           (["check", "x.json", "--checkpointing", "op"], "op")):
         assert parser.parse_args(argv).checkpointing == expected, argv
     assert main(["estimate", "gpt2", "--checkpointing", "maybe"]) == 2
     assert "give on, off or op" in capsys.readouterr().err

@@ -93,6 +93,21 @@ def _cases() -> list[tuple[str, list[str]]]:
         "--kv-heads", "8")
     add("shape: hidden not dividing heads", "estimate", "--layers", "2", "--hidden", "63", "--heads", "4")
     add("shape: partial", "estimate", "--layers", "2", "--hidden", "64")
+    # Issue 17's bad degrees, each refused before any trace: the engines' own rules (docs/ENGINE_FACTS.md).
+    add("tensor parallel not dividing the KV heads", "estimate", "llama-3.1-8b", "--gpus", "2x16xH100-80GB",
+        "--strategy", "fsdp2", "--tensor-parallel", "16")
+    add("sequence parallel above the sequence", "estimate", "llama-3.1-8b", "--strategy", "zero3",
+        "--sequence-parallel", "8", "--seq", "4")
+    add("context parallel with eager attention", "estimate", "llama-3.1-8b", "--strategy", "fsdp2",
+        "--context-parallel", "2", "--attention", "eager")
+    add("context parallel on sliding-window layers", "estimate", "mistral-7b", "--strategy", "fsdp2",
+        "--context-parallel", "2", "--seq", "4096")
+    add("context parallel on soft-capped attention", "estimate", "gemma-2-2b", "--strategy", "fsdp2",
+        "--context-parallel", "2", "--seq", "4096")
+    add("sequence parallel with sdpa past a sliding window", "estimate", "mistral-7b", "--strategy", "zero3",
+        "--sequence-parallel", "2", "--seq", "8192")
+    add("sequence parallel on an eager-only model", "estimate", "gemma-2-2b", "--strategy", "zero3",
+        "--sequence-parallel", "2", "--seq", "4096")
     add("--seq above the model's positions", "estimate", "{M}", "--seq", "100000")
     add("--seq max: positions stop before the grid's shortest length", "estimate", "{M}", "--seq", "max",
         "--strategy", "fsdp2", "--gpus", "3xH100", "--context-parallel", "3")
@@ -112,6 +127,7 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("plan --choose unknown", "plan", "{M}", "--choose", "nope", "--micro-batch", "1")
     add("plan --checkpointing maybe", "plan", "{M}", "--checkpointing", "maybe", "--micro-batch", "1")
     add("plan --checkpointing op", "plan", "{M}", "--checkpointing", "op", "--micro-batch", "1")
+    add("plan --compile-blocks", "plan", "{M}", "--compile-blocks", "--micro-batch", "1")
     add("estimate --checkpointing maybe", "estimate", "{M}", "--checkpointing", "maybe")
     add("profile --device tpu", "profile", *SHAPE.split(), "--device", "tpu")
     add("profile --device cuda;ls", "profile", *SHAPE.split(), "--device", "cuda;ls")

@@ -39,13 +39,16 @@ def fake_bin(tmp_path):
 
 
 def run_script(script: Path, args: list[str], fake_bin: Path, log: Path, cwd: Path,
-               env: dict[str, str] | None = None) -> list[list[str]]:
-    """Run a script with the fakes first on PATH; returns the recorded calls (each: [name, *argv])."""
+               env: dict[str, str] | None = None, code: int = 0) -> list[list[str]]:
+    """Run a script with the fakes first on PATH; returns the recorded calls (each: [name, *argv]). code: the exit
+    code expected; a refusal (non-zero) says why in one line."""
     full_env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log),
                 "SLURM_JOB_NODELIST": "gpu-[a-b]", **(env or {})}
     proc = subprocess.run(["bash", str(script), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == code, proc.stderr
+    if code:
+        assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     if not log.exists():
         return []
     return [record.split("\0") for record in log.read_text().split("\0\n") if record]
@@ -169,6 +172,11 @@ def test_hostile_plan_values_are_refused_or_stay_data(tmp_path, fake_bin, capsys
             for script in scripts:
                 bash_n(script)
                 log = case / f"{script.name}.log"
+                if script.name == "deepspeed.sh" and where == ("model",):
+                    # DeepSpeed's pdsh route hands each word to a remote shell: the script refuses shell characters
+                    # before it starts anything (tests/test_two_nodes.py runs the real launcher).
+                    assert not run_script(script, ["--data", "d"], fake_bin, log, case, code=2)
+                    continue
                 calls = run_script(script, ["--data", "d"], fake_bin, log, case,
                                    env={"SLURM_SUBMIT_DIR": str(case / "out")})
                 assert calls and calls[-1][0] in ("accelerate", "deepspeed")

@@ -104,11 +104,13 @@ def test_full_checkpointing_adds_one_layer_forward_and_causal_attention_counts_h
 
 
 def test_estimate_json_carries_the_time_band(capsys):
-    assert main(["estimate", "gpt2", "--gpus", "1xA100-80GB", "--seq", "1024", "--micro-batch", "2", "--json"]) == 0
+    assert main(["estimate", "gpt2", "--gpus", "8xA100-80GB", "--strategy", "fsdp2", "--seq", "1024",
+                 "--micro-batch", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     band = out["time_error_band"]
     assert band["fraction"] == time_band().fraction > 0 and band["held_out_rows"] >= 20
-    assert band["evidenced_here"] is True  # DDP on one GPU: published one-GPU runs back it
+    assert band["evidenced_here"] is True  # FSDP2 on 8 GPUs: published runs back it within the band
+    assert time_band().covers("fsdp2", 512) and not time_band().covers("pipeline", 8)
     assert "step time" in band["text"]
 
 

@@ -162,6 +162,8 @@ def test_the_multi_node_scripts_train_one_model_as_two_nodes(two_node_plan, corp
         summaries = read_ranks(ranks)
         assert [(s["rank"], s["world"], s["node"]) for s in summaries] == [(0, 2, 0), (1, 2, 1)], name
         assert summaries[0]["probe_logits"] == summaries[1]["probe_logits"], name
+        # The scripts export it for a user's script; on DeepSpeed's route it reaches the nodes through DS_ENV_FILE.
+        assert [s["toolkit_plan_dir"] for s in summaries] == [str(two_node_plan)] * 2, name
         results[name] = losses(summaries[0])
         if "deepspeed" in name:  # pdsh ran one node per hostfile line; DeepSpeed read the rendezvous from ssh
             assert "127.0.0.1: " in proc.stdout and "127.0.0.2: " in proc.stdout

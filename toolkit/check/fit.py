@@ -270,7 +270,7 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
                                 else sizes["dp_shard"], tensor=sizes["tp"], context=sizes["cp"],
                                 sequence=sizes["sp"])
             grid.check_model(spec)
-            grid.check_sequence(seq, spec.effective_attention(job.attention))
+            grid.check_sequence(seq, spec.effective_attention(job.attention), spec)
         except UserError as exc:
             return [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes] + [
                 Problem(path, "error", f"{spec.name}: {exc}", EVERY)]

@@ -9,7 +9,7 @@ import sys
 from toolkit import bounds
 from toolkit.bounds import float_arg, int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.job import checkpointing_words
+from toolkit.inputs.job import COMPILE_BLOCKS, checkpointing_words
 
 
 GIB = 1024**3
@@ -74,9 +74,12 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
     g.add_argument("--tiled", action="store_true",
                    help="ALST tiling over the sequence (DeepSpeed TiledMLP in every layer, tiled logits + loss): "
                         "the MLP's and the logits' tensors held one chunk at a time; ZeRO only")
-    g.add_argument("--compile", action="store_true",
+    g.add_argument("--compile", action="store_const", const=True, default=False,
                    help="torch.compile (inductor), as TrainingArguments torch_compile: activations from the "
                         "compiler's partition, the compiled step time")
+    g.add_argument("--compile-blocks", dest="compile", action="store_const", const=COMPILE_BLOCKS,
+                   help="torch.compile of each decoder layer apart, embedding, head and loss eager, as torchtitan "
+                        "compiles (estimate only)")
     add_adapter_flags(p)
 
 

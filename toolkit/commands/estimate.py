@@ -8,7 +8,7 @@ from dataclasses import replace
 from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
-from toolkit.inputs.job import checkpointing_words
+from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
                                      longest_line, model_spec, print_note, seq_len_of, trainable_params)
 
@@ -57,7 +57,7 @@ def cmd_estimate(args) -> int:
                                      pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
     grid.check_model(spec)
-    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
+    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention), spec)
     if args.trace_world:
         from toolkit.estimate.fakeworld import untraceable_reason
 
@@ -79,7 +79,7 @@ def cmd_estimate(args) -> int:
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
-                       **({"compile": True} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
+                       **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
@@ -100,7 +100,7 @@ def cmd_estimate(args) -> int:
           f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
-          f"{', torch.compile' if job.compile else ''}{', tiled MLP + loss' if job.tiled else ''}")
+          f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}")
     if job.adapter.is_adapter:
         a = job.adapter
         print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"

@@ -8,7 +8,7 @@ from typing import Any
 from toolkit import bounds
 from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.job import CHECKPOINTING_OP, OP_CHECKPOINTING_PROBLEM
+from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, CHECKPOINTING_OP, COMPILE_BLOCKS, OP_CHECKPOINTING_PROBLEM
 from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
                                      GIB, hardware_of, human, longest_line, model_spec, print_note, seq_len_of,
                                      trainable_params)
@@ -71,6 +71,8 @@ def cmd_plan(args) -> int:
                             "none; drop it or add pipeline / hybrid to --strategies")
     if args.checkpointing == CHECKPOINTING_OP:
         raise UserError(OP_CHECKPOINTING_PROBLEM)
+    if args.compile == COMPILE_BLOCKS:
+        raise UserError(BLOCKS_COMPILE_PROBLEM)
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     req_kwargs: dict[str, Any] = dict(seq_len=seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                                       grad_accum=args.accumulation, precision=args.precision,

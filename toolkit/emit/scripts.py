@@ -158,9 +158,35 @@ DEEPSPEED_HEADER = [
 ]
 
 
+PDSH_SAFE = [
+    "# DeepSpeed's pdsh route joins the command into one line for each host's shell, double-quoting only words with",
+    "# spaces, and runs it after an unquoted `cd $PWD` (deepspeed/launcher/multinode_runner.py): a word that shell",
+    "# would change is refused here, before anything starts.",
+    'for WORD in "$HERE" "${PROGRAM[@]}" "$PWD/"; do',
+    '  if [[ "$WORD" == *[!A-Za-z0-9_@+=:,./\ -]* || ( "$WORD" == "$PWD/" && "$WORD" == *\ * ) ]]; then',
+    '    echo "error: DeepSpeed\'s multi-node launcher hands ${WORD@Q} to each host\'s shell, which would change it; '
+    'use names, paths and values without shell characters (or spaces, for the current folder), or slurm.sbatch" >&2',
+    '    exit 2',
+    '  fi',
+    'done']
+"""Lines of deepspeed.sh that refuse what DeepSpeed's pdsh runner would hand to a remote shell unquoted."""
+
+PDSH_ENV = [
+    "# The nodes' shells get only MLFLOW* PYTHON* MV2* UCX* variables and the lines of .deepspeed_env (in the home",
+    "# folder and here; DS_ENV_FILE renames it) from DeepSpeed (runner.py): TOOLKIT_PLAN_DIR joins a copy of them.",
+    'ENV_NAME="${DS_ENV_FILE:-.deepspeed_env}"',
+    'DS_ENV_FILE="$(mktemp)"; export DS_ENV_FILE; trap \'rm -f "$DS_ENV_FILE"\' EXIT',
+    'for FOLDER in "$HOME" .; do',
+    '  if [[ "$ENV_NAME" == /* ]]; then FILE="$ENV_NAME"; else FILE="$FOLDER/$ENV_NAME"; fi',
+    '  if [[ -f "$FILE" ]]; then sed -e \'$a\\\' "$FILE" >> "$DS_ENV_FILE"; fi',
+    'done',
+    'echo "TOOLKIT_PLAN_DIR=$HERE" >> "$DS_ENV_FILE"']
+"""Lines of deepspeed.sh that hand TOOLKIT_PLAN_DIR (and the user's .deepspeed_env lines) to every node."""
+
+
 def deepspeed(*, here: str, hostfile: str, model: str | None, header: list[str]) -> str:
-    run = [hostfile, PORT_LINE,
-           'exec deepspeed --hostfile "$HOSTFILE" --master_port "$PORT" --no_local_rank "${PROGRAM[@]}"']
+    run = [hostfile, PORT_LINE, *PDSH_SAFE, *PDSH_ENV,
+           'deepspeed --hostfile "$HOSTFILE" --master_port "$PORT" --no_local_rank "${PROGRAM[@]}"']
     return _script(header, [], here, model, PROGRAM % {"module_flag": "--module"}, run)
 
 

@@ -64,14 +64,18 @@ class CompiledSaved:
 
 def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                                autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
-                               checkpointing: bool | str = False) -> ActivationTrace:
+                               checkpointing: bool | str = False, blocks: bool = False) -> ActivationTrace:
     """The activation trace of a torch.compile'd step: saved bytes from the compiler's partition, the rest
     (temporaries, autocast cache, output) from the eager trace of the same job.
 
     With checkpointing (True, or "op" for the per-op selective policy), each decoder layer keeps what the eager
     checkpoint keeps (its inputs: the compiled checkpoint saves the inputs of the wrapped region and recomputes the
     rest; the per-op policy's MUST_SAVE outputs as well, which the partitioner keeps as tagged), and embedding and
-    head are traced compiled. Measured against real compiled CPU steps: tests/test_compiled.py."""
+    head are traced compiled. Measured against real compiled CPU steps: tests/test_compiled.py.
+
+    `blocks`: each decoder layer is compiled on its own and embedding, head and loss run eagerly (torchtitan's
+    apply_compile: torch.compile per TransformerBlock, fullgraph): the layers as traced compiled, embedding and head
+    as the eager trace has them, and only the layers' traffic fused."""
     from toolkit.estimate import tracer
     from toolkit.inputs.modelspec import reduced_config
 
@@ -109,15 +113,19 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
         again = saved.forward_traffic.get(name, (0, 0, 0, 0)) if checkpointing else (0, 0, 0, 0)
         return tuple(a + b for a, b in zip(t, again))
 
-    per_region = [saved.traffic.get("embedding", (0, 0, 0, 0)), saved.traffic.get("head", (0, 0, 0, 0)),
+    ends = (0, 0, 0, 0)
+    per_region = [ends if blocks else saved.traffic.get("embedding", ends),
+                  ends if blocks else saved.traffic.get("head", ends),
                   *(layer_traffic(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}")
                     for i in range(len(full_kinds)))]
     traffic = tuple(sum(t[k] for t in per_region) for k in range(4))
     notes.append(f"torch.compile: saved tensors from AOTAutograd's joint graph split by {PARTITIONER} "
                  "(inductor decompositions, FakeTensorMode); temporaries from a liveness walk over the partitioned "
                  "graphs with inductor's pointwise fusion")
-    return replace(eager, embedding=region("embedding", eager.embedding), layers=layers,
-                   head=region("head", eager.head), compile_traffic=traffic, notes=tuple(dict.fromkeys(eager.notes + tuple(notes))))
+    if blocks:
+        notes.append("torch.compile per decoder layer (torchtitan's apply_compile): embedding, head and loss eager")
+    return replace(eager, embedding=eager.embedding if blocks else region("embedding", eager.embedding),
+                   layers=layers, head=eager.head if blocks else region("head", eager.head), compile_traffic=traffic, notes=tuple(dict.fromkeys(eager.notes + tuple(notes))))
 
 
 def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
@@ -426,12 +434,17 @@ def _traffic(fw, bw, order: list, *, forward_only: bool = False) -> dict:
         nodes = list(graph.nodes)
         kinds = {n: _kind(n) for n in nodes}
         elementwise = {n for n in nodes if kinds[n] in ("fusible", "reduction") and n.all_input_nodes}
+        # A node's own annotation where it has one (backward nodes carry their forward op's), else its neighbours'
+        # (the loss's and the tied weight's gradient sums have none): a walk in graph order would hand the head's
+        # large elementwise work to the last layer, which the expansion to the full depth multiplies.
+        region_of = {node: _own_region(node, order) or _neighbours_region(node, order) or region
+                     for region, node, _ in _regions_along(((n, 0) for n in nodes), order, backward=backward)}
         groups: dict = {}
         for n in elementwise:
-            key = (n.meta.get("seq_nr"), str(n.meta.get("original_aten") or n.target))
+            seq_nr = n.meta.get("seq_nr")  # nodes without one were no op of the model's: each its own kernel
+            key = ((seq_nr, str(n.meta.get("original_aten") or n.target)) if seq_nr is not None else (n,),
+                   region_of.get(n))
             groups.setdefault(key, set()).add(n)
-        region_of = {node: region for region, node, _ in _regions_along(((n, 0) for n in nodes), order,
-                                                                        backward=backward)}
         for members in groups.values():
             inputs = {x for n in members for x in n.all_input_nodes if x not in members}
             outputs = {n for n in members if any(u not in members for u in n.users)}
@@ -456,6 +469,24 @@ def _traffic(fw, bw, order: list, *, forward_only: bool = False) -> dict:
             out[region][1] += _nbytes(n) + sum(_nbytes(x) for x in leaves)
             out[region][3] += 1
     return {r: tuple(v) for r, v in out.items()}
+
+
+def _own_region(node, order: list) -> str | None:
+    name = (node.meta.get("custom") or {}).get("toolkit_region")
+    return name if name in order else None
+
+
+def _neighbours_region(node, order: list) -> str | None:
+    """The annotation of the nearest annotated node among `node`'s inputs, then its users (breadth first)."""
+    for step in (lambda n: n.all_input_nodes, lambda n: list(n.users)):
+        frontier, seen = [node], {node}
+        for _ in range(4):
+            frontier = [x for n in frontier for x in step(n) if x not in seen and x.op != "placeholder"]
+            seen.update(frontier)
+            found = [r for r in (_own_region(x, order) for x in frontier) if r]
+            if found:
+                return max(found, key=order.index)
+    return None
 
 
 def _materialized(n, kinds: dict, returned: set) -> bool:

@@ -116,8 +116,8 @@ class ComputeModel:
         return self.hidden_half_per_balance * peak_flops / hbm_bytes_per_s
 
 
-COMPUTE = ComputeModel(ceiling={"hopper": 0.674, "ampere": 0.784}, tokens_half=711.0, hidden_half_per_balance=3.38,
-                       attention_relative={"hopper": 0.336, "ampere": 0.509})
+COMPUTE = ComputeModel(ceiling={"hopper": 0.685, "ampere": 0.777}, tokens_half=391.0, hidden_half_per_balance=3.38,
+                       attention_relative={"hopper": 0.327, "ampere": 0.511})
 """Fitted on the calibration rows of benchmarks/data/throughput_gpu.json (see benchmarks/results/throughput.md)."""
 
 BORROWED_CEILING = {"volta": "ampere", "turing": "ampere", "ada": "ampere", "blackwell": "hopper",

@@ -77,7 +77,8 @@ class TimeBand:
                 f"{'s' if self.rows != 1 else ''} ({kinds})")
 
     def covers(self, strategy_name: str, gpus: int) -> bool:
-        """Whether published runs of this strategy at this scale (or larger) back its speed."""
+        """Whether published runs of this strategy at this scale (or larger) match its predicted speed within the
+        band (benchmarks/throughput.py writes the list)."""
         return any(name == strategy_name and gpus <= most for name, most in self.covered)
 
     def ties(self, faster_tokens_per_s: float, slower_tokens_per_s: float) -> bool:

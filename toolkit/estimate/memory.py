@@ -190,7 +190,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
     if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
         key += ("liger",)
     if job.compile:
-        key += ("compile",)
+        key += ("compile",) if job.compile is True else ("compile", job.compile)
     if job.tiled:
         key += ("tiled",)
     if key not in _TRACE_CACHE:
@@ -204,7 +204,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         if disk_key and job.compile:
             from importlib import metadata
 
-            disk_key += ["compile", metadata.version("torch")]
+            disk_key += ["compile", metadata.version("torch")] + ([] if job.compile is True else [job.compile])
         if disk_key and adapter is not None:
             from importlib import metadata
 
@@ -217,7 +217,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             if job.compile:
                 trace = trace_compiled_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                                    autocast=autocast, attention=attention,
-                                                   device_kind=job.device_kind, checkpointing=job.checkpointing)
+                                                   device_kind=job.device_kind, checkpointing=job.checkpointing,
+                                                   blocks=job.compile == "blocks")
             else:
                 trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
                                           autocast=autocast, attention=attention, device_kind=job.device_kind,
@@ -576,7 +577,8 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
              "final norm, LM head and loss (fp32 log-softmax over the vocabulary) saved for backward"),
         Term("autocast weight copies", int(copies), "bf16/fp16 copies of weights autocast keeps for backward"),
         Term("engine buffers", int(states.buffers + states.backward_buffers + states.gathered),
-             "buckets / gathered parameters (" + ", ".join(states.sources[1:]) + ")"),
+             "buckets / gathered parameters (" + (", ".join(states.sources[1:])
+                                                   or "the engine's rule on the parameters line") + ")"),
         Term("peak-phase temporaries", int(peak.transient), f"live only at the peak: {peak.phase}"),
         Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/estimate/memory.py"),
         Term("allocator margin", margin, f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak"),

@@ -366,15 +366,24 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
                     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                                      **{_DEGREE_ARG[dimension]: degree})
                     grid.check_model(spec)
-                    grid.check_sequence(req.seq_len if sequence_rule else grid.sequence_multiple(), attention)
+                    grid.check_sequence(req.seq_len if sequence_rule else grid.sequence_multiple(), attention, spec)
                 except UserError as exc:
-                    problems.append(str(exc))
+                    problems.append((degree, str(exc)))
                     continue
                 grids.append(grid)
-            yield dimension, strategy, grids or "; ".join(dict.fromkeys(problems[:1] + problems[-1:]))
+            yield dimension, strategy, grids or _degree_problems(problems)
 
 
 _DEGREE_ARG = {"tp": "tensor", "cp": "context", "sp": "sequence"}
+
+
+def _degree_problems(problems: list[tuple[int, str]]) -> str:
+    """Why no degree of a dimension runs: the first and the last degree's reasons, or one reason when every degree
+    tried fails for the same one (a model-level reason, e.g. the model's attention)."""
+    same = {message.replace(f" {degree} ", " N ") for degree, message in problems}
+    if len(same) == 1 and len(problems) > 1:
+        return f"{problems[0][1]} (the same for every degree tried: {', '.join(str(d) for d, _ in problems)})"
+    return "; ".join(dict.fromkeys(message for _, message in problems[:1] + problems[-1:]))
 
 
 def _check_stages(strategies: list[Strategy], hw: Hardware, stages: int | None) -> None:

@@ -21,10 +21,13 @@ from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import Engine, Strategy
 
-OVERLAP = 0.7
-"""Fraction of gradient / parameter communication hidden behind backward (bucketed overlap in DDP, ZeRO, FSDP).
-Not fitted: in the published corpus the FSDP runs' communication is small beside compute on the links they had, so
-the rows cannot separate overlap from efficiency (benchmarks/results/throughput.md); gpu_check measures it."""
+OVERLAP = {Engine.FSDP2: 0.37, Engine.DDP: 0.7, Engine.DEEPSPEED: 0.7}
+"""Fraction of the data-parallel communication (up to the backward's length) hidden behind compute, per engine.
+FSDP2's is fitted with the compute constants on the calibration rows of the published corpus (benchmarks/
+throughput.py --fit; FSDP rows whose collectives are up to half their compute: 13B-70B at micro-batch 2 across
+nodes). DDP's and ZeRO's are assumed (bucketed gradient overlap, the same order): no published multi-GPU DDP or
+ZeRO row with a full configuration; gpu_check --timing measures them."""
+OVERLAP_FITTED = frozenset({Engine.FSDP2})
 CPU_ADAM_PARAMS_PER_S = 2.0e9
 """DeepSpeedCPUAdam throughput per node (AVX-512, all cores): ~1 s per 2B parameters. Assumed."""
 NVME_GBPS = 6.0
@@ -55,20 +58,19 @@ resulting QLoRA / LoRA ratios: benchmarks/results/lora.md. Was 0.35 (assumed) be
 # reduction work (norms, activations, residual adds, rotary, casts, the loss's softmax) is memory-bound, and
 # inductor fuses it into fewer kernels that move fewer bytes (toolkit.estimate.compiled._traffic counts both sides
 # from the partitioned graphs). Matmuls and attention run the same kernels either way.
-COMPILE_TRAFFIC_SHARE = 0.67
-"""Share of the removed elementwise traffic's time at HBM peak that comes off the step. Fitted, on one published
-compile-on/off pair only: torchtitan Llama-3.1-8B on 8 H100 (FSDP2, per-op selective checkpointing, seq 8192,
-micro-batch 2; 5762 -> 6667 tokens/s/GPU, benchmarks/llama3_h100_202412_torchtitan.md), which gives 0.672
-(benchmarks/published.py fit_compile_share). Held out: the same model on 128 H100 (-2% off its published speed-up)
-and torchtune Llama-3.2-3B on one A100 (no checkpointing, 7075 -> 8998 tokens/s: -1%), benchmarks/results/
-published.md. Under 1 (a STREAM-style kernel alone reaches 80-90% of HBM peak, which would make it 1.1-1.25)
-because the compute model's efficiency (toolkit.estimate.efficiency, fitted on eager runs) already holds part of the
-eager elementwise time, and eager elementwise kernels overlap the GPU's other work in part."""
+ELEMENTWISE_HBM_EFFICIENCY = 0.88
+"""Fraction of HBM peak the memory-bound elementwise kernels stream at, eager and compiled alike. Fitted, on one
+published compile-on/off pair only: torchtitan Llama-3.1-8B on 8 H100 (FSDP2, per-op selective checkpointing, each
+block compiled, seq 8192, micro-batch 2; 5762 -> 6667 tokens/s/GPU, benchmarks/llama3_h100_202412_torchtitan.md),
+which gives 0.880 (benchmarks/published.py fit_compile_efficiency), in the 80-90% that STREAM-style kernels reach on
+H100 (NVIDIA H100 tuning guide). Held out: the same model on 128 H100 (-3%) and torchtune Llama-3.2-3B on one A100
+(no checkpointing, 7075 -> 8998 tokens/s; -9%, its compiled loss's fusion not counted) off their published
+speed-ups (benchmarks/results/published.md)."""
 KERNEL_OVERHEAD_S = 3e-6
 """Fixed cost of one small GPU kernel in a stream (launch latency, ramp-up and tail: ~2-5 us on A100/H100, NVIDIA
 Nsight measurements quoted in the CUDA Graphs blog, developer.nvidia.com/blog/cuda-graphs). Assumed, not fitted:
-the published pairs cannot separate it from COMPILE_TRAFFIC_SHARE (a two-constant fit on two pairs gives a negative
-launch cost), and it is 2-4% of the saving."""
+the published pairs cannot separate it from ELEMENTWISE_HBM_EFFICIENCY (an exact two-constant fit on the two
+independent pairs gives a negative efficiency and 101 us a kernel), and it is a few per cent of the saving."""
 
 
 @dataclass(frozen=True)
@@ -189,11 +191,12 @@ def _group_bandwidth(hw: Hardware, group: int) -> float:
 def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
               partition: list[int] | None = None, grid: ParallelGrid | None = None,
               recompute: Recompute | None = None, compute_model: ComputeModel = COMPUTE,
-              compile_traffic: tuple = ()) -> Timing:
+              compile_traffic: tuple = (), overlap: float | None = None) -> Timing:
     """Predicted time of one optimizer step (pipeline: partition None means the grid's balanced one). `grid`: the
     grid with its tensor / context / sequence degrees (default: the strategy's plain grid on hw). `recompute`
     overrides what job.checkpointing implies (the published-run benchmark uses it for selective checkpointing);
-    `compute_model` other efficiency constants (benchmarks/throughput.py --fit tries them)."""
+    `compute_model` other efficiency constants and `overlap` another communication overlap than the engine's
+    (benchmarks/throughput.py --fit tries them)."""
     grid = grid or grid_of(strategy, hw, pipeline_stages)
     full_spec, full_job = spec, job
     if grid.model_parallel > 1:
@@ -322,7 +325,11 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             assumptions.append(f"QLoRA: every 4-bit weight dequantised per forward / backward"
                                f"{' / recompute' if job.checkpointing else ''} at {DEQUANT_EFFICIENCY:.0%} of "
                                "memory bandwidth")
-    exposed = max(0.0, comm - OVERLAP * min(comm, backward)) if strategy.engine != Engine.PIPELINE else comm
+    hidden = OVERLAP.get(strategy.engine, 0.0) if overlap is None else overlap
+    exposed = max(0.0, comm - hidden * min(comm, backward)) if strategy.engine != Engine.PIPELINE else comm
+    if comm > 0 and strategy.engine != Engine.PIPELINE:
+        assumptions.append(f"{hidden:.2f} of the communication hidden behind backward ("
+                           f"{'fitted to published runs' if strategy.engine in OVERLAP_FITTED else 'assumed'})")
     if grid.model_parallel > 1:
         extra, said = model_parallel_comm_s(full_spec, full_job, grid, hw, compute)
         exposed += extra
@@ -346,17 +353,17 @@ def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:
 
 def compile_saving_s(traffic: tuple, hw: Hardware) -> float:
     """Seconds torch.compile saves on one sample's forward + backward (and a checkpointed layer's recompute): the
-    elementwise bytes it no longer moves, COMPILE_TRAFFIC_SHARE of their time at HBM peak, and the kernels it no
-    longer launches."""
+    elementwise bytes it no longer moves, at ELEMENTWISE_HBM_EFFICIENCY of the GPU's HBM bandwidth, and the kernels
+    it no longer launches."""
     traffic_s, kernels_s = compile_saving_parts(traffic, hw)
-    return max(0.0, traffic_s * COMPILE_TRAFFIC_SHARE + kernels_s)
+    return max(0.0, traffic_s / ELEMENTWISE_HBM_EFFICIENCY + kernels_s)
 
 
 def compile_assumption(traffic: tuple, hw: Hardware, saved_s: float) -> str:
     eager_bytes, compiled_bytes, eager_kernels, compiled_kernels = traffic
     return (f"torch.compile: elementwise traffic {eager_bytes / 2**30:.2f} -> {compiled_bytes / 2**30:.2f} GiB and "
             f"{eager_kernels} -> {compiled_kernels} kernels a sample (fused by inductor), at "
-            f"{COMPILE_TRAFFIC_SHARE:.0%} of their time at {hw.gpu.hbm_gbps:.0f} GB/s and {KERNEL_OVERHEAD_S * 1e6:.0f} us a "
+            f"{ELEMENTWISE_HBM_EFFICIENCY:.0%} of {hw.gpu.hbm_gbps:.0f} GB/s and {KERNEL_OVERHEAD_S * 1e6:.0f} us a "
             f"kernel: {saved_s:.3f} s a step off compute")
 
 

@@ -277,6 +277,10 @@ class ParallelGrid:
             problem = tp_plan_problem(spec, self.tensor)
             if problem:
                 raise UserError(problem)
+        if self.context > 1:
+            problem = context_parallel_problem(spec, self.context)
+            if problem:
+                raise UserError(problem)
         if self.sequence > 1:
             # deepspeed/runtime/sequence_parallel/ulysses_sp.py UlyssesSPAttentionHF.__init__.
             sp = self.sequence
@@ -298,14 +302,26 @@ class ParallelGrid:
         """The smallest length check_sequence's divisibility rules accept: a multiple of sp and of 2 x cp."""
         return math.lcm(self.sequence, 2 * self.context) if self.context > 1 else self.sequence
 
-    def check_sequence(self, seq_len: int, attention: str) -> None:
-        """Whether one sample of `seq_len` tokens splits over the context / sequence ranks with `attention`."""
+    def check_sequence(self, seq_len: int, attention: str, spec: "ModelSpec | None" = None) -> None:
+        """Whether one sample of `seq_len` tokens splits over the context / sequence ranks with `attention` (and,
+        given the model, whether its attention survives the split)."""
         if self.sequence > 1:
             if attention == "eager":
                 # ulysses_sp.py register_with_transformers refuses eager (it needs a 4D mask); accelerate's
                 # DeepSpeedSequenceParallelConfig refuses eager and flex_attention.
+                others = [a for a in ("sdpa", "flash_attention_2") if spec is None or a in spec.attention_support]
+                fix = (f"use --attention {' or '.join(others)}" if others else
+                       f"{spec.name if spec else 'the model'} has no other attention in transformers")
                 raise UserError("sequence parallelism (Ulysses) cannot run eager attention (it needs the full "
-                                "4-D mask); use --attention sdpa or flash_attention_2")
+                                f"4-D mask); {fix}")
+            window = attention_window(spec) if spec is not None and attention == "sdpa" else None
+            if window and seq_len > window:
+                # ulysses_sp.py uattn_wrapper drops the mask (attention_mask=None) and transformers' SDPA applies a
+                # sliding window only through that mask; flash_attention_2 takes the window as an argument.
+                raise UserError(f"--sequence-parallel {self.sequence} with sdpa would train {spec.name} at --seq "
+                                f"{seq_len} with full causal attention: Ulysses drops the mask that holds its "
+                                f"{window}-token sliding window; use --attention flash_attention_2 (it takes the "
+                                f"window itself) or --seq {window} or less")
             if seq_len % self.sequence:
                 raise UserError(f"--seq {seq_len} does not split over sequence parallel {self.sequence} (Ulysses "
                                 f"needs seq divisible by sp, ulysses_sp.py); use --seq "
@@ -370,6 +386,56 @@ class ParallelGrid:
         if self.dp_replicate > 1 and self.dp_shard > 1:
             return f"dp={self.dp_replicate} replicas x {self.dp_shard} shards"
         return f"dp={self.data_parallel}"
+
+
+def context_parallel_problem(spec: "ModelSpec", context: int) -> str | None:
+    """Why context parallelism (accelerate's, on torch's ring attention) cannot run this model's attention, or None.
+
+    The ring replaces only the SDPA kernels (and takes no explicit mask), so a model transformers gives no SDPA path
+    (Gemma-2: attention soft-capping, which SDPA lacks) cannot run it; and accelerate drops every layer's mask for
+    `is_causal`, so it refuses models with sliding-window or chunked layers up front (its own check, applied here to
+    the model's config: accelerate/big_modeling.py `_attach_context_parallel_hooks`)."""
+    import torch
+
+    reasons = []
+    if "sdpa" not in spec.attention_support:
+        config = spec.hf_config()
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        why = f"SDPA has no attention soft-capping, attn_logit_softcapping {softcap:g}" if softcap else \
+            "its class does not support SDPA"
+        reasons.append(f"transformers gives it no SDPA attention ({why}), and torch's ring attention replaces only "
+                       "the SDPA kernels")
+    try:
+        from accelerate.big_modeling import _attach_context_parallel_hooks
+    except ImportError:  # an accelerate without the check: nothing more to ask
+        _attach_context_parallel_hooks = None
+    if _attach_context_parallel_hooks is not None:
+        probe = torch.nn.Module()  # no submodules: only the config check runs, no hook is attached
+        probe.config = spec.hf_config()
+        try:
+            _attach_context_parallel_hooks(probe)
+        except ValueError as exc:
+            kinds = str(exc).split("of type [", 1)[-1].split("]", 1)[0].replace("'", "")
+            reasons.append(f"its {kinds} layers need their own mask, which accelerate's context parallelism drops "
+                           "(accelerate refuses such models)")
+    if not reasons:
+        return None
+    return (f"--context-parallel {context} cannot run {spec.name}: {'; and '.join(reasons)}; use --sequence-parallel "
+            "(Ulysses) or no context parallelism")
+
+
+def attention_window(spec: "ModelSpec") -> int | None:
+    """The shortest window of the model's sliding-window or chunked attention layers (None: all full causal), from
+    the config fields transformers builds its masks from (`layer_types`, or before it `sliding_window`)."""
+    config = spec.hf_config()
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    windows = [getattr(config, "attention_chunk_size" if "chunk" in kind else "sliding_window", None)
+               for kind in set(layer_types or ()) - {"full_attention"}]
+    if layer_types is None:
+        windows.append(getattr(config, "sliding_window", None))
+    sizes = [int(w) for w in windows if isinstance(w, int) and w > 0]
+    return min(sizes) if sizes else None
 
 
 def grid_of(strategy: Strategy, hw: "Hardware", pipeline_stages: int | None = 1, *, tensor: int = 1,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from toolkit import bounds
@@ -45,6 +45,12 @@ class Gpu:
     source: str = ""
     architecture: str = ""
     """Chip generation (ampere, hopper, ...): what the step-time model's compute efficiency is keyed by."""
+    tdp_w: float = 0.0
+    """Board power the datasheet's peaks are quoted at (0: not in the catalog)."""
+    die: str = ""
+    """Chip and enabled SMs: entries sharing it differ only in power, clocks and memory (power_limited reads them)."""
+    power_limit_w: float = 0.0
+    """The board power limit this GPU runs at, when set below its TDP (power_limited); 0: the TDP."""
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for the precision a step computes in. fp32 uses the plain fp32 peak: torch keeps fp32
@@ -95,6 +101,29 @@ def gpu_catalog() -> dict[str, Gpu]:
     return {entry["name"]: Gpu(**{k: v for k, v in entry.items() if k in fields}) for entry in _catalog_entries()}
 
 
+def power_limited(gpu: Gpu, watts: float) -> Gpu:
+    """The GPU run under a board power limit below its TDP: its peaks at the clock that limit sustains.
+
+    NVIDIA quotes each product's dense tensor peak at the clock its TDP sustains under tensor load, below the boost
+    clock (H100 SXM, 700 W: 989 TFLOP/s bf16 = 132 SMs x 4096 FLOP/clock at 1.83 GHz; H100 NVL, the same 132-SM die
+    at 400 W: 835 TFLOP/s, 1.55 GHz). Catalog entries sharing a die give those (TDP, peak) points; the peak at
+    `watts` is linear between them and on the nearest segment's line outside them. At or above the TDP: unchanged.
+    An assumption (sustained clock linear in board power between datasheet points), named in docs/ENGINE_FACTS.md."""
+    if not watts or watts >= gpu.tdp_w > 0:
+        return gpu
+    points = sorted({(g.tdp_w, g.bf16_tflops) for g in gpu_catalog().values() if g.die and g.die == gpu.die
+                     and g.tdp_w > 0 and g.bf16_tflops > 0})
+    if len(points) < 2:
+        raise UserError(f"no datasheet peak below the TDP of {gpu.name} in the GPU catalog, so a {watts:.0f} W "
+                        "power limit cannot be modelled; drop the power limit or add the die's lower-power variant")
+    lo, hi = next(((a, b) for a, b in zip(points, points[1:]) if watts <= b[0]), points[-2:])
+    at_watts = lo[1] + (hi[1] - lo[1]) * (watts - lo[0]) / (hi[0] - lo[0])
+    at_tdp = next(p for w, p in points if w == gpu.tdp_w)
+    ratio = max(0.1, at_watts / at_tdp)
+    return replace(gpu, bf16_tflops=gpu.bf16_tflops * ratio, fp16_tflops=gpu.fp16_tflops * ratio,
+                   fp32_tflops=gpu.fp32_tflops * ratio, tf32_tflops=gpu.tf32_tflops * ratio, power_limit_w=watts)
+
+
 @lru_cache(maxsize=1)
 def _alias_index() -> dict[str, str]:
     """Every name and alias (normalised) -> canonical name."""
@@ -123,8 +152,9 @@ _SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x
 
 
 def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: float | None = None,
-                   cpu_ram_gib: float | None = None) -> Hardware:
-    """`8xH100-80GB`, `2x8xA100`, `H100` (one GPU); `nodes` overrides the node count of a one-node spec."""
+                   cpu_ram_gib: float | None = None, power_limit_w: float | None = None) -> Hardware:
+    """`8xH100-80GB`, `2x8xA100`, `H100` (one GPU); `nodes` overrides the node count of a one-node spec;
+    `power_limit_w` a board power limit below the GPU's TDP (power_limited)."""
     match = _SPEC.match(spec or "")
     if not match:
         raise UserError(f"cannot read GPU spec '{spec}'; write it like 8xH100-80GB or 2x8xA100-80GB")
@@ -144,6 +174,8 @@ def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: floa
             raise UserError(f"GPU spec '{spec}' says {spec_nodes} nodes but --nodes says {nodes}; give one of them")
         spec_nodes = nodes
     gpu = find_gpu(match.group("gpu"))
+    if power_limit_w is not None:
+        gpu = power_limited(gpu, float(power_limit_w))
     kwargs: dict = {}
     if inter_node_gbps is not None:
         kwargs["inter_node_gbps"] = float(inter_node_gbps)

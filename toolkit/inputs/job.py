@@ -25,6 +25,8 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
+COMPILE_BLOCKS = "blocks"
+"""--compile-blocks: each decoder layer compiled apart, the rest eager (torchtitan's apply_compile)."""
 CHECKPOINTING_OP = "op"
 """--checkpointing op: torchtitan's per-op selective activation checkpointing (toolkit.estimate.selective)."""
 
@@ -37,6 +39,15 @@ def checkpointing_words(checkpointing: bool | str) -> str:
     return ", checkpointing" if checkpointing else ""
 
 
+def compile_words(compile: bool | str) -> str:
+    """The job summaries' words for a compile setting."""
+    if compile == COMPILE_BLOCKS:
+        return ", torch.compile per decoder layer"
+    return ", torch.compile" if compile else ""
+
+
+BLOCKS_COMPILE_PROBLEM = ("--compile-blocks (each decoder layer compiled apart, as torchtitan does) is modelled by "
+                          "estimate only: TrainingArguments torch_compile compiles the whole model; use --compile")
 OP_CHECKPOINTING_PROBLEM = ("--checkpointing op (torchtitan's per-op selective policy) is modelled by estimate and "
                             "profile only: the HF Trainer, accelerate and DeepSpeed have no setting that applies it; "
                             "use --checkpointing on or off")
@@ -69,9 +80,11 @@ class Job:
     tiled: bool = False
     """ALST's tiled compute over the sequence: every decoder layer's MLP through DeepSpeed's TiledMLP and the logits
     + loss through its TiledFusedLogitsLoss, chunk by chunk (toolkit.estimate.tiling)."""
-    compile: bool = False
+    compile: bool | str = False
     """torch.compile (inductor) of the model, as TrainingArguments(torch_compile=True) has accelerate do it: the
-    activations are what the compiler's partition saves (toolkit.estimate.compiled)."""
+    activations are what the compiler's partition saves (toolkit.estimate.compiled). COMPILE_BLOCKS ("blocks"):
+    each decoder layer compiled on its own, embedding, head and loss eager (torchtitan's apply_compile; estimate
+    only)."""
     adapter: Adapter = FULL
     """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""
 
@@ -85,6 +98,8 @@ class Job:
         check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        if self.compile not in (False, True, COMPILE_BLOCKS):
+            raise UserError(f"compile must be True, False or {COMPILE_BLOCKS!r}, got {self.compile!r}")
         if self.checkpointing not in (False, True, CHECKPOINTING_OP):
             raise UserError(f"--checkpointing must be on, off or {CHECKPOINTING_OP}, got {self.checkpointing!r}")
 

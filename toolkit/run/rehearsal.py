@@ -42,12 +42,13 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
 
     config = load_config(str(model_dir))
     spec = build_spec(str(model_dir), config)
+    attention = spec.effective_attention(attention)  # GPT-OSS (attention sinks) has no sdpa: eager, as the planner
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
                                      pipeline_stages=pipeline_stages if kind.is_pipeline else None,
                                      tensor=tensor, context=context, sequence=sequence)
     grid.check_model(spec)
-    grid.check_sequence(seq_len, attention)
+    grid.check_sequence(seq_len, attention, spec)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
               optimizer=optimizer, checkpointing=checkpointing, attention=attention)
     return build_plan(

@@ -285,7 +285,8 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
                "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
-               "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(), "four_bit_numel": four_bit_numel}
+               "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
+               "four_bit_numel": four_bit_numel, "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR")}
     write_rank_summary(folder, rank, summary)
 
 
