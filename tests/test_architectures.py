@@ -133,6 +133,18 @@ def test_a_config_whose_decoder_layers_differ_in_shape_is_refused_in_one_line(ca
     assert "decoder layers differ in head_dim, num_key_value_heads" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_vision_language_config_whose_forward_the_trace_cannot_follow_is_refused_in_one_line(capsys):
+    """Gemma-3-4B (with its vision tower): the activation trace stops at a data-dependent shape; the plan says so in
+    one line (exit 2), and a pipeline request names the vision tower the converter would drop."""
+    from toolkit.cli import main
+
+    code = main(["plan", str(MODELS / "gemma-3-4b-it.json"), "--gpus", "8xH100-80GB", "--seq", "1024",
+                 "--micro-batch", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "cannot estimate the activation memory of" in err and "depend on the data" in err
+
+
 def test_a_family_member_the_converter_cannot_split_is_refused_at_plan_time_naming_the_part(capsys):
     """Falcon-RW uses ALiBi: `toolkit plan --choose pipeline` refuses it before anything is written."""
     from toolkit.cli import main
