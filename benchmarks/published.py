@@ -254,10 +254,10 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               "activations equal the eager ones. These rows publish the allocator's reserved peak, which we reach "
               "only through the allocator term, an assumption (below); torchao's three runs of one job reserve "
               "47.65, 39.09 and 33.71 GiB on H100, MI300X and B200, a spread no tensor count can follow, so the "
-              "B200 row misses (+29%). TU-3B-A100-packed-compile misses the goal (-12%) for a reason of "
-              "its own: torchtune's compile_model compiles each decoder layer and, separately, the loss, and runs the "
-              "final norm and output projection eagerly (torchtune/training/_compile.py), where we model the "
-              "Trainer's one compiled graph over the whole model; its head therefore keeps other tensors. The "
+              "B200 row misses (+29%). torchtune's compile_model compiles each decoder layer and, apart, the loss, and "
+              "runs the final norm and output projection eagerly (torchtune/training/_compile.py): its rows are "
+              "estimated with --compile-blocks too, which leaves the loss eager, so the loss's fusion is missing "
+              "from our torchtune speed-up (below). The "
               "accelerate FSDP2 row's tensor peak (allocated) "
               "is within the goal; its reserved figure is not, because the allocator term (toolkit.estimate.memory."
               "ALLOCATOR_MARGIN, 5%) is still an assumption: see its docstring for why this one pair does not fix it "
@@ -271,8 +271,8 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
                   "inductor's fusion removes, counted from the partitioned graphs, a checkpointed layer's recompute "
                   "included, at ELEMENTWISE_HBM_EFFICIENCY of the GPU's HBM bandwidth, plus KERNEL_OVERHEAD_S a "
                   "kernel). Both sides run the published checkpointing (torchtitan: per-op selective; torchtune: "
-                  "none) and compile scope (torchtitan: each block, --compile-blocks; torchtune: each layer and the "
-                  "loss, which we take as the whole model).", "",
+                  "none) and compile scope (--compile-blocks: torchtitan compiles each block; torchtune each layer "
+                  "and, apart, the loss, which --compile-blocks leaves eager).", "",
                   "| pair | role | published | ours | error |", "|---|---|---|---|---|"]
         for s in speedups:
             lines.append(f"| {s['pair']} | {s['role']} | {s['published_ratio']:.3f} | {s['ours_ratio']:.3f} | "
@@ -281,12 +281,12 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
         lines += ["", f"ELEMENTWISE_HBM_EFFICIENCY is fitted on the calibration pair alone (this run's fit: "
                   f"{efficiency:.3f}; the code holds it rounded) and KERNEL_OVERHEAD_S is assumed (3 us, NVIDIA's "
                   "figures): the pairs cannot separate the two constants (an exact fit of both on the two independent "
-                  "pairs gives a negative efficiency and 113 us a kernel), and the launches are a few per cent of the "
+                  "pairs gives a negative efficiency and 101 us a kernel), and the launches are a few per cent of the "
                   "saving. The held-out pairs are "
                   f"{min(held):+.1%} to {max(held):+.1%} off their published speed-ups. The 128-GPU pair shares the "
                   "calibration pair's model and job and differs in its exposed communication; the torchtune pair "
                   "differs in everything else (A100, Llama-3.2-3B, one GPU, no checkpointing; both of its sides "
-                  "pack with FlexAttention, which we model as SDPA).", ""]
+                  "pack with FlexAttention, which we model as SDPA) and its compiled loss's fusion is not counted.", ""]
     lines += ["## Rows not modelled, and why", ""]
     for r in results:
         if not r["modelled"]:
