@@ -1,9 +1,13 @@
-"""Real configs of every family the pipeline converter is tested on: the planner either offers pipeline (and the
-rehearsal model, the real config shrunk by its own class, converts exactly) or refuses it at plan time naming the
-part that stops it. No tracing, no processes: the spec's verdict, the grid's refusal, one-process layers."""
+"""Real configs of decoder families (tests/arch_configs/MANIFEST.tsv: verbatim copies with their source, and the typed
+ones no verbatim copy was found for; the catalog for the rest): `toolkit plan` with a hybrid pipeline request either
+offers a rehearsal or refuses at plan time naming the part that stops the converter, and the plan-time verdict is
+the converter's own: where the plan offers a rehearsal, the rehearsal model (the real config shrunk by its own class)
+builds and converts exactly; where it refuses, the converter refuses that model too. No tracing of real sizes beyond
+the planner's, no processes but one rehearsal per family folded into one parametrised test."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -15,49 +19,130 @@ HERE = Path(__file__).resolve().parent
 MODELS = HERE / "arch_configs"
 CATALOG = HERE.parent / "toolkit" / "catalog" / "models"
 
-# family -> a published config.json of it (the catalog's where it has one)
-FAMILIES = {
-    "phi3": CATALOG / "phi-3-mini.json", "gemma2": CATALOG / "gemma-2-2b.json",
-    "gemma3_text": MODELS / "gemma-3-1b.json", "qwen3": MODELS / "qwen3-0.6b.json",
-    "qwen2_moe": MODELS / "qwen1.5-moe-a2.7b.json", "qwen3_moe": MODELS / "qwen3-30b-a3b.json",
-    "mixtral": CATALOG / "mixtral-8x7b.json", "olmo2": MODELS / "olmo-2-1124-7b.json",
-    "stablelm": MODELS / "stablelm-2-1.6b.json", "gpt_neox": MODELS / "pythia-1b.json",
-    "falcon": MODELS / "falcon-7b.json", "opt": CATALOG / "opt-1.3b.json", "llama": CATALOG / "llama-3-8b.json",
-    "mistral": CATALOG / "mistral-7b.json", "qwen2": CATALOG / "qwen2.5-0.5b.json", "gpt2": CATALOG / "gpt2.json",
-}
+
+def _manifest() -> dict[str, dict[str, str]]:
+    lines = [line for line in (MODELS / "MANIFEST.tsv").read_text().splitlines() if not line.startswith("#")]
+    fields = ["file", "model_type", "hub_model", "repository", "path", "commit", "licence", "published_params",
+              "params_source"]
+    return {row["file"]: row for row in csv.DictReader(lines, fieldnames=fields, delimiter="\t")}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_real_config_of_each_family_plans_pipeline_and_its_rehearsal_model_converts_exactly(family, tmp_path):
+MANIFEST = _manifest()
+# Families with no config in arch_configs: the catalog's published config of them (typed; test_catalog checks
+# their published parameter counts).
+CATALOG_FAMILIES = {"gemma-2-2b.json": "gemma2", "opt-1.3b.json": "opt", "mistral-7b.json": "mistral",
+                    "qwen2.5-0.5b.json": "qwen2", "gpt2.json": "gpt2"}
+# Gemma-4's decoder layers differ in shape (transformers keeps head_dim and KV heads per layer): refused on reading.
+HETEROGENEOUS = {"gemma-4-26b-a4b.json"}
+CONFIGS = {**{name: (MODELS / name, row["model_type"]) for name, row in MANIFEST.items() if name not in HETEROGENEOUS},
+           **{name: (CATALOG / name, kind) for name, kind in CATALOG_FAMILIES.items()}}
+# DeepSeek-V3 (671B) fits no hybrid plan on 256 of the catalog's largest GPUs (2 of its MoE layers per stage at
+# most 32 stages exceed a B200): the plan refuses it for memory, and its pipeline verdict is the spec's.
+TOO_LARGE_FOR_ANY_GPU = {"deepseek-v3.json"}
+ISSUE_FAMILIES = {"phi3", "gemma2", "gemma3_text", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmo2", "stablelm",
+                  "gpt_neox", "falcon", "opt", "llama", "mistral", "qwen2", "gpt2"}
+
+
+def test_the_manifest_names_every_config_and_covers_every_family_of_the_issue():
+    assert sorted(MANIFEST) == sorted(p.name for p in MODELS.glob("*.json")) and HETEROGENEOUS <= set(MANIFEST)
+    assert ISSUE_FAMILIES <= {kind for _, kind in CONFIGS.values()}
+    for row in MANIFEST.values():
+        verbatim = row["repository"] != "-"
+        assert all(row[k] != "-" for k in ("path", "commit", "licence")) == verbatim, row["file"]
+        if verbatim:
+            assert len(row["commit"]) == 40 and row["path"].endswith(".json"), row["file"]
+
+
+def _stages(layers: int) -> int:
+    """A pipeline depth every family can take (each stage at least two decoder layers) and that fits the largest
+    configs (DeepSeek-V3's 671B parameters: 32 stages) in B200 memory."""
+    return max(s for s in (2, 4, 8, 16, 32) if s <= max(2, layers // 2) or (s == 32 and layers >= 60))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_plan_offers_a_rehearsal_that_converts_or_refuses_pipeline_naming_the_part(name, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from tests.test_pipeline_convert import run_layers
-    from toolkit.inputs.grid import ParallelGrid
-    from toolkit.inputs.modelspec import resolve_model
-    from toolkit.train.pipeline.convert import CausalLMLoss, RouterStats, Source
+    from toolkit.cli import main
+    from toolkit.inputs.modelspec import build_spec, resolve_model
     from toolkit.run.rehearsal import make_rehearsal_model, plan_for_model
-    from toolkit.inputs.strategy import parse_strategy
+    from toolkit.train.model import load_config
+    from toolkit.train.pipeline.convert import CausalLMLoss, RouterStats, Source
 
-    spec = resolve_model(str(FAMILIES[family]))
-    assert spec.model_type == family and spec.pipeline_blocker is None
-    ParallelGrid.for_strategy(parse_strategy("hybrid"), nodes=1, gpus_per_node=8, pipeline_stages=4) \
-        .check_model(spec)
-    # The rehearsal's model: this config shrunk (same class, settings kept), here with the MoE router loss on so
-    # the pipeline's carried router sums are checked too.
-    plan = plan_for_model(str(FAMILIES[family]), "zero3")
-    if spec.moe_experts:
-        plan = plan.replace(model_config={**plan.model_config, "output_router_logits": True})
-    tiny_dir = make_rehearsal_model(plan, tmp_path / "tiny")
+    path, kind = CONFIGS[name]
+    spec = resolve_model(str(path))
+    assert spec.model_type == kind
+    row = MANIFEST.get(name, {})
+    if row.get("published_params", "-") != "-":
+        assert spec.params == int(row["published_params"]), row["params_source"]
+
+    # The user's command: B200s so that even the largest config fits a hybrid plan in memory; the verdict is the
+    # pipeline's, not the memory's.
+    code = main(["plan", str(path), "--gpus", "32x8xB200", "--seq", "256", "--micro-batch", "1",
+                 "--pipeline-stages", str(_stages(spec.num_layers)), "--strategies", "hybrid", "--choose", "hybrid",
+                 "--out", str(tmp_path / "plan")])
+    out = capsys.readouterr()
+    if name in TOO_LARGE_FOR_ANY_GPU:
+        assert code == 2 and "GiB" in out.err and spec.pipeline_blocker is None, out.err[-2000:]
+    elif spec.pipeline_blocker is None:
+        assert code == 0, out.err[-2000:]
+        assert f"toolkit launch {tmp_path / 'plan'} --rehearse" in out.out
+    else:
+        assert code == 2 and not (tmp_path / "plan").exists()
+        assert f"pipeline conversion cannot split {kind} ({spec.pipeline_blocker})" in out.err + out.out
+        return
+
+    # The rehearsal's model: the config shrunk by its own class. For MoE models also with the router's
+    # load-balancing loss on (carried between stages): the plan's verdict on that setting is the converter's too.
+    tiny_dir = make_rehearsal_model(plan_for_model(str(path), "zero3"), tmp_path / "tiny")
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
-    assert model.config.model_type == family and model.config.num_hidden_layers == 4
-    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        source = Source(model.config, tiny_dir)
-        out = run_layers(source, ids)
-        loss = CausalLMLoss(model.config.vocab_size, RouterStats.for_source(source))(out, ids)
-        reference = model(ids, labels=ids)
-    torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, reference.logits, atol=0, rtol=0)
-    torch.testing.assert_close(loss, reference.loss)
+    # A vision-language config's rehearsal model is its text model (what AutoModelForCausalLM builds: Qwen3.5).
+    assert model.config.model_type in (kind, load_config(str(path)).get_text_config().model_type)
+    assert model.config.get_text_config().num_hidden_layers == 4
+    for extra in [{}] + ([{"output_router_logits": True}] if spec.moe_experts else []):
+        config = load_config(str(path))
+        for key, value in extra.items():  # the plan's verdict on the real config with this setting ...
+            setattr(config.get_text_config(), key, value)
+        blocker = build_spec(str(path), config).pipeline_blocker
+        model.config.get_text_config().output_router_logits = bool(extra)  # ... and the converter's on the tiny one
+        if blocker is not None:
+            with pytest.raises(UserError, match="pipeline conversion cannot split this model"):
+                Source(model.config, tiny_dir)
+            continue
+        vocab = model.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            source = Source(model.config, tiny_dir)
+            logits = run_layers(source, ids)
+            loss = CausalLMLoss(vocab, RouterStats.for_source(source))(logits, ids)
+            reference = model(ids, labels=ids)
+        assert isinstance(logits, tuple) == bool(extra)
+        torch.testing.assert_close(logits[0] if isinstance(logits, tuple) else logits, reference.logits, atol=0,
+                                   rtol=0)
+        torch.testing.assert_close(loss, reference.loss)
+
+
+def test_a_config_whose_decoder_layers_differ_in_shape_is_refused_in_one_line(capsys):
+    """Gemma-4: transformers refuses the global read of its per-layer head_dim / KV heads; the plan names them."""
+    from toolkit.cli import main
+
+    code = main(["plan", str(MODELS / "gemma-4-26b-a4b.json"), "--gpus", "8xH100-80GB"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "decoder layers differ in head_dim, num_key_value_heads" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_vision_language_config_whose_forward_the_trace_cannot_follow_is_refused_in_one_line(capsys):
+    """Gemma-3-4B (with its vision tower): the activation trace stops at a data-dependent shape; the plan says so in
+    one line (exit 2), and a pipeline request names the vision tower the converter would drop."""
+    from toolkit.cli import main
+
+    code = main(["plan", str(MODELS / "gemma-3-4b-it.json"), "--gpus", "8xH100-80GB", "--seq", "1024",
+                 "--micro-batch", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "cannot estimate the activation memory of" in err and "depend on the data" in err
 
 
 def test_a_family_member_the_converter_cannot_split_is_refused_at_plan_time_naming_the_part(capsys):
@@ -72,17 +157,20 @@ def test_a_family_member_the_converter_cannot_split_is_refused_at_plan_time_nami
 
 
 @pytest.mark.multiprocess
-def test_the_rehearsal_of_a_moe_pipeline_plan_from_a_real_config_passes(tmp_path, capfd):
-    """Qwen1.5-MoE, which rehearsals refused before ("no rehearsal model for model_type qwen2_moe"): its config
-    shrunk, 2 pipeline stages on 2 CPU processes, with the router loss on (carried between the stages)."""
+@pytest.mark.parametrize("name", ["qwen1.5-moe-a2.7b.json", "gpt-oss-20b.json"])
+def test_the_rehearsal_of_a_pipeline_plan_from_a_real_config_passes(name, tmp_path, capfd):
+    """Qwen1.5-MoE, which rehearsals once refused ("no rehearsal model for model_type qwen2_moe"), and GPT-OSS
+    (attention sinks, so eager attention; sliding layers; its own MoE router): each config shrunk, 2 pipeline stages
+    on 2 CPU processes, with the router loss on (carried between the stages)."""
     from toolkit.commands.launch import launch_main
     from toolkit.run.launcher import emit_plan_files
     from toolkit.run.rehearsal import plan_for_model
 
-    plan = plan_for_model(str(MODELS / "qwen1.5-moe-a2.7b.json"), "pipeline", gpus_per_node=8, pipeline_stages=8,
-                          micro_batch=2, grad_accum=4, seq_len=512)
+    path, kind = CONFIGS[name]
+    plan = plan_for_model(str(path), "pipeline", gpus_per_node=8, pipeline_stages=8, micro_batch=2, grad_accum=4,
+                          seq_len=512)
     plan = plan.replace(model_config={**plan.model_config, "output_router_logits": True})
     code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
     out = capfd.readouterr().out
     assert code == 0, out[-3000:]
-    assert "qwen2_moe 4 layers" in out and "rehearsal passed" in out
+    assert f"{kind} 4 layers" in out and "rehearsal passed" in out

@@ -56,6 +56,28 @@ def test_fake_world_states_equal_the_per_rank_states_model(tiny_llama, tensor, m
     assert abs(world.peak_bytes / b.peak_bytes - 1) < PEAK_TOLERANCE
 
 
+def test_a_tied_head_traces_under_tensor_parallelism_as_from_pretrained_shards_it(monkeypatch):
+    """A tied embedding (Qwen2.5-0.5B, Llama-3.2): transformers shards the model untied and ties it after loading;
+    the fake world does the same (a tied model made maybe_distribute_model look the head up as a module: KeyError
+    'lm_head.weight'), and the shards equal the states model's, the tied matrix counted once."""
+    from toolkit.estimate.fakeworld import trace_world
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.run.tiny import tiny_config
+
+    monkeypatch.setenv("TOOLKIT_NO_CACHE", "1")
+    config = tiny_config("qwen2", vocab_size=512, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128)
+    config.tie_word_embeddings = True
+    spec = build_spec("qwen2-tied", config)
+    assert spec.tied
+    strategy = parse_strategy("fsdp2")
+    grid = ParallelGrid.for_strategy(strategy, nodes=1, gpus_per_node=4, tensor=2)
+    job = Job(seq_len=64, micro_batch=1, precision="fp32", device_kind="cpu")
+    world = trace_world(spec, strategy, job, grid)
+    b = estimate_memory(spec, strategy, job, parse_hardware("4xH100-80GB"), grid=grid)
+    assert world.parameters_bytes == b.parameters_bytes and world.gradients_bytes == b.gradients_bytes
+
+
 def test_explain_names_the_fake_world_terms_and_the_derived_ones(tmp_path, monkeypatch, capsys):
     from toolkit.cli import main
 

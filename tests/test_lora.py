@@ -294,3 +294,42 @@ def test_llama_3_8b_lora_on_one_rtx_4090_picks_ddp(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     chosen = out.get("chosen") or out["candidates"][0]
     assert (chosen.get("strategy") if isinstance(chosen, dict) else chosen) == "ddp"
+
+
+def test_qlora_zero3_with_uint8_storage_is_refused_alike_by_plan_estimate_emit_and_check(capsys, tmp_path):
+    """ZeRO-3 cannot partition a 4-bit base stored as uint8 (toolkit.train refuses it): the planner lists every
+    zero3 row under "not possible" with toolkit.inputs.job.adapter_problem's reason, estimate refuses it in one line,
+    and emit / check refuse a plan.json edited to it; with bfloat16 storage zero3 is offered. FSDP2 stays offered
+    with uint8 (accelerate leaves the codes whole; tests/test_train_lora.py trains it)."""
+    import json
+
+    from toolkit.cli import main
+    from toolkit.inputs.job import adapter_problem
+    from toolkit.inputs.strategy import parse_strategy
+
+    reason = adapter_problem(Adapter(method="qlora"), parse_strategy("zero3"))
+    assert "--qlora-quant-storage bfloat16" in reason
+    zero3s = ["zero3", "zero3-offload-opt", "zero3-offload"]
+    job = ["llama-3-8b", "--method", "qlora", "--gpus", "4xA10G-24GB", "--seq", "2048", "--global-batch", "32",
+           "--strategies", ",".join([*zero3s, "fsdp2"])]
+    assert main(["plan", *job, "--json"]) == 0
+    rows = {c["strategy"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    assert all(not rows[s]["feasible"] and rows[s]["reason"] == reason for s in zero3s)
+    assert rows["fsdp2"]["feasible"]
+    assert main(["plan", *job, "--out", str(tmp_path / "u8")]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {s}: {reason}" in out.split("not possible:")[1] for s in zero3s)
+    assert main(["estimate", "llama-3-8b", "--method", "qlora", "--strategy", "zero3", "--gpus", "4xA10G-24GB",
+                 "--seq", "2048", "--micro-batch", "1"]) == 2
+    assert capsys.readouterr().err == f"error: {reason}\n"
+    planned = tmp_path / "bf16"
+    assert main(["plan", *job, "--qlora-quant-storage", "bfloat16", "--choose", "zero3", "--out", str(planned)]) == 0
+    assert "zero3: " not in capsys.readouterr().out.split("not possible:")[-1]
+    plan = json.loads((planned / "plan.json").read_text())
+    assert (plan["strategy"], plan["adapter"]["quant_storage"]) == ("zero3", "bfloat16")
+    plan["adapter"]["quant_storage"] = "uint8"  # an edited (or older) plan
+    (planned / "plan.json").write_text(json.dumps(plan))
+    assert main(["emit", str(planned), "--out", str(tmp_path / "emitted")]) == 2
+    assert capsys.readouterr().err == f"error: {reason}\n" and not (tmp_path / "emitted").exists()
+    assert main(["check", str(planned)]) == 1
+    assert reason in capsys.readouterr().err

@@ -98,6 +98,16 @@ def yaml_plan_consistency(config: dict[str, Any], file: str, plan: Plan) -> list
     return out
 
 
+def plan_adapter_problems(plan: Plan, plan_path: Path) -> list[Problem]:
+    """The adapter rule plan, estimate, emit and toolkit.train apply (toolkit.inputs.job.adapter_problem) on the
+    plan.json's own method and strategy: an edited or older plan the runner would refuse is an error here too.
+    (The rest of check_job runs with --model, in the fit check.)"""
+    from toolkit.inputs.job import adapter_problem
+
+    problem = adapter_problem(plan.adapter_spec, plan.strategy_spec)
+    return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
+
+
 def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Problem]:
     plan_path = directory / PLAN_JSON
     plan = load_plan(plan_path) if plan_path.exists() else None
@@ -107,7 +117,7 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
             raise UserError(f"{directory} holds no plan.json, accelerate_config.yaml or ds_config.json; give the "
                             "config files themselves")
         return check_paths([str(n) for n in names[:1]], gpus=gpus)  # the YAML names its JSON, else the JSON
-    out: list[Problem] = []
+    out: list[Problem] = plan_adapter_problems(plan, plan_path)
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
     checked_json: Path | None = None

@@ -198,9 +198,16 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
     notes: list[str] = []
     with _fake_world(grid.world), _trace_environment(attention, job.device_kind, notes) as attn_impl, \
             _quiet_view_warnings():
-        with torch.device("meta"):  # the mesh and the wrapping happen outside FakeTensorMode (torchtitan's order)
+        # from_pretrained builds the model untied (transformers.initialization.no_tie_weights) when it shards it,
+        # and ties the weights after loading them (modeling_utils `_finalize_model_loading`): the same order here.
+        from transformers import initialization
+
+        untied = initialization.no_tie_weights() if grid.tensor > 1 else contextlib.nullcontext()
+        with torch.device("meta"), untied:  # mesh and wrapping outside FakeTensorMode (torchtitan's order)
             model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
         route = _wrap(model, strategy, grid, compute_dtype, job.precision)
+        if grid.tensor > 1:
+            model.tie_weights()
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             model.train()

@@ -218,16 +218,19 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         traced_by = trace_compiled_activations if job.compile else trace_activations
         trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
         if trace is None:
-            if job.compile:
-                trace = trace_compiled_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
-                                                   autocast=autocast, attention=attention,
-                                                   device_kind=job.device_kind, checkpointing=job.checkpointing,
-                                                   blocks=job.compile == "blocks", chunked_loss=job.chunked_loss)
-            else:
-                trace = trace_activations(spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype,
-                                          autocast=autocast, attention=attention, device_kind=job.device_kind,
-                                          checkpointing=job.checkpointing, liger=job.liger, adapter=adapter,
-                                          tiled=job.tiled, chunked_loss=job.chunked_loss)
+            try:
+                if job.compile:
+                    trace = trace_compiled_activations(
+                        spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
+                        attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
+                        blocks=job.compile == "blocks", chunked_loss=job.chunked_loss)
+                else:
+                    trace = trace_activations(
+                        spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
+                        attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
+                        liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss)
+            except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
+                raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace), code=traced_by)
         if attention != job.attention:

@@ -43,8 +43,17 @@ def _tiled_mlp_forward(self, x):
     if self.training and torch.is_grad_enabled():
         LAST_CHUNKS["mlp"] = shards
     # The MLP class's own forward, run per chunk by the engine's autograd function.
-    return TiledMLP.apply(lambda mlp, chunk: type(mlp).forward(mlp, chunk), self, x, shards,
+    return TiledMLP.apply(lambda mlp, chunk: type(mlp).forward(mlp, _plain(chunk)), self, x, shards,
                           [p for p in self.parameters()])
+
+
+def _plain(chunk):
+    """A chunk the engine cut under no_grad (its forward pass) is a view that requires grad yet has no grad_fn;
+    nothing differentiates it there, and module hooks that register gradient hooks on their inputs (torch's
+    ModTracker, under MemTracker) fail on such a view, so it goes in detached. The backward's recompute keeps it."""
+    import torch
+
+    return chunk if torch.is_grad_enabled() else chunk.detach()
 
 
 def _agreed(shards: int, device) -> int:
@@ -65,7 +74,7 @@ def _chunk_loss_sum(model=None, hidden_states=None, shift_labels=None):
     transformers' loss reduce by sum): chunks hold different numbers of labelled tokens, and a chunk with none gives
     0, not the mean's nan (ArcticTraining's fused_logits_loss_fn weighs each chunk the same way)."""
     with _INNER_HOOKS[0]():
-        logits = model.get_output_embeddings()(hidden_states)
+        logits = model.get_output_embeddings()(_plain(hidden_states))
         # A chunk of a micro-batch above 1 is a strided view, which the loss's view(-1) cannot flatten.
         return model.loss_function(logits=logits, labels=None, vocab_size=model.config.vocab_size,
                                    shift_labels=shift_labels.contiguous(), num_items_in_batch=1)

@@ -73,11 +73,17 @@ def find_parts(model: Any, config: Any) -> DecoderParts:
         raise NotStandard(f"{kind}: no list of decoder layers (an nn.ModuleList of num_hidden_layers entries)")
     layers_path = paths[id(layer_list)]
     parent_path = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
-    for name, child in model.named_children():  # the causal LM: the base model, the head, nothing else with weights
-        if child is head or (parent_path + ".").startswith(name + "."):
-            continue
-        if any(True for _ in child.parameters()):
-            raise NotStandard(f"{kind}: part '{name}' ({type(child).__name__}) beside the language model")
+    # From the causal LM down to the module holding the layers: the base model(s), the head, nothing else with
+    # weights (a vision-language model's vision tower and projector sit beside its language model).
+    ancestors = [""] + [".".join(parent_path.split(".")[:i + 1]) for i in range(parent_path.count(".") + 1)
+                        if parent_path]
+    for ancestor in ancestors[:-1] if parent_path else ancestors:
+        for name, child in (model.get_submodule(ancestor) if ancestor else model).named_children():
+            path = f"{ancestor}.{name}" if ancestor else name
+            if child is head or (parent_path + ".").startswith(path + "."):
+                continue
+            if any(True for _ in child.parameters()):
+                raise NotStandard(f"{kind}: part '{path}' ({type(child).__name__}) beside the language model")
     if getattr(text, "alibi", False):
         raise NotStandard(f"{kind}: ALiBi attention bias (config alibi=true) is built from the whole sequence's "
                           "mask inside the base model")

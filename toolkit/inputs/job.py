@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from toolkit.errors import UserError
-from toolkit.inputs.lora import FULL, Adapter
+from toolkit.inputs.lora import FULL, Adapter, quantized_base_sharded
 from toolkit.inputs.strategy import Engine
 
 if TYPE_CHECKING:
@@ -172,9 +172,9 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
     None. The model types Liger supports are checked in check_job (liger_problem, below)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
         return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
-    if strategy is not None and strategy.is_pipeline and adapter.is_adapter:
-        return (f"{adapter.method} trains through PEFT on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline "
-                "engine")
+    problem = adapter_problem(adapter, strategy)
+    if problem:
+        return problem
     if strategy is not None and strategy.is_pipeline and activation_offloading:
         return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
     if strategy is not None and strategy.is_pipeline and liger:
@@ -197,6 +197,25 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
             return problem
     if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
         return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
+    return None
+
+
+def adapter_problem(adapter: Adapter, strategy: "Strategy | None") -> str | None:
+    """Why `adapter` (LoRA / QLoRA) cannot train under `strategy`, or None: the one rule the planner (a row under
+    "not possible"), estimate, emit, check and toolkit.train (also for --lora / --qlora given at run time) apply."""
+    if strategy is None or not adapter.is_adapter:
+        return None
+    if strategy.is_pipeline:
+        return (f"{adapter.method} trains through PEFT on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline "
+                "engine")
+    if adapter.method == "qlora" and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3 \
+            and not quantized_base_sharded(adapter):
+        # docs/ENGINE_FACTS.md "QLoRA under FSDP2 / ZeRO-3": ZeRO-3 partitions every parameter, the frozen 4-bit
+        # ones included; PEFT's documented ZeRO-3 QLoRA route stores the codes in bf16 (FSDP2 instead leaves uint8
+        # codes whole, which the estimate budgets).
+        return ("QLoRA under ZeRO-3 needs the 4-bit base stored in a floating dtype for DeepSpeed to partition it "
+                f"(--qlora-quant-storage {adapter.quant_storage} is not); plan with --qlora-quant-storage bfloat16, "
+                "or use zero2 / fsdp2")
     return None
 
 

@@ -362,7 +362,8 @@ def frozen_base_bytes(counts: AdapterCounts, adapter: Adapter, storage_bytes_per
 def quantized_base_sharded(adapter: Adapter) -> bool:
     """Whether FSDP2 / ZeRO-3 shard a QLoRA base's packed 4-bit codes: only when bnb_4bit_quant_storage is a
     floating dtype. accelerate's fsdp2_prepare_model passes frozen non-floating Params4bit (uint8 storage) to
-    fully_shard as ignored_params, so they stay whole on every GPU; toolkit.train refuses uint8 under ZeRO-3."""
+    fully_shard as ignored_params, so they stay whole on every GPU; ZeRO-3 refuses them
+    (toolkit.inputs.job.adapter_problem)."""
     return adapter.method == "qlora" and adapter.quant_storage != "uint8"
 
 

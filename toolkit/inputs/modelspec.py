@@ -251,15 +251,18 @@ def shape_config(*, layers: int, hidden: int, heads: int, kv_heads: int | None =
 
 
 def reduced_config(config, num_layers: int, keep: int):
-    """A copy of config with `keep` layers; per-layer lists (e.g. layer_types) cut to match."""
+    """A copy of config with `keep` layers; per-layer lists (e.g. layer_types) cut to match. A vision-language
+    config keeps its layers in its text config (what AutoModelForCausalLM builds): that one is cut."""
     reduced = copy.deepcopy(config)
-    for key, value in list(vars(reduced).items()):
+    text = reduced.get_text_config() if hasattr(reduced, "get_text_config") else reduced
+    for key, value in list(vars(text).items()):
         if isinstance(value, (list, tuple)) and len(value) == num_layers and keep < num_layers:
-            setattr(reduced, key, type(value)(value[:keep]))
-    reduced.num_hidden_layers = keep
+            setattr(text, key, type(value)(value[:keep]))
+    text.num_hidden_layers = keep
     # The HF Trainer sets config.use_cache = TrainingArguments.use_cache (False by default): no KV cache in training.
-    if hasattr(reduced, "use_cache"):
-        reduced.use_cache = False
+    for part in {id(reduced): reduced, id(text): text}.values():
+        if hasattr(part, "use_cache"):
+            part.use_cache = False
     return reduced
 
 
@@ -387,6 +390,12 @@ def build_spec(name: str, config) -> ModelSpec:
     problem = causal_lm_problem(config)
     if problem:
         raise UserError(f"'{name}': {problem}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    per_layer = sorted(getattr(text.__dict__.get("_heterogeneity_spec"), "per_layer_attributes", ()))
+    if per_layer:  # transformers refuses the global read of these (AmbiguousGlobalPerLayerAttributeError)
+        raise UserError(f"'{name}': its decoder layers differ in {', '.join(per_layer)} (a heterogeneous "
+                        f"{text.model_type} config, e.g. Gemma-4's wider global-attention heads); toolkit plans "
+                        "models whose decoder layers share one shape")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

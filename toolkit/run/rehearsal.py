@@ -42,6 +42,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
 
     config = load_config(str(model_dir))
     spec = build_spec(str(model_dir), config)
+    attention = spec.effective_attention(attention)  # GPT-OSS (attention sinks) has no sdpa: eager, as the planner
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
                                      pipeline_stages=pipeline_stages if kind.is_pipeline else None,

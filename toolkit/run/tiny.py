@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -149,11 +150,29 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     old_heads = int(data.get(key("num_attention_heads")) or heads)
     old_head_dim = int(data.get("head_dim") or old_hidden // old_heads)
     head_dim = hidden // heads
+    # The rotary part of a head (partial_rotary_factor) and the sections it is split into (Qwen3.5's multimodal
+    # mrope_section: lists summing to the rotary half): a head with its own size (head_dim in the config) stays wide
+    # enough to give every section a frequency.
+    rope = next((data[n] for n in ("rope_parameters", "rope_scaling") if isinstance(data.get(n), dict)), {})
+    partial = float(rope.get("partial_rotary_factor") or data.get("partial_rotary_factor") or 1.0)
+    old_rotary = int(old_head_dim * partial) // 2
+    sections = max((len(v) for v in rope.values() if _is_partition(v, old_rotary)), default=0)
+    if data.get("head_dim") and int(head_dim * partial) // 2 < sections:
+        head_dim = 2 * math.ceil(sections / partial)
     data[key("num_hidden_layers")] = layers
     data[key("hidden_size")] = hidden
     data[key("num_attention_heads")] = heads
     if "head_dim" in data and data["head_dim"] is not None:
         data["head_dim"] = head_dim
+    for name, value in list(data.items()):
+        # Multi-head latent attention (DeepSeek-V2/V3): per-head parts (qk_nope / qk_rope / v_head_dim) scale with
+        # the head, the low-rank projections (kv / q_lora_rank) with the width.
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            continue
+        if name.endswith("_head_dim") and name != "head_dim":
+            data[name] = max(2, 2 * round(value * head_dim / old_head_dim / 2))
+        elif name.endswith("_lora_rank"):
+            data[name] = max(8, value * hidden // old_hidden)
     if data.get("query_pre_attn_scalar") == old_head_dim:  # Gemma: the attention scale is 1 / sqrt(head_dim)
         data["query_pre_attn_scalar"] = head_dim
     for name in _KV_KEYS:
@@ -175,6 +194,12 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     for name in _TOP_K_KEYS:
         if isinstance(data.get(key(name)), int) and data[key(name)] >= 1:
             data[key(name)] = min(data[key(name)], 2, experts)
+    if isinstance(data.get("n_group"), int) and data["n_group"] > 1:  # group-limited routing (DeepSeek-V3):
+        data["n_group"] = max(1, min(data["n_group"], experts // 2))  # 2+ experts per group, groups divide experts
+        while experts % data["n_group"]:
+            data["n_group"] -= 1
+        if isinstance(data.get("topk_group"), int):
+            data["topk_group"] = min(data["topk_group"], data["n_group"])
     if present("word_embed_proj_dim"):  # OPT: an input / output projection exists when this differs from hidden
         data["word_embed_proj_dim"] = hidden if data["word_embed_proj_dim"] == old_hidden else hidden // 2
     if isinstance(data.get("sliding_window"), int) and data["sliding_window"] > 0:
@@ -184,13 +209,13 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     for name, value in list(data.items()):
         if name.endswith("_layers") and isinstance(value, list) and all(isinstance(v, int) for v in value):
             data[name] = [v for v in value if v < layers]  # layer-index lists (Qwen-MoE's mlp_only_layers)
-    if isinstance(data.get("layer_types"), list):
-        data["layer_types"] = _shrunk_pattern(data["layer_types"], layers)
+    if isinstance(data.get(key("layer_types")), list):  # Nemotron-H's attribute_map: layers_block_type
+        data[key("layer_types")] = _shrunk_pattern(data[key("layer_types")], layers)
     old_positions = data.get(key("max_position_embeddings"))
     if present("max_position_embeddings"):
         data[key("max_position_embeddings")] = max_positions
     ratio = max_positions / old_positions if isinstance(old_positions, int) and old_positions else 1.0
-    old_rotary, new_rotary = old_head_dim // 2, head_dim // 2
+    new_rotary = int(head_dim * partial) // 2
     for name in ("rope_parameters", "rope_scaling"):
         if isinstance(data.get(name), dict):
             data[name] = _shrunk_rope(data[name], ratio, old_rotary, new_rotary)
@@ -223,6 +248,8 @@ def _shrunk_rope(rope: dict, ratio: float, old_rotary: int, new_rotary: int) -> 
     for name, value in rope.items():
         if isinstance(value, dict):
             out[name] = _shrunk_rope(value, ratio, old_rotary, new_rotary)
+        elif _is_partition(value, old_rotary) and len(value) <= new_rotary:
+            out[name] = _rescaled_partition(value, new_rotary)
         elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
             size = max(1, round(len(value) * new_rotary / max(1, old_rotary)))
             out[name] = [value[int(i * len(value) / size)] for i in range(size)]
@@ -266,4 +293,20 @@ def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corp
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "toolkit_tiny.json").write_text(json.dumps({"arch": config.model_type, "seed": seed}) + "\n")
+    return out
+
+
+def _is_partition(value: Any, total: int) -> bool:
+    """A list of positive ints summing to `total`: the rotary frequencies split into sections (mrope_section)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                                            for v in value) and sum(value) == total
+
+
+def _rescaled_partition(value: list[int], total: int) -> list[int]:
+    """The same sections in proportion, summing to `total`, each at least 1 (largest remainders round up)."""
+    spare = total - len(value)
+    exact = [v / sum(value) * spare for v in value]
+    out = [1 + int(e) for e in exact]
+    for i in sorted(range(len(value)), key=lambda i: int(exact[i]) - exact[i])[:total - sum(out)]:
+        out[i] += 1
     return out

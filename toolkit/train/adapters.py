@@ -14,7 +14,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.inputs.lora import Adapter
-from toolkit.inputs.strategy import Engine
+from toolkit.inputs.job import adapter_problem
 
 
 def adapter_for_run(plan, args) -> Adapter | None:
@@ -35,10 +35,9 @@ def adapter_for_run(plan, args) -> Adapter | None:
     adapter = replace(adapter, **overrides)  # validates the values (UserError on bad ones)
     if not adapter.is_adapter:
         return None
-    if adapter.method == "qlora" and plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3 \
-            and adapter.quant_storage == "uint8":
-        raise UserError("QLoRA under ZeRO-3 needs a floating 4-bit storage dtype to partition the base; plan with "
-                        "--qlora-quant-storage bfloat16")
+    problem = adapter_problem(adapter, plan.strategy_spec)  # the planner's rule: the plan never offers it
+    if problem:
+        raise UserError(problem)
     if args.merge_final and (args.random_init or adapter.method == "qlora"):
         raise UserError("--merge-final merges the adapter into saved 16-bit base weights: a --random-init run has "
                         "none and a QLoRA base is 4-bit; drop --merge-final (merge onto the original weights with "

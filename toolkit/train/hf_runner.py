@@ -272,6 +272,11 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         # The shard this rank holds (a DTensor's local part under tensor parallelism).
         checksum = sum(float(getattr(p, "_local_tensor", p).detach().double().abs().sum())
                        for p in model.parameters())
+        # QLoRA: elements of the 4-bit weights (packed codes) this rank holds, and in all (whole on every rank
+        # unless FSDP2 / ZeRO-3 shard them: toolkit.inputs.lora.quantized_base_sharded).
+        four_bit = [m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"]
+        four_bit_numel = [sum(getattr(p, "_local_tensor", p).numel() for p in four_bit),
+                          sum(p.numel() for p in four_bit)]
         # Every rank runs the forward (ZeRO-3 and FSDP2 gather parameters collectively).
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
@@ -281,7 +286,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
                "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
-               "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR")}
+               "four_bit_numel": four_bit_numel, "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR")}
     write_rank_summary(folder, rank, summary)
 
 
