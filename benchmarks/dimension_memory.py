@@ -376,7 +376,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "as the HF Trainer does), 2 processes."), "",
              ("*Formula*: the per-rank states formula (benchmarks/dimension_memory.py `states_formula`). *Model*: "
               "`estimate_memory(spec, strategy, job, hw, grid=plan.grid)`, the planner's per-rank model. Ratios are "
-              "predicted / measured; off by more than 5% in bold."), "",
+              "predicted / measured; off by more than 5% in bold. Tiled rows: ALST tiling (DeepSpeed TiledMLP + "
+              "SequenceTiledCompute for the logits + loss, toolkit.estimate.tiling); a row at another length says "
+              "so in its grid column."), "",
              "| case | grid | persistent MiB measured | formula | ratio | model | ratio | peak MiB measured | model | "
              "ratio | losses (rank 0) |", "|" + "---|" * 11]
     for r in rows:
@@ -450,6 +452,16 @@ backward against 32.65 MB measured) until the model followed what the run does (
   Replicate redistribute of a 1,024,000 B slice peaks at the slice + 2 x 2,048,000 B.
 The CPU-side TP view (transformers' `source[slices].to(device)`) plays no part in the peak once the shards are
 copied out (above); on CPU MemTracker sees no gloo-internal buffer, as on a GPU it would not see NCCL's.
+
+**ALST tiling** (`--tiled`: toolkit.estimate.tiling's patch, DeepSpeed's TiledMLP in every layer and the logits +
+loss through its SequenceTiledCompute, as toolkit.train applies it). zero3-sp2-tiled is zero3-sp2 with tiling: at 64
+tokens per rank every chunk count is 1, so the difference is what tiling keeps and recomputes: the MLPs' FFN-wide
+tensors and the whole logits with their log-softmax are no longer held from forward to backward, and the measured
+peak falls from 64.54 to 59.29 MiB, predicted within 3% (the model traces the same patch under FakeTensorMode at the
+rank's shapes); the losses equal the untiled run's to the printed digits, and the states do not change.
+zero3-tiled runs plain ZeRO-3 (dp 2) at 512 tokens per rank, so TiledMLP cuts each rank's sequence into 2 chunks of
+256 (the hidden size): its peak is predicted to 0.1%. What tiling costs in time (the MLPs' and the LM head's forward
+run again in backward) is in the step-time model (toolkit.estimate.timing `tiled_recompute_s`), not measured here.
 
 **Not measured here**: context parallelism (needs CUDA, benchmarks/gpu_check.py --multi-gpu), bf16 (the HF
 Trainer refuses bf16 with DeepSpeed on CPU; the states terms for bf16 are those of distributed_memory.md), and the

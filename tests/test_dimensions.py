@@ -453,6 +453,18 @@ def test_plan_refuses_cp_and_sdpa_sp_for_a_sliding_window_model_once_per_row(cap
     assert "(dp=4 x tp=2)" in out
 
 
+def test_seq_max_stops_ulysses_with_sdpa_at_the_sliding_window(capsys):
+    """--seq max answers what a fixed --seq allows: past Mistral's 4096-token window Ulysses with sdpa is refused,
+    so its longest sequence is the window, and the line says why and how to go further."""
+    from toolkit.cli import main
+
+    assert main(["estimate", "mistral-7b", "--gpus", "8xH100-80GB", "--strategy", "zero3", "--sequence-parallel", "2",
+                 "--seq", "max"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "longest sequence 4,096 tokens (its 4096-token sliding window" in first
+    assert "--attention flash_attention_2 keeps it" in first
+
+
 def test_plan_at_8k_32k_128k_lists_tp_cp_sp_with_memory_and_time(capsys):
     from toolkit.cli import main
 

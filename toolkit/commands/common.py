@@ -111,7 +111,7 @@ def longest_line(found, spec) -> str:
         return f"{found.name}: no sequence fits ({found.reason})"
     c = found.candidate
     tail = (f" (the model's {spec.max_positions} positions; memory allows more)" if found.capped_by_positions
-            else "")
+            else f" ({found.capped_by})" if found.capped_by else "")
     return (f"{found.name}: longest sequence {found.seq_len:,} tokens{tail}, {c.memory.required_bytes / GIB:.1f} "
             f"GiB per GPU, {c.timing.tokens_per_s:,.0f} tokens/s (micro-batch 1"
             f"{checkpointing_words(c.job.checkpointing)})")

@@ -163,7 +163,7 @@ PDSH_SAFE = [
     "# spaces, and runs it after an unquoted `cd $PWD` (deepspeed/launcher/multinode_runner.py): a word that shell",
     "# would change is refused here, before anything starts.",
     'for WORD in "$HERE" "${PROGRAM[@]}" "$PWD/"; do',
-    '  if [[ "$WORD" == *[!A-Za-z0-9_@+=:,./\ -]* || ( "$WORD" == "$PWD/" && "$WORD" == *\ * ) ]]; then',
+    '  if [[ "$WORD" == *[!A-Za-z0-9_@+=:,./\\ -]* || ( "$WORD" == "$PWD/" && "$WORD" == *\\ * ) ]]; then',
     '    echo "error: DeepSpeed\'s multi-node launcher hands ${WORD@Q} to each host\'s shell, which would change it; '
     'use names, paths and values without shell characters (or spaces, for the current folder), or slurm.sbatch" >&2',
     '    exit 2',

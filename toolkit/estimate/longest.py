@@ -42,6 +42,8 @@ class Longest:
     """The evaluation at seq_len (or the last refusal when none fits)."""
     capped_by_positions: bool = False
     """The model's positions stop before memory does."""
+    capped_by: str = ""
+    """Another limit that stops the answer before memory does (the sliding window Ulysses keeps with sdpa)."""
     curve: tuple[tuple[int, int], ...] = ()
     """(sequence length, required bytes per GPU) at powers of two, for the chart."""
 
@@ -100,7 +102,7 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
                 continue
             best: Longest | None = None
             for grid in grids:
-                found = _longest_on(spec, hw, strategy, grid, req, cap, key)
+                found = _longest_within_window(spec, hw, strategy, grid, req, cap, key)
                 if best is None or (found.seq_len, _speed(found)) > (best.seq_len, _speed(best)):
                     best = found
             if best is not None:
@@ -115,8 +117,25 @@ def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", gri
 
     cap = seq_cap(spec, grid)
     with traces_linear_in_seq():
-        found = _longest_on(spec, hw, strategy, grid, req, cap, strategy.name)
+        found = _longest_within_window(spec, hw, strategy, grid, req, cap, strategy.name)
         return replace(found, curve=_curve(spec, hw, strategy, found, req, cap, grid))
+
+
+def _longest_within_window(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
+    """_longest_on, stopped at the model's sliding window where Ulysses with sdpa would drop it (the rule a fixed
+    --seq refuses by: toolkit.inputs.grid `check_sequence` with the model)."""
+    from toolkit.inputs.grid import attention_window
+
+    sdpa = grid.sequence > 1 and spec.effective_attention(req.attention) == "sdpa"
+    window = attention_window(spec) if sdpa else None
+    if not window or window >= cap or window < granule(grid):
+        return _longest_on(spec, hw, strategy, grid, req, cap, key)
+    found = _longest_on(spec, hw, strategy, grid, req, window, key)
+    if not found.capped_by_positions:
+        return found
+    return replace(found, capped_by_positions=False,
+                   capped_by=f"its {window}-token sliding window: Ulysses with sdpa drops it beyond; memory allows "
+                             "more, --attention flash_attention_2 keeps it")
 
 
 def _dim(key: str) -> str | None:
