@@ -32,8 +32,6 @@ UNMODELLED = {
     "float8": "float8 training (torchao Float8Linear: fp8 casts saved for backward, fp8 all-gather) not modelled",
     "optimizer_in_backward": "optimizer step fused into backward (gradients freed per parameter) is a torchtune "
                              "recipe, not something the HF Trainer / DeepSpeed / FSDP2 paths do",
-    "chunked-8": "torchtune CEWithChunkedOutputLoss (bf16 logits kept in 8 chunks, fp32 upcast per chunk) is "
-                 "neither HF's loss nor Liger's fused linear cross-entropy",
     "rocm": "ROCm caching allocator on MI300X (other block rounding and segment sizes); only CUDA is modelled",
     "lora": "LoRA adapters are issue 12's model (toolkit method=lora); scored here once it lands",
 }
@@ -57,8 +55,6 @@ def unmodelled(job: dict) -> list[str]:
         out.append("float8")
     if job.get("optimizer_in_backward"):
         out.append("optimizer_in_backward")
-    if job.get("loss") == "chunked-8":
-        out.append("chunked-8")
     if job.get("gpu") == "MI300X":
         out.append("rocm")
     if job.get("lora"):
@@ -68,6 +64,8 @@ def unmodelled(job: dict) -> list[str]:
 
 CHECKPOINTING = {"full": True, "selective-op": "op", "none": False}
 """The data file's checkpointing names -> Job.checkpointing."""
+CHUNKED_LOSS = {"full-fp32": 0, "chunked-8": 8}
+"""The data file's loss names -> Job.chunked_loss (torchtune's CEWithChunkedOutputLoss, toolkit.estimate.chunkedce)."""
 
 
 def estimate_row(row: dict) -> dict:
@@ -86,7 +84,7 @@ def estimate_row(row: dict) -> dict:
               precision=job_in["precision"], optimizer=job_in["optimizer"], checkpointing=ckpt,
               attention=job_in["attention"], device_kind="cuda", optimizer_impl=job_in["optimizer_impl"],
               activation_offloading=job_in["activation_offloading"], liger=job_in.get("liger", False),
-              compile=job_in.get("compile", False))
+              compile=job_in.get("compile", False), chunked_loss=CHUNKED_LOSS[job_in.get("loss", "full-fp32")])
     b = estimate_memory(spec, parse_strategy(job_in["strategy"]), job, hw)
     return {"params": spec.params, "allocated_bytes": b.peak_bytes, "reserved_bytes": reserved_bytes(b.peak_bytes),
             "peak_phase": b.peak_phase, "checkpointing": ckpt}
@@ -247,8 +245,13 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               "attention kernels), and torchtitan's per-op selective checkpointing with --checkpointing op "
               "(toolkit.estimate.selective: its policy run in the trace, each layer keeping its input, the attention "
               "kernel's outputs and every other matmul output), so a row that differs from our model only by these "
-              "is scored; the others still use something the estimator lacks (float8, torchtune's chunked loss or "
-              "optimizer in backward). torchtitan (and torchao's runs of it) compiles each TransformerBlock apart and "
+              "is scored; the others still use something the estimator lacks (float8 or torchtune's optimizer in "
+              "backward). torchtune's chunked cross-entropy (CEWithChunkedOutputLoss, 8 chunks) is estimated with "
+              "--chunked-loss 8 (toolkit.estimate.chunkedce: bf16 logits in 8 sequence chunks, each upcast to fp32 "
+              "and its loss taken apart, traced as it runs eagerly; a real CPU step matches it within 1%). torchtune "
+              "compiles that loss (compute_cross_entropy), whose partition would keep each bf16 chunk (alive anyway) "
+              "and a per-row logsumexp instead of eager's fp32 log-softmax (3.9 GiB for TU-3B's 2 x 4096 x 128256 "
+              "logits); we trace the eager loss, so its row's forward peak is over by up to that. torchtitan (and torchao's runs of it) compiles each TransformerBlock apart and "
               "runs embedding, output and loss eagerly (its apply_compile), estimated with --compile-blocks; with "
               "per-op checkpointing a compiled block keeps what the eager policy keeps, so the compiled rows' "
               "activations equal the eager ones. These rows publish the allocator's reserved peak, which we reach "
@@ -279,8 +282,8 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
                          f"{s['error']:+.1%} |")
         held = [s["error"] for s in speedups if s["role"] != "calibration"]
         lines += ["", f"ELEMENTWISE_HBM_EFFICIENCY is fitted on the calibration pair alone (this run's fit: "
-                  f"{efficiency:.3f}; the code holds it rounded) and KERNEL_OVERHEAD_S is assumed (3 us, NVIDIA's "
-                  "figures): the pairs cannot separate the two constants (an exact fit of both on the two independent "
+                  f"{efficiency:.3f}; the code holds it rounded) and KERNEL_OVERHEAD_S is assumed (3 us, "
+                  "unsourced: no published per-kernel figure for eager PyTorch on A100/H100 was found): the pairs cannot separate the two constants (an exact fit of both on the two independent "
                   "pairs gives a negative efficiency and 101 us a kernel), and the launches are a few per cent of the "
                   "saving. The held-out pairs are "
                   f"{min(held):+.1%} to {max(held):+.1%} off their published speed-ups. The 128-GPU pair shares the "

@@ -234,10 +234,7 @@ def test_whole_step_peak_with_liger_matches_a_real_cpu_step(arch, precision, voc
     # The memory model's composition (the LM-head gradient made in forward, alive until the head's backward)
     # against torch's MemTracker over a real steady-state step of the patched model: forward, fused loss,
     # backward, fused AdamW.
-    import contextlib
-
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    from toolkit.estimate.livebytes import steady_step_peak
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
     from toolkit.estimate.memory import estimate_memory
@@ -248,24 +245,8 @@ def test_whole_step_peak_with_liger_matches_a_real_cpu_step(arch, precision, voc
     config = tiny_config(arch, vocab_size=vocab_size, max_positions=256, hidden=128, layers=3, heads=4, kv_heads=2,
                          ffn=344)  # vocab 1000 / hidden 128: the fused loss runs 8 chunks of 32 rows
     model = build_model(config, precision, "sdpa", False, "cpu")
-    batch = _batch(config, 2, 128, "cpu")
-    amp = _dtype(precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext():
-            loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     with liger_applied(model):
-        step()  # optimizer states: the next step is a steady-state one
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer, *batch.values())
-        with tracker:
-            step()
-    measured = sum(dev["Total"] for dev in tracker.get_tracker_snapshot("peak").values())
+        measured = steady_step_peak(model, _batch(config, 2, 128, "cpu"), autocast_dtype=_dtype(precision))
     job = Job(seq_len=128, micro_batch=2, precision=precision, device_kind="cpu", liger=True)
     predicted = estimate_memory(build_spec(arch, config), parse_strategy("ddp"), job, parse_hardware("1xH200"))
     assert predicted.peak_bytes == pytest.approx(measured, rel=0.01), (predicted.peak_phase, measured)

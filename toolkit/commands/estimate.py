@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), default=1)
     add_checkpointing_flag(p, "activation checkpointing of every layer (the bare flag means on; op: torchtitan's per-op "
                            "selective policy)")
+    p.add_argument("--chunked-loss", type=int_arg("--chunked-loss", bounds.SEQ), default=0, metavar="N",
+                   help="torchtune's chunked cross-entropy: logits and loss in N sequence chunks, each upcast to fp32 "
+                        "apart (torchtune's default 8; no runner here exposes it)")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--trace-world", action="store_true",
                    help="trace one rank of an FSDP2 / FSDP2 x TP / HSDP row in a fake world of the plan's size (the "
@@ -52,7 +55,7 @@ def cmd_estimate(args) -> int:
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args),
-              compile=args.compile, tiled=args.tiled)
+              compile=args.compile, tiled=args.tiled, chunked_loss=args.chunked_loss)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
@@ -80,6 +83,7 @@ def cmd_estimate(args) -> int:
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
                        **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
+                       **({"chunked_loss": job.chunked_loss} if job.chunked_loss else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
                "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
@@ -100,7 +104,8 @@ def cmd_estimate(args) -> int:
           f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
-          f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}")
+          f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
+          f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}")
     if job.adapter.is_adapter:
         a = job.adapter
         print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
@@ -153,6 +158,9 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     if args.trace_world:
         raise UserError("--trace-world traces one sequence length, not --seq max; give --seq a number or drop "
                         "--trace-world")
+    if args.chunked_loss:
+        raise UserError("--chunked-loss is estimated for one sequence length, not --seq max; give --seq a number "
+                        "or drop --chunked-loss")
     from toolkit.estimate.longest import longest_on_grid, text_chart
     from toolkit.estimate.search import Request
     from toolkit.inputs.grid import ParallelGrid

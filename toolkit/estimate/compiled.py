@@ -64,7 +64,8 @@ class CompiledSaved:
 
 def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                                autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
-                               checkpointing: bool | str = False, blocks: bool = False) -> ActivationTrace:
+                               checkpointing: bool | str = False, blocks: bool = False,
+                               chunked_loss: int = 0) -> ActivationTrace:
     """The activation trace of a torch.compile'd step: saved bytes from the compiler's partition, the rest
     (temporaries, autocast cache, output) from the eager trace of the same job.
 
@@ -75,16 +76,20 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
 
     `blocks`: each decoder layer is compiled on its own and embedding, head and loss run eagerly (torchtitan's
     apply_compile: torch.compile per TransformerBlock, fullgraph): the layers as traced compiled, embedding and head
-    as the eager trace has them, and only the layers' traffic fused."""
+    as the eager trace has them, and only the layers' traffic fused. `chunked_loss` (with `blocks` only): that eager
+    head + loss is torchtune's chunked cross-entropy (toolkit.estimate.chunkedce)."""
     from toolkit.estimate import tracer
     from toolkit.inputs.modelspec import reduced_config
 
     if attention == "flash_attention_2":
         raise NotImplementedError("--compile with flash_attention_2: the flash-attn kernels are traced only eagerly; "
                                   "use sdpa (which compiles to the same flash kernel without a mask)")
+    if chunked_loss and not blocks:
+        raise NotImplementedError("chunked cross-entropy under a whole-model compile: the compiled head + loss are "
+                                  "traced unchunked; use blocks (layers compiled, head + loss eager)")
     eager = tracer.trace_activations(config, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                                      autocast=autocast, attention=attention, device_kind=device_kind,
-                                     checkpointing=checkpointing)
+                                     checkpointing=checkpointing, chunked_loss=chunked_loss)
     full_kinds = tracer._layer_kinds_of_full_model(config)
     traced_count = tracer._traced_layer_count(full_kinds)
     reduced = reduced_config(config, len(full_kinds), traced_count)

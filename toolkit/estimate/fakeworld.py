@@ -84,7 +84,8 @@ def untraceable_reason(strategy: "Strategy", grid: "ParallelGrid", job: "Job") -
         return "Ulysses sequence parallelism runs in DeepSpeed"
     for flag, what in ((job.adapter.is_adapter, f"{job.adapter.method} adapters"), (job.liger, "Liger kernels"),
                        (job.activation_offloading, "activation offloading"), (job.compile, "torch.compile"),
-                       (job.checkpointing not in (True, False), "per-op selective checkpointing")):
+                       (job.checkpointing not in (True, False), "per-op selective checkpointing"),
+                       (job.chunked_loss, "chunked cross-entropy losses")):
         if flag:
             return f"{what} are not traced in a fake world"
     if job.optimizer not in ("adamw", "sgd"):

@@ -185,6 +185,29 @@ def peak_step_bytes(model, batch: dict, *, autocast_dtype=None, lr: float = 1e-4
     return totals
 
 
+def steady_step_peak(model, batch: dict, *, autocast_dtype=None, lr: float = 1e-4) -> int:
+    """Peak of all live tensor bytes (MemTracker's total) over a steady-state real training step on CPU: one step of
+    forward, loss, backward and fused AdamW to allocate the optimizer states, then the measured one."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+
+    def step() -> None:
+        with _autocast(autocast_dtype):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *[v for v in batch.values() if isinstance(v, torch.Tensor)])
+    with tracker:
+        step()
+    return sum(dev["Total"] for dev in tracker.get_tracker_snapshot("peak").values())
+
+
 @dataclass(frozen=True)
 class LayerPeaks:
     forward_peak_bytes: int

@@ -193,6 +193,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         key += ("compile",) if job.compile is True else ("compile", job.compile)
     if job.tiled:
         key += ("tiled",)
+    if job.chunked_loss:
+        key += ("chunked_loss", job.chunked_loss)
     if key not in _TRACE_CACHE:
         from dataclasses import replace
 
@@ -211,6 +213,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             disk_key += [adapter.to_dict(), metadata.version("peft")]
         if disk_key and job.tiled:
             disk_key += ["tiled"]
+        if disk_key and job.chunked_loss:
+            disk_key += ["chunked_loss", job.chunked_loss]
         traced_by = trace_compiled_activations if job.compile else trace_activations
         trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
         if trace is None:
@@ -219,12 +223,12 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                     trace = trace_compiled_activations(
                         spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
-                        blocks=job.compile == "blocks")
+                        blocks=job.compile == "blocks", chunked_loss=job.chunked_loss)
                 else:
                     trace = trace_activations(
                         spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
-                        liger=job.liger, adapter=adapter, tiled=job.tiled)
+                        liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss)
             except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
                 raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             if disk_key:

@@ -81,9 +81,14 @@ H100 (NVIDIA H100 tuning guide). Held out: the same model on 128 H100 (-3%) and 
 (no checkpointing, 7075 -> 8998 tokens/s; -9%, its compiled loss's fusion not counted) off their published
 speed-ups (benchmarks/results/published.md)."""
 KERNEL_OVERHEAD_S = 3e-6
-"""Fixed cost of one small GPU kernel in a stream (launch latency, ramp-up and tail: ~2-5 us on A100/H100, NVIDIA
-Nsight measurements quoted in the CUDA Graphs blog, developer.nvidia.com/blog/cuda-graphs). Assumed, not fitted:
-the published pairs cannot separate it from ELEMENTWISE_HBM_EFFICIENCY (an exact two-constant fit on the two
+"""Fixed cost of one small GPU kernel in a stream (launch latency, ramp-up and tail). ASSUMED, NOT SOURCED: no
+published per-kernel (or per-op) figure for PyTorch eager on A100/H100 was found. PyTorch's "Accelerating PyTorch
+with CUDA Graphs" (pytorch.org blog, 2021-10-26; pytorch/pytorch.github.io _posts/2021-10-26-accelerating-pytorch-
+with-cuda-graphs.md) says only that strong-scaled GPU operations take "just a few microseconds" and that launch
+overheads then stall the GPU, with no per-kernel number; NVIDIA's "Getting Started with CUDA Graphs"
+(developer.nvidia.com/blog/cuda-graphs, 2019) times a few-microsecond kernel back to back on a V100, but its text
+could not be retrieved to cite its figures. 3 us is chosen inside that "few microseconds". Not fitted either: the
+published pairs cannot separate it from ELEMENTWISE_HBM_EFFICIENCY (an exact two-constant fit on the two
 independent pairs gives a negative efficiency and 101 us a kernel), and it is a few per cent of the saving."""
 
 

@@ -43,7 +43,7 @@ _FLASH_STANDIN = "toolkit_fa2_standin"  # no "flash" in the name: transformers w
 def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                       autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
                       checkpointing: bool = False, liger: bool = False, adapter=None,
-                      tiled: bool = False) -> ActivationTrace:
+                      tiled: bool = False, chunked_loss: int = 0) -> ActivationTrace:
     """Bytes the model keeps for backward, region by region, for one micro-batch of `micro_batch` x `seq_len`.
 
     `config` is any decoder-only causal-LM config; it is not modified. `adapter` (a toolkit.inputs.lora.Adapter with
@@ -54,6 +54,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     fixed-length sequences, as the Trainer feeds packed or truncated text) and the labels are the inputs.
     `liger`: the model patched as the Trainer's use_liger_kernel does, with toolkit.estimate.liger's substitutes.
     `tiled`: ALST's tiled MLP and tiled logits + loss, the engine's own autograd functions (toolkit.estimate.tiling).
+    `chunked_loss`: torchtune's chunked cross-entropy over this many sequence chunks (toolkit.estimate.chunkedce).
     """
     import torch
 
@@ -80,7 +81,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
         try:
             run = _run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
                                  micro_batch, seq_len, checkpointing, notes, liger=liger,
-                                 device_kind=device_kind, adapter=adapter, tiled=tiled)
+                                 device_kind=device_kind, adapter=adapter, tiled=tiled, chunked_loss=chunked_loss)
         except (DynamicOutputShapeException, DataDependentOutputException) as exc:
             raise NotImplementedError(
                 f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
@@ -111,6 +112,11 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
 
         notes.append(f"tiled: MLP in {mlp_shards(seq_len, config.hidden_size)} chunks of the sequence, logits + loss "
                      f"in {loss_shards(micro_batch, seq_len, config.vocab_size)}, traced through {TILING_SOURCE}")
+    if chunked_loss:
+        from toolkit.estimate.chunkedce import CHUNKED_CE_SOURCE
+
+        notes.append(f"chunked cross-entropy: logits and loss in {chunked_loss} sequence chunks, each upcast to fp32 "
+                     f"apart, traced through {CHUNKED_CE_SOURCE}")
     layers = tuple(run.layers[_traced_index_for(i, full_kinds, traced_count)] for i in range(len(full_kinds)))
     return ActivationTrace(
         micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, autocast=autocast, attention=attention,
@@ -311,7 +317,7 @@ def _tensors_in(obj):
 
 def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
-                   adapter=None, tiled: bool = False) -> _Run:
+                   adapter=None, tiled: bool = False, chunked_loss: int = 0) -> _Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -332,6 +338,10 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
             from toolkit.estimate.tiling import tiling_traced
 
             patches.enter_context(tiling_traced(model))
+        if chunked_loss:
+            from toolkit.estimate.chunkedce import chunked_ce_applied
+
+            patches.enter_context(chunked_ce_applied(model, chunked_loss))
         layers = _decoder_layers(model, n)
         kinds = tuple(_layer_kind(layer, settings) for layer, settings in zip(layers, _per_layer_settings(config, n)))
         if checkpointing:

@@ -85,6 +85,9 @@ class Job:
     activations are what the compiler's partition saves (toolkit.estimate.compiled). COMPILE_BLOCKS ("blocks"):
     each decoder layer compiled on its own, embedding, head and loss eager (torchtitan's apply_compile; estimate
     only)."""
+    chunked_loss: int = 0
+    """torchtune's chunked cross-entropy (CEWithChunkedOutputLoss; toolkit.estimate.chunkedce): logits and loss in this
+    many sequence chunks, each upcast to fp32 apart; 0: the model's own loss. Estimate only."""
     adapter: Adapter = FULL
     """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""
 
@@ -100,6 +103,14 @@ class Job:
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         if self.compile not in (False, True, COMPILE_BLOCKS):
             raise UserError(f"compile must be True, False or {COMPILE_BLOCKS!r}, got {self.compile!r}")
+        if not isinstance(self.chunked_loss, int) or self.chunked_loss < 0:
+            raise UserError(f"--chunked-loss must be a positive number of chunks, got {self.chunked_loss!r}")
+        if self.chunked_loss and (self.liger or self.tiled):
+            raise UserError(f"--chunked-loss with {'--liger' if self.liger else '--tiled'}: both replace the logits + "
+                            "loss; give one of them")
+        if self.chunked_loss and self.compile is True:
+            raise UserError("--chunked-loss with --compile: the whole-model compile's head + loss are traced "
+                            "unchunked; use --compile-blocks (layers compiled, head + loss eager) or drop --compile")
         if self.checkpointing not in (False, True, CHECKPOINTING_OP):
             raise UserError(f"--checkpointing must be on, off or {CHECKPOINTING_OP}, got {self.checkpointing!r}")
 
