@@ -31,6 +31,8 @@ TARGETS = {"estimate llama-3-70b --seq 8192": 2.0, "plan llama-3-70b, 64 GPUs, a
 
 SEQ_MAX_PAIRS = {
     "llama-3.1-8b, 8xH100-80GB": ("llama-3.1-8b", "8xH100-80GB"),
+    "llama-3.1-8b, 1xA100-80GB": ("llama-3.1-8b", "1xA100-80GB"),
+    "qwen2.5-7b, 8xH100-80GB": ("qwen2.5-7b", "8xH100-80GB"),
     "qwen2.5-7b, 1xA100-80GB": ("qwen2.5-7b", "1xA100-80GB"),
 }
 """--seq max against one plan at --seq 8192 (micro-batch 1), first use (empty cache) each."""
