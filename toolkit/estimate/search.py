@@ -231,16 +231,10 @@ def _need(c: Candidate) -> float:
 
 def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
     """One best candidate per strategy (and per stage count for pipeline plans), feasible first by tokens/s."""
-    if req.liger:
-        from toolkit.inputs.job import liger_problem
+    if req.liger or req.tiled:
+        from toolkit.inputs.job import model_feature_problem
 
-        problem = liger_problem(spec.model_type)
-        if problem:
-            raise UserError(problem)
-    if req.tiled:
-        from toolkit.inputs.job import tiling_problem
-
-        problem = tiling_problem(spec.config)
+        problem = model_feature_problem(spec, liger=req.liger, tiled=req.tiled)
         if problem:
             raise UserError(problem)
     _check_stages([parse_strategy(s) for s in req.strategies], hw, req.pipeline_stages)

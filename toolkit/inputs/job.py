@@ -227,10 +227,8 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
                           liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention,
                           tiled=job.tiled)
-    if job.liger and problem is None:
-        problem = liger_problem(spec.model_type)
-    if job.tiled and problem is None:
-        problem = tiling_problem(spec.config)
+    if problem is None:
+        problem = model_feature_problem(spec, liger=job.liger, tiled=job.tiled)
     if problem:
         raise UserError(problem)
     if strategy is not None and strategy.is_pipeline:
@@ -285,6 +283,14 @@ def mlp_shards(seq_len: int, hidden: int) -> int:
 def loss_shards(micro_batch: int, seq_len: int, vocab: int) -> int:
     """Chunks the tiled logits + loss runs in: fp32 logits of about 1 GiB each (ArcticTraining's "auto")."""
     return max(1, math.ceil(micro_batch * seq_len * vocab * 4 / LOSS_TILE_BYTES))
+
+
+def model_feature_problem(spec: "ModelSpec", *, liger: bool = False, tiled: bool = False) -> str | None:
+    """Why this model cannot take the Liger patch or ALST tiling asked for, or None (one rule for check_job and the
+    planner). Reads the transformers config: a spec from the cache holds a plain dict."""
+    if liger and (problem := liger_problem(spec.model_type)):
+        return problem
+    return tiling_problem(spec.hf_config()) if tiled else None
 
 
 def tiling_problem(config) -> str | None:
