@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import distributed_memory as dm  # noqa: E402  (the shared model shape and MemTracker helpers)
 
 SEQ, MICRO = dm.SEQ, dm.MICRO
-STEPS = 3  # step 1 allocates optimizer states; step 3 is measured
+STEPS = dm.STEPS  # step 1 allocates optimizer states; the last step is measured
 CASES = {  # name: (strategy, world, tensor, sequence, ALST tiling, sequence length)
     "fsdp2-tp2": ("fsdp2", 4, 2, 1, False, SEQ),
     "zero1-sp2": ("zero1", 2, 1, 2, False, SEQ),

@@ -239,7 +239,7 @@ def tiling_paragraph(plan: Plan) -> str:
     """What a user's script does for a --tiled plan: no TrainingArguments key exists for it."""
     from toolkit.inputs.job import loss_shards, mlp_shards
 
-    local = plan.seq_len // max(1, plan.sequence_parallel * plan.context_parallel)
+    local = plan.seq_len // plan.grid.seq_split
     hidden = int(plan.model_config.get("hidden_size") or plan.model_config.get("n_embd") or 0)
     vocab = int(plan.model_config.get("vocab_size") or 0)
     chunks = (f"; here {mlp_shards(local, hidden)} and {loss_shards(plan.micro_batch, local, vocab)} chunks of the "

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.inputs.hardware import Gpu
+from toolkit.inputs.job import CHECKPOINTING_OP
 from toolkit.inputs.modelspec import ModelSpec
 
 
@@ -44,7 +45,7 @@ class Recompute:
     def of(checkpointing: bool) -> "Recompute":
         """Full checkpointing (the HF / DeepSpeed / FSDP wrapper around each decoder layer) reruns each layer's whole
         forward; no checkpointing reruns nothing; the per-op selective policy ("op") about half the matmuls."""
-        if checkpointing == "op":
+        if checkpointing == CHECKPOINTING_OP:
             return SELECTIVE_OP_RECOMPUTE
         return FULL_RECOMPUTE if checkpointing else NO_RECOMPUTE
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
+from toolkit.inputs.job import CHECKPOINTING_OP
 from toolkit.inputs.strategy import Engine
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def untraceable_reason(strategy: "Strategy", grid: "ParallelGrid", job: "Job") -
         return "Ulysses sequence parallelism runs in DeepSpeed"
     for flag, what in ((job.adapter.is_adapter, f"{job.adapter.method} adapters"), (job.liger, "Liger kernels"),
                        (job.activation_offloading, "activation offloading"), (job.compile, "torch.compile"),
-                       (job.checkpointing not in (True, False), "per-op selective checkpointing"),
+                       (job.checkpointing == CHECKPOINTING_OP, "per-op selective checkpointing"),
                        (job.chunked_loss, "chunked cross-entropy losses")):
         if flag:
             return f"{what} are not traced in a fake world"

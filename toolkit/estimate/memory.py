@@ -19,7 +19,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.estimate.hostram import HostRam, host_ram
-from toolkit.inputs.job import Job, checkpointing_words
+from toolkit.inputs.job import COMPILE_BLOCKS, Job, checkpointing_words
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.estimate.savers import offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.estimate.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
@@ -223,7 +223,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                     trace = trace_compiled_activations(
                         spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
-                        blocks=job.compile == "blocks", chunked_loss=job.chunked_loss)
+                        blocks=job.compile == COMPILE_BLOCKS, chunked_loss=job.chunked_loss)
                 else:
                     trace = trace_activations(
                         spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,

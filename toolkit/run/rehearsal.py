@@ -108,8 +108,7 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
         said.append("torch.compile: the rehearsal compiles with inductor's CPU (C++) backend; the first step waits "
                     "for the compiler")
         small = small.replace(compile=True, notes=[*small.notes, said[-1]])
-    if plan.tiled:
-        small = small.replace(tiled=True)  # ALST tiling runs on CPU over gloo: rehearsed as planned
+    small = small.replace(tiled=plan.tiled)  # ALST tiling runs on CPU over gloo: rehearsed as planned
     return small, said
 
 
