@@ -269,9 +269,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        # The shard this rank holds (a DTensor's local part under tensor parallelism).
-        checksum = sum(float(getattr(p, "_local_tensor", p).detach().double().abs().sum())
-                       for p in model.parameters())
+        checksum = local_param_abs_sum(model)
         # QLoRA: elements of the 4-bit weights (packed codes) this rank holds, and in all (whole on every rank
         # unless FSDP2 / ZeRO-3 shard them: toolkit.inputs.lora.quantized_base_sharded).
         four_bit = [m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"]
@@ -288,6 +286,12 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
                "four_bit_numel": four_bit_numel, "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR")}
     write_rank_summary(folder, rank, summary)
+
+
+def local_param_abs_sum(module) -> float:
+    """The rank summaries' parameter checksum: the sum of |x| over the parameters this rank holds, in float64 (a
+    DTensor's local shard under tensor parallelism), equal on replicas that hold the same values."""
+    return sum(float(getattr(p, "_local_tensor", p).detach().double().abs().sum()) for p in module.parameters())
 
 
 def write_rank_summary(folder: str, rank: int, summary: dict) -> None:
