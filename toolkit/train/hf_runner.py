@@ -302,6 +302,14 @@ def write_rank_summary(folder: str, rank: int, summary: dict) -> None:
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
 
 
+def read_rank_summaries(folder) -> list[dict]:
+    """The summaries write_rank_summary wrote in `folder`, in rank order (rank10 after rank9)."""
+    import json
+
+    ranks = sorted(Path(folder).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text()) for p in ranks]
+
+
 def _tiled_chunks() -> dict:
     """The chunk counts ALST tiling last ran (empty when it did not run)."""
     from toolkit.estimate.tiling import LAST_CHUNKS
