@@ -93,6 +93,11 @@ def check_matches_plan(config: Any, plan: Plan, source: str) -> None:
     if mismatches:
         raise UserError(f"model {source} is not the model the plan was made for ({plan.model}): "
                         f"{'; '.join(mismatches)}; re-plan for this model or pass the planned --model")
+    from toolkit.inputs.modelspec import config_attention_problem
+
+    problem = config_attention_problem(config, plan.attention, name=source)  # transformers would refuse it at load
+    if problem:
+        raise UserError(problem)
     max_positions = config_value(config, _POSITION_KEYS)
     if max_positions is not None and plan.seq_len > max_positions:
         raise UserError(f"plan sequence length {plan.seq_len} is longer than model {source} supports "
