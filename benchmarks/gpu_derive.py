@@ -181,6 +181,8 @@ def render_memory_edge(d: dict) -> str:
             lines.append(f"| {s['case']} | {s['allocator']} | {p['headroom']:.1%} | {over} | {slow} | {retries} | "
                          f"{reserved} |")
     lines.append("")
+    if not d["sweeps"]:
+        lines.append("No capped run in this file (a CPU rehearsal has none): nothing to derive.")
     for allocator, keep in d.get("speed_headroom", {}).items():
         lines.append(f"Speed headroom, {allocator} allocator: " + (
             f"keep {keep:.1%} over the tensor peak" if keep is not None else

@@ -122,6 +122,10 @@ def test_memory_edge_rehearses_on_cpu_with_the_estimate_beside_each_case(tmp_pat
         assert [r["headroom"] for r in capped] == list(EDGE_HEADROOMS)
         assert all("needs CUDA" in r["skipped"] for r in capped)
     assert rows["allocator expandable_segments:True"]["skipped"] == "allocator settings need CUDA"
+    from gpu_derive import main as derive_main
+
+    assert derive_main([str(tmp_path / "gpu_memory_edge.json")]) == 0
+    assert "nothing to derive" in (tmp_path / "gpu_memory_edge_derived.md").read_text()
 
 
 def test_derive_memory_edge_keeps_the_smallest_headroom_within_the_time_band():
