@@ -104,13 +104,14 @@ def trace_world(spec: "ModelSpec", strategy: "Strategy", job: "Job", grid: "Para
     from toolkit import cache
 
     key = None
+    attention = spec.effective_attention(job.attention)
     if spec.source_key:
         key = [spec.source_key, strategy.name, grid.dp_replicate, grid.dp_shard, grid.tensor, job.seq_len,
-               job.micro_batch, job.precision, job.optimizer, job.checkpointing, job.attention, job.device_kind]
+               job.micro_batch, job.precision, job.optimizer, job.checkpointing, attention, job.device_kind]
     hit = cache.get("world", key, code=trace_world, decode=WorldTrace.from_dict) if key else None
     if hit is not None:
         return hit
-    out = _trace(spec.hf_config(), strategy, job, grid, spec.effective_attention(job.attention))
+    out = _trace(spec.hf_config(), strategy, job, grid, attention)
     if key:
         cache.put("world", key, out.to_dict(), code=trace_world)
     return out
