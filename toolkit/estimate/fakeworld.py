@@ -60,6 +60,8 @@ class WorldTrace:
     """FSDPMemTracker's peak over the steps on the rank's device: every tensor live at once."""
     peak_by_kind: tuple[tuple[str, int], ...]
     """The peak's categories as FSDPMemTracker sorts them (sharded / unsharded params, all-gather, activations, ...)."""
+    meta_peak_bytes: int = 0
+    """What the tracker charged to the meta device at its peak, left out of peak_bytes (below): never memory."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -246,9 +248,10 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
     # (benchmarks/results/fakeworld.md).
     kinds = {getattr(kind, "value", str(kind)): int(n) for kind, n in peak.get(torch.device("cpu"), {}).items()}
     total = kinds.pop("Total", 0)
+    meta = {getattr(kind, "value", str(kind)): int(n) for kind, n in peak.get(torch.device("meta"), {}).items()}
     return WorldTrace(world=grid.world, route=route, parameters_bytes=params, gradients_bytes=grads,
                       optimizer_bytes=states, peak_bytes=total,
-                      peak_by_kind=tuple((k, v) for k, v in kinds.items() if v))
+                      peak_by_kind=tuple((k, v) for k, v in kinds.items() if v), meta_peak_bytes=meta.get("Total", 0))
 
 
 @contextlib.contextmanager
