@@ -91,11 +91,22 @@ def unmodelled(row: dict) -> list[str]:
     return out
 
 
-def _spec(model: str):
-    from toolkit.inputs.modelspec import resolve_model
+def _spec(model: str, seq_len: int | None = None):
+    """A catalog name, or benchmarks/data/models/<name>.json. The GPT-2-block stand-ins of llm-foundry's MPT
+    (mpt-*.json: learned position embeddings) leave n_positions out: it is set here, the one place, to the row's
+    sequence, as llm-foundry's benchmark set max_seq_len (its position table) to each run's sequence."""
+    from toolkit.inputs.modelspec import resolve_model, spec_from_config_dict
 
     local = MODELS / f"{model}.json"
-    return resolve_model(str(local) if local.is_file() else model)
+    if not local.is_file():
+        return resolve_model(model)
+    config = json.loads(local.read_text())
+    if config.get("model_type") != "gpt2":
+        return resolve_model(str(local))
+    if seq_len is None or "n_positions" in config:
+        raise ValueError(f"{local.name}: a learned-position stand-in takes n_positions from the row's seq_len "
+                         "(and its file must not set it)")
+    return spec_from_config_dict({**config, "n_positions": seq_len}, name=model)
 
 
 def prepared(row: dict):
@@ -106,7 +117,7 @@ def prepared(row: dict):
     from toolkit.inputs.lora import FULL, Adapter
     from toolkit.inputs.strategy import parse_strategy
 
-    spec = _spec(row["model"])
+    spec = _spec(row["model"], row["seq_len"])
     nodes, per_node = row["nodes"], row["gpus_per_node"]
     kwargs = {"inter_node_gbps": row["inter_node_gbps"]} if row.get("inter_node_gbps") else {}
     if row.get("power_limit_w"):

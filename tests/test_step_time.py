@@ -63,6 +63,23 @@ def test_lora_corpus_rows_say_where_each_number_was_read_and_pair_lora_with_qlor
         assert r["published"].get("tokens_per_s_per_gpu", 0) > 0 or r["published"]["s_per_iteration"] > 0, r["id"]
 
 
+def test_llm_foundry_rows_have_the_published_parameter_count_to_the_parameter():
+    """llm-foundry's MPT rows run on GPT-2-block stand-ins (benchmarks/data/models/mpt-*.json; learned positions
+    sized to the row's sequence by throughput._spec, biases, exact GELU): the model we estimate has exactly the
+    NumParams the source printed for every row that states it."""
+    rows = [r for r in throughput.load_rows() if r["source"].get("repo") == "mosaicml/llm-foundry"]
+    stated = {(r["model"], r["seq_len"]): int(r["model_note"].split("published NumParams ")[1].split()[0].rstrip(";,."))
+              for r in rows if "published NumParams " in r.get("model_note", "")}
+    assert len(rows) >= 200 and sum("published NumParams " in r.get("model_note", "") for r in rows) == len(rows)
+    ours = {key: throughput._spec(*key).params for key in stated}
+    assert {k: v for k, v in ours.items() if v != stated[k]} == {}
+    spec = throughput._spec("mpt-30b", 8192)
+    assert (spec.params, spec.model_type, spec.max_positions) == (30_019_254_272, "gpt2", 8192)
+    assert {"sdpa", "flash_attention_2"} <= set(spec.attention_support)  # what the runs used (flash)
+    with pytest.raises(ValueError, match="n_positions"):
+        throughput._spec("mpt-30b")  # no sequence, no position table
+
+
 def test_no_held_out_row_can_set_a_constant():
     rows = throughput.load_rows()
     calibration = throughput.calibration_rows(rows)

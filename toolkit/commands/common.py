@@ -39,6 +39,11 @@ def add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100
                    help="network bandwidth per node, GB/s (default 50 = 400 Gb/s)")
     g.add_argument("--cpu-ram-gib", type=float_arg("--cpu-ram-gib", bounds.CPU_RAM_GIB),
                    help="host RAM per node, GiB (default 1024)")
+    g.add_argument("--power-limit-w", type=float_arg("--power-limit-w", bounds.POWER_LIMIT_W), metavar="W",
+                   help="board power limit per GPU in watts, as `nvidia-smi -pl` sets it (default: the TDP): every "
+                        "compute peak (tensor and fp32) takes the ratio of the bf16 tensor peak, linear in watts "
+                        "between the die's datasheet points (H100 / H200: NVL 400 W to SXM 700 W; no other GPU has "
+                        "them); HBM bandwidth and links unchanged")
 
 
 def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
@@ -59,7 +64,8 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
                                 + ("" if p.prog.endswith("estimate") else " (default: the planner tries each)"))
     g.add_argument("--precision", default="bf16", choices=PRECISIONS, help="(default %(default)s)")
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
-    g.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="(default %(default)s)")
+    g.add_argument("--attention", choices=ATTENTIONS,
+                   help="(default: transformers' pick for the model: sdpa, or eager where its class has no sdpa)")
     g.add_argument("--device-kind", default="cuda", choices=DEVICE_KINDS,
                    help="whose kernels' saved tensors to model (default %(default)s)")
     g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES),
@@ -213,7 +219,7 @@ def hardware_of(args):
     from toolkit.inputs.hardware import parse_hardware
 
     return parse_hardware(args.gpus, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
-                          cpu_ram_gib=args.cpu_ram_gib)
+                          cpu_ram_gib=args.cpu_ram_gib, power_limit_w=args.power_limit_w)
 
 
 def print_note(text: str) -> None:
