@@ -104,6 +104,10 @@ def test_a_plan_records_the_models_kernel_and_emit_and_check_refuse_an_edit_it_c
     assert code == 1
     errors = [line for line in err.splitlines() if ": error:" in line]
     assert len(errors) == 1 and "MptForCausalLM" in errors[0] and "cannot run flash_attention_2" in errors[0], err
+    # With --model the fit check meets the same refusal: said once, on plan.json, not again by the fit check.
+    code, out, err = run_cli(["check", str(folder), "--model", models["mpt"], "--gpus", "2xA100-80GB"])
+    errors = [line for line in err.splitlines() if ": error:" in line]
+    assert code == 1 and len(errors) == 1 and "cannot run flash_attention_2" in errors[0], err
 
 
 def test_toolkit_train_refuses_the_plans_kernel_before_loading_the_model(models, tmp_path):
