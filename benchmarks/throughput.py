@@ -109,6 +109,19 @@ def _spec(model: str, seq_len: int | None = None):
     return spec_from_config_dict({**config, "n_positions": seq_len}, name=model)
 
 
+def stated_params(row: dict) -> int | None:
+    """The parameter count the source printed for the row's model (llm-foundry's NumParams column, kept in the
+    row's model_note), or None."""
+    note, key = row.get("model_note", ""), "published NumParams "
+    return int(note.split(key)[1].split()[0].rstrip(";,.")) if key in note else None
+
+
+def params_check(rows: list[dict]) -> tuple[int, int]:
+    """(rows whose model, as we build it, has exactly the stated parameter count; rows that state one)."""
+    stated = [r for r in rows if stated_params(r) is not None]
+    return sum(_spec(r["model"], r["seq_len"]).params == stated_params(r) for r in stated), len(stated)
+
+
 def prepared(row: dict):
     """(spec, strategy, job, hardware, recompute) for a row, built once."""
     from toolkit.estimate.efficiency import SELECTIVE_OP_RECOMPUTE, Recompute
@@ -319,13 +332,61 @@ def pipeline_question(results: list[dict]) -> list[str]:
                     "per-micro-batch cost beside DDP on the day a GPU is lent."]
 
 
+COMPOSER_THRASH = ("Composer, the trainer that ran llm-foundry's benchmarks, counts consecutive batches with new "
+                   "cudaMalloc retries (torch.cuda.memory_stats()['num_alloc_retries']) as 'thrashing, where GPU "
+                   "memory usage is so close to the memory limit that it hinders throughput' "
+                   "(composer/trainer/trainer.py _update_num_consecutive_thrashes @ mosaicml/composer 6405188; "
+                   "only its automatic micro-batching acts on it, by cutting the micro-batch, and these runs set theirs: "
+                   "submit_benchmarks.py --microbatch_size, 1 here)")
+
+
+def _edge_fraction(row: dict) -> float:
+    """The toolkit's own memory estimate of a row's job (the stand-in model, its strategy, GPUs, checkpointing,
+    precision, adamw, its attention kernel): required + the peak error band, as a fraction of the GPU."""
+    from toolkit.estimate.errorband import band_for
+    from toolkit.estimate.memory import estimate_memory
+
+    spec, strategy, job, hw, _ = row.get("_prep") or prepared(row)
+    m = estimate_memory(spec, strategy, job, hw)
+    return (m.required_bytes + band_for(strategy.engine, job.checkpointing).headroom_bytes(m.peak_bytes)) \
+        / m.capacity_bytes
+
+
+def memory_edge_note(row: dict) -> str:
+    """LF-30b at seq 8192, micro-batch 1, 8 GPUs (both GPUs): what we know, computed from the corpus and the
+    toolkit's memory estimate; a hypothesis, since the source publishes no memory figure."""
+    rows = load_rows()
+
+    def find(base: dict, **changes) -> dict | None:  # the same job but for `changes` (any micro-batch unless given)
+        want = {k: base[k] for k in ("model", "gpu", "gpus", "seq_len", "checkpointing")} | changes
+        return next((r for r in rows if all(r[k] == v for k, v in want.items())), None)
+
+    twin = find(row, seq_len=row["seq_len"] // 2, micro_batch=row["micro_batch"])
+    ref = find(row, model="mpt-13b")
+    ref_twin = ref and find(ref, seq_len=ref["seq_len"] // 2)
+    mfu = lambda r: r["published"]["mfu"]  # noqa: E731
+    speed = lambda r: ours_tokens_per_gpu(r.get("_prep") or prepared(r))[0]  # noqa: E731
+    published = row["published"]["tokens_per_s_per_gpu"] / twin["published"]["tokens_per_s_per_gpu"] - 1
+    ours = speed(row) / speed(twin) - 1
+    drop = (f" where 13B on the same GPUs falls {(mfu(ref_twin) - mfu(ref)) * 100:.1f} points ({mfu(ref_twin):.1%} "
+            f"-> {mfu(ref):.1%}, micro-batch {ref_twin['micro_batch']} -> {ref['micro_batch']})" if ref_twin else "")
+    return (f"the source states nothing. Its MFU falls from seq {twin['seq_len']} to {row['seq_len']} at micro-batch "
+            f"{row['micro_batch']} ({mfu(twin):.1%} -> {mfu(row):.1%}){drop}: {published:+.1%} tokens/s/GPU where "
+            f"ours, with no memory term in the time model, says {ours:+.1%}. A hypothesis, not a finding: the "
+            f"toolkit's own memory estimate of this job (the GPT-2-block stand-in, {row['strategy']}, {row['gpus']} "
+            f"GPUs, full checkpointing, {row['precision']}, adamw, flash attention) puts required + peak band at "
+            f"{_edge_fraction(row):.2f} of the {row['gpu']} (at seq {twin['seq_len']}: {_edge_fraction(twin):.2f}), "
+            f"so the planner would be at its edge, and {COMPOSER_THRASH}. The corpus cannot test it (the source "
+            "publishes no memory figure or allocator statistic); benchmarks/gpu_check.py gains a memory-edge "
+            "measurement (step time and alloc retries as required memory nears the GPU's) for the day a GPU is "
+            "lent. The row stays in its split and counts")
+
+
 WORST_NOTES = {
     "TT-8B": "the source's H100s have 2.4 TB/s HBM2e and ran at a 500 W power limit (its Hardware section), both "
              "modelled (H100-SXM-96GB at power_limit_w 500)",
-    "LF-30b-": "the source states nothing; the same table's MFU falls from seq 4096 to 8192 at micro-batch 1 on "
-               "both GPUs (A100 51.4% -> 39.4%, H100 35.9% -> 29.9%) where 13B on A100 falls 1.5 points (57.6% -> "
-               "56.1%); 30B on 8 GPUs runs at the memory edge (our estimate at seq 4096: 77 of 79 GiB), where "
-               "allocator retries would slow it, but the source reports no memory figure: not modelled",
+    "LF-30b-a10080-s8192": memory_edge_note,
+    "LF-30b-h10080-s8192": memory_edge_note,
     "LF-760m-a10080-s": "the source states nothing; at the same tokens per micro-step (49,152) the same table's seq "
                         "2048 row reaches 56.9% MFU and these 45-48%, while the A100-40GB and H100 tables show no "
                         "such drop at short sequences: not explained, left",
@@ -348,6 +409,8 @@ def worst_rows(results: list[dict]) -> list[str]:
     for r in sorted((r for r in results if r["modelled"] and abs(r["error"]) > 0.20), key=lambda r: -abs(r["error"])):
         note = next((v for k, v in WORST_NOTES.items() if r["id"].startswith(k)), "no cause stated by the source; "
                     "its neighbours in the same table (same model and GPU, other batch or sequence) are closer")
+        if callable(note):
+            note = note(next(row for row in load_rows() if row["id"] == r["id"]))
         out.append(f"- **{r['id']}** ({r['split']}): {r['error']:+.1%}; {note}")
     return out or ["- none"]
 
@@ -376,7 +439,8 @@ def lora_sentence(results: list[dict]) -> str:
             "not move with them.")
 
 
-def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile: list[str]) -> str:
+def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile: list[str],
+           params: tuple[int, int]) -> str:
     from toolkit.estimate.efficiency import COMPUTE
     from toolkit.estimate.timing import OVERLAP
     from toolkit.inputs.strategy import Engine
@@ -402,7 +466,13 @@ def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile:
              "What the corpus covers, and what it does not: the modelled rows are FSDP (FSDP1 in llm-foundry, FSDP2 "
              "in torchtitan) on A100 and H100, 125M to 70B parameters, sequences 512 to 65536, with and without full "
              "checkpointing (IBM fms-fsdp's Llama-2-7B runs under hybrid sharding, HSDP), and two one-GPU LoRA "
-             "rows; the band is theirs. torchtitan's H100s are the HBM2e "
+             "rows; the band is theirs. llm-foundry's MPT rows run on GPT-2-block stand-ins "
+             "(benchmarks/data/models/mpt-*.json, each with its _source): what those runs trained was llm-foundry's "
+             "MPT with its defaults, learned position embeddings sized to the run's sequence (n_positions = the "
+             "row's seq_len, set in benchmarks/throughput.py), a bias on every Linear and LayerNorm and exact GELU, "
+             "GPT-2's block; transformers' MptForCausalLM (ALiBi, no biases, neither SDPA nor FlashAttention-2) is "
+             f"not what ran. {params[0]} of {params[1]} rows that state the source's NumParams: parameter count "
+             "equal to the published NumParams, to the parameter. torchtitan's H100s are the HBM2e "
              "variant (2.4 TB/s) run at a 500 W power limit, as its Hardware section states: the catalog's "
              "H100-SXM-96GB with toolkit.inputs.hardware.power_limited (tensor peak linear in board power between "
              "the same die's datasheet points, H100 NVL 400 W and H100 SXM 700 W: 887 TFLOP/s at 500 W).", "",
@@ -489,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "throughput.json").write_text(json.dumps({"calibration": calib, "held_out": held,
                                                          "rows": results}, indent=1) + "\n")
-    text = render(results, calib, held, fit_info, overlap_profile(rows))
+    text = render(results, calib, held, fit_info, overlap_profile(rows), params_check(rows))
     (RESULTS / "throughput.md").write_text(text)
     print(text[:3000])
     return 0

@@ -21,7 +21,7 @@ from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import Engine, Strategy
 
-OVERLAP = {Engine.FSDP2: 0.37, Engine.DDP: 0.7, Engine.DEEPSPEED: 0.7}
+OVERLAP = {Engine.FSDP2: 0.46, Engine.DDP: 0.7, Engine.DEEPSPEED: 0.7}
 """Fraction of the data-parallel communication (up to the backward's length) hidden behind compute, per engine.
 FSDP2's is fitted with the compute constants on the calibration rows of the published corpus (benchmarks/
 throughput.py --fit; FSDP rows whose collectives are up to half their compute: 13B-70B at micro-batch 2 across
