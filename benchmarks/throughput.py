@@ -50,8 +50,7 @@ UNMODELLED = {
            "the catalog",
     "no-arch-row": "no calibration row of this GPU architecture: scoring it would test a borrowed constant",
     "link": "the source's inter-node figure does not say per node or per GPU, and this row's exposed communication "
-            "turns on it (fms-fsdp 70B on A100 / H100: ours about 19% / 8% under the published speed reading it per "
-            "node, 4% under / 11% over reading it per GPU): scoring it would test a guess",
+            "turns on it: scoring it would test a guess",
 }
 
 
@@ -61,6 +60,17 @@ def load_rows() -> list[dict]:
 
 def held_out(row_id: str) -> bool:
     return int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16) % 3 == 0
+
+
+def link_reason(row: dict) -> str:
+    """UNMODELLED['link'] with what the two readings of the row's inter-node figure give (ours against published)."""
+    said = []
+    for reading, per_node in (("per node", row["inter_node_gbps"]), ("per GPU", row["inter_node_gbps"]
+                                                                     * row["gpus_per_node"])):
+        ours = ours_tokens_per_gpu(prepared({**row, "inter_node_gbps": per_node}))[0]
+        said.append(f"{ours / row['published']['tokens_per_s_per_gpu'] - 1:+.0%} reading it {reading}")
+    head, tail = UNMODELLED["link"].split(": scoring")
+    return f"{head} (ours {', '.join(said)}): scoring{tail}"
 
 
 def unmodelled(row: dict) -> list[str]:
@@ -168,7 +178,7 @@ def score(rows: list[dict], compute_model=None) -> list[dict]:
                  "strategy": row["strategy"], "seq_len": row["seq_len"], "micro_batch": row["micro_batch"],
                  "grad_accum": row["grad_accum"], "checkpointing": row["checkpointing"],
                  "published": row["published"]["tokens_per_s_per_gpu"], "modelled": not reasons,
-                 "unmodelled": [UNMODELLED[k] for k in reasons],
+                 "unmodelled": [link_reason(row) if k == "link" else UNMODELLED[k] for k in reasons],
                  "split": ("held-out" if held_out(row["id"]) else "calibration") if not reasons else "-"}
         if not reasons:
             ours, timing = ours_tokens_per_gpu(row["_prep"], compute_model)
@@ -336,8 +346,8 @@ COMPOSER_THRASH = ("Composer, the trainer that ran llm-foundry's benchmarks, cou
                    "cudaMalloc retries (torch.cuda.memory_stats()['num_alloc_retries']) as 'thrashing, where GPU "
                    "memory usage is so close to the memory limit that it hinders throughput' "
                    "(composer/trainer/trainer.py _update_num_consecutive_thrashes @ mosaicml/composer 6405188; "
-                   "only its automatic micro-batching acts on it, by cutting the micro-batch, and these runs set theirs: "
-                   "submit_benchmarks.py --microbatch_size, 1 here)")
+                   "only its automatic micro-batching acts on it, by cutting the micro-batch, and these runs set "
+                   "theirs: submit_benchmarks.py --microbatch_size, 1 here)")
 
 
 def _edge_fraction(row: dict) -> float:
@@ -382,6 +392,20 @@ def memory_edge_note(row: dict) -> str:
             "lent. The row stays in its split and counts")
 
 
+def comm_bound_note(row: dict) -> str:
+    """LF-70b on 64 A100-40GB at micro-batch 2: its collectives beside its compute, and its 128-GPU sibling."""
+    t = ours_tokens_per_gpu(row.get("_prep") or prepared(row), overlap=0.0)[1]
+    sibling = next(r for r in load_rows() if r["model"] == row["model"] and r["gpu"] == row["gpu"]
+                   and r["seq_len"] == row["seq_len"] and r["gpus"] == 2 * row["gpus"])
+    error = ours_tokens_per_gpu(sibling.get("_prep") or prepared(sibling))[0] \
+        / sibling["published"]["tokens_per_s_per_gpu"] - 1
+    return (f"the most communication-bound A100 row (70B at micro-batch {row['micro_batch']} over {row['nodes']} "
+            f"nodes: its collectives are {t['communication_s'] / t['compute_s']:.0%} of its compute before overlap; "
+            f"the {sibling['gpus']}-GPU micro-batch-{sibling['micro_batch']} row is {error:+.1%}): the RoCE fabric's "
+            "collectives cost more, or overlap less, than our ring arithmetic at 1600 Gb/s per node says; held out, "
+            "so it sets no constant")
+
+
 WORST_NOTES = {
     "TT-8B": "the source's H100s have 2.4 TB/s HBM2e and ran at a 500 W power limit (its Hardware section), both "
              "modelled (H100-SXM-96GB at power_limit_w 500)",
@@ -396,10 +420,7 @@ WORST_NOTES = {
     "FMS-7b-H100": "the source flags it itself ('the gaps here are more glaring with H100s where the MFU for 7 and "
                    "13B falls below 0.40', README line 30) and gives no cause; its H100 form factor and power are not "
                    "stated (SXM at 700 W assumed): left",
-    "LF-70b-a10040-s2048-g64": "the most communication-bound A100 row (70B at micro-batch 2 over 8 nodes: its "
-                               "collectives are ~18% of its compute before overlap; the 128-GPU micro-batch-4 row "
-                               "is within 1%): the RoCE fabric's collectives cost more, or overlap less, than our "
-                               "ring arithmetic at 1600 Gb/s per node says; held out, so it sets no constant",
+    "LF-70b-a10040-s2048-g64": comm_bound_note,
 }
 
 
@@ -439,6 +460,22 @@ def lora_sentence(results: list[dict]) -> str:
             "not move with them.")
 
 
+def colossal_gpt2_xl() -> tuple[float, float]:
+    """Ours, tokens/s per GPU, for hpcaitech/ColossalAI-Pytorch-lightning benchmark/gpt's two runs (GPT-2 XL, 4 x
+    A100-40GB, fp16 AMP, seq 1024, checkpointing, eager attention): DDP at micro-batch 6, ZeRO-3 at 40."""
+    from toolkit.estimate.timing import step_time
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec, hw = resolve_model("gpt2-xl"), parse_hardware("4xA100-40GB")
+    return tuple(step_time(spec, parse_strategy(name), Job(seq_len=1024, micro_batch=micro, grad_accum=1,
+                                                           precision="fp16", optimizer="adamw", checkpointing=True,
+                                                           attention="eager", device_kind="cuda"), hw).tokens_per_s
+                 / hw.world_size for name, micro in (("ddp", 6), ("zero3", 40)))
+
+
 def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile: list[str],
            params: tuple[int, int]) -> str:
     from toolkit.estimate.efficiency import COMPUTE
@@ -446,6 +483,7 @@ def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile:
     from toolkit.inputs.strategy import Engine
 
     c = COMPUTE
+    colossal = colossal_gpt2_xl()
     lines = ["# Step time vs published GPU throughput", "",
              "Generated by `python benchmarks/throughput.py` from benchmarks/data/throughput_gpu.json (every row's "
              "source file, commit and table line is in that file). Ours: `toolkit.estimate.timing.step_time` for the same "
@@ -486,9 +524,11 @@ def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile:
              "full configuration: hpcaitech/ColossalAI-Pytorch-lightning benchmark/gpt (README @ 211e8be, train.py / "
              "model.py / data.py): GPT-2 XL on 4 x A100-40GB, fp16 AMP, seq 1024, HF checkpointing, eager attention, "
              "DDP at micro-batch 6 vs ZeRO-3 at 40: 11.76 vs 18.18 samples/s (3,011 vs 4,654 tokens/s/GPU). Ours is "
-             "11,708 vs 12,450: 3-4x faster. The runs are 3 epochs of 5 random-data steps through PyTorch Lightning "
+             f"{colossal[0]:,.0f} vs {colossal[1]:,.0f}: {colossal[0] / 3011:.1f}x / {colossal[1] / 4654:.1f}x "
+             "faster. The runs are 3 epochs of 5 random-data steps through PyTorch Lightning "
              "and how the throughput was timed is not in the files (the callback reads memory only), so warm-up and "
-             "harness cost may be in it; the published ZeRO-3 / DDP ratio is 1.55, ours 1.06. Not added: it cannot "
+             "harness cost may be in it; the published ZeRO-3 / DDP ratio is 1.55, ours "
+             f"{colossal[1] / colossal[0]:.2f}. Not added: it cannot "
              "verify an engine's speed; ZeRO / offload / pipeline speeds stay unverified.", "",
              "Communication overlap, per engine: only FSDP has modelled multi-GPU rows. Fitted jointly with the "
              f"compute constants on the calibration rows, FSDP's overlap is {OVERLAP[Engine.FSDP2]:.2f}. The profile "
