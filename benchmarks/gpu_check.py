@@ -13,6 +13,8 @@ on CUDA), which exercises each engine's own buffers.
     python benchmarks/gpu_derive.py gpu_check.json                 # the constants and efficiencies it implies
     python benchmarks/gpu_check.py --multi-gpu --out "$OUT"        # tensor / context / sequence parallel runs
                                                                    # (MULTI_GPU_RUNS: need 2-4 GPUs)
+    python benchmarks/gpu_check.py --device cuda --memory-edge --out "$OUT"   # step time at the memory edge (below)
+    python benchmarks/gpu_derive.py "$OUT/gpu_memory_edge.json"    # its slowdowns and the speed headroom
 
 --timing runs what the published corpus (benchmarks/results/throughput.md) cannot settle, on one GPU:
   efficiency per micro-step   DDP steps of one model at 512 to 16,384 tokens per micro-step and at two widths,
@@ -27,6 +29,16 @@ on CUDA), which exercises each engine's own buffers.
                               per-micro-batch cost (schedule, buffers, loss on the last stage) that the 1F1B
                               bubble term does not hold
 
+--memory-edge measures what the one published row at the memory edge could not say (llm-foundry MPT-30B at seq
+8192, 23-30% slower than its seq-4096 twin where the time model agrees): how much slower a step gets when the caching
+allocator has little room above the tensor peak, and from what headroom. Each EDGE_CASES model runs uncapped, then
+under torch.cuda.set_per_process_memory_fraction caps at its measured peak plus 30% down to 0.5% (EDGE_HEADROOMS),
+2 warm and 5 timed steps each: median step, num_alloc_retries (cache flush + retry) per step, reserved peak, out of
+memory. One child process per PYTORCH_CUDA_ALLOC_CONF (default, expandable_segments:True; the allocator reads it
+at start). Estimated at about 2 minutes on an H200 (not run on one yet; each child is stopped after
+EDGE_CHILD_TIMEOUT_S); gpu_derive.py then gives the smallest headroom whose step stays within the
+time model's band (docs/ENGINE_FACTS.md, "The caching allocator at the memory edge").
+
 Measured on CUDA: torch.cuda.max_memory_allocated / max_memory_reserved over a steady-state step (after one step
 that creates the optimizer states), the mean time of the next steps, and once per run the CUDA context (device
 memory in use outside the caching allocator, from cudaMemGetInfo). On CPU only the step runs and times (there is no
@@ -40,7 +52,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SHAPES = {  # Llama-style: (hidden, layers, heads, kv_heads, ffn); vocab 128256 as Llama 3
@@ -237,7 +249,11 @@ def _predict(case: Case, config, kind: str, gpu: str) -> dict:
     return out
 
 
-def run_case(case: Case, device: str, quick: bool, gpu: str) -> dict:
+def _prepare(case: Case, device: str, quick: bool, gpu: str):
+    """(case at the shapes run, the row's prediction and job fields, a callable running one step, its batch): the
+    model of a real architecture from a config, random weights, wrapped by the case's engine."""
+    import contextlib
+
     import torch
 
     from toolkit.estimate.profile import _batch, build_model
@@ -245,26 +261,13 @@ def run_case(case: Case, device: str, quick: bool, gpu: str) -> dict:
     cuda = device.startswith("cuda")
     shape = QUICK_SHAPE if quick else SHAPES[case.shape]
     if quick:
-        case = Case(case.label, case.shape, case.strategy, case.precision, case.checkpointing, case.liger,
-                    micro_batch=2, seq_len=64, extra=case.extra)
-    if case.strategy == "lora":
-        import importlib.util
-
-        if importlib.util.find_spec("peft") is None:
-            return {"label": case.label, "skipped": "peft is not installed"}
-    if case.liger:
-        import importlib.util
-
-        if importlib.util.find_spec("liger_kernel") is None or not cuda:
-            return {"label": case.label, "skipped": "Liger kernels are Triton: they need liger-kernel and a GPU"}
+        case = replace(case, micro_batch=2, seq_len=64)
     config = _config(shape, 1000 if quick else 128256, case.seq_len)
     row = {"label": case.label, "strategy": case.strategy, "precision": case.precision,
            "checkpointing": case.checkpointing, "liger": case.liger, "micro_batch": case.micro_batch,
            "seq_len": case.seq_len, "accum": case.extra.get("accum", 1), "hidden": shape["hidden"],
            **_predict(case, config, "cuda" if cuda else "cpu", gpu)}
     model_precision = "bf16-pure" if case.precision == "bf16-pure" or case.strategy == "lora" else "fp32"
-    import contextlib
-
     # Built on the GPU directly: a random 8B init on the host would take minutes of the lease.
     with torch.device(device) if cuda else contextlib.nullcontext():
         model = build_model(config, model_precision, "sdpa", case.checkpointing, device)
@@ -272,8 +275,20 @@ def run_case(case: Case, device: str, quick: bool, gpu: str) -> dict:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
-    step = _wrap(case, model, device)
-    batch = _batch(config, case.micro_batch, case.seq_len, device)
+    return case, row, _wrap(case, model, device), _batch(config, case.micro_batch, case.seq_len, device)
+
+
+def run_case(case: Case, device: str, quick: bool, gpu: str) -> dict:
+    import importlib.util
+
+    import torch
+
+    cuda = device.startswith("cuda")
+    if case.strategy == "lora" and importlib.util.find_spec("peft") is None:
+        return {"label": case.label, "skipped": "peft is not installed"}
+    if case.liger and (importlib.util.find_spec("liger_kernel") is None or not cuda):
+        return {"label": case.label, "skipped": "Liger kernels are Triton: they need liger-kernel and a GPU"}
+    case, row, step, batch = _prepare(case, device, quick, gpu)
     step(batch)  # creates the optimizer states: the next step is a steady-state one
     if cuda:
         torch.cuda.synchronize()
@@ -302,7 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated labels to run")
     ap.add_argument("--timing", action="store_true",
                     help="the step-time set: efficiency per micro-step, engine and pipeline overheads")
+    ap.add_argument("--memory-edge", action="store_true",
+                    help="step time and allocator retries under a memory cap at shrinking headrooms")
+    ap.add_argument("--edge-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.memory_edge:
+        if args.edge_child:
+            return memory_edge_child(args.device, args.quick, args.gpu, args.edge_child)
+        return memory_edge(args.device, args.quick, args.out, args.gpu)
 
     import gc
 
@@ -337,6 +359,158 @@ def main(argv: list[str] | None = None) -> int:
     name = "gpu_timing.json" if args.timing else "gpu_check.json"
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
+
+
+# --memory-edge: step time as the caching allocator's room shrinks (docs/ENGINE_FACTS.md, "The caching allocator at
+# the memory edge"). Each case runs uncapped, then capped by torch.cuda.set_per_process_memory_fraction at its
+# measured tensor peak (max_memory_allocated) plus each headroom, largest first; a cap makes the allocator take the
+# path a failed cudaMalloc takes (free cached blocks, synchronize, retry: num_alloc_retries).
+EDGE_CASES = [
+    Case("edge fsdp2 llama-1b s4096 mb2 ckpt", "llama-1b", "fsdp2", checkpointing=True, micro_batch=2, seq_len=4096),
+    Case("edge ddp llama-1b s2048 mb4", "llama-1b", "ddp", micro_batch=4, seq_len=2048),
+]
+"""FSDP2 with checkpointing is the engine of the published row at the edge (llm-foundry MPT-30B, seq 8192, FSDP full
+shard; benchmarks/results/throughput.md): per-layer gathers and recomputed activations come and go every step. DDP
+without checkpointing is the other shape: activations larger than the states."""
+EDGE_HEADROOMS = (0.30, 0.15, 0.08, 0.04, 0.02, 0.01, 0.005)
+EDGE_ALLOCATORS = ("", "expandable_segments:True")
+"""PYTORCH_CUDA_ALLOC_CONF of each child process (the allocator reads it once, at start); "" is torch's default."""
+EDGE_WARM_STEPS, EDGE_TIMED_STEPS = 2, 5
+EDGE_CHILD_TIMEOUT_S = 150
+EDGE_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+
+
+def memory_edge(device: str, quick: bool, out_dir: str, gpu: str) -> int:
+    """One child process per allocator setting (EDGE_ALLOCATORS), each running every EDGE_CASES sweep; the rows of
+    all children go to gpu_memory_edge.json. On CPU there is no caching allocator: one child runs the uncapped steps
+    and the prediction, and every capped row says it needs CUDA."""
+    import subprocess
+    import tempfile
+
+    rows: list[dict] = []
+    meta: dict = {}
+    for i, setting in enumerate(EDGE_ALLOCATORS):
+        name = setting or "default"
+        if setting and not device.startswith("cuda"):
+            rows.append({"label": f"allocator {name}", "allocator": name, "skipped": "allocator settings need CUDA"})
+            continue
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        env["MASTER_PORT"] = str(29541 + i)  # FSDP2's world of one; a fresh port per child
+        if setting:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = setting
+        with tempfile.TemporaryDirectory() as tmp:
+            part = Path(tmp) / "rows.json"
+            argv = [sys.executable, str(Path(__file__).resolve()), "--memory-edge", "--device", device, "--gpu", gpu,
+                    "--edge-child", str(part), *(["--quick"] if quick else [])]
+            try:
+                proc = subprocess.run(argv, env=env, timeout=EDGE_CHILD_TIMEOUT_S)
+                failed = f"exit code {proc.returncode}" if proc.returncode or not part.is_file() else ""
+            except subprocess.TimeoutExpired:
+                failed = f"over {EDGE_CHILD_TIMEOUT_S} s"
+            if failed:
+                rows.append({"label": f"allocator {name}", "allocator": name, "error": f"child process: {failed}"})
+                continue
+            child = json.loads(part.read_text())
+        meta = meta or child["meta"]
+        rows += child["rows"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {**meta, "headrooms": list(EDGE_HEADROOMS), "allocators": [a or "default" for a in EDGE_ALLOCATORS]}
+    (out / "gpu_memory_edge.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def memory_edge_child(device: str, quick: bool, gpu: str, rows_path: str) -> int:
+    import gc
+
+    import torch
+
+    cuda = device.startswith("cuda")
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+            "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"), "quick": quick, "gpu": gpu}
+    if cuda:
+        meta["total_bytes"] = torch.cuda.mem_get_info()[1]
+    rows = []
+    for case in EDGE_CASES:
+        try:
+            rows += _edge_sweep(case, device, quick, gpu, setting)
+        except Exception as exc:  # one failing case must not cost the other
+            rows.append({"label": case.label, "case": case.label, "allocator": setting or "default",
+                         "error": f"{type(exc).__name__}: {exc}"[:300]})
+        gc.collect()
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            torch.cuda.empty_cache()
+    Path(rows_path).write_text(json.dumps({"meta": meta, "rows": rows}))
+    return 0
+
+
+def _edge_sweep(case: Case, device: str, quick: bool, gpu: str, setting: str) -> list[dict]:
+    import torch
+
+    cuda = device.startswith("cuda")
+    case, job, step, batch = _prepare(case, device, quick, gpu)
+    base = {**job, "case": case.label, "allocator": setting or "default"}
+    step(batch)  # creates the optimizer states
+    warm, timed = (1, 1) if quick else (EDGE_WARM_STEPS, EDGE_TIMED_STEPS)
+    uncapped = {**base, "label": f"{case.label} | {base['allocator']} | uncapped", "headroom": None,
+                **_edge_steps(step, batch, cuda, warm, timed)}
+    if cuda:
+        uncapped["expandable_in_use"] = any(s.get("is_expandable") for s in torch.cuda.memory_snapshot())
+    rows = [uncapped]
+    for headroom in EDGE_HEADROOMS:
+        row = {**base, "label": f"{case.label} | {base['allocator']} | cap +{headroom:.1%}", "headroom": headroom}
+        if not cuda:
+            row["skipped"] = "no caching allocator on CPU: the cap needs CUDA"
+        elif any(r.get("oom") for r in rows):
+            row["skipped"] = "out of memory at a larger headroom"
+        else:
+            row["cap_bytes"] = int(uncapped["allocated_peak"] * (1 + headroom))
+            torch.cuda.set_per_process_memory_fraction(min(1.0, row["cap_bytes"] / torch.cuda.mem_get_info()[1]))
+            torch.cuda.empty_cache()  # the capped run starts from the live tensors only, as a job started at the cap
+            row.update(_edge_steps(step, batch, cuda, warm, timed))
+        rows.append(row)
+    return rows
+
+
+def _edge_steps(step, batch, cuda: bool, warm: int, timed: int) -> dict:
+    """`warm` steps, then `timed` steps each timed alone: their times and median, and on CUDA the tensor and reserved
+    peaks of the timed steps and the allocator's counters over the warm and the timed steps apart."""
+    import statistics
+
+    import torch
+
+    def counters() -> dict:
+        stats = torch.cuda.memory_stats() if cuda else {}
+        return {k: stats.get(k, 0) for k in EDGE_COUNTERS}
+
+    times: list[float] = []
+    try:
+        start = counters()
+        for _ in range(warm):
+            step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        warmed = counters()
+        for _ in range(timed):
+            t = time.perf_counter()
+            step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one; cuBLAS / NCCL report theirs as plain ones
+        if "out of memory" not in str(exc).lower():
+            raise
+        return {"oom": True, "error": str(exc)[:300], "step_times_s": times}
+    end = counters()
+    out = {"oom": False, "step_times_s": times, "step_median_s": statistics.median(times)}
+    if cuda:
+        out.update(allocated_peak=torch.cuda.max_memory_allocated(), reserved_peak=torch.cuda.max_memory_reserved(),
+                   warm={k: warmed[k] - start[k] for k in EDGE_COUNTERS},
+                   timed={k: end[k] - warmed[k] for k in EDGE_COUNTERS})
+    return out
 
 
 # QLoRA: (label, arch, shape, seq, micro-batch, checkpointing). Separate from CONFIGS and main(): run with --qlora.

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_derive.py benchmarks/results/gpu_check.json    # writes gpu_derived.{json,md} beside it
     python benchmarks/gpu_derive.py benchmarks/results/gpu_timing.json   # --timing run: gpu_timing_derived.{json,md}
+    python benchmarks/gpu_derive.py benchmarks/results/gpu_memory_edge.json   # --memory-edge: gpu_memory_edge_derived.*
 
 What it derives, per engine where the run has it:
   reserved / allocated   max_memory_reserved over max_memory_allocated of the same step: the caching allocator's
@@ -17,6 +18,12 @@ From a --timing run (gpu_timing.json):
                               hidden term, with sequence its attention factor
   engine overhead             each engine's step over DDP's for the same model and batch, minus 1 (world of one)
   pipeline overhead           (pipeline engine - DDP) / M seconds per micro-batch, from the M = 8 pair
+From a --memory-edge run (gpu_memory_edge.json), per case and allocator setting:
+  slowdown per headroom       median capped step / median uncapped step - 1, beside the allocator's retries per step
+  speed headroom              the smallest headroom over the measured tensor peak at which the step, and every step
+                              with more room, is within the time model's own band (toolkit/estimate/time_error_band.json)
+                              and does not run out of memory: the room the planner would keep for speed; also as a
+                              share of the predicted peak (toolkit.estimate's allocated_predicted)
 """
 
 from __future__ import annotations
@@ -109,12 +116,101 @@ def render_timing(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def derive_memory_edge(results: dict, band: float | None = None) -> dict:
+    """The memory-edge sweep's slowdowns and speed headroom (rows as benchmarks/gpu_check._edge_sweep writes them);
+    `band` defaults to the time model's error band."""
+    if band is None:
+        from toolkit.estimate.errorband import time_band
+
+        band = time_band().fraction
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in results["rows"]:
+        if "case" in r:
+            groups.setdefault((r["case"], r["allocator"]), []).append(r)
+    out: dict = {"meta": results["meta"], "band": band, "sweeps": []}
+    for (case, allocator), rows in groups.items():
+        base = next((r for r in rows if r.get("headroom") is None and "allocated_peak" in r), None)
+        if base is None:  # a CPU rehearsal or a failed uncapped run: nothing to compare with
+            continue
+        points = []
+        for r in sorted((r for r in rows if r.get("headroom") is not None and "skipped" not in r),
+                        key=lambda r: -r["headroom"]):
+            p = {"headroom": r["headroom"], "oom": r.get("oom", False)}
+            if not p["oom"] and "step_median_s" in r:
+                p.update(slowdown=r["step_median_s"] / base["step_median_s"] - 1, reserved_peak=r["reserved_peak"],
+                         retries_per_step=r["timed"]["num_alloc_retries"] / len(r["step_times_s"]))
+            if r.get("cap_bytes") and base.get("allocated_predicted"):
+                p["cap_over_predicted"] = r["cap_bytes"] / base["allocated_predicted"] - 1
+            points.append(p)
+        keep = None
+        for p in points:
+            if p["oom"] or "slowdown" not in p or p["slowdown"] > band:
+                break
+            keep = p
+        first_retry = next((p["headroom"] for p in points if p.get("retries_per_step", 0) > 0 or p["oom"]), None)
+        out["sweeps"].append({
+            "case": case, "allocator": allocator, "points": points, "step_uncapped_s": base["step_median_s"],
+            "reserved_over_allocated_uncapped": base["reserved_peak"] / base["allocated_peak"],
+            "allocated_measured_over_predicted": base["allocated_peak"] / base["allocated_predicted"]
+            if base.get("allocated_predicted") else None,
+            "retries_from_headroom": first_retry,
+            "speed_headroom": keep["headroom"] if keep else None,
+            "speed_headroom_over_predicted": keep.get("cap_over_predicted") if keep else None,
+            "within_band_everywhere": keep is points[-1] if points else False})
+    for allocator in dict.fromkeys(s["allocator"] for s in out["sweeps"]):
+        kept = [s["speed_headroom"] for s in out["sweeps"] if s["allocator"] == allocator]
+        # The planner's number: the largest any case needs; None when a case needs more than the largest measured.
+        out.setdefault("speed_headroom", {})[allocator] = None if None in kept else max(kept)
+    return out
+
+
+def render_memory_edge(d: dict) -> str:
+    m = d["meta"]
+    lines = [f"# Step time at the memory edge, gpu_check --memory-edge ({m.get('device')}, torch {m.get('torch')}, "
+             f"CUDA {m.get('cuda', '-')}, {m.get('date')})", "",
+             f"Band: the time model's +-{d['band']:.1%} (toolkit/estimate/time_error_band.json). Headroom: the cap "
+             "over the measured tensor peak (max_memory_allocated, uncapped).", "",
+             "| case | allocator | headroom | over predicted peak | slowdown | retries / step | reserved peak GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for s in d["sweeps"]:
+        for p in s["points"]:
+            slow = "out of memory" if p["oom"] else f"{p['slowdown']:+.1%}" if "slowdown" in p else "-"
+            over = f"{p['cap_over_predicted']:+.1%}" if "cap_over_predicted" in p else "-"
+            retries = f"{p['retries_per_step']:.1f}" if "retries_per_step" in p else "-"
+            reserved = f"{p['reserved_peak'] / 2**30:.2f}" if "reserved_peak" in p else "-"
+            lines.append(f"| {s['case']} | {s['allocator']} | {p['headroom']:.1%} | {over} | {slow} | {retries} | "
+                         f"{reserved} |")
+    lines.append("")
+    if not d["sweeps"]:
+        lines.append("No capped run in this file (a CPU rehearsal has none): nothing to derive.")
+    for allocator, keep in d.get("speed_headroom", {}).items():
+        lines.append(f"Speed headroom, {allocator} allocator: " + (
+            f"keep {keep:.1%} over the tensor peak" if keep is not None else
+            f"more than the largest measured ({max(p['headroom'] for s in d['sweeps'] for p in s['points']):.0%})"))
+    lines.append("")
+    for s in d["sweeps"]:
+        keep = s["speed_headroom"]
+        said = ("none of the measured headrooms is within the band" if keep is None else
+                f"within the band down to {keep:.1%} over the measured peak"
+                + (f" ({s['speed_headroom_over_predicted']:+.1%} over the predicted one)"
+                   if s["speed_headroom_over_predicted"] is not None else "")
+                + (", the smallest measured" if s["within_band_everywhere"] else ""))
+        retries = s["retries_from_headroom"]
+        lines.append(f"- {s['case']}, {s['allocator']}: {said}; uncapped reserved / allocated "
+                     f"{s['reserved_over_allocated_uncapped']:.3f}; retries "
+                     + (f"from {retries:.1%}" if retries is not None else "at no measured headroom"))
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     path = Path((argv or sys.argv[1:] or [str(Path(__file__).parent / "results" / "gpu_check.json")])[0])
     results = json.loads(path.read_text())
     if path.name == "gpu_timing.json":
         d, stem = derive_timing(results), "gpu_timing_derived"
         text = render_timing(d)
+    elif path.name == "gpu_memory_edge.json":
+        d, stem = derive_memory_edge(results), "gpu_memory_edge_derived"
+        text = render_memory_edge(d)
     else:
         d, stem = derive(results), "gpu_derived"
         text = render(d)

@@ -277,7 +277,8 @@ def test_gpu_catalog_resolves_through_hardware_module(gpus):
 
 def test_power_limit_lowers_the_tensor_peak_between_one_dies_datasheet_points():
     """H100 SXM (700 W, 989 TFLOP/s) and H100 NVL (400 W, 835.5) share a die: a 500 W limit sits on the line between
-    them; at or above the TDP nothing changes; a GPU with no sibling entry refuses a limit with one line."""
+    them; at the TDP nothing is scaled; above the TDP, below the lowest point or on a GPU with no sibling entry a limit
+    is refused with one line."""
     hardware = pytest.importorskip("toolkit.inputs.hardware")
     from toolkit.errors import UserError
 
@@ -286,9 +287,13 @@ def test_power_limit_lowers_the_tensor_peak_between_one_dies_datasheet_points():
     assert capped.bf16_tflops == pytest.approx(835.5 + (989.4 - 835.5) / 3, rel=1e-6)
     assert capped.fp16_tflops / sxm.fp16_tflops == pytest.approx(capped.bf16_tflops / sxm.bf16_tflops)
     assert capped.hbm_gbps == sxm.hbm_gbps == 2400 and capped.power_limit_w == 500
-    assert hardware.power_limited(sxm, 700) is sxm
+    at_tdp = hardware.power_limited(sxm, 700)
+    assert at_tdp.bf16_tflops == sxm.bf16_tflops and at_tdp.power_limit_w == 700  # recorded, nothing scaled
     assert hardware.power_limited(hardware.find_gpu("H100-NVL"), 400).bf16_tflops == pytest.approx(835.5)
     hw = hardware.parse_hardware("2x8xH100-SXM-96GB", power_limit_w=500)
     assert hw.gpu.bf16_tflops == pytest.approx(capped.bf16_tflops) and hw.world_size == 16
-    with pytest.raises(UserError, match="power limit cannot be modelled"):
+    with pytest.raises(UserError, match="power limit 300 W cannot be modelled for it"):
         hardware.power_limited(hardware.find_gpu("A100-80GB"), 300)
+    for watts, words in ((701, "above H100-SXM-96GB's 700 W"), (399, "below 400 W"), (0, "must be positive")):
+        with pytest.raises(UserError, match=words):
+            hardware.power_limited(sxm, watts)

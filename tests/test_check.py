@@ -48,6 +48,9 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "plan-pipeline-batch-counts-all-ranks": ("error", "x data-parallel 1 (4 processes / 4 pipeline stages) = 8"),
     "plan-pipeline-with-auto-values": ("error", '"auto" in train_micro_batch_size_per_gpu: a pipeline run'),
     "plan-pipeline-with-zero2": ("error", "ZeRO-2 with pipeline parallelism"),
+    # model_config leaves max_position_embeddings out: LlamaConfig's default, 2048 (toolkit.train refuses the plan)
+    "plan-seq-longer-than-model-positions": (
+        "error", "plan sequence length 4096 is longer than model example/llama-small supports (2048 positions)"),
     "plan-yaml-process-count-differs-from-plan": ("error", "num_processes 4 but plan.json plans 1 node(s) x 8"),
     "yaml-ds-file-missing.yaml": ("error", "deepspeed_config_file no-such-ds-config.json does not exist"),
     "yaml-ds-file-with-gradient-accumulation.yaml": (
@@ -66,7 +69,8 @@ EXPECTED: dict[str, tuple[str, str]] = {
                                            '"num_processes"?'),
 }
 
-NOT_BROKEN = {"clean", "unreadable", "ds-zero2-for-yaml.json"}  # ds-zero2-for-yaml.json: the JSON the YAMLs name
+# ds-zero2-for-yaml.json: the JSON the YAMLs name; README.md: how the corpus was made
+NOT_BROKEN = {"clean", "unreadable", "ds-zero2-for-yaml.json", "README.md"}
 
 
 def gpus_for(name: str) -> tuple[int, int] | None:
@@ -129,7 +133,8 @@ def test_random_emitted_plans_stay_clean(tmp_path):
             stages = nodes * gpus  # the pipeline strategy makes every GPU a stage (hybrid adds data parallel)
         if (nodes * gpus) % stages or (strategy == "hybrid" and nodes * gpus // stages < 2):
             continue
-        config = {"model_type": "llama", "hidden_size": rng.choice([512, 2048]), "num_hidden_layers": 16}
+        config = {"model_type": "llama", "hidden_size": rng.choice([512, 2048]), "num_hidden_layers": 16,
+                  "max_position_embeddings": 4096}  # LlamaConfig's default 2048 is shorter than the plans
         plan = reference_plan(strategy, rng.choice(["bf16", "fp16"]), nodes=nodes, gpus_per_node=gpus,
                               stages=stages, micro=rng.choice([1, 2]), accum=rng.choice([1, 4]), model_config=config)
         emit_files(plan, tmp_path / str(i))

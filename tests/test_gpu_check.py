@@ -97,3 +97,69 @@ def test_multi_gpu_runs_list_context_parallelism_and_skip_without_gpus(tmp_path)
     cp = rows["fsdp2 x cp=2 llama-1b fp32"]
     assert "ring attention" in cp["why"] and "losses" in cp["measure"]
     assert all(r["skipped"] == f"needs {r['gpus']} GPUs, this machine has 0" for r in rows.values())
+
+
+def test_memory_edge_rehearses_on_cpu_with_the_estimate_beside_each_case(tmp_path):
+    """--memory-edge on CPU: the parent starts the child process, the child builds each case's model, runs its steps
+    and calls the estimator; the capped rows and the expandable-segments child say they need CUDA."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import EDGE_CASES, EDGE_HEADROOMS
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--memory-edge", "--device",
+                           "cpu", "--quick", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_memory_edge.json").read_text())
+    rows = {r["label"]: r for r in result["rows"]}
+    assert result["meta"]["headrooms"] == list(EDGE_HEADROOMS)
+    for case in EDGE_CASES:
+        uncapped = rows[f"{case.label} | default | uncapped"]
+        assert "error" not in uncapped, uncapped
+        assert uncapped["step_median_s"] > 0 and not uncapped["oom"]
+        assert uncapped["allocated_predicted"] > 0 and uncapped["step_predicted_s"] > 0
+        capped = [r for r in result["rows"] if r.get("case") == case.label and r["headroom"] is not None]
+        assert [r["headroom"] for r in capped] == list(EDGE_HEADROOMS)
+        assert all("needs CUDA" in r["skipped"] for r in capped)
+    assert rows["allocator expandable_segments:True"]["skipped"] == "allocator settings need CUDA"
+    from gpu_derive import main as derive_main
+
+    assert derive_main([str(tmp_path / "gpu_memory_edge.json")]) == 0
+    assert "nothing to derive" in (tmp_path / "gpu_memory_edge_derived.md").read_text()
+
+
+def test_derive_memory_edge_keeps_the_smallest_headroom_within_the_time_band():
+    """Synthetic rows (labelled so, not a measurement): the default allocator slows past the band at a 4% cap and
+    runs out of memory at 2%; with expandable segments every headroom stays within it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_derive import derive_memory_edge, render_memory_edge
+
+    from toolkit.estimate.errorband import time_band
+
+    gib = 2**30
+
+    def row(allocator, headroom, step=None, retries=0, oom=False):
+        r = {"case": "edge fsdp2", "allocator": allocator, "headroom": headroom, "allocated_predicted": 20 * gib}
+        if headroom is None:
+            return {**r, "step_median_s": step, "allocated_peak": 21 * gib, "reserved_peak": 23 * gib,
+                    "step_times_s": [step]}
+        r["cap_bytes"] = int(21 * gib * (1 + headroom))
+        if oom:
+            return {**r, "oom": True}
+        return {**r, "oom": False, "step_median_s": step, "step_times_s": [step] * 5, "reserved_peak": r["cap_bytes"],
+                "timed": {"num_alloc_retries": retries}}
+
+    rows = [row("default", None, 1.0), row("default", 0.30, 1.0), row("default", 0.08, 1.05, retries=5),
+            row("default", 0.04, 1.2, retries=40), row("default", 0.02, oom=True),
+            row("expandable_segments:True", None, 1.0), row("expandable_segments:True", 0.30, 1.0),
+            row("expandable_segments:True", 0.005, 1.02, retries=2)]
+    d = derive_memory_edge({"meta": {"device": "synthetic test input, not a measurement"}, "rows": rows}, band=0.1)
+    default, expandable = d["sweeps"]
+    assert default["speed_headroom"] == 0.08 and default["retries_from_headroom"] == 0.08
+    assert abs(default["speed_headroom_over_predicted"] - (21 * 1.08 / 20 - 1)) < 1e-6
+    assert [p["oom"] for p in default["points"]] == [False, False, False, True]
+    assert abs(default["points"][2]["slowdown"] - 0.2) < 1e-9 and default["points"][2]["retries_per_step"] == 8
+    assert expandable["speed_headroom"] == 0.005 and expandable["within_band_everywhere"]
+    assert d["speed_headroom"] == {"default": 0.08, "expandable_segments:True": 0.005}
+    assert "out of memory" in render_memory_edge(d)
+    assert derive_memory_edge({"meta": {}, "rows": rows})["band"] == time_band().fraction

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.cli import main
+from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.modelspec import resolve_model
@@ -135,6 +136,46 @@ def test_check_refuses_a_sequence_the_model_cannot_take_as_estimate_does(capsys)
     assert "1 error" in captured.out
     assert main(["estimate", "gpt2", "--seq", "8192"]) == 2
     assert "--seq 8192 is longer than gpt2 allows (1024 positions)" in _one_error_line(capsys)
+    # A config set without a plan: the model is known from --model, the length from --seq.
+    assert main(["check", str(ROOT / "tests/check_corpus/clean/ds-zero2-8-gpus.json"), "--model", "gpt2", "--gpus",
+                 "8xH100-80GB", "--seq", "2048"]) == 1
+    assert "--seq 2048 is longer than gpt2 allows (1024 positions)" in capsys.readouterr().err
+
+
+def test_the_models_positions_are_one_fact_for_estimate_plan_emit_check_and_train(tmp_path, capsys):
+    """A Llama config that leaves max_position_embeddings out has transformers' default, 2048 (LlamaConfig): a
+    4096 plan on it was once a 'clean' check-corpus example. Every command refuses it in one line, check finds it
+    on the plan folder, and YaRN scaling (original 2048 x factor 2) extends the model for all of them alike."""
+    from toolkit.inputs.modelspec import model_positions
+    from toolkit.train.model import check_matches_plan, load_config
+
+    folder = ROOT / "tests/check_corpus/plan-seq-longer-than-model-positions"
+    config = json.loads((folder / "plan.json").read_text())["model_config"]
+    assert "max_position_embeddings" not in config
+    short = tmp_path / "short" / "config.json"
+    short.parent.mkdir()
+    short.write_text(json.dumps(config))
+    for argv in (["estimate", str(short), "--seq", "4096"],
+                 ["plan", str(short), "--gpus", "8xH100-80GB", "--seq", "4096", "--global-batch", "32"],
+                 ["emit", str(folder), "--out", str(tmp_path / "out")]):
+        assert main(argv) == 2, argv
+        assert "is longer than" in (line := _one_error_line(capsys)) and "(2048 positions)" in line, argv
+    assert not (tmp_path / "out").exists()
+    assert main(["check", str(folder)]) == 1
+    assert "plan sequence length 4096 is longer than model example/llama-small supports (2048 positions)" \
+        in capsys.readouterr().err
+    plan = load_plan(folder)
+    with pytest.raises(UserError, match=r"longer than model .* \(2048 positions\); re-plan with --seq 2048"):
+        check_matches_plan(load_config(str(short)), plan, "short")  # toolkit.train, before any process starts
+
+    yarn = tmp_path / "yarn" / "config.json"
+    yarn.parent.mkdir()
+    yarn.write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                                           "original_max_position_embeddings": 2048}}))
+    assert model_positions(load_config(str(yarn))) == 4096
+    check_matches_plan(load_config(str(yarn)), plan, "yarn")
+    assert main(["estimate", str(yarn), "--seq", "8192"]) == 2
+    assert "(4096 positions)" in _one_error_line(capsys)
 
 
 def test_a_default_sequence_the_model_cannot_take_adapts_and_says_so(capsys):

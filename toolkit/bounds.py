@@ -45,6 +45,9 @@ PROCESSES = Bound(1, 1024, "as many processes as GPUs per node (--processes of l
 NODES = Bound(1, 65536, "5x the nodes of the largest reported GPU clusters (~10^5 GPUs)")
 INTER_NODE_GBPS = Bound(0, 100000, "100 TB/s per node, 100x an 8 x 800G-rail node", low_inclusive=False)
 CPU_RAM_GIB = Bound(0, 1048576, "1 PiB of host RAM per node", low_inclusive=False)
+POWER_LIMIT_W = Bound(0, 10000, "10 kW per GPU, 10x the 1000 W board power of a B200 (HGX B200 datasheet)",
+                      low_inclusive=False)
+"""--power-limit-w: the GPU's own datasheet points bound it further (toolkit.inputs.hardware.power_limited)."""
 
 # Batch and steps.
 BATCH = Bound(1, 1000000, "10^6 samples")

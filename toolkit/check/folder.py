@@ -108,6 +108,21 @@ def plan_adapter_problems(plan: Plan, plan_path: Path) -> list[Problem]:
     return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
 
 
+def plan_position_problems(plan: Plan, plan_path: Path) -> list[Problem]:
+    """The model's positions (toolkit.inputs.modelspec.model_positions) against the plan's sequence length: the
+    model is known from plan.json's model_config, so a plan toolkit.train would refuse is an error here too. A
+    model_config transformers cannot read is left to the commands that load it."""
+    from toolkit.inputs.job import plan_positions_problem
+    from toolkit.inputs.modelspec import config_dict_positions
+
+    try:
+        positions = config_dict_positions(plan.model_config, f"{plan_path}: model_config")
+    except UserError:
+        return []
+    problem = plan_positions_problem(plan.seq_len, plan.model, positions)
+    return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
+
+
 def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Problem]:
     plan_path = directory / PLAN_JSON
     plan = load_plan(plan_path) if plan_path.exists() else None
@@ -117,7 +132,7 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
             raise UserError(f"{directory} holds no plan.json, accelerate_config.yaml or ds_config.json; give the "
                             "config files themselves")
         return check_paths([str(n) for n in names[:1]], gpus=gpus)  # the YAML names its JSON, else the JSON
-    out: list[Problem] = plan_adapter_problems(plan, plan_path)
+    out: list[Problem] = plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
     checked_json: Path | None = None

@@ -39,6 +39,11 @@ def add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100
                    help="network bandwidth per node, GB/s (default 50 = 400 Gb/s)")
     g.add_argument("--cpu-ram-gib", type=float_arg("--cpu-ram-gib", bounds.CPU_RAM_GIB),
                    help="host RAM per node, GiB (default 1024)")
+    g.add_argument("--power-limit-w", type=float_arg("--power-limit-w", bounds.POWER_LIMIT_W), metavar="W",
+                   help="board power limit per GPU in watts, as `nvidia-smi -pl` sets it (default: the TDP): every "
+                        "compute peak (tensor and fp32) takes the ratio of the bf16 tensor peak, linear in watts "
+                        "between the die's datasheet points (H100 / H200: NVL 400 W to SXM 700 W; no other GPU has "
+                        "them); HBM bandwidth and links unchanged")
 
 
 def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
@@ -213,7 +218,7 @@ def hardware_of(args):
     from toolkit.inputs.hardware import parse_hardware
 
     return parse_hardware(args.gpus, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
-                          cpu_ram_gib=args.cpu_ram_gib)
+                          cpu_ram_gib=args.cpu_ram_gib, power_limit_w=args.power_limit_w)
 
 
 def print_note(text: str) -> None:

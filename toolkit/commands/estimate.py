@@ -41,6 +41,7 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.job import Job, check_job
     from toolkit.estimate.search import evaluate
     from toolkit.estimate.errorband import band_for, time_band
+    from toolkit.inputs.hardware import power_fields, power_words
     from toolkit.inputs.strategy import parse_strategy
 
     spec = model_spec(args)
@@ -78,7 +79,9 @@ def cmd_estimate(args) -> int:
     band = band_for(strategy.engine, job.checkpointing)
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
-               "trainable_params": trainable_params(spec, job.adapter), "hardware": hw.spec, "strategy": strategy.name,
+               "trainable_params": trainable_params(spec, job.adapter), "hardware": hw.spec,
+               **({"power_limit": power_fields(hw.gpu, job.precision)} if hw.gpu.power_limit_w else {}),
+               "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
@@ -101,7 +104,8 @@ def cmd_estimate(args) -> int:
     cap = b.capacity_bytes
     active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
-          f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec} | seq {job.seq_len}, "
+          f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec}{power_words(hw.gpu, job.precision)} | "
+          f"seq {job.seq_len}, "
           f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
@@ -162,6 +166,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
         raise UserError("--chunked-loss is estimated for one sequence length, not --seq max; give --seq a number "
                         "or drop --chunked-loss")
     from toolkit.estimate.longest import longest_on_grid, text_chart
+    from toolkit.inputs.hardware import power_fields
     from toolkit.estimate.search import Request
     from toolkit.inputs.grid import ParallelGrid
 
@@ -174,7 +179,9 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
                   adapter=adapter_of(args), compile=args.compile, tiled=args.tiled)
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
-        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategy": found.name,
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec,
+                          **({"power_limit": power_fields(hw.gpu, args.precision)} if hw.gpu.power_limit_w else {}),
+                          "strategy": found.name,
                           "longest_seq": found.seq_len, "capped_by_positions": found.capped_by_positions,
                           "reason": found.reason, "curve": [{"seq": s, "required_bytes": b} for s, b in found.curve]},
                          indent=2))

@@ -41,6 +41,7 @@ def cmd_plan(args) -> int:
 
     from toolkit.estimate.errorband import time_band
     from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan
+    from toolkit.inputs.hardware import power_fields
 
     spec = model_spec(args)  # a config that is wrong is named first
     if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
@@ -112,7 +113,9 @@ def cmd_plan(args) -> int:
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
-               "hardware": hw.spec, "candidates": rows, "chosen": chosen.row() if chosen else None,
+               "hardware": hw.spec,
+               **({"power_limit": power_fields(hw.gpu, req.precision)} if hw.gpu.power_limit_w else {}),
+               "candidates": rows, "chosen": chosen.row() if chosen else None,
                "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)]}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top)
@@ -144,19 +147,22 @@ def _plan_seq_max(args, spec, hw, req) -> int:
 
     from toolkit.commands.help import status
     from toolkit.estimate.longest import longest_sequences, svg_chart, text_chart
+    from toolkit.inputs.hardware import power_fields, power_words
     from toolkit.estimate.search import to_plan
 
     with status("--seq max: the longest sequence each strategy fits"):
         results = longest_sequences(spec, hw, req)
     best = next((r for r in results if r.seq_len), None)
     if args.json:
-        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategies": [
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec,
+                          **({"power_limit": power_fields(hw.gpu, req.precision)} if hw.gpu.power_limit_w else {}),
+                          "strategies": [
             {"name": r.name, "longest_seq": r.seq_len, "capped_by_positions": r.capped_by_positions,
              "reason": r.reason, "candidate": r.candidate.row() if r.candidate else None,
              "curve": [{"seq": s, "required_bytes": b} for s, b in r.curve]} for r in results]}, indent=2))
     else:
         print(f"{spec.name} ({human(spec.params)} params, positions {spec.max_positions}) on {hw.spec} "
-              f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | longest sequence per strategy, micro-batch 1, "
+              f"({hw.gpu.memory_bytes / GIB:.1f} GiB each{power_words(hw.gpu, req.precision)}) | longest sequence per strategy, micro-batch 1, "
               f"{req.precision}\n")
         for r in results:
             print("  " + longest_line(r, spec))
@@ -190,8 +196,10 @@ def _refuse_existing(out, force: bool) -> None:
 
 
 def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
+    from toolkit.inputs.hardware import power_words
+
     print(f"{spec.name} ({human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
-          f"({hw.gpu.memory_bytes / GIB:.1f} GiB each) | seq {req.seq_len}, "
+          f"({hw.gpu.memory_bytes / GIB:.1f} GiB each{power_words(hw.gpu, req.precision)}) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
           + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}"
           + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled else ''}"

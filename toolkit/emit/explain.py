@@ -33,7 +33,9 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
     lines += ["## Model and hardware", "",
               f"- model: `{plan.model}` ({plan.model_type}, {plan.params:,} parameters, {plan.num_layers} layers of "
               f"`{plan.layer_class}`)",
-              f"- hardware: {plan.num_machines} node(s) x {plan.gpus_per_node} {plan.gpu} = {plan.world_size} GPUs",
+              f"- hardware: {plan.num_machines} node(s) x {plan.gpus_per_node} {plan.gpu} = {plan.world_size} GPUs"
+              + (f", each at a {plan.power_limit_w:g} W board power limit (the step time uses the tensor peak that "
+                 "limit leaves: see the notes)" if plan.power_limit_w else ""),
               f"- job: sequence {plan.seq_len}, precision {plan.precision}, optimizer {plan.optimizer}, "
               f"activation checkpointing {'on' if plan.checkpointing else 'off'}, attention {plan.attention}"]
     if plan.method != "full":

@@ -470,6 +470,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
         grid=c.grid, job=c.job, gpu=hw.gpu.name, partition=c.partition,
         notes=[n.replace("\n", " ") for n in notes], attention=spec.effective_attention(c.job.attention),
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
+        power_limit_w=hw.gpu.power_limit_w or None,
         **_adapter_fields(c.job, spec))
     return plan.with_prediction(predicted)
 

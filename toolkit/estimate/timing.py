@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compute_seconds_per_token,
                                           flop_split, matmul_efficiency)
-from toolkit.inputs.hardware import Hardware
+from toolkit.inputs.hardware import Hardware, power_source
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import ModelSpec
@@ -250,7 +250,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                                                        spec.effective_attention(job.attention), compute_model)
     assumptions = [f"matmul efficiency {eff:.2f} of {peak / 1e12:.0f} TFLOP/s dense peak at "
                    f"{job.tokens_per_micro_batch:,} tokens per micro-step, hidden {spec.hidden} (toolkit.estimate.efficiency)"]
-    assumptions += [n for n in (eff_note, attn_note) if n]
+    assumptions += [n for n in (eff_note, attn_note, power_source(hw.gpu)) if n]
 
     # Compute: the replica's tokens through the whole model, split over the pipeline stages (balanced) and the
     # ranks that share each sample.

@@ -50,7 +50,7 @@ class Gpu:
     die: str = ""
     """Chip and enabled SMs: entries sharing it differ only in power, clocks and memory (power_limited reads them)."""
     power_limit_w: float = 0.0
-    """The board power limit this GPU runs at, when set below its TDP (power_limited); 0: the TDP."""
+    """The board power limit this GPU runs at, when one is set (power_limited); 0: none (the TDP)."""
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for the precision a step computes in. fp32 uses the plain fp32 peak: torch keeps fp32
@@ -101,27 +101,76 @@ def gpu_catalog() -> dict[str, Gpu]:
     return {entry["name"]: Gpu(**{k: v for k, v in entry.items() if k in fields}) for entry in _catalog_entries()}
 
 
+def power_points(gpu: Gpu) -> list[tuple[float, float, str]]:
+    """(board watts, dense bf16 peak, the entries quoted there) of every catalog entry sharing `gpu`'s die, by watts:
+    the evidence power_limited interpolates between (one point or none: a limit cannot be modelled)."""
+    if not gpu.die or gpu.tdp_w <= 0:
+        return []
+    points: dict[tuple[float, float], list[str]] = {}
+    for g in gpu_catalog().values():
+        if g.die == gpu.die and g.tdp_w > 0 and g.bf16_tflops > 0:
+            points.setdefault((g.tdp_w, g.bf16_tflops), []).append(g.name)
+    return [(w, peak, ", ".join(names)) for (w, peak), names in sorted(points.items())]
+
+
 def power_limited(gpu: Gpu, watts: float) -> Gpu:
-    """The GPU run under a board power limit below its TDP: its peaks at the clock that limit sustains.
+    """The GPU run under a board power limit (`nvidia-smi -pl`): its compute peaks at the clock that limit sustains;
+    memory bandwidth, capacity and links unchanged.
 
     NVIDIA quotes each product's dense tensor peak at the clock its TDP sustains under tensor load, below the boost
     clock (H100 SXM, 700 W: 989 TFLOP/s bf16 = 132 SMs x 4096 FLOP/clock at 1.83 GHz; H100 NVL, the same 132-SM die
     at 400 W: 835 TFLOP/s, 1.55 GHz). Catalog entries sharing a die give those (TDP, peak) points; the peak at
-    `watts` is linear between them and on the nearest segment's line outside them. At or above the TDP: unchanged.
+    `watts` is linear between the two points around it, and every peak (bf16, fp16, tf32, fp32) takes the same
+    ratio to the TDP's. Refused (UserError, one line): a limit above the TDP, below the die's lowest datasheet point
+    (no extrapolation: no evidence there), or on a GPU whose die has fewer than two points in the catalog.
     An assumption (sustained clock linear in board power between datasheet points), named in docs/ENGINE_FACTS.md."""
-    if not watts or watts >= gpu.tdp_w > 0:
-        return gpu
-    points = sorted({(g.tdp_w, g.bf16_tflops) for g in gpu_catalog().values() if g.die and g.die == gpu.die
-                     and g.tdp_w > 0 and g.bf16_tflops > 0})
+    check_number("power limit (W)", watts, bounds.POWER_LIMIT_W)
+    points = power_points(gpu)
     if len(points) < 2:
-        raise UserError(f"no datasheet peak below the TDP of {gpu.name} in the GPU catalog, so a {watts:.0f} W "
-                        "power limit cannot be modelled; drop the power limit or add the die's lower-power variant")
-    lo, hi = next(((a, b) for a, b in zip(points, points[1:]) if watts <= b[0]), points[-2:])
-    at_watts = lo[1] + (hi[1] - lo[1]) * (watts - lo[0]) / (hi[0] - lo[0])
-    at_tdp = next(p for w, p in points if w == gpu.tdp_w)
-    ratio = max(0.1, at_watts / at_tdp)
+        have = ", ".join(g.name for g in gpu_catalog().values() if len(power_points(g)) > 1)
+        raise UserError(f"the GPU catalog has no board-power data for {gpu.name} (one datasheet point of its die or "
+                        f"none), so power limit {watts:g} W cannot be modelled for it; drop the power limit (GPUs with "
+                        f"that data: {have})")
+    low, tdp = points[0][0], gpu.tdp_w
+    give = f"give {low:g} W" if low == tdp else f"give {low:g} to {tdp:g} W"
+    if watts > tdp:
+        raise UserError(f"power limit {watts:g} W is above {gpu.name}'s {tdp:g} W board power (the TDP its datasheet "
+                        f"peaks are quoted at); {give}, or no power limit")
+    if watts < low:
+        raise UserError(f"power limit {watts:g} W is below {low:g} W, the lowest board power with a datasheet peak "
+                        f"for {gpu.name}'s die ({points[0][2]}), and the model does not extrapolate; {give}, or no "
+                        "power limit")
+    (w0, p0, _), (w1, p1, _) = next((a, b) for a, b in zip(points, points[1:]) if watts <= b[0])
+    at_tdp = next(p for w, p, _ in points if w == tdp)
+    ratio = (p0 + (p1 - p0) * (watts - w0) / (w1 - w0)) / at_tdp
     return replace(gpu, bf16_tflops=gpu.bf16_tflops * ratio, fp16_tflops=gpu.fp16_tflops * ratio,
                    fp32_tflops=gpu.fp32_tflops * ratio, tf32_tflops=gpu.tf32_tflops * ratio, power_limit_w=watts)
+
+
+def power_fields(gpu: Gpu, precision: str) -> dict:
+    """The power limit and the dense peak it leaves, for --json ({} without a limit)."""
+    if not gpu.power_limit_w:
+        return {}
+    return {"watts": gpu.power_limit_w, "tdp_w": gpu.tdp_w, "precision": precision,
+            "dense_peak_tflops": round(gpu.peak_tflops(precision), 1),
+            "tdp_dense_peak_tflops": find_gpu(gpu.name).peak_tflops(precision), "source": power_source(gpu)}
+
+
+def power_words(gpu: Gpu, precision: str) -> str:
+    """', 500 W power limit: 887 TFLOP/s dense bf16 peak (989 at the 700 W TDP)' when a limit is set, else ''."""
+    f = power_fields(gpu, precision)
+    return (f", {f['watts']:g} W power limit: {f['dense_peak_tflops']:.0f} TFLOP/s dense {precision} peak "
+            f"({f['tdp_dense_peak_tflops']:.0f} at the {f['tdp_w']:g} W TDP)") if f else ""
+
+
+def power_source(gpu: Gpu) -> str:
+    """Where a power-limited peak comes from, for --explain and plan notes ('' without a limit)."""
+    if not gpu.power_limit_w:
+        return ""
+    points = "; ".join(f"{w:g} W {p:g} TFLOP/s ({names})" for w, p, names in power_points(gpu))
+    return (f"{gpu.power_limit_w:g} W power limit: tensor peaks scaled by the bf16 peak linear in board power between "
+            f"the datasheet points of the {gpu.die} die ({points}); HBM bandwidth and links unchanged "
+            "(toolkit.inputs.hardware.power_limited; real clocks under a cap are not linear in power)")
 
 
 @lru_cache(maxsize=1)
@@ -154,7 +203,7 @@ _SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x
 def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: float | None = None,
                    cpu_ram_gib: float | None = None, power_limit_w: float | None = None) -> Hardware:
     """`8xH100-80GB`, `2x8xA100`, `H100` (one GPU); `nodes` overrides the node count of a one-node spec;
-    `power_limit_w` a board power limit below the GPU's TDP (power_limited)."""
+    `power_limit_w` a board power limit per GPU, at most its TDP (power_limited)."""
     match = _SPEC.match(spec or "")
     if not match:
         raise UserError(f"cannot read GPU spec '{spec}'; write it like 8xH100-80GB or 2x8xA100-80GB")

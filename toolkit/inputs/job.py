@@ -165,6 +165,15 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
                         f"use --seq {spec.max_positions} or less")
 
 
+def plan_positions_problem(seq_len: int, model: str, positions: int | None) -> str | None:
+    """Why a plan's sequence cannot run on its model (longer than the model's positions, modelspec.model_positions),
+    or None: toolkit.train refuses it and check reports it on a plan folder."""
+    if positions and seq_len > positions:
+        return (f"plan sequence length {seq_len} is longer than model {model} supports ({positions} positions); "
+                f"re-plan with --seq {positions} or less")
+    return None
+
+
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
                 activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL,
                 compile: bool = False, attention: str = "sdpa", tiled: bool = False) -> str | None:

@@ -365,6 +365,46 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
     return pre, post
 
 
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+"""Where transformers configs keep the longest sequence the model was built for (Llama's name, GPT-2's, others')."""
+
+
+def model_positions(config) -> int | None:
+    """The longest sequence the model takes, as its transformers config defines it, or None when it says nothing
+    (ALiBi / rotary models without a limit). The one source for "the model's positions": estimate, plan, emit,
+    check and toolkit.train all read it (ModelSpec.max_positions, toolkit.train.model.check_matches_plan).
+
+    max_position_embeddings (n_positions for GPT-2) is the length, except where rope scaling extends the model past
+    it: YaRN's post-scaling length is original_max_position_embeddings x factor (transformers' validate_rope: "factor
+    should be the ratio between the pre-yarn and post-yarn context lengths"), which Qwen2.5's YaRN recipe adds to a
+    config whose max_position_embeddings stays the pre-scaling 32768. llama3 and longrope configs already state the
+    extended length in max_position_embeddings; linear / dynamic factors are taken as the config states its length
+    (docs/ENGINE_FACTS.md, "What a training run's inputs must be")."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def read(key: str) -> Any:
+        return text.get(key) if isinstance(text, dict) else getattr(text, key, None)
+
+    base = next((int(v) for v in map(read, POSITION_KEYS) if isinstance(v, int) and not isinstance(v, bool)), None)
+    if base is None:
+        return None
+    rope = next((r for r in map(read, ("rope_parameters", "rope_scaling")) if isinstance(r, dict)), {})
+    found = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # one dict, or one per layer type
+    longest = base
+    for params in found:
+        factor = params.get("factor")
+        if params.get("rope_type", params.get("type")) == "yarn" and isinstance(factor, (int, float)) and factor > 1:
+            original = params.get("original_max_position_embeddings") or read("original_max_position_embeddings")
+            longest = max(longest, int((original if isinstance(original, int) else base) * factor))
+    return longest
+
+
+def config_dict_positions(data: dict[str, Any], where: str) -> int | None:
+    """model_positions of a config carried as a dict (a plan's model_config), with transformers' defaults for the
+    keys it leaves out (LlamaConfig's max_position_embeddings is 2048)."""
+    return model_positions(_config_from_dict(dict(data), where))
+
+
 def causal_lm_problem(config) -> str | None:
     """Why `config` is not a decoder-only causal LM, from the config and the model classes transformers maps:
     an encoder-decoder (T5, BART: `is_encoder_decoder`), or an encoder whose type transformers also maps to a
@@ -418,7 +458,7 @@ def build_spec(name: str, config) -> ModelSpec:
     heads = int(getattr(text_config, "num_attention_heads", None) or getattr(text_config, "n_head"))
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
-    max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+    max_positions = model_positions(config)
     factored = 0
     for p in {id(p): p for p in model.parameters()}.values():
         shape = tuple(p.shape)
@@ -446,7 +486,7 @@ def build_spec(name: str, config) -> ModelSpec:
         kv_heads=kv_heads,
         head_dim=head_dim,
         vocab=int(head_weight.shape[0]),
-        max_positions=int(max_positions) if max_positions else None,
+        max_positions=max_positions,
         layer_matmul_params=tuple(_matmul_params(layer, moe_fraction) for layer in layers),
         head_matmul_params=int(head_weight.numel()),
         attention_support=tuple(["eager"] + (["sdpa"] if getattr(model, "_supports_sdpa", False) else [])

@@ -24,7 +24,7 @@ def plan_job(plan: "Plan", *, check: bool = True) -> tuple[ModelSpec, Hardware, 
     spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params)
     check_plan_agrees(plan, spec)
     hw = parse_hardware(f"{plan.num_machines}x{plan.gpus_per_node}x{plan.gpu}", inter_node_gbps=plan.inter_node_gbps,
-                        cpu_ram_gib=plan.cpu_ram_gib)
+                        cpu_ram_gib=plan.cpu_ram_gib, power_limit_w=plan.power_limit_w)
     job = Job(seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
               precision=plan.precision, optimizer=plan.optimizer, checkpointing=plan.checkpointing,
               attention=plan.attention, optimizer_impl=plan.optimizer_impl,

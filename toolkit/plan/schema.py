@@ -121,6 +121,9 @@ class Plan:
     """Network bandwidth per node the prediction assumed (None: the default)."""
     cpu_ram_gib: float | None = Field(default=None, gt=0, le=bounds.CPU_RAM_GIB.high, allow_inf_nan=False)
     """Host RAM per node the prediction assumed (None: the default)."""
+    power_limit_w: float | None = Field(default=None, gt=0, le=bounds.POWER_LIMIT_W.high, allow_inf_nan=False)
+    """Board power limit per GPU the prediction assumed (--power-limit-w; None: the TDP). Left out of plan.json
+    when None, so plans written before it read (and key their prediction) unchanged."""
 
     # --- predictions (informational for train; printed by launch / PLAN.md) -------------------------------------
     predicted: dict[str, Any] = Field(default_factory=dict)
@@ -201,6 +204,10 @@ class Plan:
             grid.check_partition(self.partition, self.num_layers)
         grid.check_sequence(self.seq_len, self.attention)
         grid.check_batch(self.global_batch, self.micro_batch, self.grad_accum)
+        if self.power_limit_w is not None:  # the GPU's own datasheet points bound it (the rule --power-limit-w meets)
+            from toolkit.inputs.hardware import find_gpu, power_limited
+
+            power_limited(find_gpu(self.gpu), self.power_limit_w)
         if self.method == "full" and self.adapter:
             raise ValueError("'adapter' settings need 'method' lora or qlora (or delete 'adapter')")
         if self.method != "full":
@@ -277,10 +284,11 @@ class Plan:
     # --- (de)serialisation -------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as plan.json holds it; degrees of 1 and compile off are left out, so a plan without tensor /
-        context / sequence parallelism or compile reads as it did before they existed."""
+        """The plan as plan.json holds it; degrees of 1, compile / tiled off and no power limit are left out, so a
+        plan without them reads as it did before they existed."""
         data = json.loads(json.dumps(asdict(self)))
-        return {k: v for k, v in data.items() if not ((k in _DEGREES and v == 1) or (k in ("compile", "tiled") and v is False))}
+        return {k: v for k, v in data.items() if not ((k in _DEGREES and v == 1) or (k in ("compile", "tiled") and v is False)
+                                                      or (k == "power_limit_w" and v is None))}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"

@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserError
+from toolkit.inputs.job import plan_positions_problem
+from toolkit.inputs.modelspec import model_positions
 from toolkit.inputs.resolve import catalog_hub_id, loadable_model, locate_model
 from toolkit.plan.schema import Plan
 
 # Where configs keep the width, in the order HF architectures name it.
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
-_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
 def model_source(plan: Plan, model: str | None, *, random_init: bool = False) -> str:
@@ -93,10 +94,9 @@ def check_matches_plan(config: Any, plan: Plan, source: str) -> None:
     if mismatches:
         raise UserError(f"model {source} is not the model the plan was made for ({plan.model}): "
                         f"{'; '.join(mismatches)}; re-plan for this model or pass the planned --model")
-    max_positions = config_value(config, _POSITION_KEYS)
-    if max_positions is not None and plan.seq_len > max_positions:
-        raise UserError(f"plan sequence length {plan.seq_len} is longer than model {source} supports "
-                        f"({max_positions} positions); re-plan with --seq {max_positions} or less")
+    problem = plan_positions_problem(plan.seq_len, source, model_positions(config))
+    if problem:
+        raise UserError(problem)
 
 
 def load_tokenizer(source: str):
