@@ -342,12 +342,13 @@ def pipeline_question(results: list[dict]) -> list[str]:
                     "per-micro-batch cost beside DDP on the day a GPU is lent."]
 
 
-COMPOSER_THRASH = ("Composer, the trainer that ran llm-foundry's benchmarks, counts consecutive batches with new "
+COMPOSER_THRASH = ("Composer, the trainer that ran llm-foundry's benchmarks, reads consecutive batches with new "
                    "cudaMalloc retries (torch.cuda.memory_stats()['num_alloc_retries']) as 'thrashing, where GPU "
                    "memory usage is so close to the memory limit that it hinders throughput' "
-                   "(composer/trainer/trainer.py _update_num_consecutive_thrashes @ mosaicml/composer 6405188; "
-                   "only its automatic micro-batching acts on it, by cutting the micro-batch, and these runs set "
-                   "theirs: submit_benchmarks.py --microbatch_size, 1 here)")
+                   "(composer/trainer/trainer.py _update_num_consecutive_thrashes @ mosaicml/composer 6405188): the "
+                   "engine authors' reading of that regime, not a record of these runs, since the rule came in "
+                   "2024-08 (Composer PR #3510), after these rows (2023-10), and the Composer of 2023 only logged "
+                   "the retries (docs/ENGINE_FACTS.md, 'The caching allocator at the memory edge')")
 
 
 def _edge_fraction(row: dict) -> float:
@@ -387,9 +388,9 @@ def memory_edge_note(row: dict) -> str:
             f"GPUs, full checkpointing, {row['precision']}, adamw, flash attention) puts required + peak band at "
             f"{_edge_fraction(row):.2f} of the {row['gpu']} (at seq {twin['seq_len']}: {_edge_fraction(twin):.2f}), "
             f"so the planner would be at its edge, and {COMPOSER_THRASH}. The corpus cannot test it (the source "
-            "publishes no memory figure or allocator statistic); benchmarks/gpu_check.py gains a memory-edge "
-            "measurement (step time and alloc retries as required memory nears the GPU's) for the day a GPU is "
-            "lent. The row stays in its split and counts")
+            "publishes no memory figure or allocator statistic); `benchmarks/gpu_check.py --memory-edge` measures "
+            "step time and alloc retries as the allocator's room above the tensor peak shrinks, for the day a GPU "
+            "is lent (no such run recorded yet). The row stays in its split and counts")
 
 
 def comm_bound_note(row: dict) -> str:
