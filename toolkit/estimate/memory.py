@@ -196,8 +196,6 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
     if job.chunked_loss:
         key += ("chunked_loss", job.chunked_loss)
     if key not in _TRACE_CACHE:
-        from dataclasses import replace
-
         from toolkit import cache
         from toolkit.estimate.compiled import trace_compiled_activations
         from toolkit.estimate.tracer import trace_activations
@@ -233,10 +231,6 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                 raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace), code=traced_by)
-        if attention != job.attention:
-            trace = replace(trace, notes=trace.notes + (
-                f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "
-                f"{attention}, which a run will use",))
         _TRACE_CACHE[key] = (spec, trace)
     return _TRACE_CACHE[key][1]
 
@@ -378,6 +372,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
     from toolkit.inputs.lora import (base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes,
                                      layer_sharded_base_bytes, sharded_base_bytes)
+    from toolkit.estimate.timing import data_parallel_gather_bytes
 
     if strategy.is_pipeline:
         raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
@@ -392,6 +387,7 @@ def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Paralle
         dp=grid.data_parallel, hidden=spec.hidden, total_params=counts.all_params,
         largest_layer=spec.largest_layer_params,
         base_sharded_bytes=sharded_base_bytes(counts, job.adapter, storage),
+        gather_bytes=data_parallel_gather_bytes(counts, job),
         layer_gathered_bytes=max(b + t * compute for b, t in zip(layers, counts.per_layer)),
         root_gathered_bytes=(spec.pre_layer_params + spec.post_layer_params) * storage + root_trainable * compute,
         layer_trainable_params=max(counts.per_layer), root_trainable_params=root_trainable,

@@ -19,12 +19,11 @@ How many chunks: DeepSpeed's TiledMLP example and ArcticTraining's "auto" take c
 from __future__ import annotations
 
 import contextlib
-from types import MethodType
 
+from toolkit.estimate.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 from toolkit.inputs.job import loss_shards, mlp_shards
 
 TILING_SOURCE = 'DeepSpeed 0.19.8 deepspeed/runtime/sequence_parallel/ulysses_sp.py (TiledMLP, SequenceTiledCompute)'
-IGNORE_INDEX = -100
 
 
 def _mlps(model):
@@ -86,13 +85,9 @@ def _tiled_loss_forward(self, input_ids=None, attention_mask=None, position_ids=
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     shift_labels = kwargs.pop("shift_labels", None)
-    num_items = kwargs.pop("num_items_in_batch", None)
-    kwargs.pop("logits_to_keep", None)
     if shift_labels is None and labels is not None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
-    base = getattr(self, self.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
+        shift_labels = shifted_labels(labels).contiguous()
+    hidden, num_items = head_inputs(self, input_ids, attention_mask, position_ids, inputs_embeds, kwargs)
     if shift_labels is None or not self.training or not torch.is_grad_enabled():
         # Evaluation and plain calls: whole logits, the model's own loss (no backward to tile).
         logits = self.get_output_embeddings()(hidden)
@@ -147,17 +142,13 @@ _INNER_HOOKS = [contextlib.nullcontext]
 _LOSS_FUNCTION = [_engine_loss]
 
 
-def _bind(module, name: str, function) -> None:
-    module.__dict__[name] = MethodType(function, module)
-
-
 def apply_tiling(model, *, agree_across_ranks: bool = False) -> None:
     """Patch `model` for good: every decoder layer's MLP through TiledMLP, the forward with labels through the tiled
     logits + loss (which returns no logits in training). `agree_across_ranks`: all-reduce the chunk counts (a
     distributed run)."""
     for mlp in _mlps(model):
-        _bind(mlp, "forward", _tiled_mlp_forward)
-    _bind(model, "forward", _tiled_loss_forward)
+        bind(mlp, "forward", _tiled_mlp_forward)
+    bind(model, "forward", _tiled_loss_forward)
     _AGREE[0] = agree_across_ranks
 
 
