@@ -72,11 +72,12 @@ resulting QLoRA / LoRA ratios: benchmarks/results/lora.md. Was 0.35 (assumed) be
 # reduction work (norms, activations, residual adds, rotary, casts, the loss's softmax) is memory-bound, and
 # inductor fuses it into fewer kernels that move fewer bytes (toolkit.estimate.compiled._traffic counts both sides
 # from the partitioned graphs). Matmuls and attention run the same kernels either way.
-ELEMENTWISE_HBM_EFFICIENCY = 0.88
+ELEMENTWISE_HBM_EFFICIENCY = 0.87
 """Fraction of HBM peak the memory-bound elementwise kernels stream at, eager and compiled alike. Fitted, on one
 published compile-on/off pair only: torchtitan Llama-3.1-8B on 8 H100 (FSDP2, per-op selective checkpointing, each
 block compiled, seq 8192, micro-batch 2; 5762 -> 6667 tokens/s/GPU, benchmarks/llama3_h100_202412_torchtitan.md),
-which gives 0.880 (benchmarks/published.py fit_compile_efficiency), in the 80-90% that STREAM-style kernels reach on
+which gives 0.875 (benchmarks/published.py fit_compile_efficiency; 0.880 before the MPT rows of the
+compute fit moved to GPT-2-block configs), in the 80-90% that STREAM-style kernels reach on
 H100 (NVIDIA H100 tuning guide). Held out: the same model on 128 H100 (-3%) and torchtune Llama-3.2-3B on one A100
 (no checkpointing, 7075 -> 8998 tokens/s; -9%, its compiled loss's fusion not counted) off their published
 speed-ups (benchmarks/results/published.md)."""
@@ -89,7 +90,7 @@ overheads then stall the GPU, with no per-kernel number; NVIDIA's "Getting Start
 (developer.nvidia.com/blog/cuda-graphs, 2019) times a few-microsecond kernel back to back on a V100, but its text
 could not be retrieved to cite its figures. 3 us is chosen inside that "few microseconds". Not fitted either: the
 published pairs cannot separate it from ELEMENTWISE_HBM_EFFICIENCY (an exact two-constant fit on the two
-independent pairs gives a negative efficiency and 101 us a kernel), and it is a few per cent of the saving."""
+independent pairs gives a negative efficiency and about 100 us a kernel), and it is a few per cent of the saving."""
 
 
 @dataclass(frozen=True)
