@@ -19,11 +19,21 @@ How many chunks: DeepSpeed's TiledMLP example and ArcticTraining's "auto" take c
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from toolkit.estimate.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 from toolkit.inputs.job import loss_shards, mlp_shards
 
 TILING_SOURCE = 'DeepSpeed 0.19.8 deepspeed/runtime/sequence_parallel/ulysses_sp.py (TiledMLP, SequenceTiledCompute)'
+
+
+def _ulysses():
+    """DeepSpeed's sequence-parallel module. DeepSpeed's logger writes to the stdout of the moment deepspeed is first
+    imported (deepspeed/utils/logging.py binds a StreamHandler to sys.stdout then), and that import logs the
+    accelerator it found; imported with stdout pointed at stderr, its lines never mix into `--json` output."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+    return ulysses_sp
 
 
 def _mlps(model):
@@ -34,15 +44,15 @@ def _mlps(model):
 
 def _tiled_mlp_forward(self, x):
     import torch
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
+    tiled_mlp = _ulysses().TiledMLP
     shards = mlp_shards(x.shape[-2], x.shape[-1])
     if _AGREE[0]:
         shards = _agreed(shards, x.device)
     if self.training and torch.is_grad_enabled():
         LAST_CHUNKS["mlp"] = shards
     # The MLP class's own forward, run per chunk by the engine's autograd function.
-    return TiledMLP.apply(lambda mlp, chunk: type(mlp).forward(mlp, _plain(chunk)), self, x, shards,
+    return tiled_mlp.apply(lambda mlp, chunk: type(mlp).forward(mlp, _plain(chunk)), self, x, shards,
                           [p for p in self.parameters()])
 
 
@@ -113,9 +123,7 @@ def _tiled_loss_forward(self, input_ids=None, attention_mask=None, position_ids=
 
 
 def _engine_loss():
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import SequenceTiledCompute
-
-    return SequenceTiledCompute
+    return _ulysses().SequenceTiledCompute
 
 
 def _traced_loss():
