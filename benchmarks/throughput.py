@@ -363,6 +363,26 @@ def _edge_fraction(row: dict) -> float:
         / m.capacity_bytes
 
 
+EARLIER_TABLE = {
+    # llm-foundry's A100-80GB table before PR #543 (README at b2a43a1^, 2023-10), which replaced these rows: the same
+    # job measured in pure bf16 (MP PURE) instead of amp_bf16 / MP DEFAULT; tokens/s/GPU at seq 8192 and 4096.
+    "LF-30b-a10080-s8192-g8-mb1-ac": (622.0, 778.0),
+}
+
+
+def earlier_table_note(row: dict) -> str:
+    """What the source published for the same job before it re-ran it, and ours against it (not a corpus row: the
+    corpus holds the table as of its pinned commit)."""
+    if row["id"] not in EARLIER_TABLE:
+        return ""
+    at_seq, at_half = EARLIER_TABLE[row["id"]]
+    ours = ours_tokens_per_gpu(row.get("_prep") or prepared(row))[0]
+    return (f" The same table before llm-foundry PR #543 (README at b2a43a1^; pure bf16, MP PURE, which our time model "
+            f"does not tell apart) had this job at {at_seq:,.0f} tokens/s/GPU, {at_seq / at_half - 1:+.1%} from seq "
+            f"{row['seq_len'] // 2}: ours is {ours / at_seq - 1:+.1%} against it, so the source's own two runs of it "
+            f"differ by {at_seq / row['published']['tokens_per_s_per_gpu'] - 1:.0%}.")
+
+
 def memory_edge_note(row: dict) -> str:
     """LF-30b at seq 8192, micro-batch 1, 8 GPUs (both GPUs): what we know, computed from the corpus and the
     toolkit's memory estimate; a hypothesis, since the source publishes no memory figure."""
@@ -390,7 +410,7 @@ def memory_edge_note(row: dict) -> str:
             f"so the planner would be at its edge, and {COMPOSER_THRASH}. The corpus cannot test it (the source "
             "publishes no memory figure or allocator statistic); `benchmarks/gpu_check.py --memory-edge` measures "
             "step time and alloc retries as the allocator's room above the tensor peak shrinks, for the day a GPU "
-            "is lent (no such run recorded yet). The row stays in its split and counts")
+            "is lent (no such run recorded yet). The row stays in its split and counts." + earlier_table_note(row))
 
 
 def comm_bound_note(row: dict) -> str:
