@@ -5,6 +5,11 @@ The search runs the same evaluation as the planner (toolkit.estimate.search.eval
 error band, host RAM) at one micro-batch per GPU, under `traces_linear_in_seq` (toolkit.estimate.memory): a length between
 two powers of two is interpolated between the exact traces at both, so the model is traced once per octave a
 search visits, never per probe. Lengths stop at the model's positions (max_position_embeddings), as `--seq` does.
+
+Tiling left to the planner (Request.tiled None, toolkit.estimate.search.auto_tiling): a strategy whose untiled
+answer stops short of the positions is searched tiled too, from the untiled answer up, and answers tiled only when
+that is longer; at equal lengths an untiled row comes before a tiled one unless the tiled one is faster beyond the
+step-time band.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
     """The longest sequence per planner row (strategy, and model-parallel family at its best degree), longest
     first; rows that fit nothing last, with the reason at the shortest length tried."""
     from toolkit.estimate.memory import traces_linear_in_seq
-    from toolkit.estimate.search import options_for
+    from toolkit.estimate.search import auto_tiling, options_for
 
     cap = seq_cap(spec)
     probe_req = replace(req, seq_len=cap - cap % GRANULE or cap)
@@ -105,9 +110,38 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
                 found = _longest_within_window(spec, hw, strategy, grid, req, cap, key)
                 if best is None or (found.seq_len, _speed(found)) > (best.seq_len, _speed(best)):
                     best = found
+            if best is not None and not best.capped_by_positions and not best.capped_by \
+                    and auto_tiling(spec, strategy, req):
+                tiled_req = replace(req, tiled=True)
+                for grid in grids:
+                    found = _longest_within_window(spec, hw, strategy, grid, tiled_req, cap, key,
+                                                   at_least=best.seq_len)
+                    if found.seq_len > best.seq_len:
+                        best = found
             if best is not None:
-                out.append(replace(best, curve=_curve(spec, hw, strategy, best, req, cap)))
-    return sorted(out, key=lambda x: (-x.seq_len, -_speed(x)))
+                curve_req = replace(req, tiled=bool(best.candidate is not None and best.candidate.job.tiled))
+                out.append(replace(best, curve=_curve(spec, hw, strategy, best, curve_req, cap)))
+    return _untiled_first(sorted(out, key=lambda x: (-x.seq_len, -_speed(x))))
+
+
+def _untiled_first(ordered: list[Longest]) -> list[Longest]:
+    """Among rows of one length (fastest first), a tiled row goes after the untiled rows unless it is faster than
+    the fastest of them beyond the step-time band (toolkit.estimate.search.prefer_untiled)."""
+    from toolkit.estimate.search import prefer_untiled
+
+    def tiled(x: Longest) -> bool:
+        return x.candidate is not None and x.candidate.job.tiled
+
+    fastest_plain: dict[int, Longest] = {}
+    for x in ordered:
+        if x.seq_len and not tiled(x):
+            fastest_plain.setdefault(x.seq_len, x)
+
+    def behind(x: Longest) -> bool:
+        plain = fastest_plain.get(x.seq_len)
+        return tiled(x) and plain is not None and prefer_untiled(plain.candidate, x.candidate) is plain.candidate
+
+    return sorted(ordered, key=lambda x: (-x.seq_len, behind(x)))
 
 
 def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", grid: "ParallelGrid",
@@ -121,7 +155,7 @@ def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", gri
         return replace(found, curve=_curve(spec, hw, strategy, found, req, cap, grid))
 
 
-def _longest_within_window(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
+def _longest_within_window(spec, hw, strategy, grid, req, cap: int, key: str, at_least: int = 0) -> Longest:
     """_longest_on, stopped at the model's sliding window where Ulysses with sdpa would drop it (the rule a fixed
     --seq refuses by: toolkit.inputs.grid `check_sequence` with the model)."""
     from toolkit.inputs.grid import attention_window
@@ -129,8 +163,8 @@ def _longest_within_window(spec, hw, strategy, grid, req, cap: int, key: str) ->
     sdpa = grid.sequence > 1 and spec.effective_attention(req.attention) == "sdpa"
     window = attention_window(spec) if sdpa else None
     if not window or window >= cap or window < granule(grid):
-        return _longest_on(spec, hw, strategy, grid, req, cap, key)
-    found = _longest_on(spec, hw, strategy, grid, req, window, key)
+        return _longest_on(spec, hw, strategy, grid, req, cap, key, at_least)
+    found = _longest_on(spec, hw, strategy, grid, req, window, key, at_least)
     if not found.capped_by_positions:
         return found
     return replace(found, capped_by_positions=False,
@@ -154,14 +188,15 @@ def _evaluate(spec, hw, strategy, grid, req, seq_len: int) -> "Candidate":
     job = Job(seq_len=seq_len, micro_batch=1, grad_accum=req.grad_accum or 1, precision=req.precision,
               optimizer=req.optimizer, checkpointing=req.checkpointing is not False, attention=req.attention,
               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl, liger=req.liger, adapter=req.adapter,
-              compile=req.compile, tiled=req.tiled)
+              compile=req.compile, tiled=req.tiled is True)
     partition = grid.partition(spec) if strategy.is_pipeline else None
     return evaluate(spec, hw, strategy, job, grid, partition)
 
 
-def _longest_on(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
+def _longest_on(spec, hw, strategy, grid, req, cap: int, key: str, at_least: int = 0) -> Longest:
     """Largest multiple of the grid's granule up to `cap` that fits: halve from the cap until one fits, then
-    bisect the octave above it."""
+    bisect the octave above it. `at_least`: a length likely to fit (the untiled answer, for the tiled search),
+    tried first; when it fits, the bisection starts from it."""
     g = granule(grid)
     hi = cap - cap % g
     if hi < g:  # no length this grid splits is within the model's positions: refused, not evaluated beyond them
@@ -173,10 +208,15 @@ def _longest_on(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
     if top.feasible:
         return Longest(key, hi, top, capped_by_positions=True)
     fail, lo, lo_c = hi, None, top
+    start = at_least - at_least % g
+    if g <= start < hi:
+        c = _evaluate(spec, hw, strategy, grid, req, start)
+        if c.feasible:
+            lo, lo_c = start, c
     s = 1 << (hi.bit_length() - 1)
     if s == hi:
         s //= 2
-    while s >= g:
+    while lo is None and s >= g:
         c = _evaluate(spec, hw, strategy, grid, req, s - s % g)
         if c.feasible:
             lo, lo_c = s - s % g, c
