@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import platform
 import subprocess
@@ -398,18 +399,56 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines[-1] += (f"{model['peak_bytes'] / mib:.2f} | {fmt(r.get('model_peak_ratio'))} | " if model
                       else "not landed | - | ")
         lines[-1] += ", ".join(f"{x:.4f}" for x in r["ranks"][0]["losses"]) + " |"
-    lines += ["", FINDINGS]
+    lines += ["", findings(rows, meta)]
     return "\n".join(lines) + "\n"
+
+
+HEAD_BACKWARD_PROBE_BYTES = 32_649_028
+"""The LM head's backward peak a one-off probe run of fsdp2-tp2 recorded (not a case of this benchmark)."""
+
+
+def _within(deviation: float) -> str:
+    """A bound on |ratio - 1| as the findings say it: 0.1%, or whole per cent rounded up."""
+    return "0.1%" if deviation <= 0.001 else f"{math.ceil(deviation * 100)}%"
+
+
+def findings(rows: list[dict], meta: dict) -> str:
+    """The findings, their numbers read from this run's rows (dimension_memory.json) and the model's shape."""
+    from toolkit.inputs.job import mlp_shards
+
+    by = {r["case"]: r for r in rows if "error" not in r}
+    states = [abs(by[case][key] - 1) for case in by for key in ("formula_persistent_ratio", "model_persistent_ratio")
+              if key in by[case]]
+    tp_row, shape, word = by["fsdp2-tp2"], meta["shape"], {"fp32": 4, "bf16": 2}[meta["precision"]]
+    tp, sp, long_seq = CASES["fsdp2-tp2"][2], CASES["zero3-sp2"][3], CASES["zero3-tiled"][5]
+    vocab, hidden = shape["vocab_size"], shape["hidden"]
+    tokens = meta["micro_batch"] * meta["seq"]
+    head_slice, norm = vocab // tp * hidden * word, hidden * word
+    losses = [", ".join(f"{x:.4f}" for x in by[c]["ranks"][0]["losses"]) for c in ("zero3-sp2", "zero3-sp2-tiled")]
+    return FINDINGS.format(
+        params=rows[0]["predicted"]["params"], precision=meta["precision"], states_within=_within(max(states)),
+        view_mb=max(r.get("shard_view_bytes", 0) for r in tp_row["ranks"]) / 1e6,
+        shard_mb=max(r["persistent_by_type"]["parameter"] for r in tp_row["ranks"]) / 1e6,
+        sp_within=_within(max(abs(by[c]["model_peak_ratio"] - 1) for c in ("zero1-sp2", "zero3-sp2"))),
+        tp_within=_within(abs(tp_row["model_peak_ratio"] - 1)), tp_peak_mb=tp_row["measured_peak_bytes"] / 1e6,
+        tail=head_slice + norm, head_slice=head_slice, norm=norm, logits_slice=tokens * vocab // tp * word,
+        logits=tokens * vocab * word, over_probe_kb=(tp_row["measured_peak_bytes"] - HEAD_BACKWARD_PROBE_BYTES) / 1000,
+        sp_tokens=meta["seq"] // sp, untiled_mib=by["zero3-sp2"]["measured_peak_bytes"] / 2**20,
+        tiled_mib=by["zero3-sp2-tiled"]["measured_peak_bytes"] / 2**20,
+        tiled_within=_within(abs(by["zero3-sp2-tiled"]["model_peak_ratio"] - 1)),
+        losses_said="equal" if losses[0] == losses[1] else "differ from", long_seq=long_seq,
+        chunks=mlp_shards(long_seq, hidden), hidden=hidden,
+        long_within=_within(abs(by["zero3-tiled"]["model_peak_ratio"] - 1)))
 
 
 FINDINGS = """## Findings
 
-P = 3,795,200 parameters, fp32, torch AdamW (8 bytes of states per element). Storage names and what is alive at
+P = {params:,} parameters, {precision}, torch AdamW (8 bytes of states per element). Storage names and what is alive at
 each rank's peak are in dimension_memory.json (`storages`, `at_peak`), as in distributed_memory.json.
 
 **Persistent states per rank are exact for every dimension that runs on CPU.** The planner's states model at the
 rank's own shapes (`_states_for(rank_view(spec, job, grid).spec, ...)`, toolkit.estimate.dimensions) and the
-formula in `states_formula` give the same bytes, and both equal the measurement to 0.1%:
+formula in `states_formula` give the same bytes, and both equal the measurement to {states_within}:
 - FSDP2 x TP (dp_shard 2 x tp 2): 12 bytes per local element, the local elements being the tp_plan's split
   (toolkit.inputs.tensorplan.tensor_split: q, k, v, gate, up colwise, o, down rowwise, embedding and LM head split,
   norms whole) divided by dp_shard; the measured DTensor local shards hold exactly that many elements.
@@ -420,27 +459,27 @@ formula in `states_formula` give the same bytes, and both equal the measurement 
 **A CPU artifact removed before measuring TP.** transformers cuts each rank's shard with `source[slices].to(device)`
 (distributed/sharding_utils.py `DtensorShardOperation.shard_tensor`); on a GPU `.to(cuda)` copies the slice, on the
 CPU it is a no-op and the shard stays a view that keeps the whole loaded tensor's storage alive: each rank held
-8.5 MB of full-size storages for its 3.8 MB of shards (`shard_view_bytes`). The benchmark copies the shards out
+{view_mb:.1f} MB of full-size storages for its {shard_mb:.1f} MB of shards (`shard_view_bytes`). The benchmark copies the shards out
 first (`_compact_local_shards`); the losses are unchanged bit for bit.
 
-**Peaks.** ZeRO-1 x SP and ZeRO-3 x SP are within 3% (the planner traces the layers at seq / sp tokens and adds the
-Ulysses all-to-all staging of q, k, v and the KV-head replication as derived terms). FSDP2 x TP matches to 0.1%,
+**Peaks.** ZeRO-1 x SP and ZeRO-3 x SP are within {sp_within} (the planner traces the layers at seq / sp tokens and adds the
+Ulysses all-to-all staging of q, k, v and the KV-head replication as derived terms). FSDP2 x TP matches to {tp_within},
 in the phase where it is measured: the LM head's forward. It was over-predicted by 7.4% (35.06 MB in the head's
-backward against 32.65 MB measured) until the model followed what the run does (toolkit.estimate.dimensions
+backward against {tp_peak_mb:.2f} MB measured) until the model followed what the run does (toolkit.estimate.dimensions
 `logits_gather_bytes`, toolkit.estimate.memory `_fsdp_plan_groups`):
 - FSDP2 groups. transformers wraps a tensor-parallel model itself (distributed/fsdp.py
   `apply_fully_sharded_data_parallelism`, from the model's `fsdp_plan`): the final norm + LM head, marked
-  `keep_full_weight`, are one group unsharded from the head's forward to its backward (1,025,024 B per rank here);
+  `keep_full_weight`, are one group unsharded from the head's forward to its backward ({tail:,} B per rank here);
   the embedding and every layer are their own groups, resharded after forward, and the root holds no parameter.
   The model had the accelerate wrapping instead (the root, embedding + norm + head, gathered all step, plus a
   layer): 2.4 MB too many at the head. Now the tail is the constant, and a layer's or the embedding's unsharded
   parameters live only while that region computes, plus, in forward, the group's all-gather output that FSDP2
   holds until the next group's copy-out or the end of the root's forward (`_fsdp_param_group.py`
-  wait_for_unshard, `all_gather_state`; the 1,025,024 B storage at the peak beside the tail's own 1,024,000 +
-  1,024 B parameters).
-- The head's forward. `colwise_gather_output` computes this rank's vocab / tp slice of the logits (1,024,000 B)
+  wait_for_unshard, `all_gather_state`; the {tail:,} B storage at the peak beside the tail's own {head_slice:,} +
+  {norm:,} B parameters).
+- The head's forward. `colwise_gather_output` computes this rank's vocab / tp slice of the logits ({logits_slice:,} B)
   and gathers them (DTensor Shard(-1) -> Replicate: an all-gather into a buffer along dim 0, then chunk + cat
-  into the whole-vocabulary logits, 2 x 2,048,000 B), all alive at once, while the loss's fp32 log-softmax (part
+  into the whole-vocabulary logits, 2 x {logits:,} B), all alive at once, while the loss's fp32 log-softmax (part
   of the head's saved bytes in the trace) does not exist yet. The trace at the rank's shapes keeps the head whole
   (the logits are whole after the gather) and only saw the whole logits; the model now takes the larger of the
   two moments. The gathered logits and their gradients are whole on every rank (the loss sees the whole
@@ -448,19 +487,19 @@ backward against 32.65 MB measured) until the model followed what the run does (
   hidden state, not the logits.
 - The head's backward, now modelled at 32,644,616 B, is as high as the forward: a probe run that recorded the
   backward's own peak found 32,649,028 B (the log-softmax, its gradient and the logits' gradient, whole, with
-  only the tail unsharded); the forward's gather is 1 KB higher. Checked on its own over gloo: a Shard(-1) ->
-  Replicate redistribute of a 1,024,000 B slice peaks at the slice + 2 x 2,048,000 B.
+  only the tail unsharded); the forward's gather is {over_probe_kb:.0f} KB higher. Checked on its own over gloo: a Shard(-1) ->
+  Replicate redistribute of a {logits_slice:,} B slice peaks at the slice + 2 x {logits:,} B.
 The CPU-side TP view (transformers' `source[slices].to(device)`) plays no part in the peak once the shards are
 copied out (above); on CPU MemTracker sees no gloo-internal buffer, as on a GPU it would not see NCCL's.
 
 **ALST tiling** (`--tiled`: toolkit.estimate.tiling's patch, DeepSpeed's TiledMLP in every layer and the logits +
-loss through its SequenceTiledCompute, as toolkit.train applies it). zero3-sp2-tiled is zero3-sp2 with tiling: at 64
+loss through its SequenceTiledCompute, as toolkit.train applies it). zero3-sp2-tiled is zero3-sp2 with tiling: at {sp_tokens}
 tokens per rank every chunk count is 1, so the difference is what tiling keeps and recomputes: the MLPs' FFN-wide
 tensors and the whole logits with their log-softmax are no longer held from forward to backward, and the measured
-peak falls from 64.54 to 59.29 MiB, predicted within 3% (the model traces the same patch under FakeTensorMode at the
-rank's shapes); the losses equal the untiled run's to the printed digits, and the states do not change.
-zero3-tiled runs plain ZeRO-3 (dp 2) at 512 tokens per rank, so TiledMLP cuts each rank's sequence into 2 chunks of
-256 (the hidden size): its peak is predicted to 0.1%. What tiling costs in time (the MLPs' and the LM head's forward
+peak falls from {untiled_mib:.2f} to {tiled_mib:.2f} MiB, predicted within {tiled_within} (the model traces the same patch under FakeTensorMode at the
+rank's shapes); the losses {losses_said} the untiled run's to the printed digits, and the states do not change.
+zero3-tiled runs plain ZeRO-3 (dp 2) at {long_seq} tokens per rank, so TiledMLP cuts each rank's sequence into {chunks} chunks of
+{hidden} (the hidden size): its peak is predicted to {long_within}. What tiling costs in time (the MLPs' and the LM head's forward
 run again in backward) is in the step-time model (toolkit.estimate.timing `tiled_recompute_s`), not measured here.
 
 **Not measured here**: context parallelism (needs CUDA, benchmarks/gpu_check.py --multi-gpu), bf16 (the HF

@@ -116,6 +116,13 @@ def _set_aside(r: dict) -> float:
     return r["traced"]["peak_bytes"] / (r["estimate"]["peak_bytes"] - r["prefetch_layer_bytes"])
 
 
+def _hub_name(model: str) -> str:
+    """The model as its hub id names it (catalog 'llama-3.1-8b' -> 'Llama-3.1-8B'), else as given."""
+    from toolkit.inputs.resolve import catalog_hub_id
+
+    return (catalog_hub_id(model) or model).split("/")[-1]
+
+
 def _mb(n: int) -> str:
     return f"{n / 2 ** 20:,.2f}"
 
@@ -143,6 +150,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
     layer_rows = [r for r in rows if r["prefetch_layer_bytes"] and "(layer" in r["estimate"]["peak_phase"]]
     real = [r for r in rows if r["measured_peak_bytes"]]
     slowest = max(rows, key=lambda r: r["trace_s"])
+    # AdamW's per-tensor `step` counter (4 bytes each): the optimizer bytes traced beyond the states model, for the
+    # largest model's FSDP2 row.
+    counted = max((r for r in rows if r["grid"].startswith("dp=") and "tp" not in r["grid"]), key=lambda r: r["params"])
+    step_bytes = counted["traced"]["optimizer_bytes"] - counted["estimate"]["optimizer_bytes"]
     head = [
         "# One rank traced in a fake world: per-rank states and peak against the planner's model",
         "",
@@ -169,7 +180,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"in {'every' if exact else 'not every'} case (FSDP2, FSDP2 grad-op, HSDP, FSDP2 x TP from the model's own "
         "tp_plan, whole and shrunk real configs, Llama-3.1-8B at 8 ranks). The optimizer states exceed the model by "
         "4 bytes per parameter tensor: torch AdamW's fp32 `step` counter per tensor, which the states model leaves "
-        "out (291 tensors, 1,164 B, for Llama-3.1-8B).",
+        f"out ({step_bytes // 4:,} tensors, {step_bytes:,} B, for {_hub_name(counted['case'].split()[0])}).",
         "",
         f"**Peaks agree within {max(abs(x - 1) for x in raw):.1%}** (traced / model {min(raw):.3f} to "
         f"{max(raw):.3f}). For device kind cuda the model holds one more unsharded layer than the CPU dispatch can: "

@@ -35,7 +35,8 @@ allocator has little room above the tensor peak, and from what headroom. Each ED
 under torch.cuda.set_per_process_memory_fraction caps at its measured peak plus 30% down to 0.5% (EDGE_HEADROOMS),
 2 warm and 5 timed steps each: median step, num_alloc_retries (cache flush + retry) per step, reserved peak, out of
 memory. One child process per PYTORCH_CUDA_ALLOC_CONF (default, expandable_segments:True; the allocator reads it
-at start). About 2 minutes on an H200; gpu_derive.py then gives the smallest headroom whose step stays within the
+at start). Estimated at about 2 minutes on an H200 (not run on one yet; each child is stopped after
+EDGE_CHILD_TIMEOUT_S); gpu_derive.py then gives the smallest headroom whose step stays within the
 time model's band (docs/ENGINE_FACTS.md, "The caching allocator at the memory edge").
 
 Measured on CUDA: torch.cuda.max_memory_allocated / max_memory_reserved over a steady-state step (after one step

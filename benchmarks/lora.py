@@ -90,7 +90,7 @@ def _ours_for_row(row: dict, seq_len: int | None = None) -> dict:
     mem = estimate_memory(spec, strategy, job, hw)
     return {"seq_len": job.seq_len, "tokens_per_gpu": t.tokens_per_s / hw.world_size, "step_s": t.step_time_s,
             "s_per_micro_step": t.step_time_s / (job.micro_batch * job.grad_accum), "lora_s": t.lora_overhead_s,
-            "dequant_s": t.dequant_s, "required_gib": mem.required_bytes / GIB,
+            "dequant_s": t.dequant_s, "communication_s": t.communication_s, "required_gib": mem.required_bytes / GIB,
             "efficiency_note": next((a for a in t.assumptions if "no published" in a), t.assumptions[0])}
 
 
@@ -131,9 +131,14 @@ def _speed(entry: dict) -> float:
     return published["samples_per_s"] if "samples_per_s" in published else 1 / published["s_per_iteration"]
 
 
+def _published_pair_ratio(e: dict, q: dict) -> float:
+    """Published QLoRA / LoRA time per token: the LoRA row's speed over its QLoRA counterpart's."""
+    return _speed(e) / _speed(q)
+
+
 def _pair_line(lines: list[str], e: dict, q: dict) -> None:
     row = e["row"]
-    pub = _speed(e) / _speed(q)
+    pub = _published_pair_ratio(e, q)
     ours = (f"{e['ours']['tokens_per_gpu'] / q['ours']['tokens_per_gpu']:.2f}"
             if e.get("ours") and q.get("ours") else "-")
     differs = []
@@ -381,9 +386,10 @@ SAME_CAPACITY = {"RTX-3090": "RTX-4090", "A5000": "RTX-4090", "A6000": "L40S"}
 """Catalog GPUs of the same memory as corpus GPUs the catalog lacks (24 GB; the A6000 Ada's 48 GB), for memory only."""
 
 
-def traffic_section() -> list[str]:
+def traffic_section() -> tuple[list[str], dict]:
     """The FSDP rows' data-parallel traffic as ours counts it, and what the 2 x RTX 3090 batch-1 pair's published
-    times say about the link (the GPU is not in the catalog: its bytes are ours, its times the source's)."""
+    times say about the link (the GPU is not in the catalog: its bytes are ours, its times the source's). Also
+    returns the numbers the reading cites: bytes gathered per pass by row id, and the pair's link bound (GB/s)."""
     from throughput import _spec
     from toolkit.estimate.timing import data_parallel_gather_bytes
 
@@ -399,14 +405,14 @@ def traffic_section() -> list[str]:
              "| published s per micro-step "
              "| peak GiB published / required |",
              "|---|---|---|---|---:|---:|---:|---|"]
-    sent = {}
+    sent, gathered = {}, {}
     for row in rows:
         spec, a = _spec(row["model"]), _corpus_adapter(row["lora"])
         job = Job(seq_len=row["seq_len"], micro_batch=row["micro_batch"], grad_accum=row["grad_accum"],
                   precision=row["precision"], checkpointing=row["checkpointing"] != "none",
                   attention="flash_attention_2" if row["attention"] == "flash" else "sdpa", adapter=a)
         n, counts = row["gpus"], counts_for_spec(spec, a)
-        gather = data_parallel_gather_bytes(counts, job)
+        gather = gathered[row["id"]] = data_parallel_gather_bytes(counts, job)
         sent[row["id"]] = (2 * gather + counts.trainable_params * 2) * (n - 1) / n
         micro_s = row["micro_batch"] * row["seq_len"] / row["published"]["tokens_per_s_per_gpu"]
         mem = "-"
@@ -435,7 +441,88 @@ def traffic_section() -> list[str]:
               "bandwidth. The A5000 / A6000 rows are QLoRA only, so they pair with nothing: unscored for the same "
               "reason, their gathers now counted as the packed codes. Their memory, and the 3090 pair's, is shown "
               "on a catalog card of the same capacity.", ""]
-    return lines
+    return lines, {"gathered": gathered, "link_gbps": db / dt / GB}
+
+
+def _span(values: list[float], digits: int = 2) -> str:
+    """'lo-hi' of the values at `digits` decimals, or the one value when both print the same."""
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _size(row_id: str) -> str:
+    """The model size a corpus row id names ('LG-1.3B-...' -> '1.3B', 'SW-qwen7b-...' -> '7B')."""
+    import re
+
+    return re.search(r"(\d+(?:\.\d+)?)b", row_id, re.IGNORECASE).group(1) + "B"
+
+
+NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight")
+
+
+def reading_numbers(entries: list[dict], traffic: dict) -> dict:
+    """The numbers 'Reading the comparison' cites, from this run's entries (published pairs, our estimates) and
+    the FSDP traffic section, so the prose is regenerated with the tables."""
+    from throughput import _spec
+
+    by_id = {e["row"]["id"]: e for e in entries}
+    pairs = [(e, by_id[qid]) for e in entries for qid in _pairs(e["row"])]
+    ratio = {q["row"]["id"]: _published_pair_ratio(e, q) for e, q in pairs}
+    lora_of = {q["row"]["id"]: e for e, q in pairs}
+    row = lambda rid: by_id[rid]["row"]  # noqa: E731
+    litgpt = sorted((rid for rid in ratio if rid.startswith("LG-") and row(rid)["lora"].get("double_quant") is False),
+                    key=lambda rid: float(_size(rid)[:-1]))
+    double_quant = [ratio[f"{rid}-dq"] / ratio[rid] - 1 for rid in litgpt if f"{rid}-dq" in ratio]
+    dq = f"{min(double_quant) * 100:.0f}-{max(double_quant):.0%}"
+    swift = sorted((rid for rid in ratio if rid.startswith("SW-")), key=lambda rid: float(_size(rid)[:-1]))
+    answer_4090 = [ratio[rid] for rid in ratio if rid.startswith("AA-") and row(rid)["gpu"] == "RTX-4090"
+                   and by_id[rid].get("ours") and lora_of[rid].get("ours")]
+    tt8 = "TT-8B-4090-qlora"
+    targets = [len(row(rid)["lora"]["targets"].split(",")) for rid in (tt8, lora_of[tt8]["row"]["id"])]
+    ratios = (f"- Published QLoRA / LoRA time per token spans {_span(list(ratio.values()))} and depends on what else "
+              "changed. Same adapter and batch: LitGPT (bitsandbytes 0.41.1, A100-40GB, micro-batch 1, no "
+              f"checkpointing) {' / '.join(f'{ratio[r]:.2f}' for r in litgpt)} for "
+              f"{' / '.join(_size(r) for r in litgpt)} (nf4; double quantisation adds {dq}), ms-swift Qwen-1 "
+              f"{' / '.join(_size(r) for r in swift)} "
+              f"{' / '.join(f'{ratio[r]:.2f}' for r in swift)} (bitsandbytes 0.41.3, batch 1, checkpointing; not "
+              f"modelled), torchtune 3B on an A100 {ratio['TT-3B-A100-qlora']:.2f} (torchao NF4, compile). QLoRA at "
+              "the larger batch its freed memory allows (Answer.AI, 2 x RTX 4090, bitsandbytes of 2024): "
+              f"{_span(answer_4090)}. torchtune 8B on a 4090 {ratio[tt8]:.2f} with QLoRA adapting "
+              f"{NUMBER_WORDS[targets[0]]} modules per layer and LoRA {NUMBER_WORDS[targets[1]]}. Ours for each pair is "
+              "in the table; for the same job ours keeps QLoRA above LoRA (the same-job table above; "
+              "tests/test_lora.py).")
+    gathered = traffic["gathered"]
+    fsdp = [e for e in entries if e["kind"] in ("calibration", "held-out") and e["row"]["strategy"] == "fsdp2"]
+    comm = {m: [e["ours"]["communication_s"] / e["ours"]["step_s"] for e in fsdp if e["row"]["lora"]["method"] == m]
+            for m in ("lora", "qlora")}
+
+    def peak(rid: str) -> tuple[float, float]:
+        published = row(rid)["published"]
+        return published.get("peak_memory_gib", published.get("peak_memory_gb")), by_id[rid]["ours"]["required_gib"]
+
+    answer = [rid for rid in by_id if rid.startswith("AA-") and row(rid)["gpu"] == "RTX-4090"
+              and by_id[rid]["kind"] in ("calibration", "held-out")]
+    lora_ddp = "AA-7B-2x4090-lora-ddp-b4"
+    others = [peak(rid) for rid in answer if rid != lora_ddp]
+    tt = [(ours - published) for published, ours in (peak(rid) for rid in (lora_of[tt8]["row"]["id"], tt8))]
+    tt_row, tt_spec = row(tt8), _spec(row(tt8)["model"])
+    spec8 = resolve_model("llama-3.1-8b")
+    return {
+        "ratios": ratios,
+        "dq": dq,
+        "slow_link": ratio["AA-7B-2x3090-qlora-fsdp-b1"],
+        "gather_share": gathered["AA-7B-2x4090-qlora-fsdp-b10"] / gathered["AA-7B-2x4090-lora-fsdp-b6"],
+        "link_gbps": traffic["link_gbps"],
+        "comm_lora": " / ".join(f"{c:.0%}" for c in comm["lora"]),
+        "comm_qlora": max(comm["qlora"]),
+        "aa_lora_ddp": "{:.1f} vs {:.1f} GiB".format(*peak(lora_ddp)),
+        "aa_others": (f"{_span([p for p, _ in others], 1)} vs {_span([o for _, o in others], 1)} GiB"),
+        "tt_below": _span(tt, 1),
+        # the fp32 logits of one micro-batch: micro x seq x vocab x 4 bytes
+        "tt_logits_gib": tt_row["micro_batch"] * tt_row["seq_len"] * tt_spec.vocab * 4 / GIB,
+        # embeddings, LM head and final norm kept in fp32 instead of bf16: 2 more bytes each
+        "upcast_gb": (spec8.pre_layer_params + spec8.post_layer_params) * 2 / GB,
+    }
 
 
 def main() -> int:
@@ -500,15 +587,18 @@ def main() -> int:
     lines += ["", "## Longest sequence that fits (QLoRA r=32, all linear layers, batch 1)", "",
               "| model | GPU | ours | Unsloth's 'Hugging Face + FA2' |", "|---|---|---:|---:|"]
     # V100-16GB stands for a 16 GB card by its capacity only (it has no bf16).
-    for model, gpus, peer in (("llama-3.1-8b", "1xV100-16GB", "2,551 (16 GB)"),
-                              ("llama-3.1-8b", "1xRTX-4090", "5,789 (24 GB)"),
-                              ("llama-3.1-8b", "1xA100-80GB", "28,454 (80 GB)"),
-                              ("llama-3.1-70b", "1xA100-80GB", "6,916 (80 GB A100)")):
+    longest_over_peer = []
+    for model, gpus, tokens, card in (("llama-3.1-8b", "1xV100-16GB", 2551, "16 GB"),
+                                      ("llama-3.1-8b", "1xRTX-4090", 5789, "24 GB"),
+                                      ("llama-3.1-8b", "1xA100-80GB", 28454, "80 GB"),
+                                      ("llama-3.1-70b", "1xA100-80GB", 6916, "80 GB A100")):
+        peer = f"{tokens:,} ({card})"
         try:
             longest = _longest_fit(model, gpus, qlora32, 65536)
         except Exception as exc:  # a GPU name missing from the catalog: say so, do not stop the report
             lines.append(f"| {model} | {gpus} | ({type(exc).__name__}: {exc}) | {peer} |")
             continue
+        longest_over_peer.append(longest / tokens)
         lines.append(f"| {model} | {gpus} | {longest:,} | {peer} |")
         print(lines[-1], flush=True)
 
@@ -540,16 +630,20 @@ def main() -> int:
     lg_shares = [e["ours"]["dequant_s"] / e["ours"]["step_s"] for e in entries
                  if e["row"]["id"].startswith("LG-") and e["kind"] in ("calibration", "held-out")]
     lines += published_section(profile, entries)
-    lines += traffic_section()
+    traffic_lines, traffic = traffic_section()
+    lines += traffic_lines
+    said = reading_numbers(entries, traffic)
 
     lines += ["", "## Reading the comparison", "",
               "- LLaMA-Factory's table gives one number per model size with no sequence length or rank; ours depend "
               "on both, and at seq 2048 with checkpointing they land near its LoRA / QLoRA rows for 7B.",
               "- Unsloth's baseline column is the longest padded sequence HF + FA2 ran; ours is the longest our "
               "estimate says fits. A baseline that keeps the non-quantised weights (embeddings, LM head, norms) in "
-              "fp32, as peft.prepare_model_for_kbit_training does, holds ~2.1 GB more for Llama 3.1 8B than our "
+              "fp32, as peft.prepare_model_for_kbit_training does, holds ~"
+              f"{said['upcast_gb']:.1f} GB more for Llama 3.1 8B than our "
               "toolkit.train (which leaves them in bf16), and fits shorter sequences.",
-              "- Longest sequences: ours are 1.3-1.8x Unsloth's HF + FA2 baseline. Not measured here (this session had no "
+              f"- Longest sequences: ours are {_span(longest_over_peer, 1)}x Unsloth's HF + FA2 baseline. Not measured "
+              "here (this session had no "
               "GPU; benchmarks/gpu_check.py --qlora is the check to run). Known differences: the baseline's recipe "
               "(if it calls peft.prepare_model_for_kbit_training, embeddings, LM head and norms are upcast to fp32; "
               "the page does not state the optimizer or checkpointing) and padding to the length; our activations "
@@ -560,21 +654,17 @@ def main() -> int:
               "offload, so our estimate says it does not fit at seq 2048 without it.",
               "- FSDP2 with 4-bit weights stored as uint8: accelerate leaves them out of sharding (fsdp_utils.py), so "
               "each GPU holds the whole 4-bit base; store them in bf16 (--qlora-quant-storage bfloat16) to shard.",
-              "- Published QLoRA / LoRA time per token spans 0.51-2.05 and depends on what else changed. Same "
-              "adapter and batch: LitGPT (bitsandbytes 0.41.1, A100-40GB, micro-batch 1, no checkpointing) 1.09 / "
-              "1.47 / 1.56 / 2.00 for 1.3B / 3B / 7B / 13B (nf4; double quantisation adds 3-6%), ms-swift Qwen-1 "
-              "7B / 14B 1.79 / 1.91 (bitsandbytes 0.41.3, batch 1, checkpointing; not modelled), torchtune 3B on an "
-              "A100 1.02 (torchao NF4, compile). QLoRA at the larger batch its freed memory allows (Answer.AI, 2 x "
-              "RTX 4090, bitsandbytes of 2024): 0.97-1.03. torchtune 8B on a 4090 1.28 with QLoRA adapting seven "
-              "modules per layer and LoRA two. Ours for each pair is in the table; for the same job ours keeps "
-              "QLoRA above LoRA (the same-job table above; tests/test_lora.py).",
-              "- The 0.51 pair (Answer.AI, 2 x RTX 3090 without NVLink, FSDP, batch 1): gathering bf16 weights over "
+              said["ratios"],
+              f"- The {said['slow_link']:.2f} pair (Answer.AI, 2 x RTX 3090 without NVLink, FSDP, batch 1): gathering "
+              "bf16 weights over "
               "a slow link dominates LoRA, and 4-bit codes stored in bf16 gather about a quarter of the bytes. Our "
               "FSDP2 / ZeRO-3 gather term now counts the bytes those engines move (the packed codes, not the "
-              "quantisation constants, which stay on every GPU; docs/ENGINE_FACTS.md), so QLoRA's gathers are 29% "
+              f"quantisation constants, which stay on every GPU; docs/ENGINE_FACTS.md), so QLoRA's gathers are "
+              f"{said['gather_share']:.0%} "
               "of LoRA's for Llama-2-7B r64 (section 'FSDP rows: what crosses the link'); the pair's times put the "
-              "link at no more than about 3 GB/s. In the scored rows (NVLink A100 / H100, PCIe 4.0 x16 4090s at "
-              "batch 6-10) our exposed communication is 2% of the step for the LoRA row and under 0.5% for the QLoRA "
+              f"link at no more than about {said['link_gbps']:.0f} GB/s. In the scored FSDP rows (NVLink A100 / H100, "
+              "PCIe 4.0 x16 4090s at batch 6-10) our exposed communication is "
+              f"{said['comm_lora']} of the step for the LoRA row and at most {said['comm_qlora']:.1%} for the QLoRA "
               "rows, so their errors move by about a point at most (the 70B QLoRA rows' gathers shrank).",
               "- Absolute speed: the 4 x H100 Llama-2-70B QLoRA row is the outlier (ours "
               f"{profile[LORA_HBM_EFFICIENCY]['AA-70B-4xH100-SXM-80GB-qlora-b8'][1]:+.0%}); its source gives "
@@ -587,14 +677,16 @@ def main() -> int:
               "for 13B on the same data set, so the match also absorbs whatever else our LoRA step gets wrong for "
               "either model, and the dequantisation share moves with it. Their bitsandbytes is of 2023; later "
               "releases may dequantise faster, "
-              "and the 2024 rows (Answer.AI) are insensitive to it. Double quantisation costs LitGPT 3-6% more "
+              f"and the 2024 rows (Answer.AI) are insensitive to it. Double quantisation costs LitGPT {said['dq']} more "
               "time; ours counts only its fewer bytes.",
               lora_reading(profile),
-              "- Peak memory: Answer.AI's peak reserved per GPU vs our required: LoRA DDP batch 4 22.0 vs 22.0 GiB; "
-              "the FSDP and QLoRA rows 20.9-21.4 vs 17.9-18.0 GiB (ours below: their reserved includes what the "
+              "- Peak memory: Answer.AI's peak reserved per GPU vs our required: LoRA DDP batch 4 "
+              f"{said['aa_lora_ddp']}; the FSDP and QLoRA rows {said['aa_others']} (ours below: their reserved "
+              "includes what the "
               "caching allocator kept at batch 6-10; pure bf16 AdamW and reentrant checkpointing differ from our "
-              "bf16 recipe). torchtune's 8B figures are 6-8 GiB below ours: its chunked cross-entropy never holds "
-              "the full-vocabulary fp32 logits (2.0 GiB in ours plus the loss transient), compile fuses "
+              f"bf16 recipe). torchtune's 8B figures are {said['tt_below']} GiB below ours: its chunked cross-entropy "
+              f"never holds the full-vocabulary fp32 logits ({said['tt_logits_gib']:.1f} GiB in ours plus the loss "
+              "transient), compile fuses "
               "activations, and its figure leaves out the CUDA context we add.",
               ""]
     out = Path(__file__).parent / "results" / "lora.md"

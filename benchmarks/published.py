@@ -119,23 +119,71 @@ def _published_ratio(by_id: dict, eager_id: str, compiled_id: str) -> float:
             / float(by_id[eager_id]["throughput_text"].split()[0]))
 
 
-def fit_compile_efficiency(rows: list[dict]) -> float:
-    """ELEMENTWISE_HBM_EFFICIENCY that makes our compiled / eager throughput equal the calibration pair's: the
-    removed traffic's time at HBM peak over the step time the published speed-up takes off our eager step, less the
-    kernels' share (per micro-batch)."""
+INDEPENDENT_PAIRS = (COMPILE_CALIBRATION, SPEED_PAIRS[2])
+"""The two pairs that share no model and job (the 128-GPU pair repeats the calibration pair's on more GPUs): the
+exact two-constant fit (exact_compile_fit) solves on them."""
+
+
+def _saving_parts(by_id: dict, eager_id: str, compiled_id: str) -> tuple[float, float, float]:
+    """(seconds per sample the published speed-up takes off our eager step, the removed elementwise traffic's
+    seconds at HBM peak, the removed kernels' seconds at KERNEL_OVERHEAD_S), per sample."""
     from toolkit.estimate.memory import activation_trace
     from toolkit.estimate.search import evaluate
     from toolkit.estimate.timing import compile_saving_parts
     from toolkit.inputs.grid import grid_of
 
-    by_id = {r["id"]: r for r in rows}
-    eager_id, compiled_id = COMPILE_CALIBRATION
     spec, job, hw, strategy = _job_hw(by_id[eager_id], False)
     eager_s = evaluate(spec, hw, strategy, job, grid_of(strategy, hw), prune=False).timing.step_time_s
     spec, job, hw, strategy = _job_hw(by_id[compiled_id], True)
     traffic_s, kernels_s = compile_saving_parts(activation_trace(spec, job, strategy, 1).compile_traffic, hw)
     needed = eager_s * (1 - 1 / _published_ratio(by_id, eager_id, compiled_id)) / (job.micro_batch * job.grad_accum)
+    return needed, traffic_s, kernels_s
+
+
+def fit_compile_efficiency(rows: list[dict]) -> float:
+    """ELEMENTWISE_HBM_EFFICIENCY that makes our compiled / eager throughput equal the calibration pair's: the
+    removed traffic's time at HBM peak over the step time the published speed-up takes off our eager step, less the
+    kernels' share (per micro-batch)."""
+    needed, traffic_s, kernels_s = _saving_parts({r["id"]: r for r in rows}, *COMPILE_CALIBRATION)
     return traffic_s / (needed - kernels_s)
+
+
+def exact_compile_fit(rows: list[dict]) -> dict:
+    """ELEMENTWISE_HBM_EFFICIENCY and the seconds per kernel that make both INDEPENDENT_PAIRS exact at once: needed
+    = traffic / efficiency + kernels x seconds, two equations in two unknowns (why KERNEL_OVERHEAD_S is assumed,
+    not fitted)."""
+    from toolkit.estimate.timing import KERNEL_OVERHEAD_S
+
+    by_id = {r["id"]: r for r in rows}
+    (n1, t1, k1), (n2, t2, k2) = (_saving_parts(by_id, *pair) for pair in INDEPENDENT_PAIRS)
+    k1, k2 = k1 / KERNEL_OVERHEAD_S, k2 / KERNEL_OVERHEAD_S  # kernels removed per sample
+    det = t1 * k2 - t2 * k1
+    inverse_efficiency, kernel_s = (n1 * k2 - n2 * k1) / det, (t1 * n2 - t2 * n1) / det
+    return {"efficiency": 1 / inverse_efficiency if inverse_efficiency else float("inf"), "kernel_s": kernel_s}
+
+
+def prose_numbers(rows: list[dict], results: list[dict]) -> dict:
+    """Numbers the reading cites that are not in the tables: the torchao runs' reserved peaks and our worst error
+    on them, the fp32 logits of torchtune's 3B row, the exact two-constant compile fit."""
+    from toolkit.inputs.hardware import GIB
+
+    torchao = [(by["job"]["gpu"].split("-")[0], r) for r in results for by in rows
+               if by["id"] == r["id"] and "pytorch/ao" in r["source"] and r["metrics"]]
+    worst = max(torchao, key=lambda t: abs(t[1]["metrics"][0]["error"][0]))
+    tu = next(r for r in rows if r["id"] == SPEED_PAIRS[2][0])
+    vocab = _spec(tu["job"]["model"]).vocab
+    return {"torchao_gpus": [g for g, _ in torchao],
+            "torchao_reserved_gib": [r["metrics"][0]["published_gib"] for _, r in torchao],
+            "torchao_worst": [worst[0], worst[1]["metrics"][0]["error"][0]],
+            "tu_logits": [tu["micro_batch"], tu["seq_len"], vocab, tu["micro_batch"] * tu["seq_len"] * vocab * 4 / GIB],
+            "exact_fit": exact_compile_fit(rows)}
+
+
+NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six")
+
+
+def _listed(items: list) -> str:
+    return ", ".join(str(i) for i in items[:-1]) + f" and {items[-1]}" if len(items) > 1 else str(items[0])
 
 
 def _tokens_per_s(row: dict, compile: bool) -> float:
@@ -220,7 +268,12 @@ def _liger_sentence(results: list[dict]) -> str:
     return f"Rows run with Liger kernels, estimated with --liger: {', '.join(ids)}."
 
 
-def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficiency: float | None = None) -> str:
+def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficiency: float | None = None,
+           said: dict | None = None) -> str:
+    from toolkit.estimate.timing import KERNEL_OVERHEAD_S
+
+    said = said or {}
+    micro, seq, vocab, logits_gib = said["tu_logits"]
     lines = ["# Estimate vs published GPU measurements", "",
              "Generated by `python benchmarks/published.py` from benchmarks/data/published_gpu.json (each row's "
              "source is listed below). Ours: `toolkit estimate` for the same job, compared on the metric the source "
@@ -250,14 +303,18 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               "--chunked-loss 8 (toolkit.estimate.chunkedce: bf16 logits in 8 sequence chunks, each upcast to fp32 "
               "and its loss taken apart, traced as it runs eagerly; a real CPU step matches it within 1%). torchtune "
               "compiles that loss (compute_cross_entropy), whose partition would keep each bf16 chunk (alive anyway) "
-              "and a per-row logsumexp instead of eager's fp32 log-softmax (3.9 GiB for TU-3B's 2 x 4096 x 128256 "
+              "and a per-row logsumexp instead of eager's fp32 log-softmax ("
+              f"{logits_gib:.1f} GiB for TU-3B's {micro} x {seq} x {vocab} "
               "logits); we trace the eager loss, so its row's forward peak is over by up to that. torchtitan (and torchao's runs of it) compiles each TransformerBlock apart and "
               "runs embedding, output and loss eagerly (its apply_compile), estimated with --compile-blocks; with "
               "per-op checkpointing a compiled block keeps what the eager policy keeps, so the compiled rows' "
               "activations equal the eager ones. These rows publish the allocator's reserved peak, which we reach "
-              "only through the allocator term, an assumption (below); torchao's three runs of one job reserve "
-              "47.65, 39.09 and 33.71 GiB on H100, MI300X and B200, a spread no tensor count can follow, so the "
-              "B200 row misses (+29%). torchtune's compile_model compiles each decoder layer and, apart, the loss, and "
+              "only through the allocator term, an assumption (below); torchao's "
+              f"{NUMBER_WORDS[len(said['torchao_gpus'])]} runs of one job reserve "
+              f"{_listed([f'{g:.2f}' for g in said['torchao_reserved_gib']])} GiB on {_listed(said['torchao_gpus'])}, "
+              "a spread no tensor count can follow, so the "
+              f"{said['torchao_worst'][0]} row misses ({said['torchao_worst'][1]:+.0%}). torchtune's compile_model compiles "
+              "each decoder layer and, apart, the loss, and "
               "runs the final norm and output projection eagerly (torchtune/training/_compile.py): its rows are "
               "estimated with --compile-blocks too, which leaves the loss eager, so the loss's fusion is missing "
               "from our torchtune speed-up (below). The "
@@ -281,10 +338,14 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
             lines.append(f"| {s['pair']} | {s['role']} | {s['published_ratio']:.3f} | {s['ours_ratio']:.3f} | "
                          f"{s['error']:+.1%} |")
         held = [s["error"] for s in speedups if s["role"] != "calibration"]
+        exact = said["exact_fit"]
+        exact_efficiency = "a negative" if exact["efficiency"] < 0 else f"{exact['efficiency']:.2f}"
         lines += ["", f"ELEMENTWISE_HBM_EFFICIENCY is fitted on the calibration pair alone (this run's fit: "
-                  f"{efficiency:.3f}; the code holds it rounded) and KERNEL_OVERHEAD_S is assumed (3 us, "
+                  f"{efficiency:.3f}; the code holds it rounded) and KERNEL_OVERHEAD_S is assumed "
+                  f"({KERNEL_OVERHEAD_S * 1e6:.0f} us, "
                   "unsourced: no published per-kernel figure for eager PyTorch on A100/H100 was found): the pairs cannot separate the two constants (an exact fit of both on the two independent "
-                  "pairs gives a negative efficiency and 101 us a kernel), and the launches are a few per cent of the "
+                  f"pairs gives {exact_efficiency} efficiency and {exact['kernel_s'] * 1e6:.0f} us a kernel), and the "
+                  "launches are a few per cent of the "
                   "saving. The held-out pairs are "
                   f"{min(held):+.1%} to {max(held):+.1%} off their published speed-ups. The 128-GPU pair shares the "
                   "calibration pair's model and job and differs in its exposed communication; the torchtune pair "
@@ -312,9 +373,11 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     speedups = compile_speedups(rows)
     efficiency = fit_compile_efficiency(rows)
+    said = prose_numbers(rows, results)
     (RESULTS / "published.json").write_text(json.dumps({"summary": summ, "rows": results, "compile_speedups": speedups,
-                                                        "elementwise_hbm_efficiency_fit": efficiency}, indent=1) + "\n")
-    text = render(results, summ, speedups, efficiency)
+                                                        "elementwise_hbm_efficiency_fit": efficiency,
+                                                        "prose": said}, indent=1) + "\n")
+    text = render(results, summ, speedups, efficiency, said)
     (RESULTS / "published.md").write_text(text)
     print(text)
     return 0

@@ -136,6 +136,10 @@ def test_check_refuses_a_sequence_the_model_cannot_take_as_estimate_does(capsys)
     assert "1 error" in captured.out
     assert main(["estimate", "gpt2", "--seq", "8192"]) == 2
     assert "--seq 8192 is longer than gpt2 allows (1024 positions)" in _one_error_line(capsys)
+    # A config set without a plan: the model is known from --model, the length from --seq.
+    assert main(["check", str(ROOT / "tests/check_corpus/clean/ds-zero2-8-gpus.json"), "--model", "gpt2", "--gpus",
+                 "8xH100-80GB", "--seq", "2048"]) == 1
+    assert "--seq 2048 is longer than gpt2 allows (1024 positions)" in capsys.readouterr().err
 
 
 def test_the_models_positions_are_one_fact_for_estimate_plan_emit_check_and_train(tmp_path, capsys):
