@@ -123,10 +123,10 @@ class Request:
     optimizer_impl: str = "fused"
     activation_offloading: bool = False
     liger: bool = False
-    tiled: bool | None = False
-    """ALST's tiled MLP and tiled logits + loss (toolkit.estimate.tiling): True in every row (engines that refuse it
-    say so); None: the planner tiles where the engines run it and only tiling fits, or is faster beyond the time band
-    (module docstring); False: never."""
+    tiled: bool | None = None
+    """ALST's tiled MLP and tiled logits + loss (toolkit.estimate.tiling): None (plan's default, --tiled auto): the
+    planner tiles where the engines run it and only tiling fits, or is faster beyond the time band (module
+    docstring); True (--tiled): in every row, engines that refuse it say so; False (--tiled off): never."""
     compile: bool = False
     """torch.compile (inductor) of the model: activations from the compiler's partition, the compiled step time."""
     pipeline_stages: int | None = None
