@@ -81,9 +81,9 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
                   "the MLP's and the logits' tensors held one chunk at a time; ZeRO only")
     if tiled_auto:
         g.add_argument("--tiled", choices=("auto", "on", "off"), default="auto", nargs="?", const="on",
-                       help=tiled_help + ". auto (default): a ZeRO row is tiled only where it fits tiled and not "
-                                         "untiled, or runs faster beyond the step-time band; on (also the bare flag): "
-                                         "every row; off: none")
+                       help=tiled_help + ". auto (default): tried on a ZeRO grid that fits nothing untiled, kept "
+                                         "unless an untiled choice of the row fits within the step-time band; on "
+                                         "(also the bare flag): every row; off: none")
     else:
         g.add_argument("--tiled", action="store_true", help=tiled_help)
     g.add_argument("--compile", action="store_const", const=True, default=False,

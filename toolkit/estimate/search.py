@@ -3,11 +3,12 @@ stages, each costed by the memory and step-time models, ranked by predicted toke
 by less than the step-time error band (toolkit.estimate.errorband.time_band) are ties: among them the simplest and most
 robust comes first (untiled, no offload, fewer sharded or pipelined parts, fewer stages), then the faster.
 
-ALST tiling (toolkit.estimate.tiling) by default ("auto", Request.tiled None) is tried for a configuration only where
-the engines run it (toolkit.inputs.job.tiled_problem, model_feature_problem) and the same configuration untiled is
-refused for GPU memory: tiling only adds recompute to a job that fits, so it can win only where the untiled job does
-not fit. A strategy's tiled best replaces its untiled best only when the untiled one does not fit, or is slower by
-more than the step-time band.
+ALST tiling (toolkit.estimate.tiling) by default ("auto", Request.tiled None) is tried where the engines run it
+(toolkit.inputs.job.tiled_problem, model_feature_problem) on a grid that fits no configuration untiled, for the
+configurations refused for GPU memory: tiling only adds recompute to a job that fits, and trying it on grids that
+already fit (where it could only drop checkpointing or raise the micro-batch) cost 1.6x the planning time of a 70B
+plan on 64 GPUs. A row's tiled best replaces its untiled best (e.g. at a larger sequence-parallel degree) only when
+the untiled one does not fit, or is slower by more than the step-time band.
 
 A candidate that cannot run says why: it does not fit ("needs 93.1 GiB of 79.1"), the batch does not divide, the
 layers do not split into the stages, the GPU lacks the precision, the node lacks host RAM for offload.
@@ -296,8 +297,9 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
     Model-parallel grids come in rising degree and the search stops at the first degree that fits: a larger degree
     only adds communication inside the sample and takes ranks from data parallelism (and costs a trace at its
     own per-rank shapes). A batch the grid cannot split is added to batch_refusals.
-    Auto tiling (req.tiled None): a configuration refused for GPU memory is tried tiled too, kept under
-    "<slot> +tiled" (its own first fitting degree); _untiled_unless_needed picks between the two."""
+    Auto tiling (req.tiled None): on a grid where no configuration fits untiled, those refused for GPU memory are
+    tried tiled, kept under "<slot> +tiled" (its own first fitting degree); _untiled_unless_needed picks between
+    the two."""
     tiling = auto_tiling(spec, strategy, req)
     for grid in grids:
         if dimension and key in best and best[key].feasible:
@@ -313,6 +315,7 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
         partition = grid.partition(spec) if strategy.is_pipeline else None
         for compiled in _compile_options(strategy, grid, req):
             slot = f"{key} +compile" if compiled else key
+            short: list[Job] = []  # refused for GPU memory: the ones tiling may fit
             for micro, accum in sorted(batches, reverse=True):
                 for ckpt in ckpt_options:
                     job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
@@ -322,10 +325,12 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                               adapter=req.adapter, compile=compiled, tiled=req.tiled is True)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     _keep(best, slot, cand, dimension)
-                    if tiling and not compiled and not tiled_found and cand.memory is not None \
-                            and short_of_gpu_memory(cand.memory, strategy, job):
-                        tiled = evaluate(spec, hw, strategy, replace(job, tiled=True), grid, partition)
-                        _keep(best, f"{slot}{TILED_SLOT}", tiled, dimension)
+                    if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job):
+                        short.append(job)
+            if tiling and not compiled and not tiled_found and not (slot in best and best[slot].feasible):
+                for job in short:
+                    _keep(best, f"{slot}{TILED_SLOT}", evaluate(spec, hw, strategy, replace(job, tiled=True), grid,
+                                                                partition), dimension)
 
 
 TILED_SLOT = " +tiled"
