@@ -325,7 +325,8 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                               adapter=req.adapter, compile=compiled, tiled=req.tiled is True)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     _keep(best, slot, cand, dimension)
-                    if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job):
+                    if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job) \
+                            and _activations_decide(cand.memory):
                         short.append(job)
             if tiling and not compiled and not tiled_found and not (slot in best and best[slot].feasible):
                 for job in short:
@@ -334,6 +335,14 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
 
 
 TILED_SLOT = " +tiled"
+
+
+def _activations_decide(memory: Breakdown) -> bool:
+    """Whether the GPU would hold the rest without the activations and the peak's temporaries (and the allocator's
+    margin on them): all that tiling can take away. Model states, engine buffers and the context it leaves; when
+    they alone are over the capacity, no tiling fits and none is traced."""
+    rest = memory.required_bytes - memory.activations_bytes - memory.transient_bytes - memory.margin_bytes
+    return rest <= memory.capacity_bytes
 
 
 def _keep(best: dict[str, Candidate], slot: str, cand: Candidate, dimension: str | None) -> None:
