@@ -154,6 +154,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     # largest model's FSDP2 row.
     counted = max((r for r in rows if r["grid"].startswith("dp=") and "tp" not in r["grid"]), key=lambda r: r["params"])
     step_bytes = counted["traced"]["optimizer_bytes"] - counted["estimate"]["optimizer_bytes"]
+    tiny_tp = next(r for r in rows if r["case"].startswith("tiny") and "tp" in r["grid"])
     head = [
         "# One rank traced in a fake world: per-rank states and peak against the planner's model",
         "",
@@ -197,7 +198,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "head-phase TP rows compare raw. The CPU cases (device kind cpu, no prefetch) "
 "compare directly. The tracker also charges tensors on the meta device; under TP those are transformers' "
         "stride probes (distributed/tensor_parallel.py: `torch.empty(shape, device=\"meta\")` to read a layout, "
-        "0.67 MiB of them at the peak of the tiny TP case), never memory, so the peak is the CPU device's alone.",
+        f"{_mb(tiny_tp['traced']['meta_peak_bytes'])} MiB of them at the peak of the tiny TP case), never memory, "
+        "so the peak is the CPU device's alone.",
         "",
         "**Against real ranks.** " + (
             "; ".join(f"{r['case']}: measured {_mb(r['measured_peak_bytes'])} MiB, traced "

@@ -69,7 +69,7 @@ def fit_settings(path: str, pins: Pins = Pins()) -> FitSettings:
                            plan.seq_len, plan.pipeline_stages, plan.partition,
                            job_options=(("grad_accum", plan.grad_accum), ("optimizer", plan.optimizer),
                                         ("optimizer_impl", plan.optimizer_impl), ("liger", plan.liger), ("compile", plan.compile),
-                                        ("tiled", plan.tiled),
+                                        ("tiled", plan.tiled), ("attention", plan.attention),
                                         ("activation_offloading", plan.activation_offloading),
                                         ("adapter", plan.adapter_spec)),
                            sizes=_plan_sizes(plan))

@@ -108,6 +108,19 @@ def plan_adapter_problems(plan: Plan, plan_path: Path) -> list[Problem]:
     return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
 
 
+def plan_attention_problems(plan: Plan, plan_path: Path) -> list[Problem]:
+    """The plan's attention against what transformers lets its model class run (the rule estimate and plan refuse
+    by, toolkit.inputs.modelspec.attention_support): toolkit.train's load would be refused."""
+    from toolkit.inputs.modelspec import config_attention_problem
+
+    try:
+        problem = config_attention_problem({**plan.model_config, "model_type": plan.model_type}, plan.attention,
+                                           name=plan.model)
+    except UserError:  # a model_config transformers cannot read: the fit check (--model) and the runs say so
+        return []
+    return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
+
+
 def plan_position_problems(plan: Plan, plan_path: Path) -> list[Problem]:
     """The model's positions (toolkit.inputs.modelspec.model_positions) against the plan's sequence length: the
     model is known from plan.json's model_config, so a plan toolkit.train would refuse is an error here too. A
@@ -132,7 +145,8 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
             raise UserError(f"{directory} holds no plan.json, accelerate_config.yaml or ds_config.json; give the "
                             "config files themselves")
         return check_paths([str(n) for n in names[:1]], gpus=gpus)  # the YAML names its JSON, else the JSON
-    out: list[Problem] = plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
+    out: list[Problem] = (plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
+                          + plan_attention_problems(plan, plan_path))
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
     checked_json: Path | None = None

@@ -65,7 +65,8 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
                                 + ("" if p.prog.endswith("estimate") else " (default: the planner tries each)"))
     g.add_argument("--precision", default="bf16", choices=PRECISIONS, help="(default %(default)s)")
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
-    g.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="(default %(default)s)")
+    g.add_argument("--attention", choices=ATTENTIONS,
+                   help="(default: transformers' pick for the model: sdpa, or eager where its class has no sdpa)")
     g.add_argument("--device-kind", default="cuda", choices=DEVICE_KINDS,
                    help="whose kernels' saved tensors to model (default %(default)s)")
     g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES),

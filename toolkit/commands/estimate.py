@@ -60,8 +60,9 @@ def cmd_estimate(args) -> int:
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
+    attention = spec.effective_attention(job.attention)
     grid.check_model(spec)
-    grid.check_sequence(job.seq_len, spec.effective_attention(job.attention), spec)
+    grid.check_sequence(job.seq_len, attention, spec)
     if args.trace_world:
         from toolkit.estimate.fakeworld import untraceable_reason
 
@@ -84,7 +85,7 @@ def cmd_estimate(args) -> int:
                "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
-                       "attention": job.attention, "device_kind": job.device_kind, "liger": job.liger,
+                       "attention": attention, "device_kind": job.device_kind, "liger": job.liger,
                        **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        **({"chunked_loss": job.chunked_loss} if job.chunked_loss else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
@@ -114,12 +115,14 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
 
     strategy, job, t = c.strategy, c.job, c.timing
     band = band_for(strategy.engine, job.checkpointing)
+    attention = spec.effective_attention(job.attention)
     cap = b.capacity_bytes
     active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
           f"{', tied embeddings' if spec.tied else ''}) | {c.name} on {hw.spec}{power_words(hw.gpu, job.precision)} | "
           f"seq {job.seq_len}, "
-          f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}"
+          f"micro-batch {job.micro_batch}, accumulation {job.grad_accum}, {job.precision}, {job.optimizer}, "
+          f"{attention} attention"
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
           f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}")
@@ -177,6 +180,8 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     if args.chunked_loss:
         raise UserError("--chunked-loss is estimated for one sequence length, not --seq max; give --seq a number "
                         "or drop --chunked-loss")
+    if problem := spec.attention_problem(args.attention):
+        raise UserError(problem)
     from toolkit.estimate.longest import longest_on_grid, text_chart
     from toolkit.inputs.hardware import power_fields
     from toolkit.estimate.search import Request

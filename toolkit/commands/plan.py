@@ -64,7 +64,8 @@ def cmd_plan(args) -> int:
     seq_len, seq_note = seq_len_of(spec, args)
     from toolkit.inputs.job import job_problem
 
-    unfit = job_problem(args.precision, hw.gpu)  # true of every strategy: one refusal, not one per candidate
+    # True of every strategy: one refusal, not one per candidate (--seq max included).
+    unfit = job_problem(args.precision, hw.gpu) or spec.attention_problem(args.attention)
     if unfit:
         raise UserError(unfit)
     if seq_note:
@@ -120,7 +121,7 @@ def cmd_plan(args) -> int:
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
-               "hardware": hw.spec,
+               "hardware": hw.spec, "attention": spec.effective_attention(req.attention),
                **({"power_limit": power_fields(hw.gpu, req.precision)} if hw.gpu.power_limit_w else {}),
                "candidates": rows, "chosen": chosen.row() if chosen else None,
                "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
@@ -175,7 +176,7 @@ def _plan_seq_max(args, spec, hw, req) -> int:
     else:
         print(f"{spec.name} ({human(spec.params)} params, positions {spec.max_positions}) on {hw.spec} "
               f"({hw.gpu.memory_bytes / GIB:.1f} GiB each{power_words(hw.gpu, req.precision)}) | longest sequence per strategy, micro-batch 1, "
-              f"{req.precision}\n")
+              f"{req.precision}, {spec.effective_attention(req.attention)} attention\n")
         for r in results:
             print("  " + longest_line(r, spec))
         chart = text_chart(results, hw.gpu.memory_bytes, top=args.top)
@@ -229,7 +230,8 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
     print(f"{spec.name} ({human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each{power_words(hw.gpu, req.precision)}) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
-          + f", {req.precision}, {req.optimizer}{', Liger kernels' if req.liger else ''}"
+          + f", {req.precision}, {req.optimizer}, {spec.effective_attention(req.attention)} attention"
+          + f"{', Liger kernels' if req.liger else ''}"
           + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled is True else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
              if req.adapter.is_adapter else "") + "\n")

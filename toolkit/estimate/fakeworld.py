@@ -60,6 +60,8 @@ class WorldTrace:
     """FSDPMemTracker's peak over the steps on the rank's device: every tensor live at once."""
     peak_by_kind: tuple[tuple[str, int], ...]
     """The peak's categories as FSDPMemTracker sorts them (sharded / unsharded params, all-gather, activations, ...)."""
+    meta_peak_bytes: int = 0
+    """What the tracker charged to the meta device at its peak, left out of peak_bytes (below): never memory."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,13 +104,14 @@ def trace_world(spec: "ModelSpec", strategy: "Strategy", job: "Job", grid: "Para
     from toolkit import cache
 
     key = None
+    attention = spec.effective_attention(job.attention)
     if spec.source_key:
         key = [spec.source_key, strategy.name, grid.dp_replicate, grid.dp_shard, grid.tensor, job.seq_len,
-               job.micro_batch, job.precision, job.optimizer, job.checkpointing, job.attention, job.device_kind]
+               job.micro_batch, job.precision, job.optimizer, job.checkpointing, attention, job.device_kind]
     hit = cache.get("world", key, code=trace_world, decode=WorldTrace.from_dict) if key else None
     if hit is not None:
         return hit
-    out = _trace(spec.hf_config(), strategy, job, grid, spec.effective_attention(job.attention))
+    out = _trace(spec.hf_config(), strategy, job, grid, attention)
     if key:
         cache.put("world", key, out.to_dict(), code=trace_world)
     return out
@@ -245,9 +248,10 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
     # (benchmarks/results/fakeworld.md).
     kinds = {getattr(kind, "value", str(kind)): int(n) for kind, n in peak.get(torch.device("cpu"), {}).items()}
     total = kinds.pop("Total", 0)
+    meta = {getattr(kind, "value", str(kind)): int(n) for kind, n in peak.get(torch.device("meta"), {}).items()}
     return WorldTrace(world=grid.world, route=route, parameters_bytes=params, gradients_bytes=grads,
                       optimizer_bytes=states, peak_bytes=total,
-                      peak_by_kind=tuple((k, v) for k, v in kinds.items() if v))
+                      peak_by_kind=tuple((k, v) for k, v in kinds.items() if v), meta_peak_bytes=meta.get("Total", 0))
 
 
 @contextlib.contextmanager

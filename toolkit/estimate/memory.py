@@ -196,8 +196,6 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
     if job.chunked_loss:
         key += ("chunked_loss", job.chunked_loss)
     if key not in _TRACE_CACHE:
-        from dataclasses import replace
-
         from toolkit import cache
         from toolkit.estimate.compiled import trace_compiled_activations
         from toolkit.estimate.tracer import trace_activations
@@ -233,10 +231,6 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                 raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             if disk_key:
                 cache.put("trace", disk_key, asdict(trace), code=traced_by)
-        if attention != job.attention:
-            trace = replace(trace, notes=trace.notes + (
-                f"{spec.model_type} does not support {job.attention} attention in transformers; estimated with "
-                f"{attention}, which a run will use",))
         _TRACE_CACHE[key] = (spec, trace)
     return _TRACE_CACHE[key][1]
 

@@ -23,7 +23,7 @@ from toolkit.estimate.errorband import band_for, time_band
 from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
-from toolkit.inputs.job import Job, job_problem
+from toolkit.inputs.job import Job, job_problem, model_feature_problem
 from toolkit.inputs.lora import FULL, Adapter
 from toolkit.estimate.memory import Breakdown, activation_trace, estimate_memory, states_floor_bytes
 from toolkit.inputs.modelspec import ModelSpec
@@ -117,7 +117,8 @@ class Request:
     grad_accum: int | None = None
     precision: str = "bf16"
     optimizer: str = "adamw"
-    attention: str = "sdpa"
+    attention: str | None = None
+    """None: transformers' pick for the model (toolkit.inputs.job.Job.attention)."""
     device_kind: str = "cuda"
     checkpointing: bool | None = None
     """None: let the planner choose; True/False: force it."""
@@ -246,12 +247,9 @@ def _need(c: Candidate) -> float:
 
 def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
     """One best candidate per strategy (and per stage count for pipeline plans), feasible first by tokens/s."""
-    if req.liger or req.tiled is True:
-        from toolkit.inputs.job import model_feature_problem
-
-        problem = model_feature_problem(spec, liger=req.liger, tiled=req.tiled is True)
-        if problem:
-            raise UserError(problem)
+    problem = model_feature_problem(spec, liger=req.liger, tiled=req.tiled is True, attention=req.attention)
+    if problem:  # true of every strategy: one refusal, not one per candidate
+        raise UserError(problem)
     _check_stages([parse_strategy(s) for s in req.strategies], hw, req.pipeline_stages)
     best: dict[str, Candidate] = {}
     refused: dict[str, Candidate] = {}
@@ -358,7 +356,7 @@ def auto_tiling(spec: ModelSpec, strategy: Strategy, req: Request) -> bool:
     model_feature_problem)."""
     if req.tiled is not None:
         return False
-    from toolkit.inputs.job import model_feature_problem, tiled_problem
+    from toolkit.inputs.job import tiled_problem
 
     return tiled_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
                          adapter=req.adapter) is None and model_feature_problem(spec, tiled=True) is None

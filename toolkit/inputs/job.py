@@ -67,7 +67,9 @@ class Job:
     checkpointing: bool | str = False
     """Activation checkpointing of every decoder layer: True (each layer recomputed whole in backward), False, or
     CHECKPOINTING_OP ("op": torchtitan's per-op selective policy, toolkit.estimate.selective; estimate only)."""
-    attention: Attention = "sdpa"
+    attention: Attention | None = None
+    """The attn_implementation asked for; None: transformers' own pick for the model (sdpa, or eager where its class
+    has no sdpa), which ModelSpec.effective_attention resolves (the memory trace, the time model and the plan)."""
     device_kind: DeviceKind = "cuda"
     """Whose kernels' saved tensors to model: the GPU kernels (default) or the real CPU dispatch."""
     optimizer_impl: str = "fused"
@@ -98,7 +100,8 @@ class Job:
                 raise UserError(f"{field} must be a positive integer, got {value!r}")
         check_choice("--precision", self.precision, PRECISIONS)
         check_choice("--optimizer", self.optimizer, OPTIMIZERS)
-        check_choice("--attention", self.attention, ATTENTIONS)
+        if self.attention is not None:
+            check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         if self.compile not in (False, True, COMPILE_BLOCKS):
@@ -176,7 +179,7 @@ def plan_positions_problem(seq_len: int, model: str, positions: int | None) -> s
 
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
                 activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL,
-                compile: bool = False, attention: str = "sdpa", tiled: bool = False) -> str | None:
+                compile: bool = False, attention: str | None = None, tiled: bool = False) -> str | None:
     """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
     None. The model types Liger supports are checked in check_job (liger_problem, below)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
@@ -237,7 +240,7 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
                           liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention,
                           tiled=job.tiled)
     if problem is None:
-        problem = model_feature_problem(spec, liger=job.liger, tiled=job.tiled)
+        problem = model_feature_problem(spec, liger=job.liger, tiled=job.tiled, attention=job.attention)
     if problem:
         raise UserError(problem)
     if strategy is not None and strategy.is_pipeline:
@@ -247,7 +250,7 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
 
 
 def compile_problem(strategy: "Strategy | None", *, activation_offloading: bool = False, liger: bool = False,
-                    adapter: Adapter = FULL, attention: str = "sdpa") -> str | None:
+                    adapter: Adapter = FULL, attention: str | None = None) -> str | None:
     """Why --compile cannot be planned with the rest of the job, or None (docs/ENGINE_FACTS.md, torch.compile)."""
     if strategy is not None and strategy.is_pipeline:
         # accelerate compiles the model in prepare() (torch.compile, or DeepSpeed's engine.compile()); the pipeline
@@ -294,9 +297,12 @@ def loss_shards(micro_batch: int, seq_len: int, vocab: int) -> int:
     return max(1, math.ceil(micro_batch * seq_len * vocab * 4 / LOSS_TILE_BYTES))
 
 
-def model_feature_problem(spec: "ModelSpec", *, liger: bool = False, tiled: bool = False) -> str | None:
-    """Why this model cannot take the Liger patch or ALST tiling asked for, or None (one rule for check_job and the
-    planner). Reads the transformers config: a spec from the cache holds a plain dict."""
+def model_feature_problem(spec: "ModelSpec", *, liger: bool = False, tiled: bool = False,
+                          attention: str | None = None) -> str | None:
+    """Why this model cannot take the attention kernel, the Liger patch or ALST tiling asked for, or None (one rule
+    for check_job and the planner). Reads the transformers config: a spec from the cache holds a plain dict."""
+    if problem := spec.attention_problem(attention):
+        return problem
     if liger and (problem := liger_problem(spec.model_type)):
         return problem
     return tiling_problem(spec.hf_config()) if tiled else None

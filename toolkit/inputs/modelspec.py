@@ -52,7 +52,9 @@ class ModelSpec:
     head_matmul_params: int
     """LM head weights a token multiplies through (vocab x hidden, tied or not)."""
     attention_support: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
-    """Attention implementations the model's HF class accepts (gemma2 refuses sdpa, for one)."""
+    """Attention implementations the model's HF class runs (attention_support(); gemma2 and MPT have no sdpa)."""
+    model_class: str = ""
+    """The transformers class a causal-LM load builds (LlamaForCausalLM), named in attention refusals."""
     factored_state_fraction: float = 0.0
     """Adafactor's factored second moment (row + column statistics per matrix, full for vectors) per parameter."""
     active_params: int = 0
@@ -98,9 +100,25 @@ class ModelSpec:
             kwargs[f.name] = tuple(value) if isinstance(value, list) and f.name != "config" else value
         return cls(**kwargs)
 
-    def effective_attention(self, requested: str) -> str:
-        """The implementation a run will use: the requested one if the model takes it, else eager."""
-        return requested if requested in self.attention_support else "eager"
+    @property
+    def default_attention(self) -> str:
+        """What transformers runs when no attention is asked for (default_attention())."""
+        return default_attention(self.attention_support)
+
+    def attention_problem(self, requested: str | None) -> str | None:
+        """Why the model cannot run `requested` attention (transformers refuses it at load), or None."""
+        return attention_problem(self.model_class or self.model_type, self.attention_support, requested,
+                                 name=self.name)
+
+    def effective_attention(self, requested: str | None) -> str:
+        """The implementation a run uses: `requested`, or transformers' default for the model when None. One the
+        model cannot run is refused (UserError), never swapped: transformers refuses it at load."""
+        if requested is None:
+            return self.default_attention
+        problem = self.attention_problem(requested)
+        if problem:
+            raise UserError(problem)
+        return requested
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -365,6 +383,57 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
     return pre, post
 
 
+def attention_support(model) -> tuple[str, ...]:
+    """The attention implementations transformers lets a model class (or instance) run, from the class flags its
+    load reads (modeling_utils.py, transformers 5.24: _sdpa_can_dispatch reads `_supports_sdpa`,
+    _flash_attn_can_dispatch `_supports_flash_attn`; docs/ENGINE_FACTS.md "Which attention a model class runs").
+    Eager always runs."""
+    return tuple(["eager"] + (["sdpa"] if getattr(model, "_supports_sdpa", False) is True else [])
+                 + (["flash_attention_2"] if getattr(model, "_supports_flash_attn", False) is True else []))
+
+
+def default_attention(support: tuple[str, ...]) -> str:
+    """transformers' pick when no attn_implementation is given (get_correct_attn_implementation(None)): sdpa, or
+    eager when the class has no sdpa."""
+    return "sdpa" if "sdpa" in support else "eager"
+
+
+def attention_problem(model_class: str, support: tuple[str, ...], requested: str | None, *,
+                      name: str | None = None) -> str | None:
+    """Why a model class cannot run `requested` attention, or None (None: transformers' default, always runs)."""
+    if requested is None or requested in support:
+        return None
+    from importlib import metadata
+
+    fix = default_attention(support)
+    return (f"{model_class}{f' ({name})' if name and name != model_class else ''} cannot run {requested} attention: "
+            f"transformers {metadata.version('transformers')} refuses it at load (the class runs "
+            f"{' or '.join(support) if len(support) > 1 else support[0] + ' only'}); use --attention {fix}")
+
+
+def config_attention(config) -> tuple[str, tuple[str, ...]] | None:
+    """(class name, attention_support) of the class AutoModelForCausalLM builds for `config`, or None when
+    transformers has no causal-LM class of its own for it (remote code): for a config alone, without a model."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, TypeError):
+        return None
+    return cls.__name__, attention_support(cls)
+
+
+def config_attention_problem(config, requested: str | None, *, name: str | None = None) -> str | None:
+    """attention_problem for a config alone (a transformers config, or a plan's model_config dict), without building
+    the model; None also when transformers has no causal-LM class of its own for it (remote code)."""
+    if requested is None:
+        return None
+    if isinstance(config, dict):
+        config = _config_from_dict(dict(config), name or "the model config")
+    found = config_attention(config)
+    return attention_problem(found[0], found[1], requested, name=name) if found else None
+
+
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 """Where transformers configs keep the longest sequence the model was built for (Llama's name, GPT-2's, others')."""
 
@@ -489,9 +558,8 @@ def build_spec(name: str, config) -> ModelSpec:
         max_positions=max_positions,
         layer_matmul_params=tuple(_matmul_params(layer, moe_fraction) for layer in layers),
         head_matmul_params=int(head_weight.numel()),
-        attention_support=tuple(["eager"] + (["sdpa"] if getattr(model, "_supports_sdpa", False) else [])
-                                + (["flash_attention_2"] if getattr(model, "_supports_flash_attn", False)
-                                   or getattr(model, "_supports_flash_attn_2", False) else [])),
+        attention_support=attention_support(model),
+        model_class=type(model).__name__,
         factored_state_fraction=factored / total if total else 0.0,
         active_params=total - int(round(expert_params * (1 - moe_fraction))),
         moe_experts=experts,

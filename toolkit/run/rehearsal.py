@@ -31,7 +31,7 @@ REHEARSAL_LAYERS = 4
 
 def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 1, gpus_per_node: int = 2,
                    micro_batch: int = 2, grad_accum: int = 1, seq_len: int = REHEARSAL_SEQ_LEN,
-                   precision: str = "fp32", checkpointing: bool = False, attention: str = "sdpa",
+                   precision: str = "fp32", checkpointing: bool = False, attention: str | None = None,
                    optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
                    notes: list[str] | None = None, tensor: int = 1, context: int = 1, sequence: int = 1) -> Plan:
     """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
@@ -42,7 +42,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
 
     config = load_config(str(model_dir))
     spec = build_spec(str(model_dir), config)
-    attention = spec.effective_attention(attention)  # GPT-OSS (attention sinks) has no sdpa: eager, as the planner
+    attention = spec.effective_attention(attention)  # None: transformers' pick (GPT-OSS has no sdpa: eager)
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
                                      pipeline_stages=pipeline_stages if kind.is_pipeline else None,
@@ -72,8 +72,9 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
                     "rehearsing as bf16; the fp16 loss-scaling config is validated, not run")
     attention = plan.attention
     if attention == "flash_attention_2":
-        attention = "sdpa"
-        said.append("flash-attention kernels need a GPU: rehearsing with sdpa")
+        attention = None  # transformers' own pick for the model: sdpa, or eager where its class has none
+        said.append("flash-attention kernels need a GPU: rehearsing with the model's default attention (sdpa, or "
+                    "eager where the model has no sdpa)")
     stages = 1
     world = 2
     tensor, context, sequence = (min(d, 2) for d in (plan.tensor_parallel, plan.context_parallel,

@@ -94,6 +94,11 @@ def check_matches_plan(config: Any, plan: Plan, source: str) -> None:
     if mismatches:
         raise UserError(f"model {source} is not the model the plan was made for ({plan.model}): "
                         f"{'; '.join(mismatches)}; re-plan for this model or pass the planned --model")
+    from toolkit.inputs.modelspec import config_attention_problem
+
+    problem = config_attention_problem(config, plan.attention, name=source)  # transformers would refuse it at load
+    if problem:
+        raise UserError(problem)
     problem = plan_positions_problem(plan.seq_len, source, model_positions(config))
     if problem:
         raise UserError(problem)
