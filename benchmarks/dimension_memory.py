@@ -25,7 +25,6 @@ per-rank model of each dimension), and, beside it, the per-rank states formula t
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -40,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import distributed_memory as dm  # noqa: E402  (the shared model shape and MemTracker helpers)
 
 SEQ, MICRO = dm.SEQ, dm.MICRO
-STEPS = dm.STEPS  # step 1 allocates optimizer states; the last step is measured
 CASES = {  # name: (strategy, world, tensor, sequence, ALST tiling, sequence length)
     "fsdp2-tp2": ("fsdp2", 4, 2, 1, False, SEQ),
     "zero1-sp2": ("zero1", 2, 1, 2, False, SEQ),
@@ -157,26 +155,14 @@ def worker(name: str, model_dir: str, out_path: str) -> None:
             del loss
             return value
 
-        losses = []
-        for i in range(STEPS):
-            gc.collect()
-            tracker.reset_mod_stats()
-            if i == STEPS - 1:
-                result["persistent_bytes"] = dm._total(tracker)
-                result["persistent_by_type"] = dm._by_type(tracker)
-                # What is alive, named by the attribute that holds it (as distributed_memory.json records).
-                roots = {"model": model, "optimizer": optimizer, "engine": engine,
-                         "params": dict(model.named_parameters())}
-                inner = getattr(optimizer, "optimizer", None)
-                roots["optimizer.state"] = (inner or optimizer).state
-                names = dm._named_storages(roots)
-                result["storages"] = dm._live_storages(tracker, names)
-                tracker._peak_mem = {dev: snap["Total"]
-                                     for dev, snap in tracker.get_tracker_snapshot("current").items()}
-                dm._watch_peak(tracker, result, names, model)
-            losses.append(step())
-        result["peak_bytes"] = dm._total(tracker, "peak")
-        result["losses"] = losses
+        def roots() -> dict:
+            # What is alive, named by the attribute that holds it (as distributed_memory.json records).
+            out = {"model": model, "optimizer": optimizer, "engine": engine, "params": dict(model.named_parameters())}
+            inner = getattr(optimizer, "optimizer", None)
+            out["optimizer.state"] = (inner or optimizer).state
+            return out
+
+        result["losses"] = dm.measured_steps(tracker, step, result, model, roots=roots)
         result["local_param_elements"] = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters()
                                              if getattr(p, "ds_id", None) is None)
     Path(f"{out_path}.rank{rank}.json").write_text(json.dumps(result, default=str))

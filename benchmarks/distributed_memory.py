@@ -135,6 +135,29 @@ def _live_storages(tracker, names: dict[int, str], top: int = 25) -> list[tuple[
     return out[:top]
 
 
+def measured_steps(tracker, step, result: dict, model, *, roots=None) -> list[float]:
+    """Run `step` STEPS times under MemTracker and return its losses. Before the last step: the bytes alive between
+    steps (persistent_bytes, by type) and, with `roots` (a function giving the objects whose tensors are named, called
+    then: optimizer states exist from step 1), the live storages by name and those alive at the step's peak; after
+    it, the step's peak_bytes."""
+    losses = []
+    for i in range(STEPS):
+        gc.collect()
+        tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
+        if i == STEPS - 1:
+            result["persistent_bytes"] = _total(tracker)
+            result["persistent_by_type"] = _by_type(tracker)
+            names = _named_storages(roots()) if roots is not None else None
+            if names is not None:
+                result["storages"] = _live_storages(tracker, names)
+            tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker.get_tracker_snapshot("current").items()}
+            if names is not None:
+                _watch_peak(tracker, result, names, model)
+        losses.append(step())
+    result["peak_bytes"] = _total(tracker, "peak")
+    return losses
+
+
 def _watch_peak(tracker, result: dict, names: dict[int, str], model) -> None:
     """Record the live CPU storages (largest first, named where known) each time the CPU total reaches a new
     peak: what is alive at the measured step's peak."""
@@ -224,26 +247,15 @@ def worker(strategy: str, precision: str, model_dir: str, out_path: str) -> None
             del loss
             return value
 
-        losses = []
-        for i in range(STEPS):
-            gc.collect()
-            tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
-            if i == STEPS - 1:
-                result["persistent_bytes"] = _total(tracker)
-                result["persistent_by_type"] = _by_type(tracker)
-                if os.environ.get("DM_STORAGES"):
-                    roots = {"model": model, "optimizer": optimizer, "engine": engine}
-                    inner = getattr(optimizer, "optimizer", None)
-                    if inner is not None:
-                        roots["optimizer.optimizer.state"] = inner.state
-                    roots["params"] = {n: p for n, p in model.named_parameters()}
-                    result["storages"] = _live_storages(tracker, _named_storages(roots))
-                tracker._peak_mem = {dev: snap["Total"]
-                                     for dev, snap in tracker.get_tracker_snapshot("current").items()}
-                if os.environ.get("DM_STORAGES"):
-                    _watch_peak(tracker, result, _named_storages(roots), model)
-            losses.append(step())
-        result["peak_bytes"] = _total(tracker, "peak")
+        def roots() -> dict:
+            out = {"model": model, "optimizer": optimizer, "engine": engine}
+            inner = getattr(optimizer, "optimizer", None)
+            if inner is not None:
+                out["optimizer.optimizer.state"] = inner.state
+            out["params"] = {n: p for n, p in model.named_parameters()}
+            return out
+
+        losses = measured_steps(tracker, step, result, model, roots=roots if os.environ.get("DM_STORAGES") else None)
         gc.collect()
         result["after_bytes"] = _total(tracker)
         result["losses"] = losses

@@ -50,8 +50,7 @@ UNMODELLED = {
            "the catalog",
     "no-arch-row": "no calibration row of this GPU architecture: scoring it would test a borrowed constant",
     "link": "the source's inter-node figure does not say per node or per GPU, and this row's exposed communication "
-            "turns on it (fms-fsdp 70B on A100 / H100: ours about 19% / 8% under the published speed reading it per "
-            "node, 4% under / 11% over reading it per GPU): scoring it would test a guess",
+            "turns on it: scoring it would test a guess",
 }
 
 
@@ -61,6 +60,17 @@ def load_rows() -> list[dict]:
 
 def held_out(row_id: str) -> bool:
     return int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16) % 3 == 0
+
+
+def link_reason(row: dict) -> str:
+    """UNMODELLED['link'] with what the two readings of the row's inter-node figure give (ours against published)."""
+    said = []
+    for reading, per_node in (("per node", row["inter_node_gbps"]), ("per GPU", row["inter_node_gbps"]
+                                                                     * row["gpus_per_node"])):
+        ours = ours_tokens_per_gpu(prepared({**row, "inter_node_gbps": per_node}))[0]
+        said.append(f"{ours / row['published']['tokens_per_s_per_gpu'] - 1:+.0%} reading it {reading}")
+    head, tail = UNMODELLED["link"].split(": scoring")
+    return f"{head} (ours {', '.join(said)}): scoring{tail}"
 
 
 def unmodelled(row: dict) -> list[str]:
@@ -109,6 +119,19 @@ def _spec(model: str, seq_len: int | None = None):
     return spec_from_config_dict({**config, "n_positions": seq_len}, name=model)
 
 
+def stated_params(row: dict) -> int | None:
+    """The parameter count the source printed for the row's model (llm-foundry's NumParams column, kept in the
+    row's model_note), or None."""
+    note, key = row.get("model_note", ""), "published NumParams "
+    return int(note.split(key)[1].split()[0].rstrip(";,.")) if key in note else None
+
+
+def params_check(rows: list[dict]) -> tuple[int, int]:
+    """(rows whose model, as we build it, has exactly the stated parameter count; rows that state one)."""
+    stated = [r for r in rows if stated_params(r) is not None]
+    return sum(_spec(r["model"], r["seq_len"]).params == stated_params(r) for r in stated), len(stated)
+
+
 def prepared(row: dict):
     """(spec, strategy, job, hardware, recompute) for a row, built once."""
     from toolkit.estimate.efficiency import SELECTIVE_OP_RECOMPUTE, Recompute
@@ -155,7 +178,7 @@ def score(rows: list[dict], compute_model=None) -> list[dict]:
                  "strategy": row["strategy"], "seq_len": row["seq_len"], "micro_batch": row["micro_batch"],
                  "grad_accum": row["grad_accum"], "checkpointing": row["checkpointing"],
                  "published": row["published"]["tokens_per_s_per_gpu"], "modelled": not reasons,
-                 "unmodelled": [UNMODELLED[k] for k in reasons],
+                 "unmodelled": [link_reason(row) if k == "link" else UNMODELLED[k] for k in reasons],
                  "split": ("held-out" if held_out(row["id"]) else "calibration") if not reasons else "-"}
         if not reasons:
             ours, timing = ours_tokens_per_gpu(row["_prep"], compute_model)
@@ -319,13 +342,96 @@ def pipeline_question(results: list[dict]) -> list[str]:
                     "per-micro-batch cost beside DDP on the day a GPU is lent."]
 
 
+COMPOSER_THRASH = ("Composer, the trainer that ran llm-foundry's benchmarks, reads consecutive batches with new "
+                   "cudaMalloc retries (torch.cuda.memory_stats()['num_alloc_retries']) as 'thrashing, where GPU "
+                   "memory usage is so close to the memory limit that it hinders throughput' "
+                   "(composer/trainer/trainer.py _update_num_consecutive_thrashes @ mosaicml/composer 6405188): the "
+                   "engine authors' reading of that regime, not a record of these runs, since the rule came in "
+                   "2024-08 (Composer PR #3510), after these rows (2023-10), and the Composer of 2023 only logged "
+                   "the retries (docs/ENGINE_FACTS.md, 'The caching allocator at the memory edge')")
+
+
+def _edge_fraction(row: dict) -> float:
+    """The toolkit's own memory estimate of a row's job (the stand-in model, its strategy, GPUs, checkpointing,
+    precision, adamw, its attention kernel): required + the peak error band, as a fraction of the GPU."""
+    from toolkit.estimate.errorband import band_for
+    from toolkit.estimate.memory import estimate_memory
+
+    spec, strategy, job, hw, _ = row.get("_prep") or prepared(row)
+    m = estimate_memory(spec, strategy, job, hw)
+    return (m.required_bytes + band_for(strategy.engine, job.checkpointing).headroom_bytes(m.peak_bytes)) \
+        / m.capacity_bytes
+
+
+EARLIER_TABLE = {
+    # llm-foundry's A100-80GB table before PR #543 (README at b2a43a1^, 2023-10), which replaced these rows: the same
+    # job measured in pure bf16 (MP PURE) instead of amp_bf16 / MP DEFAULT; tokens/s/GPU at seq 8192 and 4096.
+    "LF-30b-a10080-s8192-g8-mb1-ac": (622.0, 778.0),
+}
+
+
+def earlier_table_note(row: dict) -> str:
+    """What the source published for the same job before it re-ran it, and ours against it (not a corpus row: the
+    corpus holds the table as of its pinned commit)."""
+    if row["id"] not in EARLIER_TABLE:
+        return ""
+    at_seq, at_half = EARLIER_TABLE[row["id"]]
+    ours = ours_tokens_per_gpu(row.get("_prep") or prepared(row))[0]
+    return (f" The same table before llm-foundry PR #543 (README at b2a43a1^; pure bf16, MP PURE, which our time model "
+            f"does not tell apart) had this job at {at_seq:,.0f} tokens/s/GPU, {at_seq / at_half - 1:+.1%} from seq "
+            f"{row['seq_len'] // 2}: ours is {ours / at_seq - 1:+.1%} against it, so the source's own two runs of it "
+            f"differ by {at_seq / row['published']['tokens_per_s_per_gpu'] - 1:.0%}.")
+
+
+def memory_edge_note(row: dict) -> str:
+    """LF-30b at seq 8192, micro-batch 1, 8 GPUs (both GPUs): what we know, computed from the corpus and the
+    toolkit's memory estimate; a hypothesis, since the source publishes no memory figure."""
+    rows = load_rows()
+
+    def find(base: dict, **changes) -> dict | None:  # the same job but for `changes` (any micro-batch unless given)
+        want = {k: base[k] for k in ("model", "gpu", "gpus", "seq_len", "checkpointing")} | changes
+        return next((r for r in rows if all(r[k] == v for k, v in want.items())), None)
+
+    twin = find(row, seq_len=row["seq_len"] // 2, micro_batch=row["micro_batch"])
+    ref = find(row, model="mpt-13b")
+    ref_twin = ref and find(ref, seq_len=ref["seq_len"] // 2)
+    mfu = lambda r: r["published"]["mfu"]  # noqa: E731
+    speed = lambda r: ours_tokens_per_gpu(r.get("_prep") or prepared(r))[0]  # noqa: E731
+    published = row["published"]["tokens_per_s_per_gpu"] / twin["published"]["tokens_per_s_per_gpu"] - 1
+    ours = speed(row) / speed(twin) - 1
+    drop = (f" where 13B on the same GPUs falls {(mfu(ref_twin) - mfu(ref)) * 100:.1f} points ({mfu(ref_twin):.1%} "
+            f"-> {mfu(ref):.1%}, micro-batch {ref_twin['micro_batch']} -> {ref['micro_batch']})" if ref_twin else "")
+    return (f"the source states nothing. Its MFU falls from seq {twin['seq_len']} to {row['seq_len']} at micro-batch "
+            f"{row['micro_batch']} ({mfu(twin):.1%} -> {mfu(row):.1%}){drop}: {published:+.1%} tokens/s/GPU where "
+            f"ours, with no memory term in the time model, says {ours:+.1%}. A hypothesis, not a finding: the "
+            f"toolkit's own memory estimate of this job (the GPT-2-block stand-in, {row['strategy']}, {row['gpus']} "
+            f"GPUs, full checkpointing, {row['precision']}, adamw, flash attention) puts required + peak band at "
+            f"{_edge_fraction(row):.2f} of the {row['gpu']} (at seq {twin['seq_len']}: {_edge_fraction(twin):.2f}), "
+            f"so the planner would be at its edge, and {COMPOSER_THRASH}. The corpus cannot test it (the source "
+            "publishes no memory figure or allocator statistic); `benchmarks/gpu_check.py --memory-edge` measures "
+            "step time and alloc retries as the allocator's room above the tensor peak shrinks, for the day a GPU "
+            "is lent (no such run recorded yet). The row stays in its split and counts." + earlier_table_note(row))
+
+
+def comm_bound_note(row: dict) -> str:
+    """LF-70b on 64 A100-40GB at micro-batch 2: its collectives beside its compute, and its 128-GPU sibling."""
+    t = ours_tokens_per_gpu(row.get("_prep") or prepared(row), overlap=0.0)[1]
+    sibling = next(r for r in load_rows() if r["model"] == row["model"] and r["gpu"] == row["gpu"]
+                   and r["seq_len"] == row["seq_len"] and r["gpus"] == 2 * row["gpus"])
+    error = ours_tokens_per_gpu(sibling.get("_prep") or prepared(sibling))[0] \
+        / sibling["published"]["tokens_per_s_per_gpu"] - 1
+    return (f"the most communication-bound A100 row (70B at micro-batch {row['micro_batch']} over {row['nodes']} "
+            f"nodes: its collectives are {t['communication_s'] / t['compute_s']:.0%} of its compute before overlap; "
+            f"the {sibling['gpus']}-GPU micro-batch-{sibling['micro_batch']} row is {error:+.1%}): the RoCE fabric's "
+            "collectives cost more, or overlap less, than our ring arithmetic at 1600 Gb/s per node says; held out, "
+            "so it sets no constant")
+
+
 WORST_NOTES = {
     "TT-8B": "the source's H100s have 2.4 TB/s HBM2e and ran at a 500 W power limit (its Hardware section), both "
              "modelled (H100-SXM-96GB at power_limit_w 500)",
-    "LF-30b-": "the source states nothing; the same table's MFU falls from seq 4096 to 8192 at micro-batch 1 on "
-               "both GPUs (A100 51.4% -> 39.4%, H100 35.9% -> 29.9%) where 13B on A100 falls 1.5 points (57.6% -> "
-               "56.1%); 30B on 8 GPUs runs at the memory edge (our estimate at seq 4096: 77 of 79 GiB), where "
-               "allocator retries would slow it, but the source reports no memory figure: not modelled",
+    "LF-30b-a10080-s8192": memory_edge_note,
+    "LF-30b-h10080-s8192": memory_edge_note,
     "LF-760m-a10080-s": "the source states nothing; at the same tokens per micro-step (49,152) the same table's seq "
                         "2048 row reaches 56.9% MFU and these 45-48%, while the A100-40GB and H100 tables show no "
                         "such drop at short sequences: not explained, left",
@@ -335,10 +441,7 @@ WORST_NOTES = {
     "FMS-7b-H100": "the source flags it itself ('the gaps here are more glaring with H100s where the MFU for 7 and "
                    "13B falls below 0.40', README line 30) and gives no cause; its H100 form factor and power are not "
                    "stated (SXM at 700 W assumed): left",
-    "LF-70b-a10040-s2048-g64": "the most communication-bound A100 row (70B at micro-batch 2 over 8 nodes: its "
-                               "collectives are ~18% of its compute before overlap; the 128-GPU micro-batch-4 row "
-                               "is within 1%): the RoCE fabric's collectives cost more, or overlap less, than our "
-                               "ring arithmetic at 1600 Gb/s per node says; held out, so it sets no constant",
+    "LF-70b-a10040-s2048-g64": comm_bound_note,
 }
 
 
@@ -348,6 +451,8 @@ def worst_rows(results: list[dict]) -> list[str]:
     for r in sorted((r for r in results if r["modelled"] and abs(r["error"]) > 0.20), key=lambda r: -abs(r["error"])):
         note = next((v for k, v in WORST_NOTES.items() if r["id"].startswith(k)), "no cause stated by the source; "
                     "its neighbours in the same table (same model and GPU, other batch or sequence) are closer")
+        if callable(note):
+            note = note(next(row for row in load_rows() if row["id"] == r["id"]))
         out.append(f"- **{r['id']}** ({r['split']}): {r['error']:+.1%}; {note}")
     return out or ["- none"]
 
@@ -376,12 +481,30 @@ def lora_sentence(results: list[dict]) -> str:
             "not move with them.")
 
 
-def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile: list[str]) -> str:
+def colossal_gpt2_xl() -> tuple[float, float]:
+    """Ours, tokens/s per GPU, for hpcaitech/ColossalAI-Pytorch-lightning benchmark/gpt's two runs (GPT-2 XL, 4 x
+    A100-40GB, fp16 AMP, seq 1024, checkpointing, eager attention): DDP at micro-batch 6, ZeRO-3 at 40."""
+    from toolkit.estimate.timing import step_time
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec, hw = resolve_model("gpt2-xl"), parse_hardware("4xA100-40GB")
+    return tuple(step_time(spec, parse_strategy(name), Job(seq_len=1024, micro_batch=micro, grad_accum=1,
+                                                           precision="fp16", optimizer="adamw", checkpointing=True,
+                                                           attention="eager", device_kind="cuda"), hw).tokens_per_s
+                 / hw.world_size for name, micro in (("ddp", 6), ("zero3", 40)))
+
+
+def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile: list[str],
+           params: tuple[int, int]) -> str:
     from toolkit.estimate.efficiency import COMPUTE
     from toolkit.estimate.timing import OVERLAP
     from toolkit.inputs.strategy import Engine
 
     c = COMPUTE
+    colossal = colossal_gpt2_xl()
     lines = ["# Step time vs published GPU throughput", "",
              "Generated by `python benchmarks/throughput.py` from benchmarks/data/throughput_gpu.json (every row's "
              "source file, commit and table line is in that file). Ours: `toolkit.estimate.timing.step_time` for the same "
@@ -402,7 +525,13 @@ def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile:
              "What the corpus covers, and what it does not: the modelled rows are FSDP (FSDP1 in llm-foundry, FSDP2 "
              "in torchtitan) on A100 and H100, 125M to 70B parameters, sequences 512 to 65536, with and without full "
              "checkpointing (IBM fms-fsdp's Llama-2-7B runs under hybrid sharding, HSDP), and two one-GPU LoRA "
-             "rows; the band is theirs. torchtitan's H100s are the HBM2e "
+             "rows; the band is theirs. llm-foundry's MPT rows run on GPT-2-block stand-ins "
+             "(benchmarks/data/models/mpt-*.json, each with its _source): what those runs trained was llm-foundry's "
+             "MPT with its defaults, learned position embeddings sized to the run's sequence (n_positions = the "
+             "row's seq_len, set in benchmarks/throughput.py), a bias on every Linear and LayerNorm and exact GELU, "
+             "GPT-2's block; transformers' MptForCausalLM (ALiBi, no biases, neither SDPA nor FlashAttention-2) is "
+             f"not what ran. {params[0]} of {params[1]} rows that state the source's NumParams: parameter count "
+             "equal to the published NumParams, to the parameter. torchtitan's H100s are the HBM2e "
              "variant (2.4 TB/s) run at a 500 W power limit, as its Hardware section states: the catalog's "
              "H100-SXM-96GB with toolkit.inputs.hardware.power_limited (tensor peak linear in board power between "
              "the same die's datasheet points, H100 NVL 400 W and H100 SXM 700 W: 887 TFLOP/s at 500 W).", "",
@@ -416,9 +545,11 @@ def render(results: list[dict], calib: dict, held: dict, fit_info: str, profile:
              "full configuration: hpcaitech/ColossalAI-Pytorch-lightning benchmark/gpt (README @ 211e8be, train.py / "
              "model.py / data.py): GPT-2 XL on 4 x A100-40GB, fp16 AMP, seq 1024, HF checkpointing, eager attention, "
              "DDP at micro-batch 6 vs ZeRO-3 at 40: 11.76 vs 18.18 samples/s (3,011 vs 4,654 tokens/s/GPU). Ours is "
-             "11,708 vs 12,450: 3-4x faster. The runs are 3 epochs of 5 random-data steps through PyTorch Lightning "
+             f"{colossal[0]:,.0f} vs {colossal[1]:,.0f}: {colossal[0] / 3011:.1f}x / {colossal[1] / 4654:.1f}x "
+             "faster. The runs are 3 epochs of 5 random-data steps through PyTorch Lightning "
              "and how the throughput was timed is not in the files (the callback reads memory only), so warm-up and "
-             "harness cost may be in it; the published ZeRO-3 / DDP ratio is 1.55, ours 1.06. Not added: it cannot "
+             "harness cost may be in it; the published ZeRO-3 / DDP ratio is 1.55, ours "
+             f"{colossal[1] / colossal[0]:.2f}. Not added: it cannot "
              "verify an engine's speed; ZeRO / offload / pipeline speeds stay unverified.", "",
              "Communication overlap, per engine: only FSDP has modelled multi-GPU rows. Fitted jointly with the "
              f"compute constants on the calibration rows, FSDP's overlap is {OVERLAP[Engine.FSDP2]:.2f}. The profile "
@@ -489,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "throughput.json").write_text(json.dumps({"calibration": calib, "held_out": held,
                                                          "rows": results}, indent=1) + "\n")
-    text = render(results, calib, held, fit_info, overlap_profile(rows))
+    text = render(results, calib, held, fit_info, overlap_profile(rows), params_check(rows))
     (RESULTS / "throughput.md").write_text(text)
     print(text[:3000])
     return 0

@@ -5,7 +5,6 @@ No hub access anywhere: models and tokenizers are made locally by toolkit.run.ti
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -47,11 +46,13 @@ class TrainRun:
     """One finished `toolkit.train` run: exit code, output, and what each rank reported."""
 
     def __init__(self, proc, output: Path, summary_dir: Path):
+        from toolkit.train.hf_runner import read_rank_summaries
+
         self.returncode = proc.returncode
         self.stdout = proc.stdout
         self.stderr = proc.stderr
         self.output = output
-        self.ranks = [json.loads(p.read_text()) for p in sorted(summary_dir.glob("rank*.json"))]
+        self.ranks = read_rank_summaries(summary_dir)
 
     def losses(self, rank: int = 0) -> dict[int, float]:
         """Training loss by optimizer step (logging every step)."""

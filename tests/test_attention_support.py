@@ -1,6 +1,7 @@
 """Which attention a model runs comes from transformers' own class flags (toolkit.inputs.modelspec.attention_support,
 docs/ENGINE_FACTS.md "Which attention a model class runs"): an explicit kernel the class cannot run is refused in one
-line (exit 2, nothing written) by estimate, plan, emit and toolkit.train, and is an error finding of check; with no
+line (exit 2, nothing written) by estimate, plan, emit and toolkit.train, and is an error finding of check (plan.json's
+attention, or the sp_attn_implementation training_args.json hands to Ulysses: exit 1, as every finding); with no
 --attention the job runs what transformers picks (sdpa, or eager where the class has none), and the memory trace, the
 time model, the printed header and plan.json all say that kernel. Real transformers classes, tiny configs, no hub."""
 
@@ -85,6 +86,15 @@ def test_a_plan_records_the_models_kernel_and_emit_and_check_refuse_an_edit_it_c
     assert plan["attention"] == "eager"
     code, out, err = run_cli(["check", str(folder)])
     assert code == 0, out + err
+    args_file = folder / "training_args.json"
+    clean = args_file.read_text()
+    args_file.write_text(json.dumps({**json.loads(clean), "parallelism_config": {
+        "sp_size": 2, "sp_handler": {"sp_attn_implementation": "sdpa"}}}))
+    code, out, err = run_cli(["check", str(folder)])
+    errors = [line for line in err.splitlines() if ": error:" in line]
+    assert code == 1 and len(errors) == 1 and errors[0].startswith(str(args_file)), err
+    assert "MptForCausalLM" in errors[0] and "cannot run sdpa" in errors[0], err
+    args_file.write_text(clean)
     plan["attention"] = "flash_attention_2"
     (folder / "plan.json").write_text(json.dumps(plan))
     other = tmp_path / "other"
@@ -94,10 +104,15 @@ def test_a_plan_records_the_models_kernel_and_emit_and_check_refuse_an_edit_it_c
     assert code == 1
     errors = [line for line in err.splitlines() if ": error:" in line]
     assert len(errors) == 1 and "MptForCausalLM" in errors[0] and "cannot run flash_attention_2" in errors[0], err
+    # With --model the fit check meets the same refusal: said once, on plan.json, not again by the fit check.
+    code, out, err = run_cli(["check", str(folder), "--model", models["mpt"], "--gpus", "2xA100-80GB"])
+    errors = [line for line in err.splitlines() if ": error:" in line]
+    assert code == 1 and len(errors) == 1 and "cannot run flash_attention_2" in errors[0], err
 
 
 def test_toolkit_train_refuses_the_plans_kernel_before_loading_the_model(models, tmp_path):
-    """check_matches_plan runs in the launch preflight (before any process) and in both runners, before the load."""
+    """check_matches_plan runs in the launch preflight (before any process) and in both runners, before the load;
+    on a CPU a flash plan runs the class's default kernel (eager for a flash-only class such as Gemma-2)."""
     from transformers import AutoConfig
 
     from toolkit.errors import UserError
@@ -114,3 +129,11 @@ def test_toolkit_train_refuses_the_plans_kernel_before_loading_the_model(models,
     for kernel in ("sdpa", "flash_attention_2"):
         with pytest.raises(UserError, match=f"MptForCausalLM .* cannot run {kernel}"):
             check_matches_plan(config, replace(plan, attention=kernel), str(folder))
+    gemma = tmp_path / "gemma2"
+    AutoConfig.for_model("gemma2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, vocab_size=256).save_pretrained(gemma)
+    flash = replace(plan_for_model(gemma, "ddp"), attention="flash_attention_2")
+    from toolkit.train import cpu, hf_runner
+
+    if cpu.on_cpu():
+        assert hf_runner._attention(flash) == "eager"  # Gemma2ForCausalLM: flash, no sdpa

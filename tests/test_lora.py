@@ -334,3 +334,8 @@ def test_qlora_zero3_with_uint8_storage_is_refused_alike_by_plan_estimate_emit_a
     assert capsys.readouterr().err == f"error: {reason}\n" and not (tmp_path / "emitted").exists()
     assert main(["check", str(planned)]) == 1
     assert reason in capsys.readouterr().err
+    # With --model the fit check does not repeat it: one error line, and a note that the fit was skipped.
+    assert main(["check", str(planned), "--model", "llama-3-8b", "--gpus", "4xA10G-24GB"]) == 1
+    captured = capsys.readouterr()
+    assert (captured.out + captured.err).count(reason) == 1
+    assert "fit check skipped: qlora cannot train under zero3" in captured.out

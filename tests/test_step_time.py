@@ -68,11 +68,11 @@ def test_llm_foundry_rows_have_the_published_parameter_count_to_the_parameter():
     sized to the row's sequence by throughput._spec, biases, exact GELU): the model we estimate has exactly the
     NumParams the source printed for every row that states it."""
     rows = [r for r in throughput.load_rows() if r["source"].get("repo") == "mosaicml/llm-foundry"]
-    stated = {(r["model"], r["seq_len"]): int(r["model_note"].split("published NumParams ")[1].split()[0].rstrip(";,."))
-              for r in rows if "published NumParams " in r.get("model_note", "")}
-    assert len(rows) >= 200 and sum("published NumParams " in r.get("model_note", "") for r in rows) == len(rows)
-    ours = {key: throughput._spec(*key).params for key in stated}
-    assert {k: v for k, v in ours.items() if v != stated[k]} == {}
+    assert len(rows) >= 200 and all(throughput.stated_params(r) for r in rows)
+    ours = {key: throughput._spec(*key).params for key in {(r["model"], r["seq_len"]) for r in rows}}
+    assert [r["id"] for r in rows if ours[r["model"], r["seq_len"]] != throughput.stated_params(r)] == []
+    assert throughput.params_check(rows[:3]) == (3, 3)
+    assert throughput.stated_params(rows[0]) == int(rows[0]["model_note"].rsplit(" ", 1)[1])
     spec = throughput._spec("mpt-30b", 8192)
     assert (spec.params, spec.model_type, spec.max_positions) == (30_019_254_272, "gpt2", 8192)
     assert {"sdpa", "flash_attention_2"} <= set(spec.attention_support)  # what the runs used (flash)

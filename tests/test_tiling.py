@@ -163,3 +163,19 @@ def test_a_short_plan_is_untiled_and_tiled_within_the_band_ranks_after():
     within, beyond = tiled_at(1 + band / 2), tiled_at(1 + band * 2)
     assert prefer_untiled(plain, within) is plain and prefer_untiled(plain, beyond) is beyond
     assert rank([within, plain]) == [plain, within] and rank([beyond, plain]) == [beyond, plain]
+
+
+def test_tiled_json_is_only_json_when_deepspeed_is_first_imported(tiny_llama_dir, tmp_path):
+    """DeepSpeed's first import logs the accelerator it found through a handler bound to stdout; in a fresh process
+    with a cold cache the --tiled trace is that first import, and `--json` must still print JSON alone."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TOOLKIT_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "estimate", str(tiny_llama_dir), "--gpus", "2xH100-80GB",
+                           "--strategy", "zero3", "--sequence-parallel", "2", "--seq", "256", "--tiled", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["job"]["tiled"] is True

@@ -7,7 +7,6 @@ their rendezvous (the first host of the allocation or hostfile) and their enviro
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,13 +19,10 @@ from toolkit.commands.launch import launch_main
 from toolkit.emit import emit_files
 from toolkit.run.launcher import emit_plan_files, free_port, launch_command
 from toolkit.run.rehearsal import plan_for_model, rehearsal_argv, small_setup
+from toolkit.train.hf_runner import read_rank_summaries
 
 REPO = Path(__file__).resolve().parent.parent
 QUIET = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def read_ranks(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
 
 
 def losses(summary: dict) -> list[tuple[int, float]]:
@@ -50,7 +46,7 @@ def one_launcher_reference(plan, work: Path) -> list[dict]:
     command = launch_command(small_dir, rehearsal_argv(data, work / "out", []), main_port=free_port())
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return read_ranks(work / "ranks")
+    return read_rank_summaries(work / "ranks")
 
 
 def rehearse(plan_dir: Path, nodes: int, summaries: Path, capfd, monkeypatch) -> tuple[str, list[dict]]:
@@ -62,7 +58,7 @@ def rehearse(plan_dir: Path, nodes: int, summaries: Path, capfd, monkeypatch) ->
     out = capfd.readouterr().out
     assert code == 0, out[-3000:]
     assert "rehearsal passed" in out
-    return out, read_ranks(summaries)
+    return out, read_rank_summaries(summaries)
 
 
 TWO_NODES = "on 4 CPU processes over gloo (2 launcher invocations, machine ranks 0-1, over loopback)"
@@ -159,7 +155,7 @@ def test_the_multi_node_scripts_train_one_model_as_two_nodes(two_node_plan, corp
                               text=True, timeout=600)
         job_log = "".join(p.read_text(errors="replace") for p in cwd.glob("slurm-*.out"))
         assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{job_log[-3000:]}"
-        summaries = read_ranks(ranks)
+        summaries = read_rank_summaries(ranks)
         assert [(s["rank"], s["world"], s["node"]) for s in summaries] == [(0, 2, 0), (1, 2, 1)], name
         assert summaries[0]["probe_logits"] == summaries[1]["probe_logits"], name
         # The scripts export it for a user's script; on DeepSpeed's route it reaches the nodes through DS_ENV_FILE.

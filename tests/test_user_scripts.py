@@ -21,6 +21,7 @@ import pytest
 
 from toolkit.emit import emit_files
 from toolkit.run.rehearsal import plan_for_model
+from toolkit.train.hf_runner import read_rank_summaries
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "examples" / "own_script"
@@ -65,7 +66,7 @@ def _launch(plan_dir: Path, script: str, args: list[str], tmp_path: Path) -> tup
     command = [*accelerate_launch(), "--config_file", str(plan_dir / "accelerate_config.yaml"), str(SCRIPTS / script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REPORT_DIR": str(reports), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, cwd=third, env=env, capture_output=True, text=True, timeout=600)
-    ranks = [json.loads(p.read_text()) for p in sorted(reports.glob("rank*.json"))]
+    ranks = read_rank_summaries(reports)
     return proc, ranks
 
 

@@ -238,7 +238,7 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
     """The assumptions (notes), then an error per GPU (or host) limit the described training would overflow."""
     from toolkit.inputs.hardware import GIB, parse_hardware
     from toolkit.inputs.grid import ParallelGrid
-    from toolkit.inputs.job import Job, check_job, default_seq_len
+    from toolkit.inputs.job import Job, adapter_problem, check_job, default_seq_len
     from toolkit.estimate.memory import estimate_memory
     from toolkit.inputs.modelspec import resolve_model
     from toolkit.estimate.search import CPU_RAM_RESERVE
@@ -281,6 +281,11 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
         strategy = replace(strategy, fsdp_mode="hybrid")
         hw = replace(hw, gpus_per_node=s.shard_group, nodes=hw.world_size // s.shard_group)
         notes.append(f"FSDP shards over dp_shard x cp = {s.shard_group} of {hw.world_size} GPUs (parallelism_config)")
+    if adapter_problem(job.adapter, strategy):
+        # A plan's method the runner refuses under its strategy: the folder check's error on plan.json
+        # (toolkit.check.folder.plan_adapter_problems) says it, and there is no such run to fit.
+        return [Problem(path, "note", f"fit check skipped: {job.adapter.method} cannot train under {strategy.name} "
+                        "(the error on plan.json says why)", EVERY)]
     try:
         check_job(spec, job, hw, strategy, pipeline_stages=s.stages)
     except UserError as exc:

@@ -26,7 +26,7 @@ from toolkit.check.accelerate import yaml_problems
 from toolkit.check.deepspeed import ds_problems, Readers, readers_of_json
 from toolkit.check.findings import EVERY, HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER_CHOICES, TRAINER
 from toolkit.check.read import is_plan_json, read_config
-from toolkit.engines.readers import concrete_int, engine_output, quiet_engines
+from toolkit.engines.readers import _mapping, concrete_int, engine_output, quiet_engines
 from toolkit.emit.deepspeed import plan_disagreements
 from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, LAUNCH_SH, PLAN_JSON, SLURM_SBATCH
 
@@ -108,17 +108,27 @@ def plan_adapter_problems(plan: Plan, plan_path: Path) -> list[Problem]:
     return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
 
 
-def plan_attention_problems(plan: Plan, plan_path: Path) -> list[Problem]:
-    """The plan's attention against what transformers lets its model class run (the rule estimate and plan refuse
-    by, toolkit.inputs.modelspec.attention_support): toolkit.train's load would be refused."""
-    from toolkit.inputs.modelspec import config_attention_problem
+def plan_attention_problems(plan: Plan, directory: Path) -> list[Problem]:
+    """plan.json's attention, and the sp_attn_implementation training_args.json and the YAML hand to Ulysses, against
+    what transformers lets the plan's model class run (the rule estimate and plan refuse by,
+    toolkit.inputs.modelspec.attention_support): the load of that model would be refused."""
+    from toolkit.emit.parallelism import YAML_PREFIX
+    from toolkit.inputs.modelspec import attention_problem, config_attention
+    from toolkit.plan.files import TRAINING_ARGS
 
+    said = [(directory / PLAN_JSON, plan.attention)]
+    for name, read in ((TRAINING_ARGS, lambda c: _mapping(_mapping(c.get("parallelism_config")).get("sp_handler"))
+                        .get("sp_attn_implementation")),
+                       (ACCELERATE_CONFIG, lambda c: _mapping(c.get("parallelism_config"))
+                        .get(YAML_PREFIX + "sp_attn_implementation"))):
+        if (directory / name).is_file() and isinstance(value := read(_mapping(read_config(directory / name))), str):
+            said.append((directory / name, value))
     try:
-        problem = config_attention_problem({**plan.model_config, "model_type": plan.model_type}, plan.attention,
-                                           name=plan.model)
+        found = config_attention({**plan.model_config, "model_type": plan.model_type}, plan.model)
     except UserError:  # a model_config transformers cannot read: the fit check (--model) and the runs say so
         return []
-    return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
+    problems = [(path, attention_problem(*found, value, name=plan.model)) for path, value in said] if found else []
+    return [Problem(str(path), "error", problem, EVERY) for path, problem in problems if problem]
 
 
 def plan_position_problems(plan: Plan, plan_path: Path) -> list[Problem]:
@@ -146,7 +156,7 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
                             "config files themselves")
         return check_paths([str(n) for n in names[:1]], gpus=gpus)  # the YAML names its JSON, else the JSON
     out: list[Problem] = (plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
-                          + plan_attention_problems(plan, plan_path))
+                          + plan_attention_problems(plan, directory))
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
     checked_json: Path | None = None

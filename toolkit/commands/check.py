@@ -90,8 +90,9 @@ def main_check(argv_paths: list[str], *, gpus: str | None = None, runner: str | 
                 path = str(stream_to_file(name, folder))
             try:
                 found = check_paths([path], gpus=grid, runner=runner)
-                if fit is not None:
-                    found += fit(path)
+                if fit is not None:  # an error the folder rules already said (on plan.json) is said once
+                    said = [p.message for p in found if p.severity == "error"]
+                    found += [p for p in fit(path) if p.severity != "error" or not any(m in p.message for m in said)]
             except UserError as exc:
                 raise UserError(str(exc).replace(path, name)) from None
             problems += [replace(p, file=p.file.replace(path, name)) for p in found] if path != name else found

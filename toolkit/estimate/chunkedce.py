@@ -20,13 +20,13 @@ model; this module is the eager loss (the compiled loss saves other tensors; ben
 from __future__ import annotations
 
 import contextlib
-from types import MethodType
+
+from toolkit.estimate.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 
 CHUNKED_CE_SOURCE = ("torchtune CEWithChunkedOutputLoss + TransformerDecoder.chunked_output (pytorch/torchtune "
                      "torchtune/modules/loss/ce_chunked_output_loss.py, torchtune/modules/transformer.py @1814feb)")
 TORCHTUNE_CHUNKS = 8
 """torchtune's default num_output_chunks (CEWithChunkedOutputLoss.__init__)."""
-IGNORE_INDEX = -100
 
 
 def chunked_cross_entropy(logits_chunks, shift_labels, num_items_in_batch=None):
@@ -45,20 +45,14 @@ def chunked_cross_entropy(logits_chunks, shift_labels, num_items_in_batch=None):
 
 def _chunked_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                      labels=None, **kwargs):
-    import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    num_items = kwargs.pop("num_items_in_batch", None)
-    kwargs.pop("logits_to_keep", None)
-    base = getattr(self, self.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
+    hidden, num_items = head_inputs(self, input_ids, attention_mask, position_ids, inputs_embeds, kwargs)
     head = self.get_output_embeddings()
     logits = [head(chunk) for chunk in hidden.chunk(self._toolkit_ce_chunks, dim=1)]
     loss = None
     if labels is not None:
-        shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        loss = chunked_cross_entropy(logits, shifted, num_items)
+        loss = chunked_cross_entropy(logits, shifted_labels(labels), num_items)
     return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
@@ -67,7 +61,7 @@ def chunked_ce_applied(model, chunks: int = TORCHTUNE_CHUNKS):
     """Patch `model`'s forward for the duration of the block: logits returned as a list of `chunks` sequence chunks
     and, with labels, torchtune's chunked loss over them."""
     had = "forward" in model.__dict__
-    model.__dict__["forward"] = MethodType(_chunked_forward, model)
+    bind(model, "forward", _chunked_forward)
     model._toolkit_ce_chunks = chunks
     try:
         yield model

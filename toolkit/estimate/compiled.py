@@ -277,10 +277,10 @@ def _saved_of(graphs: list, *, n_params: int, autocast: bool) -> CompiledSaved:
     traffic = {r: (0, 0, 0, 0) for r in order}
     forward = {r: (0, 0, 0, 0) for r in order}
     for fw, bw, _ in graphs:
-        for r, t in _traffic(fw, bw, order).items():
-            traffic[r] = tuple(a + b for a, b in zip(traffic[r], t))
-        for r, t in _traffic(fw, bw, order, forward_only=True).items():
-            forward[r] = tuple(a + b for a, b in zip(forward[r], t))
+        ahead, back = _traffic(fw.graph, order, backward=False), _traffic(bw.graph, order, backward=True)
+        for r in order:
+            forward[r] = tuple(a + b for a, b in zip(forward[r], ahead[r]))
+            traffic[r] = tuple(a + b + c for a, b, c in zip(traffic[r], ahead[r], back[r]))
     return CompiledSaved(by_region=by_region, autocast_copy_by_region=copies, saved=tuple(rows), traffic=traffic,
                          forward_traffic=forward,
                          extras=_extras(graphs, order, {r: by_region.get(r, 0) + copies.get(r, 0) for r in order}))
@@ -426,8 +426,9 @@ def _extras(graphs: list, order: list, held_by_region: dict) -> dict:
     return {r: tuple(max(0, v) for v in e) for r, e in extras.items()}
 
 
-def _traffic(fw, bw, order: list, *, forward_only: bool = False) -> dict:
-    """Memory traffic and kernel launches of the elementwise and reduction work, eager against compiled, per region.
+def _traffic(graph, order: list, *, backward: bool) -> dict:
+    """Memory traffic and kernel launches of the elementwise and reduction work of one forward or backward graph,
+    eager against compiled, per region.
 
     Eager: each ATen op the model called is one kernel (the nodes a decomposition made from one op share its
     `original_aten` and autograd sequence number) that reads its inputs from memory and writes its outputs.
@@ -435,44 +436,43 @@ def _traffic(fw, bw, order: list, *, forward_only: bool = False) -> dict:
     its fused chain reaches and writes itself. Matmuls, attention and other extern kernels run in both and are left
     out. Returns region -> (eager bytes, compiled bytes, eager kernels, compiled kernels)."""
     out = {r: [0, 0, 0, 0] for r in order}
-    for graph, backward in ((fw.graph, False),) + (() if forward_only else ((bw.graph, True),)):
-        nodes = list(graph.nodes)
-        kinds = {n: _kind(n) for n in nodes}
-        elementwise = {n for n in nodes if kinds[n] in ("fusible", "reduction") and n.all_input_nodes}
-        # A node's own annotation where it has one (backward nodes carry their forward op's), else its neighbours'
-        # (the loss's and the tied weight's gradient sums have none): a walk in graph order would hand the head's
-        # large elementwise work to the last layer, which the expansion to the full depth multiplies.
-        region_of = {node: _own_region(node, order) or _neighbours_region(node, order) or region
-                     for region, node, _ in _regions_along(((n, 0) for n in nodes), order, backward=backward)}
-        groups: dict = {}
-        for n in elementwise:
-            seq_nr = n.meta.get("seq_nr")  # nodes without one were no op of the model's: each its own kernel
-            key = ((seq_nr, str(n.meta.get("original_aten") or n.target)) if seq_nr is not None else (n,),
-                   region_of.get(n))
-            groups.setdefault(key, set()).add(n)
-        for members in groups.values():
-            inputs = {x for n in members for x in n.all_input_nodes if x not in members}
-            outputs = {n for n in members if any(u not in members for u in n.users)}
-            region = region_of.get(next(iter(members)), order[-1 if backward else 0])
-            out[region][0] += sum(_nbytes(x) for x in inputs) + sum(_nbytes(n) for n in outputs)
-            out[region][2] += 1
-        returned = set(nodes[-1].all_input_nodes)
-        for n in elementwise:
-            if not _materialized(n, kinds, returned):
+    nodes = list(graph.nodes)
+    kinds = {n: _kind(n) for n in nodes}
+    elementwise = {n for n in nodes if kinds[n] in ("fusible", "reduction") and n.all_input_nodes}
+    # A node's own annotation where it has one (backward nodes carry their forward op's), else its neighbours'
+    # (the loss's and the tied weight's gradient sums have none): a walk in graph order would hand the head's
+    # large elementwise work to the last layer, which the expansion to the full depth multiplies.
+    region_of = {node: _own_region(node, order) or _neighbours_region(node, order) or region
+                 for region, node, _ in _regions_along(((n, 0) for n in nodes), order, backward=backward)}
+    groups: dict = {}
+    for n in elementwise:
+        seq_nr = n.meta.get("seq_nr")  # nodes without one were no op of the model's: each its own kernel
+        key = ((seq_nr, str(n.meta.get("original_aten") or n.target)) if seq_nr is not None else (n,),
+               region_of.get(n))
+        groups.setdefault(key, set()).add(n)
+    for members in groups.values():
+        inputs = {x for n in members for x in n.all_input_nodes if x not in members}
+        outputs = {n for n in members if any(u not in members for u in n.users)}
+        region = region_of.get(next(iter(members)), order[-1 if backward else 0])
+        out[region][0] += sum(_nbytes(x) for x in inputs) + sum(_nbytes(n) for n in outputs)
+        out[region][2] += 1
+    returned = set(nodes[-1].all_input_nodes)
+    for n in elementwise:
+        if not _materialized(n, kinds, returned):
+            continue
+        leaves, stack, seen = set(), list(n.all_input_nodes), set()
+        while stack:
+            x = stack.pop()
+            if x in seen:
                 continue
-            leaves, stack, seen = set(), list(n.all_input_nodes), set()
-            while stack:
-                x = stack.pop()
-                if x in seen:
-                    continue
-                seen.add(x)
-                if x in elementwise and not _materialized(x, kinds, returned) or kinds.get(x) == "view":
-                    stack.extend(x.all_input_nodes)
-                else:
-                    leaves.add(_root(x))
-            region = region_of.get(n, order[-1 if backward else 0])
-            out[region][1] += _nbytes(n) + sum(_nbytes(x) for x in leaves)
-            out[region][3] += 1
+            seen.add(x)
+            if x in elementwise and not _materialized(x, kinds, returned) or kinds.get(x) == "view":
+                stack.extend(x.all_input_nodes)
+            else:
+                leaves.add(_root(x))
+        region = region_of.get(n, order[-1 if backward else 0])
+        out[region][1] += _nbytes(n) + sum(_nbytes(x) for x in leaves)
+        out[region][3] += 1
     return {r: tuple(v) for r, v in out.items()}
 
 

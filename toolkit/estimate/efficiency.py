@@ -117,8 +117,8 @@ class ComputeModel:
         return self.hidden_half_per_balance * peak_flops / hbm_bytes_per_s
 
 
-COMPUTE = ComputeModel(ceiling={"hopper": 0.685, "ampere": 0.777}, tokens_half=391.0, hidden_half_per_balance=3.38,
-                       attention_relative={"hopper": 0.327, "ampere": 0.511})
+COMPUTE = ComputeModel(ceiling={"hopper": 0.682, "ampere": 0.782}, tokens_half=524.0, hidden_half_per_balance=3.39,
+                       attention_relative={"hopper": 0.330, "ampere": 0.510})
 """Fitted on the calibration rows of benchmarks/data/throughput_gpu.json (see benchmarks/results/throughput.md)."""
 
 BORROWED_CEILING = {"volta": "ampere", "turing": "ampere", "ada": "ampere", "blackwell": "hopper",

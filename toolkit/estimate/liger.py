@@ -51,16 +51,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from types import MethodType
 
 from toolkit.errors import UserError
+from toolkit.estimate.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 from toolkit.inputs.job import liger_problem
 
 LIGER_SOURCE = "liger-kernel 0.8.2 (linkedin/Liger-Kernel @ead96b6)"
 
 H100_SM_COUNT = 132
 """Streaming multiprocessors of an H100 SXM: rows of the fp32 partial dW buffer in Liger's RMSNorm backward."""
-_IGNORE_INDEX = -100
 
 
 _GPU_FOOTPRINT = [False]
@@ -189,7 +188,7 @@ def _build_functions() -> dict[str, type]:
             grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
             grad_bias = torch.zeros_like(bias) if bias is not None else None
             loss_rows = torch.zeros(rows, dtype=torch.float32, device=x.device)
-            valid = target != _IGNORE_INDEX
+            valid = target != IGNORE_INDEX
             count = valid.sum()  # Liger reads it with .item(); a tensor here, so fake tensors pass
             for start in range(0, rows, chunk):
                 x_chunk = x[start:start + chunk]
@@ -234,7 +233,7 @@ def _build_functions() -> dict[str, type]:
         if footprint:
             return
         logits = block.float()
-        valid = target != _IGNORE_INDEX
+        valid = target != IGNORE_INDEX
         safe = target.clamp(min=0)
         lse = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(1, safe[:, None])[:, 0]
@@ -266,13 +265,11 @@ def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 def fused_linear_cross_entropy(hidden_states, weight, labels, bias=None, num_items_in_batch=None):
     """LigerForCausalLMLoss: labels padded with -100 and shifted left, rows flattened, mean over the non-ignored
     rows (sum / num_items_in_batch when the Trainer passes it)."""
-    import torch
-
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=_IGNORE_INDEX)[..., 1:].contiguous()
+    shifted = shifted_labels(labels).contiguous()
     rows = hidden_states.reshape(-1, hidden_states.shape[-1])
     loss = functions()["flce"].apply(rows, weight, shifted.view(-1), bias)
     if num_items_in_batch is not None:
-        valid = (shifted != _IGNORE_INDEX).sum()
+        valid = (shifted != IGNORE_INDEX).sum()
         loss = loss * valid / num_items_in_batch
     return loss
 
@@ -281,10 +278,8 @@ def _lce_forward(self, input_ids=None, attention_mask=None, position_ids=None, i
                  logits_to_keep=0, **kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, **kwargs)
-    hidden_states = outputs.last_hidden_state
+    hidden_states, num_items_in_batch = head_inputs(self, input_ids, attention_mask, position_ids, inputs_embeds,
+                                                    kwargs)
     if self.training and labels is not None:  # Liger's skip_logits default
         loss = fused_linear_cross_entropy(hidden_states, self.lm_head.weight, labels, self.lm_head.bias,
                                           num_items_in_batch)
@@ -295,10 +290,6 @@ def _lce_forward(self, input_ids=None, attention_mask=None, position_ids=None, i
     if labels is not None:
         loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
     return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-
-def _bind(module, name: str, function) -> None:
-    module.__dict__[name] = MethodType(function, module)
 
 
 @contextlib.contextmanager
@@ -312,12 +303,12 @@ def liger_applied(model, *, gpu_footprint: bool = False):
         raise UserError(problem)
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     base = getattr(model, model.base_model_prefix, model)
-    _bind(base.norm, "forward", _rms_norm_forward)
+    bind(base.norm, "forward", _rms_norm_forward)
     for layer in base.layers:
-        _bind(layer.mlp, "forward", _swiglu_forward)
-        _bind(layer.input_layernorm, "forward", _rms_norm_forward)
-        _bind(layer.post_attention_layernorm, "forward", _rms_norm_forward)
-    _bind(model, "forward", _lce_forward)
+        bind(layer.mlp, "forward", _swiglu_forward)
+        bind(layer.input_layernorm, "forward", _rms_norm_forward)
+        bind(layer.post_attention_layernorm, "forward", _rms_norm_forward)
+    bind(model, "forward", _lce_forward)
     original, footprint = modeling.apply_rotary_pos_emb, _GPU_FOOTPRINT[0]
     modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
     _GPU_FOOTPRINT[0] = gpu_footprint

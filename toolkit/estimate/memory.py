@@ -372,6 +372,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
     from toolkit.inputs.lora import (base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes,
                                      layer_sharded_base_bytes, sharded_base_bytes)
+    from toolkit.estimate.timing import data_parallel_gather_bytes
 
     if strategy.is_pipeline:
         raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
@@ -386,6 +387,7 @@ def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Paralle
         dp=grid.data_parallel, hidden=spec.hidden, total_params=counts.all_params,
         largest_layer=spec.largest_layer_params,
         base_sharded_bytes=sharded_base_bytes(counts, job.adapter, storage),
+        gather_bytes=data_parallel_gather_bytes(counts, job),
         layer_gathered_bytes=max(b + t * compute for b, t in zip(layers, counts.per_layer)),
         root_gathered_bytes=(spec.pre_layer_params + spec.post_layer_params) * storage + root_trainable * compute,
         layer_trainable_params=max(counts.per_layer), root_trainable_params=root_trainable,

@@ -223,15 +223,16 @@ def pipeline_states(P: int, job: Job, *, dp: int, factored_elems: int | None = N
 
 
 def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strategy, *, dp: int, hidden: int,
-                   total_params: int, largest_layer: int, base_sharded_bytes: float, layer_gathered_bytes: float,
-                   root_gathered_bytes: float, layer_trainable_params: int, root_trainable_params: int, shard: int,
+                   total_params: int, largest_layer: int, base_sharded_bytes: float, gather_bytes: float,
+                   layer_gathered_bytes: float, root_gathered_bytes: float, layer_trainable_params: int, root_trainable_params: int, shard: int,
                    prefetch_layers: int, dequantized_bytes: float = 0.0) -> States:
     """LoRA / QLoRA: the trainable adapters carry the engine's usual states (weights, gradients, master, optimizer:
     the functions above with P = trainable), the frozen base only its weights, `base_bytes` in its storage dtype
     (4-bit weights with their constants for QLoRA), of which ZeRO-3 / FSDP2 shard and gather `base_sharded_bytes`
     (toolkit.inputs.lora.sharded_base_bytes: the 4-bit codes without their constants; the rest stays whole on every
-    GPU). `layer_gathered_bytes` / `root_gathered_bytes`: the largest layer's and the root's gathered bytes, frozen
-    and trainable, as FSDP2 unshards them.
+    GPU). `gather_bytes`: what one all-gather pass over the whole model moves, that sharded base and the adapters
+    (toolkit.estimate.timing.data_parallel_gather_bytes). `layer_gathered_bytes` / `root_gathered_bytes`: the
+    largest layer's and the root's gathered bytes, frozen and trainable, as FSDP2 unshards them.
 
     Where the base lives, per engine:
     - DDP: whole on every GPU. toolkit.train loads it in the compute dtype; PEFT keeps adapters in fp32
@@ -256,7 +257,7 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
         if strategy.zero_stage == 3:
             pb = _param_bytes(job)
             whole = zero_states(total_params, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
-            s.gathered = whole.gathered * (base_sharded_bytes + trainable * pb) / max(total_params * pb, 1)
+            s.gathered = whole.gathered * gather_bytes / max(total_params * pb, 1)
             base_per_gpu = base_sharded_bytes / dp + whole_bytes
             if strategy.offload_params != "none":
                 s.cpu += base_sharded_bytes / dp
@@ -264,10 +265,8 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
     elif strategy.engine == Engine.FSDP2:
         s = fsdp2_states(trainable, job, strategy, shard=shard, layer_params=layer_trainable_params,
                          root_params=root_trainable_params, accumulating=False, prefetch_layers=prefetch_layers)
-        compute = 4 if job.precision == "fp32" else 2
-        s.gathered = fsdp2_gathered_bytes(strategy, whole=base_sharded_bytes + trainable * compute,
-                                          layer=layer_gathered_bytes, root=root_gathered_bytes,
-                                          prefetch_layers=prefetch_layers)
+        s.gathered = fsdp2_gathered_bytes(strategy, whole=gather_bytes, layer=layer_gathered_bytes,
+                                          root=root_gathered_bytes, prefetch_layers=prefetch_layers)
         base_per_gpu = base_sharded_bytes / shard + whole_bytes
         if job.adapter.method == "qlora" and not quantized_base_sharded(job.adapter):
             s.sources.append("4-bit base stored as uint8: accelerate leaves it out of FSDP2 sharding (whole per GPU); "

@@ -19,12 +19,21 @@ How many chunks: DeepSpeed's TiledMLP example and ArcticTraining's "auto" take c
 from __future__ import annotations
 
 import contextlib
-from types import MethodType
+import sys
 
+from toolkit.estimate.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 from toolkit.inputs.job import loss_shards, mlp_shards
 
 TILING_SOURCE = 'DeepSpeed 0.19.8 deepspeed/runtime/sequence_parallel/ulysses_sp.py (TiledMLP, SequenceTiledCompute)'
-IGNORE_INDEX = -100
+
+
+def _ulysses():
+    """DeepSpeed's sequence-parallel module. DeepSpeed's logger writes to the stdout of the moment deepspeed is first
+    imported (deepspeed/utils/logging.py binds a StreamHandler to sys.stdout then), and that import logs the
+    accelerator it found; imported with stdout pointed at stderr, its lines never mix into `--json` output."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+    return ulysses_sp
 
 
 def _mlps(model):
@@ -35,15 +44,15 @@ def _mlps(model):
 
 def _tiled_mlp_forward(self, x):
     import torch
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
+    tiled_mlp = _ulysses().TiledMLP
     shards = mlp_shards(x.shape[-2], x.shape[-1])
     if _AGREE[0]:
         shards = _agreed(shards, x.device)
     if self.training and torch.is_grad_enabled():
         LAST_CHUNKS["mlp"] = shards
     # The MLP class's own forward, run per chunk by the engine's autograd function.
-    return TiledMLP.apply(lambda mlp, chunk: type(mlp).forward(mlp, _plain(chunk)), self, x, shards,
+    return tiled_mlp.apply(lambda mlp, chunk: type(mlp).forward(mlp, _plain(chunk)), self, x, shards,
                           [p for p in self.parameters()])
 
 
@@ -86,13 +95,9 @@ def _tiled_loss_forward(self, input_ids=None, attention_mask=None, position_ids=
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     shift_labels = kwargs.pop("shift_labels", None)
-    num_items = kwargs.pop("num_items_in_batch", None)
-    kwargs.pop("logits_to_keep", None)
     if shift_labels is None and labels is not None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
-    base = getattr(self, self.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
+        shift_labels = shifted_labels(labels).contiguous()
+    hidden, num_items = head_inputs(self, input_ids, attention_mask, position_ids, inputs_embeds, kwargs)
     if shift_labels is None or not self.training or not torch.is_grad_enabled():
         # Evaluation and plain calls: whole logits, the model's own loss (no backward to tile).
         logits = self.get_output_embeddings()(hidden)
@@ -118,9 +123,7 @@ def _tiled_loss_forward(self, input_ids=None, attention_mask=None, position_ids=
 
 
 def _engine_loss():
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import SequenceTiledCompute
-
-    return SequenceTiledCompute
+    return _ulysses().SequenceTiledCompute
 
 
 def _traced_loss():
@@ -147,17 +150,13 @@ _INNER_HOOKS = [contextlib.nullcontext]
 _LOSS_FUNCTION = [_engine_loss]
 
 
-def _bind(module, name: str, function) -> None:
-    module.__dict__[name] = MethodType(function, module)
-
-
 def apply_tiling(model, *, agree_across_ranks: bool = False) -> None:
     """Patch `model` for good: every decoder layer's MLP through TiledMLP, the forward with labels through the tiled
     logits + loss (which returns no logits in training). `agree_across_ranks`: all-reduce the chunk counts (a
     distributed run)."""
     for mlp in _mlps(model):
-        _bind(mlp, "forward", _tiled_mlp_forward)
-    _bind(model, "forward", _tiled_loss_forward)
+        bind(mlp, "forward", _tiled_mlp_forward)
+    bind(model, "forward", _tiled_loss_forward)
     _AGREE[0] = agree_across_ranks
 
 

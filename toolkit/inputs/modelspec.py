@@ -411,10 +411,14 @@ def attention_problem(model_class: str, support: tuple[str, ...], requested: str
             f"{' or '.join(support) if len(support) > 1 else support[0] + ' only'}); use --attention {fix}")
 
 
-def config_attention(config) -> tuple[str, tuple[str, ...]] | None:
-    """(class name, attention_support) of the class AutoModelForCausalLM builds for `config`, or None when
-    transformers has no causal-LM class of its own for it (remote code): for a config alone, without a model."""
+def config_attention(config, name: str | None = None) -> tuple[str, tuple[str, ...]] | None:
+    """(class name, attention_support) of the class AutoModelForCausalLM builds for `config` (a transformers config,
+    or a plan's model_config dict), or None when transformers has no causal-LM class of its own for it (remote
+    code): for a config alone, without building the model."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if isinstance(config, dict):
+        config = _config_from_dict(dict(config), name or "the model config")
 
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
@@ -428,9 +432,7 @@ def config_attention_problem(config, requested: str | None, *, name: str | None 
     the model; None also when transformers has no causal-LM class of its own for it (remote code)."""
     if requested is None:
         return None
-    if isinstance(config, dict):
-        config = _config_from_dict(dict(config), name or "the model config")
-    found = config_attention(config)
+    found = config_attention(config, name)
     return attention_problem(found[0], found[1], requested, name=name) if found else None
 
 

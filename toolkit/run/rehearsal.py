@@ -226,12 +226,11 @@ def _check_replicas(folder: Path, small: Plan) -> list[str]:
     nodes trained is one model), and ranks that hold the same shard on different nodes (HSDP's replicas) hold the
     same parameters, as toolkit.train's rank summaries report them. Pipeline: the data-parallel replicas of each
     stage hold the same parameters."""
-    import json
+    from toolkit.train.hf_runner import read_rank_summaries
 
-    ranks = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    if len(ranks) != small.world_size:
-        return [f"{len(ranks)} of {small.world_size} ranks reported after training"]
-    summaries = [json.loads(p.read_text()) for p in ranks]
+    summaries = read_rank_summaries(folder)
+    if len(summaries) != small.world_size:
+        return [f"{len(summaries)} of {small.world_size} ranks reported after training"]
     problems = []
     if small.engine == Engine.PIPELINE:  # each stage holds its own layers; its data-parallel replicas hold the same
         stages: dict[int, set[float]] = {}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserError
+from toolkit.estimate.lmhead import IGNORE_INDEX
 
 # datasets' builder for each file kind we accept.
 LOADERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
@@ -184,8 +185,6 @@ def _pack(raw, tokenizer, seq_len: int, eos: int):
 
 
 CHAT_FIELD = "messages"
-IGNORE_INDEX = -100
-"""Label of tokens without loss (torch CrossEntropyLoss ignore_index, what HF causal LMs use)."""
 
 
 def chat_example(messages: list[dict[str, str]], tokenizer: Any, seq_len: int) -> dict[str, list[int]]:

@@ -269,9 +269,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        # The shard this rank holds (a DTensor's local part under tensor parallelism).
-        checksum = sum(float(getattr(p, "_local_tensor", p).detach().double().abs().sum())
-                       for p in model.parameters())
+        checksum = local_param_abs_sum(model)
         # QLoRA: elements of the 4-bit weights (packed codes) this rank holds, and in all (whole on every rank
         # unless FSDP2 / ZeRO-3 shard them: toolkit.inputs.lora.quantized_base_sharded).
         four_bit = [m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"]
@@ -290,12 +288,26 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     write_rank_summary(folder, rank, summary)
 
 
+def local_param_abs_sum(module) -> float:
+    """The rank summaries' parameter checksum: the sum of |x| over the parameters this rank holds, in float64 (a
+    DTensor's local shard under tensor parallelism), equal on replicas that hold the same values."""
+    return sum(float(getattr(p, "_local_tensor", p).detach().double().abs().sum()) for p in module.parameters())
+
+
 def write_rank_summary(folder: str, rank: int, summary: dict) -> None:
     """folder/rankN.json: what rank N trained (both runners write one; toolkit.run.rehearsal compares them)."""
     import json
 
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
+
+
+def read_rank_summaries(folder) -> list[dict]:
+    """The summaries write_rank_summary wrote in `folder`, in rank order (rank10 after rank9)."""
+    import json
+
+    ranks = sorted(Path(folder).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text()) for p in ranks]
 
 
 def _tiled_chunks() -> dict:
@@ -412,7 +424,12 @@ def _data_parallel(plan: Plan, world: int) -> int:
 
 def _attention(plan: Plan) -> str:
     if plan.attention == "flash_attention_2" and cpu.on_cpu():
-        return "sdpa"  # flash-attention kernels exist only on GPUs; same math
+        # Flash-attention kernels exist only on GPUs: transformers' default for the model instead, same math (sdpa,
+        # or eager where the class has no sdpa: Gemma-2, GPT-OSS run flash on a GPU and eager here).
+        from toolkit.inputs.modelspec import config_attention, default_attention
+
+        found = config_attention({**plan.model_config, "model_type": plan.model_type}, plan.model)
+        return default_attention(found[1]) if found else "sdpa"
     return plan.attention
 
 

@@ -143,16 +143,15 @@ def write_stage_summary(module, *, rank: int, world: int, stage: int, dp_rank: i
     that the replicas of a stage can be compared."""
     import os
 
-    from toolkit.train.hf_runner import launcher_node_rank, write_rank_summary
+    from toolkit.train.hf_runner import launcher_node_rank, local_param_abs_sum, write_rank_summary
 
     folder = os.environ.get("TOOLKIT_RANK_SUMMARY_DIR")
     if not folder:
         return
-    checksum = sum(float(p.detach().double().abs().sum()) for p in module.parameters())
     write_rank_summary(folder, rank, {
         "rank": rank, "world": world, "node": launcher_node_rank(), "stage": stage, "data_rank": dp_rank,
         "log_history": [{"step": step, "loss": loss} for step, loss in sorted(losses.items())],
-        "local_param_abs_sum": checksum})
+        "local_param_abs_sum": local_param_abs_sum(module)})
 
 
 class BatchOrder:
