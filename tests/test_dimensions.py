@@ -524,6 +524,10 @@ def test_seq_max_answers_and_writes_the_chart(model, gpus, tmp_path, capsys):
     assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}polyline")) >= 1
     plan = load_plan(tmp_path / "p")
     assert f"at seq {plan.seq_len:,}" in out
+    # Tiling left to the planner: on one GPU no strategy reaches the positions untiled (35,712 tokens at most), so
+    # the ZeRO-offload rows are searched tiled and reach them; on 8 GPUs Ulysses SP reaches them untiled, no tiling.
+    assert plan.tiled == (gpus == "1xA100-80GB") and ("+tiled" in out) == plan.tiled
+    assert plan.seq_len == 131072
 
 
 # --- toolkit check on configs toolkit did not write -------------------------------------------------------------
