@@ -83,8 +83,9 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
     if tiled_auto:
         g.add_argument("--tiled", choices=("auto", "on", "off"), default="auto", nargs="?", const="on",
                        help=tiled_help + ". auto (default): tried on a ZeRO grid that fits nothing untiled, kept "
-                                         "unless an untiled choice of the row fits within the step-time band; on "
-                                         "(also the bare flag): every row; off: none")
+                                         "unless an untiled choice of the row fits within the step-time band (--seq "
+                                         "max: a note where tiling could reach further); on (also the bare flag): "
+                                         "every row; off: none")
     else:
         g.add_argument("--tiled", action="store_true", help=tiled_help)
     g.add_argument("--compile", action="store_const", const=True, default=False,

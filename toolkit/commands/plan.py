@@ -163,6 +163,13 @@ def _plan_seq_max(args, spec, hw, req) -> int:
 
     with status("--seq max: the longest sequence each strategy fits"):
         results = longest_sequences(spec, hw, req)
+    from toolkit.estimate.longest import tiling_could_reach_further
+
+    tileable = tiling_could_reach_further(spec, req, results)
+    if tileable:
+        print_note(f"no strategy reaches the model's {spec.max_positions} positions; {', '.join(tileable[:3])}"
+                   f"{' and more' if len(tileable) > 3 else ''} may reach further with ALST tiling, which --seq max "
+                   "searches only with --tiled (its traces at long lengths cost about 2x)")
     best = next((r for r in results if r.seq_len), None)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,

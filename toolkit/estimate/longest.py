@@ -6,12 +6,10 @@ error band, host RAM) at one micro-batch per GPU, under `traces_linear_in_seq` (
 two powers of two is interpolated between the exact traces at both, so the model is traced once per octave a
 search visits, never per probe. Lengths stop at the model's positions (max_position_embeddings), as `--seq` does.
 
-Tiling left to the planner (Request.tiled None, toolkit.estimate.search.auto_tiling): when no strategy reaches the
-model's positions untiled, each one tiling can run is searched tiled too, from its untiled answer up, and answers
-tiled only when that is longer; at equal lengths an untiled row comes before a tiled one unless the tiled one is
-faster beyond the step-time band. (When an untiled row already reaches the positions, the longest answer is known
-and the tiled searches, whose traces at long lengths hold one op per chunk, are not run: they cost 1.3x the
-plan's time on 8 x H100.)
+ALST tiling is searched only when asked for (--tiled): left to the planner (Request.tiled None), --seq max stays
+untiled and says when tiling could reach further (tiling_could_reach_further). Searched tiled by default, the rows
+took 1.9x the time on one A100 (5.4 s to 10.3 s, first use): the tiled traces hold one op per chunk, and the chunks
+grow with the length.
 """
 
 from __future__ import annotations
@@ -95,20 +93,17 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
     """The longest sequence per planner row (strategy, and model-parallel family at its best degree), longest
     first; rows that fit nothing last, with the reason at the shortest length tried."""
     from toolkit.estimate.memory import traces_linear_in_seq
-    from toolkit.estimate.search import auto_tiling, options_for
+    from toolkit.estimate.search import options_for
 
     cap = seq_cap(spec)
     probe_req = replace(req, seq_len=cap - cap % GRANULE or cap)
     out: list[Longest] = []
-    tileable: list[tuple[int, "Strategy", list]] = []  # (index in out, strategy, grids): searched tiled below
-    strategies: list["Strategy | None"] = []  # out's strategies, for the curves (None: a refusal, no curve)
     with traces_linear_in_seq():
         for key, strategy, grids in options_for(spec, hw, probe_req, sequence_rule=False):
             if isinstance(grids, str):
                 from toolkit.estimate.search import refusal
 
                 out.append(Longest(key, 0, refusal(strategy, probe_req, hw, grids, dimension=_dim(key))))
-                strategies.append(None)
                 continue
             best: Longest | None = None
             for grid in grids:
@@ -116,44 +111,19 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
                 if best is None or (found.seq_len, _speed(found)) > (best.seq_len, _speed(best)):
                     best = found
             if best is not None:
-                if not best.capped_by and auto_tiling(spec, strategy, req):
-                    tileable.append((len(out), strategy, grids))
-                out.append(best)
-                strategies.append(strategy)
-        if not any(x.capped_by_positions for x in out):
-            tiled_req = replace(req, tiled=True)
-            for i, strategy, grids in tileable:
-                best = out[i]
-                for grid in grids:
-                    found = _longest_within_window(spec, hw, strategy, grid, tiled_req, cap, best.key,
-                                                   at_least=best.seq_len)
-                    if found.seq_len > best.seq_len:
-                        best = found
-                out[i] = best
-        out = [x if strategy is None else replace(x, curve=_curve(spec, hw, strategy, x, replace(
-            req, tiled=bool(x.candidate is not None and x.candidate.job.tiled)), cap)) for x, strategy in
-            zip(out, strategies)]
-    return _untiled_first(sorted(out, key=lambda x: (-x.seq_len, -_speed(x))))
+                out.append(replace(best, curve=_curve(spec, hw, strategy, best, req, cap)))
+    return sorted(out, key=lambda x: (-x.seq_len, -_speed(x)))
 
 
-def _untiled_first(ordered: list[Longest]) -> list[Longest]:
-    """Among rows of one length (fastest first), a tiled row goes after the untiled rows unless it is faster than
-    the fastest of them beyond the step-time band (toolkit.estimate.search.prefer_untiled)."""
-    from toolkit.estimate.search import prefer_untiled
+def tiling_could_reach_further(spec: "ModelSpec", req: "Request", results: list[Longest]) -> list[str]:
+    """With tiling left to the planner: the rows that tiling could take longer (their strategy runs it, toolkit
+    .estimate.search.auto_tiling) when no row reaches the model's positions untiled; else none."""
+    from toolkit.estimate.search import auto_tiling
 
-    def tiled(x: Longest) -> bool:
-        return x.candidate is not None and x.candidate.job.tiled
-
-    fastest_plain: dict[int, Longest] = {}
-    for x in ordered:
-        if x.seq_len and not tiled(x):
-            fastest_plain.setdefault(x.seq_len, x)
-
-    def behind(x: Longest) -> bool:
-        plain = fastest_plain.get(x.seq_len)
-        return tiled(x) and plain is not None and prefer_untiled(plain.candidate, x.candidate) is plain.candidate
-
-    return sorted(ordered, key=lambda x: (-x.seq_len, behind(x)))
+    if req.tiled is not None or any(r.capped_by_positions for r in results):
+        return []
+    return [r.name for r in results if r.candidate is not None and not r.capped_by
+            and auto_tiling(spec, r.candidate.strategy, req)]
 
 
 def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", grid: "ParallelGrid",
@@ -167,7 +137,7 @@ def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", gri
         return replace(found, curve=_curve(spec, hw, strategy, found, req, cap, grid))
 
 
-def _longest_within_window(spec, hw, strategy, grid, req, cap: int, key: str, at_least: int = 0) -> Longest:
+def _longest_within_window(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
     """_longest_on, stopped at the model's sliding window where Ulysses with sdpa would drop it (the rule a fixed
     --seq refuses by: toolkit.inputs.grid `check_sequence` with the model)."""
     from toolkit.inputs.grid import attention_window
@@ -175,8 +145,8 @@ def _longest_within_window(spec, hw, strategy, grid, req, cap: int, key: str, at
     sdpa = grid.sequence > 1 and spec.effective_attention(req.attention) == "sdpa"
     window = attention_window(spec) if sdpa else None
     if not window or window >= cap or window < granule(grid):
-        return _longest_on(spec, hw, strategy, grid, req, cap, key, at_least)
-    found = _longest_on(spec, hw, strategy, grid, req, window, key, at_least)
+        return _longest_on(spec, hw, strategy, grid, req, cap, key)
+    found = _longest_on(spec, hw, strategy, grid, req, window, key)
     if not found.capped_by_positions:
         return found
     return replace(found, capped_by_positions=False,
@@ -205,10 +175,9 @@ def _evaluate(spec, hw, strategy, grid, req, seq_len: int) -> "Candidate":
     return evaluate(spec, hw, strategy, job, grid, partition)
 
 
-def _longest_on(spec, hw, strategy, grid, req, cap: int, key: str, at_least: int = 0) -> Longest:
+def _longest_on(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
     """Largest multiple of the grid's granule up to `cap` that fits: halve from the cap until one fits, then
-    bisect the octave above it. `at_least`: a length likely to fit (the untiled answer, for the tiled search),
-    tried first; when it fits, the bisection starts from it."""
+    bisect the octave above it."""
     g = granule(grid)
     hi = cap - cap % g
     if hi < g:  # no length this grid splits is within the model's positions: refused, not evaluated beyond them
@@ -220,15 +189,10 @@ def _longest_on(spec, hw, strategy, grid, req, cap: int, key: str, at_least: int
     if top.feasible:
         return Longest(key, hi, top, capped_by_positions=True)
     fail, lo, lo_c = hi, None, top
-    start = at_least - at_least % g
-    if g <= start < hi:
-        c = _evaluate(spec, hw, strategy, grid, req, start)
-        if c.feasible:
-            lo, lo_c = start, c
     s = 1 << (hi.bit_length() - 1)
     if s == hi:
         s //= 2
-    while lo is None and s >= g:
+    while s >= g:
         c = _evaluate(spec, hw, strategy, grid, req, s - s % g)
         if c.feasible:
             lo, lo_c = s - s % g, c
