@@ -129,6 +129,11 @@ def test_the_planner_tiles_only_what_fits_tiled_alone(tmp_path, capsys):
     assert json.loads((folders[False] / "plan.json").read_text())["tiled"] is True
     auto, tiled = (sorted(p.name for p in folders[k].iterdir()) for k in (False, True))
     assert auto == tiled and all((folders[False] / n).read_bytes() == (folders[True] / n).read_bytes() for n in auto)
+    # plan --explain: the chosen row as estimate --explain prints it, every term with its source
+    assert main(argv[:-1] + ["--explain"]) == 0
+    text = capsys.readouterr().out.split("the chosen row, explained")[1]
+    assert "zero3 (dp=2 x sp=4) +tiled" in text and "tiled recompute" in text and "  note: tiled:" in text
+    assert text.count("<- ") >= 8 and "<- final norm and the hidden states and labels the tiled logits" in text
 
 
 def test_a_short_plan_is_untiled_and_tiled_within_the_band_ranks_after():

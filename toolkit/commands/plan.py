@@ -211,7 +211,7 @@ def _print_explained(spec, hw, chosen) -> None:
     """plan --explain: the chosen row as estimate --explain prints it (one printer, toolkit.commands.estimate)."""
     from toolkit.commands.estimate import print_estimate
 
-    print(f"\nthe chosen row, explained (as estimate --explain prints it):\n")
+    print("\nthe chosen row, explained (as estimate --explain prints it):\n")
     print_estimate(spec, hw, chosen, chosen.memory, explain=True)
 
 
