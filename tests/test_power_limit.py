@@ -44,8 +44,9 @@ def test_estimate_at_500_w_is_the_step_time_the_corpus_scores_for_torchtitans_h1
     assert limit["dense_peak_tflops"] == pytest.approx(prep[3].gpu.bf16_tflops, abs=0.05)
     assert limit["dense_peak_tflops"] == pytest.approx(835.5 + (989.4 - 835.5) * 100 / 300, abs=0.05)
     assert "power_limited" in limit["source"] and any("500 W power limit" in n for n in out["notes"])
-    spec, strategy, job, hw, recompute = prep
-    uncapped = throughput.ours_tokens_per_gpu((spec, strategy, job, replace(hw, gpu=find_gpu(row["gpu"])), recompute))
+    spec, strategy, job, hw, recompute, grid = prep
+    uncapped = throughput.ours_tokens_per_gpu((spec, strategy, job, replace(hw, gpu=find_gpu(row["gpu"])), recompute,
+                                               grid))
     assert uncapped[1]["step_time_s"] < timing["step_time_s"]  # the cap is what slows it
     assert main(argv[:-1] + ["--power-limit-w", "500", "--explain"]) == 0
     text = capsys.readouterr().out
