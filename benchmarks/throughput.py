@@ -589,7 +589,10 @@ def third_search() -> str:
     """The search for ZeRO / offload / pipeline / Ulysses rows after the second one: what it found, what the
     same-job engine pairs and XTuner's long-sequence rows say, and why the rest fails."""
     from toolkit.estimate.efficiency import COMPUTE
+    from toolkit.estimate.timing import CPU_ADAM_PARAMS_PER_S
+    from toolkit.inputs.modelspec import resolve_model
 
+    cpu_adam_s = resolve_model("llama-2-7b").params / CPU_ADAM_PARAMS_PER_S
     said, gaps = [], []
     for pair, name, source in ((ENGINE_PAIRS[0], "FSDP full shard", "the Hugging Face blog"),
                                (ENGINE_PAIRS[1], "ZeRO-2", "ms-swift")):
@@ -673,7 +676,11 @@ def third_search() -> str:
             f"{min(first):.0f}-{max(first):.0f} TFLOP/s a GPU by the later table's own FLOP count, above the "
             "A100's 312: replaced by the table used here); nanotron's benchmark logs (its own "
             "DP / TP / PP, not DeepSpeed); the DeepSpeed pipeline scripts the second search found (toy models, no "
-            "published speed). "
+            "published speed); DeepSpeed's Ulysses-Offload blog (blogs/ulysses-offload: MFU in figures only); "
+            "DeepSpeed's ZenFlow blog (blogs/deepspeed-zenflow: Llama-2-7B on 4 A100s, a step 'from 0.5s to over "
+            "7s' with ZeRO-Offload, its CPU path 'longer than 4s'; sequence, batch and host CPU unstated, beside "
+            f"our assumed CPU Adam step for those weights, {cpu_adam_s:.1f} s a node: "
+            "toolkit.estimate.timing.CPU_ADAM_PARAMS_PER_S). "
             "ZeRO / offload / pipeline / Ulysses speeds stay unverified; no row runs the pipeline engine.")
 
 
