@@ -267,13 +267,17 @@ def test_llama_8b_at_128k_on_8_h100s_fits_only_by_splitting_the_sequence():
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.estimate.search import Request, plan_candidates
 
-    cands = plan_candidates(resolve_model("llama-3.1-8b"), parse_hardware("8xH100-80GB"),
-                            Request(seq_len=131072, micro_batch=1, checkpointing=True))
+    spec, hw = resolve_model("llama-3.1-8b"), parse_hardware("8xH100-80GB")
+    cands = plan_candidates(spec, hw, Request(seq_len=131072, micro_batch=1, checkpointing=True, tiled=False))
     feasible = [c for c in cands if c.feasible]
     assert feasible and all(c.grid.seq_split == 8 for c in feasible)
     assert {c.dimension for c in feasible} == {"cp", "sp"}
     assert any(c.name == "fsdp2 (dp=2 x tp=4)" and "needs" in c.reason for c in cands)
     assert all(c.reason for c in cands if not c.feasible)
+    # By default the planner also tiles what fits nothing untiled: ZeRO-3 then fits unsplit, and only tiled.
+    auto = plan_candidates(spec, hw, Request(seq_len=131072, micro_batch=1, checkpointing=True))
+    unsplit = [c for c in auto if c.feasible and c.grid.seq_split == 1]
+    assert any(c.name == "zero3 +tiled" for c in unsplit) and all(c.job.tiled for c in unsplit)
 
 
 def test_a_trace_between_two_powers_of_two_is_their_interpolation_and_equals_the_exact_trace():
@@ -514,12 +518,16 @@ def test_seq_max_answers_and_writes_the_chart(model, gpus, tmp_path, capsys):
     from toolkit.plan.schema import load_plan
 
     assert main(["plan", model, "--gpus", gpus, "--seq", "max", "--out", str(tmp_path / "p")]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "longest sequence" in out and "per-GPU GiB by sequence length" in out
     svg = ET.parse(tmp_path / "p/memory_vs_seq.svg").getroot()
     assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}polyline")) >= 1
     plan = load_plan(tmp_path / "p")
     assert f"at seq {plan.seq_len:,}" in out
+    # Tiling is searched only with --tiled: on one GPU no strategy reaches the positions untiled (35,712 tokens at
+    # most) and a note says that tiling may; on 8 GPUs Ulysses SP reaches them untiled, no note.
+    assert not plan.tiled and "+tiled" not in out
+    assert ("may reach further with ALST tiling" in err) == (gpus == "1xA100-80GB"), err
 
 
 # --- toolkit check on configs toolkit did not write -------------------------------------------------------------

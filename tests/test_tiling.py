@@ -104,6 +104,72 @@ def test_tiled_plan_tells_the_users_script_how(tiny_llama_dir):
     assert "tiled" not in untiled.to_dict() and "apply_tiling" not in " ".join(notes(untiled))
 
 
+def test_the_planner_tiles_only_what_fits_tiled_alone(tmp_path, capsys):
+    """Llama-3.1-8B at 131072 tokens on 8 x A100-40GB, ZeRO-3 x SP 4: untiled it needs more than the GPU
+    (--tiled off: nothing fits); the default plan (--tiled auto) chooses it tiled, under capacity, and writes the
+    folder --tiled writes for that grid, byte for byte."""
+    import json
+
+    from toolkit.cli import main
+
+    argv = ["plan", "llama-3.1-8b", "--gpus", "8xA100-40GB", "--seq", "131072", "--micro-batch", "1",
+            "--strategies", "zero3", "--sequence-parallel", "4", "--json"]
+    assert main(argv + ["--tiled", "off"]) == 1
+    off = json.loads(capsys.readouterr().out)
+    plain = off["candidates"][0]
+    assert off["chosen"] is None and plain["tiled"] is False and plain["sequence_parallel"] == 4
+    assert plain["peak_bytes"] > plain["capacity_bytes"] and plain["reason"].startswith("needs "), plain
+    folders = {}
+    for flags in ([], ["--tiled"]):
+        folders[bool(flags)] = tmp_path / ("tiled" if flags else "auto")
+        assert main(argv + flags + ["--out", str(folders[bool(flags)])]) == 0
+        chosen = json.loads(capsys.readouterr().out)["chosen"]
+        assert chosen["tiled"] is True and chosen["name"] == "zero3 (dp=2 x sp=4) +tiled", chosen
+        assert chosen["peak_bytes"] < chosen["capacity_bytes"] < plain["peak_bytes"]
+    assert json.loads((folders[False] / "plan.json").read_text())["tiled"] is True
+    auto, tiled = (sorted(p.name for p in folders[k].iterdir()) for k in (False, True))
+    assert auto == tiled and all((folders[False] / n).read_bytes() == (folders[True] / n).read_bytes() for n in auto)
+    # plan --explain: the chosen row as estimate --explain prints it, every term with its source
+    assert main(argv[:-1] + ["--explain"]) == 0
+    text = capsys.readouterr().out.split("the chosen row, explained")[1]
+    assert "zero3 (dp=2 x sp=4) +tiled" in text and "tiled recompute" in text and "  note: tiled:" in text
+    assert text.count("<- ") >= 8 and "<- final norm and the hidden states and labels the tiled logits" in text
+
+
+def test_a_short_plan_is_untiled_and_tiled_within_the_band_ranks_after():
+    """At 2048 tokens every configuration fits untiled: no row is tiled by default (Request.tiled None, plan's
+    --tiled auto), while --tiled (True) still tiles every ZeRO row and refuses the others with --tiled's own line. A
+    tiled candidate faster within the step-time band stays behind the untiled one; beyond the band it is preferred."""
+    from dataclasses import replace
+
+    from toolkit.estimate.errorband import time_band
+    from toolkit.estimate.search import Request, plan_candidates, prefer_untiled, rank
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.modelspec import resolve_model
+
+    spec, hw = resolve_model("llama-3.1-8b"), parse_hardware("4xH100-80GB")
+    req = Request(seq_len=2048, global_batch=8, strategies=("zero2", "fsdp2"), tensor_parallel=1,
+                  context_parallel=1, sequence_parallel=1, tiled=None)
+    auto = plan_candidates(spec, hw, req)
+    assert len(auto) == 2 and all(c.feasible and not c.job.tiled for c in auto), [c.name for c in auto]
+    tiled = {c.strategy.name: c for c in plan_candidates(spec, hw, replace(req, tiled=True))}
+    assert tiled["zero2"].feasible and tiled["zero2"].job.tiled and tiled["zero2"].name == "zero2 +tiled"
+    assert tiled["fsdp2"].reason.startswith("--tiled runs under DeepSpeed ZeRO"), tiled["fsdp2"].reason
+
+    plain = next(c for c in auto if c.strategy.name == "zero2")
+    band = time_band().fraction
+    assert band > 0
+
+    def tiled_at(speedup: float):
+        t = plain.timing
+        return replace(plain, job=replace(plain.job, tiled=True),
+                       timing=replace(t, tokens_per_s=t.tokens_per_s * speedup, step_time_s=t.step_time_s / speedup))
+
+    within, beyond = tiled_at(1 + band / 2), tiled_at(1 + band * 2)
+    assert prefer_untiled(plain, within) is plain and prefer_untiled(plain, beyond) is beyond
+    assert rank([within, plain]) == [plain, within] and rank([beyond, plain]) == [beyond, plain]
+
+
 def test_tiled_json_is_only_json_when_deepspeed_is_first_imported(tiny_llama_dir, tmp_path):
     """DeepSpeed's first import logs the accelerator it found through a handler bound to stdout; in a fresh process
     with a cold cache the --tiled trace is that first import, and `--json` must still print JSON alone."""

@@ -46,9 +46,10 @@ def add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100
                         "them); HBM bandwidth and links unchanged")
 
 
-def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
+def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto: bool = False) -> None:
     """The job's flags; `seq_max` (plan, estimate): --seq also takes max, and the tensor / context / sequence
-    degrees are flags."""
+    degrees are flags; `tiled_auto` (plan): --tiled takes auto / on / off as plan's --checkpointing does, default
+    auto, the bare flag on."""
     g = p.add_argument_group("job")
     from toolkit.inputs.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
@@ -77,9 +78,16 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False) -> None:
     g.add_argument("--liger", action="store_true",
                    help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
                         "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
-    g.add_argument("--tiled", action="store_true",
-                   help="ALST tiling over the sequence (DeepSpeed TiledMLP in every layer, tiled logits + loss): "
-                        "the MLP's and the logits' tensors held one chunk at a time; ZeRO only")
+    tiled_help = ("ALST tiling over the sequence (DeepSpeed TiledMLP in every layer, tiled logits + loss): "
+                  "the MLP's and the logits' tensors held one chunk at a time; ZeRO only")
+    if tiled_auto:
+        g.add_argument("--tiled", choices=("auto", "on", "off"), default="auto", nargs="?", const="on",
+                       help=tiled_help + ". auto (default): tried on a ZeRO grid that fits nothing untiled, kept "
+                                         "unless an untiled choice of the row fits within the step-time band (--seq "
+                                         "max: a note where tiling could reach further); on (also the bare flag): "
+                                         "every row; off: none")
+    else:
+        g.add_argument("--tiled", action="store_true", help=tiled_help)
     g.add_argument("--compile", action="store_const", const=True, default=False,
                    help="torch.compile (inductor), as TrainingArguments torch_compile: activations from the "
                         "compiler's partition, the compiled step time")

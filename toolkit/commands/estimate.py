@@ -41,7 +41,7 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.job import Job, check_job
     from toolkit.estimate.search import evaluate
     from toolkit.estimate.errorband import band_for, time_band
-    from toolkit.inputs.hardware import power_fields, power_words
+    from toolkit.inputs.hardware import power_fields
     from toolkit.inputs.strategy import parse_strategy
 
     spec = model_spec(args)
@@ -102,6 +102,20 @@ def cmd_estimate(args) -> int:
         return _fit_exit(args, b.fits)
     if seq_note:
         print_note(seq_note)
+    print_estimate(spec, hw, c, b, explain=args.explain, world=world)
+    return _fit_exit(args, b.fits)
+
+
+def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None:
+    """The estimate of one candidate as text: the header, every memory term (with its source under `explain`), the
+    peak, the error bands, host RAM and the step time (plan --explain prints its chosen row through this too).
+    `b`: the candidate's memory, or the fake world's terms in its place (estimate --trace-world)."""
+    from toolkit.estimate.errorband import band_for, time_band
+    from toolkit.inputs.hardware import power_words
+
+    strategy, job, t = c.strategy, c.job, c.timing
+    band = band_for(strategy.engine, job.checkpointing)
+    attention = spec.effective_attention(job.attention)
     cap = b.capacity_bytes
     active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
     print(f"{spec.name}: {spec.params:,} parameters{active} ({spec.num_layers} x {spec.layer_class}"
@@ -122,7 +136,7 @@ def cmd_estimate(args) -> int:
     print(f"\n{'per GPU':<{width}}{'GiB':>9}{'of GPU':>9}")
     for name, value, source in rows:
         print(f"{name:<{width}}{gib(value):>9}{value / cap:>9.1%}")
-        if args.explain:
+        if explain:
             print(f"{'':<{width}}  <- {source}")
     print(f"{'peak (tensors)':<{width}}{gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
     print(f"{'required':<{width}}{gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
@@ -139,7 +153,7 @@ def cmd_estimate(args) -> int:
         print(f"host RAM per node: load {gib(b.host.load_bytes_per_node)} GiB, save "
               f"{gib(b.host.save_bytes_per_node)} GiB on top of {gib(b.host.resident_bytes_per_node)} GiB resident; "
               f"peak {gib(b.host.peak_bytes_per_node)} of {gib(hw.cpu_ram_bytes_per_node)} GiB")
-        if args.explain:
+        if explain:
             print(f"  <- load: {b.host.load_source}; save: {b.host.save_source}")
     if b.cpu_bytes_per_node:
         print(f"host RAM per node for offload: {gib(b.cpu_bytes_per_node)} GiB "
@@ -153,10 +167,9 @@ def cmd_estimate(args) -> int:
           + ("" if time_band().covers(strategy.name, hw.world_size) else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
              "unverified"))
-    if args.explain:
+    if explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")
-    return _fit_exit(args, b.fits)
 
 
 def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:

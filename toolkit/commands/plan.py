@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank every strategy; write the chosen one's files")
     add_model_flags(p)
     add_hardware_flags(p)
-    add_job_flags(p, seq_max=True)
+    add_job_flags(p, seq_max=True, tiled_auto=True)
     p.add_argument("--global-batch", type=int_arg("--global-batch", bounds.BATCH),
                    help="samples per optimizer step over all GPUs (required unless --micro-batch is given)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
@@ -31,9 +31,16 @@ def add_parser(sub) -> None:
     p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
                    help="emit this strategy instead of the fastest")
     p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10)
+    p.add_argument("--explain", action="store_true",
+                   help="after the table, the chosen row's estimate with where every term comes from (estimate "
+                        "--explain of that row)")
     add_output_flags(p, "directory for the emitted files")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+
+TILED = {"auto": None, "on": True, "off": False}
+"""plan --tiled: the Request's tiled (None: the planner decides, toolkit.estimate.search)."""
 
 
 def cmd_plan(args) -> int:
@@ -82,7 +89,7 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      compile=args.compile, tiled=args.tiled, pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
+                                      compile=args.compile, tiled=TILED[args.tiled], pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel)
     if strategies:
@@ -117,9 +124,12 @@ def cmd_plan(args) -> int:
                "hardware": hw.spec, "attention": spec.effective_attention(req.attention),
                **({"power_limit": power_fields(hw.gpu, req.precision)} if hw.gpu.power_limit_w else {}),
                "candidates": rows, "chosen": chosen.row() if chosen else None,
-               "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)]}
+               "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
+               **({"chosen_explained": _explained(chosen)} if args.explain and chosen else {})}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top)
+        if args.explain and chosen:
+            _print_explained(spec, hw, chosen)
     written: list[str] = []
     if chosen and args.out:
         from toolkit.emit import emit_files
@@ -153,6 +163,13 @@ def _plan_seq_max(args, spec, hw, req) -> int:
 
     with status("--seq max: the longest sequence each strategy fits"):
         results = longest_sequences(spec, hw, req)
+    from toolkit.estimate.longest import tiling_could_reach_further
+
+    tileable = tiling_could_reach_further(spec, req, results)
+    if tileable:
+        print_note(f"no strategy reaches the model's {spec.max_positions} positions; {', '.join(tileable[:3])}"
+                   f"{' and more' if len(tileable) > 3 else ''} may reach further with ALST tiling, which --seq max "
+                   "searches only with --tiled (its traces at long lengths cost about 2x)")
     best = next((r for r in results if r.seq_len), None)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,
@@ -160,7 +177,9 @@ def _plan_seq_max(args, spec, hw, req) -> int:
                           "strategies": [
             {"name": r.name, "longest_seq": r.seq_len, "capped_by_positions": r.capped_by_positions,
              "reason": r.reason, "candidate": r.candidate.row() if r.candidate else None,
-             "curve": [{"seq": s, "required_bytes": b} for s, b in r.curve]} for r in results]}, indent=2))
+             "curve": [{"seq": s, "required_bytes": b} for s, b in r.curve]} for r in results],
+                          **({"chosen_explained": _explained(best.candidate)} if args.explain and best else {})},
+                         indent=2))
     else:
         print(f"{spec.name} ({human(spec.params)} params, positions {spec.max_positions}) on {hw.spec} "
               f"({hw.gpu.memory_bytes / GIB:.1f} GiB each{power_words(hw.gpu, req.precision)}) | longest sequence per strategy, micro-batch 1, "
@@ -170,6 +189,8 @@ def _plan_seq_max(args, spec, hw, req) -> int:
         chart = text_chart(results, hw.gpu.memory_bytes, top=args.top)
         if chart:
             print("\n" + chart)
+        if args.explain and best is not None:
+            _print_explained(spec, hw, best.candidate)
     if best is not None and args.out:
         from toolkit.emit import emit_files
         from toolkit.inputs.resolve import recorded_model
@@ -184,6 +205,20 @@ def _plan_seq_max(args, spec, hw, req) -> int:
             print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
                   f"({MEMORY_CHART}: the chart)")
     return 0 if best is not None else 1
+
+
+def _print_explained(spec, hw, chosen) -> None:
+    """plan --explain: the chosen row as estimate --explain prints it (one printer, toolkit.commands.estimate)."""
+    from toolkit.commands.estimate import print_estimate
+
+    print("\nthe chosen row, explained (as estimate --explain prints it):\n")
+    print_estimate(spec, hw, chosen, chosen.memory, explain=True)
+
+
+def _explained(chosen) -> dict[str, Any]:
+    """plan --json --explain: the chosen row's memory terms with their sources and the notes behind its time."""
+    return {"terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in chosen.memory.terms],
+            "notes": list(chosen.memory.notes) + list(chosen.timing.assumptions)}
 
 
 def _refuse_existing(out, force: bool) -> None:
@@ -204,7 +239,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
           + f", {req.precision}, {req.optimizer}, {spec.effective_attention(req.attention)} attention"
           + f"{', Liger kernels' if req.liger else ''}"
-          + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled else ''}"
+          + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled is True else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
              if req.adapter.is_adapter else "") + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \

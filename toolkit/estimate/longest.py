@@ -5,6 +5,11 @@ The search runs the same evaluation as the planner (toolkit.estimate.search.eval
 error band, host RAM) at one micro-batch per GPU, under `traces_linear_in_seq` (toolkit.estimate.memory): a length between
 two powers of two is interpolated between the exact traces at both, so the model is traced once per octave a
 search visits, never per probe. Lengths stop at the model's positions (max_position_embeddings), as `--seq` does.
+
+ALST tiling is searched only when asked for (--tiled): left to the planner (Request.tiled None), --seq max stays
+untiled and says when tiling could reach further (tiling_could_reach_further). Searched tiled by default, the rows
+took 1.9x the time on one A100 (5.4 s to 10.3 s, first use): the tiled traces hold one op per chunk, and the chunks
+grow with the length.
 """
 
 from __future__ import annotations
@@ -110,6 +115,17 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
     return sorted(out, key=lambda x: (-x.seq_len, -_speed(x)))
 
 
+def tiling_could_reach_further(spec: "ModelSpec", req: "Request", results: list[Longest]) -> list[str]:
+    """With tiling left to the planner: the rows that tiling could take longer (their strategy runs it, toolkit
+    .estimate.search.auto_tiling) when no row reaches the model's positions untiled; else none."""
+    from toolkit.estimate.search import auto_tiling
+
+    if req.tiled is not None or any(r.capped_by_positions for r in results):
+        return []
+    return [r.name for r in results if r.candidate is not None and not r.capped_by
+            and auto_tiling(spec, r.candidate.strategy, req)]
+
+
 def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", grid: "ParallelGrid",
                     req: "Request") -> Longest:
     """The longest sequence one strategy fits on one grid, with its memory curve (estimate --seq max)."""
@@ -154,7 +170,7 @@ def _evaluate(spec, hw, strategy, grid, req, seq_len: int) -> "Candidate":
     job = Job(seq_len=seq_len, micro_batch=1, grad_accum=req.grad_accum or 1, precision=req.precision,
               optimizer=req.optimizer, checkpointing=req.checkpointing is not False, attention=req.attention,
               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl, liger=req.liger, adapter=req.adapter,
-              compile=req.compile, tiled=req.tiled)
+              compile=req.compile, tiled=req.tiled is True)
     partition = grid.partition(spec) if strategy.is_pipeline else None
     return evaluate(spec, hw, strategy, job, grid, partition)
 

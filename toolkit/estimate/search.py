@@ -1,7 +1,14 @@
 """The planner: every strategy the engines support x micro-batch x accumulation x checkpointing x pipeline
 stages, each costed by the memory and step-time models, ranked by predicted tokens/s. Candidates whose speeds differ
 by less than the step-time error band (toolkit.estimate.errorband.time_band) are ties: among them the simplest and most
-robust comes first (no offload, fewer sharded or pipelined parts, fewer stages), then the faster.
+robust comes first (untiled, no offload, fewer sharded or pipelined parts, fewer stages), then the faster.
+
+ALST tiling (toolkit.estimate.tiling) by default ("auto", Request.tiled None) is tried where the engines run it
+(toolkit.inputs.job.tiled_problem, model_feature_problem) on a grid that fits no configuration untiled, for the
+configurations refused for GPU memory: tiling only adds recompute to a job that fits, and trying it on grids that
+already fit (where it could only drop checkpointing or raise the micro-batch) cost 1.6x the planning time of a 70B
+plan on 64 GPUs. A row's tiled best replaces its untiled best (e.g. at a larger sequence-parallel degree) only when
+the untiled one does not fit, or is slower by more than the step-time band.
 
 A candidate that cannot run says why: it does not fit ("needs 93.1 GiB of 79.1"), the batch does not divide, the
 layers do not split into the stages, the GPU lacks the precision, the node lacks host RAM for offload.
@@ -67,7 +74,8 @@ class Candidate:
     @property
     def name(self) -> str:
         job = getattr(self, "job", None)
-        return self._base_name + (" +compile" if job is not None and job.compile else "")
+        return self._base_name + (" +compile" if job is not None and job.compile else "") \
+            + (" +tiled" if job is not None and job.tiled else "")
 
     @property
     def _base_name(self) -> str:
@@ -84,7 +92,7 @@ class Candidate:
         return {
             "name": self.name, "strategy": self.strategy.name, "feasible": self.feasible, "reason": self.reason,
             "micro_batch": self.job.micro_batch, "grad_accum": self.job.grad_accum,
-            "checkpointing": self.job.checkpointing, "pipeline_stages": self.pipeline_stages,
+            "checkpointing": self.job.checkpointing, "tiled": self.job.tiled, "pipeline_stages": self.pipeline_stages,
             "data_parallel": self.data_parallel, "global_batch": self.global_batch,
             "tensor_parallel": self.degrees[0], "context_parallel": self.degrees[1],
             "sequence_parallel": self.degrees[2],
@@ -117,8 +125,10 @@ class Request:
     optimizer_impl: str = "fused"
     activation_offloading: bool = False
     liger: bool = False
-    tiled: bool = False
-    """ALST's tiled MLP and tiled logits + loss (toolkit.estimate.tiling) in every row; engines that refuse it say so."""
+    tiled: bool | None = None
+    """ALST's tiled MLP and tiled logits + loss (toolkit.estimate.tiling): None (plan's default, --tiled auto): the
+    planner tiles where the engines run it and only tiling fits, or is faster beyond the time band (module
+    docstring); True (--tiled): in every row, engines that refuse it say so; False (--tiled off): never."""
     compile: bool = False
     """torch.compile (inductor) of the model: activations from the compiler's partition, the compiled step time."""
     pipeline_stages: int | None = None
@@ -143,7 +153,7 @@ class Request:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
             attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
-            liger=self.liger, compile=self.compile, tiled=self.tiled)
+            liger=self.liger, compile=self.compile, tiled=self.tiled is True)
         ParallelGrid.check_batch_request(self.global_batch, self.micro_batch, self.grad_accum)
 
 
@@ -168,6 +178,12 @@ def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> l
     if not problems:
         return f"{hw.world_size} GPUs leave no pipeline stage count between 1 and {hw.world_size}"
     return "; ".join(dict.fromkeys(problems))
+
+
+def short_of_gpu_memory(memory: Breakdown, strategy: Strategy, job: Job) -> bool:
+    """Whether the per-GPU memory is over the GPU's capacity once the estimate's error band is kept as headroom."""
+    band = band_for(strategy.engine, job.checkpointing)
+    return not memory.fits or memory.required_bytes + band.headroom_bytes(memory.peak_bytes) > memory.capacity_bytes
 
 
 def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: ParallelGrid,
@@ -202,8 +218,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
         reason = (f"needs {h.peak_bytes_per_node / GIB:.0f} GiB host RAM per node while {when} of "
                   f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free; more --cpu-ram-gib, "
                   "or a strategy that loads once per node: fsdp2, zero3)")
-    elif memory.required_bytes + band_for(strategy.engine, job.checkpointing).headroom_bytes(memory.peak_bytes) \
-            > memory.capacity_bytes:
+    elif short_of_gpu_memory(memory, strategy, job):
         band = band_for(strategy.engine, job.checkpointing)
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU, inside "
                   f"the estimate's error band ({band.text()})")
@@ -232,7 +247,7 @@ def _need(c: Candidate) -> float:
 
 def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
     """One best candidate per strategy (and per stage count for pipeline plans), feasible first by tokens/s."""
-    problem = model_feature_problem(spec, liger=req.liger, tiled=req.tiled, attention=req.attention)
+    problem = model_feature_problem(spec, liger=req.liger, tiled=req.tiled is True, attention=req.attention)
     if problem:  # true of every strategy: one refusal, not one per candidate
         raise UserError(problem)
     _check_stages([parse_strategy(s) for s in req.strategies], hw, req.pipeline_stages)
@@ -249,7 +264,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
                 batch_refusals=batch_refusals)
     if not best and batch_refusals and all(c.reason in batch_refusals for c in refused.values()):
         raise UserError(batch_refusals[0])  # the batch itself, not the strategies: one line names it (exit 2)
-    ranked = rank(list(best.values()))
+    ranked = rank(list(_untiled_unless_needed(best).values()))
     return ranked + [c for k, c in refused.items() if k not in best]
 
 
@@ -266,7 +281,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     for strategy in strategies:
         # compile=False: with --compile the search offers each strategy eager too (_search), compiled where it can.
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
-                              liger=req.liger, adapter=req.adapter, tiled=req.tiled)
+                              liger=req.liger, adapter=req.adapter, tiled=req.tiled is True)
         yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
@@ -279,10 +294,15 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
     """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`.
     Model-parallel grids come in rising degree and the search stops at the first degree that fits: a larger degree
     only adds communication inside the sample and takes ranks from data parallelism (and costs a trace at its
-    own per-rank shapes). A batch the grid cannot split is added to batch_refusals."""
+    own per-rank shapes). A batch the grid cannot split is added to batch_refusals.
+    Auto tiling (req.tiled None): on a grid where no configuration fits untiled, those refused for GPU memory are
+    tried tiled, kept under "<slot> +tiled" (its own first fitting degree); _untiled_unless_needed picks between
+    the two."""
+    tiling = auto_tiling(spec, strategy, req)
     for grid in grids:
         if dimension and key in best and best[key].feasible:
             break
+        tiled_found = bool(dimension) and f"{key}{TILED_SLOT}" in best and best[f"{key}{TILED_SLOT}"].feasible
         try:
             batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
         except UserError as exc:
@@ -293,18 +313,77 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
         partition = grid.partition(spec) if strategy.is_pipeline else None
         for compiled in _compile_options(strategy, grid, req):
             slot = f"{key} +compile" if compiled else key
+            short: list[Job] = []  # refused for GPU memory: the ones tiling may fit
             for micro, accum in sorted(batches, reverse=True):
                 for ckpt in ckpt_options:
                     job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
                               optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
                               device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
                               activation_offloading=req.activation_offloading, liger=req.liger,
-                              adapter=req.adapter, compile=compiled, tiled=req.tiled)
+                              adapter=req.adapter, compile=compiled, tiled=req.tiled is True)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
-                    if dimension:
-                        cand = replace(cand, dimension=dimension)
-                    if _better(cand, best.get(slot)):
-                        best[slot] = cand
+                    _keep(best, slot, cand, dimension)
+                    if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job) \
+                            and _activations_decide(cand.memory):
+                        short.append(job)
+            if tiling and not compiled and not tiled_found and not (slot in best and best[slot].feasible):
+                for job in short:
+                    _keep(best, f"{slot}{TILED_SLOT}", evaluate(spec, hw, strategy, replace(job, tiled=True), grid,
+                                                                partition), dimension)
+
+
+TILED_SLOT = " +tiled"
+
+
+def _activations_decide(memory: Breakdown) -> bool:
+    """Whether the GPU would hold the rest without the activations and the peak's temporaries (and the allocator's
+    margin on them): all that tiling can take away. Model states, engine buffers and the context it leaves; when
+    they alone are over the capacity, no tiling fits and none is traced."""
+    rest = memory.required_bytes - memory.activations_bytes - memory.transient_bytes - memory.margin_bytes
+    return rest <= memory.capacity_bytes
+
+
+def _keep(best: dict[str, Candidate], slot: str, cand: Candidate, dimension: str | None) -> None:
+    if dimension:
+        cand = replace(cand, dimension=dimension)
+    if _better(cand, best.get(slot)):
+        best[slot] = cand
+
+
+def auto_tiling(spec: ModelSpec, strategy: Strategy, req: Request) -> bool:
+    """Whether the planner tries `strategy` tiled by itself: the request leaves tiling to it (Request.tiled None) and
+    the engines and the model take it (the rules --tiled is refused by: toolkit.inputs.job.tiled_problem and
+    model_feature_problem)."""
+    if req.tiled is not None:
+        return False
+    from toolkit.inputs.job import tiled_problem
+
+    return tiled_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
+                         adapter=req.adapter) is None and model_feature_problem(spec, tiled=True) is None
+
+
+def prefer_untiled(plain: Candidate | None, tiled: Candidate | None) -> Candidate | None:
+    """The untiled candidate unless it does not fit and the tiled one does, or the tiled one is faster by more than
+    the step-time band (tiling adds recompute and DeepSpeed's tiled code path: within the band, untiled is the simpler
+    and more robust). Neither fitting: the one closer to fitting (it explains best)."""
+    if plain is None or tiled is None:
+        return plain or tiled
+    if plain.feasible and tiled.feasible:
+        faster, slower = tiled.timing.tokens_per_s, plain.timing.tokens_per_s
+        return tiled if faster > slower and not time_band().ties(faster, slower) else plain
+    if plain.feasible != tiled.feasible:
+        return plain if plain.feasible else tiled
+    return plain if _need(plain) <= _need(tiled) else tiled
+
+
+def _untiled_unless_needed(best: dict[str, Candidate]) -> dict[str, Candidate]:
+    """One candidate per slot: each "<slot> +tiled" folded into its slot by prefer_untiled."""
+    out = {k: c for k, c in best.items() if not k.endswith(TILED_SLOT)}
+    for k, c in best.items():
+        if k.endswith(TILED_SLOT):
+            base = k[: -len(TILED_SLOT)]
+            out[base] = prefer_untiled(out.get(base), c)
+    return out
 
 
 def _compile_options(strategy: Strategy, grid: ParallelGrid, req: Request) -> list[bool]:
@@ -346,7 +425,7 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
             if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
                 continue
             problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
-                                  attention=req.attention, tiled=req.tiled)
+                                  attention=req.attention, tiled=req.tiled is True)
             if problem:
                 yield dimension, strategy, problem
                 continue
@@ -407,8 +486,9 @@ KIND_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3, "hybrid"
 parameters every layer; pipelines add stages, a schedule and point-to-point sends."""
 
 
-def simplicity(c: Candidate) -> tuple[int, int, int]:
-    """Smaller is simpler and more robust: offload (host RAM, PCIe, CPU Adam, NVMe) first, then the family's moving
+def simplicity(c: Candidate) -> tuple[int, int, int, int]:
+    """Smaller is simpler and more robust: untiled (ALST tiling recomputes the MLPs and LM head through DeepSpeed's
+    tiled functions) first, then offload (host RAM, PCIe, CPU Adam, NVMe) first, then the family's moving
     parts (FSDP2's HSDP counts one more than full shard; a tensor / context / sequence dimension two more: collectives
     inside every layer), then pipeline stages (processes per model replica)."""
     s = c.strategy
@@ -416,7 +496,7 @@ def simplicity(c: Candidate) -> tuple[int, int, int]:
         + (s.offload_params != "none")
     parts = KIND_ORDER[s.kind] + (1 if s.kind == "fsdp2" and s.fsdp_mode == "hybrid" else 0) \
         - (1 if s.kind == "fsdp2" and s.fsdp_mode == "grad_op" else 0) + (2 if c.dimension else 0)
-    return offload, parts, c.pipeline_stages
+    return int(c.job.tiled), offload, parts, c.pipeline_stages
 
 
 def speed_ties(ranked: list[Candidate]) -> list[Candidate]:
