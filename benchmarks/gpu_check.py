@@ -678,6 +678,7 @@ def _multi_gpu_run(run: MultiGpuRun, work: Path, quick: bool) -> dict:
     from toolkit.run import tiny
     from toolkit.run.launcher import emit_plan_files, launch_command
     from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.hf_runner import read_rank_summaries
 
     shape = QUICK_SHAPE if quick else SHAPES["llama-1b"]
     seq, micro = (64, 2) if quick else (2048, 1)
@@ -701,7 +702,7 @@ def _multi_gpu_run(run: MultiGpuRun, work: Path, quick: bool) -> dict:
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode:
             raise RuntimeError(f"{name} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-400:]}")
-        ranks = [json.loads(f.read_text()) for f in sorted(summaries.glob("rank*.json"))]
+        ranks = read_rank_summaries(summaries)
         history = ranks[0]["log_history"]
         out[f"{name}_losses"] = [e["loss"] for e in history if "loss" in e]
         out[f"{name}_peak_gib_by_rank"] = {k: v for e in history for k, v in e.items()

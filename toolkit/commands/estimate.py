@@ -41,7 +41,7 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.job import Job, check_job
     from toolkit.estimate.search import evaluate
     from toolkit.estimate.errorband import band_for, time_band
-    from toolkit.inputs.hardware import power_fields
+    from toolkit.inputs.hardware import power_json
     from toolkit.inputs.strategy import parse_strategy
 
     spec = model_spec(args)
@@ -81,7 +81,7 @@ def cmd_estimate(args) -> int:
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, job.adapter), "hardware": hw.spec,
-               **({"power_limit": power_fields(hw.gpu, job.precision)} if hw.gpu.power_limit_w else {}),
+               **power_json(hw.gpu, job.precision),
                "strategy": strategy.name,
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
@@ -183,7 +183,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     if problem := spec.attention_problem(args.attention):
         raise UserError(problem)
     from toolkit.estimate.longest import longest_on_grid, text_chart
-    from toolkit.inputs.hardware import power_fields
+    from toolkit.inputs.hardware import power_json
     from toolkit.estimate.search import Request
     from toolkit.inputs.grid import ParallelGrid
 
@@ -197,7 +197,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,
-                          **({"power_limit": power_fields(hw.gpu, args.precision)} if hw.gpu.power_limit_w else {}),
+                          **power_json(hw.gpu, args.precision),
                           "strategy": found.name,
                           "longest_seq": found.seq_len, "capped_by_positions": found.capped_by_positions,
                           "reason": found.reason, "curve": [{"seq": s, "required_bytes": b} for s, b in found.curve]},

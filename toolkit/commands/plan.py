@@ -48,7 +48,7 @@ def cmd_plan(args) -> int:
 
     from toolkit.estimate.errorband import time_band
     from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan
-    from toolkit.inputs.hardware import power_fields
+    from toolkit.inputs.hardware import power_json
 
     spec = model_spec(args)  # a config that is wrong is named first
     if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
@@ -122,7 +122,7 @@ def cmd_plan(args) -> int:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
                "hardware": hw.spec, "attention": spec.effective_attention(req.attention),
-               **({"power_limit": power_fields(hw.gpu, req.precision)} if hw.gpu.power_limit_w else {}),
+               **power_json(hw.gpu, req.precision),
                "candidates": rows, "chosen": chosen.row() if chosen else None,
                "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
                **({"chosen_explained": _explained(chosen)} if args.explain and chosen else {})}
@@ -158,7 +158,7 @@ def _plan_seq_max(args, spec, hw, req) -> int:
 
     from toolkit.commands.help import status
     from toolkit.estimate.longest import longest_sequences, svg_chart, text_chart
-    from toolkit.inputs.hardware import power_fields, power_words
+    from toolkit.inputs.hardware import power_json, power_words
     from toolkit.estimate.search import to_plan
 
     with status("--seq max: the longest sequence each strategy fits"):
@@ -173,7 +173,7 @@ def _plan_seq_max(args, spec, hw, req) -> int:
     best = next((r for r in results if r.seq_len), None)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,
-                          **({"power_limit": power_fields(hw.gpu, req.precision)} if hw.gpu.power_limit_w else {}),
+                          **power_json(hw.gpu, req.precision),
                           "strategies": [
             {"name": r.name, "longest_seq": r.seq_len, "capped_by_positions": r.capped_by_positions,
              "reason": r.reason, "candidate": r.candidate.row() if r.candidate else None,

@@ -156,6 +156,11 @@ def power_fields(gpu: Gpu, precision: str) -> dict:
             "tdp_dense_peak_tflops": find_gpu(gpu.name).peak_tflops(precision), "source": power_source(gpu)}
 
 
+def power_json(gpu: Gpu, precision: str) -> dict:
+    """{"power_limit": power_fields(...)} for a --json object when a limit is set, else {}."""
+    return {"power_limit": power_fields(gpu, precision)} if gpu.power_limit_w else {}
+
+
 def power_words(gpu: Gpu, precision: str) -> str:
     """', 500 W power limit: 887 TFLOP/s dense bf16 peak (989 at the 700 W TDP)' when a limit is set, else ''."""
     f = power_fields(gpu, precision)
