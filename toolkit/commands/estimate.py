@@ -93,7 +93,7 @@ def cmd_estimate(args) -> int:
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "time_error_band": {**time_band().to_dict(),
                                    "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
-               "terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in b.terms],
+               "terms": [x.to_dict() for x in b.terms],
                **({"fake_world": world.to_dict()} if world else {}),
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:

@@ -217,7 +217,7 @@ def _print_explained(spec, hw, chosen) -> None:
 
 def _explained(chosen) -> dict[str, Any]:
     """plan --json --explain: the chosen row's memory terms with their sources and the notes behind its time."""
-    return {"terms": [{"name": x.name, "bytes": x.bytes, "source": x.source} for x in chosen.memory.terms],
+    return {"terms": [x.to_dict() for x in chosen.memory.terms],
             "notes": list(chosen.memory.notes) + list(chosen.timing.assumptions)}
 
 

@@ -52,6 +52,9 @@ class Term:
     bytes: int
     source: str
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "bytes": self.bytes, "source": self.source}
+
 
 @dataclass(frozen=True)
 class Breakdown:
