@@ -378,3 +378,17 @@ def test_plan_folder_file_names_are_spelled_once():
             if isinstance(node, ast.Constant) and node.value in names:
                 spelled.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value}")
     assert spelled == []
+
+
+def test_a_strategy_the_plan_schema_lacks_is_refused_at_the_parser_in_one_line(tmp_path, capsys):
+    """zero1-offload-nvme was accepted by the parser and then failed the plan schema with a pydantic traceback
+    after the table printed; the strategy table is now the one list both read."""
+    from toolkit.inputs.strategy import STRATEGIES
+    from toolkit.plan.schema import StrategyName
+
+    assert set(StrategyName.__args__) == set(STRATEGIES) == set(ALL_STRATEGY_NAMES)
+    assert all(parse_strategy(name).name == name for name in STRATEGIES)
+    out = tmp_path / "out"
+    assert main(["plan", "gpt2", "--gpus", "8xH100-80GB", "--seq", "1024", "--global-batch", "64",
+                 "--strategies", "zero1-offload-nvme", "--out", str(out)]) == 2
+    assert "unknown strategy 'zero1-offload-nvme'" in _one_error_line(capsys) and not out.exists()

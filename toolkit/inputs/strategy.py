@@ -1,7 +1,8 @@
 """Strategies: which engine shards what, named the way users type them.
 
 One `Strategy` value is one way of running a step. Its canonical name round-trips through `parse_strategy` and
-`Strategy.name`, and that name is what plan.json, the CLI and the tables print.
+`Strategy.name`, and that name is what plan.json, the CLI and the tables print. STRATEGIES (the end of this
+module) is the one list of them.
 
 Names:
   ddp                      torch DDP (one process with --gpus 1x...)
@@ -9,7 +10,7 @@ Names:
   zero1-offload, zero2-offload        ... with the optimizer (states + fp32 master + step) in CPU RAM
   zero3-offload            ZeRO-3 with optimizer and parameters in CPU RAM
   zero3-offload-opt        ZeRO-3 with only the optimizer in CPU RAM
-  ...-nvme                 the same offload to NVMe (ZeRO-Infinity) instead of CPU RAM
+  zero2-offload-nvme, zero3-offload-nvme   the same offload to NVMe (ZeRO-Infinity) instead of CPU RAM
   fsdp2                    torch FSDP2, full shard (reshard after forward)
   fsdp2-grad-op            FSDP2 without resharding after forward (ZeRO-2-like)
   fsdp2-hybrid             FSDP2 sharded inside a node, replicated across nodes (HSDP)
@@ -109,42 +110,36 @@ class Strategy:
         return base + ("-nvme" if device == "nvme" else "")
 
 
-def parse_strategy(text: str) -> Strategy:
-    """Parse a canonical strategy name (see the module docstring)."""
-    name = text.strip().lower().replace("_", "-")
-    nvme = name.endswith("-nvme")
-    if nvme:
-        name = name[: -len("-nvme")]
-    device: OffloadDevice = "nvme" if nvme else "cpu"
-    table: dict[str, Strategy] = {
-        "ddp": Strategy("ddp"),
-        "zero1": Strategy("zero1"),
-        "zero2": Strategy("zero2"),
-        "zero3": Strategy("zero3"),
-        "fsdp2": Strategy("fsdp2"),
-        "fsdp2-full": Strategy("fsdp2"),
-        "fsdp2-grad-op": Strategy("fsdp2", fsdp_mode="grad_op"),
-        "fsdp2-hybrid": Strategy("fsdp2", fsdp_mode="hybrid"),
-        "pipeline": Strategy("pipeline"),
-        "hybrid": Strategy("hybrid"),
-    }
-    offloaded: dict[str, Strategy] = {
-        "zero1-offload": Strategy("zero1", offload_optimizer=device),
-        "zero2-offload": Strategy("zero2", offload_optimizer=device),
-        "zero3-offload": Strategy("zero3", offload_optimizer=device, offload_params=device),
-        "zero3-offload-opt": Strategy("zero3", offload_optimizer=device),
-    }
-    if nvme:
-        table = offloaded
-    else:
-        table = {**table, **offloaded}
-    if name not in table:
-        raise UserError(f"unknown strategy '{text}'; choose one of: {', '.join(ALL_STRATEGY_NAMES)}")
-    return table[name]
+STRATEGIES: dict[str, Strategy] = {
+    "ddp": Strategy("ddp"),
+    "zero1": Strategy("zero1"),
+    "zero2": Strategy("zero2"),
+    "zero3": Strategy("zero3"),
+    "zero1-offload": Strategy("zero1", offload_optimizer="cpu"),
+    "zero2-offload": Strategy("zero2", offload_optimizer="cpu"),
+    "zero3-offload-opt": Strategy("zero3", offload_optimizer="cpu"),
+    "zero3-offload": Strategy("zero3", offload_optimizer="cpu", offload_params="cpu"),
+    "zero2-offload-nvme": Strategy("zero2", offload_optimizer="nvme"),
+    "zero3-offload-nvme": Strategy("zero3", offload_optimizer="nvme", offload_params="nvme"),
+    "fsdp2": Strategy("fsdp2"),
+    "fsdp2-grad-op": Strategy("fsdp2", fsdp_mode="grad_op"),
+    "fsdp2-hybrid": Strategy("fsdp2", fsdp_mode="hybrid"),
+    "pipeline": Strategy("pipeline"),
+    "hybrid": Strategy("hybrid"),
+}
+"""Every strategy, by its canonical name, in the order tables list them: the one list the parser, the planner's
+search, the plan schema (plan.schema.json) and the help read. A name not here is refused at the parser."""
 
-
-ALL_STRATEGY_NAMES: tuple[str, ...] = (
-    "ddp", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload", "zero3-offload-opt", "zero3-offload",
-    "zero2-offload-nvme", "zero3-offload-nvme", "fsdp2", "fsdp2-grad-op", "fsdp2-hybrid", "pipeline", "hybrid",
-)
+ALL_STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 """Every strategy the planner considers, in the order tables list them."""
+
+_ALIASES = {"fsdp2-full": "fsdp2"}
+
+
+def parse_strategy(text: str) -> Strategy:
+    """Parse a canonical strategy name (see STRATEGIES; "_" for "-" and fsdp2-full for fsdp2 are accepted)."""
+    name = text.strip().lower().replace("_", "-")
+    name = _ALIASES.get(name, name)
+    if name not in STRATEGIES:
+        raise UserError(f"unknown strategy '{text}'; choose one of: {', '.join(ALL_STRATEGY_NAMES)}")
+    return STRATEGIES[name]
