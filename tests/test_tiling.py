@@ -184,3 +184,81 @@ def test_tiled_json_is_only_json_when_deepspeed_is_first_imported(tiny_llama_dir
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["job"]["tiled"] is True
+
+
+def _small_real_config(name: str, tmp_path=None, **sizes):
+    """A real model's config (tests/arch_configs) with fewer, narrower layers and fewer experts."""
+    import json
+    from pathlib import Path
+
+    from toolkit.inputs.modelspec import _config_from_dict
+    from toolkit.run.tiny import shrink_config
+
+    path = Path(__file__).parent / "arch_configs" / f"{name}.json"
+    config = shrink_config(_config_from_dict(json.loads(path.read_text()), name), layers=2, **sizes)
+    if tmp_path is not None:
+        config.save_pretrained(tmp_path)
+    return config
+
+
+@pytest.mark.parametrize("name, mlp_class, why, extra", [
+    ("qwen3-30b-a3b", "Qwen3MoeSparseMoeBlock", "fails on a [3, 64] chunk (ValueError", {}),
+    ("gpt-oss-20b", "GptOssMLP", "returns a tuple, not one tensor", {}),
+    ("mixtral-8x7b-v0.1", "MixtralSparseMoeBlock", "fails on a [3, 64] chunk (ValueError", {}),
+    # a dense first layer, then a MoE one: the dense MLP alone would be tileable
+    ("deepseek-v3", "DeepseekV3MoE", "routes tokens to experts", {"first_k_dense_replace": 1}),
+])
+def test_tiling_refuses_an_mlp_tiled_mlp_cannot_run_in_one_line(name, mlp_class, why, extra, tmp_path, capsys):
+    """TiledMLP hands the MLP flattened [tokens, hidden] chunks in its backward and wants one tensor of that shape
+    back: a sparse-MoE block that unpacks [batch, seq, hidden], or returns (hidden, router scores), is found by
+    probing the model's own MLP on the meta device. --tiled on refuses it in one line; the planner's auto tiling
+    does not try it (the crash: `plan` over Qwen3-30B-A3B on 2x8xH100 ended in the block's ValueError)."""
+    from toolkit.cli import main
+    from toolkit.estimate.search import Request, auto_tiling
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
+
+    _small_real_config(name, tmp_path, experts=4, **extra)
+    spec = resolve_model(str(tmp_path))
+    assert spec.tiling_blocker.startswith(f"DeepSpeed's TiledMLP cannot run its MLP {mlp_class}: "), spec.tiling_blocker
+    assert why in spec.tiling_blocker
+    assert any(n.startswith("ALST tiling not tried: ") for n in spec.notes)
+    assert not auto_tiling(spec, parse_strategy("zero3"), Request(seq_len=256, global_batch=8))
+    assert main(["plan", str(tmp_path), "--gpus", "2xH100-80GB", "--seq", "256", "--global-batch", "8", "--tiled", "on"]) == 2
+    # (transformers' own warning about the shrunk config's rope scaling is not ours)
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[transformers]")]
+    assert len(err) == 1 and f"TiledMLP cannot run its MLP {mlp_class}" in err[0] and "drop --tiled" in err[0], err
+
+
+def test_dense_mlps_stay_tileable():
+    from toolkit.inputs.modelspec import resolve_model
+
+    for name in ("llama-3.1-8b", "phi-3-mini-4k-instruct", "gemma-3-1b", "falcon-7b"):
+        spec = resolve_model(str(__import__("pathlib").Path(__file__).parent / "arch_configs" / f"{name}.json"))
+        assert spec.tiling_blocker is None, (name, spec.tiling_blocker)
+
+
+def test_apply_tiling_leaves_the_mlps_tiled_mlp_cannot_run():
+    """Qwen1.5-MoE with a dense layer (mlp_only_layers): apply_tiling tiles the dense MLP only and the loss; the
+    MoE block keeps its own forward, and loss and gradients match the plain model's."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.estimate.tiling import apply_tiling
+    from toolkit.inputs.tileable import tileable_mlps
+
+    config = _small_real_config("qwen1.5-moe-a2.7b", experts=4, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    tiled = copy.deepcopy(plain)
+    ok, refused = tileable_mlps(tiled, config.hidden_size)
+    assert ok == [tiled.model.layers[1].mlp] and list(refused) == ["Qwen2MoeSparseMoeBlock"]
+    apply_tiling(tiled)
+    assert "forward" not in vars(tiled.model.layers[0].mlp) and "forward" in vars(tiled.model.layers[1].mlp)
+    ids = torch.randint(0, config.vocab_size, (2, 128))
+    losses = [model(input_ids=ids, labels=ids).loss for model in (plain, tiled)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, a), b in zip(plain.named_parameters(), tiled.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-4, msg=name)

@@ -37,9 +37,12 @@ def _ulysses():
 
 
 def _mlps(model):
-    base = getattr(model, model.base_model_prefix, model)
-    layers = getattr(base, "layers", None) or getattr(base, "h", None) or ()
-    return [layer.mlp for layer in layers if hasattr(layer, "mlp")]
+    """The decoder layers' MLPs TiledMLP can run (toolkit.inputs.tileable; the planner refuses tiling for a model
+    with any other, so a user's apply_tiling on such a model tiles the loss and leaves those MLPs as they are)."""
+    from toolkit.inputs.tileable import tileable_mlps
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return tileable_mlps(model, int(getattr(config, "hidden_size", None) or getattr(config, "n_embd")))[0]
 
 
 def _tiled_mlp_forward(self, x):

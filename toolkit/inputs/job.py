@@ -305,6 +305,8 @@ def model_feature_problem(spec: "ModelSpec", *, liger: bool = False, tiled: bool
         return problem
     if liger and (problem := liger_problem(spec.model_type)):
         return problem
+    if tiled and spec.tiling_blocker:
+        return f"--tiled: {spec.tiling_blocker}; drop --tiled"
     return tiling_problem(spec.hf_config()) if tiled else None
 
 

@@ -65,6 +65,9 @@ class ModelSpec:
     pipeline_blocker: str | None = None
     """Why the pipeline converter cannot split this model (the part that stops it), or None: it can
     (toolkit.inputs.decoder_parts, found from the model's own modules)."""
+    tiling_blocker: str | None = None
+    """Why ALST tiling cannot run this model (a decoder layer's MLP DeepSpeed's TiledMLP cannot run, probed on the
+    meta device: toolkit.inputs.tileable), or None."""
     source_key: str | None = None
     """Hash of where the config came from (its config.json text, or the bare numbers): the on-disk cache key of
     this spec and of its activation traces. None (hub ids) caches nothing."""
@@ -537,9 +540,14 @@ def build_spec(name: str, config) -> ModelSpec:
     expert_params = sum(p.numel() for n, p in layers.named_parameters() if _is_expert(n))
     from toolkit.inputs.decoder_parts import pipeline_blocker
 
+    from toolkit.inputs.tileable import model_tiling_blocker
+
+    tiling_blocker = model_tiling_blocker(model, hidden)
     notes = []
     if experts:
         notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token")
+    if tiling_blocker:  # the planner's auto tiling skips this model; --tiled refuses it with the same words
+        notes.append(f"ALST tiling not tried: {tiling_blocker}")
     return ModelSpec(
         name=name,
         model_type=config.model_type,
@@ -568,6 +576,7 @@ def build_spec(name: str, config) -> ModelSpec:
         moe_top_k=top_k,
         notes=tuple(notes),
         pipeline_blocker=pipeline_blocker(model, config),
+        tiling_blocker=tiling_blocker,
     )
 
 
