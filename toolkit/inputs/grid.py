@@ -190,6 +190,24 @@ class ParallelGrid:
         return self.tensor * self.context * self.sequence
 
     @property
+    def resumable(self) -> bool:
+        """Whether a run on this grid can resume from its checkpoints (resume_problem() is None)."""
+        return self.resume_problem() is None
+
+    def resume_problem(self) -> str | None:
+        """Why a run on this grid cannot resume from a checkpoint, or None. Tensor parallelism (FSDP2 x TP, HSDP x
+        TP) runs a model transformers shards as it loads it (from_pretrained(distributed_config=...)), and the HF
+        Trainer refuses to checkpoint the optimizer of such a model (transformers 5.24 trainer.py __init__:
+        "Resuming is not supported for models sharded at load time"), so its checkpoints hold the model only
+        (save_only_model). Every other grid resumes exactly (ZeRO / FSDP2 / DDP / SP through the Trainer's
+        checkpoints, pipeline through the engine's own)."""
+        if self.tensor > 1:
+            return ("tensor parallelism: transformers shards the model as it loads it and the HF Trainer does not "
+                    "checkpoint such a model's optimizer (its checkpoints hold the model only), so the run cannot "
+                    "resume")
+        return None
+
+    @property
     def shard_group(self) -> int:
         """Ranks one sharded state is split over (1: replicated). FSDP2 shards over the flattened dp_shard x cp
         mesh (accelerate ParallelismConfig.dp_shard_cp_dim_names); ZeRO under Ulysses partitions over DeepSpeed's

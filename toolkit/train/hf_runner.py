@@ -38,10 +38,8 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
                         "it with your own TRL script (training_args.json, sft_config) or re-plan without "
                         "--activation-offloading")
     dimensions.check_runnable(plan, on_cpu=cpu.on_cpu())
-    if args.resume and dimensions.tensor_parallel(plan):
-        raise UserError("a tensor-parallel run cannot resume: the HF Trainer does not checkpoint the optimizer of a "
-                        "model transformers sharded at load time (its checkpoints hold the model only); start "
-                        "again without --resume")
+    if args.resume and (problem := plan.grid.resume_problem()):
+        raise UserError(f"--resume: {problem}; start again without --resume")
     output = Path(args.output)
     resume_from = _resume_point(output, args.resume)
 
