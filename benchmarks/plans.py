@@ -29,8 +29,8 @@ CASES = {
 def main() -> int:
     lines = ["# Chosen plans for the reference cases", "",
              f"{time.strftime('%Y-%m-%d')}, `python benchmarks/plans.py`. Ranked by predicted tokens/s, except that "
-             "candidates within the step-time band of the fastest (marked 'tie') are ordered by simplicity and "
-             "robustness; `*` marks a speed no published run of that engine at that scale backs "
+             "candidates within the step-time band of the fastest (marked 'tie') are ordered by robustness "
+             "(resumable, memory headroom in peak error bands, then simplicity: toolkit.estimate.ranking); `*` marks a speed no published run of that engine at that scale backs "
              f"({time_band().text()}; benchmarks/results/throughput.md). GiB is the required memory per GPU (tensor "
              "peak + context + margin).", ""]
     for case, (model, gpus, inter, seq, batch) in CASES.items():

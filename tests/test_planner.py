@@ -203,3 +203,57 @@ def test_launch_flags_before_the_double_dash_are_toolkits_after_it_trains(tmp_pa
     assert "--model" in capsys.readouterr().err
     assert main(["plan", "gpt2", "--seq", "64", "--global-batch", "8", "--", "--data", "d"]) == 2
     assert "only `toolkit launch`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seq", [32768, 65536, 131072])
+def test_speed_ties_put_a_row_with_a_band_of_memory_headroom_first(seq):
+    """Issue 33: Llama-3.1-8B at 32k-128k on 8xH100, ZeRO-1 x SP at 73.8 of 79.1 GiB (within a fifth of a band of the
+    refusal line) used to rank first among speeds within 0.3%; a row with at least one spare band must."""
+    from toolkit.estimate.ranking import SPARE_BANDS, headroom_bands, speed_ties, why_first
+
+    cands = plan_candidates(resolve_model("llama-3.1-8b"), parse_hardware("8xH100-80GB"),
+                            Request(seq_len=seq, global_batch=8))
+    tied = speed_ties(cands)
+    first = next(c for c in cands if c.feasible)
+    assert len(tied) > 1 and first is tied[0]
+    assert headroom_bands(first) >= SPARE_BANDS, (first.name, headroom_bands(first))
+    riskier = [c for c in tied if headroom_bands(c) < SPARE_BANDS]
+    assert all(cands.index(c) > cands.index(first) for c in riskier)
+    why = why_first(cands)
+    assert why.startswith(f"#1: within the step-time band (+-") and "memory headroom" in why
+
+
+def test_a_faster_row_beyond_the_band_wins_over_more_headroom(llama7b):
+    """Robustness orders only the ties: a row faster by more than the step-time band stays first."""
+    from dataclasses import replace
+
+    from toolkit.estimate.errorband import time_band
+    from toolkit.estimate.ranking import headroom_bands, rank, why_first
+
+    cands = [c for c in plan_candidates(llama7b, parse_hardware("8xH100-80GB"),
+                                        Request(seq_len=4096, global_batch=64, strategies=("zero1", "zero3"),
+                                                sequence_parallel=1)) if c.feasible]
+    roomy, tight = sorted(cands, key=headroom_bands, reverse=True)[:2]
+    assert headroom_bands(roomy) > headroom_bands(tight)
+    speedup = 1 + 2 * time_band().fraction
+    fast = replace(tight, timing=replace(tight.timing, tokens_per_s=roomy.timing.tokens_per_s * speedup,
+                                         step_time_s=roomy.timing.step_time_s / speedup))
+    ranked = rank([roomy, fast])
+    assert ranked == [fast, roomy]
+    assert why_first(ranked).startswith(f"#1: faster than #2 ({roomy.name}) by ")
+    within = replace(fast, timing=replace(fast.timing,
+                                          tokens_per_s=roomy.timing.tokens_per_s * (1 + time_band().fraction / 2)))
+    assert rank([within, roomy]) == [roomy, within]  # inside the band robustness decides, not the speed
+
+
+def test_plan_says_why_number_one_is_first_in_the_table_json_and_plan_json(tmp_path, capsys):
+    argv = ["plan", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--seq", "32768", "--global-batch", "8"]
+    assert main(argv + ["--json", "--out", str(tmp_path / "p")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    why = out["chosen_because"]
+    assert why.startswith("#1: within the step-time band") and "memory headroom" in why
+    assert out["chosen"]["headroom_bands"] >= 1
+    assert min(r["headroom_bands"] for r in out["candidates"] if r["name"] in out["speed_ties"]) < 1
+    assert f"ranking: {why}" in load_plan(tmp_path / "p").notes
+    assert main(argv) == 0
+    assert f"\n{why}\n" in capsys.readouterr().out

@@ -145,5 +145,5 @@ def test_plan_orders_speeds_within_the_band_by_simplicity_and_says_so(capsys):
                for c in feasible if c["name"] in out["speed_ties"])
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "are within it of the fastest, so they are ordered by simplicity" in text
+    assert "are within it of the fastest, so they are ordered by robustness" in text
     assert "* speed unverified" in text  # ZeRO offload has no published run in the corpus

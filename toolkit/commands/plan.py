@@ -47,7 +47,7 @@ def cmd_plan(args) -> int:
     from pathlib import Path
 
     from toolkit.estimate.errorband import time_band
-    from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan
+    from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan, why_first
     from toolkit.inputs.hardware import power_json
 
     spec = model_spec(args)  # a config that is wrong is named first
@@ -118,12 +118,14 @@ def cmd_plan(args) -> int:
             raise UserError(f"--choose {wanted} cannot run: {why}")
         chosen = match[0]
     rows = [c.row() for c in candidates]
+    why = why_first(candidates) if chosen is not None and chosen is (feasible[0] if feasible else None) else None
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
                "hardware": hw.spec, "attention": spec.effective_attention(req.attention),
                **power_json(hw.gpu, req.precision),
                "candidates": rows, "chosen": chosen.row() if chosen else None,
+               "chosen_because": why or (f"--choose {args.strategy_choice}" if chosen else None),
                "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
                **({"chosen_explained": _explained(chosen)} if args.explain and chosen else {})}
     else:
@@ -135,7 +137,8 @@ def cmd_plan(args) -> int:
         from toolkit.emit import emit_files
         from toolkit.inputs.resolve import recorded_model
 
-        plan = to_plan(chosen, spec, hw, recorded_model(args.model) or spec.name)
+        plan = to_plan(chosen, spec, hw, recorded_model(args.model) or spec.name,
+                       why=why or f"chosen with --choose {args.strategy_choice}")
         hosts = args.hosts
         written = [str(p) for p in emit_files(plan, Path(args.out), force=args.force, candidates=rows,
                                               nvme_path=args.nvme_path, hosts=hosts)]
@@ -232,6 +235,7 @@ def _refuse_existing(out, force: bool) -> None:
 
 
 def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
+    from toolkit.estimate.ranking import resume_problem, why_first
     from toolkit.inputs.hardware import power_words
 
     print(f"{spec.name} ({human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
@@ -256,17 +260,23 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
         m, t = c.memory, c.timing
         host = f"{m.cpu_bytes_per_node / GIB:.0f}" if m.cpu_bytes_per_node else "-"
         mark = "" if c.speed_evidenced else "*"
-        print(f"{shown:>2}  {c.name:<28}{c.job.micro_batch:>6}{c.job.grad_accum:>6}"
+        name = c.name + (" !" if resume_problem(c) else "")
+        print(f"{shown:>2}  {name:<28}{c.job.micro_batch:>6}{c.job.grad_accum:>6}"
               f"{'yes' if c.job.checkpointing else 'no':>5}{m.required_bytes / GIB:>9.1f}{host:>9}"
               f"{t.step_time_s:>9.2f}{t.tokens_per_s:>10,.0f}{mark:1}{t.mfu:>6.0%}")
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
+    cannot_resume = [c for c in candidates if c.feasible and resume_problem(c)][:top]
+    for c in cannot_resume:
+        print(f"! {c.name} cannot resume from its checkpoints: {resume_problem(c)}")
     chosen = next((c for c in candidates if c.feasible), None)
     if chosen is not None:
         from toolkit.estimate.errorband import band_for
 
+        print(f"\n{why_first(candidates)}")
+
         band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
-        print(f"\nerror band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
+        print(f"error band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
         _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
@@ -287,7 +297,8 @@ def _note_time_band(hw, candidates, top: int) -> None:
     if len(tied) > 1:
         names = ", ".join(c.name for c in tied[:top])
         print(f"{band.text()}: #1-#{len(tied)} ({names}) are within it of the fastest, so they are ordered by "
-              "simplicity and robustness (no offload, fewer sharded or pipelined parts), not by speed")
+              "robustness (resumable, then memory headroom in peak error bands, then simplicity: no offload, fewer "
+              "sharded or pipelined parts), not by speed")
     else:
         print(f"{band.text()}: #1 is faster than the rest by more than the band")
     shown = [c for c in candidates if c.feasible][:top]

@@ -7,7 +7,7 @@ planner keeps the band as headroom: a candidate whose required bytes plus band x
 
 The step-time band comes from benchmarks/throughput.py (time_error_band.json beside this module): the held-out
 published runs' 90th-percentile |error| of tokens/s. The planner treats candidates whose predicted speeds are closer
-than it as ties and orders them by simplicity and robustness.
+than it as ties and orders them by robustness (toolkit.estimate.ranking).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The planner: every strategy the engines support x micro-batch x accumulation x checkpointing x pipeline
 stages, each costed by the memory and step-time models, ranked by predicted tokens/s. Candidates whose speeds differ
-by less than the step-time error band (toolkit.estimate.errorband.time_band) are ties: among them the simplest and most
-robust comes first (untiled, no offload, fewer sharded or pipelined parts, fewer stages), then the faster.
+by less than the step-time error band (toolkit.estimate.errorband.time_band) are ties, ordered by robustness
+(toolkit.estimate.ranking: resumable, memory headroom in units of the peak error band, then simplicity), then speed.
 
 ALST tiling (toolkit.estimate.tiling) by default ("auto", Request.tiled None) is tried where the engines run it
 (toolkit.inputs.job.tiled_problem, model_feature_problem) on a grid that fits no configuration untiled, for the
@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from toolkit.estimate.errorband import band_for, time_band
+from toolkit.estimate.ranking import (headroom_bands, need_bytes, rank, resume_problem,  # noqa: F401 (re-exported)
+                                     simplicity, speed_ties, why_first)
 from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
@@ -104,7 +106,14 @@ class Candidate:
             "step_time_s": self.timing.step_time_s if self.timing else None,
             "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
             "speed_evidenced": self.speed_evidenced,
+            "headroom_bands": _finite(round(headroom_bands(self), 2)) if self.feasible else None,
+            "resume_problem": resume_problem(self) if self.feasible else None,
         }
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: an unmeasured headroom is null."""
+    return x if x == x and abs(x) != float("inf") else None
 
 
 @dataclass(frozen=True)
@@ -236,13 +245,7 @@ def _better(a: Candidate, b: Candidate | None) -> bool:
         ka = (round(a.timing.tokens_per_s, 6), a.memory.headroom_bytes)
         kb = (round(b.timing.tokens_per_s, 6), b.memory.headroom_bytes)
         return ka > kb
-    return _need(a) < _need(b)  # the least-infeasible explains best
-
-
-def _need(c: Candidate) -> float:
-    if c.memory is not None:
-        return c.memory.required_bytes
-    return float("inf") if c.reason is None else 1e30
+    return need_bytes(a) < need_bytes(b)  # the least-infeasible explains best
 
 
 def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
@@ -373,7 +376,7 @@ def prefer_untiled(plain: Candidate | None, tiled: Candidate | None) -> Candidat
         return tiled if faster > slower and not time_band().ties(faster, slower) else plain
     if plain.feasible != tiled.feasible:
         return plain if plain.feasible else tiled
-    return plain if _need(plain) <= _need(tiled) else tiled
+    return plain if need_bytes(plain) <= need_bytes(tiled) else tiled
 
 
 def _untiled_unless_needed(best: dict[str, Candidate]) -> dict[str, Candidate]:
@@ -474,53 +477,6 @@ def _check_stages(strategies: list[Strategy], hw: Hardware, stages: int | None) 
         raise UserError(problems[0])
 
 
-def _rank_key(c: Candidate):
-    if not c.feasible:
-        return (1, _need(c))
-    return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
-
-
-OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
-KIND_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3, "hybrid": 5, "pipeline": 5}
-"""Moving parts per family: DDP keeps whole copies; ZeRO-1/2 and FSDP2 grad-op shard states; ZeRO-3 / FSDP2 gather
-parameters every layer; pipelines add stages, a schedule and point-to-point sends."""
-
-
-def simplicity(c: Candidate) -> tuple[int, int, int, int]:
-    """Smaller is simpler and more robust: untiled (ALST tiling recomputes the MLPs and LM head through DeepSpeed's
-    tiled functions) first, then offload (host RAM, PCIe, CPU Adam, NVMe) first, then the family's moving
-    parts (FSDP2's HSDP counts one more than full shard; a tensor / context / sequence dimension two more: collectives
-    inside every layer), then pipeline stages (processes per model replica)."""
-    s = c.strategy
-    offload = max(OFFLOAD_ORDER[s.offload_optimizer], OFFLOAD_ORDER[s.offload_params]) * 2 \
-        + (s.offload_params != "none")
-    parts = KIND_ORDER[s.kind] + (1 if s.kind == "fsdp2" and s.fsdp_mode == "hybrid" else 0) \
-        - (1 if s.kind == "fsdp2" and s.fsdp_mode == "grad_op" else 0) + (2 if c.dimension else 0)
-    return int(c.job.tiled), offload, parts, c.pipeline_stages
-
-
-def speed_ties(ranked: list[Candidate]) -> list[Candidate]:
-    """The feasible candidates whose predicted speed is within the step-time band of the fastest one."""
-    feasible = [c for c in ranked if c.feasible]
-    if not feasible:
-        return []
-    fastest = max(c.timing.tokens_per_s for c in feasible)
-    band = time_band()
-    return [c for c in feasible if c.timing.tokens_per_s >= fastest or band.ties(fastest, c.timing.tokens_per_s)]
-
-
-def rank(cands: list[Candidate]) -> list[Candidate]:
-    """Feasible first by tokens/s, except that candidates inside the step-time band of the fastest are ordered by
-    simplicity first: a difference the model cannot tell apart never decides for the riskier setup."""
-    ordered = sorted(cands, key=_rank_key)
-    tied = speed_ties(ordered)
-    if len(tied) < 2:
-        return ordered
-    tied_ids = {id(c) for c in tied}
-    rest = [c for c in ordered if id(c) not in tied_ids]
-    return sorted(tied, key=lambda c: (simplicity(c), _rank_key(c))) + rest
-
-
 def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
     """A row that cannot run, with the reason."""
     job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
@@ -530,8 +486,9 @@ def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dime
                      global_batch=req.global_batch or 0, reason=reason, dimension=dimension)
 
 
-def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Plan":
-    """The chosen candidate as the Plan that emit, launch and train read, its prediction keyed to its inputs."""
+def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why: str | None = None) -> "Plan":
+    """The chosen candidate as the Plan that emit, launch and train read, its prediction keyed to its inputs.
+    `why`: the ranking's reason it is #1 (why_first), kept in the plan's notes."""
     from toolkit.plan.build import build_plan
 
     predicted: dict[str, Any] = {}
@@ -542,6 +499,8 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str) -> "Pl
     notes = list(c.memory.notes) if c.memory else []
     if c.timing:
         notes += list(c.timing.assumptions)
+    if why:
+        notes.append(f"ranking: {why}")
     plan = build_plan(
         model=model_name, model_config=_jsonable(spec.config_dict()), model_type=spec.model_type,
         layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy,

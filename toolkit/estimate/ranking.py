@@ -1,0 +1,180 @@
+"""How the planner orders the candidates it costed, and why #1 is #1.
+
+Feasible candidates come first, by predicted tokens/s. Candidates whose speeds are closer than the step-time error
+band (toolkit.estimate.errorband.time_band) are ties: the model cannot tell them apart, so a speed difference inside
+the band never decides for the riskier setup. Among ties the order is robustness:
+
+1. a plan that can resume from its checkpoints before one that cannot (resume_problem);
+2. memory headroom, in units of the row's own peak error band (errorband.band_for), counted beyond the one band the
+   planner already keeps (a row inside it is refused): 0 is at the refusal line, and a row with less than one band
+   to spare would run out of memory if the estimate were off by twice its band, so it is the riskier one. Headroom
+   counts up to one spare band: past that, more idle memory buys nothing and
+3. simplicity decides (no swapped kernels or tiling, no offload, fewer sharded / model-parallel parts, fewer stages);
+4. then speed.
+
+A faster candidate beyond the band still wins: only the ties are reordered.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from toolkit.estimate.errorband import band_for, time_band
+
+if TYPE_CHECKING:
+    from toolkit.estimate.search import Candidate
+
+SPARE_BANDS = 1.0
+"""Headroom beyond the kept error band, in bands, at which a row counts as safe: below it a row is riskier and more
+headroom ranks it higher; at or above it rows are equal on memory and simplicity decides."""
+
+
+def headroom_bands(c: "Candidate") -> float:
+    """GPU memory left beyond the error band the planner keeps, in units of that band: (capacity - required - band)
+    / band. 0: at the refusal line; 1: an estimate off by twice its band still fits. inf when the band is unknown
+    (no published case scored) or the row is not costed."""
+    if c.memory is None:
+        return math.inf
+    band = band_for(c.strategy.engine, c.job.checkpointing).headroom_bytes(c.memory.peak_bytes)
+    if band <= 0:
+        return math.inf
+    return (c.memory.capacity_bytes - c.memory.required_bytes - band) / band
+
+
+def resume_problem(c: "Candidate") -> str | None:
+    """Why this plan cannot resume from its own checkpoints, or None.
+
+    PLACEHOLDER call point: which plans cannot resume (e.g. FSDP2 x TP, whose Trainer checkpoints hold the model
+    only) is being defined on branch `rehearse`, which names its function in /work/briefs/RESUMABLE.md; until that
+    lands every plan counts as resumable and this ranks nothing."""
+    return None
+
+
+OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
+KIND_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3, "hybrid": 5, "pipeline": 5}
+"""Moving parts per family: DDP keeps whole copies; ZeRO-1/2 and FSDP2 grad-op shard states; ZeRO-3 / FSDP2 gather
+parameters every layer; pipelines add stages, a schedule and point-to-point sends."""
+
+
+def simplicity(c: "Candidate") -> tuple[int, int, int, int]:
+    """Smaller is simpler: the model's own code (ALST tiling recomputes the MLPs and LM head through DeepSpeed's
+    tiled functions; Liger swaps in Triton kernels) first, then offload (host RAM, PCIe, CPU Adam, NVMe; activation
+    offloading's side-stream copies) first, then the family's moving parts (FSDP2's HSDP counts one more than full
+    shard; a tensor / context / sequence dimension two more: collectives inside every layer), then pipeline stages
+    (processes per model replica)."""
+    s, job = c.strategy, c.job
+    offload = max(OFFLOAD_ORDER[s.offload_optimizer], OFFLOAD_ORDER[s.offload_params]) * 2 \
+        + (s.offload_params != "none") + int(job.activation_offloading)
+    parts = KIND_ORDER[s.kind] + (1 if s.kind == "fsdp2" and s.fsdp_mode == "hybrid" else 0) \
+        - (1 if s.kind == "fsdp2" and s.fsdp_mode == "grad_op" else 0) + (2 if c.dimension else 0)
+    return int(job.tiled) + int(job.liger), offload, parts, c.pipeline_stages
+
+
+def robustness(c: "Candidate") -> tuple:
+    """Smaller is more robust (module docstring): resumable, then headroom up to SPARE_BANDS, then simplicity."""
+    return resume_problem(c) is not None, -min(headroom_bands(c), SPARE_BANDS), simplicity(c)
+
+
+def need_bytes(c: "Candidate") -> float:
+    """How much a refused candidate needs (the least-infeasible explains best)."""
+    if c.memory is not None:
+        return c.memory.required_bytes
+    return float("inf") if c.reason is None else 1e30
+
+
+def speed_key(c: "Candidate"):
+    if not c.feasible:
+        return (1, need_bytes(c))
+    return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
+
+
+def speed_ties(ranked: list["Candidate"]) -> list["Candidate"]:
+    """The feasible candidates whose predicted speed is within the step-time band of the fastest one."""
+    feasible = [c for c in ranked if c.feasible]
+    if not feasible:
+        return []
+    fastest = max(c.timing.tokens_per_s for c in feasible)
+    band = time_band()
+    return [c for c in feasible if c.timing.tokens_per_s >= fastest or band.ties(fastest, c.timing.tokens_per_s)]
+
+
+def rank(cands: list["Candidate"]) -> list["Candidate"]:
+    """Feasible first by tokens/s, except that candidates inside the step-time band of the fastest are ordered by
+    robustness first (module docstring): a difference the model cannot tell apart never decides for the riskier
+    setup."""
+    ordered = sorted(cands, key=speed_key)
+    tied = speed_ties(ordered)
+    if len(tied) < 2:
+        return ordered
+    tied_ids = {id(c) for c in tied}
+    rest = [c for c in ordered if id(c) not in tied_ids]
+    return sorted(tied, key=lambda c: (robustness(c), speed_key(c))) + rest
+
+
+def why_first(ranked: list["Candidate"]) -> str | None:
+    """One line saying why the first feasible candidate of `ranked` (rank's order) is #1, or None when none fits."""
+    feasible = [c for c in ranked if c.feasible]
+    if not feasible:
+        return None
+    first, band = feasible[0], time_band()
+    if len(feasible) == 1:
+        return "#1: the only row that fits"
+    tied = speed_ties(feasible)
+    if len(tied) < 2:
+        second = feasible[1]
+        return (f"#1: faster than #2 ({second.name}) by {_faster(first, second):.0%}, more than the step-time band "
+                f"(+-{band.fraction:.0%})")
+    decided: dict[str, list[int]] = {"resume": [], "headroom": [], "simpler": [], "faster": []}
+    for pos, c in enumerate(tied[1:], start=2):
+        decided[_decider(first, c)].append(pos)
+    parts = [f"#1: within the step-time band (+-{band.fraction:.0%}) of {_positions(range(2, len(tied) + 1))}, "
+             "so robustness decides"]
+    if decided["resume"]:
+        parts.append(f"it can resume from its checkpoints ({_positions(decided['resume'])} cannot)")
+    mine = headroom_bands(first)
+    if decided["headroom"]:
+        worst = sorted(decided["headroom"], key=lambda p: headroom_bands(tied[p - 1]))[:2]
+        others = ", ".join(f"#{p} {tied[p - 1].name}: {_bands(headroom_bands(tied[p - 1]))}" for p in worst)
+        parts.append(f"memory headroom {_bands(mine)} beyond the kept error band ({others}; under "
+                     f"{SPARE_BANDS:g} band is riskier)")
+    elif math.isfinite(mine):
+        parts.append(f"memory headroom {_bands(mine)} beyond the kept error band")
+    if decided["simpler"]:
+        parts.append(f"simpler than {_positions(decided['simpler'])} (untiled / own kernels, no offload, fewer "
+                     "sharded or model-parallel parts, fewer stages)")
+    fastest = max(tied, key=lambda c: c.timing.tokens_per_s)
+    if fastest is first:
+        parts.append("and the fastest")
+    else:
+        pos = tied.index(fastest) + 1
+        parts.append(f"#{pos} is predicted {_faster(fastest, first):.1%} faster, inside the band")
+    return "; ".join(parts)
+
+
+def _decider(first: "Candidate", other: "Candidate") -> str:
+    """Which part of the ranking key put `first` before `other` (both in the tie)."""
+    a, b = robustness(first), robustness(other)
+    for name, x, y in (("resume", a[0], b[0]), ("headroom", a[1], b[1]), ("simpler", a[2], b[2])):
+        if x != y:
+            return name
+    return "faster"
+
+
+def _faster(a: "Candidate", b: "Candidate") -> float:
+    return a.timing.tokens_per_s / b.timing.tokens_per_s - 1
+
+
+def _bands(x: float) -> str:
+    return "unmeasured (no peak error band)" if not math.isfinite(x) else f"{x:.1f} band{'' if x == 1 else 's'}"
+
+
+def _positions(positions) -> str:
+    """'#2-#4, #6' for positions 2, 3, 4, 6."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}-#{r[-1]}" for r in runs)
