@@ -143,6 +143,8 @@ def why_first(ranked: list["Candidate"]) -> str | None:
     if decided["simpler"]:
         parts.append(f"simpler than {_positions(decided['simpler'])} (untiled / own kernels, no offload, fewer "
                      "sharded or model-parallel parts, fewer stages)")
+    if decided["faster"]:
+        parts.append(f"as robust as {_positions(decided['faster'])} and faster")
     fastest = max(tied, key=lambda c: c.timing.tokens_per_s)
     if fastest is first:
         parts.append("and the fastest")
@@ -166,7 +168,10 @@ def _faster(a: "Candidate", b: "Candidate") -> float:
 
 
 def _bands(x: float) -> str:
-    return "unmeasured (no peak error band)" if not math.isfinite(x) else f"{x:.1f} band{'' if x == 1 else 's'}"
+    if not math.isfinite(x):
+        return "unmeasured (no peak error band)"
+    shown = f"{x:.2f}" if x < SPARE_BANDS <= round(x, 1) else f"{x:.1f}"  # never "1.0" for a row under one band
+    return f"{shown} band{'' if shown == '1.0' else 's'}"
 
 
 def _positions(positions) -> str:
