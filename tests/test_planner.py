@@ -257,3 +257,19 @@ def test_plan_says_why_number_one_is_first_in_the_table_json_and_plan_json(tmp_p
     assert f"ranking: {why}" in load_plan(tmp_path / "p").notes
     assert main(argv) == 0
     assert f"\n{why}\n" in capsys.readouterr().out
+
+
+def test_a_tied_plan_that_cannot_resume_ranks_below_those_that_can_and_is_marked(capsys):
+    """Llama-3-8B on 8xH100 at 4096 tokens: FSDP2 x TP 2 is within the step-time band, and its checkpoints hold the
+    model only (ParallelGrid.resume_problem): every tied row that can resume ranks above it; the table marks it."""
+    argv = ["plan", "llama-3-8b", "--gpus", "8xH100-80GB", "--seq", "4096", "--global-batch", "256"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    tied = [r for r in out["candidates"] if r["name"] in out["speed_ties"]]
+    stuck = [i for i, r in enumerate(tied) if r["resume_problem"]]
+    assert stuck and tied[stuck[0]]["tensor_parallel"] > 1, [r["name"] for r in tied]
+    assert all(not r["resume_problem"] for r in tied[:stuck[0]]) and all(r["resume_problem"] for r in tied[stuck[0]:])
+    assert main(argv + ["--top", "20"]) == 0
+    text = capsys.readouterr().out
+    name = tied[stuck[0]]["name"]
+    assert f"  {name} !" in text and f"! {name} cannot resume from its checkpoints: tensor parallelism" in text

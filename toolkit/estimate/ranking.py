@@ -43,12 +43,9 @@ def headroom_bands(c: "Candidate") -> float:
 
 
 def resume_problem(c: "Candidate") -> str | None:
-    """Why this plan cannot resume from its own checkpoints, or None.
-
-    PLACEHOLDER call point: which plans cannot resume (e.g. FSDP2 x TP, whose Trainer checkpoints hold the model
-    only) is being defined on branch `rehearse`, which names its function in /work/briefs/RESUMABLE.md; until that
-    lands every plan counts as resumable and this ranks nothing."""
-    return None
+    """Why this plan cannot resume from its own checkpoints, or None: the grid's rule
+    (toolkit.inputs.grid.ParallelGrid.resume_problem; a refusal has no grid and is never ranked)."""
+    return c.grid.resume_problem() if c.grid is not None else None
 
 
 OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
