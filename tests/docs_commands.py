@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 CLI_REFERENCE = DOCS / "reference" / "cli.md"
+API_REFERENCE = DOCS / "reference" / "api.md"
+API_MARK = "<!-- generated from toolkit/api.py's docstrings below this line -->"
 HELP_COLUMNS = "100"  # argparse wraps at the terminal's width: one width for the page
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -31,6 +33,53 @@ FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTAL
 
 def pages() -> list[Path]:
     return sorted(p for p in DOCS.rglob("*.md") if p != CLI_REFERENCE)
+
+
+def api_reference(page: str) -> str:
+    """`page` (docs/reference/api.md) with everything below API_MARK regenerated: each public name of toolkit.api
+    with its signature and docstring."""
+    import inspect
+
+    import toolkit.api as api
+
+    head = page.split(API_MARK, 1)[0]
+    parts = [head + API_MARK + "\n"]
+    for name in api.__all__:
+        obj = getattr(api, name)
+        signature = _signature(obj)
+        kind = "class" if inspect.isclass(obj) else "def"
+        parts.append(f"\n## {name}\n\n```python\n{kind} {name}{signature}\n```\n\n{inspect.getdoc(obj)}\n\n")
+        if inspect.isclass(obj):
+            for member, value in vars(obj).items():
+                if member.startswith("_") or not (inspect.isfunction(value) or isinstance(value, property)):
+                    continue
+                doc = inspect.getdoc(value) or ""
+                parts.append(f"- `{member}`" + (f": {doc.splitlines()[0]}" if doc else "") + "\n")
+    return "".join(parts)
+
+
+class _Shown:
+    """An annotation as its source spells it (toolkit.api's are strings: `from __future__ import annotations`)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _signature(obj) -> str:
+    import inspect
+
+    sig = inspect.signature(obj)
+    shown = lambda a: a if a is inspect.Parameter.empty else _Shown(str(a).strip("'\""))  # noqa: E731
+    params = [p.replace(annotation=shown(p.annotation)) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=shown(sig.return_annotation)))
+
+
+def python_examples(text: str) -> list[str]:
+    """The ```python blocks of a page (docs/reference/api.md's are run by tests/test_docs.py)."""
+    return [body for lang, body in FENCE.findall(text) if lang == "python"]
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
@@ -114,7 +163,10 @@ def stale_pages(write: bool = False) -> list[str]:
     expected = {CLI_REFERENCE: cli_reference()}
     with tempfile.TemporaryDirectory() as scratch:
         for page in pages():
-            expected[page] = regenerate(page.read_text(), Path(scratch))
+            text = page.read_text()
+            if page == API_REFERENCE:
+                text = api_reference(text)
+            expected[page] = regenerate(text, Path(scratch))
     for page, text in expected.items():
         if not page.exists() or page.read_text() != text:
             stale.append(str(page.relative_to(ROOT)))

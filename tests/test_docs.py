@@ -47,6 +47,17 @@ def test_pages_show_what_the_program_prints():
     assert docs_commands.stale_pages() == [], "run `python tests/docs_commands.py --write` and review the diff"
 
 
+def test_the_python_api_page_runs(tmp_path, monkeypatch, capsys):
+    page = (ROOT / "docs" / "reference" / "api.md").read_text().split(docs_commands.API_MARK)[0]  # not the signatures
+    examples = docs_commands.python_examples(page)
+    assert examples and "tk.plan(" in examples[0]
+    monkeypatch.chdir(tmp_path)
+    for code in examples:
+        exec(compile(code, "docs/reference/api.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "zero" in out and (tmp_path / "plans" / "8b" / "plan.json").exists()
+
+
 def test_the_readme_is_a_front_door():
     readme = (ROOT / "README.md").read_text().splitlines()
     assert len(readme) < 80
