@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import random
 from pathlib import Path
 
@@ -31,6 +32,8 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "ds-nvme-offload-without-path.json": ("error", 'offload_optimizer goes to nvme without "nvme_path"'),
     "ds-offload-optimizer-at-zero0.json": ("error", "offload_optimizer at ZeRO-0"),
     "ds-offload-param-below-zero3.json": ("error", "offload_param at ZeRO-2: offload param needs ZeRO-3"),
+    # DeepSpeedConfig would count 8 / 3 data-parallel ranks (runtime/config.py divides the world by the degree).
+    "ds-sequence-parallel-3-on-8-gpus.json": ("error", "sequence_parallel_size 3 does not divide the 8 processes"),
     "ds-typo-in-zero-block.json": ("error", "reduce_bucket_sise: Extra inputs are not permitted"),
     "ds-typo-top-level-key.json": ("error", 'unknown key "gradient_acumulation_steps": DeepSpeed ignores it silently; '
                                             'did you mean "gradient_accumulation_steps"?'),
@@ -65,6 +68,12 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "yaml-multi-cpu-many-processes.yaml": ("warning", "accelerate starts one process"),
     "yaml-processes-dont-match-2x8-gpus.yaml": ("error", "does not match 2 node(s) x 8 GPUs"),
     "yaml-processes-not-multiple-of-machines.yaml": ("error", "num_processes 9 is not a multiple of num_machines 2"),
+    "yaml-parallelism-config-typo.yaml": (
+        "error", 'unknown key parallelism_config.parallelism_config_sp_sise: accelerate launch ignores it silently '
+                 '(the run gets the default); did you mean "parallelism_config_sp_size"?'),
+    # DeepSpeed's own hostfile parser accepts both files' hosts line by line or not: the check names the line.
+    "hostfile-zero-slots-on-one-host": ("error", "line 2: host node1 has slots=0"),
+    "hostfile-bad-line": ("error", "line 3 is not `host slots=GPUS` (DeepSpeed's launcher refuses it)"),
     "yaml-unknown-key-typo.yaml": ("error", 'unknown key "num_proceses": accelerate refuses the file; did you mean '
                                            '"num_processes"?'),
 }
@@ -575,3 +584,172 @@ def test_fsdp1_keys_under_fsdp_version_2_are_named_with_what_accelerate_does(tmp
     assert printed.getvalue() == ""
     assert any(p.file == str(path) and p.severity == "note" and
                p.message.startswith("the engines said while reading it: backward_prefetch") for p in found)
+
+
+# --- issue 33: DeepSpeed's world arithmetic, the files each route passes, hostfiles, complete emitted files --------
+
+def _sp_plan(sp: int = 2, strategy: str = "zero2", offload: bool = False):
+    """A ZeRO x Ulysses plan on one node of 4 (micro 4 x accum 2 x dp 4 / sp)."""
+    from toolkit.plan.schema import parse_plan
+
+    plan = reference_plan(strategy + ("-offload" if offload else ""), nodes=1, gpus_per_node=4, micro=4, accum=2)
+    data = json.loads(plan.to_json())
+    data.update(sequence_parallel=sp, global_batch=4 * 2 * 4 // sp)
+    return parse_plan(data)
+
+
+def test_deepspeeds_own_constructor_counts_the_data_parallel_world():
+    from toolkit.engines.validate import deepspeed_data_parallel, pipeline_mpu, ulysses_mpu
+
+    assert deepspeed_data_parallel({}, 4) == 4
+    assert deepspeed_data_parallel({"sequence_parallel_size": 2}, 4) == 2  # the HF zero.Init / launcher path
+    assert deepspeed_data_parallel({}, 4, mpu=ulysses_mpu(2)) == 2  # accelerate's Ulysses mpu
+    assert deepspeed_data_parallel({"sequence_parallel_size": 4}, 4, mpu=ulysses_mpu(2)) == 2  # the mpu decides
+    assert deepspeed_data_parallel({}, 8, mpu=pipeline_mpu(2)) == 2
+    assert deepspeed_data_parallel({"sequence_parallel_size": 2, "data_parallel_size": 4}, 8) == 4  # the mesh
+
+
+def test_the_concrete_file_of_a_zero2_sp2_plan_is_right_for_deepspeed_on_4_gpus(tmp_path):
+    emit_files(_sp_plan(), tmp_path)
+    concrete = str(tmp_path / "ds_config.deepspeed.json")
+    assert json.loads(Path(concrete).read_text())["train_batch_size"] == 16
+    assert check_paths([concrete], gpus=(1, 4), runner="deepspeed") == []
+    found = check_paths([concrete], gpus=(1, 4))
+    assert not any("set train_batch_size to 32" in p.message for p in found), found
+    # The HF Trainer checks a concrete batch against every process (32) while DeepSpeed wants 16: a warning for it.
+    assert [(p.severity, p.runner) for p in found] == [("warning", "HF Trainer")]
+    assert 'write "auto"' in found[0].message
+    on_8 = check_paths([concrete], gpus=(1, 8), runner="deepspeed")
+    assert [p.message for p in on_8][0].startswith("train_batch_size 16 != micro 4 x accum 2 x data-parallel 4 "
+                                                     "(8 processes / sequence_parallel_size 2) = 32")
+    assert check_paths([str(tmp_path)]) == []  # the folder: ds_config.json, the YAML's copy, the concrete file
+
+
+def test_a_hand_edited_sequence_parallel_size_is_judged_on_the_file_the_launch_passes(tmp_path):
+    emit_files(_sp_plan(), tmp_path)
+    path = tmp_path / "ds_config.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "sequence_parallel_size": 3}))
+    found = check_paths([str(tmp_path)])
+    errors = [p for p in found if p.severity == "error"]
+    assert len(errors) == 1 and errors[0].file == str(path), found
+    assert "sequence_parallel_size 3 but plan.json plans sequence parallel 2" in errors[0].message
+    assert "does not even divide the 4 processes" in errors[0].message
+    differ = [p for p in found if "differs from the copy this YAML carries" in p.message]
+    assert len(differ) == 1 and "`toolkit launch` and toolkit.train use " + str(path) in differ[0].message
+
+
+def test_the_yaml_copy_is_checked_when_it_differs_from_the_file(tmp_path):
+    """launch.sh / `accelerate launch --config_file` with a user's script read the YAML's inline JSON."""
+    import yaml
+
+    emit_files(_sp_plan(), tmp_path)
+    path = tmp_path / "accelerate_config.yaml"
+    config = yaml.safe_load(path.read_text())
+    inline = json.loads(config["deepspeed_config"]["deepspeed_config_file"])
+    inline["zero_optimization"]["stage"] = 3
+    config["deepspeed_config"]["deepspeed_config_file"] = json.dumps(inline)
+    path.write_text(yaml.safe_dump(config))
+    found = check_paths([str(tmp_path)])
+    assert any(p.file == f"{path} (its inline deepspeed_config_file)" and "ZeRO stage 3 but plan.json plans zero2"
+               in p.message for p in found), found
+
+
+def test_an_edited_concrete_file_is_checked_for_the_deepspeed_launcher(tmp_path):
+    emit_files(_sp_plan(), tmp_path)
+    path = tmp_path / "ds_config.deepspeed.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sequence_parallel_size": 4}))
+    found = [p for p in check_paths([str(tmp_path)]) if p.file == str(path)]
+    assert {p.runner for p in found} == {"deepspeed launcher"} and all(p.severity == "error" for p in found)
+    assert any("= 8; set train_batch_size to 8" in p.message for p in found), found
+    assert any("sequence_parallel_size 4 but plan.json plans sequence parallel 2" in p.message for p in found)
+
+
+def test_a_sequence_parallel_degree_the_heads_do_not_take_is_named(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 384, "num_hidden_layers": 4, "num_attention_heads": 6,
+              "num_key_value_heads": 6, "intermediate_size": 1024, "max_position_embeddings": 8192}
+    from toolkit.plan.schema import parse_plan
+
+    plan = reference_plan("zero2", nodes=1, gpus_per_node=4, micro=4, accum=2, model_config=config)
+    plan = parse_plan({**json.loads(plan.to_json()), "sequence_parallel": 2, "global_batch": 16})
+    emit_files(plan, tmp_path)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sequence_parallel_size": 4}))
+    messages = [p.message for p in check_paths([str(tmp_path)]) if p.file == str(path)]
+    assert any("does not divide" in m and "6 attention heads" in m for m in messages), messages
+
+
+def test_misspelt_parallelism_config_keys_are_named_from_accelerates_parser(tmp_path):
+    import yaml
+
+    from toolkit.engines.validate import parallelism_config_keys
+
+    assert {"parallelism_config_sp_size", "parallelism_config_dp_shard_size"} <= parallelism_config_keys()
+    emit_files(_sp_plan(), tmp_path)
+    path = tmp_path / "accelerate_config.yaml"
+    config = yaml.safe_load(path.read_text())
+    block = config["parallelism_config"]
+    block["sp_size"] = block.pop("parallelism_config_sp_size")
+    path.write_text(yaml.safe_dump(config))
+    messages = [p.message for p in check_paths([str(path)])]
+    assert any('unknown key parallelism_config.sp_size' in m and 'did you mean "parallelism_config_sp_size"' in m
+               for m in messages), messages
+
+
+def test_hostfiles_are_checked_per_host(tmp_path):
+    from toolkit.run.preflight import check_hostfile
+
+    plan = reference_plan("zero3", nodes=2, gpus_per_node=2)
+    emit_files(plan, tmp_path, hosts=["localhost", "127.0.0.1"])
+    hostfile = tmp_path / "hostfile"
+    assert check_paths([str(tmp_path)]) == []
+    for text, says in (("localhost slots=4\n127.0.0.1 slots=0\n", "line 2: host 127.0.0.1 has slots=0"),
+                       ("localhost slots=3\n127.0.0.1 slots=1\n", "unequal slots"),
+                       ("# nodes\nlocalhost slots=2\n127.0.0.1 slots 2\n", "line 3 is not `host slots=GPUS`"),
+                       ("localhost slots=2\nlocalhost slots=2\n", "names host localhost twice (lines 1 and 2)")):
+        hostfile.write_text(text)
+        found = check_paths([str(tmp_path)])
+        assert [(p.severity, p.file) for p in found] == [("error", str(hostfile))] and says in found[0].message, found
+        assert check_paths([str(hostfile)], gpus=(2, 2))[0].message == found[0].message
+        with pytest.raises(UserError, match=re.escape(says)):  # toolkit launch's preflight, the same rule
+            check_hostfile(plan, hostfile)
+
+
+def test_a_plan_json_that_is_a_folder_is_one_clear_line(tmp_path):
+    (tmp_path / "plan.json").mkdir()
+    for given in (tmp_path, tmp_path / "plan.json"):
+        with pytest.raises(UserError) as caught:
+            check_paths([str(given)])
+        assert str(caught.value) == f"plan file {tmp_path / 'plan.json'} is a directory, not a file; give the file itself"
+        assert "plan.json/plan.json" not in str(caught.value)
+
+
+@pytest.mark.parametrize("strategy,offload", [("zero2", False), ("zero3", True)])
+def test_the_launcher_file_carries_the_optimizer_and_both_files_pass(tmp_path, strategy, offload):
+    from toolkit.emit.deepspeed import ADAM_BETAS, ADAM_EPSILON, LEARNING_RATE, WEIGHT_DECAY
+    from toolkit.engines.validate import deepspeed_config_at, validate_ds_config_for_plan
+
+    plan = _sp_plan(sp=1, strategy=strategy, offload=offload)
+    emit_files(plan, tmp_path)
+    concrete = json.loads((tmp_path / "ds_config.deepspeed.json").read_text())
+    assert concrete["optimizer"] == {"type": "AdamW", "params": {
+        "lr": LEARNING_RATE, "betas": list(ADAM_BETAS), "eps": ADAM_EPSILON, "weight_decay": WEIGHT_DECAY}}
+    assert "scheduler" not in concrete  # the plan holds no schedule
+    parsed = deepspeed_config_at(concrete, plan.world_size)  # DeepSpeed's own DeepSpeedConfig
+    assert parsed.optimizer_name == "adamw" and parsed.optimizer_params["lr"] == LEARNING_RATE
+    assert parsed.optimizer_params["weight_decay"] == WEIGHT_DECAY and parsed.train_batch_size == plan.global_batch
+    hf = json.loads((tmp_path / "ds_config.json").read_text())
+    assert ("optimizer" in hf) == offload  # the runners' file: the Trainer builds its own optimizer otherwise
+    if offload:
+        assert hf["optimizer"]["params"]["lr"] == "auto" and hf["optimizer"]["params"]["weight_decay"] == "auto"
+    validate_ds_config_for_plan(hf, plan)
+    assert check_paths([str(tmp_path)]) == []
+    assert check_paths([str(tmp_path / "ds_config.deepspeed.json")], gpus=(1, 4), runner="deepspeed") == []
+
+
+def test_the_launcher_files_hyper_parameters_are_toolkit_trains_defaults():
+    from toolkit.emit.deepspeed import LEARNING_RATE, WEIGHT_DECAY
+    from toolkit.train.args import parse_train_args
+
+    args = parse_train_args(["--plan", "p/plan.json", "--data", "d.txt", "--output", "o"])
+    assert (args.lr, args.weight_decay) == (LEARNING_RATE, WEIGHT_DECAY)

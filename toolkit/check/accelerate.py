@@ -69,6 +69,7 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
         close = difflib.get_close_matches(str(key), known, n=1)
         hint = f"did you mean \"{close[0]}\"? " if close else ""
         err(f"unknown key \"{key}\": accelerate refuses the file; {hint}remove or rename it")
+    out += parallelism_config_key_problems(config, file)
     for key, wanted in sorted(_cluster_config_shapes().items()):
         value = config.get(key)
         if value is None:
@@ -111,8 +112,12 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
                 if not ds_path.is_file():
                     ds_path = None
                 elif read_mapping(ds_path) != inline:
-                    warn("deepspeed_config_file (inline JSON) differs from "
-                         f"{ds_path}: accelerate launch uses the YAML's; re-emit with `toolkit emit`")
+                    # toolkit.run.launcher passes --deepspeed_config_file DIR/ds_config.json and toolkit.train hands
+                    # it to the Trainer; a plain `accelerate launch --config_file` reads the YAML's own copy.
+                    warn(f"{ds_path.name} differs from the copy this YAML carries in deepspeed_config_file: `toolkit "
+                         f"launch` and toolkit.train use {ds_path}, but a script of yours under launch.sh or "
+                         "`accelerate launch --config_file` gets the YAML's copy; re-emit with `toolkit emit` (or "
+                         "make the two agree)")
             else:
                 ds_path = resolve_ds_file(str(ds_file), path, out, quiet=launcher_names_ds_file)
             if config.get("mixed_precision") not in (None, "no"):
@@ -150,6 +155,25 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
     if not any(p.severity == "error" for p in out):
         out += accelerate_problems(path, ds_path, launch_flags)
     return out, ds_path
+
+
+def parallelism_config_key_problems(config: dict[str, Any], file: str) -> list[Problem]:
+    """Keys of parallelism_config that accelerate launch does not read (toolkit.engines.validate
+    .parallelism_config_keys): it ignores them silently, so a misspelt sp_size runs without sequence parallelism."""
+    from toolkit.engines.validate import parallelism_config_keys
+
+    block = config.get("parallelism_config")
+    if not isinstance(block, dict):
+        return []
+    known = parallelism_config_keys()
+    out = []
+    for key in sorted(set(block) - known, key=str):
+        prefixed = f"parallelism_config_{key}"
+        close = [prefixed] if prefixed in known else difflib.get_close_matches(str(key), known, n=1)
+        hint = f"did you mean \"{close[0]}\"? " if close else f"the keys it reads: {', '.join(sorted(known))}; "
+        out.append(Problem(file, "error", f"unknown key parallelism_config.{key}: accelerate launch ignores it "
+                           f"silently (the run gets the default); {hint}rename or remove it", LAUNCH))
+    return out
 
 
 def fsdp1_keys_under_fsdp2(config: dict[str, Any], file: str) -> list[Problem]:

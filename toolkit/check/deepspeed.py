@@ -12,6 +12,7 @@ from typing import Any
 
 from toolkit.emit.deepspeed import auto_keys
 from toolkit.check.findings import ACCELERATE, DEEPSPEED, EVERY, HF_RUNNERS, PIPELINE, Problem, Severity, TRAINER
+from toolkit.engines.validate import sequence_parallel_problem
 from toolkit.engines.readers import (_mapping, accelerate_view, concrete_int, deepspeed_reads_all, enabled, trainer_view,
                                      unfilled, without_auto, zero_settings)
 
@@ -25,10 +26,24 @@ class Readers:
     """The runners that may read it: a failure of all of them is an error, of some a warning naming them."""
     world_size: int | None = None
     pipeline_stages: int = 1
+    sequence_parallel: int | None = 1
+    """The launch's own sequence-parallel degree (accelerate's ParallelismConfig sp_size: the Ulysses mpu it hands
+    DeepSpeed, which then divides the world by it and ignores the file's sequence_parallel_size); None: unknown (a
+    lone JSON: the user's script may build its own ParallelismConfig)."""
 
     @property
     def pipeline(self) -> bool:
         return PIPELINE in self.runners
+
+    def mpu(self, runner: str) -> Any:
+        """The mpu `runner` hands deepspeed.initialize (None: DeepSpeed reads the file's own degrees)."""
+        from toolkit.engines.validate import pipeline_mpu, ulysses_mpu
+
+        if runner == PIPELINE and self.world_size is not None:
+            return pipeline_mpu(self.world_size // max(self.pipeline_stages, 1))
+        if runner in HF_RUNNERS and (self.sequence_parallel or 1) > 1:
+            return ulysses_mpu(self.sequence_parallel)
+        return None
 
     @property
     def direct(self) -> str:
@@ -37,7 +52,8 @@ class Readers:
 
 
 def readers_of_json(config: dict[str, Any], *, world_size: int | None, runner: str | None,
-                    named_by_yaml: bool = False) -> Readers:
+                    named_by_yaml: bool = False, sequence_parallel: int | None = None) -> Readers:
+    """sequence_parallel: the launch's ParallelismConfig sp_size when a YAML says it (None: unknown)."""
     if runner is not None:
         runners = frozenset({runner})
     elif named_by_yaml or auto_keys(config):
@@ -45,7 +61,7 @@ def readers_of_json(config: dict[str, Any], *, world_size: int | None, runner: s
         runners = HF_RUNNERS
     else:
         runners = HF_RUNNERS | {DEEPSPEED}
-    return Readers(runners, world_size)
+    return Readers(runners, world_size, sequence_parallel=sequence_parallel)
 
 
 class _Findings:
@@ -107,8 +123,10 @@ def ds_problems(config: dict[str, Any], file: str, readers: Readers) -> list[Pro
 
     if enabled(config.get("bf16")) and enabled(config.get("fp16")):
         f.fail(everyone, "bf16 and fp16 are both enabled: DeepSpeed refuses this; set \"enabled\": false in one of them")
-    for message in batch_problems(config, world_size=readers.world_size, pipeline_stages=readers.pipeline_stages):
-        f.fail(everyone, message)
+    batch_found = batch_problems(config, readers)
+    for runners, message in batch_found:
+        f.fail(runners, message)
+    _sequence_parallel_problems(config, f, stage)
     _auto_problems(config, f, stage)
 
     if readers.pipeline and stage >= 2:
@@ -139,7 +157,7 @@ def ds_problems(config: dict[str, Any], file: str, readers: Readers) -> list[Pro
                        "directory on a local NVMe drive of every node")
     if stage == 3:
         _zero3_save_problem(config, zero, f)
-    _engine_problems(config, f)
+    _engine_problems(config, f, said_batch=bool(batch_found))
     return f.out
 
 
@@ -211,22 +229,51 @@ def _zero3_save_problem(config: dict[str, Any], zero: dict[str, Any], f: _Findin
            at_most="note" if auto else "warning")
 
 
-def _engine_problems(config: dict[str, Any], f: _Findings) -> None:
+def _sequence_parallel_problems(config: dict[str, Any], f: _Findings, stage: int) -> None:
+    """The file's own sequence_parallel_size, for the runners whose DeepSpeed reads it: a run without an mpu (the
+    deepspeed launcher's scripts; accelerate without a ParallelismConfig) divides the world by it, and the HF zero.Init
+    of ZeRO-3 always does (it builds DeepSpeedConfig without accelerate's mpu)."""
+    if "sequence_parallel_size" not in config:
+        return
+    sp = config["sequence_parallel_size"]
+    launch_sp = f.readers.sequence_parallel
+    readers = {f.readers.direct} - {PIPELINE}  # the pipeline engine hands its own mpu
+    if launch_sp is None or launch_sp == 1 or stage == 3:
+        readers |= HF_RUNNERS
+    world = f.readers.world_size
+    problem = sequence_parallel_problem(config, world) if world is not None else None
+    if problem is None and not (concrete_int(sp) and sp >= 1):
+        problem = sequence_parallel_problem(config, sp if concrete_int(sp) else 1)
+    if problem:
+        f.fail(readers, problem)
+    elif launch_sp is not None and sp != launch_sp and HF_RUNNERS & f.readers.runners:
+        launch = (f"the launch runs sequence parallel {launch_sp} (accelerate's ParallelismConfig sp_size; its "
+                  "Ulysses mpu decides at deepspeed.initialize)" if launch_sp > 1 else
+                  "the launch runs no sequence parallelism (no parallelism_config sp_size): DeepSpeed counts "
+                  f"world / {sp} data-parallel ranks that are not Ulysses groups")
+        f.fail(HF_RUNNERS, f"sequence_parallel_size {sp} but {launch}; ZeRO-3's zero.Init divides the world by the "
+               f"file's value; remove the key (or set it to {launch_sp})")
+
+
+def _engine_problems(config: dict[str, Any], f: _Findings, *, said_batch: bool = False) -> None:
     """DeepSpeedConfig judges the file ("auto" values and batch arithmetic are ours to report); then the top-level
     keys it never read are the ones DeepSpeed ignores."""
     trial = without_auto(json.loads(json.dumps(config)))
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    if f.readers.world_size is None or any(config.get(k) == "auto" for k in batch_keys):
+    processes = f.readers.world_size
+    if processes is None or any(config.get(k) == "auto" for k in batch_keys):
         for key in batch_keys:
             trial.pop(key, None)
         trial["train_micro_batch_size_per_gpu"] = 1
-        data_parallel = 1
-    else:
-        data_parallel = max(f.readers.world_size // f.readers.pipeline_stages, 1)
-    seen, refusals = deepspeed_reads_all(trial, data_parallel)
+    if processes is None:  # the smallest run the file's own degrees allow
+        sp, dp = concrete_int(config.get("sequence_parallel_size")), concrete_int(config.get("data_parallel_size"))
+        processes = (sp if sp and sp > 0 else 1) * (dp if dp and dp > 0 and "sequence_parallel_size" in config else 1)
+    runner = f.readers.direct if f.readers.direct in f.readers.runners else min(f.readers.runners)
+    seen, refusals = deepspeed_reads_all(trial, processes, mpu=f.readers.mpu(runner))
     everyone = HF_RUNNERS | {f.readers.direct}
     for refusal, names_a_field in refusals:  # every problem DeepSpeed names, each its own finding
-        if names_a_field or not f.has_error:  # a whole-file refusal usually repeats a finding of ours
+        repeated = f.has_error or (said_batch and "train_batch_size" in refusal)
+        if names_a_field or not repeated:  # a whole-file refusal usually repeats a finding of ours
             f.fail(everyone, f"DeepSpeed/transformers refuse it: {refusal}")
     known = sorted(k for k in seen if isinstance(k, str))
     for key in sorted(set(config) - set(seen)):
@@ -240,26 +287,68 @@ def _engine_problems(config: dict[str, Any], f: _Findings) -> None:
             f.fail(everyone, f"\"{key}\" is not read by the installed DeepSpeed; it has no effect", at_most="warning")
 
 
-def batch_problems(config: dict[str, Any], *, world_size: int | None, pipeline_stages: int) -> list[str]:
+def batch_problems(config: dict[str, Any], readers: Readers) -> list[tuple[frozenset[str], str]]:
+    """DeepSpeed's batch identity train_batch_size == micro x accumulation x its data-parallel world, the world as
+    each runner's DeepSpeed counts it (toolkit.engines.validate.deepspeed_data_parallel: DeepSpeedConfig's own
+    constructor with the runner's mpu, the file's sequence_parallel_size included); the HF Trainer also checks a
+    concrete train_batch_size against every process (transformers trainer_config_process). Findings as (runners,
+    message)."""
+    from toolkit.engines.validate import ConfigRejected, deepspeed_data_parallel
+
     batch = concrete_int(config.get("train_batch_size"))
     micro = concrete_int(config.get("train_micro_batch_size_per_gpu"))
     accum = concrete_int(config.get("gradient_accumulation_steps", 1))
+    everyone = frozenset(HF_RUNNERS | {readers.direct})
     if batch is None or micro is None or accum is None or micro <= 0 or accum <= 0:
         return []
-    if world_size is not None:
-        from toolkit.inputs.grid import ParallelGrid
+    world, stages = readers.world_size, readers.pipeline_stages
+    if world is None:
+        if batch % (micro * accum):
+            return [(everyone, f"train_batch_size {batch} is not a multiple of micro {micro} x accum {accum} = "
+                     f"{micro * accum}: no GPU count satisfies DeepSpeed's batch identity; fix one of the three")]
+        return []
+    if readers.pipeline and (stages < 1 or world % stages):
+        return [(everyone, f"{stages} pipeline stages do not divide {world} processes")]
+    found: dict[str, set[str]] = {}
+    for runner in sorted(readers.runners):
+        mpu = readers.mpu(runner)
+        if mpu is None and sequence_parallel_problem(config, world):
+            continue  # _sequence_parallel_problems names it
+        try:
+            dp = deepspeed_data_parallel(config, world, mpu=mpu)
+        except ConfigRejected:
+            continue  # DeepSpeed refuses the degrees themselves: _engine_problems reports its words
+        expected, trainer = micro * accum * dp, micro * accum * world
+        how = _how(world, dp, stages, config, mpu)
+        if runner == TRAINER and trainer != expected:
+            # HfTrainerDeepSpeedConfig.trainer_config_process fill_match("train_batch_size", world x micro x
+            # accum) refuses any other concrete value; DeepSpeed then divides by the sequence-parallel degree.
+            message = (f"train_batch_size {batch}: the HF Trainer requires {micro} x {accum} x {world} processes = "
+                       f"{trainer} but DeepSpeed {micro} x {accum} x data-parallel {_number(dp)} ({how}) = "
+                       f"{_number(expected)}; no number satisfies both: write \"auto\" (the Trainer and accelerate "
+                       "fill it)")
+        elif batch != expected:
+            message = (f"train_batch_size {batch} != micro {micro} x accum {accum} x data-parallel {_number(dp)} "
+                       f"({how}) = {_number(expected)}; set train_batch_size to {_number(expected)} or change the "
+                       "accumulation")
+        else:
+            continue
+        found.setdefault(message, set()).add(runner)
+    return [(frozenset(runners), message) for message, runners in found.items()]
 
-        if pipeline_stages < 1 or world_size % pipeline_stages:
-            return [f"{pipeline_stages} pipeline stages do not divide {world_size} processes"]
-        grid = ParallelGrid(1, world_size, pipeline_stages=pipeline_stages, dp_shard=world_size // pipeline_stages)
-        expected = grid.global_batch(micro, accum)
-        if batch != expected:
-            stages = f" / {pipeline_stages} pipeline stages" if pipeline_stages > 1 else ""
-            return [f"train_batch_size {batch} != micro {micro} x accum {accum} x data-parallel "
-                    f"{grid.data_parallel} ({world_size} processes{stages}) = {expected}; set train_batch_size to "
-                    f"{expected} or change the accumulation"]
-    elif batch % (micro * accum):
-        return [f"train_batch_size {batch} is not a multiple of micro {micro} x accum {accum} = {micro * accum}: no "
-                "GPU count satisfies DeepSpeed's batch identity; fix one of the three"]
-    return []
 
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+
+
+def _how(world: int, dp: float, stages: int, config: dict[str, Any], mpu: Any) -> str:
+    """How DeepSpeed came to its data-parallel world, in the file's words."""
+    if dp == world:
+        return f"{world} processes"
+    if stages > 1 and dp * stages == world:
+        return f"{world} processes / {stages} pipeline stages"
+    if mpu is not None:
+        return f"{world} processes / sequence parallel {_number(world / dp)} of the launch's ParallelismConfig"
+    if "data_parallel_size" in config and "sequence_parallel_size" in config:
+        return f"data_parallel_size {config['data_parallel_size']} of the device mesh over {world} processes"
+    return f"{world} processes / sequence_parallel_size {config.get('sequence_parallel_size')}"

@@ -24,11 +24,12 @@ from toolkit.plan.schema import Plan, load_plan
 from toolkit.inputs.strategy import Engine
 from toolkit.check.accelerate import yaml_problems
 from toolkit.check.deepspeed import ds_problems, Readers, readers_of_json
-from toolkit.check.findings import EVERY, HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER_CHOICES, TRAINER
+from toolkit.check.findings import DEEPSPEED, EVERY, HF_RUNNERS, LAUNCH, PIPELINE, Problem, RUNNER_CHOICES, TRAINER
 from toolkit.check.read import is_plan_json, read_config
 from toolkit.engines.readers import _mapping, concrete_int, engine_output, quiet_engines
 from toolkit.emit.deepspeed import plan_disagreements
-from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, LAUNCH_SH, PLAN_JSON, SLURM_SBATCH
+from toolkit.plan.files import (ACCELERATE_CONFIG, DS_CONFIG, DS_CONFIG_CONCRETE, HOSTFILE, LAUNCH_SH, PLAN_JSON,
+                                SLURM_SBATCH)
 
 
 # --- plan directory ----------------------------------------------------------------------------------------------------
@@ -36,7 +37,7 @@ from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, LAUNCH_SH, PLAN_JSO
 def plan_readers(plan: Plan) -> Readers:
     """toolkit.train runs the HF Trainer, or hands the file to the pipeline engine unchanged."""
     runner = PIPELINE if plan.engine == Engine.PIPELINE else TRAINER
-    return Readers(frozenset({runner}), plan.world_size, plan.pipeline_stages)
+    return Readers(frozenset({runner}), plan.world_size, plan.pipeline_stages, plan.sequence_parallel)
 
 
 def json_file_problems(config: dict[str, Any], file: str, readers: Readers, plan: Plan | None = None) -> list[Problem]:
@@ -55,14 +56,27 @@ def json_file_problems(config: dict[str, Any], file: str, readers: Readers, plan
     return found
 
 
-def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan) -> list[Problem]:
+def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan, *, runner: str | None = None
+                          ) -> list[Problem]:
     out: list[Problem] = []
-    runner = next(iter(plan_readers(plan).runners))
+    runner = runner or next(iter(plan_readers(plan).runners))
     for key, (value, planned) in plan_disagreements(config, plan).items():
         if key == "precision":
             out.append(Problem(file, "error", f"ds_config trains in {value} but plan.json plans {planned}; "
                                "toolkit.train passes the plan's precision and the Trainer will refuse the mismatch",
                                runner))
+        elif key == "sequence_parallel_size":
+            from toolkit.engines.validate import json_text, sequence_parallel_problem
+
+            divides = sequence_parallel_problem({"sequence_parallel_size": value}, plan.world_size) is None
+            heads = _sequence_parallel_model_problem(plan, value) if divides else None
+            fix = (f"set it to {planned}; {heads}" if heads else
+                   f"set it to {planned} or re-plan with --sequence-parallel {value}" if divides else
+                   f"{json_text(value)} does not even divide the {plan.world_size} processes (DeepSpeed would count "
+                   f"{plan.world_size} / {json_text(value)} data-parallel ranks); set it to {planned}")
+            out.append(Problem(file, "error", f"sequence_parallel_size {json_text(value)} but plan.json plans sequence "
+                               f"parallel {planned} (the YAML's parallelism_config and the memory prediction assume "
+                               f"it); {fix}", runner))
         elif key == "zero_optimization.stage":
             out.append(Problem(file, "error", f"ZeRO stage {value} but plan.json plans {plan.strategy} "
                                f"(stage {planned}); the memory prediction assumes the plan's stage", runner))
@@ -70,6 +84,23 @@ def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan) -> list
             out.append(Problem(file, "error", f"{key} {value} but plan.json plans {planned}; re-emit the plan "
                                "directory or make them agree", runner))
     return out
+
+
+def _sequence_parallel_model_problem(plan: Plan, sp: Any) -> str | None:
+    """Whether the plan's model and grid take sequence parallel `sp` (the grid's rules: heads and KV heads per
+    Ulysses rank, toolkit.inputs.grid.ParallelGrid.check_model); None when they do or the model cannot be read."""
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.modelspec import spec_from_config_dict
+
+    try:
+        grid = ParallelGrid.for_strategy(plan.strategy_spec, nodes=plan.num_machines,
+                                         gpus_per_node=plan.gpus_per_node, sequence=sp)
+        grid.check_model(spec_from_config_dict(plan.model_config, name=plan.model))
+    except UserError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a model_config transformers cannot build: the fit check (--model) says so
+        return None
+    return None
 
 
 def yaml_plan_consistency(config: dict[str, Any], file: str, plan: Plan) -> list[Problem]:
@@ -147,19 +178,26 @@ def plan_position_problems(plan: Plan, plan_path: Path) -> list[Problem]:
 
 
 def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Problem]:
+    """A plan folder, judged on the files each route out of it passes (toolkit.run.launcher, emit/scripts.py):
+    toolkit.train (`toolkit launch`, launch.sh / slurm.sbatch / deepspeed.sh without a script) hands ds_config.json
+    to the HF Trainer or the pipeline engine; a user's script under launch.sh or `accelerate launch --config_file`
+    gets the JSON the YAML carries inline; a deepspeed.initialize script under DeepSpeed's launcher reads
+    ds_config.deepspeed.json. Each is checked once, with the readers and the world of its route."""
     plan_path = directory / PLAN_JSON
-    plan = load_plan(plan_path) if plan_path.exists() else None
+    plan = load_plan(plan_path) if plan_path.exists() or plan_path.is_symlink() else None
     if plan is None:
         names = [directory / n for n in (ACCELERATE_CONFIG, DS_CONFIG) if (directory / n).exists()]
-        if not names:
-            raise UserError(f"{directory} holds no plan.json, accelerate_config.yaml or ds_config.json; give the "
-                            "config files themselves")
-        return check_paths([str(n) for n in names[:1]], gpus=gpus)  # the YAML names its JSON, else the JSON
+        hostfile = [directory / HOSTFILE] if (directory / HOSTFILE).exists() else []
+        if not names and not hostfile:
+            raise UserError(f"{directory} holds no plan.json, accelerate_config.yaml, ds_config.json or hostfile; "
+                            "give the config files themselves")
+        # the YAML names its JSON, else the JSON; and the hostfile
+        return check_paths([str(n) for n in names[:1] + hostfile], gpus=gpus)
     out: list[Problem] = (plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
                           + plan_attention_problems(plan, directory))
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
-    checked_json: Path | None = None
+    checked: list[dict[str, Any]] = []  # the configs already judged (one finding per problem, not per copy)
     if yaml_path.exists():
         config = read_config(yaml_path)
         scripts = [directory / name for name in (LAUNCH_SH, SLURM_SBATCH)]
@@ -167,17 +205,78 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
         found, ds_path = yaml_problems(config, yaml_path, gpus=gpus, plan=plan, launcher_names_ds_file=overrides)
         out += found + yaml_plan_consistency(config, str(yaml_path), plan)
         if ds_path is not None:
-            out += json_file_problems(read_config(ds_path), str(ds_path), plan_readers(plan), plan)
-            checked_json = ds_path.resolve()
+            ds_config = read_config(ds_path)
+            out += json_file_problems(ds_config, str(ds_path), plan_readers(plan), plan)
+            checked.append(ds_config)
+        inline = yaml_inline_json(config)
+        if inline is not None and json_path.is_file() and inline not in checked + [read_config(json_path)]:
+            # A user's script under launch.sh / accelerate launch reads this copy, not the edited file.
+            readers = Readers(HF_RUNNERS, plan.world_size, sequence_parallel=plan.sequence_parallel)
+            out += json_file_problems(inline, f"{yaml_path} (its inline deepspeed_config_file)", readers, plan)
+            checked.append(inline)
     else:
         out.append(Problem(str(directory), "error", "no accelerate_config.yaml: `accelerate launch --config_file` "
                            "needs it; re-emit the plan directory", LAUNCH))
-    if json_path.exists() and json_path.resolve() != checked_json:
+    if json_path.exists() and read_config(json_path) not in checked:
         out += json_file_problems(read_config(json_path), str(json_path), plan_readers(plan), plan)
-    elif plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and checked_json is None:
+    elif plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and not checked:
         out.append(Problem(str(directory), "error", f"no ds_config.json for a {plan.strategy} plan; re-emit the "
                            "plan directory", next(iter(plan_readers(plan).runners))))
+    concrete = directory / DS_CONFIG_CONCRETE
+    if concrete.is_file() and plan.engine == Engine.DEEPSPEED:
+        out += launcher_json_problems(read_config(concrete), str(concrete), plan)
+    hostfile = directory / HOSTFILE
+    if hostfile.exists() or hostfile.is_symlink():
+        out += hostfile_file_problems(hostfile, world=plan.world_size, nodes=plan.num_machines,
+                                      gpus_per_node=plan.gpus_per_node)
     return out
+
+
+def hostfile_file_problems(path: Path, *, world: int | None, nodes: int | None = None,
+                           gpus_per_node: int | None = None) -> list[Problem]:
+    """DeepSpeed's hostfile, per host (toolkit.engines.hostfile, the rules `toolkit launch` refuses by)."""
+    from toolkit.engines.hostfile import hostfile_problems, read_hostfile
+
+    try:
+        hosts = read_hostfile(path)
+    except UserError as exc:
+        return [Problem(str(path), "error", str(exc), DEEPSPEED)]
+    return [Problem(str(path), "error", message, DEEPSPEED)
+            for message in hostfile_problems(hosts, str(path), world=world, nodes=nodes, gpus_per_node=gpus_per_node)]
+
+
+def yaml_inline_json(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The DeepSpeed config an emitted YAML carries as JSON text in deepspeed_config_file (else None)."""
+    from toolkit.emit.accelerate import inline_ds_config
+
+    ds_file = _mapping(config.get("deepspeed_config")).get("deepspeed_config_file")
+    return inline_ds_config(ds_file) if ds_file else None
+
+
+def yaml_sequence_parallel(config: dict[str, Any]) -> int | None:
+    """The sp_size accelerate launch hands the processes from the YAML (1 when its parallelism_config has none);
+    None without a parallelism_config (the script may build its own ParallelismConfig)."""
+    block = config.get("parallelism_config")
+    if not isinstance(block, dict) or not block:
+        return None
+    sp = concrete_int(block.get("parallelism_config_sp_size", 1))
+    return sp if sp and sp > 0 else None
+
+
+def launcher_json_problems(config: dict[str, Any], file: str, plan: Plan) -> list[Problem]:
+    """ds_config.deepspeed.json: what a deepspeed.initialize script under DeepSpeed's launcher gets (no mpu
+    unless the script passes one: DeepSpeed reads the file's own sequence_parallel_size)."""
+    from toolkit.engines.validate import ConfigRejected, deepspeed_config_at
+
+    readers = Readers(frozenset({DEEPSPEED}), plan.world_size, sequence_parallel=None)
+    found = ds_problems(config, file, readers) + plan_json_consistency(config, file, plan, runner=DEEPSPEED)
+    if not any(p.severity == "error" for p in found):
+        try:
+            with quiet_engines():
+                deepspeed_config_at(config, plan.world_size)
+        except ConfigRejected as exc:
+            found.append(Problem(file, "error", f"DeepSpeed refuses it: {exc}", DEEPSPEED))
+    return found
 
 
 # --- entry points ------------------------------------------------------------------------------------------------------
@@ -203,7 +302,12 @@ def check_paths(paths: list[str], *, gpus: tuple[int, int] | None = None, runner
 def _check_path(path: Path, *, gpus: tuple[int, int] | None, pinned) -> list[Problem]:
     out: list[Problem] = []
     if path.is_dir():
+        if path.name == PLAN_JSON:
+            load_plan(path)  # a folder named plan.json: load_plan's one line says so
         return check_plan_dir(path, gpus=gpus)
+    if path.name == HOSTFILE:
+        return hostfile_file_problems(path, world=gpus[0] * gpus[1] if gpus else None,
+                                      nodes=gpus[0] if gpus else None, gpus_per_node=gpus[1] if gpus else None)
     config = read_config(path)
     if path.suffix == ".json" and is_plan_json(config):
         out += check_plan_dir(path.parent, gpus=gpus)
@@ -218,6 +322,7 @@ def _check_path(path: Path, *, gpus: tuple[int, int] | None, pinned) -> list[Pro
             world = concrete_int(config.get("num_processes"))
             # accelerate launches it: the HF Trainer or an accelerate script reads the JSON.
             readers = readers_of_json(ds_config, world_size=world, named_by_yaml=True,
-                                      runner=pinned if pinned in HF_RUNNERS else None)
+                                      runner=pinned if pinned in HF_RUNNERS else None,
+                                      sequence_parallel=yaml_sequence_parallel(config))
             out += json_file_problems(ds_config, str(ds_path), readers)
     return out

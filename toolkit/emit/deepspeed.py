@@ -21,9 +21,14 @@ Two files for ZeRO plans, from one function:
                             optimizer's betas / eps (accelerate fills neither), and bucket sizes (both would fill the
                             same values).
   ds_config.deepspeed.json  the same with every value concrete, for DeepSpeed's own launcher and a script that calls
-                            deepspeed.initialize(config=...) itself (nothing fills "auto" there). Its optimizer block,
-                            when there is one, has no lr / weight_decay: the plan does not know them (DeepSpeed's
-                            defaults apply unless the script adds them).
+                            deepspeed.initialize(config=...) itself (nothing fills "auto" there). An AdamW plan's
+                            file holds the whole optimizer block, hyper-parameters included (LEARNING_RATE,
+                            ADAM_BETAS, ADAM_EPSILON, WEIGHT_DECAY: what toolkit.train trains the plan with unless
+                            told otherwise), so a script that passes no optimizer trains with the plan's, never with
+                            DeepSpeed's silent defaults (DeepSpeedCPUAdam's lr 1e-3 under offload); a script that
+                            passes its own keeps it (DeepSpeedEngine._configure_optimizer prefers the client's).
+                            No scheduler block: the plan carries none (toolkit.train's schedule needs the run's step
+                            count), so the learning rate is constant unless the script passes lr_scheduler.
 
 Concrete values:
   - precision: bf16 / fp16 blocks with "enabled" true or false;
@@ -56,6 +61,10 @@ GRADIENT_CLIPPING = 1.0
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPSILON = 1e-8
 """TrainingArguments' adam_beta1 / adam_beta2 / adam_epsilon defaults (written concrete: accelerate fills neither)."""
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.0
+"""toolkit.train's --lr and --weight-decay defaults (toolkit.train.args; a test holds them equal): the concrete
+file's optimizer hyper-parameters."""
 
 FP16_DYNAMIC_LOSS_SCALE: dict[str, Any] = {
     "enabled": True,
@@ -203,15 +212,12 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
         config.update({key: "auto" for key in RUNNER_FILLED_AUTO_KEYS})
     config.update(precision_blocks(plan, stage, runner_fills=runner_fills))
     config["zero_optimization"] = zero_block(plan, stage, nvme_path)
-    if plan.offload_optimizer != "none":
-        if plan.optimizer == "adamw":
-            params: dict[str, Any] = {key.rsplit(".", 1)[1]: "auto" for key in OFFLOAD_OPTIMIZER_AUTO_KEYS} \
-                if runner_fills else {}
-            params.update({"betas": list(ADAM_BETAS), "eps": ADAM_EPSILON})
-            config["optimizer"] = {"type": "AdamW", "params": params}
-        else:
-            # DeepSpeed refuses a client optimizer next to optimizer offload unless told to accept it.
-            config["zero_force_ds_cpu_optimizer"] = False
+    if plan.optimizer == "adamw" and (plan.offload_optimizer != "none" or
+                                      (plan.engine == Engine.DEEPSPEED and not runner_fills)):
+        config["optimizer"] = adamw_block(runner_fills=runner_fills)
+    elif plan.offload_optimizer != "none":
+        # DeepSpeed refuses a client optimizer next to optimizer offload unless told to accept it.
+        config["zero_force_ds_cpu_optimizer"] = False
     if plan.optimizer != "adamw" and stage > 0:
         # ZeRO accepts only the optimizers in runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS without this flag.
         config["zero_allow_untested_optimizer"] = True
@@ -226,6 +232,17 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
         # "train_batch_size is not equal to ... 8 != 2 * 2 * 1.0" for ZeRO-3 x SP 2).
         config["sequence_parallel_size"] = plan.sequence_parallel
     return config
+
+
+def adamw_block(*, runner_fills: bool) -> dict[str, Any]:
+    """DeepSpeed's "optimizer" block for the plan's AdamW: lr and weight_decay "auto" where a runner fills them
+    (OFFLOAD_OPTIMIZER_AUTO_KEYS), else every hyper-parameter written out."""
+    if runner_fills:
+        params: dict[str, Any] = {key.rsplit(".", 1)[1]: "auto" for key in OFFLOAD_OPTIMIZER_AUTO_KEYS}
+        params.update({"betas": list(ADAM_BETAS), "eps": ADAM_EPSILON})
+    else:
+        params = {"lr": LEARNING_RATE, "betas": list(ADAM_BETAS), "eps": ADAM_EPSILON, "weight_decay": WEIGHT_DECAY}
+    return {"type": "AdamW", "params": params}
 
 
 def owns_optimizer(plan: Plan) -> bool:
@@ -266,8 +283,9 @@ def plan_disagreements(config: dict[str, Any], plan: Plan, *,
     given): {key: (the file's value, the planned value)}. The one rule `toolkit check`, the Trainer runner and the
     pipeline runner apply. "auto" and absent keys agree (a runner fills them); any other value must equal the
     plan's number. Keys: train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
-    gradient_clipping (with max_grad_norm), precision (bf16 / fp16 / fp32, bf16-pure planned as bf16) and
-    zero_optimization.stage (ds_zero_stage)."""
+    gradient_clipping (with max_grad_norm), precision (bf16 / fp16 / fp32, bf16-pure planned as bf16),
+    zero_optimization.stage (ds_zero_stage) and sequence_parallel_size (the plan's degree; DeepSpeed divides the
+    world by it wherever no mpu is passed)."""
     out: dict[str, tuple[Any, Any]] = {}
     numbers = [("train_batch_size", plan.global_batch), ("train_micro_batch_size_per_gpu", plan.micro_batch),
                ("gradient_accumulation_steps", plan.grad_accum)]
@@ -289,5 +307,8 @@ def plan_disagreements(config: dict[str, Any], plan: Plan, *,
     stage = zero.get("stage") if isinstance(zero, dict) else None
     if isinstance(stage, int) and stage != ds_zero_stage(plan):
         out["zero_optimization.stage"] = (stage, ds_zero_stage(plan))
+    sp = config.get("sequence_parallel_size")
+    if sp is not None and sp != plan.sequence_parallel:
+        out["sequence_parallel_size"] = (sp, plan.sequence_parallel)
     return out
 

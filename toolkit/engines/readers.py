@@ -170,13 +170,16 @@ MAX_REFUSALS = 20
 """How many separate refusals one check collects from DeepSpeed before it stops asking (each costs a config pass)."""
 
 
-def deepspeed_reads(config: dict[str, Any], data_parallel: int) -> tuple[set[str] | None, str | None]:
-    """DeepSpeedConfig on `config` at a data-parallel size: (the top-level keys it read, None) or (None, refusal)."""
-    seen, refusals = deepspeed_reads_all(config, data_parallel)
+def deepspeed_reads(config: dict[str, Any], processes: int, *, mpu: Any = None
+                    ) -> tuple[set[str] | None, str | None]:
+    """DeepSpeedConfig on `config` in a run of `processes` ranks (toolkit.engines.validate.deepspeed_config_at):
+    (the top-level keys it read, None) or (None, refusal)."""
+    seen, refusals = deepspeed_reads_all(config, processes, mpu=mpu)
     return (None, "; ".join(text for text, _ in refusals)) if refusals else (seen, None)
 
 
-def deepspeed_reads_all(config: dict[str, Any], data_parallel: int) -> tuple[set[str], list[tuple[str, bool]]]:
+def deepspeed_reads_all(config: dict[str, Any], processes: int, *, mpu: Any = None
+                        ) -> tuple[set[str], list[tuple[str, bool]]]:
     """Every refusal DeepSpeedConfig has for `config`, not only the first: a refusal that names fields (pydantic's
     errors: unknown or mistyped keys) is recorded, those fields are taken out, and the rest is asked again. Returns
     the keys read by the last pass (as deepspeed_reads) and the refusals, one per problem, each with whether it
@@ -189,7 +192,7 @@ def deepspeed_reads_all(config: dict[str, Any], data_parallel: int) -> tuple[set
         seen: set[str] = set()
         try:
             with quiet_engines():
-                deepspeed_config_at(_ReadRecorder(trial, seen), data_parallel)
+                deepspeed_config_at(_ReadRecorder(trial, seen), processes, mpu=mpu)
         except ConfigRejected as exc:
             fields = _field_errors(exc.__cause__)
             where = [_drop_key(trial, loc[-1]) for loc, _ in fields]
@@ -227,9 +230,9 @@ def _drop_key(config: dict[str, Any], key: Any) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def initialize_reads() -> frozenset[str]:
-    """Top-level keys read outside the config getters, which deepspeed_config_at does not run: the world-size
-    branch of DeepSpeedConfig.__init__ (sequence_parallel_size) and deepspeed.initialize (data_parallel_size, ...),
-    taken from their source as `"key" in config`, `config["key"]` and `config.get("key")`."""
+    """Top-level keys read outside the config getters: the world-size branch of DeepSpeedConfig.__init__
+    (sequence_parallel_size; a run with an mpu never reaches it) and deepspeed.initialize (data_parallel_size,
+    tensor_parallel), taken from their source as `"key" in config`, `config["key"]` and `config.get("key")`."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 

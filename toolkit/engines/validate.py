@@ -9,16 +9,17 @@
   HF Trainer runs; it also reports values that mismatch the TrainingArguments), then DeepSpeed's `DeepSpeedConfig`
   checks the result at the planned data-parallel world size.
 
-DeepSpeedConfig reads its world size from torch.distributed (runtime/config.py: `dist.get_rank()` fails when no
-process group exists and the world size silently becomes 1). `DeepSpeedConfigAtWorldSize` runs the same
-constructor steps as DeepSpeed 0.19 (`_initialize_params`, `_configure_train_batch_size`, `_do_sanity_check`)
-with a given world size; a test checks it agrees with DeepSpeedConfig at world size 1.
+DeepSpeedConfig reads its world size from deepspeed.comm (runtime/config.py: `dist.get_rank()` fails when no
+process group exists and the world size silently becomes 1). `deepspeed_config_at` runs DeepSpeed's own constructor
+as rank 0 of N ranks (deepspeed.comm answered for it), with the mpu the runner passes (pipeline_mpu, ulysses_mpu),
+so the data-parallel world, sequence parallelism included, is DeepSpeed's own arithmetic.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 from pathlib import Path
@@ -115,6 +116,17 @@ def accelerate_launch_plugins(config_file: str | Path, extra_args: list[str] | N
     return args, plugin, env
 
 
+@functools.lru_cache(maxsize=1)
+def parallelism_config_keys() -> frozenset[str]:
+    """The keys accelerate launch reads from a YAML's parallelism_config: its launch parser's
+    --parallelism_config_* options (commands/launch.py). _validate_launch_command copies every key of the block onto
+    the parsed arguments by name, so any other key is set on nothing that is read, silently."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return frozenset(action.dest for action in launch_command_parser()._actions
+                     if action.dest.startswith("parallelism_config_"))
+
+
 def first_line(exc: BaseException) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):  # pydantic ValidationError: name the offending fields
@@ -131,31 +143,127 @@ def first_line(exc: BaseException) -> str:
 
 # --- DeepSpeed -------------------------------------------------------------------------------------------------------
 
-def deepspeed_config_at(config: dict[str, Any], world_size: int):
-    """DeepSpeed's DeepSpeedConfig of `config` at a data-parallel world size; raises ConfigRejected."""
+def pipeline_mpu(data_parallel: int) -> SimpleNamespace:
+    """The model-parallel unit DeepSpeed's pipeline engine passes (PipelineModule.mpu(): a PipeDataParallelTopology
+    grid); DeepSpeedConfig asks it for get_data_parallel_world_size (world / stages)."""
+    return SimpleNamespace(get_data_parallel_world_size=lambda: data_parallel)
+
+
+def ulysses_mpu(sequence_parallel: int) -> SimpleNamespace:
+    """The mpu accelerate passes under ALST / Ulysses (UlyssesSPAttentionHF.register_with_transformers returns
+    deepspeed.runtime.sequence_parallel.parallel_state_sp, which has get_sequence_parallel_world_size and no
+    get_data_parallel_world_size): DeepSpeedConfig then divides the world by its degree."""
+    return SimpleNamespace(get_sequence_parallel_world_size=lambda: sequence_parallel)
+
+
+class _Ranks:
+    """deepspeed.comm as DeepSpeedConfig asks it (get_rank, get_world_size) for a run of `processes` ranks, with
+    the data-parallel group of a device mesh (`group` is the mesh dimension's size)."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+
+    def get_rank(self, group: Any = None) -> int:
+        return 0
+
+    def get_world_size(self, group: Any = None) -> int:
+        return self.processes if group is None else group
+
+
+class _Mesh:
+    """The (data_parallel, sequence_parallel) device mesh deepspeed.initialize builds when the config holds both
+    data_parallel_size and sequence_parallel_size (deepspeed/__init__.py initialize: dist.initialize_mesh_device)."""
+
+    def __init__(self, data_parallel: int) -> None:
+        self.data_parallel = data_parallel
+
+    def get_group(self, mesh_dim: str) -> int:
+        return self.data_parallel
+
+
+@contextlib.contextmanager
+def _ranks(processes: int) -> Iterator[None]:
+    """Run DeepSpeedConfig's own constructor as rank 0 of `processes` ranks: it reads the world from deepspeed.comm
+    (without a process group it silently takes world size 1)."""
+    import deepspeed.runtime.config as ds_config_module
+
+    saved = ds_config_module.dist
+    ds_config_module.dist = _Ranks(processes)
+    try:
+        yield
+    finally:
+        ds_config_module.dist = saved
+
+
+def deepspeed_config_at(config: dict[str, Any], processes: int, *, mpu: Any = None):
+    """DeepSpeed's DeepSpeedConfig of `config` in a run of `processes` ranks; raises ConfigRejected.
+
+    DeepSpeed's constructor itself picks the data-parallel world the batch identity uses (runtime/config.py): the
+    mpu's get_data_parallel_world_size (the pipeline engine: pipeline_mpu), the world / the mpu's sequence-parallel
+    size (accelerate's Ulysses: ulysses_mpu), the mesh's data-parallel group when the file holds data_parallel_size
+    and sequence_parallel_size (deepspeed.initialize builds it), else the world / the file's sequence_parallel_size
+    when it has one (the deepspeed launcher's scripts, the HF zero.Init path), else the world."""
     from deepspeed.runtime.config import DeepSpeedConfig
-
-    class DeepSpeedConfigAtWorldSize(DeepSpeedConfig):
-        def __init__(self, param_dict: dict[str, Any], world: int) -> None:  # noqa: D401 - mirrors the base
-            import deepspeed.runtime.config as ds_config_module
-
-            self._param_dict = param_dict
-            reject = getattr(ds_config_module, "_reject_removed_config_keys", None)
-            if reject is not None:
-                reject(param_dict)
-            self.global_rank = 0
-            self.world_size = world
-            self._initialize_params(copy.copy(param_dict))
-            self._configure_train_batch_size()
-            self._do_sanity_check()
 
     left = auto_keys(config)
     if left:
         raise ConfigRejected(f"\"auto\" left in {', '.join(left)}: DeepSpeed reads the file as it is")
+    mesh = None
+    if mpu is None and "sequence_parallel_size" in config and "data_parallel_size" in config:
+        mesh = _Mesh(config["data_parallel_size"])
+    # Ours only where DeepSpeed's own words would mislead: it divides by a degree that does not divide the world
+    # (a float world, then a batch refusal or none at all), and fails on 0 with a ZeroDivisionError.
+    problem = sequence_parallel_problem(config, processes) if mpu is None else None
     try:
-        return DeepSpeedConfigAtWorldSize(copy.deepcopy(config), world_size)
+        with _ranks(processes):
+            parsed = DeepSpeedConfig(copy.deepcopy(config), mpu, mesh_device=mesh)
     except Exception as exc:  # noqa: BLE001 - DeepSpeed raises AssertionError, ValueError, pydantic errors
-        raise ConfigRejected(first_line(exc)) from exc
+        raise ConfigRejected(problem or first_line(exc)) from exc
+    if problem:
+        raise ConfigRejected(problem)
+    return parsed
+
+
+def deepspeed_data_parallel(config: dict[str, Any], processes: int, *, mpu: Any = None) -> float:
+    """The data-parallel world DeepSpeedConfig counts for `config` in a run of `processes` ranks (a float, as
+    DeepSpeed computes it: world / sp need not be whole), from its own constructor on the keys of the file it reads
+    outside its config getters (toolkit.engines.readers.initialize_reads); raises ConfigRejected."""
+    from toolkit.engines.readers import initialize_reads
+
+    probe = {key: config[key] for key in initialize_reads() & set(config) if key != "tensor_parallel"}
+    probe["train_micro_batch_size_per_gpu"] = 1
+    return deepspeed_config_at(probe, processes, mpu=mpu).world_size
+
+
+def sequence_parallel_problem(config: dict[str, Any], processes: int) -> str | None:
+    """What DeepSpeed does with a file's sequence_parallel_size (and data_parallel_size) in a run of `processes`
+    ranks that passes no mpu, when it cannot be right: the degree must be a whole number >= 1 that divides the
+    ranks (DeepSpeedConfig divides the world by it; parallel_state_sp.initialize_sequence_parallel and Ulysses'
+    groups need equal groups), and with data_parallel_size the two must multiply to the ranks (the device mesh
+    deepspeed.initialize builds covers every rank)."""
+    if "sequence_parallel_size" not in config:
+        return None
+    sp = config["sequence_parallel_size"]
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        return f"sequence_parallel_size {json_text(sp)} must be a whole number >= 1 (DeepSpeed divides the world by it)"
+    if processes % sp:
+        works = ", ".join(str(d) for d in range(1, processes + 1) if processes % d == 0)
+        return (f"sequence_parallel_size {sp} does not divide the {processes} processes: DeepSpeed counts {processes} / "
+                f"{sp} = {processes / sp:.4g} data-parallel ranks (and Ulysses needs equal groups of {sp}); use one "
+                f"of {works}")
+    dp = config.get("data_parallel_size")
+    if "data_parallel_size" in config and (not isinstance(dp, int) or isinstance(dp, bool) or dp * sp != processes):
+        return (f"data_parallel_size {json_text(dp)} x sequence_parallel_size {sp} is not the {processes} processes: "
+                f"deepspeed.initialize builds a device mesh of that shape over every rank; set data_parallel_size to "
+                f"{processes // sp} or remove it")
+    return None
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def resolve_like_trainer(config: dict[str, Any], *, world_size: int, micro_batch: int, grad_accum: int,
@@ -200,15 +308,15 @@ def validate_ds_config_for_plan(config: dict[str, Any], plan) -> Any:
     from toolkit.emit.deepspeed import hidden_size
 
     if plan.engine == Engine.PIPELINE:
-        # toolkit.train hands the file to deepspeed.initialize unchanged; the pipeline engine's data-parallel
-        # world is world / stages (its mpu), which is what its batch assertion uses.
-        return deepspeed_config_at(config, plan.data_parallel)
-    # Under Ulysses the data-parallel world is world / sp: accelerate sets train_batch_size from
-    # ParallelismConfig.data_parallel_size at prepare time, and DeepSpeed's world is world / sp (its mpu).
+        # toolkit.train hands the file to deepspeed.initialize unchanged with the PipelineModule's mpu.
+        return deepspeed_config_at(config, plan.world_size, mpu=pipeline_mpu(plan.data_parallel))
+    # Under Ulysses accelerate sets train_batch_size from the data-parallel ranks at prepare time (world // sp,
+    # Accelerator._prepare_deepspeed) and passes its mpu, so DeepSpeed's world is world / sp.
     resolved = resolve_like_trainer(config, world_size=plan.data_parallel, micro_batch=plan.micro_batch,
                                     grad_accum=plan.grad_accum, hidden_size=hidden_size(plan),
                                     precision=plan.precision)
-    return deepspeed_config_at(resolved, plan.data_parallel)
+    sp = plan.sequence_parallel
+    return deepspeed_config_at(resolved, plan.world_size, mpu=ulysses_mpu(sp) if sp > 1 else None)
 
 
 def validate_parallelism_config(kwargs: dict[str, Any], *, world_size: int, engine: str):

@@ -341,7 +341,7 @@ def load_plan(path: str | Path) -> Plan:
     from toolkit.fileio import read_bytes_limited
 
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and path.name != PLAN_JSON:  # a folder named plan.json is refused as one, never looked into
         path = path / PLAN_JSON
     if not path.exists() and not path.is_symlink():
         raise UserError(f"plan file {path} does not exist; run `toolkit plan ... --out DIR` first")

@@ -237,55 +237,28 @@ def check_node_count(plan: Plan, nodes: int) -> None:
                         f"give a node count that does: {works}")
 
 
-def read_hostfile(path: Path) -> list[tuple[str, int]]:
-    """DeepSpeed's hostfile as (host, slots) pairs, read as deepspeed.launcher.runner reads it: lines starting
-    `host slots=N`, `#` comment lines and blank lines skipped, each host once (docs/ENGINE_FACTS.md)."""
-    import re
-
-    from toolkit.fileio import read_bytes_limited
-
-    try:
-        text = read_bytes_limited(Path(path), "DeepSpeed host list").decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read hostfile {path} ({type(exc).__name__}); write `host slots=GPUS` lines") \
-            from None
-    hosts: list[tuple[str, int]] = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = re.match(r"(\S+)\s+slots=(\d+)", line)
-        if match is None:
-            raise UserError(f"hostfile {path} line {number} is not `host slots=GPUS`: {line[:80]!r}")
-        host = match.group(1)
-        if any(host == seen for seen, _ in hosts):
-            raise UserError(f"hostfile {path} names host {host} twice; give each host once")
-        hosts.append((host, int(match.group(2))))
-    if not hosts:
-        raise UserError(f"hostfile {path} names no host; write one `host slots=GPUS` line per node")
-    return hosts
-
-
 def check_hostfile(plan: Plan, path: Path) -> None:
-    """The hostfile's slots must add up to the plan's GPUs, and every host must resolve (getaddrinfo only: no
-    connection). The placeholders `toolkit emit` writes without --hosts (node0, node1, ...) are not resolved."""
+    """The hostfile as DeepSpeed's launcher reads it, per host (toolkit.engines.hostfile: every host > 0 slots, the
+    same on every host, adding up to the plan's GPUs; a line it refuses named by number), and every host must
+    resolve (getaddrinfo only: no connection). The placeholders `toolkit emit` writes without --hosts (node0,
+    node1, ...) are not resolved."""
     import socket
 
     from toolkit.emit.scripts import default_hosts
+    from toolkit.engines.hostfile import hostfile_problems, read_hostfile
 
     hosts = read_hostfile(path)
-    slots = sum(n for _, n in hosts)
-    if slots != plan.world_size:
-        works = "; ".join(f"{d} host(s) x slots={plan.world_size // d}" for d in _divisors(plan.world_size))
-        raise UserError(f"hostfile {path} gives {slots} slots on {len(hosts)} host(s) but the plan runs on "
-                        f"{plan.world_size} GPUs ({plan.num_machines} x {plan.gpus_per_node}); give {works}")
-    if [h for h, _ in hosts] == default_hosts(plan):
+    problems = hostfile_problems(hosts, str(path), world=plan.world_size, nodes=plan.num_machines,
+                                 gpus_per_node=plan.gpus_per_node)
+    if problems:
+        raise UserError(problems[0])
+    if [h.name for h in hosts] == default_hosts(plan):
         return
-    for host, _ in hosts:
+    for host in hosts:
         try:
-            socket.getaddrinfo(host, None)
+            socket.getaddrinfo(host.name, None)
         except (OSError, UnicodeError):
-            raise UserError(f"host {host} in hostfile {path} cannot be resolved; fix its name (or re-emit with "
+            raise UserError(f"host {host.name} in hostfile {path} cannot be resolved; fix its name (or re-emit with "
                             "`toolkit emit --hosts`)") from None
 
 
