@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from provenance import meta as provenance_meta
 from toolkit.estimate.profile import measure_step, predict_step
 from toolkit.run.tiny import tiny_config
 
@@ -82,7 +83,7 @@ def main() -> int:
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%d")}
+            **provenance_meta()}
     (out / "accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = ["# Estimator accuracy: predicted / measured on real CPU tensors", "",
              f"One run, {meta['date']}, torch {meta['torch']}, {meta['machine']}. Produced by "

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import meta as provenance_meta
+
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_memory as dm  # noqa: E402  (the shared model shape and MemTracker helpers)
 
@@ -308,7 +310,7 @@ def main(argv: list[str]) -> int:
     if argv:
         return 0
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%d"), "shape": dm.SHAPE, "seq": SEQ, "micro_batch": MICRO,
+            **provenance_meta(), "shape": dm.SHAPE, "seq": SEQ, "micro_batch": MICRO,
             "precision": PRECISION}
     import deepspeed
     import transformers

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import meta as provenance_meta
+
 SHAPE = {"vocab_size": 2000, "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 2, "ffn": 688, "max_positions": 512}
 SEQ, MICRO, WORLD = 128, 2, 2
 STEPS = 3  # step 1 allocates optimizer states; step 3 is measured
@@ -353,7 +355,7 @@ def main(argv: list[str]) -> int:
         return 0
     out = Path(__file__).parent / "results"
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%d"), "shape": SHAPE, "seq": SEQ, "micro_batch": MICRO, "world": WORLD}
+            **provenance_meta(), "shape": SHAPE, "seq": SEQ, "micro_batch": MICRO, "world": WORLD}
     try:
         import deepspeed
 

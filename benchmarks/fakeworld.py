@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import meta as provenance_meta
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["TOOLKIT_NO_CACHE"] = "1"  # every trace runs here, timed
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -246,7 +248,7 @@ def main(argv: list[str]) -> int:
         row = run_case(case)
         print(_line(row), flush=True)
         rows.append(row)
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
+    meta = {**provenance_meta(), "torch": torch.__version__, "transformers": transformers.__version__,
             "machine": platform.machine()}
     (RESULTS / "fakeworld.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     (RESULTS / "fakeworld.md").write_text(markdown(rows, meta))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/throughput.py: the split rule, local model configs
 
+from provenance import measured_line
 from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.job import Job
 from toolkit.inputs.lora import Adapter, counts_for_spec, frozen_base_bytes
@@ -533,7 +534,7 @@ def main() -> int:
 
     profile = lora_profile()
     lines = ["# LoRA / QLoRA: our estimates beside the peers' published numbers", "",
-             f"{time.strftime('%Y-%m-%d')}, `python benchmarks/lora.py`. bf16 compute, AdamW over the adapters, "
+             f"{measured_line('lora.py')}. bf16 compute, AdamW over the adapters, "
              "micro-batch 1, activation checkpointing, Flash Attention 2 footprint, one GPU (DDP) unless stated. "
              "'required' = tensor peak + CUDA context + allocator margin (toolkit/estimate/memory.py). Peers' sources are in "
              "the docstring of benchmarks/lora.py.", ""]

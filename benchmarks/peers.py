@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import measured_line
 from toolkit.inputs.hardware import GIB, parse_hardware
 from toolkit.inputs.job import Job
 from toolkit.estimate.memory import estimate_memory
@@ -37,7 +38,7 @@ KNOWN_PARAMS = {"A": 1_557_611_200, "B": 6_738_415_616, "C": 70_553_706_496}
 
 def main() -> int:
     lines = ["# Peer cases: our estimates beside the peers' numbers", "",
-             f"{time.strftime('%Y-%m-%d')}, `python benchmarks/peers.py`. GiB per GPU; 'required' adds the CUDA "
+             f"{measured_line('peers.py')}. GiB per GPU; 'required' adds the CUDA "
              "context, communicator buffers and a 5% allocator margin to the tensor peak. Peers' numbers from "
              "docs/ENGINE_FACTS.md (Peers).", ""]
     for case, (model, gpus, seq, micro) in CASES.items():

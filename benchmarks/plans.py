@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import measured_line
 from toolkit.inputs.hardware import GIB, parse_hardware
 from toolkit.inputs.modelspec import resolve_model
 from toolkit.estimate.errorband import time_band
@@ -28,7 +29,7 @@ CASES = {
 
 def main() -> int:
     lines = ["# Chosen plans for the reference cases", "",
-             f"{time.strftime('%Y-%m-%d')}, `python benchmarks/plans.py`. Ranked by predicted tokens/s, except that "
+             f"{measured_line('plans.py')}. Ranked by predicted tokens/s, except that "
              "candidates within the step-time band of the fastest (marked 'tie') are ordered by robustness "
              "(resumable, memory headroom in peak error bands, then simplicity: toolkit.estimate.ranking); `*` marks a speed no published run of that engine at that scale backs "
              f"({time_band().text()}; benchmarks/results/throughput.md). GiB is the required memory per GPU (tensor "

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import measured_line
+
 BASELINE = [sys.executable, "-c", "from transformers import AutoModelForCausalLM"]
 COMMANDS = {
     "estimate llama-3-70b --seq 8192": [sys.executable, "-m", "toolkit", "estimate", "llama-3-70b", "--seq", "8192",
@@ -76,7 +78,7 @@ def main() -> int:
     base = best_of(BASELINE)
     cache = tempfile.mkdtemp(prefix="toolkit-speed-cache-")
     lines = ["# Speed: cold-process time as a ratio to importing transformers", "",
-             f"{time.strftime('%Y-%m-%d')}, `python benchmarks/speed.py`, best of 3 fresh processes each, one run. "
+             f"{measured_line('speed.py')}, best of 3 fresh processes each, one run. "
              f"Baseline `from transformers import AutoModelForCausalLM`: {base:.2f} s. 'first use': the on-disk "
              "cache emptied before every process (meta-device build and trace included); 'repeat': the cache that "
              "first use leaves.", "",
