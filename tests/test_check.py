@@ -753,3 +753,15 @@ def test_the_launcher_files_hyper_parameters_are_toolkit_trains_defaults():
 
     args = parse_train_args(["--plan", "p/plan.json", "--data", "d.txt", "--output", "o"])
     assert (args.lr, args.weight_decay) == (LEARNING_RATE, WEIGHT_DECAY)
+
+
+def test_the_degree_in_a_zero3_trainer_file_is_refused_as_zero_init_reads_it(tmp_path):
+    """zero.Init divides the world by the file's sequence_parallel_size after the Trainer filled the batch over
+    every process (issue 17: "8 != 2 * 2 * 1.0"): even the plan's own degree breaks the Trainer's file."""
+    emit_files(_sp_plan(strategy="zero3"), tmp_path)
+    assert check_paths([str(tmp_path)]) == []
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sequence_parallel_size": 2}))
+    found = [p for p in check_paths([str(tmp_path)]) if p.file == str(path)]
+    assert [(p.severity, p.runner) for p in found] == [("error", "HF Trainer")], found
+    assert "ZeRO-3's zero.Init (no mpu) divides the world by 2" in found[0].message

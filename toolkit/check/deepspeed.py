@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from toolkit.emit.deepspeed import auto_keys
+from toolkit.emit.deepspeed import auto_keys, is_auto
 from toolkit.check.findings import ACCELERATE, DEEPSPEED, EVERY, HF_RUNNERS, PIPELINE, Problem, Severity, TRAINER
 from toolkit.engines.validate import sequence_parallel_problem
 from toolkit.engines.readers import (_mapping, accelerate_view, concrete_int, deepspeed_reads_all, enabled, trainer_view,
@@ -246,7 +246,18 @@ def _sequence_parallel_problems(config: dict[str, Any], f: _Findings, stage: int
         problem = sequence_parallel_problem(config, sp if concrete_int(sp) else 1)
     if problem:
         f.fail(readers, problem)
-    elif launch_sp is not None and sp != launch_sp and HF_RUNNERS & f.readers.runners:
+    elif stage == 3 and world is not None and is_auto(config.get("train_batch_size")) and TRAINER in f.readers.runners:
+        from toolkit.engines.validate import deepspeed_data_parallel
+
+        # zero.Init builds DeepSpeedConfig without an mpu (the file's degree divides the world) after the Trainer
+        # filled train_batch_size over every process (trainer_config_process): measured in issue 17 as "8 != 2 * 2".
+        dp = deepspeed_data_parallel(config, world)
+        if dp != world:
+            f.fail({TRAINER}, f"sequence_parallel_size {sp} in a ZeRO-3 file whose train_batch_size the HF Trainer "
+                   f"fills: it fills it over all {world} processes, then ZeRO-3's zero.Init (no mpu) divides the "
+                   f"world by {sp} and refuses the batch; remove the key (accelerate's ParallelismConfig carries the "
+                   "degree)")
+    if not problem and launch_sp is not None and sp != launch_sp and HF_RUNNERS & f.readers.runners:
         launch = (f"the launch runs sequence parallel {launch_sp} (accelerate's ParallelismConfig sp_size; its "
                   "Ulysses mpu decides at deepspeed.initialize)" if launch_sp > 1 else
                   "the launch runs no sequence parallelism (no parallelism_config sp_size): DeepSpeed counts "
@@ -269,6 +280,9 @@ def _engine_problems(config: dict[str, Any], f: _Findings, *, said_batch: bool =
         sp, dp = concrete_int(config.get("sequence_parallel_size")), concrete_int(config.get("data_parallel_size"))
         processes = (sp if sp and sp > 0 else 1) * (dp if dp and dp > 0 and "sequence_parallel_size" in config else 1)
     runner = f.readers.direct if f.readers.direct in f.readers.runners else min(f.readers.runners)
+    if sequence_parallel_problem(config, processes):  # named by _sequence_parallel_problems; the rest still judged
+        trial.pop("sequence_parallel_size", None)
+        trial.pop("data_parallel_size", None)
     seen, refusals = deepspeed_reads_all(trial, processes, mpu=f.readers.mpu(runner))
     everyone = HF_RUNNERS | {f.readers.direct}
     for refusal, names_a_field in refusals:  # every problem DeepSpeed names, each its own finding

@@ -237,4 +237,8 @@ def parse_gpus(text: str) -> tuple[int, int]:
         numbers = [1, numbers[0]]
     if len(numbers) != 2 or min(numbers) < 1:
         raise UserError(f"--gpus '{text}' is not understood; write GPUS (one node) or NODESxGPUS, e.g. 2x8")
+    from toolkit.bounds import GPUS_PER_NODE, NODES, check_number
+
+    check_number("--gpus nodes", numbers[0], NODES)
+    check_number("--gpus GPUs per node", numbers[1], GPUS_PER_NODE)
     return numbers[0], numbers[1]

@@ -83,10 +83,6 @@ def read_hostfile(path: Path) -> list[Host]:
     return parse_hostfile(text, str(path))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def hostfile_problems(hosts: list[Host], name: str, *, world: int | None = None, nodes: int | None = None,
                       gpus_per_node: int | None = None) -> list[str]:
     """What a run of `world` processes (nodes x gpus_per_node when known) cannot use in these hosts: a host
@@ -101,7 +97,9 @@ def hostfile_problems(hosts: list[Host], name: str, *, world: int | None = None,
         return out
     slots = sum(h.slots for h in hosts)
     if world is not None and slots != world:
-        works = "; ".join(f"{d} host(s) x slots={world // d}" for d in _divisors(world))
+        from toolkit.engines.validate import divisors
+
+        works = "; ".join(f"{d} host(s) x slots={world // d}" for d in divisors(world)[:12])
         grid = f" ({nodes} x {gpus_per_node})" if nodes and gpus_per_node else ""
         return [f"hostfile {name} gives {slots} slots on {len(hosts)} host(s) but the plan runs on {world} "
                 f"GPUs{grid}; give {works}"]

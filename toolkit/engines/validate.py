@@ -247,7 +247,7 @@ def sequence_parallel_problem(config: dict[str, Any], processes: int) -> str | N
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
         return f"sequence_parallel_size {json_text(sp)} must be a whole number >= 1 (DeepSpeed divides the world by it)"
     if processes % sp:
-        works = ", ".join(str(d) for d in range(1, processes + 1) if processes % d == 0)
+        works = ", ".join(str(d) for d in divisors(processes)[:12])
         return (f"sequence_parallel_size {sp} does not divide the {processes} processes: DeepSpeed counts {processes} / "
                 f"{sp} = {processes / sp:.4g} data-parallel ranks (and Ulysses needs equal groups of {sp}); use one "
                 f"of {works}")
@@ -257,6 +257,14 @@ def sequence_parallel_problem(config: dict[str, Any], processes: int) -> str | N
                 f"deepspeed.initialize builds a device mesh of that shape over every rank; set data_parallel_size to "
                 f"{processes // sp} or remove it")
     return None
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending (in sqrt(n) steps: n may be a world of millions of ranks)."""
+    import math
+
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def json_text(value: Any) -> str:
