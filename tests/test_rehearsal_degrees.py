@@ -26,3 +26,74 @@ def test_only_tensor_parallel_grids_cannot_resume(strategy, degrees, resumable):
     assert (grid.resume_problem() is None) is resumable
     if not resumable:
         assert "cannot resume" in grid.resume_problem()
+
+
+REAL_CONFIGS = ("qwen3-30b-a3b", "mixtral-8x7b-v0.1", "llama-3.1-8b", "qwen2.5-7b-instruct", "falcon-7b",
+                "gemma-3-1b", "phi-3-mini-4k-instruct", "qwen1.5-moe-a2.7b")
+DEGREES = [(t, s, p) for t in (1, 2, 4, 8) for s in (1, 2, 4) for p in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_the_tiny_model_keeps_every_divisibility_the_degrees_need(name):
+    """For every (tensor, sequence, stages) of the grid: the model's own tp_plan splits the tiny model's heads, KV
+    heads and FFN widths (toolkit.inputs.tensorplan.tp_plan_problem, the planner's rule), Ulysses splits its heads
+    (ParallelGrid.check_model), the pipeline stages take whole layers; heads stay a multiple of the KV heads, and
+    with no degree the real model's grouping is kept (Qwen3-MoE's 8:1 on 4 heads: 1 KV head)."""
+    import json
+    from pathlib import Path
+
+    from toolkit.inputs.modelspec import _config_from_dict, build_spec
+    from toolkit.inputs.partition import check_stage_count
+    from toolkit.inputs.tensorplan import model_tp_plan, tp_plan_problem
+    from toolkit.run.tiny import shrink_config, sizes_for_degrees
+
+    real = _config_from_dict(json.loads((Path(__file__).parent / "arch_configs" / f"{name}.json").read_text()), name)
+    specs = {}
+    for tensor, sequence, stages in DEGREES:
+        sizes = sizes_for_degrees(real, tensor=tensor, sequence=sequence, stages=stages)
+        key = tuple(sorted(sizes.items()))
+        if key not in specs:
+            specs[key] = build_spec(name, shrink_config(real, **sizes))
+        spec, config = specs[key], specs[key].hf_config()
+        where = f"{name} tp={tensor} sp={sequence} pp={stages}: {sizes}"
+        assert spec.heads % spec.kv_heads == 0 and spec.heads == sizes["heads"], where
+        if model_tp_plan(spec):
+            assert tp_plan_problem(spec, tensor) is None, where
+        for key_name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(config, key_name, None):
+                assert getattr(config, key_name) % tensor == 0, (key_name, where)
+        if sequence > 1:
+            grid = ParallelGrid.for_strategy(parse_strategy("zero3"), nodes=1, gpus_per_node=2 * sequence,
+                                             sequence=sequence)
+            grid.check_model(spec)
+        check_stage_count(spec.num_layers, stages, stages)
+        if (tensor, sequence, stages) == (1, 1, 1):
+            plain = build_spec(name, shrink_config(real))  # shrink_config's own sizes and grouping
+            assert (spec.heads, spec.kv_heads, spec.hidden) == (plain.heads, plain.kv_heads, plain.hidden), where
+
+
+@pytest.mark.multiprocess
+def test_rehearsal_of_qwen3_moe_fsdp2_x_tp_passes_on_4_processes(tmp_path, capfd):
+    """The plan the planner picks for Qwen3-30B-A3B on 2x8xH100 (fsdp2 dp=8 x tp=2) rehearses on a tiny Qwen3-MoE of
+    the same config: 32 heads over 4 KV heads shrink to 4 over 2 (the 8:1 grouping would leave 1 KV head, which
+    tp 2 cannot split), trains 4 steps on 4 gloo processes (dp 2 x tp 2), saves and reloads; the output says the
+    plan cannot resume."""
+    import shutil
+    from pathlib import Path
+
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+
+    real = tmp_path / "qwen3-30b-a3b"
+    real.mkdir()
+    shutil.copy(Path(__file__).parent / "arch_configs" / "qwen3-30b-a3b.json", real / "config.json")
+    plan = plan_for_model(real, "fsdp2", num_machines=2, gpus_per_node=8, micro_batch=4, grad_accum=2,
+                          seq_len=4096, tensor=2)
+    assert plan.grid.describe() == "dp=8 x tp=2" and not plan.grid.resumable
+    code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "rehearsal of fsdp2 dp=2 x tp=2 (fp32) on 4 CPU processes over gloo: qwen3_moe 4 layers" in out, out
+    assert "note: tensor parallelism: transformers shards the model" in out and "cannot resume" in out
+    assert "rehearsal passed" in out

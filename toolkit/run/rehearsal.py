@@ -58,6 +58,14 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     )
 
 
+def rehearsal_degrees(plan: Plan) -> tuple[int, int, int, int]:
+    """(tensor, context, sequence, pipeline stages) of the rehearsal's grid: each model-parallel degree the plan has,
+    at 2 (the fewest processes that still split); 2 stages for a pipeline plan."""
+    tensor, context, sequence = (min(d, 2) for d in (plan.tensor_parallel, plan.context_parallel,
+                                                     plan.sequence_parallel))
+    return tensor, context, sequence, 2 if plan.engine == Engine.PIPELINE else 1
+
+
 def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tuple[Plan, list[str]]:
     """The plan's strategy on a tiny model of the same architecture, on 2 processes (4 for hybrid and HSDP), on
     `nodes` launcher invocations (machine ranks) that split the processes evenly.
@@ -75,14 +83,11 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
         attention = None  # transformers' own pick for the model: sdpa, or eager where its class has none
         said.append("flash-attention kernels need a GPU: rehearsing with the model's default attention (sdpa, or "
                     "eager where the model has no sdpa)")
-    stages = 1
+    tensor, context, sequence, stages = rehearsal_degrees(plan)
     world = 2
-    tensor, context, sequence = (min(d, 2) for d in (plan.tensor_parallel, plan.context_parallel,
-                                                     plan.sequence_parallel))
     if tensor > 1:
         world = 4  # FSDP2 x TP: 2 x 2 (tensor parallelism alone leaves FSDP2 nothing to shard over)
     if plan.engine == Engine.PIPELINE:
-        stages = 2
         world = 4 if plan.strategy == "hybrid" or plan.data_parallel > 1 else 2
     if plan.liger:
         said.append("Liger's Triton kernels need a GPU: rehearsing without them (the memory savers change no "
@@ -91,6 +96,9 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
         world = 4  # HSDP: shards inside a node, replicas across nodes
     if world % nodes:
         raise UserError(f"--nodes {nodes} does not divide the rehearsal's {world} processes (try 2)")
+    if problem := plan.grid.resume_problem():
+        said.append(f"{problem}; the rehearsal checks that its checkpoints and final model are written, not a "
+                    "resume")
     if plan.activation_offloading:
         said.append("activation offloading is TRL's (SFTTrainer): the rehearsal runs toolkit.train without it")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
@@ -290,11 +298,14 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
 
 def make_rehearsal_model(plan: Plan, out_dir: Path) -> Path:
     """A tiny model of the plan's own architecture (random weights) with a tokenizer trained on the local corpus:
-    the plan's config shrunk by its own config class (toolkit.run.tiny.shrink_config), every non-size setting kept."""
+    the plan's config shrunk by its own config class (toolkit.run.tiny.shrink_config), every non-size setting kept,
+    to sizes that the rehearsal grid's degrees divide (toolkit.run.tiny.sizes_for_degrees)."""
     from toolkit.inputs.modelspec import _config_from_dict
 
     config = _config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)
-    return tiny.make_tiny_model(config, out_dir, layers=REHEARSAL_LAYERS, corpus_chars=100_000)
+    tensor, _, sequence, stages = rehearsal_degrees(plan)
+    sizes = tiny.sizes_for_degrees(config, tensor=tensor, sequence=sequence, stages=stages, layers=REHEARSAL_LAYERS)
+    return tiny.make_tiny_model(config, out_dir, corpus_chars=100_000, **sizes)
 
 
 def _kept(train_argv: list[str]) -> list[str]:

@@ -231,6 +231,35 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     return cls(**data)
 
 
+def sizes_for_degrees(config, *, tensor: int = 1, sequence: int = 1, stages: int = 1, layers: int = 4,
+                      hidden: int = 64, heads: int = 4, ffn: int = 128) -> dict[str, int]:
+    """shrink_config's size knobs for a small model of `config` that every parallel degree of a plan divides, so
+    that it runs the plan's grid: tensor parallelism splits the attention heads, the KV heads and the FFN widths
+    (the tp_plan's colwise / packed_colwise styles; shrink_config makes the expert FFN half of `ffn`), Ulysses
+    sequence parallelism splits the heads and splits or replicates the KV heads, pipeline stages take whole layers.
+    Heads grow at the same head width when a degree needs more; the real model's key/value grouping is kept where
+    the degrees allow it, otherwise the nearest grouping they do (Qwen3-MoE's 8:1 on 4 heads is 1 KV head, which
+    tensor parallelism 2 cannot split: 2). Experts stay as shrink_config makes them: no degree of the grid splits
+    experts (no expert parallelism). Context parallelism divides the sequence, not the model (the rehearsal's
+    sequence length follows the grid). Derived from the degrees and the config's head counts, not per
+    architecture."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = hidden // heads
+    heads = math.lcm(heads, tensor, sequence)
+    real_heads = getattr(text, "num_attention_heads", None)
+    real_kv = next((getattr(text, k) for k in _KV_KEYS if isinstance(getattr(text, k, None), int)), None)
+    group = max(1, real_heads // real_kv) if isinstance(real_heads, int) and real_kv else 1
+    want = max(1, heads // min(group, heads))  # shrink_config's rule: the real grouping, capped at `heads`
+    kv_heads = min(k for k in range(want, heads + 1) if heads % k == 0 and k % tensor == 0
+                   and (k % sequence == 0 or sequence % k == 0))  # k = heads always qualifies
+    return {"layers": max(_round_up(layers, stages), stages), "hidden": heads * head_dim, "heads": heads,
+            "kv_heads": kv_heads, "ffn": _round_up(ffn, 2 * tensor)}
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def _shrunk_pattern(pattern: list, layers: int) -> list:
     """The first `layers` entries of a per-layer pattern, its last entries replaced by any kind of layer that the
     cut lost (Gemma-3's five sliding layers then one full one keeps a full-attention layer)."""
