@@ -765,3 +765,15 @@ def test_the_degree_in_a_zero3_trainer_file_is_refused_as_zero_init_reads_it(tmp
     found = [p for p in check_paths([str(tmp_path)]) if p.file == str(path)]
     assert [(p.severity, p.runner) for p in found] == [("error", "HF Trainer")], found
     assert "ZeRO-3's zero.Init (no mpu) divides the world by 2" in found[0].message
+
+
+def test_launch_preflight_refuses_the_degree_in_a_zero3_trainer_file(tmp_path):
+    """The launch's own validation (toolkit.run.preflight and the rehearsal call it) models zero.Init the same way."""
+    from toolkit.engines.validate import ConfigRejected, validate_ds_config_for_plan
+
+    plan = _sp_plan(strategy="zero3")
+    emit_files(plan, tmp_path)
+    config = json.loads((tmp_path / "ds_config.json").read_text())
+    validate_ds_config_for_plan(config, plan)
+    with pytest.raises(ConfigRejected, match="zero.Init reads sequence_parallel_size 2 .* 32 != 4 \\* 2 \\* 2"):
+        validate_ds_config_for_plan({**config, "sequence_parallel_size": 2}, plan)

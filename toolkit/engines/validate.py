@@ -324,6 +324,19 @@ def validate_ds_config_for_plan(config: dict[str, Any], plan) -> Any:
                                     grad_accum=plan.grad_accum, hidden_size=hidden_size(plan),
                                     precision=plan.precision)
     sp = plan.sequence_parallel
+    if plan.zero_stage == 3 and "sequence_parallel_size" in config:
+        # The HF zero.Init path (from_pretrained under the Trainer's ZeRO-3 config): the Trainer fills the batch over
+        # every process (trainer_config_process) and DeepSpeedConfig, without accelerate's mpu, divides the world
+        # by the file's degree (issue 17: "train_batch_size is not equal to ... 8 != 2 * 2 * 1.0").
+        all_ranks = resolve_like_trainer(config, world_size=plan.world_size, micro_batch=plan.micro_batch,
+                                         grad_accum=plan.grad_accum, hidden_size=hidden_size(plan),
+                                         precision=plan.precision)
+        try:
+            deepspeed_config_at(all_ranks, plan.world_size)
+        except ConfigRejected as exc:
+            raise ConfigRejected(f"ZeRO-3's zero.Init reads sequence_parallel_size {config['sequence_parallel_size']} "
+                                 f"from the file and refuses the batch the HF Trainer fills ({exc}); remove the key: "
+                                 "accelerate's ParallelismConfig carries the degree") from exc
     return deepspeed_config_at(resolved, plan.world_size, mpu=ulysses_mpu(sp) if sp > 1 else None)
 
 
