@@ -24,7 +24,7 @@ from provenance import measured_line
 BASELINE = [sys.executable, "-c", "from transformers import AutoModelForCausalLM"]
 COMMANDS = {
     "estimate llama-3-70b --seq 8192": [sys.executable, "-m", "toolkit", "estimate", "llama-3-70b", "--seq", "8192",
-                                        "--gpus", "8x8xH100", "--strategy", "zero3", "--json"],
+                                        "--gpus", "8x8xH100-80GB", "--strategy", "zero3", "--json"],
     "plan llama-3-70b, 64 GPUs, all candidates": [sys.executable, "-m", "toolkit", "plan", "llama-3-70b", "--gpus",
                                                    "8x8xH100-80GB", "--seq", "8192", "--global-batch", "512",
                                                    "--json"],

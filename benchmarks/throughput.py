@@ -353,7 +353,7 @@ def pipeline_question(results: list[dict]) -> list[str]:
     cands = plan_candidates(spec, hw, Request(seq_len=8192, global_batch=64))
     tied = {id(c) for c in speed_ties(cands)}
     feasible = [c for c in cands if c.feasible]
-    lines = ["`toolkit plan llama-3-8b --gpus 8xH100 --seq 8192 --global-batch 64`:", "",
+    lines = ["`toolkit plan llama-3-8b --gpus 8xH100-80GB --seq 8192 --global-batch 64`:", "",
              "| rank | strategy | micro x accum | ckpt | tokens/s | evidenced by a published run | within band of #1 |",
              "|---|---|---|---|---|---|---|"]
     for rank, c in enumerate(feasible, 1):

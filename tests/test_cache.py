@@ -13,7 +13,7 @@ from pathlib import Path
 SCRIPT = """
 import json, sys
 from toolkit.cli import main
-main(["estimate", sys.argv[1], "--gpus", "8xH100", "--strategy", "zero3", "--seq", "1024", "--json"])
+main(["estimate", sys.argv[1], "--gpus", "8xH100-80GB", "--strategy", "zero3", "--seq", "1024", "--json"])
 print(json.dumps({"torch_imported": "torch" in sys.modules}))
 """
 

@@ -237,9 +237,9 @@ def test_gpu_names_and_aliases_unique(gpus):
 @pytest.mark.parametrize(
     "typed,name",
     [
-        ("A100", "A100-80GB"), ("a100", "A100-80GB"), ("A100-80GB", "A100-80GB"),
-        ("A100-40GB", "A100-40GB"), ("H100", "H100-SXM-80GB"), ("H100-80GB", "H100-SXM-80GB"),
-        ("h100-sxm", "H100-SXM-80GB"), ("H100-PCIe", "H100-PCIe-80GB"), ("4090", "RTX-4090"),
+        ("a100-80gb", "A100-80GB"), ("A100-80GB", "A100-80GB"),
+        ("A100-40GB", "A100-40GB"), ("H100-80GB", "H100-SXM-80GB"),
+        ("h100-sxm-80gb", "H100-SXM-80GB"), ("H100-PCIe", "H100-PCIe-80GB"), ("4090", "RTX-4090"),
         ("H200", "H200-141GB"), ("V100-32GB", "V100-32GB"), ("t4", "T4"), ("mi300x", "MI300X"),
     ],
 )
@@ -247,12 +247,34 @@ def test_gpu_alias_resolution(gpus, typed, name):
     assert _lookup(gpus, typed)["name"] == name
 
 
+@pytest.mark.parametrize("typed", ["A100", "a100", "H100", "h100-sxm", "V100", "A100-SXM4", "H100_SXM5"])
+def test_a_gpu_family_is_refused_with_its_members(typed):
+    """`--gpus 8xA100` once meant 80 GB silently: a name several entries share is refused, naming them."""
+    from toolkit.errors import UserError
+    from toolkit.inputs.hardware import find_gpu
+
+    with pytest.raises(UserError, match="is ambiguous: the catalog has ") as refused:
+        find_gpu(typed)
+    assert "\n" not in str(refused.value)
+
+
+def test_no_alias_is_a_family_of_several_entries(gpus):
+    """find_gpu resolves a name only when it is exact: no alias (or name) may be the leading part of another
+    entry's name or alias, or typing it would silently pick one member of a family."""
+    from toolkit.inputs.hardware import _norm
+
+    keys = {_norm(k): g["name"] for g in gpus for k in [g["name"], *g["aliases"]]}
+    for key, owner in keys.items():
+        others = {name for k, name in keys.items() if k.startswith(key + "-") and name != owner}
+        assert not others, f"{key!r} of {owner} also leads {sorted(others)}"
+
+
 def test_gpu_spot_values(gpus):
-    h100 = _lookup(gpus, "H100")
+    h100 = _lookup(gpus, "H100-80GB")
     assert h100["bf16_tflops"] == pytest.approx(989, abs=1)
     assert h100["fp16_tflops"] == pytest.approx(989, abs=1)
     assert h100["interconnect"] == "nvlink4"
-    a100 = _lookup(gpus, "A100")
+    a100 = _lookup(gpus, "A100-80GB")
     assert a100["bf16_tflops"] == 312 and a100["tf32_tflops"] == 156
     assert _lookup(gpus, "A100-40GB")["bf16_tflops"] == 312
     for no_bf16 in ("V100-16GB", "V100-32GB", "T4"):

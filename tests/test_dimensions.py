@@ -418,7 +418,7 @@ def _one_error_line(capsys) -> str:
       "1"], None),  # sliding-window layers: accelerate's CP refuses them (the row says so, see below)
     (["estimate", "tiny-positions", "--strategy", "zero3", "--seq", "max"], "stops at 64"),
     # 256 positions, but cp 3 splits only multiples of lcm(128, 2 x 3) = 384 tokens: no length to answer with.
-    (["estimate", "tiny-positions", "--strategy", "fsdp2", "--gpus", "3xH100", "--context-parallel", "3", "--seq",
+    (["estimate", "tiny-positions", "--strategy", "fsdp2", "--gpus", "3xH100-80GB", "--context-parallel", "3", "--seq",
       "max"], "searches lengths in multiples of 384 tokens"),
 ])
 def test_bad_degrees_get_one_line_and_exit_2(argv, fragment, capsys, tmp_path, monkeypatch):

@@ -118,16 +118,16 @@ def test_offload_moves_sixteen_bytes_per_parameter_to_host_ram_per_node(llama7b)
 
 def test_more_gpus_shrink_zero3_but_not_ddp(llama7b):
     job = Job(seq_len=1024)
-    z8 = estimate_memory(llama7b, parse_strategy("zero3"), job, parse_hardware("8xH100"))
-    z16 = estimate_memory(llama7b, parse_strategy("zero3"), job, parse_hardware("2x8xH100"))
-    d8 = estimate_memory(llama7b, parse_strategy("ddp"), job, parse_hardware("8xH100"))
-    d16 = estimate_memory(llama7b, parse_strategy("ddp"), job, parse_hardware("2x8xH100"))
+    z8 = estimate_memory(llama7b, parse_strategy("zero3"), job, parse_hardware("8xH100-80GB"))
+    z16 = estimate_memory(llama7b, parse_strategy("zero3"), job, parse_hardware("2x8xH100-80GB"))
+    d8 = estimate_memory(llama7b, parse_strategy("ddp"), job, parse_hardware("8xH100-80GB"))
+    d16 = estimate_memory(llama7b, parse_strategy("ddp"), job, parse_hardware("2x8xH100-80GB"))
     assert z16.optimizer_bytes * 2 == pytest.approx(z8.optimizer_bytes, rel=1e-9)
     assert d16.peak_bytes == d8.peak_bytes
 
 
 def test_required_adds_context_and_margin_to_the_peak(llama7b):
-    b = estimate_memory(llama7b, parse_strategy("zero3"), Job(seq_len=2048), parse_hardware("8xH100"))
+    b = estimate_memory(llama7b, parse_strategy("zero3"), Job(seq_len=2048), parse_hardware("8xH100-80GB"))
     assert b.required_bytes == b.peak_bytes + b.context_bytes + b.margin_bytes
     assert b.capacity_bytes == pytest.approx(79.1 * GIB, rel=0.01)
 
@@ -139,7 +139,7 @@ def test_required_adds_context_and_margin_to_the_peak(llama7b):
 @pytest.mark.parametrize("argv, fragment", [
     (["no-such-model"], "unknown model"),
     (["gpt2", "--gpus", "8xFOO"], "unknown GPU"),
-    (["gpt2", "--gpus", "0xH100"], "zero or negative"),
+    (["gpt2", "--gpus", "0xH100-80GB"], "zero or negative"),
     (["gpt2", "--seq", "0"], "--seq must be a positive integer"),
     (["gpt2", "--micro-batch", "-2"], "--micro-batch must be a positive integer"),
     (["gpt2", "--strategy", "zero9"], "unknown strategy"),

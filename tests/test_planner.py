@@ -34,10 +34,10 @@ def test_strategy_names_round_trip():
 def test_hardware_specs():
     hw = parse_hardware("2x8xA100-80GB")
     assert (hw.nodes, hw.gpus_per_node, hw.world_size, hw.gpu.name) == (2, 8, 16, "A100-80GB")
-    assert parse_hardware("8xH100", nodes=4).world_size == 32
-    assert parse_hardware("H100").world_size == 1
+    assert parse_hardware("8xH100-80GB", nodes=4).world_size == 32
+    assert parse_hardware("H100-80GB").world_size == 1
     with pytest.raises(UserError, match="says 2 nodes but --nodes says 3"):
-        parse_hardware("2x8xH100", nodes=3)
+        parse_hardware("2x8xH100-80GB", nodes=3)
 
 
 def test_every_feasible_candidate_meets_the_global_batch_exactly(llama7b):
@@ -70,7 +70,7 @@ def test_random_models_clusters_and_batches_hold_the_arithmetic_or_refuse_with_a
 
 
 def test_a_batch_that_does_not_divide_is_refused_per_strategy(gpt2):
-    cands = plan_candidates(gpt2, parse_hardware("8xA100"), Request(seq_len=512, global_batch=12))
+    cands = plan_candidates(gpt2, parse_hardware("8xA100-80GB"), Request(seq_len=512, global_batch=12))
     ddp = next(c for c in cands if c.strategy.name == "ddp")
     assert not ddp.feasible
     assert "global batch 12 does not divide over 8 data-parallel ranks" in ddp.reason
@@ -81,7 +81,7 @@ def test_stage_counts_the_gpus_cannot_take_are_refused_with_the_ones_they_can(gp
     from toolkit.errors import UserError
 
     with pytest.raises(UserError, match=r"--pipeline-stages 16 .* 8 GPUs .*\(try 2, 4, 8\)"):
-        plan_candidates(gpt2, parse_hardware("8xA100"),
+        plan_candidates(gpt2, parse_hardware("8xA100-80GB"),
                         Request(seq_len=512, global_batch=64, pipeline_stages=16, strategies=("hybrid",)))
 
 
@@ -93,7 +93,7 @@ def test_a_model_too_big_for_ddp_says_how_much_it_needs(llama7b):
 
 
 def test_small_model_on_one_node_prefers_data_parallel_over_pipeline(gpt2):
-    cands = plan_candidates(gpt2, parse_hardware("8xH100"), Request(seq_len=1024, global_batch=64))
+    cands = plan_candidates(gpt2, parse_hardware("8xH100-80GB"), Request(seq_len=1024, global_batch=64))
     feasible = [c.strategy.name for c in cands if c.feasible]
     assert feasible.index("ddp") < feasible.index("pipeline")
     assert feasible.index("zero1") < feasible.index("zero3-offload")
@@ -121,7 +121,7 @@ def test_plan_command_writes_files_and_refuses_to_overwrite(tmp_path, capsys):
 
 
 def test_plan_json_output_lists_every_candidate(capsys):
-    assert main(["plan", "gpt2", "--gpus", "4xA100", "--seq", "512", "--global-batch", "16", "--json"]) == 0
+    assert main(["plan", "gpt2", "--gpus", "4xA100-80GB", "--seq", "512", "--global-batch", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     names = {row["strategy"] for row in out["candidates"]}
     assert {"ddp", "zero1", "zero2", "zero3", "fsdp2", "pipeline", "hybrid"} <= names
@@ -139,14 +139,14 @@ def test_plan_bad_input_exit_2(capsys, argv, fragment):
 
 
 def test_check_with_a_model_reports_a_config_that_does_not_fit(capsys):
-    code = main(["check", "presets/sets/zero3-bf16", "--model", "llama-2-70b", "--gpus", "8xH100", "--seq", "4096"])
+    code = main(["check", "presets/sets/zero3-bf16", "--model", "llama-2-70b", "--gpus", "8xH100-80GB", "--seq", "4096"])
     err = capsys.readouterr().err  # errors go to stderr, as in every command
     assert code == 1
     assert "llama-2-70b with zero3" in err and "GiB of 79.1 per GPU" in err
 
 
 def test_check_with_a_model_that_fits_is_clean(capsys):
-    assert main(["check", "presets/sets/zero3-bf16", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024"]) == 0
+    assert main(["check", "presets/sets/zero3-bf16", "--model", "gpt2", "--gpus", "8xH100-80GB", "--seq", "1024"]) == 0
 
 
 @pytest.mark.parametrize("model, gpus, seq, batch", [

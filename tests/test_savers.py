@@ -73,7 +73,7 @@ def test_foreach_adds_a_group_sized_temporary_to_the_fsdp2_step():
     spec = resolve_model(layers=2, hidden=64, heads=4, vocab=256)
     from toolkit.inputs.grid import grid_of
 
-    hw = parse_hardware("4xH100")
+    hw = parse_hardware("4xH100-80GB")
     job = Job(seq_len=32)
     fsdp2, zero2 = parse_strategy("fsdp2"), parse_strategy("zero2")
     grid, zgrid = grid_of(fsdp2, hw), grid_of(zero2, hw)

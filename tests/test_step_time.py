@@ -100,7 +100,7 @@ def test_committed_band_is_the_held_out_rows_p90_and_reaches_the_median_goal():
 
 
 def test_efficiency_grows_with_tokens_per_micro_step_and_width_and_with_hbm_bandwidth():
-    h100, h200, a100 = find_gpu("H100"), find_gpu("H200"), find_gpu("A100-80GB")
+    h100, h200, a100 = find_gpu("H100-80GB"), find_gpu("H200"), find_gpu("A100-80GB")
     small, _ = matmul_efficiency(h100, "bf16", 1024, 4096)
     large, _ = matmul_efficiency(h100, "bf16", 16384, 4096)
     narrow, _ = matmul_efficiency(h100, "bf16", 16384, 1024)

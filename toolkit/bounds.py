@@ -43,11 +43,19 @@ SEQ = Bound(1, 16777216, "16x the longest published context window (1M tokens)")
 GPUS_PER_NODE = Bound(1, 1024, "14x the largest NVLink domain (NVL72)")
 PROCESSES = Bound(1, 1024, "as many processes as GPUs per node (--processes of launch)")
 NODES = Bound(1, 65536, "5x the nodes of the largest reported GPU clusters (~10^5 GPUs)")
-INTER_NODE_GBPS = Bound(0, 100000, "100 TB/s per node, 100x an 8 x 800G-rail node", low_inclusive=False)
+INTER_NODE_GBPS = Bound(0.1, 100000, "100 TB/s per node, 100x an 8 x 800G-rail node")
+"""At least 0.1 GB/s, below one 1 Gb/s Ethernet port (0.125 GB/s): a slower link is no cluster, and 1e-300 made a
+step time of 300 digits."""
 CPU_RAM_GIB = Bound(0, 1048576, "1 PiB of host RAM per node", low_inclusive=False)
 POWER_LIMIT_W = Bound(0, 10000, "10 kW per GPU, 10x the 1000 W board power of a B200 (HGX B200 datasheet)",
                       low_inclusive=False)
 """--power-limit-w: the GPU's own datasheet points bound it further (toolkit.inputs.hardware.power_limited)."""
+
+# LoRA (toolkit.inputs.lora.Adapter applies the adapter's own rules inside these: dropout below 1, a rank no larger
+# than the widest adapted matrix).
+LORA_RANK = Bound(1, 131072, "the widest hidden size allowed (--hidden)")
+LORA_ALPHA = Bound(0, 1e6, "10^6, 30,000x the default 32", low_inclusive=False)
+LORA_DROPOUT = Bound(0, 1, "a probability")
 
 # Batch and steps.
 BATCH = Bound(1, 1000000, "10^6 samples")
@@ -66,7 +74,8 @@ def check_number(flag: str, value: float, bound: Bound) -> None:
         raise UserError(f"{flag} {value} is not a finite number; give a number from "
                         f"{_range_text(bound)}")
     if not low_ok:
-        kind = "a positive integer" if bound.low == 1 and bound.low_inclusive else "positive"
+        kind = ("a positive integer" if bound.low == 1 and bound.low_inclusive else "positive" if bound.low <= 0
+                else f"at least {_show(bound.low)}")
         raise UserError(f"{flag} must be {kind}, got {_show(value)} (give {_range_text(bound)})")
     if value > bound.high:
         raise UserError(f"{flag} {_show(value)} is absurdly large (limit {_show(bound.high)}: {bound.why}); "
@@ -120,6 +129,7 @@ def int_arg(flag: str, bound: Bound):
         return parse_int(flag, text, bound)
 
     convert.__name__ = flag  # argparse names the type in its own messages
+    convert.bound = bound  # type: ignore[attr-defined] # what tests/test_hostile.py walks every numeric flag by
     return convert
 
 
@@ -128,6 +138,7 @@ def float_arg(flag: str, bound: Bound):
         return parse_float(flag, text, bound)
 
     convert.__name__ = flag
+    convert.bound = bound  # type: ignore[attr-defined]
     return convert
 
 

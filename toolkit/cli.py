@@ -2,7 +2,9 @@
 
 The subcommands live in toolkit.commands (one module each: its flags, its work, its output); this module runs one
 through toolkit.commands.execute and turns what ends it into the process's exit code: 0 / 1 as the command says, 2
-for bad input (one line on stderr, no traceback), 130 for Ctrl-C, 128 + N for SIGTERM / SIGHUP.
+for bad input (one line on stderr, no traceback), 130 for Ctrl-C (one line), 128 + N for SIGTERM / SIGHUP, 141
+(128 + SIGPIPE) when the reader of stdout went away (`toolkit models | head -1`), silently, as a program killed by
+SIGPIPE.
 """
 
 from __future__ import annotations
@@ -14,20 +16,67 @@ from toolkit.commands import build_parser, execute
 __all__ = ["build_parser", "main"]
 
 
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, as a shell reports a program Ctrl-C stopped."""
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE: what a program killed by SIGPIPE exits with (`head` closed the pipe)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_deepspeed_accelerator_choice()
     previous = _finish_on_termination()
     try:
-        return execute(argv)
+        code = execute(argv)
+        sys.stdout.flush()  # a closed pipe shows at the last write: inside the try, not at interpreter exit
+        return code
     except KeyboardInterrupt:
-        return 130
+        print(INTERRUPTED_LINE, file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Terminated as exc:
         return 128 + exc.signum
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
     finally:
         import signal
 
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+INTERRUPTED_LINE = "interrupted (Ctrl-C): stopped; nothing half-written was left behind"
+
+
+def _stdout_to_devnull() -> None:
+    """After EPIPE: point stdout's descriptor at /dev/null so the interpreter's final flush of what is still
+    buffered does not print a second BrokenPipeError (the Python docs' recipe, library/signal.html "Note on
+    SIGPIPE")."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout without a descriptor (captured in-process)
+        pass
+
+
+def quiet_deepspeed_accelerator_choice() -> None:
+    """DeepSpeed logs which accelerator it picked when first imported ("Setting accelerator to CPU. If you have GPU
+    ...", deepspeed/accelerator/real_accelerator.py get_accelerator), from wherever the import happens (a tiled trace,
+    an engine's config check). Nothing here runs on that accelerator: the planner models the GPUs the user names. A
+    filter on DeepSpeed's logger (created before deepspeed is imported, kept when deepspeed adds its handler) drops
+    that file's records for every command, so no command's output carries the line."""
+    import logging
+
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _AcceleratorChoice) for f in logger.filters):
+        logger.addFilter(_AcceleratorChoice())
+
+
+class _AcceleratorChoice:
+    def filter(self, record) -> bool:
+        return record.filename != "real_accelerator.py"
 
 
 class Terminated(BaseException):
@@ -50,7 +99,42 @@ def _finish_on_termination() -> dict:
     def raise_terminated(signum, frame):
         raise Terminated(signum)
 
-    return {signum: signal.signal(signum, raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {signum: signal.signal(signum, raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # a caller's own handler is left alone
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
+    return previous
+
+
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C. Where Python was called back from torch's C++ (a dispatch mode, a hook, a destructor during a trace),
+    a KeyboardInterrupt raised there can cross a C++ frame that does not pass exceptions on, and the process aborts
+    with `terminate called after throwing ... KeyboardInterrupt` (one Ctrl-C in eight during `plan --out`). There
+    the process removes what toolkit.fileio is writing (staging folder, temporary files, lock) and exits 130 at once;
+    in plain Python code the KeyboardInterrupt is raised as usual, so every `finally` runs."""
+    if not _inside_torch(frame):
+        raise KeyboardInterrupt
+    import os
+
+    from toolkit.fileio import run_interrupt_cleanups
+
+    run_interrupt_cleanups()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _inside_torch(frame) -> bool:
+    """Whether any Python frame on the stack is torch's own code or a torch callback (its C++ may be below it)."""
+    callbacks = ("__torch_dispatch__", "__torch_function__", "__del__")
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in callbacks or "/torch/" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 if __name__ == "__main__":

@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from toolkit.errors import UserError
+
+_INTERRUPT_CLEANUPS: list = []
+"""What to undo if Ctrl-C ends the process at once (toolkit.cli's handler, where raising is unsafe): removals of the
+staging folders, temporary files and locks being written now, newest first."""
+
+
+@contextlib.contextmanager
+def undone_if_interrupted(cleanup) -> Iterator[None]:
+    """Run `cleanup` (a callable) if the process is stopped by Ctrl-C while the block runs (run_interrupt_cleanups);
+    the block's own `finally` covers every other way out."""
+    _INTERRUPT_CLEANUPS.append(cleanup)
+    try:
+        yield
+    finally:
+        _INTERRUPT_CLEANUPS.remove(cleanup)
+
+
+def run_interrupt_cleanups() -> None:
+    for cleanup in reversed(list(_INTERRUPT_CLEANUPS)):
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001 - best effort on the way out; the next writer removes a staging leftover
+            pass
 
 
 def refuse_overwrite(paths: list[Path], force: bool) -> None:
@@ -43,15 +68,20 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
+
+    def remove_tmp() -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+    try:
+        with undone_if_interrupted(remove_tmp):
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            if mode is not None:
+                os.chmod(tmp, mode)
+            os.replace(tmp, path)
+    except BaseException:
+        remove_tmp()
         raise
 
 
@@ -176,6 +206,7 @@ class FolderLock:
             os.close(fd)
             raise
         self._fd = fd
+        _INTERRUPT_CLEANUPS.append(self.release)
         return self
 
     def release(self) -> None:
@@ -187,6 +218,8 @@ class FolderLock:
             pass
         os.close(self._fd)
         self._fd = None
+        if self.release in _INTERRUPT_CLEANUPS:
+            _INTERRUPT_CLEANUPS.remove(self.release)
 
     def __enter__(self) -> "FolderLock":
         return self.acquire()
@@ -241,14 +274,27 @@ def write_folder(folder: Path, files: dict[str, tuple[str, int]], *, force: bool
 
 
 def _write_folder_locked(folder: Path, files: dict[str, tuple[str, int]], targets: list[Path], force: bool) -> None:
-    folder_mode = folder.stat().st_mode & 0o7777 if folder.is_dir() else 0o755
+    folder_mode = folder.stat().st_mode & 0o7777 if folder.is_dir() else _new_folder_mode()
     existing = next(p for p in folder.parents if p.exists())  # what a failure must leave as the deepest folder
-    try:
-        _write_under_lock(folder, files, targets, force, folder_mode)
-    except BaseException:
+
+    def remove_created() -> None:
         if not folder.exists():
             remove_created_folders(folder.parent, existing)
+
+    try:
+        with undone_if_interrupted(remove_created):
+            _write_under_lock(folder, files, targets, force, folder_mode)
+    except BaseException:
+        remove_created()
         raise
+
+
+def _new_folder_mode() -> int:
+    """The mode mkdir would give a new folder (0o777 less the umask): the staging folder renamed into place must
+    not keep mkdtemp's 0o700."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
 
 
 def _write_under_lock(folder: Path, files: dict[str, tuple[str, int]], targets: list[Path], force: bool,
@@ -259,34 +305,87 @@ def _write_under_lock(folder: Path, files: dict[str, tuple[str, int]], targets: 
         refuse_overwrite(targets, force)  # again under the lock: another writer may have finished meanwhile
         for left in folder.parent.glob(f".{folder.name}.*{_STAGE_SUFFIX}"):
             shutil.rmtree(left, ignore_errors=True)  # only a dead writer's: the lock says no one else writes
+        if folder.is_dir():
+            _refuse_unmovable(folder)
         stage = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=_STAGE_SUFFIX, dir=folder.parent))
+        swapped = False
         try:
-            if folder.is_dir():
-                for entry in folder.iterdir():
-                    if entry.name not in files:
-                        _link_tree(entry, stage / entry.name)
-            for name, (text, mode) in files.items():
-                with open(stage / name, "w") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.chmod(stage / name, mode)
-            os.chmod(stage, folder_mode)  # mkdtemp makes it 0o700; an existing folder keeps its own mode
-            if folder.is_dir():
-                _exchange(stage, folder)  # stage now holds the old content
-            else:
-                os.rename(stage, folder)
+            with undone_if_interrupted(lambda: _remove_tree(stage)):
+                if folder.is_dir():
+                    for entry in folder.iterdir():
+                        if entry.name not in files:
+                            _link_tree(entry, stage / entry.name)
+                for name, (text, mode) in files.items():
+                    with open(stage / name, "w") as f:
+                        f.write(text)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.chmod(stage / name, mode)
+                os.chmod(stage, folder_mode)  # mkdtemp makes it 0o700; an existing folder keeps its own mode
+                if folder.is_dir():
+                    _exchange(stage, folder)  # stage now holds the old content
+                else:
+                    os.rename(stage, folder)
+                swapped = True
         finally:
             _remove_tree(stage)
+        if swapped and os.path.lexists(stage):
+            raise UserError(f"wrote {folder}, but its previous content, moved to {stage}, could not be removed "
+                            "whole; remove that folder by hand")
+
+
+_FS_IOC_GETFLAGS = 0x80086601
+"""<linux/fs.h> _IOR('f', 1, long): a file's inode flags (what lsattr shows)."""
+_IMMUTABLE_OR_APPEND_ONLY = 0x10 | 0x20
+"""FS_IMMUTABLE_FL | FS_APPEND_FL (chattr +i / +a): such an entry can be neither removed nor renamed away."""
+
+
+def _refuse_unmovable(folder: Path) -> None:
+    """The swap moves the folder's old entries into the staging folder and removes it: an immutable or append-only
+    entry (chattr +i / +a) cannot be removed, so the write would leave a staging folder it cannot clean. Refused
+    before anything is written."""
+    for root, dirs, names in os.walk(folder):
+        for name in [*dirs, *names]:
+            path = os.path.join(root, name)
+            if _inode_flags(path) & _IMMUTABLE_OR_APPEND_ONLY:
+                raise UserError(f"{path} is immutable or append-only (chattr +i / +a), so {folder} cannot be "
+                                "replaced whole; remove the attribute (chattr -i / -a) or choose another folder")
+
+
+def _inode_flags(path: str) -> int:
+    """lsattr's flags of a regular file or folder; 0 where the file system has none (tmpfs) or it is neither."""
+    import fcntl
+    import stat
+    import struct
+
+    try:
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            return 0
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return 0
+    try:
+        return struct.unpack("l", fcntl.ioctl(fd, _FS_IOC_GETFLAGS, struct.pack("l", 0)))[0]
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
 
 
 def _remove_tree(path: Path) -> None:
-    """rmtree that also removes folders whose mode forbids it (a staging copy of a read-only folder)."""
+    """rmtree that also removes folders whose mode forbids it (a staging copy of a read-only folder): only folders
+    inside `path` are made writable, never `path`'s parent or anything outside it."""
     import shutil
 
+    root = os.path.abspath(path)
+
     def writable_and_retry(function, name, exc_info):
+        parent = os.path.dirname(os.path.abspath(name))
+        if parent != root and not parent.startswith(root + os.sep):
+            return
         try:
-            os.chmod(os.path.dirname(name), 0o700)
+            os.chmod(parent, 0o700)
             function(name)
         except OSError:
             pass

@@ -21,7 +21,13 @@ import the commands at module level, so a command such as the demo can run the o
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad flags as one line with exit 2 (its default usage dump is noise here)."""
+    """argparse that reports bad flags as one line with exit 2 (its default usage dump is noise here), and takes
+    every flag whole: argparse's prefix matching (`--glob 64` read as --global-batch) is off in the top parser and
+    every subcommand's, so a typo or a flag another version added is refused, never read as a neighbour."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UserError(f"{self.prog}: {message} (see --help)")
@@ -49,7 +55,9 @@ def execute(argv: list[str]) -> int:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        _refuse_repeated_flags(parser, args.command, argv)
         if passthrough and args.command != "launch":
             raise UserError("`--` passes arguments to toolkit.train and only `toolkit launch` takes them")
         if args.command == "launch":
@@ -58,3 +66,22 @@ def execute(argv: list[str]) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def _refuse_repeated_flags(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> None:
+    """argparse lets the last of two flags that set one thing win silently (`--compile --compile-blocks`, `--seq 1024
+    --seq 4096`): both are refused, one line naming them."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    actions = {option: action for action in sub.choices[command]._actions  # noqa: SLF001
+               for option in action.option_strings}
+    seen: dict[str, str] = {}
+    for token in argv[argv.index(command) + 1:] if command in argv else []:
+        option = token.split("=", 1)[0]
+        action = actions.get(option)
+        if action is None or isinstance(action, (argparse._AppendAction, argparse._CountAction)):  # noqa: SLF001
+            continue
+        if action.dest in seen:
+            first = seen[action.dest]
+            raise UserError(f"{option} is given twice; give it once" if first == option else
+                            f"{first} and {option} both set {action.dest.replace('_', ' ')}; give one of them")
+        seen[action.dest] = option

@@ -119,6 +119,9 @@ def seq_arg(text: str):
     return bounds.parse_int("--seq", text, bounds.SEQ)
 
 
+seq_arg.bound = bounds.SEQ  # type: ignore[attr-defined]
+
+
 def longest_line(found, spec) -> str:
     """One strategy's --seq max answer."""
     if not found.seq_len:
@@ -138,9 +141,11 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("LoRA / QLoRA (toolkit.lora)")
     g.add_argument("--method", default="full", help="full | lora | qlora (default %(default)s)")
-    g.add_argument("--lora-r", type=int, help=f"adapter rank (default {FULL.r})")
-    g.add_argument("--lora-alpha", type=float, help=f"LoRA alpha (default {FULL.alpha})")
-    g.add_argument("--lora-dropout", type=float, help=f"dropout on each target's input (default {FULL.dropout})")
+    g.add_argument("--lora-r", type=int_arg("--lora-r", bounds.LORA_RANK), help=f"adapter rank (default {FULL.r})")
+    g.add_argument("--lora-alpha", type=float_arg("--lora-alpha", bounds.LORA_ALPHA),
+                   help=f"LoRA alpha (default {FULL.alpha})")
+    g.add_argument("--lora-dropout", type=float_arg("--lora-dropout", bounds.LORA_DROPOUT),
+                   help=f"dropout on each target's input (default {FULL.dropout})")
     g.add_argument("--lora-targets", help="all-linear or comma-separated module names, "
                                           f"e.g. q_proj,v_proj (default {FULL.targets})")
     g.add_argument("--lora-modules-to-save", help="modules trained in full beside the adapters, "
@@ -187,6 +192,9 @@ def count(text: str) -> int:
         raise UserError(f"--params '{text}' is not a count (write 7e9 or 7B)") from None
     bounds.check_number("--params", value, bounds.PARAMS)
     return int(value)
+
+
+count.bound = bounds.PARAMS  # type: ignore[attr-defined]
 
 
 def host_names(text: str) -> list[str]:

@@ -97,6 +97,7 @@ def cmd_plan(args) -> int:
     if seq_max:
         req_kwargs.update(global_batch=None, micro_batch=1)
     req = Request(**req_kwargs)
+    _refuse_an_empty_grid(spec, hw, req, seq_max)
     if args.out:
         _refuse_existing(Path(args.out), args.force)
     if seq_max:
@@ -108,15 +109,7 @@ def cmd_plan(args) -> int:
     feasible = [c for c in candidates if c.feasible]
     chosen = feasible[0] if feasible else None
     if args.strategy_choice:
-        from toolkit.inputs.strategy import parse_strategy
-
-        wanted = parse_strategy(args.strategy_choice).name
-        match = [c for c in candidates if c.strategy.name == wanted and c.dimension is None] or \
-            [c for c in candidates if c.strategy.name == wanted]
-        if not match or not match[0].feasible:
-            why = match[0].reason if match else "not among the planned strategies"
-            raise UserError(f"--choose {wanted} cannot run: {why}")
-        chosen = match[0]
+        chosen = _chosen_row(args.strategy_choice, candidates)
     rows = [c.row() for c in candidates]
     why = why_first(candidates) if chosen is not None and chosen is (feasible[0] if feasible else None) else None
     if args.json:
@@ -152,6 +145,74 @@ def cmd_plan(args) -> int:
               + ", ".join(Path(w).name for w in written))
         print(f"run it:  toolkit launch {args.out}  (rehearse on CPU first: toolkit launch {args.out} --rehearse)")
     return 0 if chosen else 1
+
+
+def _refuse_an_empty_grid(spec, hw, req, seq_max: bool) -> None:
+    """Flags that leave no strategy to try (`--strategies pipeline --tensor-parallel 2`, `--tiled on --strategies
+    ddp,pipeline`) are bad input, not a plan that does not fit: one line naming the rule that removed each strategy,
+    exit 2, before any trace (the planner's own rules: toolkit.estimate.search.options_for)."""
+    from toolkit.estimate.search import options_for
+
+    options = list(options_for(spec, hw, req, sequence_rule=not seq_max))
+    if any(grids and not isinstance(grids, str) for _, _, grids in options):
+        return
+    reasons = [f"{key}: {grids}" for key, _, grids in options if isinstance(grids, str)]
+    raise UserError("no strategy can be planned with these flags: "
+                    + ("; ".join(reasons) if reasons else _dropped_by_degree(hw, req)))
+
+
+def _dropped_by_degree(hw, req) -> str:
+    """Why a fixed --tensor / --context / --sequence-parallel degree left no strategy (options_for plans a fixed
+    dimension alone, under its own family of strategies only)."""
+    from toolkit.estimate.search import MODEL_PARALLEL_FAMILIES
+
+    families = dict(MODEL_PARALLEL_FAMILIES)
+    for dimension, flag, value in (("tp", "--tensor-parallel", req.tensor_parallel),
+                                   ("cp", "--context-parallel", req.context_parallel),
+                                   ("sp", "--sequence-parallel", req.sequence_parallel)):
+        if value in (None, 1):
+            continue
+        names = families[dimension]
+        if hw.world_size == 1:
+            return f"{flag} {value} needs more than one GPU; give more GPUs or drop {flag}"
+        if not any(n in req.strategies for n in names):
+            return (f"{flag} {value} is planned under {', '.join(names)} only (x {dimension.upper()}), and "
+                    f"--strategies {','.join(req.strategies)} names none of them; add one of them to --strategies "
+                    f"or drop {flag}")
+        if req.adapter.is_adapter or req.activation_offloading:
+            other = f"--method {req.adapter.method}" if req.adapter.is_adapter else "--activation-offloading"
+            return f"{flag} {value} is not planned with {other}; drop one of them"
+        if hw.nodes < 2 and all(n == "fsdp2-hybrid" for n in names if n in req.strategies):
+            return f"{flag} {value} under fsdp2-hybrid needs 2+ nodes; use fsdp2 on one node"
+    return "no strategy of --strategies is planned with these flags; drop a degree or widen --strategies"
+
+
+def _chosen_row(choice: str, candidates):
+    """--choose: a row as the table prints its name (`zero3 (dp=2 x sp=4) +tiled`, spaces and case aside), or a
+    strategy name (`zero3`: its plain row, else its first row). Refused, with the names it takes, when it names no
+    row or a row that cannot run."""
+    from toolkit.inputs.strategy import parse_strategy
+
+    def norm(name: str) -> str:
+        return " ".join(name.lower().replace("(", " (").replace(")", ") ").split())
+
+    match = [c for c in candidates if norm(c.name) == norm(choice)]
+    if not match:
+        try:
+            wanted = parse_strategy(choice).name
+        except UserError:
+            wanted = None
+        match = [c for c in candidates if c.strategy.name == wanted and c.dimension is None] or \
+            [c for c in candidates if c.strategy.name == wanted]
+    runnable = [c.name for c in candidates if c.feasible]
+    names = "; ".join(runnable[:12]) + (f"; ... {len(runnable) - 12} more" if len(runnable) > 12 else "")
+    if not match:
+        raise UserError(f"--choose {choice!r} names no row of this plan; give a row's name as the table prints it "
+                        f"or a strategy: {names or 'no row fits'}")
+    if not match[0].feasible:
+        raise UserError(f"--choose {match[0].name} cannot run: {match[0].reason}"
+                        + (f"; rows that can: {names}" if runnable else ""))
+    return match[0]
 
 
 def _plan_seq_max(args, spec, hw, req) -> int:

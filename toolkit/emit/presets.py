@@ -110,7 +110,8 @@ def write_presets(sets_dir: Path = SETS_DIR) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.emit.presets", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m toolkit.emit.presets", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
     parser.add_argument("--write", action="store_true", help=f"regenerate {SETS_DIR}")
     args = parser.parse_args(argv)
     if not args.write:

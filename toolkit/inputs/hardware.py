@@ -193,12 +193,23 @@ def _norm(name: str) -> str:
 
 
 def find_gpu(name: str) -> Gpu:
+    """The catalog entry `name` names exactly: its name or one of its aliases, case, spaces and underscores aside
+    (`h100_80gb` is H100-SXM-80GB). Nothing is guessed from part of a name: a family several entries share (`A100`:
+    40 and 80 GB; `H100`: SXM 80 / 96 GB, PCIe, NVL) is refused with the entries it could mean, and so is a shortening
+    that names one entry by a prefix (`B200-SX`). The catalog's aliases are themselves never such a family
+    (tests/test_catalog.py)."""
     key = _norm(name)
     index = _alias_index()
-    if key not in index:
-        known = ", ".join(sorted(gpu_catalog()))
-        raise UserError(f"unknown GPU '{name}'; known GPUs: {known}")
-    return gpu_catalog()[index[key]]
+    if key in index:
+        return gpu_catalog()[index[key]]
+    family = sorted({canonical for alias, canonical in index.items() if alias.startswith(key + "-")})
+    if family:
+        raise UserError(f"GPU '{name}' is ambiguous: the catalog has {', '.join(family)}; give one of them "
+                        "(`toolkit gpus` lists them)" if len(family) > 1 else
+                        f"GPU '{name}' is not a catalog name; did you mean {family[0]}? (`toolkit gpus` lists them)")
+    known = ", ".join(sorted(gpu_catalog()))
+    raise UserError(f"unknown GPU '{name}'; known GPUs: {known}")
+
 
 
 _SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x*]\s*)?"

@@ -164,7 +164,7 @@ def trainer_flags(argv: list[str]) -> dict[str, Any]:
         return {}
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser(TrainingArguments)
+    parser = HfArgumentParser(TrainingArguments, allow_abbrev=False)  # `--learning 1` is not --learning_rate
     for action in parser._actions:  # noqa: SLF001 - argparse has no public way to drop the defaults
         action.default = argparse.SUPPRESS
         action.required = False
