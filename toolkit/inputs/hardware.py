@@ -1,7 +1,8 @@
 """Hardware: a GPU from the catalog, how many per node, how many nodes, and the links between them.
 
-Specs users type: `8xH100-80GB`, `H100` (one GPU), `2x8xA100-80GB` (2 nodes of 8), with `--nodes N` as the other
-way to say the node count. The catalog (presets/gpus.json) is the one source of GPU facts.
+Specs users type: `8xH100-80GB`, `H200` (one GPU), `2x8xA100-80GB` (2 nodes of 8), with `--nodes N` as the other
+way to say the node count. The catalog (presets/gpus.json) is the one source of GPU facts; a GPU name is taken
+only when it is exact (find_gpu: a family such as `A100` or `H100` is refused with its members).
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ _SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x
 
 def parse_hardware(spec: str, *, nodes: int | None = None, inter_node_gbps: float | None = None,
                    cpu_ram_gib: float | None = None, power_limit_w: float | None = None) -> Hardware:
-    """`8xH100-80GB`, `2x8xA100`, `H100` (one GPU); `nodes` overrides the node count of a one-node spec;
+    """`8xH100-80GB`, `2x8xA100-80GB`, `H200` (one GPU); `nodes` overrides the node count of a one-node spec;
     `power_limit_w` a board power limit per GPU, at most its TDP (power_limited)."""
     match = _SPEC.match(spec or "")
     if not match:
