@@ -35,7 +35,13 @@ REQUIRED_MODELS = [
     "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-72b",
     "gemma-2-2b", "gemma-2-9b", "gemma-2-27b",
     "opt-1.3b", "phi-3-mini", "tinyllama-1.1b",
+    "qwen3-0.6b", "qwen3-30b-a3b", "deepseek-v3",
 ]
+
+MODEL_CARD_SIZES = {"qwen3-0.6b": 0.6e9, "qwen3-30b-a3b": 30.5e9, "deepseek-v3": 671e9}
+"""Entries without an exact published count: the size their model card states (Qwen3-0.6B "0.6B", Qwen3-30B-A3B
+"30.5B in total"; DeepSeek-V3 "671B total parameters", its technical report, the multi-token-prediction module
+that transformers does not build left out), to the figure's last digit."""
 
 
 def _load(path: Path) -> dict:
@@ -100,6 +106,19 @@ def test_model_builds_and_matches_published(path: Path):
         assert n == d["_published_params"], (
             f"{path.stem}: built {n:,} != published {d['_published_params']:,}"
         )
+
+
+@pytest.mark.parametrize("name,size", sorted(MODEL_CARD_SIZES.items()))
+def test_model_card_sizes(name: str, size: float):
+    """The catalog copies these configs from tests/arch_configs (the hub's config.json), less the keys that are
+    not the architecture: auto_map, the FP8 checkpoint's quantization_config, transformers_version."""
+    digits = len(f"{size:.3g}".split("e")[0].replace(".", "").rstrip("0"))
+    assert float(f"{_meta_count(name):.{digits}g}") == size
+    source = _load(ROOT / "tests" / "arch_configs" / f"{name}.json")
+    left_out = {"auto_map", "quantization_config", "transformers_version", "_hub_id"}
+    entry = _load(MODELS_DIR / f"{name}.json")
+    assert {k: v for k, v in entry.items() if k not in left_out} == \
+        {k: v for k, v in source.items() if k not in left_out}
 
 
 @pytest.mark.parametrize("name,count", sorted(KNOWN_COUNTS.items()))

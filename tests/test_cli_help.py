@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from toolkit.cli import build_parser, main
@@ -56,3 +58,44 @@ def test_status_line_only_on_a_terminal(monkeypatch):
     with cli_help.status("planning"):
         pass
     assert sys.stderr.getvalue() == ""
+
+
+def test_models_lists_size_kind_layers_and_positions(capsys):
+    """`toolkit models` once printed bare names: each line now says what the model is, read from its config."""
+    assert main(["models"]) == 0
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines["gpt2"] == ["gpt2", "124.44M", "dense", "12", "1024"]
+    assert lines["qwen3-0.6b"] == ["qwen3-0.6b", "596.05M", "dense", "28", "40960"]
+    assert lines["qwen3-30b-a3b"] == ["qwen3-30b-a3b", "30.53B", "MoE,", "8", "of", "128", "experts", "48", "40960"]
+    assert lines["mixtral-8x7b"][1:4] == ["46.70B", "MoE,", "2"]
+    # DeepSeek-V3: YaRN x40 over 4096 original positions (toolkit.inputs.modelspec.model_positions).
+    assert lines["deepseek-v3"] == ["deepseek-v3", "671.03B", "MoE,", "8", "of", "256", "experts", "61", "163840"]
+
+
+def test_estimate_of_a_new_catalog_entry(capsys):
+    assert main(["estimate", "qwen3-0.6b", "--gpus", "1xH100-80GB", "--seq", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 596_049_920 and out["fits"]
+
+
+def test_svg_chart_cuts_over_capacity_lines_where_they_leave_it():
+    """plan --seq max's memory_vs_seq.svg once clamped six over-capacity lines onto one point of its top edge:
+    each line now ends where it crosses the chart's top, at its own length, with a marker and a legend note."""
+    import xml.etree.ElementTree as ET
+
+    from toolkit.estimate.longest import Longest, svg_chart
+
+    cap = 80 * 1024**3
+    results = [Longest(key=f"s{i}", seq_len=1024 * 2**i, candidate=None,
+                       curve=tuple((1024 * 2**k, int(cap * (0.5 + 0.5 * k) * (1 + 0.25 * i))) for k in range(9)))
+               for i in range(6)]
+    svg = ET.fromstring(svg_chart(results, cap, "t"))
+    ns = "{http://www.w3.org/2000/svg}"
+    tops = []
+    for line in svg.iter(f"{ns}polyline"):
+        ys = [float(p.split(",")[1]) for p in line.get("points").split()]
+        assert min(ys) >= 36 - 1e-6  # nothing drawn above the plot area (T = 36)
+        tops.append(line.get("points").split()[-1])
+    markers = [p for p in svg.iter(f"{ns}path") if p.get("fill") != "black"]
+    assert len(markers) == 6 and len(set(tops)) == 6  # six lines, six different exits
+    assert any("line leaves the chart: above 160 GiB" in (t.text or "") for t in svg.iter(f"{ns}text"))

@@ -1,14 +1,59 @@
-"""`toolkit models`: the model catalog's names."""
+"""`toolkit models`: the model catalog, one line a model: its size, dense or MoE, layers and positions."""
 
 from __future__ import annotations
 
+import json
+
 
 def add_parser(sub) -> None:
-    sub.add_parser("models", help="list the model catalog").set_defaults(func=cmd_models)
+    sub.add_parser("models", help="list the model catalog (size, dense / MoE, layers, positions)") \
+        .set_defaults(func=cmd_models)
 
 
 def cmd_models(args) -> int:
+    from toolkit.commands.common import human
     from toolkit.inputs.modelspec import catalog_names
 
-    print("\n".join(catalog_names()))
+    rows = [catalog_row(name) for name in catalog_names()]
+    print(f"{'model':<18}{'params':>9}  {'kind':<24}{'layers':>7}{'positions':>11}")
+    for r in rows:
+        print(f"{r['name']:<18}{human(r['params']):>9}  {r['kind']:<24}{r['layers']:>7}"
+              f"{r['positions'] if r['positions'] else '-':>11}")
     return 0
+
+
+def catalog_row(name: str) -> dict:
+    """One catalog entry read through its transformers config class: parameters (the count the catalog states,
+    which tests/test_catalog.py checks against a meta-device build, else that build's count), dense or MoE (the
+    experts the config declares), decoder layers and positions (toolkit.inputs.modelspec.model_positions). Cached
+    by the entry's text, so a warm listing imports neither torch nor transformers."""
+    from toolkit import cache
+    from toolkit.paths import MODEL_CATALOG_DIR
+
+    data = json.loads((MODEL_CATALOG_DIR / f"{name}.json").read_text())
+    row = cache.get("catalog-row", [name, data], code=catalog_row)
+    if isinstance(row, dict):
+        return row
+    from toolkit.inputs.modelspec import _moe_shape, load_config, model_positions
+
+    config = load_config(name)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts, top_k = _moe_shape(text)
+    row = {"name": name, "params": data.get("_published_params") or meta_params(name),
+           "kind": f"MoE, {top_k} of {experts} experts" if experts else "dense",
+           "layers": text.num_hidden_layers, "positions": model_positions(config)}
+    cache.put("catalog-row", [name, data], row, code=catalog_row)
+    return row
+
+
+def meta_params(name: str) -> int:
+    """Parameters of the model built on the meta device (no memory, no weights; tied weights once): a catalog entry
+    whose count no source states exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.inputs.modelspec import load_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(name))
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once

@@ -156,9 +156,12 @@ def _refuse_an_empty_grid(spec, hw, req, seq_max: bool) -> None:
     options = list(options_for(spec, hw, req, sequence_rule=not seq_max))
     if any(grids and not isinstance(grids, str) for _, _, grids in options):
         return
-    reasons = [f"{key}: {grids}" for key, _, grids in options if isinstance(grids, str)]
+    reasons = [grids for _, _, grids in options if isinstance(grids, str)]
+    if len(reasons) == 1:
+        raise UserError(reasons[0])
+    keyed = [f"{key}: {grids}" for key, _, grids in options if isinstance(grids, str)]
     raise UserError("no strategy can be planned with these flags: "
-                    + ("; ".join(reasons) if reasons else _dropped_by_degree(hw, req)))
+                    + ("; ".join(keyed) if keyed else _dropped_by_degree(hw, req)))
 
 
 def _dropped_by_degree(hw, req) -> str:

@@ -303,16 +303,44 @@ def svg_chart(results: list[Longest], capacity_bytes: int, title: str, top: int 
     out.append(f'<line x1="{L}" y1="{Y(cap):.1f}" x2="{W - R}" y2="{Y(cap):.1f}" stroke="black" '
                f'stroke-dasharray="6 4"/><text x="{W - R - 4}" y="{Y(cap) - 4:.1f}" text-anchor="end">GPU '
                f'{cap:.0f} GiB</text>')
+    cut = 0
     for i, r in enumerate(shown):
         colour = _COLOURS[i % len(_COLOURS)]
-        pts = " ".join(f"{X(s):.1f},{Y(b / GIB):.1f}" for s, b in r.curve)
-        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{pts}"/>')
+        points, leaves = _inside_chart([(X(s), b / GIB) for s, b in r.curve], ymax)
+        if len(points) > 1:
+            pts = " ".join(f"{x:.1f},{Y(g):.1f}" for x, g in points)
+            out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{pts}"/>')
+        if leaves is not None:  # where the line leaves the chart: a marker there, not a clamp onto its top edge
+            cut += 1
+            out.append(f'<path d="M {leaves - 5:.1f} {T + 1} L {leaves + 5:.1f} {T + 1} L {leaves:.1f} {T - 8} Z" '
+                       f'fill="{colour}"/>')
         y = T + 8 + i * 16
         label = f"{r.name}: {_k(r.seq_len) if r.seq_len else 'none'}"
         out.append(f'<line x1="{W - R + 10}" y1="{y}" x2="{W - R + 28}" y2="{y}" stroke="{colour}" '
                    f'stroke-width="2"/><text x="{W - R + 32}" y="{y + 4}">{_esc(label)}</text>')
+    if cut:
+        y = T + 8 + len(shown) * 16 + 8
+        out.append(f'<path d="M {W - R + 14} {y + 2} L {W - R + 24} {y + 2} L {W - R + 19} {y - 7} Z" fill="black"/>'
+                   f'<text x="{W - R + 32}" y="{y + 4}">line leaves the chart: above {ymax:.0f} GiB</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _inside_chart(points: list[tuple[float, float]], top: float) -> tuple[list[tuple[float, float]], float | None]:
+    """A memory curve's (x, GiB) points up to where it crosses `top` (the crossing interpolated, memory only grows
+    with length), and the x where it leaves the chart (None: it stays inside). Lines over the chart end there, each
+    at its own length, instead of running along the top edge onto one point."""
+    inside: list[tuple[float, float]] = []
+    for x, g in points:
+        if g <= top:
+            inside.append((x, g))
+            continue
+        if not inside:
+            return [], x
+        x0, g0 = inside[-1]
+        leaves = x0 + (x - x0) * (top - g0) / (g - g0)
+        return inside + [(leaves, top)], leaves
+    return inside, None
 
 
 def _esc(text: str) -> str:
