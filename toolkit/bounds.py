@@ -53,7 +53,7 @@ POWER_LIMIT_W = Bound(0, 10000, "10 kW per GPU, 10x the 1000 W board power of a 
 
 # LoRA (toolkit.inputs.lora.Adapter applies the adapter's own rules inside these: dropout below 1, a rank no larger
 # than the widest adapted matrix).
-LORA_RANK = Bound(1, 131072, "the widest hidden size allowed (--hidden)")
+LORA_RANK = Bound(1, 16777216, "the largest side of any matrix an allowed model has (--vocab)")
 LORA_ALPHA = Bound(0, 1e6, "10^6, 30,000x the default 32", low_inclusive=False)
 LORA_DROPOUT = Bound(0, 1, "a probability")
 
