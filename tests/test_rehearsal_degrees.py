@@ -97,3 +97,40 @@ def test_rehearsal_of_qwen3_moe_fsdp2_x_tp_passes_on_4_processes(tmp_path, capfd
     assert "rehearsal of fsdp2 dp=2 x tp=2 (fp32) on 4 CPU processes over gloo: qwen3_moe 4 layers" in out, out
     assert "note: tensor parallelism: transformers shards the model" in out and "cannot resume" in out
     assert "rehearsal passed" in out
+
+
+def test_a_plan_that_cannot_be_rehearsed_says_so_when_it_is_written(tmp_path, capsys):
+    """FSDP2 x CP needs CUDA's SDPA kernels: plan's "run it" line gives the reason instead of offering a rehearsal
+    that launch would refuse (with the same words)."""
+    from toolkit.cli import main
+    from toolkit.run.rehearsal import rehearsal_problem
+    from toolkit.plan.schema import load_plan
+
+    out = tmp_path / "cp"
+    assert main(["plan", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--seq", "8192", "--global-batch", "16",
+                 "--strategies", "fsdp2", "--context-parallel", "2", "--choose", "fsdp2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    problem = rehearsal_problem(load_plan(out))
+    assert problem and problem.startswith("context parallelism needs a GPU")
+    assert f"run it:  toolkit launch {out}  (no CPU rehearsal: {problem})" in text and "--rehearse" not in text
+
+
+def test_an_hsdp_x_tp_plan_rehearses_as_2_nodes_of_2_shards_x_tp_2(tmp_path, capfd):
+    """fsdp2-hybrid (dp=2x4 x tp=2) on 2x8 GPUs: 2 replicas x 2 shards x tp 2 = 8 processes as 2 launcher
+    invocations (fewer leaves a node's FSDP2 nothing to shard over, which the grid refuses)."""
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+
+    import shutil
+    from pathlib import Path
+
+    real = tmp_path / "qwen3-30b-a3b"
+    real.mkdir()
+    shutil.copy(Path(__file__).parent / "arch_configs" / "qwen3-30b-a3b.json", real / "config.json")
+    plan = plan_for_model(real, "fsdp2-hybrid", num_machines=2, gpus_per_node=8, micro_batch=1, grad_accum=4,
+                          seq_len=4096, tensor=2)
+    assert plan.grid.describe() == "dp=2x4 x tp=2"
+    assert launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True, dry_run=True) == 0
+    out = capfd.readouterr().out
+    assert "rehearsal of fsdp2-hybrid dp=2x2 x tp=2 (fp32) on 8 CPU processes over gloo (2 launcher" in out, out

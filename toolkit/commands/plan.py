@@ -143,7 +143,11 @@ def cmd_plan(args) -> int:
     elif written:
         print(f"\nchosen: {chosen.name}; wrote {len(written)} files to {args.out}: "
               + ", ".join(Path(w).name for w in written))
-        print(f"run it:  toolkit launch {args.out}  (rehearse on CPU first: toolkit launch {args.out} --rehearse)")
+        from toolkit.run.rehearsal import rehearsal_problem
+
+        problem = rehearsal_problem(plan)
+        print(f"run it:  toolkit launch {args.out}  " + (f"(no CPU rehearsal: {problem})" if problem else
+                                                         f"(rehearse on CPU first: toolkit launch {args.out} --rehearse)"))
     return 0 if chosen else 1
 
 

@@ -93,7 +93,9 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
         said.append("Liger's Triton kernels need a GPU: rehearsing without them (the memory savers change no "
                     "engine code path)")
     if plan.strategy == "fsdp2-hybrid":
-        world = 4  # HSDP: shards inside a node, replicas across nodes
+        # HSDP: 2 replicas across nodes of 2 shards each (x tp inside a node: 8 processes, since tensor
+        # parallelism with 1 shard leaves FSDP2 nothing to shard over)
+        world = 2 * 2 * tensor
     if world % nodes:
         raise UserError(f"--nodes {nodes} does not divide the rehearsal's {world} processes (try 2)")
     if problem := plan.grid.resume_problem():
@@ -134,14 +136,23 @@ KEPT_FLAGS = ("--lr", "--lr-scheduler", "--warmup-steps", "--weight-decay", "--m
 REHEARSAL_STEPS = 4
 
 
+def rehearsal_problem(plan: Plan) -> str | None:
+    """Why `plan` cannot be rehearsed on CPU processes, or None (plan's "run it" line says it when the plan is
+    written; rehearse refuses with it). Everything else a plan can hold is rehearsed as it is or with a note
+    (rehearsal_plan): fp16 as bf16, flash attention as the model's default, Liger without its kernels."""
+    if plan.context_parallel > 1:
+        from toolkit.train.dimensions import CP_NEEDS_CUDA
+
+        return CP_NEEDS_CUDA
+    return None
+
+
 def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False, nodes: int = 1) -> int:
     """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed. nodes > 1:
     as many launcher invocations (machine ranks 0..nodes-1) over loopback, training one model together, as the
     nodes of a real multi-node run do."""
-    if plan.context_parallel > 1:
-        from toolkit.train.dimensions import CP_NEEDS_CUDA
-
-        raise UserError(f"cannot rehearse on CPU: {CP_NEEDS_CUDA}")
+    if problem := rehearsal_problem(plan):
+        raise UserError(f"cannot rehearse on CPU: {problem}")
 
     if is_user_script(train_argv):
         return _rehearse_script(plan, plan_dir, train_argv, dry_run=dry_run)
