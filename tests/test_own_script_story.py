@@ -113,8 +113,9 @@ def test_a_failing_script_is_one_line_from_the_first_failing_rank(tmp_path, tiny
     errors = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(errors) == 1, done.stderr
     assert "failed: ValueError: column text missing on rank" in errors[0]
-    assert f"(full log: {folder / 'toolkit-launch.log'})" in errors[0]
-    assert "Traceback" in (folder / "toolkit-launch.log").read_text()
+    log = next((tmp_path / "toolkit-logs").glob("launch-*.log"))  # beside the working directory, not the plan's
+    assert f"(full log: {log})" in errors[0] and not (folder / "toolkit-launch.log").exists()
+    assert "Traceback" in log.read_text()
 
 
 def test_lora_and_qlora_plans_carry_what_a_script_builds(tmp_path, tiny_llama_dir):

@@ -49,8 +49,9 @@ toolkit.train.own_script gives the script the plan's settings for this box.
 --processes N [--cpu]: the plan's strategy on N processes of this machine (CPU processes over gloo with --cpu),
 the global batch kept by accumulation. --rehearse: the strategy on a tiny model of the same architecture, 2 CPU
 processes, a few steps.
-A failing run prints one line from the first failing rank with the log's path (OUT/toolkit-launch.log; DIR/ for
-your own script); Ctrl-C stops every rank and prints the command that resumes."""
+A failing run prints one line from the rank that failed first with the log's path (OUT/toolkit-launch.log; for
+your own script ./toolkit-logs/, never the plan folder); Ctrl-C stops every rank and prints the command that
+resumes."""
 
 
 def cmd_launch(args) -> int:
@@ -122,7 +123,7 @@ def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehears
     from toolkit.fileio import file_kind_problem
     from toolkit.inputs.strategy import Engine
     from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG
-    from toolkit.run.launcher import is_user_script, launch_command, run, writable_log
+    from toolkit.run.launcher import is_user_script, launch_command, run, script_log
     from toolkit.run.preflight import check_script, preflight, read_ds_config
 
     problem = file_kind_problem(plan_dir / ACCELERATE_CONFIG)
@@ -156,8 +157,8 @@ def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehears
         return 0
     env = {**(env or {}), "TOOLKIT_PLAN_DIR": str(plan_dir.resolve())}
     shown_dir = log_dir or plan_dir  # the user's folder (a box's files live in a temporary one)
-    if args is None:  # the user's own script: its output folder and resume flags are its own; its log goes beside
-        return run(command, env=env, log_path=writable_log(shown_dir))  # the plan
+    if args is None:  # the user's own script: its output folder and resume flags are its own
+        return run(command, env=env, log_path=script_log(shown_dir))
     resume = train_argv if args.resume else [*train_argv, "--resume"]
     relaunch = relaunch or f"toolkit launch {shlex.quote(str(shown_dir))}"
     return run(command, env=env, output=Path(args.output), resume_command=f"{relaunch} -- {shlex.join(resume)}",

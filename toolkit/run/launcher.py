@@ -84,7 +84,7 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
     output: the run's folder. It is locked for the run (a second run into it is refused), and every rank's stderr
     goes to output/toolkit-launch.log instead of the terminal: a failure is one line here, from the first failing
     rank (TOOLKIT_ERROR_FILE), never torchrun's traceback of every worker. Without output, stderr is the
-    terminal's, unless log_path names the log (a user's script: no output folder of ours). SIGINT / SIGTERM /
+    terminal's, unless log_path names the log (a user's script: no output folder of ours; script_log). SIGINT / SIGTERM /
     SIGHUP stop every process the run started and return 128 + the signal.
     """
     from toolkit.fileio import FolderLock
@@ -110,8 +110,11 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
             full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; the deepspeed launcher does not
             if output is not None:
                 log_path = output / LOG_NAME
+            elif log_path is not None:  # a user's script: say where its log is, before it fills
+                print(f"every rank's stderr goes to {log_path}", flush=True)
             if log_path is not None:
                 log = open(log_path, "ab")
+                run_starts_at = log.tell()
             code, stopped = _run_stoppable(_resolve_launcher(command), full_env, log)
             if stopped:
                 print(_stopped_text(stopped, output, resume_command), file=sys.stderr, flush=True)
@@ -125,8 +128,8 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
                     print(f"error: {failure['message']}{where}", file=sys.stderr, flush=True)
                 return EXIT_USER_ERROR
             if log is not None:
-                what = (f"rank {failure['rank']} failed: {failure['message']}" if failure else
-                        f"training failed with exit code {code}")
+                log.flush()
+                what = _first_failure(failure, _killed_ranks(log_path, run_starts_at), code)
                 if max_restarts:
                     what = _gave_up_text(what, max_restarts, output, resume_command)
                 print(f"error: {what}{where}", file=sys.stderr, flush=True)
@@ -224,6 +227,47 @@ def _read_failure(error_file: Path) -> dict | None:
         return None
 
 
+def _killed_ranks(log_path: Path, start: int) -> list[tuple[int, int]]:
+    """(rank, signal) of the workers that died by a signal, from torchrun's last failure summary in this run's part
+    of the log (torch.distributed.elastic's ChildFailedError: "rank : R (local_rank: L)" then "exitcode : -SIG").
+    torchrun lists only the workers that had ended when it noticed, not those it then stopped itself."""
+    import re
+
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    root = text.rfind("Root Cause (first observed failure)")
+    if root < 0:
+        return []
+    rule = "=" * 20
+    begin = text.rfind(rule, 0, root)
+    end = text.find(rule, root)
+    summary = text[max(begin, 0):end if end >= 0 else len(text)]
+    killed = {int(rank): -int(code) for rank, code in
+              re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", summary) if int(code) < 0}
+    return sorted(killed.items())
+
+
+def _first_failure(failure: dict | None, killed: list[tuple[int, int]], code: int) -> str:
+    """Which rank failed first, in words. A rank killed by a signal (kill -9, the OOM killer) cannot say so
+    itself; the rank that reported is then only the survivor that saw its peer vanish ("Connection reset by
+    peer"), so the killed rank is named first."""
+    first = next(((rank, signum) for rank, signum in killed if failure is None or rank != failure["rank"]), None)
+    if first is None:
+        return (f"rank {failure['rank']} failed: {failure['message']}" if failure else
+                f"training failed with exit code {code}")
+    rank, signum = first
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    said = f"; rank {failure['rank']} then failed: {failure['message']}" if failure else ""
+    return f"rank {rank} was killed by {name} (it failed first){said}"
+
+
 def _stopped_text(signum: int, output: Path | None, resume_command: str | None) -> str:
     from toolkit.train.checkpoints import last_complete_checkpoint
 
@@ -272,11 +316,25 @@ def _is_deepspeed_yaml(plan_dir: Path) -> bool:
         return False
 
 
-def writable_log(folder: Path) -> Path:
-    """folder/toolkit-launch.log (appended to), or one in the temporary directory when folder is read-only."""
-    path = folder / LOG_NAME
+SCRIPT_LOGS = "toolkit-logs"
+"""Where a user's own script's launch log goes: the directory `toolkit launch` was run from, as `python my_train.py`
+would leave its files there (the script's output folder is its own business, and the plan folder is never written
+to: it may be read-only, shared, or under version control)."""
+
+
+def script_log(plan_dir: Path) -> Path:
+    """./toolkit-logs/launch-YYYYmmdd-HHMMSS-PID.log for a run of the user's own script; beside the plan folder
+    when launched from inside it; in the temporary directory when neither is writable."""
+    import time
+
+    name = f"launch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    here = Path.cwd().resolve()
+    plan = plan_dir.resolve()
+    base = plan.parent if here == plan or plan in here.parents else here
     try:
+        (base / SCRIPT_LOGS).mkdir(exist_ok=True)
+        path = base / SCRIPT_LOGS / name
         with open(path, "ab"):
             return path
     except OSError:
-        return Path(tempfile.gettempdir()) / f"toolkit-launch-{os.getpid()}.log"
+        return Path(tempfile.gettempdir()) / f"toolkit-{name}"

@@ -18,7 +18,7 @@ from toolkit.run import tiny
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.run.launcher import (LOG_NAME, emit_plan_files, free_port, is_user_script, launch_command, run,
-                                   run_nodes, writable_log)
+                                   run_nodes, script_log)
 from toolkit.run.preflight import preflight
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine, parse_strategy
@@ -299,7 +299,7 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
         env = {"TOOLKIT_PLAN_DIR": str(small_dir), REHEARSAL_MODEL_ENV: str(model_dir),
                REHEARSAL_DATA_ENV: str(data), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
-        code = run(command, env=env, log_path=writable_log(plan_dir))
+        code = run(command, env=env, log_path=script_log(plan_dir))
         print(f"rehearsal {'passed' if code == 0 else f'FAILED (exit code {code})'}: your script with "
               f"{plan.strategy}", flush=True)
         return code

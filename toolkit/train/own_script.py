@@ -122,6 +122,7 @@ def run_script(argv: list[str]) -> int:
     import traceback
 
     from toolkit.train.failures import report_failure
+    from toolkit.train.own_script_guard import LaunchGuard
 
     if not argv:
         print("usage: python -m toolkit.train.own_script SCRIPT [ARGS]", file=sys.stderr)
@@ -133,22 +134,58 @@ def run_script(argv: list[str]) -> int:
     script = Path(argv[0])
     sys.argv = [str(script), *(_rehearsal_paths(a) for a in argv[1:])]
     sys.path[0] = str(script.resolve().parent)
+    stderr = sys.stderr = _LastLine(sys.stderr)
+    guard = LaunchGuard().install()
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
-        if exc.code in (None, 0):
-            return 0
-        code = exc.code if isinstance(exc.code, int) else 1
-        reason = exc.code if isinstance(exc.code, str) else f"exited with code {code}"
-        report_failure(SystemExit(f"{script.name}: {reason}"), user_error=True)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-        return code
+        if exc.code not in (None, 0):
+            return _script_exit(script, exc.code, stderr.last)
     except BaseException as exc:  # the user's error, whatever its class: one line for the launcher, full traceback
         report_failure(exc, user_error=False)
         traceback.print_exc()
         return 1
-    return 0
+    alone = guard.finished_alone()
+    return _script_exit(script, alone, stderr.last) if alone else 0
+
+
+def _script_exit(script: Path, code: int | str, last_line: str) -> int:
+    """A script's SystemExit as one line for the launcher: sys.exit("why") says why; for a bare exit code, the
+    script's own last line on stderr does (argparse's "prog: error: ..."), which otherwise stays in the log."""
+    import sys
+
+    from toolkit.train.failures import report_failure
+
+    if isinstance(code, str):
+        reason = code
+        print(code, file=sys.stderr)
+    else:
+        reason = f"exited with code {code}" + (f": {last_line}" if last_line else "")
+    report_failure(SystemExit(f"{script.name}: {reason}"), user_error=True)
+    return code if isinstance(code, int) else 1
+
+
+class _LastLine:
+    """sys.stderr as it was, remembering the last non-empty line written to it (the script's own last word)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._pending = ""
+        self.last = ""
+
+    def write(self, text: str) -> int:
+        lines = [line.rsplit("\r", 1)[-1] for line in (self._pending + text).split("\n")]  # a bar's last state
+        self._pending = lines.pop()[-2000:]
+        for line in reversed(lines):
+            if line.strip():
+                self.last = line.strip()[:500]
+                break
+        if self._pending.strip():
+            self.last = self._pending.strip()[:500]
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 REHEARSAL_NAMES = ("TOOLKIT_REHEARSAL_MODEL", "TOOLKIT_REHEARSAL_DATA")
