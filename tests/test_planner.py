@@ -273,3 +273,37 @@ def test_a_tied_plan_that_cannot_resume_ranks_below_those_that_can_and_is_marked
     text = capsys.readouterr().out
     name = tied[stuck[0]]["name"]
     assert f"  {name} !" in text and f"! {name} cannot resume from its checkpoints: tensor parallelism" in text
+
+
+def test_the_planner_tries_liger_where_nothing_else_fits_and_the_plan_carries_it(tmp_path, capsys):
+    """Qwen2.5-0.5B at 16k tokens on one RTX 4090: DDP fits only with Liger's fused loss (the fp32 logits of a
+    151,936-token vocabulary are gone). The row is tagged, its speed is said to be unmodelled, and the emitted plan
+    turns Liger on for the run."""
+    out = tmp_path / "p"
+    argv = ["plan", "qwen2.5-0.5b", "--gpus", "1xRTX-4090-24GB", "--seq", "16384", "--micro-batch", "1",
+            "--strategies", "ddp"]
+    assert main(argv + ["--json", "--out", str(out)]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert chosen["name"] == "ddp +liger" and chosen["liger"] and chosen["speed_unmodelled"] == ["liger"]
+    assert load_plan(out).liger and "use_liger_kernel" in (out / "training_args.json").read_text()
+    plain = plan_candidates(resolve_model("qwen2.5-0.5b"), parse_hardware("1xRTX-4090-24GB"),
+                            Request(seq_len=16384, micro_batch=1, strategies=("ddp",), savers=False))
+    assert not plain[0].feasible and "needs" in plain[0].reason  # without the saver nothing fits
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "ddp +liger" in text and "speed not modelled: Liger kernels" in text
+
+
+def test_the_planner_leaves_savers_off_rows_that_fit(llama7b):
+    cands = plan_candidates(llama7b, parse_hardware("8xH100-80GB"), Request(seq_len=4096, global_batch=64))
+    assert all(not (c.job.liger or c.job.activation_offloading) for c in cands if c.feasible)
+
+
+def test_estimate_says_liger_speed_is_unmodelled(capsys):
+    argv = ["estimate", "qwen2.5-0.5b", "--gpus", "1xRTX-4090-24GB", "--strategy", "ddp", "--seq", "4096",
+            "--micro-batch", "1", "--liger"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["timing"]["unmodelled"] == ["liger"] and any("Liger kernels: their effect" in n for n in out["notes"])
+    main(argv)
+    assert "speed not modelled: Liger kernels: their effect on the step time is not modelled" in capsys.readouterr().out

@@ -167,6 +167,10 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           + ("" if time_band().covers(strategy.name, hw.world_size) else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
              "unverified"))
+    from toolkit.estimate.savers import UNMODELLED_SPEED
+
+    for key in t.unmodelled:
+        print(f"speed not modelled: {UNMODELLED_SPEED[key]}")
     if explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")

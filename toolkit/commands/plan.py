@@ -334,6 +334,10 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
               f"{t.step_time_s:>9.2f}{t.tokens_per_s:>10,.0f}{mark:1}{t.mfu:>6.0%}")
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
+    from toolkit.estimate.savers import UNMODELLED_SPEED
+
+    for key in dict.fromkeys(k for c in [c for c in candidates if c.feasible][:top] for k in c.timing.unmodelled):
+        print(f"speed not modelled: {UNMODELLED_SPEED[key]}")
     cannot_resume = [c for c in candidates if c.feasible and resume_problem(c)][:top]
     for c in cannot_resume:
         print(f"! {c.name} cannot resume from its checkpoints: {resume_problem(c)}")

@@ -56,3 +56,19 @@ def offload_layer_activations(trace):
     host = sum(r.saved_bytes for r in trace.layers)
     return replace(trace, layers=layers,
                    notes=trace.notes + ("activation offloading: decoder layers' saved tensors in pinned host RAM",)), host
+
+
+UNMODELLED_SPEED: dict[str, str] = {
+    "liger": ("Liger kernels: their effect on the step time is not modelled (the step time is that of the model's "
+              "own Hugging Face kernels; only the memory is Liger's)"),
+    "activation offloading": ("activation offloading: the copies of the saved activations to host RAM and back are "
+                              "not in the step time (assumed hidden behind compute on TRL's side stream; "
+                              "unmeasured)"),
+}
+"""Memory savers whose speed effect the step-time model leaves out, and the words that say so. Liger's published
+speed-ups (its README's benchmarks) are per kernel on its own GPUs, not a step-time model we can source per job."""
+
+
+def speed_unmodelled(job) -> tuple[str, ...]:
+    """The savers `job` turns on whose effect on the step time is not modelled (keys of UNMODELLED_SPEED)."""
+    return tuple(k for k, on in (("liger", job.liger), ("activation offloading", job.activation_offloading)) if on)

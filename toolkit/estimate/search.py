@@ -10,6 +10,11 @@ already fit (where it could only drop checkpointing or raise the micro-batch) co
 plan on 64 GPUs. A row's tiled best replaces its untiled best (e.g. at a larger sequence-parallel degree) only when
 the untiled one does not fit, or is slower by more than the step-time band.
 
+Memory savers (auto_savers: Liger kernels, activation offloading, both, least intrusive first) are tried the same
+way, on a grid where a row fits neither untiled nor tiled, for the configurations refused for GPU memory; never on
+a row that fits (the 64-GPU Llama-3-70B plan tries none). Rows are tagged +liger / +act-offload and the emitted plan
+turns the saver on; their speed effect is not modelled (toolkit.estimate.savers.UNMODELLED_SPEED).
+
 A candidate that cannot run says why: it does not fit ("needs 93.1 GiB of 79.1"), the batch does not divide, the
 layers do not split into the stages, the GPU lacks the precision, the node lacks host RAM for offload.
 """
@@ -76,8 +81,11 @@ class Candidate:
     @property
     def name(self) -> str:
         job = getattr(self, "job", None)
-        return self._base_name + (" +compile" if job is not None and job.compile else "") \
-            + (" +tiled" if job is not None and job.tiled else "")
+        if job is None:
+            return self._base_name
+        return self._base_name + "".join(tag for tag, on in (
+            (" +compile", job.compile), (" +tiled", job.tiled), (" +liger", job.liger),
+            (" +act-offload", job.activation_offloading)) if on)
 
     @property
     def _base_name(self) -> str:
@@ -106,6 +114,8 @@ class Candidate:
             "step_time_s": self.timing.step_time_s if self.timing else None,
             "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
             "speed_evidenced": self.speed_evidenced,
+            "speed_unmodelled": list(self.timing.unmodelled) if self.timing else [],
+            "liger": self.job.liger, "activation_offloading": self.job.activation_offloading,
             "headroom_bands": _finite(round(headroom_bands(self), 2)) if self.feasible else None,
             "resume_problem": resume_problem(self) if self.feasible else None,
         }
@@ -150,6 +160,9 @@ class Request:
     """None: every degree the heads, sequence and world allow (ZeRO x Ulysses SP); 1: none."""
     adapter: Adapter = FULL
     """Training method (full, LoRA, QLoRA) and its settings."""
+    savers: bool = True
+    """The planner tries Liger kernels and activation offloading by itself where a row fits no other way
+    (auto_savers); False: only what the request turns on."""
 
     def __post_init__(self) -> None:
         if self.global_batch is None and self.micro_batch is None:
@@ -300,12 +313,14 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
     own per-rank shapes). A batch the grid cannot split is added to batch_refusals.
     Auto tiling (req.tiled None): on a grid where no configuration fits untiled, those refused for GPU memory are
     tried tiled, kept under "<slot> +tiled" (its own first fitting degree); _untiled_unless_needed picks between
-    the two."""
-    tiling = auto_tiling(spec, strategy, req)
+    the two. Memory savers (auto_savers) likewise, on a grid where neither untiled nor tiled fits, under
+    "<slot> +savers"."""
+    tiling, savers = auto_tiling(spec, strategy, req), auto_savers(spec, hw, strategy, req)
     for grid in grids:
         if dimension and key in best and best[key].feasible:
             break
-        tiled_found = bool(dimension) and f"{key}{TILED_SLOT}" in best and best[f"{key}{TILED_SLOT}"].feasible
+        tiled_found = bool(dimension) and _fits(best, f"{key}{TILED_SLOT}")
+        saver_found = bool(dimension) and _fits(best, f"{key}{SAVER_SLOT}")
         try:
             batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
         except UserError as exc:
@@ -333,9 +348,43 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                 for job in short:
                     _keep(best, f"{slot}{TILED_SLOT}", evaluate(spec, hw, strategy, replace(job, tiled=True), grid,
                                                                 partition), dimension)
+            if savers and not compiled and not saver_found and not _fits(best, slot) \
+                    and not _fits(best, f"{slot}{TILED_SLOT}"):
+                for changes in savers:  # least intrusive first; the first that fits any job ends the search
+                    if changes.get("activation_offloading") and grid.model_parallel > 1:
+                        continue  # not modelled with a tensor / context / sequence dimension (_model_parallel_options)
+                    for job in short:
+                        _keep(best, f"{slot}{SAVER_SLOT}", evaluate(spec, hw, strategy, replace(job, **changes),
+                                                                    grid, partition), dimension)
+                    if _fits(best, f"{slot}{SAVER_SLOT}"):
+                        break
 
 
 TILED_SLOT = " +tiled"
+SAVER_SLOT = " +savers"
+
+
+def _fits(best: dict[str, Candidate], slot: str) -> bool:
+    return slot in best and best[slot].feasible
+
+
+def auto_savers(spec: ModelSpec, hw: Hardware, strategy: Strategy, req: Request) -> list[dict[str, bool]]:
+    """The memory savers the planner tries by itself for `strategy`, least intrusive first, as Job changes: Liger
+    kernels, activation offloading, both; each only where the request leaves it off and the engines and the model
+    take it (job_problem, model_feature_problem: not pipeline stages, Liger not under ZeRO-3 nor on model types it
+    is not modelled for). Not with --tiled (tiling is modelled without either). Per-op selective checkpointing is
+    not tried: no runner applies it (toolkit.inputs.job.OP_CHECKPOINTING_PROBLEM)."""
+    if req.tiled or not req.savers:
+        return []
+
+    def takes(liger: bool, offloading: bool) -> bool:
+        return job_problem(req.precision, hw.gpu, strategy, activation_offloading=offloading, liger=liger,
+                           adapter=req.adapter) is None and model_feature_problem(spec, liger=liger) is None
+
+    liger = not req.liger and takes(True, req.activation_offloading)
+    offloading = not req.activation_offloading and takes(req.liger, True)
+    return ([{"liger": True}] if liger else []) + ([{"activation_offloading": True}] if offloading else []) \
+        + ([{"liger": True, "activation_offloading": True}] if liger and offloading and takes(True, True) else [])
 
 
 def _activations_decide(memory: Breakdown) -> bool:
@@ -380,11 +429,17 @@ def prefer_untiled(plain: Candidate | None, tiled: Candidate | None) -> Candidat
 
 
 def _untiled_unless_needed(best: dict[str, Candidate]) -> dict[str, Candidate]:
-    """One candidate per slot: each "<slot> +tiled" folded into its slot by prefer_untiled."""
-    out = {k: c for k, c in best.items() if not k.endswith(TILED_SLOT)}
+    """One candidate per slot: each "<slot> +tiled" folded into its slot by prefer_untiled, then each
+    "<slot> +savers" where it fits and the slot does not, or is faster beyond the step-time band (a saver row that
+    does not fit either never replaces the slot's own reason)."""
+    out = {k: c for k, c in best.items() if not k.endswith((TILED_SLOT, SAVER_SLOT))}
     for k, c in best.items():
         if k.endswith(TILED_SLOT):
             base = k[: -len(TILED_SLOT)]
+            out[base] = prefer_untiled(out.get(base), c)
+    for k, c in best.items():
+        if k.endswith(SAVER_SLOT) and c.feasible:
+            base = k[: -len(SAVER_SLOT)]
             out[base] = prefer_untiled(out.get(base), c)
     return out
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compute_seconds_per_token,
                                           flop_split, matmul_efficiency)
+from toolkit.estimate.savers import UNMODELLED_SPEED, speed_unmodelled
 from toolkit.inputs.hardware import Hardware, power_source
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.inputs.job import Job
@@ -115,13 +116,17 @@ class Timing:
     tiled_recompute_s: float = 0.0
     """ALST tiling: the MLPs' and LM head's forward that DeepSpeed's tiled functions run again in backward
     (tiled_recompute_s())."""
+    unmodelled: tuple[str, ...] = ()
+    """Memory savers the job turns on whose effect on the step time is left out (toolkit.estimate.savers
+    .speed_unmodelled: "liger", "activation offloading")."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
                 "communication_s": self.communication_s, "bubble_s": self.bubble_s, "offload_s": self.offload_s,
                 "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s,
                 "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {}),
-                **({"tiled_recompute_s": self.tiled_recompute_s} if self.tiled_recompute_s else {})}
+                **({"tiled_recompute_s": self.tiled_recompute_s} if self.tiled_recompute_s else {}),
+                **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {})}
 
 
 def mlp_matmul_params(spec: ModelSpec) -> int:
@@ -360,12 +365,14 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         exposed += extra
         assumptions += said
     step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s
+    unmodelled = speed_unmodelled(job)
+    assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
     mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
                   bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
                   compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s,
-                  tiled_recompute_s=tiled_s)
+                  tiled_recompute_s=tiled_s, unmodelled=unmodelled)
 
 
 def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:
