@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,22 @@ def test_svg_chart_cuts_over_capacity_lines_where_they_leave_it():
     markers = [p for p in svg.iter(f"{ns}path") if p.get("fill") != "black"]
     assert len(markers) == 6 and len(set(tops)) == 6  # six lines, six different exits
     assert any("line leaves the chart: above 160 GiB" in (t.text or "") for t in svg.iter(f"{ns}text"))
+
+
+def _profile_numbers(capsys, model: Path, *flags: str) -> dict:
+
+    assert main(["profile", str(model), "--seq", "32", "--steps", "1", "--json", *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    return {"predicted": out["predicted"], "measured": {k: v for k, v in out["measured"].items()
+                                                        if k in ("peak_bytes", "activations_bytes")}}
+
+
+def test_profile_passes_method_optimizer_and_liger_on(tiny_llama_dir, capsys):
+    """profile took --method, --optimizer and --liger and measured a plain full fine-tuning AdamW step anyway; each
+    now changes both the prediction and the real step it measures, and they still agree."""
+    plain = _profile_numbers(capsys, tiny_llama_dir)
+    for flags in (["--method", "lora"], ["--optimizer", "sgd"], ["--liger"]):
+        numbers = _profile_numbers(capsys, tiny_llama_dir, *flags)
+        assert numbers["predicted"]["peak_bytes"] != plain["predicted"]["peak_bytes"], flags
+        assert numbers["measured"]["peak_bytes"] != plain["measured"]["peak_bytes"], flags
+        assert numbers["predicted"]["peak_bytes"] == pytest.approx(numbers["measured"]["peak_bytes"], rel=0.05), flags

@@ -392,3 +392,69 @@ def test_a_strategy_the_plan_schema_lacks_is_refused_at_the_parser_in_one_line(t
     assert main(["plan", "gpt2", "--gpus", "8xH100-80GB", "--seq", "1024", "--global-batch", "64",
                  "--strategies", "zero1-offload-nvme", "--out", str(out)]) == 2
     assert "unknown strategy 'zero1-offload-nvme'" in _one_error_line(capsys) and not out.exists()
+
+
+def _cycled(sets: dict[str, tuple[str, ...]]) -> list[dict[str, str]]:
+    """Runs that together give every name of every set: run i takes name i of each (cycling the shorter sets)."""
+    return [{flag: names[i % len(names)] for flag, names in sets.items()} for i in range(max(map(len, sets.values())))]
+
+
+def _plan_folder(argv: list[str], out: Path, capsys):
+    assert main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    return load_plan(out)
+
+
+def test_every_strategy_name_survives_parser_plan_files_and_load(tiny_llama_dir, tmp_path, capsys):
+    """Every name in the strategy table, given to `toolkit plan --strategies NAME --out`, is written to plan.json
+    and read back by load_plan unchanged (the parser, the schema and the emitted files read one list)."""
+    from toolkit.inputs.strategy import STRATEGIES
+
+    for name in STRATEGIES:
+        gpus = "2xH100-80GB" if name == "pipeline" else "2x2xH100-80GB"  # pipeline: every rank a stage, 2 layers
+        plan = _plan_folder(["plan", str(tiny_llama_dir), "--seq", "64", "--global-batch", "16", "--gpus", gpus,
+                             "--strategies", name, "--nvme-path", str(tmp_path / "nvme")], tmp_path / name, capsys)
+        assert plan.strategy == name
+
+
+def test_every_job_choice_survives_parser_job_plan_files_and_load(tiny_llama_dir, tmp_path, capsys):
+    """Every accepted name of every closed set of the job (toolkit.inputs.choices), given to `toolkit plan --out`,
+    is written to plan.json and read back by load_plan unchanged; none reaches a traceback."""
+    from toolkit.inputs import choices
+
+    job = _cycled({"--precision": choices.PRECISIONS, "--optimizer": choices.OPTIMIZERS,
+                   "--attention": choices.ATTENTIONS, "--optimizer-impl": choices.OPTIMIZER_IMPLS,
+                   "--method": ("full", "lora"), "--tiled": ("auto", "off", "on"),
+                   "--device-kind": choices.DEVICE_KINDS,
+                   "--checkpointing": tuple(m for m in choices.PLAN_CHECKPOINTING_MODES
+                                            if m != choices.CHECKPOINTING_OP)})
+    qlora = _cycled({"--qlora-quant-type": choices.QUANT_TYPES, "--qlora-compute-dtype": choices.COMPUTE_DTYPES,
+                     "--qlora-quant-storage": choices.QUANT_STORAGE_DTYPES})
+    # --compile offers compiled rows beside eager ones where the engines compose with it (not with lora, liger,
+    # tiling): a run of its own; tiled on (run 2) takes no lora.
+    switches = [["--liger"], [], [], ["--activation-offloading"]]
+    runs = [*zip(job, switches), ({}, ["--compile"])]
+    runs += [({"--method": "qlora", **flags}, []) for flags in qlora]
+    for i, (given, switch) in enumerate(runs):
+        plan = _plan_folder(["plan", str(tiny_llama_dir), "--seq", "64", "--global-batch", "16", "--gpus",
+                             "2xH100-80GB", "--strategies", "zero2", *sum(map(list, given.items()), []), *switch],
+                            tmp_path / str(i), capsys)
+        for flag, name in given.items():
+            field = flag[2:].replace("-", "_")
+            if field.startswith("qlora_"):
+                assert plan.adapter[field.removeprefix("qlora_")] == name, (flag, name)
+            elif field in ("tiled", "checkpointing"):
+                assert name == "auto" or getattr(plan, field) == (name == "on"), (flag, name, getattr(plan, field))
+            elif field != "device_kind":  # the trace's kernels: not a fact of the plan
+                assert getattr(plan, field) == name, (flag, name, getattr(plan, field))
+        assert all(getattr(plan, flag[2:].replace("-", "_")) is True for flag in switch), switch
+
+
+@pytest.mark.parametrize("flags", [["--checkpointing", "op"], ["--compile-blocks"]], ids=["checkpointing-op",
+                                                                                          "compile-blocks"])
+def test_names_plan_cannot_take_are_refused_in_one_line_before_work(flags, tiny_llama_dir, tmp_path, capsys):
+    """Names a closed set accepts that plan cannot emit (estimate-only settings): one line, nothing written."""
+    out = tmp_path / "p"
+    assert main(["plan", str(tiny_llama_dir), "--seq", "64", "--global-batch", "16", *flags, "--out", str(out)]) == 2
+    _one_error_line(capsys)
+    assert not out.exists()

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Callable
 from toolkit import bounds
 from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.job import CHECKPOINTING_OP, OP_CHECKPOINTING_PROBLEM
+from toolkit.inputs.choices import CHECKPOINTING_MODES, CHECKPOINTING_OP, PRECISIONS, choices_words
+from toolkit.inputs.job import OP_CHECKPOINTING_PROBLEM
 
 if TYPE_CHECKING:
     from toolkit.check.findings import Problem
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("check", help="check accelerate YAML / DeepSpeed JSON / plan dirs")
-    p.add_argument("files", nargs="+", type=text_arg("path"))
+    p.add_argument("files", nargs="+", type=text_arg("path"),
+                   help="accelerate YAML, DeepSpeed JSON or plan folders; - reads one file from stdin")
     p.add_argument("--model", type=text_arg("--model"), help="also check the fit of this model")
     p.add_argument("--gpus", type=text_arg("--gpus"),
                    help="GPU spec, e.g. 8xH100-80GB (process counts; with --model, the fit)")
@@ -26,8 +28,8 @@ def add_parser(sub) -> None:
                    help="sequence length for the fit check (plan dirs carry their own)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
                    help="fit check: samples per GPU, where the files leave it to the runner")
-    p.add_argument("--precision", help="fit check: fp32 | bf16 | fp16 | bf16-pure, where the files leave it open")
-    p.add_argument("--checkpointing", choices=("on", "off", "op"), nargs="?", const="on",
+    p.add_argument("--precision", help=f"fit check: {choices_words(PRECISIONS)}, where the files leave it open")
+    p.add_argument("--checkpointing", choices=CHECKPOINTING_MODES, nargs="?", const="on",
                    help="fit check: activation checkpointing on (also the bare flag, as in estimate) or off; op "
                         "(per-op selective) is estimate's only")
     p.add_argument("--runner", choices=("trainer", "accelerate", "deepspeed"),

@@ -9,10 +9,8 @@ import sys
 from toolkit import bounds
 from toolkit.bounds import float_arg, int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.job import COMPILE_BLOCKS, checkpointing_words
-
-
-GIB = 1024**3
+from toolkit.inputs.choices import COMPILE_BLOCKS, GIB  # noqa: F401 (GIB: the commands' unit, from its one home)
+from toolkit.inputs.job import checkpointing_words
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -20,12 +18,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="catalog name (see `toolkit models`), local dir/config.json, or hub id")
     g = p.add_argument_group("model by numbers (instead of a name)")
     g.add_argument("--params", type=count, help="parameter count, e.g. 7e9 or 7B (shape guessed Llama-like)")
-    g.add_argument("--layers", type=int_arg("--layers", bounds.LAYERS))
-    g.add_argument("--hidden", type=int_arg("--hidden", bounds.HIDDEN))
-    g.add_argument("--heads", type=int_arg("--heads", bounds.HEADS))
-    g.add_argument("--kv-heads", type=int_arg("--kv-heads", bounds.HEADS))
-    g.add_argument("--ffn", type=int_arg("--ffn", bounds.FFN))
-    g.add_argument("--vocab", type=int_arg("--vocab", bounds.VOCAB))
+    g.add_argument("--layers", type=int_arg("--layers", bounds.LAYERS), help="decoder layers (num_hidden_layers)")
+    g.add_argument("--hidden", type=int_arg("--hidden", bounds.HIDDEN), help="hidden size")
+    g.add_argument("--heads", type=int_arg("--heads", bounds.HEADS), help="attention heads")
+    g.add_argument("--kv-heads", type=int_arg("--kv-heads", bounds.HEADS),
+                   help="key / value heads (default: --heads, no grouped-query attention)")
+    g.add_argument("--ffn", type=int_arg("--ffn", bounds.FFN), help="MLP intermediate size")
+    g.add_argument("--vocab", type=int_arg("--vocab", bounds.VOCAB), help="vocabulary size")
     g.add_argument("--trust-remote-code", action="store_true", help="allow hub models with custom code")
 
 
@@ -47,12 +46,14 @@ def add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100
                         "them); HBM bandwidth and links unchanged")
 
 
-def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto: bool = False) -> None:
+def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto: bool = False,
+                  one_device: bool = False) -> None:
     """The job's flags; `seq_max` (plan, estimate): --seq also takes max, and the tensor / context / sequence
     degrees are flags; `tiled_auto` (plan): --tiled takes auto / on / off as plan's --checkpointing does, default
-    auto, the bare flag on."""
+    auto, the bare flag on; `one_device` (profile, which runs one process on a real device): no --device-kind (the
+    device's own kernels run) and no --pipeline-stages."""
     g = p.add_argument_group("job")
-    from toolkit.inputs.job import ATTENTIONS, DEVICE_KINDS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+    from toolkit.inputs.choices import ATTENTIONS, DEVICE_KINDS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
     g.add_argument("--seq", type=seq_arg if seq_max else int_arg("--seq", bounds.SEQ),
                    help="sequence length (default 2048, or the model's maximum if shorter)"
@@ -68,10 +69,11 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default %(default)s)")
     g.add_argument("--attention", choices=ATTENTIONS,
                    help="(default: transformers' pick for the model: sdpa, or eager where its class has no sdpa)")
-    g.add_argument("--device-kind", default="cuda", choices=DEVICE_KINDS,
-                   help="whose kernels' saved tensors to model (default %(default)s)")
-    g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES),
-                   help="pipeline / hybrid stage count")
+    if not one_device:
+        g.add_argument("--device-kind", default="cuda", choices=DEVICE_KINDS,
+                       help="whose kernels' saved tensors to model (default %(default)s)")
+        g.add_argument("--pipeline-stages", type=int_arg("--pipeline-stages", bounds.STAGES),
+                       help="pipeline / hybrid stage count")
     g.add_argument("--optimizer-impl", default="fused", choices=OPTIMIZER_IMPLS,
                    help="torch optimizer step (default %(default)s, the Trainer's)")
     g.add_argument("--activation-offloading", action="store_true",
@@ -102,10 +104,10 @@ def add_checkpointing_flag(p: argparse.ArgumentParser, help: str) -> None:
     """`--checkpointing` as estimate and profile always took it (a bare flag: on), and as plan and check spell it
     (`--checkpointing on|off`): both spellings in every command, and `op` (torchtitan's per-op selective policy).
     Gives a bool, False when absent, or "op"."""
-    from toolkit.inputs.job import CHECKPOINTING_OP
+    from toolkit.inputs.choices import CHECKPOINTING_MODES, CHECKPOINTING_OP
 
     def on_off(text: str) -> bool | str:
-        if text.lower() not in ("on", "off", CHECKPOINTING_OP):
+        if text.lower() not in CHECKPOINTING_MODES:
             raise argparse.ArgumentTypeError(f"give on, off or {CHECKPOINTING_OP}, not {text!r}")
         return CHECKPOINTING_OP if text.lower() == CHECKPOINTING_OP else text.lower() == "on"
 
@@ -140,8 +142,10 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     # (toolkit.inputs.lora.adapter_from_flags); the defaults are the Adapter's own.
     from toolkit.inputs.lora import FULL
 
-    g = p.add_argument_group("LoRA / QLoRA (toolkit.lora)")
-    g.add_argument("--method", default="full", help="full | lora | qlora (default %(default)s)")
+    from toolkit.inputs.choices import COMPUTE_DTYPES, METHODS, QUANT_STORAGE_DTYPES, QUANT_TYPES, choices_words
+
+    g = p.add_argument_group("LoRA / QLoRA (toolkit.inputs.lora)")
+    g.add_argument("--method", default="full", help=f"{choices_words(METHODS)} (default %(default)s)")
     g.add_argument("--lora-r", type=int_arg("--lora-r", bounds.LORA_RANK), help=f"adapter rank (default {FULL.r})")
     g.add_argument("--lora-alpha", type=float_arg("--lora-alpha", bounds.LORA_ALPHA),
                    help=f"LoRA alpha (default {FULL.alpha})")
@@ -151,12 +155,13 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
                                           f"e.g. q_proj,v_proj (default {FULL.targets})")
     g.add_argument("--lora-modules-to-save", help="modules trained in full beside the adapters, "
                                                   "e.g. lm_head,embed_tokens")
-    g.add_argument("--qlora-quant-type", help=f"nf4 | fp4 (default {FULL.quant_type})")
+    g.add_argument("--qlora-quant-type", help=f"{choices_words(QUANT_TYPES)} (default {FULL.quant_type})")
     g.add_argument("--qlora-no-double-quant", action="store_const", const=False, dest="qlora_double_quant",
                    help="do not quantise the absmax constants")
-    g.add_argument("--qlora-compute-dtype", help="bfloat16 | float16 | float32")
+    g.add_argument("--qlora-compute-dtype",
+                   help=f"{choices_words(COMPUTE_DTYPES)} (default {FULL.compute_dtype})")
     g.add_argument("--qlora-quant-storage",
-                   help="uint8 | bfloat16 | float16 | float32: a floating storage lets FSDP2 / ZeRO-3 shard the "
+                   help=f"{choices_words(QUANT_STORAGE_DTYPES)}: a floating storage lets FSDP2 / ZeRO-3 shard the "
                         f"4-bit base (default {FULL.quant_storage})")
 
 

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                    help="where the demo writes (default: a new runs/demo-DATE-TIME)")
     p.add_argument("--steps", type=int_arg("--steps", bounds.STEPS), default=200,
                    help="training steps of the tiny model (default %(default)s)")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--force", action="store_true", help="redo the demo in a --workdir that is not empty")
     p.set_defaults(func=cmd_demo)
 
 

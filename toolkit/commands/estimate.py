@@ -9,6 +9,7 @@ from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
+from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
                                      longest_line, model_spec, print_note, seq_len_of, trainable_params)
 
@@ -18,10 +19,11 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_hardware_flags(p)
     add_job_flags(p, seq_max=True)
-    p.add_argument("--strategy", default="ddp", help="ddp, zero1/2/3, zero2-offload, zero3-offload, fsdp2, "
-                                                     "pipeline, hybrid, ... (default %(default)s)")
-    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
-    p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), default=1)
+    p.add_argument("--strategy", default="ddp", help=f"one of {', '.join(ALL_STRATEGY_NAMES)} (default %(default)s)")
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1,
+                   help="samples per GPU per forward (default %(default)s)")
+    p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), default=1,
+                   help="gradient accumulation steps (default %(default)s)")
     add_checkpointing_flag(p, "activation checkpointing of every layer (the bare flag means on; op: torchtitan's per-op "
                            "selective policy)")
     p.add_argument("--chunked-loss", type=int_arg("--chunked-loss", bounds.SEQ), default=0, metavar="N",

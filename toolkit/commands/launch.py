@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("launch", help="run (or rehearse on CPU) an emitted plan")
-    p.add_argument("plan_dir", type=text_arg("plan folder"))
+    p.add_argument("plan_dir", type=text_arg("plan folder"), help="a folder that toolkit plan --out or toolkit emit wrote")
     p.add_argument("--rehearse", action="store_true", help="run the plan's strategy on CPU processes first")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--processes", type=int_arg("--processes", bounds.PROCESSES),

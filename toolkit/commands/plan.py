@@ -8,7 +8,9 @@ from typing import Any
 from toolkit import bounds
 from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, CHECKPOINTING_OP, COMPILE_BLOCKS, OP_CHECKPOINTING_PROBLEM
+from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKPOINTING_MODES
+from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM
+from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
                                      GIB, hardware_of, human, longest_line, model_spec, print_note, seq_len_of,
                                      trainable_params)
@@ -24,18 +26,20 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),
                    help="samples per GPU per forward (instead of --global-batch)")
     p.add_argument("--accumulation", type=int_arg("--accumulation", bounds.BATCH), help="gradient accumulation steps")
-    p.add_argument("--checkpointing", choices=("auto", "on", "off", "op"), default="auto", nargs="?", const="on",
+    p.add_argument("--checkpointing", choices=PLAN_CHECKPOINTING_MODES, default="auto", nargs="?", const="on",
                    help="activation checkpointing: auto (the planner decides), on (also the bare flag, as in "
                         "estimate), off (default %(default)s); op (per-op selective) is estimate's only")
-    p.add_argument("--strategies", type=text_arg("--strategies"), help="comma-separated subset to consider")
+    p.add_argument("--strategies", type=text_arg("--strategies"),
+                   help=f"comma-separated subset to consider of {', '.join(ALL_STRATEGY_NAMES)} (default: all)")
     p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
-                   help="emit this strategy instead of the fastest")
-    p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10)
+                   help="emit this strategy (a name as in --strategies) instead of the fastest")
+    p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10,
+                   help="table rows shown (default %(default)s; --json lists every candidate)")
     p.add_argument("--explain", action="store_true",
                    help="after the table, the chosen row's estimate with where every term comes from (estimate "
                         "--explain of that row)")
     add_output_flags(p, "directory for the emitted files")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print only JSON: every candidate and the chosen one")
     p.set_defaults(func=cmd_plan)
 
 

@@ -7,20 +7,23 @@ import json
 from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
+from toolkit.inputs.choices import COMPILE_BLOCKS
 from toolkit.inputs.job import checkpointing_words
-from toolkit.commands.common import add_checkpointing_flag, add_job_flags, add_model_flags, GIB, model_spec, print_note, seq_len_of
+from toolkit.commands.common import (adapter_of, add_checkpointing_flag, add_job_flags, add_model_flags, GIB, model_spec,
+                                     print_note, seq_len_of)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="predicted vs measured memory of real steps on this machine")
     add_model_flags(p)
-    add_job_flags(p)
-    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1)
+    add_job_flags(p, one_device=True)
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1,
+                   help="samples per forward (default %(default)s)")
     add_checkpointing_flag(p, "activation checkpointing (the bare flag means on; op: torchtitan's per-op selective policy)")
-    p.add_argument("--device", default="cpu", type=_device, help="cpu or cuda[:N]")
+    p.add_argument("--device", default="cpu", type=_device, help="cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--steps", type=int_arg("--steps", bounds.PROFILE_STEPS), default=3,
-                   help="timed steps after the measured one")
-    p.add_argument("--json", action="store_true")
+                   help="timed steps after the measured one (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print only JSON: the job, predicted and measured")
     p.set_defaults(func=cmd_profile)
 
 
@@ -32,8 +35,16 @@ def cmd_profile(args) -> int:
         raise UserError("profile measures one plain step; --tiled is measured against live tensors by "
                         "benchmarks/dimension_memory.py, not by profile yet: drop --tiled")
     if args.compile:
-        raise UserError("profile measures an eager step; --compile is checked against real compiled CPU steps in "
-                        "tests/test_compiled.py, not by profile yet: drop --compile")
+        flag = "--compile-blocks" if args.compile == COMPILE_BLOCKS else "--compile"
+        raise UserError(f"profile measures an eager step; {flag} is checked against real compiled CPU steps in "
+                        f"tests/test_compiled.py, not by profile yet: drop {flag}")
+    if args.activation_offloading:
+        raise UserError("profile measures a step with its activations on the device; --activation-offloading (TRL's "
+                        "offload to host RAM) is modelled by estimate and plan only: drop --activation-offloading")
+    adapter = adapter_of(args)
+    if adapter.method == "qlora":
+        raise UserError("profile builds its base in the compute dtype; a QLoRA base is 4-bit (bitsandbytes), which "
+                        "tests/test_lora.py measures, not profile yet: use --method lora or full")
     spec = model_spec(args)
     args.seq, seq_note = seq_len_of(spec, args)
     if seq_note:
@@ -51,18 +62,27 @@ def cmd_profile(args) -> int:
                             f"{'' if torch.version.cuda else ', built without CUDA'}); use --device cpu or run it "
                             "where the GPU is")
     attention = spec.effective_attention(args.attention)
+    if args.liger:
+        from toolkit.inputs.job import liger_problem
+
+        problem = liger_problem(spec.model_type)
+        if problem:
+            raise UserError(problem)
     kwargs = dict(seq_len=args.seq, micro_batch=args.micro_batch, precision=args.precision, attention=attention,
-                  checkpointing=args.checkpointing)
-    predicted = predict_step(spec.hf_config(), device_kind=kind, **kwargs)
-    measured = measure_step(spec.hf_config(), device=device, steps=args.steps, **kwargs)
+                  checkpointing=args.checkpointing, optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
+                  liger=args.liger)
+    predicted = predict_step(spec.hf_config(), device_kind=kind, adapter=adapter, **kwargs)
+    measured = measure_step(spec.hf_config(), device=device, steps=args.steps, adapter=adapter, **kwargs)
     rows = {"activations_bytes": (predicted["activations_bytes"], measured.activations_bytes),
             "peak_bytes": (predicted["peak_bytes"], measured.peak_bytes)}
     if args.json:
-        print(json.dumps({"model": spec.name, "device": device, **kwargs,
+        print(json.dumps({"model": spec.name, "device": device, **kwargs, "method": adapter.method,
                           "predicted": predicted, "measured": measured.__dict__}, indent=2))
         return 0
+    method = "" if adapter.method == "full" else f", {adapter.method} r={adapter.r}"
     print(f"{spec.name} on {device}: one process, seq {args.seq}, micro-batch {args.micro_batch}, {args.precision}, "
-          f"{attention}{checkpointing_words(args.checkpointing)}")
+          f"{args.optimizer}, {attention}{checkpointing_words(args.checkpointing)}{', liger' if args.liger else ''}"
+          f"{method}")
     print(f"{'':<20}{'predicted GiB':>15}{'measured GiB':>15}{'ratio':>9}")
     for name, (p, m) in rows.items():
         print(f"{name:<20}{p / GIB:>15.3f}{m / GIB:>15.3f}{p / m:>9.3f}")

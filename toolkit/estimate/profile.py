@@ -1,7 +1,9 @@
 """Calibration: run real training steps of a model in this process and compare with the prediction.
 
-The same step the Trainer path runs on one device: forward with labels (HF's loss), backward, fused AdamW step,
-zero_grad(set_to_none). Precision as the DDP engine runs it: torch AMP (fp32 weights under autocast) for bf16/fp16,
+The same step the Trainer path runs on one device: forward with labels (HF's loss), backward, the optimizer's step
+(`make_optimizer`: the Trainer's for each --optimizer, fused AdamW by default), zero_grad(set_to_none); with LoRA,
+the base wrapped by PEFT; with Liger, the model patched by toolkit.estimate.liger's substitutes (Liger's own kernels
+are Triton, and keep the same tensors). Precision as the DDP engine runs it: torch AMP (fp32 weights under autocast) for bf16/fp16,
 bf16 weights for bf16-pure. The step measured is a steady-state one: a first step allocates the optimizer states.
 
 Measured peak: on CUDA, torch.cuda.max_memory_allocated over the measured step; on CPU, the peak of live tensor
@@ -75,21 +77,58 @@ def _batch(config, micro_batch: int, seq_len: int, device: str, seed: int = 0) -
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def make_optimizer(params, optimizer: str = "adamw", impl: str = "fused"):
+    """The optimizer the HF Trainer builds for `optimizer` (TrainingArguments optim adamw_torch_fused / adamw_torch
+    / adamw_bnb_8bit / sgd / adafactor): AdamW runs its step as `impl` says (fused, foreach or for-loop, as
+    toolkit.estimate.savers models it); SGD keeps a momentum buffer (the 4 bytes per parameter
+    toolkit.estimate.states counts); Adafactor with the Trainer's settings (no relative step, no parameter scale)."""
+    import torch
+
+    params = list(params)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, fused=impl == "fused", foreach=impl == "foreach")
+    if optimizer == "adamw-8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, lr=1e-4)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9)
+    if optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False)
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
 def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
-                 checkpointing: bool = False, device: str = "cpu", steps: int = 3, adapter=None) -> Measured:
+                 checkpointing: bool = False, device: str = "cpu", steps: int = 3, adapter=None,
+                 optimizer: str = "adamw", optimizer_impl: str = "fused", liger: bool = False) -> Measured:
     """Peak memory of a steady-state step and the mean time of `steps` steps, in this process."""
     import contextlib
 
     import torch
-
-    from toolkit.estimate.livebytes import frozen_params_trackable, measure_saved_bytes
 
     model = build_model(config, precision, attention, checkpointing, device, adapter=adapter)
     batch = _batch(config, micro_batch, seq_len, device)
     amp = _dtype(precision)
     autocast = (lambda: torch.autocast(device_type=device.split(":")[0], dtype=amp)) if amp \
         else contextlib.nullcontext
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    patched = contextlib.nullcontext()
+    if liger:
+        from toolkit.estimate.liger import liger_applied
+
+        # As the Trainer does: a PEFT model is unwrapped first, and its base patched.
+        patched = liger_applied(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    optimizer = make_optimizer((p for p in model.parameters() if p.requires_grad), optimizer, optimizer_impl)
+    with patched:
+        return _measure(model, optimizer, batch, amp, autocast, device, steps, micro_batch * seq_len)
+
+
+def _measure(model, optimizer, batch, amp, autocast, device: str, steps: int, tokens: int) -> Measured:
+    """measure_step's measurement of a built model and optimizer."""
+    import torch
+
+    from toolkit.estimate.livebytes import frozen_params_trackable, measure_saved_bytes
 
     def step() -> None:
         with autocast():
@@ -125,11 +164,12 @@ def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
         torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / steps
     return Measured(peak_bytes=int(peak), activations_bytes=saved.live_bytes - saved.autocast_copy_bytes, step_time_s=elapsed,
-                    tokens_per_s=micro_batch * seq_len / elapsed, device=device)
+                    tokens_per_s=tokens / elapsed, device=device)
 
 
 def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
-                 checkpointing: bool = False, device_kind: str = "cpu", adapter=None) -> dict[str, Any]:
+                 checkpointing: bool = False, device_kind: str = "cpu", adapter=None, optimizer: str = "adamw",
+                 optimizer_impl: str = "fused", liger: bool = False) -> dict[str, Any]:
     """The estimator's prediction for the same single-device step (DDP engine, one process)."""
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
@@ -139,7 +179,8 @@ def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
 
     spec = build_spec(getattr(config, "model_type", "model"), config)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
-              checkpointing=checkpointing, device_kind=device_kind, **({"adapter": adapter} if adapter else {}))
+              checkpointing=checkpointing, device_kind=device_kind, optimizer=optimizer, optimizer_impl=optimizer_impl,
+              liger=liger, **({"adapter": adapter} if adapter else {}))
     b = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200"))
     return {"peak_bytes": b.peak_bytes, "activations_bytes": b.activations_bytes, "peak_phase": b.peak_phase,
             "params": spec.params}

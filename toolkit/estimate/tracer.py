@@ -31,11 +31,8 @@ from itertools import accumulate
 from typing import Any
 
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
+from toolkit.inputs.choices import ATTENTIONS, CHECKPOINTING_OP, COMPUTE_DTYPES as DTYPES, DEVICE_KINDS
 from toolkit.inputs.modelspec import reduced_config
-
-DTYPES = ("float32", "bfloat16", "float16")
-ATTENTIONS = ("eager", "sdpa", "flash_attention_2")
-DEVICE_KINDS = ("cpu", "cuda")
 # Registered with transformers for the duration of a flash-attention trace (flash kernels cannot run on CPU).
 _FLASH_STANDIN = "toolkit_fa2_standin"  # no "flash" in the name: transformers would try to import the kernel
 
@@ -348,7 +345,7 @@ def _run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_ba
             # Before wrapping, as the Trainer does on the PeftModel (which forwards to the base): transformers'
             # activation_checkpointing_enable also calls enable_input_require_grads, so the frozen embedding's
             # output requires grad and the checkpointed layers' recompute reaches the adapters.
-            _enable_checkpointing(model, op_policy=checkpointing == "op",
+            _enable_checkpointing(model, op_policy=checkpointing == CHECKPOINTING_OP,
                                   on_save=lambda out: [charge(t) for t in _tensors_in(out)])
         if lora:
             model = _wrap_with_peft(model, adapter, autocast=autocast_dtype is not None, notes=notes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
 from toolkit.inputs.lora import FULL, Adapter, quantized_base_sharded
@@ -15,20 +15,9 @@ if TYPE_CHECKING:
     from toolkit.inputs.modelspec import ModelSpec
     from toolkit.inputs.strategy import Strategy
 
-Precision = Literal["fp32", "bf16", "fp16", "bf16-pure"]
-Optimizer = Literal["adamw", "adamw-8bit", "sgd", "adafactor"]
-Attention = Literal["eager", "sdpa", "flash_attention_2"]
-DeviceKind = Literal["cuda", "cpu"]
-
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-pure")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
-ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
-DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
-OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
-COMPILE_BLOCKS = "blocks"
-"""--compile-blocks: each decoder layer compiled apart, the rest eager (torchtitan's apply_compile)."""
-CHECKPOINTING_OP = "op"
-"""--checkpointing op: torchtitan's per-op selective activation checkpointing (toolkit.estimate.selective)."""
+from toolkit.inputs.choices import (ATTENTIONS, CHECKPOINTING_OP, COMPILE_BLOCKS, DEVICE_KINDS,  # noqa: F401
+                                    OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Attention, DeviceKind, Optimizer,
+                                    OptimizerImpl, Precision)
 
 
 def checkpointing_words(checkpointing: bool | str) -> str:
@@ -72,7 +61,7 @@ class Job:
     has no sdpa), which ModelSpec.effective_attention resolves (the memory trace, the time model and the plan)."""
     device_kind: DeviceKind = "cuda"
     """Whose kernels' saved tensors to model: the GPU kernels (default) or the real CPU dispatch."""
-    optimizer_impl: str = "fused"
+    optimizer_impl: OptimizerImpl = "fused"
     """How torch's optimizer runs its step (toolkit.estimate.savers): fused (the HF Trainer's adamw_torch_fused), foreach
     (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
     activation_offloading: bool = False

@@ -24,15 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.errors import UserError
+from toolkit.inputs.choices import COMPUTE_DTYPES, DTYPE_BYTES, METHODS, QUANT_STORAGE_DTYPES, QUANT_TYPES
 
 # peft imports bitsandbytes, whose CPU backend warns on import that an optional faster 4-bit kernel (the `kernels`
 # package) is missing: noise on every CPU command (its pure-torch path runs instead), and not one clear line.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-METHODS: tuple[str, ...] = ("full", "lora", "qlora")
-QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
-COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
-QUANT_STORAGE_DTYPES: tuple[str, ...] = ("uint8", "bfloat16", "float16", "float32")
 
 BNB_4BIT_BLOCKSIZE = 64
 """bitsandbytes quantize_4bit: blocksize None -> 64 (functional.py; 128 only on ROCm)."""
@@ -190,7 +187,7 @@ def packed_4bit_bytes(numel: int, quant_storage: str = "uint8") -> int:
     """Bytes of one 4-bit weight's packed codes alone (two codes per byte, rounded up to whole `quant_storage`
     elements): the Params4bit's tensor data, the only part of a 4-bit weight FSDP2 and ZeRO-3 shard and all-gather
     (docs/ENGINE_FACTS.md, "QLoRA under FSDP2 / ZeRO-3")."""
-    item = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}[quant_storage]
+    item = DTYPE_BYTES[quant_storage]
     return math.ceil(math.ceil(numel / 2) / item) * item
 
 

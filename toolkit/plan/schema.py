@@ -32,7 +32,7 @@ from pydantic_core import ArgsKwargs
 from toolkit import bounds
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
-from toolkit.inputs.job import Attention, Optimizer, Precision
+from toolkit.inputs.choices import Attention, Method, Optimizer, OptimizerImpl, Precision
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
 from toolkit.plan.files import PLAN_JSON
 
@@ -101,7 +101,7 @@ class Plan:
     optimizer: Optimizer = "adamw"
     checkpointing: bool = False
     attention: Attention = "sdpa"
-    optimizer_impl: Literal["fused", "foreach", "for-loop"] = "fused"
+    optimizer_impl: OptimizerImpl = "fused"
     """How torch's optimizer runs its step (DDP / FSDP2; toolkit.estimate.savers)."""
     activation_offloading: bool = False
     """Decoder layers' saved activations in host RAM (TRL's activation_offloading)."""
@@ -132,7 +132,7 @@ class Plan:
     """prediction_key() of the fields `predicted` was computed from; a mismatch means the prediction is stale."""
     notes: list[str] = Field(default_factory=list, max_length=1000)
     # --- training method (LoRA / QLoRA, toolkit.inputs.lora); the defaults describe full fine-tuning, so older plans load
-    method: Literal["full", "lora", "qlora"] = "full"
+    method: Method = "full"
     adapter: dict[str, Any] = Field(default_factory=dict)
     """toolkit.inputs.lora.Adapter fields: r, alpha, dropout, targets, modules_to_save, quant_type, double_quant,
     compute_dtype, quant_storage (empty for full fine-tuning); checked by toolkit.inputs.lora when the plan loads."""

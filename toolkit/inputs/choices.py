@@ -1,0 +1,70 @@
+"""The closed sets a job is spelled from, each written once, and the numbers derived from them.
+
+The CLI's choices, the Job's checks, the plan schema's enums (plan.schema.json), the tracer and the help all read
+these tuples; a typing `Literal` beside each is built from the tuple, never written again. Strategies are their own
+table (toolkit.inputs.strategy.STRATEGIES), since each name carries a Strategy value.
+
+Nothing here imports beyond the standard library: a training process and `toolkit --help` read it cheaply.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-pure")
+"""fp32; bf16 / fp16 mixed (fp32 master weights, low-precision compute); bf16-pure (everything in bf16)."""
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "sgd", "adafactor")
+ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
+"""transformers' attn_implementation values the estimate models."""
+DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
+"""Whose kernels' saved tensors the trace models."""
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
+"""How torch's optimizer runs its step (toolkit.estimate.savers)."""
+METHODS: tuple[str, ...] = ("full", "lora", "qlora")
+"""Training method: full fine-tuning, LoRA, QLoRA (toolkit.inputs.lora)."""
+QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
+"""bitsandbytes 4-bit code books (BitsAndBytesConfig.bnb_4bit_quant_type)."""
+COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+"""QLoRA compute dtype (bnb_4bit_compute_dtype)."""
+QUANT_STORAGE_DTYPES: tuple[str, ...] = ("uint8", "bfloat16", "float16", "float32")
+"""QLoRA storage dtype of the packed 4-bit codes (bnb_4bit_quant_storage)."""
+
+CHECKPOINTING_OP = "op"
+"""--checkpointing op: torchtitan's per-op selective activation checkpointing (toolkit.estimate.selective)."""
+CHECKPOINTING_MODES: tuple[str, ...] = ("on", "off", CHECKPOINTING_OP)
+"""--checkpointing of estimate, profile and check; plan adds auto (PLAN_CHECKPOINTING_MODES)."""
+PLAN_CHECKPOINTING_MODES: tuple[str, ...] = ("auto", *CHECKPOINTING_MODES)
+"""plan --checkpointing: auto lets the planner decide."""
+COMPILE_BLOCKS = "blocks"
+"""--compile-blocks: each decoder layer compiled apart, the rest eager (torchtitan's apply_compile)."""
+
+Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
+Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]
+Attention = Literal[ATTENTIONS]  # type: ignore[valid-type]
+DeviceKind = Literal[DEVICE_KINDS]  # type: ignore[valid-type]
+OptimizerImpl = Literal[OPTIMIZER_IMPLS]  # type: ignore[valid-type]
+Method = Literal[METHODS]  # type: ignore[valid-type]
+
+
+def choices_words(choices: tuple[str, ...]) -> str:
+    """How help and messages list a closed set: "nf4 | fp4"."""
+    return " | ".join(choices)
+
+
+# --- units and the bytes of a dtype -----------------------------------------------------------------------------
+
+GIB = 1024**3
+"""Bytes in a GiB: every memory figure the tool prints is in GiB."""
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int8": 1}
+"""Bytes per element of a dtype, by torch's name (torch.<name>.itemsize)."""
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of the compute dtype: 4 in fp32, 2 in bf16 / fp16 (mixed or pure)."""
+    return 4 if precision == "fp32" else 2
+
+
+def weight_bytes(precision: str) -> int:
+    """Bytes per element of the weights a step keeps: fp32 (master or plain) except bf16-pure, where they are bf16."""
+    return 2 if precision == "bf16-pure" else 4
