@@ -103,7 +103,6 @@ def test_svg_chart_cuts_over_capacity_lines_where_they_leave_it():
 
 
 def _profile_numbers(capsys, model: Path, *flags: str) -> dict:
-
     assert main(["profile", str(model), "--seq", "32", "--steps", "1", "--json", *flags]) == 0
     out = json.loads(capsys.readouterr().out)
     return {"predicted": out["predicted"], "measured": {k: v for k, v in out["measured"].items()
