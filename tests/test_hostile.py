@@ -142,6 +142,8 @@ def _cases() -> list[tuple[str, list[str]]]:
         "--micro-batch", "1")
     add("plan: ddp under --sequence-parallel", "plan", "{M}", "--strategies", "ddp", "--sequence-parallel", "2",
         "--micro-batch", "1")
+    add("plan --seq max with --global-batch", "plan", "{M}", "--seq", "max", "--global-batch", "8")
+    add("plan --seq max with --choose", "plan", "{M}", "--seq", "max", "--choose", "zero2")
     add("plan: --tiled on with ddp and pipeline", "plan", "{M}", "--tiled", "on", "--strategies", "ddp,pipeline",
         "--micro-batch", "1")
     add("profile --device tpu", "profile", *SHAPE.split(), "--device", "tpu")

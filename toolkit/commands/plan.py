@@ -54,6 +54,7 @@ def cmd_plan(args) -> int:
     from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan, why_first
     from toolkit.inputs.hardware import power_json
 
+    _refuse_what_seq_max_ignores(args)
     spec = model_spec(args)  # a config that is wrong is named first
     if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
         from toolkit.run.preflight import check_model_to_plan
@@ -153,6 +154,18 @@ def cmd_plan(args) -> int:
         print(f"run it:  toolkit launch {args.out}  " + (f"(no CPU rehearsal: {problem})" if problem else
                                                          f"(rehearse on CPU first: toolkit launch {args.out} --rehearse)"))
     return 0 if chosen else 1
+
+
+def _refuse_what_seq_max_ignores(args) -> None:
+    """--seq max searches each strategy at micro-batch 1 and writes the one that fits longest: a batch or a row
+    given beside it would be dropped silently, so it is refused."""
+    if args.seq != "max":
+        return
+    given = [flag for flag, value in (("--global-batch", args.global_batch), ("--micro-batch", args.micro_batch),
+                                      ("--choose", args.strategy_choice)) if value is not None]
+    if given:
+        raise UserError(f"{given[0]} does not apply to --seq max (it finds each strategy's longest sequence at "
+                        f"micro-batch 1 and writes the one that fits longest); drop {given[0]} or give --seq N")
 
 
 def _refuse_an_empty_grid(spec, hw, req, seq_max: bool) -> None:
