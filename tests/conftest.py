@@ -85,3 +85,38 @@ def run_training(tmp_path_factory):
         return TrainRun(proc, output, summary_dir)
 
     return run
+
+
+@pytest.fixture
+def train_in_process(tmp_path_factory, capsys):
+    """toolkit.train's entry (`python -m toolkit.train`'s main) called in this process, for runs that stop at bad
+    input: the same TrainRun as run_training (exit code, stdout, stderr), without starting an interpreter. The
+    environment and accelerate's shared state are put back as they were."""
+    from types import SimpleNamespace
+
+    from accelerate.state import AcceleratorState, PartialState
+
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.train.__main__ import main
+
+    def run(plan, name: str, *train_argv: str, output: Path | None = None) -> TrainRun:
+        base = tmp_path_factory.mktemp(name)
+        plan_dir = emit_plan_files(plan, base / "plan")
+        output = output or base / "out"
+        summary_dir = base / "ranks"
+        fresh_state = not PartialState._shared_state
+        environ = dict(os.environ)
+        os.environ["TOOLKIT_RANK_SUMMARY_DIR"] = str(summary_dir)
+        capsys.readouterr()
+        try:
+            code = main(["--plan", str(plan_dir / "plan.json"), "--output", str(output), *train_argv])
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            if fresh_state:
+                AcceleratorState._reset_state(reset_partial_state=True)
+        captured = capsys.readouterr()
+        return TrainRun(SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err), output,
+                        summary_dir)
+
+    return run

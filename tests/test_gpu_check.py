@@ -9,19 +9,46 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+ENGINES = "ddp llama-1b bf16,zero2 llama-1b bf16 ckpt,zero3 llama-1b bf16,fsdp2 llama-3b bf16 ckpt," \
+          "lora llama-8b bf16-pure,ddp llama-1b bf16 liger"
+TIMING = "pipe ddp llama-1b s2048 mb1 M1,pipe pipeline1 llama-1b s2048 mb1 M1"
+REHEARSAL = """
+import json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import gpu_check
+out, codes = sys.argv[2], {}
+for name, argv in (("memory_edge", ["--memory-edge"]),  # first: its parent starts the child from a clean environment
+                   ("engines", ["--only", sys.argv[3]]), ("timing", ["--timing", "--only", sys.argv[4]])):
+    try:
+        codes[name] = gpu_check.main(["--device", "cpu", "--quick", "--out", out, *argv])
+    except Exception:
+        codes[name] = traceback.format_exc()
+print(json.dumps(codes))
+"""
 
 
-def test_gpu_check_rehearses_every_engine_on_cpu(tmp_path):
-    only = "ddp llama-1b bf16,zero2 llama-1b bf16 ckpt,zero3 llama-1b bf16,fsdp2 llama-3b bf16 ckpt," \
-           "lora llama-8b bf16-pure,ddp llama-1b bf16 liger"
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """One interpreter runs the three CPU rehearsals (--memory-edge, the engine set, the timing set) for the tests
+    below, each with its own exit code: gpu_check builds a world of one over gloo in its own process, so it runs apart
+    from pytest, but once."""
+    out = tmp_path_factory.mktemp("gpu-check")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
-                           "--out", str(tmp_path), "--only", only], capture_output=True, text=True, env=env,
-                          timeout=900)
+    proc = subprocess.run([sys.executable, "-c", REHEARSAL, str(ROOT / "benchmarks"), str(out), ENGINES, TIMING],
+                          capture_output=True, text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["label"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
-    assert set(rows) == set(only.split(","))
+    return json.loads(proc.stdout.strip().splitlines()[-1]), out
+
+
+@pytest.mark.multiprocess
+def test_gpu_check_rehearses_every_engine_on_cpu(rehearsal):
+    codes, out = rehearsal
+    assert codes["engines"] == 0, codes["engines"]
+    rows = {r["label"]: r for r in json.loads((out / "gpu_check.json").read_text())["rows"]}
+    assert set(rows) == set(ENGINES.split(","))
     for label in ("ddp llama-1b bf16", "zero2 llama-1b bf16 ckpt", "zero3 llama-1b bf16", "fsdp2 llama-3b bf16 ckpt"):
         r = rows[label]
         assert "error" not in r, r
@@ -52,15 +79,12 @@ def test_derive_reads_allocator_ratio_and_errors():
     assert d["context_bytes"] == int(0.6 * gib)
 
 
-def test_timing_set_rehearses_the_pipeline_engine_beside_ddp_on_cpu(tmp_path):
-    only = "pipe ddp llama-1b s2048 mb1 M1,pipe pipeline1 llama-1b s2048 mb1 M1"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
-                           "--timing", "--out", str(tmp_path), "--only", only], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["label"]: r for r in json.loads((tmp_path / "gpu_timing.json").read_text())["rows"]}
-    assert set(rows) == set(only.split(","))
+@pytest.mark.multiprocess
+def test_timing_set_rehearses_the_pipeline_engine_beside_ddp_on_cpu(rehearsal):
+    codes, out = rehearsal
+    assert codes["timing"] == 0, codes["timing"]
+    rows = {r["label"]: r for r in json.loads((out / "gpu_timing.json").read_text())["rows"]}
+    assert set(rows) == set(TIMING.split(","))
     for r in rows.values():
         assert "error" not in r, r
         assert r["step_measured_s"] > 0 and r["step_predicted_s"] > 0 and r["accum"] == 1
@@ -88,29 +112,27 @@ def test_derive_timing_reads_efficiency_engine_and_pipeline_overheads():
 
 def test_multi_gpu_runs_list_context_parallelism_and_skip_without_gpus(tmp_path):
     """CP needs CUDA (docs/ENGINE_FACTS.md): it is on the GPU run list, with what to measure; without GPUs every
-    run is recorded as skipped, saying how many GPUs it needs."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--multi-gpu", "--device",
-                           "cpu", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run is recorded as skipped, saying how many GPUs it needs (in this process: with no GPU nothing is started)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import multi_gpu_check
+
+    assert multi_gpu_check("cpu", False, str(tmp_path)) == 0
     rows = {r["label"]: r for r in json.loads((tmp_path / "multi_gpu_check.json").read_text())["rows"]}
     cp = rows["fsdp2 x cp=2 llama-1b fp32"]
     assert "ring attention" in cp["why"] and "losses" in cp["measure"]
     assert all(r["skipped"] == f"needs {r['gpus']} GPUs, this machine has 0" for r in rows.values())
 
 
-def test_memory_edge_rehearses_on_cpu_with_the_estimate_beside_each_case(tmp_path):
+@pytest.mark.multiprocess
+def test_memory_edge_rehearses_on_cpu_with_the_estimate_beside_each_case(rehearsal):
     """--memory-edge on CPU: the parent starts the child process, the child builds each case's model, runs its steps
     and calls the estimator; the capped rows and the expandable-segments child say they need CUDA."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_check import EDGE_CASES, EDGE_HEADROOMS
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--memory-edge", "--device",
-                           "cpu", "--quick", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads((tmp_path / "gpu_memory_edge.json").read_text())
+    codes, out = rehearsal
+    assert codes["memory_edge"] == 0, codes["memory_edge"]
+    result = json.loads((out / "gpu_memory_edge.json").read_text())
     rows = {r["label"]: r for r in result["rows"]}
     assert result["meta"]["headrooms"] == list(EDGE_HEADROOMS)
     for case in EDGE_CASES:
@@ -124,8 +146,8 @@ def test_memory_edge_rehearses_on_cpu_with_the_estimate_beside_each_case(tmp_pat
     assert rows["allocator expandable_segments:True"]["skipped"] == "allocator settings need CUDA"
     from gpu_derive import main as derive_main
 
-    assert derive_main([str(tmp_path / "gpu_memory_edge.json")]) == 0
-    assert "nothing to derive" in (tmp_path / "gpu_memory_edge_derived.md").read_text()
+    assert derive_main([str(out / "gpu_memory_edge.json")]) == 0
+    assert "nothing to derive" in (out / "gpu_memory_edge_derived.md").read_text()
 
 
 def test_derive_memory_edge_keeps_the_smallest_headroom_within_the_time_band():

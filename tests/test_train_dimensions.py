@@ -101,17 +101,9 @@ def test_tensor_parallel_ranks_hold_shards(dimension_runs):
     assert len(set(sums)) == 4, sums
 
 
-def test_context_parallel_is_refused_on_cpu_with_one_line(tiny_llama_dir, corpus_dir, tmp_path):
-    import subprocess
-    import sys
-
-    from toolkit.run.launcher import emit_plan_files
-
+def test_context_parallel_is_refused_on_cpu_with_one_line(train_in_process, tiny_llama_dir, corpus_dir, tmp_path):
     plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=2, micro_batch=1, seq_len=SEQ, context=2)
-    plan_dir = emit_plan_files(plan, tmp_path / "plan")
-    proc = subprocess.run([sys.executable, "-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"),
-                           "--data", str(corpus_dir), "--output", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)
+    proc = train_in_process(plan, "cp-cpu", "--data", str(corpus_dir), output=tmp_path / "out")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "context parallelism needs a GPU" in lines[0], proc.stderr[-2000:]

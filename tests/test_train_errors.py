@@ -22,46 +22,45 @@ def one_process_plan(tiny_llama_dir):
     return plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32)
 
 
-def test_missing_data(run_training, one_process_plan, tmp_path):
-    run = run_training(one_process_plan, "no-data", "--data", str(tmp_path / "nothing.txt"), "--max-steps", "1")
+def test_missing_data(train_in_process, one_process_plan, tmp_path):
+    run = train_in_process(one_process_plan, "no-data", "--data", str(tmp_path / "nothing.txt"), "--max-steps", "1")
     assert "does not exist" in _one_error_line(run)
 
 
-def test_empty_dataset(run_training, one_process_plan, tmp_path):
+def test_empty_dataset(train_in_process, one_process_plan, tmp_path):
     (tmp_path / "tiny.txt").write_text("too short\n")
-    run = run_training(one_process_plan, "empty-data", "--data", str(tmp_path / "tiny.txt"), "--max-steps", "1")
+    run = train_in_process(one_process_plan, "empty-data", "--data", str(tmp_path / "tiny.txt"), "--max-steps", "1")
     assert "not one training block" in _one_error_line(run)
 
 
-def test_sequence_longer_than_model_positions(run_training, tiny_llama_dir, corpus_dir):
+def test_sequence_longer_than_model_positions(train_in_process, tiny_llama_dir, corpus_dir):
     plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=1, seq_len=512)  # model: 256
-    run = run_training(plan, "long-seq", "--data", str(corpus_dir), "--max-steps", "1")
+    run = train_in_process(plan, "long-seq", "--data", str(corpus_dir), "--max-steps", "1")
     assert "longer than model" in _one_error_line(run)
 
 
-def test_plan_and_model_disagree(run_training, one_process_plan, tiny_gpt2_dir, corpus_dir):
-    run = run_training(one_process_plan, "other-model", "--data", str(corpus_dir), "--model", str(tiny_gpt2_dir),
-                       "--max-steps", "1")
+def test_plan_and_model_disagree(train_in_process, one_process_plan, tiny_gpt2_dir, corpus_dir):
+    run = train_in_process(one_process_plan, "other-model", "--data", str(corpus_dir), "--model",
+                           str(tiny_gpt2_dir), "--max-steps", "1")
     line = _one_error_line(run)
     assert "is not the model the plan was made for" in line and "gpt2 vs llama" in line
 
 
-def test_malformed_plan(tmp_path):
-    import subprocess
-    import sys
+def test_malformed_plan(tmp_path, capsys):
+    from toolkit.train.__main__ import main
 
     (tmp_path / "plan.json").write_text(json.dumps({"version": 1, "model": "x"}))
-    proc = subprocess.run([sys.executable, "-m", "toolkit.train", "--plan", str(tmp_path), "--data", "d",
-                           "--output", str(tmp_path / "out")], capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: plan file") and "Field required" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    code = main(["--plan", str(tmp_path), "--data", "d", "--output", str(tmp_path / "out")])
+    stderr = capsys.readouterr().err
+    assert code == 2
+    assert stderr.strip().startswith("error: plan file") and "Field required" in stderr
+    assert "Traceback" not in stderr
 
 
-def test_existing_checkpoints_without_resume(run_training, one_process_plan, corpus_dir, tmp_path):
+def test_existing_checkpoints_without_resume(train_in_process, one_process_plan, corpus_dir, tmp_path):
     (tmp_path / "out" / "checkpoint-5").mkdir(parents=True)
-    run = run_training(one_process_plan, "exists", "--data", str(corpus_dir), "--max-steps", "1",
-                       output=tmp_path / "out")
+    run = train_in_process(one_process_plan, "exists", "--data", str(corpus_dir), "--max-steps", "1",
+                           output=tmp_path / "out")
     assert "pass --resume" in _one_error_line(run)
 
 

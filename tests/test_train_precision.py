@@ -31,9 +31,9 @@ def test_bf16_trains_in_bf16_and_saves_a_loadable_model(strategy, run_training, 
     torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=0.05, rtol=0.02)
 
 
-def test_fp16_plan_is_refused_on_cpu_with_one_line(run_training, tiny_llama_dir, corpus_dir):
+def test_fp16_plan_is_refused_on_cpu_with_one_line(train_in_process, tiny_llama_dir, corpus_dir):
     plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32, precision="fp16")
-    run = run_training(plan, "fp16-cpu", "--data", str(corpus_dir), "--max-steps", "2")
+    run = train_in_process(plan, "fp16-cpu", "--data", str(corpus_dir), "--max-steps", "2")
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("error: fp16 cannot run on a CPU")
 
