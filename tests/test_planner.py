@@ -307,3 +307,22 @@ def test_estimate_says_liger_speed_is_unmodelled(capsys):
     assert out["timing"]["unmodelled"] == ["liger"] and any("Liger kernels: their effect" in n for n in out["notes"])
     main(argv)
     assert "speed not modelled: Liger kernels: their effect on the step time is not modelled" in capsys.readouterr().out
+
+
+def test_moe_lora_ties_put_the_roomy_zero3_above_zero1_at_the_refusal_line(tmp_path, capsys):
+    """Issue 33: Qwen3-30B-A3B LoRA on 8xH100 ranked ZeRO-1 at 'required + band = 79.04 of 79.11 GiB' above a
+    ZeRO-3 row predicted faster at 45.1 GiB."""
+    import shutil
+    from pathlib import Path
+
+    model = tmp_path / "qwen3-moe"
+    model.mkdir()
+    shutil.copy(Path(__file__).parent / "arch_configs" / "qwen3-30b-a3b.json", model / "config.json")
+    assert main(["plan", str(model), "--gpus", "8xH100-80GB", "--seq", "4096", "--global-batch", "64",
+                 "--method", "lora", "--lora-dropout", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    feasible = [r for r in out["candidates"] if r["feasible"]]
+    names = [r["name"] for r in feasible]
+    zero1 = feasible[names.index("zero1")]
+    assert zero1["headroom_bands"] < 1 and out["chosen"]["headroom_bands"] >= 1
+    assert names.index("zero3") < names.index("zero1") and "memory headroom" in out["chosen_because"]
