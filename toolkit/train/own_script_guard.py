@@ -85,9 +85,10 @@ class LaunchGuard:
             original = cls.__post_init__
 
             def __post_init__(args, *more, **kwargs):
+                guard._check_batch(args)  # first: no process group, no engine started for a run that stops
                 guard._adopt_this_box(args)
                 original(args, *more, **kwargs)
-                guard._check(args)
+                guard._check_world(args)
 
             cls.__post_init__ = __post_init__
 
@@ -130,13 +131,15 @@ class LaunchGuard:
             config.use_configured_state = True
         # a JSON file's path is left as it is: the world check below stops the run if it does not say so
 
-    def _check(self, args) -> None:
-        if args.world_size != self.world:
-            raise SystemExit(f"TrainingArguments came up as a world of {args.world_size} under a launch of "
-                             f"{self.world} processes: every rank would train alone into {args.output_dir}; {HELPER}")
+    def _check_batch(self, args) -> None:
         problem = batch_problem(args.per_device_train_batch_size, args.gradient_accumulation_steps)
         if problem:
             raise SystemExit(f"{problem}; {HELPER}")
+
+    def _check_world(self, args) -> None:
+        if args.world_size != self.world:
+            raise SystemExit(f"TrainingArguments came up as a world of {args.world_size} under a launch of "
+                             f"{self.world} processes: every rank would train alone into {args.output_dir}; {HELPER}")
 
 
 def batch_problem(micro: int, accumulation: int) -> str | None:
