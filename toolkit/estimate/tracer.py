@@ -513,10 +513,11 @@ def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
     """The real PEFT LoRA wrapper (peft.get_peft_model) around the fake base model."""
     import warnings
 
-    from peft import get_peft_model
-
     import torch
+    from peft import get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from toolkit.estimate.fakecopy import fake_deepcopy
 
     # Adapters are born in their training dtype on the fake CPU device: fp32 under autocast (PEFT's default
     # autocast_adapter_dtype=True upcasts bf16/fp16 adapters), else the base's dtype (DeepSpeed casts the whole
@@ -531,8 +532,9 @@ def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
         torch.set_default_dtype(adapter_dtype)
         BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
         torch.nn.Module.to = lambda self, *a, **k: self
-        try:
-            wrapped = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=False)
+        try:  # fake_deepcopy: PEFT's modules_to_save copies (toolkit/estimate/fakecopy.py)
+            with fake_deepcopy():
+                wrapped = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=False)
         finally:
             torch.set_default_dtype(previous_dtype)
             BaseTunerLayer._move_adapter_to_device_of_base_layer = previous_move
