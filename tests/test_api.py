@@ -49,7 +49,8 @@ def test_another_row_by_the_name_the_table_prints():
     p = tk.plan("gpt2", "8xH100-80GB", seq_len=1024, global_batch=64, strategies=("zero3", "ddp"))
     other = next(c for c in p.feasible if c is not p.chosen)
     assert p.to_plan(other.name).strategy == other.strategy.name
-    with pytest.raises(UserError, match="no candidate named 'zero9'"):
+    assert p.to_plan(other.name.upper()).strategy == other.strategy.name  # as --choose takes it
+    with pytest.raises(UserError, match="candidate 'zero9' names no row"):
         p.to_plan("zero9")
 
 

@@ -17,9 +17,13 @@ def config():
     return tiny_config("llama", layers=2, hidden=64)
 
 
-def test_tiled_model_has_the_plain_models_loss_and_gradients(config):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tiled_model_has_the_plain_models_loss_and_gradients(family):
     """Same loss and every parameter's gradient within fp32 rounding, with labels masked in part (chunks of
-    different labelled counts) and a micro-batch of 2 (strided chunks)."""
+    different labelled counts) and a micro-batch of 2 (strided chunks: GPT-2's Conv1D views its input, and failed on
+    them before the chunk went in contiguous)."""
+    no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if family == "gpt2" else {}
+    config = tiny_config(family, layers=2, hidden=64, **no_dropout)
     from transformers import AutoModelForCausalLM
 
     from toolkit.estimate.tiling import LAST_CHUNKS, apply_tiling
@@ -228,6 +232,20 @@ def test_tiling_refuses_an_mlp_tiled_mlp_cannot_run_in_one_line(name, mlp_class,
     # (transformers' own warning about the shrunk config's rope scaling is not ours)
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[transformers]")]
     assert len(err) == 1 and f"TiledMLP cannot run its MLP {mlp_class}" in err[0] and "drop --tiled" in err[0], err
+
+
+def test_an_mlp_with_dropout_is_not_tiled():
+    """TiledMLP recomputes each chunk in backward without restoring the random state: GPT-2's MLP with its default
+    dropout (0.1) would get gradients of other masks, so the planner refuses to tile it; at dropout 0 it tiles."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.inputs.tileable import model_tiling_blocker
+
+    with_dropout = AutoModelForCausalLM.from_config(tiny_config("gpt2", layers=2, hidden=64))
+    why = model_tiling_blocker(with_dropout, 64)
+    assert why and "dropout (p=0.1)" in why and "set the model's dropout to 0" in why
+    without = AutoModelForCausalLM.from_config(tiny_config("gpt2", layers=2, hidden=64, resid_pdrop=0.0))
+    assert model_tiling_blocker(without, 64) is None
 
 
 def test_dense_mlps_stay_tileable():

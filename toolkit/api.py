@@ -198,11 +198,11 @@ class PlanResult:
         return self.feasible[0] if self.feasible else None
 
     def candidate(self, name: str) -> "Candidate":
-        """A candidate by the name the table prints (`zero3`, `zero2 (dp=4 x sp=2)`)."""
-        for c in self.candidates:
-            if c.name == name:
-                return c
-        raise UserError(f"no candidate named {name!r}; the plan has {', '.join(c.name for c in self.candidates)}")
+        """A row by the name the table prints (`zero3`, `zero2 (dp=4 x sp=2)`), as `plan --choose` takes it; a row
+        that cannot run is refused with its reason."""
+        from toolkit.estimate.search import candidate_named
+
+        return candidate_named(name, self.candidates, flag="candidate")
 
     def rows(self) -> list[dict[str, Any]]:
         """The table as plain dicts (what `toolkit plan --json` prints as candidates)."""
@@ -215,7 +215,7 @@ class PlanResult:
         chosen = self.candidate(candidate) if isinstance(candidate, str) else candidate or self.chosen
         if chosen is None:
             raise UserError("no strategy fits: there is no plan to write (see .refused for each reason)")
-        if not chosen.feasible:
+        if not chosen.feasible:  # a Candidate object passed in
             raise UserError(f"{chosen.name} cannot run: {chosen.reason}")
         return to_plan(chosen, self.model, self.hardware, self.model_name)
 

@@ -51,7 +51,7 @@ def cmd_plan(args) -> int:
     from pathlib import Path
 
     from toolkit.estimate.errorband import time_band
-    from toolkit.estimate.search import Request, plan_candidates, speed_ties, to_plan, why_first
+    from toolkit.estimate.search import Request, candidate_named, plan_candidates, speed_ties, to_plan, why_first
     from toolkit.inputs.hardware import power_json
 
     _refuse_what_seq_max_ignores(args)
@@ -114,7 +114,7 @@ def cmd_plan(args) -> int:
     feasible = [c for c in candidates if c.feasible]
     chosen = feasible[0] if feasible else None
     if args.strategy_choice:
-        chosen = _chosen_row(args.strategy_choice, candidates)
+        chosen = candidate_named(args.strategy_choice, candidates)
     rows = [c.row() for c in candidates]
     why = why_first(candidates) if chosen is not None and chosen is (feasible[0] if feasible else None) else None
     if args.json:
@@ -209,34 +209,6 @@ def _dropped_by_degree(hw, req) -> str:
         if hw.nodes < 2 and all(n == "fsdp2-hybrid" for n in names if n in req.strategies):
             return f"{flag} {value} under fsdp2-hybrid needs 2+ nodes; use fsdp2 on one node"
     return "no strategy of --strategies is planned with these flags; drop a degree or widen --strategies"
-
-
-def _chosen_row(choice: str, candidates):
-    """--choose: a row as the table prints its name (`zero3 (dp=2 x sp=4) +tiled`, spaces and case aside), or a
-    strategy name (`zero3`: its plain row, else its first row). Refused, with the names it takes, when it names no
-    row or a row that cannot run."""
-    from toolkit.inputs.strategy import parse_strategy
-
-    def norm(name: str) -> str:
-        return " ".join(name.lower().replace("(", " (").replace(")", ") ").split())
-
-    match = [c for c in candidates if norm(c.name) == norm(choice)]
-    if not match:
-        try:
-            wanted = parse_strategy(choice).name
-        except UserError:
-            wanted = None
-        match = [c for c in candidates if c.strategy.name == wanted and c.dimension is None] or \
-            [c for c in candidates if c.strategy.name == wanted]
-    runnable = [c.name for c in candidates if c.feasible]
-    names = "; ".join(runnable[:12]) + (f"; ... {len(runnable) - 12} more" if len(runnable) > 12 else "")
-    if not match:
-        raise UserError(f"--choose {choice!r} names no row of this plan; give a row's name as the table prints it "
-                        f"or a strategy: {names or 'no row fits'}")
-    if not match[0].feasible:
-        raise UserError(f"--choose {match[0].name} cannot run: {match[0].reason}"
-                        + (f"; rows that can: {names}" if runnable else ""))
-    return match[0]
 
 
 def _plan_seq_max(args, spec, hw, req) -> int:

@@ -598,3 +598,31 @@ def _jsonable(obj: Any) -> Any:
     import json
 
     return json.loads(json.dumps(obj, default=str))
+
+
+def candidate_named(choice: str, candidates: list[Candidate], flag: str = "--choose") -> Candidate:
+    """A row as the plan table prints its name (`zero3 (dp=2 x sp=4) +tiled`, spaces and case aside), or a
+    strategy name (`zero3`: its plain row, else its first row): `plan --choose` and toolkit.api's PlanResult.
+    Refused, with the names it takes, when it names no row or a row that cannot run."""
+    from toolkit.inputs.strategy import parse_strategy
+
+    def norm(name: str) -> str:
+        return " ".join(name.lower().replace("(", " (").replace(")", ") ").split())
+
+    match = [c for c in candidates if norm(c.name) == norm(choice)]
+    if not match:
+        try:
+            wanted = parse_strategy(choice).name
+        except UserError:
+            wanted = None
+        match = [c for c in candidates if c.strategy.name == wanted and c.dimension is None] or \
+            [c for c in candidates if c.strategy.name == wanted]
+    runnable = [c.name for c in candidates if c.feasible]
+    names = "; ".join(runnable[:12]) + (f"; ... {len(runnable) - 12} more" if len(runnable) > 12 else "")
+    if not match:
+        raise UserError(f"{flag} {choice!r} names no row of this plan; give a row's name as the table prints it "
+                        f"or a strategy: {names or 'no row fits'}")
+    if not match[0].feasible:
+        raise UserError(f"{flag} {match[0].name} cannot run: {match[0].reason}"
+                        + (f"; rows that can: {names}" if runnable else ""))
+    return match[0]

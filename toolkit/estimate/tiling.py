@@ -62,9 +62,13 @@ def _tiled_mlp_forward(self, x):
 def _plain(chunk):
     """A chunk the engine cut under no_grad (its forward pass) is a view that requires grad yet has no grad_fn;
     nothing differentiates it there, and module hooks that register gradient hooks on their inputs (torch's
-    ModTracker, under MemTracker) fail on such a view, so it goes in detached. The backward's recompute keeps it."""
+    ModTracker, under MemTracker) fail on such a view, so it goes in detached. The backward's recompute keeps it.
+    The forward's chunks are slices of [batch, seq, hidden] along seq, strided when batch > 1: an MLP that views its
+    input (GPT-2's Conv1D: `x.view(-1, hidden)`) fails on them, so a strided chunk goes in as a contiguous copy
+    (one chunk, freed with it; the backward's flattened chunks are contiguous already and pass as they are)."""
     import torch
 
+    chunk = chunk.contiguous()
     return chunk if torch.is_grad_enabled() else chunk.detach()
 
 

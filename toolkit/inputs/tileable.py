@@ -63,7 +63,18 @@ def mlp_tiling_blocker(mlp: Any, hidden: int) -> str | None:
     if _routes_to_experts(mlp):
         return ("it routes tokens to experts, and TiledMLP runs the router on each chunk under no_grad first "
                 "(router logits recorded for a load-balancing loss would carry no gradient)")
+    if dropout := _dropout(mlp):
+        return (f"it applies dropout (p={dropout:g}), and TiledMLP recomputes each chunk in backward without "
+                "restoring the random state (deepspeed ulysses_sp.TiledMLP), so the gradient would follow other "
+                "masks than the forward did; set the model's dropout to 0 to tile it")
     return None
+
+
+def _dropout(mlp: Any) -> float:
+    """The largest dropout probability of a Dropout module inside `mlp` (0: none)."""
+    import torch
+
+    return max((m.p for m in mlp.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)), default=0.0)
 
 
 def tileable_mlps(model: Any, hidden: int) -> tuple[list[Any], dict[str, str]]:
