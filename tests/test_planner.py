@@ -292,6 +292,8 @@ def test_the_planner_tries_liger_where_nothing_else_fits_and_the_plan_carries_it
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "ddp +liger" in text and "speed not modelled: Liger kernels" in text
+    assert main(argv + ["--savers", "off"]) == 1  # a user without liger-kernel: nothing fits, said per strategy
+    assert "+liger" not in capsys.readouterr().out
 
 
 def test_the_planner_leaves_savers_off_rows_that_fit(llama7b):

@@ -89,6 +89,10 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
                                          "unless an untiled choice of the row fits within the step-time band (--seq "
                                          "max: a note where tiling could reach further); on (also the bare flag): "
                                          "every row; off: none")
+        g.add_argument("--savers", choices=("auto", "off"), default="auto",
+                       help="auto (default): on a grid where a row fits no other way, try Liger kernels, activation "
+                            "offloading, then both (rows tagged +liger / +act-offload; their speed effect is not "
+                            "modelled); off: only what --liger / --activation-offloading turn on")
     else:
         g.add_argument("--tiled", action="store_true", help=tiled_help)
     g.add_argument("--compile", action="store_const", const=True, default=False,
