@@ -78,7 +78,7 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
     apply_compile: torch.compile per TransformerBlock, fullgraph): the layers as traced compiled, embedding and head
     as the eager trace has them, and only the layers' traffic fused. `chunked_loss` (with `blocks` only): that eager
     head + loss is torchtune's chunked cross-entropy (toolkit.estimate.chunkedce)."""
-    from toolkit.estimate import tracer
+    from toolkit.estimate import layerkinds, tracer
     from toolkit.inputs.modelspec import reduced_config
 
     if attention == "flash_attention_2":
@@ -90,8 +90,8 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
     eager = tracer.trace_activations(config, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                                      autocast=autocast, attention=attention, device_kind=device_kind,
                                      checkpointing=checkpointing, chunked_loss=chunked_loss)
-    full_kinds = tracer._layer_kinds_of_full_model(config)
-    traced_count = tracer._traced_layer_count(full_kinds)
+    full_kinds = layerkinds.layer_kinds_of_full_model(config)
+    traced_count = layerkinds.traced_layer_count(full_kinds)
     reduced = reduced_config(config, len(full_kinds), traced_count)
     notes: list[str] = []
     saved = compiled_saved_bytes(reduced, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
@@ -109,7 +109,7 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
         notes.append("checkpointed layers keep what the eager checkpoint keeps (inputs; with the per-op policy also "
                      "its kept matmul and attention outputs); embedding and head traced compiled")
     else:
-        layers = tuple(region(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}", eager.layers[i])
+        layers = tuple(region(f"layer{layerkinds.traced_index_for(i, full_kinds, traced_count)}", eager.layers[i])
                        for i in range(len(full_kinds)))
     def layer_traffic(name: str):
         # A checkpointed layer runs its forward's elementwise work again in backward (the per-op policy recomputes
@@ -121,7 +121,7 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
     ends = (0, 0, 0, 0)
     per_region = [ends if blocks else saved.traffic.get("embedding", ends),
                   ends if blocks else saved.traffic.get("head", ends),
-                  *(layer_traffic(f"layer{tracer._traced_index_for(i, full_kinds, traced_count)}")
+                  *(layer_traffic(f"layer{layerkinds.traced_index_for(i, full_kinds, traced_count)}")
                     for i in range(len(full_kinds)))]
     traffic = tuple(sum(t[k] for t in per_region) for k in range(4))
     notes.append(f"torch.compile: saved tensors from AOTAutograd's joint graph split by {PARTITIONER} "
@@ -148,16 +148,16 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from toolkit.estimate import tracer
+    from toolkit.estimate import layerkinds, standins
 
     notes = notes if notes is not None else []
     compute_dtype = getattr(torch, dtype)
     param_dtype = torch.float32 if autocast else compute_dtype
-    n = tracer._num_layers(config)
+    n = layerkinds.num_layers(config)
     captured: dict = {}
     cuda_autocast = device_kind == "cuda" and autocast and compute_dtype != torch.float32
     with contextlib.ExitStack() as stack:
-        attn_impl = stack.enter_context(tracer._trace_environment(attention, "cpu", notes))
+        attn_impl = stack.enter_context(standins.trace_environment(attention, "cpu", notes))
         stack.enter_context(_compiling())
         if device_kind == "cuda" and attention == "sdpa":
             stack.enter_context(_cuda_sdpa_ops(notes))
@@ -167,7 +167,7 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
         named = [*model.named_parameters(), *model.named_buffers()]
         n_params = len(list(model.parameters()))
         names, tensors = [k for k, _ in named], [v for _, v in named]
-        layers = tracer._decoder_layers(model, n)
+        layers = layerkinds.decoder_layers(model, n)
         regions = contextlib.ExitStack()
 
         def enter(name):
@@ -218,7 +218,7 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
         input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         amp = (torch.autocast(device_type="cpu", dtype=compute_dtype) if autocast and compute_dtype != torch.float32
                else contextlib.nullcontext())
-        with fx_traceback.preserve_node_meta(), amp, (tracer._cuda_autocast_float32_ops() if cuda_autocast
+        with fx_traceback.preserve_node_meta(), amp, (standins.cuda_autocast_float32_ops() if cuda_autocast
                                                       else contextlib.nullcontext()):
             logits = compiled(step)(*tensors, input_ids)
             if loss_apart:

@@ -162,9 +162,9 @@ def _wrap(model, strategy: "Strategy", grid: "ParallelGrid", compute_dtype, prec
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype, output_dtype=compute_dtype) \
         if compute_dtype is not None else MixedPrecisionPolicy()
     reshard = strategy.fsdp_mode != "grad_op"
-    from toolkit.estimate.tracer import _decoder_layers, _num_layers
+    from toolkit.estimate.layerkinds import decoder_layers, num_layers
 
-    for layer in _decoder_layers(model, _num_layers(model.config)):
+    for layer in decoder_layers(model, num_layers(model.config)):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     shape = f"{grid.dp_replicate} replicas x {grid.dp_shard} shards" if grid.dp_replicate > 1 else f"{grid.world}"
@@ -196,11 +196,12 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
 
-    from toolkit.estimate.tracer import _enable_checkpointing, _trace_environment
+    from toolkit.estimate.fakestep import enable_checkpointing
+    from toolkit.estimate.standins import trace_environment
 
     param_dtype, compute_dtype = _dtypes(job.precision)
     notes: list[str] = []
-    with _fake_world(grid.world), _trace_environment(attention, job.device_kind, notes) as attn_impl, \
+    with _fake_world(grid.world), trace_environment(attention, job.device_kind, notes) as attn_impl, \
             _quiet_view_warnings():
         # from_pretrained builds the model untied (transformers.initialization.no_tie_weights) when it shards it,
         # and ties the weights after loading them (modeling_utils `_finalize_model_loading`): the same order here.
@@ -216,7 +217,7 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
             model.to_empty(device="cpu")
             model.train()
             if job.checkpointing:
-                _enable_checkpointing(model)
+                enable_checkpointing(model)
             # The optimizer steps the rank's local shards (what a DTensor step computes for Shard placements, same
             # states and temporaries): the tracker charges a DTensor step's temporaries at ~27x their local bytes
             # (measured: AdamW on one Shard(0) DTensor of 8 fake ranks). The plain for-loop AdamW, as torch's fused

@@ -1,0 +1,99 @@
+"""Layer kinds and depth reduction for the activation tracer (toolkit.estimate.tracer).
+
+Kinds are told apart by comparing the decoder layers' structure and settings (class, parameter shapes, per-layer
+attributes such as a sliding window) in a meta-device build of the full model; the traced copy keeps the fewest
+leading layers that show every kind twice, and each layer of the full depth takes the trace of a traced layer of its
+kind."""
+
+from __future__ import annotations
+
+import copy
+
+
+def _text(config):
+    """The decoder's own config: the text config of a vision-language config (AutoModelForCausalLM builds the text
+    model from it, e.g. Qwen3.5), the config itself otherwise."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def num_layers(config) -> int:
+    n = getattr(_text(config), "num_hidden_layers", None)
+    if not isinstance(n, int):
+        raise ValueError(f"{type(config).__name__} has no num_hidden_layers; is it a decoder-only causal LM?")
+    return n
+
+
+def decoder_layers(model, count: int):
+    """The ModuleList of decoder layers: the shallowest ModuleList with one entry per layer."""
+    import torch
+
+    lists = [(name.count("."), name, m) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no list of {count} decoder layers found")
+    return min(lists, key=lambda x: x[:2])[2]
+
+
+def per_layer_settings(config, n: int) -> list[tuple]:
+    """Per-layer entries of the config (lists with one value per layer, such as layer_types), layer by layer:
+    the model's forward may read them by index (which mask a layer gets) without the layer storing them."""
+    lists = sorted((k, v) for k, v in vars(_text(config)).items() if isinstance(v, (list, tuple)) and len(v) == n)
+    return [tuple((k, repr(v[i])) for k, v in lists) for i in range(n)]
+
+
+def layer_kind(layer, settings: tuple = ()) -> tuple:
+    """What makes two decoder layers trace alike: module classes, parameter shapes, per-layer settings."""
+    parts = [settings]
+    for name, module in layer.named_modules():
+        settings = tuple(sorted((k, v) for k, v in vars(module).items()
+                                if not k.startswith("_") and k != "training" and "idx" not in k
+                                and isinstance(v, (bool, int, float, str, type(None)))))
+        params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters(recurse=False))
+        parts.append((name, type(module).__name__, settings, params))
+    return tuple(parts)
+
+
+_KINDS_CACHE: dict[str, tuple] = {}
+
+
+def layer_kinds_of_full_model(config) -> tuple:
+    key = config.to_json_string(use_diff=False)
+    if key not in _KINDS_CACHE:
+        _KINDS_CACHE[key] = _build_layer_kinds(config)
+    return _KINDS_CACHE[key]
+
+
+def _build_layer_kinds(config) -> tuple:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    n = num_layers(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    kinds = tuple(layer_kind(layer, settings)
+                  for layer, settings in zip(decoder_layers(model, n), per_layer_settings(config, n)))
+    # Kinds as small integers in order of first appearance: cheap to compare and to show.
+    ids: dict[tuple, int] = {}
+    return tuple(ids.setdefault(k, len(ids)) for k in kinds)
+
+
+def traced_layer_count(kinds: tuple) -> int:
+    """The shortest prefix in which every kind appears twice (or as often as it appears at all)."""
+    want = {k: min(2, kinds.count(k)) for k in set(kinds)}
+    seen: dict[int, int] = {}
+    for i, k in enumerate(kinds):
+        seen[k] = seen.get(k, 0) + 1
+        if all(seen.get(kk, 0) >= c for kk, c in want.items()):
+            return i + 1
+    return len(kinds)
+
+
+def traced_index_for(i: int, kinds: tuple, traced_count: int) -> int:
+    if i < traced_count:
+        return i
+    return max(j for j in range(traced_count) if kinds[j] == kinds[i])
+
+
+def kind_ids(kinds: tuple) -> tuple:
+    ids: dict[tuple, int] = {}
+    return tuple(ids.setdefault(k, len(ids)) for k in kinds)

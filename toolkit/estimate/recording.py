@@ -1,0 +1,125 @@
+"""The tracer's recording instruments: a TorchDispatchMode that logs every storage an op creates and, through a
+weakref on the storage, when it dies (replaying the log gives live bytes at any moment), the per-region tallies of
+saved tensors, and the peaks read off the live-bytes curve between region marks."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
+
+from toolkit.estimate.activations import RegionTrace
+
+class StorageLog:
+    """Every storage created by an op, as (serial, +bytes) on birth and (serial, -bytes) on death."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int]] = []
+        self.marks: dict[str, int] = {}
+        self.alive: dict[int, tuple[int, Any]] = {}  # id(storage) -> (serial, weakref)
+        self._next_serial = 0
+
+    def mark(self, label: str) -> None:
+        self.marks.setdefault(label, len(self.events))
+
+    def serial_of(self, storage) -> int | None:
+        entry = self.alive.get(id(storage))
+        return entry[0] if entry is not None else None
+
+    def note(self, storage) -> None:
+        key = id(storage)
+        if key in self.alive:
+            return
+        serial, nbytes = self._next_serial, storage.nbytes()
+        self._next_serial += 1
+
+        def died(_ref, log=self, key=key, serial=serial, nbytes=nbytes):
+            log.events.append((serial, -nbytes))
+            log.alive.pop(key, None)
+
+        self.alive[key] = (serial, weakref.ref(storage, died))
+        self.events.append((serial, nbytes))
+
+    def live_curve(self, excluded: set[int]) -> list[int]:
+        """curve[k] = live bytes after the first k events."""
+        return [0, *accumulate(0 if s in excluded else d for s, d in self.events)]
+
+
+def make_recorder(log: StorageLog, param_ids: set[int], autocast_copies: dict[int, tuple[str, int]],
+                   region_now):
+    """Logs storages; notes casts of parameters (autocast weight copies) in autocast_copies: serial -> (region
+    that made it, bytes)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    to_copy = torch.ops.aten._to_copy.default
+
+    class Recorder(TorchDispatchMode):
+        grouped_mm = False  # MoE experts ran as grouped matmuls
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "grouped_mm" in func.__name__:
+                self.grouped_mm = True
+            out = func(*args, **(kwargs or {}))
+            inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    if id(st) not in inputs:  # not a view or in-place result of something already known
+                        log.note(st)
+            if (func is to_copy and isinstance(args[0], torch.Tensor)
+                    and id(args[0].untyped_storage()) in param_ids):
+                st = out.untyped_storage()
+                serial = log.serial_of(st)
+                if serial is not None:
+                    autocast_copies[serial] = (region_now(), st.nbytes())
+            return out
+
+    return Recorder()
+
+
+@dataclass
+class Region:
+    saved_bytes: int = 0
+    forward_grad_bytes: int = 0
+    autocast_copy_bytes: int = 0
+    autocast_cache_bytes: int = 0
+
+
+@dataclass
+class Run:
+    embedding: RegionTrace
+    layers: list[RegionTrace]
+    head: RegionTrace
+    output_bytes: int
+    loss_bytes: int
+    layer_kinds: tuple = field(default_factory=tuple)
+
+
+def tensors_in(obj):
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def peak_above(curve: list[int], marks: dict[str, int], start: str, end: str, held: int) -> int:
+    """Peak live bytes between two marks, above `held`."""
+    if start not in marks or end not in marks or marks[end] < marks[start]:
+        return 0
+    return max(0, max(curve[marks[start]:marks[end] + 1]) - held)
+
+
+def backward_peak(curve: list[int], grad_curve: list[int], marks: dict[str, int], start: str, end: str,
+                   held: int) -> tuple[int, int, int]:
+    """(peak live bytes above `held`, parameter-gradient bytes created by then, all created in the window) for a
+    backward window; the peak is that of activations plus the gradients the window has created, since both are
+    live together on the device."""
+    if start not in marks or end not in marks or marks[end] < marks[start]:
+        return 0, 0, 0
+    a, b = marks[start], marks[end]
+    base = grad_curve[a]
+    k = max(range(a, b + 1), key=lambda i: curve[i] + grad_curve[i] - base)
+    return max(0, curve[k] - held), max(0, grad_curve[k] - base), max(0, grad_curve[b] - base)
