@@ -413,6 +413,41 @@ def context_parallel_problem(spec: "ModelSpec", context: int) -> str | None:
     (Gemma-2: attention soft-capping, which SDPA lacks) cannot run it; and accelerate drops every layer's mask for
     `is_causal`, so it refuses models with sliding-window or chunked layers up front (its own check, applied here to
     the model's config: accelerate/big_modeling.py `_attach_context_parallel_hooks`)."""
+    reasons = _context_parallel_reasons(spec)
+    if not reasons:
+        return None
+    return (f"--context-parallel {context} cannot run {spec.name}: {'; and '.join(reasons)}; use --sequence-parallel "
+            "(Ulysses) or no context parallelism")
+
+
+def _context_parallel_reasons(spec: "ModelSpec") -> list[str]:
+    """context_parallel_problem's reasons, kept per model (its source_key) in memory and in the on-disk cache with
+    accelerate's version beside it: the probe imports torch, accelerate and transformers' config class, which a
+    repeated plan otherwise never needs."""
+    from importlib import metadata
+
+    from toolkit import cache
+
+    if not spec.source_key:
+        return _probe_context_parallel(spec)
+    try:
+        key = [spec.source_key, metadata.version("accelerate")]
+    except metadata.PackageNotFoundError:
+        key = [spec.source_key, None]
+    if spec.source_key not in _CP_REASONS:
+        hit = cache.get("cp-reasons", key, code=_probe_context_parallel)
+        if not (isinstance(hit, list) and all(isinstance(r, str) for r in hit)):
+            hit = _probe_context_parallel(spec)
+            cache.put("cp-reasons", key, hit, code=_probe_context_parallel)
+        _CP_REASONS[spec.source_key] = hit
+    return list(_CP_REASONS[spec.source_key])
+
+
+_CP_REASONS: dict[str, list[str]] = {}
+
+
+def _probe_context_parallel(spec: "ModelSpec") -> list[str]:
+    """The reasons, asked of torch, accelerate and the model's transformers config."""
     import torch
 
     reasons = []
@@ -436,15 +471,30 @@ def context_parallel_problem(spec: "ModelSpec", context: int) -> str | None:
             kinds = str(exc).split("of type [", 1)[-1].split("]", 1)[0].replace("'", "")
             reasons.append(f"its {kinds} layers need their own mask, which accelerate's context parallelism drops "
                            "(accelerate refuses such models)")
-    if not reasons:
-        return None
-    return (f"--context-parallel {context} cannot run {spec.name}: {'; and '.join(reasons)}; use --sequence-parallel "
-            "(Ulysses) or no context parallelism")
+    return reasons
 
 
 def attention_window(spec: "ModelSpec") -> int | None:
     """The shortest window of the model's sliding-window or chunked attention layers (None: all full causal), from
-    the config fields transformers builds its masks from (`layer_types`, or before it `sliding_window`)."""
+    the config fields transformers builds its masks from (`layer_types`, or before it `sliding_window`). Kept per
+    model (its source_key) in memory and in the on-disk cache: reading it builds transformers' config class."""
+    from toolkit import cache
+
+    if not spec.source_key:
+        return _attention_window(spec)
+    if spec.source_key not in _WINDOWS:
+        hit = cache.get("attention-window", spec.source_key, code=_attention_window)
+        if not (isinstance(hit, list) and len(hit) == 1 and (hit[0] is None or isinstance(hit[0], int))):
+            hit = [_attention_window(spec)]
+            cache.put("attention-window", spec.source_key, hit, code=_attention_window)
+        _WINDOWS[spec.source_key] = hit[0]
+    return _WINDOWS[spec.source_key]
+
+
+_WINDOWS: dict[str, int | None] = {}
+
+
+def _attention_window(spec: "ModelSpec") -> int | None:
     config = spec.hf_config()
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(config, "layer_types", None)

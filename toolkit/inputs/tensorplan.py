@@ -86,8 +86,7 @@ def tp_plan_problem(spec: "ModelSpec", tensor: int) -> str | None:
         return (f"{spec.name} ({spec.model_type}) has no tp_plan in transformers (config.base_model_tp_plan), so "
                 "accelerate cannot tensor-parallelise it; use fsdp2 / zero without --tensor-parallel, or "
                 "--sequence-parallel")
-    config = spec.hf_config()
-    missing = [k for k in HEAD_KEYS[:1] + FFN_KEYS if getattr(_text(config), k, None) is None]
+    missing = _split_inputs(spec)[3]
     if missing:
         return (f"{spec.model_type}'s config has no {', '.join(missing)}, from which toolkit derives the per-rank "
                 "shapes of its tp_plan; tensor parallelism is not planned for it")
@@ -103,7 +102,7 @@ def tp_plan_problem(spec: "ModelSpec", tensor: int) -> str | None:
 
 def tensor_split(spec: "ModelSpec", tensor: int) -> TensorSplit:
     """One rank's parameters under the model's tp_plan at degree `tensor` (cached per model and degree)."""
-    plan, named, fsdp_plan = _split_inputs(spec)
+    plan, named, fsdp_plan, _ = _split_inputs(spec)
     layer_sharded = layer_whole = out_sharded = out_whole = rank_layer = rank_out = kept_out = 0
     layers_kept = False
     covered: dict[tuple[str, str], int] = {}
@@ -191,7 +190,8 @@ def _embedding_split(split: TensorSplit) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 _CACHE: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[int, ...], bool], ...],
-                        tuple[tuple[str, str], ...]]] = {}
+                        tuple[tuple[str, str], ...], tuple[str, ...]]] = {}
+"""Keyed by the spec's source_key (or, without one, its config's JSON)."""
 
 
 def _text(config: Any) -> Any:
@@ -199,36 +199,55 @@ def _text(config: Any) -> Any:
 
 
 def _split_inputs(spec: "ModelSpec"):
-    """(the resolved tp_plan, [(parameter name, shape, inside decoder layer 0)], the fsdp_plan) from a one-layer
-    meta build."""
-    config = spec.hf_config()
-    key = config.to_json_string(use_diff=False)
+    """(the resolved tp_plan, [(parameter name, shape, inside decoder layer 0)], the fsdp_plan, the shape keys the
+    config lacks) from a one-layer meta build; kept in memory and, for a spec with a source_key, in the on-disk cache
+    (toolkit.cache), so a repeated plan imports neither torch nor transformers for it."""
+    from toolkit import cache
+
+    key = spec.source_key or spec.hf_config().to_json_string(use_diff=False)
     if key not in _CACHE:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from toolkit.inputs.modelspec import reduced_config
-
-        one = reduced_config(config, spec.num_layers, 1)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(one)
-        plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
-        base_prefix = getattr(model, "base_model_prefix", "model")
-        resolved = {}
-        for pattern, style in plan.items():
-            full = pattern if pattern.startswith(base_prefix + ".") or pattern == "lm_head" or \
-                pattern.split(".")[0] in dict(model.named_children()) else f"{base_prefix}.{pattern}"
-            resolved[full] = style
-        named = []
-        seen: set[int] = set()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            named.append((name, tuple(p.shape), ".layers.0." in f".{name}" or name.startswith("layers.0.")))
-        fsdp_plan = dict(getattr(model, "fsdp_plan", None) or getattr(model, "_fsdp_plan", None) or {})
-        _CACHE[key] = (tuple(resolved.items()), tuple(named), tuple(fsdp_plan.items()))
+        hit = cache.get("tp-split", spec.source_key, code=_split_inputs, decode=_from_json) if spec.source_key \
+            else None
+        if hit is None:
+            hit = _meta_split(spec.hf_config(), spec.num_layers)
+            if spec.source_key:
+                cache.put("tp-split", spec.source_key, hit, code=_split_inputs)
+        _CACHE[key] = hit
     return _CACHE[key]
+
+
+def _from_json(value: list) -> tuple:
+    plan, named, fsdp_plan, missing = value
+    return (tuple((p, s) for p, s in plan), tuple((n, tuple(shape), bool(inside)) for n, shape, inside in named),
+            tuple((p, s) for p, s in fsdp_plan), tuple(missing))
+
+
+def _meta_split(config: Any, num_layers: int) -> tuple:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.inputs.modelspec import reduced_config
+
+    one = reduced_config(config, num_layers, 1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(one)
+    plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+    base_prefix = getattr(model, "base_model_prefix", "model")
+    resolved = {}
+    for pattern, style in plan.items():
+        full = pattern if pattern.startswith(base_prefix + ".") or pattern == "lm_head" or \
+            pattern.split(".")[0] in dict(model.named_children()) else f"{base_prefix}.{pattern}"
+        resolved[full] = style
+    named = []
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        named.append((name, tuple(p.shape), ".layers.0." in f".{name}" or name.startswith("layers.0.")))
+    fsdp_plan = dict(getattr(model, "fsdp_plan", None) or getattr(model, "_fsdp_plan", None) or {})
+    missing = tuple(k for k in HEAD_KEYS[:1] + FFN_KEYS if getattr(_text(config), k, None) is None)
+    return tuple(resolved.items()), tuple(named), tuple(fsdp_plan.items()), missing
 
 
 def _style_for(param_name: str, plan) -> tuple[str | None, str | None]:
