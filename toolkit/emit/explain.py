@@ -10,7 +10,7 @@ from toolkit.emit.user_settings import plan_md_section
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
 
-GIB = 1024 ** 3
+from toolkit.inputs.choices import GIB
 BAR_WIDTH = 40
 
 SUMMARY_KEYS = ("peak_bytes", "required_bytes", "capacity_bytes", "cpu_bytes_per_node", "nvme_bytes_per_node")

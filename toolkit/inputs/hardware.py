@@ -17,7 +17,7 @@ from toolkit.bounds import check_number
 from toolkit.errors import UserError
 from toolkit.paths import GPU_CATALOG_FILE
 
-GIB = 1024**3
+from toolkit.inputs.choices import GIB
 GB = 1000**3
 
 DEFAULT_INTER_NODE_GBPS = 50.0

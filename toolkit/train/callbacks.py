@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 from toolkit.train import checkpoints
 from toolkit.train.cpu import peak_memory_bytes
 
-GIB = 1024 ** 3
+from toolkit.inputs.choices import GIB
 
 
 class ThroughputLog:
