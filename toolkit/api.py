@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import UserError
+from toolkit.inputs.choices import GIB
 
 if TYPE_CHECKING:
     from toolkit.estimate.memory import Breakdown
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from toolkit.inputs.modelspec import ModelSpec
     from toolkit.plan.schema import Plan
 
-GIB = 1024**3
 
 __all__ = ["Estimate", "PlanResult", "emit", "estimate", "load_plan", "model", "hardware", "plan"]
 
