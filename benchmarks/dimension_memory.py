@@ -48,7 +48,7 @@ CASES = {  # name: (strategy, world, tensor, sequence, ALST tiling, sequence len
     "zero3-sp2-tiled": ("zero3", 2, 1, 2, True, SEQ),
     "zero3-tiled": ("zero3", 2, 1, 1, True, 4 * SEQ),
 }
-"""The tiled cases run toolkit.estimate.tiling's patch (DeepSpeed TiledMLP + SequenceTiledCompute for the logits +
+"""The tiled cases run toolkit.patches.tiling's patch (DeepSpeed TiledMLP + SequenceTiledCompute for the logits +
 loss), as toolkit.train does: zero3-sp2-tiled beside zero3-sp2 (64 tokens per rank: one chunk each, so the
 difference is what tiling keeps and recomputes), zero3-tiled at 512 tokens per rank (TiledMLP in 2 chunks of 256 =
 the hidden size)."""
@@ -109,7 +109,7 @@ def worker(name: str, model_dir: str, out_path: str) -> None:
                     model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=grid.sequence,
                     micro_batch_size=MICRO, seq_length=seq, seq_length_is_variable=True)
             if plan.tiled:
-                from toolkit.estimate.tiling import apply_tiling
+                from toolkit.patches.tiling import apply_tiling
 
                 apply_tiling(model, agree_across_ranks=True)
             ds = dm._ds_config(plan.strategy, PRECISION, model_dir, plan=plan)
@@ -366,7 +366,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              ("*Formula*: the per-rank states formula (benchmarks/dimension_memory.py `states_formula`). *Model*: "
               "`estimate_memory(spec, strategy, job, hw, grid=plan.grid)`, the planner's per-rank model. Ratios are "
               "predicted / measured; off by more than 5% in bold. Tiled rows: ALST tiling (DeepSpeed TiledMLP + "
-              "SequenceTiledCompute for the logits + loss, toolkit.estimate.tiling); a row at another length says "
+              "SequenceTiledCompute for the logits + loss, toolkit.patches.tiling); a row at another length says "
               "so in its grid column."), "",
              "| case | grid | persistent MiB measured | formula | ratio | model | ratio | peak MiB measured | model | "
              "ratio | losses (rank 0) |", "|" + "---|" * 11]
@@ -480,7 +480,7 @@ backward against {tp_peak_mb:.2f} MB measured) until the model followed what the
 The CPU-side TP view (transformers' `source[slices].to(device)`) plays no part in the peak once the shards are
 copied out (above); on CPU MemTracker sees no gloo-internal buffer, as on a GPU it would not see NCCL's.
 
-**ALST tiling** (`--tiled`: toolkit.estimate.tiling's patch, DeepSpeed's TiledMLP in every layer and the logits +
+**ALST tiling** (`--tiled`: toolkit.patches.tiling's patch, DeepSpeed's TiledMLP in every layer and the logits +
 loss through its SequenceTiledCompute, as toolkit.train applies it). zero3-sp2-tiled is zero3-sp2 with tiling: at {sp_tokens}
 tokens per rank every chunk count is 1, so the difference is what tiling keeps and recomputes: the MLPs' FFN-wide
 tensors and the whole logits with their log-softmax are no longer held from forward to backward, and the measured

@@ -67,7 +67,7 @@ def unmodelled(job: dict) -> list[str]:
 CHECKPOINTING = {"full": True, "selective-op": "op", "none": False}
 """The data file's checkpointing names -> Job.checkpointing."""
 CHUNKED_LOSS = {"full-fp32": 0, "chunked-8": 8}
-"""The data file's loss names -> Job.chunked_loss (torchtune's CEWithChunkedOutputLoss, toolkit.estimate.chunkedce)."""
+"""The data file's loss names -> Job.chunked_loss (torchtune's CEWithChunkedOutputLoss, toolkit.patches.chunkedce)."""
 
 
 def estimate_row(row: dict) -> dict:
@@ -265,7 +265,7 @@ def _liger_sentence(results: list[dict]) -> str:
     """What the table says about Liger kernels (a row's job.liger, estimated with toolkit estimate --liger)."""
     ids = [r["id"] for r in results if r.get("liger")]
     if not ids:
-        return ("No row of the file ran Liger kernels, so --liger (toolkit.estimate.liger) is not scored against a published "
+        return ("No row of the file ran Liger kernels, so --liger (toolkit.patches.liger) is not scored against a published "
                 "GPU figure yet; a row with job.liger true is estimated with it.")
     return f"Rows run with Liger kernels, estimated with --liger: {', '.join(ids)}."
 
@@ -302,7 +302,7 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               "kernel's outputs and every other matmul output), so a row that differs from our model only by these "
               "is scored; the others still use something the estimator lacks (float8 or torchtune's optimizer in "
               "backward). torchtune's chunked cross-entropy (CEWithChunkedOutputLoss, 8 chunks) is estimated with "
-              "--chunked-loss 8 (toolkit.estimate.chunkedce: bf16 logits in 8 sequence chunks, each upcast to fp32 "
+              "--chunked-loss 8 (toolkit.patches.chunkedce: bf16 logits in 8 sequence chunks, each upcast to fp32 "
               "and its loss taken apart, traced as it runs eagerly; a real CPU step matches it within 1%). torchtune "
               "compiles that loss (compute_cross_entropy), whose partition would keep each bf16 chunk (alive anyway) "
               "and a per-row logsumexp instead of eager's fp32 log-softmax ("

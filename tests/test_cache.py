@@ -51,7 +51,7 @@ def test_a_changed_config_is_not_served_from_the_cache(tmp_path):
 
 def test_a_change_in_any_module_the_computation_imports_misses_the_cache(tmp_path):
     """The cache follows the imports of the code that computes a value (toolkit.cache.code_closure), so a change
-    in a module the tracer only imports inside a function (estimate/liger.py) is a miss, with no list to update."""
+    in a module the tracer only imports inside a function (patches/liger.py) is a miss, with no list to update."""
     package = tmp_path / "copy"
     shutil.copytree(Path(__file__).resolve().parent.parent / "toolkit", package / "toolkit",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -59,7 +59,7 @@ def test_a_change_in_any_module_the_computation_imports_misses_the_cache(tmp_pat
     first, _ = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
     hit, torch_imported = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
     assert not torch_imported
-    liger = package / "toolkit" / "estimate" / "liger.py"
+    liger = package / "toolkit" / "patches" / "liger.py"
     liger.write_text(liger.read_text() + "\n# a change\n")
     again, torch_imported = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
     assert torch_imported  # traced again

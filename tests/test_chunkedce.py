@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from toolkit.cli import main
-from toolkit.estimate.chunkedce import chunked_ce_applied
+from toolkit.patches.chunkedce import chunked_ce_applied
 from toolkit.estimate.livebytes import measure_saved_bytes
 from toolkit.estimate.profile import _batch, _dtype, build_model
 from toolkit.estimate.tracer import trace_activations

@@ -2,7 +2,7 @@
 one node, every import counted (module level and inside functions; `if TYPE_CHECKING:` blocks are not imports).
 Imports run one way, down the layer order of docs (DESIGN.md, "Layout: the house in wings"):
 
-    cli -> commands -> run, check -> train, engines -> estimate, emit -> plan -> inputs -> ground
+    cli -> commands -> run, check -> train, engines -> estimate, emit -> plan, patches -> inputs -> ground
 
 `python tests/test_layout.py` prints the numbers (nodes, layers, edges, upward imports, circles, line counts)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "toolkit"
 GROUND = ("__init__", "errors", "bounds", "paths", "fileio", "processes", "cache")
-LAYERS: dict[str, int] = {**{name: 0 for name in GROUND}, "inputs": 1, "plan": 2, "estimate": 3, "emit": 3,
+LAYERS: dict[str, int] = {**{name: 0 for name in GROUND}, "inputs": 1, "plan": 2, "patches": 2, "estimate": 3, "emit": 3,
                           "engines": 4, "train": 4, "check": 5, "run": 5, "api": 5, "commands": 6, "cli": 7, "__main__": 7}
 """Each node's place in the layer order; an import from a lower number to a higher one runs back up."""
 

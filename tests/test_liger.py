@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from toolkit.errors import UserError
-from toolkit.estimate.liger import (fused_linear_cross_entropy, functions, liger_applied, liger_problem,
+from toolkit.patches.liger import (fused_linear_cross_entropy, functions, liger_applied, liger_problem,
                                     liger_rotary_pos_emb)
 from toolkit.estimate.livebytes import measure_saved_bytes
 from toolkit.run.tiny import tiny_config

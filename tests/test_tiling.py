@@ -1,5 +1,5 @@
 """ALST tiling (--tiled): DeepSpeed's TiledMLP and the logits + loss through its sequence_tiled_compute, applied by
-toolkit.estimate.tiling, traced by the tracer and run by toolkit.train (the multi-process run with Ulysses SP is in
+toolkit.patches.tiling, traced by the tracer and run by toolkit.train (the multi-process run with Ulysses SP is in
 tests/test_train_dimensions.py; per-rank memory against live tensors in benchmarks/results/dimension_memory.md)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_tiled_model_has_the_plain_models_loss_and_gradients(family):
     config = tiny_config(family, layers=2, hidden=64, **no_dropout)
     from transformers import AutoModelForCausalLM
 
-    from toolkit.estimate.tiling import LAST_CHUNKS, apply_tiling
+    from toolkit.patches.tiling import LAST_CHUNKS, apply_tiling
 
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
@@ -261,7 +261,7 @@ def test_apply_tiling_leaves_the_mlps_tiled_mlp_cannot_run():
     MoE block keeps its own forward, and loss and gradients match the plain model's."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.estimate.tiling import apply_tiling
+    from toolkit.patches.tiling import apply_tiling
     from toolkit.inputs.tileable import tileable_mlps
 
     config = _small_real_config("qwen1.5-moe-a2.7b", experts=4, mlp_only_layers=[1])

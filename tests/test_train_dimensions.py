@@ -6,7 +6,7 @@ load-time DTensor sharding, 2 x 2 = 4 processes) and ZeRO x Ulysses SP (2 proces
 tests/test_train_engines.py, so the losses must equal the single-process ones up to reduction order. Context
 parallelism needs CUDA: it is refused here with one line. One run per dimension checks losses, rank agreement and
 the saved model. The SP run also runs ALST's tiling (DeepSpeed TiledMLP in both layers, in 2 chunks of its 128
-tokens per rank, and the tiled logits + loss; toolkit.estimate.tiling), so its losses check the tiling too.
+tokens per rank, and the tiled logits + loss; toolkit.patches.tiling), so its losses check the tiling too.
 """
 
 from __future__ import annotations

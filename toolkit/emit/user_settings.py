@@ -248,7 +248,7 @@ def tiling_paragraph(plan: Plan) -> str:
             "(ceil(tokens per rank / hidden) chunks) and the logits + loss through sequence_tiled_compute "
             f"(ceil(fp32 logits / 1 GiB) chunks){chunks}. Neither transformers nor TRL applies them (no "
             "TrainingArguments key): toolkit.train does; in your own script call "
-            "toolkit.estimate.tiling.apply_tiling(model, agree_across_ranks=True) after from_pretrained and before "
+            "toolkit.patches.tiling.apply_tiling(model, agree_across_ranks=True) after from_pretrained and before "
             "the Trainer, or patch the model as ArcticTraining does (deepspeed/runtime/sequence_parallel/"
             "ulysses_sp.py). Not TiledFusedLogitsLoss: it makes the LM head's weight gradient for an unscaled loss.")
 

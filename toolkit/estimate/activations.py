@@ -45,7 +45,7 @@ class RegionTrace:
     forward_grad_bytes: int = 0
     """Parameter gradients this region's forward already creates (in the traced parameter dtype), alive until its
     backward, where they become the parameters' gradients: Liger's fused linear cross-entropy computes the LM
-    head's weight gradient in forward (toolkit.estimate.liger). Not part of saved_bytes."""
+    head's weight gradient in forward (toolkit.patches.liger). Not part of saved_bytes."""
 
 
 @dataclass(frozen=True)

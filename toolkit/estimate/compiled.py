@@ -77,7 +77,7 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
     `blocks`: each decoder layer is compiled on its own and embedding, head and loss run eagerly (torchtitan's
     apply_compile: torch.compile per TransformerBlock, fullgraph): the layers as traced compiled, embedding and head
     as the eager trace has them, and only the layers' traffic fused. `chunked_loss` (with `blocks` only): that eager
-    head + loss is torchtune's chunked cross-entropy (toolkit.estimate.chunkedce)."""
+    head + loss is torchtune's chunked cross-entropy (toolkit.patches.chunkedce)."""
     from toolkit.estimate import layerkinds, tracer
     from toolkit.inputs.modelspec import reduced_config
 

@@ -30,15 +30,15 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
         model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
         model.train()
         if liger:
-            from toolkit.estimate.liger import liger_applied
+            from toolkit.patches.liger import liger_applied
 
             patches.enter_context(liger_applied(model, gpu_footprint=device_kind == "cuda"))
         if tiled:
-            from toolkit.estimate.tiling import tiling_traced
+            from toolkit.patches.tiling import tiling_traced
 
             patches.enter_context(tiling_traced(model))
         if chunked_loss:
-            from toolkit.estimate.chunkedce import chunked_ce_applied
+            from toolkit.patches.chunkedce import chunked_ce_applied
 
             patches.enter_context(chunked_ce_applied(model, chunked_loss))
         layers = decoder_layers(model, n)

@@ -593,7 +593,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     if forward_grads:
         terms.insert(5, Term("LM-head gradient made in forward", int(forward_grads),
                              "Liger's fused linear cross-entropy computes it chunk by chunk in forward and holds it "
-                             "until backward (toolkit.estimate.liger); part of the peak from the head's forward on"))
+                             "until backward (toolkit.patches.liger); part of the peak from the head's forward on"))
     ranks_per_node = hw.gpus_per_node
     notes = list(trace.notes) + list(spec.notes)
     if stage is not None:

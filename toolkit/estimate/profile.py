@@ -2,7 +2,7 @@
 
 The same step the Trainer path runs on one device: forward with labels (HF's loss), backward, the optimizer's step
 (`make_optimizer`: the Trainer's for each --optimizer, fused AdamW by default), zero_grad(set_to_none); with LoRA,
-the base wrapped by PEFT; with Liger, the model patched by toolkit.estimate.liger's substitutes (Liger's own kernels
+the base wrapped by PEFT; with Liger, the model patched by toolkit.patches.liger's substitutes (Liger's own kernels
 are Triton, and keep the same tensors). Precision as the DDP engine runs it: torch AMP (fp32 weights under autocast) for bf16/fp16,
 bf16 weights for bf16-pure. The step measured is a steady-state one: a first step allocates the optimizer states.
 
@@ -115,7 +115,7 @@ def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
         else contextlib.nullcontext
     patched = contextlib.nullcontext()
     if liger:
-        from toolkit.estimate.liger import liger_applied
+        from toolkit.patches.liger import liger_applied
 
         # As the Trainer does: a PEFT model is unwrapped first, and its base patched.
         patched = liger_applied(model.get_base_model() if hasattr(model, "get_base_model") else model)

@@ -3,7 +3,7 @@ stages, each costed by the memory and step-time models, ranked by predicted toke
 by less than the step-time error band (toolkit.estimate.errorband.time_band) are ties, ordered by robustness
 (toolkit.estimate.ranking: resumable, memory headroom in units of the peak error band, then simplicity), then speed.
 
-ALST tiling (toolkit.estimate.tiling) by default ("auto", Request.tiled None) is tried where the engines run it
+ALST tiling (toolkit.patches.tiling) by default ("auto", Request.tiled None) is tried where the engines run it
 (toolkit.inputs.job.tiled_problem, model_feature_problem) on a grid that fits no configuration untiled, for the
 configurations refused for GPU memory: tiling only adds recompute to a job that fits, and trying it on grids that
 already fit (where it could only drop checkpointing or raise the micro-batch) cost 1.6x the planning time of a 70B
@@ -145,7 +145,7 @@ class Request:
     activation_offloading: bool = False
     liger: bool = False
     tiled: bool | None = None
-    """ALST's tiled MLP and tiled logits + loss (toolkit.estimate.tiling): None (plan's default, --tiled auto): the
+    """ALST's tiled MLP and tiled logits + loss (toolkit.patches.tiling): None (plan's default, --tiled auto): the
     planner tiles where the engines run it and only tiling fits, or is faster beyond the time band (module
     docstring); True (--tiled): in every row, engines that refuse it say so; False (--tiled off): never."""
     compile: bool = False

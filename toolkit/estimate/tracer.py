@@ -47,9 +47,9 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     the trace holds the adapter intermediates, the dropout masks and dropped copies of each target's input, and the
     frozen base's input gradients; parameter gradients exist only for the adapters. The batch has no attention mask (unpadded
     fixed-length sequences, as the Trainer feeds packed or truncated text) and the labels are the inputs.
-    `liger`: the model patched as the Trainer's use_liger_kernel does, with toolkit.estimate.liger's substitutes.
-    `tiled`: ALST's tiled MLP and tiled logits + loss, the engine's own autograd functions (toolkit.estimate.tiling).
-    `chunked_loss`: torchtune's chunked cross-entropy over this many sequence chunks (toolkit.estimate.chunkedce).
+    `liger`: the model patched as the Trainer's use_liger_kernel does, with toolkit.patches.liger's substitutes.
+    `tiled`: ALST's tiled MLP and tiled logits + loss, the engine's own autograd functions (toolkit.patches.tiling).
+    `chunked_loss`: torchtune's chunked cross-entropy over this many sequence chunks (toolkit.patches.chunkedce).
     """
     import torch
 
@@ -93,7 +93,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     notes.append(f"traced {traced_count} of {len(full_kinds)} layers, expanded by layer kind")
     notes.append("batch without attention mask (unpadded sequences); labels = inputs")
     if liger:
-        from toolkit.estimate.liger import LIGER_SOURCE
+        from toolkit.patches.liger import LIGER_SOURCE
 
         notes.append(f"Liger kernels (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) traced with substitutes "
                      f"that save what {LIGER_SOURCE} saves" + (" and allocate what its kernels allocate"
@@ -102,13 +102,13 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                                                                "(Liger's Triton kernels do not run on CPU)"))
 
     if tiled:
-        from toolkit.estimate.tiling import TILING_SOURCE
+        from toolkit.patches.tiling import TILING_SOURCE
         from toolkit.inputs.job import loss_shards, mlp_shards
 
         notes.append(f"tiled: MLP in {mlp_shards(seq_len, config.hidden_size)} chunks of the sequence, logits + loss "
                      f"in {loss_shards(micro_batch, seq_len, config.vocab_size)}, traced through {TILING_SOURCE}")
     if chunked_loss:
-        from toolkit.estimate.chunkedce import CHUNKED_CE_SOURCE
+        from toolkit.patches.chunkedce import CHUNKED_CE_SOURCE
 
         notes.append(f"chunked cross-entropy: logits and loss in {chunked_loss} sequence chunks, each upcast to fp32 "
                      f"apart, traced through {CHUNKED_CE_SOURCE}")

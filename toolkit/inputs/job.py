@@ -67,17 +67,17 @@ class Job:
     activation_offloading: bool = False
     """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
     liger: bool = False
-    """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.estimate.liger)."""
+    """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.patches.liger)."""
     tiled: bool = False
     """ALST's tiled compute over the sequence: every decoder layer's MLP through DeepSpeed's TiledMLP and the logits
-    + loss through its TiledFusedLogitsLoss, chunk by chunk (toolkit.estimate.tiling)."""
+    + loss through its TiledFusedLogitsLoss, chunk by chunk (toolkit.patches.tiling)."""
     compile: bool | str = False
     """torch.compile (inductor) of the model, as TrainingArguments(torch_compile=True) has accelerate do it: the
     activations are what the compiler's partition saves (toolkit.estimate.compiled). COMPILE_BLOCKS ("blocks"):
     each decoder layer compiled on its own, embedding, head and loss eager (torchtitan's apply_compile; estimate
     only)."""
     chunked_loss: int = 0
-    """torchtune's chunked cross-entropy (CEWithChunkedOutputLoss; toolkit.estimate.chunkedce): logits and loss in this
+    """torchtune's chunked cross-entropy (CEWithChunkedOutputLoss; toolkit.patches.chunkedce): logits and loss in this
     many sequence chunks, each upcast to fp32 apart; 0: the model's own loss. Estimate only."""
     adapter: Adapter = FULL
     """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""

@@ -9,7 +9,7 @@ several partial routings; and (2) its forward, probed on the meta device with bo
 of the input's shape (a sparse-MoE block that unpacks [batch, seq, hidden], or returns (hidden, router scores), is not).
 
 Torch only: the planner probes the meta-device model it counts (ModelSpec.tiling_blocker), and
-toolkit.estimate.tiling patches only the MLPs this module passes.
+toolkit.patches.tiling patches only the MLPs this module passes.
 """
 
 from __future__ import annotations

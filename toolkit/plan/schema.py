@@ -111,7 +111,7 @@ class Plan:
     """torch.compile (inductor) of the model: TrainingArguments torch_compile, accelerate's dynamo_config. Left out
     of plan.json when off, so plans written before it read unchanged."""
     tiled: bool = False
-    """ALST's tiled MLP and tiled logits + loss (DeepSpeed TiledMLP / TiledFusedLogitsLoss; toolkit.estimate.tiling),
+    """ALST's tiled MLP and tiled logits + loss (DeepSpeed TiledMLP / TiledFusedLogitsLoss; toolkit.patches.tiling),
     which toolkit.train applies and a user's own script must. Left out of plan.json when off."""
 
     # --- hardware ---------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.estimate.lmhead import IGNORE_INDEX
+from toolkit.patches.lmhead import IGNORE_INDEX
 
 # datasets' builder for each file kind we accept.
 LOADERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",

@@ -68,9 +68,9 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
         _check_born_partitioned(model)
     if plan.tiled:
-        # The patch the planner traced (toolkit.estimate.tiling): DeepSpeed's TiledMLP in every layer, the tiled
+        # The patch the planner traced (toolkit.patches.tiling): DeepSpeed's TiledMLP in every layer, the tiled
         # logits + loss in the forward; ranks agree on the chunk counts (ZeRO-3 gathers per module call).
-        from toolkit.estimate.tiling import apply_tiling
+        from toolkit.patches.tiling import apply_tiling
 
         apply_tiling(model, agree_across_ranks=True)
     if adapter is not None:
@@ -310,7 +310,7 @@ def read_rank_summaries(folder) -> list[dict]:
 
 def _tiled_chunks() -> dict:
     """The chunk counts ALST tiling last ran (empty when it did not run)."""
-    from toolkit.estimate.tiling import LAST_CHUNKS
+    from toolkit.patches.tiling import LAST_CHUNKS
 
     return dict(LAST_CHUNKS)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 
-from toolkit.estimate.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
+from toolkit.patches.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 
 CHUNKED_CE_SOURCE = ("torchtune CEWithChunkedOutputLoss + TransformerDecoder.chunked_output (pytorch/torchtune "
                      "torchtune/modules/loss/ce_chunked_output_loss.py, torchtune/modules/transformer.py @1814feb)")

@@ -1,4 +1,4 @@
-"""What the three LM head + loss patches share (toolkit.estimate.liger, .tiling, .chunkedce): each binds its own
+"""What the three LM head + loss patches share (toolkit.patches.liger, .tiling, .chunkedce): each binds its own
 forward on a Hugging Face causal LM instance, runs the decoder to its final hidden states, and shifts the labels as
 transformers' ForCausalLMLoss does. The tracer and toolkit.train apply these patches; this module is their one copy
 of that common part, so a change to how the head's inputs are found reaches all three at once.

@@ -53,7 +53,7 @@ import contextlib
 import importlib
 
 from toolkit.errors import UserError
-from toolkit.estimate.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
+from toolkit.patches.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 from toolkit.inputs.job import liger_problem
 
 LIGER_SOURCE = "liger-kernel 0.8.2 (linkedin/Liger-Kernel @ead96b6)"

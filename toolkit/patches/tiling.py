@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from toolkit.estimate.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
+from toolkit.patches.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 from toolkit.inputs.job import loss_shards, mlp_shards
 
 TILING_SOURCE = 'DeepSpeed 0.19.8 deepspeed/runtime/sequence_parallel/ulysses_sp.py (TiledMLP, SequenceTiledCompute)'
