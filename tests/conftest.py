@@ -5,6 +5,7 @@ No hub access anywhere: models and tokenizers are made locally by toolkit.run.ti
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -15,6 +16,48 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# The fast loop (`pytest -m "not multiprocess"`) must start no process: a test that starts one (subprocess,
+# `accelerate launch`, `toolkit launch`, a fork) without `@pytest.mark.multiprocess` fails, so the mark stays true.
+class UnmarkedProcessStart(BaseException):
+    """A BaseException, so that no `except Exception` in the code under test can swallow it."""
+
+
+_running: list = []  # the test item whose setup / call / teardown is running now
+_LIBRARY_LOOKUP = os.path.join("ctypes", "util.py")  # find_library runs ldconfig: a lookup, not work a test starts
+
+
+def _looking_up_a_library() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None and not frame.f_code.co_filename.endswith(_LIBRARY_LOOKUP):
+        frame = frame.f_back
+    return frame is not None
+
+
+def _guard(what: str, original):
+    def guarded(*args, **kwargs):
+        if _running and _running[-1].get_closest_marker("multiprocess") is None and not _looking_up_a_library():
+            raise UnmarkedProcessStart(
+                f"{_running[-1].nodeid} starts a process ({what}) but is not marked @pytest.mark.multiprocess")
+        return original(*args, **kwargs)
+    return guarded
+
+
+subprocess.Popen._execute_child = _guard("subprocess", subprocess.Popen._execute_child)
+multiprocessing.process.BaseProcess.start = _guard("multiprocessing", multiprocessing.process.BaseProcess.start)
+for _name in ("system", "fork", "posix_spawn", "posix_spawnp"):
+    if hasattr(os, _name):
+        setattr(os, _name, _guard(f"os.{_name}", getattr(os, _name)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # each test starts fresh interpreters: the cache is read across processes
+
 SCRIPT = """
 import json, sys
 from toolkit.cli import main

@@ -34,6 +34,7 @@ def _close(predicted: int, measured: int) -> bool:
     return abs(predicted - measured) <= TOLERANCE * measured
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])  # gpt2 with its dropout (inductor's RNG)
 def test_traced_compiled_activations_and_peak_match_a_real_compiled_step(arch):
     config = tiny_config(arch, layers=2, hidden=64, vocab_size=512)
@@ -54,6 +55,7 @@ def test_traced_compiled_activations_and_peak_match_a_real_compiled_step(arch):
     assert not _close(eager.activations_bytes, real.saved_bytes)
 
 
+@pytest.mark.multiprocess
 def test_checkpointing_inside_the_compiled_model_keeps_what_the_trace_says():
     # The Trainer's non-reentrant checkpoint inside the compiled graph: each layer keeps its inputs (and the
     # recompute's RNG state), the head what the compiled partition saves.
@@ -140,6 +142,7 @@ def test_a_compiled_plan_is_rehearsed_compiled(tiny_llama_dir):
     assert small.compile and any("torch.compile" in s for s in said)
 
 
+@pytest.mark.multiprocess
 def test_per_op_selective_checkpointing_inside_the_compiled_model_keeps_what_the_trace_says():
     # torchtitan's per-op policy under compile: the partitioner keeps the policy's MUST_SAVE outputs, and each layer
     # keeps what the eager policy keeps (+4.7% here: the compiled step keeps a float mask where eager keeps less).

@@ -50,6 +50,7 @@ def _start_pausing_writer(folder: Path, mode: str) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.multiprocess
 def test_two_writers_one_refused_and_a_terminated_writer_leaves_the_old_folder(tiny_llama_dir, tmp_path):
     folder = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
     before = _snapshot(tmp_path)
@@ -68,6 +69,7 @@ def test_two_writers_one_refused_and_a_terminated_writer_leaves_the_old_folder(t
     assert _snapshot(tmp_path) == before  # old folder whole; staging folder and lock removed
 
 
+@pytest.mark.multiprocess
 def test_a_killed_writers_lock_is_taken_over_and_its_staging_swept(tiny_llama_dir, tmp_path):
     folder = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
     before = _snapshot(tmp_path)

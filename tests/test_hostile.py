@@ -824,6 +824,7 @@ def _tmpfs(path: Path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.mark.multiprocess
 def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path):
     with _tmpfs(tmp_path / "full", "8k") as disk:
         (disk / "filler").write_bytes(b"x" * 4096)
@@ -842,6 +843,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path):
         assert sorted(p.name for p in disk.iterdir()) == before  # no run folder, no lock, no staging folder
 
 
+@pytest.mark.multiprocess
 def test_plan_force_over_a_folder_it_cannot_replace(world, tmp_path):
     with _tmpfs(tmp_path / "mounted", "1m") as folder:  # a mount point cannot be renamed (EBUSY)
         assert run_cli(["emit", str(world["P"]), "--out", str(folder)])[0] == 2  # the rename fails ...
@@ -1008,6 +1010,7 @@ def test_choose_takes_the_row_names_the_table_prints(world, tmp_path, monkeypatc
     assert code == 2 and err.count("\n") == 1 and all(name in err for name in rows), err
 
 
+@pytest.mark.multiprocess
 def test_models_into_a_closed_pipe_exits_quietly(tmp_path):
     """`toolkit models | head -1`: no BrokenPipeError traceback, the exit code of a program SIGPIPE ended."""
     import subprocess
@@ -1035,6 +1038,7 @@ def test_a_closed_stdout_in_process_is_exit_141_without_a_traceback(monkeypatch,
     assert main(["gpus"]) == 141
 
 
+@pytest.mark.multiprocess
 def test_deepspeeds_accelerator_choice_is_quiet_in_every_command():
     """DeepSpeed logs "Setting accelerator to CPU ..." at its first import, wherever that happens (a tiled trace, a
     config check); the CLI's filter on its logger drops it (a fresh interpreter: deepspeed not yet imported)."""
@@ -1049,6 +1053,7 @@ def test_deepspeeds_accelerator_choice_is_quiet_in_every_command():
     assert result.returncode == 0 and "other warnings still show" in both and "Setting accelerator" not in both, both
 
 
+@pytest.mark.multiprocess
 def test_force_over_a_folder_holding_an_immutable_file(world, tmp_path):
     """chattr +i on a file in the --out folder: refused before anything is written (the swap would move it into a
     staging folder that cannot be removed), no staging folder, no lock, and the parent's mode unchanged."""

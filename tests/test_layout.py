@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "toolkit"
 GROUND = ("__init__", "errors", "bounds", "paths", "fileio", "processes", "cache")
 LAYERS: dict[str, int] = {**{name: 0 for name in GROUND}, "inputs": 1, "plan": 2, "patches": 2, "estimate": 3, "emit": 3,
@@ -183,6 +185,7 @@ def test_the_runtime_folder_never_feeds_the_grid_and_the_launcher_never_loads_th
         assert not {m for m in imported_by(module) if m.startswith("toolkit.estimate")}, module
 
 
+@pytest.mark.multiprocess
 def test_building_the_parser_imports_no_more_work_than_before_the_move():
     """`toolkit --help` loads the command modules (flags only) and, outside them, the same toolkit modules as before
     the wings (toolkit, bounds, errors, cli, and job / lora / strategy for the flags' choices); never torch,

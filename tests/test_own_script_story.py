@@ -226,16 +226,19 @@ def test_every_suggested_flag_exists():
     assert missing == []
 
 
-def test_a_config_only_model_folder_is_refused_at_plan_time(tmp_path, tiny_phi3):
+def test_a_config_only_model_folder_is_refused_at_plan_time(tmp_path, tiny_phi3, capsys):
     """The story's folder with only config.json: no tokenizer and no weights to fine-tune. `toolkit plan` refuses
     it in one line naming what is missing, and writes nothing."""
+    from toolkit.cli import main
+
     folder = tmp_path / "config-only"
     folder.mkdir()
     shutil.copy(tiny_phi3 / "config.json", folder / "config.json")
-    done = toolkit("plan", str(folder), "--gpus", "1xA100-80GB", "--global-batch", "8", "--seq", "128", "--out",
-                   str(tmp_path / "plan"), cwd=tmp_path)
-    assert done.returncode == 2, done.stdout[-2000:]
-    assert done.stderr.count("\n") == 1 and "tokenizer" in done.stderr
+    code = main(["plan", str(folder), "--gpus", "1xA100-80GB", "--global-batch", "8", "--seq", "128", "--out",
+                 str(tmp_path / "plan")])
+    done = capsys.readouterr()
+    assert code == 2, done.out[-2000:]
+    assert done.err.count("\n") == 1 and "tokenizer" in done.err
     assert not (tmp_path / "plan").exists()
 
 

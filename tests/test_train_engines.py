@@ -59,12 +59,14 @@ def engine_runs(run_training, tiny_llama_dir, corpus_dir):
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "fsdp2"]
 
 
+@pytest.mark.multiprocess
 def test_single_process_loss_goes_down(reference):
     losses = reference.losses()
     assert len(losses) == STEPS
     assert sum(losses[s] for s in (5, 6)) / 2 < losses[1] - 0.1
 
 
+@pytest.mark.multiprocess
 def test_micro_2_accum_2_matches_micro_4_accum_1(run_training, reference, tiny_llama_dir, corpus_dir):
     accumulated = run_training(_plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2), "accum",
                                *_args(corpus_dir)).check()

@@ -53,6 +53,7 @@ def _probe_logits_of_saved_adapter(base_dir, run) -> torch.Tensor:
         return model(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
 
 
+@pytest.mark.multiprocess
 def test_lora_single_process_trains_only_the_adapter_and_merges(lora_reference, tiny_llama_dir):
     import json
 

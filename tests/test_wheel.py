@@ -41,6 +41,7 @@ def _run(venv: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.multiprocess
 def test_the_installed_wheel_runs_from_outside_the_checkout(installed, tmp_path):
     where = _run(installed, tmp_path, "--version")
     assert where.returncode == 0 and where.stdout.startswith("toolkit ")
