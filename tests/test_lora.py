@@ -366,3 +366,22 @@ def test_estimate_with_modules_to_save_exits_cleanly_50_times_in_a_row(tmp_path)
     codes = [r.returncode for r in results]
     assert codes == [0] * 50, (codes, next(r.stderr[-2000:] for r in results if r.returncode))
     assert "predicted step" in results[0].stdout
+
+
+def test_moe_lora_dropout_defaults_to_zero_and_explicit_dropout_is_refused_with_the_fix(tmp_path, capsys):
+    """PEFT wraps an MoE layer's fused expert parameters as lora.ParamWrapper, which refuses lora_dropout != 0
+    (peft/tuners/lora/layer.py): the default dropout is 0 there (a dense model keeps 0.05), an explicit one is one
+    line naming the fix, exit 2, before anything runs."""
+    import json
+
+    from toolkit.cli import main
+    from toolkit.run.tiny import tiny_config
+
+    tiny_config("qwen3_moe", layers=2, hidden=64, vocab_size=512).save_pretrained(tmp_path)
+    base = ["estimate", str(tmp_path), "--gpus", "2xH100-80GB", "--strategy", "zero3", "--seq", "128",
+            "--method", "lora"]
+    assert main([*base, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["job"]["adapter"]["dropout"] == 0.0
+    assert main([*base, "--lora-dropout", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora-dropout 0" in err and err.count("\n") == 1

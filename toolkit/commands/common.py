@@ -169,13 +169,15 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
                         f"4-bit base (default {FULL.quant_storage})")
 
 
-def adapter_of(args):
-    from toolkit.inputs.lora import adapter_from_flags
+def adapter_of(args, spec=None):
+    """The command line's Adapter; with `spec`, PEFT's dropout rule for that model applied (adapter_for_model)."""
+    from toolkit.inputs.lora import adapter_for_model, adapter_from_flags
 
-    return adapter_from_flags(args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+    adapter = adapter_from_flags(args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                               targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
                               quant_type=args.qlora_quant_type, double_quant=args.qlora_double_quant,
                               compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
+    return adapter if spec is None else adapter_for_model(spec, adapter, dropout_given=args.lora_dropout is not None)
 
 
 def trainable_params(spec, adapter) -> int:

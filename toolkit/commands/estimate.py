@@ -57,7 +57,7 @@ def cmd_estimate(args) -> int:
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
-              activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args),
+              activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args, spec),
               compile=args.compile, tiled=args.tiled, chunked_loss=args.chunked_loss)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees)
@@ -199,7 +199,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
                   optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
                   checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
-                  adapter=adapter_of(args), compile=args.compile, tiled=args.tiled)
+                  adapter=adapter_of(args, spec), compile=args.compile, tiled=args.tiled)
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,

@@ -94,7 +94,7 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      compile=args.compile, tiled=TILED[args.tiled], savers=args.savers == "auto", pipeline_stages=args.pipeline_stages, adapter=adapter_of(args),
+                                      compile=args.compile, tiled=TILED[args.tiled], savers=args.savers == "auto", pipeline_stages=args.pipeline_stages, adapter=adapter_of(args, spec),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel)
     if strategies:

@@ -236,7 +236,8 @@ def peft_model_on_meta(config, adapter: Adapter):
         if "not found" in message:
             raise UserError(f"--lora-targets {adapter.targets}: {message}; name modules {type(model).__name__} "
                             f"has ({','.join(names)}) or use all-linear") from None
-        raise UserError(f"PEFT refuses this LoRA setting for {type(model).__name__}: {message}") from None
+        fix = "; give --lora-dropout 0" if "lora_dropout" in message else ""
+        raise UserError(f"PEFT refuses this LoRA setting for {type(model).__name__}: {message}{fix}") from None
     _check_rank(peft_model, adapter)
     return peft_model, quantized
 
@@ -429,3 +430,40 @@ def base_storage_bytes_per_param(precision: str) -> int:
     """Bytes per frozen base parameter as toolkit.train loads it (and DeepSpeed / FSDP2 keep it): the compute
     dtype, fp32 only for fp32 jobs."""
     return 4 if precision == "fp32" else 2
+
+
+def adapter_for_model(spec, adapter: Adapter, *, dropout_given: bool) -> Adapter:
+    """The adapter with PEFT's dropout rule applied for `spec`'s model: LoRA on a parameter (the fused experts of an
+    MoE layer, which PEFT 0.21 wraps as lora.ParamWrapper) cannot take dropout (peft/tuners/lora/layer.py,
+    ParamWrapper.__init__ raises for lora_dropout != 0: x cannot be factored out of lora_B(lora_A(dropout(x)))).
+    There the default dropout is 0; an explicit non-zero --lora-dropout is refused with the fix."""
+    from dataclasses import replace
+
+    if not adapter.is_adapter or adapter.dropout == 0 or not wraps_parameters(spec, replace(adapter, dropout=0.0)):
+        return adapter
+    if dropout_given:
+        raise UserError(f"--lora-dropout {adapter.dropout:g}: PEFT wraps {spec.name}'s MoE expert parameters "
+                        "(lora.ParamWrapper), which take no dropout; give --lora-dropout 0")
+    return replace(adapter, dropout=0.0)
+
+
+def wraps_parameters(spec, adapter: Adapter) -> bool:
+    """Whether PEFT wraps any of `spec`'s parameters (not modules) under `adapter` (lora.ParamWrapper); kept in the
+    on-disk cache like counts_for_spec."""
+    from toolkit import cache
+
+    key = None
+    if spec.source_key:
+        from importlib import metadata
+
+        key = [spec.source_key, adapter.to_dict(), metadata.version("peft")]
+        stored = cache.get("lora_param_wrap", key, code=wraps_parameters, decode=bool)
+        if stored is not None:
+            return stored
+    from peft.tuners.lora.layer import ParamWrapper
+
+    peft_model, _ = peft_model_on_meta(spec.hf_config(), adapter)
+    found = any(isinstance(m, ParamWrapper) for m in peft_model.modules())
+    if key is not None:
+        cache.put("lora_param_wrap", key, found, code=wraps_parameters)
+    return found
