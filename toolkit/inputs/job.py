@@ -296,7 +296,26 @@ def model_feature_problem(spec: "ModelSpec", *, liger: bool = False, tiled: bool
         return problem
     if tiled and spec.tiling_blocker:
         return f"--tiled: {spec.tiling_blocker}; drop --tiled"
-    return tiling_problem(spec.hf_config()) if tiled else None
+    return _spec_tiling_problem(spec) if tiled else None
+
+
+def _spec_tiling_problem(spec: "ModelSpec") -> str | None:
+    """tiling_problem of the spec's config, kept per model (its source_key) in memory and in the on-disk cache: it
+    reads transformers' config class, which a repeated plan otherwise never builds."""
+    from toolkit import cache
+
+    if not spec.source_key:
+        return tiling_problem(spec.hf_config())
+    if spec.source_key not in _TILING:
+        hit = cache.get("tiling-problem", spec.source_key, code=tiling_problem)
+        if not (isinstance(hit, list) and len(hit) == 1 and (hit[0] is None or isinstance(hit[0], str))):
+            hit = [tiling_problem(spec.hf_config())]
+            cache.put("tiling-problem", spec.source_key, hit, code=tiling_problem)
+        _TILING[spec.source_key] = hit[0]
+    return _TILING[spec.source_key]
+
+
+_TILING: dict[str, str | None] = {}
 
 
 def tiling_problem(config) -> str | None:
