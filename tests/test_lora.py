@@ -385,3 +385,17 @@ def test_moe_lora_dropout_defaults_to_zero_and_explicit_dropout_is_refused_with_
     assert main([*base, "--lora-dropout", "0.1"]) == 2
     err = capsys.readouterr().err
     assert "--lora-dropout 0" in err and err.count("\n") == 1
+
+
+def test_lora_host_ram_loads_the_base_in_the_compute_dtype():
+    """Issue 33: LoRA loads its frozen base in the compute dtype (PLAN.md's load dtype, base_storage_bytes_per_param),
+    so host RAM at load counts 2 B/param under bf16, where full fine-tuning loads fp32 master weights (4 B/param)."""
+    from toolkit.estimate.hostram import host_ram
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.strategy import parse_strategy
+
+    kw = dict(params=1000, largest_layer_params=100, strategy=parse_strategy("ddp"), gpus_per_node=2, world=2,
+              resident_bytes_per_node=0)
+    full = host_ram(job=Job(seq_len=128, micro_batch=1, precision="bf16"), **kw)
+    lora = host_ram(job=Job(seq_len=128, micro_batch=1, precision="bf16", adapter=Adapter(method="lora")), **kw)
+    assert (full.load_bytes_per_node, lora.load_bytes_per_node) == (2 * 1000 * 4, 2 * 1000 * 2)

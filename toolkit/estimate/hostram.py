@@ -51,7 +51,7 @@ class HostRam:
 
 def host_ram(*, params: int, largest_layer_params: int, strategy: Strategy, job: Job, gpus_per_node: int,
              world: int, resident_bytes_per_node: int, stage_params: int | None = None) -> HostRam:
-    load_b = 2 if job.precision == "bf16-pure" else 4
+    load_b = _load_bytes_per_param(job)
     full = params * load_b
     if strategy.kind == Kind.ZERO3:
         load = gpus_per_node * (full // world) + largest_layer_params * load_b
@@ -78,3 +78,14 @@ def host_ram(*, params: int, largest_layer_params: int, strategy: Strategy, job:
         save_src = "save_pretrained: one safetensors shard at a time on rank 0's host"
     return HostRam(load_bytes_per_node=int(load), save_bytes_per_node=int(save),
                    resident_bytes_per_node=int(resident_bytes_per_node), load_source=load_src, save_source=save_src)
+
+
+def _load_bytes_per_param(job: Job) -> int:
+    """Bytes per parameter of the load dtype: LoRA / QLoRA load the frozen base in the compute dtype (the one rule,
+    toolkit.inputs.lora.base_storage_bytes_per_param, that toolkit.train and PLAN.md's load dtype follow); full
+    fine-tuning loads fp32 master weights, bf16 for bf16-pure."""
+    if job.adapter.is_adapter:
+        from toolkit.inputs.lora import base_storage_bytes_per_param
+
+        return base_storage_bytes_per_param(job.precision)
+    return 2 if job.precision == "bf16-pure" else 4
