@@ -399,3 +399,17 @@ def test_lora_host_ram_loads_the_base_in_the_compute_dtype():
     full = host_ram(job=Job(seq_len=128, micro_batch=1, precision="bf16"), **kw)
     lora = host_ram(job=Job(seq_len=128, micro_batch=1, precision="bf16", adapter=Adapter(method="lora")), **kw)
     assert (full.load_bytes_per_node, lora.load_bytes_per_node) == (2 * 1000 * 4, 2 * 1000 * 2)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_printed_step_terms_add_up_to_the_step(capsys, method):
+    """Issue 33: the step breakdown estimate prints names every term of the step (LoRA's adapter passes included)."""
+    from toolkit.cli import main
+
+    assert main(["estimate", "llama-3-8b", "--gpus", "8xH100-80GB", "--strategy", "zero3", "--seq", "2048",
+                 "--method", method]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted step"))
+    step = float(re.search(r"predicted step ([\d.]+) s", line).group(1))
+    parts = [float(v) for v in re.findall(r"([\d.]+) s\b", line.split("(", 1)[1])]
+    assert abs(sum(parts) - step) <= 0.0005 * len(parts) + 1e-9, line
+    assert ("LoRA adapters" in line) == (method == "lora")

@@ -163,8 +163,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     if b.nvme_bytes_per_node:
         print(f"NVMe per node: {gib(b.nvme_bytes_per_node)} GiB")
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
-          f"(compute {t.compute_s:.3f} s, exposed comm {t.communication_s:.3f} s, bubble {t.bubble_s:.3f} s, "
-          f"offload {t.offload_s:.3f} s{f', tiled recompute {t.tiled_recompute_s:.3f} s' if t.tiled_recompute_s else ''})")
+          f"({step_terms_words(t)})")
     print(f"time band: {time_band().text()}"
           + ("" if time_band().covers(strategy.name, hw.world_size) else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
@@ -176,6 +175,15 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     if explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")
+
+
+def step_terms_words(t) -> str:
+    """Every term the step time adds (toolkit.estimate.timing.step_time sums exactly these), so the printed parts add
+    up to the printed step; the optional ones only when the job has them."""
+    terms = [("compute", t.compute_s), ("exposed comm", t.communication_s), ("bubble", t.bubble_s),
+             ("offload", t.offload_s), ("LoRA adapters", t.lora_overhead_s), ("4-bit dequantisation", t.dequant_s),
+             ("tiled recompute", t.tiled_recompute_s)]
+    return ", ".join(f"{name} {value:.3f} s" for i, (name, value) in enumerate(terms) if i < 4 or value)
 
 
 def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
