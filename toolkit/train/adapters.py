@@ -79,7 +79,10 @@ def wrap_model(model, adapter: Adapter, *, checkpointing: bool):
     try:
         return get_peft_model(model, adapter.lora_config())
     except ValueError as exc:
-        raise UserError(f"PEFT refuses the adapter ({str(exc).splitlines()[0][:200]}); check --lora-targets") from None
+        message = str(exc).splitlines()[0][:200]
+        fix = "give --lora-dropout 0 (MoE expert parameters take none)" if "lora_dropout" in message else \
+            "check --lora-targets"
+        raise UserError(f"PEFT refuses the adapter ({message}); {fix}") from None
 
 
 def save_merged(base_source: str, adapter_dir: Path, out_dir: Path, dtype) -> None:
