@@ -599,7 +599,8 @@ def _sp_plan(sp: int = 2, strategy: str = "zero2", offload: bool = False):
 
 
 def test_deepspeeds_own_constructor_counts_the_data_parallel_world():
-    from toolkit.engines.validate import deepspeed_data_parallel, pipeline_mpu, ulysses_mpu
+    from toolkit.engines.readers import deepspeed_data_parallel
+    from toolkit.engines.validate import pipeline_mpu, ulysses_mpu
 
     assert deepspeed_data_parallel({}, 4) == 4
     assert deepspeed_data_parallel({"sequence_parallel_size": 2}, 4) == 2  # the HF zero.Init / launcher path

@@ -188,7 +188,7 @@ def test_the_runtime_folder_never_feeds_the_grid_and_the_launcher_never_loads_th
 @pytest.mark.multiprocess
 def test_building_the_parser_imports_no_more_work_than_before_the_move():
     """`toolkit --help` loads the command modules (flags only) and, outside them, the same toolkit modules as before
-    the wings (toolkit, bounds, errors, cli, and job / lora / strategy for the flags' choices); never torch,
+    the wings (toolkit, bounds, errors, cli, and choices / job / lora / strategy for the flags' choices); never torch,
     transformers, pydantic or the engines."""
     import subprocess
     import sys
@@ -199,8 +199,8 @@ def test_building_the_parser_imports_no_more_work_than_before_the_move():
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                 cwd=PACKAGE.parent).stdout.split())
     assert {m for m in loaded if not m.startswith("toolkit.commands")} == {
-        "toolkit", "toolkit.bounds", "toolkit.cli", "toolkit.errors", "toolkit.inputs", "toolkit.inputs.job",
-        "toolkit.inputs.lora", "toolkit.inputs.strategy"}
+        "toolkit", "toolkit.bounds", "toolkit.cli", "toolkit.errors", "toolkit.inputs", "toolkit.inputs.choices",
+        "toolkit.inputs.job", "toolkit.inputs.lora", "toolkit.inputs.strategy"}
 
 
 if __name__ == "__main__":

@@ -391,7 +391,8 @@ def test_a_strategy_the_plan_schema_lacks_is_refused_at_the_parser_in_one_line(t
     out = tmp_path / "out"
     assert main(["plan", "gpt2", "--gpus", "8xH100-80GB", "--seq", "1024", "--global-batch", "64",
                  "--strategies", "zero1-offload-nvme", "--out", str(out)]) == 2
-    assert "unknown strategy 'zero1-offload-nvme'" in _one_error_line(capsys) and not out.exists()
+    assert "zero1-offload-nvme: DeepSpeed's ZeRO-1/2 keep an nvme-device optimizer in CPU RAM" in \
+        _one_error_line(capsys) and not out.exists()
 
 
 def _cycled(sets: dict[str, tuple[str, ...]]) -> list[dict[str, str]]:

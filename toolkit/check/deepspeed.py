@@ -247,7 +247,7 @@ def _sequence_parallel_problems(config: dict[str, Any], f: _Findings, stage: int
     if problem:
         f.fail(readers, problem)
     elif stage == 3 and world is not None and is_auto(config.get("train_batch_size")) and TRAINER in f.readers.runners:
-        from toolkit.engines.validate import deepspeed_data_parallel
+        from toolkit.engines.readers import deepspeed_data_parallel
 
         # zero.Init builds DeepSpeedConfig without an mpu (the file's degree divides the world) after the Trainer
         # filled train_batch_size over every process (trainer_config_process): measured in issue 17 as "8 != 2 * 2".
@@ -303,11 +303,12 @@ def _engine_problems(config: dict[str, Any], f: _Findings, *, said_batch: bool =
 
 def batch_problems(config: dict[str, Any], readers: Readers) -> list[tuple[frozenset[str], str]]:
     """DeepSpeed's batch identity train_batch_size == micro x accumulation x its data-parallel world, the world as
-    each runner's DeepSpeed counts it (toolkit.engines.validate.deepspeed_data_parallel: DeepSpeedConfig's own
+    each runner's DeepSpeed counts it (toolkit.engines.readers.deepspeed_data_parallel: DeepSpeedConfig's own
     constructor with the runner's mpu, the file's sequence_parallel_size included); the HF Trainer also checks a
     concrete train_batch_size against every process (transformers trainer_config_process). Findings as (runners,
     message)."""
-    from toolkit.engines.validate import ConfigRejected, deepspeed_data_parallel
+    from toolkit.engines.readers import deepspeed_data_parallel
+    from toolkit.engines.validate import ConfigRejected
 
     batch = concrete_int(config.get("train_batch_size"))
     micro = concrete_int(config.get("train_micro_batch_size_per_gpu"))

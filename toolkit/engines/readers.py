@@ -253,6 +253,17 @@ def initialize_reads() -> frozenset[str]:
     return frozenset(k for k in keys if isinstance(k, str))
 
 
+def deepspeed_data_parallel(config: dict[str, Any], processes: int, *, mpu: Any = None) -> float:
+    """The data-parallel world DeepSpeedConfig counts for `config` in a run of `processes` ranks (a float, as
+    DeepSpeed computes it: world / sp need not be whole), from its own constructor on the keys of the file it reads
+    outside its config getters (initialize_reads); raises ConfigRejected."""
+    from toolkit.engines.validate import deepspeed_config_at
+
+    probe = {key: config[key] for key in initialize_reads() & set(config) if key != "tensor_parallel"}
+    probe["train_micro_batch_size_per_gpu"] = 1
+    return deepspeed_config_at(probe, processes, mpu=mpu).world_size
+
+
 # --- "auto": what each runner fills ------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)

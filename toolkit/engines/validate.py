@@ -224,17 +224,6 @@ def deepspeed_config_at(config: dict[str, Any], processes: int, *, mpu: Any = No
     return parsed
 
 
-def deepspeed_data_parallel(config: dict[str, Any], processes: int, *, mpu: Any = None) -> float:
-    """The data-parallel world DeepSpeedConfig counts for `config` in a run of `processes` ranks (a float, as
-    DeepSpeed computes it: world / sp need not be whole), from its own constructor on the keys of the file it reads
-    outside its config getters (toolkit.engines.readers.initialize_reads); raises ConfigRejected."""
-    from toolkit.engines.readers import initialize_reads
-
-    probe = {key: config[key] for key in initialize_reads() & set(config) if key != "tensor_parallel"}
-    probe["train_micro_batch_size_per_gpu"] = 1
-    return deepspeed_config_at(probe, processes, mpu=mpu).world_size
-
-
 def sequence_parallel_problem(config: dict[str, Any], processes: int) -> str | None:
     """What DeepSpeed does with a file's sequence_parallel_size (and data_parallel_size) in a run of `processes`
     ranks that passes no mpu, when it cannot be right: the degree must be a whole number >= 1 that divides the

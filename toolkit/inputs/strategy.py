@@ -10,7 +10,8 @@ Names:
   zero1-offload, zero2-offload        ... with the optimizer (states + fp32 master + step) in CPU RAM
   zero3-offload            ZeRO-3 with optimizer and parameters in CPU RAM
   zero3-offload-opt        ZeRO-3 with only the optimizer in CPU RAM
-  zero2-offload-nvme, zero3-offload-nvme   the same offload to NVMe (ZeRO-Infinity) instead of CPU RAM
+  zero3-offload-nvme                       the same offload to NVMe (ZeRO-Infinity) instead of CPU RAM (ZeRO-3 only:
+                                           see NOT_NVME)
   fsdp2                    torch FSDP2, full shard (reshard after forward)
   fsdp2-grad-op            FSDP2 without resharding after forward (ZeRO-2-like)
   fsdp2-hybrid             FSDP2 sharded inside a node, replicated across nodes (HSDP)
@@ -119,7 +120,6 @@ STRATEGIES: dict[str, Strategy] = {
     "zero2-offload": Strategy("zero2", offload_optimizer="cpu"),
     "zero3-offload-opt": Strategy("zero3", offload_optimizer="cpu"),
     "zero3-offload": Strategy("zero3", offload_optimizer="cpu", offload_params="cpu"),
-    "zero2-offload-nvme": Strategy("zero2", offload_optimizer="nvme"),
     "zero3-offload-nvme": Strategy("zero3", offload_optimizer="nvme", offload_params="nvme"),
     "fsdp2": Strategy("fsdp2"),
     "fsdp2-grad-op": Strategy("fsdp2", fsdp_mode="grad_op"),
@@ -136,10 +136,20 @@ ALL_STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 _ALIASES = {"fsdp2-full": "fsdp2"}
 
 
+NOT_NVME = {"zero1-offload-nvme": "zero1-offload", "zero2-offload-nvme": "zero2-offload"}
+"""Names a user may expect that DeepSpeed does not run as named: ZeRO-1/2 with an nvme offload device keep the
+optimizer states in CPU RAM (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py sets cpu_offload for any device but
+none and has no optimizer swapper; NVMe swapping is ZeRO-3's, stage3.py). Refused with the name that says it."""
+
+
 def parse_strategy(text: str) -> Strategy:
     """Parse a canonical strategy name (see STRATEGIES; "_" for "-" and fsdp2-full for fsdp2 are accepted)."""
     name = text.strip().lower().replace("_", "-")
     name = _ALIASES.get(name, name)
+    if name in NOT_NVME:
+        raise UserError(f"{name}: DeepSpeed's ZeRO-1/2 keep an nvme-device optimizer in CPU RAM (no optimizer "
+                        f"swapper outside ZeRO-3), so it would run as {NOT_NVME[name]}; use {NOT_NVME[name]}, or "
+                        "zero3-offload-nvme to offload to NVMe")
     if name not in STRATEGIES:
         raise UserError(f"unknown strategy '{text}'; choose one of: {', '.join(ALL_STRATEGY_NAMES)}")
     return STRATEGIES[name]

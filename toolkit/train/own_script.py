@@ -135,7 +135,7 @@ def run_script(argv: list[str]) -> int:
     sys.argv = [str(script), *(_rehearsal_paths(a) for a in argv[1:])]
     sys.path[0] = str(script.resolve().parent)
     stderr = sys.stderr = _LastLine(sys.stderr)
-    guard = LaunchGuard().install()
+    guard = LaunchGuard(plan_settings, prepare_this_box).install()
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:

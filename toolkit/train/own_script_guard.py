@@ -20,7 +20,7 @@ only in a rank started by the launcher with WORLD_SIZE > 1.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 HELPER = ("create TrainingArguments with **training_arguments() from toolkit.train.own_script (PLAN.md shows the "
           "lines)")
@@ -38,7 +38,10 @@ class LaunchGuard:
     """Installed in a rank before the user's script runs; `finished_alone()` after it returns. Its refusals are
     SystemExit(str), which the runner reports as the script's own bad input (exit 2)."""
 
-    def __init__(self):
+    def __init__(self, plan_settings: Callable[[], dict[str, Any]], prepare_this_box: Callable[[], bool]):
+        # toolkit.train.own_script's, passed in (it imports this module): the reader of the plan's
+        # training_args.json, and the CPU set-up training_arguments() does
+        self.plan_settings, self.prepare_this_box = plan_settings, prepare_this_box
         self.world = launched_world()
         self.joined: list[int] = []  # world sizes of the process groups this rank created
 
@@ -104,9 +107,7 @@ class LaunchGuard:
             original = cls.__init__
 
             def __init__(accelerator, *args, **kwargs):
-                from toolkit.train.own_script import prepare_this_box
-
-                prepare_this_box()
+                guard.prepare_this_box()
                 original(accelerator, *args, **kwargs)
                 if accelerator.num_processes != guard.world:
                     raise SystemExit(f"the Accelerator came up as a world of {accelerator.num_processes} under a "
@@ -119,9 +120,7 @@ class LaunchGuard:
 
     def _adopt_this_box(self, args) -> None:
         """On a machine without a GPU, what training_arguments() would have added (nothing when it did)."""
-        from toolkit.train.own_script import prepare_this_box
-
-        if not prepare_this_box():
+        if not self.prepare_this_box():
             return
         args.use_cpu = True
         config = args.accelerator_config
@@ -132,7 +131,8 @@ class LaunchGuard:
         # a JSON file's path is left as it is: the world check below stops the run if it does not say so
 
     def _check_batch(self, args) -> None:
-        problem = batch_problem(args.per_device_train_batch_size, args.gradient_accumulation_steps)
+        problem = batch_problem(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                self.plan_settings)
         if problem:
             raise SystemExit(f"{problem}; {HELPER}")
 
@@ -142,12 +142,11 @@ class LaunchGuard:
                              f"{self.world} processes: every rank would train alone into {args.output_dir}; {HELPER}")
 
 
-def batch_problem(micro: int, accumulation: int) -> str | None:
-    """Why a script's per-device batch and accumulation are not the plan's (for this box): a larger micro-batch
-    than planned needs memory the plan did not count, and a different micro x accumulation another global batch.
-    None when they agree, or when no plan settings can be read."""
-    from toolkit.train.own_script import plan_settings
-
+def batch_problem(micro: int, accumulation: int, plan_settings: Callable[[], dict[str, Any]]) -> str | None:
+    """Why a script's per-device batch and accumulation are not the plan's (for this box; `plan_settings()` reads
+    the plan's training_args.json): a larger micro-batch than planned needs memory the plan did not count, and a
+    different micro x accumulation another global batch. None when they agree, or when no plan settings can be
+    read."""
     try:
         planned: dict[str, Any] = plan_settings()["training_arguments"]
         plan_micro = int(planned["per_device_train_batch_size"])
