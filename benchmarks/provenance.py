@@ -11,13 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def toolkit_commit() -> str:
-    """The checkout's short commit, `+changes` when toolkit/ or benchmarks/ differ from it; `unknown` outside git."""
+    """The checkout's short commit, `+changes` when toolkit/ or benchmarks/' code and data differ from it (results
+    files being rewritten do not count); `unknown` outside git."""
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
         commit = git("rev-parse", "--short=10", "HEAD")
-        dirty = git("status", "--porcelain", "--", "toolkit", "benchmarks")
+        dirty = git("status", "--porcelain", "--", "toolkit", "benchmarks", ":(exclude)benchmarks/results")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+changes" if dirty else "")
