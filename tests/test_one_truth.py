@@ -233,8 +233,10 @@ def test_estimate_and_plan_agree_on_random_configurations(capsys):
                 "--accumulation", str(accum)] + (["--pipeline-stages", str(stages)] if stages else []) \
             + (["--checkpointing"] if ckpt else [])
         spec, hw = resolve_model(model), parse_hardware(spec_text)
+        # the estimate's job exactly: no tensor / context / sequence degree, no tiling or savers the planner may add
         req = Request(seq_len=512, micro_batch=micro, grad_accum=accum, checkpointing=ckpt,
-                      strategies=(strategy.name,), pipeline_stages=stages)
+                      strategies=(strategy.name,), pipeline_stages=stages, tensor_parallel=1, context_parallel=1,
+                      sequence_parallel=1, tiled=False, savers=False)
         planned = plan_candidates(spec, hw, req)
         code = main(["estimate", *argv, "--json"])
         captured = capsys.readouterr()
