@@ -182,3 +182,20 @@ def test_fsdp2_qlora_with_uint8_storage_trains_with_the_codes_whole_on_every_ran
     assert whole > 0 and [r["four_bit_numel"] for r in run.ranks] == [[whole, whole]] * 2
     losses = run.losses()
     assert (losses[5] + losses[6]) / 2 < losses[1] - 0.02
+
+
+def test_train_lora_on_a_full_moe_plan_takes_peft_dropout_rule(tmp_path):
+    """Issue 33: `toolkit.train --lora` on a full fine-tuning plan of an MoE model gets PEFT's dropout rule at
+    argument time (dropout 0 where PEFT wraps expert parameters), not PEFT's refusal after the model loads; an
+    explicit non-zero dropout is one UserError naming the fix."""
+    from toolkit.errors import UserError
+    from toolkit.run.tiny import tiny_config
+    from toolkit.train.adapters import adapter_for_run
+    from toolkit.train.args import parse_train_args
+
+    tiny_config("qwen3_moe", layers=2, hidden=64, vocab_size=512).save_pretrained(tmp_path)
+    full = plan_for_model(tmp_path, "ddp", gpus_per_node=1, seq_len=SEQ)
+    base = ["--plan", "p", "--data", "d", "--output", "o"]
+    assert adapter_for_run(full, parse_train_args([*base, "--lora"])).dropout == 0.0
+    with pytest.raises(UserError, match="--lora-dropout 0"):
+        adapter_for_run(full, parse_train_args([*base, "--lora", "--lora-dropout", "0.1"]))

@@ -35,6 +35,12 @@ def adapter_for_run(plan, args) -> Adapter | None:
     adapter = replace(adapter, **overrides)  # validates the values (UserError on bad ones)
     if not adapter.is_adapter:
         return None
+    if args.lora or args.qlora or args.lora_dropout is not None:  # the run chose the adapter: PEFT's dropout rule
+        from toolkit.inputs.lora import adapter_for_model
+        from toolkit.inputs.modelspec import spec_from_config_dict
+
+        spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params)
+        adapter = adapter_for_model(spec, adapter, dropout_given=args.lora_dropout is not None)
     problem = adapter_problem(adapter, plan.strategy_spec)  # the planner's rule: the plan never offers it
     if problem:
         raise UserError(problem)
