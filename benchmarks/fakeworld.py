@@ -52,7 +52,8 @@ CASES = [
 
 
 def _spec(model: str, layers: int | None):
-    from toolkit.inputs.modelspec import build_spec, reduced_config, resolve_model
+    from toolkit.inputs.modelconfig import reduced_config
+    from toolkit.inputs.modelspec import build_spec, resolve_model
 
     if model == "tiny":
         from toolkit.run.tiny import tiny_config

@@ -1,4 +1,4 @@
-"""Which attention a model runs comes from transformers' own class flags (toolkit.inputs.modelspec.attention_support,
+"""Which attention a model runs comes from transformers' own class flags (toolkit.inputs.attention.attention_support,
 docs/ENGINE_FACTS.md "Which attention a model class runs"): an explicit kernel the class cannot run is refused in one
 line (exit 2, nothing written) by estimate, plan, emit and toolkit.train, and is an error finding of check (plan.json's
 attention, or the sp_attn_implementation training_args.json hands to Ulysses: exit 1, as every finding); with no

@@ -69,7 +69,7 @@ def test_models_lists_size_kind_layers_and_positions(capsys):
     assert lines["qwen3-0.6b"] == ["qwen3-0.6b", "596.05M", "dense", "28", "40960"]
     assert lines["qwen3-30b-a3b"] == ["qwen3-30b-a3b", "30.53B", "MoE,", "8", "of", "128", "experts", "48", "40960"]
     assert lines["mixtral-8x7b"][1:4] == ["46.70B", "MoE,", "2"]
-    # DeepSeek-V3: YaRN x40 over 4096 original positions (toolkit.inputs.modelspec.model_positions).
+    # DeepSeek-V3: YaRN x40 over 4096 original positions (toolkit.inputs.modelconfig.model_positions).
     assert lines["deepseek-v3"] == ["deepseek-v3", "671.03B", "MoE,", "8", "of", "256", "experts", "61", "163840"]
 
 

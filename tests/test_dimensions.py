@@ -155,7 +155,8 @@ def test_tp_sharded_parameters_are_the_sum_over_the_tp_plans_modules():
 
 def _small(kv_heads: int = 2, positions: int = 65536):
     """A Llama-shaped model small enough to trace in a second: 2 layers, hidden 256, 8 heads."""
-    from toolkit.inputs.modelspec import build_spec, shape_config
+    from toolkit.inputs.modelconfig import shape_config
+    from toolkit.inputs.modelspec import build_spec
 
     return build_spec("small", shape_config(layers=2, hidden=256, heads=8, kv_heads=kv_heads, vocab=1000,
                                             max_positions=positions))
@@ -430,7 +431,7 @@ def test_bad_degrees_get_one_line_and_exit_2(argv, fragment, capsys, tmp_path, m
     from toolkit.cli import main
 
     if "tiny-positions" in argv:
-        from toolkit.inputs.modelspec import shape_config
+        from toolkit.inputs.modelconfig import shape_config
 
         cfg = shape_config(layers=2, hidden=64, heads=4, vocab=100,
                            max_positions=256 if "--context-parallel" in argv else 64)

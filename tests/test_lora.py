@@ -13,7 +13,7 @@ import pytest
 
 from toolkit.inputs.lora import (Adapter, adapter_counts, counts_of_peft_model, peft_model_on_meta,
                           print_trainable_parameters_line)
-from toolkit.inputs.modelspec import catalog_names, load_config
+from toolkit.inputs.modelconfig import catalog_names, load_config
 
 
 def _attention_targets(config) -> str:

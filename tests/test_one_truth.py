@@ -146,7 +146,7 @@ def test_the_models_positions_are_one_fact_for_estimate_plan_emit_check_and_trai
     """A Llama config that leaves max_position_embeddings out has transformers' default, 2048 (LlamaConfig): a
     4096 plan on it was once a 'clean' check-corpus example. Every command refuses it in one line, check finds it
     on the plan folder, and YaRN scaling (original 2048 x factor 2) extends the model for all of them alike."""
-    from toolkit.inputs.modelspec import model_positions
+    from toolkit.inputs.modelconfig import model_positions
     from toolkit.train.model import check_matches_plan, load_config
 
     folder = ROOT / "tests/check_corpus/plan-seq-longer-than-model-positions"

@@ -174,7 +174,7 @@ def test_rehearsing_own_script_of_a_catalog_plan_never_asks_the_hub(tmp_path, ti
 
 
 def test_a_catalog_models_hub_id_resolves_from_the_package(monkeypatch):
-    from toolkit.inputs.modelspec import load_config
+    from toolkit.inputs.modelconfig import load_config
     from toolkit.inputs.resolve import catalog_hub_id, catalog_name_of_hub_id
     from toolkit.train.model import load_config as run_config
 

@@ -42,12 +42,14 @@ def test_the_tiny_model_keeps_every_divisibility_the_degrees_need(name):
     import json
     from pathlib import Path
 
-    from toolkit.inputs.modelspec import _config_from_dict, build_spec
+    from toolkit.inputs.modelconfig import config_from_dict
+
+    from toolkit.inputs.modelspec import build_spec
     from toolkit.inputs.partition import check_stage_count
     from toolkit.inputs.tensorplan import model_tp_plan, tp_plan_problem
     from toolkit.run.tiny import shrink_config, sizes_for_degrees
 
-    real = _config_from_dict(json.loads((Path(__file__).parent / "arch_configs" / f"{name}.json").read_text()), name)
+    real = config_from_dict(json.loads((Path(__file__).parent / "arch_configs" / f"{name}.json").read_text()), name)
     specs = {}
     for tensor, sequence, stages in DEGREES:
         sizes = sizes_for_degrees(real, tensor=tensor, sequence=sequence, stages=stages)

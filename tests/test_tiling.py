@@ -196,11 +196,11 @@ def _small_real_config(name: str, tmp_path=None, **sizes):
     import json
     from pathlib import Path
 
-    from toolkit.inputs.modelspec import _config_from_dict
+    from toolkit.inputs.modelconfig import config_from_dict
     from toolkit.run.tiny import shrink_config
 
     path = Path(__file__).parent / "arch_configs" / f"{name}.json"
-    config = shrink_config(_config_from_dict(json.loads(path.read_text()), name), layers=2, **sizes)
+    config = shrink_config(config_from_dict(json.loads(path.read_text()), name), layers=2, **sizes)
     if tmp_path is not None:
         config.save_pretrained(tmp_path)
     return config

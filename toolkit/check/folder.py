@@ -142,9 +142,9 @@ def plan_adapter_problems(plan: Plan, plan_path: Path) -> list[Problem]:
 def plan_attention_problems(plan: Plan, directory: Path) -> list[Problem]:
     """plan.json's attention, and the sp_attn_implementation training_args.json and the YAML hand to Ulysses, against
     what transformers lets the plan's model class run (the rule estimate and plan refuse by,
-    toolkit.inputs.modelspec.attention_support): the load of that model would be refused."""
+    toolkit.inputs.attention.attention_support): the load of that model would be refused."""
     from toolkit.emit.parallelism import YAML_PREFIX
-    from toolkit.inputs.modelspec import attention_problem, config_attention
+    from toolkit.inputs.attention import attention_problem, config_attention
     from toolkit.plan.files import TRAINING_ARGS
 
     said = [(directory / PLAN_JSON, plan.attention)]
@@ -163,11 +163,11 @@ def plan_attention_problems(plan: Plan, directory: Path) -> list[Problem]:
 
 
 def plan_position_problems(plan: Plan, plan_path: Path) -> list[Problem]:
-    """The model's positions (toolkit.inputs.modelspec.model_positions) against the plan's sequence length: the
+    """The model's positions (toolkit.inputs.modelconfig.model_positions) against the plan's sequence length: the
     model is known from plan.json's model_config, so a plan toolkit.train would refuse is an error here too. A
     model_config transformers cannot read is left to the commands that load it."""
     from toolkit.inputs.job import plan_positions_problem
-    from toolkit.inputs.modelspec import config_dict_positions
+    from toolkit.inputs.modelconfig import config_dict_positions
 
     try:
         positions = config_dict_positions(plan.model_config, f"{plan_path}: model_config")

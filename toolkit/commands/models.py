@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
 
 def cmd_models(args) -> int:
     from toolkit.commands.common import human
-    from toolkit.inputs.modelspec import catalog_names
+    from toolkit.inputs.modelconfig import catalog_names
 
     rows = [catalog_row(name) for name in catalog_names()]
     print(f"{'model':<18}{'params':>9}  {'kind':<24}{'layers':>7}{'positions':>11}")
@@ -25,7 +25,7 @@ def cmd_models(args) -> int:
 def catalog_row(name: str) -> dict:
     """One catalog entry read through its transformers config class: parameters (the count the catalog states,
     which tests/test_catalog.py checks against a meta-device build, else that build's count), dense or MoE (the
-    experts the config declares), decoder layers and positions (toolkit.inputs.modelspec.model_positions). Cached
+    experts the config declares), decoder layers and positions (toolkit.inputs.modelconfig.model_positions). Cached
     by the entry's text, so a warm listing imports neither torch nor transformers."""
     from toolkit import cache
     from toolkit.paths import MODEL_CATALOG_DIR
@@ -34,11 +34,11 @@ def catalog_row(name: str) -> dict:
     row = cache.get("catalog-row", [name, data], code=catalog_row)
     if isinstance(row, dict):
         return row
-    from toolkit.inputs.modelspec import _moe_shape, load_config, model_positions
+    from toolkit.inputs.modelconfig import moe_shape, load_config, model_positions
 
     config = load_config(name)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts, top_k = _moe_shape(text)
+    experts, top_k = moe_shape(text)
     row = {"name": name, "params": data.get("_published_params") or meta_params(name),
            "kind": f"MoE, {top_k} of {experts} experts" if experts else "dense",
            "layers": text.num_hidden_layers, "positions": model_positions(config)}
@@ -52,7 +52,7 @@ def meta_params(name: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.inputs.modelspec import load_config
+    from toolkit.inputs.modelconfig import load_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(name))

@@ -79,7 +79,7 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
     as the eager trace has them, and only the layers' traffic fused. `chunked_loss` (with `blocks` only): that eager
     head + loss is torchtune's chunked cross-entropy (toolkit.patches.chunkedce)."""
     from toolkit.estimate import layerkinds, tracer
-    from toolkit.inputs.modelspec import reduced_config
+    from toolkit.inputs.modelconfig import reduced_config
 
     if attention == "flash_attention_2":
         raise NotImplementedError("--compile with flash_attention_2: the flash-attn kernels are traced only eagerly; "

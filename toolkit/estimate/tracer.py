@@ -32,7 +32,7 @@ from toolkit.estimate.fakestep import run_fake_step
 from toolkit.estimate.layerkinds import layer_kinds_of_full_model, traced_index_for, traced_layer_count
 from toolkit.estimate.standins import trace_environment
 from toolkit.inputs.choices import ATTENTIONS, COMPUTE_DTYPES as DTYPES, DEVICE_KINDS
-from toolkit.inputs.modelspec import reduced_config
+from toolkit.inputs.modelconfig import reduced_config
 
 
 def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",

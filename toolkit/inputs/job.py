@@ -158,7 +158,7 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
 
 
 def plan_positions_problem(seq_len: int, model: str, positions: int | None) -> str | None:
-    """Why a plan's sequence cannot run on its model (longer than the model's positions, modelspec.model_positions),
+    """Why a plan's sequence cannot run on its model (longer than the model's positions, modelconfig.model_positions),
     or None: toolkit.train refuses it and check reports it on a plan folder."""
     if positions and seq_len > positions:
         return (f"plan sequence length {seq_len} is longer than model {model} supports ({positions} positions); "

@@ -323,10 +323,10 @@ def counts_of_peft_model(peft_model, quantized: dict[str, int], adapter: Adapter
             per_module[module] = per_module.get(module, 0) + p.numel()
         else:
             saved += p.numel()
-    from toolkit.inputs.modelspec import _decoder_layers, outside_layer_params
+    from toolkit.inputs.modelspec import find_decoder_layers, outside_layer_params
 
     base = peft_model.get_base_model()
-    layers = _decoder_layers(base)
+    layers = find_decoder_layers(base)
     per_layer = tuple(sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers)
     # Trainable parameters outside the layers (modules_to_save such as embed_tokens / lm_head).
     pre, post = outside_layer_params(base, layers, wanted=lambda p: p.requires_grad)

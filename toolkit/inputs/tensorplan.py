@@ -226,7 +226,7 @@ def _meta_split(config: Any, num_layers: int) -> tuple:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.inputs.modelspec import reduced_config
+    from toolkit.inputs.modelconfig import reduced_config
 
     one = reduced_config(config, num_layers, 1)
     with torch.device("meta"):

@@ -311,9 +311,9 @@ def make_rehearsal_model(plan: Plan, out_dir: Path) -> Path:
     """A tiny model of the plan's own architecture (random weights) with a tokenizer trained on the local corpus:
     the plan's config shrunk by its own config class (toolkit.run.tiny.shrink_config), every non-size setting kept,
     to sizes that the rehearsal grid's degrees divide (toolkit.run.tiny.sizes_for_degrees)."""
-    from toolkit.inputs.modelspec import _config_from_dict
+    from toolkit.inputs.modelconfig import config_from_dict
 
-    config = _config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)
+    config = config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)
     tensor, _, sequence, stages = rehearsal_degrees(plan)
     sizes = tiny.sizes_for_degrees(config, tensor=tensor, sequence=sequence, stages=stages, layers=REHEARSAL_LAYERS)
     return tiny.make_tiny_model(config, out_dir, corpus_chars=100_000, **sizes)

@@ -424,7 +424,7 @@ def _attention(plan: Plan) -> str:
     if plan.attention == "flash_attention_2" and cpu.on_cpu():
         # Flash-attention kernels exist only on GPUs: transformers' default for the model instead, same math (sdpa,
         # or eager where the class has no sdpa: Gemma-2, GPT-OSS run flash on a GPU and eager here).
-        from toolkit.inputs.modelspec import config_attention, default_attention
+        from toolkit.inputs.attention import config_attention, default_attention
 
         found = config_attention({**plan.model_config, "model_type": plan.model_type}, plan.model)
         return default_attention(found[1]) if found else "sdpa"

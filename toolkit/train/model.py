@@ -7,7 +7,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.inputs.job import plan_positions_problem
-from toolkit.inputs.modelspec import model_positions
+from toolkit.inputs.modelconfig import model_positions
 from toolkit.inputs.resolve import catalog_hub_id, loadable_model, locate_model
 from toolkit.plan.schema import Plan
 
@@ -36,12 +36,12 @@ def load_config(source: str, *, random_init: bool = False):
     path = Path(source).expanduser()
     shipped = catalog_name_of_hub_id(source)
     if shipped is not None:  # the hub id of a catalog model: its config ships in the package, no network call
-        from toolkit.inputs.modelspec import load_config as catalog_config
+        from toolkit.inputs.modelconfig import load_config as catalog_config
 
         return catalog_config(shipped)
     in_catalog = locate_model(source).kind == "catalog"
     if in_catalog and random_init:
-        from toolkit.inputs.modelspec import load_config as catalog_config
+        from toolkit.inputs.modelconfig import load_config as catalog_config
 
         return catalog_config(source)
     if in_catalog:  # no weights to train, and not a hub id: say what to pass instead of asking the hub
@@ -94,7 +94,7 @@ def check_matches_plan(config: Any, plan: Plan, source: str) -> None:
     if mismatches:
         raise UserError(f"model {source} is not the model the plan was made for ({plan.model}): "
                         f"{'; '.join(mismatches)}; re-plan for this model or pass the planned --model")
-    from toolkit.inputs.modelspec import config_attention_problem
+    from toolkit.inputs.attention import config_attention_problem
 
     problem = config_attention_problem(config, plan.attention, name=source)  # transformers would refuse it at load
     if problem:
