@@ -17,8 +17,9 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.inputs.attention import attention_problem, attention_support, default_attention
-from toolkit.inputs.modelconfig import (causal_lm_problem, config_from_dict, load_config, model_positions, moe_shape,
+from toolkit.inputs.modelconfig import (causal_lm_problem, config_from_dict, load_config, model_positions,
                                         read_config_json, shape_config, shape_from_params)
+from toolkit.inputs.moe import find_moe, is_expert_param
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +63,9 @@ class ModelSpec:
     """Parameters one token uses (differs from `params` for mixture-of-experts models)."""
     moe_experts: int = 0
     moe_top_k: int = 0
+    moe_block: str | None = None
+    """Class of the MoE block (router + experts; toolkit.inputs.moe), the module ZeRO-3 must fetch whole; None for
+    a dense model."""
     notes: tuple[str, ...] = ()
     pipeline_blocker: str | None = None
     """Why the pipeline converter cannot split this model (the part that stops it), or None: it can
@@ -157,16 +161,12 @@ def _unique_numel(params) -> int:
     return total
 
 
-def _is_expert(param_name: str) -> bool:
-    return ".experts." in f".{param_name}"
-
-
 def _matmul_params(module, moe_fraction: float) -> int:
     """Weights a token multiplies through: tensors of 2+ dims; expert weights scaled by top_k / experts."""
     total = 0.0
     for name, p in module.named_parameters():
         if p.dim() >= 2:
-            total += p.numel() * (moe_fraction if _is_expert(name) else 1.0)
+            total += p.numel() * (moe_fraction if is_expert_param(name) else 1.0)
     return int(round(total))
 
 
@@ -220,7 +220,8 @@ def build_spec(name: str, config) -> ModelSpec:
     head = model.get_output_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
     total = _unique_numel(model.parameters())
-    experts, top_k = moe_shape(config)
+    moe = find_moe(model, config)
+    experts, top_k = (moe.experts, moe.top_k) if moe else (0, 0)
     moe_fraction = top_k / experts if experts else 1.0
 
     pre, post = outside_layer_params(model, layers)
@@ -236,7 +237,7 @@ def build_spec(name: str, config) -> ModelSpec:
     for p in {id(p): p for p in model.parameters()}.values():
         shape = tuple(p.shape)
         factored += math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] if len(shape) >= 2 else p.numel()
-    expert_params = sum(p.numel() for n, p in layers.named_parameters() if _is_expert(n))
+    expert_params = sum(p.numel() for n, p in layers.named_parameters() if is_expert_param(n))
     from toolkit.inputs.decoder_parts import pipeline_blocker
 
     from toolkit.inputs.tileable import model_tiling_blocker
@@ -244,7 +245,9 @@ def build_spec(name: str, config) -> ModelSpec:
     tiling_blocker = model_tiling_blocker(model, hidden)
     notes = []
     if experts:
-        notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token")
+        shared = f", shared {', '.join(moe.shared)}" if moe.shared else ""
+        notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token in {moe.moe_layers} "
+                     f"{moe.block_class} blocks{shared}")
     if tiling_blocker:  # the planner's auto tiling skips this model; --tiled refuses it with the same words
         notes.append(f"ALST tiling not tried: {tiling_blocker}")
     return ModelSpec(
@@ -273,6 +276,7 @@ def build_spec(name: str, config) -> ModelSpec:
         active_params=total - int(round(expert_params * (1 - moe_fraction))),
         moe_experts=experts,
         moe_top_k=top_k,
+        moe_block=moe.block_class if moe else None,
         notes=tuple(notes),
         pipeline_blocker=pipeline_blocker(model, config),
         tiling_blocker=tiling_blocker,

@@ -25,10 +25,6 @@ def layer_mlps(model: Any) -> list[tuple[int, Any]]:
     return [(i, layer.mlp) for i, layer in enumerate(layers) if getattr(layer, "mlp", None) is not None]
 
 
-def _routes_to_experts(mlp: Any) -> bool:
-    return any(".experts." in f".{name}." for name, _ in mlp.named_parameters())
-
-
 def _probe(mlp: Any, shape: tuple[int, ...]) -> str | None:
     """Why the MLP's own forward on a meta input of `shape` is not one tensor of that shape, or None. The MLP's
     parameters and buffers are swapped for meta tensors of their shapes for the call (nothing is copied; a
@@ -60,7 +56,9 @@ def mlp_tiling_blocker(mlp: Any, hidden: int) -> str | None:
     for shape in ((1, 3, hidden), (3, hidden)):  # TiledMLP's forward chunks, then its backward's flattened ones
         if problem := _probe(mlp, shape):
             return problem
-    if _routes_to_experts(mlp):
+    from toolkit.inputs.moe import routes_to_experts
+
+    if routes_to_experts(mlp):
         return ("it routes tokens to experts, and TiledMLP runs the router on each chunk under no_grad first "
                 "(router logits recorded for a load-balancing loss would carry no gradient)")
     if dropout := _dropout(mlp):

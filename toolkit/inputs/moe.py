@@ -1,0 +1,105 @@
+"""The mixture-of-experts parts of a Hugging Face causal LM, found in the model itself (no per-architecture table).
+
+An MoE block is the module of a decoder layer that holds the experts (a child named `experts`: transformers 5's
+fused experts module, whose 3-D weights lead with the expert count, or an older ModuleList of expert MLPs) and,
+beside them, the router: the child whose weight has one row per expert (Qwen3-MoE / Mixtral's `gate`, GPT-OSS's
+`router`, DeepSeek-V3's `gate`). Other children with weights are shared experts (Qwen2-MoE's `shared_expert` and its
+`shared_expert_gate`, DeepSeek-V3's `shared_experts`): every token runs them. Experts per token come from the
+router's (or the block's) own `top_k`, else from the config (modelconfig.moe_shape: the names MoE configs use,
+which the config-only catalog listing reads too).
+
+One place for these facts: the parameter count (ModelSpec's active parameters), the tiling probe (a block that
+routes tokens is not tiled), and the ZeRO-3 leaf modules (the block's class, DeepSpeed's set_z3_leaf_modules /
+zero_optimization.leaf_module) all ask this module. Torch only; meta-device models are fine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+@dataclass(frozen=True)
+class MoeParts:
+    """What a model's MoE blocks are (the first MoE block's; every MoE block of a model has the same class)."""
+    block_class: str
+    """The module holding the router and the experts: the unit ZeRO-3 must fetch whole (its leaf module)."""
+    router_class: str
+    experts_class: str
+    experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Routed experts each token runs."""
+    shared: tuple[str, ...]
+    """Names (inside the block) of the parts every token runs besides the routed experts: shared experts, their
+    gates; () when there are none."""
+    moe_layers: int
+    """Decoder layers with an MoE block (DeepSeek-V3's first layers are dense)."""
+
+
+def is_expert_param(param_name: str) -> bool:
+    """A routed expert's parameter, by its path (`...mlp.experts.gate_up_proj`, `...experts.3.w1.weight`)."""
+    return ".experts." in f".{param_name}"
+
+
+def routes_to_experts(module: Any) -> bool:
+    """`module` holds routed experts (a sparse-MoE block or a layer containing one)."""
+    return any(is_expert_param(name) for name, _ in module.named_parameters())
+
+
+def _expert_count(experts: Any) -> int:
+    import torch.nn as nn
+
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    leading = {p.shape[0] for p in experts.parameters(recurse=False) if p.dim() >= 2}
+    declared = getattr(experts, "num_experts", None)
+    if len(leading) == 1:
+        return int(next(iter(leading)))
+    return int(declared) if isinstance(declared, int) else 0
+
+
+def _block_parts(block: Any, experts: int) -> tuple[Any, tuple[str, ...]] | None:
+    """(the router child, names of the shared children) of a module whose `experts` child holds `experts`."""
+    router, shared = None, []
+    for name, child in block.named_children():
+        if name == "experts" or not any(True for _ in child.parameters()):
+            continue
+        weight = getattr(child, "weight", None)
+        if router is None and weight is not None and weight.dim() == 2 and weight.shape[0] == experts:
+            router = child
+        else:
+            shared.append(name)
+    return (router, tuple(shared)) if router is not None else None
+
+
+def find_moe(model: Any, config: Any = None) -> MoeParts | None:
+    """The MoE parts of `model` (a *ForCausalLM, meta device is fine), or None for a dense model."""
+    from toolkit.inputs.decoder_parts import decoder_layers
+    from toolkit.inputs.modelconfig import moe_shape
+
+    layers = decoder_layers(model) or ()
+    found: MoeParts | None = None
+    moe_layers = 0
+    for layer in layers:
+        for _, block in layer.named_modules():
+            experts_module = getattr(block, "experts", None)
+            if experts_module is None or experts_module not in list(block.children()):
+                continue
+            count = _expert_count(experts_module)
+            parts = _block_parts(block, count) if count >= 2 else None
+            if parts is None:
+                continue
+            moe_layers += 1
+            if found is None:
+                router, shared = parts
+                top_k = getattr(router, "top_k", None) or getattr(block, "top_k", None)
+                if not isinstance(top_k, int):
+                    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+                    top_k = moe_shape(text)[1] if text is not None else 0
+                found = MoeParts(block_class=type(block).__name__, router_class=type(router).__name__,
+                                 experts_class=type(experts_module).__name__, experts=count, top_k=int(top_k),
+                                 shared=shared, moe_layers=0)
+            break
+    if found is None:
+        return None
+    return MoeParts(**{**found.__dict__, "moe_layers": moe_layers})
