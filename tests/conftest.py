@@ -16,6 +16,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed's CPU ops (CPU Adam, shared-memory collectives) as .ci/setup built them for this venv.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 # The fast loop (`pytest -m "not multiprocess"`) must start no process: a test that starts one (subprocess,
