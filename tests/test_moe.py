@@ -77,3 +77,66 @@ def test_a_dense_model_and_a_config_declaring_unused_experts_have_no_moe_parts()
         spec = resolve_model(str(ARCH / f"{name}.json"))
         assert (spec.moe_block, spec.moe_experts, spec.moe_top_k) == (None, 0, 0)
         assert spec.active_params == spec.params
+
+
+# --- ZeRO-3 leaf modules ------------------------------------------------------------------------------------------
+
+SEQ = 32
+STEPS = 6
+TRAIN = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", "100", "--lr", "3e-3",
+         "--lr-scheduler", "constant", "--seed", "7", "--max-eval-blocks", "8")
+LOSS_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """Qwen3-MoE, 2 layers, hidden 64, 4 experts (top-2), random weights, a locally trained tokenizer."""
+    from toolkit.run import tiny
+
+    return tiny.make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen3-moe"), layers=2, hidden=64,
+                                experts=4, corpus_chars=100_000)
+
+
+def _moe_plan(model_dir, strategy, *, world=2, micro=2):
+    from toolkit.run.rehearsal import plan_for_model
+
+    return plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, seq_len=SEQ,
+                          precision="fp32")
+
+
+def test_a_zero3_plan_of_an_moe_model_names_its_block_as_leaf_module(tiny_moe_dir, tmp_path):
+    """The plan records the MoE block, the DeepSpeed JSON carries it as zero_optimization.leaf_module (accepted by
+    DeepSpeed's own config model), PLAN.md and training_args.json say so; ZeRO-1/2 and FSDP2 plans carry none."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from toolkit.emit.deepspeed import ds_config
+    from toolkit.run.launcher import emit_plan_files
+
+    plan = _moe_plan(tiny_moe_dir, "zero3")
+    assert plan.leaf_modules == ["Qwen3MoeSparseMoeBlock"]
+    zero = ds_config(plan)["zero_optimization"]
+    assert DeepSpeedZeroConfig(**zero).leaf_module.classes == ["Qwen3MoeSparseMoeBlock"]
+    folder = emit_plan_files(plan, tmp_path / "plan")
+    assert json.loads((folder / "plan.json").read_text())["leaf_modules"] == ["Qwen3MoeSparseMoeBlock"]
+    assert "ZeRO-3 leaf module: Qwen3MoeSparseMoeBlock" in (folder / "PLAN.md").read_text()
+    notes = json.loads((folder / "training_args.json").read_text())["notes"]
+    assert any("set_z3_leaf_modules(model, ['Qwen3MoeSparseMoeBlock'])" in n for n in notes)
+    for other in ("zero2", "fsdp2"):
+        assert _moe_plan(tiny_moe_dir, other).leaf_modules == []
+        assert "leaf_modules" not in _moe_plan(tiny_moe_dir, other).to_dict()
+
+
+@pytest.mark.multiprocess
+def test_zero3_with_the_moe_block_as_leaf_matches_one_process(run_training, tiny_moe_dir, corpus_dir):
+    """Two gloo ranks of ZeRO-3 with the MoE block as leaf module train the tiny Qwen3-MoE to the single-process
+    losses (fp32, 6 steps, global batch 4); each rank's engine flagged the block (the rank summary reads
+    DeepSpeed's flag off the trained model's modules)."""
+    args = ("--data", str(corpus_dir), *TRAIN)
+    reference = run_training(_moe_plan(tiny_moe_dir, "ddp", world=1, micro=4), "moe-ref", *args).check()
+    zero3 = run_training(_moe_plan(tiny_moe_dir, "zero3"), "moe-zero3", *args).check()
+    ref, got = reference.losses(), zero3.losses()
+    assert len(ref) == STEPS and got.keys() == ref.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), step
+    assert [r["z3_leaf_modules"] for r in zero3.ranks] == [["Qwen3MoeSparseMoeBlock"]] * 2
+    assert reference.ranks[0]["z3_leaf_modules"] == []

@@ -180,6 +180,11 @@ def zero_block(plan: Plan, stage: int, nvme_path: str | None) -> dict[str, Any]:
         block["stage3_max_reuse_distance"] = 1_000_000_000
         # Without it a ZeRO-3 save_model writes an empty model (docs/ENGINE_FACTS.md, DeepSpeed).
         block["stage3_gather_16bit_weights_on_model_save"] = True
+        if plan.leaf_modules:
+            # Replaces DeepSpeed's default list (three transformers MoE block classes, leaf_module_config.py) with
+            # the model's own block; the engine applies it before it installs ZeRO-3's hooks (engine.py
+            # _configure_distributed_model), whichever runner calls deepspeed.initialize.
+            block["leaf_module"] = {"classes": list(plan.leaf_modules)}
     if plan.offload_optimizer != "none":
         block["offload_optimizer"] = offload_block(plan.offload_optimizer, nvme_path, params=False)
     if plan.offload_params != "none":

@@ -211,6 +211,12 @@ def notes(plan: Plan) -> list[str]:
                    "transformers loads the model already partitioned (zero.Init through HfDeepSpeedConfig); a model "
                    "loaded first is whole in every rank's host RAM and GPU. A custom loop creates its Accelerator "
                    "first for the same reason.")
+    if plan.leaf_modules:
+        out.append(f"MoE under ZeRO-3: ds_config.json names {', '.join(plan.leaf_modules)} as a leaf module "
+                   "(zero_optimization.leaf_module.classes), which DeepSpeed applies itself when the Trainer, TRL or "
+                   "accelerate initialises the engine with that file; a script that builds its own DeepSpeed config "
+                   "calls deepspeed.utils.set_z3_leaf_modules(model, "
+                   f"{list(plan.leaf_modules)!r}) before deepspeed.initialize.")
     if owns_optimizer(plan):
         out.append("DeepSpeed builds its CPU-Adam extension (C++, with the compiler) on first use: the first run on "
                    "a machine waits minutes before the first step (cached in ~/.cache/torch_extensions after).")

@@ -559,7 +559,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why
     plan = build_plan(
         model=model_name, model_config=_jsonable(spec.config_dict()), model_type=spec.model_type,
         layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=c.strategy,
-        grid=c.grid, job=c.job, gpu=hw.gpu.name, partition=c.partition,
+        grid=c.grid, job=c.job, gpu=hw.gpu.name, partition=c.partition, moe_block=spec.moe_block,
         notes=[n.replace("\n", " ") for n in notes], attention=spec.effective_attention(c.job.attention),
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
         power_limit_w=hw.gpu.power_limit_w or None,

@@ -9,16 +9,24 @@ from typing import Any, Sequence
 
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.job import Job
-from toolkit.inputs.strategy import Strategy
+from toolkit.inputs.strategy import Engine, Strategy
 from toolkit.plan.schema import Plan
 
 
 def build_plan(*, model: str, model_config: dict[str, Any], model_type: str, layer_class: str, num_layers: int,
                params: int, strategy: Strategy, grid: ParallelGrid, job: Job, gpu: str,
-               partition: Sequence[int] | None = None, notes: Sequence[str] = (), **fields: Any) -> Plan:
-    """The Plan of `job` with `strategy` on `grid` for the model described by the first six fields. `fields`: the
-    plan's other fields (attention as the model runs it, hardware numbers, adapter fields), validated by Plan."""
+               partition: Sequence[int] | None = None, notes: Sequence[str] = (), moe_block: str | None = None,
+               **fields: Any) -> Plan:
+    """The Plan of `job` with `strategy` on `grid` for the model described by the first six fields. `moe_block`: the
+    model's MoE block class (ModelSpec.moe_block), a ZeRO-3 plan's leaf module. `fields`: the plan's other fields
+    (attention as the model runs it, hardware numbers, adapter fields), validated by Plan."""
     fields.setdefault("attention", job.attention)
+    notes = list(notes)
+    if moe_block and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
+        fields["leaf_modules"] = [moe_block]
+        notes.append(f"ZeRO-3 leaf module: {moe_block} (the MoE block) is fetched whole, never hooked expert by "
+                     "expert (zero_optimization.leaf_module.classes in the DeepSpeed JSON; DeepSpeed's engine calls "
+                     "set_z3_leaf_modules with it)")
     return Plan(
         model=model, model_config=model_config, model_type=model_type, layer_class=layer_class,
         num_layers=num_layers, params=params, strategy=strategy.name, num_machines=grid.nodes,
@@ -28,4 +36,4 @@ def build_plan(*, model: str, model_config: dict[str, Any], model_type: str, lay
         grad_accum=job.grad_accum, global_batch=grid.global_batch(job.micro_batch, job.grad_accum),
         precision=job.precision, optimizer=job.optimizer, checkpointing=job.checkpointing,
         optimizer_impl=job.optimizer_impl, activation_offloading=job.activation_offloading, liger=job.liger,
-        compile=job.compile, tiled=job.tiled, gpu=gpu, notes=list(notes), **fields)
+        compile=job.compile, tiled=job.tiled, gpu=gpu, notes=notes, **fields)

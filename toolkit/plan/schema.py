@@ -22,7 +22,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from dataclasses import asdict, replace
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -33,7 +33,7 @@ from toolkit import bounds
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.choices import Attention, Method, Optimizer, OptimizerImpl, Precision
-from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Strategy, parse_strategy
+from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Engine, Strategy, parse_strategy
 from toolkit.plan.files import PLAN_JSON
 
 if TYPE_CHECKING:
@@ -110,6 +110,11 @@ class Plan:
     compile: bool = False
     """torch.compile (inductor) of the model: TrainingArguments torch_compile, accelerate's dynamo_config. Left out
     of plan.json when off, so plans written before it read unchanged."""
+    leaf_modules: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,255}$")]] = \
+        Field(default_factory=list, max_length=16)
+    """ZeRO-3 plans of MoE models: module classes ZeRO-3 fetches whole (the MoE block holding router and experts,
+    toolkit.inputs.moe), written to the DeepSpeed JSON as zero_optimization.leaf_module.classes, which DeepSpeed's
+    engine applies (set_z3_leaf_modules) in every route. Left out of plan.json when empty."""
     tiled: bool = False
     """ALST's tiled MLP and tiled logits + loss (DeepSpeed TiledMLP / TiledFusedLogitsLoss; toolkit.patches.tiling),
     which toolkit.train applies and a user's own script must. Left out of plan.json when off."""
@@ -208,6 +213,9 @@ class Plan:
             from toolkit.inputs.hardware import find_gpu, power_limited
 
             power_limited(find_gpu(self.gpu), self.power_limit_w)
+        if self.leaf_modules and (self.engine != Engine.DEEPSPEED or self.zero_stage != 3):
+            raise ValueError(f"'leaf_modules' are ZeRO-3's (DeepSpeed leaf modules); {self.strategy} has none "
+                             "(delete 'leaf_modules')")
         if self.method == "full" and self.adapter:
             raise ValueError("'adapter' settings need 'method' lora or qlora (or delete 'adapter')")
         if self.method != "full":
@@ -288,6 +296,7 @@ class Plan:
         plan without them reads as it did before they existed."""
         data = json.loads(json.dumps(asdict(self)))
         return {k: v for k, v in data.items() if not ((k in _DEGREES and v == 1) or (k in ("compile", "tiled") and v is False)
+                                                      or (k == "leaf_modules" and not v)
                                                       or (k == "power_limit_w" and v is None))}
 
     def to_json(self) -> str:

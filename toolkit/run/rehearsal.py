@@ -55,6 +55,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
         model=str(model_dir), model_config=_plain(config.to_dict()), model_type=spec.model_type,
         layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind, grid=grid,
         job=job, gpu=gpu, partition=grid.partition(spec) if kind.is_pipeline else None, notes=list(notes or []),
+        moe_block=spec.moe_block,
     )
 
 

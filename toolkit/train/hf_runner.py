@@ -282,7 +282,9 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
                "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
-               "four_bit_numel": four_bit_numel, "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR")}
+               "four_bit_numel": four_bit_numel, "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
+               # modules ZeRO-3 fetched whole: DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py z3_leaf_module)
+               "z3_leaf_modules": sorted({type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)})}
     write_rank_summary(folder, rank, summary)
 
 
