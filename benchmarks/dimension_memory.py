@@ -250,10 +250,10 @@ def predict(name: str, model_dir: str) -> dict:
     # Persistent as distributed_memory.py predicts it: the states model's terms alive across steps (no step
     # gradients, no gathered parameters, no step temporaries), at the rank's own shapes.
     from toolkit.estimate.dimensions import rank_view
-    from toolkit.estimate.memory import _states_for
+    from toolkit.estimate.memory import states_for
 
     view = rank_view(spec, job, plan.grid)
-    st = _states_for(view.spec, plan.strategy_spec, view.job, plan.grid, params=view.spec.params)
+    st = states_for(view.spec, plan.strategy_spec, view.job, plan.grid, params=view.spec.params)
     out["model"] = {"peak_bytes": b.peak_bytes, "peak_phase": b.peak_phase,
                     "persistent_bytes": int(st.parameters + st.gradients + st.master + st.optimizer + st.buffers),
                     "activations_bytes": b.activations_bytes,
@@ -435,7 +435,7 @@ P = {params:,} parameters, {precision}, torch AdamW (8 bytes of states per eleme
 each rank's peak are in dimension_memory.json (`storages`, `at_peak`), as in distributed_memory.json.
 
 **Persistent states per rank are exact for every dimension that runs on CPU.** The planner's states model at the
-rank's own shapes (`_states_for(rank_view(spec, job, grid).spec, ...)`, toolkit.estimate.dimensions) and the
+rank's own shapes (`states_for(rank_view(spec, job, grid).spec, ...)`, toolkit.estimate.dimensions) and the
 formula in `states_formula` give the same bytes, and both equal the measurement to {states_within}:
 - FSDP2 x TP (dp_shard 2 x tp 2): 12 bytes per local element, the local elements being the tp_plan's split
   (toolkit.inputs.tensorplan.tensor_split: q, k, v, gate, up colwise, o, down rowwise, embedding and LM head split,

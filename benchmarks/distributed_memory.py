@@ -275,7 +275,7 @@ def predict(strategy: str, precision: str) -> dict:
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
     from toolkit.inputs.grid import grid_of
-    from toolkit.estimate.memory import _states_for, estimate_memory
+    from toolkit.estimate.memory import states_for, estimate_memory
     from toolkit.inputs.modelspec import build_spec
     from toolkit.inputs.strategy import parse_strategy
 
@@ -285,7 +285,7 @@ def predict(strategy: str, precision: str) -> dict:
     hw = parse_hardware(f"{WORLD}xA100-80GB")
     kind = parse_strategy(strategy)
     b = estimate_memory(spec, kind, job, hw)
-    s = _states_for(spec, kind, job, grid_of(kind, hw), params=spec.params)
+    s = states_for(spec, kind, job, grid_of(kind, hw), params=spec.params)
     return {"params": spec.params, "peak_bytes": b.peak_bytes, "peak_phase": b.peak_phase,
             "breakdown_states_bytes": b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes,
             # What the states model says is alive between steps (no step grads, no gathered params, no step temps).

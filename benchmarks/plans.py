@@ -18,7 +18,9 @@ from provenance import measured_line
 from toolkit.inputs.hardware import GIB, parse_hardware
 from toolkit.inputs.modelspec import resolve_model
 from toolkit.estimate.errorband import time_band
-from toolkit.estimate.search import Request, plan_candidates, speed_ties
+from toolkit.estimate.ranking import speed_ties
+from toolkit.estimate.request import Request
+from toolkit.estimate.search import plan_candidates
 
 CASES = {
     "A": ("gpt2-xl", "8xA100-80GB", None, 1024, 64),

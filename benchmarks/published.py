@@ -129,7 +129,7 @@ exact two-constant fit (exact_compile_fit) solves on them."""
 def _saving_parts(by_id: dict, eager_id: str, compiled_id: str) -> tuple[float, float, float]:
     """(seconds per sample the published speed-up takes off our eager step, the removed elementwise traffic's
     seconds at HBM peak, the removed kernels' seconds at KERNEL_OVERHEAD_S), per sample."""
-    from toolkit.estimate.memory import activation_trace
+    from toolkit.estimate.traces import activation_trace
     from toolkit.estimate.search import evaluate
     from toolkit.estimate.timing import compile_saving_parts
     from toolkit.inputs.grid import grid_of

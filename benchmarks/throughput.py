@@ -344,7 +344,9 @@ def fit(rows: list[dict]):
 
 def pipeline_question(results: list[dict]) -> list[str]:
     """Llama-3-8B, seq 8192, 8 x H100: the planner's ranking of pipeline vs ZeRO / FSDP2, and what backs it."""
-    from toolkit.estimate.search import Request, plan_candidates, speed_ties
+    from toolkit.estimate.ranking import speed_ties
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import plan_candidates
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.modelspec import resolve_model
 

@@ -166,7 +166,8 @@ def test_sp_activations_at_seq_s_are_the_trace_at_s_over_sp_plus_ulysses_kv_repl
     from toolkit.estimate.dimensions import kv_replication_bytes
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
-    from toolkit.estimate.memory import estimate_memory, scaled_trace
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.traces import scaled_trace
 
     hw = parse_hardware("4xH100-80GB")
     strategy = parse_strategy("zero3")
@@ -203,7 +204,8 @@ def test_tp_head_gathers_whole_logits_in_forward_and_fsdp2_keeps_only_the_fsdp_p
     the LM head's forward (colwise_gather_output's all-gather), with only the fsdp_plan's keep_full_weight tail
     unsharded (the layers and the embedding are resharded after forward)."""
     from toolkit.estimate.dimensions import apply_to_trace, logits_gather_bytes, rank_view
-    from toolkit.estimate.memory import estimate_memory, scaled_trace
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.traces import scaled_trace
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
     from toolkit.inputs.tensorplan import model_fsdp_plan, tensor_split
@@ -233,7 +235,8 @@ def test_tp_head_gathers_whole_logits_in_forward_and_fsdp2_keeps_only_the_fsdp_p
 def test_cp_memory_is_the_trace_at_seq_over_cp_plus_the_gathered_kv():
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
-    from toolkit.estimate.memory import estimate_memory, scaled_trace
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.traces import scaled_trace
 
     spec = _small(kv_heads=4)
     strategy = parse_strategy("fsdp2")
@@ -266,7 +269,8 @@ def test_model_parallel_comm_terms_are_the_ring_and_all_to_all_volumes():
 
 def test_llama_8b_at_128k_on_8_h100s_fits_only_by_splitting_the_sequence():
     from toolkit.inputs.hardware import parse_hardware
-    from toolkit.estimate.search import Request, plan_candidates
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import plan_candidates
 
     spec, hw = resolve_model("llama-3.1-8b"), parse_hardware("8xH100-80GB")
     cands = plan_candidates(spec, hw, Request(seq_len=131072, micro_batch=1, checkpointing=True, tiled=False,
@@ -288,7 +292,7 @@ def test_a_trace_between_two_powers_of_two_is_their_interpolation_and_equals_the
     from dataclasses import asdict
 
     from toolkit.inputs.job import Job
-    from toolkit.estimate.memory import activation_trace, traces_linear_in_seq
+    from toolkit.estimate.traces import activation_trace, traces_linear_in_seq
 
     spec = _small()
     strategy = parse_strategy("zero3")
@@ -302,7 +306,8 @@ def test_seq_max_finds_the_longest_length_that_fits_and_the_next_granule_does_no
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
     from toolkit.estimate.longest import granule, longest_on_grid
-    from toolkit.estimate.search import Request, evaluate
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import evaluate
 
     spec = resolve_model("qwen2.5-7b")
     hw = parse_hardware("8xH100-80GB")
@@ -590,7 +595,7 @@ def test_check_finds_nothing_wrong_in_the_folders_plan_writes(degree, tmp_path):
 
 def test_tp_head_and_embedding_make_only_their_shards_gradients():
     from toolkit.estimate.dimensions import apply_to_trace, rank_view
-    from toolkit.estimate.memory import scaled_trace
+    from toolkit.estimate.traces import scaled_trace
     from toolkit.inputs.job import Job
 
     spec = _small(kv_heads=4)

@@ -203,7 +203,8 @@ def test_plan_carries_liger_and_its_prediction_is_reproduced(capsys):
     from toolkit.cli import main
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.modelspec import resolve_model
-    from toolkit.estimate.search import Request, plan_candidates, predict_plan, to_plan
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import plan_candidates, predict_plan, to_plan
 
     spec = resolve_model("qwen2.5-0.5b")  # tied embeddings: the fused loss's gradient is the embedding's
     hw = parse_hardware("2xA100-80GB")

@@ -149,7 +149,7 @@ def test_engine_memory_of_lora_and_qlora():
     from toolkit.inputs.job import Job
     from toolkit.inputs.lora import counts_for_spec
     from toolkit.inputs.grid import grid_of
-    from toolkit.estimate.memory import _adapter_states
+    from toolkit.estimate.memory import adapter_job_states
     from toolkit.inputs.modelspec import resolve_model
     from toolkit.inputs.strategy import parse_strategy
 
@@ -159,27 +159,27 @@ def test_engine_memory_of_lora_and_qlora():
     job = Job(seq_len=1024, adapter=lora)
     c = counts_for_spec(spec, lora)
     assert c.trainable_params == 39_976_960  # PEFT's count for Llama-2-7B, r=16, all-linear
-    ddp = _adapter_states(spec, parse_strategy("ddp"), job, grid_of(parse_strategy("ddp"), hw))
+    ddp = adapter_job_states(spec, parse_strategy("ddp"), job, grid_of(parse_strategy("ddp"), hw))
     assert ddp.parameters == c.frozen_params * 2 + c.trainable_params * 4
     assert ddp.step_gradients == c.trainable_params * 4
     assert ddp.optimizer == c.trainable_params * 8
     assert ddp.buffers == c.trainable_params * 4  # DDP buckets only parameters that need grad
-    z3 = _adapter_states(spec, parse_strategy("zero3"), job, grid_of(parse_strategy("zero3"), hw))
+    z3 = adapter_job_states(spec, parse_strategy("zero3"), job, grid_of(parse_strategy("zero3"), hw))
     assert z3.parameters == pytest.approx(c.frozen_params * 2 / 4 + c.trainable_params * 2 / 4)
     assert z3.master == pytest.approx(c.trainable_params * 4 / 4)
-    fsdp = _adapter_states(spec, parse_strategy("fsdp2"), job, grid_of(parse_strategy("fsdp2"), hw))
+    fsdp = adapter_job_states(spec, parse_strategy("fsdp2"), job, grid_of(parse_strategy("fsdp2"), hw))
     assert fsdp.parameters == pytest.approx(c.frozen_params * 2 / 4 + c.trainable_params * 4 / 4)
     qlora = replace(lora, method="qlora")
     cq = counts_for_spec(spec, qlora)
     assert cq.quantized_tensors == 32 * 7
     assert cq.unquantized_frozen_params == spec.embedding_params * 2 + 4096 * (2 * 32 + 1)  # embed, head, norms
     qjob = Job(seq_len=1024, adapter=qlora)
-    q_ddp = _adapter_states(spec, parse_strategy("ddp"), qjob, grid_of(parse_strategy("ddp"), hw))
+    q_ddp = adapter_job_states(spec, parse_strategy("ddp"), qjob, grid_of(parse_strategy("ddp"), hw))
     assert q_ddp.parameters == cq.quantized_bytes + cq.unquantized_frozen_params * 2 + cq.trainable_params * 4
     # ~0.52 bytes per quantised weight with double quantisation (4 bits + 8-bit absmax per 64 + constants).
     assert 0.515 < cq.quantized_bytes / cq.quantized_params < 0.52
-    q_fsdp = _adapter_states(spec, parse_strategy("fsdp2"), qjob, grid_of(parse_strategy("fsdp2"), hw))
-    sharded = _adapter_states(spec, parse_strategy("fsdp2"), Job(seq_len=1024, adapter=replace(
+    q_fsdp = adapter_job_states(spec, parse_strategy("fsdp2"), qjob, grid_of(parse_strategy("fsdp2"), hw))
+    sharded = adapter_job_states(spec, parse_strategy("fsdp2"), Job(seq_len=1024, adapter=replace(
         qlora, quant_storage="bfloat16")), grid_of(parse_strategy("fsdp2"), hw))
     # uint8 codes stay whole on each of the 4 GPUs (accelerate's ignored_params); the bf16 embeddings, norms and
     # head are sharded either way, and the quantisation constants are whole on every GPU either way.
@@ -194,7 +194,7 @@ def test_fsdp2_qlora_gathers_the_packed_4bit_base_a_quarter_of_loras_bytes():
     per decoder layer a quarter of LoRA's bf16 bytes. The step's communication is those bytes on the ring."""
     from dataclasses import replace
 
-    from toolkit.estimate.memory import _adapter_states
+    from toolkit.estimate.memory import adapter_job_states
     from toolkit.estimate.timing import OVERLAP, _ring, data_parallel_gather_bytes, step_time
     from toolkit.inputs.grid import grid_of
     from toolkit.inputs.hardware import parse_hardware
@@ -209,7 +209,7 @@ def test_fsdp2_qlora_gathers_the_packed_4bit_base_a_quarter_of_loras_bytes():
     jobs = {a.method: Job(seq_len=2048, micro_batch=1, grad_accum=1, checkpointing=True, adapter=a)
             for a in (lora, qlora)}
     c, cq = counts_for_spec(spec, lora), counts_for_spec(spec, qlora)
-    states = _adapter_states(spec, fsdp, jobs["qlora"], grid_of(fsdp, hw))
+    states = adapter_job_states(spec, fsdp, jobs["qlora"], grid_of(fsdp, hw))
     constants = cq.quantized_bytes - cq.quantized_packed_bytes
     sharded_frozen = (states.parameters - constants - cq.trainable_params * 4 / 2) * 2  # the states' own count
     assert sharded_frozen == cq.quantized_packed_bytes + cq.unquantized_frozen_params * 2

@@ -18,7 +18,8 @@ from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.modelspec import resolve_model
 from toolkit.plan.schema import SCHEMA_FILE, json_schema, load_plan
-from toolkit.estimate.search import Request, evaluate, plan_candidates, to_plan
+from toolkit.estimate.request import Request
+from toolkit.estimate.search import evaluate, plan_candidates, to_plan
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, parse_strategy
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,8 @@ from toolkit.errors import UserError
 from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.modelspec import resolve_model
 from toolkit.plan.schema import load_plan
-from toolkit.estimate.search import Request, plan_candidates, to_plan
+from toolkit.estimate.request import Request
+from toolkit.estimate.search import plan_candidates, to_plan
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, parse_strategy
 
 
@@ -209,7 +210,8 @@ def test_launch_flags_before_the_double_dash_are_toolkits_after_it_trains(tmp_pa
 def test_speed_ties_put_a_row_with_a_band_of_memory_headroom_first(seq):
     """Issue 33: Llama-3.1-8B at 32k-128k on 8xH100, ZeRO-1 x SP at 73.8 of 79.1 GiB (within a fifth of a band of the
     refusal line) used to rank first among speeds within 0.3%; a row with at least one spare band must."""
-    from toolkit.estimate.ranking import SPARE_BANDS, headroom_bands, speed_ties, why_first
+    from toolkit.estimate.candidate import headroom_bands
+    from toolkit.estimate.ranking import SPARE_BANDS, speed_ties, why_first
 
     cands = plan_candidates(resolve_model("llama-3.1-8b"), parse_hardware("8xH100-80GB"),
                             Request(seq_len=seq, global_batch=8))
@@ -228,7 +230,8 @@ def test_a_faster_row_beyond_the_band_wins_over_more_headroom(llama7b):
     from dataclasses import replace
 
     from toolkit.estimate.errorband import time_band
-    from toolkit.estimate.ranking import headroom_bands, rank, why_first
+    from toolkit.estimate.candidate import headroom_bands
+    from toolkit.estimate.ranking import rank, why_first
 
     cands = [c for c in plan_candidates(llama7b, parse_hardware("8xH100-80GB"),
                                         Request(seq_len=4096, global_batch=64, strategies=("zero1", "zero3"),

@@ -66,7 +66,7 @@ def test_foreach_adds_a_group_sized_temporary_to_the_fsdp2_step():
 
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
-    from toolkit.estimate.memory import _states_for
+    from toolkit.estimate.memory import states_for
     from toolkit.inputs.modelspec import resolve_model
     from toolkit.inputs.strategy import parse_strategy
 
@@ -77,12 +77,12 @@ def test_foreach_adds_a_group_sized_temporary_to_the_fsdp2_step():
     job = Job(seq_len=32)
     fsdp2, zero2 = parse_strategy("fsdp2"), parse_strategy("zero2")
     grid, zgrid = grid_of(fsdp2, hw), grid_of(zero2, hw)
-    fused = _states_for(spec, fsdp2, job, grid, params=spec.params)
-    foreach = _states_for(spec, fsdp2, replace(job, optimizer_impl="foreach"), grid, params=spec.params)
+    fused = states_for(spec, fsdp2, job, grid, params=spec.params)
+    foreach = states_for(spec, fsdp2, replace(job, optimizer_impl="foreach"), grid, params=spec.params)
     assert foreach.step_transient - fused.step_transient == spec.params * 4 / 4
     # DeepSpeed steps with its own fused optimizer: the choice does not apply.
-    z = _states_for(spec, zero2, replace(job, optimizer_impl="foreach"), zgrid, params=spec.params)
-    assert z.step_transient == _states_for(spec, zero2, job, zgrid, params=spec.params).step_transient
+    z = states_for(spec, zero2, replace(job, optimizer_impl="foreach"), zgrid, params=spec.params)
+    assert z.step_transient == states_for(spec, zero2, job, zgrid, params=spec.params).step_transient
 
 
 def test_planner_refuses_a_candidate_inside_the_error_band():
@@ -93,7 +93,8 @@ def test_planner_refuses_a_candidate_inside_the_error_band():
     from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import resolve_model
     from toolkit.inputs.grid import grid_of
-    from toolkit.estimate.search import Request, evaluate, plan_candidates
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import evaluate, plan_candidates
     from toolkit.inputs.strategy import parse_strategy
 
     spec = resolve_model("gpt2")
@@ -127,7 +128,8 @@ def test_host_ram_at_load_refuses_every_rank_loading_the_whole_model(capsys):
     from toolkit.cli import main
     from toolkit.inputs.hardware import GIB, parse_hardware
     from toolkit.inputs.modelspec import resolve_model
-    from toolkit.estimate.search import Request, plan_candidates
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import plan_candidates
 
     spec = resolve_model("gpt2-xl")
     hw = parse_hardware("8xA100-80GB", cpu_ram_gib=40)
@@ -156,7 +158,8 @@ def test_activation_offloading_moves_layer_activations_to_host():
 
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
-    from toolkit.estimate.memory import estimate_memory, scaled_trace
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.traces import scaled_trace
     from toolkit.inputs.modelspec import resolve_model
     from toolkit.inputs.strategy import parse_strategy
 

@@ -147,7 +147,9 @@ def test_a_short_plan_is_untiled_and_tiled_within_the_band_ranks_after():
     from dataclasses import replace
 
     from toolkit.estimate.errorband import time_band
-    from toolkit.estimate.search import Request, plan_candidates, prefer_untiled, rank
+    from toolkit.estimate.ranking import rank
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import plan_candidates, prefer_untiled
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.modelspec import resolve_model
 
@@ -219,7 +221,8 @@ def test_tiling_refuses_an_mlp_tiled_mlp_cannot_run_in_one_line(name, mlp_class,
     probing the model's own MLP on the meta device. --tiled on refuses it in one line; the planner's auto tiling
     does not try it (the crash: `plan` over Qwen3-30B-A3B on 2x8xH100 ended in the block's ValueError)."""
     from toolkit.cli import main
-    from toolkit.estimate.search import Request, auto_tiling
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import auto_tiling
     from toolkit.inputs.modelspec import resolve_model
     from toolkit.inputs.strategy import parse_strategy
 

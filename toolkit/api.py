@@ -14,7 +14,7 @@ these, never a hand-built Job:
 
 A model is a catalog name, a local folder or config.json, a hub id, or a ModelSpec; hardware is a spec string
 (`8xH100-80GB`, `2x8xA100-80GB`) or a Hardware. The job's settings are the fields of toolkit.inputs.job.Job
-(estimate) and toolkit.estimate.search.Request (plan), spelled as those classes spell them; bad input raises
+(estimate) and toolkit.estimate.request.Request (plan), spelled as those classes spell them; bad input raises
 toolkit.errors.UserError with the one line the command line would print.
 """
 
@@ -29,7 +29,8 @@ from toolkit.inputs.choices import GIB
 
 if TYPE_CHECKING:
     from toolkit.estimate.memory import Breakdown
-    from toolkit.estimate.search import Candidate, Request
+    from toolkit.estimate.candidate import Candidate
+    from toolkit.estimate.request import Request
     from toolkit.estimate.timing import Timing
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.hardware import Hardware
@@ -225,7 +226,8 @@ def plan(model_name: "str | ModelSpec", gpus: "str | Hardware" = "8xH100-80GB", 
          adapter: Any = None, **request_and_hardware: Any) -> PlanResult:
     """Every strategy ranked (`toolkit plan`). Keyword arguments beyond these are Request fields (strategies,
     precision, optimizer, checkpointing, tensor_parallel, tiled, ...) or hardware options."""
-    from toolkit.estimate.search import Request, plan_candidates
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import plan_candidates
     from toolkit.inputs.job import job_problem
     from toolkit.inputs.resolve import recorded_model
 

@@ -198,7 +198,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
         raise UserError(problem)
     from toolkit.estimate.longest import longest_on_grid, text_chart
     from toolkit.inputs.hardware import power_json
-    from toolkit.estimate.search import Request
+    from toolkit.estimate.request import Request
     from toolkit.inputs.grid import ParallelGrid
 
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,

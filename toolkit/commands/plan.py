@@ -51,7 +51,9 @@ def cmd_plan(args) -> int:
     from pathlib import Path
 
     from toolkit.estimate.errorband import time_band
-    from toolkit.estimate.search import Request, candidate_named, plan_candidates, speed_ties, to_plan, why_first
+    from toolkit.estimate.ranking import speed_ties, why_first
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import candidate_named, plan_candidates, to_plan
     from toolkit.inputs.hardware import power_json
 
     _refuse_what_seq_max_ignores(args)
@@ -292,7 +294,8 @@ def _refuse_existing(out, force: bool) -> None:
 
 
 def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
-    from toolkit.estimate.ranking import resume_problem, why_first
+    from toolkit.estimate.candidate import resume_problem
+    from toolkit.estimate.ranking import why_first
     from toolkit.inputs.hardware import power_words
 
     print(f"{spec.name} ({human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
@@ -351,7 +354,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
 def _note_time_band(hw, candidates, top: int) -> None:
     """Say which top candidates the step-time model cannot tell apart, and which speeds no published run backs."""
     from toolkit.estimate.errorband import time_band
-    from toolkit.estimate.search import speed_ties
+    from toolkit.estimate.ranking import speed_ties
 
     band = time_band()
     tied = speed_ties(candidates)

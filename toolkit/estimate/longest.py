@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.hardware import Hardware
     from toolkit.inputs.modelspec import ModelSpec
-    from toolkit.estimate.search import Candidate, Request
+    from toolkit.estimate.candidate import Candidate
+    from toolkit.estimate.request import Request
     from toolkit.inputs.strategy import Strategy
 
 GRANULE = 128
@@ -92,7 +93,7 @@ def granule(grid: "ParallelGrid") -> int:
 def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list[Longest]:
     """The longest sequence per planner row (strategy, and model-parallel family at its best degree), longest
     first; rows that fit nothing last, with the reason at the shortest length tried."""
-    from toolkit.estimate.memory import traces_linear_in_seq
+    from toolkit.estimate.traces import traces_linear_in_seq
     from toolkit.estimate.search import options_for
 
     cap = seq_cap(spec)
@@ -129,7 +130,7 @@ def tiling_could_reach_further(spec: "ModelSpec", req: "Request", results: list[
 def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", grid: "ParallelGrid",
                     req: "Request") -> Longest:
     """The longest sequence one strategy fits on one grid, with its memory curve (estimate --seq max)."""
-    from toolkit.estimate.memory import traces_linear_in_seq
+    from toolkit.estimate.traces import traces_linear_in_seq
 
     cap = seq_cap(spec, grid)
     with traces_linear_in_seq():

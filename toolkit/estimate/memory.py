@@ -1,6 +1,6 @@
-"""Per-GPU memory of one training step: model states (toolkit.estimate.states) + traced activations (toolkit.estimate.tracer),
-composed phase by phase. The peak is the highest live total over the phases of a steady-state step, not a sum
-of every component:
+"""Per-GPU memory of one training step: model states (toolkit.estimate.states) + traced activations
+(toolkit.estimate.traces), composed phase by phase. The peak is the highest live total over the phases of a
+steady-state step, not a sum of every component:
 
   forward   states + grads kept while accumulating + saved activations so far + the region's temporaries
   backward  regions in reverse: what is still saved + gradients produced so far + the region's backward temporaries
@@ -11,7 +11,7 @@ Every term carries where it came from, so `--explain` can show it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
@@ -19,10 +19,11 @@ from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.estimate.hostram import HostRam, host_ram
-from toolkit.inputs.job import COMPILE_BLOCKS, Job, checkpointing_words
+from toolkit.inputs.job import Job, checkpointing_words
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.estimate.savers import offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.estimate.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
+from toolkit.estimate.traces import scaled_trace
 from toolkit.inputs.strategy import Engine, Strategy
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
@@ -112,157 +113,6 @@ class Breakdown:
             out["host_save_bytes_per_node"] = self.host.save_bytes_per_node
             out["host_peak_bytes_per_node"] = self.host.peak_bytes_per_node
         return out
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Activation traces, cached per process (a plan asks for the same model/job many times)
-
-
-def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
-    """(compute dtype, autocast): DDP runs torch AMP over fp32 weights; DeepSpeed, FSDP2 and the pipeline
-    engine compute with low-precision weights."""
-    dtype = job.compute_dtype_name
-    return dtype, strategy.engine == Engine.DDP and job.mixed
-
-
-_TRACE_CACHE: dict[tuple, tuple[ModelSpec, ActivationTrace]] = {}
-"""Per process, keyed by the spec's identity; the entry keeps the spec alive so its id is never reused."""
-
-
-def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
-    data = {**data, "compile_traffic": tuple(data.get("compile_traffic", ()))}
-    return ActivationTrace(**{**data, "embedding": RegionTrace(**data["embedding"]),
-                              "layers": tuple(RegionTrace(**r) for r in data["layers"]),
-                              "head": RegionTrace(**data["head"]), "notes": tuple(data["notes"])})
-
-
-_SEQ_ANCHORED = False
-"""True inside `traces_linear_in_seq`: traces at other lengths come from two traced lengths (toolkit.estimate.longest)."""
-
-SEQ_ANCHOR_MIN = 1024
-"""Shortest anchor length: below it a trace is taken at the exact length."""
-
-
-class traces_linear_in_seq:
-    """Within this context, a trace at sequence length L is interpolated between exact traces at a and 2a, a the
-    power of two at or below L (L >= SEQ_ANCHOR_MIN): saved bytes, temporaries and the logits are linear in the
-    sequence for the GPU kernels' footprint (no s x s tensor with flash / efficient SDPA), measured exact from
-    2048 tokens on (tests/test_dimensions.py). A search over lengths then traces once per octave it visits,
-    never per probe."""
-
-    def __enter__(self):
-        global _SEQ_ANCHORED
-        self._was, _SEQ_ANCHORED = _SEQ_ANCHORED, True
-        return self
-
-    def __exit__(self, *exc):
-        global _SEQ_ANCHORED
-        _SEQ_ANCHORED = self._was
-
-
-def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> ActivationTrace | None:
-    L = job.seq_len
-    if not _SEQ_ANCHORED or L < SEQ_ANCHOR_MIN or L & (L - 1) == 0:
-        return None
-    from dataclasses import replace
-
-    a = 1 << (L.bit_length() - 1)
-    t1 = _exact_trace(spec, replace(job, seq_len=a), strategy, b)
-    t2 = _exact_trace(spec, replace(job, seq_len=2 * a), strategy, b)
-    f = (L - a) / a
-
-    def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
-        return RegionTrace(**{k: int(round(v + (getattr(r2, k) - v) * f)) for k, v in asdict(r1).items()})
-
-    return replace(t1, seq_len=L, embedding=lerp(t1.embedding, t2.embedding),
-                   layers=tuple(lerp(x, y) for x, y in zip(t1.layers, t2.layers)), head=lerp(t1.head, t2.head),
-                   output_bytes=int(round(t1.output_bytes + (t2.output_bytes - t1.output_bytes) * f)))
-
-
-def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
-    b = micro_batch or job.micro_batch
-    return _seq_anchored(spec, job, strategy, b) or _exact_trace(spec, job, strategy, b)
-
-
-def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
-    dtype, autocast = _trace_mode(strategy, job)
-    b = micro_batch or job.micro_batch
-    attention = spec.effective_attention(job.attention)
-    adapter = job.adapter if job.adapter.is_adapter else None
-    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing, adapter)
-    if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
-        key += ("liger",)
-    if job.compile:
-        key += ("compile",) if job.compile is True else ("compile", job.compile)
-    if job.tiled:
-        key += ("tiled",)
-    if job.chunked_loss:
-        key += ("chunked_loss", job.chunked_loss)
-    if key not in _TRACE_CACHE:
-        from toolkit import cache
-        from toolkit.estimate.compiled import trace_compiled_activations
-        from toolkit.estimate.tracer import trace_activations
-
-        disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
-        if disk_key and job.compile:
-            from importlib import metadata
-
-            disk_key += ["compile", metadata.version("torch")] + ([] if job.compile is True else [job.compile])
-        if disk_key and adapter is not None:
-            from importlib import metadata
-
-            disk_key += [adapter.to_dict(), metadata.version("peft")]
-        if disk_key and job.tiled:
-            disk_key += ["tiled"]
-        if disk_key and job.chunked_loss:
-            disk_key += ["chunked_loss", job.chunked_loss]
-        traced_by = trace_compiled_activations if job.compile else trace_activations
-        trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
-        if trace is None:
-            try:
-                if job.compile:
-                    trace = trace_compiled_activations(
-                        spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
-                        attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
-                        blocks=job.compile == COMPILE_BLOCKS, chunked_loss=job.chunked_loss)
-                else:
-                    trace = trace_activations(
-                        spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
-                        attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
-                        liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss)
-            except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
-                raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
-            if disk_key:
-                cache.put("trace", disk_key, asdict(trace), code=traced_by)
-        _TRACE_CACHE[key] = (spec, trace)
-    return _TRACE_CACHE[key][1]
-
-
-def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
-    f = b - 1
-    return RegionTrace(saved_bytes=r1.saved_bytes + (r2.saved_bytes - r1.saved_bytes) * f,
-                       forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
-                       backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
-                       autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes,
-                       backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes,
-                       forward_grad_bytes=r1.forward_grad_bytes)
-
-
-def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
-    """The trace at job.micro_batch from traces at micro-batch 1 and 2: saved bytes are affine in the batch
-    (every saved tensor has a batch dimension, or none, as rotary tables do), so two points are exact."""
-    b = job.micro_batch
-    if b <= 2:
-        return activation_trace(spec, job, strategy, b)
-    t1 = activation_trace(spec, job, strategy, 1)
-    t2 = activation_trace(spec, job, strategy, 2)
-    from dataclasses import replace
-
-    return replace(t1, micro_batch=b, embedding=_lerp_region(t1.embedding, t2.embedding, b),
-                   layers=tuple(_lerp_region(a, c, b) for a, c in zip(t1.layers, t2.layers)),
-                   head=_lerp_region(t1.head, t2.head, b),
-                   output_bytes=t1.output_bytes + (t2.output_bytes - t1.output_bytes) * (b - 1),
-                   loss_bytes=t1.loss_bytes)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -372,7 +222,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     return peak, saved_total * in_flight + stash_bytes, copies_total
 
 
-def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
+def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
     from toolkit.inputs.lora import (base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes,
                                      layer_sharded_base_bytes, sharded_base_bytes)
     from toolkit.estimate.timing import data_parallel_gather_bytes
@@ -398,9 +248,9 @@ def _adapter_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Paralle
         dequantized_bytes=counts.largest_quantized_params * (4 if job.adapter.compute_dtype == "float32" else 2))
 
 
-def _states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
+def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
     if job.adapter.is_adapter:
-        return _adapter_states(spec, strategy, job, grid)
+        return adapter_job_states(spec, strategy, job, grid)
     s = _engine_states(spec, strategy, job, grid, params=params)
     if strategy.engine in (Engine.DDP, Engine.FSDP2):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
         shard = grid.shard_group
@@ -441,7 +291,7 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
         spec = per_rank_spec(spec, grid.tensor)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if grid.world > 1 else 0)
     params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
-    s = _states_for(spec, strategy, job, grid, params=params)
+    s = states_for(spec, strategy, job, grid, params=params)
     return int(s.parameters + s.gradients + s.master + s.optimizer) + context
 
 
@@ -458,7 +308,7 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
 
         # Counts first: they check the adapter against the model (one clear error for unknown target modules).
         counts = counts_for_spec(spec, job.adapter)
-        states = _adapter_states(spec, strategy, job, grid)
+        states = adapter_job_states(spec, strategy, job, grid)
         trace = scaled_trace(spec, job, strategy)
         # Gradients exist only for the trainable parameters: regions carry those counts.
         regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
@@ -471,7 +321,7 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
         if job.activation_offloading:
             trace, offloaded = offload_layer_activations(trace)
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
-        states = _states_for(spec, strategy, job, grid, params=spec.params)
+        states = states_for(spec, strategy, job, grid, params=spec.params)
         states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
         return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
     if job.activation_offloading:
@@ -488,7 +338,7 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
         tied_copy = stage_params[i] - sum(r.params for r in regions)
         if tied_copy:  # TiedLayerSpec: the last stage holds its own copy of the tied matrix
             regions[-1] = _Region(regions[-1].name, regions[-1].params + tied_copy, regions[-1].trace)
-        states = _states_for(spec, strategy, job, grid, params=stage_params[i])
+        states = states_for(spec, strategy, job, grid, params=stage_params[i])
         in_flight = max(1, min(stages - i, job.grad_accum))
         breakdowns.append(_compose(spec, strategy, job, hw, trace, regions, states, in_flight=in_flight,
                                    stage=i))
@@ -508,7 +358,7 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
 
     view = rank_view(spec, job, grid)
     trace = apply_to_trace(scaled_trace(view.spec, view.job, strategy), view, job.checkpointing)
-    states = _states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
+    states = states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
     if view.fsdp_kept_outside_params is not None and strategy.engine == Engine.FSDP2 \
             and strategy.fsdp_mode != "grad_op" and not view.fsdp_layers_kept:
         trace = _fsdp_plan_groups(view, trace, states, job)

@@ -4,7 +4,7 @@ Feasible candidates come first, by predicted tokens/s. Candidates whose speeds a
 band (toolkit.estimate.errorband.time_band) are ties: the model cannot tell them apart, so a speed difference inside
 the band never decides for the riskier setup. Among ties the order is robustness:
 
-1. a plan that can resume from its checkpoints before one that cannot (resume_problem);
+1. a plan that can resume from its checkpoints before one that cannot (toolkit.estimate.candidate.resume_problem);
 2. memory headroom, in units of the row's own peak error band (errorband.band_for), counted beyond the one band the
    planner already keeps (a row inside it is refused): 0 is at the refusal line, and a row with less than one band
    to spare would run out of memory if the estimate were off by twice its band, so it is the riskier one. Headroom
@@ -18,34 +18,13 @@ A faster candidate beyond the band still wins: only the ties are reordered.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-from toolkit.estimate.errorband import band_for, time_band
-
-if TYPE_CHECKING:
-    from toolkit.estimate.search import Candidate
+from toolkit.estimate.candidate import Candidate, headroom_bands, resume_problem
+from toolkit.estimate.errorband import time_band
 
 SPARE_BANDS = 1.0
 """Headroom beyond the kept error band, in bands, at which a row counts as safe: below it a row is riskier and more
 headroom ranks it higher; at or above it rows are equal on memory and simplicity decides."""
-
-
-def headroom_bands(c: "Candidate") -> float:
-    """GPU memory left beyond the error band the planner keeps, in units of that band: (capacity - required - band)
-    / band. 0: at the refusal line; 1: an estimate off by twice its band still fits. inf when the band is unknown
-    (no published case scored) or the row is not costed."""
-    if c.memory is None:
-        return math.inf
-    band = band_for(c.strategy.engine, c.job.checkpointing).headroom_bytes(c.memory.peak_bytes)
-    if band <= 0:
-        return math.inf
-    return (c.memory.capacity_bytes - c.memory.required_bytes - band) / band
-
-
-def resume_problem(c: "Candidate") -> str | None:
-    """Why this plan cannot resume from its own checkpoints, or None: the grid's rule
-    (toolkit.inputs.grid.ParallelGrid.resume_problem; a refusal has no grid and is never ranked)."""
-    return c.grid.resume_problem() if c.grid is not None else None
 
 
 OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
@@ -54,7 +33,7 @@ KIND_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3, "hybrid"
 parameters every layer; pipelines add stages, a schedule and point-to-point sends."""
 
 
-def simplicity(c: "Candidate") -> tuple[int, int, int, int]:
+def simplicity(c: Candidate) -> tuple[int, int, int, int]:
     """Smaller is simpler: the model's own code (ALST tiling recomputes the MLPs and LM head through DeepSpeed's
     tiled functions; Liger swaps in Triton kernels) first, then offload (host RAM, PCIe, CPU Adam, NVMe; activation
     offloading's side-stream copies) first, then the family's moving parts (FSDP2's HSDP counts one more than full
@@ -68,25 +47,25 @@ def simplicity(c: "Candidate") -> tuple[int, int, int, int]:
     return int(job.tiled) + int(job.liger), offload, parts, c.pipeline_stages
 
 
-def robustness(c: "Candidate") -> tuple:
+def robustness(c: Candidate) -> tuple:
     """Smaller is more robust (module docstring): resumable, then headroom up to SPARE_BANDS, then simplicity."""
     return resume_problem(c) is not None, -min(headroom_bands(c), SPARE_BANDS), simplicity(c)
 
 
-def need_bytes(c: "Candidate") -> float:
+def need_bytes(c: Candidate) -> float:
     """How much a refused candidate needs (the least-infeasible explains best)."""
     if c.memory is not None:
         return c.memory.required_bytes
     return float("inf") if c.reason is None else 1e30
 
 
-def speed_key(c: "Candidate"):
+def speed_key(c: Candidate):
     if not c.feasible:
         return (1, need_bytes(c))
     return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
 
 
-def speed_ties(ranked: list["Candidate"]) -> list["Candidate"]:
+def speed_ties(ranked: list[Candidate]) -> list[Candidate]:
     """The feasible candidates whose predicted speed is within the step-time band of the fastest one."""
     feasible = [c for c in ranked if c.feasible]
     if not feasible:
@@ -96,7 +75,7 @@ def speed_ties(ranked: list["Candidate"]) -> list["Candidate"]:
     return [c for c in feasible if c.timing.tokens_per_s >= fastest or band.ties(fastest, c.timing.tokens_per_s)]
 
 
-def rank(cands: list["Candidate"]) -> list["Candidate"]:
+def rank(cands: list[Candidate]) -> list[Candidate]:
     """Feasible first by tokens/s, except that candidates inside the step-time band of the fastest are ordered by
     robustness first (module docstring): a difference the model cannot tell apart never decides for the riskier
     setup."""
@@ -109,7 +88,7 @@ def rank(cands: list["Candidate"]) -> list["Candidate"]:
     return sorted(tied, key=lambda c: (robustness(c), speed_key(c))) + rest
 
 
-def why_first(ranked: list["Candidate"]) -> str | None:
+def why_first(ranked: list[Candidate]) -> str | None:
     """One line saying why the first feasible candidate of `ranked` (rank's order) is #1, or None when none fits."""
     feasible = [c for c in ranked if c.feasible]
     if not feasible:
@@ -151,7 +130,7 @@ def why_first(ranked: list["Candidate"]) -> str | None:
     return "; ".join(parts)
 
 
-def _decider(first: "Candidate", other: "Candidate") -> str:
+def _decider(first: Candidate, other: Candidate) -> str:
     """Which part of the ranking key put `first` before `other` (both in the tie)."""
     a, b = robustness(first), robustness(other)
     for name, x, y in (("resume", a[0], b[0]), ("headroom", a[1], b[1]), ("simpler", a[2], b[2])):
@@ -160,7 +139,7 @@ def _decider(first: "Candidate", other: "Candidate") -> str:
     return "faster"
 
 
-def _faster(a: "Candidate", b: "Candidate") -> float:
+def _faster(a: Candidate, b: Candidate) -> float:
     return a.timing.tokens_per_s / b.timing.tokens_per_s - 1
 
 

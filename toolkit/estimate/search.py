@@ -21,162 +21,28 @@ layers do not split into the stages, the GPU lacks the precision, the node lacks
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from toolkit.estimate.errorband import band_for, time_band
-from toolkit.estimate.ranking import (headroom_bands, need_bytes, rank, resume_problem,  # noqa: F401 (re-exported)
-                                     simplicity, speed_ties, why_first)
+from toolkit.estimate.candidate import Candidate
+from toolkit.estimate.ranking import need_bytes, rank
+from toolkit.estimate.request import Request
 from toolkit.errors import UserError
 from toolkit.inputs.hardware import GIB, Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
 from toolkit.inputs.job import Job, job_problem, model_feature_problem
-from toolkit.inputs.lora import FULL, Adapter
-from toolkit.estimate.memory import Breakdown, activation_trace, estimate_memory, states_floor_bytes
+from toolkit.estimate.memory import Breakdown, estimate_memory, states_floor_bytes
+from toolkit.estimate.traces import activation_trace
 from toolkit.inputs.modelspec import ModelSpec
-from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Kind, Strategy, parse_strategy
-from toolkit.estimate.timing import Timing, step_time
+from toolkit.inputs.strategy import Kind, Strategy, parse_strategy
+from toolkit.estimate.timing import step_time
 
 if TYPE_CHECKING:
     from toolkit.plan.schema import Plan  # pydantic: imported only where a plan is built (estimate never needs it)
 
 CPU_RAM_RESERVE = 0.10
 """Share of host RAM left to the OS, dataloaders and the Python processes when offloading."""
-
-
-@dataclass(frozen=True, eq=False)
-class Candidate:
-    strategy: Strategy
-    job: Job
-    pipeline_stages: int
-    data_parallel: int
-    global_batch: int
-    partition: list[int] | None = None
-    memory: Breakdown | None = None
-    timing: Timing | None = None
-    reason: str | None = None
-    """Why it cannot run (None: feasible)."""
-    grid: ParallelGrid | None = None
-    """The grid it was costed on (None for a refusal before any grid)."""
-    dimension: str | None = None
-    """"tp", "cp" or "sp" for a model-parallel candidate (its row's family), else None."""
-
-    @property
-    def feasible(self) -> bool:
-        return self.reason is None
-
-    @property
-    def speed_evidenced(self) -> bool:
-        """Whether published runs of this engine at this scale back the predicted speed (toolkit.estimate.errorband
-        .time_band); a tensor / context / sequence dimension has none yet."""
-        gpus = self.pipeline_stages * self.data_parallel
-        return self.dimension is None and time_band().covers(self.strategy.name, gpus)
-
-    @property
-    def degrees(self) -> tuple[int, int, int]:
-        """(tensor, context, sequence) degrees."""
-        g = self.grid
-        return (g.tensor, g.context, g.sequence) if g is not None else (1, 1, 1)
-
-    @property
-    def name(self) -> str:
-        job = getattr(self, "job", None)
-        if job is None:
-            return self._base_name
-        return self._base_name + "".join(tag for tag, on in (
-            (" +compile", job.compile), (" +tiled", job.tiled), (" +liger", job.liger),
-            (" +act-offload", job.activation_offloading)) if on)
-
-    @property
-    def _base_name(self) -> str:
-        if self.strategy.is_pipeline and (self.grid is not None or self.reason is None):
-            return f"{self.strategy.name} (pp={self.pipeline_stages} x dp={self.data_parallel})"
-        if self.grid is not None and self.grid.model_parallel > 1:
-            return f"{self.strategy.name} ({self.grid.describe()})"
-        if self.dimension:
-            return f"{self.strategy.name} x {self.dimension}"
-        return self.strategy.name
-
-    def row(self) -> dict[str, Any]:
-        """The plain-dict view the emitters' PLAN.md chart and --json output use."""
-        return {
-            "name": self.name, "strategy": self.strategy.name, "feasible": self.feasible, "reason": self.reason,
-            "micro_batch": self.job.micro_batch, "grad_accum": self.job.grad_accum,
-            "checkpointing": self.job.checkpointing, "tiled": self.job.tiled, "pipeline_stages": self.pipeline_stages,
-            "data_parallel": self.data_parallel, "global_batch": self.global_batch,
-            "tensor_parallel": self.degrees[0], "context_parallel": self.degrees[1],
-            "sequence_parallel": self.degrees[2],
-            "peak_bytes": self.memory.required_bytes if self.memory else None,
-            "capacity_bytes": self.memory.capacity_bytes if self.memory else None,
-            "cpu_bytes_per_node": self.memory.cpu_bytes_per_node if self.memory else None,
-            "host_peak_bytes_per_node": self.memory.host.peak_bytes_per_node if self.memory else None,
-            "error_band": band_for(self.strategy.engine, self.job.checkpointing).text(),
-            "step_time_s": self.timing.step_time_s if self.timing else None,
-            "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
-            "speed_evidenced": self.speed_evidenced,
-            "speed_unmodelled": list(self.timing.unmodelled) if self.timing else [],
-            "liger": self.job.liger, "activation_offloading": self.job.activation_offloading,
-            "headroom_bands": _finite(round(headroom_bands(self), 2)) if self.feasible else None,
-            "resume_problem": resume_problem(self) if self.feasible else None,
-        }
-
-
-def _finite(x: float) -> float | None:
-    """JSON has no infinity: an unmeasured headroom is null."""
-    return x if x == x and abs(x) != float("inf") else None
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the user asked for, before any strategy is chosen."""
-
-    seq_len: int
-    global_batch: int | None = None
-    micro_batch: int | None = None
-    grad_accum: int | None = None
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    attention: str | None = None
-    """None: transformers' pick for the model (toolkit.inputs.job.Job.attention)."""
-    device_kind: str = "cuda"
-    checkpointing: bool | None = None
-    """None: let the planner choose; True/False: force it."""
-    optimizer_impl: str = "fused"
-    activation_offloading: bool = False
-    liger: bool = False
-    tiled: bool | None = None
-    """ALST's tiled MLP and tiled logits + loss (toolkit.patches.tiling): None (plan's default, --tiled auto): the
-    planner tiles where the engines run it and only tiling fits, or is faster beyond the time band (module
-    docstring); True (--tiled): in every row, engines that refuse it say so; False (--tiled off): never."""
-    compile: bool = False
-    """torch.compile (inductor) of the model: activations from the compiler's partition, the compiled step time."""
-    pipeline_stages: int | None = None
-    strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
-    tensor_parallel: int | None = None
-    """None: the planner tries every degree the model and node allow (FSDP2 x TP); 1: no tensor parallelism."""
-    context_parallel: int | None = None
-    """None: every degree the sequence and world allow (FSDP2 x CP); 1: none."""
-    sequence_parallel: int | None = None
-    """None: every degree the heads, sequence and world allow (ZeRO x Ulysses SP); 1: none."""
-    adapter: Adapter = FULL
-    """Training method (full, LoRA, QLoRA) and its settings."""
-    savers: bool = True
-    """The planner tries Liger kernels and activation offloading by itself where a row fits no other way
-    (auto_savers); False: only what the request turns on."""
-
-    def __post_init__(self) -> None:
-        if self.global_batch is None and self.micro_batch is None:
-            raise UserError("give --global-batch G, or --micro-batch B (with optional --accumulation A)")
-        for flag, value in (("--global-batch", self.global_batch), ("--micro-batch", self.micro_batch),
-                            ("--accumulation", self.grad_accum), ("--pipeline-stages", self.pipeline_stages),
-                            ("--tensor-parallel", self.tensor_parallel), ("--context-parallel", self.context_parallel),
-                            ("--sequence-parallel", self.sequence_parallel)):
-            if value is not None and value <= 0:
-                raise UserError(f"{flag} must be a positive integer, got {value}")
-        Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
-            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
-            liger=self.liger, compile=self.compile, tiled=self.tiled is True)
-        ParallelGrid.check_batch_request(self.global_batch, self.micro_batch, self.grad_accum)
 
 
 def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> list[ParallelGrid] | str:

@@ -1,0 +1,65 @@
+"""What the user asks the planner for, before any strategy is chosen (Request): the job's settings, and which of
+them the search may vary (None: the planner chooses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import UserError
+from toolkit.inputs.grid import ParallelGrid
+from toolkit.inputs.job import Job
+from toolkit.inputs.lora import FULL, Adapter
+from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for, before any strategy is chosen."""
+
+    seq_len: int
+    global_batch: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    attention: str | None = None
+    """None: transformers' pick for the model (toolkit.inputs.job.Job.attention)."""
+    device_kind: str = "cuda"
+    checkpointing: bool | None = None
+    """None: let the planner choose; True/False: force it."""
+    optimizer_impl: str = "fused"
+    activation_offloading: bool = False
+    liger: bool = False
+    tiled: bool | None = None
+    """ALST's tiled MLP and tiled logits + loss (toolkit.patches.tiling): None (plan's default, --tiled auto): the
+    planner tiles where the engines run it and only tiling fits, or is faster beyond the time band (module
+    docstring); True (--tiled): in every row, engines that refuse it say so; False (--tiled off): never."""
+    compile: bool = False
+    """torch.compile (inductor) of the model: activations from the compiler's partition, the compiled step time."""
+    pipeline_stages: int | None = None
+    strategies: tuple[str, ...] = ALL_STRATEGY_NAMES
+    tensor_parallel: int | None = None
+    """None: the planner tries every degree the model and node allow (FSDP2 x TP); 1: no tensor parallelism."""
+    context_parallel: int | None = None
+    """None: every degree the sequence and world allow (FSDP2 x CP); 1: none."""
+    sequence_parallel: int | None = None
+    """None: every degree the heads, sequence and world allow (ZeRO x Ulysses SP); 1: none."""
+    adapter: Adapter = FULL
+    """Training method (full, LoRA, QLoRA) and its settings."""
+    savers: bool = True
+    """The planner tries Liger kernels and activation offloading by itself where a row fits no other way
+    (auto_savers); False: only what the request turns on."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch is None and self.micro_batch is None:
+            raise UserError("give --global-batch G, or --micro-batch B (with optional --accumulation A)")
+        for flag, value in (("--global-batch", self.global_batch), ("--micro-batch", self.micro_batch),
+                            ("--accumulation", self.grad_accum), ("--pipeline-stages", self.pipeline_stages),
+                            ("--tensor-parallel", self.tensor_parallel), ("--context-parallel", self.context_parallel),
+                            ("--sequence-parallel", self.sequence_parallel)):
+            if value is not None and value <= 0:
+                raise UserError(f"{flag} must be a positive integer, got {value}")
+        Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
+            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
+            liger=self.liger, compile=self.compile, tiled=self.tiled is True)
+        ParallelGrid.check_batch_request(self.global_batch, self.micro_batch, self.grad_accum)

@@ -1,0 +1,161 @@
+"""The activation trace a memory estimate reads, for one model, job and strategy: traced once (toolkit.estimate.tracer,
+or toolkit.estimate.compiled under torch.compile), kept per process and on disk (toolkit.cache), interpolated between
+two traced lengths inside `traces_linear_in_seq`, and scaled to any micro-batch from micro-batches 1 and 2."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.estimate.activations import ActivationTrace, RegionTrace
+from toolkit.inputs.job import COMPILE_BLOCKS, Job
+from toolkit.inputs.modelspec import ModelSpec
+from toolkit.inputs.strategy import Engine, Strategy
+
+
+def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
+    """(compute dtype, autocast): DDP runs torch AMP over fp32 weights; DeepSpeed, FSDP2 and the pipeline
+    engine compute with low-precision weights."""
+    dtype = job.compute_dtype_name
+    return dtype, strategy.engine == Engine.DDP and job.mixed
+
+
+_TRACE_CACHE: dict[tuple, tuple[ModelSpec, ActivationTrace]] = {}
+"""Per process, keyed by the spec's identity; the entry keeps the spec alive so its id is never reused."""
+
+
+def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
+    data = {**data, "compile_traffic": tuple(data.get("compile_traffic", ()))}
+    return ActivationTrace(**{**data, "embedding": RegionTrace(**data["embedding"]),
+                              "layers": tuple(RegionTrace(**r) for r in data["layers"]),
+                              "head": RegionTrace(**data["head"]), "notes": tuple(data["notes"])})
+
+
+_SEQ_ANCHORED = False
+"""True inside `traces_linear_in_seq`: traces at other lengths come from two traced lengths (toolkit.estimate.longest)."""
+
+SEQ_ANCHOR_MIN = 1024
+"""Shortest anchor length: below it a trace is taken at the exact length."""
+
+
+class traces_linear_in_seq:
+    """Within this context, a trace at sequence length L is interpolated between exact traces at a and 2a, a the
+    power of two at or below L (L >= SEQ_ANCHOR_MIN): saved bytes, temporaries and the logits are linear in the
+    sequence for the GPU kernels' footprint (no s x s tensor with flash / efficient SDPA), measured exact from
+    2048 tokens on (tests/test_dimensions.py). A search over lengths then traces once per octave it visits,
+    never per probe."""
+
+    def __enter__(self):
+        global _SEQ_ANCHORED
+        self._was, _SEQ_ANCHORED = _SEQ_ANCHORED, True
+        return self
+
+    def __exit__(self, *exc):
+        global _SEQ_ANCHORED
+        _SEQ_ANCHORED = self._was
+
+
+def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> ActivationTrace | None:
+    L = job.seq_len
+    if not _SEQ_ANCHORED or L < SEQ_ANCHOR_MIN or L & (L - 1) == 0:
+        return None
+    from dataclasses import replace
+
+    a = 1 << (L.bit_length() - 1)
+    t1 = _exact_trace(spec, replace(job, seq_len=a), strategy, b)
+    t2 = _exact_trace(spec, replace(job, seq_len=2 * a), strategy, b)
+    f = (L - a) / a
+
+    def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
+        return RegionTrace(**{k: int(round(v + (getattr(r2, k) - v) * f)) for k, v in asdict(r1).items()})
+
+    return replace(t1, seq_len=L, embedding=lerp(t1.embedding, t2.embedding),
+                   layers=tuple(lerp(x, y) for x, y in zip(t1.layers, t2.layers)), head=lerp(t1.head, t2.head),
+                   output_bytes=int(round(t1.output_bytes + (t2.output_bytes - t1.output_bytes) * f)))
+
+
+def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
+    b = micro_batch or job.micro_batch
+    return _seq_anchored(spec, job, strategy, b) or _exact_trace(spec, job, strategy, b)
+
+
+def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
+    dtype, autocast = _trace_mode(strategy, job)
+    b = micro_batch or job.micro_batch
+    attention = spec.effective_attention(job.attention)
+    adapter = job.adapter if job.adapter.is_adapter else None
+    key = (id(spec), job.seq_len, b, dtype, autocast, attention, job.device_kind, job.checkpointing, adapter)
+    if job.liger:  # appended only when set, so the disk cache of traces without Liger stays valid
+        key += ("liger",)
+    if job.compile:
+        key += ("compile",) if job.compile is True else ("compile", job.compile)
+    if job.tiled:
+        key += ("tiled",)
+    if job.chunked_loss:
+        key += ("chunked_loss", job.chunked_loss)
+    if key not in _TRACE_CACHE:
+        from toolkit import cache
+        from toolkit.estimate.compiled import trace_compiled_activations
+        from toolkit.estimate.tracer import trace_activations
+
+        disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
+        if disk_key and job.compile:
+            from importlib import metadata
+
+            disk_key += ["compile", metadata.version("torch")] + ([] if job.compile is True else [job.compile])
+        if disk_key and adapter is not None:
+            from importlib import metadata
+
+            disk_key += [adapter.to_dict(), metadata.version("peft")]
+        if disk_key and job.tiled:
+            disk_key += ["tiled"]
+        if disk_key and job.chunked_loss:
+            disk_key += ["chunked_loss", job.chunked_loss]
+        traced_by = trace_compiled_activations if job.compile else trace_activations
+        trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
+        if trace is None:
+            try:
+                if job.compile:
+                    trace = trace_compiled_activations(
+                        spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
+                        attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
+                        blocks=job.compile == COMPILE_BLOCKS, chunked_loss=job.chunked_loss)
+                else:
+                    trace = trace_activations(
+                        spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
+                        attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
+                        liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss)
+            except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
+                raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
+            if disk_key:
+                cache.put("trace", disk_key, asdict(trace), code=traced_by)
+        _TRACE_CACHE[key] = (spec, trace)
+    return _TRACE_CACHE[key][1]
+
+
+def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
+    f = b - 1
+    return RegionTrace(saved_bytes=r1.saved_bytes + (r2.saved_bytes - r1.saved_bytes) * f,
+                       forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
+                       backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
+                       autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes,
+                       backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes,
+                       forward_grad_bytes=r1.forward_grad_bytes)
+
+
+def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
+    """The trace at job.micro_batch from traces at micro-batch 1 and 2: saved bytes are affine in the batch
+    (every saved tensor has a batch dimension, or none, as rotary tables do), so two points are exact."""
+    b = job.micro_batch
+    if b <= 2:
+        return activation_trace(spec, job, strategy, b)
+    t1 = activation_trace(spec, job, strategy, 1)
+    t2 = activation_trace(spec, job, strategy, 2)
+    from dataclasses import replace
+
+    return replace(t1, micro_batch=b, embedding=_lerp_region(t1.embedding, t2.embedding, b),
+                   layers=tuple(_lerp_region(a, c, b) for a, c in zip(t1.layers, t2.layers)),
+                   head=_lerp_region(t1.head, t2.head, b),
+                   output_bytes=t1.output_bytes + (t2.output_bytes - t1.output_bytes) * (b - 1),
+                   loss_bytes=t1.loss_bytes)
