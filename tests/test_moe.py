@@ -140,3 +140,69 @@ def test_zero3_with_the_moe_block_as_leaf_matches_one_process(run_training, tiny
         assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), step
     assert [r["z3_leaf_modules"] for r in zero3.ranks] == [["Qwen3MoeSparseMoeBlock"]] * 2
     assert reference.ranks[0]["z3_leaf_modules"] == []
+
+
+# --- toolkit check ------------------------------------------------------------------------------------------------
+
+ZERO3 = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+
+
+def _small_model(name: str, folder: Path) -> Path:
+    from toolkit.inputs.modelconfig import config_from_dict
+    from toolkit.run.tiny import shrink_config
+
+    config = shrink_config(config_from_dict(json.loads((ARCH / f"{name}.json").read_text()), name), layers=2,
+                           experts=4)
+    config.save_pretrained(folder)
+    return folder
+
+
+def _check(capsys, *argv) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    code = main(["check", *argv])
+    captured = capsys.readouterr()
+    return code, [line for line in (captured.out + captured.err).splitlines() if "leaf" in line]
+
+
+@pytest.mark.parametrize("name, zero, warned", [
+    # GPT-OSS's block is in no default list: ZeRO-3 without leaf_module hooks inside it
+    ("gpt-oss-20b", {}, "GptOssMLP"),
+    ("gpt-oss-20b", {"leaf_module": {"classes": ["GptOssMLP"]}}, None),
+    # DeepSpeed 0.19.8's default leaf list names Qwen3MoeSparseMoeBlock; an explicit empty list turns it off
+    ("qwen3-30b-a3b", {}, None),
+    ("qwen3-30b-a3b", {"leaf_module": {"classes": []}}, "Qwen3MoeSparseMoeBlock"),
+    ("qwen3-30b-a3b", {"stage": 2}, None),
+    ("qwen3-0.6b", {}, None),
+])
+def test_check_finds_a_zero3_moe_config_without_leaf_modules(name, zero, warned, tmp_path, capsys):
+    """`check ds.json --model M`: a ZeRO-3 JSON for an MoE model whose block DeepSpeed will not flag as leaf is a
+    warning with the fix (the JSON key, or set_z3_leaf_modules in a script check cannot see); a covered block, a
+    ZeRO-2 JSON and a dense model give no finding."""
+    model = _small_model(name, tmp_path / "model")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], **zero}}))
+    code, lines = _check(capsys, str(ds), "--model", str(model), "--gpus", "8xH100-80GB")
+    if warned is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and f"its MoE block {warned} is not a leaf module" in lines[0], lines
+        assert "warning" in lines[0] and f'"leaf_module": {{"classes": ["{warned}"]}}' in lines[0]
+        assert code == 0 and main(["check", str(ds), "--model", str(model), "--gpus", "8xH100-80GB",
+                                   "--strict"]) == 1
+    assert _check(capsys, str(ds))[1] == []  # a lone JSON names no model: nothing to say
+
+
+def test_check_of_a_plan_folder_finds_its_moe_block_left_out(tiny_moe_dir, tmp_path, capsys):
+    """The emitted ZeRO-3 folder of an MoE plan is clean; the same folder with leaf modules turned off in
+    ds_config.json gets the warning, the model read from the plan."""
+    from toolkit.run.launcher import emit_plan_files
+
+    folder = emit_plan_files(_moe_plan(tiny_moe_dir, "zero3"), tmp_path / "plan")
+    assert _check(capsys, str(folder))[1] == []
+    ds = folder / "ds_config.json"
+    config = json.loads(ds.read_text())
+    config["zero_optimization"]["leaf_module"] = {"classes": []}
+    ds.write_text(json.dumps(config))
+    lines = _check(capsys, str(folder))[1]
+    assert len(lines) == 1 and "its MoE block Qwen3MoeSparseMoeBlock is not a leaf module" in lines[0], lines

@@ -247,10 +247,11 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
         raise UserError("--model needs --gpus with a GPU type, e.g. --gpus 8xH100-80GB")
     hw = parse_hardware(gpus)
     spec = resolve_model(model)
+    moe = _lone_json_leaf_problem(path, spec)
     try:
         s = fit_settings(path, pins)
     except UserError as exc:  # the check's own findings say what is wrong with the file
-        return [Problem(path, "note", f"fit check skipped: {exc}", EVERY)]
+        return moe + [Problem(path, "note", f"fit check skipped: {exc}", EVERY)]
     notes = list(s.assumptions)
     seq, adapted = default_seq_len(spec, seq_len or s.seq_len)
     if seq_len is None and s.seq_len is None:
@@ -296,7 +297,7 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
         partition = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                               pipeline_stages=s.stages).partition(spec)
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=s.stages, partition=partition, grid=grid)
-    out = [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes]
+    out = moe + [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes]
     what = (f"{spec.name} with {strategy.name}, {s.precision}, micro-batch {s.micro_batch}, seq {seq}"
             f"{', checkpointing' if s.checkpointing else ''}")
     if not memory.fits:
@@ -310,3 +311,18 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
         out.append(Problem(path, "error", f"offload needs {memory.cpu_bytes_per_node / GIB:.0f} GiB host RAM per node "
                            f"of {hw.cpu_ram_bytes_per_node / GIB:.0f}", EVERY))
     return out
+
+
+def _lone_json_leaf_problem(path: str, spec) -> list[Problem]:
+    """The MoE leaf-module finding for a DeepSpeed JSON given with --model (a plan folder's JSON gets it from the
+    folder check, with the plan's model)."""
+    from toolkit.check.moe import leaf_module_problem
+
+    p = Path(path)
+    if p.is_dir() or p.suffix != ".json":
+        return []
+    config = read_config(p)
+    if is_plan_json(config):
+        return []
+    found = leaf_module_problem(config, path, model=spec.name, moe_block=spec.moe_block)
+    return [found] if found else []

@@ -44,6 +44,8 @@ def json_file_problems(config: dict[str, Any], file: str, readers: Readers, plan
     found = ds_problems(config, file, readers)
     if plan is not None:
         found += plan_json_consistency(config, file, plan)
+        if (moe := plan_leaf_problem(config, file, plan)) is not None:
+            found.append(moe)
         if not any(p.severity == "error" for p in found):
             from toolkit.engines.validate import ConfigRejected, validate_ds_config_for_plan
 
@@ -54,6 +56,23 @@ def json_file_problems(config: dict[str, Any], file: str, readers: Readers, plan
                 found.append(Problem(file, "error", f"DeepSpeed/transformers refuse it: {exc}",
                                      next(iter(readers.runners))))
     return found
+
+
+def plan_leaf_problem(config: dict[str, Any], file: str, plan: Plan) -> Problem | None:
+    """The MoE leaf-module finding for a plan's DeepSpeed JSON; the MoE block from the plan, else from its model
+    (toolkit.inputs.moe through the cached spec; only built for a ZeRO-3 JSON)."""
+    from toolkit.check.moe import leaf_module_problem
+
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") != 3:
+        return None
+    if plan.leaf_modules:
+        block = plan.leaf_modules[0]
+    else:
+        from toolkit.inputs.modelspec import spec_from_config_dict
+
+        block = spec_from_config_dict(plan.model_config, name=plan.model).moe_block
+    return leaf_module_problem(config, file, model=plan.model, moe_block=block)
 
 
 def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan, *, runner: str | None = None

@@ -1,0 +1,51 @@
+"""Mixture-of-experts findings of `toolkit check`: a ZeRO-3 DeepSpeed config for an MoE model whose MoE block is not
+a leaf module (docs/ENGINE_FACTS.md "Mixture of experts under ZeRO-3").
+
+What check can know: the model (a plan folder's model_config, or `--model` beside a DeepSpeed JSON; a lone JSON
+names no model, so nothing is said) and the leaf modules the JSON gives DeepSpeed's engine (its
+zero_optimization.leaf_module, read through DeepSpeed's own config model, whose default list names three
+transformers MoE blocks). What it cannot know: a script that calls deepspeed.utils.set_z3_leaf_modules itself, or
+accelerate's --deepspeed_moe_layer_cls_names on a launch line; the finding says so and is a warning, not an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolkit.check.findings import EVERY, Problem
+
+
+def _leaf_config(zero: dict[str, Any]):
+    """DeepSpeed's parsed leaf_module block (its defaults when absent), or None when DeepSpeed would refuse it (the
+    config checks say why)."""
+    from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
+
+    try:
+        return DeepSpeedZeroLeafModuleConfig(**(zero.get("leaf_module") or {}))
+    except Exception:  # noqa: BLE001 - DeepSpeed's own validation error; ds_problems reports the file
+        return None
+
+
+def leaf_module_problem(config: dict[str, Any], file: str, *, model: str, moe_block: str | None) -> Problem | None:
+    """A warning when `config` runs ZeRO-3 and `moe_block` (the model's MoE block class, toolkit.inputs.moe) is not
+    among the leaf module classes DeepSpeed's engine will flag; None otherwise."""
+    zero = config.get("zero_optimization")
+    if not moe_block or not isinstance(zero, dict) or zero.get("stage") != 3:
+        return None
+    leaf = _leaf_config(zero)
+    if leaf is None or any(c == moe_block or c.endswith(f".{moe_block}") for c in leaf.classes):
+        return None
+    fix = (f"add \"leaf_module\": {{\"classes\": [\"{moe_block}\"]}} to zero_optimization, or call "
+           f"deepspeed.utils.set_z3_leaf_modules(model, [\"{moe_block}\"]) before the engine wraps the model "
+           "(check cannot see a script that already does)")
+    if leaf.names or leaf.name_suffixes:
+        return Problem(file, "note", f"ZeRO-3 with {model}, a mixture of experts: leaf_module names modules by "
+                       f"name, which check does not match against the model; make sure they cover every "
+                       f"{moe_block}, or {fix}", EVERY)
+    said = (f"leaf_module.classes is {leaf.classes}" if "leaf_module" in zero else
+            "no leaf_module, and DeepSpeed's default list names only "
+            + ", ".join(c.rsplit(".", 1)[-1] for c in leaf.classes))
+    return Problem(file, "warning", f"ZeRO-3 with {model}, a mixture of experts: its MoE block {moe_block} is not a "
+                   f"leaf module ({said}), so ZeRO-3 hooks and prefetches every part inside it by a traced order "
+                   "that routing changes (hangs with per-expert modules, DeepSpeed's set_z3_leaf_modules); "
+                   + fix, EVERY)
