@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from provenance import measured_line
-from toolkit.inputs.hardware import GIB, parse_hardware
+from toolkit.inputs.choices import GIB
+from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.modelspec import resolve_model
 from toolkit.estimate.errorband import time_band
 from toolkit.estimate.ranking import speed_ties

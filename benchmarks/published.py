@@ -167,7 +167,7 @@ def exact_compile_fit(rows: list[dict]) -> dict:
 def prose_numbers(rows: list[dict], results: list[dict]) -> dict:
     """Numbers the reading cites that are not in the tables: the torchao runs' reserved peaks and our worst error
     on them, the fp32 logits of torchtune's 3B row, the exact two-constant compile fit."""
-    from toolkit.inputs.hardware import GIB
+    from toolkit.inputs.choices import GIB
 
     torchao = [(by["job"]["gpu"].split("-")[0], r) for r in results for by in rows
                if by["id"] == r["id"] and "pytorch/ao" in r["source"] and r["metrics"]]
@@ -212,7 +212,7 @@ def compile_speedups(rows: list[dict]) -> list[dict]:
 
 def compare(row: dict) -> dict:
     """One result line: published metric and value, ours for the same metric, error, or the reason."""
-    from toolkit.inputs.hardware import GIB
+    from toolkit.inputs.choices import GIB
 
     reasons = unmodelled(row["job"])
     out = {"id": row["id"], "source": row["source"], "confidence": row["confidence"],

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from toolkit.cli import main
-from toolkit.inputs.hardware import GIB, parse_hardware
+from toolkit.inputs.choices import GIB
+from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.job import Job
 from toolkit.estimate.memory import estimate_memory
 from toolkit.inputs.modelspec import resolve_model

@@ -126,7 +126,8 @@ def test_host_ram_at_load_refuses_every_rank_loading_the_whole_model(capsys):
     """gpt2-xl (1.56B): DDP builds the fp32 model on every rank (8 x 6.2 GB on one node), FSDP2's
     cpu_ram_efficient_loading once, ZeRO-3 partitions while building."""
     from toolkit.cli import main
-    from toolkit.inputs.hardware import GIB, parse_hardware
+    from toolkit.inputs.choices import GIB
+    from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.modelspec import resolve_model
     from toolkit.estimate.request import Request
     from toolkit.estimate.search import plan_candidates

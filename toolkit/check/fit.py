@@ -236,7 +236,8 @@ def _fsdp_strategy(plugin: Any, notes: list[str]) -> tuple[Strategy, bool | None
 def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None = None,
                  pins: Pins = Pins()) -> list[Problem]:
     """The assumptions (notes), then an error per GPU (or host) limit the described training would overflow."""
-    from toolkit.inputs.hardware import GIB, parse_hardware
+    from toolkit.inputs.choices import GIB
+    from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.job import Job, adapter_problem, check_job, default_seq_len
     from toolkit.estimate.memory import estimate_memory

@@ -9,7 +9,7 @@ import sys
 from toolkit import bounds
 from toolkit.bounds import float_arg, int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.choices import COMPILE_BLOCKS, GIB  # noqa: F401 (GIB: the commands' unit, from its one home)
+from toolkit.inputs.choices import COMPILE_BLOCKS, GIB
 from toolkit.inputs.job import checkpointing_words
 
 

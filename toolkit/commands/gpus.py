@@ -1,7 +1,7 @@
 """`toolkit gpus`: the GPU catalog (memory, peak rate, link)."""
 
 from __future__ import annotations
-from toolkit.commands.common import GIB
+from toolkit.inputs.choices import GIB
 
 
 def add_parser(sub) -> None:

@@ -9,8 +9,9 @@ from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.choices import COMPILE_BLOCKS
 from toolkit.inputs.job import checkpointing_words
-from toolkit.commands.common import (adapter_of, add_checkpointing_flag, add_job_flags, add_model_flags, GIB, model_spec,
+from toolkit.commands.common import (adapter_of, add_checkpointing_flag, add_job_flags, add_model_flags, model_spec,
                                      print_note, seq_len_of)
+from toolkit.inputs.choices import GIB
 
 
 def add_parser(sub) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from toolkit.inputs.choices import DTYPE_BYTES, compute_bytes
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
     local_seq = job.seq_len // grid.seq_split
     rank_job = replace(job, seq_len=local_seq)
     b = job.micro_batch
-    pb = 4 if job.precision == "fp32" else 2
+    pb = compute_bytes(job.precision)
     d = spec.head_dim
     fwd = bwd = saved = 0
     head_gather, kept, layers_kept = 1, None, False
@@ -143,7 +144,7 @@ def kv_replication_bytes(spec: "ModelSpec", job: "Job", sp: int) -> int:
     whole sequence per rank instead of kv_heads heads of seq / sp tokens."""
     if spec.kv_heads >= sp:
         return 0
-    pb = 4 if job.precision == "fp32" else 2
+    pb = compute_bytes(job.precision)
     per_tensor = job.micro_batch * spec.head_dim * pb * (job.seq_len - job.seq_len // sp * spec.kv_heads)
     return 2 * per_tensor
 
@@ -176,7 +177,7 @@ def logits_gather_bytes(trace: "ActivationTrace", head, tensor: int) -> int:
     loss's fp32 log-softmax, part of the head's saved bytes, does not exist yet. Measured on CPU over gloo:
     local + 2 x whole logits at that moment (benchmarks/results/dimension_memory.md)."""
     logits = trace.output_bytes  # the whole-vocabulary logits of one micro-batch, in the compute dtype
-    pb = 4 if trace.dtype == "float32" and not trace.autocast else 2
+    pb = 2 if trace.autocast else DTYPE_BYTES[trace.dtype]
     log_softmax = min(head.saved_bytes, logits * 4 // pb)  # transformers' ForCausalLMLoss upcasts to fp32
     return logits // tensor + 2 * logits - log_softmax
 

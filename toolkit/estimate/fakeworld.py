@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
+from toolkit.inputs.choices import GIB
 from toolkit.inputs.job import CHECKPOINTING_OP
 from toolkit.inputs.strategy import Engine
 
@@ -290,7 +291,7 @@ def traced_terms(terms: tuple, world: WorldTrace) -> tuple:
 
 
 def peak_line(world: WorldTrace, estimated_peak_bytes: int) -> str:
-    unit, div = ("GiB", 1024 ** 3) if world.peak_bytes >= 1024 ** 3 else ("MiB", 1024 ** 2)
+    unit, div = ("GiB", GIB) if world.peak_bytes >= GIB else ("MiB", 1024 ** 2)
     kinds = ", ".join(f"{k} {v / div:.2f}" for k, v in world.peak_by_kind)
     return (f"fake-world peak (tensors, CPU dispatch, {world.world} ranks): {world.peak_bytes / div:.2f} {unit} "
             f"against the estimate's {estimated_peak_bytes / div:.2f} {unit} "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.inputs.choices import weight_bytes
 from toolkit.inputs.job import Job
 from toolkit.inputs.strategy import Engine, Kind, Strategy
 
@@ -88,4 +89,4 @@ def _load_bytes_per_param(job: Job) -> int:
         from toolkit.inputs.lora import base_storage_bytes_per_param
 
         return base_storage_bytes_per_param(job.precision)
-    return 2 if job.precision == "bf16-pure" else 4
+    return weight_bytes(job.precision)

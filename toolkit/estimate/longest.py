@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
-from toolkit.inputs.hardware import GIB
+from toolkit.inputs.choices import GIB
 
 if TYPE_CHECKING:
     from toolkit.inputs.grid import ParallelGrid

@@ -16,7 +16,8 @@ from typing import Any
 
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
 from toolkit.errors import UserError
-from toolkit.inputs.hardware import GIB, Hardware
+from toolkit.inputs.choices import DTYPE_BYTES, GIB, compute_bytes, weight_bytes
+from toolkit.inputs.hardware import Hardware
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.estimate.hostram import HostRam, host_ram
 from toolkit.inputs.job import Job, checkpointing_words
@@ -232,7 +233,7 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
                         "offload variants), not the pipeline engine; choose one of those strategies")
     counts = counts_for_spec(spec, job.adapter)
     storage = base_storage_bytes_per_param(job.precision)
-    compute = 4 if job.precision == "fp32" else 2  # FSDP2 gathers the adapters in MixedPrecisionPolicy's param_dtype
+    compute = compute_bytes(job.precision)  # FSDP2 gathers the adapters in MixedPrecisionPolicy's param_dtype
     layers = layer_sharded_base_bytes(counts, job.adapter, storage, spec.layer_params)
     root_trainable = counts.pre_layer_trainable + counts.post_layer_trainable
     return adapter_states(
@@ -245,7 +246,7 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
         root_gathered_bytes=(spec.pre_layer_params + spec.post_layer_params) * storage + root_trainable * compute,
         layer_trainable_params=max(counts.per_layer), root_trainable_params=root_trainable,
         shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
-        dequantized_bytes=counts.largest_quantized_params * (4 if job.adapter.compute_dtype == "float32" else 2))
+        dequantized_bytes=counts.largest_quantized_params * DTYPE_BYTES[job.adapter.compute_dtype])
 
 
 def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
@@ -254,7 +255,7 @@ def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid
     s = _engine_states(spec, strategy, job, grid, params=params)
     if strategy.engine in (Engine.DDP, Engine.FSDP2):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
         shard = grid.shard_group
-        state_bytes = 2 if job.precision == "bf16-pure" else 4
+        state_bytes = weight_bytes(job.precision)
         extra = optimizer_step_temporary_bytes(
             impl=job.optimizer_impl, optimizer=job.optimizer, group_state_bytes=params * state_bytes / shard,
             largest_param_state_bytes=spec.embedding_params * state_bytes / shard)
@@ -385,7 +386,7 @@ def _fsdp_plan_groups(view, trace: ActivationTrace, states: States, job: Job) ->
     group being computed, the head's included. Moves those bytes from the constant `gathered` into the regions."""
     from dataclasses import replace
 
-    per_param = 4 if job.precision == "fp32" else 2  # unsharded in the compute dtype, as fsdp2_states
+    per_param = compute_bytes(job.precision)  # unsharded in the compute dtype, as fsdp2_states
     prefetch = 2 if job.device_kind == "cuda" else 1
     spec = view.spec
     kept = view.fsdp_kept_outside_params * per_param

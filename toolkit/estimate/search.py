@@ -29,7 +29,8 @@ from toolkit.estimate.candidate import Candidate
 from toolkit.estimate.ranking import need_bytes, rank
 from toolkit.estimate.request import Request
 from toolkit.errors import UserError
-from toolkit.inputs.hardware import GIB, Hardware
+from toolkit.inputs.choices import GIB
+from toolkit.inputs.hardware import Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
 from toolkit.inputs.job import Job, job_problem, model_feature_problem
 from toolkit.estimate.memory import Breakdown, estimate_memory, states_floor_bytes

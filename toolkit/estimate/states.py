@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.job import Job
 from toolkit.inputs.strategy import Engine, Strategy
 
@@ -25,7 +26,7 @@ def optimizer_state_bytes(params: int, job: Job, factored_elems: int | None = No
     if job.optimizer == "adafactor":
         # Row + column statistics per matrix, full second moment for vectors (~ (r + c) / (r x c) of params).
         elems = factored_elems if factored_elems is not None else params * 0.002
-        return elems * (2 if job.precision == "bf16-pure" else 4)
+        return elems * weight_bytes(job.precision)
     per = _STATE_BYTES_FP32[job.optimizer]
     if job.precision == "bf16-pure" and job.optimizer in ("adamw", "sgd"):
         per /= 2
@@ -68,7 +69,7 @@ class States:
 
 
 def _param_bytes(job: Job) -> int:
-    return 4 if job.precision == "fp32" else 2
+    return compute_bytes(job.precision)
 
 
 def ddp_states(P: int, job: Job, *, world: int, factored_elems: int | None = None) -> States:
@@ -80,7 +81,7 @@ def ddp_states(P: int, job: Job, *, world: int, factored_elems: int | None = Non
     tensors as large as all gradients (torch reducer.cpp initialize_buckets) unless gradient_as_bucket_view=True,
     which accelerate leaves False (accelerate utils/dataclasses.py).
     """
-    pb = 4 if job.precision in ("fp32", "bf16", "fp16") else 2
+    pb = weight_bytes(job.precision)
     s = States(parameters=P * pb, step_gradients=P * pb, optimizer=optimizer_state_bytes(P, job, factored_elems),
                autocast=job.mixed)
     if world > 1:
@@ -177,8 +178,8 @@ def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_para
     runs through toolkit.train.
     """
     N = shard
-    full = 4 if job.precision in ("fp32", "bf16", "fp16") else 2
-    compute = 4 if job.precision == "fp32" else 2
+    full = weight_bytes(job.precision)
+    compute = compute_bytes(job.precision)
     s = States(parameters=P * full / N, step_gradients=P * full / N,
                optimizer=optimizer_state_bytes(P, job, factored_elems) / N, autocast=False)
     s.gathered = fsdp2_gathered_bytes(strategy, whole=P * compute, layer=layer_params * compute,
@@ -280,8 +281,8 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
         s.backward_buffers += dequantized_bytes
         s.sources.append(f"QLoRA: one dequantised weight ({dequantized_bytes / 2**20:.0f} MiB) live during each "
                          "4-bit matmul")
-    s.sources.insert(0, f"{job.adapter.method}: frozen base {base_bytes / 2**30:.2f} GiB in all"
+    s.sources.insert(0, f"{job.adapter.method}: frozen base {base_bytes / GIB:.2f} GiB in all"
                         f"{' (4-bit + constants)' if job.adapter.method == 'qlora' else ''}, "
-                        f"{base_per_gpu / 2**30:.2f} GiB per GPU; {trainable:,} trainable parameters with "
+                        f"{base_per_gpu / GIB:.2f} GiB per GPU; {trainable:,} trainable parameters with "
                         "gradients and optimizer states")
     return s

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compute_seconds_per_token,
                                           flop_split, matmul_efficiency)
 from toolkit.estimate.savers import UNMODELLED_SPEED, speed_unmodelled
+from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.hardware import Hardware, power_source
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.inputs.job import Job
@@ -178,7 +179,7 @@ def data_parallel_gather_bytes(counts, job: Job) -> float:
     MixedPrecisionPolicy param_dtype; DeepSpeed's bf16 module)."""
     from toolkit.inputs.lora import base_storage_bytes_per_param, sharded_base_bytes
 
-    compute = 4 if job.precision == "fp32" else 2
+    compute = compute_bytes(job.precision)
     return (sharded_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
             + counts.trainable_params * compute)
 
@@ -275,7 +276,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                            f"({mlp_matmul_params(full_spec) + full_spec.head_matmul_params:,} weights a token "
                            "multiplies; DeepSpeed ulysses_sp.py TiledMLP, SequenceTiledCompute)")
     backward = compute * 2 / 3
-    pb = 4 if job.precision == "fp32" else 2
+    pb = compute_bytes(job.precision)
     P = spec.params
     # Gradients (all-reduce, reduce-scatter, offload traffic, CPU Adam) exist for trainable parameters only;
     # ZeRO-3 / FSDP2 all-gathers move every sharded parameter in the compute dtype (gather_bytes).
@@ -289,7 +290,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         assumptions.append(f"{job.adapter.method}: frozen base runs forward + input-gradient backward; "
                            f"{trainable:,} trainable parameters get weight gradients and the optimizer step")
     if strategy.engine == Engine.DDP:
-        grad_bytes = P_grad * (4 if job.precision in ("fp32", "bf16", "fp16") else 2)
+        grad_bytes = P_grad * weight_bytes(job.precision)
         comm = _ring(grad_bytes, dp, _group_bandwidth(hw, dp), 2)
         assumptions.append("DDP: one all-reduce of the gradients per step (no_sync while accumulating)")
     elif strategy.engine == Engine.DEEPSPEED:
@@ -337,9 +338,9 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         comm = comm_p2p * 0.5 + comm_dp  # sends overlap with the other direction's compute about half the time
         assumptions.append(f"1F1B bubble (P-1)/M of compute with P={P_stages}, M={M}")
     if counts is not None and (strategy.engine == Engine.FSDP2 or strategy.zero_stage == 3):
-        assumptions.append(f"{job.adapter.method}: each all-gather pass moves {gather_bytes / 2**30:.2f} GiB "
+        assumptions.append(f"{job.adapter.method}: each all-gather pass moves {gather_bytes / GIB:.2f} GiB "
                            f"({data_parallel_gather_note(job)}); gradients reduced for the adapters only "
-                           f"({P_grad * pb / 2**30:.3f} GiB)")
+                           f"({P_grad * pb / GIB:.3f} GiB)")
     lora_s = quant_s = 0.0
     if counts is not None:
         lora_s = lora_overhead_s(counts, job.adapter, num_layers=spec.num_layers, tokens=tokens_per_gpu_step,
@@ -393,7 +394,7 @@ def compile_saving_s(traffic: tuple, hw: Hardware) -> float:
 
 def compile_assumption(traffic: tuple, hw: Hardware, saved_s: float) -> str:
     eager_bytes, compiled_bytes, eager_kernels, compiled_kernels = traffic
-    return (f"torch.compile: elementwise traffic {eager_bytes / 2**30:.2f} -> {compiled_bytes / 2**30:.2f} GiB and "
+    return (f"torch.compile: elementwise traffic {eager_bytes / GIB:.2f} -> {compiled_bytes / GIB:.2f} GiB and "
             f"{eager_kernels} -> {compiled_kernels} kernels a sample (fused by inductor), at "
             f"{ELEMENTWISE_HBM_EFFICIENCY:.0%} of {hw.gpu.hbm_gbps:.0f} GB/s and {KERNEL_OVERHEAD_S * 1e6:.0f} us a "
             f"kernel: {saved_s:.3f} s a step off compute")
@@ -428,7 +429,7 @@ def tensor_parallel_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Ha
     """Blocking all-reduces of the activations one tensor-parallel group exchanges per step, over the node's link."""
     if grid.tensor <= 1:
         return 0.0
-    pb = 4 if job.precision == "fp32" else 2
+    pb = compute_bytes(job.precision)
     local_tokens = job.seq_len // grid.seq_split * job.micro_batch
     per = _ring(local_tokens * spec.hidden * pb, grid.tensor, hw.gpu.intra_node_gbps, 2)
     per_micro = TP_COLLECTIVES_PER_LAYER * spec.num_layers * per * _recompute_factor(job)
@@ -441,7 +442,7 @@ def ulysses_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) 
     if grid.sequence <= 1:
         return 0.0
     p = grid.sequence
-    pb = 4 if job.precision == "fp32" else 2
+    pb = compute_bytes(job.precision)
     local = job.seq_len // p * job.micro_batch * spec.head_dim * pb
     qkv, out = local * (spec.heads + 2 * spec.kv_heads), local * spec.heads
     bw = _group_bandwidth(hw, p)
@@ -457,7 +458,7 @@ def ring_attention_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Har
     if grid.context <= 1:
         return 0.0
     c = grid.context
-    pb = 4 if job.precision == "fp32" else 2
+    pb = compute_bytes(job.precision)
     kv = 2 * job.seq_len * job.micro_batch * spec.kv_heads * spec.head_dim * pb
     bw = _group_bandwidth(hw, c)
     per_layer = 3 * _ring(kv, c, bw, 1)  # all-gather forward; all-gather + reduce-scatter backward

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 from toolkit.inputs.choices import (ATTENTIONS, CHECKPOINTING_OP, COMPILE_BLOCKS, DEVICE_KINDS,  # noqa: F401
                                     OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Attention, DeviceKind, Optimizer,
                                     OptimizerImpl, Precision)
+from toolkit.inputs.choices import GIB
 
 
 def checkpointing_words(checkpointing: bool | str) -> str:
@@ -272,7 +273,7 @@ def tiled_problem(strategy: "Strategy | None", *, activation_offloading: bool = 
     return None
 
 
-LOSS_TILE_BYTES = 1 << 30
+LOSS_TILE_BYTES = GIB
 """fp32 logits per loss chunk (ArcticTraining's num_loss_logit_shards "auto": slice_size_in_gb = 1)."""
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.inputs.choices import COMPUTE_DTYPES, DTYPE_BYTES, METHODS, QUANT_STORAGE_DTYPES, QUANT_TYPES
+from toolkit.inputs.choices import (COMPUTE_DTYPES, DTYPE_BYTES, METHODS, QUANT_STORAGE_DTYPES, QUANT_TYPES,
+                                    compute_bytes)
 
 # peft imports bitsandbytes, whose CPU backend warns on import that an optional faster 4-bit kernel (the `kernels`
 # package) is missing: noise on every CPU command (its pure-torch path runs instead), and not one clear line.
@@ -429,7 +430,7 @@ def base_dtype_name(precision: str) -> str:
 def base_storage_bytes_per_param(precision: str) -> int:
     """Bytes per frozen base parameter as toolkit.train loads it (and DeepSpeed / FSDP2 keep it): the compute
     dtype, fp32 only for fp32 jobs."""
-    return 4 if precision == "fp32" else 2
+    return compute_bytes(precision)
 
 
 def adapter_for_model(spec, adapter: Adapter, *, dropout_given: bool) -> Adapter:

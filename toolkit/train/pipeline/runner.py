@@ -22,6 +22,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.train import checkpoints
 from toolkit.train.cpu import peak_memory_bytes
+from toolkit.inputs.choices import GIB
 from toolkit.plan.files import DS_CONFIG
 
 LOG_FILE = "pipeline_log.jsonl"
@@ -120,7 +121,7 @@ def train_pipeline(plan, args) -> None:
             if rank == 0:
                 log.write({"step": step, "loss": loss, "lr": engine.get_lr()[0],
                            "tokens_per_s": round(window_tokens / elapsed, 1),
-                           "peak_gib_per_rank": [round(p / 2**30, 3) for p in peaks]})
+                           "peak_gib_per_rank": [round(p / GIB, 3) for p in peaks]})
             window_start, window_tokens = time.perf_counter(), 0
         if eval_ds is not None and (step % eval_every == 0 or step == total_steps):
             evaluate(engine, eval_ds, plan, dp_rank, rank, step, log)
