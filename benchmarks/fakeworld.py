@@ -108,10 +108,11 @@ def _prefetched_layer_bytes(spec, grid, job, strategy) -> int:
     """The second unsharded layer the planner adds on a GPU (FSDP2's all-gather stream), at the rank's shapes."""
     if job.device_kind != "cuda" or strategy.fsdp_mode == "grad_op":
         return 0
+    from toolkit.inputs.choices import compute_bytes
     from toolkit.inputs.tensorplan import per_rank_spec
 
     rank = per_rank_spec(spec, grid.tensor) if grid.tensor > 1 else spec
-    return max(rank.layer_params) * (4 if job.precision == "fp32" else 2)
+    return max(rank.layer_params) * compute_bytes(job.precision)
 
 
 def _set_aside(r: dict) -> float:

@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/throughput.py: the split rule, local model configs
 
 from provenance import measured_line
+from toolkit.inputs.choices import GIB
 from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.job import Job
 from toolkit.inputs.lora import Adapter, counts_for_spec, frozen_base_bytes
@@ -40,7 +41,6 @@ from toolkit.inputs.modelspec import resolve_model
 from toolkit.inputs.strategy import parse_strategy
 
 GB = 1e9
-GIB = 2**30
 
 
 def _estimate(model: str, gpus: str, strategy: str, seq: int, adapter: Adapter, *, checkpointing: bool = True,
