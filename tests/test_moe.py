@@ -206,3 +206,23 @@ def test_check_of_a_plan_folder_finds_its_moe_block_left_out(tiny_moe_dir, tmp_p
     ds.write_text(json.dumps(config))
     lines = _check(capsys, str(folder))[1]
     assert len(lines) == 1 and "its MoE block Qwen3MoeSparseMoeBlock is not a leaf module" in lines[0], lines
+
+
+@pytest.mark.parametrize("extra, warned", [({}, True), ({"deepspeed_moe_layer_cls_names": "GptOssMLP"}, False)])
+def test_check_finds_an_accelerate_zero3_yaml_for_an_moe_model_without_leaf_modules(extra, warned, tmp_path, capsys):
+    """An accelerate YAML whose own deepspeed_config fields ask ZeRO-3 for GPT-OSS: the fix is accelerate's
+    deepspeed_moe_layer_cls_names (DeepSpeedPlugin.set_moe_leaf_modules), which, given, silences the finding."""
+    import yaml
+
+    model = _small_model("gpt-oss-20b", tmp_path / "model")
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_machines": 1,
+              "num_processes": 8, "mixed_precision": "bf16",
+              "deepspeed_config": {"zero_stage": 3, "zero3_save_16bit_model": True, **extra}}
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    lines = _check(capsys, str(path), "--model", str(model), "--gpus", "8xH100-80GB")[1]
+    if warned:
+        assert len(lines) == 1 and "its MoE block GptOssMLP is not a leaf module" in lines[0], lines
+        assert "add deepspeed_moe_layer_cls_names: GptOssMLP to deepspeed_config" in lines[0]
+    else:
+        assert lines == []

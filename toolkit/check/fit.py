@@ -315,15 +315,18 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
 
 
 def _lone_json_leaf_problem(path: str, spec) -> list[Problem]:
-    """The MoE leaf-module finding for a DeepSpeed JSON given with --model (a plan folder's JSON gets it from the
-    folder check, with the plan's model)."""
-    from toolkit.check.moe import leaf_module_problem
+    """The MoE leaf-module finding for a DeepSpeed JSON or accelerate YAML given with --model (a plan folder's JSON
+    gets it from the folder check, with the plan's model)."""
+    from toolkit.check.moe import leaf_module_problem, yaml_leaf_module_problem
 
     p = Path(path)
-    if p.is_dir() or p.suffix != ".json":
+    if p.is_dir():
         return []
     config = read_config(p)
-    if is_plan_json(config):
+    if p.suffix != ".json":
+        found = yaml_leaf_module_problem(config, p, model=spec.name, moe_block=spec.moe_block)
+    elif is_plan_json(config):
         return []
-    found = leaf_module_problem(config, path, model=spec.name, moe_block=spec.moe_block)
+    else:
+        found = leaf_module_problem(config, path, model=spec.name, moe_block=spec.moe_block)
     return [found] if found else []

@@ -26,16 +26,20 @@ def _leaf_config(zero: dict[str, Any]):
         return None
 
 
-def leaf_module_problem(config: dict[str, Any], file: str, *, model: str, moe_block: str | None) -> Problem | None:
+def leaf_module_problem(config: dict[str, Any], file: str, *, model: str, moe_block: str | None,
+                        yaml_fields: bool = False) -> Problem | None:
     """A warning when `config` runs ZeRO-3 and `moe_block` (the model's MoE block class, toolkit.inputs.moe) is not
-    among the leaf module classes DeepSpeed's engine will flag; None otherwise."""
+    among the leaf module classes DeepSpeed's engine will flag; None otherwise. yaml_fields: `config` is what
+    accelerate builds from a YAML's own deepspeed_config fields, so the fix is accelerate's key."""
     zero = config.get("zero_optimization")
     if not moe_block or not isinstance(zero, dict) or zero.get("stage") != 3:
         return None
     leaf = _leaf_config(zero)
     if leaf is None or any(c == moe_block or c.endswith(f".{moe_block}") for c in leaf.classes):
         return None
-    fix = (f"add \"leaf_module\": {{\"classes\": [\"{moe_block}\"]}} to zero_optimization, or call "
+    fix = (f"add deepspeed_moe_layer_cls_names: {moe_block} to deepspeed_config" if yaml_fields else
+           f"add \"leaf_module\": {{\"classes\": [\"{moe_block}\"]}} to zero_optimization")
+    fix += (", or call "
            f"deepspeed.utils.set_z3_leaf_modules(model, [\"{moe_block}\"]) before the engine wraps the model "
            "(check cannot see a script that already does)")
     if leaf.names or leaf.name_suffixes:
@@ -49,3 +53,29 @@ def leaf_module_problem(config: dict[str, Any], file: str, *, model: str, moe_bl
                    f"leaf module ({said}), so ZeRO-3 hooks and prefetches every part inside it by a traced order "
                    "that routing changes (hangs with per-expert modules, DeepSpeed's set_z3_leaf_modules); "
                    + fix, EVERY)
+
+
+def yaml_leaf_module_problem(config: dict[str, Any], path, *, model: str, moe_block: str | None) -> Problem | None:
+    """The same finding for an accelerate YAML: its DeepSpeed JSON (the copy it carries, or the file it names), else
+    the ZeRO stage of its own deepspeed_config fields; accelerate's deepspeed_moe_layer_cls_names (applied in
+    Accelerator.prepare, DeepSpeedPlugin.set_moe_leaf_modules) covers the block too."""
+    from toolkit.check.accelerate import resolve_ds_file
+    from toolkit.check.read import read_config
+    from toolkit.emit.accelerate import inline_ds_config
+
+    section = config.get("deepspeed_config")
+    if not moe_block or config.get("distributed_type") != "DEEPSPEED" or not isinstance(section, dict):
+        return None
+    names = str(section.get("deepspeed_moe_layer_cls_names") or "").split(",")
+    if moe_block in (n.strip() for n in names):
+        return None
+    ds_file = section.get("deepspeed_config_file")
+    if ds_file:
+        ds = inline_ds_config(ds_file)
+        if ds is None:
+            found = resolve_ds_file(str(ds_file), path, [], quiet=True)
+            ds = read_config(found) if found is not None else None
+        return leaf_module_problem(ds, str(path), model=model, moe_block=moe_block) if isinstance(ds, dict) else None
+    stage = section.get("zero_stage")
+    return leaf_module_problem({"zero_optimization": {"stage": stage}}, str(path), model=model, moe_block=moe_block,
+                               yaml_fields=True)
