@@ -226,3 +226,28 @@ def test_check_finds_an_accelerate_zero3_yaml_for_an_moe_model_without_leaf_modu
         assert "add deepspeed_moe_layer_cls_names: GptOssMLP to deepspeed_config" in lines[0]
     else:
         assert lines == []
+
+
+@pytest.mark.parametrize("name, section, fragment", [
+    ("qwen3-30b-a3b", {"autoep_size": 2, "preset_model": "qwen3_moe"}, None),
+    ("qwen3-30b-a3b", {"autoep_size": 3, "preset_model": "qwen3_moe"}, "autoep_size 3 does not divide its 4 experts"),
+    ("qwen3-30b-a3b", {"autoep_size": 2, "preset_model": "mixtral"}, "preset_model mixtral is for model types mixtral, "
+                                                                     "not qwen3_moe; use preset_model qwen3_moe"),
+    ("gpt-oss-20b", {"autoep_size": 2}, "AutoEP has no preset for model type gpt_oss"),
+    ("qwen3-0.6b", {"autoep_size": 2}, "a dense model (no MoE block)"),
+])
+def test_check_finds_autoep_asked_of_a_model_it_cannot_split(name, section, fragment, tmp_path, capsys):
+    """DeepSpeed AutoEP's rules against the model given with --model: the expert count autoep_size must divide, a
+    preset of the model's type (none: AutoEP detects nothing and trains without EP), and a model with experts."""
+    model = _small_model(name, tmp_path / "model")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 1}, "expert_parallel": {"enabled": True, **section}}))
+    capsys.readouterr()
+    main(["check", str(ds), "--model", str(model), "--gpus", "8xH100-80GB"])
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if "expert_parallel" in line]
+    if fragment is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "error" in lines[0] and fragment in lines[0], lines

@@ -315,9 +315,9 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
 
 
 def _lone_json_leaf_problem(path: str, spec) -> list[Problem]:
-    """The MoE leaf-module finding for a DeepSpeed JSON or accelerate YAML given with --model (a plan folder's JSON
-    gets it from the folder check, with the plan's model)."""
-    from toolkit.check.moe import leaf_module_problem, yaml_leaf_module_problem
+    """The MoE findings for a DeepSpeed JSON (leaf modules, AutoEP) or accelerate YAML (leaf modules) given with
+    --model (a plan folder's JSON gets the leaf-module one from the folder check, with the plan's model)."""
+    from toolkit.check.moe import autoep_problems, leaf_module_problem, yaml_leaf_module_problem
 
     p = Path(path)
     if p.is_dir():
@@ -329,4 +329,6 @@ def _lone_json_leaf_problem(path: str, spec) -> list[Problem]:
         return []
     else:
         found = leaf_module_problem(config, path, model=spec.name, moe_block=spec.moe_block)
+        return ([found] if found else []) + autoep_problems(config, path, model=spec.name,
+                                                             model_type=spec.model_type, experts=spec.moe_experts)
     return [found] if found else []

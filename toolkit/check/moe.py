@@ -1,5 +1,7 @@
 """Mixture-of-experts findings of `toolkit check`: a ZeRO-3 DeepSpeed config for an MoE model whose MoE block is not
-a leaf module (docs/ENGINE_FACTS.md "Mixture of experts under ZeRO-3").
+a leaf module (docs/ENGINE_FACTS.md "Mixture of experts under ZeRO-3"), and DeepSpeed AutoEP
+(`"expert_parallel"`) asked of a model it cannot split: a dense model, an expert count autoep_size does not divide,
+a preset for another model type or none for this one.
 
 What check can know: the model (a plan folder's model_config, or `--model` beside a DeepSpeed JSON; a lone JSON
 names no model, so nothing is said) and the leaf modules the JSON gives DeepSpeed's engine (its
@@ -79,3 +81,42 @@ def yaml_leaf_module_problem(config: dict[str, Any], path, *, model: str, moe_bl
     stage = section.get("zero_stage")
     return leaf_module_problem({"zero_optimization": {"stage": stage}}, str(path), model=model, moe_block=moe_block,
                                yaml_fields=True)
+
+
+def autoep_problems(config: dict[str, Any], file: str, *, model: str, model_type: str, experts: int) -> list[Problem]:
+    """DeepSpeed AutoEP's own rules for `config`'s expert_parallel section against the model (module_inject/
+    auto_ep_config.py validate_autoep_post_detection, auto_ep.py detection, auto_ep_presets/registry.py)."""
+    if not isinstance(config.get("expert_parallel"), dict):
+        return []
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS, preset_name_for_hf_model_type
+    from deepspeed.runtime.config import get_expert_parallel_config
+
+    try:
+        ep = get_expert_parallel_config(config)
+    except (ValueError, TypeError):  # DeepSpeed's own refusal of the section; the config checks report it
+        return []
+    if not ep.enabled:
+        return []
+
+    def error(message: str) -> Problem:
+        return Problem(file, "error", f"expert_parallel (DeepSpeed AutoEP) with {model}: {message}", EVERY)
+
+    if not experts:
+        return [error("a dense model (no MoE block): AutoEP finds no MoE layer to split; remove expert_parallel")]
+    out = []
+    size = ep.autoep_size
+    if size > experts or experts % size:
+        sizes = [d for d in range(1, experts + 1) if experts % d == 0]
+        out.append(error(f"autoep_size {size} does not divide its {experts} experts (each rank owns experts / "
+                         f"autoep_size of them); use one of {sizes}"))
+    preset = ep.preset_model
+    fitting = preset_name_for_hf_model_type(model_type)
+    if preset and preset in PRESET_MODELS and model_type not in PRESET_MODELS[preset].hf_model_types:
+        out.append(error(f"preset_model {preset} is for model types {', '.join(PRESET_MODELS[preset].hf_model_types)}"
+                         f", not {model_type}; " + (f"use preset_model {fitting}" if fitting else
+                                                    "AutoEP has no preset for it")))
+    elif not preset and fitting is None:
+        out.append(error(f"AutoEP has no preset for model type {model_type} (presets: {', '.join(PRESET_MODELS)}): "
+                         "it detects no MoE layer, logs a warning and trains without expert parallelism; use ZeRO-3 "
+                         "with the MoE block as leaf module instead"))
+    return out
