@@ -449,9 +449,73 @@ def test_every_job_choice_survives_parser_job_plan_files_and_load(tiny_llama_dir
                 assert plan.adapter[field.removeprefix("qlora_")] == name, (flag, name)
             elif field in ("tiled", "checkpointing"):
                 assert name == "auto" or getattr(plan, field) == (name == "on"), (flag, name, getattr(plan, field))
-            elif field != "device_kind":  # the trace's kernels: not a fact of the plan
+            else:
                 assert getattr(plan, field) == name, (flag, name, getattr(plan, field))
         assert all(getattr(plan, flag[2:].replace("-", "_")) is True for flag in switch), switch
+
+
+def _unusual_job():
+    """A Job whose every field a plan carries is off its default (the estimate-only ones excepted)."""
+    from dataclasses import MISSING, fields
+
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.lora import Adapter
+    from toolkit.plan.job import ESTIMATE_ONLY
+
+    adapter = Adapter(method="qlora", r=4, alpha=8.0, dropout=0.1, targets="q_proj,v_proj", modules_to_save="lm_head",
+                      quant_type="fp4", double_quant=False, compute_dtype="float32", quant_storage="bfloat16")
+    job = Job(seq_len=96, micro_batch=2, grad_accum=3, precision="fp16", optimizer="sgd", checkpointing=True,
+              attention="eager", device_kind="cpu", optimizer_impl="foreach", activation_offloading=True, liger=True,
+              tiled=True, compile=True, adapter=adapter)
+    for f in fields(Job):
+        assert f.name in ESTIMATE_ONLY or f.default is MISSING or getattr(job, f.name) != f.default, f.name
+    for f in fields(Adapter):
+        assert getattr(adapter, f.name) != f.default, f.name
+    return job
+
+
+def test_a_job_survives_job_plan_file_job_unchanged():
+    """toolkit.plan.job's one mapping: a Job with every field off its default becomes plan.json's fields, the file's
+    JSON, and the same Job again (a field added to Job and Plan is carried without another spelling)."""
+    from toolkit.plan.build import build_plan
+    from toolkit.plan.job import job_from_plan
+    from toolkit.plan.schema import parse_plan
+
+    job = _unusual_job()
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "max_position_embeddings": 256}
+    plan = build_plan(model="/m", model_config=config, model_type="llama", layer_class="LlamaDecoderLayer",
+                      num_layers=2, params=1000, strategy=parse_strategy("zero3"),
+                      grid=ParallelGrid.for_strategy(parse_strategy("zero3"), nodes=1, gpus_per_node=2), job=job,
+                      gpu="H100-80GB")
+    assert job_from_plan(plan) == job
+    assert job_from_plan(parse_plan(json.loads(plan.to_json()))) == job
+
+
+@pytest.mark.parametrize("field, value", [("chunked_loss", 4), ("compile", "blocks"), ("checkpointing", "op")])
+def test_an_estimate_only_job_setting_cannot_become_a_plan(field, value):
+    from dataclasses import replace
+
+    from toolkit.inputs.job import Job
+    from toolkit.plan.job import job_to_plan_fields
+
+    with pytest.raises(UserError, match="estimate"):
+        job_to_plan_fields(replace(Job(seq_len=64), **{field: value}))
+
+
+def test_a_request_spells_its_job_once():
+    """Request.job: the fields a Request holds as they are reach the Job the search evaluates (the search adds only
+    the batch split, checkpointing, tiling and compile)."""
+    from dataclasses import fields
+
+    from toolkit.estimate.search import REQUEST_JOB_FIELDS, SEARCHED
+
+    job = _unusual_job()
+    req = Request(**{name: getattr(job, name) for name in REQUEST_JOB_FIELDS}, micro_batch=job.micro_batch)
+    assert req.job(**{name: getattr(job, name) for name in SEARCHED}) == job
+    from toolkit.inputs.job import Job
+
+    assert {f.name for f in fields(Job)} - set(REQUEST_JOB_FIELDS) - set(SEARCHED) <= {"chunked_loss"}
 
 
 @pytest.mark.parametrize("flags", [["--checkpointing", "op"], ["--compile-blocks"]], ids=["checkpointing-op",

@@ -165,13 +165,10 @@ def _speed(x: Longest) -> float:
 
 
 def _evaluate(spec, hw, strategy, grid, req, seq_len: int) -> "Candidate":
-    from toolkit.inputs.job import Job
     from toolkit.estimate.search import evaluate
 
-    job = Job(seq_len=seq_len, micro_batch=1, grad_accum=req.grad_accum or 1, precision=req.precision,
-              optimizer=req.optimizer, checkpointing=req.checkpointing is not False, attention=req.attention,
-              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl, liger=req.liger, adapter=req.adapter,
-              compile=req.compile, tiled=req.tiled is True)
+    job = req.job(seq_len=seq_len, micro_batch=1, grad_accum=req.grad_accum or 1,
+                  checkpointing=req.checkpointing is not False, tiled=req.tiled is True)
     partition = grid.partition(spec) if strategy.is_pipeline else None
     return evaluate(spec, hw, strategy, job, grid, partition)
 

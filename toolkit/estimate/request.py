@@ -3,7 +3,8 @@ them the search may vary (None: the planner chooses)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
@@ -59,7 +60,19 @@ class Request:
                             ("--sequence-parallel", self.sequence_parallel)):
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
-        Job(seq_len=self.seq_len, precision=self.precision, optimizer=self.optimizer,  # validates choices
-            attention=self.attention, device_kind=self.device_kind, optimizer_impl=self.optimizer_impl,
-            liger=self.liger, compile=self.compile, tiled=self.tiled is True)
+        self.job(tiled=self.tiled is True)  # validates the choices
         ParallelGrid.check_batch_request(self.global_batch, self.micro_batch, self.grad_accum)
+
+    def job(self, **searched: Any) -> Job:
+        """A Job of this request, with what the search chose (`searched`: the batch split, checkpointing, tiling,
+        compile, a sequence length): the one spelling Request -> Job. The Job's fields the request holds under the
+        same name and meaning are read from both dataclasses; SEARCHED are the search's (None in a Request means
+        "let the planner choose", which a Job cannot hold)."""
+        return Job(**{**{name: getattr(self, name) for name in REQUEST_JOB_FIELDS}, **searched})
+
+
+SEARCHED = ("micro_batch", "grad_accum", "checkpointing", "tiled")
+"""Job fields a Request may leave open (None): the search fills them in."""
+REQUEST_JOB_FIELDS = tuple(f.name for f in fields(Job)
+                           if f.name in Request.__dataclass_fields__ and f.name not in SEARCHED)
+"""The Job's fields a Request holds as they are (seq_len, precision, ..., adapter)."""

@@ -201,11 +201,8 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
             short: list[Job] = []  # refused for GPU memory: the ones tiling may fit
             for micro, accum in sorted(batches, reverse=True):
                 for ckpt in ckpt_options:
-                    job = Job(seq_len=req.seq_len, micro_batch=micro, grad_accum=accum, precision=req.precision,
-                              optimizer=req.optimizer, checkpointing=ckpt, attention=req.attention,
-                              device_kind=req.device_kind, optimizer_impl=req.optimizer_impl,
-                              activation_offloading=req.activation_offloading, liger=req.liger,
-                              adapter=req.adapter, compile=compiled, tiled=req.tiled is True)
+                    job = req.job(micro_batch=micro, grad_accum=accum, checkpointing=ckpt, compile=compiled,
+                                  tiled=req.tiled is True)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     _keep(best, slot, cand, dimension)
                     if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job) \
@@ -401,9 +398,7 @@ def _check_stages(strategies: list[Strategy], hw: Hardware, stages: int | None) 
 
 def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dimension: str | None = None) -> Candidate:
     """A row that cannot run, with the reason."""
-    job = Job(seq_len=req.seq_len, micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1,
-              precision=req.precision, optimizer=req.optimizer, attention=req.attention, device_kind=req.device_kind,
-              adapter=req.adapter)
+    job = req.job(micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1)
     return Candidate(strategy=strategy, job=job, pipeline_stages=1, data_parallel=hw.world_size,
                      global_batch=req.global_batch or 0, reason=reason, dimension=dimension)
 
@@ -452,13 +447,13 @@ def predict_plan(plan: "Plan") -> "Plan":
 
 
 def _adapter_fields(job: Job, spec: ModelSpec) -> dict[str, Any]:
-    """plan.json's method fields (defaults describe full fine-tuning)."""
+    """plan.json's count of trainable parameters (PEFT's), for an adapter job; the method and its settings are the
+    job's own fields (toolkit.plan.job.job_to_plan_fields)."""
     if not job.adapter.is_adapter:
         return {}
     from toolkit.inputs.lora import counts_for_spec
 
-    return {"method": job.adapter.method, "adapter": job.adapter.to_dict(),
-            "trainable_params": counts_for_spec(spec, job.adapter).trainable_params}
+    return {"trainable_params": counts_for_spec(spec, job.adapter).trainable_params}
 
 
 def _jsonable(obj: Any) -> Any:

@@ -19,8 +19,10 @@ def build_plan(*, model: str, model_config: dict[str, Any], model_type: str, lay
                **fields: Any) -> Plan:
     """The Plan of `job` with `strategy` on `grid` for the model described by the first six fields. `moe_block`: the
     model's MoE block class (ModelSpec.moe_block), a ZeRO-3 plan's leaf module. `fields`: the plan's other fields
-    (attention as the model runs it, hardware numbers, adapter fields), validated by Plan."""
-    fields.setdefault("attention", job.attention)
+    (attention as the model runs it, hardware numbers, trainable_params), validated by Plan; the job's own fields
+    come from toolkit.plan.job.job_to_plan_fields."""
+    from toolkit.plan.job import job_to_plan_fields
+
     notes = list(notes)
     if moe_block and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
         fields["leaf_modules"] = [moe_block]
@@ -32,8 +34,6 @@ def build_plan(*, model: str, model_config: dict[str, Any], model_type: str, lay
         num_layers=num_layers, params=params, strategy=strategy.name, num_machines=grid.nodes,
         gpus_per_node=grid.gpus_per_node, pipeline_stages=grid.pipeline_stages,
         tensor_parallel=grid.tensor, context_parallel=grid.context, sequence_parallel=grid.sequence,
-        partition=list(partition) if partition else None, seq_len=job.seq_len, micro_batch=job.micro_batch,
-        grad_accum=job.grad_accum, global_batch=grid.global_batch(job.micro_batch, job.grad_accum),
-        precision=job.precision, optimizer=job.optimizer, checkpointing=job.checkpointing,
-        optimizer_impl=job.optimizer_impl, activation_offloading=job.activation_offloading, liger=job.liger,
-        compile=job.compile, tiled=job.tiled, gpu=gpu, notes=notes, **fields)
+        partition=list(partition) if partition else None,
+        global_batch=grid.global_batch(job.micro_batch, job.grad_accum), gpu=gpu, notes=notes,
+        **{**job_to_plan_fields(job), **fields})

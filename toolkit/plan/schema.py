@@ -32,7 +32,7 @@ from pydantic_core import ArgsKwargs
 from toolkit import bounds
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
-from toolkit.inputs.choices import Attention, Method, Optimizer, OptimizerImpl, Precision
+from toolkit.inputs.choices import Attention, DeviceKind, Method, Optimizer, OptimizerImpl, Precision
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Engine, Strategy, parse_strategy
 from toolkit.plan.files import PLAN_JSON
 
@@ -47,6 +47,11 @@ StrategyName = Literal[ALL_STRATEGY_NAMES]  # type: ignore[valid-type]
 
 _DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel")
 """Model-parallel degrees (added within version 2, default 1)."""
+
+_LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
+             "leaf_modules": (None, [])}
+"""Fields added within version 2, left out of plan.json at this value (their default), so a plan without them reads
+and keys its prediction as it did before they existed."""
 
 _DERIVED_V1 = ("engine", "zero_stage", "offload_optimizer", "offload_params", "fsdp_mode", "data_parallel")
 """Keys version 1 stored beside the strategy and grid; read only to check that they agree."""
@@ -101,6 +106,9 @@ class Plan:
     optimizer: Optimizer = "adamw"
     checkpointing: bool = False
     attention: Attention = "sdpa"
+    device_kind: DeviceKind = "cuda"
+    """Whose kernels' saved tensors the prediction modelled (plan --device-kind). Left out of plan.json when cuda,
+    so plans written before it read (and key their prediction) unchanged."""
     optimizer_impl: OptimizerImpl = "fused"
     """How torch's optimizer runs its step (DDP / FSDP2; toolkit.estimate.savers)."""
     activation_offloading: bool = False
@@ -292,12 +300,11 @@ class Plan:
     # --- (de)serialisation -------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as plan.json holds it; degrees of 1, compile / tiled off and no power limit are left out, so a
-        plan without them reads as it did before they existed."""
+        """The plan as plan.json holds it; degrees of 1 and the fields of _LEFT_OUT at their default are left out, so
+        a plan without them reads as it did before they existed."""
         data = json.loads(json.dumps(asdict(self)))
-        return {k: v for k, v in data.items() if not ((k in _DEGREES and v == 1) or (k in ("compile", "tiled") and v is False)
-                                                      or (k == "leaf_modules" and not v)
-                                                      or (k == "power_limit_w" and v is None))}
+        return {k: v for k, v in data.items()
+                if not ((k in _DEGREES and v == 1) or (k in _LEFT_OUT and v in _LEFT_OUT[k]))}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
