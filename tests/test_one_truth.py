@@ -508,7 +508,7 @@ def test_a_request_spells_its_job_once():
     the batch split, checkpointing, tiling and compile)."""
     from dataclasses import fields
 
-    from toolkit.estimate.search import REQUEST_JOB_FIELDS, SEARCHED
+    from toolkit.estimate.request import REQUEST_JOB_FIELDS, SEARCHED
 
     job = _unusual_job()
     req = Request(**{name: getattr(job, name) for name in REQUEST_JOB_FIELDS}, micro_batch=job.micro_batch)

@@ -300,6 +300,15 @@ def launcher_json_problems(config: dict[str, Any], file: str, plan: Plan) -> lis
 
 # --- entry points ------------------------------------------------------------------------------------------------------
 
+def runner_problem(paths: list[str], runner: str | None) -> str | None:
+    """--runner given where no path is a lone DeepSpeed JSON or accelerate YAML (plan folders, plan.json and
+    hostfiles are read by their own runner), where it would be ignored."""
+    if runner and all(Path(name).is_dir() or Path(name).name in (PLAN_JSON, HOSTFILE) for name in paths):
+        return (f"--runner says who reads a lone DeepSpeed JSON (or an accelerate YAML's), and {paths[0]} is a plan, "
+                "which its own runner reads (toolkit.train); drop --runner")
+    return None
+
+
 def check_paths(paths: list[str], *, gpus: tuple[int, int] | None = None, runner: str | None = None) -> list[Problem]:
     """Findings for each path: an accelerate YAML, a DeepSpeed JSON, a plan.json, or a plan directory.
 

@@ -50,8 +50,9 @@ def cmd_check(args) -> int:
         pins = Pins(micro_batch=args.micro_batch, precision=args.precision, checkpointing=ckpt)
         fit = lambda path: fit_findings(path, model=args.model, gpus=args.gpus, seq_len=args.seq,  # noqa: E731
                                         pins=pins)
-    elif args.micro_batch or args.precision or args.checkpointing:
-        raise UserError("--micro-batch / --precision / --checkpointing pin the fit check; give --model and --gpus too")
+    elif args.seq or args.micro_batch or args.precision or args.checkpointing:
+        raise UserError("--seq / --micro-batch / --precision / --checkpointing pin the fit check; give --model and "
+                        "--gpus too")
     from toolkit.commands.help import status
 
     with status("checking with accelerate's and DeepSpeed's own validation"):
@@ -80,6 +81,10 @@ def main_check(argv_paths: list[str], *, gpus: str | None = None, runner: str | 
 
     from toolkit.check.read import is_stream, stream_to_file
 
+    from toolkit.check.folder import runner_problem
+
+    if problem := runner_problem(argv_paths, runner):
+        raise UserError(problem)
     grid = parse_gpus(gpus) if gpus else None
     problems: list[Problem] = []
     with quiet_engines(), tempfile.TemporaryDirectory(prefix="toolkit-check-") as tmp:

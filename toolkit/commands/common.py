@@ -169,14 +169,26 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
                         f"4-bit base (default {FULL.quant_storage})")
 
 
-def adapter_of(args, spec=None):
-    """The command line's Adapter; with `spec`, PEFT's dropout rule for that model applied (adapter_for_model)."""
+TRAINING_ONLY_ADAPTER_FLAGS = {"lora_alpha": ("--lora-alpha", "scales the adapter's output"),
+                               "qlora_quant_type": ("--qlora-quant-type", "picks the 4-bit code book (nf4 and fp4 "
+                                                                          "take the same bytes)")}
+"""Adapter flags that change what training computes but no memory and no step time: estimate and profile refuse
+them rather than ignore them (plan writes them into plan.json, which the training reads)."""
+
+
+def adapter_of(args, spec=None, *, training_only_read: bool = True):
+    """The command line's Adapter; with `spec`, PEFT's dropout rule for that model applied (adapter_for_model).
+    training_only_read False (estimate, profile): a flag of TRAINING_ONLY_ADAPTER_FLAGS is refused."""
     from toolkit.inputs.lora import adapter_for_model, adapter_from_flags
 
     adapter = adapter_from_flags(args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                               targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
                               quant_type=args.qlora_quant_type, double_quant=args.qlora_double_quant,
                               compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
+    for dest, (flag, what) in TRAINING_ONLY_ADAPTER_FLAGS.items():  # after the method's own refusals
+        if not training_only_read and getattr(args, dest) is not None:
+            raise UserError(f"{flag} {what} and changes no memory or step time, so {args.command} does not read it; "
+                            f"drop it (toolkit plan writes it into plan.json for the training)")
     return adapter if spec is None else adapter_for_model(spec, adapter, dropout_given=args.lora_dropout is not None)
 
 
@@ -232,11 +244,30 @@ def _refuse_model_contradictions(args) -> None:
         raise UserError(f"--params cannot be combined with {given[1]}; give the count or the shape, not both")
 
 
+def _refuse_unread_remote_code(args) -> None:
+    """--trust-remote-code reaches transformers' AutoConfig for a hub id only: a local folder, a catalog entry and
+    bare numbers are read without running any code, so the flag beside them would be ignored."""
+    if not args.trust_remote_code:
+        return
+    if args.model:
+        from toolkit.inputs.resolve import catalog_name_of_hub_id, locate_model
+
+        kind = locate_model(catalog_name_of_hub_id(args.model) or args.model).kind
+        if kind == "hub":
+            return
+        what = f"'{args.model}' is {'a local config' if kind == 'local' else 'a catalog entry'}"
+    else:
+        what = "a model given by numbers"
+    raise UserError(f"--trust-remote-code lets transformers run a hub model's own code, and {what}, read without "
+                    "code; drop --trust-remote-code")
+
+
 def model_spec(args):
     from toolkit.commands.help import status
     from toolkit.inputs.modelspec import resolve_model
 
     _refuse_model_contradictions(args)
+    _refuse_unread_remote_code(args)
     with status(f"reading {args.model or 'the model'} (tracing its layers the first time)"):
         return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden,
                              heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,

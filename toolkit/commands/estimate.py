@@ -57,8 +57,9 @@ def cmd_estimate(args) -> int:
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
-              activation_offloading=args.activation_offloading, liger=args.liger, adapter=adapter_of(args, spec),
-              compile=args.compile, tiled=args.tiled, chunked_loss=args.chunked_loss)
+              activation_offloading=args.activation_offloading, liger=args.liger,
+              adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
+              chunked_loss=args.chunked_loss)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
@@ -91,7 +92,8 @@ def cmd_estimate(args) -> int:
                        **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        **({"chunked_loss": job.chunked_loss} if job.chunked_loss else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
-               "per_gpu": b.to_dict(), "fits": b.fits, "timing": t.to_dict(),
+               "per_gpu": b.to_dict(), "host_ram_bytes_per_node": hw.cpu_ram_bytes_per_node, "fits": b.fits,
+               "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
                "time_error_band": {**time_band().to_dict(),
                                    "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
@@ -194,6 +196,9 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     if args.chunked_loss:
         raise UserError("--chunked-loss is estimated for one sequence length, not --seq max; give --seq a number "
                         "or drop --chunked-loss")
+    if args.micro_batch != 1:
+        raise UserError("--micro-batch does not apply to --seq max (it finds the longest sequence at micro-batch 1); "
+                        "drop --micro-batch or give --seq N")
     if problem := spec.attention_problem(args.attention):
         raise UserError(problem)
     from toolkit.estimate.longest import longest_on_grid, text_chart
@@ -207,7 +212,8 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
                   optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
                   checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
-                  adapter=adapter_of(args, spec), compile=args.compile, tiled=args.tiled)
+                  activation_offloading=args.activation_offloading,
+                  adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled)
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,

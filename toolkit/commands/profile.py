@@ -42,7 +42,7 @@ def cmd_profile(args) -> int:
     if args.activation_offloading:
         raise UserError("profile measures a step with its activations on the device; --activation-offloading (TRL's "
                         "offload to host RAM) is modelled by estimate and plan only: drop --activation-offloading")
-    adapter = adapter_of(args)
+    adapter = adapter_of(args, training_only_read=False)
     if adapter.method == "qlora":
         raise UserError("profile builds its base in the compute dtype; a QLoRA base is 4-bit (bitsandbytes), which "
                         "tests/test_lora.py measures, not profile yet: use --method lora or full")
@@ -87,7 +87,8 @@ def cmd_profile(args) -> int:
     print(f"{'':<20}{'predicted GiB':>15}{'measured GiB':>15}{'ratio':>9}")
     for name, (p, m) in rows.items():
         print(f"{name:<20}{p / GIB:>15.3f}{m / GIB:>15.3f}{p / m:>9.3f}")
-    print(f"measured step {measured.step_time_s:.3f} s, {measured.tokens_per_s:,.0f} tokens/s")
+    print(f"measured step {measured.step_time_s:.3f} s, {measured.tokens_per_s:,.0f} tokens/s (mean of "
+          f"{measured.timed_steps} step{'s' if measured.timed_steps != 1 else ''})")
     return 0
 
 

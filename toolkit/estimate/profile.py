@@ -25,8 +25,10 @@ class Measured:
     storage still alive (saved tensors, what checkpoint recompute closures hold: masks, rotary tables; the loss),
     as toolkit.estimate.livebytes.measure_saved_bytes sees it."""
     step_time_s: float
+    """Mean of `timed_steps` steps after the measured one."""
     tokens_per_s: float
     device: str
+    timed_steps: int = 0
 
 
 def _dtype(precision: str):
@@ -164,7 +166,7 @@ def _measure(model, optimizer, batch, amp, autocast, device: str, steps: int, to
         torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / steps
     return Measured(peak_bytes=int(peak), activations_bytes=saved.live_bytes - saved.autocast_copy_bytes, step_time_s=elapsed,
-                    tokens_per_s=tokens / elapsed, device=device)
+                    tokens_per_s=tokens / elapsed, device=device, timed_steps=steps)
 
 
 def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
