@@ -341,31 +341,55 @@ def test_qlora_zero3_with_uint8_storage_is_refused_alike_by_plan_estimate_emit_a
     assert "fit check skipped: qlora cannot train under zero3" in captured.out
 
 
+# One interpreter imports torch, transformers and PEFT once, then forks each run: the child runs the command cold
+# (TOOLKIT_NO_CACHE, so the trace that crashed runs every time) and leaves through sys.exit, i.e. the interpreter's
+# own finalization, where the crash showed; the parent reports each child's exit code or signal. Two at a time.
+_FORKED_RUNS = """
+import json, os, sys
+import peft, torch, transformers  # the imports a cold run pays; the crash was in the trace and at exit
+from toolkit.cli import main
+runs, argv, out_dir = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+os.environ["TOOLKIT_NO_CACHE"] = "1"
+results, running = [], {}
+for run in range(runs + 1):
+    if run < runs:
+        pid = os.fork()
+        if pid == 0:
+            fd = os.open(os.path.join(out_dir, f"{run}.out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1), os.dup2(fd, 2)
+            sys.exit(main(argv))
+        running[pid] = run
+    while running and (len(running) >= 2 or run == runs):
+        pid, status = os.wait()
+        results.append([running.pop(pid), os.waitstatus_to_exitcode(status)])
+print(json.dumps(sorted(results)))
+"""
+
+
 @pytest.mark.multiprocess
 def test_estimate_with_modules_to_save_exits_cleanly_50_times_in_a_row(tmp_path):
     """Issue 33: `estimate --method lora --lora-modules-to-save ...` died now and then after printing its result
     (SIGABRT "corrupted double-linked list" / SIGSEGV at interpreter exit, 3 of 4 cold runs of a tiny Llama): the
-    tracer's PEFT wrap deep-copied fake tensors through torch's storage copy (toolkit/estimate/fakecopy.py). Each
-    run is cold (TOOLKIT_NO_CACHE: a cache hit skips the trace that did it) on a tiny local config."""
+    tracer's PEFT wrap deep-copied fake tensors through torch's storage copy (toolkit/estimate/fakecopy.py). 50
+    cold runs (TOOLKIT_NO_CACHE: a cache hit skips the trace that did it) on a tiny local config, each its own
+    process forked after the imports (_FORKED_RUNS), each exiting through the interpreter's finalization."""
+    import json
     import subprocess
     import sys
-    from concurrent.futures import ThreadPoolExecutor
 
     from toolkit.run.tiny import tiny_config
 
-    tiny_config("llama", layers=2, hidden=64, vocab_size=512).save_pretrained(tmp_path)
-    env = {**os.environ, "TOOLKIT_NO_CACHE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "toolkit", "estimate", str(tmp_path), "--gpus", "2xH100-80GB", "--strategy",
-               "zero3", "--seq", "128", "--method", "lora", "--lora-modules-to-save", "lm_head,embed_tokens"]
-
-    def run(_):
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-
-    with ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 1)))) as pool:
-        results = list(pool.map(run, range(50)))
-    codes = [r.returncode for r in results]
-    assert codes == [0] * 50, (codes, next(r.stderr[-2000:] for r in results if r.returncode))
-    assert "predicted step" in results[0].stdout
+    tiny_config("llama", layers=2, hidden=64, vocab_size=512).save_pretrained(tmp_path / "model")
+    argv = ["estimate", str(tmp_path / "model"), "--gpus", "2xH100-80GB", "--strategy", "zero3", "--seq", "128",
+            "--method", "lora", "--lora-modules-to-save", "lm_head,embed_tokens"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", _FORKED_RUNS, "50", json.dumps(argv), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = [code for _, code in json.loads(done.stdout.splitlines()[-1])]
+    failed = next((run for run, code in json.loads(done.stdout.splitlines()[-1]) if code), None)
+    assert codes == [0] * 50, (codes, failed is not None and (tmp_path / f"{failed}.out").read_text()[-2000:])
+    assert "predicted step" in (tmp_path / "0.out").read_text()
 
 
 def test_moe_lora_dropout_defaults_to_zero_and_explicit_dropout_is_refused_with_the_fix(tmp_path, capsys):
