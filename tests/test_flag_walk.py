@@ -65,7 +65,11 @@ A command without the other flag drops it from the context. (--savers: a grid wh
 the tiny model at micro-batch 250000; --pipeline-stages: the 2-layer model cannot be cut otherwise than a pipeline
 over every GPU, so a count is refused.)"""
 
-DROPS = {"--savers": {"--global-batch"}}
+BY_NUMBERS = ["--layers", "3", "--hidden", "64", "--heads", "4", "--vocab", "512"]
+"""The model the flags of the "model by numbers" group are walked on, in place of the model's name (beside which
+they are refused)."""
+
+DROPS = {"--savers": {"--global-batch"}, "--params": {"--layers", "--hidden", "--heads", "--vocab"}}
 """Flags of the command's own words that the context of a walked flag leaves out."""
 
 AFTER_A_FIRST_RUN = {"--force"}
@@ -219,6 +223,8 @@ def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, plan
     before, after = _setups(tiny_llama_dir, tmp_path, planned, corpus_dir)[command]
     fill = {"{tmp}": str(tmp_path), "{model}": str(tiny_llama_dir)}
     known = {o for a in parser._actions for o in a.option_strings}  # noqa: SLF001
+    by_numbers = {o for g in parser._action_groups if g.title and g.title.startswith("model by numbers")  # noqa: SLF001
+                  for a in g._group_actions for o in a.option_strings}  # noqa: SLF001
 
     def argv(base: list[str], *words: str) -> list[str]:
         out = [command, *base, *words, *after]
@@ -232,7 +238,10 @@ def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, plan
             continue
         needs = _without(NEEDS.get(flag, []), {w for w in NEEDS.get(flag, []) if w.startswith("--")} - known,
                          parser)
-        base = _without(before, {flag, *DROPS.get(flag, ()), *(w for w in needs if w.startswith("--"))}, parser)
+        base = before
+        if flag in by_numbers:
+            base = [w for w in base if w != str(tiny_llama_dir)] + BY_NUMBERS
+        base = _without(base, {flag, *DROPS.get(flag, ()), *(w for w in needs if w.startswith("--"))}, parser)
         if flag in TABLE_ONLY:
             base = _without(base, {"--json"}, parser)
         key = (tuple(base), tuple(needs))
