@@ -189,9 +189,7 @@ def check_train_args(args: TrainArgs) -> None:
             raise UserError(f"{flag} {value} is not a finite number; give a number such as "
                             f"{_build_parser().get_default(flag[2:].replace('-', '_'))}")
     check_paths(args)
-    from transformers.trainer_utils import SchedulerType  # the Trainer's own list of schedulers
-
-    known = [s.value for s in SchedulerType]
+    known = lr_scheduler_names()
     if args.lr_scheduler not in known:
         raise UserError(f"--lr-scheduler '{args.lr_scheduler}' is not known; choose one of: {', '.join(known)}")
     if args.max_steps == 0 or args.max_steps < -1:
@@ -211,6 +209,22 @@ def check_train_args(args: TrainArgs) -> None:
         raise UserError(f"--lr must be positive, got {args.lr}")
     if args.warmup_steps < 0 or args.weight_decay < 0 or args.max_grad_norm < 0:
         raise UserError("--warmup-steps, --weight-decay and --max-grad-norm must not be negative")
+
+
+def lr_scheduler_names() -> list[str]:
+    """The Trainer's own list of schedulers (transformers.trainer_utils.SchedulerType), kept in the on-disk cache
+    (keyed by the transformers version): importing trainer_utils pulls in PEFT, bitsandbytes and inductor, seconds
+    that launch's preflight would pay before every launch only to check one name."""
+    from toolkit import cache
+
+    stored = cache.get("lr_schedulers", [], code=lr_scheduler_names, decode=list)
+    if stored:
+        return stored
+    from transformers.trainer_utils import SchedulerType
+
+    known = [s.value for s in SchedulerType]
+    cache.put("lr_schedulers", [], known, code=lr_scheduler_names)
+    return known
 
 
 def check_paths(args: TrainArgs) -> None:
