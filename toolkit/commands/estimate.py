@@ -50,7 +50,7 @@ def cmd_estimate(args) -> int:
     hw = hardware_of(args)
     strategy = parse_strategy(args.strategy)
     degrees = dict(tensor=args.tensor_parallel or 1, context=args.context_parallel or 1,
-                   sequence=args.sequence_parallel or 1)
+                   sequence=args.sequence_parallel or 1, expert=args.expert_parallel or 1)
     if args.seq == "max":
         return _estimate_seq_max(args, spec, hw, strategy, degrees)
     seq_len, seq_note = seq_len_of(spec, args)

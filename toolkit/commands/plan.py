@@ -58,6 +58,9 @@ def cmd_plan(args) -> int:
 
     _refuse_what_seq_max_ignores(args)
     spec = model_spec(args)  # a config that is wrong is named first
+    if (args.expert_parallel or 1) > 1:
+        raise UserError(f"plan does not search expert parallelism yet; price it with `toolkit estimate --strategy "
+                        f"fsdp2 --expert-parallel {args.expert_parallel}`, or drop --expert-parallel")
     if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
         from toolkit.run.preflight import check_model_to_plan
 

@@ -274,10 +274,34 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
                            largest_layer=spec.largest_layer_params, factored_elems=fe)
     if strategy.engine == Engine.FSDP2:
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
+        if grid.expert > 1:
+            return _expert_parallel_states(spec, strategy, job, grid, params=params, factored_elems=fe)
         return fsdp2_states(params, job, strategy, shard=grid.shard_group, layer_params=max(spec.layer_params),
                             root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
                             factored_elems=fe, prefetch_layers=2 if job.device_kind == "cuda" else 1)
     return pipeline_states(params, job, dp=dp, factored_elems=fe)
+
+
+def _expert_parallel_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int,
+                            factored_elems: int) -> States:
+    """FSDP2 x EP (transformers' DistributedConfig): the sharded states are FSDP2's, since an expert's parameters
+    shard over efsdp = dp_shard x tensor / ep ranks of the ep ranks holding experts / ep each, the same
+    params / (dp_shard x tensor) a rank holds without EP; what EP changes is the unsharded layer (its own experts only,
+    not every expert: toolkit.inputs.moe.ep_gathered_layer_params) and the token all-to-all's buffers."""
+    from toolkit.inputs.moe import dispatch_buffer_bytes, ep_gathered_layer_params
+
+    prefetch = 2 if job.device_kind == "cuda" else 1
+    s = fsdp2_states(params, job, strategy, shard=grid.shard_group,
+                     layer_params=ep_gathered_layer_params(spec, grid.expert),
+                     root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
+                     factored_elems=factored_elems, prefetch_layers=prefetch)
+    tokens = job.micro_batch * job.seq_len // grid.seq_split
+    dispatch = dispatch_buffer_bytes(spec, tokens, compute_bytes(job.precision))
+    s.buffers += dispatch
+    s.sources.append(f"expert parallel {grid.expert}: unsharded layer holds {spec.moe_experts // grid.expert} of "
+                     f"{spec.moe_experts} experts; all-to-all send + receive {tokens} tokens x top-{spec.moe_top_k} x "
+                     f"hidden {spec.hidden} = {dispatch / GIB:.2f} GiB (balanced routing assumed)")
+    return s
 
 
 def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,

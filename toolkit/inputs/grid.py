@@ -55,14 +55,27 @@ class ParallelGrid:
     sequence: int = 1
     """Sequence-parallel degree (DeepSpeed Ulysses / ALST with ZeRO): seq / sequence tokens per rank outside
     attention, heads / sequence heads of the whole sequence inside it."""
+    expert: int = 1
+    """Expert-parallel degree (transformers' DistributedConfig ep_size on FSDP2): no ranks of its own, it reuses
+    the dp_shard x tensor ranks (pp x fsdp x tp == pp x efsdp x ep); every rank holds experts / expert of each MoE
+    layer, FSDP-sharded over efsdp = dp_shard x tensor / expert (docs/ENGINE_FACTS.md, "Expert parallelism")."""
 
     def __post_init__(self) -> None:
         for name, value in (("nodes", self.nodes), ("GPUs per node", self.gpus_per_node),
                             ("pipeline stages", self.pipeline_stages), ("data-parallel replicas", self.dp_replicate),
                             ("data-parallel shards", self.dp_shard), ("--tensor-parallel", self.tensor),
-                            ("--context-parallel", self.context), ("--sequence-parallel", self.sequence)):
+                            ("--context-parallel", self.context), ("--sequence-parallel", self.sequence),
+                            ("--expert-parallel", self.expert)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
+        if self.expert > 1:
+            from toolkit.inputs.moe import expert_grid_problem
+
+            problem = expert_grid_problem(self.expert, fsdp=self.dp_shard, tensor=self.tensor,
+                                          replicate=self.dp_replicate, context=self.context * self.sequence,
+                                          stages=self.pipeline_stages)
+            if problem:
+                raise UserError(problem)
         if self.context > 1 and self.sequence > 1:
             # accelerate ParallelismConfig.__post_init__: "CP and SP are mutually exclusive".
             raise UserError(f"context parallel {self.context} and sequence parallel {self.sequence} cannot combine "
@@ -81,11 +94,23 @@ class ParallelGrid:
     @classmethod
     def for_strategy(cls, strategy: Strategy, *, nodes: int, gpus_per_node: int,
                      pipeline_stages: int | None = None, tensor: int = 1, context: int = 1,
-                     sequence: int = 1) -> "ParallelGrid":
+                     sequence: int = 1, expert: int = 1) -> "ParallelGrid":
         """The grid a strategy runs on. `pipeline_stages` None: the strategy's default (pipeline: every GPU a
         stage; hybrid: one stage per node, at least 2). `tensor` / `context` / `sequence`: the model-parallel
-        degrees (1: none). Raises UserError saying why the strategy cannot run here."""
+        degrees (1: none); `expert`: the expert-parallel degree, which takes no ranks of its own (FSDP2 only).
+        Raises UserError saying why the strategy cannot run here."""
         world = nodes * gpus_per_node
+        if expert != 1:
+            if not isinstance(expert, int) or isinstance(expert, bool) or expert < 1:
+                raise UserError(f"--expert-parallel must be a positive integer, got {expert!r}")
+            if strategy.kind != Kind.FSDP2 or strategy.fsdp_mode == "hybrid":
+                raise UserError(f"expert parallelism is planned on fsdp2 (transformers' DistributedConfig ep_size), "
+                                f"not {strategy.name}; use --strategy fsdp2 with --expert-parallel, or zero3 (the "
+                                "MoE block as a leaf module) without it")
+            grid = cls.for_strategy(strategy, nodes=nodes, gpus_per_node=gpus_per_node,
+                                    pipeline_stages=pipeline_stages, tensor=tensor, context=context,
+                                    sequence=sequence)
+            return cls(**{**grid.__dict__, "expert": expert})
         if (tensor, context, sequence) != (1, 1, 1):
             if strategy.is_pipeline or pipeline_stages not in (None, 1):
                 raise UserError("the pipeline engine runs no tensor / context / sequence parallelism; use zero1-3 "
@@ -288,7 +313,13 @@ class ParallelGrid:
 
     def check_model(self, spec: "ModelSpec") -> None:
         """Whether this grid's stages can hold `spec` (a stage per layer at least; a convertible architecture),
-        and whether its heads split over the tensor / sequence degrees."""
+        and whether its heads split over the tensor / sequence degrees, its experts over the expert degree."""
+        if self.expert > 1:
+            from toolkit.inputs.moe import expert_parallel_problem
+
+            problem = expert_parallel_problem(spec, self.expert, self.tensor)
+            if problem:
+                raise UserError(problem)
         if self.tensor > 1:
             from toolkit.inputs.tensorplan import tp_plan_problem
 
@@ -391,11 +422,11 @@ class ParallelGrid:
         parts = [f"pipeline {self.pipeline_stages}", f"data-parallel {self.dp_replicate} x {self.dp_shard}"]
         parts += [f"{name} {d}" for name, d in (("tensor", self.tensor), ("context", self.context),
                                                  ("sequence", self.sequence)) if d > 1]
-        return " x ".join(parts)
+        return " x ".join(parts) + (f" (expert {self.expert} over data-parallel x tensor)" if self.expert > 1 else "")
 
     def describe(self) -> str:
         extra = "".join(f" x {name}={d}" for name, d in (("tp", self.tensor), ("cp", self.context),
-                                                          ("sp", self.sequence)) if d > 1)
+                                                          ("sp", self.sequence), ("ep", self.expert)) if d > 1)
         if extra:
             dp = (f"dp={self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp={self.data_parallel}")
             return dp + extra
@@ -507,12 +538,12 @@ def _attention_window(spec: "ModelSpec") -> int | None:
 
 
 def grid_of(strategy: Strategy, hw: "Hardware", pipeline_stages: int | None = 1, *, tensor: int = 1,
-            context: int = 1, sequence: int = 1) -> ParallelGrid:
+            context: int = 1, sequence: int = 1, expert: int = 1) -> ParallelGrid:
     """The grid `strategy` runs on with `hw` (pipeline_stages counts only for pipeline strategies; None: the
     strategy's default)."""
     return ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=pipeline_stages if strategy.is_pipeline else None,
-                                     tensor=tensor, context=context, sequence=sequence)
+                                     tensor=tensor, context=context, sequence=sequence, expert=expert)
 
 
 def default_stages(strategy: Strategy, nodes: int, gpus_per_node: int) -> int:

@@ -103,3 +103,83 @@ def find_moe(model: Any, config: Any = None) -> MoeParts | None:
     if found is None:
         return None
     return MoeParts(**{**found.__dict__, "moe_layers": moe_layers})
+
+
+def _or(options: list[int]) -> str:
+    words = [str(o) for o in options]
+    return "none fits" if not words else words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def expert_grid_problem(expert: int, *, fsdp: int, tensor: int, replicate: int = 1, context: int = 1,
+                        stages: int = 1) -> str | None:
+    """Why an expert-parallel degree does not compose with the grid's other degrees, or None. The rules are
+    transformers' own (DistributedConfig._validate_mesh_config, run here on the sizes): ep_size a multiple of
+    tp_size dividing fsdp_size x tp_size; context / sequence parallelism and HSDP replicas are not planned with it."""
+    if context > 1 or stages > 1 or replicate > 1:
+        return (f"--expert-parallel {expert} is planned only with FSDP2 (and tensor parallelism) on one data-parallel "
+                "shard group: no context / sequence parallelism, pipeline stages or HSDP replicas; drop those or "
+                "--expert-parallel")
+    from transformers.distributed import DistributedConfig
+
+    try:
+        DistributedConfig(tp_size=tensor, fsdp_size=fsdp, ep_size=expert)
+    except ValueError as exc:
+        fits = [d for d in range(tensor * 2, fsdp * tensor + 1, tensor) if (fsdp * tensor) % d == 0]
+        return (f"--expert-parallel {expert} does not fit fsdp {fsdp} x tensor {tensor} (transformers' "
+                f"DistributedConfig: {str(exc).rstrip('.')}); try --expert-parallel {_or(fits)}")
+    return None
+
+
+def expert_parallel_problem(spec: Any, expert: int, tensor: int = 1) -> str | None:
+    """Why `spec` cannot split its experts over `expert` ranks (transformers' DistributedConfig route), or None:
+    a dense model; an expert count `expert` does not divide; ep > tp without the model's ep_plan token dispatch
+    (`ep_dispatch_experts`, from the config's base_model_ep_plan)."""
+    if not spec.moe_experts:
+        return (f"--expert-parallel {expert} needs a mixture-of-experts model; {spec.name} is dense (no routed "
+                "experts found in its layers); drop --expert-parallel")
+    if spec.moe_experts % expert:
+        fits = [d for d in range(2, spec.moe_experts + 1) if spec.moe_experts % d == 0 and d % tensor == 0]
+        return (f"--expert-parallel {expert} does not divide {spec.name}'s {spec.moe_experts} experts (each rank "
+                f"holds experts / ep); try {_or(fits[:6])}")
+    if expert > tensor:
+        text = spec.hf_config()
+        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        plan = getattr(text, "base_model_ep_plan", None) or {}
+        if "ep_dispatch_experts" not in plan.values():
+            return (f"--expert-parallel {expert} needs {spec.model_type}'s ep_plan to dispatch tokens between ranks "
+                    "(transformers' base_model_ep_plan has no 'ep_dispatch_experts' rule for it); use fsdp2 or zero3 "
+                    "without --expert-parallel")
+    return None
+
+
+def expert_params(spec: Any) -> int:
+    """Parameters of the routed experts (all of them), from the spec's exact total and active counts: active =
+    total - experts x (1 - top_k / experts_count) (toolkit.inputs.modelspec); 0 for a dense model."""
+    if not spec.moe_experts or not spec.moe_top_k or spec.moe_top_k >= spec.moe_experts:
+        return 0
+    return int(round((spec.params - spec.active_params) / (1 - spec.moe_top_k / spec.moe_experts)))
+
+
+def expert_layer_params(spec: Any) -> float:
+    """Routed-expert parameters of one MoE layer: expert_params over the MoE layers, which are the largest
+    decoder layers (every MoE layer of a model has the same shapes; DeepSeek-V3's first dense layers are smaller)."""
+    total = expert_params(spec)
+    if not total:
+        return 0.0
+    largest = max(spec.layer_params)
+    return total / sum(1 for p in spec.layer_params if p == largest)
+
+
+def ep_gathered_layer_params(spec: Any, expert: int) -> int:
+    """Parameters FSDP2 unshards for the largest decoder layer under expert parallelism `expert`: the dense part
+    whole, and only the rank's own experts (experts / ep of them, gathered over efsdp) instead of all of them."""
+    largest = max(spec.layer_params)
+    return int(round(largest - expert_layer_params(spec) * (1 - 1 / expert))) if expert > 1 else largest
+
+
+def dispatch_buffer_bytes(spec: Any, tokens: int, bytes_per_value: int) -> int:
+    """The all-to-all dispatch of one MoE layer on a rank: every token goes to top_k experts, so the send
+    (tokens x top_k x hidden, permuted by expert) and the receive buffer (the same count at balanced routing) are
+    live together while the local experts compute; the combine reuses that size on the way back. Routing
+    imbalance is not modelled (a rank that receives more than its share holds more)."""
+    return 2 * tokens * spec.moe_top_k * spec.hidden * bytes_per_value
