@@ -91,3 +91,35 @@ def test_expert_parallel_memory_differs_by_the_unsharded_experts_and_the_dispatc
     assert one.gathered - two.gathered == pytest.approx(2 * half_layer_experts, abs=8)  # 2 layers live (prefetch)
     assert one.backward_buffers - two.backward_buffers == pytest.approx(2 * half_layer_experts, abs=8)
     assert two.buffers - one.buffers == 2 * 2048 * 8 * 2048 * 2  # send + receive, tokens x top-8 x hidden, bf16
+
+
+def test_expert_parallel_step_time_pays_all_to_alls_on_the_ep_link_and_is_unverified(capsys):
+    """The token all-to-all grows with the tokens x top_k x hidden a rank sends and moves to the inter-node link
+    once the ep group leaves the node; the expert gathers shrink to efsdp; the row's speed is unverified."""
+    from toolkit.estimate.timing import EP_ALL_TO_ALLS_PER_LAYER, expert_all_to_all_s
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+
+    spec = _spec("qwen3-30b-a3b")
+    job = Job(seq_len=2048, micro_batch=1, grad_accum=1, precision="bf16", optimizer="adamw", checkpointing=False)
+    one_node, two_nodes = parse_hardware("8xH100-80GB"), parse_hardware("8xH100-80GB", nodes=2)
+    assert expert_all_to_all_s(spec, job, _grid(1), one_node) == 0.0
+    inside = expert_all_to_all_s(spec, job, _grid(8), one_node)
+    sent = 2048 * 8 * 2048 * 2 * 7 / 8  # tokens x top-8 x hidden x bf16, 7/8 of it leaves the rank
+    assert inside == pytest.approx(EP_ALL_TO_ALLS_PER_LAYER * 48 * sent / (one_node.gpu.intra_node_gbps * 1e9),
+                                   rel=1e-9)
+    across = expert_all_to_all_s(spec, job, _grid(16, nodes=2), two_nodes)
+    assert across > inside
+
+
+def test_estimate_of_an_expert_parallel_row_names_its_terms_and_stars_its_speed(tmp_path, capsys):
+    folder = tmp_path / "q30"
+    folder.mkdir()
+    shutil.copy(ARCH / "qwen3-30b-a3b.json", folder / "config.json")
+    assert main(["estimate", str(folder), "--strategy", "fsdp2", "--gpus", "8xH100-80GB", "--micro-batch", "1",
+                 "--seq", "2048", "--expert-parallel", "8", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "unsharded layer holds 16 of 128 experts" in out
+    assert "all-to-all send + receive 2048 tokens x top-8 x hidden 2048" in out
+    assert "4 blocking all-to-alls per MoE layer" in out and "on the node link" in out
+    assert "the all-to-all terms are unverified" in out

@@ -169,7 +169,9 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     print(f"time band: {time_band().text()}"
           + ("" if time_band().covers(strategy.name, hw.world_size) else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
-             "unverified"))
+             "unverified")
+          + ("; no published expert-parallel run scored: the all-to-all terms are unverified"
+             if c.grid is not None and c.grid.expert > 1 else ""))
     from toolkit.estimate.savers import UNMODELLED_SPEED
 
     for key in t.unmodelled:

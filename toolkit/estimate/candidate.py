@@ -42,7 +42,8 @@ class Candidate:
         """Whether published runs of this engine at this scale back the predicted speed (toolkit.estimate.errorband
         .time_band); a tensor / context / sequence dimension has none yet."""
         gpus = self.pipeline_stages * self.data_parallel
-        return self.dimension is None and time_band().covers(self.strategy.name, gpus)
+        expert = self.grid is not None and self.grid.expert > 1  # no published EP run scored yet
+        return self.dimension is None and not expert and time_band().covers(self.strategy.name, gpus)
 
     @property
     def degrees(self) -> tuple[int, int, int]:

@@ -325,7 +325,13 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         else:
             gathers = 1 if strategy.fsdp_mode == "grad_op" else 2
             bw = _group_bandwidth(hw, dp)
-            comm = A * (gathers * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+            if grid.expert > 1 and counts is None:
+                comm = A * expert_parallel_fsdp_comm_s(full_spec, grid, hw, pb, gathers)
+                assumptions.append(f"expert parallel {grid.expert}: FSDP2 gathers and reduce-scatters the dense "
+                                   f"parameters over {dp} ranks and each rank's experts over efsdp "
+                                   f"{grid.shard_group * grid.tensor // grid.expert}")
+            else:
+                comm = A * (gathers * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
     else:
         # Pipeline: activations cross stage boundaries; stages across nodes, data parallel inside a node.
         M = A
@@ -365,6 +371,15 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         extra, said = model_parallel_comm_s(full_spec, full_job, grid, hw, compute)
         exposed += extra
         assumptions += said
+    if grid.expert > 1:
+        extra = expert_all_to_all_s(full_spec, full_job, grid, hw)
+        exposed += extra
+        assumptions.append(f"expert parallel {grid.expert}: {EP_ALL_TO_ALLS_PER_LAYER} blocking all-to-alls per MoE "
+                           f"layer (dispatch + combine, forward and backward) of tokens x top-{full_spec.moe_top_k} "
+                           f"x hidden on the {'node' if grid.expert <= hw.gpus_per_node else 'inter-node'} link, "
+                           f"balanced routing ({extra:.3f} s/step; unverified: no published EP run scored, and the one "
+                           "published anchor, TRL PR#6869's Qwen3-30B-A3B ep=8 on 8 x H100 at 0.9 s a step for one "
+                           "shared 2048-token batch, is far slower than this model predicts: not reproduced yet)")
     step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
@@ -423,6 +438,42 @@ def _all_to_all(bytes_per_rank: float, n: int, gbps: float) -> float:
 def _recompute_factor(job: Job) -> float:
     """Forward collectives run again when a checkpointed layer recomputes: half of each layer's collectives."""
     return 1.5 if job.checkpointing else 1.0
+
+
+EP_ALL_TO_ALLS_PER_LAYER = 4
+"""Token exchanges of one MoE layer under expert parallelism: dispatch and combine in forward, their gradients in
+backward (transformers' ep_dispatch_experts with ep_implementation all_to_all)."""
+
+
+def expert_parallel_fsdp_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardware, pb: int, gathers: int) -> float:
+    """One micro-step's FSDP2 collectives under expert parallelism: the dense parameters gathered (and their
+    gradients reduce-scattered) over the shard group, each rank's experts / ep experts over efsdp only."""
+    from toolkit.inputs.moe import expert_params
+
+    experts = expert_params(spec)
+    dense = spec.params - experts
+    dp = grid.shard_group
+    efsdp = dp * grid.tensor // grid.expert
+    dense_s = (gathers + 1) * _ring(dense * pb, dp, _group_bandwidth(hw, dp), 1)
+    # efsdp groups stride over the ep groups (rank r and r + ep hold the same experts): they leave the node
+    # once the whole grid does.
+    expert_s = (gathers + 1) * _ring(experts / grid.expert * pb, efsdp, _group_bandwidth(hw, grid.world), 1)
+    return dense_s + expert_s
+
+
+def expert_all_to_all_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) -> float:
+    """Blocking token all-to-alls of expert parallelism per step: every MoE layer sends each of the rank's tokens
+    to top_k experts and gets them back, forward and backward (checkpointed layers exchange again in recompute),
+    over the ep group (contiguous ranks: the node's link while ep fits in a node). Balanced routing assumed."""
+    from toolkit.inputs.moe import moe_layer_count
+
+    if grid.expert <= 1:
+        return 0.0
+    pb = compute_bytes(job.precision)
+    tokens = job.seq_len // grid.seq_split * job.micro_batch
+    per = _all_to_all(tokens * spec.moe_top_k * spec.hidden * pb, grid.expert, _group_bandwidth(hw, grid.expert))
+    per_micro = EP_ALL_TO_ALLS_PER_LAYER * moe_layer_count(spec) * per * _recompute_factor(job)
+    return job.grad_accum * per_micro
 
 
 def tensor_parallel_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) -> float:

@@ -160,14 +160,19 @@ def expert_params(spec: Any) -> int:
     return int(round((spec.params - spec.active_params) / (1 - spec.moe_top_k / spec.moe_experts)))
 
 
-def expert_layer_params(spec: Any) -> float:
-    """Routed-expert parameters of one MoE layer: expert_params over the MoE layers, which are the largest
-    decoder layers (every MoE layer of a model has the same shapes; DeepSeek-V3's first dense layers are smaller)."""
-    total = expert_params(spec)
-    if not total:
-        return 0.0
+def moe_layer_count(spec: Any) -> int:
+    """Decoder layers with routed experts: the largest decoder layers (every MoE layer of a model has the same
+    shapes; DeepSeek-V3's first dense layers are smaller); 0 for a dense model."""
+    if not spec.moe_experts:
+        return 0
     largest = max(spec.layer_params)
-    return total / sum(1 for p in spec.layer_params if p == largest)
+    return sum(1 for p in spec.layer_params if p == largest)
+
+
+def expert_layer_params(spec: Any) -> float:
+    """Routed-expert parameters of one MoE layer: expert_params over the MoE layers."""
+    total = expert_params(spec)
+    return total / moe_layer_count(spec) if total else 0.0
 
 
 def ep_gathered_layer_params(spec: Any, expert: int) -> int:
