@@ -86,6 +86,8 @@ def untraceable_reason(strategy: "Strategy", grid: "ParallelGrid", job: "Job") -
         return "context parallelism shards only the CUDA SDPA kernels (torch ring attention); not on a CPU build"
     if grid.sequence > 1:
         return "Ulysses sequence parallelism runs in DeepSpeed"
+    if grid.expert > 1:
+        return "the fake world does not apply the model's ep_plan yet (expert parallelism's terms are derived)"
     for flag, what in ((job.adapter.is_adapter, f"{job.adapter.method} adapters"), (job.liger, "Liger kernels"),
                        (job.activation_offloading, "activation offloading"), (job.compile, "torch.compile"),
                        (job.checkpointing == CHECKPOINTING_OP, "per-op selective checkpointing"),

@@ -127,6 +127,11 @@ def expert_grid_problem(expert: int, *, fsdp: int, tensor: int, replicate: int =
         fits = [d for d in range(tensor * 2, fsdp * tensor + 1, tensor) if (fsdp * tensor) % d == 0]
         return (f"--expert-parallel {expert} does not fit fsdp {fsdp} x tensor {tensor} (transformers' "
                 f"DistributedConfig: {str(exc).rstrip('.')}); try --expert-parallel {_or(fits)}")
+    if tensor > 1:
+        # transformers accepts it; this toolkit's memory and time models do not yet split the experts between the
+        # tp_plan's per-rank spec and the ep_plan (they would count the split twice).
+        return (f"--expert-parallel {expert} with --tensor-parallel {tensor} is not modelled yet (transformers runs "
+                "it; the estimate would split the experts twice); use one of them")
     return None
 
 
