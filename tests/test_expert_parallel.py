@@ -125,3 +125,17 @@ def test_estimate_of_an_expert_parallel_row_names_its_terms_and_stars_its_speed(
     assert "all-to-all send + receive 2048 tokens x top-8 x hidden 2048" in out
     assert "4 blocking all-to-alls per MoE layer" in out and "on the node link" in out
     assert "the all-to-all terms are unverified" in out
+
+
+def test_plan_of_an_moe_model_lists_its_expert_parallel_row_with_the_degrees_that_run(tmp_path, capsys):
+    """Listed, not ranked: toolkit.train and plan's files do not run EP yet, and its speed is unverified."""
+    folder = tmp_path / "q30"
+    folder.mkdir()
+    shutil.copy(ARCH / "qwen3-30b-a3b.json", folder / "config.json")
+    assert main(["plan", str(folder), "--gpus", "8xH100-80GB", "--seq", "2048", "--global-batch", "16",
+                 "--strategies", "fsdp2,zero3", "--json"]) == 0
+    rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    ep = rows["fsdp2 x ep"]
+    assert not ep["feasible"]
+    assert "expert parallelism (ep 2, 4, 8 of 128 experts) is not planned yet" in ep["reason"]
+    assert "--expert-parallel 8" in ep["reason"]

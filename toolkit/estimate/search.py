@@ -169,6 +169,27 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
             yield f"{strategy.name} x {dimension}", strategy, grids
+        if spec.moe_experts and "fsdp2" in req.strategies and not any(v not in (None, 1) for v in fixed):
+            yield "fsdp2 x ep", parse_strategy("fsdp2"), _expert_parallel_row(spec, hw)
+
+
+def _expert_parallel_row(spec: ModelSpec, hw: Hardware) -> str:
+    """Why an MoE model's FSDP2 x EP row (transformers' DistributedConfig ep_size) is listed but not planned: the
+    degrees the grid admits, and where to price them (estimate --expert-parallel); or why no degree runs."""
+    degrees, problems = [], []
+    for degree in (d for d in range(2, hw.world_size + 1) if hw.world_size % d == 0):
+        try:
+            ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                      expert=degree).check_model(spec)
+        except UserError as exc:
+            problems.append((degree, str(exc)))
+            continue
+        degrees.append(degree)
+    if not degrees:
+        return _degree_problems(problems)
+    return (f"expert parallelism (ep {', '.join(map(str, degrees))} of {spec.moe_experts} experts) is not planned "
+            f"yet: toolkit.train and plan's files do not run it; price it with `toolkit estimate --strategy fsdp2 "
+            f"--expert-parallel {degrees[-1]}` (its all-to-all speed is unverified)")
 
 
 def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
