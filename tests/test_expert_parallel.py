@@ -121,6 +121,7 @@ def test_estimate_of_an_expert_parallel_row_names_its_terms_and_stars_its_speed(
     assert main(["estimate", str(folder), "--strategy", "fsdp2", "--gpus", "8xH100-80GB", "--micro-batch", "1",
                  "--seq", "2048", "--expert-parallel", "8", "--explain"]) == 0
     out = capsys.readouterr().out
+    assert "| fsdp2 (dp=8 x ep=8) on 8xH100" in out
     assert "unsharded layer holds 16 of 128 experts" in out
     assert "all-to-all send + receive 2048 tokens x top-8 x hidden 2048" in out
     assert "4 blocking all-to-alls per MoE layer" in out and "on the node link" in out

@@ -64,7 +64,7 @@ class Candidate:
     def _base_name(self) -> str:
         if self.strategy.is_pipeline and (self.grid is not None or self.reason is None):
             return f"{self.strategy.name} (pp={self.pipeline_stages} x dp={self.data_parallel})"
-        if self.grid is not None and self.grid.model_parallel > 1:
+        if self.grid is not None and (self.grid.model_parallel > 1 or self.grid.expert > 1):
             return f"{self.strategy.name} ({self.grid.describe()})"
         if self.dimension:
             return f"{self.strategy.name} x {self.dimension}"
