@@ -16,6 +16,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# transformers and huggingface_hub bind their log handler to sys.stderr the first time a logger is asked for. Bound
+# inside a test that captures stderr (capsys), it keeps that test's stream, closed after it, and the next warning
+# prints "--- Logging error ---" into whichever test logs next (a test asserting one line of stderr then fails, in
+# some selections and orders only). Bind them here, to the session's own stream.
+from huggingface_hub.utils import logging as _hub_logging  # noqa: E402
+from transformers.utils import logging as _hf_logging  # noqa: E402
+
+_hf_logging.get_logger("transformers")
+_hub_logging.get_logger("huggingface_hub")
 # DeepSpeed's CPU ops (CPU Adam, shared-memory collectives) as .ci/setup built them for this venv.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
