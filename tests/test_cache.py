@@ -68,3 +68,32 @@ def test_a_change_in_any_module_the_computation_imports_misses_the_cache(tmp_pat
     again, torch_imported = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
     assert torch_imported  # traced again
     assert first == hit == again
+
+
+PLAN_SCRIPT = """
+import json, sys
+from toolkit.cli import main
+main(["plan", sys.argv[1], "--gpus", "2x8xH100-80GB", "--seq", "2048", "--global-batch", "64", "--json"])
+print(json.dumps({"imported": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
+"""
+
+
+def test_a_repeated_plan_with_tensor_parallel_rows_imports_neither_torch_nor_transformers(tmp_path):
+    """The per-rank view of a tensor-parallel candidate builds its transformers config only when a trace misses
+    (ModelSpec.hf_config on a deferred config), so a repeated plan is answered from the cache alone."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000}))
+    env = {**os.environ, "TOOLKIT_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TOOLKIT_NO_CACHE", None)
+    outs = [subprocess.run([sys.executable, "-c", PLAN_SCRIPT, str(model)], capture_output=True, text=True,
+                           env=env, check=True).stdout for _ in range(2)]
+    decoder = json.JSONDecoder()
+    (first, end_1), (second, end_2) = (decoder.raw_decode(out) for out in outs)
+    assert any(c["tensor_parallel"] > 1 for c in first["candidates"]), \
+        "the plan must price tensor-parallel rows for this test to mean anything"
+    assert json.loads(outs[0][end_1:])["imported"] == ["torch", "transformers"]
+    assert json.loads(outs[1][end_2:])["imported"] == []
+    assert first == second

@@ -40,6 +40,7 @@ def cache_dir() -> Path:
     return Path(base) / "toolkit"
 
 
+@lru_cache(maxsize=None)
 def _source_file(module: str) -> Path | None:
     """The source of a toolkit module (a package's __init__.py), found without importing it."""
     base = Path(__file__).resolve().parent.parent.joinpath(*module.split("."))
@@ -59,11 +60,29 @@ def code_closure(module: str) -> list[Path]:
         if name in seen or path is None:
             continue
         seen[name] = path
-        for base, names, plain in _IMPORT.findall(path.read_text()):
-            todo.append(plain or base)
-            if base:  # `from toolkit import cache`: the names may be modules
-                todo += [f"{base}.{n.split()[0]}" for n in names.strip("()").split(",") if n.strip()]
+        todo += _imported(path)
     return sorted(set(seen.values()))
+
+
+@lru_cache(maxsize=None)
+def _imported(path: Path) -> tuple[str, ...]:
+    """The toolkit modules (and, for `from toolkit.x import a`, the names that may be modules) `path` imports."""
+    found: list[str] = []
+    for base, names, plain in _IMPORT.findall(path.read_text()):
+        found.append(plain or base)
+        if base:  # `from toolkit import cache`: the names may be modules
+            found += [f"{base}.{n.split()[0]}" for n in names.strip("()").split(",") if n.strip()]
+    return tuple(found)
+
+
+@lru_cache(maxsize=None)
+def installed_version(package: str) -> str | None:
+    """The installed version of `package` (None when absent), read once per process: importlib.metadata parses the
+    package's METADATA file on every call, and cache keys ask for it per candidate."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 @lru_cache(maxsize=None)
@@ -75,10 +94,7 @@ def fingerprint(module: str) -> str:
     for path in code_closure(module):
         h.update(path.read_bytes())
     for package in ("torch", "transformers"):
-        try:
-            h.update(f"{package}={metadata.version(package)}".encode())
-        except metadata.PackageNotFoundError:
-            h.update(f"{package}=none".encode())
+        h.update(f"{package}={installed_version(package) or 'none'}".encode())
     return h.hexdigest()[:16]
 
 

@@ -101,13 +101,9 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
 
         disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
         if disk_key and job.compile:
-            from importlib import metadata
-
-            disk_key += ["compile", metadata.version("torch")] + ([] if job.compile is True else [job.compile])
+            disk_key += ["compile", cache.installed_version("torch")] + ([] if job.compile is True else [job.compile])
         if disk_key and adapter is not None:
-            from importlib import metadata
-
-            disk_key += [adapter.to_dict(), metadata.version("peft")]
+            disk_key += [adapter.to_dict(), cache.installed_version("peft")]
         if disk_key and job.tiled:
             disk_key += ["tiled"]
         if disk_key and job.chunked_loss:

@@ -455,17 +455,12 @@ def _context_parallel_reasons(spec: "ModelSpec") -> list[str]:
     """context_parallel_problem's reasons, kept per model (its source_key) in memory and in the on-disk cache with
     accelerate's version beside it: the probe imports torch, accelerate and transformers' config class, which a
     repeated plan otherwise never needs."""
-    from importlib import metadata
-
     from toolkit import cache
 
     if not spec.source_key:
         return _probe_context_parallel(spec)
-    try:
-        key = [spec.source_key, metadata.version("accelerate")]
-    except metadata.PackageNotFoundError:
-        key = [spec.source_key, None]
     if spec.source_key not in _CP_REASONS:
+        key = [spec.source_key, cache.installed_version("accelerate")]
         hit = cache.get("cp-reasons", key, code=_probe_context_parallel)
         if not (isinstance(hit, list) and all(isinstance(r, str) for r in hit)):
             hit = _probe_context_parallel(spec)

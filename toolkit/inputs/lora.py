@@ -405,9 +405,7 @@ def counts_for_spec(spec, adapter: Adapter) -> AdapterCounts:
 
     key = None
     if spec.source_key:
-        from importlib import metadata
-
-        key = [spec.source_key, adapter.to_dict(), metadata.version("peft")]
+        key = [spec.source_key, adapter.to_dict(), cache.installed_version("peft")]
         stored = cache.get("lora_counts", key, code=adapter_counts,
                            decode=lambda value: AdapterCounts(**{**value, **{k: tuple(value[k]) for k in (
                                "per_layer", "per_layer_quantized", "per_layer_quantized_packed")}}))
@@ -455,9 +453,7 @@ def wraps_parameters(spec, adapter: Adapter) -> bool:
 
     key = None
     if spec.source_key:
-        from importlib import metadata
-
-        key = [spec.source_key, adapter.to_dict(), metadata.version("peft")]
+        key = [spec.source_key, adapter.to_dict(), cache.installed_version("peft")]
         stored = cache.get("lora_param_wrap", key, code=wraps_parameters, decode=bool)
         if stored is not None:
             return stored

@@ -27,7 +27,8 @@ class ModelSpec:
     name: str
     model_type: str
     config: Any
-    """The transformers PretrainedConfig (the tracer and the trainer build from it)."""
+    """The transformers PretrainedConfig (the tracer and the trainer build from it); until first use
+    (`hf_config()`) it may be its dict (a spec from the cache) or a function that builds it (a per-rank spec)."""
     params: int
     """Exact unique parameter count (tied weights once)."""
     layer_params: tuple[int, ...]
@@ -83,13 +84,16 @@ class ModelSpec:
         return max([*self.layer_params, self.pre_layer_params, self.post_layer_params, self.embedding_params])
 
     def hf_config(self):
-        """The transformers config (built on first use when the spec came from the cache as a plain dict)."""
+        """The transformers config, built on first use when the spec holds its dict (from the cache) or the function
+        that derives it (toolkit.inputs.tensorplan.per_rank_spec)."""
         if isinstance(self.config, dict):
             object.__setattr__(self, "config", config_from_dict(dict(self.config), self.name))
+        elif callable(self.config):
+            object.__setattr__(self, "config", self.config())
         return self.config
 
     def config_dict(self) -> dict[str, Any]:
-        return dict(self.config) if isinstance(self.config, dict) else self.config.to_dict()
+        return dict(self.config) if isinstance(self.config, dict) else self.hf_config().to_dict()
 
     def to_cache(self) -> dict[str, Any]:
         from dataclasses import fields

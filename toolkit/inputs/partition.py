@@ -28,20 +28,29 @@ def balanced_partition(layer_costs: list[float], stages: int, *, first_extra: fl
         return (prefix[b] - prefix[a] + (first_extra if s == 0 else 0.0)
                 + (last_extra if s == stages - 1 else 0.0))
 
-    # best[s][i]: (max cost, sum of squares, boundaries) for layers [0, i) on stages 0..s.
-    best: list[dict[int, tuple[float, float, list[int]]]] = [{} for _ in range(stages)]
+    # best[s][i]: (max cost, sum of squares) for layers [0, i) on stages 0..s; back[s][i]: where stage s starts.
+    # Ties keep the smallest start (the first met), so the split is deterministic.
+    best: list[dict[int, tuple[float, float]]] = [{} for _ in range(stages)]
+    back: list[dict[int, int]] = [{} for _ in range(stages)]
     for i in range(1, n - stages + 2):
         c = stage_cost(0, 0, i)
-        best[0][i] = (c, c * c, [0, i])
+        best[0][i] = (c, c * c)
     for s in range(1, stages):
+        previous = sorted(best[s - 1].items())
         for i in range(s + 1, n - (stages - 1 - s) + 1):
-            options = []
-            for j, (worst, squares, bounds) in best[s - 1].items():
-                if j < i:
-                    c = stage_cost(s, j, i)
-                    options.append((max(worst, c), squares + c * c, bounds + [i]))
-            best[s][i] = min(options, key=lambda o: (o[0], o[1]))
-    return best[stages - 1][n][2]
+            chosen, start = None, 0
+            for j, (worst, squares) in previous:
+                if j >= i:
+                    break
+                c = stage_cost(s, j, i)
+                option = (worst if worst > c else c, squares + c * c)
+                if chosen is None or option < chosen:
+                    chosen, start = option, j
+            best[s][i], back[s][i] = chosen, start
+    bounds = [n]
+    for s in range(stages - 1, 0, -1):
+        bounds.append(back[s][bounds[-1]])
+    return [0] + bounds[::-1]
 
 
 def stage_counts(num_layers: int, world: int | None = None) -> list[int]:

@@ -160,20 +160,24 @@ def _per_rank_spec(spec: "ModelSpec", tensor: int) -> "ModelSpec":
     layer_params = tuple(int(round(p * fraction)) for p in spec.layer_params)
     outside = spec.pre_layer_params + spec.post_layer_params
     out_fraction = split.rank_outside_params / outside if outside else 1.0
-    config = copy.deepcopy(spec.hf_config())
-    text = _text(config)
-    head_dim = spec.head_dim
-    for key in HEAD_KEYS:
-        if getattr(text, key, None):
-            setattr(text, key, getattr(text, key) // tensor)
-    text.head_dim = head_dim  # keep the per-head width when the heads shrink
-    for key in FFN_KEYS:
-        if getattr(text, key, None):
-            setattr(text, key, math.ceil(getattr(text, key) / tensor))
+
+    def rank_config():
+        """Built on first use (ModelSpec.hf_config): a plan whose traces are cached never imports transformers."""
+        config = copy.deepcopy(spec.hf_config())
+        text = _text(config)
+        for key in HEAD_KEYS:
+            if getattr(text, key, None):
+                setattr(text, key, getattr(text, key) // tensor)
+        text.head_dim = spec.head_dim  # keep the per-head width when the heads shrink
+        for key in FFN_KEYS:
+            if getattr(text, key, None):
+                setattr(text, key, math.ceil(getattr(text, key) / tensor))
+        return config
+
     pre = int(round(spec.pre_layer_params * out_fraction))
     post = int(round(spec.post_layer_params * out_fraction))
     source = f"{spec.source_key}-tp{tensor}" if spec.source_key else None
-    return replace(spec, config=config, params=sum(layer_params) + pre + post, layer_params=layer_params,
+    return replace(spec, config=rank_config, params=sum(layer_params) + pre + post, layer_params=layer_params,
                    pre_layer_params=pre, post_layer_params=post,
                    embedding_params=math.ceil(spec.embedding_params / tensor) if _embedding_split(split) else
                    spec.embedding_params,
