@@ -129,7 +129,7 @@ def test_estimate_of_an_expert_parallel_row_names_its_terms_and_stars_its_speed(
 
 
 def test_plan_of_an_moe_model_lists_its_expert_parallel_row_with_the_degrees_that_run(tmp_path, capsys):
-    """Listed, not ranked: toolkit.train and plan's files do not run EP yet, and its speed is unverified."""
+    """Listed, not ranked: its speed is unverified; `plan --expert-parallel N` plans it (tests/test_moe.py)."""
     folder = tmp_path / "q30"
     folder.mkdir()
     shutil.copy(ARCH / "qwen3-30b-a3b.json", folder / "config.json")
@@ -138,5 +138,5 @@ def test_plan_of_an_moe_model_lists_its_expert_parallel_row_with_the_degrees_tha
     rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
     ep = rows["fsdp2 x ep"]
     assert not ep["feasible"]
-    assert "expert parallelism (ep 2, 4, 8 of 128 experts) is not planned yet" in ep["reason"]
+    assert "expert parallelism (ep 2, 4, 8 of 128 experts) is not ranked yet" in ep["reason"]
     assert "--expert-parallel 8" in ep["reason"]

@@ -97,11 +97,11 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
                                 experts=4, corpus_chars=100_000)
 
 
-def _moe_plan(model_dir, strategy, *, world=2, micro=2):
+def _moe_plan(model_dir, strategy, *, world=2, micro=2, expert=1):
     from toolkit.run.rehearsal import plan_for_model
 
     return plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, seq_len=SEQ,
-                          precision="fp32")
+                          precision="fp32", expert=expert)
 
 
 def test_a_zero3_plan_of_an_moe_model_names_its_block_as_leaf_module(tiny_moe_dir, tmp_path):
@@ -126,20 +126,117 @@ def test_a_zero3_plan_of_an_moe_model_names_its_block_as_leaf_module(tiny_moe_di
         assert "leaf_modules" not in _moe_plan(tiny_moe_dir, other).to_dict()
 
 
+@pytest.fixture(scope="module")
+def moe_reference(run_training, tiny_moe_dir, corpus_dir):
+    """One process training the tiny Qwen3-MoE on the whole global batch of 4 (the runs below split it)."""
+    return run_training(_moe_plan(tiny_moe_dir, "ddp", world=1, micro=4), "moe-ref", "--data", str(corpus_dir),
+                        *TRAIN).check()
+
+
 @pytest.mark.multiprocess
-def test_zero3_with_the_moe_block_as_leaf_matches_one_process(run_training, tiny_moe_dir, corpus_dir):
+def test_zero3_with_the_moe_block_as_leaf_matches_one_process(run_training, tiny_moe_dir, corpus_dir, moe_reference):
     """Two gloo ranks of ZeRO-3 with the MoE block as leaf module train the tiny Qwen3-MoE to the single-process
     losses (fp32, 6 steps, global batch 4); each rank's engine flagged the block (the rank summary reads
     DeepSpeed's flag off the trained model's modules)."""
-    args = ("--data", str(corpus_dir), *TRAIN)
-    reference = run_training(_moe_plan(tiny_moe_dir, "ddp", world=1, micro=4), "moe-ref", *args).check()
-    zero3 = run_training(_moe_plan(tiny_moe_dir, "zero3"), "moe-zero3", *args).check()
+    reference = moe_reference
+    zero3 = run_training(_moe_plan(tiny_moe_dir, "zero3"), "moe-zero3", "--data", str(corpus_dir), *TRAIN).check()
     ref, got = reference.losses(), zero3.losses()
     assert len(ref) == STEPS and got.keys() == ref.keys()
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), step
     assert [r["z3_leaf_modules"] for r in zero3.ranks] == [["Qwen3MoeSparseMoeBlock"]] * 2
     assert reference.ranks[0]["z3_leaf_modules"] == []
+
+
+# --- expert parallelism: transformers' DistributedConfig route --------------------------------------------------
+
+def test_plan_with_expert_parallel_writes_ep_into_every_file_the_engines_accept(tiny_moe_dir, tmp_path, capsys):
+    """`plan --expert-parallel 2` plans the FSDP2 x EP row alone and writes it: plan.json's expert_parallel (read
+    back by the schema), a plain multi-process YAML (accelerate's own launch validation; transformers shards and
+    runs FSDP2 itself), training_args.json's distributed_config (transformers' DistributedConfig accepts it: ep 2,
+    efsdp 1) with save_only_model, PLAN.md's from_pretrained line; `toolkit check` of the folder finds nothing."""
+    import yaml
+    from transformers.distributed import DistributedConfig
+
+    from toolkit.engines.validate import accelerate_launch_plugins
+    from toolkit.plan.schema import load_plan
+
+    out = tmp_path / "plan"
+    assert main(["plan", str(tiny_moe_dir), "--gpus", "2xH100-80GB", "--seq", str(SEQ), "--global-batch", "4",
+                 "--expert-parallel", "2", "--out", str(out), "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert chosen["name"] == "fsdp2 (dp=2 x ep=2)" and chosen["expert_parallel"] == 2
+    plan = load_plan(out)
+    assert (plan.strategy, plan.expert_parallel, plan.grid.expert) == ("fsdp2", 2, 2)
+    assert json.loads((out / "plan.json").read_text())["expert_parallel"] == 2
+    config = yaml.safe_load((out / "accelerate_config.yaml").read_text())
+    assert config["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in config
+    args, plugin, env = accelerate_launch_plugins(out / "accelerate_config.yaml")
+    assert args.num_processes == 2 and plugin is None
+    settings = json.loads((out / "training_args.json").read_text())
+    dist = DistributedConfig(**settings["distributed_config"])  # transformers' own checks
+    assert (dist.ep_size, dist.fsdp_size, dist.tp_size, dist.efsdp_size) == (2, 2, 1, 1)
+    assert settings["training_arguments"]["save_only_model"] is True
+    assert any("Expert parallelism (ep 2)" in note for note in settings["notes"])
+    plan_md = (out / "PLAN.md").read_text()
+    assert "distributed_config=DistributedConfig(**{'fsdp_size': 2, 'ep_size': 2, 'fsdp_mixed_precision': True})" \
+        in plan_md
+    assert "applied by transformers as it loads the model (DistributedConfig: expert parallel 2" in plan_md
+    assert main(["check", str(out)]) == 0
+    assert "error" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--expert-parallel", "3"], "does not fit fsdp 2"),
+    (["--expert-parallel", "2", "--strategies", "zero3"], "which --strategies leaves out"),
+    (["--expert-parallel", "2", "--tensor-parallel", "2", "--gpus", "4xH100-80GB"], "not modelled yet"),
+    (["--expert-parallel", "2", "--seq", "max"], "--seq max does not search expert parallelism"),
+    (["--expert-parallel", "2", "--dense"], "is dense"),
+])
+def test_plan_refuses_expert_parallel_it_cannot_run_in_one_line(extra, fragment, tiny_moe_dir, tiny_llama_dir,
+                                                                  tmp_path, capsys):
+    """Bad --expert-parallel on plan: one line, exit 2, nothing written (estimate's refusals, and the flags plan
+    cannot combine with it)."""
+    model = tiny_llama_dir if "--dense" in extra else tiny_moe_dir
+    extra = [x for x in extra if x != "--dense"]
+    gpus = [] if "--gpus" in extra else ["--gpus", "2xH100-80GB"]
+    job = [] if "--seq" in extra else ["--seq", str(SEQ), "--global-batch", "4"]
+    out = tmp_path / "plan"
+    capsys.readouterr()
+    assert main(["plan", str(model), *gpus, *job, *extra, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0] and "Traceback" not in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_experts_per_rank(
+        run_training, tiny_moe_dir, corpus_dir, moe_reference):
+    """toolkit.train of an FSDP2 x EP plan (ep 2 = fsdp 2, 2 gloo processes, fp32, global batch 4): transformers
+    loads the model with DistributedConfig(ep_size=2, fsdp_size=2) and the HF Trainer trains it; every step's loss
+    equals the single process's (measured within 5e-7), each rank holds half of the routed experts' elements, the
+    ranks agree, and the saved model reloads whole to the trained logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = run_training(_moe_plan(tiny_moe_dir, "fsdp2", expert=2), "moe-ep2", "--data", str(corpus_dir),
+                       *TRAIN).check()
+    ref = moe_reference.losses()
+    assert len(ref) == STEPS
+    for rank in (0, 1):
+        got = run.losses(rank)
+        assert got.keys() == ref.keys()
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
+    held = [r["expert_numel"] for r in run.ranks]
+    assert held[0][1] == held[1][1] == moe_reference.ranks[0]["expert_numel"][0] > 0
+    assert held[0][0] * 2 == held[1][0] * 2 == held[0][1], held
+    model = AutoModelForCausalLM.from_pretrained(run.output).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
+    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(run.ranks[1]["probe_logits"]), torch.tensor(run.ranks[0]["probe_logits"]),
+                               atol=1e-6, rtol=0)
 
 
 # --- toolkit check ------------------------------------------------------------------------------------------------

@@ -128,11 +128,11 @@ def yaml_plan_consistency(config: dict[str, Any], file: str, plan: Plan) -> list
         out.append(Problem(file, "error", f"num_machines {config.get('num_machines', 1)} / num_processes "
                            f"{config.get('num_processes')} but plan.json plans {plan.num_machines} node(s) x "
                            f"{plan.gpus_per_node} = {plan.world_size} processes; set them to match", LAUNCH))
-    from toolkit.emit.parallelism import uses_transformers_tp
+    from toolkit.emit.parallelism import sharded_at_load
 
     expected = {"ddp": ("MULTI_GPU", "NO"), "deepspeed": ("DEEPSPEED",), "fsdp2": ("FSDP",),
                 "pipeline": ("MULTI_GPU", "NO")}[plan.engine]
-    if uses_transformers_tp(plan):  # transformers shards and runs FSDP2 itself: a plain launch
+    if sharded_at_load(plan):  # transformers shards and runs FSDP2 itself: a plain launch
         expected = ("MULTI_GPU",)
     kind = config.get("distributed_type")
     if kind not in expected and not (kind == "DEEPSPEED" and plan.engine == Engine.PIPELINE):

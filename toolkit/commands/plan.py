@@ -58,9 +58,6 @@ def cmd_plan(args) -> int:
 
     _refuse_what_seq_max_ignores(args)
     spec = model_spec(args)  # a config that is wrong is named first
-    if (args.expert_parallel or 1) > 1:
-        raise UserError(f"plan does not search expert parallelism yet; price it with `toolkit estimate --strategy "
-                        f"fsdp2 --expert-parallel {args.expert_parallel}`, or drop --expert-parallel")
     if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
         from toolkit.run.preflight import check_model_to_plan
 
@@ -101,12 +98,20 @@ def cmd_plan(args) -> int:
                                       activation_offloading=args.activation_offloading, liger=args.liger,
                                       compile=args.compile, tiled=TILED[args.tiled], savers=args.savers == "auto", pipeline_stages=args.pipeline_stages, adapter=adapter_of(args, spec),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
-                                      sequence_parallel=args.sequence_parallel)
+                                      sequence_parallel=args.sequence_parallel,
+                                      expert_parallel=args.expert_parallel)
     if strategies:
         req_kwargs["strategies"] = strategies
     if seq_max:
         req_kwargs.update(global_batch=None, micro_batch=1)
     req = Request(**req_kwargs)
+    if (req.expert_parallel or 1) > 1:  # the grid and model rules estimate applies, before any work
+        from toolkit.estimate.search import expert_grid
+
+        if seq_max:
+            raise UserError(f"--seq max does not search expert parallelism yet; give --seq N with --expert-parallel "
+                            f"{req.expert_parallel}, or drop --expert-parallel")
+        expert_grid(spec, hw, req)
     _refuse_an_empty_grid(spec, hw, req, seq_max)
     if args.out:
         _refuse_existing(Path(args.out), args.force)

@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from toolkit.emit.parallelism import uses_transformers_tp, yaml_block
+from toolkit.emit.parallelism import sharded_at_load, yaml_block
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
 
@@ -62,13 +62,13 @@ def accelerate_config(plan: Plan, *, ds_config: dict[str, Any] | None = None,
         config["deepspeed_config"] = ds
         if yaml_block(plan):  # Ulysses sequence parallelism (sp_backend deepspeed)
             config["parallelism_config"] = yaml_block(plan)
-    elif plan.engine == Engine.FSDP2 and not uses_transformers_tp(plan):
+    elif plan.engine == Engine.FSDP2 and not sharded_at_load(plan):
         config["distributed_type"] = "FSDP"
         config["mixed_precision"] = ACCELERATE_MIXED_PRECISION[plan.precision]
         config["fsdp_config"] = fsdp_config(plan)
         if yaml_block(plan):  # HSDP, tensor and context parallelism (toolkit.emit.parallelism)
             config["parallelism_config"] = yaml_block(plan)
-    else:  # ddp, pipeline, and tensor parallelism that transformers applies at load (toolkit.emit.parallelism)
+    else:  # ddp, pipeline, and tensor / expert parallelism transformers applies at load (toolkit.emit.parallelism)
         config["distributed_type"] = "MULTI_GPU" if multi_process else "NO"
         precision = "no" if plan.engine == Engine.PIPELINE else ACCELERATE_MIXED_PRECISION[plan.precision]
         config["mixed_precision"] = precision

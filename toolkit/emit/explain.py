@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.emit.deepspeed import ds_zero_stage
+from toolkit.emit.parallelism import sharded_at_load
 from toolkit.emit.scripts import batch_arithmetic
 from toolkit.emit.user_settings import plan_md_section
 from toolkit.plan.schema import Plan
@@ -77,7 +78,9 @@ def strategy_sentence(plan: Plan) -> str:
                      + {1: "optimizer states", 2: "optimizer states and gradients",
                         3: "optimizer states, gradients and parameters"}.get(plan.zero_stage, "nothing")
                      + f" divided over {plan.data_parallel} GPUs",
-        "fsdp2": f"torch FSDP2 ({plan.fsdp_mode} shard) through accelerate, wrapping each `{plan.layer_class}`",
+        "fsdp2": f"torch FSDP2 ({plan.fsdp_mode} shard) "
+                 + ("applied by transformers as it loads the model (DistributedConfig" + _grid_words(plan) + ")"
+                    if sharded_at_load(plan) else "through accelerate") + f", wrapping each `{plan.layer_class}`",
         "pipeline": "DeepSpeed pipeline engine (PipelineModule) started by toolkit.train"
                     + (" with ZeRO-1 across the data-parallel replicas" if plan.data_parallel > 1 else ""),
     }[plan.engine]
@@ -87,6 +90,16 @@ def strategy_sentence(plan: Plan) -> str:
     if plan.offload_params != "none":
         offload.append(f"parameters on {plan.offload_params.upper()}")
     return what + (f"; offload: {', '.join(offload)}" if offload else "")
+
+
+def _grid_words(plan: Plan) -> str:
+    """The sizes of a plan transformers shards at load: tp, ep (each rank's share of every MoE layer's experts)."""
+    g = plan.grid
+    words = [f"tensor parallel {g.tensor} (the model's tp_plan)"] if g.tensor > 1 else []
+    if g.expert > 1:
+        words.append(f"expert parallel {g.expert}: each rank holds 1/{g.expert} of every MoE layer's experts (the "
+                     f"model's ep_plan), tokens routed between ranks by all-to-all")
+    return ": " + "; ".join(words) if words else ""
 
 
 def memory_section(plan: Plan) -> list[str]:

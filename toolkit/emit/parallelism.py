@@ -1,8 +1,8 @@
 """accelerate's ParallelismConfig for a plan: one source for the accelerate YAML's `parallelism_config:` block, the
 `parallelism_config` of training_args.json and DeepSpeed's sequence-parallel key; and transformers' DistributedConfig
-for tensor-parallel plans.
+for tensor- and expert-parallel plans.
 
-Tensor parallelism goes through transformers, not accelerate's FSDP plugin: the HF Trainer (5.2x) runs a TP model
+Tensor parallelism (and expert parallelism, transformers' DistributedConfig ep_size, the same way) goes through transformers, not accelerate's FSDP plugin: the HF Trainer (5.2x) runs a TP model
 only when transformers sharded it at load time (`from_pretrained(..., distributed_config=DistributedConfig(tp_size,
 fsdp_size, dp_replicate_size))`, which also applies FSDP2 over the other ranks); it then builds ParallelismConfig from
 the model itself (trainer.py `model_tp_size`), while a YAML with an FSDP plugin and tp_size makes it prepare the model
@@ -36,7 +36,7 @@ def parallelism_kwargs(plan: Plan) -> dict[str, Any]:
     out, except dp_shard_size, which every plan with a block names."""
     g = plan.grid
     hsdp = plan.engine == Engine.FSDP2 and plan.fsdp_mode == "hybrid" and plan.num_machines > 1
-    if (g.model_parallel == 1 and not hsdp) or g.tensor > 1:  # TP: transformers' DistributedConfig instead
+    if (g.model_parallel == 1 and not hsdp) or sharded_at_load(plan):  # TP / EP: transformers' DistributedConfig
         return {}
     kw: dict[str, Any] = {}
     if g.dp_replicate > 1:
@@ -56,13 +56,18 @@ def parallelism_kwargs(plan: Plan) -> dict[str, Any]:
 
 
 def distributed_config(plan: Plan) -> dict[str, Any]:
-    """transformers DistributedConfig keyword arguments for a tensor-parallel plan (empty otherwise): TP over
-    `tp_size` ranks of a node, FSDP2 over `fsdp_size` (HSDP: `dp_replicate_size` replicas), bf16 compute over fp32
-    shards as the memory model's FSDP2 assumes (transformers distributed/fsdp.py MixedPrecisionPolicy)."""
+    """transformers DistributedConfig keyword arguments for a tensor- or expert-parallel plan (empty otherwise): TP
+    over `tp_size` ranks of a node, EP over `ep_size` ranks (the model's own ep_plan; efsdp = fsdp x tp / ep ranks
+    shard each expert), FSDP2 over `fsdp_size` (HSDP: `dp_replicate_size` replicas), bf16 compute over fp32 shards
+    as the memory model's FSDP2 assumes (transformers distributed/fsdp.py MixedPrecisionPolicy). `ep_implementation`
+    stays transformers' "auto", which exchanges the tokens (all_to_all) in training, as every rank has its own batch."""
     g = plan.grid
-    if g.tensor == 1:
+    if not sharded_at_load(plan):
         return {}
-    kw: dict[str, Any] = {"tp_size": g.tensor, "fsdp_size": g.dp_shard}
+    kw: dict[str, Any] = {"tp_size": g.tensor} if g.tensor > 1 else {}
+    kw["fsdp_size"] = g.dp_shard
+    if g.expert > 1:
+        kw["ep_size"] = g.expert
     if g.dp_replicate > 1:
         kw["dp_replicate_size"] = g.dp_replicate
     if plan.precision in ("bf16", "fp16"):
@@ -70,8 +75,10 @@ def distributed_config(plan: Plan) -> dict[str, Any]:
     return kw
 
 
-def uses_transformers_tp(plan: Plan) -> bool:
-    return plan.grid.tensor > 1
+def sharded_at_load(plan: Plan) -> bool:
+    """transformers shards the model as it loads it (tensor or expert parallelism, FSDP2 included): the accelerate
+    YAML is a plain multi-process launch and the Trainer only prepares the model (module docstring)."""
+    return plan.grid.tensor > 1 or plan.grid.expert > 1
 
 
 def yaml_block(plan: Plan) -> dict[str, Any]:

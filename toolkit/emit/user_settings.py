@@ -24,6 +24,7 @@ import shlex
 from typing import Any
 
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
+from toolkit.emit.parallelism import sharded_at_load
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine
 from toolkit.plan.files import DS_CONFIG_CONCRETE, TRAINING_ARGS
@@ -55,7 +56,7 @@ def checkpointing_name() -> str:
 def trainer_checkpointing(plan: Plan) -> bool:
     """Checkpointing through TrainingArguments: on when the plan checkpoints, except FSDP2, where the accelerate
     YAML's fsdp_activation_checkpointing does it (transformers refuses both at once)."""
-    return plan.checkpointing and (plan.engine != Engine.FSDP2 or plan.tensor_parallel > 1)
+    return plan.checkpointing and (plan.engine != Engine.FSDP2 or sharded_at_load(plan))
 
 
 def uses_bf16_autocast(plan: Plan) -> bool:
@@ -86,10 +87,10 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
         kwargs["torch_compile"] = True
     if plan.engine == Engine.DDP:
         kwargs["ddp_find_unused_parameters"] = False
-    if plan.tensor_parallel > 1:
+    if sharded_at_load(plan):
         # transformers refuses optimizer checkpoints of a model it sharded at load (the run side, issue 17).
         kwargs["save_only_model"] = True
-    if plan.engine == Engine.FSDP2 and plan.grad_accum > 1 and plan.tensor_parallel == 1:
+    if plan.engine == Engine.FSDP2 and plan.grad_accum > 1 and not sharded_at_load(plan):
         # Reduce-scatter every micro-batch: the Trainer's default no_sync keeps every layer's unsharded gradient
         # until the last micro-batch (P x 2 bytes per GPU), which the plan's memory did not budget for.
         kwargs["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
@@ -182,7 +183,7 @@ def notes(plan: Plan) -> list[str]:
                    "LoraConfig(...))); the adapters stay float32 (PEFT's autocast_adapter_dtype).")
     if plan.method == "qlora":
         out.append("k-bit preparation: " + KBIT_PREPARATION)
-    if plan.engine == Engine.FSDP2 and plan.checkpointing and plan.tensor_parallel == 1:
+    if plan.engine == Engine.FSDP2 and plan.checkpointing and not sharded_at_load(plan):
         out.append("Activation checkpointing is on through the YAML (fsdp_activation_checkpointing); leave "
                    "gradient checkpointing off in your script.")
     elif plan.checkpointing:
@@ -262,6 +263,15 @@ def tiling_paragraph(plan: Plan) -> str:
 def model_parallel_notes(plan: Plan) -> list[str]:
     """What a script must do under tensor / context / sequence parallelism (the engines' adapters)."""
     g = plan.grid
+    if g.expert > 1:
+        return [f"Expert parallelism (ep {g.expert}) follows the model's own ep_plan, applied by transformers at load: "
+                "model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=transformers.distributed."
+                "DistributedConfig(**distributed_config)) with training_args.json's distributed_config; each rank "
+                f"holds 1/{g.expert} of every MoE layer's experts, FSDP-sharded over {g.dp_shard // g.expert} "
+                f"rank(s), and the dense weights FSDP2-sharded over {g.dp_shard}. Every rank trains its own batch "
+                "(routed tokens travel by all-to-all). Launch with the plan's YAML (plain processes). The Trainer "
+                "saves the model only (save_only_model=True): transformers refuses optimizer checkpoints of a model "
+                "it sharded at load, so such a run restarts rather than resumes."]
     if g.model_parallel == 1:
         return []
     share = (f"The batch arithmetic counts {g.data_parallel} data-parallel rank(s): the {g.model_parallel} ranks "
@@ -360,7 +370,8 @@ def plan_md_section(plan: Plan) -> list[str]:
                   f"`{TRAINING_ARGS}` for scripts run without it):", "", "```python",
                   f"ParallelismConfig(**{parallelism_kwargs(plan)!r})", "```", ""]
     if distributed_config(plan):
-        lines += ["Tensor parallelism (transformers shards the model at load; `distributed_config` in "
+        lines += [f"{'Expert' if plan.grid.expert > 1 else 'Tensor'} parallelism (transformers shards the model at "
+                  "load; `distributed_config` in "
                   f"`{TRAINING_ARGS}`):", "", "```python",
                   f"model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=DistributedConfig("
                   f"**{distributed_config(plan)!r}))", "```", ""]

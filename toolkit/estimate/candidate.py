@@ -78,7 +78,7 @@ class Candidate:
             "checkpointing": self.job.checkpointing, "tiled": self.job.tiled, "pipeline_stages": self.pipeline_stages,
             "data_parallel": self.data_parallel, "global_batch": self.global_batch,
             "tensor_parallel": self.degrees[0], "context_parallel": self.degrees[1],
-            "sequence_parallel": self.degrees[2],
+            "sequence_parallel": self.degrees[2], "expert_parallel": self.grid.expert if self.grid else 1,
             "peak_bytes": self.memory.required_bytes if self.memory else None,
             "capacity_bytes": self.memory.capacity_bytes if self.memory else None,
             "cpu_bytes_per_node": self.memory.cpu_bytes_per_node if self.memory else None,

@@ -45,6 +45,9 @@ class Request:
     """None: every degree the sequence and world allow (FSDP2 x CP); 1: none."""
     sequence_parallel: int | None = None
     """None: every degree the heads, sequence and world allow (ZeRO x Ulysses SP); 1: none."""
+    expert_parallel: int | None = None
+    """An expert-parallel degree the user fixed (plan --expert-parallel N): plan the FSDP2 x EP row alone, at that
+    degree. None or 1: the EP row is listed, not ranked (toolkit.estimate.search._expert_parallel_row)."""
     adapter: Adapter = FULL
     """Training method (full, LoRA, QLoRA) and its settings."""
     savers: bool = True
@@ -57,7 +60,8 @@ class Request:
         for flag, value in (("--global-batch", self.global_batch), ("--micro-batch", self.micro_batch),
                             ("--accumulation", self.grad_accum), ("--pipeline-stages", self.pipeline_stages),
                             ("--tensor-parallel", self.tensor_parallel), ("--context-parallel", self.context_parallel),
-                            ("--sequence-parallel", self.sequence_parallel)):
+                            ("--sequence-parallel", self.sequence_parallel),
+                            ("--expert-parallel", self.expert_parallel)):
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         self.job(tiled=self.tiled is True)  # validates the choices

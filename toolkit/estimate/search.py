@@ -155,6 +155,16 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     """(row key, strategy, grids to try or the reason there are none) for every strategy the request allows and
     every model-parallel family (FSDP2 x TP, FSDP2 x CP, ZeRO x SP). `sequence_rule` False: do not hold the
     grids to req.seq_len's divisibility (a search over lengths picks lengths that divide)."""
+    if (req.expert_parallel or 1) > 1:  # a degree the user fixed: plan the FSDP2 x EP row alone
+        strategy = parse_strategy("fsdp2")
+        problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
+                              attention=req.attention, tiled=req.tiled is True, adapter=req.adapter,
+                              activation_offloading=req.activation_offloading)
+        if problem is None and (req.adapter.is_adapter or req.activation_offloading):
+            problem = ("expert parallelism is planned for full fine-tuning without activation offloading (neither "
+                       "is modelled with it); drop --expert-parallel, or those")
+        yield "fsdp2 x ep", strategy, [expert_grid(spec, hw, req)] if problem is None else problem
+        return
     strategies = [parse_strategy(s) for s in req.strategies]
     if hw.world_size == 1:
         strategies = [s for s in strategies if s.kind == Kind.DDP or s.offloads] or strategies
@@ -173,9 +183,25 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
             yield "fsdp2 x ep", parse_strategy("fsdp2"), _expert_parallel_row(spec, hw)
 
 
+def expert_grid(spec: ModelSpec, hw: Hardware, req: Request) -> ParallelGrid:
+    """The FSDP2 x EP grid of a request that fixes --expert-parallel, checked against the model as estimate checks
+    it (transformers' DistributedConfig rules, the expert count, the ep_plan's dispatch); UserError says why not."""
+    if "fsdp2" not in req.strategies:
+        raise UserError(f"--expert-parallel {req.expert_parallel} is planned on fsdp2 (transformers' "
+                        "DistributedConfig ep_size), which --strategies leaves out; add fsdp2 or drop --expert-parallel")
+    grid = ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                     pipeline_stages=req.pipeline_stages, tensor=req.tensor_parallel or 1,
+                                     context=req.context_parallel or 1, sequence=req.sequence_parallel or 1,
+                                     expert=req.expert_parallel)
+    grid.check_model(spec)
+    grid.check_sequence(req.seq_len, spec.effective_attention(req.attention), spec)
+    return grid
+
+
 def _expert_parallel_row(spec: ModelSpec, hw: Hardware) -> str:
-    """Why an MoE model's FSDP2 x EP row (transformers' DistributedConfig ep_size) is listed but not planned: the
-    degrees the grid admits, and where to price them (estimate --expert-parallel); or why no degree runs."""
+    """Why an MoE model's FSDP2 x EP row (transformers' DistributedConfig ep_size) is listed but not ranked: the
+    degrees the grid admits, and how to plan one (plan --expert-parallel N) or price it (estimate); or why no degree
+    runs."""
     degrees, problems = [], []
     for degree in (d for d in range(2, hw.world_size + 1) if hw.world_size % d == 0):
         try:
@@ -187,9 +213,9 @@ def _expert_parallel_row(spec: ModelSpec, hw: Hardware) -> str:
         degrees.append(degree)
     if not degrees:
         return _degree_problems(problems)
-    return (f"expert parallelism (ep {', '.join(map(str, degrees))} of {spec.moe_experts} experts) is not planned "
-            f"yet: toolkit.train and plan's files do not run it; price it with `toolkit estimate --strategy fsdp2 "
-            f"--expert-parallel {degrees[-1]}` (its all-to-all speed is unverified)")
+    return (f"expert parallelism (ep {', '.join(map(str, degrees))} of {spec.moe_experts} experts) is not ranked "
+            f"yet (its all-to-all speed is unverified): plan it with `toolkit plan ... --expert-parallel "
+            f"{degrees[-1]}`, or price it with `toolkit estimate --strategy fsdp2 --expert-parallel {degrees[-1]}`")
 
 
 def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
@@ -332,10 +358,10 @@ def _untiled_unless_needed(best: dict[str, Candidate]) -> dict[str, Candidate]:
 def _compile_options(strategy: Strategy, grid: ParallelGrid, req: Request) -> list[bool]:
     """Eager always; with --compile also compiled, where the engines compose with compile
     (toolkit.inputs.job.compile_problem) and the grid has no model-parallel degree (the compiled trace is of the
-    whole model on one rank)."""
+    whole model on one rank, without the expert-parallel token dispatch)."""
     from toolkit.inputs.job import compile_problem
 
-    if not req.compile or grid.model_parallel > 1 or req.tiled:  # tiled: modelled eager only (tiled_problem)
+    if not req.compile or grid.model_parallel > 1 or grid.expert > 1 or req.tiled:  # tiled: modelled eager only (tiled_problem)
         return [False]
     problem = compile_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
                               adapter=req.adapter, attention=req.attention)

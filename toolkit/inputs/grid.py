@@ -224,10 +224,11 @@ class ParallelGrid:
         TP) runs a model transformers shards as it loads it (from_pretrained(distributed_config=...)), and the HF
         Trainer refuses to checkpoint the optimizer of such a model (transformers 5.24 trainer.py __init__:
         "Resuming is not supported for models sharded at load time"), so its checkpoints hold the model only
-        (save_only_model). Every other grid resumes exactly (ZeRO / FSDP2 / DDP / SP through the Trainer's
+        (save_only_model); expert parallelism (DistributedConfig ep_size) likewise. Every other grid resumes exactly (ZeRO / FSDP2 / DDP / SP through the Trainer's
         checkpoints, pipeline through the engine's own)."""
-        if self.tensor > 1:
-            return ("tensor parallelism: transformers shards the model as it loads it and the HF Trainer does not "
+        if self.tensor > 1 or self.expert > 1:
+            return (f"{'tensor' if self.tensor > 1 else 'expert'} parallelism: transformers shards the model as it "
+                    "loads it and the HF Trainer does not "
                     "checkpoint such a model's optimizer (its checkpoints hold the model only), so the run cannot "
                     "resume")
         return None

@@ -34,6 +34,7 @@ def build_plan(*, model: str, model_config: dict[str, Any], model_type: str, lay
         num_layers=num_layers, params=params, strategy=strategy.name, num_machines=grid.nodes,
         gpus_per_node=grid.gpus_per_node, pipeline_stages=grid.pipeline_stages,
         tensor_parallel=grid.tensor, context_parallel=grid.context, sequence_parallel=grid.sequence,
+        expert_parallel=grid.expert,
         partition=list(partition) if partition else None,
         global_batch=grid.global_batch(job.micro_batch, job.grad_accum), gpu=gpu, notes=notes,
         **{**job_to_plan_fields(job), **fields})

@@ -45,7 +45,7 @@ SCHEMA_FILE = Path(__file__).with_name("plan.schema.json")
 
 StrategyName = Literal[ALL_STRATEGY_NAMES]  # type: ignore[valid-type]
 
-_DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel")
+_DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel", "expert_parallel")
 """Model-parallel degrees (added within version 2, default 1)."""
 
 _LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
@@ -96,6 +96,9 @@ class Plan:
     sequence_parallel: int = Field(default=1, ge=1, le=int(bounds.DEGREE.high))
     """Sequence-parallel degree (zero1-3 strategies, DeepSpeed Ulysses / ALST; accelerate sp_size, sp_backend
     deepspeed)."""
+    expert_parallel: int = Field(default=1, ge=1, le=int(bounds.DEGREE.high))
+    """Expert-parallel degree (fsdp2 only, MoE models): transformers' DistributedConfig ep_size, which takes no ranks
+    of its own (each rank holds experts / ep of every MoE layer, FSDP-sharded over fsdp / ep; toolkit.inputs.grid)."""
 
     # --- batch and job ------------------------------------------------------------------------------------------------
     seq_len: int = Field(ge=1, le=int(bounds.SEQ.high))
@@ -246,7 +249,7 @@ class Plan:
         return ParallelGrid.for_strategy(self.strategy_spec, nodes=self.num_machines,
                                          gpus_per_node=self.gpus_per_node, pipeline_stages=self.pipeline_stages,
                                          tensor=self.tensor_parallel, context=self.context_parallel,
-                                         sequence=self.sequence_parallel)
+                                         sequence=self.sequence_parallel, expert=self.expert_parallel)
 
     @property
     def adapter_spec(self) -> "Adapter":

@@ -33,7 +33,8 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
                    micro_batch: int = 2, grad_accum: int = 1, seq_len: int = REHEARSAL_SEQ_LEN,
                    precision: str = "fp32", checkpointing: bool = False, attention: str | None = None,
                    optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
-                   notes: list[str] | None = None, tensor: int = 1, context: int = 1, sequence: int = 1) -> Plan:
+                   notes: list[str] | None = None, tensor: int = 1, context: int = 1, sequence: int = 1,
+                   expert: int = 1) -> Plan:
     """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
     from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import build_spec
@@ -46,7 +47,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,
                                      pipeline_stages=pipeline_stages if kind.is_pipeline else None,
-                                     tensor=tensor, context=context, sequence=sequence)
+                                     tensor=tensor, context=context, sequence=sequence, expert=expert)
     grid.check_model(spec)
     grid.check_sequence(seq_len, attention, spec)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,

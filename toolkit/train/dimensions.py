@@ -27,8 +27,6 @@ CP_NEEDS_CUDA = ("context parallelism needs a GPU: torch's ring attention shards
 """One line for a CP plan on a machine without a GPU (docs/ENGINE_FACTS.md)."""
 
 
-def tensor_parallel(plan: Plan) -> bool:
-    return plan.tensor_parallel > 1
 
 
 def check_runnable(plan: Plan, *, on_cpu: bool) -> None:
@@ -40,17 +38,19 @@ def check_runnable(plan: Plan, *, on_cpu: bool) -> None:
     if plan.context_parallel > 1 and on_cpu:
         raise UserError(CP_NEEDS_CUDA)
     if plan.method != "full" and (plan.tensor_parallel > 1 or plan.sequence_parallel > 1
-                                  or plan.context_parallel > 1):
-        raise UserError(f"toolkit.train does not run {plan.method} adapters with tensor / sequence / context "
-                        "parallelism; re-plan without the model-parallel degree, or train the full model")
+                                  or plan.context_parallel > 1 or plan.expert_parallel > 1):
+        raise UserError(f"toolkit.train does not run {plan.method} adapters with tensor / sequence / context / "
+                        "expert parallelism; re-plan without the parallel degree, or train the full model")
 
 
 def leave_sharding_to_transformers(plan: Plan) -> None:
-    """A TP plan's YAML is a plain multi-process launch (toolkit.emit.parallelism); a TP plan launched with an FSDP
+    """A TP / EP plan's YAML is a plain multi-process launch (toolkit.emit.parallelism); a TP plan launched with an FSDP
     config of another origin would make the Trainer fail opaquely. Turn accelerate's FSDP plugin and its
     parallelism_config off in this process, because transformers shards the model (FSDP2 included) as it loads it.
     Call before accelerate's state exists."""
-    if not tensor_parallel(plan):
+    from toolkit.emit.parallelism import sharded_at_load
+
+    if not sharded_at_load(plan):
         return
     os.environ["ACCELERATE_USE_FSDP"] = "false"
     for name in [n for n in os.environ if n.startswith("PARALLELISM_CONFIG_")]:
@@ -59,7 +59,7 @@ def leave_sharding_to_transformers(plan: Plan) -> None:
 
 
 def distributed_config(plan: Plan):
-    """transformers' DistributedConfig for a TP plan, from the keyword arguments training_args.json carries."""
+    """transformers' DistributedConfig for a TP / EP plan, from the keyword arguments training_args.json carries."""
     from toolkit.emit.parallelism import distributed_config as config_kwargs
 
     kwargs = config_kwargs(plan)

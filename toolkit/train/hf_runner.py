@@ -262,6 +262,8 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         return
     import torch
 
+    from toolkit.inputs.moe import is_expert_param
+
     rank = trainer.args.process_index
     model = trainer.model
     was_training = model.training
@@ -273,6 +275,9 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         four_bit = [m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"]
         four_bit_numel = [sum(getattr(p, "_local_tensor", p).numel() for p in four_bit),
                           sum(p.numel() for p in four_bit)]
+        # Routed experts' parameters: elements this rank holds, and in all (expert parallelism splits them).
+        experts = [p for name, p in model.named_parameters() if is_expert_param(name)]
+        expert_numel = [sum(getattr(p, "_local_tensor", p).numel() for p in experts), sum(p.numel() for p in experts)]
         # Every rank runs the forward (ZeRO-3 and FSDP2 gather parameters collectively).
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
@@ -282,7 +287,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
                "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
-               "four_bit_numel": four_bit_numel, "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
+               "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
                # modules ZeRO-3 fetched whole: DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py z3_leaf_module)
                "z3_leaf_modules": sorted({type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)})}
     write_rank_summary(folder, rank, summary)
