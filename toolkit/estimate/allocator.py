@@ -1,0 +1,478 @@
+"""PyTorch's CUDA caching allocator, replayed on a sequence of allocations and frees: what
+`torch.cuda.max_memory_reserved()` becomes for a step whose tensors we know, from the allocator's own rules rather
+than a margin.
+
+Written from c10/cuda/CUDACachingAllocator.cpp (the rules and their source lines are in docs/ENGINE_FACTS.md,
+"The CUDA caching allocator"). What it models:
+- sizes rounded to 512 bytes (or to `roundup_power2_divisions` of a power of two); requests of at most 1 MiB go to
+  the small pool, carved from 2 MiB segments; larger ones to the large pool: a 1-10 MiB request opens a 20 MiB
+  segment, a larger one a segment of its size rounded up to 2 MiB;
+- best fit: the smallest cached block of the same stream that is large enough (ordered by stream, size, address);
+  a found block is split when the rest is at least 512 bytes (small pool, or expandable segments) or more than
+  1 MiB (large pool) and the request is under `max_split_size`; blocks of at least `max_split_size` serve only
+  requests within 20 MiB of their size;
+- a freed block merges with free neighbours of its segment; a block used on another stream (`record_stream`) is
+  only freed once that stream's work is done (`sync`), at the next allocation;
+- on a failed segment allocation (past `capacity`): free oversize cached blocks (with `max_split_size`), then every
+  unsplit cached segment, then retry once; still failing is an out-of-memory;
+- `expandable_segments`: one segment per pool and stream that maps 2 MiB (small) / 20 MiB (large) pages as it
+  grows, the lowest free address first; reserved memory is the mapped pages;
+- `garbage_collection_threshold` (only with a capacity, as PyTorch applies it only under a memory fraction): before
+  a new segment, when reserved memory passes the threshold, free the unsplit cached large segments at least as old
+  (in lookups) as their average, until under it.
+Not modelled: CUDA graph pools, IPC, multiple devices, the free-memory callbacks.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass, field
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+MIN_LARGE_ALLOC = 10 << 20
+LARGE_BUFFER = 20 << 20
+ROUND_LARGE = 2 << 20
+NO_LIMIT = 1 << 62
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """The allocator's settings, as PYTORCH_CUDA_ALLOC_CONF spells them (`from_conf`)."""
+
+    expandable_segments: bool = False
+    max_split_size: int = NO_LIMIT
+    roundup_power2_divisions: int = 0
+    garbage_collection_threshold: float = 0.0
+    capacity: int | None = None
+    """Bytes the process may reserve (the GPU's free memory, or its memory fraction); None: no limit."""
+
+    @classmethod
+    def from_conf(cls, conf: str, *, capacity: int | None = None) -> "AllocatorSettings":
+        """`expandable_segments:True,max_split_size_mb:128,...` (the keys PyTorch reads; others are refused)."""
+        values: dict = {}
+        for item in filter(None, (part.strip() for part in conf.split(","))):
+            key, _, value = item.partition(":")
+            if key == "expandable_segments":
+                values[key] = value == "True"
+            elif key == "max_split_size_mb":
+                values["max_split_size"] = int(value) << 20
+            elif key == "roundup_power2_divisions":
+                values[key] = int(value)
+            elif key == "garbage_collection_threshold":
+                values[key] = float(value)
+            else:
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF key {key!r} is not modelled; use expandable_segments, "
+                                 "max_split_size_mb, roundup_power2_divisions or garbage_collection_threshold")
+        return cls(capacity=capacity, **values)
+
+
+@dataclass(eq=False)
+class _Block:
+    stream: int
+    size: int
+    ptr: int
+    pool: "_Pool"
+    allocated: bool = False
+    mapped: bool = True
+    expandable: bool = False
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+    uses: set[int] = field(default_factory=set)
+    """Other streams the block was used on (record_stream): it is freed only when they are synced."""
+    gc_base: int = 0
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def free_to_merge(self) -> bool:
+        return not self.allocated and not self.uses
+
+
+class _Pool:
+    """Cached free blocks ordered by (stream, size, address), and unmapped expandable ranges by (stream, address)."""
+
+    def __init__(self, small: bool) -> None:
+        self.small = small
+        self.keys: list[tuple[int, int, int]] = []
+        self.blocks: dict[tuple[int, int, int], _Block] = {}
+        self.unmapped: dict[tuple[int, int], _Block] = {}
+        self.lookups = 0
+
+    def insert(self, block: _Block) -> None:
+        key = (block.stream, block.size, block.ptr)
+        insort(self.keys, key)
+        self.blocks[key] = block
+        block.gc_base = self.lookups
+
+    def erase(self, block: _Block) -> None:
+        key = (block.stream, block.size, block.ptr)
+        del self.blocks[key]
+        del self.keys[bisect_left(self.keys, key)]
+
+    def from_key(self, stream: int, size: int) -> list[_Block]:
+        """Cached blocks of `stream` at least `size` large, smallest first (std::set lower_bound and onwards)."""
+        i = bisect_left(self.keys, (stream, size, -1))
+        return [self.blocks[k] for k in self.keys[i:] if k[0] == stream]
+
+
+@dataclass
+class AllocatorStats:
+    allocated: int = 0
+    """Bytes of the blocks handed out (torch.cuda.memory_allocated: rounded, with any unsplit remainder)."""
+    requested: int = 0
+    reserved: int = 0
+    """Bytes of segments from cudaMalloc, or of mapped pages (torch.cuda.memory_reserved)."""
+    peak_allocated: int = 0
+    peak_requested: int = 0
+    peak_reserved: int = 0
+    segments: int = 0
+    device_allocs: int = 0
+    alloc_retries: int = 0
+    ooms: int = 0
+
+    @property
+    def fragmentation(self) -> int:
+        """Reserved bytes above the allocated peak at the reserved peak's high-water mark."""
+        return self.peak_reserved - self.peak_allocated
+
+
+class OutOfMemory(Exception):
+    pass
+
+
+class CachingAllocator:
+    """One device's allocator. malloc() returns a handle for free() / record_stream()."""
+
+    def __init__(self, settings: AllocatorSettings | None = None) -> None:
+        self.settings = settings or AllocatorSettings()
+        self.small, self.large = _Pool(True), _Pool(False)
+        self.stats = AllocatorStats()
+        self._next_ptr = 0
+        self._handles: dict[int, tuple[_Block, int]] = {}
+        self._pending: list[_Block] = []
+        self._synced: set[int] = set()
+        self._next_handle = 0
+
+    # ------------------------------------------------------------------------------------------------ rules
+
+    def round_size(self, size: int) -> int:
+        if size < MIN_BLOCK:
+            return MIN_BLOCK
+        divisions = self.settings.roundup_power2_divisions
+        if divisions > 1 and size > MIN_BLOCK * divisions:
+            if size & (size - 1) == 0:
+                return size
+            floor = 1 << (size.bit_length() - 1)
+            step = floor >> (divisions.bit_length() - 1)
+            if step == 0:
+                return floor << 1
+            base = size & ~(step - 1)
+            return size if base == size else base + step
+        return MIN_BLOCK * -(-size // MIN_BLOCK)
+
+    @staticmethod
+    def allocation_size(size: int) -> int:
+        if size <= SMALL_SIZE:
+            return SMALL_BUFFER
+        if size < MIN_LARGE_ALLOC:
+            return LARGE_BUFFER
+        return ROUND_LARGE * -(-size // ROUND_LARGE)
+
+    def _should_split(self, block: _Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.pool.small or self.settings.expandable_segments:
+            return remaining >= MIN_BLOCK
+        return size < self.settings.max_split_size and remaining > SMALL_SIZE
+
+    # ------------------------------------------------------------------------------------------------ public
+
+    def malloc(self, size: int, stream: int = 0) -> int:
+        self._process_events()
+        rounded = self.round_size(size)
+        pool = self.small if rounded <= SMALL_SIZE else self.large
+        block = self._free_block(pool, rounded, stream)
+        if block is None:
+            if self.settings.garbage_collection_threshold > 0 and self.settings.capacity is not None:
+                self._garbage_collect()
+            block = self._new_block(pool, rounded, stream)
+            if block is None and self._release_oversize(pool, rounded, stream):
+                block = self._new_block(pool, rounded, stream)
+            if block is None:
+                self._release_cached()
+                self.stats.alloc_retries += 1
+                block = self._new_block(pool, rounded, stream)
+            if block is None:
+                self.stats.ooms += 1
+                raise OutOfMemory(f"{size} bytes on stream {stream}: {self.stats.reserved} reserved of "
+                                  f"{self.settings.capacity}")
+        if self._should_split(block, rounded):
+            rest = _Block(stream, block.size - rounded, block.ptr + rounded, pool, expandable=block.expandable,
+                          prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, rounded
+            pool.insert(rest)
+        block.allocated = True
+        s = self.stats
+        s.allocated += block.size
+        s.requested += size
+        s.peak_allocated, s.peak_requested = max(s.peak_allocated, s.allocated), max(s.peak_requested, s.requested)
+        self._next_handle += 1
+        self._handles[self._next_handle] = (block, size)
+        return self._next_handle
+
+    def free(self, handle: int) -> None:
+        block, size = self._handles.pop(handle)
+        block.allocated = False
+        self.stats.allocated -= block.size
+        self.stats.requested -= size
+        if block.uses:
+            self._pending.append(block)  # an event per stream; freed when it completes
+        else:
+            self._free(block)
+
+    def record_stream(self, handle: int, stream: int) -> None:
+        block, _ = self._handles[handle]
+        if stream != block.stream:
+            block.uses.add(stream)
+            self._synced.discard(stream)
+
+    def sync(self, stream: int) -> None:
+        """The work queued on `stream` so far has completed: its recorded events are done."""
+        self._synced.add(stream)
+
+    # ------------------------------------------------------------------------------------------------ inside
+
+    def _process_events(self) -> None:
+        for block in list(self._pending):
+            block.uses -= self._synced
+            if not block.uses:
+                self._pending.remove(block)
+                self._free(block)
+
+    def _free_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
+        if self.settings.garbage_collection_threshold > 0 and self.settings.capacity is not None:
+            pool.lookups += 1
+        found = pool.from_key(stream, size)
+        if not found:
+            return None
+        block = found[0]
+        if block.expandable:
+            def growable(b: _Block) -> int:
+                return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+            for other in found[1:]:
+                if not (block.expandable and growable(other) < growable(block)):
+                    break
+                block = other
+        limit = self.settings.max_split_size
+        if size < limit <= block.size or (size >= limit and block.size >= size + LARGE_BUFFER):
+            return None
+        pool.erase(block)
+        return block
+
+    def _new_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
+        if self.settings.expandable_segments:
+            return self._expandable_block(pool, size, stream)
+        alloc = self.allocation_size(size)
+        if self.settings.capacity is not None and self.stats.reserved + alloc > self.settings.capacity:
+            return None
+        block = _Block(stream, alloc, self._address(alloc), pool)
+        self._reserve(alloc)
+        self.stats.segments += 1
+        return block
+
+    def _address(self, size: int) -> int:
+        ptr = self._next_ptr
+        self._next_ptr += size + (1 << 30)  # segments never touch: a neighbour is always one's own split
+        return ptr
+
+    def _reserve(self, nbytes: int) -> None:
+        s = self.stats
+        s.reserved += nbytes
+        s.peak_reserved = max(s.peak_reserved, s.reserved)
+        s.device_allocs += 1
+
+    def _free(self, block: _Block) -> None:
+        for neighbour in (block.prev, block.next):
+            self._merge(block, neighbour, block.pool)
+        block.pool.insert(block)
+
+    def _merge(self, dst: _Block, src: _Block | None, pool: _Pool) -> None:
+        if src is None or not src.free_to_merge() or src in self._pending or dst.mapped != src.mapped:
+            return
+        if src.mapped:
+            pool.erase(src)
+        else:
+            del pool.unmapped[(src.stream, src.ptr)]
+        if dst.prev is src:
+            dst.ptr, dst.prev = src.ptr, src.prev
+            if src.prev is not None:
+                src.prev.next = dst
+        else:
+            dst.next = src.next
+            if src.next is not None:
+                src.next.prev = dst
+        dst.size += src.size
+
+    # ----- expandable segments
+
+    def _page(self, pool: _Pool) -> int:
+        return SMALL_BUFFER if pool.small else LARGE_BUFFER
+
+    def _expandable_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
+        candidate = None
+        for (s, _), block in sorted(pool.unmapped.items()):
+            if s != stream:
+                continue
+            start = block.prev if block.prev is not None and block.prev.free_to_merge() and block.prev.mapped \
+                and block.prev not in self._pending else block
+            room, b = 0, start
+            while b is not None and room < size and b.free_to_merge():
+                room, b = room + b.size, b.next
+            if room >= size:
+                candidate = start
+                break
+        if candidate is None:  # a new segment: address space for the whole device (1 1/8 of its memory)
+            space = (self.settings.capacity or (1 << 40)) * 9 // 8
+            space -= space % self._page(pool)
+            candidate = _Block(stream, space, self._address(space), pool, mapped=False, expandable=True)
+            pool.unmapped[(stream, candidate.ptr)] = candidate
+            self.stats.segments += 1
+        if not candidate.mapped and not self._map(candidate, min(candidate.size, size)):
+            return None
+        while candidate.size < size:
+            after = candidate.next
+            if not self._map(after, min(size - candidate.size, after.size)):
+                return None
+            candidate = after
+        pool.erase(candidate)
+        return candidate
+
+    def _map(self, block: _Block, size: int) -> bool:
+        page = self._page(block.pool)
+        nbytes = min(block.size, page * -(-size // page))
+        if self.settings.capacity is not None and self.stats.reserved + nbytes > self.settings.capacity:
+            return False
+        pool = block.pool
+        del pool.unmapped[(block.stream, block.ptr)]
+        block.mapped = True
+        if nbytes < block.size:
+            rest = _Block(block.stream, block.size - nbytes, block.ptr + nbytes, pool, mapped=False,
+                          expandable=True, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, nbytes
+            pool.unmapped[(rest.stream, rest.ptr)] = rest
+        self._merge(block, block.prev, pool)
+        self._merge(block, block.next, pool)
+        pool.insert(block)
+        self._reserve(nbytes)
+        return True
+
+    def _unmap(self, block: _Block) -> None:
+        """Unmap the whole pages inside a free mapped block (what an out-of-memory retry returns to the device)."""
+        page, pool = self._page(block.pool), block.pool
+        begin = -(-block.ptr // page) * page
+        end = (block.ptr + block.size) // page * page
+        if end <= begin:
+            return
+        pool.erase(block)
+        if end < block.ptr + block.size:  # a mapped tail stays
+            tail = _Block(block.stream, block.ptr + block.size - end, end, pool, expandable=True, prev=block,
+                          next=block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next = tail
+            block.size = end - block.ptr
+            pool.insert(tail)
+        if begin > block.ptr:  # a mapped head stays
+            head = _Block(block.stream, begin - block.ptr, block.ptr, pool, expandable=True, prev=block.prev,
+                          next=block)
+            if block.prev is not None:
+                block.prev.next = head
+            block.prev = head
+            block.ptr, block.size = begin, block.size - (begin - block.ptr)
+            pool.insert(head)
+        block.mapped = False
+        self.stats.reserved -= block.size
+        self._merge(block, block.prev, pool)
+        self._merge(block, block.next, pool)
+        pool.unmapped[(block.stream, block.ptr)] = block
+
+    # ----- giving memory back
+
+    def _release(self, block: _Block) -> None:
+        block.pool.erase(block)
+        self.stats.reserved -= block.size
+        self.stats.segments -= 1
+
+    def _release_oversize(self, pool: _Pool, size: int, stream: int) -> bool:
+        limit = self.settings.max_split_size
+        if limit == NO_LIMIT:
+            return False
+        key = max(size, limit)
+        found = pool.from_key(stream, key)
+        if found:
+            self._release(found[0])
+            return True
+        oversize = sorted((b for b in pool.blocks.values() if b.stream == stream and b.size >= limit),
+                          key=lambda b: (b.size, b.ptr), reverse=True)
+        released = 0
+        for block in oversize:
+            if released >= key:
+                break
+            released += block.size
+            self._release(block)
+        return released >= key
+
+    def _release_cached(self) -> None:
+        for block in list(self._pending):  # synchronize_and_free_events
+            block.uses.clear()
+            self._pending.remove(block)
+            self._free(block)
+        for pool in (self.large, self.small):
+            for block in list(pool.blocks.values()):
+                if block.expandable:
+                    self._unmap(block)
+                elif not block.is_split():
+                    self._release(block)
+
+    def _garbage_collect(self) -> None:
+        capacity = self.settings.capacity or 0
+        threshold = int(self.settings.garbage_collection_threshold * capacity)
+        if self.stats.reserved <= threshold:
+            return
+        target, reclaimed = self.stats.reserved - threshold, 0
+        pool = self.large
+        freeable = [b for b in pool.blocks.values() if not b.is_split() and not b.expandable]
+        while reclaimed < target and freeable:
+            average = sum(pool.lookups - b.gc_base for b in freeable) / len(freeable)
+            old = [b for b in freeable if pool.lookups - b.gc_base >= average]
+            if not old:
+                break
+            for block in old:
+                reclaimed += block.size
+                self._release(block)
+            freeable = [b for b in freeable if b not in old]
+
+
+def replay(events, settings: AllocatorSettings | None = None) -> AllocatorStats:
+    """Replay `events` through one allocator: ("malloc", key, size[, stream]), ("free", key),
+    ("record_stream", key, stream), ("sync", stream). Keys are the caller's names for its tensors."""
+    allocator = CachingAllocator(settings)
+    handles: dict = {}
+    for event in events:
+        kind = event[0]
+        if kind == "malloc":
+            handles[event[1]] = allocator.malloc(event[2], event[3] if len(event) > 3 else 0)
+        elif kind == "free":
+            allocator.free(handles.pop(event[1]))
+        elif kind == "record_stream":
+            allocator.record_stream(handles[event[1]], event[2])
+        elif kind == "sync":
+            allocator.sync(event[1])
+        else:
+            raise ValueError(f"unknown allocator event {kind!r}")
+    return allocator.stats
