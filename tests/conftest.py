@@ -62,6 +62,15 @@ for _name in ("system", "fork", "posix_spawn", "posix_spawnp"):
         setattr(os, _name, _guard(f"os.{_name}", getattr(os, _name)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """`one_core` narrows `multiprocess` (CI runs those tests on the xdist workers beside the unit tests): one without
+    the other would put a process-starting test into the fast loop."""
+    alone = [item.nodeid for item in items
+             if item.get_closest_marker("one_core") and not item.get_closest_marker("multiprocess")]
+    if alone:
+        raise pytest.UsageError(f"marked one_core but not multiprocess: {', '.join(alone)}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _running.append(item)

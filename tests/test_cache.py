@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess  # each test starts fresh interpreters: the cache is read across processes
+# Each test starts fresh interpreters (the cache is read across processes), one at a time.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.one_core]
 
 SCRIPT = """
 import json, sys

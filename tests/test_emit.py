@@ -205,6 +205,7 @@ def test_refuses_to_overwrite_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_a_failed_write_leaves_the_old_folder_whole(tmp_path):
     """A real write failure (the file-size limit, EFBIG) while re-emitting over an existing plan folder: the old
     folder is untouched, file for file, and no staging folder or lock is left beside it."""

@@ -163,6 +163,7 @@ def test_malformed_config_json_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_bad_input_in_a_real_process_prints_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "toolkit", "estimate", "gpt2", "--gpus", "8xFOO"],
                           capture_output=True, text=True)

@@ -825,6 +825,7 @@ def _tmpfs(path: Path, size: str):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path):
     with _tmpfs(tmp_path / "full", "8k") as disk:
         (disk / "filler").write_bytes(b"x" * 4096)
@@ -844,6 +845,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(world, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_plan_force_over_a_folder_it_cannot_replace(world, tmp_path):
     with _tmpfs(tmp_path / "mounted", "1m") as folder:  # a mount point cannot be renamed (EBUSY)
         assert run_cli(["emit", str(world["P"]), "--out", str(folder)])[0] == 2  # the rename fails ...
@@ -1011,6 +1013,7 @@ def test_choose_takes_the_row_names_the_table_prints(world, tmp_path, monkeypatc
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_models_into_a_closed_pipe_exits_quietly(tmp_path):
     """`toolkit models | head -1`: no BrokenPipeError traceback, the exit code of a program SIGPIPE ended."""
     import subprocess
@@ -1039,6 +1042,7 @@ def test_a_closed_stdout_in_process_is_exit_141_without_a_traceback(monkeypatch,
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_deepspeeds_accelerator_choice_is_quiet_in_every_command():
     """DeepSpeed logs "Setting accelerator to CPU ..." at its first import, wherever that happens (a tiled trace, a
     config check); the CLI's filter on its logger drops it (a fresh interpreter: deepspeed not yet imported)."""
@@ -1054,6 +1058,7 @@ def test_deepspeeds_accelerator_choice_is_quiet_in_every_command():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_force_over_a_folder_holding_an_immutable_file(world, tmp_path):
     """chattr +i on a file in the --out folder: refused before anything is written (the swap would move it into a
     staging folder that cannot be removed), no staging folder, no lock, and the parent's mode unchanged."""
@@ -1092,6 +1097,7 @@ def test_removing_a_staging_copy_never_touches_the_folder_around_it(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_ctrl_c_during_plan_out_is_exit_130_one_line_and_no_partial_folder(world, tmp_path):
     """Ctrl-C at several moments of `plan --out` (reading the model, planning, writing): exit 130 with one line,
     never a C++ abort or a traceback; the folder is absent or whole, and no staging folder or lock is left."""

@@ -60,6 +60,7 @@ def bash_n(script: Path) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_launch_folder_is_rendered_from_the_templates_and_parses():
     for name, text in generic_scripts().items():
         path = REPO / "launch" / name
@@ -70,6 +71,7 @@ def test_launch_folder_is_rendered_from_the_templates_and_parses():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_generic_scripts_start_the_plan_under_fake_launchers(tmp_path, fake_bin):
     plan_dir = tmp_path / "plan with space"
     emit_files(reference_plan("zero2", nodes=2, gpus_per_node=4), plan_dir)
@@ -99,6 +101,7 @@ def test_generic_scripts_start_the_plan_under_fake_launchers(tmp_path, fake_bin)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_catalog_plan_launch_sh_passes_the_hub_id(tmp_path, fake_bin):
     plan = reference_plan("zero2", nodes=1, gpus_per_node=4, model="mistral-7b")
     emit_files(plan, tmp_path / "p")
@@ -111,6 +114,7 @@ def test_catalog_plan_launch_sh_passes_the_hub_id(tmp_path, fake_bin):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_multi_node_plan_scripts_run_under_fakes(tmp_path, fake_bin):
     plan_dir = tmp_path / "p"
     emit_files(reference_plan("hybrid", nodes=2, gpus_per_node=4, stages=2), plan_dir, hosts=["gpu-a", "gpu-b"])
@@ -152,6 +156,7 @@ def _plant(data: dict, where: tuple[str, ...], value: str) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 @pytest.mark.parametrize("strategy,nodes", [("zero2", 1), ("zero3", 2)])
 def test_hostile_plan_values_are_refused_or_stay_data(tmp_path, fake_bin, capsys, strategy, nodes):
     base = json.loads(reference_plan(strategy, nodes=nodes, gpus_per_node=2, notes=["n"]).to_json())

@@ -186,6 +186,7 @@ def test_the_runtime_folder_never_feeds_the_grid_and_the_launcher_never_loads_th
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_building_the_parser_imports_no_more_work_than_before_the_move():
     """`toolkit --help` loads the command modules (flags only) and, outside them, the same toolkit modules as before
     the wings (toolkit, bounds, errors, cli, and choices / job / lora / strategy for the flags' choices); never torch,

@@ -367,6 +367,7 @@ print(json.dumps(sorted(results)))
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_estimate_with_modules_to_save_exits_cleanly_50_times_in_a_row(tmp_path):
     """Issue 33: `estimate --method lora --lora-modules-to-save ...` died now and then after printing its result
     (SIGABRT "corrupted double-linked list" / SIGSEGV at interpreter exit, 3 of 4 cold runs of a tiny Llama): the

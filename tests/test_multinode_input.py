@@ -133,6 +133,7 @@ def _sbatch(script: Path, args: list[str], tmp_path: Path, env: dict[str, str]) 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 @pytest.mark.parametrize("env,ok", [
     ({"SLURM_JOB_NUM_NODES": "1", "SLURM_GPUS_ON_NODE": "4"}, False),
     ({"SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "gpu:a100:2"}, False),

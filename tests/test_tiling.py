@@ -177,6 +177,7 @@ def test_a_short_plan_is_untiled_and_tiled_within_the_band_ranks_after():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_tiled_json_is_only_json_when_deepspeed_is_first_imported(tiny_llama_dir, tmp_path):
     """DeepSpeed's first import logs the accelerator it found through a handler bound to stdout; in a fresh process
     with a cold cache the --tiled trace is that first import, and `--json` must still print JSON alone."""
