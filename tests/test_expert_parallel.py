@@ -98,7 +98,8 @@ def test_expert_parallel_memory_differs_by_the_unsharded_experts_and_the_dispatc
 def test_expert_parallel_step_time_pays_all_to_alls_on_the_ep_link_and_is_unverified(capsys):
     """The token all-to-all grows with the tokens x top_k x hidden a rank sends and moves to the inter-node link
     once the ep group leaves the node; the expert gathers shrink to efsdp; the row's speed is unverified."""
-    from toolkit.estimate.timing import EP_ALL_TO_ALLS_PER_LAYER, expert_all_to_all_s
+    from toolkit.estimate.experttime import EP_ALL_TO_ALLS_PER_LAYER
+    from toolkit.estimate.experttime import expert_exchange_s as expert_all_to_all_s
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
 

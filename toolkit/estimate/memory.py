@@ -284,23 +284,37 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
 
 def _expert_parallel_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int,
                             factored_elems: int) -> States:
-    """FSDP2 x EP (transformers' DistributedConfig): the sharded states are FSDP2's, since an expert's parameters
-    shard over efsdp = dp_shard x tensor / ep ranks of the ep ranks holding experts / ep each, the same
-    params / (dp_shard x tensor) a rank holds without EP; what EP changes is the unsharded layer (its own experts only,
-    not every expert: toolkit.inputs.moe.ep_gathered_layer_params) and the token all-to-all's buffers."""
-    from toolkit.inputs.moe import dispatch_buffer_bytes, ep_gathered_layer_params
+    """FSDP2 x EP (transformers' DistributedConfig): a rank holds the dense parameters / shard group and its
+    experts / ep of each MoE layer / efsdp (every rank its own batch: efsdp x ep = fsdp, so the same params / fsdp
+    FSDP2 holds without EP; a shared batch: efsdp = fsdp, so the rank's dense share is ep times larger). FSDP2
+    gathers the dense part of a layer and only the rank's own experts (toolkit.inputs.moe.ep_gathered_layer_params);
+    with one shard (fsdp_size 1) transformers applies no FSDP and nothing is gathered. Adds the token exchange's
+    buffers (toolkit.inputs.moe.ep_exchange_buffer_bytes)."""
+    from toolkit.inputs.moe import ep_exchange_buffer_bytes, ep_gathered_layer_params, ep_token_exchange, expert_params
 
-    prefetch = 2 if job.device_kind == "cuda" else 1
-    s = fsdp2_states(params, job, strategy, shard=grid.shard_group,
-                     layer_params=ep_gathered_layer_params(spec, grid.expert),
-                     root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
-                     factored_elems=factored_elems, prefetch_layers=prefetch)
+    experts = expert_params(spec)
+    shard = grid.shard_group
+    per_rank = (params - experts) / shard + experts / (grid.expert * grid.expert_shard_group)
+    fsdp = shard > 1
+    s = fsdp2_states(int(round(per_rank * shard)), job, strategy, shard=shard,
+                     layer_params=ep_gathered_layer_params(spec, grid.expert) if fsdp else 0,
+                     root_params=spec.pre_layer_params + spec.post_layer_params if fsdp else 0, accumulating=False,
+                     factored_elems=int(factored_elems * per_rank * shard / params) if params else 0,
+                     prefetch_layers=2 if job.device_kind == "cuda" else 1)
     tokens = job.micro_batch * job.seq_len // grid.seq_split
-    dispatch = dispatch_buffer_bytes(spec, tokens, compute_bytes(job.precision))
-    s.buffers += dispatch
-    s.sources.append(f"expert parallel {grid.expert}: unsharded layer holds {spec.moe_experts // grid.expert} of "
-                     f"{spec.moe_experts} experts; all-to-all send + receive {tokens} tokens x top-{spec.moe_top_k} x "
-                     f"hidden {spec.hidden} = {dispatch / GIB:.2f} GiB (balanced routing assumed)")
+    route = ep_token_exchange(spec, grid.expert_shared_batch)
+    exchange = ep_exchange_buffer_bytes(spec, tokens, compute_bytes(job.precision), route=route,
+                                        sharers=grid.batch_sharers)
+    s.buffers += exchange
+    sent = tokens // grid.batch_sharers
+    what = (f"all-reduce of {tokens} tokens x hidden {spec.hidden}" if route == "all_reduce" else
+            f"all-to-all send + receive {sent} tokens x top-{spec.moe_top_k} x hidden {spec.hidden}")
+    held = (f"unsharded layer holds {spec.moe_experts // grid.expert} of {spec.moe_experts} experts" if fsdp else
+            f"{spec.moe_experts // grid.expert} of {spec.moe_experts} experts a layer, no FSDP (fsdp_size 1)")
+    shared = (f" sharing one batch ({per_rank / 1e9:.2f}B parameters a rank, the dense modules whole)"
+              if grid.expert_shared_batch else "")
+    s.sources.append(f"expert parallel {grid.expert}{shared}: {held}; {what} = {exchange / GIB:.2f} GiB "
+                     "(balanced routing assumed)")
     return s
 
 

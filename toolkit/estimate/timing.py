@@ -13,8 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.estimate.collectives import all_to_all_s as _all_to_all
+from toolkit.estimate.collectives import group_bandwidth as _group_bandwidth
+from toolkit.estimate.collectives import recompute_factor as _recompute_factor
+from toolkit.estimate.collectives import ring_s as _ring
 from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compute_seconds_per_token,
                                           flop_split, matmul_efficiency)
+from toolkit.estimate.experttime import (expert_assumptions, expert_compute, expert_exchange_s,
+                                         expert_parallel_fsdp_comm_s)
 from toolkit.estimate.savers import UNMODELLED_SPEED, speed_unmodelled
 from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.hardware import Hardware, power_source
@@ -203,20 +209,6 @@ def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
     return split.total, split.model
 
 
-def _ring(bytes_: float, n: int, gbps: float, factor: float) -> float:
-    if n <= 1 or bytes_ <= 0:
-        return 0.0
-    return factor * (n - 1) / n * bytes_ / (gbps * 1e9)
-
-
-def _group_bandwidth(hw: Hardware, group: int) -> float:
-    """Bus bandwidth of a collective over `group` ranks: NVLink inside a node; the node's network once the
-    group spans nodes (hierarchical rings leave each node once per ring)."""
-    if group <= hw.gpus_per_node:
-        return hw.gpu.intra_node_gbps
-    return min(hw.gpu.intra_node_gbps, hw.inter_node_gbps)
-
-
 def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
               partition: list[int] | None = None, grid: ParallelGrid | None = None,
               recompute: Recompute | None = None, compute_model: ComputeModel = COMPUTE,
@@ -262,6 +254,12 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     # Compute: the replica's tokens through the whole model, split over the pipeline stages (balanced) and the
     # ranks that share each sample.
     compute = tokens_per_gpu_step * per_token_s / P_stages / grid.model_parallel
+    expert_part = None
+    if grid.expert > 1 and trainable is None:
+        expert_part = expert_compute(full_spec, full_job, grid, hw, per_token_s=per_token_s,
+                                     recompute=recompute or Recompute.of(job.checkpointing),
+                                     compute_model=compute_model)
+        compute = expert_part.seconds
     compile_saved = 0.0
     if compile_traffic:
         micro_steps = job.micro_batch * job.grad_accum / P_stages / grid.model_parallel
@@ -329,7 +327,8 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                 comm = A * expert_parallel_fsdp_comm_s(full_spec, grid, hw, pb, gathers)
                 assumptions.append(f"expert parallel {grid.expert}: FSDP2 gathers and reduce-scatters the dense "
                                    f"parameters over {dp} ranks and each rank's experts over efsdp "
-                                   f"{grid.shard_group * grid.tensor // grid.expert}")
+                                   f"{grid.expert_shard_group}" if dp > 1 else
+                                   f"expert parallel {grid.expert}: no FSDP (fsdp_size 1), nothing gathered")
             else:
                 comm = A * (gathers * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
     else:
@@ -372,14 +371,10 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         exposed += extra
         assumptions += said
     if grid.expert > 1:
-        extra = expert_all_to_all_s(full_spec, full_job, grid, hw)
+        extra = expert_exchange_s(full_spec, full_job, grid, hw)
         exposed += extra
-        assumptions.append(f"expert parallel {grid.expert}: {EP_ALL_TO_ALLS_PER_LAYER} blocking all-to-alls per MoE "
-                           f"layer (dispatch + combine, forward and backward) of tokens x top-{full_spec.moe_top_k} "
-                           f"x hidden on the {'node' if grid.expert <= hw.gpus_per_node else 'inter-node'} link, "
-                           f"balanced routing ({extra:.3f} s/step; unverified: no published EP run scored, and the one "
-                           "published anchor, TRL PR#6869's Qwen3-30B-A3B ep=8 on 8 x H100 at 0.9 s a step for one "
-                           "shared 2048-token batch, is far slower than this model predicts: not reproduced yet)")
+        if expert_part is not None:
+            assumptions += expert_assumptions(full_spec, full_job, grid, hw, expert_part, extra)
     step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
@@ -426,54 +421,6 @@ operators, Shoeybi et al. 2019)."""
 ULYSSES_ALL_TO_ALLS_PER_LAYER = 4
 """All-to-alls per layer and micro-step: q, k, v in and the output back in forward, the same two in backward
 (Jacobs et al. 2023, DeepSpeed-Ulysses)."""
-
-
-def _all_to_all(bytes_per_rank: float, n: int, gbps: float) -> float:
-    """An all-to-all where each rank sends (n - 1) / n of its bytes."""
-    if n <= 1 or bytes_per_rank <= 0:
-        return 0.0
-    return (n - 1) / n * bytes_per_rank / (gbps * 1e9)
-
-
-def _recompute_factor(job: Job) -> float:
-    """Forward collectives run again when a checkpointed layer recomputes: half of each layer's collectives."""
-    return 1.5 if job.checkpointing else 1.0
-
-
-EP_ALL_TO_ALLS_PER_LAYER = 4
-"""Token exchanges of one MoE layer under expert parallelism: dispatch and combine in forward, their gradients in
-backward (transformers' ep_dispatch_experts with ep_implementation all_to_all)."""
-
-
-def expert_parallel_fsdp_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardware, pb: int, gathers: int) -> float:
-    """One micro-step's FSDP2 collectives under expert parallelism: the dense parameters gathered (and their
-    gradients reduce-scattered) over the shard group, each rank's experts / ep experts over efsdp only."""
-    from toolkit.inputs.moe import expert_params
-
-    experts = expert_params(spec)
-    dense = spec.params - experts
-    dp = grid.shard_group
-    efsdp = dp * grid.tensor // grid.expert
-    dense_s = (gathers + 1) * _ring(dense * pb, dp, _group_bandwidth(hw, dp), 1)
-    # efsdp groups stride over the ep groups (rank r and r + ep hold the same experts): they leave the node
-    # once the whole grid does.
-    expert_s = (gathers + 1) * _ring(experts / grid.expert * pb, efsdp, _group_bandwidth(hw, grid.world), 1)
-    return dense_s + expert_s
-
-
-def expert_all_to_all_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) -> float:
-    """Blocking token all-to-alls of expert parallelism per step: every MoE layer sends each of the rank's tokens
-    to top_k experts and gets them back, forward and backward (checkpointed layers exchange again in recompute),
-    over the ep group (contiguous ranks: the node's link while ep fits in a node). Balanced routing assumed."""
-    from toolkit.inputs.moe import moe_layer_count
-
-    if grid.expert <= 1:
-        return 0.0
-    pb = compute_bytes(job.precision)
-    tokens = job.seq_len // grid.seq_split * job.micro_batch
-    per = _all_to_all(tokens * spec.moe_top_k * spec.hidden * pb, grid.expert, _group_bandwidth(hw, grid.expert))
-    per_micro = EP_ALL_TO_ALLS_PER_LAYER * moe_layer_count(spec) * per * _recompute_factor(job)
-    return job.grad_accum * per_micro
 
 
 def tensor_parallel_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) -> float:

@@ -59,6 +59,10 @@ class ParallelGrid:
     """Expert-parallel degree (transformers' DistributedConfig ep_size on FSDP2): no ranks of its own, it reuses
     the dp_shard x tensor ranks (pp x fsdp x tp == pp x efsdp x ep); every rank holds experts / expert of each MoE
     layer, FSDP-sharded over efsdp = dp_shard x tensor / expert (docs/ENGINE_FACTS.md, "Expert parallelism")."""
+    expert_shared_batch: bool = False
+    """The expert group shares one batch (TRL's MoE guide: DistributedConfig(tp_size=ep, fsdp_size=D,
+    enable_expert_parallel=True), i.e. ep_size = tp_size, tp_plan = {}): only D = dp_shard ranks are data-parallel,
+    the dense modules are whole on each rank of the group. False: every rank its own batch."""
 
     def __post_init__(self) -> None:
         for name, value in (("nodes", self.nodes), ("GPUs per node", self.gpus_per_node),
@@ -73,7 +77,7 @@ class ParallelGrid:
 
             problem = expert_grid_problem(self.expert, fsdp=self.dp_shard, tensor=self.tensor,
                                           replicate=self.dp_replicate, context=self.context * self.sequence,
-                                          stages=self.pipeline_stages)
+                                          stages=self.pipeline_stages, shared_batch=self.expert_shared_batch)
             if problem:
                 raise UserError(problem)
         if self.context > 1 and self.sequence > 1:
@@ -83,7 +87,7 @@ class ParallelGrid:
         if self.pipeline_stages > 1 and self.model_parallel > 1:
             raise UserError("the pipeline engine runs no tensor / context / sequence parallelism; use a ZeRO or "
                             "FSDP2 strategy for those, or drop --pipeline-stages")
-        product = self.pipeline_stages * self.dp_replicate * self.dp_shard * self.model_parallel
+        product = self.pipeline_stages * self.dp_replicate * self.dp_shard * self.model_parallel * self.batch_sharers
         if product != self.world:
             raise UserError(
                 f"parallel degrees do not multiply to the GPU count: {self.describe_degrees()} = {product}, but "
@@ -94,10 +98,11 @@ class ParallelGrid:
     @classmethod
     def for_strategy(cls, strategy: Strategy, *, nodes: int, gpus_per_node: int,
                      pipeline_stages: int | None = None, tensor: int = 1, context: int = 1,
-                     sequence: int = 1, expert: int = 1) -> "ParallelGrid":
+                     sequence: int = 1, expert: int = 1, expert_shared_batch: bool = False) -> "ParallelGrid":
         """The grid a strategy runs on. `pipeline_stages` None: the strategy's default (pipeline: every GPU a
         stage; hybrid: one stage per node, at least 2). `tensor` / `context` / `sequence`: the model-parallel
-        degrees (1: none); `expert`: the expert-parallel degree, which takes no ranks of its own (FSDP2 only).
+        degrees (1: none); `expert`: the expert-parallel degree, which takes no ranks of its own (FSDP2 only);
+        `expert_shared_batch`: the expert group shares one batch (ParallelGrid.expert_shared_batch).
         Raises UserError saying why the strategy cannot run here."""
         world = nodes * gpus_per_node
         if expert != 1:
@@ -110,7 +115,14 @@ class ParallelGrid:
             grid = cls.for_strategy(strategy, nodes=nodes, gpus_per_node=gpus_per_node,
                                     pipeline_stages=pipeline_stages, tensor=tensor, context=context,
                                     sequence=sequence)
-            return cls(**{**grid.__dict__, "expert": expert})
+            if not expert_shared_batch:
+                return cls(**{**grid.__dict__, "expert": expert})
+            if grid.dp_shard % expert or grid.model_parallel > 1:
+                raise UserError(f"--expert-parallel {expert} sharing one batch takes the expert group out of the "
+                                f"{grid.dp_shard} data-parallel ranks (no tp / cp / sp); give an expert degree that "
+                                f"divides {grid.dp_shard}")
+            return cls(**{**grid.__dict__, "dp_shard": grid.dp_shard // expert, "expert": expert,
+                          "expert_shared_batch": True})
         if (tensor, context, sequence) != (1, 1, 1):
             if strategy.is_pipeline or pipeline_stages not in (None, 1):
                 raise UserError("the pipeline engine runs no tensor / context / sequence parallelism; use zero1-3 "
@@ -213,6 +225,17 @@ class ParallelGrid:
     def model_parallel(self) -> int:
         """Ranks that share one sample: tensor x context x sequence."""
         return self.tensor * self.context * self.sequence
+
+    @property
+    def batch_sharers(self) -> int:
+        """Ranks computing one batch together besides tensor x context x sequence: a batch-sharing expert group."""
+        return self.expert if self.expert_shared_batch else 1
+
+    @property
+    def expert_shard_group(self) -> int:
+        """efsdp, the ranks FSDP-sharding the same experts: DistributedConfig.efsdp_size = fsdp x tp / ep (tp = ep
+        on a shared batch)."""
+        return self.dp_shard if self.expert_shared_batch else self.dp_shard * self.tensor // self.expert
 
     @property
     def resumable(self) -> bool:
@@ -318,7 +341,8 @@ class ParallelGrid:
         if self.expert > 1:
             from toolkit.inputs.moe import expert_parallel_problem
 
-            problem = expert_parallel_problem(spec, self.expert, self.tensor)
+            problem = expert_parallel_problem(spec, self.expert,
+                                              self.expert if self.expert_shared_batch else self.tensor)
             if problem:
                 raise UserError(problem)
         if self.tensor > 1:
@@ -423,11 +447,14 @@ class ParallelGrid:
         parts = [f"pipeline {self.pipeline_stages}", f"data-parallel {self.dp_replicate} x {self.dp_shard}"]
         parts += [f"{name} {d}" for name, d in (("tensor", self.tensor), ("context", self.context),
                                                  ("sequence", self.sequence)) if d > 1]
+        if self.expert_shared_batch:
+            return " x ".join(parts + [f"expert {self.expert} sharing one batch"])
         return " x ".join(parts) + (f" (expert {self.expert} over data-parallel x tensor)" if self.expert > 1 else "")
 
     def describe(self) -> str:
         extra = "".join(f" x {name}={d}" for name, d in (("tp", self.tensor), ("cp", self.context),
                                                           ("sp", self.sequence), ("ep", self.expert)) if d > 1)
+        extra += " sharing one batch" if self.expert_shared_batch else ""
         if extra:
             dp = (f"dp={self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp={self.data_parallel}")
             return dp + extra
@@ -534,12 +561,13 @@ def _attention_window(spec: "ModelSpec") -> int | None:
 
 
 def grid_of(strategy: Strategy, hw: "Hardware", pipeline_stages: int | None = 1, *, tensor: int = 1,
-            context: int = 1, sequence: int = 1, expert: int = 1) -> ParallelGrid:
+            context: int = 1, sequence: int = 1, expert: int = 1, expert_shared_batch: bool = False) -> ParallelGrid:
     """The grid `strategy` runs on with `hw` (pipeline_stages counts only for pipeline strategies; None: the
     strategy's default)."""
     return ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=pipeline_stages if strategy.is_pipeline else None,
-                                     tensor=tensor, context=context, sequence=sequence, expert=expert)
+                                     tensor=tensor, context=context, sequence=sequence, expert=expert,
+                                     expert_shared_batch=expert_shared_batch)
 
 
 def default_stages(strategy: Strategy, nodes: int, gpus_per_node: int) -> int:

@@ -15,6 +15,7 @@ zero_optimization.leaf_module) all ask this module. Torch only; meta-device mode
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,16 +112,29 @@ def _or(options: list[int]) -> str:
 
 
 def expert_grid_problem(expert: int, *, fsdp: int, tensor: int, replicate: int = 1, context: int = 1,
-                        stages: int = 1) -> str | None:
+                        stages: int = 1, shared_batch: bool = False) -> str | None:
     """Why an expert-parallel degree does not compose with the grid's other degrees, or None. The rules are
     transformers' own (DistributedConfig._validate_mesh_config, run here on the sizes): ep_size a multiple of
-    tp_size dividing fsdp_size x tp_size; context / sequence parallelism and HSDP replicas are not planned with it."""
+    tp_size dividing fsdp_size x tp_size; context / sequence parallelism and HSDP replicas are not planned with it.
+    `shared_batch`: the expert group shares one batch, DistributedConfig(tp_size=expert, fsdp_size=fsdp,
+    enable_expert_parallel=True) (`tensor` must be 1: the dense modules are not tensor-parallel there)."""
     if context > 1 or stages > 1 or replicate > 1:
         return (f"--expert-parallel {expert} is planned only with FSDP2 (and tensor parallelism) on one data-parallel "
                 "shard group: no context / sequence parallelism, pipeline stages or HSDP replicas; drop those or "
                 "--expert-parallel")
     from transformers.distributed import DistributedConfig
 
+    if shared_batch:
+        if tensor > 1:
+            return (f"--expert-parallel {expert} sharing one batch runs the dense modules whole (tp_plan={{}}); "
+                    "drop --tensor-parallel")
+        try:
+            with warnings.catch_warnings():  # enable_expert_parallel's FutureWarning: this is the call TRL makes
+                warnings.simplefilter("ignore", FutureWarning)
+                DistributedConfig(tp_size=expert, fsdp_size=fsdp, enable_expert_parallel=True)
+        except ValueError as exc:
+            return f"--expert-parallel {expert} sharing one batch: transformers' DistributedConfig refuses it ({exc})"
+        return None
     try:
         DistributedConfig(tp_size=tensor, fsdp_size=fsdp, ep_size=expert)
     except ValueError as exc:
@@ -146,15 +160,34 @@ def expert_parallel_problem(spec: Any, expert: int, tensor: int = 1) -> str | No
         fits = [d for d in range(2, spec.moe_experts + 1) if spec.moe_experts % d == 0 and d % tensor == 0]
         return (f"--expert-parallel {expert} does not divide {spec.name}'s {spec.moe_experts} experts (each rank "
                 f"holds experts / ep); try {_or(fits[:6])}")
+    if not ep_plan_rules(spec):
+        return (f"--expert-parallel {expert} needs {spec.model_type}'s ep_plan (transformers' base_model_ep_plan is "
+                "empty for it); use fsdp2 or zero3 without --expert-parallel")
     if expert > tensor:
-        text = spec.hf_config()
-        text = text.get_text_config() if hasattr(text, "get_text_config") else text
-        plan = getattr(text, "base_model_ep_plan", None) or {}
-        if "ep_dispatch_experts" not in plan.values():
+        if "ep_dispatch_experts" not in ep_plan_rules(spec):
             return (f"--expert-parallel {expert} needs {spec.model_type}'s ep_plan to dispatch tokens between ranks "
                     "(transformers' base_model_ep_plan has no 'ep_dispatch_experts' rule for it); use fsdp2 or zero3 "
                     "without --expert-parallel")
     return None
+
+
+def ep_plan_rules(spec: Any) -> set[str]:
+    """The styles of the model config's base_model_ep_plan (transformers 5.24), e.g. {'grouped_gemm',
+    'ep_dispatch_experts'}; empty when the config has none."""
+    text = spec.hf_config()
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    return set((getattr(text, "base_model_ep_plan", None) or {}).values())
+
+
+def ep_token_exchange(spec: Any, shared_batch: bool) -> str:
+    """How a training step brings the experts their tokens under transformers' expert parallelism, from the model's
+    ep_plan (docs/ENGINE_FACTS.md, "What an expert-parallel step runs"): "all_to_all" where the plan has
+    `ep_dispatch_experts` (its "auto" implementation picks AllToAllEP whenever gradients flow) or the ranks hold
+    different batches; "all_reduce" for a masked plan (`ep_router` + `moe_tp_experts`) on a shared batch: every
+    rank runs its own experts on the whole batch and an all-reduce sums the outputs."""
+    if not shared_batch or "ep_dispatch_experts" in ep_plan_rules(spec):
+        return "all_to_all"
+    return "all_reduce"
 
 
 def expert_params(spec: Any) -> int:
@@ -187,9 +220,14 @@ def ep_gathered_layer_params(spec: Any, expert: int) -> int:
     return int(round(largest - expert_layer_params(spec) * (1 - 1 / expert))) if expert > 1 else largest
 
 
-def dispatch_buffer_bytes(spec: Any, tokens: int, bytes_per_value: int) -> int:
-    """The all-to-all dispatch of one MoE layer on a rank: every token goes to top_k experts, so the send
-    (tokens x top_k x hidden, permuted by expert) and the receive buffer (the same count at balanced routing) are
-    live together while the local experts compute; the combine reuses that size on the way back. Routing
-    imbalance is not modelled (a rank that receives more than its share holds more)."""
-    return 2 * tokens * spec.moe_top_k * spec.hidden * bytes_per_value
+def ep_exchange_buffer_bytes(spec: Any, tokens: int, bytes_per_value: int, *, route: str = "all_to_all",
+                             sharers: int = 1) -> int:
+    """The token exchange of one MoE layer on a rank holding `tokens` tokens, `sharers` ranks sharing them.
+    all_to_all: each rank dispatches tokens / sharers to top_k experts, so the send (permuted by expert) and the
+    receive buffer (the same count at balanced routing) are live together while the local experts compute; the
+    combine reuses that size on the way back. all_reduce (the masked route): the experts' summed output, tokens x
+    hidden, reduced in place. Routing imbalance is not modelled (a rank that receives more than its share holds
+    more)."""
+    if route == "all_reduce":
+        return tokens * spec.hidden * bytes_per_value
+    return int(2 * tokens / sharers * spec.moe_top_k * spec.hidden * bytes_per_value)
