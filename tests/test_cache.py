@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-# Each test starts fresh interpreters (the cache is read across processes), one at a time.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.one_core]
+# Each test starts fresh interpreters (the cache is read across processes), one at a time; the tests share the
+# runs of one copy of the package (xdist_group: one worker runs them all, so the shared runs run once).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.one_core, pytest.mark.xdist_group("toolkit-cache")]
 
 SCRIPT = """
 import json, sys
@@ -33,11 +34,24 @@ def run(model: str, cache: str, cwd: str | None = None, **env_vars: str) -> tupl
     return estimate, json.loads(out.stdout[end:])["torch_imported"]
 
 
-def test_a_cache_hit_gives_the_same_estimate_without_importing_torch(tmp_path):
-    first, torch_first = run("gpt2", str(tmp_path))
-    second, torch_second = run("gpt2", str(tmp_path))
-    assert torch_first and not torch_second
-    assert first == second
+@pytest.fixture(scope="module")
+def copied(tmp_path_factory) -> dict:
+    """A copy of the package (a later test edits one of its modules) with an empty cache, and two runs of the same
+    estimate on it: the first computes and stores, the second is served from the cache."""
+    work = tmp_path_factory.mktemp("cache")
+    package = work / "copy"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "toolkit", package / "toolkit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    cache = str(work / "cache")
+    first, torch_first = run("gpt2", cache, str(work), PYTHONPATH=str(package))
+    hit, torch_hit = run("gpt2", cache, str(work), PYTHONPATH=str(package))
+    return {"package": package, "cache": cache, "cwd": str(work), "first": first, "torch_first": torch_first,
+            "hit": hit, "torch_hit": torch_hit}
+
+
+def test_a_cache_hit_gives_the_same_estimate_without_importing_torch(copied):
+    assert copied["torch_first"] and not copied["torch_hit"]
+    assert copied["first"] == copied["hit"]
 
 
 def test_a_changed_config_is_not_served_from_the_cache(tmp_path):
@@ -54,21 +68,15 @@ def test_a_changed_config_is_not_served_from_the_cache(tmp_path):
     assert after["per_gpu"]["activations_bytes"] > before["per_gpu"]["activations_bytes"]
 
 
-def test_a_change_in_any_module_the_computation_imports_misses_the_cache(tmp_path):
+def test_a_change_in_any_module_the_computation_imports_misses_the_cache(copied):
     """The cache follows the imports of the code that computes a value (toolkit.cache.code_closure), so a change
     in a module the tracer only imports inside a function (patches/liger.py) is a miss, with no list to update."""
-    package = tmp_path / "copy"
-    shutil.copytree(Path(__file__).resolve().parent.parent / "toolkit", package / "toolkit",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    cache = str(tmp_path / "cache")
-    first, _ = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
-    hit, torch_imported = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
-    assert not torch_imported
-    liger = package / "toolkit" / "patches" / "liger.py"
+    assert not copied["torch_hit"]
+    liger = copied["package"] / "toolkit" / "patches" / "liger.py"
     liger.write_text(liger.read_text() + "\n# a change\n")
-    again, torch_imported = run("gpt2", cache, str(tmp_path), PYTHONPATH=str(package))
+    again, torch_imported = run("gpt2", copied["cache"], copied["cwd"], PYTHONPATH=str(copied["package"]))
     assert torch_imported  # traced again
-    assert first == hit == again
+    assert copied["first"] == copied["hit"] == again
 
 
 PLAN_SCRIPT = """
