@@ -121,7 +121,9 @@ def render(shared: dict, own: dict) -> str:
              "per-device batch 1, bf16, gradient checkpointing, TRL's default chunked loss. Published: "
              f"{ROW['published_step_s']} s a step, {ROW['published_memory']:g} GB peak per GPU. Ours: "
              "`toolkit.estimate` (memory.estimate_memory, timing.step_time) on the same job, no constant fitted "
-             "to this row.", "",
+             "to this row. The same shared-batch row from the command line: `toolkit estimate <folder holding "
+             "qwen3-30b-a3b.json as config.json> --gpus 8xH100-80GB --strategy fsdp2 --expert-parallel 8 "
+             "--expert-shared-batch --seq 2048 --checkpointing --precision bf16-pure --chunked-loss 8`.", "",
              "## Step time", "",
              "| layout | tokens / step | ours step s | published s | ours / published | ours tokens/s "
              "| published tokens/s |",

@@ -144,3 +144,24 @@ def test_a_shared_batch_step_prices_one_batch_and_splits_only_the_experts():
     assert any("share one batch of 2,048 tokens" in a and "128 rows per local expert" in a
                for a in shared.assumptions)
     assert any("*expert-parallel speed unverified" in a for a in shared.assumptions)
+
+
+def test_estimate_prices_the_shared_batch_layout_and_refuses_it_alone_in_one_line(tmp_path, capsys):
+    import shutil
+
+    from toolkit.cli import main
+
+    folder = tmp_path / "q30"
+    folder.mkdir()
+    shutil.copy(ARCH / "qwen3-30b-a3b.json", folder / "config.json")
+    base = ["estimate", str(folder), "--strategy", "fsdp2", "--gpus", "8xH100-80GB", "--seq", "2048"]
+    assert main(base + ["--expert-parallel", "8", "--expert-shared-batch", "--precision", "bf16-pure",
+                        "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp2 (dp=1 x ep=8 sharing one batch)" in out
+    assert "5.16B parameters a rank, the dense modules whole" in out and "no FSDP (fsdp_size 1)" in out
+    assert "all-to-all send + receive 256 tokens x top-8 x hidden 2048" in out
+    assert main(base + ["--expert-shared-batch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --expert-shared-batch prices an expert-parallel row at one sequence length; give it with "
+                   "--expert-parallel N and --seq N"]

@@ -29,6 +29,10 @@ def add_parser(sub) -> None:
     p.add_argument("--chunked-loss", type=int_arg("--chunked-loss", bounds.SEQ), default=0, metavar="N",
                    help="torchtune's chunked cross-entropy: logits and loss in N sequence chunks, each upcast to fp32 "
                         "apart (torchtune's default 8; no runner here exposes it)")
+    p.add_argument("--expert-shared-batch", action="store_true",
+                   help="with --expert-parallel N: the N ranks share one batch and keep the dense modules whole "
+                        "(DistributedConfig(tp_size=N, enable_expert_parallel=True), TRL's MoE guide); default: "
+                        "every rank its own batch")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--trace-world", action="store_true",
                    help="trace one rank of an FSDP2 / FSDP2 x TP / HSDP row in a fake world of the plan's size (the "
@@ -51,6 +55,9 @@ def cmd_estimate(args) -> int:
     strategy = parse_strategy(args.strategy)
     degrees = dict(tensor=args.tensor_parallel or 1, context=args.context_parallel or 1,
                    sequence=args.sequence_parallel or 1, expert=args.expert_parallel or 1)
+    if args.expert_shared_batch and (degrees["expert"] <= 1 or args.seq == "max"):
+        raise UserError("--expert-shared-batch prices an expert-parallel row at one sequence length; give it with "
+                        "--expert-parallel N and --seq N")
     if args.seq == "max":
         return _estimate_seq_max(args, spec, hw, strategy, degrees)
     seq_len, seq_note = seq_len_of(spec, args)
@@ -61,7 +68,8 @@ def cmd_estimate(args) -> int:
               adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
               chunked_loss=args.chunked_loss)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
-                                     pipeline_stages=args.pipeline_stages, **degrees)
+                                     pipeline_stages=args.pipeline_stages, **degrees,
+                                     expert_shared_batch=args.expert_shared_batch)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
     attention = spec.effective_attention(job.attention)
     grid.check_model(spec)
@@ -170,7 +178,8 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           + ("" if time_band().covers(strategy.name, hw.world_size) else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
              "unverified")
-          + ("; no published expert-parallel run scored: the all-to-all terms are unverified"
+          + ("; the one published expert-parallel run scored (TRL's, benchmarks/results/moe_ep.md) is several "
+             "times slower than this model: the all-to-all terms are unverified"
              if c.grid is not None and c.grid.expert > 1 else ""))
     from toolkit.estimate.savers import UNMODELLED_SPEED
 
