@@ -174,7 +174,12 @@ def render(shared: dict, own: dict) -> str:
               "- **optimizer states dtype**: bf16 (the model loaded in bf16, torch AdamW keeps states in the "
               "parameters' dtype). fp32 states would add 4 bytes a parameter.",
               "- **loss**: TRL's fused LM head computes log-probabilities chunk by chunk; we model torchtune's "
-              "8-chunk loss, the nearest we trace.", "",
+              "8-chunk loss, the nearest we trace.",
+              "- **router logits**: TRL turns the model's output_router_logits on whenever the config has a "
+              "router_aux_loss_coef (Qwen3-MoE: 0.001; trl/trainer/sft_trainer.py), so every MoE layer's "
+              "tokens x experts logits live until the auxiliary loss: 48 x 2048 x 128 values, about 0.12 GiB with "
+              "the bf16 logits, their fp32 concatenation and softmax. Not in our figure (it would raise it by "
+              "0.3%).", "",
               "## Reading", "",
               "The layout is what changes the picture: before this change (toolkit "
               f"{BEFORE['commit']}) the estimator priced only every rank its own 2048 tokens "

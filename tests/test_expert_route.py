@@ -113,6 +113,10 @@ def test_a_shared_batch_rank_holds_the_dense_modules_whole_and_an_eighth_of_the_
     assert shared.gathered == 0  # fsdp_size 1: transformers applies no FSDP
     own = states_for(spec, parse_strategy("fsdp2"), job, _grid(shared=False), params=spec.params)
     assert own.parameters == pytest.approx(QWEN3_PARAMS / 8 * 2, abs=2)
+    # torch's foreach AdamW allocates one second-moment's worth of the rank's group in its step.
+    foreach = states_for(spec, parse_strategy("fsdp2"), _job(optimizer_impl="foreach"), _grid(shared=True),
+                         params=spec.params)
+    assert foreach.step_transient == pytest.approx(per_rank * 2, abs=2)
 
 
 def test_exchange_time_is_the_route_s_collectives_over_the_expert_group():

@@ -256,8 +256,11 @@ def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid
     if strategy.engine in (Engine.DDP, Engine.FSDP2):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
         shard = grid.shard_group
         state_bytes = weight_bytes(job.precision)
+        # A rank's parameter group: params / shard, except under expert parallelism with a shared batch, where it
+        # holds the dense modules whole (s.parameters counts the rank's own share either way).
+        group = params / shard if grid.expert <= 1 else s.parameters / state_bytes
         extra = optimizer_step_temporary_bytes(
-            impl=job.optimizer_impl, optimizer=job.optimizer, group_state_bytes=params * state_bytes / shard,
+            impl=job.optimizer_impl, optimizer=job.optimizer, group_state_bytes=group * state_bytes,
             largest_param_state_bytes=spec.embedding_params * state_bytes / shard)
         s.step_transient += extra
     return s
