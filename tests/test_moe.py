@@ -239,6 +239,57 @@ def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_exper
                                atol=1e-6, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
+    """GPT-OSS, 2 layers, hidden 64, 4 experts (biased experts and router, attention sinks), random weights."""
+    from toolkit.run import tiny
+
+    return tiny.make_tiny_model("gpt_oss", tmp_path_factory.mktemp("tiny-gpt-oss"), layers=2, hidden=64, experts=4,
+                                corpus_chars=100_000)
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_with_fsdp_sharded_experts_trains_gpt_oss_to_the_single_process_losses(
+        run_training, tiny_gpt_oss_dir, corpus_dir):
+    """ep 2 x fsdp 4 on 4 gloo processes (efsdp 2: each expert FSDP-sharded over the 2 ranks that hold it) of
+    another architecture, GPT-OSS (biased experts, eager attention with sinks): every step's loss equals one
+    process's on the whole batch (measured within 1.5e-6), each rank holds a quarter of the routed experts'
+    elements (half the experts, halved again by efsdp), and the ranks agree."""
+    import torch
+
+    args = ("--data", str(corpus_dir), *TRAIN)
+    reference = run_training(_moe_plan(tiny_gpt_oss_dir, "ddp", world=1, micro=4), "gpt-oss-ref", *args).check()
+    run = run_training(_moe_plan(tiny_gpt_oss_dir, "fsdp2", world=4, micro=1, expert=2), "gpt-oss-ep2-fsdp4",
+                       *args, timeout=600).check()
+    assert run.ranks[0]["world"] == 4
+    ref = reference.losses()
+    assert len(ref) == STEPS
+    for rank in range(4):
+        got = run.losses(rank)
+        assert got.keys() == ref.keys()
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
+        local, total = run.ranks[rank]["expert_numel"]
+        assert total == reference.ranks[0]["expert_numel"][0] and local * 4 == total, run.ranks[rank]["expert_numel"]
+        torch.testing.assert_close(torch.tensor(run.ranks[rank]["probe_logits"]),
+                                   torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-6, rtol=0)
+
+
+def test_an_expert_parallel_plan_rehearses_at_ep_2_and_a_smaller_box_must_keep_its_ep(tiny_moe_dir, tmp_path):
+    """`launch --rehearse` of an ep 4 plan runs ep 2 x fsdp 2 on 2 processes (the tiny model's 4 experts split in
+    half); `launch --processes N` refuses, in one line, a process count that ep does not divide."""
+    from toolkit.errors import UserError
+    from toolkit.run.rehearsal import rehearsal_plan
+    from toolkit.run.smaller_box import box_plan
+
+    plan = _moe_plan(tiny_moe_dir, "fsdp2", world=4, micro=1, expert=4)
+    small, _ = rehearsal_plan(plan, tiny_moe_dir)
+    assert (small.world_size, small.expert_parallel, small.strategy) == (2, 2, "fsdp2")
+    with pytest.raises(UserError, match=r"--processes 2 cannot run expert parallel 4 \(it must divide"):
+        box_plan(plan, processes=2, cpu=True)
+    assert box_plan(plan, processes=4, cpu=True)[0].expert_parallel == 4
+
+
 # --- toolkit check ------------------------------------------------------------------------------------------------
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},

@@ -112,7 +112,9 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
         micro_batch=min(plan.micro_batch, 2),
         grad_accum=grad_accum, seq_len=min(plan.seq_len, REHEARSAL_SEQ_LEN), precision=precision,
         checkpointing=plan.checkpointing, attention=attention, optimizer=plan.optimizer, pipeline_stages=stages,
-        tensor=tensor, context=context, sequence=sequence, notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
+        tensor=tensor, context=context, sequence=sequence,
+        expert=min(plan.expert_parallel, 2),  # ep 2 x fsdp 2: each rank holds half of the tiny model's 4 experts
+        notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
     if plan.method != "full":
         # The plan's LoRA / QLoRA adapter on the tiny model of the same architecture (same module names).
         small = small.replace(method=plan.method, adapter=dict(plan.adapter))
@@ -381,7 +383,7 @@ def _check_saved_adapter(out: Path, small: Plan) -> list[str]:
 
 def _label(plan: Plan) -> str:
     """The strategy, with its model-parallel degrees when it has any ("fsdp2 dp=2 x tp=2")."""
-    if plan.grid.model_parallel > 1:
+    if plan.grid.model_parallel > 1 or plan.grid.expert > 1:
         return f"{plan.strategy} {plan.grid.describe()}"
     return plan.strategy
 

@@ -27,6 +27,10 @@ def box_plan(plan: Plan, *, processes: int | None, cpu: bool) -> tuple[Plan, lis
         grid = ParallelGrid.for_strategy(plan.strategy_spec, nodes=1, gpus_per_node=world, pipeline_stages=stages)
     except UserError as exc:
         raise UserError(f"--processes {world} cannot run {plan.strategy}: {exc}") from None
+    if world % plan.expert_parallel:  # transformers' mesh: ep divides the FSDP ranks (DistributedConfig)
+        raise UserError(f"--processes {world} cannot run expert parallel {plan.expert_parallel} (it must divide the "
+                        f"processes); give --processes {plan.expert_parallel} or a multiple, or re-plan with "
+                        "--expert-parallel for this box")
     micro, accum = _keep_global_batch(plan, grid, world)
     if (world, micro, accum) != (plan.world_size, plan.micro_batch, plan.grad_accum):
         said.append(f"{world} processes instead of {plan.world_size}: micro-batch {micro} x accumulation {accum} x "

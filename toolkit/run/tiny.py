@@ -239,8 +239,8 @@ def sizes_for_degrees(config, *, tensor: int = 1, sequence: int = 1, stages: int
     sequence parallelism splits the heads and splits or replicates the KV heads, pipeline stages take whole layers.
     Heads grow at the same head width when a degree needs more; the real model's key/value grouping is kept where
     the degrees allow it, otherwise the nearest grouping they do (Qwen3-MoE's 8:1 on 4 heads is 1 KV head, which
-    tensor parallelism 2 cannot split: 2). Experts stay as shrink_config makes them: no degree of the grid splits
-    experts (no expert parallelism). Context parallelism divides the sequence, not the model (the rehearsal's
+    tensor parallelism 2 cannot split: 2). Experts stay as shrink_config makes them (4), which the rehearsal's
+    expert-parallel degree (2) divides. Context parallelism divides the sequence, not the model (the rehearsal's
     sequence length follows the grid). Derived from the degrees and the config's head counts, not per
     architecture."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -396,10 +396,10 @@ def save_final(trainer, tokenizer, output: Path) -> None:
 
 
 def _check_world(plan: Plan, world: int) -> None:
-    if world != plan.world_size and plan.grid.model_parallel > 1:
+    if world != plan.world_size and (plan.grid.model_parallel > 1 or plan.grid.expert > 1):
         raise UserError(f"the plan is for {plan.world_size} processes ({plan.grid.describe()}) but {world} were "
-                        "started; its tensor / sequence / context groups need exactly that many (start it with "
-                        "`toolkit launch`, or re-plan for this GPU count)")
+                        "started; its tensor / sequence / context / expert groups need exactly that many "
+                        "(start it with `toolkit launch`, or re-plan for this GPU count)")
     if world != plan.world_size and plan.engine == Engine.DEEPSPEED:
         raise UserError(f"the plan is for {plan.world_size} processes but {world} were started; its DeepSpeed "
                         f"train_batch_size {plan.global_batch} assumes {plan.data_parallel} data-parallel ranks "
@@ -420,7 +420,7 @@ def _global_batch(plan: Plan, world: int) -> int:
 
 
 def _degrees(plan: Plan) -> str:
-    return f"{plan.grid.describe()}, " if plan.grid.model_parallel > 1 else ""
+    return f"{plan.grid.describe()}, " if plan.grid.model_parallel > 1 or plan.grid.expert > 1 else ""
 
 
 def _data_parallel(plan: Plan, world: int) -> int:
