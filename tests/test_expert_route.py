@@ -148,6 +148,16 @@ def test_a_shared_batch_step_prices_one_batch_and_splits_only_the_experts():
     assert any("share one batch of 2,048 tokens" in a and "128 rows per local expert" in a
                for a in shared.assumptions)
     assert any("*expert-parallel speed unverified" in a for a in shared.assumptions)
+    # The experts' grouped GEMMs: 2048 tokens x 8 active experts' FLOPs / 8 ranks, at the efficiency of a
+    # 128-row GEMM (rows per local expert), hidden 2048.
+    from toolkit.estimate.efficiency import FULL_RECOMPUTE, matmul_efficiency
+    from toolkit.estimate.experttime import expert_flops_per_token
+
+    eff, _ = matmul_efficiency(hw.gpu, "bf16-pure", 128, 2048)
+    peak = hw.gpu.peak_tflops("bf16-pure") * 1e12
+    assert shared.experts_s == pytest.approx(2048 * expert_flops_per_token(spec, FULL_RECOMPUTE) / 8 / (peak * eff),
+                                             rel=1e-12)
+    assert 0 < shared.experts_s < shared.compute_s
 
 
 def test_estimate_prices_the_shared_batch_layout_and_refuses_it_alone_in_one_line(tmp_path, capsys):

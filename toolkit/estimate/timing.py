@@ -126,6 +126,9 @@ class Timing:
     unmodelled: tuple[str, ...] = ()
     """Memory savers the job turns on whose effect on the step time is left out (toolkit.estimate.savers
     .speed_unmodelled: "liger", "activation offloading")."""
+    experts_s: float = 0.0
+    """Expert parallelism: the rank's grouped expert GEMMs, part of compute_s (toolkit.estimate.experttime), whose
+    efficiency is assumed within experttime.GROUPED_MM_EFFICIENCY_BAND."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
@@ -133,7 +136,8 @@ class Timing:
                 "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s,
                 "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {}),
                 **({"tiled_recompute_s": self.tiled_recompute_s} if self.tiled_recompute_s else {}),
-                **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {})}
+                **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {}),
+                **({"experts_s": self.experts_s} if self.experts_s else {})}
 
 
 def mlp_matmul_params(spec: ModelSpec) -> int:
@@ -383,7 +387,8 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
                   bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
                   compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s,
-                  tiled_recompute_s=tiled_s, unmodelled=unmodelled)
+                  tiled_recompute_s=tiled_s, unmodelled=unmodelled,
+                  experts_s=expert_part.experts_s if expert_part is not None else 0.0)
 
 
 def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:
