@@ -184,6 +184,11 @@ def test_plan_with_expert_parallel_writes_ep_into_every_file_the_engines_accept(
     assert "applied by transformers as it loads the model (DistributedConfig: expert parallel 2" in plan_md
     assert main(["check", str(out)]) == 0
     assert "error" not in capsys.readouterr().out
+    from toolkit.train.own_script import model_kwargs
+
+    kwargs = model_kwargs(out)  # what a user's own script passes to from_pretrained
+    assert isinstance(kwargs["distributed_config"], DistributedConfig)
+    assert (kwargs["distributed_config"].ep_size, kwargs["distributed_config"].fsdp_size) == (2, 2)
 
 
 @pytest.mark.parametrize("extra, fragment", [

@@ -266,7 +266,8 @@ def model_parallel_notes(plan: Plan) -> list[str]:
     if g.expert > 1:
         return [f"Expert parallelism (ep {g.expert}) follows the model's own ep_plan, applied by transformers at load: "
                 "model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=transformers.distributed."
-                "DistributedConfig(**distributed_config)) with training_args.json's distributed_config; each rank "
+                "DistributedConfig(**distributed_config)) with training_args.json's distributed_config "
+                "(toolkit.train.own_script.model_kwargs() returns it with the dtype); each rank "
                 f"holds 1/{g.expert} of every MoE layer's experts, FSDP-sharded over {g.dp_shard // g.expert} "
                 f"rank(s), and the dense weights FSDP2-sharded over {g.dp_shard}. Every rank trains its own batch "
                 "(routed tokens travel by all-to-all). Launch with the plan's YAML (plain processes). The Trainer "

@@ -65,15 +65,22 @@ def accelerate_loop(plan: str | Path | None = None) -> dict[str, Any]:
 
 
 def model_kwargs(plan: str | Path | None = None) -> dict[str, Any]:
-    """from_pretrained keyword arguments the plan assumes: the dtype to load in, and for QLoRA the 4-bit
-    quantization_config (transformers.BitsAndBytesConfig)."""
+    """from_pretrained keyword arguments the plan assumes: the dtype to load in, for QLoRA the 4-bit
+    quantization_config (transformers.BitsAndBytesConfig), and for tensor / expert parallelism the
+    distributed_config (transformers.distributed.DistributedConfig) with which transformers shards the model as it
+    loads it (call it after training_arguments(), which sets up this box's process group)."""
     import torch
 
     settings = plan_settings(plan)
     adapter = settings.get("adapter")
+    sharding: dict[str, Any] = {}
+    if settings.get("distributed_config"):
+        from transformers.distributed import DistributedConfig
+
+        sharding["distributed_config"] = DistributedConfig(**settings["distributed_config"])
     if adapter is None:
-        return {"dtype": getattr(torch, settings["accelerate_loop"]["model_dtype"])}
-    out: dict[str, Any] = {"dtype": getattr(torch, adapter["model_dtype"])}
+        return {"dtype": getattr(torch, settings["accelerate_loop"]["model_dtype"]), **sharding}
+    out: dict[str, Any] = {"dtype": getattr(torch, adapter["model_dtype"]), **sharding}
     if "bnb_config" in adapter:
         from toolkit.train.adapters import bnb_config
 
