@@ -437,6 +437,24 @@ def _wave2() -> list[tuple[str, list[str], str]]:
     add("--qlora-no-double-quant under lora", "applies to --method qlora", *lora, "--qlora-no-double-quant")
     add("plan --qlora-quant-type under lora", "applies to --method qlora", "plan", "{M}", "--micro-batch", "1",
         "--method", "lora", "--qlora-quant-type", "fp4")
+    # DPO (issue 29): its flags without the objective, a reference the loss cannot do without, engines it is not
+    # modelled on.
+    for flag, value in (("--reference", "precomputed"), ("--dpo-beta", "0.2"), ("--dpo-loss", "ipo")):
+        add(f"dpo {flag} without --method dpo", "applies to --method dpo", "estimate", "{M}", flag, value)
+    add("dpo plan --reference without --method dpo", "applies to --method dpo", "plan", "{M}", "--micro-batch", "1",
+        "--method", "lora", "--reference", "kept")
+    add("dpo --reference none", "no reference-free DPO loss", "estimate", "{M}", "--method", "dpo", "--reference",
+        "none")
+    add("dpo plan --reference none", "no reference-free DPO loss", "plan", "{M}", "--micro-batch", "1", "--method",
+        "dpo+lora", "--reference", "none")
+    add("dpo unknown loss", "not one of TRL's DPO loss types", "estimate", "{M}", "--method", "dpo", "--dpo-loss",
+        "simpo")
+    add("dpo+bogus", "--method 'bogus' is not known", "estimate", "{M}", "--method", "dpo+bogus")
+    add("dpo --dpo-beta 0", "--dpo-beta", "estimate", "{M}", "--method", "dpo", "--dpo-beta", "0")
+    add("dpo on the pipeline engine", "not the pipeline engine", "estimate", "{M}", "--method", "dpo",
+        "--strategy", "pipeline", "--gpus", "2xH100-80GB")
+    add("dpo with --liger", "not modelled", "estimate", "{M}", "--method", "dpo", "--liger")
+    add("profile --method dpo", "modelled by estimate and plan only", "profile", *SHAPE.split(), "--method", "dpo")
     add("unknown modules_to_save", "does not have", *lora, "--lora-modules-to-save", "nope")
     add("one unknown among modules_to_save", "'nope'", *lora, "--lora-modules-to-save", "lm_head,nope")
     add("plan unknown modules_to_save", "does not have", "plan", "{M}", "--micro-batch", "1", "--method", "lora",

@@ -460,17 +460,21 @@ def _unusual_job():
 
     from toolkit.inputs.job import Job
     from toolkit.inputs.lora import Adapter
+    from toolkit.inputs.preference import Dpo
     from toolkit.plan.job import ESTIMATE_ONLY
 
+    dpo = Dpo(beta=0.3, loss_type="ipo", reference="precomputed")
     adapter = Adapter(method="qlora", r=4, alpha=8.0, dropout=0.1, targets="q_proj,v_proj", modules_to_save="lm_head",
                       quant_type="fp4", double_quant=False, compute_dtype="float32", quant_storage="bfloat16")
     job = Job(seq_len=96, micro_batch=2, grad_accum=3, precision="fp16", optimizer="sgd", checkpointing=True,
               attention="eager", device_kind="cpu", optimizer_impl="foreach", activation_offloading=True, liger=True,
-              tiled=True, compile=True, adapter=adapter)
+              tiled=True, compile=True, adapter=adapter, dpo=dpo)
     for f in fields(Job):
         assert f.name in ESTIMATE_ONLY or f.default is MISSING or getattr(job, f.name) != f.default, f.name
     for f in fields(Adapter):
         assert getattr(adapter, f.name) != f.default, f.name
+    for f in fields(Dpo):
+        assert getattr(dpo, f.name) != f.default, f.name
     return job
 
 

@@ -78,8 +78,20 @@ def _seq_len(spec: "ModelSpec", seq_len: int | None) -> int:
     return seq_len
 
 
+def _objective(method: str | None, options: dict[str, Any]) -> None:
+    """method="dpo" / "dpo+lora": a DPO job with TRL's defaults unless `dpo=Dpo(...)` is given."""
+    from toolkit.inputs.choices import split_method
+    from toolkit.inputs.preference import Dpo
+
+    if method and split_method(method)[0] and options.get("dpo") is None:
+        options["dpo"] = Dpo()
+
+
 def _adapter(method: str | None, adapter: Any):
+    from toolkit.inputs.choices import split_method
     from toolkit.inputs.lora import FULL, Adapter, adapter_from_flags
+
+    method = split_method(method)[1] if method else None
 
     if adapter is not None and method is not None and adapter.method != method:
         raise UserError(f"method={method!r} and adapter of method {adapter.method!r}: give one of them")
@@ -152,6 +164,7 @@ def estimate(model_name: "str | ModelSpec", gpus: "str | Hardware" = "8xH100-80G
     hw = hardware(gpus, **_hardware_options(options))
     spec = model(model_name)
     chosen = parse_strategy(strategy)
+    _objective(method, options)
     job = _job(Job, spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                adapter=_adapter(method, adapter), **options)
     grid = ParallelGrid.for_strategy(chosen, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
@@ -243,6 +256,7 @@ def plan(model_name: "str | ModelSpec", gpus: "str | Hardware" = "8xH100-80GB", 
     unfit = job_problem(options.get("precision", "bf16"), hw.gpu) or spec.attention_problem(options.get("attention"))
     if unfit:
         raise UserError(unfit)
+    _objective(method, options)
     req = _job(Request, spec, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                adapter=_adapter(method, adapter), **options)
     name = model_name if isinstance(model_name, str) else spec.name

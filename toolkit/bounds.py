@@ -56,6 +56,7 @@ POWER_LIMIT_W = Bound(0, 10000, "10 kW per GPU, 10x the 1000 W board power of a 
 LORA_RANK = Bound(1, 16777216, "the largest side of any matrix an allowed model has (--vocab)")
 LORA_ALPHA = Bound(0, 1e6, "10^6, 30,000x the default 32", low_inclusive=False)
 LORA_DROPOUT = Bound(0, 1, "a probability")
+DPO_BETA = Bound(0, 1e3, "10^3, 10,000x TRL's default 0.1", low_inclusive=False)
 
 # Batch and steps.
 BATCH = Bound(1, 1000000, "10^6 samples")

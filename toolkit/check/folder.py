@@ -158,6 +158,35 @@ def plan_adapter_problems(plan: Plan, plan_path: Path) -> list[Problem]:
     return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
 
 
+def plan_dpo_problems(plan: Plan, directory: Path) -> list[Problem]:
+    """A DPO plan: the rule plan and estimate apply (toolkit.inputs.preference.dpo_problem) on its strategy, and the
+    dpo_config of training_args.json built as TRL's own DPOConfig, with the plan's DPO settings in it."""
+    if not plan.dpo:
+        return []
+    from toolkit.engines.validate import ConfigRejected, validate_dpo_config
+    from toolkit.inputs.preference import dpo_problem
+    from toolkit.plan.files import TRAINING_ARGS
+
+    if problem := dpo_problem(plan.dpo_spec, plan.strategy_spec):
+        return [Problem(str(directory / PLAN_JSON), "error", problem, EVERY)]
+    path = directory / TRAINING_ARGS
+    if not path.is_file():
+        return []
+    given = _mapping(_mapping(read_config(path)).get("dpo_config"))
+    if not given:
+        return [Problem(str(path), "error", "a DPO plan's training_args.json has no dpo_config; re-emit the plan "
+                        "directory", EVERY)]
+    try:
+        with quiet_engines():
+            validate_dpo_config(given)
+    except ConfigRejected as exc:
+        return [Problem(str(path), "error", str(exc), EVERY)]
+    wanted = plan.dpo_spec.dpo_config_kwargs(plan.seq_len)
+    return [Problem(str(path), "error", f"dpo_config {key} is {given.get(key)!r} but plan.json's DPO settings mean "
+                    f"{value!r}; re-emit the plan directory", EVERY)
+            for key, value in wanted.items() if given.get(key) != value]
+
+
 def plan_attention_problems(plan: Plan, directory: Path) -> list[Problem]:
     """plan.json's attention, and the sp_attn_implementation training_args.json and the YAML hand to Ulysses, against
     what transformers lets the plan's model class run (the rule estimate and plan refuse by,
@@ -213,7 +242,7 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
         # the YAML names its JSON, else the JSON; and the hostfile
         return check_paths([str(n) for n in names[:1] + hostfile], gpus=gpus)
     out: list[Problem] = (plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
-                          + plan_attention_problems(plan, directory))
+                          + plan_attention_problems(plan, directory) + plan_dpo_problems(plan, directory))
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
     checked: list[dict[str, Any]] = []  # the configs already judged (one finding per problem, not per copy)

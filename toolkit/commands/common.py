@@ -147,10 +147,12 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     # (toolkit.inputs.lora.adapter_from_flags); the defaults are the Adapter's own.
     from toolkit.inputs.lora import FULL
 
-    from toolkit.inputs.choices import COMPUTE_DTYPES, METHODS, QUANT_STORAGE_DTYPES, QUANT_TYPES, choices_words
+    from toolkit.inputs.choices import (COMPUTE_DTYPES, DPO_LOSS_TYPES, QUANT_STORAGE_DTYPES, QUANT_TYPES, REFERENCES,
+                                        choices_words, method_words)
+    from toolkit.inputs.preference import DEFAULT_BETA
 
     g = p.add_argument_group("LoRA / QLoRA (toolkit.inputs.lora)")
-    g.add_argument("--method", default="full", help=f"{choices_words(METHODS)} (default %(default)s)")
+    g.add_argument("--method", default="full", help=f"{method_words()} (default %(default)s)")
     g.add_argument("--lora-r", type=int_arg("--lora-r", bounds.LORA_RANK), help=f"adapter rank (default {FULL.r})")
     g.add_argument("--lora-alpha", type=float_arg("--lora-alpha", bounds.LORA_ALPHA),
                    help=f"LoRA alpha (default {FULL.alpha})")
@@ -168,6 +170,13 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qlora-quant-storage",
                    help=f"{choices_words(QUANT_STORAGE_DTYPES)}: a floating storage lets FSDP2 / ZeRO-3 shard the "
                         f"4-bit base (default {FULL.quant_storage})")
+    d = p.add_argument_group("DPO, TRL's DPOTrainer (--method dpo; toolkit.inputs.preference)")
+    d.add_argument("--reference", help=f"{choices_words(REFERENCES)}: the reference model kept beside the policy, "
+                                       "its log-probs precomputed before training (DPOConfig "
+                                       "precompute_ref_log_probs), or none (default kept)")
+    d.add_argument("--dpo-beta", type=float_arg("--dpo-beta", bounds.DPO_BETA),
+                   help=f"DPOConfig beta (default {DEFAULT_BETA})")
+    d.add_argument("--dpo-loss", help=f"DPOConfig loss_type: {choices_words(DPO_LOSS_TYPES)} (default sigmoid)")
 
 
 TRAINING_ONLY_ADAPTER_FLAGS = {"lora_alpha": ("--lora-alpha", "scales the adapter's output"),
@@ -180,9 +189,10 @@ them rather than ignore them (plan writes them into plan.json, which the trainin
 def adapter_of(args, spec=None, *, training_only_read: bool = True):
     """The command line's Adapter; with `spec`, PEFT's dropout rule for that model applied (adapter_for_model).
     training_only_read False (estimate, profile): a flag of TRAINING_ONLY_ADAPTER_FLAGS is refused."""
+    from toolkit.inputs.choices import split_method
     from toolkit.inputs.lora import adapter_for_model, adapter_from_flags
 
-    adapter = adapter_from_flags(args.method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+    adapter = adapter_from_flags(split_method(args.method)[1], r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                               targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
                               quant_type=args.qlora_quant_type, double_quant=args.qlora_double_quant,
                               compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
@@ -191,6 +201,15 @@ def adapter_of(args, spec=None, *, training_only_read: bool = True):
             raise UserError(f"{flag} {what} and changes no memory or step time, so {args.command} does not read it; "
                             f"drop it (toolkit plan writes it into plan.json for the training)")
     return adapter if spec is None else adapter_for_model(spec, adapter, dropout_given=args.lora_dropout is not None)
+
+
+def dpo_of(args):
+    """The command line's DPO settings (toolkit.inputs.preference.Dpo), or None when --method names no objective."""
+    from toolkit.inputs.choices import split_method
+    from toolkit.inputs.preference import dpo_from_flags
+
+    return dpo_from_flags(split_method(args.method)[0], reference=args.reference, beta=args.dpo_beta,
+                          loss_type=args.dpo_loss)
 
 
 def trainable_params(spec, adapter) -> int:

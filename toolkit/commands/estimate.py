@@ -9,8 +9,9 @@ from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
+from toolkit.inputs.preference import reference_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
+from toolkit.commands.common import (add_checkpointing_flag, adapter_of, dpo_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
                                      longest_line, model_spec, print_note, seq_len_of, trainable_params)
 
 
@@ -66,7 +67,7 @@ def cmd_estimate(args) -> int:
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger,
               adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
-              chunked_loss=args.chunked_loss)
+              chunked_loss=args.chunked_loss, dpo=dpo_of(args))
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees,
                                      expert_shared_batch=args.expert_shared_batch)
@@ -99,7 +100,8 @@ def cmd_estimate(args) -> int:
                        "attention": attention, "device_kind": job.device_kind, "liger": job.liger,
                        **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        **({"chunked_loss": job.chunked_loss} if job.chunked_loss else {}),
-                       "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {})},
+                       "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {}),
+                       **({"dpo": job.dpo.to_dict()} if job.dpo else {})},
                "per_gpu": b.to_dict(), "host_ram_bytes_per_node": hw.cpu_ram_bytes_per_node, "fits": b.fits,
                "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
@@ -137,7 +139,8 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           f"{attention} attention"
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
-          f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}")
+          f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}"
+          f"{reference_words(job.dpo)}")
     if job.adapter.is_adapter:
         a = job.adapter
         print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
@@ -195,7 +198,7 @@ def step_terms_words(t) -> str:
     up to the printed step; the optional ones only when the job has them."""
     terms = [("compute", t.compute_s), ("exposed comm", t.communication_s), ("bubble", t.bubble_s),
              ("offload", t.offload_s), ("LoRA adapters", t.lora_overhead_s), ("4-bit dequantisation", t.dequant_s),
-             ("tiled recompute", t.tiled_recompute_s)]
+             ("tiled recompute", t.tiled_recompute_s), ("DPO reference forward", t.reference_s)]
     return ", ".join(f"{name} {value:.3f} s" for i, (name, value) in enumerate(terms) if i < 4 or value)
 
 
@@ -224,7 +227,8 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
                   optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
                   checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
                   activation_offloading=args.activation_offloading,
-                  adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled)
+                  adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
+                  dpo=dpo_of(args))
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,

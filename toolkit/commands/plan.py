@@ -11,7 +11,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKPOINTING_MODES
 from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (adapter_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
+from toolkit.commands.common import (adapter_of, dpo_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
                                      GIB, hardware_of, human, longest_line, model_spec, print_note, seq_len_of,
                                      trainable_params)
 
@@ -97,6 +97,7 @@ def cmd_plan(args) -> int:
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
                                       compile=args.compile, tiled=TILED[args.tiled], savers=args.savers == "auto", pipeline_stages=args.pipeline_stages, adapter=adapter_of(args, spec),
+                                      dpo=dpo_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel,
                                       expert_parallel=args.expert_parallel)
@@ -305,6 +306,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
     from toolkit.estimate.candidate import resume_problem
     from toolkit.estimate.ranking import why_first
     from toolkit.inputs.hardware import power_words
+    from toolkit.inputs.preference import reference_words
 
     print(f"{spec.name} ({human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each{power_words(hw.gpu, req.precision)}) | seq {req.seq_len}, "
@@ -313,7 +315,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
           + f"{', Liger kernels' if req.liger else ''}"
           + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled is True else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
-             if req.adapter.is_adapter else "") + "\n")
+             if req.adapter.is_adapter else "") + reference_words(req.dpo) + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
              f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}"
     print(header)

@@ -48,6 +48,14 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
                         f"storage {a.get('quant_storage')}" if plan.method == "qlora" else "")
                      + f"): {plan.trainable_params:,} trainable parameters; toolkit.train saves the adapter "
                      "(adapter_config.json + adapter_model.safetensors)")
+    if plan.dpo:
+        d = plan.dpo_spec
+        lines.append(f"- method: DPO through TRL's DPOTrainer (loss {d.loss_type}, beta {d.beta:g}, reference "
+                     f"{d.reference}): chosen and rejected run as one batch of twice the micro-batch of pairs; "
+                     + ("the reference is the policy with its adapters disabled" if plan.method != "full" else
+                        "the reference model is kept beside the policy" if d.reference_forward else
+                        "the reference's log-probs are precomputed over the dataset before training")
+                     + "; toolkit.train does not run DPO yet: run your own TRL script (below)")
     lines.append("")
     lines += ["## Strategy", "", f"- {strategy_sentence(plan)}"]
     if plan.engine == Engine.PIPELINE:

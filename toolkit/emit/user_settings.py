@@ -7,6 +7,8 @@ run is the planned one:
   training_arguments   transformers.TrainingArguments keyword arguments (HF Trainer scripts; `toolkit.train` uses
                        the same dict, so there is one source for them);
   sft_config           the same plus TRL's SFTConfig keys (max_length = the plan's sequence length, packing);
+  dpo_config           a DPO plan's instead of sft_config: TrainingArguments' plus TRL's DPOConfig keys (beta,
+                       loss_type, max_length, precompute_ref_log_probs; toolkit.inputs.preference);
   accelerate_loop      a custom accelerate loop's numbers: DataLoader batch_size, Accelerator's
                        gradient_accumulation_steps, clipping, checkpointing, and whether DeepSpeed owns the optimizer
                        (then the loop passes accelerate.utils.DummyOptim: accelerate refuses a real optimizer next to
@@ -107,6 +109,14 @@ def sft_config(plan: Plan) -> dict[str, Any]:
     """
     return {**training_arguments(plan), "max_length": plan.seq_len,
             "packing": plan.attention == "flash_attention_2",
+            **({"activation_offloading": True} if plan.activation_offloading else {})}
+
+
+def dpo_config(plan: Plan) -> dict[str, Any]:
+    """TRL DPOConfig keyword arguments of a DPO plan: TrainingArguments' (per_device_train_batch_size counts pairs,
+    as DPOTrainer's batches do) plus the DPO settings (toolkit.inputs.preference.Dpo.dpo_config_kwargs).
+    bf16 and checkpointing are always written, as for SFTConfig (TRL's defaults differ from TrainingArguments')."""
+    return {**training_arguments(plan), **plan.dpo_spec.dpo_config_kwargs(plan.seq_len),
             **({"activation_offloading": True} if plan.activation_offloading else {})}
 
 
@@ -317,7 +327,7 @@ def settings(plan: Plan) -> dict[str, Any]:
     out = {
         "accelerate_launch": launch_line(),
         "training_arguments": training_arguments(plan),
-        "sft_config": sft_config(plan),
+        **({"dpo_config": dpo_config(plan)} if plan.dpo else {"sft_config": sft_config(plan)}),
         "accelerate_loop": accelerate_loop(plan),
     }
     if parallelism_kwargs(plan) and plan.grid.model_parallel > 1:
@@ -352,9 +362,22 @@ def plan_md_section(plan: Plan) -> list[str]:
              f"accelerate's gloo state first); they are machine-readable in `{TRAINING_ARGS}`:", "",
              "TrainingArguments (HF Trainer):", "", "```python"]
     lines += [f"{key}={value!r}," for key, value in args.items()]
-    lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
-              f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents apart).", "",
-              "A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
+    if plan.dpo:
+        extra = {k: v for k, v in dpo_config(plan).items() if k not in args}
+        lines += ["```", "", "Method: DPO (TRL's DPOTrainer; `per_device_train_batch_size` counts chosen / rejected "
+                  "pairs, run as one concatenated batch). TRL DPOConfig: the same plus "
+                  + ", ".join(f"`{k}={v!r}`" for k, v in extra.items())
+                  + " (`from toolkit.train.own_script import dpo_config`; "
+                  + ("the reference is the adapter-disabled base, no model of its own)." if plan.method != "full"
+                     else "the reference's log-probs are computed over the dataset before training)."
+                     if plan.dpo_spec.reference == "precomputed" else
+                     "the reference model is kept beside the policy: leave DPOTrainer's ref_model None and TRL "
+                     "loads it as the plan assumes)."), ""]
+    else:
+        lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
+                  f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents "
+                  "apart).", ""]
+    lines += ["A custom accelerate loop: " + ", ".join(f"{k} {v}" for k, v in accelerate_loop(plan).items()) + ".", ""]
     adapter = adapter_settings(plan)
     if adapter is not None:
         lines += [f"{METHOD_NAMES[plan.method]} (peft / bitsandbytes; `adapter` in `{TRAINING_ARGS}`; "

@@ -375,3 +375,27 @@ def _quiet_warnings() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+def validate_dpo_config(kwargs: dict[str, Any]):
+    """TRL's own DPOConfig built from a DPO plan's dpo_config (training_args.json): its __post_init__ and
+    TrainingArguments' checks run on these values; on a machine without a GPU with use_cpu=True, as
+    toolkit.train.own_script hands them to a script there. Returns the DPOConfig; raises ConfigRejected with TRL's
+    reason. DPOConfig leaves loss_type unchecked (DPOTrainer reads it), so that is checked against TRL's list here."""
+    import tempfile
+
+    import torch
+    from trl import DPOConfig
+
+    from toolkit.inputs.choices import DPO_LOSS_TYPES
+
+    here = {} if torch.cuda.is_available() else {"use_cpu": True}
+    try:
+        with tempfile.TemporaryDirectory() as out, _quiet_warnings():
+            config = DPOConfig(output_dir=out, report_to="none", **{**kwargs, **here})
+    except (TypeError, ValueError) as exc:
+        raise ConfigRejected(f"TRL's DPOConfig refuses the plan's dpo_config: {first_line(exc)}") from None
+    unknown = [t for t in config.loss_type if t not in DPO_LOSS_TYPES]
+    if unknown:
+        raise ConfigRejected(f"dpo_config loss_type {unknown[0]!r} is not one of TRL's DPO losses")
+    return config

@@ -92,6 +92,8 @@ class Breakdown:
     """Pipeline plans: required bytes of every stage (the breakdown describes the largest)."""
     host: HostRam | None = None
     """Host RAM per node at load, during training and at save (toolkit.estimate.hostram)."""
+    reference_bytes: int = 0
+    """DPO: the reference model's weights on this GPU (toolkit.estimate.preference), part of the peak."""
 
     @property
     def fits(self) -> bool:
@@ -107,6 +109,8 @@ class Breakdown:
                 "context_bytes", "margin_bytes", "required_bytes", "capacity_bytes", "cpu_bytes_per_node",
                 "nvme_bytes_per_node")
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        if self.reference_bytes:
+            out["reference_bytes"] = self.reference_bytes
         if self.stage_required_bytes:
             out["stage_required_bytes"] = list(self.stage_required_bytes)
         if self.host is not None:
@@ -151,15 +155,17 @@ class _Peak:
 
 
 def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumulating: bool, autocast: bool,
-              traced_grad_bytes_per_param: float, stash_bytes: float = 0.0) -> tuple[_Peak, float, float]:
+              traced_grad_bytes_per_param: float, stash_bytes: float = 0.0, reference_bytes: float = 0.0,
+              reference_forward_bytes: float = 0.0) -> tuple[_Peak, float, float]:
     """Walk one micro-step forward and backward, then the optimizer step; return the peak, the activations
     held at the end of forward, and the autocast copies held.
 
     `in_flight` micro-batches' activations are alive at once (1F1B pipeline stage i: min(P - i, M)); the
-    earlier ones add their saved bytes as a constant.
+    earlier ones add their saved bytes as a constant. A DPO reference's weights (`reference_bytes`) stay the whole
+    step; its no_grad forward (`reference_forward_bytes`) runs once the policy's forward has saved everything.
     """
     persistent = states.parameters + states.gradients + states.master + states.optimizer + states.buffers \
-        + states.gathered
+        + states.gathered + reference_bytes
     step_grads_total = states.step_gradients
     kept_grads = (step_grads_total + states.accumulation_gradients + states.backward_gradients) if accumulating \
         else 0.0
@@ -189,6 +195,11 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
         # Weight casts autocast caches until the forward ends without saving them for backward (checkpointed layers).
         cache += r.trace.autocast_cache_bytes if autocast else 0.0
         peak.offer(base + saved + copies + cache + early + extra, f"forward ({r.name})", extra)
+    if reference_forward_bytes:
+        from toolkit.estimate.preference import REFERENCE_FORWARD_PHASE
+
+        peak.offer(base + saved + copies + early + reference_forward_bytes, REFERENCE_FORWARD_PHASE,
+                   reference_forward_bytes)
 
     grads_done = 0.0
     remaining = saved
@@ -334,7 +345,12 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if grid.world > 1 else 0)
     params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
     s = states_for(spec, strategy, job, grid, params=params)
-    return int(s.parameters + s.gradients + s.master + s.optimizer) + context
+    reference = 0
+    if job.dpo is not None:
+        from toolkit.estimate.preference import reference_of
+
+        reference = reference_of(spec, strategy, job, grid).weights_bytes
+    return int(s.parameters + s.gradients + s.master + s.optimizer) + reference + context
 
 
 def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
@@ -343,6 +359,11 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     breakdown of the stage that needs the most is returned (partition None: the grid's balanced one). `grid`:
     the grid to use, with its tensor / context / sequence degrees (default: the strategy's plain grid on hw)."""
     grid = grid or grid_of(strategy, hw, pipeline_stages)
+    reference = None
+    if job.dpo is not None:  # the policy's step at the concatenated batch, beside the reference
+        from toolkit.estimate.preference import policy_job, reference_of
+
+        reference, job = reference_of(spec, strategy, job, grid), policy_job(job)
     if grid.model_parallel > 1:
         return _model_parallel_memory(spec, strategy, job, hw, grid)
     if job.adapter.is_adapter:
@@ -356,7 +377,7 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
         regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
                    *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),
                    _Region("head + loss", counts.post_layer_trainable, trace.head)]
-        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference)
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
         offloaded = 0
@@ -365,7 +386,7 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states = states_for(spec, strategy, job, grid, params=spec.params)
         states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
-        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1)
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference)
     if job.activation_offloading:
         raise UserError("activation offloading is not available with the pipeline engine; use a ZeRO or FSDP2 "
                         "strategy, or drop --activation-offloading")
@@ -446,11 +467,15 @@ def _fsdp_plan_groups(view, trace: ActivationTrace, states: States, job: Job) ->
 
 
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,
-             regions: list[_Region], states: States, *, in_flight: int, stage: int | None = None) -> Breakdown:
+             regions: list[_Region], states: States, *, in_flight: int, stage: int | None = None,
+             reference=None) -> Breakdown:
     accumulating = job.grad_accum > 1  # micro-steps after the first add into gradients that already exist
     traced_grad = 4.0 if (trace.autocast or trace.dtype == "float32") else 2.0
+    ref_weights = reference.weights_bytes if reference else 0
+    ref_forward = reference.forward_bytes(trace) if reference else 0
     peak, activations, copies = _simulate(regions, states, in_flight=in_flight, accumulating=accumulating,
-                                          autocast=states.autocast, traced_grad_bytes_per_param=traced_grad)
+                                          autocast=states.autocast, traced_grad_bytes_per_param=traced_grad,
+                                          reference_bytes=ref_weights, reference_forward_bytes=ref_forward)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
     margin = reserved_bytes(int(peak.bytes)) - int(peak.bytes)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
@@ -486,6 +511,10 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         terms.insert(5, Term("LM-head gradient made in forward", int(forward_grads),
                              "Liger's fused linear cross-entropy computes it chunk by chunk in forward and holds it "
                              "until backward (toolkit.patches.liger); part of the peak from the head's forward on"))
+    if reference is not None:
+        from toolkit.estimate.preference import reference_terms
+
+        terms[3:3] = [Term(*t) for t in reference_terms(reference, ref_forward)]
     ranks_per_node = hw.gpus_per_node
     notes = list(trace.notes) + list(spec.notes)
     if stage is not None:
@@ -513,4 +542,5 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
                       stage_params=sum(r.params for r in regions) if strategy.is_pipeline else None),
         terms=tuple(terms),
         notes=tuple(dict.fromkeys(notes)),
+        reference_bytes=ref_weights,
     )

@@ -10,6 +10,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.job import Job
 from toolkit.inputs.lora import FULL, Adapter
+from toolkit.inputs.preference import Dpo
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 
 
@@ -50,6 +51,8 @@ class Request:
     degree. None or 1: the EP row is listed, not ranked (toolkit.estimate.search._expert_parallel_row)."""
     adapter: Adapter = FULL
     """Training method (full, LoRA, QLoRA) and its settings."""
+    dpo: Dpo | None = None
+    """Preference objective (toolkit.inputs.preference); None: supervised fine-tuning."""
     savers: bool = True
     """The planner tries Liger kernels and activation offloading by itself where a row fits no other way
     (auto_savers); False: only what the request turns on."""

@@ -36,6 +36,8 @@ from toolkit.inputs.job import Job, job_problem, model_feature_problem
 from toolkit.estimate.memory import Breakdown, estimate_memory, states_floor_bytes
 from toolkit.estimate.traces import activation_trace
 from toolkit.inputs.modelspec import ModelSpec
+from toolkit.inputs.preference import MODEL_PARALLEL_DPO_PROBLEM
+from toolkit.estimate.preference import dpo_step_time
 from toolkit.inputs.strategy import Kind, Strategy, parse_strategy
 from toolkit.estimate.timing import step_time
 
@@ -91,8 +93,8 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                                            "per GPU for model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
     traffic = activation_trace(spec, job, strategy, 1).compile_traffic if job.compile else ()
-    timing = step_time(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid,
-                       compile_traffic=traffic)
+    timing = (dpo_step_time if job.dpo else step_time)(spec, strategy, job, hw, pipeline_stages=stages,
+                                                        partition=partition, grid=grid, compile_traffic=traffic)
     reason = None
     if not memory.fits:
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU"
@@ -174,7 +176,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     for strategy in strategies:
         # compile=False: with --compile the search offers each strategy eager too (_search), compiled where it can.
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
-                              liger=req.liger, adapter=req.adapter, tiled=req.tiled is True)
+                              liger=req.liger, adapter=req.adapter, tiled=req.tiled is True, dpo=req.dpo)
         yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
@@ -290,7 +292,7 @@ def auto_savers(spec: ModelSpec, hw: Hardware, strategy: Strategy, req: Request)
 
     def takes(liger: bool, offloading: bool) -> bool:
         return job_problem(req.precision, hw.gpu, strategy, activation_offloading=offloading, liger=liger,
-                           adapter=req.adapter) is None and model_feature_problem(spec, liger=liger) is None
+                           adapter=req.adapter, dpo=req.dpo) is None and model_feature_problem(spec, liger=liger) is None
 
     liger = not req.liger and takes(True, req.activation_offloading)
     offloading = not req.activation_offloading and takes(req.liger, True)
@@ -394,7 +396,8 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
             if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
                 continue
             problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
-                                  attention=req.attention, tiled=req.tiled is True)
+                                  attention=req.attention, tiled=req.tiled is True, dpo=req.dpo) \
+                or (MODEL_PARALLEL_DPO_PROBLEM if req.dpo else None)
             if problem:
                 yield dimension, strategy, problem
                 continue

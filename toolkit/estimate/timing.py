@@ -123,6 +123,8 @@ class Timing:
     tiled_recompute_s: float = 0.0
     """ALST tiling: the MLPs' and LM head's forward that DeepSpeed's tiled functions run again in backward
     (tiled_recompute_s())."""
+    reference_s: float = 0.0
+    """DPO: the reference's forward under no_grad in each step (toolkit.estimate.preference.dpo_step_time)."""
     unmodelled: tuple[str, ...] = ()
     """Memory savers the job turns on whose effect on the step time is left out (toolkit.estimate.savers
     .speed_unmodelled: "liger", "activation offloading")."""
@@ -136,6 +138,7 @@ class Timing:
                 "lora_overhead_s": self.lora_overhead_s, "dequant_s": self.dequant_s,
                 "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {}),
                 **({"tiled_recompute_s": self.tiled_recompute_s} if self.tiled_recompute_s else {}),
+                **({"reference_s": self.reference_s} if self.reference_s else {}),
                 **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {}),
                 **({"experts_s": self.experts_s} if self.experts_s else {})}
 

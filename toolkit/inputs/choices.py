@@ -22,6 +22,19 @@ OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 """How torch's optimizer runs its step (toolkit.estimate.savers)."""
 METHODS: tuple[str, ...] = ("full", "lora", "qlora")
 """Training method: full fine-tuning, LoRA, QLoRA (toolkit.inputs.lora)."""
+OBJECTIVES: tuple[str, ...] = ("dpo",)
+"""Preference objectives --method names before an adapter (toolkit.inputs.preference): `dpo` trains every weight,
+`dpo+lora` / `dpo+qlora` train adapters on the policy (the reference is then the adapter-disabled base)."""
+METHOD_JOIN = "+"
+"""Joins an objective and an adapter in one --method value: dpo+lora."""
+REFERENCES: tuple[str, ...] = ("kept", "precomputed", "none")
+"""--reference of a DPO job: the reference model kept beside the policy, its log-probs precomputed over the dataset
+before training (TRL DPOConfig precompute_ref_log_probs), or none (a reference-free loss)."""
+DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
+                                   "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
+                                   "sigmoid_norm")
+"""TRL 1.16 DPOConfig.loss_type values (trl/trainer/dpo_config.py, the field's help; tests/test_preference.py reads
+them back from the installed TRL so a new release's list is noticed)."""
 QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
 """bitsandbytes 4-bit code books (BitsAndBytesConfig.bnb_4bit_quant_type)."""
 COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
@@ -44,6 +57,21 @@ Attention = Literal[ATTENTIONS]  # type: ignore[valid-type]
 DeviceKind = Literal[DEVICE_KINDS]  # type: ignore[valid-type]
 OptimizerImpl = Literal[OPTIMIZER_IMPLS]  # type: ignore[valid-type]
 Method = Literal[METHODS]  # type: ignore[valid-type]
+
+
+def method_words() -> str:
+    """--method's help: the adapters and the objective forms."""
+    forms = [o if m == "full" else f"{o}{METHOD_JOIN}{m}" for o in OBJECTIVES for m in METHODS]
+    return f"{choices_words(METHODS)}; preference: {choices_words(tuple(forms))}"
+
+
+def split_method(text: str) -> tuple[str | None, str]:
+    """(objective or None, adapter method) of a --method value: "dpo+lora" -> ("dpo", "lora"), "dpo" -> ("dpo",
+    "full"), "lora" -> (None, "lora"). Unknown words are left for the adapter's check to refuse."""
+    head, sep, tail = text.partition(METHOD_JOIN)
+    if head in OBJECTIVES:
+        return head, tail if sep else "full"
+    return None, text
 
 
 def choices_words(choices: tuple[str, ...]) -> str:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
 from toolkit.inputs.lora import FULL, Adapter, quantized_base_sharded
+from toolkit.inputs.preference import Dpo, dpo_problem
 from toolkit.inputs.strategy import Engine
 
 if TYPE_CHECKING:
@@ -82,6 +83,9 @@ class Job:
     many sequence chunks, each upcast to fp32 apart; 0: the model's own loss. Estimate only."""
     adapter: Adapter = FULL
     """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""
+    dpo: Dpo | None = None
+    """Preference objective: TRL's DPO with its reference kept / precomputed (toolkit.inputs.preference); None:
+    supervised fine-tuning. LoRA / QLoRA (`adapter`) train the DPO policy."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -169,12 +173,14 @@ def plan_positions_problem(seq_len: int, model: str, positions: int | None) -> s
 
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
                 activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL,
-                compile: bool = False, attention: str | None = None, tiled: bool = False) -> str | None:
+                compile: bool = False, attention: str | None = None, tiled: bool = False,
+                dpo: Dpo | None = None) -> str | None:
     """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
     None. The model types Liger supports are checked in check_job (liger_problem, below)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
         return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
-    problem = adapter_problem(adapter, strategy)
+    problem = adapter_problem(adapter, strategy) or dpo_problem(dpo, strategy, liger=liger, tiled=tiled,
+                                                                compile=compile)
     if problem:
         return problem
     if strategy is not None and strategy.is_pipeline and activation_offloading:
@@ -228,9 +234,10 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     check_seq_len(spec, job.seq_len)
     problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
                           liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention,
-                          tiled=job.tiled)
+                          tiled=job.tiled, dpo=job.dpo)
     if problem is None:
-        problem = model_feature_problem(spec, liger=job.liger, tiled=job.tiled, attention=job.attention)
+        problem = dpo_problem(job.dpo, strategy, chunked_loss=job.chunked_loss) \
+            or model_feature_problem(spec, liger=job.liger, tiled=job.tiled, attention=job.attention)
     if problem:
         raise UserError(problem)
     if strategy is not None and strategy.is_pipeline:

@@ -38,6 +38,7 @@ from toolkit.plan.files import PLAN_JSON
 
 if TYPE_CHECKING:
     from toolkit.inputs.lora import Adapter
+    from toolkit.inputs.preference import Dpo
 
 PLAN_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -49,7 +50,7 @@ _DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel", "expert_
 """Model-parallel degrees (added within version 2, default 1)."""
 
 _LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
-             "leaf_modules": (None, [])}
+             "leaf_modules": (None, []), "dpo": ({},)}
 """Fields added within version 2, left out of plan.json at this value (their default), so a plan without them reads
 and keys its prediction as it did before they existed."""
 
@@ -154,6 +155,9 @@ class Plan:
     compute_dtype, quant_storage (empty for full fine-tuning); checked by toolkit.inputs.lora when the plan loads."""
     trainable_params: int = Field(default=0, ge=0)
     """Parameters that get gradients (PEFT's count for adapters; 0 means all, as in full fine-tuning)."""
+    dpo: dict[str, Any] = Field(default_factory=dict)
+    """toolkit.inputs.preference.Dpo fields (beta, loss_type, reference) of a DPO job, TRL's DPOTrainer (empty:
+    supervised fine-tuning); checked by toolkit.inputs.preference when the plan loads."""
     version: Literal[2] = PLAN_VERSION
 
     # --- validation ----------------------------------------------------------------------------------------------
@@ -236,6 +240,11 @@ class Plan:
                 raise ValueError(f"'adapter' holds an unknown setting ({exc})") from None
             if adapter.method != self.method:
                 raise ValueError(f"'adapter' says method {adapter.method!r} but 'method' is {self.method!r}")
+        if self.dpo:
+            try:
+                self.dpo_spec
+            except TypeError as exc:
+                raise ValueError(f"'dpo' holds an unknown setting ({exc})") from None
         return self
 
     # --- derived ----------------------------------------------------------------------------------------------------
@@ -257,6 +266,13 @@ class Plan:
         from toolkit.inputs.lora import FULL, Adapter
 
         return Adapter(**self.adapter) if self.method != "full" else FULL
+
+    @property
+    def dpo_spec(self) -> "Dpo | None":
+        """The DPO settings as toolkit.inputs.preference.Dpo (None for supervised fine-tuning)."""
+        from toolkit.inputs.preference import Dpo
+
+        return Dpo(**self.dpo) if self.dpo else None
 
     @property
     def engine(self) -> str:

@@ -53,7 +53,21 @@ def training_arguments(plan: str | Path | None = None) -> dict[str, Any]:
 def sft_config(plan: str | Path | None = None) -> dict[str, Any]:
     """trl.SFTConfig keyword arguments: the plan's (TrainingArguments' plus max_length, packing, PEFT), for this
     box."""
-    return _for_this_box(plan_settings(plan)["sft_config"])
+    settings = plan_settings(plan)
+    if "sft_config" not in settings:
+        raise SystemExit("this plan is a DPO plan (training_args.json holds dpo_config, not sft_config); use "
+                         "dpo_config() with TRL's DPOTrainer")
+    return _for_this_box(settings["sft_config"])
+
+
+def dpo_config(plan: str | Path | None = None) -> dict[str, Any]:
+    """trl.DPOConfig keyword arguments of a DPO plan (TrainingArguments' plus beta, loss_type, max_length,
+    precompute_ref_log_probs), for this box."""
+    settings = plan_settings(plan)
+    if "dpo_config" not in settings:
+        raise SystemExit("this plan is not a DPO plan (no dpo_config in training_args.json); use sft_config() or "
+                         "training_arguments(), or re-plan with --method dpo")
+    return _for_this_box(settings["dpo_config"])
 
 
 def accelerate_loop(plan: str | Path | None = None) -> dict[str, Any]:

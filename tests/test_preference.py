@@ -1,0 +1,198 @@
+"""DPO (issue 29): the job knows its objective, and its memory and time are the policy's at the concatenated batch
+plus the reference as TRL 1.16 builds and prepares it. Unit tests: no process starts."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import fields
+
+import pytest
+
+from toolkit import api
+from toolkit.errors import UserError
+from toolkit.inputs.choices import DPO_LOSS_TYPES, split_method
+from toolkit.inputs.preference import Dpo
+
+LLAMA_8B = "llama-3.1-8b"
+
+
+@pytest.fixture(scope="module")
+def llama_8b_params() -> int:
+    """Llama-3.1-8B's parameter count from transformers' own model built on the meta device: independent of
+    toolkit's ModelSpec counting."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = api.model(LLAMA_8B).hf_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _dpo(strategy: str, reference: str, **job):
+    return api.estimate(LLAMA_8B, "8xH100-80GB", strategy=strategy, seq_len=1024, micro_batch=1, checkpointing=True,
+                        method="dpo", dpo=Dpo(reference=reference), **job).memory
+
+
+@pytest.mark.parametrize("strategy,shards", [("zero2", 1), ("zero3", 8)])
+def test_llama_8b_dpo_kept_needs_exactly_the_reference_more_than_precomputed(strategy, shards, llama_8b_params):
+    """The must-show: on 8xH100-80GB the kept reference adds its bf16 weights (DeepSpeed casts it to the config's
+    bf16), replicated under ZeRO-2 (TRL prepares it at stage 0), partitioned 8 ways under ZeRO-3, and nothing else."""
+    kept, precomputed = _dpo(strategy, "kept"), _dpo(strategy, "precomputed")
+    reference = math.ceil(llama_8b_params / shards) * 2
+    assert llama_8b_params == 8_030_261_248
+    assert kept.reference_bytes == reference
+    assert precomputed.reference_bytes == 0
+    assert kept.peak_bytes - precomputed.peak_bytes == reference
+    assert kept.peak_phase == precomputed.peak_phase
+    assert kept.fits and precomputed.fits
+
+
+def test_ddp_keeps_a_replica_in_the_loaded_dtype(llama_8b_params):
+    """DDP: accelerator.prepare_model leaves the reference as TRL loads it, in the policy's dtype (fp32 for mixed
+    precision): 4 bytes a parameter, on every GPU, and the 8B job no longer fits."""
+    kept, precomputed = _dpo("ddp", "kept"), _dpo("ddp", "precomputed")
+    assert kept.reference_bytes == llama_8b_params * 4
+    assert kept.peak_bytes - precomputed.peak_bytes == llama_8b_params * 4
+    assert not kept.fits
+
+
+def test_fsdp2_shards_the_reference(llama_8b_params):
+    kept = _dpo("fsdp2", "kept")
+    assert kept.reference_bytes == math.ceil(llama_8b_params / 8) * 4
+
+
+def test_lora_dpo_has_no_reference_weights():
+    """With PEFT the reference is the adapter-disabled base: no weights of its own, kept or precomputed."""
+    for reference in ("kept", "precomputed"):
+        m = api.estimate(LLAMA_8B, "8xH100-80GB", strategy="zero2", seq_len=1024, micro_batch=1,
+                         method="dpo+lora", dpo=Dpo(reference=reference)).memory
+        assert m.reference_bytes == 0
+        assert any(t.name == "reference model" and "adapter-disabled" in t.source for t in m.terms)
+
+
+def test_the_policy_runs_chosen_and_rejected_as_one_batch():
+    """The policy's activations are those of a supervised step at twice the micro-batch (pairs -> sequences)."""
+    dpo = _dpo("zero3", "precomputed")
+    sft = api.estimate(LLAMA_8B, "8xH100-80GB", strategy="zero3", seq_len=1024, micro_batch=2,
+                       checkpointing=True).memory
+    assert dpo.activations_bytes == sft.activations_bytes
+    assert dpo.peak_bytes == sft.peak_bytes
+
+
+def test_explain_shows_the_reference_lines():
+    names = [t.name for t in _dpo("zero3", "kept").terms]
+    assert "reference model" in names and "reference forward (no_grad)" in names
+    assert "reference forward (no_grad)" not in [t.name for t in _dpo("zero3", "precomputed").terms]
+
+
+def test_the_method_names_an_objective_and_an_adapter():
+    assert split_method("dpo") == ("dpo", "full")
+    assert split_method("dpo+qlora") == ("dpo", "qlora")
+    assert split_method("lora") == (None, "lora")
+
+
+def test_reference_none_is_refused_for_every_trl_loss():
+    """TRL 1.16's DPOTrainer runs a reference for every loss_type: --reference none has no loss to go with."""
+    for loss in DPO_LOSS_TYPES:
+        with pytest.raises(UserError, match="no reference-free DPO loss"):
+            Dpo(reference="none", loss_type=loss)
+
+
+def test_the_loss_types_are_trls():
+    """DPO_LOSS_TYPES are the values the installed TRL's DPOConfig.loss_type documents."""
+    from trl import DPOConfig
+
+    help_text = next(f for f in fields(DPOConfig) if f.name == "loss_type").metadata["help"]
+    listed = help_text.split("Possible values are:")[1].split(".")[0]
+    assert tuple(re.findall(r"'(\w+)'", listed)) == DPO_LOSS_TYPES
+
+
+def test_fsdp2_grad_op_keeps_the_reference_unsharded_after_its_forward(llama_8b_params):
+    """reshard_after_forward False: the no_grad reference never reaches the backward that would reshard it, so it
+    holds its fp32 shard and its bf16 unsharded weights."""
+    kept = _dpo("fsdp2-grad-op", "kept")
+    assert kept.reference_bytes == math.ceil(llama_8b_params / 8) * 4 + llama_8b_params * 2
+
+
+def _dpo_timing(strategy: str, reference: str, method: str = "dpo"):
+    return api.estimate(LLAMA_8B, "8xH100-80GB", strategy=strategy, seq_len=1024, micro_batch=1, checkpointing=True,
+                        method=method, dpo=Dpo(reference=reference)).timing
+
+
+def test_a_kept_reference_adds_its_forward_to_the_step():
+    """Kept: the step gains the reference's forward of the concatenated batch, a quarter of a checkpointed full
+    fine-tuning step's compute (forward of 3 + 1 recomputed); precomputed: the policy's step alone, the pass before
+    training stated."""
+    kept, precomputed = _dpo_timing("zero2", "kept"), _dpo_timing("zero2", "precomputed")
+    assert precomputed.reference_s == 0
+    assert any("precomputed: one no_grad forward over the dataset" in a for a in precomputed.assumptions)
+    assert kept.compute_s == precomputed.compute_s
+    assert 0.22 < kept.reference_s / kept.compute_s < 0.26
+    assert kept.step_time_s == pytest.approx(precomputed.step_time_s + kept.reference_s)
+
+
+def test_a_sharded_reference_gathers_again():
+    kept, precomputed = _dpo_timing("zero3", "kept"), _dpo_timing("zero3", "precomputed")
+    assert kept.communication_s > precomputed.communication_s
+    assert kept.step_time_s == pytest.approx(precomputed.step_time_s + kept.reference_s
+                                             + kept.communication_s - precomputed.communication_s)
+
+
+def test_the_plan_ranks_dpo_rows_and_says_which_fit(llama_8b_params):
+    """The planner ranks each DPO row with its reference (replicated under ZeRO-1/2, partitioned under ZeRO-3),
+    refuses DDP (its own states alone exceed the GPU); a precomputed one holds none."""
+    kept = api.plan(LLAMA_8B, "8xH100-80GB", seq_len=1024, global_batch=64, method="dpo",
+                    strategies="ddp,zero1,zero2,zero3")
+    pre = api.plan(LLAMA_8B, "8xH100-80GB", seq_len=1024, global_batch=64, method="dpo",
+                   dpo=Dpo(reference="precomputed"), strategies="ddp,zero1,zero2,zero3")
+    assert {c.strategy.name: c.memory.reference_bytes for c in kept.feasible} == {
+        "zero1": llama_8b_params * 2, "zero2": llama_8b_params * 2, "zero3": math.ceil(llama_8b_params / 8) * 2}
+    assert ["model states alone" in c.reason for c in kept.refused if c.strategy.name == "ddp"] == [True]
+    assert all(c.memory.reference_bytes == 0 for c in pre.feasible)
+
+
+def test_emit_writes_trls_dpo_config_and_plan_md_names_the_method(tmp_path):
+    """training_args.json carries DPOConfig's settings (built by TRL's own DPOConfig in the emit validation path),
+    no sft_config; PLAN.md says the method; `toolkit check` of the folder finds nothing."""
+    import json
+
+    from toolkit.check.folder import check_plan_dir
+    from toolkit.engines.validate import validate_dpo_config
+
+    result = api.plan(LLAMA_8B, "8xH100-80GB", seq_len=1024, global_batch=64, method="dpo+lora",
+                      dpo=Dpo(beta=0.2, loss_type="ipo", reference="precomputed"), strategies="zero2")
+    api.emit(result, tmp_path / "p")
+    settings = json.loads((tmp_path / "p" / "training_args.json").read_text())
+    assert "sft_config" not in settings
+    dpo = settings["dpo_config"]
+    assert (dpo["beta"], dpo["loss_type"], dpo["max_length"], dpo["precompute_ref_log_probs"]) == \
+        (0.2, ["ipo"], 1024, True)
+    config = validate_dpo_config(dpo)
+    assert (config.beta, config.loss_type, config.precompute_ref_log_probs) == (0.2, ["ipo"], True)
+    assert config.per_device_train_batch_size == result.chosen.job.micro_batch
+    assert "- method: DPO through TRL's DPOTrainer (loss ipo, beta 0.2, reference precomputed)" in \
+        (tmp_path / "p" / "PLAN.md").read_text()
+    assert api.load_plan(tmp_path / "p").dpo_spec == Dpo(beta=0.2, loss_type="ipo", reference="precomputed")
+    assert [p for p in check_plan_dir(tmp_path / "p", gpus=None) if p.severity == "error"] == []
+
+
+def test_trls_dpo_config_refuses_what_the_plan_could_not_mean():
+    from toolkit.engines.validate import ConfigRejected, validate_dpo_config
+
+    with pytest.raises(ConfigRejected, match="not one of TRL's DPO losses"):
+        validate_dpo_config({"loss_type": ["simpo"]})
+    with pytest.raises(ConfigRejected, match="DPOConfig refuses"):
+        validate_dpo_config({"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0]})
+
+
+def test_toolkit_train_refuses_a_dpo_plan_before_anything_starts(tmp_path):
+    from toolkit.inputs.preference import DPO_TRAIN_PROBLEM
+    from toolkit.run.preflight import preflight
+
+    result = api.plan(LLAMA_8B, "8xH100-80GB", seq_len=1024, global_batch=64, method="dpo", strategies="zero3")
+    with pytest.raises(UserError) as exc:
+        preflight(result.to_plan(), tmp_path, ["--data", str(tmp_path), "--output", str(tmp_path / "out")])
+    assert str(exc.value) == DPO_TRAIN_PROBLEM
+    assert list(tmp_path.iterdir()) == []
