@@ -147,9 +147,8 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     # (toolkit.inputs.lora.adapter_from_flags); the defaults are the Adapter's own.
     from toolkit.inputs.lora import FULL
 
-    from toolkit.inputs.choices import (COMPUTE_DTYPES, DPO_LOSS_TYPES, QUANT_STORAGE_DTYPES, QUANT_TYPES, REFERENCES,
-                                        choices_words, method_words)
-    from toolkit.inputs.preference import DEFAULT_BETA
+    from toolkit.inputs.choices import (COMPUTE_DTYPES, DPO_DEFAULT_BETA, DPO_LOSS_TYPES, QUANT_STORAGE_DTYPES,
+                                        QUANT_TYPES, REFERENCES, choices_words, method_words)
 
     g = p.add_argument_group("LoRA / QLoRA (toolkit.inputs.lora)")
     g.add_argument("--method", default="full", help=f"{method_words()} (default %(default)s)")
@@ -175,7 +174,7 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
                                        "its log-probs precomputed before training (DPOConfig "
                                        "precompute_ref_log_probs), or none (default kept)")
     d.add_argument("--dpo-beta", type=float_arg("--dpo-beta", bounds.DPO_BETA),
-                   help=f"DPOConfig beta (default {DEFAULT_BETA})")
+                   help=f"DPOConfig beta (default {DPO_DEFAULT_BETA})")
     d.add_argument("--dpo-loss", help=f"DPOConfig loss_type: {choices_words(DPO_LOSS_TYPES)} (default sigmoid)")
 
 

@@ -9,7 +9,6 @@ from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
-from toolkit.inputs.preference import reference_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, dpo_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
                                      longest_line, model_spec, print_note, seq_len_of, trainable_params)
@@ -125,6 +124,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     peak, the error bands, host RAM and the step time (plan --explain prints its chosen row through this too).
     `b`: the candidate's memory, or the fake world's terms in its place (estimate --trace-world)."""
     from toolkit.estimate.errorband import band_for, time_band
+    from toolkit.inputs.preference import reference_words
     from toolkit.inputs.hardware import power_words
 
     strategy, job, t = c.strategy, c.job, c.timing

@@ -30,6 +30,8 @@ METHOD_JOIN = "+"
 REFERENCES: tuple[str, ...] = ("kept", "precomputed", "none")
 """--reference of a DPO job: the reference model kept beside the policy, its log-probs precomputed over the dataset
 before training (TRL DPOConfig precompute_ref_log_probs), or none (a reference-free loss)."""
+DPO_DEFAULT_BETA = 0.1
+"""DPOConfig.beta's default (TRL 1.16)."""
 DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
                                    "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
                                    "sigmoid_norm")

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
 from toolkit.inputs.lora import FULL, Adapter, quantized_base_sharded
-from toolkit.inputs.preference import Dpo, dpo_problem
 from toolkit.inputs.strategy import Engine
 
 if TYPE_CHECKING:
     from toolkit.inputs.hardware import Gpu, Hardware
+    from toolkit.inputs.preference import Dpo
     from toolkit.inputs.modelspec import ModelSpec
     from toolkit.inputs.strategy import Strategy
 
@@ -179,6 +179,8 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
     None. The model types Liger supports are checked in check_job (liger_problem, below)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
         return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
+    from toolkit.inputs.preference import dpo_problem  # not at import: `toolkit --help` loads this module
+
     problem = adapter_problem(adapter, strategy) or dpo_problem(dpo, strategy, liger=liger, tiled=tiled,
                                                                 compile=compile)
     if problem:
@@ -236,6 +238,8 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
                           liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention,
                           tiled=job.tiled, dpo=job.dpo)
     if problem is None:
+        from toolkit.inputs.preference import dpo_problem
+
         problem = dpo_problem(job.dpo, strategy, chunked_loss=job.chunked_loss) \
             or model_feature_problem(spec, liger=job.liger, tiled=job.tiled, attention=job.attention)
     if problem:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import UserError
-from toolkit.inputs.choices import DPO_LOSS_TYPES, METHOD_JOIN, REFERENCES
+from toolkit.inputs.choices import DPO_DEFAULT_BETA, DPO_LOSS_TYPES, METHOD_JOIN, REFERENCES
 
 if TYPE_CHECKING:
     from toolkit.inputs.strategy import Strategy
@@ -26,15 +26,13 @@ REFERENCE_FREE_LOSSES: tuple[str, ...] = ()
 """DPO loss types that run without a reference. TRL 1.16's DPOTrainer scores every batch with the reference (or
 reads precomputed log-probs) whatever the loss_type (dpo_trainer.py _compute_loss, lines 1318-1347): none. Its
 reference-free losses (SimPO, CPO) live in trl.experimental.cpo's CPOTrainer, which toolkit does not model."""
-DEFAULT_BETA = 0.1
-"""DPOConfig.beta's default (TRL 1.16)."""
 
 
 @dataclass(frozen=True)
 class Dpo:
     """A DPO job's settings (TRL DPOConfig)."""
 
-    beta: float = DEFAULT_BETA
+    beta: float = DPO_DEFAULT_BETA
     """Deviation from the reference (DPOConfig.beta); moves neither memory nor time."""
     loss_type: str = "sigmoid"
     """DPOConfig.loss_type (one of TRL's; moves neither memory nor time)."""
