@@ -172,10 +172,12 @@ def render(shared: dict, own: dict) -> str:
               "- **the transformers version**: the guide needs transformers#48516 (unreleased then). At that time "
               "`enable_expert_parallel` replaced the tp_plan by the ep_plan and Qwen3-MoE's ep_plan was the masked "
               "one (ep_router + moe_tp_experts: every rank its experts on the whole batch, an all-reduce of the "
-              "outputs); the installed 5.24 resolves the same call to ep_size = tp_size, tp_plan = {} and runs "
-              "Qwen3-MoE's ep_dispatch_experts plan with all-to-alls. Both keep the dense modules whole on every "
-              "rank; at 2048 tokens both exchanges are a few milliseconds (docs/ENGINE_FACTS.md, 'What an "
-              "expert-parallel step runs').",
+              "outputs), and the dense modules stayed whole on every rank, the layout priced here. The installed "
+              "5.24 refuses to load that call (an empty tp_plan at tp_size 8); its nearest, DistributedConfig("
+              "tp_size=8, ep_size=8), also splits attention, embeddings and LM head by the tp_plan, another layout "
+              "(docs/ENGINE_FACTS.md, 'What an expert-parallel step runs'). We price the exchange 5.24's plan "
+              "names (all-to-alls on the sliced batch); the masked all-reduce is of the same few milliseconds at "
+              "2048 tokens.",
               "- **optimizer states dtype**: bf16 (the model loaded in bf16, torch AdamW keeps states in the "
               "parameters' dtype). fp32 states would add 4 bytes a parameter.",
               "- **loss**: TRL's fused LM head computes log-probabilities chunk by chunk; we model torchtune's "

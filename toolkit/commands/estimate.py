@@ -31,8 +31,8 @@ def add_parser(sub) -> None:
                         "apart (torchtune's default 8; no runner here exposes it)")
     p.add_argument("--expert-shared-batch", action="store_true",
                    help="with --expert-parallel N: the N ranks share one batch and keep the dense modules whole "
-                        "(DistributedConfig(tp_size=N, enable_expert_parallel=True), TRL's MoE guide); default: "
-                        "every rank its own batch")
+                        "(TRL's MoE guide: DistributedConfig(tp_size=N, enable_expert_parallel=True), which "
+                        "transformers 5.24 no longer loads); default: every rank its own batch")
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--trace-world", action="store_true",
                    help="trace one rank of an FSDP2 / FSDP2 x TP / HSDP row in a fake world of the plan's size (the "

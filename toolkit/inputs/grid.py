@@ -61,8 +61,8 @@ class ParallelGrid:
     layer, FSDP-sharded over efsdp = dp_shard x tensor / expert (docs/ENGINE_FACTS.md, "Expert parallelism")."""
     expert_shared_batch: bool = False
     """The expert group shares one batch (TRL's MoE guide: DistributedConfig(tp_size=ep, fsdp_size=D,
-    enable_expert_parallel=True), i.e. ep_size = tp_size, tp_plan = {}): only D = dp_shard ranks are data-parallel,
-    the dense modules are whole on each rank of the group. False: every rank its own batch."""
+    enable_expert_parallel=True) on the transformers it ran; 5.24 refuses that call): only D = dp_shard ranks are
+    data-parallel, the dense modules are whole on each rank of the group. False: every rank its own batch."""
 
     def __post_init__(self) -> None:
         for name, value in (("nodes", self.nodes), ("GPUs per node", self.gpus_per_node),

@@ -117,7 +117,8 @@ def expert_grid_problem(expert: int, *, fsdp: int, tensor: int, replicate: int =
     transformers' own (DistributedConfig._validate_mesh_config, run here on the sizes): ep_size a multiple of
     tp_size dividing fsdp_size x tp_size; context / sequence parallelism and HSDP replicas are not planned with it.
     `shared_batch`: the expert group shares one batch, DistributedConfig(tp_size=expert, fsdp_size=fsdp,
-    enable_expert_parallel=True) (`tensor` must be 1: the dense modules are not tensor-parallel there)."""
+    enable_expert_parallel=True), whose size rules are checked here (`tensor` must be 1: the dense modules are
+    whole there; transformers 5.24 keeps the rules but no longer loads that call, docs/ENGINE_FACTS.md)."""
     if context > 1 or stages > 1 or replicate > 1:
         return (f"--expert-parallel {expert} is planned only with FSDP2 (and tensor parallelism) on one data-parallel "
                 "shard group: no context / sequence parallelism, pipeline stages or HSDP replicas; drop those or "
