@@ -249,27 +249,44 @@ def test_a_worker_that_keeps_dying_ends_the_run_with_one_line(tiny_llama_dir, co
 
 
 @pytest.mark.multiprocess
-def test_sigkill_of_the_launcher_leaves_no_rank_running(tiny_llama_dir, corpus_dir, tmp_path):
-    """No handler runs on SIGKILL: the ranks go because each process asked to die with its parent."""
-    from toolkit.train.checkpoints import COMPLETE_MARKER
+def test_sigkill_of_the_launcher_leaves_no_rank_running_and_the_run_resumes_from_its_last_complete_checkpoint(
+        tiny_llama_dir, corpus_dir, tmp_path):
+    """No handler runs on SIGKILL: the ranks go because each process asked to die with its parent (toolkit.train
+    has no handler for the SIGTERM torchrun passes on either), so the run is killed mid-training as a lost node
+    would be, checkpointing every 2 steps. The dead launcher's lock is taken over, and the run resumes from its last
+    complete checkpoint (once test_train_engines' own kill-and-resume run: one training launch serves both)."""
+    from toolkit.run.launcher import launch_command
+    from toolkit.train.checkpoints import COMPLETE_MARKER, last_complete_checkpoint
 
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), tmp_path / "p")
     output = tmp_path / "out"
+    argv = ["--data", str(corpus_dir), "--output", str(output), "--lr-scheduler", "constant", "--save-steps", "2",
+            "--logging-steps", "1", "--max-eval-blocks", "4", "--eval-steps", "1000"]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--", "--data", str(corpus_dir),
-         "--random-init", "--max-steps", "100000", "--save-steps", "2", "--output", str(output)],
+        [sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--", *argv, "--max-steps", "100000"],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for(lambda: (output / "checkpoint-2" / COMPLETE_MARKER).is_file(), 300, "checkpoint-2")
+        # Two complete checkpoints (2 and 4) or more before the kill: the resume must pick the newest complete one.
+        _wait_for(lambda: (output / "checkpoint-4" / COMPLETE_MARKER).is_file(), 300, "checkpoint-4")
         ranks = descendants(launcher.pid)
     finally:
         launcher.kill()
         launcher.wait(timeout=60)
     assert len(ranks) >= 3
     _wait_for(lambda: not [pid for pid in ranks if _alive(pid)], 60, "every rank to exit")
-    code, _, err = run_cli(["launch", str(plan_dir), "--dry-run", "--", "--data", str(corpus_dir),
-                            "--output", str(output), "--resume"])
+    code, _, err = run_cli(["launch", str(plan_dir), "--dry-run", "--", *argv, "--resume"])
     assert code == 0, err  # the dead launcher's lock is taken over
+
+    last = last_complete_checkpoint(output)
+    assert last is not None, "no complete checkpoint before the kill"
+    step = int(last.name.split("-")[1])
+    assert step >= 4
+    resumed = subprocess.run(launch_command(plan_dir, [*argv, "--max-steps", str(step + 2), "--resume",
+                                                       "--no-save-final"]),
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "loss" in e][-2:] == [step + 1, step + 2]
 
 
 def test_the_first_failing_rank_is_the_one_reported(tmp_path, monkeypatch):
