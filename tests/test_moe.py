@@ -191,6 +191,26 @@ def test_plan_with_expert_parallel_writes_ep_into_every_file_the_engines_accept(
     assert (kwargs["distributed_config"].ep_size, kwargs["distributed_config"].fsdp_size) == (2, 2)
 
 
+def test_check_finds_an_expert_degree_the_model_cannot_take_and_a_script_config_that_disagrees(tiny_moe_dir, tmp_path,
+                                                                                                capsys):
+    """A plan folder edited to ep 8 on 8 GPUs: the tiny model's 4 experts do not split 8 ways (plan.json), and
+    training_args.json's distributed_config, which a script hands to from_pretrained, still says ep 2."""
+    from toolkit.run.launcher import emit_plan_files
+
+    folder = emit_plan_files(_moe_plan(tiny_moe_dir, "fsdp2", expert=2), tmp_path / "plan")
+    data = json.loads((folder / "plan.json").read_text())
+    data.update(gpus_per_node=8, expert_parallel=8, global_batch=16)
+    (folder / "plan.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["check", str(folder)]) == 1
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if ": error: " in line]
+    assert any("plan.json" in line and "--expert-parallel 8 does not divide" in line and "4 experts" in line
+               for line in lines), lines
+    assert any("training_args.json" in line and "'ep_size': 2" in line and "'ep_size': 8" in line
+               for line in lines), lines
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (["--expert-parallel", "3"], "does not fit fsdp 2"),
     (["--expert-parallel", "2", "--strategies", "zero3"], "which --strategies leaves out"),

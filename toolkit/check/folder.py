@@ -225,6 +225,34 @@ def plan_position_problems(plan: Plan, plan_path: Path) -> list[Problem]:
     return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
 
 
+def plan_sharding_problems(plan: Plan, directory: Path) -> list[Problem]:
+    """A tensor- or expert-parallel plan (transformers shards the model at load): its degrees against the plan's
+    model (the grid's rules estimate and plan refuse by: an expert degree that does not divide the experts, a dense
+    model, a model without the ep_plan's token dispatch), and training_args.json's distributed_config, which a
+    user's script hands to from_pretrained, against the plan's (toolkit.emit.parallelism.distributed_config)."""
+    from toolkit.emit.parallelism import distributed_config, sharded_at_load
+    from toolkit.inputs.modelspec import spec_from_config_dict
+    from toolkit.plan.files import TRAINING_ARGS
+
+    if not sharded_at_load(plan):
+        return []
+    out = []
+    try:
+        plan.grid.check_model(spec_from_config_dict(plan.model_config, name=plan.model))
+    except UserError as exc:
+        out.append(Problem(str(directory / PLAN_JSON), "error", str(exc), EVERY))
+    except Exception:  # noqa: BLE001 - a model_config transformers cannot build: the fit check (--model) says so
+        pass
+    args_path = directory / TRAINING_ARGS
+    if args_path.is_file():
+        given = _mapping(read_config(args_path)).get("distributed_config")
+        if given != distributed_config(plan):
+            out.append(Problem(str(args_path), "error", f"distributed_config {given} but plan.json plans "
+                               f"{distributed_config(plan)} (the DistributedConfig your script passes to "
+                               "from_pretrained); re-emit the plan directory", EVERY))
+    return out
+
+
 def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Problem]:
     """A plan folder, judged on the files each route out of it passes (toolkit.run.launcher, emit/scripts.py):
     toolkit.train (`toolkit launch`, launch.sh / slurm.sbatch / deepspeed.sh without a script) hands ds_config.json
@@ -242,7 +270,8 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
         # the YAML names its JSON, else the JSON; and the hostfile
         return check_paths([str(n) for n in names[:1] + hostfile], gpus=gpus)
     out: list[Problem] = (plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
-                          + plan_attention_problems(plan, directory) + plan_dpo_problems(plan, directory))
+                          + plan_attention_problems(plan, directory) + plan_dpo_problems(plan, directory)
+                          + plan_sharding_problems(plan, directory))
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
     checked: list[dict[str, Any]] = []  # the configs already judged (one finding per problem, not per copy)
