@@ -51,14 +51,21 @@ def planned_and_copied(tmp_path: Path, *extra: str) -> tuple[Path, Path]:
     return copy, copy / "plan.json"
 
 
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> tuple[Path, Path]:
+    """The story's plan (PLAN_ARGS), planned and copied once: the launches of it read the copy and write nothing
+    into it, so the tests that run it share one `toolkit plan` process."""
+    return planned_and_copied(tmp_path_factory.mktemp("story-plan"))
+
+
 def launch_on_cpu(copy: Path, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     shutil.copy(STORY / script, cwd / script)
     return toolkit("launch", str(copy), "--processes", "2", "--cpu", "--", script, *args, cwd=cwd)
 
 
 @pytest.mark.multiprocess
-def test_plain_trainer_script_runs_the_4_gpu_plan_on_2_cpu_processes(tmp_path, tiny_phi3, corpus_dir):
-    copy, plan_file = planned_and_copied(tmp_path)
+def test_plain_trainer_script_runs_the_4_gpu_plan_on_2_cpu_processes(tmp_path, planned, tiny_phi3, corpus_dir):
+    copy, plan_file = planned
     plan = load_plan(plan_file)
     assert plan.world_size == 4
     report = tmp_path / "report.json"
@@ -152,11 +159,11 @@ def test_lora_and_qlora_plans_carry_what_a_script_builds(tmp_path, tiny_llama_di
 
 
 @pytest.mark.multiprocess
-def test_rehearsing_own_script_of_a_catalog_plan_never_asks_the_hub(tmp_path, tiny_phi3):
+def test_rehearsing_own_script_of_a_catalog_plan_never_asks_the_hub(tmp_path, planned):
     """`--rehearse -- my_train.py` runs the user's script on the rehearsal's tiny model (named by the rehearsal's
     '$TOOLKIT_REHEARSAL_MODEL'), and checking the catalog model's config needs no network: with HF_HUB_OFFLINE
     unset and the hub unreachable, nothing fails or notes a missed check."""
-    copy, plan_file = planned_and_copied(tmp_path)
+    copy, _ = planned
     report = tmp_path / "report.json"
     shutil.copy(STORY / "my_train.py", tmp_path / "my_train.py")
     env_before = {k: os.environ.pop(k, None) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
