@@ -30,6 +30,8 @@ COMMANDS = {
                                                    "--json"],
 }
 TARGETS = {"estimate llama-3-70b --seq 8192": 2.0, "plan llama-3-70b, 64 GPUs, all candidates": 3.0}
+REPEAT_SECONDS = {"plan llama-3-70b, 64 GPUs, all candidates": 1.0}
+"""Issue 27: a repeated plan (the cache warm) under one second of CPU time, whatever the transformers import costs."""
 
 SEQ_MAX_PAIRS = {
     "llama-3.1-8b, 8xH100-80GB": ("llama-3.1-8b", "8xH100-80GB"),
@@ -101,7 +103,12 @@ def main() -> int:
             ratio = t / base
             ok &= ratio < TARGETS[name]
             results.append((f"{name} ({label})", ratio, TARGETS[name]))
-            lines.append(f"| {name} | {label} | {t:.2f} | {ratio:.2f}x | < {TARGETS[name]:.0f}x |")
+            target = f"< {TARGETS[name]:.0f}x"
+            if label == "repeat" and name in REPEAT_SECONDS:
+                ok &= t < REPEAT_SECONDS[name]
+                results.append((f"{name} ({label}, seconds)", t, REPEAT_SECONDS[name]))
+                target += f" and < {REPEAT_SECONDS[name]:.0f} s"
+            lines.append(f"| {name} | {label} | {t:.2f} | {ratio:.2f}x | {target} |")
     lines += ["", "## plan --seq max against one plan (issue 17)", "",
               "First use (cache emptied before every process), best of 3. One plan: `--seq 8192 --micro-batch 1`, "
               "every strategy and tensor / context / sequence degree; --seq max: the longest sequence of every "

@@ -59,6 +59,7 @@ NEEDS = {
     **{flag: ["--model", "{model}", "--gpus", "2xH100-80GB"] for flag in ("--seq", "--micro-batch", "--precision",
                                                                          "--checkpointing")},
     "--model": ["--gpus", "2xH100-80GB"], "--nodes": ["--rehearse"],
+    "--epochs": ["--dataset-tokens", "1e9"], "--gpu-hour-price": ["--dataset-tokens", "1e9"],
 }
 """Flags that act only beside another: walked with it given in both runs (its own effect is not what is measured).
 A command without the other flag drops it from the context. (--savers: a grid where a row fits only with a saver,

@@ -30,6 +30,7 @@ from toolkit.inputs.choices import GIB
 if TYPE_CHECKING:
     from toolkit.estimate.memory import Breakdown
     from toolkit.estimate.candidate import Candidate
+    from toolkit.estimate.duration import Duration
     from toolkit.estimate.request import Request
     from toolkit.estimate.timing import Timing
     from toolkit.inputs.grid import ParallelGrid
@@ -146,6 +147,24 @@ class Estimate:
         return {"model": self.model.summary(), "hardware": self.hardware.spec, "strategy": self.strategy,
                 "per_gpu": self.memory.to_dict(), "fits": self.fits, "timing": self.timing.to_dict()}
 
+    def time_to_train(self, dataset_tokens: float, *, epochs: float = 1.0,
+                      gpu_hour_price: float | None = None) -> "Duration":
+        """Steps, hours, GPU-hours and cost of training on `dataset_tokens` (as `estimate --dataset-tokens`)."""
+        from toolkit.estimate.duration import duration
+
+        return duration(_run_size(dataset_tokens, epochs, gpu_hour_price), self.candidate, self.hardware.world_size)
+
+
+def _run_size(dataset_tokens: float, epochs: float, gpu_hour_price: float | None):
+    from toolkit import bounds
+    from toolkit.estimate.duration import RunSize
+
+    bounds.check_number("dataset_tokens", dataset_tokens, bounds.DATASET_TOKENS)
+    bounds.check_number("epochs", epochs, bounds.EPOCHS)
+    if gpu_hour_price is not None:
+        bounds.check_number("gpu_hour_price", gpu_hour_price, bounds.GPU_HOUR_PRICE)
+    return RunSize(dataset_tokens=int(dataset_tokens), epochs=float(epochs), gpu_hour_price=gpu_hour_price)
+
 
 def estimate(model_name: "str | ModelSpec", gpus: "str | Hardware" = "8xH100-80GB", *, strategy: str = "zero3",
              seq_len: int | None = None, micro_batch: int = 1, grad_accum: int = 1,
@@ -221,6 +240,17 @@ class PlanResult:
     def rows(self) -> list[dict[str, Any]]:
         """The table as plain dicts (what `toolkit plan --json` prints as candidates)."""
         return [c.row() for c in self.candidates]
+
+    def time_to_train(self, dataset_tokens: float, *, candidate: "Candidate | str | None" = None,
+                      epochs: float = 1.0, gpu_hour_price: float | None = None) -> "Duration":
+        """Steps, hours, GPU-hours and cost of training on `dataset_tokens` with the chosen candidate (or another
+        one), as `plan --dataset-tokens` prints for #1."""
+        from toolkit.estimate.duration import duration
+
+        chosen = self.candidate(candidate) if isinstance(candidate, str) else candidate or self.chosen
+        if chosen is None or not chosen.feasible:
+            raise UserError("no strategy fits: there is no run to time (see .refused for each reason)")
+        return duration(_run_size(dataset_tokens, epochs, gpu_hour_price), chosen, self.hardware.world_size)
 
     def to_plan(self, candidate: "Candidate | str | None" = None) -> "Plan":
         """The Plan (plan.json) of the chosen candidate, or of another one."""

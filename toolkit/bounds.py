@@ -67,6 +67,11 @@ PROFILE_STEPS = Bound(1, 10000, "timed steps of one profile run")
 TOP = Bound(1, 100000, "rows to print")
 RESTARTS = Bound(0, 1000, "1000 elastic restarts: more means the job is failing, not recovering")
 
+# Run size (toolkit.estimate.duration). Llama 3 was pre-trained on about 15T tokens (its paper, section 3.1).
+DATASET_TOKENS = Bound(1, 1e15, "about 67x the 15T tokens Llama 3 was pre-trained on")
+EPOCHS = Bound(0, 10000, "10^4 passes over the data", low_inclusive=False)
+GPU_HOUR_PRICE = Bound(0, 10000, "10,000 per GPU-hour, over 1000x an H100's on-demand price")
+
 
 def check_number(flag: str, value: float, bound: Bound) -> None:
     """Raise UserError unless value is finite and inside bound."""

@@ -226,18 +226,50 @@ def add_output_flags(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--hosts", type=host_names, help="comma-separated node host names (multi-node hostfile)")
 
 
-def count(text: str) -> int:
-    t = text.strip().upper().replace(",", "").replace("_", "")
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], None)
-    try:
-        value = float(t[:-1]) * scale if scale else float(t)
-    except ValueError:
-        raise UserError(f"--params '{text}' is not a count (write 7e9 or 7B)") from None
-    bounds.check_number("--params", value, bounds.PARAMS)
-    return int(value)
+def count_arg(flag: str, bound: bounds.Bound, example: str):
+    """argparse `type=` for a count written as 7e9, 7B or 7,000,000,000 (K, M, B / G, T suffixes)."""
+
+    def convert(text: str) -> int:
+        t = text.strip().upper().replace(",", "").replace("_", "")
+        scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], None)
+        try:
+            value = float(t[:-1]) * scale if scale else float(t)
+        except ValueError:
+            raise UserError(f"{flag} '{text}' is not a count (write {example})") from None
+        bounds.check_number(flag, value, bound)
+        return int(value)
+
+    convert.__name__ = flag
+    convert.bound = bound  # type: ignore[attr-defined]
+    return convert
 
 
-count.bound = bounds.PARAMS  # type: ignore[attr-defined]
+count = count_arg("--params", bounds.PARAMS, "7e9 or 7B")
+
+
+def add_run_size_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("time to train (toolkit.estimate.duration)")
+    g.add_argument("--dataset-tokens", type=count_arg("--dataset-tokens", bounds.DATASET_TOKENS, "2e9 or 2B"), metavar="N",
+                   help="tokens of training data, e.g. 2e9 or 2B: prints steps, hours and GPU-hours (the data "
+                        "packed into --seq-token sequences)")
+    g.add_argument("--epochs", type=float_arg("--epochs", bounds.EPOCHS), metavar="E",
+                   help="passes over the data (default 1; needs --dataset-tokens)")
+    g.add_argument("--gpu-hour-price", type=float_arg("--gpu-hour-price", bounds.GPU_HOUR_PRICE), metavar="PRICE",
+                   help="price of one GPU-hour: prints the run's cost (needs --dataset-tokens)")
+
+
+def run_size_of(args):
+    """The run's size from --dataset-tokens / --epochs / --gpu-hour-price, or None; the last two need the first."""
+    from toolkit.estimate.duration import RunSize
+
+    if args.dataset_tokens is None:
+        given = [f for f, v in (("--epochs", args.epochs), ("--gpu-hour-price", args.gpu_hour_price)) if v is not None]
+        if given:
+            raise UserError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --dataset-tokens (how "
+                            f"many tokens the run trains on); add it, or drop {'it' if len(given) == 1 else 'them'}")
+        return None
+    return RunSize(dataset_tokens=args.dataset_tokens, epochs=1.0 if args.epochs is None else args.epochs,
+                   gpu_hour_price=args.gpu_hour_price)
 
 
 def host_names(text: str) -> list[str]:

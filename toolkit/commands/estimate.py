@@ -10,8 +10,9 @@ from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (add_checkpointing_flag, adapter_of, dpo_of, add_hardware_flags, add_job_flags, add_model_flags, gib, hardware_of,
-                                     longest_line, model_spec, print_note, seq_len_of, trainable_params)
+from toolkit.commands.common import (add_checkpointing_flag, adapter_of, dpo_of, add_hardware_flags, add_job_flags,
+                                     add_model_flags, add_run_size_flags, gib, hardware_of, longest_line, model_spec,
+                                     print_note, run_size_of, seq_len_of, trainable_params)
 
 
 def add_parser(sub) -> None:
@@ -33,6 +34,7 @@ def add_parser(sub) -> None:
                    help="with --expert-parallel N: the N ranks share one batch and keep the dense modules whole "
                         "(TRL's MoE guide: DistributedConfig(tp_size=N, enable_expert_parallel=True), which "
                         "transformers 5.24 no longer loads); default: every rank its own batch")
+    add_run_size_flags(p)
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--trace-world", action="store_true",
                    help="trace one rank of an FSDP2 / FSDP2 x TP / HSDP row in a fake world of the plan's size (the "
@@ -45,11 +47,16 @@ def add_parser(sub) -> None:
 def cmd_estimate(args) -> int:
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.job import Job, check_job
+    from toolkit.estimate.duration import duration
     from toolkit.estimate.search import evaluate
     from toolkit.estimate.errorband import band_for, time_band
     from toolkit.inputs.hardware import power_json
     from toolkit.inputs.strategy import parse_strategy
 
+    run = run_size_of(args)
+    if run is not None and args.seq == "max":
+        raise UserError("--dataset-tokens times a run at one sequence length, not --seq max; give --seq a number or "
+                        "drop --dataset-tokens")
     spec = model_spec(args)
     hw = hardware_of(args)
     strategy = parse_strategy(args.strategy)
@@ -111,11 +118,15 @@ def cmd_estimate(args) -> int:
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
             out["partition"] = partition
+        if run is not None:
+            out["time_to_train"] = duration(run, c, hw.world_size).to_dict()
         print(json.dumps(out, indent=2))
         return _fit_exit(args, b.fits)
     if seq_note:
         print_note(seq_note)
     print_estimate(spec, hw, c, b, explain=args.explain, world=world)
+    if run is not None:
+        print(duration(run, c, hw.world_size).text())
     return _fit_exit(args, b.fits)
 
 

@@ -11,9 +11,9 @@ from toolkit.errors import UserError
 from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKPOINTING_MODES
 from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (adapter_of, dpo_of, add_hardware_flags, add_job_flags, add_model_flags, add_output_flags,
-                                     GIB, hardware_of, human, longest_line, model_spec, print_note, seq_len_of,
-                                     trainable_params)
+from toolkit.commands.common import (adapter_of, dpo_of, add_hardware_flags, add_job_flags, add_model_flags,
+                                     add_output_flags, add_run_size_flags, GIB, hardware_of, human, longest_line,
+                                     model_spec, print_note, run_size_of, seq_len_of, trainable_params)
 
 
 def add_parser(sub) -> None:
@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
                    help="emit this strategy (a name as in --strategies) instead of the fastest")
     p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10,
                    help="table rows shown (default %(default)s; --json lists every candidate)")
+    add_run_size_flags(p)
     p.add_argument("--explain", action="store_true",
                    help="after the table, the chosen row's estimate with where every term comes from (estimate "
                         "--explain of that row)")
@@ -50,6 +51,7 @@ TILED = {"auto": None, "on": True, "off": False}
 def cmd_plan(args) -> int:
     from pathlib import Path
 
+    from toolkit.estimate.duration import duration
     from toolkit.estimate.errorband import time_band
     from toolkit.estimate.ranking import speed_ties, why_first
     from toolkit.estimate.request import Request
@@ -57,6 +59,7 @@ def cmd_plan(args) -> int:
     from toolkit.inputs.hardware import power_json
 
     _refuse_what_seq_max_ignores(args)
+    run = run_size_of(args)
     spec = model_spec(args)  # a config that is wrong is named first
     if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
         from toolkit.run.preflight import check_model_to_plan
@@ -126,19 +129,25 @@ def cmd_plan(args) -> int:
     chosen = feasible[0] if feasible else None
     if args.strategy_choice:
         chosen = candidate_named(args.strategy_choice, candidates)
-    rows = [c.row() for c in candidates]
+    def row(c) -> dict[str, Any]:
+        out = c.row()
+        if run is not None and c.feasible:
+            out["time_to_train"] = duration(run, c, hw.world_size).to_dict()
+        return out
+
+    rows = [row(c) for c in candidates]
     why = why_first(candidates) if chosen is not None and chosen is (feasible[0] if feasible else None) else None
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
                "hardware": hw.spec, "attention": spec.effective_attention(req.attention),
                **power_json(hw.gpu, req.precision),
-               "candidates": rows, "chosen": chosen.row() if chosen else None,
+               "candidates": rows, "chosen": row(chosen) if chosen else None,
                "chosen_because": why or (f"--choose {args.strategy_choice}" if chosen else None),
                "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
                **({"chosen_explained": _explained(chosen)} if args.explain and chosen else {})}
     else:
-        _print_plan_table(spec, hw, req, candidates, args.top)
+        _print_plan_table(spec, hw, req, candidates, args.top, run)
         if args.explain and chosen:
             _print_explained(spec, hw, chosen)
     written: list[str] = []
@@ -147,7 +156,7 @@ def cmd_plan(args) -> int:
         from toolkit.inputs.resolve import recorded_model
 
         plan = to_plan(chosen, spec, hw, recorded_model(args.model) or spec.name,
-                       why=why or f"chosen with --choose {args.strategy_choice}")
+                       why=why or f"chosen with --choose {args.strategy_choice}", run=run)
         hosts = args.hosts
         written = [str(p) for p in emit_files(plan, Path(args.out), force=args.force, candidates=rows,
                                               nvme_path=args.nvme_path, hosts=hosts)]
@@ -302,8 +311,9 @@ def _refuse_existing(out, force: bool) -> None:
     refuse_overwrite([out / n for n in EMITTED], force)
 
 
-def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
+def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
     from toolkit.estimate.candidate import resume_problem
+    from toolkit.estimate.duration import duration
     from toolkit.estimate.ranking import why_first
     from toolkit.inputs.hardware import power_words
     from toolkit.inputs.preference import reference_words
@@ -317,7 +327,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
              if req.adapter.is_adapter else "") + reference_words(req.dpo) + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
-             f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}"
+             f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}" + (f"{'hours':>9}" if run is not None else "")
     print(header)
     print("-" * len(header))
     shown = 0
@@ -333,7 +343,8 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
         name = c.name + (" !" if resume_problem(c) else "")
         print(f"{shown:>2}  {name:<28}{c.job.micro_batch:>6}{c.job.grad_accum:>6}"
               f"{'yes' if c.job.checkpointing else 'no':>5}{m.required_bytes / GIB:>9.1f}{host:>9}"
-              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>10,.0f}{mark:1}{t.mfu:>6.0%}")
+              f"{t.step_time_s:>9.2f}{t.tokens_per_s:>10,.0f}{mark:1}{t.mfu:>6.0%}"
+              + (f"{duration(run, c, hw.world_size).seconds / 3600:>9,.1f}" if run is not None else ""))
     if shown > top:
         print(f"    ... {shown - top} more (raise --top)")
     from toolkit.estimate.savers import UNMODELLED_SPEED
@@ -352,6 +363,8 @@ def _print_plan_table(spec, hw, req, candidates, top: int) -> None:
         band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
         print(f"error band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
+        if run is not None:
+            print(f"#1 {duration(run, chosen, hw.world_size).text()}")
         _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
     refused = [c for c in candidates if not c.feasible]

@@ -144,6 +144,17 @@ def timing_section(plan: Plan) -> list[str]:
         lines.append(f"- step time: {step:.2f} s")
     if rate is not None:
         lines.append(f"- throughput: {rate:,.0f} tokens/s ({rate / plan.world_size:,.0f} per GPU)")
+    run = plan.predicted.get("time_to_train")
+    if isinstance(run, dict):
+        span = run.get("hours_band")
+        cost = run.get("cost")
+        lines.append(f"- time to train: {run['dataset_tokens']:,} tokens x {run['epochs']:g} epoch(s) = "
+                     f"{run['steps']:,} steps: {run['hours']:,.2f} h"
+                     + (f" ({span[0]:,.2f}-{span[1]:,.2f} h in the step-time band)" if span else
+                        " (no band: this engine's speed is unverified at this scale)")
+                     + f", {run['gpu_hours']:,.1f} GPU-hours"
+                     + (f", cost {cost:,.2f} at {run['gpu_hour_price']:,.2f} per GPU-hour" if cost is not None
+                        else "") + "; packed sequences, no evaluation, saving or start-up")
     return lines + [""]
 
 

@@ -141,7 +141,7 @@ def longest_on_grid(spec: "ModelSpec", hw: "Hardware", strategy: "Strategy", gri
 def _longest_within_window(spec, hw, strategy, grid, req, cap: int, key: str) -> Longest:
     """_longest_on, stopped at the model's sliding window where Ulysses with sdpa would drop it (the rule a fixed
     --seq refuses by: toolkit.inputs.grid `check_sequence` with the model)."""
-    from toolkit.inputs.grid import attention_window
+    from toolkit.inputs.attention import attention_window
 
     sdpa = grid.sequence > 1 and spec.effective_attention(req.attention) == "sdpa"
     window = attention_window(spec) if sdpa else None

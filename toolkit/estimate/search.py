@@ -453,9 +453,11 @@ def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dime
                      global_batch=req.global_batch or 0, reason=reason, dimension=dimension)
 
 
-def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why: str | None = None) -> "Plan":
+def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why: str | None = None,
+            run=None) -> "Plan":
     """The chosen candidate as the Plan that emit, launch and train read, its prediction keyed to its inputs.
-    `why`: the ranking's reason it is #1 (why_first), kept in the plan's notes."""
+    `why`: the ranking's reason it is #1 (why_first), kept in the plan's notes. `run`: the data to time
+    (toolkit.estimate.duration.RunSize), kept as predicted["time_to_train"]."""
     from toolkit.plan.build import build_plan
 
     predicted: dict[str, Any] = {}
@@ -463,6 +465,10 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why
         predicted.update(c.memory.to_dict())
     if c.timing:
         predicted.update(c.timing.to_dict())
+        if run is not None:
+            from toolkit.estimate.duration import duration
+
+            predicted["time_to_train"] = duration(run, c, hw.world_size).to_dict()
     notes = list(c.memory.notes) if c.memory else []
     if c.timing:
         notes += list(c.timing.assumptions)

@@ -3,7 +3,12 @@ load reads, for a built model or for a config alone (docs/ENGINE_FACTS.md "Which
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from toolkit.inputs.modelconfig import config_from_dict
+
+if TYPE_CHECKING:
+    from toolkit.inputs.modelspec import ModelSpec
 
 
 def attention_support(model) -> tuple[str, ...]:
@@ -58,3 +63,100 @@ def config_attention_problem(config, requested: str | None, *, name: str | None 
     found = config_attention(config, name)
     return attention_problem(found[0], found[1], requested, name=name) if found else None
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# Context parallelism (torch ring attention) and sliding windows: what the grid asks of a model's attention.
+
+def context_parallel_problem(spec: "ModelSpec", context: int) -> str | None:
+    """Why context parallelism (accelerate's, on torch's ring attention) cannot run this model's attention, or None.
+
+    The ring replaces only the SDPA kernels (and takes no explicit mask), so a model transformers gives no SDPA path
+    (Gemma-2: attention soft-capping, which SDPA lacks) cannot run it; and accelerate drops every layer's mask for
+    `is_causal`, so it refuses models with sliding-window or chunked layers up front (its own check, applied here to
+    the model's config: accelerate/big_modeling.py `_attach_context_parallel_hooks`)."""
+    reasons = _context_parallel_reasons(spec)
+    if not reasons:
+        return None
+    return (f"--context-parallel {context} cannot run {spec.name}: {'; and '.join(reasons)}; use --sequence-parallel "
+            "(Ulysses) or no context parallelism")
+
+
+def _context_parallel_reasons(spec: "ModelSpec") -> list[str]:
+    """context_parallel_problem's reasons, kept per model (its source_key) in memory and in the on-disk cache with
+    accelerate's version beside it: the probe imports torch, accelerate and transformers' config class, which a
+    repeated plan otherwise never needs."""
+    from toolkit import cache
+
+    if not spec.source_key:
+        return _probe_context_parallel(spec)
+    if spec.source_key not in _CP_REASONS:
+        key = [spec.source_key, cache.installed_version("accelerate")]
+        hit = cache.get("cp-reasons", key, code=_probe_context_parallel)
+        if not (isinstance(hit, list) and all(isinstance(r, str) for r in hit)):
+            hit = _probe_context_parallel(spec)
+            cache.put("cp-reasons", key, hit, code=_probe_context_parallel)
+        _CP_REASONS[spec.source_key] = hit
+    return list(_CP_REASONS[spec.source_key])
+
+
+_CP_REASONS: dict[str, list[str]] = {}
+
+
+def _probe_context_parallel(spec: "ModelSpec") -> list[str]:
+    """The reasons, asked of torch, accelerate and the model's transformers config."""
+    import torch
+
+    reasons = []
+    if "sdpa" not in spec.attention_support:
+        config = spec.hf_config()
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        why = f"SDPA has no attention soft-capping, attn_logit_softcapping {softcap:g}" if softcap else \
+            "its class does not support SDPA"
+        reasons.append(f"transformers gives it no SDPA attention ({why}), and torch's ring attention replaces only "
+                       "the SDPA kernels")
+    try:
+        from accelerate.big_modeling import _attach_context_parallel_hooks
+    except ImportError:  # an accelerate without the check: nothing more to ask
+        _attach_context_parallel_hooks = None
+    if _attach_context_parallel_hooks is not None:
+        probe = torch.nn.Module()  # no submodules: only the config check runs, no hook is attached
+        probe.config = spec.hf_config()
+        try:
+            _attach_context_parallel_hooks(probe)
+        except ValueError as exc:
+            kinds = str(exc).split("of type [", 1)[-1].split("]", 1)[0].replace("'", "")
+            reasons.append(f"its {kinds} layers need their own mask, which accelerate's context parallelism drops "
+                           "(accelerate refuses such models)")
+    return reasons
+
+
+def attention_window(spec: "ModelSpec") -> int | None:
+    """The shortest window of the model's sliding-window or chunked attention layers (None: all full causal), from
+    the config fields transformers builds its masks from (`layer_types`, or before it `sliding_window`). Kept per
+    model (its source_key) in memory and in the on-disk cache: reading it builds transformers' config class."""
+    from toolkit import cache
+
+    if not spec.source_key:
+        return _attention_window(spec)
+    if spec.source_key not in _WINDOWS:
+        hit = cache.get("attention-window", spec.source_key, code=_attention_window)
+        if not (isinstance(hit, list) and len(hit) == 1 and (hit[0] is None or isinstance(hit[0], int))):
+            hit = [_attention_window(spec)]
+            cache.put("attention-window", spec.source_key, hit, code=_attention_window)
+        _WINDOWS[spec.source_key] = hit[0]
+    return _WINDOWS[spec.source_key]
+
+
+_WINDOWS: dict[str, int | None] = {}
+
+
+def _attention_window(spec: "ModelSpec") -> int | None:
+    config = spec.hf_config()
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    windows = [getattr(config, "attention_chunk_size" if "chunk" in kind else "sliding_window", None)
+               for kind in set(layer_types or ()) - {"full_attention"}]
+    if layer_types is None:
+        windows.append(getattr(config, "sliding_window", None))
+    sizes = [int(w) for w in windows if isinstance(w, int) and w > 0]
+    return min(sizes) if sizes else None
