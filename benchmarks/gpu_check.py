@@ -15,6 +15,7 @@ on CUDA), which exercises each engine's own buffers.
                                                                    # (MULTI_GPU_RUNS: need 2-4 GPUs)
     python benchmarks/gpu_check.py --device cuda --memory-edge --out "$OUT"   # step time at the memory edge (below)
     python benchmarks/gpu_derive.py "$OUT/gpu_memory_edge.json"    # its slowdowns and the speed headroom
+    python benchmarks/gpu_check.py --device cuda --allocator --out "$OUT"     # the allocator model vs the device's
 
 --timing runs what the published corpus (benchmarks/results/throughput.md) cannot settle, on one GPU:
   efficiency per micro-step   DDP steps of one model at 512 to 16,384 tokens per micro-step and at two widths,
@@ -320,7 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-edge", action="store_true",
                     help="step time and allocator retries under a memory cap at shrinking headrooms")
     ap.add_argument("--edge-child", help=argparse.SUPPRESS)
+    ap.add_argument("--allocator", action="store_true",
+                    help="the caching-allocator model against the device's allocator (benchmarks/allocator_check.py)")
     args = ap.parse_args(argv)
+    if args.allocator:
+        from allocator_check import allocator_check
+
+        return allocator_check(args.device, args.out)
     if args.memory_edge:
         if args.edge_child:
             return memory_edge_child(args.device, args.quick, args.gpu, args.edge_child)

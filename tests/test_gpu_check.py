@@ -185,3 +185,23 @@ def test_derive_memory_edge_keeps_the_smallest_headroom_within_the_time_band():
     assert d["speed_headroom"] == {"default": 0.08, "expandable_segments:True": 0.005}
     assert "out of memory" in render_memory_edge(d)
     assert derive_memory_edge({"meta": {}, "rows": rows})["band"] == time_band().fraction
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_core
+def test_allocator_check_predicts_every_sequence_under_every_setting_on_cpu(tmp_path):
+    """gpu_check --allocator on CPU: one child per allocator setting (the allocator reads its settings at start),
+    each row with the model's replay and the measurement left to CUDA."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from allocator_check import SEQUENCES, SETTINGS
+    from gpu_check import main
+
+    assert main(["--device", "cpu", "--allocator", "--out", str(tmp_path)]) == 0
+    rows = {r["label"]: r for r in json.loads((tmp_path / "gpu_allocator.json").read_text())["rows"]}
+    assert len(rows) == len(SEQUENCES) * len(SETTINGS)
+    assert all("needs CUDA" in r["skipped"] and "predicted" in r for r in rows.values())
+    MiB = 1 << 20
+    sliver = "best fit leaves a 40 MiB sliver"
+    assert rows[f"{sliver} | default"]["predicted"]["reserved_peak"] == 160 * MiB
+    assert rows[f"{sliver} | expandable_segments:True"]["predicted"]["reserved_peak"] == 120 * MiB
+    assert rows["out of memory frees the cache and retries | default"]["predicted"]["retries"] == 1
