@@ -15,6 +15,16 @@ from toolkit.estimate.tracer import trace_activations
 TOLERANCE = 0.05
 
 
+@pytest.fixture(autouse=True)
+def _compile_in_this_process():
+    """Inductor compiles in this process, one kernel after another (compile_threads 1: no pool of compile workers),
+    so a compiling test runs one C++ compiler at a time on one core (one_core): the kernels are the same."""
+    import torch._inductor.config as inductor
+
+    with inductor.patch(compile_threads=1):
+        yield
+
+
 def _composed_peak(trace) -> int:
     """Forward + backward peak as toolkit.estimate.memory composes it (parameters left out): what is saved so far plus the
     region's temporaries; in backward, plus the gradients made so far."""
@@ -35,6 +45,7 @@ def _close(predicted: int, measured: int) -> bool:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])  # gpt2 with its dropout (inductor's RNG)
 def test_traced_compiled_activations_and_peak_match_a_real_compiled_step(arch):
     config = tiny_config(arch, layers=2, hidden=64, vocab_size=512)
@@ -56,6 +67,7 @@ def test_traced_compiled_activations_and_peak_match_a_real_compiled_step(arch):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_checkpointing_inside_the_compiled_model_keeps_what_the_trace_says():
     # The Trainer's non-reentrant checkpoint inside the compiled graph: each layer keeps its inputs (and the
     # recompute's RNG state), the head what the compiled partition saves.
@@ -143,6 +155,7 @@ def test_a_compiled_plan_is_rehearsed_compiled(tiny_llama_dir):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_per_op_selective_checkpointing_inside_the_compiled_model_keeps_what_the_trace_says():
     # torchtitan's per-op policy under compile: the partitioner keeps the policy's MUST_SAVE outputs, and each layer
     # keeps what the eager policy keeps (+4.7% here: the compiled step keeps a float mask where eager keeps less).
