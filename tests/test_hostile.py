@@ -449,7 +449,8 @@ def _wave2() -> list[tuple[str, list[str], str]]:
         "dpo+lora", "--reference", "none")
     add("dpo unknown loss", "not one of TRL's DPO loss types", "estimate", "{M}", "--method", "dpo", "--dpo-loss",
         "simpo")
-    add("dpo+bogus", "--method 'bogus' is not known", "estimate", "{M}", "--method", "dpo+bogus")
+    add("dpo+bogus", "--method 'dpo+bogus' is not known", "estimate", "{M}", "--method", "dpo+bogus")
+    add("dpo+full", "--method 'dpo+full' is not known", "plan", "{M}", "--micro-batch", "1", "--method", "dpo+full")
     add("dpo --dpo-beta 0", "--dpo-beta", "estimate", "{M}", "--method", "dpo", "--dpo-beta", "0")
     add("dpo on the pipeline engine", "not the pipeline engine", "estimate", "{M}", "--method", "dpo",
         "--strategy", "pipeline", "--gpus", "2xH100-80GB")

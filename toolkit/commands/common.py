@@ -188,10 +188,15 @@ them rather than ignore them (plan writes them into plan.json, which the trainin
 def adapter_of(args, spec=None, *, training_only_read: bool = True):
     """The command line's Adapter; with `spec`, PEFT's dropout rule for that model applied (adapter_for_model).
     training_only_read False (estimate, profile): a flag of TRAINING_ONLY_ADAPTER_FLAGS is refused."""
-    from toolkit.inputs.choices import split_method
+    from toolkit.inputs.choices import METHODS, split_method
     from toolkit.inputs.lora import adapter_for_model, adapter_from_flags
 
-    adapter = adapter_from_flags(split_method(args.method)[1], r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+    objective, method = split_method(args.method)
+    adapters = [m for m in METHODS if m != "full"]
+    if objective and args.method != objective and method not in adapters:
+        raise UserError(f"--method '{args.method}' is not known; after {objective}+ give one of: "
+                        f"{', '.join(adapters)} (or --method {objective} alone)")
+    adapter = adapter_from_flags(method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                               targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
                               quant_type=args.qlora_quant_type, double_quant=args.qlora_double_quant,
                               compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)

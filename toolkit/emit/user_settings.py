@@ -355,7 +355,8 @@ def plan_md_section(plan: Plan) -> list[str]:
              "processes over gloo), `toolkit launch PLAN_DIR --processes 2 --cpu -- your_script.py [ARGS]` keeps the "
              "strategy and the global batch (by accumulation). The one import your script needs:", "",
              "```python",
-             "from toolkit.train.own_script import training_arguments  # or sft_config, accelerate_loop",
+             "from toolkit.train.own_script import training_arguments  # or "
+             + ("dpo_config" if plan.dpo else "sft_config") + ", accelerate_loop",
              "args = TrainingArguments(output_dir=..., learning_rate=..., **training_arguments())",
              "```", "",
              "It returns these settings for the box the script runs on (on a machine without a GPU it also creates "

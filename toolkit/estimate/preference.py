@@ -68,8 +68,12 @@ def reference_of(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGr
                          f"the adapter-disabled {job.adapter.method} base (PEFT): no weights of its own"
                          + ("" if dpo.reference_forward else "; log-probs precomputed before training"))
     if not dpo.reference_forward:
+        # The pass itself runs before training and is not modelled here: under FSDP TRL loads a reference model
+        # for it beside the policy, not yet sharded, and drops it after (dpo_trainer.py 908-914, 1033-1034).
+        before = (" (the pass before training loads a reference model beside the not yet sharded policy under FSDP: "
+                  "not modelled)" if strategy.engine == Engine.FSDP2 else "")
         return Reference(0, 0, False, "log-probs precomputed over the dataset before training "
-                                      "(precompute_ref_log_probs): no reference model in training")
+                                      f"(precompute_ref_log_probs): no reference model in training{before}")
     params = spec.params
     shard = grid.shard_group
     per_param = compute_bytes(job.precision)

@@ -2,7 +2,7 @@
 
 The one toolkit import a user's script needs (public, documented in PLAN.md and examples/own_script/):
 
-    from toolkit.train.own_script import training_arguments      # or sft_config / accelerate_loop
+    from toolkit.train.own_script import training_arguments      # or sft_config / dpo_config / accelerate_loop
     args = TrainingArguments(output_dir="out", learning_rate=2e-5, **training_arguments())
 
 started by `toolkit launch PLAN_DIR [--processes N] [--cpu] -- my_train.py ARGS`. Each function returns the plan's
