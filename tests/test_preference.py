@@ -196,3 +196,18 @@ def test_toolkit_train_refuses_a_dpo_plan_before_anything_starts(tmp_path):
         preflight(result.to_plan(), tmp_path, ["--data", str(tmp_path), "--output", str(tmp_path / "out")])
     assert str(exc.value) == DPO_TRAIN_PROBLEM
     assert list(tmp_path.iterdir()) == []
+
+
+def test_time_to_train_adds_the_precompute_pass_once():
+    """Precomputed: the reference's forward over the dataset runs once before training, whatever the epochs; kept:
+    no pass, its forward is in every step."""
+    precomputed = api.estimate(LLAMA_8B, "8xH100-80GB", strategy="zero3", seq_len=1024, micro_batch=1,
+                               method="dpo", dpo=Dpo(reference="precomputed"))
+    run = precomputed.time_to_train(1e9, epochs=2)
+    passes = math.ceil(1e9 / run.tokens_per_step)
+    assert precomputed.timing.precompute_s > 0
+    assert run.precompute_s == pytest.approx(passes * precomputed.timing.precompute_s)
+    assert run.seconds == pytest.approx(run.steps * run.step_time_s + run.precompute_s)
+    assert "precompute pass before training" in run.text()
+    kept = api.estimate(LLAMA_8B, "8xH100-80GB", strategy="zero3", seq_len=1024, micro_batch=1, method="dpo")
+    assert kept.time_to_train(1e9, epochs=2).precompute_s == 0

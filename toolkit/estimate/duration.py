@@ -32,10 +32,13 @@ class Duration:
     gpus: int
     band: float | None
     """The step-time band (fraction) where published runs back this engine at this scale; None: unverified."""
+    precompute_s: float = 0.0
+    """DPO with precomputed reference log-probs: the reference's pass over the dataset before training (once,
+    whatever the epochs; toolkit.estimate.preference)."""
 
     @property
     def seconds(self) -> float:
-        return self.steps * self.step_time_s
+        return self.steps * self.step_time_s + self.precompute_s
 
     @property
     def gpu_hours(self) -> float:
@@ -57,7 +60,8 @@ class Duration:
                 "tokens_per_step": self.tokens_per_step, "steps": self.steps, "seconds": self.seconds,
                 "hours": self.seconds / 3600, "hours_band": list(span) if span else None,
                 "band": self.band, "gpus": self.gpus, "gpu_hours": self.gpu_hours,
-                "gpu_hour_price": self.run.gpu_hour_price, "cost": self.cost}
+                "gpu_hour_price": self.run.gpu_hour_price, "cost": self.cost,
+                **({"precompute_seconds": self.precompute_s} if self.precompute_s else {})}
 
     def text(self) -> str:
         run = self.run
@@ -68,8 +72,10 @@ class Duration:
         cost = (f", {self.cost:,.2f} at {run.gpu_hour_price:,.2f} per GPU-hour" if self.cost is not None else "")
         return (f"time to train: {run.dataset_tokens:,} tokens x {run.epochs:g} epoch{'s' if run.epochs != 1 else ''}"
                 f" = {self.steps:,} steps of {self.tokens_per_step:,} tokens: {hours:,.2f} h ({band}), "
-                f"{self.gpu_hours:,.1f} GPU-hours on {self.gpus} GPU{'s' if self.gpus != 1 else ''}{cost}; packed "
-                "sequences, no evaluation, saving or start-up")
+                f"{self.gpu_hours:,.1f} GPU-hours on {self.gpus} GPU{'s' if self.gpus != 1 else ''}{cost}"
+                + (f", with the DPO reference's precompute pass before training ({self.precompute_s / 3600:,.2f} h)"
+                   if self.precompute_s else "")
+                + "; packed sequences, no evaluation, saving or start-up")
 
 
 def duration(run: RunSize, candidate, gpus: int) -> Duration:
@@ -80,5 +86,7 @@ def duration(run: RunSize, candidate, gpus: int) -> Duration:
     tokens_per_step = round(t.tokens_per_s * t.step_time_s)  # the count the step time was computed for
     steps = max(1, math.ceil(run.dataset_tokens * run.epochs / tokens_per_step))
     band = time_band().fraction if candidate.speed_evidenced and time_band().rows else None
+    # One reference pass over the dataset, before the first epoch (DPOTrainer.__init__ _precompute_ref_logps).
+    precompute = math.ceil(run.dataset_tokens / tokens_per_step) * getattr(t, "precompute_s", 0.0)
     return Duration(run=run, tokens_per_step=tokens_per_step, steps=steps, step_time_s=t.step_time_s, gpus=gpus,
-                    band=band)
+                    band=band, precompute_s=precompute)

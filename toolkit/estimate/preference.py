@@ -146,8 +146,8 @@ def dpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: Pa
         pairs_s = forward_s / (job.micro_batch * job.grad_accum)
         said.append(f"DPO reference precomputed: one no_grad forward over the dataset before training, about "
                     f"{pairs_s * 10_000 / 60:.1f} min per 10,000 pairs per data-parallel rank at the step's rate "
-                    "(not in the step time)")
-        return replace(t, assumptions=t.assumptions + tuple(said))
+                    "(not in the step time; time to train adds it)")
+        return replace(t, precompute_s=forward_s, assumptions=t.assumptions + tuple(said))
     gather_s = 0.0
     if grid.shard_group > 1 and (strategy.engine == Engine.FSDP2
                                  or (strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3)):

@@ -125,6 +125,9 @@ class Timing:
     (tiled_recompute_s())."""
     reference_s: float = 0.0
     """DPO: the reference's forward under no_grad in each step (toolkit.estimate.preference.dpo_step_time)."""
+    precompute_s: float = 0.0
+    """DPO with precomputed reference log-probs: the reference's forward over one step's data, run once over the
+    dataset before training and not part of step_time_s (toolkit.estimate.duration adds the pass)."""
     unmodelled: tuple[str, ...] = ()
     """Memory savers the job turns on whose effect on the step time is left out (toolkit.estimate.savers
     .speed_unmodelled: "liger", "activation offloading")."""
@@ -139,6 +142,7 @@ class Timing:
                 "mfu": self.mfu, **({"compile_saved_s": self.compile_saved_s} if self.compile_saved_s else {}),
                 **({"tiled_recompute_s": self.tiled_recompute_s} if self.tiled_recompute_s else {}),
                 **({"reference_s": self.reference_s} if self.reference_s else {}),
+                **({"precompute_s": self.precompute_s} if self.precompute_s else {}),
                 **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {}),
                 **({"experts_s": self.experts_s} if self.experts_s else {})}
 
