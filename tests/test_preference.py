@@ -211,3 +211,16 @@ def test_time_to_train_adds_the_precompute_pass_once():
     assert "precompute pass before training" in run.text()
     kept = api.estimate(LLAMA_8B, "8xH100-80GB", strategy="zero3", seq_len=1024, micro_batch=1, method="dpo")
     assert kept.time_to_train(1e9, epochs=2).precompute_s == 0
+
+
+def test_a_rehearsal_of_a_dpo_plan_keeps_its_dpo_settings(tiny_llama_dir):
+    """The small plan a user's TRL DPO script is rehearsed with carries the plan's DPO settings, so dpo_config()
+    answers there as on the real box."""
+    from toolkit.emit.user_settings import settings
+    from toolkit.run.rehearsal import plan_for_model, rehearsal_plan
+
+    dpo = Dpo(beta=0.2, reference="precomputed")
+    plan = plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32).replace(dpo=dpo.to_dict())
+    small, _ = rehearsal_plan(plan, tiny_llama_dir)
+    assert small.dpo_spec == dpo
+    assert settings(small)["dpo_config"]["precompute_ref_log_probs"] is True

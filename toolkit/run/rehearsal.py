@@ -105,9 +105,6 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
                     "resume")
     if plan.activation_offloading:
         said.append("activation offloading is TRL's (SFTTrainer): the rehearsal runs toolkit.train without it")
-    if plan.dpo:
-        said.append("DPO is TRL's (DPOTrainer): the rehearsal runs toolkit.train's supervised step of the same "
-                    "strategy, not DPO")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
     grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
     small = plan_for_model(
@@ -127,6 +124,8 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
                     "for the compiler")
         small = small.replace(compile=True, notes=[*small.notes, said[-1]])
     small = small.replace(tiled=plan.tiled)  # ALST tiling runs on CPU over gloo: rehearsed as planned
+    if plan.dpo:  # a user's TRL DPO script rehearses with the plan's DPOConfig settings (toolkit.train refuses DPO)
+        small = small.replace(dpo=dict(plan.dpo))
     return small, said
 
 
