@@ -129,15 +129,66 @@ def test_estimate_of_an_expert_parallel_row_names_its_terms_and_stars_its_speed(
     assert "the all-to-all terms are unverified" in out
 
 
-def test_plan_of_an_moe_model_lists_its_expert_parallel_row_with_the_degrees_that_run(tmp_path, capsys):
-    """Listed, not ranked: its speed is unverified; `plan --expert-parallel N` plans it (tests/test_moe.py)."""
-    folder = tmp_path / "q30"
-    folder.mkdir()
+def _plan_json(capsys, model, *args):
+    assert main(["plan", str(model), "--seq", "2048", "--strategies", "fsdp2,zero3", "--json", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    return out, {c["name"]: c for c in out["candidates"]}
+
+
+@pytest.fixture(scope="module")
+def q30(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("q30")
     shutil.copy(ARCH / "qwen3-30b-a3b.json", folder / "config.json")
-    assert main(["plan", str(folder), "--gpus", "8xH100-80GB", "--seq", "2048", "--global-batch", "16",
-                 "--strategies", "fsdp2,zero3", "--json"]) == 0
-    rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
-    ep = rows["fsdp2 x ep"]
-    assert not ep["feasible"]
-    assert "expert parallelism (ep 2, 4, 8 of 128 experts) is not ranked yet" in ep["reason"]
-    assert "--expert-parallel 8" in ep["reason"]
+    return folder
+
+
+def test_plan_of_an_moe_model_ranks_its_fastest_expert_degree_first_beyond_the_band(q30, capsys):
+    """An ordinary plan costs the EP degrees the grid admits (2, 4, 8 of 128 experts on 8 GPUs) and keeps the best as
+    a real candidate with its degree and memory. ep 8 holds 1/8 of the experts per rank where ZeRO-3 / FSDP2 gather
+    all 128 every layer: predicted faster than zero3 by more than the step-time band, so it is #1 though it cannot
+    resume, and the explanation says so (speed starred: unverified)."""
+    out, rows = _plan_json(capsys, q30, "--gpus", "8xH100-80GB", "--global-batch", "16")
+    ep = rows["fsdp2 (dp=8 x ep=8)"]
+    assert ep["feasible"] and ep["expert_parallel"] == 8 and not ep["speed_evidenced"]
+    assert 60 * 2**30 < ep["peak_bytes"] < ep["capacity_bytes"] < rows["zero3"]["capacity_bytes"] + 1
+    assert ep["peak_bytes"] < rows["zero3"]["peak_bytes"] and ep["peak_bytes"] < rows["fsdp2"]["peak_bytes"]
+    assert "expert parallelism" in ep["resume_problem"] and "cannot resume" in ep["resume_problem"]
+    assert out["candidates"][0]["name"] == "fsdp2 (dp=8 x ep=8)" and out["chosen"]["name"] == "fsdp2 (dp=8 x ep=8)"
+    why = out["chosen_because"]
+    assert why.startswith("#1: faster than #2 (zero3) by ") and "more than the step-time band" in why
+    assert "Mixture of experts: ep=8 keeps 1/8 of each layer's experts on a rank" in why
+    assert "ZeRO-3 / FSDP2 gather every expert on every rank each layer: #2 zero3 (" in why
+    assert "its speed is unverified" in why and "it cannot resume from its checkpoints" in why
+    assert not any(c["name"] == "fsdp2 x ep" for c in out["candidates"])  # costed, no longer a listed refusal
+
+
+def test_expert_row_inside_the_band_goes_after_a_resumable_row_like_tensor_parallel_rows(q30, capsys):
+    """At global batch 32 ep 8 is predicted within the step-time band of plain fsdp2: a tie, and robustness decides
+    it as it does for TP rows: fsdp2 resumes from its checkpoints, the EP plan cannot (the Trainer does not save the
+    optimizer of a model transformers shards at load)."""
+    out, rows = _plan_json(capsys, q30, "--gpus", "8xH100-80GB", "--global-batch", "32")
+    names = [c["name"] for c in out["candidates"]]
+    assert names[0] == "fsdp2" and names.index("fsdp2 (dp=8 x ep=8)") > names.index("fsdp2")
+    assert rows["fsdp2 (dp=8 x ep=8)"]["tokens_per_s"] > rows["fsdp2"]["tokens_per_s"]  # faster, inside the band
+    why = out["chosen_because"]
+    assert "so robustness decides; it can resume from its checkpoints" in why
+    assert "Mixture of experts: against the expert-parallel row #" in why
+    assert "inside the step-time band, and #1 resumes from its checkpoints where ep cannot" in why
+    assert "other rows that gather every expert each layer: #" in why and "zero3 (" in why
+
+
+def test_two_node_plan_costs_the_expert_degrees_and_explains_against_them(capsys):
+    """Mixtral-8x7B (catalog) on 2x8 H100: ep 2, 4 and 8 divide its 8 experts and the 16 GPUs; the best EP row is
+    a real candidate with memory and time, and #1's explanation compares it and the gathering rows."""
+    out, rows = _plan_json(capsys, "mixtral-8x7b", "--gpus", "2x8xH100-80GB", "--global-batch", "32")
+    ep = [c for c in out["candidates"] if c["expert_parallel"] > 1]
+    assert len(ep) == 1 and ep[0]["feasible"] and ep[0]["expert_parallel"] in (2, 4, 8)
+    assert ep[0]["peak_bytes"] < ep[0]["capacity_bytes"] and ep[0]["tokens_per_s"] > rows["zero3"]["tokens_per_s"]
+    assert "Mixture of experts:" in out["chosen_because"]
+
+
+def test_a_dense_model_gets_no_expert_parallel_rows(tmp_path, capsys):
+    shutil.copy(ARCH / "qwen3-0.6b.json", tmp_path / "config.json")
+    out, _ = _plan_json(capsys, tmp_path, "--gpus", "8xH100-80GB", "--global-batch", "16")
+    assert all(c["expert_parallel"] == 1 and "ep" not in c["name"].split(" x ")[-1] for c in out["candidates"])
+    assert "Mixture of experts" not in out["chosen_because"]

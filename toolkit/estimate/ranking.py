@@ -94,13 +94,14 @@ def why_first(ranked: list[Candidate]) -> str | None:
     if not feasible:
         return None
     first, band = feasible[0], time_band()
+    moe = _expert_clause(ranked)
     if len(feasible) == 1:
-        return "#1: the only row that fits"
+        return "#1: the only row that fits" + moe
     tied = speed_ties(feasible)
     if len(tied) < 2:
         second = feasible[1]
         return (f"#1: faster than #2 ({second.name}) by {_faster(first, second):.0%}, more than the step-time band "
-                f"(+-{band.fraction:.0%})")
+                f"(+-{band.fraction:.0%})") + moe
     decided: dict[str, list[int]] = {"resume": [], "headroom": [], "simpler": [], "faster": []}
     for pos, c in enumerate(tied[1:], start=2):
         decided[_decider(first, c)].append(pos)
@@ -127,7 +128,62 @@ def why_first(ranked: list[Candidate]) -> str | None:
     else:
         pos = tied.index(fastest) + 1
         parts.append(f"#{pos} is predicted {_faster(fastest, first):.1%} faster, inside the band")
-    return "; ".join(parts)
+    return "; ".join(parts) + moe
+
+
+def _is_expert(c: Candidate) -> bool:
+    return c.grid is not None and c.grid.expert > 1
+
+
+def _expert_clause(ranked: list[Candidate]) -> str:
+    """For a mixture of experts whose plan has an expert-parallel row (fsdp2 x ep, feasible or not): why #1 beats
+    or loses to ZeRO-3 / FSDP2, which gather every expert of a layer on every rank, against expert parallelism,
+    which keeps 1/ep of them per rank and exchanges tokens instead (speed unverified, no resume). "" otherwise."""
+    feasible = [c for c in ranked if c.feasible]
+    experts = [c for c in feasible if _is_expert(c)]
+    if not experts:
+        refused = next((c for c in ranked if not c.feasible and c.dimension == "ep"), None)
+        if refused is None or not feasible:
+            return ""
+        return f". Mixture of experts: expert parallelism ({refused.name}) is not an option: {refused.reason}"
+    first = feasible[0]
+    gathering = [c for c in feasible if not _is_expert(c) and c.dimension is None and c.strategy.kind in
+                 ("zero3", "fsdp2") and c.strategy.offload_optimizer == "none" and c.strategy.offload_params == "none"]
+    if not gathering:
+        gathering = [c for c in feasible if not _is_expert(c)][:1]
+    pos = {id(c): i for i, c in enumerate(feasible, start=1)}
+
+    def versus(c: Candidate) -> str:
+        return f"#{pos[id(c)]} {c.name} ({_than(c, first)})"
+
+    picks = list({c.strategy.kind: c for c in reversed(gathering)}.values())[::-1]  # the best of each family
+    gathered = f"ZeRO-3 / FSDP2 gather every expert on every rank each layer: {', '.join(versus(c) for c in picks)}"
+    if _is_expert(first):
+        ep = first.grid.expert
+        return (f". Mixture of experts: ep={ep} keeps 1/{ep} of each layer's experts on a rank and sends the tokens "
+                f"to them (an all-to-all per MoE layer)" + (f", where {gathered}" if picks else "")
+                + "; its speed is unverified (the all-to-all is unmeasured) and it cannot resume from its checkpoints")
+    ep = experts[0]
+    why = _than(first, ep)
+    if first in speed_ties(feasible) and ep in speed_ties(feasible):
+        why += ", inside the step-time band" + {
+            "resume": ", and #1 resumes from its checkpoints where ep cannot",
+            "headroom": ", and #1 has more memory headroom", "simpler": ", and #1 is simpler (no expert dimension)"
+        }.get(_decider(first, ep), "")
+    elif first.timing.tokens_per_s >= ep.timing.tokens_per_s:
+        why += ", beyond the step-time band"
+    own = [c for c in picks if c is not first]
+    others = ("; other rows that gather every expert each layer: " if first in picks else
+              "; ZeRO-3 / FSDP2 gather every expert on every rank each layer: ")
+    return (f". Mixture of experts: against the expert-parallel row #{pos[id(ep)]} {ep.name} (1/{ep.grid.expert} of "
+            f"the experts per rank, an all-to-all per MoE layer; speed unverified) #1 is predicted {why}"
+            + (others + ", ".join(versus(c) for c in own) if own else ""))
+
+
+def _than(a: Candidate, b: Candidate) -> str:
+    """How a's predicted speed compares with b's: "22% slower" (1 - a/b) or "13% faster" (a/b - 1)."""
+    ratio = a.timing.tokens_per_s / b.timing.tokens_per_s
+    return f"{ratio - 1:.0%} faster" if ratio >= 1 else f"{1 - ratio:.0%} slower"
 
 
 def _decider(first: Candidate, other: Candidate) -> str:

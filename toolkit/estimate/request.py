@@ -48,7 +48,7 @@ class Request:
     """None: every degree the heads, sequence and world allow (ZeRO x Ulysses SP); 1: none."""
     expert_parallel: int | None = None
     """An expert-parallel degree the user fixed (plan --expert-parallel N): plan the FSDP2 x EP row alone, at that
-    degree. None or 1: the EP row is listed, not ranked (toolkit.estimate.search._expert_parallel_row)."""
+    degree. None: every degree the grid admits is costed and the best ranked (toolkit.estimate.search._expert_parallel_grids); 1: none."""
     adapter: Adapter = FULL
     """Training method (full, LoRA, QLoRA) and its settings."""
     dpo: Dpo | None = None

@@ -15,6 +15,11 @@ way, on a grid where a row fits neither untiled nor tiled, for the configuration
 a row that fits (the 64-GPU Llama-3-70B plan tries none). Rows are tagged +liger / +act-offload and the emitted plan
 turns the saver on; their speed effect is not modelled (toolkit.estimate.savers.UNMODELLED_SPEED).
 
+An MoE model's FSDP2 x EP row (transformers' DistributedConfig ep_size) costs every expert degree the grid admits
+(_expert_parallel_grids) and keeps the best; it is ranked like a tensor-parallel row (no resume, speed unverified),
+and #1's explanation says how it compares with EP and with ZeRO-3 / FSDP2 gathering every expert
+(toolkit.estimate.ranking._expert_clause).
+
 A candidate that cannot run says why: it does not fit ("needs 93.1 GiB of 79.1"), the batch does not divide, the
 layers do not split into the stages, the GPU lacks the precision, the node lacks host RAM for offload.
 """
@@ -159,12 +164,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     grids to req.seq_len's divisibility (a search over lengths picks lengths that divide)."""
     if (req.expert_parallel or 1) > 1:  # a degree the user fixed: plan the FSDP2 x EP row alone
         strategy = parse_strategy("fsdp2")
-        problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
-                              attention=req.attention, tiled=req.tiled is True, adapter=req.adapter,
-                              activation_offloading=req.activation_offloading)
-        if problem is None and (req.adapter.is_adapter or req.activation_offloading):
-            problem = ("expert parallelism is planned for full fine-tuning without activation offloading (neither "
-                       "is modelled with it); drop --expert-parallel, or those")
+        problem = _expert_job_problem(strategy, hw, req, "drop --expert-parallel, or those")
         yield "fsdp2 x ep", strategy, [expert_grid(spec, hw, req)] if problem is None else problem
         return
     strategies = [parse_strategy(s) for s in req.strategies]
@@ -181,8 +181,11 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
             yield f"{strategy.name} x {dimension}", strategy, grids
-        if spec.moe_experts and "fsdp2" in req.strategies and not any(v not in (None, 1) for v in fixed):
-            yield "fsdp2 x ep", parse_strategy("fsdp2"), _expert_parallel_row(spec, hw)
+        if spec.moe_experts and "fsdp2" in req.strategies and req.expert_parallel is None \
+                and not any(v not in (None, 1) for v in fixed):
+            strategy = parse_strategy("fsdp2")
+            problem = _expert_job_problem(strategy, hw, req, "plan those on zero3 / fsdp2 without ep")
+            yield "fsdp2 x ep", strategy, problem or _expert_parallel_grids(spec, hw, req, sequence_rule)
 
 
 def expert_grid(spec: ModelSpec, hw: Hardware, req: Request) -> ParallelGrid:
@@ -200,24 +203,39 @@ def expert_grid(spec: ModelSpec, hw: Hardware, req: Request) -> ParallelGrid:
     return grid
 
 
-def _expert_parallel_row(spec: ModelSpec, hw: Hardware) -> str:
-    """Why an MoE model's FSDP2 x EP row (transformers' DistributedConfig ep_size) is listed but not ranked: the
-    degrees the grid admits, and how to plan one (plan --expert-parallel N) or price it (estimate); or why no degree
-    runs."""
-    degrees, problems = [], []
+def _expert_job_problem(strategy: Strategy, hw: Hardware, req: Request, fix: str) -> str | None:
+    """Why the request's job cannot run FSDP2 x EP, or None: the engines' rules for fsdp2 (job_problem), and what
+    the expert-parallel model does not cover (adapters, activation offloading, DPO's reference placement)."""
+    problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
+                          attention=req.attention, tiled=req.tiled is True, adapter=req.adapter,
+                          activation_offloading=req.activation_offloading)
+    if problem is None and (req.adapter.is_adapter or req.activation_offloading):
+        problem = ("expert parallelism is planned for full fine-tuning without activation offloading (neither "
+                   f"is modelled with it); {fix}")
+    if problem is None and req.dpo:
+        problem = MODEL_PARALLEL_DPO_PROBLEM
+    return problem
+
+
+def _expert_parallel_grids(spec: ModelSpec, hw: Hardware, req: Request,
+                           sequence_rule: bool = True) -> list[ParallelGrid] | str:
+    """The FSDP2 x EP grids (transformers' DistributedConfig ep_size) an MoE model runs on: every degree that divides
+    the world and that the grid admits (ParallelGrid.check_model: DistributedConfig's rules, the expert count, the
+    ep_plan's dispatch), rising; or why no degree runs. The search costs each (_search: a larger degree holds fewer
+    experts per rank, so unlike tp / cp / sp it is not stopped at the first degree that fits)."""
+    attention = spec.effective_attention(req.attention)
+    grids, problems = [], []
     for degree in (d for d in range(2, hw.world_size + 1) if hw.world_size % d == 0):
         try:
-            ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
-                                      expert=degree).check_model(spec)
+            grid = ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                             expert=degree)
+            grid.check_model(spec)
+            grid.check_sequence(req.seq_len if sequence_rule else grid.sequence_multiple(), attention, spec)
         except UserError as exc:
             problems.append((degree, str(exc)))
             continue
-        degrees.append(degree)
-    if not degrees:
-        return _degree_problems(problems)
-    return (f"expert parallelism (ep {', '.join(map(str, degrees))} of {spec.moe_experts} experts) is not ranked "
-            f"yet (its all-to-all speed is unverified): plan it with `toolkit plan ... --expert-parallel "
-            f"{degrees[-1]}`, or price it with `toolkit estimate --strategy fsdp2 --expert-parallel {degrees[-1]}`")
+        grids.append(grid)
+    return grids or _degree_problems(problems)
 
 
 def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
@@ -233,8 +251,8 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
     "<slot> +savers"."""
     tiling, savers = auto_tiling(spec, strategy, req), auto_savers(spec, hw, strategy, req)
     for grid in grids:
-        if dimension and key in best and best[key].feasible:
-            break
+        if dimension and dimension != "ep" and key in best and best[key].feasible:
+            break  # ep: every degree is costed (_expert_parallel_grids)
         tiled_found = bool(dimension) and _fits(best, f"{key}{TILED_SLOT}")
         saver_found = bool(dimension) and _fits(best, f"{key}{SAVER_SLOT}")
         try:
@@ -264,7 +282,7 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
             if savers and not compiled and not saver_found and not _fits(best, slot) \
                     and not _fits(best, f"{slot}{TILED_SLOT}"):
                 for changes in savers:  # least intrusive first; the first that fits any job ends the search
-                    if changes.get("activation_offloading") and grid.model_parallel > 1:
+                    if changes.get("activation_offloading") and (grid.model_parallel > 1 or grid.expert > 1):
                         continue  # not modelled with a tensor / context / sequence dimension (_model_parallel_options)
                     for job in short:
                         _keep(best, f"{slot}{SAVER_SLOT}", evaluate(spec, hw, strategy, replace(job, **changes),
