@@ -26,7 +26,10 @@ def _plan(model_dir, strategy, *, world=2, micro=2, accum=1):
 
 @pytest.mark.multiprocess
 def test_compiled_training_matches_eager_losses_under_ddp_zero2_and_fsdp2(run_training, tiny_llama_dir,
-                                                                         corpus_dir):
+                                                                         corpus_dir, monkeypatch):
+    # Each rank compiles in its own process (no pool of compile workers, each an interpreter importing torch, per
+    # rank on two cores): the kernels are the same.
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     eager = run_training(_plan(tiny_llama_dir, "ddp", world=1, micro=4), "eager", "--data", str(corpus_dir),
                          *COMMON).check().losses()
     assert len(eager) == STEPS
