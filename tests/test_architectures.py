@@ -133,16 +133,40 @@ def test_a_config_whose_decoder_layers_differ_in_shape_is_refused_in_one_line(ca
     assert "decoder layers differ in head_dim, num_key_value_heads" in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_vision_language_config_whose_forward_the_trace_cannot_follow_is_refused_in_one_line(capsys):
-    """Gemma-3-4B (with its vision tower): the activation trace stops at a data-dependent shape; the plan says so in
-    one line (exit 2), and a pipeline request names the vision tower the converter would drop."""
-    from toolkit.cli import main
+def test_a_vision_language_class_plans_text_only_with_its_tower_counted_and_named(capsys):
+    """Gemma-3-4B as its multimodal class (vision tower + projector beside the language model): the trace builds it
+    without running weight init (whose trunc_normal_ branched on fake values), the plan ranks strategies, the spec
+    names the parts beside the language model with counts that add up to the class, and a pipeline request names
+    the vision tower the converter would drop."""
+    import json
 
-    code = main(["plan", str(MODELS / "gemma-3-4b-it.json"), "--gpus", "8xH100-80GB", "--seq", "1024",
-                 "--micro-batch", "1"])
-    err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert "cannot estimate the activation memory of" in err and "depend on the data" in err
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from toolkit.cli import main
+    from toolkit.inputs.modelconfig import load_config
+    from toolkit.inputs.modelspec import build_spec
+
+    path = str(MODELS / "gemma-3-4b-it.json")
+    code = main(["plan", path, "--gpus", "8xH100-80GB", "--seq", "1024", "--micro-batch", "1", "--json"])
+    out = capsys.readouterr()
+    assert code == 0 and "Traceback" not in out.err
+    plan = json.loads(out.out)
+    assert plan["chosen"] and plan["params"] == 4_300_079_472
+    pipeline = next(c for c in plan["candidates"] if c["strategy"] == "pipeline")
+    assert "part 'model.vision_tower' (SiglipVisionModel) beside the language model" in pipeline["reason"]
+
+    config = load_config(path)  # the parts counted apart, each built from its own config on the meta device
+    with torch.device("meta"):
+        text = AutoModelForCausalLM.from_config(config.get_text_config())
+        tower = AutoModel.from_config(AutoConfig.for_model(**config.vision_config.to_dict()))
+    text_params = sum({id(p): p.numel() for p in text.parameters()}.values())
+    tower_params = sum({id(p): p.numel() for p in tower.parameters()}.values())
+    spec = build_spec(path, config)
+    note = next(n for n in spec.notes if n.startswith("beside the language model"))
+    assert f"({text_params:,} parameters)" in note
+    assert f"model.vision_tower (SiglipVisionModel) {tower_params:,}" in note
+    projector = spec.params - text_params - tower_params
+    assert projector > 0 and f"model.multi_modal_projector (Gemma3MultiModalProjector) {projector:,}" in note
 
 
 def test_a_family_member_the_converter_cannot_split_is_refused_at_plan_time_naming_the_part(capsys):

@@ -149,6 +149,7 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
     from transformers import AutoModelForCausalLM
 
     from toolkit.estimate import layerkinds, standins
+    from toolkit.estimate.fakestep import weights_uninitialised
 
     notes = notes if notes is not None else []
     compute_dtype = getattr(torch, dtype)
@@ -162,7 +163,8 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
         if device_kind == "cuda" and attention == "sdpa":
             stack.enter_context(_cuda_sdpa_ops(notes))
         fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
+        with weights_uninitialised():
+            model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
         model.train()
         named = [*model.named_parameters(), *model.named_buffers()]
         n_params = len(list(model.parameters()))

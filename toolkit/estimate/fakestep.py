@@ -14,6 +14,22 @@ from toolkit.estimate.recording import (Region, Run, StorageLog, backward_peak, 
 from toolkit.estimate.standins import cuda_autocast_float32_ops, with_float32_ops
 from toolkit.inputs.choices import CHECKPOINTING_OP
 
+@contextlib.contextmanager
+def weights_uninitialised():
+    """Build a model under FakeTensorMode without its weight init, as transformers itself skips it on the meta device
+    (PreTrainedModel.init_weights runs initialize_weights only off meta, then ties the weights): the values mean
+    nothing to fake tensors, and some inits branch on them (torch's trunc_normal_ asks `mask.any()`, which a fake
+    tensor cannot answer: SigLIP's vision tower). The weights are still tied."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.initialize_weights
+    PreTrainedModel.initialize_weights = lambda self: None
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = original
+
+
 def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
                    adapter=None, tiled: bool = False, chunked_loss: int = 0) -> Run:
@@ -27,7 +43,8 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
         # LoRA: the frozen base is stored in the compute dtype (toolkit.train loads it so; autocast then only
         # copies the small adapters).
         base_dtype = (autocast_dtype or param_dtype) if lora else param_dtype
-        model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
+        with weights_uninitialised():
+            model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
         model.train()
         if liger:
             from toolkit.patches.liger import liger_applied

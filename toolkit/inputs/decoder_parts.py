@@ -73,17 +73,8 @@ def find_parts(model: Any, config: Any) -> DecoderParts:
         raise NotStandard(f"{kind}: no list of decoder layers (an nn.ModuleList of num_hidden_layers entries)")
     layers_path = paths[id(layer_list)]
     parent_path = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
-    # From the causal LM down to the module holding the layers: the base model(s), the head, nothing else with
-    # weights (a vision-language model's vision tower and projector sit beside its language model).
-    ancestors = [""] + [".".join(parent_path.split(".")[:i + 1]) for i in range(parent_path.count(".") + 1)
-                        if parent_path]
-    for ancestor in ancestors[:-1] if parent_path else ancestors:
-        for name, child in (model.get_submodule(ancestor) if ancestor else model).named_children():
-            path = f"{ancestor}.{name}" if ancestor else name
-            if child is head or (parent_path + ".").startswith(path + "."):
-                continue
-            if any(True for _ in child.parameters()):
-                raise NotStandard(f"{kind}: part '{path}' ({type(child).__name__}) beside the language model")
+    for path, child in _beside(model, head, parent_path):
+        raise NotStandard(f"{kind}: part '{path}' ({type(child).__name__}) beside the language model")
     if getattr(text, "alibi", False):
         raise NotStandard(f"{kind}: ALiBi attention bias (config alibi=true) is built from the whole sequence's "
                           "mask inside the base model")
@@ -144,6 +135,36 @@ def find_parts(model: Any, config: Any) -> DecoderParts:
         found["router_class"] = target.__name__
         found["router_index"] = int(getattr(recorder, "index", 0) or 0)
     return DecoderParts(**found)
+
+
+def _beside(model: Any, head: Any, parent_path: str):
+    """(path, module) of each part with weights beside the language model: from the causal LM down to the module
+    holding the decoder layers (`parent_path`) there are the base model(s), the head and nothing else with weights,
+    except in a vision-language model, whose vision tower and projector sit beside its language model."""
+    ancestors = [""] + [".".join(parent_path.split(".")[:i + 1]) for i in range(parent_path.count(".") + 1)
+                        if parent_path]
+    for ancestor in ancestors[:-1] if parent_path else ancestors:
+        for name, child in (model.get_submodule(ancestor) if ancestor else model).named_children():
+            path = f"{ancestor}.{name}" if ancestor else name
+            if child is head or (parent_path + ".").startswith(path + "."):
+                continue
+            if any(True for _ in child.parameters()):
+                yield path, child
+
+
+def side_parts(model: Any, config: Any) -> tuple[tuple[str, str, int], ...]:
+    """(path, class, unique parameters) of each part beside the language model (a vision tower, a projector), found
+    as find_parts finds them; () for a plain causal LM or a model without a recognisable layer list."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_list = decoder_layers(model, getattr(text, "num_hidden_layers", None))
+    head = model.get_output_embeddings()
+    if layer_list is None:
+        return ()
+    paths = {id(m): name for name, m in model.named_modules()}
+    layers_path = paths.get(id(layer_list), "")
+    parent_path = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
+    return tuple((path, type(child).__name__, sum({id(p): p.numel() for p in child.parameters()}.values()))
+                 for path, child in _beside(model, head, parent_path))
 
 
 def pipeline_blocker(model: Any, config: Any) -> str | None:

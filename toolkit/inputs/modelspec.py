@@ -242,7 +242,7 @@ def build_spec(name: str, config) -> ModelSpec:
         shape = tuple(p.shape)
         factored += math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] if len(shape) >= 2 else p.numel()
     expert_params = sum(p.numel() for n, p in layers.named_parameters() if is_expert_param(n))
-    from toolkit.inputs.decoder_parts import pipeline_blocker
+    from toolkit.inputs.decoder_parts import pipeline_blocker, side_parts
 
     from toolkit.inputs.tileable import model_tiling_blocker
 
@@ -252,6 +252,13 @@ def build_spec(name: str, config) -> ModelSpec:
         shared = f", shared {', '.join(moe.shared)}" if moe.shared else ""
         notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token in {moe.moe_layers} "
                      f"{moe.block_class} blocks{shared}")
+    side = side_parts(model, config)
+    if side:  # a multimodal class: what a text-only run loads beside the language model
+        parts = ", ".join(f"{path} ({cls}) {n:,}" for path, cls, n in side)
+        notes.append(f"beside the language model ({total - sum(n for *_, n in side):,} parameters): {parts} "
+                     "parameters, loaded with the class; counted as trained (full fine-tuning trains them; text "
+                     "alone gives them no gradients, so torch's optimizers (DDP, FSDP2) then keep no states for "
+                     "them, while DeepSpeed ZeRO's flat partitions hold states for every trainable parameter)")
     if tiling_blocker:  # the planner's auto tiling skips this model; --tiled refuses it with the same words
         notes.append(f"ALST tiling not tried: {tiling_blocker}")
     return ModelSpec(
