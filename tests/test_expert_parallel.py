@@ -157,7 +157,7 @@ def test_plan_of_an_moe_model_ranks_its_fastest_expert_degree_first_beyond_the_b
     why = out["chosen_because"]
     assert why.startswith("#1: faster than #2 (zero3) by ") and "more than the step-time band" in why
     assert "Mixture of experts: ep=8 keeps 1/8 of each layer's experts on a rank" in why
-    assert "ZeRO-3 / FSDP2 gather every expert on every rank each layer: #2 zero3 (" in why
+    assert "ZeRO-3 / FSDP2 gather every expert on every rank each layer: #1 is " in why and "than #2 zero3" in why
     assert "its speed is unverified" in why and "it cannot resume from its checkpoints" in why
     assert not any(c["name"] == "fsdp2 x ep" for c in out["candidates"])  # costed, no longer a listed refusal
 
@@ -174,7 +174,7 @@ def test_expert_row_inside_the_band_goes_after_a_resumable_row_like_tensor_paral
     assert "so robustness decides; it can resume from its checkpoints" in why
     assert "Mixture of experts: against the expert-parallel row #" in why
     assert "inside the step-time band, and #1 resumes from its checkpoints where ep cannot" in why
-    assert "other rows that gather every expert each layer: #" in why and "zero3 (" in why
+    assert "other rows that gather every expert each layer: #1 is " in why and "faster than #" in why
 
 
 def test_two_node_plan_costs_the_expert_degrees_and_explains_against_them(capsys):

@@ -153,11 +153,11 @@ def _expert_clause(ranked: list[Candidate]) -> str:
         gathering = [c for c in feasible if not _is_expert(c)][:1]
     pos = {id(c): i for i, c in enumerate(feasible, start=1)}
 
-    def versus(c: Candidate) -> str:
-        return f"#{pos[id(c)]} {c.name} ({_than(c, first)})"
+    def versus(cs: list[Candidate]) -> str:
+        return "#1 is " + ", ".join(f"{_than(first, c)} than #{pos[id(c)]} {c.name}" for c in cs)
 
     picks = list({c.strategy.kind: c for c in reversed(gathering)}.values())[::-1]  # the best of each family
-    gathered = f"ZeRO-3 / FSDP2 gather every expert on every rank each layer: {', '.join(versus(c) for c in picks)}"
+    gathered = f"ZeRO-3 / FSDP2 gather every expert on every rank each layer: {versus(picks)}"
     if _is_expert(first):
         ep = first.grid.expert
         return (f". Mixture of experts: ep={ep} keeps 1/{ep} of each layer's experts on a rank and sends the tokens "
@@ -177,12 +177,15 @@ def _expert_clause(ranked: list[Candidate]) -> str:
               "; ZeRO-3 / FSDP2 gather every expert on every rank each layer: ")
     return (f". Mixture of experts: against the expert-parallel row #{pos[id(ep)]} {ep.name} (1/{ep.grid.expert} of "
             f"the experts per rank, an all-to-all per MoE layer; speed unverified) #1 is predicted {why}"
-            + (others + ", ".join(versus(c) for c in own) if own else ""))
+            + (others + versus(own) if own else ""))
 
 
 def _than(a: Candidate, b: Candidate) -> str:
-    """How a's predicted speed compares with b's: "22% slower" (1 - a/b) or "13% faster" (a/b - 1)."""
+    """How a's predicted speed compares with b's: "22% slower" (1 - a/b), "13% faster" (a/b - 1) or
+    "8.3x faster"."""
     ratio = a.timing.tokens_per_s / b.timing.tokens_per_s
+    if ratio >= 2:
+        return f"{ratio:.1f}x faster"
     return f"{ratio - 1:.0%} faster" if ratio >= 1 else f"{1 - ratio:.0%} slower"
 
 
