@@ -67,8 +67,8 @@ def test_plan_writes_the_time_to_train_into_plan_json_and_plan_md(tmp_path, caps
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--epochs", "2"], "--epochs needs --dataset-tokens"),
-    (["--gpu-hour-price", "2"], "--gpu-hour-price needs --dataset-tokens"),
+    (["--epochs", "2"], "--epochs needs --dataset-tokens or --data"),
+    (["--gpu-hour-price", "2"], "--gpu-hour-price needs --dataset-tokens or --data"),
     (["--dataset-tokens", "1e9", "--gpu-hour-price", "-1"], "--gpu-hour-price must be"),
     (["--dataset-tokens", "1e9", "--epochs", "0"], "--epochs must be"),
     (["--dataset-tokens", "lots"], "--dataset-tokens 'lots' is not a count"),
@@ -93,3 +93,90 @@ def test_the_python_api_times_the_run_as_the_command_does(capsys):
     assert e.time_to_train(1.5e9, epochs=2, gpu_hour_price=3).to_dict() == printed["time_to_train"]
     with pytest.raises(UserError, match="epochs"):
         e.time_to_train(1e9, epochs=float("nan"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --data: the tokens counted with the model's own tokenizer (toolkit.run.data_tokens)
+
+
+def _documents(n: int) -> list[str]:
+    """`n` documents of varied length from the stdlib corpus (deterministic)."""
+    from toolkit.run.tiny import corpus_text
+
+    lines = [line for line in corpus_text(400_000).splitlines() if line.strip()]
+    return [" ".join(lines[(i * 7) % len(lines):(i * 7) % len(lines) + 1 + i % 5]) for i in range(n)]
+
+
+def _jsonl(path, texts: list[str]):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def _own_count(model_dir, texts: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)  # + EOS, as packed
+
+
+def test_data_tokens_are_the_tokenizers_own_count(tiny_llama_dir, tmp_path, capsys):
+    texts = _documents(300)
+    data = _jsonl(tmp_path / "train.jsonl", texts)
+    out = json.loads(_ok(capsys, "estimate", str(tiny_llama_dir), "--seq", "64", "--gpus", "1xH100-80GB", "--json",
+                         "--data", str(data), "--epochs", "2"))
+    run = out["time_to_train"]
+    assert run["dataset_tokens"] == _own_count(tiny_llama_dir, texts)
+    assert run["dataset_tokens_source"] == "counted" and "all 300 documents" in run["dataset_tokens_detail"]
+    assert run["steps"] == math.ceil(run["dataset_tokens"] * 2 / run["tokens_per_step"])
+    printed = _ok(capsys, "estimate", str(tiny_llama_dir), "--seq", "64", "--gpus", "1xH100-80GB", "--data",
+                  str(data))
+    assert f"{run['dataset_tokens']:,} tokens ({data}, counted: all 300 documents tokenized)" in printed
+
+
+def test_big_data_is_sampled_and_scaled_by_the_record_count_within_two_percent(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from toolkit.run.data_tokens import SAMPLE_RECORDS, count_tokens
+
+    texts = _documents(20_000)
+    data = _jsonl(tmp_path / "big.jsonl", texts)
+    counted = count_tokens(str(data), AutoTokenizer.from_pretrained(tiny_llama_dir), seq_len=64)
+    assert (counted.sampled, counted.records, counted.tokenized) == (True, 20_000, SAMPLE_RECORDS)
+    assert counted.tokens == pytest.approx(_own_count(tiny_llama_dir, texts), rel=0.02)
+    assert f"sampled: {SAMPLE_RECORDS:,} of 20,000 documents tokenized, scaled" in counted.detail(str(data))
+
+
+def test_chat_data_counts_one_padded_sequence_per_trainable_conversation(tiny_llama_dir, tmp_path, capsys):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(12)))
+    out = json.loads(_ok(capsys, "plan", str(tiny_llama_dir), "--seq", "64", "--gpus", "1xH100-80GB",
+                         "--global-batch", "4", "--strategies", "ddp", "--json", "--data", str(data)))
+    run = out["candidates"][0]["time_to_train"] if "candidates" in out else out["time_to_train"]
+    assert (run["dataset_tokens"], run["steps"]) == (12 * 64, 3)
+
+
+def _ok(capsys, *argv: str) -> str:
+    capsys.readouterr()
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["{model}", "--data", "{tmp}/missing.jsonl"], "missing.jsonl does not exist"),
+    (["{model}", "--data", "{tmp}/bad.jsonl"], "could not read data"),
+    (["{model}", "--data", "{tmp}/data.xyz"], "unknown kind (.xyz)"),
+    (["{model}", "--data", "{tmp}/good.jsonl", "--dataset-tokens", "1e9"], "give the count or the data, not both"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512", "--data", "{tmp}/good.jsonl"],
+     "give --dataset-tokens N instead of --data"),
+    (["{model}", "--data", "{tmp}/good.jsonl", "--seq", "max"], "--data times a run at one sequence length"),
+])
+def test_bad_data_is_refused_in_one_line(tiny_llama_dir, tmp_path, capsys, argv, words):
+    (tmp_path / "bad.jsonl").write_text("this is not json\n")
+    (tmp_path / "data.xyz").write_text("text\n")
+    _jsonl(tmp_path / "good.jsonl", ["some text"])
+    argv = [w.replace("{model}", str(tiny_llama_dir)).replace("{tmp}", str(tmp_path)) for w in argv]
+    code = main(["estimate", *argv, *([] if "--seq" in argv else ["--seq", "64"])])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err

@@ -32,7 +32,7 @@ VALUES = {
     "--params": "1M", "--gpus": "4xH100-80GB", "--power-limit-w": "500", "--strategies": "zero3", "--choose": "zero3",
     "--lora-targets": "q_proj,v_proj", "--lora-modules-to-save": "lm_head", "--out": "{tmp}/out2",
     "--nvme-path": "{tmp}/nvme", "--hosts": "node-a,node-b", "--model": "{model}", "--device": "cuda",
-    "--workdir": "{tmp}/demo", "--qlora-compute-dtype": "float32", "--runner": "deepspeed",
+    "--workdir": "{tmp}/demo", "--qlora-compute-dtype": "float32", "--runner": "deepspeed", "--data": "{corpus}",
 }
 """A value for each flag whose value the parser cannot give (names, paths), or whose derived value would not show
 its effect: --power-limit-w inside the die's datasheet points; --qlora-compute-dtype float32, as float16 takes the
@@ -222,7 +222,7 @@ def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, plan
     or files, not an echo of its input), or is refused in one line with exit code 2."""
     parser = _subparser(command)
     before, after = _setups(tiny_llama_dir, tmp_path, planned, corpus_dir)[command]
-    fill = {"{tmp}": str(tmp_path), "{model}": str(tiny_llama_dir)}
+    fill = {"{tmp}": str(tmp_path), "{model}": str(tiny_llama_dir), "{corpus}": str(corpus_dir)}
     known = {o for a in parser._actions for o in a.option_strings}  # noqa: SLF001
     by_numbers = {o for g in parser._action_groups if g.title and g.title.startswith("model by numbers")  # noqa: SLF001
                   for a in g._group_actions for o in a.option_strings}  # noqa: SLF001

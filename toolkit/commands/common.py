@@ -257,24 +257,53 @@ def add_run_size_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-tokens", type=count_arg("--dataset-tokens", bounds.DATASET_TOKENS, "2e9 or 2B"), metavar="N",
                    help="tokens of training data, e.g. 2e9 or 2B: prints steps, hours and GPU-hours (the data "
                         "packed into --seq-token sequences)")
+    g.add_argument("--data", type=text_arg("--data"), metavar="PATH",
+                   help="training data (a file or folder as toolkit.train reads it) whose tokens the model's own "
+                        "tokenizer counts, in place of --dataset-tokens; big data is sampled (2,000 records)")
     g.add_argument("--epochs", type=float_arg("--epochs", bounds.EPOCHS), metavar="E",
-                   help="passes over the data (default 1; needs --dataset-tokens)")
+                   help="passes over the data (default 1; needs --dataset-tokens or --data)")
     g.add_argument("--gpu-hour-price", type=float_arg("--gpu-hour-price", bounds.GPU_HOUR_PRICE), metavar="PRICE",
-                   help="price of one GPU-hour: prints the run's cost (needs --dataset-tokens)")
+                   help="price of one GPU-hour: prints the run's cost (needs --dataset-tokens or --data)")
 
 
-def run_size_of(args):
-    """The run's size from --dataset-tokens / --epochs / --gpu-hour-price, or None; the last two need the first."""
+def run_size_flag(args) -> str | None:
+    """The flag that sizes the run (--dataset-tokens or --data), or None; refuses both, and --epochs /
+    --gpu-hour-price without either. Called first: nothing is read before the flags are known to agree."""
+    if args.dataset_tokens is not None and args.data is not None:
+        raise UserError("--data and --dataset-tokens both size the run; give the count or the data, not both")
+    if args.dataset_tokens is not None:
+        return "--dataset-tokens"
+    if args.data is not None:
+        return "--data"
+    given = [f for f, v in (("--epochs", args.epochs), ("--gpu-hour-price", args.gpu_hour_price)) if v is not None]
+    if given:
+        raise UserError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --dataset-tokens or --data "
+                        f"(what the run trains on); add one, or drop {'it' if len(given) == 1 else 'them'}")
+    return None
+
+
+def run_size_of(args, seq_len: int):
+    """The run's size from --dataset-tokens or --data (counted with the model's tokenizer for `seq_len`
+    sequences), --epochs and --gpu-hour-price; None when neither sizes it."""
     from toolkit.estimate.duration import RunSize
 
-    if args.dataset_tokens is None:
-        given = [f for f, v in (("--epochs", args.epochs), ("--gpu-hour-price", args.gpu_hour_price)) if v is not None]
-        if given:
-            raise UserError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --dataset-tokens (how "
-                            f"many tokens the run trains on); add it, or drop {'it' if len(given) == 1 else 'them'}")
+    flag = run_size_flag(args)
+    if flag is None:
         return None
-    return RunSize(dataset_tokens=args.dataset_tokens, epochs=1.0 if args.epochs is None else args.epochs,
-                   gpu_hour_price=args.gpu_hour_price)
+    epochs = 1.0 if args.epochs is None else args.epochs
+    if flag == "--dataset-tokens":
+        return RunSize(dataset_tokens=args.dataset_tokens, epochs=epochs, gpu_hour_price=args.gpu_hour_price)
+    from toolkit.commands.help import status
+    from toolkit.run.data_tokens import count_tokens, model_tokenizer
+
+    tokenizer = model_tokenizer(args.model)
+    with status(f"counting the tokens of {args.data}"):
+        counted = count_tokens(args.data, tokenizer, seq_len=seq_len)
+    if counted.tokens < 1:
+        raise UserError(f"--data {args.data} holds no trainable tokens (no text, or no conversation with an "
+                        "assistant token within --seq); give other data or --dataset-tokens")
+    return RunSize(dataset_tokens=counted.tokens, epochs=epochs, gpu_hour_price=args.gpu_hour_price,
+                   source="sampled" if counted.sampled else "counted", source_detail=counted.detail(args.data))
 
 
 def host_names(text: str) -> list[str]:

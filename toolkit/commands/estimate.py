@@ -12,7 +12,7 @@ from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, dpo_of, add_hardware_flags, add_job_flags,
                                      add_model_flags, add_run_size_flags, gib, hardware_of, longest_line, model_spec,
-                                     print_note, run_size_of, seq_len_of, trainable_params)
+                                     print_note, run_size_flag, run_size_of, seq_len_of, trainable_params)
 
 
 def add_parser(sub) -> None:
@@ -53,10 +53,10 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.hardware import power_json
     from toolkit.inputs.strategy import parse_strategy
 
-    run = run_size_of(args)
-    if run is not None and args.seq == "max":
-        raise UserError("--dataset-tokens times a run at one sequence length, not --seq max; give --seq a number or "
-                        "drop --dataset-tokens")
+    sized_by = run_size_flag(args)
+    if sized_by is not None and args.seq == "max":
+        raise UserError(f"{sized_by} times a run at one sequence length, not --seq max; give --seq a number or "
+                        f"drop {sized_by}")
     spec = model_spec(args)
     hw = hardware_of(args)
     strategy = parse_strategy(args.strategy)
@@ -68,6 +68,7 @@ def cmd_estimate(args) -> int:
     if args.seq == "max":
         return _estimate_seq_max(args, spec, hw, strategy, degrees)
     seq_len, seq_note = seq_len_of(spec, args)
+    run = run_size_of(args, seq_len)
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,

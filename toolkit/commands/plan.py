@@ -13,7 +13,7 @@ from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (adapter_of, dpo_of, add_hardware_flags, add_job_flags, add_model_flags,
                                      add_output_flags, add_run_size_flags, GIB, hardware_of, human, longest_line,
-                                     model_spec, print_note, run_size_of, seq_len_of, trainable_params)
+                                     model_spec, print_note, run_size_flag, run_size_of, seq_len_of, trainable_params)
 
 
 def add_parser(sub) -> None:
@@ -59,7 +59,7 @@ def cmd_plan(args) -> int:
     from toolkit.inputs.hardware import power_json
 
     _refuse_what_seq_max_ignores(args)
-    run = run_size_of(args)
+    run_size_flag(args)
     spec = model_spec(args)  # a config that is wrong is named first
     if args.out and args.model:  # a folder meant to launch: the model must be able to train (seconds, not after)
         from toolkit.run.preflight import check_model_to_plan
@@ -92,6 +92,7 @@ def cmd_plan(args) -> int:
         raise UserError(OP_CHECKPOINTING_PROBLEM)
     if args.compile == COMPILE_BLOCKS:
         raise UserError(BLOCKS_COMPILE_PROBLEM)
+    run = run_size_of(args, seq_len)  # --data: counted here, after every refusal that reads no data
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     req_kwargs: dict[str, Any] = dict(seq_len=seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                                       grad_accum=args.accumulation, precision=args.precision,

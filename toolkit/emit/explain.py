@@ -148,7 +148,8 @@ def timing_section(plan: Plan) -> list[str]:
     if isinstance(run, dict):
         span = run.get("hours_band")
         cost = run.get("cost")
-        lines.append(f"- time to train: {run['dataset_tokens']:,} tokens x {run['epochs']:g} epoch(s) = "
+        source = run.get("dataset_tokens_detail") or run.get("dataset_tokens_source", "given")
+        lines.append(f"- time to train: {run['dataset_tokens']:,} tokens ({source}) x {run['epochs']:g} epoch(s) = "
                      f"{run['steps']:,} steps: {run['hours']:,.2f} h"
                      + (f" ({span[0]:,.2f}-{span[1]:,.2f} h in the step-time band)" if span else
                         " (no band: this engine's speed is unverified at this scale)")

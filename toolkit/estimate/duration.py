@@ -15,12 +15,17 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RunSize:
-    """What the user trains on (estimate / plan --dataset-tokens, --epochs, --gpu-hour-price)."""
+    """What the user trains on (estimate / plan --dataset-tokens or --data, --epochs, --gpu-hour-price)."""
 
     dataset_tokens: int
     epochs: float = 1.0
     gpu_hour_price: float | None = None
     """Price of one GPU for one hour, in the user's currency (None: no cost printed)."""
+    source: str = "given"
+    """Where dataset_tokens comes from: "given" (--dataset-tokens), "counted" (--data, every record tokenized) or
+    "sampled" (--data, a sample tokenized and scaled by the record count: toolkit.run.data_tokens)."""
+    source_detail: str = ""
+    """For --data: the data, and how many records were tokenized of how many."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,9 @@ class Duration:
 
     def to_dict(self) -> dict[str, Any]:
         span = self.hours_range()
-        return {"dataset_tokens": self.run.dataset_tokens, "epochs": self.run.epochs,
+        return {"dataset_tokens": self.run.dataset_tokens, "dataset_tokens_source": self.run.source,
+                **({"dataset_tokens_detail": self.run.source_detail} if self.run.source_detail else {}),
+                "epochs": self.run.epochs,
                 "tokens_per_step": self.tokens_per_step, "steps": self.steps, "seconds": self.seconds,
                 "hours": self.seconds / 3600, "hours_band": list(span) if span else None,
                 "band": self.band, "gpus": self.gpus, "gpu_hours": self.gpu_hours,
@@ -70,7 +77,8 @@ class Duration:
         band = (f"{span[0]:,.2f}-{span[1]:,.2f} h at the +-{self.band:.0%} step-time band" if span else
                 "no band: no published run backs this engine's speed at this scale")
         cost = (f", {self.cost:,.2f} at {run.gpu_hour_price:,.2f} per GPU-hour" if self.cost is not None else "")
-        return (f"time to train: {run.dataset_tokens:,} tokens x {run.epochs:g} epoch{'s' if run.epochs != 1 else ''}"
+        counted = f" ({run.source_detail})" if run.source_detail else f" ({run.source})"
+        return (f"time to train: {run.dataset_tokens:,} tokens{counted} x {run.epochs:g} epoch{'s' if run.epochs != 1 else ''}"
                 f" = {self.steps:,} steps of {self.tokens_per_step:,} tokens: {hours:,.2f} h ({band}), "
                 f"{self.gpu_hours:,.1f} GPU-hours on {self.gpus} GPU{'s' if self.gpus != 1 else ''}{cost}"
                 + (f", with the DPO reference's precompute pass before training ({self.precompute_s / 3600:,.2f} h)"

@@ -239,7 +239,7 @@ def _check_text(data: str, sample: DataSample, text_field: str, tokenizer: Any, 
     if text_field not in columns:
         strings = [c for c in columns if all(isinstance(row.get(c), (str, type(None))) for row in sample.rows)
                    and any(isinstance(row.get(c), str) for row in sample.rows)]
-        if len(strings) != 1:  # toolkit.train.data._texts decides the same way
+        if len(strings) != 1:  # toolkit.train.data.text_column decides the same way
             raise UserError(f"data {data} has no '{text_field}' column (columns: {', '.join(columns) or 'none'}); "
                             "pass --text-field NAME")
         field_name = strings[0]

@@ -44,13 +44,13 @@ def build_datasets(data: str, tokenizer: Any, seq_len: int, *, eval_fraction: fl
         raise UserError("the tokenizer has no EOS token to separate packed documents; set tokenizer.eos_token "
                         "(or pass --tokenizer with one)")
     with _main_process_first():
-        train_raw, eval_raw = _load_raw(data)
+        train_raw, eval_raw = load_raw(data)
         chat = CHAT_FIELD in train_raw.column_names
 
         def blocks(raw):
             if chat:
                 return _chat_blocks(raw, tokenizer, seq_len)
-            return _pack(_texts(raw, text_field, data), tokenizer, seq_len, eos)
+            return _pack(text_column(raw, text_field, data), tokenizer, seq_len, eos)
 
         train = blocks(train_raw)
         if len(train) == 0 and chat:
@@ -91,7 +91,7 @@ class _main_process_first:
         return False
 
 
-def _load_raw(data: str):
+def load_raw(data: str):
     """(train, eval or None) as datasets.Dataset with the raw documents."""
     import datasets
 
@@ -154,7 +154,7 @@ def _load_files(data: str, files: list[Path]):
         raise UserError(f"could not read data {data} as {kind}: {_first_line(exc)}") from None
 
 
-def _texts(raw, text_field: str, data: str):
+def text_column(raw, text_field: str, data: str):
     """The dataset reduced to one string column named "text"."""
     columns = raw.column_names
     if text_field not in columns:
