@@ -164,7 +164,7 @@ def _ok(capsys, *argv: str) -> str:
 
 @pytest.mark.parametrize("argv, words", [
     (["{model}", "--data", "{tmp}/missing.jsonl"], "missing.jsonl does not exist"),
-    (["{model}", "--data", "{tmp}/bad.jsonl"], "could not read data"),
+    (["{model}", "--data", "{tmp}/bad.jsonl"], "is not valid JSON Lines (line 1"),
     (["{model}", "--data", "{tmp}/data.xyz"], "unknown kind (.xyz)"),
     (["{model}", "--data", "{tmp}/good.jsonl", "--dataset-tokens", "1e9"], "give the count or the data, not both"),
     (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512", "--data", "{tmp}/good.jsonl"],

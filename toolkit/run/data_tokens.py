@@ -68,16 +68,22 @@ def count_tokens(data: str, tokenizer: Any, *, seq_len: int, text_field: str = "
     """The training tokens of `data` (a local file or folder, as toolkit.train takes it) for `seq_len` sequences."""
     from toolkit.train.data import CHAT_FIELD, load_raw, local_data_files
 
-    if local_data_files(data) is None:
+    from toolkit.run.data_check import sample_data
+
+    local = local_data_files(data)
+    if local is None:
         raise UserError(f"--data {data} is not a local file or folder (a hub dataset is not downloaded to count "
                         "it); give --dataset-tokens N")
+    sample_data(local[0])  # the preflight's reader: a malformed row is named in one line before datasets reads it
     import datasets
 
-    bars_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # one line of output, not datasets' bars
+    bars_on, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()  # one line of output, not datasets' bars and logged errors
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         raw, _ = load_raw(data)  # the validation split is not trained on
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if bars_on:
             datasets.enable_progress_bars()
     records = len(raw)
