@@ -192,3 +192,14 @@ def test_a_dense_model_gets_no_expert_parallel_rows(tmp_path, capsys):
     out, _ = _plan_json(capsys, tmp_path, "--gpus", "8xH100-80GB", "--global-batch", "16")
     assert all(c["expert_parallel"] == 1 and "ep" not in c["name"].split(" x ")[-1] for c in out["candidates"])
     assert "Mixture of experts" not in out["chosen_because"]
+
+
+def test_a_lora_plan_of_an_moe_model_refuses_its_expert_row_and_says_why(q30, capsys):
+    """EP is modelled for full fine-tuning only: a LoRA plan lists the fsdp2 x ep row as refused, with the reason,
+    and #1's explanation names it."""
+    out, rows = _plan_json(capsys, q30, "--gpus", "8xH100-80GB", "--global-batch", "16", "--method", "lora")
+    assert not rows["fsdp2 x ep"]["feasible"]
+    assert rows["fsdp2 x ep"]["reason"].startswith("expert parallelism is planned for full fine-tuning")
+    assert not any(c["expert_parallel"] > 1 for c in out["candidates"])
+    assert "Mixture of experts: expert parallelism (fsdp2 x ep) is not an option: expert parallelism is planned " \
+           "for full fine-tuning" in out["chosen_because"]

@@ -184,7 +184,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
         if spec.moe_experts and "fsdp2" in req.strategies and req.expert_parallel is None \
                 and not any(v not in (None, 1) for v in fixed):
             strategy = parse_strategy("fsdp2")
-            problem = _expert_job_problem(strategy, hw, req, "plan those on zero3 / fsdp2 without ep")
+            problem = _expert_job_problem(strategy, hw, req, "so this plan ranks no ep row")
             yield "fsdp2 x ep", strategy, problem or _expert_parallel_grids(spec, hw, req, sequence_rule)
 
 
