@@ -152,8 +152,8 @@ def test_chat_data_counts_one_padded_sequence_per_trainable_conversation(tiny_ll
     data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(12)))
     out = json.loads(_ok(capsys, "plan", str(tiny_llama_dir), "--seq", "64", "--gpus", "1xH100-80GB",
                          "--global-batch", "4", "--strategies", "ddp", "--json", "--data", str(data)))
-    run = out["candidates"][0]["time_to_train"] if "candidates" in out else out["time_to_train"]
-    assert (run["dataset_tokens"], run["steps"]) == (12 * 64, 3)
+    run = out["chosen"]["time_to_train"]
+    assert (run["dataset_tokens"], run["steps"], run["dataset_tokens_source"]) == (12 * 64, 3, "counted")
 
 
 def _ok(capsys, *argv: str) -> str:
@@ -170,13 +170,16 @@ def _ok(capsys, *argv: str) -> str:
     (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512", "--data", "{tmp}/good.jsonl"],
      "give --dataset-tokens N instead of --data"),
     (["{model}", "--data", "{tmp}/good.jsonl", "--seq", "max"], "--data times a run at one sequence length"),
+    (["plan", "{model}", "--data", "{tmp}/good.jsonl", "--seq", "max"], "--data does not apply to --seq max"),
+    (["plan", "{model}", "--dataset-tokens", "1e9", "--seq", "max"], "--dataset-tokens does not apply to --seq max"),
 ])
 def test_bad_data_is_refused_in_one_line(tiny_llama_dir, tmp_path, capsys, argv, words):
     (tmp_path / "bad.jsonl").write_text("this is not json\n")
     (tmp_path / "data.xyz").write_text("text\n")
     _jsonl(tmp_path / "good.jsonl", ["some text"])
     argv = [w.replace("{model}", str(tiny_llama_dir)).replace("{tmp}", str(tmp_path)) for w in argv]
-    code = main(["estimate", *argv, *([] if "--seq" in argv else ["--seq", "64"])])
+    command = argv.pop(0) if argv[0] == "plan" else "estimate"
+    code = main([command, *argv, *([] if "--seq" in argv else ["--seq", "64"])])
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1, err

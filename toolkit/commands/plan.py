@@ -92,7 +92,6 @@ def cmd_plan(args) -> int:
         raise UserError(OP_CHECKPOINTING_PROBLEM)
     if args.compile == COMPILE_BLOCKS:
         raise UserError(BLOCKS_COMPILE_PROBLEM)
-    run = run_size_of(args, seq_len)  # --data: counted here, after every refusal that reads no data
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     req_kwargs: dict[str, Any] = dict(seq_len=seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                                       grad_accum=args.accumulation, precision=args.precision,
@@ -120,6 +119,7 @@ def cmd_plan(args) -> int:
     _refuse_an_empty_grid(spec, hw, req, seq_max)
     if args.out:
         _refuse_existing(Path(args.out), args.force)
+    run = run_size_of(args, seq_len)  # --data: counted here, after every refusal that reads no data
     if seq_max:
         return _plan_seq_max(args, spec, hw, req)
     from toolkit.commands.help import status
@@ -178,12 +178,13 @@ def cmd_plan(args) -> int:
 
 
 def _refuse_what_seq_max_ignores(args) -> None:
-    """--seq max searches each strategy at micro-batch 1 and writes the one that fits longest: a batch or a row
-    given beside it would be dropped silently, so it is refused."""
+    """--seq max searches each strategy at micro-batch 1 and writes the one that fits longest: a batch, a row or a
+    run size (timed at one sequence length) given beside it would be dropped silently, so it is refused."""
     if args.seq != "max":
         return
     given = [flag for flag, value in (("--global-batch", args.global_batch), ("--micro-batch", args.micro_batch),
-                                      ("--choose", args.strategy_choice)) if value is not None]
+                                      ("--choose", args.strategy_choice), ("--dataset-tokens", args.dataset_tokens),
+                                      ("--data", args.data)) if value is not None]
     if given:
         raise UserError(f"{given[0]} does not apply to --seq max (it finds each strategy's longest sequence at "
                         f"micro-batch 1 and writes the one that fits longest); drop {given[0]} or give --seq N")
