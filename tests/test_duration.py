@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -170,6 +171,7 @@ def _ok(capsys, *argv: str) -> str:
     (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512", "--data", "{tmp}/good.jsonl"],
      "give --dataset-tokens N instead of --data"),
     (["{model}", "--data", "{tmp}/good.jsonl", "--seq", "max"], "--data times a run at one sequence length"),
+    (["{tmp}/config-only", "--data", "{tmp}/good.jsonl"], "the folder holds no tokenizer files"),
     (["plan", "{model}", "--data", "{tmp}/good.jsonl", "--seq", "max"], "--data does not apply to --seq max"),
     (["plan", "{model}", "--dataset-tokens", "1e9", "--seq", "max"], "--dataset-tokens does not apply to --seq max"),
 ])
@@ -177,6 +179,8 @@ def test_bad_data_is_refused_in_one_line(tiny_llama_dir, tmp_path, capsys, argv,
     (tmp_path / "bad.jsonl").write_text("this is not json\n")
     (tmp_path / "data.xyz").write_text("text\n")
     _jsonl(tmp_path / "good.jsonl", ["some text"])
+    (tmp_path / "config-only").mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config-only")  # a model folder with no tokenizer
     argv = [w.replace("{model}", str(tiny_llama_dir)).replace("{tmp}", str(tmp_path)) for w in argv]
     command = argv.pop(0) if argv[0] == "plan" else "estimate"
     code = main([command, *argv, *([] if "--seq" in argv else ["--seq", "64"])])

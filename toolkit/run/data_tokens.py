@@ -54,6 +54,12 @@ def model_tokenizer(model: str | None):
     source = loadable_model(model)
     if Path(source).is_file():  # a config.json given as the model
         source = str(Path(source).parent)
+    if Path(source).is_dir():
+        from toolkit.run.preflight import tokenizer_files
+
+        if not tokenizer_files(Path(source)):
+            raise UserError(f"--data needs {model}'s tokenizer, and the folder holds no tokenizer files "
+                            f"(tokenizer.json, tokenizer_config.json or the vocabulary files); {fix}")
     try:
         from transformers import AutoTokenizer
 
