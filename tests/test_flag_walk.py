@@ -24,7 +24,8 @@ from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 
 CLOSED_SETS = {"--method": choices.METHODS, "--qlora-quant-type": choices.QUANT_TYPES,
                "--qlora-compute-dtype": choices.COMPUTE_DTYPES, "--qlora-quant-storage": choices.QUANT_STORAGE_DTYPES,
-               "--precision": choices.PRECISIONS, "--strategy": ALL_STRATEGY_NAMES}
+               "--precision": choices.PRECISIONS, "--strategy": ALL_STRATEGY_NAMES,
+               "--reference": choices.REFERENCES[1:], "--dpo-loss": choices.DPO_LOSS_TYPES[1:]}
 """Flags that take a member of a closed set the command checks itself (its help lists the set): the walk gives the
 first member that is not the default."""
 
@@ -59,6 +60,7 @@ NEEDS = {
     **{flag: ["--model", "{model}", "--gpus", "2xH100-80GB"] for flag in ("--seq", "--micro-batch", "--precision",
                                                                          "--checkpointing")},
     "--model": ["--gpus", "2xH100-80GB"], "--nodes": ["--rehearse"],
+    **{flag: ["--method", "dpo"] for flag in ("--reference", "--dpo-beta", "--dpo-loss")},
     "--epochs": ["--dataset-tokens", "1e9"], "--gpu-hour-price": ["--dataset-tokens", "1e9"],
 }
 """Flags that act only beside another: walked with it given in both runs (its own effect is not what is measured).
