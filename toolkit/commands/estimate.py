@@ -53,6 +53,7 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.hardware import power_json
     from toolkit.inputs.strategy import parse_strategy
 
+    _refuse_run_only_dpo_settings(args)
     sized_by = run_size_flag(args)
     if sized_by is not None and args.seq == "max":
         raise UserError(f"{sized_by} times a run at one sequence length, not --seq max; give --seq a number or "
@@ -129,6 +130,20 @@ def cmd_estimate(args) -> int:
     if run is not None:
         print(duration(run, c, hw.world_size).text())
     return _fit_exit(args, b.fits)
+
+
+def _refuse_run_only_dpo_settings(args) -> None:
+    """--dpo-beta and --dpo-loss are settings of the run (plan writes them to training_args.json's dpo_config); they
+    move neither the memory nor the step time estimate prints, so estimate refuses them rather than ignore them
+    (after the DPO flags' own checks, so a wrong value is named as such)."""
+    if dpo_of(args) is None:
+        return
+    given = [f for f, v in (("--dpo-beta", args.dpo_beta), ("--dpo-loss", args.dpo_loss)) if v is not None]
+    if given:
+        one = len(given) == 1
+        raise UserError(f"{' and '.join(given)} change{'s' if one else ''} neither memory nor step time: "
+                        f"{'it is a setting' if one else 'they are settings'} of the run, which `toolkit plan --out` "
+                        f"writes to training_args.json's dpo_config; drop {'it' if one else 'them'} here")
 
 
 def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None:
