@@ -3,12 +3,7 @@ load reads, for a built model or for a config alone (docs/ENGINE_FACTS.md "Which
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from toolkit.inputs.modelconfig import config_from_dict
-
-if TYPE_CHECKING:
-    from toolkit.inputs.modelspec import ModelSpec
 
 
 def attention_support(model) -> tuple[str, ...]:
