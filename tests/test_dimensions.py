@@ -447,6 +447,24 @@ def test_bad_degrees_get_one_line_and_exit_2(argv, fragment, capsys, tmp_path, m
     assert fragment in _one_error_line(capsys)
 
 
+@pytest.mark.parametrize("model", ["mistral-7b", "phi-3-mini"])
+def test_context_parallel_refuses_a_windowed_model_whether_or_not_accelerate_checks(model, monkeypatch):
+    """accelerate drops every layer's mask for is_causal; an accelerate that does not refuse a sliding-window model
+    itself (an older one, or an import that failed) still would train it with full causal attention, so the probe
+    reads the layer kinds from the config too, and both paths give the same reason."""
+    import accelerate.big_modeling
+
+    from toolkit.inputs import attention
+
+    spec = resolve_model(model)
+    with_check = attention._probe_context_parallel(spec)
+    monkeypatch.setattr(accelerate.big_modeling, "_attach_context_parallel_hooks", lambda module: None)
+    without = attention._probe_context_parallel(spec)
+    assert with_check == without == ["its sliding_attention layers need their own mask, which accelerate's context "
+                                     "parallelism drops (accelerate refuses such models)"]
+    assert attention._probe_context_parallel(resolve_model("llama-3.1-8b")) == []
+
+
 def test_plan_refuses_cp_and_sdpa_sp_for_a_sliding_window_model_once_per_row(capsys):
     """Mistral-7B (a 4096-token window on every layer): accelerate refuses its CP, and Ulysses with sdpa would drop
     the window past 4096 tokens; each refused row says so once, for every degree, while TP still plans."""

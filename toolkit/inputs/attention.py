@@ -113,6 +113,7 @@ def _probe_context_parallel(spec: "ModelSpec") -> list[str]:
         from accelerate.big_modeling import _attach_context_parallel_hooks
     except ImportError:  # an accelerate without the check: nothing more to ask
         _attach_context_parallel_hooks = None
+    kinds = ""
     if _attach_context_parallel_hooks is not None:
         probe = torch.nn.Module()  # no submodules: only the config check runs, no hook is attached
         probe.config = spec.hf_config()
@@ -120,9 +121,24 @@ def _probe_context_parallel(spec: "ModelSpec") -> list[str]:
             _attach_context_parallel_hooks(probe)
         except ValueError as exc:
             kinds = str(exc).split("of type [", 1)[-1].split("]", 1)[0].replace("'", "")
-            reasons.append(f"its {kinds} layers need their own mask, which accelerate's context parallelism drops "
-                           "(accelerate refuses such models)")
+    if not kinds:
+        # An accelerate without the check (or one that lets the model through) still drops every layer's mask for
+        # `is_causal`: the model's sliding-window or chunked layers would train with full causal attention, silently.
+        kinds = ", ".join(_windowed_layer_kinds(spec.hf_config()))
+    if kinds:
+        reasons.append(f"its {kinds} layers need their own mask, which accelerate's context parallelism drops "
+                       "(accelerate refuses such models)")
     return reasons
+
+
+def _windowed_layer_kinds(config) -> list[str]:
+    """The model's layer kinds whose mask is stricter than full causal (sliding-window, chunked), from the config
+    fields transformers builds its masks from: `layer_types`, or before it a `sliding_window` on every layer."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return sorted(set(layer_types) - {"full_attention"})
+    return ["sliding_attention"] if getattr(config, "sliding_window", None) else []
 
 
 def attention_window(spec: "ModelSpec") -> int | None:
@@ -148,10 +164,7 @@ _WINDOWS: dict[str, int | None] = {}
 def _attention_window(spec: "ModelSpec") -> int | None:
     config = spec.hf_config()
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(config, "layer_types", None)
     windows = [getattr(config, "attention_chunk_size" if "chunk" in kind else "sliding_window", None)
-               for kind in set(layer_types or ()) - {"full_attention"}]
-    if layer_types is None:
-        windows.append(getattr(config, "sliding_window", None))
+               for kind in _windowed_layer_kinds(config)]
     sizes = [int(w) for w in windows if isinstance(w, int) and w > 0]
     return min(sizes) if sizes else None
