@@ -187,3 +187,27 @@ def test_bad_data_is_refused_in_one_line(tiny_llama_dir, tmp_path, capsys, argv,
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1, err
+
+
+def test_the_python_api_counts_data_as_the_command_does(tiny_llama_dir, tmp_path, capsys):
+    """Estimate / PlanResult .time_to_train(data=...) count with the model's own tokenizer, as --data does; a
+    tokenizer= given by name counts the same; both or neither sizes are one line."""
+    from toolkit import api
+    from toolkit.errors import UserError
+
+    texts = _documents(120)
+    data = _jsonl(tmp_path / "train.jsonl", texts)
+    printed = json.loads(_ok(capsys, "estimate", str(tiny_llama_dir), "--seq", "64", "--gpus", "1xH100-80GB",
+                             "--strategy", "ddp", "--json", "--data", str(data), "--epochs", "2"))
+    e = api.estimate(str(tiny_llama_dir), "1xH100-80GB", strategy="ddp", seq_len=64)
+    run = e.time_to_train(data=data, epochs=2)
+    assert run.run.dataset_tokens == _own_count(tiny_llama_dir, texts) == printed["time_to_train"]["dataset_tokens"]
+    assert run.to_dict() == printed["time_to_train"]
+    spec_only = api.estimate(api.model(str(tiny_llama_dir)), "1xH100-80GB", strategy="ddp", seq_len=64)
+    assert spec_only.time_to_train(data=data, tokenizer=str(tiny_llama_dir), epochs=2).steps == run.steps
+    with pytest.raises(UserError, match="pass tokenizer="):
+        spec_only.time_to_train(data=data)
+    with pytest.raises(UserError, match="not both or neither"):
+        e.time_to_train(1e9, data=data)
+    p = api.plan(str(tiny_llama_dir), "1xH100-80GB", seq_len=64, global_batch=4, strategies="ddp")
+    assert p.time_to_train(data=data).run.dataset_tokens == run.run.dataset_tokens

@@ -113,6 +113,8 @@ class Estimate:
     job: "Job"
     grid: "ParallelGrid"
     candidate: "Candidate"
+    model_name: str | None = None
+    """The model as given (a name, folder or hub id; None for a ModelSpec): its tokenizer counts `data=`."""
 
     @property
     def strategy(self) -> str:
@@ -147,22 +149,41 @@ class Estimate:
         return {"model": self.model.summary(), "hardware": self.hardware.spec, "strategy": self.strategy,
                 "per_gpu": self.memory.to_dict(), "fits": self.fits, "timing": self.timing.to_dict()}
 
-    def time_to_train(self, dataset_tokens: float, *, epochs: float = 1.0,
-                      gpu_hour_price: float | None = None) -> "Duration":
-        """Steps, hours, GPU-hours and cost of training on `dataset_tokens` (as `estimate --dataset-tokens`)."""
+    def time_to_train(self, dataset_tokens: float | None = None, *, data: str | Path | None = None,
+                      tokenizer: Any = None, epochs: float = 1.0, gpu_hour_price: float | None = None) -> "Duration":
+        """Steps, hours, GPU-hours and cost of training on `dataset_tokens`, or on the tokens of local `data` counted
+        with `tokenizer` (by default the model's own), as `estimate --dataset-tokens / --data` print them."""
         from toolkit.estimate.duration import duration
 
-        return duration(_run_size(dataset_tokens, epochs, gpu_hour_price), self.candidate, self.hardware.world_size)
+        run = _run_size(dataset_tokens, epochs, gpu_hour_price, data=data, tokenizer=tokenizer,
+                        model_name=self.model_name, seq_len=self.job.seq_len)
+        return duration(run, self.candidate, self.hardware.world_size)
 
 
-def _run_size(dataset_tokens: float, epochs: float, gpu_hour_price: float | None):
+def _run_size(dataset_tokens: float | None, epochs: float, gpu_hour_price: float | None, *,
+              data: str | Path | None = None, tokenizer: Any = None, model_name: str | None = None,
+              seq_len: int = 0):
+    """The run's size from a token count or from local data (counted as `--data` counts it), checked as the
+    flags are."""
     from toolkit import bounds
     from toolkit.estimate.duration import RunSize
 
-    bounds.check_number("dataset_tokens", dataset_tokens, bounds.DATASET_TOKENS)
+    if (dataset_tokens is None) == (data is None):
+        raise UserError("time_to_train needs dataset_tokens or data (what the run trains on), not both or neither")
     bounds.check_number("epochs", epochs, bounds.EPOCHS)
     if gpu_hour_price is not None:
         bounds.check_number("gpu_hour_price", gpu_hour_price, bounds.GPU_HOUR_PRICE)
+    if data is not None:
+        from toolkit.run.data_tokens import run_size_from_data
+
+        if tokenizer is None and model_name is None:
+            raise UserError("data= counts tokens with the model's tokenizer, and a model given as a ModelSpec names "
+                            "none; pass tokenizer= (a tokenizer, or the model's name or folder) or dataset_tokens=")
+        if isinstance(tokenizer, (str, Path)):
+            model_name, tokenizer = str(tokenizer), None
+        return run_size_from_data(str(data), model_name, seq_len=seq_len, epochs=float(epochs),
+                                  gpu_hour_price=gpu_hour_price, tokenizer=tokenizer)
+    bounds.check_number("dataset_tokens", dataset_tokens, bounds.DATASET_TOKENS)
     return RunSize(dataset_tokens=int(dataset_tokens), epochs=float(epochs), gpu_hour_price=gpu_hour_price)
 
 
@@ -192,7 +213,8 @@ def estimate(model_name: "str | ModelSpec", gpus: "str | Hardware" = "8xH100-80G
     check_job(spec, job, hw, chosen, pipeline_stages=grid.pipeline_stages)
     grid.check_model(spec)
     grid.check_sequence(job.seq_len, spec.effective_attention(job.attention), spec)
-    return Estimate(spec, hw, job, grid, evaluate(spec, hw, chosen, job, grid, prune=False))
+    return Estimate(spec, hw, job, grid, evaluate(spec, hw, chosen, job, grid, prune=False),
+                    model_name if isinstance(model_name, str) else None)
 
 
 def _job(cls, spec: "ModelSpec", *, seq_len: int | None, **fields: Any):
@@ -241,16 +263,20 @@ class PlanResult:
         """The table as plain dicts (what `toolkit plan --json` prints as candidates)."""
         return [c.row() for c in self.candidates]
 
-    def time_to_train(self, dataset_tokens: float, *, candidate: "Candidate | str | None" = None,
-                      epochs: float = 1.0, gpu_hour_price: float | None = None) -> "Duration":
-        """Steps, hours, GPU-hours and cost of training on `dataset_tokens` with the chosen candidate (or another
-        one), as `plan --dataset-tokens` prints for #1."""
+    def time_to_train(self, dataset_tokens: float | None = None, *, data: str | Path | None = None,
+                      tokenizer: Any = None, candidate: "Candidate | str | None" = None, epochs: float = 1.0,
+                      gpu_hour_price: float | None = None) -> "Duration":
+        """Steps, hours, GPU-hours and cost of training on `dataset_tokens` (or on local `data`, counted with
+        `tokenizer`, by default the model's own) with the chosen candidate (or another one), as
+        `plan --dataset-tokens / --data` print for #1."""
         from toolkit.estimate.duration import duration
 
         chosen = self.candidate(candidate) if isinstance(candidate, str) else candidate or self.chosen
         if chosen is None or not chosen.feasible:
             raise UserError("no strategy fits: there is no run to time (see .refused for each reason)")
-        return duration(_run_size(dataset_tokens, epochs, gpu_hour_price), chosen, self.hardware.world_size)
+        run = _run_size(dataset_tokens, epochs, gpu_hour_price, data=data, tokenizer=tokenizer,
+                        model_name=self.model_name, seq_len=chosen.job.seq_len)
+        return duration(run, chosen, self.hardware.world_size)
 
     def to_plan(self, candidate: "Candidate | str | None" = None) -> "Plan":
         """The Plan (plan.json) of the chosen candidate, or of another one."""

@@ -294,16 +294,12 @@ def run_size_of(args, seq_len: int):
     if flag == "--dataset-tokens":
         return RunSize(dataset_tokens=args.dataset_tokens, epochs=epochs, gpu_hour_price=args.gpu_hour_price)
     from toolkit.commands.help import status
-    from toolkit.run.data_tokens import count_tokens, model_tokenizer
+    from toolkit.run.data_tokens import model_tokenizer, run_size_from_data
 
     tokenizer = model_tokenizer(args.model)
     with status(f"counting the tokens of {args.data}"):
-        counted = count_tokens(args.data, tokenizer, seq_len=seq_len)
-    if counted.tokens < 1:
-        raise UserError(f"--data {args.data} holds no trainable tokens (no text, or no conversation with an "
-                        "assistant token within --seq); give other data or --dataset-tokens")
-    return RunSize(dataset_tokens=counted.tokens, epochs=epochs, gpu_hour_price=args.gpu_hour_price,
-                   source="sampled" if counted.sampled else "counted", source_detail=counted.detail(args.data))
+        return run_size_from_data(args.data, args.model, seq_len=seq_len, epochs=epochs,
+                                  gpu_hour_price=args.gpu_hour_price, tokenizer=tokenizer)
 
 
 def host_names(text: str) -> list[str]:

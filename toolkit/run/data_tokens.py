@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import UserError
+
+if TYPE_CHECKING:
+    from toolkit.estimate.duration import RunSize
 
 SAMPLE_RECORDS = 2000
 """Records tokenized at most: a few seconds of a fast tokenizer, and a sample mean within about 2% of the whole
@@ -68,6 +71,20 @@ def model_tokenizer(model: str | None):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"--data needs {model}'s tokenizer, and none can be loaded here ({first[:160]}); {fix}") \
             from None
+
+
+def run_size_from_data(data: str, model: str | None, *, seq_len: int, epochs: float = 1.0,
+                       gpu_hour_price: float | None = None, tokenizer: Any = None) -> "RunSize":
+    """The run's size from `data`, its tokens counted with `tokenizer` (by default `model`'s own) for `seq_len`
+    sequences: what `--data` gives estimate and plan, and `data=` the Python API."""
+    from toolkit.estimate.duration import RunSize
+
+    counted = count_tokens(data, tokenizer if tokenizer is not None else model_tokenizer(model), seq_len=seq_len)
+    if counted.tokens < 1:
+        raise UserError(f"--data {data} holds no trainable tokens (no text, or no conversation with an "
+                        "assistant token within --seq); give other data or --dataset-tokens")
+    return RunSize(dataset_tokens=counted.tokens, epochs=epochs, gpu_hour_price=gpu_hour_price,
+                   source="sampled" if counted.sampled else "counted", source_detail=counted.detail(data))
 
 
 def count_tokens(data: str, tokenizer: Any, *, seq_len: int, text_field: str = "text") -> DataTokens:
