@@ -228,7 +228,7 @@ def _null():
 def _predict(case: Case, config, kind: str, gpu: str) -> dict:
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
-    from toolkit.estimate.memory import estimate_memory, reserved_bytes
+    from toolkit.estimate.memory import estimate_memory
     from toolkit.inputs.modelspec import build_spec
     from toolkit.inputs.strategy import parse_strategy
     from toolkit.estimate.timing import step_time
@@ -245,7 +245,7 @@ def _predict(case: Case, config, kind: str, gpu: str) -> dict:
         return out
     b = estimate_memory(spec, strategy, job, hw)
     t = step_time(spec, strategy, job, hw)
-    out.update(allocated_predicted=b.peak_bytes, reserved_predicted=reserved_bytes(b.peak_bytes),
+    out.update(allocated_predicted=b.peak_bytes, reserved_predicted=b.reserved_bytes,
                peak_phase=b.peak_phase, step_predicted_s=t.step_time_s, mfu_predicted=t.mfu)
     return out
 

@@ -71,7 +71,7 @@ def _job():
 def estimate(shared: bool) -> dict:
     """Our memory and step time for the row's job on the shared-batch or the own-batch layout."""
     from toolkit.estimate.experttime import GROUPED_MM_EFFICIENCY_BAND
-    from toolkit.estimate.memory import estimate_memory, reserved_bytes
+    from toolkit.estimate.memory import estimate_memory
     from toolkit.estimate.timing import step_time
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.hardware import parse_hardware
@@ -94,7 +94,7 @@ def estimate(shared: bool) -> dict:
     return {"layout": grid.describe(), "tokens_per_step": grid.tokens_per_step(job.micro_batch, job.grad_accum,
                                                                                job.seq_len),
             "params_per_rank": per_rank, "states_floor_gib": per_rank * 8 / GIB,
-            "allocated_gib": b.peak_bytes / GIB, "reserved_gib": reserved_bytes(b.peak_bytes) / GIB,
+            "allocated_gib": b.peak_bytes / GIB, "reserved_gib": b.reserved_bytes / GIB,
             "required_gib": b.required_bytes / GIB, "peak_phase": b.peak_phase,
             "step_s": t.step_time_s, "compute_s": t.compute_s, "experts_s": t.experts_s,
             "step_slow_s": t.step_time_s + t.experts_s * (1 / GROUPED_MM_EFFICIENCY_BAND[0] - 1), "communication_s": t.communication_s,

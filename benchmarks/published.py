@@ -74,7 +74,7 @@ def estimate_row(row: dict) -> dict:
     """Our figures for one published row."""
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
-    from toolkit.estimate.memory import estimate_memory, reserved_bytes
+    from toolkit.estimate.memory import estimate_memory
     from toolkit.inputs.strategy import parse_strategy
 
     job_in = row["job"]
@@ -88,7 +88,7 @@ def estimate_row(row: dict) -> dict:
               activation_offloading=job_in["activation_offloading"], liger=job_in.get("liger", False),
               compile=job_in.get("compile", False), chunked_loss=CHUNKED_LOSS[job_in.get("loss", "full-fp32")])
     b = estimate_memory(spec, parse_strategy(job_in["strategy"]), job, hw)
-    return {"params": spec.params, "allocated_bytes": b.peak_bytes, "reserved_bytes": reserved_bytes(b.peak_bytes),
+    return {"params": spec.params, "allocated_bytes": b.peak_bytes, "reserved_bytes": b.reserved_bytes,
             "peak_phase": b.peak_phase, "checkpointing": ckpt}
 
 

@@ -46,6 +46,11 @@ class RegionTrace:
     """Parameter gradients this region's forward already creates (in the traced parameter dtype), alive until its
     backward, where they become the parameters' gradients: Liger's fused linear cross-entropy computes the LM
     head's weight gradient in forward (toolkit.patches.liger). Not part of saved_bytes."""
+    forward_events: tuple[int, ...] = ()
+    """The region's allocations and frees in forward, in order (toolkit.estimate.stepevents: a birth is its bytes,
+    a death a packed reference to its birth), parameter gradients left out; () when not recorded."""
+    backward_events: tuple[int, ...] = ()
+    """The same for the region's backward (with checkpointing, its recompute too)."""
 
 
 @dataclass(frozen=True)

@@ -111,10 +111,13 @@ class _Pool:
         del self.blocks[key]
         del self.keys[bisect_left(self.keys, key)]
 
-    def from_key(self, stream: int, size: int) -> list[_Block]:
-        """Cached blocks of `stream` at least `size` large, smallest first (std::set lower_bound and onwards)."""
-        i = bisect_left(self.keys, (stream, size, -1))
-        return [self.blocks[k] for k in self.keys[i:] if k[0] == stream]
+    def from_key(self, stream: int, size: int):
+        """Cached blocks of `stream` at least `size` large, smallest first (std::set lower_bound and onwards),
+        lazily: a lookup reads only the blocks it needs."""
+        keys, i = self.keys, bisect_left(self.keys, (stream, size, -1))
+        while i < len(keys) and keys[i][0] == stream:
+            yield self.blocks[keys[i]]
+            i += 1
 
 
 @dataclass
@@ -256,13 +259,13 @@ class CachingAllocator:
         if self.settings.garbage_collection_threshold > 0 and self.settings.capacity is not None:
             pool.lookups += 1
         found = pool.from_key(stream, size)
-        if not found:
+        block = next(found, None)
+        if block is None:
             return None
-        block = found[0]
         if block.expandable:
             def growable(b: _Block) -> int:
                 return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
-            for other in found[1:]:
+            for other in found:
                 if not (block.expandable and growable(other) < growable(block)):
                     break
                 block = other
@@ -413,9 +416,9 @@ class CachingAllocator:
         if limit == NO_LIMIT:
             return False
         key = max(size, limit)
-        found = pool.from_key(stream, key)
-        if found:
-            self._release(found[0])
+        found = next(pool.from_key(stream, key), None)
+        if found is not None:
+            self._release(found)
             return True
         oversize = sorted((b for b in pool.blocks.values() if b.stream == stream and b.size >= limit),
                           key=lambda b: (b.size, b.ptr), reverse=True)

@@ -12,6 +12,7 @@ from toolkit.estimate.layerkinds import decoder_layers, kind_ids, layer_kind, nu
 from toolkit.estimate.recording import (Region, Run, StorageLog, backward_peak, make_recorder, peak_above,
                                         tensors_in)
 from toolkit.estimate.standins import cuda_autocast_float32_ops, with_float32_ops
+from toolkit.estimate.stepevents import region_events
 from toolkit.inputs.choices import CHECKPOINTING_OP
 
 @contextlib.contextmanager
@@ -184,6 +185,8 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
     held = dict(zip(order, accumulate(regions[r].saved_bytes + regions[r].autocast_copy_bytes for r in order)))
     cached = dict(zip(order, accumulate(regions[r].autocast_cache_bytes for r in order)))
 
+    events = dict(zip(order, region_events(log.events, marks, n, grad_serials - {None})))
+
     def region_trace(name: str, fwd: tuple[str, str], bwd: tuple[str, str]) -> RegionTrace:
         region = regions[name]
         backward_extra, grads_at_peak, grads = backward_peak(curve, grad_curve, marks, *bwd, held[name])
@@ -193,7 +196,8 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                            autocast_copy_bytes=region.autocast_copy_bytes,
                            autocast_cache_bytes=region.autocast_cache_bytes,
                            backward_grad_bytes=grads_at_peak, grad_bytes=grads,
-                           forward_grad_bytes=region.forward_grad_bytes)
+                           forward_grad_bytes=region.forward_grad_bytes,
+                           forward_events=events[name][0], backward_events=events[name][1])
 
     embedding = region_trace("embedding", ("f:embedding", "f:layer0"), ("be:layer0", "b:end"))
     layer_traces = [region_trace(f"layer{i}", (f"f:layer{i}", f"e:layer{i}"), (f"b:layer{i}", f"be:layer{i}"))

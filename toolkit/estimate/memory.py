@@ -35,7 +35,10 @@ COMM_BUFFER_BYTES = int(0.5 * GIB)
 """NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed: no
 published source separates them (the published nvidia-smi readings lump them with the context)."""
 ALLOCATOR_MARGIN = 0.05
-"""Caching-allocator reserved over allocated, minus 1. Still assumed. The one published reserved/allocated pair of
+"""Caching-allocator reserved over allocated, minus 1: only the fallback where the step's allocation events are not
+recorded (torch.compile traces, interpolations between traces whose events differ, pipeline stages with several
+micro-batches in flight); elsewhere the step is replayed through the allocator model (toolkit.estimate.reserved).
+Still assumed. The one published reserved/allocated pair of
 a modelled job (accelerate benchmarks/fsdp2, Qwen2.5-1.5B FSDP2 on 8 x H100, seq 128: ~4350 MiB allocated, ~7050
 MiB reserved, benchmarks/results/published.md) gives 1.62, but its allocated figure is sampled by a thread and misses
 short peaks, and the absolute gap (2.6 GiB) is of the size of FSDP2's per-stream all-gather / reduce-scatter blocks
@@ -98,6 +101,12 @@ class Breakdown:
     @property
     def fits(self) -> bool:
         return self.required_bytes <= self.capacity_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What torch.cuda.max_memory_reserved would report: the tensor peak plus the allocator's overhead (replayed,
+        or the assumed margin where the step's events are not recorded)."""
+        return self.peak_bytes + self.margin_bytes
 
     @property
     def headroom_bytes(self) -> int:
@@ -466,6 +475,33 @@ def _fsdp_plan_groups(view, trace: ActivationTrace, states: States, job: Job) ->
                    head=grow(trace.head, 0, kept))
 
 
+def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy, peak: int, *, in_flight: int,
+                      reference_bytes: int = 0) -> tuple[int, Term]:
+    """Reserved over the tensor peak: the step's events replayed through the caching-allocator model, or the
+    assumed margin where the events are not recorded."""
+    from toolkit.estimate.reserved import StepSizes, replayed_reserved
+
+    result = None
+    if in_flight == 1:
+        sizes = StepSizes(
+            persistent=states.parameters + states.master + states.gradients + states.buffers + reference_bytes,
+            optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,
+            reduce_stream=strategy.engine == Engine.FSDP2, step_gradients=states.step_gradients,
+            backward_gradients=states.backward_gradients, step_transient=states.step_transient)
+        result = replayed_reserved(regions, sizes)
+    if result is None:
+        margin = reserved_bytes(peak) - peak
+        return margin, Term("allocator margin", margin,
+                            f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak: this step's allocation events are "
+                            "not recorded (compiled trace, several micro-batches in flight, or traces that differ)")
+    return result.overhead, Term(
+        "allocator (replayed)", result.overhead,
+        f"caching-allocator segments above the tensor peak: two steps' {result.events} allocation events (the "
+        "traced regions' storages, model states, engine buffers on their streams) replayed through "
+        f"toolkit.estimate.allocator: reserved {result.peak_reserved / GIB:.2f} GiB over allocated "
+        f"{result.peak_allocated / GIB:.2f} GiB in {result.segments} segments")
+
+
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,
              regions: list[_Region], states: States, *, in_flight: int, stage: int | None = None,
              reference=None) -> Breakdown:
@@ -477,7 +513,8 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
                                           autocast=states.autocast, traced_grad_bytes_per_param=traced_grad,
                                           reference_bytes=ref_weights, reference_forward_bytes=ref_forward)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
-    margin = reserved_bytes(int(peak.bytes)) - int(peak.bytes)
+    margin, margin_term = _allocator_margin(regions, states, strategy, int(peak.bytes), in_flight=in_flight,
+                                            reference_bytes=ref_weights)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + context + margin
     grads = states.gradients + states.step_gradients + states.backward_gradients \
@@ -504,7 +541,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
                                                    or "the engine's rule on the parameters line") + ")"),
         Term("peak-phase temporaries", int(peak.transient), f"live only at the peak: {peak.phase}"),
         Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/estimate/memory.py"),
-        Term("allocator margin", margin, f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak"),
+        margin_term,
     ]
     forward_grads = sum(r.trace.forward_grad_bytes for r in regions)
     if forward_grads:

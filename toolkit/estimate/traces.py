@@ -9,6 +9,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
+from toolkit.estimate.stepevents import lerp_events
 from toolkit.inputs.job import COMPILE_BLOCKS, Job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import Engine, Strategy
@@ -21,15 +22,22 @@ def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
     return dtype, strategy.engine == Engine.DDP and job.mixed
 
 
+_EVENTS = ("forward_events", "backward_events")
+
 _TRACE_CACHE: dict[tuple, tuple[ModelSpec, ActivationTrace]] = {}
 """Per process, keyed by the spec's identity; the entry keeps the spec alive so its id is never reused."""
 
 
 def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
     data = {**data, "compile_traffic": tuple(data.get("compile_traffic", ()))}
-    return ActivationTrace(**{**data, "embedding": RegionTrace(**data["embedding"]),
-                              "layers": tuple(RegionTrace(**r) for r in data["layers"]),
-                              "head": RegionTrace(**data["head"]), "notes": tuple(data["notes"])})
+
+    def region(r: dict) -> RegionTrace:
+        return RegionTrace(**{**r, "forward_events": tuple(r.get("forward_events", ())),
+                              "backward_events": tuple(r.get("backward_events", ()))})
+
+    return ActivationTrace(**{**data, "embedding": region(data["embedding"]),
+                              "layers": tuple(region(r) for r in data["layers"]),
+                              "head": region(data["head"]), "notes": tuple(data["notes"])})
 
 
 _SEQ_ANCHORED = False
@@ -68,7 +76,8 @@ def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> Acti
     f = (L - a) / a
 
     def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
-        return RegionTrace(**{k: int(round(v + (getattr(r2, k) - v) * f)) for k, v in asdict(r1).items()})
+        return RegionTrace(**{k: lerp_events(v, getattr(r2, k), f) if k in _EVENTS
+                              else int(round(v + (getattr(r2, k) - v) * f)) for k, v in asdict(r1).items()})
 
     return replace(t1, seq_len=L, embedding=lerp(t1.embedding, t2.embedding),
                    layers=tuple(lerp(x, y) for x, y in zip(t1.layers, t2.layers)), head=lerp(t1.head, t2.head),
@@ -137,7 +146,9 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
                        backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
                        autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes,
                        backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes,
-                       forward_grad_bytes=r1.forward_grad_bytes)
+                       forward_grad_bytes=r1.forward_grad_bytes,
+                       forward_events=lerp_events(r1.forward_events, r2.forward_events, f),
+                       backward_events=lerp_events(r1.backward_events, r2.backward_events, f))
 
 
 def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:

@@ -1,0 +1,86 @@
+"""Reserved memory from the step's own allocation events replayed through the caching-allocator model
+(toolkit.estimate.reserved), not from a margin over the tensor peak."""
+
+from __future__ import annotations
+
+import pytest
+
+from toolkit.estimate import allocator
+from toolkit.estimate.memory import ALLOCATOR_MARGIN, estimate_memory
+from toolkit.estimate.reserved import StepSizes, replayed_reserved, step_events
+from toolkit.estimate.stepevents import decode_free, free_code, region_events
+from toolkit.inputs.hardware import parse_hardware
+from toolkit.inputs.job import Job
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.inputs.strategy import parse_strategy
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return resolve_model(str(tiny_llama_dir))
+
+
+def test_a_free_code_names_its_birth_back():
+    assert decode_free(free_code(-3, 1, 1234)) == (-3, 1, 1234)
+    assert decode_free(free_code(0, 0, 0)) == (0, 0, 0)
+
+
+def test_region_events_cut_the_log_by_window_and_point_deaths_to_their_births():
+    # embedding makes serial 0; layer 0 makes 1 and 2, frees 0; the head frees 1; layer 0's backward frees 2.
+    log = [(0, 100), (1, 200), (0, -100), (2, 300), (1, -200), (2, -300)]
+    marks = {"f:embedding": 0, "f:layer0": 1, "e:layer0": 4, "f:end": 5, "b:begin": 5, "b:layer0": 5,
+             "be:layer0": 6, "b:end": 6}
+    emb, layer, head = region_events(log, marks, 1, excluded=set())
+    assert emb == ((100,), ())
+    assert layer == ((200, free_code(-1, 0, 0), 300), (free_code(0, 0, 1),))
+    assert head == ((free_code(-1, 0, 0),), ())
+
+
+def test_the_estimate_reports_the_replayed_reserved_not_the_five_percent_margin(tiny):
+    b = estimate_memory(tiny, parse_strategy("ddp"), Job(seq_len=128), parse_hardware("1xA100-80GB"))
+    term = next(t for t in b.terms if t.name.startswith("allocator"))
+    assert term.name == "allocator (replayed)"
+    assert b.margin_bytes == term.bytes != int(b.peak_bytes * ALLOCATOR_MARGIN)
+    assert b.reserved_bytes == b.peak_bytes + b.margin_bytes
+    assert b.required_bytes == b.reserved_bytes + b.context_bytes
+
+
+def test_a_tiny_models_replay_is_made_of_2_mib_segments_above_its_allocated_peak(tiny):
+    from toolkit.estimate.memory import _regions, states_for
+    from toolkit.estimate.traces import scaled_trace
+    from toolkit.inputs.grid import grid_of
+
+    job, strategy, hw = Job(seq_len=128), parse_strategy("ddp"), parse_hardware("1xA100-80GB")
+    trace = scaled_trace(tiny, job, strategy)
+    regions = _regions(tiny, trace, 0, tiny.num_layers, True, True)
+    states = states_for(tiny, strategy, job, grid_of(strategy, hw), params=tiny.params)
+    sizes = StepSizes(persistent=states.parameters, optimizer=states.optimizer, gathered=0, reduce_buffers=0,
+                      reduce_stream=False, step_gradients=states.step_gradients, backward_gradients=0,
+                      step_transient=states.step_transient)
+    events = step_events(regions, sizes)
+    stats = allocator.replay(events)
+    # Every tensor of a hidden-64 model is under 1 MiB: all of it lives in the small pool's 2 MiB segments.
+    assert max(e[2] for e in events if e[0] == "malloc") <= allocator.SMALL_SIZE
+    assert stats.peak_reserved % allocator.SMALL_BUFFER == 0
+    assert stats.peak_reserved >= stats.peak_allocated > 0
+    assert stats.peak_reserved == stats.segments * allocator.SMALL_BUFFER  # nothing freed back to the device
+    replayed = replayed_reserved(regions, sizes)
+    assert (replayed.peak_reserved, replayed.peak_allocated) == (stats.peak_reserved, stats.peak_allocated)
+
+
+def test_gathered_parameters_on_their_own_stream_are_not_reused_by_activations():
+    from types import SimpleNamespace
+
+    from toolkit.estimate.activations import RegionTrace
+
+    mib = 1 << 20
+    # One 40 MiB activation a region, saved to backward; 40 MiB gathered per region on the all-gather stream.
+    trace = RegionTrace(0, 0, 0, forward_events=(40 * mib,), backward_events=(free_code(0, 0, 0),))
+    regions = [SimpleNamespace(params=1, trace=trace) for _ in range(4)]
+    base = dict(persistent=0, optimizer=0, reduce_buffers=0, reduce_stream=False, step_gradients=0,
+                backward_gradients=0, step_transient=0)
+    alone = allocator.replay(step_events(regions, StepSizes(gathered=0, **base)))
+    gathered = allocator.replay(step_events(regions, StepSizes(gathered=80 * mib, **base)))
+    assert alone.peak_reserved == 4 * 40 * mib
+    # two regions' 40 MiB gathered blocks alive at a time, in segments of their own stream
+    assert gathered.peak_reserved >= alone.peak_reserved + 2 * 40 * mib
