@@ -13,6 +13,8 @@ cache (JSON) and hash fast.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 FORWARD, BACKWARD = 0, 1
 _OFFSET = 16
 """Region offsets a death may reach, either way (a storage dies at most a few regions from where it was born)."""
@@ -80,10 +82,11 @@ def region_events(events: list[tuple[int, int]], marks: dict[str, int], n: int,
     return [(tuple(f), tuple(b)) for f, b in out]
 
 
+@lru_cache(maxsize=4096)
 def lerp_events(a: tuple[int, ...], b: tuple[int, ...], f: float) -> tuple[int, ...]:
     """Events at a point between (or past) two traces of the same step: births' sizes are interpolated where both
     traces have the same events in the same order (sizes affine in the batch or the length), else () (no events:
     the replay falls back to the margin)."""
-    if len(a) != len(b) or any((x < 0) != (y < 0) or (x < 0 and x != y) for x, y in zip(a, b)):
+    if len(a) != len(b) or [min(x, 0) for x in a] != [min(y, 0) for y in b]:
         return ()
     return tuple(x if x < 0 else max(1, int(round(x + (y - x) * f))) for x, y in zip(a, b))
