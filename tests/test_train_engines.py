@@ -62,6 +62,14 @@ def test_single_process_loss_goes_down(reference):
     losses = reference.losses()
     assert len(losses) == STEPS
     assert sum(losses[s] for s in (5, 6)) / 2 < losses[1] - 0.1
+    # the time to finish: the steps left at the mean step measured since the first logged step (warm-up untimed);
+    # on CPU the plan's GPU prediction is not held against it
+    timed = [e for e in reference.ranks[0]["log_history"] if "loss" in e and "time_left_s" in e]
+    assert [e["step"] for e in timed] == list(range(2, STEPS + 1))
+    for e in timed:
+        assert e["step_time_s"] > 0 and "time_left_predicted_s" not in e
+        assert e["time_left_s"] == pytest.approx(e["step_time_s"] * (STEPS - e["step"]), abs=0.1)
+    assert timed[-1]["time_left_s"] == 0
 
 
 @pytest.mark.multiprocess
@@ -88,7 +96,7 @@ def test_engine_matches_single_process_losses(engine, engine_runs, reference):
 
 def _untimed(history):
     """Log entries without wall-clock values (each rank times itself)."""
-    return [{k: v for k, v in e.items() if "runtime" not in k and "per_s" not in k} for e in history]
+    return [{k: v for k, v in e.items() if "time" not in k and "per_s" not in k} for e in history]
 
 
 @pytest.mark.multiprocess

@@ -157,3 +157,17 @@ def test_model_checks(tiny_llama_dir, tiny_gpt2_dir):
         check_matches_plan(load_config(str(tiny_gpt2_dir)), plan, "m")
     with pytest.raises(UserError, match="longer than model"):
         check_matches_plan(load_config(str(tiny_llama_dir)), plan.replace(seq_len=4096), "m")
+
+
+def test_time_left_holds_the_measured_step_against_the_plans_band():
+    from toolkit.train.callbacks import time_left
+
+    fields, warning = time_left(2.0, 100, None, None)  # no prediction that applies (a CPU run): measured only
+    assert fields == {"step_time_s": 2.0, "time_left_s": 200.0} and warning is None
+    fields, warning = time_left(2.2, 100, 2.0, 0.11)  # +10%: inside a +-11% band
+    assert fields["time_left_predicted_s"] == 200.0 and fields["step_time_vs_predicted"] == pytest.approx(0.1)
+    assert warning is None
+    fields, warning = time_left(2.5, 100, 2.0, 0.11)  # +25%: outside it
+    assert fields["time_left_s"] == 250.0 and "+25% off the plan's predicted 2.000 s" in warning
+    assert "outside its +-11% band" in warning
+    assert time_left(9.0, 100, 2.0, None)[1] is None  # an unverified prediction is held to no band

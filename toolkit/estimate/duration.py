@@ -86,14 +86,20 @@ class Duration:
                 + "; packed sequences, no evaluation, saving or start-up")
 
 
-def duration(run: RunSize, candidate, gpus: int) -> Duration:
-    """`run` on a costed candidate (toolkit.estimate.candidate.Candidate) using `gpus` GPUs (billed whole)."""
+def step_time_band(candidate) -> float | None:
+    """The band (fraction) around a candidate's predicted step time: the published runs' band where they back its
+    engine at its scale, else None (unverified)."""
     from toolkit.estimate.errorband import time_band
 
+    return time_band().fraction if candidate.speed_evidenced and time_band().rows else None
+
+
+def duration(run: RunSize, candidate, gpus: int) -> Duration:
+    """`run` on a costed candidate (toolkit.estimate.candidate.Candidate) using `gpus` GPUs (billed whole)."""
     t = candidate.timing
     tokens_per_step = round(t.tokens_per_s * t.step_time_s)  # the count the step time was computed for
     steps = max(1, math.ceil(run.dataset_tokens * run.epochs / tokens_per_step))
-    band = time_band().fraction if candidate.speed_evidenced and time_band().rows else None
+    band = step_time_band(candidate)
     # One reference pass over the dataset, before the first epoch (DPOTrainer.__init__ _precompute_ref_logps).
     precompute = math.ceil(run.dataset_tokens / tokens_per_step) * getattr(t, "precompute_s", 0.0)
     return Duration(run=run, tokens_per_step=tokens_per_step, steps=steps, step_time_s=t.step_time_s, gpus=gpus,

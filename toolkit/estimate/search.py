@@ -478,15 +478,11 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why
     (toolkit.estimate.duration.RunSize), kept as predicted["time_to_train"]."""
     from toolkit.plan.build import build_plan
 
-    predicted: dict[str, Any] = {}
-    if c.memory:
-        predicted.update(c.memory.to_dict())
-    if c.timing:
-        predicted.update(c.timing.to_dict())
-        if run is not None:
-            from toolkit.estimate.duration import duration
+    predicted = _prediction(c)
+    if c.timing and run is not None:
+        from toolkit.estimate.duration import duration
 
-            predicted["time_to_train"] = duration(run, c, hw.world_size).to_dict()
+        predicted["time_to_train"] = duration(run, c, hw.world_size).to_dict()
     notes = list(c.memory.notes) if c.memory else []
     if c.timing:
         notes += list(c.timing.assumptions)
@@ -503,6 +499,20 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why
     return plan.with_prediction(predicted)
 
 
+def _prediction(c: Candidate) -> dict[str, Any]:
+    """A plan's `predicted`: the candidate's memory terms, its step time and the band around that step time (None:
+    no published run backs the engine at this scale), which a run's measured step is held against."""
+    from toolkit.estimate.duration import step_time_band
+
+    predicted: dict[str, Any] = {}
+    if c.memory:
+        predicted.update(c.memory.to_dict())
+    if c.timing:
+        predicted.update(c.timing.to_dict())
+        predicted["step_time_band"] = step_time_band(c)
+    return predicted
+
+
 def predict_plan(plan: "Plan") -> "Plan":
     """The plan with its memory and step-time prediction recomputed from its own fields (after an edit)."""
     from toolkit.plan.job import plan_job
@@ -510,11 +520,7 @@ def predict_plan(plan: "Plan") -> "Plan":
     spec, hw, job = plan_job(plan)
     strategy = plan.strategy_spec
     c = evaluate(spec, hw, strategy, job, plan.grid, plan.partition)
-    predicted: dict[str, Any] = {}
-    if c.memory:
-        predicted.update(c.memory.to_dict())
-    if c.timing:
-        predicted.update(c.timing.to_dict())
+    predicted = _prediction(c)
     if c.reason:
         predicted["does_not_fit"] = c.reason
     return plan.with_prediction(predicted)

@@ -14,24 +14,57 @@ from toolkit.inputs.choices import GIB
 
 
 class ThroughputLog:
-    """tokens/s since the previous training log line, and every rank's peak memory (a collective: every rank logs
-    at the same steps in the Trainer, so every rank calls this)."""
+    """tokens/s since the previous training log line, the time left at the measured step time (beside the plan's
+    predicted one where the run is on the GPUs it was planned for), and every rank's peak memory (a collective:
+    every rank logs at the same steps in the Trainer, so every rank calls this)."""
 
-    def __init__(self, tokens_per_step: int):
+    def __init__(self, tokens_per_step: int, predicted_step_s: float | None = None, band: float | None = None):
         self.tokens_per_step = tokens_per_step
+        self.predicted_step_s = predicted_step_s
+        self.band = band
         self.last_step = None
         self.last_time = None
+        self.first_step = None  # the first logged step: the steps before it (warm-up, compilation) are not timed
+        self.first_time = None
+        self.warned = False
 
     def add_to(self, logs: dict, trainer) -> None:
         now, step = time.perf_counter(), trainer.state.global_step
         if "loss" in logs and self.last_step is not None and step > self.last_step:
             logs["tokens_per_s"] = round(self.tokens_per_step * (step - self.last_step) / (now - self.last_time), 1)
+        if "loss" in logs and self.first_step is not None and step > self.first_step:
+            measured = (now - self.first_time) / (step - self.first_step)
+            fields, warning = time_left(measured, max(0, trainer.state.max_steps - step), self.predicted_step_s,
+                                        self.band)
+            logs.update(fields)
+            if warning and not self.warned and trainer.is_world_process_zero():
+                print(f"warning: {warning}", flush=True)
+                self.warned = True
+        if "loss" in logs and self.first_step is None:
+            self.first_step, self.first_time = step, now
         if "loss" in logs or self.last_step is None:
             self.last_step, self.last_time = step, now
         peaks = _gather_peaks(trainer)
         logs["peak_mem_gib_max"] = round(max(peaks) / GIB, 3)
         for rank, peak in enumerate(peaks):
             logs[f"peak_mem_gib/rank{rank}"] = round(peak / GIB, 3)
+
+
+def time_left(measured_s: float, steps_left: int, predicted_s: float | None,
+              band: float | None) -> tuple[dict, str | None]:
+    """The log fields of the time to finish: at the measured mean step time, and, when the plan's predicted step
+    applies to this run, at the predicted one with the measured step's offset from it; and a warning when that
+    offset passes the prediction's band (None: an unverified prediction, held to no band)."""
+    fields = {"step_time_s": round(measured_s, 4), "time_left_s": round(steps_left * measured_s, 1)}
+    if not predicted_s:
+        return fields, None
+    offset = measured_s / predicted_s - 1
+    fields.update(time_left_predicted_s=round(steps_left * predicted_s, 1), step_time_vs_predicted=round(offset, 3))
+    if band is None or abs(offset) <= band:
+        return fields, None
+    return fields, (f"the measured step ({measured_s:.3f} s) is {offset:+.0%} off the plan's predicted "
+                    f"{predicted_s:.3f} s, outside its +-{band:.0%} band: the predicted time to finish does not hold "
+                    f"for this run (time left at the measured step: {steps_left * measured_s / 3600:,.2f} h)")
 
 
 def _gather_peaks(trainer) -> list[int]:

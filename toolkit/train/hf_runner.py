@@ -367,7 +367,7 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
 
     if eval_data is None:
         training_args.eval_strategy = IntervalStrategy.NO
-    throughput = ThroughputLog(tokens_per_step=plan.global_batch * plan.seq_len)
+    throughput = ThroughputLog(tokens_per_step=plan.global_batch * plan.seq_len, **_predicted_step(plan))
     sequence_parallel = plan.sequence_parallel > 1
     collator = dimensions.sequence_parallel_collator(default_data_collator) if sequence_parallel \
         else default_data_collator
@@ -376,6 +376,22 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
                           data_collator=collator, processing_class=tokenizer,
                           callbacks=[CheckpointMarker(args.output, args.save_total_limit)])
     return trainer
+
+
+def _predicted_step(plan: Plan) -> dict:
+    """The plan's predicted step time and its band, for the time to finish, where they apply to this run: on the
+    GPUs it was planned for (a CPU run of the plan says so once and times itself), from a prediction that is not
+    stale."""
+    predicted = plan.predicted.get("step_time_s")
+    if not predicted or plan.prediction_is_stale:
+        return {}
+    if cpu.on_cpu():
+        if _is_rank_zero():
+            print(f"note: the plan predicts a {predicted:.3f} s step on {plan.world_size}x {plan.gpu}; this CPU run "
+                  "logs its time left at its own measured step (time_left_s), not against that prediction",
+                  flush=True)
+        return {}
+    return {"predicted_step_s": float(predicted), "band": plan.predicted.get("step_time_band")}
 
 
 def save_final(trainer, tokenizer, output: Path) -> None:
