@@ -215,7 +215,6 @@ def test_check_finds_an_expert_degree_the_model_cannot_take_and_a_script_config_
     (["--expert-parallel", "3"], "does not fit fsdp 2"),
     (["--expert-parallel", "2", "--strategies", "zero3"], "which --strategies leaves out"),
     (["--expert-parallel", "2", "--tensor-parallel", "2", "--gpus", "4xH100-80GB"], "not modelled yet"),
-    (["--expert-parallel", "2", "--seq", "max"], "--seq max does not search expert parallelism"),
     (["--expert-parallel", "2", "--dense"], "is dense"),
 ])
 def test_plan_refuses_expert_parallel_it_cannot_run_in_one_line(extra, fragment, tiny_moe_dir, tiny_llama_dir,
@@ -232,6 +231,16 @@ def test_plan_refuses_expert_parallel_it_cannot_run_in_one_line(extra, fragment,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0] and "Traceback" not in err[0], err
     assert not out.exists()
+
+
+def test_seq_max_with_a_fixed_expert_degree_searches_that_row_alone(tiny_moe_dir, capsys):
+    """`plan --seq max --expert-parallel 2`: the FSDP2 x EP row at that degree, its longest sequence and curve (the
+    same search --seq max runs on the ep rows the planner tries by itself)."""
+    capsys.readouterr()
+    assert main(["plan", str(tiny_moe_dir), "--gpus", "2xH100-80GB", "--seq", "max", "--expert-parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.strip() for line in out.splitlines() if ": longest sequence" in line or ": no sequence fits" in line]
+    assert len(rows) == 1 and rows[0].startswith("fsdp2 (dp=2 x ep=2): longest sequence"), out
 
 
 @pytest.mark.multiprocess

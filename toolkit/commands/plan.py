@@ -112,9 +112,6 @@ def cmd_plan(args) -> int:
     if (req.expert_parallel or 1) > 1:  # the grid and model rules estimate applies, before any work
         from toolkit.estimate.search import expert_grid
 
-        if seq_max:
-            raise UserError(f"--seq max does not search expert parallelism yet; give --seq N with --expert-parallel "
-                            f"{req.expert_parallel}, or drop --expert-parallel")
         expert_grid(spec, hw, req)
     _refuse_an_empty_grid(spec, hw, req, seq_max)
     if args.out:
