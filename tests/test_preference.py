@@ -187,17 +187,6 @@ def test_trls_dpo_config_refuses_what_the_plan_could_not_mean():
         validate_dpo_config({"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0]})
 
 
-def test_toolkit_train_refuses_a_dpo_plan_before_anything_starts(tmp_path):
-    from toolkit.inputs.preference import DPO_TRAIN_PROBLEM
-    from toolkit.run.preflight import preflight
-
-    result = api.plan(LLAMA_8B, "8xH100-80GB", seq_len=1024, global_batch=64, method="dpo", strategies="zero3")
-    with pytest.raises(UserError) as exc:
-        preflight(result.to_plan(), tmp_path, ["--data", str(tmp_path), "--output", str(tmp_path / "out")])
-    assert str(exc.value) == DPO_TRAIN_PROBLEM
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_time_to_train_adds_the_precompute_pass_once():
     """Precomputed: the reference's forward over the dataset runs once before training, whatever the epochs; kept:
     no pass, its forward is in every step."""

@@ -108,10 +108,6 @@ MODEL_PARALLEL_DPO_PROBLEM = ("DPO with tensor, context, sequence or expert para
                               "reference's placement on those grids is not read from TRL); plan it on DDP, ZeRO or "
                               "FSDP2 alone")
 
-DPO_TRAIN_PROBLEM = ("plan.json is a DPO plan, and toolkit.train runs supervised fine-tuning only (DPO is not built "
-                     "into it yet): run your own TRL DPO script from the plan folder (toolkit launch PLAN_DIR -- "
-                     "your_dpo.py, with DPOConfig(**dpo_config()) from toolkit.train.own_script)")
-
 
 def reference_words(dpo: Dpo | None) -> str:
     """How job summaries name a DPO job: ", DPO (sigmoid, reference kept; micro-batch counts pairs)", or nothing."""

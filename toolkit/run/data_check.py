@@ -23,8 +23,6 @@ MAX_ROW_BYTES = 8 * 1024 * 1024
 is a file-format mistake (or a whole corpus on one line), not a training example."""
 MAX_CHECKED_CONVERSATIONS = 256
 """Conversations rendered with the chat template to count the ones whose assistant turn survives truncation."""
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-"""The roles chat templates render (transformers' chat-template docs; TRL's conversational format)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -197,9 +195,11 @@ def _sample_parquet(path: Path, budget: int, sample: DataSample) -> int:
     return used
 
 
-def check_data(data: str, *, text_field: str, tokenizer: Any, seq_len: int, global_batch: int) -> str:
-    """Refuse data the run cannot train one optimizer step on; returns "text" or "chat". Hub datasets are not
-    looked at here (their loading needs the network, and the ranks report it)."""
+def check_data(data: str, *, text_field: str, tokenizer: Any, seq_len: int, global_batch: int,
+               preference: bool = False) -> str:
+    """Refuse data the run cannot train one optimizer step on; returns "text", "chat" or (a DPO plan's,
+    `preference`) "preference". Hub datasets are not looked at here (their loading needs the network, and the
+    ranks report it)."""
     from toolkit.train.data import local_data_files
 
     local = local_data_files(data)
@@ -212,6 +212,9 @@ def check_data(data: str, *, text_field: str, tokenizer: Any, seq_len: int, glob
                         "with text or conversations")
     if not sample.rows:
         return "unknown"
+    if preference:
+        _check_preference(data, sample, global_batch)
+        return "preference"
     kind = _one_kind(data, sample)
     if kind == "chat":
         _check_chat(data, sample, tokenizer, seq_len, global_batch)
@@ -230,6 +233,19 @@ def _one_kind(data: str, sample: DataSample) -> str:
                         f"rows ({sample.where[text_row]} has none); the run would drop the text rows: keep one kind "
                         "per data set")
     return "chat" if chat else "text"
+
+
+def _check_preference(data: str, sample: DataSample, global_batch: int) -> None:
+    """A DPO plan's data: every row a prompt / chosen / rejected pair, and one optimizer step's pairs."""
+    from toolkit.train.dpo import preference_row_problem
+
+    for row, where in zip(sample.rows, sample.where):
+        problem = preference_row_problem(row)
+        if problem:
+            raise UserError(f"DPO data {data}: {where} {problem}")
+    if sample.whole and len(sample.rows) < global_batch:
+        raise UserError(f"DPO data {data} holds {len(sample.rows)} pair(s), fewer than one optimizer step takes "
+                        f"(global batch {global_batch} pairs); give more pairs or plan a smaller --global-batch")
 
 
 def _check_text(data: str, sample: DataSample, text_field: str, tokenizer: Any, seq_len: int,
@@ -263,7 +279,7 @@ def _check_text(data: str, sample: DataSample, text_field: str, tokenizer: Any, 
 
 
 def _check_chat(data: str, sample: DataSample, tokenizer: Any, seq_len: int, global_batch: int) -> None:
-    from toolkit.train.data import CHAT_FIELD, IGNORE_INDEX, chat_example
+    from toolkit.train.data import CHAT_FIELD, IGNORE_INDEX, chat_example, conversation_problem
 
     for row, where in zip(sample.rows, sample.where):
         problem = conversation_problem(row[CHAT_FIELD])
@@ -284,27 +300,3 @@ def _check_chat(data: str, sample: DataSample, tokenizer: Any, seq_len: int, glo
         raise UserError(f"chat data {data} holds {usable} trainable conversation(s), fewer than one optimizer step "
                         f"takes (global batch {global_batch}); give more conversations or plan a smaller "
                         "--global-batch")
-
-
-def conversation_problem(messages: Any) -> str | None:
-    """Why `messages` is not a conversation the chat template and the loss mask can take, or None."""
-    if isinstance(messages, str):
-        return "'messages' is a string; give a list of {\"role\": ..., \"content\": ...} turns"
-    if not isinstance(messages, list):
-        return f"'messages' is a {type(messages).__name__}; give a list of {{\"role\": ..., \"content\": ...}} turns"
-    if not messages:
-        return "'messages' is an empty list; every conversation needs turns"
-    for i, turn in enumerate(messages, 1):
-        if not isinstance(turn, dict):
-            return f"turn {i} is a {type(turn).__name__}, not an object with 'role' and 'content'"
-        role = turn.get("role")
-        if role not in CHAT_ROLES:
-            return f"turn {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}"
-        if "content" not in turn:
-            return f"turn {i} ({role}) has no 'content'"
-        if not isinstance(turn["content"], str):
-            return (f"turn {i} ({role}) has content of type {type(turn.get('content')).__name__}; give the "
-                    "content as a string")
-    if not any(turn["role"] == "assistant" for turn in messages):
-        return "no assistant turn: the loss is on the assistant's tokens, so this conversation trains nothing"
-    return None

@@ -141,7 +141,7 @@ def _text_tokens(data: str, sample, tokenizer: Any, text_field: str) -> int:
 
 
 def _chat_tokens(data: str, conversations: list, tokenizer: Any, seq_len: int) -> int:
-    from toolkit.run.data_check import conversation_problem
+    from toolkit.train.data import conversation_problem
     from toolkit.train.data import IGNORE_INDEX, chat_example
 
     usable = 0

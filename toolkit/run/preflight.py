@@ -26,10 +26,6 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     from toolkit.inputs.hardware import gpu_catalog
     from toolkit.train.model import check_matches_plan, load_config, model_source
 
-    if plan.dpo:
-        from toolkit.inputs.preference import DPO_TRAIN_PROBLEM
-
-        raise UserError(DPO_TRAIN_PROBLEM)
     args = _check_train_argv(plan_dir, train_argv)
     _check_output(Path(args.output), args.resume)
     if plan.gpu in gpu_catalog():  # the job rules estimate and plan apply (plans made for catalog GPUs)
@@ -221,7 +217,7 @@ def check_run(plan: Any, args: Any) -> None:
     tokenizer = load_tokenizer(tokenizer_source)
     check_tokenizer(tokenizer, config, source)
     check_data(args.data, text_field=args.text_field, tokenizer=tokenizer, seq_len=plan.seq_len,
-               global_batch=plan.global_batch)
+               global_batch=plan.global_batch, preference=bool(plan.dpo))
 
 
 # ----------------------------------------------------------------------------------------------------------------

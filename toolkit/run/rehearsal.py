@@ -124,7 +124,7 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
                     "for the compiler")
         small = small.replace(compile=True, notes=[*small.notes, said[-1]])
     small = small.replace(tiled=plan.tiled)  # ALST tiling runs on CPU over gloo: rehearsed as planned
-    if plan.dpo:  # a user's TRL DPO script rehearses with the plan's DPOConfig settings (toolkit.train refuses DPO)
+    if plan.dpo:  # toolkit.train and a user's TRL DPO script rehearse with the plan's DPOConfig settings
         small = small.replace(dpo=dict(plan.dpo))
     return small, said
 

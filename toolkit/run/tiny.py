@@ -92,6 +92,27 @@ def write_chat_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_fractio
     return out
 
 
+def write_preference_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_fraction: float = 0.05,
+                            answer_words: int = 12, pairs: int | None = None) -> Path:
+    """train.jsonl + validation.jsonl of preference pairs in TRL's format ({"prompt", "chosen", "rejected"}, all
+    strings) made from the corpus: the prompt names a paragraph's first words, the chosen answer is that paragraph's
+    opening (`answer_words` words), the rejected one the next paragraph's. `pairs`: that many training pairs (the
+    held-out ones follow them). Returns out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paragraphs = [p for p in corpus_text(max_chars).split("\n\n") if len(p.split()) >= 3]
+    rows = []
+    for paragraph, other in zip(paragraphs, paragraphs[1:] + paragraphs[:1]):
+        rows.append({"prompt": f"Explain: {' '.join(paragraph.split()[:2])}\n",
+                     "chosen": " ".join(paragraph.split()[:answer_words]),
+                     "rejected": " ".join(other.split()[:answer_words])})
+    n_eval = max(1, int(len(rows) * eval_fraction))
+    n_train = len(rows) - n_eval if pairs is None else pairs
+    for name, part in (("train.jsonl", rows[:n_train]), ("validation.jsonl", rows[n_train:n_train + n_eval])):
+        (out / name).write_text("".join(json.dumps(row) + "\n" for row in part))
+    return out
+
+
 def train_tokenizer(text: str, vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on `text`, as a transformers PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -185,6 +185,33 @@ def _pack(raw, tokenizer, seq_len: int, eos: int):
 
 
 CHAT_FIELD = "messages"
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles chat templates render (transformers' chat-template docs; TRL's conversational format)."""
+
+
+def conversation_problem(messages: Any, *, name: str = "messages", need_assistant: bool = True) -> str | None:
+    """Why `messages` (the column `name`) is not a conversation the chat template and the loss mask can take, or
+    None; `need_assistant` False for a DPO prompt, whose answers are the chosen / rejected turns."""
+    if isinstance(messages, str):
+        return f"'{name}' is a string; give a list of {{\"role\": ..., \"content\": ...}} turns"
+    if not isinstance(messages, list):
+        return f"'{name}' is a {type(messages).__name__}; give a list of {{\"role\": ..., \"content\": ...}} turns"
+    if not messages:
+        return f"'{name}' is an empty list; every conversation needs turns"
+    for i, turn in enumerate(messages, 1):
+        if not isinstance(turn, dict):
+            return f"turn {i} is a {type(turn).__name__}, not an object with 'role' and 'content'"
+        role = turn.get("role")
+        if role not in CHAT_ROLES:
+            return f"turn {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}"
+        if "content" not in turn:
+            return f"turn {i} ({role}) has no 'content'"
+        if not isinstance(turn["content"], str):
+            return (f"turn {i} ({role}) has content of type {type(turn.get('content')).__name__}; give the "
+                    "content as a string")
+    if need_assistant and not any(turn["role"] == "assistant" for turn in messages):
+        return "no assistant turn: the loss is on the assistant's tokens, so this conversation trains nothing"
+    return None
 
 
 def chat_example(messages: list[dict[str, str]], tokenizer: Any, seq_len: int) -> dict[str, list[int]]:

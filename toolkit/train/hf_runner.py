@@ -33,14 +33,10 @@ def plan_dir(args: TrainArgs) -> Path:
 def train_hf(plan: Plan, args: TrainArgs) -> int:
     if plan.engine not in (Engine.DDP, Engine.DEEPSPEED, Engine.FSDP2):
         raise UserError(f"plan engine {plan.engine!r} is not one the HF Trainer path runs (ddp, deepspeed, fsdp2)")
-    if plan.dpo:
-        from toolkit.inputs.preference import DPO_TRAIN_PROBLEM
-
-        raise UserError(DPO_TRAIN_PROBLEM)
     if plan.activation_offloading:
-        raise UserError("the plan offloads activations, which TRL's SFTTrainer does and toolkit.train does not: run "
-                        "it with your own TRL script (training_args.json, sft_config) or re-plan without "
-                        "--activation-offloading")
+        raise UserError("the plan offloads activations, which TRL's trainers do and toolkit.train does not: run "
+                        "it with your own TRL script (training_args.json, sft_config / dpo_config) or re-plan "
+                        "without --activation-offloading")
     dimensions.check_runnable(plan, on_cpu=cpu.on_cpu())
     if args.resume and (problem := plan.grid.resume_problem()):
         raise UserError(f"--resume: {problem}; start again without --resume")
@@ -61,14 +57,29 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     training_args = _training_arguments(plan, args, output, on_cpu=state is not None)
     _check_world(plan, training_args.world_size)
     # Data before the model: bad data fails in seconds, not after a 70B model has loaded.
-    train_data, eval_data = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
-                                           seed=args.seed, text_field=args.text_field,
-                                           max_eval_blocks=args.max_eval_blocks)
+    if plan.dpo:
+        from toolkit.train.dpo import build_preference_datasets
+
+        train_data, eval_data = build_preference_datasets(args.data, eval_fraction=args.eval_fraction,
+                                                          seed=args.seed, max_eval_pairs=args.max_eval_blocks)
+    else:
+        train_data, eval_data = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
+                                               seed=args.seed, text_field=args.text_field,
+                                               max_eval_blocks=args.max_eval_blocks)
     from transformers import set_seed
 
-    set_seed(args.seed)  # random init (--random-init, new heads) is the same on every rank and every run
-    model = build_model(source, config, plan, random_init=args.random_init, attention=_attention(plan),
-                        adapter=adapter, distributed_config=dimensions.distributed_config(plan))
+    def new_model():
+        set_seed(args.seed)  # random init (--random-init, new heads) is the same on every rank and every run
+        return build_model(source, config, plan, random_init=args.random_init, attention=_attention(plan),
+                           adapter=adapter, distributed_config=dimensions.distributed_config(plan))
+
+    model = new_model()
+    ref_model = None
+    if plan.dpo:
+        from toolkit.train.dpo import needs_reference_model
+
+        # The policy's twin (the same weights, random ones included): DPO's reference at step 0 is the policy.
+        ref_model = new_model() if needs_reference_model(plan, adapter) else None
     if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
         _check_born_partitioned(model)
     if plan.tiled:
@@ -77,11 +88,12 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         from toolkit.patches.tiling import apply_tiling
 
         apply_tiling(model, agree_across_ranks=True)
-    if adapter is not None:
+    if adapter is not None and not plan.dpo:  # DPO: TRL wraps it (peft_config), the disabled adapter is the reference
         from toolkit.train.adapters import wrap_model
 
         model = wrap_model(model, adapter, checkpointing=plan.checkpointing)
-    trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data)
+    trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data,
+                            ref_model=ref_model, adapter=adapter)
     seen_dtypes = _watch_layer_dtype(model, plan.layer_class)
     if state is None or trainer.is_world_process_zero():
         print(_banner(plan, args, training_args, len(train_data), eval_data), flush=True)
@@ -156,8 +168,16 @@ def check_ds_config_agrees(plan: Plan, args: TrainArgs, ds_file: Path) -> None:
 
 
 def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bool):
+    """TrainingArguments of the plan and the run (TRL's DPOConfig, which extends them, for a DPO plan)."""
     from transformers import TrainingArguments
 
+    config_class = TrainingArguments
+    if plan.dpo:
+        from trl import DPOConfig
+
+        from toolkit.train.dpo import dpo_config_kwargs
+
+        config_class = DPOConfig
     deepspeed = None
     if plan.engine == Engine.DEEPSPEED:
         deepspeed = plan_dir(args) / DS_CONFIG
@@ -206,6 +226,8 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         kwargs["parallelism_config"] = parallelism
     if args.compile:
         kwargs["torch_compile"] = True
+    if plan.dpo:
+        kwargs.update(dpo_config_kwargs(plan))
     kwargs.update(user_trainer_flags(plan, args.trainer_flags, kwargs))
     accelerator_config: dict = dict(kwargs.pop("accelerator_config", {}))
     if on_cpu:
@@ -216,7 +238,7 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
     if on_cpu and plan.engine == Engine.DDP:
         kwargs["ddp_backend"] = "gloo"
     try:
-        return TrainingArguments(**kwargs)
+        return config_class(**kwargs)
     except ValueError as exc:
         raise UserError(f"training arguments rejected: {exc}") from None
 
@@ -346,7 +368,8 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data):
+def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data, *, ref_model=None,
+                  adapter=None):
     from transformers import Trainer, default_data_collator
     from transformers.trainer_utils import IntervalStrategy
 
@@ -367,14 +390,22 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
 
     if eval_data is None:
         training_args.eval_strategy = IntervalStrategy.NO
-    throughput = ThroughputLog(tokens_per_step=plan.global_batch * plan.seq_len, **_predicted_step(plan))
+    # A DPO step runs each pair's chosen and rejected sequences (padded to the plan's max_length).
+    throughput = ThroughputLog(tokens_per_step=plan.global_batch * plan.seq_len * (2 if plan.dpo else 1),
+                               **_predicted_step(plan))
+    callbacks = [CheckpointMarker(args.output, args.save_total_limit)]
+    if plan.dpo:
+        from toolkit.train.dpo import make_dpo_trainer
+
+        return make_dpo_trainer(plan, model=model, ref_model=ref_model, adapter=adapter, tokenizer=tokenizer,
+                                training_args=training_args, train_data=train_data, eval_data=eval_data,
+                                callbacks=callbacks, throughput=throughput)
     sequence_parallel = plan.sequence_parallel > 1
     collator = dimensions.sequence_parallel_collator(default_data_collator) if sequence_parallel \
         else default_data_collator
     trainer = PlanTrainer(model=model, args=training_args, train_dataset=train_data,
                           eval_dataset=eval_data if eval_data is not None else None,
-                          data_collator=collator, processing_class=tokenizer,
-                          callbacks=[CheckpointMarker(args.output, args.save_total_limit)])
+                          data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     return trainer
 
 
@@ -462,8 +493,16 @@ def _banner(plan, args, training_args, n_train, eval_data) -> str:
     return (f"toolkit.train: {plan.strategy} ({plan.engine}), {plan.model_type} {plan.num_layers} layers, "
             f"{_degrees(plan)}seq {plan.seq_len}, micro {plan.micro_batch} x accum {plan.grad_accum} x dp "
             f"{_data_parallel(plan, training_args.world_size)}"
-            f" = {_global_batch(plan, training_args.world_size)} sequences/step, {plan.precision}, "
-            f"{n_train} train blocks, {len(eval_data) if eval_data is not None else 0} eval blocks")
+            f" = {_global_batch(plan, training_args.world_size)} {'pairs' if plan.dpo else 'sequences'}/step, "
+            f"{plan.precision}, {n_train} train {'pairs' if plan.dpo else 'blocks'}, "
+            f"{len(eval_data) if eval_data is not None else 0} eval {'pairs' if plan.dpo else 'blocks'}"
+            f"{_dpo_words(plan)}")
+
+
+def _dpo_words(plan: Plan) -> str:
+    from toolkit.inputs.preference import reference_words
+
+    return reference_words(plan.dpo_spec)
 
 
 def _is_rank_zero() -> bool:

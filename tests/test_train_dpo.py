@@ -1,0 +1,115 @@
+"""toolkit.train runs a DPO plan with TRL's DPOTrainer, on the engines and the batch the plan says.
+
+The runs train a tiny Llama (random weights) on the same 4 preference pairs every step (global batch 4), fp32, at
+a constant learning rate. At step 1 the policy is the reference, so every pair's log-ratio is 0 and the sigmoid loss
+is -log sigmoid(0) = ln 2 exactly; on the same pairs it then goes down. One process (micro 2 x accumulation 2) and
+ZeRO-2 on two processes (micro 2 x 2 ranks) step over the same pairs (the Trainer's seeded sampler, sharded by
+accelerate), so their losses agree up to reduction order (measured: equal to 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from toolkit.errors import UserError
+from toolkit.inputs.preference import Dpo
+from toolkit.run.rehearsal import plan_for_model
+
+STEPS = 6
+SEQ = 48
+LOSS_TOLERANCE = 1e-3
+COMMON = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", "100", "--lr", "3e-3",
+          "--lr-scheduler", "constant", "--seed", "7", "--random-init", "--no-save-final", "--eval-fraction", "0")
+
+
+def _plan(model_dir, strategy, *, world, micro, accum, reference="kept"):
+    plan = plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, grad_accum=accum,
+                          seq_len=SEQ, precision="fp32")
+    return plan.replace(dpo=Dpo(reference=reference).to_dict())
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from toolkit.run import tiny
+
+    return tiny.write_preference_corpus(tmp_path_factory.mktemp("pairs"), pairs=4) / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def single(run_training, tiny_llama_dir, pairs):
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2)
+    return run_training(plan, "dpo-one", "--data", str(pairs), *COMMON).check()
+
+
+@pytest.mark.multiprocess
+def test_dpo_starts_at_ln2_and_the_loss_goes_down(single):
+    losses = single.losses()
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-3)
+    assert all(losses[s + 1] < losses[s] for s in range(1, STEPS)), losses
+    assert losses[STEPS] < losses[1] - 0.3
+    history = single.ranks[0]["log_history"]
+    assert max(e["rewards/accuracies"] for e in history if "loss" in e) == 1.0  # chosen now outscores rejected
+
+
+@pytest.mark.multiprocess
+def test_a_precomputed_reference_gives_the_kept_references_losses(run_training, tiny_llama_dir, pairs, single):
+    """The reference's log-probs computed over the data before training (by the policy at step 0) are those a kept
+    reference computes in every step."""
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, reference="precomputed")
+    run = run_training(plan, "dpo-pre", "--data", str(pairs), *COMMON).check()
+    ref, got = single.losses(), run.losses()
+    assert got.keys() == ref.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), step
+
+
+@pytest.mark.multiprocess
+def test_zero2_on_two_processes_matches_one_process(run_training, tiny_llama_dir, pairs, single):
+    plan = _plan(tiny_llama_dir, "zero2", world=2, micro=2, accum=1)
+    run = run_training(plan, "dpo-zero2", "--data", str(pairs), *COMMON).check()
+    assert len(run.ranks) == 2
+    ref, got = single.losses(), run.losses()
+    assert got.keys() == ref.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (step, got, ref)
+    assert run.losses(1) == got  # both ranks log the same (gathered) loss
+
+
+def test_dpo_data_without_rejected_is_refused_before_anything_starts(tiny_llama_dir, tmp_path):
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.preflight import preflight
+
+    plan = _plan(tiny_llama_dir, "zero2", world=2, micro=2, accum=1)
+    plan_dir = emit_plan_files(plan, tmp_path / "plan")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Say hi\n", "chosen": "hi"}) + "\n" for _ in range(8)))
+    with pytest.raises(UserError) as exc:
+        preflight(plan, plan_dir, ["--data", str(data), "--output", str(tmp_path / "out"), "--random-init"])
+    assert str(exc.value) == (f"DPO data {data}: pairs.jsonl line 1 has no 'rejected'; DPO data needs 'prompt', "
+                              "'chosen' and 'rejected' in every row (TRL's preference format)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_plain_text_for_a_dpo_plan_is_one_line_and_exit_2(train_in_process, tiny_llama_dir, corpus_dir):
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2)
+    run = train_in_process(plan, "dpo-text", "--data", str(corpus_dir / "train.txt"), *COMMON)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert [line for line in run.stderr.splitlines() if line.startswith("error")] == [
+        f"error: DPO data {corpus_dir / 'train.txt'} has no 'prompt', 'chosen', 'rejected' column (columns: text); "
+        "a DPO plan trains on rows with 'prompt', 'chosen' and 'rejected' (TRL's preference format)"]
+
+
+def test_a_loss_trls_trainer_refuses_is_one_line_and_exit_2(train_in_process, tiny_llama_dir, pairs):
+    """exo_pair needs DPOConfig.label_smoothing > 0, which DPOConfig accepts and DPOTrainer refuses; a plan sets
+    no label smoothing."""
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2).replace(
+        dpo=Dpo(loss_type="exo_pair").to_dict())
+    run = train_in_process(plan, "dpo-exo", "--data", str(pairs), *COMMON)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: TRL's DPOTrainer refuses the plan's DPO settings: Label "
+                                                     "smoothing must be greater than 0.0 when using 'exo_pair' loss")
