@@ -84,3 +84,53 @@ def test_gathered_parameters_on_their_own_stream_are_not_reused_by_activations()
     assert alone.peak_reserved == 4 * 40 * mib
     # two regions' 40 MiB gathered blocks alive at a time, in segments of their own stream
     assert gathered.peak_reserved >= alone.peak_reserved + 2 * 40 * mib
+
+
+def test_a_real_cpu_steps_allocations_replay_to_the_same_reserved_as_the_traced_events():
+    """The CPU allocator's own record of a real forward + backward (torch.profiler's allocation events: address and
+    size, in order), parameter gradients left out as the trace leaves them, replayed through the allocator model,
+    gives the same peaks and segments as the fake trace's recorded events replayed the estimate's way."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from toolkit.estimate.tracer import trace_activations
+
+    config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+    seq = 1024  # hidden states of 2 MiB, MLP tensors of 6 MiB, logits of 32 MiB: both pools, 20 MiB segments
+    trace = trace_activations(config, seq_len=seq, micro_batch=1, dtype="float32", device_kind="cpu")
+    regions = [SimpleNamespace(params=1, trace=r) for r in (trace.embedding, *trace.layers, trace.head)]
+    nothing = StepSizes(persistent=0, optimizer=0, gathered=0, reduce_buffers=0, reduce_stream=False,
+                        step_gradients=0, backward_gradients=0, step_transient=0)
+    ours = allocator.replay(step_events(regions, nothing, steps=1))
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    records = sorted((n.start_time_ns, i, n.extra_fields.ptr, n.extra_fields.alloc_size)
+                     for i, n in enumerate(walk(prof.profiler.kineto_results.experimental_event_tree()))
+                     if type(n.extra_fields).__name__ == "_ExtraFields_Allocation")
+    events, live = [], {}
+    for serial, (_, _, ptr, size) in enumerate(records):
+        if size > 0:
+            live[ptr] = serial
+            events.append(("malloc", serial, size))
+        elif ptr in live:
+            events.append(("free", live.pop(ptr)))
+    grads = {live[p.grad.untyped_storage().data_ptr()] for p in model.parameters()}
+    real = allocator.replay([e for e in events if e[1] not in grads])
+
+    assert real.peak_allocated > 100 * 2**20
+    assert (ours.peak_reserved, ours.peak_allocated, ours.segments) == \
+        (real.peak_reserved, real.peak_allocated, real.segments)

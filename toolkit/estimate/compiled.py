@@ -102,7 +102,8 @@ def trace_compiled_activations(config, *, seq_len: int, micro_batch: int = 1, dt
         return replace(eager_region, saved_bytes=saved.by_region.get(name, 0),
                        autocast_copy_bytes=saved.autocast_copy_by_region.get(name, 0),
                        forward_extra_bytes=forward_extra, backward_extra_bytes=backward_extra,
-                       backward_grad_bytes=backward_grads, grad_bytes=grads)
+                       backward_grad_bytes=backward_grads, grad_bytes=grads,
+                       forward_events=(), backward_events=())  # inductor's allocations are not recorded
 
     if checkpointing:
         layers = eager.layers

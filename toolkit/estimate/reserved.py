@@ -67,7 +67,7 @@ _RESULTS: dict[int, Replay] = {}
 
 def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Replay | None:
     """The replay of two steps over `regions` (memory._Region: name, params, trace); None when some region has no
-    recorded events (a compiled trace, an interpolation whose traces differ), where the caller keeps its margin."""
+    recorded events (a region traced compiled, an interpolation whose traces differ), where the caller keeps its margin."""
     if not regions or any(not (r.trace.forward_events or r.trace.backward_events) for r in regions):
         return None
     # Ints only: their hashes are the same in every process (str hashes are salted per process).
