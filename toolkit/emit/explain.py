@@ -55,7 +55,8 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
                      + ("the reference is the policy with its adapters disabled" if plan.method != "full" else
                         "the reference model is kept beside the policy" if d.reference_forward else
                         "the reference's log-probs are precomputed over the dataset before training")
-                     + "; toolkit.train does not run DPO yet: run your own TRL script (below)")
+                     + "; toolkit.train runs it on prompt / chosen / rejected rows (`toolkit launch PLAN_DIR -- "
+                     "--data pairs.jsonl --output OUT`), as does your own TRL script (below)")
     lines.append("")
     lines += ["## Strategy", "", f"- {strategy_sentence(plan)}"]
     if plan.engine == Engine.PIPELINE:

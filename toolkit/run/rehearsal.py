@@ -189,6 +189,8 @@ def small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1) -
     model_dir = make_rehearsal_model(plan, work / "model")
     small, said = rehearsal_plan(plan, model_dir, nodes)
     small_dir = emit_plan_files(small, work / "plan")
+    if small.dpo and not chat:  # toolkit.train trains a DPO plan on preference pairs
+        return model_dir, small, said, small_dir, tiny.write_preference_corpus(work / "data", max_chars=60_000)
     data = tiny.write_corpus(work / "data", max_chars=60_000)
     if chat:
         tiny.write_chat_corpus(data, max_chars=60_000)
