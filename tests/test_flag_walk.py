@@ -34,6 +34,7 @@ VALUES = {
     "--lora-targets": "q_proj,v_proj", "--lora-modules-to-save": "lm_head", "--out": "{tmp}/out2",
     "--nvme-path": "{tmp}/nvme", "--hosts": "node-a,node-b", "--model": "{model}", "--device": "cuda",
     "--workdir": "{tmp}/demo", "--qlora-compute-dtype": "float32", "--runner": "deepspeed", "--data": "{corpus}",
+    "--rope-original-positions": "128",
 }
 """A value for each flag whose value the parser cannot give (names, paths), or whose derived value would not show
 its effect: --power-limit-w inside the die's datasheet points; --qlora-compute-dtype float32, as float16 takes the
@@ -62,6 +63,8 @@ NEEDS = {
     "--model": ["--gpus", "2xH100-80GB"], "--nodes": ["--rehearse"],
     **{flag: ["--method", "dpo"] for flag in ("--reference", "--dpo-beta", "--dpo-loss")},
     "--epochs": ["--dataset-tokens", "1e9"], "--gpu-hour-price": ["--dataset-tokens", "1e9"],
+    "--rope-scaling": ["--rope-factor", "2"], "--rope-factor": ["--rope-scaling", "yarn"],
+    "--rope-original-positions": ["--rope-scaling", "yarn", "--rope-factor", "2"],
 }
 """Flags that act only beside another: walked with it given in both runs (its own effect is not what is measured).
 A command without the other flag drops it from the context. (--savers: a grid where a row fits only with a saver,

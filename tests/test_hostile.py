@@ -244,6 +244,21 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("gpus with a flag", "gpus", "--all")
     add("estimate unknown flag", "estimate", "{M}", "--nope")
     add("estimate flag without value", "estimate", "{M}", "--seq")
+
+    # RoPE scaling (issue 32): factors transformers would not scale by, types it or the model lacks, flags alone.
+    for value in ("0", "-1", "nan", "0.5"):
+        add(f"rope factor {value}", "estimate", "{M}", "--rope-scaling", "yarn", "--rope-factor", value)
+    add("rope factor nan in plan", "plan", "{M}", "--micro-batch", "1", "--rope-scaling", "yarn", "--rope-factor",
+        "nan", "--out", "{W}/never")
+    add("rope unknown type", "estimate", "{M}", "--rope-scaling", "longrope", "--rope-factor", "2")
+    add("rope llama3 without its frequency factors", "plan", "{M}", "--micro-batch", "1", "--rope-scaling",
+        "llama3", "--rope-factor", "2", "--out", "{W}/never")
+    add("rope on a model without rotary embeddings", "estimate", "gpt2", "--seq", "64", "--rope-scaling", "yarn",
+        "--rope-factor", "2")
+    add("rope factor without a type", "estimate", "{M}", "--rope-factor", "2")
+    add("rope type without a factor", "plan", "{M}", "--micro-batch", "1", "--rope-scaling", "yarn")
+    add("rope factor too small for --seq", "estimate", "{M}", "--seq", "1024", "--rope-scaling", "yarn",
+        "--rope-factor", "2")
     return cases
 
 

@@ -57,6 +57,8 @@ LORA_RANK = Bound(1, 16777216, "the largest side of any matrix an allowed model 
 LORA_ALPHA = Bound(0, 1e6, "10^6, 30,000x the default 32", low_inclusive=False)
 LORA_DROPOUT = Bound(0, 1, "a probability")
 DPO_BETA = Bound(0, 1e3, "10^3, 10,000x TRL's default 0.1", low_inclusive=False)
+ROPE_FACTOR = Bound(1.0, 1024, "25x DeepSeek-V3's YaRN factor 40 (its config.json)")
+"""--rope-factor: transformers' rope validation asks for a factor >= 1 (modeling_rope_utils.py)."""
 
 # Batch and steps.
 BATCH = Bound(1, 1000000, "10^6 samples")
@@ -80,7 +82,7 @@ def check_number(flag: str, value: float, bound: Bound) -> None:
         raise UserError(f"{flag} {value} is not a finite number; give a number from "
                         f"{_range_text(bound)}")
     if not low_ok:
-        kind = ("a positive integer" if bound.low == 1 and bound.low_inclusive else "positive" if bound.low <= 0
+        kind = ("a positive integer" if bound.low == 1 and bound.low_inclusive and isinstance(bound.low, int) else "positive" if bound.low <= 0
                 else f"at least {_show(bound.low)}")
         raise UserError(f"{flag} must be {kind}, got {_show(value)} (give {_range_text(bound)})")
     if value > bound.high:

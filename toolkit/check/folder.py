@@ -221,7 +221,8 @@ def plan_position_problems(plan: Plan, plan_path: Path) -> list[Problem]:
         positions = config_dict_positions(plan.model_config, f"{plan_path}: model_config")
     except UserError:
         return []
-    problem = plan_positions_problem(plan.seq_len, plan.model, positions)
+    problem = plan_positions_problem(plan.seq_len, plan.model, positions,
+                                     rotary=bool(plan.model_config.get("rope_parameters")))
     return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
 
 

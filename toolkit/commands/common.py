@@ -105,6 +105,30 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
     add_adapter_flags(p)
 
 
+def add_rope_flags(p: argparse.ArgumentParser) -> None:
+    """RoPE scaling as part of the job (estimate, plan; toolkit.inputs.rope)."""
+    from toolkit.inputs.rope import ROPE_SCALINGS
+
+    g = p.add_argument_group("RoPE scaling (toolkit.inputs.rope)")
+    g.add_argument("--rope-scaling", choices=ROPE_SCALINGS,
+                   help="scale the model's rotary positions as transformers does (its rope_parameters rope_type); "
+                        "--seq may then reach the original positions x --rope-factor (default: the model's config "
+                        "as it ships, its own rope scaling included)")
+    g.add_argument("--rope-factor", type=float_arg("--rope-factor", bounds.ROPE_FACTOR), metavar="F",
+                   help="scaled positions / original positions (at least 1; needs --rope-scaling)")
+    g.add_argument("--rope-original-positions", type=int_arg("--rope-original-positions", bounds.SEQ), metavar="N",
+                   help="positions the model was trained with (original_max_position_embeddings; default its "
+                        "max_position_embeddings)")
+
+
+def rope_of(args):
+    """The command line's RopeScaling, or None (toolkit.inputs.rope.rope_scaling_from_flags)."""
+    from toolkit.inputs.rope import rope_scaling_from_flags
+
+    return rope_scaling_from_flags(getattr(args, "rope_scaling", None), getattr(args, "rope_factor", None),
+                                   getattr(args, "rope_original_positions", None))
+
+
 def add_checkpointing_flag(p: argparse.ArgumentParser, help: str) -> None:
     """`--checkpointing` as estimate and profile always took it (a bare flag: on), and as plan and check spell it
     (`--checkpointing on|off`): both spellings in every command, and `op` (torchtitan's per-op selective policy).
@@ -349,10 +373,16 @@ def model_spec(args):
 
     _refuse_model_contradictions(args)
     _refuse_unread_remote_code(args)
+    rope = rope_of(args)  # the flags agree before any model is read
     with status(f"reading {args.model or 'the model'} (tracing its layers the first time)"):
-        return resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden,
+        spec = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden,
                              heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
                              trust_remote_code=args.trust_remote_code)
+        if rope is None:
+            return spec
+        from toolkit.inputs.rope import scaled_spec
+
+        return scaled_spec(spec, rope)
 
 
 def hardware_of(args):

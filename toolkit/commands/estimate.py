@@ -10,9 +10,10 @@ from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (add_checkpointing_flag, adapter_of, dpo_of, add_hardware_flags, add_job_flags,
-                                     add_model_flags, add_run_size_flags, gib, hardware_of, longest_line, model_spec,
-                                     print_note, run_size_flag, run_size_of, seq_len_of, trainable_params)
+from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_rope_flags, dpo_of, add_hardware_flags,
+                                     add_job_flags, add_model_flags, add_run_size_flags, gib, hardware_of,
+                                     longest_line, model_spec, print_note, run_size_flag, run_size_of, seq_len_of,
+                                     trainable_params)
 
 
 def add_parser(sub) -> None:
@@ -20,6 +21,7 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_hardware_flags(p)
     add_job_flags(p, seq_max=True)
+    add_rope_flags(p)
     p.add_argument("--strategy", default="ddp", help=f"one of {', '.join(ALL_STRATEGY_NAMES)} (default %(default)s)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH), default=1,
                    help="samples per GPU per forward (default %(default)s)")
@@ -103,6 +105,8 @@ def cmd_estimate(args) -> int:
                "trainable_params": trainable_params(spec, job.adapter), "hardware": hw.spec,
                **power_json(hw.gpu, job.precision),
                "strategy": strategy.name,
+               **({"rope_scaling": {**spec.rope_scaling, "positions": spec.max_positions}} if spec.rope_scaling
+                  else {}),
                "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
                        "precision": job.precision, "optimizer": job.optimizer, "checkpointing": job.checkpointing,
                        "attention": attention, "device_kind": job.device_kind, "liger": job.liger,
@@ -167,7 +171,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
           f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}"
-          f"{reference_words(job.dpo)}")
+          f"{reference_words(job.dpo)}{rope_words(spec)}")
     if job.adapter.is_adapter:
         a = job.adapter
         print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
@@ -220,6 +224,15 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
             print(f"  note: {note}")
 
 
+def rope_words(spec) -> str:
+    """The header's words for the job's RoPE scaling (toolkit.inputs.rope), with the positions it gives."""
+    if not spec.rope_scaling:
+        return ""
+    from toolkit.inputs.rope import RopeScaling
+
+    return f"{RopeScaling.from_dict(spec.rope_scaling).words()} ({spec.max_positions:,} positions)"
+
+
 def step_terms_words(t) -> str:
     """Every term the step time adds (toolkit.estimate.timing.step_time sums exactly these), so the printed parts add
     up to the printed step; the optional ones only when the job has them."""
@@ -260,6 +273,8 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,
                           **power_json(hw.gpu, args.precision),
+                          **({"rope_scaling": {**spec.rope_scaling, "positions": spec.max_positions}}
+                             if spec.rope_scaling else {}),
                           "strategy": found.name,
                           "longest_seq": found.seq_len, "capped_by_positions": found.capped_by_positions,
                           "reason": found.reason, "curve": [{"seq": s, "required_bytes": b} for s, b in found.curve]},

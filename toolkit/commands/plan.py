@@ -11,9 +11,10 @@ from toolkit.errors import UserError
 from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKPOINTING_MODES
 from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (adapter_of, dpo_of, add_hardware_flags, add_job_flags, add_model_flags,
-                                     add_output_flags, add_run_size_flags, GIB, hardware_of, human, longest_line,
-                                     model_spec, print_note, run_size_flag, run_size_of, seq_len_of, trainable_params)
+from toolkit.commands.common import (adapter_of, add_rope_flags, dpo_of, add_hardware_flags, add_job_flags,
+                                     add_model_flags, add_output_flags, add_run_size_flags, GIB, hardware_of, human,
+                                     longest_line, model_spec, print_note, run_size_flag, run_size_of, seq_len_of,
+                                     trainable_params)
 
 
 def add_parser(sub) -> None:
@@ -21,6 +22,7 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_hardware_flags(p)
     add_job_flags(p, seq_max=True, tiled_auto=True)
+    add_rope_flags(p)
     p.add_argument("--global-batch", type=int_arg("--global-batch", bounds.BATCH),
                    help="samples per optimizer step over all GPUs (required unless --micro-batch is given)")
     p.add_argument("--micro-batch", type=int_arg("--micro-batch", bounds.BATCH),

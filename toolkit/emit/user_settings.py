@@ -337,6 +337,8 @@ def settings(plan: Plan) -> dict[str, Any]:
     adapter = adapter_settings(plan)
     if adapter is not None:
         out["adapter"] = adapter
+    if plan.model_config_overrides:
+        out["model_config_overrides"] = plan.model_config_overrides
     out["notes"] = notes(plan)
     return out
 
@@ -388,6 +390,13 @@ def plan_md_section(plan: Plan) -> list[str]:
         lines += [f"model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.{adapter['model_dtype']}"
                   + (", quantization_config=BitsAndBytesConfig(**bnb_config))" if "bnb_config" in adapter else ")"),
                   f"lora_config = LoraConfig(**{adapter['lora_config']!r})", "```", ""]
+    if plan.model_config_overrides:
+        lines += [f"RoPE scaling ({plan.rope_scaling['rope_type']} x{plan.rope_scaling['factor']:g}; "
+                  f"`model_config_overrides` in `{TRAINING_ARGS}`): the model trains at {plan.seq_len} tokens, past "
+                  "the positions it ships with, only with its config changed as planned (transformers applies "
+                  "config keys given to from_pretrained):", "", "```python",
+                  "model = AutoModelForCausalLM.from_pretrained(MODEL, "
+                  + ", ".join(f"{k}={v!r}" for k, v in plan.model_config_overrides.items()) + ")", "```", ""]
     from toolkit.emit.parallelism import distributed_config, parallelism_kwargs
 
     if plan.grid.model_parallel > 1 and parallelism_kwargs(plan):

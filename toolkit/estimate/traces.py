@@ -120,15 +120,18 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         traced_by = trace_compiled_activations if job.compile else trace_activations
         trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
         if trace is None:
+            from toolkit.inputs.rope import traceable_config
+
+            traced_config = traceable_config(spec.hf_config())
             try:
                 if job.compile:
                     trace = trace_compiled_activations(
-                        spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
+                        traced_config, seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
                         blocks=job.compile == COMPILE_BLOCKS, chunked_loss=job.chunked_loss)
                 else:
                     trace = trace_activations(
-                        spec.hf_config(), seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
+                        traced_config, seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
                         liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss)
             except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)

@@ -159,15 +159,30 @@ def check_seq_len(spec: "ModelSpec", seq_len: int) -> None:
         raise UserError(f"--seq must be a positive integer, got {seq_len!r}")
     if spec.max_positions and seq_len > spec.max_positions:
         raise UserError(f"--seq {seq_len} is longer than {spec.name} allows ({spec.max_positions} positions); "
-                        f"use --seq {spec.max_positions} or less")
+                        f"use --seq {spec.max_positions} or less{rope_hint(spec, seq_len)}")
 
 
-def plan_positions_problem(seq_len: int, model: str, positions: int | None) -> str | None:
+def rope_hint(spec: "ModelSpec", seq_len: int) -> str:
+    """The words that name RoPE scaling as the other way to a sequence past the positions, for a model whose config
+    has rotary embeddings (toolkit.inputs.rope)."""
+    if spec.rope_scaling is not None:
+        return ", or a larger --rope-factor"
+    if not spec.config_dict().get("rope_parameters"):
+        return ""
+    factor = math.ceil(seq_len / spec.max_positions)
+    return f", or scale its RoPE (--rope-scaling yarn --rope-factor {factor if factor <= 1024 else 'F'})"
+
+
+def plan_positions_problem(seq_len: int, model: str, positions: int | None, *, rotary: bool = False) -> str | None:
     """Why a plan's sequence cannot run on its model (longer than the model's positions, modelconfig.model_positions),
-    or None: toolkit.train refuses it and check reports it on a plan folder."""
+    or None: toolkit.train refuses it and check reports it on a plan folder. `rotary`: the model has RoPE to scale
+    (its config's rope_parameters), named as the other way."""
     if positions and seq_len > positions:
+        factor = math.ceil(seq_len / positions)
+        rope = (f", or with --rope-scaling yarn --rope-factor {factor if factor <= 1024 else 'F'}" if rotary
+                else "")
         return (f"plan sequence length {seq_len} is longer than model {model} supports ({positions} positions); "
-                f"re-plan with --seq {positions} or less")
+                f"re-plan with --seq {positions} or less{rope}")
     return None
 
 

@@ -217,9 +217,10 @@ def model_positions(config) -> int | None:
     max_position_embeddings (n_positions for GPT-2) is the length, except where rope scaling extends the model past
     it: YaRN's post-scaling length is original_max_position_embeddings x factor (transformers' validate_rope: "factor
     should be the ratio between the pre-yarn and post-yarn context lengths"), which Qwen2.5's YaRN recipe adds to a
-    config whose max_position_embeddings stays the pre-scaling 32768. llama3 and longrope configs already state the
-    extended length in max_position_embeddings; linear / dynamic factors are taken as the config states its length
-    (docs/ENGINE_FACTS.md, "What a training run's inputs must be")."""
+    config whose max_position_embeddings stays the pre-scaling 32768. Dynamic NTK's max_position_embeddings is the
+    trained length it grows the base past (_compute_dynamic_ntk_parameters), so its length is that x factor. llama3,
+    longrope and linear configs state the extended length in max_position_embeddings (docs/ENGINE_FACTS.md, "What a
+    training run's inputs must be", "RoPE scaling")."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def read(key: str) -> Any:
@@ -233,9 +234,14 @@ def model_positions(config) -> int | None:
     longest = base
     for params in found:
         factor = params.get("factor")
-        if params.get("rope_type", params.get("type")) == "yarn" and isinstance(factor, (int, float)) and factor > 1:
+        kind = params.get("rope_type", params.get("type"))
+        if not isinstance(factor, (int, float)) or not 1 < factor < float("inf"):  # NaN and inf are no factor
+            continue
+        if kind == "yarn":
             original = params.get("original_max_position_embeddings") or read("original_max_position_embeddings")
             longest = max(longest, int((original if isinstance(original, int) else base) * factor))
+        elif kind == "dynamic":
+            longest = max(longest, int(base * factor))
     return longest
 
 

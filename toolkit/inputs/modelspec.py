@@ -74,6 +74,9 @@ class ModelSpec:
     tiling_blocker: str | None = None
     """Why ALST tiling cannot run this model (a decoder layer's MLP DeepSpeed's TiledMLP cannot run, probed on the
     meta device: toolkit.inputs.tileable), or None."""
+    rope_scaling: dict[str, Any] | None = None
+    """The job's RoPE scaling applied to `config` (toolkit.inputs.rope.RopeScaling.to_dict), or None: the config as
+    the model ships it (its own rope scaling included)."""
     source_key: str | None = None
     """Hash of where the config came from (its config.json text, or the bare numbers): the on-disk cache key of
     this spec and of its activation traces. None (hub ids) caches nothing."""
@@ -108,6 +111,8 @@ class ModelSpec:
 
         kwargs = {}
         for f in fields(cls):
+            if f.name not in data:  # a field added since the entry was written keeps its default
+                continue
             value = data[f.name]
             kwargs[f.name] = tuple(value) if isinstance(value, list) and f.name != "config" else value
         return cls(**kwargs)

@@ -50,7 +50,7 @@ _DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel", "expert_
 """Model-parallel degrees (added within version 2, default 1)."""
 
 _LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
-             "leaf_modules": (None, []), "dpo": ({},)}
+             "leaf_modules": (None, []), "dpo": ({},), "rope_scaling": ({},)}
 """Fields added within version 2, left out of plan.json at this value (their default), so a plan without them reads
 and keys its prediction as it did before they existed."""
 
@@ -158,6 +158,10 @@ class Plan:
     dpo: dict[str, Any] = Field(default_factory=dict)
     """toolkit.inputs.preference.Dpo fields (beta, loss_type, reference) of a DPO job, TRL's DPOTrainer (empty:
     supervised fine-tuning); checked by toolkit.inputs.preference when the plan loads."""
+    rope_scaling: dict[str, Any] = Field(default_factory=dict)
+    """The job's RoPE scaling (toolkit.inputs.rope.RopeScaling fields: rope_type, factor, original_positions), already
+    applied in model_config; toolkit.train sets model_config_overrides() on the config it loads. Empty: the model's
+    config as it ships. Left out of plan.json when empty."""
     version: Literal[2] = PLAN_VERSION
 
     # --- validation ----------------------------------------------------------------------------------------------
@@ -240,6 +244,21 @@ class Plan:
                 raise ValueError(f"'adapter' holds an unknown setting ({exc})") from None
             if adapter.method != self.method:
                 raise ValueError(f"'adapter' says method {adapter.method!r} but 'method' is {self.method!r}")
+        if self.rope_scaling:
+            from toolkit.inputs.rope import OVERRIDE_KEYS, RopeScaling
+
+            try:
+                rope = RopeScaling.from_dict(self.rope_scaling)
+            except (TypeError, UserError) as exc:
+                raise ValueError(f"'rope_scaling' is not a RoPE scaling ({exc})") from None
+            stated = self.model_config.get("rope_parameters")
+            if not isinstance(stated, dict) or stated.get("rope_type") != rope.rope_type \
+                    or stated.get("factor") != rope.factor:
+                raise ValueError(f"'rope_scaling' says {rope.rope_type} x{rope.factor:g} but model_config's "
+                                 f"rope_parameters say {stated!r}; re-plan (plan applies it to model_config)")
+            missing = [k for k in OVERRIDE_KEYS if k not in self.model_config]
+            if missing:
+                raise ValueError(f"'rope_scaling' needs model_config's {', '.join(missing)}; re-plan")
         if self.dpo:
             try:
                 self.dpo_spec
@@ -248,6 +267,14 @@ class Plan:
         return self
 
     # --- derived ----------------------------------------------------------------------------------------------------
+
+    @property
+    def model_config_overrides(self) -> dict[str, Any]:
+        """The model_config keys the job changed (its RoPE scaling), which the run sets on the config it loads;
+        empty when the model runs as it ships."""
+        from toolkit.inputs.rope import model_config_overrides
+
+        return model_config_overrides(self.model_config) if self.rope_scaling else {}
 
     @property
     def strategy_spec(self) -> Strategy:

@@ -81,7 +81,9 @@ def config_value(config: Any, keys: tuple[str, ...]) -> Any:
 
 
 def check_matches_plan(config: Any, plan: Plan, source: str) -> None:
-    """The model to train must be the one the plan's memory and batch arithmetic were computed for."""
+    """The model to train must be the one the plan's memory and batch arithmetic were computed for. The plan's
+    model_config_overrides (its RoPE scaling, toolkit.inputs.rope) are set on `config` here, in place, so every
+    route that loads the model (the HF runner, the pipeline runner, launch's preflight) builds the planned one."""
     mismatches = []
     if config.model_type != plan.model_type:
         mismatches.append(f"model_type {config.model_type} vs {plan.model_type}")
@@ -99,7 +101,12 @@ def check_matches_plan(config: Any, plan: Plan, source: str) -> None:
     problem = config_attention_problem(config, plan.attention, name=source)  # transformers would refuse it at load
     if problem:
         raise UserError(problem)
-    problem = plan_positions_problem(plan.seq_len, source, model_positions(config))
+    if plan.model_config_overrides:
+        from toolkit.inputs.rope import apply_overrides
+
+        apply_overrides(config, plan.model_config_overrides, source)
+    problem = plan_positions_problem(plan.seq_len, source, model_positions(config),
+                                     rotary=bool(getattr(config, "rope_parameters", None)))
     if problem:
         raise UserError(problem)
 

@@ -82,12 +82,13 @@ def model_kwargs(plan: str | Path | None = None) -> dict[str, Any]:
     """from_pretrained keyword arguments the plan assumes: the dtype to load in, for QLoRA the 4-bit
     quantization_config (transformers.BitsAndBytesConfig), and for tensor / expert parallelism the
     distributed_config (transformers.distributed.DistributedConfig) with which transformers shards the model as it
-    loads it (call it after training_arguments(), which sets up this box's process group)."""
+    loads it (call it after training_arguments(), which sets up this box's process group); a plan's RoPE scaling
+    adds its model_config_overrides (config keys from_pretrained sets on the config it loads)."""
     import torch
 
     settings = plan_settings(plan)
     adapter = settings.get("adapter")
-    sharding: dict[str, Any] = {}
+    sharding: dict[str, Any] = dict(settings.get("model_config_overrides", {}))  # RoPE scaling: config keys
     if settings.get("distributed_config"):
         from transformers.distributed import DistributedConfig
 
