@@ -68,7 +68,7 @@ class AllocatorSettings:
         return cls(capacity=capacity, **values)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     stream: int
     size: int
@@ -249,6 +249,8 @@ class CachingAllocator:
     # ------------------------------------------------------------------------------------------------ inside
 
     def _process_events(self) -> None:
+        if not self._pending:
+            return
         for block in list(self._pending):
             block.uses -= self._synced
             if not block.uses:
@@ -258,11 +260,14 @@ class CachingAllocator:
     def _free_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
         if self.settings.garbage_collection_threshold > 0 and self.settings.capacity is not None:
             pool.lookups += 1
-        found = pool.from_key(stream, size)
-        block = next(found, None)
-        if block is None:
+        keys = pool.keys
+        i = bisect_left(keys, (stream, size, -1))
+        if i == len(keys) or keys[i][0] != stream:
             return None
+        block = pool.blocks[keys[i]]
         if block.expandable:
+            found = pool.from_key(stream, size)
+            next(found)
             def growable(b: _Block) -> int:
                 return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
             for other in found:

@@ -22,6 +22,7 @@ per-stream pools cost), added to the memory model's tensor peak. Results are kep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from toolkit.estimate.allocator import AllocatorSettings, replay
 from toolkit.estimate.stepevents import BACKWARD, FORWARD, decode_free
@@ -90,6 +91,21 @@ def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Repla
     return stored
 
 
+@lru_cache(maxsize=1024)
+def _decoded(window: tuple[int, ...]) -> tuple[tuple[bool, int, int, int, int], ...]:
+    """(birth?, size, region offset, phase, ordinal) of each event of a window: a birth's ordinal counts the
+    window's births so far, a death's names its birth (toolkit.estimate.stepevents)."""
+    out, births = [], 0
+    for e in window:
+        if e > 0:
+            out.append((True, e, 0, 0, births))
+            births += 1
+        else:
+            offset, phase, ordinal = decode_free(e)
+            out.append((False, 0, offset, phase, ordinal))
+    return tuple(out)
+
+
 def _shares(total: float, regions) -> list[int]:
     """`total` bytes split over the regions in proportion to their parameters (evenly when none have any)."""
     params = [r.params for r in regions]
@@ -117,16 +133,13 @@ def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
         rotating: list = []
 
         def run(j: int, phase: int, window: tuple[int, ...]) -> None:
-            ordinal = 0
-            for e in window:
-                if e > 0:
+            for birth, size, offset, born_phase, ordinal in _decoded(window):
+                if birth:
                     key = ("act", j, phase, ordinal)
-                    ordinal += 1
                     alive.add(key)
-                    events.append(("malloc", key, e))
+                    events.append(("malloc", key, size))
                 else:
-                    offset, born_phase, born = decode_free(e)
-                    key = ("act", j + offset, born_phase, born)
+                    key = ("act", j + offset, born_phase, ordinal)
                     if key in alive:
                         alive.remove(key)
                         events.append(("free", key))
