@@ -113,3 +113,18 @@ def test_a_loss_trls_trainer_refuses_is_one_line_and_exit_2(train_in_process, ti
     errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: TRL's DPOTrainer refuses the plan's DPO settings: Label "
                                                      "smoothing must be greater than 0.0 when using 'exo_pair' loss")
+
+
+def test_compile_on_a_dpo_plan_is_refused_as_the_planner_refuses_it(tiny_llama_dir, tmp_path):
+    from toolkit.inputs.preference import dpo_problem
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.preflight import preflight
+
+    plan = _plan(tiny_llama_dir, "zero2", world=2, micro=2, accum=1)
+    plan_dir = emit_plan_files(plan, tmp_path / "plan")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    with pytest.raises(UserError) as exc:
+        preflight(plan, plan_dir, ["--data", str(data), "--output", str(tmp_path / "out"), "--compile"])
+    assert str(exc.value) == dpo_problem(plan.dpo_spec, plan.strategy_spec, compile=True) == \
+        "--method dpo with --compile is not modelled; drop --compile"

@@ -199,6 +199,9 @@ def check_run(plan: Any, args: Any) -> None:
     from toolkit.run.data_check import check_data
     from toolkit.train.model import load_config, load_tokenizer, model_source
 
+    from toolkit.train.dpo import check_dpo_run
+
+    check_dpo_run(plan, args)
     source = model_source(plan, args.model, random_init=args.random_init)
     check_model_for_training(source, tokenizer=args.tokenizer, random_init=args.random_init)
     config = load_config(source, random_init=args.random_init)

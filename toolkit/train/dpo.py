@@ -27,6 +27,15 @@ PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 """The columns of TRL's explicit-prompt preference format (trl/data_utils.py is_conversational, extract_prompt)."""
 
 
+def check_dpo_run(plan: Plan, args) -> None:
+    """The planner's DPO rule (toolkit.inputs.preference.dpo_problem) against the run's own flags: what the plan
+    refuses with DPO, toolkit.train refuses too (one line, before any process or model)."""
+    from toolkit.inputs.preference import dpo_problem
+
+    if plan.dpo and (problem := dpo_problem(plan.dpo_spec, plan.strategy_spec, compile=args.compile)):
+        raise UserError(problem)
+
+
 def preference_row_problem(row: dict[str, Any]) -> str | None:
     """Why one row is not a preference pair DPOTrainer can tokenize, or None."""
     from toolkit.train.data import conversation_problem

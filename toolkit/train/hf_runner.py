@@ -37,6 +37,9 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         raise UserError("the plan offloads activations, which TRL's trainers do and toolkit.train does not: run "
                         "it with your own TRL script (training_args.json, sft_config / dpo_config) or re-plan "
                         "without --activation-offloading")
+    from toolkit.train.dpo import check_dpo_run
+
+    check_dpo_run(plan, args)
     dimensions.check_runnable(plan, on_cpu=cpu.on_cpu())
     if args.resume and (problem := plan.grid.resume_problem()):
         raise UserError(f"--resume: {problem}; start again without --resume")
