@@ -38,6 +38,16 @@ def test_yarn_lets_estimate_go_past_the_positions_with_the_same_memory(tiny_llam
     assert at_256[0]["peak_bytes"] == at_256[1]["peak_bytes"]
 
 
+def test_dynamic_ntk_is_estimated_though_its_forward_depends_on_the_data(tiny_llama_dir, capsys):
+    """dynamic_rope_update branches on max(position_ids), which the fake-tensor trace cannot follow: the estimate
+    traces it as linear scaling of the same factor (traceable_config), with the same bytes."""
+    runs = [json.loads(_json(capsys, ["estimate", str(tiny_llama_dir), "--seq", "512", "--gpus", "1xH100-80GB",
+                                      "--json", "--rope-scaling", kind, "--rope-factor", "2"])[1])
+            for kind in ("dynamic", "linear")]
+    assert runs[0]["rope_scaling"]["positions"] == runs[1]["rope_scaling"]["positions"] == 512
+    assert runs[0]["per_gpu"]["peak_bytes"] == runs[1]["per_gpu"]["peak_bytes"]
+
+
 def test_seq_max_reaches_the_scaled_positions(tiny_llama_dir, capsys):
     code, out, _ = _json(capsys, ["estimate", str(tiny_llama_dir), "--seq", "max", "--gpus", "1xH100-80GB",
                                   "--json", "--rope-scaling", "yarn", "--rope-factor", "4"])

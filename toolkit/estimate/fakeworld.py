@@ -114,7 +114,9 @@ def trace_world(spec: "ModelSpec", strategy: "Strategy", job: "Job", grid: "Para
     hit = cache.get("world", key, code=trace_world, decode=WorldTrace.from_dict) if key else None
     if hit is not None:
         return hit
-    out = _trace(spec.hf_config(), strategy, job, grid, attention)
+    from toolkit.inputs.rope import traceable_config  # dynamic NTK traced as linear (same shapes)
+
+    out = _trace(traceable_config(spec.hf_config()), strategy, job, grid, attention)
     if key:
         cache.put("world", key, out.to_dict(), code=trace_world)
     return out
