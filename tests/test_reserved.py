@@ -134,3 +134,12 @@ def test_a_real_cpu_steps_allocations_replay_to_the_same_reserved_as_the_traced_
     assert real.peak_allocated > 100 * 2**20
     assert (ours.peak_reserved, ours.peak_allocated, ours.segments) == \
         (real.peak_reserved, real.peak_allocated, real.segments)
+
+
+def test_offloaded_activations_keep_the_named_margin_as_their_host_copies_are_not_recorded(tiny):
+    b = estimate_memory(tiny, parse_strategy("ddp"), Job(seq_len=128, activation_offloading=True),
+                        parse_hardware("1xA100-80GB"))
+    term = next(t for t in b.terms if t.name.startswith("allocator"))
+    assert term.name == "allocator margin" and "activations offloaded" in term.source
+    assert b.margin_bytes == int(b.peak_bytes * (1 + ALLOCATOR_MARGIN)) - b.peak_bytes
+    assert b.to_dict()["reserved_bytes"] == b.peak_bytes + b.margin_bytes

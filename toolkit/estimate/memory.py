@@ -36,7 +36,7 @@ COMM_BUFFER_BYTES = int(0.5 * GIB)
 published source separates them (the published nvidia-smi readings lump them with the context)."""
 ALLOCATOR_MARGIN = 0.05
 """Caching-allocator reserved over allocated, minus 1: only the fallback where the step's allocation events are not
-recorded (regions traced compiled rather than eager, interpolations between traces whose events differ, pipeline stages with several
+recorded (regions traced compiled rather than eager, activation offloading, interpolations between traces whose events differ, pipeline stages with several
 micro-batches in flight); elsewhere the step is replayed through the allocator model (toolkit.estimate.reserved).
 Still assumed. The one published reserved/allocated pair of
 a modelled job (accelerate benchmarks/fsdp2, Qwen2.5-1.5B FSDP2 on 8 x H100, seq 128: ~4350 MiB allocated, ~7050
@@ -118,6 +118,7 @@ class Breakdown:
                 "context_bytes", "margin_bytes", "required_bytes", "capacity_bytes", "cpu_bytes_per_node",
                 "nvme_bytes_per_node")
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        out["reserved_bytes"] = self.reserved_bytes
         if self.reference_bytes:
             out["reference_bytes"] = self.reference_bytes
         if self.stage_required_bytes:
@@ -493,7 +494,8 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
         margin = reserved_bytes(peak) - peak
         return margin, Term("allocator margin", margin,
                             f"assumed {ALLOCATOR_MARGIN:.0%} of the tensor peak: this step's allocation events are "
-                            "not recorded (a region traced compiled, several micro-batches in flight, or traces that differ)")
+                            "not recorded (a region traced compiled, activations offloaded, several micro-batches in "
+                            "flight, or traces that differ)")
     return result.overhead, Term(
         "allocator (replayed)", result.overhead,
         f"caching-allocator segments above the tensor peak: two steps' {result.events} allocation events (the "

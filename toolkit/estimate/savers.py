@@ -51,8 +51,10 @@ def offload_layer_activations(trace):
     """(trace with the decoder layers' saved bytes moved off the GPU, host bytes per micro-batch)."""
     from dataclasses import replace
 
+    # The copies to and from the host (TRL's side stream) are not recorded events: no allocator replay for them.
     layers = tuple(replace(r, saved_bytes=0, forward_extra_bytes=r.forward_extra_bytes + r.saved_bytes,
-                           backward_extra_bytes=r.backward_extra_bytes + r.saved_bytes) for r in trace.layers)
+                           backward_extra_bytes=r.backward_extra_bytes + r.saved_bytes, forward_events=(),
+                           backward_events=()) for r in trace.layers)
     host = sum(r.saved_bytes for r in trace.layers)
     return replace(trace, layers=layers,
                    notes=trace.notes + ("activation offloading: decoder layers' saved tensors in pinned host RAM",)), host
