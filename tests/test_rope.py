@@ -70,6 +70,11 @@ def test_plan_writes_the_config_change_for_every_route(tiny_llama_dir, tmp_path,
         (out / "PLAN.md").read_text()
     code, stdout, _ = _json(capsys, ["check", str(out)])
     assert code == 0 and "no findings" in stdout
+    args = json.loads((out / "training_args.json").read_text())
+    del args["model_config_overrides"]  # a script would load the model as it ships: 256 positions
+    (out / "training_args.json").write_text(json.dumps(args))
+    code, stdout, err = _json(capsys, ["check", str(out)])
+    assert code == 1 and "model_config_overrides {} but plan.json plans" in stdout + err
 
 
 def test_check_names_a_plan_past_the_positions_without_rope_scaling(tiny_llama_dir, tmp_path, capsys):

@@ -254,6 +254,23 @@ def plan_sharding_problems(plan: Plan, directory: Path) -> list[Problem]:
     return out
 
 
+def plan_rope_problems(plan: Plan, directory: Path) -> list[Problem]:
+    """training_args.json's model_config_overrides (the RoPE scaling a user's script passes to from_pretrained,
+    toolkit.train.own_script.model_kwargs) against the plan's: without them the script trains the model as it ships,
+    whose positions stop before the plan's sequence."""
+    from toolkit.plan.files import TRAINING_ARGS
+
+    args_path = directory / TRAINING_ARGS
+    if not args_path.is_file():
+        return []
+    given = _mapping(read_config(args_path)).get("model_config_overrides") or {}
+    if given == plan.model_config_overrides:
+        return []
+    return [Problem(str(args_path), "error", f"model_config_overrides {given} but plan.json plans "
+                    f"{plan.model_config_overrides} (the RoPE scaling your script passes to from_pretrained); "
+                    "re-emit the plan directory", EVERY)]
+
+
 def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Problem]:
     """A plan folder, judged on the files each route out of it passes (toolkit.run.launcher, emit/scripts.py):
     toolkit.train (`toolkit launch`, launch.sh / slurm.sbatch / deepspeed.sh without a script) hands ds_config.json
@@ -272,7 +289,7 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
         return check_paths([str(n) for n in names[:1] + hostfile], gpus=gpus)
     out: list[Problem] = (plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
                           + plan_attention_problems(plan, directory) + plan_dpo_problems(plan, directory)
-                          + plan_sharding_problems(plan, directory))
+                          + plan_sharding_problems(plan, directory) + plan_rope_problems(plan, directory))
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
     checked: list[dict[str, Any]] = []  # the configs already judged (one finding per problem, not per copy)
