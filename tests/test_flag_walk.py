@@ -25,7 +25,8 @@ from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 CLOSED_SETS = {"--method": choices.METHODS, "--qlora-quant-type": choices.QUANT_TYPES,
                "--qlora-compute-dtype": choices.COMPUTE_DTYPES, "--qlora-quant-storage": choices.QUANT_STORAGE_DTYPES,
                "--precision": choices.PRECISIONS, "--strategy": ALL_STRATEGY_NAMES,
-               "--reference": choices.REFERENCES[1:], "--dpo-loss": choices.DPO_LOSS_TYPES[1:]}
+               "--reference": choices.REFERENCES[1:], "--dpo-loss": choices.DPO_LOSS_TYPES[1:],
+               "--vllm-mode": choices.VLLM_MODES[1:]}
 """Flags that take a member of a closed set the command checks itself (its help lists the set): the walk gives the
 first member that is not the default."""
 
@@ -62,6 +63,14 @@ NEEDS = {
                                                                          "--checkpointing")},
     "--model": ["--gpus", "2xH100-80GB"], "--nodes": ["--rehearse"],
     **{flag: ["--method", "dpo"] for flag in ("--reference", "--dpo-beta", "--dpo-loss")},
+    # GRPO: lengths the tiny model's 256 positions take (its sequence is prompt + completion, never --seq), and a
+    # generation batch of whole groups of 8 on the 2 GPUs (micro-batch 4)
+    **{flag: ["--method", "grpo", "--max-prompt-length", "32", "--max-completion-length", "32", "--micro-batch", "4"]
+       for flag in ("--num-generations", "--grpo-beta", "--use-vllm")},
+    **{flag: ["--method", "grpo", "--max-prompt-length", "32", "--max-completion-length", "32", "--micro-batch", "4",
+              "--use-vllm"] for flag in ("--vllm-mode", "--vllm-gpu-memory-utilization")},
+    "--max-prompt-length": ["--method", "grpo", "--max-completion-length", "32", "--micro-batch", "4"],
+    "--max-completion-length": ["--method", "grpo", "--max-prompt-length", "32", "--micro-batch", "4"],
     "--epochs": ["--dataset-tokens", "1e9"], "--gpu-hour-price": ["--dataset-tokens", "1e9"],
     "--rope-scaling": ["--rope-factor", "2"], "--rope-factor": ["--rope-scaling", "yarn"],
     "--rope-original-positions": ["--rope-scaling", "yarn", "--rope-factor", "2"],
@@ -75,7 +84,10 @@ BY_NUMBERS = ["--layers", "3", "--hidden", "64", "--heads", "4", "--vocab", "512
 """The model the flags of the "model by numbers" group are walked on, in place of the model's name (beside which
 they are refused)."""
 
-DROPS = {"--savers": {"--global-batch"}, "--params": {"--layers", "--hidden", "--heads", "--vocab"}}
+DROPS = {"--savers": {"--global-batch"}, "--params": {"--layers", "--hidden", "--heads", "--vocab"},
+         **{flag: {"--seq"} for flag in ("--num-generations", "--grpo-beta", "--use-vllm", "--vllm-mode",
+                                         "--vllm-gpu-memory-utilization", "--max-prompt-length",
+                                         "--max-completion-length")}}
 """Flags of the command's own words that the context of a walked flag leaves out."""
 
 AFTER_A_FIRST_RUN = {"--force"}

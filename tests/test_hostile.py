@@ -429,7 +429,8 @@ def _wave2() -> list[tuple[str, list[str], str]]:
     cases: list[tuple[str, list[str], str]] = []
 
     def add(name: str, expect: str, *argv: str) -> None:
-        if argv[:1] in (("estimate",), ("plan",)) and "--seq" not in argv:
+        if argv[:1] in (("estimate",), ("plan",)) and "--seq" not in argv \
+                and not any(a.startswith("grpo") for a in argv):  # GRPO's lengths are its own flags
             argv = (argv[0], "--seq", "64", *argv[1:])
         cases.append((name, list(argv), expect))
 
@@ -471,6 +472,29 @@ def _wave2() -> list[tuple[str, list[str], str]]:
         "--strategy", "pipeline", "--gpus", "2xH100-80GB")
     add("dpo with --liger", "not modelled", "estimate", "{M}", "--method", "dpo", "--liger")
     add("profile --method dpo", "modelled by estimate and plan only", "profile", *SHAPE.split(), "--method", "dpo")
+    grpo = ["estimate", "{M}", "--method", "grpo", "--max-prompt-length", "32", "--max-completion-length", "32"]
+    for flag, value, expect in (("--num-generations", "0", "at least 2"), ("--num-generations", "1", "at least 2"),
+                                ("--num-generations", "nan", "--num-generations"),
+                                ("--vllm-gpu-memory-utilization", "1.5", "absurdly large"),
+                                ("--vllm-gpu-memory-utilization", "nan", "not a finite number"),
+                                ("--vllm-gpu-memory-utilization", "0", "must be positive"),
+                                ("--vllm-gpu-memory-utilization", "1", "between 0 and 1"),
+                                ("--grpo-beta", "nan", "not a finite number"), ("--grpo-beta", "-1", "--grpo-beta"),
+                                ("--max-completion-length", "0", "--max-completion-length")):
+        add(f"grpo {flag} {value}", expect, *grpo, "--use-vllm", flag, value)
+    add("grpo utilization without --use-vllm", "add --use-vllm", *grpo, "--vllm-gpu-memory-utilization", "0.5")
+    add("grpo utilization with server mode", "a vLLM server takes its own", *grpo, "--use-vllm", "--vllm-mode",
+        "server", "--vllm-gpu-memory-utilization", "0.5")
+    add("grpo unknown --vllm-mode", "--vllm-mode 'remote' is not known", *grpo, "--use-vllm", "--vllm-mode", "remote")
+    add("grpo flag without --method grpo", "applies to --method grpo", "estimate", "{M}", "--seq", "64",
+        "--num-generations", "4")
+    add("grpo --seq", "--seq with --method grpo", "estimate", "{M}", "--seq", "64", "--method", "grpo")
+    add("grpo partial groups", "multiple of --num-generations 8", *grpo, "--micro-batch", "3", "--gpus",
+        "2xH100-80GB")
+    add("grpo+qlora", "grpo+qlora is not modelled", *grpo[:3], "grpo+qlora", *grpo[4:])
+    add("grpo on the pipeline engine", "not the pipeline engine", *grpo, "--strategy", "pipeline", "--gpus",
+        "2xH100-80GB")
+    add("profile --method grpo", "modelled by estimate and plan only", "profile", *SHAPE.split(), "--method", "grpo")
     add("unknown modules_to_save", "does not have", *lora, "--lora-modules-to-save", "nope")
     add("one unknown among modules_to_save", "'nope'", *lora, "--lora-modules-to-save", "lm_head,nope")
     add("plan unknown modules_to_save", "does not have", "plan", "{M}", "--micro-batch", "1", "--method", "lora",

@@ -469,8 +469,8 @@ def _unusual_job():
     job = Job(seq_len=96, micro_batch=2, grad_accum=3, precision="fp16", optimizer="sgd", checkpointing=True,
               attention="eager", device_kind="cpu", optimizer_impl="foreach", activation_offloading=True, liger=True,
               tiled=True, compile=True, adapter=adapter, dpo=dpo)
-    for f in fields(Job):
-        assert f.name in ESTIMATE_ONLY or f.default is MISSING or getattr(job, f.name) != f.default, f.name
+    for f in fields(Job):  # grpo: a job is DPO or GRPO, never both (_unusual_grpo_job carries it)
+        assert f.name in (*ESTIMATE_ONLY, "grpo") or f.default is MISSING or getattr(job, f.name) != f.default, f.name
     for f in fields(Adapter):
         assert getattr(adapter, f.name) != f.default, f.name
     for f in fields(Dpo):
@@ -478,14 +478,30 @@ def _unusual_job():
     return job
 
 
-def test_a_job_survives_job_plan_file_job_unchanged():
+def _unusual_grpo_job():
+    """_unusual_job as GRPO (LoRA: GRPO is not modelled with QLoRA), every GRPO setting off its default."""
+    from dataclasses import fields, replace
+
+    from toolkit.inputs.grpo import Grpo
+    from toolkit.inputs.lora import Adapter
+
+    grpo = Grpo(num_generations=4, max_prompt_length=40, max_completion_length=56, beta=0.04, use_vllm=True,
+                vllm_mode="server", vllm_gpu_memory_utilization=0.5)
+    for f in fields(Grpo):
+        assert getattr(grpo, f.name) != f.default, f.name
+    return replace(_unusual_job(), dpo=None, grpo=grpo, seq_len=grpo.seq_len, adapter=Adapter(method="lora", r=4),
+                   liger=False, tiled=False, compile=False)
+
+
+@pytest.mark.parametrize("unusual", [_unusual_job, _unusual_grpo_job], ids=["dpo", "grpo"])
+def test_a_job_survives_job_plan_file_job_unchanged(unusual):
     """toolkit.plan.job's one mapping: a Job with every field off its default becomes plan.json's fields, the file's
     JSON, and the same Job again (a field added to Job and Plan is carried without another spelling)."""
     from toolkit.plan.build import build_plan
     from toolkit.plan.job import job_from_plan
     from toolkit.plan.schema import parse_plan
 
-    job = _unusual_job()
+    job = unusual()
     config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
               "max_position_embeddings": 256}
     plan = build_plan(model="/m", model_config=config, model_type="llama", layer_class="LlamaDecoderLayer",

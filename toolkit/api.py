@@ -80,12 +80,17 @@ def _seq_len(spec: "ModelSpec", seq_len: int | None) -> int:
 
 
 def _objective(method: str | None, options: dict[str, Any]) -> None:
-    """method="dpo" / "dpo+lora": a DPO job with TRL's defaults unless `dpo=Dpo(...)` is given."""
+    """method="dpo" / "dpo+lora": a DPO job with TRL's defaults unless `dpo=Dpo(...)` is given; "grpo" likewise
+    (`grpo=Grpo(...)`)."""
     from toolkit.inputs.choices import split_method
+    from toolkit.inputs.grpo import Grpo
     from toolkit.inputs.preference import Dpo
 
-    if method and split_method(method)[0] and options.get("dpo") is None:
+    objective = split_method(method)[0] if method else None
+    if objective == "dpo" and options.get("dpo") is None:
         options["dpo"] = Dpo()
+    if objective == "grpo" and options.get("grpo") is None:
+        options["grpo"] = Grpo()
 
 
 def _adapter(method: str | None, adapter: Any):
@@ -226,6 +231,8 @@ def _job(cls, spec: "ModelSpec", *, seq_len: int | None, **fields: Any):
     unknown = sorted(set(fields) - known)
     if unknown:
         raise UserError(f"unknown setting {unknown[0]!r} for {cls.__name__}: one of {', '.join(sorted(known))}")
+    if fields.get("grpo") is not None and seq_len is None:  # GRPO trains prompt + completion
+        seq_len = fields["grpo"].seq_len
     return cls(seq_len=_seq_len(spec, seq_len), **fields)
 
 

@@ -59,6 +59,10 @@ LORA_DROPOUT = Bound(0, 1, "a probability")
 DPO_BETA = Bound(0, 1e3, "10^3, 10,000x TRL's default 0.1", low_inclusive=False)
 ROPE_FACTOR = Bound(1.0, 1024, "25x DeepSeek-V3's YaRN factor 40 (its config.json)")
 """--rope-factor: transformers' rope validation asks for a factor >= 1 (modeling_rope_utils.py)."""
+GRPO_BETA = Bound(0, 1e3, "10^3, 10^6x the 0.001 DeepSeek-R1 used (GRPOConfig.beta's help)")
+NUM_GENERATIONS = Bound(2, 65536, "64x the 1024 completions of the largest published GRPO groups")
+"""At least 2: GRPOConfig.__post_init__ refuses fewer (the group advantage needs two)."""
+VLLM_GPU_MEMORY_UTILIZATION = Bound(0, 1, "a fraction of the GPU's memory", low_inclusive=False)
 
 # Batch and steps.
 BATCH = Bound(1, 1000000, "10^6 samples")

@@ -187,6 +187,35 @@ def plan_dpo_problems(plan: Plan, directory: Path) -> list[Problem]:
             for key, value in wanted.items() if given.get(key) != value]
 
 
+def plan_grpo_problems(plan: Plan, directory: Path) -> list[Problem]:
+    """A GRPO plan: toolkit.inputs.grpo.grpo_problem on its strategy, and the grpo_config of training_args.json built
+    as TRL's own GRPOConfig, holding the plan's GRPO settings."""
+    if not plan.grpo:
+        return []
+    from toolkit.engines.validate import ConfigRejected, validate_grpo_config
+    from toolkit.inputs.grpo import grpo_problem
+    from toolkit.plan.files import TRAINING_ARGS
+
+    if problem := grpo_problem(plan.grpo_spec, plan.strategy_spec, adapter_method=plan.method):
+        return [Problem(str(directory / PLAN_JSON), "error", problem, EVERY)]
+    path = directory / TRAINING_ARGS
+    if not path.is_file():
+        return []
+    given = _mapping(_mapping(read_config(path)).get("grpo_config"))
+    if not given:
+        return [Problem(str(path), "error", "a GRPO plan's training_args.json has no grpo_config; re-emit the plan "
+                        "directory", EVERY)]
+    try:
+        with quiet_engines():
+            validate_grpo_config(given)
+    except ConfigRejected as exc:
+        return [Problem(str(path), "error", str(exc), EVERY)]
+    wanted = {**plan.grpo_spec.grpo_config_kwargs(), "generation_batch_size": plan.global_batch}
+    return [Problem(str(path), "error", f"grpo_config {key} is {given.get(key)!r} but plan.json's GRPO settings "
+                    f"mean {value!r}; re-emit the plan directory", EVERY)
+            for key, value in wanted.items() if given.get(key) != value]
+
+
 def plan_attention_problems(plan: Plan, directory: Path) -> list[Problem]:
     """plan.json's attention, and the sp_attn_implementation training_args.json and the YAML hand to Ulysses, against
     what transformers lets the plan's model class run (the rule estimate and plan refuse by,
@@ -289,6 +318,7 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
         return check_paths([str(n) for n in names[:1] + hostfile], gpus=gpus)
     out: list[Problem] = (plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
                           + plan_attention_problems(plan, directory) + plan_dpo_problems(plan, directory)
+                          + plan_grpo_problems(plan, directory)
                           + plan_sharding_problems(plan, directory) + plan_rope_problems(plan, directory))
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG

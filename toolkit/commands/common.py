@@ -200,6 +200,30 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--dpo-beta", type=float_arg("--dpo-beta", bounds.DPO_BETA),
                    help=f"DPOConfig beta (default {DPO_DEFAULT_BETA})")
     d.add_argument("--dpo-loss", help=f"DPOConfig loss_type: {choices_words(DPO_LOSS_TYPES)} (default sigmoid)")
+    from toolkit.inputs.choices import GRPO_DEFAULTS, GRPO_PROMPT_LENGTH, VLLM_MODES
+
+    r = p.add_argument_group("GRPO, TRL's GRPOTrainer (--method grpo; toolkit.inputs.grpo); the trained sequence is "
+                             "prompt + completion, the micro-batch counts completions")
+    r.add_argument("--num-generations", type=int_arg("--num-generations", bounds.NUM_GENERATIONS),
+                   help=f"GRPOConfig num_generations: completions per prompt; the generation batch must hold whole "
+                        f"groups (default {GRPO_DEFAULTS['num_generations']})")
+    r.add_argument("--max-prompt-length", type=int_arg("--max-prompt-length", bounds.SEQ),
+                   help=f"the longest prompt in tokens (default {GRPO_PROMPT_LENGTH})")
+    r.add_argument("--max-completion-length", type=int_arg("--max-completion-length", bounds.SEQ),
+                   help=f"GRPOConfig max_completion_length (default {GRPO_DEFAULTS['max_completion_length']})")
+    r.add_argument("--grpo-beta", type=float_arg("--grpo-beta", bounds.GRPO_BETA),
+                   help=f"GRPOConfig beta, the KL coefficient; 0 loads no reference model (default "
+                        f"{GRPO_DEFAULTS['beta']:g})")
+    r.add_argument("--use-vllm", action="store_const", const=True,
+                   help="GRPOConfig use_vllm: generate with vLLM (default: transformers generate in the training "
+                        "process)")
+    r.add_argument("--vllm-mode", help=f"GRPOConfig vllm_mode with --use-vllm: {choices_words(VLLM_MODES)} "
+                                       "(colocate: on the training GPUs; server: trl vllm-serve on other GPUs; "
+                                       "default colocate)")
+    r.add_argument("--vllm-gpu-memory-utilization",
+                   type=float_arg("--vllm-gpu-memory-utilization", bounds.VLLM_GPU_MEMORY_UTILIZATION),
+                   help=f"GRPOConfig vllm_gpu_memory_utilization, colocate: the share of each GPU's memory vLLM "
+                        f"takes; training gets the rest (default {GRPO_DEFAULTS['vllm_gpu_memory_utilization']:g})")
 
 
 TRAINING_ONLY_ADAPTER_FLAGS = {"lora_alpha": ("--lora-alpha", "scales the adapter's output"),
@@ -236,8 +260,18 @@ def dpo_of(args):
     from toolkit.inputs.choices import split_method
     from toolkit.inputs.preference import dpo_from_flags
 
-    return dpo_from_flags(split_method(args.method)[0], reference=args.reference, beta=args.dpo_beta,
+    objective = split_method(args.method)[0]
+    return dpo_from_flags(objective if objective == "dpo" else None, reference=args.reference, beta=args.dpo_beta,
                           loss_type=args.dpo_loss)
+
+
+def grpo_of(args):
+    """The command line's GRPO settings (toolkit.inputs.grpo.Grpo), or None unless --method grpo."""
+    from toolkit.inputs.choices import split_method
+    from toolkit.inputs.grpo import GRPO_FLAGS, grpo_from_flags
+
+    return grpo_from_flags(split_method(args.method)[0],
+                           **{k: getattr(args, flag[2:].replace("-", "_")) for k, flag in GRPO_FLAGS.items()})
 
 
 def trainable_params(spec, adapter) -> int:
@@ -412,6 +446,13 @@ def seq_len_of(spec, args) -> tuple[int, str | None]:
     """--seq as given (checked against the model), or the default adapted to the model's positions."""
     from toolkit.inputs.job import check_seq_len, default_seq_len
 
+    grpo = grpo_of(args)
+    if grpo is not None:
+        if args.seq is not None:
+            raise UserError("--seq with --method grpo: GRPO trains prompt + completion sequences; give "
+                            "--max-prompt-length and --max-completion-length instead of --seq")
+        check_seq_len(spec, grpo.seq_len)
+        return grpo.seq_len, None
     seq_len, note = default_seq_len(spec, args.seq)
     check_seq_len(spec, seq_len)
     return seq_len, note

@@ -10,10 +10,10 @@ from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_rope_flags, dpo_of, add_hardware_flags,
-                                     add_job_flags, add_model_flags, add_run_size_flags, gib, hardware_of,
-                                     longest_line, model_spec, print_note, run_size_flag, run_size_of, seq_len_of,
-                                     trainable_params)
+from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_rope_flags, dpo_of, grpo_of,
+                                     add_hardware_flags, add_job_flags, add_model_flags, add_run_size_flags, gib,
+                                     hardware_of, longest_line, model_spec, print_note, run_size_flag, run_size_of,
+                                     seq_len_of, trainable_params)
 
 
 def add_parser(sub) -> None:
@@ -48,6 +48,7 @@ def add_parser(sub) -> None:
 
 def cmd_estimate(args) -> int:
     from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.grpo import generation_batch
     from toolkit.inputs.job import Job, check_job
     from toolkit.estimate.duration import duration
     from toolkit.estimate.search import evaluate
@@ -68,7 +69,8 @@ def cmd_estimate(args) -> int:
     if args.expert_shared_batch and (degrees["expert"] <= 1 or args.seq == "max"):
         raise UserError("--expert-shared-batch prices an expert-parallel row at one sequence length; give it with "
                         "--expert-parallel N and --seq N")
-    if args.seq == "max":
+    grpo = grpo_of(args)
+    if args.seq == "max" and grpo is None:
         return _estimate_seq_max(args, spec, hw, strategy, degrees)
     seq_len, seq_note = seq_len_of(spec, args)
     run = run_size_of(args, seq_len)
@@ -77,11 +79,18 @@ def cmd_estimate(args) -> int:
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger,
               adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
-              chunked_loss=args.chunked_loss, dpo=dpo_of(args))
+              chunked_loss=args.chunked_loss, dpo=dpo_of(args), grpo=grpo)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees,
                                      expert_shared_batch=args.expert_shared_batch)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
+    if grpo is not None:
+        from toolkit.inputs.grpo import MODEL_PARALLEL_GRPO_PROBLEM, batch_problem
+
+        problem = MODEL_PARALLEL_GRPO_PROBLEM if grid.model_parallel > 1 or grid.expert > 1 else \
+            batch_problem(grpo, job.micro_batch, grid.data_parallel, job.grad_accum)
+        if problem:
+            raise UserError(problem)
     attention = spec.effective_attention(job.attention)
     grid.check_model(spec)
     grid.check_sequence(job.seq_len, attention, spec)
@@ -113,7 +122,10 @@ def cmd_estimate(args) -> int:
                        **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        **({"chunked_loss": job.chunked_loss} if job.chunked_loss else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {}),
-                       **({"dpo": job.dpo.to_dict()} if job.dpo else {})},
+                       **({"dpo": job.dpo.to_dict()} if job.dpo else {}),
+                       **({"grpo": job.grpo.to_dict()} if job.grpo else {})},
+               **({"grpo_step": generation_batch(job.grpo, job.micro_batch, c.data_parallel, job.grad_accum)}
+                  if job.grpo else {}),
                "per_gpu": b.to_dict(), "host_ram_bytes_per_node": hw.cpu_ram_bytes_per_node, "fits": b.fits,
                "timing": t.to_dict(),
                "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
@@ -155,6 +167,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     peak, the error bands, host RAM and the step time (plan --explain prints its chosen row through this too).
     `b`: the candidate's memory, or the fake world's terms in its place (estimate --trace-world)."""
     from toolkit.estimate.errorband import band_for, time_band
+    from toolkit.inputs.grpo import generation_batch, grpo_words
     from toolkit.inputs.preference import reference_words
     from toolkit.inputs.hardware import power_words
 
@@ -171,7 +184,11 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
           f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}"
-          f"{reference_words(job.dpo)}{rope_words(spec)}")
+          f"{reference_words(job.dpo)}{rope_words(spec)}{grpo_words(job.grpo)}")
+    if job.grpo is not None:
+        g = generation_batch(job.grpo, job.micro_batch, c.data_parallel, job.grad_accum)
+        print(f"GRPO step: a generation batch of {g['generation_batch_size']} completions = {g['prompts_per_step']} "
+              f"prompts x {job.grpo.num_generations} generations (GRPOConfig generation_batch_size)")
     if job.adapter.is_adapter:
         a = job.adapter
         print(f"{a.method}: r {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}, targets {a.targets}"
@@ -187,6 +204,10 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     print(f"{'peak (tensors)':<{width}}{gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
     print(f"{'required':<{width}}{gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
           f"{gib(cap)} GiB: {'fits' if b.fits else 'DOES NOT FIT'}")
+    if b.refusal:
+        print(f"DOES NOT FIT: {b.refusal}")
+    elif job.grpo is not None and job.grpo.generation != "generate":
+        print(b.notes[0])  # where GRPO generates: vLLM colocate's window, or the server's GPUs
     if world is not None:
         from toolkit.estimate.fakeworld import peak_line
 
@@ -214,7 +235,8 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
              "unverified")
           + ("; the one published expert-parallel run scored (TRL's, benchmarks/results/moe_ep.md) is several "
              "times slower than this model: the all-to-all terms are unverified"
-             if c.grid is not None and c.grid.expert > 1 else ""))
+             if c.grid is not None and c.grid.expert > 1 else "")
+          + ("; GRPO generation and scoring: no band (no published GRPO step is scored)" if t.generation_s else ""))
     from toolkit.estimate.savers import UNMODELLED_SPEED
 
     for key in t.unmodelled:
@@ -238,7 +260,9 @@ def step_terms_words(t) -> str:
     up to the printed step; the optional ones only when the job has them."""
     terms = [("compute", t.compute_s), ("exposed comm", t.communication_s), ("bubble", t.bubble_s),
              ("offload", t.offload_s), ("LoRA adapters", t.lora_overhead_s), ("4-bit dequantisation", t.dequant_s),
-             ("tiled recompute", t.tiled_recompute_s), ("DPO reference forward", t.reference_s)]
+             ("tiled recompute", t.tiled_recompute_s),
+             ("GRPO scoring forwards" if t.generation_s else "DPO reference forward", t.reference_s),
+             ("GRPO generation", t.generation_s)]
     return ", ".join(f"{name} {value:.3f} s" for i, (name, value) in enumerate(terms) if i < 4 or value)
 
 

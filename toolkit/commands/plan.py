@@ -11,7 +11,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKPOINTING_MODES
 from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (adapter_of, add_rope_flags, dpo_of, add_hardware_flags, add_job_flags,
+from toolkit.commands.common import (adapter_of, add_rope_flags, dpo_of, grpo_of, add_hardware_flags, add_job_flags,
                                      add_model_flags, add_output_flags, add_run_size_flags, GIB, hardware_of, human,
                                      longest_line, model_spec, print_note, run_size_flag, run_size_of, seq_len_of,
                                      trainable_params)
@@ -102,7 +102,7 @@ def cmd_plan(args) -> int:
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
                                       compile=args.compile, tiled=TILED[args.tiled], savers=args.savers == "auto", pipeline_stages=args.pipeline_stages, adapter=adapter_of(args, spec),
-                                      dpo=dpo_of(args),
+                                      dpo=dpo_of(args), grpo=grpo_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel,
                                       expert_parallel=args.expert_parallel)
@@ -317,6 +317,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
     from toolkit.estimate.duration import duration
     from toolkit.estimate.ranking import why_first
     from toolkit.inputs.hardware import power_words
+    from toolkit.inputs.grpo import grpo_words
     from toolkit.inputs.preference import reference_words
 
     print(f"{spec.name} ({human(spec.params)} params, {spec.num_layers} layers) on {hw.spec} "
@@ -326,7 +327,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
           + f"{', Liger kernels' if req.liger else ''}"
           + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled is True else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
-             if req.adapter.is_adapter else "") + reference_words(req.dpo) + "\n")
+             if req.adapter.is_adapter else "") + reference_words(req.dpo) + grpo_words(req.grpo) + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
              f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}" + (f"{'hours':>9}" if run is not None else "")
     print(header)

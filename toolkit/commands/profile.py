@@ -9,7 +9,7 @@ from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.choices import COMPILE_BLOCKS
 from toolkit.inputs.job import checkpointing_words
-from toolkit.commands.common import (adapter_of, dpo_of, add_checkpointing_flag, add_job_flags, add_model_flags, model_spec,
+from toolkit.commands.common import (adapter_of, dpo_of, grpo_of, add_checkpointing_flag, add_job_flags, add_model_flags, model_spec,
                                      print_note, seq_len_of)
 from toolkit.inputs.choices import GIB
 
@@ -46,6 +46,9 @@ def cmd_profile(args) -> int:
     if dpo_of(args) is not None:
         raise UserError("profile measures a supervised step; a DPO step (policy on chosen + rejected, reference "
                         "forward) is modelled by estimate and plan only: drop --method dpo")
+    if grpo_of(args) is not None:
+        raise UserError("profile measures a supervised step; a GRPO step (generation, scoring, the policy's step) is "
+                        "modelled by estimate and plan only: drop --method grpo")
     if adapter.method == "qlora":
         raise UserError("profile builds its base in the compute dtype; a QLoRA base is 4-bit (bitsandbytes), which "
                         "tests/test_lora.py measures, not profile yet: use --method lora or full")

@@ -57,6 +57,11 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
                         "the reference's log-probs are precomputed over the dataset before training")
                      + "; toolkit.train runs it on prompt / chosen / rejected rows (`toolkit launch PLAN_DIR -- "
                      "--data pairs.jsonl --output OUT`), as does your own TRL script (below)")
+    if plan.grpo:
+        from toolkit.inputs.grpo import grpo_words
+
+        lines.append(f"- method: {grpo_words(plan.grpo_spec)[2:]} through TRL's GRPOTrainer; toolkit.train does not "
+                     "run GRPO yet: run your own TRL script (below)")
     lines.append("")
     lines += ["## Strategy", "", f"- {strategy_sentence(plan)}"]
     if plan.engine == Engine.PIPELINE:

@@ -9,6 +9,8 @@ run is the planned one:
   sft_config           the same plus TRL's SFTConfig keys (max_length = the plan's sequence length, packing);
   dpo_config           a DPO plan's instead of sft_config: TrainingArguments' plus TRL's DPOConfig keys (beta,
                        loss_type, max_length, precompute_ref_log_probs; toolkit.inputs.preference);
+  grpo_config          a GRPO plan's instead: TrainingArguments' plus TRL's GRPOConfig keys (num_generations,
+                       max_completion_length, beta, vLLM settings, generation_batch_size; toolkit.inputs.grpo);
   accelerate_loop      a custom accelerate loop's numbers: DataLoader batch_size, Accelerator's
                        gradient_accumulation_steps, clipping, checkpointing, and whether DeepSpeed owns the optimizer
                        (then the loop passes accelerate.utils.DummyOptim: accelerate refuses a real optimizer next to
@@ -118,6 +120,25 @@ def dpo_config(plan: Plan) -> dict[str, Any]:
     bf16 and checkpointing are always written, as for SFTConfig (TRL's defaults differ from TrainingArguments')."""
     return {**training_arguments(plan), **plan.dpo_spec.dpo_config_kwargs(plan.seq_len),
             **({"activation_offloading": True} if plan.activation_offloading else {})}
+
+
+def grpo_config(plan: Plan) -> dict[str, Any]:
+    """TRL GRPOConfig keyword arguments of a GRPO plan: TrainingArguments' (per_device_train_batch_size counts
+    completions) plus the GRPO settings (toolkit.inputs.grpo.Grpo.grpo_config_kwargs) and generation_batch_size,
+    the plan's global batch: written out because GRPOConfig derives it from the world size it runs in, so the plan's
+    number is checked (whole groups of num_generations) wherever the config is built."""
+    return {**training_arguments(plan), **plan.grpo_spec.grpo_config_kwargs(),
+            "generation_batch_size": plan.global_batch,
+            **({"activation_offloading": True} if plan.activation_offloading else {})}
+
+
+def method_config(plan: Plan) -> tuple[str, dict[str, Any]]:
+    """training_args.json's key and settings for the plan's TRL trainer: dpo_config, grpo_config or sft_config."""
+    if plan.dpo:
+        return "dpo_config", dpo_config(plan)
+    if plan.grpo:
+        return "grpo_config", grpo_config(plan)
+    return "sft_config", sft_config(plan)
 
 
 def loop_mixed_precision(plan: Plan) -> str:
@@ -327,7 +348,7 @@ def settings(plan: Plan) -> dict[str, Any]:
     out = {
         "accelerate_launch": launch_line(),
         "training_arguments": training_arguments(plan),
-        **({"dpo_config": dpo_config(plan)} if plan.dpo else {"sft_config": sft_config(plan)}),
+        **dict([method_config(plan)]),
         "accelerate_loop": accelerate_loop(plan),
     }
     if parallelism_kwargs(plan) and plan.grid.model_parallel > 1:
@@ -358,7 +379,7 @@ def plan_md_section(plan: Plan) -> list[str]:
              "strategy and the global batch (by accumulation). The one import your script needs:", "",
              "```python",
              "from toolkit.train.own_script import training_arguments  # or "
-             + ("dpo_config" if plan.dpo else "sft_config") + ", accelerate_loop",
+             + method_config(plan)[0] + ", accelerate_loop",
              "args = TrainingArguments(output_dir=..., learning_rate=..., **training_arguments())",
              "```", "",
              "It returns these settings for the box the script runs on (on a machine without a GPU it also creates "
@@ -376,6 +397,18 @@ def plan_md_section(plan: Plan) -> list[str]:
                      if plan.dpo_spec.reference == "precomputed" else
                      "the reference model is kept beside the policy: leave DPOTrainer's ref_model None and TRL "
                      "loads it as the plan assumes)."), ""]
+    elif plan.grpo:
+        extra = {k: v for k, v in grpo_config(plan).items() if k not in args}
+        g = plan.grpo_spec
+        lines += ["```", "", "Method: GRPO (TRL's GRPOTrainer; `per_device_train_batch_size` counts completions, "
+                  f"{g.num_generations} per prompt). TRL GRPOConfig: the same plus "
+                  + ", ".join(f"`{k}={v!r}`" for k, v in extra.items())
+                  + " (`from toolkit.train.own_script import grpo_config`; GRPOTrainer(model=..., reward_funcs=..., "
+                  "args=GRPOConfig(**grpo_config())); "
+                  + ("the reference model is loaded by TRL (beta != 0)." if g.reference_kept else
+                     "beta 0: TRL loads no reference model.")
+                  + (" Generation runs on a separate vLLM server (`trl vllm-serve`) on other GPUs, not these."
+                     if g.generation == "server" else ""), ""]
     else:
         lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
                   f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents "

@@ -377,6 +377,23 @@ def _quiet_warnings() -> Iterator[None]:
         yield
 
 
+def validate_grpo_config(kwargs: dict[str, Any]):
+    """TRL's own GRPOConfig built from a GRPO plan's grpo_config (training_args.json): its __post_init__ (at least 2
+    generations, a generation batch of whole groups) and TrainingArguments' checks run on these values, with
+    use_cpu=True on a machine without a GPU. Returns the GRPOConfig; raises ConfigRejected with TRL's reason."""
+    import tempfile
+
+    import torch
+    from trl import GRPOConfig
+
+    here = {} if torch.cuda.is_available() else {"use_cpu": True}
+    try:
+        with tempfile.TemporaryDirectory() as out, _quiet_warnings():
+            return GRPOConfig(output_dir=out, report_to="none", **{**kwargs, **here})
+    except (TypeError, ValueError) as exc:
+        raise ConfigRejected(f"TRL's GRPOConfig refuses the plan's grpo_config: {first_line(exc)}") from None
+
+
 def validate_dpo_config(kwargs: dict[str, Any]):
     """TRL's own DPOConfig built from a DPO plan's dpo_config (training_args.json): its __post_init__ and
     TrainingArguments' checks run on these values; on a machine without a GPU with use_cpu=True, as

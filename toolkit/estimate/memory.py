@@ -96,11 +96,14 @@ class Breakdown:
     host: HostRam | None = None
     """Host RAM per node at load, during training and at save (toolkit.estimate.hostram)."""
     reference_bytes: int = 0
-    """DPO: the reference model's weights on this GPU (toolkit.estimate.preference), part of the peak."""
+    """DPO / GRPO: the reference model's weights on this GPU (toolkit.estimate.preference), part of the peak."""
+    refusal: str = ""
+    """Why the job does not fit although required_bytes might (GRPO vLLM colocate: a share for vLLM too small for
+    its weights, or training over the rest; toolkit.estimate.grpo), or empty."""
 
     @property
     def fits(self) -> bool:
-        return self.required_bytes <= self.capacity_bytes
+        return self.required_bytes <= self.capacity_bytes and not self.refusal
 
     @property
     def reserved_bytes(self) -> int:
@@ -121,6 +124,8 @@ class Breakdown:
         out["reserved_bytes"] = self.reserved_bytes
         if self.reference_bytes:
             out["reference_bytes"] = self.reference_bytes
+        if self.refusal:
+            out["refusal"] = self.refusal
         if self.stage_required_bytes:
             out["stage_required_bytes"] = list(self.stage_required_bytes)
         if self.host is not None:
@@ -356,10 +361,11 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
     params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
     s = states_for(spec, strategy, job, grid, params=params)
     reference = 0
-    if job.dpo is not None:
+    if job.dpo is not None or job.grpo is not None:
         from toolkit.estimate.preference import reference_of
 
-        reference = reference_of(spec, strategy, job, grid).weights_bytes
+        ref = reference_of(spec, strategy, job, grid)
+        reference = ref.weights_bytes if ref is not None else 0
     return int(s.parameters + s.gradients + s.master + s.optimizer) + reference + context
 
 
@@ -369,8 +375,19 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     breakdown of the stage that needs the most is returned (partition None: the grid's balanced one). `grid`:
     the grid to use, with its tensor / context / sequence degrees (default: the strategy's plain grid on hw)."""
     grid = grid or grid_of(strategy, hw, pipeline_stages)
+    b = _training_memory(spec, strategy, job, hw, pipeline_stages=pipeline_stages, partition=partition, grid=grid)
+    if job.grpo is None:
+        return b
+    from toolkit.estimate.grpo import with_generation
+
+    return with_generation(b, spec, strategy, job)
+
+
+def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int,
+                     partition: list[int] | None, grid: ParallelGrid) -> Breakdown:
+    """estimate_memory's training step (GRPO's generation is added by its caller)."""
     reference = None
-    if job.dpo is not None:  # the policy's step at the concatenated batch, beside the reference
+    if job.dpo is not None or job.grpo is not None:  # the policy's step (DPO: the concatenated batch), the reference
         from toolkit.estimate.preference import policy_job, reference_of
 
         reference, job = reference_of(spec, strategy, job, grid), policy_job(job)

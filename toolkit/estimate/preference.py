@@ -19,6 +19,7 @@ from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import ModelSpec
+from toolkit.inputs.grpo import MODEL_PARALLEL_GRPO_PROBLEM
 from toolkit.inputs.preference import MODEL_PARALLEL_DPO_PROBLEM
 from toolkit.inputs.strategy import Engine, Strategy
 
@@ -49,25 +50,32 @@ class Reference:
 
 
 def policy_job(job: Job) -> Job:
-    """The supervised job the policy's memory and time are traced as: chosen and rejected concatenated into one
-    forward (TRL's _compute_loss: `batch is [chosen, rejected]`), so twice the micro-batch of pairs."""
+    """The supervised job the policy's memory and time are traced as. DPO: chosen and rejected concatenated into one
+    forward (TRL's _compute_loss: `batch is [chosen, rejected]`), so twice the micro-batch of pairs. GRPO: the
+    micro-batch already counts prompt + completion sequences (per_device_train_batch_size)."""
+    if job.grpo is not None:
+        return replace(job, grpo=None)
     return replace(job, dpo=None, micro_batch=2 * job.micro_batch)
 
 
 def reference_of(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> Reference | None:
-    """The reference of a DPO job on one GPU, or None for a supervised job."""
-    dpo = job.dpo
-    if dpo is None:
+    """The reference of a DPO or GRPO job on one GPU, or None for a supervised job and for GRPO with beta 0 (TRL's
+    GRPOTrainer.__init__ loads no reference then). A GRPO reference scores the completions under no_grad before
+    the policy's forward (_generate_and_score_completions), so it adds no forward on top of saved activations."""
+    dpo, grpo = job.dpo, job.grpo
+    if dpo is None and (grpo is None or not grpo.reference_kept):
         return None
     if grid.model_parallel > 1 or grid.expert > 1:
-        raise UserError(MODEL_PARALLEL_DPO_PROBLEM)
+        raise UserError(MODEL_PARALLEL_DPO_PROBLEM if dpo else MODEL_PARALLEL_GRPO_PROBLEM)
+    after_policy = dpo is not None and dpo.reference_forward
     if job.adapter.is_adapter:
         # TRL: is_peft_model(model) and ref_model None -> self.ref_model = None; the reference forward runs the policy
-        # under use_adapter(..., None), the adapters disabled (dpo_trainer.py 908-914, 1328-1336).
-        return Reference(0, 0, dpo.reference_forward,
+        # under use_adapter(..., None), the adapters disabled (dpo_trainer.py 908-914, 1328-1336; grpo_trainer.py
+        # 983-990, 2710-2730).
+        return Reference(0, 0, after_policy,
                          f"the adapter-disabled {job.adapter.method} base (PEFT): no weights of its own"
-                         + ("" if dpo.reference_forward else "; log-probs precomputed before training"))
-    if not dpo.reference_forward:
+                         + ("; log-probs precomputed before training" if dpo and not dpo.reference_forward else ""))
+    if dpo is not None and not dpo.reference_forward:
         # The pass itself runs before training and is not modelled here: under FSDP TRL loads a reference model
         # for it beside the policy, not yet sharded, and drops it after (dpo_trainer.py 908-914, 1033-1034).
         before = (" (the pass before training loads a reference model beside the not yet sharded policy under FSDP: "
@@ -102,9 +110,10 @@ def reference_of(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGr
     # next decoder layer prefetched.
     gathered = (spec.largest_layer_params + max(spec.layer_params)) * compute_bytes(job.precision) \
         if sharded and strategy.fsdp_mode != "grad_op" else 0
-    return Reference(weights, gathered, True,
+    return Reference(weights, gathered, after_policy,
                      f"{params:,} params x {per_param} B, {how} {shard} ranks = {weights / GIB:.2f} GiB; no gradients "
-                     "or optimizer states (frozen, eval mode)")
+                     "or optimizer states (frozen, eval mode)"
+                     + ("" if dpo else "; GRPO beta != 0, its no_grad scoring runs before the policy's forward"))
 
 
 def reference_terms(ref: Reference, forward_bytes: int) -> list[tuple[str, int, str]]:
@@ -117,6 +126,18 @@ def reference_terms(ref: Reference, forward_bytes: int) -> list[tuple[str, int, 
     return out
 
 
+def no_grad_forward_s(spec: ModelSpec, job: Job, compute_s: float, trainable: int | None) -> tuple[float, float, float]:
+    """A no_grad forward over the step's sequences at the policy's rate per FLOP: (seconds, its FLOPs a token, the
+    training step's FLOPs a token). `compute_s`: the policy step's compute; `trainable`: an adapter's trainable
+    parameters (None: full fine-tuning)."""
+    from toolkit.estimate.efficiency import Recompute, flop_split
+
+    train = flop_split(spec, job.seq_len, Recompute.of(job.checkpointing), trainable)
+    forward = 2 * (sum(spec.layer_matmul_params) + spec.head_matmul_params) \
+        + flop_split(spec, job.seq_len, Recompute.of(False)).attention / 3
+    return compute_s * forward / (train.matmul + train.attention), forward, train.matmul + train.attention
+
+
 def dpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: ParallelGrid, **kwargs):
     """The step time of a DPO job: the policy's supervised step at the concatenated batch (timing.step_time of
     policy_job), plus, when the reference scores each batch, its forward under no_grad (the forward FLOPs of the
@@ -124,7 +145,6 @@ def dpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: Pa
     recompute, half of a LoRA one's) and, for a sharded reference (ZeRO-3 / FSDP2), one more all-gather of its
     weights per micro-step. Tokens count chosen and rejected sequences. Precomputed: the reference's forward runs
     once over the dataset before training, stated (not in the step)."""
-    from toolkit.estimate.efficiency import Recompute, flop_split
     from toolkit.estimate.timing import OVERLAP, _group_bandwidth, _ring, step_time
 
     policy = policy_job(job)
@@ -136,10 +156,7 @@ def dpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: Pa
 
         counts = counts_for_spec(spec, job.adapter)
     trainable = counts.trainable_params if counts is not None else None
-    train = flop_split(spec, job.seq_len, Recompute.of(job.checkpointing), trainable)
-    forward = 2 * (sum(spec.layer_matmul_params) + spec.head_matmul_params) \
-        + flop_split(spec, job.seq_len, Recompute.of(False)).attention / 3
-    forward_s = t.compute_s * forward / (train.matmul + train.attention)
+    forward_s, forward, train_flops = no_grad_forward_s(spec, job, t.compute_s, trainable)
     said = [f"DPO: the policy runs chosen + rejected as one batch of {policy.micro_batch} sequences per micro-step; "
             "tokens count both"]
     if not ref.forward:
@@ -160,7 +177,7 @@ def dpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: Pa
         said.append(f"DPO reference: one more all-gather of {gathered / GIB:.2f} GiB per micro-step for its "
                     f"forward, {OVERLAP[strategy.engine]:.2f} of it hidden behind that forward (assumed)")
     said.append(f"DPO reference forward under no_grad: {forward_s:.3f} s a step ({forward / 1e9:.1f} GFLOP a token "
-                f"against the step's {(train.matmul + train.attention) / 1e9:.1f}), at the policy's rate per FLOP")
+                f"against the step's {train_flops / 1e9:.1f}), at the policy's rate per FLOP")
     step = t.step_time_s + forward_s + gather_s
     tokens = t.tokens_per_s * t.step_time_s
     return replace(t, step_time_s=step, tokens_per_s=tokens / step, mfu=t.mfu * t.step_time_s / step,

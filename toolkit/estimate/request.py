@@ -10,6 +10,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.job import Job
 from toolkit.inputs.lora import FULL, Adapter
+from toolkit.inputs.grpo import Grpo
 from toolkit.inputs.preference import Dpo
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 
@@ -53,6 +54,8 @@ class Request:
     """Training method (full, LoRA, QLoRA) and its settings."""
     dpo: Dpo | None = None
     """Preference objective (toolkit.inputs.preference); None: supervised fine-tuning."""
+    grpo: Grpo | None = None
+    """RL objective (toolkit.inputs.grpo); seq_len is its prompt + completion."""
     savers: bool = True
     """The planner tries Liger kernels and activation offloading by itself where a row fits no other way
     (auto_savers); False: only what the request turns on."""

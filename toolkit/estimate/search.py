@@ -43,6 +43,8 @@ from toolkit.estimate.traces import activation_trace
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.preference import MODEL_PARALLEL_DPO_PROBLEM
 from toolkit.estimate.preference import dpo_step_time
+from toolkit.estimate.grpo import grpo_step_time
+from toolkit.inputs.grpo import MODEL_PARALLEL_GRPO_PROBLEM, batch_problem
 from toolkit.inputs.strategy import Kind, Strategy, parse_strategy
 from toolkit.estimate.timing import step_time
 
@@ -98,10 +100,13 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                                            "per GPU for model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
     traffic = activation_trace(spec, job, strategy, 1).compile_traffic if job.compile else ()
-    timing = (dpo_step_time if job.dpo else step_time)(spec, strategy, job, hw, pipeline_stages=stages,
-                                                        partition=partition, grid=grid, compile_traffic=traffic)
-    reason = None
-    if not memory.fits:
+    timing = (grpo_step_time if job.grpo else dpo_step_time if job.dpo else step_time)(
+        spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid, compile_traffic=traffic)
+    reason = (batch_problem(job.grpo, job.micro_batch, dp, job.grad_accum) if job.grpo else None) \
+        or memory.refusal or None
+    if reason:
+        pass  # GRPO's own rules, named before the bytes
+    elif not memory.fits:
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU"
                   + (" (largest stage)" if strategy.is_pipeline else ""))
     elif memory.cpu_bytes_per_node > hw.cpu_ram_bytes_per_node * (1 - CPU_RAM_RESERVE):
@@ -176,7 +181,8 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     for strategy in strategies:
         # compile=False: with --compile the search offers each strategy eager too (_search), compiled where it can.
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
-                              liger=req.liger, adapter=req.adapter, tiled=req.tiled is True, dpo=req.dpo)
+                              liger=req.liger, adapter=req.adapter, tiled=req.tiled is True, dpo=req.dpo,
+                              grpo=req.grpo)
         yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
@@ -212,8 +218,8 @@ def _expert_job_problem(strategy: Strategy, hw: Hardware, req: Request, fix: str
     if problem is None and (req.adapter.is_adapter or req.activation_offloading):
         problem = ("expert parallelism is planned for full fine-tuning without activation offloading (neither "
                    f"is modelled with it); {fix}")
-    if problem is None and req.dpo:
-        problem = MODEL_PARALLEL_DPO_PROBLEM
+    if problem is None and (req.dpo or req.grpo):
+        problem = MODEL_PARALLEL_DPO_PROBLEM if req.dpo else MODEL_PARALLEL_GRPO_PROBLEM
     return problem
 
 
@@ -310,7 +316,8 @@ def auto_savers(spec: ModelSpec, hw: Hardware, strategy: Strategy, req: Request)
 
     def takes(liger: bool, offloading: bool) -> bool:
         return job_problem(req.precision, hw.gpu, strategy, activation_offloading=offloading, liger=liger,
-                           adapter=req.adapter, dpo=req.dpo) is None and model_feature_problem(spec, liger=liger) is None
+                           adapter=req.adapter, dpo=req.dpo, grpo=req.grpo) is None \
+            and model_feature_problem(spec, liger=liger) is None
 
     liger = not req.liger and takes(True, req.activation_offloading)
     offloading = not req.activation_offloading and takes(req.liger, True)
@@ -414,8 +421,9 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
             if strategy.fsdp_mode == "hybrid" and hw.nodes < 2:
                 continue
             problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
-                                  attention=req.attention, tiled=req.tiled is True, dpo=req.dpo) \
-                or (MODEL_PARALLEL_DPO_PROBLEM if req.dpo else None)
+                                  attention=req.attention, tiled=req.tiled is True, dpo=req.dpo,
+                                  grpo=req.grpo) \
+                or (MODEL_PARALLEL_DPO_PROBLEM if req.dpo else MODEL_PARALLEL_GRPO_PROBLEM if req.grpo else None)
             if problem:
                 yield dimension, strategy, problem
                 continue

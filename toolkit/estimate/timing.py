@@ -124,7 +124,10 @@ class Timing:
     """ALST tiling: the MLPs' and LM head's forward that DeepSpeed's tiled functions run again in backward
     (tiled_recompute_s())."""
     reference_s: float = 0.0
-    """DPO: the reference's forward under no_grad in each step (toolkit.estimate.preference.dpo_step_time)."""
+    """DPO: the reference's forward under no_grad in each step (toolkit.estimate.preference.dpo_step_time); GRPO: its
+    no_grad scoring forwards (reference, vLLM importance sampling)."""
+    generation_s: float = 0.0
+    """GRPO: generating the step's completions, decode-bound (toolkit.estimate.grpo.grpo_step_time)."""
     precompute_s: float = 0.0
     """DPO with precomputed reference log-probs: the reference's forward over one step's data, run once over the
     dataset before training and not part of step_time_s (toolkit.estimate.duration adds the pass)."""
@@ -143,6 +146,7 @@ class Timing:
                 **({"tiled_recompute_s": self.tiled_recompute_s} if self.tiled_recompute_s else {}),
                 **({"reference_s": self.reference_s} if self.reference_s else {}),
                 **({"precompute_s": self.precompute_s} if self.precompute_s else {}),
+                **({"generation_s": self.generation_s} if self.generation_s else {}),
                 **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {}),
                 **({"experts_s": self.experts_s} if self.experts_s else {})}
 

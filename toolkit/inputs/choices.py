@@ -22,9 +22,10 @@ OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 """How torch's optimizer runs its step (toolkit.estimate.savers)."""
 METHODS: tuple[str, ...] = ("full", "lora", "qlora")
 """Training method: full fine-tuning, LoRA, QLoRA (toolkit.inputs.lora)."""
-OBJECTIVES: tuple[str, ...] = ("dpo",)
-"""Preference objectives --method names before an adapter (toolkit.inputs.preference): `dpo` trains every weight,
-`dpo+lora` / `dpo+qlora` train adapters on the policy (the reference is then the adapter-disabled base)."""
+OBJECTIVES: tuple[str, ...] = ("dpo", "grpo")
+"""Preference / RL objectives --method names before an adapter (toolkit.inputs.preference, toolkit.inputs.grpo):
+`dpo` / `grpo` train every weight, `dpo+lora` / `grpo+lora` train adapters on the policy (the reference is then the
+adapter-disabled base)."""
 METHOD_JOIN = "+"
 """Joins an objective and an adapter in one --method value: dpo+lora."""
 REFERENCES: tuple[str, ...] = ("kept", "precomputed", "none")
@@ -37,6 +38,13 @@ DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_p
                                    "sigmoid_norm")
 """TRL 1.16 DPOConfig.loss_type values (trl/trainer/dpo_config.py, the field's help; tests/test_preference.py reads
 them back from the installed TRL so a new release's list is noticed)."""
+GRPO_DEFAULTS = {"num_generations": 8, "max_completion_length": 512, "beta": 0.0, "vllm_gpu_memory_utilization": 0.3}
+"""TRL 1.16 GRPOConfig defaults of the settings toolkit models (trl/trainer/grpo_config.py; tests/test_grpo.py reads
+them back from the installed TRL)."""
+GRPO_PROMPT_LENGTH = 512
+"""--max-prompt-length's default: the longest prompt in tokens (TRL 1.16's GRPOConfig has no prompt limit of its own)."""
+VLLM_MODES: tuple[str, ...] = ("colocate", "server")
+"""GRPOConfig.vllm_mode when use_vllm: vLLM on the training GPUs, or a separate `trl vllm-serve` on other GPUs."""
 QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
 """bitsandbytes 4-bit code books (BitsAndBytesConfig.bnb_4bit_quant_type)."""
 COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")

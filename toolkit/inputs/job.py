@@ -12,6 +12,7 @@ from toolkit.inputs.strategy import Engine
 
 if TYPE_CHECKING:
     from toolkit.inputs.hardware import Gpu, Hardware
+    from toolkit.inputs.grpo import Grpo
     from toolkit.inputs.preference import Dpo
     from toolkit.inputs.modelspec import ModelSpec
     from toolkit.inputs.strategy import Strategy
@@ -86,6 +87,9 @@ class Job:
     dpo: Dpo | None = None
     """Preference objective: TRL's DPO with its reference kept / precomputed (toolkit.inputs.preference); None:
     supervised fine-tuning. LoRA / QLoRA (`adapter`) train the DPO policy."""
+    grpo: Grpo | None = None
+    """RL objective: TRL's GRPO (toolkit.inputs.grpo); seq_len is then its prompt + completion, and micro_batch counts
+    completions (per_device_train_batch_size). None: not GRPO."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -110,6 +114,10 @@ class Job:
                             "unchunked; use --compile-blocks (layers compiled, head + loss eager) or drop --compile")
         if self.checkpointing not in (False, True, CHECKPOINTING_OP):
             raise UserError(f"--checkpointing must be on, off or {CHECKPOINTING_OP}, got {self.checkpointing!r}")
+        if self.grpo is not None and (self.dpo is not None or self.seq_len != self.grpo.seq_len):
+            raise UserError(f"a GRPO job trains prompt + completion sequences ({self.grpo.seq_len} tokens), not "
+                            f"{self.seq_len}, and no DPO beside it; set the lengths with --max-prompt-length and "
+                            "--max-completion-length")
 
     @property
     def mixed(self) -> bool:
@@ -189,15 +197,17 @@ def plan_positions_problem(seq_len: int, model: str, positions: int | None, *, r
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
                 activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL,
                 compile: bool = False, attention: str | None = None, tiled: bool = False,
-                dpo: Dpo | None = None) -> str | None:
+                dpo: Dpo | None = None, grpo: Grpo | None = None) -> str | None:
     """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
     None. The model types Liger supports are checked in check_job (liger_problem, below)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
         return f"{gpu.name} has no bf16; use --precision fp16 or fp32"
-    from toolkit.inputs.preference import dpo_problem  # not at import: `toolkit --help` loads this module
+    from toolkit.inputs.grpo import grpo_problem  # not at import: `toolkit --help` loads this module
+    from toolkit.inputs.preference import dpo_problem
 
     problem = adapter_problem(adapter, strategy) or dpo_problem(dpo, strategy, liger=liger, tiled=tiled,
-                                                                compile=compile)
+                                                                compile=compile) \
+        or grpo_problem(grpo, strategy, adapter_method=adapter.method, liger=liger, tiled=tiled, compile=compile)
     if problem:
         return problem
     if strategy is not None and strategy.is_pipeline and activation_offloading:
@@ -251,11 +261,13 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     check_seq_len(spec, job.seq_len)
     problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
                           liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention,
-                          tiled=job.tiled, dpo=job.dpo)
+                          tiled=job.tiled, dpo=job.dpo, grpo=job.grpo)
     if problem is None:
+        from toolkit.inputs.grpo import grpo_problem
         from toolkit.inputs.preference import dpo_problem
 
         problem = dpo_problem(job.dpo, strategy, chunked_loss=job.chunked_loss) \
+            or grpo_problem(job.grpo, strategy, chunked_loss=job.chunked_loss) \
             or model_feature_problem(spec, liger=job.liger, tiled=job.tiled, attention=job.attention)
     if problem:
         raise UserError(problem)

@@ -16,11 +16,13 @@ ADAPTER = "adapter"
 """The Job's Adapter: plan.json spells it as `method` and the `adapter` dict of its settings."""
 DPO = "dpo"
 """The Job's Dpo: plan.json holds the dict of its settings under the same name (absent for supervised jobs)."""
+GRPO = "grpo"
+"""The Job's Grpo, as DPO."""
 ESTIMATE_ONLY = ("chunked_loss",)
 """Job fields no runner applies, so a plan never carries them (estimate models them; a Job bound for a plan keeps
 their defaults)."""
 JOB_FIELDS_IN_PLAN = tuple(f.name for f in fields(Job)
-                           if f.name in {p.name for p in fields(Plan)} and f.name not in (ADAPTER, DPO))
+                           if f.name in {p.name for p in fields(Plan)} and f.name not in (ADAPTER, DPO, GRPO))
 """The Job's fields plan.json holds under the same name (read from both dataclasses, so a field added to both is
 carried without another spelling)."""
 
@@ -47,13 +49,15 @@ def job_to_plan_fields(job: Job) -> dict[str, Any]:
         out.update(method=job.adapter.method, adapter=job.adapter.to_dict())
     if job.dpo is not None:
         out[DPO] = job.dpo.to_dict()
+    if job.grpo is not None:
+        out[GRPO] = job.grpo.to_dict()
     return out
 
 
 def job_from_plan(plan: Plan) -> Job:
     """The Job a plan describes: the one mapping Plan -> Job."""
     return Job(**{name: getattr(plan, name) for name in JOB_FIELDS_IN_PLAN}, adapter=plan.adapter_spec,
-               dpo=plan.dpo_spec)
+               dpo=plan.dpo_spec, grpo=plan.grpo_spec)
 
 
 def plan_job(plan: Plan, *, check: bool = True) -> tuple[ModelSpec, Hardware, Job]:

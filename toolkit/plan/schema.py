@@ -38,6 +38,7 @@ from toolkit.plan.files import PLAN_JSON
 
 if TYPE_CHECKING:
     from toolkit.inputs.lora import Adapter
+    from toolkit.inputs.grpo import Grpo
     from toolkit.inputs.preference import Dpo
 
 PLAN_VERSION = 2
@@ -50,7 +51,7 @@ _DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel", "expert_
 """Model-parallel degrees (added within version 2, default 1)."""
 
 _LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
-             "leaf_modules": (None, []), "dpo": ({},), "rope_scaling": ({},)}
+             "leaf_modules": (None, []), "dpo": ({},), "rope_scaling": ({},), "grpo": ({},)}
 """Fields added within version 2, left out of plan.json at this value (their default), so a plan without them reads
 and keys its prediction as it did before they existed."""
 
@@ -162,6 +163,9 @@ class Plan:
     """The job's RoPE scaling (toolkit.inputs.rope.RopeScaling fields: rope_type, factor, original_positions), already
     applied in model_config; toolkit.train sets model_config_overrides() on the config it loads. Empty: the model's
     config as it ships. Left out of plan.json when empty."""
+    grpo: dict[str, Any] = Field(default_factory=dict)
+    """toolkit.inputs.grpo.Grpo fields (num_generations, lengths, beta, vLLM settings) of a GRPO job, TRL's
+    GRPOTrainer (empty: not GRPO); checked by toolkit.inputs.grpo when the plan loads."""
     version: Literal[2] = PLAN_VERSION
 
     # --- validation ----------------------------------------------------------------------------------------------
@@ -264,6 +268,11 @@ class Plan:
                 self.dpo_spec
             except TypeError as exc:
                 raise ValueError(f"'dpo' holds an unknown setting ({exc})") from None
+        if self.grpo:
+            try:
+                self.grpo_spec
+            except TypeError as exc:
+                raise ValueError(f"'grpo' holds an unknown setting ({exc})") from None
         return self
 
     # --- derived ----------------------------------------------------------------------------------------------------
@@ -300,6 +309,13 @@ class Plan:
         from toolkit.inputs.preference import Dpo
 
         return Dpo(**self.dpo) if self.dpo else None
+
+    @property
+    def grpo_spec(self) -> "Grpo | None":
+        """The GRPO settings as toolkit.inputs.grpo.Grpo (None unless a GRPO plan)."""
+        from toolkit.inputs.grpo import Grpo
+
+        return Grpo(**self.grpo) if self.grpo else None
 
     @property
     def engine(self) -> str:

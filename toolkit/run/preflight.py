@@ -26,6 +26,10 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     from toolkit.inputs.hardware import gpu_catalog
     from toolkit.train.model import check_matches_plan, load_config, model_source
 
+    if plan.grpo:
+        from toolkit.inputs.grpo import GRPO_TRAIN_PROBLEM
+
+        raise UserError(GRPO_TRAIN_PROBLEM)
     args = _check_train_argv(plan_dir, train_argv)
     _check_output(Path(args.output), args.resume)
     if plan.gpu in gpu_catalog():  # the job rules estimate and plan apply (plans made for catalog GPUs)

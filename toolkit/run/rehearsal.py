@@ -126,6 +126,8 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
     small = small.replace(tiled=plan.tiled)  # ALST tiling runs on CPU over gloo: rehearsed as planned
     if plan.dpo:  # toolkit.train and a user's TRL DPO script rehearse with the plan's DPOConfig settings
         small = small.replace(dpo=dict(plan.dpo))
+    if plan.grpo:  # likewise a user's TRL GRPO script, with the plan's GRPOConfig settings
+        small = small.replace(grpo=dict(plan.grpo))
     return small, said
 
 

@@ -33,6 +33,10 @@ def plan_dir(args: TrainArgs) -> Path:
 def train_hf(plan: Plan, args: TrainArgs) -> int:
     if plan.engine not in (Engine.DDP, Engine.DEEPSPEED, Engine.FSDP2):
         raise UserError(f"plan engine {plan.engine!r} is not one the HF Trainer path runs (ddp, deepspeed, fsdp2)")
+    if plan.grpo:
+        from toolkit.inputs.grpo import GRPO_TRAIN_PROBLEM
+
+        raise UserError(GRPO_TRAIN_PROBLEM)
     if plan.activation_offloading:
         raise UserError("the plan offloads activations, which TRL's trainers do and toolkit.train does not: run "
                         "it with your own TRL script (training_args.json, sft_config / dpo_config) or re-plan "

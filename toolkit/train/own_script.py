@@ -55,9 +55,19 @@ def sft_config(plan: str | Path | None = None) -> dict[str, Any]:
     box."""
     settings = plan_settings(plan)
     if "sft_config" not in settings:
-        raise SystemExit("this plan is a DPO plan (training_args.json holds dpo_config, not sft_config); use "
-                         "dpo_config() with TRL's DPOTrainer")
+        raise SystemExit("this plan is a DPO / GRPO plan (training_args.json holds dpo_config / grpo_config, not "
+                         "sft_config); use dpo_config() with TRL's DPOTrainer or grpo_config() with GRPOTrainer")
     return _for_this_box(settings["sft_config"])
+
+
+def grpo_config(plan: str | Path | None = None) -> dict[str, Any]:
+    """trl.GRPOConfig keyword arguments of a GRPO plan (TrainingArguments' plus num_generations,
+    max_completion_length, beta, the vLLM settings, generation_batch_size), for this box."""
+    settings = plan_settings(plan)
+    if "grpo_config" not in settings:
+        raise SystemExit("this plan is not a GRPO plan (no grpo_config in training_args.json); use sft_config() or "
+                         "training_arguments(), or re-plan with --method grpo")
+    return _for_this_box(settings["grpo_config"])
 
 
 def dpo_config(plan: str | Path | None = None) -> dict[str, Any]:

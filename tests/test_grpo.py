@@ -1,0 +1,140 @@
+"""GRPO (issue 29): the policy's step on prompt + completion, TRL's reference rule (beta), generation memory (the KV
+cache in the training process, or vLLM colocate's share of the GPU) and TRL's own GRPOConfig on the emitted
+settings. Unit tests: no process starts."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+
+import pytest
+
+from toolkit import api
+from toolkit.cli import main
+from toolkit.inputs.choices import GRPO_DEFAULTS
+from toolkit.inputs.grpo import Grpo
+
+LLAMA_8B = "llama-3.1-8b"
+"""Llama-3.1-8B's config.json: 32 layers, 8 key/value heads, hidden 4096 / 32 heads = head dim 128."""
+
+
+def _grpo(strategy: str = "zero3", micro_batch: int = 4, grad_accum: int = 2, **settings):
+    grpo = Grpo(max_completion_length=1024, **settings)
+    return api.estimate(LLAMA_8B, "8xH100-80GB", strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum,
+                        method="grpo", grpo=grpo)
+
+
+def _term(memory, name: str) -> int:
+    return next(t.bytes for t in memory.terms if t.name == name)
+
+
+def test_trl_defaults_are_read_back_from_the_installed_trl():
+    from trl import GRPOConfig
+
+    defaults = {f.name: f.default for f in fields(GRPOConfig)}
+    assert {k: defaults[k] for k in GRPO_DEFAULTS} == GRPO_DEFAULTS
+    assert "max_prompt_length" not in defaults  # TRL 1.16 has no prompt limit: toolkit's flag is the data's length
+
+
+def test_the_reference_is_loaded_with_beta_004_and_absent_with_beta_0():
+    """TRL's rule (GRPOTrainer.__init__: beta 0.0 -> ref_model None): with beta 0.04 the reference's bf16 weights,
+    partitioned 8 ways by ZeRO-3, are on each GPU; with beta 0 none, and the peak differs by exactly them."""
+    kept, none = _grpo(beta=0.04), _grpo(beta=0.0)
+    params = kept.model.params
+    assert params == 8_030_261_248
+    assert kept.memory.reference_bytes == math.ceil(params / 8) * 2
+    assert none.memory.reference_bytes == 0
+    assert kept.memory.peak_bytes - none.memory.peak_bytes == math.ceil(params / 8) * 2
+    # and its scoring forward is in the step only with beta != 0
+    assert kept.timing.reference_s > 0 and none.timing.reference_s == 0
+
+
+def test_the_kv_cache_is_2_x_layers_x_kv_heads_x_head_dim_x_tokens_x_dtype_bytes():
+    """In-process generation holds the KV cache of the process's generation batch: micro-batch 4 x accumulation 2 =
+    8 sequences of 512 + 1024 tokens, bf16."""
+    e = _grpo()
+    assert _term(e.memory, "generation KV cache") == 2 * 32 * 8 * 128 * (512 + 1024) * 8 * 2
+    assert e.timing.generation_s > 0
+
+
+def test_zero3_generation_gathers_the_whole_policy():
+    """ds3_gather_for_generation (TRL's default) unshards every parameter in bf16 while generate runs."""
+    e = _grpo()
+    assert _term(e.memory, "generation gathered weights") == e.model.params * 2
+
+
+def test_colocate_leaves_training_the_rest_of_the_gpu():
+    """vllm_gpu_memory_utilization 0.3: vLLM takes 30% of each GPU for the run; the required bytes are training's
+    plus that share, and the job fits only while training needs at most the other 70%."""
+    generate = _grpo(strategy="zero3", micro_batch=2, grad_accum=4)
+    e = _grpo(strategy="zero3", micro_batch=2, grad_accum=4, use_vllm=True, vllm_gpu_memory_utilization=0.3)
+    cap = e.memory.capacity_bytes
+    reserve = _term(e.memory, "vLLM colocate reserve")
+    assert reserve == int(0.3 * cap)
+    assert generate.memory.required_bytes <= 0.7 * cap
+    assert e.memory.required_bytes == generate.memory.required_bytes + reserve
+    assert e.memory.fits and not e.memory.refusal
+
+
+def test_colocate_refuses_training_over_its_70_percent_with_the_reason():
+    """micro-batch 4 needs about 67 GiB to train: more than the 70% of 79 GiB vLLM colocate at 0.3 leaves it."""
+    e = _grpo(use_vllm=True, vllm_gpu_memory_utilization=0.3)
+    assert not e.memory.fits
+    assert "more than the 70% of 79.1 GiB vLLM colocate leaves it" in e.memory.refusal
+    assert "no feasible vllm_gpu_memory_utilization" in e.memory.refusal
+    assert e.candidate.reason == e.memory.refusal
+
+
+def test_colocate_refuses_a_share_too_small_for_vllms_weights():
+    """At 0.1 of 79 GiB vLLM gets 7.9 GiB, less than the policy's 15 GiB of bf16 weights."""
+    e = _grpo(micro_batch=1, grad_accum=8, use_vllm=True, vllm_gpu_memory_utilization=0.1)
+    assert "less than its weights" in e.memory.refusal and not e.memory.fits
+
+
+def test_server_mode_puts_nothing_for_generation_on_the_training_gpus():
+    server = _grpo(use_vllm=True, vllm_mode="server")
+    assert not any(t.name.startswith(("generation", "vLLM")) for t in server.memory.terms)
+    assert "on other GPUs" in server.memory.notes[0]
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_plan_emits_a_grpo_config_trls_grpoconfig_accepts(tmp_path):
+    from toolkit.engines.validate import validate_grpo_config
+
+    out = tmp_path / "plan"
+    code, _, err = _cli("plan", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "grpo", "--max-completion-length",
+                        "1024", "--global-batch", "64", "--grpo-beta", "0.04", "--use-vllm", "--strategies",
+                        "zero3", "--out", str(out))
+    assert code == 0, err
+    settings = json.loads((out / "training_args.json").read_text())
+    assert "sft_config" not in settings
+    grpo = settings["grpo_config"]
+    assert grpo["generation_batch_size"] == 64 and grpo["num_generations"] == 8 and grpo["beta"] == 0.04
+    assert grpo["vllm_max_model_length"] == 512 + 1024
+    config = validate_grpo_config(grpo)
+    assert config.vllm_gpu_memory_utilization == 0.3 and config.use_vllm and config.vllm_mode == "colocate"
+    assert "GRPOTrainer" in (out / "PLAN.md").read_text()
+    assert json.loads((out / "plan.json").read_text())["grpo"]["beta"] == 0.04
+
+
+def test_trls_grpoconfig_refuses_a_generation_batch_of_partial_groups():
+    from toolkit.engines.validate import ConfigRejected, validate_grpo_config
+
+    with pytest.raises(ConfigRejected, match="divisible by num_generations"):
+        validate_grpo_config({"num_generations": 8, "generation_batch_size": 12, "per_device_train_batch_size": 4})
+
+
+def test_estimate_refuses_a_generation_batch_of_partial_groups():
+    code, _, err = _cli("estimate", LLAMA_8B, "--gpus", "2xH100-80GB", "--method", "grpo", "--micro-batch", "1",
+                        "--accumulation", "3")
+    assert code == 2 and "must be a multiple of --num-generations 8" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,152 @@
+"""What a GRPO job (TRL's GRPOTrainer, toolkit.inputs.grpo) adds to one GPU's memory and step beside the policy's
+supervised step on prompt + completion sequences (docs/ENGINE_FACTS.md, "GRPO"):
+
+- generation in the training process (transformers' generate): the KV cache of the process's generation batch
+  (per_device_train_batch_size x steps_per_generation sequences of prompt + completion tokens) in the compute dtype,
+  from the model's own layers / KV heads / head dim; under ZeRO-3 the whole policy gathered (ds3_gather_for_generation,
+  TRL's default). The phase runs before the policy's forward, beside the model states only;
+- vLLM colocated: vLLM takes vllm_gpu_memory_utilization of each GPU for the whole run; training must fit in the rest,
+  and vLLM's weights and one batch's KV cache must fit in its share: the window of the fraction that does both;
+- vLLM server: generation runs on other GPUs (a `trl vllm-serve` process), nothing on these;
+- the reference (beta != 0) as toolkit.estimate.preference.reference_of places it.
+
+Generation time is decode: every new token reads the weights and the KV cache from HBM once per step, so a step of
+the whole batch takes (weight bytes + KV bytes) / HBM bandwidth; no published GRPO row backs it ('no band').
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from toolkit.estimate.collectives import group_bandwidth, ring_s
+from toolkit.estimate.memory import Breakdown, Term, reserved_bytes
+from toolkit.inputs.choices import GIB, compute_bytes
+from toolkit.inputs.grid import ParallelGrid
+from toolkit.inputs.grpo import COLOCATE, GENERATE, SERVER
+from toolkit.inputs.job import Job
+from toolkit.inputs.modelspec import ModelSpec
+from toolkit.inputs.strategy import Engine, Strategy
+
+GENERATION_PHASE = "generation (transformers generate)"
+
+
+def generation_sequences(job: Job) -> int:
+    """Sequences one process generates at once: its slice of the generation batch, per_device_train_batch_size x
+    steps_per_generation (GRPOConfig: steps_per_generation defaults to gradient_accumulation_steps)."""
+    return job.micro_batch * job.grad_accum
+
+
+def kv_cache_bytes(spec: ModelSpec, sequences: int, tokens: int, dtype_bytes: int) -> int:
+    """Keys and values of every layer for `sequences` x `tokens`: 2 x layers x KV heads x head dim x tokens x
+    dtype bytes per sequence (a dense cache, as transformers' DynamicCache grows it to the longest sequence)."""
+    return 2 * spec.num_layers * spec.kv_heads * spec.head_dim * tokens * sequences * dtype_bytes
+
+
+def _gathered_for_generation(spec: ModelSpec, strategy: Strategy, job: Job) -> int:
+    """ZeRO-3 with ds3_gather_for_generation (TRL's default): GatheredParameters over the whole model, every
+    parameter unsharded in the compute dtype while generate runs (trl/models/utils.py _unwrap_model_for_generation).
+    FSDP2 gathers one layer at a time in its own hooks (trl/distributed.py summon_full_params: a no-op for FSDP2),
+    already among the step's buffers; other engines hold the whole model."""
+    if strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
+        return spec.params * compute_bytes(job.precision)
+    return 0
+
+
+def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job) -> Breakdown:
+    """The training breakdown `b` of the policy (and reference) with GRPO's generation added as TRL runs it."""
+    grpo = job.grpo
+    seqs, cb = generation_sequences(job), compute_bytes(job.precision)
+    kv = kv_cache_bytes(spec, seqs, grpo.seq_len, cb)
+    kv_words = (f"2 x {spec.num_layers} layers x {spec.kv_heads} KV heads x head dim {spec.head_dim} x "
+                f"{grpo.seq_len} tokens x {seqs} sequences x {cb} B = {kv / GIB:.2f} GiB")
+    cap = b.capacity_bytes
+    notes = list(b.notes)
+    if grpo.generation == SERVER:
+        notes.insert(0, "GRPO generation runs on other GPUs (vLLM server mode, trl vllm-serve): not on these GPUs; "
+                        f"each server GPU holds the weights and a KV cache ({kv_words} per training process)")
+        return replace(b, notes=tuple(notes))
+    if grpo.generation == GENERATE:
+        gathered = _gathered_for_generation(spec, strategy, job)
+        logits = seqs * spec.vocab * 4  # the last position's fp32 logits per decode step
+        held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes
+        peak = held + gathered + kv + logits
+        terms = list(b.terms) + [Term("generation KV cache", kv, f"{GENERATION_PHASE}, before the policy's forward: "
+                                                                 f"{kv_words}")]
+        if gathered:
+            terms.append(Term("generation gathered weights", gathered,
+                              f"ZeRO-3 ds3_gather_for_generation: {spec.params:,} params x {cb} B unsharded"))
+        if peak <= b.peak_bytes:
+            return replace(b, terms=tuple(terms), notes=tuple(notes))
+        margin = reserved_bytes(peak) - peak
+        required = peak + b.context_bytes + margin
+        return replace(b, peak_bytes=peak, peak_phase=GENERATION_PHASE, transient_bytes=gathered + kv + logits,
+                       margin_bytes=margin, required_bytes=required, terms=tuple(terms), notes=tuple(notes))
+    # vLLM colocate: its share is reserved for the whole run (no sleep mode), training has the rest.
+    u = grpo.vllm_gpu_memory_utilization
+    reserve = int(u * cap)
+    vllm_needs = spec.params * cb + kv
+    low, high = vllm_needs / cap, 1 - b.required_bytes / cap
+    window = (f"feasible vllm_gpu_memory_utilization {low:.2f} to {high:.2f}" if low <= high else
+              f"no feasible vllm_gpu_memory_utilization: vLLM needs {low:.2f} of the GPU, training {1 - high:.2f}")
+    terms = list(b.terms) + [Term("vLLM colocate reserve", reserve,
+                                  f"vllm_gpu_memory_utilization {u:g} x {cap / GIB:.1f} GiB: its weights "
+                                  f"({spec.params * cb / GIB:.2f} GiB) and KV cache ({kv_words} for one batch) inside")]
+    refusal = ""
+    if vllm_needs > reserve:
+        refusal = (f"vLLM colocate at vllm_gpu_memory_utilization {u:g} gets {reserve / GIB:.1f} GiB, less than its "
+                   f"weights + one batch's KV cache ({vllm_needs / GIB:.1f} GiB); {window}")
+    elif b.required_bytes > cap - reserve:
+        refusal = (f"training needs {b.required_bytes / GIB:.1f} GiB, more than the {1 - u:.0%} of "
+                   f"{cap / GIB:.1f} GiB vLLM colocate leaves it (vllm_gpu_memory_utilization {u:g}); {window}")
+    notes.insert(0, f"GRPO vLLM colocate: {window} on {cap / GIB:.1f} GiB")
+    return replace(b, required_bytes=b.required_bytes + reserve, terms=tuple(terms), notes=tuple(notes),
+                   refusal=refusal)
+
+
+def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: ParallelGrid, **kwargs):
+    """The step of a GRPO job: the policy's supervised step on prompt + completion sequences, the generation of the
+    step's completions (decode-bound), and the no_grad scoring forwards over them: the reference's when beta != 0,
+    and the policy's old log-probs when vLLM generates (vllm_importance_sampling_correction, TRL's default)."""
+    from toolkit.estimate.preference import no_grad_forward_s, policy_job
+    from toolkit.estimate.timing import step_time
+
+    grpo = job.grpo
+    t = step_time(spec, strategy, policy_job(job), hw, grid=grid, **kwargs)
+    trainable = None
+    if job.adapter.is_adapter:
+        from toolkit.inputs.lora import counts_for_spec
+
+        trainable = counts_for_spec(spec, job.adapter).trainable_params
+    forward_s, _, _ = no_grad_forward_s(spec, job, t.compute_s, trainable)
+    scoring = int(grpo.reference_kept) + int(grpo.use_vllm)
+    prefill_s = forward_s * grpo.max_prompt_length / grpo.seq_len
+    seqs, cb = generation_sequences(job), compute_bytes(job.precision)
+    weights = spec.params * cb
+    # Each decode step reads every weight once and, on average, half the final KV cache.
+    per_token_bytes = weights + kv_cache_bytes(spec, seqs, grpo.seq_len, cb) / 2
+    decode_s = grpo.max_completion_length * per_token_bytes / (hw.gpu.hbm_gbps * 1e9)
+    said = [f"GRPO generation: {grpo.max_completion_length} decode steps of {seqs} sequences, each reading "
+            f"{per_token_bytes / GIB:.2f} GiB (weights + half the KV cache) at {hw.gpu.hbm_gbps:g} GB/s HBM = "
+            f"{decode_s:.2f} s, plus the prompts' prefill {prefill_s:.2f} s; decode is memory-bound, so this is a "
+            "lower bound (transformers generate adds per-token launch and Python overheads); no band: no published "
+            "GRPO step is scored"]
+    gather_s = 0.0
+    if grpo.generation == GENERATE and strategy.engine == Engine.FSDP2 and grid.shard_group > 1:
+        # FSDP2 all-gathers each layer in every decode step's forward (no summon for FSDP2).
+        gather_s = grpo.max_completion_length * ring_s(weights, grid.shard_group,
+                                                       group_bandwidth(hw, grid.shard_group), 1)
+        said.append(f"GRPO generation under FSDP2: every decode step all-gathers the sharded weights, "
+                    f"{gather_s:.2f} s")
+    if grpo.generation == SERVER:
+        said.append("GRPO generation on the vLLM server's GPUs, taken at this GPU's HBM bandwidth; the training GPUs "
+                    "wait for it (TRL generates synchronously)")
+    generation_s = max(decode_s, gather_s) + prefill_s
+    reference_s = scoring * forward_s
+    said.append(f"GRPO scoring: {scoring} no_grad forward(s) over the step's sequences ({reference_s:.3f} s): "
+                + ", ".join(w for w, on in (("reference (beta != 0)", grpo.reference_kept),
+                                            ("policy old log-probs (vLLM importance sampling)", grpo.use_vllm)) if on)
+                if scoring else "GRPO scoring: none (beta 0, no vLLM importance sampling)")
+    step = t.step_time_s + generation_s + reference_s
+    tokens = t.tokens_per_s * t.step_time_s
+    return replace(t, step_time_s=step, tokens_per_s=tokens / step, mfu=t.mfu * t.step_time_s / step,
+                   reference_s=reference_s, generation_s=generation_s, assumptions=t.assumptions + tuple(said))
