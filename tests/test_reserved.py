@@ -143,3 +143,21 @@ def test_offloaded_activations_keep_the_named_margin_as_their_host_copies_are_no
     assert term.name == "allocator margin" and "activations offloaded" in term.source
     assert b.margin_bytes == int(b.peak_bytes * (1 + ALLOCATOR_MARGIN)) - b.peak_bytes
     assert b.to_dict()["reserved_bytes"] == b.peak_bytes + b.margin_bytes
+
+
+def test_fsdp2s_root_stays_gathered_from_its_forward_to_the_end_of_backward():
+    from types import SimpleNamespace
+
+    from toolkit.estimate.activations import RegionTrace
+
+    mib = 1 << 20
+    trace = RegionTrace(0, 0, 0, forward_events=(4 * mib,), backward_events=(free_code(0, 0, 0),))
+    regions = [SimpleNamespace(params=p, trace=trace) for p in (30 * mib, 10 * mib, 10 * mib, 10 * mib)]
+    base = dict(persistent=0, optimizer=0, gathered=0, reduce_buffers=0, reduce_stream=False, step_gradients=0,
+                backward_gradients=0, step_transient=0, gather_bytes_per_param=1.0)
+    rotating = allocator.replay(step_events(regions, StepSizes(**base)))
+    kept = allocator.replay(step_events(regions, StepSizes(kept_regions=(0,), **base)))
+    # Rotating: two gathered regions at a time, the peak while the root (30 MiB) and the first layer (10 MiB) are
+    # gathered beside their two activations; kept: the root's 30 MiB beside two layers' and all four activations.
+    assert rotating.peak_allocated == 30 * mib + 10 * mib + 2 * 4 * mib
+    assert kept.peak_allocated == 30 * mib + 2 * 10 * mib + 4 * 4 * mib

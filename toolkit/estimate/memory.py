@@ -493,15 +493,21 @@ def _fsdp_plan_groups(view, trace: ActivationTrace, states: States, job: Job) ->
                    head=grow(trace.head, 0, kept))
 
 
-def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy, peak: int, *, in_flight: int,
-                      reference_bytes: int = 0) -> tuple[int, Term]:
+def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy, job: Job, peak: int, *,
+                      in_flight: int, reference_bytes: int = 0) -> tuple[int, Term]:
     """Reserved over the tensor peak: the step's events replayed through the caching-allocator model, or the
     assumed margin where the events are not recorded."""
     from toolkit.estimate.reserved import StepSizes, replayed_reserved
 
     result = None
+    fsdp2 = strategy.engine == Engine.FSDP2 and states.gathered > 0 and not job.adapter.is_adapter
+    # FSDP2 as fsdp2_states sizes it: each group unsharded in the compute dtype, the root (embeddings, final norm,
+    # head) kept from its forward on; every group kept without reshard_after_forward (grad_op).
+    kept = tuple(i for i, r in enumerate(regions) if strategy.fsdp_mode == "grad_op"
+                 or r.name in ("embedding", "head + loss")) if fsdp2 else ()
     if in_flight == 1:
         sizes = StepSizes(
+            gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept,
             persistent=states.parameters + states.master + states.gradients + states.buffers + reference_bytes,
             optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,
             reduce_stream=strategy.engine == Engine.FSDP2, step_gradients=states.step_gradients,
@@ -532,7 +538,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
                                           autocast=states.autocast, traced_grad_bytes_per_param=traced_grad,
                                           reference_bytes=ref_weights, reference_forward_bytes=ref_forward)
     context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
-    margin, margin_term = _allocator_margin(regions, states, strategy, int(peak.bytes), in_flight=in_flight,
+    margin, margin_term = _allocator_margin(regions, states, strategy, job, int(peak.bytes), in_flight=in_flight,
                                             reference_bytes=ref_weights)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + context + margin

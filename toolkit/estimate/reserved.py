@@ -9,8 +9,9 @@ segments, as every later step does):
 - each region's traced forward and backward events (toolkit.estimate.stepevents: every storage the model's own
   code creates and frees on the traced step, copied to every layer of the same kind);
 - the engine's buffers at the sizes the memory model gives them: unsharded parameters (ZeRO-3, FSDP2) gathered on
-  their own stream before each region's forward and backward, each region's share of the gathered bytes, two
-  regions alive at a time (the prefetch), used on the compute stream (record_stream) and freed two regions on;
+  their own stream before each region's forward and backward (FSDP2: each region's unsharded size, the root's
+  kept from its forward to the end of backward; ZeRO-3: each region's share of the gathered bytes), two regions
+  alive at a time (the prefetch), used on the compute stream (record_stream) and freed two regions on;
   FSDP2's reduce-scatter inputs the same way on a third stream in backward; other backward buffers (ZeRO-2's
   bucket and partition, DDP's) for the backward; the gradients backward creates (param.grad) per region after its
   backward events, freed by the step (set_to_none); the optimizer step's temporaries at the step.
@@ -55,12 +56,18 @@ class StepSizes:
     """parameters + master + persistent gradients + persistent buffers."""
     optimizer: float
     gathered: float
+    """Unsharded parameter bytes live at a time; spread over the regions by their parameters unless
+    `gather_bytes_per_param` gives each region's own unsharded size."""
     reduce_buffers: float
     """Buffers alive in backward only; on the reduce-scatter stream when `reduce_stream`."""
     reduce_stream: bool
     step_gradients: float
     backward_gradients: float
     step_transient: float
+    gather_bytes_per_param: float = 0.0
+    kept_regions: tuple[int, ...] = ()
+    """Regions whose gathered parameters stay from their forward to the end of backward (FSDP2's root module: the
+    embeddings, final norm and head; every region with reshard_after_forward=False)."""
 
 
 _RESULTS: dict[int, Replay] = {}
@@ -73,7 +80,7 @@ def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Repla
         return None
     # Ints only: their hashes are the same in every process (str hashes are salted per process).
     key_parts = (tuple((hash(r.trace.forward_events), hash(r.trace.backward_events), r.params) for r in regions),
-                 tuple(int(v) for v in vars(sizes).values()))
+                 tuple(round(v * 16) if isinstance(v, float) else v for v in vars(sizes).values()))
     key = (hash(key_parts), settings)
     if key in _RESULTS:
         return _RESULTS[key]
@@ -125,7 +132,8 @@ def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
 
     blocks("state", sizes.persistent)
     largest = max(r.params for r in regions) or 1
-    gather = [int(sizes.gathered * r.params / (PREFETCH * largest)) for r in regions]
+    gather = [int(r.params * sizes.gather_bytes_per_param) if sizes.gather_bytes_per_param
+              else int(sizes.gathered * r.params / (PREFETCH * largest)) for r in regions]
     reduce = [int(sizes.reduce_buffers * r.params / (PREFETCH * largest)) for r in regions]
 
     for step in range(steps):
@@ -148,15 +156,20 @@ def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
             """A buffer made on `stream`, used by the compute stream, freed PREFETCH regions later."""
             if size <= 0:
                 return
+            if len(rotating) == PREFETCH:  # the region before the previous one is done
+                events.append(("free", rotating.pop(0)))
+                events.append(("sync", COMPUTE))
             events.append(("malloc", key, size, stream))
             events.append(("record_stream", key, COMPUTE))
             rotating.append(key)
-            if len(rotating) > PREFETCH:
-                events.append(("free", rotating.pop(0)))
-                events.append(("sync", COMPUTE))
 
         for j, r in enumerate(regions):
-            use(("gather", step, FORWARD, j), gather[j], GATHER)
+            if j in sizes.kept_regions:
+                if gather[j] > 0:
+                    events.append(("malloc", ("kept", step, j), gather[j], GATHER))
+                    events.append(("record_stream", ("kept", step, j), COMPUTE))
+            else:
+                use(("gather", step, FORWARD, j), gather[j], GATHER)
             run(j, FORWARD, r.trace.forward_events)
         if sizes.reduce_buffers and not sizes.reduce_stream:
             events.append(("malloc", ("reduce", step), int(sizes.reduce_buffers)))
@@ -164,7 +177,8 @@ def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
             events.append(("malloc", ("partitions", step), int(sizes.backward_gradients)))
         grads = _shares(sizes.step_gradients, regions)
         for j in reversed(range(n)):
-            use(("gather", step, BACKWARD, j), gather[j], GATHER)
+            if j not in sizes.kept_regions:
+                use(("gather", step, BACKWARD, j), gather[j], GATHER)
             run(j, BACKWARD, regions[j].trace.backward_events)
             if grads[j] > 0:
                 events.append(("malloc", ("grad", step, j), grads[j]))
@@ -172,6 +186,9 @@ def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
                 use(("reduce", step, j), reduce[j], REDUCE)
         for key in rotating:
             events.append(("free", key))
+        for j in sizes.kept_regions:
+            if gather[j] > 0:
+                events.append(("free", ("kept", step, j)))
         events.append(("sync", COMPUTE))
         for key in sorted(alive, key=repr):
             events.append(("free", key))
