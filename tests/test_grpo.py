@@ -108,14 +108,20 @@ def _cli(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def test_plan_emits_a_grpo_config_trls_grpoconfig_accepts(tmp_path):
-    from toolkit.engines.validate import validate_grpo_config
-
-    out = tmp_path / "plan"
+@pytest.fixture(scope="module")
+def grpo_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "plan"
     code, _, err = _cli("plan", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "grpo", "--max-completion-length",
                         "1024", "--global-batch", "64", "--grpo-beta", "0.04", "--use-vllm", "--strategies",
                         "zero3", "--out", str(out))
     assert code == 0, err
+    return out
+
+
+def test_plan_emits_a_grpo_config_trls_grpoconfig_accepts(grpo_plan):
+    from toolkit.engines.validate import validate_grpo_config
+
+    out = grpo_plan
     settings = json.loads((out / "training_args.json").read_text())
     assert "sft_config" not in settings
     grpo = settings["grpo_config"]
@@ -138,3 +144,22 @@ def test_estimate_refuses_a_generation_batch_of_partial_groups():
     code, _, err = _cli("estimate", LLAMA_8B, "--gpus", "2xH100-80GB", "--method", "grpo", "--micro-batch", "1",
                         "--accumulation", "3")
     assert code == 2 and "must be a multiple of --num-generations 8" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("num_generations, says", [
+    (6, "TRL's GRPOConfig refuses the plan's grpo_config: generation_batch_size (64) must be divisible by "
+        "num_generations (6)"),
+    (4, "grpo_config num_generations is 4 but plan.json's GRPO settings mean 8")])
+def test_check_judges_an_edited_grpo_config(grpo_plan, tmp_path, num_generations, says):
+    """toolkit check builds the folder's grpo_config with TRL's GRPOConfig (6 breaks its whole-groups rule) and
+    compares it with plan.json (4 is valid for TRL but not the planned job)."""
+    import shutil
+
+    folder = tmp_path / "edited"
+    shutil.copytree(grpo_plan, folder)
+    path = folder / "training_args.json"
+    settings = json.loads(path.read_text())
+    settings["grpo_config"]["num_generations"] = num_generations
+    path.write_text(json.dumps(settings))
+    code, out, err = _cli("check", str(folder))
+    assert code != 0 and says in out + err

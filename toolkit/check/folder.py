@@ -163,57 +163,51 @@ def plan_dpo_problems(plan: Plan, directory: Path) -> list[Problem]:
     dpo_config of training_args.json built as TRL's own DPOConfig, with the plan's DPO settings in it."""
     if not plan.dpo:
         return []
-    from toolkit.engines.validate import ConfigRejected, validate_dpo_config
+    from toolkit.engines.validate import validate_dpo_config
     from toolkit.inputs.preference import dpo_problem
-    from toolkit.plan.files import TRAINING_ARGS
 
-    if problem := dpo_problem(plan.dpo_spec, plan.strategy_spec):
-        return [Problem(str(directory / PLAN_JSON), "error", problem, EVERY)]
-    path = directory / TRAINING_ARGS
-    if not path.is_file():
-        return []
-    given = _mapping(_mapping(read_config(path)).get("dpo_config"))
-    if not given:
-        return [Problem(str(path), "error", "a DPO plan's training_args.json has no dpo_config; re-emit the plan "
-                        "directory", EVERY)]
-    try:
-        with quiet_engines():
-            validate_dpo_config(given)
-    except ConfigRejected as exc:
-        return [Problem(str(path), "error", str(exc), EVERY)]
-    wanted = plan.dpo_spec.dpo_config_kwargs(plan.seq_len)
-    return [Problem(str(path), "error", f"dpo_config {key} is {given.get(key)!r} but plan.json's DPO settings mean "
-                    f"{value!r}; re-emit the plan directory", EVERY)
-            for key, value in wanted.items() if given.get(key) != value]
+    return _trl_config_problems(directory, "DPO", "dpo_config", dpo_problem(plan.dpo_spec, plan.strategy_spec),
+                                validate_dpo_config, plan.dpo_spec.dpo_config_kwargs(plan.seq_len))
 
 
 def plan_grpo_problems(plan: Plan, directory: Path) -> list[Problem]:
     """A GRPO plan: toolkit.inputs.grpo.grpo_problem on its strategy, and the grpo_config of training_args.json built
-    as TRL's own GRPOConfig, holding the plan's GRPO settings."""
+    as TRL's own GRPOConfig, holding the plan's GRPO settings and its generation batch (the global batch)."""
     if not plan.grpo:
         return []
-    from toolkit.engines.validate import ConfigRejected, validate_grpo_config
+    from toolkit.engines.validate import validate_grpo_config
     from toolkit.inputs.grpo import grpo_problem
+
+    return _trl_config_problems(directory, "GRPO", "grpo_config",
+                                grpo_problem(plan.grpo_spec, plan.strategy_spec, adapter_method=plan.method),
+                                validate_grpo_config,
+                                {**plan.grpo_spec.grpo_config_kwargs(), "generation_batch_size": plan.global_batch})
+
+
+def _trl_config_problems(directory: Path, method: str, key: str, problem: str | None, validate,
+                         wanted: dict) -> list[Problem]:
+    """A TRL method's plan folder: the planner's rule for it (`problem`), then training_args.json's `key` built by
+    TRL's own config class (`validate`) and holding the plan's settings (`wanted`)."""
+    from toolkit.engines.validate import ConfigRejected
     from toolkit.plan.files import TRAINING_ARGS
 
-    if problem := grpo_problem(plan.grpo_spec, plan.strategy_spec, adapter_method=plan.method):
+    if problem:
         return [Problem(str(directory / PLAN_JSON), "error", problem, EVERY)]
     path = directory / TRAINING_ARGS
     if not path.is_file():
         return []
-    given = _mapping(_mapping(read_config(path)).get("grpo_config"))
+    given = _mapping(_mapping(read_config(path)).get(key))
     if not given:
-        return [Problem(str(path), "error", "a GRPO plan's training_args.json has no grpo_config; re-emit the plan "
+        return [Problem(str(path), "error", f"a {method} plan's training_args.json has no {key}; re-emit the plan "
                         "directory", EVERY)]
     try:
         with quiet_engines():
-            validate_grpo_config(given)
+            validate(given)
     except ConfigRejected as exc:
         return [Problem(str(path), "error", str(exc), EVERY)]
-    wanted = {**plan.grpo_spec.grpo_config_kwargs(), "generation_batch_size": plan.global_batch}
-    return [Problem(str(path), "error", f"grpo_config {key} is {given.get(key)!r} but plan.json's GRPO settings "
-                    f"mean {value!r}; re-emit the plan directory", EVERY)
-            for key, value in wanted.items() if given.get(key) != value]
+    return [Problem(str(path), "error", f"{key} {name} is {given.get(name)!r} but plan.json's {method} settings mean "
+                    f"{value!r}; re-emit the plan directory", EVERY)
+            for name, value in wanted.items() if given.get(name) != value]
 
 
 def plan_attention_problems(plan: Plan, directory: Path) -> list[Problem]:
