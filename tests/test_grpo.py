@@ -163,3 +163,19 @@ def test_check_judges_an_edited_grpo_config(grpo_plan, tmp_path, num_generations
     path.write_text(json.dumps(settings))
     code, out, err = _cli("check", str(folder))
     assert code != 0 and says in out + err
+
+
+def test_plan_names_the_colocate_window_of_its_first_row():
+    """The must-show's plan (Qwen2.5-7B, 8 generations, 512-token prompts, 1024-token completions, vLLM colocate on
+    8xH100-80GB) prints #1's generation share of the step and the feasible vllm_gpu_memory_utilization window, which
+    holds TRL's default 0.3."""
+    import re
+
+    code, out, err = _cli("plan", "qwen2.5-7b", "--gpus", "8xH100-80GB", "--method", "grpo",
+                          "--max-completion-length", "1024", "--global-batch", "64", "--use-vllm", "--strategies",
+                          "zero3,fsdp2")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("#1 GRPO"))
+    low, high = map(float, re.search(r"feasible vllm_gpu_memory_utilization ([\d.]+) to ([\d.]+)", line).groups())
+    assert low <= 0.3 <= high
+    assert "no band" in line

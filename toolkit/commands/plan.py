@@ -367,6 +367,11 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
         if run is not None:
             print(f"#1 {duration(run, chosen, hw.world_size).text()}")
+        if req.grpo is not None:  # its memory's first note: vLLM colocate's window, the server's GPUs, or generate
+            t = chosen.timing
+            print(f"#1 GRPO: generation {t.generation_s:.2f} s + scoring {t.reference_s:.2f} s of the "
+                  f"{t.step_time_s:.2f} s step (no band: no published GRPO step is scored)"
+                  + (f"; {chosen.memory.notes[0]}" if req.grpo.generation != "generate" else ""))
         _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
     refused = [c for c in candidates if not c.feasible]
