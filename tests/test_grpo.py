@@ -52,10 +52,33 @@ def test_the_reference_is_loaded_with_beta_004_and_absent_with_beta_0():
 
 def test_the_kv_cache_is_2_x_layers_x_kv_heads_x_head_dim_x_tokens_x_dtype_bytes():
     """In-process generation holds the KV cache of the process's generation batch: micro-batch 4 x accumulation 2 =
-    8 sequences of 512 + 1024 tokens, bf16."""
+    8 sequences of 512 + 1024 - 1 cached tokens (the last sampled token is never fed back), bf16."""
     e = _grpo()
-    assert _term(e.memory, "generation KV cache") == 2 * 32 * 8 * 128 * (512 + 1024) * 8 * 2
+    assert _term(e.memory, "generation KV cache") == 2 * 32 * 8 * 128 * (512 + 1024 - 1) * 8 * 2
     assert e.timing.generation_s > 0
+
+
+def test_the_kv_cache_formula_is_what_transformers_generate_holds():
+    """A real generate on a grouped-query Llama (3 layers, 8 heads, 2 KV heads, random bf16 weights): the bytes of
+    every key and value tensor in the returned DynamicCache equal kv_cache_bytes for its shape."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.estimate.grpo import cached_tokens, kv_cache_bytes
+    from toolkit.inputs.modelspec import spec_from_config_dict
+
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=300, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    prompts = torch.randint(1, 300, (6, 10))
+    out = model.generate(prompts, max_new_tokens=20, min_new_tokens=20, do_sample=True, pad_token_id=0,
+                         return_dict_in_generate=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    spec = spec_from_config_dict(config.to_dict(), name="gqa-llama")
+    assert (spec.num_layers, spec.kv_heads, spec.head_dim) == (3, 2, 8)
+    assert held == kv_cache_bytes(spec, 6, cached_tokens(10, 20), 2) == 2 * 3 * 2 * 8 * 29 * 6 * 2
 
 
 def test_zero3_generation_gathers_the_whole_policy():

@@ -42,6 +42,12 @@ def kv_cache_bytes(spec: ModelSpec, sequences: int, tokens: int, dtype_bytes: in
     return 2 * spec.num_layers * spec.kv_heads * spec.head_dim * tokens * sequences * dtype_bytes
 
 
+def cached_tokens(prompt: int, completion: int) -> int:
+    """Tokens in the KV cache when generate returns: the prompt and every completion token but the last, which is
+    sampled and never fed back (measured on transformers' DynamicCache, tests/test_grpo.py)."""
+    return prompt + completion - 1
+
+
 def _gathered_for_generation(spec: ModelSpec, strategy: Strategy, job: Job) -> int:
     """ZeRO-3 with ds3_gather_for_generation (TRL's default): GatheredParameters over the whole model, every
     parameter unsharded in the compute dtype while generate runs (trl/models/utils.py _unwrap_model_for_generation).
@@ -56,9 +62,10 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     """The training breakdown `b` of the policy (and reference) with GRPO's generation added as TRL runs it."""
     grpo = job.grpo
     seqs, cb = generation_sequences(job), compute_bytes(job.precision)
-    kv = kv_cache_bytes(spec, seqs, grpo.seq_len, cb)
+    tokens = cached_tokens(grpo.max_prompt_length, grpo.max_completion_length)
+    kv = kv_cache_bytes(spec, seqs, tokens, cb)
     kv_words = (f"2 x {spec.num_layers} layers x {spec.kv_heads} KV heads x head dim {spec.head_dim} x "
-                f"{grpo.seq_len} tokens x {seqs} sequences x {cb} B = {kv / GIB:.2f} GiB")
+                f"{tokens} tokens x {seqs} sequences x {cb} B = {kv / GIB:.2f} GiB")
     cap = b.capacity_bytes
     notes = list(b.notes)
     if grpo.generation == SERVER:
@@ -123,7 +130,8 @@ def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: P
     seqs, cb = generation_sequences(job), compute_bytes(job.precision)
     weights = spec.params * cb
     # Each decode step reads every weight once and, on average, half the final KV cache.
-    per_token_bytes = weights + kv_cache_bytes(spec, seqs, grpo.seq_len, cb) / 2
+    per_token_bytes = weights + kv_cache_bytes(spec, seqs, cached_tokens(grpo.max_prompt_length,
+                                                                         grpo.max_completion_length), cb) / 2
     decode_s = grpo.max_completion_length * per_token_bytes / (hw.gpu.hbm_gbps * 1e9)
     said = [f"GRPO generation: {grpo.max_completion_length} decode steps of {seqs} sequences, each reading "
             f"{per_token_bytes / GIB:.2f} GiB (weights + half the KV cache) at {hw.gpu.hbm_gbps:g} GB/s HBM = "
