@@ -104,9 +104,23 @@ def test_colocate_refuses_training_over_its_70_percent_with_the_reason():
     """micro-batch 4 needs about 67 GiB to train: more than the 70% of 79 GiB vLLM colocate at 0.3 leaves it."""
     e = _grpo(use_vllm=True, vllm_gpu_memory_utilization=0.3)
     assert not e.memory.fits
-    assert "more than the 70% of 79.1 GiB vLLM colocate leaves it" in e.memory.refusal
+    assert "training: 67.0 GiB, more than the 70% of 79.1 GiB vLLM colocate leaves" in e.memory.refusal
     assert "no feasible vllm_gpu_memory_utilization" in e.memory.refusal
     assert e.candidate.reason == e.memory.refusal
+
+
+def test_sleep_mode_gives_training_the_whole_gpu_and_vllm_its_share_beside_the_states():
+    """vllm_enable_sleep_mode: vLLM sleeps (level 2) after each generation, so the job refused above fits: training
+    needs what it needs with generation elsewhere (server mode's bytes), and while vLLM generates its 30% sits beside
+    the model states only."""
+    sleeping = _grpo(use_vllm=True, vllm_enable_sleep_mode=True)
+    server = _grpo(use_vllm=True, vllm_mode="server")
+    m = sleeping.memory
+    held = m.parameters_bytes + m.gradients_bytes + m.optimizer_bytes + m.buffers_bytes + m.context_bytes
+    assert m.fits and not m.refusal
+    assert m.required_bytes == server.memory.required_bytes
+    assert held + int(0.3 * m.capacity_bytes) < m.required_bytes
+    assert "with sleep mode" in m.notes[0]
 
 
 def test_colocate_refuses_a_share_too_small_for_vllms_weights():

@@ -485,6 +485,9 @@ def _wave2() -> list[tuple[str, list[str], str]]:
     add("grpo utilization without --use-vllm", "add --use-vllm", *grpo, "--vllm-gpu-memory-utilization", "0.5")
     add("grpo utilization with server mode", "a vLLM server takes its own", *grpo, "--use-vllm", "--vllm-mode",
         "server", "--vllm-gpu-memory-utilization", "0.5")
+    add("grpo sleep mode without --use-vllm", "add --use-vllm", *grpo, "--vllm-enable-sleep-mode")
+    add("grpo sleep mode with server mode", "a vLLM server takes its own", *grpo, "--use-vllm", "--vllm-mode",
+        "server", "--vllm-enable-sleep-mode")
     add("grpo unknown --vllm-mode", "--vllm-mode 'remote' is not known", *grpo, "--use-vllm", "--vllm-mode", "remote")
     add("grpo flag without --method grpo", "applies to --method grpo", "estimate", "{M}", "--seq", "64",
         "--num-generations", "4")

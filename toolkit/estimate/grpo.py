@@ -88,11 +88,16 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
         required = peak + b.context_bytes + margin
         return replace(b, peak_bytes=peak, peak_phase=GENERATION_PHASE, transient_bytes=gathered + kv + logits,
                        margin_bytes=margin, required_bytes=required, terms=tuple(terms), notes=tuple(notes))
-    # vLLM colocate: its share is reserved for the whole run (no sleep mode), training has the rest.
+    # vLLM colocate: its share is reserved for the whole run, training has the rest; with sleep mode (level 2 after
+    # each generation) the share is taken only while generating, beside the model states training keeps.
     u = grpo.vllm_gpu_memory_utilization
     reserve = int(u * cap)
     vllm_needs = spec.params * cb + kv
-    low, high = vllm_needs / cap, 1 - b.required_bytes / cap
+    sleeping = grpo.vllm_enable_sleep_mode
+    held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes \
+        + b.context_bytes
+    beside = held if sleeping else b.required_bytes
+    low, high = vllm_needs / cap, 1 - beside / cap
     window = (f"feasible vllm_gpu_memory_utilization {low:.2f} to {high:.2f}" if low <= high else
               f"no feasible vllm_gpu_memory_utilization: vLLM needs {low:.2f} of the GPU, training {1 - high:.2f}")
     terms = list(b.terms) + [Term("vLLM colocate reserve", reserve,
@@ -102,10 +107,18 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     if vllm_needs > reserve:
         refusal = (f"vLLM colocate at vllm_gpu_memory_utilization {u:g} gets {reserve / GIB:.1f} GiB, less than its "
                    f"weights + one batch's KV cache ({vllm_needs / GIB:.1f} GiB); {window}")
-    elif b.required_bytes > cap - reserve:
-        refusal = (f"training needs {b.required_bytes / GIB:.1f} GiB, more than the {1 - u:.0%} of "
-                   f"{cap / GIB:.1f} GiB vLLM colocate leaves it (vllm_gpu_memory_utilization {u:g}); {window}")
-    notes.insert(0, f"GRPO vLLM colocate: {window} on {cap / GIB:.1f} GiB")
+    elif beside > cap - reserve:
+        what = "the model states held while vLLM generates" if sleeping else "training"
+        refusal = (f"{what}: {beside / GIB:.1f} GiB, more than the {1 - u:.0%} of "
+                   f"{cap / GIB:.1f} GiB vLLM colocate leaves (vllm_gpu_memory_utilization {u:g}); {window}")
+    notes.insert(0, f"GRPO vLLM colocate{' with sleep mode' if sleeping else ''}: {window} on {cap / GIB:.1f} GiB")
+    if sleeping:
+        generating = held + reserve
+        if generating <= b.required_bytes:
+            return replace(b, terms=tuple(terms), notes=tuple(notes), refusal=refusal)
+        return replace(b, peak_bytes=generating - b.context_bytes, peak_phase="generation (vLLM colocate, awake)",
+                       margin_bytes=0, required_bytes=generating, terms=tuple(terms), notes=tuple(notes),
+                       refusal=refusal)
     return replace(b, required_bytes=b.required_bytes + reserve, terms=tuple(terms), notes=tuple(notes),
                    refusal=refusal)
 

@@ -43,6 +43,9 @@ class Grpo:
     vllm_mode: str = COLOCATE
     vllm_gpu_memory_utilization: float = GRPO_DEFAULTS["vllm_gpu_memory_utilization"]
     """Colocate: the fraction of each GPU's memory vLLM takes (weights, KV cache, its own reserves)."""
+    vllm_enable_sleep_mode: bool = False
+    """Colocate: vLLM sleeps (level 2: weights and KV cache released) after each generation, so its share is taken only
+    while it generates (trl/generation/vllm_generation.py)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--num-generations", self.num_generations), ("--max-prompt-length", self.max_prompt_length),
@@ -85,7 +88,8 @@ class Grpo:
         if self.use_vllm:
             out.update(vllm_mode=self.vllm_mode, vllm_max_model_length=self.seq_len)
             if self.vllm_mode == COLOCATE:
-                out["vllm_gpu_memory_utilization"] = self.vllm_gpu_memory_utilization
+                out.update(vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+                           vllm_enable_sleep_mode=self.vllm_enable_sleep_mode)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,7 +98,8 @@ class Grpo:
 
 GRPO_FLAGS = {"num_generations": "--num-generations", "max_prompt_length": "--max-prompt-length",
               "max_completion_length": "--max-completion-length", "beta": "--grpo-beta", "use_vllm": "--use-vllm",
-              "vllm_mode": "--vllm-mode", "vllm_gpu_memory_utilization": "--vllm-gpu-memory-utilization"}
+              "vllm_mode": "--vllm-mode", "vllm_gpu_memory_utilization": "--vllm-gpu-memory-utilization",
+              "vllm_enable_sleep_mode": "--vllm-enable-sleep-mode"}
 """Grpo fields with the flag that sets each."""
 
 
@@ -109,14 +114,15 @@ def grpo_from_flags(objective: str | None, **given: Any) -> Grpo | None:
                             f"job: it would be ignored; add --method grpo or drop {flag}")
         return None
     if not given.get("use_vllm"):
-        for key in ("vllm_mode", "vllm_gpu_memory_utilization"):
+        for key in ("vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode"):
             if key in given:
                 raise UserError(f"{GRPO_FLAGS[key]} applies to vLLM generation, and without --use-vllm GRPO "
                                 "generates in the training process (transformers' generate); add --use-vllm or drop "
                                 f"{GRPO_FLAGS[key]}")
-    if given.get("vllm_mode") == SERVER and "vllm_gpu_memory_utilization" in given:
-        raise UserError("--vllm-gpu-memory-utilization applies to --vllm-mode colocate; a vLLM server takes its own "
-                        "(trl vllm-serve --gpu_memory_utilization): drop it here")
+    for key in ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode"):
+        if given.get("vllm_mode") == SERVER and key in given:
+            raise UserError(f"{GRPO_FLAGS[key]} applies to --vllm-mode colocate; a vLLM server takes its own "
+                            "settings (trl vllm-serve): drop it here")
     return Grpo(**given)
 
 
@@ -172,7 +178,9 @@ def grpo_words(grpo: Grpo | None) -> str:
     if grpo is None:
         return ""
     where = {GENERATE: "generate in the training process", COLOCATE:
-             f"vLLM colocate at {grpo.vllm_gpu_memory_utilization:g} of GPU memory", SERVER: "vLLM server on other GPUs"}
+             f"vLLM colocate at {grpo.vllm_gpu_memory_utilization:g} of GPU memory"
+             + (", sleeping while training" if grpo.vllm_enable_sleep_mode else ""),
+             SERVER: "vLLM server on other GPUs"}
     return (f", GRPO ({grpo.num_generations} generations, prompt {grpo.max_prompt_length} + completion "
             f"{grpo.max_completion_length}, beta {grpo.beta:g}: reference {'kept' if grpo.reference_kept else 'none'}, "
             f"{where[grpo.generation]}; micro-batch counts completions)")
