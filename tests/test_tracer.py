@@ -178,9 +178,17 @@ def test_cuda_attention_stand_ins_match_cpu_flash_kernel_without_dropout():
     config = tiny_config("llama", layers=2, hidden=64)
     for autocast in (False, True):
         kw = dict(dtype="bfloat16", autocast=autocast, checkpointing=False, micro_batch=2, seq_len=64)
-        cpu = _trace(config, attention="sdpa", device_kind="cpu", **kw)
-        assert cpu.layers == _trace(config, attention="sdpa", device_kind="cuda", **kw).layers
-        assert cpu.layers == _trace(config, attention="flash_attention_2", device_kind="cuda", **kw).layers
+        cpu = _bytes(_trace(config, attention="sdpa", device_kind="cpu", **kw).layers)
+        assert cpu == _bytes(_trace(config, attention="sdpa", device_kind="cuda", **kw).layers)
+        assert cpu == _bytes(_trace(config, attention="flash_attention_2", device_kind="cuda", **kw).layers)
+
+
+def _bytes(layers):
+    """The regions' byte figures without their allocation events (a stand-in saves what the kernel saves, in its
+    own order of temporaries)."""
+    from dataclasses import replace
+
+    return [replace(r, forward_events=(), backward_events=()) for r in layers]
 
 
 def test_cuda_autocast_keeps_softmax_and_gelu_in_float32():
