@@ -68,7 +68,8 @@ NEEDS = {
     **{flag: ["--method", "grpo", "--max-prompt-length", "32", "--max-completion-length", "32", "--micro-batch", "4"]
        for flag in ("--num-generations", "--grpo-beta", "--use-vllm")},
     **{flag: ["--method", "grpo", "--max-prompt-length", "32", "--max-completion-length", "32", "--micro-batch", "4",
-              "--use-vllm"] for flag in ("--vllm-mode", "--vllm-gpu-memory-utilization", "--vllm-enable-sleep-mode")},
+              "--use-vllm"] for flag in ("--vllm-mode", "--vllm-gpu-memory-utilization", "--vllm-enable-sleep-mode",
+                                      "--vllm-tensor-parallel-size")},
     "--max-prompt-length": ["--method", "grpo", "--max-completion-length", "32", "--micro-batch", "4"],
     "--max-completion-length": ["--method", "grpo", "--max-prompt-length", "32", "--micro-batch", "4"],
     "--epochs": ["--dataset-tokens", "1e9"], "--gpu-hour-price": ["--dataset-tokens", "1e9"],
@@ -87,6 +88,7 @@ they are refused)."""
 DROPS = {"--savers": {"--global-batch"}, "--params": {"--layers", "--hidden", "--heads", "--vocab"},
          **{flag: {"--seq"} for flag in ("--num-generations", "--grpo-beta", "--use-vllm", "--vllm-mode",
                                          "--vllm-gpu-memory-utilization", "--vllm-enable-sleep-mode",
+                                         "--vllm-tensor-parallel-size",
                                          "--max-prompt-length",
                                          "--max-completion-length")}}
 """Flags of the command's own words that the context of a walked flag leaves out."""

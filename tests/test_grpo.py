@@ -216,3 +216,18 @@ def test_plan_names_the_colocate_window_of_its_first_row():
     low, high = map(float, re.search(r"feasible vllm_gpu_memory_utilization ([\d.]+) to ([\d.]+)", line).groups())
     assert low <= 0.3 <= high
     assert "no band" in line
+
+
+def test_vllm_tensor_parallel_splits_its_weights_and_moves_the_window():
+    """vllm_tensor_parallel_size 2: each GPU of a vLLM group holds half the bf16 weights, so vLLM's share may be
+    smaller: the window's low end drops by half the weights' share of the GPU."""
+    import re
+
+    def low(e) -> float:
+        return float(re.search(r"utilization ([\d.]+) to", e.memory.notes[0]).group(1))
+
+    one = _grpo(micro_batch=2, grad_accum=4, use_vllm=True)
+    two = _grpo(micro_batch=2, grad_accum=4, use_vllm=True, vllm_tensor_parallel_size=2)
+    half_weights = one.model.params * 2 / 2 / one.memory.capacity_bytes
+    assert abs((low(one) - low(two)) - half_weights) < 0.01
+    assert two.timing.generation_s < one.timing.generation_s

@@ -488,6 +488,9 @@ def _wave2() -> list[tuple[str, list[str], str]]:
     add("grpo sleep mode without --use-vllm", "add --use-vllm", *grpo, "--vllm-enable-sleep-mode")
     add("grpo sleep mode with server mode", "a vLLM server takes its own", *grpo, "--use-vllm", "--vllm-mode",
         "server", "--vllm-enable-sleep-mode")
+    add("grpo vLLM tensor parallel 3 on 2 GPUs", "must divide the 2 training processes", *grpo, "--use-vllm",
+        "--vllm-tensor-parallel-size", "3", "--gpus", "2xH100-80GB", "--micro-batch", "4")
+    add("grpo vLLM tensor parallel without --use-vllm", "add --use-vllm", *grpo, "--vllm-tensor-parallel-size", "2")
     add("grpo unknown --vllm-mode", "--vllm-mode 'remote' is not known", *grpo, "--use-vllm", "--vllm-mode", "remote")
     add("grpo flag without --method grpo", "applies to --method grpo", "estimate", "{M}", "--seq", "64",
         "--num-generations", "4")

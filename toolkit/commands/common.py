@@ -224,6 +224,9 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
                    type=float_arg("--vllm-gpu-memory-utilization", bounds.VLLM_GPU_MEMORY_UTILIZATION),
                    help=f"GRPOConfig vllm_gpu_memory_utilization, colocate: the share of each GPU's memory vLLM "
                         f"takes; training gets the rest (default {GRPO_DEFAULTS['vllm_gpu_memory_utilization']:g})")
+    r.add_argument("--vllm-tensor-parallel-size", type=int_arg("--vllm-tensor-parallel-size", bounds.DEGREE),
+                   help="GRPOConfig vllm_tensor_parallel_size, colocate: vLLM's weights split over that many GPUs "
+                        "(default 1)")
     r.add_argument("--vllm-enable-sleep-mode", action="store_const", const=True,
                    help="GRPOConfig vllm_enable_sleep_mode, colocate: vLLM releases its share after each generation, "
                         "so training may use it (the share must still fit beside the model states while generating)")

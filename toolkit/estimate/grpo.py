@@ -92,7 +92,8 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     # each generation) the share is taken only while generating, beside the model states training keeps.
     u = grpo.vllm_gpu_memory_utilization
     reserve = int(u * cap)
-    vllm_needs = spec.params * cb + kv
+    tp = grpo.vllm_tensor_parallel_size
+    vllm_needs = spec.params * cb // tp + kv  # its group's sequences, their KV heads split over the group
     sleeping = grpo.vllm_enable_sleep_mode
     held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes \
         + b.context_bytes
@@ -102,7 +103,8 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
               f"no feasible vllm_gpu_memory_utilization: vLLM needs {low:.2f} of the GPU, training {1 - high:.2f}")
     terms = list(b.terms) + [Term("vLLM colocate reserve", reserve,
                                   f"vllm_gpu_memory_utilization {u:g} x {cap / GIB:.1f} GiB: its weights "
-                                  f"({spec.params * cb / GIB:.2f} GiB) and KV cache ({kv_words} for one batch) inside")]
+                                  f"({spec.params * cb / tp / GIB:.2f} GiB{f', 1/{tp} each' if tp > 1 else ''}) and "
+                                  f"KV cache ({kv_words} for one batch) inside")]
     refusal = ""
     if vllm_needs > reserve:
         refusal = (f"vLLM colocate at vllm_gpu_memory_utilization {u:g} gets {reserve / GIB:.1f} GiB, less than its "
@@ -142,9 +144,12 @@ def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: P
     prefill_s = forward_s * grpo.max_prompt_length / grpo.seq_len
     seqs, cb = generation_sequences(job), compute_bytes(job.precision)
     weights = spec.params * cb
-    # Each decode step reads every weight once and, on average, half the final KV cache.
+    tp = grpo.vllm_tensor_parallel_size if grpo.generation == COLOCATE else 1
+    # Each decode step reads every weight once (a vLLM tensor-parallel rank its 1/tp, for tp x the sequences, whose
+    # KV heads it holds 1/tp of) and, on average, half the final KV cache.
     per_token_bytes = weights + kv_cache_bytes(spec, seqs, cached_tokens(grpo.max_prompt_length,
                                                                          grpo.max_completion_length), cb) / 2
+    per_token_bytes -= weights - weights / tp
     decode_s = grpo.max_completion_length * per_token_bytes / (hw.gpu.hbm_gbps * 1e9)
     said = [f"GRPO generation: {grpo.max_completion_length} decode steps of {seqs} sequences, each reading "
             f"{per_token_bytes / GIB:.2f} GiB (weights + half the KV cache) at {hw.gpu.hbm_gbps:g} GB/s HBM = "

@@ -39,7 +39,7 @@ DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_p
 """TRL 1.16 DPOConfig.loss_type values (trl/trainer/dpo_config.py, the field's help; tests/test_preference.py reads
 them back from the installed TRL so a new release's list is noticed)."""
 GRPO_DEFAULTS = {"num_generations": 8, "max_completion_length": 512, "beta": 0.0, "vllm_gpu_memory_utilization": 0.3,
-                 "vllm_enable_sleep_mode": False}
+                 "vllm_tensor_parallel_size": 1, "vllm_enable_sleep_mode": False}
 """TRL 1.16 GRPOConfig defaults of the settings toolkit models (trl/trainer/grpo_config.py; tests/test_grpo.py reads
 them back from the installed TRL)."""
 GRPO_PROMPT_LENGTH = 512

@@ -43,13 +43,18 @@ class Grpo:
     vllm_mode: str = COLOCATE
     vllm_gpu_memory_utilization: float = GRPO_DEFAULTS["vllm_gpu_memory_utilization"]
     """Colocate: the fraction of each GPU's memory vLLM takes (weights, KV cache, its own reserves)."""
+    vllm_tensor_parallel_size: int = 1
+    """Colocate: vLLM's tensor-parallel degree; each group of that many training processes shares one engine, its
+    weights split over them (trl/generation/vllm_generation.py: it must divide the world size)."""
     vllm_enable_sleep_mode: bool = False
     """Colocate: vLLM sleeps (level 2: weights and KV cache released) after each generation, so its share is taken only
     while it generates (trl/generation/vllm_generation.py)."""
 
     def __post_init__(self) -> None:
-        for flag, value in (("--num-generations", self.num_generations), ("--max-prompt-length", self.max_prompt_length),
-                            ("--max-completion-length", self.max_completion_length)):
+        for flag, value in (("--num-generations", self.num_generations),
+                            ("--max-prompt-length", self.max_prompt_length),
+                            ("--max-completion-length", self.max_completion_length),
+                            ("--vllm-tensor-parallel-size", self.vllm_tensor_parallel_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value!r}")
         if self.num_generations < 2:
@@ -89,6 +94,7 @@ class Grpo:
             out.update(vllm_mode=self.vllm_mode, vllm_max_model_length=self.seq_len)
             if self.vllm_mode == COLOCATE:
                 out.update(vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+                           vllm_tensor_parallel_size=self.vllm_tensor_parallel_size,
                            vllm_enable_sleep_mode=self.vllm_enable_sleep_mode)
         return out
 
@@ -99,6 +105,7 @@ class Grpo:
 GRPO_FLAGS = {"num_generations": "--num-generations", "max_prompt_length": "--max-prompt-length",
               "max_completion_length": "--max-completion-length", "beta": "--grpo-beta", "use_vllm": "--use-vllm",
               "vllm_mode": "--vllm-mode", "vllm_gpu_memory_utilization": "--vllm-gpu-memory-utilization",
+              "vllm_tensor_parallel_size": "--vllm-tensor-parallel-size",
               "vllm_enable_sleep_mode": "--vllm-enable-sleep-mode"}
 """Grpo fields with the flag that sets each."""
 
@@ -114,12 +121,12 @@ def grpo_from_flags(objective: str | None, **given: Any) -> Grpo | None:
                             f"job: it would be ignored; add --method grpo or drop {flag}")
         return None
     if not given.get("use_vllm"):
-        for key in ("vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode"):
+        for key in ("vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode"):
             if key in given:
                 raise UserError(f"{GRPO_FLAGS[key]} applies to vLLM generation, and without --use-vllm GRPO "
                                 "generates in the training process (transformers' generate); add --use-vllm or drop "
                                 f"{GRPO_FLAGS[key]}")
-    for key in ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode"):
+    for key in ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode"):
         if given.get("vllm_mode") == SERVER and key in given:
             raise UserError(f"{GRPO_FLAGS[key]} applies to --vllm-mode colocate; a vLLM server takes its own "
                             "settings (trl vllm-serve): drop it here")
@@ -147,7 +154,12 @@ def grpo_problem(grpo: Grpo | None, strategy: "Strategy | None", *, adapter_meth
 def batch_problem(grpo: Grpo, micro_batch: int, data_parallel: int, grad_accum: int) -> str | None:
     """GRPOConfig.__post_init__'s rule with toolkit's batch: the generation batch (per_device_train_batch_size x
     processes x steps_per_generation, which defaults to gradient_accumulation_steps) holds whole groups of
-    num_generations completions."""
+    num_generations completions; and vLLM colocate's tensor-parallel groups divide the processes (GRPO runs data
+    parallel only, so they are `data_parallel`)."""
+    tp = grpo.vllm_tensor_parallel_size
+    if grpo.generation == COLOCATE and data_parallel % tp:
+        return (f"--vllm-tensor-parallel-size {tp} must divide the {data_parallel} training processes (TRL's vLLM "
+                "colocate groups them); give a divisor")
     generation_batch = micro_batch * data_parallel * grad_accum
     if generation_batch % grpo.num_generations:
         return (f"GRPO's generation batch (micro-batch {micro_batch} x {data_parallel} processes x accumulation "
