@@ -250,7 +250,7 @@ def test_a_faster_row_beyond_the_band_wins_over_more_headroom(llama7b):
 
 
 def test_plan_says_why_number_one_is_first_in_the_table_json_and_plan_json(tmp_path, capsys):
-    argv = ["plan", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--seq", "32768", "--global-batch", "8"]
+    argv = ["plan", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--seq", "24576", "--global-batch", "8"]
     assert main(argv + ["--json", "--out", str(tmp_path / "p")]) == 0
     out = json.loads(capsys.readouterr().out)
     why = out["chosen_because"]
