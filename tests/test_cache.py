@@ -83,7 +83,13 @@ PLAN_SCRIPT = """
 import json, sys
 from toolkit.cli import main
 main(["plan", sys.argv[1], "--gpus", "2x8xH100-80GB", "--seq", "2048", "--global-batch", "64", "--json"])
-print(json.dumps({"imported": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
+imported = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+import contextlib, io
+with contextlib.redirect_stdout(io.StringIO()):  # the files too (training_args.json names the Trainer's flags)
+    assert main(["plan", sys.argv[1] + "/config.json", "--gpus", "2x8xH100-80GB", "--seq", "2048", "--global-batch",
+                 "64", "--out", sys.argv[2]]) == 0
+print(json.dumps({"imported": imported,
+                  "imported_writing": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
 """
 
 
@@ -97,12 +103,14 @@ def test_a_repeated_plan_with_tensor_parallel_rows_imports_neither_torch_nor_tra
         "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000}))
     env = {**os.environ, "TOOLKIT_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("TOOLKIT_NO_CACHE", None)
-    outs = [subprocess.run([sys.executable, "-c", PLAN_SCRIPT, str(model)], capture_output=True, text=True,
-                           env=env, check=True).stdout for _ in range(2)]
+    outs = [subprocess.run([sys.executable, "-c", PLAN_SCRIPT, str(model), str(tmp_path / f"plan{i}")],
+                           capture_output=True, text=True, env=env, check=True).stdout for i in range(2)]
     decoder = json.JSONDecoder()
     (first, end_1), (second, end_2) = (decoder.raw_decode(out) for out in outs)
     assert any(c["tensor_parallel"] > 1 for c in first["candidates"]), \
         "the plan must price tensor-parallel rows for this test to mean anything"
     assert json.loads(outs[0][end_1:])["imported"] == ["torch", "transformers"]
-    assert json.loads(outs[1][end_2:])["imported"] == []
+    assert json.loads(outs[1][end_2:]) == {"imported": [], "imported_writing": []}
     assert first == second
+    assert (tmp_path / "plan0" / "training_args.json").read_text() == \
+        (tmp_path / "plan1" / "training_args.json").read_text()

@@ -50,7 +50,20 @@ def optim_name(plan: Plan) -> str:
 
 def checkpointing_name() -> str:
     """TrainingArguments' name for activation checkpointing: transformers 5.2x renamed gradient_checkpointing to
-    activation_checkpointing (the old name is a deprecated alias); older versions know only the old one."""
+    activation_checkpointing (the old name is a deprecated alias); older versions know only the old one. Kept in the
+    on-disk cache per transformers version: reading it imports transformers and torch (seconds), which a repeated
+    plan otherwise never needs."""
+    from toolkit import cache
+
+    key = cache.installed_version("transformers")
+    name = cache.get("checkpointing-name", key, code=_checkpointing_name)
+    if name not in ("activation_checkpointing", "gradient_checkpointing"):
+        name = _checkpointing_name()
+        cache.put("checkpointing-name", key, name, code=_checkpointing_name)
+    return name
+
+
+def _checkpointing_name() -> str:
     from transformers import TrainingArguments
 
     return "activation_checkpointing" if "activation_checkpointing" in inspect.signature(TrainingArguments).parameters \
