@@ -281,10 +281,11 @@ def test_llama_8b_at_128k_on_8_h100s_fits_only_by_splitting_the_sequence():
     assert any(c.name == "fsdp2 (dp=2 x tp=4)" and "needs" in c.reason for c in cands)
     assert all(c.reason for c in cands if not c.feasible)
     # By default the planner also tiles, or else tries Liger / activation offloading, where a row fits nothing
-    # plain: ZeRO-3 then fits unsplit tiled, and every unsplit row that fits needs tiling or a saver.
+    # plain: ZeRO-3 then fits unsplit tiled (with its optimizer offloaded: in GPU memory alone its replayed reserved
+    # memory leaves it inside the error band), and every unsplit row that fits needs tiling or a saver.
     auto = plan_candidates(spec, hw, Request(seq_len=131072, micro_batch=1, checkpointing=True))
     unsplit = [c for c in auto if c.feasible and c.grid.seq_split == 1]
-    assert any(c.name == "zero3 +tiled" for c in unsplit)
+    assert any(c.name == "zero3-offload-opt +tiled" for c in unsplit)
     assert all(c.job.tiled or c.job.liger or c.job.activation_offloading for c in unsplit)
 
 
@@ -320,7 +321,10 @@ def test_seq_max_finds_the_longest_length_that_fits_and_the_next_granule_does_no
     over = evaluate(spec, hw, parse_strategy("zero3"), Job(seq_len=found.seq_len + g, checkpointing=True), grid)
     assert at.feasible and not over.feasible
     assert [s for s, _ in found.curve][:3] == [1024, 2048, 4096]
-    assert all(b1 <= b2 for (_, b1), (_, b2) in zip(found.curve, found.curve[1:]))
+    # Required bytes hold the allocator replay's reserved memory: at short lengths it can dip by a few segments (the
+    # activations' blocks fitting into segments others left), never by 128 MiB; from 4096 tokens on it only grows.
+    assert all(b2 > b1 - (1 << 27) for (_, b1), (_, b2) in zip(found.curve, found.curve[1:]))
+    assert all(b1 <= b2 for (_, b1), (_, b2) in zip(found.curve[2:], found.curve[3:]))
 
 
 # --- emitted configs, judged by the engines ----------------------------------------------------------------------
