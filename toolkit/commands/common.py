@@ -107,7 +107,7 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
 
 def add_rope_flags(p: argparse.ArgumentParser) -> None:
     """RoPE scaling as part of the job (estimate, plan; toolkit.inputs.rope)."""
-    from toolkit.inputs.rope import ROPE_SCALINGS
+    from toolkit.inputs.choices import ROPE_SCALINGS
 
     g = p.add_argument_group("RoPE scaling (toolkit.inputs.rope)")
     g.add_argument("--rope-scaling", choices=ROPE_SCALINGS,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from toolkit.estimate.collectives import group_bandwidth, ring_s
-from toolkit.estimate.memory import Breakdown, Term, reserved_bytes
+from toolkit.estimate.breakdown import Breakdown, Term, reserved_bytes
 from toolkit.inputs.choices import GIB, compute_bytes
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.grpo import COLOCATE, GENERATE, SERVER

@@ -107,3 +107,9 @@ def compute_bytes(precision: str) -> int:
 def weight_bytes(precision: str) -> int:
     """Bytes per element of the weights a step keeps: fp32 (master or plain) except bf16-pure, where they are bf16."""
     return 2 if precision == "bf16-pure" else 4
+
+
+ROPE_SCALINGS: tuple[str, ...] = ("yarn", "linear", "dynamic", "llama3")
+"""The rope_type values --rope-scaling takes: keys of transformers' ROPE_INIT_FUNCTIONS (modeling_rope_utils.py)
+whose only required setting beside the type is `factor` (llama3 also reads low / high_freq_factor from the model's
+config; longrope's per-frequency lists and proportional's partial factor are the model's own, not a job's)."""

@@ -17,11 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkit.errors import UserError
-
-ROPE_SCALINGS: tuple[str, ...] = ("yarn", "linear", "dynamic", "llama3")
-"""The rope_type values --rope-scaling takes: keys of transformers' ROPE_INIT_FUNCTIONS (modeling_rope_utils.py)
-whose only required setting beside the type is `factor` (llama3 also reads low / high_freq_factor from the model's
-config; longrope's per-frequency lists and proportional's partial factor are the model's own, not a job's)."""
+from toolkit.inputs.choices import ROPE_SCALINGS
 
 OVERRIDE_KEYS = ("rope_parameters", "max_position_embeddings")
 """The config keys a rope scaling sets (model_config_overrides): nothing else of the model changes."""
