@@ -34,7 +34,11 @@ CATALOG_FAMILIES = {"gemma-2-2b.json": "gemma2", "opt-1.3b.json": "opt", "mistra
                     "qwen2.5-0.5b.json": "qwen2", "gpt2.json": "gpt2"}
 # Gemma-4's decoder layers differ in shape (transformers keeps head_dim and KV heads per layer): refused on reading.
 HETEROGENEOUS = {"gemma-4-26b-a4b.json"}
-CONFIGS = {**{name: (MODELS / name, row["model_type"]) for name, row in MANIFEST.items() if name not in HETEROGENEOUS},
+# Qwen2.5-VL: transformers 5.24 maps its config to AutoModelForImageTextToText only (no causal-LM class): refused on
+# reading; its parts are counted on the class transformers builds (test_the_parts_of_a_vision_language_class...).
+NOT_CAUSAL_LM = {"qwen2.5-vl-7b-instruct.json"}
+CONFIGS = {**{name: (MODELS / name, row["model_type"]) for name, row in MANIFEST.items()
+              if name not in HETEROGENEOUS | NOT_CAUSAL_LM},
            **{name: (CATALOG / name, kind) for name, kind in CATALOG_FAMILIES.items()}}
 # DeepSeek-V3 (671B) fits no hybrid plan on 256 of the catalog's largest GPUs (2 of its MoE layers per stage at
 # most 32 stages exceed a B200): the plan refuses it for memory, and its pipeline verdict is the spec's.
@@ -198,3 +202,78 @@ def test_the_rehearsal_of_a_pipeline_plan_from_a_real_config_passes(name, tmp_pa
     out = capfd.readouterr().out
     assert code == 0, out[-3000:]
     assert f"{kind} 4 layers" in out and "rehearsal passed" in out
+
+
+def _count(module) -> int:
+    return sum({id(p): p.numel() for p in module.parameters()}.values())
+
+
+@pytest.mark.parametrize("name, language, vision, projector", [
+    ("gemma-3-4b-it.json", 3_880_263_168, 416_866_032, 2_950_272),
+    ("gemma-3-12b-it.json", 11_766_034_176, 416_866_032, 4_424_832),
+])
+def test_the_parts_of_a_vision_language_class_are_counted_exactly_and_shown(name, language, vision, projector, capsys):
+    """Gemma-3 as its multimodal class: the spec's language model, vision encoder and projector counts equal each
+    part built from its own sub-config on the meta device, add up to the class, and estimate prints them (--json
+    too, with the encoder's per-GPU share of the model states, 1/8 of DDP's under ZeRO-3 on 8 GPUs)."""
+    import json
+
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    from toolkit.cli import main
+    from toolkit.inputs.modelconfig import load_config
+    from toolkit.inputs.modelspec import resolve_model
+
+    path = str(MODELS / name)
+    config = load_config(path)
+    with torch.device("meta"):
+        text = AutoModelForCausalLM.from_config(config.get_text_config())
+        tower = AutoModel.from_config(AutoConfig.for_model(**config.vision_config.to_dict()))
+        mm_projector = Gemma3MultiModalProjector(config)
+    assert (_count(text), _count(tower), _count(mm_projector)) == (language, vision, projector)
+    spec = resolve_model(path)
+    assert (spec.language_params, spec.vision_params, spec.projector_params) == (language, vision, projector)
+    assert spec.params == language + vision + projector
+    assert spec.vision_modules == ("model.vision_tower", "model.multi_modal_projector")
+
+    shares = {}
+    for strategy in ("ddp", "zero3"):
+        code = main(["estimate", path, "--gpus", "8xH100-80GB", "--seq", "512", "--strategy", strategy, "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert code == 0 and out["model"]["vision_params"] == vision and out["model"]["language_params"] == language
+        shares[strategy] = out["vision_share"]
+    fraction = (vision + projector) / spec.params
+    assert shares["ddp"]["weights_bytes"] == int(4 * spec.params * fraction)  # AMP: fp32 weights on every GPU
+    assert shares["zero3"]["weights_bytes"] == pytest.approx(2 * (vision + projector) / 8, rel=1e-3)
+    main(["estimate", path, "--gpus", "8xH100-80GB", "--seq", "512", "--strategy", "zero3", "--explain"])
+    out = capsys.readouterr().out
+    assert f"parts: language model {language:,} + vision encoder {vision:,} + projector {projector:,}" in out
+    assert "vision encoder's share: " in out and "as zero3 holds them (sharded over the data-parallel ranks)" in out
+
+
+def test_the_parts_of_a_class_with_its_projector_inside_the_tower_are_split_by_the_model(capsys):
+    """Qwen2.5-VL-7B keeps its projector (the patch merger into the language model's width) inside its vision
+    module: vision_parts finds it there from the model's own modules; each part equals the part built from its own
+    sub-config, and the class (which AutoModelForCausalLM does not build) is refused by estimate in one line."""
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.cli import main
+    from toolkit.inputs.decoder_parts import vision_parts
+    from toolkit.inputs.modelconfig import load_config
+
+    path = str(MODELS / "qwen2.5-vl-7b-instruct.json")
+    config = load_config(path)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+        visual = type(model.model.visual)._from_config(config.vision_config)
+        text = type(model.model.language_model)._from_config(config.text_config)
+    tower, projector = vision_parts(model, config)
+    assert tower == (("model.visual", type(visual).__name__, _count(visual) - _count(visual.merger)),)
+    assert projector == (("model.visual.merger", "Qwen2_5_VLPatchMerger", _count(visual.merger)),)
+    assert (tower[0][2], projector[0][2]) == (631_975_680, 44_574_464)
+    lm_head = config.text_config.vocab_size * config.text_config.hidden_size  # untied
+    assert _count(model) - tower[0][2] - projector[0][2] == _count(text) + lm_head == 7_615_616_512
+    assert main(["estimate", path, "--gpus", "8xH100-80GB", "--seq", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a causal LM transformers can build" in err and "Traceback" not in err

@@ -132,6 +132,7 @@ def cmd_estimate(args) -> int:
                "time_error_band": {**time_band().to_dict(),
                                    "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
                "terms": [x.to_dict() for x in b.terms],
+               **({"vision_share": vision_share(spec, b, c)} if spec.multimodal else {}),
                **({"fake_world": world.to_dict()} if world else {}),
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
@@ -185,6 +186,8 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
           f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}"
           f"{reference_words(job.dpo)}{rope_words(spec)}{grpo_words(job.grpo)}")
+    if spec.multimodal:
+        print(f"parts: {spec.parts_words()}")
     if job.grpo is not None:
         g = generation_batch(job.grpo, job.micro_batch, c.data_parallel, job.grad_accum)
         print(f"GRPO step: a generation batch of {g['generation_batch_size']} completions = {g['prompts_per_step']} "
@@ -241,9 +244,33 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
 
     for key in t.unmodelled:
         print(f"speed not modelled: {UNMODELLED_SPEED[key]}")
+    if explain and spec.multimodal:
+        print(f"  vision encoder's share: {vision_share_words(spec, b, c)}")
     if explain:
         for note in list(b.notes) + list(t.assumptions):
             print(f"  note: {note}")
+
+
+def vision_share(spec, b, c) -> dict[str, int]:
+    """Per-GPU bytes of the vision encoder + projector inside the model-state terms: their fraction of the parameters
+    of each term, as the strategy holds it (whole under DDP / ZeRO-1 / 2, 1/N of it where ZeRO-3 / FSDP2 shard the
+    flat parameters by element count). An adapter job freezes the base, so the tower keeps its weights only."""
+    fraction = (spec.vision_params + spec.projector_params) / spec.params
+    trained = not c.job.adapter.is_adapter
+    return {"weights_bytes": int(b.parameters_bytes * fraction),
+            "gradients_bytes": int(b.gradients_bytes * fraction) if trained else 0,
+            "optimizer_bytes": int(b.optimizer_bytes * fraction) if trained else 0}
+
+
+def vision_share_words(spec, b, c) -> str:
+    share = vision_share(spec, b, c)
+    total = sum(share.values())
+    return (f"{gib(total)} GiB of the per-GPU model states ({spec.vision_params + spec.projector_params:,} "
+            f"parameters, {(spec.vision_params + spec.projector_params) / spec.params:.1%} of the class): weights "
+            f"{gib(share['weights_bytes'])}, gradients {gib(share['gradients_bytes'])}, optimizer states + master "
+            f"{gib(share['optimizer_bytes'])} GiB, as {c.name} holds them"
+            + (" (sharded over the data-parallel ranks)" if c.strategy.zero_stage == 3 or
+               c.strategy.name.startswith("fsdp2") else ""))
 
 
 def rope_words(spec) -> str:

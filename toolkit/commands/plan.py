@@ -327,7 +327,8 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
           + f"{', Liger kernels' if req.liger else ''}"
           + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled is True else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
-             if req.adapter.is_adapter else "") + reference_words(req.dpo) + grpo_words(req.grpo) + "\n")
+             if req.adapter.is_adapter else "") + reference_words(req.dpo) + grpo_words(req.grpo)
+          + (f"\nparts: {spec.parts_words()}" if spec.multimodal else "") + "\n")
     header = f"{'#':>2}  {'strategy':<28}{'micro':>6}{'accum':>6}{'ckpt':>5}{'GiB/GPU':>9}{'host GiB':>9}" \
              f"{'step s':>9}{'tokens/s':>11}{'MFU':>6}" + (f"{'hours':>9}" if run is not None else "")
     print(header)

@@ -504,7 +504,7 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why
         inter_node_gbps=hw.inter_node_gbps, cpu_ram_gib=hw.cpu_ram_bytes_per_node / GIB,
         power_limit_w=hw.gpu.power_limit_w or None,
         **({"rope_scaling": dict(spec.rope_scaling)} if spec.rope_scaling else {}),
-        **_adapter_fields(c.job, spec))
+        **({"model_parts": spec.parts()} if spec.multimodal else {}), **_adapter_fields(c.job, spec))
     return plan.with_prediction(predicted)
 
 

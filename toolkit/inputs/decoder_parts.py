@@ -167,6 +167,53 @@ def side_parts(model: Any, config: Any) -> tuple[tuple[str, str, int], ...]:
                  for path, child in _beside(model, head, parent_path))
 
 
+def vision_parts(model: Any, config: Any) -> tuple[tuple[tuple[str, str, int], ...], tuple[tuple[str, str, int], ...]]:
+    """(tower, projector): (path, class, unique parameters) of the vision encoder's parts and of the projector's, split
+    from side_parts by the model's own modules: a part holding a list of blocks (an nn.ModuleList of more than one
+    module of one class) is an encoder; inside it, a module registered after that list whose weights (2-D and up)
+    have the language model's hidden size as a dimension projects into it (Qwen2.5-VL's merger, Qwen3-VL's
+    deepstack mergers), and so is the projector's; a part without blocks is a projector (Gemma-3's, LLaVA's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    tower: list[tuple[str, str, int]] = []
+    projector: list[tuple[str, str, int]] = []
+    for path, cls, count in side_parts(model, config):
+        part = model.get_submodule(path)
+        blocks = decoder_layers(part)
+        if blocks is None or len(blocks) < 2:
+            projector.append((path, cls, count))
+            continue
+        inner = [(f"{path}.{name}", type(child).__name__, _unique(child))
+                 for name, child in _after_blocks(part, blocks) if _projects_to(child, hidden)]
+        projector.extend(inner)
+        tower.append((path, cls, count - sum(n for *_, n in inner)))
+    return tuple(tower), tuple(projector)
+
+
+def _after_blocks(part: Any, blocks: Any):
+    """(relative path, module) of each child registered after the block list, on every level from `part` down to
+    the module that holds the list."""
+    paths = {id(m): name for name, m in part.named_modules()}
+    chain = paths[id(blocks)].split(".")
+    for depth in range(len(chain)):
+        prefix = ".".join(chain[:depth])
+        holder = part.get_submodule(prefix) if prefix else part
+        passed = False
+        for name, child in holder.named_children():
+            if name == chain[depth]:
+                passed = True
+            elif passed:
+                yield (f"{prefix}.{name}" if prefix else name), child
+
+
+def _projects_to(module: Any, hidden: int | None) -> bool:
+    return hidden is not None and any(p.dim() >= 2 and hidden in p.shape for p in module.parameters())
+
+
+def _unique(module: Any) -> int:
+    return sum({id(p): p.numel() for p in module.parameters()}.values())
+
+
 def pipeline_blocker(model: Any, config: Any) -> str | None:
     """Why the pipeline converter cannot split `model` (one phrase naming the part), or None when it can."""
     try:

@@ -77,9 +77,32 @@ class ModelSpec:
     rope_scaling: dict[str, Any] | None = None
     """The job's RoPE scaling applied to `config` (toolkit.inputs.rope.RopeScaling.to_dict), or None: the config as
     the model ships it (its own rope scaling included)."""
+    vision_params: int = 0
+    """A multimodal class (Gemma-3, Qwen3.5 loaded whole): the vision encoder's parameters (patch embedding, blocks,
+    its norms), found beside the language model (toolkit.inputs.decoder_parts.vision_parts); 0 for a text model."""
+    projector_params: int = 0
+    """The projector's parameters (from the encoder's width into the language model's hidden size)."""
+    vision_modules: tuple[str, ...] = ()
+    """Module paths of the encoder and the projector in the class (what a frozen tower freezes, what LoRA leaves out)."""
     source_key: str | None = None
     """Hash of where the config came from (its config.json text, or the bare numbers): the on-disk cache key of
     this spec and of its activation traces. None (hub ids) caches nothing."""
+
+    @property
+    def language_params(self) -> int:
+        """The language model alone: embeddings, decoder layers, final norm and head (tied once)."""
+        return self.params - self.vision_params - self.projector_params
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.vision_params or self.projector_params)
+
+    def parts_words(self) -> str:
+        """The class's parts with their exact counts, for output ("" for a text model)."""
+        if not self.multimodal:
+            return ""
+        return (f"language model {self.language_params:,} + vision encoder {self.vision_params:,} + projector "
+                f"{self.projector_params:,} parameters ({', '.join(self.vision_modules)})")
 
     @property
     def largest_layer_params(self) -> int:
@@ -143,7 +166,13 @@ class ModelSpec:
             "layers": self.num_layers, "hidden": self.hidden, "heads": self.heads, "kv_heads": self.kv_heads,
             "active_params": self.active_params, "vocab": self.vocab, "tied_embeddings": self.tied, "layer_class": self.layer_class,
             "largest_layer_params": self.largest_layer_params, "moe_experts": self.moe_experts,
+            **(self.parts() if self.multimodal else {}),
         }
+
+    def parts(self) -> dict[str, Any]:
+        """The exact counts of a multimodal class's parts (they add up to `params`) and the encoder's modules."""
+        return {"language_params": self.language_params, "vision_params": self.vision_params,
+                "projector_params": self.projector_params, "vision_modules": list(self.vision_modules)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -247,7 +276,7 @@ def build_spec(name: str, config) -> ModelSpec:
         shape = tuple(p.shape)
         factored += math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] if len(shape) >= 2 else p.numel()
     expert_params = sum(p.numel() for n, p in layers.named_parameters() if is_expert_param(n))
-    from toolkit.inputs.decoder_parts import pipeline_blocker, side_parts
+    from toolkit.inputs.decoder_parts import pipeline_blocker, vision_parts
 
     from toolkit.inputs.tileable import model_tiling_blocker
 
@@ -257,10 +286,11 @@ def build_spec(name: str, config) -> ModelSpec:
         shared = f", shared {', '.join(moe.shared)}" if moe.shared else ""
         notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token in {moe.moe_layers} "
                      f"{moe.block_class} blocks{shared}")
-    side = side_parts(model, config)
-    if side:  # a multimodal class: what a text-only run loads beside the language model
-        parts = ", ".join(f"{path} ({cls}) {n:,}" for path, cls, n in side)
-        notes.append(f"beside the language model ({total - sum(n for *_, n in side):,} parameters): {parts} "
+    tower, projector = vision_parts(model, config)
+    if tower or projector:  # a multimodal class: what a text-only run loads beside the language model
+        parts = ", ".join(f"{path} ({cls}) {n:,}" for path, cls, n in tower + projector)
+        side = sum(n for *_, n in tower + projector)
+        notes.append(f"beside the language model ({total - side:,} parameters): {parts} "
                      "parameters, loaded with the class; counted as trained (full fine-tuning trains them; text "
                      "alone gives them no gradients, so torch's optimizers (DDP, FSDP2) then keep no states for "
                      "them, while DeepSpeed ZeRO's flat partitions hold states for every trainable parameter)")
@@ -296,6 +326,9 @@ def build_spec(name: str, config) -> ModelSpec:
         notes=tuple(notes),
         pipeline_blocker=pipeline_blocker(model, config),
         tiling_blocker=tiling_blocker,
+        vision_params=sum(n for *_, n in tower),
+        projector_params=sum(n for *_, n in projector),
+        vision_modules=tuple(path for path, *_ in tower + projector),
     )
 
 

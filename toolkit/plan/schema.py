@@ -51,7 +51,8 @@ _DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel", "expert_
 """Model-parallel degrees (added within version 2, default 1)."""
 
 _LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
-             "leaf_modules": (None, []), "dpo": ({},), "rope_scaling": ({},), "grpo": ({},)}
+             "leaf_modules": (None, []), "dpo": ({},), "rope_scaling": ({},), "grpo": ({},),
+             "model_parts": ({},)}
 """Fields added within version 2, left out of plan.json at this value (their default), so a plan without them reads
 and keys its prediction as it did before they existed."""
 
@@ -166,6 +167,9 @@ class Plan:
     grpo: dict[str, Any] = Field(default_factory=dict)
     """toolkit.inputs.grpo.Grpo fields (num_generations, lengths, beta, vLLM settings) of a GRPO job, TRL's
     GRPOTrainer (empty: not GRPO); checked by toolkit.inputs.grpo when the plan loads."""
+    model_parts: dict[str, int | list[str]] = Field(default_factory=dict)
+    """A multimodal class: language_params, vision_params, projector_params (exact, they add up to `params`) and
+    vision_modules (the encoder's and projector's module paths), as ModelSpec counts them; left out when empty."""
     version: Literal[2] = PLAN_VERSION
 
     # --- validation ----------------------------------------------------------------------------------------------
@@ -210,6 +214,22 @@ class Plan:
             _no_control_characters(note, "each note")
         return value
 
+    @field_validator("model_parts")
+    @classmethod
+    def _parts(cls, v: dict[str, Any]) -> dict[str, Any]:
+        import re
+
+        if v:
+            counts = ("language_params", "vision_params", "projector_params")
+            if set(v) != {*counts, "vision_modules"} or not all(isinstance(v[k], int) and v[k] >= 0 for k in counts):
+                raise ValueError(f"'model_parts' needs exactly {', '.join(counts)} (counts) and vision_modules; "
+                                 "re-plan")
+            bad = [m for m in v["vision_modules"] if not isinstance(m, str) or
+                   not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+){0,15}", m)]
+            if bad:
+                raise ValueError(f"'model_parts' vision_modules holds {bad[0]!r}, not a module path; re-plan")
+        return v
+
     @field_validator("predicted")
     @classmethod
     def _numbers_are_finite(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -248,6 +268,9 @@ class Plan:
                 raise ValueError(f"'adapter' holds an unknown setting ({exc})") from None
             if adapter.method != self.method:
                 raise ValueError(f"'adapter' says method {adapter.method!r} but 'method' is {self.method!r}")
+        if self.model_parts and sum(self.model_parts[k] for k in ("language_params", "vision_params",
+                                                                   "projector_params")) != self.params:
+            raise ValueError("'model_parts' counts do not add up to 'params'; re-plan")
         if self.rope_scaling:
             from toolkit.inputs.rope import OVERRIDE_KEYS, RopeScaling
 
