@@ -175,7 +175,7 @@ GPU_FIELDS = {
     "name", "architecture", "aliases", "memory_bytes", *GPU_NUMERIC,
     "interconnect", "bf16_supported", "source",
 }
-OPTIONAL_GPU_FIELDS = {"tdp_w", "die"}  # power: the TDP the peaks are quoted at, and the die entries share
+OPTIONAL_GPU_FIELDS = {"tdp_w", "die", "cuda_context_bytes"}  # power: the TDP the peaks are quoted at, the die; a measured context
 ARCHITECTURES = {"volta", "turing", "ampere", "ada", "hopper", "blackwell", "cdna2", "cdna3"}
 INTERCONNECTS = {
     "nvlink2", "nvlink3", "nvlink4", "nvlink5", "pcie3", "pcie4", "pcie5", "pcie6", "xgmi",

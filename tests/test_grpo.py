@@ -104,7 +104,7 @@ def test_colocate_refuses_training_over_its_70_percent_with_the_reason():
     """micro-batch 4 needs about 67 GiB to train: more than the 70% of 79 GiB vLLM colocate at 0.3 leaves it."""
     e = _grpo(use_vllm=True, vllm_gpu_memory_utilization=0.3)
     assert not e.memory.fits
-    assert "training: 67.0 GiB, more than the 70% of 79.1 GiB vLLM colocate leaves" in e.memory.refusal
+    assert "training: 66.9 GiB, more than the 70% of 79.1 GiB vLLM colocate leaves" in e.memory.refusal
     assert "no feasible vllm_gpu_memory_utilization" in e.memory.refusal
     assert e.candidate.reason == e.memory.refusal
 

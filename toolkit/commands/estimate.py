@@ -205,8 +205,16 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
         if explain:
             print(f"{'':<{width}}  <- {source}")
     print(f"{'peak (tensors)':<{width}}{gib(b.peak_bytes):>9}{b.peak_bytes / cap:>9.1%}   at {b.peak_phase}")
+    if explain:
+        print(f"{'':<{width}}  <- allocated: what torch.cuda.max_memory_allocated reports")
+        print(f"{'reserved':<{width}}{gib(b.reserved_bytes):>9}{b.reserved_bytes / cap:>9.1%}   "
+              f"fragmentation costs {gib(b.margin_bytes)} GiB over allocated")
+        print(f"{'':<{width}}  <- max_memory_reserved: the caching allocator's segments"
+              f"{' with PYTORCH_CUDA_ALLOC_CONF=' + b.allocator_conf if b.allocator_conf else ''}")
     print(f"{'required':<{width}}{gib(b.required_bytes):>9}{b.required_bytes / cap:>9.1%}   of "
           f"{gib(cap)} GiB: {'fits' if b.fits else 'DOES NOT FIT'}")
+    if explain:
+        print(f"{'':<{width}}  <- what nvidia-smi shows: reserved + CUDA context + NCCL buffers; fits is judged here")
     if b.refusal:
         print(f"DOES NOT FIT: {b.refusal}")
     elif job.grpo is not None and job.grpo.generation != "generate":

@@ -8,16 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.estimate.devicememory import CUDA_CONTEXT_BYTES  # noqa: F401  (re-exported: the memory model's names)
 from toolkit.estimate.hostram import HostRam
 from toolkit.inputs.choices import GIB
 
-CUDA_CONTEXT_BYTES = int(0.75 * GIB)
-"""CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator; ~0.5-0.9 GiB on Ampere/Hopper with
-lazy module loading (CUDA 12). Still assumed: benchmarks/gpu_check.py measures it per GPU / CUDA / torch version
-(cudaMemGetInfo minus reserved) and benchmarks/gpu_derive.py reports it; no GPU run is recorded yet."""
-COMM_BUFFER_BYTES = int(0.5 * GIB)
-"""NCCL communicator buffers when more than one GPU talks (channels x NCCL_BUFFSIZE 4 MiB x peers). Assumed: no
-published source separates them (the published nvidia-smi readings lump them with the context)."""
 ALLOCATOR_MARGIN = 0.05
 """Caching-allocator reserved over allocated, minus 1: only the fallback where the step's allocation events are not
 recorded (regions traced compiled rather than eager, activation offloading, interpolations between traces whose events differ, pipeline stages with several
@@ -67,9 +61,12 @@ class Breakdown:
     """Highest live tensor total over the step (what torch.cuda.max_memory_allocated would report)."""
     peak_phase: str
     context_bytes: int
+    """Outside the caching allocator: the CUDA context + NCCL's buffers (nccl_bytes)."""
     margin_bytes: int
+    """Reserved over allocated: what the allocator's segments hold that no tensor uses at the peak (fragmentation,
+    segment rounding, per-stream pools)."""
     required_bytes: int
-    """peak + CUDA context + communicator buffers + allocator margin: what must fit in the GPU."""
+    """reserved + CUDA context + NCCL buffers: the nvidia-smi figure, what must fit in the GPU."""
     capacity_bytes: int
     cpu_bytes_per_node: int
     nvme_bytes_per_node: int
@@ -81,6 +78,12 @@ class Breakdown:
     """Host RAM per node at load, during training and at save (toolkit.estimate.hostram)."""
     reference_bytes: int = 0
     """DPO / GRPO: the reference model's weights on this GPU (toolkit.estimate.preference), part of the peak."""
+    nccl_bytes: int = 0
+    """Part of context_bytes: NCCL's communicator buffers (toolkit.estimate.devicememory)."""
+    workspace_bytes: int = 0
+    """Part of peak_bytes: torch's cuBLAS workspaces, allocated through the caching allocator."""
+    allocator_conf: str = ""
+    """PYTORCH_CUDA_ALLOC_CONF the reserved figure was replayed with ("" = torch's defaults)."""
     refusal: str = ""
     """Why the job does not fit although required_bytes might (GRPO vLLM colocate: a share for vLLM too small for
     its weights, or training over the rest; toolkit.estimate.grpo), or empty."""
@@ -96,6 +99,11 @@ class Breakdown:
         return self.peak_bytes + self.margin_bytes
 
     @property
+    def nvidia_smi_bytes(self) -> int:
+        """What nvidia-smi shows for the process at the step's peak: reserved + CUDA context + NCCL buffers."""
+        return self.reserved_bytes + self.context_bytes
+
+    @property
     def headroom_bytes(self) -> int:
         return self.capacity_bytes - self.required_bytes
 
@@ -106,6 +114,10 @@ class Breakdown:
                 "nvme_bytes_per_node")
         out: dict[str, Any] = {k: getattr(self, k) for k in keys}
         out["reserved_bytes"] = self.reserved_bytes
+        out["nvidia_smi_bytes"] = self.nvidia_smi_bytes
+        out["nccl_bytes"] = self.nccl_bytes
+        out["workspace_bytes"] = self.workspace_bytes
+        out["allocator_conf"] = self.allocator_conf
         if self.reference_bytes:
             out["reference_bytes"] = self.reference_bytes
         if self.refusal:

@@ -76,7 +76,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
         gathered = _gathered_for_generation(spec, strategy, job)
         logits = seqs * spec.vocab * 4  # the last position's fp32 logits per decode step
         held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes
-        peak = held + gathered + kv + logits
+        peak = held + b.workspace_bytes + gathered + kv + logits  # cuBLAS's workspaces stay allocated
         terms = list(b.terms) + [Term("generation KV cache", kv, f"{GENERATION_PHASE}, before the policy's forward: "
                                                                  f"{kv_words}")]
         if gathered:

@@ -27,7 +27,8 @@ from toolkit.estimate.traces import scaled_trace
 from toolkit.inputs.strategy import Engine, Strategy
 
 from toolkit.estimate.breakdown import (  # noqa: F401  (the memory model's names, spelled once in breakdown)
-    ALLOCATOR_MARGIN, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES, Breakdown, Term, reserved_bytes)
+    ALLOCATOR_MARGIN, CUDA_CONTEXT_BYTES, Breakdown, Term, reserved_bytes)
+from toolkit.estimate.devicememory import device_terms
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -252,7 +253,8 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
         from toolkit.inputs.tensorplan import per_rank_spec
 
         spec = per_rank_spec(spec, grid.tensor)
-    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if grid.world > 1 else 0)
+    outside = device_terms(hw.gpu, grid)
+    context = outside.context_bytes + outside.nccl_bytes
     params = max(grid.stage_params(spec, partition)) if strategy.is_pipeline else spec.params
     s = states_for(spec, strategy, job, grid, params=params)
     reference = 0
@@ -299,7 +301,7 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
                    *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),
                    _Region("head + loss", counts.post_layer_trainable, trace.head)]
-        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference)
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference, grid=grid)
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
         offloaded = 0
@@ -308,7 +310,7 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states = states_for(spec, strategy, job, grid, params=spec.params)
         states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
-        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference)
+        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference, grid=grid)
     if job.activation_offloading:
         raise UserError("activation offloading is not available with the pipeline engine; use a ZeRO or FSDP2 "
                         "strategy, or drop --activation-offloading")
@@ -326,7 +328,7 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         states = states_for(spec, strategy, job, grid, params=stage_params[i])
         in_flight = max(1, min(stages - i, job.grad_accum))
         breakdowns.append(_compose(spec, strategy, job, hw, trace, regions, states, in_flight=in_flight,
-                                   stage=i))
+                                   stage=i, grid=grid))
     worst = max(breakdowns, key=lambda b: b.required_bytes)
     from dataclasses import replace
 
@@ -348,7 +350,7 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
             and strategy.fsdp_mode != "grad_op" and not view.fsdp_layers_kept:
         trace = _fsdp_plan_groups(view, trace, states, job)
     regions = _regions(view.spec, trace, 0, view.spec.num_layers, True, True)
-    out = _compose(view.spec, strategy, view.job, hw, trace, regions, states, in_flight=1)
+    out = _compose(view.spec, strategy, view.job, hw, trace, regions, states, in_flight=1, grid=grid)
     terms = list(out.terms)
     where = next(i for i, t in enumerate(terms) if t.name == "activations")
     terms[where] = Term("activations", terms[where].bytes,
@@ -424,7 +426,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
 
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,
              regions: list[_Region], states: States, *, in_flight: int, stage: int | None = None,
-             reference=None) -> Breakdown:
+             reference=None, grid: ParallelGrid | None = None) -> Breakdown:
     accumulating = job.grad_accum > 1  # micro-steps after the first add into gradients that already exist
     traced_grad = 4.0 if (trace.autocast or trace.dtype == "float32") else 2.0
     ref_weights = reference.weights_bytes if reference else 0
@@ -432,11 +434,15 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     peak, activations, copies = _simulate(regions, states, in_flight=in_flight, accumulating=accumulating,
                                           autocast=states.autocast, traced_grad_bytes_per_param=traced_grad,
                                           reference_bytes=ref_weights, reference_forward_bytes=ref_forward)
-    context = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if hw.world_size > 1 else 0)
+    outside = device_terms(hw.gpu, grid if grid is not None else grid_of(strategy, hw))
+    context = outside.context_bytes + outside.nccl_bytes
+    # cuBLAS's workspaces are allocated through the caching allocator for the whole run: allocated and reserved
+    # alike (each is its own large-pool segment, a multiple of 2 MiB, so the replay's overhead is unchanged).
+    workspace = outside.workspace_bytes if job.device_kind == "cuda" else 0
     margin, margin_term = _allocator_margin(regions, states, strategy, job, int(peak.bytes), in_flight=in_flight,
                                             reference_bytes=ref_weights)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
-    required = int(peak.bytes) + context + margin
+    required = int(peak.bytes) + workspace + context + margin
     grads = states.gradients + states.step_gradients + states.backward_gradients \
         + (states.accumulation_gradients if accumulating else 0)
     terms = [
@@ -460,8 +466,10 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
              "buckets / gathered parameters (" + (", ".join(states.sources[1:])
                                                    or "the engine's rule on the parameters line") + ")"),
         Term("peak-phase temporaries", int(peak.transient), f"live only at the peak: {peak.phase}"),
-        Term("CUDA context + comm buffers", context, "assumed (not traced): see toolkit/estimate/memory.py"),
+        Term("cuBLAS workspaces", workspace, outside.workspace_source),
         margin_term,
+        Term("CUDA context", outside.context_bytes, outside.context_source),
+        Term("NCCL buffers", outside.nccl_bytes, outside.nccl_source),
     ]
     forward_grads = sum(r.trace.forward_grad_bytes for r in regions)
     if forward_grads:
@@ -485,7 +493,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         autocast_copy_bytes=int(copies),
         buffers_bytes=int(states.buffers + states.backward_buffers + states.gathered),
         transient_bytes=int(peak.transient),
-        peak_bytes=int(peak.bytes),
+        peak_bytes=int(peak.bytes) + workspace,
         peak_phase=peak.phase,
         context_bytes=context,
         margin_bytes=margin,
@@ -500,4 +508,6 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         terms=tuple(terms),
         notes=tuple(dict.fromkeys(notes)),
         reference_bytes=ref_weights,
+        nccl_bytes=outside.nccl_bytes,
+        workspace_bytes=workspace,
     )

@@ -52,6 +52,9 @@ class Gpu:
     """Chip and enabled SMs: entries sharing it differ only in power, clocks and memory (power_limited reads them)."""
     power_limit_w: float = 0.0
     """The board power limit this GPU runs at, when one is set (power_limited); 0: none (the TDP)."""
+    cuda_context_bytes: int = 0
+    """A training process's CUDA context measured on this GPU (benchmarks/gpu_check.py: cudaMemGetInfo's used bytes
+    minus torch's reserved); 0: not measured, toolkit.estimate.devicememory's assumed figure is used."""
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for the precision a step computes in. fp32 uses the plain fp32 peak: torch keeps fp32
