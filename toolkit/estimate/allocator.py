@@ -26,7 +26,7 @@ Not modelled: CUDA graph pools, IPC, multiple devices, the free-memory callbacks
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -79,9 +79,12 @@ class _Block:
     expandable: bool = False
     prev: "_Block | None" = None
     next: "_Block | None" = None
-    uses: set[int] = field(default_factory=set)
-    """Other streams the block was used on (record_stream): it is freed only when they are synced."""
+    uses: set[int] | None = None
+    """Other streams the block was used on (record_stream): it is freed only when they are synced (made on the
+    first record_stream: most blocks never get one)."""
     gc_base: int = 0
+    requested: int = 0
+    """The bytes asked for (before rounding), while allocated."""
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -91,31 +94,33 @@ class _Block:
 
 
 class _Pool:
-    """Cached free blocks ordered by (stream, size, address), and unmapped expandable ranges by (stream, address)."""
+    """Cached free blocks ordered by (stream, size, address), and unmapped expandable ranges by (stream, address).
+    The order's keys are ints, `stream << 128 | size << 64 | address` (sizes and addresses stay far below 2**64):
+    they sort as the (stream, size, address) tuples do and compare several times faster."""
 
     def __init__(self, small: bool) -> None:
         self.small = small
-        self.keys: list[tuple[int, int, int]] = []
-        self.blocks: dict[tuple[int, int, int], _Block] = {}
+        self.keys: list[int] = []
+        self.blocks: dict[int, _Block] = {}
         self.unmapped: dict[tuple[int, int], _Block] = {}
         self.lookups = 0
 
     def insert(self, block: _Block) -> None:
-        key = (block.stream, block.size, block.ptr)
+        key = block.stream << 128 | block.size << 64 | block.ptr
         insort(self.keys, key)
         self.blocks[key] = block
         block.gc_base = self.lookups
 
     def erase(self, block: _Block) -> None:
-        key = (block.stream, block.size, block.ptr)
+        key = block.stream << 128 | block.size << 64 | block.ptr
         del self.blocks[key]
         del self.keys[bisect_left(self.keys, key)]
 
     def from_key(self, stream: int, size: int):
         """Cached blocks of `stream` at least `size` large, smallest first (std::set lower_bound and onwards),
         lazily: a lookup reads only the blocks it needs."""
-        keys, i = self.keys, bisect_left(self.keys, (stream, size, -1))
-        while i < len(keys) and keys[i][0] == stream:
+        keys, i = self.keys, bisect_left(self.keys, stream << 128 | size << 64)
+        while i < len(keys) and keys[i] >> 128 == stream:
             yield self.blocks[keys[i]]
             i += 1
 
@@ -153,10 +158,15 @@ class CachingAllocator:
         self.small, self.large = _Pool(True), _Pool(False)
         self.stats = AllocatorStats()
         self._next_ptr = 0
-        self._handles: dict[int, tuple[_Block, int]] = {}
+        self._handles: dict[int, _Block] = {}
         self._pending: list[_Block] = []
         self._synced: set[int] = set()
         self._next_handle = 0
+        settings = self.settings  # read once: the hot path asks on every allocation
+        self._plain_rounding = settings.roundup_power2_divisions <= 1
+        self._expandable = settings.expandable_segments
+        self._max_split = settings.max_split_size
+        self._collects = settings.garbage_collection_threshold > 0 and settings.capacity is not None
 
     # ------------------------------------------------------------------------------------------------ rules
 
@@ -183,21 +193,39 @@ class CachingAllocator:
             return LARGE_BUFFER
         return ROUND_LARGE * -(-size // ROUND_LARGE)
 
-    def _should_split(self, block: _Block, size: int) -> bool:
-        remaining = block.size - size
-        if block.pool.small or self.settings.expandable_segments:
-            return remaining >= MIN_BLOCK
-        return size < self.settings.max_split_size and remaining > SMALL_SIZE
-
     # ------------------------------------------------------------------------------------------------ public
 
     def malloc(self, size: int, stream: int = 0) -> int:
-        self._process_events()
-        rounded = self.round_size(size)
+        block = self.allocate(size, stream)
+        self._next_handle += 1
+        self._handles[self._next_handle] = block
+        return self._next_handle
+
+    def free(self, handle: int) -> None:
+        self.release(self._handles.pop(handle))
+
+    def record_stream(self, handle: int, stream: int) -> None:
+        self.use_on(self._handles[handle], stream)
+
+    def sync(self, stream: int) -> None:
+        """The work queued on `stream` so far has completed: its recorded events are done."""
+        self._synced.add(stream)
+
+    # The same three on the block itself (what `replay` calls: no handle table in between).
+
+    def allocate(self, size: int, stream: int = 0) -> _Block:
+        if self._pending:
+            self._process_events()
+        if size < MIN_BLOCK:
+            rounded = MIN_BLOCK
+        elif self._plain_rounding:
+            rounded = MIN_BLOCK * -(-size // MIN_BLOCK)
+        else:
+            rounded = self.round_size(size)
         pool = self.small if rounded <= SMALL_SIZE else self.large
         block = self._free_block(pool, rounded, stream)
         if block is None:
-            if self.settings.garbage_collection_threshold > 0 and self.settings.capacity is not None:
+            if self._collects:
                 self._garbage_collect()
             block = self._new_block(pool, rounded, stream)
             if block is None and self._release_oversize(pool, rounded, stream):
@@ -210,41 +238,41 @@ class CachingAllocator:
                 self.stats.ooms += 1
                 raise OutOfMemory(f"{size} bytes on stream {stream}: {self.stats.reserved} reserved of "
                                   f"{self.settings.capacity}")
-        if self._should_split(block, rounded):
-            rest = _Block(stream, block.size - rounded, block.ptr + rounded, pool, expandable=block.expandable,
+        remaining = block.size - rounded
+        if (remaining >= MIN_BLOCK if pool.small or self._expandable
+                else rounded < self._max_split and remaining > SMALL_SIZE):  # _should_split
+            rest = _Block(stream, remaining, block.ptr + rounded, pool, expandable=block.expandable,
                           prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, rounded
             pool.insert(rest)
         block.allocated = True
+        block.requested = size
         s = self.stats
         s.allocated += block.size
         s.requested += size
-        s.peak_allocated, s.peak_requested = max(s.peak_allocated, s.allocated), max(s.peak_requested, s.requested)
-        self._next_handle += 1
-        self._handles[self._next_handle] = (block, size)
-        return self._next_handle
+        if s.allocated > s.peak_allocated:
+            s.peak_allocated = s.allocated
+        if s.requested > s.peak_requested:
+            s.peak_requested = s.requested
+        return block
 
-    def free(self, handle: int) -> None:
-        block, size = self._handles.pop(handle)
+    def release(self, block: _Block) -> None:
         block.allocated = False
         self.stats.allocated -= block.size
-        self.stats.requested -= size
+        self.stats.requested -= block.requested
         if block.uses:
             self._pending.append(block)  # an event per stream; freed when it completes
         else:
             self._free(block)
 
-    def record_stream(self, handle: int, stream: int) -> None:
-        block, _ = self._handles[handle]
+    def use_on(self, block: _Block, stream: int) -> None:
         if stream != block.stream:
+            if block.uses is None:
+                block.uses = set()
             block.uses.add(stream)
             self._synced.discard(stream)
-
-    def sync(self, stream: int) -> None:
-        """The work queued on `stream` so far has completed: its recorded events are done."""
-        self._synced.add(stream)
 
     # ------------------------------------------------------------------------------------------------ inside
 
@@ -254,15 +282,16 @@ class CachingAllocator:
         for block in list(self._pending):
             block.uses -= self._synced
             if not block.uses:
+                block.uses = None
                 self._pending.remove(block)
                 self._free(block)
 
     def _free_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
-        if self.settings.garbage_collection_threshold > 0 and self.settings.capacity is not None:
+        if self._collects:
             pool.lookups += 1
         keys = pool.keys
-        i = bisect_left(keys, (stream, size, -1))
-        if i == len(keys) or keys[i][0] != stream:
+        i = bisect_left(keys, stream << 128 | size << 64)
+        if i == len(keys) or keys[i] >> 128 != stream:
             return None
         block = pool.blocks[keys[i]]
         if block.expandable:
@@ -274,10 +303,14 @@ class CachingAllocator:
                 if not (block.expandable and growable(other) < growable(block)):
                     break
                 block = other
-        limit = self.settings.max_split_size
+        limit = self._max_split
         if size < limit <= block.size or (size >= limit and block.size >= size + LARGE_BUFFER):
             return None
-        pool.erase(block)
+        if block.expandable:
+            pool.erase(block)
+        else:  # the first key at or above the request is the block's: no second search
+            del pool.blocks[keys[i]]
+            del keys[i]
         return block
 
     def _new_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
@@ -303,12 +336,14 @@ class CachingAllocator:
         s.device_allocs += 1
 
     def _free(self, block: _Block) -> None:
-        for neighbour in (block.prev, block.next):
-            self._merge(block, neighbour, block.pool)
+        if block.prev is not None:
+            self._merge(block, block.prev, block.pool)
+        if block.next is not None:
+            self._merge(block, block.next, block.pool)
         block.pool.insert(block)
 
     def _merge(self, dst: _Block, src: _Block | None, pool: _Pool) -> None:
-        if src is None or not src.free_to_merge() or src in self._pending or dst.mapped != src.mapped:
+        if src is None or src.allocated or src.uses or dst.mapped != src.mapped or src in self._pending:
             return
         if src.mapped:
             pool.erase(src)
@@ -437,7 +472,7 @@ class CachingAllocator:
 
     def _release_cached(self) -> None:
         for block in list(self._pending):  # synchronize_and_free_events
-            block.uses.clear()
+            block.uses = None
             self._pending.remove(block)
             self._free(block)
         for pool in (self.large, self.small):
@@ -466,21 +501,42 @@ class CachingAllocator:
             freeable = [b for b in freeable if b not in old]
 
 
+class Replayer:
+    """Allocator events by the caller's names for its tensors, straight into one allocator: what `replay` does
+    with a list of events, for a caller that makes them one at a time (toolkit.estimate.reserved)."""
+
+    def __init__(self, settings: AllocatorSettings | None = None) -> None:
+        self.allocator = CachingAllocator(settings)
+        self.blocks: dict = {}
+
+    def malloc(self, key, size: int, stream: int = 0) -> None:
+        self.blocks[key] = self.allocator.allocate(size, stream)
+
+    def free(self, key) -> None:
+        self.allocator.release(self.blocks.pop(key))
+
+    def record_stream(self, key, stream: int) -> None:
+        self.allocator.use_on(self.blocks[key], stream)
+
+    def sync(self, stream: int) -> None:
+        self.allocator.sync(stream)
+
+
 def replay(events, settings: AllocatorSettings | None = None) -> AllocatorStats:
     """Replay `events` through one allocator: ("malloc", key, size[, stream]), ("free", key),
     ("record_stream", key, stream), ("sync", stream). Keys are the caller's names for its tensors."""
-    allocator = CachingAllocator(settings)
-    handles: dict = {}
+    r = Replayer(settings)
+    malloc, free, record_stream, sync = r.malloc, r.free, r.record_stream, r.sync
     for event in events:
         kind = event[0]
         if kind == "malloc":
-            handles[event[1]] = allocator.malloc(event[2], event[3] if len(event) > 3 else 0)
+            malloc(*event[1:])
         elif kind == "free":
-            allocator.free(handles.pop(event[1]))
+            free(event[1])
         elif kind == "record_stream":
-            allocator.record_stream(handles[event[1]], event[2])
+            record_stream(event[1], event[2])
         elif kind == "sync":
-            allocator.sync(event[1])
+            sync(event[1])
         else:
             raise ValueError(f"unknown allocator event {kind!r}")
-    return allocator.stats
+    return r.allocator.stats

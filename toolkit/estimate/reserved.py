@@ -22,10 +22,11 @@ per-stream pools cost), added to the memory model's tensor peak. Results are kep
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 
-from toolkit.estimate.allocator import AllocatorSettings, replay
+from toolkit.estimate.allocator import AllocatorSettings, Replayer
 from toolkit.estimate.stepevents import BACKWARD, FORWARD, decode_free
 
 COMPUTE, GATHER, REDUCE = 0, 1, 2
@@ -70,7 +71,7 @@ class StepSizes:
     embeddings, final norm and head; every region with reshard_after_forward=False)."""
 
 
-_RESULTS: dict[int, Replay] = {}
+_RESULTS: dict[str, Replay] = {}
 
 
 def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Replay | None:
@@ -80,20 +81,21 @@ def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Repla
         return None
     # Ints only: their hashes are the same in every process (str hashes are salted per process).
     key_parts = (tuple((hash(r.trace.forward_events), hash(r.trace.backward_events), r.params) for r in regions),
-                 tuple(round(v * 16) if isinstance(v, float) else v for v in vars(sizes).values()))
-    key = (hash(key_parts), settings)
+                 tuple(round(v * 16) if isinstance(v, float) else v for v in vars(sizes).values()), settings)
+    # One short digest keys the result in this process and on disk (the disk key was the parts' whole str()).
+    key = hashlib.sha256(repr(key_parts).encode()).hexdigest()[:32]
     if key in _RESULTS:
         return _RESULTS[key]
     from toolkit import cache
 
-    disk_key = [str(key_parts), settings]
-    stored = cache.get("reserved", disk_key, code=replayed_reserved, decode=lambda d: Replay(**d))
+    stored = cache.get("reserved", key, code=replayed_reserved, decode=lambda d: Replay(**d))
     if stored is None:
-        events = step_events(regions, sizes)
-        stats = replay(events, AllocatorSettings.from_conf(settings))
-        stored = Replay(peak_allocated=stats.peak_allocated, peak_reserved=stats.peak_reserved, events=len(events),
+        replayer = Replayer(AllocatorSettings.from_conf(settings))
+        events = emit_step_events(regions, sizes, replayer)
+        stats = replayer.allocator.stats
+        stored = Replay(peak_allocated=stats.peak_allocated, peak_reserved=stats.peak_reserved, events=events,
                         segments=stats.segments)
-        cache.put("reserved", disk_key, vars(stored), code=replayed_reserved)
+        cache.put("reserved", key, vars(stored), code=replayed_reserved)
     _RESULTS[key] = stored
     return stored
 
@@ -120,15 +122,45 @@ def _shares(total: float, regions) -> list[int]:
     return [int(total * p / whole) if whole else int(total / len(regions)) for p in params]
 
 
+class _EventList:
+    """The events as a list, in toolkit.estimate.allocator.replay's format (a sink for `emit_step_events`)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def malloc(self, key, size: int, stream: int | None = None) -> None:
+        self.events.append(("malloc", key, size) if stream is None else ("malloc", key, size, stream))
+
+    def free(self, key) -> None:
+        self.events.append(("free", key))
+
+    def record_stream(self, key, stream: int) -> None:
+        self.events.append(("record_stream", key, stream))
+
+    def sync(self, stream: int) -> None:
+        self.events.append(("sync", stream))
+
+
 def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
     """The allocator events of `steps` training steps (toolkit.estimate.allocator.replay's format)."""
-    events: list[tuple] = []
+    out = _EventList()
+    emit_step_events(regions, sizes, out, steps)
+    return out.events
+
+
+def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
+    """The events of `steps` training steps, in order, to `sink` (its malloc(key, size[, stream]), free(key),
+    record_stream(key, stream) and sync(stream): an allocator.Replayer, or a list); returns how many."""
     n = len(regions)
+    malloc, free, record_stream, sync = sink.malloc, sink.free, sink.record_stream, sink.sync
+    count = 0
 
     def blocks(name: str, total: float) -> None:
+        nonlocal count
         for j, size in enumerate(_shares(total, regions)):
             if size > 0:
-                events.append(("malloc", (name, j), size))
+                malloc((name, j), size)
+                count += 1
 
     blocks("state", sizes.persistent)
     largest = max(r.params for r in regions) or 1
@@ -141,67 +173,85 @@ def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
         rotating: list = []
 
         def run(j: int, phase: int, window: tuple[int, ...]) -> None:
+            nonlocal count
             for birth, size, offset, born_phase, ordinal in _decoded(window):
                 if birth:
                     key = ("act", j, phase, ordinal)
                     alive.add(key)
-                    events.append(("malloc", key, size))
+                    malloc(key, size)
+                    count += 1
                 else:
                     key = ("act", j + offset, born_phase, ordinal)
                     if key in alive:
                         alive.remove(key)
-                        events.append(("free", key))
+                        free(key)
+                        count += 1
 
         def use(key, size: int, stream: int) -> None:
             """A buffer made on `stream`, used by the compute stream, freed PREFETCH regions later."""
+            nonlocal count
             if size <= 0:
                 return
             if len(rotating) == PREFETCH:  # the region before the previous one is done
-                events.append(("free", rotating.pop(0)))
-                events.append(("sync", COMPUTE))
-            events.append(("malloc", key, size, stream))
-            events.append(("record_stream", key, COMPUTE))
+                free(rotating.pop(0))
+                sync(COMPUTE)
+                count += 2
+            malloc(key, size, stream)
+            record_stream(key, COMPUTE)
             rotating.append(key)
+            count += 2
 
         for j, r in enumerate(regions):
             if j in sizes.kept_regions:
                 if gather[j] > 0:
-                    events.append(("malloc", ("kept", step, j), gather[j], GATHER))
-                    events.append(("record_stream", ("kept", step, j), COMPUTE))
+                    malloc(("kept", step, j), gather[j], GATHER)
+                    record_stream(("kept", step, j), COMPUTE)
+                    count += 2
             else:
                 use(("gather", step, FORWARD, j), gather[j], GATHER)
             run(j, FORWARD, r.trace.forward_events)
         if sizes.reduce_buffers and not sizes.reduce_stream:
-            events.append(("malloc", ("reduce", step), int(sizes.reduce_buffers)))
+            malloc(("reduce", step), int(sizes.reduce_buffers))
+            count += 1
         if sizes.backward_gradients:
-            events.append(("malloc", ("partitions", step), int(sizes.backward_gradients)))
+            malloc(("partitions", step), int(sizes.backward_gradients))
+            count += 1
         grads = _shares(sizes.step_gradients, regions)
         for j in reversed(range(n)):
             if j not in sizes.kept_regions:
                 use(("gather", step, BACKWARD, j), gather[j], GATHER)
             run(j, BACKWARD, regions[j].trace.backward_events)
             if grads[j] > 0:
-                events.append(("malloc", ("grad", step, j), grads[j]))
+                malloc(("grad", step, j), grads[j])
+                count += 1
             if sizes.reduce_stream:
                 use(("reduce", step, j), reduce[j], REDUCE)
         for key in rotating:
-            events.append(("free", key))
+            free(key)
+            count += 1
         for j in sizes.kept_regions:
             if gather[j] > 0:
-                events.append(("free", ("kept", step, j)))
-        events.append(("sync", COMPUTE))
+                free(("kept", step, j))
+                count += 1
+        sync(COMPUTE)
+        count += 1
         for key in sorted(alive, key=repr):
-            events.append(("free", key))
+            free(key)
+            count += 1
         if sizes.reduce_buffers and not sizes.reduce_stream:
-            events.append(("free", ("reduce", step)))
+            free(("reduce", step))
+            count += 1
         if step == 0:
             blocks("optimizer", sizes.optimizer)
         if sizes.step_transient > 0:
-            events.append(("malloc", ("step", step), int(sizes.step_transient)))
-            events.append(("free", ("step", step)))
+            malloc(("step", step), int(sizes.step_transient))
+            free(("step", step))
+            count += 2
         for j, size in enumerate(grads):
             if size > 0:
-                events.append(("free", ("grad", step, j)))
+                free(("grad", step, j))
+                count += 1
         if sizes.backward_gradients:
-            events.append(("free", ("partitions", step)))
-    return events
+            free(("partitions", step))
+            count += 1
+    return count
