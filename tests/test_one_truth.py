@@ -6,6 +6,7 @@ Each test here is a reproduction of a disagreement found by trying the tool as a
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from toolkit.cli import main
 from toolkit.errors import UserError
+from toolkit.inputs.allocconf import alloc_conf
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.modelspec import resolve_model
@@ -111,7 +113,8 @@ def test_a_consistent_edit_is_re_predicted_in_what_emit_writes(planned, tmp_path
     # The prediction equals what the planner computes for that configuration from scratch.
     spec, hw = resolve_model("gpt2"), parse_hardware("8xH100-80GB")
     fresh = [c for c in plan_candidates(spec, hw, Request(seq_len=512, global_batch=32, micro_batch=micro,
-                                                          strategies=("zero3",), checkpointing=False))][0]
+                                                          strategies=("zero3",), checkpointing=False,
+                                                          allocator_conf=old.allocator_conf))][0]
     assert new.predicted["required_bytes"] == fresh.memory.required_bytes
     assert new.predicted["step_time_s"] == pytest.approx(fresh.timing.step_time_s, rel=1e-12)
     md = (out / "PLAN.md").read_text()
@@ -237,7 +240,8 @@ def test_estimate_and_plan_agree_on_random_configurations(capsys):
         # the estimate's job exactly: no tensor / context / sequence degree, no tiling or savers the planner may add
         req = Request(seq_len=512, micro_batch=micro, grad_accum=accum, checkpointing=ckpt,
                       strategies=(strategy.name,), pipeline_stages=stages, tensor_parallel=1, context_parallel=1,
-                      sequence_parallel=1, tiled=False, savers=False)
+                      sequence_parallel=1, tiled=False, savers=False,
+                      allocator_conf=alloc_conf("cuda", None, hw.gpu, os.environ).conf)  # as the command sets it
         planned = plan_candidates(spec, hw, req)
         code = main(["estimate", *argv, "--json"])
         captured = capsys.readouterr()
@@ -468,7 +472,7 @@ def _unusual_job():
                       quant_type="fp4", double_quant=False, compute_dtype="float32", quant_storage="bfloat16")
     job = Job(seq_len=96, micro_batch=2, grad_accum=3, precision="fp16", optimizer="sgd", checkpointing=True,
               attention="eager", device_kind="cpu", optimizer_impl="foreach", activation_offloading=True, liger=True,
-              tiled=True, compile=True, adapter=adapter, dpo=dpo)
+              tiled=True, compile=True, adapter=adapter, dpo=dpo, allocator_conf="max_split_size_mb:64")
     for f in fields(Job):  # grpo: a job is DPO or GRPO, never both (_unusual_grpo_job carries it)
         assert f.name in (*ESTIMATE_ONLY, "grpo") or f.default is MISSING or getattr(job, f.name) != f.default, f.name
     for f in fields(Adapter):

@@ -462,3 +462,13 @@ def seq_len_of(spec, args) -> tuple[int, str | None]:
     seq_len, note = default_seq_len(spec, args.seq)
     check_seq_len(spec, seq_len)
     return seq_len, note
+
+
+def allocator_of(args, hw, grpo, *, device_kind: str | None = None):
+    """The allocator setting the run gets and the estimate replays (toolkit.inputs.allocconf): the environment's
+    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, else the plan's default for the job."""
+    import os
+
+    from toolkit.inputs.allocconf import alloc_conf
+
+    return alloc_conf(device_kind or args.device_kind, grpo, hw.gpu, os.environ)

@@ -10,7 +10,7 @@ from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (add_checkpointing_flag, adapter_of, add_rope_flags, dpo_of, grpo_of,
+from toolkit.commands.common import (add_checkpointing_flag, adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of,
                                      add_hardware_flags, add_job_flags, add_model_flags, add_run_size_flags, gib,
                                      hardware_of, longest_line, model_spec, print_note, run_size_flag, run_size_of,
                                      seq_len_of, trainable_params)
@@ -79,7 +79,8 @@ def cmd_estimate(args) -> int:
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger,
               adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
-              chunked_loss=args.chunked_loss, dpo=dpo_of(args), grpo=grpo)
+              chunked_loss=args.chunked_loss, dpo=dpo_of(args), grpo=grpo,
+              allocator_conf=allocator_of(args, hw, grpo).conf)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees,
                                      expert_shared_batch=args.expert_shared_batch)
@@ -217,6 +218,9 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
         print(f"{'':<{width}}  <- what nvidia-smi shows: reserved + CUDA context + NCCL buffers; fits is judged here")
     if b.refusal:
         print(f"DOES NOT FIT: {b.refusal}")
+    allocator = allocator_of(None, hw, job.grpo, device_kind=job.device_kind)
+    if allocator.conf == b.allocator_conf:
+        print(f"allocator: {allocator.words}")
     elif job.grpo is not None and job.grpo.generation != "generate":
         print(b.notes[0])  # where GRPO generates: vLLM colocate's window, or the server's GPUs
     if world is not None:
@@ -327,7 +331,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
                   checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
                   activation_offloading=args.activation_offloading,
                   adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
-                  dpo=dpo_of(args))
+                  dpo=dpo_of(args), allocator_conf=allocator_of(args, hw, None).conf)
     found = longest_on_grid(spec, hw, strategy, grid, req)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,

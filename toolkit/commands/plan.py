@@ -11,7 +11,8 @@ from toolkit.errors import UserError
 from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKPOINTING_MODES
 from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (adapter_of, add_rope_flags, dpo_of, grpo_of, add_hardware_flags, add_job_flags,
+from toolkit.commands.common import (adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of, add_hardware_flags,
+                                     add_job_flags,
                                      add_model_flags, add_output_flags, add_run_size_flags, GIB, hardware_of, human,
                                      longest_line, model_spec, print_note, run_size_flag, run_size_of, seq_len_of,
                                      trainable_params)
@@ -110,6 +111,7 @@ def cmd_plan(args) -> int:
         req_kwargs["strategies"] = strategies
     if seq_max:
         req_kwargs.update(global_batch=None, micro_batch=1)
+    req_kwargs["allocator_conf"] = allocator_of(args, hw, req_kwargs["grpo"]).conf
     req = Request(**req_kwargs)
     if (req.expert_parallel or 1) > 1:  # the grid and model rules estimate applies, before any work
         from toolkit.estimate.search import expert_grid
@@ -368,6 +370,8 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
         if run is not None:
             print(f"#1 {duration(run, chosen, hw.world_size).text()}")
+        print(f"allocator: {allocator_of(None, hw, req.grpo, device_kind=req.device_kind).words}; memory predicted "
+              "with it")
         if req.grpo is not None:  # its memory's first note: vLLM colocate's window, the server's GPUs, or generate
             t = chosen.timing
             print(f"#1 GRPO: generation {t.generation_s:.2f} s + scoring {t.reference_s:.2f} s of the "

@@ -69,9 +69,19 @@ def _model_line(model: str | None) -> str:
     return f"MODEL={shlex.quote(model)}"
 
 
+ALLOCATOR = [
+    "# The allocator setting the plan's memory was predicted with (plan.json allocator_conf, toolkit.inputs.allocconf);",
+    "# your own PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF in the environment wins.",
+    'ALLOC_CONF="$(sed -n \'s/^  "allocator_conf": *"\\([^"]*\\)".*/\\1/p\' "$HERE/plan.json")"',
+    'if [[ -n "$ALLOC_CONF" && -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then',
+    '  export PYTORCH_CUDA_ALLOC_CONF="$ALLOC_CONF"',
+    'fi']
+"""Lines of every launch script that export the plan's allocator setting unless the user set one."""
+
+
 def _script(header: list[str], sbatch: list[str], here: str, model: str | None, program: str, run: list[str]) -> str:
     return "\n".join(["#!/usr/bin/env bash", *[f"# {line}" for line in header], *sbatch,
-                      "set -euo pipefail", here, _model_line(model), program, *run, ""])
+                      "set -euo pipefail", here, _model_line(model), program, *ALLOCATOR, *run, ""])
 
 
 # --- one node -------------------------------------------------------------------------------------------------------
@@ -180,8 +190,12 @@ PDSH_ENV = [
     '  if [[ "$ENV_NAME" == /* ]]; then FILE="$ENV_NAME"; else FILE="$FOLDER/$ENV_NAME"; fi',
     '  if [[ -f "$FILE" ]]; then sed -e \'$a\\\' "$FILE" >> "$DS_ENV_FILE"; fi',
     'done',
-    'echo "TOOLKIT_PLAN_DIR=$HERE" >> "$DS_ENV_FILE"']
-"""Lines of deepspeed.sh that hand TOOLKIT_PLAN_DIR (and the user's .deepspeed_env lines) to every node."""
+    'echo "TOOLKIT_PLAN_DIR=$HERE" >> "$DS_ENV_FILE"',
+    'for NAME in PYTORCH_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF; do',
+    '  if [[ -n "${!NAME:-}" ]]; then echo "$NAME=${!NAME}" >> "$DS_ENV_FILE"; fi',
+    'done']
+"""Lines of deepspeed.sh that hand TOOLKIT_PLAN_DIR, the allocator setting (PYTORCH_*ALLOC_CONF is not among the
+prefixes DeepSpeed forwards) and the user's .deepspeed_env lines to every node."""
 
 
 def deepspeed(*, here: str, hostfile: str, model: str | None, header: list[str]) -> str:

@@ -68,6 +68,18 @@ class AllocatorSettings:
         return cls(capacity=capacity, **values)
 
 
+MODELLED_KEYS = ("expandable_segments", "max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold")
+
+
+def modelled_conf(conf: str) -> tuple[str, tuple[str, ...]]:
+    """`conf` with only the keys the model replays (torch's others, e.g. pinned_use_cuda_host_register, leave the
+    device allocator's segments alone), and the keys left out."""
+    kept, dropped = [], []
+    for item in filter(None, (part.strip() for part in conf.split(","))):
+        (kept if item.partition(":")[0] in MODELLED_KEYS else dropped).append(item)
+    return ",".join(kept), tuple(item.partition(":")[0] for item in dropped)
+
+
 @dataclass(eq=False, slots=True)
 class _Block:
     stream: int

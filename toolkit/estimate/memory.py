@@ -394,8 +394,12 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
                       in_flight: int, reference_bytes: int = 0) -> tuple[int, Term]:
     """Reserved over the tensor peak: the step's events replayed through the caching-allocator model, or the
     assumed margin where the events are not recorded."""
+    from toolkit.estimate.allocator import modelled_conf
     from toolkit.estimate.reserved import StepSizes, replayed_reserved
 
+    conf, ignored = modelled_conf(job.allocator_conf)
+    setting = (f" with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else " with torch's default settings") + (
+        f" ({', '.join(ignored)} not modelled)" if ignored else "")
     result = None
     fsdp2 = strategy.engine == Engine.FSDP2 and states.gathered > 0 and not job.adapter.is_adapter
     # FSDP2 as fsdp2_states sizes it: each group unsharded in the compute dtype, the root (embeddings, final norm,
@@ -409,7 +413,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
             optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,
             reduce_stream=strategy.engine == Engine.FSDP2, step_gradients=states.step_gradients,
             backward_gradients=states.backward_gradients, step_transient=states.step_transient)
-        result = replayed_reserved(regions, sizes)
+        result = replayed_reserved(regions, sizes, settings=conf)
     if result is None:
         margin = reserved_bytes(peak) - peak
         return margin, Term("allocator margin", margin,
@@ -421,7 +425,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
         f"caching-allocator segments above the tensor peak: two steps' {result.events} allocation events (the "
         "traced regions' storages, model states, engine buffers on their streams) replayed through "
         f"toolkit.estimate.allocator: reserved {result.peak_reserved / GIB:.2f} GiB over allocated "
-        f"{result.peak_allocated / GIB:.2f} GiB in {result.segments} segments")
+        f"{result.peak_allocated / GIB:.2f} GiB in {result.segments} segments{setting}")
 
 
 def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace: ActivationTrace,
@@ -510,4 +514,5 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         reference_bytes=ref_weights,
         nccl_bytes=outside.nccl_bytes,
         workspace_bytes=workspace,
+        allocator_conf=job.allocator_conf,
     )

@@ -56,6 +56,8 @@ class Request:
     """Preference objective (toolkit.inputs.preference); None: supervised fine-tuning."""
     grpo: Grpo | None = None
     """RL objective (toolkit.inputs.grpo); seq_len is its prompt + completion."""
+    allocator_conf: str = ""
+    """PYTORCH_CUDA_ALLOC_CONF the plan emits and predicts with (toolkit.inputs.allocconf)."""
     savers: bool = True
     """The planner tries Liger kernels and activation offloading by itself where a row fits no other way
     (auto_savers); False: only what the request turns on."""

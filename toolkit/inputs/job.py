@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,10 @@ BLOCKS_COMPILE_PROBLEM = ("--compile-blocks (each decoder layer compiled apart, 
 OP_CHECKPOINTING_PROBLEM = ("--checkpointing op (torchtitan's per-op selective policy) is modelled by estimate and "
                             "profile only: the HF Trainer, accelerate and DeepSpeed have no setting that applies it; "
                             "use --checkpointing on or off")
+
+
+ALLOC_CONF_PATTERN = re.compile(r"[A-Za-z0-9_.:, ]{0,200}")
+"""What an allocator setting may hold: torch's key:value,key:value (it reaches the launch scripts)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,10 @@ class Job:
     grpo: Grpo | None = None
     """RL objective: TRL's GRPO (toolkit.inputs.grpo); seq_len is then its prompt + completion, and micro_batch counts
     completions (per_device_train_batch_size). None: not GRPO."""
+    allocator_conf: str = ""
+    """PYTORCH_CUDA_ALLOC_CONF the step runs with ("" = torch's defaults): the reserved-memory replay takes it
+    (toolkit.estimate.reserved). estimate and plan fill it from toolkit.inputs.allocconf (the user's environment,
+    else expandable segments where the engines take them), the value the emitted launch scripts export."""
 
     def __post_init__(self) -> None:
         for field, value in (("--seq", self.seq_len), ("--micro-batch", self.micro_batch),
@@ -101,6 +110,9 @@ class Job:
         if self.attention is not None:
             check_choice("--attention", self.attention, ATTENTIONS)
         check_choice("--device-kind", self.device_kind, DEVICE_KINDS)
+        if not isinstance(self.allocator_conf, str) or not ALLOC_CONF_PATTERN.fullmatch(self.allocator_conf):
+            raise UserError(f"PYTORCH_CUDA_ALLOC_CONF {self.allocator_conf!r} is not of the form key:value,key:value "
+                            "(letters, digits, _ . : ,); fix or unset it")
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         if self.compile not in (False, True, COMPILE_BLOCKS):
             raise UserError(f"compile must be True, False or {COMPILE_BLOCKS!r}, got {self.compile!r}")

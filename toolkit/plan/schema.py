@@ -121,6 +121,9 @@ class Plan:
     """Decoder layers' saved activations in host RAM (TRL's activation_offloading)."""
     liger: bool = False
     """Liger kernels (the HF Trainer's use_liger_kernel=True): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE."""
+    allocator_conf: str = Field(default="", pattern=r"^[A-Za-z0-9_.:, ]{0,200}$")
+    """PYTORCH_CUDA_ALLOC_CONF the memory was predicted with; the launch scripts export it unless the environment
+    already sets one (toolkit.inputs.allocconf)."""
     compile: bool = False
     """torch.compile (inductor) of the model: TrainingArguments torch_compile, accelerate's dynamo_config. Left out
     of plan.json when off, so plans written before it read unchanged."""
