@@ -14,8 +14,10 @@ from toolkit.inputs.strategy import Engine
 from toolkit.inputs.choices import GIB
 BAR_WIDTH = 40
 
-SUMMARY_KEYS = ("peak_bytes", "required_bytes", "capacity_bytes", "cpu_bytes_per_node", "nvme_bytes_per_node")
-"""predicted.* byte counts printed as totals under the component table, not as components."""
+SUMMARY_KEYS = ("peak_bytes", "reserved_bytes", "nvidia_smi_bytes", "required_bytes", "capacity_bytes",
+                "cpu_bytes_per_node", "nvme_bytes_per_node", "nccl_bytes", "workspace_bytes")
+"""predicted.* byte counts printed as totals under the component table, or parts of another entry (NCCL's buffers of
+the context, cuBLAS's workspaces of the peak), not as components."""
 CHART_ROWS = 24
 """At most this many bars: the best row of each strategy first (the planner lists every batch/checkpointing mix)."""
 
@@ -129,9 +131,14 @@ def memory_section(plan: Plan) -> list[str]:
     lines = ["## Predicted memory per GPU", "", "| component | size |", "|---|---:|"]
     lines += [f"| {k[: -len('_bytes')].replace('_', ' ')} | {gib(v)} |" for k, v in components]
     phase = f" ({predicted['peak_phase']})" if isinstance(predicted.get("peak_phase"), str) else ""
-    for key, label in (("peak_bytes", f"peak{phase}"), ("required_bytes", "required (peak + context + margin)")):
+    for key, label in (("peak_bytes", f"peak{phase}: allocated"), ("reserved_bytes", "reserved (peak + margin)"),
+                       ("required_bytes", "required: nvidia-smi (reserved + CUDA context + NCCL buffers)")):
         if number(key) is not None:
             lines.append(f"| **{label}** | **{gib(number(key))}** |")
+    conf = predicted.get("allocator_conf")
+    if isinstance(conf, str):
+        lines += ["", f"Allocator: {'PYTORCH_CUDA_ALLOC_CONF=' + conf if conf else 'torch defaults'}, as predicted; "
+                      "the launch scripts export plan.json's allocator_conf unless your environment sets one."]
     if number("capacity_bytes") is not None:
         lines += ["", f"GPU capacity: {gib(number('capacity_bytes'))}"]
     for key, label in (("cpu_bytes_per_node", "CPU RAM per node"), ("nvme_bytes_per_node", "NVMe per node")):
