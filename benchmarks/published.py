@@ -87,10 +87,11 @@ def estimate_row(row: dict) -> dict:
               precision=job_in["precision"], optimizer=job_in["optimizer"], checkpointing=ckpt,
               attention=job_in["attention"], device_kind="cuda", optimizer_impl=job_in["optimizer_impl"],
               activation_offloading=job_in["activation_offloading"], liger=job_in.get("liger", False),
-              compile=job_in.get("compile", False), chunked_loss=CHUNKED_LOSS[job_in.get("loss", "full-fp32")])
+              compile=job_in.get("compile", False), chunked_loss=CHUNKED_LOSS[job_in.get("loss", "full-fp32")],
+              allocator_conf=job_in.get("allocator_conf", ""))
     b = estimate_memory(spec, parse_strategy(job_in["strategy"]), job, hw)
     return {"params": spec.params, "allocated_bytes": b.peak_bytes, "reserved_bytes": b.reserved_bytes,
-            "peak_phase": b.peak_phase, "checkpointing": ckpt}
+            "nvidia_smi_bytes": b.nvidia_smi_bytes, "peak_phase": b.peak_phase, "checkpointing": ckpt}
 
 
 SPEED_PAIRS = (("TT-8B-8G-eager", "TT-8B-8G-compile"), ("TT-8B-128G-eager", "TT-8B-128G-compile"),
@@ -177,9 +178,10 @@ def prose_numbers(rows: list[dict], results: list[dict]) -> dict:
     vocab = _spec(tu["job"]["model"]).vocab
     fsdp2 = next(m["error"][0] for r in results if "FSDP2" in r["id"] for m in r["metrics"]
                  if m["metric"] == "reserved")
+    expandable = [r["id"] for r in rows if r["job"].get("allocator_conf") == "expandable_segments:True"]
     share = sorted({round(100 * r["reserved_over_peak"], 1) for r in results
                     if r["modelled"] and any(m["metric"] == "reserved" for m in r["metrics"])})
-    return {"fsdp2_reserved": fsdp2, "replay_share": share or [0.0],
+    return {"fsdp2_reserved": fsdp2, "replay_share": share or [0.0], "expandable_rows": expandable,
             "torchao_gpus": [g for g, _ in torchao],
             "torchao_reserved_gib": [r["metrics"][0]["published_gib"] for _, r in torchao],
             "torchao_worst": [worst[0], worst[1]["metrics"][0]["error"][0]],
@@ -234,12 +236,13 @@ def compare(row: dict) -> dict:
         return out
     for key, published_gib in row["measured"].items():
         metric = key.removesuffix("_gib")
-        field = "reserved_bytes" if metric == "reserved" else "allocated_bytes"
+        field = {"reserved": "reserved_bytes", "nvidia_smi": "nvidia_smi_bytes"}.get(metric, "allocated_bytes")
         values = [o[field] / GIB for o in ours]
         entry = {"metric": metric, "published_gib": published_gib, "ours_gib": values,
                  "error": [v / published_gib - 1 for v in values]}
         out["metrics"].append(entry)
     out["peak_phase"] = ours[0]["peak_phase"]
+    out["nvidia_smi_gib"] = round(ours[0]["nvidia_smi_bytes"] / GIB, 3)
     out["reserved_over_peak"] = round(ours[0]["reserved_bytes"] / ours[0]["allocated_bytes"] - 1, 4)
     return out
 
@@ -277,6 +280,20 @@ def _liger_sentence(results: list[dict]) -> str:
     return f"Rows run with Liger kernels, estimated with --liger: {', '.join(ids)}."
 
 
+def _nvidia_smi_sentence(results: list[dict], said: dict) -> str:
+    """What the nvidia-smi column is, and which rows a source's nvidia-smi reading scores."""
+    scored = [r["id"] for r in results if any(m["metric"] == "nvidia_smi" for m in r["metrics"])]
+    expandable = said.get("expandable_rows", [])
+    return ("The nvidia-smi column is our figure for what nvidia-smi would show: reserved + CUDA context + NCCL "
+            "buffers (toolkit.estimate.devicememory; cuBLAS's workspaces are inside reserved), the figure plan "
+            "judges 'fits' on; "
+            + (f"it is scored on {', '.join(scored)}. " if scored else
+               "no row's source gives an nvidia-smi reading, so it is not scored here, and none of its terms was "
+               "fitted to a row (all rows stay held out). ")
+            + (f"{_listed(expandable)} ran with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's run "
+               "script, as each row's memory_metric_text says) and are replayed with it." if expandable else ""))
+
+
 def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficiency: float | None = None,
            said: dict | None = None) -> str:
     from toolkit.estimate.timing import KERNEL_OVERHEAD_S
@@ -292,8 +309,8 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
     if summ["cases"]:
         lines += [f"**Modelled rows: {summ['cases']} comparison(s); median |error| {summ['median_abs_error']:.1%}, "
                   f"worst {summ['worst_abs_error']:.1%}** (goal: within 10%).", ""]
-    lines += ["| row | metric | published GiB | ours GiB | error | modelled | our peak phase |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["| row | metric | published GiB | ours GiB | error | modelled | our peak phase | ours nvidia-smi GiB |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for m in r["metrics"] or [{"metric": "-", "published_gib": float("nan"), "ours_gib": [], "error": []}]:
             ours = " .. ".join(f"{v:.1f}" for v in m["ours_gib"]) or "-"
@@ -301,8 +318,9 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
             if len(m["ours_gib"]) == 2:
                 ours += " (full AC .. none)"
             published = "-" if m["metric"] == "-" else f"{m['published_gib']:.2f}"
+            smi = f"{r['nvidia_smi_gib']:.1f}" if "nvidia_smi_gib" in r else "-"
             lines.append(f"| {r['id']} | {m['metric']} | {published} | {ours} | {err} | "
-                         f"{'yes' if r['modelled'] else 'no'} | {r.get('peak_phase', '-')} |")
+                         f"{'yes' if r['modelled'] else 'no'} | {r.get('peak_phase', '-')} | {smi} |")
     lines += ["", "Reading: torch.compile rows are estimated with --compile (toolkit.estimate.compiled: the "
               "activations the compiler's min-cut partition saves, traced under FakeTensorMode with the CUDA "
               "attention kernels), and torchtitan's per-op selective checkpointing with --checkpointing op "
@@ -341,7 +359,7 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               "against the 5% assumed before, and makes the rows already over (B200, MI300X) more so. "
               "benchmarks/gpu_check.py --allocator measures the model against the device's allocator on the GPU day. The modelled cases feed the error band that estimate "
               "and plan print (toolkit/estimate/gpu_error_band.json). "
-              f"{_liger_sentence(results)}", ""]
+              f"{_liger_sentence(results)} {_nvidia_smi_sentence(results, said)}", ""]
     if speedups:
         lines += ["## torch.compile speed-up", "",
                   "Published pairs that differ only by compile, tokens/s compiled over eager, against the step-time "
