@@ -368,12 +368,14 @@ print(json.dumps(sorted(results)))
 
 @pytest.mark.multiprocess
 @pytest.mark.one_core
-def test_estimate_with_modules_to_save_exits_cleanly_50_times_in_a_row(tmp_path):
+def test_estimate_with_modules_to_save_exits_cleanly_8_times_in_a_row(tmp_path):
     """Issue 33: `estimate --method lora --lora-modules-to-save ...` died now and then after printing its result
     (SIGABRT "corrupted double-linked list" / SIGSEGV at interpreter exit, 3 of 4 cold runs of a tiny Llama): the
-    tracer's PEFT wrap deep-copied fake tensors through torch's storage copy (toolkit/estimate/fakecopy.py). 50
+    tracer's PEFT wrap deep-copied fake tensors through torch's storage copy (toolkit/estimate/fakecopy.py). 8
     cold runs (TOOLKIT_NO_CACHE: a cache hit skips the trace that did it) on a tiny local config, each its own
-    process forked after the imports (_FORKED_RUNS), each exiting through the interpreter's finalization."""
+    process forked after the imports (_FORKED_RUNS), each exiting through the interpreter's finalization. With the
+    fix taken out, 12 of 12 such forked runs died (SIGABRT, torch 2.13 / peft 0.21.2); at the 3-of-4 rate first
+    measured for cold processes, 8 clean runs by chance are (1/4)**8 = 1.5e-5 likely."""
     import json
     import subprocess
     import sys
@@ -384,12 +386,13 @@ def test_estimate_with_modules_to_save_exits_cleanly_50_times_in_a_row(tmp_path)
     argv = ["estimate", str(tmp_path / "model"), "--gpus", "2xH100-80GB", "--strategy", "zero3", "--seq", "128",
             "--method", "lora", "--lora-modules-to-save", "lm_head,embed_tokens"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", _FORKED_RUNS, "50", json.dumps(argv), str(tmp_path)], env=env,
+    runs = 8
+    done = subprocess.run([sys.executable, "-c", _FORKED_RUNS, str(runs), json.dumps(argv), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     codes = [code for _, code in json.loads(done.stdout.splitlines()[-1])]
     failed = next((run for run, code in json.loads(done.stdout.splitlines()[-1]) if code), None)
-    assert codes == [0] * 50, (codes, failed is not None and (tmp_path / f"{failed}.out").read_text()[-2000:])
+    assert codes == [0] * runs, (codes, failed is not None and (tmp_path / f"{failed}.out").read_text()[-2000:])
     assert "predicted step" in (tmp_path / "0.out").read_text()
 
 
