@@ -9,7 +9,7 @@ import sys
 from toolkit import bounds
 from toolkit.bounds import float_arg, int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.choices import COMPILE_BLOCKS, GIB
+from toolkit.inputs.choices import COMPILE_BLOCKS, GIB, VISION_TOWER_MODES
 from toolkit.inputs.job import checkpointing_words
 
 
@@ -79,6 +79,10 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
                    help="torch optimizer step (default %(default)s, the Trainer's)")
     g.add_argument("--activation-offloading", action="store_true",
                    help="decoder layers' saved activations in host RAM (TRL activation_offloading)")
+    if not one_device:
+        g.add_argument("--vision-tower", default="train", choices=VISION_TOWER_MODES,
+                       help="a multimodal class fine-tuned on text: its vision encoder and projector trained (the HF "
+                            "Trainer's default) or frozen (weights only) (default %(default)s)")
     g.add_argument("--liger", action="store_true",
                    help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
                         "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")

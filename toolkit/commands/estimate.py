@@ -77,7 +77,7 @@ def cmd_estimate(args) -> int:
     job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
-              activation_offloading=args.activation_offloading, liger=args.liger,
+              activation_offloading=args.activation_offloading, liger=args.liger, vision_tower=args.vision_tower,
               adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
               chunked_loss=args.chunked_loss, dpo=dpo_of(args), grpo=grpo,
               allocator_conf=allocator_of(args, hw, grpo).conf)
@@ -186,7 +186,8 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
           f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}"
-          f"{reference_words(job.dpo)}{rope_words(spec)}{grpo_words(job.grpo)}")
+          f"{reference_words(job.dpo)}{rope_words(spec)}{grpo_words(job.grpo)}"
+          f"{', vision tower frozen' if job.vision_tower == 'freeze' else ''}")
     if spec.multimodal:
         print(f"parts: {spec.parts_words()}")
     if job.grpo is not None:
@@ -266,8 +267,16 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
 def vision_share(spec, b, c) -> dict[str, int]:
     """Per-GPU bytes of the vision encoder + projector inside the model-state terms: their fraction of the parameters
     of each term, as the strategy holds it (whole under DDP / ZeRO-1 / 2, 1/N of it where ZeRO-3 / FSDP2 shard the
-    flat parameters by element count). An adapter job freezes the base, so the tower keeps its weights only."""
-    fraction = (spec.vision_params + spec.projector_params) / spec.params
+    flat parameters by element count). A frozen tower (--vision-tower freeze) keeps its weights only
+    (toolkit.estimate.states.frozen_weight_bytes); an adapter job's base, tower included, is frozen the same way."""
+    from toolkit.estimate.memory import frozen_params
+    from toolkit.estimate.states import frozen_weight_bytes
+
+    tower = spec.vision_params + spec.projector_params
+    if frozen_params(spec, c.job):
+        return {"weights_bytes": int(frozen_weight_bytes(tower, c.job, c.strategy, shard=c.grid.shard_group)),
+                "gradients_bytes": 0, "optimizer_bytes": 0}
+    fraction = tower / spec.params
     trained = not c.job.adapter.is_adapter
     return {"weights_bytes": int(b.parameters_bytes * fraction),
             "gradients_bytes": int(b.gradients_bytes * fraction) if trained else 0,
@@ -329,6 +338,7 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     req = Request(seq_len=1, micro_batch=1, grad_accum=args.accumulation, precision=args.precision,
                   optimizer=args.optimizer, attention=args.attention, device_kind=args.device_kind,
                   checkpointing=args.checkpointing, optimizer_impl=args.optimizer_impl, liger=args.liger,
+                  vision_tower=args.vision_tower,
                   activation_offloading=args.activation_offloading,
                   adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
                   dpo=dpo_of(args), allocator_conf=allocator_of(args, hw, None).conf)

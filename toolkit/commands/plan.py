@@ -102,6 +102,7 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
+                                      vision_tower=args.vision_tower,
                                       compile=args.compile, tiled=TILED[args.tiled], savers=args.savers == "auto", pipeline_stages=args.pipeline_stages, adapter=adapter_of(args, spec),
                                       dpo=dpo_of(args), grpo=grpo_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
@@ -113,6 +114,10 @@ def cmd_plan(args) -> int:
         req_kwargs.update(global_batch=None, micro_batch=1)
     req_kwargs["allocator_conf"] = allocator_of(args, hw, req_kwargs["grpo"]).conf
     req = Request(**req_kwargs)
+    from toolkit.inputs.job import vision_tower_problem
+
+    if problem := vision_tower_problem(spec, req.vision_tower):
+        raise UserError(problem)
     if (req.expert_parallel or 1) > 1:  # the grid and model rules estimate applies, before any work
         from toolkit.estimate.search import expert_grid
 

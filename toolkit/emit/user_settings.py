@@ -436,6 +436,11 @@ def plan_md_section(plan: Plan) -> list[str]:
         lines += [f"model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.{adapter['model_dtype']}"
                   + (", quantization_config=BitsAndBytesConfig(**bnb_config))" if "bnb_config" in adapter else ")"),
                   f"lora_config = LoraConfig(**{adapter['lora_config']!r})", "```", ""]
+    if plan.vision_tower == "freeze":
+        lines += ["Vision tower frozen (`vision_tower` and `model_parts` in plan.json): the encoder and projector "
+                  "stop requiring grad before the Trainer builds its optimizer, as toolkit.train does:", "",
+                  "```python", f"for path in {plan.model_parts['vision_modules']!r}:",
+                  "    model.get_submodule(path).requires_grad_(False)", "```", ""]
     if plan.model_config_overrides:
         lines += [f"RoPE scaling ({plan.rope_scaling['rope_type']} x{plan.rope_scaling['factor']:g}; "
                   f"`model_config_overrides` in `{TRAINING_ARGS}`): the model trains at {plan.seq_len} tokens, past "

@@ -174,7 +174,18 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
 def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
     if job.adapter.is_adapter:
         return adapter_job_states(spec, strategy, job, grid)
+    frozen = frozen_params(spec, job)
+    params -= frozen
     s = _engine_states(spec, strategy, job, grid, params=params)
+    if frozen:
+        from toolkit.estimate.states import frozen_weight_bytes
+
+        weights = frozen_weight_bytes(frozen, job, strategy, shard=grid.shard_group)
+        s.parameters += weights
+        if strategy.zero_stage == 3 and strategy.offload_params != "none":
+            s.cpu += frozen * compute_bytes(job.precision) / grid.shard_group
+        s.sources.insert(0, f"vision tower frozen: {frozen:,} parameters of weights only ({weights / GIB:.2f} GiB per "
+                            "GPU), no gradients or optimizer states; the rest as the engine holds it")
     if strategy.engine in (Engine.DDP, Engine.FSDP2):  # torch's optimizer; DeepSpeed runs its own fused / CPU Adam
         shard = grid.shard_group
         state_bytes = weight_bytes(job.precision)
@@ -186,6 +197,14 @@ def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid
             largest_param_state_bytes=spec.embedding_params * state_bytes / shard)
         s.step_transient += extra
     return s
+
+
+def frozen_params(spec: ModelSpec, job: Job) -> int:
+    """Parameters of a multimodal class that full fine-tuning leaves frozen (--vision-tower freeze): the vision
+    encoder's and the projector's; 0 otherwise (LoRA freezes the whole base in adapter_job_states)."""
+    if job.vision_tower != "freeze" or job.adapter.is_adapter:
+        return 0
+    return spec.vision_params + spec.projector_params
 
 
 def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:

@@ -52,6 +52,8 @@ class Request:
     degree. None: every degree the grid admits is costed and the best ranked (toolkit.estimate.search._expert_parallel_grids); 1: none."""
     adapter: Adapter = FULL
     """Training method (full, LoRA, QLoRA) and its settings."""
+    vision_tower: str = "train"
+    """A multimodal class's encoder and projector trained or frozen (toolkit.inputs.job.Job.vision_tower)."""
     dpo: Dpo | None = None
     """Preference objective (toolkit.inputs.preference); None: supervised fine-tuning."""
     grpo: Grpo | None = None

@@ -72,6 +72,26 @@ def _param_bytes(job: Job) -> int:
     return compute_bytes(job.precision)
 
 
+def frozen_weight_bytes(frozen: int, job: Job, strategy: Strategy, *, shard: int) -> float:
+    """Per-GPU bytes of `frozen` parameters that train nowhere (a multimodal class's vision encoder and projector under
+    --vision-tower freeze): weights only. The HF Trainer hands the optimizer only parameters that require grad
+    (Trainer.create_optimizer), so no engine keeps gradients or optimizer states for them; DDP's Reducer buckets only
+    parameters that require grad. Where the weights sit, per engine: DDP keeps them whole as loaded (fp32 under AMP);
+    DeepSpeed casts the whole module to the compute dtype (engine.py _configure_distributed_model), ZeRO-1/2 keep it
+    whole, ZeRO-3 partitions every parameter, frozen ones included; FSDP2 shards every floating parameter, leaving the
+    frozen ones in their loaded dtype (accelerate fsdp2_prepare_model upcasts only those that require grad)."""
+    if strategy.engine == Engine.DDP:
+        return frozen * weight_bytes(job.precision)
+    if strategy.engine == Engine.DEEPSPEED:
+        whole = frozen * _param_bytes(job)
+        if strategy.zero_stage != 3:
+            return whole
+        return 0.0 if strategy.offload_params != "none" else whole / shard
+    if strategy.engine == Engine.FSDP2:
+        return frozen * weight_bytes(job.precision) / shard
+    raise ValueError("a frozen vision tower runs on the HF Trainer path (DDP, ZeRO, FSDP2), not the pipeline engine")
+
+
 def ddp_states(P: int, job: Job, *, world: int, factored_elems: int | None = None) -> States:
     """torch DDP (through accelerate / the HF Trainer) with AMP.
 

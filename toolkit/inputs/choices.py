@@ -21,6 +21,9 @@ DEVICE_KINDS: tuple[str, ...] = ("cuda", "cpu")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 """How torch's optimizer runs its step (toolkit.estimate.savers)."""
 METHODS: tuple[str, ...] = ("full", "lora", "qlora")
+VISION_TOWER_MODES: tuple[str, ...] = ("train", "freeze")
+"""--vision-tower of a multimodal class fine-tuned on text: train (what the HF Trainer does with the class as
+loaded: every parameter requires grad) or freeze (the encoder and projector keep their weights only)."""
 """Training method: full fine-tuning, LoRA, QLoRA (toolkit.inputs.lora)."""
 OBJECTIVES: tuple[str, ...] = ("dpo", "grpo")
 """Preference / RL objectives --method names before an adapter (toolkit.inputs.preference, toolkit.inputs.grpo):

@@ -228,14 +228,30 @@ def _params(fn) -> list[str]:
 
 
 def decoder_layers(model: Any, count: int | None = None):
-    """The nn.ModuleList of `count` entries of one class (the longest such list when count is unknown)."""
+    """The nn.ModuleList of `count` entries of one class (the longest such list when count is unknown). In a
+    multimodal class the vision encoder's block list may match too (as long, or as many blocks): the list held
+    beside the token embedding (the language model's) is preferred."""
     import torch.nn as nn
 
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1
+             and (count is None or len(module) == count)]
+    if not found:
+        return None
+    embed = _input_embedding_path(model)
+    beside = [(name, m) for name, m in found
+              if embed is not None and embed.startswith(name.rsplit(".", 1)[0] + "." if "." in name else "")]
     best = None
-    for _, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
-            if count is not None and len(module) != count:
-                continue
-            if best is None or len(module) > len(best):
-                best = module
+    for _, module in beside or found:
+        if best is None or len(module) > len(best):
+            best = module
     return best
+
+
+def _input_embedding_path(model: Any) -> str | None:
+    """Path of the model's token embedding (get_input_embeddings), or None where it has none."""
+    try:
+        embed = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return next((name for name, m in model.named_modules() if m is embed), None) if embed is not None else None

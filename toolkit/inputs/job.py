@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 from toolkit.inputs.choices import (ATTENTIONS, CHECKPOINTING_OP, COMPILE_BLOCKS, DEVICE_KINDS,  # noqa: F401
                                     OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Attention, DeviceKind, Optimizer,
-                                    OptimizerImpl, Precision)
+                                    OptimizerImpl, Precision, VISION_TOWER_MODES)
 from toolkit.inputs.choices import GIB
 
 
@@ -89,6 +89,10 @@ class Job:
     many sequence chunks, each upcast to fp32 apart; 0: the model's own loss. Estimate only."""
     adapter: Adapter = FULL
     """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""
+    vision_tower: str = "train"
+    """A multimodal class (ModelSpec.multimodal): its vision encoder and projector trained with the language model
+    (full fine-tuning's default) or frozen (weights only: no gradients, no optimizer states). LoRA / QLoRA freeze
+    them with the rest of the base whatever this says (the adapters exclude them, toolkit.inputs.lora)."""
     dpo: Dpo | None = None
     """Preference objective: TRL's DPO with its reference kept / precomputed (toolkit.inputs.preference); None:
     supervised fine-tuning. LoRA / QLoRA (`adapter`) train the DPO policy."""
@@ -114,6 +118,7 @@ class Job:
             raise UserError(f"PYTORCH_CUDA_ALLOC_CONF {self.allocator_conf!r} is not of the form key:value,key:value "
                             "(letters, digits, _ . : ,); fix or unset it")
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        check_choice("--vision-tower", self.vision_tower, VISION_TOWER_MODES)
         if self.compile not in (False, True, COMPILE_BLOCKS):
             raise UserError(f"compile must be True, False or {COMPILE_BLOCKS!r}, got {self.compile!r}")
         if not isinstance(self.chunked_loss, int) or self.chunked_loss < 0:
@@ -281,12 +286,21 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
         problem = dpo_problem(job.dpo, strategy, chunked_loss=job.chunked_loss) \
             or grpo_problem(job.grpo, strategy, chunked_loss=job.chunked_loss) \
             or model_feature_problem(spec, liger=job.liger, tiled=job.tiled, attention=job.attention)
+        problem = problem or vision_tower_problem(spec, job.vision_tower)
     if problem:
         raise UserError(problem)
     if strategy is not None and strategy.is_pipeline:
         from toolkit.inputs.grid import grid_of
 
         grid_of(strategy, hw, pipeline_stages).check_model(spec)
+
+
+def vision_tower_problem(spec: "ModelSpec", vision_tower: str) -> str | None:
+    """Why --vision-tower cannot apply to `spec` (a model without a vision encoder), or None."""
+    if vision_tower != "train" and not getattr(spec, "multimodal", False):
+        return (f"--vision-tower {vision_tower}: {spec.name} has no vision encoder beside its language model (it is "
+                "not a multimodal class); drop --vision-tower")
+    return None
 
 
 def compile_problem(strategy: "Strategy | None", *, activation_offloading: bool = False, liger: bool = False,

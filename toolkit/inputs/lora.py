@@ -20,6 +20,7 @@ import contextlib
 import io
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,10 @@ class Adapter:
     """PEFT target_modules: "all-linear" (every nn.Linear but the output layer) or comma-separated module names."""
     modules_to_save: str = ""
     """Comma-separated modules trained in full beside the adapters (PEFT modules_to_save), e.g. "lm_head"."""
+    exclude: str = ""
+    """Comma-separated module paths PEFT leaves alone with everything under them (LoraConfig exclude_modules, as one
+    full-match pattern): a multimodal class's vision encoder and projector (ModelSpec.vision_modules), so the
+    adapters land on the language model only; PEFT's all-linear alone would also wrap the encoder's linears."""
     quant_type: str = "nf4"
     """QLoRA: BitsAndBytesConfig.bnb_4bit_quant_type."""
     double_quant: bool = True
@@ -73,6 +78,9 @@ class Adapter:
             raise UserError(f"--lora-dropout must be in [0, 1), got {self.dropout!r}")
         if not self.target_list():
             raise UserError("--lora-targets is empty; give all-linear or module names such as q_proj,v_proj")
+        bad = [m for m in self.exclude_list() if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+){0,15}", m)]
+        if bad:
+            raise UserError(f"adapter exclude {bad[0]!r} is not a module path (dotted names); re-plan")
         _check("--qlora-quant-type", self.quant_type, QUANT_TYPES)
         _check("--qlora-compute-dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check("--qlora-quant-storage", self.quant_storage, QUANT_STORAGE_DTYPES)
@@ -87,6 +95,15 @@ class Adapter:
     def save_list(self) -> list[str]:
         return [t.strip() for t in self.modules_to_save.split(",") if t.strip()]
 
+    def exclude_list(self) -> list[str]:
+        return [t.strip() for t in self.exclude.split(",") if t.strip()]
+
+    def peft_exclude_modules(self) -> str | None:
+        """LoraConfig exclude_modules: one pattern PEFT full-matches against each module's path (a string is a
+        regex there, peft tuners_utils.check_target_module_exists), covering each excluded module and its children."""
+        paths = self.exclude_list()
+        return f"({'|'.join(re.escape(p) for p in paths)})(\\..*)?" if paths else None
+
     def peft_target_modules(self) -> str | list[str]:
         targets = self.target_list()
         return "all-linear" if targets == ["all-linear"] else targets
@@ -95,7 +112,8 @@ class Adapter:
         """peft.LoraConfig keyword arguments (JSON-safe): what training_args.json gives a user's script."""
         return dict(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                     target_modules=self.peft_target_modules(), modules_to_save=self.save_list() or None,
-                    task_type="CAUSAL_LM")
+                    task_type="CAUSAL_LM",
+                    **({"exclude_modules": self.peft_exclude_modules()} if self.exclude else {}))
 
     def lora_config(self):
         """The real peft.LoraConfig of this adapter."""
@@ -438,6 +456,8 @@ def adapter_for_model(spec, adapter: Adapter, *, dropout_given: bool) -> Adapter
     There the default dropout is 0; an explicit non-zero --lora-dropout is refused with the fix."""
     from dataclasses import replace
 
+    if adapter.is_adapter and getattr(spec, "vision_modules", ()) and not adapter.exclude:
+        adapter = replace(adapter, exclude=",".join(spec.vision_modules))  # LoRA on the language model only
     if not adapter.is_adapter or adapter.dropout == 0 or not wraps_parameters(spec, replace(adapter, dropout=0.0)):
         return adapter
     if dropout_given:

@@ -291,9 +291,10 @@ def build_spec(name: str, config) -> ModelSpec:
         parts = ", ".join(f"{path} ({cls}) {n:,}" for path, cls, n in tower + projector)
         side = sum(n for *_, n in tower + projector)
         notes.append(f"beside the language model ({total - side:,} parameters): {parts} "
-                     "parameters, loaded with the class; counted as trained (full fine-tuning trains them; text "
-                     "alone gives them no gradients, so torch's optimizers (DDP, FSDP2) then keep no states for "
-                     "them, while DeepSpeed ZeRO's flat partitions hold states for every trainable parameter)")
+                     "parameters, loaded with the class; counted as trained unless --vision-tower freeze (full "
+                     "fine-tuning trains them; text alone gives them no gradients, so torch's optimizers (DDP, "
+                     "FSDP2) then keep no states for them, while DeepSpeed ZeRO's flat partitions hold states for "
+                     "every trainable parameter; frozen, they keep their weights only)")
     if tiling_blocker:  # the planner's auto tiling skips this model; --tiled refuses it with the same words
         notes.append(f"ALST tiling not tried: {tiling_blocker}")
     return ModelSpec(

@@ -32,7 +32,8 @@ from pydantic_core import ArgsKwargs
 from toolkit import bounds
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
-from toolkit.inputs.choices import Attention, DeviceKind, Method, Optimizer, OptimizerImpl, Precision
+from toolkit.inputs.choices import (VISION_TOWER_MODES, Attention, DeviceKind, Method, Optimizer, OptimizerImpl,
+                                    Precision)
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Engine, Strategy, parse_strategy
 from toolkit.plan.files import PLAN_JSON
 
@@ -52,7 +53,7 @@ _DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel", "expert_
 
 _LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
              "leaf_modules": (None, []), "dpo": ({},), "rope_scaling": ({},), "grpo": ({},),
-             "model_parts": ({},)}
+             "model_parts": ({},), "vision_tower": ("train",)}
 """Fields added within version 2, left out of plan.json at this value (their default), so a plan without them reads
 and keys its prediction as it did before they existed."""
 
@@ -170,6 +171,9 @@ class Plan:
     grpo: dict[str, Any] = Field(default_factory=dict)
     """toolkit.inputs.grpo.Grpo fields (num_generations, lengths, beta, vLLM settings) of a GRPO job, TRL's
     GRPOTrainer (empty: not GRPO); checked by toolkit.inputs.grpo when the plan loads."""
+    vision_tower: Literal[VISION_TOWER_MODES] = "train"  # type: ignore[valid-type]
+    """A multimodal class's vision encoder and projector (model_parts' vision_modules): trained, or frozen by
+    toolkit.train before the Trainer builds its optimizer (weights only). Left out of plan.json at "train"."""
     model_parts: dict[str, int | list[str]] = Field(default_factory=dict)
     """A multimodal class: language_params, vision_params, projector_params (exact, they add up to `params`) and
     vision_modules (the encoder's and projector's module paths), as ModelSpec counts them; left out when empty."""
@@ -271,6 +275,8 @@ class Plan:
                 raise ValueError(f"'adapter' holds an unknown setting ({exc})") from None
             if adapter.method != self.method:
                 raise ValueError(f"'adapter' says method {adapter.method!r} but 'method' is {self.method!r}")
+        if self.vision_tower != "train" and not self.model_parts:
+            raise ValueError(f"'vision_tower' {self.vision_tower} needs 'model_parts' (a multimodal class); re-plan")
         if self.model_parts and sum(self.model_parts[k] for k in ("language_params", "vision_params",
                                                                    "projector_params")) != self.params:
             raise ValueError("'model_parts' counts do not add up to 'params'; re-plan")

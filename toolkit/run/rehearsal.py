@@ -34,7 +34,7 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
                    precision: str = "fp32", checkpointing: bool = False, attention: str | None = None,
                    optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
                    notes: list[str] | None = None, tensor: int = 1, context: int = 1, sequence: int = 1,
-                   expert: int = 1) -> Plan:
+                   expert: int = 1, vision_tower: str = "train") -> Plan:
     """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
     from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import build_spec
@@ -51,12 +51,12 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     grid.check_model(spec)
     grid.check_sequence(seq_len, attention, spec)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
-              optimizer=optimizer, checkpointing=checkpointing, attention=attention)
+              optimizer=optimizer, checkpointing=checkpointing, attention=attention, vision_tower=vision_tower)
     return build_plan(
         model=str(model_dir), model_config=_plain(config.to_dict()), model_type=spec.model_type,
         layer_class=spec.layer_class, num_layers=spec.num_layers, params=spec.params, strategy=kind, grid=grid,
         job=job, gpu=gpu, partition=grid.partition(spec) if kind.is_pipeline else None, notes=list(notes or []),
-        moe_block=spec.moe_block,
+        moe_block=spec.moe_block, **({"model_parts": spec.parts()} if spec.multimodal else {}),
     )
 
 

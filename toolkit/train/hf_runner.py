@@ -20,8 +20,8 @@ from toolkit.train import checkpoints, cpu, dimensions
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
 from toolkit.inputs.strategy import Engine
-from toolkit.train.model import (build_model, check_matches_plan, check_vocab, load_config, load_tokenizer,
-                                 model_source)
+from toolkit.train.model import (build_model, check_matches_plan, check_vocab, freeze_vision_tower, load_config,
+                                 load_tokenizer, model_source)
 from toolkit.plan.files import DS_CONFIG
 
 
@@ -81,6 +81,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
                            adapter=adapter, distributed_config=dimensions.distributed_config(plan))
 
     model = new_model()
+    freeze_vision_tower(model, plan)
     ref_model = None
     if plan.dpo:
         from toolkit.train.dpo import needs_reference_model

@@ -73,6 +73,12 @@ def _config_from_json(path: Path):
 
 
 def config_value(config: Any, keys: tuple[str, ...]) -> Any:
+    """The first of `keys` `config` sets, read from the decoder's own config (a multimodal class keeps its layers
+    and width in text_config)."""
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    elif not isinstance(config, dict) and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     for key in keys:
         value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
         if value is not None:
@@ -162,6 +168,21 @@ def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, atte
         return AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
     except (OSError, ValueError, ImportError) as exc:
         raise UserError(f"cannot load model {source}: {_first_line(exc)}") from None
+
+
+def freeze_vision_tower(model: Any, plan: Plan) -> None:
+    """--vision-tower freeze: the planned encoder and projector modules (plan.json model_parts) stop requiring grad
+    before the Trainer builds its optimizer, which then holds only the language model's parameters
+    (Trainer.create_optimizer passes only parameters that require grad); a module the loaded model lacks is refused."""
+    if plan.vision_tower != "freeze":
+        return
+    for path in plan.model_parts["vision_modules"]:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise UserError(f"the plan freezes {path}, which the loaded {type(model).__name__} does not have; "
+                            "re-plan for this model") from None
+        module.requires_grad_(False)
 
 
 def _load_random_through_checkpoint(config: Any, kwargs: dict):

@@ -1,0 +1,137 @@
+"""Text-only fine-tuning of a multimodal class (issue 31): which parts train, as the user sets it, and what the
+plan and toolkit.train do with the vision encoder and projector. Real PEFT on the meta model, real configs from
+tests/arch_configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+MODELS = Path(__file__).resolve().parent / "arch_configs"
+GEMMA = str(MODELS / "gemma-3-4b-it.json")
+
+
+def test_lora_on_a_multimodal_class_lands_on_the_language_model_only():
+    """PEFT's all-linear on Gemma-3's whole class also wraps the SigLIP tower's linears (162 of 400 adapters); the
+    planned adapter excludes the encoder and projector (LoraConfig exclude_modules), and PEFT's own matching on the
+    meta model then puts every adapter in the language model, with the trainable count the plan uses."""
+    from toolkit.inputs.lora import Adapter, adapter_for_model, counts_for_spec, peft_model_on_meta
+    from toolkit.inputs.modelspec import resolve_model
+
+    spec = resolve_model(GEMMA)
+    everywhere = Adapter(method="lora")
+    planned = adapter_for_model(spec, everywhere, dropout_given=False)
+    assert planned.exclude == "model.vision_tower,model.multi_modal_projector"
+    assert planned.lora_config().exclude_modules == r"(model\.vision_tower|model\.multi_modal_projector)(\..*)?"
+    found = {}
+    for name, adapter in (("everywhere", everywhere), ("planned", planned)):
+        peft_model, _ = peft_model_on_meta(spec.hf_config(), adapter)
+        wrapped = [n for n, _ in peft_model.named_modules() if n.endswith(".lora_A")]
+        in_tower = [n for n in wrapped if any(f".{m}." in n for m in spec.vision_modules)]
+        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        found[name] = (len(wrapped), len(in_tower), trainable)
+        assert counts_for_spec(spec, adapter).trainable_params == trainable
+    assert found["everywhere"][:2] == (400, 162)
+    assert found["planned"][:2] == (238, 0) and found["planned"][2] == 29_802_496
+
+
+def test_a_text_model_keeps_its_lora_config_unchanged():
+    from toolkit.inputs.lora import Adapter, adapter_for_model
+    from toolkit.inputs.modelspec import resolve_model
+
+    spec = resolve_model(str(MODELS / "qwen3-0.6b.json"))
+    adapter = adapter_for_model(spec, Adapter(method="lora"), dropout_given=False)
+    assert adapter.exclude == "" and "exclude_modules" not in adapter.lora_config_kwargs()
+
+
+def _estimate(capsys, *flags):
+    import json
+
+    from toolkit.cli import main
+
+    code = main(["estimate", GEMMA, "--gpus", "8xH100-80GB", "--seq", "512", *flags, "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+def test_a_frozen_tower_keeps_its_weights_only_as_each_engine_holds_them(capsys):
+    """--vision-tower freeze on Gemma-3-4B (419,816,304 encoder + projector parameters): the weights stay as each
+    engine keeps them (DDP fp32 whole, ZeRO-2 bf16 whole, ZeRO-3 / FSDP2 1/8 of them), while gradients and optimizer
+    states drop by exactly the tower's share, and the encoder's named share is weights only."""
+    from toolkit.inputs.modelspec import resolve_model
+
+    spec = resolve_model(GEMMA)
+    tower = spec.vision_params + spec.projector_params
+    assert tower == 419_816_304
+    weights = {"ddp": 4 * tower, "zero2": 2 * tower, "zero3": 2 * tower / 8, "fsdp2": 4 * tower / 8}
+    adam = {"ddp": 8 * tower, "zero2": 12 * tower / 8, "zero3": 12 * tower / 8, "fsdp2": 8 * tower / 8}
+    for strategy in ("ddp", "zero2", "zero3", "fsdp2"):
+        trained = _estimate(capsys, "--strategy", strategy)
+        frozen = _estimate(capsys, "--strategy", strategy, "--vision-tower", "freeze")
+        t, f = trained["per_gpu"], frozen["per_gpu"]
+        assert f["parameters_bytes"] == t["parameters_bytes"], strategy
+        assert t["optimizer_bytes"] - f["optimizer_bytes"] == pytest.approx(adam[strategy], rel=1e-6), strategy
+        assert t["gradients_bytes"] > f["gradients_bytes"], strategy
+        assert frozen["vision_share"] == {"weights_bytes": int(weights[strategy]), "gradients_bytes": 0,
+                                          "optimizer_bytes": 0}, strategy
+        assert trained["vision_share"]["optimizer_bytes"] > 0
+
+
+def test_freezing_a_tower_a_text_model_has_not_is_refused_in_one_line(capsys):
+    from toolkit.cli import main
+
+    code = main(["estimate", str(MODELS / "qwen3-0.6b.json"), "--gpus", "1xH100-80GB", "--seq", "512",
+                 "--vision-tower", "freeze"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "--vision-tower freeze:" in err and "has no vision encoder" in err
+
+
+def _tiny_gemma3_class(out: Path) -> Path:
+    """Gemma-3's whole class (SigLIP tower + projector + text model), tiny, random weights, a local tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    from toolkit.run.tiny import corpus_text, train_tokenizer
+
+    tokenizer = train_tokenizer(corpus_text(100_000), vocab_size=512)
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         sliding_window=32),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=28, patch_size=14, vision_use_head=False),  # as Gemma-3's own config
+        mm_tokens_per_image=4, image_token_index=len(tokenizer) - 1)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_toolkit_train_freezes_the_planned_tower_and_trains_the_language_model(run_training, corpus_dir, tmp_path):
+    """A tiny Gemma-3 class planned with --vision-tower freeze (DDP, fp32, 1 process): toolkit.train freezes the
+    plan's encoder and projector before the Trainer builds its optimizer, so after 3 steps at a large learning rate
+    every tower and projector weight is bit-identical to the checkpoint's while the language model's moved; the
+    plan counts the same parts the loaded class has."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.run.rehearsal import plan_for_model
+
+    model_dir = _tiny_gemma3_class(tmp_path / "tiny-gemma3")
+    plan = plan_for_model(model_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32, vision_tower="freeze")
+    assert plan.vision_tower == "freeze"
+    assert plan.model_parts["vision_modules"] == ["model.vision_tower", "model.multi_modal_projector"]
+    run = run_training(plan, "mm-freeze", "--data", str(corpus_dir), "--max-steps", "3", "--logging-steps", "1",
+                       "--save-steps", "3", "--lr", "2e-2").check()
+    before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(run.output, dtype=torch.float32).state_dict()
+    tower = [k for k in before if k.startswith(tuple(plan.model_parts["vision_modules"]))]
+    assert tower and all(torch.equal(before[k], after[k]) for k in tower)
+    assert plan.model_parts["vision_params"] + plan.model_parts["projector_params"] == \
+        sum(before[k].numel() for k in tower)
+    language = [k for k in before if k not in tower]
+    assert sum(not torch.equal(before[k], after[k]) for k in language) > len(language) // 2
