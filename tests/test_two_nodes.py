@@ -146,9 +146,11 @@ def test_the_multi_node_scripts_train_one_model_as_two_nodes(two_node_plan, corp
         ranks = tmp_path / "ranks" / slug
         env = {**os.environ, **QUIET, "PATH": f"{shims}:{Path(sys.executable).parent}:{os.environ['PATH']}",
                "MASTER_PORT": str(free_port()), "TOOLKIT_RANK_SUMMARY_DIR": str(ranks)}
-        if "deepspeed" in name:
-            (cwd / ".deepspeed_env").write_text("".join(f"{k}={v}\n" for k, v in
-                                                        {**QUIET, "TOOLKIT_RANK_SUMMARY_DIR": str(ranks)}.items()))
+        if "deepspeed" in name:  # TORCH_EXTENSIONS_DIR: the DeepSpeed ops .ci/setup built (tests/conftest.py), else
+            # the ranks rebuild the shared-memory collectives in ~/.cache for this venv's paths (47 s in the last CI)
+            remote = {**QUIET, "TOOLKIT_RANK_SUMMARY_DIR": str(ranks),
+                      "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}
+            (cwd / ".deepspeed_env").write_text("".join(f"{k}={v}\n" for k, v in remote.items()))
         train = ["--data", str(corpus_dir), "--output", str(tmp_path / "out" / slug), "--random-init",
                  "--max-steps", "2", "--logging-steps", "1", "--save-steps", "100", "--no-save-final"]
         proc = subprocess.run(route(name, two_node_plan, train, cwd), cwd=cwd, env=env, capture_output=True,
