@@ -135,3 +135,20 @@ def test_toolkit_train_freezes_the_planned_tower_and_trains_the_language_model(r
         sum(before[k].numel() for k in tower)
     language = [k for k in before if k not in tower]
     assert sum(not torch.equal(before[k], after[k]) for k in language) > len(language) // 2
+
+
+def test_the_plan_says_which_model_the_runner_loads_and_whether_the_language_model_alone_could():
+    """Found with transformers' own key renaming on the meta device: Gemma-3's causal-LM class is the whole class,
+    and Gemma3ForCausalLM finds 444 of its 445 weights under no class checkpoint key (no mapping for gemma3_text);
+    Qwen3.5's is the language model alone, loading every weight through the qwen3_5_text prefix change and leaving
+    the 460,730,096-parameter vision encoder unloaded."""
+    from toolkit.inputs.modelspec import resolve_model
+
+    gemma = next(n for n in resolve_model(GEMMA).notes if n.startswith("the runner loads"))
+    assert gemma.startswith("the runner loads the whole class Gemma3ForConditionalGeneration")
+    assert "the language model alone cannot load: Gemma3ForCausalLM would find 444 of its 445 weights" in gemma
+    qwen = next(n for n in resolve_model(str(MODELS / "qwen3.5-27b.json")).notes if n.startswith("the runner loads"))
+    assert qwen == ("the runner loads the language model alone, Qwen3_5ForCausalLM (AutoModelForCausalLM's class "
+                    "for qwen3_5): transformers renames the checkpoint's keys and leaves its vision encoder "
+                    "(460,730,096 parameters) unloaded")
+

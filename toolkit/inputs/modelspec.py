@@ -295,6 +295,8 @@ def build_spec(name: str, config) -> ModelSpec:
                      "fine-tuning trains them; text alone gives them no gradients, so torch's optimizers (DDP, "
                      "FSDP2) then keep no states for them, while DeepSpeed ZeRO's flat partitions hold states for "
                      "every trainable parameter; frozen, they keep their weights only)")
+    if getattr(config, "vision_config", None) is not None:
+        notes.append(_load_words(config, type(model).__name__, total, tower or projector))
     if tiling_blocker:  # the planner's auto tiling skips this model; --tiled refuses it with the same words
         notes.append(f"ALST tiling not tried: {tiling_blocker}")
     return ModelSpec(
@@ -331,6 +333,24 @@ def build_spec(name: str, config) -> ModelSpec:
         projector_params=sum(n for *_, n in projector),
         vision_modules=tuple(path for path, *_ in tower + projector),
     )
+
+
+def _load_words(config, model_class: str, total: int, whole_class: bool) -> str:
+    """What a text-only run of a multimodal checkpoint loads (toolkit.inputs.textload): the class AutoModelForCausalLM
+    builds, the tower's cost, and whether the language model alone could load instead."""
+    from toolkit.inputs.textload import text_alone_problem, unloaded_tower_params
+
+    if whole_class:
+        problem = text_alone_problem(config)
+        return (f"the runner loads the whole class {model_class} (AutoModelForCausalLM's class for "
+                f"{config.model_type}), its vision encoder and projector included (their per-GPU share: "
+                "--explain); the language model alone " + (f"cannot load: {problem}" if problem else
+                                                          "would load through transformers' key mapping"))
+    problem = text_alone_problem(config)
+    return (f"the runner loads the language model alone, {model_class} (AutoModelForCausalLM's class for "
+            f"{config.model_type}): " + (f"transformers renames the checkpoint's keys and leaves its vision encoder "
+                                         f"({unloaded_tower_params(config, total):,} parameters) unloaded"
+                                         if problem is None else f"from a class checkpoint it {problem}"))
 
 
 def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, **numbers: int | None) -> ModelSpec:
