@@ -152,3 +152,29 @@ def test_the_plan_says_which_model_the_runner_loads_and_whether_the_language_mod
                     "for qwen3_5): transformers renames the checkpoint's keys and leaves its vision encoder "
                     "(460,730,096 parameters) unloaded")
 
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
+def test_a_frozen_tower_trains_on_two_gloo_processes_as_on_one(engine, run_training, corpus_dir, tmp_path):
+    """The tiny Gemma-3 class with its tower frozen, fp32: 2 processes over gloo (micro-batch 1 each; DDP, ZeRO-3
+    partitioning the frozen tower with the rest, FSDP2 sharding groups that mix frozen and trained parameters) give
+    the losses of 1 process with micro-batch 2, within 1e-3, and leave the tower as loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.run.rehearsal import plan_for_model
+
+    model_dir = _tiny_gemma3_class(tmp_path / "tiny-gemma3")
+    common = ("--data", str(corpus_dir), "--max-steps", "3", "--logging-steps", "1", "--save-steps", "3",
+              "--lr", "2e-2")
+    one = run_training(plan_for_model(model_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32,
+                                      vision_tower="freeze"), f"mm-one-{engine}", *common).check()
+    two = run_training(plan_for_model(model_dir, engine, gpus_per_node=2, micro_batch=1, seq_len=32,
+                                      vision_tower="freeze"), f"mm-two-{engine}", *common).check()
+    ref, got = one.losses(), two.losses()
+    assert got.keys() == ref.keys() and len(ref) == 3
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-3), (engine, step, got, ref)
+    before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(two.output, dtype=torch.float32).state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("model.vision_tower"))
