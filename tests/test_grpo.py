@@ -19,10 +19,12 @@ LLAMA_8B = "llama-3.1-8b"
 """Llama-3.1-8B's config.json: 32 layers, 8 key/value heads, hidden 4096 / 32 heads = head dim 128."""
 
 
-def _grpo(strategy: str = "zero3", micro_batch: int = 4, grad_accum: int = 2, **settings):
+def _grpo(strategy: str = "zero3", micro_batch: int = 4, grad_accum: int = 2, allocator_conf: str | None = None,
+          **settings):
     grpo = Grpo(max_completion_length=1024, **settings)
+    allocator = {} if allocator_conf is None else {"allocator_conf": allocator_conf}
     return api.estimate(LLAMA_8B, "8xH100-80GB", strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum,
-                        method="grpo", grpo=grpo)
+                        method="grpo", grpo=grpo, **allocator)
 
 
 def _term(memory, name: str) -> int:
@@ -89,8 +91,9 @@ def test_zero3_generation_gathers_the_whole_policy():
 
 def test_colocate_leaves_training_the_rest_of_the_gpu():
     """vllm_gpu_memory_utilization 0.3: vLLM takes 30% of each GPU for the run; the required bytes are training's
-    plus that share, and the job fits only while training needs at most the other 70%."""
-    generate = _grpo(strategy="zero3", micro_batch=2, grad_accum=4)
+    plus that share, and the job fits only while training needs at most the other 70%. Both under torch's default
+    allocator, the one a colocated vLLM run keeps (vLLM refuses expandable segments)."""
+    generate = _grpo(strategy="zero3", micro_batch=2, grad_accum=4, allocator_conf="")
     e = _grpo(strategy="zero3", micro_batch=2, grad_accum=4, use_vllm=True, vllm_gpu_memory_utilization=0.3)
     cap = e.memory.capacity_bytes
     reserve = _term(e.memory, "vLLM colocate reserve")

@@ -93,6 +93,18 @@ def _objective(method: str | None, options: dict[str, Any]) -> None:
         options["grpo"] = Grpo()
 
 
+def _allocator(options: dict[str, Any], hw: "Hardware") -> None:
+    """The allocator setting the commands give the job (toolkit.inputs.allocconf: the environment's
+    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, else the plan's default), unless the caller names one."""
+    import os
+
+    from toolkit.inputs.allocconf import alloc_conf
+
+    if "allocator_conf" not in options:
+        options["allocator_conf"] = alloc_conf(options.get("device_kind", "cuda"), options.get("grpo"), hw.gpu,
+                                               os.environ).conf
+
+
 def _adapter(method: str | None, adapter: Any):
     from toolkit.inputs.choices import split_method
     from toolkit.inputs.lora import FULL, Adapter, adapter_from_flags
@@ -210,6 +222,7 @@ def estimate(model_name: "str | ModelSpec", gpus: "str | Hardware" = "8xH100-80G
     spec = model(model_name)
     chosen = parse_strategy(strategy)
     _objective(method, options)
+    _allocator(options, hw)
     job = _job(Job, spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                adapter=_adapter(method, adapter), **options)
     grid = ParallelGrid.for_strategy(chosen, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
@@ -320,6 +333,7 @@ def plan(model_name: "str | ModelSpec", gpus: "str | Hardware" = "8xH100-80GB", 
     if unfit:
         raise UserError(unfit)
     _objective(method, options)
+    _allocator(options, hw)
     req = _job(Request, spec, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                adapter=_adapter(method, adapter), **options)
     name = model_name if isinstance(model_name, str) else spec.name
