@@ -469,10 +469,12 @@ def _unusual_job():
 
     dpo = Dpo(beta=0.3, loss_type="ipo", reference="precomputed")
     adapter = Adapter(method="qlora", r=4, alpha=8.0, dropout=0.1, targets="q_proj,v_proj", modules_to_save="lm_head",
-                      quant_type="fp4", double_quant=False, compute_dtype="float32", quant_storage="bfloat16")
+                      exclude="model.vision_tower", quant_type="fp4", double_quant=False, compute_dtype="float32",
+                      quant_storage="bfloat16")
     job = Job(seq_len=96, micro_batch=2, grad_accum=3, precision="fp16", optimizer="sgd", checkpointing=True,
               attention="eager", device_kind="cpu", optimizer_impl="foreach", activation_offloading=True, liger=True,
-              tiled=True, compile=True, adapter=adapter, dpo=dpo, allocator_conf="max_split_size_mb:64")
+              tiled=True, compile=True, adapter=adapter, dpo=dpo, allocator_conf="max_split_size_mb:64",
+              vision_tower="freeze")
     for f in fields(Job):  # grpo: a job is DPO or GRPO, never both (_unusual_grpo_job carries it)
         assert f.name in (*ESTIMATE_ONLY, "grpo") or f.default is MISSING or getattr(job, f.name) != f.default, f.name
     for f in fields(Adapter):
@@ -512,7 +514,8 @@ def test_a_job_survives_job_plan_file_job_unchanged(unusual):
     plan = build_plan(model="/m", model_config=config, model_type="llama", layer_class="LlamaDecoderLayer",
                       num_layers=2, params=1000, strategy=parse_strategy("zero3"),
                       grid=ParallelGrid.for_strategy(parse_strategy("zero3"), nodes=1, gpus_per_node=2), job=job,
-                      gpu="H100-80GB")
+                      gpu="H100-80GB", model_parts={"language_params": 900, "vision_params": 90,
+                                                    "projector_params": 10, "vision_modules": ["model.vision_tower"]})
     assert job_from_plan(plan) == job
     assert job_from_plan(parse_plan(json.loads(plan.to_json()))) == job
 
