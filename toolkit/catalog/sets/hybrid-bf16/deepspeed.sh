@@ -15,6 +15,12 @@ else
   PROGRAM+=("$@")
 fi
 export TOOLKIT_PLAN_DIR="$HERE"  # your script finds training_args.json there
+# The allocator setting the plan's memory was predicted with (plan.json allocator_conf, toolkit.inputs.allocconf);
+# your own PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF in the environment wins.
+ALLOC_CONF="$(sed -n 's/^  "allocator_conf": *"\([^"]*\)".*/\1/p' "$HERE/plan.json")"
+if [[ -n "$ALLOC_CONF" && -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+  export PYTORCH_CUDA_ALLOC_CONF="$ALLOC_CONF"
+fi
 HOSTFILE="${HOSTFILE:-$HERE/hostfile}"
 PORT="${MASTER_PORT:-29500}"  # rendezvous port on the first host (MASTER_PORT=N: another)
 # DeepSpeed's pdsh route joins the command into one line for each host's shell, double-quoting only words with
@@ -35,4 +41,7 @@ for FOLDER in "$HOME" .; do
   if [[ -f "$FILE" ]]; then sed -e '$a\' "$FILE" >> "$DS_ENV_FILE"; fi
 done
 echo "TOOLKIT_PLAN_DIR=$HERE" >> "$DS_ENV_FILE"
+for NAME in PYTORCH_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF; do
+  if [[ -n "${!NAME:-}" ]]; then echo "$NAME=${!NAME}" >> "$DS_ENV_FILE"; fi
+done
 deepspeed --hostfile "$HOSTFILE" --master_port "$PORT" --no_local_rank "${PROGRAM[@]}"

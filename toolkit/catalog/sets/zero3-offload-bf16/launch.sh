@@ -14,4 +14,10 @@ else
   PROGRAM+=("$@")
 fi
 export TOOLKIT_PLAN_DIR="$HERE"  # your script finds training_args.json there
+# The allocator setting the plan's memory was predicted with (plan.json allocator_conf, toolkit.inputs.allocconf);
+# your own PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF in the environment wins.
+ALLOC_CONF="$(sed -n 's/^  "allocator_conf": *"\([^"]*\)".*/\1/p' "$HERE/plan.json")"
+if [[ -n "$ALLOC_CONF" && -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+  export PYTORCH_CUDA_ALLOC_CONF="$ALLOC_CONF"
+fi
 exec accelerate launch --config_file "$HERE/accelerate_config.yaml" "${PROGRAM[@]}"
