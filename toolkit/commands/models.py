@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from toolkit.inputs.modelconfig import text_config
+
 
 def add_parser(sub) -> None:
     sub.add_parser("models", help="list the model catalog (size, dense / MoE, layers, positions)") \
@@ -37,7 +39,7 @@ def catalog_row(name: str) -> dict:
     from toolkit.inputs.modelconfig import moe_shape, load_config, model_positions
 
     config = load_config(name)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     experts, top_k = moe_shape(text)
     row = {"name": name, "params": data.get("_published_params") or meta_params(name),
            "kind": f"MoE, {top_k} of {experts} experts" if experts else "dense",

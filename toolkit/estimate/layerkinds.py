@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import copy
 
+from toolkit.inputs.modelconfig import text_config
 
-def _text(config):
-    """The decoder's own config: the text config of a vision-language config (AutoModelForCausalLM builds the text
-    model from it, e.g. Qwen3.5), the config itself otherwise."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def num_layers(config) -> int:
-    n = getattr(_text(config), "num_hidden_layers", None)
+    n = getattr(text_config(config), "num_hidden_layers", None)
     if not isinstance(n, int):
         raise ValueError(f"{type(config).__name__} has no num_hidden_layers; is it a decoder-only causal LM?")
     return n
@@ -37,7 +34,7 @@ def decoder_layers(model, count: int):
 def per_layer_settings(config, n: int) -> list[tuple]:
     """Per-layer entries of the config (lists with one value per layer, such as layer_types), layer by layer:
     the model's forward may read them by index (which mask a layer gets) without the layer storing them."""
-    lists = sorted((k, v) for k, v in vars(_text(config)).items() if isinstance(v, (list, tuple)) and len(v) == n)
+    lists = sorted((k, v) for k, v in vars(text_config(config)).items() if isinstance(v, (list, tuple)) and len(v) == n)
     return [tuple((k, repr(v[i])) for k, v in lists) for i in range(n)]
 
 

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.inputs.modelconfig import text_config
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -74,7 +76,7 @@ def _batch(config, micro_batch: int, seq_len: int, device: str, seed: int = 0) -
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    vocab = config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
+    vocab = text_config(config).vocab_size
     ids = torch.randint(0, vocab, (micro_batch, seq_len), generator=g).to(device)
     return {"input_ids": ids, "labels": ids.clone()}
 

@@ -3,7 +3,7 @@ load reads, for a built model or for a config alone (docs/ENGINE_FACTS.md "Which
 
 from __future__ import annotations
 
-from toolkit.inputs.modelconfig import config_from_dict
+from toolkit.inputs.modelconfig import config_from_dict, text_config
 
 
 def attention_support(model) -> tuple[str, ...]:
@@ -134,7 +134,7 @@ def _probe_context_parallel(spec: "ModelSpec") -> list[str]:
 def _windowed_layer_kinds(config) -> list[str]:
     """The model's layer kinds whose mask is stricter than full causal (sliding-window, chunked), from the config
     fields transformers builds its masks from: `layer_types`, or before it a `sliding_window` on every layer."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return sorted(set(layer_types) - {"full_attention"})
@@ -163,7 +163,7 @@ _WINDOWS: dict[str, int | None] = {}
 
 def _attention_window(spec: "ModelSpec") -> int | None:
     config = spec.hf_config()
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     windows = [getattr(config, "attention_chunk_size" if "chunk" in kind else "sliding_window", None)
                for kind in _windowed_layer_kinds(config)]
     sizes = [int(w) for w in windows if isinstance(w, int) and w > 0]

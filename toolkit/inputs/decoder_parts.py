@@ -17,6 +17,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.inputs.modelconfig import text_config
+
 # What a decoder layer may ask for that a pipeline stage can rebuild from the hidden states' shape: the mask and
 # positions (HF's own mask functions, arange), the rotary (cos, sin), and None for optional extras (no cache, no
 # ALiBi bias: refused below when the config turns ALiBi on).
@@ -60,7 +62,7 @@ def find_parts(model: Any, config: Any) -> DecoderParts:
     """The parts of `model` (a *ForCausalLM, meta device is fine); NotStandard names what does not fit."""
     import torch.nn as nn
 
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     kind = getattr(config, "model_type", type(model).__name__)
     paths = {id(m): name for name, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -155,7 +157,7 @@ def _beside(model: Any, head: Any, parent_path: str):
 def side_parts(model: Any, config: Any) -> tuple[tuple[str, str, int], ...]:
     """(path, class, unique parameters) of each part beside the language model (a vision tower, a projector), found
     as find_parts finds them; () for a plain causal LM or a model without a recognisable layer list."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     layer_list = decoder_layers(model, getattr(text, "num_hidden_layers", None))
     head = model.get_output_embeddings()
     if layer_list is None:
@@ -173,7 +175,7 @@ def vision_parts(model: Any, config: Any) -> tuple[tuple[tuple[str, str, int], .
     module of one class) is an encoder; inside it, a module registered after that list whose weights (2-D and up)
     have the language model's hidden size as a dimension projects into it (Qwen2.5-VL's merger, Qwen3-VL's
     deepstack mergers), and so is the projector's; a part without blocks is a projector (Gemma-3's, LLaVA's)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     hidden = getattr(text, "hidden_size", None)
     tower: list[tuple[str, str, int]] = []
     projector: list[tuple[str, str, int]] = []

@@ -14,6 +14,13 @@ from toolkit.errors import UserError
 from toolkit.paths import MODEL_CATALOG_DIR
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's own config: the text config of a vision-language (or other composite) config, which
+    AutoModelForCausalLM builds the language model from (e.g. Qwen3.5, Gemma-3); the config itself otherwise (a plain
+    causal LM's, or a dict)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def catalog_names() -> list[str]:
     return sorted(p.stem for p in MODEL_CATALOG_DIR.glob("*.json"))
 
@@ -153,7 +160,7 @@ def reduced_config(config, num_layers: int, keep: int):
     """A copy of config with `keep` layers; per-layer lists (e.g. layer_types) cut to match. A vision-language
     config keeps its layers in its text config (what AutoModelForCausalLM builds): that one is cut."""
     reduced = copy.deepcopy(config)
-    text = reduced.get_text_config() if hasattr(reduced, "get_text_config") else reduced
+    text = text_config(reduced)
     for key, value in list(vars(text).items()):
         if isinstance(value, (list, tuple)) and len(value) == num_layers and keep < num_layers:
             setattr(text, key, type(value)(value[:keep]))
@@ -221,7 +228,7 @@ def model_positions(config) -> int | None:
     trained length it grows the base past (_compute_dynamic_ntk_parameters), so its length is that x factor. llama3,
     longrope and linear configs state the extended length in max_position_embeddings (docs/ENGINE_FACTS.md, "What a
     training run's inputs must be", "RoPE scaling")."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
 
     def read(key: str) -> Any:
         return text.get(key) if isinstance(text, dict) else getattr(text, key, None)

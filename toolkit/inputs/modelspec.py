@@ -18,7 +18,7 @@ from typing import Any
 from toolkit.errors import UserError
 from toolkit.inputs.attention import attention_problem, attention_support, default_attention
 from toolkit.inputs.modelconfig import (causal_lm_problem, config_from_dict, load_config, model_positions,
-                                        read_config_json, shape_config, shape_from_params)
+                                        read_config_json, shape_config, shape_from_params, text_config)
 from toolkit.inputs.moe import find_moe, is_expert_param
 
 
@@ -241,7 +241,7 @@ def build_spec(name: str, config) -> ModelSpec:
     problem = causal_lm_problem(config)
     if problem:
         raise UserError(f"'{name}': {problem}")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     per_layer = sorted(getattr(text.__dict__.get("_heterogeneity_spec"), "per_layer_attributes", ()))
     if per_layer:  # transformers refuses the global read of these (AmbiguousGlobalPerLayerAttributeError)
         raise UserError(f"'{name}': its decoder layers differ in {', '.join(per_layer)} (a heterogeneous "
@@ -265,11 +265,11 @@ def build_spec(name: str, config) -> ModelSpec:
     pre, post = outside_layer_params(model, layers)
     embedding_params = embed.weight.numel() if embed is not None else 0
     head_weight = head.weight if head is not None else embed.weight
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(getattr(text_config, "hidden_size", None) or getattr(text_config, "n_embd"))
-    heads = int(getattr(text_config, "num_attention_heads", None) or getattr(text_config, "n_head"))
-    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
+    text = text_config(config)
+    hidden = int(getattr(text, "hidden_size", None) or getattr(text, "n_embd"))
+    heads = int(getattr(text, "num_attention_heads", None) or getattr(text, "n_head"))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
     max_positions = model_positions(config)
     factored = 0
     for p in {id(p): p for p in model.parameters()}.values():

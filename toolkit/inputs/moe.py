@@ -19,6 +19,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.inputs.modelconfig import text_config
+
 @dataclass(frozen=True)
 class MoeParts:
     """What a model's MoE blocks are (the first MoE block's; every MoE block of a model has the same class)."""
@@ -95,7 +97,7 @@ def find_moe(model: Any, config: Any = None) -> MoeParts | None:
                 router, shared = parts
                 top_k = getattr(router, "top_k", None) or getattr(block, "top_k", None)
                 if not isinstance(top_k, int):
-                    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+                    text = text_config(config)
                     top_k = moe_shape(text)[1] if text is not None else 0
                 found = MoeParts(block_class=type(block).__name__, router_class=type(router).__name__,
                                  experts_class=type(experts_module).__name__, experts=count, top_k=int(top_k),
@@ -176,7 +178,7 @@ def ep_plan_rules(spec: Any) -> set[str]:
     """The styles of the model config's base_model_ep_plan (transformers 5.24), e.g. {'grouped_gemm',
     'ep_dispatch_experts'}; empty when the config has none."""
     text = spec.hf_config()
-    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    text = text_config(text)
     return set((getattr(text, "base_model_ep_plan", None) or {}).values())
 
 

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from toolkit.inputs.modelconfig import text_config
+
 if TYPE_CHECKING:
     from toolkit.inputs.modelspec import ModelSpec
 
@@ -164,7 +166,7 @@ def _per_rank_spec(spec: "ModelSpec", tensor: int) -> "ModelSpec":
     def rank_config():
         """Built on first use (ModelSpec.hf_config): a plan whose traces are cached never imports transformers."""
         config = copy.deepcopy(spec.hf_config())
-        text = _text(config)
+        text = text_config(config)
         for key in HEAD_KEYS:
             if getattr(text, key, None):
                 setattr(text, key, getattr(text, key) // tensor)
@@ -197,9 +199,6 @@ _CACHE: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[int,
                         tuple[tuple[str, str], ...], tuple[str, ...]]] = {}
 """Keyed by the spec's source_key (or, without one, its config's JSON)."""
 
-
-def _text(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _split_inputs(spec: "ModelSpec"):
@@ -250,7 +249,7 @@ def _meta_split(config: Any, num_layers: int) -> tuple:
         seen.add(id(p))
         named.append((name, tuple(p.shape), ".layers.0." in f".{name}" or name.startswith("layers.0.")))
     fsdp_plan = dict(getattr(model, "fsdp_plan", None) or getattr(model, "_fsdp_plan", None) or {})
-    missing = tuple(k for k in HEAD_KEYS[:1] + FFN_KEYS if getattr(_text(config), k, None) is None)
+    missing = tuple(k for k in HEAD_KEYS[:1] + FFN_KEYS if getattr(text_config(config), k, None) is None)
     return tuple(resolved.items()), tuple(named), tuple(fsdp_plan.items()), missing
 
 

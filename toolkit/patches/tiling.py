@@ -23,6 +23,7 @@ import sys
 
 from toolkit.patches.lmhead import IGNORE_INDEX, bind, head_inputs, shifted_labels
 from toolkit.inputs.job import loss_shards, mlp_shards
+from toolkit.inputs.modelconfig import text_config
 
 TILING_SOURCE = 'DeepSpeed 0.19.8 deepspeed/runtime/sequence_parallel/ulysses_sp.py (TiledMLP, SequenceTiledCompute)'
 
@@ -41,7 +42,7 @@ def _mlps(model):
     with any other, so a user's apply_tiling on such a model tiles the loss and leaves those MLPs as they are)."""
     from toolkit.inputs.tileable import tileable_mlps
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     return tileable_mlps(model, int(getattr(config, "hidden_size", None) or getattr(config, "n_embd")))[0]
 
 

@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from toolkit.inputs.modelconfig import text_config
+
 # Standard-library modules whose docstrings make the corpus; chosen for long, plain-English documentation.
 CORPUS_MODULES = (
     "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal", "difflib",
@@ -153,7 +155,7 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     per-layer pattern (layer_types keeps every kind of layer it had), layer-index lists, and rope scaling tables
     sized by the rotary dimension."""
     cls = type(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if text is not config:
         config = text
         cls = type(text)
@@ -264,7 +266,7 @@ def sizes_for_degrees(config, *, tensor: int = 1, sequence: int = 1, stages: int
     expert-parallel degree (2) divides. Context parallelism divides the sequence, not the model (the rehearsal's
     sequence length follows the grid). Derived from the degrees and the config's head counts, not per
     architecture."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     head_dim = hidden // heads
     heads = math.lcm(heads, tensor, sequence)
     real_heads = getattr(text, "num_attention_heads", None)

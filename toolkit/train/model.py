@@ -7,7 +7,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.inputs.job import plan_positions_problem
-from toolkit.inputs.modelconfig import model_positions
+from toolkit.inputs.modelconfig import model_positions, text_config
 from toolkit.inputs.resolve import catalog_hub_id, loadable_model, locate_model
 from toolkit.plan.schema import Plan
 
@@ -77,8 +77,8 @@ def config_value(config: Any, keys: tuple[str, ...]) -> Any:
     and width in text_config)."""
     if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
-    elif not isinstance(config, dict) and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    else:
+        config = text_config(config)
     for key in keys:
         value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
         if value is not None:

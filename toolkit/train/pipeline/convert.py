@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from toolkit.inputs.decoder_parts import NotStandard, find_parts
 from toolkit.errors import UserError
+from toolkit.inputs.modelconfig import text_config
 
 
 class Source:
@@ -51,7 +52,7 @@ class Source:
         except NotStandard as exc:
             raise UserError(f"pipeline conversion cannot split this model: {exc}; use a ZeRO or FSDP2 strategy "
                             "for it") from None
-        self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.text_config = text_config(config)
 
     @property
     def num_layers(self) -> int:
