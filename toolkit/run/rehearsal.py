@@ -12,7 +12,7 @@ import shlex
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolkit.run import tiny
 from toolkit.errors import UserError
@@ -23,6 +23,9 @@ from toolkit.run.preflight import preflight
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine, parse_strategy
 from toolkit.plan.files import DS_CONFIG
+
+if TYPE_CHECKING:
+    from toolkit.inputs.grpo import Grpo
 
 REHEARSAL_SEQ_LEN = 64
 REHEARSAL_LAYERS = 4
@@ -107,10 +110,12 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
         said.append("activation offloading is TRL's (SFTTrainer): the rehearsal runs toolkit.train without it")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
     grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
+    micro_batch = min(plan.micro_batch, 2)
+    grpo = _rehearsal_grpo(plan, micro_batch * world * grad_accum, said) if plan.grpo else None
     small = plan_for_model(
-        tiny_model_dir, plan.strategy, num_machines=nodes, gpus_per_node=world // nodes,
-        micro_batch=min(plan.micro_batch, 2),
-        grad_accum=grad_accum, seq_len=min(plan.seq_len, REHEARSAL_SEQ_LEN), precision=precision,
+        tiny_model_dir, plan.strategy, num_machines=nodes, gpus_per_node=world // nodes, micro_batch=micro_batch,
+        grad_accum=grad_accum, seq_len=grpo.seq_len if grpo else min(plan.seq_len, REHEARSAL_SEQ_LEN),
+        precision=precision,
         checkpointing=plan.checkpointing, attention=attention, optimizer=plan.optimizer, pipeline_stages=stages,
         tensor=tensor, context=context, sequence=sequence,
         expert=min(plan.expert_parallel, 2),  # ep 2 x fsdp 2: each rank holds half of the tiny model's 4 experts
@@ -126,9 +131,36 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
     small = small.replace(tiled=plan.tiled)  # ALST tiling runs on CPU over gloo: rehearsed as planned
     if plan.dpo:  # toolkit.train and a user's TRL DPO script rehearse with the plan's DPOConfig settings
         small = small.replace(dpo=dict(plan.dpo))
-    if plan.grpo:  # likewise a user's TRL GRPO script, with the plan's GRPOConfig settings
-        small = small.replace(grpo=dict(plan.grpo))
+    if grpo:  # likewise a user's TRL GRPO script, with the plan's GRPOConfig settings at the rehearsal's size
+        small = small.replace(grpo=grpo.to_dict())
     return small, said
+
+
+REHEARSAL_COMPLETION = 16
+"""Tokens a GRPO rehearsal generates per completion (at most): generation on CPU decodes one token at a time."""
+
+
+def _rehearsal_grpo(plan: Plan, generation_batch: int, said: list[str]) -> "Grpo":
+    """The plan's GRPO settings for the rehearsal's batch: generation in the training process (vLLM needs a GPU),
+    completions of at most REHEARSAL_COMPLETION tokens after prompts that fill the rest of REHEARSAL_SEQ_LEN, and
+    the most generations per prompt, up to the plan's, whose groups fill the small generation batch (GRPOConfig
+    refuses partial groups). Says what changed in `said`."""
+    from dataclasses import replace
+
+    grpo = plan.grpo_spec
+    completion = min(grpo.max_completion_length, REHEARSAL_COMPLETION)
+    groups = [n for n in range(2, min(grpo.num_generations, generation_batch) + 1) if generation_batch % n == 0]
+    small = replace(grpo, use_vllm=False, max_completion_length=completion,
+                    max_prompt_length=min(grpo.max_prompt_length, REHEARSAL_SEQ_LEN - completion),
+                    num_generations=groups[-1] if groups else 2)
+    if grpo.use_vllm:
+        said.append(f"vLLM ({grpo.vllm_mode}) needs a GPU: rehearsing GRPO with generation in the training process "
+                    "(transformers' generate); the vLLM settings are checked by TRL's GRPOConfig, not run")
+    if small.num_generations != grpo.num_generations:
+        said.append(f"GRPO rehearses {small.num_generations} generations per prompt (the plan: "
+                    f"{grpo.num_generations}), so that whole groups fill the rehearsal's generation batch of "
+                    f"{generation_batch}")
+    return small
 
 
 def _plain(config: dict[str, Any]) -> dict[str, Any]:
@@ -185,18 +217,29 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
 
 def small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1) -> tuple[Path, Plan, list[str], Path,
                                                                                        Path]:
-    """In `work`: the tiny model, the small plan and its emitted folder, and the local corpus (with chat: its
-    conversations beside it as train.jsonl, for a user's script; toolkit.train reads one kind of file per folder).
-    Returns (model folder, small plan, what changed, plan folder, data folder)."""
+    """In `work`: the tiny model, the small plan and its emitted folder, and the tiny data of the plan's method
+    (rehearsal_data; chat: for a user's script). Returns (model folder, small plan, what changed, plan folder, data
+    folder)."""
     model_dir = make_rehearsal_model(plan, work / "model")
     small, said = rehearsal_plan(plan, model_dir, nodes)
     small_dir = emit_plan_files(small, work / "plan")
-    if small.dpo and not chat:  # toolkit.train trains a DPO plan on preference pairs
-        return model_dir, small, said, small_dir, tiny.write_preference_corpus(work / "data", max_chars=60_000)
-    data = tiny.write_corpus(work / "data", max_chars=60_000)
+    return model_dir, small, said, small_dir, rehearsal_data(small, work / "data", chat=chat)
+
+
+def rehearsal_data(small: Plan, folder: Path, *, chat: bool = False) -> Path:
+    """The rehearsal's data, made locally, in the shape the plan's method trains on: preference pairs for DPO and
+    prompts for GRPO (TRL's standard formats: train.jsonl / validation.jsonl rows with prompt / chosen / rejected, or
+    prompt alone, as load_dataset("json") and TRL's trainers read them), else the text corpus (train.txt /
+    validation.txt) with, for a user's script (chat), its conversations beside it as train.jsonl (toolkit.train
+    reads one kind of file per folder). Returns the folder."""
+    if small.dpo:
+        return tiny.write_preference_corpus(folder, max_chars=60_000)
+    if small.grpo:
+        return tiny.write_prompt_corpus(folder, max_chars=60_000)
+    data = tiny.write_corpus(folder, max_chars=60_000)
     if chat:
         tiny.write_chat_corpus(data, max_chars=60_000)
-    return model_dir, small, said, small_dir, data
+    return data
 
 
 def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool,

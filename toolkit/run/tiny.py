@@ -81,17 +81,10 @@ assistant_only_loss and transformers' return_assistant_tokens_mask read)."""
 def write_chat_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_fraction: float = 0.05) -> Path:
     """train.jsonl + validation.jsonl of conversations ({"messages": [...]}) made from the corpus: the user asks
     about a paragraph's first words, the assistant answers with the paragraph. Returns out_dir."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for paragraph in corpus_text(max_chars).split("\n\n"):
-        topic = " ".join(paragraph.split()[:2])
-        rows.append({"messages": [{"role": "user", "content": f"Explain: {topic}"},
-                                  {"role": "assistant", "content": paragraph}]})
-    n_eval = max(1, int(len(rows) * eval_fraction))
-    for name, part in (("train.jsonl", rows[:-n_eval]), ("validation.jsonl", rows[-n_eval:])):
-        (out / name).write_text("".join(json.dumps(row) + "\n" for row in part))
-    return out
+    rows = [{"messages": [{"role": "user", "content": _question(paragraph)},
+                          {"role": "assistant", "content": paragraph}]}
+            for paragraph in corpus_text(max_chars).split("\n\n")]
+    return _write_rows(Path(out_dir), rows, eval_fraction)
 
 
 def write_preference_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_fraction: float = 0.05,
@@ -100,16 +93,32 @@ def write_preference_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_f
     strings) made from the corpus: the prompt names a paragraph's first words, the chosen answer is that paragraph's
     opening (`answer_words` words), the rejected one the next paragraph's. `pairs`: that many training pairs (the
     held-out ones follow them). Returns out_dir."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paragraphs = [p for p in corpus_text(max_chars).split("\n\n") if len(p.split()) >= 3]
-    rows = []
-    for paragraph, other in zip(paragraphs, paragraphs[1:] + paragraphs[:1]):
-        rows.append({"prompt": f"Explain: {' '.join(paragraph.split()[:2])}\n",
-                     "chosen": " ".join(paragraph.split()[:answer_words]),
-                     "rejected": " ".join(other.split()[:answer_words])})
+    rows = [{"prompt": _question(paragraph) + "\n", "chosen": " ".join(paragraph.split()[:answer_words]),
+             "rejected": " ".join(other.split()[:answer_words])}
+            for paragraph, other in zip(paragraphs, paragraphs[1:] + paragraphs[:1])]
+    return _write_rows(Path(out_dir), rows, eval_fraction, train_rows=pairs)
+
+
+def write_prompt_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_fraction: float = 0.05) -> Path:
+    """train.jsonl + validation.jsonl of prompts in TRL's prompt-only format ({"prompt": str}, what GRPOTrainer
+    takes; its reward functions get the completions) made from the corpus: the questions of the preference pairs.
+    Returns out_dir."""
+    rows = [{"prompt": _question(paragraph) + "\n"} for paragraph in corpus_text(max_chars).split("\n\n")]
+    return _write_rows(Path(out_dir), rows, eval_fraction)
+
+
+def _question(paragraph: str) -> str:
+    """The user's turn the chat, preference and prompt data share: a paragraph's first words to explain."""
+    return f"Explain: {' '.join(paragraph.split()[:2])}"
+
+
+def _write_rows(out: Path, rows: list[dict[str, Any]], eval_fraction: float, train_rows: int | None = None) -> Path:
+    """rows as train.jsonl (the first `train_rows`, else all but the held-out share) and validation.jsonl (the
+    `eval_fraction` share after them), one JSON object a line, as datasets' "json" loader reads them."""
+    out.mkdir(parents=True, exist_ok=True)
     n_eval = max(1, int(len(rows) * eval_fraction))
-    n_train = len(rows) - n_eval if pairs is None else pairs
+    n_train = len(rows) - n_eval if train_rows is None else train_rows
     for name, part in (("train.jsonl", rows[:n_train]), ("validation.jsonl", rows[n_train:n_train + n_eval])):
         (out / name).write_text("".join(json.dumps(row) + "\n" for row in part))
     return out
