@@ -520,7 +520,8 @@ def test_a_job_survives_job_plan_file_job_unchanged(unusual):
     assert job_from_plan(parse_plan(json.loads(plan.to_json()))) == job
 
 
-@pytest.mark.parametrize("field, value", [("chunked_loss", 4), ("compile", "blocks"), ("checkpointing", "op")])
+@pytest.mark.parametrize("field, value", [("chunked_loss", 4), ("compile", "blocks"), ("checkpointing", "op"),
+                                          ("loss", "trl")])
 def test_an_estimate_only_job_setting_cannot_become_a_plan(field, value):
     from dataclasses import replace
 
@@ -543,7 +544,9 @@ def test_a_request_spells_its_job_once():
     assert req.job(**{name: getattr(job, name) for name in SEARCHED}) == job
     from toolkit.inputs.job import Job
 
-    assert {f.name for f in fields(Job)} - set(REQUEST_JOB_FIELDS) - set(SEARCHED) <= {"chunked_loss"}
+    from toolkit.plan.job import ESTIMATE_ONLY
+
+    assert {f.name for f in fields(Job)} - set(REQUEST_JOB_FIELDS) - set(SEARCHED) <= set(ESTIMATE_ONLY)
 
 
 @pytest.mark.parametrize("flags", [["--checkpointing", "op"], ["--compile-blocks"]], ids=["checkpointing-op",

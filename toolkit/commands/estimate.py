@@ -8,6 +8,7 @@ from dataclasses import replace
 from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
+from toolkit.inputs.choices import LOSSES
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of,
@@ -32,6 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--chunked-loss", type=int_arg("--chunked-loss", bounds.SEQ), default=0, metavar="N",
                    help="torchtune's chunked cross-entropy: logits and loss in N sequence chunks, each upcast to fp32 "
                         "apart (torchtune's default 8; no runner here exposes it)")
+    p.add_argument("--loss", choices=LOSSES, default="model",
+                   help="the LM head + loss: model (the model's own, whole logits) or trl (TRL's chunked NLL, the "
+                        "fused LM head TRL's SFTTrainer always runs; default %(default)s)")
     p.add_argument("--expert-shared-batch", action="store_true",
                    help="with --expert-parallel N: the N ranks share one batch and keep the dense modules whole "
                         "(TRL's MoE guide: DistributedConfig(tp_size=N, enable_expert_parallel=True), which "
@@ -79,7 +83,7 @@ def cmd_estimate(args) -> int:
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger, vision_tower=args.vision_tower,
               adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
-              chunked_loss=args.chunked_loss, dpo=dpo_of(args), grpo=grpo,
+              chunked_loss=args.chunked_loss, loss=args.loss, dpo=dpo_of(args), grpo=grpo,
               allocator_conf=allocator_of(args, hw, grpo).conf)
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=args.pipeline_stages, **degrees,
@@ -122,6 +126,7 @@ def cmd_estimate(args) -> int:
                        "attention": attention, "device_kind": job.device_kind, "liger": job.liger,
                        **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        **({"chunked_loss": job.chunked_loss} if job.chunked_loss else {}),
+                       **({"loss": job.loss} if job.loss != "model" else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {}),
                        **({"dpo": job.dpo.to_dict()} if job.dpo else {}),
                        **({"grpo": job.grpo.to_dict()} if job.grpo else {})},
@@ -186,6 +191,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           f"{checkpointing_words(job.checkpointing)}{', Liger kernels' if job.liger else ''}"
           f"{compile_words(job.compile)}{', tiled MLP + loss' if job.tiled else ''}"
           f"{f', cross-entropy in {job.chunked_loss} chunks' if job.chunked_loss else ''}"
+          f"{', TRL chunked NLL' if job.loss != 'model' else ''}"
           f"{reference_words(job.dpo)}{rope_words(spec)}{grpo_words(job.grpo)}"
           f"{', vision tower frozen' if job.vision_tower == 'freeze' else ''}")
     if spec.multimodal:
@@ -319,6 +325,9 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     if args.trace_world:
         raise UserError("--trace-world traces one sequence length, not --seq max; give --seq a number or drop "
                         "--trace-world")
+    if args.loss != "model":
+        raise UserError("--loss trl is estimated for one sequence length, not --seq max; give --seq a number or drop "
+                        "--loss trl")
     if args.chunked_loss:
         raise UserError("--chunked-loss is estimated for one sequence length, not --seq max; give --seq a number "
                         "or drop --chunked-loss")

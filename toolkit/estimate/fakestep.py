@@ -33,7 +33,7 @@ def weights_uninitialised():
 
 def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
-                   adapter=None, tiled: bool = False, chunked_loss: int = 0) -> Run:
+                   adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model") -> Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -59,6 +59,10 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
             from toolkit.patches.chunkedce import chunked_ce_applied
 
             patches.enter_context(chunked_ce_applied(model, chunked_loss))
+        if loss == "trl":
+            from toolkit.patches.trlloss import trl_loss_applied
+
+            patches.enter_context(trl_loss_applied(model, gpu_footprint=device_kind == "cuda"))
         layers = decoder_layers(model, n)
         kinds = tuple(layer_kind(layer, settings) for layer, settings in zip(layers, per_layer_settings(config, n)))
         if checkpointing:

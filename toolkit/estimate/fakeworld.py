@@ -91,7 +91,8 @@ def untraceable_reason(strategy: "Strategy", grid: "ParallelGrid", job: "Job") -
     for flag, what in ((job.adapter.is_adapter, f"{job.adapter.method} adapters"), (job.liger, "Liger kernels"),
                        (job.activation_offloading, "activation offloading"), (job.compile, "torch.compile"),
                        (job.checkpointing == CHECKPOINTING_OP, "per-op selective checkpointing"),
-                       (job.chunked_loss, "chunked cross-entropy losses")):
+                       (job.chunked_loss, "chunked cross-entropy losses"),
+                       (job.loss != "model", "TRL's chunked NLL losses")):
         if flag:
             return f"{what} are not traced in a fake world"
     if job.optimizer not in ("adamw", "sgd"):

@@ -31,14 +31,14 @@ from toolkit.estimate.activations import ActivationTrace
 from toolkit.estimate.fakestep import run_fake_step
 from toolkit.estimate.layerkinds import layer_kinds_of_full_model, traced_index_for, traced_layer_count
 from toolkit.estimate.standins import trace_environment
-from toolkit.inputs.choices import ATTENTIONS, COMPUTE_DTYPES as DTYPES, DEVICE_KINDS
+from toolkit.inputs.choices import ATTENTIONS, COMPUTE_DTYPES as DTYPES, DEVICE_KINDS, LOSSES, TRL_LOSS
 from toolkit.inputs.modelconfig import reduced_config
 
 
 def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                       autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
                       checkpointing: bool = False, liger: bool = False, adapter=None,
-                      tiled: bool = False, chunked_loss: int = 0) -> ActivationTrace:
+                      tiled: bool = False, chunked_loss: int = 0, loss: str = "model") -> ActivationTrace:
     """Bytes the model keeps for backward, region by region, for one micro-batch of `micro_batch` x `seq_len`.
 
     `config` is any decoder-only causal-LM config; it is not modified. `adapter` (a toolkit.inputs.lora.Adapter with
@@ -50,12 +50,14 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     `liger`: the model patched as the Trainer's use_liger_kernel does, with toolkit.patches.liger's substitutes.
     `tiled`: ALST's tiled MLP and tiled logits + loss, the engine's own autograd functions (toolkit.patches.tiling).
     `chunked_loss`: torchtune's chunked cross-entropy over this many sequence chunks (toolkit.patches.chunkedce).
+    `loss` "trl": TRL's chunked NLL, TRL's own fused LM head as SFTTrainer patches it (toolkit.patches.trlloss).
     """
     import torch
 
     _check_choice("dtype", dtype, DTYPES)
     _check_choice("attention", attention, ATTENTIONS)
     _check_choice("device_kind", device_kind, DEVICE_KINDS)
+    _check_choice("loss", loss, LOSSES)
     if seq_len < 1 or micro_batch < 1:
         raise ValueError(f"seq_len and micro_batch must be positive (got {seq_len}, {micro_batch})")
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -76,7 +78,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
         try:
             run = run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
                                  micro_batch, seq_len, checkpointing, notes, liger=liger,
-                                 device_kind=device_kind, adapter=adapter, tiled=tiled, chunked_loss=chunked_loss)
+                                 device_kind=device_kind, adapter=adapter, tiled=tiled, chunked_loss=chunked_loss,
+                                 loss=loss)
         except (DynamicOutputShapeException, DataDependentOutputException) as exc:
             raise NotImplementedError(
                 f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
@@ -112,6 +115,12 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
 
         notes.append(f"chunked cross-entropy: logits and loss in {chunked_loss} sequence chunks, each upcast to fp32 "
                      f"apart, traced through {CHUNKED_CE_SOURCE}")
+    if loss == TRL_LOSS:
+        from toolkit.patches.trlloss import TRL_LOSS_SOURCE
+
+        notes.append(f"TRL's chunked NLL: logits never whole, in tiles of 4096 tokens x 32768 vocabulary, "
+                     f"recomputed in backward, traced through {TRL_LOSS_SOURCE}"
+                     + ("" if device_kind == "cuda" else "; device_kind cpu: its torch folds' fp32 tile copies"))
     layers = tuple(run.layers[traced_index_for(i, full_kinds, traced_count)] for i in range(len(full_kinds)))
     return ActivationTrace(
         micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, autocast=autocast, attention=attention,

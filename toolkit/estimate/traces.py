@@ -103,6 +103,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         key += ("tiled",)
     if job.chunked_loss:
         key += ("chunked_loss", job.chunked_loss)
+    if job.loss != "model":
+        key += ("loss", job.loss)
     if key not in _TRACE_CACHE:
         from toolkit import cache
         from toolkit.estimate.compiled import trace_compiled_activations
@@ -117,6 +119,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             disk_key += ["tiled"]
         if disk_key and job.chunked_loss:
             disk_key += ["chunked_loss", job.chunked_loss]
+        if disk_key and job.loss != "model":
+            disk_key += ["loss", job.loss, cache.installed_version("trl")]
         traced_by = trace_compiled_activations if job.compile else trace_activations
         trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
         if trace is None:
@@ -133,7 +137,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                     trace = trace_activations(
                         traced_config, seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
-                        liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss)
+                        liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss,
+                        loss=job.loss)
             except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
                 raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             if disk_key:

@@ -62,6 +62,11 @@ CHECKPOINTING_MODES: tuple[str, ...] = ("on", "off", CHECKPOINTING_OP)
 """--checkpointing of estimate, profile and check; plan adds auto (PLAN_CHECKPOINTING_MODES)."""
 PLAN_CHECKPOINTING_MODES: tuple[str, ...] = ("auto", *CHECKPOINTING_MODES)
 """plan --checkpointing: auto lets the planner decide."""
+LOSSES: tuple[str, ...] = ("model", "trl")
+"""--loss: the LM head + loss the step runs. model: the model's own forward (whole logits, transformers'
+ForCausalLMLoss); trl: TRL's chunked NLL, the fused LM head TRL 1.16's SFTTrainer always patches
+(toolkit.patches.trlloss; docs/ENGINE_FACTS.md "TRL's chunked NLL")."""
+TRL_LOSS = "trl"
 COMPILE_BLOCKS = "blocks"
 """--compile-blocks: each decoder layer compiled apart, the rest eager (torchtitan's apply_compile)."""
 

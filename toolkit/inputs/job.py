@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 from toolkit.inputs.choices import (ATTENTIONS, CHECKPOINTING_OP, COMPILE_BLOCKS, DEVICE_KINDS,  # noqa: F401
                                     OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Attention, DeviceKind, Optimizer,
-                                    OptimizerImpl, Precision, VISION_TOWER_MODES)
+                                    OptimizerImpl, Precision, VISION_TOWER_MODES, LOSSES, TRL_LOSS)
 from toolkit.inputs.choices import GIB
 
 
@@ -87,6 +87,9 @@ class Job:
     chunked_loss: int = 0
     """torchtune's chunked cross-entropy (CEWithChunkedOutputLoss; toolkit.patches.chunkedce): logits and loss in this
     many sequence chunks, each upcast to fp32 apart; 0: the model's own loss. Estimate only."""
+    loss: str = "model"
+    """The LM head + loss (LOSSES): the model's own, or TRL's chunked NLL as SFTTrainer computes it
+    (toolkit.patches.trlloss). Estimate only."""
     adapter: Adapter = FULL
     """Training method: full fine-tuning (default), LoRA or QLoRA with its settings (toolkit.inputs.lora)."""
     vision_tower: str = "train"
@@ -129,6 +132,17 @@ class Job:
         if self.chunked_loss and self.compile is True:
             raise UserError("--chunked-loss with --compile: the whole-model compile's head + loss are traced "
                             "unchunked; use --compile-blocks (layers compiled, head + loss eager) or drop --compile")
+        check_choice("--loss", self.loss, LOSSES)
+        if self.loss == TRL_LOSS and (self.liger or self.tiled or self.chunked_loss):
+            other = "--liger" if self.liger else "--tiled" if self.tiled else "--chunked-loss"
+            raise UserError(f"--loss trl with {other}: both replace the logits + loss (TRL's SFTTrainer turns off "
+                            "Liger's fused cross-entropy for its own); give one of them")
+        if self.loss == TRL_LOSS and self.compile:
+            raise UserError("--loss trl with --compile / --compile-blocks: TRL's fused head is traced eagerly only; "
+                            "drop the compile flag")
+        if self.loss == TRL_LOSS and (self.dpo is not None or self.grpo is not None):
+            raise UserError("--loss trl is modelled for supervised fine-tuning only (DPO / GRPO estimates keep the "
+                            "model's own head); drop --loss trl")
         if self.checkpointing not in (False, True, CHECKPOINTING_OP):
             raise UserError(f"--checkpointing must be on, off or {CHECKPOINTING_OP}, got {self.checkpointing!r}")
         if self.grpo is not None and (self.dpo is not None or self.seq_len != self.grpo.seq_len):

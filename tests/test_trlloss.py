@@ -1,0 +1,91 @@
+"""TRL's chunked NLL (estimate --loss trl): TRL's own fused LM head on the model gives the model's own loss and
+gradients, its traced bytes and whole-step peak equal a real CPU step of the same patched model, it lowers the peak
+against the whole-logits loss at a large vocabulary, and the refusals are one line."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from toolkit.cli import main
+from toolkit.estimate.livebytes import measure_saved_bytes
+from toolkit.estimate.profile import _batch, _dtype, build_model
+from toolkit.estimate.tracer import trace_activations
+from toolkit.patches.trlloss import trl_loss_applied
+from toolkit.run.tiny import tiny_config
+
+
+def test_trl_loss_equals_the_models_own_loss_and_gradients_and_unpatches():
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
+    ref, patched = (build_model(config, "fp32", "sdpa", False, "cpu") for _ in range(2))
+    batch = _batch(config, 2, 64, "cpu")
+    ref(**batch).loss.backward()
+    with trl_loss_applied(patched):
+        out = patched(**batch)
+        assert out.logits[0].shape == (2, 63)  # per-token log-probs, never (batch, seq, vocab) logits
+        out.loss.backward()
+    assert "forward" not in patched.__dict__
+    torch.testing.assert_close(out.loss, ref(**batch).loss)
+    for (name, p), q in zip(ref.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def _memory(config, precision, loss, device_kind="cpu", seq=128, micro_batch=2, name="llama"):
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+
+    job = Job(seq_len=seq, micro_batch=micro_batch, precision=precision, device_kind=device_kind, loss=loss)
+    return estimate_memory(build_spec(name, config), parse_strategy("ddp"), job, parse_hardware("1xH200"))
+
+
+@pytest.mark.parametrize("precision", ["bf16-pure", "bf16"])
+def test_traced_bytes_and_step_peak_with_trl_loss_match_a_real_cpu_step(precision):
+    # More than 4096 tokens, so the kernel runs two token chunks through its one tile buffer, and a vocabulary
+    # above 32768, so each token chunk runs two vocabulary tiles, the second one partial.
+    from toolkit.estimate.livebytes import steady_step_peak
+
+    config = tiny_config("llama", vocab_size=40000, max_positions=4096, hidden=64, layers=2, heads=4, kv_heads=2,
+                         ffn=128)
+    model = build_model(config, precision, "sdpa", False, "cpu")
+    batch = _batch(config, 2, 2100, "cpu")
+    amp = _dtype(precision)
+    with trl_loss_applied(model):
+        measured = steady_step_peak(model, batch, autocast_dtype=amp)
+        measured_saved, loss = measure_saved_bytes(model, batch, autocast_dtype=amp)
+        del loss
+    predicted = _memory(config, precision, "trl", seq=2100)
+    assert predicted.peak_bytes == pytest.approx(measured, rel=0.01), (predicted.peak_phase, measured)
+    trace = trace_activations(config, seq_len=2100, micro_batch=2, dtype="bfloat16", autocast=precision == "bf16",
+                              device_kind="cpu", loss="trl")
+    assert trace.activations_bytes == measured_saved.saved_bytes
+    assert any("TRL's chunked NLL" in n for n in trace.notes)
+
+
+def test_trl_loss_lowers_the_peak_at_a_large_vocabulary():
+    # Qwen-sized vocabulary on a small body: the whole-logits loss's (tokens, vocab) logits, their fp32 copy and
+    # gradient lead its peak; TRL's tiles are 4096 x 32768 whatever the vocabulary.
+    config = tiny_config("llama", vocab_size=151936, max_positions=8192, hidden=256, layers=2, heads=4, kv_heads=2,
+                         ffn=512)
+    for device_kind in ("cuda", "cpu"):
+        whole = _memory(config, "bf16", "model", device_kind=device_kind, seq=8192, micro_batch=1)
+        trl = _memory(config, "bf16", "trl", device_kind=device_kind, seq=8192, micro_batch=1)
+        assert trl.peak_bytes < 0.5 * whole.peak_bytes, (device_kind, trl.peak_bytes, whole.peak_bytes)
+
+
+@pytest.mark.parametrize("extra,words", [(["--liger"], "--liger"), (["--chunked-loss", "8"], "--chunked-loss"),
+                                         (["--compile"], "--compile"), (["--seq", "max"], "--seq max"),
+                                         (["--method", "dpo"], "supervised fine-tuning only")])
+def test_trl_loss_refusals_are_one_line(capsys, extra, words):
+    argv = ["estimate", "tinyllama-1.1b", "--gpus", "1xH100-80GB", "--loss", "trl", *extra]
+    if "--seq" not in extra:
+        argv += ["--seq", "512"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
