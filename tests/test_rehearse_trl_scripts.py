@@ -90,3 +90,141 @@ def test_a_grpo_plan_that_fits_the_small_batch_keeps_its_generations(tiny_llama_
     plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=16).replace(grpo=grpo.to_dict())
     small, said = rehearsal_plan(plan, tiny_llama_dir)
     assert small.grpo_spec == grpo and small.seq_len == 16 and said == []
+
+
+def test_processes_with_rehearse_is_refused_for_a_model_parallel_plan(tiny_llama_dir):
+    from toolkit.errors import UserError
+
+    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=4, tensor=2, seq_len=32)
+    with pytest.raises(UserError, match=r"^--processes 1: the rehearsal of this fsdp2 .* runs on its 4 processes .*"
+                                        r"drop --processes$"):
+        rehearsal_plan(plan, tiny_llama_dir, processes=1)
+    small, _ = rehearsal_plan(plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=8, seq_len=32), tiny_llama_dir,
+                              processes=1)
+    assert (small.world_size, small.strategy) == (1, "zero2")
+
+
+# The scripts as a user writes them: TRL's trainers, the plan's settings from toolkit.train.own_script, and the
+# rehearsal's model and data from its environment variables; each writes its Trainer's log history to a report.
+DPO_SCRIPT = '''\
+import json, os, sys
+
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+
+from toolkit.train.own_script import dpo_config
+
+model_dir, data_dir = os.environ["TOOLKIT_REHEARSAL_MODEL"], os.environ["TOOLKIT_REHEARSAL_DATA"]
+output, report = sys.argv[1], sys.argv[2]
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+pairs = load_dataset("json", data_files=os.path.join(data_dir, "train.jsonl"))["train"]
+args = DPOConfig(**{**dpo_config(), "output_dir": output, "max_steps": 3, "logging_steps": 1, "report_to": []})
+trainer = DPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer)
+trainer.train()
+if trainer.is_world_process_zero():
+    json.dump(trainer.state.log_history, open(report, "w"))
+'''
+
+GRPO_SCRIPT = '''\
+import json, os, sys
+
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+from toolkit.train.own_script import grpo_config
+
+
+def brevity(completions, **kwargs):
+    return [-len(completion) / 100 for completion in completions]
+
+
+model_dir, data_dir = os.environ["TOOLKIT_REHEARSAL_MODEL"], os.environ["TOOLKIT_REHEARSAL_DATA"]
+output, report = sys.argv[1], sys.argv[2]
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+prompts = load_dataset("json", data_files=os.path.join(data_dir, "train.jsonl"))["train"]
+args = GRPOConfig(**{**grpo_config(), "output_dir": output, "max_steps": 2, "logging_steps": 1, "report_to": []})
+trainer = GRPOTrainer(model=model, reward_funcs=brevity, args=args, train_dataset=prompts, processing_class=tokenizer)
+trainer.train()
+if trainer.is_world_process_zero():
+    json.dump(trainer.state.log_history, open(report, "w"))
+'''
+
+TEXT_SCRIPT = '''\
+import os
+
+from datasets import load_dataset
+from transformers import TrainingArguments
+
+from toolkit.train.own_script import training_arguments
+
+args = TrainingArguments(output_dir="out", report_to=[], **training_arguments())
+text = load_dataset("text", data_files=os.path.join(os.environ["TOOLKIT_REHEARSAL_DATA"], "train.txt"))["train"]
+'''
+
+
+def _rehearse(plan, tmp_path: Path, script: str, *extra: str):
+    import os
+    import subprocess
+    import sys
+
+    from toolkit.emit import emit_files
+
+    emit_files(plan, tmp_path / "plan")
+    (tmp_path / "my_train.py").write_text(script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run([sys.executable, "-m", "toolkit", "launch", str(tmp_path / "plan"), "--rehearse", *extra,
+                           "--", "my_train.py", str(tmp_path / "out"), str(tmp_path / "report.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _losses(tmp_path: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in json.loads((tmp_path / "report.json").read_text()) if "loss" in e}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy,processes", [("zero2", None), ("ddp", "1")])
+def test_a_users_trl_dpo_script_rehearses_from_ln2(tiny_llama_dir, tmp_path, strategy, processes):
+    """At step 1 the policy is the reference: every pair's log-ratio is 0 and the sigmoid loss is ln 2."""
+    import math
+
+    plan = plan_for_model(tiny_llama_dir, strategy, gpus_per_node=4, micro_batch=2, seq_len=64).replace(
+        dpo=Dpo().to_dict())
+    done = _rehearse(plan, tmp_path, DPO_SCRIPT, *(("--processes", processes) if processes else ()))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"on {processes or 2} CPU processes over gloo" in done.stdout
+    assert "rehearsal passed: your script with" in done.stdout
+    losses = _losses(tmp_path)
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(loss) for loss in losses.values())
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-3)
+
+
+@pytest.mark.multiprocess
+def test_a_users_trl_grpo_script_with_its_own_reward_rehearses_generating_in_process(tiny_llama_dir, tmp_path):
+    import math
+
+    grpo = Grpo(num_generations=8, max_prompt_length=256, max_completion_length=512, use_vllm=True)
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=8, micro_batch=4,
+                          seq_len=grpo.seq_len).replace(grpo=grpo.to_dict())
+    done = _rehearse(plan, tmp_path, GRPO_SCRIPT, "--processes", "1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "note: vLLM (colocate) needs a GPU" in done.stdout
+    history = json.loads((tmp_path / "report.json").read_text())
+    steps = [e for e in history if "loss" in e]
+    assert len(steps) == 2 and all(math.isfinite(e["loss"]) and math.isfinite(e["reward"]) for e in steps)
+    assert all(0 < e["completions/mean_length"] <= REHEARSAL_COMPLETION for e in steps)
+
+
+@pytest.mark.multiprocess
+def test_a_script_expecting_text_in_a_dpo_rehearsal_fails_with_its_own_error_in_one_line(tiny_llama_dir, tmp_path):
+    plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=64).replace(dpo=Dpo().to_dict())
+    done = _rehearse(plan, tmp_path, TEXT_SCRIPT, "--processes", "1")
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, done.stderr
+    assert "failed: FileNotFoundError: Unable to find" in errors[0] and "train.txt" in errors[0]
+    assert "(full log: " in errors[0] and "rehearsal FAILED (exit code 1)" in done.stdout

@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--processes", type=int_arg("--processes", bounds.PROCESSES),
                    help="run the plan on N processes of this machine (fewer GPUs, or CPU processes with --cpu); "
-                        "the global batch is kept by accumulation")
+                        "the global batch is kept by accumulation. With --rehearse: the rehearsal's N CPU processes "
+                        "(default 2), for a plan with data parallelism alone")
     p.add_argument("--cpu", action="store_true",
                    help="run on CPU processes over gloo (bf16 instead of fp16; your own script gets the set-up "
                         "from toolkit.train.own_script)")
@@ -48,7 +49,8 @@ last complete checkpoint), or to your own script when the first one ends in .py:
 toolkit.train.own_script gives the script the plan's settings for this box.
 --processes N [--cpu]: the plan's strategy on N processes of this machine (CPU processes over gloo with --cpu),
 the global batch kept by accumulation. --rehearse: the strategy on a tiny model of the same architecture, 2 CPU
-processes, a few steps.
+processes (--processes N for a data-parallel plan), a few steps, on the tiny data of the plan's method (text,
+preference pairs for DPO, prompts for GRPO).
 A failing run prints one line from the rank that failed first with the log's path (OUT/toolkit-launch.log; for
 your own script ./toolkit-logs/, never the plan folder); Ctrl-C stops every rank and prints the command that
 resumes."""
@@ -86,7 +88,7 @@ def launch_main(plan_dir: str | Path, train_argv: list[str], *, rehearse: bool =
         return _launch_on_this_box(plan, plan_dir, train_argv, processes=processes, cpu=cpu, dry_run=dry_run,
                                    max_restarts=max_restarts)
     return _launch_folder(plan, plan_dir, train_argv, rehearse=rehearse, dry_run=dry_run, nodes=nodes,
-                          max_restarts=max_restarts)
+                          max_restarts=max_restarts, processes=processes)
 
 
 def _launch_on_this_box(plan: Plan, plan_dir: Path, train_argv: list[str], *, processes: int | None, cpu: bool,
@@ -119,7 +121,7 @@ def _launch_on_this_box(plan: Plan, plan_dir: Path, train_argv: list[str], *, pr
 
 def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehearse: bool, dry_run: bool,
                    log_dir: Path | None = None, relaunch: str | None = None, env: dict[str, str] | None = None,
-                   nodes: int = 1, max_restarts: int = 0) -> int:
+                   nodes: int = 1, max_restarts: int = 0, processes: int | None = None) -> int:
     from toolkit.fileio import file_kind_problem
     from toolkit.inputs.strategy import Engine
     from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG
@@ -139,7 +141,7 @@ def _launch_folder(plan: Plan, plan_dir: Path, train_argv: list[str], *, rehears
     if rehearse:
         from toolkit.run.rehearsal import rehearse as run_rehearsal
 
-        return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run, nodes=nodes)
+        return run_rehearsal(plan, plan_dir, train_argv, dry_run=dry_run, nodes=nodes, processes=processes)
     args = None
     if is_user_script(train_argv):
         check_script(train_argv[0])

@@ -71,9 +71,11 @@ def rehearsal_degrees(plan: Plan) -> tuple[int, int, int, int]:
     return tensor, context, sequence, 2 if plan.engine == Engine.PIPELINE else 1
 
 
-def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tuple[Plan, list[str]]:
-    """The plan's strategy on a tiny model of the same architecture, on 2 processes (4 for hybrid and HSDP), on
-    `nodes` launcher invocations (machine ranks) that split the processes evenly.
+def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1,
+                   processes: int | None = None) -> tuple[Plan, list[str]]:
+    """The plan's strategy on a tiny model of the same architecture, on 2 processes (4 for hybrid and HSDP; for a
+    plan with data parallelism alone, `processes` when given), on `nodes` launcher invocations (machine ranks) that
+    split the processes evenly.
 
     Returns the small plan and what was changed that the user should know about.
     """
@@ -101,6 +103,12 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1) -> tu
         # HSDP: 2 replicas across nodes of 2 shards each (x tp inside a node: 8 processes, since tensor
         # parallelism with 1 shard leaves FSDP2 nothing to shard over)
         world = 2 * 2 * tensor
+    if processes is not None and processes != world:
+        if world != 2 or plan.engine == Engine.PIPELINE or plan.grid.model_parallel > 1 \
+                or plan.expert_parallel > 1:
+            raise UserError(f"--processes {processes}: the rehearsal of this {_label(plan)} plan runs on its {world} "
+                            "processes (each model-parallel degree at 2); drop --processes")
+        world = processes  # data parallelism alone: any number of ranks runs the same code path
     if world % nodes:
         raise UserError(f"--nodes {nodes} does not divide the rehearsal's {world} processes (try 2)")
     if problem := plan.grid.resume_problem():
@@ -187,15 +195,17 @@ def rehearsal_problem(plan: Plan) -> str | None:
     return None
 
 
-def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False, nodes: int = 1) -> int:
+def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool = False, nodes: int = 1,
+             processes: int | None = None) -> int:
     """Run the plan's strategy for a few steps on CPU processes; print what failed, or that it passed. nodes > 1:
     as many launcher invocations (machine ranks 0..nodes-1) over loopback, training one model together, as the
-    nodes of a real multi-node run do."""
+    nodes of a real multi-node run do. processes: that many instead of 2, for a plan with data parallelism alone
+    (rehearsal_plan)."""
     if problem := rehearsal_problem(plan):
         raise UserError(f"cannot rehearse on CPU: {problem}")
 
     if is_user_script(train_argv):
-        return _rehearse_script(plan, plan_dir, train_argv, dry_run=dry_run)
+        return _rehearse_script(plan, plan_dir, train_argv, dry_run=dry_run, processes=processes)
     if train_argv:  # the real run's arguments, when given, are checked as the real launch would
         preflight(plan, plan_dir, train_argv)
     else:
@@ -210,18 +220,18 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
               "machine (--nodes 2)", flush=True)
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     try:  # the temporary folder goes on every way out: success, failure, refusal, Ctrl-C
-        return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run, nodes=nodes)
+        return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run, nodes=nodes, processes=processes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1) -> tuple[Path, Plan, list[str], Path,
-                                                                                       Path]:
+def small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1,
+                processes: int | None = None) -> tuple[Path, Plan, list[str], Path, Path]:
     """In `work`: the tiny model, the small plan and its emitted folder, and the tiny data of the plan's method
     (rehearsal_data; chat: for a user's script). Returns (model folder, small plan, what changed, plan folder, data
     folder)."""
     model_dir = make_rehearsal_model(plan, work / "model")
-    small, said = rehearsal_plan(plan, model_dir, nodes)
+    small, said = rehearsal_plan(plan, model_dir, nodes, processes)
     small_dir = emit_plan_files(small, work / "plan")
     return model_dir, small, said, small_dir, rehearsal_data(small, work / "data", chat=chat)
 
@@ -243,8 +253,8 @@ def rehearsal_data(small: Plan, folder: Path, *, chat: bool = False) -> Path:
 
 
 def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool,
-                 nodes: int = 1) -> int:
-    _, small, said, small_dir, data = small_setup(plan, work, nodes=nodes)
+                 nodes: int = 1, processes: int | None = None) -> int:
+    _, small, said, small_dir, data = small_setup(plan, work, nodes=nodes, processes=processes)
     argv = rehearsal_argv(data, work / "out", train_argv)
     port = free_port()
     commands = [launch_command(small_dir, argv, machine_rank=r, main_host="127.0.0.1", main_port=port)
@@ -329,7 +339,8 @@ and '$TOOLKIT_REHEARSAL_DATA' in ARGS (quoted, so the shell leaves them) are rep
 (toolkit.train.own_script)."""
 
 
-def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool) -> int:
+def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool,
+                     processes: int | None = None) -> int:
     """The user's own script on the rehearsal's small plan: 2 CPU processes, the plan's strategy, a tiny model of
     the same architecture. The script decides its own steps, model and data (see REHEARSAL_MODEL_ENV)."""
     if not Path(train_argv[0]).is_file():
@@ -339,7 +350,7 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
                         "rehearse it without a script (toolkit launch DIR --rehearse)")
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
     try:
-        model_dir, small, said, small_dir, data = small_setup(plan, work, chat=True)
+        model_dir, small, said, small_dir, data = small_setup(plan, work, chat=True, processes=processes)
         command = launch_command(small_dir, train_argv)
         print(f"rehearsal of your script with {plan.strategy} ({small.precision}) on {small.world_size} CPU "
               f"processes over gloo: micro {small.micro_batch} x accum {small.grad_accum}; a tiny "

@@ -341,6 +341,7 @@ def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corp
     same way: same architecture and settings, small sizes)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -351,7 +352,13 @@ def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corp
         config = shrink_config(arch, vocab_size=len(tokenizer), **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(out)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar for one tiny shard on stderr, where a rehearsal's failure is one line
+    try:
+        model.save_pretrained(out)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     (out / "toolkit_tiny.json").write_text(json.dumps({"arch": config.model_type, "seed": seed}) + "\n")
     return out
