@@ -180,10 +180,6 @@ def generation_batch(grpo: Grpo, micro_batch: int, data_parallel: int, grad_accu
 MODEL_PARALLEL_GRPO_PROBLEM = ("GRPO with tensor, context, sequence or expert parallelism is not modelled (GRPOConfig "
                                "refuses context / sequence parallelism); plan it on DDP, ZeRO or FSDP2 alone")
 
-GRPO_TRAIN_PROBLEM = ("plan.json is a GRPO plan, and toolkit.train runs supervised fine-tuning only (GRPO is not built "
-                      "into it yet): run your own TRL GRPO script from the plan folder (toolkit launch PLAN_DIR -- "
-                      "your_grpo.py, with GRPOConfig(**grpo_config()) from toolkit.train.own_script)")
-
 
 def grpo_words(grpo: Grpo | None) -> str:
     """How job summaries name a GRPO job, or nothing."""

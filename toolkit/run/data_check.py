@@ -196,7 +196,7 @@ def _sample_parquet(path: Path, budget: int, sample: DataSample) -> int:
 
 
 def check_data(data: str, *, text_field: str, tokenizer: Any, seq_len: int, global_batch: int,
-               preference: bool = False) -> str:
+               preference: bool = False, grpo: Any = None) -> str:
     """Refuse data the run cannot train one optimizer step on; returns "text", "chat" or (a DPO plan's,
     `preference`) "preference". Hub datasets are not looked at here (their loading needs the network, and the
     ranks report it)."""
@@ -215,6 +215,9 @@ def check_data(data: str, *, text_field: str, tokenizer: Any, seq_len: int, glob
     if preference:
         _check_preference(data, sample, global_batch)
         return "preference"
+    if grpo is not None:
+        _check_prompts(data, sample, grpo, tokenizer, global_batch)
+        return "prompts"
     kind = _one_kind(data, sample)
     if kind == "chat":
         _check_chat(data, sample, tokenizer, seq_len, global_batch)
@@ -246,6 +249,28 @@ def _check_preference(data: str, sample: DataSample, global_batch: int) -> None:
     if sample.whole and len(sample.rows) < global_batch:
         raise UserError(f"DPO data {data} holds {len(sample.rows)} pair(s), fewer than one optimizer step takes "
                         f"(global batch {global_batch} pairs); give more pairs or plan a smaller --global-batch")
+
+
+def _check_prompts(data: str, sample: DataSample, grpo: Any, tokenizer: Any, global_batch: int) -> None:
+    """A GRPO plan's data: every row a prompt within the plan's max_prompt_length (TRL 1.16 does not truncate
+    prompts, so a longer one trains on longer sequences than planned), and one optimizer step's prompts."""
+    from toolkit.train.grpo import prompt_row_problem, prompt_tokens
+
+    for row, where in zip(sample.rows, sample.where):
+        problem = prompt_row_problem(row)
+        if problem:
+            raise UserError(f"GRPO data {data}: {where} {problem}")
+    for row, where in list(zip(sample.rows, sample.where))[:MAX_CHECKED_CONVERSATIONS]:
+        tokens = prompt_tokens(row["prompt"], tokenizer)
+        if tokens > grpo.max_prompt_length:
+            raise UserError(f"GRPO data {data}: the prompt of {where} is {tokens} tokens, longer than the plan's "
+                            f"--max-prompt-length {grpo.max_prompt_length} (its memory assumes no longer prompt); "
+                            "shorten the prompts or re-plan with a larger --max-prompt-length")
+    prompts = global_batch // grpo.num_generations
+    if sample.whole and len(sample.rows) < prompts:
+        raise UserError(f"GRPO data {data} holds {len(sample.rows)} prompt(s), fewer than one optimizer step takes "
+                        f"(global batch {global_batch} completions = {prompts} prompts x {grpo.num_generations} "
+                        "generations); give more prompts or plan a smaller --global-batch")
 
 
 def _check_text(data: str, sample: DataSample, text_field: str, tokenizer: Any, seq_len: int,

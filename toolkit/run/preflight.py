@@ -26,10 +26,6 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
     from toolkit.inputs.hardware import gpu_catalog
     from toolkit.train.model import check_matches_plan, load_config, model_source
 
-    if plan.grpo:
-        from toolkit.inputs.grpo import GRPO_TRAIN_PROBLEM
-
-        raise UserError(GRPO_TRAIN_PROBLEM)
     args = _check_train_argv(plan_dir, train_argv)
     _check_output(Path(args.output), args.resume)
     if plan.gpu in gpu_catalog():  # the job rules estimate and plan apply (plans made for catalog GPUs)
@@ -206,6 +202,13 @@ def check_run(plan: Any, args: Any) -> None:
     from toolkit.train.dpo import check_dpo_run
 
     check_dpo_run(plan, args)
+    if plan.grpo:
+        from toolkit.train.cpu import on_cpu
+        from toolkit.train.grpo import check_grpo_run
+
+        check_grpo_run(plan, args, on_cpu=on_cpu())  # vLLM where it cannot run, the rewards
+    elif args.reward:
+        raise UserError("--reward applies to GRPO plans and this plan is not one: it would be ignored; drop it")
     source = model_source(plan, args.model, random_init=args.random_init)
     check_model_for_training(source, tokenizer=args.tokenizer, random_init=args.random_init)
     config = load_config(source, random_init=args.random_init)
@@ -224,7 +227,7 @@ def check_run(plan: Any, args: Any) -> None:
     tokenizer = load_tokenizer(tokenizer_source)
     check_tokenizer(tokenizer, config, source)
     check_data(args.data, text_field=args.text_field, tokenizer=tokenizer, seq_len=plan.seq_len,
-               global_batch=plan.global_batch, preference=bool(plan.dpo))
+               global_batch=plan.global_batch, preference=bool(plan.dpo), grpo=plan.grpo_spec)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ class TrainArgs:
     lora_modules_to_save: str | None = None
     merge_final: bool = False
     """LoRA: also write the base with the adapter merged in, in OUTPUT/merged (HF format)."""
+    reward: list[str] | None = None
+    """GRPO plans: the reward functions (toolkit.train.rewards SPECs: MODULE:FUNCTION, length, match=REGEX)."""
     trainer_flags: dict[str, Any] = field(default_factory=dict)
     """TrainingArguments flags given on the command line (name -> parsed value), e.g. {"report_to": "wandb"}."""
 
@@ -140,6 +142,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-targets", default=None, help="all-linear or module names, e.g. q_proj,v_proj")
     g.add_argument("--lora-modules-to-save", default=None, help="e.g. lm_head")
     g.add_argument("--merge-final", action="store_true", help="also save the merged model in OUTPUT/merged")
+    g = p.add_argument_group("GRPO plans")
+    g.add_argument("--reward", action="append", default=None, metavar="SPEC",
+                   help="a reward function, repeat for several: MODULE:FUNCTION, FILE.py:FUNCTION, or the built-in "
+                        "length / match=REGEX")
     return p
 
 
@@ -153,18 +159,42 @@ def parse_train_args(argv: Sequence[str] | None = None) -> TrainArgs:
 
     if restart_count() > 0:
         values["resume"] = True  # an elastic restart continues from the last complete checkpoint, never from 0
-    args = TrainArgs(**values, trainer_flags=trainer_flags(rest))
+    args = TrainArgs(**values, trainer_flags=trainer_flags(rest, trainer_config_class(ns.plan) if rest else None))
     check_train_args(args)
     return args
 
 
-def trainer_flags(argv: list[str]) -> dict[str, Any]:
-    """The TrainingArguments flags in argv, parsed by transformers' HfArgumentParser; only those given."""
+def trainer_config_class(plan: str):
+    """The arguments class the plan's trainer takes: TRL's GRPOConfig / DPOConfig for a GRPO / DPO plan (their own
+    flags too: --temperature, --loss_type, --reward_weights), else TrainingArguments. A plan that cannot be read
+    gets TrainingArguments here and its one-line error where it is loaded."""
+    from transformers import TrainingArguments
+
+    from toolkit.plan.schema import load_plan
+
+    try:
+        loaded = load_plan(plan)
+    except UserError:
+        return TrainingArguments
+    if loaded.grpo:
+        from trl import GRPOConfig
+
+        return GRPOConfig
+    if loaded.dpo:
+        from trl import DPOConfig
+
+        return DPOConfig
+    return TrainingArguments
+
+
+def trainer_flags(argv: list[str], config_class=None) -> dict[str, Any]:
+    """The TrainingArguments (or `config_class`) flags in argv, parsed by transformers' HfArgumentParser; only those
+    given."""
     if not argv:
         return {}
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser(TrainingArguments, allow_abbrev=False)  # `--learning 1` is not --learning_rate
+    parser = HfArgumentParser(config_class or TrainingArguments, allow_abbrev=False)  # `--learning` != --learning_rate
     for action in parser._actions:  # noqa: SLF001 - argparse has no public way to drop the defaults
         action.default = argparse.SUPPRESS
         action.required = False

@@ -33,10 +33,13 @@ def plan_dir(args: TrainArgs) -> Path:
 def train_hf(plan: Plan, args: TrainArgs) -> int:
     if plan.engine not in (Engine.DDP, Engine.DEEPSPEED, Engine.FSDP2):
         raise UserError(f"plan engine {plan.engine!r} is not one the HF Trainer path runs (ddp, deepspeed, fsdp2)")
+    rewards = None
     if plan.grpo:
-        from toolkit.inputs.grpo import GRPO_TRAIN_PROBLEM
+        from toolkit.train.grpo import check_grpo_run
 
-        raise UserError(GRPO_TRAIN_PROBLEM)
+        rewards = check_grpo_run(plan, args, on_cpu=cpu.on_cpu())
+    elif args.reward:
+        raise UserError("--reward applies to GRPO plans and this plan is not one: it would be ignored; drop it")
     if plan.activation_offloading:
         raise UserError("the plan offloads activations, which TRL's trainers do and toolkit.train does not: run "
                         "it with your own TRL script (training_args.json, sft_config / dpo_config) or re-plan "
@@ -64,7 +67,11 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     training_args = _training_arguments(plan, args, output, on_cpu=state is not None)
     _check_world(plan, training_args.world_size)
     # Data before the model: bad data fails in seconds, not after a 70B model has loaded.
-    if plan.dpo:
+    if plan.grpo:
+        from toolkit.train.grpo import build_prompt_datasets
+
+        train_data, eval_data = build_prompt_datasets(args.data)
+    elif plan.dpo:
         from toolkit.train.dpo import build_preference_datasets
 
         train_data, eval_data = build_preference_datasets(args.data, eval_fraction=args.eval_fraction,
@@ -88,6 +95,8 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
 
         # The policy's twin (the same weights, random ones included): DPO's reference at step 0 is the policy.
         ref_model = new_model() if needs_reference_model(plan, adapter) else None
+    elif plan.grpo and plan.grpo_spec.reference_kept and adapter is None:
+        ref_model = new_model()  # the policy's twin (beta > 0, full fine-tuning: toolkit.train.grpo)
     if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
         _check_born_partitioned(model)
     if plan.tiled:
@@ -96,12 +105,12 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         from toolkit.patches.tiling import apply_tiling
 
         apply_tiling(model, agree_across_ranks=True)
-    if adapter is not None and not plan.dpo:  # DPO: TRL wraps it (peft_config), the disabled adapter is the reference
+    if adapter is not None and not (plan.dpo or plan.grpo):  # TRL wraps it (peft_config); disabled: the reference
         from toolkit.train.adapters import wrap_model
 
         model = wrap_model(model, adapter, checkpointing=plan.checkpointing)
     trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data,
-                            ref_model=ref_model, adapter=adapter)
+                            ref_model=ref_model, adapter=adapter, rewards=rewards)
     seen_dtypes = _watch_layer_dtype(model, plan.layer_class)
     if state is None or trainer.is_world_process_zero():
         print(_banner(plan, args, training_args, len(train_data), eval_data), flush=True)
@@ -186,6 +195,10 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         from toolkit.train.dpo import dpo_config_kwargs
 
         config_class = DPOConfig
+    elif plan.grpo:
+        from trl import GRPOConfig
+
+        config_class = GRPOConfig
     deepspeed = None
     if plan.engine == Engine.DEEPSPEED:
         deepspeed = plan_dir(args) / DS_CONFIG
@@ -236,6 +249,10 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
         kwargs["torch_compile"] = True
     if plan.dpo:
         kwargs.update(dpo_config_kwargs(plan))
+    elif plan.grpo:
+        from toolkit.train.grpo import grpo_config_kwargs
+
+        kwargs.update(grpo_config_kwargs(plan))
     kwargs.update(user_trainer_flags(plan, args.trainer_flags, kwargs))
     accelerator_config: dict = dict(kwargs.pop("accelerator_config", {}))
     if on_cpu:
@@ -261,6 +278,8 @@ def user_trainer_flags(plan: Plan, flags: dict, kwargs: dict) -> dict:
     """The TrainingArguments flags a user gave (e.g. --report_to wandb) that toolkit.train passes on: all of them,
     except a value for a plan-owned setting that differs from the plan's, which is dropped with a warning."""
     owned = set(training_arguments(plan)) | set(PLAN_OWNED_FLAGS)
+    if plan.grpo:
+        owned |= set(plan.grpo_spec.grpo_config_kwargs())  # num_generations, lengths, beta: the plan's memory
     passed = {}
     for name, value in flags.items():
         if name in owned:
@@ -321,6 +340,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
                "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
+               "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
                "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
                # modules ZeRO-3 fetched whole: DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py z3_leaf_module)
                "z3_leaf_modules": sorted({type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)})}
@@ -377,7 +397,7 @@ def _compiled_graphs() -> int:
 
 
 def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data, *, ref_model=None,
-                  adapter=None):
+                  adapter=None, rewards=None):
     from transformers import Trainer, default_data_collator
     from transformers.trainer_utils import IntervalStrategy
 
@@ -402,6 +422,12 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
     throughput = ThroughputLog(tokens_per_step=plan.global_batch * plan.seq_len * (2 if plan.dpo else 1),
                                **_predicted_step(plan))
     callbacks = [CheckpointMarker(args.output, args.save_total_limit)]
+    if plan.grpo:
+        from toolkit.train.grpo import make_grpo_trainer
+
+        return make_grpo_trainer(plan, model=model, ref_model=ref_model, rewards=rewards, adapter=adapter,
+                                 tokenizer=tokenizer, training_args=training_args, train_data=train_data,
+                                 callbacks=callbacks, throughput=throughput)
     if plan.dpo:
         from toolkit.train.dpo import make_dpo_trainer
 
@@ -498,19 +524,20 @@ def _attention(plan: Plan) -> str:
 
 
 def _banner(plan, args, training_args, n_train, eval_data) -> str:
+    unit = ("pairs", "pairs") if plan.dpo else ("completions", "prompts") if plan.grpo else ("sequences", "blocks")
     return (f"toolkit.train: {plan.strategy} ({plan.engine}), {plan.model_type} {plan.num_layers} layers, "
             f"{_degrees(plan)}seq {plan.seq_len}, micro {plan.micro_batch} x accum {plan.grad_accum} x dp "
             f"{_data_parallel(plan, training_args.world_size)}"
-            f" = {_global_batch(plan, training_args.world_size)} {'pairs' if plan.dpo else 'sequences'}/step, "
-            f"{plan.precision}, {n_train} train {'pairs' if plan.dpo else 'blocks'}, "
-            f"{len(eval_data) if eval_data is not None else 0} eval {'pairs' if plan.dpo else 'blocks'}"
-            f"{_dpo_words(plan)}")
+            f" = {_global_batch(plan, training_args.world_size)} {unit[0]}/step, "
+            f"{plan.precision}, {n_train} train {unit[1]}, "
+            f"{len(eval_data) if eval_data is not None else 0} eval {unit[1]}{_method_words(plan)}")
 
 
-def _dpo_words(plan: Plan) -> str:
+def _method_words(plan: Plan) -> str:
+    from toolkit.inputs.grpo import grpo_words
     from toolkit.inputs.preference import reference_words
 
-    return reference_words(plan.dpo_spec)
+    return reference_words(plan.dpo_spec) + grpo_words(plan.grpo_spec)
 
 
 def _is_rank_zero() -> bool:

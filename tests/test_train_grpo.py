@@ -1,0 +1,173 @@
+"""toolkit.train runs a GRPO plan with TRL's GRPOTrainer (generation in the training process), on the engines and
+the batch the plan says, with rewards named by --reward.
+
+The runs train the tiny Llama (its saved random weights) on 16 short prompts, 2 generations per prompt, 8-token
+completions, fp32, with the built-in `length` reward (a random model's completions differ in length, so the group
+advantage is not 0). One process (micro 2 x accumulation 2, one prompt group generated per micro-step:
+--steps_per_generation 1) and ZeRO-2 on two processes (micro 2 each, one prompt group per rank) generate the same
+groups from the same RNG state, since toolkit.train seeds every generation from its place in the run
+(toolkit.train.grpo); with TRL's per-sequence loss (--loss_type grpo) both runs then average the same per-sequence
+losses (over accumulation in one, over ranks in the other) and agree up to reduction order (measured: losses equal,
+grad norms within 1.4e-6 relative, the weights' checksum within 4e-10; TOLERANCE 1e-5 relative). TRL's default "dapo" loss
+normalizes by the tokens of a whole generation batch, which here is one micro-step in one run and both ranks' in the
+other, so it is not the same number when completion lengths differ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from toolkit.errors import UserError
+from toolkit.inputs.grpo import Grpo
+from toolkit.run.rehearsal import plan_for_model
+
+STEPS = 3
+TOLERANCE = 1e-5
+COMMON = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", "100", "--lr", "1e-3",
+          "--lr-scheduler", "constant", "--seed", "7", "--no-save-final", "--reward", "length",
+          "--loss_type", "grpo")
+
+
+def _plan(model_dir, strategy, *, world, micro, accum, beta=0.1):
+    grpo = Grpo(num_generations=2, max_prompt_length=16, max_completion_length=8, beta=beta)
+    plan = plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, grad_accum=accum,
+                          seq_len=grpo.seq_len, precision="fp32")
+    return plan.replace(grpo=grpo.to_dict())
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"The number {i} is"}) + "\n" for i in range(16)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(run_training, tiny_llama_dir, prompts):
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2)
+    return run_training(plan, "grpo-one", "--data", str(prompts), "--steps_per_generation", "1", *COMMON).check()
+
+
+def _steps(run, key: str) -> dict[int, float]:
+    return {e["step"]: e[key] for e in run.ranks[0]["log_history"] if key in e and "train_runtime" not in e}
+
+
+@pytest.mark.multiprocess
+def test_grpo_trains_with_a_reference_and_the_weights_change(single, tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    losses = single.losses()
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(v) for v in losses.values()), losses
+    kl = _steps(single, "kl")
+    assert kl[1] == 0.0 and all(kl[s] > 0 for s in range(2, STEPS + 1)), kl  # step 1: the policy is the reference
+    assert all(v > 0 for v in _steps(single, "reward_std").values())  # completions differ: the advantage is not 0
+    assert single.ranks[0]["reference_model"] is True  # beta 0.1: TRL holds the policy's twin as the reference
+    with torch.no_grad():
+        start = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+        before = sum(float(p.double().abs().sum()) for p in start.parameters())
+    assert abs(single.ranks[0]["local_param_abs_sum"] - before) > 1e-3  # the policy trained
+
+
+@pytest.mark.multiprocess
+def test_beta_0_holds_no_reference(run_training, tiny_llama_dir, prompts):
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, beta=0.0)
+    run = run_training(plan, "grpo-beta0", "--data", str(prompts), *COMMON).check()
+    assert run.ranks[0]["reference_model"] is False
+    assert _steps(run, "kl") == {}  # TRL computes no KL term without a reference
+    assert all(math.isfinite(v) for v in run.losses().values())
+
+
+@pytest.mark.multiprocess
+def test_zero2_on_two_processes_matches_one_process(run_training, tiny_llama_dir, prompts, single):
+    plan = _plan(tiny_llama_dir, "zero2", world=2, micro=2, accum=1)
+    run = run_training(plan, "grpo-zero2", "--data", str(prompts), *COMMON).check()
+    assert len(run.ranks) == 2
+    # Not compared: kl, reward_std and the completions' min / max, which TRL aggregates over the gathered generation
+    # batch in one run and averages over micro-steps in the other (a statistic of the log, not of the training).
+    for key in ("loss", "grad_norm", "entropy", "completions/mean_length", "rewards/length/mean"):
+        ref, got = _steps(single, key), _steps(run, key)
+        assert got.keys() == ref.keys() == set(range(1, STEPS + 1)), key
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=TOLERANCE, abs=1e-9), (key, step, got, ref)
+    assert run.ranks[0]["local_param_abs_sum"] == pytest.approx(single.ranks[0]["local_param_abs_sum"], rel=1e-6)
+    assert run.ranks[1]["local_param_abs_sum"] == run.ranks[0]["local_param_abs_sum"]  # replicas agree
+
+
+def _preflight(plan, tmp_path, *argv):
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.preflight import preflight
+
+    plan_dir = emit_plan_files(plan, tmp_path / "plan")
+    with pytest.raises(UserError) as exc:
+        preflight(plan, plan_dir, ["--output", str(tmp_path / "out"), *argv])
+    assert not (tmp_path / "out").exists()
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("reward, says", [
+    (None, "a GRPO plan trains on rewards and none was given; give --reward MODULE:FUNCTION"),
+    ("nosuchmodule_xyz:score", "--reward nosuchmodule_xyz:score: cannot import nosuchmodule_xyz"),
+    ("json:nothing", "--reward json:nothing: json has no 'nothing'"),
+    ("json:__doc__", "--reward json:__doc__: __doc__ is a str, not a function"),
+    ("rewards.py:no_kwargs", "--reward rewards.py:no_kwargs: no_kwargs takes no **kwargs"),
+    ("match=(", "--reward match=(: not a regular expression"),
+    ("lenght", "--reward 'lenght' is not a built-in reward nor MODULE:FUNCTION"),
+])
+def test_a_bad_reward_is_one_line_before_anything_starts(tiny_llama_dir, prompts, tmp_path, monkeypatch, reward,
+                                                         says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards.py").write_text("def no_kwargs(completions):\n    return [0.0 for _ in completions]\n")
+    plan = _plan(tiny_llama_dir, "zero2", world=2, micro=2, accum=1)
+    argv = ["--data", str(prompts)] + (["--reward", reward] if reward else [])
+    assert _preflight(plan, tmp_path, *argv).startswith(says)
+
+
+def test_a_reward_from_a_file_is_loaded(tmp_path, monkeypatch):
+    from toolkit.train.rewards import load_rewards
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text("def digits(completions, **kwargs):\n"
+                                            "    return [float(sum(ch.isdigit() for ch in c)) for c in completions]\n")
+    from_file, from_module, match, length = load_rewards(["my_rewards.py:digits", "my_rewards:digits", "match=[0-9]",
+                                                          "length"])
+    completions = ["a1b22", [{"role": "assistant", "content": "x9"}]]
+    assert from_file(completions=completions[:1]) == from_module(completions=completions[:1]) == [3.0]
+    assert match(completions=completions) == [3.0, 1.0]
+    assert length(completions=completions) == [5.0, 2.0]
+
+
+@pytest.mark.parametrize("rows, says", [
+    ([{"text": "hello"}] * 4, "GRPO data {data}: prompts.jsonl line 1 has no 'prompt'"),
+    ([{"prompt": ""}] * 4, "GRPO data {data}: prompts.jsonl line 1 has an empty 'prompt'"),
+    ([{"prompt": 3}] * 4, "GRPO data {data}: prompts.jsonl line 1 has a 'prompt' of type int"),
+    ([{"prompt": [{"role": "robot", "content": "hi"}]}] * 4, "GRPO data {data}: prompts.jsonl line 1 turn 1 has role"),
+    ([{"prompt": "word " * 40}] * 4, "GRPO data {data}: the prompt of prompts.jsonl line 1 is"),
+    ([{"prompt": "hi"}], "GRPO data {data} holds 1 prompt(s), fewer than one optimizer step takes"),
+    ([], "data {data} holds no rows"),
+])
+def test_bad_grpo_data_is_one_line_before_anything_starts(tiny_llama_dir, tmp_path, rows, says):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    plan = _plan(tiny_llama_dir, "zero2", world=2, micro=2, accum=1)
+    assert _preflight(plan, tmp_path, "--data", str(data), "--reward", "length").startswith(says.format(data=data))
+
+
+def test_a_vllm_plan_is_refused_on_cpu(tiny_llama_dir, prompts, tmp_path):
+    from toolkit.train.grpo import VLLM_TRAIN_PROBLEM
+
+    plan = _plan(tiny_llama_dir, "zero2", world=2, micro=2, accum=1)
+    plan = plan.replace(grpo={**plan.grpo, "use_vllm": True})
+    assert _preflight(plan, tmp_path, "--data", str(prompts), "--reward", "length") == VLLM_TRAIN_PROBLEM
+
+
+def test_a_bad_reward_in_toolkit_train_is_one_line_and_exit_2(train_in_process, tiny_llama_dir, prompts):
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2)
+    run = train_in_process(plan, "grpo-bad-reward", "--data", str(prompts), "--reward", "nosuchmodule_xyz:f")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: --reward nosuchmodule_xyz:f: cannot import")
