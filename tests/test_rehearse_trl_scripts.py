@@ -92,13 +92,18 @@ def test_a_grpo_plan_that_fits_the_small_batch_keeps_its_generations(tiny_llama_
     assert small.grpo_spec == grpo and small.seq_len == 16 and said == []
 
 
-def test_processes_with_rehearse_is_refused_for_a_model_parallel_plan(tiny_llama_dir):
-    from toolkit.errors import UserError
+def test_processes_with_rehearse_is_refused_for_a_model_parallel_plan_in_one_line(tiny_llama_dir, tmp_path,
+                                                                                   capsys):
+    from toolkit.cli import main
+    from toolkit.emit import emit_files
 
     plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=4, tensor=2, seq_len=32)
-    with pytest.raises(UserError, match=r"^--processes 1: the rehearsal of this fsdp2 .* runs on its 4 processes .*"
-                                        r"drop --processes$"):
-        rehearsal_plan(plan, tiny_llama_dir, processes=1)
+    emit_files(plan, tmp_path / "plan")
+    code = main(["launch", str(tmp_path / "plan"), "--rehearse", "--processes", "1", "--", "my_train.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.endswith("--processes 1: the rehearsal of this fsdp2 dp=2 x tp=2 plan runs on its 4 processes (each "
+                        "model-parallel degree at 2); drop --processes\n")
     small, _ = rehearsal_plan(plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=8, seq_len=32), tiny_llama_dir,
                               processes=1)
     assert (small.world_size, small.strategy) == (1, "zero2")

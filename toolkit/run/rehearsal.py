@@ -63,6 +63,31 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
     )
 
 
+def rehearsal_world(plan: Plan, nodes: int = 1, processes: int | None = None) -> int:
+    """How many processes rehearse the plan: 2, or 4 for FSDP2 x TP and for a pipeline with data parallelism, 8
+    for HSDP (x tp); for a plan with data parallelism alone, `processes` when given. Refuses a `processes` or
+    `nodes` that does not fit, before anything is made."""
+    tensor = rehearsal_degrees(plan)[0]
+    world = 2
+    if tensor > 1:
+        world = 4  # FSDP2 x TP: 2 x 2 (tensor parallelism alone leaves FSDP2 nothing to shard over)
+    if plan.engine == Engine.PIPELINE:
+        world = 4 if plan.strategy == "hybrid" or plan.data_parallel > 1 else 2
+    if plan.strategy == "fsdp2-hybrid":
+        # HSDP: 2 replicas across nodes of 2 shards each (x tp inside a node: 8 processes, since tensor
+        # parallelism with 1 shard leaves FSDP2 nothing to shard over)
+        world = 2 * 2 * tensor
+    if processes is not None and processes != world:
+        if world != 2 or plan.engine == Engine.PIPELINE or plan.grid.model_parallel > 1 \
+                or plan.expert_parallel > 1:
+            raise UserError(f"--processes {processes}: the rehearsal of this {_label(plan)} plan runs on its {world} "
+                            "processes (each model-parallel degree at 2); drop --processes")
+        world = processes  # data parallelism alone: any number of ranks runs the same code path
+    if world % nodes:
+        raise UserError(f"--nodes {nodes} does not divide the rehearsal's {world} processes (try 2)")
+    return world
+
+
 def rehearsal_degrees(plan: Plan) -> tuple[int, int, int, int]:
     """(tensor, context, sequence, pipeline stages) of the rehearsal's grid: each model-parallel degree the plan has,
     at 2 (the fewest processes that still split); 2 stages for a pipeline plan."""
@@ -91,26 +116,10 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1,
         said.append("flash-attention kernels need a GPU: rehearsing with the model's default attention (sdpa, or "
                     "eager where the model has no sdpa)")
     tensor, context, sequence, stages = rehearsal_degrees(plan)
-    world = 2
-    if tensor > 1:
-        world = 4  # FSDP2 x TP: 2 x 2 (tensor parallelism alone leaves FSDP2 nothing to shard over)
-    if plan.engine == Engine.PIPELINE:
-        world = 4 if plan.strategy == "hybrid" or plan.data_parallel > 1 else 2
+    world = rehearsal_world(plan, nodes, processes)
     if plan.liger:
         said.append("Liger's Triton kernels need a GPU: rehearsing without them (the memory savers change no "
                     "engine code path)")
-    if plan.strategy == "fsdp2-hybrid":
-        # HSDP: 2 replicas across nodes of 2 shards each (x tp inside a node: 8 processes, since tensor
-        # parallelism with 1 shard leaves FSDP2 nothing to shard over)
-        world = 2 * 2 * tensor
-    if processes is not None and processes != world:
-        if world != 2 or plan.engine == Engine.PIPELINE or plan.grid.model_parallel > 1 \
-                or plan.expert_parallel > 1:
-            raise UserError(f"--processes {processes}: the rehearsal of this {_label(plan)} plan runs on its {world} "
-                            "processes (each model-parallel degree at 2); drop --processes")
-        world = processes  # data parallelism alone: any number of ranks runs the same code path
-    if world % nodes:
-        raise UserError(f"--nodes {nodes} does not divide the rehearsal's {world} processes (try 2)")
     if problem := plan.grid.resume_problem():
         said.append(f"{problem}; the rehearsal checks that its checkpoints and final model are written, not a "
                     "resume")
@@ -203,6 +212,7 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
     (rehearsal_plan)."""
     if problem := rehearsal_problem(plan):
         raise UserError(f"cannot rehearse on CPU: {problem}")
+    rehearsal_world(plan, nodes, processes)  # a --processes / --nodes that does not fit, before anything is made
 
     if is_user_script(train_argv):
         return _rehearse_script(plan, plan_dir, train_argv, dry_run=dry_run, processes=processes)
