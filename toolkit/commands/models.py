@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-from toolkit.inputs.modelconfig import text_config
-
 
 def add_parser(sub) -> None:
     sub.add_parser("models", help="list the model catalog (size, dense / MoE, layers, positions)") \
@@ -36,7 +34,7 @@ def catalog_row(name: str) -> dict:
     row = cache.get("catalog-row", [name, data], code=catalog_row)
     if isinstance(row, dict):
         return row
-    from toolkit.inputs.modelconfig import moe_shape, load_config, model_positions
+    from toolkit.inputs.modelconfig import load_config, model_positions, moe_shape, text_config
 
     config = load_config(name)
     text = text_config(config)
