@@ -21,7 +21,7 @@ from toolkit.check.findings import EVERY, Problem
 from toolkit.check.read import is_plan_json, read_config
 from toolkit.engines.readers import _mapping, concrete_int, enabled, quiet_engines, zero_settings
 from toolkit.errors import UserError
-from toolkit.inputs.strategy import Engine, Strategy
+from toolkit.inputs.strategy import Engine, Strategy, parse_strategy
 
 
 @dataclass(frozen=True)
@@ -230,6 +230,11 @@ def _fsdp_strategy(plugin: Any, notes: list[str]) -> tuple[Strategy, bool | None
     offload = getattr(plugin, "cpu_offload", None)
     if offload is not None and getattr(offload, "offload_params", offload is True):
         notes.append("FSDP CPU offload is not modelled: the estimate keeps parameters on the GPU, an upper bound")
+    if int(getattr(plugin, "fsdp_version", 1) or 1) == 2 and type(offload).__name__ == "CPUOffloadPolicy":
+        if mode == "full":
+            return parse_strategy("fsdp2-offload"), bool(plugin.activation_checkpointing)
+        notes.append("FSDP2 CPU offload is modelled with reshard_after_forward only: the estimate keeps parameters "
+                     "on the GPU, an upper bound")
     return Strategy("fsdp2", fsdp_mode=mode), bool(plugin.activation_checkpointing)
 
 

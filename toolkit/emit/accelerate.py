@@ -100,7 +100,8 @@ def fsdp_config(plan: Plan) -> dict[str, Any]:
         "fsdp_cpu_ram_efficient_loading": True,
         # accelerate's launcher insists on it next to cpu_ram_efficient_loading (utils/launch.py), FSDP2 ignores it.
         "fsdp_sync_module_states": True,
-        "fsdp_offload_params": False,
+        # true: accelerate builds torch's CPUOffloadPolicy() for FSDP2 (utils/dataclasses.py set_cpu_offload).
+        "fsdp_offload_params": plan.offload_params != "none",
         "fsdp_activation_checkpointing": plan.checkpointing,
     }
 

@@ -195,7 +195,10 @@ def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid
         extra = optimizer_step_temporary_bytes(
             impl=job.optimizer_impl, optimizer=job.optimizer, group_state_bytes=group * state_bytes,
             largest_param_state_bytes=spec.embedding_params * state_bytes / shard)
-        s.step_transient += extra
+        if strategy.offloads:  # FSDP2's CPUOffloadPolicy: the step runs on the CPU parameters, its temporaries too
+            s.cpu += extra
+        else:
+            s.step_transient += extra
     return s
 
 

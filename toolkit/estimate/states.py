@@ -211,7 +211,27 @@ def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_para
         s.accumulation_gradients = P * compute
     s.sources.append(f"FSDP2: {full}P/N params + {full}P/N grads + optimizer/N; unsharded {compute} B/param "
                      f"params of {'all layers (no reshard)' if strategy.fsdp_mode == 'grad_op' else f'{prefetch_layers} layer(s) + root'}")
+    if strategy.offloads:
+        fsdp2_offload(s, sharded_bytes=P * full / N, layer_shard_bytes=prefetch_layers * layer_params * full / N)
     return s
+
+
+def fsdp2_offload(s: States, *, sharded_bytes: float, layer_shard_bytes: float) -> None:
+    """FSDP2 with CPUOffloadPolicy (accelerate's fsdp_offload_params: true builds CPUOffloadPolicy(), pin_memory
+    True): moves what `s` holds sharded on the GPU to host RAM. torch _fully_shard/_fsdp_param.py keeps each
+    sharded parameter on the CPU (pinned) in its own dtype; all_gather_inputs copies a unit's shard to the GPU
+    (`.to(device, non_blocking=True)`, in its stored dtype, cast to param_dtype after) before every all-gather, in
+    forward and again in backward; _fsdp_collectives.py foreach_reduce copies each reduce-scattered gradient shard
+    to the CPU (pinned) and accumulates there; the optimizer's states follow the CPU parameters and its step runs
+    on the CPU. `sharded_bytes`: the sharded parameters as stored (the gradients take the same); `layer_shard_bytes`:
+    the shards of the units in flight, whose GPU staging copies live until their all-gather has copied them in."""
+    host = s.parameters + s.step_gradients + s.optimizer + s.master
+    s.cpu += host
+    s.parameters = s.step_gradients = s.optimizer = s.master = 0.0
+    s.gathered += layer_shard_bytes
+    s.sources.append(f"CPUOffloadPolicy: sharded params + grads + optimizer ({host / max(sharded_bytes, 1):.3g}x the "
+                     "sharded params) in pinned host RAM, the optimizer step on the CPU; the GPU holds the gathered "
+                     "units and their shards' H2D staging copies")
 
 
 def fsdp2_gathered_bytes(strategy: Strategy, *, whole: float, layer: float, root: float,
@@ -289,6 +309,12 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
         s.gathered = fsdp2_gathered_bytes(strategy, whole=gather_bytes, layer=layer_gathered_bytes,
                                           root=root_gathered_bytes, prefetch_layers=prefetch_layers)
         base_per_gpu = base_sharded_bytes / shard + whole_bytes
+        if strategy.offloads:
+            # The frozen base's shards join the trainable ones in host RAM; what accelerate leaves out of
+            # sharding (uint8 4-bit codes) is not FSDP2's to offload and stays whole on every GPU.
+            s.cpu += base_sharded_bytes / shard
+            s.gathered += prefetch_layers * layer_gathered_bytes / shard
+            base_per_gpu = whole_bytes
         if job.adapter.method == "qlora" and not quantized_base_sharded(job.adapter):
             s.sources.append("4-bit base stored as uint8: accelerate leaves it out of FSDP2 sharding (whole per GPU); "
                              "set --qlora-quant-storage bfloat16 to shard it")

@@ -37,7 +37,14 @@ nodes). DDP's and ZeRO's are assumed (bucketed gradient overlap, the same order)
 ZeRO row with a full configuration; gpu_check --timing measures them."""
 OVERLAP_FITTED = frozenset({Engine.FSDP2})
 CPU_ADAM_PARAMS_PER_S = 2.0e9
-"""DeepSpeedCPUAdam throughput per node (AVX-512, all cores): ~1 s per 2B parameters. Assumed."""
+"""DeepSpeedCPUAdam throughput per node (AVX-512, all cores): ~1 s per 2B parameters. Assumed. FSDP2's
+CPUOffloadPolicy runs torch's own optimizer on the CPU shards instead and is priced at the same rate (cpu_step_s)."""
+
+
+def cpu_step_s(trainable: float, shard: int, ranks_per_node: int) -> float:
+    """Seconds of the optimizer step on the CPU, for every offload that runs it there: each of the node's ranks
+    steps its 1/shard of the trainable parameters, and they share the node's cores (CPU_ADAM_PARAMS_PER_S)."""
+    return trainable * ranks_per_node / shard / CPU_ADAM_PARAMS_PER_S
 NVME_GBPS = 6.0
 """NVMe read/write bandwidth per node (two Gen4 drives). Assumed."""
 P2P_EFFICIENCY = 0.8
@@ -321,7 +328,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             host_link = hw.gpu.pcie_gbps * 1e9
             # fp32 grads down, bf16 params up, per rank; ranks share the node's CPU for the Adam step.
             offload += (P_grad / dp) * (4 + pb) / host_link
-            offload += P_grad * hw.gpus_per_node / dp / CPU_ADAM_PARAMS_PER_S
+            offload += cpu_step_s(P_grad, dp, hw.gpus_per_node)
             if strategy.offload_params != "none":
                 offload += A * 2 * (gather_bytes / dp) / host_link
             if strategy.offload_optimizer == "nvme":
@@ -346,6 +353,19 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                                    f"expert parallel {grid.expert}: no FSDP (fsdp_size 1), nothing gathered")
             else:
                 comm = A * (gathers * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+        if strategy.offloads:
+            # CPUOffloadPolicy (toolkit.estimate.states.fsdp2_offload): every micro-step copies each unit's shard
+            # up for each all-gather (its stored dtype: trainable weights in weight_bytes) and every gradient
+            # shard down (in the parameters' dtype); the optimizer step runs on the CPU.
+            host_link = hw.gpu.pcie_gbps * 1e9
+            grad_b = weight_bytes(job.precision)
+            stored = gather_bytes + P_grad * (grad_b - pb)
+            gathers = 1 if strategy.fsdp_mode == "grad_op" else 2
+            offload += A * (gathers * stored + P_grad * grad_b) / dp / host_link
+            offload += cpu_step_s(P_grad, dp, hw.gpus_per_node)
+            assumptions.append(f"FSDP2 CPU offload: {gathers} H2D copies of each shard + 1 D2H of its gradients per "
+                               f"micro-step over a {hw.gpu.pcie_gbps:.0f} GB/s host link, not overlapped; CPU "
+                               f"optimizer step at {CPU_ADAM_PARAMS_PER_S / 1e9:.0f}B params/s per node")
     else:
         # Pipeline: activations cross stage boundaries; stages across nodes, data parallel inside a node.
         M = A

@@ -15,6 +15,8 @@ Names:
   fsdp2                    torch FSDP2, full shard (reshard after forward)
   fsdp2-grad-op            FSDP2 without resharding after forward (ZeRO-2-like)
   fsdp2-hybrid             FSDP2 sharded inside a node, replicated across nodes (HSDP)
+  fsdp2-offload            FSDP2 full shard with CPUOffloadPolicy: sharded params, grads, optimizer states and
+                           the optimizer step in CPU RAM, each unit's shard copied to the GPU for its all-gather
   pipeline                 DeepSpeed pipeline engine, all ranks are stages (data parallel 1)
   hybrid                   DeepSpeed pipeline x data parallel with ZeRO-1
 """
@@ -68,9 +70,10 @@ KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
 class Strategy:
     kind: KindName
     offload_optimizer: OffloadDevice = "none"
-    """Where optimizer states, fp32 master weights and the optimizer step live (ZeRO only)."""
+    """Where optimizer states, fp32 master weights and the optimizer step live (ZeRO; FSDP2 with CPUOffloadPolicy)."""
     offload_params: OffloadDevice = "none"
-    """Where the (bf16/fp16) parameter partitions live between uses (ZeRO-3 only)."""
+    """Where the parameter partitions live between uses (ZeRO-3; FSDP2's CPUOffloadPolicy, which always moves
+    params, grads and the optimizer together)."""
     fsdp_mode: FsdpMode = "full"
     """FSDP2 sharding: full (reshard after forward), grad_op (keep params unsharded to backward), hybrid (HSDP)."""
 
@@ -100,6 +103,8 @@ class Strategy:
     @property
     def name(self) -> str:
         if self.kind == "fsdp2":
+            if self.offloads:
+                return "fsdp2-offload"
             return {"full": "fsdp2", "grad_op": "fsdp2-grad-op", "hybrid": "fsdp2-hybrid"}[self.fsdp_mode]
         if not self.offloads:
             return self.kind
@@ -124,6 +129,7 @@ STRATEGIES: dict[str, Strategy] = {
     "fsdp2": Strategy("fsdp2"),
     "fsdp2-grad-op": Strategy("fsdp2", fsdp_mode="grad_op"),
     "fsdp2-hybrid": Strategy("fsdp2", fsdp_mode="hybrid"),
+    "fsdp2-offload": Strategy("fsdp2", offload_optimizer="cpu", offload_params="cpu"),
     "pipeline": Strategy("pipeline"),
     "hybrid": Strategy("hybrid"),
 }

@@ -1,0 +1,74 @@
+"""FSDP2 with CPUOffloadPolicy as the strategy fsdp2-offload (issue 28, Deliver 3): what leaves the GPU, what the
+host holds, what the step pays for it, and the files accelerate reads."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from toolkit.cli import main
+from toolkit.estimate.memory import estimate_memory
+from toolkit.estimate.states import fsdp2_states
+from toolkit.estimate.timing import cpu_step_s
+from toolkit.inputs.hardware import parse_hardware
+from toolkit.inputs.job import Job
+from toolkit.inputs.modelspec import resolve_model
+from toolkit.inputs.strategy import parse_strategy
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    return resolve_model("llama-2-7b")
+
+
+def test_offload_leaves_no_param_grad_or_optimizer_shard_on_the_gpu_and_puts_16_bytes_per_param_on_the_host(llama7b):
+    P, N, layer = llama7b.params, 8, max(llama7b.layer_params)
+    kw = dict(shard=N, layer_params=layer, root_params=llama7b.pre_layer_params + llama7b.post_layer_params,
+              accumulating=False)
+    on_gpu = fsdp2_states(P, Job(seq_len=8), parse_strategy("fsdp2"), **kw)
+    off = fsdp2_states(P, Job(seq_len=8), parse_strategy("fsdp2-offload"), **kw)
+    assert off.parameters == off.step_gradients == off.optimizer == off.master == 0
+    # fp32 param shard 4 + fp32 grad shard 4 + AdamW 8, per rank (CPUOffloadPolicy: all on the CPU).
+    assert off.cpu == pytest.approx(16 * P / N) == on_gpu.parameters + on_gpu.step_gradients + on_gpu.optimizer
+    # The two units in flight each stage their fp32 shard on the GPU before the all-gather.
+    assert off.gathered - on_gpu.gathered == pytest.approx(2 * layer * 4 / N)
+
+
+def test_offload_host_ram_per_node_is_every_ranks_sharded_states(llama7b):
+    b = estimate_memory(llama7b, parse_strategy("fsdp2-offload"), Job(seq_len=1024), parse_hardware("8xA100-80GB"))
+    assert b.cpu_bytes_per_node == pytest.approx(16 * llama7b.params, rel=1e-6)
+    assert b.host.resident_bytes_per_node == b.cpu_bytes_per_node
+    assert b.parameters_bytes == b.optimizer_bytes == 0
+
+
+def test_offload_step_pays_the_pcie_copies_and_the_same_cpu_step_as_zero_offload(llama7b, capsys):
+    from toolkit.estimate.timing import step_time
+
+    hw, job = parse_hardware("8xA100-80GB"), Job(seq_len=1024, micro_batch=1, grad_accum=2)
+    plain = step_time(llama7b, parse_strategy("fsdp2"), job, hw)
+    off = step_time(llama7b, parse_strategy("fsdp2-offload"), job, hw)
+    P, N = llama7b.params, 8
+    # Per micro-step: 2 H2D copies of the fp32 shard (forward + backward all-gathers) + 1 D2H of the fp32 grads.
+    pcie = 2 * (2 * 4 * P + 4 * P) / N / (hw.gpu.pcie_gbps * 1e9)
+    assert off.offload_s == pytest.approx(pcie + cpu_step_s(P, N, 8), rel=1e-9)
+    assert plain.offload_s == 0 and off.step_time_s - plain.step_time_s == pytest.approx(off.offload_s, rel=1e-9)
+
+
+def test_emitted_yaml_turns_on_accelerates_fsdp2_cpu_offload_policy(tiny_llama_dir, tmp_path, capsys):
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from toolkit.engines.validate import accelerate_launch_plugins
+
+    plugins = {}
+    for name in ("fsdp2", "fsdp2-offload"):
+        out = tmp_path / name
+        assert main(["plan", str(tiny_llama_dir), "--seq", "64", "--global-batch", "8", "--gpus", "2xH100-80GB",
+                     "--strategies", name, "--out", str(out)]) == 0, capsys.readouterr().err
+        config = yaml.safe_load((out / "accelerate_config.yaml").read_text())
+        assert config["fsdp_config"]["fsdp_offload_params"] is (name == "fsdp2-offload")
+        _, plugins[name], env = accelerate_launch_plugins(out / "accelerate_config.yaml")
+        assert env["FSDP_OFFLOAD_PARAMS"] == str(name == "fsdp2-offload").lower()
+        assert main(["check", str(out)]) == 0, capsys.readouterr()
+    assert isinstance(plugins["fsdp2-offload"].cpu_offload, CPUOffloadPolicy)
+    assert plugins["fsdp2-offload"].cpu_offload.pin_memory is True
+    assert type(plugins["fsdp2"].cpu_offload) is OffloadPolicy
