@@ -233,3 +233,20 @@ def test_a_script_expecting_text_in_a_dpo_rehearsal_fails_with_its_own_error_in_
     assert len(errors) == 1, done.stderr
     assert "failed: FileNotFoundError: Unable to find" in errors[0] and "train.txt" in errors[0]
     assert "(full log: " in errors[0] and "rehearsal FAILED (exit code 1)" in done.stdout
+
+
+def test_a_grpo_rehearsal_of_toolkit_train_keeps_the_runs_rewards_or_uses_the_length_reward(tiny_llama_dir, tmp_path,
+                                                                                           capsys):
+    from toolkit.cli import main
+    from toolkit.emit import emit_files
+    from toolkit.run.rehearsal import rehearsal_argv
+
+    kept = rehearsal_argv(tmp_path / "d", tmp_path / "o", ["--data", "x", "--reward", "my.py:score", "--reward=length"])
+    assert kept[-3:] == ["--reward", "my.py:score", "--reward=length"] and "x" not in kept
+    plan = plan_for_model(tiny_llama_dir, "ddp", seq_len=16).replace(grpo=Grpo(
+        num_generations=2, max_prompt_length=8, max_completion_length=8).to_dict())
+    emit_files(plan, tmp_path / "plan")
+    assert main(["launch", str(tmp_path / "plan"), "--rehearse", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "note: no --reward given: the GRPO rehearsal scores completions with the built-in length reward" in out
+    assert out.splitlines()[-1].startswith("$ accelerate launch ") and out.endswith(" --reward length\n")

@@ -188,8 +188,9 @@ def _plain(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # Training arguments that say how a step runs: a rehearsal keeps them (a --max-grad-norm that disagrees with the
-# DeepSpeed JSON fails here as it would on the GPUs). Everything else (model, data, length) is the rehearsal's own.
-KEPT_FLAGS = ("--lr", "--lr-scheduler", "--warmup-steps", "--weight-decay", "--max-grad-norm", "--seed")
+# DeepSpeed JSON fails here as it would on the GPUs; a GRPO run's --reward functions score the rehearsal's
+# completions). Everything else (model, data, length) is the rehearsal's own.
+KEPT_FLAGS = ("--lr", "--lr-scheduler", "--warmup-steps", "--weight-decay", "--max-grad-norm", "--seed", "--reward")
 REHEARSAL_STEPS = 4
 
 
@@ -266,6 +267,10 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
                  nodes: int = 1, processes: int | None = None) -> int:
     _, small, said, small_dir, data = small_setup(plan, work, nodes=nodes, processes=processes)
     argv = rehearsal_argv(data, work / "out", train_argv)
+    if small.grpo and not any(a.split("=", 1)[0] == "--reward" for a in argv):
+        argv += ["--reward", "length"]
+        said.append("no --reward given: the GRPO rehearsal scores completions with the built-in length reward (give "
+                    "the run's own after --: --reward MODULE:FUNCTION)")
     port = free_port()
     commands = [launch_command(small_dir, argv, machine_rank=r, main_host="127.0.0.1", main_port=port)
                 for r in range(nodes)] if nodes > 1 else [launch_command(small_dir, argv)]
