@@ -250,6 +250,7 @@ def compare(row: dict) -> dict:
 def band_cases(results: list[dict], rows: list[dict]) -> list[dict]:
     """The modelled tensor-peak comparisons (allocated / active metrics), as toolkit.estimate.errorband reads them."""
     by_id = {r["id"]: r for r in rows}
+    from toolkit.inputs.hardware import find_gpu
     from toolkit.inputs.strategy import parse_strategy
 
     out = []
@@ -260,7 +261,8 @@ def band_cases(results: list[dict], rows: list[dict]) -> list[dict]:
         for m in r["metrics"]:
             if m["metric"] in ("allocated", "active"):
                 out.append({"id": r["id"], "engine": parse_strategy(job["strategy"]).engine,
-                            "checkpointing": CHECKPOINTING[job["checkpointing"]], "error": round(m["error"][0], 4)})
+                            "checkpointing": CHECKPOINTING[job["checkpointing"]], "error": round(m["error"][0], 4),
+                            "gpu": job["gpu"], "architecture": find_gpu(job["gpu"]).architecture})
     return out
 
 

@@ -13,6 +13,7 @@ from toolkit.cli import main
 from toolkit.errors import UserError
 from toolkit.estimate.duration import RunSize, duration
 from toolkit.estimate.errorband import time_band
+from toolkit.inputs.hardware import find_gpu
 
 
 def estimate_json(capsys, *argv: str) -> dict:
@@ -34,12 +35,13 @@ def test_steps_hours_and_cost_follow_from_the_predicted_step(capsys):
 
 def test_the_band_is_the_step_time_band_only_where_published_runs_back_the_engine(capsys):
     backed = estimate_json(capsys, "--gpus", "1xH100-80GB", "--strategy", "ddp", "--dataset-tokens", "1e9")
-    assert time_band().covers("ddp", 1)
+    h100 = find_gpu("H100-80GB")
+    assert time_band(h100).covers("ddp", 1)
     run = backed["time_to_train"]
-    assert run["band"] == time_band().fraction
+    assert run["band"] == time_band(h100).fraction
     assert run["hours_band"] == pytest.approx([run["hours"] * (1 - run["band"]), run["hours"] * (1 + run["band"])])
     unbacked = estimate_json(capsys, "--gpus", "8xH100-80GB", "--strategy", "zero3", "--dataset-tokens", "1e9")
-    assert not time_band().covers("zero3", 8)
+    assert not time_band(h100).covers("zero3", 8)
     assert unbacked["time_to_train"]["band"] is None and unbacked["time_to_train"]["hours_band"] is None
     assert "cost" in unbacked["time_to_train"] and unbacked["time_to_train"]["cost"] is None
 

@@ -238,14 +238,14 @@ def test_a_faster_row_beyond_the_band_wins_over_more_headroom(llama7b):
                                                 sequence_parallel=1)) if c.feasible]
     roomy, tight = sorted(cands, key=headroom_bands, reverse=True)[:2]
     assert headroom_bands(roomy) > headroom_bands(tight)
-    speedup = 1 + 2 * time_band().fraction
+    speedup = 1 + 2 * time_band(roomy.gpu).fraction
     fast = replace(tight, timing=replace(tight.timing, tokens_per_s=roomy.timing.tokens_per_s * speedup,
                                          step_time_s=roomy.timing.step_time_s / speedup))
     ranked = rank([roomy, fast])
     assert ranked == [fast, roomy]
     assert why_first(ranked).startswith(f"#1: faster than #2 ({roomy.name}) by ")
     within = replace(fast, timing=replace(fast.timing,
-                                          tokens_per_s=roomy.timing.tokens_per_s * (1 + time_band().fraction / 2)))
+                                          tokens_per_s=roomy.timing.tokens_per_s * (1 + time_band(roomy.gpu).fraction / 2)))
     assert rank([within, roomy]) == [roomy, within]  # inside the band robustness decides, not the speed
 
 

@@ -100,7 +100,7 @@ def test_planner_refuses_a_candidate_inside_the_error_band():
     spec = resolve_model("gpt2")
     hw = parse_hardware("1xL4")
     ddp = parse_strategy("ddp")
-    band = band_for("ddp", False)
+    band = band_for("ddp", False, gpu=hw.gpu)
     assert band.cases >= 1 and band.fraction > 0
     inside = None
     for seq in (1024, 960, 896, 832, 768, 704, 640):

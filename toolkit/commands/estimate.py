@@ -113,7 +113,7 @@ def cmd_estimate(args) -> int:
 
         world = trace_world(spec, strategy, job, grid)
         b = replace(b, terms=traced_terms(b.terms, world))
-    band = band_for(strategy.engine, job.checkpointing)
+    band = band_for(strategy.engine, job.checkpointing, gpu=hw.gpu)
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
                "trainable_params": trainable_params(spec, job.adapter), "hardware": hw.spec,
@@ -134,9 +134,9 @@ def cmd_estimate(args) -> int:
                   if job.grpo else {}),
                "per_gpu": b.to_dict(), "host_ram_bytes_per_node": hw.cpu_ram_bytes_per_node, "fits": b.fits,
                "timing": t.to_dict(),
-               "error_band": {"fraction": band.fraction, "cases": band.cases, "kind": band.kind, "text": band.text()},
-               "time_error_band": {**time_band().to_dict(),
-                                   "evidenced_here": time_band().covers(strategy.name, hw.world_size)},
+               "error_band": band.to_dict(),
+               "time_error_band": {**time_band(hw.gpu).to_dict(),
+                                   "evidenced_here": time_band(hw.gpu).covers(strategy.name, hw.world_size)},
                "terms": [x.to_dict() for x in b.terms],
                **({"vision_share": vision_share(spec, b, c)} if spec.multimodal else {}),
                **({"fake_world": world.to_dict()} if world else {}),
@@ -179,7 +179,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     from toolkit.inputs.hardware import power_words
 
     strategy, job, t = c.strategy, c.job, c.timing
-    band = band_for(strategy.engine, job.checkpointing)
+    band = band_for(strategy.engine, job.checkpointing, gpu=hw.gpu)
     attention = spec.effective_attention(job.attention)
     cap = b.capacity_bytes
     active = f", {spec.active_params:,} active per token" if spec.active_params != spec.params else ""
@@ -251,8 +251,9 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
         print(f"NVMe per node: {gib(b.nvme_bytes_per_node)} GiB")
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"({step_terms_words(t)})")
-    print(f"time band: {time_band().text()}"
-          + ("" if time_band().covers(strategy.name, hw.world_size) else
+    tband = time_band(hw.gpu)
+    print(f"time band: {tband.text()}"
+          + ("" if tband.covers(strategy.name, hw.world_size) or not tband.known else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
              "unverified")
           + ("; the one published expert-parallel run scored (TRL's, benchmarks/results/moe_ep.md) is several "

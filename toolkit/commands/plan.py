@@ -151,7 +151,7 @@ def cmd_plan(args) -> int:
                **power_json(hw.gpu, req.precision),
                "candidates": rows, "chosen": row(chosen) if chosen else None,
                "chosen_because": why or (f"--choose {args.strategy_choice}" if chosen else None),
-               "time_error_band": time_band().to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
+               "time_error_band": time_band(hw.gpu).to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
                **({"chosen_explained": _explained(chosen)} if args.explain and chosen else {})}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top, run)
@@ -366,11 +366,9 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
         print(f"! {c.name} cannot resume from its checkpoints: {resume_problem(c)}")
     chosen = next((c for c in candidates if c.feasible), None)
     if chosen is not None:
-        from toolkit.estimate.errorband import band_for
-
         print(f"\n{why_first(candidates)}")
 
-        band = band_for(chosen.strategy.engine, chosen.job.checkpointing)
+        band = chosen.peak_band
         print(f"error band of #1: {band.text()}; kept as headroom (a candidate within it is refused); host RAM "
               f"per node peaks at {chosen.memory.host.peak_bytes_per_node / GIB:.0f} GiB (load / save)")
         if run is not None:
@@ -396,11 +394,12 @@ def _note_time_band(hw, candidates, top: int) -> None:
     from toolkit.estimate.errorband import time_band
     from toolkit.estimate.ranking import speed_ties
 
-    band = time_band()
+    band = time_band(hw.gpu)
     tied = speed_ties(candidates)
     if len(tied) > 1:
         names = ", ".join(c.name for c in tied[:top])
-        print(f"{band.text()}: #1-#{len(tied)} ({names}) are within it of the fastest, so they are ordered by "
+        where = "are within it of the fastest" if band.known else "are ties"
+        print(f"{band.text()}: #1-#{len(tied)} ({names}) {where}, so they are ordered by "
               "robustness (resumable, then memory headroom in peak error bands, then simplicity: no offload, fewer "
               "sharded or pipelined parts), not by speed")
     else:

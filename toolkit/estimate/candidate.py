@@ -12,6 +12,7 @@ from toolkit.estimate.errorband import band_for, time_band
 from toolkit.estimate.memory import Breakdown
 from toolkit.estimate.timing import Timing
 from toolkit.inputs.grid import ParallelGrid
+from toolkit.inputs.hardware import Gpu
 from toolkit.inputs.job import Job
 from toolkit.inputs.strategy import Strategy
 
@@ -32,6 +33,8 @@ class Candidate:
     """The grid it was costed on (None for a refusal before any grid)."""
     dimension: str | None = None
     """"tp", "cp" or "sp" for a model-parallel candidate (its row's family), else None."""
+    gpu: Gpu | None = None
+    """The GPU it was costed for: its generation picks the error bands (toolkit.estimate.errorband)."""
 
     @property
     def feasible(self) -> bool:
@@ -43,7 +46,17 @@ class Candidate:
         .time_band); a tensor / context / sequence dimension has none yet."""
         gpus = self.pipeline_stages * self.data_parallel
         expert = self.grid is not None and self.grid.expert > 1  # no published EP run scored yet
-        return self.dimension is None and not expert and time_band().covers(self.strategy.name, gpus)
+        return self.dimension is None and not expert and self.time_band.covers(self.strategy.name, gpus)
+
+    @property
+    def time_band(self):
+        """The step-time band of this candidate's GPU generation (errorband.time_band)."""
+        return time_band(self.gpu)
+
+    @property
+    def peak_band(self):
+        """The peak error band of this candidate's engine, checkpointing and GPU generation (errorband.band_for)."""
+        return band_for(self.strategy.engine, self.job.checkpointing, gpu=self.gpu)
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -83,7 +96,7 @@ class Candidate:
             "capacity_bytes": self.memory.capacity_bytes if self.memory else None,
             "cpu_bytes_per_node": self.memory.cpu_bytes_per_node if self.memory else None,
             "host_peak_bytes_per_node": self.memory.host.peak_bytes_per_node if self.memory else None,
-            "error_band": band_for(self.strategy.engine, self.job.checkpointing).text(),
+            "error_band": self.peak_band.text(),
             "step_time_s": self.timing.step_time_s if self.timing else None,
             "tokens_per_s": self.timing.tokens_per_s if self.timing else None,
             "speed_evidenced": self.speed_evidenced,
@@ -106,7 +119,7 @@ def headroom_bands(c: Candidate) -> float:
     (no published case scored) or the row is not costed."""
     if c.memory is None:
         return math.inf
-    band = band_for(c.strategy.engine, c.job.checkpointing).headroom_bytes(c.memory.peak_bytes)
+    band = c.peak_band.headroom_bytes(c.memory.peak_bytes)
     if band <= 0:
         return math.inf
     return (c.memory.capacity_bytes - c.memory.required_bytes - band) / band

@@ -88,10 +88,11 @@ class Duration:
 
 def step_time_band(candidate) -> float | None:
     """The band (fraction) around a candidate's predicted step time: the published runs' band where they back its
-    engine at its scale, else None (unverified)."""
+    engine at its scale on its GPU generation, else None (unverified, or no published run on the generation)."""
     from toolkit.estimate.errorband import time_band
 
-    return time_band().fraction if candidate.speed_evidenced and time_band().rows else None
+    band = time_band(getattr(candidate, "gpu", None))
+    return band.fraction if candidate.speed_evidenced and band.rows and band.known else None
 
 
 def duration(run: RunSize, candidate, gpus: int) -> Duration:

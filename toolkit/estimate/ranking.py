@@ -1,8 +1,9 @@
 """How the planner orders the candidates it costed, and why #1 is #1.
 
 Feasible candidates come first, by predicted tokens/s. Candidates whose speeds are closer than the step-time error
-band (toolkit.estimate.errorband.time_band) are ties: the model cannot tell them apart, so a speed difference inside
-the band never decides for the riskier setup. Among ties the order is robustness:
+band of their GPU generation (toolkit.estimate.errorband.time_band) are ties: the model cannot tell them apart, so a
+speed difference inside the band never decides for the riskier setup. Where the band is unknown (no published run on
+the generation) every feasible candidate is a tie: no difference is a win. Among ties the order is robustness:
 
 1. a plan that can resume from its checkpoints before one that cannot (toolkit.estimate.candidate.resume_problem);
 2. memory headroom, in units of the row's own peak error band (errorband.band_for), counted beyond the one band the
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 
 from toolkit.estimate.candidate import Candidate, headroom_bands, resume_problem
-from toolkit.estimate.errorband import time_band
+from toolkit.estimate.errorband import TimeBand, time_band
 
 SPARE_BANDS = 1.0
 """Headroom beyond the kept error band, in bands, at which a row counts as safe: below it a row is riskier and more
@@ -65,13 +66,20 @@ def speed_key(c: Candidate):
     return (0, -c.timing.tokens_per_s, -c.memory.headroom_bytes)
 
 
+def band_of(cands: list[Candidate]) -> TimeBand:
+    """The step-time band the candidates are ranked with: their GPU generation's (a plan costs one GPU); unknown
+    where no published run is on it, and then every feasible candidate is a tie."""
+    return time_band(next((c.gpu for c in cands if c.gpu is not None), None))
+
+
 def speed_ties(ranked: list[Candidate]) -> list[Candidate]:
-    """The feasible candidates whose predicted speed is within the step-time band of the fastest one."""
+    """The feasible candidates whose predicted speed is within the step-time band of the fastest one (all of them
+    when the band is unknown)."""
     feasible = [c for c in ranked if c.feasible]
     if not feasible:
         return []
     fastest = max(c.timing.tokens_per_s for c in feasible)
-    band = time_band()
+    band = band_of(feasible)
     return [c for c in feasible if c.timing.tokens_per_s >= fastest or band.ties(fastest, c.timing.tokens_per_s)]
 
 
@@ -93,7 +101,7 @@ def why_first(ranked: list[Candidate]) -> str | None:
     feasible = [c for c in ranked if c.feasible]
     if not feasible:
         return None
-    first, band = feasible[0], time_band()
+    first, band = feasible[0], band_of(feasible)
     moe = _expert_clause(ranked)
     if len(feasible) == 1:
         return "#1: the only row that fits" + moe
@@ -101,12 +109,13 @@ def why_first(ranked: list[Candidate]) -> str | None:
     if len(tied) < 2:
         second = feasible[1]
         return (f"#1: faster than #2 ({second.name}) by {_faster(first, second):.0%}, more than the step-time band "
-                f"(+-{band.fraction:.0%})") + moe
+                f"({band.width()})") + moe
     decided: dict[str, list[int]] = {"resume": [], "headroom": [], "simpler": [], "faster": []}
     for pos, c in enumerate(tied[1:], start=2):
         decided[_decider(first, c)].append(pos)
-    parts = [f"#1: within the step-time band (+-{band.fraction:.0%}) of {_positions(range(2, len(tied) + 1))}, "
-             "so robustness decides"]
+    inside = (f"within the step-time band ({band.width()}) of" if band.known else
+              f"the step-time band is {band.width()}: no predicted speed difference is a win over")
+    parts = [f"#1: {inside} {_positions(range(2, len(tied) + 1))}, so robustness decides"]
     if decided["resume"]:
         parts.append(f"it can resume from its checkpoints ({_positions(decided['resume'])} cannot)")
     mine = headroom_bands(first)
@@ -127,7 +136,8 @@ def why_first(ranked: list[Candidate]) -> str | None:
         parts.append("and the fastest")
     else:
         pos = tied.index(fastest) + 1
-        parts.append(f"#{pos} is predicted {_faster(fastest, first):.1%} faster, inside the band")
+        parts.append(f"#{pos} is predicted {_faster(fastest, first):.1%} faster, "
+                     + ("inside the band" if band.known else "not a win with the band unknown"))
     return "; ".join(parts) + moe
 
 

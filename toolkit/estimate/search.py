@@ -78,9 +78,10 @@ def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> l
     return "; ".join(dict.fromkeys(problems))
 
 
-def short_of_gpu_memory(memory: Breakdown, strategy: Strategy, job: Job) -> bool:
-    """Whether the per-GPU memory is over the GPU's capacity once the estimate's error band is kept as headroom."""
-    band = band_for(strategy.engine, job.checkpointing)
+def short_of_gpu_memory(memory: Breakdown, strategy: Strategy, job: Job, gpu=None) -> bool:
+    """Whether the per-GPU memory is over the GPU's capacity once the estimate's error band (of `gpu`'s generation)
+    is kept as headroom."""
+    band = band_for(strategy.engine, job.checkpointing, gpu=gpu)
     return not memory.fits or memory.required_bytes + band.headroom_bytes(memory.peak_bytes) > memory.capacity_bytes
 
 
@@ -96,7 +97,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
     if floor > hw.gpu.memory_bytes:
         return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                          global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
-                         grid=grid, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} "
+                         grid=grid, gpu=hw.gpu, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} "
                                            "per GPU for model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
     traffic = activation_trace(spec, job, strategy, 1).compile_traffic if job.compile else ()
@@ -119,13 +120,13 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
         reason = (f"needs {h.peak_bytes_per_node / GIB:.0f} GiB host RAM per node while {when} of "
                   f"{hw.cpu_ram_bytes_per_node / GIB:.0f} (keep {CPU_RAM_RESERVE:.0%} free; more --cpu-ram-gib, "
                   "or a strategy that loads once per node: fsdp2, zero3)")
-    elif short_of_gpu_memory(memory, strategy, job):
-        band = band_for(strategy.engine, job.checkpointing)
+    elif short_of_gpu_memory(memory, strategy, job, hw.gpu):
+        band = band_for(strategy.engine, job.checkpointing, gpu=hw.gpu)
         reason = (f"needs {memory.required_bytes / GIB:.1f} GiB of {memory.capacity_bytes / GIB:.1f} per GPU, inside "
                   f"the estimate's error band ({band.text()})")
     return Candidate(strategy=strategy, job=job, pipeline_stages=stages, data_parallel=dp,
                      global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
-                     memory=memory, timing=timing, reason=reason, grid=grid)
+                     memory=memory, timing=timing, reason=reason, grid=grid, gpu=hw.gpu)
 
 
 def _better(a: Candidate, b: Candidate | None) -> bool:
@@ -278,7 +279,7 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                                   tiled=req.tiled is True)
                     cand = evaluate(spec, hw, strategy, job, grid, partition)
                     _keep(best, slot, cand, dimension)
-                    if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job) \
+                    if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job, hw.gpu) \
                             and _activations_decide(cand.memory):
                         short.append(job)
             if tiling and not compiled and not tiled_found and not (slot in best and best[slot].feasible):
@@ -360,7 +361,7 @@ def prefer_untiled(plain: Candidate | None, tiled: Candidate | None) -> Candidat
         return plain or tiled
     if plain.feasible and tiled.feasible:
         faster, slower = tiled.timing.tokens_per_s, plain.timing.tokens_per_s
-        return tiled if faster > slower and not time_band().ties(faster, slower) else plain
+        return tiled if faster > slower and not tiled.time_band.ties(faster, slower) else plain
     if plain.feasible != tiled.feasible:
         return plain if plain.feasible else tiled
     return plain if need_bytes(plain) <= need_bytes(tiled) else tiled
@@ -476,7 +477,7 @@ def refusal(strategy: Strategy, req: Request, hw: Hardware, reason: str, *, dime
     """A row that cannot run, with the reason."""
     job = req.job(micro_batch=req.micro_batch or 1, grad_accum=req.grad_accum or 1)
     return Candidate(strategy=strategy, job=job, pipeline_stages=1, data_parallel=hw.world_size,
-                     global_batch=req.global_batch or 0, reason=reason, dimension=dimension)
+                     global_batch=req.global_batch or 0, reason=reason, dimension=dimension, gpu=hw.gpu)
 
 
 def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why: str | None = None,
@@ -494,6 +495,10 @@ def to_plan(c: Candidate, spec: ModelSpec, hw: Hardware, model_name: str, *, why
     notes = list(c.memory.notes) if c.memory else []
     if c.timing:
         notes += list(c.timing.assumptions)
+    if c.timing:
+        notes.append(f"step-time band: {c.time_band.text()}")
+    if c.memory:
+        notes.append(f"peak error band: {c.peak_band.text()}")
     if why:
         notes.append(f"ranking: {why}")
     plan = build_plan(
