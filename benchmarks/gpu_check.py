@@ -645,8 +645,14 @@ MULTI_GPU_RUNS = [
                 why="runs on CPU (tests/test_train_dimensions.py); here for the Ulysses all-to-all time on NVLink",
                 measure="losses vs the 1-GPU run within 1e-3; per-rank peak allocated vs the model; step time vs "
                         "the all-to-all term"),
+    MultiGpuRun("fsdp2-offload llama-1b fp32", "fsdp2-offload", gpus=2,
+                why="FSDP2's CPUOffloadPolicy as accelerate builds it pins host memory, which needs CUDA; on CPU it "
+                    "trains unpinned (tests/test_train_engines.py), where no host-device copy exists",
+                measure="losses vs the 1-GPU run within 1e-3; per-rank peak allocated vs the model (no param, grad "
+                        "or optimizer shard on the GPU, the gathered units and their staging copies only); step "
+                        "time vs the PCIe copies + CPU optimizer step terms"),
 ]
-"""The GPU run list for tensor / context / sequence parallelism. A machine with fewer GPUs than a run needs
+"""The GPU run list for tensor / context / sequence parallelism and FSDP2 CPU offload. A machine with fewer GPUs than a run needs
 records it as skipped (the lent machine has one H200: every run here needs a machine with 2-4 GPUs)."""
 
 

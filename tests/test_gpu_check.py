@@ -120,6 +120,7 @@ def test_multi_gpu_runs_list_context_parallelism_and_skip_without_gpus(tmp_path)
     rows = {r["label"]: r for r in json.loads((tmp_path / "multi_gpu_check.json").read_text())["rows"]}
     cp = rows["fsdp2 x cp=2 llama-1b fp32"]
     assert "ring attention" in cp["why"] and "losses" in cp["measure"]
+    assert "pins host memory" in rows["fsdp2-offload llama-1b fp32"]["why"]
     assert all(r["skipped"] == f"needs {r['gpus']} GPUs, this machine has 0" for r in rows.values())
 
 

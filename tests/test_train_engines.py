@@ -46,7 +46,7 @@ def engine_runs(run_training, tiny_llama_dir, corpus_dir):
         if name not in cache:
             strategy, micro, accum = {"ddp": ("ddp", 2, 1), "zero1": ("zero1", 2, 1), "zero2": ("zero2", 1, 2),
                                       "zero3": ("zero3", 2, 1), "zero2-offload": ("zero2-offload", 2, 1),
-                                      "fsdp2": ("fsdp2", 2, 1)}[name]
+                                      "fsdp2": ("fsdp2", 2, 1), "fsdp2-offload": ("fsdp2-offload", 2, 1)}[name]
             plan = _plan(tiny_llama_dir, strategy, micro=micro, accum=accum)
             cache[name] = run_training(plan, name, *_args(corpus_dir)).check()
         return cache[name]
@@ -54,7 +54,7 @@ def engine_runs(run_training, tiny_llama_dir, corpus_dir):
     return get
 
 
-ENGINES = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "fsdp2"]
+ENGINES = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "fsdp2", "fsdp2-offload"]
 
 
 @pytest.mark.multiprocess
@@ -92,6 +92,13 @@ def test_engine_matches_single_process_losses(engine, engine_runs, reference):
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (engine, step, got, ref)
     assert sum(got[s] for s in (5, 6)) / 2 < got[1] - 0.1, "loss did not go down"
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_offload_trains_under_the_cpu_offload_policy_accelerate_builds_from_its_yaml(engine_runs):
+    """The emitted YAML's fsdp_offload_params gives CPUOffloadPolicy (pinned); on CPU it runs unpinned, and says so."""
+    run = engine_runs("fsdp2-offload")
+    assert run.stdout.count("note: FSDP2 CPU offload on CPU: CPUOffloadPolicy(pin_memory=False)") == 1
 
 
 def _untimed(history):

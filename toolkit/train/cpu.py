@@ -64,6 +64,22 @@ def configure_cpu_state(engine: str):
     raise ValueError(f"no CPU state for engine {engine!r}")
 
 
+def unpinned_offload(accelerator) -> str | None:
+    """FSDP2's CPUOffloadPolicy without a GPU: accelerate builds it with pin_memory=True (fsdp_offload_params: true),
+    and pinning host memory needs an accelerator (`fully_shard` raises "Cannot access accelerator device when none
+    is available."). The same policy unpinned trains over gloo (docs/ENGINE_FACTS.md); pinning only changes how the
+    host-device copies run, which a CPU run does not have. Returns the note to print, or None when nothing changed."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    offload = getattr(plugin, "cpu_offload", None)
+    if not on_cpu() or type(offload).__name__ != "CPUOffloadPolicy" or not offload.pin_memory:
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+    return ("FSDP2 CPU offload on CPU: CPUOffloadPolicy(pin_memory=False) (pinned host memory needs a GPU; the plan's "
+            "YAML keeps accelerate's pinned default for the GPUs)")
+
+
 def peak_memory_bytes() -> int:
     """This process's peak memory: allocated device memory on a GPU, else the RSS high-water mark."""
     import torch

@@ -112,8 +112,11 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data,
                             ref_model=ref_model, adapter=adapter, rewards=rewards)
     seen_dtypes = _watch_layer_dtype(model, plan.layer_class)
+    unpinned = cpu.unpinned_offload(trainer.accelerator)
     if state is None or trainer.is_world_process_zero():
         print(_banner(plan, args, training_args, len(train_data), eval_data), flush=True)
+        if unpinned:
+            print(f"note: {unpinned}", flush=True)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     refuse_untrained(trainer.state.global_step, len(train_data), plan)
     if eval_data is not None and trainer.state.global_step % training_args.eval_steps != 0:
