@@ -72,3 +72,49 @@ def test_emitted_yaml_turns_on_accelerates_fsdp2_cpu_offload_policy(tiny_llama_d
     assert isinstance(plugins["fsdp2-offload"].cpu_offload, CPUOffloadPolicy)
     assert plugins["fsdp2-offload"].cpu_offload.pin_memory is True
     assert type(plugins["fsdp2"].cpu_offload) is OffloadPolicy
+
+
+QLORA_70B = ("llama-2-70b", "--gpus", "2xRTX-4090", "--method", "qlora", "--qlora-quant-storage", "bfloat16",
+             "--strategies", "fsdp2,fsdp2-offload", "--seq", "2048", "--global-batch", "8")
+"""Answer.AI's "70B QLoRA on two 24 GB GPUs": the 4-bit base stored as bf16 so that FSDP2 shards it."""
+
+
+def test_70b_qlora_on_two_24gb_gpus_drops_exactly_the_shards_fsdp2_kept_on_the_gpu():
+    from toolkit.inputs.lora import adapter_from_flags
+
+    spec, hw = resolve_model("llama-2-70b"), parse_hardware("2xRTX-4090")
+    job = Job(seq_len=2048, micro_batch=4, checkpointing=True,
+              adapter=adapter_from_flags("qlora", quant_storage="bfloat16"))
+    plain = estimate_memory(spec, parse_strategy("fsdp2"), job, hw)
+    off = estimate_memory(spec, parse_strategy("fsdp2-offload"), job, hw)
+    shards = (plain.parameters_bytes + plain.gradients_bytes + plain.optimizer_bytes) - off.parameters_bytes
+    assert off.gradients_bytes == off.optimizer_bytes == 0
+    # What left the GPUs is on the host: both ranks' shards (sharded 4-bit base + fp32 adapters, grads, AdamW).
+    assert off.cpu_bytes_per_node == pytest.approx(2 * shards, rel=1e-9)
+    # The peak is in backward, before the adapters' gradient shards exist: it drops by the param and optimizer
+    # shards, less the staging copies of the units in flight.
+    staging = off.buffers_bytes - plain.buffers_bytes
+    assert 0 < staging < 0.05 * shards
+    assert plain.peak_phase.startswith("backward") and off.peak_phase.startswith("backward")
+    assert plain.peak_bytes - off.peak_bytes == pytest.approx(shards - plain.gradients_bytes - staging, abs=1)
+    assert plain.required_bytes > hw.gpu.memory_bytes > off.required_bytes
+
+
+def test_plan_70b_qlora_on_two_24gb_gpus_chooses_fsdp2_offload_with_memory_host_ram_and_time(tmp_path, capsys):
+    import json
+
+    assert main(["plan", *QLORA_70B, "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp2: needs 26.5 GiB of 23.6 per GPU" in out
+    plan = json.loads((tmp_path / "p/plan.json").read_text())
+    predicted = plan["predicted"]
+    assert plan["strategy"] == "fsdp2-offload"
+    assert predicted["required_bytes"] < predicted["capacity_bytes"]
+    assert predicted["cpu_bytes_per_node"] > 30 * 2**30 and predicted["offload_s"] > 0
+    assert yaml.safe_load((tmp_path / "p/accelerate_config.yaml").read_text())["fsdp_config"]["fsdp_offload_params"]
+
+
+def test_plan_70b_qlora_refuses_fsdp2_offload_where_the_host_ram_does_not_hold_it(tmp_path, capsys):
+    assert main(["plan", *QLORA_70B, "--cpu-ram-gib", "128", "--out", str(tmp_path / "p")]) != 0
+    out = capsys.readouterr().out
+    assert "fsdp2-offload: needs 164 GiB host RAM per node" in out and not (tmp_path / "p").exists()
