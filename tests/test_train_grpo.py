@@ -171,3 +171,23 @@ def test_a_bad_reward_in_toolkit_train_is_one_line_and_exit_2(train_in_process, 
     assert run.returncode == 2 and "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: --reward nosuchmodule_xyz:f: cannot import")
+
+
+@pytest.mark.multiprocess
+def test_launch_rehearse_of_a_grpo_plan_trains_and_exits_0(tmp_path):
+    """The issue's GRPO plan (Llama-3.1-8B, ZeRO-3, vLLM colocate, beta 0.04) rehearsed: ZeRO-3 on 2 CPU processes,
+    generation in the training process (gathered weights), the policy's twin as the reference, the tiny prompts and
+    the built-in length reward."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan"
+    cli = [sys.executable, "-m", "toolkit.cli"]
+    made = subprocess.run([*cli, "plan", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--method", "grpo",
+                           "--max-completion-length", "1024", "--global-batch", "64", "--grpo-beta", "0.04",
+                           "--use-vllm", "--strategies", "zero3", "--out", str(out)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    run = subprocess.run([*cli, "launch", str(out), "--rehearse"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "GRPO (8 generations" in run.stdout and "reference kept" in run.stdout
+    assert "rehearsal passed: zero3 trained 4 steps" in run.stdout

@@ -20,9 +20,11 @@ from toolkit.run.launcher import LOCK_NAME
 from toolkit.plan.files import DS_CONFIG, PLAN_JSON
 
 
-def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
+def preflight(plan: Plan, plan_dir: Path, train_argv: list[str], *, here: bool = True) -> None:
     """The checks that need no process group, made before any process starts: arguments, data path, the model's
-    config against the plan (type, layers, width, sequence length) and the engine's config file."""
+    config against the plan (type, layers, width, sequence length) and the engine's config file. here False (a
+    rehearsal checking the real run's arguments): the run is not on this machine, so what this machine lacks (a GPU
+    for vLLM) is not held against it."""
     from toolkit.inputs.hardware import gpu_catalog
     from toolkit.train.model import check_matches_plan, load_config, model_source
 
@@ -34,7 +36,7 @@ def preflight(plan: Plan, plan_dir: Path, train_argv: list[str]) -> None:
         plan_job(plan)
     source = model_source(plan, args.model, random_init=args.random_init)
     check_matches_plan(load_config(source, random_init=args.random_init), plan, source)
-    check_run(plan, args)  # model folder, tokenizer, adapter, data: before any process or file
+    check_run(plan, args, here=here)  # model folder, tokenizer, adapter, data: before any process or file
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE) and not (plan_dir / DS_CONFIG).is_file():
         raise UserError(f"{plan_dir / DS_CONFIG} is missing; emit the plan's files with `toolkit emit`")
     if plan.engine in (Engine.DEEPSPEED, Engine.PIPELINE):
@@ -193,7 +195,7 @@ def check_script(path: str) -> None:
         raise UserError(f"training script {path} does not exist")
 
 
-def check_run(plan: Any, args: Any) -> None:
+def check_run(plan: Any, args: Any, *, here: bool = True) -> None:
     """Model folder, tokenizer, adapter and data of a toolkit.train run of `plan`, before any process starts."""
     from toolkit.train.adapters import adapter_for_run
     from toolkit.run.data_check import check_data
@@ -206,7 +208,7 @@ def check_run(plan: Any, args: Any) -> None:
         from toolkit.train.cpu import on_cpu
         from toolkit.train.grpo import check_grpo_run
 
-        check_grpo_run(plan, args, on_cpu=on_cpu())  # vLLM where it cannot run, the rewards
+        check_grpo_run(plan, args, on_cpu=on_cpu() if here else None)  # vLLM where it cannot run, the rewards
     elif args.reward:
         raise UserError("--reward applies to GRPO plans and this plan is not one: it would be ignored; drop it")
     source = model_source(plan, args.model, random_init=args.random_init)

@@ -218,10 +218,11 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
     if is_user_script(train_argv):
         return _rehearse_script(plan, plan_dir, train_argv, dry_run=dry_run, processes=processes)
     if train_argv:  # the real run's arguments, when given, are checked as the real launch would
-        preflight(plan, plan_dir, train_argv)
+        preflight(plan, plan_dir, train_argv, here=False)
     else:
         try:
-            preflight(plan, plan_dir, ["--data", ".", "--output", "."])
+            reward = ["--reward", "length"] if plan.grpo else []  # the model is what this checks, not rewards
+            preflight(plan, plan_dir, ["--data", ".", "--output", ".", *reward], here=False)
         except UserError as exc:
             print(f"note: the real model was not checked against the plan: {exc} (give toolkit.train's arguments "
                   "after --: toolkit launch DIR --rehearse -- --model M --data D --output OUT)", flush=True)

@@ -39,12 +39,13 @@ VLLM_TRAIN_PROBLEM = ("the plan generates with vLLM (use_vllm), which needs GPUs
                       "(toolkit launch PLAN_DIR -- your_grpo.py, GRPOConfig(**grpo_config()))")
 
 
-def check_grpo_run(plan: Plan, args, *, on_cpu: bool) -> list:
+def check_grpo_run(plan: Plan, args, *, on_cpu: bool | None) -> list:
     """What toolkit.train refuses of a GRPO plan before any process or model (one line), and the run's reward
-    functions (toolkit.train.rewards)."""
+    functions (toolkit.train.rewards). on_cpu None: the run is not on this machine (a rehearsal checking the real
+    run's arguments), whose vLLM is then not asked about."""
     from toolkit.train.rewards import load_rewards
 
-    if plan.grpo_spec.use_vllm and (on_cpu or not _vllm_installed()):
+    if plan.grpo_spec.use_vllm and on_cpu is not None and (on_cpu or not _vllm_installed()):
         raise UserError(VLLM_TRAIN_PROBLEM)
     return load_rewards(args.reward)
 
@@ -103,8 +104,9 @@ def build_prompt_datasets(data: str):
 def grpo_config_kwargs(plan: Plan) -> dict[str, Any]:
     """GRPOConfig keyword arguments beyond TrainingArguments': the plan's GRPO settings (num_generations,
     max_completion_length, beta, use_vllm). generation_batch_size is left to GRPOConfig, which derives it from the
-    processes it runs on (the plan's global batch on the plan's world)."""
-    return plan.grpo_spec.grpo_config_kwargs()
+    processes it runs on (the plan's global batch on the plan's world). No evaluation (build_prompt_datasets holds no
+    evaluation set; GRPOConfig would otherwise check an evaluation batch of whole groups the run never makes)."""
+    return {**plan.grpo_spec.grpo_config_kwargs(), "eval_strategy": "no"}
 
 
 def make_grpo_trainer(plan: Plan, *, model, ref_model, rewards, adapter, tokenizer, training_args, train_data,
