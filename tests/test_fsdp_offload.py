@@ -72,6 +72,11 @@ def test_emitted_yaml_turns_on_accelerates_fsdp2_cpu_offload_policy(tiny_llama_d
     assert isinstance(plugins["fsdp2-offload"].cpu_offload, CPUOffloadPolicy)
     assert plugins["fsdp2-offload"].cpu_offload.pin_memory is True
     assert type(plugins["fsdp2"].cpu_offload) is OffloadPolicy
+    # check reads the YAML alone (not plan.json) back to the strategy, so its fit estimate offloads too.
+    from toolkit.check.fit import fit_settings
+
+    for name in ("fsdp2", "fsdp2-offload"):
+        assert fit_settings(str(tmp_path / name / "accelerate_config.yaml")).strategy.name == name
 
 
 QLORA_70B = ("llama-2-70b", "--gpus", "2xRTX-4090", "--method", "qlora", "--qlora-quant-storage", "bfloat16",
