@@ -651,6 +651,12 @@ MULTI_GPU_RUNS = [
                 measure="losses vs the 1-GPU run within 1e-3; per-rank peak allocated vs the model (no param, grad "
                         "or optimizer shard on the GPU, the gathered units and their staging copies only); step "
                         "time vs the PCIe copies + CPU optimizer step terms"),
+    MultiGpuRun("fsdp2-offload 1 gpu llama-1b fp32", "fsdp2-offload", gpus=1,
+                why="the same pinned CPUOffloadPolicy on the one GPU a lent machine has (the planner offers "
+                    "offload strategies on one GPU)",
+                measure="losses vs the 1-GPU DDP run within 1e-3; peak allocated vs the model, which holds no "
+                        "param, grad or optimizer bytes on the GPU (a peak near DDP's would mean accelerate did "
+                        "not apply FSDP2 to one process)"),
 ]
 """The GPU run list for tensor / context / sequence parallelism and FSDP2 CPU offload. A machine with fewer GPUs than a run needs
 records it as skipped (the lent machine has one H200: every run here needs a machine with 2-4 GPUs)."""
