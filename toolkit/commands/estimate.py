@@ -254,8 +254,8 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     tband = time_band(hw.gpu)
     print(f"time band: {tband.text()}"
           + ("" if tband.covers(strategy.name, hw.world_size) or not tband.known else
-             f"; no published {strategy.name} run on {hw.world_size} GPU(s) in the corpus: this engine's terms are "
-             "unverified")
+             f"; no published {strategy.name} run on {hw.world_size} GPU(s) on {hw.gpu.architecture.capitalize()} in "
+             "the corpus: this engine's terms are unverified")
           + ("; the one published expert-parallel run scored (TRL's, benchmarks/results/moe_ep.md) is several "
              "times slower than this model: the all-to-all terms are unverified"
              if c.grid is not None and c.grid.expert > 1 else "")
