@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.quick_launch import quick_launch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -139,7 +141,7 @@ def run_training(tmp_path_factory):
         summary_dir = base / "ranks"
         argv = ["--output", str(output), *train_argv]
         if plan.world_size > 1:
-            command = launch_command(plan_dir, argv)
+            command = quick_launch(launch_command(plan_dir, argv))
         else:
             command = [sys.executable, "-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *argv]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOOLKIT_RANK_SUMMARY_DIR": str(summary_dir),

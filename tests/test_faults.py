@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.quick_launch import quick_launch
 from tests.test_hostile import _snapshot, run_cli
 from toolkit.run.launcher import emit_plan_files
 from toolkit.processes import _alive, descendants
@@ -281,8 +282,8 @@ def test_sigkill_of_the_launcher_leaves_no_rank_running_and_the_run_resumes_from
     assert last is not None, "no complete checkpoint before the kill"
     step = int(last.name.split("-")[1])
     assert step >= 4
-    resumed = subprocess.run(launch_command(plan_dir, [*argv, "--max-steps", str(step + 2), "--resume",
-                                                       "--no-save-final"]),
+    resumed = subprocess.run(quick_launch(launch_command(plan_dir, [*argv, "--max-steps", str(step + 2), "--resume",
+                                                                    "--no-save-final"])),
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     history = json.loads((output / "trainer_state.json").read_text())["log_history"]
