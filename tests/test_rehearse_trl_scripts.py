@@ -13,7 +13,8 @@ import pytest
 
 from toolkit.inputs.grpo import Grpo
 from toolkit.inputs.preference import Dpo
-from toolkit.run.rehearsal import REHEARSAL_COMPLETION, plan_for_model, rehearsal_data, rehearsal_plan
+from toolkit.run.rehearsal import (REHEARSAL_COMPLETION, REHEARSAL_SEQ_LEN, plan_for_model, rehearsal_data,
+                                   rehearsal_plan)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -85,11 +86,20 @@ def test_a_vllm_grpo_plan_is_rehearsed_generating_in_process_with_whole_groups(t
     assert (config.generation_batch_size, config.use_vllm) == (4, False)
 
 
-def test_a_grpo_plan_that_fits_the_small_batch_keeps_its_generations(tiny_llama_dir):
-    grpo = Grpo(num_generations=2, max_prompt_length=8, max_completion_length=8)
+def test_a_grpo_plan_that_fits_the_small_batch_keeps_its_generations_and_takes_the_rehearsals_prompts(
+        tiny_llama_dir, tmp_path):
+    """The rehearsal's prompts are its own (up to 36 tokens): the plan's prompt length does not limit them."""
+    from transformers import AutoTokenizer
+
+    grpo = Grpo(num_generations=2, max_prompt_length=8, max_completion_length=8, beta=0.1)
     plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=16).replace(grpo=grpo.to_dict())
     small, said = rehearsal_plan(plan, tiny_llama_dir)
-    assert small.grpo_spec == grpo and small.seq_len == 16 and said == []
+    got = small.grpo_spec
+    assert (got.num_generations, got.max_completion_length, got.beta, said) == (2, 8, 0.1, [])
+    assert small.seq_len == got.seq_len == REHEARSAL_SEQ_LEN
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompts = _rows(rehearsal_data(small, tmp_path / "data") / "train.jsonl")
+    assert max(len(tokenizer(row["prompt"])["input_ids"]) for row in prompts) <= got.max_prompt_length
 
 
 def test_processes_with_rehearse_is_refused_for_a_model_parallel_plan_in_one_line(tiny_llama_dir, tmp_path,

@@ -159,7 +159,8 @@ REHEARSAL_COMPLETION = 16
 
 def _rehearsal_grpo(plan: Plan, generation_batch: int, said: list[str]) -> "Grpo":
     """The plan's GRPO settings for the rehearsal's batch: generation in the training process (vLLM needs a GPU),
-    completions of at most REHEARSAL_COMPLETION tokens after prompts that fill the rest of REHEARSAL_SEQ_LEN, and
+    completions of at most REHEARSAL_COMPLETION tokens after prompts of up to the rest of REHEARSAL_SEQ_LEN (the
+    rehearsal's own prompts, up to 36 tokens with the tiny tokenizers, whatever the plan's prompt length), and
     the most generations per prompt, up to the plan's, whose groups fill the small generation batch (GRPOConfig
     refuses partial groups). Says what changed in `said`."""
     from dataclasses import replace
@@ -168,7 +169,7 @@ def _rehearsal_grpo(plan: Plan, generation_batch: int, said: list[str]) -> "Grpo
     completion = min(grpo.max_completion_length, REHEARSAL_COMPLETION)
     groups = [n for n in range(2, min(grpo.num_generations, generation_batch) + 1) if generation_batch % n == 0]
     small = replace(grpo, use_vllm=False, max_completion_length=completion,
-                    max_prompt_length=min(grpo.max_prompt_length, REHEARSAL_SEQ_LEN - completion),
+                    max_prompt_length=REHEARSAL_SEQ_LEN - completion,
                     num_generations=groups[-1] if groups else 2)
     if grpo.use_vllm:
         said.append(f"vLLM ({grpo.vllm_mode}) needs a GPU: rehearsing GRPO with generation in the training process "
