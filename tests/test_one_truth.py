@@ -476,7 +476,10 @@ def _unusual_job():
               tiled=True, compile=True, adapter=adapter, dpo=dpo, allocator_conf="max_split_size_mb:64",
               vision_tower="freeze")
     for f in fields(Job):  # grpo: a job is DPO or GRPO, never both (_unusual_grpo_job carries it)
-        assert f.name in (*ESTIMATE_ONLY, "grpo") or f.default is MISSING or getattr(job, f.name) != f.default, f.name
+        # grpo and loss: _unusual_grpo_job / _unusual_trl_loss_job carry them (TRL's chunked NLL is modelled for
+        # supervised fine-tuning, neither tiled nor compiled)
+        assert f.name in (*ESTIMATE_ONLY, "grpo", "loss") or f.default is MISSING or getattr(job, f.name) != f.default, \
+            f.name
     for f in fields(Adapter):
         assert getattr(adapter, f.name) != f.default, f.name
     for f in fields(Dpo):
@@ -500,7 +503,15 @@ def _unusual_grpo_job():
                    liger=False, tiled=False, compile=False)
 
 
-@pytest.mark.parametrize("unusual", [_unusual_job, _unusual_grpo_job], ids=["dpo", "grpo"])
+def _unusual_trl_loss_job():
+    """_unusual_job as supervised fine-tuning with TRL's chunked NLL (loss "trl": not with DPO, tiling or compile)."""
+    from dataclasses import replace
+
+    return replace(_unusual_job(), dpo=None, loss="trl", tiled=False, compile=False)
+
+
+@pytest.mark.parametrize("unusual", [_unusual_job, _unusual_grpo_job, _unusual_trl_loss_job],
+                         ids=["dpo", "grpo", "trl-loss"])
 def test_a_job_survives_job_plan_file_job_unchanged(unusual):
     """toolkit.plan.job's one mapping: a Job with every field off its default becomes plan.json's fields, the file's
     JSON, and the same Job again (a field added to Job and Plan is carried without another spelling)."""
@@ -520,8 +531,7 @@ def test_a_job_survives_job_plan_file_job_unchanged(unusual):
     assert job_from_plan(parse_plan(json.loads(plan.to_json()))) == job
 
 
-@pytest.mark.parametrize("field, value", [("chunked_loss", 4), ("compile", "blocks"), ("checkpointing", "op"),
-                                          ("loss", "trl")])
+@pytest.mark.parametrize("field, value", [("chunked_loss", 4), ("compile", "blocks"), ("checkpointing", "op")])
 def test_an_estimate_only_job_setting_cannot_become_a_plan(field, value):
     from dataclasses import replace
 

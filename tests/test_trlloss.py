@@ -79,7 +79,7 @@ def test_trl_loss_lowers_the_peak_at_a_large_vocabulary():
         assert trl.peak_bytes < 0.5 * whole.peak_bytes, (device_kind, trl.peak_bytes, whole.peak_bytes)
 
 
-@pytest.mark.parametrize("extra,words", [(["--liger"], "--liger"), (["--chunked-loss", "8"], "--chunked-loss"),
+@pytest.mark.parametrize("extra,words", [(["--tiled"], "--tiled"), (["--chunked-loss", "8"], "--chunked-loss"),
                                          (["--compile"], "--compile"), (["--seq", "max"], "--seq max"),
                                          (["--method", "dpo"], "supervised fine-tuning only")])
 def test_trl_loss_refusals_are_one_line(capsys, extra, words):
@@ -89,3 +89,29 @@ def test_trl_loss_refusals_are_one_line(capsys, extra, words):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+def test_plan_carries_trl_loss_emits_it_and_its_prediction_is_reproduced():
+    from toolkit.emit.user_settings import notes, sft_config
+    from toolkit.estimate.request import Request
+    from toolkit.estimate.search import plan_candidates, predict_plan, to_plan
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.modelspec import resolve_model
+
+    spec = resolve_model("qwen2.5-0.5b")  # a 151,936-token vocabulary on a small body
+    hw = parse_hardware("2xA100-80GB")
+    strategies = ("zero2", "pipeline")
+    plain = {c.strategy.name: c for c in plan_candidates(spec, hw, Request(seq_len=4096, global_batch=8,
+                                                                           strategies=strategies))}
+    trl = {c.strategy.name: c for c in plan_candidates(spec, hw, Request(seq_len=4096, global_batch=8,
+                                                                         strategies=strategies, loss="trl"))}
+    assert "pipeline stages" in trl["pipeline"].reason  # the pipeline engine runs its own stages, not TRL's head
+    chosen, before = trl["zero2"], plain["zero2"]
+    assert chosen.job.loss == "trl" and chosen.memory.peak_bytes < before.memory.peak_bytes
+    plan = to_plan(chosen, spec, hw, "qwen2.5-0.5b")
+    assert plan.loss == "trl" and not plan.prediction_is_stale and '"loss": "trl"' in plan.to_json()
+    assert predict_plan(plan).predicted["peak_bytes"] == plan.predicted["peak_bytes"]
+    assert predict_plan(plan.replace(loss="model")).predicted["peak_bytes"] > plan.predicted["peak_bytes"]
+    assert sft_config(plan)["loss_type"] == "nll" and "loss_type" not in sft_config(plan.replace(loss="model"))
+    assert any("TRL's chunked NLL" in n for n in notes(plan))
+    assert '"loss"' not in plan.replace(loss="model").to_json()  # left out at its default: older plans read as before

@@ -9,7 +9,7 @@ import sys
 from toolkit import bounds
 from toolkit.bounds import float_arg, int_arg, text_arg
 from toolkit.errors import UserError
-from toolkit.inputs.choices import COMPILE_BLOCKS, GIB, VISION_TOWER_MODES
+from toolkit.inputs.choices import COMPILE_BLOCKS, GIB, LOSSES, VISION_TOWER_MODES
 from toolkit.inputs.job import checkpointing_words
 
 
@@ -86,6 +86,11 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
     g.add_argument("--liger", action="store_true",
                    help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
                         "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
+    if not one_device:
+        g.add_argument("--loss", choices=LOSSES, default="model",
+                       help="the LM head + loss: model (the model's own, whole logits: what toolkit.train's Trainer "
+                            "runs) or trl (TRL's chunked NLL, the fused LM head TRL's SFTTrainer always runs) "
+                            "(default %(default)s)")
     tiled_help = ("ALST tiling over the sequence (DeepSpeed TiledMLP in every layer, tiled logits + loss): "
                   "the MLP's and the logits' tensors held one chunk at a time; ZeRO only")
     if tiled_auto:

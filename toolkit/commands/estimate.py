@@ -8,7 +8,6 @@ from dataclasses import replace
 from toolkit import bounds
 from toolkit.bounds import int_arg
 from toolkit.errors import UserError
-from toolkit.inputs.choices import LOSSES
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of,
@@ -33,9 +32,6 @@ def add_parser(sub) -> None:
     p.add_argument("--chunked-loss", type=int_arg("--chunked-loss", bounds.SEQ), default=0, metavar="N",
                    help="torchtune's chunked cross-entropy: logits and loss in N sequence chunks, each upcast to fp32 "
                         "apart (torchtune's default 8; no runner here exposes it)")
-    p.add_argument("--loss", choices=LOSSES, default="model",
-                   help="the LM head + loss: model (the model's own, whole logits) or trl (TRL's chunked NLL, the "
-                        "fused LM head TRL's SFTTrainer always runs; default %(default)s)")
     p.add_argument("--expert-shared-batch", action="store_true",
                    help="with --expert-parallel N: the N ranks share one batch and keep the dense modules whole "
                         "(TRL's MoE guide: DistributedConfig(tp_size=N, enable_expert_parallel=True), which "

@@ -9,7 +9,7 @@ from toolkit import bounds
 from toolkit.bounds import int_arg, text_arg
 from toolkit.errors import UserError
 from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKPOINTING_MODES
-from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM
+from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM, loss_problem
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of, add_hardware_flags,
                                      add_job_flags,
@@ -95,6 +95,9 @@ def cmd_plan(args) -> int:
         raise UserError(OP_CHECKPOINTING_PROBLEM)
     if args.compile == COMPILE_BLOCKS:
         raise UserError(BLOCKS_COMPILE_PROBLEM)
+    if problem := loss_problem(args.loss, tiled=TILED[args.tiled], compile=args.compile,
+                               preference=dpo_of(args) is not None or grpo_of(args) is not None):
+        raise UserError(problem)
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     req_kwargs: dict[str, Any] = dict(seq_len=seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                                       grad_accum=args.accumulation, precision=args.precision,
@@ -102,7 +105,7 @@ def cmd_plan(args) -> int:
                                       device_kind=args.device_kind, checkpointing=ckpt,
                                       optimizer_impl=args.optimizer_impl,
                                       activation_offloading=args.activation_offloading, liger=args.liger,
-                                      vision_tower=args.vision_tower,
+                                      loss=args.loss, vision_tower=args.vision_tower,
                                       compile=args.compile, tiled=TILED[args.tiled], savers=args.savers == "auto", pipeline_stages=args.pipeline_stages, adapter=adapter_of(args, spec),
                                       dpo=dpo_of(args), grpo=grpo_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
@@ -331,7 +334,7 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
           f"({hw.gpu.memory_bytes / GIB:.1f} GiB each{power_words(hw.gpu, req.precision)}) | seq {req.seq_len}, "
           + (f"global batch {req.global_batch}" if req.global_batch else f"micro-batch {req.micro_batch}")
           + f", {req.precision}, {req.optimizer}, {spec.effective_attention(req.attention)} attention"
-          + f"{', Liger kernels' if req.liger else ''}"
+          + f"{', Liger kernels' if req.liger else ''}{', TRL chunked NLL' if req.loss != 'model' else ''}"
           + f"{', torch.compile' if req.compile else ''}{', tiled MLP + loss' if req.tiled is True else ''}"
           + (f", {req.adapter.method} r={req.adapter.r} ({trainable_params(spec, req.adapter):,} trainable)"
              if req.adapter.is_adapter else "") + reference_words(req.dpo) + grpo_words(req.grpo)

@@ -30,6 +30,7 @@ from typing import Any
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
 from toolkit.emit.parallelism import sharded_at_load
 from toolkit.plan.schema import Plan
+from toolkit.inputs.choices import TRL_LOSS
 from toolkit.inputs.strategy import Engine
 from toolkit.plan.files import DS_CONFIG_CONCRETE, TRAINING_ARGS
 
@@ -121,9 +122,13 @@ def sft_config(plan: Plan) -> dict[str, Any]:
     2 or 3"), and only the varlen kernels keep the packed conversations from attending to each other. Without it,
     every sequence is padded to at most max_length, which the plan's memory (seq_len tokens per sequence) covers.
     bf16 and checkpointing are always written: SFTConfig's defaults differ from TrainingArguments' (both True).
+    A plan with TRL's chunked NLL (plan.loss "trl") writes loss_type "nll": TRL 1.16's default, written so the config
+    says which loss the memory assumed (every loss_type runs the fused head; only label smoothing or a
+    compute_loss_func leave it, and neither is written; docs/ENGINE_FACTS.md "TRL's chunked NLL").
     """
     return {**training_arguments(plan), "max_length": plan.seq_len,
             "packing": plan.attention == "flash_attention_2",
+            **({"loss_type": "nll"} if plan.loss == TRL_LOSS else {}),
             **({"activation_offloading": True} if plan.activation_offloading else {})}
 
 
@@ -249,6 +254,12 @@ def notes(plan: Plan) -> list[str]:
     if plan.liger:
         out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
                    "liger-kernel >= 0.8.2; its kernels need a GPU).")
+    if plan.loss == TRL_LOSS:
+        out.append("The plan's memory assumes TRL's chunked NLL (its fused LM head: no whole logits): TRL's "
+                   "SFTTrainer runs it with this plan's SFTConfig settings (loss_type nll, no label_smoothing_factor, no "
+                   "compute_loss_func) and toolkit.train applies TRL's own head to its Trainer; a plain HF Trainer "
+                   "script computes the model's whole-logits loss, which needs more memory than planned (re-plan "
+                   "without --loss trl for it).")
     if plan.tiled:
         out.append(tiling_paragraph(plan))
     if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:

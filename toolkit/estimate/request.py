@@ -33,6 +33,8 @@ class Request:
     optimizer_impl: str = "fused"
     activation_offloading: bool = False
     liger: bool = False
+    loss: str = "model"
+    """The LM head + loss (toolkit.inputs.choices.LOSSES): the model's own, or TRL's chunked NLL (never tiled)."""
     tiled: bool | None = None
     """ALST's tiled MLP and tiled logits + loss (toolkit.patches.tiling): None (plan's default, --tiled auto): the
     planner tiles where the engines run it and only tiling fits, or is faster beyond the time band (module

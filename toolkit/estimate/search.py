@@ -183,7 +183,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
         # compile=False: with --compile the search offers each strategy eager too (_search), compiled where it can.
         problem = job_problem(req.precision, hw.gpu, strategy, activation_offloading=req.activation_offloading,
                               liger=req.liger, adapter=req.adapter, tiled=req.tiled is True, dpo=req.dpo,
-                              grpo=req.grpo)
+                              grpo=req.grpo, loss=req.loss)
         yield strategy.name, strategy, (_grids(strategy, spec, hw, req) if problem is None else problem)
     if hw.world_size > 1:
         for dimension, strategy, grids in _model_parallel_options(spec, hw, req, sequence_rule):
@@ -215,7 +215,7 @@ def _expert_job_problem(strategy: Strategy, hw: Hardware, req: Request, fix: str
     the expert-parallel model does not cover (adapters, activation offloading, DPO's reference placement)."""
     problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
                           attention=req.attention, tiled=req.tiled is True, adapter=req.adapter,
-                          activation_offloading=req.activation_offloading)
+                          activation_offloading=req.activation_offloading, loss=req.loss)
     if problem is None and (req.adapter.is_adapter or req.activation_offloading):
         problem = ("expert parallelism is planned for full fine-tuning without activation offloading (neither "
                    f"is modelled with it); {fix}")
@@ -345,7 +345,7 @@ def auto_tiling(spec: ModelSpec, strategy: Strategy, req: Request) -> bool:
     """Whether the planner tries `strategy` tiled by itself: the request leaves tiling to it (Request.tiled None) and
     the engines and the model take it (the rules --tiled is refused by: toolkit.inputs.job.tiled_problem and
     model_feature_problem)."""
-    if req.tiled is not None:
+    if req.tiled is not None or req.loss != "model":  # TRL's chunked NLL replaces the tiled logits + loss
         return False
     from toolkit.inputs.job import tiled_problem
 
@@ -389,7 +389,7 @@ def _compile_options(strategy: Strategy, grid: ParallelGrid, req: Request) -> li
     whole model on one rank, without the expert-parallel token dispatch)."""
     from toolkit.inputs.job import compile_problem
 
-    if not req.compile or grid.model_parallel > 1 or grid.expert > 1 or req.tiled:  # tiled: modelled eager only (tiled_problem)
+    if not req.compile or grid.model_parallel > 1 or grid.expert > 1 or req.tiled or req.loss != "model":  # tiled: modelled eager only (tiled_problem)
         return [False]
     problem = compile_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
                               adapter=req.adapter, attention=req.attention)
@@ -423,7 +423,7 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
                 continue
             problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
                                   attention=req.attention, tiled=req.tiled is True, dpo=req.dpo,
-                                  grpo=req.grpo) \
+                                  grpo=req.grpo, loss=req.loss) \
                 or (MODEL_PARALLEL_DPO_PROBLEM if req.dpo else MODEL_PARALLEL_GRPO_PROBLEM if req.grpo else None)
             if problem:
                 yield dimension, strategy, problem

@@ -76,6 +76,7 @@ Attention = Literal[ATTENTIONS]  # type: ignore[valid-type]
 DeviceKind = Literal[DEVICE_KINDS]  # type: ignore[valid-type]
 OptimizerImpl = Literal[OPTIMIZER_IMPLS]  # type: ignore[valid-type]
 Method = Literal[METHODS]  # type: ignore[valid-type]
+Loss = Literal[LOSSES]  # type: ignore[valid-type]
 
 
 def method_words() -> str:

@@ -24,6 +24,23 @@ from toolkit.inputs.choices import (ATTENTIONS, CHECKPOINTING_OP, COMPILE_BLOCKS
 from toolkit.inputs.choices import GIB
 
 
+def loss_problem(loss: str, *, tiled: bool | None = False, chunked_loss: int = 0, compile: bool | str = False,
+                 preference: bool = False) -> str | None:
+    """Why --loss `loss` cannot run with the rest of the job, or None. Liger composes with it: TRL's SFTTrainer keeps
+    Liger's layer kernels and turns off only Liger's fused cross-entropy (trl/trainer/sft_trainer.py __init__)."""
+    if loss != TRL_LOSS:
+        return None
+    if tiled or chunked_loss:
+        return (f"--loss trl with {'--tiled' if tiled else '--chunked-loss'}: both replace the logits + loss; give "
+                "one of them")
+    if compile:
+        return "--loss trl with --compile / --compile-blocks: TRL's fused head is traced eagerly only; drop --compile"
+    if preference:
+        return ("--loss trl is modelled for supervised fine-tuning only (DPO / GRPO estimates keep the model's own "
+                "head); drop --loss trl")
+    return None
+
+
 def checkpointing_words(checkpointing: bool | str) -> str:
     """The job summaries' words for a checkpointing setting: ", checkpointing", ", per-op selective checkpointing"
     or nothing."""
@@ -133,16 +150,9 @@ class Job:
             raise UserError("--chunked-loss with --compile: the whole-model compile's head + loss are traced "
                             "unchunked; use --compile-blocks (layers compiled, head + loss eager) or drop --compile")
         check_choice("--loss", self.loss, LOSSES)
-        if self.loss == TRL_LOSS and (self.liger or self.tiled or self.chunked_loss):
-            other = "--liger" if self.liger else "--tiled" if self.tiled else "--chunked-loss"
-            raise UserError(f"--loss trl with {other}: both replace the logits + loss (TRL's SFTTrainer turns off "
-                            "Liger's fused cross-entropy for its own); give one of them")
-        if self.loss == TRL_LOSS and self.compile:
-            raise UserError("--loss trl with --compile / --compile-blocks: TRL's fused head is traced eagerly only; "
-                            "drop the compile flag")
-        if self.loss == TRL_LOSS and (self.dpo is not None or self.grpo is not None):
-            raise UserError("--loss trl is modelled for supervised fine-tuning only (DPO / GRPO estimates keep the "
-                            "model's own head); drop --loss trl")
+        if problem := loss_problem(self.loss, tiled=self.tiled, chunked_loss=self.chunked_loss,
+                                   compile=self.compile, preference=self.dpo is not None or self.grpo is not None):
+            raise UserError(problem)
         if self.checkpointing not in (False, True, CHECKPOINTING_OP):
             raise UserError(f"--checkpointing must be on, off or {CHECKPOINTING_OP}, got {self.checkpointing!r}")
         if self.grpo is not None and (self.dpo is not None or self.seq_len != self.grpo.seq_len):
@@ -228,7 +238,7 @@ def plan_positions_problem(seq_len: int, model: str, positions: int | None, *, r
 def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, *,
                 activation_offloading: bool = False, liger: bool = False, adapter: Adapter = FULL,
                 compile: bool = False, attention: str | None = None, tiled: bool = False,
-                dpo: Dpo | None = None, grpo: Grpo | None = None) -> str | None:
+                dpo: Dpo | None = None, grpo: Grpo | None = None, loss: str = "model") -> str | None:
     """Why a job with `precision` (and activation offloading, Liger kernels) cannot run on `gpu` with `strategy`, or
     None. The model types Liger supports are checked in check_job (liger_problem, below)."""
     if precision in ("bf16", "bf16-pure") and not gpu.bf16_supported:
@@ -245,6 +255,9 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
         return "activation offloading runs with ZeRO / FSDP2 / DDP, not the pipeline engine"
     if strategy is not None and strategy.is_pipeline and liger:
         return "Liger kernels patch the Hugging Face model the Trainer runs (ZeRO / FSDP2 / DDP), not pipeline stages"
+    if strategy is not None and strategy.is_pipeline and loss == TRL_LOSS:
+        return ("TRL's chunked NLL patches the Hugging Face model the Trainer runs (ZeRO / FSDP2 / DDP), not pipeline "
+                "stages")
     if strategy is not None and liger and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
         # Liger's lce_forward reads lm_head.weight without calling the lm_head module, and ZeRO-3 gathers a
         # parameter only in its module's forward hook: the fused loss gets an empty shard (liger-kernel 0.8.2 has no
@@ -292,7 +305,7 @@ def check_job(spec: "ModelSpec", job: Job, hw: "Hardware", strategy: "Strategy |
     check_seq_len(spec, job.seq_len)
     problem = job_problem(job.precision, hw.gpu, strategy, activation_offloading=job.activation_offloading,
                           liger=job.liger, adapter=job.adapter, compile=job.compile, attention=job.attention,
-                          tiled=job.tiled, dpo=job.dpo, grpo=job.grpo)
+                          tiled=job.tiled, dpo=job.dpo, grpo=job.grpo, loss=job.loss)
     if problem is None:
         from toolkit.inputs.grpo import grpo_problem
         from toolkit.inputs.preference import dpo_problem

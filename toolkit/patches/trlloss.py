@@ -59,6 +59,17 @@ class _CompactHidden:
         return self.function.apply(hidden.clone() if hidden._is_view() else hidden, *args)
 
 
+def apply_trl_loss(model) -> None:
+    """What SFTTrainer.__init__ does to the model (TRL's own add_fused_lm_head with SFTTrainer's outputs), with the
+    forward returning SFTTrainer.compute_loss's loss, so a plain Trainer (toolkit.train) trains as SFTTrainer does.
+    Before any PEFT wrapping, as SFTTrainer patches the base model."""
+    from trl.trainer import utils as trl_utils
+
+    trl_utils.add_fused_lm_head(model, outputs=SFT_OUTPUTS)
+    model.__dict__["_toolkit_trl_forward"] = model.__dict__.pop("forward")
+    bind(model, "forward", _sft_forward)
+
+
 @contextlib.contextmanager
 def trl_loss_applied(model, gpu_footprint: bool = False):
     """Patch `model` for the duration of the block as SFTTrainer does (TRL's own add_fused_lm_head), with its
@@ -69,9 +80,7 @@ def trl_loss_applied(model, gpu_footprint: bool = False):
     original = model.__dict__.get("forward")
     saved = {}
     try:
-        trl_utils.add_fused_lm_head(model, outputs=SFT_OUTPUTS)
-        model.__dict__["_toolkit_trl_forward"] = model.__dict__.pop("forward")
-        bind(model, "forward", _sft_forward)
+        apply_trl_loss(model)
         if gpu_footprint:
             for module, name, value in ((chunked_logprob, "_forward_tile", _no_fold),
                                         (chunked_logprob, "_backward_tile", _no_fold),

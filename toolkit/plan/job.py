@@ -18,7 +18,7 @@ DPO = "dpo"
 """The Job's Dpo: plan.json holds the dict of its settings under the same name (absent for supervised jobs)."""
 GRPO = "grpo"
 """The Job's Grpo, as DPO."""
-ESTIMATE_ONLY = ("chunked_loss", "loss")
+ESTIMATE_ONLY = ("chunked_loss",)
 """Job fields no runner applies, so a plan never carries them (estimate models them; a Job bound for a plan keeps
 their defaults)."""
 JOB_FIELDS_IN_PLAN = tuple(f.name for f in fields(Job)
@@ -36,9 +36,6 @@ def plan_job_problem(job: Job) -> str | None:
     if job.chunked_loss:
         return ("--chunked-loss (torchtune's chunked cross-entropy) is modelled by estimate only: no runner here "
                 "applies it; drop --chunked-loss")
-    if job.loss != "model":
-        return ("--loss trl (TRL's chunked NLL) is modelled by estimate only: the plan's runner computes the "
-                "model's own loss; drop --loss")
     return None
 
 

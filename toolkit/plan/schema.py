@@ -32,8 +32,8 @@ from pydantic_core import ArgsKwargs
 from toolkit import bounds
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
-from toolkit.inputs.choices import (VISION_TOWER_MODES, Attention, DeviceKind, Method, Optimizer, OptimizerImpl,
-                                    Precision)
+from toolkit.inputs.choices import (VISION_TOWER_MODES, Attention, DeviceKind, Loss, Method, Optimizer,
+                                    OptimizerImpl, Precision)
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES, Engine, Strategy, parse_strategy
 from toolkit.plan.files import PLAN_JSON
 
@@ -53,7 +53,7 @@ _DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel", "expert_
 
 _LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
              "leaf_modules": (None, []), "dpo": ({},), "rope_scaling": ({},), "grpo": ({},),
-             "model_parts": ({},), "vision_tower": ("train",)}
+             "model_parts": ({},), "vision_tower": ("train",), "loss": ("model",)}
 """Fields added within version 2, left out of plan.json at this value (their default), so a plan without them reads
 and keys its prediction as it did before they existed."""
 
@@ -122,6 +122,10 @@ class Plan:
     """Decoder layers' saved activations in host RAM (TRL's activation_offloading)."""
     liger: bool = False
     """Liger kernels (the HF Trainer's use_liger_kernel=True): fused linear cross-entropy, RMSNorm, SwiGLU, RoPE."""
+    loss: Loss = "model"
+    """The LM head + loss the memory was predicted with: the model's own, or TRL's chunked NLL (TRL's fused LM head,
+    toolkit.patches.trlloss), which toolkit.train applies and TRL's SFTTrainer always runs. Left out of plan.json
+    when "model"."""
     allocator_conf: str = Field(default="", pattern=r"^[A-Za-z0-9_.:, ]{0,200}$")
     """PYTORCH_CUDA_ALLOC_CONF the memory was predicted with; the launch scripts export it unless the environment
     already sets one (toolkit.inputs.allocconf)."""

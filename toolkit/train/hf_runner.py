@@ -19,6 +19,7 @@ from toolkit.plan.schema import Plan
 from toolkit.train import checkpoints, cpu, dimensions
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
+from toolkit.inputs.choices import TRL_LOSS
 from toolkit.inputs.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, freeze_vision_tower, load_config,
                                  load_tokenizer, model_source)
@@ -105,6 +106,12 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         from toolkit.patches.tiling import apply_tiling
 
         apply_tiling(model, agree_across_ranks=True)
+    if plan.loss == TRL_LOSS:
+        # The head + loss the planner traced (toolkit.patches.trlloss): TRL's own fused LM head, as SFTTrainer
+        # patches it, and SFTTrainer's loss over it; before PEFT wraps the model, as SFTTrainer does.
+        from toolkit.patches.trlloss import apply_trl_loss
+
+        apply_trl_loss(model)
     if adapter is not None and not (plan.dpo or plan.grpo):  # TRL wraps it (peft_config); disabled: the reference
         from toolkit.train.adapters import wrap_model
 
