@@ -62,8 +62,11 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
     if plan.grpo:
         from toolkit.inputs.grpo import grpo_words
 
-        lines.append(f"- method: {grpo_words(plan.grpo_spec)[2:]} through TRL's GRPOTrainer; toolkit.train does not "
-                     "run GRPO yet: run your own TRL script (below)")
+        lines.append(f"- method: {grpo_words(plan.grpo_spec)[2:]} through TRL's GRPOTrainer; toolkit.train runs it "
+                     "on prompt rows with the rewards you name (`toolkit launch PLAN_DIR -- --data prompts.jsonl "
+                     "--output OUT --reward MODULE:FUNCTION`)"
+                     + (" where vLLM runs (a GPU, vllm installed)" if plan.grpo_spec.use_vllm else "")
+                     + ", as does your own TRL script (below)")
     lines.append("")
     lines += ["## Strategy", "", f"- {strategy_sentence(plan)}"]
     if plan.engine == Engine.PIPELINE:

@@ -4,8 +4,8 @@ micro-batch counts completions, num_generations of them per prompt) and the plan
 (training_args.json's grpo_config), on rewards named by --reward (toolkit.train.rewards).
 
 Generation is in the training process (transformers' generate on the policy; under ZeRO-3 TRL gathers the weights
-for it). A plan that generates with vLLM is refused here: it needs GPUs and the vllm package (a user's TRL script
-from the plan folder runs it).
+for it). A plan that generates with vLLM is refused where vLLM cannot run (no GPU, or no vllm package); elsewhere
+its settings go to TRL as they are (not exercised by toolkit's tests, which run on CPUs).
 
 The data is TRL's prompt format: rows with "prompt", a string (standard) or a list of {"role", "content"} turns
 (conversational, rendered with the chat template and a generation prompt); other columns are passed to the reward
@@ -33,10 +33,9 @@ from toolkit.plan.schema import Plan
 PROMPT_FIELD = "prompt"
 """The column of TRL's prompt-only format (trl/data_utils.py is_conversational, maybe_apply_chat_template)."""
 
-VLLM_TRAIN_PROBLEM = ("the plan generates with vLLM (use_vllm), which needs GPUs and the vllm package; toolkit.train "
-                      "generates in the training process only where vLLM cannot run: re-plan without --use-vllm "
-                      "(transformers' generate), or run on GPUs with vllm installed through your own TRL script "
-                      "(toolkit launch PLAN_DIR -- your_grpo.py, GRPOConfig(**grpo_config()))")
+VLLM_TRAIN_PROBLEM = ("the plan generates with vLLM (use_vllm), which needs a GPU and the vllm package, and this "
+                      "machine lacks one or the other: re-plan without --use-vllm (generation in the training "
+                      "process, transformers' generate), or run it on GPUs with vllm installed")
 
 
 def check_grpo_run(plan: Plan, args, *, on_cpu: bool | None) -> list:
