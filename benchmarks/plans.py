@@ -27,6 +27,7 @@ CASES = {
     "A": ("gpt2-xl", "8xA100-80GB", None, 1024, 64),
     "B": ("llama-2-7b", "8xA100-80GB", None, 4096, 64),
     "C": ("llama-3-70b", "8x8xH100-80GB", 400.0, 8192, 512),
+    "D": ("llama-3-8b", "8xV100-32GB", None, 2048, 64, "fp16"),  # off the map: no published run on Volta, the band unknown
 }
 
 
@@ -35,13 +36,16 @@ def main() -> int:
              f"{measured_line('plans.py')}. Ranked by predicted tokens/s, except that "
              "candidates within the step-time band of the fastest (marked 'tie') are ordered by robustness "
              "(resumable, memory headroom in peak error bands, then simplicity: toolkit.estimate.ranking); `*` marks a speed no published run of that engine at that scale backs "
-             f"({time_band().text()}; benchmarks/results/throughput.md). GiB is the required memory per GPU (tensor "
-             "peak + context + margin).", ""]
-    for case, (model, gpus, inter, seq, batch) in CASES.items():
+             "(benchmarks/results/throughput.md). The band is the held-out published runs' on each case's GPU "
+             "generation (said under each case); where the corpus has none it is unknown and every row that fits is "
+             "a tie. GiB is the required memory per GPU (tensor peak + context + margin).", ""]
+    for case, (model, gpus, inter, seq, batch, *precision) in CASES.items():
         spec = resolve_model(model)
         hw = parse_hardware(gpus, inter_node_gbps=inter)
-        cands = plan_candidates(spec, hw, Request(seq_len=seq, global_batch=batch))
-        lines += [f"## Case {case}: {model} on {hw.spec}, seq {seq}, global batch {batch}", "",
+        cands = plan_candidates(spec, hw, Request(seq_len=seq, global_batch=batch,
+                                                  **({"precision": precision[0]} if precision else {})))
+        lines += [f"## Case {case}: {model} on {hw.spec}, seq {seq}, global batch {batch}"
+                  + (f", {precision[0]}" if precision else ""), "",
                   "| rank | strategy | micro x accum | ckpt | GiB/GPU | host GiB/node | step s | tokens/s | MFU | band |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         rank = 0
@@ -55,7 +59,7 @@ def main() -> int:
                          f"{'yes' if c.job.checkpointing else 'no'} | {m.required_bytes / GIB:.1f} | "
                          f"{m.cpu_bytes_per_node / GIB:.0f} | {t.step_time_s:.2f} | {t.tokens_per_s:,.0f}"
                          f"{'' if c.speed_evidenced else '*'} | {t.mfu:.0%} | {'tie' if id(c) in tied else ''} |")
-        lines += ["", "Not possible:", ""]
+        lines += ["", f"Band: {time_band(hw.gpu).text()}.", "", "Not possible:", ""]
         lines += [f"- {c.strategy.name}: {c.reason}" for c in cands if not c.feasible] or ["- (none)"]
         lines.append("")
     out = Path(__file__).parent / "results" / "plans.md"
