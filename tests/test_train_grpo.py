@@ -98,6 +98,21 @@ def test_zero2_on_two_processes_matches_one_process(run_training, tiny_llama_dir
     assert run.ranks[1]["local_param_abs_sum"] == run.ranks[0]["local_param_abs_sum"]  # replicas agree
 
 
+@pytest.mark.multiprocess
+def test_grpo_lora_scores_with_the_adapter_disabled_base(run_training, tiny_llama_dir, prompts):
+    """beta 0.1 with LoRA: TRL holds no second model (the policy with its adapter disabled is the reference), and
+    the KL to it grows from 0 as the adapter trains."""
+    from toolkit.inputs.lora import Adapter
+
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2).replace(
+        method="lora", adapter=Adapter(method="lora", r=4, dropout=0.0).to_dict())
+    run = run_training(plan, "grpo-lora", "--data", str(prompts), *COMMON).check()
+    assert run.ranks[0]["reference_model"] is False
+    kl = _steps(run, "kl")
+    assert kl[1] == 0.0 and all(kl[s] > 0 for s in range(2, STEPS + 1)), kl
+    assert all(math.isfinite(v) for v in run.losses().values())
+
+
 def _preflight(plan, tmp_path, *argv):
     from toolkit.run.launcher import emit_plan_files
     from toolkit.run.preflight import preflight
