@@ -66,6 +66,8 @@ def test_emitted_yaml_turns_on_accelerates_fsdp2_cpu_offload_policy(tiny_llama_d
                      "--strategies", name, "--out", str(out)]) == 0, capsys.readouterr().err
         config = yaml.safe_load((out / "accelerate_config.yaml").read_text())
         assert config["fsdp_config"]["fsdp_offload_params"] is (name == "fsdp2-offload")
+        assert ("gradients, optimizer states and step on CPU (torch's CPUOffloadPolicy"
+                in (out / "PLAN.md").read_text()) is (name == "fsdp2-offload")
         _, plugins[name], env = accelerate_launch_plugins(out / "accelerate_config.yaml")
         assert env["FSDP_OFFLOAD_PARAMS"] == str(name == "fsdp2-offload").lower()
         assert main(["check", str(out)]) == 0, capsys.readouterr()

@@ -104,9 +104,13 @@ def strategy_sentence(plan: Plan) -> str:
                     + (" with ZeRO-1 across the data-parallel replicas" if plan.data_parallel > 1 else ""),
     }[plan.engine]
     offload = []
-    if plan.offload_optimizer != "none":
+    if plan.engine == Engine.FSDP2 and plan.offload_params != "none":
+        # One switch in torch (CPUOffloadPolicy): params, grads and the optimizer move together.
+        offload.append("sharded parameters, gradients, optimizer states and step on CPU (torch's CPUOffloadPolicy; "
+                       "each layer's shard copied to the GPU for its all-gather)")
+    elif plan.offload_optimizer != "none":
         offload.append(f"optimizer states and step on {plan.offload_optimizer.upper()}")
-    if plan.offload_params != "none":
+    if plan.offload_params != "none" and plan.engine != Engine.FSDP2:
         offload.append(f"parameters on {plan.offload_params.upper()}")
     return what + (f"; offload: {', '.join(offload)}" if offload else "")
 
