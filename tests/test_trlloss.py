@@ -115,3 +115,19 @@ def test_plan_carries_trl_loss_emits_it_and_its_prediction_is_reproduced():
     assert sft_config(plan)["loss_type"] == "nll" and "loss_type" not in sft_config(plan.replace(loss="model"))
     assert any("TRL's chunked NLL" in n for n in notes(plan))
     assert '"loss"' not in plan.replace(loss="model").to_json()  # left out at its default: older plans read as before
+
+
+@pytest.mark.multiprocess
+def test_toolkit_train_runs_trls_head_with_the_models_own_losses(run_training, tiny_llama_dir, corpus_dir):
+    # One CPU process, fp32: the plan with loss trl trains through TRL's own fused head (the banner says it was
+    # applied) and logs the losses the model's own whole-logits loss gives, step by step.
+    from toolkit.run.rehearsal import plan_for_model
+
+    common = ("--data", str(corpus_dir), "--max-steps", "3", "--logging-steps", "1", "--save-steps", "100",
+              "--lr", "3e-3", "--lr-scheduler", "constant", "--seed", "7", "--eval-fraction", "0", "--no-save-final")
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32, precision="fp32")
+    own = run_training(plan, "loss-model", *common).check()
+    trl = run_training(plan.replace(loss="trl"), "loss-trl", *common).check()
+    assert "TRL's chunked NLL" in trl.stdout and "TRL's chunked NLL" not in own.stdout
+    assert len(own.losses()) == 3
+    assert trl.losses() == pytest.approx(own.losses(), abs=1e-4)

@@ -28,14 +28,15 @@ SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 def _sft_forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
-    """SFTTrainer.compute_loss over TRL's fused forward: per-token -log_probs summed, divided by the token count."""
+    """SFTTrainer.compute_loss over TRL's fused forward: per-token -log_probs summed, divided by the token count.
+    Without labels the model's own forward, with its logits (TRL's fused_lm_head=False path: generation, probes)."""
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    if labels is None:
+        return self._toolkit_trl_forward(*args, **kwargs)
     kwargs.pop("logits_to_keep", None)
     out = self._toolkit_trl_forward(*args, labels=labels, fused_lm_head=True, **kwargs)
-    if labels is None:
-        return CausalLMOutputWithPast(loss=None, logits=(out.log_probs, out.entropy, out.is_top1))
     num_tokens = out.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
     loss = (-out.log_probs).sum() / torch.as_tensor(num_tokens).clamp(min=1)
     return CausalLMOutputWithPast(loss=loss, logits=(out.log_probs, out.entropy, out.is_top1))

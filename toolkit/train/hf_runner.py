@@ -547,7 +547,8 @@ def _method_words(plan: Plan) -> str:
     from toolkit.inputs.grpo import grpo_words
     from toolkit.inputs.preference import reference_words
 
-    return reference_words(plan.dpo_spec) + grpo_words(plan.grpo_spec)
+    return reference_words(plan.dpo_spec) + grpo_words(plan.grpo_spec) \
+        + (", TRL's chunked NLL (TRL's fused LM head)" if plan.loss == TRL_LOSS else "")
 
 
 def _is_rank_zero() -> bool:
