@@ -61,11 +61,11 @@ def _job():
 
     # bf16-pure: the guide loads the model with dtype=torch.bfloat16 and the Trainer keeps its parameters, gradients
     # and AdamW states in that dtype (torch's fused AdamW, transformers' default optim on CUDA). TRL's loss takes
-    # the log-probabilities chunk by chunk without the full logits (trl/trainer/sft_trainer.py add_fused_lm_head):
-    # the nearest loss we model is the chunked one (8 chunks), whose fp32 chunk is the only logits tensor alive.
+    # the log-probabilities tile by tile without the full logits (trl/trainer/sft_trainer.py add_fused_lm_head):
+    # traced as TRL computes it, TRL's own fused head on the fake tensors (toolkit.patches.trlloss).
     return Job(seq_len=ROW["seq_len"], micro_batch=ROW["micro_batch"], grad_accum=1, precision="bf16-pure",
                optimizer="adamw", checkpointing=True, attention="sdpa", device_kind="cuda", optimizer_impl="fused",
-               chunked_loss=8)
+               loss="trl")
 
 
 def estimate(shared: bool) -> dict:
@@ -125,7 +125,7 @@ def render(shared: dict, own: dict) -> str:
              "`toolkit.estimate` (memory.estimate_memory, timing.step_time) on the same job, no constant fitted "
              "to this row. The same shared-batch row from the command line: `toolkit estimate <folder holding "
              "qwen3-30b-a3b.json as config.json> --gpus 8xH100-80GB --strategy fsdp2 --expert-parallel 8 "
-             "--expert-shared-batch --seq 2048 --checkpointing --precision bf16-pure --chunked-loss 8`.", "",
+             "--expert-shared-batch --seq 2048 --checkpointing --precision bf16-pure --loss trl`.", "",
              "## Step time", "",
              "| layout | tokens / step | ours step s | published s | ours / published | ours tokens/s "
              "| published tokens/s |",
@@ -180,8 +180,8 @@ def render(shared: dict, own: dict) -> str:
               "2048 tokens.",
               "- **optimizer states dtype**: bf16 (the model loaded in bf16, torch AdamW keeps states in the "
               "parameters' dtype). fp32 states would add 4 bytes a parameter.",
-              "- **loss**: TRL's fused LM head computes log-probabilities chunk by chunk; we model torchtune's "
-              "8-chunk loss, the nearest we trace.",
+              "- **loss**: TRL's fused LM head computes log-probabilities tile by tile (4096 tokens x 32768 "
+              "vocabulary, recomputed in backward); we trace TRL's own head (`--loss trl`, toolkit.patches.trlloss).",
               "- **router logits**: TRL turns the model's output_router_logits on whenever the config has a "
               "router_aux_loss_coef (Qwen3-MoE: 0.001; trl/trainer/sft_trainer.py), so every MoE layer's "
               "tokens x experts logits live until the auxiliary loss: 48 x 2048 x 128 values, about 0.12 GiB with "
