@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.quick_launch import ACCELERATE_LAUNCH
 from toolkit.emit import emit_files
 from toolkit.run.rehearsal import plan_for_model
 from toolkit.train.hf_runner import read_rank_summaries
@@ -33,9 +34,10 @@ PLANS = {  # strategy: (micro-batch, accumulation, checkpointing)
 
 
 def accelerate_launch() -> list[str]:
-    """`accelerate launch` of this environment (a venv used without activating it included)."""
-    beside = Path(sys.executable).parent / "accelerate"
-    return [str(beside), "launch"] if beside.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+    """`accelerate launch` of this environment (a venv used without activating it included), started as
+    tests/quick_launch.py says: accelerate's launch function with the same arguments, without the CLI's extra
+    imports and teardown."""
+    return list(ACCELERATE_LAUNCH)
 
 
 @pytest.fixture(scope="module")
