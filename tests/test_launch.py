@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shlex
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +87,13 @@ def test_rehearsal_reports_a_failing_run_with_its_exit_code(tiny_llama_dir, tmp_
     out = capfd.readouterr().out
     assert code != 0
     assert "rehearsal problem: DeepSpeed refuses" in out and "rehearsal FAILED" in out
+    # the log the failure points to is kept (only it: the tiny model, data and checkpoints go)
+    kept = [Path(p) for line in out.splitlines() if line.startswith("the rehearsal's log")
+            for p in line.split("kept: ", 1)[1].split(", ")]
+    assert kept and all(p.is_file() and p.stat().st_size for p in kept), out
+    work = kept[0].parent.parent
+    assert [p.name for p in work.iterdir()] == ["out"] and set((work / "out").iterdir()) == set(kept)
+    shutil.rmtree(work)
 
 
 @pytest.mark.multiprocess
@@ -107,3 +116,31 @@ def test_nodes_without_rehearse_is_refused_in_one_line(tiny_llama_dir, tmp_path)
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero3", micro_batch=2, seq_len=32), tmp_path / "p")
     with pytest.raises(UserError, match="--nodes 2 runs a rehearsal as 2 nodes on this machine; add --rehearse"):
         launch_main(plan_dir, [], nodes=2)
+
+
+def test_a_failed_rehearsal_keeps_its_launcher_logs_and_nothing_else(tmp_path, capsys):
+    """The failure line names work/out/toolkit-launch.log: it must still be there after the rehearsal returns;
+    a passed or refused rehearsal (no log) leaves nothing."""
+    from toolkit.run.rehearsal import _remove_keeping_logs
+
+    def work(name: str, logs: bool) -> Path:
+        w = tmp_path / name
+        (w / "model").mkdir(parents=True)
+        (w / "model" / "model.safetensors").write_bytes(b"0" * 64)
+        (w / "out" / "checkpoint-2").mkdir(parents=True)
+        (w / "out" / "checkpoint-2" / "optimizer.pt").write_bytes(b"0" * 64)
+        (w / "out" / "trainer_state.json").write_text("{}")
+        if logs:
+            (w / "out" / "toolkit-launch.log").write_text("rank 0 failed\n")
+            (w / "out" / "node-1.log").write_text("node 1\n")
+        return w
+
+    failed = work("failed", logs=True)
+    _remove_keeping_logs(failed, keep=True)
+    assert sorted(p.relative_to(failed).as_posix() for p in failed.rglob("*")) == [
+        "out", "out/node-1.log", "out/toolkit-launch.log"]
+    assert str(failed / "out" / "toolkit-launch.log") in capsys.readouterr().out
+    for name, logs, keep in (("passed", True, False), ("refused", False, True)):
+        w = work(name, logs)
+        _remove_keeping_logs(w, keep=keep)
+        assert not w.exists()

@@ -232,10 +232,28 @@ def rehearse(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_run: bool
         print("note: HSDP shards inside a node and replicates across nodes: rehearsing it as 2 nodes on this "
               "machine (--nodes 2)", flush=True)
     work = Path(tempfile.mkdtemp(prefix="toolkit-rehearsal-"))
+    code = None
     try:  # the temporary folder goes on every way out: success, failure, refusal, Ctrl-C
-        return _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run, nodes=nodes, processes=processes)
+        code = _rehearse_in(plan, plan_dir, train_argv, work, dry_run=dry_run, nodes=nodes, processes=processes)
+        return code
     finally:
+        _remove_keeping_logs(work, keep=bool(code))
+
+
+def _remove_keeping_logs(work: Path, *, keep: bool) -> None:
+    """The rehearsal's temporary folder goes; after a failed run its launcher logs stay where the failure line
+    pointed (work/out/*.log), the rest (tiny model, data, checkpoints) goes."""
+    logs = sorted((work / "out").glob("*.log")) if keep and (work / "out").is_dir() else []
+    if not logs:
         shutil.rmtree(work, ignore_errors=True)
+        return
+    for entry in work.iterdir():
+        if entry.name != "out":
+            shutil.rmtree(entry, ignore_errors=True)
+    for entry in (work / "out").iterdir():
+        if entry not in logs:
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    print(f"the rehearsal's log{'s are' if len(logs) > 1 else ' is'} kept: {', '.join(map(str, logs))}", flush=True)
 
 
 def small_setup(plan: Plan, work: Path, *, chat: bool = False, nodes: int = 1,
@@ -304,7 +322,7 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
             print(f"rehearsal problem: {problem}", flush=True)
         log = work / "out" / LOG_NAME
         tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
-        for line in tail:  # the log itself goes with the temporary folder
+        for line in tail:  # the log itself stays (rehearse keeps a failed run's logs)
             print(f"  log: {line}", flush=True)
         print(f"rehearsal FAILED (exit code {code}); fix this before spending GPU time", flush=True)
         return code or 1
