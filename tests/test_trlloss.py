@@ -131,3 +131,12 @@ def test_toolkit_train_runs_trls_head_with_the_models_own_losses(run_training, t
     assert "TRL's chunked NLL" in trl.stdout and "TRL's chunked NLL" not in own.stdout
     assert len(own.losses()) == 3
     assert trl.losses() == pytest.approx(own.losses(), abs=1e-4)
+
+
+
+def test_a_trl_loss_plan_is_rehearsed_with_trls_head(tiny_llama_dir):
+    from toolkit.run.rehearsal import plan_for_model, rehearsal_plan
+
+    plan = plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=2, seq_len=64).replace(loss="trl")
+    small, _ = rehearsal_plan(plan, tiny_llama_dir)
+    assert small.loss == "trl" and rehearsal_plan(plan.replace(loss="model"), tiny_llama_dir)[0].loss == "model"

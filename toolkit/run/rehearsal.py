@@ -146,6 +146,7 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1,
                     "for the compiler")
         small = small.replace(compile=True, notes=[*small.notes, said[-1]])
     small = small.replace(tiled=plan.tiled)  # ALST tiling runs on CPU over gloo: rehearsed as planned
+    small = small.replace(loss=plan.loss)  # TRL's fused head runs on CPU (its torch folds): rehearsed as planned
     if plan.dpo:  # toolkit.train and a user's TRL DPO script rehearse with the plan's DPOConfig settings
         small = small.replace(dpo=dict(plan.dpo))
     if grpo:  # likewise a user's TRL GRPO script, with the plan's GRPOConfig settings at the rehearsal's size
