@@ -1,6 +1,7 @@
-"""TRL's chunked NLL (estimate --loss trl): TRL's own fused LM head on the model gives the model's own loss and
-gradients, its traced bytes and whole-step peak equal a real CPU step of the same patched model, it lowers the peak
-against the whole-logits loss at a large vocabulary, and the refusals are one line."""
+"""TRL's chunked NLL (estimate / plan --loss trl): TRL's own fused LM head on the model gives the model's own loss
+and gradients, its traced bytes and whole-step peak equal a real CPU step of the same patched model (with and
+without Liger's layer kernels), it lowers the peak against the whole-logits loss at a large vocabulary, plans carry
+and emit it, toolkit.train and the rehearsal run it, and the refusals are one line."""
 
 from __future__ import annotations
 
@@ -34,36 +35,41 @@ def test_trl_loss_equals_the_models_own_loss_and_gradients_and_unpatches():
         torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
-def _memory(config, precision, loss, device_kind="cpu", seq=128, micro_batch=2, name="llama"):
+def _memory(config, precision, loss, device_kind="cpu", seq=128, micro_batch=2, name="llama", liger=False):
     from toolkit.estimate.memory import estimate_memory
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import build_spec
     from toolkit.inputs.strategy import parse_strategy
 
-    job = Job(seq_len=seq, micro_batch=micro_batch, precision=precision, device_kind=device_kind, loss=loss)
+    job = Job(seq_len=seq, micro_batch=micro_batch, precision=precision, device_kind=device_kind, loss=loss,
+              liger=liger)
     return estimate_memory(build_spec(name, config), parse_strategy("ddp"), job, parse_hardware("1xH200"))
 
 
-@pytest.mark.parametrize("precision", ["bf16-pure", "bf16"])
-def test_traced_bytes_and_step_peak_with_trl_loss_match_a_real_cpu_step(precision):
+@pytest.mark.parametrize("precision,liger", [("bf16-pure", False), ("bf16", False), ("bf16", True)])
+def test_traced_bytes_and_step_peak_with_trl_loss_match_a_real_cpu_step(precision, liger):
     # More than 4096 tokens, so the kernel runs two token chunks through its one tile buffer, and a vocabulary
-    # above 32768, so each token chunk runs two vocabulary tiles, the second one partial.
+    # above 32768, so each token chunk runs two vocabulary tiles, the second one partial. With Liger: its layer
+    # kernels under TRL's head, as SFTTrainer runs use_liger_kernel (Liger's fused cross-entropy never runs).
+    import contextlib
+
     from toolkit.estimate.livebytes import steady_step_peak
+    from toolkit.patches.liger import liger_applied
 
     config = tiny_config("llama", vocab_size=40000, max_positions=4096, hidden=64, layers=2, heads=4, kv_heads=2,
                          ffn=128)
     model = build_model(config, precision, "sdpa", False, "cpu")
     batch = _batch(config, 2, 2100, "cpu")
     amp = _dtype(precision)
-    with trl_loss_applied(model):
+    with liger_applied(model) if liger else contextlib.nullcontext(), trl_loss_applied(model):
         measured = steady_step_peak(model, batch, autocast_dtype=amp)
         measured_saved, loss = measure_saved_bytes(model, batch, autocast_dtype=amp)
         del loss
-    predicted = _memory(config, precision, "trl", seq=2100)
+    predicted = _memory(config, precision, "trl", seq=2100, liger=liger)
     assert predicted.peak_bytes == pytest.approx(measured, rel=0.01), (predicted.peak_phase, measured)
     trace = trace_activations(config, seq_len=2100, micro_batch=2, dtype="bfloat16", autocast=precision == "bf16",
-                              device_kind="cpu", loss="trl")
+                              device_kind="cpu", loss="trl", liger=liger)
     assert trace.activations_bytes == measured_saved.saved_bytes
     assert any("TRL's chunked NLL" in n for n in trace.notes)
 
