@@ -114,6 +114,7 @@ def test_plan_carries_trl_loss_emits_it_and_its_prediction_is_reproduced():
     assert "pipeline stages" in trl["pipeline"].reason  # the pipeline engine runs its own stages, not TRL's head
     chosen, before = trl["zero2"], plain["zero2"]
     assert chosen.job.loss == "trl" and chosen.memory.peak_bytes < before.memory.peak_bytes
+    assert chosen.timing.unmodelled == ("trl loss",) and before.timing.unmodelled == ()  # the head recompute
     plan = to_plan(chosen, spec, hw, "qwen2.5-0.5b")
     assert plan.loss == "trl" and not plan.prediction_is_stale and '"loss": "trl"' in plan.to_json()
     assert predict_plan(plan).predicted["peak_bytes"] == plan.predicted["peak_bytes"]

@@ -66,6 +66,8 @@ UNMODELLED_SPEED: dict[str, str] = {
     "activation offloading": ("activation offloading: the copies of the saved activations to host RAM and back are "
                               "not in the step time (assumed hidden behind compute on TRL's side stream; "
                               "unmeasured)"),
+    "trl loss": ("TRL's chunked NLL: its backward recomputes every logits tile (one more LM head matmul a step), "
+                 "which the step time leaves out (it is priced as the model's own head and loss)"),
 }
 """Memory savers whose speed effect the step-time model leaves out, and the words that say so. Liger's published
 speed-ups (its README's benchmarks) are per kernel on its own GPUs, not a step-time model we can source per job."""
@@ -73,4 +75,5 @@ speed-ups (its README's benchmarks) are per kernel on its own GPUs, not a step-t
 
 def speed_unmodelled(job) -> tuple[str, ...]:
     """The savers `job` turns on whose effect on the step time is not modelled (keys of UNMODELLED_SPEED)."""
-    return tuple(k for k, on in (("liger", job.liger), ("activation offloading", job.activation_offloading)) if on)
+    return tuple(k for k, on in (("liger", job.liger), ("activation offloading", job.activation_offloading),
+                                 ("trl loss", job.loss != "model")) if on)
