@@ -199,3 +199,23 @@ def test_train_lora_on_a_full_moe_plan_takes_peft_dropout_rule(tmp_path):
     assert adapter_for_run(full, parse_train_args([*base, "--lora"])).dropout == 0.0
     with pytest.raises(UserError, match="--lora-dropout 0"):
         adapter_for_run(full, parse_train_args([*base, "--lora", "--lora-dropout", "0.1"]))
+
+
+@pytest.mark.multiprocess
+def test_a_qlora_zero3_plan_of_a_gqa_model_rehearses(tmp_path, capfd):
+    """Llama-2-70B QLoRA on 2 x 24 GB with ZeRO-3 (bf16 quant storage, the layout DeepSpeed shards): its CPU
+    rehearsal trains, checkpoints, saves and reloads. Before, three things stopped it: the random checkpoint was
+    written from ZeRO-3's empty placeholders, toolkit.train asked a quantised model to be born partitioned (transformers
+    builds it on meta), and bitsandbytes' packed CPU kernel refused the tiny model's 16-wide KV projections at
+    evaluation and the bf16 storage at save."""
+    from toolkit.cli import main
+    from toolkit.commands.launch import launch_main
+
+    plan_dir = tmp_path / "p"
+    assert main(["plan", "llama-2-70b", "--gpus", "2xRTX-4090", "--method", "qlora", "--qlora-quant-storage",
+                 "bfloat16", "--micro-batch", "1", "--seq", "2048", "--strategies", "zero3-offload",
+                 "--out", str(plan_dir)]) == 0
+    capfd.readouterr()
+    assert launch_main(plan_dir, [], rehearse=True) == 0
+    out = capfd.readouterr().out
+    assert "rehearsal passed: zero3-offload trained" in out and "bitsandbytes' packed CPU kernel off" in out, out

@@ -80,6 +80,26 @@ def unpinned_offload(accelerator) -> str | None:
             "YAML keeps accelerate's pinned default for the GPUs)")
 
 
+
+def unpacked_4bit(*models) -> str | None:
+    """QLoRA without a GPU: bitsandbytes' Linear4bit, on a CPU with AVX512-BF16, repacks its weight for a CPU kernel
+    the first time it runs without grad (the evaluation), and that repack asserts 32-row blocks
+    ("N must be divisible by block_n"), and its inverse at save asserts uint8 storage, which a bf16
+    quant_storage (QLoRA under ZeRO-3 / FSDP) is not (bitsandbytes/nn/modules.py Linear4bit.forward and
+    _save_to_state_dict). Each layer is told the CPU has no such kernel, so evaluation runs the same dequantising
+    matmul as training. Returns the note to print, or None when nothing changed."""
+    if not on_cpu():
+        return None
+    changed = 0
+    for model in models:
+        for module in model.modules() if model is not None else ():
+            if getattr(module, "support_avx512bf16_for_cpu", False):
+                module.support_avx512bf16_for_cpu = False
+                changed += 1
+    return (f"QLoRA on CPU: bitsandbytes' packed CPU kernel off in {changed} 4-bit layers (evaluation dequantises "
+            "as training does)") if changed else None
+
+
 def peak_memory_bytes() -> int:
     """This process's peak memory: allocated device memory on a GPU, else the RSS high-water mark."""
     import torch

@@ -98,8 +98,8 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         ref_model = new_model() if needs_reference_model(plan, adapter) else None
     elif plan.grpo and plan.grpo_spec.reference_kept and adapter is None:
         ref_model = new_model()  # the policy's twin (beta > 0, full fine-tuning: toolkit.train.grpo)
-    if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3:
-        _check_born_partitioned(model)
+    if plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3 and not (adapter and adapter.method == "qlora"):
+        _check_born_partitioned(model)  # transformers builds a quantised model on meta, never under zero.Init
     if plan.tiled:
         # The patch the planner traced (toolkit.patches.tiling): DeepSpeed's TiledMLP in every layer, the tiled
         # logits + loss in the forward; ranks agree on the chunk counts (ZeRO-3 gathers per module call).
@@ -120,10 +120,12 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
                             ref_model=ref_model, adapter=adapter, rewards=rewards)
     seen_dtypes = _watch_layer_dtype(model, plan.layer_class)
     unpinned = cpu.unpinned_offload(trainer.accelerator)
+    unpacked = cpu.unpacked_4bit(model, ref_model)
     if state is None or trainer.is_world_process_zero():
         print(_banner(plan, args, training_args, len(train_data), eval_data), flush=True)
-        if unpinned:
-            print(f"note: {unpinned}", flush=True)
+        for note in (unpinned, unpacked):
+            if note:
+                print(f"note: {note}", flush=True)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     refuse_untrained(trainer.state.global_step, len(train_data), plan)
     if eval_data is not None and trainer.state.global_step % training_args.eval_steps != 0:

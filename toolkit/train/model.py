@@ -188,7 +188,11 @@ def freeze_vision_tower(model: Any, plan: Plan) -> None:
 def _load_random_through_checkpoint(config: Any, kwargs: dict):
     """Random (seeded, so equal on every rank) weights written to a temporary folder and loaded back with
     `kwargs`: transformers quantises (QLoRA) and shards (tensor parallelism) only as it loads a checkpoint.
-    Every rank writes its own (save_pretrained writes on the main process only)."""
+    Every rank writes its own (save_pretrained writes on the main process only). Under ZeRO-3 from_config builds
+    the random model partitioned (deepspeed.zero.Init: each rank holds an empty placeholder per parameter), so its
+    parameters are gathered whole for the write; without that the checkpoint held size-0 tensors and the load
+    refused it (a QLoRA ZeRO-3 plan's rehearsal failed so)."""
+    import contextlib
     import tempfile
 
     from safetensors.torch import save_model
@@ -197,8 +201,16 @@ def _load_random_through_checkpoint(config: Any, kwargs: dict):
     with tempfile.TemporaryDirectory() as tmp:
         config.to_json_file(str(Path(tmp) / "config.json"))
         GenerationConfig.from_model_config(config).to_json_file(str(Path(tmp) / "generation_config.json"))
-        save_model(AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"]),
-                   str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        random = AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"])
+        partitioned = [p for p in random.parameters() if hasattr(p, "ds_id")]
+        whole = contextlib.nullcontext()
+        if partitioned:
+            import deepspeed
+
+            whole = deepspeed.zero.GatheredParameters(partitioned)
+        with whole:
+            save_model(random, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        del random
         return AutoModelForCausalLM.from_pretrained(tmp, config=config, **kwargs)
 
 
