@@ -285,16 +285,23 @@ def test_qlora_step_is_slower_than_lora_by_its_named_terms(capsys):
     assert qlora["step_time_s"] > lora["step_time_s"]
 
 
-def test_llama_3_8b_lora_on_one_rtx_4090_picks_ddp(capsys, tmp_path):
+def test_llama_3_8b_lora_on_one_rtx_4090_names_ddp_as_the_fastest_beside_the_robust_first(capsys, tmp_path):
+    """Ada has no published step-time run, so no predicted speed difference wins there (tests/test_bands.py): the
+    first row is the one with the most memory headroom (DDP's 20.4 GiB of 23.6 is inside the widened peak band),
+    and the note names DDP as what it is, the fastest predicted, with the memory each needs."""
     import json
 
     from toolkit.cli import main
 
-    assert main(["plan", "llama-3-8b", "--gpus", "1xRTX-4090-24GB", "--seq", "2048", "--global-batch", "16",
-                 "--method", "lora", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    chosen = out.get("chosen") or out["candidates"][0]
-    assert (chosen.get("strategy") if isinstance(chosen, dict) else chosen) == "ddp"
+    job = ["plan", "llama-3-8b", "--gpus", "1xRTX-4090-24GB", "--seq", "2048", "--global-batch", "16",
+           "--method", "lora"]
+    assert main([*job, "--json"]) == 0
+    rows = [c for c in json.loads(capsys.readouterr().out)["candidates"] if c["feasible"]]
+    fastest = max(rows, key=lambda c: c["tokens_per_s"])
+    assert fastest["strategy"] == "ddp" and rows[0]["strategy"] != "ddp"
+    assert main(job) == 0
+    out = capsys.readouterr().out
+    assert f"DDP is the fastest predicted and needs" in out and f"for #1 ({rows[0]['strategy']})" in out, out
 
 
 def test_qlora_zero3_with_uint8_storage_is_refused_alike_by_plan_estimate_emit_and_check(capsys, tmp_path):

@@ -419,8 +419,10 @@ def _note_adapter_ddp(req, feasible) -> None:
     if not req.adapter.is_adapter or not feasible:
         return
     ddp = next((c for c in feasible if c.strategy.name == "ddp"), None)
-    best = feasible[0]
-    if ddp is not None and ddp is not best and ddp.timing.tokens_per_s >= 0.99 * best.timing.tokens_per_s:
+    first = feasible[0]
+    fastest = max(feasible, key=lambda c: c.timing.tokens_per_s)  # the first is not it when robustness decided
+    if ddp is not None and ddp is not first and ddp.timing.tokens_per_s >= 0.99 * fastest.timing.tokens_per_s:
+        speed = "the fastest predicted" if ddp is fastest else f"within 1% of the fastest ({fastest.name})"
         print(f"\nnote: with {req.adapter.method} only the adapters have gradients and optimizer states; DDP is "
-              f"within 1% of the fastest ({best.name}) and needs {ddp.memory.required_bytes / GIB:.1f} GiB vs "
-              f"{best.memory.required_bytes / GIB:.1f}: choose it with --choose ddp for the simplest run")
+              f"{speed} and needs {ddp.memory.required_bytes / GIB:.1f} GiB vs {first.memory.required_bytes / GIB:.1f}"
+              f" for #1 ({first.name}): choose it with --choose ddp for the simplest run")
