@@ -97,13 +97,13 @@ def _launch_on_this_box(plan: Plan, plan_dir: Path, train_argv: list[str], *, pr
     import shutil
     import tempfile
 
-    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.launcher import emit_plan_files, processes_phrase
     from toolkit.run.smaller_box import box_plan
 
     if processes is None and cpu:
         processes = min(plan.world_size, os.cpu_count() or 1)
     box, said = box_plan(plan, processes=processes, cpu=cpu)
-    where = f"{box.world_size} CPU processes over gloo" if cpu else f"{box.world_size} processes"
+    where = processes_phrase(box.world_size, cpu=cpu)
     print(f"{plan.strategy} on {where} (planned for {plan.world_size} x {plan.gpu}); files for this box are "
           "emitted from plan.json into a temporary folder", flush=True)
     for line in said:

@@ -63,6 +63,12 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
     return command + ["-m", "toolkit.train", "--plan", str(plan_dir / PLAN_JSON), *train_argv]
 
 
+def processes_phrase(count: int, *, cpu: bool) -> str:
+    """'1 CPU process over gloo', '2 CPU processes over gloo', '4 processes': how a launch names where it runs."""
+    noun = "process" if count == 1 else "processes"
+    return f"{count} CPU {noun} over gloo" if cpu else f"{count} {noun}"
+
+
 def is_user_script(train_argv: list[str]) -> bool:
     """A first argument ending in .py names the user's own training script (launch.sh decides the same way)."""
     return bool(train_argv) and train_argv[0].endswith(".py")

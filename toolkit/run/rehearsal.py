@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from toolkit.run import tiny
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
-from toolkit.run.launcher import (LOG_NAME, emit_plan_files, free_port, is_user_script, launch_command, run,
-                                   run_nodes, script_log)
+from toolkit.run.launcher import (LOG_NAME, emit_plan_files, free_port, is_user_script, launch_command,
+                                  processes_phrase, run, run_nodes, script_log)
 from toolkit.run.preflight import preflight
 from toolkit.plan.schema import Plan
 from toolkit.inputs.strategy import Engine, parse_strategy
@@ -296,7 +296,7 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
     commands = [launch_command(small_dir, argv, machine_rank=r, main_host="127.0.0.1", main_port=port)
                 for r in range(nodes)] if nodes > 1 else [launch_command(small_dir, argv)]
     where = f" ({nodes} launcher invocations, machine ranks 0-{nodes - 1}, over loopback)" if nodes > 1 else ""
-    print(f"rehearsal of {_label(small)} ({plan.precision}) on {small.world_size} CPU processes over gloo{where}: "
+    print(f"rehearsal of {_label(small)} ({plan.precision}) on {processes_phrase(small.world_size, cpu=True)}{where}: "
           f"{small.model_type} {small.num_layers} layers, hidden {_hidden(small)}, seq {small.seq_len}, "
           f"micro {small.micro_batch} x accum {small.grad_accum}, {REHEARSAL_STEPS} steps", flush=True)
     for line in said:
