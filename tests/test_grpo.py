@@ -20,11 +20,11 @@ LLAMA_8B = "llama-3.1-8b"
 
 
 def _grpo(strategy: str = "zero3", micro_batch: int = 4, grad_accum: int = 2, allocator_conf: str | None = None,
-          **settings):
+          method: str = "grpo", adapter=None, **settings):
     grpo = Grpo(max_completion_length=1024, **settings)
     allocator = {} if allocator_conf is None else {"allocator_conf": allocator_conf}
     return api.estimate(LLAMA_8B, "8xH100-80GB", strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum,
-                        method="grpo", grpo=grpo, **allocator)
+                        method=None if adapter else method, adapter=adapter, grpo=grpo, **allocator)
 
 
 def _term(memory, name: str) -> int:
@@ -87,6 +87,53 @@ def test_zero3_generation_gathers_the_whole_policy():
     """ds3_gather_for_generation (TRL's default) unshards every parameter in bf16 while generate runs."""
     e = _grpo()
     assert _term(e.memory, "generation gathered weights") == e.model.params * 2
+
+
+def _qlora(**settings):
+    from toolkit.inputs.lora import adapter_from_flags
+
+    return adapter_from_flags("qlora", quant_storage="bfloat16", **settings)
+
+
+def test_qlora_generates_from_its_4bit_base_and_zero3_gathers_the_packed_codes():
+    """grpo+qlora: the policy generates with its own 4-bit base (bitsandbytes' gemm_4bit reads the packed codes
+    without gradients), so each decode step reads the 4-bit base with its constants and the adapters: under 40% of
+    the bf16 model's bytes. ZeRO-3's ds3_gather_for_generation unshards what ZeRO-3 partitions: the packed
+    codes (bf16 storage), the unquantised parts and the adapters, never the constants every GPU keeps whole."""
+    from toolkit.estimate.grpo import generator_weight_bytes
+    from toolkit.estimate.timing import data_parallel_gather_bytes
+    from toolkit.inputs.lora import counts_for_spec
+
+    full, q = _grpo(), _grpo(adapter=_qlora())
+    counts = counts_for_spec(q.model, q.job.adapter)
+    assert _term(q.memory, "generation gathered weights") == data_parallel_gather_bytes(counts, q.job)
+    assert data_parallel_gather_bytes(counts, q.job) == (counts.quantized_packed_bytes
+                                                         + counts.unquantized_frozen_params * 2
+                                                         + counts.trainable_params * 2)
+    weights = generator_weight_bytes(q.model, q.job)
+    assert weights == counts.quantized_bytes + counts.unquantized_frozen_params * 2 + counts.trainable_params * 2
+    assert weights < 0.4 * q.model.params * 2  # Llama-3.1-8B: 5.79 GB of 16.06 (embeddings and head stay bf16)
+    assert q.timing.generation_s < full.timing.generation_s
+
+
+def test_qlora_with_vllm_colocate_holds_the_4bit_base_in_vllms_share():
+    """TRL starts vLLM with quantization="bitsandbytes" for a 4-bit policy and syncs the merged base, so vLLM's
+    share holds the 4-bit base without adapters: the window's low end drops against grpo+lora's bf16 base by the
+    difference of those two bases' shares of the GPU."""
+    import re
+
+    from toolkit.estimate.grpo import generator_weight_bytes
+    from toolkit.inputs.lora import adapter_from_flags
+
+    def low(e) -> float:
+        return float(re.search(r"utilization ([\d.]+) to", e.memory.notes[0]).group(1))
+
+    lora = _grpo(micro_batch=2, grad_accum=4, use_vllm=True, adapter=adapter_from_flags("lora"))
+    q = _grpo(micro_batch=2, grad_accum=4, use_vllm=True, adapter=_qlora())
+    base_q, base_lora = (generator_weight_bytes(e.model, e.job, vllm=True) for e in (q, lora))
+    assert base_lora == lora.model.params * 2
+    assert base_q < 0.4 * base_lora
+    assert abs((low(lora) - low(q)) - (base_lora - base_q) / q.memory.capacity_bytes) < 0.01
 
 
 def test_colocate_leaves_training_the_rest_of_the_gpu():

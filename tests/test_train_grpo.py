@@ -99,15 +99,17 @@ def test_zero2_on_two_processes_matches_one_process(run_training, tiny_llama_dir
 
 
 @pytest.mark.multiprocess
-def test_grpo_lora_scores_with_the_adapter_disabled_base(run_training, tiny_llama_dir, prompts):
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_grpo_lora_scores_with_the_adapter_disabled_base(run_training, tiny_llama_dir, prompts, method):
     """beta 0.1 with LoRA: TRL holds no second model (the policy with its adapter disabled is the reference), and
-    the KL to it grows from 0 as the adapter trains."""
+    the KL to it grows from 0 as the adapter trains. QLoRA the same, generating from the 4-bit base."""
     from toolkit.inputs.lora import Adapter
 
     plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2).replace(
-        method="lora", adapter=Adapter(method="lora", r=4, dropout=0.0).to_dict())
-    run = run_training(plan, "grpo-lora", "--data", str(prompts), *COMMON).check()
+        method=method, adapter=Adapter(method=method, r=4, dropout=0.0).to_dict())
+    run = run_training(plan, f"grpo-{method}", "--data", str(prompts), *COMMON).check()
     assert run.ranks[0]["reference_model"] is False
+    assert (run.ranks[0]["four_bit_numel"][1] > 0) == (method == "qlora")
     kl = _steps(run, "kl")
     assert kl[1] == 0.0 and all(kl[s] > 0 for s in range(2, STEPS + 1)), kl
     assert all(math.isfinite(v) for v in run.losses().values())

@@ -12,6 +12,13 @@ supervised step on prompt + completion sequences (docs/ENGINE_FACTS.md, "GRPO"):
 
 Generation time is decode: every new token reads the weights and the KV cache from HBM once per step, so a step of
 the whole batch takes (weight bytes + KV bytes) / HBM bandwidth; no published GRPO row backs it ('no band').
+
+The generator's weights (generator_weight_bytes) are the policy's as it is held: a LoRA / QLoRA policy generates with
+its frozen base and adapters, and a QLoRA base reads its 4-bit codes: without gradients bitsandbytes' matmul_4bit
+runs the fused gemm_4bit kernel on the packed weight for any batch (bitsandbytes/autograd/_functions.py), no
+dequantised copy. vLLM holds the base without adapters (TRL merges them into the weights it syncs), in 4 bits when
+the policy is a bitsandbytes 4-bit model (TRL starts vLLM with quantization="bitsandbytes",
+trl/generation/vllm_generation.py).
 """
 
 from __future__ import annotations
@@ -48,13 +55,39 @@ def cached_tokens(prompt: int, completion: int) -> int:
     return prompt + completion - 1
 
 
-def _gathered_for_generation(spec: ModelSpec, strategy: Strategy, job: Job) -> int:
+def generator_weight_bytes(spec: ModelSpec, job: Job, *, vllm: bool = False) -> float:
+    """Bytes of the weights generation reads each decode step (module docstring): the whole model in the compute
+    dtype for full fine-tuning; an adapter policy's frozen base as it is stored (QLoRA: 4-bit codes with their
+    constants) and its adapters, or for vLLM the base alone."""
+    cb = compute_bytes(job.precision)
+    if not job.adapter.is_adapter:
+        return spec.params * cb
+    from toolkit.inputs.lora import base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes
+
+    counts = counts_for_spec(spec, job.adapter)
+    base = frozen_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+    return base if vllm else base + counts.trainable_params * cb
+
+
+def sharded_weight_bytes(spec: ModelSpec, job: Job) -> float:
+    """The policy's weights as ZeRO-3 / FSDP2 shard and gather them: the whole model in the compute dtype, or an
+    adapter policy's sharded base and adapters (toolkit.estimate.timing.data_parallel_gather_bytes: a QLoRA base's
+    4-bit constants stay whole on every GPU)."""
+    if job.adapter.is_adapter:
+        from toolkit.estimate.timing import data_parallel_gather_bytes
+        from toolkit.inputs.lora import counts_for_spec
+
+        return data_parallel_gather_bytes(counts_for_spec(spec, job.adapter), job)
+    return spec.params * compute_bytes(job.precision)
+
+
+def _gathered_for_generation(spec: ModelSpec, strategy: Strategy, job: Job) -> float:
     """ZeRO-3 with ds3_gather_for_generation (TRL's default): GatheredParameters over the whole model, every
-    parameter unsharded in the compute dtype while generate runs (trl/models/utils.py _unwrap_model_for_generation).
+    parameter unsharded as ZeRO-3 holds it while generate runs (trl/models/utils.py _unwrap_model_for_generation).
     FSDP2 gathers one layer at a time in its own hooks (trl/distributed.py summon_full_params: a no-op for FSDP2),
     already among the step's buffers; other engines hold the whole model."""
     if strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
-        return spec.params * compute_bytes(job.precision)
+        return sharded_weight_bytes(spec, job)
     return 0
 
 
@@ -81,7 +114,8 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
                                                                  f"{kv_words}")]
         if gathered:
             terms.append(Term("generation gathered weights", gathered,
-                              f"ZeRO-3 ds3_gather_for_generation: {spec.params:,} params x {cb} B unsharded"))
+                              f"ZeRO-3 ds3_gather_for_generation: {spec.params:,} params unsharded, "
+                              f"{gathered / GIB:.2f} GiB"))
         if peak <= b.peak_bytes:
             return replace(b, terms=tuple(terms), notes=tuple(notes))
         margin = reserved_bytes(peak) - peak
@@ -93,7 +127,8 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     u = grpo.vllm_gpu_memory_utilization
     reserve = int(u * cap)
     tp = grpo.vllm_tensor_parallel_size
-    vllm_needs = spec.params * cb // tp + kv  # its group's sequences, their KV heads split over the group
+    vllm_weights = generator_weight_bytes(spec, job, vllm=True)
+    vllm_needs = vllm_weights / tp + kv  # its group's sequences, their KV heads split over the group
     sleeping = grpo.vllm_enable_sleep_mode
     held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes \
         + b.context_bytes
@@ -103,7 +138,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
               f"no feasible vllm_gpu_memory_utilization: vLLM needs {low:.2f} of the GPU, training {1 - high:.2f}")
     terms = list(b.terms) + [Term("vLLM colocate reserve", reserve,
                                   f"vllm_gpu_memory_utilization {u:g} x {cap / GIB:.1f} GiB: its weights "
-                                  f"({spec.params * cb / tp / GIB:.2f} GiB{f', 1/{tp} each' if tp > 1 else ''}) and "
+                                  f"({vllm_weights / tp / GIB:.2f} GiB{f', 1/{tp} each' if tp > 1 else ''}) and "
                                   f"KV cache ({kv_words} for one batch) inside")]
     refusal = ""
     if vllm_needs > reserve:
@@ -143,7 +178,7 @@ def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: P
     scoring = int(grpo.reference_kept) + int(grpo.use_vllm)
     prefill_s = forward_s * grpo.max_prompt_length / grpo.seq_len
     seqs, cb = generation_sequences(job), compute_bytes(job.precision)
-    weights = spec.params * cb
+    weights = generator_weight_bytes(spec, job, vllm=grpo.use_vllm)
     tp = grpo.vllm_tensor_parallel_size if grpo.generation == COLOCATE else 1
     # Each decode step reads every weight once (a vLLM tensor-parallel rank its 1/tp, for tp x the sequences, whose
     # KV heads it holds 1/tp of) and, on average, half the final KV cache.
@@ -159,7 +194,7 @@ def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: P
     gather_s = 0.0
     if grpo.generation == GENERATE and strategy.engine == Engine.FSDP2 and grid.shard_group > 1:
         # FSDP2 all-gathers each layer in every decode step's forward (no summon for FSDP2).
-        gather_s = grpo.max_completion_length * ring_s(weights, grid.shard_group,
+        gather_s = grpo.max_completion_length * ring_s(sharded_weight_bytes(spec, job), grid.shard_group,
                                                        group_bandwidth(hw, grid.shard_group), 1)
         said.append(f"GRPO generation under FSDP2: every decode step all-gathers the sharded weights, "
                     f"{gather_s:.2f} s")

@@ -133,8 +133,8 @@ def grpo_from_flags(objective: str | None, **given: Any) -> Grpo | None:
     return Grpo(**given)
 
 
-def grpo_problem(grpo: Grpo | None, strategy: "Strategy | None", *, adapter_method: str = "full",
-                 liger: bool = False, tiled: bool = False, compile: bool | str = False,
+def grpo_problem(grpo: Grpo | None, strategy: "Strategy | None", *, liger: bool = False, tiled: bool = False,
+                 compile: bool | str = False,
                  chunked_loss: int = 0) -> str | None:
     """Why a GRPO job cannot be planned with `strategy` and the rest of the job, or None."""
     if grpo is None:
@@ -142,8 +142,6 @@ def grpo_problem(grpo: Grpo | None, strategy: "Strategy | None", *, adapter_meth
     if strategy is not None and strategy.is_pipeline:
         return ("GRPO runs through TRL's GRPOTrainer on the HF Trainer path, not the pipeline engine; use ddp, zero1, "
                 "zero2, zero3 or fsdp2")
-    if adapter_method == "qlora":
-        return "--method grpo+qlora is not modelled (the generator's 4-bit weights); use grpo or grpo+lora"
     for on, what in ((liger, "--liger"), (tiled, "--tiled"), (compile, "--compile"),
                      (chunked_loss, "--chunked-loss")):
         if on:
