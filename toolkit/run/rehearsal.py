@@ -388,8 +388,9 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
     try:
         model_dir, small, said, small_dir, data = small_setup(plan, work, chat=True, processes=processes)
         command = launch_command(small_dir, train_argv)
-        print(f"rehearsal of your script with {plan.strategy} ({small.precision}) on {small.world_size} CPU "
-              f"processes over gloo: micro {small.micro_batch} x accum {small.grad_accum}; a tiny "
+        print(f"rehearsal of your script with {plan.strategy} ({small.precision}) on "
+              f"{processes_phrase(small.world_size, cpu=True)}: micro {small.micro_batch} x accum "
+              f"{small.grad_accum}; a tiny "
               f"{small.model_type} is in ${REHEARSAL_MODEL_ENV}, data in ${REHEARSAL_DATA_ENV}", flush=True)
         for line in said:
             print(f"note: {line}", flush=True)
