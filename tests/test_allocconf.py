@@ -82,6 +82,7 @@ def _exported(tmp_path, environ: dict[str, str]) -> str:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_launch_scripts_export_the_plans_setting_unless_the_environment_has_one(tmp_path):
     assert _exported(tmp_path, {}) == "expandable_segments:True|"
     assert _exported(tmp_path, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}) == "max_split_size_mb:64|"

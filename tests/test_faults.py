@@ -52,6 +52,7 @@ def _start_pausing_writer(folder: Path, mode: str) -> subprocess.Popen:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_two_writers_one_refused_and_a_terminated_writer_leaves_the_old_folder(tiny_llama_dir, tmp_path):
     folder = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
     before = _snapshot(tmp_path)
@@ -71,6 +72,7 @@ def test_two_writers_one_refused_and_a_terminated_writer_leaves_the_old_folder(t
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_a_killed_writers_lock_is_taken_over_and_its_staging_swept(tiny_llama_dir, tmp_path):
     folder = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
     before = _snapshot(tmp_path)

@@ -202,7 +202,8 @@ def _losses(tmp_path: Path) -> dict[int, float]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy,processes", [("zero2", None), ("ddp", "1")])
+@pytest.mark.parametrize("strategy,processes", [("zero2", None),
+                                                pytest.param("ddp", "1", marks=pytest.mark.one_core)])
 def test_a_users_trl_dpo_script_rehearses_from_ln2(tiny_llama_dir, tmp_path, strategy, processes):
     """At step 1 the policy is the reference: every pair's log-ratio is 0 and the sigmoid loss is ln 2."""
     import math
@@ -219,6 +220,7 @@ def test_a_users_trl_dpo_script_rehearses_from_ln2(tiny_llama_dir, tmp_path, str
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_a_users_trl_grpo_script_with_its_own_reward_rehearses_generating_in_process(tiny_llama_dir, tmp_path):
     import math
 
@@ -235,6 +237,7 @@ def test_a_users_trl_grpo_script_with_its_own_reward_rehearses_generating_in_pro
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_a_script_expecting_text_in_a_dpo_rehearsal_fails_with_its_own_error_in_one_line(tiny_llama_dir, tmp_path):
     plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=64).replace(dpo=Dpo().to_dict())
     done = _rehearse(plan, tmp_path, TEXT_SCRIPT, "--processes", "1")

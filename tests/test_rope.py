@@ -142,6 +142,7 @@ def test_a_plan_whose_rope_scaling_disagrees_with_its_config_does_not_load(tiny_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_training_applies_yarn_past_the_positions(tiny_llama_dir, corpus_dir, run_training):
     """One process on the CPU: the plan's YaRN x2 is set on the loaded config, the run trains at 512 tokens (the
     tiny Llama has 256 positions), and at one length both runs take, its loss is not the unscaled model's."""

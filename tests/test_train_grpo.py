@@ -74,6 +74,7 @@ def test_grpo_trains_with_a_reference_and_the_weights_change(single, tiny_llama_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_beta_0_holds_no_reference(run_training, tiny_llama_dir, prompts):
     plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, beta=0.0)
     run = run_training(plan, "grpo-beta0", "--data", str(prompts), *COMMON).check()
@@ -99,6 +100,7 @@ def test_zero2_on_two_processes_matches_one_process(run_training, tiny_llama_dir
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_grpo_lora_scores_with_the_adapter_disabled_base(run_training, tiny_llama_dir, prompts, method):
     """beta 0.1 with LoRA: TRL holds no second model (the policy with its adapter disabled is the reference), and

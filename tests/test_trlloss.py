@@ -125,6 +125,7 @@ def test_plan_carries_trl_loss_emits_it_and_its_prediction_is_reproduced():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_toolkit_train_runs_trls_head_with_the_models_own_losses(run_training, tiny_llama_dir, corpus_dir):
     # One CPU process, fp32: the plan with loss trl trains through TRL's own fused head (the banner says it was
     # applied) and logs the losses the model's own whole-logits loss gives, step by step.

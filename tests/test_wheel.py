@@ -42,6 +42,7 @@ def _run(venv: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_the_installed_wheel_runs_from_outside_the_checkout(installed, tmp_path):
     where = _run(installed, tmp_path, "--version")
     assert where.returncode == 0 and where.stdout.startswith("toolkit ")
