@@ -97,11 +97,11 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
                                 experts=4, corpus_chars=100_000)
 
 
-def _moe_plan(model_dir, strategy, *, world=2, micro=2, expert=1):
+def _moe_plan(model_dir, strategy, *, world=2, micro=2, expert=1, gpu="cpu"):
     from toolkit.run.rehearsal import plan_for_model
 
     return plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, seq_len=SEQ,
-                          precision="fp32", expert=expert)
+                          precision="fp32", expert=expert, gpu=gpu)
 
 
 def test_a_zero3_plan_of_an_moe_model_names_its_block_as_leaf_module(tiny_moe_dir, tmp_path):
@@ -211,6 +211,29 @@ def test_check_finds_an_expert_degree_the_model_cannot_take_and_a_script_config_
                for line in lines), lines
 
 
+@pytest.mark.parametrize("dense, edit, fragment", [
+    (False, {"gpus_per_node": 8, "expert_parallel": 8, "global_batch": 16}, "does not divide"),
+    (True, {"expert_parallel": 2}, "is dense"),
+])
+def test_emit_refuses_an_edited_expert_degree_the_model_cannot_take_in_one_line(dense, edit, fragment, tiny_moe_dir,
+                                                                                 tiny_llama_dir, tmp_path, capsys):
+    """`toolkit emit` of a plan.json edited to an expert degree its model cannot take (ep 8 of the tiny model's 4
+    experts: it stopped in the step-time model on a division by zero; ep on a dense model): one line, exit 2,
+    nothing written (toolkit.plan.job.plan_job checks the plan's grid against its model)."""
+    from toolkit.run.launcher import emit_plan_files
+
+    model = tiny_llama_dir if dense else tiny_moe_dir
+    folder = emit_plan_files(_moe_plan(model, "fsdp2", gpu="H100-SXM-80GB"), tmp_path / "plan")
+    data = json.loads((folder / "plan.json").read_text())
+    data.update(edit)
+    (folder / "plan.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["emit", str(folder), "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--expert-parallel" in err[0] and fragment in err[0], err
+    assert not (tmp_path / "again").exists()
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (["--expert-parallel", "3"], "does not fit fsdp 2"),
     (["--expert-parallel", "2", "--strategies", "zero3"], "which --strategies leaves out"),
@@ -243,18 +266,27 @@ def test_seq_max_with_a_fixed_expert_degree_searches_that_row_alone(tiny_moe_dir
     assert len(rows) == 1 and rows[0].startswith("fsdp2 (dp=2 x ep=2): longest sequence"), out
 
 
+def _predicted_param_bytes(plan) -> int:
+    """The plan's per-rank parameters_bytes (toolkit.estimate.search.predict_plan), the figure PLAN.md prints; it
+    does not depend on the GPU, so the CPU plan is priced as on H100s."""
+    from toolkit.estimate.search import predict_plan
+
+    return predict_plan(plan.replace(gpu="H100-SXM-80GB")).predicted["parameters_bytes"]
+
+
 @pytest.mark.multiprocess
 def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_experts_per_rank(
         run_training, tiny_moe_dir, corpus_dir, moe_reference):
     """toolkit.train of an FSDP2 x EP plan (ep 2 = fsdp 2, 2 gloo processes, fp32, global batch 4): transformers
     loads the model with DistributedConfig(ep_size=2, fsdp_size=2) and the HF Trainer trains it; every step's loss
-    equals the single process's (measured within 5e-7), each rank holds half of the routed experts' elements, the
-    ranks agree, and the saved model reloads whole to the trained logits."""
+    equals the single process's (measured within 5e-7), each rank holds half of the routed experts' elements and
+    the parameter bytes the plan predicts a rank (measured: 378,624 of 378,624), the ranks agree, and the saved
+    model reloads whole to the trained logits."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    run = run_training(_moe_plan(tiny_moe_dir, "fsdp2", expert=2), "moe-ep2", "--data", str(corpus_dir),
-                       *TRAIN).check()
+    plan = _moe_plan(tiny_moe_dir, "fsdp2", expert=2)
+    run = run_training(plan, "moe-ep2", "--data", str(corpus_dir), *TRAIN).check()
     ref = moe_reference.losses()
     assert len(ref) == STEPS
     for rank in (0, 1):
@@ -265,6 +297,8 @@ def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_exper
     held = [r["expert_numel"] for r in run.ranks]
     assert held[0][1] == held[1][1] == moe_reference.ranks[0]["expert_numel"][0] > 0
     assert held[0][0] * 2 == held[1][0] * 2 == held[0][1], held
+    predicted = _predicted_param_bytes(plan)
+    assert [r["param_bytes"] for r in run.ranks] == [pytest.approx(predicted, rel=0.01)] * 2, predicted
     model = AutoModelForCausalLM.from_pretrained(run.output).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
@@ -288,13 +322,15 @@ def test_expert_parallel_with_fsdp_sharded_experts_trains_gpt_oss_to_the_single_
     """ep 2 x fsdp 4 on 4 gloo processes (efsdp 2: each expert FSDP-sharded over the 2 ranks that hold it) of
     another architecture, GPT-OSS (biased experts, eager attention with sinks): every step's loss equals one
     process's on the whole batch (measured within 1.5e-6), each rank holds a quarter of the routed experts'
-    elements (half the experts, halved again by efsdp), and the ranks agree."""
+    elements (half the experts, halved again by efsdp) and the parameter bytes the plan predicts a rank, and the
+    ranks agree."""
     import torch
 
     args = ("--data", str(corpus_dir), *TRAIN)
     reference = run_training(_moe_plan(tiny_gpt_oss_dir, "ddp", world=1, micro=4), "gpt-oss-ref", *args).check()
-    run = run_training(_moe_plan(tiny_gpt_oss_dir, "fsdp2", world=4, micro=1, expert=2), "gpt-oss-ep2-fsdp4",
-                       *args, timeout=600).check()
+    plan = _moe_plan(tiny_gpt_oss_dir, "fsdp2", world=4, micro=1, expert=2)
+    run = run_training(plan, "gpt-oss-ep2-fsdp4", *args, timeout=600).check()
+    predicted = _predicted_param_bytes(plan)
     assert run.ranks[0]["world"] == 4
     ref = reference.losses()
     assert len(ref) == STEPS
@@ -305,6 +341,7 @@ def test_expert_parallel_with_fsdp_sharded_experts_trains_gpt_oss_to_the_single_
             assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
         local, total = run.ranks[rank]["expert_numel"]
         assert total == reference.ranks[0]["expert_numel"][0] and local * 4 == total, run.ranks[rank]["expert_numel"]
+        assert run.ranks[rank]["param_bytes"] == pytest.approx(predicted, rel=0.01), (rank, predicted)
         torch.testing.assert_close(torch.tensor(run.ranks[rank]["probe_logits"]),
                                    torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-6, rtol=0)
 
@@ -322,6 +359,30 @@ def test_an_expert_parallel_plan_rehearses_at_ep_2_and_a_smaller_box_must_keep_i
     with pytest.raises(UserError, match=r"--processes 2 cannot run expert parallel 4 \(it must divide"):
         box_plan(plan, processes=2, cpu=True)
     assert box_plan(plan, processes=4, cpu=True)[0].expert_parallel == 4
+
+
+@pytest.mark.multiprocess
+def test_launch_rehearses_qwen3_30b_a3b_s_expert_parallel_plan_on_cpu(tmp_path, capfd):
+    """`toolkit launch --rehearse` of Qwen3-30B-A3B's fsdp2 (dp=8 x ep=8) plan on 8 x H100 (bf16, what plan picks
+    for seq 2048, global batch 16) runs ep 2 x fsdp 2 on 2 gloo processes of a tiny Qwen3-MoE of the same config
+    (transformers' DistributedConfig with fsdp_mixed_precision): trains 4 steps, checkpoints the model, saves and
+    reloads it, and says the plan cannot resume."""
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+
+    real = tmp_path / "qwen3-30b-a3b"
+    real.mkdir()
+    shutil.copy(ARCH / "qwen3-30b-a3b.json", real / "config.json")
+    plan = plan_for_model(real, "fsdp2", gpus_per_node=8, micro_batch=2, seq_len=2048, precision="bf16", expert=8,
+                          gpu="H100-SXM-80GB")
+    assert plan.grid.describe() == "dp=8 x ep=8"
+    code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "rehearsal of fsdp2 dp=2 x ep=2 (bf16) on 2 CPU processes over gloo: qwen3_moe 4 layers" in out, out
+    assert "note: expert parallelism: transformers shards the model" in out and "cannot resume" in out
+    assert "rehearsal passed: fsdp2 dp=2 x ep=2 trained 4 steps, checkpointed, saved and reloaded" in out, out
 
 
 # --- toolkit check ------------------------------------------------------------------------------------------------

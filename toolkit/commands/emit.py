@@ -25,7 +25,6 @@ def cmd_emit(args) -> int:
     plan = load_plan(args.plan)
     out = Path(args.out) if args.out else (Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent)
     hosts = args.hosts
-    from toolkit.inputs.job import check_job
     from toolkit.estimate.search import predict_plan
     from toolkit.plan.job import PlanContradiction, plan_job
 
@@ -39,7 +38,7 @@ def cmd_emit(args) -> int:
             print_note(f"plan.json was edited after its prediction and it could not be re-predicted ({exc}); PLAN.md "
                   "says the prediction is stale")
     if spec is not None:
-        check_job(spec, job, hw, plan.strategy_spec, pipeline_stages=plan.pipeline_stages)  # estimate's rules
+        plan_job(plan)  # estimate's job rules, and the plan's grid against its model (an edited degree)
         if plan.prediction_is_stale:
             plan = predict_plan(plan)
             print_note("plan.json was edited after its prediction: memory and step time re-predicted for the new values")

@@ -74,6 +74,7 @@ def plan_job(plan: Plan, *, check: bool = True) -> tuple[ModelSpec, Hardware, Jo
     job = job_from_plan(plan)
     if check:
         check_job(spec, job, hw, plan.strategy_spec, pipeline_stages=plan.pipeline_stages)
+        plan.grid.check_model(spec)  # an edited degree the model cannot take (e.g. more experts than it has)
     return spec, hw, job
 
 
