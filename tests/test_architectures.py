@@ -34,8 +34,9 @@ CATALOG_FAMILIES = {"gemma-2-2b.json": "gemma2", "opt-1.3b.json": "opt", "mistra
                     "qwen2.5-0.5b.json": "qwen2", "gpt2.json": "gpt2"}
 # Gemma-4's decoder layers differ in shape (transformers keeps head_dim and KV heads per layer): refused on reading.
 HETEROGENEOUS = {"gemma-4-26b-a4b.json"}
-# Qwen2.5-VL: transformers 5.24 maps its config to AutoModelForImageTextToText only (no causal-LM class): refused on
-# reading; its parts are counted on the class transformers builds (test_the_parts_of_a_vision_language_class...).
+# Qwen2.5-VL: transformers 5.24 maps its config to AutoModelForImageTextToText only (no causal-LM class): toolkit
+# builds that class (auto_model_class); estimate / plan are tested on it below (test_the_parts_of_a_class_with_its_
+# projector...); the pipeline / rehearsal walk here loads AutoModelForCausalLM, so it stays out of it.
 NOT_CAUSAL_LM = {"qwen2.5-vl-7b-instruct.json"}
 CONFIGS = {**{name: (MODELS / name, row["model_type"]) for name, row in MANIFEST.items()
               if name not in HETEROGENEOUS | NOT_CAUSAL_LM},
@@ -255,15 +256,22 @@ def test_the_parts_of_a_vision_language_class_are_counted_exactly_and_shown(name
 def test_the_parts_of_a_class_with_its_projector_inside_the_tower_are_split_by_the_model(capsys):
     """Qwen2.5-VL-7B keeps its projector (the patch merger into the language model's width) inside its vision
     module: vision_parts finds it there from the model's own modules; each part equals the part built from its own
-    sub-config, and the class (which AutoModelForCausalLM does not build) is refused by estimate in one line."""
+    sub-config. AutoModelForCausalLM has no class for qwen2_5_vl, so toolkit builds the one transformers maps it to
+    for image-text (AutoModelForImageTextToText) and estimates it text-only with those exact counts; tensor
+    parallelism is refused in one line (the class derives its head width from hidden / heads, so one rank cannot be
+    traced)."""
+    import json
+
     from transformers import AutoModelForImageTextToText
 
     from toolkit.cli import main
     from toolkit.inputs.decoder_parts import vision_parts
-    from toolkit.inputs.modelconfig import load_config
+    from toolkit.inputs.modelconfig import auto_model_class, load_config
+    from toolkit.inputs.modelspec import resolve_model
 
     path = str(MODELS / "qwen2.5-vl-7b-instruct.json")
     config = load_config(path)
+    assert auto_model_class(config) is AutoModelForImageTextToText
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
         visual = type(model.model.visual)._from_config(config.vision_config)
@@ -274,6 +282,17 @@ def test_the_parts_of_a_class_with_its_projector_inside_the_tower_are_split_by_t
     assert (tower[0][2], projector[0][2]) == (631_975_680, 44_574_464)
     lm_head = config.text_config.vocab_size * config.text_config.hidden_size  # untied
     assert _count(model) - tower[0][2] - projector[0][2] == _count(text) + lm_head == 7_615_616_512
-    assert main(["estimate", path, "--gpus", "8xH100-80GB", "--seq", "512"]) == 2
+    spec = resolve_model(path)
+    assert spec.model_class == "Qwen2_5_VLForConditionalGeneration" and spec.params == _count(model)
+    assert (spec.language_params, spec.vision_params, spec.projector_params) == (7_615_616_512, 631_975_680,
+                                                                                 44_574_464)
+    assert main(["estimate", path, "--gpus", "8xH100-80GB", "--seq", "512", "--strategy", "zero3", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["params"] == 8_292_166_656
+    # ZeRO-3 on 8 GPUs: the encoder + projector's bf16 weights, 1/8 each
+    assert shown["vision_share"]["weights_bytes"] == 2 * (631_975_680 + 44_574_464) // 8
+    assert main(["estimate", path, "--gpus", "8xH100-80GB", "--seq", "512", "--strategy", "fsdp2",
+                 "--tensor-parallel", "2"]) == 2
     err = capsys.readouterr().err
-    assert "is not a causal LM transformers can build" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "derives its head width from hidden_size / heads" in err
+    assert "Traceback" not in err

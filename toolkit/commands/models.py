@@ -50,10 +50,10 @@ def meta_params(name: str) -> int:
     """Parameters of the model built on the meta device (no memory, no weights; tied weights once): a catalog entry
     whose count no source states exactly."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from toolkit.inputs.modelconfig import load_config
+    from toolkit.inputs.modelconfig import auto_model_class, load_config
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_config(name))
+        config = load_config(name)
+        model = auto_model_class(config).from_config(config)
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once

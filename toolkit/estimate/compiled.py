@@ -147,7 +147,7 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
+    from toolkit.inputs.modelconfig import auto_model_class
 
     from toolkit.estimate import layerkinds, standins
     from toolkit.estimate.fakestep import weights_uninitialised
@@ -165,7 +165,7 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
             stack.enter_context(_cuda_sdpa_ops(notes))
         fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         with weights_uninitialised():
-            model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
+            model = auto_model_class(config).from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
         model.train()
         named = [*model.named_parameters(), *model.named_buffers()]
         n_params = len(list(model.parameters()))

@@ -36,7 +36,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                    adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model") -> Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
+    from toolkit.inputs.modelconfig import auto_model_class
 
     n = num_layers(config)
     lora = adapter is not None and adapter.is_adapter
@@ -45,7 +45,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
         # copies the small adapters).
         base_dtype = (autocast_dtype or param_dtype) if lora else param_dtype
         with weights_uninitialised():
-            model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
+            model = auto_model_class(config).from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
         model.train()
         if liger:
             from toolkit.patches.liger import liger_applied

@@ -200,7 +200,7 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from transformers import AutoModelForCausalLM
+    from toolkit.inputs.modelconfig import auto_model_class
 
     from toolkit.estimate.fakestep import enable_checkpointing
     from toolkit.estimate.standins import trace_environment
@@ -215,7 +215,7 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
 
         untied = initialization.no_tie_weights() if grid.tensor > 1 else contextlib.nullcontext()
         with torch.device("meta"), untied:  # mesh and wrapping outside FakeTensorMode (torchtitan's order)
-            model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
+            model = auto_model_class(config).from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
         route = _wrap(model, strategy, grid, compute_dtype, job.precision)
         if grid.tensor > 1:
             model.tie_weights()

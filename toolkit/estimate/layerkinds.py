@@ -62,11 +62,11 @@ def layer_kinds_of_full_model(config) -> tuple:
 
 def _build_layer_kinds(config) -> tuple:
     import torch
-    from transformers import AutoModelForCausalLM
+    from toolkit.inputs.modelconfig import auto_model_class
 
     n = num_layers(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        model = auto_model_class(config).from_config(copy.deepcopy(config))
     kinds = tuple(layer_kind(layer, settings)
                   for layer, settings in zip(decoder_layers(model, n), per_layer_settings(config, n)))
     # Kinds as small integers in order of first appearance: cheap to compare and to show.

@@ -44,7 +44,7 @@ def build_model(config, precision: str, attention: str, checkpointing: bool, dev
     """The model as the DDP path trains it; with a LoRA `adapter` (toolkit.inputs.lora.Adapter), the base in the compute
     dtype wrapped by PEFT (adapters in fp32 under autocast), as toolkit.train does."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from toolkit.inputs.modelconfig import auto_model_class
 
     torch.manual_seed(seed)
     config = config.__class__.from_dict(config.to_dict())
@@ -59,7 +59,7 @@ def build_model(config, precision: str, attention: str, checkpointing: bool, dev
             base_storage_bytes_per_param(precision)]
     else:
         dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    model = auto_model_class(config).from_config(config, dtype=dtype).to(device)
     model.train()
     if checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

@@ -3,7 +3,7 @@ load reads, for a built model or for a config alone (docs/ENGINE_FACTS.md "Which
 
 from __future__ import annotations
 
-from toolkit.inputs.modelconfig import config_from_dict, text_config
+from toolkit.inputs.modelconfig import auto_model_class, config_from_dict, text_config
 
 
 def attention_support(model) -> tuple[str, ...]:
@@ -35,16 +35,15 @@ def attention_problem(model_class: str, support: tuple[str, ...], requested: str
 
 
 def config_attention(config, name: str | None = None) -> tuple[str, tuple[str, ...]] | None:
-    """(class name, attention_support) of the class AutoModelForCausalLM builds for `config` (a transformers config,
-    or a plan's model_config dict), or None when transformers has no causal-LM class of its own for it (remote
-    code): for a config alone, without building the model."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    """(class name, attention_support) of the class transformers builds for `config` (auto_model_class; a
+    transformers config, or a plan's model_config dict), or None when transformers has no class of its own for it
+    (remote code): for a config alone, without building the model."""
 
     if isinstance(config, dict):
         config = config_from_dict(dict(config), name or "the model config")
 
     try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        cls = auto_model_class(config)._model_mapping[type(config)]
     except (KeyError, TypeError):
         return None
     return cls.__name__, attention_support(cls)

@@ -238,11 +238,12 @@ def peft_model_on_meta(config, adapter: Adapter):
 
     import torch
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
+
+    from toolkit.inputs.modelconfig import auto_model_class
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        model = auto_model_class(config).from_config(copy.deepcopy(config))
     quantized = _quantized_linears(model) if adapter.method == "qlora" else {}
     names = sorted({n.rsplit(".", 1)[-1] for n in _linear_modules(model)})
     _check_named_modules(model, adapter, names)

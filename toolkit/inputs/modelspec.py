@@ -236,7 +236,7 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
 def build_spec(name: str, config) -> ModelSpec:
     """Build the model on the meta device with its own code and count everything exactly."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from toolkit.inputs.modelconfig import auto_model_class
 
     problem = causal_lm_problem(config)
     if problem:
@@ -249,7 +249,7 @@ def build_spec(name: str, config) -> ModelSpec:
                         "models whose decoder layers share one shape")
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)
     except ValueError as exc:
         raise UserError(f"'{name}' is not a causal LM transformers can build ({str(exc).splitlines()[0][:160]})") \
             from None
@@ -336,18 +336,20 @@ def build_spec(name: str, config) -> ModelSpec:
 
 
 def _load_words(config, model_class: str, total: int, whole_class: bool) -> str:
-    """What a text-only run of a multimodal checkpoint loads (toolkit.inputs.textload): the class AutoModelForCausalLM
-    builds, the tower's cost, and whether the language model alone could load instead."""
+    """What a text-only run of a multimodal checkpoint loads (toolkit.inputs.textload): the class transformers builds
+    (auto_model_class), the tower's cost, and whether the language model alone could load instead."""
+    from toolkit.inputs.modelconfig import auto_model_class
     from toolkit.inputs.textload import text_alone_problem, unloaded_tower_params
 
+    auto = auto_model_class(config).__name__
     if whole_class:
         problem = text_alone_problem(config)
-        return (f"the runner loads the whole class {model_class} (AutoModelForCausalLM's class for "
+        return (f"the runner loads the whole class {model_class} ({auto}'s class for "
                 f"{config.model_type}), its vision encoder and projector included (their per-GPU share: "
                 "--explain); the language model alone " + (f"cannot load: {problem}" if problem else
                                                           "would load through transformers' key mapping"))
     problem = text_alone_problem(config)
-    return (f"the runner loads the language model alone, {model_class} (AutoModelForCausalLM's class for "
+    return (f"the runner loads the language model alone, {model_class} ({auto}'s class for "
             f"{config.model_type}): " + (f"transformers renames the checkpoint's keys and leaves its vision encoder "
                                          f"({unloaded_tower_params(config, total):,} parameters) unloaded"
                                          if problem is None else f"from a class checkpoint it {problem}"))

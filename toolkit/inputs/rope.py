@@ -133,11 +133,11 @@ def rotary_effect(config, rope: RopeScaling, name: str) -> dict[str, Any]:
     rope_type, cos / sin scaling (attention_scaling) and inv_freq length; UserError when its rotary code lacks the
     type (no rotary module reads rope_type, or one runs another type)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from toolkit.inputs.modelconfig import auto_model_class
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)
     except KeyError as exc:  # ROPE_INIT_FUNCTIONS[rope_type] in the rotary module's __init__
         raise UserError(f"--rope-scaling {rope.rope_type}: {name}'s rotary code has no {exc} RoPE; drop "
                         "--rope-scaling") from None

@@ -99,7 +99,42 @@ def tp_plan_problem(spec: "ModelSpec", tensor: int) -> str | None:
                        and spec.kv_heads % d == 0]
             return (f"--tensor-parallel {tensor} does not divide {spec.name}'s {count} {what} (the tp_plan splits "
                     f"attention by heads; try {', '.join(map(str, options[:6])) or 'no tensor parallelism'})")
-    return None
+    return _rank_shape_problem(spec, tensor)
+
+
+_RANK_SHAPE_PROBLEMS: dict[tuple[int, int], tuple["ModelSpec", str | None]] = {}
+
+
+def _rank_shape_problem(spec: "ModelSpec", tensor: int) -> str | None:
+    """Why the per-rank config (heads / tp, head_dim kept, FFN / tp) does not build one rank's layer shapes, the tp_plan's
+    split dimension / tp: a class that derives its head width from hidden_size / heads (Qwen2.5-VL's text attention)
+    keeps its whole q, k, v, o projections there, so the tracer cannot see one rank. One layer on the meta device."""
+    key = (id(spec), tensor)
+    if key not in _RANK_SHAPE_PROBLEMS:
+        import torch
+
+        from toolkit.inputs.modelconfig import auto_model_class, reduced_config
+
+        plan, named, _, _ = _split_inputs(spec)
+        one = reduced_config(per_rank_spec(spec, tensor).hf_config(), spec.num_layers, 1)
+        with torch.device("meta"):
+            built = {n: tuple(p.shape) for n, p in auto_model_class(one).from_config(one).named_parameters()}
+        problem = None
+        for name, shape, in_layer in named:
+            style = _style_for(name, plan)[0] if in_layer else None
+            dim = SHARDING_STYLES.get(style) if style else None
+            if dim is None or (name.endswith(".bias") and style.startswith(("rowwise", "packed_rowwise"))):
+                continue
+            dim = 0 if len(shape) == 1 else dim
+            wanted = tuple(math.ceil(n / tensor) if i == (dim % len(shape)) else n for i, n in enumerate(shape))
+            if built.get(name) != wanted:
+                problem = (f"{spec.model_class} built at heads/{tensor} gives {name} the shape {built.get(name)}, "
+                           f"not one rank's {wanted} (the class derives its head width from hidden_size / heads, "
+                           "not config.head_dim), so toolkit cannot trace one rank; tensor parallelism is not "
+                           "planned for it: use fsdp2 / zero without --tensor-parallel")
+                break
+        _RANK_SHAPE_PROBLEMS[key] = (spec, problem)
+    return _RANK_SHAPE_PROBLEMS[key][1]
 
 
 def tensor_split(spec: "ModelSpec", tensor: int) -> TensorSplit:
@@ -227,13 +262,12 @@ def _from_json(value: list) -> tuple:
 
 def _meta_split(config: Any, num_layers: int) -> tuple:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from toolkit.inputs.modelconfig import reduced_config
+    from toolkit.inputs.modelconfig import auto_model_class, reduced_config
 
     one = reduced_config(config, num_layers, 1)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(one)
+        model = auto_model_class(one).from_config(one)
     plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
     base_prefix = getattr(model, "base_model_prefix", "model")
     resolved = {}

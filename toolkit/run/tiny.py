@@ -340,8 +340,9 @@ def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corp
     `arch` is a model_type (transformers' default config of it is shrunk) or a config of a real model (shrunk the
     same way: same architecture and settings, small sizes)."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from toolkit.inputs.modelconfig import auto_model_class
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -351,7 +352,7 @@ def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corp
     else:
         config = shrink_config(arch, vocab_size=len(tokenizer), **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = auto_model_class(config).from_config(config)
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar for one tiny shard on stderr, where a rehearsal's failure is one line
     try:

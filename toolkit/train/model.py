@@ -144,7 +144,7 @@ def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, atte
     With a `distributed_config` (tensor parallelism) transformers shards the model as it loads it; it shards only
     while loading a checkpoint, so random weights go through a temporary folder, as for QLoRA."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from toolkit.inputs.modelconfig import auto_model_class
 
     # bf16-pure trains bf16 weights (and optimizer states); mixed precision keeps fp32 master weights.
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
@@ -164,8 +164,8 @@ def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, atte
             return _load_random_through_checkpoint(config, kwargs)
     try:
         if random_init or Path(source).expanduser().is_file():
-            return AutoModelForCausalLM.from_config(config, **kwargs)
-        return AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
+            return auto_model_class(config).from_config(config, **kwargs)
+        return auto_model_class(config).from_pretrained(source, config=config, **kwargs)
     except (OSError, ValueError, ImportError) as exc:
         raise UserError(f"cannot load model {source}: {_first_line(exc)}") from None
 
@@ -196,12 +196,14 @@ def _load_random_through_checkpoint(config: Any, kwargs: dict):
     import tempfile
 
     from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
+
+    from toolkit.inputs.modelconfig import auto_model_class
 
     with tempfile.TemporaryDirectory() as tmp:
         config.to_json_file(str(Path(tmp) / "config.json"))
         GenerationConfig.from_model_config(config).to_json_file(str(Path(tmp) / "generation_config.json"))
-        random = AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"])
+        random = auto_model_class(config).from_config(config, dtype=kwargs["dtype"])
         partitioned = [p for p in random.parameters() if hasattr(p, "ds_id")]
         whole = contextlib.nullcontext()
         if partitioned:
@@ -211,7 +213,7 @@ def _load_random_through_checkpoint(config: Any, kwargs: dict):
         with whole:
             save_model(random, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         del random
-        return AutoModelForCausalLM.from_pretrained(tmp, config=config, **kwargs)
+        return auto_model_class(config).from_pretrained(tmp, config=config, **kwargs)
 
 
 def _first_line(exc: BaseException) -> str:
