@@ -260,6 +260,10 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
 
     for key in t.unmodelled:
         print(f"speed not modelled: {UNMODELLED_SPEED[key]}")
+    if c.job.activation_offloading and not strategy.is_pipeline:
+        from toolkit.estimate.savers import offload_traffic_line
+
+        print(offload_traffic_line(spec, c.job, strategy, hw, t.compute_s))
     if explain and spec.multimodal:
         print(f"  vision encoder's share: {vision_share_words(spec, b, c)}")
     if explain:

@@ -364,6 +364,13 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
 
     for key in dict.fromkeys(k for c in [c for c in candidates if c.feasible][:top] for k in c.timing.unmodelled):
         print(f"speed not modelled: {UNMODELLED_SPEED[key]}")
+    offloading = next((c for c in [c for c in candidates if c.feasible][:top] if c.job.activation_offloading
+                       and not c.strategy.is_pipeline), None)
+    if offloading is not None:
+        from toolkit.estimate.savers import offload_traffic_line
+
+        line = offload_traffic_line(spec, offloading.job, offloading.strategy, hw, offloading.timing.compute_s)
+        print(f"{offloading.strategy.name}: {line}")
     cannot_resume = [c for c in candidates if c.feasible and resume_problem(c)][:top]
     for c in cannot_resume:
         print(f"! {c.name} cannot resume from its checkpoints: {resume_problem(c)}")

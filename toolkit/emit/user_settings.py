@@ -245,8 +245,9 @@ def notes(plan: Plan) -> list[str]:
                    "a custom loop passes foreach=False, fused=False.")
     if plan.activation_offloading:
         out.append("The plan's memory assumes activation offloading: TRL's SFTConfig carries activation_offloading; "
-                   "the HF Trainer and toolkit.train have no such option (re-plan without --activation-offloading "
-                   "for them).")
+                   "toolkit.train runs TRL's offloading context around each training step as SFTTrainer does (SFT "
+                   "plans); the plain HF Trainer has no such option (re-plan without --activation-offloading for "
+                   "it).")
     if plan.compile:
         out.append("The plan's memory and speed assume torch.compile (inductor): TrainingArguments carry "
                    "torch_compile and the YAML dynamo_config (backend INDUCTOR); a custom loop gets it from the YAML "

@@ -173,7 +173,8 @@ def _measure(model, optimizer, batch, amp, autocast, device: str, steps: int, to
 
 def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
                  checkpointing: bool = False, device_kind: str = "cpu", adapter=None, optimizer: str = "adamw",
-                 optimizer_impl: str = "fused", liger: bool = False) -> dict[str, Any]:
+                 optimizer_impl: str = "fused", liger: bool = False,
+                 activation_offloading: bool = False) -> dict[str, Any]:
     """The estimator's prediction for the same single-device step (DDP engine, one process)."""
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
@@ -184,7 +185,66 @@ def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
     spec = build_spec(getattr(config, "model_type", "model"), config)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
               checkpointing=checkpointing, device_kind=device_kind, optimizer=optimizer, optimizer_impl=optimizer_impl,
-              liger=liger, **({"adapter": adapter} if adapter else {}))
+              liger=liger, activation_offloading=activation_offloading, **({"adapter": adapter} if adapter else {}))
     b = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200"))
     return {"peak_bytes": b.peak_bytes, "activations_bytes": b.activations_bytes, "peak_phase": b.peak_phase,
-            "params": spec.params}
+            "params": spec.params, "host_bytes": b.cpu_bytes_per_node}
+
+
+def measure_offloaded_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32",
+                           attention: str = "sdpa", checkpointing: bool = True) -> dict[str, int]:
+    """A steady-state step under TRL's activation offloading (toolkit.patches.actoffload), in this process on CPU,
+    measured as a GPU would hold it: `peak_bytes`, the peak of MemTracker's live bytes with the host copies TRL's
+    pack hook makes left out (made with the tracker's dispatch mode off) and each copy the unpack hook hands back
+    counted as a new tensor (on a GPU, the copy back to the device; on CPU TRL hands the host tensor itself back);
+    `host_bytes`, the peak of the offloaded copies alive at once (TRL's pinned buffers); `offloaded_tensors`."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from toolkit.estimate.livebytes import frozen_params_trackable
+    from toolkit.patches.actoffload import offload_context
+
+    model = build_model(config, precision, attention, checkpointing, "cpu")
+    batch = _batch(config, micro_batch, seq_len, "cpu")
+    amp = _dtype(precision)
+    optimizer = make_optimizer(model.parameters())
+    ctx = offload_context(model, on_cpu=True)
+    pack, unpack = ctx.pack_hook, ctx.unpack_hook
+    host = {"live": 0, "peak": 0, "tensors": 0}
+
+    def host_pack(tensor):
+        with _disable_current_modes():
+            tensor_id = pack(tensor)
+        held, moved = ctx.tracker[tensor_id][:2]
+        if moved:
+            host["live"] += held.untyped_storage().nbytes()
+            host["peak"], host["tensors"] = max(host["peak"], host["live"]), host["tensors"] + 1
+        return tensor_id
+
+    def device_unpack(tensor_id):
+        held, moved = ctx.tracker[tensor_id][:2]
+        tensor = unpack(tensor_id)
+        if not moved:
+            return tensor
+        host["live"] -= held.untyped_storage().nbytes()
+        return tensor.clone()
+
+    ctx.pack_hook, ctx.unpack_hook = host_pack, device_unpack
+
+    def step() -> None:
+        with ctx:
+            with torch.autocast(device_type="cpu", dtype=amp, enabled=amp is not None):
+                loss = model(**batch).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # allocates the optimizer states: what follows is a steady-state step
+    host.update(peak=0, tensors=0)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *batch.values())
+    with frozen_params_trackable(), tracker:
+        step()
+    peak = sum(dev["Total"] for dev in tracker.get_tracker_snapshot("peak").values())
+    return {"peak_bytes": int(peak), "host_bytes": host["peak"], "offloaded_tensors": host["tensors"]}

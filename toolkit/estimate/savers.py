@@ -60,6 +60,25 @@ def offload_layer_activations(trace):
                    notes=trace.notes + ("activation offloading: decoder layers' saved tensors in pinned host RAM",)), host
 
 
+def offload_traffic_line(spec, job, strategy, hw, compute_s: float) -> str:
+    """What activation offloading asks of each node's host: the pinned RAM (every rank's decoder-layer saved bytes,
+    one micro-batch at a time, as toolkit.estimate.memory puts them there) and the PCIe time of the copies (each
+    byte out in the forward and back in the backward, every micro-step, over the GPU's host link from the catalog).
+    Overlap is an assumption: TRL copies on a side stream while the next layer computes, so at best the copies
+    hide behind the step's `compute_s`; what exceeds it is named."""
+    from toolkit.estimate.traces import scaled_trace
+    from toolkit.inputs.choices import GIB
+
+    rank_bytes = sum(r.saved_bytes for r in scaled_trace(spec, job, strategy).layers)
+    seconds = job.grad_accum * 2 * rank_bytes / (hw.gpu.pcie_gbps * 1e9)
+    return (f"activation offloading: {rank_bytes * hw.gpus_per_node / GIB:.2f} GiB pinned host RAM per node "
+            f"({rank_bytes / GIB:.2f} GiB x {hw.gpus_per_node} ranks); PCIe {seconds:.3f} s a step per rank "
+            f"({job.grad_accum} micro-step(s) x 2 copies at {hw.gpu.pcie_gbps:.0f} GB/s), "
+            + ("assumed hidden behind compute (TRL's side stream), not added to the step time" if seconds <= compute_s
+               else f"longer than the step's compute ({compute_s:.3f} s): at least {seconds - compute_s:.3f} s "
+               "would show, not added to the step time"))
+
+
 UNMODELLED_SPEED: dict[str, str] = {
     "liger": ("Liger kernels: their effect on the step time is not modelled (the step time is that of the model's "
               "own Hugging Face kernels; only the memory is Liger's)"),

@@ -41,10 +41,10 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         rewards = check_grpo_run(plan, args, on_cpu=cpu.on_cpu())
     elif args.reward:
         raise UserError("--reward applies to GRPO plans and this plan is not one: it would be ignored; drop it")
-    if plan.activation_offloading:
-        raise UserError("the plan offloads activations, which TRL's trainers do and toolkit.train does not: run "
-                        "it with your own TRL script (training_args.json, sft_config / dpo_config) or re-plan "
-                        "without --activation-offloading")
+    if plan.activation_offloading and (plan.dpo or plan.grpo):
+        raise UserError("the plan offloads activations: toolkit.train runs TRL's offloading for SFT plans, not for "
+                        f"{'DPO' if plan.dpo else 'GRPO'}; run it with your own TRL script or re-plan without "
+                        "--activation-offloading")
     from toolkit.train.dpo import check_dpo_run
 
     check_dpo_run(plan, args)
@@ -360,6 +360,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
                "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
+               "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
                "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes,
                "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
@@ -395,6 +396,13 @@ def _tiled_chunks() -> dict:
     from toolkit.patches.tiling import LAST_CHUNKS
 
     return dict(LAST_CHUNKS)
+
+
+def _activation_offloaded() -> dict:
+    """Tensors and bytes TRL's offloading moved to the host in the last micro-step (empty when it did not run)."""
+    from toolkit.patches.actoffload import LAST_OFFLOADED
+
+    return dict(LAST_OFFLOADED)
 
 
 def launcher_node_rank() -> int | None:
@@ -437,6 +445,16 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
             inputs = super()._prepare_inputs(inputs)
             return dimensions.contiguous_inputs(inputs) if sequence_parallel and cpu.on_cpu() else inputs
 
+        offload = None  # TRL's activation-offloading context, when the plan offloads
+
+        def training_step(self, *a, **kw):
+            if self.offload is None:
+                return super().training_step(*a, **kw)
+            from toolkit.patches.actoffload import offloading_step
+
+            with offloading_step(self.offload):  # as SFTTrainer.training_step runs it
+                return super().training_step(*a, **kw)
+
     if eval_data is None:
         training_args.eval_strategy = IntervalStrategy.NO
     # A DPO step runs each pair's chosen and rejected sequences (padded to the plan's max_length).
@@ -461,6 +479,11 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
     trainer = PlanTrainer(model=model, args=training_args, train_dataset=train_data,
                           eval_dataset=eval_data if eval_data is not None else None,
                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+    if plan.activation_offloading:
+        from toolkit.patches.actoffload import offload_context
+
+        # As SFTTrainer builds it: after Trainer.__init__ (the model on its device), before accelerate wraps it.
+        trainer.offload = offload_context(trainer.model, on_cpu=cpu.on_cpu())
     return trainer
 
 
