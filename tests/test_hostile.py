@@ -471,6 +471,8 @@ def _wave2() -> list[tuple[str, list[str], str]]:
     add("dpo on the pipeline engine", "not the pipeline engine", "estimate", "{M}", "--method", "dpo",
         "--strategy", "pipeline", "--gpus", "2xH100-80GB")
     add("dpo with --liger", "not modelled", "estimate", "{M}", "--method", "dpo", "--liger")
+    add("activation offloading on the pipeline engine", "not the pipeline engine", "estimate", "{M}",
+        "--activation-offloading", "--strategy", "pipeline", "--gpus", "2xH100-80GB")
     add("profile --method dpo", "modelled by estimate and plan only", "profile", *SHAPE.split(), "--method", "dpo")
     grpo = ["estimate", "{M}", "--method", "grpo", "--max-prompt-length", "32", "--max-completion-length", "32"]
     for flag, value, expect in (("--num-generations", "0", "at least 2"), ("--num-generations", "1", "at least 2"),

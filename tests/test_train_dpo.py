@@ -103,6 +103,16 @@ def test_plain_text_for_a_dpo_plan_is_one_line_and_exit_2(train_in_process, tiny
         "a DPO plan trains on rows with 'prompt', 'chosen' and 'rejected' (TRL's preference format)"]
 
 
+def test_activation_offloading_on_a_dpo_plan_is_one_line_and_exit_2(train_in_process, tiny_llama_dir, pairs):
+    """toolkit.train runs TRL's offloading around the SFT step only (toolkit.patches.actoffload)."""
+    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2).replace(activation_offloading=True)
+    run = train_in_process(plan, "dpo-offload", "--data", str(pairs), *COMMON)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: the plan offloads activations: toolkit.train runs TRL's offloading for SFT plans, not "
+                      "for DPO; run it with your own TRL script or re-plan without --activation-offloading"]
+
+
 def test_a_loss_trls_trainer_refuses_is_one_line_and_exit_2(train_in_process, tiny_llama_dir, pairs):
     """exo_pair needs DPOConfig.label_smoothing > 0, which DPOConfig accepts and DPOTrainer refuses; a plan sets
     no label smoothing."""
