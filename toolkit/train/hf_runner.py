@@ -351,6 +351,11 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
             if isinstance(module, FSDPModule):
                 module.reshard()
         param_bytes = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
+        # ... and of the optimizer states it holds (AdamW's moments and steps), the plan's optimizer_bytes a rank.
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        optimizer_bytes = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
+                              for state in getattr(optimizer, "state", {}).values() for t in state.values()
+                              if torch.is_tensor(t))
         # Every rank runs the forward (ZeRO-3 and FSDP2 gather parameters collectively).
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
@@ -362,7 +367,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
                "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
-               "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes,
+               "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes, "optimizer_bytes": optimizer_bytes,
                "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
                # modules ZeRO-3 fetched whole: DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py z3_leaf_module)
                "z3_leaf_modules": sorted({type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)})}
