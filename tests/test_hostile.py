@@ -499,6 +499,7 @@ def _wave2() -> list[tuple[str, list[str], str]]:
     add("grpo --seq", "--seq with --method grpo", "estimate", "{M}", "--seq", "64", "--method", "grpo")
     add("grpo partial groups", "multiple of --num-generations 8", *grpo, "--micro-batch", "3", "--gpus",
         "2xH100-80GB")
+    add("grpo activation offloading", "GRPOTrainer has none", *grpo, "--activation-offloading")
     add("grpo on the pipeline engine", "not the pipeline engine", *grpo, "--strategy", "pipeline", "--gpus",
         "2xH100-80GB")
     add("profile --method grpo", "modelled by estimate and plan only", "profile", *SHAPE.split(), "--method", "grpo")

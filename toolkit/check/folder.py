@@ -179,7 +179,8 @@ def plan_grpo_problems(plan: Plan, directory: Path) -> list[Problem]:
     from toolkit.inputs.grpo import grpo_problem
 
     return _trl_config_problems(directory, "GRPO", "grpo_config",
-                                grpo_problem(plan.grpo_spec, plan.strategy_spec),
+                                grpo_problem(plan.grpo_spec, plan.strategy_spec,
+                                             activation_offloading=plan.activation_offloading),
                                 validate_grpo_config,
                                 {**plan.grpo_spec.grpo_config_kwargs(), "generation_batch_size": plan.global_batch})
 

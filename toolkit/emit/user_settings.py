@@ -146,8 +146,7 @@ def grpo_config(plan: Plan) -> dict[str, Any]:
     the plan's global batch: written out because GRPOConfig derives it from the world size it runs in, so the plan's
     number is checked (whole groups of num_generations) wherever the config is built."""
     return {**training_arguments(plan), **plan.grpo_spec.grpo_config_kwargs(),
-            "generation_batch_size": plan.global_batch,
-            **({"activation_offloading": True} if plan.activation_offloading else {})}
+            "generation_batch_size": plan.global_batch}
 
 
 def method_config(plan: Plan) -> tuple[str, dict[str, Any]]:

@@ -134,7 +134,7 @@ def grpo_from_flags(objective: str | None, **given: Any) -> Grpo | None:
 
 
 def grpo_problem(grpo: Grpo | None, strategy: "Strategy | None", *, liger: bool = False, tiled: bool = False,
-                 compile: bool | str = False,
+                 compile: bool | str = False, activation_offloading: bool = False,
                  chunked_loss: int = 0) -> str | None:
     """Why a GRPO job cannot be planned with `strategy` and the rest of the job, or None."""
     if grpo is None:
@@ -142,6 +142,9 @@ def grpo_problem(grpo: Grpo | None, strategy: "Strategy | None", *, liger: bool 
     if strategy is not None and strategy.is_pipeline:
         return ("GRPO runs through TRL's GRPOTrainer on the HF Trainer path, not the pipeline engine; use ddp, zero1, "
                 "zero2, zero3 or fsdp2")
+    if activation_offloading:  # SFTConfig and DPOConfig have the field, GRPOConfig not (trl/trainer/grpo_config.py)
+        return ("--method grpo with activation offloading: TRL 1.16's GRPOTrainer has none (GRPOConfig has no "
+                "activation_offloading); drop --activation-offloading")
     for on, what in ((liger, "--liger"), (tiled, "--tiled"), (compile, "--compile"),
                      (chunked_loss, "--chunked-loss")):
         if on:

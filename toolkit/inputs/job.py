@@ -248,7 +248,8 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
 
     problem = adapter_problem(adapter, strategy) or dpo_problem(dpo, strategy, liger=liger, tiled=tiled,
                                                                 compile=compile) \
-        or grpo_problem(grpo, strategy, liger=liger, tiled=tiled, compile=compile)
+        or grpo_problem(grpo, strategy, liger=liger, tiled=tiled, compile=compile,
+                        activation_offloading=activation_offloading)
     if problem:
         return problem
     if strategy is not None and strategy.is_pipeline and activation_offloading:
