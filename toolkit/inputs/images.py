@@ -1,0 +1,105 @@
+"""Image tokens per sample from the model's own image processor (issue 31, Deliver 3): the class transformers maps
+the config to (AutoImageProcessor's IMAGE_PROCESSOR_MAPPING, the PIL backend where torchvision is absent), with its
+default settings or a local preprocessor_config.json next to a local config, run on a dummy image of the requested
+size. No per-architecture table: the processor's own output says the patch grid (Qwen2-VL's `image_grid_thw`
+after smart_resize with its min / max pixels, divided by merge_size squared), or the config says a fixed count per
+image (Gemma-3's `mm_tokens_per_image`, its images resized to one square).
+
+Transformers, numpy and PIL only; not yet wired to a job setting (tests/test_image_tokens.py uses it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import UserError
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    tokens: int
+    """Image tokens one image puts in the language model's sequence."""
+    pixel_shape: tuple[int, ...]
+    """The processor's pixel_values for one image (Qwen2-VL: flattened patches x patch features)."""
+    grid: tuple[int, ...] | None
+    """Qwen2-VL's image_grid_thw of the image (temporal, height, width patches); None for a fixed-count model."""
+    processor: str
+    """The image processor class that produced them."""
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """'WxH' (e.g. 448x448) as (width, height) in pixels."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+    if not match or not all(int(v) > 0 for v in match.groups()):
+        raise UserError(f"--image-size {text!r}: give WIDTHxHEIGHT in pixels, e.g. 448x448")
+    return int(match.group(1)), int(match.group(2))
+
+
+def image_processor(config: Any, config_dir: str | Path | None = None):
+    """The model's image processor: from `config_dir`/preprocessor_config.json when there is one, else the class
+    transformers maps the config to, with its defaults."""
+    from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING, _load_class_with_fallback)
+
+    if config_dir is not None and (Path(config_dir) / "preprocessor_config.json").is_file():
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(str(config_dir), backend="pil")
+    if type(config) not in IMAGE_PROCESSOR_MAPPING:
+        raise UserError(f"{config.model_type} has no image processor in transformers (AutoImageProcessor); images "
+                        "apply to vision-language models only: drop the images, or plan a vision-language checkpoint")
+    cls = _load_class_with_fallback(IMAGE_PROCESSOR_MAPPING[type(config)], "pil")
+    if cls is None:
+        raise UserError(f"transformers cannot load {config.model_type}'s image processor here (PIL missing?): "
+                        "install pillow")
+    return cls(**_tower_settings(cls(), config.vision_config))
+
+
+def _tower_settings(defaults: Any, vision: Any) -> dict[str, Any]:
+    """The processor settings the vision tower fixes, where the class's defaults differ from it: the patch size
+    (the tower's patch embedding), the merge size (its patch merger), the temporal patch, and a fixed square input
+    (SigLIP's image_size). Qwen3.5's tower patches 16 pixels where Qwen2VLImageProcessor's default is 14; Gemma-3's
+    SigLIP takes 896 x 896 where Gemma3ImageProcessor's default is 224 x 224 (the checkpoints' own
+    preprocessor_config.json say the tower's numbers)."""
+    wanted = {}
+    for ours, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                         ("temporal_patch_size", "temporal_patch_size")):
+        if getattr(defaults, ours, None) is not None and getattr(vision, theirs, None) is not None \
+                and getattr(defaults, ours) != getattr(vision, theirs):
+            wanted[ours] = int(getattr(vision, theirs))
+    size = getattr(defaults, "size", None)
+    side = getattr(vision, "image_size", None)
+    if side and getattr(size, "height", None) and getattr(size, "width", None) and (size.height, size.width) != (
+            side, side):
+        wanted["size"] = {"height": int(side), "width": int(side)}
+    return wanted
+
+
+def image_tokens(config: Any, width: int, height: int, config_dir: str | Path | None = None) -> ImageTokens:
+    """Run the model's image processor on one dummy RGB image of `width` x `height` pixels."""
+    import numpy as np
+
+    if getattr(config, "vision_config", None) is None:
+        raise UserError(f"{config.model_type} is a text-only model (no vision_config): drop the images, or plan a "
+                        "vision-language checkpoint")
+    processor = image_processor(config, config_dir)
+    image = np.zeros((height, width, 3), dtype=np.uint8)
+    try:
+        out = processor(images=[image], return_tensors="np")
+    except (ValueError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"--image-size {width}x{height}: {type(processor).__name__} refuses it ({first[:200]}); "
+                        "give another size") from None
+    pixels = tuple(int(n) for n in out["pixel_values"].shape)
+    if "image_grid_thw" in out:
+        grid = tuple(int(n) for n in out["image_grid_thw"][0])
+        merge = int(getattr(processor, "merge_size", 1) or 1)
+        return ImageTokens(math.prod(grid) // (merge * merge), pixels, grid, type(processor).__name__)
+    fixed = getattr(config, "mm_tokens_per_image", None)
+    if fixed:
+        return ImageTokens(int(fixed), pixels, None, type(processor).__name__)
+    raise UserError(f"{type(processor).__name__} gives no patch grid and {config.model_type}'s config no "
+                    "mm_tokens_per_image: toolkit cannot count its image tokens yet")
