@@ -16,7 +16,7 @@ from toolkit.cli import main
 
 GOLDEN = Path(__file__).parent / "golden"
 RECORD = os.environ.get("TOOLKIT_RECORD_GOLDEN") == "1"
-COMMANDS = ("estimate", "plan", "emit", "check", "launch", "profile", "demo", "models", "gpus")
+COMMANDS = ("estimate", "plan", "emit", "check", "launch", "tune", "profile", "demo", "models", "gpus")
 
 
 def help_text(argv: list[str]) -> str:

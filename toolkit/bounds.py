@@ -71,6 +71,8 @@ DEGREE = Bound(1, 1024, "the GPUs-per-node bound; no real model has heads to spl
 STEPS = Bound(1, 1e9, "10^9 optimizer steps")
 PROFILE_STEPS = Bound(1, 10000, "timed steps of one profile run")
 TOP = Bound(1, 100000, "rows to print")
+TUNE_CANDIDATES = Bound(1, 100, "100 candidates, each a real run of a few steps")
+TUNE_BUDGET_MIN = Bound(0, 10080, "a week of probing", low_inclusive=False)
 RESTARTS = Bound(0, 1000, "1000 elastic restarts: more means the job is failing, not recovering")
 
 # Run size (toolkit.estimate.duration). Llama 3 was pre-trained on about 15T tokens (its paper, section 3.1).

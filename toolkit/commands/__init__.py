@@ -15,7 +15,7 @@ import sys
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
 
-COMMANDS = ("estimate", "plan", "emit", "check", "launch", "profile", "demo", "models", "gpus")
+COMMANDS = ("estimate", "plan", "emit", "check", "launch", "tune", "profile", "demo", "models", "gpus")
 """The subcommands in --help's order; each is toolkit/commands/NAME.py (imported by name: the registry does not
 import the commands at module level, so a command such as the demo can run the others through execute)."""
 

@@ -25,6 +25,7 @@ EXAMPLES = {
                "toolkit launch runs/plan --processes 2 --cpu -- my_train.py --my-flag 1",
                "toolkit launch runs/plan --rehearse"],
     "profile": ["toolkit profile gpt2 --seq 1024 --micro-batch 4 --device cuda"],
+    "tune": ["toolkit tune plan/ --cpu --processes 2 --candidates 3 --budget-min 10 --steps 3"],
     "demo": ["toolkit demo --steps 60"],
     "models": ["toolkit models"],
     "gpus": ["toolkit gpus"],

@@ -9,6 +9,7 @@ from transformers import TrainerCallback
 
 from toolkit.train import checkpoints
 from toolkit.train.cpu import peak_memory_bytes
+from toolkit.train.probe import probe_record
 
 from toolkit.inputs.choices import GIB
 
@@ -48,6 +49,7 @@ class ThroughputLog:
         logs["peak_mem_gib_max"] = round(max(peaks) / GIB, 3)
         for rank, peak in enumerate(peaks):
             logs[f"peak_mem_gib/rank{rank}"] = round(peak / GIB, 3)
+        probe_record(logs, step, peaks, trainer.is_world_process_zero())
 
 
 def time_left(measured_s: float, steps_left: int, predicted_s: float | None,

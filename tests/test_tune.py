@@ -1,0 +1,140 @@
+"""`toolkit tune PLAN_DIR --cpu`: the plan's top candidates run for a few steps on 2 CPU processes over gloo, under
+`toolkit launch`'s launcher and toolkit.train, measured, re-ranked by measured step time; a candidate past its
+memory limit is stopped and the probe goes on; bad input is one line before any process starts.
+
+One probe (module scope) serves every multi-process assertion. Its model is a llama of 4 layers, hidden 512 (13 M
+parameters) rather than the session's tiny one: there, DDP's full fp32 replica, gradients and Adam states make a
+rank's RSS about 35 MB larger than ZeRO-1 / ZeRO-2's (0.674 vs 0.639 / 0.641 GiB measured on this box), enough for
+one limit to stop the DDP candidate and let the two ZeRO ones run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.inputs.choices import GIB
+
+LIMIT_GIB = 0.657
+"""Between DDP's per-rank peak and the ZeRO candidates' (module docstring)."""
+
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory) -> Path:
+    from toolkit import api
+    from toolkit.run import tiny
+
+    base = tmp_path_factory.mktemp("tune")
+    model = tiny.make_tiny_model("llama", base / "llama", layers=4, hidden=512, corpus_chars=100_000)
+    result = api.plan(str(model), "2xA100-80GB", seq_len=64, global_batch=8, device_kind="cpu")
+    assert [c.name for c in result.feasible[:3]] == ["ddp", "zero1", "zero2"]
+    api.emit(result, base / "plan")
+    return base / "plan"
+
+
+@pytest.fixture(scope="module")
+def tuned(plan_dir) -> tuple[subprocess.CompletedProcess, dict, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-m", "toolkit", "tune", str(plan_dir), "--cpu", "--processes", "2",
+                           "--steps", "1", "--candidates", "3", "--memory-limit-gib", str(LIMIT_GIB)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads((plan_dir / "tune.json").read_text()), (plan_dir / "PLAN.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_measured_rows_hold_real_numbers_beside_the_prediction(tuned):
+    _, result, _ = tuned
+    rows = {r["name"]: r for r in result["candidates"]}
+    assert list(rows) == ["ddp", "zero1", "zero2"] and [r["predicted_rank"] for r in rows.values()] == [1, 2, 3]
+    for name in ("zero1", "zero2"):
+        r = rows[name]
+        assert r["status"] == "measured", r
+        assert r["measured_step_s"] > 0 and r["measured_tokens_per_s"] > 0 and r["timed_steps"] == 1
+        assert r["measured_tokens_per_s"] == pytest.approx(8 * 64 / r["measured_step_s"])
+        assert r["predicted_step_s"] > 0 and r["predicted_peak_bytes"] > 0 and r["peak_band"] > 0
+        assert len(r["peak_bytes_per_rank"]) == 2 and min(r["peak_bytes_per_rank"]) > 0
+        assert max(r["peak_bytes_per_rank"]) <= LIMIT_GIB * GIB
+        assert r["host_ram_bytes"] == sum(r["peak_bytes_per_rank"])  # on CPU a rank's peak is its host RAM
+        assert r["step_ratio"] == pytest.approx(r["measured_step_s"] / r["predicted_step_s"])
+
+
+@pytest.mark.multiprocess
+def test_re_ranked_by_measured_step_time(tuned):
+    done, result, _ = tuned
+    measured = [r for r in result["candidates"] if r["status"] == "measured"]
+    by_time = [r["name"] for r in sorted(measured, key=lambda r: r["measured_step_s"])]
+    assert result["ranking"] == by_time and len(by_time) == 2
+    assert [r["measured_rank"] for r in sorted(measured, key=lambda r: r["measured_step_s"])] == [1, 2]
+    assert f"fastest measured: {by_time[0]}" in done.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_candidate_past_its_memory_limit_is_stopped_and_the_rest_run(tuned):
+    _, result, _ = tuned
+    ddp = result["candidates"][0]
+    assert ddp["name"] == "ddp" and ddp["status"] == "stopped", ddp
+    assert ddp["memory_limit_bytes"] == int(LIMIT_GIB * GIB) and max(ddp["peak_bytes_per_rank"]) > LIMIT_GIB * GIB
+    assert ddp["measured_rank"] is None and "passed the limit" in ddp["reason"]
+    # the biggest predicted peak is the one stopped: the prediction orders what the limit cuts
+    assert ddp["predicted_peak_bytes"] > max(r["predicted_peak_bytes"] for r in result["candidates"][1:])
+    assert [r["status"] for r in result["candidates"][1:]] == ["measured", "measured"]
+
+
+@pytest.mark.multiprocess
+def test_progress_table_schema_and_plan_md(tuned, plan_dir):
+    from toolkit.run.tune import TuneFile
+
+    done, result, plan_md = tuned
+    for i, name in enumerate(("ddp", "zero1", "zero2"), 1):
+        assert f"[{i}/3] {name}: micro-batch 4 x accumulation 1, running ..." in done.stdout
+    assert "pred step s" in done.stdout and "meas step s" in done.stdout
+    TuneFile(**result)
+    assert plan_md.count("## Tuned") == 1 and "stopped: peak" in plan_md
+    assert result["where"] == "2 CPU processes over gloo" and result["spent_min"] <= result["budget_min"]
+
+
+def test_a_candidate_past_the_budget_is_skipped_and_recorded(plan_dir, tmp_path, capsys):
+    """Planning alone outlasts a budget of 0.006 s: every candidate is skipped before any process starts."""
+    from toolkit.cli import main
+
+    folder = tmp_path / "plan"
+    shutil.copytree(plan_dir, folder, ignore=shutil.ignore_patterns("tune.json"))
+    assert main(["tune", str(folder), "--cpu", "--processes", "2", "--budget-min", "0.0001"]) == 0
+    result = json.loads((folder / "tune.json").read_text())
+    assert [r["status"] for r in result["candidates"]] == ["skipped"] * 3
+    assert all(r["reason"].startswith("budget spent") and r["measured_step_s"] is None for r in result["candidates"])
+    assert result["ranking"] == [] and "no candidate was measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--budget-min", "0"], "--budget-min must be positive"),
+    (["--budget-min", "-5"], "--budget-min must be positive"),
+    (["--candidates", "0"], "--candidates must be a positive integer"),
+    (["--memory-limit-gib", "0"], "--memory-limit-gib must be positive"),
+])
+def test_bad_numbers_are_one_line(tmp_path, argv, words, capsys):
+    from toolkit.cli import main
+
+    assert main(["tune", str(tmp_path), "--cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err
+
+
+def test_a_folder_that_is_no_plan_is_one_line(tmp_path, capsys):
+    from toolkit.cli import main
+
+    assert main(["tune", str(tmp_path), "--cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is no plan folder" in err and "\n" not in err and not (tmp_path / "tune.json").exists()
+    (tmp_path / "plan.json").write_text("{not json")
+    assert main(["tune", str(tmp_path), "--cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "plan.json" in err and not (tmp_path / "tune.json").exists()

@@ -1,0 +1,61 @@
+"""`toolkit tune PLAN_DIR`: the plan's top candidates measured on this machine and re-ranked (toolkit.run.tune)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit import bounds
+from toolkit.bounds import float_arg, int_arg
+from toolkit.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune", help="run the plan's top candidates for a few steps here and re-rank by measurement")
+    p.add_argument("plan_dir", help="a plan folder (toolkit plan --out) holding plan.json")
+    p.add_argument("--candidates", type=int_arg("--candidates", bounds.TUNE_CANDIDATES), default=3,
+                   help="how many of the planner's top rows to run (default %(default)s)")
+    p.add_argument("--budget-min", type=float_arg("--budget-min", bounds.TUNE_BUDGET_MIN), default=30.0,
+                   help="minutes for the whole probe: a candidate that would start later is skipped "
+                        "(default %(default)s)")
+    p.add_argument("--steps", type=int_arg("--steps", bounds.PROFILE_STEPS), default=3,
+                   help="measured steps per candidate, after 2 warm-up steps (default %(default)s)")
+    p.add_argument("--processes", type=int_arg("--processes", bounds.PROCESSES),
+                   help="processes of this machine to run each candidate on (default: the plan's GPUs per node)")
+    p.add_argument("--cpu", action="store_true", help="run on CPU processes over gloo")
+    p.add_argument("--memory-limit-gib", type=float_arg("--memory-limit-gib", bounds.CPU_RAM_GIB),
+                   help="stop a candidate whose peak per process passes this (default: on a GPU its predicted "
+                        "peak plus its error band; on CPU none)")
+    p.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args) -> int:
+    from toolkit.plan.files import PLAN_JSON
+    from toolkit.plan.schema import load_plan
+    from toolkit.run.tune import probe, table, write_results
+
+    plan_dir = Path(args.plan_dir)
+    if plan_dir.name == PLAN_JSON:
+        plan_dir = plan_dir.parent
+    if not (plan_dir / PLAN_JSON).is_file():
+        raise UserError(f"{plan_dir} is no plan folder (no {PLAN_JSON} in it); give a folder `toolkit plan --out` "
+                        "wrote")
+    plan = load_plan(plan_dir / PLAN_JSON)
+    if plan.num_machines > 1:
+        raise UserError(f"tune runs on this machine; the plan spans {plan.num_machines} nodes: re-plan for one "
+                        "node, or tune on its GPUs per node with --processes")
+    if not args.cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("this machine has no CUDA device; add --cpu to tune on CPU processes over gloo")
+    processes = args.processes or plan.gpus_per_node
+    result = probe(plan, plan_dir, count=args.candidates, budget_min=args.budget_min, steps=args.steps,
+                   processes=processes, cpu=args.cpu, limit_gib=args.memory_limit_gib)
+    print()
+    for line in table(result):
+        print(line)
+    written = write_results(result, plan_dir)
+    best = result["ranking"][0] if result["ranking"] else None
+    print(f"fastest measured: {best}" if best else "no candidate was measured")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

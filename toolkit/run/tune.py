@@ -1,0 +1,308 @@
+"""`toolkit tune PLAN_DIR`: the plan's top candidates, each run for a few steps on this machine under the launcher
+and runner a real run uses (toolkit.run.launcher, toolkit.train), measured, and re-ranked by measured step time.
+
+plan.json holds the chosen row only, so the candidates come from the planner's search again, from the plan's own
+model, hardware and job (toolkit.plan.job.plan_job): the strategy and the batch split are searched as `toolkit plan`
+searches them, the global batch, sequence, precision, checkpointing and method are the plan's. Each candidate is
+emitted for this box (toolkit.run.smaller_box: N processes, CPU processes over gloo with cpu) into a folder of its
+own and trained from the standard-library corpus (the rehearsal's data) for warm-up + measured steps, one log line
+per step. toolkit.train's rank 0 writes every log line to the probe's metrics file (toolkit.train.callbacks): the
+wall clock of each step gives the step time with the warm-up steps dropped, and the per-rank peaks are the ones
+toolkit.train logs (allocated device memory on a GPU, the RSS high-water mark on CPU, which is the rank's host RAM).
+
+A candidate whose largest per-rank peak passes its limit is stopped by its own ranks at that step (one line, exit
+2), recorded as stopped, and the probe goes on. The limit: on a GPU the candidate's predicted peak plus its error
+band; --memory-limit-gib replaces it (on CPU the RSS holds the interpreter and libraries, which the device
+prediction leaves out, so there the limit is --memory-limit-gib alone). A candidate that would start after the
+budget (minutes since the probe began) is skipped and recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass as pdataclass
+
+from toolkit.errors import UserError
+from toolkit.inputs.choices import GIB
+from toolkit.plan.schema import Plan
+
+TUNE_JSON = "tune.json"
+TUNE_VERSION = 1
+WARMUP_STEPS = 2
+"""Steps run before the timed ones (first allocations, the engines' first collectives), dropped from the time."""
+TUNED_HEADING = "## Tuned"
+
+MEASURED, STOPPED, FAILED, SKIPPED = "measured", "stopped", "failed", "skipped"
+STATUSES = (MEASURED, STOPPED, FAILED, SKIPPED)
+
+
+@dataclass
+class TuneRow:
+    """One candidate of the probe: what the planner predicted, and what this machine measured."""
+
+    name: str
+    strategy: str
+    predicted_rank: int
+    micro_batch: int
+    grad_accum: int
+    predicted_step_s: float | None
+    predicted_tokens_per_s: float | None
+    predicted_peak_bytes: int | None
+    peak_band: float | None
+    status: str = SKIPPED
+    reason: str | None = None
+    memory_limit_bytes: int | None = None
+    measured_step_s: float | None = None
+    measured_tokens_per_s: float | None = None
+    timed_steps: int = 0
+    peak_bytes_per_rank: list[int] = field(default_factory=list)
+    host_ram_bytes: int | None = None
+    wall_s: float = 0.0
+    measured_rank: int | None = None
+
+    @property
+    def step_ratio(self) -> float | None:
+        if self.measured_step_s and self.predicted_step_s:
+            return self.measured_step_s / self.predicted_step_s
+        return None
+
+
+def plan_candidates_again(plan: Plan, count: int) -> tuple[list, Any, Any]:
+    """The top `count` feasible rows of the planner's search for this plan's job (the plan's own row among them
+    when it ranks there), with the model and hardware they were ranked for."""
+    from toolkit.estimate.request import REQUEST_JOB_FIELDS, Request
+    from toolkit.estimate.search import plan_candidates
+    from toolkit.plan.job import plan_job
+
+    spec, hw, job = plan_job(plan)
+    req = Request(**{name: getattr(job, name) for name in REQUEST_JOB_FIELDS}, global_batch=plan.global_batch,
+                  checkpointing=job.checkpointing, tiled=job.tiled)
+    feasible = [c for c in plan_candidates(spec, hw, req) if c.feasible]
+    if not feasible:
+        raise UserError("the planner finds no row that fits for this plan's job; re-plan with `toolkit plan`")
+    return feasible[:count], spec, hw
+
+
+def memory_limit(row: TuneRow, *, cpu: bool, limit_gib: float | None) -> int | None:
+    """Bytes per rank past which the candidate is stopped (None: no stop)."""
+    if limit_gib is not None:
+        return int(limit_gib * GIB)
+    if cpu or not row.predicted_peak_bytes:
+        return None
+    return int(row.predicted_peak_bytes * (1 + (row.peak_band or 0)))
+
+
+def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict[str, Any]:
+    """Step time (warm-up steps dropped), tokens/s and peaks from the probe's metrics file."""
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        records = []
+    steps = [r for r in records if "loss" in r or "stopped_over_bytes" in r]
+    out: dict[str, Any] = {"peak_bytes_per_rank": [], "measured_step_s": None, "measured_tokens_per_s": None,
+                           "timed_steps": 0}
+    if records:
+        peaks = [max(r["peak_bytes"][i] for r in records) for i in range(len(records[0]["peak_bytes"]))]
+        out["peak_bytes_per_rank"] = peaks
+    start = next((r for r in steps if r["step"] >= warmup), None)
+    end = steps[-1] if steps else None
+    if start is not None and end is not None and end["step"] > start["step"]:
+        step_s = (end["wall_s"] - start["wall_s"]) / (end["step"] - start["step"])
+        out.update(measured_step_s=step_s, measured_tokens_per_s=tokens_per_step / step_s,
+                   timed_steps=end["step"] - start["step"])
+    return out
+
+
+def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: int, processes: int, cpu: bool,
+          limit_gib: float | None, say=print) -> dict[str, Any]:
+    """Run the probe; returns tune.json's content (written by write_results)."""
+    from toolkit.estimate.search import to_plan
+    from toolkit.run.launcher import emit_plan_files, launch_command, processes_phrase, run
+    from toolkit.run.rehearsal import rehearsal_data
+    from toolkit.run.smaller_box import box_plan
+    from toolkit.train.probe import PROBE_MEMORY_LIMIT_ENV, PROBE_METRICS_ENV
+
+    began = time.monotonic()
+    candidates, spec, hw = plan_candidates_again(plan, count)
+    plans = [to_plan(c, spec, hw, plan.model) for c in candidates]
+    boxes = [box_plan(p, processes=processes, cpu=cpu)[0] for p in plans]  # refused before any process starts
+    rows = [_row(i + 1, c, p) for i, (c, p) in enumerate(zip(candidates, plans))]
+    where = processes_phrase(processes, cpu=cpu)
+    say(f"tuning {len(rows)} candidate{'s' if len(rows) != 1 else ''} of {plan_dir} on {where}: {WARMUP_STEPS} "
+        f"warm-up + {steps} measured step{'s' if steps != 1 else ''} each, budget {budget_min:g} min")
+    if cpu and limit_gib is None:
+        say("note: on CPU a rank's peak is its RSS (interpreter and libraries included), which the device "
+            "prediction leaves out: no memory stop without --memory-limit-gib")
+    work = Path(tempfile.mkdtemp(prefix="toolkit-tune-"))
+    try:
+        data = rehearsal_data(boxes[0], work / "data")
+        for i, (row, box) in enumerate(zip(rows, boxes)):
+            elapsed = time.monotonic() - began
+            if elapsed >= budget_min * 60:
+                row.status, row.reason = SKIPPED, f"budget spent ({elapsed / 60:.1f} of {budget_min:g} min)"
+                say(f"[{i + 1}/{len(rows)}] {row.name}: skipped, {row.reason}")
+                continue
+            row.memory_limit_bytes = memory_limit(row, cpu=cpu, limit_gib=limit_gib)
+            folder = work / f"candidate-{i + 1}"
+            box_dir = emit_plan_files(box, folder / "plan")
+            metrics = folder / "metrics.jsonl"
+            argv = ["--data", str(data), "--output", str(folder / "out"), "--max-steps", str(WARMUP_STEPS + steps),
+                    "--logging-steps", "1", "--save-steps", str(10 ** 6), "--no-save-final", "--max-eval-blocks", "1"]
+            env = {PROBE_METRICS_ENV: str(metrics), "TOOLKIT_PLAN_DIR": str(box_dir.resolve())}
+            if row.memory_limit_bytes:
+                env[PROBE_MEMORY_LIMIT_ENV] = str(row.memory_limit_bytes)
+            if cpu:
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            say(f"[{i + 1}/{len(rows)}] {row.name}: micro-batch {box.micro_batch} x accumulation {box.grad_accum}, "
+                f"running ...")
+            started = time.monotonic()
+            code = run(launch_command(box_dir, argv), env=env, output=folder / "out")
+            row.wall_s = round(time.monotonic() - started, 1)
+            got = read_metrics(metrics, WARMUP_STEPS, box.global_batch * box.seq_len)
+            for key, value in got.items():
+                setattr(row, key, value)
+            row.host_ram_bytes = sum(row.peak_bytes_per_rank) if cpu and row.peak_bytes_per_rank else None
+            stopped = _stopped(metrics)
+            if stopped:
+                row.status = STOPPED
+                row.reason = (f"peak {max(row.peak_bytes_per_rank) / GIB:.3f} GiB passed the limit "
+                              f"{stopped / GIB:.3f} GiB")
+            elif code != 0 or row.measured_step_s is None:
+                row.status, row.reason = FAILED, f"exit code {code} (no timed step)" if code == 0 else \
+                    f"exit code {code}"
+            else:
+                row.status = MEASURED
+            say(f"[{i + 1}/{len(rows)}] {row.name}: {_progress(row)}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    measured = sorted((r for r in rows if r.status == MEASURED), key=lambda r: r.measured_step_s)
+    for rank, row in enumerate(measured, 1):
+        row.measured_rank = rank
+    return {"version": TUNE_VERSION, "plan": str(plan_dir), "model": plan.model, "planned_for":
+            f"{plan.world_size}x {plan.gpu}", "where": where, "cpu": cpu, "processes": processes,
+            "warmup_steps": WARMUP_STEPS, "measured_steps": steps, "budget_min": budget_min,
+            "spent_min": round((time.monotonic() - began) / 60, 2), "memory_limit_gib": limit_gib,
+            "candidates": [{**asdict(r), "step_ratio": r.step_ratio} for r in rows],
+            "ranking": [r.name for r in measured]}
+
+
+def _row(rank: int, c, plan: Plan) -> TuneRow:
+    predicted = plan.predicted
+    return TuneRow(name=c.name, strategy=c.strategy.name, predicted_rank=rank, micro_batch=plan.micro_batch,
+                   grad_accum=plan.grad_accum, predicted_step_s=predicted.get("step_time_s"),
+                   predicted_tokens_per_s=predicted.get("tokens_per_s"),
+                   predicted_peak_bytes=predicted.get("peak_bytes"),
+                   peak_band=c.peak_band.fraction if c.memory else None)
+
+
+def _stopped(metrics: Path) -> int | None:
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        record = json.loads(line)
+        if "stopped_over_bytes" in record:
+            return record["stopped_over_bytes"]
+    return None
+
+
+def _progress(row: TuneRow) -> str:
+    if row.status != MEASURED:
+        return f"{row.status}: {row.reason}"
+    ratio = f" ({row.step_ratio:,.1f}x the predicted {row.predicted_step_s:.3g} s)" if row.step_ratio else ""
+    return (f"measured {row.measured_step_s:.3f} s/step{ratio}, {row.measured_tokens_per_s:,.0f} tokens/s, "
+            f"peak {max(row.peak_bytes_per_rank) / GIB:.3f} GiB/rank, {row.wall_s:.0f} s")
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """Predicted against measured per candidate, in measured order (then the ones not measured)."""
+    rows = sorted(result["candidates"], key=lambda r: (r["measured_rank"] is None, r["measured_rank"] or 0,
+                                                       r["predicted_rank"]))
+    lines = [f"{'measured #':>10} {'planned #':>9}  {'candidate':<28}{'pred step s':>12}{'meas step s':>12}"
+             f"{'meas tok/s':>11}{'pred GiB':>9}{'meas GiB':>9}  status"]
+    for r in rows:
+        pred_s = f"{r['predicted_step_s']:.3g}" if r["predicted_step_s"] else "-"
+        meas_s = f"{r['measured_step_s']:.3f}" if r["measured_step_s"] else "-"
+        tok = f"{r['measured_tokens_per_s']:,.0f}" if r["measured_tokens_per_s"] else "-"
+        pred_m = f"{r['predicted_peak_bytes'] / GIB:.3f}" if r["predicted_peak_bytes"] else "-"
+        meas_m = f"{max(r['peak_bytes_per_rank']) / GIB:.3f}" if r["peak_bytes_per_rank"] else "-"
+        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        lines.append(f"{r['measured_rank'] or '-':>10} {r['predicted_rank']:>9}  {r['name']:<28}{pred_s:>12}"
+                     f"{meas_s:>12}{tok:>11}{pred_m:>9}{meas_m:>9}  {status}")
+    return lines
+
+
+def write_results(result: dict[str, Any], plan_dir: Path) -> list[Path]:
+    """tune.json (checked against its schema, written atomically) and PLAN.md's Tuned section (replaced, not
+    stacked, by a later probe)."""
+    from toolkit.fileio import write_atomic
+    from toolkit.plan.files import PLAN_MD
+
+    TuneFile(**result)  # the schema: a row that does not fit it is a bug here, never a file written
+    write_atomic(plan_dir / TUNE_JSON, json.dumps(result, indent=2) + "\n")
+    md = plan_dir / PLAN_MD
+    text = md.read_text() if md.is_file() else ""
+    if TUNED_HEADING in text:
+        text = text[:text.index(TUNED_HEADING)].rstrip() + "\n"
+    section = [TUNED_HEADING, "", f"Measured by `toolkit tune` on {result['where']} ({result['warmup_steps']} warm-up "
+               f"+ {result['measured_steps']} measured steps per candidate, {result['spent_min']} of "
+               f"{result['budget_min']:g} min); ranked by measured step time. Predictions are for "
+               f"{result['planned_for']}.", "", "```", *table(result), "```", ""]
+    write_atomic(md, (text + "\n" if text else "") + "\n".join(section))
+    return [plan_dir / TUNE_JSON, md]
+
+
+_STRICT = ConfigDict(extra="forbid")
+
+
+@pdataclass(config=_STRICT)
+class _Row:
+    name: str
+    strategy: str
+    predicted_rank: int
+    micro_batch: int
+    grad_accum: int
+    predicted_step_s: float | None
+    predicted_tokens_per_s: float | None
+    predicted_peak_bytes: int | None
+    peak_band: float | None
+    status: Literal[STATUSES]  # type: ignore[valid-type]
+    reason: str | None
+    memory_limit_bytes: int | None
+    measured_step_s: float | None
+    measured_tokens_per_s: float | None
+    timed_steps: int
+    peak_bytes_per_rank: list[int]
+    host_ram_bytes: int | None
+    wall_s: float
+    measured_rank: int | None
+    step_ratio: float | None
+
+
+@pdataclass(config=_STRICT)
+class TuneFile:
+    """tune.json: every field named and typed; write_results checks the content against it before writing."""
+
+    version: Literal[1]
+    plan: str
+    model: str
+    planned_for: str
+    where: str
+    cpu: bool
+    processes: int
+    warmup_steps: int
+    measured_steps: int
+    budget_min: float
+    spent_min: float
+    memory_limit_gib: float | None
+    candidates: list[_Row]
+    ranking: list[str]
