@@ -34,9 +34,13 @@ print(json.dumps(codes))
 def rehearsal(tmp_path_factory):
     """One interpreter runs the three CPU rehearsals (--memory-edge, the engine set, the timing set) for the tests
     below, each with its own exit code: gpu_check builds a world of one over gloo in its own process, so it runs apart
-    from pytest, but once."""
+    from pytest, but once. One process at a time on one thread (the memory-edge child while its parent waits), so the
+    tests are one_core and share a worker (xdist_group) for this one run; its world of one rendezvous on a free port
+    (gpu_check's own default, 29533, may be taken by a run beside it)."""
+    from toolkit.run.launcher import free_port
+
     out = tmp_path_factory.mktemp("gpu-check")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, "-c", REHEARSAL, str(ROOT / "benchmarks"), str(out), ENGINES, TIMING],
                           capture_output=True, text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -44,6 +48,8 @@ def rehearsal(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
+@pytest.mark.xdist_group("gpu-check")
 def test_gpu_check_rehearses_every_engine_on_cpu(rehearsal):
     codes, out = rehearsal
     assert codes["engines"] == 0, codes["engines"]
@@ -80,6 +86,8 @@ def test_derive_reads_allocator_ratio_and_errors():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
+@pytest.mark.xdist_group("gpu-check")
 def test_timing_set_rehearses_the_pipeline_engine_beside_ddp_on_cpu(rehearsal):
     codes, out = rehearsal
     assert codes["timing"] == 0, codes["timing"]
@@ -125,6 +133,8 @@ def test_multi_gpu_runs_list_context_parallelism_and_skip_without_gpus(tmp_path)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
+@pytest.mark.xdist_group("gpu-check")
 def test_memory_edge_rehearses_on_cpu_with_the_estimate_beside_each_case(rehearsal):
     """--memory-edge on CPU: the parent starts the child process, the child builds each case's model, runs its steps
     and calls the estimator; the capped rows and the expandable-segments child say they need CUDA."""
