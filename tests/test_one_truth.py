@@ -480,8 +480,8 @@ def _unusual_job():
         # supervised fine-tuning, neither tiled nor compiled)
         assert f.name in (*ESTIMATE_ONLY, "grpo", "loss") or f.default is MISSING or getattr(job, f.name) != f.default, \
             f.name
-    for f in fields(Adapter):
-        assert getattr(adapter, f.name) != f.default, f.name
+    for f in fields(Adapter):  # base_dtype: LoRA's, not QLoRA's (_unusual_trl_loss_job carries it)
+        assert f.name == "base_dtype" or getattr(adapter, f.name) != f.default, f.name
     for f in fields(Dpo):
         assert getattr(dpo, f.name) != f.default, f.name
     return job
@@ -504,10 +504,13 @@ def _unusual_grpo_job():
 
 
 def _unusual_trl_loss_job():
-    """_unusual_job as supervised fine-tuning with TRL's chunked NLL (loss "trl": not with DPO, tiling or compile)."""
+    """_unusual_job as supervised fine-tuning with TRL's chunked NLL (loss "trl": not with DPO, tiling or compile),
+    its adapter LoRA with an fp32 base (--base-dtype)."""
     from dataclasses import replace
 
-    return replace(_unusual_job(), dpo=None, loss="trl", tiled=False, compile=False)
+    job = _unusual_job()
+    return replace(job, dpo=None, loss="trl", tiled=False, compile=False,
+                   adapter=replace(job.adapter, method="lora", base_dtype="fp32"))
 
 
 @pytest.mark.parametrize("unusual", [_unusual_job, _unusual_grpo_job, _unusual_trl_loss_job],

@@ -152,9 +152,10 @@ def plan_adapter_problems(plan: Plan, plan_path: Path) -> list[Problem]:
     """The adapter rule plan, estimate, emit and toolkit.train apply (toolkit.inputs.job.adapter_problem) on the
     plan.json's own method and strategy: an edited or older plan the runner would refuse is an error here too.
     (The rest of check_job runs with --model, in the fit check.)"""
-    from toolkit.inputs.job import adapter_problem
+    from toolkit.inputs.job import adapter_problem, base_dtype_problem
 
-    problem = adapter_problem(plan.adapter_spec, plan.strategy_spec)
+    problem = adapter_problem(plan.adapter_spec, plan.strategy_spec) or base_dtype_problem(
+        plan.adapter_spec, plan.precision, plan.strategy_spec, objective=bool(plan.dpo or plan.grpo))
     return [Problem(str(plan_path), "error", problem, EVERY)] if problem else []
 
 

@@ -180,7 +180,7 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     # (toolkit.inputs.lora.adapter_from_flags); the defaults are the Adapter's own.
     from toolkit.inputs.lora import FULL
 
-    from toolkit.inputs.choices import (COMPUTE_DTYPES, DPO_DEFAULT_BETA, DPO_LOSS_TYPES, QUANT_STORAGE_DTYPES,
+    from toolkit.inputs.choices import (BASE_DTYPES, COMPUTE_DTYPES, DPO_DEFAULT_BETA, DPO_LOSS_TYPES, QUANT_STORAGE_DTYPES,
                                         QUANT_TYPES, REFERENCES, choices_words, method_words)
 
     g = p.add_argument_group("LoRA / QLoRA (toolkit.inputs.lora)")
@@ -194,6 +194,9 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
                                           f"e.g. q_proj,v_proj (default {FULL.targets})")
     g.add_argument("--lora-modules-to-save", help="modules trained in full beside the adapters, "
                                                   "e.g. lm_head,embed_tokens")
+    g.add_argument("--base-dtype", help=f"{choices_words(BASE_DTYPES)}: the dtype LoRA's frozen base (and its "
+                                        "modules_to_save copies) is loaded in; fp32 under --precision bf16 / fp16 "
+                                        f"autocast, on ddp (default {FULL.base_dtype}: the compute dtype)")
     g.add_argument("--qlora-quant-type", help=f"{choices_words(QUANT_TYPES)} (default {FULL.quant_type})")
     g.add_argument("--qlora-no-double-quant", action="store_const", const=False, dest="qlora_double_quant",
                    help="do not quantise the absmax constants")
@@ -261,6 +264,7 @@ def adapter_of(args, spec=None, *, training_only_read: bool = True):
                         f"{', '.join(adapters)} (or --method {objective} alone)")
     adapter = adapter_from_flags(method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                               targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
+                              base_dtype=args.base_dtype,
                               quant_type=args.qlora_quant_type, double_quant=args.qlora_double_quant,
                               compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
     for dest, (flag, what) in TRAINING_ONLY_ADAPTER_FLAGS.items():  # after the method's own refusals

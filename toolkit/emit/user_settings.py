@@ -186,7 +186,7 @@ def model_dtype(plan: Plan) -> str:
     if plan.method != "full":
         from toolkit.inputs.lora import base_dtype_name
 
-        return base_dtype_name(plan.precision)
+        return base_dtype_name(plan.precision, plan.adapter_spec.base_dtype)
     return "bfloat16" if plan.precision == "bf16-pure" else "float32"
 
 

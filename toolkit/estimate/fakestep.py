@@ -42,8 +42,12 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
     lora = adapter is not None and adapter.is_adapter
     with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as patches:
         # LoRA: the frozen base is stored in the compute dtype (toolkit.train loads it so; autocast then only
-        # copies the small adapters).
+        # copies the small adapters), or in the adapter's --base-dtype (fp32: autocast copies each weight it uses).
         base_dtype = (autocast_dtype or param_dtype) if lora else param_dtype
+        if lora and adapter.base_dtype != "auto":
+            from toolkit.inputs.choices import BASE_DTYPE_NAMES
+
+            base_dtype = getattr(torch, BASE_DTYPE_NAMES[adapter.base_dtype])
         with weights_uninitialised():
             model = auto_model_class(config).from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
         model.train()

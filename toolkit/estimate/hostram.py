@@ -88,5 +88,5 @@ def _load_bytes_per_param(job: Job) -> int:
     if job.adapter.is_adapter:
         from toolkit.inputs.lora import base_storage_bytes_per_param
 
-        return base_storage_bytes_per_param(job.precision)
+        return base_storage_bytes_per_param(job.precision, job.adapter.base_dtype)
     return weight_bytes(job.precision)

@@ -154,7 +154,7 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
         raise UserError(f"{job.adapter.method} runs on the HF Trainer path (ddp, zero1/2/3, fsdp2 and their "
                         "offload variants), not the pipeline engine; choose one of those strategies")
     counts = counts_for_spec(spec, job.adapter)
-    storage = base_storage_bytes_per_param(job.precision)
+    storage = base_storage_bytes_per_param(job.precision, job.adapter.base_dtype)
     compute = compute_bytes(job.precision)  # FSDP2 gathers the adapters in MixedPrecisionPolicy's param_dtype
     layers = layer_sharded_base_bytes(counts, job.adapter, storage, spec.layer_params)
     root_trainable = counts.pre_layer_trainable + counts.post_layer_trainable

@@ -53,10 +53,9 @@ def build_model(config, precision: str, attention: str, checkpointing: bool, dev
         config.use_cache = False
     lora = adapter is not None and adapter.is_adapter
     if lora:
-        from toolkit.inputs.lora import base_storage_bytes_per_param
+        from toolkit.inputs.lora import base_dtype_name
 
-        dtype = {4: torch.float32, 2: torch.float16 if precision == "fp16" else torch.bfloat16}[
-            base_storage_bytes_per_param(precision)]
+        dtype = getattr(torch, base_dtype_name(precision, adapter.base_dtype))
     else:
         dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
     model = auto_model_class(config).from_config(config, dtype=dtype).to(device)

@@ -208,7 +208,7 @@ def data_parallel_gather_bytes(counts, job: Job) -> float:
     from toolkit.inputs.lora import base_storage_bytes_per_param, sharded_base_bytes
 
     compute = compute_bytes(job.precision)
-    return (sharded_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision))
+    return (sharded_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision, job.adapter.base_dtype))
             + counts.trainable_params * compute)
 
 

@@ -55,6 +55,11 @@ COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 """QLoRA compute dtype (bnb_4bit_compute_dtype)."""
 QUANT_STORAGE_DTYPES: tuple[str, ...] = ("uint8", "bfloat16", "float16", "float32")
 """QLoRA storage dtype of the packed 4-bit codes (bnb_4bit_quant_storage)."""
+BASE_DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+"""--base-dtype: the dtype LoRA's frozen base is loaded in (from_pretrained's dtype). auto: the compute dtype of
+--precision; fp32: full-precision weights under bf16 / fp16 autocast, as published LoRA examples load them."""
+BASE_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""--base-dtype value -> torch dtype attribute name."""
 
 CHECKPOINTING_OP = "op"
 """--checkpointing op: torchtitan's per-op selective activation checkpointing (toolkit.estimate.selective)."""

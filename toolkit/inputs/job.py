@@ -246,7 +246,8 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
     from toolkit.inputs.grpo import grpo_problem  # not at import: `toolkit --help` loads this module
     from toolkit.inputs.preference import dpo_problem
 
-    problem = adapter_problem(adapter, strategy) or dpo_problem(dpo, strategy, liger=liger, tiled=tiled,
+    problem = adapter_problem(adapter, strategy) \
+        or base_dtype_problem(adapter, precision, strategy, objective=bool(dpo or grpo)) or dpo_problem(dpo, strategy, liger=liger, tiled=tiled,
                                                                 compile=compile) \
         or grpo_problem(grpo, strategy, liger=liger, tiled=tiled, compile=compile,
                         activation_offloading=activation_offloading)
@@ -277,6 +278,33 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
             return problem
     if strategy is not None and strategy.is_pipeline and precision == "bf16-pure":
         return "the pipeline engine runs bf16 with fp32 gradient accumulation; use --precision bf16"
+    return None
+
+
+def base_dtype_problem(adapter: Adapter, precision: str, strategy: "Strategy | None", *,
+                       objective: bool = False) -> str | None:
+    """Why LoRA's --base-dtype cannot run with the rest of the job, or None. A base in the compute dtype is what
+    auto loads; an fp32 base needs autocast (bf16 / fp16 mixed precision) and an engine that keeps it fp32: DDP.
+    DeepSpeed's bf16 / fp16 mode casts every parameter to that dtype (runtime/engine.py
+    _configure_distributed_model), and FSDP2 would shard it in fp32 and gather it in MixedPrecisionPolicy's
+    param_dtype, which the estimate does not model (docs/ENGINE_FACTS.md, "A LoRA base loaded in fp32")."""
+    from toolkit.inputs.lora import base_dtype_name
+
+    if not adapter.is_adapter or adapter.base_dtype == "auto" \
+            or base_dtype_name(precision, adapter.base_dtype) == base_dtype_name(precision):
+        return None
+    if adapter.base_dtype != "fp32" or precision not in ("bf16", "fp16"):
+        return (f"--base-dtype {adapter.base_dtype} with --precision {precision}: the base computes in "
+                f"{base_dtype_name(precision)}; give --base-dtype fp32 with --precision bf16 or fp16 (autocast), or "
+                "auto")
+    if objective:
+        return "--base-dtype fp32 is modelled for supervised fine-tuning only; drop --base-dtype (auto)"
+    if strategy is not None and strategy.engine == Engine.DEEPSPEED:
+        return (f"--base-dtype fp32 under {strategy.name}: DeepSpeed's {precision} mode casts every parameter to "
+                f"{precision}; use ddp, or drop --base-dtype")
+    if strategy is not None and strategy.engine != Engine.DDP:
+        return (f"--base-dtype fp32 under {strategy.name}: fp32 shards gathered in {precision} are not modelled; "
+                "use ddp, or drop --base-dtype")
     return None
 
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.inputs.choices import (COMPUTE_DTYPES, DTYPE_BYTES, METHODS, QUANT_STORAGE_DTYPES, QUANT_TYPES,
-                                    compute_bytes)
+from toolkit.inputs.choices import (BASE_DTYPE_NAMES, BASE_DTYPES, COMPUTE_DTYPES, DTYPE_BYTES, METHODS,
+                                    QUANT_STORAGE_DTYPES, QUANT_TYPES)
 
 # peft imports bitsandbytes, whose CPU backend warns on import that an optional faster 4-bit kernel (the `kernels`
 # package) is missing: noise on every CPU command (its pure-torch path runs instead), and not one clear line.
@@ -65,6 +65,9 @@ class Adapter:
     """QLoRA: bnb_4bit_compute_dtype."""
     quant_storage: str = "uint8"
     """QLoRA: bnb_4bit_quant_storage; set it to the compute dtype for FSDP / ZeRO-3, which shard floating tensors."""
+    base_dtype: str = "auto"
+    """LoRA: the dtype the frozen base is loaded in (BASE_DTYPES; auto: the compute dtype, base_dtype_name). PEFT's
+    modules_to_save copies are deep copies of the loaded modules, so they train in it too."""
 
     def __post_init__(self) -> None:
         _check("--method", self.method, METHODS)
@@ -84,6 +87,10 @@ class Adapter:
         _check("--qlora-quant-type", self.quant_type, QUANT_TYPES)
         _check("--qlora-compute-dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check("--qlora-quant-storage", self.quant_storage, QUANT_STORAGE_DTYPES)
+        _check("--base-dtype", self.base_dtype, BASE_DTYPES)
+        if self.method == "qlora" and self.base_dtype != "auto":
+            raise UserError("--base-dtype applies to --method lora: a QLoRA base is 4-bit (--qlora-quant-storage), "
+                            "and the dtype of its other parts is not modelled apart; drop --base-dtype")
 
     @property
     def is_adapter(self) -> bool:
@@ -127,9 +134,14 @@ class Adapter:
                     bnb_4bit_compute_dtype=self.compute_dtype, bnb_4bit_quant_storage=self.quant_storage)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict; base_dtype only when not auto, so plans and cache keys written before it read
+        unchanged."""
         from dataclasses import asdict
 
-        return asdict(self)
+        out = asdict(self)
+        if out["base_dtype"] == "auto":
+            del out["base_dtype"]
+        return out
 
 
 def _check(flag: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -140,7 +152,7 @@ def _check(flag: str, value: Any, choices: tuple[str, ...]) -> None:
 FULL = Adapter()
 
 LORA_FLAGS = {"r": "--lora-r", "alpha": "--lora-alpha", "dropout": "--lora-dropout", "targets": "--lora-targets",
-              "modules_to_save": "--lora-modules-to-save"}
+              "modules_to_save": "--lora-modules-to-save", "base_dtype": "--base-dtype"}
 """Adapter fields only LoRA and QLoRA read, with the flag that sets each."""
 QLORA_FLAGS = {"quant_type": "--qlora-quant-type", "double_quant": "--qlora-no-double-quant",
                "compute_dtype": "--qlora-compute-dtype", "quant_storage": "--qlora-quant-storage"}
@@ -436,18 +448,19 @@ def counts_for_spec(spec, adapter: Adapter) -> AdapterCounts:
     return counts
 
 
-def base_dtype_name(precision: str) -> str:
-    """The torch dtype (attribute name) the frozen base is loaded in: the compute dtype, fp32 only for fp32 jobs
-    (base_storage_bytes_per_param's bytes)."""
-    if base_storage_bytes_per_param(precision) == 4:
+def base_dtype_name(precision: str, base_dtype: str = "auto") -> str:
+    """The torch dtype (attribute name) the frozen base is loaded in: Adapter.base_dtype when given, else the
+    compute dtype (fp32 only for fp32 jobs). The one rule toolkit.train, the trace, the memory and PLAN.md follow."""
+    if base_dtype != "auto":
+        return BASE_DTYPE_NAMES[base_dtype]
+    if precision == "fp32":
         return "float32"
     return "float16" if precision == "fp16" else "bfloat16"
 
 
-def base_storage_bytes_per_param(precision: str) -> int:
-    """Bytes per frozen base parameter as toolkit.train loads it (and DeepSpeed / FSDP2 keep it): the compute
-    dtype, fp32 only for fp32 jobs."""
-    return compute_bytes(precision)
+def base_storage_bytes_per_param(precision: str, base_dtype: str = "auto") -> int:
+    """Bytes per frozen base parameter as toolkit.train loads it (and DDP keeps it): base_dtype_name's dtype."""
+    return DTYPE_BYTES[base_dtype_name(precision, base_dtype)]
 
 
 def adapter_for_model(spec, adapter: Adapter, *, dropout_given: bool) -> Adapter:

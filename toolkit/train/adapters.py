@@ -14,7 +14,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.inputs.lora import Adapter
-from toolkit.inputs.job import adapter_problem
+from toolkit.inputs.job import adapter_problem, base_dtype_problem
 
 
 def adapter_for_run(plan, args) -> Adapter | None:
@@ -41,7 +41,8 @@ def adapter_for_run(plan, args) -> Adapter | None:
 
         spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params)
         adapter = adapter_for_model(spec, adapter, dropout_given=args.lora_dropout is not None)
-    problem = adapter_problem(adapter, plan.strategy_spec)  # the planner's rule: the plan never offers it
+    problem = adapter_problem(adapter, plan.strategy_spec) or base_dtype_problem(  # the planner's rules
+        adapter, plan.precision, plan.strategy_spec, objective=bool(plan.dpo or plan.grpo))
     if problem:
         raise UserError(problem)
     if args.merge_final and (args.random_init or adapter.method == "qlora"):
@@ -56,7 +57,7 @@ def base_dtype(plan):
 
     from toolkit.inputs.lora import base_dtype_name
 
-    return getattr(torch, base_dtype_name(plan.precision))
+    return getattr(torch, base_dtype_name(plan.precision, plan.adapter_spec.base_dtype))
 
 
 def quantization_config(adapter: Adapter):

@@ -316,6 +316,16 @@ def _watch_layer_dtype(model, layer_class: str) -> dict:
                 first = output[0] if isinstance(output, (tuple, list)) else output
                 seen["train_layer_output_dtype"] = str(getattr(first, "dtype", None))
         layer.register_forward_hook(hook)
+        import torch
+
+        # Its first matmul's output: bf16 under autocast even where the weights and the residual stream are fp32
+        # (LoRA's --base-dtype fp32).
+        linear = next((m for m in layer.modules() if isinstance(m, torch.nn.Linear)), None)
+        if linear is not None:
+            def linear_hook(module, inputs, output):
+                if module.training:
+                    seen["train_linear_output_dtype"] = str(output.dtype)
+            linear.register_forward_hook(linear_hook)
     return seen
 
 
@@ -367,6 +377,9 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
                "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
+               # the dtypes the run holds its frozen and trained parameters in (LoRA's --base-dtype)
+               "frozen_param_dtypes": sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad}),
+               "trained_param_dtypes": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}),
                "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes, "optimizer_bytes": optimizer_bytes,
                "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
                # modules ZeRO-3 fetched whole: DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py z3_leaf_module)

@@ -1,0 +1,171 @@
+"""LoRA's --base-dtype (issue 28, Deliver 3): the frozen base loaded in fp32 under bf16 autocast, as published LoRA
+examples load it. The traced step against a real CPU step, the bytes it moves, the refusals, and toolkit.train."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from toolkit.inputs.lora import Adapter
+
+
+def _tiny():
+    from toolkit.run.tiny import tiny_config
+
+    return tiny_config("llama", vocab_size=1000, max_positions=256, hidden=128, layers=3, heads=4, kv_heads=2,
+                       ffn=344)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "ckpt"])
+def test_fp32_base_step_peak_matches_a_real_cpu_step(checkpointing):
+    """The fake step builds the base in fp32 (autocast copies each weight to bf16 for its matmul, and the copy is
+    saved for the input's gradient): the traced whole-step peak is a real PEFT step's on CPU within 1%, and above
+    the bf16 base's by more than the fp32 weights' extra bytes (the saved bf16 copies)."""
+    from toolkit.estimate.profile import measure_step, predict_step
+    from toolkit.inputs.lora import adapter_counts
+
+    config = _tiny()
+    kwargs = dict(seq_len=128, micro_batch=2, precision="bf16", checkpointing=checkpointing)
+    peaks = {}
+    for base in ("auto", "fp32"):
+        adapter = Adapter(method="lora", r=8, alpha=16, dropout=0.1, targets="all-linear", base_dtype=base)
+        measured = measure_step(config, steps=1, adapter=adapter, **kwargs)
+        predicted = predict_step(config, device_kind="cpu", adapter=adapter, **kwargs)
+        assert predicted["peak_bytes"] == pytest.approx(measured.peak_bytes, rel=0.01)
+        peaks[base] = measured.peak_bytes
+    frozen = adapter_counts(config, Adapter(method="lora", r=8, alpha=16, dropout=0.1)).frozen_params
+    assert peaks["fp32"] - peaks["auto"] > 2 * frozen
+
+
+def test_fp32_base_moves_the_parameters_by_exactly_the_weight_bytes():
+    """estimate's parameters term of an fp32 base is the bf16 base's plus 2 bytes per frozen parameter, and its
+    trace holds the bf16 copies autocast makes of the frozen weights; host RAM at load counts 4 B per parameter."""
+    from toolkit.estimate.hostram import host_ram
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.lora import adapter_counts
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+
+    config = _tiny()
+    spec = build_spec("llama", config)
+    out = {}
+    for base in ("auto", "fp32"):
+        adapter = Adapter(method="lora", r=8, alpha=16, dropout=0.0, base_dtype=base)
+        job = Job(seq_len=128, micro_batch=2, precision="bf16", adapter=adapter)
+        out[base] = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200"))
+        ram = host_ram(job=job, params=1000, largest_layer_params=100, strategy=parse_strategy("ddp"),
+                       gpus_per_node=1, world=1, resident_bytes_per_node=0)
+        assert ram.load_bytes_per_node == 1000 * {"auto": 2, "fp32": 4}[base]
+    frozen = adapter_counts(config, Adapter(method="lora", r=8, alpha=16, dropout=0.0)).frozen_params
+    assert out["fp32"].parameters_bytes - out["auto"].parameters_bytes == 2 * frozen
+    # Every adapted linear's bf16 weight copy is saved for backward (the input's gradient needs it), beside the
+    # bf16 copies of the fp32 norms' outputs the adapters read.
+    linears = sum(m.weight.numel() for m in _linear_modules(config))
+    assert out["fp32"].autocast_copy_bytes - out["auto"].autocast_copy_bytes >= 2 * linears
+
+
+def _linear_modules(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--strategy", "zero2", "--method", "lora", "--base-dtype", "fp32"], "DeepSpeed's bf16 mode casts"),
+    (["--strategy", "fsdp2", "--method", "lora", "--base-dtype", "fp32"], "use ddp"),
+    (["--method", "qlora", "--base-dtype", "fp32"], "QLoRA base is 4-bit"),
+    (["--base-dtype", "fp32"], "--method is full"),
+    (["--method", "lora", "--precision", "bf16-pure", "--base-dtype", "fp32"], "with --precision bf16 or fp16"),
+    (["--method", "lora", "--base-dtype", "fp16"], "the base computes in bfloat16"),
+    (["--method", "lora", "--base-dtype", "fp64"], "choose one of: auto, fp32, bf16, fp16"),
+], ids=["zero2", "fsdp2", "qlora", "full", "bf16-pure", "fp16-under-bf16", "unknown"])
+def test_base_dtype_refusals_are_one_line(capsys, argv, words):
+    from toolkit.cli import main
+
+    base = ["estimate", "llama-3.1-8b", "--gpus", "2xH100-80GB", "--seq", "2048"]
+    argv = argv if "--strategy" in argv else [*argv, "--strategy", "ddp"]
+    assert main([*base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+
+
+def test_plan_files_carry_the_base_dtype(tmp_path, tiny_llama_dir):
+    """plan.json's adapter, training_args.json's model_dtype and PLAN.md say float32; auto leaves plan.json's adapter
+    as before (no base_dtype key)."""
+    import json
+
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32, precision="bf16")
+    for base, dtype in (("auto", "bfloat16"), ("fp32", "float32")):
+        adapter = Adapter(method="lora", r=4, alpha=8, dropout=0.0, base_dtype=base)
+        folder = emit_plan_files(plan.replace(method="lora", adapter=adapter.to_dict()), tmp_path / base)
+        stored = json.loads((folder / "plan.json").read_text())["adapter"]
+        assert stored.get("base_dtype") == (None if base == "auto" else "fp32")
+        args = json.loads((folder / "training_args.json").read_text())
+        assert json.dumps(args).count(f'"model_dtype": "{dtype}"') >= 1
+        assert f"in {dtype}" in (folder / "PLAN.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_train_with_an_fp32_base_trains_and_holds_the_base_in_fp32(run_training, tiny_llama_dir, corpus_dir):
+    """toolkit.train, one process on CPU, bf16 autocast: the frozen base is held in fp32, the adapters in fp32,
+    the matmuls compute in bf16 while the residual stream (a layer's output) stays fp32, and the adapters train
+    (lora_B starts at zero and is not zero after 4 steps)."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from toolkit.run.rehearsal import plan_for_model
+
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32, precision="bf16")
+    adapter = Adapter(method="lora", r=4, alpha=8, dropout=0.0, base_dtype="fp32")
+    run = run_training(plan.replace(method="lora", adapter=adapter.to_dict()), "fp32-base", "--data", str(corpus_dir),
+                       "--max-steps", "4", "--logging-steps", "1", "--save-steps", "4", "--lr", "2e-2",
+                       "--lr-scheduler", "constant", "--seed", "7", "--max-eval-blocks", "4").check()
+    rank = run.ranks[0]
+    assert rank["frozen_param_dtypes"] == ["torch.float32"] and rank["trained_param_dtypes"] == ["torch.float32"]
+    assert (rank["train_linear_output_dtype"], rank["train_layer_output_dtype"]) == ("torch.bfloat16", "torch.float32")
+    losses = run.losses()
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses.values())
+    saved = load_file(run.output / "adapter_model.safetensors")
+    lora_b = [t for name, t in saved.items() if "lora_B" in name]
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)
+
+
+def test_plan_offers_fp32_base_on_ddp_only_and_check_refuses_an_edited_plan(capsys, tmp_path, tiny_llama_dir):
+    """The planner lists zero2 / fsdp2 under "not possible" with base_dtype_problem's reason and writes the fp32
+    base into plan.json; check refuses the plan edited to zero2 with the same reason."""
+    import json
+
+    from toolkit.cli import main
+    from toolkit.inputs.job import base_dtype_problem
+    from toolkit.inputs.strategy import parse_strategy
+
+    adapter = Adapter(method="lora", base_dtype="fp32")
+    job = ["plan", str(tiny_llama_dir), "--method", "lora", "--base-dtype", "fp32", "--gpus", "2xH100-80GB",
+           "--seq", "64", "--global-batch", "16", "--strategies", "ddp,zero2,fsdp2"]
+    assert main([*job, "--json"]) == 0
+    rows = {c["strategy"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    for name in ("zero2", "fsdp2"):
+        reason = base_dtype_problem(adapter, "bf16", parse_strategy(name))
+        assert not rows[name]["feasible"] and rows[name]["reason"] == reason
+    assert rows["ddp"]["feasible"]
+    folder = tmp_path / "plan"
+    assert main([*job, "--out", str(folder)]) == 0
+    capsys.readouterr()
+    plan = json.loads((folder / "plan.json").read_text())
+    assert (plan["strategy"], plan["adapter"]["base_dtype"]) == ("ddp", "fp32")
+    plan["strategy"] = "zero2"
+    (folder / "plan.json").write_text(json.dumps(plan))
+    assert main(["check", str(folder)]) == 1
+    assert base_dtype_problem(adapter, "bf16", parse_strategy("zero2")) in capsys.readouterr().err
