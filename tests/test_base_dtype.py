@@ -117,6 +117,7 @@ def test_plan_files_carry_the_base_dtype(tmp_path, tiny_llama_dir):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_train_with_an_fp32_base_trains_and_holds_the_base_in_fp32(run_training, tiny_llama_dir, corpus_dir):
     """toolkit.train, one process on CPU, bf16 autocast: the frozen base is held in fp32, the adapters in fp32,
     the matmuls compute in bf16 while the residual stream (a layer's output) stays fp32, and the adapters train
