@@ -247,8 +247,8 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
     from toolkit.inputs.preference import dpo_problem
 
     problem = adapter_problem(adapter, strategy) \
-        or base_dtype_problem(adapter, precision, strategy, objective=bool(dpo or grpo)) or dpo_problem(dpo, strategy, liger=liger, tiled=tiled,
-                                                                compile=compile) \
+        or base_dtype_problem(adapter, precision, strategy, objective=bool(dpo or grpo)) \
+        or dpo_problem(dpo, strategy, liger=liger, tiled=tiled, compile=compile) \
         or grpo_problem(grpo, strategy, liger=liger, tiled=tiled, compile=compile,
                         activation_offloading=activation_offloading)
     if problem:

@@ -19,6 +19,7 @@ from toolkit.plan.schema import Plan
 from toolkit.train import checkpoints, cpu, dimensions
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
+from toolkit.train.watch import param_dtypes, watch_layer_dtype
 from toolkit.inputs.choices import TRL_LOSS
 from toolkit.inputs.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, freeze_vision_tower, load_config,
@@ -118,7 +119,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         model = wrap_model(model, adapter, checkpointing=plan.checkpointing)
     trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data,
                             ref_model=ref_model, adapter=adapter, rewards=rewards)
-    seen_dtypes = _watch_layer_dtype(model, plan.layer_class)
+    seen_dtypes = watch_layer_dtype(model, plan.layer_class)
     unpinned = cpu.unpinned_offload(trainer.accelerator)
     unpacked = cpu.unpacked_4bit(model, ref_model)
     if state is None or trainer.is_world_process_zero():
@@ -303,32 +304,6 @@ def user_trainer_flags(plan: Plan, flags: dict, kwargs: dict) -> dict:
     return passed
 
 
-def _watch_layer_dtype(model, layer_class: str) -> dict:
-    """With TOOLKIT_RANK_SUMMARY_DIR set: record the dtype the first decoder layer computes in during training
-    (shows that bf16 autocast / DeepSpeed bf16 / the FSDP2 mixed-precision policy really applied)."""
-    seen: dict = {}
-    if not os.environ.get("TOOLKIT_RANK_SUMMARY_DIR"):
-        return seen
-    layer = next((m for m in model.modules() if type(m).__name__ == layer_class), None)
-    if layer is not None:
-        def hook(module, inputs, output):
-            if module.training:
-                first = output[0] if isinstance(output, (tuple, list)) else output
-                seen["train_layer_output_dtype"] = str(getattr(first, "dtype", None))
-        layer.register_forward_hook(hook)
-        import torch
-
-        # Its first matmul's output: bf16 under autocast even where the weights and the residual stream are fp32
-        # (LoRA's --base-dtype fp32).
-        linear = next((m for m in layer.modules() if isinstance(m, torch.nn.Linear)), None)
-        if linear is not None:
-            def linear_hook(module, inputs, output):
-                if module.training:
-                    seen["train_linear_output_dtype"] = str(output.dtype)
-            linear.register_forward_hook(linear_hook)
-    return seen
-
-
 def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     """Test and debugging hook: with TOOLKIT_RANK_SUMMARY_DIR set, every rank writes what it trained
     (its log history and a checksum of the parameters it holds), so a test can check that replicas agree."""
@@ -377,9 +352,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
                "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
-               # the dtypes the run holds its frozen and trained parameters in (LoRA's --base-dtype)
-               "frozen_param_dtypes": sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad}),
-               "trained_param_dtypes": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}),
+               **param_dtypes(model),
                "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes, "optimizer_bytes": optimizer_bytes,
                "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
                # modules ZeRO-3 fetched whole: DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py z3_leaf_module)
