@@ -319,6 +319,9 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         counts = counts_for_spec(spec, job.adapter)
         states = adapter_job_states(spec, strategy, job, grid)
         trace = scaled_trace(spec, job, strategy)
+        if job.activation_offloading:
+            trace, offloaded = offload_layer_activations(trace)
+            states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
         # Gradients exist only for the trainable parameters: regions carry those counts.
         regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
                    *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),

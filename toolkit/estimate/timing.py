@@ -21,7 +21,7 @@ from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compu
                                           flop_split, matmul_efficiency)
 from toolkit.estimate.experttime import (expert_assumptions, expert_compute, expert_exchange_s,
                                          expert_parallel_fsdp_comm_s)
-from toolkit.estimate.savers import UNMODELLED_SPEED, speed_unmodelled
+from toolkit.estimate.savers import UNMODELLED_SPEED, exposed_copy_s, speed_unmodelled
 from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.hardware import Hardware, power_source
 from toolkit.inputs.grid import ParallelGrid, grid_of
@@ -410,6 +410,8 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         exposed += extra
         if expert_part is not None:
             assumptions += expert_assumptions(full_spec, full_job, grid, hw, expert_part, extra)
+    if job.activation_offloading and grid.model_parallel == 1:
+        offload += exposed_copy_s(spec, job, strategy, hw, compute)
     step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
