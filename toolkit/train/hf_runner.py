@@ -313,6 +313,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     import torch
 
     from toolkit.inputs.moe import is_expert_param
+    from toolkit.train.model import held_state_bytes
 
     rank = trainer.args.process_index
     model = trainer.model
@@ -328,19 +329,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         # Routed experts' parameters: elements this rank holds, and in all (expert parallelism splits them).
         experts = [p for name, p in model.named_parameters() if is_expert_param(name)]
         expert_numel = [sum(getattr(p, "_local_tensor", p).numel() for p in experts), sum(p.numel() for p in experts)]
-        # Bytes of the parameters this rank holds between steps (a DTensor's local shard), the plan's parameters_bytes:
-        # FSDP2 keeps the root's parameters unsharded after a forward (the last evaluation's), so reshard first.
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        param_bytes = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
-        # ... and of the optimizer states it holds (AdamW's moments and steps), the plan's optimizer_bytes a rank.
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        optimizer_bytes = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
-                              for state in getattr(optimizer, "state", {}).values() for t in state.values()
-                              if torch.is_tensor(t))
+        param_bytes, optimizer_bytes = held_state_bytes(model, trainer.optimizer)  # the plan's figures a rank
         # Every rank runs the forward (ZeRO-3 and FSDP2 gather parameters collectively).
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
@@ -353,7 +342,8 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
                **param_dtypes(model),
-               "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes, "optimizer_bytes": optimizer_bytes,
+               "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes,
+               "optimizer_bytes": optimizer_bytes,
                "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),
                # modules ZeRO-3 fetched whole: DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py z3_leaf_module)
                "z3_leaf_modules": sorted({type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)})}
