@@ -57,7 +57,7 @@ class TuneRow:
     predicted_tokens_per_s: float | None
     predicted_peak_bytes: int | None
     peak_band: float | None
-    status: str = SKIPPED
+    status: Literal[STATUSES] = SKIPPED  # type: ignore[valid-type]
     reason: str | None = None
     memory_limit_bytes: int | None = None
     measured_step_s: float | None = None
@@ -265,27 +265,10 @@ _STRICT = ConfigDict(extra="forbid")
 
 
 @pdataclass(config=_STRICT)
-class _Row:
-    name: str
-    strategy: str
-    predicted_rank: int
-    micro_batch: int
-    grad_accum: int
-    predicted_step_s: float | None
-    predicted_tokens_per_s: float | None
-    predicted_peak_bytes: int | None
-    peak_band: float | None
-    status: Literal[STATUSES]  # type: ignore[valid-type]
-    reason: str | None
-    memory_limit_bytes: int | None
-    measured_step_s: float | None
-    measured_tokens_per_s: float | None
-    timed_steps: int
-    peak_bytes_per_rank: list[int]
-    host_ram_bytes: int | None
-    wall_s: float
-    measured_rank: int | None
-    step_ratio: float | None
+class _Row(TuneRow):
+    """A tune.json row: TuneRow's fields, checked (status one of STATUSES), and its step ratio."""
+
+    step_ratio: float | None = None
 
 
 @pdataclass(config=_STRICT)
