@@ -7,6 +7,7 @@ the planner's, no processes but one rehearsal per family folded into one paramet
 
 from __future__ import annotations
 
+import copy
 import csv
 from pathlib import Path
 
@@ -296,3 +297,40 @@ def test_the_parts_of_a_class_with_its_projector_inside_the_tower_are_split_by_t
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "derives its head width from hidden_size / heads" in err
     assert "Traceback" not in err
+
+
+def test_a_script_for_a_qwen2_5_vl_plan_loads_the_image_text_class(tmp_path, capsys):
+    """PLAN.md's from_pretrained line names the auto class transformers maps the plan's config to (Qwen2.5-VL: only
+    AutoModelForImageTextToText; AutoModelForCausalLM refuses its config); that class builds the plan's model from
+    plan.json's model_config with the planned parameter count, and load_pretrained loads a saved one with it."""
+    import json
+
+    import transformers
+
+    from toolkit.cli import main
+    from toolkit.inputs.modelconfig import config_from_dict, load_pretrained
+
+    path = str(MODELS / "qwen2.5-vl-7b-instruct.json")
+    assert main(["plan", path, "--gpus", "1xH100-80GB", "--seq", "256", "--micro-batch", "1", "--method", "lora",
+                 "--out", str(tmp_path / "plan")]) == 0
+    capsys.readouterr()
+    text = (tmp_path / "plan" / "PLAN.md").read_text()
+    assert "model = AutoModelForImageTextToText.from_pretrained(MODEL, dtype=torch.bfloat16)" in text
+    assert "AutoModelForCausalLM" not in text
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    config = config_from_dict(dict(plan["model_config"]), "plan.json")
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    assert _count(model) == plan["params"] == 8_292_166_656
+    small = copy.deepcopy(config)
+    small.text_config.update({"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                              "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128,
+                              "layer_types": ["full_attention"]})
+    small.vision_config.update({"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                                "out_hidden_size": 32, "fullatt_block_indexes": [0]})
+    type(model)._from_config(small).save_pretrained(tmp_path / "saved")
+    loaded = load_pretrained(tmp_path / "saved")
+    assert type(loaded).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert _count(loaded) == _count(type(model)._from_config(small))

@@ -93,10 +93,12 @@ def run_demo(workdir: str | Path, *, steps: int = 60, force: bool = False) -> in
 
 def sample(model_dir: str | Path, prompt: str, *, new_tokens: int = 40) -> str:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from toolkit.inputs.modelconfig import load_pretrained
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = load_pretrained(model_dir)
     model.eval()
     torch.manual_seed(0)
     ids = tokenizer(prompt, return_tensors="pt").input_ids

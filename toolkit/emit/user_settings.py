@@ -315,12 +315,20 @@ def tiling_paragraph(plan: Plan) -> str:
             "ulysses_sp.py). Not TiledFusedLogitsLoss: it makes the LM head's weight gradient for an unscaled loss.")
 
 
+def auto_class_name(plan: Plan) -> str:
+    """The transformers auto class a script loads the plan's model with (toolkit.inputs.modelconfig.auto_model_class:
+    AutoModelForImageTextToText for a Qwen2.5-VL, AutoModelForCausalLM for a text model)."""
+    from toolkit.inputs.modelconfig import auto_model_class, config_from_dict
+
+    return auto_model_class(config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)).__name__
+
+
 def model_parallel_notes(plan: Plan) -> list[str]:
     """What a script must do under tensor / context / sequence parallelism (the engines' adapters)."""
     g = plan.grid
     if g.expert > 1:
         return [f"Expert parallelism (ep {g.expert}) follows the model's own ep_plan, applied by transformers at load: "
-                "model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=transformers.distributed."
+                f"model = {auto_class_name(plan)}.from_pretrained(MODEL, distributed_config=transformers.distributed."
                 "DistributedConfig(**distributed_config)) with training_args.json's distributed_config "
                 "(toolkit.train.own_script.model_kwargs() returns it with the dtype); each rank "
                 f"holds 1/{g.expert} of every MoE layer's experts, FSDP-sharded over {g.dp_shard // g.expert} "
@@ -334,7 +342,7 @@ def model_parallel_notes(plan: Plan) -> list[str]:
              "of one tensor / context / sequence group share each sample.")
     if g.tensor > 1:
         out = [f"Tensor parallelism (tp {g.tensor}) follows the model's own tp_plan, applied by transformers at load: "
-               "model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=transformers.distributed."
+               f"model = {auto_class_name(plan)}.from_pretrained(MODEL, distributed_config=transformers.distributed."
                "DistributedConfig(**distributed_config)) with training_args.json's distributed_config (FSDP2 over "
                "the other ranks included); the Trainer reads the sizes from the model. Launch with the plan's YAML "
                "(plain processes). The Trainer saves the model only (save_only_model=True): transformers refuses "
@@ -444,7 +452,7 @@ def plan_md_section(plan: Plan) -> list[str]:
                   "`toolkit.train.own_script.model_kwargs()` and `lora_config()` build them):", "", "```python"]
         if "bnb_config" in adapter:
             lines.append(f"bnb_config = {adapter['bnb_config']!r}  # dtype names: getattr(torch, name)")
-        lines += [f"model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.{adapter['model_dtype']}"
+        lines += [f"model = {auto_class_name(plan)}.from_pretrained(MODEL, dtype=torch.{adapter['model_dtype']}"
                   + (", quantization_config=BitsAndBytesConfig(**bnb_config))" if "bnb_config" in adapter else ")"),
                   f"lora_config = LoraConfig(**{adapter['lora_config']!r})", "```", ""]
     if plan.vision_tower == "freeze":
@@ -457,7 +465,7 @@ def plan_md_section(plan: Plan) -> list[str]:
                   f"`model_config_overrides` in `{TRAINING_ARGS}`): the model trains at {plan.seq_len} tokens, past "
                   "the positions it ships with, only with its config changed as planned (transformers applies "
                   "config keys given to from_pretrained):", "", "```python",
-                  "model = AutoModelForCausalLM.from_pretrained(MODEL, "
+                  f"model = {auto_class_name(plan)}.from_pretrained(MODEL, "
                   + ", ".join(f"{k}={v!r}" for k, v in plan.model_config_overrides.items()) + ")", "```", ""]
     from toolkit.emit.parallelism import distributed_config, parallelism_kwargs
 
@@ -469,7 +477,7 @@ def plan_md_section(plan: Plan) -> list[str]:
         lines += [f"{'Expert' if plan.grid.expert > 1 else 'Tensor'} parallelism (transformers shards the model at "
                   "load; `distributed_config` in "
                   f"`{TRAINING_ARGS}`):", "", "```python",
-                  f"model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=DistributedConfig("
+                  f"model = {auto_class_name(plan)}.from_pretrained(MODEL, distributed_config=DistributedConfig("
                   f"**{distributed_config(plan)!r}))", "```", ""]
     lines += [f"- {note}" for note in notes(plan)]
     return lines + [""]

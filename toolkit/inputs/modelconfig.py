@@ -35,6 +35,15 @@ def auto_model_class(config: Any):
     return AutoModelForCausalLM
 
 
+def load_pretrained(source: Any, **kwargs: Any):
+    """The model saved at `source` (a folder or hub id) loaded with the class auto_model_class picks for its config
+    (a Qwen2.5-VL checkpoint has no AutoModelForCausalLM class); `kwargs` go to from_pretrained."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source))
+    return auto_model_class(config).from_pretrained(str(source), config=config, **kwargs)
+
+
 def catalog_names() -> list[str]:
     return sorted(p.stem for p in MODEL_CATALOG_DIR.glob("*.json"))
 

@@ -454,9 +454,9 @@ def _check_saved_model(out: Path, small: Plan) -> list[str]:
     if small.method != "full":
         return _check_saved_adapter(out, small)
     try:
-        from transformers import AutoModelForCausalLM
+        from toolkit.inputs.modelconfig import load_pretrained
 
-        model = AutoModelForCausalLM.from_pretrained(out)
+        model = load_pretrained(out)
     except Exception as exc:
         return [f"the saved model does not load with from_pretrained: {str(exc).strip().splitlines()[0]}"]
     n = sum(p.numel() for p in model.parameters())
@@ -469,9 +469,10 @@ def _check_saved_adapter(out: Path, small: Plan) -> list[str]:
     """A LoRA / QLoRA run saves the adapter (PEFT format): it must load onto the base it was trained on."""
     try:
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
-        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(small.model), str(out))
+        from toolkit.inputs.modelconfig import load_pretrained
+
+        PeftModel.from_pretrained(load_pretrained(small.model), str(out))
     except Exception as exc:
         return [f"the saved adapter does not load with PeftModel.from_pretrained: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"]

@@ -95,8 +95,9 @@ def wrap_model(model, adapter: Adapter, *, checkpointing: bool):
 def save_merged(base_source: str, adapter_dir: Path, out_dir: Path, dtype) -> None:
     """Load the base weights, apply the saved adapter (PEFT format) and write the merged model in HF format."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_source, dtype=dtype)
+    from toolkit.inputs.modelconfig import load_pretrained
+
+    base = load_pretrained(base_source, dtype=dtype)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir))

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from toolkit.inputs.decoder_parts import NotStandard, find_parts
 from toolkit.errors import UserError
-from toolkit.inputs.modelconfig import text_config
+from toolkit.inputs.modelconfig import auto_model_class, text_config
 
 
 class Source:
@@ -64,13 +64,11 @@ class Source:
 
     @cached_property
     def skeleton(self) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
         options = {"attn_implementation": self.attention} if self.attention else {}
         try:
             with torch.device("meta"):
                 # from_config keeps self.config as the model's config, so the masks see the chosen attention.
-                return AutoModelForCausalLM.from_config(self.config, dtype=torch.float32, **options)
+                return auto_model_class(self.config).from_config(self.config, dtype=torch.float32, **options)
         except (ValueError, ImportError) as exc:
             raise UserError(f"cannot build {self.config.model_type} with attention {self.attention}: "
                             f"{str(exc).strip().splitlines()[0]}") from None
