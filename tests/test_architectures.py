@@ -37,7 +37,8 @@ CATALOG_FAMILIES = {"gemma-2-2b.json": "gemma2", "opt-1.3b.json": "opt", "mistra
 HETEROGENEOUS = {"gemma-4-26b-a4b.json"}
 # Qwen2.5-VL: transformers 5.24 maps its config to AutoModelForImageTextToText only (no causal-LM class): toolkit
 # builds that class (auto_model_class); estimate / plan are tested on it below (test_the_parts_of_a_class_with_its_
-# projector...); the pipeline / rehearsal walk here loads AutoModelForCausalLM, so it stays out of it.
+# projector...); the pipeline walk here loads AutoModelForCausalLM and the plan refuses its pipeline, so it stays
+# out of it (its rehearsal model: test_the_rehearsal_model_of_qwen2_5_vl_...).
 NOT_CAUSAL_LM = {"qwen2.5-vl-7b-instruct.json"}
 CONFIGS = {**{name: (MODELS / name, row["model_type"]) for name, row in MANIFEST.items()
               if name not in HETEROGENEOUS | NOT_CAUSAL_LM},
@@ -334,3 +335,25 @@ def test_a_script_for_a_qwen2_5_vl_plan_loads_the_image_text_class(tmp_path, cap
     loaded = load_pretrained(tmp_path / "saved")
     assert type(loaded).__name__ == "Qwen2_5_VLForConditionalGeneration"
     assert _count(loaded) == _count(type(model)._from_config(small))
+
+
+def test_the_rehearsal_model_of_qwen2_5_vl_is_a_small_whole_image_text_model(tmp_path):
+    """Qwen2.5-VL's text config has no class of its own in transformers 5.24, so its rehearsal model (the plan's
+    config shrunk by toolkit.run.tiny) keeps the whole class: the text model shrunk as every other family's, the
+    vision encoder to 2 blocks of width 32 with its projector's output at the text width; it trains text-only."""
+    from toolkit.inputs.modelconfig import load_pretrained
+    from toolkit.run.rehearsal import make_rehearsal_model, plan_for_model
+
+    tiny_dir = make_rehearsal_model(plan_for_model(str(MODELS / "qwen2.5-vl-7b-instruct.json"), "zero1"),
+                                    tmp_path / "tiny")
+    model = load_pretrained(tiny_dir)
+    config = model.config
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert (config.text_config.num_hidden_layers, config.text_config.hidden_size) == (4, 64)
+    vision = config.vision_config
+    assert (vision.depth, vision.hidden_size, vision.num_heads, vision.out_hidden_size) == (2, 32, 2, 64)
+    assert vision.fullatt_block_indexes == [] and model.model.visual.merger.mlp[-1].out_features == 64
+    ids = torch.randint(0, config.text_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss) and 5.0 < loss.item() < 8.0  # about ln(vocab) for random weights
+    assert plan_for_model(tiny_dir, "zero1").model_type == "qwen2_5_vl"

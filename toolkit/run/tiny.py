@@ -162,9 +162,14 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     attribute_map), the key/value-head ratio (kv_heads=None keeps the real model's grouping: multi-query stays
     multi-query, GQA keeps a group size that divides `heads`), experts and experts per token, sliding windows, the
     per-layer pattern (layer_types keeps every kind of layer it had), layer-index lists, and rope scaling tables
-    sized by the rotary dimension."""
+    sized by the rotary dimension. A composite config whose text config transformers builds no model of its own
+    (Qwen2.5-VL) stays whole: see _shrink_composite."""
     cls = type(config)
     text = text_config(config)
+    if text is not config and not _has_own_class(text):
+        return _shrink_composite(config, dict(vocab_size=vocab_size, layers=layers, hidden=hidden, heads=heads,
+                                              kv_heads=kv_heads, ffn=ffn, max_positions=max_positions,
+                                              experts=experts, **overrides))
     if text is not config:
         config = text
         cls = type(text)
@@ -239,8 +244,9 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     if isinstance(data.get("max_window_layers"), int):
         data["max_window_layers"] = min(data["max_window_layers"], layers)
     for name, value in list(data.items()):
-        if name.endswith("_layers") and isinstance(value, list) and all(isinstance(v, int) for v in value):
-            data[name] = [v for v in value if v < layers]  # layer-index lists (Qwen-MoE's mlp_only_layers)
+        if name.endswith(("_layers", "_block_indexes")) and isinstance(value, list) \
+                and all(isinstance(v, int) for v in value):  # layer-index lists (Qwen-MoE's mlp_only_layers,
+            data[name] = [v for v in value if v < layers]  # Qwen2.5-VL's vision fullatt_block_indexes)
     if isinstance(data.get(key("layer_types")), list):  # Nemotron-H's attribute_map: layers_block_type
         data[key("layer_types")] = _shrunk_pattern(data[key("layer_types")], layers)
     old_positions = data.get(key("max_position_embeddings"))
@@ -261,6 +267,35 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
         data.pop(name, None)  # the tiny model is stored in fp32; the plan's precision is the run's
     data.update(overrides)
     return cls(**data)
+
+
+def _has_own_class(config) -> bool:
+    """Whether transformers' causal-LM or image-text auto mapping builds a model from `config` itself."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+
+    return type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+
+def _shrink_composite(config, sizes: dict[str, Any]):
+    """A small whole model's config (Qwen2.5-VL: its text config has no class, so the rehearsal model is the
+    image-text class auto_model_class builds): the text config shrunk with `sizes`, every other sub-config (the
+    vision encoder) shrunk to 2 layers of width 32, its sizes that were the text model's width (the projector's
+    output) set to the new width."""
+    text = text_config(config)
+    small_text = shrink_config(text, **sizes)
+    data = {k: v for k, v in config.to_dict().items()
+            if k not in ("transformers_version", "architectures", "torch_dtype", "dtype")}
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is text:
+            data[name] = small_text.to_dict()
+        elif sub is not None and hasattr(sub, "to_dict"):
+            small = shrink_config(sub, layers=2, hidden=32, heads=2, ffn=64).to_dict()
+            small.update({k: small_text.hidden_size for k, v in sub.to_dict().items()
+                          if v == text.hidden_size and small.get(k) == v})
+            data[name] = small
+    return type(config)(**data)
 
 
 def sizes_for_degrees(config, *, tensor: int = 1, sequence: int = 1, stages: int = 1, layers: int = 4,
