@@ -114,6 +114,7 @@ def _rank_shape_problem(spec: "ModelSpec", tensor: int) -> str | None:
         import torch
 
         from toolkit.inputs.modelconfig import auto_model_class, reduced_config
+        from toolkit.inputs.moe import is_expert_param
 
         plan, named, _, _ = _split_inputs(spec)
         one = reduced_config(per_rank_spec(spec, tensor).hf_config(), spec.num_layers, 1)
@@ -121,6 +122,8 @@ def _rank_shape_problem(spec: "ModelSpec", tensor: int) -> str | None:
             built = {n: tuple(p.shape) for n, p in auto_model_class(one).from_config(one).named_parameters()}
         problem = None
         for name, shape, in_layer in named:
+            if is_expert_param(name):  # routed experts: one rank's share is tensor_split's, not the config's
+                continue
             style = _style_for(name, plan)[0] if in_layer else None
             dim = SHARDING_STYLES.get(style) if style else None
             if dim is None or (name.endswith(".bias") and style.startswith(("rowwise", "packed_rowwise"))):
