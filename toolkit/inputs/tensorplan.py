@@ -106,38 +106,52 @@ _RANK_SHAPE_PROBLEMS: dict[tuple[int, int], tuple["ModelSpec", str | None]] = {}
 
 
 def _rank_shape_problem(spec: "ModelSpec", tensor: int) -> str | None:
+    """_built_rank_shape_problem, kept per process and, for a model with a source key, in the on-disk cache
+    (toolkit.cache): a repeated plan imports neither torch nor transformers."""
+    key = (id(spec), tensor)
+    if key not in _RANK_SHAPE_PROBLEMS:
+        from toolkit import cache
+
+        stored_key = [spec.source_key, tensor, cache.installed_version("transformers")]
+        stored = cache.get("tp_rank_shapes", stored_key, code=_built_rank_shape_problem) if spec.source_key else None
+        if stored is not None:
+            problem = stored["problem"]
+        else:
+            problem = _built_rank_shape_problem(spec, tensor)
+            if spec.source_key:
+                cache.put("tp_rank_shapes", stored_key, {"problem": problem}, code=_built_rank_shape_problem)
+        _RANK_SHAPE_PROBLEMS[key] = (spec, problem)
+    return _RANK_SHAPE_PROBLEMS[key][1]
+
+
+def _built_rank_shape_problem(spec: "ModelSpec", tensor: int) -> str | None:
     """Why the per-rank config (heads / tp, head_dim kept, FFN / tp) does not build one rank's layer shapes, the tp_plan's
     split dimension / tp: a class that derives its head width from hidden_size / heads (Qwen2.5-VL's text attention)
     keeps its whole q, k, v, o projections there, so the tracer cannot see one rank. One layer on the meta device."""
-    key = (id(spec), tensor)
-    if key not in _RANK_SHAPE_PROBLEMS:
-        import torch
+    import torch
 
-        from toolkit.inputs.modelconfig import auto_model_class, reduced_config
-        from toolkit.inputs.moe import is_expert_param
+    from toolkit.inputs.modelconfig import auto_model_class, reduced_config
+    from toolkit.inputs.moe import is_expert_param
 
-        plan, named, _, _ = _split_inputs(spec)
-        one = reduced_config(per_rank_spec(spec, tensor).hf_config(), spec.num_layers, 1)
-        with torch.device("meta"):
-            built = {n: tuple(p.shape) for n, p in auto_model_class(one).from_config(one).named_parameters()}
-        problem = None
-        for name, shape, in_layer in named:
-            if is_expert_param(name):  # routed experts: one rank's share is tensor_split's, not the config's
-                continue
-            style = _style_for(name, plan)[0] if in_layer else None
-            dim = SHARDING_STYLES.get(style) if style else None
-            if dim is None or (name.endswith(".bias") and style.startswith(("rowwise", "packed_rowwise"))):
-                continue
-            dim = 0 if len(shape) == 1 else dim
-            wanted = tuple(math.ceil(n / tensor) if i == (dim % len(shape)) else n for i, n in enumerate(shape))
-            if built.get(name) != wanted:
-                problem = (f"{spec.model_class} built at heads/{tensor} gives {name} the shape {built.get(name)}, "
-                           f"not one rank's {wanted} (the class derives its head width from hidden_size / heads, "
-                           "not config.head_dim), so toolkit cannot trace one rank; tensor parallelism is not "
-                           "planned for it: use fsdp2 / zero without --tensor-parallel")
-                break
-        _RANK_SHAPE_PROBLEMS[key] = (spec, problem)
-    return _RANK_SHAPE_PROBLEMS[key][1]
+    plan, named, _, _ = _split_inputs(spec)
+    one = reduced_config(per_rank_spec(spec, tensor).hf_config(), spec.num_layers, 1)
+    with torch.device("meta"):
+        built = {n: tuple(p.shape) for n, p in auto_model_class(one).from_config(one).named_parameters()}
+    for name, shape, in_layer in named:
+        if is_expert_param(name):  # routed experts: one rank's share is tensor_split's, not the config's
+            continue
+        style = _style_for(name, plan)[0] if in_layer else None
+        dim = SHARDING_STYLES.get(style) if style else None
+        if dim is None or (name.endswith(".bias") and style.startswith(("rowwise", "packed_rowwise"))):
+            continue
+        dim = 0 if len(shape) == 1 else dim
+        wanted = tuple(math.ceil(n / tensor) if i == (dim % len(shape)) else n for i, n in enumerate(shape))
+        if built.get(name) != wanted:
+            return (f"{spec.model_class} built at heads/{tensor} gives {name} the shape {built.get(name)}, "
+                    f"not one rank's {wanted} (the class derives its head width from hidden_size / heads, "
+                    "not config.head_dim), so toolkit cannot trace one rank; tensor parallelism is not "
+                    "planned for it: use fsdp2 / zero without --tensor-parallel")
+    return None
 
 
 def tensor_split(spec: "ModelSpec", tensor: int) -> TensorSplit:
