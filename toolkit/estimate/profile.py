@@ -202,7 +202,7 @@ def measure_offloaded_step(config, *, seq_len: int, micro_batch: int, precision:
     from torch.utils._python_dispatch import _disable_current_modes
 
     from toolkit.estimate.livebytes import frozen_params_trackable
-    from toolkit.patches.actoffload import offload_context
+    from toolkit.patches.actoffload import moved_bytes, offload_context
 
     model = build_model(config, precision, attention, checkpointing, "cpu")
     batch = _batch(config, micro_batch, seq_len, "cpu")
@@ -215,18 +215,18 @@ def measure_offloaded_step(config, *, seq_len: int, micro_batch: int, precision:
     def host_pack(tensor):
         with _disable_current_modes():
             tensor_id = pack(tensor)
-        held, moved = ctx.tracker[tensor_id][:2]
+        moved = moved_bytes(ctx, tensor_id)
         if moved:
-            host["live"] += held.untyped_storage().nbytes()
+            host["live"] += moved
             host["peak"], host["tensors"] = max(host["peak"], host["live"]), host["tensors"] + 1
         return tensor_id
 
     def device_unpack(tensor_id):
-        held, moved = ctx.tracker[tensor_id][:2]
+        moved = moved_bytes(ctx, tensor_id)
         tensor = unpack(tensor_id)
         if not moved:
             return tensor
-        host["live"] -= held.untyped_storage().nbytes()
+        host["live"] -= moved
         return tensor.clone()
 
     ctx.pack_hook, ctx.unpack_hook = host_pack, device_unpack

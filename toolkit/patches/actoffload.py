@@ -73,14 +73,20 @@ def offload_context(model, *, on_cpu: bool):
 
     def counted_pack(tensor):
         tensor_id = pack(tensor)
-        held, moved = ctx.tracker[tensor_id][:2]
+        moved = moved_bytes(ctx, tensor_id)
         if moved:
             LAST_OFFLOADED["tensors"] = LAST_OFFLOADED.get("tensors", 0) + 1
-            LAST_OFFLOADED["bytes"] = LAST_OFFLOADED.get("bytes", 0) + held.untyped_storage().nbytes()
+            LAST_OFFLOADED["bytes"] = LAST_OFFLOADED.get("bytes", 0) + moved
         return tensor_id
 
     ctx.pack_hook = counted_pack  # saved_tensors_hooks.__enter__ installs self.pack_hook
     return ctx
+
+
+def moved_bytes(ctx, tensor_id) -> int:
+    """Bytes of the host copy TRL's pack hook made for `tensor_id`, 0 when it kept the tensor where it was."""
+    held, moved = ctx.tracker[tensor_id][:2]
+    return held.untyped_storage().nbytes() if moved else 0
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from toolkit.plan.schema import Plan
 from toolkit.train import checkpoints, cpu, dimensions
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
-from toolkit.train.watch import param_dtypes, watch_layer_dtype
+from toolkit.train.watch import held_state_bytes, param_dtypes, watch_layer_dtype
 from toolkit.inputs.choices import TRL_LOSS
 from toolkit.inputs.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, freeze_vision_tower, load_config,
@@ -313,7 +313,6 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     import torch
 
     from toolkit.inputs.moe import is_expert_param
-    from toolkit.train.model import held_state_bytes
 
     rank = trainer.args.process_index
     model = trainer.model

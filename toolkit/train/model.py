@@ -219,21 +219,3 @@ def _load_random_through_checkpoint(config: Any, kwargs: dict):
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
-
-
-def held_state_bytes(model, optimizer) -> tuple[int, int]:
-    """Bytes of the parameters this rank holds between steps (a DTensor's local shard: the plan's parameters_bytes)
-    and of the optimizer states it holds (AdamW's moments and steps: the plan's optimizer_bytes a rank). FSDP2 keeps
-    the root's parameters unsharded after a forward (the last evaluation's), so it is resharded first."""
-    import torch
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    param_bytes = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
-    optimizer = getattr(optimizer, "optimizer", optimizer)
-    optimizer_bytes = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
-                          for state in getattr(optimizer, "state", {}).values() for t in state.values()
-                          if torch.is_tensor(t))
-    return param_bytes, optimizer_bytes

@@ -1,5 +1,6 @@
-"""What a training run's rank summary says about its dtypes (with TOOLKIT_RANK_SUMMARY_DIR set; tests read it): the
-dtype a decoder layer and its first matmul compute in, and the dtypes of the frozen and trained parameters."""
+"""What a training run's rank summary says about its dtypes and states (with TOOLKIT_RANK_SUMMARY_DIR set; tests read
+it): the dtype a decoder layer and its first matmul compute in, the dtypes of the frozen and trained parameters, and
+the parameter and optimizer bytes a rank holds."""
 
 from __future__ import annotations
 
@@ -33,3 +34,21 @@ def param_dtypes(model) -> dict[str, list[str]]:
     return {f"{kind}_param_dtypes": sorted({str(p.dtype) for p in model.parameters()
                                             if p.requires_grad == (kind == "trained")})
             for kind in ("frozen", "trained")}
+
+
+def held_state_bytes(model, optimizer) -> tuple[int, int]:
+    """Bytes of the parameters this rank holds between steps (a DTensor's local shard: the plan's parameters_bytes)
+    and of the optimizer states it holds (AdamW's moments and steps: the plan's optimizer_bytes a rank). FSDP2 keeps
+    the root's parameters unsharded after a forward (the last evaluation's), so it is resharded first."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    param_bytes = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    optimizer_bytes = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
+                          for state in getattr(optimizer, "state", {}).values() for t in state.values()
+                          if torch.is_tensor(t))
+    return param_bytes, optimizer_bytes
