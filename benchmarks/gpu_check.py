@@ -383,7 +383,8 @@ EDGE_HEADROOMS = (0.30, 0.15, 0.08, 0.04, 0.02, 0.01, 0.005)
 EDGE_ALLOCATORS = ("", "expandable_segments:True")
 """PYTORCH_CUDA_ALLOC_CONF of each child process (the allocator reads it once, at start); "" is torch's default."""
 EDGE_WARM_STEPS, EDGE_TIMED_STEPS = 2, 5
-EDGE_CHILD_TIMEOUT_S = 150
+EDGE_CHILD_TIMEOUT_S, EDGE_CHILD_TIMEOUT_CPU_S = 150, 900
+"""A child's limit on the GPU, and on CPU: the rehearsal takes 15 s alone, several times that beside other runs."""
 EDGE_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
 
 
@@ -394,26 +395,29 @@ def memory_edge(device: str, quick: bool, out_dir: str, gpu: str) -> int:
     import subprocess
     import tempfile
 
+    from toolkit.run.launcher import free_port
+
     rows: list[dict] = []
     meta: dict = {}
-    for i, setting in enumerate(EDGE_ALLOCATORS):
+    for setting in EDGE_ALLOCATORS:
         name = setting or "default"
         if setting and not device.startswith("cuda"):
             rows.append({"label": f"allocator {name}", "allocator": name, "skipped": "allocator settings need CUDA"})
             continue
         env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-        env["MASTER_PORT"] = str(29541 + i)  # FSDP2's world of one; a fresh port per child
+        env["MASTER_PORT"] = str(free_port())  # FSDP2's world of one, on a port free now (a fixed one may be taken)
         if setting:
             env["PYTORCH_CUDA_ALLOC_CONF"] = setting
         with tempfile.TemporaryDirectory() as tmp:
             part = Path(tmp) / "rows.json"
             argv = [sys.executable, str(Path(__file__).resolve()), "--memory-edge", "--device", device, "--gpu", gpu,
                     "--edge-child", str(part), *(["--quick"] if quick else [])]
+            limit = EDGE_CHILD_TIMEOUT_S if device.startswith("cuda") else EDGE_CHILD_TIMEOUT_CPU_S
             try:
-                proc = subprocess.run(argv, env=env, timeout=EDGE_CHILD_TIMEOUT_S)
+                proc = subprocess.run(argv, env=env, timeout=limit)
                 failed = f"exit code {proc.returncode}" if proc.returncode or not part.is_file() else ""
             except subprocess.TimeoutExpired:
-                failed = f"over {EDGE_CHILD_TIMEOUT_S} s"
+                failed = f"over {limit} s"
             if failed:
                 rows.append({"label": f"allocator {name}", "allocator": name, "error": f"child process: {failed}"})
                 continue

@@ -145,6 +145,8 @@ def test_memory_edge_rehearses_on_cpu_with_the_estimate_beside_each_case(rehears
     assert codes["memory_edge"] == 0, codes["memory_edge"]
     result = json.loads((out / "gpu_memory_edge.json").read_text())
     rows = {r["label"]: r for r in result["rows"]}
+    errors = [f'{r["label"]}: {r["error"]}' for r in result["rows"] if "error" in r]
+    assert not errors, errors
     assert result["meta"]["headrooms"] == list(EDGE_HEADROOMS)
     for case in EDGE_CASES:
         uncapped = rows[f"{case.label} | default | uncapped"]
