@@ -153,9 +153,13 @@ def test_host_ram_at_load_refuses_every_rank_loading_the_whole_model(capsys):
 
 
 def test_activation_offloading_moves_layer_activations_to_host():
-    """The decoder layers' saved bytes leave the GPU for pinned host RAM (per rank); one layer's are on the GPU while
-    it computes. (TRL's offloading copies to the host, which a CPU run cannot show: arithmetic on the trace.)"""
+    """The decoder layers' saved bytes leave the GPU (one layer's are on the GPU while it computes); pinned host RAM
+    holds what TRL's pack rule moves (per rank): the layers' saves and, after lm_head, the loss's fp32
+    log-softmax, 4.98 GB of the 16.3 GB here. (TRL's offloading copies to the host, which a CPU run cannot show:
+    arithmetic on the trace.)"""
     from dataclasses import replace
+
+    from toolkit.estimate.savers import offloaded_bytes
 
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
@@ -170,8 +174,10 @@ def test_activation_offloading_moves_layer_activations_to_host():
     job = Job(seq_len=2048, micro_batch=4)
     plain = estimate_memory(spec, fsdp, job, hw)
     off = estimate_memory(spec, fsdp, replace(job, activation_offloading=True), hw)
-    layers = [r.saved_bytes for r in scaled_trace(spec, job, fsdp).layers]
-    assert off.cpu_bytes_per_node - plain.cpu_bytes_per_node == 2 * sum(layers)
+    trace = scaled_trace(spec, job, fsdp)
+    layers = [r.saved_bytes for r in trace.layers]
+    assert off.cpu_bytes_per_node - plain.cpu_bytes_per_node == 2 * offloaded_bytes(trace)
+    assert offloaded_bytes(trace) - sum(r.offload_bytes for r in trace.layers) >= 4 * 2047 * 151936 * 4
     assert off.activations_bytes == plain.activations_bytes - sum(layers)
     assert plain.peak_bytes - off.peak_bytes >= sum(layers) - 2 * max(layers)
     assert off.host.resident_bytes_per_node == off.cpu_bytes_per_node
@@ -221,9 +227,9 @@ def test_activation_offloading_step_peak_within_5_percent_of_trl_offloading_on_c
     SFTTrainer builds it), measured on CPU as a GPU would hold it (host copies left out, copies brought back
     counted: toolkit.estimate.profile.measure_offloaded_step), against the estimate with --activation-offloading.
     Measured: 15,216,896 bytes vs 15,212,552 predicted (0.03%); TRL moved 12 tensors, 2,840,576 bytes at most at
-    once: the 3 layer checkpoints (393,216 bytes, what the estimate moves: 427,008 with the rotary tables) and the
-    loss's fp32 logits and log-softmax, which the estimate keeps on the device (TRL leaves only lm_head's own
-    saved tensors there)."""
+    once, the estimate's host bytes to the byte (the next test): the 3 layer checkpoints, the final norm's saves
+    and the loss's fp32 log-softmax (saved twice, by log_softmax and nll_loss; without side streams TRL copies it
+    twice). On the GPU side the estimate moves the layers' saved bytes only and keeps the log-softmax."""
     from toolkit.estimate.profile import measure_offloaded_step, predict_step
     from toolkit.run.tiny import tiny_config
 
@@ -235,13 +241,16 @@ def test_activation_offloading_step_peak_within_5_percent_of_trl_offloading_on_c
     assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.05)
     checkpoints = 3 * 2 * 128 * 128 * 4
     assert measured["offloaded_tensors"] >= 3 and measured["host_bytes"] >= checkpoints
-    assert predicted["host_bytes"] >= checkpoints
+    assert predicted["host_bytes"] == measured["host_bytes"] == 2_840_576
 
 
 def test_estimate_says_the_pinned_host_ram_and_pcie_time_of_activation_offloading(capsys):
-    """Per node: every rank's decoder-layer saved bytes (one micro-batch); per step: each byte out and back per
-    micro-step over the catalog's host link; overlap stated as an assumption, and named when it cannot hold."""
+    """Per node: every rank's bytes TRL moves (one micro-batch: the checkpoints and, after lm_head, the loss's
+    fp32 log-softmax, 4.6 GiB at Qwen2.5's 151,936-token vocabulary and 8,192 tokens); per step: each byte out and
+    back per micro-step over the catalog's host link; overlap stated as an assumption, and named when it cannot
+    hold."""
     from toolkit.cli import main
+    from toolkit.estimate.savers import offloaded_bytes
     from toolkit.estimate.traces import scaled_trace
     from toolkit.inputs.choices import GIB
     from toolkit.inputs.hardware import parse_hardware
@@ -254,10 +263,64 @@ def test_estimate_says_the_pinned_host_ram_and_pcie_time_of_activation_offloadin
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("activation offloading: "))
     fsdp = parse_strategy("fsdp2")
     job = Job(seq_len=8192, micro_batch=1, grad_accum=2, checkpointing=True, activation_offloading=True)
-    rank = sum(r.saved_bytes for r in scaled_trace(resolve_model("qwen2.5-0.5b"), job, fsdp).layers)
-    checkpoints = 24 * 8192 * 896 * 2  # one bf16 layer input per layer (and what the checkpoints keep beside it)
-    assert checkpoints <= rank < 1.01 * checkpoints
+    rank = offloaded_bytes(scaled_trace(resolve_model("qwen2.5-0.5b"), job, fsdp))
+    checkpoints = 24 * 8192 * 896 * 2  # one bf16 layer input per layer
+    log_softmax = 8191 * 151936 * 4  # fp32, shifted labels (one copy: TRL's side streams keep a storage once)
+    assert checkpoints + log_softmax <= rank < 1.01 * (checkpoints + log_softmax)
     seconds = 2 * 2 * rank / (parse_hardware("2xA100-80GB").gpu.pcie_gbps * 1e9)
     assert f"{2 * rank / GIB:.2f} GiB pinned host RAM per node" in line
     assert f"PCIe {seconds:.3f} s a step per rank (2 micro-step(s) x 2 copies at 32 GB/s)" in line
     assert "assumed hidden behind compute" in line
+
+
+@pytest.mark.parametrize("precision,liger,loss", [("fp32", False, "model"), ("bf16", False, "model"),
+                                                  ("fp32", True, "model"), ("fp32", False, "trl"),
+                                                  ("bf16", True, "trl")])
+def test_host_bytes_of_activation_offloading_equal_what_trls_pack_hook_moves_on_cpu(precision, liger, loss):
+    """One checkpointed CPU step under TRL's own offloading context (toolkit.patches.actoffload, the counter
+    toolkit.train reports: moved_bytes of every pack) against the estimate's pinned host bytes, which apply TRL's
+    pack rule (OffloadRule) to the traced saves. Equal to the byte: the 3 layer checkpoints, the embedding's
+    input ids, the final norm's saves and what the loss saves after lm_head (the model's head: fp32 logits and
+    log-softmax, 2,840,576 bytes in fp32; Liger's fused cross-entropy and TRL's fused head never call lm_head, so
+    their saves move too; under bf16 autocast, the weight copies the layers save)."""
+    import contextlib
+
+    from toolkit.estimate.profile import _batch, _dtype, build_model, predict_step
+    from toolkit.patches.actoffload import LAST_OFFLOADED, offload_context, offloading_step
+    from toolkit.patches.liger import liger_applied
+    from toolkit.patches.trlloss import trl_loss_applied
+    from toolkit.run.tiny import tiny_config
+
+    config = tiny_config("llama", vocab_size=1000, max_positions=256, hidden=128, layers=3, heads=4, kv_heads=2,
+                         ffn=344)
+    model = build_model(config, precision, "sdpa", True, "cpu")
+    batch = _batch(config, 2, 128, "cpu")
+    amp = _dtype(precision)
+    with contextlib.ExitStack() as patches:
+        if liger:
+            patches.enter_context(liger_applied(model))
+        if loss == "trl":
+            patches.enter_context(trl_loss_applied(model))
+        ctx = offload_context(model, on_cpu=True)
+        with offloading_step(ctx):
+            with torch.autocast(device_type="cpu", dtype=amp, enabled=amp is not None):
+                out = model(**batch).loss
+            out.backward()
+    predicted = predict_step(config, seq_len=128, micro_batch=2, precision=precision, checkpointing=True,
+                             device_kind="cpu", activation_offloading=True, liger=liger, loss=loss)
+    assert LAST_OFFLOADED["bytes"] == predicted["host_bytes"], (LAST_OFFLOADED, predicted["host_bytes"])
+    assert LAST_OFFLOADED["bytes"] > 3 * 2 * 128 * 128 * 2  # more than the layer checkpoints
+
+
+def test_a_plan_with_activation_offloading_is_rehearsed_with_it(tiny_llama_dir):
+    """toolkit.train runs TRL's offloading context on CPU (toolkit.patches.actoffload), so the rehearsal keeps it;
+    a DPO plan's rehearsal drops it, as toolkit.train runs TRL's offloading for SFT plans only, and says so."""
+    from toolkit.inputs.preference import Dpo
+    from toolkit.run.rehearsal import plan_for_model, rehearsal_plan
+
+    plan = plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=8, micro_batch=2, grad_accum=2, seq_len=64,
+                          precision="bf16", checkpointing=True).replace(activation_offloading=True)
+    small, said = rehearsal_plan(plan, tiny_llama_dir)
+    assert small.activation_offloading and not any("offloading" in s for s in said)
+    small, said = rehearsal_plan(plan.replace(dpo=Dpo().to_dict()), tiny_llama_dir)
+    assert not small.activation_offloading and any("activation offloading" in s for s in said)

@@ -46,6 +46,10 @@ class RegionTrace:
     """Parameter gradients this region's forward already creates (in the traced parameter dtype), alive until its
     backward, where they become the parameters' gradients: Liger's fused linear cross-entropy computes the LM
     head's weight gradient in forward (toolkit.patches.liger). Not part of saved_bytes."""
+    offload_bytes: int = 0
+    """Bytes TRL's activation offloading would copy to host RAM of what this region saves
+    (toolkit.patches.actoffload.OffloadRule over its saves in order; nothing of the output head's own module): with
+    side streams on a GPU trace, without them (as toolkit measures TRL on CPU) on a CPU trace."""
     forward_events: tuple[int, ...] = ()
     """The region's allocations and frees in forward, in order (toolkit.estimate.stepevents: a birth is its bytes,
     a death a packed reference to its birth), parameter gradients left out; () when not recorded."""

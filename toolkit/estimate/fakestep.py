@@ -82,6 +82,9 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
 
         log = StorageLog()
         param_ids = {id(p.untyped_storage()) for p in model.parameters()}
+        from toolkit.patches.actoffload import OffloadRule, kept_modules_depth
+
+        kept, offload = kept_modules_depth(model), OffloadRule(param_ids, streams=device_kind == "cuda")
         autocast_copies: dict[int, tuple[str, int]] = {}
         regions = {name: Region() for name in ("embedding", *(f"layer{i}" for i in range(n)), "head")}
         state = {"region": "embedding", "phase": "forward"}
@@ -109,6 +112,11 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
         def pack(t):
             if state["phase"] == "forward":
                 charge(t)
+                if not kept.depth:
+                    st = t.untyped_storage()
+                    serial = log.serial_of(st)
+                    key = ("serial", serial) if serial is not None else ("external", id(st))
+                    regions[state["region"]].offload_bytes += offload.pack(t, (key, t.storage_offset(), t.dtype))
             return t
 
         def enter_layer(i: int, hidden) -> None:
@@ -204,7 +212,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                            autocast_copy_bytes=region.autocast_copy_bytes,
                            autocast_cache_bytes=region.autocast_cache_bytes,
                            backward_grad_bytes=grads_at_peak, grad_bytes=grads,
-                           forward_grad_bytes=region.forward_grad_bytes,
+                           forward_grad_bytes=region.forward_grad_bytes, offload_bytes=region.offload_bytes,
                            forward_events=events[name][0], backward_events=events[name][1])
 
     embedding = region_trace("embedding", ("f:embedding", "f:layer0"), ("be:layer0", "b:end"))

@@ -173,7 +173,7 @@ def _measure(model, optimizer, batch, amp, autocast, device: str, steps: int, to
 def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
                  checkpointing: bool = False, device_kind: str = "cpu", adapter=None, optimizer: str = "adamw",
                  optimizer_impl: str = "fused", liger: bool = False,
-                 activation_offloading: bool = False) -> dict[str, Any]:
+                 activation_offloading: bool = False, loss: str = "model") -> dict[str, Any]:
     """The estimator's prediction for the same single-device step (DDP engine, one process)."""
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
@@ -184,7 +184,8 @@ def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
     spec = build_spec(getattr(config, "model_type", "model"), config)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
               checkpointing=checkpointing, device_kind=device_kind, optimizer=optimizer, optimizer_impl=optimizer_impl,
-              liger=liger, activation_offloading=activation_offloading, **({"adapter": adapter} if adapter else {}))
+              liger=liger, activation_offloading=activation_offloading, loss=loss,
+              **({"adapter": adapter} if adapter else {}))
     b = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200"))
     return {"peak_bytes": b.peak_bytes, "activations_bytes": b.activations_bytes, "peak_phase": b.peak_phase,
             "params": spec.params, "host_bytes": b.cpu_bytes_per_node}

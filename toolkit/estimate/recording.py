@@ -86,6 +86,7 @@ class Region:
     forward_grad_bytes: int = 0
     autocast_copy_bytes: int = 0
     autocast_cache_bytes: int = 0
+    offload_bytes: int = 0
 
 
 @dataclass

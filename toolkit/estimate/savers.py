@@ -42,9 +42,17 @@ def optimizer_step_temporary_bytes(*, impl: str, optimizer: str, group_state_byt
 
 # Activation offloading (Job.activation_offloading): TRL's `activation_offloading` (trl/models/activation_offloading.py,
 # after torchtune's OffloadActivations) packs every saved tensor of the wrapped model into pinned host memory on a side
-# stream and brings it back before the backward that needs it; the output head is left on the GPU (its logits
-# gradient is needed at once). Modelled: the decoder layers' saved bytes live in host RAM; on the GPU a layer's saved
-# bytes exist while that layer computes (forward: until the copy-out completes; backward: once copied back).
+# stream and brings it back before the backward that needs it; the output head's own module is left on the GPU.
+# Host side (pinned RAM, PCIe bytes): what TRL's pack hook copies, its own rule over the traced saves in order
+# (toolkit.patches.actoffload.OffloadRule -> RegionTrace.offload_bytes): the layers' saves and also what the loss after
+# the head saves (its fp32 logits and log-softmax, or the fused losses' saves). GPU side: modelled as the decoder
+# layers' saved bytes leaving the GPU; a layer's saved bytes exist while that layer computes (forward: until the
+# copy-out completes; backward: once copied back).
+
+
+def offloaded_bytes(trace) -> int:
+    """Bytes TRL's pack hook copies to the host in one micro-batch's forward, all alive until its backward."""
+    return sum(r.offload_bytes for r in (trace.embedding, *trace.layers, trace.head))
 
 
 def offload_layer_activations(trace):
@@ -55,17 +63,17 @@ def offload_layer_activations(trace):
     layers = tuple(replace(r, saved_bytes=0, forward_extra_bytes=r.forward_extra_bytes + r.saved_bytes,
                            backward_extra_bytes=r.backward_extra_bytes + r.saved_bytes, forward_events=(),
                            backward_events=()) for r in trace.layers)
-    host = sum(r.saved_bytes for r in trace.layers)
+    host = offloaded_bytes(trace)
     return replace(trace, layers=layers,
                    notes=trace.notes + ("activation offloading: decoder layers' saved tensors in pinned host RAM",)), host
 
 
 def offload_copies(spec, job, strategy, hw) -> tuple[int, float]:
-    """(one rank's decoder-layer saved bytes per micro-batch, the PCIe seconds of their copies a step): each byte out
-    in the forward and back in the backward, every micro-step, over the GPU's host link from the catalog."""
+    """(one rank's bytes TRL moves per micro-batch, the PCIe seconds of their copies a step): each byte out in the
+    forward and back in the backward, every micro-step, over the GPU's host link from the catalog."""
     from toolkit.estimate.traces import scaled_trace
 
-    rank_bytes = sum(r.saved_bytes for r in scaled_trace(spec, job, strategy).layers)
+    rank_bytes = offloaded_bytes(scaled_trace(spec, job, strategy))
     return rank_bytes, job.grad_accum * 2 * rank_bytes / (hw.gpu.pcie_gbps * 1e9)
 
 
@@ -76,7 +84,7 @@ def exposed_copy_s(spec, job, strategy, hw, compute_s: float) -> float:
 
 
 def offload_traffic_line(spec, job, strategy, hw, compute_s: float) -> str:
-    """What activation offloading asks of each node's host: the pinned RAM (every rank's decoder-layer saved bytes,
+    """What activation offloading asks of each node's host: the pinned RAM (every rank's moved bytes,
     one micro-batch at a time, as toolkit.estimate.memory puts them there) and the PCIe time of the copies
     (offload_copies), with what of it the step time pays (exposed_copy_s)."""
     from toolkit.inputs.choices import GIB

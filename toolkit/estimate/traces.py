@@ -155,6 +155,7 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
                        autocast_copy_bytes=r1.autocast_copy_bytes, autocast_cache_bytes=r1.autocast_cache_bytes,
                        backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes,
                        forward_grad_bytes=r1.forward_grad_bytes,
+                       offload_bytes=r1.offload_bytes + (r2.offload_bytes - r1.offload_bytes) * f,
                        forward_events=lerp_events(r1.forward_events, r2.forward_events, f),
                        backward_events=lerp_events(r1.backward_events, r2.backward_events, f))
 

@@ -89,6 +89,98 @@ def moved_bytes(ctx, tensor_id) -> int:
     return held.untyped_storage().nbytes() if moved else 0
 
 
+MIN_OFFLOAD_BYTES = 1024
+"""get_act_offloading_ctx_manager's `min_offload_size` default (SFTTrainer passes none): smaller tensors stay."""
+
+FWD_STASH = 5
+"""Its `max_fwd_stash_size` default: with side streams, a moved tensor's storage is remembered (and a later save of
+it not moved again) until a save this many tensor ids later releases it."""
+
+_FP8_CLASSES = ("Float8TrainingTensor", "ScaledMMConfig", "LinearMMConfig")
+
+
+class OffloadRule:
+    """TRL's pack_tensor decision (OffloadActivations.__init__, TRL 1.16), applied to saved tensors one at a time
+    in the order autograd saves them: `pack(tensor)` answers the bytes of the host copy TRL makes, 0 when it keeps
+    the tensor. Kept: a storage already moved and still remembered (side streams only, see FWD_STASH; a storage
+    once kept that way stays remembered for the rest of the forward, TRL re-points its key at the kept id, which
+    the stash never releases), tensors under MIN_OFFLOAD_BYTES (element size x elements), parameters (the class,
+    or a storage of the model's parameters: `param_storages`, storage ids), TorchAO FP8 tensors. Moved: element
+    size x elements (a non-contiguous view is copied contiguous, one with a storage offset cloned), or the whole
+    storage for a tensor with a zero stride (a broadcast). Without streams (TRL on CPU, toolkit's measurement) no
+    storage is remembered: every save moves its own copy. The device check is the caller's (traced tensors all
+    stand for device tensors); saves inside the modules TRL keeps on the device never reach pack_tensor
+    (kept_modules_depth)."""
+
+    def __init__(self, param_storages: set[int], *, streams: bool) -> None:
+        self.param_storages, self.streams = param_storages, streams
+        self.tensor_id = 0
+        self.keys: dict[tuple, int] = {}  # storage key -> tensor id remembered for it
+        self.stash: dict[int, tuple] = {}  # moved tensor id -> its storage key, in id order
+
+    def pack(self, tensor, key: tuple | None = None) -> int:
+        """Bytes TRL copies to the host for this save; `key` names its storage (default: the storage's identity,
+        offset and dtype, as TRL's data pointer + offset + dtype)."""
+        import torch
+
+        self.tensor_id += 1
+        tid = self.tensor_id
+        st = tensor.untyped_storage()
+        key = key if key is not None else (id(st), tensor.storage_offset(), tensor.dtype)
+        if self.streams and key in self.keys:
+            self.keys[key] = tid
+            return 0
+        if (tensor.element_size() * tensor.nelement() < MIN_OFFLOAD_BYTES or isinstance(tensor, torch.nn.Parameter)
+                or type(tensor).__name__ in _FP8_CLASSES or id(st) in self.param_storages):
+            return 0
+        if self.streams:
+            for old in [i for i in self.stash if i <= tid - FWD_STASH]:
+                released = self.stash.pop(old)
+                if self.keys.get(released) == old:
+                    del self.keys[released]
+            self.stash[tid] = key
+            self.keys[key] = tid
+        if 0 in tensor.stride():
+            return st.nbytes() // tensor.element_size() * tensor.element_size()
+        return tensor.element_size() * tensor.nelement()
+
+
+class _KeptDepth:
+    """Stands in for TRL's NoOpManager while get_act_offloading_ctx_manager hooks the modules it keeps on the
+    device: instead of hiding their saves from the offloading hooks, it counts how deep the forward is in them."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __enter__(self):
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+
+
+def kept_modules_depth(model) -> _KeptDepth:
+    """TRL's own choice of what stays on the device, hooked on `model` (as SFTTrainer passes it): the output head
+    (`output`, `lm_head`, a decoder's head, a final norm or `head`, the first found, PEFT unwrapped) and every
+    module whose name holds "liger"; `.depth` is above 0 while the forward runs inside one. Only modules called
+    as modules count: Liger's fused cross-entropy and TRL's fused LM head read lm_head's weight without calling
+    it, so what their loss saves is moved."""
+    import warnings
+
+    import trl.models.activation_offloading as engine
+
+    depth, noop = _KeptDepth(), engine.NoOpManager
+    engine.NoOpManager = lambda: depth
+    try:  # update_model_params reads parameters' data pointers: a traced model's are fake (a warning, no use here)
+        with _cpu_named_accelerator(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            engine.get_act_offloading_ctx_manager(model=model, use_pin_memory=False, use_streams=False,
+                                                  warn_if_no_head=False)
+    finally:
+        engine.NoOpManager = noop
+    return depth
+
+
 @contextlib.contextmanager
 def offloading_step(ctx):
     """One training step under `ctx`, LAST_OFFLOADED counting that step alone."""

@@ -123,8 +123,10 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1,
     if problem := plan.grid.resume_problem():
         said.append(f"{problem}; the rehearsal checks that its checkpoints and final model are written, not a "
                     "resume")
-    if plan.activation_offloading:
-        said.append("activation offloading is TRL's (SFTTrainer): the rehearsal runs toolkit.train without it")
+    offloading = plan.activation_offloading and not (plan.dpo or plan.grpo)
+    if plan.activation_offloading and not offloading:
+        said.append("activation offloading: toolkit.train runs TRL's for SFT plans only; the rehearsal runs without "
+                    "it (your TRL script runs it)")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
     grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
     micro_batch = min(plan.micro_batch, 2)
@@ -147,6 +149,8 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1,
         small = small.replace(compile=True, notes=[*small.notes, said[-1]])
     small = small.replace(tiled=plan.tiled)  # ALST tiling runs on CPU over gloo: rehearsed as planned
     small = small.replace(loss=plan.loss)  # TRL's fused head runs on CPU (its torch folds): rehearsed as planned
+    # TRL's offloading context runs on CPU (toolkit.patches.actoffload): rehearsed as planned
+    small = small.replace(activation_offloading=offloading)
     if plan.dpo:  # toolkit.train and a user's TRL DPO script rehearse with the plan's DPOConfig settings
         small = small.replace(dpo=dict(plan.dpo))
     if grpo:  # likewise a user's TRL GRPO script, with the plan's GRPOConfig settings at the rehearsal's size
