@@ -63,7 +63,8 @@ def tuned(plan_dir, limit_gib) -> tuple[subprocess.CompletedProcess, dict, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     done = subprocess.run([sys.executable, "-m", "toolkit", "tune", str(plan_dir), "--cpu", "--processes", "2",
-                           "--steps", "1", "--candidates", "3", "--memory-limit-gib", str(limit_gib)],
+                           "--steps", "1", "--candidates", "3", "--memory-limit-gib", str(limit_gib),
+                           "--emit", str(plan_dir.parent / "winner")],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done, json.loads((plan_dir / "tune.json").read_text()), (plan_dir / "PLAN.md").read_text()
@@ -121,17 +122,114 @@ def test_progress_table_schema_and_plan_md(tuned, plan_dir):
     assert result["where"] == "2 CPU processes over gloo" and result["spent_min"] <= result["budget_min"]
 
 
+@pytest.mark.multiprocess
+def test_rows_carry_model_flops_and_say_why_mfu_is_null_on_cpu(tuned):
+    """29 M-parameter llama, seq 64: model FLOPs per token are the planner's count (6 x the matmul parameters, the
+    embedding lookup being none, + causal attention's: 176.2 M here, 5.996 x params); on CPU there is no peak to
+    divide by, so MFU is null and the file says why."""
+    from toolkit import api
+    from toolkit.estimate.timing import flops_per_token
+
+    done, result, plan_md = tuned
+    spec = api.model(result["model"])
+    expected = flops_per_token(spec, 64, False)[1]
+    assert 5.5 * spec.params < expected < 6.5 * spec.params
+    for r in result["candidates"]:
+        assert r["model_flops_per_token"] == pytest.approx(expected)
+        assert r["mfu"] is None and r["reserved_bytes_per_rank"] == []  # no CUDA here
+        assert r["within_band"] is True  # ddp / zero1 / zero2 predictions lie within the A100 band of each other
+    assert result["mfu_basis"].startswith("null on CPU") and "MFU: null on CPU" in plan_md
+    assert "Order: the candidates whose predicted step time lies within the step-time band" in plan_md
+
+
+@pytest.mark.multiprocess
+def test_emit_writes_the_winner_folder_as_plan_out_writes_that_row(tuned, plan_dir, tmp_path):
+    """--emit DIR: the measured winner's folder is the emitter's own output for that row (plan.json, the engine
+    configs, the launch scripts byte for byte); only the ranking note and PLAN.md's reason for the choice differ."""
+    from toolkit import api
+    from toolkit.emit import emit_files
+    from toolkit.plan.files import PLAN_JSON, PLAN_MD
+
+    done, result, _ = tuned
+    winner_dir = plan_dir.parent / "winner"
+    assert result["emitted"] == str(winner_dir) and f"wrote the plan folder of {result['ranking'][0]}" in done.stdout
+    planned = api.load_plan(plan_dir)
+    again = api.plan(planned.model, "2xA100-80GB", seq_len=64, global_batch=8, device_kind="cpu")
+    reference = tmp_path / "reference"
+    emit_files(again.to_plan(result["ranking"][0]), reference, candidates=again.rows())
+    ours = sorted(p.name for p in winner_dir.iterdir())
+    assert ours == sorted(p.name for p in reference.iterdir()) and PLAN_JSON in ours
+    for name in ours:
+        if name not in (PLAN_JSON, PLAN_MD):
+            assert (winner_dir / name).read_bytes() == (reference / name).read_bytes(), name
+    mine, theirs = api.load_plan(winner_dir).to_dict(), api.load_plan(reference).to_dict()
+    our_notes, their_notes = mine.pop("notes"), theirs.pop("notes")
+    assert mine == theirs and mine["strategy"] == result["ranking"][0]
+    assert [n for n in our_notes if not n.startswith("ranking:")] == their_notes
+    row = next(r for r in result["candidates"] if r["name"] == result["ranking"][0])
+    assert [n for n in our_notes if n.startswith("ranking:")] == [
+        f"ranking: fastest measured by `toolkit tune` on 2 CPU processes over gloo: {row['measured_step_s']:.3f} "
+        f"s/step, #{row['predicted_rank']} of the planner's ranking"]
+    differ = set((winner_dir / PLAN_MD).read_text().splitlines()) ^ set((reference / PLAN_MD).read_text().splitlines())
+    assert all("fastest measured" in line for line in differ), differ
+
+
+def test_emit_into_a_folder_that_is_not_empty_is_one_line_before_anything(plan_dir, tmp_path, capsys):
+    from toolkit.cli import main
+
+    folder = tmp_path / "plan"
+    shutil.copytree(plan_dir, folder, ignore=shutil.ignore_patterns("tune.json"))
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert main(["tune", str(folder), "--cpu", "--processes", "2", "--emit", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--emit" in err and "is not empty" in err and "\n" not in err
+    assert not (folder / "tune.json").exists() and [p.name for p in out.iterdir()] == ["mine.txt"]
+    (tmp_path / "file").write_text("x")
+    assert main(["tune", str(folder), "--cpu", "--emit", str(tmp_path / "file")]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_measure_order_puts_the_band_of_the_fastest_prediction_first():
+    """Llama-3.1-8B on 8 x H100 (Hopper band 9.3%): given in reverse, the candidates within the band of the fastest
+    predicted step come first, in the order given, and the ones outside it (pipelines, 0.62-0.68 s against 0.44 s)
+    last; nothing is launched."""
+    from toolkit import api
+    from toolkit.estimate.ranking import band_of
+    from toolkit.run.tune import measure_order
+
+    result = api.plan("llama-3.1-8b", "8xH100-80GB", seq_len=2048, global_batch=16)
+    feasible = result.feasible
+    order = measure_order(list(reversed(result.candidates)))
+    assert sorted(id(c) for c, _ in order) == sorted(id(c) for c in feasible)
+    flags = [inside for _, inside in order]
+    assert flags == sorted(flags, reverse=True) and 0 < flags.count(False) < len(flags)
+    fastest = min(c.timing.step_time_s for c in feasible)
+    band = band_of(feasible).fraction
+    assert 0.05 < band < 0.2
+    for c, inside in order:
+        assert inside == (c.timing.step_time_s <= fastest * (1 + band) * 1.001), (c.name, c.timing.step_time_s)
+    inside = [c for c, i in order if i]
+    assert inside == [c for c in reversed(feasible) if id(c) in {id(x) for x in inside}]  # the order given
+    assert "zero1" in [c.name for c in inside] and "pipeline (pp=8 x dp=1)" not in [c.name for c in inside]
+
+
 def test_a_candidate_past_the_budget_is_skipped_and_recorded(plan_dir, tmp_path, capsys):
     """Planning alone outlasts a budget of 0.006 s: every candidate is skipped before any process starts."""
     from toolkit.cli import main
 
     folder = tmp_path / "plan"
     shutil.copytree(plan_dir, folder, ignore=shutil.ignore_patterns("tune.json"))
-    assert main(["tune", str(folder), "--cpu", "--processes", "2", "--budget-min", "0.0001"]) == 0
+    never = tmp_path / "winner"
+    assert main(["tune", str(folder), "--cpu", "--processes", "2", "--budget-min", "0.0001", "--emit",
+                 str(never)]) == 1  # asked for a winner's folder and got none
+    out, err = capsys.readouterr()
+    assert not never.exists() and "no candidate was measured" in out and "--emit: no candidate was measured" in err
     result = json.loads((folder / "tune.json").read_text())
     assert [r["status"] for r in result["candidates"]] == ["skipped"] * 3
     assert all(r["reason"].startswith("budget spent") and r["measured_step_s"] is None for r in result["candidates"])
-    assert result["ranking"] == [] and "no candidate was measured" in capsys.readouterr().out
+    assert result["ranking"] == [] and result["emitted"] is None
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from toolkit import bounds
-from toolkit.bounds import float_arg, int_arg
+from toolkit.bounds import float_arg, int_arg, text_arg
 from toolkit.errors import UserError
+
+ORDER_RULE = ("Order: the candidates whose predicted step time lies within the step-time band of the fastest "
+              "predicted one are measured first (the prediction cannot tell them apart), the rest after them with "
+              "the budget left over.")
+"""The rule toolkit.run.tune.measure_order applies, as the help and PLAN.md's Tuned section state it."""
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="run the plan's top candidates for a few steps here and re-rank by measurement")
+    p = sub.add_parser("tune", help="run the plan's top candidates for a few steps here and re-rank by measurement",
+                       description="Run the plan's top candidates for a few steps here and re-rank them by measured "
+                                   f"step time. {ORDER_RULE}")
     p.add_argument("plan_dir", help="a plan folder (toolkit plan --out) holding plan.json")
     p.add_argument("--candidates", type=int_arg("--candidates", bounds.TUNE_CANDIDATES), default=3,
-                   help="how many of the planner's top rows to run (default %(default)s)")
+                   help="how many of the planner's rows to run, those within the fastest prediction's step-time band "
+                        "first (default %(default)s)")
     p.add_argument("--budget-min", type=float_arg("--budget-min", bounds.TUNE_BUDGET_MIN), default=30.0,
                    help="minutes for the whole probe: a candidate that would start later is skipped "
                         "(default %(default)s)")
@@ -25,6 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--memory-limit-gib", type=float_arg("--memory-limit-gib", bounds.CPU_RAM_GIB),
                    help="stop a candidate whose peak per process passes this (default: on a GPU its predicted "
                         "peak plus its error band; on CPU none)")
+    p.add_argument("--emit", type=text_arg("--emit"), metavar="DIR",
+                   help="write the measured winner's plan folder to DIR, as `toolkit plan --out` writes a chosen row "
+                        "(DIR must be missing or empty)")
     p.set_defaults(func=cmd_tune)
 
 
@@ -48,14 +60,34 @@ def cmd_tune(args) -> int:
 
         if not torch.cuda.is_available():
             raise UserError("this machine has no CUDA device; add --cpu to tune on CPU processes over gloo")
+    emit_dir = Path(args.emit) if args.emit else None
+    if emit_dir is not None:
+        _refuse_emit_dir(emit_dir)
     processes = args.processes or plan.gpus_per_node
     result = probe(plan, plan_dir, count=args.candidates, budget_min=args.budget_min, steps=args.steps,
-                   processes=processes, cpu=args.cpu, limit_gib=args.memory_limit_gib)
+                   processes=processes, cpu=args.cpu, limit_gib=args.memory_limit_gib, emit_dir=emit_dir)
     print()
     for line in table(result):
         print(line)
-    written = write_results(result, plan_dir)
+    written = write_results(result, plan_dir, ORDER_RULE)
     best = result["ranking"][0] if result["ranking"] else None
     print(f"fastest measured: {best}" if best else "no candidate was measured")
     print("wrote " + ", ".join(str(p) for p in written))
-    return 0
+    if emit_dir is None:
+        return 0
+    if result["emitted"]:
+        print(f"wrote the plan folder of {best} to {emit_dir}")
+        return 0
+    why = "no candidate was measured" if best is None else "see the line above"
+    print(f"--emit: {why}, so {emit_dir} was not written", file=sys.stderr)
+    return 1
+
+
+def _refuse_emit_dir(out: Path) -> None:
+    """--emit DIR: a missing or empty folder, refused before any process starts (nothing is overwritten)."""
+    from toolkit.fileio import check_folder_path
+
+    check_folder_path(out, "--emit")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(f"--emit {out} is not empty; give a missing or empty folder (tune never writes over a plan "
+                        "folder)")

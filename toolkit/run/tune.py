@@ -15,6 +15,19 @@ A candidate whose largest per-rank peak passes its limit is stopped by its own r
 band; --memory-limit-gib replaces it (on CPU the RSS holds the interpreter and libraries, which the device
 prediction leaves out, so there the limit is --memory-limit-gib alone). A candidate that would start after the
 budget (minutes since the probe began) is skipped and recorded.
+
+Where the budget goes (measure_order): the candidates whose predicted step time lies within the step-time band of
+the fastest predicted one are measured first, in the planner's order; the prediction cannot tell them apart, so the
+measurement decides between them. The others follow, in the planner's order, with the budget left over: for one of
+them to win, the model would have to be off by more than its band. An unknown band (no published run on the GPU's
+generation) puts every candidate inside it.
+
+MFU: measured tokens/s x the model FLOPs per token (no recompute, toolkit.estimate.timing.flops_per_token, the count
+the planner's MFU divides) / (the planned GPU's dense peak at the plan's precision x processes). On CPU it is null:
+the cost model has no CPU peak, and the GPU's would say nothing about a CPU run (`mfu_basis` says so).
+
+--emit DIR: the measured winner's plan folder, written by the emitter as `toolkit plan --out` writes a chosen row
+(toolkit.emit.emit_files: staged and swapped in whole), with the planner's table and the plan's time to train.
 """
 
 from __future__ import annotations
@@ -67,6 +80,12 @@ class TuneRow:
     host_ram_bytes: int | None = None
     wall_s: float = 0.0
     measured_rank: int | None = None
+    within_band: bool = True
+    """Predicted step time within the step-time band of the fastest predicted candidate (measure_order)."""
+    model_flops_per_token: float | None = None
+    mfu: float | None = None
+    reserved_bytes_per_rank: list[int] = field(default_factory=list)
+    """torch.cuda.max_memory_reserved per rank (empty on CPU)."""
 
     @property
     def step_ratio(self) -> float | None:
@@ -75,9 +94,9 @@ class TuneRow:
         return None
 
 
-def plan_candidates_again(plan: Plan, count: int) -> tuple[list, Any, Any]:
-    """The top `count` feasible rows of the planner's search for this plan's job (the plan's own row among them
-    when it ranks there), with the model and hardware they were ranked for."""
+def plan_candidates_again(plan: Plan) -> tuple[list, Any, Any]:
+    """Every row of the planner's search for this plan's job, ranked (the plan's own row among them), with the
+    model and hardware they were ranked for."""
     from toolkit.estimate.request import REQUEST_JOB_FIELDS, Request
     from toolkit.estimate.search import plan_candidates
     from toolkit.plan.job import plan_job
@@ -85,10 +104,46 @@ def plan_candidates_again(plan: Plan, count: int) -> tuple[list, Any, Any]:
     spec, hw, job = plan_job(plan)
     req = Request(**{name: getattr(job, name) for name in REQUEST_JOB_FIELDS}, global_batch=plan.global_batch,
                   checkpointing=job.checkpointing, tiled=job.tiled)
-    feasible = [c for c in plan_candidates(spec, hw, req) if c.feasible]
-    if not feasible:
+    ranked = plan_candidates(spec, hw, req)
+    if not any(c.feasible for c in ranked):
         raise UserError("the planner finds no row that fits for this plan's job; re-plan with `toolkit plan`")
-    return feasible[:count], spec, hw
+    return ranked, spec, hw
+
+
+def measure_order(ranked: list) -> list[tuple[Any, bool]]:
+    """The feasible candidates of `ranked` (the planner's order) in the order the probe measures them, each with
+    whether its predicted step time lies within the step-time band of the fastest predicted one
+    (toolkit.estimate.ranking.speed_ties): those first, then the rest, each group in the planner's order."""
+    from toolkit.estimate.ranking import speed_ties
+
+    feasible = [c for c in ranked if c.feasible]
+    inside = {id(c) for c in speed_ties(feasible)}
+    return [(c, True) for c in feasible if id(c) in inside] + [(c, False) for c in feasible if id(c) not in inside]
+
+
+def model_flops_per_token(spec, c) -> float:
+    """The model FLOPs of one trained token for candidate `c` (no recompute): what the planner's MFU divides."""
+    from toolkit.estimate.timing import flops_per_token
+
+    trainable = None
+    if c.job.adapter.is_adapter:
+        from toolkit.inputs.lora import counts_for_spec
+
+        trainable = counts_for_spec(spec, c.job.adapter).trainable_params
+    return flops_per_token(spec, c.job.seq_len, c.job.checkpointing, trainable)[1]
+
+
+def mfu_peak(hw, precision: str, *, cpu: bool, processes: int) -> tuple[float | None, str]:
+    """FLOP/s the probe's MFU divides by, and the sentence tune.json keeps as `mfu_basis`."""
+    if cpu:
+        return None, ("null on CPU: the cost model has no CPU peak, and the planned GPU's would say nothing about "
+                      "a CPU run")
+    peak = hw.gpu.peak_tflops(precision) or hw.gpu.fp32_tflops
+    import torch
+
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    return peak * 1e12 * processes, (f"the planned {hw.gpu.name}'s dense {precision} peak, {peak:g} TFLOPS x "
+                                     f"{processes} process{'es' if processes != 1 else ''} (GPU here: {here})")
 
 
 def memory_limit(row: TuneRow, *, cpu: bool, limit_gib: float | None) -> int | None:
@@ -108,10 +163,11 @@ def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict[str, Any
         records = []
     steps = [r for r in records if "loss" in r or "stopped_over_bytes" in r]
     out: dict[str, Any] = {"peak_bytes_per_rank": [], "measured_step_s": None, "measured_tokens_per_s": None,
-                           "timed_steps": 0}
-    if records:
-        peaks = [max(r["peak_bytes"][i] for r in records) for i in range(len(records[0]["peak_bytes"]))]
-        out["peak_bytes_per_rank"] = peaks
+                           "timed_steps": 0, "reserved_bytes_per_rank": []}
+    for key, name in (("peak_bytes_per_rank", "peak_bytes"), ("reserved_bytes_per_rank", "reserved_bytes")):
+        held = [r[name] for r in records if r.get(name)]
+        if held:
+            out[key] = [max(per_rank) for per_rank in zip(*held)]
     start = next((r for r in steps if r["step"] >= warmup), None)
     end = steps[-1] if steps else None
     if start is not None and end is not None and end["step"] > start["step"]:
@@ -122,8 +178,9 @@ def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict[str, Any
 
 
 def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: int, processes: int, cpu: bool,
-          limit_gib: float | None, say=print) -> dict[str, Any]:
-    """Run the probe; returns tune.json's content (written by write_results)."""
+          limit_gib: float | None, emit_dir: Path | None = None, say=print) -> dict[str, Any]:
+    """Run the probe; returns tune.json's content (written by write_results). `emit_dir`: where the measured
+    winner's plan folder is written (emit_winner), nothing when no candidate was measured."""
     from toolkit.estimate.search import to_plan
     from toolkit.run.launcher import emit_plan_files, launch_command, processes_phrase, run
     from toolkit.run.rehearsal import rehearsal_data
@@ -131,13 +188,20 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     from toolkit.train.probe import PROBE_MEMORY_LIMIT_ENV, PROBE_METRICS_ENV
 
     began = time.monotonic()
-    candidates, spec, hw = plan_candidates_again(plan, count)
+    ranked, spec, hw = plan_candidates_again(plan)
+    feasible = [c for c in ranked if c.feasible]
+    order = measure_order(ranked)[:count]
+    candidates = [c for c, _ in order]
     plans = [to_plan(c, spec, hw, plan.model) for c in candidates]
     boxes = [box_plan(p, processes=processes, cpu=cpu)[0] for p in plans]  # refused before any process starts
-    rows = [_row(i + 1, c, p) for i, (c, p) in enumerate(zip(candidates, plans))]
+    rows = [_row(feasible.index(c) + 1, c, p, inside, model_flops_per_token(spec, c))
+            for (c, inside), p in zip(order, plans)]
+    peak, mfu_basis = mfu_peak(hw, plan.precision, cpu=cpu, processes=processes)
     where = processes_phrase(processes, cpu=cpu)
+    in_band = sum(r.within_band for r in rows)
     say(f"tuning {len(rows)} candidate{'s' if len(rows) != 1 else ''} of {plan_dir} on {where}: {WARMUP_STEPS} "
-        f"warm-up + {steps} measured step{'s' if steps != 1 else ''} each, budget {budget_min:g} min")
+        f"warm-up + {steps} measured step{'s' if steps != 1 else ''} each, budget {budget_min:g} min; {in_band} "
+        f"within the step-time band of the fastest prediction, measured first")
     if cpu and limit_gib is None:
         say("note: on CPU a rank's peak is its RSS (interpreter and libraries included), which the device "
             "prediction leaves out: no memory stop without --memory-limit-gib")
@@ -169,6 +233,8 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
             got = read_metrics(metrics, WARMUP_STEPS, box.global_batch * box.seq_len)
             for key, value in got.items():
                 setattr(row, key, value)
+            if peak and row.measured_tokens_per_s:
+                row.mfu = row.measured_tokens_per_s * row.model_flops_per_token / peak
             row.host_ram_bytes = sum(row.peak_bytes_per_rank) if cpu and row.peak_bytes_per_rank else None
             stopped = _stopped(metrics)
             if stopped:
@@ -186,17 +252,59 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     measured = sorted((r for r in rows if r.status == MEASURED), key=lambda r: r.measured_step_s)
     for rank, row in enumerate(measured, 1):
         row.measured_rank = rank
+    emitted = None
+    if emit_dir is not None and measured:
+        winner = candidates[rows.index(measured[0])]
+        try:  # a failure here (a folder filled meanwhile, a full disk) loses no measurement: tune.json follows
+            emit_winner(plan, winner, ranked, spec, hw, emit_dir, why=f"fastest measured by `toolkit tune` on "
+                        f"{where}: {measured[0].measured_step_s:.3f} s/step, #{measured[0].predicted_rank} of the "
+                        "planner's ranking")
+            emitted = str(emit_dir)
+        except UserError as exc:
+            say(f"--emit: {exc}")
     return {"version": TUNE_VERSION, "plan": str(plan_dir), "model": plan.model, "planned_for":
             f"{plan.world_size}x {plan.gpu}", "where": where, "cpu": cpu, "processes": processes,
             "warmup_steps": WARMUP_STEPS, "measured_steps": steps, "budget_min": budget_min,
             "spent_min": round((time.monotonic() - began) / 60, 2), "memory_limit_gib": limit_gib,
-            "candidates": [{**asdict(r), "step_ratio": r.step_ratio} for r in rows],
-            "ranking": [r.name for r in measured]}
+            "mfu_basis": mfu_basis, "candidates": [{**asdict(r), "step_ratio": r.step_ratio} for r in rows],
+            "ranking": [r.name for r in measured], "emitted": emitted}
 
 
-def _row(rank: int, c, plan: Plan) -> TuneRow:
+def plan_run(plan: Plan):
+    """The data the plan was timed for (plan --dataset-tokens / --data: predicted["time_to_train"]) as the
+    RunSize that timed it, or None."""
+    from toolkit.estimate.duration import RunSize
+
+    t = plan.predicted.get("time_to_train")
+    if not t:
+        return None
+    return RunSize(dataset_tokens=t["dataset_tokens"], epochs=t["epochs"], gpu_hour_price=t["gpu_hour_price"],
+                   source=t.get("dataset_tokens_source", "given"), source_detail=t.get("dataset_tokens_detail", ""))
+
+
+def emit_winner(plan: Plan, winner, ranked: list, spec, hw, out: Path, *, why: str) -> list[Path]:
+    """The winner's plan folder, as `toolkit plan --out` writes a chosen row: the same Plan builder and emitter,
+    the planner's whole table in PLAN.md, the time to train of the plan's data; never over existing files."""
+    from toolkit.emit import emit_files
+    from toolkit.estimate.duration import duration
+    from toolkit.estimate.search import to_plan
+
+    run = plan_run(plan)
+
+    def row(c) -> dict[str, Any]:
+        out_row = c.row()
+        if run is not None and c.feasible:
+            out_row["time_to_train"] = duration(run, c, hw.world_size).to_dict()
+        return out_row
+
+    chosen = to_plan(winner, spec, hw, plan.model, why=why, run=run)
+    return emit_files(chosen, out, candidates=[row(c) for c in ranked])
+
+
+def _row(rank: int, c, plan: Plan, inside: bool, flops: float) -> TuneRow:
     predicted = plan.predicted
-    return TuneRow(name=c.name, strategy=c.strategy.name, predicted_rank=rank, micro_batch=plan.micro_batch,
+    return TuneRow(name=c.name, strategy=c.strategy.name, predicted_rank=rank, within_band=inside,
+                   model_flops_per_token=flops, micro_batch=plan.micro_batch,
                    grad_accum=plan.grad_accum, predicted_step_s=predicted.get("step_time_s"),
                    predicted_tokens_per_s=predicted.get("tokens_per_s"),
                    predicted_peak_bytes=predicted.get("peak_bytes"),
@@ -228,22 +336,24 @@ def table(result: dict[str, Any]) -> list[str]:
     rows = sorted(result["candidates"], key=lambda r: (r["measured_rank"] is None, r["measured_rank"] or 0,
                                                        r["predicted_rank"]))
     lines = [f"{'measured #':>10} {'planned #':>9}  {'candidate':<28}{'pred step s':>12}{'meas step s':>12}"
-             f"{'meas tok/s':>11}{'pred GiB':>9}{'meas GiB':>9}  status"]
+             f"{'meas tok/s':>11}{'MFU':>7}{'pred GiB':>9}{'meas GiB':>9}  status"]
     for r in rows:
         pred_s = f"{r['predicted_step_s']:.3g}" if r["predicted_step_s"] else "-"
         meas_s = f"{r['measured_step_s']:.3f}" if r["measured_step_s"] else "-"
         tok = f"{r['measured_tokens_per_s']:,.0f}" if r["measured_tokens_per_s"] else "-"
         pred_m = f"{r['predicted_peak_bytes'] / GIB:.3f}" if r["predicted_peak_bytes"] else "-"
         meas_m = f"{max(r['peak_bytes_per_rank']) / GIB:.3f}" if r["peak_bytes_per_rank"] else "-"
-        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        status = r["status"] + (f": {r['reason']}" if r["reason"] else "") + \
+            ("" if r["within_band"] else " (outside the fastest prediction's band)")
         lines.append(f"{r['measured_rank'] or '-':>10} {r['predicted_rank']:>9}  {r['name']:<28}{pred_s:>12}"
-                     f"{meas_s:>12}{tok:>11}{pred_m:>9}{meas_m:>9}  {status}")
+                     f"{meas_s:>12}{tok:>11}{mfu:>7}{pred_m:>9}{meas_m:>9}  {status}")
     return lines
 
 
-def write_results(result: dict[str, Any], plan_dir: Path) -> list[Path]:
+def write_results(result: dict[str, Any], plan_dir: Path, order_rule: str) -> list[Path]:
     """tune.json (checked against its schema, written atomically) and PLAN.md's Tuned section (replaced, not
-    stacked, by a later probe)."""
+    stacked, by a later probe), which states `order_rule` (measure_order's rule as the command's help words it)."""
     from toolkit.fileio import write_atomic
     from toolkit.plan.files import PLAN_MD
 
@@ -256,7 +366,8 @@ def write_results(result: dict[str, Any], plan_dir: Path) -> list[Path]:
     section = [TUNED_HEADING, "", f"Measured by `toolkit tune` on {result['where']} ({result['warmup_steps']} warm-up "
                f"+ {result['measured_steps']} measured steps per candidate, {result['spent_min']} of "
                f"{result['budget_min']:g} min); ranked by measured step time. Predictions are for "
-               f"{result['planned_for']}.", "", "```", *table(result), "```", ""]
+               f"{result['planned_for']}. {order_rule} MFU: {result['mfu_basis']}.", "", "```", *table(result),
+               "```", ""]
     write_atomic(md, (text + "\n" if text else "") + "\n".join(section))
     return [plan_dir / TUNE_JSON, md]
 
@@ -287,5 +398,7 @@ class TuneFile:
     budget_min: float
     spent_min: float
     memory_limit_gib: float | None
+    mfu_basis: str
     candidates: list[_Row]
     ranking: list[str]
+    emitted: str | None

@@ -45,11 +45,11 @@ class ThroughputLog:
             self.first_step, self.first_time = step, now
         if "loss" in logs or self.last_step is None:
             self.last_step, self.last_time = step, now
-        peaks = _gather_peaks(trainer)
+        peaks, reserved = _gather_peaks(trainer)
         logs["peak_mem_gib_max"] = round(max(peaks) / GIB, 3)
         for rank, peak in enumerate(peaks):
             logs[f"peak_mem_gib/rank{rank}"] = round(peak / GIB, 3)
-        probe_record(logs, step, peaks, trainer.is_world_process_zero())
+        probe_record(logs, step, peaks, trainer.is_world_process_zero(), reserved)
 
 
 def time_left(measured_s: float, steps_left: int, predicted_s: float | None,
@@ -69,14 +69,15 @@ def time_left(measured_s: float, steps_left: int, predicted_s: float | None,
                     f"for this run (time left at the measured step: {steps_left * measured_s / 3600:,.2f} h)")
 
 
-def _gather_peaks(trainer) -> list[int]:
+def _gather_peaks(trainer) -> tuple[list[int], list[int] | None]:
+    """Every rank's peak (peak_memory_bytes) and, on CUDA, its torch.cuda.max_memory_reserved (None on CPU)."""
     import torch
 
     accelerator = trainer.accelerator
-    mine = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=accelerator.device)
-    if accelerator.num_processes == 1:
-        return [int(mine.item())]
-    return [int(v) for v in accelerator.gather(mine).tolist()]
+    mine = [peak_memory_bytes()] + ([int(torch.cuda.max_memory_reserved())] if torch.cuda.is_available() else [])
+    rows = [mine] if accelerator.num_processes == 1 else \
+        accelerator.gather(torch.tensor([mine], dtype=torch.int64, device=accelerator.device)).tolist()
+    return [int(r[0]) for r in rows], ([int(r[1]) for r in rows] if len(mine) > 1 else None)
 
 
 class CheckpointMarker(TrainerCallback):

@@ -19,13 +19,15 @@ PROBE_MEMORY_LIMIT_ENV = "TOOLKIT_PROBE_MEMORY_LIMIT_BYTES"
 past this many bytes; the peaks are gathered, so every rank sees the same and stops at the same step."""
 
 
-def probe_record(logs: dict, step: int, peaks: list[int], rank_zero: bool) -> None:
-    """The probe's record of one log line, and its memory stop (no-ops outside `toolkit tune`)."""
+def probe_record(logs: dict, step: int, peaks: list[int], rank_zero: bool, reserved: list[int] | None = None) -> None:
+    """The probe's record of one log line, and its memory stop (no-ops outside `toolkit tune`). `reserved`: every
+    rank's torch.cuda.max_memory_reserved on CUDA (recorded, not a stop criterion)."""
     path = os.environ.get(PROBE_METRICS_ENV)
     limit = int(os.environ.get(PROBE_MEMORY_LIMIT_ENV) or 0)
     over = limit and max(peaks) > limit
     if path and rank_zero:
         record = {"step": step, "wall_s": time.time(), "peak_bytes": peaks,
+                  **({"reserved_bytes": reserved} if reserved else {}),
                   **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
         if over:
             record["stopped_over_bytes"] = limit
