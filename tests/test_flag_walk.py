@@ -35,7 +35,7 @@ VALUES = {
     "--lora-targets": "q_proj,v_proj", "--lora-modules-to-save": "lm_head", "--out": "{tmp}/out2",
     "--nvme-path": "{tmp}/nvme", "--hosts": "node-a,node-b", "--model": "{model}", "--device": "cuda",
     "--workdir": "{tmp}/demo", "--qlora-compute-dtype": "float32", "--runner": "deepspeed", "--data": "{corpus}",
-    "--rope-original-positions": "128",
+    "--rope-original-positions": "128", "--image-size": "448x448",
 }
 """A value for each flag whose value the parser cannot give (names, paths), or whose derived value would not show
 its effect: --power-limit-w inside the die's datasheet points; --qlora-compute-dtype float32, as float16 takes the

@@ -474,7 +474,7 @@ def _unusual_job():
     job = Job(seq_len=96, micro_batch=2, grad_accum=3, precision="fp16", optimizer="sgd", checkpointing=True,
               attention="eager", device_kind="cpu", optimizer_impl="foreach", activation_offloading=True, liger=True,
               tiled=True, compile=True, adapter=adapter, dpo=dpo, allocator_conf="max_split_size_mb:64",
-              vision_tower="freeze")
+              vision_tower="freeze", images_per_sample=1, image_size="448x448", image_tokens=16)
     for f in fields(Job):  # grpo: a job is DPO or GRPO, never both (_unusual_grpo_job carries it)
         # grpo and loss: _unusual_grpo_job / _unusual_trl_loss_job carry them (TRL's chunked NLL is modelled for
         # supervised fine-tuning, neither tiled nor compiled)

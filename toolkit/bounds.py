@@ -35,6 +35,8 @@ FFN = Bound(1, 1048576, "about 20x the widest published FFN (53248)")
 VOCAB = Bound(1, 16777216, "64x the largest published vocabulary (256000)")
 PARAMS = Bound(1, 1e15, "1000x the largest published dense model (1T)")
 SEQ = Bound(1, 16777216, "16x the longest published context window (1M tokens)")
+IMAGES = Bound(1, 4096, "4096 images (or video frames) in one sample")
+IMAGE_SIDE = Bound(1, 65536, "65536 pixels a side, 4x a 16K frame")
 
 # Hardware. The largest NVLink domain is GB200 NVL72 (72 GPUs); the largest reported clusters hold about 10^5
 # GPUs (about 1.3 x 10^4 nodes of 8), so nodes are bounded at 2^16 and per-node GPUs at 1024. The plan.json schema

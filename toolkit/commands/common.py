@@ -83,6 +83,13 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
         g.add_argument("--vision-tower", default="train", choices=VISION_TOWER_MODES,
                        help="a multimodal class fine-tuned on text: its vision encoder and projector trained (the HF "
                             "Trainer's default) or frozen (weights only) (default %(default)s)")
+        g.add_argument("--images-per-sample", type=int_arg("--images-per-sample", bounds.IMAGES), metavar="N",
+                       help="an image-and-text job on a multimodal class: N images in every sample; the language "
+                            "model sees --seq text tokens + N x the image tokens its processor makes of one image "
+                            "(needs --image-size)")
+        g.add_argument("--image-size", type=text_arg("--image-size"), metavar="WxH",
+                       help="each image's width x height in pixels before the model's image processor resizes it, "
+                            "e.g. 448x448 (needs --images-per-sample)")
     g.add_argument("--liger", action="store_true",
                    help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
                         "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
@@ -128,6 +135,20 @@ def add_rope_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-original-positions", type=int_arg("--rope-original-positions", bounds.SEQ), metavar="N",
                    help="positions the model was trained with (original_max_position_embeddings; default its "
                         "max_position_embeddings)")
+
+
+def images_of(args, spec, text_tokens: int) -> tuple[int, dict]:
+    """(the language model's sequence, the Job's image fields) of the command line's --images-per-sample /
+    --image-size over `text_tokens` text tokens (toolkit.inputs.images.image_job): a local model folder's own
+    preprocessor_config.json is read when there is one."""
+    from pathlib import Path
+
+    from toolkit.inputs.images import image_job
+
+    model = getattr(args, "model", None)
+    folder = Path(model) if model and Path(model).is_dir() else None
+    return image_job(spec, getattr(args, "images_per_sample", None), getattr(args, "image_size", None),
+                     text_tokens, folder)
 
 
 def rope_of(args):

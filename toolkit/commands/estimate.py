@@ -11,6 +11,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (add_checkpointing_flag, adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of,
+                                     images_of,
                                      add_hardware_flags, add_job_flags, add_model_flags, add_run_size_flags, gib,
                                      hardware_of, longest_line, model_spec, print_note, run_size_flag, run_size_of,
                                      seq_len_of, trainable_params)
@@ -70,11 +71,15 @@ def cmd_estimate(args) -> int:
         raise UserError("--expert-shared-batch prices an expert-parallel row at one sequence length; give it with "
                         "--expert-parallel N and --seq N")
     grpo = grpo_of(args)
+    if args.seq == "max" and (args.images_per_sample or args.image_size):
+        raise UserError("--images-per-sample / --image-size are estimated at one text length, not --seq max; give "
+                        "--seq N (text tokens)")
     if args.seq == "max" and grpo is None:
         return _estimate_seq_max(args, spec, hw, strategy, degrees)
     seq_len, seq_note = seq_len_of(spec, args)
     run = run_size_of(args, seq_len)
-    job = Job(seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=args.accumulation,
+    seq_len, images = images_of(args, spec, seq_len)
+    job = Job(seq_len=seq_len, **images, micro_batch=args.micro_batch, grad_accum=args.accumulation,
               precision=args.precision, optimizer=args.optimizer, checkpointing=args.checkpointing,
               attention=args.attention, device_kind=args.device_kind, optimizer_impl=args.optimizer_impl,
               activation_offloading=args.activation_offloading, liger=args.liger, vision_tower=args.vision_tower,
@@ -123,6 +128,9 @@ def cmd_estimate(args) -> int:
                        **({"compile": job.compile} if job.compile else {}), **({"tiled": True} if job.tiled else {}),
                        **({"chunked_loss": job.chunked_loss} if job.chunked_loss else {}),
                        **({"loss": job.loss} if job.loss != "model" else {}),
+                       **({"images_per_sample": job.images_per_sample, "image_size": job.image_size,
+                           "image_tokens": job.image_tokens, "text_tokens": job.seq_len - job.image_sequence_tokens}
+                          if job.images_per_sample else {}),
                        "method": job.method, **({"adapter": job.adapter.to_dict()} if job.adapter.is_adapter else {}),
                        **({"dpo": job.dpo.to_dict()} if job.dpo else {}),
                        **({"grpo": job.grpo.to_dict()} if job.grpo else {})},
@@ -192,6 +200,10 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           f"{', vision tower frozen' if job.vision_tower == 'freeze' else ''}")
     if spec.multimodal:
         print(f"parts: {spec.parts_words()}")
+    if job.images_per_sample:
+        from toolkit.inputs.images import image_words
+
+        print(image_words(job))
     if job.grpo is not None:
         g = generation_batch(job.grpo, job.micro_batch, c.data_parallel, job.grad_accum)
         print(f"GRPO step: a generation batch of {g['generation_batch_size']} completions = {g['prompts_per_step']} "

@@ -12,6 +12,7 @@ from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKP
 from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM, loss_problem
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
 from toolkit.commands.common import (adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of, add_hardware_flags,
+                                     images_of,
                                      add_job_flags,
                                      add_model_flags, add_output_flags, add_run_size_flags, GIB, hardware_of, human,
                                      longest_line, model_spec, print_note, run_size_flag, run_size_of, seq_len_of,
@@ -75,6 +76,10 @@ def cmd_plan(args) -> int:
 
         args.seq = seq_cap(spec)
     seq_len, seq_note = seq_len_of(spec, args)
+    if seq_max and (args.images_per_sample or args.image_size):
+        raise UserError("--images-per-sample / --image-size are planned at one text length, not --seq max; give "
+                        "--seq N (text tokens)")
+    seq_len, images = images_of(args, spec, seq_len)
     from toolkit.inputs.job import job_problem
 
     # True of every strategy: one refusal, not one per candidate (--seq max included).
@@ -110,13 +115,17 @@ def cmd_plan(args) -> int:
                                       dpo=dpo_of(args), grpo=grpo_of(args),
                                       tensor_parallel=args.tensor_parallel, context_parallel=args.context_parallel,
                                       sequence_parallel=args.sequence_parallel,
-                                      expert_parallel=args.expert_parallel)
+                                      expert_parallel=args.expert_parallel, **images)
     if strategies:
         req_kwargs["strategies"] = strategies
     if seq_max:
         req_kwargs.update(global_batch=None, micro_batch=1)
     req_kwargs["allocator_conf"] = allocator_of(args, hw, req_kwargs["grpo"]).conf
     req = Request(**req_kwargs)
+    if req.images_per_sample:
+        from toolkit.inputs.images import image_words
+
+        print_note(image_words(req))
     from toolkit.inputs.job import vision_tower_problem
 
     if problem := vision_tower_problem(spec, req.vision_tower):
@@ -152,6 +161,10 @@ def cmd_plan(args) -> int:
                "trainable_params": trainable_params(spec, req.adapter), "method": req.adapter.method,
                "hardware": hw.spec, "attention": spec.effective_attention(req.attention),
                **power_json(hw.gpu, req.precision),
+               **({"images": {"images_per_sample": req.images_per_sample, "image_size": req.image_size,
+                              "image_tokens": req.image_tokens, "seq_len": req.seq_len,
+                              "text_tokens": req.seq_len - req.images_per_sample * req.image_tokens}}
+                  if req.images_per_sample else {}),
                "candidates": rows, "chosen": row(chosen) if chosen else None,
                "chosen_because": why or (f"--choose {args.strategy_choice}" if chosen else None),
                "time_error_band": time_band(hw.gpu).to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],

@@ -455,6 +455,13 @@ def plan_md_section(plan: Plan) -> list[str]:
         lines += [f"model = {auto_class_name(plan)}.from_pretrained(MODEL, dtype=torch.{adapter['model_dtype']}"
                   + (", quantization_config=BitsAndBytesConfig(**bnb_config))" if "bnb_config" in adapter else ")"),
                   f"lora_config = LoraConfig(**{adapter['lora_config']!r})", "```", ""]
+    if plan.images_per_sample:
+        from toolkit.inputs.images import image_words
+
+        lines += [f"Image-and-text job (`images_per_sample`, `image_size`, `image_tokens` in plan.json): "
+                  f"{image_words(plan)}. The memory above counts the vision encoder's and projector's saved "
+                  "activations for those images; toolkit.train runs text only, so train these images with your "
+                  "own image-text script (TRL's VLM SFT) from this plan's settings.", ""]
     if plan.vision_tower == "freeze":
         lines += ["Vision tower frozen (`vision_tower` and `model_parts` in plan.json): the encoder and projector "
                   "stop requiring grad before the Trainer builds its optimizer, as toolkit.train does:", "",

@@ -73,6 +73,9 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
     if job.activation_offloading:
         raise UserError("activation offloading with tensor / context / sequence parallelism is not planned; drop "
                         "--activation-offloading or the degree")
+    if job.images_per_sample:
+        raise UserError("an image-and-text job with tensor / context / sequence parallelism is not planned (each "
+                        "rank's share of the vision tower is not traced); drop the degree, or the images")
     grid.check_model(spec)
     grid.check_sequence(job.seq_len, spec.effective_attention(job.attention))
     from toolkit.inputs.tensorplan import per_rank_spec

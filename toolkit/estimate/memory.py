@@ -484,7 +484,8 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
              f"{trace.attention}, {trace.device_kind} kernels, micro-batch {trace.micro_batch}"
              f"{checkpointing_words(job.checkpointing)}"
              f"{', tiled MLP: each layer keeps its MLP input, the FFN-wide tensors exist one chunk at a time' if job.tiled else ''}"
-             f") x {in_flight} in flight"),
+             f") x {in_flight} in flight"
+             f"{'; vision encoder + projector traced alone, in the embedding region' if job.images_per_sample else ''}"),
         Term("  of which head + loss", int(head_saved),
              "final norm and the hidden states and labels the tiled logits + loss keeps for backward (its logits and "
              "fp32 log-softmax exist one chunk at a time, in forward and again in backward: peak-phase temporaries)"

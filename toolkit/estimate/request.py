@@ -56,6 +56,10 @@ class Request:
     """Training method (full, LoRA, QLoRA) and its settings."""
     vision_tower: str = "train"
     """A multimodal class's encoder and projector trained or frozen (toolkit.inputs.job.Job.vision_tower)."""
+    images_per_sample: int = 0
+    image_size: str = ""
+    image_tokens: int = 0
+    """An image-and-text job's images (toolkit.inputs.job.Job.images_per_sample; seq_len counts their tokens)."""
     dpo: Dpo | None = None
     """Preference objective (toolkit.inputs.preference); None: supervised fine-tuning."""
     grpo: Grpo | None = None

@@ -219,6 +219,8 @@ def _expert_job_problem(strategy: Strategy, hw: Hardware, req: Request, fix: str
     if problem is None and (req.adapter.is_adapter or req.activation_offloading):
         problem = ("expert parallelism is planned for full fine-tuning without activation offloading (neither "
                    f"is modelled with it); {fix}")
+    if problem is None and req.images_per_sample:
+        problem = f"expert parallelism of an image-and-text job is not modelled (the vision tower per rank); {fix}"
     if problem is None and (req.dpo or req.grpo):
         problem = MODEL_PARALLEL_DPO_PROBLEM if req.dpo else MODEL_PARALLEL_GRPO_PROBLEM
     return problem
@@ -411,8 +413,8 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
     fixed = {"tp": req.tensor_parallel, "cp": req.context_parallel, "sp": req.sequence_parallel}
     attention = spec.effective_attention(req.attention)
     for dimension, names in MODEL_PARALLEL_FAMILIES:
-        if fixed[dimension] == 1 or req.adapter.is_adapter or req.activation_offloading:
-            continue
+        if fixed[dimension] == 1 or req.adapter.is_adapter or req.activation_offloading or req.images_per_sample:
+            continue  # rank_view refuses these: not modelled per rank
         if any(v not in (None, 1) for d, v in fixed.items() if d != dimension):
             continue  # a degree fixed for another dimension: plan that one alone
         for name in names:

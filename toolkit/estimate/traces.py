@@ -163,6 +163,10 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
 def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
     """The trace at job.micro_batch from traces at micro-batch 1 and 2: saved bytes are affine in the batch
     (every saved tensor has a batch dimension, or none, as rotary tables do), so two points are exact."""
+    return with_images(spec, job, strategy, _language_trace(spec, job, strategy))
+
+
+def _language_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
     b = job.micro_batch
     if b <= 2:
         return activation_trace(spec, job, strategy, b)
@@ -175,3 +179,39 @@ def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTra
                    head=_lerp_region(t1.head, t2.head, b),
                    output_bytes=t1.output_bytes + (t2.output_bytes - t1.output_bytes) * (b - 1),
                    loss_bytes=t1.loss_bytes)
+
+
+def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: ActivationTrace) -> ActivationTrace:
+    """`trace` (the language model at the job's whole sequence, image tokens included) with what the vision
+    encoder and projector keep for backward for the micro-batch's images (toolkit.estimate.visiontower), in the
+    embedding region: the tower runs before the first decoder layer and its backward comes last. Its saved
+    storages are one birth at the end of the embedding's forward events, freed with the step's leftovers. A frozen
+    tower (--vision-tower freeze, LoRA / QLoRA) saves nothing."""
+    if not job.images_per_sample:
+        return trace
+    from dataclasses import replace
+
+    from toolkit.inputs.images import parse_image_size
+
+    trained = job.vision_tower == "train" and not job.adapter.is_adapter
+    images = job.images_per_sample * job.micro_batch
+    if not trained:
+        note = (f"vision encoder and projector frozen: nothing saved for backward for the {images} image(s) of a "
+                "micro-batch (no input of theirs requires grad)")
+        return replace(trace, notes=tuple(dict.fromkeys((*trace.notes, note))))
+    from toolkit.estimate.visiontower import trace_tower
+
+    dtype, autocast = _trace_mode(strategy, job)
+    width, height = parse_image_size(job.image_size)
+    tower = trace_tower(spec.hf_config(), width, height, dtype=dtype, autocast=autocast,
+                        attention=spec.effective_attention(job.attention))
+    saved = tower.saved_bytes * images
+    events = trace.embedding.forward_events
+    embedding = replace(trace.embedding, saved_bytes=trace.embedding.saved_bytes + saved,
+                        autocast_copy_bytes=trace.embedding.autocast_copy_bytes + tower.autocast_copy_bytes,
+                        forward_events=(*events, saved) if events else events)
+    note = (f"vision encoder + projector traced alone ({job.image_size}, {tower.patches} patch rows an image): "
+            f"{tower.saved_bytes:,} bytes saved for backward per image x {images} image(s) a micro-batch, in the "
+            "embedding region" + (" (its blocks traced uncheckpointed: an upper bound under checkpointing)"
+                                  if job.checkpointing else ""))
+    return replace(trace, embedding=embedding, notes=tuple(dict.fromkeys((*trace.notes, note))))

@@ -5,7 +5,8 @@ size. No per-architecture table: the processor's own output says the patch grid 
 after smart_resize with its min / max pixels, divided by merge_size squared), or the config says a fixed count per
 image (Gemma-3's `mm_tokens_per_image`, its images resized to one square).
 
-Transformers, numpy and PIL only; not yet wired to a job setting (tests/test_image_tokens.py uses it).
+Transformers, numpy and PIL only. image_job turns estimate's and plan's --images-per-sample / --image-size into
+the Job's image fields and the language model's sequence length.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ class ImageTokens:
 def parse_image_size(text: str) -> tuple[int, int]:
     """'WxH' (e.g. 448x448) as (width, height) in pixels."""
     match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
-    if not match or not all(int(v) > 0 for v in match.groups()):
-        raise UserError(f"--image-size {text!r}: give WIDTHxHEIGHT in pixels, e.g. 448x448")
+    from toolkit.bounds import IMAGE_SIDE
+
+    if not match or not all(0 < int(v) <= IMAGE_SIDE.high for v in match.groups()):
+        raise UserError(f"--image-size {text!r}: give WIDTHxHEIGHT in pixels (1 to {IMAGE_SIDE.high:g} a side), "
+                        "e.g. 448x448")
     return int(match.group(1)), int(match.group(2))
 
 
@@ -103,3 +107,42 @@ def image_tokens(config: Any, width: int, height: int, config_dir: str | Path | 
         return ImageTokens(int(fixed), pixels, None, type(processor).__name__)
     raise UserError(f"{type(processor).__name__} gives no patch grid and {config.model_type}'s config no "
                     "mm_tokens_per_image: toolkit cannot count its image tokens yet")
+
+
+def image_job(spec: Any, images_per_sample: int | None, image_size: str | None, text_tokens: int,
+              config_dir: str | Path | None = None) -> tuple[int, dict[str, Any]]:
+    """(the language model's sequence length, the Job's image fields) of `text_tokens` text tokens with
+    `images_per_sample` images of `image_size` (WIDTHxHEIGHT) each: text + images x the processor's tokens per
+    image. Neither given: (text_tokens, {}). A text model, one without the other, or a size the processor refuses:
+    one UserError line."""
+    if not images_per_sample and not image_size:
+        return text_tokens, {}
+    if not images_per_sample:
+        raise UserError("--image-size needs --images-per-sample N (images in each sample); give both, or neither")
+    if not image_size:
+        raise UserError("--images-per-sample needs --image-size WIDTHxHEIGHT (each image's pixels); give both, or "
+                        "neither")
+    if not getattr(spec, "multimodal", False):
+        raise UserError(f"--images-per-sample: {spec.name} has no vision encoder (it is not a multimodal class); "
+                        "drop the image flags, or plan a vision-language checkpoint")
+    width, height = parse_image_size(image_size)
+    found = image_tokens(spec.hf_config(), width, height, config_dir)
+    seq_len = text_tokens + images_per_sample * found.tokens
+    positions = getattr(spec, "max_positions", None)
+    if positions and seq_len > positions:
+        raise UserError(f"{text_tokens} text tokens + {images_per_sample} x {found.tokens} image tokens = {seq_len} "
+                        f"is longer than {spec.name} allows ({positions} positions); give a shorter --seq, fewer "
+                        "images or a smaller --image-size")
+    return seq_len, {
+        "images_per_sample": images_per_sample, "image_size": f"{width}x{height}", "image_tokens": found.tokens}
+
+
+def image_words(job: Any) -> str:
+    """The line on what a job's (or a plan request's) images add to the language model's sequence ("" for a text
+    job)."""
+    if not job.images_per_sample:
+        return ""
+    added = job.images_per_sample * job.image_tokens
+    return (f"images: {job.images_per_sample} x {job.image_size} per sample, {job.image_tokens} tokens each (the "
+            f"model's image processor): they add {added:,} tokens to {job.seq_len - added:,} text tokens; the "
+            f"language model sees {job.seq_len:,} (the vision encoder's compute is not in the step time yet)")

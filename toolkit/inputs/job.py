@@ -113,6 +113,14 @@ class Job:
     """A multimodal class (ModelSpec.multimodal): its vision encoder and projector trained with the language model
     (full fine-tuning's default) or frozen (weights only: no gradients, no optimizer states). LoRA / QLoRA freeze
     them with the rest of the base whatever this says (the adapters exclude them, toolkit.inputs.lora)."""
+    images_per_sample: int = 0
+    """Images in every sample of an image-and-text job (a multimodal class; 0: text only). The language model sees
+    seq_len = text tokens + images_per_sample x image_tokens (toolkit.inputs.images.image_job)."""
+    image_size: str = ""
+    """Each image's size as WIDTHxHEIGHT pixels, before the model's processor resizes it ("" when text only)."""
+    image_tokens: int = 0
+    """Tokens one image puts in the language model's sequence, from the model's own image processor at image_size
+    (toolkit.inputs.images.image_tokens)."""
     dpo: Dpo | None = None
     """Preference objective: TRL's DPO with its reference kept / precomputed (toolkit.inputs.preference); None:
     supervised fine-tuning. LoRA / QLoRA (`adapter`) train the DPO policy."""
@@ -139,6 +147,8 @@ class Job:
                             "(letters, digits, _ . : ,); fix or unset it")
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         check_choice("--vision-tower", self.vision_tower, VISION_TOWER_MODES)
+        if problem := images_problem(self.images_per_sample, self.image_size, self.image_tokens, self.seq_len):
+            raise UserError(problem)
         if self.compile not in (False, True, COMPILE_BLOCKS):
             raise UserError(f"compile must be True, False or {COMPILE_BLOCKS!r}, got {self.compile!r}")
         if not isinstance(self.chunked_loss, int) or self.chunked_loss < 0:
@@ -174,8 +184,28 @@ class Job:
         return self.adapter.method
 
     @property
+    def image_sequence_tokens(self) -> int:
+        """Tokens the images of one sample add to the language model's sequence (0: text only)."""
+        return self.images_per_sample * self.image_tokens
+
+    @property
     def tokens_per_micro_batch(self) -> int:
         return self.seq_len * self.micro_batch
+
+
+def images_problem(images_per_sample: int, image_size: str, image_tokens: int, seq_len: int) -> str | None:
+    """Why a job's image fields do not hold together, or None (all three unset: a text job)."""
+    if not isinstance(images_per_sample, int) or isinstance(images_per_sample, bool) or images_per_sample < 0:
+        return f"--images-per-sample must be a positive integer, got {images_per_sample!r}"
+    if not images_per_sample:
+        return ("--image-size needs --images-per-sample N (images in each sample); give both, or neither"
+                if image_size or image_tokens else None)
+    if not image_size or not isinstance(image_tokens, int) or image_tokens <= 0:
+        return "--images-per-sample needs --image-size WIDTHxHEIGHT (each image's pixels); give both, or neither"
+    if seq_len <= images_per_sample * image_tokens:
+        return (f"sequence length {seq_len} holds no text beside {images_per_sample} x {image_tokens} image tokens; "
+                "re-plan with --seq N (text tokens)")
+    return None
 
 
 def check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:

@@ -53,7 +53,8 @@ _DEGREES = ("tensor_parallel", "context_parallel", "sequence_parallel", "expert_
 
 _LEFT_OUT = {"compile": (False,), "tiled": (False,), "power_limit_w": (None,), "device_kind": ("cuda",),
              "leaf_modules": (None, []), "dpo": ({},), "rope_scaling": ({},), "grpo": ({},),
-             "model_parts": ({},), "vision_tower": ("train",), "loss": ("model",)}
+             "model_parts": ({},), "vision_tower": ("train",), "loss": ("model",),
+             "images_per_sample": (0,), "image_size": ("",), "image_tokens": (0,)}
 """Fields added within version 2, left out of plan.json at this value (their default), so a plan without them reads
 and keys its prediction as it did before they existed."""
 
@@ -178,6 +179,13 @@ class Plan:
     vision_tower: Literal[VISION_TOWER_MODES] = "train"  # type: ignore[valid-type]
     """A multimodal class's vision encoder and projector (model_parts' vision_modules): trained, or frozen by
     toolkit.train before the Trainer builds its optimizer (weights only). Left out of plan.json at "train"."""
+    images_per_sample: int = Field(default=0, ge=0, le=bounds.IMAGES.high)
+    """An image-and-text job: images in every sample; seq_len is the language model's sequence, text tokens plus
+    images_per_sample x image_tokens. Left out of plan.json at 0 (a text job), as image_size and image_tokens."""
+    image_size: str = Field(default="", pattern=r"^([0-9]{1,6}x[0-9]{1,6})?$")
+    """Each image's WIDTHxHEIGHT in pixels before the model's processor resizes it."""
+    image_tokens: int = Field(default=0, ge=0)
+    """Tokens one image puts in the language model's sequence (the model's image processor at image_size)."""
     model_parts: dict[str, int | list[str]] = Field(default_factory=dict)
     """A multimodal class: language_params, vision_params, projector_params (exact, they add up to `params`) and
     vision_modules (the encoder's and projector's module paths), as ModelSpec counts them; left out when empty."""
@@ -281,6 +289,12 @@ class Plan:
                 raise ValueError(f"'adapter' says method {adapter.method!r} but 'method' is {self.method!r}")
         if self.vision_tower != "train" and not self.model_parts:
             raise ValueError(f"'vision_tower' {self.vision_tower} needs 'model_parts' (a multimodal class); re-plan")
+        if self.images_per_sample and not self.model_parts:
+            raise ValueError("'images_per_sample' needs 'model_parts' (a multimodal class); re-plan")
+        from toolkit.inputs.job import images_problem
+
+        if problem := images_problem(self.images_per_sample, self.image_size, self.image_tokens, self.seq_len):
+            raise ValueError(f"{problem.replace('--', '')}")
         if self.model_parts and sum(self.model_parts[k] for k in ("language_params", "vision_params",
                                                                    "projector_params")) != self.params:
             raise ValueError("'model_parts' counts do not add up to 'params'; re-plan")

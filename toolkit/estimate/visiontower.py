@@ -1,0 +1,165 @@
+"""What an image-and-text step's vision encoder and projector keep for backward, traced alone under FakeTensorMode
+(issue 31, Deliver 3): the model's own `get_image_features` (tower + projector, as its forward calls it) on one
+image of the job's size, the pixel values the model's image processor makes of it (toolkit.inputs.images).
+
+The whole image-text step does not trace under fake tensors (docs/ENGINE_FACTS.md: Gemma-3's image-token check and
+Qwen2.5-VL's vision position ids read tensor values). The tower alone does: its grid-derived inputs (position ids,
+cu_seqlens, window index) are computed on real tensors by transformers' own vision_utils functions and handed to the
+fake step as fake-tensor constants, so the few values the tower reads (`lengths.tolist()` of its attention windows,
+the split sizes of its output) come from them. Saved bytes are per image: images are concatenated along the patch
+axis and attend within themselves (cu_seqlens), so a micro-batch's tower activations are images x one image's.
+
+A frozen tower (--vision-tower freeze, LoRA / QLoRA, which exclude it) saves nothing: no input of its operations
+requires grad (pixel values never do), so autograd records none of them; the trace measures that too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TowerTrace:
+    saved_bytes: int
+    """Bytes the tower and projector keep for backward for one image (parameters and autocast weight copies
+    excluded; storages counted once)."""
+    autocast_copy_bytes: int
+    """Low-precision copies of the tower's weights autocast saves for backward (DDP's AMP; 0 otherwise)."""
+    patches: int
+    """Rows of the processor's pixel_values for one image (patches, or 1 for a fixed-size image)."""
+
+
+_CACHE: dict[tuple, TowerTrace] = {}
+
+
+def _is_weight_copy(t) -> bool:
+    """A cast of a parameter (autocast's copy): ToCopyBackward straight from a leaf's AccumulateGrad."""
+    fn = t.grad_fn
+    if fn is None or not type(fn).__name__.startswith("ToCopyBackward"):
+        return False
+    nexts = [f for f, _ in fn.next_functions if f is not None]
+    return len(nexts) == 1 and type(nexts[0]).__name__ == "AccumulateGrad"
+
+
+@contextlib.contextmanager
+def _constants_of_any_size():
+    """Let FakeTensorMode propagate constants of any size, not only 1-element ones (fake_tensor's
+    CONSTANT_NUMEL_LIMIT), while the tower runs: only the grid-derived tensors handed in as constants (and what is
+    computed from them alone) are constants; every weight and activation stays a plain fake tensor."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = 1 << 24
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = limit
+
+
+def _tower_config(config: Any) -> Any:
+    """`config` with one decoder layer: the tower's trace never runs the language model."""
+    from toolkit.inputs.modelconfig import text_config
+
+    config = copy.deepcopy(config)
+    text = text_config(config)
+    for name in ("num_hidden_layers",):
+        if getattr(text, name, None):
+            setattr(text, name, 1)
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:1]
+    return config
+
+
+def image_text_class(config: Any):
+    """The class that builds the vision tower with the language model: AutoModelForImageTextToText where its
+    mapping has the config (Qwen3.5's AutoModelForCausalLM builds the text model alone), else the class
+    toolkit.inputs.modelconfig.auto_model_class builds."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    from toolkit.inputs.modelconfig import auto_model_class
+
+    return AutoModelForImageTextToText if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING \
+        else auto_model_class(config)
+
+
+def trace_tower(config: Any, width: int, height: int, *, dtype: str = "bfloat16", autocast: bool = False,
+                attention: str = "sdpa", trained: bool = True, config_dir=None) -> TowerTrace:
+    """The vision encoder + projector of `config`'s multimodal class, forward on one `width` x `height` image
+    under FakeTensorMode: what autograd keeps for backward. `dtype` / `autocast` as the language model's trace
+    (toolkit.estimate.traces._trace_mode); `trained` False: the tower's parameters require no grad."""
+    key = (config.to_json_string(), width, height, dtype, autocast, attention, trained, str(config_dir))
+    if key not in _CACHE:
+        _CACHE[key] = _trace(config, width, height, dtype=dtype, autocast=autocast, attention=attention,
+                             trained=trained, config_dir=config_dir)
+    return _CACHE[key]
+
+
+def _trace(config, width, height, *, dtype, autocast, attention, trained, config_dir) -> TowerTrace:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    from toolkit.estimate.fakestep import weights_uninitialised
+    from toolkit.inputs.images import image_tokens
+
+    found = image_tokens(config, width, height, config_dir)
+    compute = getattr(torch, dtype)
+    param_dtype = torch.float32 if autocast else compute
+    traced = _tower_config(config)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with weights_uninitialised():
+            model = image_text_class(traced).from_config(traced, dtype=param_dtype, attn_implementation=attention)
+        model.train()
+        inner = model.model if hasattr(model.model, "get_image_features") else model
+        for p in model.parameters():
+            p.requires_grad_(trained)
+        pixels = torch.zeros(found.pixel_shape, dtype=param_dtype)
+        kwargs: dict[str, Any] = {}
+        if found.grid is not None:
+            kwargs = _grid_inputs(inner, found.grid, mode, unset_fake_temporarily)
+        param_storages = {id(p.untyped_storage()) for p in model.parameters()}
+        seen: set[int] = set()
+        held: list = []
+        out = {"saved": 0, "copies": 0}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if id(st) in param_storages or id(st) in seen:
+                return t
+            seen.add(id(st))
+            held.append(st)  # keeps the storage (and its id) alive while the trace runs
+            out["copies" if autocast and _is_weight_copy(t) else "saved"] += st.nbytes()
+            return t
+
+        amp = torch.autocast(device_type="cpu", dtype=compute) if autocast else contextlib.nullcontext()
+        with _constants_of_any_size(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+            inner.get_image_features(pixels, **kwargs)
+    return TowerTrace(saved_bytes=out["saved"], autocast_copy_bytes=out["copies"], patches=found.pixel_shape[0])
+
+
+def _grid_inputs(inner: Any, grid: tuple[int, ...], mode, unset_fake_temporarily) -> dict[str, Any]:
+    """A patch-grid tower's inputs that read the grid's values (Qwen2-VL family): image_grid_thw and what
+    transformers.vision_utils computes from it, on real tensors, handed in as fake-tensor constants."""
+    import inspect
+
+    import torch
+    from transformers import vision_utils
+
+    tower = next(getattr(inner, n) for n in ("visual", "vision_tower") if hasattr(inner, n))
+    with unset_fake_temporarily():
+        thw = torch.tensor([list(grid)], dtype=torch.long)
+        real = {"image_grid_thw": thw}
+        source = inspect.getsource(type(tower).forward)
+        merge = getattr(tower, "spatial_merge_size", 1)
+        if "get_vision_position_ids" in source:
+            real["position_ids"] = vision_utils.get_vision_position_ids(thw, merge)
+        if "get_vision_attention_seqlens" in source or "get_vision_cu_seqlens" in source:
+            real["cu_seqlens"] = vision_utils.get_vision_cu_seqlens(thw)
+        if "get_vision_window_index" in source:
+            real["window_index"], real["cu_window_seqlens"] = vision_utils.get_vision_window_index(
+                thw, spatial_merge_size=merge, window_size=tower.window_size, patch_size=tower.patch_size)
+    convert = mode.fake_tensor_converter
+    return {k: convert.from_real_tensor(mode, v, make_constant=True) for k, v in real.items()}
