@@ -1,5 +1,5 @@
 """How the tests start `accelerate launch` for a run they make themselves (tests/conftest.py's run_training,
-test_two_nodes' one-launcher reference, test_faults' resume)."""
+test_two_nodes' one-launcher reference, test_faults' resume, test_pipeline's runs)."""
 
 from __future__ import annotations
 
