@@ -3,6 +3,7 @@ composition rules, the refusals, and what EP changes in a rank's memory. No proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -127,6 +128,28 @@ def test_estimate_of_an_expert_parallel_row_names_its_terms_and_stars_its_speed(
     assert "all-to-all send + receive 2048 tokens x top-8 x hidden 2048" in out
     assert "4 blocking all-to-alls per MoE layer" in out and "on the node link" in out
     assert "the all-to-all terms are unverified" in out
+    # routing imbalance, a stated assumption: memory (sources and band line) and the experts' GEMM time
+    assert "balanced routing assumed (16,384 received rows a MoE layer, the all-to-all is dropless); the busiest " \
+           "rank at 1.25x the mean rows (assumed) holds 1.88 GiB more" in out
+    assert "routing imbalance: the busiest expert rank at 1.25x the mean routed rows (assumed) + 1.88 GiB" in out
+    assert "the busiest rank at 1.25x the mean rows (assumed; the all-to-all is dropless) adds 0.019 s" in out
+
+
+def test_a_received_row_costs_what_the_experts_keep_for_backward():
+    """Traced (the model's own experts module run as AllToAllEP runs it): Qwen3-30B-A3B's grouped_mm experts keep,
+    per received row, the gathered input (hidden), the gate_up output (2 x width), the activated gate and the
+    product (width each), in bf16, plus a few bytes of sort indices; 48 layers x 16,384 rows x 0.25 of that is the
+    busiest rank's extra at the assumed 1.25x share (1.88 GiB)."""
+    from toolkit.estimate.expertrows import received_row_bytes, worst_rank_extra_bytes
+    from toolkit.inputs.job import Job
+
+    spec = _spec("qwen3-30b-a3b")
+    row = received_row_bytes(spec, "bfloat16")
+    assert row == pytest.approx((2048 + 4 * 768) * 2, abs=32)
+    job = Job(seq_len=2048, micro_batch=1, grad_accum=1, precision="bf16", optimizer="adamw", checkpointing=False)
+    assert worst_rank_extra_bytes(spec, job, 2048 * 8) == int(0.25 * 2048 * 8 * 48 * row)
+    recomputed = dataclasses.replace(job, checkpointing=True)  # one layer's rows live at a time
+    assert worst_rank_extra_bytes(spec, recomputed, 2048 * 8) == int(0.25 * 2048 * 8 * row)
 
 
 def _plan_json(capsys, model, *args):

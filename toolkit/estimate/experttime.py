@@ -1,7 +1,8 @@
 """Step-time terms of expert parallelism as transformers 5.24 runs it (DistributedConfig ep_size; docs/ENGINE_FACTS.md,
 "What an expert-parallel step runs"): the routed experts' grouped GEMMs over the rows a rank's experts receive,
 the token exchange of every MoE layer (all-to-all, or the masked route's all-reduce), and FSDP2's collectives over
-the dense and the expert shard groups. Balanced routing throughout: every expert gets tokens x top_k / experts rows.
+the dense and the expert shard groups. Balanced routing throughout: every expert gets tokens x top_k / experts rows;
+the busiest rank's share is a stated assumption (toolkit.estimate.expertrows.EP_WORST_RANK_SHARE, --explain).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.hardware import Hardware
 from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import ModelSpec
+from toolkit.estimate.expertrows import EP_WORST_RANK_SHARE
 from toolkit.inputs.moe import ep_token_exchange, expert_params, moe_layer_count
 
 EP_ALL_TO_ALLS_PER_LAYER = 4
@@ -137,7 +139,10 @@ def expert_assumptions(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardwa
     said = [f"expert parallel {grid.expert}: {batch}; experts' grouped GEMMs over "
             f"{part.rows_per_expert:,.0f} rows per local expert at efficiency {part.efficiency:.2f} "
             f"({part.experts_s:.3f} s; *unverified: grouped_mm priced as a dense GEMM of that many rows, band "
-            f"x{GROUPED_MM_EFFICIENCY_BAND[0]:g}-x{GROUPED_MM_EFFICIENCY_BAND[1]:g} of it)"]
+            f"x{GROUPED_MM_EFFICIENCY_BAND[0]:g}-x{GROUPED_MM_EFFICIENCY_BAND[1]:g} of it); routing imbalance: "
+            f"priced at balanced routing, the busiest rank at {EP_WORST_RANK_SHARE:g}x the mean rows (assumed; the "
+            f"all-to-all is dropless) adds {(EP_WORST_RANK_SHARE - 1) * part.experts_s:.3f} s that every rank waits "
+            "for at the combine"]
     if route == "all_reduce":
         said.append(f"expert parallel {grid.expert}: masked route, {EP_ALL_REDUCES_PER_LAYER} blocking all-reduces "
                     f"per MoE layer of tokens x hidden on the {link} link ({exchange_s:.3f} s/step)")

@@ -260,9 +260,20 @@ def _expert_parallel_states(spec: ModelSpec, strategy: Strategy, job: Job, grid:
             f"{spec.moe_experts // grid.expert} of {spec.moe_experts} experts a layer, no FSDP (fsdp_size 1)")
     shared = (f" sharing one batch ({per_rank / 1e9:.2f}B parameters a rank, the dense modules whole)"
               if grid.expert_shared_batch else "")
-    s.sources.append(f"expert parallel {grid.expert}{shared}: {held}; {what} = {exchange / GIB:.2f} GiB "
-                     "(balanced routing assumed)")
+    s.sources.append(f"expert parallel {grid.expert}{shared}: {held}; {what} = {exchange / GIB:.2f} GiB; "
+                     f"{ep_routing_words(spec, job, grid)}")
     return s
+
+
+def ep_routing_words(spec: ModelSpec, job: Job, grid: ParallelGrid) -> str:
+    """The routing assumption of an expert-parallel row's memory (toolkit.estimate.expertrows), for --explain."""
+    from toolkit.estimate.experttime import expert_rows_per_rank
+    from toolkit.estimate.expertrows import EP_WORST_RANK_SHARE, worst_rank_extra_bytes
+
+    rows = expert_rows_per_rank(spec, job, grid)
+    extra = worst_rank_extra_bytes(spec, job, rows)
+    return (f"balanced routing assumed ({rows:,.0f} received rows a MoE layer, the all-to-all is dropless); the "
+            f"busiest rank at {EP_WORST_RANK_SHARE:g}x the mean rows (assumed) holds {extra / GIB:.2f} GiB more")
 
 
 def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
@@ -332,8 +343,16 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         offloaded = 0
         if job.activation_offloading:
             trace, offloaded = offload_layer_activations(trace)
-        regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states = states_for(spec, strategy, job, grid, params=spec.params)
+        if grid.expert > 1 and grid.shard_group > 1:  # transformers' own FSDP2 groups (distributed/fsdp.py)
+            from toolkit.inputs.moe import ep_gathered_layer_params
+            from toolkit.inputs.tensorplan import tensor_split
+
+            layers = [ep_gathered_layer_params(spec, grid.expert) if p == max(spec.layer_params) else p
+                      for p in spec.layer_params]
+            trace = _fsdp_plan_groups(spec, tensor_split(spec, 1).rank_kept_outside_params, layers, trace, states,
+                                      job)
+        regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
         return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference, grid=grid)
     if job.activation_offloading:
@@ -373,7 +392,8 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
     states = states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
     if view.fsdp_kept_outside_params is not None and strategy.engine == Engine.FSDP2 \
             and strategy.fsdp_mode != "grad_op" and not view.fsdp_layers_kept:
-        trace = _fsdp_plan_groups(view, trace, states, job)
+        trace = _fsdp_plan_groups(view.spec, view.fsdp_kept_outside_params, view.spec.layer_params, trace, states,
+                                  job)
     regions = _regions(view.spec, trace, 0, view.spec.num_layers, True, True)
     out = _compose(view.spec, strategy, view.job, hw, trace, regions, states, in_flight=1, grid=grid)
     terms = list(out.terms)
@@ -386,7 +406,8 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
                    notes=tuple(dict.fromkeys(view.notes + out.notes)))
 
 
-def _fsdp_plan_groups(view, trace: ActivationTrace, states: States, job: Job) -> ActivationTrace:
+def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, trace: ActivationTrace,
+                      states: States, job: Job) -> ActivationTrace:
     """FSDP2 as transformers wraps a tensor-parallel model (distributed/fsdp.py apply_fully_sharded_data_parallelism,
     from the model's fsdp_plan), instead of the root-holds-the-rest wrapping `fsdp2_states` models: the
     keep_full_weight modules outside the layers (final norm + LM head) are one group, unsharded from the head's
@@ -394,14 +415,15 @@ def _fsdp_plan_groups(view, trace: ActivationTrace, states: States, job: Job) ->
     after backward), so a layer's or the embedding's unsharded parameters exist only while that region computes.
     In forward FSDP2 also holds each group's all-gather output until the next group's all-gather has been copied
     out or the root's forward ends (_fsdp_param_group.py wait_for_unshard, all_gather_state): one more copy of the
-    group being computed, the head's included. Moves those bytes from the constant `gathered` into the regions."""
+    group being computed, the head's included. Moves those bytes from the constant `gathered` into the regions.
+    `kept_outside_params`: one rank's keep_full_weight parameters outside the layers; `layer_params`: what each
+    layer unshards (under expert parallelism its dense part and the rank's own experts, their own group on efsdp)."""
     from dataclasses import replace
 
     per_param = compute_bytes(job.precision)  # unsharded in the compute dtype, as fsdp2_states
     prefetch = 2 if job.device_kind == "cuda" else 1
-    spec = view.spec
-    kept = view.fsdp_kept_outside_params * per_param
-    embedding = max(0, spec.pre_layer_params + spec.post_layer_params - view.fsdp_kept_outside_params) * per_param
+    kept = kept_outside_params * per_param
+    embedding = max(0, spec.pre_layer_params + spec.post_layer_params - kept_outside_params) * per_param
     states.gathered = kept
     states.sources[:] = [x.replace("layer(s) + root", "layer(s) while it computes + the fsdp_plan's "
                                    "keep_full_weight modules (transformers' FSDP2 groups)") for x in states.sources]
@@ -410,7 +432,7 @@ def _fsdp_plan_groups(view, trace: ActivationTrace, states: States, job: Job) ->
         return replace(r, forward_extra_bytes=r.forward_extra_bytes + unsharded + buffer,
                        backward_extra_bytes=r.backward_extra_bytes + unsharded)
 
-    layers = tuple(grow(r, prefetch * p * per_param, p * per_param) for r, p in zip(trace.layers, spec.layer_params))
+    layers = tuple(grow(r, prefetch * p * per_param, p * per_param) for r, p in zip(trace.layers, layer_params))
     return replace(trace, embedding=grow(trace.embedding, embedding, embedding), layers=layers,
                    head=grow(trace.head, 0, kept))
 

@@ -19,7 +19,7 @@ from toolkit.plan.schema import Plan
 from toolkit.train import checkpoints, cpu, dimensions
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
-from toolkit.train.watch import held_state_bytes, param_dtypes, watch_layer_dtype
+from toolkit.train.watch import held_state_bytes, param_dtypes, watch_layer_dtype, watch_step_peak
 from toolkit.inputs.choices import TRL_LOSS
 from toolkit.inputs.strategy import Engine
 from toolkit.train.model import (build_model, check_matches_plan, check_vocab, freeze_vision_tower, load_config,
@@ -120,6 +120,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data,
                             ref_model=ref_model, adapter=adapter, rewards=rewards)
     seen_dtypes = watch_layer_dtype(model, plan.layer_class)
+    watch_step_peak(trainer, seen_dtypes)  # the rank summary's step_peak_bytes
     unpinned = cpu.unpinned_offload(trainer.accelerator)
     unpacked = cpu.unpacked_4bit(model, ref_model)
     if state is None or trainer.is_world_process_zero():

@@ -1,6 +1,6 @@
 """What a training run's rank summary says about its dtypes and states (with TOOLKIT_RANK_SUMMARY_DIR set; tests read
 it): the dtype a decoder layer and its first matmul compute in, the dtypes of the frozen and trained parameters, and
-the parameter and optimizer bytes a rank holds."""
+the parameter and optimizer bytes a rank holds, and (CPU) the peak of its last step."""
 
 from __future__ import annotations
 
@@ -52,3 +52,60 @@ def held_state_bytes(model, optimizer) -> tuple[int, int]:
                           for state in getattr(optimizer, "state", {}).values() for t in state.values()
                           if torch.is_tensor(t))
     return param_bytes, optimizer_bytes
+
+
+def watch_step_peak(trainer, seen: dict) -> None:
+    """With TOOLKIT_RANK_SUMMARY_DIR set, on CPU: the peak of live tensor bytes over the run's last optimizer step
+    (forward, backward, clipping, the optimizer step and zero_grad), what a plan's per-rank peak_bytes predicts.
+    torch's MemTracker (the CPU step peak toolkit.estimate.livebytes measures in one process) opens at the step's
+    on_step_begin with the model and the optimizer states tracked and closes at its on_step_end; the batch, already
+    fetched, is not counted (a few KB of token ids); meta-device storages hold nothing and are left out. `seen` (the
+    rank summary's) gets, once the step ran:
+
+    - `step_peak_bytes`: that peak less `param_storage_excess_bytes`, the bytes the parameters' storages hold beyond
+      the parameters (transformers cuts a rank's shard from the loaded tensor as a view, which on CPU keeps the
+      whole tensor alive: benchmarks/dimension_memory.py _compact_local_shards; a GPU copies the slice);
+    - under expert parallelism `routed_pairs`: for each call of an experts module transformers marked
+      _is_expert_parallel, the (token, expert) pairs this rank's tokens sent to each global expert id, from which
+      the rows every expert rank received follow (routing is not balanced)."""
+    if not os.environ.get("TOOLKIT_RANK_SUMMARY_DIR") or trainer.args.device.type != "cpu":
+        return
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import TrainerCallback
+
+    def count(module, args, kwargs):
+        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        if torch.is_tensor(index):
+            seen["routed_pairs"].append(torch.bincount(index.detach().reshape(-1).long()).tolist())
+
+    class StepPeak(TrainerCallback):
+        tracker = None
+        hooks: list = []
+
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            if state.global_step != state.max_steps - 1:
+                return
+            shards = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+            held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in shards}
+            seen["param_storage_excess_bytes"] = sum(held.values()) - sum(t.numel() * t.element_size()
+                                                                          for t in shards)
+            seen["routed_pairs"] = []
+            self.hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for m in model.modules()
+                          if getattr(m, "_is_expert_parallel", False)]
+            self.tracker = MemTracker()
+            self.tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
+            self.tracker.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.tracker is None:
+                return
+            self.tracker.__exit__(None, None, None)
+            for hook in self.hooks:
+                hook.remove()
+            peak = sum(snap.get("Total", 0) for dev, snap in self.tracker.get_tracker_snapshot("peak").items()
+                       if str(dev).startswith("cpu"))
+            seen["step_peak_bytes"] = int(peak) - seen["param_storage_excess_bytes"]
+            self.tracker = None
+
+    trainer.add_callback(StepPeak())
