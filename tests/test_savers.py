@@ -324,3 +324,23 @@ def test_a_plan_with_activation_offloading_is_rehearsed_with_it(tiny_llama_dir):
     assert small.activation_offloading and not any("offloading" in s for s in said)
     small, said = rehearsal_plan(plan.replace(dpo=Dpo().to_dict()), tiny_llama_dir)
     assert not small.activation_offloading and any("activation offloading" in s for s in said)
+
+
+def test_the_rehearsal_passes_an_offloading_plan_only_when_every_rank_moved_bytes(tmp_path, tiny_llama_dir):
+    """The rehearsal reads toolkit.train's rank summaries (write_rank_summary, as each rank writes it): each rank's
+    last micro-step must have moved bytes under TRL's offloading, and the passed line says how many on rank 0.
+    Measured: launch --rehearse of a qwen2.5-0.5b zero3 +act-offload plan passed with 11 tensors, 673,792 bytes."""
+    from toolkit.run.rehearsal import _offloaded, plan_for_model
+    from toolkit.train.hf_runner import write_rank_summary
+
+    small = plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=2, micro_batch=2, seq_len=64,
+                           checkpointing=True).replace(activation_offloading=True)
+    write_rank_summary(str(tmp_path), 0, {"activation_offloaded": {"tensors": 11, "bytes": 673792}})
+    assert _offloaded(tmp_path, small)[1]  # rank 1 never reported
+    write_rank_summary(str(tmp_path), 1, {"activation_offloaded": {}})
+    words, problems = _offloaded(tmp_path, small)
+    assert words == "" and problems == ["the plan offloads activations, but 1 of 2 ranks report TRL's offloading "
+                                        "moving any bytes"]
+    write_rank_summary(str(tmp_path), 1, {"activation_offloaded": {"tensors": 11, "bytes": 673792}})
+    assert _offloaded(tmp_path, small) == (" with TRL's activation offloading (11 tensors, 673,792 bytes to host a "
+                                           "micro-step on rank 0)", [])

@@ -311,15 +311,20 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
     if dry_run:
         return 0
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if nodes > 1:
-        # Where the ranks report what they trained: the caller's folder when it names one (kept after the run).
-        summaries = Path(os.environ.get("TOOLKIT_RANK_SUMMARY_DIR") or work / "ranks")
+    # Where the ranks report what they trained: the caller's folder when it names one (kept after the run).
+    summaries = Path(os.environ.get("TOOLKIT_RANK_SUMMARY_DIR") or work / "ranks")
+    if nodes > 1 or small.activation_offloading:
         env["TOOLKIT_RANK_SUMMARY_DIR"] = str(summaries)
+    if nodes > 1:
         code = run_nodes(commands, env=env, output=work / "out")
         if code == 0:
             problems += _check_replicas(summaries, small)
     else:
         code = run(commands[0], env=env, output=work / "out")
+    offloaded = ""
+    if code == 0 and small.activation_offloading:
+        offloaded, problem = _offloaded(summaries, small)
+        problems += problem
     if code == 0:
         problems += _check_saved_model(work / "out", small)
     if code != 0 or problems:
@@ -331,9 +336,22 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
             print(f"  log: {line}", flush=True)
         print(f"rehearsal FAILED (exit code {code}); fix this before spending GPU time", flush=True)
         return code or 1
-    print(f"rehearsal passed: {_label(small)} trained {REHEARSAL_STEPS} steps, checkpointed, saved and reloaded",
-          flush=True)
+    print(f"rehearsal passed: {_label(small)} trained {REHEARSAL_STEPS} steps{offloaded}, checkpointed, saved and "
+          "reloaded", flush=True)
     return 0
+
+
+def _offloaded(folder: Path, small: Plan) -> tuple[str, list[str]]:
+    """(words for the passed line, problems): every rank's last micro-step under TRL's activation offloading moved
+    saved tensors to the host, as toolkit.train's rank summaries report them (toolkit.patches.actoffload)."""
+    from toolkit.train.hf_runner import read_rank_summaries
+
+    moved = [s.get("activation_offloaded", {}) for s in read_rank_summaries(folder)]
+    if len(moved) != small.world_size or not all(m.get("bytes") for m in moved):
+        return "", [f"the plan offloads activations, but {sum(1 for m in moved if m.get('bytes'))} of "
+                    f"{small.world_size} ranks report TRL's offloading moving any bytes"]
+    return (f" with TRL's activation offloading ({moved[0]['tensors']} tensors, {moved[0]['bytes']:,} bytes to "
+            "host a micro-step on rank 0)"), []
 
 
 def rehearsal_argv(data: Path, output: Path, train_argv: list[str]) -> list[str]:
