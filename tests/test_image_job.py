@@ -101,6 +101,43 @@ def test_traced_activations_match_a_real_cpu_image_text_step(tower):
     assert trace.embedding.saved_bytes - text_only.embedding.saved_bytes == IMAGES * one.saved_bytes
 
 
+def test_gemma_3s_siglip_tower_traced_alone_saves_what_a_real_forward_saves():
+    """Gemma-3's tower reads no tensor values: SigLIP on its square image (56 x 56 here: 4 x 4 patches of 14)
+    and the projector's 2 x 2 pooling to mm_tokens_per_image 4. The fake trace's saved bytes are a real CPU
+    forward's (fp32, eager attention as Gemma-3 picks, and sdpa)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    from toolkit.estimate.visiontower import trace_tower
+    from toolkit.inputs.images import image_tokens
+
+    config = Gemma3Config(
+        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=56, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=4, image_token_index=511)
+    found = image_tokens(config, 640, 480)
+    assert found.tokens == 4 and found.pixel_shape == (1, 3, 56, 56)
+    for attention in ("eager", "sdpa"):
+        traced = trace_tower(config, 640, 480, dtype="float32", attention=attention)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+        model.train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: set = set()
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen.add((st.data_ptr(), st.nbytes()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model.get_image_features(torch.randn(found.pixel_shape)).pooler_output.sum().backward()
+        assert traced.saved_bytes == sum(n for _, n in seen) > 0, attention
+
+
 def _run(capsys, *argv):
     code = main(list(argv))
     out = capsys.readouterr()
@@ -149,11 +186,16 @@ def test_plan_json_and_plan_md_carry_the_image_fields(tiny_vl_dir):
 
 @pytest.mark.parametrize("argv, message", [
     (["--images-per-sample", "2", "--image-size", "448x448"], "has no vision encoder (it is not a multimodal class)"),
+    (["--images-per-sample", "2", "--image-size", "448x448", "--model-config", "qwen3.5-27b"],
+     "as its language model alone"),
     (["--images-per-sample", "2"], "--images-per-sample needs --image-size WIDTHxHEIGHT"),
     (["--image-size", "448x448"], "--image-size needs --images-per-sample N"),
 ])
 def test_images_on_a_text_model_or_half_given_are_one_line(argv, message, capsys):
-    code, out, err = _run(capsys, "estimate", str(MODELS / "qwen3-0.6b.json"), "--gpus", "1xH100-80GB", "--seq",
+    model = "qwen3-0.6b"
+    if "--model-config" in argv:
+        model, argv = argv[-1], argv[:-2]
+    code, out, err = _run(capsys, "estimate", str(MODELS / f"{model}.json"), "--gpus", "1xH100-80GB", "--seq",
                           "512", *argv)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
 

@@ -210,7 +210,8 @@ def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: Activation
     embedding = replace(trace.embedding, saved_bytes=trace.embedding.saved_bytes + saved,
                         autocast_copy_bytes=trace.embedding.autocast_copy_bytes + tower.autocast_copy_bytes,
                         forward_events=(*events, saved) if events else events)
-    note = (f"vision encoder + projector traced alone ({job.image_size}, {tower.patches} patch rows an image): "
+    shape = " x ".join(map(str, tower.pixel_shape))
+    note = (f"vision encoder + projector traced alone ({job.image_size}: pixel_values {shape} an image): "
             f"{tower.saved_bytes:,} bytes saved for backward per image x {images} image(s) a micro-batch, in the "
             "embedding region" + (" (its blocks traced uncheckpointed: an upper bound under checkpointing)"
                                   if job.checkpointing else ""))

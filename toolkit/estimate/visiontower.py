@@ -28,8 +28,8 @@ class TowerTrace:
     excluded; storages counted once)."""
     autocast_copy_bytes: int
     """Low-precision copies of the tower's weights autocast saves for backward (DDP's AMP; 0 otherwise)."""
-    patches: int
-    """Rows of the processor's pixel_values for one image (patches, or 1 for a fixed-size image)."""
+    pixel_shape: tuple[int, ...]
+    """The processor's pixel_values for one image (Qwen2-VL: patches x patch features; SigLIP: 1 x 3 x H x W)."""
 
 
 _CACHE: dict[tuple, TowerTrace] = {}
@@ -137,7 +137,7 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, config
         amp = torch.autocast(device_type="cpu", dtype=compute) if autocast else contextlib.nullcontext()
         with _constants_of_any_size(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
             inner.get_image_features(pixels, **kwargs)
-    return TowerTrace(saved_bytes=out["saved"], autocast_copy_bytes=out["copies"], patches=found.pixel_shape[0])
+    return TowerTrace(saved_bytes=out["saved"], autocast_copy_bytes=out["copies"], pixel_shape=tuple(found.pixel_shape))
 
 
 def _grid_inputs(inner: Any, grid: tuple[int, ...], mode, unset_fake_temporarily) -> dict[str, Any]:

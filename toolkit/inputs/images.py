@@ -122,6 +122,10 @@ def image_job(spec: Any, images_per_sample: int | None, image_size: str | None, 
     if not image_size:
         raise UserError("--images-per-sample needs --image-size WIDTHxHEIGHT (each image's pixels); give both, or "
                         "neither")
+    if not getattr(spec, "multimodal", False) and getattr(spec.hf_config(), "vision_config", None) is not None:
+        raise UserError(f"--images-per-sample: toolkit plans {spec.name} as its language model alone (the class "
+                        "AutoModelForCausalLM builds, without the vision encoder); image-and-text jobs on it are not "
+                        "modelled yet: drop the image flags")
     if not getattr(spec, "multimodal", False):
         raise UserError(f"--images-per-sample: {spec.name} has no vision encoder (it is not a multimodal class); "
                         "drop the image flags, or plan a vision-language checkpoint")
