@@ -204,7 +204,7 @@ def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: Activation
     dtype, autocast = _trace_mode(strategy, job)
     width, height = parse_image_size(job.image_size)
     tower = trace_tower(spec.hf_config(), width, height, dtype=dtype, autocast=autocast,
-                        attention=spec.effective_attention(job.attention))
+                        attention=spec.effective_attention(job.attention), checkpointing=bool(job.checkpointing))
     saved = tower.saved_bytes * images
     events = trace.embedding.forward_events
     embedding = replace(trace.embedding, saved_bytes=trace.embedding.saved_bytes + saved,
@@ -213,6 +213,6 @@ def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: Activation
     shape = " x ".join(map(str, tower.pixel_shape))
     note = (f"vision encoder + projector traced alone ({job.image_size}: pixel_values {shape} an image): "
             f"{tower.saved_bytes:,} bytes saved for backward per image x {images} image(s) a micro-batch, in the "
-            "embedding region" + (" (its blocks traced uncheckpointed: an upper bound under checkpointing)"
-                                  if job.checkpointing else ""))
+            "embedding region" + (" (its blocks checkpointed with the model's, as the HF Trainer does: each keeps its "
+                                  "inputs)" if job.checkpointing else ""))
     return replace(trace, embedding=embedding, notes=tuple(dict.fromkeys((*trace.notes, note))))

@@ -87,22 +87,27 @@ def image_text_class(config: Any):
 
 
 def trace_tower(config: Any, width: int, height: int, *, dtype: str = "bfloat16", autocast: bool = False,
-                attention: str = "sdpa", trained: bool = True, config_dir=None) -> TowerTrace:
+                attention: str = "sdpa", trained: bool = True, checkpointing: bool = False,
+                config_dir=None) -> TowerTrace:
     """The vision encoder + projector of `config`'s multimodal class, forward on one `width` x `height` image
     under FakeTensorMode: what autograd keeps for backward. `dtype` / `autocast` as the language model's trace
-    (toolkit.estimate.traces._trace_mode); `trained` False: the tower's parameters require no grad."""
-    key = (config.to_json_string(), width, height, dtype, autocast, attention, trained, str(config_dir))
+    (toolkit.estimate.traces._trace_mode); `trained` False: the tower's parameters require no grad;
+    `checkpointing`: the model's activation checkpointing on, as the HF Trainer turns it on for the whole class
+    (every GradientCheckpointingLayer, the tower's blocks included): a block keeps its inputs only."""
+    key = (config.to_json_string(), width, height, dtype, autocast, attention, trained, checkpointing,
+           str(config_dir))
     if key not in _CACHE:
         _CACHE[key] = _trace(config, width, height, dtype=dtype, autocast=autocast, attention=attention,
-                             trained=trained, config_dir=config_dir)
+                             trained=trained, checkpointing=checkpointing, config_dir=config_dir)
     return _CACHE[key]
 
 
-def _trace(config, width, height, *, dtype, autocast, attention, trained, config_dir) -> TowerTrace:
+def _trace(config, width, height, *, dtype, autocast, attention, trained, checkpointing,
+           config_dir) -> TowerTrace:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-    from toolkit.estimate.fakestep import weights_uninitialised
+    from toolkit.estimate.fakestep import enable_checkpointing, weights_uninitialised
     from toolkit.inputs.images import image_tokens
 
     found = image_tokens(config, width, height, config_dir)
@@ -112,6 +117,8 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, config
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         with weights_uninitialised():
             model = image_text_class(traced).from_config(traced, dtype=param_dtype, attn_implementation=attention)
+        if checkpointing:
+            enable_checkpointing(model)
         model.train()
         inner = model.model if hasattr(model.model, "get_image_features") else model
         for p in model.parameters():
