@@ -35,7 +35,7 @@ VALUES = {
     "--lora-targets": "q_proj,v_proj", "--lora-modules-to-save": "lm_head", "--out": "{tmp}/out2",
     "--nvme-path": "{tmp}/nvme", "--hosts": "node-a,node-b", "--model": "{model}", "--device": "cuda",
     "--workdir": "{tmp}/demo", "--qlora-compute-dtype": "float32", "--runner": "deepspeed", "--data": "{corpus}",
-    "--rope-original-positions": "128", "--image-size": "448x448",
+    "--rope-original-positions": "128", "--image-size": "448x448", "--emit": "{tmp}/out2",
 }
 """A value for each flag whose value the parser cannot give (names, paths), or whose derived value would not show
 its effect: --power-limit-w inside the die's datasheet points; --qlora-compute-dtype float32, as float16 takes the
@@ -105,6 +105,8 @@ NOT_WALKED = {
     ("demo", "--workdir"): "the demo trains a model in processes (tests/test_golden_output.py runs it)",
     ("demo", "--steps"): "the demo trains a model in processes (tests/test_golden_output.py runs it)",
     ("demo", "--force"): "the demo trains a model in processes (tests/test_golden_output.py runs it)",
+    ("tune", "--budget-min"): "a budget a candidate fits in starts its training processes (tests/test_tune.py runs "
+                              "them; its budget test skips every candidate)",
 }
 """The flags this in-process walk cannot run, with where they are proven instead."""
 
@@ -168,11 +170,13 @@ def walked_flags(command: str):
 WARNED = Path(__file__).parent / "check_corpus" / "ds-zero3-without-16bit-save.json"
 """A DeepSpeed JSON with a warning and no error: what check's --strict and --runner act on."""
 
-COMMANDS = ("estimate", "plan", "profile", "emit", "check", "launch", "demo")
+COMMANDS = ("estimate", "plan", "profile", "emit", "check", "launch", "demo", "tune")
 
 
-def _setups(tiny_llama_dir: Path, tmp: Path, plan_dir: Path, corpus: Path) -> dict[str, tuple[list[str], list[str]]]:
-    """command -> (its words before the walked flag, after it)."""
+def _setups(tiny_llama_dir: Path, tmp: Path, plan_dir: Path, corpus: Path,
+            four: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """command -> (its words before the walked flag, after it). tune: on a plan for 4 GPUs (so --processes 2 is
+    not its default), with a budget that planning alone spends, so no candidate starts a process."""
     model = str(tiny_llama_dir)
     return {
         "estimate": ([model, "--seq", "64", "--gpus", "2xH100-80GB", "--json"], []),
@@ -183,6 +187,7 @@ def _setups(tiny_llama_dir: Path, tmp: Path, plan_dir: Path, corpus: Path) -> di
         "check": ([str(plan_dir), str(WARNED)], []),
         "launch": ([str(plan_dir), "--dry-run"], ["--", "--data", str(corpus), "--output", str(tmp / "run")]),
         "demo": ([], []),
+        "tune": ([str(four), "--cpu", "--budget-min", "0.0001"], []),
     }
 
 
@@ -190,6 +195,14 @@ def _setups(tiny_llama_dir: Path, tmp: Path, plan_dir: Path, corpus: Path) -> di
 def planned(tiny_llama_dir, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("walk") / "planned"
     assert main(["plan", str(tiny_llama_dir), "--seq", "64", "--global-batch", "16", "--gpus", "2xH100-80GB",
+                 "--strategies", "zero2", "--out", str(folder)]) == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def planned_four(tiny_llama_dir, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("walk") / "planned-four"
+    assert main(["plan", str(tiny_llama_dir), "--seq", "64", "--global-batch", "16", "--gpus", "4xH100-80GB",
                  "--strategies", "zero2", "--out", str(folder)]) == 0
     return folder
 
@@ -238,11 +251,12 @@ def _result(command: str, argv: list[str], tmp: Path, capsys, *, fresh: bool = T
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, planned, corpus_dir, tmp_path, capsys):
+def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, planned, planned_four, corpus_dir, tmp_path,
+                                                   capsys):
     """Each flag `toolkit COMMAND --help` shows, given once, changes what the command prints or writes (its numbers
     or files, not an echo of its input), or is refused in one line with exit code 2."""
     parser = _subparser(command)
-    before, after = _setups(tiny_llama_dir, tmp_path, planned, corpus_dir)[command]
+    before, after = _setups(tiny_llama_dir, tmp_path, planned, corpus_dir, planned_four)[command]
     fill = {"{tmp}": str(tmp_path), "{model}": str(tiny_llama_dir), "{corpus}": str(corpus_dir)}
     known = {o for a in parser._actions for o in a.option_strings}  # noqa: SLF001
     by_numbers = {o for g in parser._action_groups if g.title and g.title.startswith("model by numbers")  # noqa: SLF001
