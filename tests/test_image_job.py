@@ -192,8 +192,12 @@ def test_estimate_and_plan_carry_the_images_and_their_tokens(tiny_vl_dir, capsys
         == (416, 96, 2, "448x280", 160)
     code, text_out, _ = _run(capsys, "estimate", str(tiny_vl_dir), "--gpus", "1xH100-80GB", "--seq", "416",
                              "--strategy", "ddp", "--json")
-    # the same 416 tokens as text: the images add exactly the tower's saved bytes
-    assert json.loads(out)["per_gpu"]["activations_bytes"] > json.loads(text_out)["per_gpu"]["activations_bytes"]
+    # the same 416 tokens as text: the images add exactly the tower's saved bytes, named in the vision share
+    imaged, text = json.loads(out), json.loads(text_out)
+    tower = next(t["bytes"] for t in imaged["terms"] if t["name"] == "  of which vision encoder")
+    assert tower > 0 and imaged["vision_share"]["activations_bytes"] == tower
+    assert imaged["per_gpu"]["activations_bytes"] - text["per_gpu"]["activations_bytes"] == tower
+    assert "activations_bytes" not in text["vision_share"]
     code, out, err = _run(capsys, "plan", str(tiny_vl_dir), *common, "--global-batch", "8", "--strategies", "ddp",
                           "--json")
     assert code == 0 and json.loads(out)["images"] == {"images_per_sample": 2, "image_size": "448x280",

@@ -291,26 +291,31 @@ def vision_share(spec, b, c) -> dict[str, int]:
     from toolkit.estimate.memory import frozen_params
     from toolkit.estimate.states import frozen_weight_bytes
 
+    from toolkit.estimate.memory import VISION_ACTIVATIONS
+
     tower = spec.vision_params + spec.projector_params
+    images = {"activations_bytes": t.bytes for t in b.terms if t.name == VISION_ACTIVATIONS}
     if frozen_params(spec, c.job):
         return {"weights_bytes": int(frozen_weight_bytes(tower, c.job, c.strategy, shard=c.grid.shard_group)),
-                "gradients_bytes": 0, "optimizer_bytes": 0}
+                "gradients_bytes": 0, "optimizer_bytes": 0, **images}
     fraction = tower / spec.params
     trained = not c.job.adapter.is_adapter
     return {"weights_bytes": int(b.parameters_bytes * fraction),
             "gradients_bytes": int(b.gradients_bytes * fraction) if trained else 0,
-            "optimizer_bytes": int(b.optimizer_bytes * fraction) if trained else 0}
+            "optimizer_bytes": int(b.optimizer_bytes * fraction) if trained else 0, **images}
 
 
 def vision_share_words(spec, b, c) -> str:
     share = vision_share(spec, b, c)
+    activations = share.pop("activations_bytes", 0)
     total = sum(share.values())
     return (f"{gib(total)} GiB of the per-GPU model states ({spec.vision_params + spec.projector_params:,} "
             f"parameters, {(spec.vision_params + spec.projector_params) / spec.params:.1%} of the class): weights "
             f"{gib(share['weights_bytes'])}, gradients {gib(share['gradients_bytes'])}, optimizer states + master "
             f"{gib(share['optimizer_bytes'])} GiB, as {c.name} holds them"
             + (" (sharded over the data-parallel ranks)" if c.strategy.zero_stage == 3 or
-               c.strategy.name.startswith("fsdp2") else ""))
+               c.strategy.name.startswith("fsdp2") else "")
+            + (f"; and {gib(activations)} GiB of activations for the images" if activations else ""))
 
 
 def rope_words(spec) -> str:

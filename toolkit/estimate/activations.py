@@ -80,6 +80,9 @@ class ActivationTrace:
     """torch.compile only: (eager elementwise bytes, compiled elementwise bytes, eager kernels, compiled kernels) of
     one micro-batch's forward + backward over the full depth (toolkit.estimate.compiled._traffic); the step-time
     model's compile term reads it."""
+    vision_bytes: int = 0
+    """An image-and-text job: the part of embedding.saved_bytes the vision encoder + projector keep for the
+    micro-batch's images (toolkit.estimate.traces.with_images); 0 otherwise."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Substitutions and approximations made (GPU kernel stand-ins, uniform MoE routing, ...)."""
 

@@ -31,6 +31,10 @@ from toolkit.estimate.breakdown import (  # noqa: F401  (the memory model's name
 from toolkit.estimate.devicememory import device_terms
 
 
+VISION_ACTIVATIONS = "  of which vision encoder"
+"""The activations term's share an image-and-text job's vision tower keeps (its Term name)."""
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Phase simulation
 
@@ -523,6 +527,12 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         Term("CUDA context", outside.context_bytes, outside.context_source),
         Term("NCCL buffers", outside.nccl_bytes, outside.nccl_source),
     ]
+    if trace.vision_bytes:
+        where = next(i for i, t in enumerate(terms) if t.name == "  of which head + loss")
+        terms.insert(where + 1, Term(VISION_ACTIVATIONS, int(trace.vision_bytes * in_flight),
+                                     f"vision encoder + projector saved for backward: {job.images_per_sample} image(s) "
+                                     f"of {job.image_size} per sample x micro-batch {job.micro_batch}, traced alone "
+                                     "(toolkit.estimate.visiontower)"))
     forward_grads = sum(r.trace.forward_grad_bytes for r in regions)
     if forward_grads:
         terms.insert(5, Term("LM-head gradient made in forward", int(forward_grads),

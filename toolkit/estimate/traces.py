@@ -215,4 +215,4 @@ def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: Activation
             f"{tower.saved_bytes:,} bytes saved for backward per image x {images} image(s) a micro-batch, in the "
             "embedding region" + (" (its blocks checkpointed with the model's, as the HF Trainer does: each keeps its "
                                   "inputs)" if job.checkpointing else ""))
-    return replace(trace, embedding=embedding, notes=tuple(dict.fromkeys((*trace.notes, note))))
+    return replace(trace, embedding=embedding, vision_bytes=saved, notes=tuple(dict.fromkeys((*trace.notes, note))))
