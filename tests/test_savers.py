@@ -344,3 +344,22 @@ def test_the_rehearsal_passes_an_offloading_plan_only_when_every_rank_moved_byte
     write_rank_summary(str(tmp_path), 1, {"activation_offloaded": {"tensors": 11, "bytes": 673792}})
     assert _offloaded(tmp_path, small) == (" with TRL's activation offloading (11 tensors, 673,792 bytes to host a "
                                            "micro-step on rank 0)", [])
+
+
+def test_the_offloaded_bytes_are_traced_alike_without_trl_installed(monkeypatch):
+    """TRL is an optional extra: without it the tracer keeps the HF head (get_output_embeddings, TRL's lm_head pick
+    for a causal LM) on the device itself, and predicts the bytes TRL's rule gives (2,840,576 on CPU, 1,684,480 with
+    the GPU's side streams, which keep the twice-saved log-softmax and norm input once)."""
+    import sys
+
+    from toolkit.estimate.savers import offloaded_bytes
+    from toolkit.estimate.tracer import trace_activations
+    from toolkit.run.tiny import tiny_config
+
+    config = tiny_config("llama", vocab_size=1000, max_positions=256, hidden=128, layers=3, heads=4, kv_heads=2,
+                         ffn=344)
+    kwargs = dict(seq_len=128, micro_batch=2, dtype="float32", checkpointing=True)
+    with_trl = [offloaded_bytes(trace_activations(config, device_kind=k, **kwargs)) for k in ("cpu", "cuda")]
+    monkeypatch.setitem(sys.modules, "trl", None)
+    without = [offloaded_bytes(trace_activations(config, device_kind=k, **kwargs)) for k in ("cpu", "cuda")]
+    assert with_trl == without == [2_840_576, 1_684_480]

@@ -164,10 +164,18 @@ def kept_modules_depth(model) -> _KeptDepth:
     (`output`, `lm_head`, a decoder's head, a final norm or `head`, the first found, PEFT unwrapped) and every
     module whose name holds "liger"; `.depth` is above 0 while the forward runs inside one. Only modules called
     as modules count: Liger's fused cross-entropy and TRL's fused LM head read lm_head's weight without calling
-    it, so what their loss saves is moved."""
+    it, so what their loss saves is moved. Without TRL installed (an optional extra), the HF causal LM's head,
+    `get_output_embeddings()`, which is TRL's pick (`lm_head`) for those models."""
     import warnings
 
-    import trl.models.activation_offloading as engine
+    try:
+        import trl.models.activation_offloading as engine
+    except ImportError:
+        depth, head = _KeptDepth(), model.get_output_embeddings()
+        if head is not None:
+            head.register_forward_pre_hook(lambda *args: depth.__enter__())
+            head.register_forward_hook(lambda *args: depth.__exit__(), always_call=True)
+        return depth
 
     depth, noop = _KeptDepth(), engine.NoOpManager
     engine.NoOpManager = lambda: depth
