@@ -131,17 +131,19 @@ class TrainRun:
 @pytest.fixture(scope="session")
 def run_training(tmp_path_factory):
     """Emit a plan's files and run toolkit.train on it: `accelerate launch` for several processes, plain python
-    for one. Returns a TrainRun; pass the same `output` twice (with --resume) to continue a run."""
+    for one. Returns a TrainRun; pass the same `output` twice (with --resume) to continue a run, and a `main_port`
+    (toolkit.run.launcher.free_port) to runs started side by side (accelerate's default port is one for all)."""
     from toolkit.run.launcher import emit_plan_files, launch_command
 
-    def run(plan, name: str, *train_argv: str, output: Path | None = None, timeout: int = 300) -> TrainRun:
+    def run(plan, name: str, *train_argv: str, output: Path | None = None, timeout: int = 300,
+            main_port: int | None = None) -> TrainRun:
         base = tmp_path_factory.mktemp(name)
         plan_dir = emit_plan_files(plan, base / "plan")
         output = output or base / "out"
         summary_dir = base / "ranks"
         argv = ["--output", str(output), *train_argv]
         if plan.world_size > 1:
-            command = quick_launch(launch_command(plan_dir, argv))
+            command = quick_launch(launch_command(plan_dir, argv, main_port=main_port))
         else:
             command = [sys.executable, "-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *argv]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOOLKIT_RANK_SUMMARY_DIR": str(summary_dir),
