@@ -213,3 +213,40 @@ def test_a_rehearsal_of_a_dpo_plan_keeps_its_dpo_settings(tiny_llama_dir):
     small, _ = rehearsal_plan(plan, tiny_llama_dir)
     assert small.dpo_spec == dpo
     assert settings(small)["dpo_config"]["precompute_ref_log_probs"] is True
+
+
+def test_dpo_activation_offloading_moves_the_policys_chosen_and_rejected_saved_bytes():
+    """With TRL's offloading (DPOConfig activation_offloading) the policy's decoder-layer saved bytes of the
+    concatenated batch (2 x micro-batch: chosen and rejected) leave the GPU for pinned host RAM, twice what the same
+    micro-batch moves in SFT; the reference's no_grad forward saves nothing, so its term is the same with and
+    without; the host line and the PCIe time count what TRL's rule moves of that batch (the layers' and the loss's
+    saves), the same bytes the memory puts in host RAM."""
+    from dataclasses import replace
+
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.savers import offload_copies, offloaded_bytes
+    from toolkit.estimate.traces import scaled_trace
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job, policy_job
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec, hw, ddp = resolve_model("qwen2.5-0.5b"), parse_hardware("1xA100-80GB"), parse_strategy("ddp")
+    job = Job(seq_len=2048, micro_batch=2, checkpointing=True, dpo=Dpo())
+    plain = estimate_memory(spec, ddp, job, hw)
+    off = estimate_memory(spec, ddp, replace(job, activation_offloading=True), hw)
+    policy = sum(r.saved_bytes for r in scaled_trace(spec, policy_job(job), ddp).layers)
+    sft = sum(r.saved_bytes for r in scaled_trace(spec, replace(job, dpo=None), ddp).layers)
+    # Checkpointed: one layer input per layer and sequence, plus the rotary tables, which do not grow with the batch
+    # (measured: 705,708,032 bytes for 4 sequences of 2,048 vs 353,386,496 for 2, 0.15% under twice).
+    assert policy == pytest.approx(2 * sft, rel=0.002) and policy > 1.99 * sft
+    offloading = replace(job, activation_offloading=True)
+    moved = offloaded_bytes(scaled_trace(spec, policy_job(offloading), ddp))  # TRL's rule: layers' and loss's saves
+    assert moved >= policy
+    assert off.cpu_bytes_per_node - plain.cpu_bytes_per_node == moved
+    assert off.activations_bytes == plain.activations_bytes - policy
+    assert off.reference_bytes == plain.reference_bytes > 0
+    assert plain.peak_bytes - off.peak_bytes >= policy - 2 * max(r.saved_bytes for r in
+                                                                  scaled_trace(spec, policy_job(job), ddp).layers)
+    rank_bytes, seconds = offload_copies(spec, offloading, ddp, hw)
+    assert rank_bytes == moved and seconds == pytest.approx(2 * moved / (hw.gpu.pcie_gbps * 1e9))

@@ -243,10 +243,10 @@ def notes(plan: Plan) -> list[str]:
                    "select it (optim adamw_torch runs torch's foreach default, which needs more memory at the step); "
                    "a custom loop passes foreach=False, fused=False.")
     if plan.activation_offloading:
-        out.append("The plan's memory assumes activation offloading: TRL's SFTConfig carries activation_offloading; "
-                   "toolkit.train runs TRL's offloading context around each training step as SFTTrainer does (SFT "
-                   "plans); the plain HF Trainer has no such option (re-plan without --activation-offloading for "
-                   "it).")
+        out.append(f"The plan's memory assumes activation offloading: TRL's {'DPOConfig' if plan.dpo else 'SFTConfig'} "
+                   "carries activation_offloading; toolkit.train runs TRL's offloading context around each training "
+                   "step as SFTTrainer and DPOTrainer do; the plain HF Trainer has no such option (re-plan without "
+                   "--activation-offloading for it).")
     if plan.compile:
         out.append("The plan's memory and speed assume torch.compile (inductor): TrainingArguments carry "
                    "torch_compile and the YAML dynamo_config (backend INDUCTOR); a custom loop gets it from the YAML "

@@ -164,7 +164,8 @@ def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: P
     """The step of a GRPO job: the policy's supervised step on prompt + completion sequences, the generation of the
     step's completions (decode-bound), and the no_grad scoring forwards over them: the reference's when beta != 0,
     and the policy's old log-probs when vLLM generates (vllm_importance_sampling_correction, TRL's default)."""
-    from toolkit.estimate.preference import no_grad_forward_s, policy_job
+    from toolkit.estimate.preference import no_grad_forward_s
+    from toolkit.inputs.job import policy_job
     from toolkit.estimate.timing import step_time
 
     grpo = job.grpo

@@ -322,7 +322,8 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
     """estimate_memory's training step (GRPO's generation is added by its caller)."""
     reference = None
     if job.dpo is not None or job.grpo is not None:  # the policy's step (DPO: the concatenated batch), the reference
-        from toolkit.estimate.preference import policy_job, reference_of
+        from toolkit.estimate.preference import reference_of
+        from toolkit.inputs.job import policy_job
 
         reference, job = reference_of(spec, strategy, job, grid), policy_job(job)
     if grid.model_parallel > 1:

@@ -1,7 +1,7 @@
 """What a DPO job (TRL's DPOTrainer, toolkit.inputs.preference) adds to one GPU's memory and step beside the
 policy's supervised step, from how TRL 1.16 builds and prepares its reference (docs/ENGINE_FACTS.md, "DPO"):
 
-- the policy runs chosen and rejected concatenated, one batch of 2 x micro-batch sequences (policy_job);
+- the policy runs chosen and rejected concatenated, one batch of 2 x micro-batch sequences (inputs.job.policy_job);
 - the reference's weights, when it is a model of its own (reference kept, full fine-tuning), as its engine holds
   them: DeepSpeed casts it to the compute dtype and partitions it under ZeRO-3 only (stage 0 otherwise); FSDP2
   shards it; DDP keeps a replica in the dtype the policy was loaded in;
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from toolkit.errors import UserError
 from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.grid import ParallelGrid
-from toolkit.inputs.job import Job
+from toolkit.inputs.job import Job, policy_job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.grpo import MODEL_PARALLEL_GRPO_PROBLEM
 from toolkit.inputs.preference import MODEL_PARALLEL_DPO_PROBLEM
@@ -47,15 +47,6 @@ class Reference:
             return 0
         layer = max((r.saved_bytes + r.forward_extra_bytes for r in trace.layers), default=0)
         return int(layer + self.gathered_bytes)
-
-
-def policy_job(job: Job) -> Job:
-    """The supervised job the policy's memory and time are traced as. DPO: chosen and rejected concatenated into one
-    forward (TRL's _compute_loss: `batch is [chosen, rejected]`), so twice the micro-batch of pairs. GRPO: the
-    micro-batch already counts prompt + completion sequences (per_device_train_batch_size)."""
-    if job.grpo is not None:
-        return replace(job, grpo=None)
-    return replace(job, dpo=None, micro_batch=2 * job.micro_batch)
 
 
 def reference_of(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> Reference | None:

@@ -70,9 +70,14 @@ def offload_layer_activations(trace):
 
 def offload_copies(spec, job, strategy, hw) -> tuple[int, float]:
     """(one rank's bytes TRL moves per micro-batch, the PCIe seconds of their copies a step): each byte out in the
-    forward and back in the backward, every micro-step, over the GPU's host link from the catalog."""
+    forward and back in the backward, every micro-step, over the GPU's host link from the catalog. A DPO job's moved
+    bytes are its policy's, chosen and rejected concatenated (policy_job); its reference's forward runs under no_grad
+    and saves nothing to move."""
     from toolkit.estimate.traces import scaled_trace
+    from toolkit.inputs.job import policy_job
 
+    if job.dpo is not None:
+        job = policy_job(job)
     rank_bytes = offloaded_bytes(scaled_trace(spec, job, strategy))
     return rank_bytes, job.grad_accum * 2 * rank_bytes / (hw.gpu.pcie_gbps * 1e9)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
@@ -501,3 +501,12 @@ def liger_problem(model_type: str) -> str | None:
         return (f"--liger is modelled for model types {modelled}; Liger patches {model_type} with other kernels "
                 "that toolkit does not model yet: drop --liger")
     return f"Liger kernels do not support model type {model_type!r} (toolkit models {modelled}): drop --liger"
+
+
+def policy_job(job: Job) -> Job:
+    """The supervised job the policy's memory and time are traced as. DPO: chosen and rejected concatenated into one
+    forward (TRL's _compute_loss: `batch is [chosen, rejected]`), so twice the micro-batch of pairs. GRPO: the
+    micro-batch already counts prompt + completion sequences (per_device_train_batch_size)."""
+    if job.grpo is not None:
+        return replace(job, grpo=None)
+    return replace(job, dpo=None, micro_batch=2 * job.micro_batch)

@@ -1,9 +1,11 @@
 """TRL's activation offloading (SFTConfig / DPOConfig `activation_offloading=True`), built as TRL's trainers build it,
-for toolkit.train and for the CPU measurement of its memory (toolkit.estimate.profile).
+for toolkit.train (SFT and DPO plans) and for the CPU measurement of its memory (toolkit.estimate.profile).
 
 What the engine does (trl/models/activation_offloading.py, TRL 1.16, after torchtune's OffloadActivations): the
 trainer builds `get_act_offloading_ctx_manager(model=self.model)` once, before accelerate wraps the model
-(sft_trainer.py __init__), and runs every `training_step` inside it. The context is a `saved_tensors_hooks` pair:
+(sft_trainer.py __init__; dpo_trainer.py __init__ after `Trainer.__init__`, ~889), and runs every `training_step` inside
+it. In a DPO step the policy's forward over chosen + rejected saves tensors (and they move); the reference's forward
+runs under no_grad, where autograd saves nothing, so the hooks never see it. The context is a `saved_tensors_hooks` pair:
 every tensor autograd saves of at least 1,024 bytes that is on the accelerator, is not a parameter (nor a storage a
 parameter owns: FSDP2's DTensor shards are read through `_local_tensor`) and is not saved inside the LM head (a
 NoOpManager entered around `lm_head`) is copied to (pinned) host memory, on a side stream, and its device copy
@@ -195,3 +197,16 @@ def offloading_step(ctx):
     LAST_OFFLOADED.clear()
     with ctx:
         yield
+
+
+class OffloadedSteps:
+    """A Trainer mixin: every training_step inside `offload` (offload_context's, set once the trainer is built; None:
+    no offloading), as SFTTrainer.training_step and DPOTrainer.training_step run theirs."""
+
+    offload = None
+
+    def training_step(self, *args, **kwargs):
+        if self.offload is None:
+            return super().training_step(*args, **kwargs)
+        with offloading_step(self.offload):
+            return super().training_step(*args, **kwargs)

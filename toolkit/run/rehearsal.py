@@ -123,10 +123,10 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1,
     if problem := plan.grid.resume_problem():
         said.append(f"{problem}; the rehearsal checks that its checkpoints and final model are written, not a "
                     "resume")
-    offloading = plan.activation_offloading and not (plan.dpo or plan.grpo)
+    offloading = plan.activation_offloading and not plan.grpo
     if plan.activation_offloading and not offloading:
-        said.append("activation offloading: toolkit.train runs TRL's for SFT plans only; the rehearsal runs without "
-                    "it (your TRL script runs it)")
+        said.append("activation offloading: toolkit.train runs TRL's for SFT and DPO plans (GRPOConfig has no such "
+                    "field); the rehearsal runs without it")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
     grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
     micro_batch = min(plan.micro_batch, 2)

@@ -117,7 +117,9 @@ def make_dpo_trainer(plan: Plan, *, model, ref_model, adapter, tokenizer, traini
     """TRL's DPOTrainer over the plan's model(s) and data, logging throughput and per-rank peak memory."""
     from trl import DPOTrainer
 
-    class PlanDPOTrainer(DPOTrainer):
+    from toolkit.patches.actoffload import OffloadedSteps
+
+    class PlanDPOTrainer(OffloadedSteps, DPOTrainer):
         def log(self, logs, *a, **kw):
             throughput.add_to(logs, self)
             super().log(logs, *a, **kw)
@@ -132,4 +134,12 @@ def make_dpo_trainer(plan: Plan, *, model, ref_model, adapter, tokenizer, traini
                         "setting") from None
     if ref_model is not None and plan.dpo_spec.reference != "kept":
         trainer.ref_model = None  # FSDP's precompute pass is done: the plan holds no reference during training
+    if plan.activation_offloading:
+        from toolkit.patches.actoffload import offload_context
+        from toolkit.train import cpu
+
+        # Where DPOTrainer builds its own (dpo_trainer.py ~889: after Trainer.__init__, on self.model, the PEFT model
+        # for an adapter plan), which the DPOConfig here leaves off (activation_offloading stays False: TRL's own
+        # constructor fails on a CPU-only torch); DPOTrainer.training_step then runs inside it.
+        trainer.offload = offload_context(trainer.model, on_cpu=cpu.on_cpu())
     return trainer

@@ -42,10 +42,9 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         rewards = check_grpo_run(plan, args, on_cpu=cpu.on_cpu())
     elif args.reward:
         raise UserError("--reward applies to GRPO plans and this plan is not one: it would be ignored; drop it")
-    if plan.activation_offloading and (plan.dpo or plan.grpo):
-        raise UserError("the plan offloads activations: toolkit.train runs TRL's offloading for SFT plans, not for "
-                        f"{'DPO' if plan.dpo else 'GRPO'}; run it with your own TRL script or re-plan without "
-                        "--activation-offloading")
+    if plan.activation_offloading and plan.grpo:  # the planner refuses it too (toolkit.inputs.grpo)
+        raise UserError("the plan offloads activations: TRL 1.16's GRPOConfig has no activation_offloading; re-plan "
+                        "without --activation-offloading")
     from toolkit.train.dpo import check_dpo_run
 
     check_dpo_run(plan, args)
@@ -411,9 +410,10 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
     from transformers import Trainer, default_data_collator
     from transformers.trainer_utils import IntervalStrategy
 
+    from toolkit.patches.actoffload import OffloadedSteps
     from toolkit.train.callbacks import CheckpointMarker, ThroughputLog
 
-    class PlanTrainer(Trainer):
+    class PlanTrainer(OffloadedSteps, Trainer):
         """Adds tokens/s, per-rank peak memory and perplexity to every log line (stdout and TensorBoard)."""
 
         def log(self, logs, *a, **kw):
@@ -425,16 +425,6 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
         def _prepare_inputs(self, inputs):
             inputs = super()._prepare_inputs(inputs)
             return dimensions.contiguous_inputs(inputs) if sequence_parallel and cpu.on_cpu() else inputs
-
-        offload = None  # TRL's activation-offloading context, when the plan offloads
-
-        def training_step(self, *a, **kw):
-            if self.offload is None:
-                return super().training_step(*a, **kw)
-            from toolkit.patches.actoffload import offloading_step
-
-            with offloading_step(self.offload):  # as SFTTrainer.training_step runs it
-                return super().training_step(*a, **kw)
 
     if eval_data is None:
         training_args.eval_strategy = IntervalStrategy.NO
