@@ -186,33 +186,32 @@ def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: Activation
     encoder and projector keep for backward for the micro-batch's images (toolkit.estimate.visiontower), in the
     embedding region: the tower runs before the first decoder layer and its backward comes last. Its saved
     storages are one birth at the end of the embedding's forward events, freed with the step's leftovers. A frozen
-    tower (--vision-tower freeze, LoRA / QLoRA) saves nothing."""
+    tower (--vision-tower freeze, LoRA / QLoRA) saves nothing; the batch's float32 pixel values are there either
+    way."""
     if not job.images_per_sample:
         return trace
     from dataclasses import replace
 
+    from toolkit.estimate.visiontower import trace_tower
     from toolkit.inputs.images import parse_image_size
 
     trained = job.vision_tower == "train" and not job.adapter.is_adapter
     images = job.images_per_sample * job.micro_batch
-    if not trained:
-        note = (f"vision encoder and projector frozen: nothing saved for backward for the {images} image(s) of a "
-                "micro-batch (no input of theirs requires grad)")
-        return replace(trace, notes=tuple(dict.fromkeys((*trace.notes, note))))
-    from toolkit.estimate.visiontower import trace_tower
-
     dtype, autocast = _trace_mode(strategy, job)
     width, height = parse_image_size(job.image_size)
     tower = trace_tower(spec.hf_config(), width, height, dtype=dtype, autocast=autocast,
-                        attention=spec.effective_attention(job.attention), checkpointing=bool(job.checkpointing))
-    saved = tower.saved_bytes * images
+                        attention=spec.effective_attention(job.attention), checkpointing=bool(job.checkpointing),
+                        trained=trained)
+    saved = (tower.saved_bytes + tower.pixel_bytes) * images
     events = trace.embedding.forward_events
     embedding = replace(trace.embedding, saved_bytes=trace.embedding.saved_bytes + saved,
                         autocast_copy_bytes=trace.embedding.autocast_copy_bytes + tower.autocast_copy_bytes,
                         forward_events=(*events, saved) if events else events)
     shape = " x ".join(map(str, tower.pixel_shape))
-    note = (f"vision encoder + projector traced alone ({job.image_size}: pixel_values {shape} an image): "
-            f"{tower.saved_bytes:,} bytes saved for backward per image x {images} image(s) a micro-batch, in the "
+    note = (f"vision encoder + projector traced alone ({job.image_size}: pixel_values {shape} an image, "
+            f"{tower.pixel_bytes:,} bytes of float32 in the batch): {tower.saved_bytes:,} bytes saved for backward "
+            f"per image{'' if trained else ' (frozen: no input of theirs requires grad)'}, both x {images} image(s) "
+            "a micro-batch, in the "
             "embedding region" + (" (its blocks checkpointed with the model's, as the HF Trainer does: each keeps its "
                                   "inputs)" if job.checkpointing else ""))
     return replace(trace, embedding=embedding, vision_bytes=saved, notes=tuple(dict.fromkeys((*trace.notes, note))))

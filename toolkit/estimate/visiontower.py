@@ -31,6 +31,14 @@ class TowerTrace:
     pixel_shape: tuple[int, ...]
     """The processor's pixel_values for one image (Qwen2-VL: patches x patch features; SigLIP: 1 x 3 x H x W)."""
 
+    @property
+    def pixel_bytes(self) -> int:
+        """One image's pixel_values in the batch, float32 as the image processor returns them: resident from the
+        step's start to its end, whether the tower trains or not (the trace's saved bytes leave them out)."""
+        import math
+
+        return 4 * math.prod(self.pixel_shape)
+
 
 _CACHE: dict[tuple, TowerTrace] = {}
 
@@ -123,11 +131,12 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
         inner = model.model if hasattr(model.model, "get_image_features") else model
         for p in model.parameters():
             p.requires_grad_(trained)
-        pixels = torch.zeros(found.pixel_shape, dtype=param_dtype)
+        pixels = torch.zeros(found.pixel_shape, dtype=torch.float32)  # the processor's dtype
         kwargs: dict[str, Any] = {}
         if found.grid is not None:
             kwargs = _grid_inputs(inner, found.grid, mode, unset_fake_temporarily)
-        param_storages = {id(p.untyped_storage()) for p in model.parameters()}
+        # the batch's pixel values are resident whatever the tower saves (TowerTrace.pixel_bytes): not counted here
+        param_storages = {id(p.untyped_storage()) for p in model.parameters()} | {id(pixels.untyped_storage())}
         seen: set[int] = set()
         held: list = []
         out = {"saved": 0, "copies": 0}
