@@ -173,7 +173,7 @@ def test_plan_of_an_moe_model_ranks_its_fastest_expert_degree_first_beyond_the_b
     out, rows = _plan_json(capsys, q30, "--gpus", "8xH100-80GB", "--global-batch", "16")
     ep = rows["fsdp2 (dp=8 x ep=8)"]
     assert ep["feasible"] and ep["expert_parallel"] == 8 and not ep["speed_evidenced"]
-    assert 60 * 2**30 < ep["peak_bytes"] < ep["capacity_bytes"] < rows["zero3"]["capacity_bytes"] + 1
+    assert 55 * 2**30 < ep["peak_bytes"] < ep["capacity_bytes"] < rows["zero3"]["capacity_bytes"] + 1
     assert ep["peak_bytes"] < rows["zero3"]["peak_bytes"] and ep["peak_bytes"] < rows["fsdp2"]["peak_bytes"]
     assert "expert parallelism" in ep["resume_problem"] and "cannot resume" in ep["resume_problem"]
     assert out["candidates"][0]["name"] == "fsdp2 (dp=8 x ep=8)" and out["chosen"]["name"] == "fsdp2 (dp=8 x ep=8)"

@@ -416,8 +416,10 @@ def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, t
     """FSDP2 as transformers wraps a tensor-parallel model (distributed/fsdp.py apply_fully_sharded_data_parallelism,
     from the model's fsdp_plan), instead of the root-holds-the-rest wrapping `fsdp2_states` models: the
     keep_full_weight modules outside the layers (final norm + LM head) are one group, unsharded from the head's
-    forward to its backward; every layer and the embedding are their own groups, resharded after forward (and
-    after backward), so a layer's or the embedding's unsharded parameters exist only while that region computes.
+    forward to the end of its backward (resharded there, as every group is: reshard_after_backward,
+    _fsdp_param_group.py post_backward), so not while the layers' backward runs; every layer and the embedding
+    are their own groups, resharded after forward (and after backward), so a layer's or the embedding's unsharded
+    parameters exist only while that region computes.
     In forward FSDP2 also holds each group's all-gather output until the next group's all-gather has been copied
     out or the root's forward ends (_fsdp_param_group.py wait_for_unshard, all_gather_state): one more copy of the
     group being computed, the head's included. Moves those bytes from the constant `gathered` into the regions.
@@ -429,7 +431,7 @@ def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, t
     prefetch = 2 if job.device_kind == "cuda" else 1
     kept = kept_outside_params * per_param
     embedding = max(0, spec.pre_layer_params + spec.post_layer_params - kept_outside_params) * per_param
-    states.gathered = kept
+    states.gathered = 0.0  # every group, the tail too, is resharded after its backward (FSDP2's post_backward)
     states.sources[:] = [x.replace("layer(s) + root", "layer(s) while it computes + the fsdp_plan's "
                                    "keep_full_weight modules (transformers' FSDP2 groups)") for x in states.sources]
 
@@ -439,7 +441,7 @@ def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, t
 
     layers = tuple(grow(r, prefetch * p * per_param, p * per_param) for r, p in zip(trace.layers, layer_params))
     return replace(trace, embedding=grow(trace.embedding, embedding, embedding), layers=layers,
-                   head=grow(trace.head, 0, kept))
+                   head=grow(trace.head, kept, kept))
 
 
 def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy, job: Job, peak: int, *,
