@@ -9,6 +9,8 @@ Each run is shared by several tests (one run checks loss, agreement, and the sav
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -32,9 +34,20 @@ def _args(corpus_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def reference(run_training, tiny_llama_dir, corpus_dir):
+def single_process_runs(run_training, tiny_llama_dir, corpus_dir):
+    """The two one-process runs, started side by side (one after the other they left a core idle): micro 4 x
+    accumulation 1 ("ref") and micro 2 x accumulation 2 ("accum")."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {name: pool.submit(run_training, _plan(tiny_llama_dir, "ddp", world=1, micro=micro, accum=accum), name,
+                                  *_args(corpus_dir))
+                for name, micro, accum in (("ref", 4, 1), ("accum", 2, 2))}
+    return {name: future.result() for name, future in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(single_process_runs):
     """One process, micro 4 x accumulation 1: the losses every engine must reproduce."""
-    return run_training(_plan(tiny_llama_dir, "ddp", world=1, micro=4), "ref", *_args(corpus_dir)).check()
+    return single_process_runs["ref"].check()
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +86,8 @@ def test_single_process_loss_goes_down(reference):
 
 
 @pytest.mark.multiprocess
-def test_micro_2_accum_2_matches_micro_4_accum_1(run_training, reference, tiny_llama_dir, corpus_dir):
-    accumulated = run_training(_plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2), "accum",
-                               *_args(corpus_dir)).check()
+def test_micro_2_accum_2_matches_micro_4_accum_1(single_process_runs, reference):
+    accumulated = single_process_runs["accum"].check()
     ref, got = reference.losses(), accumulated.losses()
     assert got.keys() == ref.keys()
     for step in ref:
