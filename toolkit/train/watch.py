@@ -93,8 +93,10 @@ def watch_step_peak(trainer, seen: dict) -> None:
             seen["routed_pairs"] = []
             self.hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for m in model.modules()
                           if getattr(m, "_is_expert_parallel", False)]
+            while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+                optimizer = getattr(optimizer, "optimizer", None)  # accelerate's and DeepSpeed's wrappers hold it
             self.tracker = MemTracker()
-            self.tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
+            self.tracker.track_external(*[o for o in (model, optimizer) if o is not None])
             self.tracker.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
