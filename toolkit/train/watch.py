@@ -55,7 +55,9 @@ def held_state_bytes(model, optimizer) -> tuple[int, int]:
 
 
 def watch_step_peak(trainer, seen: dict) -> None:
-    """With TOOLKIT_RANK_SUMMARY_DIR set, on CPU: the peak of live tensor bytes over the run's last optimizer step
+    """With TOOLKIT_RANK_SUMMARY_DIR set, on CPU, in an expert-parallel run (the runs whose tests read it; a tracked
+    step is slow, and every rehearsal writes summaries): the peak of live tensor bytes over the run's last optimizer
+    step
     (forward, backward, clipping, the optimizer step and zero_grad), what a plan's per-rank peak_bytes predicts.
     torch's MemTracker (the CPU step peak toolkit.estimate.livebytes measures in one process) opens at the step's
     on_step_begin with the model and the optimizer states tracked and closes at its on_step_end; the batch, already
@@ -84,8 +86,9 @@ def watch_step_peak(trainer, seen: dict) -> None:
         hooks: list = []
 
         def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            if state.global_step != state.max_steps - 1:
-                return
+            if state.global_step != state.max_steps - 1 or not any(getattr(m, "_is_expert_parallel", False)
+                                                                    for m in model.modules()):
+                return  # measured where a test reads it (expert-parallel runs): a tracked step costs time
             shards = [getattr(p, "_local_tensor", p) for p in model.parameters()]
             held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in shards}
             seen["param_storage_excess_bytes"] = sum(held.values()) - sum(t.numel() * t.element_size()
