@@ -57,8 +57,7 @@ def held_state_bytes(model, optimizer) -> tuple[int, int]:
 def watch_step_peak(trainer, seen: dict) -> None:
     """With TOOLKIT_RANK_SUMMARY_DIR set, on CPU, in an expert-parallel run (the runs whose tests read it; a tracked
     step is slow, and every rehearsal writes summaries): the peak of live tensor bytes over the run's last optimizer
-    step
-    (forward, backward, clipping, the optimizer step and zero_grad), what a plan's per-rank peak_bytes predicts.
+    step (forward, backward, clipping, the optimizer step and zero_grad), what a plan's per-rank peak_bytes predicts.
     torch's MemTracker (the CPU step peak toolkit.estimate.livebytes measures in one process) opens at the step's
     on_step_begin with the model and the optimizer states tracked and closes at its on_step_end; the batch, already
     fetched, is not counted (a few KB of token ids); meta-device storages hold nothing and are left out. `seen` (the
