@@ -101,6 +101,13 @@ def watch_step_peak(trainer, seen: dict) -> None:
             self.tracker.track_external(*[o for o in (model, optimizer) if o is not None])
             self.tracker.__enter__()
 
+        def on_substep_end(self, args, state, control, **kwargs):
+            # MemTracker refuses a root module's second forward in one tracking (NotImplementedError "multiple
+            # iterative calls", mem_tracker.py _pre_fw_hook): clear its per-module stats between accumulated
+            # micro-steps; the peak it keeps (get_tracker_snapshot("peak")) is not reset.
+            if self.tracker is not None:
+                self.tracker.reset_mod_stats()
+
         def on_step_end(self, args, state, control, **kwargs):
             if self.tracker is None:
                 return
