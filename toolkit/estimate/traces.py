@@ -121,6 +121,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             disk_key += ["chunked_loss", job.chunked_loss]
         if disk_key and job.loss != "model":
             disk_key += ["loss", job.loss, cache.installed_version("trl")]
+        if disk_key:  # every trace tallies what TRL's offloading would move, by TRL's own choice of head (savers)
+            disk_key += ["offload", cache.installed_version("trl")]
         traced_by = trace_compiled_activations if job.compile else trace_activations
         trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
         if trace is None:
