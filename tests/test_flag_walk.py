@@ -191,20 +191,21 @@ def _setups(tiny_llama_dir: Path, tmp: Path, plan_dir: Path, corpus: Path,
     }
 
 
-@pytest.fixture(scope="module")
-def planned(tiny_llama_dir, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("walk") / "planned"
-    assert main(["plan", str(tiny_llama_dir), "--seq", "64", "--global-batch", "16", "--gpus", "2xH100-80GB",
+def _plan_folder(model_dir: Path, tmp_path_factory, gpus: int) -> Path:
+    folder = tmp_path_factory.mktemp("walk") / f"planned-{gpus}"
+    assert main(["plan", str(model_dir), "--seq", "64", "--global-batch", "16", "--gpus", f"{gpus}xH100-80GB",
                  "--strategies", "zero2", "--out", str(folder)]) == 0
     return folder
+
+
+@pytest.fixture(scope="module")
+def planned(tiny_llama_dir, tmp_path_factory) -> Path:
+    return _plan_folder(tiny_llama_dir, tmp_path_factory, 2)
 
 
 @pytest.fixture(scope="module")
 def planned_four(tiny_llama_dir, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("walk") / "planned-four"
-    assert main(["plan", str(tiny_llama_dir), "--seq", "64", "--global-batch", "16", "--gpus", "4xH100-80GB",
-                 "--strategies", "zero2", "--out", str(folder)]) == 0
-    return folder
+    return _plan_folder(tiny_llama_dir, tmp_path_factory, 4)
 
 
 def _without(words: list[str], flags: set[str], parser: argparse.ArgumentParser) -> list[str]:
