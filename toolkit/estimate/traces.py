@@ -206,13 +206,18 @@ def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: Activation
                         trained=trained)
     saved = (tower.saved_bytes + tower.pixel_bytes) * images
     events = trace.embedding.forward_events
+    # the tower's backward runs inside the embedding region's, after the language model's embedding backward
+    # has made the gradient of the input embeddings, which stays alive until the token embedding's backward (the
+    # last node: it ran first in forward)
     embedding = replace(trace.embedding, saved_bytes=trace.embedding.saved_bytes + saved,
+                        backward_extra_bytes=trace.embedding.backward_extra_bytes + tower.backward_extra_bytes * images,
                         autocast_copy_bytes=trace.embedding.autocast_copy_bytes + tower.autocast_copy_bytes,
                         forward_events=(*events, saved) if events else events)
     shape = " x ".join(map(str, tower.pixel_shape))
     note = (f"vision encoder + projector traced alone ({job.image_size}: pixel_values {shape} an image, "
             f"{tower.pixel_bytes:,} bytes of float32 in the batch): {tower.saved_bytes:,} bytes saved for backward "
-            f"per image{'' if trained else ' (frozen: no input of theirs requires grad)'}, both x {images} image(s) "
+            f"per image{'' if tower.saved_bytes else ' (frozen: no input of theirs requires grad)'}, "
+            f"{tower.backward_extra_bytes:,} more at its backward's peak, all x {images} image(s) "
             "a micro-batch, in the "
             "embedding region" + (" (its blocks checkpointed with the model's, as the HF Trainer does: each keeps its "
                                   "inputs)" if job.checkpointing else ""))

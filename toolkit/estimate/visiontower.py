@@ -9,8 +9,10 @@ fake step as fake-tensor constants, so the few values the tower reads (`lengths.
 the split sizes of its output) come from them. Saved bytes are per image: images are concatenated along the patch
 axis and attend within themselves (cu_seqlens), so a micro-batch's tower activations are images x one image's.
 
-A frozen tower (--vision-tower freeze, LoRA / QLoRA, which exclude it) saves nothing: no input of its operations
-requires grad (pixel values never do), so autograd records none of them; the trace measures that too.
+A frozen tower (--vision-tower freeze, LoRA / QLoRA, which exclude it) saves nothing without checkpointing: no
+input of its operations requires grad (pixel values never do), so autograd records none of them; the trace
+measures that too. The tower's backward is traced as well (TowerTrace.backward_extra_bytes): with checkpointing it
+is where an image-text step peaks, the blocks recomputed while the pixel values are alive.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class TowerTrace:
     """Low-precision copies of the tower's weights autocast saves for backward (DDP's AMP; 0 otherwise)."""
     pixel_shape: tuple[int, ...]
     """The processor's pixel_values for one image (Qwen2-VL: patches x patch features; SigLIP: 1 x 3 x H x W)."""
+    backward_extra_bytes: int = 0
+    """Peak live bytes of the tower's backward for one image above its saved bytes: the gradient arriving at the
+    projector's output and the backward's temporaries, with checkpointing each block's recompute and the tensors
+    its recompute closures hold; parameter gradients excluded (the memory model counts them). 0 when no backward
+    reaches the tower."""
 
     @property
     def pixel_bytes(self) -> int:
@@ -116,6 +123,7 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     from toolkit.estimate.fakestep import enable_checkpointing, weights_uninitialised
+    from toolkit.estimate.recording import StorageLog, make_recorder
     from toolkit.inputs.images import image_tokens
 
     found = image_tokens(config, width, height, config_dir)
@@ -151,9 +159,34 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
             return t
 
         amp = torch.autocast(device_type="cpu", dtype=compute) if autocast else contextlib.nullcontext()
-        with _constants_of_any_size(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
-            inner.get_image_features(pixels, **kwargs)
-    return TowerTrace(saved_bytes=out["saved"], autocast_copy_bytes=out["copies"], pixel_shape=tuple(found.pixel_shape))
+        log = StorageLog()
+        recorder = make_recorder(log, set(), {}, lambda: "tower")
+        with _constants_of_any_size(), recorder:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+                features = inner.get_image_features(pixels, **kwargs)
+            features = torch.cat(list(getattr(features, "pooler_output", features)))
+            held.clear()  # the saved storages die as the backward frees them, as in a real step
+            backward_extra = _backward_extra(model, features, log, out["saved"]) if features.requires_grad else 0
+    return TowerTrace(saved_bytes=out["saved"], autocast_copy_bytes=out["copies"],
+                      pixel_shape=tuple(found.pixel_shape), backward_extra_bytes=backward_extra)
+
+
+def _backward_extra(model, features, log, saved: int) -> int:
+    """The tower's backward from a gradient the size of its output (as the language model's embedding backward
+    hands it over): peak live bytes above the tower's `saved` bytes, the projector's output (dead once the
+    language model has taken it) and parameter gradients left out. So it holds the incoming gradient, the
+    backward's temporaries and, with checkpointing, each block's recompute and what the blocks' recompute closures
+    hold beside autograd's saves (the rotary cos / sin). A frozen tower still runs it under checkpointing:
+    transformers' activation_checkpointing_enable calls enable_input_require_grads, which hooks every
+    PreTrainedModel's input embeddings, the tower's patch embedding included, so its output requires grad."""
+    import torch
+
+    excluded = {log.serial_of(features.untyped_storage())}
+    start = len(log.events)
+    features.backward(torch.ones_like(features))
+    excluded |= {log.serial_of(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
+    curve = log.live_curve(excluded)
+    return max(0, max(curve[start:]) - saved)
 
 
 def _grid_inputs(inner: Any, grid: tuple[int, ...], mode, unset_fake_temporarily) -> dict[str, Any]:
