@@ -126,7 +126,18 @@ def test_the_qwen_tower_alone_saves_what_a_real_forward_saves(checkpointing):
     if checkpointing:
         enable_checkpointing(model)
     model.train()
-    pixels = torch.randn(found.pixel_shape)
+    grid = torch.tensor([list(found.grid)])
+    saved = _real_saved_bytes(model, torch.randn(found.pixel_shape),
+                              lambda pixels: torch.cat(list(model.model.get_image_features(
+                                  pixels, image_grid_thw=grid).pooler_output)))
+    assert traced.saved_bytes == saved == (578_560 if checkpointing else 3_957_760)
+
+
+def _real_saved_bytes(model, pixels, features) -> int:
+    """The unique storages a real forward of `features(pixels)` saves for backward, parameters and the pixel values
+    left out; its backward is run too, as a step would."""
+    import torch
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {pixels.untyped_storage().data_ptr()}
     seen: set = set()
 
@@ -137,9 +148,9 @@ def test_the_qwen_tower_alone_saves_what_a_real_forward_saves(checkpointing):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model.model.get_image_features(pixels, image_grid_thw=torch.tensor([list(found.grid)])).pooler_output
-    torch.cat(list(out)).sum().backward()
-    assert traced.saved_bytes == sum(n for _, n in seen) == (578_560 if checkpointing else 3_957_760)
+        out = features(pixels)
+    out.sum().backward()
+    return sum(n for _, n in seen)
 
 
 def test_gemma_3s_siglip_tower_traced_alone_saves_what_a_real_forward_saves():
@@ -165,19 +176,9 @@ def test_gemma_3s_siglip_tower_traced_alone_saves_what_a_real_forward_saves():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
         model.train()
-        pixels = torch.randn(found.pixel_shape)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {pixels.untyped_storage().data_ptr()}
-        seen: set = set()
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                seen.add((st.data_ptr(), st.nbytes()))
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.model.get_image_features(pixels).pooler_output.sum().backward()
-        assert traced.saved_bytes == sum(n for _, n in seen) > 0, attention
+        saved = _real_saved_bytes(model, torch.randn(found.pixel_shape),
+                                  lambda pixels: model.model.get_image_features(pixels).pooler_output)
+        assert traced.saved_bytes == saved > 0, attention
 
 
 def _run(capsys, *argv):
