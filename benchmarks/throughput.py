@@ -49,7 +49,8 @@ UNMODELLED = {
     "pp-3d": "torchtitan's own pipeline inside 3-D parallelism (with TP and float8): not the DeepSpeed pipeline "
              "engine the toolkit plans",
     "optimizer_in_backward": "optimizer step fused into backward: a torchtune recipe, not an HF / DeepSpeed / FSDP path",
-    "activation_cpu_offload": "activation offloading to host memory: no PCIe traffic term for activations yet",
+    "activation_cpu_offload": "activation offloading to host memory (torchtune's OffloadActivations; the toolkit "
+                              "prices TRL's copy of it, but this script does not give it to the job yet)",
     "flex": "FlexAttention with a document mask (packed samples): another attention kernel, no row to fit it",
     "moe": "mixture of experts with expert parallelism (DeepEP all-to-all): no EP term, and the models are not in "
            "the catalog",
