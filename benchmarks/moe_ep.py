@@ -71,7 +71,7 @@ def _job():
 def estimate(shared: bool) -> dict:
     """Our memory and step time for the row's job on the shared-batch or the own-batch layout."""
     from toolkit.estimate.experttime import GROUPED_MM_EFFICIENCY_BAND
-    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.memory import BUSIEST_EXPERT_RANK, estimate_memory
     from toolkit.estimate.timing import step_time
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.hardware import parse_hardware
@@ -96,6 +96,7 @@ def estimate(shared: bool) -> dict:
             "params_per_rank": per_rank, "states_floor_gib": per_rank * 8 / GIB,
             "allocated_gib": b.peak_bytes / GIB, "reserved_gib": b.reserved_bytes / GIB,
             "required_gib": b.required_bytes / GIB, "peak_phase": b.peak_phase,
+            "busiest_rank_extra_gib": next(t.bytes for t in b.terms if t.name == BUSIEST_EXPERT_RANK) / GIB,
             "step_s": t.step_time_s, "compute_s": t.compute_s, "experts_s": t.experts_s,
             "step_slow_s": t.step_time_s + t.experts_s * (1 / GROUPED_MM_EFFICIENCY_BAND[0] - 1), "communication_s": t.communication_s,
             "tokens_per_s": t.tokens_per_s, "assumptions": list(t.assumptions)}
@@ -148,7 +149,12 @@ def render(shared: dict, own: dict) -> str:
     lines += ["", f"{len(inside)} of {len(readings)} readings within +-{MEMORY_BAND:.0%}"
               + (f" ({', '.join(r['unit'] + ' ' + r['peak'] for r in inside)})" if inside else "")
               + f"; our peak phase: {shared['peak_phase']}. The own-batch layout (everything FSDP-sharded over 8) "
-              f"would need {own['allocated_gib']:.2f} GiB allocated, {own['reserved_gib']:.2f} GiB reserved.", "",
+              f"would need {own['allocated_gib']:.2f} GiB allocated, {own['reserved_gib']:.2f} GiB reserved. "
+              "Both are the busiest expert rank's figures, the one that runs out first (it receives 1.25x the mean "
+              "routed rows, assumed: toolkit/estimate/expertrows.py): "
+              f"{shared['busiest_rank_extra_gib'] * 1024:.1f} MiB (shared) and "
+              f"{own['busiest_rank_extra_gib'] * 1024:.1f} MiB (own batch) above balanced routing, the received "
+              "rows one recomputed layer keeps for backward.", "",
               f"In the layout that ran, a rank holds {shared['params_per_rank'] / 1e9:.2f}B parameters (the dense "
               "modules whole, 16 of 128 experts a layer). Their bf16 weights, bf16 gradients and two bf16 AdamW "
               f"moments alone are {shared['states_floor_gib']:.2f} GiB, more than the published figure in either "

@@ -129,9 +129,11 @@ def test_estimate_of_an_expert_parallel_row_names_its_terms_and_stars_its_speed(
     assert "4 blocking all-to-alls per MoE layer" in out and "on the node link" in out
     assert "the all-to-all terms are unverified" in out
     # routing imbalance, a stated assumption: memory (sources and band line) and the experts' GEMM time
-    assert "balanced routing assumed (16,384 received rows a MoE layer, the all-to-all is dropless); the busiest " \
-           "rank at 1.25x the mean rows (assumed) holds 1.88 GiB more" in out
-    assert "routing imbalance: the busiest expert rank at 1.25x the mean routed rows (assumed) + 1.88 GiB" in out
+    assert "busiest expert rank (routing)" in out and "1.88" in out
+    assert "activations are priced at balanced routing (16,384 received rows a MoE layer, the all-to-all is " \
+           "dropless); the busiest expert rank at 1.25x the mean rows (assumed) keeps this much more" in out
+    assert "routing imbalance: the figures are the busiest expert rank's, at 1.25x the mean routed rows " \
+           "(assumed): balanced " in out and " GiB peak + 1.88 GiB" in out
     assert "the busiest rank at 1.25x the mean rows (assumed; the all-to-all is dropless) adds 0.019 s" in out
 
 
@@ -150,6 +152,31 @@ def test_a_received_row_costs_what_the_experts_keep_for_backward():
     assert worst_rank_extra_bytes(spec, job, 2048 * 8) == int(0.25 * 2048 * 8 * 48 * row)
     recomputed = dataclasses.replace(job, checkpointing=True)  # one layer's rows live at a time
     assert worst_rank_extra_bytes(spec, recomputed, 2048 * 8) == int(0.25 * 2048 * 8 * row)
+
+
+def test_an_expert_parallel_row_fits_only_where_its_busiest_rank_fits():
+    """The memory limit holds on the rank that runs out first: the busiest expert rank's extra received rows (1.88
+    GiB for Qwen3-30B-A3B at ep 8, no checkpointing) are in the peak and the required bytes, so a GPU with room for
+    the balanced figure but not for the busiest rank's is refused, and one with room for the busiest rank's fits."""
+    from toolkit.estimate.memory import BUSIEST_EXPERT_RANK, estimate_memory
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+
+    spec = _spec("qwen3-30b-a3b")
+    job = Job(seq_len=2048, micro_batch=1, grad_accum=1, precision="bf16", optimizer="adamw", checkpointing=False)
+    strategy, hw = parse_strategy("fsdp2"), parse_hardware("8xH100-80GB")
+    b = estimate_memory(spec, strategy, job, hw, grid=_grid(8))
+    extra = next(t.bytes for t in b.terms if t.name == BUSIEST_EXPERT_RANK)
+    assert extra == pytest.approx(0.25 * 2048 * 8 * 48 * (2048 + 4 * 768) * 2, rel=3e-3)  # 1.88 GiB, + sort indices
+    balanced = b.required_bytes - extra
+
+    def on(memory_bytes):
+        gpu = dataclasses.replace(hw.gpu, memory_bytes=memory_bytes)
+        return estimate_memory(spec, strategy, job, dataclasses.replace(hw, gpu=gpu), grid=_grid(8))
+
+    assert not on(balanced + extra // 2).fits  # the balanced ranks would fit; the busiest one does not
+    assert on(b.required_bytes).fits and not on(b.required_bytes - 1).fits
+    assert on(b.required_bytes).required_bytes == b.required_bytes
 
 
 def _plan_json(capsys, model, *args):

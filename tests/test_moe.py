@@ -271,10 +271,10 @@ def _assert_states_as_planned(plan, ranks) -> list[tuple[float, float]]:
     .predict_plan, the figures PLAN.md prints; they do not depend on the GPU, so the CPU plan is priced as on
     H100s) within 1%: the local shards between steps, and AdamW's moments (its step counters, 4 bytes a tensor,
     are the rest). And its last step's peak (the rank summary's MemTracker peak) is the plan's peak_bytes priced
-    for a CPU run at balanced routing, moved by the rows the rank really received against the balanced ones times
-    the traced bytes a received row keeps (toolkit.estimate.expertrows), within 5%. Returns each rank's error and
+    for a CPU run, less its busiest-rank extra (so at balanced routing), moved by the rows the rank really received
+    against the balanced ones times the traced bytes a received row keeps (toolkit.estimate.expertrows), within 5%. Returns each rank's error and
     its received / balanced rows."""
-    from toolkit.estimate.expertrows import received_row_bytes
+    from toolkit.estimate.expertrows import received_row_bytes, worst_rank_extra_bytes
     from toolkit.estimate.experttime import expert_rows_per_rank
     from toolkit.estimate.search import predict_plan
     from toolkit.inputs.moe import moe_layer_count
@@ -282,10 +282,12 @@ def _assert_states_as_planned(plan, ranks) -> list[tuple[float, float]]:
 
     predicted = predict_plan(plan.replace(gpu="H100-SXM-80GB")).predicted
     on_cpu = plan.replace(gpu="H100-SXM-80GB", device_kind="cpu")
-    peak = predict_plan(on_cpu).predicted["peak_bytes"]
     spec, _, job = plan_job(on_cpu)
     ep, local = plan.expert_parallel, spec.moe_experts // plan.expert_parallel
-    balanced = expert_rows_per_rank(spec, job, on_cpu.grid) * moe_layer_count(spec)
+    rows = expert_rows_per_rank(spec, job, on_cpu.grid)
+    # the plan's peak is the busiest expert rank's: back to balanced routing, then to the rows this rank received
+    peak = predict_plan(on_cpu).predicted["peak_bytes"] - worst_rank_extra_bytes(spec, job, rows)
+    balanced = rows * moe_layer_count(spec)
     row = received_row_bytes(spec, "float32")
     errors = []
     for r in ranks:

@@ -243,7 +243,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
 
         print(peak_line(world, b.peak_bytes))
     print(f"error band: {band.text()}" + (f"; required + band = {gib(b.required_bytes + band.headroom_bytes(b.peak_bytes))}"
-                                          f" GiB" if band.cases else "") + _routing_band(spec, job, c.grid))
+                                          f" GiB" if band.cases else "") + _routing_band(b))
     if b.stage_required_bytes:
         print("per stage required GiB: " + ", ".join(gib(x) for x in b.stage_required_bytes))
     if b.host is not None:
@@ -392,14 +392,13 @@ def _fit_exit(args, fits: bool) -> int:
     return 1 if args.require_fit and not fits else 0
 
 
-def _routing_band(spec, job, grid) -> str:
-    """The band line's routing-imbalance part for an expert-parallel row (empty otherwise): the peak is priced at
-    balanced routing, the busiest expert rank holds more (toolkit.estimate.expertrows)."""
-    if grid is None or grid.expert <= 1:
-        return ""
-    from toolkit.estimate.experttime import expert_rows_per_rank
-    from toolkit.estimate.expertrows import EP_WORST_RANK_SHARE, worst_rank_extra_bytes
+def _routing_band(b) -> str:
+    """The band line's routing-imbalance part for an expert-parallel row (empty otherwise): the figures above are
+    the busiest expert rank's, balanced routing plus its extra rows (toolkit.estimate.memory)."""
+    from toolkit.estimate.expertrows import EP_WORST_RANK_SHARE
+    from toolkit.estimate.memory import BUSIEST_EXPERT_RANK
 
-    extra = worst_rank_extra_bytes(spec, job, expert_rows_per_rank(spec, job, grid))
-    return (f"; routing imbalance: the busiest expert rank at {EP_WORST_RANK_SHARE:g}x the mean routed rows "
-            f"(assumed) + {gib(extra)} GiB")
+    extra = next((t.bytes for t in b.terms if t.name == BUSIEST_EXPERT_RANK), None)
+    return "" if extra is None else (f"; routing imbalance: the figures are the busiest expert rank's, at "
+                                     f"{EP_WORST_RANK_SHARE:g}x the mean routed rows (assumed): balanced "
+                                     f"{gib(b.peak_bytes - extra)} GiB peak + {gib(extra)} GiB")

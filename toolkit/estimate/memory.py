@@ -264,20 +264,33 @@ def _expert_parallel_states(spec: ModelSpec, strategy: Strategy, job: Job, grid:
             f"{spec.moe_experts // grid.expert} of {spec.moe_experts} experts a layer, no FSDP (fsdp_size 1)")
     shared = (f" sharing one batch ({per_rank / 1e9:.2f}B parameters a rank, the dense modules whole)"
               if grid.expert_shared_batch else "")
-    s.sources.append(f"expert parallel {grid.expert}{shared}: {held}; {what} = {exchange / GIB:.2f} GiB; "
-                     f"{ep_routing_words(spec, job, grid)}")
+    s.sources.append(f"expert parallel {grid.expert}{shared}: {held}; {what} = {exchange / GIB:.2f} GiB")
     return s
 
 
-def ep_routing_words(spec: ModelSpec, job: Job, grid: ParallelGrid) -> str:
-    """The routing assumption of an expert-parallel row's memory (toolkit.estimate.expertrows), for --explain."""
+def _on_the_busiest_expert_rank(b: Breakdown, spec: ModelSpec, job: Job, grid: ParallelGrid) -> Breakdown:
+    """An expert-parallel row's memory on the rank that runs out first: the trace is priced at balanced routing,
+    and the busiest expert rank keeps more received rows for backward (toolkit.estimate.expertrows
+    .worst_rank_extra_bytes, all of them live at the backward's start, the activation peak). Added to the peak
+    and the required bytes the fit and the ranking use, as its own term beside the balanced activations."""
+    from dataclasses import replace
+
     from toolkit.estimate.experttime import expert_rows_per_rank
     from toolkit.estimate.expertrows import EP_WORST_RANK_SHARE, worst_rank_extra_bytes
 
     rows = expert_rows_per_rank(spec, job, grid)
     extra = worst_rank_extra_bytes(spec, job, rows)
-    return (f"balanced routing assumed ({rows:,.0f} received rows a MoE layer, the all-to-all is dropless); the "
-            f"busiest rank at {EP_WORST_RANK_SHARE:g}x the mean rows (assumed) holds {extra / GIB:.2f} GiB more")
+    terms = list(b.terms)
+    where = next(i for i, t in enumerate(terms) if t.name == "activations")
+    terms.insert(where + 1, Term(BUSIEST_EXPERT_RANK, extra,
+                                 f"activations are priced at balanced routing ({rows:,.0f} received rows a MoE layer, "
+                                 f"the all-to-all is dropless); the busiest expert rank at {EP_WORST_RANK_SHARE:g}x "
+                                 f"the mean rows (assumed) keeps this much more for backward: "
+                                 f"{'the one layer recomputed' if job.checkpointing else 'every MoE layer'}"))
+    return replace(b, terms=tuple(terms), peak_bytes=b.peak_bytes + extra, required_bytes=b.required_bytes + extra)
+
+
+BUSIEST_EXPERT_RANK = "busiest expert rank (routing)"  # the Term of its extra received rows
 
 
 def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
@@ -359,7 +372,8 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
                                       job)
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
-        return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference, grid=grid)
+        out = _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference, grid=grid)
+        return _on_the_busiest_expert_rank(out, spec, job, grid) if grid.expert > 1 else out
     if job.activation_offloading:
         raise UserError("activation offloading is not available with the pipeline engine; use a ZeRO or FSDP2 "
                         "strategy, or drop --activation-offloading")
