@@ -181,6 +181,99 @@ def test_gemma_3s_siglip_tower_traced_alone_saves_what_a_real_forward_saves():
         assert traced.saved_bytes == saved > 0, attention
 
 
+def _gemma3_config():
+    from transformers import Gemma3Config
+
+    return Gemma3Config(
+        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=56, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=4, image_token_index=511)
+
+
+def _real_flops(config, trained: bool, checkpointing: bool) -> tuple[int, int]:
+    """(forward, backward) FLOPs torch's FlopCounterMode counts over a real CPU forward and backward of the tiny
+    class's tower + projector on one image, eager attention (whose QK^T and AV are bmm, which FlopCounterMode
+    counts; it has no formula for the CPU's fused attention kernel)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from toolkit.estimate.fakestep import enable_checkpointing
+    from toolkit.estimate.visiontower import image_text_class
+    from toolkit.inputs.images import image_tokens
+
+    found = image_tokens(config, 448, 280)
+    torch.manual_seed(0)
+    model = image_text_class(config).from_config(config, dtype=torch.float32, attn_implementation="eager")
+    if checkpointing:
+        enable_checkpointing(model)
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(trained)
+    kwargs = {"image_grid_thw": torch.tensor([list(found.grid)])} if found.grid else {}
+    with FlopCounterMode(display=False) as counter:
+        out = model.model.get_image_features(torch.randn(found.pixel_shape), **kwargs).pooler_output
+        out = torch.cat(list(out))
+        forward = counter.get_total_flops()
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+    return forward, counter.get_total_flops() - forward
+
+
+@pytest.mark.parametrize("model, trained, checkpointing", [
+    ("qwen2.5-vl", True, False), ("qwen2.5-vl", True, True), ("qwen2.5-vl", False, False),
+    ("qwen2.5-vl", False, True), ("gemma-3", True, False), ("gemma-3", False, False)])
+def test_the_towers_traced_flops_are_a_real_towers(model, trained, checkpointing):
+    """The FLOPs the tower's fake trace counts (sdpa) against torch's FlopCounterMode over a real CPU forward and
+    backward (eager attention), one image: within 1% (measured equal). Qwen2.5-VL on 448 x 280 (640 patches):
+    forward 91,684,864; backward 135,200,768 trained, 165,609,472 checkpointed (the blocks' recompute), 0 frozen,
+    83,361,792 frozen but checkpointed (enable_input_require_grads sends input gradients through the blocks)."""
+    from toolkit.estimate.visiontower import trace_tower
+
+    config = _tiny_config() if model == "qwen2.5-vl" else _gemma3_config()
+    traced = trace_tower(config, 448, 280, dtype="float32", trained=trained, checkpointing=checkpointing)
+    forward, backward = _real_flops(config, trained, checkpointing)
+    assert forward > 1_000_000 and traced.forward_flops == pytest.approx(forward, rel=0.01)
+    assert traced.backward_flops == pytest.approx(backward, rel=0.01)
+    assert (backward > 0) == (trained or checkpointing)
+    assert 0 < traced.attention_flops < traced.forward_flops + traced.backward_flops
+
+
+def _timing(tower: str, images: bool, checkpointing: bool = False):
+    from toolkit.estimate.timing import step_time
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.images import image_job
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec = build_spec("qwen2_5_vl", _tiny_config())
+    seq, fields = image_job(spec, IMAGES, SIZE, TEXT)
+    job = Job(seq_len=seq, micro_batch=1, grad_accum=2, vision_tower=tower, checkpointing=checkpointing,
+              **(fields if images else {}))
+    return step_time(spec, parse_strategy("ddp"), job, parse_hardware("1xH100-80GB"))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_images_add_the_towers_time_to_the_step_and_a_frozen_tower_costs_less(checkpointing):
+    """The same 416 tokens with and without the 2 images: the step grows by the tower's time exactly (its FLOPs at
+    the language model's efficiency constants), counted in compute; a frozen tower (no backward reaches it, or
+    only the input gradients checkpointing makes run) takes less than a trained one. MFU counts the tower's model
+    FLOPs: the image step's MFU is above what the language model's FLOPs alone give over its longer step."""
+    trained, frozen, text = (_timing("train", True, checkpointing), _timing("freeze", True, checkpointing),
+                             _timing("train", False, checkpointing))
+    for imaged in (trained, frozen):
+        assert imaged.vision_s > 0
+        assert imaged.step_time_s - text.step_time_s == pytest.approx(imaged.vision_s, rel=1e-9)
+        assert imaged.compute_s - text.compute_s == pytest.approx(imaged.vision_s, rel=1e-9)
+        assert imaged.mfu > text.mfu * text.step_time_s / imaged.step_time_s
+        assert imaged.to_dict()["vision_s"] == imaged.vision_s
+        assert any(n.startswith("vision encoder + projector: ") for n in imaged.assumptions)
+    assert frozen.vision_s < trained.vision_s
+    assert "vision_s" not in text.to_dict()
+
+
 def _run(capsys, *argv):
     code = main(list(argv))
     out = capsys.readouterr()
@@ -192,8 +285,8 @@ def test_estimate_and_plan_carry_the_images_and_their_tokens(tiny_vl_dir, capsys
     code, out, _ = _run(capsys, "estimate", str(tiny_vl_dir), *common, "--strategy", "ddp")
     assert code == 0
     assert ("images: 2 x 448x280 per sample, 160 tokens each (the model's image processor): they add 320 tokens to "
-            "96 text tokens; the language model sees 416 (the vision encoder's compute is not in the step time "
-            "yet)") in out
+            "96 text tokens; the language model sees 416; the vision encoder's compute is in the step time (its "
+            "FLOPs counted from its traced ops)") in out
     code, out, _ = _run(capsys, "estimate", str(tiny_vl_dir), *common, "--strategy", "ddp", "--json")
     job = json.loads(out)["job"]
     assert (job["seq_len"], job["text_tokens"], job["images_per_sample"], job["image_size"], job["image_tokens"]) \
@@ -206,6 +299,13 @@ def test_estimate_and_plan_carry_the_images_and_their_tokens(tiny_vl_dir, capsys
     assert tower > 0 and imaged["vision_share"]["activations_bytes"] == tower
     assert imaged["per_gpu"]["activations_bytes"] - text["per_gpu"]["activations_bytes"] == tower
     assert "activations_bytes" not in text["vision_share"]
+    # the tower's compute is part of the step's, in --json and on the --explain line of the vision encoder
+    assert imaged["timing"]["vision_s"] > 0 and "vision_s" not in text["timing"]
+    assert imaged["timing"]["step_time_s"] - text["timing"]["step_time_s"] == pytest.approx(
+        imaged["timing"]["vision_s"], rel=1e-6)
+    code, out, _ = _run(capsys, "estimate", str(tiny_vl_dir), *common, "--strategy", "ddp", "--explain")
+    share = next(line for line in out.splitlines() if "vision encoder's share" in line)
+    assert f"its compute {imaged['timing']['vision_s']:.3f} s of the step's" in share
     code, out, err = _run(capsys, "plan", str(tiny_vl_dir), *common, "--global-batch", "8", "--strategies", "ddp",
                           "--json")
     assert code == 0 and json.loads(out)["images"] == {"images_per_sample": 2, "image_size": "448x280",

@@ -315,7 +315,9 @@ def vision_share_words(spec, b, c) -> str:
             f"{gib(share['optimizer_bytes'])} GiB, as {c.name} holds them"
             + (" (sharded over the data-parallel ranks)" if c.strategy.zero_stage == 3 or
                c.strategy.name.startswith("fsdp2") else "")
-            + (f"; and {gib(activations)} GiB of activations for the images" if activations else ""))
+            + (f"; and {gib(activations)} GiB of activations for the images" if activations else "")
+            + (f"; its compute {c.timing.vision_s:.3f} s of the step's {c.timing.step_time_s:.3f} s (the note "
+               "'vision encoder + projector' says how it is counted)" if c.timing and c.timing.vision_s else ""))
 
 
 def rope_words(spec) -> str:

@@ -22,6 +22,7 @@ from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compu
 from toolkit.estimate.experttime import (expert_assumptions, expert_compute, expert_exchange_s,
                                          expert_parallel_fsdp_comm_s)
 from toolkit.estimate.savers import UNMODELLED_SPEED, exposed_copy_s, speed_unmodelled
+from toolkit.estimate.visiontime import vision_time
 from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.hardware import Hardware, power_source
 from toolkit.inputs.grid import ParallelGrid, grid_of
@@ -118,7 +119,8 @@ class Timing:
     bubble_s: float
     offload_s: float
     mfu: float
-    """Model FLOPs utilisation the prediction implies (useful FLOPs / peak), recompute excluded."""
+    """Model FLOPs utilisation the prediction implies (useful FLOPs / peak), recompute excluded; an image job's
+    vision encoder's model FLOPs included (toolkit.estimate.visiontime.VisionTime.model_flops_per_sample)."""
     assumptions: tuple[str, ...] = ()
     lora_overhead_s: float = 0.0
     """LoRA / QLoRA: the adapters' extra matmuls beyond their FLOPs (memory-bound passes over the activations and
@@ -144,6 +146,9 @@ class Timing:
     experts_s: float = 0.0
     """Expert parallelism: the rank's grouped expert GEMMs, part of compute_s (toolkit.estimate.experttime), whose
     efficiency is assumed within experttime.GROUPED_MM_EFFICIENCY_BAND."""
+    vision_s: float = 0.0
+    """Image-and-text jobs: the vision encoder's and projector's forward, backward and recompute, part of compute_s
+    (toolkit.estimate.visiontime)."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
@@ -155,7 +160,8 @@ class Timing:
                 **({"precompute_s": self.precompute_s} if self.precompute_s else {}),
                 **({"generation_s": self.generation_s} if self.generation_s else {}),
                 **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {}),
-                **({"experts_s": self.experts_s} if self.experts_s else {})}
+                **({"experts_s": self.experts_s} if self.experts_s else {}),
+                **({"vision_s": self.vision_s} if self.vision_s else {})}
 
 
 def mlp_matmul_params(spec: ModelSpec) -> int:
@@ -282,6 +288,10 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                                      recompute=recompute or Recompute.of(job.checkpointing),
                                      compute_model=compute_model)
         compute = expert_part.seconds
+    vision = vision_time(full_spec, strategy, full_job, hw, peak_flops=peak, compute_model=compute_model)
+    if vision is not None:
+        compute += vision.seconds
+        assumptions.append(vision.note)
     compile_saved = 0.0
     if compile_traffic:
         micro_steps = job.micro_batch * job.grad_accum / P_stages / grid.model_parallel
@@ -416,12 +426,14 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
-    mfu = tokens * model_flops / (step * peak * world) if step > 0 else 0.0
+    vision_flops = vision.model_flops_per_sample * tokens / full_job.seq_len if vision is not None else 0.0
+    mfu = (tokens * model_flops + vision_flops) / (step * peak * world) if step > 0 else 0.0
     return Timing(step_time_s=step, tokens_per_s=tokens / step, compute_s=compute, communication_s=exposed,
                   bubble_s=bubble, offload_s=offload, mfu=mfu, assumptions=tuple(assumptions),
                   compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s,
                   tiled_recompute_s=tiled_s, unmodelled=unmodelled,
-                  experts_s=expert_part.experts_s if expert_part is not None else 0.0)
+                  experts_s=expert_part.experts_s if expert_part is not None else 0.0,
+                  vision_s=vision.seconds if vision is not None else 0.0)
 
 
 def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:

@@ -183,6 +183,21 @@ def _language_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> Activation
                    loss_bytes=t1.loss_bytes)
 
 
+def job_tower(spec: ModelSpec, job: Job, strategy: Strategy, *, checkpointing: bool | None = None):
+    """The vision encoder + projector traced for one of the image job's images (toolkit.estimate.visiontower), as
+    the job runs it: trained unless --vision-tower freeze or an adapter leaves it frozen, checkpointed with the
+    model (or as `checkpointing` says)."""
+    from toolkit.estimate.visiontower import trace_tower
+    from toolkit.inputs.images import parse_image_size
+
+    trained = job.vision_tower == "train" and not job.adapter.is_adapter
+    dtype, autocast = _trace_mode(strategy, job)
+    width, height = parse_image_size(job.image_size)
+    ckpt = bool(job.checkpointing) if checkpointing is None else checkpointing
+    return trace_tower(spec.hf_config(), width, height, dtype=dtype, autocast=autocast,
+                       attention=spec.effective_attention(job.attention), checkpointing=ckpt, trained=trained)
+
+
 def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: ActivationTrace) -> ActivationTrace:
     """`trace` (the language model at the job's whole sequence, image tokens included) with what the vision
     encoder and projector keep for backward for the micro-batch's images (toolkit.estimate.visiontower), in the
@@ -194,16 +209,8 @@ def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: Activation
         return trace
     from dataclasses import replace
 
-    from toolkit.estimate.visiontower import trace_tower
-    from toolkit.inputs.images import parse_image_size
-
-    trained = job.vision_tower == "train" and not job.adapter.is_adapter
     images = job.images_per_sample * job.micro_batch
-    dtype, autocast = _trace_mode(strategy, job)
-    width, height = parse_image_size(job.image_size)
-    tower = trace_tower(spec.hf_config(), width, height, dtype=dtype, autocast=autocast,
-                        attention=spec.effective_attention(job.attention), checkpointing=bool(job.checkpointing),
-                        trained=trained)
+    tower = job_tower(spec, job, strategy)
     saved = (tower.saved_bytes + tower.pixel_bytes) * images
     events = trace.embedding.forward_events
     # the tower's backward runs inside the embedding region's, after the language model's embedding backward

@@ -13,6 +13,10 @@ A frozen tower (--vision-tower freeze, LoRA / QLoRA, which exclude it) saves not
 input of its operations requires grad (pixel values never do), so autograd records none of them; the trace
 measures that too. The tower's backward is traced as well (TowerTrace.backward_extra_bytes): with checkpointing it
 is where an image-text step peaks, the blocks recomputed while the pixel values are alive.
+
+The same trace counts the tower's FLOPs (TowerTrace.forward_flops / backward_flops) from the shapes of the ops it
+runs, with torch's own formulas (torch.utils.flop_counter's registry: mm, addmm, bmm, convolution and its
+backward, the fused attention kernels); toolkit.estimate.visiontime turns them into the step's time.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ class TowerTrace:
     projector's output and the backward's temporaries, with checkpointing each block's recompute and the tensors
     its recompute closures hold; parameter gradients excluded (the memory model counts them). 0 when no backward
     reaches the tower."""
+    forward_flops: int = 0
+    """FLOPs of the tower's and projector's forward on one image (matmuls, convolutions, attention)."""
+    backward_flops: int = 0
+    """FLOPs of the backward that reaches them for one image: input and weight gradients when they train, input
+    gradients only for a frozen tower under checkpointing (enable_input_require_grads makes the patch embedding's
+    output require grad), and the checkpointed blocks' recompute; 0 when no backward reaches the tower."""
+    attention_flops: int = 0
+    """The part of forward_flops + backward_flops in attention kernels (sdpa; bmm under eager attention)."""
+    patches: int = 0
+    """Patches the tower's blocks see for one image (the widths its matmuls run at)."""
 
     @property
     def pixel_bytes(self) -> int:
@@ -161,14 +175,81 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
         amp = torch.autocast(device_type="cpu", dtype=compute) if autocast else contextlib.nullcontext()
         log = StorageLog()
         recorder = make_recorder(log, set(), {}, lambda: "tower")
+        forward, backward = flop_counter(), flop_counter()
         with _constants_of_any_size(), recorder:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, forward:
                 features = inner.get_image_features(pixels, **kwargs)
             features = torch.cat(list(getattr(features, "pooler_output", features)))
             held.clear()  # the saved storages die as the backward frees them, as in a real step
-            backward_extra = _backward_extra(model, features, log, out["saved"]) if features.requires_grad else 0
+            backward_extra = 0
+            if features.requires_grad:
+                with backward:
+                    backward_extra = _backward_extra(model, features, log, out["saved"])
     return TowerTrace(saved_bytes=out["saved"], autocast_copy_bytes=out["copies"],
-                      pixel_shape=tuple(found.pixel_shape), backward_extra_bytes=backward_extra)
+                      pixel_shape=tuple(found.pixel_shape), backward_extra_bytes=backward_extra,
+                      forward_flops=forward.total(), backward_flops=backward.total(),
+                      attention_flops=forward.attention() + backward.attention(),
+                      patches=_patches(traced, found))
+
+
+def _patches(config: Any, found: Any) -> int:
+    """Patches one image puts through the tower's blocks: the patch grid (Qwen2-VL family), else a fixed square
+    input of image_size / patch_size a side (SigLIP)."""
+    import math
+
+    if found.grid is not None:
+        return math.prod(found.grid)
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2
+
+
+def flop_counter():
+    """A dispatch mode that counts FLOPs with torch's own formulas (torch.utils.flop_counter.flop_registry: they
+    read shapes only), without FlopCounterMode's module tracker, whose hooks on every module's outputs would keep
+    tensors alive in the traced backward and move its peak. The CPU's fused attention kernel (what sdpa runs on CPU
+    and under CPU fake tensors) is counted as the GPU's fused kernels are: QK^T and AV forward (torch's sdpa
+    formula), and a backward of twice the forward, the convention toolkit.estimate.efficiency.flop_split counts the
+    language model's attention with and its fitted attention efficiency assumes (torch's own fused backward formula
+    adds the score matrix's recompute: 2.5 x)."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry, sdpa_flop_count, shape_wrapper
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return 2 * sdpa_flop_count(query, key, value)
+
+    formulas = {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(forward),
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(backward)}
+
+    class FlopTally(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            formula = formulas.get(func._overloadpacket)
+            if formula is not None:
+                self.counts[str(func._overloadpacket)] += formula(*args, **kwargs, out_val=out)
+            return out
+
+        def total(self) -> int:
+            return sum(self.counts.values())
+
+        def attention(self) -> int:
+            """The fused attention kernels' FLOPs and bmm / baddbmm's (a tower's linear layers run as mm / addmm;
+            eager attention's QK^T and AV are its batched matmuls)."""
+            return sum(n for op, n in self.counts.items() if "attention" in op or "bmm" in op)
+
+    return FlopTally()
 
 
 def _backward_extra(model, features, log, saved: int) -> int:

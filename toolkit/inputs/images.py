@@ -149,4 +149,5 @@ def image_words(job: Any) -> str:
     added = job.images_per_sample * job.image_tokens
     return (f"images: {job.images_per_sample} x {job.image_size} per sample, {job.image_tokens} tokens each (the "
             f"model's image processor): they add {added:,} tokens to {job.seq_len - added:,} text tokens; the "
-            f"language model sees {job.seq_len:,} (the vision encoder's compute is not in the step time yet)")
+            f"language model sees {job.seq_len:,}; the vision encoder's compute is in the step time (its FLOPs "
+            "counted from its traced ops)")
