@@ -36,6 +36,7 @@ VALUES = {
     "--nvme-path": "{tmp}/nvme", "--hosts": "node-a,node-b", "--model": "{model}", "--device": "cuda",
     "--workdir": "{tmp}/demo", "--qlora-compute-dtype": "float32", "--runner": "deepspeed", "--data": "{corpus}",
     "--rope-original-positions": "128", "--image-size": "448x448", "--emit": "{tmp}/out2",
+    "--calibration": "{tmp}/calibration.json", "--export-calibration": "{tmp}/exported.json",
 }
 """A value for each flag whose value the parser cannot give (names, paths), or whose derived value would not show
 its effect: --power-limit-w inside the die's datasheet points; --qlora-compute-dtype float32, as float16 takes the

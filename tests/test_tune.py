@@ -59,12 +59,19 @@ def limit_gib(planned) -> float:
 
 
 @pytest.fixture(scope="module")
-def tuned(plan_dir, limit_gib) -> tuple[subprocess.CompletedProcess, dict, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+def cache(plan_dir) -> Path:
+    """The user cache the probe stores its calibration in (TOOLKIT_CACHE_DIR), never the real one."""
+    return plan_dir.parent / "cache"
+
+
+@pytest.fixture(scope="module")
+def tuned(plan_dir, limit_gib, cache) -> tuple[subprocess.CompletedProcess, dict, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOOLKIT_CACHE_DIR": str(cache),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     done = subprocess.run([sys.executable, "-m", "toolkit", "tune", str(plan_dir), "--cpu", "--processes", "2",
                            "--steps", "1", "--candidates", "3", "--memory-limit-gib", str(limit_gib),
-                           "--emit", str(plan_dir.parent / "winner")],
+                           "--emit", str(plan_dir.parent / "winner"),
+                           "--export-calibration", str(plan_dir.parent / "calibration.json")],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done, json.loads((plan_dir / "tune.json").read_text()), (plan_dir / "PLAN.md").read_text()
@@ -256,3 +263,124 @@ def test_a_folder_that_is_no_plan_is_one_line(tmp_path, capsys):
     assert main(["tune", str(tmp_path), "--cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "plan.json" in err and not (tmp_path / "tune.json").exists()
+
+
+def _estimate_json(model: str, capsys, *extra: str) -> dict:
+    from toolkit.cli import main
+
+    assert main(["estimate", model, "--gpus", "2xcpu", "--seq", "64", "--micro-batch", "4", "--strategy", "zero1",
+                 "--device-kind", "cpu", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.multiprocess
+def test_the_probe_stores_a_calibration_that_moves_a_later_estimate(tuned, cache, plan_dir, monkeypatch, capsys):
+    """The probe's compute ratio (measured step less the predicted non-compute terms, over the predicted compute,
+    of the two measured candidates) is stored under TOOLKIT_CACHE_DIR; a later estimate for 2xcpu here takes it,
+    says so, and --no-calibration gives the figures of an empty cache exactly."""
+    from datetime import date
+
+    from toolkit.cli import main
+
+    done, result, _ = tuned
+    measured = [r for r in result["candidates"] if r["status"] == "measured"]
+    ratios = [r["compute_ratio"] for r in measured]
+    assert all(r and r > 0 for r in ratios) and result["predicted_on"].startswith("2xcpu: the CPU cost model")
+    for r in measured:  # predicted on the CPU cost model: the ratio is the measured step's compute over its own
+        rest = r["measured_step_s"] - (r["predicted_step_s"] - r["predicted_compute_s"])
+        assert r["compute_ratio"] == pytest.approx(rest / r["predicted_compute_s"])
+    stored = json.loads((cache / "calibration" / "2xcpu.json").read_text())
+    assert stored["runs"] == 2 and stored["date"] == date.today().isoformat() and stored["count"] == 2
+    assert stored["compute_ratio"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5)
+    assert json.loads((plan_dir.parent / "calibration.json").read_text()) == stored == result["calibration"]
+    assert "stored in" in done.stdout and "wrote this machine's calibration to" in done.stdout
+
+    model = result["model"]
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(plan_dir.parent / "empty-cache"))
+    plain = _estimate_json(model, capsys)
+    assert plain["calibration"] is None
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(cache))
+    calibrated = _estimate_json(model, capsys)
+    words = f"calibrated on this machine, {stored['date']}, 2 runs"
+    assert calibrated["calibration"]["words"].startswith(words)
+    assert calibrated["timing"]["compute_s"] == pytest.approx(plain["timing"]["compute_s"] * stored["compute_ratio"])
+    assert calibrated["timing"]["step_time_s"] != plain["timing"]["step_time_s"]
+    assert calibrated["per_gpu"] == plain["per_gpu"]  # memory never moves
+    assert _estimate_json(model, capsys, "--no-calibration") == plain
+    assert main(["estimate", model, "--gpus", "2xcpu", "--seq", "64", "--strategy", "zero1", "--device-kind",
+                 "cpu"]) == 0
+    assert words in capsys.readouterr().out
+    # a shared file for another device: one line, exit 2
+    assert main(["estimate", model, "--gpus", "2xH100-80GB", "--seq", "64", "--calibration",
+                 str(plan_dir.parent / "calibration.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "was measured for 2xcpu, not 2xH100-SXM-80GB" in err and "\n" not in err
+
+
+def _calibration(gpu_name: str, count: int, ratio: float):
+    from toolkit.inputs import calibration as cal
+    from toolkit.inputs.hardware import find_gpu
+
+    return cal.combine(find_gpu(gpu_name), count, [ratio], None)
+
+
+def test_a_stored_calibration_moves_only_its_own_key_and_no_calibration_restores_it(tiny_llama_dir, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """A calibration stored for 2 x H100 here (compute x 1.5) moves that estimate's compute term by exactly 1.5 and
+    says so; 4 x H100 (another count) and --no-calibration give the uncalibrated figures exactly."""
+    from toolkit.inputs import calibration as cal
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
+    argv = [str(tiny_llama_dir), "--seq", "64", "--json"]
+    from toolkit.cli import main
+
+    def estimate(*extra):
+        assert main(["estimate", *argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plain2, plain4 = estimate("--gpus", "2xH100-80GB"), estimate("--gpus", "4xH100-80GB")
+    cal.store(_calibration("H100-SXM-80GB", 2, 1.5))
+    moved = estimate("--gpus", "2xH100-80GB")
+    assert moved["timing"]["compute_s"] == pytest.approx(plain2["timing"]["compute_s"] * 1.5)
+    assert moved["calibration"]["runs"] == 1 and "calibrated on this machine" in moved["calibration"]["words"]
+    assert estimate("--gpus", "2xH100-80GB", "--no-calibration") == plain2
+    assert estimate("--gpus", "4xH100-80GB") == plain4
+    assert main(["estimate", *argv, "--gpus", "4xH100-80GB", "--no-calibration"]) == 2
+    assert "nothing to ignore" in capsys.readouterr().err
+
+
+def test_a_corrupted_stored_calibration_is_ignored_with_a_warning(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from toolkit.cli import main
+    from toolkit.inputs import calibration as cal
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["estimate", str(tiny_llama_dir), "--seq", "64", "--gpus", "2xH100-80GB", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    path = cal.store(_calibration("H100-SXM-80GB", 2, 1.5))
+    for corrupt in ("{not json", json.dumps({**json.loads(path.read_text()), "compute_ratio": -1})):
+        path.write_text(corrupt)
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out) == plain
+        assert err.count("warning: ignoring the stored calibration") == 1 and "is corrupted" in err
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", "is corrupted (not JSON)"),
+    ('{"device": "cpu"}', "is no calibration"),
+    (None, "was measured for 2xH100-SXM-80GB, not 2xA100-80GB"),
+])
+def test_a_bad_calibration_file_is_one_line(tiny_llama_dir, tmp_path, content, words, capsys):
+    from toolkit.cli import main
+    from toolkit.inputs import calibration as cal
+
+    path = tmp_path / "calibration.json"
+    if content is None:
+        cal.export(_calibration("H100-SXM-80GB", 2, 1.5), path)
+    else:
+        path.write_text(content)
+    assert main(["plan", str(tiny_llama_dir), "--seq", "64", "--gpus", "2xA100-80GB", "--calibration",
+                 str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err

@@ -460,10 +460,64 @@ def model_spec(args):
 
 
 def hardware_of(args):
+    """The hardware the flags give; for estimate and plan (add_calibration_flags) with the calibration of this
+    machine applied (or the --calibration file's, or none with --no-calibration), which it keeps in
+    args.calibration_applied for the output."""
     from toolkit.inputs.hardware import parse_hardware
 
-    return parse_hardware(args.gpus, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
-                          cpu_ram_gib=args.cpu_ram_gib, power_limit_w=args.power_limit_w)
+    hw = parse_hardware(args.gpus, nodes=args.nodes, inter_node_gbps=args.inter_node_gbps,
+                        cpu_ram_gib=args.cpu_ram_gib, power_limit_w=args.power_limit_w)
+    if not hasattr(args, "no_calibration"):
+        return hw
+    from dataclasses import replace
+    from pathlib import Path
+
+    from toolkit.inputs import calibration as cal
+
+    if args.no_calibration and args.calibration:
+        raise UserError("--calibration FILE applies a calibration and --no-calibration ignores every one; give one "
+                        "of them")
+    if args.calibration:
+        got, source = cal.imported(Path(args.calibration), hw.gpu, hw.world_size), args.calibration
+    else:
+        got, source = cal.stored(hw.gpu, hw.world_size), "stored for this machine"
+        if args.no_calibration:
+            if got is None:
+                raise UserError(f"--no-calibration: no calibration is stored for {hw.spec} on this machine, so there "
+                                "is nothing to ignore; drop it")
+            got = None
+    args.calibration_applied = cal.Applied(got, source if got else "")
+    return replace(hw, gpu=cal.apply(hw.gpu, got))
+
+
+def add_calibration_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("calibration (toolkit tune)")
+    g.add_argument("--calibration", type=text_arg("--calibration"), metavar="FILE",
+                   help="apply this calibration file (`toolkit tune --export-calibration`) instead of the one stored "
+                        "for this machine; refused when measured for another device or count")
+    g.add_argument("--no-calibration", action="store_true",
+                   help="ignore the calibration `toolkit tune` stored for this machine: the uncalibrated figures")
+
+
+def calibration_words(args) -> str | None:
+    """The line that says a calibration moved the step time, or None."""
+    applied = getattr(args, "calibration_applied", None)
+    if applied is None or applied.calibration is None:
+        return None
+    c = applied.calibration
+    where = c.words() if applied.source == "stored for this machine" else (
+        f"calibrated by {applied.source} ({c.device_model}), {c.date}, {c.runs} run{'s' if c.runs != 1 else ''}")
+    return f"{where}: compute time x {c.compute_ratio:.3g} (measured / predicted; {', '.join(c.not_measured)} " \
+           "not measured)"
+
+
+def calibration_json(args) -> dict:
+    """--json's `calibration`: the record applied, where it came from and the line the table prints; None."""
+    words = calibration_words(args)
+    if words is None:
+        return {"calibration": None}
+    applied = args.calibration_applied
+    return {"calibration": {**applied.calibration.to_dict(), "source": applied.source, "words": words}}
 
 
 def print_note(text: str) -> None:

@@ -10,7 +10,7 @@ from toolkit.bounds import int_arg
 from toolkit.errors import UserError
 from toolkit.inputs.job import checkpointing_words, compile_words
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (add_checkpointing_flag, adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of,
+from toolkit.commands.common import (add_calibration_flags, add_checkpointing_flag, calibration_json, calibration_words, adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of,
                                      images_of,
                                      add_hardware_flags, add_job_flags, add_model_flags, add_run_size_flags, gib,
                                      hardware_of, longest_line, model_spec, print_note, run_size_flag, run_size_of,
@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
                         "(TRL's MoE guide: DistributedConfig(tp_size=N, enable_expert_parallel=True), which "
                         "transformers 5.24 no longer loads); default: every rank its own batch")
     add_run_size_flags(p)
+    add_calibration_flags(p)
     p.add_argument("--explain", action="store_true", help="show where every term comes from")
     p.add_argument("--trace-world", action="store_true",
                    help="trace one rank of an FSDP2 / FSDP2 x TP / HSDP row in a fake world of the plan's size (the "
@@ -143,7 +144,7 @@ def cmd_estimate(args) -> int:
                                    "evidenced_here": time_band(hw.gpu).covers(strategy.name, hw.world_size)},
                "terms": [x.to_dict() for x in b.terms],
                **({"vision_share": vision_share(spec, b, c)} if spec.multimodal else {}),
-               **({"fake_world": world.to_dict()} if world else {}),
+               **({"fake_world": world.to_dict()} if world else {}), **calibration_json(args),
                "notes": ([seq_note] if seq_note else []) + list(b.notes) + list(t.assumptions)}
         if partition:
             out["partition"] = partition
@@ -154,6 +155,8 @@ def cmd_estimate(args) -> int:
     if seq_note:
         print_note(seq_note)
     print_estimate(spec, hw, c, b, explain=args.explain, world=world)
+    if calibration_words(args):
+        print(calibration_words(args))
     if run is not None:
         print(duration(run, c, hw.world_size).text())
     return _fit_exit(args, b.fits)

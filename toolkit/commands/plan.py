@@ -11,7 +11,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.choices import CHECKPOINTING_OP, COMPILE_BLOCKS, PLAN_CHECKPOINTING_MODES
 from toolkit.inputs.job import BLOCKS_COMPILE_PROBLEM, OP_CHECKPOINTING_PROBLEM, loss_problem
 from toolkit.inputs.strategy import ALL_STRATEGY_NAMES
-from toolkit.commands.common import (adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of, add_hardware_flags,
+from toolkit.commands.common import (add_calibration_flags, calibration_json, calibration_words, adapter_of, allocator_of, add_rope_flags, dpo_of, grpo_of, add_hardware_flags,
                                      images_of,
                                      add_job_flags,
                                      add_model_flags, add_output_flags, add_run_size_flags, GIB, hardware_of, human,
@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10,
                    help="table rows shown (default %(default)s; --json lists every candidate)")
     add_run_size_flags(p)
+    add_calibration_flags(p)
     p.add_argument("--explain", action="store_true",
                    help="after the table, the chosen row's estimate with where every term comes from (estimate "
                         "--explain of that row)")
@@ -168,9 +169,12 @@ def cmd_plan(args) -> int:
                "candidates": rows, "chosen": row(chosen) if chosen else None,
                "chosen_because": why or (f"--choose {args.strategy_choice}" if chosen else None),
                "time_error_band": time_band(hw.gpu).to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
-               **({"chosen_explained": _explained(chosen)} if args.explain and chosen else {})}
+               **({"chosen_explained": _explained(chosen)} if args.explain and chosen else {}),
+               **calibration_json(args)}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top, run)
+        if calibration_words(args):
+            print(calibration_words(args))
         if args.explain and chosen:
             _print_explained(spec, hw, chosen)
     written: list[str] = []

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--emit", type=text_arg("--emit"), metavar="DIR",
                    help="write the measured winner's plan folder to DIR, as `toolkit plan --out` writes a chosen row "
                         "(DIR must be missing or empty)")
+    p.add_argument("--export-calibration", type=text_arg("--export-calibration"), metavar="FILE",
+                   help="also write this machine's calibration after the probe to FILE (JSON), for `estimate` / "
+                        "`plan --calibration FILE` elsewhere; the probe always stores it in the user's cache")
     p.set_defaults(func=cmd_tune)
 
 
@@ -63,6 +66,9 @@ def cmd_tune(args) -> int:
     emit_dir = Path(args.emit) if args.emit else None
     if emit_dir is not None:
         _refuse_emit_dir(emit_dir)
+    export = Path(args.export_calibration) if args.export_calibration else None
+    if export is not None and (export.is_dir() or not export.parent.is_dir()):
+        raise UserError(f"--export-calibration {export}: give a file path in an existing folder")
     processes = args.processes or plan.gpus_per_node
     result = probe(plan, plan_dir, count=args.candidates, budget_min=args.budget_min, steps=args.steps,
                    processes=processes, cpu=args.cpu, limit_gib=args.memory_limit_gib, emit_dir=emit_dir)
@@ -73,14 +79,29 @@ def cmd_tune(args) -> int:
     best = result["ranking"][0] if result["ranking"] else None
     print(f"fastest measured: {best}" if best else "no candidate was measured")
     print("wrote " + ", ".join(str(p) for p in written))
+    code = _export(result, export)
     if emit_dir is None:
-        return 0
+        return code
     if result["emitted"]:
         print(f"wrote the plan folder of {best} to {emit_dir}")
-        return 0
+        return code
     why = "no candidate was measured" if best is None else "see the line above"
     print(f"--emit: {why}, so {emit_dir} was not written", file=sys.stderr)
     return 1
+
+
+def _export(result: dict, export: Path | None) -> int:
+    """--export-calibration FILE: the calibration the probe stored, written to FILE; 1 when there is none."""
+    if export is None:
+        return 0
+    if not result["calibration"]:
+        print(f"--export-calibration: no candidate was measured, so {export} was not written", file=sys.stderr)
+        return 1
+    from toolkit.inputs import calibration as cal
+
+    cal.export(cal.from_dict(result["calibration"], "the probe's calibration"), export)
+    print(f"wrote this machine's calibration to {export}")
+    return 0
 
 
 def _refuse_emit_dir(out: Path) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.inputs.cpudevice import CPU_ARCHITECTURE
 from toolkit.inputs.hardware import Gpu
 from toolkit.inputs.job import CHECKPOINTING_OP
 from toolkit.inputs.modelspec import ModelSpec
@@ -140,7 +141,21 @@ def _measured_architecture(architecture: str, model: ComputeModel) -> tuple[str,
 
 def matmul_efficiency(gpu: Gpu, precision: str, tokens_per_micro_step: int, hidden: int,
                       model: ComputeModel = COMPUTE) -> tuple[float, str | None]:
-    """(Fraction of dense peak the step's matmuls reach, the assumption made if any)."""
+    """(Fraction of dense peak the step's matmuls reach, the assumption made if any), divided by the GPU's
+    calibrated compute ratio (toolkit.inputs.calibration; 1 uncalibrated)."""
+    eff, note = _uncalibrated_efficiency(gpu, precision, tokens_per_micro_step, hidden, model)
+    if gpu.compute_ratio != 1.0:
+        return eff / gpu.compute_ratio, "; ".join(n for n in (note, (
+            f"calibrated on this machine: efficiency / {gpu.compute_ratio:.3g}, the measured over predicted compute "
+            "time of `toolkit tune`")) if n)
+    return eff, note
+
+
+def _uncalibrated_efficiency(gpu: Gpu, precision: str, tokens_per_micro_step: int, hidden: int,
+                             model: ComputeModel) -> tuple[float, str | None]:
+    if gpu.architecture == CPU_ARCHITECTURE:
+        return 1.0, ("CPU processes: the measured torch.mm rate is the peak, reached at every size (efficiency 1 "
+                     "assumed; toolkit.inputs.cpudevice)")
     if precision == "fp32":
         return FP32_EFFICIENCY, "fp32: efficiency 0.70 of the plain fp32 peak assumed (no fp32 run in the corpus)"
     arch, note = _measured_architecture(gpu.architecture, model)
@@ -153,6 +168,8 @@ def compute_seconds_per_token(split: FlopSplit, gpu: Gpu, peak_flops: float, eff
                               attention_kernel: str, model: ComputeModel = COMPUTE) -> tuple[float, str | None]:
     """Seconds one GPU spends per token on the step's FLOPs (before any pipeline split)."""
     note = None
+    if gpu.architecture == CPU_ARCHITECTURE:
+        return split.total / (peak_flops * efficiency), note
     if attention_kernel == "eager":
         note = "eager attention: the fused kernels' attention efficiency assumed (no eager run in the corpus)"
     arch, _ = _measured_architecture(gpu.architecture, model)

@@ -55,6 +55,9 @@ class Gpu:
     cuda_context_bytes: int = 0
     """A training process's CUDA context measured on this GPU (benchmarks/gpu_check.py: cudaMemGetInfo's used bytes
     minus torch's reserved); 0: not measured, toolkit.estimate.devicememory's assumed figure is used."""
+    compute_ratio: float = 1.0
+    """Measured over predicted compute time on this machine, from a stored calibration (toolkit.inputs.calibration):
+    the step-time model divides its matmul efficiency by it; 1: uncalibrated."""
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for the precision a step computes in. fp32 uses the plain fp32 peak: torch keeps fp32
@@ -203,6 +206,10 @@ def find_gpu(name: str) -> Gpu:
     that names one entry by a prefix (`B200-SX`). The catalog's aliases are themselves never such a family
     (tests/test_catalog.py)."""
     key = _norm(name)
+    from toolkit.inputs.cpudevice import CPU_NAME
+
+    if key == CPU_NAME:
+        return cpu_gpu()
     index = _alias_index()
     if key in index:
         return gpu_catalog()[index[key]]
@@ -214,6 +221,22 @@ def find_gpu(name: str) -> Gpu:
     known = ", ".join(sorted(gpu_catalog()))
     raise UserError(f"unknown GPU '{name}'; known GPUs: {known}")
 
+
+
+def cpu_gpu() -> Gpu:
+    """This machine's CPU processes as the step-time model's device (`--gpus 2xcpu`), from the rates measured
+    here (toolkit.inputs.cpudevice)."""
+    from toolkit.inputs.cpudevice import CPU_ARCHITECTURE, CPU_NAME, INTRA_GBPS, cpu_rates, host_memory_bytes
+
+    r = cpu_rates()
+    return Gpu(name=CPU_NAME, memory_bytes=host_memory_bytes(), bf16_tflops=r.bf16_tflops,
+               fp16_tflops=r.fp16_tflops, fp32_tflops=r.fp32_tflops, tf32_tflops=0.0, hbm_gbps=r.copy_gbps,
+               intra_node_gbps=INTRA_GBPS, pcie_gbps=r.copy_gbps, interconnect="gloo", bf16_supported=True,
+               architecture=CPU_ARCHITECTURE,
+               source=f"measured on {r.model} at {r.threads} thread{'s' if r.threads != 1 else ''}: torch.mm "
+                      f"fp32 {r.fp32_tflops * 1e3:.1f} / bf16 {r.bf16_tflops * 1e3:.1f} / fp16 "
+                      f"{r.fp16_tflops * 1e3:.1f} GFLOP/s, copy {r.copy_gbps:.1f} GB/s; gloo {INTRA_GBPS:g} GB/s "
+                      "assumed (toolkit.inputs.cpudevice)")
 
 
 _SPEC = re.compile(r"^\s*(?:(?P<nodes>-?\d+)\s*[x*]\s*)?(?:(?P<count>-?\d+)\s*[x*]\s*)?"

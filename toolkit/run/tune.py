@@ -24,7 +24,12 @@ generation) puts every candidate inside it.
 
 MFU: measured tokens/s x the model FLOPs per token (no recompute, toolkit.estimate.timing.flops_per_token, the count
 the planner's MFU divides) / (the planned GPU's dense peak at the plan's precision x processes). On CPU it is null:
-the cost model has no CPU peak, and the GPU's would say nothing about a CPU run (`mfu_basis` says so).
+the CPU cost model's peak is a measured GEMM rate, no datasheet peak (`mfu_basis` says so).
+
+On CPU (--cpu) the rows' predictions are the CPU cost model's (toolkit.inputs.cpudevice: `--gpus Nxcpu`) for the
+plan as it runs here (toolkit.run.smaller_box), not the planned GPU's, which would say nothing about a CPU step.
+Each measured row's compute ratio (toolkit.inputs.calibration) is folded into this machine's stored calibration,
+which later estimate / plan for the same device and count apply (store_calibration).
 
 --emit DIR: the measured winner's plan folder, written by the emitter as `toolkit plan --out` writes a chosen row
 (toolkit.emit.emit_files: staged and swapped in whole), with the planner's table and the plan's time to train.
@@ -44,6 +49,7 @@ from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as pdataclass
 
 from toolkit.errors import UserError
+from toolkit.inputs.calibration import compute_ratio
 from toolkit.inputs.choices import GIB
 from toolkit.plan.schema import Plan
 
@@ -86,6 +92,10 @@ class TuneRow:
     mfu: float | None = None
     reserved_bytes_per_rank: list[int] = field(default_factory=list)
     """torch.cuda.max_memory_reserved per rank (empty on CPU)."""
+    predicted_compute_s: float | None = None
+    """The compute term of predicted_step_s: what the calibration's ratio measures (toolkit.inputs.calibration)."""
+    compute_ratio: float | None = None
+    """Measured over predicted compute time (toolkit.inputs.calibration.compute_ratio); None when not measured."""
 
     @property
     def step_ratio(self) -> float | None:
@@ -136,8 +146,8 @@ def model_flops_per_token(spec, c) -> float:
 def mfu_peak(hw, precision: str, *, cpu: bool, processes: int) -> tuple[float | None, str]:
     """FLOP/s the probe's MFU divides by, and the sentence tune.json keeps as `mfu_basis`."""
     if cpu:
-        return None, ("null on CPU: the cost model has no CPU peak, and the planned GPU's would say nothing about "
-                      "a CPU run")
+        return None, ("null on CPU: the CPU cost model's peak is a measured GEMM rate (toolkit.inputs.cpudevice), no "
+                      "datasheet peak, and the planned GPU's would say nothing about a CPU run")
     peak = hw.gpu.peak_tflops(precision) or hw.gpu.fp32_tflops
     import torch
 
@@ -194,8 +204,12 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     candidates = [c for c, _ in order]
     plans = [to_plan(c, spec, hw, plan.model) for c in candidates]
     boxes = [box_plan(p, processes=processes, cpu=cpu)[0] for p in plans]  # refused before any process starts
-    rows = [_row(feasible.index(c) + 1, c, p, inside, model_flops_per_token(spec, c))
-            for (c, inside), p in zip(order, plans)]
+    if cpu:  # the CPU cost model prices what runs: the box's plan on this machine's CPU processes
+        from toolkit.estimate.search import predict_plan
+
+        boxes = [predict_plan(b) for b in boxes]
+    rows = [_row(feasible.index(c) + 1, c, b if cpu else p, inside, model_flops_per_token(spec, c))
+            for (c, inside), p, b in zip(order, plans, boxes)]
     peak, mfu_basis = mfu_peak(hw, plan.precision, cpu=cpu, processes=processes)
     where = processes_phrase(processes, cpu=cpu)
     in_band = sum(r.within_band for r in rows)
@@ -246,10 +260,13 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
                     f"exit code {code}"
             else:
                 row.status = MEASURED
+                row.compute_ratio = compute_ratio(row.measured_step_s, box.predicted)
             say(f"[{i + 1}/{len(rows)}] {row.name}: {_progress(row)}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     measured = sorted((r for r in rows if r.status == MEASURED), key=lambda r: r.measured_step_s)
+    calibration = store_calibration(boxes[0], processes, [r.compute_ratio for r in measured if r.compute_ratio],
+                                    say)
     for rank, row in enumerate(measured, 1):
         row.measured_rank = rank
     emitted = None
@@ -267,7 +284,28 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
             "warmup_steps": WARMUP_STEPS, "measured_steps": steps, "budget_min": budget_min,
             "spent_min": round((time.monotonic() - began) / 60, 2), "memory_limit_gib": limit_gib,
             "mfu_basis": mfu_basis, "candidates": [{**asdict(r), "step_ratio": r.step_ratio} for r in rows],
-            "ranking": [r.name for r in measured], "emitted": emitted}
+            "ranking": [r.name for r in measured], "emitted": emitted,
+            "predicted_on": f"{processes}x{boxes[0].gpu}" + (": the CPU cost model (toolkit.inputs.cpudevice)" if cpu
+                                                            else ""),
+            "calibration": calibration.to_dict() if calibration else None}
+
+
+def store_calibration(box: Plan, processes: int, ratios: list[float], say=print):
+    """The measured compute ratios folded into this machine's stored calibration (toolkit.inputs.calibration), for
+    `processes` x the device the box runs on; None when nothing was measured. A stored calibration that is
+    corrupted is replaced (with its warning)."""
+    from toolkit.inputs import calibration as cal
+    from toolkit.inputs.hardware import find_gpu
+
+    gpu = find_gpu(box.gpu)
+    combined = cal.combine(gpu, processes, ratios, cal.stored(gpu, processes, warn=say))
+    if combined is None or not ratios:
+        return combined
+    path = cal.store(combined)
+    say(f"calibration: compute time x {combined.compute_ratio:.3g} of the prediction over {combined.runs} "
+        f"run{'s' if combined.runs != 1 else ''}, stored in {path}; later estimate / plan for "
+        f"--gpus {processes}x{gpu.name} use it")
+    return combined
 
 
 def plan_run(plan: Plan):
@@ -307,7 +345,7 @@ def _row(rank: int, c, plan: Plan, inside: bool, flops: float) -> TuneRow:
                    model_flops_per_token=flops, micro_batch=plan.micro_batch,
                    grad_accum=plan.grad_accum, predicted_step_s=predicted.get("step_time_s"),
                    predicted_tokens_per_s=predicted.get("tokens_per_s"),
-                   predicted_peak_bytes=predicted.get("peak_bytes"),
+                   predicted_peak_bytes=predicted.get("peak_bytes"), predicted_compute_s=predicted.get("compute_s"),
                    peak_band=c.peak_band.fraction if c.memory else None)
 
 
@@ -402,3 +440,7 @@ class TuneFile:
     candidates: list[_Row]
     ranking: list[str]
     emitted: str | None
+    predicted_on: str = ""
+    """The hardware the rows' predictions are for: the plan's, or on CPU this machine's CPU processes."""
+    calibration: dict | None = None
+    """This machine's calibration after the probe (toolkit.inputs.calibration), None when nothing was measured."""

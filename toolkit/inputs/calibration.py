@@ -1,0 +1,210 @@
+"""A calibration that sticks (issue 30, Deliver 2): what `toolkit tune` measured against what the step-time model
+predicted, stored for this machine in the user's cache and applied by later `estimate` / `plan` on the same key.
+
+The key: the device the prediction was made for (a catalog GPU, or `cpu`: toolkit.inputs.cpudevice), the model of
+the device measured (torch's CUDA device name, or /proc/cpuinfo's CPU model), the process count, the interconnect
+(the catalog's link name, or gloo), and the torch / deepspeed / transformers versions. A different key is another
+machine: its calibration is not applied.
+
+What is measured: one ratio, the compute term's. For each measured candidate, the model's communication, bubble,
+offload and other terms are taken as predicted and the rest of the measured step is its compute time: ratio =
+(measured step - predicted non-compute) / predicted compute. The candidates' ratios are combined by their geometric
+mean, and a later probe on the same key folds its runs in (weighted by runs). Applied, the step-time model divides
+its matmul efficiency by the ratio (toolkit.estimate.efficiency), so the compute term moves by that factor and MFU
+with it. NOT measured, so left as the model has them: communication overlap, offload bandwidth, allocator overhead
+(on CPU a rank's peak is its RSS, which holds the interpreter and libraries; on a GPU tune records reserved peaks
+but does not store a ratio for them yet). Memory predictions never move.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, replace
+from datetime import date
+from pathlib import Path
+
+from toolkit.errors import UserError
+
+CALIBRATION_VERSION = 1
+NOT_MEASURED = ("communication overlap", "offload bandwidth", "allocator overhead")
+LIBRARIES = ("torch", "deepspeed", "transformers")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One machine's calibration (module docstring)."""
+
+    device: str
+    """The device the predictions were for: a catalog GPU name, or `cpu`."""
+    device_model: str
+    """The device measured: torch.cuda.get_device_name, or the CPU model string."""
+    count: int
+    """Processes (GPUs) per run."""
+    interconnect: str
+    versions: dict[str, str]
+    compute_ratio: float
+    """Measured over predicted compute time (module docstring)."""
+    runs: int
+    """Candidates measured into the ratio, over every probe on this key."""
+    date: str
+    """The day of the last probe (ISO)."""
+    not_measured: tuple[str, ...] = NOT_MEASURED
+    version: int = CALIBRATION_VERSION
+
+    @property
+    def key(self) -> tuple:
+        return (self.device, self.device_model, self.count, self.interconnect,
+                tuple(sorted(self.versions.items())))
+
+    def words(self) -> str:
+        return f"calibrated on this machine, {self.date}, {self.runs} run{'s' if self.runs != 1 else ''}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "not_measured": list(self.not_measured)}
+
+
+def library_versions() -> dict[str, str]:
+    from toolkit.cache import installed_version
+
+    return {name: installed_version(name) or "none" for name in LIBRARIES}
+
+
+def this_device_model(device: str) -> str:
+    from toolkit.inputs.cpudevice import CPU_NAME, cpu_model
+
+    if device == CPU_NAME:
+        return cpu_model()
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+
+
+def this_machine(gpu, count: int) -> tuple:
+    """The key a calibration for `count` x `gpu` measured on this machine would have."""
+    return (gpu.name, this_device_model(gpu.name), count, gpu.interconnect, tuple(sorted(library_versions().items())))
+
+
+def store_dir() -> Path:
+    from toolkit.cache import cache_dir
+
+    return cache_dir() / "calibration"
+
+
+def store_path(device: str, count: int) -> Path:
+    safe = "".join(ch if ch.isalnum() or ch in "-._" else "_" for ch in device)
+    return store_dir() / f"{count}x{safe}.json"
+
+
+def from_dict(data, where: str) -> Calibration:
+    """A calibration read from JSON, checked; UserError naming `where` and the problem otherwise."""
+    if not isinstance(data, dict):
+        raise UserError(f"{where} is no calibration (a JSON object written by `toolkit tune`)")
+    try:
+        got = Calibration(**{**data, "not_measured": tuple(data.get("not_measured", NOT_MEASURED))})
+    except TypeError as exc:
+        raise UserError(f"{where} is no calibration: {exc}") from None
+    if got.version != CALIBRATION_VERSION:
+        raise UserError(f"{where} is calibration version {got.version!r}; this toolkit reads {CALIBRATION_VERSION}")
+    ratio_ok = isinstance(got.compute_ratio, (int, float)) and math.isfinite(got.compute_ratio) \
+        and got.compute_ratio > 0
+    if not ratio_ok or not isinstance(got.runs, int) or got.runs < 1 or not isinstance(got.count, int) \
+            or got.count < 1 or not isinstance(got.versions, dict):
+        raise UserError(f"{where} is corrupted (compute_ratio, runs, count or versions out of range)")
+    try:
+        date.fromisoformat(got.date)
+    except (TypeError, ValueError):
+        raise UserError(f"{where} is corrupted (date {got.date!r} is no ISO date)") from None
+    return got
+
+
+def read_file(path: Path) -> Calibration:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read calibration {path}: {exc.strerror or exc}") from None
+    except ValueError:
+        raise UserError(f"calibration {path} is corrupted (not JSON)") from None
+    return from_dict(data, f"calibration {path}")
+
+
+def stored(gpu, count: int, warn=None) -> Calibration | None:
+    """The stored calibration of this machine for `count` x `gpu`, or None: none stored, or stored for another key
+    (other versions, another device model). A corrupted one is ignored with a warning (`warn`: stderr)."""
+    path = store_path(gpu.name, count)
+    if not path.is_file():
+        return None
+    try:
+        got = read_file(path)
+    except UserError as exc:
+        (warn or _warn)(f"warning: ignoring the stored calibration: {exc}; run `toolkit tune` again to replace it")
+        return None
+    return got if got.key == this_machine(gpu, count) else None
+
+
+def _warn(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def imported(path: Path, gpu, count: int) -> Calibration:
+    """A shared calibration file for `count` x `gpu`: refused (one line) when it was measured for another device or
+    count. Versions and device model may differ (it was measured elsewhere); they travel in the record."""
+    got = read_file(path)
+    if (got.device, got.count) != (gpu.name, count):
+        raise UserError(f"calibration {path} was measured for {got.count}x{got.device}, not {count}x{gpu.name}; "
+                        f"give --gpus {got.count}x{got.device} or another calibration file")
+    return got
+
+
+def apply(gpu, calibration: Calibration | None):
+    """`gpu` with the calibration's compute ratio (unchanged without one)."""
+    return gpu if calibration is None else replace(gpu, compute_ratio=calibration.compute_ratio)
+
+
+def compute_ratio(measured_step_s: float, predicted: dict) -> float | None:
+    """One candidate's measured over predicted compute time (module docstring), None where the measured step is no
+    longer than the predicted non-compute terms (nothing left to attribute)."""
+    step, compute = predicted.get("step_time_s"), predicted.get("compute_s")
+    if not step or not compute or not measured_step_s:
+        return None
+    rest = measured_step_s - (step - compute)
+    return rest / compute if rest > 0 else None
+
+
+def combine(gpu, count: int, ratios: list[float], previous: Calibration | None, today: str | None = None) \
+        -> Calibration | None:
+    """The calibration of `ratios` (one per measured candidate), folded into `previous` of the same key."""
+    if not ratios:
+        return previous
+    logs = [math.log(r) for r in ratios]
+    runs = len(ratios)
+    if previous is not None:  # the earlier probes' runs, each at their combined ratio
+        logs.append(math.log(previous.compute_ratio) * previous.runs)
+        runs += previous.runs
+    mean = sum(logs) / runs
+    device, model, count, link, versions = this_machine(gpu, count)
+    return Calibration(device=device, device_model=model, count=count, interconnect=link, versions=dict(versions),
+                       compute_ratio=math.exp(mean), runs=runs, date=today or date.today().isoformat())
+
+
+def store(calibration: Calibration) -> Path:
+    from toolkit.fileio import write_atomic
+
+    path = store_path(calibration.device, calibration.count)
+    write_atomic(path, json.dumps(calibration.to_dict(), indent=2) + "\n")
+    return path
+
+
+def export(calibration: Calibration, path: Path) -> None:
+    from toolkit.fileio import write_atomic
+
+    write_atomic(path, json.dumps(calibration.to_dict(), indent=2) + "\n")
+
+
+@dataclass
+class Applied:
+    """What hardware_of applied (None: nothing), and from where, for the command's output."""
+
+    calibration: Calibration | None = None
+    source: str = ""
