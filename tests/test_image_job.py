@@ -306,11 +306,15 @@ def test_estimate_and_plan_carry_the_images_and_their_tokens(tiny_vl_dir, capsys
     code, out, _ = _run(capsys, "estimate", str(tiny_vl_dir), *common, "--strategy", "ddp", "--explain")
     share = next(line for line in out.splitlines() if "vision encoder's share" in line)
     assert f"its compute {imaged['timing']['vision_s']:.3f} s of the step's" in share
+    band = next(line for line in out.splitlines() if line.startswith("time band: "))
+    assert f"the vision encoder's {imaged['timing']['vision_s']:.3f} s of it is outside the band's evidence" in band
     code, out, err = _run(capsys, "plan", str(tiny_vl_dir), *common, "--global-batch", "8", "--strategies", "ddp",
                           "--json")
     assert code == 0 and json.loads(out)["images"] == {"images_per_sample": 2, "image_size": "448x280",
                                                        "image_tokens": 160, "seq_len": 416, "text_tokens": 96}
     assert "they add 320 tokens to 96 text tokens" in err
+    code, out, _ = _run(capsys, "plan", str(tiny_vl_dir), *common, "--global-batch", "8", "--strategies", "ddp")
+    assert code == 0 and "step time of #1: the vision encoder's " in out
 
 
 def test_plan_json_and_plan_md_carry_the_image_fields(tiny_vl_dir):

@@ -263,6 +263,8 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"({step_terms_words(t)})")
     tband = time_band(hw.gpu)
+    from toolkit.estimate.visiontime import vision_band_words
+
     print(f"time band: {tband.text()}"
           + ("" if tband.covers(strategy.name, hw.world_size) or not tband.known else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) on {hw.gpu.architecture.capitalize()} in "
@@ -270,7 +272,8 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           + ("; the one published expert-parallel run scored (TRL's, benchmarks/results/moe_ep.md) is several "
              "times slower than this model: the all-to-all terms are unverified"
              if c.grid is not None and c.grid.expert > 1 else "")
-          + ("; GRPO generation and scoring: no band (no published GRPO step is scored)" if t.generation_s else ""))
+          + ("; GRPO generation and scoring: no band (no published GRPO step is scored)" if t.generation_s else "")
+          + (f"; {vision_band_words(t.vision_s)}" if t.vision_s else ""))
     from toolkit.estimate.savers import UNMODELLED_SPEED
 
     for key in t.unmodelled:

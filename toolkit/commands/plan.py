@@ -432,6 +432,10 @@ def _note_time_band(hw, candidates, top: int) -> None:
     else:
         print(f"{band.text()}: #1 is faster than the rest by more than the band")
     shown = [c for c in candidates if c.feasible][:top]
+    if shown and shown[0].timing is not None and shown[0].timing.vision_s:
+        from toolkit.estimate.visiontime import vision_band_words
+
+        print(f"step time of #1: {vision_band_words(shown[0].timing.vision_s)}")
     if any(not c.speed_evidenced for c in shown):
         print("* speed unverified: no published run of this engine at this scale in the step-time corpus; its "
               "communication / bubble / offload terms are unmeasured (benchmarks/results/throughput.md)")

@@ -62,3 +62,10 @@ def vision_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, 
             "patch sequences and its small GEMMs may run at another efficiency (no published VLM step scored)")
     return VisionTime(seconds=seconds, flops_per_sample=per_image * images,
                       model_flops_per_sample=(plain.forward_flops + plain.backward_flops) * images, note=note)
+
+
+def vision_band_words(vision_s: float) -> str:
+    """What the step-time band does not cover for an image job: the tower's share, priced at constants fitted on
+    language-model rows."""
+    return (f"the vision encoder's {vision_s:.3f} s of it is outside the band's evidence: its efficiency is the "
+            "language model's fit (short patch sequences may run at another; no published VLM step scored)")
