@@ -279,6 +279,13 @@ def _plan_seq_max(args, spec, hw, req) -> int:
                    f"{' and more' if len(tileable) > 3 else ''} may reach further with ALST tiling, which --seq max "
                    "searches only with --tiled (its traces at long lengths cost about 2x)")
     best = next((r for r in results if r.seq_len), None)
+    from toolkit.estimate.levers import ladder_json, ladder_strategy, lever_ladder
+
+    on = ladder_strategy(req, best)
+    rungs = []
+    if on is not None:
+        with status(f"--seq max: the long-context levers, one at a time, on {on}"):
+            rungs = lever_ladder(spec, hw, req, on)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,
                           **power_json(hw.gpu, req.precision),
@@ -286,6 +293,7 @@ def _plan_seq_max(args, spec, hw, req) -> int:
             {"name": r.name, "longest_seq": r.seq_len, "capped_by_positions": r.capped_by_positions,
              "reason": r.reason, "candidate": r.candidate.row() if r.candidate else None,
              "curve": [{"seq": s, "required_bytes": b} for s, b in r.curve]} for r in results],
+                          **({"levers": ladder_json(on, rungs)} if rungs else {}),
                           **({"chosen_explained": _explained(best.candidate)} if args.explain and best else {})},
                          indent=2))
     else:
@@ -297,18 +305,29 @@ def _plan_seq_max(args, spec, hw, req) -> int:
         chart = text_chart(results, hw.gpu.memory_bytes, top=args.top)
         if chart:
             print("\n" + chart)
+        if rungs:
+            from toolkit.estimate.levers import ladder_curves, ladder_table, ladder_title
+
+            print(f"\n{ladder_title(on)}\n{ladder_table(rungs)}")
+            print("\n" + text_chart(ladder_curves(rungs), hw.gpu.memory_bytes, top=len(rungs)))
         if args.explain and best is not None:
             _print_explained(spec, hw, best.candidate)
     if best is not None and args.out:
         from toolkit.emit import emit_files
         from toolkit.inputs.resolve import recorded_model
-        from toolkit.plan.files import MEMORY_CHART
+        from toolkit.estimate.levers import ladder_curves, ladder_markdown
+        from toolkit.plan.files import LEVERS_CHART, MEMORY_CHART
 
         plan = to_plan(best.candidate, spec, hw, recorded_model(args.model) or spec.name)
         title = f"{spec.name} on {hw.spec}: per-GPU memory vs sequence length (micro-batch 1)"
+        charts = {MEMORY_CHART: svg_chart(results, hw.gpu.memory_bytes, title)}
+        if rungs:
+            charts[LEVERS_CHART] = svg_chart(ladder_curves(rungs), hw.gpu.memory_bytes,
+                                             f"{spec.name} on {hw.spec}, {on}: per-GPU memory by lever added",
+                                             top=len(rungs))
         written = emit_files(plan, Path(args.out), force=args.force, candidates=[best.candidate.row()],
-                             nvme_path=args.nvme_path, hosts=args.hosts,
-                             extra={MEMORY_CHART: svg_chart(results, hw.gpu.memory_bytes, title)})
+                             nvme_path=args.nvme_path, hosts=args.hosts, extra=charts,
+                             plan_md_tail=ladder_markdown(on, rungs) if rungs else "")
         if not args.json:
             print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
                   f"({MEMORY_CHART}: the chart)")

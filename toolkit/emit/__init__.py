@@ -75,16 +75,21 @@ def render_files(plan: Plan, *, candidates: list[dict[str, Any]] | None = None, 
 
 def emit_files(plan: Plan, out_dir: str | Path, *, force: bool = False,
                candidates: list[dict[str, Any]] | None = None, nvme_path: str | None = None,
-               hosts: list[str] | None = None, extra: dict[str, str] | None = None) -> list[Path]:
+               hosts: list[str] | None = None, extra: dict[str, str] | None = None,
+               plan_md_tail: str = "") -> list[Path]:
     """Write the plan's files into out_dir; returns their paths in writing order.
 
     nvme_path: directory on a local NVMe drive, required when the plan offloads to NVMe (UserError otherwise).
     hosts: node host names for the hostfile and the YAML's main_process_ip (default node0, node1, ...; slurm.sbatch
     reads the real first host from the allocation).
+    plan_md_tail: Markdown appended to PLAN.md (--seq max: the lever table).
     """
     out_dir = Path(out_dir)
     files = render_files(plan, candidates=candidates, nvme_path=nvme_path, hosts=hosts)
-    files.update({name: (text, READABLE) for name, text in (extra or {}).items()})  # --seq max: the chart
+    files.update({name: (text, READABLE) for name, text in (extra or {}).items()})  # --seq max: the charts
+    if plan_md_tail:
+        text, mode = files[PLAN_MD]
+        files[PLAN_MD] = (text.rstrip("\n") + "\n\n" + plan_md_tail.rstrip("\n") + "\n", mode)
     try:
         write_folder(out_dir, files, force=force)
     except OSError as exc:

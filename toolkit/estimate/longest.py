@@ -52,10 +52,12 @@ class Longest:
     """Another limit that stops the answer before memory does (the sliding window Ulysses keeps with sdpa)."""
     curve: tuple[tuple[int, int], ...] = ()
     """(sequence length, required bytes per GPU) at powers of two, for the chart."""
+    label: str = ""
+    """The chart's name for the line when it is not the row's (a lever of toolkit.estimate.levers)."""
 
     @property
     def name(self) -> str:
-        return self.candidate.name if self.candidate is not None else self.key
+        return self.label or (self.candidate.name if self.candidate is not None else self.key)
 
     @property
     def reason(self) -> str | None:
@@ -90,9 +92,11 @@ def granule(grid: "ParallelGrid") -> int:
     return math.lcm(GRANULE, grid.sequence_multiple())
 
 
-def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list[Longest]:
+def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request", chart_to_cap: bool = True) -> list[Longest]:
     """The longest sequence per planner row (strategy, and model-parallel family at its best degree), longest
-    first; rows that fit nothing last, with the reason at the shortest length tried."""
+    first; rows that fit nothing last, with the reason at the shortest length tried. `chart_to_cap` False: each
+    curve stops at the first power of two past 2x its longest length (positions far beyond memory, as the lever
+    ladder's scaled RoPE gives, chart nothing but misses and cost a trace per octave)."""
     from toolkit.estimate.traces import traces_linear_in_seq
     from toolkit.estimate.search import options_for
 
@@ -112,7 +116,8 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request") -> list
                 if best is None or (found.seq_len, _speed(found)) > (best.seq_len, _speed(best)):
                     best = found
             if best is not None:
-                out.append(replace(best, curve=_curve(spec, hw, strategy, best, req, cap)))
+                upto = cap if chart_to_cap else min(cap, 1 << (2 * max(best.seq_len, CHART_FROM) - 1).bit_length())
+                out.append(replace(best, curve=_curve(spec, hw, strategy, best, req, upto)))
     return sorted(out, key=lambda x: (-x.seq_len, -_speed(x)))
 
 

@@ -15,7 +15,9 @@ DEEPSPEED_SH = "deepspeed.sh"
 HOSTFILE = "hostfile"
 MEMORY_CHART = "memory_vs_seq.svg"
 """`toolkit plan --seq max`: per-GPU memory against sequence length, per strategy."""
+LEVERS_CHART = "memory_vs_seq_levers.svg"
+"""`toolkit plan --seq max`: the same per long-context lever added (toolkit.estimate.levers)."""
 
 EMITTED = (ACCELERATE_CONFIG, DS_CONFIG, DS_CONFIG_CONCRETE, TRAINING_ARGS, LAUNCH_SH, SLURM_SBATCH, DEEPSPEED_SH,
-           HOSTFILE, PLAN_JSON, PLAN_MD, MEMORY_CHART)
+           HOSTFILE, PLAN_JSON, PLAN_MD, MEMORY_CHART, LEVERS_CHART)
 """Every file an emit may write (a plan refuses before planning when any of them exists without --force)."""

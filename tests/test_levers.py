@@ -1,0 +1,86 @@
+"""`--seq max`'s lever ladder (toolkit.estimate.levers): each long-context lever added in the order users pull
+them, the tokens it buys, and the levers the job already has or the engines refuse, with why."""
+
+import json
+import math
+
+import pytest
+
+from toolkit.estimate.levers import CHUNKED, OFFLOAD, ROPE, SPLIT, TILED, lever_ladder
+from toolkit.estimate.request import Request
+from toolkit.inputs.hardware import parse_hardware
+from toolkit.inputs.modelspec import resolve_model
+
+
+@pytest.fixture(scope="module")
+def qwen_ladder():
+    """Qwen3-0.6B (40,960 positions) on ZeRO-2 over 2 x RTX 4090: memory stops the job as given at a few thousand
+    tokens, the chunked loss reaches the positions, RoPE scaling lifts them."""
+    spec = resolve_model("qwen3-0.6b")
+    hw = parse_hardware("2xRTX-4090")
+    return spec, lever_ladder(spec, hw, Request(seq_len=spec.max_positions, micro_batch=1), "zero2")
+
+
+def test_the_levers_are_added_in_the_order_users_pull_them(qwen_ladder):
+    _, rungs = qwen_ladder
+    assert [r.lever for r in rungs] == ["your job", CHUNKED, ROPE, OFFLOAD, TILED, SPLIT]
+
+
+def test_each_lever_pulled_reaches_at_least_the_rung_before(qwen_ladder):
+    spec, rungs = qwen_ladder
+    pulled = [r for r in rungs if r.found is not None]
+    lengths = [r.seq_len for r in pulled]
+    assert lengths == sorted(lengths) and lengths[0] > 0
+    assert [r.gain for r in pulled[1:]] == [b - a for a, b in zip(lengths, lengths[1:])]
+    # The job as given: memory stops it far below the positions; the chunked loss (no whole logits) reaches them.
+    assert 4096 < lengths[0] < 16384
+    chunked = rungs[1]
+    assert chunked.seq_len == spec.max_positions == 40960 and chunked.found.capped_by_positions
+    # RoPE scaling lifts the positions: memory stops it again, and the factor named is the one its length needs.
+    rope = rungs[2]
+    assert rope.seq_len > 2 * 40960 and not rope.found.capped_by_positions
+    assert rope.rope_factor == math.ceil(rope.seq_len / 40960) and f"--rope-factor {rope.rope_factor}" in rope.flags
+    # Offloading the checkpointed activations buys more again, with the peak back under the 24 GiB card.
+    offload = rungs[3]
+    assert offload.gain > 0 and offload.found.candidate.job.activation_offloading
+    assert offload.found.candidate.memory.required_bytes <= parse_hardware("2xRTX-4090").gpu.memory_bytes
+
+
+def test_a_lever_the_engines_refuse_with_the_levers_before_it_is_shown_with_the_reason(qwen_ladder):
+    _, rungs = qwen_ladder
+    tiled, split = rungs[4], rungs[5]
+    assert tiled.found is None and tiled.gain == 0
+    assert "--loss trl with --tiled: both replace the logits + loss" in tiled.skipped
+    assert split.found is None and "activation offloading" in split.skipped
+
+
+def test_a_lever_the_job_already_has_or_the_model_lacks_is_not_pulled_and_says_why():
+    spec = resolve_model("gpt2")
+    rungs = lever_ladder(spec, parse_hardware("1xRTX-4090"),
+                         Request(seq_len=1024, micro_batch=1, liger=False, loss="trl"), "ddp")
+    by = {r.lever: r for r in rungs}
+    assert by[CHUNKED].skipped == "already in the job (--loss trl)"
+    assert by[ROPE].skipped == "gpt2 has no rotary position embedding to scale"
+    assert by[SPLIT].skipped == "one GPU: no ranks to split the sequence over"
+    # GPT-2's 1,024 positions stop every rung pulled.
+    assert all(r.seq_len == 1024 for r in rungs if r.found is not None)
+
+
+def test_plan_seq_max_json_and_plan_md_carry_the_ladder(tmp_path, capsys):
+    from toolkit.cli import main
+
+    out = tmp_path / "p"
+    assert main(["plan", "qwen3-0.6b", "--gpus", "2xRTX-4090", "--seq", "max", "--strategies", "zero2", "--json",
+                 "--out", str(out)]) == 0
+    levers = json.loads(capsys.readouterr().out)["levers"]
+    assert levers["strategy"] == "zero2"
+    rows = levers["rungs"]
+    assert [r["lever"] for r in rows] == ["your job", CHUNKED, ROPE, OFFLOAD, TILED, SPLIT]
+    assert set(rows[0]) == {"lever", "flags", "pulled", "skipped", "row", "longest_seq", "gain", "rope_factor",
+                            "required_bytes", "reason"}
+    assert rows[1]["longest_seq"] == 40960 and rows[1]["gain"] == 40960 - rows[0]["longest_seq"]
+    assert rows[4]["pulled"] is False and "--tiled" in rows[4]["skipped"]
+    md = (out / "PLAN.md").read_text()
+    assert "## Long-context levers" in md and f"| {CHUNKED} | 40,960 | {rows[1]['gain']:+,} |" in md
+    svg = (out / "memory_vs_seq_levers.svg").read_text()
+    assert svg.count("<polyline") == sum(r["pulled"] for r in rows)

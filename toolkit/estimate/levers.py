@@ -1,0 +1,244 @@
+"""`--seq max`'s lever ladder: which long-context lever buys how many tokens (issue 32, Deliver 5).
+
+Starting from the user's job on one strategy, the levers users pull are added one at a time in the order they pull
+them (TRL's long-context guide, docs/ENGINE_FACTS.md "Long-context levers"): TRL's chunked NLL loss, RoPE scaling
+past the trained positions (YaRN), the checkpointed activations offloaded to the CPU, ALST tiling, then sequence /
+context parallelism. Each rung is toolkit.estimate.longest's search (the same traces, cached per octave) on the job
+with that lever and every one pulled before it; a lever the job already has, or that the engines (or this planner)
+refuse with the levers before it, is a rung that says why in one line and changes nothing.
+
+RoPE scaling changes no memory (toolkit.inputs.rope: the same cos / sin and one inv_freq buffer whatever the
+factor), so from the RoPE rung on the search runs on the model as it is with its positions raised, an octave at a
+time (the first that does not fit ends it, capped at bounds.SEQ): the traces stay those of the rungs before, and no
+octave past memory is traced (a chunked loss traces one op per chunk, so a trace at 16M tokens costs minutes).
+transformers' own rules are checked once (toolkit.inputs.rope.scaled_spec), and each rung says the --rope-factor
+its length needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from toolkit import bounds
+from toolkit.errors import UserError
+from toolkit.inputs.choices import GIB, TRL_LOSS
+
+if TYPE_CHECKING:
+    from toolkit.estimate.longest import Longest
+    from toolkit.estimate.request import Request
+    from toolkit.inputs.hardware import Hardware
+    from toolkit.inputs.modelspec import ModelSpec
+
+ROPE_TYPE = "yarn"
+"""The scaling the RoPE rung applies: YaRN, as TRL's guide and Qwen's long-context recipes scale."""
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One lever added to everything above it."""
+
+    lever: str
+    """The lever in the user's words ("your job" for the first rung)."""
+    flags: str
+    """The command-line flags that pull it."""
+    found: "Longest | None"
+    """The search with it (None: not pulled, `skipped` says why)."""
+    skipped: str = ""
+    gain: int = 0
+    """Tokens it buys over the rung before it that was pulled."""
+    rope_factor: int | None = None
+    """The --rope-factor its length needs (from the RoPE rung on; 1: none)."""
+
+    @property
+    def seq_len(self) -> int:
+        return self.found.seq_len if self.found is not None else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.found.candidate if self.found is not None else None
+        return {"lever": self.lever, "flags": self.flags, "pulled": self.found is not None,
+                "skipped": self.skipped or None, "row": self.found.name if self.found is not None else None,
+                "longest_seq": self.seq_len, "gain": self.gain, "rope_factor": self.rope_factor,
+                "required_bytes": c.memory.required_bytes if c is not None and self.seq_len else None,
+                "reason": self.found.reason if self.found is not None else None}
+
+
+def lever_ladder(spec: "ModelSpec", hw: "Hardware", req: "Request", strategy: str) -> list[Rung]:
+    """The rungs for `strategy` (a name of --strategies), first the user's job as given (no sequence or context
+    split unless the user fixed one, tiling only with --tiled)."""
+    req = replace(req, strategies=(strategy,), tensor_parallel=req.tensor_parallel or 1,
+                  context_parallel=req.context_parallel or 1, sequence_parallel=req.sequence_parallel or 1,
+                  tiled=req.tiled is True, savers=False)
+    split = max(req.context_parallel, req.sequence_parallel) > 1
+    first = _search(spec, hw, req, split, scaled=False)
+    if first is None:  # no row of the strategy on these GPUs (options_for): nothing to climb from
+        return []
+    rungs = [Rung("your job", "", first)]
+    original, scaled = spec.max_positions, False
+    for lever, flags, change in _levers(spec, req, split):
+        try:
+            new_req, had = change(spec, req)
+        except UserError as exc:
+            rungs.append(Rung(lever, flags, None, skipped=str(exc)))
+            continue
+        if had:
+            rungs.append(Rung(lever, flags, None, skipped=had))
+            continue
+        wants_split = lever == SPLIT
+        refused = _refused(spec, hw, new_req, wants_split)
+        if refused:
+            rungs.append(Rung(lever, flags, None, skipped=refused))
+            continue
+        found = _search(spec, hw, new_req, wants_split, scaled or lever == ROPE)
+        if found is None:
+            rungs.append(Rung(lever, flags, None, skipped=f"no row of {strategy} on these GPUs runs it"))
+            continue
+        before = next(r for r in reversed(rungs) if r.found is not None)
+        req, scaled = new_req, scaled or lever == ROPE
+        rung = Rung(lever, flags, found, gain=found.seq_len - before.seq_len)
+        if scaled:
+            factor = max(1, math.ceil(found.seq_len / original))
+            rung = replace(rung, rope_factor=factor, flags=f"{flags} --rope-factor {factor}" if lever == ROPE and
+                           factor > 1 else flags + (" (not needed yet)" if lever == ROPE else ""))
+        rungs.append(rung)
+    return rungs
+
+
+CHUNKED, ROPE, OFFLOAD, TILED, SPLIT = ("chunked NLL loss", "RoPE scaling", "activation offloading", "ALST tiling",
+                                        "sequence / context parallelism")
+
+
+def _levers(spec, req, split: bool):
+    """(lever, flags, change): change(spec, req) -> (req with the lever, why it is already in the job or ""); a
+    UserError: the engines refuse it."""
+
+    def chunked(s, r):
+        had = ("already in the job (--loss trl)" if r.loss == TRL_LOSS else
+               "already in the job (--liger: Liger's fused linear cross-entropy, no logits)" if r.liger else "")
+        return (r if had else replace(r, loss=TRL_LOSS)), had
+
+    def rope(s, r):
+        if s.rope_scaling is not None:
+            return r, f"already in the job (--rope-scaling {s.rope_scaling['rope_type']})"
+        if not s.config_dict().get("rope_parameters"):
+            return r, f"{s.name} has no rotary position embedding to scale"
+        if s.max_positions * 2 > bounds.SEQ.high:
+            return r, f"{s.name}'s {s.max_positions:,} positions already reach half of {bounds.SEQ.high:,}"
+        from toolkit.inputs.rope import RopeScaling, scaled_spec
+
+        scaled_spec(s, RopeScaling(ROPE_TYPE, 2))  # transformers' rules and the model's rotary code take it
+        return r, ""
+
+    def offload(s, r):
+        return replace(r, activation_offloading=True), \
+            "already in the job (--activation-offloading)" if r.activation_offloading else ""
+
+    def tiled(s, r):
+        return replace(r, tiled=True), "already in the job (--tiled)" if r.tiled else ""
+
+    def parallel(s, r):
+        if split:
+            return r, "already in the job (a sequence / context degree was given)"
+        return replace(r, sequence_parallel=None, context_parallel=None), ""
+
+    return ((CHUNKED, "--loss trl", chunked), (ROPE, f"--rope-scaling {ROPE_TYPE}", rope),
+            (OFFLOAD, "--activation-offloading", offload), (TILED, "--tiled on", tiled),
+            (SPLIT, "--sequence-parallel N / --context-parallel N", parallel))
+
+
+def _split(key: str) -> bool:
+    return key.endswith((" x sp", " x cp"))
+
+
+def _refused(spec, hw, req, split: bool) -> str:
+    """Why no row of the strategy runs this job (the engines' rules the planner applies, toolkit.estimate.search
+    options_for), or ""."""
+    from toolkit.estimate.search import options_for
+
+    rows = [(key, grids) for key, _, grids in options_for(spec, hw, req, sequence_rule=False)
+            if not split or _split(key)]
+    if not rows:
+        if hw.world_size == 1:
+            return "one GPU: no ranks to split the sequence over"
+        if req.activation_offloading:
+            return ("not planned with activation offloading (a rank's view of an offloading job is not modelled, "
+                    "toolkit.estimate.search)")
+        return f"{req.strategies[0]} has no sequence- or context-parallel row (ZeRO x Ulysses SP, FSDP2 x CP)"
+    reasons = [grids for _, grids in rows if isinstance(grids, str)]
+    return reasons[0] if len(reasons) == len(rows) else ""
+
+
+def _search(spec, hw, req, split: bool, scaled: bool) -> "Longest | None":
+    """The longest row of the strategy (with `split`: of its sequence- / context-parallel rows); `scaled`: with
+    RoPE scaled, the positions raised an octave at a time while the longest length reaches them."""
+    from toolkit.estimate.longest import longest_sequences
+
+    cap = spec.max_positions
+    while True:
+        results = longest_sequences(replace(spec, max_positions=cap), hw, req, chart_to_cap=False)
+        found = next((r for r in results if not split or _split(r.key)), results[0] if results else None)
+        if found is None:
+            return None
+        if not scaled or not found.capped_by_positions or cap * 2 > bounds.SEQ.high:
+            return found
+        cap = (1 << cap.bit_length()) if cap & (cap - 1) else cap * 2
+
+
+def ladder_strategy(req: "Request", best: "Longest | None") -> str | None:
+    """The strategy the ladder climbs: the one --strategies names alone, else the row that fits longest's; None
+    when nothing fits."""
+    if len(req.strategies) == 1:
+        return req.strategies[0]
+    return best.candidate.strategy.name if best is not None and best.candidate is not None else None
+
+
+def ladder_title(strategy: str) -> str:
+    return (f"levers on {strategy}, added one at a time in the order users pull them (TRL's long-context guide; "
+            "micro-batch 1):")
+
+
+def ladder_json(strategy: str, rungs: list[Rung]) -> dict[str, Any]:
+    return {"strategy": strategy, "rungs": [r.to_dict() for r in rungs]}
+
+
+def ladder_markdown(strategy: str, rungs: list[Rung]) -> str:
+    """PLAN.md's lever table (plan --seq max --out)."""
+    lines = ["## Long-context levers", "", ladder_title(strategy), "",
+             "| lever added | longest | buys | GiB/GPU | row / how |", "|---|---:|---:|---:|---|"]
+    for r in rungs:
+        if r.found is None:
+            lines.append(f"| {r.lever} | - | - | - | not pulled: {r.skipped} |")
+            continue
+        lines.append(f"| {r.lever} | {r.seq_len:,} | {r.gain:+,} | {_gib(r)} | {_how(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _gib(r: Rung) -> str:
+    c = r.found.candidate if r.found is not None else None
+    return f"{c.memory.required_bytes / GIB:.1f}" if r.seq_len and c is not None and c.memory else "-"
+
+
+def _how(r: Rung) -> str:
+    return (r.found.name + (f"; {r.flags}" if r.flags else "") + ("" if r.seq_len else f"; {r.found.reason}")
+            + ("; the model's positions stop it" if r.found.capped_by_positions else ""))
+
+
+def ladder_table(rungs: list[Rung]) -> str:
+    """The lever table: lever added, longest length, tokens it buys, peak per-GPU memory there; a lever not pulled
+    says why."""
+    width = max(len(r.lever) for r in rungs) + 2
+    head = f"{'lever added':<{width}}{'longest':>11}{'buys':>11}{'GiB/GPU':>9}  row / how"
+    lines = [head, "-" * len(head)]
+    for r in rungs:
+        if r.found is None:
+            lines.append(f"{r.lever:<{width}}{'-':>11}{'-':>11}{'-':>9}  not pulled: {r.skipped}")
+            continue
+        lines.append(f"{r.lever:<{width}}{r.seq_len:>11,}{r.gain:>+11,}{_gib(r):>9}  {_how(r)}")
+    return "\n".join(lines)
+
+
+def ladder_curves(rungs: list[Rung]) -> list["Longest"]:
+    """The rungs pulled as chart lines, each named by its lever."""
+    return [replace(r.found, label=f"+ {r.lever}" if i else r.lever) for i, r in enumerate(rungs)
+            if r.found is not None]
