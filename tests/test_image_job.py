@@ -158,17 +158,12 @@ def test_gemma_3s_siglip_tower_traced_alone_saves_what_a_real_forward_saves():
     and the projector's 2 x 2 pooling to mm_tokens_per_image 4. The fake trace's saved bytes are a real CPU
     forward's (fp32, eager attention as Gemma-3 picks, and sdpa)."""
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3Config
+    from transformers import AutoModelForCausalLM
 
     from toolkit.estimate.visiontower import trace_tower
     from toolkit.inputs.images import image_tokens
 
-    config = Gemma3Config(
-        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=56, patch_size=14, vision_use_head=False),
-        mm_tokens_per_image=4, image_token_index=511)
+    config = _gemma3_config()
     found = image_tokens(config, 640, 480)
     assert found.tokens == 4 and found.pixel_shape == (1, 3, 56, 56)
     for attention in ("eager", "sdpa"):

@@ -83,13 +83,14 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
         g.add_argument("--vision-tower", default="train", choices=VISION_TOWER_MODES,
                        help="a multimodal class fine-tuned on text: its vision encoder and projector trained (the HF "
                             "Trainer's default) or frozen (weights only) (default %(default)s)")
-        g.add_argument("--images-per-sample", type=int_arg("--images-per-sample", bounds.IMAGES), metavar="N",
+        g.add_argument("--images-per-sample", type=images_arg, metavar="N",
                        help="an image-and-text job on a multimodal class: N images in every sample; the language "
                             "model sees --seq text tokens + N x the image tokens its processor makes of one image "
-                            "(needs --image-size)")
+                            "(needs --image-size); max: the most each strategy fits")
         g.add_argument("--image-size", type=text_arg("--image-size"), metavar="WxH",
                        help="each image's width x height in pixels before the model's image processor resizes it, "
-                            "e.g. 448x448 (needs --images-per-sample)")
+                            "e.g. 448x448 (needs --images-per-sample); max: the largest square each strategy fits, "
+                            "in the processor's steps up to its max pixels")
     g.add_argument("--liger", action="store_true",
                    help="Liger kernels as the Trainer's use_liger_kernel applies them (fused linear cross-entropy: "
                         "no logits; RMSNorm, SwiGLU, RoPE); llama, mistral, qwen2, qwen3")
@@ -140,15 +141,22 @@ def add_rope_flags(p: argparse.ArgumentParser) -> None:
 def images_of(args, spec, text_tokens: int) -> tuple[int, dict]:
     """(the language model's sequence, the Job's image fields) of the command line's --images-per-sample /
     --image-size over `text_tokens` text tokens (toolkit.inputs.images.image_job): a local model folder's own
-    preprocessor_config.json is read when there is one."""
-    from pathlib import Path
-
+    preprocessor_config.json is read when there is one; a `max` starts its search (toolkit.estimate.mostimages)."""
     from toolkit.inputs.images import image_job
 
+    from toolkit.estimate.mostimages import search_start
+
+    count, size = search_start(spec, getattr(args, "images_per_sample", None), getattr(args, "image_size", None),
+                               image_folder(args))
+    return image_job(spec, count, size, text_tokens, image_folder(args))
+
+
+def image_folder(args):
+    """A local model folder (its own preprocessor_config.json is the processor's settings), or None."""
+    from pathlib import Path
+
     model = getattr(args, "model", None)
-    folder = Path(model) if model and Path(model).is_dir() else None
-    return image_job(spec, getattr(args, "images_per_sample", None), getattr(args, "image_size", None),
-                     text_tokens, folder)
+    return Path(model) if model and Path(model).is_dir() else None
 
 
 def rope_of(args):
@@ -172,6 +180,16 @@ def add_checkpointing_flag(p: argparse.ArgumentParser, help: str) -> None:
 
     p.add_argument("--checkpointing", nargs="?", const=True, default=False, type=on_off, metavar="on|off|op",
                    help=help)
+
+
+def images_arg(text: str):
+    """--images-per-sample N, or max (plan / estimate): the most images a sample that fit."""
+    if str(text).strip().lower() == "max":
+        return "max"
+    return bounds.parse_int("--images-per-sample", text, bounds.IMAGES)
+
+
+images_arg.bound = bounds.IMAGES  # type: ignore[attr-defined]
 
 
 def seq_arg(text: str):

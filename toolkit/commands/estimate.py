@@ -77,6 +77,13 @@ def cmd_estimate(args) -> int:
                         "--seq N (text tokens)")
     if args.seq == "max" and grpo is None:
         return _estimate_seq_max(args, spec, hw, strategy, degrees)
+    from toolkit.estimate.mostimages import searched_by
+
+    searched = searched_by(args.images_per_sample, args.image_size)
+    if searched and (sized_by or args.trace_world):
+        flag = sized_by or "--trace-world"
+        raise UserError(f"{flag} prices one image count and size, not a `max` search; give --images-per-sample and "
+                        f"--image-size values, or drop {flag}")
     seq_len, seq_note = seq_len_of(spec, args)
     run = run_size_of(args, seq_len)
     seq_len, images = images_of(args, spec, seq_len)
@@ -107,6 +114,8 @@ def cmd_estimate(args) -> int:
         reason = untraceable_reason(strategy, grid, job)
         if reason:
             raise UserError(f"--trace-world cannot trace {strategy.name}: {reason}; drop --trace-world")
+    if searched:
+        return _estimate_most_images(args, spec, hw, strategy, grid, job, searched)
     c = evaluate(spec, hw, strategy, job, grid, prune=False)
     b, t, partition = c.memory, c.timing, c.partition
     world = None
@@ -393,6 +402,38 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
     if chart:
         print("\n" + chart)
     return 0 if found.seq_len else 1
+
+
+def _estimate_most_images(args, spec, hw, strategy, grid, job, searched: str) -> int:
+    """estimate --images-per-sample max / --image-size max: the largest count or size `strategy` fits at the job's
+    text tokens (toolkit.estimate.mostimages), the probes' memory, and the value to pass."""
+    from toolkit.commands.common import image_folder
+    from toolkit.estimate.mostimages import COUNT, most_images
+
+    if grid.sequence_multiple() > 1:
+        raise UserError(f"{'--images-per-sample' if searched == COUNT else '--image-size'} max moves the sequence, "
+                        f"and {grid.describe()} splits it in multiples of {grid.sequence_multiple()}; give a value, "
+                        "or drop the sequence split")
+    found = most_images(spec, hw, strategy, grid, job, searched, image_folder(args))
+    c = found.candidate
+    if args.json:
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "strategy": c.name, **found.to_dict(),
+                          "per_gpu": c.memory.to_dict() if c.memory is not None else None, "fits": found.found},
+                         indent=2))
+        return 0 if found.found else 1
+    print(f"{spec.name} on {hw.spec} | {c.name} | {job.seq_len - job.images_per_sample * job.image_tokens:,} text "
+          f"tokens, micro-batch {job.micro_batch} | the "
+          + ("most images a sample" if searched == COUNT else "largest image") + " that fits")
+    print(found.words())
+    width = max(len(p[0]) for p in found.probes) + 2
+    print(f"\n{'probed':<{width}}{'image tokens':>14}{'GiB per GPU':>13}")
+    for value, tokens, required, fits in found.probes:
+        print(f"{value:<{width}}{tokens:>14,}{gib(required) if required else 'over':>13}"
+              + ("" if fits else "   does not fit"))
+    if args.explain and found.found:
+        print()
+        print_estimate(spec, hw, c, c.memory, explain=True)
+    return 0 if found.found else 1
 
 
 def _fit_exit(args, fits: bool) -> int:

@@ -80,6 +80,7 @@ def cmd_plan(args) -> int:
     if seq_max and (args.images_per_sample or args.image_size):
         raise UserError("--images-per-sample / --image-size are planned at one text length, not --seq max; give "
                         "--seq N (text tokens)")
+    _refuse_image_search(args)
     seq_len, images = images_of(args, spec, seq_len)
     from toolkit.inputs.job import job_problem
 
@@ -214,6 +215,20 @@ def _refuse_what_seq_max_ignores(args) -> None:
     if given:
         raise UserError(f"{given[0]} does not apply to --seq max (it finds each strategy's longest sequence at "
                         f"micro-batch 1 and writes the one that fits longest); drop {given[0]} or give --seq N")
+
+
+def _refuse_image_search(args) -> None:
+    """`max` for the images is searched per strategy by estimate (toolkit.estimate.mostimages); plan takes values."""
+    from toolkit.estimate.mostimages import COUNT, search_start, searched_by
+
+    searched = searched_by(args.images_per_sample, args.image_size)
+    if searched is None:
+        return
+    if args.images_per_sample == args.image_size:
+        search_start(None, args.images_per_sample, args.image_size)  # both max: its own line
+    flag = "--images-per-sample" if searched == COUNT else "--image-size"
+    raise UserError(f"plan takes {flag} as a value; `toolkit estimate MODEL --strategy NAME {flag} max` finds the "
+                    f"largest that strategy fits: plan with the value it prints")
 
 
 def _refuse_an_empty_grid(spec, hw, req, seq_max: bool) -> None:

@@ -71,8 +71,11 @@ def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> Acti
     from dataclasses import replace
 
     a = 1 << (L.bit_length() - 1)
-    t1 = _exact_trace(spec, replace(job, seq_len=a), strategy, b)
-    t2 = _exact_trace(spec, replace(job, seq_len=2 * a), strategy, b)
+    # the language model's trace is of text tokens alone (with_images adds the tower): the anchors drop the images,
+    # whose tokens may not fit beside an anchor's length
+    text = replace(job, images_per_sample=0, image_size="", image_tokens=0)
+    t1 = _exact_trace(spec, replace(text, seq_len=a), strategy, b)
+    t2 = _exact_trace(spec, replace(text, seq_len=2 * a), strategy, b)
     f = (L - a) / a
 
     def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:

@@ -122,13 +122,7 @@ def image_job(spec: Any, images_per_sample: int | None, image_size: str | None, 
     if not image_size:
         raise UserError("--images-per-sample needs --image-size WIDTHxHEIGHT (each image's pixels); give both, or "
                         "neither")
-    if not getattr(spec, "multimodal", False) and getattr(spec.hf_config(), "vision_config", None) is not None:
-        raise UserError(f"--images-per-sample: toolkit plans {spec.name} as its language model alone (the class "
-                        "AutoModelForCausalLM builds, without the vision encoder); image-and-text jobs on it are not "
-                        "modelled yet: drop the image flags")
-    if not getattr(spec, "multimodal", False):
-        raise UserError(f"--images-per-sample: {spec.name} has no vision encoder (it is not a multimodal class); "
-                        "drop the image flags, or plan a vision-language checkpoint")
+    check_image_model(spec)
     width, height = parse_image_size(image_size)
     found = image_tokens(spec.hf_config(), width, height, config_dir)
     seq_len = text_tokens + images_per_sample * found.tokens
@@ -139,6 +133,18 @@ def image_job(spec: Any, images_per_sample: int | None, image_size: str | None, 
                         "images or a smaller --image-size")
     return seq_len, {
         "images_per_sample": images_per_sample, "image_size": f"{width}x{height}", "image_tokens": found.tokens}
+
+
+def check_image_model(spec: Any) -> None:
+    """Images apply to a multimodal class only: one UserError line for a text model, or a multimodal checkpoint
+    toolkit plans as its language model alone."""
+    if not getattr(spec, "multimodal", False) and getattr(spec.hf_config(), "vision_config", None) is not None:
+        raise UserError(f"--images-per-sample: toolkit plans {spec.name} as its language model alone (the class "
+                        "AutoModelForCausalLM builds, without the vision encoder); image-and-text jobs on it are not "
+                        "modelled yet: drop the image flags")
+    if not getattr(spec, "multimodal", False):
+        raise UserError(f"--images-per-sample: {spec.name} has no vision encoder (it is not a multimodal class); "
+                        "drop the image flags, or plan a vision-language checkpoint")
 
 
 def image_words(job: Any) -> str:
