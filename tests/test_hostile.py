@@ -259,6 +259,13 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("rope type without a factor", "plan", "{M}", "--micro-batch", "1", "--rope-scaling", "yarn")
     add("rope factor too small for --seq", "estimate", "{M}", "--seq", "1024", "--rope-scaling", "yarn",
         "--rope-factor", "2")
+    # calibration files (toolkit tune --export-calibration): corrupted, missing, not one, both flags
+    add("calibration not JSON", "estimate", "{M}", "--calibration", "{W}/bad.json")
+    add("calibration missing", "plan", "{M}", "--micro-batch", "1", "--calibration", "{W}/no-such.json", "--out",
+        "{W}/never")
+    add("calibration that is a list", "estimate", "{M}", "--calibration", "{W}/z-list/ds_config.json")
+    add("calibration and no calibration", "estimate", "{M}", "--calibration", "{W}/bad.json", "--no-calibration")
+    add("tune export into no folder", "tune", "{P}", "--cpu", "--export-calibration", "{W}/nowhere/cal.json")
     return cases
 
 

@@ -32,7 +32,8 @@ def add_hardware_flags(p: argparse.ArgumentParser, default: str | None = "8xH100
     g = p.add_argument_group("hardware")
     g.add_argument("--gpus", default=default, type=text_arg("--gpus"),
                    help="e.g. 8xH100-80GB, 2x8xA100-80GB, 1xRTX-4090 (default %(default)s): a name or alias of "
-                        "`toolkit gpus`, exactly; a family several entries share (A100, H100) is refused")
+                        "`toolkit gpus`, exactly; a family several entries share (A100, H100) is refused; 2xcpu: this "
+                        "machine's CPU processes over gloo, at a measured GEMM peak")
     g.add_argument("--nodes", type=int_arg("--nodes", bounds.NODES),
                    help="number of nodes (or write NxGxGPU in --gpus)")
     g.add_argument("--inter-node-gbps", type=float_arg("--inter-node-gbps", bounds.INTER_NODE_GBPS),
