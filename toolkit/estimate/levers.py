@@ -8,9 +8,9 @@ with that lever and every one pulled before it; a lever the job already has, or 
 refuse with the levers before it, is a rung that says why in one line and changes nothing.
 
 RoPE scaling changes no memory (toolkit.inputs.rope: the same cos / sin and one inv_freq buffer whatever the
-factor), so from the RoPE rung on the search runs on the model as it is with its positions raised, an octave at a
-time (the first that does not fit ends it, capped at bounds.SEQ): the traces stay those of the rungs before, and no
-octave past memory is traced (a chunked loss traces one op per chunk, so a trace at 16M tokens costs minutes).
+factor), so from the RoPE rung on the search runs on the model as it is with its positions raised an octave at a
+time, until memory stops it or the factor reaches MAX_ROPE_FACTOR: the traces stay those of the rungs before, and
+no octave past memory is traced (a chunked loss traces one op per chunk: a trace at 16M tokens costs minutes).
 transformers' own rules are checked once (toolkit.inputs.rope.scaled_spec), and each rung says the --rope-factor
 its length needs.
 """
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from toolkit.inputs.hardware import Hardware
     from toolkit.inputs.modelspec import ModelSpec
 
+MAX_ROPE_FACTOR = 64
+"""The most the RoPE rung scales the positions (TRL's 1M-token Qwen3-8B run needs x25.6): it bounds the search's
+cost, since a model that memory never stops would otherwise be traced up to bounds.SEQ (minutes per octave with a
+chunked loss)."""
 ROPE_TYPE = "yarn"
 """The scaling the RoPE rung applies: YaRN, as TRL's guide and Qwen's long-context recipes scale."""
 
@@ -175,14 +179,15 @@ def _search(spec, hw, req, split: bool, scaled: bool) -> "Longest | None":
     from toolkit.estimate.longest import longest_sequences
 
     cap = spec.max_positions
+    ceiling = min(bounds.SEQ.high, cap * MAX_ROPE_FACTOR)
     while True:
         results = longest_sequences(replace(spec, max_positions=cap), hw, req, chart_to_cap=False)
         found = next((r for r in results if not split or _split(r.key)), results[0] if results else None)
         if found is None:
             return None
-        if not scaled or not found.capped_by_positions or cap * 2 > bounds.SEQ.high:
+        if not scaled or not found.capped_by_positions or cap >= ceiling:
             return found
-        cap = (1 << cap.bit_length()) if cap & (cap - 1) else cap * 2
+        cap = min(ceiling, (1 << cap.bit_length()) if cap & (cap - 1) else cap * 2)
 
 
 def ladder_strategy(req: "Request", best: "Longest | None") -> str | None:
@@ -221,7 +226,8 @@ def _gib(r: Rung) -> str:
 
 def _how(r: Rung) -> str:
     return (r.found.name + (f"; {r.flags}" if r.flags else "") + ("" if r.seq_len else f"; {r.found.reason}")
-            + ("; the model's positions stop it" if r.found.capped_by_positions else ""))
+            + (f"; RoPE x{MAX_ROPE_FACTOR}, the ladder's ceiling, stops it" if r.found.capped_by_positions and
+               r.rope_factor else "; the model's positions stop it" if r.found.capped_by_positions else ""))
 
 
 def ladder_table(rungs: list[Rung]) -> str:
