@@ -84,3 +84,16 @@ def test_plan_seq_max_json_and_plan_md_carry_the_ladder(tmp_path, capsys):
     assert "## Long-context levers" in md and f"| {CHUNKED} | 40,960 | {rows[1]['gain']:+,} |" in md
     svg = (out / "memory_vs_seq_levers.svg").read_text()
     assert svg.count("<polyline") == sum(r["pulled"] for r in rows)
+
+
+def test_rope_scaling_stops_at_the_ladders_ceiling_where_memory_never_does(tiny_llama_dir):
+    """A 256-position tiny Llama on an H100: memory never stops it, so RoPE is scaled to x64 (16,384 positions) and
+    no further, and the table says that ceiling stopped it."""
+    from toolkit.estimate.levers import MAX_ROPE_FACTOR, ladder_table
+
+    spec = resolve_model(str(tiny_llama_dir))
+    rungs = lever_ladder(spec, parse_hardware("1xH100-80GB"), Request(seq_len=256, micro_batch=1), "ddp")
+    rope = next(r for r in rungs if r.lever == ROPE)
+    assert rungs[1].seq_len == 256 and rungs[1].found.capped_by_positions
+    assert rope.seq_len == 256 * MAX_ROPE_FACTOR == 16384 and rope.rope_factor == 64 and rope.gain == 16384 - 256
+    assert f"RoPE x{MAX_ROPE_FACTOR}, the ladder's ceiling, stops it" in ladder_table(rungs)
