@@ -123,8 +123,19 @@ def test_max_on_a_text_model_is_one_line(capsys):
     assert code == 2 and "has no vision encoder" in err and len(err.strip().splitlines()) == 1
 
 
-def test_plan_takes_a_value_and_names_estimates_search(tiny_vl_dir, capsys):
-    code, out, err = _run(capsys, "plan", str(tiny_vl_dir), "--gpus", "1xH100-80GB", "--seq", "96",
-                          "--images-per-sample", "max", "--image-size", "448x280", "--global-batch", "8")
-    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert "--strategy NAME --images-per-sample max` finds the largest that strategy fits" in err
+def test_plan_writes_the_row_that_fits_the_most_images(tiny_vl_dir, tmp_path, capsys):
+    """Every row reaches the tiny model's positions (5 images of 160 tokens beside 96 text tokens); the plan folder
+    carries that count."""
+    out = tmp_path / "plan"
+    code, text, _ = _run(capsys, "plan", str(tiny_vl_dir / "config.json"), "--gpus", "1xH100-80GB", "--seq", "96",
+                         "--images-per-sample", "max", "--image-size", "448x280", "--strategies", "ddp",
+                         "--out", str(out))
+    assert code == 0 and "ddp: at most 5 images of 448x280 a sample" in text
+    assert "chosen: ddp with --images-per-sample 5" in text
+    plan = json.loads((out / "plan.json").read_text())
+    assert (plan["images_per_sample"], plan["image_size"], plan["image_tokens"], plan["seq_len"]) == \
+        (5, "448x280", 160, 896)
+    code, _, err = _run(capsys, "plan", str(tiny_vl_dir), "--gpus", "1xH100-80GB", "--seq", "96",
+                        "--images-per-sample", "max", "--image-size", "448x280", "--global-batch", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--global-batch does not apply to --images-per-sample max" in err

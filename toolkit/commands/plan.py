@@ -80,7 +80,9 @@ def cmd_plan(args) -> int:
     if seq_max and (args.images_per_sample or args.image_size):
         raise UserError("--images-per-sample / --image-size are planned at one text length, not --seq max; give "
                         "--seq N (text tokens)")
-    _refuse_image_search(args)
+    from toolkit.estimate.mostimages import searched_by
+
+    searched = searched_by(args.images_per_sample, args.image_size)
     seq_len, images = images_of(args, spec, seq_len)
     from toolkit.inputs.job import job_problem
 
@@ -120,7 +122,7 @@ def cmd_plan(args) -> int:
                                       expert_parallel=args.expert_parallel, **images)
     if strategies:
         req_kwargs["strategies"] = strategies
-    if seq_max:
+    if seq_max or searched:
         req_kwargs.update(global_batch=None, micro_batch=1)
     req_kwargs["allocator_conf"] = allocator_of(args, hw, req_kwargs["grpo"]).conf
     req = Request(**req_kwargs)
@@ -136,12 +138,14 @@ def cmd_plan(args) -> int:
         from toolkit.estimate.search import expert_grid
 
         expert_grid(spec, hw, req)
-    _refuse_an_empty_grid(spec, hw, req, seq_max)
+    _refuse_an_empty_grid(spec, hw, req, seq_max or bool(searched))
     if args.out:
         _refuse_existing(Path(args.out), args.force)
     run = run_size_of(args, seq_len)  # --data: counted here, after every refusal that reads no data
     if seq_max:
         return _plan_seq_max(args, spec, hw, req)
+    if searched:
+        return _plan_most_images(args, spec, hw, req, searched)
     from toolkit.commands.help import status
 
     with status("planning: every strategy, batch split and checkpointing choice"):
@@ -207,28 +211,23 @@ def cmd_plan(args) -> int:
 def _refuse_what_seq_max_ignores(args) -> None:
     """--seq max searches each strategy at micro-batch 1 and writes the one that fits longest: a batch, a row or a
     run size (timed at one sequence length) given beside it would be dropped silently, so it is refused."""
-    if args.seq != "max":
+    from toolkit.estimate.mostimages import COUNT, searched_by
+
+    searched = searched_by(args.images_per_sample, args.image_size)
+    if args.seq != "max" and searched is None:
         return
     given = [flag for flag, value in (("--global-batch", args.global_batch), ("--micro-batch", args.micro_batch),
                                       ("--choose", args.strategy_choice), ("--dataset-tokens", args.dataset_tokens),
                                       ("--data", args.data)) if value is not None]
-    if given:
+    if given and args.seq == "max":
         raise UserError(f"{given[0]} does not apply to --seq max (it finds each strategy's longest sequence at "
                         f"micro-batch 1 and writes the one that fits longest); drop {given[0]} or give --seq N")
-
-
-def _refuse_image_search(args) -> None:
-    """`max` for the images is searched per strategy by estimate (toolkit.estimate.mostimages); plan takes values."""
-    from toolkit.estimate.mostimages import COUNT, search_start, searched_by
-
-    searched = searched_by(args.images_per_sample, args.image_size)
-    if searched is None:
-        return
-    if args.images_per_sample == args.image_size:
-        search_start(None, args.images_per_sample, args.image_size)  # both max: its own line
-    flag = "--images-per-sample" if searched == COUNT else "--image-size"
-    raise UserError(f"plan takes {flag} as a value; `toolkit estimate MODEL --strategy NAME {flag} max` finds the "
-                    f"largest that strategy fits: plan with the value it prints")
+    if given:
+        flag, what = (("--images-per-sample", "most images a sample") if searched == COUNT else
+                      ("--image-size", "largest image"))
+        raise UserError(f"{given[0]} does not apply to {flag} max (it finds the {what} each strategy fits at "
+                        f"micro-batch 1 and writes the row that fits the most); drop {given[0]} or give {flag} a "
+                        "value")
 
 
 def _refuse_an_empty_grid(spec, hw, req, seq_max: bool) -> None:
@@ -346,6 +345,44 @@ def _plan_seq_max(args, spec, hw, req) -> int:
         if not args.json:
             print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
                   f"({MEMORY_CHART}: the chart)")
+    return 0 if best is not None else 1
+
+
+def _plan_most_images(args, spec, hw, req, searched: str) -> int:
+    """plan --images-per-sample max / --image-size max: the largest count or size per row at micro-batch 1, and
+    (--out) the plan of the row that fits the most image tokens (fastest among equals) with that value."""
+    from pathlib import Path
+
+    from toolkit.commands.common import image_folder
+    from toolkit.commands.help import status
+    from toolkit.estimate.mostimages import COUNT, most_images_per_row
+    from toolkit.estimate.search import to_plan
+
+    what = "most images a sample" if searched == COUNT else "largest image"
+    with status(f"the {what} each strategy fits"):
+        results, skipped = most_images_per_row(spec, hw, req, searched, image_folder(args))
+    best = next((r for r in results if r.found), None)
+    if args.json:
+        print(json.dumps({"model": spec.summary(), "hardware": hw.spec, "searched": searched, "strategies": [
+            {"name": r.candidate.name, **r.to_dict(), "candidate": r.candidate.row()} for r in results],
+            "not_searched": [{"name": key, "reason": why} for key, why in skipped],
+            "chosen": best.candidate.name if best else None}, indent=2))
+    else:
+        print(f"{spec.name} on {hw.spec} | the {what} per strategy, micro-batch 1, {req.precision}\n")
+        for r in results:
+            print("  " + r.words())
+        for key, why in skipped:
+            print(f"  {key}: not searched ({why})")
+    if best is not None and args.out:
+        from toolkit.emit import emit_files
+        from toolkit.inputs.resolve import recorded_model
+
+        plan = to_plan(best.candidate, spec, hw, recorded_model(args.model) or spec.name)
+        written = emit_files(plan, Path(args.out), force=args.force, candidates=[best.candidate.row()],
+                             nvme_path=args.nvme_path, hosts=args.hosts)
+        if not args.json:
+            print(f"\nchosen: {best.candidate.name} with {best.flag} {best.value}; wrote {len(written)} files "
+                  f"to {args.out}")
     return 0 if best is not None else 1
 
 

@@ -223,3 +223,32 @@ def _largest(first: int, last: int, probe: Callable[[int], "Candidate"], *, doub
         else:
             fail = mid
     return good, good_c
+
+
+def most_images_per_row(spec: "ModelSpec", hw: "Hardware", req: Any, searched: str, config_dir=None
+                        ) -> tuple[list[MostImages], list[tuple[str, str]]]:
+    """plan's `max`: per planner row (toolkit.estimate.search.options_for) the largest count or size on its best
+    grid, at micro-batch 1 as --seq max searches, most image tokens first (fastest among equals); and (row, why it
+    was not searched) for a row with no grid to search: the planner's refusal, or grids that split the sequence
+    (their lengths must divide, and the images move the length)."""
+    from toolkit.estimate.search import options_for
+
+    job = req.job(micro_batch=1, grad_accum=req.grad_accum or 1, checkpointing=req.checkpointing is not False,
+                  tiled=req.tiled is True)
+    found: list[MostImages] = []
+    skipped: list[tuple[str, str]] = []
+    for key, strategy, grids in options_for(spec, hw, req, sequence_rule=False):
+        usable = [] if isinstance(grids, str) else [g for g in grids if g.sequence_multiple() == 1]
+        if not usable:
+            skipped.append((key, grids if isinstance(grids, str) else
+                            "its grids split the sequence, whose length the images move: plan it with values"))
+            continue
+        results = [most_images(spec, hw, strategy, grid, job, searched, config_dir) for grid in usable]
+        found.append(max(results, key=_rank))
+    return sorted(found, key=_rank, reverse=True), skipped
+
+
+def _rank(r: MostImages) -> tuple[bool, int, float]:
+    job, timing = r.candidate.job, r.candidate.timing
+    return (r.found, job.images_per_sample * job.image_tokens if r.found else 0,
+            timing.tokens_per_s if r.found and timing is not None else 0.0)
