@@ -384,3 +384,52 @@ def test_a_bad_calibration_file_is_one_line(tiny_llama_dir, tmp_path, content, w
                  str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err
+
+
+def _row(name: str, step_s: float, *, inside: bool = True, **measured):
+    from toolkit.run.tune import TuneRow
+
+    return TuneRow(name=name, strategy=name, predicted_rank=1, micro_batch=1, grad_accum=1, predicted_step_s=step_s,
+                   predicted_tokens_per_s=None, predicted_peak_bytes=None, peak_band=None, within_band=inside,
+                   **measured)
+
+
+def test_a_candidate_whose_predicted_probe_ends_past_the_budget_is_skipped_before_it_starts():
+    """On a GPU: 3 measured + 2 warm-up steps of 10 s predicted = 50 s, no start-up measured yet; fits 60 s left,
+    not 40 s. After a measured candidate (start-up 20 s, measured 2x its prediction) the next one's 5 x 10 s x 2 +
+    20 s = 120 s ends past 100 s left; the reason states the sum, and an out-of-band one says the band ranks it
+    lower."""
+    from toolkit.run.tune import MEASURED, budget_skip, probe_seconds
+
+    first = _row("ddp", 10.0)
+    assert probe_seconds(first, 3, [], cpu=False)[0] == pytest.approx(50.0)
+    assert budget_skip(first, 3, [], cpu=False, elapsed_s=0, budget_min=1.0) is None
+    assert first.predicted_probe_s == 50.0
+    assert "predicted 50 s" in budget_skip(first, 3, [], cpu=False, elapsed_s=20, budget_min=1.0)
+    done = _row("zero1", 5.0, status=MEASURED, measured_step_s=10.0, startup_s=20.0)
+    second = _row("zero2", 10.0)
+    assert probe_seconds(second, 3, [done], cpu=False)[0] == pytest.approx(120.0)
+    assert budget_skip(second, 3, [done], cpu=False, elapsed_s=0, budget_min=2.0) is None
+    why = budget_skip(second, 3, [done], cpu=False, elapsed_s=20, budget_min=2.0)
+    assert why.startswith("would end past the budget: predicted 120 s (start-up 20 s + 5 steps x 20 s") and \
+        "100 s of 2 min left" in why and "band" not in why
+    outside = _row("pipeline", 10.0, inside=False)
+    assert "outside the fastest prediction's band" in budget_skip(outside, 3, [done], cpu=False, elapsed_s=20,
+                                                                    budget_min=2.0)
+    assert "outside the fastest prediction's band" in budget_skip(outside, 3, [], cpu=False, elapsed_s=120,
+                                                                    budget_min=2.0)
+
+
+def test_on_cpu_the_gpu_prediction_times_a_probe_only_after_a_measured_candidate():
+    """On CPU the predicted step is a GPU's: no probe time before a candidate was measured (it runs while budget is
+    left); after one measured at 1,000x its prediction, the next is predicted at that ratio."""
+    from toolkit.run.tune import MEASURED, budget_skip, probe_seconds
+
+    first = _row("ddp", 0.001)
+    assert probe_seconds(first, 3, [], cpu=True)[0] is None
+    assert budget_skip(first, 3, [], cpu=True, elapsed_s=59, budget_min=1.0) is None and first.predicted_probe_s is None
+    done = _row("ddp", 0.001, status=MEASURED, measured_step_s=1.0, startup_s=30.0)
+    second = _row("zero1", 0.002)
+    assert probe_seconds(second, 3, [done], cpu=True)[0] == pytest.approx(30 + 5 * 2.0)
+    assert budget_skip(second, 3, [done], cpu=True, elapsed_s=20, budget_min=1.0) is None
+    assert budget_skip(second, 3, [done], cpu=True, elapsed_s=21, budget_min=1.0).startswith("would end past")

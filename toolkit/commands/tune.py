@@ -24,8 +24,8 @@ def add_parser(sub) -> None:
                    help="how many of the planner's rows to run, those within the fastest prediction's step-time band "
                         "first (default %(default)s)")
     p.add_argument("--budget-min", type=float_arg("--budget-min", bounds.TUNE_BUDGET_MIN), default=30.0,
-                   help="minutes for the whole probe: a candidate that would start later is skipped "
-                        "(default %(default)s)")
+                   help="minutes for the whole probe: a candidate whose probe is predicted to end later (start-up "
+                        "and step time measured on the earlier ones) is skipped (default %(default)s)")
     p.add_argument("--steps", type=int_arg("--steps", bounds.PROFILE_STEPS), default=3,
                    help="measured steps per candidate, after 2 warm-up steps (default %(default)s)")
     p.add_argument("--processes", type=int_arg("--processes", bounds.PROCESSES),

@@ -14,13 +14,17 @@ A candidate whose largest per-rank peak passes its limit is stopped by its own r
 2), recorded as stopped, and the probe goes on. The limit: on a GPU the candidate's predicted peak plus its error
 band; --memory-limit-gib replaces it (on CPU the RSS holds the interpreter and libraries, which the device
 prediction leaves out, so there the limit is --memory-limit-gib alone). A candidate that would start after the
-budget (minutes since the probe began) is skipped and recorded.
+budget (minutes since the probe began) is skipped and recorded, and so is one whose predicted probe would end past
+it (budget_skip): start-up (the mean measured on the earlier candidates) + warm-up and measured steps at its
+predicted step time scaled by the earlier candidates' median measured / predicted ratio (on CPU, where the predicted
+step is a GPU's, none is predicted before a first candidate was measured).
 
 Where the budget goes (measure_order): the candidates whose predicted step time lies within the step-time band of
 the fastest predicted one are measured first, in the planner's order; the prediction cannot tell them apart, so the
 measurement decides between them. The others follow, in the planner's order, with the budget left over: for one of
 them to win, the model would have to be off by more than its band. An unknown band (no published run on the GPU's
-generation) puts every candidate inside it.
+generation) puts every candidate inside it. So when the budget cannot cover every candidate, the ones outside the
+band are the ones it leaves out, and their skip reason says what the band says of them.
 
 MFU: measured tokens/s x the model FLOPs per token (no recompute, toolkit.estimate.timing.flops_per_token, the count
 the planner's MFU divides) / (the planned GPU's dense peak at the plan's precision x processes). On CPU it is null:
@@ -96,6 +100,10 @@ class TuneRow:
     """The compute term of predicted_step_s: what the calibration's ratio measures (toolkit.inputs.calibration)."""
     compute_ratio: float | None = None
     """Measured over predicted compute time (toolkit.inputs.calibration.compute_ratio); None when not measured."""
+    predicted_probe_s: float | None = None
+    """Seconds its probe was predicted to take when it was due (budget_skip; None: no prediction yet)."""
+    startup_s: float | None = None
+    """Measured: its probe's wall time less its steps at the measured step time (launch, load, engine set-up)."""
 
     @property
     def step_ratio(self) -> float | None:
@@ -187,6 +195,44 @@ def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict[str, Any
     return out
 
 
+def probe_seconds(row: TuneRow, steps: int, earlier: list[TuneRow], *, cpu: bool) -> tuple[float | None, str]:
+    """Predicted seconds of `row`'s probe, and how they were put together: the mean start-up measured on the
+    `earlier` candidates (0 before any) + warm-up and measured steps at its predicted step time x the earlier
+    candidates' median measured / predicted ratio (1 on a GPU before any; on CPU none before any: the prediction is
+    a GPU's step)."""
+    from statistics import mean, median
+
+    ratios = [r.step_ratio for r in earlier if r.status == MEASURED and r.step_ratio]
+    startups = [r.startup_s for r in earlier if r.startup_s is not None]
+    if not row.predicted_step_s or (cpu and not ratios):
+        return None, "no prediction (the predicted step is a GPU's, and no candidate was measured yet)"
+    ratio = median(ratios) if ratios else 1.0
+    startup = mean(startups) if startups else 0.0
+    step_s = row.predicted_step_s * ratio
+    total = WARMUP_STEPS + steps
+    how = (f"start-up {startup:.0f} s" + ("" if startups else " (none measured yet)") + f" + {total} steps x "
+           f"{step_s:.3g} s" + (f" (predicted {row.predicted_step_s:.3g} s x {ratio:.3g}, the measured ratio so far)"
+                               if ratios else " (predicted)"))
+    return startup + total * step_s, how
+
+
+def budget_skip(row: TuneRow, steps: int, earlier: list[TuneRow], *, cpu: bool, elapsed_s: float,
+                budget_min: float) -> str | None:
+    """Why `row` is skipped (None: it runs): the budget is spent, or its predicted probe (probe_seconds) would end
+    past it. Records the prediction on the row."""
+    budget_s = budget_min * 60
+    outside = "" if row.within_band else ("; outside the fastest prediction's band: the prediction already ranks "
+                                          "it lower")
+    if elapsed_s >= budget_s:
+        return f"budget spent ({elapsed_s / 60:.1f} of {budget_min:g} min){outside}"
+    seconds, how = probe_seconds(row, steps, earlier, cpu=cpu)
+    row.predicted_probe_s = None if seconds is None else round(seconds, 1)
+    if seconds is None or elapsed_s + seconds <= budget_s:
+        return None
+    return (f"would end past the budget: predicted {seconds:.0f} s ({how}) with {budget_s - elapsed_s:.0f} s of "
+            f"{budget_min:g} min left{outside}")
+
+
 def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: int, processes: int, cpu: bool,
           limit_gib: float | None, emit_dir: Path | None = None, say=print) -> dict[str, Any]:
     """Run the probe; returns tune.json's content (written by write_results). `emit_dir`: where the measured
@@ -223,9 +269,10 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     try:
         data = rehearsal_data(boxes[0], work / "data")
         for i, (row, box) in enumerate(zip(rows, boxes)):
-            elapsed = time.monotonic() - began
-            if elapsed >= budget_min * 60:
-                row.status, row.reason = SKIPPED, f"budget spent ({elapsed / 60:.1f} of {budget_min:g} min)"
+            why = budget_skip(row, steps, rows[:i], cpu=cpu, elapsed_s=time.monotonic() - began,
+                              budget_min=budget_min)
+            if why:
+                row.status, row.reason = SKIPPED, why
                 say(f"[{i + 1}/{len(rows)}] {row.name}: skipped, {row.reason}")
                 continue
             row.memory_limit_bytes = memory_limit(row, cpu=cpu, limit_gib=limit_gib)
@@ -247,6 +294,8 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
             got = read_metrics(metrics, WARMUP_STEPS, box.global_batch * box.seq_len)
             for key, value in got.items():
                 setattr(row, key, value)
+            if row.measured_step_s:
+                row.startup_s = round(max(0.0, row.wall_s - (WARMUP_STEPS + row.timed_steps) * row.measured_step_s), 1)
             if peak and row.measured_tokens_per_s:
                 row.mfu = row.measured_tokens_per_s * row.model_flops_per_token / peak
             row.host_ram_bytes = sum(row.peak_bytes_per_rank) if cpu and row.peak_bytes_per_rank else None
