@@ -171,3 +171,25 @@ def test_time_left_holds_the_measured_step_against_the_plans_band():
     assert fields["time_left_s"] == 250.0 and "+25% off the plan's predicted 2.000 s" in warning
     assert "outside its +-11% band" in warning
     assert time_left(9.0, 100, 2.0, None)[1] is None  # an unverified prediction is held to no band
+
+
+def test_the_prediction_is_compared_only_on_the_planned_gpus():
+    """torch's names and total memories of real parts against the catalog: an H100 SXM's name has no SXM in it, a
+    PCIe H100 has the SXM's memory, an A100 40 GB the 80 GB's name, an L40S the L4's model word as a prefix."""
+    from toolkit.inputs.hardware import find_gpu
+    from toolkit.train.callbacks import is_catalog_gpu, off_planned_hardware
+
+    h100, pcie, a100, l4 = (find_gpu(n) for n in ("H100-SXM-80GB", "H100-PCIe-80GB", "A100-80GB", "L4"))
+    assert is_catalog_gpu(h100, "NVIDIA H100 80GB HBM3", h100.memory_bytes)
+    assert not is_catalog_gpu(h100, "NVIDIA H100 PCIe", pcie.memory_bytes)
+    assert is_catalog_gpu(pcie, "NVIDIA H100 PCIe", pcie.memory_bytes)
+    assert is_catalog_gpu(a100, "NVIDIA A100-SXM4-80GB", a100.memory_bytes)
+    assert not is_catalog_gpu(a100, "NVIDIA A100-SXM4-40GB", find_gpu("A100-40GB").memory_bytes)
+    assert not is_catalog_gpu(l4, "NVIDIA L40S", l4.memory_bytes)
+    assert not is_catalog_gpu(h100, "NVIDIA H200", find_gpu("H200").memory_bytes)
+    assert off_planned_hardware(h100, 8, ("NVIDIA H100 80GB HBM3", h100.memory_bytes), 8) is None
+    assert off_planned_hardware(h100, 8, None, 2) == "this run is on CPU"
+    assert off_planned_hardware(h100, 8, ("NVIDIA H100 80GB HBM3", h100.memory_bytes), 4) == \
+        "this run is on 4 of them"
+    assert off_planned_hardware(h100, 8, ("NVIDIA H200", find_gpu("H200").memory_bytes), 8) == \
+        "this run is on 8x NVIDIA H200 (139.8 GiB)"

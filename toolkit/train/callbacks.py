@@ -69,6 +69,45 @@ def time_left(measured_s: float, steps_left: int, predicted_s: float | None,
                     f"for this run (time left at the measured step: {steps_left * measured_s / 3600:,.2f} h)")
 
 
+def device_here() -> tuple[str, int] | None:
+    """This rank's CUDA device as (torch's name, total memory in bytes); None on CPU."""
+    from toolkit.train import cpu
+
+    if cpu.on_cpu():
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.name, int(props.total_memory)
+
+
+def is_catalog_gpu(gpu, name: str, total_memory: int) -> bool:
+    """Whether a CUDA device (torch's name and total memory) is the catalog's `gpu`: the GPU's model word ("H100",
+    "A10G", "4090") is a word of the device's name, its variant words PCIe / NVL appear in both or neither (an H100
+    PCIe and an SXM have the same memory), and the memory is the catalog's within 2% (the catalog's memory_bytes is
+    torch's total_memory: 40 and 80 GB parts share a name)."""
+    import re
+
+    words = {w.upper() for w in re.split(r"[\s\-_]+", name) if w}
+    catalog = [w.upper() for w in gpu.name.split("-")]
+    model = next((w for w in catalog if any(ch.isdigit() for ch in w) and not w.endswith("GB")), catalog[0])
+    variants = {"PCIE", "NVL"}
+    return (model in words and variants & words == variants & set(catalog)
+            and abs(total_memory - gpu.memory_bytes) <= 0.02 * gpu.memory_bytes)
+
+
+def off_planned_hardware(gpu, world_size: int, device: tuple[str, int] | None, processes: int) -> str | None:
+    """Why a run is not on the hardware its plan predicts for (`world_size` x `gpu`), in words; None when it is.
+    `device`: device_here(); `processes`: the run's world size."""
+    if device is None:
+        return "this run is on CPU"
+    if not is_catalog_gpu(gpu, *device):
+        return f"this run is on {processes}x {device[0]} ({device[1] / GIB:.1f} GiB)"
+    if processes != world_size:
+        return f"this run is on {processes} of them"
+    return None
+
+
 def _gather_peaks(trainer) -> tuple[list[int], list[int] | None]:
     """Every rank's peak (peak_memory_bytes) and, on CUDA, its torch.cuda.max_memory_reserved (None on CPU)."""
     import torch

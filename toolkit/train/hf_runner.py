@@ -460,16 +460,21 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
 
 def _predicted_step(plan: Plan) -> dict:
     """The plan's predicted step time and its band, for the time to finish, where they apply to this run: on the
-    GPUs it was planned for (a CPU run of the plan says so once and times itself), from a prediction that is not
-    stale."""
+    GPUs it was planned for, as many as planned (a run elsewhere says so once and times itself), from a prediction
+    that is not stale."""
+    from toolkit.inputs.hardware import find_gpu
+    from toolkit.train.callbacks import device_here, off_planned_hardware
+
     predicted = plan.predicted.get("step_time_s")
     if not predicted or plan.prediction_is_stale:
         return {}
-    if cpu.on_cpu():
+    elsewhere = off_planned_hardware(find_gpu(plan.gpu), plan.world_size, device_here(),
+                                     int(os.environ.get("WORLD_SIZE", "1")))
+    if elsewhere:
         if _is_rank_zero():
-            print(f"note: the plan predicts a {predicted:.3f} s step on {plan.world_size}x {plan.gpu}; this CPU run "
-                  "logs its time left at its own measured step (time_left_s), not against that prediction",
-                  flush=True)
+            print(f"note: the plan predicts a {predicted:.3f} s step on {plan.world_size}x {plan.gpu}; {elsewhere}, "
+                  "and the prediction holds only on the planned GPUs: this run logs its time left at its own "
+                  "measured step (time_left_s), not against that prediction", flush=True)
         return {}
     return {"predicted_step_s": float(predicted), "band": plan.predicted.get("step_time_band")}
 
