@@ -433,3 +433,55 @@ def test_on_cpu_the_gpu_prediction_times_a_probe_only_after_a_measured_candidate
     assert probe_seconds(second, 3, [done], cpu=True)[0] == pytest.approx(30 + 5 * 2.0)
     assert budget_skip(second, 3, [done], cpu=True, elapsed_s=20, budget_min=1.0) is None
     assert budget_skip(second, 3, [done], cpu=True, elapsed_s=21, budget_min=1.0).startswith("would end past")
+
+
+def test_tune_model_plans_first_into_a_kept_folder_then_probes_it(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """`tune MODEL --gpus ...` plans as `toolkit plan MODEL --out` does (same flags, same folder) into a new folder
+    under the temporary directory, then probes it: here a budget planning alone spends, so every candidate is
+    skipped and no process starts; tune.json and the Tuned section land in that folder."""
+    import tempfile
+
+    from toolkit import api
+    from toolkit.cli import main
+    from toolkit.run.tune import measure_order
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    words = ["--gpus", "2xA100-80GB", "--seq", "64", "--global-batch", "8"]
+    assert main(["tune", str(tiny_llama_dir), *words, "--cpu", "--processes", "2", "--budget-min", "0.0001"]) == 0
+    out = capsys.readouterr().out
+    [folder] = [p for p in tmp_path.iterdir() if p.name.startswith("toolkit-tune-")]
+    assert f"planned into {folder}" in out and "chosen: " in out
+    assert main(["plan", str(tiny_llama_dir), *words, "--out", str(tmp_path / "reference")]) == 0
+    assert api.load_plan(folder).to_dict() == api.load_plan(tmp_path / "reference").to_dict()
+    result = json.loads((folder / "tune.json").read_text())
+    expected = measure_order(api.plan(str(tiny_llama_dir), "2xA100-80GB", seq_len=64, global_batch=8).candidates)
+    assert [r["name"] for r in result["candidates"]] == [c.name for c, _ in expected[:3]]
+    assert [r["status"] for r in result["candidates"]] == ["skipped"] * 3 and result["plan"] == str(folder)
+    assert "## Tuned" in (folder / "PLAN.md").read_text()
+
+
+def test_tune_model_refuses_bad_input_as_plan_does_before_any_folder(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from toolkit.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for argv, words in ((["--seq", "64", "--strategies", "zero9"], "zero9"), (["--seq", "64", "--gpus", "2xB999"],
+                                                                            "B999"),
+                        (["--seq", "max"], "--seq N"), (["--seq", "64", "--gpus", "2x2xA100-80GB"], "one node")):
+        capsys.readouterr()
+        assert main(["tune", str(tiny_llama_dir), "--global-batch", "8", *argv, "--cpu"]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert words in err and "\n" not in err, (argv, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plan_folder_refuses_the_planning_flags_in_one_line(plan_dir, tmp_path, capsys):
+    from toolkit.cli import main
+
+    folder = tmp_path / "plan"
+    shutil.copytree(plan_dir, folder, ignore=shutil.ignore_patterns("tune.json"))
+    assert main(["tune", str(folder), "--cpu", "--seq", "128", "--gpus", "4xH100-80GB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --gpus --seq:") and "is a plan folder" in err and "\n" not in err
+    assert not (folder / "tune.json").exists()

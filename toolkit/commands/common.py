@@ -13,9 +13,11 @@ from toolkit.inputs.choices import COMPILE_BLOCKS, GIB, LOSSES, VISION_TOWER_MOD
 from toolkit.inputs.job import checkpointing_words
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", type=text_arg("model"),
-                   help="catalog name (see `toolkit models`), local dir/config.json, or hub id")
+def add_model_flags(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    """The model: a positional name (without `positional`, the command's own positional names it) or its shape."""
+    if positional:
+        p.add_argument("model", nargs="?", type=text_arg("model"),
+                       help="catalog name (see `toolkit models`), local dir/config.json, or hub id")
     g = p.add_argument_group("model by numbers (instead of a name)")
     g.add_argument("--params", type=count, help="parameter count, e.g. 7e9 or 7B (shape guessed Llama-like)")
     g.add_argument("--layers", type=int_arg("--layers", bounds.LAYERS), help="decoder layers (num_hidden_layers)")

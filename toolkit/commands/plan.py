@@ -21,7 +21,24 @@ from toolkit.commands.common import (add_calibration_flags, calibration_json, ca
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank every strategy; write the chosen one's files")
-    add_model_flags(p)
+    add_search_flags(p)
+    p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
+                   help="emit this strategy (a name as in --strategies) instead of the fastest")
+    p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10,
+                   help="table rows shown (default %(default)s; --json lists every candidate)")
+    add_run_size_flags(p)
+    add_calibration_flags(p)
+    p.add_argument("--explain", action="store_true",
+                   help="after the table, the chosen row's estimate with where every term comes from (estimate "
+                        "--explain of that row)")
+    add_output_flags(p, "directory for the emitted files")
+    p.add_argument("--json", action="store_true", help="print only JSON: every candidate and the chosen one")
+    p.set_defaults(func=cmd_plan)
+
+
+def add_search_flags(p, *, model_positional: bool = True) -> None:
+    """The model, hardware and job flags the planner's search reads (toolkit plan's; toolkit tune MODEL's)."""
+    add_model_flags(p, positional=model_positional)
     add_hardware_flags(p)
     add_job_flags(p, seq_max=True, tiled_auto=True)
     add_rope_flags(p)
@@ -35,18 +52,6 @@ def add_parser(sub) -> None:
                         "estimate), off (default %(default)s); op (per-op selective) is estimate's only")
     p.add_argument("--strategies", type=text_arg("--strategies"),
                    help=f"comma-separated subset to consider of {', '.join(ALL_STRATEGY_NAMES)} (default: all)")
-    p.add_argument("--choose", dest="strategy_choice", type=text_arg("--choose"),
-                   help="emit this strategy (a name as in --strategies) instead of the fastest")
-    p.add_argument("--top", type=int_arg("--top", bounds.TOP), default=10,
-                   help="table rows shown (default %(default)s; --json lists every candidate)")
-    add_run_size_flags(p)
-    add_calibration_flags(p)
-    p.add_argument("--explain", action="store_true",
-                   help="after the table, the chosen row's estimate with where every term comes from (estimate "
-                        "--explain of that row)")
-    add_output_flags(p, "directory for the emitted files")
-    p.add_argument("--json", action="store_true", help="print only JSON: every candidate and the chosen one")
-    p.set_defaults(func=cmd_plan)
 
 
 TILED = {"auto": None, "on": True, "off": False}

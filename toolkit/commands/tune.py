@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -16,10 +17,15 @@ ORDER_RULE = ("Order: the candidates whose predicted step time lies within the s
 
 
 def add_parser(sub) -> None:
+    from toolkit.commands.common import add_calibration_flags, add_run_size_flags
+    from toolkit.commands.plan import add_search_flags
+
     p = sub.add_parser("tune", help="run the plan's top candidates for a few steps here and re-rank by measurement",
                        description="Run the plan's top candidates for a few steps here and re-rank them by measured "
-                                   f"step time. {ORDER_RULE}")
-    p.add_argument("plan_dir", help="a plan folder (toolkit plan --out) holding plan.json")
+                                   f"step time. {ORDER_RULE} {PLAN_FIRST}")
+    p.add_argument("plan_dir", metavar="PLAN_DIR|MODEL",
+                   help="a plan folder (toolkit plan --out) holding plan.json, or a model to plan first with the "
+                        "flags toolkit plan takes (catalog name, local dir/config.json, or hub id)")
     p.add_argument("--candidates", type=int_arg("--candidates", bounds.TUNE_CANDIDATES), default=3,
                    help="how many of the planner's rows to run, those within the fastest prediction's step-time band "
                         "first (default %(default)s)")
@@ -40,7 +46,18 @@ def add_parser(sub) -> None:
     p.add_argument("--export-calibration", type=text_arg("--export-calibration"), metavar="FILE",
                    help="also write this machine's calibration after the probe to FILE (JSON), for `estimate` / "
                         "`plan --calibration FILE` elsewhere; the probe always stores it in the user's cache")
-    p.set_defaults(func=cmd_tune)
+    tune_own = len(p._actions)  # noqa: SLF001 -- the planning flags follow: tune MODEL's, refused beside a folder
+    add_search_flags(p, model_positional=False)
+    add_run_size_flags(p)
+    add_calibration_flags(p)
+    # A dest's default is its first flag's (--compile and --compile-blocks share one), as the parsed namespace's.
+    p.set_defaults(func=cmd_tune, search_flags=[(a.option_strings[0], a.dest, p.get_default(a.dest))
+                                                for a in p._actions[tune_own:]])  # noqa: SLF001
+
+
+PLAN_FIRST = ("Given a MODEL instead of a plan folder, tune plans first as `toolkit plan MODEL --out` would, into a "
+              "new folder under the system's temporary directory that it keeps and names (tune.json and PLAN.md's "
+              "Tuned section go there, as into a plan folder); --emit DIR still writes the measured winner's.")
 
 
 def cmd_tune(args) -> int:
@@ -51,13 +68,17 @@ def cmd_tune(args) -> int:
     plan_dir = Path(args.plan_dir)
     if plan_dir.name == PLAN_JSON:
         plan_dir = plan_dir.parent
-    if not (plan_dir / PLAN_JSON).is_file():
-        raise UserError(f"{plan_dir} is no plan folder (no {PLAN_JSON} in it); give a folder `toolkit plan --out` "
-                        "wrote")
-    plan = load_plan(plan_dir / PLAN_JSON)
-    if plan.num_machines > 1:
-        raise UserError(f"tune runs on this machine; the plan spans {plan.num_machines} nodes: re-plan for one "
-                        "node, or tune on its GPUs per node with --processes")
+    planning = not (plan_dir / PLAN_JSON).is_file()
+    if planning and plan_dir.is_dir() and not (plan_dir / "config.json").is_file():
+        raise UserError(f"{plan_dir} is no plan folder (no {PLAN_JSON} in it) and no model folder (no config.json); "
+                        "give a folder `toolkit plan --out` wrote, or a model")
+    if not planning and (given := _search_flags_given(args)):
+        raise UserError(f"{' '.join(given)}: {plan_dir} is a plan folder, which carries its own model, GPUs and job; "
+                        "drop them, or give a model instead of the folder to plan first")
+    args.model = str(plan_dir) if planning else None
+    if planning and (args.seq == "max" or _nodes(args) > 1):
+        raise UserError("tune MODEL plans one sequence length on one node: give --seq N and one node's GPUs (--seq "
+                        "max and --nodes are toolkit plan's)")
     if not args.cpu:
         import torch
 
@@ -69,6 +90,14 @@ def cmd_tune(args) -> int:
     export = Path(args.export_calibration) if args.export_calibration else None
     if export is not None and (export.is_dir() or not export.parent.is_dir()):
         raise UserError(f"--export-calibration {export}: give a file path in an existing folder")
+    if planning:
+        plan_dir = _plan_first(args)
+        if plan_dir is None:
+            return 1
+    plan = load_plan(plan_dir / PLAN_JSON)
+    if plan.num_machines > 1:
+        raise UserError(f"tune runs on this machine; the plan spans {plan.num_machines} nodes: re-plan for one "
+                        "node, or tune on its GPUs per node with --processes")
     processes = args.processes or plan.gpus_per_node
     result = probe(plan, plan_dir, count=args.candidates, budget_min=args.budget_min, steps=args.steps,
                    processes=processes, cpu=args.cpu, limit_gib=args.memory_limit_gib, emit_dir=emit_dir)
@@ -112,3 +141,33 @@ def _refuse_emit_dir(out: Path) -> None:
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"--emit {out} is not empty; give a missing or empty folder (tune never writes over a plan "
                         "folder)")
+
+
+def _search_flags_given(args) -> list[str]:
+    """The planning flags (toolkit plan's) given away from their defaults, by name."""
+    return [flag for flag, dest, default in args.search_flags if getattr(args, dest) != default]
+
+
+def _nodes(args) -> int:
+    from toolkit.commands.common import hardware_of, model_spec
+
+    model_spec(args)  # a config that is wrong is named first, as plan names it
+    return hardware_of(args).nodes
+
+
+def _plan_first(args) -> Path | None:
+    """tune MODEL: `toolkit plan MODEL --out` into a new folder under the temporary directory (PLAN_FIRST); its
+    folder, or None when no strategy fits (plan said why)."""
+    import tempfile
+    import uuid
+
+    from toolkit.commands.plan import cmd_plan
+
+    # A name, not a folder yet: plan writes it only once it has refused nothing (bad input leaves nothing behind).
+    folder = Path(tempfile.gettempdir()) / f"toolkit-tune-{uuid.uuid4().hex[:8]}"
+    plan_args = argparse.Namespace(**vars(args), out=str(folder), force=False, strategy_choice=None, top=10,
+                                   explain=False, json=False, nvme_path=None, hosts=None)
+    if cmd_plan(plan_args) != 0:
+        return None
+    print(f"planned into {folder}: tuning its candidates (tune.json and PLAN.md's Tuned section go there)")
+    return folder
