@@ -468,7 +468,8 @@ def test_tune_model_refuses_bad_input_as_plan_does_before_any_folder(tiny_llama_
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     for argv, words in ((["--seq", "64", "--strategies", "zero9"], "zero9"), (["--seq", "64", "--gpus", "2xB999"],
                                                                             "B999"),
-                        (["--seq", "max"], "--seq N"), (["--seq", "64", "--gpus", "2x2xA100-80GB"], "one node")):
+                        (["--seq", "max"], "--seq N"), (["--seq", "64", "--gpus", "2x2xA100-80GB"], "one node"),
+                        (["--seq", "64", "--images-per-sample", "max", "--image-size", "448x448"], "max searches")):
         capsys.readouterr()
         assert main(["tune", str(tiny_llama_dir), "--global-batch", "8", *argv, "--cpu"]) == 2, argv
         err = capsys.readouterr().err.strip()

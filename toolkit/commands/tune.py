@@ -76,9 +76,10 @@ def cmd_tune(args) -> int:
         raise UserError(f"{' '.join(given)}: {plan_dir} is a plan folder, which carries its own model, GPUs and job; "
                         "drop them, or give a model instead of the folder to plan first")
     args.model = str(plan_dir) if planning else None
-    if planning and (args.seq == "max" or _nodes(args) > 1):
-        raise UserError("tune MODEL plans one sequence length on one node: give --seq N and one node's GPUs (--seq "
-                        "max and --nodes are toolkit plan's)")
+    searches = args.seq == "max" or "max" in (args.images_per_sample, str(args.image_size).strip().lower())
+    if planning and (searches or _nodes(args) > 1):
+        raise UserError("tune MODEL plans one job on one node: give --seq N (and images as N and WxH) and one node's "
+                        "GPUs (max searches and --nodes are toolkit plan's)")
     if not args.cpu:
         import torch
 
