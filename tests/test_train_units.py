@@ -193,3 +193,27 @@ def test_the_prediction_is_compared_only_on_the_planned_gpus():
         "this run is on 4 of them"
     assert off_planned_hardware(h100, 8, ("NVIDIA H200", find_gpu("H200").memory_bytes), 8) == \
         "this run is on 8x NVIDIA H200 (139.8 GiB)"
+
+
+def test_a_cpu_plan_is_compared_on_the_cpu_and_process_count_it_was_measured_for(tiny_llama_dir):
+    """A plan for `2xcpu` records the CPU its rates were measured on and the thread count; a CPU run of 2 processes
+    on that CPU at that thread count is on its planned hardware (its step is held to the prediction); another CPU
+    model, thread count or process count, a plan without the record, and a CUDA run are not."""
+    from toolkit import api
+    from toolkit.inputs.hardware import find_gpu
+    from toolkit.train.callbacks import cpu_here, off_planned_hardware
+
+    plan = api.plan(str(tiny_llama_dir), "2xcpu", seq_len=64, global_batch=8, device_kind="cpu").to_plan()
+    here = cpu_here()
+    planned = (plan.predicted["cpu_model"], plan.predicted["cpu_threads"])
+    assert planned == here and plan.predicted["step_time_s"] > 0
+    cpu = find_gpu("cpu")
+    assert off_planned_hardware(cpu, 2, None, 2, planned_cpu=planned, cpu=here) is None
+    assert off_planned_hardware(cpu, 2, None, 4, planned_cpu=planned, cpu=here) == "this run is on 4 of them"
+    assert off_planned_hardware(cpu, 2, None, 2, planned_cpu=planned, cpu=("Other CPU 9000", here[1])) == \
+        f"this run is on Other CPU 9000 at {here[1]} thread(s), the prediction was measured on {here[0]} at {here[1]}"
+    assert "at 7 thread(s)" in off_planned_hardware(cpu, 2, None, 2, planned_cpu=planned, cpu=(here[0], 7))
+    assert off_planned_hardware(cpu, 2, None, 2, planned_cpu=(None, None), cpu=here) == \
+        "the plan does not record the CPU it was measured on (re-plan it)"
+    assert off_planned_hardware(cpu, 2, ("NVIDIA H100 80GB HBM3", find_gpu("H100-SXM-80GB").memory_bytes), 2,
+                                planned_cpu=planned) == "this run is on 2x NVIDIA H100 80GB HBM3 (79.1 GiB)"

@@ -499,15 +499,15 @@ def hardware_of(args):
         raise UserError("--calibration FILE applies a calibration and --no-calibration ignores every one; give one "
                         "of them")
     if args.calibration:
-        got, source = cal.imported(Path(args.calibration), hw.gpu, hw.world_size), args.calibration
+        got = cal.imported(Path(args.calibration), hw.gpu, hw.world_size)
     else:
-        got, source = cal.stored(hw.gpu, hw.world_size), "stored for this machine"
+        got = cal.stored(hw.gpu, hw.world_size)
         if args.no_calibration:
             if got is None:
                 raise UserError(f"--no-calibration: no calibration is stored for {hw.spec} on this machine, so there "
                                 "is nothing to ignore; drop it")
             got = None
-    args.calibration_applied = cal.Applied(got, source if got else "")
+    args.calibration_applied = cal.Applied(got, args.calibration)
     return replace(hw, gpu=cal.apply(hw.gpu, got))
 
 
@@ -523,13 +523,7 @@ def add_calibration_flags(p: argparse.ArgumentParser) -> None:
 def calibration_words(args) -> str | None:
     """The line that says a calibration moved the step time, or None."""
     applied = getattr(args, "calibration_applied", None)
-    if applied is None or applied.calibration is None:
-        return None
-    c = applied.calibration
-    where = c.words() if applied.source == "stored for this machine" else (
-        f"calibrated by {applied.source} ({c.device_model}), {c.date}, {c.runs} run{'s' if c.runs != 1 else ''}")
-    return f"{where}: compute time x {c.compute_ratio:.3g} (measured / predicted; {', '.join(c.not_measured)} " \
-           "not measured)"
+    return None if applied is None else applied.words()
 
 
 def calibration_json(args) -> dict:

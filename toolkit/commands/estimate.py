@@ -164,8 +164,8 @@ def cmd_estimate(args) -> int:
     if seq_note:
         print_note(seq_note)
     print_estimate(spec, hw, c, b, explain=args.explain, world=world)
-    if calibration_words(args):
-        print(calibration_words(args))
+    if words := calibration_words(args):
+        print(words)
     if run is not None:
         print(duration(run, c, hw.world_size).text())
     return _fit_exit(args, b.fits)

@@ -183,8 +183,8 @@ def cmd_plan(args) -> int:
                **calibration_json(args)}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top, run)
-        if calibration_words(args):
-            print(calibration_words(args))
+        if words := calibration_words(args):
+            print(words)
         if args.explain and chosen:
             _print_explained(spec, hw, chosen)
     written: list[str] = []

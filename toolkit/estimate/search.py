@@ -35,6 +35,7 @@ from toolkit.estimate.ranking import need_bytes, rank
 from toolkit.estimate.request import Request
 from toolkit.errors import UserError
 from toolkit.inputs.choices import GIB
+from toolkit.inputs.cpudevice import CPU_NAME, cpu_rates
 from toolkit.inputs.hardware import Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
 from toolkit.inputs.job import Job, job_problem, model_feature_problem
@@ -526,6 +527,8 @@ def _prediction(c: Candidate) -> dict[str, Any]:
     if c.timing:
         predicted.update(c.timing.to_dict())
         predicted["step_time_band"] = step_time_band(c)
+        if c.gpu is not None and c.gpu.name == CPU_NAME:  # the CPU measured: a run elsewhere is not held to it
+            predicted.update(cpu_model=cpu_rates().model, cpu_threads=cpu_rates().threads)
     return predicted
 
 

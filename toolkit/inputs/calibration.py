@@ -202,9 +202,28 @@ def export(calibration: Calibration, path: Path) -> None:
     write_atomic(path, json.dumps(calibration.to_dict(), indent=2) + "\n")
 
 
-@dataclass
+STORED = "stored for this machine"
+"""Where an applied calibration came from when no --calibration FILE gave it (--json's `source`)."""
+
+
+@dataclass(frozen=True)
 class Applied:
     """What hardware_of applied (None: nothing), and from where, for the command's output."""
 
     calibration: Calibration | None = None
-    source: str = ""
+    file: str | None = None
+    """The --calibration FILE it was read from; None: the one stored for this machine."""
+
+    @property
+    def source(self) -> str:
+        return "" if self.calibration is None else self.file or STORED
+
+    def words(self) -> str | None:
+        """The line that says a calibration moved the step time, or None."""
+        c = self.calibration
+        if c is None:
+            return None
+        where = c.words() if self.file is None else (
+            f"calibrated by {self.file} ({c.device_model}), {c.date}, {c.runs} run{'s' if c.runs != 1 else ''}")
+        return f"{where}: compute time x {c.compute_ratio:.3g} (measured / predicted; {', '.join(c.not_measured)} " \
+               "not measured)"

@@ -96,12 +96,31 @@ def is_catalog_gpu(gpu, name: str, total_memory: int) -> bool:
             and abs(total_memory - gpu.memory_bytes) <= 0.02 * gpu.memory_bytes)
 
 
-def off_planned_hardware(gpu, world_size: int, device: tuple[str, int] | None, processes: int) -> str | None:
+def cpu_here() -> tuple[str, int]:
+    """This machine's CPU as a CPU plan's prediction records it: (model, torch threads per process)."""
+    import torch
+
+    from toolkit.inputs.cpudevice import cpu_model
+
+    return cpu_model(), torch.get_num_threads()
+
+
+def off_planned_hardware(gpu, world_size: int, device: tuple[str, int] | None, processes: int, *,
+                         planned_cpu: tuple | None = None, cpu: tuple[str, int] | None = None) -> str | None:
     """Why a run is not on the hardware its plan predicts for (`world_size` x `gpu`), in words; None when it is.
-    `device`: device_here(); `processes`: the run's world size."""
-    if device is None:
+    `device`: device_here(); `processes`: the run's world size. A plan for CPU processes (`--gpus 2xcpu`) holds on
+    the CPU its rates were measured on at the same thread count: `planned_cpu` (the plan's predicted cpu_model,
+    cpu_threads) against `cpu` (cpu_here(), on a CPU run)."""
+    from toolkit.inputs.cpudevice import CPU_NAME
+
+    if device is None and gpu.name != CPU_NAME:
         return "this run is on CPU"
-    if not is_catalog_gpu(gpu, *device):
+    if device is None and tuple(planned_cpu or ()) != tuple(cpu or ()):
+        if not planned_cpu or not planned_cpu[0]:
+            return "the plan does not record the CPU it was measured on (re-plan it)"
+        return (f"this run is on {cpu[0]} at {cpu[1]} thread(s), the prediction was measured on {planned_cpu[0]} at "
+                f"{planned_cpu[1]}")
+    if device is not None and not is_catalog_gpu(gpu, *device):
         return f"this run is on {processes}x {device[0]} ({device[1] / GIB:.1f} GiB)"
     if processes != world_size:
         return f"this run is on {processes} of them"

@@ -460,16 +460,19 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
 
 def _predicted_step(plan: Plan) -> dict:
     """The plan's predicted step time and its band, for the time to finish, where they apply to this run: on the
-    GPUs it was planned for, as many as planned (a run elsewhere says so once and times itself), from a prediction
-    that is not stale."""
+    GPUs it was planned for, as many as planned, or for a `2xcpu` plan on the CPU and thread count its rates were
+    measured at (a run elsewhere says so once and times itself), from a prediction that is not stale."""
     from toolkit.inputs.hardware import find_gpu
-    from toolkit.train.callbacks import device_here, off_planned_hardware
+    from toolkit.train.callbacks import cpu_here, device_here, off_planned_hardware
 
     predicted = plan.predicted.get("step_time_s")
     if not predicted or plan.prediction_is_stale:
         return {}
-    elsewhere = off_planned_hardware(find_gpu(plan.gpu), plan.world_size, device_here(),
-                                     int(os.environ.get("WORLD_SIZE", "1")))
+    device = device_here()
+    elsewhere = off_planned_hardware(find_gpu(plan.gpu), plan.world_size, device,
+                                     int(os.environ.get("WORLD_SIZE", "1")),
+                                     planned_cpu=(plan.predicted.get("cpu_model"), plan.predicted.get("cpu_threads")),
+                                     cpu=cpu_here() if device is None else None)
     if elsewhere:
         if _is_rank_zero():
             print(f"note: the plan predicts a {predicted:.3f} s step on {plan.world_size}x {plan.gpu}; {elsewhere}, "
