@@ -457,7 +457,11 @@ def test_tune_model_plans_first_into_a_kept_folder_then_probes_it(tiny_llama_dir
     expected = measure_order(api.plan(str(tiny_llama_dir), "2xA100-80GB", seq_len=64, global_batch=8).candidates)
     assert [r["name"] for r in result["candidates"]] == [c.name for c, _ in expected[:3]]
     assert [r["status"] for r in result["candidates"]] == ["skipped"] * 3 and result["plan"] == str(folder)
-    assert "## Tuned" in (folder / "PLAN.md").read_text()
+    assert all(r["reason"].startswith("budget spent") for r in result["candidates"])
+    # the planning is spent of the budget, counted in spent_min and said so
+    assert result["planning_s"] > 0 and result["spent_min"] * 60 >= result["planning_s"] - 0.6
+    assert f"(planning spent {result['planning_s']:.1f} s of it)" in out
+    assert f"planning included: {result['planning_s']:g} s" in (folder / "PLAN.md").read_text()
 
 
 def test_tune_model_refuses_bad_input_as_plan_does_before_any_folder(tiny_llama_dir, tmp_path, monkeypatch, capsys):

@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
 
 PLAN_FIRST = ("Given a MODEL instead of a plan folder, tune plans first as `toolkit plan MODEL --out` would, into a "
               "new folder under the system's temporary directory that it keeps and names (tune.json and PLAN.md's "
-              "Tuned section go there, as into a plan folder); --emit DIR still writes the measured winner's.")
+              "Tuned section go there, as into a plan folder); --emit DIR still writes the measured winner's. The "
+              "planning counts against --budget-min.")
 
 
 def cmd_tune(args) -> int:
@@ -91,17 +92,23 @@ def cmd_tune(args) -> int:
     export = Path(args.export_calibration) if args.export_calibration else None
     if export is not None and (export.is_dir() or not export.parent.is_dir()):
         raise UserError(f"--export-calibration {export}: give a file path in an existing folder")
-    if planning:
+    planning_s = None
+    if planning:  # the planning counts against --budget-min: the probe's clock starts before it
+        import time
+
+        began = time.monotonic()
         plan_dir = _plan_first(args)
         if plan_dir is None:
             return 1
+        planning_s = time.monotonic() - began
     plan = load_plan(plan_dir / PLAN_JSON)
     if plan.num_machines > 1:
         raise UserError(f"tune runs on this machine; the plan spans {plan.num_machines} nodes: re-plan for one "
                         "node, or tune on its GPUs per node with --processes")
     processes = args.processes or plan.gpus_per_node
     result = probe(plan, plan_dir, count=args.candidates, budget_min=args.budget_min, steps=args.steps,
-                   processes=processes, cpu=args.cpu, limit_gib=args.memory_limit_gib, emit_dir=emit_dir)
+                   processes=processes, cpu=args.cpu, limit_gib=args.memory_limit_gib, emit_dir=emit_dir,
+                   planning_s=planning_s)
     print()
     for line in table(result):
         print(line)

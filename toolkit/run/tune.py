@@ -14,8 +14,8 @@ A candidate whose largest per-rank peak passes its limit is stopped by its own r
 2), recorded as stopped, and the probe goes on. The limit: on a GPU the candidate's predicted peak plus its error
 band; --memory-limit-gib replaces it (on CPU the RSS holds the interpreter and libraries, which the device
 prediction leaves out, so there the limit is --memory-limit-gib alone). A candidate that would start after the
-budget (minutes since the probe began) is skipped and recorded, and so is one whose predicted probe would end past
-it (budget_skip): start-up (the mean measured on the earlier candidates) + warm-up and measured steps at its
+budget (minutes since the probe began, or since `tune MODEL` began planning) is skipped and recorded, and so is one
+whose predicted probe would end past it (budget_skip): start-up (the mean measured on the earlier candidates) + warm-up and measured steps at its
 predicted step time scaled by the earlier candidates' median measured / predicted ratio (on CPU, where the predicted
 step is a GPU's, none is predicted before a first candidate was measured).
 
@@ -234,16 +234,18 @@ def budget_skip(row: TuneRow, steps: int, earlier: list[TuneRow], *, cpu: bool, 
 
 
 def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: int, processes: int, cpu: bool,
-          limit_gib: float | None, emit_dir: Path | None = None, say=print) -> dict[str, Any]:
+          limit_gib: float | None, emit_dir: Path | None = None, planning_s: float | None = None,
+          say=print) -> dict[str, Any]:
     """Run the probe; returns tune.json's content (written by write_results). `emit_dir`: where the measured
-    winner's plan folder is written (emit_winner), nothing when no candidate was measured."""
+    winner's plan folder is written (emit_winner), nothing when no candidate was measured. `planning_s`: the seconds
+    `tune MODEL` spent planning the folder first, already spent of the budget (None: tune PLAN_DIR)."""
     from toolkit.estimate.search import to_plan
     from toolkit.run.launcher import emit_plan_files, launch_command, processes_phrase, run
     from toolkit.run.rehearsal import rehearsal_data
     from toolkit.run.smaller_box import box_plan
     from toolkit.train.probe import PROBE_MEMORY_LIMIT_ENV, PROBE_METRICS_ENV
 
-    began = time.monotonic()
+    began = time.monotonic() - (planning_s or 0.0)
     ranked, spec, hw = plan_candidates_again(plan)
     feasible = [c for c in ranked if c.feasible]
     order = measure_order(ranked)[:count]
@@ -260,7 +262,8 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     where = processes_phrase(processes, cpu=cpu)
     in_band = sum(r.within_band for r in rows)
     say(f"tuning {len(rows)} candidate{'s' if len(rows) != 1 else ''} of {plan_dir} on {where}: {WARMUP_STEPS} "
-        f"warm-up + {steps} measured step{'s' if steps != 1 else ''} each, budget {budget_min:g} min; {in_band} "
+        f"warm-up + {steps} measured step{'s' if steps != 1 else ''} each, budget {budget_min:g} min"
+        f"{'' if planning_s is None else f' (planning spent {planning_s:.1f} s of it)'}; {in_band} "
         f"within the step-time band of the fastest prediction, measured first")
     if cpu and limit_gib is None:
         say("note: on CPU a rank's peak is its RSS (interpreter and libraries included), which the device "
@@ -331,6 +334,7 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     return {"version": TUNE_VERSION, "plan": str(plan_dir), "model": plan.model, "planned_for":
             f"{plan.world_size}x {plan.gpu}", "where": where, "cpu": cpu, "processes": processes,
             "warmup_steps": WARMUP_STEPS, "measured_steps": steps, "budget_min": budget_min,
+            "planning_s": None if planning_s is None else round(planning_s, 1),
             "spent_min": round((time.monotonic() - began) / 60, 2), "memory_limit_gib": limit_gib,
             "mfu_basis": mfu_basis, "candidates": [{**asdict(r), "step_ratio": r.step_ratio} for r in rows],
             "ranking": [r.name for r in measured], "emitted": emitted,
@@ -452,11 +456,16 @@ def write_results(result: dict[str, Any], plan_dir: Path, order_rule: str) -> li
         text = text[:text.index(TUNED_HEADING)].rstrip() + "\n"
     section = [TUNED_HEADING, "", f"Measured by `toolkit tune` on {result['where']} ({result['warmup_steps']} warm-up "
                f"+ {result['measured_steps']} measured steps per candidate, {result['spent_min']} of "
-               f"{result['budget_min']:g} min); ranked by measured step time. Predictions are for "
+               f"{result['budget_min']:g} min{_planning_words(result)}); ranked by measured step time. Predictions are for "
                f"{result['planned_for']}. {order_rule} MFU: {result['mfu_basis']}.", "", "```", *table(result),
                "```", ""]
     write_atomic(md, (text + "\n" if text else "") + "\n".join(section))
     return [plan_dir / TUNE_JSON, md]
+
+
+def _planning_words(result: dict[str, Any]) -> str:
+    planning_s = result.get("planning_s")
+    return "" if planning_s is None else f", planning included: {planning_s:g} s"
 
 
 _STRICT = ConfigDict(extra="forbid")
@@ -491,5 +500,7 @@ class TuneFile:
     emitted: str | None
     predicted_on: str = ""
     """The hardware the rows' predictions are for: the plan's, or on CPU this machine's CPU processes."""
+    planning_s: float | None = None
+    """Seconds `tune MODEL` spent planning before the probe, counted in spent_min (None: a plan folder given)."""
     calibration: dict | None = None
     """This machine's calibration after the probe (toolkit.inputs.calibration), None when nothing was measured."""
