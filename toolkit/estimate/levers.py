@@ -75,11 +75,11 @@ def lever_ladder(spec: "ModelSpec", hw: "Hardware", req: "Request", strategy: st
                   context_parallel=req.context_parallel or 1, sequence_parallel=req.sequence_parallel or 1,
                   tiled=req.tiled is True, savers=False)
     split = max(req.context_parallel, req.sequence_parallel) > 1
-    first = _search(spec, hw, req, split, scaled=False)
+    first, _ = _search(spec, hw, req, _rows(spec, hw, req, split), spec.max_positions)
     if first is None:  # no row of the strategy on these GPUs (options_for): nothing to climb from
         return []
     rungs = [Rung("your job", "", first)]
-    original, scaled = spec.max_positions, False
+    original, scaled, cap = spec.max_positions, False, spec.max_positions
     for lever, flags, change in _levers(spec, req, split):
         try:
             new_req, had = change(spec, req)
@@ -90,16 +90,20 @@ def lever_ladder(spec: "ModelSpec", hw: "Hardware", req: "Request", strategy: st
             rungs.append(Rung(lever, flags, None, skipped=had))
             continue
         wants_split = lever == SPLIT
-        refused = _refused(spec, hw, new_req, wants_split)
+        rows = _rows(spec, hw, new_req, wants_split)
+        refused = _refused(hw, new_req, rows)
         if refused:
             rungs.append(Rung(lever, flags, None, skipped=refused))
             continue
-        found = _search(spec, hw, new_req, wants_split, scaled or lever == ROPE)
+        # Each lever only saves memory, so a rung reaches at least the rung before: with RoPE scaled its climb
+        # starts at the positions the rung before ended at instead of the model's own.
+        found, searched_to = _search(spec, hw, new_req, rows, cap, scaled=scaled or lever == ROPE)
         if found is None:
             rungs.append(Rung(lever, flags, None, skipped=f"no row of {strategy} on these GPUs runs it"))
             continue
         before = next(r for r in reversed(rungs) if r.found is not None)
         req, scaled = new_req, scaled or lever == ROPE
+        cap = searched_to
         rung = Rung(lever, flags, found, gain=found.seq_len - before.seq_len)
         if scaled:
             factor = max(1, math.ceil(found.seq_len / original))
@@ -155,13 +159,18 @@ def _split(key: str) -> bool:
     return key.endswith((" x sp", " x cp"))
 
 
-def _refused(spec, hw, req, split: bool) -> str:
-    """Why no row of the strategy runs this job (the engines' rules the planner applies, toolkit.estimate.search
-    options_for), or ""."""
+def _rows(spec, hw, req, split: bool) -> list:
+    """options_for's rows of the job (with `split`: its sequence- / context-parallel rows), once per rung: the
+    refusal check and every octave of the search read the same list."""
     from toolkit.estimate.search import options_for
 
-    rows = [(key, grids) for key, _, grids in options_for(spec, hw, req, sequence_rule=False)
+    return [(key, strategy, grids) for key, strategy, grids in options_for(spec, hw, req, sequence_rule=False)
             if not split or _split(key)]
+
+
+def _refused(hw, req, rows: list) -> str:
+    """Why no row of the strategy runs this job (the engines' rules the planner applies, toolkit.estimate.search
+    options_for), or ""."""
     if not rows:
         if hw.world_size == 1:
             return "one GPU: no ranks to split the sequence over"
@@ -169,24 +178,30 @@ def _refused(spec, hw, req, split: bool) -> str:
             return ("not planned with activation offloading (a rank's view of an offloading job is not modelled, "
                     "toolkit.estimate.search)")
         return f"{req.strategies[0]} has no sequence- or context-parallel row (ZeRO x Ulysses SP, FSDP2 x CP)"
-    reasons = [grids for _, grids in rows if isinstance(grids, str)]
+    reasons = [grids for _, _, grids in rows if isinstance(grids, str)]
     return reasons[0] if len(reasons) == len(rows) else ""
 
 
-def _search(spec, hw, req, split: bool, scaled: bool) -> "Longest | None":
-    """The longest row of the strategy (with `split`: of its sequence- / context-parallel rows); `scaled`: with
-    RoPE scaled, the positions raised an octave at a time while the longest length reaches them."""
-    from toolkit.estimate.longest import longest_sequences
+def _search(spec, hw, req, rows: list, cap: int, scaled: bool = False) -> "tuple[Longest | None, int]":
+    """The longest of `rows` with the model's positions at `cap`, and the positions it ended at; `scaled`: with
+    RoPE scaled, the positions raised an octave at a time while the longest length reaches them. An octave searches
+    again only the rows the one before stopped at its positions (the others' answers stand), and the curve is
+    charted once, for the answer."""
+    from toolkit.estimate.longest import longest_sequences, speed, with_curve
 
-    cap = spec.max_positions
-    ceiling = min(bounds.SEQ.high, cap * MAX_ROPE_FACTOR)
+    ceiling = min(bounds.SEQ.high, spec.max_positions * MAX_ROPE_FACTOR)
+    found_by: dict[str, Longest] = {}
+    todo = rows
     while True:
-        results = longest_sequences(replace(spec, max_positions=cap), hw, req, chart_to_cap=False)
-        found = next((r for r in results if not split or _split(r.key)), results[0] if results else None)
-        if found is None:
-            return None
+        at = replace(spec, max_positions=cap)
+        found_by.update((r.key, r) for r in longest_sequences(at, hw, req, rows=todo, charted=False))
+        ranked = sorted(found_by.values(), key=lambda r: (-r.seq_len, -speed(r)))
+        if not ranked:
+            return None, cap
+        found = ranked[0]
         if not scaled or not found.capped_by_positions or cap >= ceiling:
-            return found
+            return with_curve(at, hw, req, found, chart_to_cap=False), cap
+        todo = [row for row in rows if found_by[row[0]].capped_by_positions]
         cap = min(ceiling, (1 << cap.bit_length()) if cap & (cap - 1) else cap * 2)
 
 
@@ -211,12 +226,27 @@ def ladder_markdown(strategy: str, rungs: list[Rung]) -> str:
     """PLAN.md's lever table (plan --seq max --out)."""
     lines = ["## Long-context levers", "", ladder_title(strategy), "",
              "| lever added | longest | buys | GiB/GPU | row / how |", "|---|---:|---:|---:|---|"]
-    for r in rungs:
-        if r.found is None:
-            lines.append(f"| {r.lever} | - | - | - | not pulled: {r.skipped} |")
-            continue
-        lines.append(f"| {r.lever} | {r.seq_len:,} | {r.gain:+,} | {_gib(r)} | {_how(r)} |")
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rungs]
     return "\n".join(lines) + "\n"
+
+
+def ladder_table(rungs: list[Rung]) -> str:
+    """The lever table: lever added, longest length, tokens it buys, peak per-GPU memory there; a lever not pulled
+    says why."""
+    width = max(len(r.lever) for r in rungs) + 2
+    head = f"{'lever added':<{width}}{'longest':>11}{'buys':>11}{'GiB/GPU':>9}  row / how"
+    lines = [head, "-" * len(head)]
+    for r in rungs:
+        lever, longest, buys, gib, how = _cells(r)
+        lines.append(f"{lever:<{width}}{longest:>11}{buys:>11}{gib:>9}  {how}")
+    return "\n".join(lines)
+
+
+def _cells(r: Rung) -> tuple[str, str, str, str, str]:
+    """One rung's row of both tables: lever, longest, buys, GiB/GPU, row / how."""
+    if r.found is None:
+        return r.lever, "-", "-", "-", f"not pulled: {r.skipped}"
+    return r.lever, f"{r.seq_len:,}", f"{r.gain:+,}", _gib(r), _how(r)
 
 
 def _gib(r: Rung) -> str:
@@ -228,20 +258,6 @@ def _how(r: Rung) -> str:
     return (r.found.name + (f"; {r.flags}" if r.flags else "") + ("" if r.seq_len else f"; {r.found.reason}")
             + (f"; RoPE x{MAX_ROPE_FACTOR}, the ladder's ceiling, stops it" if r.found.capped_by_positions and
                r.rope_factor else "; the model's positions stop it" if r.found.capped_by_positions else ""))
-
-
-def ladder_table(rungs: list[Rung]) -> str:
-    """The lever table: lever added, longest length, tokens it buys, peak per-GPU memory there; a lever not pulled
-    says why."""
-    width = max(len(r.lever) for r in rungs) + 2
-    head = f"{'lever added':<{width}}{'longest':>11}{'buys':>11}{'GiB/GPU':>9}  row / how"
-    lines = [head, "-" * len(head)]
-    for r in rungs:
-        if r.found is None:
-            lines.append(f"{r.lever:<{width}}{'-':>11}{'-':>11}{'-':>9}  not pulled: {r.skipped}")
-            continue
-        lines.append(f"{r.lever:<{width}}{r.seq_len:>11,}{r.gain:>+11,}{_gib(r):>9}  {_how(r)}")
-    return "\n".join(lines)
 
 
 def ladder_curves(rungs: list[Rung]) -> list["Longest"]:

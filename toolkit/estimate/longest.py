@@ -92,11 +92,13 @@ def granule(grid: "ParallelGrid") -> int:
     return math.lcm(GRANULE, grid.sequence_multiple())
 
 
-def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request", chart_to_cap: bool = True) -> list[Longest]:
+def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request", chart_to_cap: bool = True, *,
+                      rows: list | None = None, charted: bool = True) -> list[Longest]:
     """The longest sequence per planner row (strategy, and model-parallel family at its best degree), longest
     first; rows that fit nothing last, with the reason at the shortest length tried. `chart_to_cap` False: each
     curve stops at the first power of two past 2x its longest length (positions far beyond memory, as the lever
-    ladder's scaled RoPE gives, chart nothing but misses and cost a trace per octave)."""
+    ladder's scaled RoPE gives, chart nothing but misses and cost a trace per octave). `rows`: options_for's rows
+    (sequence_rule False) when the caller has them already; `charted` False: no curves (with_curve adds one)."""
     from toolkit.estimate.traces import traces_linear_in_seq
     from toolkit.estimate.search import options_for
 
@@ -104,7 +106,8 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request", chart_t
     probe_req = replace(req, seq_len=cap - cap % GRANULE or cap)
     out: list[Longest] = []
     with traces_linear_in_seq():
-        for key, strategy, grids in options_for(spec, hw, probe_req, sequence_rule=False):
+        for key, strategy, grids in (options_for(spec, hw, probe_req, sequence_rule=False) if rows is None
+                                     else rows):
             if isinstance(grids, str):
                 from toolkit.estimate.search import refusal
 
@@ -113,12 +116,22 @@ def longest_sequences(spec: "ModelSpec", hw: "Hardware", req: "Request", chart_t
             best: Longest | None = None
             for grid in grids:
                 found = _longest_within_window(spec, hw, strategy, grid, req, cap, key)
-                if best is None or (found.seq_len, _speed(found)) > (best.seq_len, _speed(best)):
+                if best is None or (found.seq_len, speed(found)) > (best.seq_len, speed(best)):
                     best = found
             if best is not None:
-                upto = cap if chart_to_cap else min(cap, 1 << (2 * max(best.seq_len, CHART_FROM) - 1).bit_length())
-                out.append(replace(best, curve=_curve(spec, hw, strategy, best, req, upto)))
-    return sorted(out, key=lambda x: (-x.seq_len, -_speed(x)))
+                out.append(with_curve(spec, hw, req, best, chart_to_cap) if charted else best)
+    return sorted(out, key=lambda x: (-x.seq_len, -speed(x)))
+
+
+def with_curve(spec: "ModelSpec", hw: "Hardware", req: "Request", found: Longest, chart_to_cap: bool = True) -> Longest:
+    """`found` with its memory curve up to the model's positions (`chart_to_cap` False: see longest_sequences)."""
+    from toolkit.estimate.traces import traces_linear_in_seq
+
+    cap = seq_cap(spec)
+    upto = cap if chart_to_cap else min(cap, 1 << (2 * max(found.seq_len, CHART_FROM) - 1).bit_length())
+    strategy = found.candidate.strategy if found.candidate is not None else None
+    with traces_linear_in_seq():
+        return replace(found, curve=_curve(spec, hw, strategy, found, req, upto) if strategy is not None else ())
 
 
 def tiling_could_reach_further(spec: "ModelSpec", req: "Request", results: list[Longest]) -> list[str]:
@@ -164,7 +177,7 @@ def _dim(key: str) -> str | None:
     return key.split(" x ")[1] if " x " in key else None
 
 
-def _speed(x: Longest) -> float:
+def speed(x: Longest) -> float:
     c = x.candidate
     return c.timing.tokens_per_s if c is not None and c.timing is not None and c.feasible else 0.0
 
