@@ -138,7 +138,33 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
                          autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
                          notes: list | None = None) -> CompiledSaved:
     """Partition the joint graph of `config`'s model (at its own depth) as inductor does, and sum what the
-    forward graph saves for backward, region by region."""
+    forward graph saves for backward, region by region. Memoised per process on everything the partition reads
+    (the config's content and every argument), with the notes it adds: a whole-model and a per-block compiled trace
+    of one job partition the same graph."""
+    key = (type(config).__name__, _content(config.to_dict()), seq_len, micro_batch, dtype, autocast, attention,
+           device_kind)
+    if key not in _SAVED_MEMO:
+        added: list[str] = []
+        _SAVED_MEMO[key] = (_partitioned_saved_bytes(config, *key[2:], notes=added), tuple(added))
+    saved, added = _SAVED_MEMO[key]
+    (notes if notes is not None else []).extend(added)
+    return saved
+
+
+_SAVED_MEMO: dict = {}
+
+
+def _content(value):
+    """A config's fields as a key, less its dtype (the model is built with the dtype given, then written back)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _content(v)) for k, v in value.items() if k not in ("dtype", "torch_dtype")))
+    if isinstance(value, (list, tuple)):
+        return tuple(_content(v) for v in value)
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
+def _partitioned_saved_bytes(config, seq_len: int, micro_batch: int, dtype: str, autocast: bool, attention: str,
+                             device_kind: str, *, notes: list) -> CompiledSaved:
     import torch
     import torch.fx.traceback as fx_traceback
     from functorch.compile import make_boxed_func
@@ -152,7 +178,6 @@ def compiled_saved_bytes(config, *, seq_len: int, micro_batch: int = 1, dtype: s
     from toolkit.estimate import layerkinds, standins
     from toolkit.estimate.fakestep import weights_uninitialised
 
-    notes = notes if notes is not None else []
     compute_dtype = getattr(torch, dtype)
     param_dtype = torch.float32 if autocast else compute_dtype
     n = layerkinds.num_layers(config)
