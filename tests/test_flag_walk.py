@@ -26,7 +26,8 @@ CLOSED_SETS = {"--method": choices.METHODS, "--qlora-quant-type": choices.QUANT_
                "--qlora-compute-dtype": choices.COMPUTE_DTYPES, "--qlora-quant-storage": choices.QUANT_STORAGE_DTYPES,
                "--precision": choices.PRECISIONS, "--strategy": ALL_STRATEGY_NAMES,
                "--reference": choices.REFERENCES[1:], "--dpo-loss": choices.DPO_LOSS_TYPES[1:],
-               "--vllm-mode": choices.VLLM_MODES[1:], "--base-dtype": choices.BASE_DTYPES}
+               "--vllm-mode": choices.VLLM_MODES[1:], "--base-dtype": choices.BASE_DTYPES,
+               "--modules-to-save-dtype": choices.BASE_DTYPES}
 """Flags that take a member of a closed set the command checks itself (its help lists the set): the walk gives the
 first member that is not the default."""
 
@@ -50,6 +51,8 @@ NEEDS = {
                                                 "--qlora-compute-dtype")},
     "--qlora-quant-storage": ["--method", "qlora", "--strategy", "zero3"],
     "--base-dtype": ["--method", "lora", "--strategy", "ddp", "--strategies", "ddp"],  # fp32: on DDP only
+    "--modules-to-save-dtype": ["--method", "lora", "--lora-modules-to-save", "lm_head", "--strategy", "ddp",
+                                "--strategies", "ddp"],  # fp32 copies of a bf16 base: on DDP only
     "--nvme-path": ["--strategies", "zero3-offload-nvme", "--out", "{tmp}/out"],
     "--hosts": ["--nodes", "2", "--out", "{tmp}/out"], "--force": ["--out", "{tmp}/out"],
     "--pipeline-stages": ["--strategies", "pipeline", "--strategy", "pipeline", "--gpus", "4xH100-80GB"],

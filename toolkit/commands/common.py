@@ -239,6 +239,10 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-dtype", help=f"{choices_words(BASE_DTYPES)}: the dtype LoRA's frozen base (and its "
                                         "modules_to_save copies) is loaded in; fp32 under --precision bf16 / fp16 "
                                         f"autocast, on ddp (default {FULL.base_dtype}: the compute dtype)")
+    g.add_argument("--modules-to-save-dtype", dest="saved_dtype", metavar="MODULES_TO_SAVE_DTYPE",
+                   help=f"{choices_words(BASE_DTYPES)}: the dtype the trainable --lora-modules-to-save copies train "
+                        "in (weights, gradients, optimizer states); fp32 or the compute dtype, on ddp (fsdp2: fp32, "
+                        f"its own) (default {FULL.saved_dtype}: the base's, as PEFT copies them)")
     g.add_argument("--qlora-quant-type", help=f"{choices_words(QUANT_TYPES)} (default {FULL.quant_type})")
     g.add_argument("--qlora-no-double-quant", action="store_const", const=False, dest="qlora_double_quant",
                    help="do not quantise the absmax constants")
@@ -306,7 +310,7 @@ def adapter_of(args, spec=None, *, training_only_read: bool = True):
                         f"{', '.join(adapters)} (or --method {objective} alone)")
     adapter = adapter_from_flags(method, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                               targets=args.lora_targets, modules_to_save=args.lora_modules_to_save,
-                              base_dtype=args.base_dtype,
+                              base_dtype=args.base_dtype, saved_dtype=args.saved_dtype,
                               quant_type=args.qlora_quant_type, double_quant=args.qlora_double_quant,
                               compute_dtype=args.qlora_compute_dtype, quant_storage=args.qlora_quant_storage)
     for dest, (flag, what) in TRAINING_ONLY_ADAPTER_FLAGS.items():  # after the method's own refusals

@@ -30,7 +30,7 @@ from typing import Any
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
 from toolkit.emit.parallelism import sharded_at_load
 from toolkit.plan.schema import Plan
-from toolkit.inputs.choices import TRL_LOSS
+from toolkit.inputs.choices import BASE_DTYPE_NAMES, TRL_LOSS
 from toolkit.inputs.strategy import Engine
 from toolkit.plan.files import DS_CONFIG_CONCRETE, TRAINING_ARGS
 
@@ -212,6 +212,10 @@ def adapter_settings(plan: Plan) -> dict[str, Any] | None:
     if plan.method == "qlora":
         out["bnb_config"] = adapter.bnb_config_kwargs()
         out["kbit_preparation"] = KBIT_PREPARATION
+    if adapter.saved_dtype != "auto":
+        # PEFT copies modules_to_save in the base's dtype; the plan trains them in this one (toolkit.train casts
+        # them after get_peft_model: toolkit.inputs.lora.cast_saved_modules).
+        out["modules_to_save_dtype"] = BASE_DTYPE_NAMES[adapter.saved_dtype]
     return out
 
 
@@ -229,6 +233,11 @@ def notes(plan: Plan) -> list[str]:
         out.append(f"{METHOD_NAMES[plan.method]}: load the frozen base{quantised} in {model_dtype(plan)}, wrap it with "
                    "peft.get_peft_model(model, LoraConfig(**adapter['lora_config'])) (TRL: SFTTrainer(peft_config="
                    "LoraConfig(...))); the adapters stay float32 (PEFT's autocast_adapter_dtype).")
+        if plan.adapter_spec.saved_dtype != "auto":
+            out.append(f"modules_to_save ({plan.adapter_spec.modules_to_save}) train in "
+                       f"{BASE_DTYPE_NAMES[plan.adapter_spec.saved_dtype]}: PEFT copies them in the base's dtype, so "
+                       "cast the copies after get_peft_model (toolkit.inputs.lora.cast_saved_modules(model, "
+                       f"torch.{BASE_DTYPE_NAMES[plan.adapter_spec.saved_dtype]}), as toolkit.train does).")
     if plan.method == "qlora":
         out.append("k-bit preparation: " + KBIT_PREPARATION)
     if plan.engine == Engine.FSDP2 and plan.checkpointing and not sharded_at_load(plan):

@@ -151,7 +151,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
 def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> States:
     from toolkit.inputs.lora import (base_storage_bytes_per_param, counts_for_spec, frozen_base_bytes,
-                                     layer_sharded_base_bytes, sharded_base_bytes)
+                                     layer_sharded_base_bytes, saved_dtype_name, sharded_base_bytes)
     from toolkit.estimate.timing import data_parallel_gather_bytes
 
     if strategy.is_pipeline:
@@ -172,7 +172,10 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
         root_gathered_bytes=(spec.pre_layer_params + spec.post_layer_params) * storage + root_trainable * compute,
         layer_trainable_params=max(counts.per_layer), root_trainable_params=root_trainable,
         shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
-        dequantized_bytes=counts.largest_quantized_params * DTYPE_BYTES[job.adapter.compute_dtype])
+        dequantized_bytes=counts.largest_quantized_params * DTYPE_BYTES[job.adapter.compute_dtype],
+        saved_params=counts.saved_module_params,
+        saved_bytes_per_param=DTYPE_BYTES[saved_dtype_name(job.precision, job.adapter.base_dtype,
+                                                           job.adapter.saved_dtype)])
 
 
 def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:

@@ -21,15 +21,18 @@ from toolkit.inputs.strategy import Engine, Strategy
 _STATE_BYTES_FP32 = {"adamw": 8.0, "adamw-8bit": 2.0 + 2 * 4 / 256, "sgd": 4.0, "adafactor": 0.0}
 
 
-def optimizer_state_bytes(params: int, job: Job, factored_elems: int | None = None) -> float:
-    """Optimizer states of `params` parameters (no master weights)."""
+def optimizer_state_bytes(params: int, job: Job, factored_elems: int | None = None, *,
+                          param_bytes: int | None = None) -> float:
+    """Optimizer states of `params` parameters (no master weights) held in `param_bytes` per element (default: the
+    job's weights, weight_bytes)."""
+    param_bytes = weight_bytes(job.precision) if param_bytes is None else param_bytes
     if job.optimizer == "adafactor":
         # Row + column statistics per matrix, full second moment for vectors (~ (r + c) / (r x c) of params).
         elems = factored_elems if factored_elems is not None else params * 0.002
-        return elems * weight_bytes(job.precision)
+        return elems * param_bytes
     per = _STATE_BYTES_FP32[job.optimizer]
-    if job.precision == "bf16-pure" and job.optimizer in ("adamw", "sgd"):
-        per /= 2
+    if job.optimizer in ("adamw", "sgd"):
+        per *= param_bytes / 4
     return params * per
 
 
@@ -110,6 +113,20 @@ def ddp_states(P: int, job: Job, *, world: int, factored_elems: int | None = Non
     s.sources.append(f"{pb} B/param weights + {pb} B/param grads; optimizer {job.optimizer} "
                      f"{optimizer_state_bytes(1, job):.3g} B/param (fused AdamW: no step temporaries)")
     return s
+
+
+def ddp_saved_module_states(s: States, P: int, job: Job, *, param_bytes: int, world: int) -> None:
+    """Adds to DDP's states `s` the trainable modules_to_save copies (P parameters) held in `param_bytes` per
+    element (toolkit.inputs.lora.saved_dtype_name): DDP keeps each parameter as the model holds it, its gradient in
+    the same dtype, and torch's optimizers their states in the parameter's dtype (zeros_like); the Reducer's
+    buckets (one per dtype, reducer.cpp) hold another copy of the gradients."""
+    s.parameters += P * param_bytes
+    s.step_gradients += P * param_bytes
+    s.optimizer += optimizer_state_bytes(P, job, param_bytes=param_bytes)
+    if world > 1:
+        s.buffers += P * param_bytes
+    s.sources.append(f"modules_to_save copies: {P:,} parameters in {param_bytes} B (weights, grads, optimizer "
+                     "states in their dtype)")
 
 
 def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, largest_layer: int,
@@ -266,7 +283,8 @@ def pipeline_states(P: int, job: Job, *, dp: int, factored_elems: int | None = N
 def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strategy, *, dp: int, hidden: int,
                    total_params: int, largest_layer: int, base_sharded_bytes: float, gather_bytes: float,
                    layer_gathered_bytes: float, root_gathered_bytes: float, layer_trainable_params: int, root_trainable_params: int, shard: int,
-                   prefetch_layers: int, dequantized_bytes: float = 0.0) -> States:
+                   prefetch_layers: int, dequantized_bytes: float = 0.0, saved_params: int = 0,
+                   saved_bytes_per_param: int = 4) -> States:
     """LoRA / QLoRA: the trainable adapters carry the engine's usual states (weights, gradients, master, optimizer:
     the functions above with P = trainable), the frozen base only its weights, `base_bytes` in its storage dtype
     (4-bit weights with their constants for QLoRA), of which ZeRO-3 / FSDP2 shard and gather `base_sharded_bytes`
@@ -278,6 +296,8 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
     Where the base lives, per engine:
     - DDP: whole on every GPU. toolkit.train loads it in the compute dtype; PEFT keeps adapters in fp32
       (get_peft_model(autocast_adapter_dtype=True)); DDP's Reducer buckets only parameters that require grad.
+      The `saved_params` modules_to_save copies train in `saved_bytes_per_param` (ddp_saved_module_states). Under
+      ZeRO they are trainable parameters like the adapters; under FSDP2 accelerate upcasts them to fp32 with them.
     - ZeRO-1/2: whole on every GPU; DeepSpeed casts the whole module to bf16/fp16 (engine.py _configure_distributed_model)
       and partitions only the optimizer's (trainable) parameters.
     - ZeRO-3: every parameter is partitioned, frozen ones included (DeepSpeed partitions each parameter's data at
@@ -292,7 +312,9 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
     whole_bytes = base_bytes - base_sharded_bytes  # on every GPU whatever the engine
     base_per_gpu = base_bytes
     if strategy.engine == Engine.DDP:
-        s = ddp_states(trainable, job, world=dp)
+        s = ddp_states(trainable - saved_params, job, world=dp)
+        if saved_params:
+            ddp_saved_module_states(s, saved_params, job, param_bytes=saved_bytes_per_param, world=dp)
     elif strategy.engine == Engine.DEEPSPEED:
         s = zero_states(trainable, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
         if strategy.zero_stage == 3:

@@ -313,6 +313,45 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
 
 def base_dtype_problem(adapter: Adapter, precision: str, strategy: "Strategy | None", *,
                        objective: bool = False) -> str | None:
+    """Why LoRA's --base-dtype or --modules-to-save-dtype cannot run with the rest of the job, or None (the one
+    rule plan, estimate, check and toolkit.train apply)."""
+    return _load_dtype_problem(adapter, precision, strategy, objective=objective) \
+        or saved_dtype_problem(adapter, precision, strategy, objective=objective)
+
+
+def saved_dtype_problem(adapter: Adapter, precision: str, strategy: "Strategy | None", *,
+                        objective: bool = False) -> str | None:
+    """Why --modules-to-save-dtype cannot run, or None. The copies must compute with the rest: the compute dtype,
+    or fp32 under autocast. DDP keeps them as cast; DeepSpeed's bf16 / fp16 mode casts every parameter and keeps
+    its own fp32 master of the trainable ones (runtime/engine.py _configure_distributed_model), so a dtype given
+    there changes nothing; accelerate's FSDP2 upcasts every trainable parameter to fp32 under mixed precision
+    (utils/fsdp_utils.py fsdp2_prepare_model), so only fp32 is what it trains."""
+    from toolkit.inputs.lora import base_dtype_name, saved_dtype_name
+
+    if not adapter.is_adapter or adapter.saved_dtype == "auto":
+        return None
+    flag = f"--modules-to-save-dtype {adapter.saved_dtype}"
+    if not adapter.save_list():
+        return f"{flag} sets the dtype of --lora-modules-to-save copies, and none are named; name them or drop it"
+    wanted, compute = saved_dtype_name(precision, saved_dtype=adapter.saved_dtype), base_dtype_name(precision)
+    if wanted not in (compute, "float32") or (wanted != compute and precision not in ("bf16", "fp16")):
+        return (f"{flag} with --precision {precision}: the copies compute in {compute}; give "
+                f"{'fp32 or ' if precision in ('bf16', 'fp16') else ''}the compute dtype, or auto")
+    if objective:
+        return f"{flag} is modelled for supervised fine-tuning only; drop --modules-to-save-dtype (auto)"
+    if strategy is not None and strategy.engine == Engine.DEEPSPEED:
+        return (f"{flag} under {strategy.name}: DeepSpeed's {precision} mode casts every parameter to {precision} "
+                "and keeps fp32 master copies of the trainable ones; drop --modules-to-save-dtype")
+    if strategy is not None and strategy.engine == Engine.FSDP2 and wanted != "float32" and precision != "bf16-pure":
+        return (f"{flag} under {strategy.name}: accelerate upcasts every trainable parameter to fp32 for FSDP2; "
+                "give fp32, or drop --modules-to-save-dtype")
+    if strategy is not None and strategy.engine not in (Engine.DDP, Engine.FSDP2):
+        return f"{flag} under {strategy.name}: modelled on ddp and fsdp2 only; use one of them"
+    return None
+
+
+def _load_dtype_problem(adapter: Adapter, precision: str, strategy: "Strategy | None", *,
+                        objective: bool = False) -> str | None:
     """Why LoRA's --base-dtype cannot run with the rest of the job, or None. A base in the compute dtype is what
     auto loads; an fp32 base needs autocast (bf16 / fp16 mixed precision) and an engine that keeps it fp32: DDP.
     DeepSpeed's bf16 / fp16 mode casts every parameter to that dtype (runtime/engine.py

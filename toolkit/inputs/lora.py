@@ -67,7 +67,10 @@ class Adapter:
     """QLoRA: bnb_4bit_quant_storage; set it to the compute dtype for FSDP / ZeRO-3, which shard floating tensors."""
     base_dtype: str = "auto"
     """LoRA: the dtype the frozen base is loaded in (BASE_DTYPES; auto: the compute dtype, base_dtype_name). PEFT's
-    modules_to_save copies are deep copies of the loaded modules, so they train in it too."""
+    modules_to_save copies are deep copies of the loaded modules, so they train in it unless saved_dtype says."""
+    saved_dtype: str = "auto"
+    """LoRA / QLoRA: the dtype the trainable modules_to_save copies train in (BASE_DTYPES; auto: PEFT's own, the
+    base's load dtype; saved_dtype_name). toolkit.train casts the copies to it after get_peft_model."""
 
     def __post_init__(self) -> None:
         _check("--method", self.method, METHODS)
@@ -88,6 +91,7 @@ class Adapter:
         _check("--qlora-compute-dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check("--qlora-quant-storage", self.quant_storage, QUANT_STORAGE_DTYPES)
         _check("--base-dtype", self.base_dtype, BASE_DTYPES)
+        _check("--modules-to-save-dtype", self.saved_dtype, BASE_DTYPES)
         if self.method == "qlora" and self.base_dtype != "auto":
             raise UserError("--base-dtype applies to --method lora: a QLoRA base is 4-bit (--qlora-quant-storage), "
                             "and the dtype of its other parts is not modelled apart; drop --base-dtype")
@@ -134,13 +138,14 @@ class Adapter:
                     bnb_4bit_compute_dtype=self.compute_dtype, bnb_4bit_quant_storage=self.quant_storage)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict; base_dtype only when not auto, so plans and cache keys written before it read
-        unchanged."""
+        """The fields as a dict; base_dtype and saved_dtype only when not auto, so plans and cache keys written
+        before them read unchanged."""
         from dataclasses import asdict
 
         out = asdict(self)
-        if out["base_dtype"] == "auto":
-            del out["base_dtype"]
+        for key in ("base_dtype", "saved_dtype"):
+            if out[key] == "auto":
+                del out[key]
         return out
 
 
@@ -152,7 +157,8 @@ def _check(flag: str, value: Any, choices: tuple[str, ...]) -> None:
 FULL = Adapter()
 
 LORA_FLAGS = {"r": "--lora-r", "alpha": "--lora-alpha", "dropout": "--lora-dropout", "targets": "--lora-targets",
-              "modules_to_save": "--lora-modules-to-save", "base_dtype": "--base-dtype"}
+              "modules_to_save": "--lora-modules-to-save", "base_dtype": "--base-dtype",
+              "saved_dtype": "--modules-to-save-dtype"}
 """Adapter fields only LoRA and QLoRA read, with the flag that sets each."""
 QLORA_FLAGS = {"quant_type": "--qlora-quant-type", "double_quant": "--qlora-no-double-quant",
                "compute_dtype": "--qlora-compute-dtype", "quant_storage": "--qlora-quant-storage"}
@@ -456,6 +462,36 @@ def base_dtype_name(precision: str, base_dtype: str = "auto") -> str:
     if precision == "fp32":
         return "float32"
     return "float16" if precision == "fp16" else "bfloat16"
+
+
+def saved_dtype_name(precision: str, base_dtype: str = "auto", saved_dtype: str = "auto") -> str:
+    """The torch dtype (attribute name) PEFT's trainable modules_to_save copies are held in before an engine touches
+    them: Adapter.saved_dtype when given, else the base's load dtype. PEFT deep-copies the loaded module
+    (peft/utils/other.py ModulesToSaveWrapper.update) and its autocast_adapter_dtype upcasts only tuner layers
+    (lora_A / lora_B), so the copies keep the base's dtype unless toolkit.train casts them (cast_saved_modules)."""
+    if saved_dtype != "auto":
+        return BASE_DTYPE_NAMES[saved_dtype]
+    return base_dtype_name(precision, base_dtype)
+
+
+def cast_saved_modules(peft_model, dtype) -> int:
+    """Cast the trainable copies PEFT made of modules_to_save (each ModulesToSaveWrapper's modules_to_save) to
+    `dtype`, by replacing each floating Parameter (nn.Module.to cannot swap fake tensors; the estimate's trace
+    calls this too). The originals stay frozen in the base's dtype. Returns the parameters cast."""
+    import torch
+    from peft.utils.other import ModulesToSaveWrapper
+
+    cast = 0
+    for wrapper in peft_model.modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        for module in (m for copy in wrapper.modules_to_save.values() for m in copy.modules()):
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_floating_point() and p.dtype != dtype:
+                    module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype),
+                                                                  requires_grad=p.requires_grad)
+                    cast += p.numel()
+    return cast
 
 
 def base_storage_bytes_per_param(precision: str, base_dtype: str = "auto") -> int:
