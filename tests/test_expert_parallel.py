@@ -41,7 +41,8 @@ def test_expert_degree_reuses_the_shard_ranks():
     (dict(expert=16), "try --expert-parallel 2, 4 or 8"),
     (dict(expert=2, tensor=4), "`ep_size` must be a multiple of `tp_size`"),
     (dict(expert=4, tensor=2), "--expert-parallel 4 with --tensor-parallel 2 is not modelled yet"),
-    (dict(expert=2, strategy="zero3"), "expert parallelism is planned on fsdp2"),
+    (dict(expert=2, strategy="zero3"), "DeepSpeed AutoEP on zero3 is not planned"),
+    (dict(expert=2, strategy="ddp"), "expert parallelism is planned on fsdp2"),
 ])
 def test_expert_degrees_that_do_not_compose_are_refused(kwargs, words):
     with pytest.raises(UserError, match=None) as err:
@@ -61,7 +62,8 @@ def test_expert_parallel_needs_an_moe_model_whose_experts_it_divides():
 @pytest.mark.parametrize("args, words", [
     (["qwen3-0.6b", "--expert-parallel", "2"], "is dense"),
     ([None, "--expert-parallel", "3"], "does not fit fsdp 8"),
-    ([None, "--expert-parallel", "2", "--strategy", "zero3"], "planned on fsdp2"),
+    ([None, "--expert-parallel", "2", "--strategy", "zero3"], "DeepSpeed AutoEP on zero3 is not planned"),
+    ([None, "--expert-parallel", "2", "--strategy", "ddp"], "planned on fsdp2"),
     ([None, "--expert-parallel", "2", "--trace-world"], "does not apply the model's ep_plan yet"),
     ([None, "--expert-parallel", "2", "--tensor-parallel", "2"], "not modelled yet"),
 ])

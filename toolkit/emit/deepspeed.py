@@ -54,6 +54,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.plan.schema import Plan
+from toolkit.inputs.autoep import autoep_section
 from toolkit.inputs.strategy import Engine
 
 GRADIENT_CLIPPING = 1.0
@@ -215,9 +216,14 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
     }
     if runner_fills:
         config.update({key: "auto" for key in RUNNER_FILLED_AUTO_KEYS})
+    if plan.grid.autoep:
+        # Written out: DeepSpeed's default clips at 1.0 (runtime/constants.py GRADIENT_CLIPPING_DEFAULT), and an
+        # AutoEP plan's clipping is part of what its losses were measured with (docs/ENGINE_FACTS.md, AutoEP).
+        config["gradient_clipping"] = GRADIENT_CLIPPING
+        config["expert_parallel"] = autoep_section(plan.model_type, plan.grid.expert)
     config.update(precision_blocks(plan, stage, runner_fills=runner_fills))
     config["zero_optimization"] = zero_block(plan, stage, nvme_path)
-    if plan.optimizer == "adamw" and (plan.offload_optimizer != "none" or
+    if plan.optimizer == "adamw" and (owns_optimizer(plan) or
                                       (plan.engine == Engine.DEEPSPEED and not runner_fills)):
         config["optimizer"] = adamw_block(runner_fills=runner_fills)
     elif plan.offload_optimizer != "none":
@@ -251,8 +257,11 @@ def adamw_block(*, runner_fills: bool) -> dict[str, Any]:
 
 
 def owns_optimizer(plan: Plan) -> bool:
-    """ds_config.json holds an "optimizer" block: a user's accelerate loop must pass accelerate's DummyOptim."""
-    return plan.engine == Engine.DEEPSPEED and plan.offload_optimizer != "none" and plan.optimizer == "adamw"
+    """ds_config.json holds an "optimizer" block: a user's accelerate loop must pass accelerate's DummyOptim. So
+    does a DeepSpeed AutoEP plan's: ZeRO refuses a client optimizer whose param groups mark no MoE parameters
+    ("The model has moe layers, but None of the param groups are marked as MoE", runtime/engine.py)."""
+    return plan.engine == Engine.DEEPSPEED and (plan.offload_optimizer != "none" or plan.grid.autoep) \
+        and plan.optimizer == "adamw"
 
 
 def is_auto(value: Any) -> bool:

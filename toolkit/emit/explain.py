@@ -96,7 +96,9 @@ def strategy_sentence(plan: Plan) -> str:
         "deepspeed": f"DeepSpeed ZeRO-{plan.zero_stage} through the HF Trainer: "
                      + {1: "optimizer states", 2: "optimizer states and gradients",
                         3: "optimizer states, gradients and parameters"}.get(plan.zero_stage, "nothing")
-                     + f" divided over {plan.data_parallel} GPUs",
+                     + f" divided over {plan.data_parallel} GPUs"
+                     + (f", with DeepSpeed AutoEP {plan.grid.expert} (each rank holds 1/{plan.grid.expert} of every "
+                        "MoE layer's experts, routed tokens exchanged by all-to-all)" if plan.grid.autoep else ""),
         "fsdp2": f"torch FSDP2 ({plan.fsdp_mode} shard) "
                  + ("applied by transformers as it loads the model (DistributedConfig" + _grid_words(plan) + ")"
                     if sharded_at_load(plan) else "through accelerate") + f", wrapping each `{plan.layer_class}`",

@@ -76,9 +76,10 @@ def distributed_config(plan: Plan) -> dict[str, Any]:
 
 
 def sharded_at_load(plan: Plan) -> bool:
-    """transformers shards the model as it loads it (tensor or expert parallelism, FSDP2 included): the accelerate
+    """transformers shards the model as it loads it (tensor or expert parallelism, FSDP2 included; not DeepSpeed
+    AutoEP, which the engine applies in deepspeed.initialize): the accelerate
     YAML is a plain multi-process launch and the Trainer only prepares the model (module docstring)."""
-    return plan.grid.tensor > 1 or plan.grid.expert > 1
+    return plan.grid.tensor > 1 or (plan.grid.expert > 1 and not plan.grid.autoep)
 
 
 def yaml_block(plan: Plan) -> dict[str, Any]:

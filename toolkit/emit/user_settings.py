@@ -335,6 +335,13 @@ def auto_class_name(plan: Plan) -> str:
 def model_parallel_notes(plan: Plan) -> list[str]:
     """What a script must do under tensor / context / sequence parallelism (the engines' adapters)."""
     g = plan.grid
+    if g.autoep:
+        return [f"Expert parallelism is DeepSpeed AutoEP (autoep_size {g.expert}, the JSON's expert_parallel "
+                "section): deepspeed.initialize replaces every MoE block with its AutoEPMoELayer, each rank holding "
+                f"1/{g.expert} of every MoE layer's experts; every rank trains its own batch. DeepSpeed builds the "
+                "optimizer (the JSON's optimizer block: ZeRO refuses a client optimizer without MoE parameter "
+                "groups), so an accelerate loop passes DummyOptim. With transformers 5.24 call "
+                "toolkit.patches.autoep.allow_string_keys() before deepspeed.initialize (toolkit.train does)."]
     if g.expert > 1:
         return [f"Expert parallelism (ep {g.expert}) follows the model's own ep_plan, applied by transformers at load: "
                 f"model = {auto_class_name(plan)}.from_pretrained(MODEL, distributed_config=transformers.distributed."

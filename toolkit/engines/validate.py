@@ -326,7 +326,25 @@ def validate_ds_config_for_plan(config: dict[str, Any], plan) -> Any:
             raise ConfigRejected(f"ZeRO-3's zero.Init reads sequence_parallel_size {config['sequence_parallel_size']} "
                                  f"from the file and refuses the batch the HF Trainer fills ({exc}); remove the key: "
                                  "accelerate's ParallelismConfig carries the degree") from exc
-    return deepspeed_config_at(resolved, plan.world_size, mpu=ulysses_mpu(sp) if sp > 1 else None)
+    parsed = deepspeed_config_at(resolved, plan.world_size, mpu=ulysses_mpu(sp) if sp > 1 else None)
+    if plan.grid.autoep:
+        autoep_config_check(parsed, plan.world_size)
+    return parsed
+
+
+def autoep_config_check(parsed: Any, world_size: int) -> None:
+    """DeepSpeed's own AutoEP validation of a parsed config's expert_parallel section at `world_size` ranks
+    (module_inject/auto_ep_config.py validate_autoep_config, what DeepSpeedEngine._configure_expert_parallel runs
+    before it replaces a layer: folding over the world, ZeRO stage, offload); ConfigRejected says why not."""
+    from deepspeed.module_inject.auto_ep_config import validate_autoep_config
+
+    try:
+        validate_autoep_config(parsed.expert_parallel_config, world_size, 1, 1, 1,
+                               zero_stage=parsed.zero_optimization_stage,
+                               zero_offload_optimizer=parsed.zero_config.offload_optimizer is not None,
+                               zero_offload_param=parsed.zero_config.offload_param is not None)
+    except ValueError as exc:
+        raise ConfigRejected(f"DeepSpeed AutoEP refuses the expert_parallel section: {first_line(exc)}") from exc
 
 
 def validate_parallelism_config(kwargs: dict[str, Any], *, world_size: int, engine: str):

@@ -128,6 +128,19 @@ def expert_parallel_fsdp_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardwar
     return dense_s + expert_s
 
 
+def autoep_zero_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardware, pb: int, stage: int, accum: int) -> float:
+    """DeepSpeed AutoEP's ZeRO-1/2 collectives a step (the ZeRO-1/2 terms of toolkit.estimate.timing, per parameter
+    group): the dense gradients reduce-scattered and the updated weights all-gathered over the world, the rank's
+    experts / ep over the expert-data-parallel group (world / ep ranks holding the same experts; they leave the
+    node once the world does). ZeRO-2 reduces every micro-step, ZeRO-1 once a step."""
+    experts = expert_params(spec)
+    dp, edp = grid.shard_group, grid.shard_group // grid.expert
+    reduces = accum if stage == 2 else 1
+    dense_s = (reduces + 1) * ring_s((spec.params - experts) * pb, dp, group_bandwidth(hw, dp), 1)
+    expert_s = (reduces + 1) * ring_s(experts / grid.expert * pb, edp, group_bandwidth(hw, grid.world), 1)
+    return dense_s + expert_s
+
+
 def expert_assumptions(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware, part: ExpertCompute,
                        exchange_s: float) -> list[str]:
     """What the expert-parallel terms assumed, for the step's assumptions (--explain)."""

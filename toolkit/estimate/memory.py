@@ -223,6 +223,10 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
     if strategy.engine == Engine.DDP:
         return ddp_states(params, job, world=grid.world, factored_elems=fe)
     if strategy.engine == Engine.DEEPSPEED:
+        if grid.autoep:
+            from toolkit.estimate.states import autoep_states
+
+            return autoep_states(spec, params, job, strategy, grid=grid, factored_elems=fe)
         # ZeRO partitions over the sequence-data-parallel group: dp, times sp under Ulysses.
         return zero_states(params, job, strategy, dp=grid.shard_group, hidden=spec.hidden,
                            largest_layer=spec.largest_layer_params, factored_elems=fe)
@@ -365,7 +369,7 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         if job.activation_offloading:
             trace, offloaded = offload_layer_activations(trace)
         states = states_for(spec, strategy, job, grid, params=spec.params)
-        if grid.expert > 1 and grid.shard_group > 1:  # transformers' own FSDP2 groups (distributed/fsdp.py)
+        if grid.expert > 1 and grid.shard_group > 1 and not grid.autoep:  # transformers' own FSDP2 groups (distributed/fsdp.py)
             from toolkit.inputs.moe import ep_gathered_layer_params
             from toolkit.inputs.tensorplan import tensor_split
 

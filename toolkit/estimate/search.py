@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from toolkit.estimate.autoeprows import autoep_options, autoep_strategies
 from toolkit.estimate.errorband import band_for, time_band
 from toolkit.estimate.candidate import Candidate
 from toolkit.estimate.ranking import need_bytes, rank
@@ -172,7 +173,10 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
     if (req.expert_parallel or 1) > 1:  # a degree the user fixed: plan the FSDP2 x EP row alone
         strategy = parse_strategy("fsdp2")
         problem = _expert_job_problem(strategy, hw, req, "drop --expert-parallel, or those")
-        yield "fsdp2 x ep", strategy, [expert_grid(spec, hw, req)] if problem is None else problem
+        if "fsdp2" in req.strategies or not autoep_strategies(req.strategies):
+            yield "fsdp2 x ep", strategy, [expert_grid(spec, hw, req)] if problem is None else problem
+        yield from autoep_options(spec, hw, req, [req.expert_parallel], sequence_rule, _expert_job_problem,
+                                  _degree_problems)
         return
     strategies = [parse_strategy(s) for s in req.strategies]
     if hw.world_size == 1:
@@ -194,14 +198,16 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
             strategy = parse_strategy("fsdp2")
             problem = _expert_job_problem(strategy, hw, req, "so this plan ranks no ep row")
             yield "fsdp2 x ep", strategy, problem or _expert_parallel_grids(spec, hw, req, sequence_rule)
+        if spec.moe_experts and req.expert_parallel is None and not any(v not in (None, 1) for v in fixed):
+            yield from autoep_options(spec, hw, req, None, sequence_rule, _expert_job_problem, _degree_problems)
 
 
 def expert_grid(spec: ModelSpec, hw: Hardware, req: Request) -> ParallelGrid:
     """The FSDP2 x EP grid of a request that fixes --expert-parallel, checked against the model as estimate checks
     it (transformers' DistributedConfig rules, the expert count, the ep_plan's dispatch); UserError says why not."""
     if "fsdp2" not in req.strategies:
-        raise UserError(f"--expert-parallel {req.expert_parallel} is planned on fsdp2 (transformers' "
-                        "DistributedConfig ep_size), which --strategies leaves out; add fsdp2 or drop --expert-parallel")
+        raise UserError(f"--expert-parallel {req.expert_parallel} is planned on fsdp2 (DistributedConfig ep_size) or "
+                        "zero1 / zero2 (DeepSpeed AutoEP), which --strategies leaves out; add one or drop it")
     grid = ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=req.pipeline_stages, tensor=req.tensor_parallel or 1,
                                      context=req.context_parallel or 1, sequence=req.sequence_parallel or 1,

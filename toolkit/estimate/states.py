@@ -10,6 +10,7 @@ the states are sharded over (data-parallel ranks; FSDP hybrid: GPUs per node).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.job import Job
@@ -353,4 +354,39 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
                         f"{' (4-bit + constants)' if job.adapter.method == 'qlora' else ''}, "
                         f"{base_per_gpu / GIB:.2f} GiB per GPU; {trainable:,} trainable parameters with "
                         "gradients and optimizer states")
+    return s
+
+
+def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
+                  factored_elems: int | None = None) -> States:
+    """DeepSpeed AutoEP under ZeRO-1/2 (toolkit.inputs.autoep): a rank holds the P - experts dense parameters whole
+    and experts / `expert` of the routed ones (its AutoEPMoELayers' w1/w2/w3); ZeRO partitions each parameter group
+    over its own data-parallel group (runtime/zero/stage_1_and_2.py, the expert groups over the expert-data-parallel
+    group): the dense group over the `world` ranks, the expert group over world / expert. Both groups' states are
+    summed, except the fp32 gradient partition, which the step creates and frees group by group (the larger one).
+    Adds the token exchange's buffers as transformers' all-to-all holds them (toolkit.inputs.moe
+    .ep_exchange_buffer_bytes)."""
+    from toolkit.inputs.moe import ep_exchange_buffer_bytes, expert_params
+
+    experts, world, expert = expert_params(spec), grid.shard_group, grid.expert
+    hidden, largest_layer = spec.hidden, spec.largest_layer_params
+    dense_elems = P - experts
+    local = experts // expert
+    dense_fe = None if factored_elems is None else int(factored_elems * dense_elems / P) if P else 0
+    dense = zero_states(dense_elems, job, strategy, dp=world, hidden=hidden, largest_layer=largest_layer,
+                        factored_elems=dense_fe)
+    mine = zero_states(local, job, strategy, dp=world // expert, hidden=hidden, largest_layer=largest_layer,
+                       factored_elems=None if dense_fe is None else factored_elems - dense_fe)
+    s = States(autocast=False)
+    for name in ("parameters", "gradients", "step_gradients", "accumulation_gradients", "master", "optimizer",
+                 "backward_gradients", "gathered", "cpu", "nvme"):
+        setattr(s, name, getattr(dense, name) + getattr(mine, name))
+    s.buffers, s.backward_buffers = dense.buffers, dense.backward_buffers  # one reduce bucket serves both groups
+    s.step_transient = max(dense.step_transient, mine.step_transient)
+    exchange = ep_exchange_buffer_bytes(spec, job.micro_batch * job.seq_len, compute_bytes(job.precision))
+    s.buffers += exchange
+    s.sources = [f"DeepSpeed AutoEP {expert}: {dense_elems + local:,} parameters a rank ({dense_elems:,} dense + "
+                 f"{local:,} of {experts:,} expert ones); ZeRO-{strategy.zero_stage} partitions the dense states over "
+                 f"{world} ranks, the experts' over {world // expert}; all-to-all send + receive "
+                 f"{exchange / GIB:.2f} GiB", *dense.sources]
     return s

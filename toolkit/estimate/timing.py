@@ -19,7 +19,7 @@ from toolkit.estimate.collectives import recompute_factor as _recompute_factor
 from toolkit.estimate.collectives import ring_s as _ring
 from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compute_seconds_per_token,
                                           flop_split, matmul_efficiency)
-from toolkit.estimate.experttime import (expert_assumptions, expert_compute, expert_exchange_s,
+from toolkit.estimate.experttime import (autoep_zero_comm_s, expert_assumptions, expert_compute, expert_exchange_s,
                                          expert_parallel_fsdp_comm_s)
 from toolkit.estimate.savers import UNMODELLED_SPEED, exposed_copy_s, speed_unmodelled
 from toolkit.estimate.visiontime import vision_time
@@ -326,7 +326,11 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     elif strategy.engine == Engine.DEEPSPEED:
         dp = grid.shard_group  # ZeRO's partition group: dp, times sp under Ulysses
         bw = _group_bandwidth(hw, dp)
-        if strategy.zero_stage == 1:
+        if grid.autoep:
+            comm = autoep_zero_comm_s(full_spec, grid, hw, pb, strategy.zero_stage, A)
+            assumptions.append(f"DeepSpeed AutoEP {grid.expert}: ZeRO reduces the dense gradients over {dp} ranks "
+                               f"and the rank's experts' over {dp // grid.expert}")
+        elif strategy.zero_stage == 1:
             comm = _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
         elif strategy.zero_stage == 2:
             comm = A * _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)

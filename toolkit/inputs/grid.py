@@ -64,6 +64,9 @@ class ParallelGrid:
     """The expert group shares one batch (TRL's MoE guide: DistributedConfig(tp_size=ep, fsdp_size=D,
     enable_expert_parallel=True) on the transformers it ran; 5.24 refuses that call): only D = dp_shard ranks are
     data-parallel, the dense modules are whole on each rank of the group. False: every rank its own batch."""
+    autoep: bool = False
+    """The expert degree is DeepSpeed AutoEP's autoep_size under ZeRO-1/2 (toolkit.inputs.autoep), not transformers'
+    ep_size: every rank its own batch, dense parameters data-parallel over the world, experts over world / expert."""
 
     def __post_init__(self) -> None:
         for name, value in (("nodes", self.nodes), ("GPUs per node", self.gpus_per_node),
@@ -73,7 +76,13 @@ class ParallelGrid:
                             ("--expert-parallel", self.expert)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
-        if self.expert > 1:
+        if self.expert > 1 and self.autoep:
+            if self.model_parallel > 1 or self.pipeline_stages > 1 or self.expert_shared_batch \
+                    or self.dp_shard % self.expert:
+                raise UserError(f"--expert-parallel {self.expert} under DeepSpeed AutoEP needs every rank its own "
+                                f"batch and an expert degree dividing the {self.dp_shard} data-parallel ranks (no "
+                                "pipeline / tensor / sequence degree); change --expert-parallel")
+        elif self.expert > 1:
             from toolkit.inputs.moe import expert_grid_problem
 
             problem = expert_grid_problem(self.expert, fsdp=self.dp_shard, tensor=self.tensor,
@@ -109,10 +118,19 @@ class ParallelGrid:
         if expert != 1:
             if not isinstance(expert, int) or isinstance(expert, bool) or expert < 1:
                 raise UserError(f"--expert-parallel must be a positive integer, got {expert!r}")
+            if strategy.engine == Engine.DEEPSPEED and not strategy.is_pipeline and not expert_shared_batch:
+                from toolkit.inputs.autoep import autoep_strategy_problem
+
+                problem = autoep_strategy_problem(strategy)
+                if problem:
+                    raise UserError(problem)
+                grid = cls.for_strategy(strategy, nodes=nodes, gpus_per_node=gpus_per_node, tensor=tensor,
+                                        context=context, sequence=sequence)
+                return cls(**{**grid.__dict__, "expert": expert, "autoep": True})
             if strategy.kind != Kind.FSDP2 or strategy.fsdp_mode == "hybrid":
-                raise UserError(f"expert parallelism is planned on fsdp2 (transformers' DistributedConfig ep_size), "
-                                f"not {strategy.name}; use --strategy fsdp2 with --expert-parallel, or zero3 (the "
-                                "MoE block as a leaf module) without it")
+                raise UserError(f"expert parallelism is planned on fsdp2 (transformers' DistributedConfig ep_size) "
+                                f"or zero1 / zero2 (DeepSpeed AutoEP), not {strategy.name}; use one of those with "
+                                "--expert-parallel, or zero3 (the MoE block as a leaf module) without it")
             grid = cls.for_strategy(strategy, nodes=nodes, gpus_per_node=gpus_per_node,
                                     pipeline_stages=pipeline_stages, tensor=tensor, context=context,
                                     sequence=sequence)
@@ -250,6 +268,9 @@ class ParallelGrid:
         "Resuming is not supported for models sharded at load time"), so its checkpoints hold the model only
         (save_only_model); expert parallelism (DistributedConfig ep_size) likewise. Every other grid resumes exactly (ZeRO / FSDP2 / DDP / SP through the Trainer's
         checkpoints, pipeline through the engine's own)."""
+        if self.autoep:
+            return ("DeepSpeed AutoEP: toolkit has not yet resumed an AutoEP run from its checkpoint (the engine's "
+                    "expert checkpoint files), so it plans no resume for it")
         if self.tensor > 1 or self.expert > 1:
             return (f"{'tensor' if self.tensor > 1 else 'expert'} parallelism: transformers shards the model as it "
                     "loads it and the HF Trainer does not "
@@ -339,7 +360,13 @@ class ParallelGrid:
     def check_model(self, spec: "ModelSpec") -> None:
         """Whether this grid's stages can hold `spec` (a stage per layer at least; a convertible architecture),
         and whether its heads split over the tensor / sequence degrees, its experts over the expert degree."""
-        if self.expert > 1:
+        if self.expert > 1 and self.autoep:
+            from toolkit.inputs.autoep import autoep_problem
+
+            problem = autoep_problem(spec, self.expert)
+            if problem:
+                raise UserError(problem)
+        elif self.expert > 1:
             from toolkit.inputs.moe import expert_parallel_problem
 
             problem = expert_parallel_problem(spec, self.expert,
@@ -450,11 +477,13 @@ class ParallelGrid:
                                                  ("sequence", self.sequence)) if d > 1]
         if self.expert_shared_batch:
             return " x ".join(parts + [f"expert {self.expert} sharing one batch"])
-        return " x ".join(parts) + (f" (expert {self.expert} over data-parallel x tensor)" if self.expert > 1 else "")
+        over = "data-parallel, DeepSpeed AutoEP" if self.autoep else "data-parallel x tensor"
+        return " x ".join(parts) + (f" (expert {self.expert} over {over})" if self.expert > 1 else "")
 
     def describe(self) -> str:
         extra = "".join(f" x {name}={d}" for name, d in (("tp", self.tensor), ("cp", self.context),
-                                                          ("sp", self.sequence), ("ep", self.expert)) if d > 1)
+                                                          ("sp", self.sequence),
+                                                          ("autoep" if self.autoep else "ep", self.expert)) if d > 1)
         extra += " sharing one batch" if self.expert_shared_batch else ""
         if extra:
             dp = (f"dp={self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp={self.data_parallel}")

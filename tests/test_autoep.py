@@ -1,0 +1,128 @@
+"""DeepSpeed AutoEP as a planned route (issue 34): the grid's expert degree under ZeRO-1/2, its refusals, a rank's
+states, the planner's rows and the emitted JSON, checked by DeepSpeed's own validation and by `toolkit check`.
+No process starts here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.errors import UserError
+from toolkit.inputs.grid import ParallelGrid
+from toolkit.inputs.strategy import parse_strategy
+
+ARCH = Path(__file__).parent / "arch_configs"
+
+
+def _spec(name: str):
+    from toolkit.inputs.modelspec import spec_from_config_dict
+
+    return spec_from_config_dict(json.loads((ARCH / f"{name}.json").read_text()), name=name)
+
+
+def _grid(expert, *, strategy="zero2", nodes=1, gpus=8):
+    return ParallelGrid.for_strategy(parse_strategy(strategy), nodes=nodes, gpus_per_node=gpus, expert=expert)
+
+
+def test_an_expert_degree_under_zero1_or_zero2_is_deepspeed_autoep():
+    grid = _grid(8)
+    assert (grid.autoep, grid.dp_shard, grid.expert, grid.expert_shard_group) == (True, 8, 8, 1)
+    assert grid.describe() == "dp=8 x autoep=8"
+    assert _grid(4, strategy="zero1", nodes=2).expert_shard_group == 4
+    assert not _grid(8, strategy="fsdp2").autoep
+
+
+@pytest.mark.parametrize("strategy, expert, words", [
+    ("zero3", 2, "DeepSpeed AutoEP on zero3 is not planned"),
+    ("zero2-offload", 2, "DeepSpeed AutoEP on zero2-offload is not planned"),
+    ("zero2", 3, "--expert-parallel 3 under DeepSpeed AutoEP needs every rank its own batch and an expert degree "
+                 "dividing the 8 data-parallel ranks"),
+])
+def test_autoep_grids_deepspeed_does_not_run_or_toolkit_does_not_model_are_refused(strategy, expert, words):
+    with pytest.raises(UserError) as err:
+        _grid(expert, strategy=strategy)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("model, expert, words", [
+    ("qwen3-0.6b", 2, "qwen3-0.6b is dense"),
+    ("gpt-oss-20b", 2, "DeepSpeed AutoEP has no preset for model type gpt_oss"),
+    ("mixtral-8x7b-v0.1", 16, "does not divide mixtral-8x7b-v0.1's 8 experts"),
+])
+def test_autoep_needs_an_moe_model_with_a_preset_whose_experts_it_divides(model, expert, words):
+    with pytest.raises(UserError) as err:
+        _grid(expert, nodes=2).check_model(_spec(model))
+    assert words in str(err.value)
+    _grid(8).check_model(_spec("mixtral-8x7b-v0.1"))
+    _grid(8).check_model(_spec("qwen3-30b-a3b"))
+
+
+def test_a_rank_holds_the_dense_parameters_and_its_share_of_the_experts():
+    """Qwen3-30B-A3B, AutoEP 8 on 16 ranks: a rank's bf16 weights are the dense parameters plus 1/8 of the experts,
+    exactly; ZeRO partitions the dense states over 16 ranks and the experts' over the 2 holding the same ones."""
+    from toolkit.estimate.memory import states_for
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.moe import expert_params
+
+    spec = _spec("qwen3-30b-a3b")
+    experts = expert_params(spec)
+    dense = spec.params - experts
+    job = Job(seq_len=2048, micro_batch=1, grad_accum=1, precision="bf16", optimizer="adamw", checkpointing=True)
+    s = states_for(spec, parse_strategy("zero1"), job, _grid(8, strategy="zero1", nodes=2), params=spec.params)
+    assert s.parameters == 2 * (dense + experts // 8)
+    assert s.master == pytest.approx(4 * dense / 16 + 4 * experts / 8 / 2)
+    assert s.optimizer == pytest.approx(8 * dense / 16 + 8 * experts / 8 / 2)
+    assert s.buffers == 2 * 2048 * 8 * 2048 * 2  # the all-to-all send and receive (ZeRO-1 keeps no bucket)
+
+
+def test_autoep_communication_reduces_experts_over_the_expert_data_parallel_group():
+    from toolkit.estimate.experttime import autoep_zero_comm_s
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.moe import expert_params
+
+    spec, hw = _spec("qwen3-30b-a3b"), parse_hardware("8xH100-80GB")
+    dense = (spec.params - expert_params(spec)) * 2
+    ring = 7 / 8 * dense / (hw.gpu.intra_node_gbps * 1e9)
+    assert autoep_zero_comm_s(spec, _grid(8), hw, 2, 1, 1) == pytest.approx(2 * ring)  # experts: one rank each
+    assert autoep_zero_comm_s(spec, _grid(8), hw, 2, 2, 4) == pytest.approx(5 * ring)  # ZeRO-2: every micro-step
+    assert autoep_zero_comm_s(spec, _grid(4), hw, 2, 1, 1) > 2 * ring
+
+
+@pytest.fixture(scope="module")
+def q30(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("q30")
+    shutil.copy(ARCH / "qwen3-30b-a3b.json", folder / "config.json")
+    return folder
+
+
+def test_plan_ranks_autoep_rows_and_emits_a_json_deepspeed_and_check_accept(q30, tmp_path, capsys):
+    """Qwen3-30B-A3B on 2 x 8 H100 with ZeRO-1 / ZeRO-2 only: plain ZeRO-1/2 hold every expert's states and cannot
+    fit; AutoEP rows do, and the plan emits the expert_parallel section with explicit clipping and DeepSpeed's own
+    optimizer, which DeepSpeed's config model and AutoEP validation accept and `toolkit check` finds no fault in."""
+    out = tmp_path / "plan"
+    assert main(["plan", str(q30 / "config.json"), "--gpus", "2x8xH100-80GB", "--seq", "2048", "--global-batch", "32",
+                 "--strategies", "zero1,zero2", "--out", str(out), "--json"]) == 0
+    rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    autoep = [n for n, c in rows.items() if "autoep=" in n and c["feasible"]]
+    assert autoep, rows.keys()
+    assert rows["zero1"]["feasible"] is False
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["strategy"] in ("zero1", "zero2") and plan["expert_parallel"] > 1
+    for name in ("ds_config.json", "ds_config.deepspeed.json"):
+        ds = json.loads((out / name).read_text())
+        assert ds["expert_parallel"] == {"enabled": True, "autoep_size": plan["expert_parallel"],
+                                         "preset_model": "qwen3_moe"}
+        assert ds["gradient_clipping"] == 1.0
+        assert ds["optimizer"]["type"] == "AdamW"
+    assert main(["check", str(out)]) == 0
+    from toolkit.engines.validate import ConfigRejected, autoep_config_check, deepspeed_config_at
+
+    concrete = json.loads((out / "ds_config.deepspeed.json").read_text())
+    autoep_config_check(deepspeed_config_at(concrete, 16), 16)
+    concrete["expert_parallel"]["autoep_size"] = 3  # does not tile 16 ranks: DeepSpeed's folding refuses it
+    with pytest.raises(ConfigRejected, match="DeepSpeed AutoEP refuses"):
+        autoep_config_check(deepspeed_config_at(concrete, 16), 16)

@@ -1,0 +1,70 @@
+"""DeepSpeed AutoEP as a planned route: which ZeRO plans may split a model's experts with
+`"expert_parallel": {"enabled": true, "autoep_size": N, "preset_model": ...}` (deepspeed 0.19.8, applied in
+runtime/engine.py `DeepSpeedEngine._configure_expert_parallel`; docs/ENGINE_FACTS.md, the AutoEP entry).
+
+The engine's rules, read in its source:
+  - a preset for the model type (module_inject/auto_ep_presets/registry.py `preset_name_for_hf_model_type`): without
+    one AutoEP finds no MoE layer and trains without expert parallelism;
+  - autoep_size divides the expert count and does not exceed it (auto_ep_config.py
+    `validate_autoep_post_detection`), and tiles the world (auto_ep_folding.py `build_folding_spec`:
+    stage_size % (ep x etp) == 0) with no pipeline / tensor / sequence degree here;
+  - ZeRO stage 0, 1, 2 and a constrained ZeRO-3 (engine.py's stage-3 AutoEP checks). toolkit plans ZeRO-1 and
+    ZeRO-2 without offload: those are the stages measured on gloo (ENGINE_FACTS); ZeRO-3's expert partition over
+    the expert-data-parallel group and the offload paths are not modelled, and a plain torch DDP plan has no
+    DeepSpeed engine.
+Every rank has its own batch: the expert group exchanges routed tokens by all-to-all (auto_ep_layer.py), dense
+parameters are data-parallel over the world, expert parameters over world / autoep_size ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolkit.inputs.strategy import Engine, Strategy
+
+AUTOEP_STAGES = (1, 2)
+"""ZeRO stages toolkit plans AutoEP on (see the module docstring for why not 0 and 3)."""
+
+
+def autoep_preset(model_type: str) -> str | None:
+    """DeepSpeed's AutoEP preset name for a Hugging Face model type, or None (its own registry)."""
+    from deepspeed.module_inject.auto_ep_presets.registry import preset_name_for_hf_model_type
+
+    return preset_name_for_hf_model_type(model_type)
+
+
+def autoep_strategy_problem(strategy: Strategy) -> str | None:
+    """Why toolkit plans no AutoEP on `strategy`, or None."""
+    if strategy.engine != Engine.DEEPSPEED:
+        return None
+    if strategy.zero_stage not in AUTOEP_STAGES:
+        return (f"DeepSpeed AutoEP on {strategy.name} is not planned: its ZeRO-3 partitions each rank's experts over "
+                "the expert-data-parallel group, which toolkit does not model yet; use zero1 or zero2 with "
+                "--expert-parallel")
+    if strategy.offloads:
+        return (f"DeepSpeed AutoEP on {strategy.name} is not planned: optimizer offload with expert parameter groups "
+                "is not modelled; use zero1 or zero2 with --expert-parallel")
+    return None
+
+
+def autoep_problem(spec: Any, expert: int) -> str | None:
+    """Why `spec` cannot split its experts over `expert` ranks under DeepSpeed AutoEP, or None."""
+    if not spec.moe_experts:
+        return (f"--expert-parallel {expert} needs a mixture-of-experts model; {spec.name} is dense (no routed "
+                "experts found in its layers); drop --expert-parallel")
+    preset = autoep_preset(spec.model_type)
+    if preset is None:
+        from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+        return (f"DeepSpeed AutoEP has no preset for model type {spec.model_type} (presets: "
+                f"{', '.join(PRESET_MODELS)}): it would find no MoE layer; use zero3 (the MoE block as a leaf "
+                "module) or fsdp2 --expert-parallel")
+    if spec.moe_experts % expert:
+        fits = [d for d in range(2, spec.moe_experts + 1) if spec.moe_experts % d == 0]
+        return (f"--expert-parallel {expert} does not divide {spec.name}'s {spec.moe_experts} experts (DeepSpeed "
+                f"AutoEP's autoep_size: each rank owns experts / autoep_size); try one of {fits[:6]}")
+    return None
+
+
+def autoep_section(model_type: str, expert: int) -> dict[str, Any]:
+    """The DeepSpeed JSON's expert_parallel section for a plan of `expert` ranks."""
+    return {"enabled": True, "autoep_size": expert, "preset_model": autoep_preset(model_type)}
