@@ -87,7 +87,7 @@ def test_trl_loss_lowers_the_peak_at_a_large_vocabulary():
 
 @pytest.mark.parametrize("extra,words", [(["--tiled"], "--tiled"), (["--chunked-loss", "8"], "--chunked-loss"),
                                          (["--compile"], "--compile"), (["--seq", "max"], "--seq max"),
-                                         (["--method", "dpo"], "supervised fine-tuning only")])
+                                         (["--method", "dpo"], "always run their chunked")])
 def test_trl_loss_refusals_are_one_line(capsys, extra, words):
     argv = ["estimate", "tinyllama-1.1b", "--gpus", "1xH100-80GB", "--loss", "trl", *extra]
     if "--seq" not in extra:

@@ -39,14 +39,17 @@ class Reference:
     source: str
 
     def forward_bytes(self, trace) -> int:
-        """Live bytes of its forward beyond what the step already holds: the largest decoder layer's working set
-        under no_grad (at most what the layer saves for backward plus its own temporaries, in the policy's trace of
-        the same concatenated batch; nothing is kept past the layer) and its gathered layers. TRL's chunked log-prob
-        head (add_fused_lm_head) is taken as smaller than a layer."""
+        """Live bytes of its forward beyond what the step already holds: the largest working set under no_grad of
+        a decoder layer or of the head (at most what the region saves for backward plus its own temporaries, in the
+        policy's trace of the same concatenated batch; nothing is kept past the region) and its gathered layers.
+        The policy is traced with TRL's chunked log-prob head (policy_job), and DPOTrainer patches the reference
+        with the same add_fused_lm_head (dpo_trainer.py __init__), so the reference's head is that head: one tile
+        buffer of at most 4096 tokens x 32768 vocabulary, the hidden states it projects and per-token fp32
+        statistics; no whole logits."""
         if not self.forward:
             return 0
-        layer = max((r.saved_bytes + r.forward_extra_bytes for r in trace.layers), default=0)
-        return int(layer + self.gathered_bytes)
+        working = max((r.saved_bytes + r.forward_extra_bytes for r in (*trace.layers, trace.head)), default=0)
+        return int(working + self.gathered_bytes)
 
 
 def reference_of(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid) -> Reference | None:

@@ -10,7 +10,7 @@ from typing import Any
 from toolkit.errors import UserError
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
 from toolkit.estimate.stepevents import lerp_events
-from toolkit.inputs.job import COMPILE_BLOCKS, Job
+from toolkit.inputs.job import COMPILE_BLOCKS, TRL_LOSS, Job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import Engine, Strategy
 
@@ -64,9 +64,23 @@ class traces_linear_in_seq:
         _SEQ_ANCHORED = self._was
 
 
+def _trl_head_bends(job: Job, low: tuple[int, int], high: tuple[int, int]) -> bool:
+    """TRL's chunked log-prob head (--loss trl; every DPO / GRPO policy) is not affine in the tokens between two
+    traced points when its tile rows, min(tokens, TOKEN_CHUNK_SIZE), bend between them: the tile stops growing at
+    4096 tokens (trl/kernels/chunked_logprob.py). `low`, `high`: (micro-batch, sequence length) of the span; the
+    trace scores b x (L - 1) tokens (labels on every position)."""
+    if job.loss != TRL_LOSS:
+        return False
+    from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
+
+    return low[0] * (low[1] - 1) < TOKEN_CHUNK_SIZE < high[0] * (high[1] - 1)
+
+
 def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> ActivationTrace | None:
     L = job.seq_len
     if not _SEQ_ANCHORED or L < SEQ_ANCHOR_MIN or L & (L - 1) == 0:
+        return None
+    if _trl_head_bends(job, (b, 1 << (L.bit_length() - 1)), (b, 2 << (L.bit_length() - 1))):
         return None
     from dataclasses import replace
 
@@ -173,7 +187,7 @@ def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTra
 
 def _language_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
     b = job.micro_batch
-    if b <= 2:
+    if b <= 2 or _trl_head_bends(job, (1, job.seq_len), (b, job.seq_len)):
         return activation_trace(spec, job, strategy, b)
     t1 = activation_trace(spec, job, strategy, 1)
     t2 = activation_trace(spec, job, strategy, 2)

@@ -36,8 +36,8 @@ def loss_problem(loss: str, *, tiled: bool | None = False, chunked_loss: int = 0
     if compile:
         return "--loss trl with --compile / --compile-blocks: TRL's fused head is traced eagerly only; drop --compile"
     if preference:
-        return ("--loss trl is modelled for supervised fine-tuning only (DPO / GRPO estimates keep the model's own "
-                "head); drop --loss trl")
+        return ("--loss trl with --method dpo / grpo: TRL's DPOTrainer and GRPOTrainer always run their chunked "
+                "log-prob head, and the estimate always traces it; drop --loss trl")
     return None
 
 
@@ -545,7 +545,10 @@ def liger_problem(model_type: str) -> str | None:
 def policy_job(job: Job) -> Job:
     """The supervised job the policy's memory and time are traced as. DPO: chosen and rejected concatenated into one
     forward (TRL's _compute_loss: `batch is [chosen, rejected]`), so twice the micro-batch of pairs. GRPO: the
-    micro-batch already counts prompt + completion sequences (per_device_train_batch_size)."""
+    micro-batch already counts prompt + completion sequences (per_device_train_batch_size). Both with TRL's chunked
+    log-prob head: DPOTrainer and GRPOTrainer always patch the policy with add_fused_lm_head and score it with
+    fused_lm_head=True (trl/trainer/dpo_trainer.py _compute_loss, grpo_trainer.py _get_per_token_logps_and_entropies),
+    so no whole logits exist whatever --loss says (docs/ENGINE_FACTS.md, "TRL's chunked NLL")."""
     if job.grpo is not None:
-        return replace(job, grpo=None)
-    return replace(job, dpo=None, micro_batch=2 * job.micro_batch)
+        return replace(job, grpo=None, loss=TRL_LOSS)
+    return replace(job, dpo=None, micro_batch=2 * job.micro_batch, loss=TRL_LOSS)
