@@ -328,13 +328,12 @@ def test_plan_json_and_plan_md_carry_the_image_fields(tiny_vl_dir):
     assert (data["images_per_sample"], data["image_size"], data["image_tokens"]) == (2, "448x280", 160)
     assert job_from_plan(parse_plan(json.loads(imaged.to_json()))) == job
     assert any("they add 320 tokens to 96 text tokens" in line for line in plan_md_section(imaged))
-    # toolkit.train (and launch's preflight, through the same check) runs text only: one line, not a text run
-    from toolkit.errors import UserError
+    # toolkit.train (and launch's preflight, through the same check) takes the image plan for this model
+    # (tests/test_image_train.py trains one)
     from toolkit.train.model import check_matches_plan, load_config
 
     check_matches_plan(load_config(str(tiny_vl_dir)), plan, str(tiny_vl_dir))
-    with pytest.raises(UserError, match="is an image-and-text job .* toolkit.train runs text only"):
-        check_matches_plan(load_config(str(tiny_vl_dir)), imaged, str(tiny_vl_dir))
+    check_matches_plan(load_config(str(tiny_vl_dir)), imaged, str(tiny_vl_dir))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -115,6 +115,28 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
     return kwargs
 
 
+def _vision_wrap_words(plan: Plan) -> str:
+    """The vision encoder's block classes (the model on the meta device) for an FSDP plan's wrap policy."""
+    if plan.engine != Engine.FSDP2:
+        return ""
+    import torch
+    from transformers import CONFIG_MAPPING
+
+    from toolkit.inputs.decoder_parts import vision_block_classes
+    from toolkit.inputs.modelconfig import auto_model_class
+
+    config = CONFIG_MAPPING[plan.model_type].from_dict(dict(plan.model_config))
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    blocks = vision_block_classes(model, plan.model_parts["vision_modules"])
+    if not blocks:
+        return ""
+    return (f" FSDP: the emitted config wraps `{plan.layer_class}` (the language model's blocks); to shard the vision "
+            f"encoder block by block too, add its block class{'es' if len(blocks) > 1 else ''} "
+            f"{', '.join(f'`{b}`' for b in blocks)} to `fsdp_transformer_layer_cls_to_wrap` (otherwise the "
+            "whole encoder is gathered as one unit with the root).")
+
+
 def sft_config(plan: Plan) -> dict[str, Any]:
     """TRL SFTConfig keyword arguments: TrainingArguments' plus the sequence length and packing.
 
@@ -476,8 +498,21 @@ def plan_md_section(plan: Plan) -> list[str]:
 
         lines += [f"Image-and-text job (`images_per_sample`, `image_size`, `image_tokens` in plan.json): "
                   f"{image_words(plan)}. The memory above counts the vision encoder's and projector's saved "
-                  "activations for those images; toolkit.train runs text only, so train these images with your "
-                  "own image-text script (TRL's VLM SFT) from this plan's settings.", ""]
+                  "activations for those images.", "",
+                  "toolkit.train runs it on `--data FOLDER`: a JSONL of rows `{\"messages\": [...], \"images\": "
+                  "[\"a.png\", ...]}` (TRL's VLM format; paths relative to the folder), at most "
+                  f"{plan.images_per_sample} images a row. It loads the checkpoint's own processor (AutoProcessor), "
+                  f"resizes every image to {plan.image_size} so the processor gives {plan.image_tokens} tokens an "
+                  "image (the run says so if it finds another count), and batches with TRL's own "
+                  "`DataCollatorForVisionLanguageModeling`, every sequence padded to "
+                  f"{plan.seq_len} tokens; image tokens and padding are -100 in the labels, and only the assistant's "
+                  "tokens train where the chat template marks them ({% generation %}).", "",
+                  "Your own TRL VLM SFT script needs the same: `processing_class=AutoProcessor.from_pretrained(MODEL)`"
+                  f", the images resized to {plan.image_size} before the collator, `SFTConfig(max_length=None, "
+                  f"pad_to_multiple_of={plan.seq_len})` (truncation would cut image tokens), `per_device_train_"
+                  "batch_size` as above; the collator feeds the model `input_ids`, `attention_mask`, `labels`, "
+                  "`pixel_values` and what the processor adds for the class (Qwen-VL's `image_grid_thw`, "
+                  "Gemma-3's `token_type_ids`)." + _vision_wrap_words(plan), ""]
     if plan.vision_tower == "freeze":
         lines += ["Vision tower frozen (`vision_tower` and `model_parts` in plan.json): the encoder and projector "
                   "stop requiring grad before the Trainer builds its optimizer, as toolkit.train does:", "",

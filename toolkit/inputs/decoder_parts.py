@@ -192,6 +192,17 @@ def vision_parts(model: Any, config: Any) -> tuple[tuple[tuple[str, str, int], .
     return tuple(tower), tuple(projector)
 
 
+def vision_block_classes(model: Any, vision_modules: list[str]) -> list[str]:
+    """The class of each vision part's block list (decoder_layers of the part; parts without one, a projector, add
+    none): the classes an FSDP auto-wrap policy names to shard the encoder block by block, read from the model."""
+    found: list[str] = []
+    for path in vision_modules:
+        blocks = decoder_layers(model.get_submodule(path))
+        if blocks is not None and len(blocks) > 1 and type(blocks[0]).__name__ not in found:
+            found.append(type(blocks[0]).__name__)
+    return found
+
+
 def _after_blocks(part: Any, blocks: Any):
     """(relative path, module) of each child registered after the block list, on every level from `part` down to
     the module that holds the list."""

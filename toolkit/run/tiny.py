@@ -108,6 +108,40 @@ def write_prompt_corpus(out_dir: str | Path, max_chars: int = 60_000, eval_fract
     return _write_rows(Path(out_dir), rows, eval_fraction)
 
 
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
+
+
+def write_image_corpus(out_dir: str | Path, rows: int = 16, size: tuple[int, int] = (40, 40),
+                       eval_fraction: float = 0.0) -> Path:
+    """train.jsonl (+ validation.jsonl) of image-and-text conversations in TRL's VLM format ({"messages": [...],
+    "images": ["images/3.png", ...]}, paths relative to out_dir) and the PNGs they name, drawn with PIL: a square of
+    one colour on a grey ground; the assistant names the colours. Rows alternate one and two images. Returns
+    out_dir."""
+    from PIL import Image, ImageDraw
+
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    names = list(COLOURS)
+    records = []
+    for row in range(rows):
+        colours = [names[(row + k) % len(names)] for k in range(1 + row % 2)]
+        files = []
+        for k, colour in enumerate(colours):
+            image = Image.new("RGB", size, (128, 128, 128))
+            box = [row % 7, k * 3, size[0] // 2 + row % 5, size[1] // 2]
+            ImageDraw.Draw(image).rectangle(box, fill=COLOURS[colour])
+            files.append(f"images/{row}-{k}.png")
+            image.save(out / files[-1])
+        question = "What colour is the square?" if len(files) == 1 else "What colours are the squares?"
+        records.append({"messages": [{"role": "user", "content": question},
+                                     {"role": "assistant", "content": f"The square is {' then '.join(colours)}."}],
+                        "images": files})
+    if not eval_fraction:
+        (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return out
+    return _write_rows(out, records, eval_fraction)
+
+
 def _question(paragraph: str) -> str:
     """The user's turn the chat, preference and prompt data share: a paragraph's first words to explain."""
     return f"Explain: {' '.join(paragraph.split()[:2])}"

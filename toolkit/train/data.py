@@ -46,6 +46,9 @@ def build_datasets(data: str, tokenizer: Any, seq_len: int, *, eval_fraction: fl
     with _main_process_first():
         train_raw, eval_raw = load_raw(data)
         chat = CHAT_FIELD in train_raw.column_names
+        if "images" in train_raw.column_names:
+            raise UserError(f"data {data} has an 'images' column but the plan is text-only: its memory holds no "
+                            "images; re-plan with --images-per-sample N --image-size WxH, or drop the column")
 
         def blocks(raw):
             if chat:

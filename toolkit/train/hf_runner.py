@@ -19,6 +19,7 @@ from toolkit.plan.schema import Plan
 from toolkit.train import checkpoints, cpu, dimensions
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
+from toolkit.train.imagedata import SEEN as IMAGE_SEEN
 from toolkit.train.watch import held_state_bytes, param_dtypes, watch_layer_dtype, watch_step_peak
 from toolkit.inputs.choices import TRL_LOSS
 from toolkit.inputs.strategy import Engine
@@ -57,7 +58,13 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     source = model_source(plan, args.model, random_init=args.random_init)
     config = load_config(source, random_init=args.random_init)
     check_matches_plan(config, plan, source)
-    tokenizer = load_tokenizer(args.tokenizer or (source if not Path(source).is_file() else str(Path(source).parent)))
+    tokenizer_source = args.tokenizer or (source if not Path(source).is_file() else str(Path(source).parent))
+    processor = None
+    if plan.images_per_sample:  # the model's own processor: its tokenizer, image processor and chat template
+        from toolkit.train.imagedata import load_processor
+
+        processor = load_processor(tokenizer_source)
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(tokenizer_source)
     check_vocab(config, tokenizer, source)
 
     from toolkit.train.adapters import adapter_for_run
@@ -77,6 +84,13 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
 
         train_data, eval_data = build_preference_datasets(args.data, eval_fraction=args.eval_fraction,
                                                           seed=args.seed, max_eval_pairs=args.max_eval_blocks)
+    elif processor is not None:
+        from toolkit.train.imagedata import build_image_datasets, check_rows_fit, image_collator
+
+        train_data, eval_data = build_image_datasets(args.data, plan, eval_fraction=args.eval_fraction,
+                                                     seed=args.seed, max_eval_blocks=args.max_eval_blocks)
+        collator, _ = image_collator(processor, config, plan)
+        check_rows_fit(train_data, collator, plan)
     else:
         train_data, eval_data = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
                                                seed=args.seed, text_field=args.text_field,
@@ -117,7 +131,8 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
 
         model = wrap_model(model, adapter, checkpointing=plan.checkpointing)
     trainer = _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data,
-                            ref_model=ref_model, adapter=adapter, rewards=rewards)
+                            ref_model=ref_model, adapter=adapter, rewards=rewards,
+                            collator=collator if processor is not None else None)
     seen_dtypes = watch_layer_dtype(model, plan.layer_class)
     watch_step_peak(trainer, seen_dtypes)  # the rank summary's step_peak_bytes
     unpinned = cpu.unpinned_offload(trainer.accelerator)
@@ -134,7 +149,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     trainer.save_state()  # OUTPUT/trainer_state.json: the whole log history (losses, tokens/s, memory)
     _write_rank_summary(trainer, seen_dtypes)
     if not args.no_save_final:
-        save_final(trainer, tokenizer, output)
+        save_final(trainer, processor or tokenizer, output)  # an image plan's output keeps its processor
         if adapter is not None and args.merge_final and trainer.is_world_process_zero():
             from toolkit.train.adapters import base_dtype, save_merged
 
@@ -340,6 +355,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
                "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
+               "image_tokens_seen": IMAGE_SEEN.get("image_tokens"),  # per image, by the image collator
                **param_dtypes(model),
                "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes,
                "optimizer_bytes": optimizer_bytes,
@@ -406,7 +422,7 @@ def _compiled_graphs() -> int:
 
 
 def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_data, *, ref_model=None,
-                  adapter=None, rewards=None):
+                  adapter=None, rewards=None, collator=None):
     from transformers import Trainer, default_data_collator
     from transformers.trainer_utils import IntervalStrategy
 
@@ -445,8 +461,8 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
                                 training_args=training_args, train_data=train_data, eval_data=eval_data,
                                 callbacks=callbacks, throughput=throughput)
     sequence_parallel = plan.sequence_parallel > 1
-    collator = dimensions.sequence_parallel_collator(default_data_collator) if sequence_parallel \
-        else default_data_collator
+    collator = collator or default_data_collator  # an image plan's: toolkit.train.imagedata.image_collator
+    collator = dimensions.sequence_parallel_collator(collator) if sequence_parallel else collator
     trainer = PlanTrainer(model=model, args=training_args, train_dataset=train_data,
                           eval_dataset=eval_data if eval_data is not None else None,
                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)

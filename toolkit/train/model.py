@@ -115,10 +115,6 @@ def check_matches_plan(config: Any, plan: Plan, source: str) -> None:
                                      rotary=bool(getattr(config, "rope_parameters", None)))
     if problem:
         raise UserError(problem)
-    if plan.images_per_sample:
-        raise UserError(f"the plan is an image-and-text job ({plan.images_per_sample} x {plan.image_size} images a "
-                        f"sample, {plan.seq_len} tokens) and toolkit.train runs text only: train it with your own "
-                        "image-text script (PLAN.md says how), or re-plan without --images-per-sample")
 
 
 def load_tokenizer(source: str):
