@@ -172,7 +172,7 @@ ARGS = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str(S
 @pytest.fixture(scope="module")
 def image_runs(run_training, tiny_vl):
     """One process at micro-batch 2 and two gloo DDP ranks at micro-batch 1 (the same global batch of 2
-    conversations), started side by side, fp32; FSDP2 on two ranks when a test asks for it."""
+    conversations), started side by side, fp32; ZeRO-3 and FSDP2 on two ranks when a test asks for them."""
     from toolkit.run.launcher import free_port
 
     model_dir, data = tiny_vl
@@ -214,12 +214,10 @@ def test_one_process_trains_the_images_loss_falls_and_the_tower_learns(image_run
 
 
 @pytest.mark.multiprocess
-# ZeRO-3 is not in the list yet: its run here waited for ever on DeepSpeed's shm-comm JIT build lock (torch_extensions)
-# before the model loaded, so it was never measured
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
 def test_two_gloo_ranks_give_one_process_losses(image_runs, engine):
-    """2 ranks at micro-batch 1 (DDP; FSDP2 sharding the tower with the root unit) give the losses of 1
-    process at micro-batch 2 within 1e-3, and both ranks count the plan's image tokens."""
+    """2 ranks at micro-batch 1 (DDP; ZeRO-3 partitioning the tower with the rest; FSDP2 sharding it with the root
+    unit) give the losses of 1 process at micro-batch 2 within 1e-3, and both ranks count the plan's image tokens."""
     ref, run = image_runs("one").losses(), image_runs(engine)
     got = run.losses()
     assert got.keys() == ref.keys() and len(ref) == STEPS
