@@ -130,22 +130,27 @@ def test_progress_table_schema_and_plan_md(tuned, plan_dir):
 
 
 @pytest.mark.multiprocess
-def test_rows_carry_model_flops_and_say_why_mfu_is_null_on_cpu(tuned):
+def test_rows_carry_model_flops_and_mfu_against_the_cpu_measured_peak(tuned):
     """29 M-parameter llama, seq 64: model FLOPs per token are the planner's count (6 x the matmul parameters, the
-    embedding lookup being none, + causal attention's: 176.2 M here, 5.996 x params); on CPU there is no peak to
-    divide by, so MFU is null and the file says why."""
+    embedding lookup being none, + causal attention's: 176.2 M here, 5.996 x params); on CPU MFU divides by the CPU
+    cost model's peak (this CPU's measured torch.mm rate at the box's precision x 2 processes, each at 1 thread on a
+    core of its own here), and the file says so."""
     from toolkit import api
     from toolkit.estimate.timing import flops_per_token
+    from toolkit.inputs.hardware import cpu_gpu
 
     done, result, plan_md = tuned
     spec = api.model(result["model"])
     expected = flops_per_token(spec, 64, False)[1]
     assert 5.5 * spec.params < expected < 6.5 * spec.params
+    peak = cpu_gpu().peak_tflops(api.load_plan(result["plan"]).precision) * 1e12 * 2
     for r in result["candidates"]:
         assert r["model_flops_per_token"] == pytest.approx(expected)
-        assert r["mfu"] is None and r["reserved_bytes_per_rank"] == []  # no CUDA here
+        assert r["reserved_bytes_per_rank"] == []  # no CUDA here
         assert r["within_band"] is True  # ddp / zero1 / zero2 predictions lie within the A100 band of each other
-    assert result["mfu_basis"].startswith("null on CPU") and "MFU: null on CPU" in plan_md
+        if r["status"] == "measured":
+            assert 0 < r["mfu"] == pytest.approx(r["measured_tokens_per_s"] * expected / peak)
+    assert "measured" in result["mfu_basis"] and "torch.mm rate" in plan_md
     assert "Order: the candidates whose predicted step time lies within the step-time band" in plan_md
 
 
@@ -490,3 +495,23 @@ def test_a_plan_folder_refuses_the_planning_flags_in_one_line(plan_dir, tmp_path
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --gpus --seq:") and "is a plan folder" in err and "\n" not in err
     assert not (folder / "tune.json").exists()
+
+
+def test_cpu_mfu_divides_by_the_measured_peak_only_where_it_holds_per_rank():
+    """The CPU cost model's peak (measured torch.mm rate x processes) where it was measured at the ranks' thread
+    count with a core per thread; null, saying why, when the threads differ or the ranks share cores."""
+    from toolkit.inputs.cpudevice import cpu_rates
+    from toolkit.inputs.hardware import cpu_gpu
+    from toolkit.run.tune import cpu_mfu_peak
+
+    threads = cpu_rates().threads
+    peak, basis = cpu_mfu_peak("fp32", 2, rank_threads=threads, cores=2 * threads)
+    assert peak == pytest.approx(cpu_gpu().fp32_tflops * 1e12 * 2) and peak == pytest.approx(
+        cpu_rates().fp32_tflops * 2e12)
+    assert "measured fp32 torch.mm rate" in basis and "x 2 processes" in basis
+    assert cpu_mfu_peak("bf16", 2, rank_threads=threads, cores=2 * threads)[0] == \
+        pytest.approx(cpu_rates().bf16_tflops * 2e12)
+    none, why = cpu_mfu_peak("fp32", 2, rank_threads=threads + 1, cores=64)
+    assert none is None and f"ranks run at {threads + 1}" in why
+    none, why = cpu_mfu_peak("fp32", 4, rank_threads=threads, cores=2 * threads)
+    assert none is None and f"share {2 * threads} core(s)" in why

@@ -27,8 +27,11 @@ generation) puts every candidate inside it. So when the budget cannot cover ever
 band are the ones it leaves out, and their skip reason says what the band says of them.
 
 MFU: measured tokens/s x the model FLOPs per token (no recompute, toolkit.estimate.timing.flops_per_token, the count
-the planner's MFU divides) / (the planned GPU's dense peak at the plan's precision x processes). On CPU it is null:
-the CPU cost model's peak is a measured GEMM rate, no datasheet peak (`mfu_basis` says so).
+the planner's MFU divides) / (the planned GPU's dense peak at the plan's precision x processes). On CPU the peak is
+the one the CPU cost model prices a step with: this CPU's measured torch.mm rate at the box's precision
+(toolkit.inputs.cpudevice) x processes, a measured matmul rate rather than a datasheet peak. It holds per process
+only where it was measured at the ranks' thread count and the ranks have a core per thread; otherwise MFU is null
+and `mfu_basis` says why.
 
 On CPU (--cpu) the rows' predictions are the CPU cost model's (toolkit.inputs.cpudevice: `--gpus Nxcpu`) for the
 plan as it runs here (toolkit.run.smaller_box), not the planned GPU's, which would say nothing about a CPU step.
@@ -154,14 +157,51 @@ def model_flops_per_token(spec, c) -> float:
 def mfu_peak(hw, precision: str, *, cpu: bool, processes: int) -> tuple[float | None, str]:
     """FLOP/s the probe's MFU divides by, and the sentence tune.json keeps as `mfu_basis`."""
     if cpu:
-        return None, ("null on CPU: the CPU cost model's peak is a measured GEMM rate (toolkit.inputs.cpudevice), no "
-                      "datasheet peak, and the planned GPU's would say nothing about a CPU run")
+        return cpu_mfu_peak(precision, processes, rank_threads=launch_threads(), cores=usable_cores())
     peak = hw.gpu.peak_tflops(precision) or hw.gpu.fp32_tflops
     import torch
 
     here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     return peak * 1e12 * processes, (f"the planned {hw.gpu.name}'s dense {precision} peak, {peak:g} TFLOPS x "
                                      f"{processes} process{'es' if processes != 1 else ''} (GPU here: {here})")
+
+
+def cpu_mfu_peak(precision: str, processes: int, *, rank_threads: int, cores: int) -> tuple[float | None, str]:
+    """On CPU: the measured torch.mm rate at `precision` (the CPU cost model's peak) x processes, where that rate
+    holds for each rank: measured at the ranks' thread count, and processes x threads within this machine's cores
+    (ranks that share a core each get part of it). None and why otherwise."""
+    from toolkit.inputs.cpudevice import cpu_rates
+    from toolkit.inputs.hardware import cpu_gpu
+
+    rates = cpu_rates()
+    if rates.threads != rank_threads:
+        return None, (f"null on CPU: this CPU's matmul rate was measured at {rates.threads} thread(s) and the ranks "
+                      f"run at {rank_threads} (OMP_NUM_THREADS); run tune with OMP_NUM_THREADS={rank_threads} to "
+                      "measure it at theirs")
+    if processes * rank_threads > cores:
+        return None, (f"null on CPU: {processes} processes x {rank_threads} thread(s) share {cores} core(s), so "
+                      "the rate one process measured alone is no rank's peak")
+    peak = cpu_gpu().peak_tflops(precision)
+    return peak * 1e12 * processes, (
+        f"this CPU's measured {precision} torch.mm rate, the CPU cost model's peak (toolkit.inputs.cpudevice: "
+        f"{rates.model} at {rank_threads} thread(s)), {peak * 1e3:.1f} GFLOP/s x {processes} "
+        f"process{'es' if processes != 1 else ''}: a measured matmul rate, not a datasheet peak")
+
+
+def launch_threads() -> int:
+    """The torch threads per rank of a CPU launch: OMP_NUM_THREADS, which toolkit.run.launcher sets to 1 when unset."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+def usable_cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def memory_limit(row: TuneRow, *, cpu: bool, limit_gib: float | None) -> int | None:
@@ -258,7 +298,7 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
         boxes = [predict_plan(b) for b in boxes]
     rows = [_row(feasible.index(c) + 1, c, b if cpu else p, inside, model_flops_per_token(spec, c))
             for (c, inside), p, b in zip(order, plans, boxes)]
-    peak, mfu_basis = mfu_peak(hw, plan.precision, cpu=cpu, processes=processes)
+    peak, mfu_basis = mfu_peak(hw, (boxes[0] if cpu else plan).precision, cpu=cpu, processes=processes)
     where = processes_phrase(processes, cpu=cpu)
     in_band = sum(r.within_band for r in rows)
     say(f"tuning {len(rows)} candidate{'s' if len(rows) != 1 else ''} of {plan_dir} on {where}: {WARMUP_STEPS} "
