@@ -9,7 +9,9 @@ machine: its calibration is not applied.
 What is measured: one ratio, the compute term's. For each measured candidate, the model's communication, bubble,
 offload and other terms are taken as predicted and the rest of the measured step is its compute time: ratio =
 (measured step - predicted non-compute) / predicted compute. The candidates' ratios are combined by their geometric
-mean, and a later probe on the same key folds its runs in (weighted by runs). Applied, the step-time model divides
+mean, and a later probe on the same key folds its runs in (weighted by runs). The record keeps each run's
+prediction and measurement (`measurements`), so a folder of shared calibrations can be read as published rows
+(benchmarks/calibrations.py holds each run out of its own calibration). Applied, the step-time model divides
 its matmul efficiency by the ratio (toolkit.estimate.efficiency), so the compute term moves by that factor and MFU
 with it. NOT measured, so left as the model has them: communication overlap, offload bandwidth, allocator overhead
 (on CPU a rank's peak is its RSS, which holds the interpreter and libraries; on a GPU tune records reserved peaks
@@ -52,6 +54,8 @@ class Calibration:
     """The day of the last probe (ISO)."""
     not_measured: tuple[str, ...] = NOT_MEASURED
     version: int = CALIBRATION_VERSION
+    measurements: tuple[dict, ...] = ()
+    """One per run folded in (records written before it have none): MEASUREMENT_FIELDS."""
 
     @property
     def key(self) -> tuple:
@@ -62,7 +66,16 @@ class Calibration:
         return f"calibrated on this machine, {self.date}, {self.runs} run{'s' if self.runs != 1 else ''}"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "not_measured": list(self.not_measured)}
+        return {**asdict(self), "not_measured": list(self.not_measured), "measurements": list(self.measurements)}
+
+
+MEASUREMENT_FIELDS = {"probe": "which probe of this record measured it (1, 2, ...)",
+                      "model": "the model probed", "candidate": "the plan row measured (strategy name)",
+                      "predicted_step_s": "the step-time model's step, uncalibrated",
+                      "predicted_compute_s": "its compute term",
+                      "measured_step_s": "the measured step, warm-up dropped",
+                      "compute_ratio": "compute_ratio() of the two"}
+"""What a calibration keeps of each run (`measurements`)."""
 
 
 def library_versions() -> dict[str, str]:
@@ -102,9 +115,13 @@ def from_dict(data, where: str) -> Calibration:
     if not isinstance(data, dict):
         raise UserError(f"{where} is no calibration (a JSON object written by `toolkit tune`)")
     try:
-        got = Calibration(**{**data, "not_measured": tuple(data.get("not_measured", NOT_MEASURED))})
+        got = Calibration(**{**data, "not_measured": tuple(data.get("not_measured", NOT_MEASURED)),
+                             "measurements": tuple(data.get("measurements") or ())})
     except TypeError as exc:
         raise UserError(f"{where} is no calibration: {exc}") from None
+    if not all(_is_measurement(m) for m in got.measurements) or len(got.measurements) > got.runs:
+        raise UserError(f"{where} is corrupted (a measurement lacks {', '.join(MEASUREMENT_FIELDS)}, or holds more "
+                        "runs than it counts)")
     if got.version != CALIBRATION_VERSION:
         raise UserError(f"{where} is calibration version {got.version!r}; this toolkit reads {CALIBRATION_VERSION}")
     ratio_ok = isinstance(got.compute_ratio, (int, float)) and math.isfinite(got.compute_ratio) \
@@ -117,6 +134,13 @@ def from_dict(data, where: str) -> Calibration:
     except (TypeError, ValueError):
         raise UserError(f"{where} is corrupted (date {got.date!r} is no ISO date)") from None
     return got
+
+
+def _is_measurement(m) -> bool:
+    if not isinstance(m, dict) or set(m) != set(MEASUREMENT_FIELDS) or not isinstance(m["probe"], int):
+        return False
+    times = [m[k] for k in ("predicted_step_s", "predicted_compute_s", "measured_step_s", "compute_ratio")]
+    return all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times)
 
 
 def read_file(path: Path) -> Calibration:
@@ -172,11 +196,14 @@ def compute_ratio(measured_step_s: float, predicted: dict) -> float | None:
     return rest / compute if rest > 0 else None
 
 
-def combine(gpu, count: int, ratios: list[float], previous: Calibration | None, today: str | None = None) \
-        -> Calibration | None:
-    """The calibration of `ratios` (one per measured candidate), folded into `previous` of the same key."""
+def combine(gpu, count: int, ratios: list[float], previous: Calibration | None, today: str | None = None,
+            measurements: list[dict] | None = None) -> Calibration | None:
+    """The calibration of `ratios` (one per measured candidate), folded into `previous` of the same key.
+    `measurements`: the runs behind the ratios (MEASUREMENT_FIELDS less `probe`, which is numbered here)."""
     if not ratios:
         return previous
+    probe = 1 + max((m["probe"] for m in previous.measurements), default=0) if previous else 1
+    kept = (previous.measurements if previous else ()) + tuple({"probe": probe, **m} for m in measurements or ())
     logs = [math.log(r) for r in ratios]
     runs = len(ratios)
     if previous is not None:  # the earlier probes' runs, each at their combined ratio
@@ -185,7 +212,8 @@ def combine(gpu, count: int, ratios: list[float], previous: Calibration | None, 
     mean = sum(logs) / runs
     device, model, count, link, versions = this_machine(gpu, count)
     return Calibration(device=device, device_model=model, count=count, interconnect=link, versions=dict(versions),
-                       compute_ratio=math.exp(mean), runs=runs, date=today or date.today().isoformat())
+                       compute_ratio=math.exp(mean), runs=runs, date=today or date.today().isoformat(),
+                       measurements=kept)
 
 
 def store(calibration: Calibration) -> Path:

@@ -357,8 +357,7 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     finally:
         shutil.rmtree(work, ignore_errors=True)
     measured = sorted((r for r in rows if r.status == MEASURED), key=lambda r: r.measured_step_s)
-    calibration = store_calibration(boxes[0], processes, [r.compute_ratio for r in measured if r.compute_ratio],
-                                    say)
+    calibration = store_calibration(boxes[0], processes, [r for r in measured if r.compute_ratio], say)
     for rank, row in enumerate(measured, 1):
         row.measured_rank = rank
     emitted = None
@@ -383,15 +382,20 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
             "calibration": calibration.to_dict() if calibration else None}
 
 
-def store_calibration(box: Plan, processes: int, ratios: list[float], say=print):
-    """The measured compute ratios folded into this machine's stored calibration (toolkit.inputs.calibration), for
-    `processes` x the device the box runs on; None when nothing was measured. A stored calibration that is
-    corrupted is replaced (with its warning)."""
+def store_calibration(box: Plan, processes: int, rows: list[TuneRow], say=print):
+    """The compute ratios of `rows` (measured, each with its ratio) folded into this machine's stored calibration
+    (toolkit.inputs.calibration) with the runs behind them, for `processes` x the device the box runs on; None when
+    nothing was measured. A stored calibration that is corrupted is replaced (with its warning)."""
     from toolkit.inputs import calibration as cal
     from toolkit.inputs.hardware import find_gpu
 
     gpu = find_gpu(box.gpu)
-    combined = cal.combine(gpu, processes, ratios, cal.stored(gpu, processes, warn=say))
+    ratios = [r.compute_ratio for r in rows]
+    model = Path(box.model).name if Path(box.model).is_dir() else box.model  # no local path in a shared file
+    runs = [{"model": model, "candidate": r.name, "predicted_step_s": r.predicted_step_s,
+             "predicted_compute_s": r.predicted_compute_s, "measured_step_s": r.measured_step_s,
+             "compute_ratio": r.compute_ratio} for r in rows]
+    combined = cal.combine(gpu, processes, ratios, cal.stored(gpu, processes, warn=say), measurements=runs)
     if combined is None or not ratios:
         return combined
     path = cal.store(combined)

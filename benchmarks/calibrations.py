@@ -1,0 +1,166 @@
+"""A folder of shared calibrations (`toolkit tune --export-calibration FILE`) read as published rows: each run's
+predicted step time against its measured one, before calibration and after a calibration it had no part in.
+
+A calibration file keeps, beside its compute ratio, each run behind it (toolkit.inputs.calibration, `measurements`:
+the uncalibrated predicted step and compute term, the measured step). For every run the held-out calibration is
+the one the OTHER probes of the same device and process count give (every file of that key, this run's own probe
+left out: its ratios are combined as tune combines them, by geometric mean), so no run is scored against a
+calibration it helped make. Applied, a calibration multiplies the compute term by its ratio and leaves the other
+terms as predicted (toolkit.estimate.efficiency divides the matmul efficiency by it); so the calibrated prediction
+is predicted step - compute + compute x ratio. A run whose key has no other probe has no held-out figure.
+
+    python benchmarks/calibrations.py                 # reads benchmarks/data/calibrations/, writes
+                                                      # benchmarks/results/calibrations.{md,json}
+    python benchmarks/calibrations.py --probe         # first probes this machine's CPU (PROBES below) into that
+                                                      # folder, one calibration file per probe
+
+The data here are CPU probes only (`tune --cpu`, 2 processes over gloo on this machine's CPU against the CPU cost
+model, toolkit.inputs.cpudevice): no GPU calibration exists yet. A GPU day adds files to the folder (`tune PLAN_DIR
+--export-calibration FILE` on the GPUs) and this script scores them the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from provenance import measured_line, meta
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+DATA = HERE / "data" / "calibrations"
+RESULTS = HERE / "results"
+
+PROBES = {
+    "llama-h64-l2": dict(arch="llama", layers=2, hidden=64),
+    "llama-h256-l4": dict(arch="llama", layers=4, hidden=256),
+    "gpt2-h128-l2": dict(arch="gpt2", layers=2, hidden=128),
+}
+"""--probe: the tiny models (random weights, a locally trained tokenizer: toolkit.run.tiny) each probed once, on 2
+CPU processes, seq 64, global batch 8, the plan's top 3 candidates, 2 measured steps each."""
+
+
+def probe_here(folder: Path) -> None:
+    """One `toolkit tune MODEL --cpu` per PROBES entry, each with a cache of its own (so each file holds one probe),
+    its calibration exported to folder/cpu-NAME.json."""
+    from toolkit.run import tiny
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="calibrations-") as scratch:
+        for name, shape in PROBES.items():
+            shape = dict(shape)
+            model = tiny.make_tiny_model(shape.pop("arch"), Path(scratch) / name, corpus_chars=100_000, **shape)
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                   "TOOLKIT_CACHE_DIR": str(Path(scratch) / f"cache-{name}"),
+                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                   # DeepSpeed's CPU ops as .ci/setup built them for this venv (tests/conftest.py points there too)
+                   "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                          str(Path(sys.prefix) / "torch_extensions"))}
+            out = folder / f"cpu-{name}.json"
+            out.unlink(missing_ok=True)
+            subprocess.run([sys.executable, "-m", "toolkit", "tune", str(model), "--gpus", "2xA100-80GB", "--seq",
+                            "64", "--global-batch", "8", "--cpu", "--processes", "2", "--steps", "2",
+                            "--candidates", "3", "--budget-min", "20", "--export-calibration", str(out)],
+                           env=env, check=True, cwd=ROOT)
+
+
+def load(folder: Path) -> list[dict]:
+    """Every calibration file of `folder`, read and checked as `estimate --calibration FILE` reads one."""
+    from toolkit.inputs import calibration as cal
+
+    return [{"file": path.name, "calibration": cal.read_file(path)} for path in sorted(folder.glob("*.json"))]
+
+
+def held_out_rows(files: list[dict]) -> list[dict]:
+    """One row per run: before (uncalibrated) and after (the held-out calibration) errors (module docstring)."""
+    rows = []
+    for f in files:
+        c = f["calibration"]
+        for m in c.measurements:
+            others = [o["compute_ratio"] for g in files for o in g["calibration"].measurements
+                      if (g["calibration"].device, g["calibration"].count) == (c.device, c.count)
+                      and not (g is f and o["probe"] == m["probe"])]
+            ratio = math.exp(statistics.fmean(math.log(r) for r in others)) if others else None
+            after = m["predicted_step_s"] - m["predicted_compute_s"] * (1 - ratio) if ratio else None
+            rows.append({"file": f["file"], "machine": f"{c.count}x{c.device} ({c.device_model})",
+                         "probe": m["probe"], "model": m["model"], "candidate": m["candidate"],
+                         "measured_step_s": m["measured_step_s"], "predicted_step_s": m["predicted_step_s"],
+                         "error_before": m["predicted_step_s"] / m["measured_step_s"] - 1,
+                         "held_out_ratio": ratio, "held_out_runs": len(others),
+                         "calibrated_step_s": after,
+                         "error_after": after / m["measured_step_s"] - 1 if after else None})
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    scored = [r for r in rows if r["error_after"] is not None]
+    if not scored:
+        return {"runs": len(rows), "scored": 0}
+
+    def median_abs(key: str) -> float:
+        return statistics.median(abs(r[key]) for r in scored)
+
+    return {"runs": len(rows), "scored": len(scored), "median_abs_error_before": median_abs("error_before"),
+            "median_abs_error_after": median_abs("error_after"),
+            "max_abs_error_before": max(abs(r["error_before"]) for r in scored),
+            "max_abs_error_after": max(abs(r["error_after"]) for r in scored)}
+
+
+def page(files: list[dict], rows: list[dict], summ: dict, measured: str) -> str:
+    """The results page; `measured`: provenance.measured_line's line."""
+    devices = sorted({f["calibration"].device for f in files})
+    gpu = [d for d in devices if d != "cpu"]
+    lines = ["# Calibrations: predicted against measured step time, before and after a held-out calibration", "",
+             measured, "",
+             f"{len(files)} calibration file{'s' if len(files) != 1 else ''} in `benchmarks/data/calibrations/` "
+             f"({', '.join(devices) or 'none'}), {summ['runs']} measured runs. Each run is scored against the "
+             "calibration the other probes of its device and process count make (its own probe held out); the "
+             "calibrated prediction moves only the compute term (benchmarks/calibrations.py's docstring).", ""]
+    if not gpu:
+        lines += ["**No GPU calibration exists yet**: every file here is a CPU probe (`toolkit tune --cpu`, 2 CPU "
+                  "processes over gloo against the CPU cost model of this machine, toolkit.inputs.cpudevice). They "
+                  "show the path works and how far the CPU cost model is off on this machine; they say nothing of "
+                  "any GPU's step time.", ""]
+    if summ["scored"]:
+        lines += [f"Median |error| over {summ['scored']} scored runs: before {summ['median_abs_error_before']:.1%}, "
+                  f"after {summ['median_abs_error_after']:.1%} (max {summ['max_abs_error_before']:.1%} before, "
+                  f"{summ['max_abs_error_after']:.1%} after).", ""]
+    else:
+        lines += ["No run has another probe of its device and count to be held out against: nothing scored.", ""]
+    lines += ["| file | machine | probe | model | candidate | measured s | predicted s | error | held-out ratio "
+              "(runs) | calibrated s | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        held = f"{r['held_out_ratio']:.3g} ({r['held_out_runs']})" if r["held_out_ratio"] else "none"
+        after = (f"{r['calibrated_step_s']:.4f} | {r['error_after']:+.1%}" if r["calibrated_step_s"] else "- | -")
+        lines.append(f"| {r['file']} | {r['machine']} | {r['probe']} | {r['model']} | {r['candidate']} | "
+                     f"{r['measured_step_s']:.4f} | {r['predicted_step_s']:.4f} | {r['error_before']:+.1%} | {held} "
+                     f"| {after} |")
+    lines += ["", "Error: predicted / measured - 1. The measured steps were taken on a machine shared with other "
+              "work; a calibration carries that machine's state on its day, which is what it is for."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(next((a for a in argv if not a.startswith("--")), DATA))
+    if "--probe" in argv:
+        probe_here(folder)
+    files = load(folder)
+    rows = held_out_rows(files)
+    summ = summary(rows)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "calibrations.json").write_text(json.dumps(
+        {"meta": meta(), "summary": summ, "files": [f["file"] for f in files], "rows": rows}, indent=2) + "\n")
+    text = page(files, rows, summ, measured_line("calibrations.py"))
+    (RESULTS / "calibrations.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
