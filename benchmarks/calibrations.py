@@ -40,7 +40,6 @@ RESULTS = HERE / "results"
 PROBES = {
     "llama-h64-l2": dict(arch="llama", layers=2, hidden=64),
     "llama-h256-l4": dict(arch="llama", layers=4, hidden=256),
-    "gpt2-h128-l2": dict(arch="gpt2", layers=2, hidden=128),
 }
 """--probe: the tiny models (random weights, a locally trained tokenizer: toolkit.run.tiny) each probed once, on 2
 CPU processes, seq 64, global batch 8, the plan's top 3 candidates, 2 measured steps each."""
