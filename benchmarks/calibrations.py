@@ -130,6 +130,14 @@ def page(files: list[dict], rows: list[dict], summ: dict, measured: str) -> str:
         lines += [f"Median |error| over {summ['scored']} scored runs: before {summ['median_abs_error_before']:.1%}, "
                   f"after {summ['median_abs_error_after']:.1%} (max {summ['max_abs_error_before']:.1%} before, "
                   f"{summ['max_abs_error_after']:.1%} after).", ""]
+        ratios = ", ".join(f"{f['file']} {f['calibration'].compute_ratio:.3g}" for f in files)
+        verdict = ("The held-out calibration made the median error worse" if summ["median_abs_error_after"] >
+                   summ["median_abs_error_before"] else "The held-out calibration reduced the median error")
+        lines += [f"{verdict}. Each file's own compute ratio: {ratios}. One ratio per device multiplies the "
+                  "compute term, so it carries from one probe to another only as far as their ratios agree; where "
+                  "they differ by model size, the measured step is not proportional to the predicted compute (on "
+                  "these tiny models a fixed per-step cost that the compute term does not hold), and the ratio of "
+                  "one model mispredicts the other.", ""]
     else:
         lines += ["No run has another probe of its device and count to be held out against: nothing scored.", ""]
     lines += ["| file | machine | probe | model | candidate | measured s | predicted s | error | held-out ratio "
