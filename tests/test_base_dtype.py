@@ -80,13 +80,13 @@ def _linear_modules(config):
 
 @pytest.mark.parametrize("argv,words", [
     (["--strategy", "zero2", "--method", "lora", "--base-dtype", "fp32"], "DeepSpeed's bf16 mode casts"),
-    (["--strategy", "fsdp2", "--method", "lora", "--base-dtype", "fp32"], "use ddp"),
+    (["--strategy", "zero3", "--method", "lora", "--base-dtype", "fp32"], "use ddp"),
     (["--method", "qlora", "--base-dtype", "fp32"], "QLoRA base is 4-bit"),
     (["--base-dtype", "fp32"], "--method is full"),
     (["--method", "lora", "--precision", "bf16-pure", "--base-dtype", "fp32"], "with --precision bf16 or fp16"),
     (["--method", "lora", "--base-dtype", "fp16"], "the base computes in bfloat16"),
     (["--method", "lora", "--base-dtype", "fp64"], "choose one of: auto, fp32, bf16, fp16"),
-], ids=["zero2", "fsdp2", "qlora", "full", "bf16-pure", "fp16-under-bf16", "unknown"])
+], ids=["zero2", "zero3", "qlora", "full", "bf16-pure", "fp16-under-bf16", "unknown"])
 def test_base_dtype_refusals_are_one_line(capsys, argv, words):
     from toolkit.cli import main
 
@@ -144,8 +144,9 @@ def test_train_with_an_fp32_base_trains_and_holds_the_base_in_fp32(run_training,
 
 
 def test_plan_offers_fp32_base_on_ddp_only_and_check_refuses_an_edited_plan(capsys, tmp_path, tiny_llama_dir):
-    """The planner lists zero2 / fsdp2 under "not possible" with base_dtype_problem's reason and writes the fp32
-    base into plan.json; check refuses the plan edited to zero2 with the same reason."""
+    """The planner lists zero2 under "not possible" with base_dtype_problem's reason, offers ddp and fsdp2 (fp32
+    shards gathered in bf16), and writes the fp32 base into plan.json; check refuses the plan edited to zero2 with
+    the same reason."""
     import json
 
     from toolkit.cli import main
@@ -157,10 +158,9 @@ def test_plan_offers_fp32_base_on_ddp_only_and_check_refuses_an_edited_plan(caps
            "--seq", "64", "--global-batch", "16", "--strategies", "ddp,zero2,fsdp2"]
     assert main([*job, "--json"]) == 0
     rows = {c["strategy"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
-    for name in ("zero2", "fsdp2"):
-        reason = base_dtype_problem(adapter, "bf16", parse_strategy(name))
-        assert not rows[name]["feasible"] and rows[name]["reason"] == reason
-    assert rows["ddp"]["feasible"]
+    reason = base_dtype_problem(adapter, "bf16", parse_strategy("zero2"))
+    assert not rows["zero2"]["feasible"] and rows["zero2"]["reason"] == reason
+    assert rows["ddp"]["feasible"] and rows["fsdp2"]["feasible"]
     folder = tmp_path / "plan"
     assert main([*job, "--out", str(folder)]) == 0
     capsys.readouterr()
@@ -170,3 +170,78 @@ def test_plan_offers_fp32_base_on_ddp_only_and_check_refuses_an_edited_plan(caps
     (folder / "plan.json").write_text(json.dumps(plan))
     assert main(["check", str(folder)]) == 1
     assert base_dtype_problem(adapter, "bf16", parse_strategy("zero2")) in capsys.readouterr().err
+
+
+def _fsdp2_estimates():
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec = build_spec("llama", _tiny())
+    return {base: estimate_memory(spec, parse_strategy("fsdp2"), Job(seq_len=128, micro_batch=2, precision="bf16",
+                                  adapter=Adapter(method="lora", r=8, alpha=16, dropout=0.0, base_dtype=base)),
+                                  parse_hardware("2xH200")) for base in ("auto", "fp32")}
+
+
+def test_fsdp2_fp32_base_adds_fp32_shards_and_gathers_the_same_bf16_bytes():
+    """FSDP2 on 2 GPUs: an fp32 base's shards take 2 B more per frozen parameter / 2 ranks; the all-gathered
+    (unsharded) parameters, the activations and the gather time are the bf16 base's, since FSDP2 casts each shard to
+    MixedPrecisionPolicy's param_dtype before the all-gather. The peak moves by the shards' bytes alone."""
+    from toolkit.inputs.lora import adapter_counts
+
+    frozen = adapter_counts(_tiny(), Adapter(method="lora", r=8, alpha=16, dropout=0.0)).frozen_params
+    out = _fsdp2_estimates()
+    assert out["fp32"].parameters_bytes - out["auto"].parameters_bytes == 2 * frozen // 2
+    for field in ("buffers_bytes", "activations_bytes", "gradients_bytes", "optimizer_bytes", "autocast_copy_bytes"):
+        assert getattr(out["fp32"], field) == getattr(out["auto"], field), field
+    assert out["fp32"].peak_bytes - out["auto"].peak_bytes == 2 * frozen // 2
+
+
+def test_fsdp2_holds_an_fp32_base_in_fp32_shards_and_computes_it_in_bf16():
+    """The real engine, in this process (torch's fake process group at world 2, wrapped as toolkit.estimate.fakeworld
+    wraps a run: fully_shard per decoder layer and the root, accelerate's MixedPrecisionPolicy): a PEFT model on an
+    fp32 base keeps every local shard in fp32, its frozen Linear computes with a bf16 unsharded weight, and the
+    shards' bytes are the estimate's parameters term for fsdp2 on 2 GPUs, to the byte."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.estimate.fakeworld import _fake_world, _local, _wrap
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.strategy import parse_strategy
+
+    adapter = Adapter(method="lora", r=8, alpha=16, dropout=0.0, base_dtype="fp32")
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(_tiny(), dtype=torch.float32), adapter.lora_config())
+    strategy = parse_strategy("fsdp2")
+    seen = {}
+    with _fake_world(2):
+        _wrap(model, strategy, ParallelGrid.for_strategy(strategy, nodes=1, gpus_per_node=2), torch.bfloat16, "bf16")
+        shards = [_local(p) for p in model.parameters()]
+        q_proj = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+        q_proj.register_forward_pre_hook(lambda m, args: seen.update(weight=m.weight.dtype))
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 1000, (1, 16)))
+    assert {t.dtype for t in shards} == {torch.float32}
+    assert seen["weight"] == torch.bfloat16
+    assert sum(t.numel() * t.element_size() for t in shards) == _fsdp2_estimates()["fp32"].parameters_bytes
+
+
+def test_fsdp2_plan_with_an_fp32_base_emits_and_checks(capsys, tmp_path, tiny_llama_dir):
+    """plan --strategies fsdp2 --out: plan.json carries the fp32 base, training_args.json loads it in float32,
+    accelerate's FSDP2 config computes in bf16 (the gathered dtype), and check passes the folder."""
+    import json
+
+    from toolkit.cli import main
+
+    folder = tmp_path / "plan"
+    assert main(["plan", str(tiny_llama_dir), "--method", "lora", "--base-dtype", "fp32", "--gpus", "2xH100-80GB",
+                 "--seq", "64", "--global-batch", "16", "--strategies", "fsdp2", "--out", str(folder)]) == 0
+    plan = json.loads((folder / "plan.json").read_text())
+    assert (plan["strategy"], plan["adapter"]["base_dtype"]) == ("fsdp2", "fp32")
+    assert '"model_dtype": "float32"' in (folder / "training_args.json").read_text()
+    assert "mixed_precision: bf16" in (folder / "accelerate_config.yaml").read_text()
+    capsys.readouterr()
+    assert main(["check", str(folder)]) == 0, capsys.readouterr().err

@@ -50,7 +50,7 @@ NEEDS = {
     **{flag: ["--method", "qlora"] for flag in ("--qlora-quant-type", "--qlora-no-double-quant",
                                                 "--qlora-compute-dtype")},
     "--qlora-quant-storage": ["--method", "qlora", "--strategy", "zero3"],
-    "--base-dtype": ["--method", "lora", "--strategy", "ddp", "--strategies", "ddp"],  # fp32: on DDP only
+    "--base-dtype": ["--method", "lora", "--strategy", "ddp", "--strategies", "ddp"],  # fp32: not on DeepSpeed
     "--modules-to-save-dtype": ["--method", "lora", "--lora-modules-to-save", "lm_head", "--strategy", "ddp",
                                 "--strategies", "ddp"],  # fp32 copies of a bf16 base: on DDP only
     "--nvme-path": ["--strategies", "zero3-offload-nvme", "--out", "{tmp}/out"],

@@ -239,7 +239,8 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
                                                   "e.g. lm_head,embed_tokens")
     g.add_argument("--base-dtype", help=f"{choices_words(BASE_DTYPES)}: the dtype LoRA's frozen base (and its "
                                         "modules_to_save copies) is loaded in; fp32 under --precision bf16 / fp16 "
-                                        f"autocast, on ddp (default {FULL.base_dtype}: the compute dtype)")
+                                        "autocast on ddp, or as fp32 shards gathered in bf16 / fp16 on fsdp2 "
+                                        f"(default {FULL.base_dtype}: the compute dtype)")
     g.add_argument("--modules-to-save-dtype", dest="saved_dtype", metavar="MODULES_TO_SAVE_DTYPE",
                    help=f"{choices_words(BASE_DTYPES)}: the dtype the trainable --lora-modules-to-save copies train "
                         "in (weights, gradients, optimizer states); fp32 or the compute dtype, on ddp (fsdp2: fp32, "

@@ -44,7 +44,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
         # LoRA: the frozen base is stored in the compute dtype (toolkit.train loads it so; autocast then only
         # copies the small adapters), or in the adapter's --base-dtype (fp32: autocast copies each weight it uses).
         base_dtype = (autocast_dtype or param_dtype) if lora else param_dtype
-        if lora and adapter.base_dtype != "auto":
+        if lora and adapter.base_dtype != "auto" and autocast_dtype is not None:  # FSDP2: gathered in param_dtype
             from toolkit.inputs.choices import BASE_DTYPE_NAMES
 
             base_dtype = getattr(torch, BASE_DTYPE_NAMES[adapter.base_dtype])

@@ -159,8 +159,8 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
                         "offload variants), not the pipeline engine; choose one of those strategies")
     counts = counts_for_spec(spec, job.adapter)
     storage = base_storage_bytes_per_param(job.precision, job.adapter.base_dtype)
-    compute = compute_bytes(job.precision)  # FSDP2 gathers the adapters in MixedPrecisionPolicy's param_dtype
-    layers = layer_sharded_base_bytes(counts, job.adapter, storage, spec.layer_params)
+    compute = compute_bytes(job.precision)  # FSDP2 gathers base and adapters in MixedPrecisionPolicy's param_dtype
+    layers, stored = (layer_sharded_base_bytes(counts, job.adapter, b, spec.layer_params) for b in (compute, storage))
     root_trainable = counts.pre_layer_trainable + counts.post_layer_trainable
     return adapter_states(
         counts.trainable_params, frozen_base_bytes(counts, job.adapter, storage), job, strategy,
@@ -169,13 +169,13 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
         base_sharded_bytes=sharded_base_bytes(counts, job.adapter, storage),
         gather_bytes=data_parallel_gather_bytes(counts, job),
         layer_gathered_bytes=max(b + t * compute for b, t in zip(layers, counts.per_layer)),
-        root_gathered_bytes=(spec.pre_layer_params + spec.post_layer_params) * storage + root_trainable * compute,
+        root_gathered_bytes=(spec.pre_layer_params + spec.post_layer_params) * compute + root_trainable * compute,
+        layer_stored_bytes=max(b + t * compute for b, t in zip(stored, counts.per_layer)),
         layer_trainable_params=max(counts.per_layer), root_trainable_params=root_trainable,
         shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
         dequantized_bytes=counts.largest_quantized_params * DTYPE_BYTES[job.adapter.compute_dtype],
-        saved_params=counts.saved_module_params,
-        saved_bytes_per_param=DTYPE_BYTES[saved_dtype_name(job.precision, job.adapter.base_dtype,
-                                                           job.adapter.saved_dtype)])
+        saved_params=counts.saved_module_params, saved_bytes_per_param=DTYPE_BYTES[saved_dtype_name(
+            job.precision, job.adapter.base_dtype, job.adapter.saved_dtype)])
 
 
 def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:

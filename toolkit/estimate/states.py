@@ -285,14 +285,18 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
                    total_params: int, largest_layer: int, base_sharded_bytes: float, gather_bytes: float,
                    layer_gathered_bytes: float, root_gathered_bytes: float, layer_trainable_params: int, root_trainable_params: int, shard: int,
                    prefetch_layers: int, dequantized_bytes: float = 0.0, saved_params: int = 0,
-                   saved_bytes_per_param: int = 4) -> States:
+                   saved_bytes_per_param: int = 4, layer_stored_bytes: float | None = None) -> States:
     """LoRA / QLoRA: the trainable adapters carry the engine's usual states (weights, gradients, master, optimizer:
     the functions above with P = trainable), the frozen base only its weights, `base_bytes` in its storage dtype
     (4-bit weights with their constants for QLoRA), of which ZeRO-3 / FSDP2 shard and gather `base_sharded_bytes`
     (toolkit.inputs.lora.sharded_base_bytes: the 4-bit codes without their constants; the rest stays whole on every
     GPU). `gather_bytes`: what one all-gather pass over the whole model moves, that sharded base and the adapters
     (toolkit.estimate.timing.data_parallel_gather_bytes). `layer_gathered_bytes` / `root_gathered_bytes`: the
-    largest layer's and the root's gathered bytes, frozen and trainable, as FSDP2 unshards them.
+    largest layer's and the root's gathered bytes, frozen and trainable, as FSDP2 unshards them: in
+    MixedPrecisionPolicy's param_dtype (torch _fsdp_param.py all_gather_inputs casts each shard before the
+    all-gather), also for a base stored in fp32 (--base-dtype fp32), whose shards stay fp32 (`base_sharded_bytes`
+    at its stored bytes). `layer_stored_bytes`: the largest layer as stored (default `layer_gathered_bytes`), whose
+    shards CPUOffloadPolicy copies to the GPU before the cast.
 
     Where the base lives, per engine:
     - DDP: whole on every GPU. toolkit.train loads it in the compute dtype; PEFT keeps adapters in fp32
@@ -304,7 +308,8 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
     - ZeRO-3: every parameter is partitioned, frozen ones included (DeepSpeed partitions each parameter's data at
       engine start: transformers skips zero.Init for quantised models), and gathered for compute like the others.
     - FSDP2: every floating parameter is sharded; accelerate upcasts the trainable ones to fp32 (not when the model
-      holds Params4bit) and leaves the frozen base in its dtype (accelerate utils/fsdp_utils.py fsdp2_prepare_model);
+      holds Params4bit) and leaves the frozen base in its dtype (accelerate utils/fsdp_utils.py fsdp2_prepare_model),
+      gathered in param_dtype (an fp32 base: fp32 shards, bf16 unsharded parameters);
       4-bit weights stored as uint8 are left out of sharding (same function: "non-floating frozen Params4bit"), so
       they stay whole on every GPU unless bnb_4bit_quant_storage is a floating dtype.
     """
@@ -336,7 +341,7 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
             # The frozen base's shards join the trainable ones in host RAM; what accelerate leaves out of
             # sharding (uint8 4-bit codes) is not FSDP2's to offload and stays whole on every GPU.
             s.cpu += base_sharded_bytes / shard
-            s.gathered += prefetch_layers * layer_gathered_bytes / shard
+            s.gathered += prefetch_layers * (layer_stored_bytes or layer_gathered_bytes) / shard
             base_per_gpu = whole_bytes
         if job.adapter.method == "qlora" and not quantized_base_sharded(job.adapter):
             s.sources.append("4-bit base stored as uint8: accelerate leaves it out of FSDP2 sharding (whole per GPU); "

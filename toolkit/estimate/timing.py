@@ -210,12 +210,13 @@ def data_parallel_gather_bytes(counts, job: Job) -> float:
     """LoRA / QLoRA: bytes one ZeRO-3 / FSDP2 all-gather pass moves over the whole model (before the ring's
     (N-1)/N): the frozen base as those engines shard it (toolkit.inputs.lora.sharded_base_bytes: QLoRA's packed
     4-bit codes without their constants, which stay on every GPU) and the adapters in the compute dtype (FSDP2's
-    MixedPrecisionPolicy param_dtype; DeepSpeed's bf16 module)."""
-    from toolkit.inputs.lora import base_storage_bytes_per_param, sharded_base_bytes
+    MixedPrecisionPolicy param_dtype; DeepSpeed's bf16 module). A base stored wider (--base-dtype fp32 under FSDP2)
+    is cast to param_dtype shard by shard before the all-gather (torch _fsdp_param.py all_gather_inputs), so the
+    base moves in the compute dtype too."""
+    from toolkit.inputs.lora import sharded_base_bytes
 
     compute = compute_bytes(job.precision)
-    return (sharded_base_bytes(counts, job.adapter, base_storage_bytes_per_param(job.precision, job.adapter.base_dtype))
-            + counts.trainable_params * compute)
+    return sharded_base_bytes(counts, job.adapter, compute) + counts.trainable_params * compute
 
 
 def data_parallel_gather_note(job: Job) -> str:

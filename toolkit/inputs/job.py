@@ -353,10 +353,10 @@ def saved_dtype_problem(adapter: Adapter, precision: str, strategy: "Strategy | 
 def _load_dtype_problem(adapter: Adapter, precision: str, strategy: "Strategy | None", *,
                         objective: bool = False) -> str | None:
     """Why LoRA's --base-dtype cannot run with the rest of the job, or None. A base in the compute dtype is what
-    auto loads; an fp32 base needs autocast (bf16 / fp16 mixed precision) and an engine that keeps it fp32: DDP.
-    DeepSpeed's bf16 / fp16 mode casts every parameter to that dtype (runtime/engine.py
-    _configure_distributed_model), and FSDP2 would shard it in fp32 and gather it in MixedPrecisionPolicy's
-    param_dtype, which the estimate does not model (docs/ENGINE_FACTS.md, "A LoRA base loaded in fp32")."""
+    auto loads; an fp32 base needs autocast (bf16 / fp16 mixed precision) and an engine that keeps it fp32: DDP
+    (whole), or FSDP2, which shards it in fp32 and all-gathers it in MixedPrecisionPolicy's param_dtype. DeepSpeed's
+    bf16 / fp16 mode casts every parameter to that dtype (runtime/engine.py _configure_distributed_model)
+    (docs/ENGINE_FACTS.md, "A LoRA base loaded in fp32")."""
     from toolkit.inputs.lora import base_dtype_name
 
     if not adapter.is_adapter or adapter.base_dtype == "auto" \
@@ -371,9 +371,6 @@ def _load_dtype_problem(adapter: Adapter, precision: str, strategy: "Strategy | 
     if strategy is not None and strategy.engine == Engine.DEEPSPEED:
         return (f"--base-dtype fp32 under {strategy.name}: DeepSpeed's {precision} mode casts every parameter to "
                 f"{precision}; use ddp, or drop --base-dtype")
-    if strategy is not None and strategy.engine != Engine.DDP:
-        return (f"--base-dtype fp32 under {strategy.name}: fp32 shards gathered in {precision} are not modelled; "
-                "use ddp, or drop --base-dtype")
     return None
 
 
