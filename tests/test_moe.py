@@ -337,6 +337,37 @@ def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_exper
                                atol=1e-6, rtol=0)
 
 
+@pytest.mark.multiprocess
+def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_share_of_experts(
+        run_training, tiny_moe_dir, corpus_dir, moe_reference):
+    """toolkit.train of a DeepSpeed AutoEP plan (zero1, autoep_size 2, 2 gloo processes, fp32, global batch 4,
+    clipping 1.0 as planned, DeepSpeed's AdamW as torch's on CPU): the engine replaces both MoE blocks, each rank
+    holds the dense parameters and half of the experts, exactly the plan's per-rank parameter bytes, and steps 1-3
+    lose what the single process (torch AdamW, same clipping) loses. Measured: 6.259349 / 6.232763 / 6.184993 on
+    both ranks against 6.259349 / 6.232763 / 6.184992; 560,640 parameter bytes a rank (140,160 fp32 parameters,
+    49,152 of the 98,304 expert elements) as planned."""
+    from toolkit.estimate.search import predict_plan
+    from toolkit.inputs.moe import expert_params
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.train.model import load_config
+
+    plan = _moe_plan(tiny_moe_dir, "zero1", expert=2)
+    assert plan.grid.autoep
+    run = run_training(plan, "moe-autoep2", "--data", str(corpus_dir), *TRAIN, "--max-steps", "3", timeout=600).check()
+    ref = moe_reference.losses()
+    for rank in (0, 1):
+        got = run.losses(rank)
+        assert sorted(got) == sorted(ref)[:3]
+        for step in got:
+            assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
+    spec = build_spec(str(tiny_moe_dir), load_config(str(tiny_moe_dir)))
+    experts = expert_params(spec)
+    predicted = predict_plan(plan.replace(gpu="H100-SXM-80GB")).predicted["parameters_bytes"]
+    assert predicted == 4 * (spec.params - experts + experts // 2)
+    assert [r["param_bytes"] for r in run.ranks] == [predicted] * 2
+    assert [r["expert_numel"][0] for r in run.ranks] == [experts // 2] * 2
+
+
 @pytest.fixture(scope="module")
 def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
     """GPT-OSS, 2 layers, hidden 64, 4 experts (biased experts and router, attention sinks), random weights."""

@@ -12,12 +12,14 @@ arguments but 3 were given`, and a string key would read and write `"<class 'str
 take a string key as the plain dict key it is; a model argument keeps transformers' behaviour. Measured with it:
 AutoEP (autoep_size 2, 2 gloo ranks, tiny Qwen3-MoE) trains to one process's losses within 1e-6.
 
-Not applied by any route yet: the AutoEP route of issue 34 (planned, emitted, trained) is to call
-`allow_string_keys()` before `deepspeed.initialize`."""
+toolkit.train calls `autoep_ready` for a DeepSpeed AutoEP plan (toolkit.inputs.autoep) before the HF Trainer
+starts `deepspeed.initialize`."""
 
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 
 
 def needs_string_keys() -> bool:
@@ -54,3 +56,17 @@ def allow_string_keys() -> bool:
     _CanRecordRegistry.get, _CanRecordRegistry.__setitem__ = get, setitem
     _CanRecordRegistry._toolkit_string_keys = True
     return True
+
+
+def autoep_ready(ds_file: str, on_cpu: bool) -> str | dict:
+    """A DeepSpeed AutoEP plan's DeepSpeed config for the HF Trainer: the registry made to take DeepSpeed's string
+    keys where the installed pair needs it (`allow_string_keys`), and on a CPU DeepSpeed's AdamW as torch's
+    (`torch_adam`: its fused Adam is a CUDA kernel; torch's AdamW is the same update). Returns the file, or the
+    changed config as a dict (TrainingArguments.deepspeed takes either)."""
+    allow_string_keys()
+    if not on_cpu:
+        return ds_file
+    config = json.loads(Path(ds_file).read_text())
+    if "optimizer" in config:
+        config["optimizer"].setdefault("params", {})["torch_adam"] = True
+    return config

@@ -235,6 +235,10 @@ def _training_arguments(plan: Plan, args: TrainArgs, output: Path, *, on_cpu: bo
                             "emit it with `toolkit emit` next to plan.json")
         check_ds_config_agrees(plan, args, deepspeed)
         deepspeed = str(deepspeed)
+        if plan.grid.autoep:
+            from toolkit.patches.autoep import autoep_ready
+
+            deepspeed = autoep_ready(deepspeed, on_cpu)
     if plan.precision == "fp16" and on_cpu:
         raise UserError("fp16 cannot run on a CPU (DeepSpeed refuses it and accelerate ignores it); "
                         "rehearse fp16 plans as bf16 (`toolkit launch --rehearse` does)")
