@@ -47,11 +47,24 @@ def test_each_lever_pulled_reaches_at_least_the_rung_before(qwen_ladder):
 
 
 def test_a_lever_the_engines_refuse_with_the_levers_before_it_is_shown_with_the_reason(qwen_ladder):
+    """Tiling takes the chunked loss's place (both replace the logits + loss), so what refuses it is the offloading
+    pulled before it, not the loss."""
     _, rungs = qwen_ladder
-    tiled, split = rungs[4], rungs[5]
+    tiled = rungs[4]
     assert tiled.found is None and tiled.gain == 0
-    assert "--loss trl with --tiled: both replace the logits + loss" in tiled.skipped
-    assert split.found is None and "activation offloading" in split.skipped
+    assert tiled.skipped.startswith("--tiled with --activation-offloading is not modelled")
+
+
+def test_the_sequence_split_is_added_to_the_offloading_job(qwen_ladder):
+    """ZeRO-2 x Ulysses SP 2 with the checkpointed activations offloaded: each rank holds and offloads its half of
+    the tokens, so the last rung buys more again (299,904 tokens: 1.8x the offloading rung's 163,712)."""
+    _, rungs = qwen_ladder
+    offload, split = rungs[3], rungs[5]
+    c = split.found.candidate
+    assert c.job.activation_offloading and c.grid.sequence == 2 and split.flags == "--sequence-parallel 2"
+    assert split.gain == split.seq_len - offload.seq_len and split.seq_len > 1.5 * offload.seq_len
+    assert c.memory.required_bytes <= parse_hardware("2xRTX-4090").gpu.memory_bytes
+    assert split.rope_factor == math.ceil(split.seq_len / 40960)
 
 
 def test_a_lever_the_job_already_has_or_the_model_lacks_is_not_pulled_and_says_why():
@@ -80,6 +93,7 @@ def test_plan_seq_max_json_and_plan_md_carry_the_ladder(tmp_path, capsys):
                             "required_bytes", "reason"}
     assert rows[1]["longest_seq"] == 40960 and rows[1]["gain"] == 40960 - rows[0]["longest_seq"]
     assert rows[4]["pulled"] is False and "--tiled" in rows[4]["skipped"]
+    assert rows[5]["pulled"] is True and rows[5]["gain"] > 0
     md = (out / "PLAN.md").read_text()
     assert "## Long-context levers" in md and f"| {CHUNKED} | 40,960 | {rows[1]['gain']:+,} |" in md
     svg = (out / "memory_vs_seq_levers.svg").read_text()

@@ -363,3 +363,47 @@ def test_the_offloaded_bytes_are_traced_alike_without_trl_installed(monkeypatch)
     monkeypatch.setitem(sys.modules, "trl", None)
     without = [offloaded_bytes(trace_activations(config, device_kind=k, **kwargs)) for k in ("cpu", "cuda")]
     assert with_trl == without == [2_840_576, 1_684_480]
+
+
+@pytest.mark.parametrize("strategy, dimension", [("zero2", "sequence"), ("fsdp2", "context")])
+def test_activation_offloading_on_a_split_sequence_moves_each_ranks_own_tokens(strategy, dimension):
+    """Ulysses SP / FSDP2 CP with TRL's offloading: each rank's pack hook sees its own share of the tokens, so the
+    pinned host RAM, the PCIe bytes and the GPU bytes it frees are those of the rank's trace at seq / 2 (checkpointed
+    here: a layer saves its input and nothing of the split attention). Qwen3-0.6B at 32,768 tokens over 2 ranks."""
+    from dataclasses import replace
+
+    from toolkit.estimate.dimensions import rank_view
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.savers import offload_copies, offloaded_bytes
+    from toolkit.estimate.traces import scaled_trace
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec, hw, s = resolve_model("qwen3-0.6b"), parse_hardware("2xA100-80GB"), parse_strategy(strategy)
+    grid = ParallelGrid.for_strategy(s, nodes=1, gpus_per_node=2, **{dimension: 2})
+    job = Job(seq_len=32768, micro_batch=1, checkpointing=True)
+    plain = estimate_memory(spec, s, job, hw, grid=grid)
+    off = estimate_memory(spec, s, replace(job, activation_offloading=True), hw, grid=grid)
+    view = rank_view(spec, job, grid)
+    assert view.job.seq_len == 16384
+    rank_trace = scaled_trace(view.spec, view.job, s)
+    rank = offloaded_bytes(rank_trace)
+    assert off.cpu_bytes_per_node - plain.cpu_bytes_per_node == 2 * rank
+    checkpoints = 28 * 16384 * 1024 * 2  # one bf16 layer input per layer, the rank's tokens
+    assert rank >= checkpoints and rank < 0.6 * offloaded_bytes(scaled_trace(spec, job, s))
+    assert off.activations_bytes == plain.activations_bytes - sum(r.saved_bytes for r in rank_trace.layers)
+    assert off.peak_bytes < plain.peak_bytes
+    moved, seconds = offload_copies(spec, replace(job, activation_offloading=True), s, hw, grid)
+    assert moved == rank and seconds == pytest.approx(2 * rank / (hw.gpu.pcie_gbps * 1e9))
+
+
+def test_activation_offloading_with_tensor_parallelism_is_one_line(capsys):
+    from toolkit.cli import main
+
+    assert main(["estimate", "qwen3-0.6b", "--gpus", "4xA100-80GB", "--strategy", "fsdp2", "--tensor-parallel", "2",
+                 "--seq", "4096", "--activation-offloading"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "activation offloading with tensor parallelism is not planned" in err[0], err

@@ -290,7 +290,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     if c.job.activation_offloading and not strategy.is_pipeline:
         from toolkit.estimate.savers import offload_traffic_line
 
-        print(offload_traffic_line(spec, c.job, strategy, hw, t.compute_s))
+        print(offload_traffic_line(spec, c.job, strategy, hw, t.compute_s, c.grid))
     if explain and spec.multimodal:
         print(f"  vision encoder's share: {vision_share_words(spec, b, c)}")
     if explain:

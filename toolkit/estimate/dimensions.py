@@ -70,9 +70,13 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
     if job.adapter.is_adapter:
         raise UserError(f"{job.adapter.method} with tensor / context / sequence parallelism is not planned; use "
                         "full fine-tuning with them, or drop the degree")
-    if job.activation_offloading:
-        raise UserError("activation offloading with tensor / context / sequence parallelism is not planned; drop "
-                        "--activation-offloading or the degree")
+    if job.activation_offloading and grid.tensor > 1:
+        # Context / sequence ranks each offload their own saves (one rank's tokens: savers.py's rule on the rank's
+        # trace); under tensor parallelism what a rank saves is DTensor shards of the transformers tp_plan, which
+        # the rank view does not trace.
+        raise UserError("activation offloading with tensor parallelism is not planned (a rank's DTensor saves are "
+                        "not traced); drop --activation-offloading or --tensor-parallel, or split the sequence "
+                        "(--sequence-parallel / --context-parallel) instead")
     if job.images_per_sample:
         raise UserError("an image-and-text job with tensor / context / sequence parallelism is not planned (each "
                         "rank's share of the vision tower is not traced); drop the degree, or the images")
@@ -166,7 +170,8 @@ def apply_to_trace(trace: "ActivationTrace", view: RankView, checkpointing: bool
     for r in trace.layers:
         saved = 0 if checkpointing else view.layer_saved_extra
         back = view.layer_backward_extra + (view.layer_saved_extra if checkpointing else 0)
-        layers.append(replace(r, saved_bytes=r.saved_bytes + saved,
+        # What a layer saves beyond its own tokens is saved like the rest: TRL's pack hook moves it too.
+        layers.append(replace(r, saved_bytes=r.saved_bytes + saved, offload_bytes=r.offload_bytes + saved,
                               forward_extra_bytes=r.forward_extra_bytes + view.layer_forward_extra,
                               backward_extra_bytes=r.backward_extra_bytes + back))
     return replace(trace, layers=tuple(layers))

@@ -5,7 +5,9 @@ them (TRL's long-context guide, docs/ENGINE_FACTS.md "Long-context levers"): TRL
 past the trained positions (YaRN), the checkpointed activations offloaded to the CPU, ALST tiling, then sequence /
 context parallelism. Each rung is toolkit.estimate.longest's search (the same traces, cached per octave) on the job
 with that lever and every one pulled before it; a lever the job already has, or that the engines (or this planner)
-refuse with the levers before it, is a rung that says why in one line and changes nothing.
+refuse with the levers before it, is a rung that says why in one line and changes nothing. Tiling's rung takes the
+chunked loss's place (ALST's tiled logits + loss and TRL's chunked NLL both replace the logits + loss); the split
+rung keeps the offloading pulled before it (each context / sequence rank offloads its own tokens' saves).
 
 RoPE scaling changes no memory (toolkit.inputs.rope: the same cos / sin and one inv_freq buffer whatever the
 factor), so from the RoPE rung on the search runs on the model as it is with its positions raised an octave at a
@@ -89,6 +91,8 @@ def lever_ladder(spec: "ModelSpec", hw: "Hardware", req: "Request", strategy: st
         if had:
             rungs.append(Rung(lever, flags, None, skipped=had))
             continue
+        if req.loss == TRL_LOSS and new_req.loss != TRL_LOSS:
+            flags += " (in place of --loss trl: both replace the logits + loss)"
         wants_split = lever == SPLIT
         rows = _rows(spec, hw, new_req, wants_split)
         refused = _refused(hw, new_req, rows)
@@ -104,6 +108,10 @@ def lever_ladder(spec: "ModelSpec", hw: "Hardware", req: "Request", strategy: st
         before = next(r for r in reversed(rungs) if r.found is not None)
         req, scaled = new_req, scaled or lever == ROPE
         cap = searched_to
+        if wants_split and found.candidate is not None and found.candidate.grid is not None:
+            grid = found.candidate.grid
+            flags = (f"--sequence-parallel {grid.sequence}" if grid.sequence > 1 else
+                     f"--context-parallel {grid.context}")
         rung = Rung(lever, flags, found, gain=found.seq_len - before.seq_len)
         if scaled:
             factor = max(1, math.ceil(found.seq_len / original))
@@ -143,7 +151,11 @@ def _levers(spec, req, split: bool):
             "already in the job (--activation-offloading)" if r.activation_offloading else ""
 
     def tiled(s, r):
-        return replace(r, tiled=True), "already in the job (--tiled)" if r.tiled else ""
+        if r.tiled:
+            return r, "already in the job (--tiled)"
+        # ALST's tiled logits + loss and TRL's chunked NLL are two ways to never hold the whole logits (loss_problem
+        # refuses both in one job): tiling's own loss takes the chunked loss's place.
+        return replace(r, tiled=True, loss="model"), ""
 
     def parallel(s, r):
         if split:
@@ -174,9 +186,6 @@ def _refused(hw, req, rows: list) -> str:
     if not rows:
         if hw.world_size == 1:
             return "one GPU: no ranks to split the sequence over"
-        if req.activation_offloading:
-            return ("not planned with activation offloading (a rank's view of an offloading job is not modelled, "
-                    "toolkit.estimate.search)")
         return f"{req.strategies[0]} has no sequence- or context-parallel row (ZeRO x Ulysses SP, FSDP2 x CP)"
     reasons = [grids for _, _, grids in rows if isinstance(grids, str)]
     return reasons[0] if len(reasons) == len(rows) else ""

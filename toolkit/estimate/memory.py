@@ -355,9 +355,8 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         counts = counts_for_spec(spec, job.adapter)
         states = adapter_job_states(spec, strategy, job, grid)
         trace = scaled_trace(spec, job, strategy)
-        if job.activation_offloading:
-            trace, offloaded = offload_layer_activations(trace)
-            states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
+        trace, offloaded = offload_layer_activations(trace, job)
+        states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
         # Gradients exist only for the trainable parameters: regions carry those counts.
         regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
                    *(_Region(f"layer {i}", counts.per_layer[i], trace.layers[i]) for i in range(spec.num_layers)),
@@ -365,9 +364,7 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference, grid=grid)
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
-        offloaded = 0
-        if job.activation_offloading:
-            trace, offloaded = offload_layer_activations(trace)
+        trace, offloaded = offload_layer_activations(trace, job)
         states = states_for(spec, strategy, job, grid, params=spec.params)
         if grid.expert > 1 and grid.shard_group > 1 and not grid.autoep:  # transformers' own FSDP2 groups (distributed/fsdp.py)
             from toolkit.inputs.moe import ep_gathered_layer_params
@@ -415,7 +412,9 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
 
     view = rank_view(spec, job, grid)
     trace = apply_to_trace(scaled_trace(view.spec, view.job, strategy), view, job.checkpointing)
+    trace, offloaded = offload_layer_activations(trace, job)  # a rank moves its own tokens' saves (rank_view)
     states = states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
+    states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
     if view.fsdp_kept_outside_params is not None and strategy.engine == Engine.FSDP2 \
             and strategy.fsdp_mode != "grad_op" and not view.fsdp_layers_kept:
         trace = _fsdp_plan_groups(view.spec, view.fsdp_kept_outside_params, view.spec.layer_params, trace, states,

@@ -178,7 +178,7 @@ def _measure(model, optimizer, batch, amp, autocast, device: str, steps: int, to
 def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
                  checkpointing: bool = False, device_kind: str = "cpu", adapter=None, optimizer: str = "adamw",
                  optimizer_impl: str = "fused", liger: bool = False,
-                 activation_offloading: bool = False, loss: str = "model") -> dict[str, Any]:
+                 activation_offloading: bool = False, loss: str = "model", tiled: bool = False) -> dict[str, Any]:
     """The estimator's prediction for the same single-device step (DDP engine, one process)."""
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
@@ -189,7 +189,7 @@ def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
     spec = build_spec(getattr(config, "model_type", "model"), config)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
               checkpointing=checkpointing, device_kind=device_kind, optimizer=optimizer, optimizer_impl=optimizer_impl,
-              liger=liger, activation_offloading=activation_offloading, loss=loss,
+              liger=liger, activation_offloading=activation_offloading, loss=loss, tiled=tiled,
               **({"adapter": adapter} if adapter else {}))
     b = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200"))
     return {"peak_bytes": b.peak_bytes, "activations_bytes": b.activations_bytes, "peak_phase": b.peak_phase,
@@ -197,7 +197,8 @@ def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
 
 
 def measure_offloaded_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32",
-                           attention: str = "sdpa", checkpointing: bool = True) -> dict[str, int]:
+                           attention: str = "sdpa", checkpointing: bool = True,
+                           tiled: bool = False) -> dict[str, int]:
     """A steady-state step under TRL's activation offloading (toolkit.patches.actoffload), in this process on CPU,
     measured as a GPU would hold it: `peak_bytes`, the peak of MemTracker's live bytes with the host copies TRL's
     pack hook makes left out (made with the tracker's dispatch mode off) and each copy the unpack hook hands back
@@ -211,6 +212,10 @@ def measure_offloaded_step(config, *, seq_len: int, micro_batch: int, precision:
     from toolkit.patches.actoffload import moved_bytes, offload_context
 
     model = build_model(config, precision, attention, checkpointing, "cpu")
+    if tiled:  # ALST's tiling as toolkit.train applies it
+        from toolkit.patches.tiling import apply_tiling
+
+        apply_tiling(model)
     batch = _batch(config, micro_batch, seq_len, "cpu")
     amp = _dtype(precision)
     optimizer = make_optimizer(model.parameters())

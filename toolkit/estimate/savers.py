@@ -55,10 +55,13 @@ def offloaded_bytes(trace) -> int:
     return sum(r.offload_bytes for r in (trace.embedding, *trace.layers, trace.head))
 
 
-def offload_layer_activations(trace):
-    """(trace with the decoder layers' saved bytes moved off the GPU, host bytes per micro-batch)."""
+def offload_layer_activations(trace, job):
+    """(trace with the decoder layers' saved bytes moved off the GPU, host bytes per micro-batch) when `job` offloads
+    its activations; else (trace, 0)."""
     from dataclasses import replace
 
+    if not job.activation_offloading:
+        return trace, 0
     # The copies to and from the host (TRL's side stream) are not recorded events: no allocator replay for them.
     layers = tuple(replace(r, saved_bytes=0, forward_extra_bytes=r.forward_extra_bytes + r.saved_bytes,
                            backward_extra_bytes=r.backward_extra_bytes + r.saved_bytes, forward_events=(),
@@ -68,33 +71,41 @@ def offload_layer_activations(trace):
                    notes=trace.notes + ("activation offloading: decoder layers' saved tensors in pinned host RAM",)), host
 
 
-def offload_copies(spec, job, strategy, hw) -> tuple[int, float]:
+def offload_copies(spec, job, strategy, hw, grid=None) -> tuple[int, float]:
     """(one rank's bytes TRL moves per micro-batch, the PCIe seconds of their copies a step): each byte out in the
     forward and back in the backward, every micro-step, over the GPU's host link from the catalog. A DPO job's moved
     bytes are its policy's, chosen and rejected concatenated (policy_job); its reference's forward runs under no_grad
-    and saves nothing to move."""
+    and saves nothing to move. On a context / sequence-parallel `grid`, the rank's: its share of the tokens, as
+    toolkit.estimate.memory traces it (rank_view, apply_to_trace)."""
     from toolkit.estimate.traces import scaled_trace
     from toolkit.inputs.job import policy_job
 
     if job.dpo is not None:
         job = policy_job(job)
-    rank_bytes = offloaded_bytes(scaled_trace(spec, job, strategy))
+    if grid is not None and grid.model_parallel > 1:
+        from toolkit.estimate.dimensions import apply_to_trace, rank_view
+
+        view = rank_view(spec, job, grid)
+        trace = apply_to_trace(scaled_trace(view.spec, view.job, strategy), view, job.checkpointing)
+    else:
+        trace = scaled_trace(spec, job, strategy)
+    rank_bytes = offloaded_bytes(trace)
     return rank_bytes, job.grad_accum * 2 * rank_bytes / (hw.gpu.pcie_gbps * 1e9)
 
 
-def exposed_copy_s(spec, job, strategy, hw, compute_s: float) -> float:
+def exposed_copy_s(spec, job, strategy, hw, compute_s: float, grid=None) -> float:
     """The part of activation offloading's copies the step time pays: TRL copies on a side stream while the next
     layer computes, so at best they hide behind the step's compute (an assumption, unmeasured); the rest shows."""
-    return max(0.0, offload_copies(spec, job, strategy, hw)[1] - compute_s)
+    return max(0.0, offload_copies(spec, job, strategy, hw, grid)[1] - compute_s)
 
 
-def offload_traffic_line(spec, job, strategy, hw, compute_s: float) -> str:
+def offload_traffic_line(spec, job, strategy, hw, compute_s: float, grid=None) -> str:
     """What activation offloading asks of each node's host: the pinned RAM (every rank's moved bytes,
     one micro-batch at a time, as toolkit.estimate.memory puts them there) and the PCIe time of the copies
     (offload_copies), with what of it the step time pays (exposed_copy_s)."""
     from toolkit.inputs.choices import GIB
 
-    rank_bytes, seconds = offload_copies(spec, job, strategy, hw)
+    rank_bytes, seconds = offload_copies(spec, job, strategy, hw, grid)
     return (f"activation offloading: {rank_bytes * hw.gpus_per_node / GIB:.2f} GiB pinned host RAM per node "
             f"({rank_bytes / GIB:.2f} GiB x {hw.gpus_per_node} ranks); PCIe {seconds:.3f} s a step per rank "
             f"({job.grad_accum} micro-step(s) x 2 copies at {hw.gpu.pcie_gbps:.0f} GB/s), "

@@ -299,7 +299,8 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                     and not _fits(best, f"{slot}{TILED_SLOT}"):
                 for changes in savers:  # least intrusive first; the first that fits any job ends the search
                     if changes.get("activation_offloading") and (grid.model_parallel > 1 or grid.expert > 1):
-                        continue  # not modelled with a tensor / context / sequence dimension (_model_parallel_options)
+                        continue  # not tried by itself with a model-parallel dimension (--activation-offloading
+                        # plans it on context / sequence ranks: toolkit.estimate.dimensions rank_view)
                     for job in short:
                         _keep(best, f"{slot}{SAVER_SLOT}", evaluate(spec, hw, strategy, replace(job, **changes),
                                                                     grid, partition), dimension)
@@ -420,7 +421,8 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
     fixed = {"tp": req.tensor_parallel, "cp": req.context_parallel, "sp": req.sequence_parallel}
     attention = spec.effective_attention(req.attention)
     for dimension, names in MODEL_PARALLEL_FAMILIES:
-        if fixed[dimension] == 1 or req.adapter.is_adapter or req.activation_offloading or req.images_per_sample:
+        if fixed[dimension] == 1 or req.adapter.is_adapter or req.images_per_sample \
+                or (req.activation_offloading and dimension == "tp"):
             continue  # rank_view refuses these: not modelled per rank
         if any(v not in (None, 1) for d, v in fixed.items() if d != dimension):
             continue  # a degree fixed for another dimension: plan that one alone
@@ -432,7 +434,7 @@ def _model_parallel_options(spec: ModelSpec, hw: Hardware, req: Request, sequenc
                 continue
             problem = job_problem(req.precision, hw.gpu, strategy, liger=req.liger, compile=req.compile,
                                   attention=req.attention, tiled=req.tiled is True, dpo=req.dpo,
-                                  grpo=req.grpo, loss=req.loss) \
+                                  grpo=req.grpo, loss=req.loss, activation_offloading=req.activation_offloading) \
                 or (MODEL_PARALLEL_DPO_PROBLEM if req.dpo else MODEL_PARALLEL_GRPO_PROBLEM if req.grpo else None)
             if problem:
                 yield dimension, strategy, problem

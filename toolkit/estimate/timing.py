@@ -425,8 +425,8 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         exposed += extra
         if expert_part is not None:
             assumptions += expert_assumptions(full_spec, full_job, grid, hw, expert_part, extra)
-    if job.activation_offloading and grid.model_parallel == 1:
-        offload += exposed_copy_s(spec, job, strategy, hw, compute)
+    if job.activation_offloading:  # the rank's own tokens' copies (offload_copies), against its compute
+        offload += exposed_copy_s(full_spec, full_job, strategy, hw, compute, grid)
     step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
