@@ -373,7 +373,7 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     return {"version": TUNE_VERSION, "plan": str(plan_dir), "model": plan.model, "planned_for":
             f"{plan.world_size}x {plan.gpu}", "where": where, "cpu": cpu, "processes": processes,
             "warmup_steps": WARMUP_STEPS, "measured_steps": steps, "budget_min": budget_min,
-            "planning_s": None if planning_s is None else round(planning_s, 1),
+            "planning_s": None if planning_s is None else round(planning_s, 3),
             "spent_min": round((time.monotonic() - began) / 60, 2), "memory_limit_gib": limit_gib,
             "mfu_basis": mfu_basis, "candidates": [{**asdict(r), "step_ratio": r.step_ratio} for r in rows],
             "ranking": [r.name for r in measured], "emitted": emitted,
