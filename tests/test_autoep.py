@@ -126,3 +126,25 @@ def test_plan_ranks_autoep_rows_and_emits_a_json_deepspeed_and_check_accept(q30,
     concrete["expert_parallel"]["autoep_size"] = 3  # does not tile 16 ranks: DeepSpeed's folding refuses it
     with pytest.raises(ConfigRejected, match="DeepSpeed AutoEP refuses"):
         autoep_config_check(deepspeed_config_at(concrete, 16), 16)
+
+
+def test_autoep_with_an_optimizer_deepspeed_cannot_build_is_refused_in_estimate_and_plan(q30, capsys):
+    """An AutoEP plan trains with the optimizer the DeepSpeed JSON builds (toolkit writes AdamW's); with SGD the
+    Trainer would hand DeepSpeed a client optimizer whose groups mark no MoE parameters, which it refuses at start.
+    estimate and plan say so in one line (exit 2) before tracing anything."""
+    args = [str(q30 / "config.json"), "--gpus", "8xH100-80GB", "--seq", "2048", "--optimizer", "sgd",
+            "--expert-parallel", "8"]
+    for command in (["estimate", *args, "--strategy", "zero1"],
+                    ["plan", *args, "--global-batch", "8", "--strategies", "zero2"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--optimizer sgd with DeepSpeed AutoEP" in err[0] and "--optimizer adamw" in err[0]
+
+
+def test_plan_takes_a_fixed_expert_degree_on_zero1_or_zero2_alone(q30, capsys):
+    """plan --strategies zero1 --expert-parallel 8 (no fsdp2 asked for) plans the AutoEP row at that degree; before,
+    the fixed degree was checked by FSDP2's rules only and refused ("--strategies leaves out")."""
+    assert main(["plan", str(q30 / "config.json"), "--gpus", "2x8xH100-80GB", "--seq", "2048", "--global-batch", "32",
+                 "--strategies", "zero1", "--expert-parallel", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert [c["name"] for c in rows if c["feasible"]] == ["zero1 (dp=16 x autoep=8)"], rows

@@ -151,7 +151,7 @@ def test_zero3_with_the_moe_block_as_leaf_matches_one_process(run_training, tiny
 # --- expert parallelism: transformers' DistributedConfig route --------------------------------------------------
 
 def test_plan_with_expert_parallel_writes_ep_into_every_file_the_engines_accept(tiny_moe_dir, tmp_path, capsys):
-    """`plan --expert-parallel 2` plans the FSDP2 x EP row alone and writes it: plan.json's expert_parallel (read
+    """`plan --expert-parallel 2 --strategies fsdp2` plans the FSDP2 x EP row alone and writes it: plan.json's expert_parallel (read
     back by the schema), a plain multi-process YAML (accelerate's own launch validation; transformers shards and
     runs FSDP2 itself), training_args.json's distributed_config (transformers' DistributedConfig accepts it: ep 2,
     efsdp 1) with save_only_model, PLAN.md's from_pretrained line; `toolkit check` of the folder finds nothing."""
@@ -163,7 +163,7 @@ def test_plan_with_expert_parallel_writes_ep_into_every_file_the_engines_accept(
 
     out = tmp_path / "plan"
     assert main(["plan", str(tiny_moe_dir), "--gpus", "2xH100-80GB", "--seq", str(SEQ), "--global-batch", "4",
-                 "--expert-parallel", "2", "--out", str(out), "--json"]) == 0
+                 "--expert-parallel", "2", "--strategies", "fsdp2", "--out", str(out), "--json"]) == 0
     chosen = json.loads(capsys.readouterr().out)["chosen"]
     assert chosen["name"] == "fsdp2 (dp=2 x ep=2)" and chosen["expert_parallel"] == 2
     plan = load_plan(out)
@@ -257,13 +257,16 @@ def test_plan_refuses_expert_parallel_it_cannot_run_in_one_line(extra, fragment,
 
 
 def test_seq_max_with_a_fixed_expert_degree_searches_that_row_alone(tiny_moe_dir, capsys):
-    """`plan --seq max --expert-parallel 2`: the FSDP2 x EP row at that degree, its longest sequence and curve (the
-    same search --seq max runs on the ep rows the planner tries by itself)."""
+    """`plan --seq max --expert-parallel 2`: the rows at that degree alone (FSDP2 x EP, and DeepSpeed AutoEP on
+    zero1 / zero2 for a model with an AutoEP preset), each with its longest sequence and curve (the same search
+    --seq max runs on the ep rows the planner tries by itself)."""
     capsys.readouterr()
     assert main(["plan", str(tiny_moe_dir), "--gpus", "2xH100-80GB", "--seq", "max", "--expert-parallel", "2"]) == 0
     out = capsys.readouterr().out
     rows = [line.strip() for line in out.splitlines() if ": longest sequence" in line or ": no sequence fits" in line]
-    assert len(rows) == 1 and rows[0].startswith("fsdp2 (dp=2 x ep=2): longest sequence"), out
+    assert sorted(row.split(":")[0] for row in rows) == ["fsdp2 (dp=2 x ep=2)", "zero1 (dp=2 x autoep=2)",
+                                                         "zero2 (dp=2 x autoep=2)"], out
+    assert all(": longest sequence" in row for row in rows), out
 
 
 def _assert_states_as_planned(plan, ranks) -> list[tuple[float, float]]:

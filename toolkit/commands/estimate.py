@@ -98,6 +98,11 @@ def cmd_estimate(args) -> int:
                                      pipeline_stages=args.pipeline_stages, **degrees,
                                      expert_shared_batch=args.expert_shared_batch)
     check_job(spec, job, hw, strategy, pipeline_stages=grid.pipeline_stages)
+    if grid.autoep:
+        from toolkit.inputs.autoep import autoep_optimizer_problem
+
+        if problem := autoep_optimizer_problem(job.optimizer):
+            raise UserError(problem)
     if grpo is not None:
         from toolkit.inputs.grpo import MODEL_PARALLEL_GRPO_PROBLEM, batch_problem
 

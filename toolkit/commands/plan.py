@@ -140,9 +140,9 @@ def cmd_plan(args) -> int:
     if problem := vision_tower_problem(spec, req.vision_tower):
         raise UserError(problem)
     if (req.expert_parallel or 1) > 1:  # the grid and model rules estimate applies, before any work
-        from toolkit.estimate.search import expert_grid
+        from toolkit.estimate.expertgrids import check_fixed_expert
 
-        expert_grid(spec, hw, req)
+        check_fixed_expert(spec, hw, req)
     _refuse_an_empty_grid(spec, hw, req, seq_max or bool(searched))
     if args.out:
         _refuse_existing(Path(args.out), args.force)

@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from toolkit.estimate.autoeprows import autoep_options, autoep_strategies
+from toolkit.estimate.expertgrids import fixed_expert_grid
 from toolkit.estimate.errorband import band_for, time_band
 from toolkit.estimate.candidate import Candidate
 from toolkit.estimate.ranking import need_bytes, rank
@@ -174,7 +175,7 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
         strategy = parse_strategy("fsdp2")
         problem = _expert_job_problem(strategy, hw, req, "drop --expert-parallel, or those")
         if "fsdp2" in req.strategies or not autoep_strategies(req.strategies):
-            yield "fsdp2 x ep", strategy, [expert_grid(spec, hw, req)] if problem is None else problem
+            yield "fsdp2 x ep", strategy, problem or fixed_expert_grid(spec, hw, req)
         yield from autoep_options(spec, hw, req, [req.expert_parallel], sequence_rule, _expert_job_problem,
                                   _degree_problems)
         return
@@ -200,21 +201,6 @@ def options_for(spec: ModelSpec, hw: Hardware, req: Request, *, sequence_rule: b
             yield "fsdp2 x ep", strategy, problem or _expert_parallel_grids(spec, hw, req, sequence_rule)
         if spec.moe_experts and req.expert_parallel is None and not any(v not in (None, 1) for v in fixed):
             yield from autoep_options(spec, hw, req, None, sequence_rule, _expert_job_problem, _degree_problems)
-
-
-def expert_grid(spec: ModelSpec, hw: Hardware, req: Request) -> ParallelGrid:
-    """The FSDP2 x EP grid of a request that fixes --expert-parallel, checked against the model as estimate checks
-    it (transformers' DistributedConfig rules, the expert count, the ep_plan's dispatch); UserError says why not."""
-    if "fsdp2" not in req.strategies:
-        raise UserError(f"--expert-parallel {req.expert_parallel} is planned on fsdp2 (DistributedConfig ep_size) or "
-                        "zero1 / zero2 (DeepSpeed AutoEP), which --strategies leaves out; add one or drop it")
-    grid = ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
-                                     pipeline_stages=req.pipeline_stages, tensor=req.tensor_parallel or 1,
-                                     context=req.context_parallel or 1, sequence=req.sequence_parallel or 1,
-                                     expert=req.expert_parallel)
-    grid.check_model(spec)
-    grid.check_sequence(req.seq_len, spec.effective_attention(req.attention), spec)
-    return grid
 
 
 def _expert_job_problem(strategy: Strategy, hw: Hardware, req: Request, fix: str) -> str | None:

@@ -65,6 +65,18 @@ def autoep_problem(spec: Any, expert: int) -> str | None:
     return None
 
 
+def autoep_optimizer_problem(optimizer: str) -> str | None:
+    """Why an AutoEP plan cannot train with `optimizer`, or None. Its ZeRO builds the optimizer from the DeepSpeed
+    JSON's own block (toolkit writes AdamW's): a client optimizer's param groups mark no MoE parameters, which
+    DeepSpeed refuses at start ("The model has moe layers, but None of the param groups are marked as MoE",
+    runtime/engine.py), and toolkit emits a block for AdamW only."""
+    if optimizer == "adamw":
+        return None
+    return (f"--optimizer {optimizer} with DeepSpeed AutoEP: its ZeRO takes the optimizer from the DeepSpeed JSON "
+            "(toolkit writes AdamW's; a client optimizer's param groups mark no MoE parameters and DeepSpeed refuses "
+            "it); use --optimizer adamw, or fsdp2 --expert-parallel")
+
+
 def autoep_section(model_type: str, expert: int) -> dict[str, Any]:
     """The DeepSpeed JSON's expert_parallel section for a plan of `expert` ranks."""
     return {"enabled": True, "autoep_size": expert, "preset_model": autoep_preset(model_type)}
