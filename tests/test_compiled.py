@@ -159,34 +159,19 @@ def test_a_compiled_plan_is_rehearsed_compiled(tiny_llama_dir):
 def test_per_op_selective_checkpointing_inside_the_compiled_model_keeps_what_the_trace_says():
     # torchtitan's per-op policy under compile: the partitioner keeps the policy's MUST_SAVE outputs, and each layer
     # keeps what the eager policy keeps (+4.7% here: the compiled step keeps a float mask where eager keeps less).
-    # The real step runs in a fresh interpreter: in some xdist workers' order an earlier test's state (not found)
-    # made the compiled step keep only the layers' inputs (396,820 B) where a fresh process keeps 669,076 B.
-    import json
-    import subprocess
-    import sys
+    from toolkit.estimate.selective import op_context_fn
 
     config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
     traced = trace_compiled_activations(config, seq_len=64, micro_batch=2, dtype="float32", attention="sdpa",
                                         device_kind="cpu", checkpointing="op")
-    script = (
-        "import json, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "from toolkit.estimate.livebytes import measure_compiled_step\n"
-        "from toolkit.estimate.selective import op_context_fn\n"
-        "from toolkit.run.tiny import tiny_config\n"
-        "config = tiny_config('llama', layers=2, hidden=64, vocab_size=512)\n"
-        "torch.manual_seed(0)\n"
-        "model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation='sdpa').train()\n"
-        "model.config.use_cache = False\n"
-        "model.gradient_checkpointing_enable({'use_reentrant': False, 'context_fn': op_context_fn()})\n"
-        "ids = torch.randint(0, 512, (2, 64))\n"
-        "real = measure_compiled_step(model, {'input_ids': ids, 'labels': ids})\n"
-        "print(json.dumps([real.saved_bytes, real.peak_bytes, real.saved]))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    saved_bytes, peak_bytes, saved = json.loads(done.stdout.strip().splitlines()[-1])
-    assert _close(traced.activations_bytes, saved_bytes), (traced.activations_bytes, saved)
-    assert _close(_composed_peak(traced), peak_bytes), (_composed_peak(traced), peak_bytes)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn": op_context_fn()})
+    ids = torch.randint(0, 512, (2, 64))
+    real = measure_compiled_step(model, {"input_ids": ids, "labels": ids})
+    assert _close(traced.activations_bytes, real.saved_bytes), (traced.activations_bytes, real.saved)
+    assert _close(_composed_peak(traced), real.peak_bytes), (_composed_peak(traced), real.peak_bytes)
 
 
 def test_each_region_is_charged_its_own_elementwise_traffic_and_blocks_compile_only_the_layers():
