@@ -268,13 +268,10 @@ class CompiledStep:
 
 def measure_compiled_step(model, batch: dict) -> CompiledStep:
     """torch.compile `model` (inductor), run one step to compile it, drop the gradients, and measure a second
-    forward + backward on CPU. Dynamo's per-process cache is reset first: graphs compiled earlier in the process for
-    the same model code would otherwise be reused where their guards pass, or, past
-    torch._dynamo.config.recompile_limit recompiles of that code, the step would silently run eagerly."""
+    forward + backward on CPU."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    torch._dynamo.reset()
     persistent = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
     compiled = torch.compile(model)
     compiled(**batch).loss.backward()
