@@ -253,13 +253,12 @@ def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
             torch.set_default_dtype(previous_dtype)
             BaseTunerLayer._move_adapter_to_device_of_base_layer = previous_move
             torch.nn.Module.to = previous_to
-    if autocast and adapter.saved_dtype != "auto":
+    if autocast:
         # --modules-to-save-dtype, as toolkit.train casts the copies after wrapping (DDP keeps them so). Without
         # autocast the engine computes them in the traced dtype (FSDP2's param_dtype, or the one compute dtype).
-        from toolkit.inputs.choices import BASE_DTYPE_NAMES
-        from toolkit.inputs.lora import cast_saved_modules
+        from toolkit.inputs.lora import apply_saved_dtype
 
-        cast_saved_modules(wrapped, getattr(torch, BASE_DTYPE_NAMES[adapter.saved_dtype]))
+        apply_saved_dtype(wrapped, adapter)
     notes.append(f"{adapter.method}: PEFT LoRA r={adapter.r}, dropout {adapter.dropout}, targets {adapter.targets}"
                  + ("; 4-bit base traced as its compute-dtype matmuls (bitsandbytes MatMul4Bit saves no input "
                     "for a frozen weight, as a frozen nn.Linear)" if adapter.method == "qlora" else ""))

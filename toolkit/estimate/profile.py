@@ -66,12 +66,10 @@ def build_model(config, precision: str, attention: str, checkpointing: bool, dev
     if lora:
         from peft import get_peft_model
 
-        model = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=precision != "bf16-pure")
-        if adapter.saved_dtype != "auto":
-            from toolkit.inputs.lora import cast_saved_modules, saved_dtype_name
+        from toolkit.inputs.lora import apply_saved_dtype
 
-            cast_saved_modules(model, getattr(torch, saved_dtype_name(precision, adapter.base_dtype,
-                                                                      adapter.saved_dtype)))
+        model = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=precision != "bf16-pure")
+        apply_saved_dtype(model, adapter)
         model.train()
     return model
 

@@ -80,11 +80,9 @@ def wrap_model(model, adapter: Adapter, *, checkpointing: bool):
     require grad so that the checkpointed layers' recompute reaches the adapters (enable_input_require_grads,
     which transformers' activation_checkpointing_enable also calls). --modules-to-save-dtype casts PEFT's trainable
     modules_to_save copies (which it deep-copies in the base's dtype) before any engine sees them."""
-    import torch
     from peft import get_peft_model
 
-    from toolkit.inputs.choices import BASE_DTYPE_NAMES
-    from toolkit.inputs.lora import cast_saved_modules
+    from toolkit.inputs.lora import apply_saved_dtype
 
     if checkpointing and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
@@ -95,8 +93,7 @@ def wrap_model(model, adapter: Adapter, *, checkpointing: bool):
         fix = "give --lora-dropout 0 (MoE expert parameters take none)" if "lora_dropout" in message else \
             "check --lora-targets"
         raise UserError(f"PEFT refuses the adapter ({message}); {fix}") from None
-    if adapter.saved_dtype != "auto":
-        cast_saved_modules(wrapped, getattr(torch, BASE_DTYPE_NAMES[adapter.saved_dtype]))
+    apply_saved_dtype(wrapped, adapter)
     return wrapped
 
 
