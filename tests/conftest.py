@@ -103,6 +103,23 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """tiny_llama_dir's Llama as a reward model, as TRL's GRPOTrainer loads one by name: LlamaForSequenceClassification,
+    one label, 1 decoder layer (the policy has 2), random weights, the policy's tokenizer with its pad token set."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny-reward")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    config = AutoConfig.from_pretrained(tiny_llama_dir, num_labels=1, num_hidden_layers=1)
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory) -> Path:
     from toolkit.run import tiny
 

@@ -38,6 +38,7 @@ VALUES = {
     "--workdir": "{tmp}/demo", "--qlora-compute-dtype": "float32", "--runner": "deepspeed", "--data": "{corpus}",
     "--rope-original-positions": "128", "--image-size": "448x448", "--emit": "{tmp}/out2",
     "--calibration": "{tmp}/calibration.json", "--export-calibration": "{tmp}/exported.json",
+    "--reward-model": "{reward}",
 }
 """A value for each flag whose value the parser cannot give (names, paths), or whose derived value would not show
 its effect: --power-limit-w inside the die's datasheet points; --qlora-compute-dtype float32, as float16 takes the
@@ -71,7 +72,7 @@ NEEDS = {
     # GRPO: lengths the tiny model's 256 positions take (its sequence is prompt + completion, never --seq), and a
     # generation batch of whole groups of 8 on the 2 GPUs (micro-batch 4)
     **{flag: ["--method", "grpo", "--max-prompt-length", "32", "--max-completion-length", "32", "--micro-batch", "4"]
-       for flag in ("--num-generations", "--grpo-beta", "--use-vllm")},
+       for flag in ("--num-generations", "--grpo-beta", "--use-vllm", "--reward-model")},
     **{flag: ["--method", "grpo", "--max-prompt-length", "32", "--max-completion-length", "32", "--micro-batch", "4",
               "--use-vllm"] for flag in ("--vllm-mode", "--vllm-gpu-memory-utilization", "--vllm-enable-sleep-mode",
                                       "--vllm-tensor-parallel-size")},
@@ -91,7 +92,8 @@ BY_NUMBERS = ["--layers", "3", "--hidden", "64", "--heads", "4", "--vocab", "512
 they are refused)."""
 
 DROPS = {"--savers": {"--global-batch"}, "--params": {"--layers", "--hidden", "--heads", "--vocab"},
-         **{flag: {"--seq"} for flag in ("--num-generations", "--grpo-beta", "--use-vllm", "--vllm-mode",
+         **{flag: {"--seq"} for flag in ("--num-generations", "--grpo-beta", "--use-vllm", "--reward-model",
+                                         "--vllm-mode",
                                          "--vllm-gpu-memory-utilization", "--vllm-enable-sleep-mode",
                                          "--vllm-tensor-parallel-size",
                                          "--max-prompt-length",
@@ -257,12 +259,13 @@ def _result(command: str, argv: list[str], tmp: Path, capsys, *, fresh: bool = T
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, planned, planned_four, corpus_dir, tmp_path,
-                                                   capsys):
+                                                   capsys, tiny_reward_dir):
     """Each flag `toolkit COMMAND --help` shows, given once, changes what the command prints or writes (its numbers
     or files, not an echo of its input), or is refused in one line with exit code 2."""
     parser = _subparser(command)
     before, after = _setups(tiny_llama_dir, tmp_path, planned, corpus_dir, planned_four)[command]
-    fill = {"{tmp}": str(tmp_path), "{model}": str(tiny_llama_dir), "{corpus}": str(corpus_dir)}
+    fill = {"{tmp}": str(tmp_path), "{model}": str(tiny_llama_dir), "{corpus}": str(corpus_dir),
+            "{reward}": str(tiny_reward_dir)}
     known = {o for a in parser._actions for o in a.option_strings}  # noqa: SLF001
     by_numbers = {o for g in parser._action_groups if g.title and g.title.startswith("model by numbers")  # noqa: SLF001
                   for a in g._group_actions for o in a.option_strings}  # noqa: SLF001

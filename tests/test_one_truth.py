@@ -496,7 +496,7 @@ def _unusual_grpo_job():
 
     grpo = Grpo(num_generations=4, max_prompt_length=40, max_completion_length=56, beta=0.04, use_vllm=True,
                 vllm_mode="server", vllm_gpu_memory_utilization=0.5, vllm_tensor_parallel_size=2,
-                vllm_enable_sleep_mode=True)
+                vllm_enable_sleep_mode=True, reward_model="/reward-model")
     for f in fields(Grpo):
         assert getattr(grpo, f.name) != f.default, f.name
     return replace(_unusual_job(), dpo=None, grpo=grpo, seq_len=grpo.seq_len, adapter=Adapter(method="lora", r=4),

@@ -290,6 +290,9 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--vllm-enable-sleep-mode", action="store_const", const=True,
                    help="GRPOConfig vllm_enable_sleep_mode, colocate: vLLM releases its share after each generation, "
                         "so training may use it (the share must still fit beside the model states while generating)")
+    r.add_argument("--reward-model", help="GRPOTrainer reward_funcs: a sequence-classification reward model (catalog "
+                                          "name, local path or hub id) that scores every completion; its weights and "
+                                          "scoring forward count in memory and time (default: rule-based rewards)")
 
 
 TRAINING_ONLY_ADAPTER_FLAGS = {"lora_alpha": ("--lora-alpha", "scales the adapter's output"),
@@ -337,8 +340,13 @@ def grpo_of(args):
     from toolkit.inputs.choices import split_method
     from toolkit.inputs.grpo import GRPO_FLAGS, grpo_from_flags
 
-    return grpo_from_flags(split_method(args.method)[0],
+    grpo = grpo_from_flags(split_method(args.method)[0],
                            **{k: getattr(args, flag[2:].replace("-", "_")) for k, flag in GRPO_FLAGS.items()})
+    if grpo is not None and grpo.reward_model:  # a model TRL cannot score with: one line before anything runs
+        from toolkit.inputs.reward import reward_model_of
+
+        reward_model_of(grpo.reward_model)
+    return grpo
 
 
 def trainable_params(spec, adapter) -> int:

@@ -480,7 +480,8 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
               "with it")
         if req.grpo is not None:  # its memory's first note: vLLM colocate's window, the server's GPUs, or generate
             t = chosen.timing
-            print(f"#1 GRPO: generation {t.generation_s:.2f} s + scoring {t.reference_s:.2f} s of the "
+            print(f"#1 GRPO: generation {t.generation_s:.2f} s + scoring {t.reference_s:.2f} s"
+                  + (f" + reward model {t.reward_s:.2f} s" if t.reward_s else "") + " of the "
                   f"{t.step_time_s:.2f} s step (no band: no published GRPO step is scored)"
                   + (f"; {chosen.memory.notes[0]}" if req.grpo.generation != "generate" else ""))
         _note_time_band(hw, candidates, top)

@@ -78,6 +78,8 @@ class Breakdown:
     """Host RAM per node at load, during training and at save (toolkit.estimate.hostram)."""
     reference_bytes: int = 0
     """DPO / GRPO: the reference model's weights on this GPU (toolkit.estimate.preference), part of the peak."""
+    reward_bytes: int = 0
+    """GRPO with --reward-model: the reward model's weights on this GPU (toolkit.estimate.reward), part of the peak."""
     nccl_bytes: int = 0
     """Part of context_bytes: NCCL's communicator buffers (toolkit.estimate.devicememory)."""
     workspace_bytes: int = 0
@@ -120,6 +122,8 @@ class Breakdown:
         out["allocator_conf"] = self.allocator_conf
         if self.reference_bytes:
             out["reference_bytes"] = self.reference_bytes
+        if self.reward_bytes:
+            out["reward_bytes"] = self.reward_bytes
         if self.refusal:
             out["refusal"] = self.refusal
         if self.stage_required_bytes:

@@ -108,7 +108,8 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     if grpo.generation == GENERATE:
         gathered = _gathered_for_generation(spec, strategy, job)
         logits = seqs * spec.vocab * 4  # the last position's fp32 logits per decode step
-        held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes
+        held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes \
+            + b.reward_bytes
         peak = held + b.workspace_bytes + gathered + kv + logits  # cuBLAS's workspaces stay allocated
         terms = list(b.terms) + [Term("generation KV cache", kv, f"{GENERATION_PHASE}, before the policy's forward: "
                                                                  f"{kv_words}")]
@@ -131,7 +132,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     vllm_needs = vllm_weights / tp + kv  # its group's sequences, their KV heads split over the group
     sleeping = grpo.vllm_enable_sleep_mode
     held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes \
-        + b.context_bytes
+        + b.reward_bytes + b.context_bytes
     beside = held if sleeping else b.required_bytes
     low, high = vllm_needs / cap, 1 - beside / cap
     window = (f"feasible vllm_gpu_memory_utilization {low:.2f} to {high:.2f}" if low <= high else
@@ -175,7 +176,7 @@ def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: P
         from toolkit.inputs.lora import counts_for_spec
 
         trainable = counts_for_spec(spec, job.adapter).trainable_params
-    forward_s, _, _ = no_grad_forward_s(spec, job, t.compute_s, trainable)
+    forward_s, _, train_flops = no_grad_forward_s(spec, job, t.compute_s, trainable)
     scoring = int(grpo.reference_kept) + int(grpo.use_vllm)
     prefill_s = forward_s * grpo.max_prompt_length / grpo.seq_len
     seqs, cb = generation_sequences(job), compute_bytes(job.precision)
@@ -208,7 +209,14 @@ def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: P
                 + ", ".join(w for w, on in (("reference (beta != 0)", grpo.reference_kept),
                                             ("policy old log-probs (vLLM importance sampling)", grpo.use_vllm)) if on)
                 if scoring else "GRPO scoring: none (beta 0, no vLLM importance sampling)")
-    step = t.step_time_s + generation_s + reference_s
+    reward_s = 0.0
+    if grpo.reward_model:
+        from toolkit.estimate.reward import reward_step_s
+
+        reward_s, words = reward_step_s(strategy, job, hw, grid, t.compute_s / train_flops)
+        said.append(words)
+    step = t.step_time_s + generation_s + reference_s + reward_s
     tokens = t.tokens_per_s * t.step_time_s
     return replace(t, step_time_s=step, tokens_per_s=tokens / step, mfu=t.mfu * t.step_time_s / step,
-                   reference_s=reference_s, generation_s=generation_s, assumptions=t.assumptions + tuple(said))
+                   reference_s=reference_s, generation_s=generation_s, reward_s=reward_s,
+                   assumptions=t.assumptions + tuple(said))

@@ -332,9 +332,10 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     b = _training_memory(spec, strategy, job, hw, pipeline_stages=pipeline_stages, partition=partition, grid=grid)
     if job.grpo is None:
         return b
-    from toolkit.estimate.grpo import with_generation
+    from toolkit.estimate.grpo import generation_sequences, with_generation
+    from toolkit.estimate.reward import with_reward
 
-    return with_generation(b, spec, strategy, job)
+    return with_generation(with_reward(b, strategy, job, grid, generation_sequences(job)), spec, strategy, job)
 
 
 def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int,

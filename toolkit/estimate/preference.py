@@ -127,9 +127,18 @@ def no_grad_forward_s(spec: ModelSpec, job: Job, compute_s: float, trainable: in
     from toolkit.estimate.efficiency import Recompute, flop_split
 
     train = flop_split(spec, job.seq_len, Recompute.of(job.checkpointing), trainable)
-    forward = 2 * (sum(spec.layer_matmul_params) + spec.head_matmul_params) \
-        + flop_split(spec, job.seq_len, Recompute.of(False)).attention / 3
+    forward = forward_flops(spec, job.seq_len)
     return compute_s * forward / (train.matmul + train.attention), forward, train.matmul + train.attention
+
+
+def forward_flops(spec: ModelSpec, seq_len: int, head_matmul_params: int | None = None) -> float:
+    """FLOPs a token of one forward of `spec` at `seq_len`: its matmul weights twice and its attention (a third of
+    flop_split's training attention without recompute). `head_matmul_params`: a head other than the spec's LM head
+    (a reward model's score head, hidden x 1)."""
+    from toolkit.estimate.efficiency import Recompute, flop_split
+
+    head = spec.head_matmul_params if head_matmul_params is None else head_matmul_params
+    return 2 * (sum(spec.layer_matmul_params) + head) + flop_split(spec, seq_len, Recompute.of(False)).attention / 3
 
 
 def dpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: ParallelGrid, **kwargs):

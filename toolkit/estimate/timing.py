@@ -135,6 +135,9 @@ class Timing:
     reference_s: float = 0.0
     """DPO: the reference's forward under no_grad in each step (toolkit.estimate.preference.dpo_step_time); GRPO: its
     no_grad scoring forwards (reference, vLLM importance sampling)."""
+    reward_s: float = 0.0
+    """GRPO with --reward-model: the reward model's scoring forward over the step's completions (and, under ZeRO-3,
+    the all-gather of its shards), toolkit.estimate.reward."""
     generation_s: float = 0.0
     """GRPO: generating the step's completions, decode-bound (toolkit.estimate.grpo.grpo_step_time)."""
     precompute_s: float = 0.0
@@ -159,6 +162,7 @@ class Timing:
                 **({"reference_s": self.reference_s} if self.reference_s else {}),
                 **({"precompute_s": self.precompute_s} if self.precompute_s else {}),
                 **({"generation_s": self.generation_s} if self.generation_s else {}),
+                **({"reward_s": self.reward_s} if self.reward_s else {}),
                 **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {}),
                 **({"experts_s": self.experts_s} if self.experts_s else {}),
                 **({"vision_s": self.vision_s} if self.vision_s else {})}

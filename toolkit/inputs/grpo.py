@@ -49,6 +49,10 @@ class Grpo:
     vllm_enable_sleep_mode: bool = False
     """Colocate: vLLM sleeps (level 2: weights and KV cache released) after each generation, so its share is taken only
     while it generates (trl/generation/vllm_generation.py)."""
+    reward_model: str | None = None
+    """A reward model scoring every completion (GRPOTrainer's reward_funcs given a name: a sequence-classification
+    checkpoint TRL loads with num_labels=1, a catalog name, local path or hub id like the policy); None: rule-based
+    rewards only (toolkit.inputs.reward checks it and counts it)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--num-generations", self.num_generations),
@@ -68,6 +72,9 @@ class Grpo:
         u = self.vllm_gpu_memory_utilization
         if not (isinstance(u, (int, float)) and not isinstance(u, bool) and math.isfinite(u) and 0 < u < 1):
             raise UserError(f"--vllm-gpu-memory-utilization must be a fraction between 0 and 1 (exclusive), got {u!r}")
+        if self.reward_model is not None and (not isinstance(self.reward_model, str) or not self.reward_model.strip()):
+            raise UserError(f"--reward-model must name a model (catalog name, local path or hub id), got "
+                            f"{self.reward_model!r}")
 
     @property
     def generation(self) -> str:
@@ -99,14 +106,18 @@ class Grpo:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, reward_model only when one is given (plans made without one stay as they were)."""
+        out = asdict(self)
+        if out["reward_model"] is None:
+            del out["reward_model"]
+        return out
 
 
 GRPO_FLAGS = {"num_generations": "--num-generations", "max_prompt_length": "--max-prompt-length",
               "max_completion_length": "--max-completion-length", "beta": "--grpo-beta", "use_vllm": "--use-vllm",
               "vllm_mode": "--vllm-mode", "vllm_gpu_memory_utilization": "--vllm-gpu-memory-utilization",
               "vllm_tensor_parallel_size": "--vllm-tensor-parallel-size",
-              "vllm_enable_sleep_mode": "--vllm-enable-sleep-mode"}
+              "vllm_enable_sleep_mode": "--vllm-enable-sleep-mode", "reward_model": "--reward-model"}
 """Grpo fields with the flag that sets each."""
 
 
@@ -192,4 +203,5 @@ def grpo_words(grpo: Grpo | None) -> str:
              SERVER: "vLLM server on other GPUs"}
     return (f", GRPO ({grpo.num_generations} generations, prompt {grpo.max_prompt_length} + completion "
             f"{grpo.max_completion_length}, beta {grpo.beta:g}: reference {'kept' if grpo.reference_kept else 'none'}, "
-            f"{where[grpo.generation]}; micro-batch counts completions)")
+            f"{where[grpo.generation]}"
+            f"{f', reward model {grpo.reward_model}' if grpo.reward_model else ''}; micro-batch counts completions)")
