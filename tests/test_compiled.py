@@ -124,6 +124,12 @@ def test_a_compiled_plan_emits_torch_compile_and_the_dynamo_yaml(tiny_llama_dir)
     assert compiled.to_dict()["compile"] is True
     assert training_arguments(compiled)["torch_compile"] is True
     assert accelerate_config(compiled)["dynamo_config"] == {"dynamo_backend": "INDUCTOR"}
+    # A user's own run needs the Dynamo flag toolkit.train sets for checkpointed layers (toolkit.patches.compiledckpt).
+    from toolkit.emit.user_settings import notes
+    from toolkit.patches.compiledckpt import DYNAMO_FLAG
+
+    assert any(DYNAMO_FLAG in n for n in notes(compiled.replace(checkpointing=True)))
+    assert not any(DYNAMO_FLAG in n for n in notes(compiled.replace(checkpointing=False)))
     assert compiled.prediction_key() != plan.prediction_key()
 
 
@@ -191,3 +197,23 @@ def test_each_region_is_charged_its_own_elementwise_traffic_and_blocks_compile_o
     assert blocks.head == eager.head and blocks.embedding == eager.embedding
     assert blocks.layers == whole.layers and blocks.head != whole.head
     assert 0 < blocks.compile_traffic[0] < whole.compile_traffic[0]
+
+
+@pytest.mark.parametrize("op_policy", [False, True])
+def test_checkpointed_layers_stay_inside_the_compiled_graph(op_policy):
+    # transformers 5.25 installs `kernels`, whose forward wrapper on Llama's attention writes a module-level variable:
+    # inside a checkpoint Dynamo broke the graph there and ran each layer eagerly (toolkit.patches.compiledckpt).
+    from toolkit.estimate.fakestep import enable_checkpointing
+    from toolkit.patches.compiledckpt import checkpointed_layers_compiled
+
+    config = tiny_config("llama", layers=2, hidden=64, vocab_size=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
+    model.config.use_cache = False
+    enable_checkpointing(model, op_policy=op_policy)
+    ids = torch.randint(0, 512, (2, 64))
+    torch._dynamo.reset()
+    with checkpointed_layers_compiled(model):
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1

@@ -29,6 +29,7 @@ from typing import Any
 
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
 from toolkit.emit.parallelism import sharded_at_load
+from toolkit.patches.compiledckpt import DYNAMO_FLAG
 from toolkit.plan.schema import Plan
 from toolkit.inputs.choices import BASE_DTYPE_NAMES, TRL_LOSS
 from toolkit.inputs.strategy import Engine
@@ -281,7 +282,10 @@ def notes(plan: Plan) -> list[str]:
     if plan.compile:
         out.append("The plan's memory and speed assume torch.compile (inductor): TrainingArguments carry "
                    "torch_compile and the YAML dynamo_config (backend INDUCTOR); a custom loop gets it from the YAML "
-                   "through accelerator.prepare.")
+                   "through accelerator.prepare." + (
+                       " With checkpointing and the kernels package installed (a requirement of transformers 5.25), "
+                       f"set torch._dynamo.config.{DYNAMO_FLAG} = True before training, as toolkit.train does, or "
+                       "Dynamo runs each checkpointed layer uncompiled." if plan.checkpointing else ""))
     if plan.liger:
         out.append("The plan's memory assumes Liger kernels: TrainingArguments carry use_liger_kernel (install "
                    "liger-kernel >= 0.8.2; its kernels need a GPU).")

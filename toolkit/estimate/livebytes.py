@@ -268,7 +268,14 @@ class CompiledStep:
 
 def measure_compiled_step(model, batch: dict) -> CompiledStep:
     """torch.compile `model` (inductor), run one step to compile it, drop the gradients, and measure a second
-    forward + backward on CPU."""
+    forward + backward on CPU, in the Dynamo settings toolkit.train runs it with."""
+    from toolkit.patches.compiledckpt import checkpointed_layers_compiled
+
+    with checkpointed_layers_compiled(model):  # as toolkit.train runs the compiled step
+        return _measure_compiled_step(model, batch)
+
+
+def _measure_compiled_step(model, batch: dict) -> CompiledStep:
     import torch
     from torch.profiler import ProfilerActivity, profile
 

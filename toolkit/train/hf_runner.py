@@ -142,7 +142,10 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         for note in (unpinned, unpacked):
             if note:
                 print(f"note: {note}", flush=True)
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    from toolkit.patches.compiledckpt import checkpointed_layers_compiled
+
+    with checkpointed_layers_compiled(model):  # checkpointed layers inside the compiled graph, as the plan assumes
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     refuse_untrained(trainer.state.global_step, len(train_data), plan)
     if eval_data is not None and trainer.state.global_step % training_args.eval_steps != 0:
         trainer.evaluate()  # the final model's held-out loss and perplexity, unless the last step just did it
