@@ -392,6 +392,16 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
                   adapter=adapter_of(args, spec, training_only_read=False), compile=args.compile, tiled=args.tiled,
                   dpo=dpo_of(args), allocator_conf=allocator_of(args, hw, None).conf)
     found = longest_on_grid(spec, hw, strategy, grid, req)
+    from toolkit.commands.help import status
+    from toolkit.estimate.levers import ladder_json, ladder_text, lever_ladder
+
+    with status(f"--seq max: the long-context levers, one at a time, on {strategy.name}"):
+        # plan --seq max --strategies NAME's ladder: the same request on this grid's degrees.
+        rungs = lever_ladder(spec, hw, replace(req, strategies=(strategy.name,), tensor_parallel=degrees["tensor"],
+                                               context_parallel=degrees["context"],
+                                               sequence_parallel=degrees["sequence"],
+                                               expert_parallel=degrees["expert"],
+                                               pipeline_stages=args.pipeline_stages), strategy.name)
     if args.json:
         print(json.dumps({"model": spec.summary(), "hardware": hw.spec,
                           **power_json(hw.gpu, args.precision),
@@ -399,13 +409,16 @@ def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
                              if spec.rope_scaling else {}),
                           "strategy": found.name,
                           "longest_seq": found.seq_len, "capped_by_positions": found.capped_by_positions,
-                          "reason": found.reason, "curve": [{"seq": s, "required_bytes": b} for s, b in found.curve]},
+                          "reason": found.reason, "curve": [{"seq": s, "required_bytes": b} for s, b in found.curve],
+                          **({"levers": ladder_json(strategy.name, rungs)} if rungs else {})},
                          indent=2))
         return 0 if found.seq_len else 1
     print(longest_line(found, spec))
     chart = text_chart([found], hw.gpu.memory_bytes)
     if chart:
         print("\n" + chart)
+    if rungs:
+        print("\n" + ladder_text(strategy.name, rungs, hw.gpu.memory_bytes))
     return 0 if found.seq_len else 1
 
 

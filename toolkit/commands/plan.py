@@ -325,10 +325,9 @@ def _plan_seq_max(args, spec, hw, req) -> int:
         if chart:
             print("\n" + chart)
         if rungs:
-            from toolkit.estimate.levers import ladder_curves, ladder_table, ladder_title
+            from toolkit.estimate.levers import ladder_text
 
-            print(f"\n{ladder_title(on)}\n{ladder_table(rungs)}")
-            print("\n" + text_chart(ladder_curves(rungs), hw.gpu.memory_bytes, top=len(rungs)))
+            print("\n" + ladder_text(on, rungs, hw.gpu.memory_bytes))
         if args.explain and best is not None:
             _print_explained(spec, hw, best.candidate)
     if best is not None and args.out:

@@ -269,6 +269,15 @@ def _how(r: Rung) -> str:
                r.rope_factor else "; the model's positions stop it" if r.found.capped_by_positions else ""))
 
 
+def ladder_text(strategy: str, rungs: list[Rung], capacity_bytes: int) -> str:
+    """The ladder as plan --seq max and estimate --seq max print it: the title, the table and one chart line per
+    rung pulled."""
+    from toolkit.estimate.longest import text_chart
+
+    return (f"{ladder_title(strategy)}\n{ladder_table(rungs)}\n\n"
+            + text_chart(ladder_curves(rungs), capacity_bytes, top=len(rungs)))
+
+
 def ladder_curves(rungs: list[Rung]) -> list["Longest"]:
     """The rungs pulled as chart lines, each named by its lever."""
     return [replace(r.found, label=f"+ {r.lever}" if i else r.lever) for i, r in enumerate(rungs)
