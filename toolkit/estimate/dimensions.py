@@ -89,7 +89,7 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
     rank_job = replace(job, seq_len=local_seq)
     b = job.micro_batch
     pb = compute_bytes(job.precision)
-    d = spec.head_dim
+    shapes = spec.attention_shapes()  # per-layer buffers below are the widest layer's (Gemma-4's global layers)
     fwd = bwd = saved = 0
     head_gather, kept, layers_kept = 1, None, False
     terms: list[tuple[str, int, str]] = []
@@ -113,7 +113,7 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
         kept, layers_kept = split.rank_kept_outside_params, split.layers_kept
     if grid.sequence > 1:
         p = grid.sequence
-        qkv = b * local_seq * (spec.heads + 2 * spec.kv_heads) * d * pb
+        qkv = b * local_seq * max((h + 2 * kv) * d for h, kv, d in shapes) * pb
         fwd, bwd = fwd + qkv, bwd + qkv
         terms.append(("Ulysses all-to-all buffers", qkv,
                       f"derived: q, k, v of seq/{p} tokens staged for the all-to-all (ulysses_sp.py), per layer"))
@@ -121,13 +121,13 @@ def rank_view(spec: "ModelSpec", job: "Job", grid: "ParallelGrid") -> RankView:
         if extra:
             saved += extra
             terms.append(("Ulysses KV-head replication", extra,
-                          f"derived: {spec.kv_heads} KV heads < sp {p}, so each rank holds one whole KV head of the "
+                          f"derived: {min(kv for _, kv, _ in shapes)} KV heads < sp {p}, so each rank holds one whole KV head of the "
                           "full sequence for k and v (ulysses_sp.py kv_replication_factor), per layer"))
         notes.append(f"sequence parallel {p} (Ulysses): traced at seq/{p} = {local_seq} tokens per rank; "
                      f"attention holds heads/{p} of the whole sequence, the same bytes")
     if grid.context > 1:
         c = grid.context
-        kv_whole = 2 * b * job.seq_len * spec.kv_heads * d * pb
+        kv_whole = 2 * b * job.seq_len * max(kv * d for _, kv, d in shapes) * pb
         fwd += kv_whole
         bwd += 2 * kv_whole  # gathered k, v again plus their gradients before the reduce-scatter
         terms.append(("context-parallel k, v all-gather", kv_whole,
@@ -148,12 +148,10 @@ def _share(part: int, whole: int) -> float:
 
 def kv_replication_bytes(spec: "ModelSpec", job: "Job", sp: int) -> int:
     """Extra bytes per layer Ulysses keeps for k and v when the KV heads are fewer than sp: one whole KV head of the
-    whole sequence per rank instead of kv_heads heads of seq / sp tokens."""
-    if spec.kv_heads >= sp:
-        return 0
+    whole sequence per rank instead of kv_heads heads of seq / sp tokens (the layer that adds most)."""
     pb = compute_bytes(job.precision)
-    per_tensor = job.micro_batch * spec.head_dim * pb * (job.seq_len - job.seq_len // sp * spec.kv_heads)
-    return 2 * per_tensor
+    return max((2 * job.micro_batch * d * pb * (job.seq_len - job.seq_len // sp * kv)
+                for _, kv, d in spec.attention_shapes() if kv < sp), default=0)
 
 
 def apply_to_trace(trace: "ActivationTrace", view: RankView, checkpointing: bool) -> "ActivationTrace":

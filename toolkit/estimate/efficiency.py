@@ -86,7 +86,7 @@ def flop_split(spec: ModelSpec, seq_len: int, recompute: Recompute, trainable_pa
     forward whether or not the weights train."""
     matmul_params = sum(spec.layer_matmul_params) + spec.head_matmul_params
     layer_matmul_params = sum(spec.layer_matmul_params)
-    attention_fwd = 2 * 2 * (seq_len / 2) * spec.heads * spec.head_dim * spec.num_layers
+    attention_fwd = 2 * 2 * (seq_len / 2) * spec.query_width
     if trainable_params is not None:
         matmul = 2 * matmul_params * 2 + 6 * trainable_params
         layer_fwd = 2 * layer_matmul_params + 2 * trainable_params

@@ -44,9 +44,10 @@ def generation_sequences(job: Job) -> int:
 
 
 def kv_cache_bytes(spec: ModelSpec, sequences: int, tokens: int, dtype_bytes: int) -> int:
-    """Keys and values of every layer for `sequences` x `tokens`: 2 x layers x KV heads x head dim x tokens x
-    dtype bytes per sequence (a dense cache, as transformers' DynamicCache grows it to the longest sequence)."""
-    return 2 * spec.num_layers * spec.kv_heads * spec.head_dim * tokens * sequences * dtype_bytes
+    """Keys and values of every layer for `sequences` x `tokens`: 2 x KV heads x head dim summed over the layers
+    (each layer's own: Gemma-4's global layers differ) x tokens x dtype bytes per sequence (a dense cache, as
+    transformers' DynamicCache grows it to the longest sequence)."""
+    return 2 * spec.kv_width * tokens * sequences * dtype_bytes
 
 
 def cached_tokens(prompt: int, completion: int) -> int:
@@ -97,7 +98,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     seqs, cb = generation_sequences(job), compute_bytes(job.precision)
     tokens = cached_tokens(grpo.max_prompt_length, grpo.max_completion_length)
     kv = kv_cache_bytes(spec, seqs, tokens, cb)
-    kv_words = (f"2 x {spec.num_layers} layers x {spec.kv_heads} KV heads x head dim {spec.head_dim} x "
+    kv_words = (f"2 x ({spec.attention_words()}) x "
                 f"{tokens} tokens x {seqs} sequences x {cb} B = {kv / GIB:.2f} GiB")
     cap = b.capacity_bytes
     notes = list(b.notes)

@@ -170,9 +170,10 @@ class Timing:
 
 def mlp_matmul_params(spec: ModelSpec) -> int:
     """Weights one token multiplies through in the decoder layers' MLPs: the layers' matmul weights less the
-    attention projections (q and o: hidden x heads x head_dim each; k and v: hidden x KV heads x head_dim each)."""
-    attention = spec.hidden * spec.head_dim * 2 * (spec.heads + spec.kv_heads)
-    return sum(max(0, p - attention) for p in spec.layer_matmul_params)
+    attention projections (q and o: hidden x heads x head_dim each; k and v: hidden x KV heads x head_dim each), each
+    layer's own."""
+    return sum(max(0, p - spec.hidden * d * 2 * (h + kv))
+               for p, (h, kv, d) in zip(spec.layer_matmul_params, spec.attention_shapes()))
 
 
 def tiled_recompute_s(spec: ModelSpec, tokens: int, per_token_flop_s: float) -> float:
@@ -500,11 +501,12 @@ def ulysses_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) 
         return 0.0
     p = grid.sequence
     pb = compute_bytes(job.precision)
-    local = job.seq_len // p * job.micro_batch * spec.head_dim * pb
-    qkv, out = local * (spec.heads + 2 * spec.kv_heads), local * spec.heads
+    local = job.seq_len // p * job.micro_batch * pb
     bw = _group_bandwidth(hw, p)
-    per_layer = (ULYSSES_ALL_TO_ALLS_PER_LAYER / 2) * (_all_to_all(qkv, p, bw) + _all_to_all(out, p, bw))
-    return job.grad_accum * spec.num_layers * per_layer * _recompute_factor(job)
+    layers = sum((ULYSSES_ALL_TO_ALLS_PER_LAYER / 2) * (_all_to_all(local * d * (h + 2 * kv), p, bw)
+                                                         + _all_to_all(local * d * h, p, bw))
+                 for h, kv, d in spec.attention_shapes())
+    return job.grad_accum * layers * _recompute_factor(job)
 
 
 def ring_attention_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware,
@@ -516,10 +518,11 @@ def ring_attention_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Har
         return 0.0
     c = grid.context
     pb = compute_bytes(job.precision)
-    kv = 2 * job.seq_len * job.micro_batch * spec.kv_heads * spec.head_dim * pb
+    kv = 2 * job.seq_len * job.micro_batch * pb
     bw = _group_bandwidth(hw, c)
-    per_layer = 3 * _ring(kv, c, bw, 1)  # all-gather forward; all-gather + reduce-scatter backward
-    total = job.grad_accum * spec.num_layers * per_layer * _recompute_factor(job)
+    # all-gather forward; all-gather + reduce-scatter backward
+    layers = sum(3 * _ring(kv * kv_heads * d, c, bw, 1) for _, kv_heads, d in spec.attention_shapes())
+    total = job.grad_accum * layers * _recompute_factor(job)
     return max(0.0, total - attention_compute_s)
 
 
@@ -528,7 +531,7 @@ def model_parallel_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Har
     """Exposed seconds of tensor / sequence / context communication per step, and what was assumed. `spec` and
     `job` are the whole model and sample; `compute_s` the rank's compute time."""
     total, model = flops_per_token(spec, job.seq_len, job.checkpointing)
-    attn = 3 * 2 * 2 * (job.seq_len / 2) * spec.heads * spec.head_dim * spec.num_layers
+    attn = 3 * 2 * 2 * (job.seq_len / 2) * spec.query_width
     attention_s = compute_s * attn / total if total else 0.0
     tp, sp = tensor_parallel_comm_s(spec, job, grid, hw), ulysses_comm_s(spec, job, grid, hw)
     cp = ring_attention_comm_s(spec, job, grid, hw, attention_s)

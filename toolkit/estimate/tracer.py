@@ -107,9 +107,11 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     if tiled:
         from toolkit.patches.tiling import TILING_SOURCE
         from toolkit.inputs.job import loss_shards, mlp_shards
+        from toolkit.inputs.modelconfig import text_config
 
-        notes.append(f"tiled: MLP in {mlp_shards(seq_len, config.hidden_size)} chunks of the sequence, logits + loss "
-                     f"in {loss_shards(micro_batch, seq_len, config.vocab_size)}, traced through {TILING_SOURCE}")
+        text = text_config(config)  # a multimodal class's sizes are its text config's
+        notes.append(f"tiled: MLP in {mlp_shards(seq_len, text.hidden_size)} chunks of the sequence, logits + loss "
+                     f"in {loss_shards(micro_batch, seq_len, text.vocab_size)}, traced through {TILING_SOURCE}")
     if chunked_loss:
         from toolkit.patches.chunkedce import CHUNKED_CE_SOURCE
 

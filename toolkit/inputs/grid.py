@@ -385,14 +385,16 @@ class ParallelGrid:
                 raise UserError(problem)
         if self.sequence > 1:
             # deepspeed/runtime/sequence_parallel/ulysses_sp.py UlyssesSPAttentionHF.__init__.
-            sp = self.sequence
-            if spec.heads % sp:
-                raise UserError(f"--sequence-parallel {sp} does not divide {spec.name}'s {spec.heads} attention "
-                                f"heads (Ulysses gives each rank heads / sp; try {_or(_divisors_above(spec.heads))})")
-            if spec.kv_heads % sp and sp % spec.kv_heads:
-                raise UserError(f"--sequence-parallel {sp} and {spec.name}'s {spec.kv_heads} KV heads do not divide "
-                                f"one another (Ulysses splits or replicates the KV heads; try "
-                                f"{_or([d for d in _divisors_above(spec.heads) if d % spec.kv_heads == 0 or spec.kv_heads % d == 0])})")
+            sp, counts = self.sequence, spec.head_counts()  # every layer's (Gemma-4's global layers differ)
+            fits = [d for d in _divisors_above(min(h for h, _ in counts))
+                    if all(h % d == 0 and (kv % d == 0 or d % kv == 0) for h, kv in counts)]
+            for heads, kv_heads in counts:
+                if heads % sp:
+                    raise UserError(f"--sequence-parallel {sp} does not divide {spec.name}'s {heads} attention "
+                                    f"heads (Ulysses gives each rank heads / sp; try {_or(fits)})")
+                if kv_heads % sp and sp % kv_heads:
+                    raise UserError(f"--sequence-parallel {sp} and {spec.name}'s {kv_heads} KV heads do not divide "
+                                    f"one another (Ulysses splits or replicates the KV heads; try {_or(fits)})")
         if self.pipeline_stages == 1:
             return
         if spec.pipeline_blocker:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,13 @@ class ModelSpec:
     """Per decoder layer, the weights one token multiplies through (MoE: shared + top-k of the experts)."""
     head_matmul_params: int
     """LM head weights a token multiplies through (vocab x hidden, tied or not)."""
+    layer_heads: tuple[int, ...] = ()
+    """Attention heads of each decoder layer, from transformers' per-layer configs (config.per_layer_config, where
+    a heterogeneous config's layers differ: Gemma-4's global-attention layers, dots3's MLA layers); () (a spec
+    built from bare numbers or cached before) means every layer has `heads`. In a heterogeneous config `heads`,
+    `kv_heads` and `head_dim` are the shape most layers have."""
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_head_dims: tuple[int, ...] = ()
     attention_support: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
     """Attention implementations the model's HF class runs (attention_support(); gemma2 and MPT have no sdpa)."""
     model_class: str = ""
@@ -103,6 +111,31 @@ class ModelSpec:
             return ""
         return (f"language model {self.language_params:,} + vision encoder {self.vision_params:,} + projector "
                 f"{self.projector_params:,} parameters ({', '.join(self.vision_modules)})")
+
+    def attention_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """(heads, KV heads, head dim) of each decoder layer."""
+        if not self.layer_heads:
+            return ((self.heads, self.kv_heads, self.head_dim),) * self.num_layers
+        return tuple(zip(self.layer_heads, self.layer_kv_heads, self.layer_head_dims))
+
+    def head_counts(self) -> tuple[tuple[int, int], ...]:
+        """The distinct (heads, KV heads) of the decoder layers: a degree that splits heads must divide each."""
+        return tuple(sorted({(h, kv) for h, kv, _ in self.attention_shapes()}))
+
+    @property
+    def query_width(self) -> int:
+        """Heads x head dim summed over the decoder layers: the width QK^T and AV multiply through per token."""
+        return sum(h * d for h, _, d in self.attention_shapes())
+
+    @property
+    def kv_width(self) -> int:
+        """KV heads x head dim summed over the decoder layers: one of keys or values per token, every layer."""
+        return sum(kv * d for _, kv, d in self.attention_shapes())
+
+    def attention_words(self) -> str:
+        """'30 layers x 8 KV heads x head dim 256', one such term per distinct layer shape."""
+        counts = Counter((kv, d) for _, kv, d in self.attention_shapes())
+        return " + ".join(f"{n} layers x {kv} KV heads x head dim {d}" for (kv, d), n in counts.items())
 
     @property
     def largest_layer_params(self) -> int:
@@ -233,6 +266,13 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
     return pre, post
 
 
+def _attention_shape(config, hidden: int) -> tuple[int, int, int]:
+    """(heads, KV heads, head dim) of one layer's config, as the attention classes read them."""
+    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head"))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    return heads, kv_heads, int(getattr(config, "head_dim", None) or hidden // heads)
+
+
 def build_spec(name: str, config) -> ModelSpec:
     """Build the model on the meta device with its own code and count everything exactly."""
     import torch
@@ -241,12 +281,6 @@ def build_spec(name: str, config) -> ModelSpec:
     problem = causal_lm_problem(config)
     if problem:
         raise UserError(f"'{name}': {problem}")
-    text = text_config(config)
-    per_layer = sorted(getattr(text.__dict__.get("_heterogeneity_spec"), "per_layer_attributes", ()))
-    if per_layer:  # transformers refuses the global read of these (AmbiguousGlobalPerLayerAttributeError)
-        raise UserError(f"'{name}': its decoder layers differ in {', '.join(per_layer)} (a heterogeneous "
-                        f"{text.model_type} config, e.g. Gemma-4's wider global-attention heads); toolkit plans "
-                        "models whose decoder layers share one shape")
     try:
         with torch.device("meta"):
             model = auto_model_class(config).from_config(config)
@@ -267,9 +301,10 @@ def build_spec(name: str, config) -> ModelSpec:
     head_weight = head.weight if head is not None else embed.weight
     text = text_config(config)
     hidden = int(getattr(text, "hidden_size", None) or getattr(text, "n_embd"))
-    heads = int(getattr(text, "num_attention_heads", None) or getattr(text, "n_head"))
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    shapes = ()
+    if getattr(text, "is_heterogeneous", False):  # a global read of a per-layer attribute raises; read each layer
+        shapes = tuple(_attention_shape(layer, hidden) for layer in text.per_layer_config)
+    heads, kv_heads, head_dim = Counter(shapes).most_common(1)[0][0] if shapes else _attention_shape(text, hidden)
     max_positions = model_positions(config)
     factored = 0
     for p in {id(p): p for p in model.parameters()}.values():
@@ -319,6 +354,9 @@ def build_spec(name: str, config) -> ModelSpec:
         max_positions=max_positions,
         layer_matmul_params=tuple(_matmul_params(layer, moe_fraction) for layer in layers),
         head_matmul_params=int(head_weight.numel()),
+        layer_heads=tuple(h for h, _, _ in shapes),
+        layer_kv_heads=tuple(kv for _, kv, _ in shapes),
+        layer_head_dims=tuple(d for _, _, d in shapes),
         attention_support=attention_support(model),
         model_class=type(model).__name__,
         factored_state_fraction=factored / total if total else 0.0,

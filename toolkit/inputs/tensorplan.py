@@ -92,13 +92,15 @@ def tp_plan_problem(spec: "ModelSpec", tensor: int) -> str | None:
     if missing:
         return (f"{spec.model_type}'s config has no {', '.join(missing)}, from which toolkit derives the per-rank "
                 "shapes of its tp_plan; tensor parallelism is not planned for it")
-    for what, count in (("attention heads", spec.heads), ("KV heads", spec.kv_heads)):
+    counts = spec.head_counts()  # every layer's heads: Gemma-4's global-attention layers have fewer KV heads
+    checks = [("attention heads", h) for h in sorted({h for h, _ in counts})]
+    for what, count in checks + [("KV heads", kv) for kv in sorted({kv for _, kv in counts})]:
         if count % tensor:
             # transformers get_kv_heads_per_rank: heads that do not divide by tp cannot be sharded evenly.
-            options = [d for d in range(2, count + 1) if count % d == 0 and spec.heads % d == 0
-                       and spec.kv_heads % d == 0]
-            return (f"--tensor-parallel {tensor} does not divide {spec.name}'s {count} {what} (the tp_plan splits "
-                    f"attention by heads; try {', '.join(map(str, options[:6])) or 'no tensor parallelism'})")
+            options = [d for d in range(2, count + 1) if all(h % d == 0 and kv % d == 0 for h, kv in counts)]
+            some = " in some decoder layers" if len(counts) > 1 else ""
+            return (f"--tensor-parallel {tensor} does not divide {spec.name}'s {count} {what}{some} (the tp_plan "
+                    f"splits attention by heads; try {', '.join(map(str, options[:6])) or 'no tensor parallelism'})")
     return _rank_shape_problem(spec, tensor)
 
 
@@ -219,13 +221,20 @@ def _per_rank_spec(spec: "ModelSpec", tensor: int) -> "ModelSpec":
         """Built on first use (ModelSpec.hf_config): a plan whose traces are cached never imports transformers."""
         config = copy.deepcopy(spec.hf_config())
         text = text_config(config)
-        for key in HEAD_KEYS:
+        # A heterogeneous config (transformers' per_layer_config): its layers' overrides are divided like the
+        # global values, which read only once the overrides are taken off.
+        overrides = text.to_dict().get("per_layer_config") if getattr(text, "is_heterogeneous", False) else None
+        if overrides is not None:
+            text.per_layer_config = None
+        per_rank = {key: lambda n: n // tensor for key in HEAD_KEYS} | {key: lambda n: math.ceil(n / tensor)
+                                                                         for key in FFN_KEYS}
+        for key, divide in per_rank.items():
             if getattr(text, key, None):
-                setattr(text, key, getattr(text, key) // tensor)
-        text.head_dim = spec.head_dim  # keep the per-head width when the heads shrink
-        for key in FFN_KEYS:
-            if getattr(text, key, None):
-                setattr(text, key, math.ceil(getattr(text, key) / tensor))
+                setattr(text, key, divide(getattr(text, key)))
+        text.head_dim = getattr(text, "head_dim", None) or spec.head_dim  # keep the per-head width as heads shrink
+        if overrides is not None:
+            text.per_layer_config = {layer: {key: per_rank[key](value) if key in per_rank and value else value
+                                             for key, value in changes.items()} for layer, changes in overrides.items()}
         return config
 
     pre = int(round(spec.pre_layer_params * out_fraction))
@@ -300,7 +309,9 @@ def _meta_split(config: Any, num_layers: int) -> tuple:
         seen.add(id(p))
         named.append((name, tuple(p.shape), ".layers.0." in f".{name}" or name.startswith("layers.0.")))
     fsdp_plan = dict(getattr(model, "fsdp_plan", None) or getattr(model, "_fsdp_plan", None) or {})
-    missing = tuple(k for k in HEAD_KEYS[:1] + FFN_KEYS if getattr(text_config(config), k, None) is None)
+    text = text_config(config)
+    per_layer = getattr(text, "per_layer_attributes", None) or ()  # a global read of these raises; set per layer
+    missing = tuple(k for k in HEAD_KEYS[:1] + FFN_KEYS if k not in per_layer and getattr(text, k, None) is None)
     return tuple(resolved.items()), tuple(named), tuple(fsdp_plan.items()), missing
 
 

@@ -93,7 +93,7 @@ def _chunk_loss_sum(model=None, hidden_states=None, shift_labels=None):
     with _INNER_HOOKS[0]():
         logits = model.get_output_embeddings()(_plain(hidden_states))
         # A chunk of a micro-batch above 1 is a strided view, which the loss's view(-1) cannot flatten.
-        return model.loss_function(logits=logits, labels=None, vocab_size=model.config.vocab_size,
+        return model.loss_function(logits=logits, labels=None, vocab_size=text_config(model.config).vocab_size,
                                    shift_labels=shift_labels.contiguous(), num_items_in_batch=1)
 
 
@@ -110,11 +110,11 @@ def _tiled_loss_forward(self, input_ids=None, attention_mask=None, position_ids=
         # Evaluation and plain calls: whole logits, the model's own loss (no backward to tile).
         logits = self.get_output_embeddings()(hidden)
         loss = None if shift_labels is None else self.loss_function(
-            logits=logits, labels=None, vocab_size=self.config.vocab_size, shift_labels=shift_labels,
+            logits=logits, labels=None, vocab_size=text_config(self.config).vocab_size, shift_labels=shift_labels,
             num_items_in_batch=num_items)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
     b, s = shift_labels.shape
-    shards = loss_shards(b, s, self.config.vocab_size)
+    shards = loss_shards(b, s, text_config(self.config).vocab_size)
     if _AGREE[0]:
         shards = _agreed(shards, hidden.device)
     LAST_CHUNKS["loss"] = shards

@@ -1,0 +1,98 @@
+"""Decoder layers that differ in shape (transformers' per_layer_config, a heterogeneous config): Gemma-4's
+global-attention layers have a wider head_dim and fewer KV heads than its sliding ones, and transformers refuses the
+global read of those attributes. The spec carries each layer's attention shape; the parameter count is the meta
+build's, the tracer traces each layer kind, and a head split must divide every layer's heads."""
+
+from __future__ import annotations
+
+import pytest
+
+from toolkit.inputs.modelspec import build_spec
+
+SLIDING, GLOBAL = (4, 4, 16), (4, 2, 32)  # (heads, KV heads, head dim) of each kind in the tiny config below
+
+
+def _tiny_gemma4_text():
+    """Gemma-4-26B-A4B's text config, shrunk: its layer pattern (sliding, global), attention_k_eq_v (a global layer
+    has no v_proj), the global layers' head_dim and KV heads set per layer as transformers' Gemma4TextConfig does."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING["gemma4_text"](
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, layer_types=["sliding_attention", "full_attention"] * 3,
+        sliding_window=32, max_position_embeddings=512, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+        per_layer_config={i: {"head_dim": 32, "num_key_value_heads": 2} for i in (1, 3, 5)})
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return build_spec("tiny-gemma4", _tiny_gemma4_text())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gemma4")
+    _tiny_gemma4_text().save_pretrained(path)
+    return path
+
+
+def test_each_layer_keeps_its_own_attention_shape_and_the_count_is_the_meta_build(spec):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert spec.attention_shapes() == (SLIDING, GLOBAL) * 3
+    assert (spec.heads, spec.kv_heads, spec.head_dim) in (SLIDING, GLOBAL)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_tiny_gemma4_text())
+    assert spec.params == sum({id(p): p.numel() for p in model.parameters()}.values())
+    # A global layer: q 64 -> 4 x 32, k 64 -> 2 x 32 (no v_proj: k = v), o 4 x 32 -> 64, q / k norms of 32; a sliding
+    # one: q, k, v 64 -> 4 x 16 each, o 64 -> 64, norms of 16.
+    wider = (64 * 128 + 64 * 64 + 128 * 64 + 2 * 32) - (4 * 64 * 64 + 2 * 16)
+    assert spec.layer_params[1] - spec.layer_params[0] == wider == 4128
+    assert spec.layer_params == spec.layer_params[:2] * 3
+
+
+def test_attention_flops_and_the_kv_cache_sum_each_layers_shape(spec):
+    from toolkit.estimate.grpo import kv_cache_bytes
+
+    assert spec.query_width == 3 * 4 * 16 + 3 * 4 * 32 == 576
+    assert kv_cache_bytes(spec, sequences=3, tokens=100, dtype_bytes=2) == 2 * (3 * 4 * 16 + 3 * 2 * 32) * 100 * 3 * 2
+    assert spec.attention_words() == "3 layers x 4 KV heads x head dim 16 + 3 layers x 2 KV heads x head dim 32"
+
+
+def test_the_tracer_traces_each_layer_kind_and_the_wider_global_layer_saves_more():
+    """Four leading layers are traced (each kind twice: the first of a kind also holds what its kind shares); the
+    last two take their kind's trace."""
+    from toolkit.estimate.tracer import trace_activations
+
+    saved = [r.saved_bytes for r in trace_activations(_tiny_gemma4_text(), seq_len=64).layers]
+    assert saved[2:] == [338050, 385282, 338050, 385282]
+    assert saved[1] - saved[0] == saved[3] - saved[2] == 47232
+
+
+def test_a_tensor_degree_that_divides_one_layer_kind_but_not_the_other_is_refused_in_one_line(model_dir, capsys):
+    from toolkit.cli import main
+
+    code = main(["estimate", str(model_dir), "--gpus", "8xH100-80GB", "--strategy", "fsdp2", "--tensor-parallel", "4",
+                 "--seq", "64"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "--tensor-parallel 4 does not divide" in err and "2 KV heads in some decoder layers" in err and "try 2" in err
+
+
+def test_a_tensor_degree_dividing_every_layer_traces_one_rank_with_each_layers_heads_halved(spec):
+    from toolkit.inputs.modelconfig import text_config
+    from toolkit.inputs.tensorplan import per_rank_spec, tp_plan_problem
+
+    assert tp_plan_problem(spec, 2) is None
+    text = text_config(per_rank_spec(spec, 2).hf_config())
+    shapes = [(c.num_attention_heads, c.num_key_value_heads, c.head_dim) for c in text.per_layer_config]
+    assert shapes == [(2, 2, 16), (2, 1, 32)] * 3
+
+
+def test_estimate_in_process_counts_the_meta_build_and_fits(model_dir, spec):
+    from toolkit import api
+
+    result = api.estimate(str(model_dir), "8xH100-80GB", strategy="zero3", seq_len=64, micro_batch=1)
+    assert result.model.params == spec.params
+    assert result.fits
