@@ -118,3 +118,24 @@ def test_a_reward_model_with_more_than_one_label_is_refused(capsys, tmp_path, re
     code = main(["estimate", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "grpo", "--reward-model", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "has 2 labels" in err[0]
+
+
+def test_a_plan_names_its_reward_model_for_trl_and_the_own_script_helper(tiny_llama_dir, tiny_reward_dir, tmp_path,
+                                                                         capsys):
+    """plan --out: plan.json's grpo keeps the reward model, training_args.json gives it as GRPOTrainer's reward_funcs
+    (not a GRPOConfig field: grpo_config is what TRL's GRPOConfig accepts), PLAN.md names it, the own-script helper
+    returns it, and toolkit check passes the folder."""
+    from toolkit.train.own_script import reward_funcs
+
+    out = tmp_path / "plan"
+    assert main(["plan", str(tiny_llama_dir), "--gpus", "2xH100-80GB", "--method", "grpo", "--max-prompt-length",
+                 "32", "--max-completion-length", "32", "--micro-batch", "4", "--strategies", "zero3",
+                 "--reward-model", str(tiny_reward_dir), "--out", str(out)]) == 0
+    assert json.loads((out / "plan.json").read_text())["grpo"]["reward_model"] == str(tiny_reward_dir)
+    settings = json.loads((out / "training_args.json").read_text())
+    assert settings["reward_funcs"] == [str(tiny_reward_dir)]
+    assert "reward_funcs" not in settings["grpo_config"] and "reward_model" not in settings["grpo_config"]
+    assert f"Reward model `{tiny_reward_dir}`" in (out / "PLAN.md").read_text()
+    assert reward_funcs(plan=out) == [str(tiny_reward_dir)]
+    capsys.readouterr()
+    assert main(["check", str(out)]) == 0, capsys.readouterr()

@@ -210,3 +210,52 @@ def test_launch_rehearse_of_a_grpo_plan_trains_and_exits_0(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "GRPO (8 generations" in run.stdout and "reference kept" in run.stdout
     assert "rehearsal passed: zero3 trained 4 steps" in run.stdout
+
+
+REWARD_MODEL_COMMON = tuple(w for w in COMMON if w not in ("--reward", "length"))
+"""A reward-model run names no reward function: the plan's reward model is the reward."""
+
+
+def _rewarded_plan(model_dir, reward_dir, strategy, *, world):
+    return _plan(model_dir, strategy, world=world, micro=2, accum=1, beta=0.0).replace(
+        grpo=Grpo(num_generations=2, max_prompt_length=16, max_completion_length=8, beta=0.0,
+                  reward_model=str(reward_dir)).to_dict())
+
+
+def _reward_means(run, rank: int = 0) -> list[float]:
+    return [v for e in run.ranks[rank]["log_history"] for k, v in e.items()
+            if k.startswith("rewards/") and k.endswith("/mean")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_core
+def test_grpo_scores_with_the_plans_reward_model_on_one_process(run_training, tiny_llama_dir, tiny_reward_dir,
+                                                                prompts):
+    """The plan's reward model (a 1-layer LlamaForSequenceClassification, random weights) is TRL's reward_funcs by
+    name: TRL loads it, scores every completion, and the process holds exactly the parameters the estimate counts."""
+    from toolkit.inputs.reward import reward_model_of
+
+    plan = _rewarded_plan(tiny_llama_dir, tiny_reward_dir, "ddp", world=1)
+    run = run_training(plan, "grpo-reward-one", "--data", str(prompts), *REWARD_MODEL_COMMON).check()
+    assert sorted(run.losses()) == list(range(1, STEPS + 1))
+    means = _reward_means(run)
+    assert len(means) == STEPS and all(math.isfinite(v) for v in means), means
+    assert run.ranks[0]["reward_model_numel"] == reward_model_of(str(tiny_reward_dir)).params == 69_888
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_holds_the_whole_reward_model_on_each_of_two_processes(run_training, tiny_llama_dir, tiny_reward_dir,
+                                                                      prompts):
+    """FSDP2 on 2 gloo ranks: TRL prepares the reward model with accelerator.prepare_model(evaluation_mode=True),
+    which shards nothing, so each rank holds all of it, as the estimate says (FSDP2: a whole replica); every rank
+    scores (finite rewards) and every step runs."""
+    from toolkit.inputs.reward import reward_model_of
+
+    plan = _rewarded_plan(tiny_llama_dir, tiny_reward_dir, "fsdp2", world=2)
+    run = run_training(plan, "grpo-reward-fsdp2", "--data", str(prompts), *REWARD_MODEL_COMMON).check()
+    params = reward_model_of(str(tiny_reward_dir)).params
+    for rank in (0, 1):
+        assert sorted(run.losses(rank)) == list(range(1, STEPS + 1))
+        means = _reward_means(run, rank)
+        assert len(means) == STEPS and all(math.isfinite(v) for v in means), means
+        assert run.ranks[rank]["reward_model_numel"] == params

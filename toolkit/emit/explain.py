@@ -63,8 +63,11 @@ def plan_md(plan: Plan, candidates: list[dict[str, Any]] | None = None, *, nvme_
         from toolkit.inputs.grpo import grpo_words
 
         lines.append(f"- method: {grpo_words(plan.grpo_spec)[2:]} through TRL's GRPOTrainer; toolkit.train runs it "
-                     "on prompt rows with the rewards you name (`toolkit launch PLAN_DIR -- --data prompts.jsonl "
-                     "--output OUT --reward MODULE:FUNCTION`)"
+                     + ("on prompt rows scored by the reward model, which TRL loads, and any --reward functions you "
+                        "add (`toolkit launch PLAN_DIR -- --data prompts.jsonl --output OUT`)"
+                        if plan.grpo_spec.reward_model else
+                        "on prompt rows with the rewards you name (`toolkit launch PLAN_DIR -- --data prompts.jsonl "
+                        "--output OUT --reward MODULE:FUNCTION`)")
                      + (" where vLLM runs (a GPU, vllm installed)" if plan.grpo_spec.use_vllm else "")
                      + ", as does your own TRL script (below)")
     lines.append("")

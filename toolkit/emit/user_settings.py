@@ -425,6 +425,8 @@ def settings(plan: Plan) -> dict[str, Any]:
         **dict([method_config(plan)]),
         "accelerate_loop": accelerate_loop(plan),
     }
+    if plan.grpo and plan.grpo_spec.reward_model:  # GRPOTrainer's argument, not a GRPOConfig field: TRL loads it
+        out["reward_funcs"] = [plan.grpo_spec.reward_model]
     if parallelism_kwargs(plan) and plan.grid.model_parallel > 1:
         out["parallelism_config"] = parallelism_kwargs(plan)
     if distributed_config(plan):
@@ -482,7 +484,11 @@ def plan_md_section(plan: Plan) -> list[str]:
                   + ("the reference model is loaded by TRL (beta != 0)." if g.reference_kept else
                      "beta 0: TRL loads no reference model.")
                   + (" Generation runs on a separate vLLM server (`trl vllm-serve`) on other GPUs, not these."
-                     if g.generation == "server" else ""), ""]
+                     if g.generation == "server" else "")
+                  + (f" Reward model `{g.reward_model}` (sequence classification; its weights and scoring forward "
+                     "are in the plan's memory and time): pass it by name in reward_funcs, `reward_funcs=reward_funcs()"
+                     " + [your functions]` (`from toolkit.train.own_script import reward_funcs`), and TRL loads it."
+                     if g.reward_model else ""), ""]
     else:
         lines += ["```", "", f"TRL SFTConfig: the same plus `max_length={plan.seq_len}`, "
                   f"`packing={sft_config(plan)['packing']}` (packing needs flash attention to keep documents "

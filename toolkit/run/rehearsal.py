@@ -167,7 +167,8 @@ def _rehearsal_grpo(plan: Plan, generation_batch: int, said: list[str]) -> "Grpo
     completions of at most REHEARSAL_COMPLETION tokens after prompts of up to the rest of REHEARSAL_SEQ_LEN (the
     rehearsal's own prompts, up to 36 tokens with the tiny tokenizers, whatever the plan's prompt length), and
     the most generations per prompt, up to the plan's, whose groups fill the small generation batch (GRPOConfig
-    refuses partial groups). Says what changed in `said`."""
+    refuses partial groups); no reward model (the real one would not fit the rehearsal). Says what changed in
+    `said`."""
     from dataclasses import replace
 
     grpo = plan.grpo_spec
@@ -175,7 +176,10 @@ def _rehearsal_grpo(plan: Plan, generation_batch: int, said: list[str]) -> "Grpo
     groups = [n for n in range(2, min(grpo.num_generations, generation_batch) + 1) if generation_batch % n == 0]
     small = replace(grpo, use_vllm=False, max_completion_length=completion,
                     max_prompt_length=REHEARSAL_SEQ_LEN - completion,
-                    num_generations=groups[-1] if groups else 2)
+                    num_generations=groups[-1] if groups else 2, reward_model=None)
+    if grpo.reward_model:
+        said.append(f"the reward model {grpo.reward_model} is the real run's size: the GRPO rehearsal scores with the "
+                    "run's --reward functions or the built-in length reward instead")
     if grpo.use_vllm:
         said.append(f"vLLM ({grpo.vllm_mode}) needs a GPU: rehearsing GRPO with generation in the training process "
                     "(transformers' generate); the vLLM settings are checked by TRL's GRPOConfig, not run")

@@ -39,14 +39,31 @@ VLLM_TRAIN_PROBLEM = ("the plan generates with vLLM (use_vllm), which needs a GP
 
 
 def check_grpo_run(plan: Plan, args, *, on_cpu: bool | None) -> list:
-    """What toolkit.train refuses of a GRPO plan before any process or model (one line), and the run's reward
-    functions (toolkit.train.rewards). on_cpu None: the run is not on this machine (a rehearsal checking the real
-    run's arguments), whose vLLM is then not asked about."""
+    """What toolkit.train refuses of a GRPO plan before any process or model (one line), and the run's rewards: the
+    plan's reward model by name, which TRL loads (AutoModelForSequenceClassification, num_labels=1; checked here as
+    the planner did, toolkit.inputs.reward), and the reward functions of --reward (toolkit.train.rewards), needed
+    only without a reward model. on_cpu None: the run is not on this machine (a rehearsal checking the real run's
+    arguments), whose vLLM is then not asked about."""
     from toolkit.train.rewards import load_rewards
 
     if plan.grpo_spec.use_vllm and on_cpu is not None and (on_cpu or not _vllm_installed()):
         raise UserError(VLLM_TRAIN_PROBLEM)
-    return load_rewards(args.reward)
+    reward_model = plan.grpo_spec.reward_model
+    if reward_model is None:
+        return load_rewards(args.reward)
+    from toolkit.inputs.reward import reward_model_of
+
+    reward_model_of(reward_model)
+    return [reward_model, *(load_rewards(args.reward) if args.reward else [])]
+
+
+def reward_model_numel(trainer) -> int:
+    """Elements of the reward models' parameters this rank holds (a ZeRO-3 partition's or a DTensor's local ones),
+    0 without one."""
+    import torch
+
+    models = [f for f in getattr(trainer, "reward_funcs", []) if isinstance(f, torch.nn.Module)]
+    return sum(getattr(p, "ds_tensor", getattr(p, "_local_tensor", p)).numel() for m in models for p in m.parameters())
 
 
 def _vllm_installed() -> bool:

@@ -355,6 +355,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
     model.train(was_training)
+    from toolkit.train.grpo import reward_model_numel
     summary = {"rank": rank, "world": trainer.args.world_size, "node": launcher_node_rank(),
                "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
@@ -362,6 +363,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
                "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
+               "reward_model_numel": reward_model_numel(trainer),  # GRPO --reward-model: its elements on this rank
                "image_tokens_seen": IMAGE_SEEN.get("image_tokens"),  # per image, by the image collator
                **param_dtypes(model),
                "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes,

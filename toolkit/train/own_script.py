@@ -70,6 +70,13 @@ def grpo_config(plan: str | Path | None = None) -> dict[str, Any]:
     return _for_this_box(settings["grpo_config"])
 
 
+def reward_funcs(plan: str | Path | None = None) -> list[Any]:
+    """GRPOTrainer's reward_funcs of a GRPO plan: its reward model by name (TRL loads it with
+    AutoModelForSequenceClassification, num_labels=1), or [] for a plan planned with rule-based rewards only; add
+    your own reward functions to the list."""
+    return list(plan_settings(plan).get("reward_funcs", []))
+
+
 def dpo_config(plan: str | Path | None = None) -> dict[str, Any]:
     """trl.DPOConfig keyword arguments of a DPO plan (TrainingArguments' plus beta, loss_type, max_length,
     precompute_ref_log_probs), for this box."""
