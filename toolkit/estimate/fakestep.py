@@ -33,7 +33,8 @@ def weights_uninitialised():
 
 def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
-                   adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model") -> Run:
+                   adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
+                   per_layer: tuple[str, ...] | None = None) -> Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from toolkit.inputs.modelconfig import auto_model_class
@@ -68,7 +69,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
 
             patches.enter_context(trl_loss_applied(model, gpu_footprint=device_kind == "cuda"))
         layers = decoder_layers(model, n)
-        kinds = tuple(layer_kind(layer, settings) for layer, settings in zip(layers, per_layer_settings(config, n)))
+        kinds = tuple(layer_kind(layer, settings) for layer, settings in zip(layers, per_layer_settings(config, n, per_layer)))
         if checkpointing:
             # Before wrapping, as the Trainer does on the PeftModel (which forwards to the base): transformers'
             # activation_checkpointing_enable also calls enable_input_require_grads, so the frozen embedding's

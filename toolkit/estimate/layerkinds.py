@@ -31,11 +31,19 @@ def decoder_layers(model, count: int):
     return min(lists, key=lambda x: x[:2])[2]
 
 
-def per_layer_settings(config, n: int) -> list[tuple]:
+def per_layer_keys(config, n: int) -> tuple[str, ...]:
+    """The config's keys whose values are lists with one entry per layer (such as layer_types)."""
+    return tuple(sorted(k for k, v in vars(text_config(config)).items() if isinstance(v, (list, tuple)) and len(v) == n))
+
+
+def per_layer_settings(config, n: int, keys: tuple[str, ...] | None = None) -> list[tuple]:
     """Per-layer entries of the config (lists with one value per layer, such as layer_types), layer by layer:
-    the model's forward may read them by index (which mask a layer gets) without the layer storing them."""
-    lists = sorted((k, v) for k, v in vars(text_config(config)).items() if isinstance(v, (list, tuple)) and len(v) == n)
-    return [tuple((k, repr(v[i])) for k, v in lists) for i in range(n)]
+    the model's forward may read them by index (which mask a layer gets) without the layer storing them. `keys`:
+    the per-layer keys of the full-depth config, for a depth-reduced copy, where a list that is no per-layer entry
+    can have the copy's length by chance (Mamba-2's time_step_limit pair in a 2-layer copy)."""
+    text = text_config(config)
+    keys = per_layer_keys(config, n) if keys is None else keys
+    return [tuple((k, repr(getattr(text, k)[i])) for k in keys) for i in range(n)]
 
 
 def layer_kind(layer, settings: tuple = ()) -> tuple:

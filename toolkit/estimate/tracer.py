@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from toolkit.estimate.activations import ActivationTrace
 from toolkit.estimate.fakestep import run_fake_step
-from toolkit.estimate.layerkinds import layer_kinds_of_full_model, traced_index_for, traced_layer_count
+from toolkit.estimate.layerkinds import (layer_kinds_of_full_model, per_layer_keys, traced_index_for,
+                                         traced_layer_count)
 from toolkit.estimate.standins import trace_environment
 from toolkit.inputs.choices import ATTENTIONS, COMPUTE_DTYPES as DTYPES, DEVICE_KINDS, LOSSES, TRL_LOSS
 from toolkit.inputs.modelconfig import reduced_config
@@ -79,7 +80,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
             run = run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
                                  micro_batch, seq_len, checkpointing, notes, liger=liger,
                                  device_kind=device_kind, adapter=adapter, tiled=tiled, chunked_loss=chunked_loss,
-                                 loss=loss)
+                                 loss=loss, per_layer=per_layer_keys(config, len(full_kinds)))
         except (DynamicOutputShapeException, DataDependentOutputException) as exc:
             raise NotImplementedError(
                 f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "

@@ -373,6 +373,12 @@ class ParallelGrid:
                                               self.expert if self.expert_shared_batch else self.tensor)
             if problem:
                 raise UserError(problem)
+        split = [f"{flag} {n}" for flag, n in (("--tensor-parallel", self.tensor), ("--context-parallel",
+                 self.context), ("--sequence-parallel", self.sequence)) if n > 1]
+        if split and not spec.heads:
+            raise UserError(f"{' and '.join(split)} split attention (by heads or around the attention ring); "
+                            f"{spec.name} ({spec.model_type}) has no attention heads (a state-space or recurrent "
+                            "model, or several stacks of different widths); drop it and shard with zero or fsdp2")
         if self.tensor > 1:
             from toolkit.inputs.tensorplan import tp_plan_problem
 

@@ -49,8 +49,11 @@ def catalog_names() -> list[str]:
 
 
 def config_from_dict(data: dict[str, Any], where: str):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PreTrainedConfig
 
+    # transformers writes inf and NaN as {"__float__": "Infinity"} (JSON has no such numbers; Mamba-2's
+    # time_step_limit is (0, inf)) and reads them back on its own load path (_dict_from_json_file): read them so too.
+    data = PreTrainedConfig._decode_special_floats(data)
     data = {k: v for k, v in data.items() if not k.startswith("_")}
     model_type = data.pop("model_type", None)
     if not model_type:
@@ -64,12 +67,27 @@ def config_from_dict(data: dict[str, Any], where: str):
         raise UserError(f"{where}: transformers does not know model_type '{model_type}'; "
                         "upgrade transformers or give --trust-remote-code with a hub id")
     try:
-        return AutoConfig.for_model(model_type, **data)
+        config = AutoConfig.for_model(model_type, **data)
     except Exception as exc:  # the config class's own validation (transformers' rules, not ours), in any class
         cause = exc.__cause__ or exc
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[-1].strip()
         raise UserError(f"{where}: transformers refuses this {model_type} config ({first[:200]}); fix the "
                         "config.json") from None
+    _check_head_width(config, where)
+    return config
+
+
+def _check_head_width(config, where: str) -> None:
+    """Hidden size divisible by the attention heads where the model derives its head width from them: a config
+    whose class has no head_dim (GLM-4-MoE's attention takes hidden // heads, rounding down, and its rotary half
+    then misfits). A class with a head_dim (its default or the file's; Llama validates that itself, MLA models
+    such as GLM-4-MoE-Lite carry one) sets the width on its own, so the config's own values are read, defaults
+    included, not the raw JSON."""
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads
+            and getattr(config, "head_dim", None) is None):
+        raise UserError(f"{where}: hidden size {hidden} does not divide by {heads} attention heads; fix the "
+                        "config.json (or give head_dim)")
 
 
 # Shape keys of Hugging Face configs (the Llama names first, then GPT-2's / OPT's), with their sane bounds. A
@@ -80,7 +98,7 @@ _SHAPE_KEYS: tuple[tuple[str, Any, bool], ...] = (
     ("num_attention_heads", "HEADS", True), ("n_head", "HEADS", True),
     ("num_key_value_heads", "HEADS", False), ("head_dim", "HIDDEN", False),
     ("num_hidden_layers", "LAYERS", True), ("n_layer", "LAYERS", True),
-    ("intermediate_size", "FFN", True), ("n_inner", "FFN", False), ("ffn_dim", "FFN", True),
+    ("intermediate_size", "FFN", False), ("n_inner", "FFN", False), ("ffn_dim", "FFN", True),
     ("vocab_size", "VOCAB", True), ("max_position_embeddings", "SEQ", False), ("n_positions", "SEQ", True),
 )
 
@@ -95,16 +113,16 @@ def check_config_shape(data: dict[str, Any], where: str) -> None:
             continue
         value = data[key]
         if value is None and not required:
-            continue  # null means "derive it" for these keys (n_inner = 4 x hidden, KV heads = heads)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{where}: '{key}' is {json.dumps(value)[:40]}, not a whole number; fix the config.json")
-        bounds.check_number(f"{where}: '{key}'", value, getattr(bounds, bound_name))
-    hidden = next((data[k] for k in ("hidden_size", "n_embd", "d_model") if k in data), None)
+            continue  # null means "derive it" for these keys (GPT-Neo's intermediate_size and GPT-2's n_inner = 4 x hidden, KV heads = heads)
+        # A list with one value per layer (Gemma-3n's intermediate_size): each a whole number in bounds.
+        per_layer = isinstance(value, list) and len(value) == data.get("num_hidden_layers")
+        for one in (value if per_layer else [value]):
+            if isinstance(one, bool) or not isinstance(one, int):
+                raise UserError(f"{where}: '{key}' is {json.dumps(value)[:40]}, not a whole number; fix the "
+                                "config.json")
+            bounds.check_number(f"{where}: '{key}'", one, getattr(bounds, bound_name))
     heads = next((data[k] for k in ("num_attention_heads", "n_head") if k in data), None)
     kv_heads = data.get("num_key_value_heads")
-    if hidden and heads and data.get("head_dim") is None and hidden % heads:
-        raise UserError(f"{where}: hidden size {hidden} does not divide by {heads} attention heads; fix the "
-                        "config.json (or give head_dim)")
     if heads and kv_heads and heads % kv_heads:
         raise UserError(f"{where}: {heads} attention heads do not divide into {kv_heads} key/value heads; "
                         "num_key_value_heads must divide num_attention_heads")
@@ -219,7 +237,8 @@ def shape_from_params(params: int, *, vocab: int = 32000):
 
 
 
-def _first_int(config, keys: tuple[str, ...], minimum: int) -> int:
+def first_int(config, keys: tuple[str, ...], minimum: int) -> int:
+    """The first of `keys` the config sets to a whole number >= `minimum` (attribute_map aliases included), else 0."""
     for key in keys:
         value = getattr(config, key, None)
         if isinstance(value, int) and value >= minimum:
@@ -229,8 +248,8 @@ def _first_int(config, keys: tuple[str, ...], minimum: int) -> int:
 
 def moe_shape(config) -> tuple[int, int]:
     """(experts, experts per token) under the names MoE configs use; (0, 0) for dense models."""
-    experts = _first_int(config, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"), 2)
-    top_k = _first_int(config, ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token"), 1)
+    experts = first_int(config, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"), 2)
+    top_k = first_int(config, ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token"), 1)
     return (experts, top_k) if experts and top_k else (0, 0)
 
 
@@ -256,7 +275,10 @@ def model_positions(config) -> int | None:
     def read(key: str) -> Any:
         return text.get(key) if isinstance(text, dict) else getattr(text, key, None)
 
+    # XLNet's max_position_embeddings is -1: "no sequence length limit" (XLNetConfig), as is any value below 1.
     base = next((int(v) for v in map(read, POSITION_KEYS) if isinstance(v, int) and not isinstance(v, bool)), None)
+    if base is not None and base < 1:
+        return None
     if base is None:
         return None
     rope = next((r for r in map(read, ("rope_parameters", "rope_scaling")) if isinstance(r, dict)), {})

@@ -18,7 +18,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.inputs.attention import attention_problem, attention_support, default_attention
-from toolkit.inputs.modelconfig import (causal_lm_problem, config_from_dict, load_config, model_positions,
+from toolkit.inputs.modelconfig import (causal_lm_problem, config_from_dict, first_int, load_config, model_positions,
                                         read_config_json, shape_config, shape_from_params, text_config)
 from toolkit.inputs.moe import find_moe, is_expert_param
 
@@ -268,9 +268,9 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
 
 def _attention_shape(config, hidden: int) -> tuple[int, int, int]:
     """(heads, KV heads, head dim) of one layer's config, as the attention classes read them."""
-    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head"))
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    return heads, kv_heads, int(getattr(config, "head_dim", None) or hidden // heads)
+    heads = first_int(config, ("num_attention_heads", "n_head"), 1)
+    kv_heads = first_int(config, ("num_key_value_heads",), 1) or heads
+    return heads, kv_heads, (first_int(config, ("head_dim",), 1) or hidden // heads) if heads else 0
 
 
 def build_spec(name: str, config) -> ModelSpec:
@@ -300,7 +300,10 @@ def build_spec(name: str, config) -> ModelSpec:
     embedding_params = embed.weight.numel() if embed is not None else 0
     head_weight = head.weight if head is not None else embed.weight
     text = text_config(config)
-    hidden = int(getattr(text, "hidden_size", None) or getattr(text, "n_embd"))
+    # A state-space or recurrent model (Mamba, RWKV, xLSTM) names no attention heads, and a model of several
+    # stacks of different widths (BLT) no one hidden size: 0 then, and what needs them (TP, CP, SP, attention FLOPs,
+    # KV cache) has none (toolkit.inputs.grid refuses the degrees that split heads).
+    hidden = first_int(text, ("hidden_size", "n_embd", "d_model"), 1)
     shapes = ()
     if getattr(text, "is_heterogeneous", False):  # a global read of a per-layer attribute raises; read each layer
         shapes = tuple(_attention_shape(layer, hidden) for layer in text.per_layer_config)
