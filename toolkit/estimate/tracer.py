@@ -70,27 +70,33 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     param_dtype = torch.float32 if autocast else compute_dtype
 
     full_kinds = layer_kinds_of_full_model(config)
-    traced_count = traced_layer_count(full_kinds)
-    traced_config = reduced_config(config, len(full_kinds), traced_count)
-
     notes: list[str] = []
     cuda_autocast = device_kind == "cuda" and autocast and compute_dtype != torch.float32
-    with trace_environment(attention, device_kind, notes, cuda_autocast=cuda_autocast) as attn_impl:
-        try:
-            run = run_fake_step(traced_config, attn_impl, param_dtype, compute_dtype if autocast else None,
-                                 micro_batch, seq_len, checkpointing, notes, liger=liger,
-                                 device_kind=device_kind, adapter=adapter, tiled=tiled, chunked_loss=chunked_loss,
-                                 loss=loss, per_layer=per_layer_keys(config, len(full_kinds)))
-        except (DynamicOutputShapeException, DataDependentOutputException) as exc:
-            raise NotImplementedError(
-                f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
-                "MoE experts looped over the tokens routed to each; such models trace only through transformers' "
-                "grouped_mm experts implementation") from None
-    traced_kinds = run.layer_kinds
-    if traced_kinds != full_kinds[:traced_count]:
-        raise RuntimeError(f"{type(config).__name__}: the first {traced_count} layers of a {traced_count}-layer "
-                           "copy differ from those of the full model; cannot trace this architecture by depth "
-                           "reduction")
+
+    def traced_run(count: int):
+        with trace_environment(attention, device_kind, notes, cuda_autocast=cuda_autocast) as attn_impl:
+            try:
+                return run_fake_step(reduced_config(config, len(full_kinds), count), attn_impl, param_dtype,
+                                     compute_dtype if autocast else None, micro_batch, seq_len, checkpointing, notes,
+                                     liger=liger, device_kind=device_kind, adapter=adapter, tiled=tiled,
+                                     chunked_loss=chunked_loss, loss=loss,
+                                     per_layer=per_layer_keys(config, len(full_kinds)))
+            except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+                raise NotImplementedError(
+                    f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
+                    "MoE experts looped over the tokens routed to each; such models trace only through "
+                    "transformers' grouped_mm experts implementation") from None
+
+    traced_count = traced_layer_count(full_kinds)
+    run = traced_run(traced_count)
+    if run.layer_kinds != full_kinds[:traced_count]:
+        # Depth reduction changed the layers: a setting counts from the model's depth (Gemma-3n's last
+        # num_kv_shared_layers reuse earlier layers' keys and values). The whole depth is traced instead.
+        traced_count = len(full_kinds)
+        run = traced_run(traced_count)
+        if run.layer_kinds != full_kinds:
+            raise RuntimeError(f"{type(config).__name__}: the layers of the traced build differ from those of its "
+                               "meta build; cannot trace this architecture")
     if autocast and compute_dtype != torch.float32:
         notes.append(f"autocast: torch.autocast('cpu', {dtype})" + (" with CUDA's float32 op list applied on top"
                                                                     if cuda_autocast else ""))

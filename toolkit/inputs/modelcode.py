@@ -1,0 +1,95 @@
+"""Why transformers' own model code cannot run a config: a default or incomplete config.json leaves a field unset
+(null, empty, or absent) that the modelling code reads without a fallback (Hunyuan's head_dim, Nemotron's
+num_key_value_heads, DeepSeek-V2's num_experts_per_tok, DBRX's attn_config.rope_theta); real checkpoints fill it.
+The failure is the model's, not the planner's: it is told in one line naming the field, from the failing line of
+transformers' code and the config's own values, with no per-architecture table."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+from typing import Any
+
+# Exceptions the modelling code raises on a field it cannot use (None in arithmetic, a missing key or attribute,
+# transformers' own ValueError on an unset setting); a RuntimeError comes from torch's kernels and is not told here.
+CONFIG_ERRORS = (TypeError, AttributeError, KeyError, IndexError, ValueError)
+
+
+def _transformers_root() -> str:
+    import transformers
+
+    return os.path.dirname(transformers.__file__) + os.sep
+
+
+def _config_parts(config: Any) -> list[tuple[str, Any]]:
+    """The config and its nested configs (text_config, attn_config, ...), each with its dotted path."""
+    from transformers import PreTrainedConfig
+
+    parts, todo = [], [("", config)]
+    while todo:
+        path, part = todo.pop(0)
+        parts.append((path, part))
+        todo += [(f"{path}{key}.", value) for key, value in vars(part).items() if isinstance(value, PreTrainedConfig)]
+    return parts
+
+
+def _unset_fields(config: Any, names: list[str], missing: str | None) -> list[str]:
+    """Of `names`, the config fields that are null or empty in some part of the config; `missing`, an attribute
+    a part of the config lacks."""
+    found = []
+    for path, part in _config_parts(config):
+        for name in names:
+            name = getattr(part, "attribute_map", {}).get(name, name)  # Dots1's num_local_experts: n_routed_experts
+            value = vars(part).get(name, 0)
+            if value is None or (isinstance(value, (dict, list, tuple)) and not value):
+                found.append(f"'{path}{name}' ({'null' if value is None else 'empty'})")
+        if missing and type(part).__name__ == missing[0]:
+            found.append(f"'{path}{missing[1]}' (absent)")
+    return list(dict.fromkeys(found))
+
+
+def _class_fields(frame) -> list[str]:
+    """The config fields the failing code's class reads (`config.x` in its source): the field a line reads through
+    an attribute of its own (DeepSeek-V2's self.top_k = config.num_experts_per_tok) is named there."""
+    import inspect
+
+    owner = frame.f_locals.get("self")
+    try:
+        source = inspect.getsource(type(owner)) if owner is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    return re.findall(r"config\.(\w+)", source)
+
+
+def model_code_problem(exc: BaseException, config: Any, name: str) -> str | None:
+    """One line saying which config field transformers' model code fails on, and where, when `exc` is one of
+    CONFIG_ERRORS raised inside transformers (its innermost frame there); None otherwise (a failure of ours or of
+    torch stays a traceback, to be fixed)."""
+    if not isinstance(exc, CONFIG_ERRORS):
+        return None
+    root = _transformers_root()
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if not frames or not frames[-1].f_code.co_filename.startswith(root):
+        return None
+    models = [f for f in frames if f.f_code.co_filename.startswith(root + "models" + os.sep)] or frames[-1:]
+    frame = models[-1]
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    absent = re.search(r"'(\w+)' object has no attribute '(\w+)'", message) if isinstance(exc, AttributeError) else None
+    read = re.sub(r"^[\w.]+\s*=(?!=)", "", line)  # what the line reads, not the attribute it assigns
+    named = [n for group in re.findall(r"\.(\w+)|\[[\"'](\w+)[\"']\]|`(\w+)`|'(\w+)'", f"{read} {message}")
+             for n in group if n]
+    fields = (_unset_fields(config, named, absent.groups() if absent else None)
+              or _unset_fields(config, _class_fields(frame), None))
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    kind = getattr(config, "model_type", "?")
+    if fields:
+        return (f"'{name}': {', '.join(fields)} in its config, which transformers' {kind} code needs ({where}: "
+                f"{message[:100]}); set it in config.json as a real checkpoint does")
+    return (f"'{name}': transformers' {kind} code cannot run this config ({where}: {type(exc).__name__}: "
+            f"{message[:100]}); complete its config.json from a real checkpoint's")
