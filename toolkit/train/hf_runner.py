@@ -333,8 +333,8 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
     if not folder:
         return
     import torch
-
     from toolkit.inputs.moe import is_expert_param
+    from toolkit.train.grpo import reward_model_numel
 
     rank = trainer.args.process_index
     model = trainer.model
@@ -355,7 +355,6 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
     model.train(was_training)
-    from toolkit.train.grpo import reward_model_numel
     summary = {"rank": rank, "world": trainer.args.world_size, "node": launcher_node_rank(),
                "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
