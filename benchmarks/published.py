@@ -9,6 +9,8 @@ optimizer implementation. The published peak is compared with the figure of ours
                           allocated plus blocks pending free, the same tensors)
   reserved             -> Breakdown.reserved_bytes (the caching allocator's segments: the step's allocations
                           replayed through its model, toolkit.estimate.reserved)
+  nvidia_smi           -> Breakdown.nvidia_smi_bytes (reserved + CUDA context + NCCL buffers: the device's used
+                          memory, where a source reads it off the device rather than off torch)
 
 Rows that use a technique the estimator does not model say which and why, and are kept out of the error summary;
 torchtitan's per-op selective checkpointing is estimated with `--checkpointing op` (toolkit.estimate.selective, its
@@ -77,7 +79,7 @@ def chunked_loss(name: str) -> int:
 def adapter_of(job_in: dict, spec):
     """The data file's `lora` object -> Job.adapter: full fine-tuning when absent; LoRA / QLoRA with the row's rank,
     targets and dropout (alpha scales the output only; toolkit.inputs.lora.Adapter) and, for QLoRA, its double
-    quantisation."""
+    quantisation and quant storage dtype."""
     from toolkit.inputs.lora import FULL, Adapter, adapter_for_model
 
     lora = job_in.get("lora")
@@ -88,6 +90,7 @@ def adapter_of(job_in: dict, spec):
               "targets": targets if isinstance(targets, str) else ",".join(targets)}
     if fields["method"] == "qlora":
         fields["double_quant"] = lora.get("double_quant", True)
+        fields["quant_storage"] = lora.get("quant_storage", "uint8")
     return adapter_for_model(spec, Adapter(**fields), dropout_given=True)
 
 
@@ -203,12 +206,26 @@ def prose_numbers(rows: list[dict], results: list[dict]) -> dict:
     expandable = [r["id"] for r in rows if r["job"].get("allocator_conf") == "expandable_segments:True"]
     share = sorted({round(100 * r["reserved_over_peak"], 1) for r in results
                     if r["modelled"] and any(m["metric"] == "reserved" for m in r["metrics"])})
-    return {"fsdp2_reserved": fsdp2, "replay_share": share or [0.0], "expandable_rows": expandable,
+    old_bnb = [(r["id"], old_bnb_saved_bytes(by) / GIB, r["metrics"][0]["published_gib"] - r["metrics"][0]["ours_gib"][0])
+               for r in results for by in rows if by["id"] == r["id"] and r["modelled"] and "QLoRA" in r["id"]
+               and r["id"].startswith("LIT-")]
+    return {"old_bnb": old_bnb, "fsdp2_reserved": fsdp2, "replay_share": share or [0.0], "expandable_rows": expandable,
             "torchao_gpus": [g for g, _ in torchao],
             "torchao_reserved_gib": [r["metrics"][0]["published_gib"] for _, r in torchao],
             "torchao_worst": [worst[0], worst[1]["metrics"][0]["error"][0]],
             "tu_logits": [tu["micro_batch"], tu["seq_len"], vocab, tu["micro_batch"] * tu["seq_len"] * vocab * 4 / GIB],
             "exact_fit": exact_compile_fit(rows)}
+
+
+def old_bnb_saved_bytes(row: dict) -> float:
+    """What bitsandbytes before 0.43.2 kept beyond the installed one for a LitGPT Llama row: its MatMul4Bit saved
+    each 4-bit matmul's input for backward (ctx.tensors = (A, B); 0.43.2 saves (None, B), bitsandbytes commit
+    9e753741 'fix QLoRA mem bug'), and the inputs nothing else keeps are, per layer, the attention norm's output
+    (into the fused qkv), the attention output's contiguous copy (into proj), the MLP norm's output (into fc_1 and
+    fc_2) and the gated product (into the MLP's proj), in bf16."""
+    spec = _spec(row["job"]["model"])
+    tokens = row["seq_len"] * row["micro_batch"]
+    return spec.num_layers * tokens * (3 * spec.hidden + spec.config["intermediate_size"]) * 2
 
 
 NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six")
@@ -325,8 +342,10 @@ def _span(results: list[dict], prefix: str, contains: str = "", excludes: str = 
     return f"{errors[0]:+.1%}" if len(errors) == 1 else f"{errors[0]:+.1%} to {errors[-1]:+.1%}"
 
 
-def _lora_sources_paragraph(results: list[dict]) -> str:
+def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
     """What the LoRA / QLoRA sources (PEFT's method comparison, LitGPT's resource tables) show, from the results."""
+    old = said.get("old_bnb", [])
+    old_share = "; ".join(f"{extra:.1f} of the {gap:.1f} GiB for {rid}" for rid, extra, gap in old) or "nothing"
     peft_low = all(m["error"][0] < 0 for r in results if r["id"].startswith("PEFT-MMQA") for m in r["metrics"])
     gap = sorted(m["published_gib"] - m["ours_gib"][0] for r in results if r["id"].startswith("LIT-")
                  and "QLoRA" in r["id"] for m in r["metrics"])
@@ -341,10 +360,19 @@ def _lora_sources_paragraph(results: list[dict]) -> str:
             "LitGPT's resource tables (Fabric, bf16-true, one A100-40GB, max_memory_allocated, the longest Alpaca "
             f"sample of 1304 tokens first) are {_span(results, 'LIT-', 'LoRA', 'QLoRA')} for bf16 LoRA and "
             f"{_span(results, 'LIT-', 'QLoRA')} for QLoRA: the 4-bit rows (Fabric's own bitsandbytes 0.41.1 "
-            f"Linear4bit, not transformers' loader) are {gap[0]:.1f} to {gap[-1]:.1f} GiB above our tensor peak, a gap our QLoRA model "
-            "(4-bit codes, their constants, the dequantised weight one layer at a time) does not explain and we "
-            "did not find in that stack's code; it is recorded, not corrected. LitGPT's multi-GPU rows run FSDP1 "
-            "and are not modelled. torchtune's LoRA row compiles with LoRA, which the estimate refuses.")
+            f"Linear4bit, not transformers' loader) are {gap[0]:.1f} to {gap[-1]:.1f} GiB above our tensor peak. Part of "
+            "it is the engine's version, proven from its code: bitsandbytes before 0.43.2 (0.41.1 here) saved every "
+            "4-bit matmul's input for backward (MatMul4Bit.forward, ctx.tensors = (A, B); bitsandbytes 9e753741 "
+            "'fix QLoRA mem bug', 2024-07-16), the installed one saves (None, B), which we trace; the inputs nothing "
+            f"else keeps come to {old_share} (old_bnb_saved_bytes). The rest is not found; nothing is corrected, "
+            "since the estimate models the installed engines. LitGPT's multi-GPU rows run FSDP1 "
+            "and are not modelled. torchtune's LoRA row compiles with LoRA, which the estimate refuses. PEFT's "
+            "DeepSpeed guide gives two per-GPU readings of Llama-2-70B under ZeRO-3 (LoRA on 8 x H100, QLoRA with "
+            "bf16 quant storage on 2 x 40 GB), read off a device-memory screenshot or stated without the "
+            "instrument, so they are scored as nvidia-smi figures at medium-low confidence: "
+            f"{_span(results, 'PEFT-DOC')}, LOW as issue 28 found DeepSpeed ZeRO runs; which ZeRO-3 buffers the "
+            "reading holds beyond ours (gathered parameters kept for reuse, prefetch, the default allocator's "
+            "segments) is not established from these readings, and nothing was fitted to them.")
 
 
 def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficiency: float | None = None,
@@ -413,7 +441,7 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               "benchmarks/gpu_check.py --allocator measures the model against the device's allocator on the GPU day. The modelled cases feed the error band that estimate "
               "and plan print (toolkit/estimate/gpu_error_band.json). "
               f"{_liger_sentence(results)} {_nvidia_smi_sentence(results, said)}", ""]
-    lines += [_lora_sources_paragraph(results), ""]
+    lines += [_lora_sources_paragraph(results, said), ""]
     if speedups:
         lines += ["## torch.compile speed-up", "",
                   "Published pairs that differ only by compile, tokens/s compiled over eager, against the step-time "
