@@ -22,8 +22,8 @@ def _tiny():
                        ffn=344)
 
 
-def _adapter(saved_dtype: str) -> Adapter:
-    return Adapter(method="lora", r=8, alpha=16, dropout=0.1, targets="all-linear", modules_to_save=SAVED,
+def _adapter(saved_dtype: str, method: str = "lora") -> Adapter:
+    return Adapter(method=method, r=8, alpha=16, dropout=0.1, targets="all-linear", modules_to_save=SAVED,
                    saved_dtype=saved_dtype)
 
 
@@ -42,7 +42,7 @@ def test_saved_copies_step_peak_matches_a_real_cpu_step():
     assert peaks["fp32"] > peaks["auto"]
 
 
-def _estimates(strategy: str, gpus: str):
+def _estimates(strategy: str, gpus: str, method: str = "lora"):
     from toolkit.estimate.memory import estimate_memory
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.job import Job
@@ -51,7 +51,7 @@ def _estimates(strategy: str, gpus: str):
 
     spec = build_spec("llama", _tiny())
     return {saved: estimate_memory(spec, parse_strategy(strategy),
-                                   Job(seq_len=128, micro_batch=2, precision="bf16", adapter=_adapter(saved)),
+                                   Job(seq_len=128, micro_batch=2, precision="bf16", adapter=_adapter(saved, method)),
                                    parse_hardware(gpus)) for saved in ("auto", "fp32")}
 
 
@@ -70,11 +70,25 @@ def test_fp32_copies_move_ddp_states_by_exactly_their_bytes():
 
 
 def test_fsdp2_trains_the_copies_in_fp32_either_way():
-    """accelerate upcasts every trainable parameter to fp32 for FSDP2 (fsdp2_prepare_model): fp32 copies are what
+    """LoRA: accelerate upcasts every trainable parameter to fp32 for FSDP2 (fsdp2_prepare_model): fp32 copies are what
     auto already trains, so the states and the peak do not move."""
     out = _estimates("fsdp2", "2xH200")
     for field in ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "buffers_bytes", "peak_bytes"):
         assert getattr(out["fp32"], field) == getattr(out["auto"], field), field
+
+
+def test_fsdp2_beside_a_4bit_base_keeps_auto_copies_in_bf16():
+    """QLoRA: accelerate upcasts no trainable parameter of a model holding Params4bit (fsdp2_prepare_model), so
+    auto's bf16 copies stay bf16 under FSDP2 on 2 GPUs: fp32 copies add 2 B per saved parameter / 2 ranks to the
+    weights and to the gradients, 4 B / 2 to AdamW's states; the gathered (bf16) parameters do not move."""
+    from toolkit.inputs.lora import adapter_counts
+
+    saved = adapter_counts(_tiny(), _adapter("auto", "qlora")).saved_module_params
+    out = _estimates("fsdp2", "2xH200", "qlora")
+    assert out["fp32"].parameters_bytes - out["auto"].parameters_bytes == 2 * saved // 2
+    assert out["fp32"].gradients_bytes - out["auto"].gradients_bytes == 2 * saved // 2
+    assert out["fp32"].optimizer_bytes - out["auto"].optimizer_bytes == 4 * saved // 2
+    assert out["fp32"].buffers_bytes == out["auto"].buffers_bytes
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -139,3 +153,34 @@ def test_toolkit_train_model_holds_the_copies_in_the_plan_dtype(tiny_llama_dir):
     assert dtypes == {"base_model.model.lm_head.original_module.weight": (torch.bfloat16, False),
                       "base_model.model.lm_head.modules_to_save.default.weight": (torch.float32, True)}
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+
+
+def test_a_users_script_gets_the_copies_in_the_plan_dtype_from_the_helper(tmp_path, tiny_llama_dir, monkeypatch):
+    """A user's script run as `toolkit launch` runs it (toolkit.train.own_script.run_script, in this process, one
+    rank) on a plan folder with --modules-to-save-dtype fp32: the base loaded with model_kwargs() in bf16 and wrapped
+    with peft_model() holds the trainable lm_head copy in fp32, the frozen original in bf16, as toolkit.train does."""
+    import json
+    import sys
+
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.own_script import PLAN_DIR_ENV, run_script
+
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32, precision="bf16")
+    adapter = Adapter(method="lora", r=4, alpha=8, dropout=0.0, modules_to_save="lm_head", saved_dtype="fp32")
+    folder = emit_plan_files(plan.replace(method="lora", adapter=adapter.to_dict()), tmp_path / "plan")
+    script = tmp_path / "my_train.py"
+    script.write_text(
+        "import json, sys\nfrom transformers import AutoModelForCausalLM\n"
+        "from toolkit.train.own_script import model_kwargs, peft_model\n"
+        "model = peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1], **model_kwargs()))\n"
+        "dtypes = {n: [str(p.dtype), p.requires_grad] for n, p in model.named_parameters() if 'lm_head' in n}\n"
+        "open(sys.argv[2], 'w').write(json.dumps(dtypes))\n")
+    monkeypatch.setenv(PLAN_DIR_ENV, str(folder))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name in ("path", "argv", "stderr"):
+        monkeypatch.setattr(sys, name, list(getattr(sys, name)) if name != "stderr" else sys.stderr)
+    assert run_script([str(script), str(tiny_llama_dir), str(tmp_path / "dtypes.json")]) == 0
+    assert json.loads((tmp_path / "dtypes.json").read_text()) == {
+        "base_model.model.lm_head.original_module.weight": ["torch.bfloat16", False],
+        "base_model.model.lm_head.modules_to_save.default.weight": ["torch.float32", True]}

@@ -170,18 +170,25 @@ def test_fsdp2_qlora_with_uint8_storage_trains_with_the_codes_whole_on_every_ran
     """The planner offers FSDP2 for QLoRA with uint8 storage and budgets the 4-bit codes whole on every GPU
     (toolkit.inputs.lora.quantized_base_sharded False): toolkit.train runs it, accelerate leaves the Params4bit out
     of fully_shard (the rest is sharded), and it trains. With bfloat16 storage the codes are halved over 2 ranks
-    (checked by hand: 18,432 of 36,864 elements per rank)."""
+    (checked by hand: 18,432 of 36,864 elements per rank). Under bf16 mixed precision accelerate upcasts no
+    trainable parameter of a model holding Params4bit: the lm_head copy (modules_to_save) stays bf16 beside the fp32
+    adapters, and each rank's AdamW states are the plan's optimizer_bytes (2 x 2 B a copy parameter, not 2 x 4 B)."""
+    from toolkit.estimate.search import predict_plan
     from toolkit.inputs.lora import quantized_base_sharded
 
-    adapter = Adapter(method="qlora", r=4, dropout=0.0)
+    adapter = Adapter(method="qlora", r=4, dropout=0.0, modules_to_save="lm_head")
     assert not quantized_base_sharded(adapter)
-    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=2, micro_batch=2, seq_len=SEQ, precision="fp32")
-    run = run_training(plan.replace(method="qlora", adapter=adapter.to_dict()), "qlora-fsdp2-uint8", "--data",
-                       str(corpus_dir), *COMMON).check()
+    plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=2, micro_batch=2, seq_len=SEQ, precision="bf16")
+    plan = plan.replace(method="qlora", adapter=adapter.to_dict())
+    run = run_training(plan, "qlora-fsdp2-uint8", "--data", str(corpus_dir), *COMMON).check()
     local, whole = run.ranks[0]["four_bit_numel"]
     assert whole > 0 and [r["four_bit_numel"] for r in run.ranks] == [[whole, whole]] * 2
     losses = run.losses()
     assert (losses[5] + losses[6]) / 2 < losses[1] - 0.02
+    predicted = predict_plan(plan.replace(gpu="H100-SXM-80GB")).predicted
+    for rank in run.ranks:
+        assert rank["trained_param_dtypes"] == ["torch.bfloat16", "torch.float32"], rank["rank"]
+        assert rank["optimizer_bytes"] == pytest.approx(predicted["optimizer_bytes"], rel=0.01), (rank, predicted)
 
 
 def test_train_lora_on_a_full_moe_plan_takes_peft_dropout_rule(tmp_path):

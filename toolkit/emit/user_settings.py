@@ -236,8 +236,8 @@ def adapter_settings(plan: Plan) -> dict[str, Any] | None:
         out["bnb_config"] = adapter.bnb_config_kwargs()
         out["kbit_preparation"] = KBIT_PREPARATION
     if adapter.saved_dtype != "auto":
-        # PEFT copies modules_to_save in the base's dtype; the plan trains them in this one (toolkit.train casts
-        # them after get_peft_model: toolkit.inputs.lora.cast_saved_modules).
+        # PEFT copies modules_to_save in the base's dtype; the plan trains them in this one (toolkit.train and
+        # toolkit.train.own_script.peft_model cast them after get_peft_model: toolkit.inputs.lora.apply_saved_dtype).
         out["modules_to_save_dtype"] = BASE_DTYPE_NAMES[adapter.saved_dtype]
     return out
 
@@ -258,9 +258,9 @@ def notes(plan: Plan) -> list[str]:
                    "LoraConfig(...))); the adapters stay float32 (PEFT's autocast_adapter_dtype).")
         if plan.adapter_spec.saved_dtype != "auto":
             out.append(f"modules_to_save ({plan.adapter_spec.modules_to_save}) train in "
-                       f"{BASE_DTYPE_NAMES[plan.adapter_spec.saved_dtype]}: PEFT copies them in the base's dtype, so "
-                       "cast the copies after get_peft_model (toolkit.inputs.lora.cast_saved_modules(model, "
-                       f"torch.{BASE_DTYPE_NAMES[plan.adapter_spec.saved_dtype]}), as toolkit.train does).")
+                       f"{BASE_DTYPE_NAMES[plan.adapter_spec.saved_dtype]}: PEFT copies them in the base's dtype; "
+                       "model = toolkit.train.own_script.peft_model(model) wraps the model and casts the copies, as "
+                       "toolkit.train does (give its model to the Trainer, or to SFTTrainer without peft_config).")
     if plan.method == "qlora":
         out.append("k-bit preparation: " + KBIT_PREPARATION)
     if plan.engine == Engine.FSDP2 and plan.checkpointing and not sharded_at_load(plan):
@@ -497,7 +497,8 @@ def plan_md_section(plan: Plan) -> list[str]:
     adapter = adapter_settings(plan)
     if adapter is not None:
         lines += [f"{METHOD_NAMES[plan.method]} (peft / bitsandbytes; `adapter` in `{TRAINING_ARGS}`; "
-                  "`toolkit.train.own_script.model_kwargs()` and `lora_config()` build them):", "", "```python"]
+                  "`toolkit.train.own_script.model_kwargs()` and `lora_config()` build them; `peft_model(model)` wraps "
+                  "the loaded model as toolkit.train does):", "", "```python"]
         if "bnb_config" in adapter:
             lines.append(f"bnb_config = {adapter['bnb_config']!r}  # dtype names: getattr(torch, name)")
         lines += [f"model = {auto_class_name(plan)}.from_pretrained(MODEL, dtype=torch.{adapter['model_dtype']}"

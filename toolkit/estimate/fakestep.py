@@ -259,7 +259,7 @@ def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
         # autocast the engine computes them in the traced dtype (FSDP2's param_dtype, or the one compute dtype).
         from toolkit.inputs.lora import apply_saved_dtype
 
-        apply_saved_dtype(wrapped, adapter)
+        apply_saved_dtype(wrapped, adapter.saved_dtype)
     notes.append(f"{adapter.method}: PEFT LoRA r={adapter.r}, dropout {adapter.dropout}, targets {adapter.targets}"
                  + ("; 4-bit base traced as its compute-dtype matmuls (bitsandbytes MatMul4Bit saves no input "
                     "for a frozen weight, as a frozen nn.Linear)" if adapter.method == "qlora" else ""))

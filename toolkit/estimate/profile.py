@@ -69,7 +69,7 @@ def build_model(config, precision: str, attention: str, checkpointing: bool, dev
         from toolkit.inputs.lora import apply_saved_dtype
 
         model = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=precision != "bf16-pure")
-        apply_saved_dtype(model, adapter)
+        apply_saved_dtype(model, adapter.saved_dtype)
         model.train()
     return model
 

@@ -234,6 +234,22 @@ def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_para
     return s
 
 
+def fsdp2_kept_dtype_states(s: States, P: int, job: Job, *, param_bytes: int, shard: int, offloads: bool) -> None:
+    """Adds to FSDP2's states `s` P trainable parameters that accelerate leaves in their own dtype: a QLoRA model's
+    modules_to_save copies (accelerate utils/fsdp_utils.py fsdp2_prepare_model upcasts trainable parameters to fp32
+    only when the model holds no Params4bit). Sharded weights and gradients in `param_bytes` per element, torch's
+    optimizer states in the same dtype (zeros_like), all / `shard`; with CPUOffloadPolicy in host RAM."""
+    weights, states = P * param_bytes / shard, optimizer_state_bytes(P, job, param_bytes=param_bytes) / shard
+    if offloads:
+        s.cpu += 2 * weights + states
+    else:
+        s.parameters += weights
+        s.step_gradients += weights
+        s.optimizer += states
+    s.sources.append(f"modules_to_save copies beside a 4-bit base: {P:,} parameters kept in {param_bytes} B "
+                     "(accelerate upcasts no trainable parameter of a model with Params4bit)")
+
+
 def fsdp2_offload(s: States, *, sharded_bytes: float, layer_shard_bytes: float) -> None:
     """FSDP2 with CPUOffloadPolicy (accelerate's fsdp_offload_params: true builds CPUOffloadPolicy(), pin_memory
     True): moves what `s` holds sharded on the GPU to host RAM. torch _fully_shard/_fsdp_param.py keeps each
@@ -302,7 +318,8 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
     - DDP: whole on every GPU. toolkit.train loads it in the compute dtype; PEFT keeps adapters in fp32
       (get_peft_model(autocast_adapter_dtype=True)); DDP's Reducer buckets only parameters that require grad.
       The `saved_params` modules_to_save copies train in `saved_bytes_per_param` (ddp_saved_module_states). Under
-      ZeRO they are trainable parameters like the adapters; under FSDP2 accelerate upcasts them to fp32 with them.
+      ZeRO they are trainable parameters like the adapters; under FSDP2 accelerate upcasts them to fp32 with them,
+      except beside a 4-bit base, where they keep `saved_bytes_per_param` (fsdp2_kept_dtype_states).
     - ZeRO-1/2: whole on every GPU; DeepSpeed casts the whole module to bf16/fp16 (engine.py _configure_distributed_model)
       and partitions only the optimizer's (trainable) parameters.
     - ZeRO-3: every parameter is partitioned, frozen ones included (DeepSpeed partitions each parameter's data at
@@ -332,8 +349,12 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
                 s.cpu += base_sharded_bytes / dp
                 base_per_gpu = whole_bytes
     elif strategy.engine == Engine.FSDP2:
-        s = fsdp2_states(trainable, job, strategy, shard=shard, layer_params=layer_trainable_params,
+        kept = saved_params if job.adapter.method == "qlora" else 0  # not upcast beside Params4bit
+        s = fsdp2_states(trainable - kept, job, strategy, shard=shard, layer_params=layer_trainable_params,
                          root_params=root_trainable_params, accumulating=False, prefetch_layers=prefetch_layers)
+        if kept:
+            fsdp2_kept_dtype_states(s, kept, job, param_bytes=saved_bytes_per_param, shard=shard,
+                                    offloads=strategy.offloads)
         s.gathered = fsdp2_gathered_bytes(strategy, whole=gather_bytes, layer=layer_gathered_bytes,
                                           root=root_gathered_bytes, prefetch_layers=prefetch_layers)
         base_per_gpu = base_sharded_bytes / shard + whole_bytes

@@ -343,8 +343,9 @@ def saved_dtype_problem(adapter: Adapter, precision: str, strategy: "Strategy | 
         return (f"{flag} under {strategy.name}: DeepSpeed's {precision} mode casts every parameter to {precision} "
                 "and keeps fp32 master copies of the trainable ones; drop --modules-to-save-dtype")
     if strategy is not None and strategy.engine == Engine.FSDP2 and wanted != "float32" and precision != "bf16-pure":
-        return (f"{flag} under {strategy.name}: accelerate upcasts every trainable parameter to fp32 for FSDP2; "
-                "give fp32, or drop --modules-to-save-dtype")
+        return (f"{flag} under {strategy.name}: accelerate upcasts every trainable parameter to fp32 for FSDP2 "
+                "(beside a 4-bit base it keeps the copies in the base's dtype: auto); give fp32, or drop "
+                "--modules-to-save-dtype")
     if strategy is not None and strategy.engine not in (Engine.DDP, Engine.FSDP2):
         return f"{flag} under {strategy.name}: modelled on ddp and fsdp2 only; use one of them"
     return None

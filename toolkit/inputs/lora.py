@@ -494,14 +494,15 @@ def cast_saved_modules(peft_model, dtype) -> int:
     return cast
 
 
-def apply_saved_dtype(peft_model, adapter: Adapter) -> int:
-    """cast_saved_modules to the adapter's --modules-to-save-dtype; nothing for auto (PEFT's own dtype). The one
-    step toolkit.train, the CPU profile and the trace run after get_peft_model. Returns the parameters cast."""
-    if adapter.saved_dtype == "auto":
+def apply_saved_dtype(peft_model, saved_dtype: str) -> int:
+    """cast_saved_modules to `saved_dtype` (an Adapter.saved_dtype: --modules-to-save-dtype's value); nothing for
+    auto (PEFT's own dtype). The one step toolkit.train, a user's script (toolkit.train.own_script.peft_model), the
+    CPU profile and the trace run after get_peft_model. Returns the parameters cast."""
+    if saved_dtype == "auto":
         return 0
     import torch
 
-    return cast_saved_modules(peft_model, getattr(torch, BASE_DTYPE_NAMES[adapter.saved_dtype]))
+    return cast_saved_modules(peft_model, getattr(torch, BASE_DTYPE_NAMES[saved_dtype]))
 
 
 def base_storage_bytes_per_param(precision: str, base_dtype: str = "auto") -> int:

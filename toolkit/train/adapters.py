@@ -76,10 +76,16 @@ def bnb_config(kwargs: dict):
 
 
 def wrap_model(model, adapter: Adapter, *, checkpointing: bool):
-    """The PEFT model the Trainer trains. With activation checkpointing the frozen embedding's output must
-    require grad so that the checkpointed layers' recompute reaches the adapters (enable_input_require_grads,
-    which transformers' activation_checkpointing_enable also calls). --modules-to-save-dtype casts PEFT's trainable
-    modules_to_save copies (which it deep-copies in the base's dtype) before any engine sees them."""
+    """The PEFT model the Trainer trains (peft_wrap with the adapter's LoraConfig and --modules-to-save-dtype)."""
+    return peft_wrap(model, adapter.lora_config(), adapter.saved_dtype, checkpointing=checkpointing)
+
+
+def peft_wrap(model, lora_config, saved_dtype: str, *, checkpointing: bool):
+    """peft.get_peft_model as toolkit.train and a user's script (toolkit.train.own_script.peft_model) run it. With
+    activation checkpointing the frozen embedding's output must require grad so that the checkpointed layers'
+    recompute reaches the adapters (enable_input_require_grads, which transformers' activation_checkpointing_enable
+    also calls). `saved_dtype` (Adapter.saved_dtype) casts PEFT's trainable modules_to_save copies (which it
+    deep-copies in the base's dtype) before any engine sees them."""
     from peft import get_peft_model
 
     from toolkit.inputs.lora import apply_saved_dtype
@@ -87,13 +93,13 @@ def wrap_model(model, adapter: Adapter, *, checkpointing: bool):
     if checkpointing and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     try:
-        wrapped = get_peft_model(model, adapter.lora_config())
+        wrapped = get_peft_model(model, lora_config)
     except ValueError as exc:
         message = str(exc).splitlines()[0][:200]
         fix = "give --lora-dropout 0 (MoE expert parameters take none)" if "lora_dropout" in message else \
             "check --lora-targets"
         raise UserError(f"PEFT refuses the adapter ({message}); {fix}") from None
-    apply_saved_dtype(wrapped, adapter)
+    apply_saved_dtype(wrapped, saved_dtype)
     return wrapped
 
 

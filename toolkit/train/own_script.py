@@ -5,7 +5,9 @@ The one toolkit import a user's script needs (public, documented in PLAN.md and 
     from toolkit.train.own_script import training_arguments      # or sft_config / dpo_config / accelerate_loop
     args = TrainingArguments(output_dir="out", learning_rate=2e-5, **training_arguments())
 
-started by `toolkit launch PLAN_DIR [--processes N] [--cpu] -- my_train.py ARGS`. Each function returns the plan's
+LoRA / QLoRA: `model = peft_model(AutoModelForCausalLM.from_pretrained(MODEL, **model_kwargs()))`.
+
+Started by `toolkit launch PLAN_DIR [--processes N] [--cpu] -- my_train.py ARGS`. Each function returns the plan's
 settings (training_args.json of the folder launch ran the script with: TOOLKIT_PLAN_DIR, or `plan=`), adjusted for
 the box the script runs on. `toolkit launch --processes N` already kept the global batch by accumulation in that
 file; what this module adds is what only a machine without a GPU needs: accelerate's shared state over gloo,
@@ -129,6 +131,27 @@ def lora_config(plan: str | Path | None = None):
     from peft import LoraConfig
 
     return LoraConfig(**adapter["lora_config"])
+
+
+def peft_model(model, plan: str | Path | None = None):
+    """The plan's PEFT model of a base loaded with model_kwargs(), wrapped as toolkit.train wraps it
+    (toolkit.train.adapters.peft_wrap): the embedding's output made to require grad when the plan checkpoints
+    activations, peft.get_peft_model with lora_config(), and PEFT's modules_to_save copies cast to the plan's
+    modules_to_save dtype (toolkit.inputs.lora.apply_saved_dtype). Give the result to the Trainer, or to TRL's
+    SFTTrainer without peft_config."""
+    from peft import LoraConfig
+
+    from toolkit.inputs.choices import BASE_DTYPE_NAMES
+    from toolkit.train.adapters import peft_wrap
+
+    adapter = plan_settings(plan).get("adapter")
+    if adapter is None:
+        raise SystemExit("this plan fine-tunes the whole model (no adapter in training_args.json): train the loaded "
+                         "model itself, or re-plan with --method lora / qlora")
+    flag_of = {name: flag for flag, name in BASE_DTYPE_NAMES.items()}  # training_args.json holds torch's name
+    saved_dtype = flag_of[adapter["modules_to_save_dtype"]] if "modules_to_save_dtype" in adapter else "auto"
+    return peft_wrap(model, LoraConfig(**adapter["lora_config"]), saved_dtype,
+                     checkpointing=bool(adapter.get("gradient_checkpointing_needs_input_grads")))
 
 
 def prepare_this_box() -> bool:
