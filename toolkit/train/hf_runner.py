@@ -351,7 +351,6 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         experts = [p for name, p in model.named_parameters() if is_expert_param(name)]
         expert_numel = [sum(getattr(p, "_local_tensor", p).numel() for p in experts), sum(p.numel() for p in experts)]
         param_bytes, optimizer_bytes = held_state_bytes(model, trainer.optimizer)  # the plan's figures a rank
-        held_dtypes = param_dtypes(model)  # resharded: FSDP2's stored dtypes, not the probe's unsharded param_dtype
         # Every rank runs the forward (ZeRO-3 and FSDP2 gather parameters collectively).
         probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
         logits = model(input_ids=probe).logits.float().cpu()
@@ -365,7 +364,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
                "reward_model_numel": reward_model_numel(trainer),  # GRPO --reward-model: its elements on this rank
                "image_tokens_seen": IMAGE_SEEN.get("image_tokens"),  # per image, by the image collator
-               **held_dtypes,
+               **param_dtypes(model),
                "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes,
                "optimizer_bytes": optimizer_bytes,
                "toolkit_plan_dir": os.environ.get("TOOLKIT_PLAN_DIR"),

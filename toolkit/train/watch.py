@@ -30,7 +30,9 @@ def watch_layer_dtype(model, layer_class: str) -> dict:
 
 
 def param_dtypes(model) -> dict[str, list[str]]:
-    """The dtypes the run holds its frozen and its trained parameters in (LoRA's --base-dtype)."""
+    """The dtypes the run holds its frozen and its trained parameters in (LoRA's --base-dtype): resharded first, so
+    FSDP2's stored shards, not a forward's unsharded param_dtype copies."""
+    _reshard(model)
     return {f"{kind}_param_dtypes": sorted({str(p.dtype) for p in model.parameters()
                                             if p.requires_grad == (kind == "trained")})
             for kind in ("frozen", "trained")}
@@ -41,17 +43,22 @@ def held_state_bytes(model, optimizer) -> tuple[int, int]:
     and of the optimizer states it holds (AdamW's moments and steps: the plan's optimizer_bytes a rank). FSDP2 keeps
     the root's parameters unsharded after a forward (the last evaluation's), so it is resharded first."""
     import torch
-    from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    _reshard(model)
     param_bytes = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
     optimizer = getattr(optimizer, "optimizer", optimizer)
     optimizer_bytes = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
                           for state in getattr(optimizer, "state", {}).values() for t in state.values()
                           if torch.is_tensor(t))
     return param_bytes, optimizer_bytes
+
+
+def _reshard(model) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def watch_step_peak(trainer, seen: dict) -> None:
