@@ -70,6 +70,32 @@ def sweep_one(kind: str, folder: Path) -> dict:
     return row
 
 
+def write_results(rows: dict, total: int) -> dict:
+    """The results files for the rows so far (rewritten after each type, so an interrupted sweep leaves what it
+    measured, said as N of total)."""
+    counts = {s: sum(r["status"] == s for r in rows.values()) for s in
+              ("ok", "refused", "traceback", "timeout", "no config")}
+    out = Path(__file__).parent / "results"
+    (out / "architectures.json").write_text(json.dumps({"meta": meta(), "swept": len(rows), "types": total,
+                                                        "counts": counts, "rows": rows}, indent=1) + "\n")
+    lines = ["# Architecture sweep", "", f"{measured_line('architectures.py')}. The default config of each model "
+             f"type transformers maps to a causal LM or an image-text-to-text model ({len(rows)} of {total} swept), "
+             "estimated with zero3 on 8 x H100-80GB at seq 1024, micro-batch 1: " +
+             ", ".join(f"{n} {s}" for s, n in counts.items()) + ". A traceback is a bug; a refusal of a default "
+             "config that names a null field is what a real checkpoint's config fills. Seconds are wall time on a "
+             "shared 2-core machine.", "",
+             "| model type | result | parameters | peak GiB/GPU | activations GiB | seconds |", "|---|---|---|---|---|---|"]
+    for kind, r in rows.items():
+        if r["status"] == "ok":
+            lines.append(f"| {kind} | ok | {r['params']:,} | {r['peak_gib']} | {r['activations_gib']} | "
+                         f"{r['seconds']} |")
+        else:
+            words = r["line"].replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {kind} | {r['status']}: {words} | | | | {r.get('seconds', '')} |")
+    (out / "architectures.md").write_text("\n".join(lines) + "\n")
+    return counts
+
+
 def main(argv: list[str]) -> int:
     def time_up(*_):
         raise _TimeUp()
@@ -81,28 +107,10 @@ def main(argv: list[str]) -> int:
         for kind in kinds:
             rows[kind] = sweep_one(kind, Path(tmp) / kind)
             print(kind, json.dumps(rows[kind]), flush=True)
-    if argv:
-        return 0
-    counts = {s: sum(r["status"] == s for r in rows.values()) for s in
-              ("ok", "refused", "traceback", "timeout", "no config")}
-    out = Path(__file__).parent / "results"
-    (out / "architectures.json").write_text(json.dumps({"meta": meta(), "counts": counts, "rows": rows}, indent=1)
-                                            + "\n")
-    lines = ["# Architecture sweep", "", f"{measured_line('architectures.py')}. The default config of each of the "
-             f"{len(rows)} model types transformers maps to a causal LM or an image-text-to-text model, estimated "
-             "with zero3 on 8 x H100-80GB at seq 1024, micro-batch 1. " +
-             ", ".join(f"{n} {s}" for s, n in counts.items()) + ". A traceback is a bug; a refusal of a default "
-             "config that names a null field is what a real checkpoint's config fills.", "",
-             "| model type | result | parameters | peak GiB/GPU | activations GiB | seconds |", "|---|---|---|---|---|---|"]
-    for kind, r in rows.items():
-        if r["status"] == "ok":
-            lines.append(f"| {kind} | ok | {r['params']:,} | {r['peak_gib']} | {r['activations_gib']} | "
-                         f"{r['seconds']} |")
-        else:
-            words = r["line"].replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {kind} | {r['status']}: {words} | | | | {r.get('seconds', '')} |")
-    (out / "architectures.md").write_text("\n".join(lines) + "\n")
-    print(counts)
+            if not argv:
+                write_results(rows, len(kinds))
+    if not argv:
+        print(write_results(rows, len(kinds)))
     return 0
 
 
