@@ -15,8 +15,10 @@ from toolkit.inputs.modelconfig import text_config
 
 def num_layers(config) -> int:
     n = getattr(text_config(config), "num_hidden_layers", None)
-    if not isinstance(n, int):
-        raise ValueError(f"{type(config).__name__} has no num_hidden_layers; is it a decoder-only causal LM?")
+    if not isinstance(n, int):  # BLT (local encoder, global transformer, local decoder), PI0 (a VLM and an expert)
+        parts = ", ".join(getattr(config, "sub_configs", {})) or "none"
+        raise NotImplementedError(f"{type(config).__name__} names no num_hidden_layers for one decoder stack (its "
+                                  f"parts: {parts}); toolkit traces causal LMs of one stack of decoder layers")
     return n
 
 
