@@ -244,6 +244,8 @@ def _job(cls, spec: "ModelSpec", *, seq_len: int | None, **fields: Any):
     unknown = sorted(set(fields) - known)
     if unknown:
         raise UserError(f"unknown setting {unknown[0]!r} for {cls.__name__}: one of {', '.join(sorted(known))}")
+    if fields.get("checkpointing") in ("on", "off"):  # the CLI's words; plan's "auto" stays a word
+        fields["checkpointing"] = fields["checkpointing"] == "on"
     if fields.get("grpo") is not None and seq_len is None:  # GRPO trains prompt + completion
         seq_len = fields["grpo"].seq_len
     return cls(seq_len=_seq_len(spec, seq_len), **fields)

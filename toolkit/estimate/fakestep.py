@@ -149,7 +149,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                 layer._gradient_checkpointing_func = _charging_checkpoint(
                     layer._gradient_checkpointing_func, i, enter_layer, charge, state)
 
-        recorder = make_recorder(log, param_ids, autocast_copies, lambda: state["region"])
+        recorder = make_recorder(log, param_ids, autocast_copies, lambda: state["region"], seq_len=seq_len)
         amp = (torch.autocast(device_type="cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

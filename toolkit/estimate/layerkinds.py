@@ -23,14 +23,13 @@ def num_layers(config) -> int:
 
 
 def decoder_layers(model, count: int):
-    """The ModuleList of decoder layers: the shallowest ModuleList with one entry per layer."""
-    import torch
+    """The ModuleList of the model's `count` decoder layers (toolkit.inputs.decoder_parts.decoder_layers)."""
+    from toolkit.inputs.decoder_parts import decoder_layers as find
 
-    lists = [(name.count("."), name, m) for name, m in model.named_modules()
-             if isinstance(m, torch.nn.ModuleList) and len(m) == count]
-    if not lists:
+    layers = find(model, count)
+    if layers is None:
         raise ValueError(f"{type(model).__name__}: no list of {count} decoder layers found")
-    return min(lists, key=lambda x: x[:2])[2]
+    return layers
 
 
 def per_layer_keys(config, n: int) -> tuple[str, ...]:

@@ -46,15 +46,29 @@ class StorageLog:
         return [0, *accumulate(0 if s in excluded else d for s, d in self.events)]
 
 
+TOKEN_LOOP_OPS_PER_TOKEN = 24
+"""More operations than this per token in one decoder layer's forward (and more than TOKEN_LOOP_MIN_OPS) is a Python
+loop over the tokens. Measured in fake-tensor traces at 1,024 tokens: chunked scans run 1-3 a token (Qwen3-Next's and
+OLMo-hybrid's gated delta rule), 6-12 (Bailing-hybrid); transformers' token-by-token reference scans (Jamba's and
+Mamba's slow_forward, used where the mamba-ssm / causal-conv1d kernels are missing) about 47."""
+TOKEN_LOOP_MIN_OPS = 10_000
+"""Below this a layer's forward is never taken for a token loop (a Python loop over a couple of hundred experts)."""
+
+
 def make_recorder(log: StorageLog, param_ids: set[int], autocast_copies: dict[int, tuple[str, int]],
-                   region_now):
+                   region_now, seq_len: int | None = None):
     """Logs storages; notes casts of parameters (autocast weight copies) in autocast_copies: serial -> (region
-    that made it, bytes)."""
+    that made it, bytes). With `seq_len`, a decoder layer whose forward loops over the tokens stops the trace
+    (NotImplementedError) as soon as it shows: tracing such a loop takes minutes a layer, and it is the reference
+    path the model's GPU kernels replace, whose saved tensors differ."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     to_copy = torch.ops.aten._to_copy.default
+
+    loop_limit = max(TOKEN_LOOP_MIN_OPS, TOKEN_LOOP_OPS_PER_TOKEN * seq_len) if seq_len else None
+    ops_in: dict[str, int] = {}
 
     class Recorder(TorchDispatchMode):
         grouped_mm = False  # MoE experts ran as grouped matmuls
@@ -62,6 +76,17 @@ def make_recorder(log: StorageLog, param_ids: set[int], autocast_copies: dict[in
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if "grouped_mm" in func.__name__:
                 self.grouped_mm = True
+            if loop_limit is not None:
+                region = region_now()
+                if region.startswith("layer"):
+                    ops_in[region] = count = ops_in.get(region, 0) + 1
+                    if count > loop_limit:
+                        raise NotImplementedError(
+                            f"its decoder layer ran more than {loop_limit:,} operations at {seq_len:,} "
+                            f"tokens, a Python loop over the tokens (as transformers' reference path for Mamba-style "
+                            "layers runs where the mamba-ssm / causal-conv1d CUDA kernels are missing); the GPU "
+                            "kernels keep other tensors than that loop, so toolkit cannot trace this model's "
+                            "activations")
             out = func(*args, **(kwargs or {}))
             inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             for t in tree_leaves(out):

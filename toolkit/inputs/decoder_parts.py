@@ -241,24 +241,21 @@ def _params(fn) -> list[str]:
 
 
 def decoder_layers(model: Any, count: int | None = None):
-    """The nn.ModuleList of `count` entries of one class (the longest such list when count is unknown). In a
-    multimodal class the vision encoder's block list may match too (as long, or as many blocks): the list held
-    beside the token embedding (the language model's) is preferred."""
+    """The nn.ModuleList of the decoder layers. With `count` (the config's num_hidden_layers): a list of that many
+    entries, of one class or several (hybrid stacks: Jamba's attention and Mamba layers, Mllama's cross-attention
+    layers); without: the longest list of one class. In a multimodal class the vision encoder's block list may match
+    too: the list held beside the token embedding (the language model's) is preferred, then the shallowest."""
     import torch.nn as nn
 
     found = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1
-             and (count is None or len(module) == count)]
+             if isinstance(module, nn.ModuleList) and len(module) > 0
+             and (len(module) == count if count is not None else len({type(m) for m in module}) == 1)]
     if not found:
         return None
     embed = _input_embedding_path(model)
     beside = [(name, m) for name, m in found
               if embed is not None and embed.startswith(name.rsplit(".", 1)[0] + "." if "." in name else "")]
-    best = None
-    for _, module in beside or found:
-        if best is None or len(module) > len(best):
-            best = module
-    return best
+    return max(beside or found, key=lambda nm: (len(nm[1]), -nm[0].count(".")))[1]
 
 
 def _input_embedding_path(model: Any) -> str | None:

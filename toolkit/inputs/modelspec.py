@@ -214,10 +214,12 @@ class ModelSpec:
 
 
 def find_decoder_layers(model):
-    """The decoder-layer list: the longest nn.ModuleList whose entries share one class."""
+    """The decoder-layer list (toolkit.inputs.decoder_parts.decoder_layers): num_hidden_layers entries where the
+    config gives it, else the longest nn.ModuleList whose entries share one class."""
     from toolkit.inputs.decoder_parts import decoder_layers
 
-    best = decoder_layers(model)
+    count = getattr(text_config(model.config), "num_hidden_layers", None) if hasattr(model, "config") else None
+    best = decoder_layers(model, count if isinstance(count, int) else None)
     if best is None:
         raise UserError(f"cannot find the decoder layers of {type(model).__name__}; is it a decoder-only causal LM?")
     return best
