@@ -5,6 +5,7 @@ peak), refused in one line (the line), or in a traceback (a bug: no input may en
 
     python benchmarks/architectures.py               # every type: writes benchmarks/results/architectures.{md,json}
     python benchmarks/architectures.py mamba bamba   # those types only, printed, no results written
+    python benchmarks/architectures.py --resume      # keep the rows already written, sweep the rest
 
 Default configs are not always what real checkpoints look like (fields a real config fills are null in some): a
 refusal naming such a field is the right answer for them. About 15 minutes on one quiet core.
@@ -13,6 +14,7 @@ refusal naming such a field is the right answer for them. About 15 minutes on on
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from provenance import measured_line, meta
 
-LIMIT_S = 600  # per type; a recurrent model's reference scan (Mamba without mamba_ssm) is the slowest trace
+LIMIT_S = int(os.environ.get("SWEEP_LIMIT_S", 600))  # per type; a recurrent model's reference scan (Mamba without mamba_ssm) is the slowest trace
 
 
 class _TimeUp(Exception):
@@ -101,10 +103,13 @@ def main(argv: list[str]) -> int:
         raise _TimeUp()
 
     signal.signal(signal.SIGALRM, time_up)
+    resume = argv[:1] == ["--resume"]  # keep the rows an interrupted sweep wrote, sweep the rest
+    argv = argv[1:] if resume else argv
     kinds = [k for k in model_types() if not argv or k in argv]
-    rows = {}
+    saved = Path(__file__).parent / "results" / "architectures.json"
+    rows = json.loads(saved.read_text())["rows"] if resume and saved.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in kinds:
+        for kind in (k for k in kinds if k not in rows):
             rows[kind] = sweep_one(kind, Path(tmp) / kind)
             print(kind, json.dumps(rows[kind]), flush=True)
             if not argv:
