@@ -74,22 +74,32 @@ def model_code_problem(exc: BaseException, config: Any, name: str) -> str | None
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    if not frames or not frames[-1].f_code.co_filename.startswith(root):
+    import torch
+
+    torch_root = os.path.dirname(torch.__file__) + os.sep
+    own = [f for f in frames if not f.f_code.co_filename.startswith(torch_root)]  # torch's layers take what they get
+    if not own or not own[-1].f_code.co_filename.startswith(root):
         return None
-    models = [f for f in frames if f.f_code.co_filename.startswith(root + "models" + os.sep)] or frames[-1:]
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if re.search(r"required positional argument|unexpected keyword argument", message):
+        return None  # a call the model's forward did not expect (image inputs a text-only step lacks), no field
+    models = [f for f in own if f.f_code.co_filename.startswith(root + "models" + os.sep)]
+    if not models:
+        return None
     frame = models[-1]
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     absent = re.search(r"'(\w+)' object has no attribute '(\w+)'", message) if isinstance(exc, AttributeError) else None
     read = re.sub(r"^[\w.]+\s*=(?!=)", "", line)  # what the line reads, not the attribute it assigns
     named = [n for group in re.findall(r"\.(\w+)|\[[\"'](\w+)[\"']\]|`(\w+)`|'(\w+)'", f"{read} {message}")
              for n in group if n]
     fields = (_unset_fields(config, named, absent.groups() if absent else None)
-              or _unset_fields(config, _class_fields(frame), None))
+              or (_unset_fields(config, _class_fields(frame), None) if not isinstance(exc, ValueError) else []))
     where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
     kind = getattr(config, "model_type", "?")
     if fields:
         return (f"'{name}': {', '.join(fields)} in its config, which transformers' {kind} code needs ({where}: "
                 f"{message[:100]}); set it in config.json as a real checkpoint does")
+    if isinstance(exc, ValueError):
+        return None  # transformers' own words on something else than a field (an attention it does not support)
     return (f"'{name}': transformers' {kind} code cannot run this config ({where}: {type(exc).__name__}: "
             f"{message[:100]}); complete its config.json from a real checkpoint's")
