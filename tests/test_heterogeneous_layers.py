@@ -96,3 +96,37 @@ def test_estimate_in_process_counts_the_meta_build_and_fits(model_dir, spec):
     result = api.estimate(str(model_dir), "8xH100-80GB", strategy="zero3", seq_len=64, micro_batch=1)
     assert result.model.params == spec.params
     assert result.fits
+
+
+def test_a_depth_cut_keeps_only_the_trailing_layers_that_share_keys_and_values():
+    """Gemma-4 (and 3n): the last num_kv_shared_layers layers reuse earlier layers' keys and values; the tracer's
+    leading layers keep that count of them, or none (transformers refuses a cut whose sharing layers outnumber it)."""
+    from toolkit.inputs.modelconfig import reduced_config, text_config
+
+    config = _tiny_gemma4_text()
+    config.num_kv_shared_layers = 2
+    assert [text_config(reduced_config(config, 6, keep)).num_kv_shared_layers for keep in (5, 4, 2)] == [1, 0, 0]
+    assert reduced_config(config, 6, 5).kv_sharing_modes == config.kv_sharing_modes[:5] == [None, None, "store",
+                                                                                             "store", "reuse"]
+
+
+def test_a_drafter_whose_every_layer_reuses_another_models_keys_is_refused_in_one_line():
+    from transformers import CONFIG_MAPPING
+
+    from toolkit.inputs.modelconfig import causal_lm_problem
+
+    problem = causal_lm_problem(CONFIG_MAPPING["gemma4_unified_assistant"]())
+    assert "shares the keys and values of all its 30 layers (num_kv_shared_layers 30)" in problem
+    assert "drafter" in problem and "\n" not in problem
+    assert causal_lm_problem(_tiny_gemma4_text()) is None
+
+
+def test_a_config_whose_layers_need_an_unset_size_is_refused_naming_the_fields():
+    """DiffusionGemma's default config leaves its experts unset, which every decoder layer builds."""
+    from transformers import CONFIG_MAPPING
+
+    from toolkit.errors import UserError
+
+    with pytest.raises(UserError, match="set its None sizes as a real checkpoint does: moe_intermediate_size, "
+                                        "num_experts, top_k_experts$"):
+        build_spec("diffusion-gemma", CONFIG_MAPPING["diffusion_gemma"]())

@@ -206,6 +206,11 @@ def reduced_config(config, num_layers: int, keep: int):
         if isinstance(value, (list, tuple)) and len(value) == num_layers and keep < num_layers:
             setattr(text, key, type(value)(value[:keep]))
     text.num_hidden_layers = keep
+    shared = getattr(text, "num_kv_shared_layers", None)
+    if isinstance(shared, int) and shared and keep < num_layers:
+        # Gemma-3n / Gemma-4: the last `shared` layers reuse earlier layers' keys and values (kv_sharing_modes); of
+        # the leading `keep` layers, those at or past num_layers - shared stay sharing.
+        text.num_kv_shared_layers = max(0, keep - (num_layers - shared))
     # The HF Trainer sets config.use_cache = TrainingArguments.use_cache (False by default): no KV cache in training.
     for part in {id(reduced): reduced, id(text): text}.values():
         if hasattr(part, "use_cache"):
@@ -317,5 +322,13 @@ def causal_lm_problem(config) -> str | None:
     if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
         return (f"{kind} is an encoder (bidirectional attention; transformers maps it to a masked LM), not a causal "
                 "LM; set \"is_decoder\": true in its config.json to train it as one, or plan a decoder-only model")
+    text = text_config(config)
+    shared, layers = getattr(text, "num_kv_shared_layers", None), getattr(text, "num_hidden_layers", None)
+    if isinstance(shared, int) and isinstance(layers, int) and 0 < layers <= shared:
+        # Every layer reuses keys and values made elsewhere (kv_sharing_modes all "reuse"): a speculative-decoding
+        # drafter whose forward takes the target model's shared_kv_states and inputs_embeds, not token ids.
+        return (f"{kind} shares the keys and values of all its {layers} layers (num_kv_shared_layers "
+                f"{shared}): it is a drafter that runs on another model's states, not a causal LM that trains on "
+                "text; plan the model it drafts for")
     return None
 
