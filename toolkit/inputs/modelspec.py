@@ -276,12 +276,6 @@ def _attention_shape(config, hidden: int) -> tuple[int, int, int]:
     return heads, kv_heads, (first_int(config, ("head_dim",), 1) or hidden // heads) if heads else 0
 
 
-def _unset_sizes(config) -> list[str]:
-    """The text config's None fields that name a size or a count (what a layer's constructor multiplies)."""
-    words = ("size", "num_", "dim", "experts", "rank")
-    return sorted(k for k, v in text_config(config).to_dict().items() if v is None and any(w in k for w in words))
-
-
 def build_spec(name: str, config) -> ModelSpec:
     """Build the model on the meta device with its own code and count everything exactly."""
     import torch
@@ -301,12 +295,6 @@ def build_spec(name: str, config) -> ModelSpec:
             raise
         raise UserError(f"'{name}' is not a causal LM transformers can build ({str(exc).splitlines()[0][:160]})") \
             from None
-    except TypeError as exc:
-        if "NoneType" not in str(exc):
-            raise
-        raise UserError(f"'{name}': transformers cannot build {config.model_type} from this config, a size its "
-                        f"layers need is unset ({str(exc).splitlines()[0][:100]}); set its None sizes as a real "
-                        f"checkpoint does: {', '.join(_unset_sizes(config)) or 'see the config'}") from None
     layers = find_decoder_layers(model)
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
