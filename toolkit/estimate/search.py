@@ -13,7 +13,8 @@ the untiled one does not fit, or is slower by more than the step-time band.
 Memory savers (auto_savers: Liger kernels, activation offloading, both, least intrusive first) are tried the same
 way, on a grid where a row fits neither untiled nor tiled, for the configurations refused for GPU memory; never on
 a row that fits (the 64-GPU Llama-3-70B plan tries none). Rows are tagged +liger / +act-offload and the emitted plan
-turns the saver on; their speed effect is not modelled (toolkit.estimate.savers.UNMODELLED_SPEED).
+turns the saver on; their speed effect is not modelled (toolkit.estimate.savers.UNMODELLED_SPEED). Offloading on
+context / sequence ranks is tried last, only where no degree of the row fits plainly, tiled or with another saver.
 
 An MoE model's FSDP2 x EP row (transformers' DistributedConfig ep_size) costs every expert degree the grid admits
 (_expert_parallel_grids) and keeps the best; it is ranked like a tensor-parallel row (no resume, speed unverified),
@@ -252,6 +253,7 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
     the two. Memory savers (auto_savers) likewise, on a grid where neither untiled nor tiled fits, under
     "<slot> +savers"."""
     tiling, savers = auto_tiling(spec, strategy, req), auto_savers(spec, hw, strategy, req)
+    split_later = []  # (grid, partition, slot, short): offloading on context / sequence ranks, tried last
     for grid in grids:
         if dimension and dimension != "ep" and key in best and best[key].feasible:
             break  # ep: every degree is costed (_expert_parallel_grids)
@@ -285,13 +287,23 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                     and not _fits(best, f"{slot}{TILED_SLOT}"):
                 for changes in savers:  # least intrusive first; the first that fits any job ends the search
                     if changes.get("activation_offloading") and (grid.model_parallel > 1 or grid.expert > 1):
-                        continue  # not tried by itself with a model-parallel dimension (--activation-offloading
-                        # plans it on context / sequence ranks: toolkit.estimate.dimensions rank_view)
+                        if grid.tensor == 1 and grid.expert == 1 and (grid, slot) not in [x[::2] for x in split_later]:
+                            split_later.append((grid, partition, slot, short))
+                        continue  # on context / sequence ranks: below; not with tensor / expert parallelism
                     for job in short:
                         _keep(best, f"{slot}{SAVER_SLOT}", evaluate(spec, hw, strategy, replace(job, **changes),
                                                                     grid, partition), dimension)
                     if _fits(best, f"{slot}{SAVER_SLOT}"):
                         break
+    # Offloading on context / sequence ranks (rank_view) only where no degree fits without it, smallest degree first.
+    offloads = [c for c in savers if c.get("activation_offloading")]
+    for grid, partition, slot, short in split_later:
+        for changes in offloads:
+            if any(_fits(best, f"{key}{s}") for s in ("", TILED_SLOT, SAVER_SLOT)):
+                return
+            for job in short:
+                _keep(best, f"{slot}{SAVER_SLOT}", evaluate(spec, hw, strategy, replace(job, **changes), grid,
+                                                            partition), dimension)
 
 
 TILED_SLOT = " +tiled"
