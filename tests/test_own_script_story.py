@@ -221,7 +221,7 @@ def test_every_suggested_flag_exists():
     from accelerate.commands.launch import launch_command_parser
 
     from toolkit.commands import build_parser
-    from toolkit.train.args import _build_parser as train_parser
+    from toolkit.train.args import build_train_parser as train_parser
 
     parsers = [*build_parser()._subparsers._group_actions[0].choices.values(), train_parser(),  # noqa: SLF001
                launch_command_parser()]

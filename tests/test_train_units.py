@@ -34,6 +34,40 @@ def test_bad_train_args_are_user_errors(argv, message):
         parse_train_args(argv)
 
 
+def test_bitsandbytes_is_left_out_of_a_run_that_cannot_use_it(tiny_llama_dir, tmp_path):
+    """The training process marks bitsandbytes absent for a full fine-tune with AdamW (its import costs ~1.3 s of
+    CPU a rank), and keeps it for QLoRA (the plan's method or --qlora) and adamw-8bit."""
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+
+    from toolkit.plan.files import PLAN_JSON
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.train.__main__ import bitsandbytes_unused, leave_out_bitsandbytes
+
+    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1)
+    assert bitsandbytes_unused(plan, False)
+    assert not bitsandbytes_unused(plan, True)
+    assert not bitsandbytes_unused(SimpleNamespace(method="qlora", optimizer="adamw"), False)
+    assert not bitsandbytes_unused(SimpleNamespace(method="full", optimizer="adamw-8bit"), False)
+    assert bitsandbytes_unused(SimpleNamespace(method="lora", optimizer="sgd"), False)
+    plan_json = str(emit_plan_files(plan, tmp_path / "plan") / PLAN_JSON)
+    absent = object()
+    before = sys.modules.pop("bitsandbytes", absent)
+    try:
+        assert not leave_out_bitsandbytes(["--plan", plan_json, "--qlora"]) and "bitsandbytes" not in sys.modules
+        assert not leave_out_bitsandbytes(["--plan", str(tmp_path / "missing.json")])
+        assert "bitsandbytes" not in sys.modules
+        assert leave_out_bitsandbytes(["--plan", plan_json, "--data", "d", "--output", "o"])
+        assert sys.modules["bitsandbytes"] is None and importlib.util.find_spec("bitsandbytes") is None
+        assert not leave_out_bitsandbytes(["--plan", plan_json])  # already decided
+    finally:
+        sys.modules.pop("bitsandbytes", None)
+        if before is not absent:
+            sys.modules["bitsandbytes"] = before
+
+
 # --- data ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,36 @@ def main(argv: list[str] | None = None) -> int:
         raise  # a bug: its traceback goes to the run's log
 
 
+def bitsandbytes_unused(plan, qlora_flag: bool) -> bool:
+    """True when the run can neither quantise its base (QLoRA: the plan's method or --qlora) nor build an 8-bit
+    optimizer (adamw-8bit): the only two uses of bitsandbytes in toolkit.train."""
+    return plan.method != "qlora" and not qlora_flag and plan.optimizer != "adamw-8bit"
+
+
+def leave_out_bitsandbytes(argv: list[str]) -> bool:
+    """Process entry only: for a run that does not use bitsandbytes, mark it absent (sys.modules[name] = None, so
+    importlib.util.find_spec answers None and every availability check of transformers and PEFT says "not
+    installed"). transformers.trainer_utils imports PEFT whenever it is installed, PEFT's helpers import
+    bitsandbytes, and bitsandbytes' CPU ops call torch.compile at import, which imports inductor: about 1.2 s of
+    CPU at every rank's start here (docs/ENGINE_FACTS.md). An unreadable plan changes nothing (main says why)."""
+    if "bitsandbytes" in sys.modules or {"-h", "--help"} & set(argv):
+        return False
+    from toolkit.plan.schema import load_plan
+    from toolkit.train.args import build_train_parser
+
+    try:
+        ns, _ = build_train_parser().parse_known_args(argv)
+        plan = load_plan(ns.plan)
+    except (UserError, SystemExit):
+        return False
+    if not bitsandbytes_unused(plan, bool(ns.qlora)):
+        return False
+    sys.modules["bitsandbytes"] = None
+    return True
+
+
 if __name__ == "__main__":
     from toolkit.train.cpu import exit_process
 
+    leave_out_bitsandbytes(sys.argv[1:])
     exit_process(main())

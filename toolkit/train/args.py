@@ -93,7 +93,7 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"toolkit.train: {message}")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_train_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m toolkit.train", allow_abbrev=False,  # `--eval_strategy` must not abbreviate `--eval-steps`
         description="Train a Hugging Face causal LM the way a toolkit plan says (run it under `accelerate launch "
@@ -153,7 +153,7 @@ def parse_train_args(argv: Sequence[str] | None = None) -> TrainArgs:
     """Parse argv into TrainArgs; bad values raise UserError (one line, exit 2) rather than argparse's exit."""
     import sys
 
-    ns, rest = _build_parser().parse_known_args(list(argv) if argv is not None else sys.argv[1:])
+    ns, rest = build_train_parser().parse_known_args(list(argv) if argv is not None else sys.argv[1:])
     values = {f.name: getattr(ns, f.name) for f in fields(TrainArgs) if f.name != "trainer_flags"}
     from toolkit.train.elastic import restart_count
 
@@ -217,7 +217,7 @@ def check_train_args(args: TrainArgs) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if not math.isfinite(value):
             raise UserError(f"{flag} {value} is not a finite number; give a number such as "
-                            f"{_build_parser().get_default(flag[2:].replace('-', '_'))}")
+                            f"{build_train_parser().get_default(flag[2:].replace('-', '_'))}")
     check_paths(args)
     known = lr_scheduler_names()
     if args.lr_scheduler not in known:
