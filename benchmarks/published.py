@@ -38,6 +38,9 @@ UNMODELLED = {
     "optimizer_in_backward": "optimizer step fused into backward (gradients freed per parameter) is a torchtune "
                              "recipe, not something the HF Trainer / DeepSpeed / FSDP2 paths do",
     "rocm": "ROCm caching allocator on MI300X (other block rounding and segment sizes); only CUDA is modelled",
+    "old_bitsandbytes": "bitsandbytes before 0.43.2 kept each 4-bit layer's input for backward (fixed by its commit "
+                        "9e753741, released in 0.43.2); the estimator follows the installed bitsandbytes, which does "
+                        "not, so the run is another engine's job (what that input comes to: the LoRA paragraph above)",
     "fsdp1": "FSDP1 (FullyShardedDataParallel's flat parameters, as Lightning Fabric's FSDPStrategy wraps each "
              "block) is not modelled; the estimator's sharded data parallel is FSDP2 (per-parameter DTensor shards)",
 }
@@ -65,7 +68,13 @@ def unmodelled(job: dict) -> list[str]:
         out.append("rocm")
     if job.get("fsdp1"):
         out.append("fsdp1")
+    if job.get("bitsandbytes") and _version(job["bitsandbytes"]) < (0, 43, 2):
+        out.append("old_bitsandbytes")
     return out
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(".")[:3])
 
 
 CHECKPOINTING = {"full": True, "selective-op": "op", "none": False}
@@ -207,7 +216,7 @@ def prose_numbers(rows: list[dict], results: list[dict]) -> dict:
     share = sorted({round(100 * r["reserved_over_peak"], 1) for r in results
                     if r["modelled"] and any(m["metric"] == "reserved" for m in r["metrics"])})
     old_bnb = [(r["id"], old_bnb_saved_bytes(by) / GIB, r["metrics"][0]["published_gib"] - r["metrics"][0]["ours_gib"][0])
-               for r in results for by in rows if by["id"] == r["id"] and r["modelled"] and "QLoRA" in r["id"]
+               for r in results for by in rows if by["id"] == r["id"] and r["metrics"] and "QLoRA" in r["id"]
                and r["id"].startswith("LIT-")]
     return {"old_bnb": old_bnb, "fsdp2_reserved": fsdp2, "replay_share": share or [0.0], "expandable_rows": expandable,
             "torchao_gpus": [g for g, _ in torchao],
@@ -335,9 +344,10 @@ def _nvidia_smi_sentence(results: list[dict], said: dict) -> str:
                "script, as each row's memory_metric_text says) and are replayed with it." if expandable else ""))
 
 
-def _span(results: list[dict], prefix: str, contains: str = "", excludes: str = "") -> str:
-    """The error range of the modelled rows whose id starts with `prefix` (and holds `contains`, not `excludes`)."""
-    errors = sorted(m["error"][0] for r in results if r["modelled"] and r["id"].startswith(prefix)
+def _span(results: list[dict], prefix: str, contains: str = "", excludes: str = "", modelled: bool = True) -> str:
+    """The error range of the modelled rows (every row, modelled=False) whose id starts with `prefix` (and holds
+    `contains`, not `excludes`)."""
+    errors = sorted(m["error"][0] for r in results if (r["modelled"] or not modelled) and r["id"].startswith(prefix)
                     and contains in r["id"] and not (excludes and excludes in r["id"]) for m in r["metrics"])
     return f"{errors[0]:+.1%}" if len(errors) == 1 else f"{errors[0]:+.1%} to {errors[-1]:+.1%}"
 
@@ -359,9 +369,10 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
             "varying shapes leave behind, which is the likely cause, not proven, and nothing was fitted to it. "
             "LitGPT's resource tables (Fabric, bf16-true, one A100-40GB, max_memory_allocated, the longest Alpaca "
             f"sample of 1304 tokens first) are {_span(results, 'LIT-', 'LoRA', 'QLoRA')} for bf16 LoRA and "
-            f"{_span(results, 'LIT-', 'QLoRA')} for QLoRA: the 4-bit rows (Fabric's own bitsandbytes 0.41.1 "
-            f"Linear4bit, not transformers' loader) are {gap[0]:.1f} to {gap[-1]:.1f} GiB above our tensor peak. Part of "
-            "it is the engine's version, proven from its code: bitsandbytes before 0.43.2 (0.41.1 here) saved every "
+            f"{_span(results, 'LIT-', 'QLoRA', modelled=False)} for QLoRA: the 4-bit rows (Fabric's own bitsandbytes "
+            f"0.41.1 Linear4bit, not transformers' loader) are {gap[0]:.1f} to {gap[-1]:.1f} GiB above our tensor peak, "
+            "and they are not modelled (out of the modelled count and the error band) because the engine's version "
+            "differs, proven from its code: bitsandbytes before 0.43.2 (0.41.1 here) saved every "
             "4-bit matmul's input for backward (MatMul4Bit.forward, ctx.tensors = (A, B); bitsandbytes 9e753741 "
             "'fix QLoRA mem bug', 2024-07-16), the installed one saves (None, B), which we trace; the inputs nothing "
             f"else keeps come to {old_share} (old_bnb_saved_bytes). The rest is not found; nothing is corrected, "
