@@ -20,15 +20,41 @@ def weights_uninitialised():
     """Build a model under FakeTensorMode without its weight init, as transformers itself skips it on the meta device
     (PreTrainedModel.init_weights runs initialize_weights only off meta, then ties the weights): the values mean
     nothing to fake tensors, and some inits branch on them (torch's trunc_normal_ asks `mask.any()`, which a fake
-    tensor cannot answer: SigLIP's vision tower). The weights are still tied."""
+    tensor cannot answer: SigLIP's vision tower). The weights are still tied.
+    A module cast while it is built (DeepSeek-V4's `RMSNorm(...).to(dtype=torch.float32)`, `.float()`) swaps each fake
+    parameter for its cast copy (torch's Module._apply always swaps a FakeTensor), and torch.utils.swap_tensors refuses
+    a tensor any weak reference points to, which the fake mode's own memo of converted tensors does: those memo
+    entries are dropped before the swap (a memo, not a fact: a later conversion makes a new fake)."""
+    import torch.utils
     from transformers import PreTrainedModel
 
-    original = PreTrainedModel.initialize_weights
+    original, original_swap = PreTrainedModel.initialize_weights, torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        for tensor in (t1, t2):
+            _forget_in_fake_memo(tensor)
+        return original_swap(t1, t2)
+
     PreTrainedModel.initialize_weights = lambda self: None
+    torch.utils.swap_tensors = swap_tensors
     try:
         yield
     finally:
-        PreTrainedModel.initialize_weights = original
+        PreTrainedModel.initialize_weights, torch.utils.swap_tensors = original, original_swap
+
+
+def _forget_in_fake_memo(tensor) -> None:
+    """Drop the fake mode's memo entries (weak-valued, keyed refs) that point to this fake tensor."""
+    import weakref
+
+    mode = getattr(tensor, "fake_mode", None)
+    if mode is None:
+        return
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+    for ref in weakref.getweakrefs(tensor):
+        key = getattr(ref, "key", None)
+        if key is not None and memo.get(key) is tensor:
+            del memo[key]
 
 
 def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,

@@ -1,0 +1,29 @@
+"""Models of the architecture sweep (benchmarks/architectures.py) that ended in a traceback: each either estimates
+like any other model or is refused in one line naming the problem. One shrunk representative per class, built from
+transformers' config classes, all in-process."""
+
+from __future__ import annotations
+
+from toolkit import api
+
+
+def _saved(tmp_path, kind: str, **fields) -> str:
+    """A config of `kind` as transformers' save_pretrained writes it."""
+    from transformers import CONFIG_MAPPING
+
+    CONFIG_MAPPING[kind](**fields).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_a_model_that_casts_its_own_modules_while_built_is_traced(tmp_path):
+    # DeepSeek-V4 builds `RMSNorm(...).to(dtype=torch.float32)`: under FakeTensorMode torch swaps each fake parameter,
+    # and swap_tensors refused the fake mode's memo's weak references ("Couldn't swap DeepseekV4RMSNorm.weight").
+    folder = _saved(tmp_path, "deepseek_v4", vocab_size=128, hidden_size=64, moe_intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=4, head_dim=32, q_lora_rank=32, n_routed_experts=4,
+                    num_experts_per_tok=2, o_groups=2, o_lora_rank=32, index_n_heads=2, index_head_dim=16,
+                    index_topk=8, qk_rope_head_dim=8, sliding_window=16, hc_sinkhorn_iters=2,
+                    layer_types=["sliding_attention", "compressed_sparse_attention"],
+                    mlp_layer_types=["hash_moe", "moe"])
+    result = api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64)
+    assert api.model(folder).params == 151_145
+    assert result.memory.activations_bytes == 2_042_284
