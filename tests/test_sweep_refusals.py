@@ -4,7 +4,10 @@ transformers' config classes, all in-process."""
 
 from __future__ import annotations
 
+import pytest
+
 from toolkit import api
+from toolkit.errors import UserError
 
 
 def _saved(tmp_path, kind: str, **fields) -> str:
@@ -27,3 +30,23 @@ def test_a_model_that_casts_its_own_modules_while_built_is_traced(tmp_path):
     result = api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64)
     assert api.model(folder).params == 151_145
     assert result.memory.activations_bytes == 2_042_284
+
+
+def test_a_model_whose_code_needs_a_package_that_is_not_installed_is_refused_naming_it(tmp_path):
+    # FastVLM's vision tower is a TimmWrapperModel: transformers' requires_backends raises an ImportError for timm.
+    try:
+        import timm  # noqa: F401
+        pytest.skip("timm is installed here")
+    except ImportError:
+        pass
+    folder = _saved(tmp_path, "fast_vlm")
+    with pytest.raises(UserError, match=r"needs the timm package, which is not installed \(pip install timm\)$"):
+        api.model(folder)
+
+
+def test_a_model_whose_num_hidden_layers_counts_no_list_of_layers_is_refused_in_one_line(tmp_path):
+    # HRM-Text's num_hidden_layers (here 4) counts its recurrent cycles, not a list of layers (stacks of 2).
+    folder = _saved(tmp_path, "hrm_text", vocab_size=128, hidden_size=64, intermediate_size=128,
+                    num_attention_heads=4, head_dim=16, num_hidden_layers=4, num_layers_per_stack=2)
+    with pytest.raises(UserError, match=r"^cannot find the decoder layers of HrmTextForCausalLM"):
+        api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=32)

@@ -27,8 +27,15 @@ def decoder_layers(model, count: int):
     from toolkit.inputs.decoder_parts import decoder_layers as find
 
     layers = find(model, count)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: no list of {count} decoder layers found")
+    if layers is None:  # num_hidden_layers counts something else (HRM's recurrent cycles, LongCat-Flash's sub-layers)
+        import torch
+
+        found = sorted({f"{name} ({len(m)})" for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.ModuleList) and len(m) > 1}) or ["none"]
+        raise NotImplementedError(
+            f"{type(model).__name__}: its config's num_hidden_layers ({count}) is the length of no list of decoder "
+            f"layers in the built model (its layer lists: {', '.join(found[:4])}); toolkit traces one list of "
+            "num_hidden_layers decoder layers")
     return layers
 
 

@@ -103,3 +103,16 @@ def model_code_problem(exc: BaseException, config: Any, name: str) -> str | None
         return None  # transformers' own words on something else than a field (an attention it does not support)
     return (f"'{name}': transformers' {kind} code cannot run this config ({where}: {type(exc).__name__}: "
             f"{message[:100]}); complete its config.json from a real checkpoint's")
+
+
+def missing_package_problem(exc: ImportError, name: str) -> str:
+    """One line for a model whose code needs a package that is not installed: transformers' requires_backends
+    ("X requires the timm library ... `pip install timm`", utils/import_utils.py) or a plain ModuleNotFoundError."""
+    text = str(exc)
+    found = re.search(r"requires the (\S+) librar", text)
+    install = re.search(r"pip install ([\w.\-\[\]]+)", text)
+    package = (found and found.group(1)) or getattr(exc, "name", None) or (install and install.group(1))
+    if not package:
+        return f"'{name}': transformers cannot build this model here ({text.strip().splitlines()[0][:160]})"
+    return (f"'{name}': transformers' code for this model needs the {package} package, which is not installed "
+            f"(pip install {install.group(1) if install else package})")

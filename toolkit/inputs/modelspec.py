@@ -20,7 +20,7 @@ from toolkit.errors import UserError
 from toolkit.inputs.attention import attention_problem, attention_support, default_attention
 from toolkit.inputs.modelconfig import (causal_lm_problem, config_from_dict, first_int, load_config, model_positions,
                                         read_config_json, shape_config, shape_from_params, text_config)
-from toolkit.inputs.modelcode import CONFIG_ERRORS, model_code_problem
+from toolkit.inputs.modelcode import CONFIG_ERRORS, missing_package_problem, model_code_problem
 from toolkit.inputs.moe import find_moe, is_expert_param
 
 
@@ -287,6 +287,8 @@ def build_spec(name: str, config) -> ModelSpec:
     try:
         with torch.device("meta"):
             model = auto_model_class(config).from_config(config)
+    except ImportError as exc:  # a package the model's code requires (timm for a TimmWrapper vision tower)
+        raise UserError(missing_package_problem(exc, name)) from None
     except CONFIG_ERRORS as exc:
         problem = model_code_problem(exc, config, name)
         if problem and not isinstance(exc, ValueError):
