@@ -5,7 +5,8 @@ peak), refused in one line (the line), or in a traceback (a bug: no input may en
 
     python benchmarks/architectures.py               # every type: writes benchmarks/results/architectures.{md,json}
     python benchmarks/architectures.py mamba bamba   # those types only, printed, no results written
-    python benchmarks/architectures.py --resume      # keep the rows already written, sweep the rest
+    python benchmarks/architectures.py --resume      # keep the rows already written, sweep the rest (the type a
+                                                     # dead process was on recorded as a crash)
 
 Default configs are not always what real checkpoints look like (fields a real config fills are null in some): a
 refusal naming such a field is the right answer for them. About 15 minutes on one quiet core.
@@ -76,7 +77,7 @@ def write_results(rows: dict, total: int) -> dict:
     """The results files for the rows so far (rewritten after each type, so an interrupted sweep leaves what it
     measured, said as N of total)."""
     counts = {s: sum(r["status"] == s for r in rows.values()) for s in
-              ("ok", "refused", "traceback", "timeout", "no config")}
+              ("ok", "refused", "traceback", "timeout", "crash", "no config")}
     out = Path(__file__).parent / "results"
     (out / "architectures.json").write_text(json.dumps({"meta": meta(), "swept": len(rows), "types": total,
                                                         "counts": counts, "rows": rows}, indent=1) + "\n")
@@ -108,8 +109,12 @@ def main(argv: list[str]) -> int:
     kinds = [k for k in model_types() if not argv or k in argv]
     saved = Path(__file__).parent / "results" / "architectures.json"
     rows = json.loads(saved.read_text())["rows"] if resume and saved.exists() else {}
+    running = Path(tempfile.gettempdir()) / "architectures-sweep-running"  # the type a dead process was on
+    if resume and running.exists() and running.read_text() not in rows:
+        rows[running.read_text()] = {"status": "crash", "line": "the process aborted (no Python exception to catch)"}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in (k for k in kinds if k not in rows):
+            running.write_text(kind)
             rows[kind] = sweep_one(kind, Path(tmp) / kind)
             print(kind, json.dumps(rows[kind]), flush=True)
             if not argv:
