@@ -154,13 +154,19 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
                 hidden.register_hook(lambda _g, i=i: log.mark(f"be:layer{i}"))
 
+        def stop_at_token_loop() -> None:
+            if recorder.token_loop:  # see make_recorder
+                raise NotImplementedError(recorder.token_loop)
+
         handles = []
         for i, layer in enumerate(layers):
             def pre_hook(_m, args, kwargs, i=i):
+                stop_at_token_loop()
                 hidden = args[0] if args else kwargs.get("hidden_states")
                 enter_layer(i, hidden)
 
             def post_hook(_m, _args, output, i=i):
+                stop_at_token_loop()
                 if state["phase"] != "forward":
                     return
                 log.mark(f"e:layer{i}")

@@ -58,8 +58,8 @@ TOKEN_LOOP_MIN_OPS = 10_000
 def make_recorder(log: StorageLog, param_ids: set[int], autocast_copies: dict[int, tuple[str, int]],
                    region_now, seq_len: int | None = None):
     """Logs storages; notes casts of parameters (autocast weight copies) in autocast_copies: serial -> (region
-    that made it, bytes). With `seq_len`, a decoder layer whose forward loops over the tokens stops the trace
-    (NotImplementedError) as soon as it shows: tracing such a loop takes minutes a layer, and it is the reference
+    that made it, bytes). With `seq_len`, a decoder layer whose forward loops over the tokens is noted in
+    `token_loop` as soon as it shows, and the tracer's layer hooks stop the trace there: tracing such a loop takes minutes a layer, and it is the reference
     path the model's GPU kernels replace, whose saved tensors differ."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -72,6 +72,7 @@ def make_recorder(log: StorageLog, param_ids: set[int], autocast_copies: dict[in
 
     class Recorder(TorchDispatchMode):
         grouped_mm = False  # MoE experts ran as grouped matmuls
+        token_loop: str | None = None  # why a decoder layer looks like a Python loop over the tokens
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if "grouped_mm" in func.__name__:
@@ -80,8 +81,9 @@ def make_recorder(log: StorageLog, param_ids: set[int], autocast_copies: dict[in
                 region = region_now()
                 if region.startswith("layer"):
                     ops_in[region] = count = ops_in.get(region, 0) + 1
-                    if count > loop_limit:
-                        raise NotImplementedError(
+                    if count > loop_limit and self.token_loop is None:  # raised by the tracer's layer hooks:
+                        # raising here, inside an op a kernel wrapper runs (Mamba's hub-kernels scan), aborts torch
+                        self.token_loop = (
                             f"its decoder layer ran more than {loop_limit:,} operations at {seq_len:,} "
                             f"tokens, a Python loop over the tokens (as transformers' reference path for Mamba-style "
                             "layers runs where the mamba-ssm / causal-conv1d CUDA kernels are missing); the GPU "
