@@ -140,14 +140,14 @@ def test_estimate_seq_max_climbs_plans_ladder_for_its_one_strategy(capsys):
 
 def test_the_planner_offloads_on_sequence_ranks_only_where_no_degree_fits_without_it(capsys):
     """plan's own saver search (auto_savers) tries activation offloading on a ZeRO x SP row last: Qwen3-0.6B at
-    196,608 tokens (YaRN x5, TRL's chunked loss) on 2 x RTX 4090 fits no zero2 row plainly (sp 2 needs 20.4 GiB,
-    inside the peak band), so zero2 x sp 2 with offloading is planned (15.5 GiB); at 32,768 tokens sp 2 fits without
-    it and the row stays as it was."""
+    262,144 tokens (YaRN x7, TRL's chunked loss) on 2 x RTX 4090 fits no zero2 row plainly (sp 1 needs 43.5 GiB),
+    so zero2 x sp 2 with offloading is planned (18.6 GiB); at 32,768 tokens sp 2 fits without it and the row stays
+    as it was. (At 196,608 tokens zero2 x sp 2 fits without offloading since b44697d narrowed the peak band.)"""
     from toolkit.cli import main
 
     job = ["qwen3-0.6b", "--gpus", "2xRTX-4090", "--strategies", "zero2", "--micro-batch", "1", "--loss", "trl",
            "--json"]
-    assert main(["plan", *job, "--seq", "196608", "--rope-scaling", "yarn", "--rope-factor", "5"]) == 0
+    assert main(["plan", *job, "--seq", "262144", "--rope-scaling", "yarn", "--rope-factor", "7"]) == 0
     fits = [c for c in json.loads(capsys.readouterr().out)["candidates"] if c["feasible"]]
     assert [(c["name"], c["sequence_parallel"], c["activation_offloading"]) for c in fits] == \
         [("zero2 (dp=1 x sp=2) +act-offload", 2, True)]
