@@ -50,3 +50,21 @@ def test_a_model_whose_num_hidden_layers_counts_no_list_of_layers_is_refused_in_
                     num_attention_heads=4, head_dim=16, num_hidden_layers=4, num_layers_per_stack=2)
     with pytest.raises(UserError, match=r"^cannot find the decoder layers of HrmTextForCausalLM"):
         api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=32)
+
+
+def test_an_image_text_model_whose_forward_needs_images_is_refused_in_one_line():
+    # BLIP-2's forward takes pixel_values as a required argument: the language model's text-only trace cannot run
+    from transformers import Blip2Config
+
+    from toolkit.inputs.modelspec import build_spec
+
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    config = Blip2Config(vision_config={**small, "image_size": 32, "patch_size": 16},
+                         qformer_config={**small, "encoder_hidden_size": 32},
+                         text_config={"model_type": "opt", "hidden_size": 32, "num_hidden_layers": 1,
+                                      "num_attention_heads": 2, "ffn_dim": 64, "vocab_size": 256,
+                                      "word_embed_proj_dim": 32},
+                         num_query_tokens=4)
+    with pytest.raises(UserError, match=r"its forward does not run on text alone \(.*'pixel_values'\); toolkit "
+                                        r"traces an image-text model's language model through a text-only step"):
+        api.estimate(build_spec("tiny-blip-2", config), "8xH100-80GB", strategy="zero3", seq_len=128)

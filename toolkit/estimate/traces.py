@@ -143,7 +143,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         traced_by = trace_compiled_activations if job.compile else trace_activations
         trace = cache.get("trace", disk_key, code=traced_by, decode=trace_from_dict) if disk_key else None
         if trace is None:
-            from toolkit.inputs.modelcode import CONFIG_ERRORS, model_code_problem
+            from toolkit.inputs.modelcode import CONFIG_ERRORS, model_code_problem, text_only_problem
             from toolkit.inputs.rope import traceable_config
 
             traced_config = traceable_config(spec.hf_config())
@@ -162,7 +162,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
                 raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             except CONFIG_ERRORS as exc:  # the model's own forward fails on a field its config leaves unset
-                problem = model_code_problem(exc, traced_config, spec.name)
+                problem = (text_only_problem(exc, traced_config, spec.name)
+                           or model_code_problem(exc, traced_config, spec.name))
                 if problem is None:
                     raise
                 raise UserError(problem) from None

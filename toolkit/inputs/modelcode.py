@@ -62,6 +62,38 @@ def _class_fields(frame) -> list[str]:
     return re.findall(r"config\.(\w+)", source)
 
 
+def _frames_above_torch(exc: BaseException) -> list:
+    """The frames of `exc`'s traceback, outermost first, outside torch (torch's layers take what they get), when
+    the innermost of them is in transformers' code; else []."""
+    import torch
+
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    torch_root = os.path.dirname(torch.__file__) + os.sep
+    own = [f for f in frames if not f.f_code.co_filename.startswith(torch_root)]
+    return own if own and own[-1].f_code.co_filename.startswith(_transformers_root()) else []
+
+
+def text_only_problem(exc: BaseException, config: Any, name: str) -> str | None:
+    """One line for an image-text model whose forward will not run on text alone (BLIP-2 and InstructBLIP take
+    pixel_values as a required argument, IDEFICS and Kosmos-2 raise without image inputs): toolkit traces the
+    language model through a text-only step (the image tower apart, toolkit.estimate.visiontower), which such a
+    forward refuses. None when `exc` is not that."""
+    if getattr(config, "vision_config", None) is None or not isinstance(exc, CONFIG_ERRORS):
+        return None
+    frames = _frames_above_torch(exc)
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if not frames or not re.search(r"pixel_values|image|qformer|mm_token", message, re.IGNORECASE):
+        return None
+    where = f"{os.path.basename(frames[-1].f_code.co_filename)}:{frames[-1].f_lineno}"
+    return (f"'{name}': its forward does not run on text alone ({where}: {message[:120]}); toolkit traces an "
+            "image-text model's language model through a text-only step, so it plans only those whose forward "
+            "takes text without images (Gemma-3, Qwen2.5-VL, LLaVA)")
+
+
 def model_code_problem(exc: BaseException, config: Any, name: str) -> str | None:
     """One line saying which config field transformers' model code fails on, and where, when `exc` is one of
     CONFIG_ERRORS raised inside transformers (its innermost frame there); None otherwise (a failure of ours or of
@@ -69,16 +101,8 @@ def model_code_problem(exc: BaseException, config: Any, name: str) -> str | None
     if not isinstance(exc, CONFIG_ERRORS):
         return None
     root = _transformers_root()
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    import torch
-
-    torch_root = os.path.dirname(torch.__file__) + os.sep
-    own = [f for f in frames if not f.f_code.co_filename.startswith(torch_root)]  # torch's layers take what they get
-    if not own or not own[-1].f_code.co_filename.startswith(root):
+    own = _frames_above_torch(exc)
+    if not own:
         return None
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if re.search(r"required positional argument|unexpected keyword argument", message):
