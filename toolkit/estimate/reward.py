@@ -102,7 +102,6 @@ def with_reward(b: Breakdown, strategy: Strategy, job: Job, grid: ParallelGrid, 
                    margin_bytes=margin, required_bytes=scoring + b.context_bytes + margin)
 
 
-
 def reward_step_s(strategy: Strategy, job: Job, hw, grid: ParallelGrid, s_per_flop: float) -> tuple[float, str]:
     """The reward model's share of a GRPO step and its words: its scoring forward over the step's completions
     (prompt + completion tokens, the policy's) at the policy's rate, `s_per_flop` (the policy step's compute seconds
@@ -115,7 +114,8 @@ def reward_step_s(strategy: Strategy, job: Job, hw, grid: ParallelGrid, s_per_fl
     forward_s = s_per_flop * flops
     gather_s = 0.0
     if strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3 and grid.shard_group > 1:
-        gather_s = ring_s(rm.params * _bytes_per_param(strategy, job, rm), grid.shard_group, group_bandwidth(hw, grid.shard_group), 1)
+        gather_s = ring_s(rm.params * _bytes_per_param(strategy, job, rm), grid.shard_group,
+                          group_bandwidth(hw, grid.shard_group), 1)
     words = (f"GRPO reward model {rm.name}: one no_grad forward over the step's completions, {flops / 1e9:.2f} GFLOP "
              f"a token at the policy's rate per FLOP = {forward_s:.3f} s"
              + (f", plus one all-gather of its ZeRO-3 shards {gather_s:.3f} s" if gather_s else ""))

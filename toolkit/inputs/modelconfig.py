@@ -113,7 +113,9 @@ def check_config_shape(data: dict[str, Any], where: str) -> None:
             continue
         value = data[key]
         if value is None and not required:
-            continue  # null means "derive it" for these keys (GPT-Neo's intermediate_size and GPT-2's n_inner = 4 x hidden, KV heads = heads)
+            # null means "derive it" for these keys (GPT-Neo's intermediate_size and GPT-2's n_inner = 4 x hidden,
+            # KV heads = heads)
+            continue
         # A list with one value per layer (Gemma-3n's intermediate_size): each a whole number in bounds.
         per_layer = isinstance(value, list) and len(value) == data.get("num_hidden_layers")
         for one in (value if per_layer else [value]):
@@ -282,9 +284,7 @@ def model_positions(config) -> int | None:
 
     # XLNet's max_position_embeddings is -1: "no sequence length limit" (XLNetConfig), as is any value below 1.
     base = next((int(v) for v in map(read, POSITION_KEYS) if isinstance(v, int) and not isinstance(v, bool)), None)
-    if base is not None and base < 1:
-        return None
-    if base is None:
+    if base is None or base < 1:
         return None
     rope = next((r for r in map(read, ("rope_parameters", "rope_scaling")) if isinstance(r, dict)), {})
     found = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # one dict, or one per layer type

@@ -225,7 +225,8 @@ def find_decoder_layers(model):
     return best
 
 
-def _unique_numel(params) -> int:
+def unique_numel(params) -> int:
+    """Elements of `params`, each tensor once (tied weights counted once)."""
     seen: set[int] = set()
     total = 0
     for p in params:
@@ -301,7 +302,7 @@ def build_spec(name: str, config) -> ModelSpec:
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
-    total = _unique_numel(model.parameters())
+    total = unique_numel(model.parameters())
     moe = find_moe(model, config)
     experts, top_k = (moe.experts, moe.top_k) if moe else (0, 0)
     moe_fraction = top_k / experts if experts else 1.0
@@ -352,7 +353,7 @@ def build_spec(name: str, config) -> ModelSpec:
         model_type=config.model_type,
         config=config,
         params=total,
-        layer_params=tuple(_unique_numel(layer.parameters()) for layer in layers),
+        layer_params=tuple(unique_numel(layer.parameters()) for layer in layers),
         pre_layer_params=pre,
         post_layer_params=post,
         embedding_params=embedding_params,

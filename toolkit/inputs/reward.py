@@ -18,8 +18,6 @@ CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """How transformers names a sequence-classification class (LlamaForSequenceClassification), as a checkpoint's
 config.json lists it under `architectures`."""
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 @dataclass(frozen=True)
 class RewardModel:
@@ -48,8 +46,9 @@ def _reward_model(name: str) -> RewardModel:
     from transformers import AutoModelForSequenceClassification
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
+    from toolkit.inputs.choices import DTYPE_BYTES
     from toolkit.inputs.modelconfig import load_config
-    from toolkit.inputs.modelspec import _unique_numel, resolve_model
+    from toolkit.inputs.modelspec import resolve_model, unique_numel
 
     config = load_config(name)
     architectures = list(getattr(config, "architectures", None) or [])
@@ -68,5 +67,5 @@ def _reward_model(name: str) -> RewardModel:
         model = AutoModelForSequenceClassification.from_config(config)
     dtype = getattr(config, "dtype", None)
     dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
-    return RewardModel(name=name, spec=spec, params=_unique_numel(model.parameters()),
+    return RewardModel(name=name, spec=spec, params=unique_numel(model.parameters()),
                        load_bytes_per_param=DTYPE_BYTES.get(dtype_name, 4))
