@@ -1,7 +1,9 @@
 """toolkit.train on an image-and-text plan (issue 31, Deliver 4-5): a local folder of PIL-drawn images with a JSONL of
-messages + images (TRL's VLM format), the checkpoint's own processor, TRL's own VLM collator. A tiny Gemma-3 class
-(its processor is tokenizer + image processor; Qwen2.5-VL's also needs a video processor, which transformers builds
-only with torchvision, absent from the CPU test environment). No hub."""
+messages + images (TRL's VLM format), the checkpoint's own processor, TRL's own VLM collator. Two real architectures:
+a tiny Gemma-3 class (SigLIP tower, a fixed token count an image; its processor is tokenizer + image processor) and a
+tiny Qwen2.5-VL (windowed ViT with a patch merger, a token grid from the image's size, M-RoPE; its processor class
+also takes a video processor, which transformers builds only with torchvision, absent here: toolkit builds the same
+class without it). No hub."""
 
 from __future__ import annotations
 
@@ -55,6 +57,49 @@ def _tiny_gemma3_with_processor(out: Path) -> Path:
     return model_dir
 
 
+QWEN_TEMPLATE = VL_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+"""The same template with Qwen2.5-VL's image markers (its processor expands <|image_pad|> to the image's tokens)."""
+
+
+def _tiny_qwen25vl_with_processor(out: Path) -> Path:
+    """A tiny Qwen2.5-VL saved as a checkpoint ships it: config and weights, the tokenizer, the image processor's
+    preprocessor_config.json and the processor's chat_template.jinja (no video processor: none is built here)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+
+    from toolkit.inputs.images import image_processor
+    from toolkit.run.tiny import corpus_text, train_tokenizer
+
+    tokenizer = train_tokenizer(corpus_text(100_000), vocab_size=512)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>", "<|video_pad|>"]})
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad",
+                                                                             "video_pad")}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+                           fullatt_block_indexes=[1], window_size=56),
+        image_token_id=ids["image_pad"], video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    model_dir = out / "model"
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    image_processor(config).save_pretrained(model_dir)
+    (model_dir / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_vl(tmp_path_factory, tiny_vl):
+    """(tiny Qwen2.5-VL folder, the same image data folder as tiny_vl's)."""
+    return _tiny_qwen25vl_with_processor(tmp_path_factory.mktemp("qwen-vl")), tiny_vl[1]
+
+
 @pytest.fixture(scope="module")
 def tiny_vl(tmp_path_factory):
     """(model folder with its processor, image data folder)."""
@@ -103,6 +148,63 @@ def test_the_collator_pads_to_the_plans_sequence_and_masks_images_and_padding(ti
     assert not (labelled & image).any() and not (labelled & (batch["attention_mask"] == 0)).any()
     answer = processor.tokenizer.decode(batch["labels"][1][labelled[1]])
     assert answer == f"The square is {train[1]['messages'][1]['content'][len('The square is '):]}<|endoftext|>"
+
+
+def test_qwen25_vl_processor_is_built_without_torchvision_and_collates_the_plans_grid(tiny_qwen_vl):
+    """AutoProcessor cannot build Qwen2.5-VL's processor here (its video processor needs torchvision); toolkit builds
+    the same class from the checkpoint's files without it: 40x40 images become 56x56 (smart_resize to min_pixels),
+    a 4x4 patch grid merged 2x2 into the plan's 4 tokens, every sequence the plan's seq_len, images unlabelled."""
+    from transformers import AutoProcessor
+
+    from toolkit.train.imagedata import SEEN, build_image_datasets, image_collator, load_processor
+    from toolkit.train.model import load_config
+
+    model_dir, data = tiny_qwen_vl
+    with pytest.raises((OSError, ImportError), match="(?i)video ?processor"):
+        AutoProcessor.from_pretrained(model_dir)
+    processor = load_processor(str(model_dir))
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and not hasattr(processor, "video_processor")
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    config = load_config(str(model_dir))
+    plan = _image_plan(model_dir)
+    train, _ = build_image_datasets(str(data), plan, eval_fraction=0, seed=0)
+    collate, assistant_only = image_collator(processor, config, plan)
+    SEEN.clear()
+    batch = collate([train[0], train[1]])  # one image, then two
+    assert assistant_only and batch["input_ids"].shape == (2, SEQ) and SEEN["image_tokens"] == TOKENS
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4]] * 3 and batch["pixel_values"].shape == (48, 1176)
+    image = batch["input_ids"] == config.image_token_id
+    assert image.sum(dim=1).tolist() == [TOKENS, 2 * TOKENS] and not (image & (batch["labels"] != -100)).any()
+
+
+def test_a_class_that_opts_out_of_the_token_count_gets_the_global_batchs_mean(tiny_qwen_vl):
+    """Qwen2.5-VL's class sets accepts_loss_kwargs = False, so the Trainer would give each rank its own mean; toolkit
+    lets it pass num_items_in_batch: two ranks' rows, each over the pair's labelled-token count, sum to the loss of
+    the pair in one batch (the rows hold different numbers of labelled tokens, so the means of means differ)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.train.imagedata import build_image_datasets, count_labels_across_ranks, image_collator, \
+        load_processor
+    from toolkit.train.model import load_config
+
+    model_dir, data = tiny_qwen_vl
+    plan = _image_plan(model_dir)
+    collate, _ = image_collator(load_processor(str(model_dir)), load_config(str(model_dir)), plan)
+    train, _ = build_image_datasets(str(data), plan, eval_fraction=0, seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    assert model.accepts_loss_kwargs is False
+    count_labels_across_ranks(model)
+    assert model.accepts_loss_kwargs is True
+    pair, first, second = collate([train[0], train[1]]), collate([train[0]]), collate([train[1]])
+    labelled = [int((b["labels"][:, 1:] != -100).sum()) for b in (first, second)]
+    assert labelled[0] != labelled[1]
+    with torch.no_grad():
+        whole = float(model(**pair).loss)
+        split = [float(model(**b, num_items_in_batch=torch.tensor(sum(labelled))).loss) for b in (first, second)]
+        means = [float(model(**b).loss) for b in (first, second)]
+    assert sum(split) == pytest.approx(whole, abs=1e-5)
+    assert abs(sum(means) / 2 - whole) > 1e-3
 
 
 def test_plan_md_says_how_toolkit_train_and_a_trl_script_run_the_images(tiny_vl):
@@ -170,23 +272,27 @@ ARGS = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str(S
 
 
 @pytest.fixture(scope="module")
-def image_runs(run_training, tiny_vl):
-    """One process at micro-batch 2 and two gloo DDP ranks at micro-batch 1 (the same global batch of 2
-    conversations), started side by side, fp32; ZeRO-3 and FSDP2 on two ranks when a test asks for them."""
+def image_runs(run_training, tiny_vl, tiny_qwen_vl):
+    """One process at micro-batch 2 and two gloo ranks at micro-batch 1 (the same global batch of 2 conversations),
+    started side by side, fp32: Gemma-3's one process and DDP, ZeRO-3 and FSDP2 when a test asks for them;
+    Qwen2.5-VL's one process and FSDP2 ("qwen-one", "qwen-fsdp2")."""
     from toolkit.run.launcher import free_port
 
-    model_dir, data = tiny_vl
     cache = {}
+    pairs = {"one": ("one", "ddp"), "ddp": ("one", "ddp"), "qwen-one": ("qwen-one", "qwen-fsdp2"),
+             "qwen-fsdp2": ("qwen-one", "qwen-fsdp2")}
 
     def start(name):
-        world, micro = (1, 2) if name == "one" else (2, 1)
-        plan = _image_plan(model_dir, world=world, micro=micro, strategy="ddp" if name == "one" else name)
+        model_dir, data = tiny_qwen_vl if name.startswith("qwen-") else tiny_vl
+        engine = name.removeprefix("qwen-")
+        world, micro = (1, 2) if engine == "one" else (2, 1)
+        plan = _image_plan(model_dir, world=world, micro=micro, strategy="ddp" if engine == "one" else engine)
         return run_training(plan, f"images-{name}", "--data", str(data), *ARGS, main_port=free_port())
 
     def get(name):
-        if not cache:
+        if name not in cache and name in pairs:
             with ThreadPoolExecutor(max_workers=2) as pool:
-                cache.update({n: f.result() for n, f in {n: pool.submit(start, n) for n in ("one", "ddp")}.items()})
+                cache.update({n: f.result() for n, f in {n: pool.submit(start, n) for n in pairs[name]}.items()})
         if name not in cache:
             cache[name] = start(name)
         return cache[name].check()
@@ -224,3 +330,28 @@ def test_two_gloo_ranks_give_one_process_losses(image_runs, engine):
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-3), (engine, step, got, ref)
     assert [rank["image_tokens_seen"] for rank in run.ranks] == [TOKENS, TOKENS]
+
+
+@pytest.mark.multiprocess
+def test_qwen25_vl_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(image_runs, tiny_qwen_vl):
+    """A second architecture through the same path: Qwen2.5-VL's processor built without its video processor, its
+    windowed vision tower and M-RoPE positions. One process's loss falls over 6 steps and the tower moved; 2 FSDP2
+    ranks (the vision blocks wrapped as their own units) give its losses within 1e-3; every rank counted the plan's
+    4 tokens an image; the output keeps the processor under its own class name."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    one, fsdp2 = image_runs("qwen-one"), image_runs("qwen-fsdp2")
+    ref, got = one.losses(), fsdp2.losses()
+    assert len(ref) == STEPS and all(math.isfinite(v) for v in ref.values())
+    assert (ref[5] + ref[6]) / 2 < ref[1] - 0.1, ref
+    assert got.keys() == ref.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-3), (step, got, ref)
+    assert [rank["image_tokens_seen"] for rank in one.ranks + fsdp2.ranks] == [TOKENS] * 3
+    before = AutoModelForImageTextToText.from_pretrained(tiny_qwen_vl[0], dtype=torch.float32).state_dict()
+    after = AutoModelForImageTextToText.from_pretrained(one.output, dtype=torch.float32).state_dict()
+    tower = [k for k in before if k.startswith("model.visual")]
+    assert tower and sum(not torch.equal(before[k], after[k]) for k in tower) > len(tower) // 2
+    saved = json.loads((Path(one.output) / "processor_config.json").read_text())
+    assert saved["processor_class"] == "Qwen2_5_VLProcessor"

@@ -19,7 +19,7 @@ from toolkit.plan.schema import Plan
 from toolkit.train import checkpoints, cpu, dimensions
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
-from toolkit.train.imagedata import SEEN as IMAGE_SEEN
+from toolkit.train import imagedata
 from toolkit.train.watch import held_state_bytes, param_dtypes, watch_layer_dtype, watch_step_peak
 from toolkit.inputs.choices import TRL_LOSS
 from toolkit.inputs.strategy import Engine
@@ -61,9 +61,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
     tokenizer_source = args.tokenizer or (source if not Path(source).is_file() else str(Path(source).parent))
     processor = None
     if plan.images_per_sample:  # the model's own processor: its tokenizer, image processor and chat template
-        from toolkit.train.imagedata import load_processor
-
-        processor = load_processor(tokenizer_source)
+        processor = imagedata.load_processor(tokenizer_source)
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(tokenizer_source)
     check_vocab(config, tokenizer, source)
 
@@ -85,12 +83,10 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
         train_data, eval_data = build_preference_datasets(args.data, eval_fraction=args.eval_fraction,
                                                           seed=args.seed, max_eval_pairs=args.max_eval_blocks)
     elif processor is not None:
-        from toolkit.train.imagedata import build_image_datasets, check_rows_fit, image_collator
-
-        train_data, eval_data = build_image_datasets(args.data, plan, eval_fraction=args.eval_fraction,
-                                                     seed=args.seed, max_eval_blocks=args.max_eval_blocks)
-        collator, _ = image_collator(processor, config, plan)
-        check_rows_fit(train_data, collator, plan)
+        train_data, eval_data = imagedata.build_image_datasets(args.data, plan, eval_fraction=args.eval_fraction,
+                                                               seed=args.seed, max_eval_blocks=args.max_eval_blocks)
+        collator, _ = imagedata.image_collator(processor, config, plan)
+        imagedata.check_rows_fit(train_data, collator, plan)
     else:
         train_data, eval_data = build_datasets(args.data, tokenizer, plan.seq_len, eval_fraction=args.eval_fraction,
                                                seed=args.seed, text_field=args.text_field,
@@ -104,6 +100,8 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
 
     model = new_model()
     freeze_vision_tower(model, plan)
+    if processor is not None:
+        imagedata.count_labels_across_ranks(model)
     ref_model = None
     if plan.dpo:
         from toolkit.train.dpo import needs_reference_model
@@ -363,7 +361,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
                "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
                "reward_model_numel": reward_model_numel(trainer),  # GRPO --reward-model: its elements on this rank
-               "image_tokens_seen": IMAGE_SEEN.get("image_tokens"),  # per image, by the image collator
+               "image_tokens_seen": imagedata.SEEN.get("image_tokens"),  # per image, by the image collator
                **param_dtypes(model),
                "four_bit_numel": four_bit_numel, "expert_numel": expert_numel, "param_bytes": param_bytes,
                "optimizer_bytes": optimizer_bytes,

@@ -28,19 +28,73 @@ SEEN: dict[str, Any] = {}
 
 
 def load_processor(source: str):
-    """The checkpoint's own processor (AutoProcessor: tokenizer + image processor + chat template)."""
+    """The checkpoint's own processor (AutoProcessor: tokenizer + image processor + chat template). Where
+    transformers builds it only with torchvision (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL, SmolVLM...:
+    their processor class also takes a video processor, whose class check needs torchvision) and torchvision is
+    absent, the same processor class is built without its video parts (images_only_processor)."""
     from transformers import AutoProcessor
 
     try:
         processor = AutoProcessor.from_pretrained(source)
     except (OSError, ValueError, TypeError, AttributeError, ImportError) as exc:
-        raise UserError(f"cannot load the processor of {source} (AutoProcessor; an image plan needs the model's "
-                        f"processor): {_first_line(exc)[:200]}; pass --tokenizer with the checkpoint's folder") \
-            from None
+        processor = images_only_processor(source)
+        if processor is None:
+            raise UserError(f"cannot load the processor of {source} (AutoProcessor; an image plan needs the model's "
+                            f"processor): {_first_line(exc)[:200]}; pass --tokenizer with the checkpoint's folder") \
+                from None
     if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
         raise UserError(f"{source} has no image processor (AutoProcessor gave {type(processor).__name__}); an image "
                         "plan needs the vision-language checkpoint's processor: pass --tokenizer with its folder")
     return processor
+
+
+def images_only_processor(source: str):
+    """The checkpoint's processor class (its processor_config.json's processor_class, else the one transformers
+    maps its config to) loaded by its own from_pretrained without its video sub-processor, when torchvision is
+    absent and the class takes one; None otherwise. The class keeps its name and code; only the sub-processors
+    ProcessorMixin.get_attributes names (read from the __init__ signature, transformers/processing_utils.py) leave
+    the video one out, so from_pretrained loads the tokenizer, the image processor (the PIL backend), the chat
+    template and the processor settings, ProcessorMixin.__init__ pairs the positional arguments with those names
+    (the trailing video_processor=None falls off) and save_pretrained writes the original processor_class. A class
+    whose video argument is not last fails ProcessorMixin's class check here: None."""
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return None
+    cls = _processor_class(source)
+    if cls is None or not any("video" in name for name in cls.get_attributes()):
+        return None
+
+    def get_attributes(subclass):
+        return [name for name in cls.get_attributes() if "video" not in name]
+
+    images_only = type(cls.__name__, (cls,), {"get_attributes": classmethod(get_attributes),
+                                               "__module__": cls.__module__, "__doc__": cls.__doc__})
+    try:
+        return images_only.from_pretrained(source)
+    except (OSError, ValueError, TypeError, AttributeError, ImportError):
+        return None
+
+
+def _processor_class(source: str):
+    import json
+
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING, processor_class_from_name
+
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        file = Path(source).expanduser() / name
+        try:
+            named = json.loads(file.read_text()).get("processor_class") if file.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            named = None
+        if isinstance(named, str) and (cls := processor_class_from_name(named)) is not None:
+            return cls
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+    return PROCESSOR_MAPPING[type(config)] if type(config) in PROCESSOR_MAPPING else None
 
 
 def image_token_id(config: Any) -> int:
@@ -155,6 +209,23 @@ def image_collator(processor: Any, config: Any, plan: Plan):
         return batch
 
     return collate, assistant_only
+
+
+def count_labels_across_ranks(model: Any) -> None:
+    """The Trainer passes num_items_in_batch (the labelled tokens of the whole global batch) to a model whose loss is
+    transformers' ForCausalLMLoss, though its class opts out (accepts_loss_kwargs = False: Qwen2-VL, Qwen2.5-VL,
+    Gemma-3's base, "fix gemma3 grad acc #37208"): the image collator already masks padding and image tokens, so the
+    loss is the sum over the batch's labelled tokens over their count, as one process at the global batch computes
+    it, instead of each rank's own mean averaged (rows with 48 and 61 tokens: 6.2309 vs 6.2358 at step 1). The
+    forward must take **kwargs, which it hands to loss_function (transformers/trainer.py, model_accepts_loss_kwargs)."""
+    import inspect
+
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    if getattr(model, "accepts_loss_kwargs", True) is False and takes_kwargs \
+            and getattr(model, "loss_function", None) is ForCausalLMLoss:
+        model.accepts_loss_kwargs = True
 
 
 def check_rows_fit(train, collate, plan: Plan) -> None:
