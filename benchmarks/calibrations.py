@@ -4,15 +4,18 @@ predicted step time against its measured one, before calibration and after a cal
 A calibration file keeps, beside its compute ratio, each run behind it (toolkit.inputs.calibration, `measurements`:
 the uncalibrated predicted step and compute term, the measured step). For every run the held-out calibration is
 the one the OTHER probes of the same device and process count give (every file of that key, this run's own probe
-left out: its ratios are combined as tune combines them, by geometric mean), so no run is scored against a
-calibration it helped make. Applied, a calibration multiplies the compute term by its ratio and leaves the other
-terms as predicted (toolkit.estimate.efficiency divides the matmul efficiency by it); so the calibrated prediction
-is predicted step - compute + compute x ratio. A run whose key has no other probe has no held-out figure.
+left out: its runs are combined as tune combines them, toolkit.inputs.calibration.fit_terms's ratio and fixed
+per-step cost where they span two compute sizes, else their ratios' geometric mean), so no run is scored against a
+calibration it helped make. Applied, a calibration multiplies the compute term by its ratio, adds its fixed cost
+and leaves the other terms as predicted (toolkit.estimate.efficiency divides the matmul efficiency by the ratio,
+toolkit.estimate.timing adds the fixed cost); so the calibrated prediction is predicted step - compute + compute x
+ratio + fixed. Each run is also scored after the held-out ratio alone (the calibration before the fixed cost), so
+the page says what the fixed cost changed. A run whose key has no other probe has no held-out figure.
 
     python benchmarks/calibrations.py                 # reads benchmarks/data/calibrations/, writes
                                                       # benchmarks/results/calibrations.{md,json}
     python benchmarks/calibrations.py --probe         # first probes this machine's CPU (PROBES below) into that
-                                                      # folder, one calibration file per probe
+                                                      # folder, one calibration file per probe not there yet
 
 The data here are CPU probes only (`tune --cpu`, 2 processes over gloo on this machine's CPU against the CPU cost
 model, toolkit.inputs.cpudevice): no GPU calibration exists yet. A GPU day adds files to the folder (`tune PLAN_DIR
@@ -39,6 +42,7 @@ RESULTS = HERE / "results"
 
 PROBES = {
     "llama-h64-l2": dict(arch="llama", layers=2, hidden=64),
+    "llama-h128-l4": dict(arch="llama", layers=4, hidden=128),
     "llama-h256-l4": dict(arch="llama", layers=4, hidden=256),
 }
 """--probe: the tiny models (random weights, a locally trained tokenizer: toolkit.run.tiny) each probed once, on 2
@@ -46,13 +50,17 @@ CPU processes, seq 64, global batch 8, the plan's top 3 candidates, 2 measured s
 
 
 def probe_here(folder: Path) -> None:
-    """One `toolkit tune MODEL --cpu` per PROBES entry, each with a cache of its own (so each file holds one probe),
-    its calibration exported to folder/cpu-NAME.json."""
+    """One `toolkit tune MODEL --cpu` per PROBES entry whose file is not in `folder` yet (delete one to probe it
+    again), each with a cache of its own (so each file holds one probe), its calibration exported to
+    folder/cpu-NAME.json."""
     from toolkit.run import tiny
 
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="calibrations-") as scratch:
         for name, shape in PROBES.items():
+            out = folder / f"cpu-{name}.json"
+            if out.exists():
+                continue
             shape = dict(shape)
             model = tiny.make_tiny_model(shape.pop("arch"), Path(scratch) / name, corpus_chars=100_000, **shape)
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -61,8 +69,6 @@ def probe_here(folder: Path) -> None:
                    # DeepSpeed's CPU ops as .ci/setup built them for this venv (tests/conftest.py points there too)
                    "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                           str(Path(sys.prefix) / "torch_extensions"))}
-            out = folder / f"cpu-{name}.json"
-            out.unlink(missing_ok=True)
             subprocess.run([sys.executable, "-m", "toolkit", "tune", str(model), "--gpus", "2xA100-80GB", "--seq",
                             "64", "--global-batch", "8", "--cpu", "--processes", "2", "--steps", "2",
                             "--candidates", "3", "--budget-min", "20", "--export-calibration", str(out)],
@@ -77,23 +83,31 @@ def load(folder: Path) -> list[dict]:
 
 
 def held_out_rows(files: list[dict]) -> list[dict]:
-    """One row per run: before (uncalibrated) and after (the held-out calibration) errors (module docstring)."""
+    """One row per run: before (uncalibrated) and after (the held-out calibration) errors (module docstring); also
+    after the ratio alone (`ratio_only_*`: the calibration as it was before the fixed per-step cost)."""
+    from toolkit.inputs.calibration import fit_terms
+
     rows = []
     for f in files:
         c = f["calibration"]
         for m in c.measurements:
-            others = [o["compute_ratio"] for g in files for o in g["calibration"].measurements
+            others = [o for g in files for o in g["calibration"].measurements
                       if (g["calibration"].device, g["calibration"].count) == (c.device, c.count)
                       and not (g is f and o["probe"] == m["probe"])]
-            ratio = math.exp(statistics.fmean(math.log(r) for r in others)) if others else None
-            after = m["predicted_step_s"] - m["predicted_compute_s"] * (1 - ratio) if ratio else None
+            alone = math.exp(statistics.fmean(math.log(o["compute_ratio"]) for o in others)) if others else None
+            ratio, overhead = fit_terms(others) or (alone, 0.0)
+            rest = m["predicted_step_s"] - m["predicted_compute_s"]  # the terms a calibration leaves as predicted
+            after = rest + m["predicted_compute_s"] * ratio + overhead if ratio else None
+            plain = rest + m["predicted_compute_s"] * alone if alone else None
             rows.append({"file": f["file"], "machine": f"{c.count}x{c.device} ({c.device_model})",
                          "probe": m["probe"], "model": m["model"], "candidate": m["candidate"],
                          "measured_step_s": m["measured_step_s"], "predicted_step_s": m["predicted_step_s"],
                          "error_before": m["predicted_step_s"] / m["measured_step_s"] - 1,
-                         "held_out_ratio": ratio, "held_out_runs": len(others),
-                         "calibrated_step_s": after,
-                         "error_after": after / m["measured_step_s"] - 1 if after else None})
+                         "held_out_ratio": ratio, "held_out_overhead_s": overhead if ratio else None,
+                         "held_out_runs": len(others), "calibrated_step_s": after,
+                         "error_after": after / m["measured_step_s"] - 1 if after else None,
+                         "ratio_only": alone, "ratio_only_step_s": plain,
+                         "error_ratio_only": plain / m["measured_step_s"] - 1 if plain else None})
     return rows
 
 
@@ -107,8 +121,11 @@ def summary(rows: list[dict]) -> dict:
 
     return {"runs": len(rows), "scored": len(scored), "median_abs_error_before": median_abs("error_before"),
             "median_abs_error_after": median_abs("error_after"),
+            "median_abs_error_ratio_only": median_abs("error_ratio_only"),
             "max_abs_error_before": max(abs(r["error_before"]) for r in scored),
-            "max_abs_error_after": max(abs(r["error_after"]) for r in scored)}
+            "max_abs_error_after": max(abs(r["error_after"]) for r in scored),
+            "max_abs_error_ratio_only": max(abs(r["error_ratio_only"]) for r in scored),
+            "fixed_cost_fitted": sum(1 for r in scored if r["held_out_overhead_s"])}
 
 
 def page(files: list[dict], rows: list[dict], summ: dict, measured: str) -> str:
@@ -120,34 +137,46 @@ def page(files: list[dict], rows: list[dict], summ: dict, measured: str) -> str:
              f"{len(files)} calibration file{'s' if len(files) != 1 else ''} in `benchmarks/data/calibrations/` "
              f"({', '.join(devices) or 'none'}), {summ['runs']} measured runs. Each run is scored against the "
              "calibration the other probes of its device and process count make (its own probe held out); the "
-             "calibrated prediction moves only the compute term (benchmarks/calibrations.py's docstring).", ""]
+             "calibrated prediction moves only the compute term and adds the fixed per-step cost where one was "
+             "fitted (benchmarks/calibrations.py's docstring).", ""]
     if not gpu:
         lines += ["**No GPU calibration exists yet**: every file here is a CPU probe (`toolkit tune --cpu`, 2 CPU "
                   "processes over gloo against the CPU cost model of this machine, toolkit.inputs.cpudevice). They "
                   "show the path works and how far the CPU cost model is off on this machine; they say nothing of "
                   "any GPU's step time.", ""]
     if summ["scored"]:
-        lines += [f"Median |error| over {summ['scored']} scored runs: before {summ['median_abs_error_before']:.1%}, "
-                  f"after {summ['median_abs_error_after']:.1%} (max {summ['max_abs_error_before']:.1%} before, "
-                  f"{summ['max_abs_error_after']:.1%} after).", ""]
+        lines += [f"Median |error| over {summ['scored']} scored runs: before {summ['median_abs_error_before']:.1%}; "
+                  f"after the held-out calibration {summ['median_abs_error_after']:.1%}; after its compute ratio "
+                  f"alone {summ['median_abs_error_ratio_only']:.1%} (max {summ['max_abs_error_before']:.1%}, "
+                  f"{summ['max_abs_error_after']:.1%}, {summ['max_abs_error_ratio_only']:.1%}). A fixed per-step "
+                  f"cost was fitted for {summ['fixed_cost_fitted']} of the {summ['scored']} (the other probes span two "
+                  "compute sizes); for the rest the calibration is the ratio alone.", ""]
         ratios = ", ".join(f"{f['file']} {f['calibration'].compute_ratio:.3g}" for f in files)
-        verdict = ("The held-out calibration made the median error worse" if summ["median_abs_error_after"] >
-                   summ["median_abs_error_before"] else "The held-out calibration reduced the median error")
-        lines += [f"{verdict}. Each file's own compute ratio: {ratios}. One ratio per device multiplies the "
-                  "compute term, so it carries from one probe to another only as far as their ratios agree; where "
-                  "they differ by model size, the measured step is not proportional to the predicted compute (on "
-                  "these tiny models a fixed per-step cost that the compute term does not hold), and the ratio of "
-                  "one model mispredicts the other.", ""]
+        after, before, alone = (summ[f"median_abs_error_{k}"] for k in ("after", "before", "ratio_only"))
+        verdict = (f"The held-out calibration {'reduced' if after < before else 'did not reduce'} the median error "
+                   f"against the uncalibrated prediction, and the fixed per-step cost "
+                   f"{'reduced' if after < alone else 'did not reduce'} it against the ratio alone.")
+        lines += [f"{verdict} Each file's own compute ratio (one probe, one model size: the ratio alone): {ratios}. "
+                  "A ratio multiplies the compute term, so alone it carries from one model to another only as far "
+                  "as their ratios agree; on these tiny models they differ by size, because a fixed per-step cost "
+                  "that the compute term does not hold dominates the small model's step. The fixed cost is fitted "
+                  "beside the ratio (measured = ratio x predicted compute + fixed + predicted rest, least squares of "
+                  "the relative error, toolkit.inputs.calibration.fit_terms) where the runs span two compute sizes.",
+                  ""]
     else:
         lines += ["No run has another probe of its device and count to be held out against: nothing scored.", ""]
     lines += ["| file | machine | probe | model | candidate | measured s | predicted s | error | held-out ratio "
-              "(runs) | calibrated s | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "(runs) | fixed ms | calibrated s | error | ratio alone s | error |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         held = f"{r['held_out_ratio']:.3g} ({r['held_out_runs']})" if r["held_out_ratio"] else "none"
+        fixed = f"{r['held_out_overhead_s'] * 1e3:.1f}" if r["held_out_ratio"] else "-"
         after = (f"{r['calibrated_step_s']:.4f} | {r['error_after']:+.1%}" if r["calibrated_step_s"] else "- | -")
+        alone = (f"{r['ratio_only_step_s']:.4f} | {r['error_ratio_only']:+.1%}" if r["ratio_only_step_s"]
+                 else "- | -")
         lines.append(f"| {r['file']} | {r['machine']} | {r['probe']} | {r['model']} | {r['candidate']} | "
                      f"{r['measured_step_s']:.4f} | {r['predicted_step_s']:.4f} | {r['error_before']:+.1%} | {held} "
-                     f"| {after} |")
+                     f"| {fixed} | {after} | {alone} |")
     lines += ["", "Error: predicted / measured - 1. The measured steps were taken on a machine shared with other "
               "work; a calibration carries that machine's state on its day, which is what it is for."]
     return "\n".join(lines) + "\n"

@@ -103,6 +103,11 @@ DROPS = {"--savers": {"--global-batch"}, "--params": {"--layers", "--hidden", "-
 AFTER_A_FIRST_RUN = {"--force"}
 """Flags that matter only when the command ran once before (--force: its --out already holds the files)."""
 
+STORED_CALIBRATION = {"--no-calibration"}
+"""Flags that act on the calibration `toolkit tune` stored for this machine: walked (and their run without them)
+over a cache of their own that holds one for the walk's 2 x H100 (compute x 1.5 + 10 ms a step). With nothing
+stored --no-calibration is a no-op, said in a note (tests/test_tune.py)."""
+
 TABLE_ONLY = {"--json", "--top", "--explain"}
 """Flags that shape the printed table: walked without --json."""
 
@@ -257,6 +262,17 @@ def _result(command: str, argv: list[str], tmp: Path, capsys, *, fresh: bool = T
     return code, data, files
 
 
+def _store_a_calibration(patch: pytest.MonkeyPatch, cache: Path) -> None:
+    """TOOLKIT_CACHE_DIR set to `cache`, which holds a calibration of this machine for 2 x H100 (STORED_CALIBRATION)."""
+    from dataclasses import replace
+
+    from toolkit.inputs import calibration as cal
+    from toolkit.inputs.hardware import find_gpu
+
+    patch.setenv("TOOLKIT_CACHE_DIR", str(cache))
+    cal.store(replace(cal.combine(find_gpu("H100-SXM-80GB"), 2, [1.5], None), step_overhead_s=0.01))
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, planned, planned_four, corpus_dir, tmp_path,
                                                    capsys, tiny_reward_dir):
@@ -289,7 +305,12 @@ def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, plan
         if flag in TABLE_ONLY:
             base = _without(base, {"--json"}, parser)
         key = (tuple(base), tuple(needs))
-        if flag in AFTER_A_FIRST_RUN:
+        if flag in STORED_CALIBRATION:
+            with pytest.MonkeyPatch.context() as patch:
+                _store_a_calibration(patch, tmp_path / "calibrated")
+                without = _result(command, argv(base, *needs), tmp_path, capsys)
+                with_it = _result(command, argv(base, *needs, *given), tmp_path, capsys)
+        elif flag in AFTER_A_FIRST_RUN:
             _result(command, argv(base, *needs), tmp_path, capsys)
             without = _result(command, argv(base, *needs), tmp_path, capsys, fresh=False)
             with_it = _result(command, argv(base, *needs, *given), tmp_path, capsys, fresh=False)
@@ -306,7 +327,7 @@ def test_every_flag_reaches_its_work_or_is_refused(command, tiny_llama_dir, plan
 def test_the_walk_names_real_flags():
     """The hand lists name flags the parsers have, so a renamed flag cannot leave a stale entry behind."""
     every = {o for c in COMMANDS for a in _subparser(c)._actions for o in a.option_strings}  # noqa: SLF001
-    for flag in [*VALUES, *NEEDS, *CLOSED_SETS, *AFTER_A_FIRST_RUN, *TABLE_ONLY, *DROPS]:
+    for flag in [*VALUES, *NEEDS, *CLOSED_SETS, *AFTER_A_FIRST_RUN, *STORED_CALIBRATION, *TABLE_ONLY, *DROPS]:
         assert flag in every, flag
     for command, flag in NOT_WALKED:
         assert flag in dict(walked_flags(command)), (command, flag)

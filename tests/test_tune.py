@@ -334,7 +334,8 @@ def _calibration(gpu_name: str, count: int, ratio: float):
 def test_a_stored_calibration_moves_only_its_own_key_and_no_calibration_restores_it(tiny_llama_dir, tmp_path,
                                                                                      monkeypatch, capsys):
     """A calibration stored for 2 x H100 here (compute x 1.5) moves that estimate's compute term by exactly 1.5 and
-    says so; 4 x H100 (another count) and --no-calibration give the uncalibrated figures exactly."""
+    says so; 4 x H100 (another count) and --no-calibration give the uncalibrated figures exactly (with nothing
+    stored for 4 x H100, --no-calibration is a no-op that says so in a note)."""
     from toolkit.inputs import calibration as cal
 
     monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
@@ -352,8 +353,9 @@ def test_a_stored_calibration_moves_only_its_own_key_and_no_calibration_restores
     assert moved["calibration"]["runs"] == 1 and "calibrated on this machine" in moved["calibration"]["words"]
     assert estimate("--gpus", "2xH100-80GB", "--no-calibration") == plain2
     assert estimate("--gpus", "4xH100-80GB") == plain4
-    assert main(["estimate", *argv, "--gpus", "4xH100-80GB", "--no-calibration"]) == 2
-    assert "nothing to ignore" in capsys.readouterr().err
+    assert main(["estimate", *argv, "--gpus", "4xH100-80GB", "--no-calibration"]) == 0  # nothing stored: a no-op
+    out, err = capsys.readouterr()
+    assert json.loads(out) == plain4 and "note: --no-calibration: no calibration is stored for 4x" in err
 
 
 def test_a_corrupted_stored_calibration_is_ignored_with_a_warning(tiny_llama_dir, tmp_path, monkeypatch, capsys):

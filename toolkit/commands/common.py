@@ -516,10 +516,10 @@ def hardware_of(args):
         got = cal.imported(Path(args.calibration), hw.gpu, hw.world_size)
     else:
         got = cal.stored(hw.gpu, hw.world_size)
-        if args.no_calibration:
+        if args.no_calibration:  # with nothing stored, a no-op: the figures are the uncalibrated ones either way
             if got is None:
-                raise UserError(f"--no-calibration: no calibration is stored for {hw.spec} on this machine, so there "
-                                "is nothing to ignore; drop it")
+                print_note(f"--no-calibration: no calibration is stored for {hw.spec} on this machine; the figures "
+                           "are uncalibrated either way")
             got = None
     args.calibration_applied = cal.Applied(got, args.calibration)
     return replace(hw, gpu=cal.apply(hw.gpu, got))

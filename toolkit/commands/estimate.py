@@ -356,7 +356,8 @@ def step_terms_words(t) -> str:
              ("offload", t.offload_s), ("LoRA adapters", t.lora_overhead_s), ("4-bit dequantisation", t.dequant_s),
              ("tiled recompute", t.tiled_recompute_s),
              ("GRPO scoring forwards" if t.generation_s else "DPO reference forward", t.reference_s),
-             ("GRPO generation", t.generation_s), ("GRPO reward model", t.reward_s)]
+             ("GRPO generation", t.generation_s), ("GRPO reward model", t.reward_s),
+             ("calibrated fixed cost", t.fixed_s)]
     return ", ".join(f"{name} {value:.3f} s" for i, (name, value) in enumerate(terms) if i < 4 or value)
 
 

@@ -152,6 +152,8 @@ class Timing:
     vision_s: float = 0.0
     """Image-and-text jobs: the vision encoder's and projector's forward, backward and recompute, part of compute_s
     (toolkit.estimate.visiontime)."""
+    fixed_s: float = 0.0
+    """The fixed per-step cost a calibration of this machine fitted (toolkit.inputs.calibration step_overhead_s)."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
@@ -165,7 +167,8 @@ class Timing:
                 **({"reward_s": self.reward_s} if self.reward_s else {}),
                 **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {}),
                 **({"experts_s": self.experts_s} if self.experts_s else {}),
-                **({"vision_s": self.vision_s} if self.vision_s else {})}
+                **({"vision_s": self.vision_s} if self.vision_s else {}),
+                **({"fixed_s": self.fixed_s} if self.fixed_s else {})}
 
 
 def mlp_matmul_params(spec: ModelSpec) -> int:
@@ -432,7 +435,11 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             assumptions += expert_assumptions(full_spec, full_job, grid, hw, expert_part, extra)
     if job.activation_offloading:  # the rank's own tokens' copies (offload_copies), against its compute
         offload += exposed_copy_s(full_spec, full_job, strategy, hw, compute, grid)
-    step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s
+    fixed = hw.gpu.step_overhead_s
+    if fixed:
+        assumptions.append(f"calibrated on this machine: {fixed * 1e3:.3g} ms a step fixed beside the model's terms "
+                           "(`toolkit tune`'s runs of two compute sizes)")
+    step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s + fixed
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
@@ -443,7 +450,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                   compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s,
                   tiled_recompute_s=tiled_s, unmodelled=unmodelled,
                   experts_s=expert_part.experts_s if expert_part is not None else 0.0,
-                  vision_s=vision.seconds if vision is not None else 0.0)
+                  vision_s=vision.seconds if vision is not None else 0.0, fixed_s=fixed)
 
 
 def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:

@@ -6,16 +6,24 @@ the device measured (torch's CUDA device name, or /proc/cpuinfo's CPU model), th
 (the catalog's link name, or gloo), and the torch / deepspeed / transformers versions. A different key is another
 machine: its calibration is not applied.
 
-What is measured: one ratio, the compute term's. For each measured candidate, the model's communication, bubble,
-offload and other terms are taken as predicted and the rest of the measured step is its compute time: ratio =
-(measured step - predicted non-compute) / predicted compute. The candidates' ratios are combined by their geometric
-mean, and a later probe on the same key folds its runs in (weighted by runs). The record keeps each run's
-prediction and measurement (`measurements`), so a folder of shared calibrations can be read as published rows
-(benchmarks/calibrations.py holds each run out of its own calibration). Applied, the step-time model divides
-its matmul efficiency by the ratio (toolkit.estimate.efficiency), so the compute term moves by that factor and MFU
-with it. NOT measured, so left as the model has them: communication overlap, offload bandwidth, allocator overhead
-(on CPU a rank's peak is its RSS, which holds the interpreter and libraries; on a GPU tune records reserved peaks
-but does not store a ratio for them yet). Memory predictions never move.
+What is measured: the compute term's ratio, and a fixed cost per step. For each measured candidate, the model's
+communication, bubble, offload and other terms are taken as predicted and the rest of the measured step is its
+compute time: ratio = (measured step - predicted non-compute) / predicted compute. Where the stored runs span at
+least two compute sizes (predicted compute terms DISTINCT_COMPUTE apart or more, as different models give), one ratio
+cannot hold them all: a fixed per-step cost (the optimizer step's and the loop's Python, the launch of many small
+kernels) is the same seconds for a small model as for a large one, so the small model's ratio comes out larger. Then
+measured = compute_ratio x predicted compute + step_overhead_s + predicted non-compute is fitted over every stored
+run (fit_terms: least squares of the relative error, so a fast run weighs as much as a slow one). Runs of one size
+(one probe's candidates, whose compute terms differ by a few per cent) cannot separate the two, so there the ratio
+alone is kept (step_overhead_s 0): the candidates' ratios are combined by their geometric mean, and a later probe on
+the same key folds its runs in (weighted by runs). The record keeps each run's prediction and measurement
+(`measurements`), so a folder of shared calibrations can be read as published rows (benchmarks/calibrations.py
+holds each run out of its own calibration). Applied, the step-time model divides its matmul efficiency by the ratio
+(toolkit.estimate.efficiency), so the compute term moves by that factor and MFU with it, and adds step_overhead_s to
+every step (toolkit.estimate.timing: the `calibrated fixed cost` term). NOT measured, so left as the model has them:
+communication overlap, offload bandwidth, allocator overhead (on CPU a rank's peak is its RSS, which holds the
+interpreter and libraries; on a GPU tune records reserved peaks but does not store a ratio for them yet). Memory
+predictions never move.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ from pathlib import Path
 from toolkit.errors import UserError
 
 CALIBRATION_VERSION = 1
+DISTINCT_COMPUTE = 1.5
+"""Runs whose predicted compute terms differ by this factor or more are of distinct sizes: the fixed per-step cost
+is fitted only over runs that span it (one probe's candidates differ by a few per cent, different models by more)."""
 NOT_MEASURED = ("communication overlap", "offload bandwidth", "allocator overhead")
 LIBRARIES = ("torch", "deepspeed", "transformers")
 
@@ -56,6 +67,9 @@ class Calibration:
     version: int = CALIBRATION_VERSION
     measurements: tuple[dict, ...] = ()
     """One per run folded in (records written before it have none): MEASUREMENT_FIELDS."""
+    step_overhead_s: float = 0.0
+    """Seconds every step takes beside the model's terms, fitted with compute_ratio where the runs span two compute
+    sizes (fit_terms); 0: the ratio alone (one size, or a record written before it)."""
 
     @property
     def key(self) -> tuple:
@@ -64,6 +78,11 @@ class Calibration:
 
     def words(self) -> str:
         return f"calibrated on this machine, {self.date}, {self.runs} run{'s' if self.runs != 1 else ''}"
+
+    def terms_words(self) -> str:
+        """What it does to a step: `compute time x R`, and `+ N ms a step` where a fixed cost was fitted."""
+        fixed = f" + {self.step_overhead_s * 1e3:.3g} ms a step" if self.step_overhead_s else ""
+        return f"compute time x {self.compute_ratio:.3g}{fixed}"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "not_measured": list(self.not_measured), "measurements": list(self.measurements)}
@@ -125,10 +144,12 @@ def from_dict(data, where: str) -> Calibration:
     if got.version != CALIBRATION_VERSION:
         raise UserError(f"{where} is calibration version {got.version!r}; this toolkit reads {CALIBRATION_VERSION}")
     ratio_ok = isinstance(got.compute_ratio, (int, float)) and math.isfinite(got.compute_ratio) \
-        and got.compute_ratio > 0
+        and got.compute_ratio > 0 and isinstance(got.step_overhead_s, (int, float)) \
+        and math.isfinite(got.step_overhead_s) and got.step_overhead_s >= 0
     if not ratio_ok or not isinstance(got.runs, int) or got.runs < 1 or not isinstance(got.count, int) \
             or got.count < 1 or not isinstance(got.versions, dict):
-        raise UserError(f"{where} is corrupted (compute_ratio, runs, count or versions out of range)")
+        raise UserError(f"{where} is corrupted (compute_ratio, step_overhead_s, runs, count or versions out of "
+                        "range)")
     try:
         date.fromisoformat(got.date)
     except (TypeError, ValueError):
@@ -182,8 +203,9 @@ def imported(path: Path, gpu, count: int) -> Calibration:
 
 
 def apply(gpu, calibration: Calibration | None):
-    """`gpu` with the calibration's compute ratio (unchanged without one)."""
-    return gpu if calibration is None else replace(gpu, compute_ratio=calibration.compute_ratio)
+    """`gpu` with the calibration's compute ratio and fixed per-step cost (unchanged without one)."""
+    return gpu if calibration is None else replace(gpu, compute_ratio=calibration.compute_ratio,
+                                                   step_overhead_s=calibration.step_overhead_s)
 
 
 def compute_ratio(measured_step_s: float, predicted: dict) -> float | None:
@@ -196,10 +218,31 @@ def compute_ratio(measured_step_s: float, predicted: dict) -> float | None:
     return rest / compute if rest > 0 else None
 
 
+def fit_terms(measurements) -> tuple[float, float] | None:
+    """(compute_ratio, step_overhead_s) of measured = ratio x predicted compute + overhead + predicted non-compute,
+    fitted over `measurements` (MEASUREMENT_FIELDS) by least squares of the relative error; None where their
+    predicted compute terms span less than DISTINCT_COMPUTE (nothing tells a fixed cost from a ratio there) or the
+    fit is not physical (a ratio or a cost below zero): the ratio alone holds then (module docstring)."""
+    xs = [m["predicted_compute_s"] for m in measurements]
+    ys = [m["measured_step_s"] - (m["predicted_step_s"] - m["predicted_compute_s"]) for m in measurements]
+    if len(xs) < 2 or max(xs) < DISTINCT_COMPUTE * min(xs) or min(ys) <= 0:
+        return None
+    # minimise sum((ratio x + overhead - y) / y)^2: with u = x / y and v = 1 / y, the normal equations of u, v -> 1
+    us, vs = [x / y for x, y in zip(xs, ys)], [1 / y for y in ys]
+    uu, uv, vv = sum(u * u for u in us), sum(u * v for u, v in zip(us, vs)), sum(v * v for v in vs)
+    det = uu * vv - uv * uv
+    if det <= 0:
+        return None
+    ratio, overhead = (sum(us) * vv - sum(vs) * uv) / det, (sum(vs) * uu - sum(us) * uv) / det
+    return (ratio, overhead) if ratio > 0 and overhead >= 0 else None
+
+
 def combine(gpu, count: int, ratios: list[float], previous: Calibration | None, today: str | None = None,
             measurements: list[dict] | None = None) -> Calibration | None:
-    """The calibration of `ratios` (one per measured candidate), folded into `previous` of the same key.
-    `measurements`: the runs behind the ratios (MEASUREMENT_FIELDS less `probe`, which is numbered here)."""
+    """The calibration of `ratios` (one per measured candidate), folded into `previous` of the same key: the ratio
+    and fixed cost fitted over every run kept where they span two compute sizes (fit_terms), else the ratios'
+    geometric mean. `measurements`: the runs behind the ratios (MEASUREMENT_FIELDS less `probe`, which is numbered
+    here)."""
     if not ratios:
         return previous
     probe = 1 + max((m["probe"] for m in previous.measurements), default=0) if previous else 1
@@ -209,11 +252,11 @@ def combine(gpu, count: int, ratios: list[float], previous: Calibration | None, 
     if previous is not None:  # the earlier probes' runs, each at their combined ratio
         logs.append(math.log(previous.compute_ratio) * previous.runs)
         runs += previous.runs
-    mean = sum(logs) / runs
+    ratio, overhead = fit_terms(kept) or (math.exp(sum(logs) / runs), 0.0)
     device, model, count, link, versions = this_machine(gpu, count)
     return Calibration(device=device, device_model=model, count=count, interconnect=link, versions=dict(versions),
-                       compute_ratio=math.exp(mean), runs=runs, date=today or date.today().isoformat(),
-                       measurements=kept)
+                       compute_ratio=ratio, runs=runs, date=today or date.today().isoformat(),
+                       measurements=kept, step_overhead_s=overhead)
 
 
 def store(calibration: Calibration) -> Path:
@@ -253,5 +296,4 @@ class Applied:
             return None
         where = c.words() if self.file is None else (
             f"calibrated by {self.file} ({c.device_model}), {c.date}, {c.runs} run{'s' if c.runs != 1 else ''}")
-        return f"{where}: compute time x {c.compute_ratio:.3g} (measured / predicted; {', '.join(c.not_measured)} " \
-               "not measured)"
+        return f"{where}: {c.terms_words()} (measured / predicted; {', '.join(c.not_measured)} not measured)"

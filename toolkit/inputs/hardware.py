@@ -58,6 +58,9 @@ class Gpu:
     compute_ratio: float = 1.0
     """Measured over predicted compute time on this machine, from a stored calibration (toolkit.inputs.calibration):
     the step-time model divides its matmul efficiency by it; 1: uncalibrated."""
+    step_overhead_s: float = 0.0
+    """Seconds every step takes beside the model's terms on this machine, from the same calibration (fitted where its
+    runs span two compute sizes); the step-time model adds it to each step; 0: none fitted."""
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for the precision a step computes in. fp32 uses the plain fp32 peak: torch keeps fp32

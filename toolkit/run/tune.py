@@ -399,7 +399,7 @@ def store_calibration(box: Plan, processes: int, rows: list[TuneRow], say=print)
     if combined is None or not ratios:
         return combined
     path = cal.store(combined)
-    say(f"calibration: compute time x {combined.compute_ratio:.3g} of the prediction over {combined.runs} "
+    say(f"calibration: {combined.terms_words()} of the prediction over {combined.runs} "
         f"run{'s' if combined.runs != 1 else ''}, stored in {path}; later estimate / plan for "
         f"--gpus {processes}x{gpu.name} use it")
     return combined
