@@ -68,3 +68,61 @@ def test_an_image_text_model_whose_forward_needs_images_is_refused_in_one_line()
     with pytest.raises(UserError, match=r"its forward does not run on text alone \(.*'pixel_values'\); toolkit "
                                         r"traces an image-text model's language model through a text-only step"):
         api.estimate(build_spec("tiny-blip-2", config), "8xH100-80GB", strategy="zero3", seq_len=128)
+
+
+def test_a_config_of_per_layer_attributes_is_read_layer_by_layer(tmp_path):
+    # dots3-note's text config is heterogeneous (per_layer_config): a global read of num_attention_heads raises
+    # transformers' AmbiguousGlobalPerLayerAttributeError, which the config check did on loading the folder.
+    folder = _saved(tmp_path, "dots3_note_text", vocab_size=128, hidden_size=64, intermediate_size=128,
+                    moe_intermediate_size=32, shared_experts_intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=16, n_routed_experts=4,
+                    num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                    v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=8, sliding_window=16,
+                    mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention", "sliding_attention"],
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    spec = api.model(folder)
+    assert (spec.num_layers, spec.heads) == (2, 4)
+
+
+def test_a_layer_list_counted_by_another_config_key_is_found(tmp_path):
+    # LongCat-Flash's decoder layer holds two attention sub-layers: num_hidden_layers is 2 x num_layers, and
+    # transformers' hidden_states recorder names num_layers (num_hidden_layers_key), the length of its layer list.
+    folder = _saved(tmp_path, "longcat_flash", vocab_size=128, hidden_size=64, num_layers=3, num_attention_heads=4,
+                    num_key_value_heads=4, ffn_hidden_size=128, q_lora_rank=32, kv_lora_rank=16,
+                    qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, moe_topk=2,
+                    n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=32)
+    spec = api.model(folder)
+    assert (spec.num_layers, spec.params) == (3, 332_000)  # the meta build's own count
+    # Its experts loop over the tokens routed to each (no grouped_mm path): refused for that, in one line.
+    with pytest.raises(UserError, match=r"shapes that depend on the data \(aten\.nonzero"):
+        api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=32)
+
+
+def test_a_sub_model_without_sdpa_keeps_transformers_default_attention(tmp_path):
+    # Apertus-1.5's vision tokenizer has no sdpa: the traced build sets the asked attention on the language model
+    # only, as transformers' own pick per sub-model leaves the tokenizer on eager.
+    folder = _saved(tmp_path, "apertus1p5", image_token_id=10, audio_token_id=11, image_token_offset=100,
+                    audio_token_offset=132, text_config={
+                        "vocab_size": 4300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 4, "pad_token_id": 3},
+                    vision_config={"codebook_size": 32, "embed_dim": 32, "latent_channels": 32, "base_channels": 32,
+                                   "channel_multiplier": [1, 2], "num_res_blocks": 1, "attn_resolutions": [16],
+                                   "resolution": 32})
+    result = api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64)
+    assert api.model(folder).params == 9_208_356
+    assert result.memory.activations_bytes == 1_621_276
+
+
+def test_rotary_sections_that_do_not_add_up_to_the_frequencies_are_refused_in_one_line(tmp_path):
+    # GLM-4.1V's rotary falls back to mrope_section [8, 12, 12] (32 frequencies), which a real checkpoint's
+    # head_dim 128 x partial_rotary_factor 0.5 fits; the default config's full rotary has 64 (here 16 / 2 = 8).
+    text = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    folder = _saved(tmp_path / "default", "glm4v", text_config=text, vision_config=vision)
+    with pytest.raises(UserError, match=r"splits 8 frequencies \(head_dim x partial_rotary_factor / 2\) into "
+                                        r"mrope_section \[8, 12, 12\], which add up to 32; set rope_parameters'"):
+        api.model(folder)
+    fitted = _saved(tmp_path / "fitted", "glm4v", vision_config=vision, text_config={
+        **text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}})
+    assert api.model(fitted).num_layers == 2

@@ -173,10 +173,9 @@ def _partitioned_saved_bytes(config, seq_len: int, micro_batch: int, dtype: str,
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from toolkit.inputs.modelconfig import auto_model_class
 
     from toolkit.estimate import layerkinds, standins
-    from toolkit.estimate.fakestep import weights_uninitialised
+    from toolkit.estimate.fakestep import build_for_trace, weights_uninitialised
 
     compute_dtype = getattr(torch, dtype)
     param_dtype = torch.float32 if autocast else compute_dtype
@@ -190,7 +189,7 @@ def _partitioned_saved_bytes(config, seq_len: int, micro_batch: int, dtype: str,
             stack.enter_context(_cuda_sdpa_ops(notes))
         fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         with weights_uninitialised():
-            model = auto_model_class(config).from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
+            model = build_for_trace(config, param_dtype, attn_impl)
         model.train()
         named = [*model.named_parameters(), *model.named_buffers()]
         n_params = len(list(model.parameters()))

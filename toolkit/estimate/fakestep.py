@@ -57,13 +57,22 @@ def _forget_in_fake_memo(tensor) -> None:
             del memo[key]
 
 
+def build_for_trace(config, dtype, attn_impl: str):
+    """The model transformers builds for `config` (under the caller's device or fake mode), `attn_impl` set on its
+    language model and every other sub-model on transformers' own pick (toolkit.inputs.attention.language_attention)."""
+    from toolkit.inputs.attention import language_attention
+    from toolkit.inputs.modelconfig import auto_model_class
+
+    return auto_model_class(config).from_config(config, dtype=dtype,
+                                                attn_implementation=language_attention(config, attn_impl))
+
+
 def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
                    adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
                    per_layer: tuple[str, ...] | None = None) -> Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from toolkit.inputs.modelconfig import auto_model_class
 
     n = num_layers(config)
     lora = adapter is not None and adapter.is_adapter
@@ -76,7 +85,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
 
             base_dtype = getattr(torch, BASE_DTYPE_NAMES[adapter.base_dtype])
         with weights_uninitialised():
-            model = auto_model_class(config).from_config(config, dtype=base_dtype, attn_implementation=attn_impl)
+            model = build_for_trace(config, base_dtype, attn_impl)
         model.train()
         if liger:
             from toolkit.patches.liger import liger_applied

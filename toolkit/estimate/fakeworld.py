@@ -200,9 +200,8 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from toolkit.inputs.modelconfig import auto_model_class
 
-    from toolkit.estimate.fakestep import enable_checkpointing
+    from toolkit.estimate.fakestep import build_for_trace, enable_checkpointing
     from toolkit.estimate.standins import trace_environment
 
     param_dtype, compute_dtype = _dtypes(job.precision)
@@ -215,7 +214,7 @@ def _trace(config, strategy: "Strategy", job: "Job", grid: "ParallelGrid", atten
 
         untied = initialization.no_tie_weights() if grid.tensor > 1 else contextlib.nullcontext()
         with torch.device("meta"), untied:  # mesh and wrapping outside FakeTensorMode (torchtitan's order)
-            model = auto_model_class(config).from_config(config, dtype=param_dtype, attn_implementation=attn_impl)
+            model = build_for_trace(config, param_dtype, attn_impl)
         route = _wrap(model, strategy, grid, compute_dtype, job.precision)
         if grid.tensor > 1:
             model.tie_weights()

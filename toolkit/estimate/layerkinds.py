@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import copy
 
-from toolkit.inputs.modelconfig import text_config
+from toolkit.inputs.modelconfig import layer_count, text_config
 
 
 
 def num_layers(config) -> int:
-    n = getattr(text_config(config), "num_hidden_layers", None)
+    n = layer_count(config)
     if not isinstance(n, int):  # BLT (local encoder, global transformer, local decoder), PI0 (a VLM and an expert)
         parts = ", ".join(getattr(config, "sub_configs", {})) or "none"
         raise NotImplementedError(f"{type(config).__name__} names no num_hidden_layers for one decoder stack (its "

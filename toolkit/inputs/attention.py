@@ -21,6 +21,20 @@ def default_attention(support: tuple[str, ...]) -> str:
     return "sdpa" if "sdpa" in support else "eager"
 
 
+def language_attention(config, attention: str) -> str | dict:
+    """The attn_implementation to build `config`'s model with so that `attention` applies to its language model
+    only: every other sub-model (a vision tower, Apertus-1.5's vision tokenizer, which has no sdpa) keeps
+    transformers' own pick per sub-model (sdpa where its class has it, else eager: get_correct_attn_implementation
+    with nothing requested). A plain string is set on every sub-config (PreTrainedConfig._attn_implementation's
+    setter), and a sub-model whose class lacks it then refuses to build; the dict form names the configs it sets
+    ("" the top one)."""
+    text = text_config(config)
+    subs = [key for key in getattr(config, "sub_configs", None) or {} if getattr(config, key, None) is not None]
+    if not subs:
+        return attention
+    return {"": attention, **{key: attention for key in subs if getattr(config, key) is text}}
+
+
 def attention_problem(model_class: str, support: tuple[str, ...], requested: str | None, *,
                       name: str | None = None) -> str | None:
     """Why a model class cannot run `requested` attention, or None (None: transformers' default, always runs)."""

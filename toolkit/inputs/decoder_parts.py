@@ -17,7 +17,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit.inputs.modelconfig import text_config
+from toolkit.inputs.modelconfig import layer_count, text_config
 
 # What a decoder layer may ask for that a pipeline stage can rebuild from the hidden states' shape: the mask and
 # positions (HF's own mask functions, arange), the rotary (cos, sin), and None for optional extras (no cache, no
@@ -70,7 +70,7 @@ def find_parts(model: Any, config: Any) -> DecoderParts:
         raise NotStandard(f"{kind}: no token embedding (get_input_embeddings)")
     if head is None or id(head) not in paths:
         raise NotStandard(f"{kind}: no LM head (get_output_embeddings)")
-    layer_list = decoder_layers(model, getattr(text, "num_hidden_layers", None))
+    layer_list = decoder_layers(model, layer_count(config))
     if layer_list is None:
         raise NotStandard(f"{kind}: no list of decoder layers (an nn.ModuleList of num_hidden_layers entries)")
     layers_path = paths[id(layer_list)]
@@ -157,8 +157,7 @@ def _beside(model: Any, head: Any, parent_path: str):
 def side_parts(model: Any, config: Any) -> tuple[tuple[str, str, int], ...]:
     """(path, class, unique parameters) of each part beside the language model (a vision tower, a projector), found
     as find_parts finds them; () for a plain causal LM or a model without a recognisable layer list."""
-    text = text_config(config)
-    layer_list = decoder_layers(model, getattr(text, "num_hidden_layers", None))
+    layer_list = decoder_layers(model, layer_count(config))
     head = model.get_output_embeddings()
     if layer_list is None:
         return ()

@@ -140,3 +140,21 @@ def missing_package_problem(exc: ImportError, name: str) -> str:
         return f"'{name}': transformers cannot build this model here ({text.strip().splitlines()[0][:160]})"
     return (f"'{name}': transformers' code for this model needs the {package} package, which is not installed "
             f"(pip install {install.group(1) if install else package})")
+
+
+def rotary_sections_problem(model: Any, name: str) -> str | None:
+    """One line for a multimodal rotary embedding whose position sections (mrope_section: temporal, height, width)
+    do not add up to its frequencies: transformers splits the frequencies by those sections (GLM-4.1V's
+    recomposition_frequencies, Qwen2-VL's apply_multimodal_rotary_pos_emb), so the forward would fail in torch's
+    split. GLM-4.1V's code falls back to [8, 12, 12] where rope_parameters names none, which fits a real checkpoint's
+    partial_rotary_factor 0.5 and head_dim 128 (32 frequencies), not the default config's full rotary (64). Read
+    from the built model (meta device is fine); None when every such module fits."""
+    for path, module in model.named_modules():
+        sections, inv_freq = getattr(module, "mrope_section", None), getattr(module, "inv_freq", None)
+        if not isinstance(sections, (list, tuple)) or inv_freq is None or sum(sections) == inv_freq.numel():
+            continue
+        return (f"'{name}': its rotary embedding ({path}) splits {inv_freq.numel()} frequencies (head_dim x "
+                f"partial_rotary_factor / 2) into mrope_section {list(sections)}, which add up to {sum(sections)}; "
+                "set rope_parameters' mrope_section and partial_rotary_factor in config.json as a real checkpoint "
+                "does")
+    return None

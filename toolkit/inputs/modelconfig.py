@@ -35,6 +35,27 @@ def auto_model_class(config: Any):
     return AutoModelForCausalLM
 
 
+def layer_count_key(config: Any) -> str:
+    """The config attribute that counts the decoder layers of the list the model stacks: num_hidden_layers, or the
+    key transformers' own model class counts its layers' hidden states by (the hidden_states recorder's
+    num_hidden_layers_key in _can_record_outputs, utils/output_capturing.py): LongCat-Flash's decoder layer holds two
+    attention sub-layers, so its num_hidden_layers is 2 x num_layers and its layer list has num_layers entries."""
+    mapping = getattr(auto_model_class(config), "_model_mapping", {})
+    try:
+        model_class = mapping[type(config)]
+    except (KeyError, ValueError):  # a config transformers maps to no class here: its from_config says so later
+        return "num_hidden_layers"
+    recorder = (getattr(model_class, "_can_record_outputs", None) or {}).get("hidden_states")
+    key = getattr(recorder, "num_hidden_layers_key", None)
+    return key if isinstance(key, str) else "num_hidden_layers"
+
+
+def layer_count(config: Any) -> Any:
+    """The number of decoder layers in the model's layer list (layer_count_key of its text config), as the config
+    holds it (None or another non-int where a default config leaves it unset)."""
+    return getattr(text_config(config), layer_count_key(config), None)
+
+
 def load_pretrained(source: Any, **kwargs: Any):
     """The model saved at `source` (a folder or hub id) loaded with the class auto_model_class picks for its config
     (a Qwen2.5-VL checkpoint has no AutoModelForCausalLM class); `kwargs` go to from_pretrained."""
@@ -83,6 +104,12 @@ def _check_head_width(config, where: str) -> None:
     then misfits). A class with a head_dim (its default or the file's; Llama validates that itself, MLA models
     such as GLM-4-MoE-Lite carry one) sets the width on its own, so the config's own values are read, defaults
     included, not the raw JSON."""
+    if getattr(config, "is_heterogeneous", False):
+        # Per-layer configs (dots3-note's per_layer_config): a global read of num_attention_heads raises; each layer's
+        # own values are checked.
+        for layer in config.per_layer_config:
+            _check_head_width(layer, where)
+        return
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads
             and getattr(config, "head_dim", None) is None):
@@ -207,7 +234,7 @@ def reduced_config(config, num_layers: int, keep: int):
     for key, value in list(vars(text).items()):
         if isinstance(value, (list, tuple)) and len(value) == num_layers and keep < num_layers:
             setattr(text, key, type(value)(value[:keep]))
-    text.num_hidden_layers = keep
+    setattr(text, layer_count_key(reduced), keep)
     shared = getattr(text, "num_kv_shared_layers", None)
     if isinstance(shared, int) and shared and keep < num_layers:
         # Gemma-3n / Gemma-4: the last `shared` layers reuse earlier layers' keys and values (kv_sharing_modes); of

@@ -18,9 +18,11 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.inputs.attention import attention_problem, attention_support, default_attention
-from toolkit.inputs.modelconfig import (causal_lm_problem, config_from_dict, first_int, load_config, model_positions,
-                                        read_config_json, shape_config, shape_from_params, text_config)
-from toolkit.inputs.modelcode import CONFIG_ERRORS, missing_package_problem, model_code_problem
+from toolkit.inputs.modelconfig import (causal_lm_problem, config_from_dict, first_int, layer_count, load_config,
+                                        model_positions, read_config_json, shape_config, shape_from_params,
+                                        text_config)
+from toolkit.inputs.modelcode import (CONFIG_ERRORS, missing_package_problem, model_code_problem,
+                                     rotary_sections_problem)
 from toolkit.inputs.moe import find_moe, is_expert_param
 
 
@@ -218,7 +220,7 @@ def find_decoder_layers(model):
     config gives it, else the longest nn.ModuleList whose entries share one class."""
     from toolkit.inputs.decoder_parts import decoder_layers
 
-    count = getattr(text_config(model.config), "num_hidden_layers", None) if hasattr(model, "config") else None
+    count = layer_count(model.config) if hasattr(model, "config") else None
     best = decoder_layers(model, count if isinstance(count, int) else None)
     if best is None:
         raise UserError(f"cannot find the decoder layers of {type(model).__name__}; is it a decoder-only causal LM?")
@@ -298,6 +300,9 @@ def build_spec(name: str, config) -> ModelSpec:
             raise
         raise UserError(f"'{name}' is not a causal LM transformers can build ({str(exc).splitlines()[0][:160]})") \
             from None
+    problem = rotary_sections_problem(model, name)
+    if problem:
+        raise UserError(problem)
     layers = find_decoder_layers(model)
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
