@@ -155,7 +155,9 @@ def ds_problems(config: dict[str, Any], file: str, readers: Readers) -> list[Pro
             if device == "nvme" and not path:
                 f.fail(everyone, f"zero_optimization.{name} goes to nvme without \"nvme_path\": set it to a "
                        "directory on a local NVMe drive of every node")
-    if stage == 3:
+    if stage == 3 and _autoep_enabled(config):
+        _autoep_zero3_problems(config, zero, f)
+    elif stage == 3:
         _zero3_save_problem(config, zero, f)
     _engine_problems(config, f, said_batch=bool(batch_found))
     return f.out
@@ -227,6 +229,50 @@ def _zero3_save_problem(config: dict[str, Any], zero: dict[str, Any], f: _Findin
            "save_model raises); " + ("launch with --zero3_save_16bit_model true or write true here" if auto else
                                      "add \"stage3_gather_16bit_weights_on_model_save\": true to zero_optimization"),
            at_most="note" if auto else "warning")
+
+
+def _autoep_enabled(config: dict[str, Any]) -> bool:
+    """Whether the file turns DeepSpeed AutoEP on (its own reading of the expert_parallel section)."""
+    from deepspeed.runtime.config import get_expert_parallel_config
+
+    if not isinstance(config.get("expert_parallel"), dict):
+        return False
+    try:
+        return bool(get_expert_parallel_config(config).enabled)
+    except (ValueError, TypeError):  # DeepSpeed's own refusal of the section; _engine_problems reports it
+        return False
+
+
+def _autoep_zero3_problems(config: dict[str, Any], zero: dict[str, Any], f: _Findings) -> None:
+    """DeepSpeed AutoEP under ZeRO-3: what deepspeed.initialize refuses (runtime/engine.py
+    _validate_zero3_moe_compatibility), and the HF save, which refuses AutoEP's expert partitions whatever the file
+    (toolkit.inputs.autoep.AUTOEP_ZERO3_SAVE); ZeRO-3's usual advice, gathering 16-bit weights on save, is what
+    raises here."""
+    from toolkit.inputs.autoep import AUTOEP_ZERO3_SAVE
+
+    everyone = HF_RUNNERS | {f.readers.direct}
+    refused = "DeepSpeed AutoEP with ZeRO-3: deepspeed.initialize refuses"
+    if zero.get("zero_quantized_gradients") is True:
+        f.fail(everyone, f"{refused} zero_quantized_gradients (runtime/engine.py _validate_zero3_moe_compatibility); "
+               "set it to false, or use ZeRO-1/2 for AutoEP")
+    hpz = concrete_int(zero.get("zero_hpz_partition_size"))
+    if hpz and hpz > 1:
+        f.fail(everyone, f"{refused} zero_hpz_partition_size {hpz} (hpZ's secondary groups, runtime/engine.py "
+               "_validate_zero3_moe_compatibility); set it to 1, or use ZeRO-1/2 for AutoEP")
+    sp = concrete_int(config.get("sequence_parallel_size"))
+    if sp and sp > 1:
+        f.fail(everyone, f"{refused} sequence_parallel_size {sp} (runtime/engine.py "
+               "_validate_zero3_moe_compatibility); remove it, or use ZeRO-1/2 for AutoEP")
+    view, _ = accelerate_view(config) if HF_RUNNERS & f.readers.runners else (None, None)
+    gathered = zero_settings(_mapping((view or config).get("zero_optimization")) or zero)
+    if gathered is not None and gathered.gather_16bit_on_save:
+        f.fail(HF_RUNNERS, "DeepSpeed AutoEP with ZeRO-3 and stage3_gather_16bit_weights_on_model_save true: it "
+               f"trains, but {AUTOEP_ZERO3_SAVE}, so the first checkpoint ends the run; use ZeRO-1/2 for AutoEP, or "
+               "ZeRO-3 without expert_parallel (the MoE block as a leaf module)")
+    elif gathered is not None:  # measured: the HF Trainer's checkpoint-N then holds global_stepN alone
+        f.fail(HF_RUNNERS, "DeepSpeed AutoEP with ZeRO-3: the HF Trainer's saves hold the DeepSpeed checkpoint only (no "
+               "model file: the 16-bit gather is refused for AutoEP's expert partitions); convert it with DeepSpeed's "
+               "ds_to_universal.py, or use ZeRO-1/2 for AutoEP", at_most="note")
 
 
 def _sequence_parallel_problems(config: dict[str, Any], f: _Findings, stage: int) -> None:

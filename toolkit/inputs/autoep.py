@@ -8,10 +8,11 @@ The engine's rules, read in its source:
   - autoep_size divides the expert count and does not exceed it (auto_ep_config.py
     `validate_autoep_post_detection`), and tiles the world (auto_ep_folding.py `build_folding_spec`:
     stage_size % (ep x etp) == 0) with no pipeline / tensor / sequence degree here;
-  - ZeRO stage 0, 1, 2 and a constrained ZeRO-3 (engine.py's stage-3 AutoEP checks). toolkit plans ZeRO-1 and
-    ZeRO-2 without offload: those are the stages measured on gloo (ENGINE_FACTS); ZeRO-3's expert partition over
-    the expert-data-parallel group and the offload paths are not modelled, and a plain torch DDP plan has no
-    DeepSpeed engine.
+  - ZeRO stage 0, 1, 2 and a constrained ZeRO-3 (engine.py `_validate_zero3_moe_compatibility`: no sequence
+    parallelism, zero_quantized_gradients or hpZ, expert_tensor_parallel_size 1). toolkit plans ZeRO-1 and ZeRO-2
+    without offload: those are the stages measured on gloo (ENGINE_FACTS). ZeRO-3 trains (measured) but the HF
+    Trainer cannot save its model (AUTOEP_ZERO3_SAVE); the offload paths are not modelled, and a plain torch DDP
+    plan has no DeepSpeed engine.
 Every rank has its own batch: the expert group exchanges routed tokens by all-to-all (auto_ep_layer.py), dense
 parameters are data-parallel over the world, expert parameters over world / autoep_size ranks."""
 
@@ -23,6 +24,13 @@ from toolkit.inputs.strategy import Engine, Strategy
 
 AUTOEP_STAGES = (1, 2)
 """ZeRO stages toolkit plans AutoEP on (see the module docstring for why not 0 and 3)."""
+
+AUTOEP_ZERO3_SAVE = ("the HF Trainer saves a ZeRO-3 model through the engine's 16-bit consolidated state dict, which "
+                     "DeepSpeed refuses for AutoEP's expert partitions (NotImplementedError, runtime/engine.py "
+                     "_raise_if_autoep_zero3_consolidated_export; its checkpoints need ds_to_universal.py)")
+"""Why AutoEP under ZeRO-3 is not planned, and what `toolkit check` says of a config that asks for it: measured on 2
+gloo ranks (tiny Qwen3-MoE, autoep_size 2, fp32), 3 steps train to the single-process losses, then the first save
+raises (docs/ENGINE_FACTS.md, the AutoEP entry)."""
 
 
 def autoep_preset(model_type: str) -> str | None:
@@ -37,9 +45,11 @@ def autoep_strategy_problem(strategy: Strategy) -> str | None:
     if strategy.engine != Engine.DEEPSPEED:
         return None
     if strategy.zero_stage not in AUTOEP_STAGES:
-        return (f"DeepSpeed AutoEP on {strategy.name} is not planned: its ZeRO-3 partitions each rank's experts over "
-                "the expert-data-parallel group, which toolkit does not model yet; use zero1 or zero2 with "
-                "--expert-parallel")
+        if strategy.zero_stage == 3:
+            return (f"DeepSpeed AutoEP on {strategy.name} is not planned: it trains, but {AUTOEP_ZERO3_SAVE}; use "
+                    "zero1 or zero2 with --expert-parallel, or zero3 without it")
+        return (f"DeepSpeed AutoEP on {strategy.name} is not planned (toolkit plans it on ZeRO-1 and ZeRO-2); use "
+                "zero1 or zero2 with --expert-parallel")
     if strategy.offloads:
         return (f"DeepSpeed AutoEP on {strategy.name} is not planned: optimizer offload with expert parameter groups "
                 "is not modelled; use zero1 or zero2 with --expert-parallel")
