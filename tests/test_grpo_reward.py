@@ -65,6 +65,20 @@ def test_each_engine_holds_the_reward_model_as_trl_prepares_it(reward_8b, strate
         assert with_rm.memory.peak_bytes - without.memory.peak_bytes == weights
 
 
+@pytest.mark.parametrize("strategy, weights", [("zero3", 1_876_232_192), ("zero2", 15_009_857_536)])
+def test_the_planners_states_floor_counts_the_reward_model(reward_8b, strategy, weights):
+    """The floor the planner refuses candidates on before tracing holds the reward model's resident bytes (7,504,928,768
+    bf16 parameters: ZeRO-3 an eighth each, ZeRO-2's stage 0 all of them), so it stays below the required bytes."""
+    from toolkit.estimate.memory import states_floor_bytes
+
+    def floor(e):
+        return states_floor_bytes(e.model, e.candidate.strategy, e.job, e.hardware, grid=e.grid)
+
+    with_rm, without = _grpo(strategy, reward_8b), _grpo(strategy, None)
+    assert floor(with_rm) - floor(without) == weights == with_rm.memory.reward_bytes
+    assert floor(with_rm) <= with_rm.memory.required_bytes
+
+
 def test_the_scoring_forward_is_a_phase_of_its_own_named_when_it_is_the_peak(reward_8b):
     """ZeRO-3 with a reference (beta 0.04), checkpointed layers and generation on a vLLM server: the reward model
     scores the process's 64 x 1,536-token generation batch in one forward, before the policy's forward on 8 of them:

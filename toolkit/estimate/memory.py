@@ -19,6 +19,7 @@ from toolkit.inputs.choices import DTYPE_BYTES, GIB, compute_bytes, weight_bytes
 from toolkit.inputs.hardware import Hardware
 from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.estimate.hostram import host_ram
+from toolkit.estimate.reward import reward_weights_bytes, with_reward
 from toolkit.inputs.job import Job, checkpointing_words
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.estimate.savers import offload_layer_activations, optimizer_step_temporary_bytes
@@ -302,9 +303,9 @@ BUSIEST_EXPERT_RANK = "busiest expert rank (routing)"  # the Term of its extra r
 
 def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
                        partition: list[int] | None = None, grid: ParallelGrid | None = None) -> int:
-    """A lower bound on the required bytes without tracing: persistent model states and the CUDA context.
-    The planner refuses candidates above capacity on this alone, which saves their traces. `grid`: the grid to
-    use (default: the strategy's plain grid on hw)."""
+    """A lower bound on the required bytes without tracing: persistent model states, a DPO / GRPO reference and a GRPO
+    reward model, and the CUDA context. The planner refuses candidates above capacity on this alone, which saves
+    their traces. `grid`: the grid to use (default: the strategy's plain grid on hw)."""
     grid = grid or grid_of(strategy, hw, pipeline_stages)
     if grid.tensor > 1:
         from toolkit.inputs.tensorplan import per_rank_spec
@@ -319,7 +320,7 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
         from toolkit.estimate.preference import reference_of
 
         ref = reference_of(spec, strategy, job, grid)
-        reference = ref.weights_bytes if ref is not None else 0
+        reference = (ref.weights_bytes if ref is not None else 0) + reward_weights_bytes(strategy, job, grid)
     return int(s.parameters + s.gradients + s.master + s.optimizer) + reference + context
 
 
@@ -333,7 +334,6 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
     if job.grpo is None:
         return b
     from toolkit.estimate.grpo import generation_sequences, with_generation
-    from toolkit.estimate.reward import with_reward
 
     return with_generation(with_reward(b, strategy, job, grid, generation_sequences(job)), spec, strategy, job)
 

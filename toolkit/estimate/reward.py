@@ -49,6 +49,26 @@ def _bytes_per_param(strategy: Strategy, job: Job, rm: RewardModel) -> int:
     return rm.load_bytes_per_param
 
 
+def _held(strategy: Strategy, job: Job, grid: ParallelGrid, rm: RewardModel) -> tuple[bool, int, str]:
+    """Whether ZeRO-3 partitions the reward model, its resident bytes on one GPU, and how it is held."""
+    deepspeed = strategy.engine == Engine.DEEPSPEED
+    sharded = deepspeed and strategy.zero_stage == 3
+    shard = grid.shard_group if sharded else 1
+    weights = math.ceil(rm.params / shard) * _bytes_per_param(strategy, job, rm)
+    how = (f"ZeRO-3 partitions it over {shard} ranks (prepare_deepspeed)" if sharded else
+           "stage 0 (prepare_deepspeed): a replica on each GPU" if deepspeed else
+           "a replica on each GPU (accelerator.prepare_model in evaluation mode wraps nothing)")
+    return sharded, weights, how
+
+
+def reward_weights_bytes(strategy: Strategy, job: Job, grid: ParallelGrid) -> int:
+    """The reward model's resident bytes on one GPU of `strategy` (0 without one), without tracing its forward: the
+    planner's states floor (toolkit.estimate.memory.states_floor_bytes) counts it."""
+    if job.grpo is None or not job.grpo.reward_model:
+        return 0
+    return _held(strategy, job, grid, reward_model_of(job.grpo.reward_model))[1]
+
+
 def reward_share(strategy: Strategy, job: Job, grid: ParallelGrid, seqs: int) -> RewardShare:
     """The reward model's weights and scoring forward on one GPU of `strategy` (module docstring); `seqs`: the
     sequences one scoring forward takes, the process's generation batch (toolkit.estimate.grpo.generation_sequences)."""
@@ -56,14 +76,8 @@ def reward_share(strategy: Strategy, job: Job, grid: ParallelGrid, seqs: int) ->
 
     rm = reward_model_of(job.grpo.reward_model)
     rs = rm.spec
-    deepspeed = strategy.engine == Engine.DEEPSPEED
     per_param = _bytes_per_param(strategy, job, rm)
-    sharded = deepspeed and strategy.zero_stage == 3
-    shard = grid.shard_group if sharded else 1
-    weights = math.ceil(rm.params / shard) * per_param
-    how = (f"ZeRO-3 partitions it over {shard} ranks (prepare_deepspeed)" if sharded else
-           "stage 0 (prepare_deepspeed): a replica on each GPU" if deepspeed else
-           "a replica on each GPU (accelerator.prepare_model in evaluation mode wraps nothing)")
+    sharded, weights, how = _held(strategy, job, grid, rm)
     gathered = (max(max(rs.layer_params), rs.embedding_params) + max(rs.layer_params)) * per_param if sharded else 0
     rjob = Job(seq_len=job.grpo.seq_len, micro_batch=seqs, precision=job.precision, attention=job.attention,
                device_kind=job.device_kind, allocator_conf=job.allocator_conf)
