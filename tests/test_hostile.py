@@ -510,6 +510,10 @@ def _wave2() -> list[tuple[str, list[str], str]]:
     add("grpo on the pipeline engine", "not the pipeline engine", *grpo, "--strategy", "pipeline", "--gpus",
         "2xH100-80GB")
     add("profile --method grpo", "modelled by estimate and plan only", "profile", *SHAPE.split(), "--method", "grpo")
+    add("grpo --reward-model without --method grpo", "--reward-model applies to --method grpo", "estimate", "{M}",
+        "--reward-model", "{W}/models/reward")
+    add("grpo --reward-model a causal LM", "not a sequence-classification model", *grpo, "--reward-model", "{M}")
+    add("grpo --reward-model of 2 labels", "has 2 labels", *grpo, "--reward-model", "{W}/models/reward-2-labels")
     add("unknown modules_to_save", "does not have", *lora, "--lora-modules-to-save", "nope")
     add("one unknown among modules_to_save", "'nope'", *lora, "--lora-modules-to-save", "lm_head,nope")
     add("plan unknown modules_to_save", "does not have", "plan", "{M}", "--micro-batch", "1", "--method", "lora",
@@ -750,6 +754,10 @@ def world2(world, tmp_path_factory, tiny_llama_dir):
     (m / "wide-vocab" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 8192}))
     shutil.copytree(tiny_llama_dir, m / "big-tokenizer")
     (m / "big-tokenizer" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 256}))
+    for name, labels in (("reward", {"0": "LABEL_0"}), ("reward-2-labels", {"0": "A", "1": "B"})):
+        (m / name).mkdir()  # a reward model's config (TRL's AutoModelForSequenceClassification), and one of 2 labels
+        (m / name / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForSequenceClassification"],
+                                                          "id2label": labels}))
     from transformers import AutoConfig
 
     for arch, extra in (("bert", {}), ("roberta", {}), ("t5", {"d_ff": 128, "d_kv": 16}),
