@@ -16,6 +16,7 @@ on CUDA), which exercises each engine's own buffers.
     python benchmarks/gpu_check.py --device cuda --memory-edge --out "$OUT"   # step time at the memory edge (below)
     python benchmarks/gpu_derive.py "$OUT/gpu_memory_edge.json"    # its slowdowns and the speed headroom
     python benchmarks/gpu_check.py --device cuda --allocator --out "$OUT"     # the allocator model vs the device's
+    python benchmarks/gpu_check.py --device cuda --tune --out "$OUT"   # `toolkit tune` here and its calibration
 
 --timing runs what the published corpus (benchmarks/results/throughput.md) cannot settle, on one GPU:
   efficiency per micro-step   DDP steps of one model at 512 to 16,384 tokens per micro-step and at two widths,
@@ -323,7 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--edge-child", help=argparse.SUPPRESS)
     ap.add_argument("--allocator", action="store_true",
                     help="the caching-allocator model against the device's allocator (benchmarks/allocator_check.py)")
+    ap.add_argument("--tune", action="store_true",
+                    help="`toolkit tune` of three small models on this GPU and their calibration "
+                         "(benchmarks/tune_check.py)")
+    ap.add_argument("--dry", action="store_true", help="with --tune on CPU: plan and skip every candidate")
     args = ap.parse_args(argv)
+    if args.tune:
+        from tune_check import tune_check
+
+        return tune_check(args.device, args.quick, args.out, args.gpu, dry=args.dry)
     if args.allocator:
         from allocator_check import allocator_check
 

@@ -218,3 +218,27 @@ def test_allocator_check_predicts_every_sequence_under_every_setting_on_cpu(tmp_
     assert rows[f"{sliver} | default"]["predicted"]["reserved_peak"] == 160 * MiB
     assert rows[f"{sliver} | expandable_segments:True"]["predicted"]["reserved_peak"] == 120 * MiB
     assert rows["out of memory frees the cache and retries | default"]["predicted"]["retries"] == 1
+
+
+def test_the_tune_probe_runs_its_cpu_dry_path(tmp_path):
+    """gpu_check --tune (benchmarks/tune_check.py) on CPU with --dry: a tiny model made, planned for 1 x H200 and
+    tuned with a budget the planning spends, so every candidate is skipped and no process starts; gpu_tune.json
+    records the plan, each candidate's prediction and no calibration. On the GPU the same words run the candidates
+    there (no --cpu) with the GPU budget."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tune_check
+
+    one = {"llama-h64-l2": tune_check.QUICK_MODELS["llama-h64-l2"]}
+    assert tune_check.tune_check("cpu", True, str(tmp_path), "H200", dry=True, models=one) == 0
+    got = json.loads((tmp_path / "gpu_tune.json").read_text())
+    (row,) = got["rows"]
+    assert "error" not in row and row["plan_code"] == 0 and row["tune_code"] == 1  # nothing measured to export
+    assert len(row["candidates"]) == tune_check.TUNE_CANDIDATES and row["ranking"] == []
+    assert all(c["status"] == "skipped" and c["predicted_step_s"] > 0 for c in row["candidates"])
+    assert got["calibration"] is None and not (tmp_path / tune_check.CALIBRATION_FILE).exists()
+    gpu = tune_check.tune_argv(tmp_path / "plan", cuda=True, dry=False, export=tmp_path / "c.json")
+    assert "--cpu" not in gpu and gpu[gpu.index("--budget-min") + 1] == str(tune_check.TUNE_BUDGET_MIN)
+    from gpu_check import main
+
+    with pytest.raises(SystemExit, match="--dry is the CPU path"):  # gpu_check --tune is tune_check's
+        main(["--device", "cuda", "--tune", "--dry", "--out", str(tmp_path)])
