@@ -1215,3 +1215,50 @@ def test_ctrl_c_during_plan_out_is_exit_130_one_line_and_no_partial_folder(world
             assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)") and "Traceback" not in err, err
         assert not out.exists() or {p.name for p in out.iterdir()} >= {"plan.json", "launch.sh"}
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], list(tmp_path.iterdir())
+
+
+def test_sigterm_inside_torch_leaves_at_once_and_outside_raises(monkeypatch):
+    """`timeout`'s SIGTERM landing inside torch (a dispatch mode, a fake-tensor callback during a plan's trace) must
+    not raise there: an exception crossing torch's C++ aborted a Gemma-4 plan killed at 15 min with `terminate called
+    after throwing an instance of 'python_error'` and no traceback. Inside torch the handler removes what toolkit.fileio
+    is writing and exits 143 at once, as Ctrl-C does (exit 130); in plain Python it raises Terminated, so every `finally`
+    runs. os._exit is the one part replaced: this test's own process cannot exit."""
+    import signal
+    import sys
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from toolkit import cli
+    from toolkit.fileio import undone_if_interrupted
+
+    class FrameInDispatch(TorchDispatchMode):
+        frame = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            FrameInDispatch.frame = sys._getframe()
+            return func(*args, **(kwargs or {}))
+
+    with FrameInDispatch():
+        torch.ones(2) + 1
+    previous = cli._finish_on_termination()
+    try:
+        on_sigterm = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(cli.Terminated):
+            on_sigterm(signal.SIGTERM, sys._getframe())
+
+        class Exited(BaseException):
+            pass
+
+        def exit_now(code):
+            raise Exited(code)
+
+        monkeypatch.setattr(os, "_exit", exit_now)
+        cleaned = []
+        with undone_if_interrupted(lambda: cleaned.append("staging removed")):
+            with pytest.raises(Exited) as left:
+                on_sigterm(signal.SIGTERM, FrameInDispatch.frame)
+        assert left.value.args == (128 + signal.SIGTERM,) and cleaned == ["staging removed"]
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -136,6 +136,8 @@ def _finish_on_termination() -> dict:
         return {}  # signal handlers can only be set from the main thread
 
     def raise_terminated(signum, frame):
+        if _inside_torch(frame):  # as for Ctrl-C (_interrupt): an exception raised there can abort the process
+            _leave_now(128 + signum, None)
         raise Terminated(signum)
 
     previous = {signum: signal.signal(signum, raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
@@ -152,6 +154,14 @@ def _interrupt(signum, frame) -> None:
     in plain Python code the KeyboardInterrupt is raised as usual, so every `finally` runs."""
     if not _inside_torch(frame):
         raise KeyboardInterrupt
+    _leave_now(EXIT_INTERRUPTED, INTERRUPTED_LINE)
+
+
+def _leave_now(code: int, line: str | None) -> None:
+    """Stop at once from a signal handler called inside torch (where raising would abort the interpreter with
+    `terminate called after throwing an instance of 'python_error'`, no traceback: a plan killed by `timeout`'s
+    SIGTERM mid-trace did): remove what toolkit.fileio is writing, flush stdout, print `line`, exit with `code`
+    (the code main returns for the same signal elsewhere)."""
     import os
 
     from toolkit.fileio import run_interrupt_cleanups
@@ -161,8 +171,9 @@ def _interrupt(signum, frame) -> None:
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
-    os._exit(EXIT_INTERRUPTED)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    os._exit(code)
 
 
 def _inside_torch(frame) -> bool:
