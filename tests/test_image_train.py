@@ -220,6 +220,15 @@ def test_plan_md_says_how_toolkit_train_and_a_trl_script_run_the_images(tiny_vl)
     assert "runs text only" not in text
 
 
+def test_training_args_json_gives_a_trl_script_the_plans_padding_not_truncation(tiny_vl):
+    """training_args.json's sft_config of an image plan says what PLAN.md says: no max_length (TRL's VLM collator
+    would truncate image tokens), every sequence padded to the plan's length."""
+    from toolkit.emit.user_settings import method_config
+
+    name, settings = method_config(_image_plan(tiny_vl[0], world=2, micro=1))
+    assert name == "sft_config" and settings["max_length"] is None and settings["pad_to_multiple_of"] == SEQ
+
+
 def _rows(data: Path, name: str, *, drop_images: bool = False, **first) -> Path:
     """The data's rows, image paths made absolute, the first row changed by `first`, written to a folder beside the
     data (whose relative image paths then name nothing) or with no 'images' at all."""
@@ -355,3 +364,34 @@ def test_qwen25_vl_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses
     assert tower and sum(not torch.equal(before[k], after[k]) for k in tower) > len(tower) // 2
     saved = json.loads((Path(one.output) / "processor_config.json").read_text())
     assert saved["processor_class"] == "Qwen2_5_VLProcessor"
+
+
+@pytest.mark.multiprocess
+def test_a_copied_image_plan_runs_a_users_trl_vlm_sft_script_on_2_cpu_processes(tmp_path, tiny_vl):
+    """A 4-GPU Gemma-3 image plan emitted, copied elsewhere, and launched with a user's own TRL VLM SFT script
+    (tests/story/my_vlm_sft.py: SFTTrainer on AutoModelForImageTextToText with the processor, sft_config() the only
+    toolkit call) on 2 CPU processes: the global batch of 4 kept by accumulation, TRL saw the images, padded to the
+    plan's length, and both steps' losses are finite."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from toolkit.run.launcher import emit_plan_files
+
+    model_dir, data = tiny_vl
+    emit_plan_files(_image_plan(model_dir, world=4, micro=1), tmp_path / "planned")
+    copy = shutil.copytree(tmp_path / "planned", tmp_path / "elsewhere" / "copy")
+    shutil.rmtree(tmp_path / "planned")
+    shutil.copy(Path(__file__).parent / "story" / "my_vlm_sft.py", tmp_path)
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "toolkit", "launch", str(copy), "--processes", "2", "--cpu", "--", "my_vlm_sft.py",
+         str(model_dir), str(data), str(tmp_path / "out"), str(report)], cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = json.loads(report.read_text())
+    assert (seen["world"], seen["micro_batch"], seen["accumulation"], seen["steps"]) == (2, 1, 2, 2)
+    assert seen["vision"] and seen["max_length"] is None and seen["pad_to_multiple_of"] == SEQ
+    assert len(seen["losses"]) == 2 and all(math.isfinite(v) for v in seen["losses"])
+    assert "keeps the global batch 4" in done.stdout and "Traceback" not in done.stderr

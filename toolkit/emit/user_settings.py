@@ -6,7 +6,8 @@ run is the planned one:
 
   training_arguments   transformers.TrainingArguments keyword arguments (HF Trainer scripts; `toolkit.train` uses
                        the same dict, so there is one source for them);
-  sft_config           the same plus TRL's SFTConfig keys (max_length = the plan's sequence length, packing);
+  sft_config           the same plus TRL's SFTConfig keys (max_length = the plan's sequence length, packing; an
+                       image plan: max_length None, pad_to_multiple_of = the sequence length);
   dpo_config           a DPO plan's instead of sft_config: TrainingArguments' plus TRL's DPOConfig keys (beta,
                        loss_type, max_length, precompute_ref_log_probs; toolkit.inputs.preference);
   grpo_config          a GRPO plan's instead: TrainingArguments' plus TRL's GRPOConfig keys (num_generations,
@@ -148,8 +149,13 @@ def sft_config(plan: Plan) -> dict[str, Any]:
     A plan with TRL's chunked NLL (plan.loss "trl") writes loss_type "nll": TRL 1.16's default, written so the config
     says which loss the memory assumed (every loss_type runs the fused head; only label smoothing or a
     compute_loss_func leave it, and neither is written; docs/ENGINE_FACTS.md "TRL's chunked NLL").
+    An image plan pads every sequence to seq_len and truncates none (max_length None, pad_to_multiple_of seq_len),
+    as toolkit.train's image collator does: TRL's VLM collator truncates only with max_length, which would cut image
+    tokens the processor then refuses (docs/ENGINE_FACTS.md "Image-and-text data in toolkit.train").
     """
-    return {**training_arguments(plan), "max_length": plan.seq_len,
+    length = {"max_length": None, "pad_to_multiple_of": plan.seq_len} if plan.images_per_sample else \
+        {"max_length": plan.seq_len}
+    return {**training_arguments(plan), **length,
             "packing": plan.attention == "flash_attention_2",
             **({"loss_type": "nll"} if plan.loss == TRL_LOSS else {}),
             **({"activation_offloading": True} if plan.activation_offloading else {})}
