@@ -163,6 +163,7 @@ def page(files: list[dict], rows: list[dict], summ: dict, measured: str) -> str:
                   "beside the ratio (measured = ratio x predicted compute + fixed + predicted rest, least squares of "
                   "the relative error, toolkit.inputs.calibration.fit_terms) where the runs span two compute sizes.",
                   ""]
+        lines += _size_order(scored_rows=[r for r in rows if r["error_after"] is not None])
     else:
         lines += ["No run has another probe of its device and count to be held out against: nothing scored.", ""]
     lines += ["| file | machine | probe | model | candidate | measured s | predicted s | error | held-out ratio "
@@ -180,6 +181,23 @@ def page(files: list[dict], rows: list[dict], summ: dict, measured: str) -> str:
     lines += ["", "Error: predicted / measured - 1. The measured steps were taken on a machine shared with other "
               "work; a calibration carries that machine's state on its day, which is what it is for."]
     return "\n".join(lines) + "\n"
+
+
+def _size_order(scored_rows: list[dict]) -> list[str]:
+    """A paragraph when the models' median measured steps do not grow with their predicted step (smallest model
+    first): then neither a ratio nor a fixed cost can follow them, and the page says so."""
+    by_model: dict[str, list[dict]] = {}
+    for r in scored_rows:
+        by_model.setdefault(r["model"], []).append(r)
+    medians = sorted((statistics.median(r["predicted_step_s"] for r in rs),
+                      statistics.median(r["measured_step_s"] for r in rs), model) for model, rs in by_model.items())
+    if len(medians) < 2 or all(a[1] <= b[1] for a, b in zip(medians, medians[1:])):
+        return []
+    said = ", ".join(f"{model} {measured:.3f} s" for _, measured, model in medians)
+    return [f"The measured steps do not grow with the model here (median measured step per model, smallest "
+            f"predicted first: {said}), so no compute ratio and no fixed cost fits every model: on this machine "
+            "the spread between runs of one model (its candidates, measured one after another on a shared CPU) is "
+            "as large as the difference between models.", ""]
 
 
 def main(argv: list[str]) -> int:

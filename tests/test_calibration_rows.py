@@ -119,6 +119,10 @@ def test_the_held_out_fit_predicts_a_third_size_the_ratio_alone_does_not(tmp_pat
     assert summ["fixed_cost_fitted"] == 3 and summ["median_abs_error_after"] < summ["median_abs_error_ratio_only"]
     text = calibrations.page(calibrations.load(tmp_path), rows, summ, "today")
     assert "the fixed per-step cost reduced it against the ratio alone" in text
+    assert "do not grow with the model" not in text  # 0.33 < 0.42 < 0.78 s measured: in the models' order
+    steps = {"s.json": 0.78, "m.json": 0.42, "l.json": 0.33}  # the smallest model measured slowest
+    swapped = [{**r, "model": r["file"][0], "measured_step_s": steps[r["file"]]} for r in rows]
+    assert "smallest predicted first: s 0.780 s, m 0.420 s, l 0.330 s" in " ".join(calibrations._size_order(swapped))
 
 
 def test_a_fitted_fixed_cost_moves_a_later_estimate_by_exactly_itself(tiny_llama_dir, tmp_path, monkeypatch,
