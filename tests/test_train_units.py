@@ -34,17 +34,19 @@ def test_bad_train_args_are_user_errors(argv, message):
         parse_train_args(argv)
 
 
-def test_bitsandbytes_is_left_out_of_a_run_that_cannot_use_it(tiny_llama_dir, tmp_path):
+def test_bitsandbytes_and_deepspeed_are_left_out_of_a_run_that_cannot_use_them(tiny_llama_dir, tmp_path):
     """The training process marks bitsandbytes absent for a full fine-tune with AdamW (its import costs ~1.3 s of
-    CPU a rank), and keeps it for QLoRA (the plan's method or --qlora) and adamw-8bit."""
+    CPU a rank), and keeps it for QLoRA (the plan's method or --qlora) and adamw-8bit; it marks DeepSpeed absent
+    for a DDP or FSDP2 run (~0.5 s a rank) and keeps it for ZeRO, the pipeline, tiling and Ulysses SP."""
     import importlib.util
     import sys
     from types import SimpleNamespace
 
+    from toolkit.inputs.strategy import Engine
     from toolkit.plan.files import PLAN_JSON
     from toolkit.run.launcher import emit_plan_files
     from toolkit.run.rehearsal import plan_for_model
-    from toolkit.train.__main__ import bitsandbytes_unused, leave_out_bitsandbytes
+    from toolkit.train.__main__ import bitsandbytes_unused, deepspeed_unused, leave_out_unused
 
     plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1)
     assert bitsandbytes_unused(plan, False)
@@ -52,20 +54,36 @@ def test_bitsandbytes_is_left_out_of_a_run_that_cannot_use_it(tiny_llama_dir, tm
     assert not bitsandbytes_unused(SimpleNamespace(method="qlora", optimizer="adamw"), False)
     assert not bitsandbytes_unused(SimpleNamespace(method="full", optimizer="adamw-8bit"), False)
     assert bitsandbytes_unused(SimpleNamespace(method="lora", optimizer="sgd"), False)
+    assert deepspeed_unused(plan)
+    assert deepspeed_unused(plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=2))
+    zero1 = plan_for_model(tiny_llama_dir, "zero1", gpus_per_node=2)
+    assert zero1.engine == Engine.DEEPSPEED and not deepspeed_unused(zero1)
+    assert not deepspeed_unused(plan_for_model(tiny_llama_dir, "pipeline", gpus_per_node=2, pipeline_stages=2))
+    assert not deepspeed_unused(plan.replace(tiled=True))  # DeepSpeed's TiledMLP
+    assert not deepspeed_unused(SimpleNamespace(engine=Engine.FSDP2, tiled=False, sequence_parallel=2))
     plan_json = str(emit_plan_files(plan, tmp_path / "plan") / PLAN_JSON)
+    zero1_json = str(emit_plan_files(zero1, tmp_path / "zero1") / PLAN_JSON)
     absent = object()
-    before = sys.modules.pop("bitsandbytes", absent)
+    before = {name: sys.modules.pop(name, absent) for name in ("bitsandbytes", "deepspeed")}
     try:
-        assert not leave_out_bitsandbytes(["--plan", plan_json, "--qlora"]) and "bitsandbytes" not in sys.modules
-        assert not leave_out_bitsandbytes(["--plan", str(tmp_path / "missing.json")])
-        assert "bitsandbytes" not in sys.modules
-        assert leave_out_bitsandbytes(["--plan", plan_json, "--data", "d", "--output", "o"])
-        assert sys.modules["bitsandbytes"] is None and importlib.util.find_spec("bitsandbytes") is None
-        assert not leave_out_bitsandbytes(["--plan", plan_json])  # already decided
+        assert leave_out_unused(["--plan", str(tmp_path / "missing.json")]) == []
+        run = ["--data", "d", "--output", "o"]
+        assert leave_out_unused(["--plan", zero1_json, *run, "--qlora"]) == []
+        assert "bitsandbytes" not in sys.modules and "deepspeed" not in sys.modules
+        assert leave_out_unused(["--plan", zero1_json, *run]) == ["bitsandbytes"]
+        assert "deepspeed" not in sys.modules
+        assert leave_out_unused(["--plan", plan_json, *run]) == ["deepspeed"]  # bitsandbytes: already decided
+        for name in ("bitsandbytes", "deepspeed"):
+            assert sys.modules[name] is None and importlib.util.find_spec(name) is None
+        from accelerate.utils import is_deepspeed_available
+        from transformers.integrations.deepspeed import is_deepspeed_available as transformers_sees
+
+        assert not is_deepspeed_available() and not transformers_sees()
     finally:
-        sys.modules.pop("bitsandbytes", None)
-        if before is not absent:
-            sys.modules["bitsandbytes"] = before
+        for name, module in before.items():
+            sys.modules.pop(name, None)
+            if module is not absent:
+                sys.modules[name] = module
 
 
 # --- data ------------------------------------------------------------------------------------------------------

@@ -62,14 +62,23 @@ def bitsandbytes_unused(plan, qlora_flag: bool) -> bool:
     return plan.method != "qlora" and not qlora_flag and plan.optimizer != "adamw-8bit"
 
 
-def leave_out_bitsandbytes(argv: list[str]) -> bool:
-    """Process entry only: for a run that does not use bitsandbytes, mark it absent (sys.modules[name] = None, so
-    importlib.util.find_spec answers None and every availability check of transformers and PEFT says "not
-    installed"). transformers.trainer_utils imports PEFT whenever it is installed, PEFT's helpers import
-    bitsandbytes, and bitsandbytes' CPU ops call torch.compile at import, which imports inductor: about 1.2 s of
-    CPU at every rank's start here (docs/ENGINE_FACTS.md). An unreadable plan changes nothing (main says why)."""
-    if "bitsandbytes" in sys.modules or {"-h", "--help"} & set(argv):
-        return False
+def deepspeed_unused(plan) -> bool:
+    """True when no part of the run is DeepSpeed's: the engine is DDP or FSDP2 (not ZeRO, AutoEP or the pipeline),
+    the layers are not tiled (DeepSpeed's TiledMLP, toolkit.patches.tiling) and there is no Ulysses sequence
+    parallelism (DeepSpeed's ulysses_sp)."""
+    return plan.engine in (Engine.DDP, Engine.FSDP2) and not plan.tiled and plan.sequence_parallel == 1
+
+
+def leave_out_unused(argv: list[str]) -> list[str]:
+    """Process entry only: the installed packages this run cannot use, marked absent (sys.modules[name] = None, so
+    importlib.util.find_spec answers None and every availability check of transformers, accelerate and PEFT says
+    "not installed"); returns their names. bitsandbytes: transformers.trainer_utils imports PEFT whenever it is
+    installed, PEFT's helpers import bitsandbytes, and bitsandbytes' CPU ops call torch.compile at import, which
+    imports inductor: about 1.2 s of CPU at every rank's start here. DeepSpeed: accelerate's unwrap_model imports it
+    whenever it is installed (about 0.3-0.6 s of CPU). docs/ENGINE_FACTS.md says why this is consistent. An
+    unreadable plan changes nothing (main says why)."""
+    if {"-h", "--help"} & set(argv):
+        return []
     from toolkit.plan.schema import load_plan
     from toolkit.train.args import build_train_parser
 
@@ -77,15 +86,16 @@ def leave_out_bitsandbytes(argv: list[str]) -> bool:
         ns, _ = build_train_parser().parse_known_args(argv)
         plan = load_plan(ns.plan)
     except (UserError, SystemExit):
-        return False
-    if not bitsandbytes_unused(plan, bool(ns.qlora)):
-        return False
-    sys.modules["bitsandbytes"] = None
-    return True
+        return []
+    unused = {"bitsandbytes": bitsandbytes_unused(plan, bool(ns.qlora)), "deepspeed": deepspeed_unused(plan)}
+    left_out = [name for name, left in unused.items() if left and name not in sys.modules]
+    for name in left_out:
+        sys.modules[name] = None
+    return left_out
 
 
 if __name__ == "__main__":
     from toolkit.train.cpu import exit_process
 
-    leave_out_bitsandbytes(sys.argv[1:])
+    leave_out_unused(sys.argv[1:])
     exit_process(main())
