@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,9 +40,25 @@ def pairs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(run_training, tiny_llama_dir, pairs):
-    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2)
-    return run_training(plan, "dpo-one", "--data", str(pairs), *COMMON).check()
+def one_process_runs(run_training, tiny_llama_dir, pairs):
+    """The module's three one-process runs, started side by side (one after the other each left a core idle): the
+    kept reference ("kept"), the precomputed one ("precomputed"), and the kept one with TRL's activation
+    offloading over checkpointed layers ("offloaded": toolkit.patches.actoffload around DPOTrainer.training_step,
+    as DPOTrainer runs its own)."""
+    plans = {"kept": _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2),
+             "precomputed": _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, reference="precomputed"),
+             "offloaded": _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, checkpointing=True)
+             .replace(activation_offloading=True)}
+    with ThreadPoolExecutor(max_workers=len(plans)) as pool:
+        runs = {name: pool.submit(run_training, plan, f"dpo-{name}", "--data", str(pairs), *COMMON)
+                for name, plan in plans.items()}
+    return {name: future.result().check() for name, future in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def single(one_process_runs):
+    """One process, micro 2 x accumulation 2, the reference kept: the losses the other runs must give."""
+    return one_process_runs["kept"]
 
 
 @pytest.mark.multiprocess
@@ -56,12 +73,10 @@ def test_dpo_starts_at_ln2_and_the_loss_goes_down(single):
 
 
 @pytest.mark.multiprocess
-def test_a_precomputed_reference_gives_the_kept_references_losses(run_training, tiny_llama_dir, pairs, single):
+def test_a_precomputed_reference_gives_the_kept_references_losses(one_process_runs, single):
     """The reference's log-probs computed over the data before training (by the policy at step 0) are those a kept
     reference computes in every step."""
-    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, reference="precomputed")
-    run = run_training(plan, "dpo-pre", "--data", str(pairs), *COMMON).check()
-    ref, got = single.losses(), run.losses()
+    ref, got = single.losses(), one_process_runs["precomputed"].losses()
     assert got.keys() == ref.keys()
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-5), step
@@ -104,12 +119,9 @@ def test_plain_text_for_a_dpo_plan_is_one_line_and_exit_2(train_in_process, tiny
 
 
 @pytest.fixture(scope="module")
-def offloaded(run_training, tiny_llama_dir, pairs):
-    """The one-process run of `single` with TRL's activation offloading over checkpointed layers (toolkit.patches.
-    actoffload around DPOTrainer.training_step, as DPOTrainer runs its own)."""
-    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, checkpointing=True) \
-        .replace(activation_offloading=True)
-    return run_training(plan, "dpo-offload", "--data", str(pairs), *COMMON).check()
+def offloaded(one_process_runs):
+    """The one-process run of `single` with TRL's activation offloading over checkpointed layers."""
+    return one_process_runs["offloaded"]
 
 
 @pytest.mark.multiprocess
