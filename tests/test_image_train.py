@@ -1,9 +1,9 @@
 """toolkit.train on an image-and-text plan (issue 31, Deliver 4-5): a local folder of PIL-drawn images with a JSONL of
-messages + images (TRL's VLM format), the checkpoint's own processor, TRL's own VLM collator. Two real architectures:
-a tiny Gemma-3 class (SigLIP tower, a fixed token count an image; its processor is tokenizer + image processor) and a
-tiny Qwen2.5-VL (windowed ViT with a patch merger, a token grid from the image's size, M-RoPE; its processor class
-also takes a video processor, which transformers builds only with torchvision, absent here: toolkit builds the same
-class without it). No hub."""
+messages + images (TRL's VLM format), the checkpoint's own processor, TRL's own VLM collator. Three real
+architectures: a tiny Gemma-3 class (SigLIP tower, a fixed token count an image; its processor is tokenizer + image
+processor), a tiny Qwen2.5-VL (windowed ViT with a patch merger, a token grid from the image's size, M-RoPE) and a tiny
+Qwen3-VL (deepstack features, interleaved M-RoPE); the Qwen processor classes also take a video processor, which
+transformers builds only with torchvision, absent here: toolkit builds the same class without it. No hub."""
 
 from __future__ import annotations
 
@@ -61,11 +61,13 @@ QWEN_TEMPLATE = VL_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image
 """The same template with Qwen2.5-VL's image markers (its processor expands <|image_pad|> to the image's tokens)."""
 
 
-def _tiny_qwen25vl_with_processor(out: Path) -> Path:
-    """A tiny Qwen2.5-VL saved as a checkpoint ships it: config and weights, the tokenizer, the image processor's
-    preprocessor_config.json and the processor's chat_template.jinja (no video processor: none is built here)."""
+def _tiny_qwen_vl_with_processor(out: Path, version: str) -> Path:
+    """A tiny Qwen2.5-VL ("2.5": windowed ViT, patch 14, M-RoPE) or Qwen3-VL ("3": patch 16, deepstack features
+    into the language model, interleaved M-RoPE), saved as a checkpoint ships it: config and weights, the tokenizer,
+    the image processor's preprocessor_config.json and the processor's chat_template.jinja (no video processor:
+    none is built here)."""
     import torch
-    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3VLConfig
 
     from toolkit.inputs.images import image_processor
     from toolkit.run.tiny import corpus_text, train_tokenizer
@@ -73,18 +75,22 @@ def _tiny_qwen25vl_with_processor(out: Path) -> Path:
     tokenizer = train_tokenizer(corpus_text(100_000), vocab_size=512)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
                                                                 "<|vision_end|>", "<|video_pad|>"]})
-    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "image_pad",
-                                                                             "video_pad")}
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
-                           fullatt_block_indexes=[1], window_size=56),
-        image_token_id=ids["image_pad"], video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
+    ids = {f"{key}_token_id": tokenizer.convert_tokens_to_ids(token) for key, token in
+           (("vision_start", "<|vision_start|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64)
+    if version == "2.5":
+        config = Qwen2_5_VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            vision_config={**vision, "fullatt_block_indexes": [1], "window_size": 56},
+            pad_token_id=tokenizer.pad_token_id, **ids)
+    else:
+        config = Qwen3VLConfig(
+            text_config={**text, "head_dim": 16, "pad_token_id": tokenizer.pad_token_id, "rope_parameters": dict(
+                rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True)},
+            vision_config={**vision, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, **ids)
     model_dir = out / "model"
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(config).save_pretrained(model_dir)
@@ -97,7 +103,13 @@ def _tiny_qwen25vl_with_processor(out: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny_qwen_vl(tmp_path_factory, tiny_vl):
     """(tiny Qwen2.5-VL folder, the same image data folder as tiny_vl's)."""
-    return _tiny_qwen25vl_with_processor(tmp_path_factory.mktemp("qwen-vl")), tiny_vl[1]
+    return _tiny_qwen_vl_with_processor(tmp_path_factory.mktemp("qwen-vl"), "2.5"), tiny_vl[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl(tmp_path_factory, tiny_vl):
+    """(tiny Qwen3-VL folder, the same image data folder as tiny_vl's)."""
+    return _tiny_qwen_vl_with_processor(tmp_path_factory.mktemp("qwen3-vl"), "3"), tiny_vl[1]
 
 
 @pytest.fixture(scope="module")
@@ -281,19 +293,21 @@ ARGS = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str(S
 
 
 @pytest.fixture(scope="module")
-def image_runs(run_training, tiny_vl, tiny_qwen_vl):
+def image_runs(run_training, tiny_vl, tiny_qwen_vl, tiny_qwen3_vl):
     """One process at micro-batch 2 and two gloo ranks at micro-batch 1 (the same global batch of 2 conversations),
     started side by side, fp32: Gemma-3's one process and DDP, ZeRO-3 and FSDP2 when a test asks for them;
-    Qwen2.5-VL's one process and FSDP2 ("qwen-one", "qwen-fsdp2")."""
+    Qwen2.5-VL's one process and FSDP2 ("qwen-one", "qwen-fsdp2"); Qwen3-VL's one process and FSDP2."""
     from toolkit.run.launcher import free_port
 
     cache = {}
     pairs = {"one": ("one", "ddp"), "ddp": ("one", "ddp"), "qwen-one": ("qwen-one", "qwen-fsdp2"),
-             "qwen-fsdp2": ("qwen-one", "qwen-fsdp2")}
+             "qwen-fsdp2": ("qwen-one", "qwen-fsdp2"), "qwen3-one": ("qwen3-one", "qwen3-fsdp2"),
+             "qwen3-fsdp2": ("qwen3-one", "qwen3-fsdp2")}
+    models = {"": tiny_vl, "qwen": tiny_qwen_vl, "qwen3": tiny_qwen3_vl}
 
     def start(name):
-        model_dir, data = tiny_qwen_vl if name.startswith("qwen-") else tiny_vl
-        engine = name.removeprefix("qwen-")
+        family, _, engine = name.rpartition("-")
+        model_dir, data = models[family]
         world, micro = (1, 2) if engine == "one" else (2, 1)
         plan = _image_plan(model_dir, world=world, micro=micro, strategy="ddp" if engine == "one" else engine)
         return run_training(plan, f"images-{name}", "--data", str(data), *ARGS, main_port=free_port())
@@ -395,3 +409,17 @@ def test_a_copied_image_plan_runs_a_users_trl_vlm_sft_script_on_2_cpu_processes(
     assert seen["vision"] and seen["max_length"] is None and seen["pad_to_multiple_of"] == SEQ
     assert len(seen["losses"]) == 2 and all(math.isfinite(v) for v in seen["losses"])
     assert "keeps the global batch 4" in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_qwen3_vl_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(image_runs):
+    """A third architecture: Qwen3-VL (its processor also built without torchvision; deepstack visual features added
+    inside the language model's layers). One process's loss falls; 2 FSDP2 ranks give its losses within 1e-3."""
+    one, fsdp2 = image_runs("qwen3-one"), image_runs("qwen3-fsdp2")
+    ref, got = one.losses(), fsdp2.losses()
+    assert len(ref) == STEPS and all(math.isfinite(v) for v in ref.values())
+    assert (ref[5] + ref[6]) / 2 < ref[1] - 0.1, ref
+    assert got.keys() == ref.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-3), (step, got, ref)
+    assert [rank["image_tokens_seen"] for rank in one.ranks + fsdp2.ranks] == [TOKENS] * 3
