@@ -130,3 +130,41 @@ def test_a_config_whose_layers_need_an_unset_size_is_refused_naming_the_fields()
     with pytest.raises(UserError, match=r"'text_config.num_experts' \(null\) in its config, which transformers' "
                                         "diffusion_gemma code needs"):
         build_spec("diffusion-gemma", CONFIG_MAPPING["diffusion_gemma"]())
+
+
+def _shared_kv_gemma4_text():
+    """The tiny Gemma-4 text config with its last two layers reusing the keys and values of the last sliding and
+    global layers before them (num_kv_shared_layers, kv_sharing_modes None, None, store, store, reuse, reuse)."""
+    config = _tiny_gemma4_text()
+    # Per-layer inputs on (as Gemma-4's small checkpoints have them): transformers 5.24's KV-shared slicing indexes
+    # them, and fails on None without.
+    config.num_kv_shared_layers, config.hidden_size_per_layer_input, config.vocab_size_per_layer_input = 2, 8, 512
+    return config
+
+
+@pytest.mark.parametrize("prompt, completion", [(40, 1), (10, 40)])
+def test_the_generation_kv_cache_is_what_transformers_dynamic_cache_stores(prompt, completion):
+    """A real generate on the tiny Gemma-4 (sliding window 32, 2 KV-shared layers, random bf16 weights): the bytes of
+    the storages behind the returned cache's keys and values equal generate_cache_bytes. A 40-token prompt's prefill
+    leaves each sliding layer the whole prompt (a view of its last 31 tokens keeps the concatenation alive); after 40
+    decode steps a sliding layer holds 32 tokens, a global one 49, a KV-shared one none."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.estimate.grpo import generate_cache_bytes
+
+    config = _shared_kv_gemma4_text()
+    spec = build_spec("tiny-gemma4-shared", config)
+    assert spec.layer_cache_windows == (32, None, 32, None, 0, 0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    prompts = torch.randint(1, 512, (3, prompt))
+    out = model.generate(prompts, max_new_tokens=completion, min_new_tokens=completion, do_sample=False,
+                         pad_token_id=0, return_dict_in_generate=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in cache.layers
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None}
+    sliding, full = 4 * 16, 2 * 32  # KV heads x head dim of each kind, two layers of each keeping a cache
+    tokens = prompt + completion - 1
+    kept = 2 * 2 * (sliding * (prompt if completion == 1 else min(tokens, 32)) + full * tokens) * 3 * 2  # 2 of each
+    assert sum(storages.values()) == generate_cache_bytes(spec, 3, prompt, completion, 2) == kept

@@ -23,6 +23,7 @@ trl/generation/vllm_generation.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from toolkit.estimate.collectives import group_bandwidth, ring_s
@@ -48,6 +49,26 @@ def kv_cache_bytes(spec: ModelSpec, sequences: int, tokens: int, dtype_bytes: in
     (each layer's own: Gemma-4's global layers differ) x tokens x dtype bytes per sequence (a dense cache, as
     transformers' DynamicCache grows it to the longest sequence)."""
     return 2 * spec.kv_width * tokens * sequences * dtype_bytes
+
+
+def cache_width(spec: ModelSpec, seen: int, fed: int) -> int:
+    """KV heads x head dim x tokens summed over the decoder layers as transformers' DynamicCache stores them once
+    `seen` tokens went through, the last forward feeding `fed` of them (cache_utils.py, docs/ENGINE_FACTS.md "The KV
+    cache transformers' generate keeps"): a full-attention layer every token; a sliding-window layer the tensor its
+    last update concatenated (what it kept, at most window - 1 tokens, and the `fed` new ones), of which it keeps a
+    view, so the whole prompt after the prefill and min(seen, window) once decoding; a layer reusing another's cache
+    or without attention nothing."""
+    windows = spec.layer_cache_windows or (None,) * spec.num_layers
+    return sum(kv * d * (seen if w is None else min(seen - fed, w - 1) + fed if w else 0)
+               for (_, kv, d), w in zip(spec.attention_shapes(), windows))
+
+
+def generate_cache_bytes(spec: ModelSpec, sequences: int, prompt: int, completion: int, dtype_bytes: int) -> int:
+    """The most bytes the KV cache of transformers' generate holds for `sequences` of `prompt` + `completion` tokens:
+    after the prefill (every layer the whole prompt) or at the end (cache_width); a model whose every layer keeps
+    every token holds kv_cache_bytes at the end."""
+    end = cached_tokens(prompt, completion)
+    return 2 * sequences * dtype_bytes * max(cache_width(spec, prompt, prompt), cache_width(spec, end, 1))
 
 
 def cached_tokens(prompt: int, completion: int) -> int:
@@ -82,6 +103,14 @@ def sharded_weight_bytes(spec: ModelSpec, job: Job) -> float:
     return spec.params * compute_bytes(job.precision)
 
 
+def _kept_words(spec: ModelSpec) -> str:
+    """What the cache keeps of layers that do not keep every token: '24 sliding layers at most 1,024 tokens, 20
+    KV-shared layers nothing'."""
+    counts = Counter(w for w in spec.layer_cache_windows if w is not None)
+    return ", ".join(f"{n} sliding layers at most {w:,} tokens" if w else f"{n} layers reusing another's cache nothing"
+                     for w, n in sorted(counts.items(), reverse=True))
+
+
 def _gathered_for_generation(spec: ModelSpec, strategy: Strategy, job: Job) -> float:
     """ZeRO-3 with ds3_gather_for_generation (TRL's default): GatheredParameters over the whole model, every
     parameter unsharded as ZeRO-3 holds it while generate runs (trl/models/utils.py _unwrap_model_for_generation).
@@ -107,6 +136,10 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
                         f"each server GPU holds the weights and a KV cache ({kv_words} per training process)")
         return replace(b, notes=tuple(notes))
     if grpo.generation == GENERATE:
+        if spec.layer_cache_windows:
+            kv = generate_cache_bytes(spec, seqs, grpo.max_prompt_length, grpo.max_completion_length, cb)
+            kv_words += (f"; transformers' DynamicCache keeps {_kept_words(spec)}: "
+                         f"{kv / GIB:.2f} GiB at its largest")
         gathered = _gathered_for_generation(spec, strategy, job)
         logits = seqs * spec.vocab * 4  # the last position's fp32 logits per decode step
         held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes \

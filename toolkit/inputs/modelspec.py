@@ -65,6 +65,11 @@ class ModelSpec:
     `kv_heads` and `head_dim` are the shape most layers have."""
     layer_kv_heads: tuple[int, ...] = ()
     layer_head_dims: tuple[int, ...] = ()
+    layer_cache_windows: tuple[int | None, ...] = ()
+    """Per decoder layer, what transformers' DynamicCache keeps of its keys and values in generate (cache_windows):
+    None every token (full attention), the window of a sliding / chunked layer, 0 nothing (a KV-shared layer that
+    reuses an earlier layer's keys, Gemma-4's last num_kv_shared_layers; an attention-free layer); () every layer
+    keeps every token."""
     attention_support: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
     """Attention implementations the model's HF class runs (attention_support(); gemma2 and MPT have no sdpa)."""
     model_class: str = ""
@@ -279,6 +284,28 @@ def _attention_shape(config, hidden: int) -> tuple[int, int, int]:
     return heads, kv_heads, (first_int(config, ("head_dim",), 1) or hidden // heads) if heads else 0
 
 
+def cache_windows(config, layers: int) -> tuple[int | None, ...]:
+    """ModelSpec.layer_cache_windows from the cache layers transformers' generate builds for `config`: DynamicCache
+    (config=the decoder's text config) dispatches each layer kind of cache_utils.get_layer_types_and_kwargs, where a
+    sliding / chunked layer is a DynamicSlidingWindowLayer of its window and a KV-sharing consumer ("reuse") or an
+    MoE / MLP-only layer a DummyLayer storing nothing; () when every layer keeps every token or the kinds do not
+    line up with the `layers` decoder layers found."""
+    from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, DummyLayer, DynamicSlidingWindowLayer,
+                                          get_layer_types_and_kwargs)
+
+    try:
+        kinds, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    except (AttributeError, TypeError, ValueError, KeyError):  # a config whose layers transformers cannot type
+        return ()
+
+    def window(kind: str, kw: dict) -> int | None:
+        layer = DYNAMIC_LAYER_TYPE_MAPPING.get(kind)
+        return kw["sliding_window"] if layer is DynamicSlidingWindowLayer else 0 if layer is DummyLayer else None
+
+    windows = tuple(window(kind, kw) for kind, kw in zip(kinds, kwargs))
+    return windows if len(windows) == layers and any(w is not None for w in windows) else ()
+
+
 def build_spec(name: str, config) -> ModelSpec:
     """Build the model on the meta device with its own code and count everything exactly."""
     import torch
@@ -376,6 +403,7 @@ def build_spec(name: str, config) -> ModelSpec:
         layer_heads=tuple(h for h, _, _ in shapes),
         layer_kv_heads=tuple(kv for _, kv, _ in shapes),
         layer_head_dims=tuple(d for _, _, d in shapes),
+        layer_cache_windows=cache_windows(config, len(layers)),
         attention_support=attention_support(model),
         model_class=type(model).__name__,
         factored_state_fraction=factored / total if total else 0.0,
