@@ -216,8 +216,8 @@ REWARD_MODEL_COMMON = tuple(w for w in COMMON if w not in ("--reward", "length")
 """A reward-model run names no reward function: the plan's reward model is the reward."""
 
 
-def _rewarded_plan(model_dir, reward_dir, strategy, *, world):
-    return _plan(model_dir, strategy, world=world, micro=2, accum=1, beta=0.0).replace(
+def _rewarded_plan(model_dir, reward_dir, strategy, *, world, accum=1):
+    return _plan(model_dir, strategy, world=world, micro=2, accum=accum, beta=0.0).replace(
         grpo=Grpo(num_generations=2, max_prompt_length=16, max_completion_length=8, beta=0.0,
                   reward_model=str(reward_dir)).to_dict())
 
@@ -227,20 +227,51 @@ def _reward_means(run, rank: int = 0) -> list[float]:
             if k.startswith("rewards/") and k.endswith("/mean")]
 
 
+@pytest.fixture(scope="module")
+def rewarded_single(run_training, tiny_llama_dir, tiny_reward_dir, prompts):
+    """One process scoring with the plan's reward model, micro 2 x accumulation 2, one prompt group generated per
+    micro-step: the same groups as two ranks of micro 2 (as `single` is for the --reward length runs)."""
+    plan = _rewarded_plan(tiny_llama_dir, tiny_reward_dir, "ddp", world=1, accum=2)
+    return run_training(plan, "grpo-reward-one", "--data", str(prompts), "--steps_per_generation", "1",
+                        *REWARD_MODEL_COMMON).check()
+
+
 @pytest.mark.multiprocess
-@pytest.mark.one_core
-def test_grpo_scores_with_the_plans_reward_model_on_one_process(run_training, tiny_llama_dir, tiny_reward_dir,
-                                                                prompts):
+def test_grpo_scores_with_the_plans_reward_model_on_one_process(rewarded_single, tiny_reward_dir):
     """The plan's reward model (a 1-layer LlamaForSequenceClassification, random weights) is TRL's reward_funcs by
     name: TRL loads it, scores every completion, and the process holds exactly the parameters the estimate counts."""
     from toolkit.inputs.reward import reward_model_of
 
-    plan = _rewarded_plan(tiny_llama_dir, tiny_reward_dir, "ddp", world=1)
-    run = run_training(plan, "grpo-reward-one", "--data", str(prompts), *REWARD_MODEL_COMMON).check()
+    run = rewarded_single
     assert sorted(run.losses()) == list(range(1, STEPS + 1))
     means = _reward_means(run)
     assert len(means) == STEPS and all(math.isfinite(v) for v in means), means
     assert run.ranks[0]["reward_model_numel"] == reward_model_of(str(tiny_reward_dir)).params == 69_888
+
+
+@pytest.mark.multiprocess
+def test_zero3_partitions_the_reward_model_and_matches_one_process(run_training, tiny_llama_dir, tiny_reward_dir,
+                                                                   prompts, rewarded_single):
+    """ZeRO-3 on 2 gloo ranks: TRL's prepare_deepspeed keeps stage 3 for the reward model, so each rank holds half
+    of its 69,888 parameters, the estimate's reward term (fp32: 4 B each); the ranks generate and score the groups
+    the one process does, so the losses, grad norms and rewards agree with it step by step."""
+    from toolkit import api
+
+    plan = _rewarded_plan(tiny_llama_dir, tiny_reward_dir, "zero3", world=2)
+    run = run_training(plan, "grpo-reward-zero3", "--data", str(prompts), *REWARD_MODEL_COMMON, timeout=900).check()
+    grpo = Grpo(num_generations=2, max_prompt_length=16, max_completion_length=8, beta=0.0,
+                reward_model=str(tiny_reward_dir))
+    estimate = api.estimate(str(tiny_llama_dir), "2xH100-80GB", strategy="zero3", micro_batch=2, method="grpo",
+                            grpo=grpo, precision="fp32")
+    assert estimate.memory.reward_bytes == 34_944 * 4
+    for rank in (0, 1):
+        assert run.ranks[rank]["reward_model_numel"] * 4 == estimate.memory.reward_bytes
+    for key in ("loss", "grad_norm", "entropy", "completions/mean_length"):
+        ref, got = _steps(rewarded_single, key), _steps(run, key)
+        assert got.keys() == ref.keys() == set(range(1, STEPS + 1)), key
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=TOLERANCE, abs=1e-9), (key, step, got, ref)
+    assert _reward_means(run) == pytest.approx(_reward_means(rewarded_single), rel=TOLERANCE)
 
 
 @pytest.mark.multiprocess
