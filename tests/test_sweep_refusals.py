@@ -126,3 +126,26 @@ def test_rotary_sections_that_do_not_add_up_to_the_frequencies_are_refused_in_on
     fitted = _saved(tmp_path / "fitted", "glm4v", vision_config=vision, text_config={
         **text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}})
     assert api.model(fitted).num_layers == 2
+
+
+def test_an_image_text_model_whose_language_model_heads_do_not_divide_its_width_is_refused_in_one_line(tmp_path):
+    # Qwen3-Omni's thinker derives its head width as hidden // heads (2048 // 28 = 73 by default), and its rotary
+    # (74 wide) then misfits the queries in torch: the check on loading reads the text config too.
+    folder = _saved(tmp_path, "qwen3_omni_moe_thinker", text_config={"hidden_size": 64, "num_attention_heads": 6,
+                                                                     "num_key_value_heads": 2})
+    with pytest.raises(UserError, match=r"config\.json \(text_config\): hidden size 64 does not divide by 6 attention "
+                                        r"heads; fix the config\.json \(or give head_dim\)$"):
+        api.model(folder)
+
+
+def test_a_model_whose_loss_reserves_image_positions_is_refused_as_not_running_on_text_alone(tmp_path):
+    # GIT's loss slices the image tokens' positions off the logits whether or not there are images, so on text
+    # alone torch's cross-entropy finds fewer logits than labels (ValueError from torch, inside transformers' loss).
+    folder = _saved(tmp_path, "git", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                    eos_token_id=2, vision_config={"hidden_size": 32, "intermediate_size": 64,
+                                                   "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                   "image_size": 32, "patch_size": 16})
+    with pytest.raises(UserError, match=r"its forward does not run on text alone \(modeling_git\.py:\d+: Expected "
+                                        r"input batch_size \(58\) to match target batch_size \(63\)\.\)"):
+        api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64)

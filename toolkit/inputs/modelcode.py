@@ -86,9 +86,14 @@ def text_only_problem(exc: BaseException, config: Any, name: str) -> str | None:
         return None
     frames = _frames_above_torch(exc)
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if not frames or not re.search(r"pixel_values|image|qformer|mm_token", message, re.IGNORECASE):
+    # GIT's loss drops the image tokens' positions from the logits (logits[:, num_image_tokens:-1]) whether or not
+    # there are images: torch's cross-entropy then finds the logits shorter than the labels.
+    if not frames or not re.search(r"pixel_values|image|qformer|mm_token|to match target batch_size", message,
+                                   re.IGNORECASE):
         return None
-    where = f"{os.path.basename(frames[-1].f_code.co_filename)}:{frames[-1].f_lineno}"
+    models = [f for f in frames if f.f_code.co_filename.startswith(_transformers_root() + "models" + os.sep)]
+    frame = (models or frames)[-1]
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
     return (f"'{name}': its forward does not run on text alone ({where}: {message[:120]}); toolkit traces an "
             "image-text model's language model through a text-only step, so it plans only those whose forward "
             "takes text without images (Gemma-3, Qwen2.5-VL, LLaVA)")

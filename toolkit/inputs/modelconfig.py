@@ -110,6 +110,12 @@ def _check_head_width(config, where: str) -> None:
         for layer in config.per_layer_config:
             _check_head_width(layer, where)
         return
+    try:
+        text = text_config(config)
+    except ValueError:  # several text configs (MusicGen's text_encoder and decoder): refused as no causal LM later
+        text = config
+    if text is not config:  # an image-text model's language model (Qwen3-Omni's thinker: 2048 wide, 28 heads)
+        _check_head_width(text, f"{where} (text_config)")
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads
             and getattr(config, "head_dim", None) is None):
