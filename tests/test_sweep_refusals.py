@@ -149,3 +149,14 @@ def test_a_model_whose_loss_reserves_image_positions_is_refused_as_not_running_o
     with pytest.raises(UserError, match=r"its forward does not run on text alone \(modeling_git\.py:\d+: Expected "
                                         r"input batch_size \(58\) to match target batch_size \(63\)\.\)"):
         api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64)
+
+
+def test_weights_built_in_fp32_whatever_the_dtype_are_traced_in_the_compute_dtype(tmp_path):
+    # XLNet builds its attention weights with torch.FloatTensor (fp32 under any dtype); DeepSpeed casts every
+    # parameter to bf16 (engine._cast_module_mixed_precision), so the trace does too when the forward mixes them
+    # ("expected scalar type torch.bfloat16 but found torch.float32" in its einsum).
+    folder = _saved(tmp_path, "xlnet", vocab_size=128, d_model=64, n_layer=2, n_head=4, d_inner=128,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    result = api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64)
+    assert api.model(folder).params == 83_648
+    assert result.memory.activations_bytes == 526_850

@@ -70,7 +70,7 @@ def build_for_trace(config, dtype, attn_impl: str):
 def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
                    adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
-                   per_layer: tuple[str, ...] | None = None) -> Run:
+                   per_layer: tuple[str, ...] | None = None, cast_params: bool = False) -> Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -86,6 +86,13 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
             base_dtype = getattr(torch, BASE_DTYPE_NAMES[adapter.base_dtype])
         with weights_uninitialised():
             model = build_for_trace(config, base_dtype, attn_impl)
+        if cast_params and not lora and autocast_dtype is None:
+            # The engines that compute with low-precision weights cast every parameter to that dtype (DeepSpeed's
+            # _cast_module_mixed_precision, FSDP2's param_dtype), including those transformers builds in fp32
+            # whatever the dtype asked (XLNet's torch.FloatTensor attention weights; its einsum then mixed dtypes).
+            for p in model.parameters():
+                if p.is_floating_point() and p.dtype != base_dtype:
+                    p.data = p.data.to(base_dtype)
         model.train()
         if liger:
             from toolkit.patches.liger import liger_applied

@@ -27,6 +27,8 @@ with the GPU kernel stand-ins (standins).
 
 from __future__ import annotations
 
+import re
+
 from toolkit.estimate.activations import ActivationTrace
 from toolkit.estimate.fakestep import run_fake_step
 from toolkit.estimate.layerkinds import (layer_kinds_of_full_model, per_layer_keys, traced_index_for,
@@ -73,19 +75,25 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     notes: list[str] = []
     cuda_autocast = device_kind == "cuda" and autocast and compute_dtype != torch.float32
 
-    def traced_run(count: int):
+    def traced_run(count: int, cast_params: bool = False):
         with trace_environment(attention, device_kind, notes, cuda_autocast=cuda_autocast) as attn_impl:
             try:
                 return run_fake_step(reduced_config(config, len(full_kinds), count), attn_impl, param_dtype,
                                      compute_dtype if autocast else None, micro_batch, seq_len, checkpointing, notes,
                                      liger=liger, device_kind=device_kind, adapter=adapter, tiled=tiled,
                                      chunked_loss=chunked_loss, loss=loss,
-                                     per_layer=per_layer_keys(config, len(full_kinds)))
+                                     per_layer=per_layer_keys(config, len(full_kinds)), cast_params=cast_params)
             except (DynamicOutputShapeException, DataDependentOutputException) as exc:
                 raise NotImplementedError(
                     f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "
                     "MoE experts looped over the tokens routed to each; such models trace only through "
                     "transformers' grouped_mm experts implementation") from None
+            except RuntimeError as exc:
+                # Weights transformers builds in fp32 whatever the dtype (XLNet) meet low-precision activations:
+                # traced again with every parameter in the compute dtype, as the engines cast them.
+                if cast_params or not re.search(r"expected scalar type \S+ but found|to have the same dtype", str(exc)):
+                    raise
+        return traced_run(count, cast_params=True)
 
     traced_count = traced_layer_count(full_kinds)
     run = traced_run(traced_count)
