@@ -140,3 +140,26 @@ def test_an_hsdp_x_tp_plan_rehearses_as_2_nodes_of_2_shards_x_tp_2(tmp_path, cap
     assert code == 0, out[-3000:]
     assert "rehearsal of fsdp2-hybrid dp=2x2 x tp=2 (fp32) on 8 CPU processes over gloo (2 launcher" in out, out
     assert "rehearsal passed: fsdp2-hybrid dp=2x2 x tp=2 trained 4 steps, checkpointed, saved and reloaded" in out
+
+
+def test_the_rehearsal_refuses_a_saved_model_that_reloads_with_weights_missing(tiny_llama_dir, tmp_path):
+    """from_pretrained initialises at random what a saved file lacks and still builds every parameter, so a count of
+    parameters passed an AutoEP run whose file names its experts AutoEP's way (mlp.experts.w1, all of the model's
+    experts missing on reload). The reload check reads from_pretrained's missing keys: the intact folder passes, the
+    same folder without its final norm and with a stray weight is refused, naming both."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.run.rehearsal import _check_saved_model, plan_for_model
+
+    small = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1)
+    assert _check_saved_model(tiny_llama_dir, small) == []
+    out = tmp_path / "out"
+    shutil.copytree(tiny_llama_dir, out)
+    weights = load_file(out / "model.safetensors")
+    weights["model.norm.w1"] = weights.pop("model.norm.weight")
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    assert _check_saved_model(out, small) == [
+        "the saved model lacks 1 of the model's weights (e.g. model.norm.weight), which from_pretrained initialises at "
+        "random; it holds 1 it does not know (e.g. model.norm.w1)"]

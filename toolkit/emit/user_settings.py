@@ -373,7 +373,11 @@ def model_parallel_notes(plan: Plan) -> list[str]:
                 f"1/{g.expert} of every MoE layer's experts; every rank trains its own batch. DeepSpeed builds the "
                 "optimizer (the JSON's optimizer block: ZeRO refuses a client optimizer without MoE parameter "
                 "groups), so an accelerate loop passes DummyOptim. With transformers 5.24 call "
-                "toolkit.patches.autoep.allow_string_keys() before deepspeed.initialize (toolkit.train does)."]
+                "toolkit.patches.autoep.allow_string_keys() before deepspeed.initialize (toolkit.train does). "
+                "The trained model does not come back as a transformers folder: save_model writes rank 0's "
+                "AutoEP layers (mlp.experts.w1 / w2 / w3, mlp.router.gate), which from_pretrained does not read "
+                "(it initialises the experts and the router at random); DeepSpeed's expert-aware conversion of "
+                "the checkpoints (checkpoint-N/global_stepN) is ds_to_universal.py."]
     if g.expert > 1:
         return [f"Expert parallelism (ep {g.expert}) follows the model's own ep_plan, applied by transformers at load: "
                 f"model = {auto_class_name(plan)}.from_pretrained(MODEL, distributed_config=transformers.distributed."

@@ -482,9 +482,15 @@ def _check_saved_model(out: Path, small: Plan) -> list[str]:
     try:
         from toolkit.inputs.modelconfig import load_pretrained
 
-        model = load_pretrained(out)
+        model, info = load_pretrained(out, output_loading_info=True)
     except Exception as exc:
         return [f"the saved model does not load with from_pretrained: {str(exc).strip().splitlines()[0]}"]
+    # from_pretrained initialises at random what the file lacks and still builds every parameter, so the count
+    # below cannot see it (an AutoEP run's file names its experts AutoEP's way: all of them were missing).
+    if missing := sorted(info.get("missing_keys") or ()):
+        return [f"the saved model lacks {len(missing)} of the model's weights (e.g. {missing[0]}), which "
+                "from_pretrained initialises at random" + (f"; it holds {len(info['unexpected_keys'])} it does not "
+                f"know (e.g. {sorted(info['unexpected_keys'])[0]})" if info.get("unexpected_keys") else "")]
     n = sum(p.numel() for p in model.parameters())
     if n != small.params:
         return [f"the saved model has {n} parameters, the model trained had {small.params}"]
