@@ -386,6 +386,24 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
             "segments) is not established from these readings, and nothing was fitted to them.")
 
 
+def source_of(row_id: str) -> str:
+    """The source a row comes from, by its id's prefix (PEFT has two: its method comparison and its DeepSpeed
+    guide): what a hold-out by source groups on."""
+    parts = row_id.split("-")
+    return "-".join(parts[:2]) if parts[0] == "PEFT" else parts[0]
+
+
+def _by_source(results: list[dict]) -> list[str]:
+    """Signed median error of the modelled comparisons of each source (LOW is negative: the side that OOMs)."""
+    groups: dict[str, list[float]] = {}
+    for r in results:
+        if r["modelled"]:
+            groups.setdefault(source_of(r["id"]), []).extend(m["error"][0] for m in r["metrics"])
+    lines = ["By source (modelled comparisons; signed median, LOW < 0): "
+             + "; ".join(f"{s} {len(e)} row(s) {statistics.median(e):+.1%}" for s, e in groups.items()) + ".", ""]
+    return lines
+
+
 def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficiency: float | None = None,
            said: dict | None = None) -> str:
     from toolkit.estimate.timing import KERNEL_OVERHEAD_S
@@ -401,6 +419,7 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
     if summ["cases"]:
         lines += [f"**Modelled rows: {summ['cases']} comparison(s); median |error| {summ['median_abs_error']:.1%}, "
                   f"worst {summ['worst_abs_error']:.1%}** (goal: within 10%).", ""]
+    lines += _by_source(results)
     lines += ["| row | metric | published GiB | ours GiB | error | modelled | our peak phase | ours nvidia-smi GiB |",
               "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -444,9 +463,9 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               f"is within the goal; its reserved figure is still {said['fsdp2_reserved']:+.1%} LOW after the replay "
               "(-30.9% with the 5% margin the estimate assumed before, at 4718972): the replay puts FSDP2's gathered "
               "parameters and reduce-scatter inputs on their own streams at the sizes the memory model gives them, "
-              "but it does not yet replay the rest FSDP2 allocates per group (the all-gather input copy, the "
-              "reduce-scatter output, its padding), nor single parameters' sizes (a region's states are one "
-              "block); nothing was tuned to this row. The replay adds "
+              "its optimizer states and foreach temporaries are replayed one block per parameter, as torch's "
+              "AdamW makes them, but the rest FSDP2 allocates per group (the all-gather input copy, the "
+              "reduce-scatter output, its padding) is not yet replayed; nothing was tuned to this row. The replay adds "
               f"{_listed([f'{g:.1f}' for g in said['replay_share']])}% to the tensor peak on the reserved rows, "
               "against the 5% assumed before, and makes the rows already over (B200, MI300X) more so. "
               "benchmarks/gpu_check.py --allocator measures the model against the device's allocator on the GPU day. The modelled cases feed the error band that estimate "

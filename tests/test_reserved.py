@@ -45,6 +45,19 @@ def test_the_estimate_reports_the_replayed_reserved_not_the_five_percent_margin(
     assert b.required_bytes == b.reserved_bytes + b.context_bytes
 
 
+def test_a_micro_batch_above_two_is_replayed_from_the_traces_at_two_and_three(tiny):
+    """At micro-batch 1 the loss's copies of a batch of one are views (no allocation), so the events traced at 1
+    and 2 differ in number and cannot be carried to 4; those at 2 and 3 agree, and the replay runs."""
+    from toolkit.estimate.traces import activation_trace, scaled_trace
+
+    job, strategy = Job(seq_len=128, micro_batch=4), parse_strategy("ddp")
+    one, two = (activation_trace(tiny, job, strategy, b).head.forward_events for b in (1, 2))
+    assert len(one) != len(two)
+    assert len(scaled_trace(tiny, job, strategy).head.forward_events) == len(two)
+    b = estimate_memory(tiny, strategy, job, parse_hardware("1xA100-80GB"))
+    assert next(t for t in b.terms if t.name.startswith("allocator")).name == "allocator (replayed)"
+
+
 def test_a_tiny_models_replay_is_made_of_2_mib_segments_above_its_allocated_peak(tiny):
     from toolkit.estimate.memory import _regions, states_for
     from toolkit.estimate.traces import scaled_trace
@@ -84,6 +97,42 @@ def test_gathered_parameters_on_their_own_stream_are_not_reused_by_activations()
     assert alone.peak_reserved == 4 * 40 * mib
     # two regions' 40 MiB gathered blocks alive at a time, in segments of their own stream
     assert gathered.peak_reserved >= alone.peak_reserved + 2 * 40 * mib
+
+
+def test_optimizer_states_made_per_parameter_land_in_the_activations_cached_segments():
+    """torch's optimizers make each state per parameter (adam.py _init_group: zeros_like(p)) at the first step,
+    after backward freed the activations: pieces that fit the activations' cached segments go there (best fit, the
+    rest split off), so the next step's activations need segments of their own; one block per region fits none."""
+    from types import SimpleNamespace
+
+    from toolkit.estimate.activations import RegionTrace
+
+    mib = 1 << 20
+    trace = RegionTrace(0, 0, 0, forward_events=(40 * mib,), backward_events=(free_code(0, 0, 0),))
+    regions = [SimpleNamespace(params=1, trace=trace) for _ in range(4)]
+    base = dict(persistent=0, optimizer=4 * 60 * mib, gathered=0, reduce_buffers=0, reduce_stream=False,
+                step_gradients=0, backward_gradients=0, step_transient=0)
+    per_region = allocator.replay(step_events(regions, StepSizes(**base)))
+    per_tensor = allocator.replay(step_events(regions, StepSizes(tensors=((1, 1),) * 4, **base)))
+    # per region: 4 x 40 MiB activations, then 4 x 60 MiB states in segments of their own; step 2 reuses the 40s
+    assert per_region.peak_reserved == (4 * 40 + 4 * 60) * mib
+    # per parameter: 30 MiB states, one in each 40 MiB activation segment (10 MiB split off), four in new 30 MiB
+    # segments; step 2's activations fit none of the 10 MiB rests: four new 40 MiB segments
+    assert per_tensor.peak_reserved == (4 * 40 + 4 * 30 + 4 * 40) * mib
+
+
+def test_a_foreach_steps_temporaries_are_one_block_per_parameter():
+    """foreach AdamW's `_foreach_sqrt(exp_avg_sqs)` (adam.py _multi_tensor_adam) makes one temporary per parameter,
+    all alive until the step's last op, then freed."""
+    sizes = StepSizes(persistent=0, optimizer=0, gathered=0, reduce_buffers=0, reduce_stream=False, step_gradients=0,
+                      backward_gradients=0, step_transient=300, tensors=((1, 2),))
+    from types import SimpleNamespace
+
+    from toolkit.estimate.activations import RegionTrace
+
+    regions = [SimpleNamespace(params=1, trace=RegionTrace(0, 0, 0))]
+    step = [e for e in step_events(regions, sizes, steps=1) if e[0] == "malloc"]
+    assert [e[2] for e in step] == [100, 200]
 
 
 def test_a_real_cpu_steps_allocations_replay_to_the_same_reserved_as_the_traced_events():

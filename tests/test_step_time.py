@@ -136,14 +136,16 @@ def test_estimate_json_carries_the_time_band(capsys):
 def test_plan_orders_speeds_within_the_band_by_simplicity_and_says_so(capsys):
     """One RTX 4090, Llama-3-8B LoRA: no published run is on Ada, so the step-time band is unknown and every
     feasible row is a tie, ordered by robustness: the peak band is widened there too (no published memory case on
-    Ada), so DDP, with under one band of headroom, ranks after the row with the most headroom, however fast."""
+    Ada), so DDP, with the least headroom, ranks after the row with the most headroom, however fast (ZeRO-3 offload at
+    micro-batch 4: 0.89 bands since its reserved memory is replayed, 1.49 with the 5% margin before)."""
     argv = ["plan", "llama-3-8b", "--gpus", "1xRTX-4090-24GB", "--seq", "2048", "--global-batch", "16",
             "--method", "lora"]
     assert main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     feasible = [c for c in out["candidates"] if c["feasible"]]
     assert out["chosen"]["name"] == out["speed_ties"][0] != "ddp" and "ddp" in out["speed_ties"]
-    assert out["chosen"]["headroom_bands"] == max(c["headroom_bands"] for c in feasible) >= 1
+    ddp = next(c for c in feasible if c["name"] == "ddp")
+    assert out["chosen"]["headroom_bands"] == max(c["headroom_bands"] for c in feasible) > ddp["headroom_bands"]
     fastest = max(c["tokens_per_s"] for c in feasible)
     assert out["time_error_band"]["known"] is False and out["time_error_band"]["fraction"] is None
     assert sorted(out["speed_ties"]) == sorted(c["name"] for c in feasible)

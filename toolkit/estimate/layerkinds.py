@@ -110,3 +110,40 @@ def traced_index_for(i: int, kinds: tuple, traced_count: int) -> int:
 def kind_ids(kinds: tuple) -> tuple:
     ids: dict[tuple, int] = {}
     return tuple(ids.setdefault(k, len(ids)) for k in kinds)
+
+
+_TENSORS_CACHE: dict[str, tuple] = {}
+
+
+def region_tensor_numels(spec) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """(before the layers, each decoder layer, after the layers): the elements of each parameter tensor, tied ones
+    once, from a meta-device build of the full model (split as toolkit.inputs.modelspec.outside_layer_params splits
+    them). A torch optimizer makes its states, and foreach AdamW its temporaries, one tensor per parameter: the
+    allocator sees these sizes, not a region's total (toolkit.estimate.reserved)."""
+    import json
+
+    # keyed by the spec's config dict: a cached answer neither imports transformers nor builds the model
+    key = json.dumps(spec.config_dict(), sort_keys=True, default=str)
+    if key not in _TENSORS_CACHE:
+        from toolkit import cache
+
+        stored = cache.get("tensors", key, code=region_tensor_numels,
+                           decode=lambda d: (tuple(d[0]), tuple(tuple(x) for x in d[1]), tuple(d[2])))
+        if stored is not None:
+            _TENSORS_CACHE[key] = stored
+            return stored
+        import torch
+        from toolkit.inputs.modelconfig import auto_model_class
+        from toolkit.inputs.modelspec import outside_layer_tensors
+
+        config = spec.hf_config()
+        n = num_layers(config)
+        with torch.device("meta"):
+            model = auto_model_class(config).from_config(copy.deepcopy(config))
+        layers = decoder_layers(model, n)
+        pre, post = outside_layer_tensors(model, layers)
+        per_layer = tuple(tuple(p.numel() for p in layer.parameters()) for layer in layers)
+        _TENSORS_CACHE[key] = (tuple(pre), per_layer, tuple(post))
+        cache.put("tensors", key, _TENSORS_CACHE[key], code=region_tensor_numels)
+    return _TENSORS_CACHE[key]
+

@@ -466,11 +466,11 @@ def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, t
 
 
 def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy, job: Job, peak: int, *,
-                      in_flight: int, reference_bytes: int = 0) -> tuple[int, Term]:
+                      in_flight: int, reference_bytes: int = 0, spec: ModelSpec | None = None) -> tuple[int, Term]:
     """Reserved over the tensor peak: the step's events replayed through the caching-allocator model, or the
     assumed margin where the events are not recorded."""
     from toolkit.estimate.allocator import modelled_conf
-    from toolkit.estimate.reserved import StepSizes, replayed_reserved
+    from toolkit.estimate.reserved import StepSizes, replayed_reserved, tensor_sizes
 
     conf, ignored = modelled_conf(job.allocator_conf)
     setting = (f" with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else " with torch's default settings") + (
@@ -482,7 +482,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
     kept = tuple(i for i, r in enumerate(regions) if strategy.fsdp_mode == "grad_op"
                  or r.name in ("embedding", "head + loss")) if fsdp2 else ()
     if in_flight == 1:
-        sizes = StepSizes(
+        sizes = StepSizes(**tensor_sizes(spec, regions, strategy, job),
             gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept,
             persistent=states.parameters + states.master + states.gradients + states.buffers + reference_bytes,
             optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,
@@ -519,7 +519,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     # alike (each is its own large-pool segment, a multiple of 2 MiB, so the replay's overhead is unchanged).
     workspace = outside.workspace_bytes if job.device_kind == "cuda" else 0
     margin, margin_term = _allocator_margin(regions, states, strategy, job, int(peak.bytes), in_flight=in_flight,
-                                            reference_bytes=ref_weights)
+                                            reference_bytes=ref_weights, spec=spec)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + workspace + context + margin
     grads = states.gradients + states.step_gradients + states.backward_gradients \

@@ -67,8 +67,35 @@ class StepSizes:
     step_transient: float
     gather_bytes_per_param: float = 0.0
     kept_regions: tuple[int, ...] = ()
+    tensors: tuple[tuple[int, ...], ...] = ()
+    """Each region's parameter tensors (elements; toolkit.estimate.layerkinds.region_tensor_numels) where the
+    engine's optimizer is torch's, per parameter: its states (zeros_like at the first step) and foreach AdamW's
+    temporaries are then one block per parameter, in proportion to these, not one per region. Empty: per region
+    (DeepSpeed's flat partitions)."""
+    tensor_grads: bool = False
+    """Backward makes one gradient per parameter (param.grad: DDP and a single process), not one per region."""
     """Regions whose gathered parameters stay from their forward to the end of backward (FSDP2's root module: the
     embeddings, final norm and head; every region with reshard_after_forward=False)."""
+
+
+def tensor_sizes(spec, regions, strategy, job) -> dict:
+    """StepSizes' `tensors` and `tensor_grads` for a job: torch's optimizers (DDP or one process, FSDP2) make their
+    states and foreach temporaries per parameter, so each region's parameter tensors (elements) from a meta build
+    (toolkit.estimate.layerkinds.region_tensor_numels), and DDP's backward each param.grad apart; DeepSpeed's
+    optimizer steps flat partitions, and an adapter's states are small: one block per region (empty)."""
+    from toolkit.inputs.strategy import Engine
+
+    if spec is None or strategy.engine not in (Engine.DDP, Engine.FSDP2) or job.adapter.is_adapter:
+        return {}
+    from toolkit.estimate.layerkinds import region_tensor_numels
+
+    try:
+        pre, layers, post = region_tensor_numels(spec)
+    except Exception:  # noqa: BLE001 - a model whose meta build fails keeps one block per region
+        return {}
+    named = {"embedding": pre, "head + loss": post}
+    tensors = tuple(named[r.name] if r.name in named else layers[int(r.name.split()[-1])] for r in regions)
+    return {"tensors": tensors, "tensor_grads": strategy.engine == Engine.DDP}
 
 
 _RESULTS: dict[str, Replay] = {}
@@ -115,6 +142,17 @@ def _decoded(window: tuple[int, ...]) -> tuple[tuple[bool, int, int, int, int], 
     return tuple(out)
 
 
+def _pieces(total: float, regions, tensors: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    """`total` bytes split over the regions as `_shares` splits them, and each region's share over its parameter
+    tensors in proportion to their elements (`tensors`; one piece per region where it is empty)."""
+    out = []
+    for j, share in enumerate(_shares(total, regions)):
+        numels = tensors[j] if j < len(tensors) else ()
+        whole = sum(numels)
+        out.append([int(share * n / whole) for n in numels] if whole else [share])
+    return out
+
+
 def _shares(total: float, regions) -> list[int]:
     """`total` bytes split over the regions in proportion to their parameters (evenly when none have any)."""
     params = [r.params for r in regions]
@@ -155,12 +193,13 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
     malloc, free, record_stream, sync = sink.malloc, sink.free, sink.record_stream, sink.sync
     count = 0
 
-    def blocks(name: str, total: float) -> None:
+    def blocks(name: str, total: float, tensors: tuple[tuple[int, ...], ...] = ()) -> None:
         nonlocal count
-        for j, size in enumerate(_shares(total, regions)):
-            if size > 0:
-                malloc((name, j), size)
-                count += 1
+        for j, sizes_j in enumerate(_pieces(total, regions, tensors)):
+            for t, size in enumerate(sizes_j):
+                if size > 0:
+                    malloc((name, j, t), size)
+                    count += 1
 
     blocks("state", sizes.persistent)
     largest = max(r.params for r in regions) or 1
@@ -216,14 +255,15 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
         if sizes.backward_gradients:
             malloc(("partitions", step), int(sizes.backward_gradients))
             count += 1
-        grads = _shares(sizes.step_gradients, regions)
+        grads = _pieces(sizes.step_gradients, regions, sizes.tensors if sizes.tensor_grads else ())
         for j in reversed(range(n)):
             if j not in sizes.kept_regions:
                 use(("gather", step, BACKWARD, j), gather[j], GATHER)
             run(j, BACKWARD, regions[j].trace.backward_events)
-            if grads[j] > 0:
-                malloc(("grad", step, j), grads[j])
-                count += 1
+            for t, size in enumerate(grads[j]):
+                if size > 0:
+                    malloc(("grad", step, j, t), size)
+                    count += 1
             if sizes.reduce_stream:
                 use(("reduce", step, j), reduce[j], REDUCE)
         for key in rotating:
@@ -242,15 +282,21 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
             free(("reduce", step))
             count += 1
         if step == 0:
-            blocks("optimizer", sizes.optimizer)
-        if sizes.step_transient > 0:
-            malloc(("step", step), int(sizes.step_transient))
-            free(("step", step))
-            count += 2
-        for j, size in enumerate(grads):
-            if size > 0:
-                free(("grad", step, j))
-                count += 1
+            blocks("optimizer", sizes.optimizer, sizes.tensors)
+        if sizes.step_transient > 0:  # foreach: one temporary per parameter, all alive until the step's last op
+            temporaries = [(("step", step, j, t), size) for j, sizes_j in
+                           enumerate(_pieces(sizes.step_transient, regions, sizes.tensors))
+                           for t, size in enumerate(sizes_j) if size > 0]
+            for key, size in temporaries:
+                malloc(key, size)
+            for key, _ in temporaries:
+                free(key)
+            count += 2 * len(temporaries)
+        for j, sizes_j in enumerate(grads):
+            for t, size in enumerate(sizes_j):
+                if size > 0:
+                    free(("grad", step, j, t))
+                    count += 1
         if sizes.backward_gradients:
             free(("partitions", step))
             count += 1

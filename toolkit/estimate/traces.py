@@ -173,8 +173,12 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
     return _TRACE_CACHE[key][1]
 
 
-def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
+def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int, r3: RegionTrace | None = None) -> RegionTrace:
+    """`r1`, `r2` at micro-batch 1 and 2 carried to `b`; the allocator events from `r2` and `r3` (micro-batch 3)
+    when given: at micro-batch 1 some copies are no-ops (a view of a batch of one is already contiguous), so the
+    events of 1 and 2 can differ in number while those of 2 and 3 agree (toolkit.estimate.stepevents.lerp_events)."""
     f = b - 1
+    e1, e2, fe = (r1, r2, f) if r3 is None else (r2, r3, b - 2)
     return RegionTrace(saved_bytes=r1.saved_bytes + (r2.saved_bytes - r1.saved_bytes) * f,
                        forward_extra_bytes=r1.forward_extra_bytes + (r2.forward_extra_bytes - r1.forward_extra_bytes) * f,
                        backward_extra_bytes=r1.backward_extra_bytes + (r2.backward_extra_bytes - r1.backward_extra_bytes) * f,
@@ -182,8 +186,8 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int) -> RegionTrace:
                        backward_grad_bytes=r1.backward_grad_bytes, grad_bytes=r1.grad_bytes,
                        forward_grad_bytes=r1.forward_grad_bytes,
                        offload_bytes=r1.offload_bytes + (r2.offload_bytes - r1.offload_bytes) * f,
-                       forward_events=lerp_events(r1.forward_events, r2.forward_events, f),
-                       backward_events=lerp_events(r1.backward_events, r2.backward_events, f))
+                       forward_events=lerp_events(e1.forward_events, e2.forward_events, fe),
+                       backward_events=lerp_events(e1.backward_events, e2.backward_events, fe))
 
 
 def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
@@ -200,9 +204,16 @@ def _language_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> Activation
     t2 = activation_trace(spec, job, strategy, 2)
     from dataclasses import replace
 
-    return replace(t1, micro_batch=b, embedding=_lerp_region(t1.embedding, t2.embedding, b),
-                   layers=tuple(_lerp_region(a, c, b) for a, c in zip(t1.layers, t2.layers)),
-                   head=_lerp_region(t1.head, t2.head, b),
+    pairs = [(t1.embedding, t2.embedding), *zip(t1.layers, t2.layers), (t1.head, t2.head)]
+    t3 = None
+    if b > 2 and not _trl_head_bends(job, (2, job.seq_len), (b, job.seq_len)) and any(
+            not lerp_events(x.forward_events, y.forward_events, 1) and (x.forward_events or y.forward_events)
+            or not lerp_events(x.backward_events, y.backward_events, 1) and (x.backward_events or y.backward_events)
+            for x, y in pairs):
+        t3 = activation_trace(spec, job, strategy, 3)  # events from 2 and 3: 1 and 2 differ in number
+    threes = [t3.embedding, *t3.layers, t3.head] if t3 is not None else [None] * len(pairs)
+    lerped = [_lerp_region(x, y, b, z) for (x, y), z in zip(pairs, threes)]
+    return replace(t1, micro_batch=b, embedding=lerped[0], layers=tuple(lerped[1:-1]), head=lerped[-1],
                    output_bytes=t1.output_bytes + (t2.output_bytes - t1.output_bytes) * (b - 1),
                    loss_bytes=t1.loss_bytes)
 

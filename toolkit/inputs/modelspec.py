@@ -259,7 +259,14 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
     """(before, after) the decoder layers: elements of the `wanted` parameters outside them, tied ones once.
     Registration order mostly follows execution order; final norms and output projections registered before the
     layers (OPT) are recognised by name."""
-    pre = post = 0
+    pre, post = outside_layer_tensors(model, layers, wanted)
+    return sum(pre), sum(post)
+
+
+def outside_layer_tensors(model, layers, wanted=lambda p: True) -> tuple[list[int], list[int]]:
+    """outside_layer_params tensor by tensor: the elements of each parameter before and after the layers."""
+    pre: list[int] = []
+    post: list[int] = []
     seen: set[int] = {id(p) for p in layers.parameters()}
     passed_layers = False
     for module_name, module in model.named_modules():
@@ -270,10 +277,7 @@ def outside_layer_params(model, layers, wanted=lambda p: True) -> tuple[int, int
             if id(p) in seen or not wanted(p):
                 continue
             seen.add(id(p))
-            if passed_layers or module_name.rsplit(".", 1)[-1] in _AFTER_LAYERS:
-                post += p.numel()
-            else:
-                pre += p.numel()
+            (post if passed_layers or module_name.rsplit(".", 1)[-1] in _AFTER_LAYERS else pre).append(p.numel())
     return pre, post
 
 
