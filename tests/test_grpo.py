@@ -155,8 +155,8 @@ def test_colocate_refuses_training_over_its_70_percent_with_the_reason():
     of 79 GiB vLLM colocate at 0.3 leaves it; the refusal names the window that would fit."""
     e = _grpo(use_vllm=True, vllm_gpu_memory_utilization=0.3)
     assert not e.memory.fits
-    assert "training: 59.5 GiB, more than the 70% of 79.1 GiB vLLM colocate leaves" in e.memory.refusal
-    assert "feasible vllm_gpu_memory_utilization 0.21 to 0.25" in e.memory.refusal
+    assert "training: 58.5 GiB, more than the 70% of 79.1 GiB vLLM colocate leaves" in e.memory.refusal
+    assert "feasible vllm_gpu_memory_utilization 0.21 to 0.26" in e.memory.refusal
     assert e.candidate.reason == e.memory.refusal
 
 

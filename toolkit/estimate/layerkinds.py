@@ -122,8 +122,10 @@ def region_tensor_numels(spec) -> tuple[tuple[int, ...], tuple[tuple[int, ...], 
     allocator sees these sizes, not a region's total (toolkit.estimate.reserved)."""
     import json
 
-    # keyed by the spec's config dict: a cached answer neither imports transformers nor builds the model
-    key = json.dumps(spec.config_dict(), sort_keys=True, default=str)
+    # keyed as the traces are, by the spec's source key where it has one (a tensor-parallel rank's view holds its
+    # config as a deferred function), else by its config dict: a cached answer neither imports transformers nor
+    # builds the model
+    key = spec.source_key or json.dumps(spec.config_dict(), sort_keys=True, default=str)
     if key not in _TENSORS_CACHE:
         from toolkit import cache
 
