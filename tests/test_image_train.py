@@ -355,6 +355,18 @@ def test_two_gloo_ranks_give_one_process_losses(image_runs, engine):
     assert [rank["image_tokens_seen"] for rank in run.ranks] == [TOKENS, TOKENS]
 
 
+def _falls_and_two_ranks_match(one, fsdp2):
+    """One process's loss falls over the steps; the 2-rank run gives its losses within 1e-3; every rank counted the
+    plan's tokens an image."""
+    ref, got = one.losses(), fsdp2.losses()
+    assert len(ref) == STEPS and all(math.isfinite(v) for v in ref.values())
+    assert (ref[5] + ref[6]) / 2 < ref[1] - 0.1, ref
+    assert got.keys() == ref.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-3), (step, got, ref)
+    assert [rank["image_tokens_seen"] for rank in one.ranks + fsdp2.ranks] == [TOKENS] * 3
+
+
 @pytest.mark.multiprocess
 def test_qwen25_vl_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(image_runs, tiny_qwen_vl):
     """A second architecture through the same path: Qwen2.5-VL's processor built without its video processor, its
@@ -365,13 +377,7 @@ def test_qwen25_vl_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses
     from transformers import AutoModelForImageTextToText
 
     one, fsdp2 = image_runs("qwen-one"), image_runs("qwen-fsdp2")
-    ref, got = one.losses(), fsdp2.losses()
-    assert len(ref) == STEPS and all(math.isfinite(v) for v in ref.values())
-    assert (ref[5] + ref[6]) / 2 < ref[1] - 0.1, ref
-    assert got.keys() == ref.keys()
-    for step in ref:
-        assert got[step] == pytest.approx(ref[step], abs=1e-3), (step, got, ref)
-    assert [rank["image_tokens_seen"] for rank in one.ranks + fsdp2.ranks] == [TOKENS] * 3
+    _falls_and_two_ranks_match(one, fsdp2)
     before = AutoModelForImageTextToText.from_pretrained(tiny_qwen_vl[0], dtype=torch.float32).state_dict()
     after = AutoModelForImageTextToText.from_pretrained(one.output, dtype=torch.float32).state_dict()
     tower = [k for k in before if k.startswith("model.visual")]
@@ -416,10 +422,4 @@ def test_qwen3_vl_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(
     """A third architecture: Qwen3-VL (its processor also built without torchvision; deepstack visual features added
     inside the language model's layers). One process's loss falls; 2 FSDP2 ranks give its losses within 1e-3."""
     one, fsdp2 = image_runs("qwen3-one"), image_runs("qwen3-fsdp2")
-    ref, got = one.losses(), fsdp2.losses()
-    assert len(ref) == STEPS and all(math.isfinite(v) for v in ref.values())
-    assert (ref[5] + ref[6]) / 2 < ref[1] - 0.1, ref
-    assert got.keys() == ref.keys()
-    for step in ref:
-        assert got[step] == pytest.approx(ref[step], abs=1e-3), (step, got, ref)
-    assert [rank["image_tokens_seen"] for rank in one.ranks + fsdp2.ranks] == [TOKENS] * 3
+    _falls_and_two_ranks_match(one, fsdp2)
