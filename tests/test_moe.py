@@ -348,7 +348,12 @@ def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_s
     holds the dense parameters and half of the experts, exactly the plan's per-rank parameter bytes, and steps 1-3
     lose what the single process (torch AdamW, same clipping) loses. Measured: 6.259349 / 6.232763 / 6.184993 on
     both ranks against 6.259349 / 6.232763 / 6.184992; 560,640 parameter bytes a rank (140,160 fp32 parameters,
-    49,152 of the 98,304 expert elements) as planned."""
+    49,152 of the 98,304 expert elements) as planned. The saved model is in the checkpoint's own layout
+    (toolkit.train.autoep_export): transformers loads it with no weight missing and it gives the trained model's
+    logits (before, its file named AutoEP's tensors and from_pretrained filled 12 expert / router weights
+    randomly)."""
+    import torch
+    from transformers import AutoModelForCausalLM
     from toolkit.estimate.search import predict_plan
     from toolkit.inputs.moe import expert_params
     from toolkit.inputs.modelspec import build_spec
@@ -369,6 +374,11 @@ def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_s
     assert predicted == 4 * (spec.params - experts + experts // 2)
     assert [r["param_bytes"] for r in run.ranks] == [predicted] * 2
     assert [r["expert_numel"][0] for r in run.ranks] == [experts // 2] * 2
+    model, info = AutoModelForCausalLM.from_pretrained(run.output, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weight
+    with torch.no_grad():
+        logits = model.eval()(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
+    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
 
 
 @pytest.fixture(scope="module")

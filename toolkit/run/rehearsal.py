@@ -486,7 +486,7 @@ def _check_saved_model(out: Path, small: Plan) -> list[str]:
     except Exception as exc:
         return [f"the saved model does not load with from_pretrained: {str(exc).strip().splitlines()[0]}"]
     # from_pretrained initialises at random what the file lacks and still builds every parameter, so the count
-    # below cannot see it (an AutoEP run's file names its experts AutoEP's way: all of them were missing).
+    # below cannot see it (a file naming experts AutoEP's way, as the Trainer's own save of an AutoEP model does).
     if missing := sorted(info.get("missing_keys") or ()):
         return [f"the saved model lacks {len(missing)} of the model's weights (e.g. {missing[0]}), which "
                 "from_pretrained initialises at random" + (f"; it holds {len(info['unexpected_keys'])} it does not "

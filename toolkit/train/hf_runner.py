@@ -515,7 +515,9 @@ def save_final(trainer, tokenizer, output: Path) -> None:
             trainer.model_wrapped._config.zero_config.gather_16bit_weights_on_model_save = True
     if trainer.is_fsdp_enabled:
         accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(str(output))
+    from toolkit.train.autoep_export import save_trained_model
+
+    save_trained_model(trainer, output)  # an AutoEP model in its transformers layout
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(str(output))
         if hasattr(trainer.model, "peft_config"):

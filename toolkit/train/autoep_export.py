@@ -1,0 +1,174 @@
+"""A DeepSpeed AutoEP model back in its checkpoint's own (transformers) layout, so the final save loads with
+`from_pretrained` (docs/ENGINE_FACTS.md, the AutoEP entry).
+
+AutoEP (deepspeed 0.19.8, module_inject/auto_ep_layer.py `AutoEPMoELayer.__init__`) replaces every MoE block it
+detects with a layer that holds: the router as `router.gate` (an nn.Linear, the block's router weight and bias
+copied; an `e_score_correction_bias` copied onto the router), this rank's experts as three grouped tensors
+`experts.w1 / w2 / w3` [local experts, ...] repacked by moe/ep_repack.py `repack_expert_weights` (the fused gate/up
+tensor split in two, transposed where checkpoint/fused_expert_layout.py `classify_fused_gate_up_layout` says the
+layout is hidden-first; a ModuleList's per-expert weights stacked), the placement saying which global experts a rank
+holds (checkpoint/autoep_affine.py `autoep_experts_for_rank`), and the block's shared experts and their gate as the
+same module objects under new names. Saved as it is, the file names AutoEP's tensors and holds one rank's experts:
+`from_pretrained` fills the block's weights randomly.
+
+The inverse here asks DeepSpeed itself where each tensor came from: its own detection (`AutoEP.ep_parser`) run on a
+meta copy of the model class gives every block's names and storage, the expert group is gathered in the placement's
+order, the fused / stacked tensors are put back in the source layout, and DeepSpeed's own `repack_expert_weights`
+applied to the result must give back every rank's tensors exactly (else it raises: the inverse is checked, not
+trusted). The model is then loaded strictly into a fresh transformers model and saved with `save_pretrained`, which
+writes transformers' own on-disk names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def is_autoep_model(model) -> bool:
+    """True when DeepSpeed AutoEP replaced at least one of `model`'s blocks (its layers carry `_is_autoep_layer`)."""
+    return any(getattr(m, "_is_autoep_layer", False) for m in model.modules())
+
+
+def save_trained_model(trainer, output: Path) -> None:
+    """The Trainer's final save: `trainer.save_model`, or for a DeepSpeed AutoEP model its transformers layout
+    (`save_autoep_model`) with the Trainer's training_args.bin beside it."""
+    if not (trainer.is_deepspeed_enabled and is_autoep_model(trainer.model)):
+        trainer.save_model(str(output))
+        return
+    write = trainer.is_world_process_zero()
+    save_autoep_model(trainer.model, trainer.model_wrapped._config.expert_parallel_config, output, write=write)
+    if write:
+        import torch
+
+        torch.save(trainer.args, output / "training_args.bin")
+
+
+def save_autoep_model(model, autoep_config, output: Path, *, write: bool) -> None:
+    """Every rank: gather each AutoEP layer's experts over its expert group; `write` (rank 0): save `model` in its
+    transformers layout to `output` with `save_pretrained`. `autoep_config`: the engine's AutoEPConfig
+    (`engine._config.expert_parallel_config`), the one its detection ran with."""
+    import copy
+
+    import torch
+    from deepspeed.module_inject.auto_ep import AutoEP
+
+    state = {}
+    reference = _meta_model(model.config)
+    specs = AutoEP(reference, copy.copy(autoep_config)).ep_parser()  # (it fills the config from the model)
+    prefixes = tuple(f"{spec.moe_module_name}." for spec in specs)
+    if write:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+    for spec in specs:
+        layer = model.get_submodule(spec.moe_module_name)
+        experts = _gathered_experts(layer)
+        if write:
+            block = reference.get_submodule(spec.moe_module_name).to_empty(device="cpu")
+            _restore_block(block, layer, spec, experts)
+            state.update({f"{spec.moe_module_name}.{k}": v for k, v in block.state_dict().items()})
+    if not write:
+        return
+    with torch.no_grad():
+        reference.load_state_dict(state, strict=True, assign=True)  # every weight named, none left on meta
+    reference.tie_weights()
+    reference.save_pretrained(str(output))
+
+
+def _meta_model(config):
+    """A fresh model of the checkpoint's class on the meta device: the layout DeepSpeed's detection reads and the
+    one to save (no memory held)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _gathered_experts(layer) -> list:
+    """The layer's three grouped tensors (w1, w2, w3) with every expert, in global expert order: each rank's
+    local tensors gathered over the expert group and placed by AutoEP's own placement descriptor."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+
+    group, size = layer.ep_group, layer.ep_size
+    full = []
+    for local in (layer.experts.w1, layer.experts.w2, layer.experts.w3):
+        local = local.detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local, group=group)
+        whole = torch.empty((layer.num_experts, *local.shape[1:]), dtype=local.dtype)
+        for rank, part in enumerate(parts):
+            whole[autoep_experts_for_rank(layer.expert_placement_descriptor, rank)] = part.cpu()
+        full.append(whole)
+    return full
+
+
+def _restore_block(block, layer, spec, experts) -> None:
+    """Write AutoEP `layer`'s trained values into `block` (the transformers block it replaced, materialised), the
+    inverse of AutoEPMoELayer.__init__; then check with DeepSpeed's own repack that it is the inverse."""
+    import torch
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+    from deepspeed.moe.ep_repack import _get_expert_weight, repack_expert_weights
+
+    written = set()
+
+    def put(target, value):
+        with torch.no_grad():
+            if tuple(target.shape) != tuple(value.shape):
+                raise RuntimeError(f"AutoEP export of {spec.moe_module_name}: a trained tensor of shape "
+                                   f"{tuple(value.shape)} for a weight of shape {tuple(target.shape)}")
+            target.data = value.detach().to("cpu", copy=True).contiguous()
+        written.add(id(target))
+
+    gate = getattr(block, spec.router_name)
+    put(gate.weight, layer.router.gate.weight)
+    if getattr(gate, "bias", None) is not None and spec.gate_bias:
+        put(gate.bias, layer.router.gate.bias)
+    if (bias := getattr(layer.router, "e_score_correction_bias", None)) is not None:
+        path = spec.e_score_correction_bias_path
+        owner = gate if path is None else (block if path == "" else block.get_submodule(path))
+        put(owner.e_score_correction_bias, bias)
+    w1, w2, w3 = experts
+    source = getattr(block, spec.experts_name)
+    if spec.expert_storage == "fused_3d":
+        first, second = getattr(source, spec.expert_w1_name), getattr(source, spec.expert_w2_name)
+        if spec.expert_w3_name is not None:  # gate and up kept apart: the tensors as they are
+            put(first, w1), put(second, w2), put(getattr(source, spec.expert_w3_name), w3)
+        elif _hidden_first(first, second):
+            put(first, torch.cat([w1, w3], dim=1).transpose(1, 2)), put(second, w2.transpose(1, 2))
+        else:
+            put(first, torch.cat([w1, w3], dim=1)), put(second, w2)
+    else:  # a ModuleList: each expert's nn.Linear weights, fused gate/up where it has no third
+        for index, expert in enumerate(source):
+            if spec.expert_w3_name is None:
+                put(_get_expert_weight(expert, spec.expert_w1_name), torch.cat([w1[index], w3[index]], dim=0))
+            else:
+                put(_get_expert_weight(expert, spec.expert_w1_name), w1[index])
+                put(_get_expert_weight(expert, spec.expert_w3_name), w3[index])
+            put(_get_expert_weight(expert, spec.expert_w2_name), w2[index])
+    for name, kept in ((spec.shared_experts_name, layer.shared_experts),
+                       (spec.shared_experts_gate_name, layer.shared_experts_gate)):
+        if kept is not None:  # the same module objects AutoEP kept: their tensors by name
+            mine = dict(getattr(block, name).named_parameters()) | dict(getattr(block, name).named_buffers())
+            for key, value in [*kept.named_parameters(), *kept.named_buffers()]:
+                put(mine[key], value)
+    left = [k for k, v in block.state_dict(keep_vars=True).items() if id(v) not in written]
+    if left:
+        raise RuntimeError(f"AutoEP export of {spec.moe_module_name}: no trained value for {left} (DeepSpeed's layer "
+                           "keeps no counterpart); the model cannot be saved in its transformers layout")
+    for rank in range(layer.ep_size):  # DeepSpeed's own forward map on the result gives back every rank's tensors
+        again = repack_expert_weights(source, spec, rank, layer.ep_size)
+        held = autoep_experts_for_rank(layer.expert_placement_descriptor, rank)
+        if not all(torch.equal(a, full[held]) for a, full in zip(again, experts)):
+            raise RuntimeError(f"AutoEP export of {spec.moe_module_name}: DeepSpeed's repack of the restored block "
+                               f"does not give back rank {rank}'s experts")
+
+
+def _hidden_first(first, second) -> bool:
+    """Whether a fused gate/up tensor is stored hidden-first (AutoEP transposes it), by DeepSpeed's own reading."""
+    from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
+
+    layout = classify_fused_gate_up_layout(tuple(first.shape), tuple(second.shape))
+    if layout is None:
+        raise RuntimeError(f"AutoEP export: fused expert shapes {tuple(first.shape)}, {tuple(second.shape)} are not "
+                           "a layout DeepSpeed repacks")
+    return layout.layout == "hidden_first"
