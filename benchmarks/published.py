@@ -380,10 +380,17 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
             "and are not modelled. torchtune's LoRA row compiles with LoRA, which the estimate refuses. PEFT's "
             "DeepSpeed guide gives two per-GPU readings of Llama-2-70B under ZeRO-3 (LoRA on 8 x H100, QLoRA with "
             "bf16 quant storage on 2 x 40 GB), read off a device-memory screenshot or stated without the "
-            "instrument, so they are scored as nvidia-smi figures at medium-low confidence: "
-            f"{_span(results, 'PEFT-DOC')}, LOW as issue 28 found DeepSpeed ZeRO runs; which ZeRO-3 buffers the "
-            "reading holds beyond ours (gathered parameters kept for reuse, prefetch, the default allocator's "
-            "segments) is not established from these readings, and nothing was fitted to them.")
+            "instrument, so they are scored as nvidia-smi figures at medium-low confidence: QLoRA "
+            f"{_span(results, 'PEFT-DOC', 'QLoRA')}, LoRA {_span(results, 'PEFT-DOC', '8xH100')}. The QLoRA run "
+            "holds its quantised base whole: transformers loads a quantised model onto every GPU (bitsandbytes' "
+            "device_map) after one caching_allocator_warmup block of its weights' bytes, DeepSpeed's partitioning "
+            "frees the whole weights inside that segment, and nothing empties the cache, so the segment stays "
+            "reserved (docs/ENGINE_FACTS.md, QLoRA under FSDP2 / ZeRO-3); the replay now holds it (-20.8% before, "
+            "at 9284e44). The LoRA run is built partitioned inside zero.Init, with no such load; what its reading "
+            "holds beyond ours is not established (one candidate read from the config: accelerate's inline "
+            "deepspeed_config leaves reduce_bucket_size at DeepSpeed's own 5e8 elements, a 0.93 GiB bf16 IPG "
+            "buffer, where the estimate assumes the HF Trainer's hidden x hidden fill, 0.125 GiB). Nothing was "
+            "fitted to either row.")
 
 
 def source_of(row_id: str) -> str:

@@ -9,6 +9,7 @@ from toolkit.estimate import allocator
 from toolkit.estimate.memory import ALLOCATOR_MARGIN, estimate_memory
 from toolkit.estimate.reserved import StepSizes, replayed_reserved, step_events
 from toolkit.estimate.stepevents import decode_free, free_code, region_events
+from toolkit.inputs.choices import GIB
 from toolkit.inputs.hardware import parse_hardware
 from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import resolve_model
@@ -211,3 +212,51 @@ def test_fsdp2s_root_stays_gathered_from_its_forward_to_the_end_of_backward():
     # gathered beside their two activations; kept: the root's 30 MiB beside two layers' and all four activations.
     assert rotating.peak_allocated == 30 * mib + 10 * mib + 2 * 4 * mib
     assert kept.peak_allocated == 30 * mib + 2 * 10 * mib + 4 * 4 * mib
+
+
+def test_reset_peak_keeps_the_segments_and_restarts_the_allocated_peak():
+    """torch.cuda.reset_peak_memory_stats: a freed 100 MiB block's segment stays reserved (nothing empties the
+    cache) and the next 10 MiB block is carved from it; the allocated peak restarts from what is live."""
+    mib = 1 << 20
+    stats = allocator.replay([("malloc", "a", 100 * mib), ("free", "a"), ("reset_peak",), ("malloc", "b", 10 * mib)])
+    assert stats.peak_allocated == 10 * mib
+    assert stats.peak_reserved == 100 * mib
+    assert stats.segments == 1
+
+
+def test_a_quantized_bases_load_leaves_its_warmup_segment_reserved_under_the_step():
+    """ZeRO-3 QLoRA: transformers' caching_allocator_warmup block (here 400 MiB) and the base loaded whole, freed
+    region by region as the partitions are made, leave one 400 MiB segment that the step's smaller blocks reuse:
+    the step's allocated peak is unchanged, its reserved peak is the warmup segment, not the step's own segments."""
+    from types import SimpleNamespace
+
+    from toolkit.estimate.activations import RegionTrace
+
+    mib = 1 << 20
+    regions = [SimpleNamespace(params=1, trace=RegionTrace(0, 0, 0)) for _ in range(4)]
+    base = dict(persistent=40 * mib, optimizer=8 * mib, gathered=0, reduce_buffers=0, reduce_stream=False,
+                step_gradients=40 * mib, backward_gradients=0, step_transient=0)
+    plain = allocator.replay(step_events(regions, StepSizes(**base)))
+    loaded = allocator.replay(step_events(regions, StepSizes(loaded=360 * mib, load_warmup=400 * mib, **base)))
+    assert loaded.peak_allocated == plain.peak_allocated < 100 * mib
+    assert loaded.peak_reserved == 400 * mib
+    assert plain.peak_reserved == 100 * mib  # its own nine segments; under the warmup, none of them
+
+
+def test_zero3_qlora_reserves_the_whole_quantized_base_it_loaded():
+    """Llama-2-70B QLoRA (bf16 quant storage) on 2 x A100-40GB: the quantized base is loaded whole on every GPU
+    before ZeRO-3 partitions it, so reserved memory holds the warmup's bytes (its 4-bit codes, its other weights in
+    bf16: 32 GiB), above a tensor peak that holds half of them; plain LoRA is made partitioned by zero.Init and
+    its reserved memory stays near its tensor peak."""
+    from toolkit.inputs.lora import Adapter, counts_for_spec
+
+    spec, hw, strategy = resolve_model("llama-2-70b"), parse_hardware("2xA100-40GB"), parse_strategy("zero3")
+    qlora = Adapter(method="qlora", r=8, quant_storage="bfloat16")
+    b = estimate_memory(spec, strategy, Job(seq_len=256, adapter=qlora), hw)
+    counts = counts_for_spec(spec, qlora)
+    warmup = counts.quantized_packed_bytes + counts.unquantized_frozen_params * 2
+    assert 31 * GIB < warmup < 33 * GIB
+    assert b.peak_bytes < warmup <= b.reserved_bytes < warmup + 2 * GIB
+    lora = estimate_memory(spec, strategy, Job(seq_len=256, adapter=Adapter(method="lora", r=8)),
+                           parse_hardware("8xH100-80GB"))
+    assert lora.reserved_bytes < lora.peak_bytes * 1.1

@@ -223,6 +223,11 @@ class CachingAllocator:
         """The work queued on `stream` so far has completed: its recorded events are done."""
         self._synced.add(stream)
 
+    def reset_peak(self) -> None:
+        """torch.cuda.reset_peak_memory_stats: every peak down to its current value (segments stay reserved)."""
+        s = self.stats
+        s.peak_allocated, s.peak_requested, s.peak_reserved = s.allocated, s.requested, s.reserved
+
     # The same three on the block itself (what `replay` calls: no handle table in between).
 
     def allocate(self, size: int, stream: int = 0) -> _Block:
@@ -533,10 +538,13 @@ class Replayer:
     def sync(self, stream: int) -> None:
         self.allocator.sync(stream)
 
+    def reset_peak(self) -> None:
+        self.allocator.reset_peak()
+
 
 def replay(events, settings: AllocatorSettings | None = None) -> AllocatorStats:
     """Replay `events` through one allocator: ("malloc", key, size[, stream]), ("free", key),
-    ("record_stream", key, stream), ("sync", stream). Keys are the caller's names for its tensors."""
+    ("record_stream", key, stream), ("sync", stream), ("reset_peak",). Keys are the caller's names for its tensors."""
     r = Replayer(settings)
     malloc, free, record_stream, sync = r.malloc, r.free, r.record_stream, r.sync
     for event in events:
@@ -549,6 +557,8 @@ def replay(events, settings: AllocatorSettings | None = None) -> AllocatorStats:
             record_stream(event[1], event[2])
         elif kind == "sync":
             sync(event[1])
+        elif kind == "reset_peak":
+            r.reset_peak()
         else:
             raise ValueError(f"unknown allocator event {kind!r}")
     return r.allocator.stats

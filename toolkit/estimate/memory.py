@@ -99,10 +99,9 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     peak = _Peak()
 
     base = persistent + kept_grads + earlier
-    saved = copies = cache = 0.0
-    # Gradients made in forward (Liger's fused linear cross-entropy: the LM head's, in the traced parameter dtype,
-    # which is the dtype the engine computes with), live until their region's backward.
-    early = 0.0
+    # early: gradients made in forward (Liger's fused linear cross-entropy: the LM head's, in the traced parameter
+    # dtype, which is the dtype the engine computes with), live until their region's backward.
+    saved = copies = cache = early = 0.0
     for r in regions:
         extra = r.trace.forward_extra_bytes
         early += r.trace.forward_grad_bytes
@@ -117,9 +116,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
         peak.offer(base + saved + copies + early + reference_forward_bytes, REFERENCE_FORWARD_PHASE,
                    reference_forward_bytes)
 
-    grads_done = 0.0
-    remaining = saved
-    remaining_copies = copies
+    grads_done, remaining, remaining_copies = 0.0, saved, copies
     for k, r in enumerate(reversed(regions)):
         extra = r.trace.backward_extra_bytes
         # Engine gradient buffers (ZeRO-2's partition and bucket, FSDP2's unsharded grads) appear once the first
@@ -176,7 +173,8 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
         shard=grid.shard_group, prefetch_layers=2 if job.device_kind == "cuda" else 1,
         dequantized_bytes=counts.largest_quantized_params * DTYPE_BYTES[job.adapter.compute_dtype],
         saved_params=counts.saved_module_params, saved_bytes_per_param=DTYPE_BYTES[saved_dtype_name(
-            job.precision, job.adapter.base_dtype, job.adapter.saved_dtype)])
+            job.precision, job.adapter.base_dtype, job.adapter.saved_dtype)],
+        load_warmup_bytes=counts.quantized_packed_bytes + counts.unquantized_frozen_params * storage)
 
 
 def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
@@ -466,7 +464,8 @@ def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, t
 
 
 def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy, job: Job, peak: int, *,
-                      in_flight: int, reference_bytes: int = 0, spec: ModelSpec | None = None) -> tuple[int, Term]:
+                      in_flight: int, reference_bytes: int = 0, spec: ModelSpec | None = None,
+                      capacity_bytes: int = 0) -> tuple[int, Term]:
     """Reserved over the tensor peak: the step's events replayed through the caching-allocator model, or the
     assumed margin where the events are not recorded."""
     from toolkit.estimate.allocator import modelled_conf
@@ -487,7 +486,8 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
             persistent=states.parameters + states.master + states.gradients + states.buffers + reference_bytes,
             optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,
             reduce_stream=strategy.engine == Engine.FSDP2, step_gradients=states.step_gradients,
-            backward_gradients=states.backward_gradients, step_transient=states.step_transient)
+            backward_gradients=states.backward_gradients, step_transient=states.step_transient, loaded=states.loaded,
+            load_warmup=min(states.load_warmup, max(0, capacity_bytes - 1.2 * GIB)))  # transformers' own cap
         result = replayed_reserved(regions, sizes, settings=conf)
     if result is None:
         margin = reserved_bytes(peak) - peak
@@ -519,7 +519,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     # alike (each is its own large-pool segment, a multiple of 2 MiB, so the replay's overhead is unchanged).
     workspace = outside.workspace_bytes if job.device_kind == "cuda" else 0
     margin, margin_term = _allocator_margin(regions, states, strategy, job, int(peak.bytes), in_flight=in_flight,
-                                            reference_bytes=ref_weights, spec=spec)
+                                            reference_bytes=ref_weights, spec=spec, capacity_bytes=hw.gpu.memory_bytes)
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + workspace + context + margin
     grads = states.gradients + states.step_gradients + states.backward_gradients \

@@ -8,6 +8,10 @@ segments, as every later step does):
   first optimizer step (torch and DeepSpeed create them lazily there, after the activations are freed);
 - each region's traced forward and backward events (toolkit.estimate.stepevents: every storage the model's own
   code creates and frees on the traced step, copied to every layer of the same kind);
+- where the load leaves the base whole on the GPU before the engine partitions it (ZeRO-3 QLoRA: transformers loads
+  a quantized model onto every GPU, device_map {"": current device}), transformers' caching_allocator_warmup block
+  of the loaded weights' bytes, allocated and freed, then the loaded base, freed region by region as the model
+  states (the partitions) are made; the peaks are reset after it, so the replay's allocated peak is the step's;
 - the engine's buffers at the sizes the memory model gives them: unsharded parameters (ZeRO-3, FSDP2) gathered on
   their own stream before each region's forward and backward (FSDP2: each region's unsharded size, the root's
   kept from its forward to the end of backward; ZeRO-3: each region's share of the gathered bytes), two regions
@@ -74,6 +78,12 @@ class StepSizes:
     (DeepSpeed's flat partitions)."""
     tensor_grads: bool = False
     """Backward makes one gradient per parameter (param.grad: DDP and a single process), not one per region."""
+    loaded: float = 0.0
+    """The frozen base as the load leaves it on the GPU before the engine partitions it (ZeRO-3 QLoRA: the quantized
+    model loaded whole onto every GPU), freed region by region as each region's partition is made."""
+    load_warmup: float = 0.0
+    """transformers' caching_allocator_warmup before that load: one block of the loaded weights' bytes, allocated
+    and freed, whose segment stays reserved for the whole run (nothing empties the cache)."""
     """Regions whose gathered parameters stay from their forward to the end of backward (FSDP2's root module: the
     embeddings, final norm and head; every region with reshard_after_forward=False)."""
 
@@ -178,6 +188,9 @@ class _EventList:
     def sync(self, stream: int) -> None:
         self.events.append(("sync", stream))
 
+    def reset_peak(self) -> None:
+        self.events.append(("reset_peak",))
+
 
 def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
     """The allocator events of `steps` training steps (toolkit.estimate.allocator.replay's format)."""
@@ -188,20 +201,45 @@ def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
 
 def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
     """The events of `steps` training steps, in order, to `sink` (its malloc(key, size[, stream]), free(key),
-    record_stream(key, stream) and sync(stream): an allocator.Replayer, or a list); returns how many."""
+    record_stream(key, stream), sync(stream) and reset_peak(): an allocator.Replayer, or a list); returns how
+    many."""
     n = len(regions)
     malloc, free, record_stream, sync = sink.malloc, sink.free, sink.record_stream, sink.sync
     count = 0
 
-    def blocks(name: str, total: float, tensors: tuple[tuple[int, ...], ...] = ()) -> None:
+    def blocks(name: str, total: float, tensors: tuple[tuple[int, ...], ...] = (), after=None) -> None:
         nonlocal count
         for j, sizes_j in enumerate(_pieces(total, regions, tensors)):
             for t, size in enumerate(sizes_j):
                 if size > 0:
                     malloc((name, j, t), size)
                     count += 1
+            if after is not None:
+                after(j)
 
-    blocks("state", sizes.persistent)
+    def load() -> None:
+        """The model load before the engine starts: the warmup block, the base loaded whole, then (`unload`) each
+        region's loaded weights freed once its partition exists (DeepSpeed partitions parameter by parameter)."""
+        nonlocal count
+        if sizes.load_warmup > 0:
+            malloc(("warmup",), int(sizes.load_warmup))
+            free(("warmup",))
+            count += 2
+        blocks("loaded", sizes.loaded)
+
+    def unload(j: int) -> None:
+        nonlocal count
+        if loaded[j] > 0:
+            free(("loaded", j, 0))
+            count += 1
+
+    loaded = _shares(sizes.loaded, regions)
+
+    load()
+    blocks("state", sizes.persistent, after=unload)
+    if sizes.loaded or sizes.load_warmup:  # the step's peaks, as torch.cuda.reset_peak_memory_stats after loading
+        sink.reset_peak()
+        count += 1
     largest = max(r.params for r in regions) or 1
     gather = [int(r.params * sizes.gather_bytes_per_param) if sizes.gather_bytes_per_param
               else int(sizes.gathered * r.params / (PREFETCH * largest)) for r in regions]

@@ -63,6 +63,12 @@ class States:
     """ZeRO-3 / FSDP2 unsharded parameters live at a time during forward/backward."""
     step_transient: float = 0.0
     """Extra bytes only during the optimizer step (DeepSpeed's fp32 gradient partition, foreach temporaries)."""
+    loaded: float = 0.0
+    """The frozen base as the model load leaves it on each GPU before the engine partitions it (ZeRO-3 QLoRA), freed
+    by the partitioning; cached, not live, during the step (toolkit.estimate.reserved replays it)."""
+    load_warmup: float = 0.0
+    """transformers' caching_allocator_warmup block before that load (modeling_utils.py get_total_byte_count: 0.5 B
+    per 4-bit weight element, the rest in its dtype); capped by the caller at the GPU's memory less 1.2 GiB."""
     cpu: float = 0.0
     """Host RAM per rank for offloaded states and their pinned buffers."""
     nvme: float = 0.0
@@ -301,7 +307,8 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
                    total_params: int, largest_layer: int, base_sharded_bytes: float, gather_bytes: float,
                    layer_gathered_bytes: float, root_gathered_bytes: float, layer_trainable_params: int, root_trainable_params: int, shard: int,
                    prefetch_layers: int, dequantized_bytes: float = 0.0, saved_params: int = 0,
-                   saved_bytes_per_param: int = 4, layer_stored_bytes: float | None = None) -> States:
+                   saved_bytes_per_param: int = 4, layer_stored_bytes: float | None = None,
+                   load_warmup_bytes: float = 0.0) -> States:
     """LoRA / QLoRA: the trainable adapters carry the engine's usual states (weights, gradients, master, optimizer:
     the functions above with P = trainable), the frozen base only its weights, `base_bytes` in its storage dtype
     (4-bit weights with their constants for QLoRA), of which ZeRO-3 / FSDP2 shard and gather `base_sharded_bytes`
@@ -324,6 +331,9 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
       and partitions only the optimizer's (trainable) parameters.
     - ZeRO-3: every parameter is partitioned, frozen ones included (DeepSpeed partitions each parameter's data at
       engine start: transformers skips zero.Init for quantised models), and gathered for compute like the others.
+      A quantised base is first loaded whole onto every GPU (bitsandbytes' update_device_map: {"": current
+      device}), after `load_warmup_bytes` of caching_allocator_warmup: `loaded` and `load_warmup`, whose segments
+      stay reserved (toolkit.estimate.reserved).
     - FSDP2: every floating parameter is sharded; accelerate upcasts the trainable ones to fp32 (not when the model
       holds Params4bit) and leaves the frozen base in its dtype (accelerate utils/fsdp_utils.py fsdp2_prepare_model),
       gathered in param_dtype (an fp32 base: fp32 shards, bf16 unsharded parameters);
@@ -345,6 +355,8 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
             whole = zero_states(total_params, job, strategy, dp=dp, hidden=hidden, largest_layer=largest_layer)
             s.gathered = whole.gathered * gather_bytes / max(total_params * pb, 1)
             base_per_gpu = base_sharded_bytes / dp + whole_bytes
+            if job.adapter.method == "qlora":
+                s.loaded, s.load_warmup = base_bytes, load_warmup_bytes
             if strategy.offload_params != "none":
                 s.cpu += base_sharded_bytes / dp
                 base_per_gpu = whole_bytes
