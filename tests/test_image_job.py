@@ -28,6 +28,27 @@ def _tiny_config():
     return config
 
 
+def _tiny_qwen35_config():
+    """A tiny Qwen3.5 (Qwen3_5Config, its own classes): 3 gated-delta-net layers and 1 attention layer (the real
+    model's 3:1 pattern, full_attention_interval 4), interleaved M-RoPE on a quarter of each head, and its vision
+    tower patching 16 pixels: 448 x 280 -> 28 x 18 patches merged 2 x 2, 126 tokens an image."""
+    from transformers import Qwen3_5Config
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 0],
+                                     mrope_interleaved=True, partial_rotary_factor=0.25))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+                  num_position_embeddings=64)
+    return Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=500, vision_start_token_id=501,
+                         vision_end_token_id=502, video_token_id=503)
+
+
+TINY = {"qwen2.5-vl": _tiny_config, "qwen3.5": _tiny_qwen35_config}
+"""The tiny image-text models the real CPU steps check the estimate against."""
+
+
 @pytest.fixture(scope="module")
 def tiny_vl_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-qwen2.5-vl")
@@ -40,10 +61,10 @@ def _measured_saved_bytes(config, tower: str, tokens: int, pixel_shape, grid) ->
     saves (parameters excluded), then its backward."""
     import torch
 
-    from toolkit.estimate.visiontower import image_text_class
+    from toolkit.inputs.modelconfig import auto_model_class
 
     torch.manual_seed(0)
-    model = image_text_class(config).from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = auto_model_class(config, images=True).from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     if tower == "freeze":
         for name, p in model.named_parameters():
@@ -68,15 +89,16 @@ def _measured_saved_bytes(config, tower: str, tokens: int, pixel_shape, grid) ->
     pixels = torch.randn(IMAGES * pixel_shape[0], pixel_shape[1])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(input_ids=ids_t, labels=ids_t, pixel_values=pixels,
-                    image_grid_thw=torch.tensor([list(grid)] * IMAGES))
+                    image_grid_thw=torch.tensor([list(grid)] * IMAGES), mm_token_type_ids=(ids_t == 500).long())
     out.loss.backward()
     assert torch.isfinite(out.loss)
     st = pixels.untyped_storage()  # the batch's pixel values: resident, saved by the trained tower or not
     return total[0] + (0 if (st.data_ptr(), st.nbytes()) in seen else st.nbytes())
 
 
+@pytest.mark.parametrize("arch", list(TINY))
 @pytest.mark.parametrize("tower", ["train", "freeze"])
-def test_traced_activations_match_a_real_cpu_image_text_step(tower):
+def test_traced_activations_match_a_real_cpu_image_text_step(tower, arch):
     """Language model traced at 96 + 2 x 160 = 416 tokens plus the tower traced alone: the saved bytes of a real
     forward of the tiny Qwen2.5-VL on 2 images, plus the batch's pixel values, within 3% (measured -0.002% trained,
     -0.005% frozen). The tower's share is 2 images x (its one-image trace + the image's float32 pixel values);
@@ -88,10 +110,12 @@ def test_traced_activations_match_a_real_cpu_image_text_step(tower):
     from toolkit.inputs.modelspec import build_spec
     from toolkit.inputs.strategy import parse_strategy
 
-    config = _tiny_config()
-    spec = build_spec("qwen2_5_vl", config)
+    config = TINY[arch]()
+    spec = build_spec(arch, config, images=True)
     seq, fields = image_job(spec, IMAGES, SIZE, TEXT)
-    assert fields == {"images_per_sample": 2, "image_size": "448x280", "image_tokens": 160} and seq == 416
+    tokens = 160 if arch == "qwen2.5-vl" else 126
+    assert fields == {"images_per_sample": 2, "image_size": "448x280", "image_tokens": tokens}
+    assert seq == TEXT + IMAGES * tokens
     job = Job(seq_len=seq, micro_batch=1, precision="fp32", device_kind="cpu", vision_tower=tower, **fields)
     trace = scaled_trace(spec, job, parse_strategy("ddp"))
     found = image_tokens(config, 448, 280)
@@ -103,7 +127,7 @@ def test_traced_activations_match_a_real_cpu_image_text_step(tower):
                              parse_strategy("ddp"))
     assert trace.embedding.saved_bytes - text_only.embedding.saved_bytes == IMAGES * (one.saved_bytes
                                                                                         + one.pixel_bytes)
-    assert one.pixel_bytes == 640 * 1176 * 4
+    assert one.pixel_bytes == (640 * 1176 * 4 if arch == "qwen2.5-vl" else 504 * 1536 * 4)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -115,14 +139,15 @@ def test_the_qwen_tower_alone_saves_what_a_real_forward_saves(checkpointing):
     import torch
 
     from toolkit.estimate.fakestep import enable_checkpointing
-    from toolkit.estimate.visiontower import image_text_class, trace_tower
+    from toolkit.estimate.visiontower import trace_tower
+    from toolkit.inputs.modelconfig import auto_model_class
     from toolkit.inputs.images import image_tokens
 
     config = _tiny_config()
     found = image_tokens(config, 448, 280)
     traced = trace_tower(config, 448, 280, dtype="float32", checkpointing=checkpointing)
     torch.manual_seed(0)
-    model = image_text_class(config).from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = auto_model_class(config, images=True).from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     if checkpointing:
         enable_checkpointing(model)
     model.train()
@@ -195,12 +220,12 @@ def _real_flops(config, trained: bool, checkpointing: bool) -> tuple[int, int]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from toolkit.estimate.fakestep import enable_checkpointing
-    from toolkit.estimate.visiontower import image_text_class
+    from toolkit.inputs.modelconfig import auto_model_class
     from toolkit.inputs.images import image_tokens
 
     found = image_tokens(config, 448, 280)
     torch.manual_seed(0)
-    model = image_text_class(config).from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model = auto_model_class(config, images=True).from_config(config, dtype=torch.float32, attn_implementation="eager")
     if checkpointing:
         enable_checkpointing(model)
     model.train()
@@ -338,8 +363,6 @@ def test_plan_json_and_plan_md_carry_the_image_fields(tiny_vl_dir):
 
 @pytest.mark.parametrize("argv, message", [
     (["--images-per-sample", "2", "--image-size", "448x448"], "has no vision encoder (it is not a multimodal class)"),
-    (["--images-per-sample", "2", "--image-size", "448x448", "--model-config", "qwen3.5-27b"],
-     "as its language model alone"),
     (["--images-per-sample", "2"], "--images-per-sample needs --image-size WIDTHxHEIGHT"),
     (["--image-size", "448x448"], "--image-size needs --images-per-sample N"),
 ])
@@ -350,6 +373,70 @@ def test_images_on_a_text_model_or_half_given_are_one_line(argv, message, capsys
     code, out, err = _run(capsys, "estimate", str(MODELS / f"{model}.json"), "--gpus", "1xH100-80GB", "--seq",
                           "512", *argv)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_qwen35_image_job_counts_the_whole_class_part_by_part():
+    """Qwen3.5's AutoModelForCausalLM builds its language model alone (a text job loads that); an image job builds
+    the class that runs images, Qwen3_5ForConditionalGeneration (AutoModelForImageTextToText's), found from
+    transformers' auto mappings: its counts are the real model's, part by part, and its language model is the text
+    job's."""
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.inputs.modelspec import build_spec
+
+    config = _tiny_qwen35_config()
+    text, imaged = build_spec("qwen3.5", config), build_spec("qwen3.5", config, images=True)
+    model = AutoModelForImageTextToText.from_config(config)
+    assert (text.model_class, text.multimodal) == ("Qwen3_5ForCausalLM", False)
+    assert imaged.model_class == type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    visual = model.model.visual
+    assert imaged.params == sum(p.numel() for p in model.parameters()) == 324_200
+    assert imaged.projector_params == sum(p.numel() for p in visual.merger.parameters()) == 24_832
+    assert imaged.vision_params == sum(p.numel() for p in visual.parameters()) - 24_832 == 66_240
+    assert imaged.language_params == text.params == sum(p.numel() for p in model.model.language_model.parameters()) \
+        + model.lm_head.weight.numel()
+    assert imaged.vision_modules == ("model.visual", "model.visual.merger")
+    assert any("loads the whole class Qwen3_5ForConditionalGeneration (AutoModelForImageTextToText's class for "
+               "qwen3_5) to run the images" in n for n in imaged.notes)
+
+
+def test_a_qwen35_moe_image_job_counts_its_image_text_class_from_the_same_mappings():
+    """Qwen3.5-MoE falls out of the same code: its image job counts Qwen3_5MoeForConditionalGeneration exactly, its
+    experts found in the language model."""
+    from transformers import AutoModelForImageTextToText, Qwen3_5MoeConfig
+
+    from toolkit.inputs.modelspec import build_spec
+
+    dense = _tiny_qwen35_config()
+    text = {**dense.text_config.to_dict(), "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+            "num_experts": 4, "num_experts_per_tok": 2}
+    for key in ("model_type", "intermediate_size", "layer_types"):
+        text.pop(key, None)
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=dense.vision_config.to_dict(), image_token_id=500,
+                              vision_start_token_id=501, vision_end_token_id=502, video_token_id=503)
+    spec = build_spec("qwen3.5-moe", config, images=True)
+    model = AutoModelForImageTextToText.from_config(config)
+    assert spec.model_class == type(model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    assert spec.params == sum(p.numel() for p in model.parameters())
+    assert (spec.vision_params, spec.projector_params) == (66_240, 24_832)
+    assert (spec.moe_experts, spec.moe_top_k) == (4, 2)
+
+
+def test_estimate_plans_qwen35_on_images_with_its_tower_and_the_processors_tokens(tmp_path, capsys):
+    """`estimate` of a Qwen3.5 folder with images: its processor's 126 tokens an image (patch 16, merge 2: 448 x 280
+    -> 28 x 18 patches), the class's parts, the tower's share traced; the same folder without images plans the
+    language model alone, as before."""
+    _tiny_qwen35_config().save_pretrained(tmp_path)
+    common = ["--gpus", "1xH100-80GB", "--seq", str(TEXT), "--strategy", "ddp", "--json"]
+    code, out, err = _run(capsys, "estimate", str(tmp_path), *common, "--images-per-sample", "2", "--image-size", SIZE)
+    assert code == 0, err
+    imaged = json.loads(out)
+    assert (imaged["job"]["seq_len"], imaged["job"]["image_tokens"]) == (TEXT + 2 * 126, 126)
+    assert imaged["vision_share"]["activations_bytes"] > 0 and imaged["timing"]["vision_s"] > 0
+    code, out, _ = _run(capsys, "estimate", str(tmp_path), *common)
+    text = json.loads(out)
+    assert code == 0 and "vision_s" not in text["timing"]
+    assert imaged["model"]["params"] - text["model"]["params"] == 66_240 + 24_832
 
 
 def test_a_size_the_processor_refuses_and_seq_max_are_one_line(tiny_vl_dir, capsys):
@@ -368,9 +455,10 @@ def test_a_size_the_processor_refuses_and_seq_max_are_one_line(tiny_vl_dir, caps
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (command, extra, err)
 
 
+@pytest.mark.parametrize("arch", list(TINY))
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("tower", ["train", "freeze"])
-def test_whole_step_peak_matches_a_real_cpu_image_text_step(tower, checkpointing):
+def test_whole_step_peak_matches_a_real_cpu_image_text_step(tower, checkpointing, arch):
     """The estimate's whole-step peak (DDP, fp32, one CPU process) against torch's MemTracker over a real steady
     step of the tiny Qwen2.5-VL on 2 images of 448 x 280 with AdamW: within 3% (measured -0.02% trained, -0.03%
     frozen, where the batch's float32 pixel values are most of the tower's share). With the model's activation
@@ -384,21 +472,21 @@ def test_whole_step_peak_matches_a_real_cpu_image_text_step(tower, checkpointing
     from toolkit.estimate.fakestep import enable_checkpointing
     from toolkit.estimate.livebytes import frozen_params_trackable
     from toolkit.estimate.memory import estimate_memory
-    from toolkit.estimate.visiontower import image_text_class
+    from toolkit.inputs.modelconfig import auto_model_class
     from toolkit.inputs.hardware import parse_hardware
     from toolkit.inputs.images import image_job, image_tokens
     from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import build_spec
     from toolkit.inputs.strategy import parse_strategy
 
-    config = _tiny_config()
-    spec = build_spec("qwen2_5_vl", config)
+    config = TINY[arch]()
+    spec = build_spec(arch, config, images=True)
     seq, fields = image_job(spec, IMAGES, SIZE, TEXT)
     job = Job(seq_len=seq, micro_batch=1, precision="fp32", device_kind="cpu", vision_tower=tower,
               attention="sdpa", checkpointing=checkpointing, **fields)
     predicted = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200")).peak_bytes
     torch.manual_seed(0)
-    model = image_text_class(config).from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = auto_model_class(config, images=True).from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     if checkpointing:
         enable_checkpointing(model)
     model.train()
@@ -413,7 +501,7 @@ def test_whole_step_peak_matches_a_real_cpu_image_text_step(tower, checkpointing
     ids_t = torch.tensor([ids])
     batch = dict(input_ids=ids_t, labels=ids_t,
                  pixel_values=torch.randn(IMAGES * found.pixel_shape[0], found.pixel_shape[1]),
-                 image_grid_thw=torch.tensor([list(found.grid)] * IMAGES))
+                 image_grid_thw=torch.tensor([list(found.grid)] * IMAGES), mm_token_type_ids=(ids_t == 500).long())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def step():

@@ -62,12 +62,13 @@ QWEN_TEMPLATE = VL_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image
 
 
 def _tiny_qwen_vl_with_processor(out: Path, version: str) -> Path:
-    """A tiny Qwen2.5-VL ("2.5": windowed ViT, patch 14, M-RoPE) or Qwen3-VL ("3": patch 16, deepstack features
-    into the language model, interleaved M-RoPE), saved as a checkpoint ships it: config and weights, the tokenizer,
+    """A tiny Qwen2.5-VL ("2.5": windowed ViT, patch 14, M-RoPE), Qwen3-VL ("3": patch 16, deepstack features
+    into the language model, interleaved M-RoPE) or Qwen3.5 ("3.5": Qwen3-VL's tower without deepstack over a hybrid
+    language model, 3 gated-delta-net layers to 1 attention layer, M-RoPE on a quarter of each head), saved as a checkpoint ships it: config and weights, the tokenizer,
     the image processor's preprocessor_config.json and the processor's chat_template.jinja (no video processor:
     none is built here)."""
     import torch
-    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
 
     from toolkit.inputs.images import image_processor
     from toolkit.run.tiny import corpus_text, train_tokenizer
@@ -86,6 +87,14 @@ def _tiny_qwen_vl_with_processor(out: Path, version: str) -> Path:
             text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
             vision_config={**vision, "fullatt_block_indexes": [1], "window_size": 56},
             pad_token_id=tokenizer.pad_token_id, **ids)
+    elif version == "3.5":
+        config = Qwen3_5Config(
+            text_config={**text, "num_hidden_layers": 4, "head_dim": 16, "pad_token_id": tokenizer.pad_token_id,
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                         "linear_value_head_dim": 16, "rope_parameters": dict(
+                             rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 0], mrope_interleaved=True,
+                             partial_rotary_factor=0.25)},
+            vision_config={**vision, "num_position_embeddings": 64}, **ids)
     else:
         config = Qwen3VLConfig(
             text_config={**text, "head_dim": 16, "pad_token_id": tokenizer.pad_token_id, "rope_parameters": dict(
@@ -113,6 +122,12 @@ def tiny_qwen3_vl(tmp_path_factory, tiny_vl):
 
 
 @pytest.fixture(scope="module")
+def tiny_qwen35(tmp_path_factory, tiny_vl):
+    """(tiny Qwen3.5 folder, the same image data folder as tiny_vl's)."""
+    return _tiny_qwen_vl_with_processor(tmp_path_factory.mktemp("qwen3.5"), "3.5"), tiny_vl[1]
+
+
+@pytest.fixture(scope="module")
 def tiny_vl(tmp_path_factory):
     """(model folder with its processor, image data folder)."""
     from toolkit.run.tiny import write_image_corpus
@@ -125,7 +140,8 @@ def _image_plan(model_dir: Path, *, world: int = 1, micro: int = 2, strategy: st
     from toolkit.plan.job import job_from_plan, job_to_plan_fields
     from toolkit.run.rehearsal import plan_for_model
 
-    plan = plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, seq_len=TEXT + images * TOKENS)
+    plan = plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, seq_len=TEXT + images * TOKENS,
+                          images=True)
     job = replace(job_from_plan(plan), images_per_sample=images, image_size=SIZE, image_tokens=TOKENS)
     return replace(plan, **job_to_plan_fields(job))
 
@@ -293,7 +309,7 @@ ARGS = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str(S
 
 
 @pytest.fixture(scope="module")
-def image_runs(run_training, tiny_vl, tiny_qwen_vl, tiny_qwen3_vl):
+def image_runs(run_training, tiny_vl, tiny_qwen_vl, tiny_qwen3_vl, tiny_qwen35):
     """One process at micro-batch 2 and two gloo ranks at micro-batch 1 (the same global batch of 2 conversations),
     started side by side, fp32: Gemma-3's one process and DDP, ZeRO-3 and FSDP2 when a test asks for them;
     Qwen2.5-VL's one process and FSDP2 ("qwen-one", "qwen-fsdp2"); Qwen3-VL's one process and FSDP2."""
@@ -302,8 +318,9 @@ def image_runs(run_training, tiny_vl, tiny_qwen_vl, tiny_qwen3_vl):
     cache = {}
     pairs = {"one": ("one", "ddp"), "ddp": ("one", "ddp"), "qwen-one": ("qwen-one", "qwen-fsdp2"),
              "qwen-fsdp2": ("qwen-one", "qwen-fsdp2"), "qwen3-one": ("qwen3-one", "qwen3-fsdp2"),
-             "qwen3-fsdp2": ("qwen3-one", "qwen3-fsdp2")}
-    models = {"": tiny_vl, "qwen": tiny_qwen_vl, "qwen3": tiny_qwen3_vl}
+             "qwen3-fsdp2": ("qwen3-one", "qwen3-fsdp2"), "qwen35-one": ("qwen35-one", "qwen35-fsdp2"),
+             "qwen35-fsdp2": ("qwen35-one", "qwen35-fsdp2")}
+    models = {"": tiny_vl, "qwen": tiny_qwen_vl, "qwen3": tiny_qwen3_vl, "qwen35": tiny_qwen35}
 
     def start(name):
         family, _, engine = name.rpartition("-")
@@ -423,3 +440,20 @@ def test_qwen3_vl_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(
     inside the language model's layers). One process's loss falls; 2 FSDP2 ranks give its losses within 1e-3."""
     one, fsdp2 = image_runs("qwen3-one"), image_runs("qwen3-fsdp2")
     _falls_and_two_ranks_match(one, fsdp2)
+
+
+@pytest.mark.multiprocess
+def test_qwen35_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(image_runs, tiny_qwen35):
+    """A fourth: Qwen3.5, whose AutoModelForCausalLM is its language model alone; the image plan loads the whole
+    Qwen3_5ForConditionalGeneration (its processor also built without torchvision, its hybrid gated-delta-net /
+    attention language model). One process's loss falls over 6 steps and the tower moved; 2 FSDP2 ranks give its
+    losses within 1e-3; every rank counted the plan's 4 tokens an image."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    one, fsdp2 = image_runs("qwen35-one"), image_runs("qwen35-fsdp2")
+    _falls_and_two_ranks_match(one, fsdp2)
+    before = AutoModelForImageTextToText.from_pretrained(tiny_qwen35[0], dtype=torch.float32).state_dict()
+    after = AutoModelForImageTextToText.from_pretrained(one.output, dtype=torch.float32).state_dict()
+    tower = [k for k in before if k.startswith("model.visual")]
+    assert tower and sum(not torch.equal(before[k], after[k]) for k in tower) > len(tower) // 2

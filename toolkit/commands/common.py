@@ -486,7 +486,8 @@ def model_spec(args):
     with status(f"reading {args.model or 'the model'} (tracing its layers the first time)"):
         spec = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden,
                              heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
-                             trust_remote_code=args.trust_remote_code)
+                             trust_remote_code=args.trust_remote_code,
+                             images=bool(getattr(args, "images_per_sample", None) or getattr(args, "image_size", None)))
         if rope is None:
             return spec
         from toolkit.inputs.rope import scaled_spec

@@ -129,7 +129,7 @@ def _vision_wrap_words(plan: Plan) -> str:
 
     config = CONFIG_MAPPING[plan.model_type].from_dict(dict(plan.model_config))
     with torch.device("meta"):
-        model = auto_model_class(config).from_config(config)
+        model = auto_model_class(config, images=bool(plan.images_per_sample)).from_config(config)
     blocks = vision_block_classes(model, plan.model_parts["vision_modules"])
     if not blocks:
         return ""
@@ -358,10 +358,12 @@ def tiling_paragraph(plan: Plan) -> str:
 
 def auto_class_name(plan: Plan) -> str:
     """The transformers auto class a script loads the plan's model with (toolkit.inputs.modelconfig.auto_model_class:
-    AutoModelForImageTextToText for a Qwen2.5-VL, AutoModelForCausalLM for a text model)."""
+    AutoModelForImageTextToText for a Qwen2.5-VL and for an image plan of Qwen3.5, AutoModelForCausalLM for a text
+    model)."""
     from toolkit.inputs.modelconfig import auto_model_class, config_from_dict
 
-    return auto_model_class(config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)).__name__
+    config = config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)
+    return auto_model_class(config, images=bool(plan.images_per_sample)).__name__
 
 
 def model_parallel_notes(plan: Plan) -> list[str]:

@@ -102,19 +102,6 @@ def _tower_config(config: Any) -> Any:
     return config
 
 
-def image_text_class(config: Any):
-    """The class that builds the vision tower with the language model: AutoModelForImageTextToText where its
-    mapping has the config (Qwen3.5's AutoModelForCausalLM builds the text model alone), else the class
-    toolkit.inputs.modelconfig.auto_model_class builds."""
-    from transformers import AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-
-    from toolkit.inputs.modelconfig import auto_model_class
-
-    return AutoModelForImageTextToText if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING \
-        else auto_model_class(config)
-
-
 def trace_tower(config: Any, width: int, height: int, *, dtype: str = "bfloat16", autocast: bool = False,
                 attention: str = "sdpa", trained: bool = True, checkpointing: bool = False,
                 config_dir=None) -> TowerTrace:
@@ -139,6 +126,7 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
     from toolkit.estimate.fakestep import enable_checkpointing, weights_uninitialised
     from toolkit.estimate.recording import StorageLog, make_recorder
     from toolkit.inputs.images import image_tokens
+    from toolkit.inputs.modelconfig import auto_model_class
 
     found = image_tokens(config, width, height, config_dir)
     compute = getattr(torch, dtype)
@@ -146,7 +134,8 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
     traced = _tower_config(config)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         with weights_uninitialised():
-            model = image_text_class(traced).from_config(traced, dtype=param_dtype, attn_implementation=attention)
+            model = auto_model_class(traced, images=True).from_config(traced, dtype=param_dtype,
+                                                                      attn_implementation=attention)
         if checkpointing:
             enable_checkpointing(model)
         model.train()

@@ -136,12 +136,12 @@ def image_job(spec: Any, images_per_sample: int | None, image_size: str | None, 
 
 
 def check_image_model(spec: Any) -> None:
-    """Images apply to a multimodal class only: one UserError line for a text model, or a multimodal checkpoint
-    toolkit plans as its language model alone."""
+    """Images apply to a multimodal class only (a spec built for images: toolkit.inputs.modelspec.build_spec): one
+    UserError line for a text model, or a checkpoint with a vision config whose tower no class builds."""
     if not getattr(spec, "multimodal", False) and getattr(spec.hf_config(), "vision_config", None) is not None:
-        raise UserError(f"--images-per-sample: toolkit plans {spec.name} as its language model alone (the class "
-                        "AutoModelForCausalLM builds, without the vision encoder); image-and-text jobs on it are not "
-                        "modelled yet: drop the image flags")
+        raise UserError(f"--images-per-sample: {spec.name} has a vision config but transformers builds it without "
+                        f"its vision encoder ({spec.model_class or spec.model_type}: no image-text class, "
+                        "AutoModelForImageTextToText, maps to it); drop the image flags")
     if not getattr(spec, "multimodal", False):
         raise UserError(f"--images-per-sample: {spec.name} has no vision encoder (it is not a multimodal class); "
                         "drop the image flags, or plan a vision-language checkpoint")

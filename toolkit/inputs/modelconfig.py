@@ -21,16 +21,20 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def auto_model_class(config: Any):
+def auto_model_class(config: Any, *, images: bool = False):
     """The transformers auto class that builds `config`'s model: AutoModelForCausalLM where its mapping has the
     config's class, else AutoModelForImageTextToText where that mapping has it (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: no
     causal-LM entry in transformers 5.24), else AutoModelForCausalLM (whose from_config then says what is wrong).
-    Read from transformers' own auto mappings, no per-architecture table."""
+    `images` (an image-and-text job): AutoModelForImageTextToText wherever its mapping has the config, since the
+    vision tower must be built with the language model (Qwen3.5's AutoModelForCausalLM builds its language model
+    alone, Qwen3_5ForCausalLM; its image-text class is Qwen3_5ForConditionalGeneration). Read from transformers' own
+    auto mappings, no per-architecture table."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+    if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and (images or type(config) not in
+                                                                 MODEL_FOR_CAUSAL_LM_MAPPING):
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 

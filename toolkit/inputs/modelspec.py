@@ -310,8 +310,10 @@ def cache_windows(config, layers: int) -> tuple[int | None, ...]:
     return windows if len(windows) == layers and any(w is not None for w in windows) else ()
 
 
-def build_spec(name: str, config) -> ModelSpec:
-    """Build the model on the meta device with its own code and count everything exactly."""
+def build_spec(name: str, config, *, images: bool = False) -> ModelSpec:
+    """Build the model on the meta device with its own code and count everything exactly; `images` (an
+    image-and-text job): the class that runs images (auto_model_class), the vision tower built and counted with the
+    language model."""
     import torch
     from toolkit.inputs.modelconfig import auto_model_class
 
@@ -320,7 +322,7 @@ def build_spec(name: str, config) -> ModelSpec:
         raise UserError(f"'{name}': {problem}")
     try:
         with torch.device("meta"):
-            model = auto_model_class(config).from_config(config)
+            model = auto_model_class(config, images=images).from_config(config)
     except ImportError as exc:  # a package the model's code requires (timm for a TimmWrapper vision tower)
         raise UserError(missing_package_problem(exc, name)) from None
     except CONFIG_ERRORS as exc:
@@ -381,7 +383,7 @@ def build_spec(name: str, config) -> ModelSpec:
                      "FSDP2) then keep no states for them, while DeepSpeed ZeRO's flat partitions hold states for "
                      "every trainable parameter; frozen, they keep their weights only)")
     if getattr(config, "vision_config", None) is not None:
-        notes.append(_load_words(config, type(model).__name__, total, tower or projector))
+        notes.append(_load_words(config, type(model).__name__, total, bool(tower or projector), images))
     if tiling_blocker:  # the planner's auto tiling skips this model; --tiled refuses it with the same words
         notes.append(f"ALST tiling not tried: {tiling_blocker}")
     return ModelSpec(
@@ -424,13 +426,17 @@ def build_spec(name: str, config) -> ModelSpec:
     )
 
 
-def _load_words(config, model_class: str, total: int, whole_class: bool) -> str:
-    """What a text-only run of a multimodal checkpoint loads (toolkit.inputs.textload): the class transformers builds
-    (auto_model_class), the tower's cost, and whether the language model alone could load instead."""
+def _load_words(config, model_class: str, total: int, whole_class: bool, images: bool = False) -> str:
+    """What a run of a multimodal checkpoint loads (toolkit.inputs.textload): the class transformers builds
+    (auto_model_class), the tower's cost, and, for a text-only run, whether the language model alone could load
+    instead."""
     from toolkit.inputs.modelconfig import auto_model_class
     from toolkit.inputs.textload import text_alone_problem, unloaded_tower_params
 
-    auto = auto_model_class(config).__name__
+    auto = auto_model_class(config, images=images).__name__
+    if images:
+        return (f"the runner loads the whole class {model_class} ({auto}'s class for {config.model_type}) to run "
+                "the images, its vision encoder and projector included (their per-GPU share: --explain)")
     if whole_class:
         problem = text_alone_problem(config)
         return (f"the runner loads the whole class {model_class} ({auto}'s class for "
@@ -444,21 +450,24 @@ def _load_words(config, model_class: str, total: int, whole_class: bool) -> str:
                                          if problem is None else f"from a class checkpoint it {problem}"))
 
 
-def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, **numbers: int | None) -> ModelSpec:
+def resolve_model(model: str | None = None, *, trust_remote_code: bool = False, images: bool = False,
+                  **numbers: int | None) -> ModelSpec:
     """The one entry point: a model name/path/id, or bare numbers (params, or layers / hidden / heads / kv_heads /
     ffn / vocab). Specs of configs read from disk and of bare numbers come from the on-disk cache when they were
-    built before (toolkit.cache)."""
+    built before (toolkit.cache). `images`: the class of an image-and-text job (build_spec)."""
     from toolkit import cache
 
     unknown = set(numbers) - {"params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab"}
     if unknown:
         raise TypeError(f"resolve_model() got unexpected keyword(s) {sorted(unknown)}")
     key = _source_key(model, **numbers)
+    if key is not None and images:
+        key.append("images")
     if key is not None:
         hit = cache.get("spec", key, code=build_spec, decode=ModelSpec.from_cache)
         if hit is not None:
             return hit
-    spec = _resolve_uncached(model, trust_remote_code=trust_remote_code, **numbers)
+    spec = _resolve_uncached(model, trust_remote_code=trust_remote_code, images=images, **numbers)
     if key is not None:
         from dataclasses import replace
 
@@ -483,9 +492,10 @@ def _source_key(model: str | None, **numbers: Any) -> list | None:
 
 def _resolve_uncached(model: str | None = None, *, params: int | None = None, layers: int | None = None,
                       hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
-                      ffn: int | None = None, vocab: int | None = None, trust_remote_code: bool = False) -> ModelSpec:
+                      ffn: int | None = None, vocab: int | None = None, trust_remote_code: bool = False,
+                      images: bool = False) -> ModelSpec:
     if model:
-        return build_spec(model, load_config(model, trust_remote_code=trust_remote_code))
+        return build_spec(model, load_config(model, trust_remote_code=trust_remote_code), images=images)
     if layers or hidden or heads:
         if not (layers and hidden and heads):
             raise UserError("a bare shape needs --layers, --hidden and --heads (and optionally --kv-heads --ffn "
@@ -514,17 +524,19 @@ def _rescaled(spec: ModelSpec, params: int) -> ModelSpec:
                    notes=spec.notes + (note,))
 
 
-def spec_from_config_dict(config: dict[str, Any], *, name: str, params: int | None = None) -> ModelSpec:
+def spec_from_config_dict(config: dict[str, Any], *, name: str, params: int | None = None,
+                          images: bool = False) -> ModelSpec:
     """The spec of a config carried as a dict (a plan's model_config), cached like a config read from disk;
-    `params` rescales the counts when the plan was made from bare numbers (--params)."""
+    `params` rescales the counts when the plan was made from bare numbers (--params); `images`: an image-and-text
+    plan's class (build_spec)."""
     from dataclasses import replace
 
     from toolkit import cache
 
-    key = ["dict", name, json.dumps(config, sort_keys=True)]
+    key = ["dict", name, json.dumps(config, sort_keys=True), *(["images"] if images else [])]
     spec = cache.get("spec", key, code=build_spec, decode=ModelSpec.from_cache)
     if spec is None:
-        spec = build_spec(name, config_from_dict(dict(config), f"the plan's model_config ({name})"))
+        spec = build_spec(name, config_from_dict(dict(config), f"the plan's model_config ({name})"), images=images)
         spec = replace(spec, source_key=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32])
         cache.put("spec", key, spec.to_cache(), code=build_spec)
     return _rescaled(spec, params) if params is not None and params != spec.params else spec

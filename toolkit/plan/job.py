@@ -67,7 +67,8 @@ def plan_job(plan: Plan, *, check: bool = True) -> tuple[ModelSpec, Hardware, Jo
     from toolkit.inputs.job import check_job
     from toolkit.inputs.modelspec import spec_from_config_dict
 
-    spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params)
+    spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params,
+                                 images=bool(plan.images_per_sample))
     check_plan_agrees(plan, spec)
     hw = parse_hardware(f"{plan.num_machines}x{plan.gpus_per_node}x{plan.gpu}", inter_node_gbps=plan.inter_node_gbps,
                         cpu_ram_gib=plan.cpu_ram_gib, power_limit_w=plan.power_limit_w)

@@ -37,15 +37,16 @@ def plan_for_model(model_dir: str | Path, strategy: str, *, num_machines: int = 
                    precision: str = "fp32", checkpointing: bool = False, attention: str | None = None,
                    optimizer: str = "adamw", pipeline_stages: int = 1, gpu: str = "cpu",
                    notes: list[str] | None = None, tensor: int = 1, context: int = 1, sequence: int = 1,
-                   expert: int = 1, vision_tower: str = "train") -> Plan:
-    """A plan for a local model folder (config.json) with the given strategy; no memory prediction."""
+                   expert: int = 1, vision_tower: str = "train", images: bool = False) -> Plan:
+    """A plan for a local model folder (config.json) with the given strategy; no memory prediction. `images`: the
+    model as an image-and-text job loads it (toolkit.inputs.modelspec.build_spec), its image fields still to set."""
     from toolkit.inputs.job import Job
     from toolkit.inputs.modelspec import build_spec
     from toolkit.plan.build import build_plan
     from toolkit.train.model import load_config
 
     config = load_config(str(model_dir))
-    spec = build_spec(str(model_dir), config)
+    spec = build_spec(str(model_dir), config, images=images)
     attention = spec.effective_attention(attention)  # None: transformers' pick (GPT-OSS has no sdpa: eager)
     kind = parse_strategy(strategy)
     grid = ParallelGrid.for_strategy(kind, nodes=num_machines, gpus_per_node=gpus_per_node,

@@ -39,7 +39,8 @@ def adapter_for_run(plan, args) -> Adapter | None:
         from toolkit.inputs.lora import adapter_for_model
         from toolkit.inputs.modelspec import spec_from_config_dict
 
-        spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params)
+        spec = spec_from_config_dict(plan.model_config, name=plan.model, params=plan.params,
+                                     images=bool(plan.images_per_sample))
         adapter = adapter_for_model(spec, adapter, dropout_given=args.lora_dropout is not None)
     problem = adapter_problem(adapter, plan.strategy_spec) or base_dtype_problem(  # the planner's rules
         adapter, plan.precision, plan.strategy_spec, objective=bool(plan.dpo or plan.grpo))

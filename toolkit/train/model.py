@@ -149,6 +149,7 @@ def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, atte
     # bf16-pure trains bf16 weights (and optimizer states); mixed precision keeps fp32 master weights.
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
     kwargs = dict(dtype=dtype, attn_implementation=attention)
+    model_class = auto_model_class(config, images=bool(plan.images_per_sample))
     if adapter is not None:
         from toolkit.train.adapters import base_dtype, quantization_config
 
@@ -157,15 +158,15 @@ def build_model(source: str, config: Any, plan: Plan, *, random_init: bool, atte
             kwargs["quantization_config"] = quantization_config(adapter)
             if random_init or Path(source).expanduser().is_file():
                 # transformers quantises weights only as it loads a checkpoint (rehearsals, tests).
-                return _load_random_through_checkpoint(config, kwargs)
+                return _load_random_through_checkpoint(config, model_class, kwargs)
     if distributed_config is not None:
         kwargs["distributed_config"] = distributed_config
         if random_init or Path(source).expanduser().is_file():
-            return _load_random_through_checkpoint(config, kwargs)
+            return _load_random_through_checkpoint(config, model_class, kwargs)
     try:
         if random_init or Path(source).expanduser().is_file():
-            return auto_model_class(config).from_config(config, **kwargs)
-        return auto_model_class(config).from_pretrained(source, config=config, **kwargs)
+            return model_class.from_config(config, **kwargs)
+        return model_class.from_pretrained(source, config=config, **kwargs)
     except (OSError, ValueError, ImportError) as exc:
         raise UserError(f"cannot load model {source}: {_first_line(exc)}") from None
 
@@ -185,7 +186,7 @@ def freeze_vision_tower(model: Any, plan: Plan) -> None:
         module.requires_grad_(False)
 
 
-def _load_random_through_checkpoint(config: Any, kwargs: dict):
+def _load_random_through_checkpoint(config: Any, model_class: Any, kwargs: dict):
     """Random (seeded, so equal on every rank) weights written to a temporary folder and loaded back with
     `kwargs`: transformers quantises (QLoRA) and shards (tensor parallelism) only as it loads a checkpoint.
     Every rank writes its own (save_pretrained writes on the main process only). Under ZeRO-3 from_config builds
@@ -198,12 +199,10 @@ def _load_random_through_checkpoint(config: Any, kwargs: dict):
     from safetensors.torch import save_model
     from transformers import GenerationConfig
 
-    from toolkit.inputs.modelconfig import auto_model_class
-
     with tempfile.TemporaryDirectory() as tmp:
         config.to_json_file(str(Path(tmp) / "config.json"))
         GenerationConfig.from_model_config(config).to_json_file(str(Path(tmp) / "generation_config.json"))
-        random = auto_model_class(config).from_config(config, dtype=kwargs["dtype"])
+        random = model_class.from_config(config, dtype=kwargs["dtype"])
         partitioned = [p for p in random.parameters() if hasattr(p, "ds_id")]
         whole = contextlib.nullcontext()
         if partitioned:
@@ -213,7 +212,7 @@ def _load_random_through_checkpoint(config: Any, kwargs: dict):
         with whole:
             save_model(random, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         del random
-        return auto_model_class(config).from_pretrained(tmp, config=config, **kwargs)
+        return model_class.from_pretrained(tmp, config=config, **kwargs)
 
 
 def _first_line(exc: BaseException) -> str:
