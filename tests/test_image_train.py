@@ -312,7 +312,8 @@ ARGS = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str(S
 def image_runs(run_training, tiny_vl, tiny_qwen_vl, tiny_qwen3_vl, tiny_qwen35):
     """One process at micro-batch 2 and two gloo ranks at micro-batch 1 (the same global batch of 2 conversations),
     started side by side, fp32: Gemma-3's one process and DDP, ZeRO-3 and FSDP2 when a test asks for them;
-    Qwen2.5-VL's one process and FSDP2 ("qwen-one", "qwen-fsdp2"); Qwen3-VL's one process and FSDP2."""
+    Qwen2.5-VL's one process and FSDP2 ("qwen-one", "qwen-fsdp2"), DDP and ZeRO-3 when asked; Qwen3-VL's one process
+    and FSDP2; Qwen3.5's one process and FSDP2 ("qwen35-..."), ZeRO-3 when asked."""
     from toolkit.run.launcher import free_port
 
     cache = {}
@@ -384,21 +385,26 @@ def _falls_and_two_ranks_match(one, fsdp2):
     assert [rank["image_tokens_seen"] for rank in one.ranks + fsdp2.ranks] == [TOKENS] * 3
 
 
+def _most_of_the_tower_moved(model_dir, output) -> None:
+    """Most of the Qwen class's vision tower tensors (model.visual) differ after training: the pixels reached it."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    before = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    after = AutoModelForImageTextToText.from_pretrained(output, dtype=torch.float32).state_dict()
+    tower = [k for k in before if k.startswith("model.visual")]
+    assert tower and sum(not torch.equal(before[k], after[k]) for k in tower) > len(tower) // 2
+
+
 @pytest.mark.multiprocess
 def test_qwen25_vl_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(image_runs, tiny_qwen_vl):
     """A second architecture through the same path: Qwen2.5-VL's processor built without its video processor, its
     windowed vision tower and M-RoPE positions. One process's loss falls over 6 steps and the tower moved; 2 FSDP2
     ranks (the vision blocks wrapped as their own units) give its losses within 1e-3; every rank counted the plan's
     4 tokens an image; the output keeps the processor under its own class name."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
     one, fsdp2 = image_runs("qwen-one"), image_runs("qwen-fsdp2")
     _falls_and_two_ranks_match(one, fsdp2)
-    before = AutoModelForImageTextToText.from_pretrained(tiny_qwen_vl[0], dtype=torch.float32).state_dict()
-    after = AutoModelForImageTextToText.from_pretrained(one.output, dtype=torch.float32).state_dict()
-    tower = [k for k in before if k.startswith("model.visual")]
-    assert tower and sum(not torch.equal(before[k], after[k]) for k in tower) > len(tower) // 2
+    _most_of_the_tower_moved(tiny_qwen_vl[0], one.output)
     saved = json.loads((Path(one.output) / "processor_config.json").read_text())
     assert saved["processor_class"] == "Qwen2_5_VLProcessor"
 
@@ -448,12 +454,15 @@ def test_qwen35_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(im
     Qwen3_5ForConditionalGeneration (its processor also built without torchvision, its hybrid gated-delta-net /
     attention language model). One process's loss falls over 6 steps and the tower moved; 2 FSDP2 ranks give its
     losses within 1e-3; every rank counted the plan's 4 tokens an image."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
     one, fsdp2 = image_runs("qwen35-one"), image_runs("qwen35-fsdp2")
     _falls_and_two_ranks_match(one, fsdp2)
-    before = AutoModelForImageTextToText.from_pretrained(tiny_qwen35[0], dtype=torch.float32).state_dict()
-    after = AutoModelForImageTextToText.from_pretrained(one.output, dtype=torch.float32).state_dict()
-    tower = [k for k in before if k.startswith("model.visual")]
-    assert tower and sum(not torch.equal(before[k], after[k]) for k in tower) > len(tower) // 2
+    _most_of_the_tower_moved(tiny_qwen35[0], one.output)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", ["qwen-ddp", "qwen-zero3", "qwen35-zero3"])
+def test_the_qwen_classes_on_two_ddp_or_zero3_ranks_give_one_process_losses(image_runs, run):
+    """The Qwen classes on the other engines: 2 DDP ranks (Qwen2.5-VL), 2 ZeRO-3 ranks partitioning the tower with
+    the rest (Qwen2.5-VL, Qwen3.5's whole image-text class) give one process's losses within 1e-3, every rank
+    counting the plan's 4 tokens an image."""
+    _falls_and_two_ranks_match(image_runs(f"{run.split('-')[0]}-one"), image_runs(run))
