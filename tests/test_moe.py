@@ -569,3 +569,60 @@ def test_check_finds_autoep_asked_of_a_model_it_cannot_split(name, section, frag
         assert lines == []
     else:
         assert len(lines) == 1 and "error" in lines[0] and fragment in lines[0], lines
+
+
+QUANTIZED_FIX = {"gpt-oss-20b": "quantization_config=Mxfp4Config(dequantize=True)",
+                 "deepseek-v3": "quantization_config=FineGrainedFP8Config(dequantize=True)"}
+
+
+@pytest.mark.parametrize("name, zero, dequantize, refused", [
+    # MXFP4 (GPT-OSS's published config): Mxfp4HfQuantizer.is_trainable is False, so adapters are refused too
+    ("gpt-oss-20b", 3, None, "and, as Mxfp4HfQuantizer.is_trainable is False, with them"),
+    ("gpt-oss-20b", 2, True, None),  # the checkpoint's own quantization_config says dequantize
+    # fine-grained FP8 (DeepSeek-V3's published config): trainable with adapters, not in full
+    ("deepseek-v3", 2, None, "(LoRA on it trains)"),
+])
+def test_check_finds_a_quantized_checkpoint_nothing_loads_dequantized(name, zero, dequantize, refused, tmp_path,
+                                                                       capsys):
+    """`check ds.json --model M` of a checkpoint stored MXFP4 / FP8 (its config.json's quantization_config, a method
+    whose transformers config takes `dequantize`): the HF Trainer would refuse it as loaded (transformers'
+    validate_quantization_for_training), so one warning names the problem and the fix, the config class read
+    from transformers' own mapping; under ZeRO-3 it adds that each rank dequantizes the whole model. Nothing is
+    said once the quantization_config asks for dequantize, and transformers' own log line does not leak."""
+    config = json.loads((ARCH / f"{name}.json").read_text())
+    if dequantize:
+        config["quantization_config"]["dequantize"] = True
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**ZERO3, "zero_optimization": {"stage": zero, "leaf_module": {"classes": ["x"]}}}))
+    capsys.readouterr()
+    main(["check", str(ds), "--model", str(model), "--gpus", "8xH100-80GB"])
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if "quantization_config" in line]
+    if refused is None:
+        assert lines == []
+        return
+    assert len(lines) == 1 and "warning" in lines[0], lines
+    assert "quantized (its config.json's quantization_config) and nothing here loads it dequantized" in lines[0]
+    assert refused in lines[0] and QUANTIZED_FIX[name] in lines[0]
+    assert ("each rank still loads and dequantizes the whole model" in lines[0]) == (zero == 3)
+
+
+def test_a_quantized_checkpoint_a_lora_plan_can_train_gets_no_finding():
+    """FP8's quantizer is trainable: LoRA on the quantized base passes the Trainer's check, full fine-tuning does
+    not; MXFP4's is not, whatever the method; bitsandbytes (no `dequantize` in its config) is QLoRA's on purpose."""
+    from toolkit.check.quantized import quantized_checkpoint_problem
+
+    def found(name, method, quantization=None):
+        config = json.loads((ARCH / f"{name}.json").read_text())
+        if quantization:
+            config["quantization_config"] = quantization
+        return quantized_checkpoint_problem(config, "plan.json", model=name, params=10**9, method=method,
+                                            zero3=False) is not None
+
+    assert not found("deepseek-v3", "lora") and found("deepseek-v3", "full")
+    assert found("gpt-oss-20b", "lora") and found("gpt-oss-20b", "full")
+    assert not found("qwen3-0.6b", "full")
+    assert not found("qwen3-0.6b", "full", {"quant_method": "bitsandbytes", "load_in_4bit": True})

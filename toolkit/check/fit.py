@@ -321,20 +321,26 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
 
 
 def _lone_json_leaf_problem(path: str, spec) -> list[Problem]:
-    """The MoE findings for a DeepSpeed JSON (leaf modules, AutoEP) or accelerate YAML (leaf modules) given with
-    --model (a plan folder's JSON gets the leaf-module one from the folder check, with the plan's model)."""
+    """The model findings for a DeepSpeed JSON (leaf modules, AutoEP, a quantized checkpoint) or accelerate YAML
+    (leaf modules, a quantized checkpoint) given with --model (a plan folder gets them from the folder check, with
+    the plan's model)."""
     from toolkit.check.moe import autoep_problems, leaf_module_problem, yaml_leaf_module_problem
+    from toolkit.check.quantized import quantized_checkpoint_problem
 
     p = Path(path)
     if p.is_dir():
         return []
     config = read_config(p)
-    if p.suffix != ".json":
-        found = yaml_leaf_module_problem(config, p, model=spec.name, moe_block=spec.moe_block)
-    elif is_plan_json(config):
+    if p.suffix == ".json" and is_plan_json(config):
         return []
-    else:
-        found = leaf_module_problem(config, path, model=spec.name, moe_block=spec.moe_block)
-        return ([found] if found else []) + autoep_problems(config, path, model=spec.name,
-                                                             model_type=spec.model_type, experts=spec.moe_experts)
-    return [found] if found else []
+    is_json = p.suffix == ".json"
+    zero = (config.get("zero_optimization") if is_json else None) or {}
+    quantized = quantized_checkpoint_problem(spec.config_dict(), path, model=spec.name, params=spec.params,
+                                             method=None, zero3=isinstance(zero, dict) and zero.get("stage") == 3)
+    if not is_json:
+        found = yaml_leaf_module_problem(config, p, model=spec.name, moe_block=spec.moe_block)
+        return [f for f in (found, quantized) if f]
+    found = leaf_module_problem(config, path, model=spec.name, moe_block=spec.moe_block)
+    return [f for f in (found, quantized) if f] + autoep_problems(config, path, model=spec.name,
+                                                                  model_type=spec.model_type,
+                                                                  experts=spec.moe_experts)

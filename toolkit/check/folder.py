@@ -75,6 +75,16 @@ def plan_leaf_problem(config: dict[str, Any], file: str, plan: Plan) -> Problem 
     return leaf_module_problem(config, file, model=plan.model, moe_block=block)
 
 
+def plan_quantized_problems(plan: Plan, plan_path: Path) -> list[Problem]:
+    """The quantized-checkpoint finding (toolkit.check.quantized) for the plan's model and method."""
+    from toolkit.check.quantized import quantized_checkpoint_problem
+
+    found = quantized_checkpoint_problem(plan.model_config, str(plan_path), model=plan.model, params=plan.params,
+                                         method=plan.method,
+                                         zero3=plan.engine == Engine.DEEPSPEED and plan.zero_stage == 3)
+    return [found] if found else []
+
+
 def plan_json_consistency(config: dict[str, Any], file: str, plan: Plan, *, runner: str | None = None
                           ) -> list[Problem]:
     out: list[Problem] = []
@@ -315,7 +325,8 @@ def check_plan_dir(directory: Path, *, gpus: tuple[int, int] | None) -> list[Pro
     out: list[Problem] = (plan_adapter_problems(plan, plan_path) + plan_position_problems(plan, plan_path)
                           + plan_attention_problems(plan, directory) + plan_dpo_problems(plan, directory)
                           + plan_grpo_problems(plan, directory)
-                          + plan_sharding_problems(plan, directory) + plan_rope_problems(plan, directory))
+                          + plan_sharding_problems(plan, directory) + plan_rope_problems(plan, directory)
+                          + plan_quantized_problems(plan, plan_path))
     yaml_path = directory / ACCELERATE_CONFIG
     json_path = directory / DS_CONFIG
     checked: list[dict[str, Any]] = []  # the configs already judged (one finding per problem, not per copy)
