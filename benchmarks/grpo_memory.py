@@ -4,11 +4,12 @@
 
 In one process, a tiny Llama (random weights, fp32, eager CPU kernels) is trained by TRL's own GRPOTrainer with a
 rule reward, once in fp32 (bf16=False) and once under bf16 autocast (bf16=True, GRPOConfig's own default, fp32
-weights and optimizer; on CPU torch's bf16 autocast): its own _prepare_inputs generates and scores the completions (outside the measurement), then the
-training phase, TRL's compute_loss on those inputs, backward and the AdamW step, runs under torch's MemTracker
-after one unmeasured step (the optimizer's states exist). The prediction is toolkit.estimate.memory.estimate_memory
-for the same job (DDP on one GPU, precision fp32 or bf16, device kind cpu, GRPO with the measured prompt length and the forced
-completion length), its training-phase peak (the phase before generation is added).
+weights and optimizer; on CPU torch's bf16 autocast): its own _prepare_inputs generates and scores the completions
+(outside the measurement), then the training phase, TRL's compute_loss on those inputs, backward and the AdamW
+step, runs under torch's MemTracker after one unmeasured step (the optimizer's states exist). The prediction is
+toolkit.estimate.memory.estimate_memory for the same job (DDP on one GPU, precision fp32 or bf16, device kind cpu,
+GRPO with the measured prompt length and the forced completion length), its training-phase peak (the phase before
+generation is added).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def measure(model_dir: Path, precision: str, sequences: int, generations: int, c
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=sequences, num_generations=generations,
                           max_completion_length=completion, generation_kwargs={"min_new_tokens": completion},
-                          beta=0.0, loss_type="grpo", use_cpu=True, bf16=precision == "bf16", report_to=[], save_strategy="no",
+                          beta=0.0, loss_type="grpo", use_cpu=True, bf16=precision == "bf16", report_to=[],
+                          save_strategy="no",
                           steps_per_generation=1, logging_steps=1000)
         trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=args, train_dataset=prompts,
                               processing_class=tokenizer)

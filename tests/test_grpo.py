@@ -283,3 +283,49 @@ def test_vllm_tensor_parallel_splits_its_weights_and_moves_the_window():
     half_weights = one.model.params * 2 / 2 / one.memory.capacity_bytes
     assert abs((low(one) - low(two)) - half_weights) < 0.01
     assert two.timing.generation_s < one.timing.generation_s
+
+
+@pytest.mark.parametrize("prompt, completion", [(10, 20), (30, 5), (4, 1)])
+def test_decode_reads_what_transformers_hands_each_layers_attention(prompt, completion):
+    """A real generate on a tiny Gemma-3 (sliding window 16 and full-attention layers, random weights): over the
+    decode steps (one token fed), the keys each cache layer's update hands the attention, KV heads x tokens x head
+    dim summed, equal decode_read_width: a sliding layer reads at most its window, a full one every token. Counting
+    every layer dense (the KV cache at its end, the step time's earlier rule) reads more once a prompt + completion
+    passes the window."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    from transformers import cache_utils
+
+    from toolkit.estimate.grpo import decode_read_width
+    from toolkit.inputs.modelspec import build_spec
+
+    config = Gemma3TextConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"] * 2)
+    spec = build_spec("tiny-gemma3-sliding", config)
+    assert spec.layer_cache_windows == (16, None, 16, None)
+    read = []
+
+    def recording(update):
+        def wrapped(self, key_states, value_states, *args, **kwargs):
+            keys, values = update(self, key_states, value_states, *args, **kwargs)
+            if key_states.shape[-2] == 1:  # a decode step: one token fed
+                read.append(keys.shape[1] * keys.shape[2] * keys.shape[3])
+            return keys, values
+        return wrapped
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    originals = {cls: cls.__dict__["update"]
+                 for cls in (cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer)}
+    try:
+        for cls, update in originals.items():
+            cls.update = recording(update)
+        model.generate(torch.randint(1, 256, (3, prompt)), max_new_tokens=completion, min_new_tokens=completion,
+                       do_sample=False, pad_token_id=0)
+    finally:
+        for cls, update in originals.items():
+            cls.update = update
+    assert sum(read) == decode_read_width(spec, prompt, completion)
+    dense = spec.kv_width * sum(prompt + j for j in range(1, completion))
+    assert (dense > sum(read)) == (prompt + completion > 17)

@@ -10,8 +10,9 @@ supervised step on prompt + completion sequences (docs/ENGINE_FACTS.md, "GRPO"):
 - vLLM server: generation runs on other GPUs (a `trl vllm-serve` process), nothing on these;
 - the reference (beta != 0) as toolkit.estimate.preference.reference_of places it.
 
-Generation time is decode: every new token reads the weights and the KV cache from HBM once per step, so a step of
-the whole batch takes (weight bytes + KV bytes) / HBM bandwidth; no published GRPO row backs it ('no band').
+Generation time is decode: every new token reads the weights and the keys and values its attention reads (a sliding
+layer at most its window, decode_read_width) from HBM once per step, so a step of the whole batch takes (weight
+bytes + those KV bytes) / HBM bandwidth; no published GRPO row backs it ('no band').
 
 The generator's weights (generator_weight_bytes) are the policy's as it is held: a LoRA / QLoRA policy generates with
 its frozen base and adapters, and a QLoRA base reads its 4-bit codes: without gradients bitsandbytes' matmul_4bit
@@ -69,6 +70,22 @@ def generate_cache_bytes(spec: ModelSpec, sequences: int, prompt: int, completio
     every token holds kv_cache_bytes at the end."""
     end = cached_tokens(prompt, completion)
     return 2 * sequences * dtype_bytes * max(cache_width(spec, prompt, prompt), cache_width(spec, end, 1))
+
+
+def decode_read_width(spec: ModelSpec, prompt: int, completion: int) -> int:
+    """KV heads x head dim x tokens the attention reads, summed over the decoder layers and over generate's decode
+    steps. The prefill samples the first completion token; decode step j (1 to completion - 1) feeds the j-th, so
+    a full-attention layer attends over prompt + j tokens and a sliding-window layer over min(prompt + j, window):
+    what DynamicSlidingWindowLayer.update hands the attention (cache_width with one token fed). A layer with no
+    cache of its own (window 0: KV-shared or attention-free) is counted dense, every token: an upper bound, since
+    a KV-shared layer reads its source's cache, full or sliding."""
+    n = completion - 1
+    windows = spec.layer_cache_windows or (None,) * spec.num_layers
+    total = 0
+    for (_, kv, d), w in zip(spec.attention_shapes(), windows):
+        below = n if not w else min(max(w - prompt - 1, 0), n)  # steps whose prompt + j is under the window
+        total += kv * d * (below * prompt + below * (below + 1) // 2 + (n - below) * (w or 0))
+    return total
 
 
 def cached_tokens(prompt: int, completion: int) -> int:
@@ -217,19 +234,24 @@ def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: P
     weights = generator_weight_bytes(spec, job, vllm=grpo.use_vllm)
     tp = grpo.vllm_tensor_parallel_size if grpo.generation == COLOCATE else 1
     # Each decode step reads every weight once (a vLLM tensor-parallel rank its 1/tp, for tp x the sequences, whose
-    # KV heads it holds 1/tp of) and, on average, half the final KV cache.
-    per_token_bytes = weights + kv_cache_bytes(spec, seqs, cached_tokens(grpo.max_prompt_length,
-                                                                         grpo.max_completion_length), cb) / 2
-    per_token_bytes -= weights - weights / tp
-    decode_s = grpo.max_completion_length * per_token_bytes / (hw.gpu.hbm_gbps * 1e9)
-    said = [f"GRPO generation: {grpo.max_completion_length} decode steps of {seqs} sequences, each reading "
-            f"{per_token_bytes / GIB:.2f} GiB (weights + half the KV cache) at {hw.gpu.hbm_gbps:g} GB/s HBM = "
+    # KV heads it holds 1/tp of) and the keys and values its attention reads (decode_read_width: sliding layers at
+    # most their window; vLLM's kernels taken to read the same window).
+    steps = grpo.max_completion_length - 1
+    decode_bytes = steps * weights / tp + 2 * seqs * cb * decode_read_width(spec, grpo.max_prompt_length,
+                                                                             grpo.max_completion_length)
+    per_token_bytes = decode_bytes / steps if steps else 0.0
+    decode_s = decode_bytes / (hw.gpu.hbm_gbps * 1e9)
+    windowed = ", sliding layers at most their window" if any(spec.layer_cache_windows) else ""
+    said = [f"GRPO generation: {steps} decode steps of {seqs} sequences after the prefill, each reading "
+            f"{per_token_bytes / GIB:.2f} GiB on average (weights + the KV cache its attention reads{windowed}) at "
+            f"{hw.gpu.hbm_gbps:g} GB/s HBM = "
             f"{decode_s:.2f} s, plus the prompts' prefill {prefill_s:.2f} s; decode is memory-bound, so this is a "
             "lower bound (transformers generate adds per-token launch and Python overheads); no band: no published "
             "GRPO step is scored"]
     gather_s = 0.0
     if grpo.generation == GENERATE and strategy.engine == Engine.FSDP2 and grid.shard_group > 1:
-        # FSDP2 all-gathers each layer in every decode step's forward (no summon for FSDP2).
+        # FSDP2 all-gathers each layer in every forward of generate, the prefill's and each decode step's (no
+        # summon for FSDP2).
         gather_s = grpo.max_completion_length * ring_s(sharded_weight_bytes(spec, job), grid.shard_group,
                                                        group_bandwidth(hw, grid.shard_group), 1)
         said.append(f"GRPO generation under FSDP2: every decode step all-gathers the sharded weights, "
