@@ -103,6 +103,18 @@ def adapter_of(job_in: dict, spec):
     return adapter_for_model(spec, Adapter(**fields), dropout_given=True)
 
 
+def zero_reduce_bucket(job_in: dict) -> int:
+    """Job.zero_reduce_bucket for a row: an accelerate YAML's inline deepspeed_config ("zero_config":
+    "accelerate-inline") becomes a zero_optimization block of stage, offload and save keys only (accelerate
+    utils/dataclasses.py DeepSpeedPlugin), so reduce_bucket_size is DeepSpeed's own default; 0 (the HF Trainer's
+    "auto" fill) for every other row."""
+    if job_in.get("zero_config") != "accelerate-inline":
+        return 0
+    from toolkit.engines.readers import zero_default
+
+    return zero_default("reduce_bucket_size")
+
+
 def estimate_row(row: dict) -> dict:
     """Our figures for one published row."""
     from toolkit.inputs.hardware import parse_hardware
@@ -120,7 +132,8 @@ def estimate_row(row: dict) -> dict:
               attention=job_in["attention"], device_kind="cuda", optimizer_impl=job_in["optimizer_impl"],
               activation_offloading=job_in["activation_offloading"], liger=job_in.get("liger", False),
               compile=job_in.get("compile", False), chunked_loss=chunked_loss(job_in.get("loss", "full-fp32")),
-              allocator_conf=job_in.get("allocator_conf", ""), adapter=adapter_of(job_in, spec))
+              allocator_conf=job_in.get("allocator_conf", ""), adapter=adapter_of(job_in, spec),
+              zero_reduce_bucket=zero_reduce_bucket(job_in))
     strategy = parse_strategy(job_in["strategy"])
     check_job(spec, job, hw, strategy)  # what `toolkit estimate` refuses for this job is not scored
     b = estimate_memory(spec, strategy, job, hw)
@@ -386,11 +399,12 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
             "device_map) after one caching_allocator_warmup block of its weights' bytes, DeepSpeed's partitioning "
             "frees the whole weights inside that segment, and nothing empties the cache, so the segment stays "
             "reserved (docs/ENGINE_FACTS.md, QLoRA under FSDP2 / ZeRO-3); the replay now holds it (-20.8% before, "
-            "at 9284e44). The LoRA run is built partitioned inside zero.Init, with no such load; what its reading "
-            "holds beyond ours is not established (one candidate read from the config: accelerate's inline "
-            "deepspeed_config leaves reduce_bucket_size at DeepSpeed's own 5e8 elements, a 0.93 GiB bf16 IPG "
-            "buffer, where the estimate assumes the HF Trainer's hidden x hidden fill, 0.125 GiB). Nothing was "
-            "fitted to either row.")
+            "at 9284e44). Both rows run accelerate's inline deepspeed_config, which leaves reduce_bucket_size at "
+            "DeepSpeed's own 5e8 elements (a 0.93 GiB bf16 IPG buffer, where toolkit's JSON asks for the HF "
+            "Trainer's hidden x hidden, 0.125 GiB): estimated so (zero_reduce_bucket), it moves the LoRA row from "
+            "-15.1% and leaves the QLoRA row, whose buffer lands in the warmup segment. The LoRA run is built "
+            "partitioned inside zero.Init, with no such load; what else its reading holds beyond ours is not "
+            "established. Nothing was fitted to either row.")
 
 
 def source_of(row_id: str) -> str:

@@ -219,3 +219,19 @@ def test_checkpointing_is_spelled_the_same_in_every_command(capsys):
         assert parser.parse_args(argv).checkpointing == expected, argv
     assert main(["estimate", "gpt2", "--checkpointing", "maybe"]) == 2
     assert "give on, off or op" in capsys.readouterr().err
+
+
+def test_a_config_without_reduce_bucket_size_gets_deepspeeds_5e8_element_buffer(llama7b):
+    """accelerate's inline deepspeed_config leaves reduce_bucket_size to DeepSpeed (DeepSpeedZeroConfig: 5e8), and
+    ZeRO-3 allocates its IPG buffer of that many bf16 elements at engine start; the HF "auto" fill is h x h."""
+    from toolkit.engines.readers import zero_default
+
+    assert zero_default("reduce_bucket_size") == 500_000_000
+    assert zero_default("stage3_prefetch_bucket_size") == 50_000_000  # by alias
+    job = Job(seq_len=8)
+    auto = zero_states(llama7b.params, job, parse_strategy("zero3"), dp=8, hidden=4096, largest_layer=0)
+    inline = zero_states(llama7b.params, Job(seq_len=8, zero_reduce_bucket=500_000_000), parse_strategy("zero3"),
+                         dp=8, hidden=4096, largest_layer=0)
+    assert auto.buffers == 4096 * 4096 * 2
+    assert inline.buffers == 500_000_000 * 2
+    assert "5e+08-element reduce bucket" in inline.sources[0] and "h^2" in auto.sources[0]

@@ -104,6 +104,16 @@ class ZeroSettings:
     """(name in the file, what DeepSpeed says to use instead)."""
 
 
+def zero_default(name: str) -> int:
+    """DeepSpeed's own default for a zero_optimization key its config leaves out (DeepSpeedZeroConfig's field, by
+    name or alias: reduce_bucket_size 5e8, stage3_prefetch_bucket_size 5e7, ...)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    field = fields.get(name) or next(f for f in fields.values() if f.alias == name)
+    return int(field.default)
+
+
 def zero_settings(zero: dict[str, Any]) -> ZeroSettings | None:
     """None when DeepSpeed refuses the block (DeepSpeedConfig then reports why)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

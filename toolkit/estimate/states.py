@@ -139,7 +139,8 @@ def ddp_saved_module_states(s: States, P: int, job: Job, *, param_bytes: int, wo
 def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, largest_layer: int,
                 factored_elems: int | None = None) -> States:
     """DeepSpeed ZeRO stage 1/2/3 with the HF Trainer's "auto" bucket sizes (reduce_bucket_size = h*h,
-    stage3_prefetch_bucket_size = 0.9*h*h; accelerate/transformers fill formulas).
+    stage3_prefetch_bucket_size = 0.9*h*h; accelerate/transformers fill formulas), or the config's own
+    reduce_bucket_size (job.zero_reduce_bucket).
 
     Mixed precision: the module is cast to bf16/fp16 (2 B/param), fp32 master partition 4P/N, optimizer states
     /N, and the fp32 gradient partition (stage_1_and_2.py step(): flat_grad_partition.to(fp32), freed per group
@@ -155,7 +156,8 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
     master = 0.0 if job.precision == "bf16-pure" else 4 * P / N
     # fp32 runs still clone an fp32 partition (single_partition_of_fp32_groups is a .clone().float()).
     fp32_grad = 4 * P / N if job.precision != "bf16-pure" else 0.0
-    bucket = float(hidden * hidden)
+    bucket = float(job.zero_reduce_bucket or hidden * hidden)
+    bucket_words = f"{job.zero_reduce_bucket:.3g}-element" if job.zero_reduce_bucket else "h^2"
     s = States(autocast=False)
     off_opt = strategy.offload_optimizer != "none"
     off_par = strategy.offload_params != "none"
@@ -172,7 +174,7 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
             s.backward_gradients = 0.0 if off_opt else P * pb / N
             s.backward_buffers = bucket * pb
             s.sources.append(f"ZeRO-2: {pb} B/param weights, {pb}P/N grad partition from backward to the step, "
-                             "one h^2 reduce bucket in backward")
+                             f"one {bucket_words} reduce bucket in backward")
     else:
         s.parameters = 0.0 if off_par else P * pb / N
         s.gradients = 0.0 if off_opt else P * pb / N
@@ -182,10 +184,11 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
         # capped by stage3_max_live_parameters (1e9) and the model (partitioned_param_coordinator.py; measured
         # on CPU: the whole small model stays gathered, benchmarks/results/distributed_memory.md).
         s.gathered = min(float(P), 1e9, 0.5e9 + largest_layer + 0.9 * hidden * hidden) * pb
-        # One persistent reduce bucket of reduce_bucket_size elements (stage3.py __init__).
+        # One persistent reduce bucket: the IPG buffer, torch.empty(reduce_bucket_size) in the communication dtype,
+        # made at engine start when contiguous_gradients (default True; DeepSpeed 0.19.8 stage3.py __init__).
         s.buffers = bucket * pb
         s.sources.append(f"ZeRO-3: {pb}P/N params + {pb}P/N grads, gathered params kept for reuse "
-                         "(up to 1e9), one h^2 reduce bucket")
+                         f"(up to 1e9), one {bucket_words} reduce bucket")
     if off_opt:
         host = master + opt + fp32_grad
         if off_par:

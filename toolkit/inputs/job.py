@@ -127,6 +127,11 @@ class Job:
     grpo: Grpo | None = None
     """RL objective: TRL's GRPO (toolkit.inputs.grpo); seq_len is then its prompt + completion, and micro_batch counts
     completions (per_device_train_batch_size). None: not GRPO."""
+    zero_reduce_bucket: int = 0
+    """DeepSpeed's reduce_bucket_size (elements) where the run's config is not toolkit's own; 0: the HF Trainer's
+    "auto" fill, hidden x hidden (toolkit.emit.deepspeed.zero_buckets), what the emitted JSON asks for. A config that
+    leaves the key out (accelerate's inline deepspeed_config) runs DeepSpeed's default (toolkit.engines.readers
+    .zero_default). ZeRO-2's backward bucket and ZeRO-3's IPG buffer are this many elements. Estimate only."""
     allocator_conf: str = ""
     """PYTORCH_CUDA_ALLOC_CONF the step runs with ("" = torch's defaults): the reserved-memory replay takes it
     (toolkit.estimate.reserved). estimate and plan fill it from toolkit.inputs.allocconf (the user's environment,
@@ -145,6 +150,8 @@ class Job:
         if not isinstance(self.allocator_conf, str) or not ALLOC_CONF_PATTERN.fullmatch(self.allocator_conf):
             raise UserError(f"PYTORCH_CUDA_ALLOC_CONF {self.allocator_conf!r} is not of the form key:value,key:value "
                             "(letters, digits, _ . : ,); fix or unset it")
+        if not isinstance(self.zero_reduce_bucket, int) or self.zero_reduce_bucket < 0:
+            raise UserError(f"reduce_bucket_size must be a non-negative integer, got {self.zero_reduce_bucket!r}")
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         check_choice("--vision-tower", self.vision_tower, VISION_TOWER_MODES)
         if problem := images_problem(self.images_per_sample, self.image_size, self.image_tokens, self.seq_len):
