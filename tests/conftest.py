@@ -182,6 +182,49 @@ def run_training(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="session")
+def runs_side_by_side(run_training):
+    """run_training's runs started together and waited for: {name: (plan, name of its folder, *train_argv)} ->
+    {name: TrainRun}, not checked, the keyword options (timeout) given to each. CI's stage 2 runs one test at a time,
+    and a one-process run alone leaves the second core idle: beside a 2-rank run, or another one-process run, it
+    fills it. Each run gets a port of its own for its rendezvous."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from toolkit.run.launcher import free_port
+
+    def start(runs: dict[str, tuple], **options) -> dict[str, TrainRun]:
+        ports: set[int] = set()
+        while len(ports) < len(runs):
+            ports.add(free_port())
+        with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+            futures = {name: pool.submit(run_training, *run, main_port=port, **options)
+                       for (name, run), port in zip(runs.items(), sorted(ports))}
+        return {name: future.result() for name, future in futures.items()}
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def runs_by_name(runs_side_by_side):
+    """A module's runs, each started when a test first asks for it by name, kept, and checked:
+    `get = runs_by_name(arguments, together=[("ref", "ddp")], timeout=600)`, where arguments(name) gives
+    run_training's arguments (plan, folder name, *train_argv); the names of a group in `together` start side by side
+    (runs_side_by_side) when one of them is asked for."""
+
+    def make(arguments, together=(), **options):
+        cache: dict[str, TrainRun] = {}
+
+        def get(name: str) -> TrainRun:
+            if name not in cache:
+                names = next((group for group in together if name in group), (name,))
+                cache.update(runs_side_by_side({n: arguments(n) for n in names}, **options))
+            return cache[name].check()
+
+        return get
+
+    return make
+
+
 @pytest.fixture
 def train_in_process(tmp_path_factory, capsys):
     """toolkit.train's entry (`python -m toolkit.train`'s main) called in this process, for runs that stop at bad

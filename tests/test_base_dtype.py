@@ -252,22 +252,18 @@ FSDP2_STEPS = ("--max-steps", "4", "--logging-steps", "1", "--save-steps", "4", 
 
 
 @pytest.fixture(scope="module")
-def fsdp2_fp32_base_runs(run_training, tiny_llama_dir, corpus_dir):
+def fsdp2_fp32_base_runs(runs_side_by_side, tiny_llama_dir, corpus_dir):
     """FSDP2 LoRA on an fp32 base under bf16 mixed precision: 2 gloo ranks (micro-batch 2) and the same plan in one
     process (micro-batch 4: the same global batch), started side by side. Returns (2-rank plan, 1-process run,
     2-rank run)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from toolkit.run.launcher import free_port
     from toolkit.run.rehearsal import plan_for_model
 
     adapter = Adapter(method="lora", r=4, alpha=8, dropout=0.0, base_dtype="fp32").to_dict()
     plans = {world: plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=world, micro_batch=4 // world, seq_len=32,
                                    precision="bf16").replace(method="lora", adapter=adapter) for world in (1, 2)}
-    with ThreadPoolExecutor(2) as pool:
-        runs = {world: pool.submit(run_training, plans[world], f"fsdp2-fp32-base-{world}", "--data", str(corpus_dir),
-                                   *FSDP2_STEPS, main_port=free_port()) for world in (1, 2)}
-        return plans[2], runs[1].result().check(), runs[2].result().check()
+    runs = runs_side_by_side({world: (plans[world], f"fsdp2-fp32-base-{world}", "--data", str(corpus_dir),
+                                      *FSDP2_STEPS) for world in (1, 2)})
+    return plans[2], runs[1].check(), runs[2].check()
 
 
 @pytest.mark.multiprocess

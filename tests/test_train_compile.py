@@ -13,11 +13,8 @@ side by side, for the same CPU time.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from toolkit.run.launcher import free_port
 from toolkit.run.rehearsal import plan_for_model
 
 STEPS = 3
@@ -33,26 +30,21 @@ def _plan(model_dir, strategy, *, world=2, micro=2, accum=1):
 
 
 @pytest.mark.multiprocess
-def test_compiled_training_matches_eager_losses_under_ddp_zero2_and_fsdp2(run_training, tiny_llama_dir,
+def test_compiled_training_matches_eager_losses_under_ddp_zero2_and_fsdp2(runs_side_by_side, tiny_llama_dir,
                                                                          corpus_dir, monkeypatch):
     # Each rank compiles in its own process (no pool of compile workers, each an interpreter importing torch, per
     # rank on two cores): the kernels are the same.
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     engines = (("ddp", 2, 1), ("zero2", 1, 2), ("fsdp2", 2, 1))
-    ports = set()
-    while len(ports) < len(engines):
-        ports.add(free_port())
-    with ThreadPoolExecutor(max_workers=len(engines) + 1) as pool:
-        eager_run = pool.submit(run_training, _plan(tiny_llama_dir, "ddp", world=1, micro=4), "eager", "--data",
-                                str(corpus_dir), *COMMON, timeout=1200)
-        compiled = {strategy: pool.submit(run_training, _plan(tiny_llama_dir, strategy, micro=micro, accum=accum),
-                                          f"compiled-{strategy}", "--data", str(corpus_dir), *COMMON, "--compile",
-                                          timeout=1200, main_port=port)
-                    for (strategy, micro, accum), port in zip(engines, sorted(ports))}
-    eager = eager_run.result().check().losses()
+    runs = runs_side_by_side(
+        {"eager": (_plan(tiny_llama_dir, "ddp", world=1, micro=4), "eager", "--data", str(corpus_dir), *COMMON),
+         **{strategy: (_plan(tiny_llama_dir, strategy, micro=micro, accum=accum), f"compiled-{strategy}", "--data",
+                       str(corpus_dir), *COMMON, "--compile") for strategy, micro, accum in engines}},
+        timeout=1200)
+    eager = runs.pop("eager").check().losses()
     assert len(eager) == STEPS
-    for strategy, future in compiled.items():
-        run = future.result().check()
+    for strategy, run in runs.items():
+        run.check()
         assert all(rank["compiled_graphs"] > 0 for rank in run.ranks), strategy
         got = run.losses()
         assert got.keys() == eager.keys(), (strategy, got)

@@ -39,29 +39,29 @@ def _args(corpus_dir, *extra):
 
 
 def _plan(model_dir, name: str):
+    """RUNS[name]'s plan, or for "ref" the single process every run must reproduce (micro 4 x accumulation 1)."""
+    if name == "ref":
+        return plan_for_model(model_dir, "ddp", gpus_per_node=1, micro_batch=4, seq_len=SEQ)
     strategy, world, micro, accum, tensor, sequence, fields = RUNS[name]
     return plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, grad_accum=accum,
                           seq_len=SEQ, tensor=tensor, sequence=sequence).replace(**fields)
 
 
 @pytest.fixture(scope="module")
-def reference(run_training, tiny_llama_dir, corpus_dir):
-    plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=4, seq_len=SEQ)
-    return run_training(plan, "dims-ref", *_args(corpus_dir)).check()
+def dimension_runs(runs_by_name, tiny_llama_dir, corpus_dir):
+    """Each run once, by name; the single-process reference ("ref") starts beside ZeRO-3 x SP 2's 2 ranks (alone
+    it left a core idle)."""
+    def arguments(name):
+        plan = _plan(tiny_llama_dir, name)
+        assert plan.global_batch == 4
+        return plan, "dims-ref" if name == "ref" else name, *_args(corpus_dir)
+
+    return runs_by_name(arguments, together=[("ref", "zero3-sp2-tiled")], timeout=600)
 
 
 @pytest.fixture(scope="module")
-def dimension_runs(run_training, tiny_llama_dir, corpus_dir):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            plan = _plan(tiny_llama_dir, name)
-            assert plan.global_batch == 4
-            cache[name] = run_training(plan, name, *_args(corpus_dir), timeout=600).check()
-        return cache[name]
-
-    return get
+def reference(dimension_runs):
+    return dimension_runs("ref")
 
 
 @pytest.mark.multiprocess

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from toolkit.errors import UserError
@@ -40,7 +38,7 @@ def pairs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process_runs(run_training, tiny_llama_dir, pairs):
+def one_process_runs(runs_side_by_side, tiny_llama_dir, pairs):
     """The module's three one-process runs, started side by side (one after the other each left a core idle): the
     kept reference ("kept"), the precomputed one ("precomputed"), and the kept one with TRL's activation
     offloading over checkpointed layers ("offloaded": toolkit.patches.actoffload around DPOTrainer.training_step,
@@ -49,10 +47,9 @@ def one_process_runs(run_training, tiny_llama_dir, pairs):
              "precomputed": _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, reference="precomputed"),
              "offloaded": _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2, checkpointing=True)
              .replace(activation_offloading=True)}
-    with ThreadPoolExecutor(max_workers=len(plans)) as pool:
-        runs = {name: pool.submit(run_training, plan, f"dpo-{name}", "--data", str(pairs), *COMMON)
-                for name, plan in plans.items()}
-    return {name: future.result().check() for name, future in runs.items()}
+    runs = runs_side_by_side({name: (plan, f"dpo-{name}", "--data", str(pairs), *COMMON)
+                              for name, plan in plans.items()})
+    return {name: run.check() for name, run in runs.items()}
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ Each run is shared by several tests (one run checks loss, agreement, and the sav
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
@@ -34,14 +32,12 @@ def _args(corpus_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def single_process_runs(run_training, tiny_llama_dir, corpus_dir):
+def single_process_runs(runs_side_by_side, tiny_llama_dir, corpus_dir):
     """The two one-process runs, started side by side (one after the other they left a core idle): micro 4 x
     accumulation 1 ("ref") and micro 2 x accumulation 2 ("accum")."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = {name: pool.submit(run_training, _plan(tiny_llama_dir, "ddp", world=1, micro=micro, accum=accum), name,
-                                  *_args(corpus_dir))
-                for name, micro, accum in (("ref", 4, 1), ("accum", 2, 2))}
-    return {name: future.result() for name, future in runs.items()}
+    return runs_side_by_side({name: (_plan(tiny_llama_dir, "ddp", world=1, micro=micro, accum=accum), name,
+                                     *_args(corpus_dir))
+                              for name, micro, accum in (("ref", 4, 1), ("accum", 2, 2))})
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +47,16 @@ def reference(single_process_runs):
 
 
 @pytest.fixture(scope="module")
-def engine_runs(run_training, tiny_llama_dir, corpus_dir):
+def engine_runs(runs_by_name, tiny_llama_dir, corpus_dir):
     """Each engine once, at global batch 4 (ZeRO-2 as micro 1 x accumulation 2 x 2 ranks)."""
-    cache = {}
+    micro_accum = {"ddp": (2, 1), "zero1": (2, 1), "zero2": (1, 2), "zero3": (2, 1), "zero2-offload": (2, 1),
+                   "fsdp2": (2, 1), "fsdp2-offload": (2, 1)}
 
-    def get(name):
-        if name not in cache:
-            strategy, micro, accum = {"ddp": ("ddp", 2, 1), "zero1": ("zero1", 2, 1), "zero2": ("zero2", 1, 2),
-                                      "zero3": ("zero3", 2, 1), "zero2-offload": ("zero2-offload", 2, 1),
-                                      "fsdp2": ("fsdp2", 2, 1), "fsdp2-offload": ("fsdp2-offload", 2, 1)}[name]
-            plan = _plan(tiny_llama_dir, strategy, micro=micro, accum=accum)
-            cache[name] = run_training(plan, name, *_args(corpus_dir)).check()
-        return cache[name]
+    def arguments(name):
+        micro, accum = micro_accum[name]
+        return _plan(tiny_llama_dir, name, micro=micro, accum=accum), name, *_args(corpus_dir)
 
-    return get
+    return runs_by_name(arguments)
 
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "fsdp2", "fsdp2-offload"]
@@ -205,19 +197,15 @@ def test_tensorboard_gets_loss_throughput_and_per_rank_memory(engine_runs):
 
 
 @pytest.fixture(scope="module")
-def offloading_runs(run_training, tiny_llama_dir, corpus_dir):
+def offloading_runs(runs_by_name, tiny_llama_dir, corpus_dir):
     """ZeRO-3 and FSDP2 with TRL's activation offloading over checkpointed layers (the plan's
     activation_offloading, run by toolkit.train as SFTTrainer runs it: toolkit.patches.actoffload), 2 ranks."""
-    cache = {}
+    def arguments(strategy):
+        plan = plan_for_model(tiny_llama_dir, strategy, gpus_per_node=2, micro_batch=2, seq_len=SEQ,
+                              precision="fp32", checkpointing=True).replace(activation_offloading=True)
+        return plan, f"{strategy}-act-offload", *_args(corpus_dir)
 
-    def get(strategy):
-        if strategy not in cache:
-            plan = plan_for_model(tiny_llama_dir, strategy, gpus_per_node=2, micro_batch=2, seq_len=SEQ,
-                                  precision="fp32", checkpointing=True).replace(activation_offloading=True)
-            cache[strategy] = run_training(plan, f"{strategy}-act-offload", *_args(corpus_dir)).check()
-        return cache[strategy]
-
-    return get
+    return runs_by_name(arguments)
 
 
 @pytest.mark.multiprocess

@@ -24,23 +24,23 @@ def _plan(model_dir, strategy, *, world=2, micro=2):
     return plan.replace(method="lora", adapter=ADAPTER.to_dict())
 
 
-@pytest.fixture(scope="module")
-def lora_reference(run_training, tiny_llama_dir, corpus_dir):
-    return run_training(_plan(tiny_llama_dir, "ddp", world=1, micro=4), "lora-ref", "--data", str(corpus_dir),
-                        *COMMON, "--merge-final").check()
+def _run(model_dir, corpus_dir, name):
+    """run_training's arguments for "ref" (one process, micro 4, the adapter also merged) or an engine's 2 ranks."""
+    if name == "ref":
+        return (_plan(model_dir, "ddp", world=1, micro=4), "lora-ref", "--data", str(corpus_dir), *COMMON,
+                "--merge-final")
+    return _plan(model_dir, name), f"lora-{name}", "--data", str(corpus_dir), *COMMON
 
 
 @pytest.fixture(scope="module")
-def lora_runs(run_training, tiny_llama_dir, corpus_dir):
-    cache = {}
+def lora_runs(runs_by_name, tiny_llama_dir, corpus_dir):
+    """Each run once, by name: the one-process reference ("ref") starts beside DDP's 2 ranks."""
+    return runs_by_name(lambda name: _run(tiny_llama_dir, corpus_dir, name), together=[("ref", "ddp")])
 
-    def get(engine):
-        if engine not in cache:
-            cache[engine] = run_training(_plan(tiny_llama_dir, engine), f"lora-{engine}", "--data", str(corpus_dir),
-                                         *COMMON).check()
-        return cache[engine]
 
-    return get
+@pytest.fixture(scope="module")
+def lora_reference(lora_runs):
+    return lora_runs("ref")
 
 
 def _probe_logits_of_saved_adapter(base_dir, run) -> torch.Tensor:
