@@ -778,3 +778,22 @@ def test_launch_preflight_refuses_the_degree_in_a_zero3_trainer_file(tmp_path):
     validate_ds_config_for_plan(config, plan)
     with pytest.raises(ConfigRejected, match="zero.Init reads sequence_parallel_size 2 .* 32 != 4 \\* 2 \\* 2"):
         validate_ds_config_for_plan({**config, "sequence_parallel_size": 2}, plan)
+
+
+def test_fit_sizes_zero3s_reduce_bucket_as_deepspeed_will(tmp_path):
+    """PEFT's examples/sft ZeRO-3 YAML (an inline deepspeed_config) gives DeepSpeed a zero_optimization block
+    without reduce_bucket_size, so its default 5e8 sizes the IPG buffer; a JSON's "auto" keeps the HF fill (0)."""
+    from toolkit.check.fit import fit_settings
+
+    yaml = tmp_path / "deepspeed_config.yaml"
+    yaml.write_text("compute_environment: LOCAL_MACHINE\ndeepspeed_config:\n  deepspeed_multinode_launcher: standard\n"
+                    "  offload_optimizer_device: none\n  offload_param_device: none\n  zero3_init_flag: true\n"
+                    "  zero3_save_16bit_model: true\n  zero_stage: 3\ndistributed_type: DEEPSPEED\n"
+                    "mixed_precision: bf16\nnum_machines: 1\nnum_processes: 8\n")
+    assert dict(fit_settings(str(yaml)).job_options)["zero_reduce_bucket"] == 500_000_000
+    auto = tmp_path / "auto.json"
+    auto.write_text('{"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}, "bf16": {"enabled": true}}')
+    assert "zero_reduce_bucket" not in dict(fit_settings(str(auto)).job_options)
+    own = tmp_path / "own.json"
+    own.write_text('{"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}, "bf16": {"enabled": true}}')
+    assert dict(fit_settings(str(own)).job_options)["zero_reduce_bucket"] == 200_000_000

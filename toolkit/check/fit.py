@@ -19,7 +19,7 @@ from typing import Any
 
 from toolkit.check.findings import EVERY, Problem
 from toolkit.check.read import is_plan_json, read_config
-from toolkit.engines.readers import _mapping, concrete_int, enabled, quiet_engines, zero_settings
+from toolkit.engines.readers import _mapping, concrete_int, enabled, quiet_engines, zero_default, zero_settings
 from toolkit.errors import UserError
 from toolkit.inputs.strategy import Engine, Strategy, parse_strategy
 
@@ -122,7 +122,12 @@ def _from_deepspeed(ds: dict[str, Any], pins: Pins, source: str, *, yaml_precisi
                 notes.append(f"precision taken as fp32: {source} has no bf16 or fp16 block (the HF Trainer's --bf16 / "
                              "--fp16 or accelerate's --mixed_precision add one); pin it with --precision")
     checkpointing = _checkpointing(pins, None, source, notes)
-    return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes))
+    # ZeRO-2/3's bucket as DeepSpeed will size it: the config's own number, DeepSpeed's default where the config
+    # leaves the key out (accelerate's inline deepspeed_config does), the HF "auto" fill (0) where it says "auto".
+    bucket = block.get("reduce_bucket_size", zero_default("reduce_bucket_size"))
+    size = int(bucket) if isinstance(bucket, (int, float)) and not isinstance(bucket, bool) else 0
+    options = (("zero_reduce_bucket", size),) if stage >= 2 and size else ()
+    return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes), job_options=options)
 
 
 def _checkpointing(pins: Pins, said: bool | None, source: str, notes: list[str]) -> bool:
