@@ -128,6 +128,10 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1,
     if plan.activation_offloading and not offloading:
         said.append("activation offloading: toolkit.train runs TRL's for SFT and DPO plans (GRPOConfig has no such "
                     "field); the rehearsal runs without it")
+    if plan.images_per_sample:
+        said.append(f"images: the rehearsal runs the plan's strategy on text alone ({plan.images_per_sample} x "
+                    f"{plan.image_size} a sample not rehearsed: it has no image data and no processor for the tiny "
+                    "model); run toolkit.train on your image folder for a few steps to try the images")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
     grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
     micro_batch = min(plan.micro_batch, 2)
