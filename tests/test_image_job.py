@@ -361,6 +361,28 @@ def test_plan_json_and_plan_md_carry_the_image_fields(tiny_vl_dir):
     check_matches_plan(load_config(str(tiny_vl_dir)), imaged, str(tiny_vl_dir))
 
 
+def test_plan_md_tells_a_users_script_to_load_qwen35s_image_text_class(tmp_path):
+    """A user's script on a Qwen3.5 image plan must load Qwen3_5ForConditionalGeneration: AutoModelForCausalLM's
+    class for qwen3_5 is the language model alone, which takes pixel_values and ignores them (measured: toolkit.train
+    with it ran, its loss fell, and the saved model had no tower). PLAN.md names the auto class for the image plan, the
+    text plan's scripts keep AutoModelForCausalLM."""
+    from dataclasses import replace
+
+    from toolkit.emit.user_settings import auto_class_name, plan_md_section
+    from toolkit.plan.job import job_from_plan, job_to_plan_fields
+    from toolkit.run.rehearsal import plan_for_model
+
+    _tiny_qwen35_config().save_pretrained(tmp_path)
+    plan = plan_for_model(tmp_path, "ddp", gpus_per_node=1, seq_len=TEXT + 2 * 126, images=True)
+    imaged = replace(plan, **job_to_plan_fields(replace(job_from_plan(plan), images_per_sample=2, image_size=SIZE,
+                                                        image_tokens=126)))
+    assert auto_class_name(imaged) == "AutoModelForImageTextToText"
+    assert auto_class_name(plan_for_model(tmp_path, "ddp", gpus_per_node=1, seq_len=64)) == "AutoModelForCausalLM"
+    text = "\n".join(plan_md_section(imaged))
+    assert "`model = AutoModelForImageTextToText.from_pretrained(MODEL)`" in text
+    assert f"the images resized to {SIZE} before the collator" in text
+
+
 def test_the_rehearsal_of_an_image_plan_says_it_runs_text_alone(tiny_vl_dir):
     """`launch --rehearse` of an image plan rehearses its strategy on text (no image data, no processor for the tiny
     model) and says so, instead of passing as if the images had run."""

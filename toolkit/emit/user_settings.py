@@ -532,8 +532,11 @@ def plan_md_section(plan: Plan) -> list[str]:
                   "`DataCollatorForVisionLanguageModeling`, every sequence padded to "
                   f"{plan.seq_len} tokens; image tokens and padding are -100 in the labels, and only the assistant's "
                   "tokens train where the chat template marks them ({% generation %}).", "",
-                  "Your own TRL VLM SFT script needs the same: `processing_class=AutoProcessor.from_pretrained(MODEL)`"
-                  f", the images resized to {plan.image_size} before the collator, `SFTConfig(max_length=None, "
+                  f"Your own TRL VLM SFT script needs the same: `model = {auto_class_name(plan)}.from_pretrained("
+                  "MODEL)` (the class that runs images; Qwen3.5's AutoModelForCausalLM class is its language model "
+                  "alone, which takes pixel_values and ignores them), "
+                  "`processing_class=AutoProcessor.from_pretrained(MODEL)`, the images resized to "
+                  f"{plan.image_size} before the collator, `SFTConfig(max_length=None, "
                   f"pad_to_multiple_of={plan.seq_len})` (truncation would cut image tokens), `per_device_train_"
                   "batch_size` as above; the collator feeds the model `input_ids`, `attention_mask`, `labels`, "
                   "`pixel_values` and what the processor adds for the class (Qwen-VL's `image_grid_thw`, "
