@@ -343,9 +343,9 @@ def _lone_json_leaf_problem(path: str, spec) -> list[Problem]:
     quantized = quantized_checkpoint_problem(spec.config_dict(), path, model=spec.name, params=spec.params,
                                              method=None, zero3=isinstance(zero, dict) and zero.get("stage") == 3)
     if not is_json:
-        found = yaml_leaf_module_problem(config, p, model=spec.name, moe_block=spec.moe_block)
+        found = yaml_leaf_module_problem(config, p, model=spec.name, moe_block=spec.leaf_module_needed)
         return [f for f in (found, quantized) if f]
-    found = leaf_module_problem(config, path, model=spec.name, moe_block=spec.moe_block)
+    found = leaf_module_problem(config, path, model=spec.name, moe_block=spec.leaf_module_needed)
     return [f for f in (found, quantized) if f] + autoep_problems(config, path, model=spec.name,
                                                                   model_type=spec.model_type,
                                                                   experts=spec.moe_experts)

@@ -59,19 +59,16 @@ def json_file_problems(config: dict[str, Any], file: str, readers: Readers, plan
 
 
 def plan_leaf_problem(config: dict[str, Any], file: str, plan: Plan) -> Problem | None:
-    """The MoE leaf-module finding for a plan's DeepSpeed JSON; the MoE block from the plan, else from its model
-    (toolkit.inputs.moe through the cached spec; only built for a ZeRO-3 JSON)."""
+    """The MoE leaf-module finding for a plan's DeepSpeed JSON: the block from its model where ZeRO-3 needs it as a
+    leaf (toolkit.inputs.modelspec `leaf_module_needed`, through the cached spec; only built for a ZeRO-3 JSON)."""
     from toolkit.check.moe import leaf_module_problem
 
     zero = config.get("zero_optimization")
     if not isinstance(zero, dict) or zero.get("stage") != 3:
         return None
-    if plan.leaf_modules:
-        block = plan.leaf_modules[0]
-    else:
-        from toolkit.inputs.modelspec import spec_from_config_dict
+    from toolkit.inputs.modelspec import spec_from_config_dict
 
-        block = spec_from_config_dict(plan.model_config, name=plan.model).moe_block
+    block = spec_from_config_dict(plan.model_config, name=plan.model).leaf_module_needed
     return leaf_module_problem(config, file, model=plan.model, moe_block=block)
 
 

@@ -1,5 +1,6 @@
-"""Mixture-of-experts findings of `toolkit check`: a ZeRO-3 DeepSpeed config for an MoE model whose MoE block is not
-a leaf module (docs/ENGINE_FACTS.md "Mixture of experts under ZeRO-3"), and DeepSpeed AutoEP
+"""Mixture-of-experts findings of `toolkit check`: a ZeRO-3 DeepSpeed config for an MoE model with per-expert
+submodules whose MoE block is not a leaf module (docs/ENGINE_FACTS.md "Mixture of experts under ZeRO-3"; fused
+experts, transformers 5's, need none: every rank calls the one experts module once a pass), and DeepSpeed AutoEP
 (`"expert_parallel"`) asked of a model it cannot split: a dense model, an expert count autoep_size does not divide,
 a preset for another model type or none for this one.
 
@@ -30,8 +31,10 @@ def _leaf_config(zero: dict[str, Any]):
 
 def leaf_module_problem(config: dict[str, Any], file: str, *, model: str, moe_block: str | None,
                         yaml_fields: bool = False) -> Problem | None:
-    """A warning when `config` runs ZeRO-3 and `moe_block` (the model's MoE block class, toolkit.inputs.moe) is not
-    among the leaf module classes DeepSpeed's engine will flag; None otherwise. yaml_fields: `config` is what
+    """A warning when `config` runs ZeRO-3 and `moe_block` (the model's MoE block class where ZeRO-3 needs it as a
+    leaf: its experts are separate submodules, toolkit.inputs.modelspec `leaf_module_needed`; None for fused
+    experts, which every rank calls once a pass) is not among the leaf module classes DeepSpeed's engine will flag;
+    None otherwise. yaml_fields: `config` is what
     accelerate builds from a YAML's own deepspeed_config fields, so the fix is accelerate's key."""
     zero = config.get("zero_optimization")
     if not moe_block or not isinstance(zero, dict) or zero.get("stage") != 3:
@@ -52,9 +55,9 @@ def leaf_module_problem(config: dict[str, Any], file: str, *, model: str, moe_bl
             "no leaf_module, and DeepSpeed's default list names only "
             + ", ".join(c.rsplit(".", 1)[-1] for c in leaf.classes))
     return Problem(file, "warning", f"ZeRO-3 with {model}, a mixture of experts: its MoE block {moe_block} is not a "
-                   f"leaf module ({said}), so ZeRO-3 hooks and prefetches every part inside it by a traced order "
-                   "that routing changes (hangs with per-expert modules, DeepSpeed's set_z3_leaf_modules); "
-                   + fix, EVERY)
+                   f"leaf module ({said}) and its experts are separate modules, so each rank gathers the experts its "
+                   "tokens pick, in an order routing changes (hangs and wrong prefetches, DeepSpeed's "
+                   "set_z3_leaf_modules); " + fix, EVERY)
 
 
 def yaml_leaf_module_problem(config: dict[str, Any], path, *, model: str, moe_block: str | None) -> Problem | None:

@@ -83,6 +83,8 @@ class ModelSpec:
     moe_block: str | None = None
     """Class of the MoE block (router + experts; toolkit.inputs.moe), the module ZeRO-3 must fetch whole; None for
     a dense model."""
+    moe_expert_modules: bool = False
+    """Its routed experts are separate submodules, called only when routed to (toolkit.inputs.moe.MoeParts)."""
     notes: tuple[str, ...] = ()
     pipeline_blocker: str | None = None
     """Why the pipeline converter cannot split this model (the part that stops it), or None: it can
@@ -112,6 +114,14 @@ class ModelSpec:
     @property
     def multimodal(self) -> bool:
         return bool(self.vision_params or self.projector_params)
+
+    @property
+    def leaf_module_needed(self) -> str | None:
+        """The MoE block class ZeRO-3 must flag as a leaf module to run correctly: one whose routed experts are
+        separate submodules (ranks call different subsets, so ZeRO-3's per-module gathers and its traced prefetch
+        order differ between them); None for a dense model or fused experts, which every rank calls once a pass
+        (there a leaf flag only saves hooks: docs/ENGINE_FACTS.md, "Mixture of experts under ZeRO-3")."""
+        return self.moe_block if self.moe_expert_modules else None
 
     def parts_words(self) -> str:
         """The class's parts with their exact counts, for output ("" for a text model)."""
@@ -417,6 +427,7 @@ def build_spec(name: str, config, *, images: bool = False) -> ModelSpec:
         moe_experts=experts,
         moe_top_k=top_k,
         moe_block=moe.block_class if moe else None,
+        moe_expert_modules=bool(moe and moe.expert_modules),
         notes=tuple(notes),
         pipeline_blocker=pipeline_blocker(model, config),
         tiling_blocker=tiling_blocker,

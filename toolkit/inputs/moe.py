@@ -37,6 +37,10 @@ class MoeParts:
     gates; () when there are none."""
     moe_layers: int
     """Decoder layers with an MoE block (DeepSeek-V3's first layers are dense)."""
+    expert_modules: bool = False
+    """The routed experts are separate submodules (an older ModuleList of expert MLPs), which a forward calls only
+    for the experts its tokens pick; False for transformers 5's fused experts module, called once a pass whatever
+    the routing (docs/ENGINE_FACTS.md, "Mixture of experts under ZeRO-3")."""
 
 
 def is_expert_param(param_name: str) -> bool:
@@ -101,7 +105,9 @@ def find_moe(model: Any, config: Any = None) -> MoeParts | None:
                     top_k = moe_shape(text)[1] if text is not None else 0
                 found = MoeParts(block_class=type(block).__name__, router_class=type(router).__name__,
                                  experts_class=type(experts_module).__name__, experts=count, top_k=int(top_k),
-                                 shared=shared, moe_layers=0)
+                                 shared=shared, moe_layers=0,
+                                 expert_modules=any(any(True for _ in child.parameters())
+                                                    for child in experts_module.children()))
             break
     if found is None:
         return None
