@@ -160,3 +160,33 @@ def test_weights_built_in_fp32_whatever_the_dtype_are_traced_in_the_compute_dtyp
     result = api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64)
     assert api.model(folder).params == 83_648
     assert result.memory.activations_bytes == 526_850
+
+
+def test_a_head_width_the_config_names_attention_head_size_is_not_refused_as_indivisible(tmp_path):
+    # Reformer's attention is heads x attention_head_size wide (768 by default, over a 256 hidden size with 12 heads):
+    # the width does not come from hidden // heads, so 40 / 3 heads is no misfit.
+    fields = dict(vocab_size=128, hidden_size=40, num_attention_heads=3, attention_head_size=16,
+                  attn_layers=["local", "local"], feed_forward_size=64, axial_pos_shape=[8, 8],
+                  axial_pos_embds_dim=[16, 24], max_position_embeddings=64, local_attn_chunk_length=16)
+    decoder = _saved(tmp_path / "decoder", "reformer", is_decoder=True, **fields)
+    assert (api.model(decoder).params, api.model(decoder).num_layers) == (42_224, 2)
+    assert api.estimate(decoder, "8xH100-80GB", strategy="zero3", seq_len=64).memory.activations_bytes == 103_468
+    # Its default config is an encoder (is_decoder false): refused as one, not for its head width.
+    encoder = _saved(tmp_path / "encoder", "reformer", **fields)
+    with pytest.raises(UserError, match=r"reformer is an encoder .*set \"is_decoder\": true"):
+        api.model(encoder)
+
+
+def test_a_layer_list_sized_by_a_second_count_the_config_copies_is_cut_with_it(tmp_path):
+    # xLSTM sizes its block list from num_blocks, which its config copies from num_hidden_layers: the depth-reduced
+    # trace cuts both (it built all 4 blocks under a 2-layer count before, refused as no list of 2 layers).
+    folder = _saved(tmp_path, "xlstm", vocab_size=128, hidden_size=64, num_hidden_layers=4, num_heads=2)
+    assert (api.model(folder).params, api.model(folder).num_layers) == (231_248, 4)
+    assert api.estimate(folder, "8xH100-80GB", strategy="ddp", seq_len=64).memory.activations_bytes == 1_841_580
+    assert api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64,
+                        precision="fp32").memory.activations_bytes == 2_444_204
+    # Its mLSTM kernel keeps a float32 state against bf16 weights (DeepSpeed's bf16 casts every parameter): refused
+    # in one line naming what runs instead.
+    with pytest.raises(UserError, match=r"its forward mixes dtypes with every weight in bfloat16 .*--precision fp32, "
+                                        r"or with strategy ddp"):
+        api.estimate(folder, "8xH100-80GB", strategy="zero3", seq_len=64)

@@ -91,8 +91,13 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
             except RuntimeError as exc:
                 # Weights transformers builds in fp32 whatever the dtype (XLNet) meet low-precision activations:
                 # traced again with every parameter in the compute dtype, as the engines cast them.
-                if cast_params or not re.search(r"expected scalar type \S+ but found|to have the same dtype", str(exc)):
+                if not re.search(r"expected scalar type \S+ but found|to have the same dtype", str(exc)):
                     raise
+                if cast_params:  # the model's own code mixes dtypes (xLSTM's float32 recurrent state)
+                    raise NotImplementedError(
+                        f"{type(config).__name__}: its forward mixes dtypes with every weight in {dtype} ({exc}), as "
+                        "DeepSpeed, FSDP2 and the pipeline engine hold them; plan it with --precision fp32, or with "
+                        "strategy ddp, whose torch autocast casts each op's inputs alike") from None
         return traced_run(count, cast_params=True)
 
     traced_count = traced_layer_count(full_kinds)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -122,9 +123,19 @@ def _check_head_width(config, where: str) -> None:
         _check_head_width(text, f"{where} (text_config)")
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads
-            and getattr(config, "head_dim", None) is None):
+            and _head_width(config) is None):
         raise UserError(f"{where}: hidden size {hidden} does not divide by {heads} attention heads; fix the "
                         "config.json (or give head_dim)")
+
+
+def _head_width(config) -> int | None:
+    """The attention head width the config sets on its own, under any of the names transformers' config classes give
+    it (head_dim; Reformer's attention_head_size, 64 with 256 hidden and 12 heads: its attention is 768 wide), or
+    None where the model takes hidden // heads."""
+    if getattr(config, "head_dim", None) is not None:  # a property in some classes, so read, not looked up
+        return config.head_dim
+    return next((v for k, v in vars(config).items()
+                 if re.fullmatch(r"(attention_)?head_(dim|size)", k) and isinstance(v, int) and v > 0), None)
 
 
 # Shape keys of Hugging Face configs (the Llama names first, then GPT-2's / OPT's), with their sane bounds. A
@@ -244,7 +255,11 @@ def reduced_config(config, num_layers: int, keep: int):
     for key, value in list(vars(text).items()):
         if isinstance(value, (list, tuple)) and len(value) == num_layers and keep < num_layers:
             setattr(text, key, type(value)(value[:keep]))
-    setattr(text, layer_count_key(reduced), keep)
+    key = layer_count_key(reduced)
+    for alias in _layer_count_aliases(text, key) if keep < num_layers else ():
+        if getattr(text, alias) == num_layers:
+            setattr(text, alias, keep)
+    setattr(text, key, keep)
     shared = getattr(text, "num_kv_shared_layers", None)
     if isinstance(shared, int) and shared and keep < num_layers:
         # Gemma-3n / Gemma-4: the last `shared` layers reuse earlier layers' keys and values (kv_sharing_modes); of
@@ -255,6 +270,17 @@ def reduced_config(config, num_layers: int, keep: int):
         if hasattr(part, "use_cache"):
             part.use_cache = False
     return reduced
+
+
+def _layer_count_aliases(text, key: str) -> tuple[str, ...]:
+    """The other attributes of the config class that hold its layer count, found by building the class twice with
+    different counts: xLSTM's num_blocks (what sizes its block list) is copied from num_hidden_layers by the
+    class's __post_init__, so a copy that cuts num_hidden_layers alone would still build every block."""
+    try:
+        a, b = type(text)(**{key: 3}), type(text)(**{key: 5})
+    except Exception:  # noqa: BLE001 - a class whose defaults do not build alone: it has no alias to find
+        return ()
+    return tuple(k for k, v in vars(a).items() if k != key and v == 3 and vars(b).get(k) == 5)
 
 
 def _llama_ffn(hidden: int) -> int:
