@@ -151,6 +151,10 @@ class TrainRun:
         """Training loss by optimizer step (logging every step)."""
         return {e["step"]: e["loss"] for e in self.ranks[rank]["log_history"] if "loss" in e}
 
+    def grad_norms(self, rank: int = 0) -> dict[int, float]:
+        """Gradient norm by optimizer step, before clipping (logging every step)."""
+        return {e["step"]: e["grad_norm"] for e in self.ranks[rank]["log_history"] if "grad_norm" in e}
+
     def check(self) -> "TrainRun":
         assert self.returncode == 0, f"training failed ({self.returncode}):\n{self.stdout[-3000:]}\n{self.stderr[-6000:]}"
         return self

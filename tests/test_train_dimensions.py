@@ -28,10 +28,12 @@ RUNS = {  # name: (strategy, world, micro, accum, tensor, sequence, plan fields 
     "fsdp2-tp2": ("fsdp2", 4, 2, 1, 2, 1, {}),
     "zero3-sp2-tiled": ("zero3", 2, 2, 2, 1, 2, {"tiled": True}),
     "zero3-sp2-offload": ("zero3", 2, 2, 2, 1, 2, {"checkpointing": True, "activation_offloading": True}),
+    "zero2-offload-sp2-tiled": ("zero2-offload", 2, 2, 2, 1, 2, {"tiled": True}),
 }
-"""ZeRO-1 x SP runs in the rehearsal test below; ZeRO-2 x SP matched exactly in the spike (docs/ENGINE_FACTS.md), but
-not at this micro 2 x accumulation 2: 8.4e-4 off at step 3 with or without checkpointing and offloading (measured
-2026-12-03; ZeRO-3 x SP 2 checkpointed and offloaded: 5e-7), so the offloading run is ZeRO-3's."""
+"""ZeRO-1 x SP runs in the rehearsal test below. ZeRO-2 with its optimizer offloaded (DeepSpeed's CPU Adam) x SP 2,
+tiled: ZeRO-1/2 sum the SP ranks' gradients where ZeRO-3 averages them, so without toolkit.train's correction
+(toolkit.train.dimensions.sp_gradient_factor) its gradient norm was twice the single process's and the Trainer's
+clipping at 1.0 moved step 3's loss 8.4e-4 (measured 2026-12-04, as ZeRO-1 x SP 2); now within 1e-6."""
 
 
 def _args(corpus_dir, *extra):
@@ -76,6 +78,8 @@ def test_dimension_matches_single_process_losses_and_ranks_agree(name, dimension
         assert got.keys() == ref.keys() and len(got) == STEPS
         for step in ref:
             assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (name, rank, step, got, ref)
+        # The gradient itself, not only what Adam makes of it: its norm (the Trainer clips at 1.0) as one process's.
+        assert run.grad_norms(rank) == pytest.approx(reference.grad_norms(), rel=1e-3), (name, rank)
         assert run.ranks[rank]["global_step"] == STEPS
         torch.testing.assert_close(torch.tensor(run.ranks[rank]["probe_logits"]),
                                    torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-6, rtol=0)

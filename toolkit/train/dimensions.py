@@ -108,3 +108,40 @@ def contiguous_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     return {k: v.contiguous() if torch.is_tensor(v) else v for k, v in inputs.items()}
+
+
+def sp_gradient_factor(engine) -> float:
+    """What the SP loss's gradient must be multiplied by so that a DeepSpeed engine ends with the single-process
+    gradient (docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP: the gradient counted sp times"). transformers' SP loss
+    (integrations/deepspeed.py `deepspeed_sp_compute_loss`) all-gathers each rank's loss with torch's differentiable
+    all_gather, whose backward sums the SP ranks' incoming gradients: every SP rank computes the same weighted mean,
+    so each rank's gradient of its own tokens comes back sp times. ZeRO-3's reduce-scatter divides the sum by the
+    whole sequence-data-parallel group (comm/coalesced_collectives.py, `reduce_scatter_coalesced`), which cancels it;
+    ZeRO-1/2 (stage_1_and_2.py `average_tensor`, `allreduce_bucket`) and the engine's own all-reduce (engine.py
+    `_reduce_non_expert_gradients`) divide by that group's size / sp, which sums the SP ranks and keeps it."""
+    from deepspeed.utils import groups
+
+    sp = groups._get_sequence_parallel_world_size()
+    if sp == 1:
+        return 1.0
+    zero = engine._config.zero_config
+    if engine.zero_optimization_stage() == 3 and zero.reduce_scatter:
+        return 1.0
+    return 1.0 / sp
+
+
+def scale_gradient(loss, factor: float):
+    """`loss` unchanged (what the Trainer logs), its gradient multiplied by `factor`."""
+    return loss if factor == 1.0 else loss.detach() + (loss - loss.detach()) * factor
+
+
+class SequenceParallelGradient:
+    """A Trainer mixin: under DeepSpeed SP, the training loss's gradient scaled by sp_gradient_factor (the loss the
+    Trainer logs stays as computed)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        if not (self.is_deepspeed_enabled and model.training):
+            return out
+        factor = sp_gradient_factor(self.model_wrapped)
+        return (scale_gradient(out[0], factor), *out[1:]) if return_outputs else scale_gradient(out, factor)

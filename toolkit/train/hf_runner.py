@@ -435,7 +435,7 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
     from toolkit.patches.actoffload import OffloadedSteps
     from toolkit.train.callbacks import CheckpointMarker, ThroughputLog
 
-    class PlanTrainer(OffloadedSteps, Trainer):
+    class PlanTrainer(OffloadedSteps, dimensions.SequenceParallelGradient, Trainer):
         """Adds tokens/s, per-rank peak memory and perplexity to every log line (stdout and TensorBoard)."""
 
         def log(self, logs, *a, **kw):
