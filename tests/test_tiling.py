@@ -291,8 +291,9 @@ def test_tiling_with_offloading_is_refused_as_offloading_moves_what_the_tiled_tr
     """Why --tiled with --activation-offloading is refused: TRL's pack hook (toolkit.patches.actoffload) also runs in
     backward, where the tiled MLP and loss recompute each chunk with grad and save it, saves the tiled trace hides
     (tiling_traced). A checkpointed tiny Llama step, 2 x 512 tokens, fp32, tiled and offloaded on CPU: 11,362,304
-    bytes pinned at most at once (84 tensors; the same as untiled, the loss chunk's fp32 log-softmax), against
-    3,686,400 from the trace; the GPU peak itself is predicted within 4%."""
+    bytes pinned at most at once (84 tensors; the same as untiled: the forward's 3,162,112 plus the loss chunk's
+    recomputed fp32 logits and log-softmax, docs/ENGINE_FACTS.md), against 3,686,400 from the trace; the GPU peak
+    itself is predicted within 4%."""
     from toolkit.cli import main
     from toolkit.estimate.profile import measure_offloaded_step, predict_step
     from toolkit.run.tiny import tiny_config
@@ -304,7 +305,33 @@ def test_tiling_with_offloading_is_refused_as_offloading_moves_what_the_tiled_tr
     predicted = predict_step(config, device_kind="cpu", activation_offloading=True, tiled=True, **kwargs)
     assert measured["host_bytes"] == 11_362_304 and predicted["host_bytes"] == 3_686_400
     assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.05)
+    capsys.readouterr()  # DeepSpeed's first import in this process logs its accelerator during the measurement
     assert main(["estimate", "llama-3.1-8b", "--gpus", "2xH100-80GB", "--seq", "4096", "--strategy", "zero2",
                  "--tiled", "--activation-offloading"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "what the tiled MLP and loss save while they recompute in backward" in err[0], err
+
+
+def test_deepspeeds_checkpoint_offload_runs_with_tiling_and_moves_nothing_on_cpu():
+    """DeepSpeed 0.19.8's own checkpoint offload (CheckpointHiddenStatesOffload, what ALST pairs with tiling) marks
+    only the checkpointed layers' hidden_states inputs, so the tiled MLP and loss recompute untouched beside it; on
+    a CPU accelerator it skips every tensor, so toolkit cannot train or measure it here (docs/ENGINE_FACTS.md, "ALST
+    tiling + activation offloading")."""
+    import torch
+    from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+
+    from toolkit.estimate.profile import _batch, build_model
+    from toolkit.patches.tiling import LAST_CHUNKS, apply_tiling
+    from toolkit.run.tiny import tiny_config
+
+    config = tiny_config("llama", vocab_size=1000, max_positions=1024, hidden=128, layers=3, heads=4, kv_heads=2,
+                         ffn=344)
+    model = build_model(config, "fp32", "sdpa", True, "cpu")
+    apply_tiling(model)
+    offload = CheckpointHiddenStatesOffload(use_pin_memory=False, use_streams=False)
+    with offload:
+        model(**_batch(config, 2, 512, "cpu")).loss.backward()
+    assert LAST_CHUNKS == {"mlp": 4, "loss": 1}
+    assert offload.stats.marked_tensors == 3 and offload.stats.skipped_marked_tensors == 3
+    assert offload.stats.offloaded_bytes == 0 and all(p.grad is not None for p in model.parameters())
+    assert torch.isfinite(torch.stack([p.grad.norm() for p in model.parameters()])).all()
