@@ -340,6 +340,19 @@ def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_exper
                                atol=1e-6, rtol=0)
 
 
+def _loads_in_transformers_as_trained(run) -> None:
+    """The run's saved folder loads in transformers with every weight (no missing, unexpected or mismatched one)
+    and gives the logits rank 0 recorded from the trained model on its probe input."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(run.output, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        logits = model.eval()(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
+    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
+
+
 @pytest.mark.multiprocess
 def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_share_of_experts(
         run_training, tiny_moe_dir, corpus_dir, moe_reference):
@@ -352,8 +365,6 @@ def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_s
     (toolkit.train.autoep_export): transformers loads it with no weight missing and it gives the trained model's
     logits (before, its file named AutoEP's tensors and from_pretrained filled 12 expert / router weights
     randomly)."""
-    import torch
-    from transformers import AutoModelForCausalLM
     from toolkit.estimate.search import predict_plan
     from toolkit.inputs.moe import expert_params
     from toolkit.inputs.modelspec import build_spec
@@ -374,11 +385,7 @@ def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_s
     assert predicted == 4 * (spec.params - experts + experts // 2)
     assert [r["param_bytes"] for r in run.ranks] == [predicted] * 2
     assert [r["expert_numel"][0] for r in run.ranks] == [experts // 2] * 2
-    model, info = AutoModelForCausalLM.from_pretrained(run.output, output_loading_info=True)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched weight
-    with torch.no_grad():
-        logits = model.eval()(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
-    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
+    _loads_in_transformers_as_trained(run)
 
 
 @pytest.fixture(scope="module")
@@ -399,9 +406,6 @@ def test_deepspeed_autoep_trains_mixtral_to_the_single_process_losses_and_saves_
     weight and gives the trained model's logits (toolkit.train.autoep_export). Measured: 6.259479 / 6.263856 /
     6.177217 on both ranks and in the single process (equal to 6 decimals); 98,304 of the 196,608 expert elements
     a rank."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     args = ("--data", str(corpus_dir), *TRAIN, "--max-steps", "3")
     reference = run_training(_moe_plan(tiny_mixtral_dir, "ddp", world=1, micro=4), "mixtral-ref", *args).check()
     plan = _moe_plan(tiny_mixtral_dir, "zero1", expert=2)
@@ -416,11 +420,7 @@ def test_deepspeed_autoep_trains_mixtral_to_the_single_process_losses_and_saves_
             assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
     experts = reference.ranks[0]["expert_numel"][0]
     assert experts > 0 and [r["expert_numel"][0] for r in run.ranks] == [experts // 2] * 2
-    model, info = AutoModelForCausalLM.from_pretrained(run.output, output_loading_info=True)
-    assert not any(info.values()), info
-    with torch.no_grad():
-        logits = model.eval()(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
-    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
+    _loads_in_transformers_as_trained(run)
 
 
 @pytest.fixture(scope="module")
