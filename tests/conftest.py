@@ -163,19 +163,18 @@ class TrainRun:
 @pytest.fixture(scope="session")
 def run_training(tmp_path_factory):
     """Emit a plan's files and run toolkit.train on it: `accelerate launch` for several processes, plain python
-    for one. Returns a TrainRun; pass the same `output` twice (with --resume) to continue a run, and a `main_port`
-    (toolkit.run.launcher.free_port) to runs started side by side (accelerate's default port is one for all)."""
+    for one. Returns a TrainRun; pass the same `output` twice (with --resume) to continue a run. Each launch
+    rendezvouses on a port free when it starts (launch_command), so runs side by side never meet."""
     from toolkit.run.launcher import emit_plan_files, launch_command
 
-    def run(plan, name: str, *train_argv: str, output: Path | None = None, timeout: int = 300,
-            main_port: int | None = None) -> TrainRun:
+    def run(plan, name: str, *train_argv: str, output: Path | None = None, timeout: int = 300) -> TrainRun:
         base = tmp_path_factory.mktemp(name)
         plan_dir = emit_plan_files(plan, base / "plan")
         output = output or base / "out"
         summary_dir = base / "ranks"
         argv = ["--output", str(output), *train_argv]
         if plan.world_size > 1:
-            command = quick_launch(launch_command(plan_dir, argv, main_port=main_port))
+            command = quick_launch(launch_command(plan_dir, argv))
         else:
             command = [sys.executable, "-m", "toolkit.train", "--plan", str(plan_dir / "plan.json"), *argv]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOOLKIT_RANK_SUMMARY_DIR": str(summary_dir),
@@ -191,18 +190,12 @@ def runs_side_by_side(run_training):
     """run_training's runs started together and waited for: {name: (plan, name of its folder, *train_argv)} ->
     {name: TrainRun}, not checked, the keyword options (timeout) given to each. CI's stage 2 runs one test at a time,
     and a one-process run alone leaves the second core idle: beside a 2-rank run, or another one-process run, it
-    fills it. Each run gets a port of its own for its rendezvous."""
+    fills it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from toolkit.run.launcher import free_port
-
     def start(runs: dict[str, tuple], **options) -> dict[str, TrainRun]:
-        ports: set[int] = set()
-        while len(ports) < len(runs):
-            ports.add(free_port())
         with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-            futures = {name: pool.submit(run_training, *run, main_port=port, **options)
-                       for (name, run), port in zip(runs.items(), sorted(ports))}
+            futures = {name: pool.submit(run_training, *run, **options) for name, run in runs.items()}
         return {name: future.result() for name, future in futures.items()}
 
     return start

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -309,36 +308,22 @@ ARGS = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", str(S
 
 
 @pytest.fixture(scope="module")
-def image_runs(run_training, tiny_vl, tiny_qwen_vl, tiny_qwen3_vl, tiny_qwen35):
+def image_runs(runs_by_name, tiny_vl, tiny_qwen_vl, tiny_qwen3_vl, tiny_qwen35):
     """One process at micro-batch 2 and two gloo ranks at micro-batch 1 (the same global batch of 2 conversations),
     started side by side, fp32: Gemma-3's one process and DDP, ZeRO-3 and FSDP2 when a test asks for them;
     Qwen2.5-VL's one process and FSDP2 ("qwen-one", "qwen-fsdp2"), DDP and ZeRO-3 when asked; Qwen3-VL's one process
     and FSDP2; Qwen3.5's one process and FSDP2 ("qwen35-..."), ZeRO-3 when asked."""
-    from toolkit.run.launcher import free_port
-
-    cache = {}
-    pairs = {"one": ("one", "ddp"), "ddp": ("one", "ddp"), "qwen-one": ("qwen-one", "qwen-fsdp2"),
-             "qwen-fsdp2": ("qwen-one", "qwen-fsdp2"), "qwen3-one": ("qwen3-one", "qwen3-fsdp2"),
-             "qwen3-fsdp2": ("qwen3-one", "qwen3-fsdp2"), "qwen35-one": ("qwen35-one", "qwen35-fsdp2"),
-             "qwen35-fsdp2": ("qwen35-one", "qwen35-fsdp2")}
     models = {"": tiny_vl, "qwen": tiny_qwen_vl, "qwen3": tiny_qwen3_vl, "qwen35": tiny_qwen35}
 
-    def start(name):
+    def arguments(name):
         family, _, engine = name.rpartition("-")
         model_dir, data = models[family]
         world, micro = (1, 2) if engine == "one" else (2, 1)
         plan = _image_plan(model_dir, world=world, micro=micro, strategy="ddp" if engine == "one" else engine)
-        return run_training(plan, f"images-{name}", "--data", str(data), *ARGS, main_port=free_port())
+        return plan, f"images-{name}", "--data", str(data), *ARGS
 
-    def get(name):
-        if name not in cache and name in pairs:
-            with ThreadPoolExecutor(max_workers=2) as pool:
-                cache.update({n: f.result() for n, f in {n: pool.submit(start, n) for n in pairs[name]}.items()})
-        if name not in cache:
-            cache[name] = start(name)
-        return cache[name].check()
-
-    return get
+    return runs_by_name(arguments, together=[("one", "ddp"), ("qwen-one", "qwen-fsdp2"),
+                                             ("qwen3-one", "qwen3-fsdp2"), ("qwen35-one", "qwen35-fsdp2")])
 
 
 @pytest.mark.multiprocess

@@ -38,6 +38,25 @@ def test_multi_node_prints_each_node_and_slurm_without_running(tiny_llama_dir, c
     assert not (tmp_path / "out").exists()
 
 
+def test_one_node_rendezvouses_on_a_free_port_and_a_node_of_several_on_the_plans(tiny_llama_dir, tmp_path):
+    """Two launches on one machine never take the same port (accelerate's default 29500 is one for all): a one-node
+    command asks accelerate for a free one (0); a node of a multi-node run keeps the YAML's fixed 29500, or the
+    port it is given."""
+    import yaml
+
+    from toolkit.run.launcher import launch_command
+
+    one = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "one")
+    command = launch_command(one, ["--output", "out"])
+    assert command[command.index("--main_process_port") + 1] == "0"
+    two = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", num_machines=2, gpus_per_node=4, micro_batch=2,
+                                         seq_len=32), tmp_path / "two")
+    assert yaml.safe_load((two / "accelerate_config.yaml").read_text())["main_process_port"] == 29500
+    assert "--main_process_port" not in launch_command(two, [], machine_rank=1, main_host="node0")
+    node = launch_command(two, [], machine_rank=1, main_host="127.0.0.1", main_port=29611)
+    assert node[node.index("--main_process_port") + 1] == "29611"
+
+
 def test_missing_accelerate_config_is_one_clear_error(tiny_llama_dir, tmp_path):
     from toolkit.errors import UserError
 

@@ -127,19 +127,26 @@ def test_a_zero3_plan_of_an_moe_model_names_its_block_as_leaf_module(tiny_moe_di
 
 
 @pytest.fixture(scope="module")
-def moe_reference(run_training, tiny_moe_dir, corpus_dir):
-    """One process training the tiny Qwen3-MoE on the whole global batch of 4 (the runs below split it)."""
-    return run_training(_moe_plan(tiny_moe_dir, "ddp", world=1, micro=4), "moe-ref", "--data", str(corpus_dir),
-                        *TRAIN).check()
+def moe_runs(runs_by_name, tiny_moe_dir, corpus_dir):
+    """The tiny Qwen3-MoE's runs by name, fp32, global batch 4: "ref", one process on the whole batch (the others
+    split it over 2 gloo ranks), started beside "zero3" (the MoE block as ZeRO-3 leaf); "ep2" (FSDP2 x EP 2) and
+    "autoep2" (DeepSpeed AutoEP 2 on zero1, 3 steps)."""
+    plans = {"ref": dict(strategy="ddp", world=1, micro=4), "zero3": dict(strategy="zero3"),
+             "ep2": dict(strategy="fsdp2", expert=2), "autoep2": dict(strategy="zero1", expert=2)}
+
+    def arguments(name):
+        steps = ("--max-steps", "3") if name == "autoep2" else ()
+        return _moe_plan(tiny_moe_dir, **plans[name]), f"moe-{name}", "--data", str(corpus_dir), *TRAIN, *steps
+
+    return runs_by_name(arguments, together=[("ref", "zero3")], timeout=600)
 
 
 @pytest.mark.multiprocess
-def test_zero3_with_the_moe_block_as_leaf_matches_one_process(run_training, tiny_moe_dir, corpus_dir, moe_reference):
+def test_zero3_with_the_moe_block_as_leaf_matches_one_process(moe_runs):
     """Two gloo ranks of ZeRO-3 with the MoE block as leaf module train the tiny Qwen3-MoE to the single-process
     losses (fp32, 6 steps, global batch 4); each rank's engine flagged the block (the rank summary reads
     DeepSpeed's flag off the trained model's modules)."""
-    reference = moe_reference
-    zero3 = run_training(_moe_plan(tiny_moe_dir, "zero3"), "moe-zero3", "--data", str(corpus_dir), *TRAIN).check()
+    reference, zero3 = moe_runs("ref"), moe_runs("zero3")
     ref, got = reference.losses(), zero3.losses()
     assert len(ref) == STEPS and got.keys() == ref.keys()
     for step in ref:
@@ -307,7 +314,7 @@ def _assert_states_as_planned(plan, ranks) -> list[tuple[float, float]]:
 
 @pytest.mark.multiprocess
 def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_experts_per_rank(
-        run_training, tiny_moe_dir, corpus_dir, moe_reference):
+        moe_runs, tiny_moe_dir):
     """toolkit.train of an FSDP2 x EP plan (ep 2 = fsdp 2, 2 gloo processes, fp32, global batch 4): transformers
     loads the model with DistributedConfig(ep_size=2, fsdp_size=2) and the HF Trainer trains it; every step's loss
     equals the single process's (measured within 5e-7), each rank holds half of the routed experts' elements and
@@ -319,8 +326,8 @@ def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_exper
     from transformers import AutoModelForCausalLM
 
     plan = _moe_plan(tiny_moe_dir, "fsdp2", expert=2)
-    run = run_training(plan, "moe-ep2", "--data", str(corpus_dir), *TRAIN).check()
-    ref = moe_reference.losses()
+    run, reference = moe_runs("ep2"), moe_runs("ref")
+    ref = reference.losses()
     assert len(ref) == STEPS
     for rank in (0, 1):
         got = run.losses(rank)
@@ -328,7 +335,7 @@ def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_exper
         for step in ref:
             assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
     held = [r["expert_numel"] for r in run.ranks]
-    assert held[0][1] == held[1][1] == moe_reference.ranks[0]["expert_numel"][0] > 0
+    assert held[0][1] == held[1][1] == reference.ranks[0]["expert_numel"][0] > 0
     assert held[0][0] * 2 == held[1][0] * 2 == held[0][1], held
     errors = _assert_states_as_planned(plan, run.ranks)
     assert max(received for _, received in errors) > 1.1  # the ranks' rows were not balanced
@@ -355,7 +362,7 @@ def _loads_in_transformers_as_trained(run) -> None:
 
 @pytest.mark.multiprocess
 def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_share_of_experts(
-        run_training, tiny_moe_dir, corpus_dir, moe_reference):
+        moe_runs, tiny_moe_dir):
     """toolkit.train of a DeepSpeed AutoEP plan (zero1, autoep_size 2, 2 gloo processes, fp32, global batch 4,
     clipping 1.0 as planned, DeepSpeed's AdamW as torch's on CPU): the engine replaces both MoE blocks, each rank
     holds the dense parameters and half of the experts, exactly the plan's per-rank parameter bytes, and steps 1-3
@@ -372,8 +379,8 @@ def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_s
 
     plan = _moe_plan(tiny_moe_dir, "zero1", expert=2)
     assert plan.grid.autoep
-    run = run_training(plan, "moe-autoep2", "--data", str(corpus_dir), *TRAIN, "--max-steps", "3", timeout=600).check()
-    ref = moe_reference.losses()
+    run = moe_runs("autoep2")
+    ref = moe_runs("ref").losses()
     for rank in (0, 1):
         got = run.losses(rank)
         assert sorted(got) == sorted(ref)[:3]
@@ -399,7 +406,7 @@ def tiny_mixtral_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.multiprocess
 def test_deepspeed_autoep_trains_mixtral_to_the_single_process_losses_and_saves_it_for_transformers(
-        run_training, tiny_mixtral_dir, corpus_dir):
+        runs_side_by_side, tiny_mixtral_dir, corpus_dir):
     """A second architecture through DeepSpeed AutoEP (its mixtral preset): zero1, autoep_size 2, 2 gloo processes,
     fp32, global batch 4, against one process on the whole batch. Steps 1-3 lose what the single process loses
     (within 1e-3), each rank holds half of the experts, and the saved folder loads in transformers with every
@@ -407,10 +414,11 @@ def test_deepspeed_autoep_trains_mixtral_to_the_single_process_losses_and_saves_
     6.177217 on both ranks and in the single process (equal to 6 decimals); 98,304 of the 196,608 expert elements
     a rank."""
     args = ("--data", str(corpus_dir), *TRAIN, "--max-steps", "3")
-    reference = run_training(_moe_plan(tiny_mixtral_dir, "ddp", world=1, micro=4), "mixtral-ref", *args).check()
     plan = _moe_plan(tiny_mixtral_dir, "zero1", expert=2)
     assert plan.grid.autoep
-    run = run_training(plan, "mixtral-autoep2", *args, timeout=600).check()
+    runs = runs_side_by_side({"ref": (_moe_plan(tiny_mixtral_dir, "ddp", world=1, micro=4), "mixtral-ref", *args),
+                              "autoep2": (plan, "mixtral-autoep2", *args)}, timeout=600)
+    reference, run = runs["ref"].check(), runs["autoep2"].check()
     ref = reference.losses()
     assert len(ref) == 3
     for rank in (0, 1):
@@ -434,7 +442,7 @@ def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.multiprocess
 def test_expert_parallel_with_fsdp_sharded_experts_trains_gpt_oss_to_the_single_process_losses(
-        run_training, tiny_gpt_oss_dir, corpus_dir):
+        runs_side_by_side, tiny_gpt_oss_dir, corpus_dir):
     """ep 2 x fsdp 4 on 4 gloo processes (efsdp 2: each expert FSDP-sharded over the 2 ranks that hold it) of
     another architecture, GPT-OSS (biased experts, eager attention with sinks): every step's loss equals one
     process's on the whole batch (measured within 1.5e-6), each rank holds a quarter of the routed experts'
@@ -445,9 +453,10 @@ def test_expert_parallel_with_fsdp_sharded_experts_trains_gpt_oss_to_the_single_
     import torch
 
     args = ("--data", str(corpus_dir), *TRAIN)
-    reference = run_training(_moe_plan(tiny_gpt_oss_dir, "ddp", world=1, micro=4), "gpt-oss-ref", *args).check()
     plan = _moe_plan(tiny_gpt_oss_dir, "fsdp2", world=4, micro=1, expert=2)
-    run = run_training(plan, "gpt-oss-ep2-fsdp4", *args, timeout=600).check()
+    runs = runs_side_by_side({"ref": (_moe_plan(tiny_gpt_oss_dir, "ddp", world=1, micro=4), "gpt-oss-ref", *args),
+                              "ep2-fsdp4": (plan, "gpt-oss-ep2-fsdp4", *args)}, timeout=600)
+    reference, run = runs["ref"].check(), runs["ep2-fsdp4"].check()
     assert run.ranks[0]["world"] == 4
     ref = reference.losses()
     assert len(ref) == STEPS

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,14 +80,11 @@ def launch(plan_dir: Path, plan: Plan, model: Path, data: Path, output: Path,
            *extra: str) -> subprocess.CompletedProcess:
     """`accelerate launch` as a plain multi-process launcher over gloo (docs/ENGINE_FACTS.md: --multi_gpu with
     ACCELERATE_USE_CPU=1), running the training entry."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     cmd = [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes",
            str(plan.world_size), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(port), "-m", "toolkit.train", "--plan", str(plan_dir), "--model", str(model),
+           "--main_process_port", "0", "-m", "toolkit.train", "--plan", str(plan_dir), "--model", str(model),
            "--data", str(data), "--output", str(output), "--max-steps", str(STEPS), "--logging-steps", "1",
            "--eval-fraction", "0", "--lr", str(HYPER["lr"]), "--warmup-steps", str(HYPER["warmup_steps"]),
            "--weight-decay", str(HYPER["weight_decay"]), "--max-grad-norm", str(HYPER["max_grad_norm"]),
@@ -194,11 +190,8 @@ def test_saved_model_gives_the_pipeline_forward_logits(assets, gpt2_two_stages):
     _, _, out = gpt2_two_stages
     ids = torch.randint(0, 500, (2, SEQ), generator=torch.Generator().manual_seed(0))
     torch.save(ids, assets["root"] / "ids.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
            str(ROOT / "tests" / "pipeline_forward.py"), str(out), str(assets["root"] / "ids.pt"),
            str(assets["root"] / "logits.pt")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)

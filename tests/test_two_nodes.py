@@ -44,7 +44,7 @@ def one_launcher_reference(plan, work: Path) -> list[dict]:
     config = small_dir / "accelerate_config.yaml"
     config.write_text(config.read_text().replace("num_machines: 2\n", "num_machines: 1\n"))
     env = {**os.environ, **QUIET, "TOOLKIT_RANK_SUMMARY_DIR": str(work / "ranks"), "PYTHONWARNINGS": "ignore"}
-    command = quick_launch(launch_command(small_dir, rehearsal_argv(data, work / "out", []), main_port=free_port()))
+    command = quick_launch(launch_command(small_dir, rehearsal_argv(data, work / "out", [])))
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return read_rank_summaries(work / "ranks")

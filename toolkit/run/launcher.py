@@ -43,7 +43,12 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
                    main_host: str | None = None, max_restarts: int = 0, main_port: int | None = None) -> list[str]:
     """`accelerate launch` of toolkit.train with the plan's emitted accelerate config. max_restarts > 0: torchrun's
     elastic agent restarts the workers when one dies (accelerate hands --max_restarts and --monitor_interval to
-    torchrun), and toolkit.train resumes each restart from the last complete checkpoint."""
+    torchrun), and toolkit.train resumes each restart from the last complete checkpoint.
+
+    One node (no machine_rank) rendezvouses on a port free at launch (`--main_process_port 0`), so two launches on
+    one machine never meet: with none given, accelerate takes 29500, and two launches that both find it free both
+    bind it and one fails (accelerate switches to torchrun's standalone mode only when it finds the port taken;
+    docs/ENGINE_FACTS.md). A node of a multi-node run keeps the plan's fixed port (main_port, else the YAML's)."""
     plan_dir = Path(plan_dir)
     command = ["accelerate", "launch", "--config_file", str(plan_dir / ACCELERATE_CONFIG)]
     if (plan_dir / DS_CONFIG).is_file() and _is_deepspeed_yaml(plan_dir):
@@ -53,8 +58,8 @@ def launch_command(plan_dir: str | Path, train_argv: list[str], *, machine_rank:
         command += ["--machine_rank", str(machine_rank)]
     if main_host is not None:
         command += ["--main_process_ip", main_host]
-    if main_port is not None:
-        command += ["--main_process_port", str(main_port)]
+    if main_port is not None or machine_rank is None:
+        command += ["--main_process_port", str(main_port or 0)]
     if max_restarts:
         command += ["--max_restarts", str(max_restarts), "--monitor_interval", "1"]
     if is_user_script(train_argv):  # `toolkit launch DIR -- my_train.py ARGS`: the user's script, same configs,
