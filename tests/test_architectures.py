@@ -347,7 +347,8 @@ def test_a_script_for_a_qwen2_5_vl_plan_loads_the_image_text_class(tmp_path, cap
 def test_the_rehearsal_model_of_qwen2_5_vl_is_a_small_whole_image_text_model(tmp_path):
     """Qwen2.5-VL's text config has no class of its own in transformers 5.24, so its rehearsal model (the plan's
     config shrunk by toolkit.run.tiny) keeps the whole class: the text model shrunk as every other family's, the
-    vision encoder to 2 blocks of width 32 with its projector's output at the text width; it trains text-only."""
+    vision encoder to 2 blocks of width 32 with its projector's output at the text width, its last block keeping the
+    full attention the real tower's fullatt_block_indexes give some blocks; it trains text-only."""
     from toolkit.inputs.modelconfig import load_pretrained
     from toolkit.run.rehearsal import make_rehearsal_model, plan_for_model
 
@@ -359,7 +360,7 @@ def test_the_rehearsal_model_of_qwen2_5_vl_is_a_small_whole_image_text_model(tmp
     assert (config.text_config.num_hidden_layers, config.text_config.hidden_size) == (4, 64)
     vision = config.vision_config
     assert (vision.depth, vision.hidden_size, vision.num_heads, vision.out_hidden_size) == (2, 32, 2, 64)
-    assert vision.fullatt_block_indexes == [] and model.model.visual.merger.mlp[-1].out_features == 64
+    assert vision.fullatt_block_indexes == [1] and model.model.visual.merger.mlp[-1].out_features == 64
     ids = torch.randint(0, config.text_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = model(input_ids=ids, labels=ids).loss
     assert torch.isfinite(loss) and 5.0 < loss.item() < 8.0  # about ln(vocab) for random weights

@@ -383,23 +383,6 @@ def test_plan_md_tells_a_users_script_to_load_qwen35s_image_text_class(tmp_path)
     assert f"the images resized to {SIZE} before the collator" in text
 
 
-def test_the_rehearsal_of_an_image_plan_says_it_runs_text_alone(tiny_vl_dir):
-    """`launch --rehearse` of an image plan rehearses its strategy on text (no image data, no processor for the tiny
-    model) and says so, instead of passing as if the images had run."""
-    from dataclasses import replace
-
-    from toolkit.plan.job import job_from_plan, job_to_plan_fields
-    from toolkit.run.rehearsal import plan_for_model, rehearsal_plan
-
-    plan = plan_for_model(tiny_vl_dir, "ddp", gpus_per_node=2, seq_len=416, images=True)
-    job = replace(job_from_plan(plan), images_per_sample=2, image_size="448x280", image_tokens=160)
-    small, said = rehearsal_plan(replace(plan, **job_to_plan_fields(job)), tiny_vl_dir)
-    assert small.images_per_sample == 0
-    assert any(line.startswith("images: the rehearsal runs the plan's strategy on text alone (2 x 448x280 a sample")
-               for line in said)
-    assert not any(line.startswith("images:") for line in rehearsal_plan(plan, tiny_vl_dir)[1])
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--images-per-sample", "2", "--image-size", "448x448"], "has no vision encoder (it is not a multimodal class)"),
     (["--images-per-sample", "2"], "--images-per-sample needs --image-size WIDTHxHEIGHT"),

@@ -14,15 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.run.tiny_images import vl_chat_template
+
 TEXT, IMAGES, SIZE, TOKENS = 80, 2, "40x40", 4  # Gemma-3's projector pools every image to mm_tokens_per_image
 SEQ = TEXT + IMAGES * TOKENS
-VL_TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{% for c in message['content'] %}{{ c['text'] }}"
-    "{% endfor %}{{ eos_token }}{% endgeneration %}"
-    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<start_of_image>{% else %}"
-    "{{ c['text'] }}{% endif %}{% endfor %}{{ '\\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+VL_TEMPLATE = vl_chat_template("<start_of_image>")
 """The tiny tokenizer's chat template with image parts (Gemma-3's processor expands <start_of_image>)."""
 
 
@@ -56,7 +52,7 @@ def _tiny_gemma3_with_processor(out: Path) -> Path:
     return model_dir
 
 
-QWEN_TEMPLATE = VL_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+QWEN_TEMPLATE = vl_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
 """The same template with Qwen2.5-VL's image markers (its processor expands <|image_pad|> to the image's tokens)."""
 
 

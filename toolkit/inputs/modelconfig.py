@@ -61,13 +61,14 @@ def layer_count(config: Any) -> Any:
     return getattr(text_config(config), layer_count_key(config), None)
 
 
-def load_pretrained(source: Any, **kwargs: Any):
+def load_pretrained(source: Any, *, images: bool = False, **kwargs: Any):
     """The model saved at `source` (a folder or hub id) loaded with the class auto_model_class picks for its config
-    (a Qwen2.5-VL checkpoint has no AutoModelForCausalLM class); `kwargs` go to from_pretrained."""
+    (a Qwen2.5-VL checkpoint has no AutoModelForCausalLM class; `images`: the image-text class, as an image plan
+    trains it); `kwargs` go to from_pretrained."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(source))
-    return auto_model_class(config).from_pretrained(str(source), config=config, **kwargs)
+    return auto_model_class(config, images=images).from_pretrained(str(source), config=config, **kwargs)
 
 
 def catalog_names() -> list[str]:

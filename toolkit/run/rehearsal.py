@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from toolkit.run import tiny
+from toolkit.run import rehearsal_images, tiny
 from toolkit.errors import UserError
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.run.launcher import (LOG_NAME, emit_plan_files, free_port, is_user_script, launch_command,
@@ -128,22 +128,29 @@ def rehearsal_plan(plan: Plan, tiny_model_dir: str | Path, nodes: int = 1,
     if plan.activation_offloading and not offloading:
         said.append("activation offloading: toolkit.train runs TRL's for SFT and DPO plans (GRPOConfig has no such "
                     "field); the rehearsal runs without it")
-    if plan.images_per_sample:
+    images = rehearsal_images.rehearses_images(plan)
+    if plan.images_per_sample and not images:
         said.append(f"images: the rehearsal runs the plan's strategy on text alone ({plan.images_per_sample} x "
-                    f"{plan.image_size} a sample not rehearsed: it has no image data and no processor for the tiny "
-                    "model); run toolkit.train on your image folder for a few steps to try the images")
+                    f"{plan.image_size} a sample not rehearsed: {rehearsal_images.images_problem(plan)}); run "
+                    "toolkit.train on your image folder for a few steps to try the images")
     # Keep accumulation > 1 when the plan accumulates (it changes the engines' code paths), but small.
     grad_accum = min(plan.grad_accum, 2) if plan.engine != Engine.PIPELINE else max(2, min(plan.grad_accum, 4))
     micro_batch = min(plan.micro_batch, 2)
     grpo = _rehearsal_grpo(plan, micro_batch * world * grad_accum, said) if plan.grpo else None
+    seq_len = grpo.seq_len if grpo else min(plan.seq_len, REHEARSAL_SEQ_LEN)
+    if images:  # the conversations' text, with the tiny processor's tokens for each image
+        n_images, seq_len = rehearsal_images.image_seq_len(plan, tiny_model_dir, REHEARSAL_SEQ_LEN)
     small = plan_for_model(
         tiny_model_dir, plan.strategy, num_machines=nodes, gpus_per_node=world // nodes, micro_batch=micro_batch,
-        grad_accum=grad_accum, seq_len=grpo.seq_len if grpo else min(plan.seq_len, REHEARSAL_SEQ_LEN),
-        precision=precision,
+        grad_accum=grad_accum, seq_len=seq_len, precision=precision, images=images,
         checkpointing=plan.checkpointing, attention=attention, optimizer=plan.optimizer, pipeline_stages=stages,
         tensor=tensor, context=context, sequence=sequence,
         expert=min(plan.expert_parallel, 2),  # ep 2 x fsdp 2: each rank holds half of the tiny model's 4 experts
         notes=[f"rehearsal of {plan.model} ({plan.strategy}, {plan.world_size} GPUs)", *said])
+    if images:
+        small, line = rehearsal_images.with_images(small, plan, tiny_model_dir, n_images)
+        said.append(line)
+        small = small.replace(notes=[*small.notes, line])
     if plan.method != "full":
         # The plan's LoRA / QLoRA adapter on the tiny model of the same architecture (same module names).
         small = small.replace(method=plan.method, adapter=dict(plan.adapter))
@@ -287,6 +294,8 @@ def rehearsal_data(small: Plan, folder: Path, *, chat: bool = False) -> Path:
     prompt alone, as load_dataset("json") and TRL's trainers read them), else the text corpus (train.txt /
     validation.txt) with, for a user's script (chat), its conversations beside it as train.jsonl (toolkit.train
     reads one kind of file per folder). Returns the folder."""
+    if small.images_per_sample:  # TRL's VLM format, which toolkit.train and a user's TRL VLM SFT script read
+        return tiny.write_image_corpus(folder, rows=16, most_images=small.images_per_sample)
     if small.dpo:
         return tiny.write_preference_corpus(folder, max_chars=60_000)
     if small.grpo:
@@ -299,7 +308,7 @@ def rehearsal_data(small: Plan, folder: Path, *, chat: bool = False) -> Path:
 
 def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, *, dry_run: bool,
                  nodes: int = 1, processes: int | None = None) -> int:
-    _, small, said, small_dir, data = small_setup(plan, work, nodes=nodes, processes=processes)
+    model_dir, small, said, small_dir, data = small_setup(plan, work, nodes=nodes, processes=processes)
     argv = rehearsal_argv(data, work / "out", train_argv)
     if small.grpo and not any(a.split("=", 1)[0] == "--reward" for a in argv):
         argv += ["--reward", "length"]
@@ -322,7 +331,7 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     # Where the ranks report what they trained: the caller's folder when it names one (kept after the run).
     summaries = Path(os.environ.get("TOOLKIT_RANK_SUMMARY_DIR") or work / "ranks")
-    if nodes > 1 or small.activation_offloading:
+    if nodes > 1 or small.activation_offloading or small.images_per_sample:
         env["TOOLKIT_RANK_SUMMARY_DIR"] = str(summaries)
     if nodes > 1:
         code = run_nodes(commands, env=env, output=work / "out")
@@ -330,12 +339,15 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
             problems += _check_replicas(summaries, small)
     else:
         code = run(commands[0], env=env, output=work / "out")
-    offloaded = ""
+    seen = ""  # what the passed line adds: TRL's offloading, the images
     if code == 0 and small.activation_offloading:
-        offloaded, problem = _offloaded(summaries, small)
+        seen, problem = _offloaded(summaries, small)
         problems += problem
     if code == 0:
         problems += _check_saved_model(work / "out", small)
+    if code == 0 and small.images_per_sample:
+        words, problem = rehearsal_images.check_images(summaries, small, model_dir, work / "out")
+        seen, problems = seen + words, problems + problem
     if code != 0 or problems:
         for problem in problems:
             print(f"rehearsal problem: {problem}", flush=True)
@@ -345,7 +357,7 @@ def _rehearse_in(plan: Plan, plan_dir: Path, train_argv: list[str], work: Path, 
             print(f"  log: {line}", flush=True)
         print(f"rehearsal FAILED (exit code {code}); fix this before spending GPU time", flush=True)
         return code or 1
-    print(f"rehearsal passed: {_label(small)} trained {REHEARSAL_STEPS} steps{offloaded}, checkpointed, saved and "
+    print(f"rehearsal passed: {_label(small)} trained {REHEARSAL_STEPS} steps{seen}, checkpointed, saved and "
           "reloaded", flush=True)
     return 0
 
@@ -442,13 +454,15 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
 def make_rehearsal_model(plan: Plan, out_dir: Path) -> Path:
     """A tiny model of the plan's own architecture (random weights) with a tokenizer trained on the local corpus:
     the plan's config shrunk by its own config class (toolkit.run.tiny.shrink_config), every non-size setting kept,
-    to sizes that the rehearsal grid's degrees divide (toolkit.run.tiny.sizes_for_degrees)."""
+    to sizes that the rehearsal grid's degrees divide (toolkit.run.tiny.sizes_for_degrees); for an image plan whose
+    images it rehearses, the whole image-text class with a tiny vision tower and its processor."""
     from toolkit.inputs.modelconfig import config_from_dict
 
     config = config_from_dict({**plan.model_config, "model_type": plan.model_type}, plan.model)
     tensor, _, sequence, stages = rehearsal_degrees(plan)
     sizes = tiny.sizes_for_degrees(config, tensor=tensor, sequence=sequence, stages=stages, layers=REHEARSAL_LAYERS)
-    return tiny.make_tiny_model(config, out_dir, corpus_chars=100_000, **sizes)
+    return tiny.make_tiny_model(config, out_dir, corpus_chars=100_000, images=rehearsal_images.rehearses_images(plan),
+                                **sizes)
 
 
 def _kept(train_argv: list[str]) -> list[str]:
@@ -487,7 +501,7 @@ def _check_saved_model(out: Path, small: Plan) -> list[str]:
     try:
         from toolkit.inputs.modelconfig import load_pretrained
 
-        model, info = load_pretrained(out, output_loading_info=True)
+        model, info = load_pretrained(out, images=bool(small.images_per_sample), output_loading_info=True)
     except Exception as exc:
         return [f"the saved model does not load with from_pretrained: {str(exc).strip().splitlines()[0]}"]
     # from_pretrained initialises at random what the file lacks and still builds every parameter, so the count
@@ -509,7 +523,7 @@ def _check_saved_adapter(out: Path, small: Plan) -> list[str]:
 
         from toolkit.inputs.modelconfig import load_pretrained
 
-        PeftModel.from_pretrained(load_pretrained(small.model), str(out))
+        PeftModel.from_pretrained(load_pretrained(small.model, images=bool(small.images_per_sample)), str(out))
     except Exception as exc:
         return [f"the saved adapter does not load with PeftModel.from_pretrained: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"]

@@ -112,11 +112,11 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), 
 
 
 def write_image_corpus(out_dir: str | Path, rows: int = 16, size: tuple[int, int] = (40, 40),
-                       eval_fraction: float = 0.0) -> Path:
+                       eval_fraction: float = 0.0, most_images: int = 2) -> Path:
     """train.jsonl (+ validation.jsonl) of image-and-text conversations in TRL's VLM format ({"messages": [...],
     "images": ["images/3.png", ...]}, paths relative to out_dir) and the PNGs they name, drawn with PIL: a square of
-    one colour on a grey ground; the assistant names the colours. Rows alternate one and two images. Returns
-    out_dir."""
+    one colour on a grey ground; the assistant names the colours. Rows cycle through one to `most_images` images.
+    Returns out_dir."""
     from PIL import Image, ImageDraw
 
     out = Path(out_dir)
@@ -124,7 +124,7 @@ def write_image_corpus(out_dir: str | Path, rows: int = 16, size: tuple[int, int
     names = list(COLOURS)
     records = []
     for row in range(rows):
-        colours = [names[(row + k) % len(names)] for k in range(1 + row % 2)]
+        colours = [names[(row + k) % len(names)] for k in range(1 + row % most_images)]
         files = []
         for k, colour in enumerate(colours):
             image = Image.new("RGB", size, (128, 128, 128))
@@ -158,19 +158,22 @@ def _write_rows(out: Path, rows: list[dict[str, Any]], eval_fraction: float, tra
     return out
 
 
-def train_tokenizer(text: str, vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on `text`, as a transformers PreTrainedTokenizerFast."""
+def train_tokenizer(text: str, vocab_size: int = 512, named_tokens: dict[str, str] | None = None):
+    """A byte-level BPE tokenizer trained on `text`, as a transformers PreTrainedTokenizerFast. `named_tokens`: more
+    special tokens, each an attribute of the tokenizer under its name (image_token="<|image|>": tokenizer.image_token
+    and tokenizer.image_token_id, what a processor reads)."""
+    named = dict(named_tokens or {})
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", *named.values()],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([text], trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                        unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+                                        unk_token="<|endoftext|>", pad_token="<|endoftext|>", **named)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -188,7 +191,7 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start
 
 def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int = 64, heads: int = 4,
                   kv_heads: int | None = None, ffn: int = 128, max_positions: int = 256, experts: int = 4,
-                  **overrides: Any):
+                  images: bool = False, **overrides: Any):
     """The same architecture as `config` (its own config class, every non-size setting kept), small enough to train
     in seconds on CPU: `layers` decoder layers of width `hidden` with `heads` heads of hidden / heads dims.
 
@@ -197,10 +200,11 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     multi-query, GQA keeps a group size that divides `heads`), experts and experts per token, sliding windows, the
     per-layer pattern (layer_types keeps every kind of layer it had), layer-index lists, and rope scaling tables
     sized by the rotary dimension. A composite config whose text config transformers builds no model of its own
-    (Qwen2.5-VL) stays whole: see _shrink_composite."""
+    (Qwen2.5-VL), or any composite config for an image-and-text model (`images`: the tiny model of an image plan,
+    with a tiny vision tower), stays whole: see _shrink_composite."""
     cls = type(config)
     text = text_config(config)
-    if text is not config and not _has_own_class(text):
+    if text is not config and (images or not _has_own_class(text)):
         return _shrink_composite(config, dict(vocab_size=vocab_size, layers=layers, hidden=hidden, heads=heads,
                                               kv_heads=kv_heads, ffn=ffn, max_positions=max_positions,
                                               experts=experts, **overrides))
@@ -278,11 +282,16 @@ def shrink_config(config, *, vocab_size: int = 512, layers: int = 4, hidden: int
     if isinstance(data.get("max_window_layers"), int):
         data["max_window_layers"] = min(data["max_window_layers"], layers)
     for name, value in list(data.items()):
-        if name.endswith(("_layers", "_block_indexes")) and isinstance(value, list) \
+        if name.endswith(("_layers", "_indexes")) and isinstance(value, list) \
                 and all(isinstance(v, int) for v in value):  # layer-index lists (Qwen-MoE's mlp_only_layers,
-            data[name] = [v for v in value if v < layers]  # Qwen2.5-VL's vision fullatt_block_indexes)
+            # Qwen2.5-VL's vision fullatt_block_indexes, Qwen3-VL's deepstack_visual_indexes): a list the cut would
+            # empty keeps the last layer, so the tiny model still has that kind of layer
+            data[name] = [v for v in value if v < layers] or ([layers - 1] if value else [])
     if isinstance(data.get(key("layer_types")), list):  # Nemotron-H's attribute_map: layers_block_type
         data[key("layer_types")] = _shrunk_pattern(data[key("layer_types")], layers)
+    table = data.get("num_position_embeddings")  # a vision tower's learned position grid (Qwen3-VL: a square
+    if isinstance(table, int) and math.isqrt(table) ** 2 == table and table > 64:  # interpolated to each image)
+        data["num_position_embeddings"] = 64
     old_positions = data.get(key("max_position_embeddings"))
     if present("max_position_embeddings"):
         data[key("max_position_embeddings")] = max_positions
@@ -403,25 +412,33 @@ def tiny_config(arch: str, vocab_size: int = 512, *, layers: int = 4, hidden: in
 
 
 def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corpus_chars: int = 200_000,
-                    vocab_size: int = 512, **config_overrides: Any) -> Path:
+                    vocab_size: int = 512, images: bool = False, **config_overrides: Any) -> Path:
     """Save a randomly initialised tiny model and a locally trained tokenizer in out_dir (HF format).
 
     `arch` is a model_type (transformers' default config of it is shrunk) or a config of a real model (shrunk the
-    same way: same architecture and settings, small sizes)."""
+    same way: same architecture and settings, small sizes). `images` (a config of a vision-language model): the
+    whole image-text class with a tiny vision tower, the tokenizer holding the config's image tokens, and the
+    processor saved beside them (toolkit.run.tiny_images)."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from toolkit.inputs.modelconfig import auto_model_class
 
+    from toolkit.run import tiny_images
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(corpus_text(corpus_chars), vocab_size=vocab_size)
+    named = tiny_images.image_token_names(arch) if images else {}
+    tokenizer = train_tokenizer(corpus_text(corpus_chars), vocab_size=vocab_size,
+                                named_tokens={tiny_images.tokenizer_name(k): v for k, v in named.items()})
     if isinstance(arch, str):
         config = tiny_config(arch, vocab_size=len(tokenizer), **config_overrides)
     else:
-        config = shrink_config(arch, vocab_size=len(tokenizer), **config_overrides)
+        config = shrink_config(arch, vocab_size=len(tokenizer), images=images, **config_overrides)
+    for name, token in named.items():
+        setattr(config, name, tokenizer.convert_tokens_to_ids(token))
     torch.manual_seed(seed)
-    model = auto_model_class(config).from_config(config)
+    model = auto_model_class(config, images=images).from_config(config)
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar for one tiny shard on stderr, where a rehearsal's failure is one line
     try:
@@ -430,6 +447,8 @@ def make_tiny_model(arch: str | Any, out_dir: str | Path, *, seed: int = 0, corp
         if shown:
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
+    if images:
+        tiny_images.save_processor(config, out, named)
     (out / "toolkit_tiny.json").write_text(json.dumps({"arch": config.model_type, "seed": seed}) + "\n")
     return out
 
