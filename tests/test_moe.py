@@ -86,6 +86,7 @@ STEPS = 6
 TRAIN = ("--max-steps", str(STEPS), "--logging-steps", "1", "--save-steps", "100", "--lr", "3e-3",
          "--lr-scheduler", "constant", "--seed", "7", "--max-eval-blocks", "8")
 LOSS_TOLERANCE = 1e-3
+AUTOEP_STEPS = ("--max-steps", "4", "--save-steps", "2")  # the AutoEP run: checkpoint-2 to load and resume from
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +131,12 @@ def test_a_zero3_plan_of_an_moe_model_names_its_block_as_leaf_module(tiny_moe_di
 def moe_runs(runs_by_name, tiny_moe_dir, corpus_dir):
     """The tiny Qwen3-MoE's runs by name, fp32, global batch 4: "ref", one process on the whole batch (the others
     split it over 2 gloo ranks), started beside "zero3" (the MoE block as ZeRO-3 leaf); "ep2" (FSDP2 x EP 2) and
-    "autoep2" (DeepSpeed AutoEP 2 on zero1, 3 steps)."""
+    "autoep2" (DeepSpeed AutoEP 2 on zero1, 4 steps, a checkpoint at step 2)."""
     plans = {"ref": dict(strategy="ddp", world=1, micro=4), "zero3": dict(strategy="zero3"),
              "ep2": dict(strategy="fsdp2", expert=2), "autoep2": dict(strategy="zero1", expert=2)}
 
     def arguments(name):
-        steps = ("--max-steps", "3") if name == "autoep2" else ()
+        steps = AUTOEP_STEPS if name == "autoep2" else ()
         return _moe_plan(tiny_moe_dir, **plans[name]), f"moe-{name}", "--data", str(corpus_dir), *TRAIN, *steps
 
     return runs_by_name(arguments, together=[("ref", "zero3")], timeout=600)
@@ -347,43 +348,48 @@ def test_expert_parallel_trains_to_the_single_process_losses_with_half_the_exper
                                atol=1e-6, rtol=0)
 
 
-def _loads_in_transformers_as_trained(run) -> None:
-    """The run's saved folder loads in transformers with every weight (no missing, unexpected or mismatched one)
-    and gives the logits rank 0 recorded from the trained model on its probe input."""
+def _loads_in_transformers_as_trained(run, step: int | None = None) -> None:
+    """The run's saved folder (`step`: its checkpoint-N folder) loads in transformers with every weight (no
+    missing, unexpected or mismatched one) and gives the logits rank 0 recorded from the live model on its probe
+    input (at the end of training, or when it wrote that checkpoint)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(run.output, output_loading_info=True)
+    folder = run.output if step is None else run.output / f"checkpoint-{step}"
+    expected = run.ranks[0]["probe_logits"] if step is None else run.ranks[0]["saved_probe_logits"][str(step)]
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not any(info.values()), info
     with torch.no_grad():
         logits = model.eval()(input_ids=torch.tensor(run.ranks[0]["probe_input_ids"])).logits
-    torch.testing.assert_close(logits, torch.tensor(run.ranks[0]["probe_logits"]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, torch.tensor(expected), atol=1e-5, rtol=0)
 
 
 @pytest.mark.multiprocess
-def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_share_of_experts(
-        moe_runs, tiny_moe_dir):
+def test_deepspeed_autoep_trains_to_the_single_process_losses_saves_checkpoints_for_transformers_and_resumes(
+        moe_runs, run_training, tiny_moe_dir, corpus_dir, tmp_path):
     """toolkit.train of a DeepSpeed AutoEP plan (zero1, autoep_size 2, 2 gloo processes, fp32, global batch 4,
     clipping 1.0 as planned, DeepSpeed's AdamW as torch's on CPU): the engine replaces both MoE blocks, each rank
-    holds the dense parameters and half of the experts, exactly the plan's per-rank parameter bytes, and steps 1-3
-    lose what the single process (torch AdamW, same clipping) loses. Measured: 6.259349 / 6.232763 / 6.184993 on
-    both ranks against 6.259349 / 6.232763 / 6.184992; 560,640 parameter bytes a rank (140,160 fp32 parameters,
-    49,152 of the 98,304 expert elements) as planned. The saved model is in the checkpoint's own layout
-    (toolkit.train.autoep_export): transformers loads it with no weight missing and it gives the trained model's
-    logits (before, its file named AutoEP's tensors and from_pretrained filled 12 expert / router weights
-    randomly)."""
+    holds the dense parameters and half of the experts, exactly the plan's per-rank parameter bytes, and steps 1-4
+    lose what the single process (torch AdamW, same clipping) loses. Measured: 6.259349 / 6.232763 / 6.184993 /
+    6.115284 on both ranks, steps 1-3 against 6.259349 / 6.232763 / 6.184992; 560,640 parameter bytes a rank
+    (140,160 fp32 parameters, 49,152 of the 98,304 expert elements) as planned. Every model save is in the
+    checkpoint's own layout (toolkit.train.autoep_export.AutoEPSaves): the final folder and checkpoint-2 (save_steps
+    2) load in transformers with no weight missing and give the live model's logits at that step (before, their
+    files named AutoEP's tensors and from_pretrained filled 12 expert / router weights randomly), and a run resumed
+    from checkpoint-2 alone (the engine reloads its own state) loses at steps 3 and 4 what the uninterrupted run
+    lost (measured: equal to every printed digit)."""
     from toolkit.estimate.search import predict_plan
     from toolkit.inputs.moe import expert_params
     from toolkit.inputs.modelspec import build_spec
     from toolkit.train.model import load_config
 
     plan = _moe_plan(tiny_moe_dir, "zero1", expert=2)
-    assert plan.grid.autoep
+    assert plan.grid.autoep and plan.grid.resume_problem() is None
     run = moe_runs("autoep2")
     ref = moe_runs("ref").losses()
     for rank in (0, 1):
         got = run.losses(rank)
-        assert sorted(got) == sorted(ref)[:3]
+        assert sorted(got) == sorted(ref)[:4]
         for step in got:
             assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
     spec = build_spec(str(tiny_moe_dir), load_config(str(tiny_moe_dir)))
@@ -393,6 +399,17 @@ def test_deepspeed_autoep_trains_to_the_single_process_losses_with_the_planned_s
     assert [r["param_bytes"] for r in run.ranks] == [predicted] * 2
     assert [r["expert_numel"][0] for r in run.ranks] == [experts // 2] * 2
     _loads_in_transformers_as_trained(run)
+    _loads_in_transformers_as_trained(run, step=2)
+    shutil.copytree(run.output / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = run_training(plan, "moe-autoep2-resumed", "--data", str(corpus_dir), *TRAIN, *AUTOEP_STEPS, "--resume",
+                           output=tmp_path / "resumed", timeout=600).check()
+    assert [sorted(r["saved_probe_logits"]) for r in resumed.ranks] == [["4"]] * 2  # steps 3-4 ran, not 1-2
+    uninterrupted = run.losses()
+    for rank in (0, 1):
+        got = resumed.losses(rank)  # steps 1-2 as checkpoint-2's trainer_state.json logged them
+        assert sorted(got) == [1, 2, 3, 4], got
+        for step in got:
+            assert got[step] == pytest.approx(uninterrupted[step], abs=1e-5), (rank, step)
 
 
 @pytest.fixture(scope="module")

@@ -378,10 +378,12 @@ def model_parallel_notes(plan: Plan) -> list[str]:
                 "toolkit.patches.autoep.allow_string_keys() before deepspeed.initialize (toolkit.train does). "
                 "The Trainer's save_model writes rank 0's AutoEP layers (mlp.experts.w1 / w2 / w3, "
                 "mlp.router.gate), which from_pretrained does not read (it initialises the experts and the router "
-                "at random): toolkit.train saves the final model in the checkpoint's own layout instead; a script "
-                "does the same by calling toolkit.train.autoep_export.save_autoep_model(model, "
-                "engine._config.expert_parallel_config, OUT, write=rank == 0) on every rank. The checkpoint-N "
-                "folders keep AutoEP's layout (DeepSpeed's expert-aware conversion of them is ds_to_universal.py)."]
+                "at random), in the final folder and in every checkpoint-N: toolkit.train saves each in the "
+                "checkpoint's own layout instead. A script's Trainer does the same with "
+                "toolkit.train.autoep_export.AutoEPSaves first in its bases (class MyTrainer(AutoEPSaves, Trainer)); "
+                "without the Trainer call toolkit.train.autoep_export.save_autoep_model(model, "
+                "engine._config.expert_parallel_config, OUT, write=rank == 0) on every rank. Resume reads the "
+                "engine's own state (checkpoint-N/global_stepN), which stays in AutoEP's layout."]
     if g.expert > 1:
         return [f"Expert parallelism (ep {g.expert}) follows the model's own ep_plan, applied by transformers at load: "
                 f"model = {auto_class_name(plan)}.from_pretrained(MODEL, distributed_config=transformers.distributed."

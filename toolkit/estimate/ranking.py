@@ -172,7 +172,8 @@ def _expert_clause(ranked: list[Candidate]) -> str:
         ep = first.grid.expert
         return (f". Mixture of experts: ep={ep} keeps 1/{ep} of each layer's experts on a rank and sends the tokens "
                 f"to them (an all-to-all per MoE layer)" + (f", where {gathered}" if picks else "")
-                + "; its speed is unverified (the all-to-all is unmeasured) and it cannot resume from its checkpoints")
+                + "; its speed is unverified (the all-to-all is unmeasured)"
+                + (" and it cannot resume from its checkpoints" if resume_problem(first) else ""))
     ep = experts[0]
     why = _than(first, ep)
     if first in speed_ties(feasible) and ep in speed_ties(feasible):

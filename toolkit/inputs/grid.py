@@ -267,11 +267,8 @@ class ParallelGrid:
         Trainer refuses to checkpoint the optimizer of such a model (transformers 5.24 trainer.py __init__:
         "Resuming is not supported for models sharded at load time"), so its checkpoints hold the model only
         (save_only_model); expert parallelism (DistributedConfig ep_size) likewise. Every other grid resumes exactly (ZeRO / FSDP2 / DDP / SP through the Trainer's
-        checkpoints, pipeline through the engine's own)."""
-        if self.autoep:
-            return ("DeepSpeed AutoEP: toolkit has not yet resumed an AutoEP run from its checkpoint (the engine's "
-                    "expert checkpoint files), so it plans no resume for it")
-        if self.tensor > 1 or self.expert > 1:
+        checkpoints, DeepSpeed AutoEP through the engine's own state in them, pipeline through the engine's own)."""
+        if self.tensor > 1 or (self.expert > 1 and not self.autoep):
             return (f"{'tensor' if self.tensor > 1 else 'expert'} parallelism: transformers shards the model as it "
                     "loads it and the HF Trainer does not "
                     "checkpoint such a model's optimizer (its checkpoints hold the model only), so the run cannot "

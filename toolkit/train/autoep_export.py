@@ -1,5 +1,5 @@
-"""A DeepSpeed AutoEP model back in its checkpoint's own (transformers) layout, so the final save loads with
-`from_pretrained` (docs/ENGINE_FACTS.md, the AutoEP entry).
+"""A DeepSpeed AutoEP model back in its checkpoint's own (transformers) layout, so every model save (the final
+folder, each checkpoint-N: `AutoEPSaves`) loads with `from_pretrained` (docs/ENGINE_FACTS.md, the AutoEP entry).
 
 AutoEP (deepspeed 0.19.8, module_inject/auto_ep_layer.py `AutoEPMoELayer.__init__`) replaces every MoE block it
 detects with a layer that holds: the router as `router.gate` (an nn.Linear, the block's router weight and bias
@@ -28,18 +28,28 @@ def is_autoep_model(model) -> bool:
     return any(getattr(m, "_is_autoep_layer", False) for m in model.modules())
 
 
-def save_trained_model(trainer, output: Path) -> None:
-    """The Trainer's final save: `trainer.save_model`, or for a DeepSpeed AutoEP model its transformers layout
-    (`save_autoep_model`) with the Trainer's training_args.bin beside it."""
-    if not (trainer.is_deepspeed_enabled and is_autoep_model(trainer.model)):
-        trainer.save_model(str(output))
-        return
-    write = trainer.is_world_process_zero()
-    save_autoep_model(trainer.model, trainer.model_wrapped._config.expert_parallel_config, output, write=write)
-    if write:
-        import torch
+class AutoEPSaves:
+    """Trainer mixin (before `Trainer` in the bases): every model save of a DeepSpeed AutoEP run, the final folder
+    and the model files of each `checkpoint-N` the Trainer writes at save_steps (its `_save_checkpoint` calls
+    `save_model`), in the checkpoint's transformers layout (`save_autoep_model`), with the processing class and
+    training_args.bin beside it as the Trainer's `_save` writes them. Resume does not read these files: under
+    DeepSpeed the Trainer saves and reloads the engine's own state (`checkpoint-N/global_stepN`, AutoEP's layout,
+    `engine.save_checkpoint` / `load_checkpoint`), which this leaves as it is. Any other run saves as the Trainer
+    does."""
 
-        torch.save(trainer.args, output / "training_args.bin")
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not (self.is_deepspeed_enabled and is_autoep_model(self.model)):
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        output = Path(output_dir if output_dir is not None else self.args.output_dir)
+        write = self.args.should_save
+        save_autoep_model(self.model, self.model_wrapped._config.expert_parallel_config, output, write=write)
+        if write:
+            import torch
+            from transformers.trainer import TRAINING_ARGS_NAME
+
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(str(output))
+            torch.save(self.args, output / TRAINING_ARGS_NAME)
 
 
 def save_autoep_model(model, autoep_config, output: Path, *, write: bool) -> None:

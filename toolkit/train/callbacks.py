@@ -1,4 +1,5 @@
-"""Trainer hooks: throughput and per-rank peak memory in the logs, and complete-checkpoint markers."""
+"""Trainer hooks: throughput and per-rank peak memory in the logs, complete-checkpoint markers, and the rank
+summaries' probe of each checkpoint's model."""
 
 from __future__ import annotations
 
@@ -153,4 +154,31 @@ class CheckpointMarker(TrainerCallback):
         if state.is_world_process_zero:
             checkpoints.mark_complete(self.output / f"checkpoint-{state.global_step}")
             checkpoints.rotate(self.output, self.keep)
+        return control
+
+
+def probe_logits(model, device) -> tuple[list, list]:
+    """The rank summaries' probe (toolkit.train.hf_runner._write_rank_summary): the model's logits on tokens 1-16,
+    in eval mode without gradients, as (input ids, logits) lists. Every rank runs it: ZeRO-3 and FSDP2 gather
+    parameters, and AutoEP exchanges tokens, collectively."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        probe = torch.arange(1, 17, device=device).unsqueeze(0)
+        logits = model(input_ids=probe).logits.float().cpu()
+    model.train(was_training)
+    return probe.cpu().tolist(), logits.tolist()
+
+
+class ProbeAtSave(TrainerCallback):
+    """Test hook, added where TOOLKIT_RANK_SUMMARY_DIR is set: the probe's logits of the live model at each step a
+    checkpoint-N is written (`logits[N]`), so a test can load checkpoint-N and compare."""
+
+    def __init__(self):
+        self.logits: dict[int, list] = {}
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        self.logits[state.global_step] = probe_logits(model, args.device)[1]
         return control

@@ -118,8 +118,9 @@ def make_dpo_trainer(plan: Plan, *, model, ref_model, adapter, tokenizer, traini
     from trl import DPOTrainer
 
     from toolkit.patches.actoffload import OffloadedSteps
+    from toolkit.train.autoep_export import AutoEPSaves
 
-    class PlanDPOTrainer(OffloadedSteps, DPOTrainer):
+    class PlanDPOTrainer(AutoEPSaves, OffloadedSteps, DPOTrainer):
         def log(self, logs, *a, **kw):
             throughput.add_to(logs, self)
             super().log(logs, *a, **kw)

@@ -134,7 +134,9 @@ def make_grpo_trainer(plan: Plan, *, model, ref_model, rewards, adapter, tokeniz
     from trl import GRPOTrainer
     from trl.trainer import grpo_trainer
 
-    class PlanGRPOTrainer(GRPOTrainer):
+    from toolkit.train.autoep_export import AutoEPSaves
+
+    class PlanGRPOTrainer(AutoEPSaves, GRPOTrainer):
         def log(self, logs, *a, **kw):
             throughput.add_to(logs, self)
             super().log(logs, *a, **kw)

@@ -332,6 +332,7 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         return
     import torch
     from toolkit.inputs.moe import is_expert_param
+    from toolkit.train.callbacks import ProbeAtSave, probe_logits
     from toolkit.train.grpo import reward_model_numel
 
     rank = trainer.args.process_index
@@ -349,14 +350,13 @@ def _write_rank_summary(trainer, seen_dtypes: dict) -> None:
         experts = [p for name, p in model.named_parameters() if is_expert_param(name)]
         expert_numel = [sum(getattr(p, "_local_tensor", p).numel() for p in experts), sum(p.numel() for p in experts)]
         param_bytes, optimizer_bytes = held_state_bytes(model, trainer.optimizer)  # the plan's figures a rank
-        # Every rank runs the forward (ZeRO-3 and FSDP2 gather parameters collectively).
-        probe = torch.arange(1, 17, device=trainer.args.device).unsqueeze(0)
-        logits = model(input_ids=probe).logits.float().cpu()
     model.train(was_training)
+    probe, logits = probe_logits(model, trainer.args.device)
+    at_save = next((c.logits for c in trainer.callback_handler.callbacks if isinstance(c, ProbeAtSave)), {})
     summary = {"rank": rank, "world": trainer.args.world_size, "node": launcher_node_rank(),
                "global_step": trainer.state.global_step,
                "log_history": trainer.state.log_history, "local_param_abs_sum": checksum,
-               "probe_input_ids": probe.cpu().tolist(), "probe_logits": logits.tolist(), **seen_dtypes,
+               "probe_input_ids": probe, "probe_logits": logits, "saved_probe_logits": at_save, **seen_dtypes,
                "compiled_graphs": _compiled_graphs(), "tiled_chunks": _tiled_chunks(),
                "activation_offloaded": _activation_offloaded(),
                "reference_model": getattr(trainer, "ref_model", None) is not None,  # DPO / GRPO: one is held
@@ -433,9 +433,10 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
     from transformers.trainer_utils import IntervalStrategy
 
     from toolkit.patches.actoffload import OffloadedSteps
-    from toolkit.train.callbacks import CheckpointMarker, ThroughputLog
+    from toolkit.train.autoep_export import AutoEPSaves
+    from toolkit.train.callbacks import CheckpointMarker, ProbeAtSave, ThroughputLog
 
-    class PlanTrainer(OffloadedSteps, dimensions.SequenceParallelGradient, Trainer):
+    class PlanTrainer(AutoEPSaves, OffloadedSteps, dimensions.SequenceParallelGradient, Trainer):
         """Adds tokens/s, per-rank peak memory and perplexity to every log line (stdout and TensorBoard)."""
 
         def log(self, logs, *a, **kw):
@@ -454,6 +455,7 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
     throughput = ThroughputLog(tokens_per_step=plan.global_batch * plan.seq_len * (2 if plan.dpo else 1),
                                **_predicted_step(plan))
     callbacks = [CheckpointMarker(args.output, args.save_total_limit)]
+    callbacks += [ProbeAtSave()] if os.environ.get("TOOLKIT_RANK_SUMMARY_DIR") else []  # _write_rank_summary's
     if plan.grpo:
         from toolkit.train.grpo import make_grpo_trainer
 
@@ -515,9 +517,7 @@ def save_final(trainer, tokenizer, output: Path) -> None:
             trainer.model_wrapped._config.zero_config.gather_16bit_weights_on_model_save = True
     if trainer.is_fsdp_enabled:
         accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    from toolkit.train.autoep_export import save_trained_model
-
-    save_trained_model(trainer, output)  # an AutoEP model in its transformers layout
+    trainer.save_model(str(output))  # an AutoEP model in its transformers layout (autoep_export.AutoEPSaves)
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(str(output))
         if hasattr(trainer.model, "peft_config"):
