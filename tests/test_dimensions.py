@@ -333,6 +333,7 @@ def test_seq_max_finds_the_longest_length_that_fits_and_the_next_granule_does_no
 
 @pytest.mark.parametrize("preset, changes, engine", [
     ("zero3-bf16", {"sequence_parallel": 8, "grad_accum": 64}, "deepspeed"),
+    ("zero2-bf16", {"sequence_parallel": 8, "grad_accum": 64}, "deepspeed"),
     ("fsdp2-bf16", {"context_parallel": 4, "grad_accum": 32}, "fsdp2"),
 ])
 def test_emitted_parallelism_passes_accelerates_and_deepspeeds_own_checks(preset, changes, engine, tmp_path):
@@ -367,6 +368,8 @@ def test_emitted_parallelism_passes_accelerates_and_deepspeeds_own_checks(preset
             assert json.loads(concrete.read_text())["sequence_parallel_size"] == 8
         parsed = validate_ds_config_for_plan(ds, plan)
         assert parsed.train_batch_size == 128 and parsed.gradient_accumulation_steps == 64
+        if plan.zero_stage < 3:  # averaged over dp x sp = 8 ranks, not summed over the SP ranks (issue 32)
+            assert (parsed.gradient_predivide_factor, parsed.zero_config.reduce_scatter) == (8, False)
         assert block["parallelism_config_sp_seq_length"] == plan.seq_len
         assert "UlyssesSPDataLoaderAdapter" in plan_md and "shift_labels" in plan_md
 
@@ -644,3 +647,26 @@ def test_check_tells_trainer_scripts_how_to_run_accelerates_tp_example():
     about_tp = [p for p in found if "DistributedConfig" in p.message]
     assert len(about_tp) == 1 and about_tp[0].runner == TRAINER and about_tp[0].severity == "note"
     assert not [p for p in found if p.severity in ("warning", "error")]
+
+
+def test_zero12_under_sp_counts_the_gradient_sp_times_unless_averaged_over_the_whole_group():
+    """docs/ENGINE_FACTS.md "ZeRO-1/2 x Ulysses SP": what the engine's reduction leaves of transformers' SP loss
+    gradient, 1 (one process's) or sp, read from the config the way stage_1_and_2.py / stage3.py take it."""
+    from toolkit.emit.deepspeed import average_over_sp_ranks, sp_gradient_multiple
+
+    def config(stage, **zero):
+        return {"zero_optimization": {"stage": stage, **zero}}
+
+    assert sp_gradient_multiple(config(2), sp=1, group_ranks=8) == 1
+    assert sp_gradient_multiple(config(3), sp=4, group_ranks=8) == 1  # reduce-scatter divides by dp x sp
+    assert sp_gradient_multiple(config(3, reduce_scatter=False), sp=4, group_ranks=8) == 4
+    for stage in (1, 2):
+        assert sp_gradient_multiple(config(stage), sp=4, group_ranks=8) == 4
+        fixed = config(stage)
+        average_over_sp_ranks(fixed, 8)
+        assert sp_gradient_multiple(fixed, sp=4, group_ranks=8) == 1
+        assert sp_gradient_multiple(fixed, sp=4, group_ranks=16) == 4  # planned for 8 ranks, run on 16
+        assert sp_gradient_multiple({**fixed, "prescale_gradients": True}, sp=4, group_ranks=8) == 4
+        no_contiguous = {**fixed, "zero_optimization": {**fixed["zero_optimization"], "contiguous_gradients": False}}
+        assert sp_gradient_multiple(no_contiguous, sp=4, group_ranks=8) == 4  # allreduce_bucket: group / sp
+    assert sp_gradient_multiple(config(0), sp=2, group_ranks=2) == 2

@@ -266,3 +266,47 @@ def test_a_smaller_box_keeps_the_global_batch_or_says_which_process_counts_do(ti
     # a micro-batch that no longer divides is made smaller, never larger
     box, _ = box_plan(plan.replace(micro_batch=4, grad_accum=1, global_batch=32), processes=16, cpu=False)
     assert (box.micro_batch, box.grad_accum, box.precision) == (2, 1, "fp16")
+
+
+def test_a_smaller_box_keeps_the_sequence_parallel_degree_and_counts_only_data_parallel_ranks(tiny_llama_dir):
+    """The ranks of one SP group share each sample: a ZeRO-2 x SP 2 plan for 4 GPUs on 2 processes is dp 1 x sp 2,
+    its global batch kept by accumulation over the one data-parallel rank (before, the box counted 2 and launched
+    accumulation 1 into a refusal)."""
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.run.smaller_box import box_plan
+
+    plan = plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=4, micro_batch=1, grad_accum=4, sequence=2)
+    assert plan.global_batch == 8
+    box, _ = box_plan(plan, processes=2, cpu=True)
+    assert (box.grid.data_parallel, box.grid.sequence, box.micro_batch, box.grad_accum) == (1, 2, 1, 8)
+
+
+@pytest.mark.multiprocess
+def test_own_trainer_script_on_zero2_x_sp2_trains_on_one_process_gradient(tmp_path, tiny_llama_dir, corpus_dir):
+    """Issue 32: a plain Trainer script (tests/story/my_sp_train.py) launched from a copied ZeRO-2 x SP 2 plan folder
+    logs the single process's grad_norm, not twice it: the plan's DeepSpeed JSON makes ZeRO-2 average over the
+    sequence-data-parallel group (toolkit.emit.deepspeed.average_over_sp_ranks). Before it the 2 ranks logged
+    1.38285 / 2.66441 against one process's 0.69143 / 1.33220 (measured 2026-12-04)."""
+    from toolkit.emit import emit_files
+    from toolkit.run.rehearsal import plan_for_model
+
+    seq, steps = 256, 2
+    emit_files(plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=2, micro_batch=1, grad_accum=4, seq_len=seq,
+                              sequence=2), tmp_path / "planned")
+    copy = Path(shutil.copytree(tmp_path / "planned", tmp_path / "elsewhere" / "sp"))
+    shutil.rmtree(tmp_path / "planned")
+    emit_files(plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=4, seq_len=seq), tmp_path / "one")
+    shutil.copy(STORY / "my_sp_train.py", tmp_path / "my_sp_train.py")
+    norms = {}
+    for name, folder in (("one", tmp_path / "one"), ("sp", copy)):  # 1 process, then the plan's 2
+        report = tmp_path / f"{name}.json"
+        # micro-batch 1 under SP: on CPU the Ulysses adapter's shards are views the Trainer's loss cannot view(-1)
+        # above 1 (toolkit.train.dimensions.contiguous_inputs); a GPU copies them.
+        done = toolkit("launch", str(folder), "--cpu", "--", "my_sp_train.py", str(tiny_llama_dir), str(corpus_dir),
+                       str(tmp_path / name), str(report), str(seq), str(steps), cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        seen = json.loads(report.read_text())
+        assert seen["world"] == (1 if name == "one" else 2)
+        norms[name] = [e["grad_norm"] for e in seen["log_history"] if "grad_norm" in e]
+    assert len(norms["one"]) == steps
+    assert norms["sp"] == pytest.approx(norms["one"], rel=1e-3)

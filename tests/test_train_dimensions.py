@@ -31,9 +31,10 @@ RUNS = {  # name: (strategy, world, micro, accum, tensor, sequence, plan fields 
     "zero2-offload-sp2-tiled": ("zero2-offload", 2, 2, 2, 1, 2, {"tiled": True}),
 }
 """ZeRO-1 x SP runs in the rehearsal test below. ZeRO-2 with its optimizer offloaded (DeepSpeed's CPU Adam) x SP 2,
-tiled: ZeRO-1/2 sum the SP ranks' gradients where ZeRO-3 averages them, so without toolkit.train's correction
-(toolkit.train.dimensions.sp_gradient_factor) its gradient norm was twice the single process's and the Trainer's
-clipping at 1.0 moved step 3's loss 8.4e-4 (measured 2026-12-04, as ZeRO-1 x SP 2); now within 1e-6."""
+tiled: ZeRO-1/2 sum the SP ranks' gradients where ZeRO-3 averages them, so without a correction its gradient norm
+was twice the single process's and the Trainer's clipping at 1.0 moved step 3's loss 8.4e-4 (measured 2026-12-04,
+as ZeRO-1 x SP 2); now within 1e-6. The correction is the plan's JSON (toolkit.emit.deepspeed.average_over_sp_ranks);
+toolkit.train.dimensions.sp_gradient_factor scales by 1 / sp only for a config that still sums them."""
 
 
 def _args(corpus_dir, *extra):

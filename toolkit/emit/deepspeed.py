@@ -32,6 +32,9 @@ Two files for ZeRO plans, from one function:
 
 Concrete values:
   - precision: bf16 / fp16 blocks with "enabled" true or false;
+  - ZeRO-1/2 x Ulysses SP: "gradient_predivide_factor" dp x sp and "reduce_scatter": false, so that DeepSpeed
+    averages the gradient over the sequence-data-parallel group instead of summing the SP ranks' for any script
+    (average_over_sp_ranks);
   - ZeRO stage, offload devices, and buckets from the hidden size h the way transformers fills them
     (integrations/deepspeed.py trainer_config_finalize): reduce_bucket_size = h*h,
     stage3_prefetch_bucket_size = int(0.9*h*h), stage3_param_persistence_threshold = 10*h;
@@ -234,6 +237,8 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
         config["zero_allow_untested_optimizer"] = True
     if plan.engine == Engine.PIPELINE:
         config["steps_per_print"] = 100  # the pipeline engine logs loss and step time this often
+    if plan.engine == Engine.DEEPSPEED and plan.sequence_parallel > 1 and stage in (1, 2):
+        average_over_sp_ranks(config, plan.grid.data_parallel * plan.grid.sequence)
     if plan.sequence_parallel > 1 and not runner_fills:
         # Ulysses: DeepSpeedConfig divides the world by it for the batch identity when it has no mpu (the HF
         # zero.Init path, deepspeed/runtime/config.py); train_batch_size above already counts world / sp ranks.
@@ -243,6 +248,45 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
         # "train_batch_size is not equal to ... 8 != 2 * 2 * 1.0" for ZeRO-3 x SP 2).
         config["sequence_parallel_size"] = plan.sequence_parallel
     return config
+
+
+def average_over_sp_ranks(config: dict[str, Any], group_ranks: int) -> None:
+    """Make ZeRO-1/2 average the gradient over the sequence-data-parallel group (dp x sp ranks) instead of summing
+    the SP ranks' (docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP: the gradient counted sp times"), so that any script
+    the file runs, the user's own Trainer included, trains on the single-process gradient. Without reduce_scatter,
+    stage_1_and_2.py `average_tensor` takes `gradient_reduction_w_predivide`: divide by gradient_predivide_factor,
+    all-reduce, then multiply by factor / (group / sp) unless the factor equals the group's size; a factor of exactly
+    dp x sp skips that multiply and leaves the sum divided by dp x sp. Any other group size gives back the sp-fold
+    gradient, never a worse one."""
+    config["gradient_predivide_factor"] = group_ranks
+    config["zero_optimization"]["reduce_scatter"] = False
+
+
+def sp_gradient_multiple(config: dict[str, Any], *, sp: int, group_ranks: int | None) -> int:
+    """How many times the SP ranks' gradient ends up counted when DeepSpeed runs `config` under transformers' SP loss
+    with `sp` ranks per sequence group and `group_ranks` (dp x sp; None: not known) in the sequence-data-parallel
+    group: 1 (the single process's gradient) or sp (docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP: the gradient
+    counted sp times"). ZeRO-3's reduce-scatter divides by the whole group; ZeRO-1/2 do only as
+    average_over_sp_ranks sets them up (contiguous gradients, no reduce-scatter, post-scaling, the factor equal to
+    the group's size); stage 0 and ZeRO-3 without reduce-scatter sum the SP ranks."""
+    if sp <= 1:
+        return 1
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    stage = zero.get("stage", 0)
+    reduce_scatter = _flag(zero.get("reduce_scatter", True))
+    if stage == 3:
+        return 1 if reduce_scatter else sp
+    offload = isinstance(zero.get("offload_optimizer"), dict) and zero["offload_optimizer"].get("device") not in (
+        None, "none")
+    averages = (stage in (1, 2) and not reduce_scatter and (_flag(zero.get("contiguous_gradients", True)) or offload)
+                and not _flag(config.get("prescale_gradients", False)) and group_ranks is not None
+                and config.get("gradient_predivide_factor") == group_ranks)
+    return 1 if averages else sp
+
+
+def _flag(value: Any) -> bool:
+    """A DeepSpeed boolean as its pydantic config reads it (a bool, or the strings "true" / "false")."""
+    return str(value).lower() == "true"
 
 
 def adamw_block(*, runner_fills: bool) -> dict[str, Any]:

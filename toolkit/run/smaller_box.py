@@ -24,7 +24,11 @@ def box_plan(plan: Plan, *, processes: int | None, cpu: bool) -> tuple[Plan, lis
     world = processes if processes is not None else plan.world_size
     stages = plan.pipeline_stages if plan.strategy_spec.is_pipeline else None
     try:
-        grid = ParallelGrid.for_strategy(plan.strategy_spec, nodes=1, gpus_per_node=world, pipeline_stages=stages)
+        # The plan's tensor / context / sequence degrees stay: the ranks of one group share each sample, so they set
+        # the data-parallel count the global batch is kept over.
+        grid = ParallelGrid.for_strategy(plan.strategy_spec, nodes=1, gpus_per_node=world, pipeline_stages=stages,
+                                         tensor=plan.tensor_parallel, context=plan.context_parallel,
+                                         sequence=plan.sequence_parallel)
     except UserError as exc:
         raise UserError(f"--processes {world} cannot run {plan.strategy}: {exc}") from None
     if world % plan.expert_parallel:  # transformers' mesh: ep divides the FSDP ranks (DistributedConfig)

@@ -112,22 +112,20 @@ def contiguous_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
 
 def sp_gradient_factor(engine) -> float:
     """What the SP loss's gradient must be multiplied by so that a DeepSpeed engine ends with the single-process
-    gradient (docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP: the gradient counted sp times"). transformers' SP loss
+    gradient (docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP: the gradient counted sp times"): 1 / sp where the
+    engine's config sums the SP ranks (toolkit.emit.deepspeed.sp_gradient_multiple), else 1. transformers' SP loss
     (integrations/deepspeed.py `deepspeed_sp_compute_loss`) all-gathers each rank's loss with torch's differentiable
-    all_gather, whose backward sums the SP ranks' incoming gradients: every SP rank computes the same weighted mean,
-    so each rank's gradient of its own tokens comes back sp times. ZeRO-3's reduce-scatter divides the sum by the
-    whole sequence-data-parallel group (comm/coalesced_collectives.py, `reduce_scatter_coalesced`), which cancels it;
-    ZeRO-1/2 (stage_1_and_2.py `average_tensor`, `allreduce_bucket`) and the engine's own all-reduce (engine.py
-    `_reduce_non_expert_gradients`) divide by that group's size / sp, which sums the SP ranks and keeps it."""
+    all_gather, whose backward sums the SP ranks' incoming gradients, so each rank's gradient of its own tokens comes
+    back sp times; the plan's own JSON makes ZeRO-1/2 divide it out (average_over_sp_ranks), a config from elsewhere
+    may not."""
     from deepspeed.utils import groups
 
+    from toolkit.emit.deepspeed import sp_gradient_multiple
+
     sp = groups._get_sequence_parallel_world_size()
-    if sp == 1:
-        return 1.0
-    zero = engine._config.zero_config
-    if engine.zero_optimization_stage() == 3 and zero.reduce_scatter:
-        return 1.0
-    return 1.0 / sp
+    multiple = sp_gradient_multiple(engine._config._param_dict, sp=sp,
+                                    group_ranks=groups._get_sequence_data_parallel_world_size())
+    return 1.0 / multiple
 
 
 def scale_gradient(loss, factor: float):
