@@ -35,6 +35,9 @@ EXPECTED: dict[str, tuple[str, str]] = {
     # DeepSpeedConfig would count 8 / 3 data-parallel ranks (runtime/config.py divides the world by the degree).
     "ds-sequence-parallel-3-on-8-gpus.json": ("error", "sequence_parallel_size 3 does not divide the 8 processes"),
     "ds-typo-in-zero-block.json": ("error", "reduce_bucket_sise: Extra inputs are not permitted"),
+    # The HF Trainer's SP loss under ZeRO-2's reduction, which divides by dp only (docs/ENGINE_FACTS.md, issue 32).
+    "ds-zero2-sequence-parallel-sums-the-gradient.json": (
+        "warning", 'ZeRO-2 x Ulysses SP 2: a Trainer / TRL script trains on 2 x the gradient and clips that'),
     "ds-typo-top-level-key.json": ("error", 'unknown key "gradient_acumulation_steps": DeepSpeed ignores it silently; '
                                             'did you mean "gradient_accumulation_steps"?'),
     "ds-zero-stage-4.json": ("error", "DeepSpeed/transformers refuse it: zero_optimization.stage: Input should be 0, 1, 2, 3"),
@@ -797,3 +800,20 @@ def test_fit_sizes_zero3s_reduce_bucket_as_deepspeed_will(tmp_path):
     own = tmp_path / "own.json"
     own.write_text('{"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}, "bf16": {"enabled": true}}')
     assert dict(fit_settings(str(own)).job_options)["zero_reduce_bucket"] == 200_000_000
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_a_zero12_x_sp_folder_without_the_gradient_average_names_the_keys_for_its_world(tmp_path, strategy):
+    """The plan's own JSON averages over dp x sp (clean); the same JSON without its two keys, as toolkit wrote it
+    before issue 32, warns (the YAML's inline copy keeps them), with the factor for the plan's 8 processes."""
+    plan = reference_plan(strategy, "bf16", nodes=1, gpus_per_node=8, stages=1, micro=1, accum=4).replace(
+        sequence_parallel=4, attention="sdpa", global_batch=8)
+    emit_files(plan, tmp_path)
+    assert check_paths([str(tmp_path)]) == []
+    config = json.loads((tmp_path / "ds_config.json").read_text())
+    del config["gradient_predivide_factor"], config["zero_optimization"]["reduce_scatter"]
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    found = [p for p in check_paths([str(tmp_path)]) if "Ulysses SP" in p.message]
+    assert [(p.file, p.severity) for p in found] == [(str(tmp_path / "ds_config.json"), "warning")]
+    assert f"ZeRO-{strategy[-1]} x Ulysses SP 4: a Trainer / TRL script trains on 4 x the gradient" in found[0].message
+    assert '"gradient_predivide_factor": 8 and "zero_optimization": {"reduce_scatter": false}' in found[0].message

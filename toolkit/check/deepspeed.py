@@ -127,6 +127,7 @@ def ds_problems(config: dict[str, Any], file: str, readers: Readers) -> list[Pro
     for runners, message in batch_found:
         f.fail(runners, message)
     _sequence_parallel_problems(config, f, stage)
+    _sp_gradient_problem(config, f, stage)
     _auto_problems(config, f, stage)
 
     if readers.pipeline and stage >= 2:
@@ -310,6 +311,35 @@ def _sequence_parallel_problems(config: dict[str, Any], f: _Findings, stage: int
                   f"world / {sp} data-parallel ranks that are not Ulysses groups")
         f.fail(HF_RUNNERS, f"sequence_parallel_size {sp} but {launch}; ZeRO-3's zero.Init divides the world by the "
                f"file's value; remove the key (or set it to {launch_sp})")
+
+
+def _sp_gradient_problem(config: dict[str, Any], f: _Findings, stage: int) -> None:
+    """Ulysses SP under a ZeRO reduction that sums the SP ranks (toolkit.emit.deepspeed.sp_gradient_multiple): the HF
+    Trainer's SP loss (and an accelerate loop computing it as accelerate documents, a differentiable all_gather of
+    the ranks' losses) trains on sp x the gradient, clipped as such (docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP")."""
+    from toolkit.emit.deepspeed import sp_gradient_multiple
+
+    launch_sp = f.readers.sequence_parallel
+    sp = launch_sp if launch_sp is not None else concrete_int(config.get("sequence_parallel_size"))
+    if not sp or sp <= 1 or not isinstance(stage, int):
+        return
+    world = f.readers.world_size  # dp x sp: ZeRO under Ulysses has no other model-parallel ranks
+    factor = config.get("gradient_predivide_factor")
+    group = world if world is not None else factor if isinstance(factor, int) and factor % sp == 0 else None
+    if sp_gradient_multiple(config, sp=sp, group_ranks=group) == 1:
+        return
+    if stage in (1, 2):
+        fix = (f"add \"gradient_predivide_factor\": {group or 'dp x sp (every process)'} and \"zero_optimization\": "
+               "{\"reduce_scatter\": false} (contiguous_gradients on, prescale_gradients off): ZeRO then divides by "
+               "dp x sp")
+    elif stage == 3:
+        fix = "set zero_optimization.reduce_scatter to true (its reduce-scatter divides by dp x sp)"
+    else:
+        fix = ("use ZeRO-1/2 with the fix `toolkit check` names for them, or multiply the loss's gradient by 1/sp "
+               "(toolkit.train.dimensions.SequenceParallelGradient)")
+    f.fail(HF_RUNNERS, f"ZeRO-{stage} x Ulysses SP {sp}: a Trainer / TRL script trains on {sp} x the gradient and "
+           f"clips that (transformers' SP loss all-gathers the ranks' losses, whose backward sums the {sp} SP ranks' "
+           "gradients; this reduction divides by dp only); " + fix, at_most="warning")
 
 
 def _engine_problems(config: dict[str, Any], f: _Findings, *, said_batch: bool = False) -> None:
