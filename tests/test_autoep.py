@@ -119,7 +119,10 @@ def test_plan_ranks_autoep_rows_and_emits_a_json_deepspeed_and_check_accept(q30,
                                          "preset_model": "qwen3_moe"}
         assert ds["gradient_clipping"] == 1.0
         assert ds["optimizer"]["type"] == "AdamW"
+    capsys.readouterr()
     assert main(["check", str(out)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "AutoEPSaves" in line]
+    assert notes and all(": note: " in line for line in notes), notes  # how a script saves for transformers
     from toolkit.engines.validate import ConfigRejected, autoep_config_check, deepspeed_config_at
 
     concrete = json.loads((out / "ds_config.deepspeed.json").read_text())
@@ -149,6 +152,26 @@ def test_plan_takes_a_fixed_expert_degree_on_zero1_or_zero2_alone(q30, capsys):
                  "--strategies", "zero1", "--expert-parallel", "8", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["candidates"]
     assert [c["name"] for c in rows if c["feasible"]] == ["zero1 (dp=16 x autoep=8)"], rows
+
+
+@pytest.mark.parametrize("stage, enabled", [(1, True), (2, True), (0, True), (2, False)])
+def test_check_says_a_plain_trainer_saves_an_autoep_model_in_autoep_layout_and_names_the_fix(stage, enabled,
+                                                                                              tmp_path, capsys):
+    """A ZeRO-0/1/2 DeepSpeed JSON that turns AutoEP on: a user's own Trainer would save every checkpoint-N's model
+    (and the final one) in AutoEP's layout, which from_pretrained fills at random (measured: tests/test_moe.py's
+    AutoEP run before AutoEPSaves); check says so once, as a note (the file is right), naming
+    toolkit.train.autoep_export's AutoEPSaves and save_autoep_model. AutoEP off: no such note."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**ZERO3_AUTOEP, "zero_optimization": {"stage": stage},
+                              "expert_parallel": {**ZERO3_AUTOEP["expert_parallel"], "enabled": enabled}}))
+    capsys.readouterr()
+    assert main(["check", str(ds)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "AutoEP" in line]
+    if not enabled:
+        assert lines == []
+        return
+    assert len(lines) == 1 and ": note: [every runner] DeepSpeed AutoEP: a plain Trainer's save_model" in lines[0]
+    assert "class MyTrainer(AutoEPSaves, Trainer)" in lines[0] and "autoep_export.save_autoep_model(" in lines[0]
 
 
 ZERO3_AUTOEP = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},

@@ -158,6 +158,8 @@ def ds_problems(config: dict[str, Any], file: str, readers: Readers) -> list[Pro
                        "directory on a local NVMe drive of every node")
     if stage == 3 and _autoep_enabled(config):
         _autoep_zero3_problems(config, zero, f)
+    elif _autoep_enabled(config):
+        f.fail(everyone | {DEEPSPEED}, AUTOEP_SAVED_LAYOUT, at_most="note")
     elif stage == 3:
         _zero3_save_problem(config, zero, f)
     _engine_problems(config, f, said_batch=bool(batch_found))
@@ -230,6 +232,19 @@ def _zero3_save_problem(config: dict[str, Any], zero: dict[str, Any], f: _Findin
            "save_model raises); " + ("launch with --zero3_save_16bit_model true or write true here" if auto else
                                      "add \"stage3_gather_16bit_weights_on_model_save\": true to zero_optimization"),
            at_most="note" if auto else "warning")
+
+
+AUTOEP_SAVED_LAYOUT = (
+    "DeepSpeed AutoEP: a plain Trainer's save_model (the final folder and the model file of every checkpoint-N), "
+    "like any state_dict of the trained model, holds AutoEP's layers (experts.w1 / w2 / w3, router.gate: one rank's "
+    "experts, under names from_pretrained does not read, so it fills the experts and router at random); resuming "
+    "is unaffected (it reads the engine's global_stepN). toolkit.train saves transformers' layout; a script of your "
+    "own does the same with toolkit.train.autoep_export.AutoEPSaves first in its Trainer's bases "
+    "(class MyTrainer(AutoEPSaves, Trainer)), or without the Trainer by calling "
+    "toolkit.train.autoep_export.save_autoep_model(model, engine._config.expert_parallel_config, OUT, "
+    "write=rank == 0) on every rank")
+"""What a ZeRO-0/1/2 AutoEP run's own saves hold and how to save them for transformers (measured: docs/ENGINE_FACTS.md,
+the AutoEP entries; toolkit/train/autoep_export.py)."""
 
 
 def _autoep_enabled(config: dict[str, Any]) -> bool:
