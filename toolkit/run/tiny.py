@@ -338,6 +338,14 @@ def _shrink_composite(config, sizes: dict[str, Any]):
             small.update({k: small_text.hidden_size for k, v in sub.to_dict().items()
                           if v == text.hidden_size and small.get(k) == v})
             data[name] = small
+    for name in _TOKEN_ID_KEYS:  # the composite's own copies (Gemma-3's eos_token_id [1, 106]): the tiny id 0
+        if data.get(name) is not None:
+            data[name] = 0
+    vision = data.get("vision_config")
+    if isinstance(data.get("mm_tokens_per_image"), int) and isinstance(vision, dict) and vision.get("image_size") \
+            and vision.get("patch_size"):  # a fixed count an image, pooled from the tower's fixed square (Gemma-3:
+        vision["image_size"] = 4 * vision["patch_size"]  # 64 x 64 patches of 14 px to 256 tokens): 4 x 4 patches
+        data["mm_tokens_per_image"] = 4  # pooled 2 x 2 (Gemma3MultiModalProjector: kernel = patches a side / 2)
     return type(config)(**data)
 
 

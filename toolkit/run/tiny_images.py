@@ -55,9 +55,11 @@ def tokenizer_name(config_attribute: str) -> str:
 
 
 def image_placeholder(names: dict[str, str]) -> str:
-    """What the chat template writes for one image, which the processor expands to the image's tokens: the image
-    token between the vision start / end tokens where the config has them (Qwen's M-RoPE finds each image after its
-    vision start token)."""
+    """What the chat template writes for one image, which the processor expands to the image's tokens: the
+    begin-of-image token where the config has one (Gemma3Processor expands it to boi + the image tokens + eoi), else
+    the image token between the vision start / end tokens where the config has them (Qwen's templates)."""
+    if "boi_token_index" in names:
+        return names["boi_token_index"]
     return "".join(names[k] for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id") if k in names)
 
 
@@ -69,13 +71,20 @@ def save_processor(config: Any, out: Path, names: dict[str, str]) -> None:
 
     image_processor(config).save_pretrained(out)
     (out / "chat_template.jinja").write_text(vl_chat_template(image_placeholder(names)))
+    fixed = getattr(config, "mm_tokens_per_image", None)
+    if fixed:  # a processor that puts a fixed count an image (Gemma3Processor's image_seq_length, 256 by default)
+        from toolkit.train.imagedata import load_processor
+
+        processor = load_processor(str(out))
+        if getattr(processor, "image_seq_length", fixed) != fixed:
+            type(processor).from_pretrained(str(out), image_seq_length=fixed).save_pretrained(out)
 
 
 def image_rehearsal_problem(config: Any) -> str | None:
     """Why the rehearsal cannot train the images of a plan for `config`, or None: its tiny model is built for image
     processors that count an image's tokens from its patch grid (Qwen2-VL's family: the tiny tower's few patches give
-    a few tokens); a processor that gives every image a fixed count at the tower's fixed square (Gemma-3's 256 at
-    896 x 896) would not fit the rehearsal's sequence."""
+    a few tokens) and for a fixed count pooled from the tower's square (Gemma-3's mm_tokens_per_image from its
+    image_size: shrunk by toolkit.run.tiny to 4 tokens from 4 x 4 patches)."""
     from toolkit.errors import UserError
     from toolkit.inputs.images import image_tokens
 
@@ -83,9 +92,11 @@ def image_rehearsal_problem(config: Any) -> str | None:
         found = image_tokens(config, REHEARSAL_IMAGE_SIDE, REHEARSAL_IMAGE_SIDE)
     except UserError as exc:
         return str(exc)
-    if found.grid is None:
-        return (f"{found.processor} gives every image a fixed {found.tokens} tokens at the tower's own square, which "
-                "the tiny model keeps; it builds images only for processors with a patch grid (Qwen-VL's family)")
-    if "image_token_id" not in image_token_names(config):
-        return f"{config.model_type}'s config names no image_token_id for the tiny tokenizer"
+    vision = config.vision_config
+    if found.grid is None and not (getattr(config, "mm_tokens_per_image", None) and getattr(vision, "image_size", None)
+                                   and getattr(vision, "patch_size", None)):
+        return (f"{found.processor} gives every image a fixed {found.tokens} tokens, and the config names no "
+                "mm_tokens_per_image pooled from a square image_size that the tiny model could shrink")
+    if not {"image_token_id", "image_token_index"} & set(image_token_names(config)):
+        return f"{config.model_type}'s config names no image token id for the tiny tokenizer"
     return None
