@@ -670,3 +670,22 @@ def test_zero12_under_sp_counts_the_gradient_sp_times_unless_averaged_over_the_w
         no_contiguous = {**fixed, "zero_optimization": {**fixed["zero_optimization"], "contiguous_gradients": False}}
         assert sp_gradient_multiple(no_contiguous, sp=4, group_ranks=8) == 4  # allreduce_bucket: group / sp
     assert sp_gradient_multiple(config(0), sp=2, group_ranks=2) == 2
+
+
+def test_plan_of_zero2_x_sp_says_which_json_keys_keep_a_users_script_on_one_process_gradient(tmp_path, capsys):
+    """Issue 32: `toolkit plan`, PLAN.md and training_args.json say in one line that the JSON's two keys average the
+    gradient over dp x sp, and that a config without them trains a Trainer / TRL script on sp x the gradient."""
+    from toolkit.check.folder import check_paths
+    from toolkit.cli import main
+
+    out = tmp_path / "p"
+    assert main(["plan", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--seq", "16384", "--global-batch", "16",
+                 "--sequence-parallel", "8", "--choose", "zero2", "--out", str(out)]) == 0
+    line = ('ZeRO-2 x Ulysses SP 8: the DeepSpeed JSON\'s "gradient_predivide_factor": 8 and "zero_optimization": '
+            '{"reduce_scatter": false} make DeepSpeed average the gradient over the 8 processes')
+    said = [text for text in capsys.readouterr().out.splitlines() if line in text]
+    assert len(said) == 1 and said[0].startswith("note: ") and "or it trains on 8 x the gradient" in said[0]
+    assert line in (out / "PLAN.md").read_text()
+    assert any(line in note for note in json.loads((out / "training_args.json").read_text())["notes"])
+    assert json.loads((out / "ds_config.json").read_text())["gradient_predivide_factor"] == 8
+    assert check_paths([str(out)]) == []

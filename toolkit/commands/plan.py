@@ -205,8 +205,11 @@ def cmd_plan(args) -> int:
     elif written:
         print(f"\nchosen: {chosen.name}; wrote {len(written)} files to {args.out}: "
               + ", ".join(Path(w).name for w in written))
+        from toolkit.emit.user_settings import sp_gradient_note
         from toolkit.run.rehearsal import rehearsal_problem
 
+        if (note := sp_gradient_note(plan)) is not None:
+            print(f"note: {note}")
         problem = rehearsal_problem(plan)
         print(f"run it:  toolkit launch {args.out}  " + (f"(no CPU rehearsal: {problem})" if problem else
                                                          f"(rehearse on CPU first: toolkit launch {args.out} --rehearse)"))
@@ -349,6 +352,10 @@ def _plan_seq_max(args, spec, hw, req) -> int:
         if not args.json:
             print(f"\nchosen: {best.name} at seq {best.seq_len:,}; wrote {len(written)} files to {args.out} "
                   f"({MEMORY_CHART}: the chart)")
+            from toolkit.emit.user_settings import sp_gradient_note
+
+            if (note := sp_gradient_note(plan)) is not None:
+                print(f"note: {note}")
     return 0 if best is not None else 1
 
 

@@ -421,6 +421,8 @@ def model_parallel_notes(plan: Plan) -> list[str]:
                    "batch['shift_labels'] (labels are already shifted: pass them to the loss without shifting), "
                    "then average over the sequence group weighted by each shard's non-ignored tokens "
                    "(deepspeed/runtime/sequence_parallel/ulysses_sp.py).")
+        if (note := sp_gradient_note(plan)) is not None:
+            out.append(note)
     if g.context > 1:
         out.append(f"Context parallelism (cp {g.context}, torch ring attention): attention must be sdpa; "
                    f"sequences divisible by {2 * g.context}. The HF Trainer enters accelerator.maybe_context_parallel "
@@ -430,6 +432,23 @@ def model_parallel_notes(plan: Plan) -> list[str]:
                    "shift_labels, position_ids}):`, passes no attention mask (causal only) and computes the loss "
                    "from its chunk's shift_labels.")
     return out
+
+
+def sp_gradient_note(plan: Plan) -> str | None:
+    """ZeRO-1/2 x Ulysses SP: the two keys of the plan's DeepSpeed JSON that keep a user's own Trainer / TRL script
+    on the single-process gradient (toolkit.emit.deepspeed.average_over_sp_ranks; docs/ENGINE_FACTS.md, "ZeRO-1/2 x
+    Ulysses SP"); PLAN.md, training_args.json and `toolkit plan` say it."""
+    g = plan.grid
+    if plan.engine != Engine.DEEPSPEED or g.sequence == 1 or plan.zero_stage not in (1, 2):
+        return None
+    ranks = g.data_parallel * g.sequence
+    return (f"ZeRO-{plan.zero_stage} x Ulysses SP {g.sequence}: the DeepSpeed JSON's \"gradient_predivide_factor\": "
+            f"{ranks} and \"zero_optimization\": {{\"reduce_scatter\": false}} make DeepSpeed average the gradient "
+            f"over the {ranks} processes; keep both (the factor = the process count) in any DeepSpeed config your own "
+            f"Trainer / TRL script runs with, or it trains on {g.sequence} x the gradient (the Trainer's SP loss "
+            "all-gathers the ranks' losses, whose backward sums the SP ranks' gradients; ZeRO-1/2 divide by dp "
+            "only). A custom loop gets the same averaging only with the same loss (torch.distributed.nn.functional."
+            "all_gather of the shards' losses, token-weighted). `toolkit check` flags a config without them.")
 
 
 def settings(plan: Plan) -> dict[str, Any]:
