@@ -331,3 +331,23 @@ def test_moe_lora_ties_put_the_roomy_zero3_above_zero1_at_the_refusal_line(tmp_p
     zero1 = feasible[names.index("zero1")]
     assert zero1["headroom_bands"] < 1 and out["chosen"]["headroom_bands"] >= 1
     assert names.index("zero3") < names.index("zero1") and "memory headroom" in out["chosen_because"]
+
+
+def test_refusing_on_the_bound_before_the_replay_changes_no_row_and_saves_replays(llama7b, tmp_path, monkeypatch):
+    """The search refuses a configuration short of GPU memory before its allocator replay and costs it in full only
+    where its row has nothing that fits (toolkit.estimate.slots): the rows are those of costing every configuration
+    in full, with fewer replays."""
+    from toolkit.estimate import reserved, search
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path))
+    # zero3 fits with activation offloading (the savers' search) and on sequence ranks; fsdp2-grad-op fits nowhere
+    hw, req = parse_hardware("8xL4-24GB"), Request(seq_len=4096, global_batch=64, strategies=("zero3", "fsdp2-grad-op"))
+    monkeypatch.setattr(reserved, "_RESULTS", {})
+    deferred = plan_candidates(llama7b, hw, req)
+    replays_deferred = len(reserved._RESULTS)
+    monkeypatch.setattr(reserved, "_RESULTS", {})
+    monkeypatch.setattr(search, "_evaluate_or_defer", search.evaluate)
+    full = plan_candidates(llama7b, hw, req)
+    assert [(c.row(), c.memory, c.timing) for c in deferred] == [(c.row(), c.memory, c.timing) for c in full]
+    assert any(c.feasible for c in full) and any(not c.feasible and c.memory is not None for c in full)
+    assert replays_deferred < len(reserved._RESULTS)

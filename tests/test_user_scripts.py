@@ -161,6 +161,18 @@ def test_checkpointing_is_written_where_each_route_reads_it(tmp_path, tiny_llama
             assert settings["accelerate_loop"]["gradient_checkpointing"] is True
 
 
+def test_the_checkpointing_name_read_from_transformers_source_is_the_signatures():
+    import inspect
+
+    from transformers import TrainingArguments
+
+    from toolkit.emit.user_settings import _checkpointing_name
+
+    parameters = inspect.signature(TrainingArguments).parameters
+    assert _checkpointing_name() in parameters
+    assert ("activation_checkpointing" in parameters) == (_checkpointing_name() == "activation_checkpointing")
+
+
 @pytest.mark.multiprocess
 def test_local_folder_plan_launch_sh_trains_as_printed(copied_plans, tiny_llama_dir, corpus_dir, tmp_path):
     plan_dir = copied_plans["zero2"]

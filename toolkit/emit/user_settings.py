@@ -23,7 +23,6 @@ Everything here is derived from plan.json alone (pure functions).
 
 from __future__ import annotations
 
-import inspect
 import json
 import shlex
 from typing import Any
@@ -67,9 +66,15 @@ def checkpointing_name() -> str:
 
 
 def _checkpointing_name() -> str:
-    from transformers import TrainingArguments
+    """Read from the source of transformers' training_args.py (TrainingArguments is a dataclass: each argument is a
+    field at the class's indentation), not by importing it: that import brings peft and bitsandbytes with it, about
+    a second of a first plan's CPU (tests/test_user_scripts.py checks the source's answer against the signature's)."""
+    import re
+    from importlib.util import find_spec
+    from pathlib import Path
 
-    return "activation_checkpointing" if "activation_checkpointing" in inspect.signature(TrainingArguments).parameters \
+    source = Path(find_spec("transformers").origin).with_name("training_args.py").read_text()
+    return "activation_checkpointing" if re.search(r"^    activation_checkpointing\s*:", source, re.M) \
         else "gradient_checkpointing"
 
 

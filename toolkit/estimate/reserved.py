@@ -27,6 +27,8 @@ per-stream pools cost), added to the memory model's tensor peak. Results are kep
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -110,6 +112,25 @@ def tensor_sizes(spec, regions, strategy, job) -> dict:
 
 _RESULTS: dict[str, Replay] = {}
 
+_UNREPLAYED: ContextVar[list[int] | None] = ContextVar("unreplayed", default=None)
+"""Inside `replays_left_out`: how many replays were left out (a one-item list), else None."""
+
+
+@contextmanager
+def replays_left_out():
+    """Within: a replay that is neither in this process's results nor on disk is not run; replayed_reserved returns
+    a Replay with no overhead instead, and the yielded one-item list counts them. A replay only adds bytes (reserved
+    is never under allocated), so what is computed inside is a lower bound on the required bytes, exact when the
+    count stays 0. The planner refuses a configuration short of GPU memory on that bound without replaying it
+    (toolkit.estimate.search): the replay is most of a first plan's CPU time and most configurations it costs are
+    refused."""
+    count = [0]
+    token = _UNREPLAYED.set(count)
+    try:
+        yield count
+    finally:
+        _UNREPLAYED.reset(token)
+
 
 def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Replay | None:
     """The replay of two steps over `regions` (memory._Region: name, params, trace); None when some region has no
@@ -126,6 +147,10 @@ def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Repla
     from toolkit import cache
 
     stored = cache.get("reserved", key, code=replayed_reserved, decode=lambda d: Replay(**d))
+    left_out = _UNREPLAYED.get()
+    if stored is None and left_out is not None:
+        left_out[0] += 1
+        return Replay(peak_allocated=0, peak_reserved=0, events=0, segments=0)
     if stored is None:
         replayer = Replayer(AllocatorSettings.from_conf(settings))
         events = emit_step_events(regions, sizes, replayer)

@@ -34,6 +34,8 @@ from toolkit.estimate.autoeprows import autoep_options, autoep_strategies
 from toolkit.estimate.expertgrids import fixed_expert_grid
 from toolkit.estimate.errorband import band_for, time_band
 from toolkit.estimate.candidate import Candidate
+from toolkit.estimate.reserved import replays_left_out
+from toolkit.estimate.slots import Deferred, Slots
 from toolkit.estimate.ranking import need_bytes, rank
 from toolkit.estimate.request import Request
 from toolkit.errors import UserError
@@ -133,16 +135,20 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                      memory=memory, timing=timing, reason=reason, grid=grid, gpu=hw.gpu)
 
 
-def _better(a: Candidate, b: Candidate | None) -> bool:
-    if b is None:
-        return True
-    if a.feasible != b.feasible:
-        return a.feasible
-    if a.feasible:
-        ka = (round(a.timing.tokens_per_s, 6), a.memory.headroom_bytes)
-        kb = (round(b.timing.tokens_per_s, 6), b.memory.headroom_bytes)
-        return ka > kb
-    return need_bytes(a) < need_bytes(b)  # the least-infeasible explains best
+def _evaluate_or_defer(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: ParallelGrid,
+                       partition: list[int] | None) -> Candidate | Deferred:
+    """evaluate, or Deferred where the configuration is short of GPU memory before its allocator replays (a lower
+    bound: toolkit.estimate.reserved.replays_left_out). Not for pipeline stages (the largest stage may change with
+    the replays), GRPO or expert-parallel grids, whose bytes are more than the step's."""
+    if strategy.is_pipeline or job.grpo is not None or grid.expert > 1:
+        return evaluate(spec, hw, strategy, job, grid, partition)
+    with replays_left_out() as left_out:
+        lower = evaluate(spec, hw, strategy, job, grid, partition)
+    if not left_out[0]:
+        return lower  # every replay was known: exact
+    if short_of_gpu_memory(lower.memory, strategy, job, hw.gpu):
+        return Deferred(lower, lambda: evaluate(spec, hw, strategy, job, grid, partition))
+    return evaluate(spec, hw, strategy, job, grid, partition)
 
 
 def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candidate]:
@@ -151,7 +157,7 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
     if problem:  # true of every strategy: one refusal, not one per candidate
         raise UserError(problem)
     _check_stages([parse_strategy(s) for s in req.strategies], hw, req.pipeline_stages)
-    best: dict[str, Candidate] = {}
+    slots = Slots()
     refused: dict[str, Candidate] = {}
     batch_refusals: list[str] = []
     ckpt_options = [False, True] if req.checkpointing is None else [req.checkpointing]
@@ -160,8 +166,9 @@ def plan_candidates(spec: ModelSpec, hw: Hardware, req: Request) -> list[Candida
         if isinstance(grids, str):
             refused[key] = refusal(strategy, req, hw, grids, dimension=dimension)
             continue
-        _search(spec, hw, strategy, grids, req, key, best, refused, ckpt_options, dimension=dimension,
+        _search(spec, hw, strategy, grids, req, key, slots, refused, ckpt_options, dimension=dimension,
                 batch_refusals=batch_refusals)
+    best = slots.settled()
     if not best and batch_refusals and all(c.reason in batch_refusals for c in refused.values()):
         raise UserError(batch_refusals[0])  # the batch itself, not the strategies: one line names it (exit 2)
     ranked = rank(list(_untiled_unless_needed(best).values()))
@@ -242,7 +249,7 @@ def _expert_parallel_grids(spec: ModelSpec, hw: Hardware, req: Request,
 
 
 def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[ParallelGrid], req: Request, key: str,
-            best: dict[str, Candidate], refused: dict[str, Candidate], ckpt_options: list[bool], *,
+            slots: Slots, refused: dict[str, Candidate], ckpt_options: list[bool], *,
             dimension: str | None = None, batch_refusals: list[str] | None = None) -> None:
     """The best (micro-batch, accumulation, checkpointing) of `strategy` over `grids`, kept under `key`.
     Model-parallel grids come in rising degree and the search stops at the first degree that fits: a larger degree
@@ -255,10 +262,10 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
     tiling, savers = auto_tiling(spec, strategy, req), auto_savers(spec, hw, strategy, req)
     split_later = []  # (grid, partition, slot, short): offloading on context / sequence ranks, tried last
     for grid in grids:
-        if dimension and dimension != "ep" and key in best and best[key].feasible:
+        if dimension and dimension != "ep" and slots.fits(key):
             break  # ep: every degree is costed (_expert_parallel_grids)
-        tiled_found = bool(dimension) and _fits(best, f"{key}{TILED_SLOT}")
-        saver_found = bool(dimension) and _fits(best, f"{key}{SAVER_SLOT}")
+        tiled_found = bool(dimension) and slots.fits(f"{key}{TILED_SLOT}")
+        saver_found = bool(dimension) and slots.fits(f"{key}{SAVER_SLOT}")
         try:
             batches = grid.batch_splits(req.global_batch, micro_batch=req.micro_batch, grad_accum=req.grad_accum)
         except UserError as exc:
@@ -274,44 +281,42 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                 for ckpt in ckpt_options:
                     job = req.job(micro_batch=micro, grad_accum=accum, checkpointing=ckpt, compile=compiled,
                                   tiled=req.tiled is True)
-                    cand = evaluate(spec, hw, strategy, job, grid, partition)
-                    _keep(best, slot, cand, dimension)
+                    cand = _evaluate_or_defer(spec, hw, strategy, job, grid, partition)
+                    slots.keep(slot, cand, dimension)
+                    cand = cand.lower if isinstance(cand, Deferred) else cand  # its activations decide alike
                     if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job, hw.gpu) \
                             and _activations_decide(cand.memory):
                         short.append(job)
-            if tiling and not compiled and not tiled_found and not (slot in best and best[slot].feasible):
+            if tiling and not compiled and not tiled_found and not slots.fits(slot):
                 for job in short:
-                    _keep(best, f"{slot}{TILED_SLOT}", evaluate(spec, hw, strategy, replace(job, tiled=True), grid,
-                                                                partition), dimension)
-            if savers and not compiled and not saver_found and not _fits(best, slot) \
-                    and not _fits(best, f"{slot}{TILED_SLOT}"):
+                    slots.keep(f"{slot}{TILED_SLOT}", _evaluate_or_defer(spec, hw, strategy, replace(job, tiled=True),
+                                                                         grid, partition), dimension)
+            if savers and not compiled and not saver_found and not slots.fits(slot) \
+                    and not slots.fits(f"{slot}{TILED_SLOT}"):
                 for changes in savers:  # least intrusive first; the first that fits any job ends the search
                     if changes.get("activation_offloading") and (grid.model_parallel > 1 or grid.expert > 1):
                         if grid.tensor == 1 and grid.expert == 1 and (grid, slot) not in [x[::2] for x in split_later]:
                             split_later.append((grid, partition, slot, short))
                         continue  # on context / sequence ranks: below; not with tensor / expert parallelism
                     for job in short:
-                        _keep(best, f"{slot}{SAVER_SLOT}", evaluate(spec, hw, strategy, replace(job, **changes),
-                                                                    grid, partition), dimension)
-                    if _fits(best, f"{slot}{SAVER_SLOT}"):
+                        slots.keep(f"{slot}{SAVER_SLOT}", _evaluate_or_defer(spec, hw, strategy,
+                                                                             replace(job, **changes), grid,
+                                                                             partition), dimension)
+                    if slots.fits(f"{slot}{SAVER_SLOT}"):
                         break
     # Offloading on context / sequence ranks (rank_view) only where no degree fits without it, smallest degree first.
     offloads = [c for c in savers if c.get("activation_offloading")]
     for grid, partition, slot, short in split_later:
         for changes in offloads:
-            if any(_fits(best, f"{key}{s}") for s in ("", TILED_SLOT, SAVER_SLOT)):
+            if any(slots.fits(f"{key}{s}") for s in ("", TILED_SLOT, SAVER_SLOT)):
                 return
             for job in short:
-                _keep(best, f"{slot}{SAVER_SLOT}", evaluate(spec, hw, strategy, replace(job, **changes), grid,
-                                                            partition), dimension)
+                slots.keep(f"{slot}{SAVER_SLOT}", _evaluate_or_defer(spec, hw, strategy, replace(job, **changes),
+                                                                     grid, partition), dimension)
 
 
 TILED_SLOT = " +tiled"
 SAVER_SLOT = " +savers"
-
-
-def _fits(best: dict[str, Candidate], slot: str) -> bool:
-    return slot in best and best[slot].feasible
 
 
 def auto_savers(spec: ModelSpec, hw: Hardware, strategy: Strategy, req: Request) -> list[dict[str, bool]]:
@@ -340,13 +345,6 @@ def _activations_decide(memory: Breakdown) -> bool:
     they alone are over the capacity, no tiling fits and none is traced."""
     rest = memory.required_bytes - memory.activations_bytes - memory.transient_bytes - memory.margin_bytes
     return rest <= memory.capacity_bytes
-
-
-def _keep(best: dict[str, Candidate], slot: str, cand: Candidate, dimension: str | None) -> None:
-    if dimension:
-        cand = replace(cand, dimension=dimension)
-    if _better(cand, best.get(slot)):
-        best[slot] = cand
 
 
 def auto_tiling(spec: ModelSpec, strategy: Strategy, req: Request) -> bool:
