@@ -86,6 +86,10 @@ class Breakdown:
     """Part of peak_bytes: torch's cuBLAS workspaces, allocated through the caching allocator."""
     allocator_conf: str = ""
     """PYTORCH_CUDA_ALLOC_CONF the reserved figure was replayed with ("" = torch's defaults)."""
+    between_steps_bytes: int = 0
+    """What stays allocated between optimizer steps, beside which a GRPO step generates: parameters, persistent
+    gradient partitions, optimizer states and master weights, persistent engine buffers and gathered parameters, the
+    reference's weights (the step's own gradients are freed by the Trainer's zero_grad, set_to_none)."""
     refusal: str = ""
     """Why the job does not fit although required_bytes might (GRPO vLLM colocate: a share for vLLM too small for
     its weights, or training over the rest; toolkit.estimate.grpo), or empty."""

@@ -72,6 +72,60 @@ def generate_cache_bytes(spec: ModelSpec, sequences: int, prompt: int, completio
     return 2 * sequences * dtype_bytes * max(cache_width(spec, prompt, prompt), cache_width(spec, end, 1))
 
 
+def sampling_bytes(sequences: int, vocab: int, dtype_bytes: int, processors: int = 0) -> tuple[int, int]:
+    """What generate's sampling keeps beside the cache (generation/utils.py _sample): between forwards the fp32 copy of
+    the last position's logits, the processed scores when a logits processor made a new tensor (`processors`: 0 with
+    TRL's defaults, temperature 1, top_p 1, top_k 0, no min_p) and the softmax probabilities; at the head of the next
+    forward, while those are still bound, its logits in the model dtype, their fp32 copy and the new scores and
+    probabilities (multinomial's exponential draw takes the place of the old ones). Returns (between forwards, at the
+    head)."""
+    row = sequences * vocab
+    return row * 4 * (2 + processors), row * (dtype_bytes + 4 * (3 + processors))
+
+
+def attention_bytes(spec: ModelSpec, sequences: int, queries: int, keys: int, dtype_bytes: int, attention: str) -> int:
+    """The most one layer's attention allocates beside the cache in a forward of `queries` new tokens over `keys` (a
+    sliding layer at most its window): with grouped KV heads eager and sdpa attention repeat the layer's keys and
+    values to every query head (repeat_kv, a copy; sdpa takes grouped ones only without a mask, and left-padded
+    prompts give one); eager attention's scores (QK^T and its scaled copy in the model dtype; below fp32 the softmax's
+    fp32 input and output beside the masked scores) and its additive mask; a decode step's (one query) the key or
+    value tensor DynamicLayer.update replaces, alive while torch.cat makes the longer one. flash attention reads the
+    cache as it is. Plus the fed tokens' residual stream, its normed copy and the layer's input, the queries and the
+    rotary tables (transformers' Llama-style layers, measured in tests/test_grpo.py)."""
+    windows = spec.layer_cache_windows or (None,) * spec.num_layers
+    scores = 2 * dtype_bytes if dtype_bytes >= 4 else dtype_bytes + 8
+    most = 0
+    for (h, kv, d), w in zip(spec.attention_shapes(), windows):
+        n = keys if w is None else min(keys, w) if w else 0
+        cat = sequences * kv * d * (n - 1) * dtype_bytes if n and queries == 1 else 0
+        repeat = 2 * sequences * h * d * n * dtype_bytes if h != kv and attention != "flash_attention_2" else 0
+        eager = sequences * queries * (h * scores + dtype_bytes) * n if attention == "eager" else 0
+        fed = sequences * queries * (3 * spec.hidden + h * d + 2 * d) * dtype_bytes
+        most = max(most, cat + fed, repeat + eager + fed)
+    return most
+
+
+def generate_peak_bytes(spec: ModelSpec, sequences: int, prompt: int, completion: int, dtype_bytes: int,
+                        attention: str, processors: int = 0) -> tuple[int, str]:
+    """The most transformers' generate holds beside the model for `sequences` of `prompt` + `completion` tokens (all
+    sampled to the full length), and when. Beside the cache: the prompt's ids and mask it is handed and its position
+    ids (int64), from the first decode step on the ids, mask and position ids it grows (prompt + completion - 1
+    tokens each; generate keeps position ids where the prompts are left-padded, as unequal prompts are). In the
+    prefill the last layer's attention over the prompt (attention_bytes, every layer's cache of the prompt beside
+    it); at the last decode forward the cache holds prompt + completion - 1 tokens, the last step's sampling tensors
+    are still bound, and either one layer's attention or the head and the new sampling (sampling_bytes) add the
+    most. The MLP's intermediates are not counted (below the attention in the cases measured)."""
+    tokens = cached_tokens(prompt, completion)
+    ids = 3 * sequences * prompt * 8
+    prefill = 2 * sequences * dtype_bytes * cache_width(spec, prompt, prompt) + ids \
+        + attention_bytes(spec, sequences, prompt, prompt, dtype_bytes, attention)
+    end = 2 * sequences * dtype_bytes * cache_width(spec, tokens, 1) + ids + 3 * sequences * tokens * 8
+    between, head = sampling_bytes(sequences, spec.vocab, dtype_bytes, processors)
+    attn = between + attention_bytes(spec, sequences, 1, tokens, dtype_bytes, attention)
+    return max((prefill, "prefill"), (end + attn, "last decode step's attention"),
+               (end + head, "last decode step's head and sampling"))
+
+
 def decode_read_width(spec: ModelSpec, prompt: int, completion: int) -> int:
     """KV heads x head dim x tokens the attention reads, summed over the decoder layers and over generate's decode
     steps. The prefill samples the first completion token; decode step j (1 to completion - 1) feeds the j-th, so
@@ -158,12 +212,18 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
             kv_words += (f"; transformers' DynamicCache keeps {_kept_words(spec)}: "
                          f"{kv / GIB:.2f} GiB at its largest")
         gathered = _gathered_for_generation(spec, strategy, job)
-        logits = seqs * spec.vocab * 4  # the last position's fp32 logits per decode step
-        held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes \
-            + b.reward_bytes
-        peak = held + b.workspace_bytes + gathered + kv + logits  # cuBLAS's workspaces stay allocated
+        attention = spec.effective_attention(job.attention)
+        generating, moment = generate_peak_bytes(spec, seqs, grpo.max_prompt_length, grpo.max_completion_length, cb,
+                                                 attention)
+        # The step's gradients are freed (zero_grad, set_to_none) before the next step generates.
+        held = b.between_steps_bytes + b.reward_bytes
+        peak = held + b.workspace_bytes + gathered + generating  # cuBLAS's workspaces stay allocated
         terms = list(b.terms) + [Term("generation KV cache", kv, f"{GENERATION_PHASE}, before the policy's forward: "
-                                                                 f"{kv_words}")]
+                                                                 f"{kv_words}"),
+                                 Term("generation peak", generating,
+                                      f"{GENERATION_PHASE} at its {moment} ({attention} attention): the cache, "
+                                      "generate's token ids, its sampling's fp32 logits and probabilities and one "
+                                      "layer's attention or the head (toolkit.estimate.grpo.generate_peak_bytes)")]
         if gathered:
             terms.append(Term("generation gathered weights", gathered,
                               f"ZeRO-3 ds3_gather_for_generation: {spec.params:,} params unsharded, "
@@ -172,7 +232,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
             return replace(b, terms=tuple(terms), notes=tuple(notes))
         margin = reserved_bytes(peak) - peak
         required = peak + b.context_bytes + margin
-        return replace(b, peak_bytes=peak, peak_phase=GENERATION_PHASE, transient_bytes=gathered + kv + logits,
+        return replace(b, peak_bytes=peak, peak_phase=GENERATION_PHASE, transient_bytes=gathered + generating,
                        margin_bytes=margin, required_bytes=required, terms=tuple(terms), notes=tuple(notes))
     # vLLM colocate: its share is reserved for the whole run, training has the rest; with sleep mode (level 2 after
     # each generation) the share is taken only while generating, beside the model states training keeps.

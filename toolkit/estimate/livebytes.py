@@ -304,3 +304,22 @@ def _measure_compiled_step(model, batch: dict) -> CompiledStep:
         live += nbytes
         peak = max(peak, live)
     return CompiledStep(saved_bytes=sum(v[2] for v in seen.values()), saved=tuple(seen.values()), peak_bytes=peak)
+
+
+def generation_peak_bytes(run, model, *tracked) -> int:
+    """Peak of live tensor bytes beside `model`'s parameters and buffers while `run()` generates with it (transformers'
+    generate, or a trainer's generation step), by torch's MemTracker with `tracked` (an optimizer, the prompt
+    tensors) counted as theirs. generate calls the model once a token: MemTracker refuses a root module's second
+    forward in one tracking, so its per-module stats are cleared after each; the peak it keeps is not reset."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    tracker = MemTracker()
+    tracker.track_external(model, *tracked)
+    hook = model.register_forward_hook(lambda *_: tracker.reset_mod_stats())
+    try:
+        with tracker:
+            run()
+    finally:
+        hook.remove()
+    return sum(dev["Total"] - dev.get(_MemRefType.PARAM, 0) - dev.get(_MemRefType.BUFFER, 0)
+               for dev in tracker.get_tracker_snapshot("peak").values())

@@ -80,8 +80,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     earlier ones add their saved bytes as a constant. A DPO reference's weights (`reference_bytes`) stay the whole
     step; its no_grad forward (`reference_forward_bytes`) runs once the policy's forward has saved everything.
     """
-    persistent = states.parameters + states.gradients + states.master + states.optimizer + states.buffers \
-        + states.gathered + reference_bytes
+    persistent = states.persistent + reference_bytes
     step_grads_total = states.step_gradients
     kept_grads = (step_grads_total + states.accumulation_gradients + states.backward_gradients) if accumulating \
         else 0.0
@@ -595,6 +594,6 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         notes=tuple(dict.fromkeys(notes)),
         reference_bytes=ref_weights,
         nccl_bytes=outside.nccl_bytes,
-        workspace_bytes=workspace,
-        allocator_conf=job.allocator_conf,
+        workspace_bytes=workspace, allocator_conf=job.allocator_conf,
+        between_steps_bytes=int(states.persistent + ref_weights),
     )

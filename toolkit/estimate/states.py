@@ -77,6 +77,12 @@ class States:
     """Whether activations are traced with fp32 weights under torch.autocast (AMP) rather than low-precision weights."""
     sources: list[str] = field(default_factory=list)
 
+    @property
+    def persistent(self) -> float:
+        """Held from one optimizer step to the next, before backward makes the step's gradients: what a GRPO step
+        generates beside (with ZeRO-3 / FSDP2's gathered parameters of a layer)."""
+        return self.parameters + self.gradients + self.master + self.optimizer + self.buffers + self.gathered
+
 
 def _param_bytes(job: Job) -> int:
     return compute_bytes(job.precision)
