@@ -194,11 +194,15 @@ def main() -> None:
               "whole cache of this 2-layer model), the sampling tensors and the token ids, and counted gradients "
               "that zero_grad has freed. tests/test_grpo.py checks generate_peak_bytes "
               "against a real generate in each of its three moments.", "",
-              f"bf16 autocast: worst |error| {gen['bf16']:.2%}, not modelled: with fp32 weights under torch's "
-              "autocast the keys are fp32 (the rotary tables are fp32, so k * cos promotes the bf16 projection) while "
-              "the values are bf16, the attention casts the repeated keys to bf16 again, and autocast keeps a bf16 "
-              "copy of every linear weight for the forward; the estimate counts the cache in bf16. On a GPU this is "
-              "the DDP / FSDP-without-param_dtype AMP case; DeepSpeed's bf16 holds bf16 weights and no autocast.", "",
+              f"bf16 rows: worst generation |error| {gen['bf16']:.2%}, and not what a real run generates. Their "
+              "measured generation bytes equal the fp32 rows' byte for byte: this harness calls TRL's methods on a "
+              "model that never went through accelerator.prepare, whose prepare_model wraps forward in autocast "
+              "(and unwrap_model_for_generation keeps that wrapper, keep_fp32_wrapper=True), so generate ran on the "
+              "fp32 weights without autocast and held an fp32 cache, which the estimate counts in bf16. Under "
+              "autocast (a real Trainer run with fp32 weights: DDP, AMP) a scratch generate held fp32 keys (Llama's "
+              "rotary tables are fp32, k * cos promotes the bf16 projection), bf16 values and autocast's bf16 "
+              "weight copies; neither is modelled yet. DeepSpeed's bf16 holds bf16 weights and generates in bf16, "
+              "as counted.", "",
               "Not measured here: several processes (tests/test_train_grpo.py compares their losses, not their "
               "bytes), sdpa and flash attention (CPU's sdpa kernels are not CUDA's), GPUs.", ""]
     (OUT / "grpo_memory.md").write_text("\n".join(lines))
