@@ -689,3 +689,20 @@ def test_plan_of_zero2_x_sp_says_which_json_keys_keep_a_users_script_on_one_proc
     assert any(line in note for note in json.loads((out / "training_args.json").read_text())["notes"])
     assert json.loads((out / "ds_config.json").read_text())["gradient_predivide_factor"] == 8
     assert check_paths([str(out)]) == []
+
+
+def test_check_warns_that_a_yamls_own_zero2_config_under_ulysses_sums_the_sp_ranks_gradient(tmp_path):
+    """Issue 32: accelerate builds the DeepSpeed config from the YAML's deepspeed_config keys, none of which sets
+    gradient_predivide_factor: ZeRO-2 x SP 8 is a warning naming the JSON to give instead; ZeRO-3 averages already."""
+    from toolkit.check.folder import check_paths
+
+    for stage, warned in ((2, True), (3, False)):
+        yaml_file = tmp_path / f"sp-zero{stage}.yaml"
+        yaml_file.write_text(SP_YAML.format(sp=8).replace("zero_stage: 3", f"zero_stage: {stage}"))
+        found = [p for p in check_paths([str(yaml_file)]) if "Ulysses SP" in p.message]
+        assert [p.severity for p in found] == (["warning"] if warned else [])
+        if warned:
+            assert found[0].message.startswith("ZeRO-2 x Ulysses SP 8: a Trainer / TRL script trains on 8 x the "
+                                               "gradient")
+            assert '"gradient_predivide_factor": 8 and "zero_optimization": {"reduce_scatter": false}' in \
+                found[0].message

@@ -269,7 +269,28 @@ def accelerate_problems(path: Path, ds_path: Path | None, flags: list[str] | Non
                              "loop that prepares model and optimizer together runs it", TRAINER))
     if args.use_deepspeed and ds_path is None and plugin is not None:
         found += inline_deepspeed_problems(path, plugin.deepspeed_config)
+        sp = env.get("PARALLELISM_CONFIG_SP_SIZE", "1")
+        if sp.isdigit() and int(sp) > 1:
+            found += inline_sp_gradient_problems(path, plugin.deepspeed_config, int(sp), args.num_processes)
     return found
+
+
+def inline_sp_gradient_problems(path: Path, built: dict[str, Any], sp: int, processes: int | None) -> list[Problem]:
+    """A YAML's own deepspeed_config under Ulysses SP: its keys cannot set gradient_predivide_factor, so ZeRO-1/2
+    (and ZeRO-3 without reduce-scatter) leave a Trainer / TRL script sp x the gradient (toolkit.emit.deepspeed.
+    sp_gradient_multiple; docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP")."""
+    from toolkit.emit.deepspeed import sp_gradient_multiple
+
+    if sp_gradient_multiple(built, sp=sp, group_ranks=processes) == 1:
+        return []
+    stage = _mapping(built.get("zero_optimization")).get("stage")
+    factor = processes or "the process count"
+    return [Problem(str(path), "warning", f"ZeRO-{stage} x Ulysses SP {sp}: a Trainer / TRL script trains on {sp} x "
+                    "the gradient and clips that (transformers' SP loss sums the SP ranks' gradients; ZeRO-1/2 "
+                    "divide by dp only), and the YAML's deepspeed_config keys cannot change it; give a "
+                    f"deepspeed_config_file whose JSON has \"gradient_predivide_factor\": {factor} and "
+                    "\"zero_optimization\": {\"reduce_scatter\": false} (toolkit plan --sequence-parallel writes "
+                    "one)", ", ".join(sorted(HF_RUNNERS)))]
 
 
 def inline_deepspeed_problems(path: Path, built: dict[str, Any]) -> list[Problem]:
