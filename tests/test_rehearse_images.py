@@ -173,3 +173,45 @@ def test_the_rehearsal_of_a_gemma3_image_plan_on_one_process_trains_the_images(t
     tower's and projector's tensors moved and the saved Gemma3ForConditionalGeneration reloaded (measured: 39 of 39)."""
     _rehearsal_trains_the_images(_image_plan("gemma-3-4b-it", "ddp", size="896x896", gpus=2), tmp_path, capfd,
                                  processes=1)
+
+
+@pytest.mark.multiprocess
+def test_a_users_trl_vlm_script_rehearses_a_copied_gemma3_image_plan_on_the_tiny_processor_and_images(
+        tmp_path, capfd, monkeypatch):
+    """`toolkit launch COPY --rehearse -- my_vlm_sft.py '$TOOLKIT_REHEARSAL_MODEL' '$TOOLKIT_REHEARSAL_DATA' ...` of a
+    copied 2-GPU DDP Gemma-3-4B plan for 2 x 896x896 images, on one CPU process: the rehearsal says the tiny model's
+    folder holds its processor and the data folder TRL's VLM conversations; the user's TRL script
+    (tests/story/my_vlm_sft.py: SFTTrainer, AutoModelForImageTextToText, AutoProcessor, sft_config() its one toolkit
+    call) loads both from there, its collator turns the first row's 40x40 image into the tiny processor's 4 tokens
+    and a 56 x 56 pixel square, the global batch of 2 is kept by accumulation, both steps' losses are finite, and
+    the vision tower's tensors moved (Gemma-3's projector starts at zero: the tower moves at the second step)."""
+    import json
+    import math
+    import shutil
+
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+
+    plan = _image_plan("gemma-3-4b-it", "ddp", size="896x896", gpus=2)
+    emit_plan_files(plan, tmp_path / "planned")
+    copy = shutil.copytree(tmp_path / "planned", tmp_path / "elsewhere" / "copy")
+    shutil.rmtree(tmp_path / "planned")
+    script = Path(shutil.copy(Path(__file__).parent / "story" / "my_vlm_sft.py", tmp_path))
+    report = tmp_path / "report.json"
+    monkeypatch.chdir(tmp_path)  # the script's launch log goes to ./toolkit-logs
+    code = launch_main(copy, [str(script), "$TOOLKIT_REHEARSAL_MODEL", "$TOOLKIT_REHEARSAL_DATA",
+                              str(tmp_path / "out"), str(report)], rehearse=True, processes=1)
+    out = capfd.readouterr().out
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "toolkit-logs").glob("*.log"))
+    assert code == 0, out[-3000:] + logs[-3000:]
+    assert ("a tiny gemma3 with its processor is in $TOOLKIT_REHEARSAL_MODEL, 16 image conversations (1 to 2 40x40 "
+            "PNGs each; train.jsonl in TRL's VLM format: messages + images, paths relative to the folder) in "
+            "$TOOLKIT_REHEARSAL_DATA") in out
+    assert "rehearsal passed: your script with ddp" in out
+    seen = json.loads(report.read_text())
+    print({k: seen[k] for k in ("losses", "image_tokens", "pixel_values", "tower_moved")})  # measured, for -rP
+    assert (seen["world"], seen["micro_batch"] * seen["accumulation"], seen["steps"]) == (1, 2, 2)
+    assert seen["vision"] and len(seen["losses"]) == 2 and all(math.isfinite(v) for v in seen["losses"])
+    assert (seen["images"], seen["image_tokens"], seen["pixel_values"]) == (1, 4, [1, 3, 56, 56])
+    moved, total = seen["tower_moved"]
+    assert total == 37 and moved > total // 2

@@ -295,7 +295,8 @@ def rehearsal_data(small: Plan, folder: Path, *, chat: bool = False) -> Path:
     validation.txt) with, for a user's script (chat), its conversations beside it as train.jsonl (toolkit.train
     reads one kind of file per folder). Returns the folder."""
     if small.images_per_sample:  # TRL's VLM format, which toolkit.train and a user's TRL VLM SFT script read
-        return tiny.write_image_corpus(folder, rows=16, most_images=small.images_per_sample)
+        return tiny.write_image_corpus(folder, rows=rehearsal_images.REHEARSAL_IMAGE_ROWS,
+                                       most_images=small.images_per_sample)
     if small.dpo:
         return tiny.write_preference_corpus(folder, max_chars=60_000)
     if small.grpo:
@@ -413,7 +414,8 @@ def _check_replicas(folder: Path, small: Plan) -> list[str]:
 REHEARSAL_MODEL_ENV = "TOOLKIT_REHEARSAL_MODEL"
 REHEARSAL_DATA_ENV = "TOOLKIT_REHEARSAL_DATA"
 """A user's script rehearsed with `--rehearse -- SCRIPT ARGS` finds the tiny model (with its tokenizer) and a data
-folder (train.txt / validation.txt, and train.jsonl / validation.jsonl chat rows) here; '$TOOLKIT_REHEARSAL_MODEL'
+folder (train.txt / validation.txt, and train.jsonl / validation.jsonl chat rows; for an image plan, the processor
+beside the model and image conversations in TRL's VLM format instead) here; '$TOOLKIT_REHEARSAL_MODEL'
 and '$TOOLKIT_REHEARSAL_DATA' in ARGS (quoted, so the shell leaves them) are replaced by them
 (toolkit.train.own_script)."""
 
@@ -431,10 +433,12 @@ def _rehearse_script(plan: Plan, plan_dir: Path, train_argv: list[str], *, dry_r
     try:
         model_dir, small, said, small_dir, data = small_setup(plan, work, chat=True, processes=processes)
         command = launch_command(small_dir, train_argv)
+        handover = (rehearsal_images.script_handover(small, REHEARSAL_MODEL_ENV, REHEARSAL_DATA_ENV)
+                    if small.images_per_sample else
+                    f"a tiny {small.model_type} is in ${REHEARSAL_MODEL_ENV}, data in ${REHEARSAL_DATA_ENV}")
         print(f"rehearsal of your script with {plan.strategy} ({small.precision}) on "
               f"{processes_phrase(small.world_size, cpu=True)}: micro {small.micro_batch} x accum "
-              f"{small.grad_accum}; a tiny "
-              f"{small.model_type} is in ${REHEARSAL_MODEL_ENV}, data in ${REHEARSAL_DATA_ENV}", flush=True)
+              f"{small.grad_accum}; {handover}", flush=True)
         for line in said:
             print(f"note: {line}", flush=True)
         print("$ " + shlex.join(command), flush=True)

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 REHEARSAL_IMAGES = 2
 """Images a sample in a rehearsal, at most: two exercise the processor's and the model's several-image paths."""
 
+REHEARSAL_IMAGE_ROWS = 16
+"""Conversations in an image rehearsal's data (toolkit.run.tiny.write_image_corpus)."""
+
 
 def images_problem(plan: "Plan") -> str | None:
     """Why the rehearsal of `plan` (an image plan) cannot train its images, or None (it can)."""
@@ -50,6 +53,17 @@ def with_images(small: "Plan", plan: "Plan", tiny_model_dir: str | Path, images:
             f"model's vision tower, its processor built locally; the plan: {plan.images_per_sample} x "
             f"{plan.image_size}, {plan.image_tokens} tokens each)")
     return small.replace(**job_to_plan_fields(job)), said
+
+
+def script_handover(small: "Plan", model_env: str, data_env: str) -> str:
+    """What a user's script rehearsed on an image plan finds in the two environment variables: the tiny model with
+    its processor saved beside it (AutoProcessor loads it from the same folder), and the image conversations in
+    TRL's VLM format that toolkit.run.rehearsal.rehearsal_data wrote."""
+    side = f"{REHEARSAL_IMAGE_SIDE}x{REHEARSAL_IMAGE_SIDE}"
+    each = f"one {side} PNG" if small.images_per_sample == 1 else f"1 to {small.images_per_sample} {side} PNGs"
+    return (f"a tiny {small.model_type} with its processor is in ${model_env}, {REHEARSAL_IMAGE_ROWS} image "
+            f"conversations ({each} each; train.jsonl in TRL's VLM format: messages + images, paths relative to the "
+            f"folder) in ${data_env}")
 
 
 def _tiny_tokens(tiny_model_dir: str | Path) -> int:
