@@ -199,9 +199,9 @@ def run_training(tmp_path_factory):
 @pytest.fixture(scope="session")
 def runs_side_by_side(run_training):
     """run_training's runs started together and waited for: {name: (plan, name of its folder, *train_argv)} ->
-    {name: TrainRun}, not checked, the keyword options (timeout) given to each. CI's stage 2 runs one test at a time,
-    and a one-process run alone leaves the second core idle: beside a 2-rank run, or another one-process run, it
-    fills it."""
+    {name: TrainRun}, not checked, the keyword options (timeout) given to each. A one-process run alone leaves the
+    second core idle: beside a 2-rank run, or another one-process run, it fills it (a module's xdist_group runs its
+    tests one after the other on one of CI's two workers)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def start(runs: dict[str, tuple], **options) -> dict[str, TrainRun]:
