@@ -85,7 +85,7 @@ def sampling_bytes(sequences: int, vocab: int, dtype_bytes: int, processors: int
 
 def attention_bytes(spec: ModelSpec, sequences: int, queries: int, keys: int, dtype_bytes: int, attention: str) -> int:
     """The most one layer's attention allocates beside the cache in a forward of `queries` new tokens over `keys` (a
-    sliding layer at most its window): with grouped KV heads eager and sdpa attention repeat the layer's keys and
+    decode step's sliding layer at most its window; the prefill's gets the whole prompt from its cache): with grouped KV heads eager and sdpa attention repeat the layer's keys and
     values to every query head (repeat_kv, a copy; sdpa takes grouped ones only without a mask, and left-padded
     prompts give one); eager attention's scores (QK^T and its scaled copy in the model dtype; below fp32 the softmax's
     fp32 input and output beside the masked scores) and its additive mask; a decode step's (one query) the key or
@@ -96,7 +96,7 @@ def attention_bytes(spec: ModelSpec, sequences: int, queries: int, keys: int, dt
     scores = 2 * dtype_bytes if dtype_bytes >= 4 else dtype_bytes + 8
     most = 0
     for (h, kv, d), w in zip(spec.attention_shapes(), windows):
-        n = keys if w is None else min(keys, w) if w else 0
+        n = keys if w is None or queries > 1 else min(keys, w) if w else 0
         cat = sequences * kv * d * (n - 1) * dtype_bytes if n and queries == 1 else 0
         repeat = 2 * sequences * h * d * n * dtype_bytes if h != kv and attention != "flash_attention_2" else 0
         eager = sequences * queries * (h * scores + dtype_bytes) * n if attention == "eager" else 0
