@@ -242,8 +242,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     vllm_weights = generator_weight_bytes(spec, job, vllm=True)
     vllm_needs = vllm_weights / tp + kv  # its group's sequences, their KV heads split over the group
     sleeping = grpo.vllm_enable_sleep_mode
-    held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes \
-        + b.reward_bytes + b.context_bytes
+    held = b.between_steps_bytes + b.reward_bytes + b.context_bytes  # the step's gradients are freed by then
     beside = held if sleeping else b.required_bytes
     low, high = vllm_needs / cap, 1 - beside / cap
     window = (f"feasible vllm_gpu_memory_utilization {low:.2f} to {high:.2f}" if low <= high else

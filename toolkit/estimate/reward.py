@@ -107,7 +107,7 @@ def with_reward(b: Breakdown, strategy: Strategy, job: Job, grid: ParallelGrid, 
                     Term(REWARD_PHASE, share.forward_bytes, share.forward_source)]
     peak, required = b.peak_bytes + w, b.required_bytes + w
     out = replace(b, peak_bytes=peak, required_bytes=required, reward_bytes=w, terms=tuple(terms))
-    held = b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes + b.buffers_bytes + b.reference_bytes + w
+    held = b.between_steps_bytes + w  # scoring follows generation, before the step makes its gradients
     scoring = held + b.workspace_bytes + share.forward_bytes
     if scoring <= peak:
         return out
