@@ -112,6 +112,7 @@ def tensor_sizes(spec, regions, strategy, job) -> dict:
 
 _RESULTS: dict[str, Replay] = {}
 
+_NO_OVERHEAD = Replay(peak_allocated=0, peak_reserved=0, events=0, segments=0)
 _UNREPLAYED: ContextVar[list[int] | None] = ContextVar("unreplayed", default=None)
 """Inside `replays_left_out`: how many replays were left out (a one-item list), else None."""
 
@@ -119,11 +120,13 @@ _UNREPLAYED: ContextVar[list[int] | None] = ContextVar("unreplayed", default=Non
 @contextmanager
 def replays_left_out():
     """Within: a replay that is neither in this process's results nor on disk is not run; replayed_reserved returns
-    a Replay with no overhead instead, and the yielded one-item list counts them. A replay only adds bytes (reserved
-    is never under allocated), so what is computed inside is a lower bound on the required bytes, exact when the
-    count stays 0. The planner refuses a configuration short of GPU memory on that bound without replaying it
-    (toolkit.estimate.search): the replay is most of a first plan's CPU time and most configurations it costs are
-    refused."""
+    a Replay with no overhead instead, and the yielded one-item list counts them. So it does where some region has
+    no events (where it returns None outside, and the caller adds its assumed margin): a scaled trace leaves out the
+    events that only the replay reads when they cost a trace of their own (toolkit.estimate.traces). A replay or a
+    margin only adds bytes (reserved is never under allocated), so what is computed inside is a lower bound on the
+    required bytes, exact when the count stays 0. The planner refuses a configuration short of GPU memory on that
+    bound without replaying it (toolkit.estimate.search): the replay is most of a first plan's CPU time and most
+    configurations it costs are refused."""
     count = [0]
     token = _UNREPLAYED.set(count)
     try:
@@ -132,10 +135,19 @@ def replays_left_out():
         _UNREPLAYED.reset(token)
 
 
+def leaving_replays_out() -> bool:
+    """Whether replays are being left out (inside `replays_left_out`)."""
+    return _UNREPLAYED.get() is not None
+
+
 def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Replay | None:
     """The replay of two steps over `regions` (memory._Region: name, params, trace); None when some region has no
     recorded events (a region traced compiled, an interpolation whose traces differ), where the caller keeps its margin."""
+    left_out = _UNREPLAYED.get()
     if not regions or any(not (r.trace.forward_events or r.trace.backward_events) for r in regions):
+        if left_out is not None:
+            left_out[0] += 1
+            return _NO_OVERHEAD
         return None
     # Ints only: their hashes are the same in every process (str hashes are salted per process).
     key_parts = (tuple((hash(r.trace.forward_events), hash(r.trace.backward_events), r.params) for r in regions),
@@ -147,10 +159,9 @@ def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Repla
     from toolkit import cache
 
     stored = cache.get("reserved", key, code=replayed_reserved, decode=lambda d: Replay(**d))
-    left_out = _UNREPLAYED.get()
     if stored is None and left_out is not None:
         left_out[0] += 1
-        return Replay(peak_allocated=0, peak_reserved=0, events=0, segments=0)
+        return _NO_OVERHEAD
     if stored is None:
         replayer = Replayer(AllocatorSettings.from_conf(settings))
         events = emit_step_events(regions, sizes, replayer)

@@ -35,7 +35,7 @@ from toolkit.estimate.expertgrids import fixed_expert_grid
 from toolkit.estimate.errorband import band_for, time_band
 from toolkit.estimate.candidate import Candidate
 from toolkit.estimate.reserved import replays_left_out
-from toolkit.estimate.slots import Deferred, Slots
+from toolkit.estimate.slots import Deferred, Slots, slower
 from toolkit.estimate.ranking import need_bytes, rank
 from toolkit.estimate.request import Request
 from toolkit.errors import UserError
@@ -136,17 +136,20 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
 
 
 def _evaluate_or_defer(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: ParallelGrid,
-                       partition: list[int] | None) -> Candidate | Deferred:
-    """evaluate, or Deferred where the configuration is short of GPU memory before its allocator replays (a lower
-    bound: toolkit.estimate.reserved.replays_left_out). Not for pipeline stages (the largest stage may change with
-    the replays), GRPO or expert-parallel grids, whose bytes are more than the step's."""
-    if strategy.is_pipeline or job.grpo is not None or grid.expert > 1:
+                       partition: list[int] | None, best: Candidate | None) -> Candidate | Deferred:
+    """evaluate, or Deferred where the configuration cannot be its slot's best while `best` (the slot's so far) or
+    another fits: short of GPU memory before its allocator replays (toolkit.estimate.reserved.replays_left_out), or
+    slower than a `best` that fits. Pipeline stages: over the capacity (the largest stage, and so its error band, may
+    change with the replays). Not for GRPO or expert-parallel grids, whose bytes are more than the step's."""
+    if job.grpo is not None or grid.expert > 1:
         return evaluate(spec, hw, strategy, job, grid, partition)
     with replays_left_out() as left_out:
         lower = evaluate(spec, hw, strategy, job, grid, partition)
     if not left_out[0]:
         return lower  # every replay was known: exact
-    if short_of_gpu_memory(lower.memory, strategy, job, hw.gpu):
+    short = lower.memory.required_bytes > lower.memory.capacity_bytes if strategy.is_pipeline \
+        else short_of_gpu_memory(lower.memory, strategy, job, hw.gpu)
+    if short or slower(lower, best):
         return Deferred(lower, lambda: evaluate(spec, hw, strategy, job, grid, partition))
     return evaluate(spec, hw, strategy, job, grid, partition)
 
@@ -281,16 +284,19 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                 for ckpt in ckpt_options:
                     job = req.job(micro_batch=micro, grad_accum=accum, checkpointing=ckpt, compile=compiled,
                                   tiled=req.tiled is True)
-                    cand = _evaluate_or_defer(spec, hw, strategy, job, grid, partition)
+                    cand = _evaluate_or_defer(spec, hw, strategy, job, grid, partition, slots.best.get(slot))
                     slots.keep(slot, cand, dimension)
-                    cand = cand.lower if isinstance(cand, Deferred) else cand  # its activations decide alike
+                    if isinstance(cand, Deferred):  # its activations decide alike (a pipeline's largest stage may not)
+                        cand = cand.cost() if strategy.is_pipeline and (tiling or savers) else cand.lower
                     if cand.memory is not None and short_of_gpu_memory(cand.memory, strategy, job, hw.gpu) \
                             and _activations_decide(cand.memory):
                         short.append(job)
             if tiling and not compiled and not tiled_found and not slots.fits(slot):
                 for job in short:
                     slots.keep(f"{slot}{TILED_SLOT}", _evaluate_or_defer(spec, hw, strategy, replace(job, tiled=True),
-                                                                         grid, partition), dimension)
+                                                                         grid, partition,
+                                                                         slots.best.get(f"{slot}{TILED_SLOT}")),
+                               dimension)
             if savers and not compiled and not saver_found and not slots.fits(slot) \
                     and not slots.fits(f"{slot}{TILED_SLOT}"):
                 for changes in savers:  # least intrusive first; the first that fits any job ends the search
@@ -299,9 +305,9 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                             split_later.append((grid, partition, slot, short))
                         continue  # on context / sequence ranks: below; not with tensor / expert parallelism
                     for job in short:
-                        slots.keep(f"{slot}{SAVER_SLOT}", _evaluate_or_defer(spec, hw, strategy,
-                                                                             replace(job, **changes), grid,
-                                                                             partition), dimension)
+                        slots.keep(f"{slot}{SAVER_SLOT}", _evaluate_or_defer(
+                            spec, hw, strategy, replace(job, **changes), grid, partition,
+                            slots.best.get(f"{slot}{SAVER_SLOT}")), dimension)
                     if slots.fits(f"{slot}{SAVER_SLOT}"):
                         break
     # Offloading on context / sequence ranks (rank_view) only where no degree fits without it, smallest degree first.
@@ -312,7 +318,8 @@ def _search(spec: ModelSpec, hw: Hardware, strategy: Strategy, grids: list[Paral
                 return
             for job in short:
                 slots.keep(f"{slot}{SAVER_SLOT}", _evaluate_or_defer(spec, hw, strategy, replace(job, **changes),
-                                                                     grid, partition), dimension)
+                                                                     grid, partition,
+                                                                     slots.best.get(f"{slot}{SAVER_SLOT}")), dimension)
 
 
 TILED_SLOT = " +tiled"

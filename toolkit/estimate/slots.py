@@ -3,9 +3,10 @@ with the configurations it refused on a lower bound and has not costed in full.
 
 A slot's best is the first of its candidates by `better`: the fastest that fits (then the most headroom), or, when
 none fits, the one that needs the fewest bytes (its reason explains the row). A configuration short of GPU memory
-before its allocator replay (toolkit.estimate.reserved.replays_left_out: the replay only adds bytes) cannot fit, so
-it can only be a slot's best when nothing in the slot fits; `Deferred` holds it uncosted, and `settled` costs it in
-full only there. The result is the one costing every configuration in full gives, in the same order.
+before its allocator replay (toolkit.estimate.reserved.replays_left_out: the replay only adds bytes) cannot fit, and
+one slower than a best that fits cannot replace it; either can only be a slot's best when nothing in the slot fits.
+`Deferred` holds it uncosted, and `settled` costs it in full only there. The result is the one costing every
+configuration in full gives, in the same order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from toolkit.estimate.ranking import need_bytes
 
 @dataclass(frozen=True)
 class Deferred:
-    """A configuration refused for GPU memory on its lower bound (`lower`: costed without the allocator replays)."""
+    """A configuration that cannot be its slot's best while something in the slot fits (`lower`: costed without the
+    allocator replays; its step time is exact)."""
 
     lower: Candidate
     cost: Callable[[], Candidate]
@@ -36,6 +38,13 @@ def better(a: Candidate, b: Candidate | None) -> bool:
         kb = (round(b.timing.tokens_per_s, 6), b.memory.headroom_bytes)
         return ka > kb
     return need_bytes(a) < need_bytes(b)  # the least-infeasible explains best
+
+
+def slower(cand: Candidate, best: Candidate | None) -> bool:
+    """Whether `cand` is slower than a `best` that fits, so that it cannot replace it (its step time does not depend
+    on the allocator replays it was costed without)."""
+    return best is not None and best.feasible \
+        and round(cand.timing.tokens_per_s, 6) < round(best.timing.tokens_per_s, 6)
 
 
 class Slots:
@@ -71,13 +80,28 @@ class Slots:
         for slot, refused in self._refused.items():
             if not self.fits(slot) and any(isinstance(c, Deferred) for c in refused):
                 best = None
-                for cand in refused:
-                    cand = cand.cost() if isinstance(cand, Deferred) else cand
+                for cand in _least_needing(refused):
                     if better(cand, best):
                         best = cand
                 self.best[slot] = best
             out[slot] = self.best[slot]
         return out
+
+
+def _least_needing(refused: list[Candidate | Deferred]) -> list[Candidate]:
+    """The refused candidates, in their order, that could need the fewest bytes: the deferred costed in full from the
+    lowest bound up until the bound is over the fewest bytes found (a deferred one's full cost is at least its bound,
+    so those left cannot need the fewest, nor tie with them)."""
+    costed: dict[int, Candidate] = {i: c for i, c in enumerate(refused) if isinstance(c, Candidate)}
+    fewest = min((need_bytes(c) for c in costed.values()), default=float("inf"))
+    deferred = sorted((i for i, c in enumerate(refused) if isinstance(c, Deferred)),
+                      key=lambda i: need_bytes(refused[i].lower))
+    for i in deferred:
+        if need_bytes(refused[i].lower) > fewest:
+            break
+        costed[i] = refused[i].cost()
+        fewest = min(fewest, need_bytes(costed[i]))
+    return [costed[i] for i in sorted(costed)]
 
 
 def _with_dimension(cost: Callable[[], Candidate], dimension: str | None) -> Callable[[], Candidate]:

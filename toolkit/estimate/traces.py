@@ -9,6 +9,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
+from toolkit.estimate.reserved import leaving_replays_out
 from toolkit.estimate.stepevents import lerp_events
 from toolkit.inputs.job import COMPILE_BLOCKS, TRL_LOSS, Job
 from toolkit.inputs.modelspec import ModelSpec
@@ -209,7 +210,7 @@ def _language_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> Activation
     if b > 2 and not _trl_head_bends(job, (2, job.seq_len), (b, job.seq_len)) and any(
             not lerp_events(x.forward_events, y.forward_events, 1) and (x.forward_events or y.forward_events)
             or not lerp_events(x.backward_events, y.backward_events, 1) and (x.backward_events or y.backward_events)
-            for x, y in pairs):
+            for x, y in pairs) and not leaving_replays_out():  # its events feed only the replay
         t3 = activation_trace(spec, job, strategy, 3)  # events from 2 and 3: 1 and 2 differ in number
     threes = [t3.embedding, *t3.layers, t3.head] if t3 is not None else [None] * len(pairs)
     lerped = [_lerp_region(x, y, b, z) for (x, y), z in zip(pairs, threes)]
