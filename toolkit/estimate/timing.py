@@ -339,11 +339,15 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             comm = autoep_zero_comm_s(full_spec, grid, hw, pb, strategy.zero_stage, A)
             assumptions.append(f"DeepSpeed AutoEP {grid.expert}: ZeRO reduces the dense gradients over {dp} ranks "
                                f"and the rank's experts' over {dp // grid.expert}")
-        elif strategy.zero_stage == 1:
-            comm = _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
-        elif strategy.zero_stage == 2:
-            comm = A * _ring(P_grad * pb, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1)
-            assumptions.append("ZeRO-2 reduce-scatters gradients every micro-step")
+        elif strategy.zero_stage in (1, 2):
+            # stage_1_and_2.py average_tensor: each gradient bucket is all-reduced over the group and every rank keeps
+            # its own slice (use_multi_rank_bucket_allreduce, true by default; reduce_scatter false, as the plan's
+            # JSON sets under Ulysses SP, all-reduces too); then the updated partitions are all-gathered.
+            reduces = A if strategy.zero_stage == 2 else 1
+            comm = reduces * _ring(P_grad * pb, dp, bw, 2) + _ring(P_grad * pb, dp, bw, 1)
+            assumptions.append(f"ZeRO-{strategy.zero_stage} all-reduces each gradient bucket (DeepSpeed's multi-rank "
+                               "bucket all-reduce) " + ("every micro-step" if strategy.zero_stage == 2
+                                                         else "once a step"))
         else:
             comm = A * (2 * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
             assumptions.append("ZeRO-3: all-gather forward + all-gather backward + reduce-scatter, every micro-step")
