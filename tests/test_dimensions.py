@@ -706,3 +706,27 @@ def test_check_warns_that_a_yamls_own_zero2_config_under_ulysses_sums_the_sp_ran
                                                "gradient")
             assert '"gradient_predivide_factor": 8 and "zero_optimization": {"reduce_scatter": false}' in \
                 found[0].message
+
+
+def test_zero12_price_their_gradient_reduction_as_deepspeeds_bucket_all_reduce():
+    """DeepSpeed's ZeRO-1/2 all-reduce each gradient bucket (use_multi_rank_bucket_allreduce, its default; and with
+    reduce_scatter false, as the plan's JSON sets under Ulysses SP): 2 (N - 1) / N of the gradient bytes a reduction,
+    once a step for ZeRO-1, every micro-step for ZeRO-2, then the updated partitions' all-gather."""
+    from toolkit.estimate.collectives import group_bandwidth, ring_s
+    from toolkit.estimate.timing import step_time, ulysses_comm_s
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+
+    spec = resolve_model("llama-3.1-8b")
+    hw = parse_hardware("8xH100-80GB")
+    job = Job(seq_len=16384, micro_batch=1, grad_accum=3)
+    grad = spec.params * 2
+    bw = group_bandwidth(hw, 8)
+    for stage, reduces in ((1, 1), (2, 3)):
+        strategy = parse_strategy(f"zero{stage}")
+        expected = reduces * ring_s(grad, 8, bw, 2) + ring_s(grad, 8, bw, 1)
+        plain = step_time(spec, strategy, job, hw, grid=_grid(f"zero{stage}"), overlap=0.0)
+        assert plain.communication_s == pytest.approx(expected)
+        sp = _grid(f"zero{stage}", sequence=2)
+        with_sp = step_time(spec, strategy, job, hw, grid=sp, overlap=0.0)
+        assert with_sp.communication_s == pytest.approx(expected + ulysses_comm_s(spec, job, sp, hw))
