@@ -104,6 +104,9 @@ def unstated_reason(row: dict) -> str:
             for label, error, edge in readings]
     fitting = [error for _, error, edge in readings if edge <= 1]
     what = row["unstated"]["what"]
+    if not fitting:
+        return (f"the source leaves {what} unstated, and under every reading of it our memory estimate puts the job "
+                f"beyond the GPU (ours {'; '.join(said)}): not scored, so it marks no strategy as evidenced")
     if max(fitting) - min(fitting) <= UNSTATED_SAME:
         return (f"the source leaves {what} unstated; ours barely turns on it (ours {'; '.join(said)}), but which "
                 "strategy the row would back is one of the readings: not scored, so it marks no strategy as "
@@ -606,6 +609,10 @@ def third_search() -> str:
         published, ours = engine_pair_ratios(pair)
         values = [v for _, v in ours]
         gaps += [abs(v / published - 1) for v in values]
+        if not values:  # the source ran both; our memory estimate puts one beyond the GPU under every reading
+            said.append(f"ZeRO-3 / {name} {published:.3f} in {source}, ours not compared: under no reading do both "
+                        "fit the GPU by our memory estimate")
+            continue
         said.append(f"ZeRO-3 / {name} {published:.3f} in {source}, ours {min(values):.3f}-{max(values):.3f} over "
                     f"the {len(values)} readings that fit the GPU by our memory estimate")
     rows = {r["id"]: r for r in load_rows()}
