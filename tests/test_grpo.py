@@ -363,23 +363,15 @@ def test_generate_peak_is_what_transformers_generate_holds(sequences, prompt, co
     logits row a sequence) is more than 50% under the 16-sequence case: eager attention's repeated keys and values
     of one layer are as large as the whole cache of this 2-layer model."""
     import torch
-    from transformers import GenerationConfig
 
     from toolkit.estimate.grpo import generate_peak_bytes, kv_cache_bytes
-    from toolkit.estimate.livebytes import generation_peak_bytes
 
     model, spec = _tiny_llama(vocab, dtype)
     ids = torch.randint(1, vocab, (sequences, prompt))
     mask = torch.ones_like(ids)
     mask[::2, : prompt // 4] = 0  # left padding: every other prompt shorter
-    settings = GenerationConfig(max_new_tokens=completion, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                pad_token_id=0, eos_token_id=0, disable_compile=True)
-    out = []
-    with torch.no_grad():
-        measured = generation_peak_bytes(
-            lambda: out.append(model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)),
-            model, ids, mask)
-    assert out[0].shape[1] == prompt + completion  # sampled to the full length, as the estimate assumes
+    measured, out = _sampled_generate_peak(model, ids, mask, completion, eos_token_id=0)
+    assert out.shape[1] == prompt + completion  # sampled to the full length, as the estimate assumes
     cb = 2 if dtype == "bfloat16" else 4
     predicted, when = generate_peak_bytes(spec, sequences, prompt, completion, cb, "eager")
     assert when == moment
@@ -396,10 +388,9 @@ def test_generate_peak_of_a_sliding_window_model_is_what_transformers_generate_h
     keeps more copies of the fed token's hidden state than Llama, its embedding scaled and sandwich norms, not
     counted). Its prefill over a prompt longer than the window is 17% under (those copies a prompt token): left."""
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     from toolkit.estimate.grpo import generate_peak_bytes
-    from toolkit.estimate.livebytes import generation_peak_bytes
     from toolkit.inputs.modelspec import build_spec
 
     config = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -411,14 +402,26 @@ def test_generate_peak_of_a_sliding_window_model_is_what_transformers_generate_h
     ids = torch.randint(1, 512, (8, 8))
     mask = torch.ones_like(ids)
     mask[::2, :2] = 0
-    settings = GenerationConfig(max_new_tokens=64, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                pad_token_id=0, eos_token_id=1, disable_compile=True)
+    measured, out = _sampled_generate_peak(model, ids, mask, 64, eos_token_id=1)
+    assert out.shape[1] == 8 + 64
+    predicted, when = generate_peak_bytes(spec, 8, 8, 64, 4, "eager")
+    assert when == "last decode step's attention"
+    assert abs(predicted / measured - 1) < 0.003
+
+
+def _sampled_generate_peak(model, ids, mask, completion: int, *, eos_token_id: int):
+    """transformers' generate, sampling `completion` tokens (pad 0, no compile), and the live-bytes peak it reached
+    (toolkit.estimate.livebytes.generation_peak_bytes): (peak bytes, the generated ids)."""
+    import torch
+    from transformers import GenerationConfig
+
+    from toolkit.estimate.livebytes import generation_peak_bytes
+
+    settings = GenerationConfig(max_new_tokens=completion, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                pad_token_id=0, eos_token_id=eos_token_id, disable_compile=True)
     out = []
     with torch.no_grad():
         measured = generation_peak_bytes(
             lambda: out.append(model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)),
             model, ids, mask)
-    assert out[0].shape[1] == 8 + 64
-    predicted, when = generate_peak_bytes(spec, 8, 8, 64, 4, "eager")
-    assert when == "last decode step's attention"
-    assert abs(predicted / measured - 1) < 0.003
+    return measured, out[0]
