@@ -116,3 +116,14 @@ def test_garbage_collection_frees_the_oldest_cached_segments_above_the_threshold
 def test_an_unknown_allocator_setting_is_refused():
     with pytest.raises(ValueError, match="pinned_use_cuda_host_register"):
         AllocatorSettings.from_conf("pinned_use_cuda_host_register:True")
+
+
+def test_expandable_segments_take_a_request_beyond_the_default_range_or_refuse_it_as_out_of_memory():
+    """A request larger than a new segment's address range (1 1/8 of the device, 1 TiB when no device size is
+    given) once crashed the replay (AttributeError at the segment's end: a plan at seq 32768 whose eager attention
+    scores passed 1 TiB). With no device size the range now holds the request; with one, it is an out-of-memory."""
+    big = (2 << 40) + 3 * MiB
+    s = replay([("malloc", "a", big)], AllocatorSettings(expandable_segments=True))
+    assert (s.allocated, s.reserved, s.segments) == (big, 20 * MiB * -(-big // (20 * MiB)), 1)
+    with pytest.raises(OutOfMemory):
+        CachingAllocator(AllocatorSettings(expandable_segments=True, capacity=80 << 30)).malloc(big)

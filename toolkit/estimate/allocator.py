@@ -389,14 +389,18 @@ class CachingAllocator:
             start = block.prev if block.prev is not None and block.prev.free_to_merge() and block.prev.mapped \
                 and block.prev not in self._pending else block
             room, b = 0, start
-            while b is not None and room < size and b.free_to_merge():
+            # a free block still waiting on another stream's event (_pending) does not merge: the range ends there
+            while b is not None and room < size and b.free_to_merge() and b not in self._pending:
                 room, b = room + b.size, b.next
             if room >= size:
                 candidate = start
                 break
         if candidate is None:  # a new segment: address space for the whole device (1 1/8 of its memory)
+            page = self._page(pool)
             space = (self.settings.capacity or (1 << 40)) * 9 // 8
-            space -= space % self._page(pool)
+            # With no device size given (a replay measuring the peak alone) the range holds any request; with one, a
+            # request beyond it is refused when mapped (_map), an out-of-memory, as torch's reserve fails.
+            space = max(space - space % page, page * -(-size // page))
             candidate = _Block(stream, space, self._address(space), pool, mapped=False, expandable=True)
             pool.unmapped[(stream, candidate.ptr)] = candidate
             self.stats.segments += 1
