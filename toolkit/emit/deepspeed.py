@@ -237,7 +237,7 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
         config["zero_allow_untested_optimizer"] = True
     if plan.engine == Engine.PIPELINE:
         config["steps_per_print"] = 100  # the pipeline engine logs loss and step time this often
-    if plan.engine == Engine.DEEPSPEED and plan.sequence_parallel > 1 and stage in (1, 2):
+    if averages_over_sp_ranks(plan):
         average_over_sp_ranks(config, plan.grid.data_parallel * plan.grid.sequence)
     if plan.sequence_parallel > 1 and not runner_fills:
         # Ulysses: DeepSpeedConfig divides the world by it for the batch identity when it has no mpu (the HF
@@ -248,6 +248,11 @@ def ds_config(plan: Plan, *, nvme_path: str | None = None, runner_fills: bool | 
         # "train_batch_size is not equal to ... 8 != 2 * 2 * 1.0" for ZeRO-3 x SP 2).
         config["sequence_parallel_size"] = plan.sequence_parallel
     return config
+
+
+def averages_over_sp_ranks(plan: Plan) -> bool:
+    """Whether the plan's DeepSpeed JSON carries average_over_sp_ranks's two keys: ZeRO-1/2 x Ulysses SP."""
+    return plan.engine == Engine.DEEPSPEED and plan.sequence_parallel > 1 and plan.zero_stage in (1, 2)
 
 
 def average_over_sp_ranks(config: dict[str, Any], group_ranks: int) -> None:

@@ -27,7 +27,7 @@ import json
 import shlex
 from typing import Any
 
-from toolkit.emit.deepspeed import GRADIENT_CLIPPING, owns_optimizer
+from toolkit.emit.deepspeed import GRADIENT_CLIPPING, averages_over_sp_ranks, owns_optimizer
 from toolkit.emit.parallelism import sharded_at_load
 from toolkit.patches.compiledckpt import DYNAMO_FLAG
 from toolkit.plan.schema import Plan
@@ -443,9 +443,9 @@ def sp_gradient_note(plan: Plan) -> str | None:
     """ZeRO-1/2 x Ulysses SP: the two keys of the plan's DeepSpeed JSON that keep a user's own Trainer / TRL script
     on the single-process gradient (toolkit.emit.deepspeed.average_over_sp_ranks; docs/ENGINE_FACTS.md, "ZeRO-1/2 x
     Ulysses SP"); PLAN.md, training_args.json and `toolkit plan` say it."""
-    g = plan.grid
-    if plan.engine != Engine.DEEPSPEED or g.sequence == 1 or plan.zero_stage not in (1, 2):
+    if not averages_over_sp_ranks(plan):
         return None
+    g = plan.grid
     ranks = g.data_parallel * g.sequence
     return (f"ZeRO-{plan.zero_stage} x Ulysses SP {g.sequence}: the DeepSpeed JSON's \"gradient_predivide_factor\": "
             f"{ranks} and \"zero_optimization\": {{\"reduce_scatter\": false}} make DeepSpeed average the gradient "
