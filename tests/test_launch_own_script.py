@@ -133,6 +133,26 @@ def test_a_rank_killed_by_a_signal_is_named_as_the_one_that_failed_first(plans, 
     assert "(full log: " in errors[0] and str(tmp_path / "toolkit-logs") in errors[0]
 
 
+def test_a_survivor_torchrun_stopped_with_sigterm_is_not_named_before_the_rank_killed_first(tmp_path):
+    """torchrun may list the survivor it stopped (-15) beside the killed rank (-9), and with whole-second
+    timestamps its "first observed failure" ties to the lowest rank: the rank killed by SIGKILL is the one named."""
+    from toolkit.run.launcher import _first_failure, _killed_ranks
+
+    rule, section = "=" * 40, "-" * 40
+    entry = ("[{i}]:\n  time      : 2026-12-04_12:32:05\n  host      : box\n  rank      : {r} (local_rank: {r})\n"
+             "  exitcode  : {c} (pid: 1{r})\n  error_file: <N/A>\n  traceback : Signal\n")
+    log = tmp_path / "launch.log"
+    log.write_text(f"earlier run\n{rule}\nkilled.py FAILED\n{section}\nFailures:\n" + entry.format(i=1, r=1, c=-9)
+                   + f"{section}\nRoot Cause (first observed failure):\n" + entry.format(i=0, r=0, c=-15) + rule + "\n")
+    killed = _killed_ranks(log, 0)
+    assert killed == [(0, 15), (1, 9)]
+    assert _first_failure(None, killed, 1).startswith("rank 1 was killed by SIGKILL (it failed first)")
+    said = {"rank": 0, "user_error": False, "message": "Connection reset by peer"}
+    assert _first_failure(said, killed, 1) == ("rank 1 was killed by SIGKILL (it failed first); rank 0 then failed: "
+                                               "Connection reset by peer")
+    assert _first_failure(None, [(0, 15)], 1).startswith("rank 0 was killed by SIGTERM")
+
+
 def test_a_script_exiting_with_a_code_is_reported_with_its_own_last_error_line(tmp_path, monkeypatch):
     """argparse's "prog: error: ..." is the one line, not only "exited with code 2"."""
     from toolkit.train.own_script import run_script

@@ -265,8 +265,11 @@ def _killed_ranks(log_path: Path, start: int) -> list[tuple[int, int]]:
 def _first_failure(failure: dict | None, killed: list[tuple[int, int]], code: int) -> str:
     """Which rank failed first, in words. A rank killed by a signal (kill -9, the OOM killer) cannot say so
     itself; the rank that reported is then only the survivor that saw its peer vanish ("Connection reset by
-    peer"), so the killed rank is named first."""
-    first = next(((rank, signum) for rank, signum in killed if failure is None or rank != failure["rank"]), None)
+    peer"), so the killed rank is named first. torchrun stops the survivors with SIGTERM and may list them too
+    (its "first observed failure" is by whole-second timestamps, so a tie goes to the lowest rank): a rank ended
+    by any other signal is named before one ended by SIGTERM."""
+    candidates = sorted(killed, key=lambda rank_signum: rank_signum[1] == signal.SIGTERM)
+    first = next(((rank, signum) for rank, signum in candidates if failure is None or rank != failure["rank"]), None)
     if first is None:
         return (f"rank {failure['rank']} failed: {failure['message']}" if failure else
                 f"training failed with exit code {code}")
