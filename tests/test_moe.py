@@ -425,19 +425,19 @@ def tiny_mixtral_dir(tmp_path_factory) -> Path:
 def test_deepspeed_autoep_trains_mixtral_to_the_single_process_losses_and_saves_it_for_transformers(
         runs_side_by_side, tiny_mixtral_dir, corpus_dir):
     """A second architecture through DeepSpeed AutoEP (its mixtral preset): zero1, autoep_size 2, 2 gloo processes,
-    fp32, global batch 4, against one process on the whole batch. Steps 1-3 lose what the single process loses
-    (within 1e-3), each rank holds half of the experts, and the saved folder loads in transformers with every
-    weight and gives the trained model's logits (toolkit.train.autoep_export). Measured: 6.259479 / 6.263856 /
-    6.177217 on both ranks and in the single process (equal to 6 decimals); 98,304 of the 196,608 expert elements
-    a rank."""
-    args = ("--data", str(corpus_dir), *TRAIN, "--max-steps", "3")
+    fp32, global batch 4, against one process on the whole batch. Steps 1-4 lose what the single process loses
+    (within 1e-3), each rank holds half of the experts, and both model saves, checkpoint-2 (save_steps 2) and the
+    final folder, load in transformers with every weight and give the live model's logits at that step
+    (toolkit.train.autoep_export.AutoEPSaves). Measured: 6.259479 / 6.263856 / 6.177217 / 6.118143 on both ranks
+    and in the single process (equal to 6 decimals); 98,304 of the 196,608 expert elements a rank."""
+    args = ("--data", str(corpus_dir), *TRAIN, *AUTOEP_STEPS)
     plan = _moe_plan(tiny_mixtral_dir, "zero1", expert=2)
     assert plan.grid.autoep
     runs = runs_side_by_side({"ref": (_moe_plan(tiny_mixtral_dir, "ddp", world=1, micro=4), "mixtral-ref", *args),
                               "autoep2": (plan, "mixtral-autoep2", *args)}, timeout=600)
     reference, run = runs["ref"].check(), runs["autoep2"].check()
     ref = reference.losses()
-    assert len(ref) == 3
+    assert len(ref) == 4
     for rank in (0, 1):
         got = run.losses(rank)
         assert got.keys() == ref.keys()
@@ -445,7 +445,9 @@ def test_deepspeed_autoep_trains_mixtral_to_the_single_process_losses_and_saves_
             assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
     experts = reference.ranks[0]["expert_numel"][0]
     assert experts > 0 and [r["expert_numel"][0] for r in run.ranks] == [experts // 2] * 2
+    assert [sorted(r["saved_probe_logits"]) for r in run.ranks] == [["2", "4"]] * 2
     _loads_in_transformers_as_trained(run)
+    _loads_in_transformers_as_trained(run, step=2)
 
 
 @pytest.fixture(scope="module")
