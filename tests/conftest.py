@@ -85,6 +85,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collected ids to the controller (xdist/remote.py)
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup` the controller groups tests by the `@group` ending of their ids, which xdist's worker
+    writes into `item._nodeid`. pytest 9.2 keeps an item's id in `item._id` (a NodeId, _pytest/nodes.py), so that
+    write is lost and every group was scattered over both workers: a module fixture's run made once on each, and made
+    again each time a worker came back to its module (pytest-xdist issue 1386). The ending is written here where
+    xdist's did not take, in xdist's own spelling (the group names, sorted, joined by "_")."""
+    from _pytest.nodeid import NodeId
+
+    if not getattr(session.config.option, "loadgroup", False):  # set on xdist's workers only (setup_config)
+        return
+    for item in session.items:
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(item.nodeid + suffix)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _running.append(item)
