@@ -44,6 +44,9 @@ UNMODELLED = {
     "old_bitsandbytes": "bitsandbytes before 0.43.2 kept each 4-bit layer's input for backward (fixed by its commit "
                         "9e753741, released in 0.43.2); the estimator follows the installed bitsandbytes, which does "
                         "not, so the run is another engine's job (what that input comes to: the LoRA paragraph above)",
+    "fused_linear_ce": "a fused linear cross-entropy outside Liger (NeMo AutoModel's FusedLinearCrossEntropy, cut "
+                       "cross-entropy: the loss from the hidden states, no logits) is not modelled; --liger's fused "
+                       "loss comes with Liger's other kernels",
     "fsdp1": "FSDP1 (FullyShardedDataParallel's flat parameters, as Lightning Fabric's FSDPStrategy wraps each "
              "block) is not modelled; the estimator's sharded data parallel is FSDP2 (per-parameter DTensor shards)",
 }
@@ -87,6 +90,8 @@ def unmodelled(job: dict) -> list[str]:
         out.append("rocm")
     if job.get("fsdp1"):
         out.append("fsdp1")
+    if job.get("fused_linear_ce"):
+        out.append("fused_linear_ce")
     if job.get("bitsandbytes") and _version(job["bitsandbytes"]) < (0, 43, 2):
         out.append("old_bitsandbytes")
     return out
@@ -466,7 +471,15 @@ def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
             "bytes per parameter of the rank's shard, so the missing part scales with the parameters a rank holds "
             "(as a gradient or master-weight copy kept on the GPU would), not with the tokens; which buffer it is, "
             "and which counter the post read, is not established. Its 64k and 96k rows run past Qwen3-4B's 40,960 "
-            "positions without RoPE scaling, which `toolkit estimate` refuses, so they are not scored.")
+            "positions without RoPE scaling, which `toolkit estimate` refuses, so they are not scored. NeMo "
+            "AutoModel's gradient-checkpointing guide (Llama-3.2-1B, bf16 weights and Adam states, 8 x 2048 tokens a "
+            "GPU, H100, max_memory_allocated, low confidence: the sequence and the rows' build-up are read from its "
+            f"notes) is {_span(results, 'NEMO', excludes='-ac')} without checkpointing, where the run's Liger "
+            "RMSNorm / RoPE / SwiGLU kernels (patched in by its from_pretrained, not estimated) keep less than ours, "
+            f"and {_span(results, 'NEMO', '-ac', '-lcce')} with it; its cut cross-entropy row is not modelled. "
+            "LitGPT's config-hub table (one A10G, bf16-true LoRA, 512-token Alpaca2k batches, max_memory_allocated; "
+            "the engine of the calibration LIT rows, another table, GPU and models) is "
+            f"{_span(results, 'LITHUB')}.")
 
 
 def source_of(row_id: str, splits: dict[str, str]) -> str:
