@@ -286,12 +286,14 @@ def test_own_trainer_script_on_zero2_x_sp2_trains_on_one_process_gradient(tmp_pa
     """Issue 32: a plain Trainer script (tests/story/my_sp_train.py) launched from a copied ZeRO-2 x SP 2 plan folder
     logs the single process's grad_norm, not twice it: the plan's DeepSpeed JSON makes ZeRO-2 average over the
     sequence-data-parallel group (toolkit.emit.deepspeed.average_over_sp_ranks). Before it the 2 ranks logged
-    1.38285 / 2.66441 against one process's 0.69143 / 1.33220 (measured 2026-12-04)."""
+    1.38285 / 2.66441 against one process's 0.69143 / 1.33220 (measured 2026-12-04). At micro-batch 2 the script
+    failed on CPU in the loss's `shift_labels.view(-1)` until `toolkit launch --cpu` made the Ulysses adapter's
+    sequence shards contiguous, as a GPU's copy makes them (toolkit.train.cpu.contiguous_sequence_shards)."""
     from toolkit.emit import emit_files
     from toolkit.run.rehearsal import plan_for_model
 
     seq, steps = 256, 2
-    emit_files(plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=2, micro_batch=1, grad_accum=4, seq_len=seq,
+    emit_files(plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=2, micro_batch=2, grad_accum=2, seq_len=seq,
                               sequence=2), tmp_path / "planned")
     copy = Path(shutil.copytree(tmp_path / "planned", tmp_path / "elsewhere" / "sp"))
     shutil.rmtree(tmp_path / "planned")
@@ -300,13 +302,11 @@ def test_own_trainer_script_on_zero2_x_sp2_trains_on_one_process_gradient(tmp_pa
     norms = {}
     for name, folder in (("one", tmp_path / "one"), ("sp", copy)):  # 1 process, then the plan's 2
         report = tmp_path / f"{name}.json"
-        # micro-batch 1 under SP: on CPU the Ulysses adapter's shards are views the Trainer's loss cannot view(-1)
-        # above 1 (toolkit.train.dimensions.contiguous_inputs); a GPU copies them.
         done = toolkit("launch", str(folder), "--cpu", "--", "my_sp_train.py", str(tiny_llama_dir), str(corpus_dir),
                        str(tmp_path / name), str(report), str(seq), str(steps), cwd=tmp_path)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         seen = json.loads(report.read_text())
-        assert seen["world"] == (1 if name == "one" else 2)
+        assert (seen["world"], seen["micro_batch"]) == ((1, 4) if name == "one" else (2, 2))
         norms[name] = [e["grad_norm"] for e in seen["log_history"] if "grad_norm" in e]
     assert len(norms["one"]) == steps
     assert norms["sp"] == pytest.approx(norms["one"], rel=1e-3)

@@ -24,4 +24,5 @@ data = Dataset.from_dict({"input_ids": blocks, "labels": blocks, "position_ids":
 trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
 trainer.train()
 if args.process_index == 0:
-    Path(report).write_text(json.dumps({"world": args.world_size, "log_history": trainer.state.log_history}))
+    Path(report).write_text(json.dumps({"world": args.world_size, "micro_batch": args.per_device_train_batch_size,
+                                        "log_history": trainer.state.log_history}))

@@ -35,11 +35,12 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def configure_cpu_state(engine: str):
+def configure_cpu_state(engine: str, *, sequence_parallel: bool = False):
     """Create accelerate's shared state over gloo the way each engine needs it on a machine without a GPU.
 
     Call before TrainingArguments and pass it `accelerator_config={"use_configured_state": True}`; returns the
-    PartialState. What each engine needs (measured, docs/ENGINE_FACTS.md "Running the engines without a GPU"):
+    PartialState. `sequence_parallel`: the run has a DeepSpeed Ulysses SP degree above 1 (contiguous_sequence_shards).
+    What each engine needs (measured, docs/ENGINE_FACTS.md "Running the engines without a GPU"):
     - ddp: the CPU flag, which gives MULTI_CPU over gloo (the launcher's multi-GPU flag alone would start
       unsynchronised trainings).
     - deepspeed: `backend="gloo"` with ACCELERATE_USE_DEEPSPEED (set by `accelerate launch` with a DeepSpeed
@@ -55,6 +56,8 @@ def configure_cpu_state(engine: str):
         return PartialState(cpu=True, backend="gloo")
     if engine == "deepspeed":
         os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
+        if sequence_parallel:
+            contiguous_sequence_shards()
         return PartialState(backend="gloo")
     if engine == "fsdp2":
         state = PartialState(backend="gloo")
@@ -62,6 +65,28 @@ def configure_cpu_state(engine: str):
             state.distributed_type = DistributedType.MULTI_GPU
         return state
     raise ValueError(f"no CPU state for engine {engine!r}")
+
+
+def contiguous_sequence_shards() -> None:
+    """Make DeepSpeed's Ulysses data-loader adapter hand out each sequence shard as its own tensor, as it does on a GPU.
+
+    UlyssesSPDataLoaderAdapter.refill cuts every batch as `batch[k][:, chunk * rank:chunk * (rank + 1)].cpu()`: on
+    a GPU `.cpu()` copies the slice into a new contiguous tensor, on a CPU it returns the slice itself, a view whose
+    rows are a whole sequence apart. At a micro-batch above 1 the causal-LM loss's `shift_labels.view(-1)` then
+    fails (docs/ENGINE_FACTS.md "Ulysses SP at a micro-batch above 1 on CPU"). Idempotent."""
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    original = UlyssesSPDataLoaderAdapter.__next__
+    if getattr(original, "toolkit_contiguous", False):
+        return
+
+    def __next__(self):
+        batch = original(self)
+        return {k: v.contiguous() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    __next__.toolkit_contiguous = True
+    UlyssesSPDataLoaderAdapter.__next__ = __next__
 
 
 def unpinned_offload(accelerator) -> str | None:

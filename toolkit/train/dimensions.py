@@ -102,14 +102,6 @@ def sequence_parallel_collator(base):
     return collate
 
 
-def contiguous_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
-    """On CPU, DeepSpeed's Ulysses adapter hands out sequence shards as views (`.cpu()` copies nothing), which the
-    causal-LM loss cannot `.view(-1)` when the micro-batch is above 1; `.to(cuda)` copies them on a GPU anyway."""
-    import torch
-
-    return {k: v.contiguous() if torch.is_tensor(v) else v for k, v in inputs.items()}
-
-
 def sp_gradient_factor(engine) -> float:
     """What the SP loss's gradient must be multiplied by so that a DeepSpeed engine ends with the single-process
     gradient (docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP: the gradient counted sp times"): 1 / sp where the

@@ -69,7 +69,8 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
 
     adapter = adapter_for_run(plan, args)
     dimensions.leave_sharding_to_transformers(plan)
-    state = cpu.configure_cpu_state(plan.engine) if cpu.on_cpu() else None
+    state = (cpu.configure_cpu_state(plan.engine, sequence_parallel=plan.sequence_parallel > 1) if cpu.on_cpu()
+             else None)
     training_args = _training_arguments(plan, args, output, on_cpu=state is not None)
     _check_world(plan, training_args.world_size)
     # Data before the model: bad data fails in seconds, not after a 70B model has loaded.
@@ -444,10 +445,6 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
             if "eval_loss" in logs:
                 logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 50.0))
             super().log(logs, *a, **kw)
-
-        def _prepare_inputs(self, inputs):
-            inputs = super()._prepare_inputs(inputs)
-            return dimensions.contiguous_inputs(inputs) if sequence_parallel and cpu.on_cpu() else inputs
 
     if eval_data is None:
         training_args.eval_strategy = IntervalStrategy.NO

@@ -164,7 +164,8 @@ def prepare_this_box() -> bool:
         return False
     engine = ("deepspeed" if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" else
               "fsdp2" if os.environ.get("ACCELERATE_USE_FSDP") == "true" else "ddp")
-    configure_cpu_state(engine)
+    sp_size = os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")  # accelerate launch's, from the plan's YAML
+    configure_cpu_state(engine, sequence_parallel=sp_size.isdigit() and int(sp_size) > 1)
     return True
 
 
