@@ -37,8 +37,8 @@ def test_an_expert_degree_under_zero1_or_zero2_is_deepspeed_autoep():
 
 
 @pytest.mark.parametrize("strategy, expert, words", [
-    ("zero3", 2, "DeepSpeed AutoEP on zero3 is not planned: it trains, but the HF Trainer saves a ZeRO-3 model "
-                 "through the engine's 16-bit consolidated state dict, which DeepSpeed refuses"),
+    ("zero3", 2, "DeepSpeed AutoEP on zero3 is not planned: it trains (and toolkit.train.autoep_export saves it for "
+                 "transformers), but the memory and gathers of ZeRO-3 over its two partition groups"),
     ("zero2-offload", 2, "DeepSpeed AutoEP on zero2-offload is not planned"),
     ("zero2", 3, "--expert-parallel 3 under DeepSpeed AutoEP needs every rank its own batch and an expert degree "
                  "dividing the 8 data-parallel ranks"),
@@ -178,8 +178,8 @@ ZERO3_AUTOEP = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_step
                 "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}}
 
 
-SAVES_DS_ONLY = ("note: [HF Trainer, accelerate script] DeepSpeed AutoEP with ZeRO-3: the HF Trainer's saves hold "
-                 "the DeepSpeed checkpoint only")
+SAVES_DS_ONLY = ("note: [HF Trainer, accelerate script] DeepSpeed AutoEP with ZeRO-3: a plain HF Trainer's saves "
+                 "hold the DeepSpeed checkpoint only")
 
 
 @pytest.mark.parametrize("zero, extra, found", [
@@ -210,3 +210,5 @@ def test_check_finds_what_deepspeed_refuses_of_autoep_under_zero3(zero, extra, f
     assert len(lines) == len(found), lines
     for words in found:
         assert sum(words in line for line in lines) == 1, (words, lines)
+    saves = [line for line in lines if "saves hold" in line or "first checkpoint ends the run" in line]
+    assert all("class MyTrainer(AutoEPSaves, Trainer)" in line for line in saves), saves  # the fix, measured

@@ -261,9 +261,10 @@ def _autoep_enabled(config: dict[str, Any]) -> bool:
 
 def _autoep_zero3_problems(config: dict[str, Any], zero: dict[str, Any], f: _Findings) -> None:
     """DeepSpeed AutoEP under ZeRO-3: what deepspeed.initialize refuses (runtime/engine.py
-    _validate_zero3_moe_compatibility), and the HF save, which refuses AutoEP's expert partitions whatever the file
-    (toolkit.inputs.autoep.AUTOEP_ZERO3_SAVE); ZeRO-3's usual advice, gathering 16-bit weights on save, is what
-    raises here."""
+    _validate_zero3_moe_compatibility), and a plain HF Trainer's save, which refuses AutoEP's expert partitions
+    whatever the file (toolkit.inputs.autoep.AUTOEP_ZERO3_SAVE); ZeRO-3's usual advice, gathering 16-bit weights on
+    save, is what raises here. toolkit.train.autoep_export.AutoEPSaves gathers the partitions itself (measured,
+    tests/test_moe.py): the fix named."""
     from toolkit.inputs.autoep import AUTOEP_ZERO3_SAVE
 
     everyone = HF_RUNNERS | {f.readers.direct}
@@ -283,12 +284,17 @@ def _autoep_zero3_problems(config: dict[str, Any], zero: dict[str, Any], f: _Fin
     gathered = zero_settings(_mapping((view or config).get("zero_optimization")) or zero)
     if gathered is not None and gathered.gather_16bit_on_save:
         f.fail(HF_RUNNERS, "DeepSpeed AutoEP with ZeRO-3 and stage3_gather_16bit_weights_on_model_save true: it "
-               f"trains, but {AUTOEP_ZERO3_SAVE}, so the first checkpoint ends the run; use ZeRO-1/2 for AutoEP, or "
-               "ZeRO-3 without expert_parallel (the MoE block as a leaf module)")
+               f"trains, but {AUTOEP_ZERO3_SAVE}, so the first checkpoint ends the run; {AUTOEP_ZERO3_FIX}, or use "
+               "ZeRO-1/2 for AutoEP, or ZeRO-3 without expert_parallel (the MoE block as a leaf module)")
     elif gathered is not None:  # measured: the HF Trainer's checkpoint-N then holds global_stepN alone
-        f.fail(HF_RUNNERS, "DeepSpeed AutoEP with ZeRO-3: the HF Trainer's saves hold the DeepSpeed checkpoint only (no "
-               "model file: the 16-bit gather is refused for AutoEP's expert partitions); convert it with DeepSpeed's "
-               "ds_to_universal.py, or use ZeRO-1/2 for AutoEP", at_most="note")
+        f.fail(HF_RUNNERS, "DeepSpeed AutoEP with ZeRO-3: a plain HF Trainer's saves hold the DeepSpeed checkpoint "
+               "only (no model file: the 16-bit gather is refused for AutoEP's expert partitions); "
+               f"{AUTOEP_ZERO3_FIX}, or convert the checkpoint with DeepSpeed's ds_to_universal.py", at_most="note")
+
+
+AUTOEP_ZERO3_FIX = ("toolkit.train.autoep_export.AutoEPSaves first in the Trainer's bases "
+                    "(class MyTrainer(AutoEPSaves, Trainer)) gathers each partition over its own group and saves "
+                    "transformers' layout")
 
 
 def _sequence_parallel_problems(config: dict[str, Any], f: _Findings, stage: int) -> None:

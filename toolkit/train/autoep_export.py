@@ -16,7 +16,10 @@ meta copy of the model class gives every block's names and storage, the expert g
 order, the fused / stacked tensors are put back in the source layout, and DeepSpeed's own `repack_expert_weights`
 applied to the result must give back every rank's tensors exactly (else it raises: the inverse is checked, not
 trusted). The model is then loaded strictly into a fresh transformers model and saved with `save_pretrained`, which
-writes transformers' own on-disk names."""
+writes transformers' own on-disk names. Under ZeRO-3, where the engine's own 16-bit consolidation refuses AutoEP
+(runtime/engine.py `_raise_if_autoep_zero3_consolidated_export`: it gathers over the global data-parallel group
+only), each module is read inside DeepSpeed's GatheredParameters, which gathers every parameter over its own
+partition group (an expert tensor over its expert-data-parallel group), and the expert group is gathered as above."""
 
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ class AutoEPSaves:
 
 
 def save_autoep_model(model, autoep_config, output: Path, *, write: bool) -> None:
-    """Every rank: gather each AutoEP layer's experts over its expert group; `write` (rank 0): save `model` in its
+    """Every rank (ZeRO 0-3): gather each AutoEP layer's experts over its expert group (and, under ZeRO-3, every
+    module's partitions, one module at a time); `write` (rank 0): save `model` in its
     transformers layout to `output` with `save_pretrained`. `autoep_config`: the engine's AutoEPConfig
     (`engine._config.expert_parallel_config`), the one its detection ran with."""
     import copy
@@ -61,19 +65,18 @@ def save_autoep_model(model, autoep_config, output: Path, *, write: bool) -> Non
     import torch
     from deepspeed.module_inject.auto_ep import AutoEP
 
-    state = {}
     reference = _meta_model(model.config)
     specs = AutoEP(reference, copy.copy(autoep_config)).ep_parser()  # (it fills the config from the model)
-    prefixes = tuple(f"{spec.moe_module_name}." for spec in specs)
-    if write:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+    blocks = {spec.moe_module_name for spec in specs}
+    state = _dense_state(model, blocks, write=write)
     for spec in specs:
         layer = model.get_submodule(spec.moe_module_name)
-        experts = _gathered_experts(layer)
-        if write:
-            block = reference.get_submodule(spec.moe_module_name).to_empty(device="cpu")
-            _restore_block(block, layer, spec, experts)
-            state.update({f"{spec.moe_module_name}.{k}": v for k, v in block.state_dict().items()})
+        with _gathered(layer.parameters()):
+            experts = _gathered_experts(layer)
+            if write:
+                block = reference.get_submodule(spec.moe_module_name).to_empty(device="cpu")
+                _restore_block(block, layer, spec, experts)
+                state.update({f"{spec.moe_module_name}.{k}": v for k, v in block.state_dict().items()})
     if not write:
         return
     with torch.no_grad():
@@ -82,13 +85,52 @@ def save_autoep_model(model, autoep_config, output: Path, *, write: bool) -> Non
     reference.save_pretrained(str(output))
 
 
+def _gathered(params):
+    """Under ZeRO-3, `params` whole on every rank while the block runs (DeepSpeed's GatheredParameters, read-only:
+    each parameter is gathered over its own partition group, runtime/zero/partition_parameters.py
+    `all_gather_coalesced`: an AutoEP expert tensor over its expert-data-parallel group, so it comes back as this
+    rank's local experts whole); otherwise nothing to do."""
+    import contextlib
+
+    params = [p for p in params if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _dense_state(model, blocks: set[str], *, write: bool) -> dict:
+    """The model's state outside the AutoEP layers named in `blocks` (their tensors come from `_restore_block`):
+    with `write`, its values on the CPU by state-dict key; every rank takes part in ZeRO-3's gathers, one module's
+    own parameters at a time (as the engine's `_zero3_consolidated_16bit_state_dict` walks the model), so no rank
+    holds more than one module whole."""
+    state = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if any(name == block or name.startswith(f"{block}.") for block in blocks):
+            continue
+        prefix = f"{name}." if name else ""
+        with _gathered(module.parameters(recurse=False)):
+            if not write:
+                continue
+            for key, param in module.named_parameters(recurse=False):
+                state[prefix + key] = param.detach().to("cpu", copy=True)
+            for key, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and key not in module._non_persistent_buffers_set:
+                    state[prefix + key] = buffer.detach().to("cpu", copy=True)
+    return state
+
+
 def _meta_model(config):
     """A fresh model of the checkpoint's class on the meta device: the layout DeepSpeed's detection reads and the
-    one to save (no memory held)."""
+    one to save (no memory held). Under the HF ZeRO-3 integration `from_config` would build it inside
+    deepspeed.zero.Init and initialise its (meta) weights; transformers' own `set_zero3_state` (modeling_utils.py,
+    "zero.Init already entered") keeps it a plain meta model."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import set_zero3_state
 
-    with torch.device("meta"):
+    with torch.device("meta"), set_zero3_state():
         return AutoModelForCausalLM.from_config(config)
 
 
