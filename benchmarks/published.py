@@ -130,10 +130,13 @@ def adapter_of(job_in: dict, spec):
 
 
 def zero_reduce_bucket(job_in: dict) -> int:
-    """Job.zero_reduce_bucket for a row: an accelerate YAML's inline deepspeed_config ("zero_config":
+    """Job.zero_reduce_bucket for a row: the row's own zero_reduce_bucket where its DeepSpeed JSON sets a number; an
+    accelerate YAML's inline deepspeed_config ("zero_config":
     "accelerate-inline") becomes a zero_optimization block of stage, offload and save keys only (accelerate
     utils/dataclasses.py DeepSpeedPlugin), so reduce_bucket_size is DeepSpeed's own default; 0 (the HF Trainer's
     "auto" fill) for every other row."""
+    if isinstance(job_in.get("zero_reduce_bucket"), int):  # the run's own JSON sets it (ms-swift's zero2.json)
+        return job_in["zero_reduce_bucket"]
     if job_in.get("zero_config") != "accelerate-inline":
         return 0
     from toolkit.engines.readers import zero_default
@@ -490,7 +493,13 @@ def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
             "linear layers of the language model, tower and merger frozen, checkpointing on, one COCO image a "
             "sample; its header's '22GiB' is the run's max_memory_reserved; the GPU is not stated) is "
             f"{_span(results, 'SWIFTEX')}, estimated at its largest image (640 x 640, 529 image tokens) with 64 "
-            "text tokens.")
+            "text tokens. Its multi-GPU examples run one job under four engines (Qwen2.5-7B-Instruct, LoRA r8 on "
+            "all linear layers, one short self-cognition sample a GPU, 2 GPUs, the headers' max_memory_reserved): "
+            f"DDP {_span(results, 'SWIFTEX', '-DDP')}, ZeRO-2 {_span(results, 'SWIFTEX', '-ZeRO2')}, ZeRO-3 "
+            f"{_span(results, 'SWIFTEX', '-ZeRO3')}, FSDP2 {_span(results, 'SWIFTEX', '-FSDP2')}; its one-GPU full "
+            f"fine-tuning example is {_span(results, 'SWIFTEX', '-full')}. At these short sequences the readings are "
+            "the model states and what the engines and the loading leave reserved, so the gaps are not activations; "
+            "what holds them is not established here.")
 
 
 def source_of(row_id: str, splits: dict[str, str]) -> str:
