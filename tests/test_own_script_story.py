@@ -288,7 +288,8 @@ def test_own_trainer_script_on_zero2_x_sp2_trains_on_one_process_gradient(tmp_pa
     sequence-data-parallel group (toolkit.emit.deepspeed.average_over_sp_ranks). Before it the 2 ranks logged
     1.38285 / 2.66441 against one process's 0.69143 / 1.33220 (measured 2026-12-04). At micro-batch 2 the script
     failed on CPU in the loss's `shift_labels.view(-1)` until `toolkit launch --cpu` made the Ulysses adapter's
-    sequence shards contiguous, as a GPU's copy makes them (toolkit.train.cpu.contiguous_sequence_shards)."""
+    sequence shards contiguous, as a GPU's copy makes them (toolkit.train.cpu.contiguous_sequence_shards). A plain
+    accelerate loop on the same folder, its loss as PLAN.md describes it, logs one process's grad_norm too."""
     from toolkit.emit import emit_files
     from toolkit.run.rehearsal import plan_for_model
 
@@ -310,3 +311,18 @@ def test_own_trainer_script_on_zero2_x_sp2_trains_on_one_process_gradient(tmp_pa
         norms[name] = [e["grad_norm"] for e in seen["log_history"] if "grad_norm" in e]
     assert len(norms["one"]) == steps
     assert norms["sp"] == pytest.approx(norms["one"], rel=1e-3)
+    # The same plan folder with a plain accelerate loop (tests/story/my_sp_loop.py), written from PLAN.md's lines
+    plan_md = (copy / "PLAN.md").read_text()
+    assert "_get_sequence_parallel_group()" in plan_md and "torch.distributed.nn.functional.all_gather" in plan_md
+    shutil.copy(STORY / "my_sp_loop.py", tmp_path / "my_sp_loop.py")
+    loops = {}
+    for name, folder in (("one", tmp_path / "one"), ("sp", copy)):
+        report = tmp_path / f"loop-{name}.json"
+        done = toolkit("launch", str(folder), "--cpu", "--", "my_sp_loop.py", str(tiny_llama_dir), str(corpus_dir),
+                       str(report), str(seq), str(steps), cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        loops[name] = json.loads(report.read_text())
+    assert (loops["sp"]["world"], loops["sp"]["sp"], loops["sp"]["micro_batch"]) == (2, True, 2)
+    assert len(loops["one"]["grad_norms"]) == steps
+    assert loops["sp"]["grad_norms"] == pytest.approx(loops["one"]["grad_norms"], rel=1e-3)
+    assert loops["sp"]["losses"] == pytest.approx(loops["one"]["losses"], abs=1e-3)

@@ -422,10 +422,11 @@ def model_parallel_notes(plan: Plan) -> list[str]:
                    f"divisible by {g.sequence}; attention {plan.attention} (never eager). The HF Trainer wraps its "
                    "data loader itself (accelerator.deepspeed_ulysses_dl_adapter) and computes the loss from the "
                    "shard's shift_labels; a custom accelerate loop gets UlyssesSPDataLoaderAdapter from "
-                   "accelerator.prepare(model, optimizer, dataloader) and must compute the loss per shard from "
-                   "batch['shift_labels'] (labels are already shifted: pass them to the loss without shifting), "
-                   "then average over the sequence group weighted by each shard's non-ignored tokens "
-                   "(deepspeed/runtime/sequence_parallel/ulysses_sp.py).")
+                   "accelerator.prepare(model, optimizer, dataloader), whose batches hold the rank's shard with "
+                   "batch['shift_labels'] (already shifted) and no labels, so model(**batch).loss is None: pop "
+                   "shift_labels, take the shard's summed cross-entropy and non-ignored token count, all-gather both "
+                   "over deepspeed.utils.groups._get_sequence_parallel_group() with torch.distributed.nn.functional"
+                   ".all_gather (differentiable) and divide the sums (transformers' deepspeed_sp_compute_loss).")
         if (note := sp_gradient_note(plan)) is not None:
             out.append(note)
     if g.context > 1:
