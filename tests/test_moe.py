@@ -478,28 +478,45 @@ def tiny_mixtral_dir(tmp_path_factory) -> Path:
 @pytest.mark.multiprocess
 def test_deepspeed_autoep_trains_mixtral_to_the_single_process_losses_and_saves_it_for_transformers(
         runs_side_by_side, tiny_mixtral_dir, corpus_dir):
-    """A second architecture through DeepSpeed AutoEP (its mixtral preset): zero1, autoep_size 2, 2 gloo processes,
-    fp32, global batch 4, against one process on the whole batch. Steps 1-4 lose what the single process loses
-    (within 1e-3), each rank holds half of the experts, and both model saves, checkpoint-2 (save_steps 2) and the
-    final folder, load in transformers with every weight and give the live model's logits at that step
-    (toolkit.train.autoep_export.AutoEPSaves). Measured: 6.259479 / 6.263856 / 6.177217 / 6.118143 on both ranks
-    and in the single process (equal to 6 decimals); 98,304 of the 196,608 expert elements a rank."""
+    """A second architecture through DeepSpeed AutoEP (its mixtral preset), with expert data parallelism: zero2,
+    autoep_size 2 on 4 gloo processes (ep 2 x dp 2: each expert group's ZeRO partition over 2 ranks), fp32, global
+    batch 4, against one process on the whole batch. Steps 1-4 lose what the single process loses (within 1e-3),
+    each rank holds half of the experts and the plan's parameter bytes, its ZeRO-2 partition is the plan's (dense
+    over 4 ranks, experts over 2), and both model saves, checkpoint-2 (save_steps 2) and the final folder, load in
+    transformers with every weight and give the live model's logits at that step
+    (toolkit.train.autoep_export.AutoEPSaves). Measured: 6.259479 / 6.263856 / 6.177217 / 6.118142 on every rank
+    against one process's 6.259479 / 6.263856 / 6.177217 / 6.118143 (within 5e-7); 98,304 of the 196,608 expert
+    elements and 756,992 parameter bytes a rank, as planned; 575,112 optimizer-state bytes (71,888 partition
+    elements x 2 moments x 4 B + 2 step counters), the plan's 862,656 less the fp32 master partition."""
+    from toolkit.estimate.search import predict_plan
+
     args = ("--data", str(corpus_dir), *TRAIN, *AUTOEP_STEPS)
-    plan = _moe_plan(tiny_mixtral_dir, "zero1", expert=2)
-    assert plan.grid.autoep
+    plan = _moe_plan(tiny_mixtral_dir, "zero2", world=4, micro=1, expert=2)
+    assert plan.grid.autoep and plan.grid.describe() == "dp=4 x autoep=2"
     runs = runs_side_by_side({"ref": (_moe_plan(tiny_mixtral_dir, "ddp", world=1, micro=4), "mixtral-ref", *args),
                               "autoep2": (plan, "mixtral-autoep2", *args)}, timeout=600)
     reference, run = runs["ref"].check(), runs["autoep2"].check()
+    assert run.ranks[0]["world"] == 4
     ref = reference.losses()
     assert len(ref) == 4
-    for rank in (0, 1):
+    for rank in range(4):
         got = run.losses(rank)
         assert got.keys() == ref.keys()
         for step in ref:
             assert got[step] == pytest.approx(ref[step], abs=LOSS_TOLERANCE), (rank, step)
     experts = reference.ranks[0]["expert_numel"][0]
-    assert experts > 0 and [r["expert_numel"][0] for r in run.ranks] == [experts // 2] * 2
-    assert [sorted(r["saved_probe_logits"]) for r in run.ranks] == [["2", "4"]] * 2
+    assert experts > 0 and [r["expert_numel"][0] for r in run.ranks] == [experts // 2] * 4
+    dense = reference.ranks[0]["param_bytes"] // 4 - experts
+    partition = dense // 4 + experts // 2 // 2  # ZeRO-2: the dense group over 4 ranks, each expert group over 2
+    predicted = predict_plan(plan.replace(gpu="H100-SXM-80GB")).predicted
+    assert predicted["parameters_bytes"] == 4 * (dense + experts // 2)
+    assert predicted["optimizer_bytes"] == 12 * partition  # fp32 master + AdamW's two moments
+    for r in run.ranks:
+        assert r["param_bytes"] == predicted["parameters_bytes"]
+        # optimizer.state holds the moments and one step counter per group (dense, experts); the fp32 master
+        # partition is DeepSpeed's single_partition_of_fp32_groups, beside it
+        assert r["optimizer_bytes"] == 8 * partition + 2 * 4
+    assert [sorted(r["saved_probe_logits"]) for r in run.ranks] == [["2", "4"]] * 4
     _loads_in_transformers_as_trained(run)
     _loads_in_transformers_as_trained(run, step=2)
 
