@@ -441,9 +441,9 @@ def test_qwen35_trains_its_images_and_two_fsdp2_ranks_give_one_process_losses(im
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", ["qwen-ddp", "qwen-zero3", "qwen35-zero3"])
+@pytest.mark.parametrize("run", ["qwen-ddp", "qwen-zero3", "qwen3-ddp", "qwen3-zero3", "qwen35-zero3"])
 def test_the_qwen_classes_on_two_ddp_or_zero3_ranks_give_one_process_losses(image_runs, run):
-    """The Qwen classes on the other engines: 2 DDP ranks (Qwen2.5-VL), 2 ZeRO-3 ranks partitioning the tower with
-    the rest (Qwen2.5-VL, Qwen3.5's whole image-text class) give one process's losses within 1e-3, every rank
-    counting the plan's 4 tokens an image."""
+    """The Qwen classes on the other engines: 2 DDP ranks (Qwen2.5-VL, Qwen3-VL), 2 ZeRO-3 ranks partitioning the
+    tower with the rest (Qwen2.5-VL, Qwen3-VL with its deepstack features, Qwen3.5's whole image-text class) give one
+    process's losses within 1e-3, every rank counting the plan's 4 tokens an image."""
     _falls_and_two_ranks_match(image_runs(f"{run.split('-')[0]}-one"), image_runs(run))
