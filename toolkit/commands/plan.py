@@ -179,7 +179,7 @@ def cmd_plan(args) -> int:
                "candidates": rows, "chosen": row(chosen) if chosen else None,
                "chosen_because": why or (f"--choose {args.strategy_choice}" if chosen else None),
                "time_error_band": time_band(hw.gpu).to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
-               **({"chosen_explained": _explained(chosen)} if args.explain and chosen else {}),
+               **({"chosen_explained": _explained(spec, chosen)} if args.explain and chosen else {}),
                **calibration_json(args)}
     else:
         _print_plan_table(spec, hw, req, candidates, args.top, run)
@@ -316,7 +316,7 @@ def _plan_seq_max(args, spec, hw, req) -> int:
              "reason": r.reason, "candidate": r.candidate.row() if r.candidate else None,
              "curve": [{"seq": s, "required_bytes": b} for s, b in r.curve]} for r in results],
                           **({"levers": ladder_json(on, rungs)} if rungs else {}),
-                          **({"chosen_explained": _explained(best.candidate)} if args.explain and best else {})},
+                          **({"chosen_explained": _explained(spec, best.candidate)} if args.explain and best else {})},
                          indent=2))
     else:
         print(f"{spec.name} ({human(spec.params)} params, positions {spec.max_positions}) on {hw.spec} "
@@ -405,10 +405,14 @@ def _print_explained(spec, hw, chosen) -> None:
     print_estimate(spec, hw, chosen, chosen.memory, explain=True)
 
 
-def _explained(chosen) -> dict[str, Any]:
-    """plan --json --explain: the chosen row's memory terms with their sources and the notes behind its time."""
+def _explained(spec, chosen) -> dict[str, Any]:
+    """plan --json --explain: the chosen row's memory terms with their sources and the notes behind its time; for a
+    multimodal class, the vision encoder's share as estimate --json gives it."""
+    from toolkit.commands.estimate import vision_share
+
     return {"terms": [x.to_dict() for x in chosen.memory.terms],
-            "notes": list(chosen.memory.notes) + list(chosen.timing.assumptions)}
+            "notes": list(chosen.memory.notes) + list(chosen.timing.assumptions),
+            **({"vision_share": vision_share(spec, chosen.memory, chosen)} if spec.multimodal else {})}
 
 
 def _refuse_existing(out, force: bool) -> None:
