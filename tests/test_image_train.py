@@ -285,17 +285,21 @@ def test_bad_image_rows_are_one_line_before_the_model_loads(tiny_vl, train_in_pr
 
 def test_text_data_on_an_image_plan_and_image_data_on_a_text_plan_are_one_line(tiny_vl, train_in_process,
                                                                                corpus_dir):
+    """Each is one error line, exit 2, before the model loads and before the output folder exists."""
     from toolkit.run.rehearsal import plan_for_model
 
     model_dir, data = tiny_vl
-    run = train_in_process(_image_plan(model_dir), "text-on-images", "--data", str(corpus_dir), "--max-steps", "1")
-    assert run.returncode == 2 and "no 'messages' column" in run.stderr
     chat = _rows(data, "text-only", drop_images=True)
-    run = train_in_process(_image_plan(model_dir), "no-images", "--data", str(chat), "--max-steps", "1")
-    assert run.returncode == 2 and "the plan is an image-and-text job (2 x 40x40 a sample)" in run.stderr
     text_plan = plan_for_model(model_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=SEQ)
-    run = train_in_process(text_plan, "images-on-text", "--data", str(data), "--max-steps", "1")
-    assert run.returncode == 2 and "has an 'images' column but the plan is text-only" in run.stderr
+    for plan, name, folder, message in (
+            (_image_plan(model_dir), "text-on-images", corpus_dir, "no 'messages' column"),
+            (_image_plan(model_dir), "no-images", chat, "the plan is an image-and-text job (2 x 40x40 a sample)"),
+            (text_plan, "images-on-text", data, "has an 'images' column but the plan is text-only")):
+        run = train_in_process(plan, name, "--data", str(folder), "--max-steps", "1")
+        assert run.returncode == 2 and message in run.stderr, (name, run.stderr)
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]  # datasets' bars apart
+        assert len(errors) == 1 and message in errors[0] and "Traceback" not in run.stderr, run.stderr
+        assert not Path(run.output).exists()
 
 
 STEPS = 6
