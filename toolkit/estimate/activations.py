@@ -55,6 +55,10 @@ class RegionTrace:
     a death a packed reference to its birth), parameter gradients left out; () when not recorded."""
     backward_events: tuple[int, ...] = ()
     """The same for the region's backward (with checkpointing, its recompute too)."""
+    host_ops: int = 0
+    """ATen operations the region's forward and backward (with checkpointing, its recompute too) dispatch, as the
+    tracer's dispatch mode counts them: what the host runs one by one in eager mode (toolkit.estimate.hosttime);
+    0 where not recorded (torch.compile traces)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,11 @@ class ActivationTrace:
     micro-batch's images (toolkit.estimate.traces.with_images); 0 otherwise."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Substitutions and approximations made (GPU kernel stand-ins, uniform MoE routing, ...)."""
+
+    @property
+    def host_ops(self) -> int:
+        """ATen operations one micro-batch's forward + backward dispatches over the full depth (RegionTrace.host_ops)."""
+        return self.embedding.host_ops + sum(r.host_ops for r in self.layers) + self.head.host_ops
 
     @property
     def activations_bytes(self) -> int:

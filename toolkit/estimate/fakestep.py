@@ -262,7 +262,8 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                            autocast_cache_bytes=region.autocast_cache_bytes,
                            backward_grad_bytes=grads_at_peak, grad_bytes=grads,
                            forward_grad_bytes=region.forward_grad_bytes, offload_bytes=region.offload_bytes,
-                           forward_events=events[name][0], backward_events=events[name][1])
+                           forward_events=events[name][0], backward_events=events[name][1],
+                           host_ops=log.ops_between(*fwd) + log.ops_between(*bwd))
 
     embedding = region_trace("embedding", ("f:embedding", "f:layer0"), ("be:layer0", "b:end"))
     layer_traces = [region_trace(f"layer{i}", (f"f:layer{i}", f"e:layer{i}"), (f"b:layer{i}", f"be:layer{i}"))

@@ -19,9 +19,20 @@ class StorageLog:
         self.marks: dict[str, int] = {}
         self.alive: dict[int, tuple[int, Any]] = {}  # id(storage) -> (serial, weakref)
         self._next_serial = 0
+        self.ops = 0
+        """ATen operations dispatched so far (views, detaches and in-place ops included: each costs the host its
+        dispatch, toolkit.estimate.hosttime)."""
+        self.op_marks: dict[str, int] = {}
 
     def mark(self, label: str) -> None:
         self.marks.setdefault(label, len(self.events))
+        self.op_marks.setdefault(label, self.ops)
+
+    def ops_between(self, start: str, end: str) -> int:
+        """Operations dispatched between two marks (0 where either is missing)."""
+        if start not in self.op_marks or end not in self.op_marks:
+            return 0
+        return max(0, self.op_marks[end] - self.op_marks[start])
 
     def serial_of(self, storage) -> int | None:
         entry = self.alive.get(id(storage))
@@ -75,6 +86,8 @@ def make_recorder(log: StorageLog, param_ids: set[int], autocast_copies: dict[in
         token_loop: str | None = None  # why a decoder layer looks like a Python loop over the tokens
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace != "prim":  # prim::device and the like: a fake tensor's metadata queries
+                log.ops += 1
             if "grouped_mm" in func.__name__:
                 self.grouped_mm = True
             if loop_limit is not None:

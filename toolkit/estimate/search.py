@@ -45,7 +45,7 @@ from toolkit.inputs.hardware import Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
 from toolkit.inputs.job import Job, job_problem, model_feature_problem
 from toolkit.estimate.memory import Breakdown, estimate_memory, states_floor_bytes
-from toolkit.estimate.traces import activation_trace
+from toolkit.estimate.traces import step_time_terms
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.preference import MODEL_PARALLEL_DPO_PROBLEM
 from toolkit.estimate.preference import dpo_step_time
@@ -93,8 +93,8 @@ def short_of_gpu_memory(memory: Breakdown, strategy: Strategy, job: Job, gpu=Non
 
 def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: ParallelGrid,
              partition: list[int] | None = None, *, prune: bool = True) -> Candidate:
-    """Memory and step time of one configuration (the one function estimate and plan both call). `prune`:
-    refuse on the states floor alone when it already exceeds the GPU (saves the trace)."""
+    """Memory and step time of one configuration (estimate and plan both call it); `prune`: refuse on the states
+    floor alone when it exceeds the GPU (saves the trace). An MoE model's step counts its host dispatch (hosttime)."""
     stages, dp = grid.pipeline_stages, grid.data_parallel
     if strategy.is_pipeline and partition is None:
         partition = grid.partition(spec)
@@ -106,9 +106,9 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                          grid=grid, gpu=hw.gpu, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} "
                                            "per GPU for model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
-    traffic = activation_trace(spec, job, strategy, 1).compile_traffic if job.compile else ()
     timing = (grpo_step_time if job.grpo else dpo_step_time if job.dpo else step_time)(
-        spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid, compile_traffic=traffic)
+        spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid,
+        **step_time_terms(spec, job, strategy))
     reason = (batch_problem(job.grpo, job.micro_batch, dp, job.grad_accum) if job.grpo else None) \
         or memory.refusal or None
     if reason:

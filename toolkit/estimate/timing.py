@@ -21,6 +21,7 @@ from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compu
                                           flop_split, matmul_efficiency)
 from toolkit.estimate.experttime import (autoep_zero_comm_s, expert_assumptions, expert_compute, expert_exchange_s,
                                          expert_parallel_fsdp_comm_s)
+from toolkit.estimate.hosttime import host_assumption, host_step_s
 from toolkit.estimate.savers import UNMODELLED_SPEED, exposed_copy_s, speed_unmodelled
 from toolkit.estimate.visiontime import vision_time
 from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
@@ -154,6 +155,9 @@ class Timing:
     (toolkit.estimate.visiontime)."""
     fixed_s: float = 0.0
     """The fixed per-step cost a calibration of this machine fitted (toolkit.inputs.calibration step_overhead_s)."""
+    host_s: float = 0.0
+    """Mixture-of-experts jobs: the host's dispatch of the step's operations (toolkit.estimate.hosttime); the step
+    is at least this long."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
@@ -168,7 +172,8 @@ class Timing:
                 **({"unmodelled": list(self.unmodelled)} if self.unmodelled else {}),
                 **({"experts_s": self.experts_s} if self.experts_s else {}),
                 **({"vision_s": self.vision_s} if self.vision_s else {}),
-                **({"fixed_s": self.fixed_s} if self.fixed_s else {})}
+                **({"fixed_s": self.fixed_s} if self.fixed_s else {}),
+                **({"host_s": self.host_s} if self.host_s else {})}
 
 
 def mlp_matmul_params(spec: ModelSpec) -> int:
@@ -249,12 +254,13 @@ def flops_per_token(spec: ModelSpec, seq_len: int, checkpointing: bool,
 def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
               partition: list[int] | None = None, grid: ParallelGrid | None = None,
               recompute: Recompute | None = None, compute_model: ComputeModel = COMPUTE,
-              compile_traffic: tuple = (), overlap: float | None = None) -> Timing:
+              compile_traffic: tuple = (), overlap: float | None = None, host_ops: int = 0) -> Timing:
     """Predicted time of one optimizer step (pipeline: partition None means the grid's balanced one). `grid`: the
     grid with its tensor / context / sequence degrees (default: the strategy's plain grid on hw). `recompute`
     overrides what job.checkpointing implies (the published-run benchmark uses it for selective checkpointing);
     `compute_model` other efficiency constants and `overlap` another communication overlap than the engine's
-    (benchmarks/throughput.py --fit tries them)."""
+    (benchmarks/throughput.py --fit tries them). `host_ops`: the ATen operations one micro-step dispatches
+    (ActivationTrace.host_ops): the step is then at least the host's dispatch of them (toolkit.estimate.hosttime)."""
     grid = grid or grid_of(strategy, hw, pipeline_stages)
     full_spec, full_job = spec, job
     if grid.model_parallel > 1:
@@ -444,6 +450,10 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         assumptions.append(f"calibrated on this machine: {fixed * 1e3:.3g} ms a step fixed beside the model's terms "
                            "(`toolkit tune`'s runs of two compute sizes)")
     step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s + fixed
+    host_s = host_step_s(host_ops, A) if host_ops else 0.0
+    if host_ops:
+        assumptions.append(host_assumption(host_ops, host_s, step))
+        step = max(step, host_s)
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
     tokens = grid.tokens_per_step(job.micro_batch, job.grad_accum, full_job.seq_len)
@@ -454,7 +464,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                   compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s,
                   tiled_recompute_s=tiled_s, unmodelled=unmodelled,
                   experts_s=expert_part.experts_s if expert_part is not None else 0.0,
-                  vision_s=vision.seconds if vision is not None else 0.0, fixed_s=fixed)
+                  vision_s=vision.seconds if vision is not None else 0.0, fixed_s=fixed, host_s=host_s)
 
 
 def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:

@@ -107,6 +107,16 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
     return _seq_anchored(spec, job, strategy, b) or _exact_trace(spec, job, strategy, b)
 
 
+def step_time_terms(spec: ModelSpec, job: Job, strategy: Strategy) -> dict:
+    """What the step-time model (toolkit.estimate.timing.step_time) reads from the trace, as its keyword arguments:
+    torch.compile's fused traffic, and an MoE model's host dispatch (ActivationTrace.host_ops,
+    toolkit.estimate.hosttime); {} where neither applies, without tracing."""
+    if not (job.compile or spec.moe_experts):
+        return {}
+    trace = activation_trace(spec, job, strategy, 1)
+    return {"compile_traffic": trace.compile_traffic, "host_ops": trace.host_ops if spec.moe_experts else 0}
+
+
 def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
@@ -188,7 +198,8 @@ def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int, r3: RegionTrace | Non
                        forward_grad_bytes=r1.forward_grad_bytes,
                        offload_bytes=r1.offload_bytes + (r2.offload_bytes - r1.offload_bytes) * f,
                        forward_events=lerp_events(e1.forward_events, e2.forward_events, fe),
-                       backward_events=lerp_events(e1.backward_events, e2.backward_events, fe))
+                       backward_events=lerp_events(e1.backward_events, e2.backward_events, fe),
+                       host_ops=r1.host_ops)
 
 
 def scaled_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> ActivationTrace:
