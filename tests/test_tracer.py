@@ -340,3 +340,37 @@ def test_the_op_policy_keeps_every_other_matmul_and_the_cuda_attention_kernels_o
                      + config.hidden_size) * 2
     attention = tokens * heads * head_dim * 2 + 2 * heads * 128 * 4
     assert op.layers[1].saved_bytes - full.layers[1].saved_bytes == kept + attention
+
+
+def test_a_traces_cache_entry_is_the_json_of_asdict_and_reads_back_equal():
+    """toolkit.estimate.traces stores a trace without dataclasses.asdict's int-by-int copy of the event tuples:
+    the stored JSON must stay what asdict gave (entries written before still read) and read back to the trace."""
+    import json
+    from dataclasses import asdict
+
+    from toolkit.estimate.traces import trace_from_dict, trace_to_dict
+
+    config = tiny_config("llama", layers=2, hidden=64)
+    trace = _trace(config, dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False, micro_batch=2,
+                   seq_len=32)
+    assert trace.layers[0].forward_events and trace.layers[0].backward_events
+    stored = json.dumps(trace_to_dict(trace))
+    assert stored == json.dumps(asdict(trace))
+    assert trace_from_dict(json.loads(stored)) == trace
+
+
+def test_layer_kinds_and_tensor_sizes_read_one_meta_build_per_config():
+    import copy
+
+    from toolkit.estimate.layerkinds import full_meta_model, layer_kinds_of_full_model, region_tensor_numels
+    from toolkit.inputs.modelspec import spec_from_config_dict
+
+    config = tiny_config("llama", layers=3, hidden=64, vocab_size=1000)
+    model = full_meta_model(config)
+    assert full_meta_model(copy.deepcopy(config)) is model  # keyed by the config's JSON, not its identity
+    assert layer_kinds_of_full_model(config) == (0, 0, 0)
+    spec = spec_from_config_dict(config.to_dict(), name="tiny-llama-kinds")
+    pre, layers, post = region_tensor_numels(spec)
+    assert pre[0] == 1000 * 64 and len(layers) == 3  # the embedding, then each layer's tensors
+    assert sum(pre) + sum(map(sum, layers)) + sum(post) == sum(p.numel() for p in model.parameters())
+    assert full_meta_model(tiny_config("llama", layers=2, hidden=64)) is not model

@@ -310,24 +310,26 @@ class CachingAllocator:
         i = bisect_left(keys, stream << 128 | size << 64)
         if i == len(keys) or keys[i] >> 128 != stream:
             return None
-        block = pool.blocks[keys[i]]
-        if block.expandable:
-            found = pool.from_key(stream, size)
-            next(found)
-            def growable(b: _Block) -> int:
-                return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
-            for other in found:
-                if not (block.expandable and growable(other) < growable(block)):
+        blocks = pool.blocks
+        block = blocks[keys[i]]
+        if block.expandable:  # walk on while the next block of the stream could grow less (unmapped space after it)
+            nxt = block.next
+            grows = block.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+            for j in range(i + 1, len(keys)):
+                if keys[j] >> 128 != stream or not block.expandable:
                     break
-                block = other
+                other = blocks[keys[j]]
+                nxt = other.next
+                other_grows = other.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+                if other_grows >= grows:
+                    break
+                block, grows, i = other, other_grows, j
         limit = self._max_split
         if size < limit <= block.size or (size >= limit and block.size >= size + LARGE_BUFFER):
             return None
-        if block.expandable:
-            pool.erase(block)
-        else:  # the first key at or above the request is the block's: no second search
-            del pool.blocks[keys[i]]
-            del keys[i]
+        # keys[i] is the block's (the first at or above the request, or the one the walk stopped at): no second search
+        del blocks[keys[i]]
+        del keys[i]
         return block
 
     def _new_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:

@@ -4,7 +4,7 @@ two traced lengths inside `traces_linear_in_seq`, and scaled to any micro-batch 
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Any
 
 from toolkit.errors import UserError
@@ -39,6 +39,19 @@ def trace_from_dict(data: dict[str, Any]) -> ActivationTrace:
     return ActivationTrace(**{**data, "embedding": region(data["embedding"]),
                               "layers": tuple(region(r) for r in data["layers"]),
                               "head": region(data["head"]), "notes": tuple(data["notes"])})
+
+
+def _flat(obj) -> dict[str, Any]:
+    """A dataclass's fields as a dict, one level deep: dataclasses.asdict copies every int of a region's event
+    tuples one by one (0.25 s of CPU over the 13 traces of a cold 70B plan)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def trace_to_dict(trace: ActivationTrace) -> dict[str, Any]:
+    """What dataclasses.asdict(trace) gives, the same JSON (trace_from_dict reads it back), built without copying
+    the event tuples."""
+    return {**_flat(trace), "embedding": _flat(trace.embedding), "layers": [_flat(r) for r in trace.layers],
+            "head": _flat(trace.head)}
 
 
 _SEQ_ANCHORED = False
@@ -95,7 +108,7 @@ def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> Acti
 
     def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
         return RegionTrace(**{k: lerp_events(v, getattr(r2, k), f) if k in _EVENTS
-                              else int(round(v + (getattr(r2, k) - v) * f)) for k, v in asdict(r1).items()})
+                              else int(round(v + (getattr(r2, k) - v) * f)) for k, v in _flat(r1).items()})
 
     return replace(t1, seq_len=L, embedding=lerp(t1.embedding, t2.embedding),
                    layers=tuple(lerp(x, y) for x, y in zip(t1.layers, t2.layers)), head=lerp(t1.head, t2.head),
@@ -179,7 +192,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                     raise
                 raise UserError(problem) from None
             if disk_key:
-                cache.put("trace", disk_key, asdict(trace), code=traced_by)
+                cache.put("trace", disk_key, trace_to_dict(trace), code=traced_by)
         _TRACE_CACHE[key] = (spec, trace)
     return _TRACE_CACHE[key][1]
 
