@@ -129,7 +129,7 @@ def test_estimate_of_an_expert_parallel_row_names_its_terms_and_stars_its_speed(
     assert "unsharded layer holds 16 of 128 experts" in out
     assert "all-to-all send + receive 2048 tokens x top-8 x hidden 2048" in out
     assert "4 blocking all-to-alls per MoE layer" in out and "on the node link" in out
-    assert "the all-to-all terms are unverified" in out
+    assert "not for expert parallelism" in out and "the expert-parallel speed and its terms are unverified" in out
     # routing imbalance, a stated assumption: memory (sources and band line) and the experts' GEMM time
     assert "busiest expert rank (routing)" in out and "1.88" in out
     assert "activations are priced at balanced routing (16,384 received rows a MoE layer, the all-to-all is " \

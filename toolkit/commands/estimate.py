@@ -283,8 +283,9 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           + ("" if tband.covers(strategy.name, hw.world_size) or not tband.known else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) on {hw.gpu.architecture.capitalize()} in "
              "the corpus: this engine's terms are unverified")
-          + ("; the one published expert-parallel run scored (TRL's, benchmarks/results/moe_ep.md) is several "
-             "times slower than this model: the all-to-all terms are unverified"
+          + ("; not for expert parallelism: the one published expert-parallel run scored (TRL's, "
+             "benchmarks/results/moe_ep.md) is about 3x slower than this model, outside this band even with the host's "
+             "dispatch at its slow end, so the expert-parallel speed and its terms are unverified"
              if c.grid is not None and c.grid.expert > 1 else "")
           + ("; GRPO generation and scoring: no band (no published GRPO step is scored)" if t.generation_s else "")
           + (f"; {vision_band_words(t.vision_s)}" if t.vision_s else ""))

@@ -166,5 +166,5 @@ def expert_assumptions(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardwa
                     f" on the {link} link, balanced routing ({exchange_s:.3f} s/step); one host sync per MoE layer "
                     "(split sizes read back) not priced")
     said.append("*expert-parallel speed unverified: the one published expert-parallel step (TRL PR#6869, "
-                "benchmarks/results/moe_ep.md) is several times slower than this model")
+                "benchmarks/results/moe_ep.md) is about 3x slower than this model, host dispatch counted")
     return said
