@@ -110,8 +110,9 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
         kwargs["use_liger_kernel"] = True
     if plan.compile:  # the Trainer hands it to accelerate's dynamo plugin (backend inductor), which compiles in prepare
         kwargs["torch_compile"] = True
-    if plan.engine == Engine.DDP:
-        kwargs["ddp_find_unused_parameters"] = False
+    if plan.engine == Engine.DDP:  # True where trained parameters get no gradient: a tower trained on text alone
+        kwargs["ddp_find_unused_parameters"] = bool(plan.model_parts) and plan.vision_tower == "train" and \
+            not plan.images_per_sample and plan.method == "full"
     if sharded_at_load(plan):
         # transformers refuses optimizer checkpoints of a model it sharded at load (the run side, issue 17).
         kwargs["save_only_model"] = True
