@@ -111,7 +111,13 @@ def chunked_loss(name: str) -> int:
     return 0 if name == "full-fp32" else int(name.removeprefix("chunked-"))
 
 
-def adapter_of(job_in: dict, spec):
+OWN_LORA_FRAMEWORKS = ("LitGPT",)
+"""Frameworks (the row's `framework`, by its first word) with their own LoRA layers, not PEFT's, which build the
+adapters in the model's dtype: LitGPT's lora.py under Fabric's bf16-true (its rows' precision_text: weights, LoRA and
+AdamW states in bf16), estimated with Adapter.adapter_dtype base; PEFT's rows keep PEFT's fp32 adapters."""
+
+
+def adapter_of(job_in: dict, spec, framework: str = ""):
     """The data file's `lora` object -> Job.adapter: full fine-tuning when absent; LoRA / QLoRA with the row's rank,
     targets and dropout (alpha scales the output only; toolkit.inputs.lora.Adapter) and, for QLoRA, its double
     quantisation and quant storage dtype."""
@@ -126,6 +132,8 @@ def adapter_of(job_in: dict, spec):
     if fields["method"] == "qlora":
         fields["double_quant"] = lora.get("double_quant", True)
         fields["quant_storage"] = lora.get("quant_storage", "uint8")
+    if framework.split(" ", 1)[0] in OWN_LORA_FRAMEWORKS:
+        fields["adapter_dtype"] = "base"
     return adapter_for_model(spec, Adapter(**fields), dropout_given=True)
 
 
@@ -167,7 +175,7 @@ def estimate_row(row: dict) -> dict:
               attention=job_in["attention"], device_kind="cuda", optimizer_impl=job_in["optimizer_impl"],
               activation_offloading=job_in["activation_offloading"], liger=job_in.get("liger", False),
               compile=job_in.get("compile", False), chunked_loss=chunked_loss(job_in.get("loss", "full-fp32")),
-              allocator_conf=job_in.get("allocator_conf", ""), adapter=adapter_of(job_in, spec),
+              allocator_conf=job_in.get("allocator_conf", ""), adapter=adapter_of(job_in, spec, row.get("framework", "")),
               zero_reduce_bucket=zero_reduce_bucket(job_in))
     strategy = parse_strategy(job_in["strategy"])
     check_job(spec, job, hw, strategy)  # what `toolkit estimate` refuses for this job is not scored
@@ -422,10 +430,15 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
             "dropout; toolkit.inputs.lora): PEFT's method comparison (MetaMathQA harness, Llama-3.2-3B in bf16 on "
             "one L40S, batch 4, the run's max_memory_reserved at torch's default allocator settings) is "
             f"{_span(results, 'PEFT-MMQA', 'full')} for full fine-tuning and {_span(results, 'PEFT-MMQA', 'LoRA')} "
-            f"for its LoRA rows{', all LOW' if peft_low else ''}. That run pads length-bucketed batches of varying length (up to 768 "
-            "tokens, which we assume for the peak batch, an upper bound), empties the cache every 10 steps and "
-            "generates during evaluation; a one-step replay at a fixed shape holds none of the segments that "
-            "varying shapes leave behind, which is the likely cause, not proven, and nothing was fitted to it. "
+            f"for its LoRA rows{', all LOW' if peft_low else ''}. Its LoRA rows train fp32 adapters over the bf16 "
+            "model (get_peft_model's default autocast_adapter_dtype, use_amp false), so every adapted Linear keeps "
+            "an fp32 copy of its input for lora_A (docs/ENGINE_FACTS.md, fp32 adapters over a bf16-pure base); "
+            "traced so since this commit (-8.2% to -11.7% before, with bf16 adapters). That run pads "
+            "length-bucketed batches of varying length (up to 768 tokens, which we assume for the peak batch, an "
+            "upper bound); its BucketIterator sorts each bucket of 20 batches longest first and it empties the cache "
+            "every 10 steps, so every 10-step window starts with its longest batch and the later, shorter ones fit "
+            "in the segments that batch left (a run of growing or shuffled lengths would reserve more; this one "
+            "does not). Nothing was fitted to these rows. "
             "LitGPT's resource tables (Fabric, bf16-true, one A100-40GB, max_memory_allocated, the longest Alpaca "
             f"sample of 1304 tokens first) are {_span(results, 'LIT-', 'LoRA', 'QLoRA')} for bf16 LoRA and "
             f"{_span(results, 'LIT-', 'QLoRA', modelled=False)} for QLoRA: the 4-bit rows (Fabric's own bitsandbytes "

@@ -94,6 +94,7 @@ CASES = [
     ("llama", "q_proj,k_proj,v_proj,o_proj", 0.0, True, "bf16"),
     ("qwen2", "q_proj,k_proj,v_proj,o_proj", 0.1, False, "fp32"),
     ("qwen2", "all-linear", 0.0, True, "bf16-pure"),
+    ("llama", "q_proj,v_proj", 0.0, False, "bf16-pure"),  # PEFT's MetaMathQA runs: fp32 adapters on a bf16 base
     ("mistral", "all-linear", 0.0, False, "bf16"),
     ("mistral", "q_proj,v_proj", 0.1, True, "bf16"),
 ]
@@ -138,6 +139,37 @@ def test_dropout_copies_and_input_grads_are_in_the_trace():
     # Without dropout every target's input is already saved (or shared): the adapters add their r-wide
     # intermediates only, far less than the frozen base saves.
     assert no_drop - base < base
+
+
+def test_bf16_pure_lora_on_ddp_keeps_peft_fp32_adapters():
+    """bf16-pure LoRA on DDP: PEFT's autocast_adapter_dtype leaves the adapters fp32 (4 B weights and grads, 8 B AdamW
+    states, the trace's fp32 input copies: tests above, real CPU tensors); a framework that builds them in the base's
+    dtype (adapter_dtype base) keeps 2 B, and DeepSpeed casts them to bf16 whatever PEFT did."""
+    from dataclasses import replace
+
+    from toolkit.estimate.memory import adapter_job_states
+    from toolkit.estimate.traces import adapter_in_fp32
+    from toolkit.inputs.grid import grid_of
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.lora import counts_for_spec
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec = resolve_model("llama-2-7b")
+    hw = parse_hardware("1xA100-80GB")
+    lora = Adapter(method="lora", r=16, targets="q_proj,v_proj", dropout=0.0)
+    trainable = counts_for_spec(spec, lora).trainable_params
+    ddp, zero2 = parse_strategy("ddp"), parse_strategy("zero2")
+    for adapter, width in ((lora, 4), (replace(lora, adapter_dtype="base"), 2)):
+        job = Job(seq_len=1024, precision="bf16-pure", adapter=adapter)
+        states = adapter_job_states(spec, ddp, job, grid_of(ddp, hw))
+        assert adapter_in_fp32(ddp, job) == (width == 4)
+        assert states.step_gradients == trainable * width
+        assert states.optimizer == trainable * 2 * width
+        assert not adapter_in_fp32(zero2, job)
+    assert not adapter_in_fp32(ddp, Job(seq_len=1024, precision="bf16", adapter=lora))  # autocast: fp32 anyway
+    assert "adapter_dtype" not in lora.to_dict()  # plans and cache keys written before it read unchanged
 
 
 def test_engine_memory_of_lora_and_qlora():

@@ -470,7 +470,7 @@ def _unusual_job():
     dpo = Dpo(beta=0.3, loss_type="ipo", reference="precomputed")
     adapter = Adapter(method="qlora", r=4, alpha=8.0, dropout=0.1, targets="q_proj,v_proj", modules_to_save="lm_head",
                       exclude="model.vision_tower", quant_type="fp4", double_quant=False, compute_dtype="float32",
-                      quant_storage="bfloat16", saved_dtype="fp32")
+                      quant_storage="bfloat16", saved_dtype="fp32", adapter_dtype="base")
     job = Job(seq_len=96, micro_batch=2, grad_accum=3, precision="fp16", optimizer="sgd", checkpointing=True,
               attention="eager", device_kind="cpu", optimizer_impl="foreach", activation_offloading=True, liger=True,
               tiled=True, compile=True, adapter=adapter, dpo=dpo, allocator_conf="max_split_size_mb:64",

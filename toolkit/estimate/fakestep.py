@@ -70,7 +70,8 @@ def build_for_trace(config, dtype, attn_impl: str):
 def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_batch: int, seq_len: int,
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
                    adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
-                   per_layer: tuple[str, ...] | None = None, cast_params: bool = False) -> Run:
+                   per_layer: tuple[str, ...] | None = None, cast_params: bool = False,
+                   adapter_fp32: bool = False) -> Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -119,7 +120,8 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
             enable_checkpointing(model, op_policy=checkpointing == CHECKPOINTING_OP,
                                   on_save=lambda out: [charge(t) for t in tensors_in(out)])
         if lora:
-            model = _wrap_with_peft(model, adapter, autocast=autocast_dtype is not None, notes=notes)
+            model = _wrap_with_peft(model, adapter, autocast=autocast_dtype is not None, notes=notes,
+                                    adapter_fp32=adapter_fp32)
             model.train()
         input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
 
@@ -273,8 +275,11 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                 loss_bytes=loss_bytes, layer_kinds=kind_ids(kinds))
 
 
-def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
-    """The real PEFT LoRA wrapper (peft.get_peft_model) around the fake base model."""
+def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str], adapter_fp32: bool = False):
+    """The real PEFT LoRA wrapper (peft.get_peft_model) around the fake base model. `adapter_fp32`: the adapters
+    in fp32 over a low-precision base without autocast (DDP or one process with bf16-pure: nothing casts the model
+    after PEFT's autocast_adapter_dtype upcast, so each LoRA layer casts its input to fp32, peft/tuners/lora/layer.py
+    Linear.forward _cast_input_dtype, and lora_A keeps that copy for backward)."""
     import warnings
 
     import torch
@@ -288,7 +293,7 @@ def _wrap_with_peft(model, adapter, *, autocast: bool, notes: list[str]):
     # module, FSDP2's MixedPrecisionPolicy computes in it). PEFT's move of each adapter to its base layer's
     # device and dtype is skipped, as are PEFT's module.to(base weight's device) calls: they are no-ops here, and
     # nn.Module.to() cannot swap fake parameters.
-    adapter_dtype = torch.float32 if autocast else next(model.parameters()).dtype
+    adapter_dtype = torch.float32 if autocast or adapter_fp32 else next(model.parameters()).dtype
     previous_dtype, previous_move = torch.get_default_dtype(), BaseTunerLayer._move_adapter_to_device_of_base_layer
     previous_to = torch.nn.Module.to
     with warnings.catch_warnings():

@@ -68,7 +68,8 @@ def build_model(config, precision: str, attention: str, checkpointing: bool, dev
 
         from toolkit.inputs.lora import apply_saved_dtype
 
-        model = get_peft_model(model, adapter.lora_config(), autocast_adapter_dtype=precision != "bf16-pure")
+        # PEFT's default autocast_adapter_dtype, as toolkit.train runs it: fp32 adapters, over a bf16-pure base too
+        model = get_peft_model(model, adapter.lora_config())
         apply_saved_dtype(model, adapter.saved_dtype)
         model.train()
     return model

@@ -354,7 +354,13 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
     whole_bytes = base_bytes - base_sharded_bytes  # on every GPU whatever the engine
     base_per_gpu = base_bytes
     if strategy.engine == Engine.DDP:
-        s = ddp_states(trainable - saved_params, job, world=dp)
+        from dataclasses import replace
+
+        from toolkit.estimate.traces import adapter_in_fp32
+
+        # bf16-pure: PEFT keeps the adapters (not the modules_to_save copies) in fp32, with fp32 grads and states
+        s = ddp_states(trainable - saved_params, replace(job, precision="fp32") if adapter_in_fp32(strategy, job)
+                       else job, world=dp)
         if saved_params:
             ddp_saved_module_states(s, saved_params, job, param_bytes=saved_bytes_per_param, world=dp)
     elif strategy.engine == Engine.DEEPSPEED:

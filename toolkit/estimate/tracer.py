@@ -41,7 +41,8 @@ from toolkit.inputs.modelconfig import reduced_config
 def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str = "bfloat16",
                       autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
                       checkpointing: bool = False, liger: bool = False, adapter=None,
-                      tiled: bool = False, chunked_loss: int = 0, loss: str = "model") -> ActivationTrace:
+                      tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
+                      adapter_fp32: bool = False) -> ActivationTrace:
     """Bytes the model keeps for backward, region by region, for one micro-batch of `micro_batch` x `seq_len`.
 
     `config` is any decoder-only causal-LM config; it is not modified. `adapter` (a toolkit.inputs.lora.Adapter with
@@ -54,6 +55,9 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     `tiled`: ALST's tiled MLP and tiled logits + loss, the engine's own autograd functions (toolkit.patches.tiling).
     `chunked_loss`: torchtune's chunked cross-entropy over this many sequence chunks (toolkit.patches.chunkedce).
     `loss` "trl": TRL's chunked NLL, TRL's own fused LM head as SFTTrainer patches it (toolkit.patches.trlloss).
+    `adapter_fp32`: the adapters in fp32 over a `dtype` base without autocast (PEFT's autocast_adapter_dtype where
+    no engine casts the model afterwards: DDP or one process with bf16-pure), so each LoRA layer's fp32 copy of its
+    input is traced.
     """
     import torch
 
@@ -82,7 +86,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                                      compute_dtype if autocast else None, micro_batch, seq_len, checkpointing, notes,
                                      liger=liger, device_kind=device_kind, adapter=adapter, tiled=tiled,
                                      chunked_loss=chunked_loss, loss=loss,
-                                     per_layer=per_layer_keys(config, len(full_kinds)), cast_params=cast_params)
+                                     per_layer=per_layer_keys(config, len(full_kinds)), cast_params=cast_params,
+                                     adapter_fp32=adapter_fp32)
             except (DynamicOutputShapeException, DataDependentOutputException) as exc:
                 raise NotImplementedError(
                     f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "

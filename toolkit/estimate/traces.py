@@ -23,6 +23,16 @@ def _trace_mode(strategy: Strategy, job: Job) -> tuple[str, bool]:
     return dtype, strategy.engine == Engine.DDP and job.mixed
 
 
+def adapter_in_fp32(strategy: Strategy, job: Job) -> bool:
+    """Whether a LoRA job's adapters train in fp32 over a low-precision base without autocast: DDP or one process
+    with bf16-pure, where PEFT's get_peft_model(autocast_adapter_dtype=True) upcasts them (peft tuners_utils.py
+    _cast_adapter_dtype: bf16/fp16 adapters to fp32) and no engine casts the model back (DeepSpeed casts the whole
+    module to bf16, FSDP2 computes in MixedPrecisionPolicy's param_dtype); under mixed precision they are fp32
+    anyway (the autocast trace). Not where the adapter says `adapter_dtype` base (another framework's LoRA)."""
+    return (job.adapter.is_adapter and job.adapter.adapter_dtype == "auto" and strategy.engine == Engine.DDP
+            and job.precision == "bf16-pure")
+
+
 _EVENTS = ("forward_events", "backward_events")
 
 _TRACE_CACHE: dict[tuple, tuple[ModelSpec, ActivationTrace]] = {}
@@ -146,7 +156,9 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         key += ("chunked_loss", job.chunked_loss)
     if job.loss != "model":
         key += ("loss", job.loss)
-    if key not in _TRACE_CACHE:
+    adapter_fp32 = adapter_in_fp32(strategy, job)
+    cache_key = key + ("adapter_fp32",) if adapter_fp32 else key
+    if cache_key not in _TRACE_CACHE:
         from toolkit import cache
         from toolkit.estimate.compiled import trace_compiled_activations
         from toolkit.estimate.tracer import trace_activations
@@ -162,6 +174,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             disk_key += ["chunked_loss", job.chunked_loss]
         if disk_key and job.loss != "model":
             disk_key += ["loss", job.loss, cache.installed_version("trl")]
+        if disk_key and adapter_fp32:
+            disk_key += ["adapter_fp32"]
         if disk_key:  # every trace tallies what TRL's offloading would move, by TRL's own choice of head (savers)
             disk_key += ["offload", cache.installed_version("trl")]
         traced_by = trace_compiled_activations if job.compile else trace_activations
@@ -182,7 +196,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                         traced_config, seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
                         liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss,
-                        loss=job.loss)
+                        loss=job.loss, adapter_fp32=adapter_fp32)
             except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
                 raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             except CONFIG_ERRORS as exc:  # the model's own forward fails on a field its config leaves unset
@@ -193,8 +207,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                 raise UserError(problem) from None
             if disk_key:
                 cache.put("trace", disk_key, trace_to_dict(trace), code=traced_by)
-        _TRACE_CACHE[key] = (spec, trace)
-    return _TRACE_CACHE[key][1]
+        _TRACE_CACHE[cache_key] = (spec, trace)
+    return _TRACE_CACHE[cache_key][1]
 
 
 def _lerp_region(r1: RegionTrace, r2: RegionTrace, b: int, r3: RegionTrace | None = None) -> RegionTrace:

@@ -71,6 +71,12 @@ class Adapter:
     saved_dtype: str = "auto"
     """LoRA / QLoRA: the dtype the trainable modules_to_save copies train in (BASE_DTYPES; auto: PEFT's own, the
     base's load dtype; saved_dtype_name). toolkit.train casts the copies to it after get_peft_model."""
+    adapter_dtype: str = "auto"
+    """LoRA / QLoRA: the dtype the adapters train in. auto: as PEFT's get_peft_model leaves them (its
+    autocast_adapter_dtype upcasts bf16 / fp16 adapters to fp32; under DeepSpeed and FSDP2 the engine casts them
+    back to the compute dtype), what toolkit.train and a PEFT script run; base: the base's compute dtype, as a
+    framework with its own LoRA builds them under a low-precision default dtype (LitGPT under Fabric's bf16-true).
+    Not a command-line choice: published runs of other frameworks set it (benchmarks/published.py)."""
 
     def __post_init__(self) -> None:
         _check("--method", self.method, METHODS)
@@ -92,6 +98,8 @@ class Adapter:
         _check("--qlora-quant-storage", self.quant_storage, QUANT_STORAGE_DTYPES)
         _check("--base-dtype", self.base_dtype, BASE_DTYPES)
         _check("--modules-to-save-dtype", self.saved_dtype, BASE_DTYPES)
+        if self.adapter_dtype not in ("auto", "base"):
+            raise UserError(f"adapter dtype must be auto or base, got {self.adapter_dtype!r}")
         if self.method == "qlora" and self.base_dtype != "auto":
             raise UserError("--base-dtype applies to --method lora: a QLoRA base is 4-bit (--qlora-quant-storage), "
                             "and the dtype of its other parts is not modelled apart; drop --base-dtype")
@@ -138,12 +146,12 @@ class Adapter:
                     bnb_4bit_compute_dtype=self.compute_dtype, bnb_4bit_quant_storage=self.quant_storage)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict; base_dtype and saved_dtype only when not auto, so plans and cache keys written
-        before them read unchanged."""
+        """The fields as a dict; base_dtype, saved_dtype and adapter_dtype only when not auto, so plans and cache
+        keys written before them read unchanged."""
         from dataclasses import asdict
 
         out = asdict(self)
-        for key in ("base_dtype", "saved_dtype"):
+        for key in ("base_dtype", "saved_dtype", "adapter_dtype"):
             if out[key] == "auto":
                 del out[key]
         return out
