@@ -47,3 +47,14 @@ def test_a_host_bound_moe_step_is_the_hosts_dispatch_and_a_short_count_leaves_th
     assert hosted.step_time_s > device.step_time_s
     few = step_time(spec, strategy, job, hw, grid=grid, host_ops=100)
     assert few.step_time_s == pytest.approx(device.step_time_s)
+
+
+def test_an_moe_estimate_is_host_bound_and_its_speed_is_not_claimed_inside_the_dense_band(tmp_path, capsys):
+    from toolkit.cli import main
+
+    tiny_moe_config("qwen3-30b-a3b").save_pretrained(tmp_path)
+    assert main(["estimate", str(tmp_path), "--strategy", "fsdp2", "--gpus", "2xH100-80GB", "--seq", "256",
+                 "--micro-batch", "1", "--checkpointing", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "host-bound: the step is the host's" in out
+    assert "not for a mixture of experts: no published MoE step is scored within it" in out
