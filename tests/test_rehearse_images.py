@@ -215,3 +215,22 @@ def test_a_users_trl_vlm_script_rehearses_a_copied_gemma3_image_plan_on_the_tiny
     assert (seen["images"], seen["image_tokens"], seen["pixel_values"]) == (1, 4, [1, 3, 56, 56])
     moved, total = seen["tower_moved"]
     assert total == 37 and moved > total // 2
+
+
+@pytest.mark.multiprocess
+def test_the_rehearsal_of_a_text_only_qwen25_vl_ddp_plan_trains_the_whole_class_on_text(tmp_path, capfd):
+    """A text-only 2-GPU DDP plan of Qwen2.5-VL-7B (its whole image-text class, no causal-LM class in transformers;
+    the tower trained, which text never reaches) rehearsed on 2 CPU processes: DDP runs with the plan's
+    find_unused_parameters and the rehearsal passes on text, saving and reloading the class."""
+    from toolkit.commands.launch import launch_main
+    from toolkit.run.launcher import emit_plan_files
+    from toolkit.run.rehearsal import plan_for_model
+
+    plan = plan_for_model(str(MODELS / "qwen2.5-vl-7b-instruct.json"), "ddp", gpus_per_node=2)
+    assert plan.model_parts and not plan.images_per_sample and plan.vision_tower == "train"
+    code = launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    passed = re.search(r"rehearsal passed: ddp trained \d+ steps.*checkpointed, saved and reloaded", out)
+    assert passed, out[-3000:]
+    print(passed.group(0))
