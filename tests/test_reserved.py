@@ -122,6 +122,31 @@ def test_optimizer_states_made_per_parameter_land_in_the_activations_cached_segm
     assert per_tensor.peak_reserved == (4 * 40 + 4 * 30 + 4 * 40) * mib
 
 
+def test_steps_of_growing_shapes_reserve_more_than_the_longest_step_first():
+    """Batches padded to their own longest sample change the step's shapes: the allocator splits a cached block for
+    a smaller request (best fit) but never grows one, so shorter steps after the longest reuse its segments, and a
+    longer step after shorter ones finds none large enough and maps its own beside them (nothing empties the
+    cache)."""
+    from types import SimpleNamespace
+
+    from toolkit.estimate.activations import RegionTrace
+
+    mib = 1 << 20
+
+    def regions_of(size: int):
+        trace = RegionTrace(0, 0, 0, forward_events=(size,), backward_events=(free_code(0, 0, 0),))
+        return [SimpleNamespace(params=1, trace=trace) for _ in range(4)]
+
+    short, long = regions_of(30 * mib), regions_of(40 * mib)
+    sizes = StepSizes(persistent=0, optimizer=0, gathered=0, reduce_buffers=0, reduce_stream=False,
+                      step_gradients=0, backward_gradients=0, step_transient=0)
+    longest_first = allocator.replay(step_events(long, sizes, step_regions=(long, short)))
+    growing = allocator.replay(step_events(long, sizes, step_regions=(short, long)))
+    assert longest_first.peak_reserved == 4 * 40 * mib  # the 30 MiB steps split the 40 MiB blocks
+    assert growing.peak_reserved == (4 * 30 + 4 * 40) * mib
+    assert growing.peak_allocated == longest_first.peak_allocated == 4 * 40 * mib
+
+
 def test_a_foreach_steps_temporaries_are_one_block_per_parameter():
     """foreach AdamW's `_foreach_sqrt(exp_avg_sqs)` (adam.py _multi_tensor_adam) makes one temporary per parameter,
     all alive until the step's last op, then freed."""

@@ -228,17 +228,18 @@ class _EventList:
         self.events.append(("reset_peak",))
 
 
-def step_events(regions, sizes: StepSizes, steps: int = 2) -> list[tuple]:
+def step_events(regions, sizes: StepSizes, steps: int = 2, step_regions=()) -> list[tuple]:
     """The allocator events of `steps` training steps (toolkit.estimate.allocator.replay's format)."""
     out = _EventList()
-    emit_step_events(regions, sizes, out, steps)
+    emit_step_events(regions, sizes, out, steps, step_regions)
     return out.events
 
 
-def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
+def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regions=()) -> int:
     """The events of `steps` training steps, in order, to `sink` (its malloc(key, size[, stream]), free(key),
     record_stream(key, stream), sync(stream) and reset_peak(): an allocator.Replayer, or a list); returns how
-    many."""
+    many. `step_regions`: the regions (the same parameters, each step's own traces) whose events each step runs,
+    where the steps' shapes differ (batches padded to their own longest sample); empty: `regions` every step."""
     n = len(regions)
     malloc, free, record_stream, sync = sink.malloc, sink.free, sink.record_stream, sink.sync
     count = 0
@@ -282,6 +283,7 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
     reduce = [int(sizes.reduce_buffers * r.params / (PREFETCH * largest)) for r in regions]
 
     for step in range(steps):
+        traced = step_regions[step] if step_regions else regions
         alive: set = set()
         rotating: list = []
 
@@ -322,7 +324,7 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
                     count += 2
             else:
                 use(("gather", step, FORWARD, j), gather[j], GATHER)
-            run(j, FORWARD, r.trace.forward_events)
+            run(j, FORWARD, traced[j].trace.forward_events)
         if sizes.reduce_buffers and not sizes.reduce_stream:
             malloc(("reduce", step), int(sizes.reduce_buffers))
             count += 1
@@ -333,7 +335,7 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2) -> int:
         for j in reversed(range(n)):
             if j not in sizes.kept_regions:
                 use(("gather", step, BACKWARD, j), gather[j], GATHER)
-            run(j, BACKWARD, regions[j].trace.backward_events)
+            run(j, BACKWARD, traced[j].trace.backward_events)
             for t, size in enumerate(grads[j]):
                 if size > 0:
                     malloc(("grad", step, j, t), size)
