@@ -340,7 +340,7 @@ def compare(row: dict, splits: dict[str, str]) -> dict:
         ours = [estimate_row(row)]
     except (NotImplementedError, UserError) as exc:  # a job the estimator refuses (e.g. --compile with LoRA)
         out["modelled"] = False
-        out["unmodelled"].append(str(exc))
+        out["unmodelled"].append(str(exc).replace(f"{HERE.parent}/", ""))  # the checkout's path means nothing here
         return out
     for key, published_gib in row["measured"].items():
         metric = key.removesuffix("_gib")
