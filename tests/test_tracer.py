@@ -194,11 +194,11 @@ def test_cuda_attention_stand_ins_match_cpu_flash_kernel_without_dropout():
 
 
 def _bytes(layers):
-    """The regions' byte figures on the device without their allocation events (a stand-in saves what the kernel
-    saves, in its own order of temporaries)."""
+    """The regions' byte figures on the device without their allocation events and their count of dispatched
+    operations (a stand-in saves what the kernel saves, in its own order of temporaries and its own operations)."""
     from dataclasses import replace
 
-    return [replace(r, forward_events=(), backward_events=()) for r in _on_device(layers)]
+    return [replace(r, forward_events=(), backward_events=(), host_ops=0) for r in _on_device(layers)]
 
 
 def test_cuda_autocast_keeps_softmax_and_gelu_in_float32():
