@@ -58,6 +58,11 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "plan-seq-longer-than-model-positions": (
         "error", "plan sequence length 4096 is longer than model example/llama-small supports (2048 positions)"),
     "plan-yaml-process-count-differs-from-plan": ("error", "num_processes 4 but plan.json plans 1 node(s) x 8"),
+    # The Ulysses blog's (huggingface/blog ulysses-sp.md) offload snippet: accelerate drops the JSON-style key
+    # (test_accelerate_itself_drops_a_json_style_offload_key).
+    "yaml-deepspeed-json-keys-inline.yaml": (
+        "warning", "unknown key deepspeed_config.offload_optimizer: accelerate launch ignores it silently (DeepSpeed "
+                   "never sees it and keeps its default); write offload_optimizer_device: cpu instead"),
     "yaml-ds-file-missing.yaml": ("error", "deepspeed_config_file no-such-ds-config.json does not exist"),
     "yaml-ds-file-with-gradient-accumulation.yaml": (
         "error", "deepspeed_config.gradient_accumulation_steps next to deepspeed_config_file: accelerate refuses it"),
@@ -371,6 +376,19 @@ def test_inline_deepspeed_yaml_is_read_as_the_config_accelerate_builds(tmp_path)
     zero3 = tmp_path / "zero3.yaml"
     zero3.write_text(base.replace("zero_stage: 2", "zero_stage: 3"))
     assert [p.severity for p in check_paths([str(zero3)])] == ["warning"]
+
+
+def test_accelerate_itself_drops_a_json_style_offload_key():
+    """The plugin accelerate builds from `offload_optimizer: {device: cpu}` under deepspeed_config offloads nothing;
+    the flat offload_optimizer_device: cpu does."""
+    from toolkit.engines.validate import accelerate_launch_plugins
+
+    nested = CORPUS / "yaml-deepspeed-json-keys-inline.yaml"
+    _, plugin, _ = accelerate_launch_plugins(nested)
+    assert plugin.deepspeed_config["zero_optimization"]["offload_optimizer"]["device"] == "none"
+    flat = nested.parent / "clean" / "yaml-deepspeed-offload-optimizer.yaml"
+    _, plugin, _ = accelerate_launch_plugins(flat)
+    assert plugin.deepspeed_config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
 def test_parallelism_config_sizes_must_multiply_to_the_processes(tmp_path):

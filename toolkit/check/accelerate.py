@@ -70,6 +70,8 @@ def yaml_problems(config: dict[str, Any], path: Path, *, gpus: tuple[int, int] |
         hint = f"did you mean \"{close[0]}\"? " if close else ""
         err(f"unknown key \"{key}\": accelerate refuses the file; {hint}remove or rename it")
     out += parallelism_config_key_problems(config, file)
+    if str(config.get("distributed_type", "")) == "DEEPSPEED":
+        out += deepspeed_config_key_problems(config, file)
     for key, wanted in sorted(_cluster_config_shapes().items()):
         value = config.get(key)
         if value is None:
@@ -173,6 +175,30 @@ def parallelism_config_key_problems(config: dict[str, Any], file: str) -> list[P
         hint = f"did you mean \"{close[0]}\"? " if close else f"the keys it reads: {', '.join(sorted(known))}; "
         out.append(Problem(file, "error", f"unknown key parallelism_config.{key}: accelerate launch ignores it "
                            f"silently (the run gets the default); {hint}rename or remove it", LAUNCH))
+    return out
+
+
+def deepspeed_config_key_problems(config: dict[str, Any], file: str) -> list[Problem]:
+    """Keys of deepspeed_config that accelerate launch does not read (toolkit.engines.validate
+    .launch_argument_names): it drops them silently, so a DeepSpeed-JSON spelling such as `offload_optimizer:
+    {device: cpu}` leaves the optimizer on the GPU (accelerate's key is offload_optimizer_device)."""
+    from toolkit.engines.validate import launch_argument_names
+
+    block = config.get("deepspeed_config")
+    if not isinstance(block, dict):
+        return []
+    known = launch_argument_names()
+    out = []
+    for key in sorted(set(block) - known, key=str):
+        value = block[key]
+        flat = [f"{key}_{sub}: {v}" for sub, v in value.items() if f"{key}_{sub}" in known] \
+            if isinstance(value, dict) else []
+        close = difflib.get_close_matches(str(key), [k for k in known if k.startswith(("zero", "offload",
+                                                                                        "deepspeed", "gradient"))], n=1)
+        hint = (f"write {', '.join(flat)} instead" if flat else f"did you mean \"{close[0]}\"?" if close
+                else "set it in a deepspeed_config_file JSON instead")
+        out.append(Problem(file, "warning", f"unknown key deepspeed_config.{key}: accelerate launch ignores it "
+                           f"silently (DeepSpeed never sees it and keeps its default); {hint}", LAUNCH))
     return out
 
 

@@ -127,6 +127,16 @@ def parallelism_config_keys() -> frozenset[str]:
                      if action.dest.startswith("parallelism_config_"))
 
 
+def launch_argument_names() -> frozenset[str]:
+    """Every option accelerate launch parses (commands/launch.py launch_command_parser). _validate_launch_command
+    copies each key of a YAML's deepspeed_config (like its other mapping blocks) onto the parsed arguments by name,
+    and the launcher reads only these, so a key of another name is set on nothing that is read, silently: DeepSpeed
+    never sees it (a DeepSpeed-JSON spelling such as `offload_optimizer: {device: cpu}` included)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return frozenset(action.dest for action in launch_command_parser()._actions)
+
+
 def first_line(exc: BaseException) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):  # pydantic ValidationError: name the offending fields
