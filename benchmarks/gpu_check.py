@@ -267,8 +267,11 @@ def _prepare(case: Case, device: str, quick: bool, gpu: str):
     config = _config(shape, 1000 if quick else 128256, case.seq_len)
     row = {"label": case.label, "strategy": case.strategy, "precision": case.precision,
            "checkpointing": case.checkpointing, "liger": case.liger, "micro_batch": case.micro_batch,
-           "seq_len": case.seq_len, "accum": case.extra.get("accum", 1), "hidden": shape["hidden"],
-           **_predict(case, config, "cuda" if cuda else "cpu", gpu)}
+           "seq_len": case.seq_len, "accum": case.extra.get("accum", 1), "hidden": shape["hidden"]}
+    try:
+        row.update(_predict(case, config, "cuda" if cuda else "cpu", gpu))
+    except Exception as exc:  # the measurement stands alone: the prediction can be made again off the GPU
+        row["predict_error"] = f"{type(exc).__name__}: {exc}"[:300]
     model_precision = "bf16-pure" if case.precision == "bf16-pure" or case.strategy == "lora" else "fp32"
     # Built on the GPU directly: a random 8B init on the host would take minutes of the lease.
     with torch.device(device) if cuda else contextlib.nullcontext():
@@ -310,6 +313,19 @@ def run_case(case: Case, device: str, quick: bool, gpu: str) -> dict:
     return row
 
 
+def _versions() -> dict:
+    """The engines' versions the measurement ran under (the GPU machine's own image may differ from this one's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("transformers", "accelerate", "deepspeed", "peft", "trl", "liger-kernel"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -348,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = args.device.startswith("cuda")
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "gpu": args.gpu}
+            "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "gpu": args.gpu, "versions": _versions()}
     if cuda:
         torch.zeros(1, device=args.device) @ torch.zeros(1, device=args.device)  # context + cuBLAS handle
         free, total = torch.cuda.mem_get_info()
@@ -356,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         meta["cuda"] = torch.version.cuda
     rows = []
     wanted = set(args.only.split(",")) if args.only else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "gpu_timing.json" if args.timing else "gpu_check.json"
     for case in (timing_cases() if args.timing else cases()):
         if wanted and case.label not in wanted:
             continue
@@ -367,12 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         row["wall_s"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        # Written after every case: a lease that ends mid-run still leaves the rows measured so far.
+        (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "gpu_timing.json" if args.timing else "gpu_check.json"
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 

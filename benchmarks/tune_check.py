@@ -45,9 +45,9 @@ QUICK_MODELS = {
 """--quick (and the CPU dry path): the tiny shapes the CPU probes use (benchmarks/calibrations.py PROBES)."""
 TUNE_SEQ, QUICK_SEQ = 512, 64
 TUNE_GLOBAL_BATCH = 8
-TUNE_CANDIDATES, TUNE_STEPS, TUNE_BUDGET_MIN = 2, 3, 3.0
+TUNE_CANDIDATES, TUNE_STEPS, TUNE_BUDGET_MIN = 2, 3, 2.0
 """On one GPU the planner's rows are DDP and the offload variants (ZeRO without offload shards nothing there): the
-top two, 2 warm-up + 3 measured steps each, at most 3 minutes a model."""
+top two, 2 warm-up + 3 measured steps each, at most 2 minutes a model (the lease is 15 minutes, all checks together)."""
 DRY_BUDGET_MIN = 0.0001
 """A budget the planning of the candidates alone spends: tune skips every candidate, no process starts."""
 CALIBRATION_FILE = "gpu-calibration.json"
@@ -113,11 +113,16 @@ def tune_check(device: str, quick: bool, out_dir: str, gpu: str, dry: bool = Fal
             row["wall_s"] = round(time.perf_counter() - start, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    calibration = json.loads(export.read_text()) if export.is_file() else None
+            _write(out, rows, None, cuda, gpu, dry, quick)  # a lease that ends mid-run keeps the models done
+    _write(out, rows, json.loads(export.read_text()) if export.is_file() else None, cuda, gpu, dry, quick)
+    return 0
+
+
+def _write(out: Path, rows: list[dict], calibration: dict | None, cuda: bool, gpu: str, dry: bool,
+           quick: bool) -> None:
     meta = {"device": _device_name(cuda), "gpu": gpu, "dry": dry, "quick": quick, "date": time.strftime("%Y-%m-%d")}
     (out / "gpu_tune.json").write_text(json.dumps({"meta": meta, "rows": rows, "calibration": calibration},
                                                   indent=1) + "\n")
-    return 0
 
 
 def _tuned(path: Path) -> dict:
