@@ -40,10 +40,10 @@ print(\"imports ok\")"'
     # memory cases, at low priority, so the probe finds it in the cache.
     (nice -n 19 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
       >/tmp/cpu_adam_build.log 2>&1 &)
-    stage memory 200 python3 benchmarks/gpu_check.py --device cuda --out "$OUT"
-    stage allocator 90 python3 benchmarks/gpu_check.py --device cuda --allocator --out "$OUT"
+    stage memory 180 python3 benchmarks/gpu_check.py --device cuda --out "$OUT"
+    stage allocator 60 python3 benchmarks/gpu_check.py --device cuda --allocator --out "$OUT"
     echo "--- cpu_adam build:"; tail -3 /tmp/cpu_adam_build.log
-    stage tune 250 python3 benchmarks/gpu_check.py --device cuda --tune --out "$OUT"
+    stage tune 220 python3 benchmarks/gpu_check.py --device cuda --tune --out "$OUT"
   } 2>&1 | tee -a "$LOG"
   ;;
 second)
