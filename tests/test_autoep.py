@@ -1,4 +1,4 @@
-"""DeepSpeed AutoEP as a planned route (issue 34): the grid's expert degree under ZeRO-1/2, its refusals, a rank's
+"""DeepSpeed AutoEP as a planned route (issue 34): the grid's expert degree under ZeRO-1/2/3, its refusals, a rank's
 states, the planner's rows and the emitted JSON, checked by DeepSpeed's own validation and by `toolkit check`.
 No process starts here."""
 
@@ -37,8 +37,6 @@ def test_an_expert_degree_under_zero1_or_zero2_is_deepspeed_autoep():
 
 
 @pytest.mark.parametrize("strategy, expert, words", [
-    ("zero3", 2, "DeepSpeed AutoEP on zero3 is not planned: it trains (and toolkit.train.autoep_export saves it for "
-                 "transformers), but the memory and gathers of ZeRO-3 over its two partition groups"),
     ("zero2-offload", 2, "DeepSpeed AutoEP on zero2-offload is not planned"),
     ("zero2", 3, "--expert-parallel 3 under DeepSpeed AutoEP needs every rank its own batch and an expert degree "
                  "dividing the 8 data-parallel ranks"),
@@ -80,6 +78,34 @@ def test_a_rank_holds_the_dense_parameters_and_its_share_of_the_experts():
     assert s.buffers == 2 * 2048 * 8 * 2048 * 2  # the all-to-all send and receive (ZeRO-1 keeps no bucket)
 
 
+def test_under_zero3_a_rank_holds_its_partition_of_each_group_as_measured():
+    """ZeRO-3 AutoEP partitions each parameter over its own group: the tiny Qwen3-MoE of tests/test_moe.py at
+    autoep_size 2 on 4 ranks held 47,328 elements a rank (91,008 dense / 4 + 98,304 expert / 2 / 2, measured in
+    test_a_zero3_autoep_model_saves_for_transformers_where_the_engine_refuses); the states give that, and the
+    gathered working set is one layer's dense part plus its local experts (the whole tiny model under the cap)."""
+    from toolkit.estimate.memory import states_for
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import spec_from_config_dict
+    from toolkit.inputs.moe import expert_params
+    from toolkit.run.tiny import tiny_config
+
+    spec = spec_from_config_dict(tiny_config("qwen3_moe", layers=2, hidden=64, experts=4).to_dict(), name="tiny")
+    experts = expert_params(spec)
+    assert (spec.params - experts, experts) == (91_008, 98_304)
+    job = Job(seq_len=32, micro_batch=1, grad_accum=1, precision="fp32", optimizer="adamw", checkpointing=False)
+    s = states_for(spec, parse_strategy("zero3"), job, _grid(2, strategy="zero3", gpus=4), params=spec.params)
+    assert s.parameters == 47_328 * 4
+    assert s.gradients == 47_328 * 4
+    assert s.gathered == (91_008 + 98_304 // 2) * 4  # under the 1e9 cap: the rank's whole model stays gathered
+    big = _spec("qwen3-30b-a3b")
+    layer_experts = expert_params(big) / 48
+    s = states_for(big, parse_strategy("zero3"), Job(seq_len=2048, micro_batch=1, grad_accum=1, precision="bf16",
+                   optimizer="adamw", checkpointing=True), _grid(8, strategy="zero3", nodes=2), params=big.params)
+    dense_layer = big.largest_layer_params - layer_experts
+    assert s.gathered == pytest.approx(2 * (0.5e9 + dense_layer + layer_experts / 8 + 0.9 * big.hidden ** 2), abs=4)
+    assert s.parameters == pytest.approx(2 * ((big.params - expert_params(big)) / 16 + expert_params(big) / 8 / 2))
+
+
 def test_autoep_communication_reduces_experts_over_the_expert_data_parallel_group():
     from toolkit.estimate.experttime import autoep_zero_comm_s
     from toolkit.inputs.hardware import parse_hardware
@@ -91,6 +117,8 @@ def test_autoep_communication_reduces_experts_over_the_expert_data_parallel_grou
     assert autoep_zero_comm_s(spec, _grid(8), hw, 2, 1, 1) == pytest.approx(2 * ring)  # experts: one rank each
     assert autoep_zero_comm_s(spec, _grid(8), hw, 2, 2, 4) == pytest.approx(5 * ring)  # ZeRO-2: every micro-step
     assert autoep_zero_comm_s(spec, _grid(4), hw, 2, 1, 1) > 2 * ring
+    # ZeRO-3: gathered in forward and backward and reduce-scattered, every micro-step
+    assert autoep_zero_comm_s(spec, _grid(8, strategy="zero3"), hw, 2, 3, 2) == pytest.approx(6 * ring)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +158,30 @@ def test_plan_ranks_autoep_rows_and_emits_a_json_deepspeed_and_check_accept(q30,
     concrete["expert_parallel"]["autoep_size"] = 3  # does not tile 16 ranks: DeepSpeed's folding refuses it
     with pytest.raises(ConfigRejected, match="DeepSpeed AutoEP refuses"):
         autoep_config_check(deepspeed_config_at(concrete, 16), 16)
+
+
+def test_plan_offers_zero3_autoep_rows_and_emits_a_json_deepspeed_and_check_accept(q30, tmp_path, capsys):
+    """Qwen3-30B-A3B on 2 x 8 H100, --strategies zero3: the AutoEP rows are planned beside the leaf-module row
+    (no longer refused), and the chosen one's JSON asks no 16-bit gather on save (the engine refuses it for AutoEP;
+    toolkit.train saves through autoep_export) and names no leaf module (AutoEP swaps the MoE blocks before the
+    engine applies them); DeepSpeed's AutoEP validation accepts it and check finds no fault."""
+    out = tmp_path / "plan"
+    assert main(["plan", str(q30 / "config.json"), "--gpus", "2x8xH100-80GB", "--seq", "2048", "--global-batch", "32",
+                 "--strategies", "zero3", "--expert-parallel", "8", "--out", str(out), "--json"]) == 0
+    rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    assert rows["zero3 (dp=16 x autoep=8)"]["feasible"], rows.keys()
+    plan = json.loads((out / "plan.json").read_text())
+    assert (plan["strategy"], plan["expert_parallel"], plan.get("leaf_modules")) == ("zero3", 8, None)
+    ds = json.loads((out / "ds_config.deepspeed.json").read_text())
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+    assert "leaf_module" not in ds["zero_optimization"]
+    from toolkit.engines.validate import autoep_config_check, deepspeed_config_at
+
+    autoep_config_check(deepspeed_config_at(ds, 16), 16)
+    capsys.readouterr()
+    assert main(["check", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if ": error: " in line or ": warning: " in line]
+    assert lines == []
 
 
 def test_autoep_with_an_optimizer_deepspeed_cannot_build_is_refused_in_estimate_and_plan(q30, capsys):

@@ -41,7 +41,7 @@ def test_expert_degree_reuses_the_shard_ranks():
     (dict(expert=16), "try --expert-parallel 2, 4 or 8"),
     (dict(expert=2, tensor=4), "`ep_size` must be a multiple of `tp_size`"),
     (dict(expert=4, tensor=2), "--expert-parallel 4 with --tensor-parallel 2 is not modelled yet"),
-    (dict(expert=2, strategy="zero3"), "DeepSpeed AutoEP on zero3 is not planned"),
+    (dict(expert=2, strategy="zero3-offload"), "DeepSpeed AutoEP on zero3-offload is not planned"),
     (dict(expert=2, strategy="ddp"), "expert parallelism is planned on fsdp2"),
 ])
 def test_expert_degrees_that_do_not_compose_are_refused(kwargs, words):
@@ -62,7 +62,7 @@ def test_expert_parallel_needs_an_moe_model_whose_experts_it_divides():
 @pytest.mark.parametrize("args, words", [
     (["qwen3-0.6b", "--expert-parallel", "2"], "is dense"),
     ([None, "--expert-parallel", "3"], "does not fit fsdp 8"),
-    ([None, "--expert-parallel", "2", "--strategy", "zero3"], "DeepSpeed AutoEP on zero3 is not planned"),
+    ([None, "--expert-parallel", "2", "--strategy", "zero3-offload"], "DeepSpeed AutoEP on zero3-offload is not planned"),
     ([None, "--expert-parallel", "2", "--strategy", "ddp"], "planned on fsdp2"),
     ([None, "--expert-parallel", "2", "--trace-world"], "does not apply the model's ep_plan yet"),
     ([None, "--expert-parallel", "2", "--tensor-parallel", "2"], "not modelled yet"),
@@ -197,45 +197,54 @@ def q30(tmp_path_factory):
 def test_plan_of_an_moe_model_ranks_its_fastest_expert_degree_first_beyond_the_band(q30, capsys):
     """An ordinary plan costs the EP degrees the grid admits (2, 4, 8 of 128 experts on 8 GPUs) and keeps the best as
     a real candidate with its degree and memory. ep 8 holds 1/8 of the experts per rank where ZeRO-3 / FSDP2 gather
-    all 128 every layer: predicted faster than zero3 by more than the step-time band, so it is #1 though it cannot
-    resume, and the explanation says so (speed starred: unverified)."""
+    all 128 every layer: predicted faster than zero3 by more than the step-time band. Its two routes, FSDP2 x EP and
+    DeepSpeed AutoEP on ZeRO-3, are within the band of each other; the AutoEP row resumes from its checkpoints, the
+    FSDP2 one cannot, so AutoEP is #1 and the explanation says why (speed starred: unverified)."""
     out, rows = _plan_json(capsys, q30, "--gpus", "8xH100-80GB", "--global-batch", "16")
     ep = rows["fsdp2 (dp=8 x ep=8)"]
     assert ep["feasible"] and ep["expert_parallel"] == 8 and not ep["speed_evidenced"]
     assert 55 * 2**30 < ep["peak_bytes"] < ep["capacity_bytes"] < rows["zero3"]["capacity_bytes"] + 1
     assert ep["peak_bytes"] < rows["zero3"]["peak_bytes"] and ep["peak_bytes"] < rows["fsdp2"]["peak_bytes"]
     assert "expert parallelism" in ep["resume_problem"] and "cannot resume" in ep["resume_problem"]
-    assert out["candidates"][0]["name"] == "fsdp2 (dp=8 x ep=8)" and out["chosen"]["name"] == "fsdp2 (dp=8 x ep=8)"
+    autoep = rows["zero3 (dp=8 x autoep=8)"]
+    assert autoep["feasible"] and autoep["resume_problem"] is None and not autoep["speed_evidenced"]
+    assert [c["name"] for c in out["candidates"][:3]] == ["zero3 (dp=8 x autoep=8)", "fsdp2 (dp=8 x ep=8)", "zero3"]
+    assert out["chosen"]["name"] == "zero3 (dp=8 x autoep=8)"
     why = out["chosen_because"]
-    assert why.startswith("#1: faster than #2 (zero3) by ") and "more than the step-time band" in why
+    assert why.startswith("#1: within the step-time band (+-9%) of #2, so robustness decides; it can resume from "
+                          "its checkpoints (#2 cannot)")
     assert "Mixture of experts: ep=8 keeps 1/8 of each layer's experts on a rank" in why
-    assert "ZeRO-3 / FSDP2 gather every expert on every rank each layer: #1 is " in why and "than #2 zero3" in why
-    assert "its speed is unverified" in why and "it cannot resume from its checkpoints" in why
+    assert "ZeRO-3 / FSDP2 gather every expert on every rank each layer: #1 is " in why and "than #3 zero3" in why
+    assert "its speed is unverified" in why
     assert not any(c["name"] == "fsdp2 x ep" for c in out["candidates"])  # costed, no longer a listed refusal
 
 
 def test_expert_row_inside_the_band_goes_after_a_resumable_row_like_tensor_parallel_rows(q30, capsys):
     """At global batch 32 ep 8 is predicted within the step-time band of plain fsdp2: a tie, and robustness decides
-    it as it does for TP rows: fsdp2 resumes from its checkpoints, the EP plan cannot (the Trainer does not save the
-    optimizer of a model transformers shards at load)."""
+    it as it does for TP rows: fsdp2 resumes from its checkpoints, the FSDP2 x EP plan cannot (the Trainer does not
+    save the optimizer of a model transformers shards at load), and the AutoEP row, which resumes, has less memory
+    headroom."""
     out, rows = _plan_json(capsys, q30, "--gpus", "8xH100-80GB", "--global-batch", "32")
     names = [c["name"] for c in out["candidates"]]
     assert names[0] == "fsdp2" and names.index("fsdp2 (dp=8 x ep=8)") > names.index("fsdp2")
     assert rows["fsdp2 (dp=8 x ep=8)"]["tokens_per_s"] > rows["fsdp2"]["tokens_per_s"]  # faster, inside the band
     why = out["chosen_because"]
     assert "so robustness decides; it can resume from its checkpoints" in why
-    assert "Mixture of experts: against the expert-parallel row #" in why
-    assert "inside the step-time band, and #1 resumes from its checkpoints where ep cannot" in why
+    assert "Mixture of experts: against the expert-parallel row #3 zero3 (dp=8 x autoep=8)" in why
+    assert "inside the step-time band, and #1 has more memory headroom" in why
     assert "other rows that gather every expert each layer: #1 is " in why and "faster than #" in why
 
 
 def test_two_node_plan_costs_the_expert_degrees_and_explains_against_them(capsys):
-    """Mixtral-8x7B (catalog) on 2x8 H100: ep 2, 4 and 8 divide its 8 experts and the 16 GPUs; the best EP row is
-    a real candidate with memory and time, and #1's explanation compares it and the gathering rows."""
+    """Mixtral-8x7B (catalog) on 2x8 H100: ep 2, 4 and 8 divide its 8 experts and the 16 GPUs; the best EP row of
+    each route that fits (FSDP2 x EP, DeepSpeed AutoEP on ZeRO-3; ZeRO-1/2 AutoEP hold too many expert states) is a
+    real candidate with memory and time, and #1's explanation compares it and the gathering rows."""
     out, rows = _plan_json(capsys, "mixtral-8x7b", "--gpus", "2x8xH100-80GB", "--global-batch", "32")
     ep = [c for c in out["candidates"] if c["expert_parallel"] > 1]
-    assert len(ep) == 1 and ep[0]["feasible"] and ep[0]["expert_parallel"] in (2, 4, 8)
-    assert ep[0]["peak_bytes"] < ep[0]["capacity_bytes"] and ep[0]["tokens_per_s"] > rows["zero3"]["tokens_per_s"]
+    assert sorted(c["strategy"] for c in ep) == ["fsdp2", "zero3"]
+    for row in ep:
+        assert row["feasible"] and row["expert_parallel"] in (2, 4, 8)
+        assert row["peak_bytes"] < row["capacity_bytes"] and row["tokens_per_s"] > rows["zero3"]["tokens_per_s"]
     assert "Mixture of experts:" in out["chosen_because"]
 
 

@@ -65,7 +65,7 @@ def add_job_flags(p: argparse.ArgumentParser, seq_max: bool = False, tiled_auto:
         for dim, what in (("tensor", "FSDP2 x TP, the model's tp_plan, inside a node"),
                           ("context", "FSDP2 x CP, torch ring attention"),
                           ("sequence", "ZeRO x Ulysses SP, DeepSpeed ALST"),
-                          ("expert", "FSDP2 x EP, transformers' DistributedConfig ep_size, or ZeRO-1/2 x DeepSpeed "
+                          ("expert", "FSDP2 x EP, transformers' DistributedConfig ep_size, or ZeRO-1/2/3 x DeepSpeed "
                                      "AutoEP autoep_size; MoE models")):
             g.add_argument(f"--{dim}-parallel", type=int_arg(f"--{dim}-parallel", bounds.DEGREE),
                            help=f"{dim}-parallel degree ({what}); 1: none"

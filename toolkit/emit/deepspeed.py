@@ -182,8 +182,9 @@ def zero_block(plan: Plan, stage: int, nvme_path: str | None) -> dict[str, Any]:
     if stage == 3:
         block["stage3_max_live_parameters"] = 1_000_000_000
         block["stage3_max_reuse_distance"] = 1_000_000_000
-        # Without it a ZeRO-3 save_model writes an empty model (docs/ENGINE_FACTS.md, DeepSpeed).
-        block["stage3_gather_16bit_weights_on_model_save"] = True
+        # Without it a ZeRO-3 save_model writes an empty model (docs/ENGINE_FACTS.md, DeepSpeed); under AutoEP the
+        # engine refuses that gather (toolkit.inputs.autoep.AUTOEP_ZERO3_SAVE) and toolkit.train.autoep_export saves.
+        block["stage3_gather_16bit_weights_on_model_save"] = not plan.grid.autoep
         if plan.leaf_modules:
             # Replaces DeepSpeed's default list (three transformers MoE block classes, leaf_module_config.py) with
             # the model's own block; the engine applies it before it installs ZeRO-3's hooks (engine.py

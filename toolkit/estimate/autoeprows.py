@@ -1,4 +1,4 @@
-"""The planner's DeepSpeed AutoEP rows (toolkit.inputs.autoep): the ZeRO-1 / ZeRO-2 grids whose expert degree is
+"""The planner's DeepSpeed AutoEP rows (toolkit.inputs.autoep): the ZeRO-1 / 2 / 3 grids whose expert degree is
 AutoEP's autoep_size, every degree the engine admits for the model (toolkit.estimate.search costs each, as it costs
 the FSDP2 x EP degrees)."""
 
@@ -46,8 +46,8 @@ def autoep_grids(spec: ModelSpec, hw: Hardware, strategy: Strategy, degrees, seq
 
 
 def autoep_options(spec: ModelSpec, hw: Hardware, req, degrees, sequence_rule: bool, job_problem, summarise):
-    """toolkit.estimate.search.options_for's AutoEP rows: (row key, strategy, grids or why none) for zero1 / zero2
-    at `degrees` (None: every divisor of the world above 1). `job_problem(strategy, hw, req, fix)`: why the job
+    """toolkit.estimate.search.options_for's AutoEP rows: (row key, strategy, grids or why none) for zero1 / zero2 /
+    zero3 at `degrees` (None: every divisor of the world above 1). `job_problem(strategy, hw, req, fix)`: why the job
     cannot run expert parallelism; `summarise(problems)`: one reason for the degrees refused (the search's own)."""
     if fixes_another_degree(req):
         return

@@ -1,5 +1,6 @@
 """The expert-parallel grid a request fixes with --expert-parallel N: FSDP2 x EP (transformers' DistributedConfig
-ep_size) or DeepSpeed AutoEP on zero1 / zero2 (toolkit.estimate.autoeprows), checked before any work is done."""
+ep_size) or DeepSpeed AutoEP on zero1 / zero2 / zero3 (toolkit.estimate.autoeprows), checked before any work is
+done."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def expert_grid(spec: ModelSpec, hw: Hardware, req: Request) -> ParallelGrid:
     it (transformers' DistributedConfig rules, the expert count, the ep_plan's dispatch); UserError says why not."""
     if "fsdp2" not in req.strategies:
         raise UserError(f"--expert-parallel {req.expert_parallel} is planned on fsdp2 (DistributedConfig ep_size) or "
-                        "zero1 / zero2 (DeepSpeed AutoEP), which --strategies leaves out; add one or drop it")
+                        "zero1 / zero2 / zero3 (DeepSpeed AutoEP), which --strategies leaves out; add one or drop it")
     grid = ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                      pipeline_stages=req.pipeline_stages, tensor=req.tensor_parallel or 1,
                                      context=req.context_parallel or 1, sequence=req.sequence_parallel or 1,
@@ -37,7 +38,8 @@ def fixed_expert_grid(spec: ModelSpec, hw: Hardware, req: Request) -> list[Paral
 
 def check_fixed_expert(spec: ModelSpec, hw: Hardware, req: Request) -> None:
     """--expert-parallel N in plan, before any work: refused (UserError) when no strategy asked for takes N, by the
-    FSDP2 x EP grid's rules (expert_grid) or DeepSpeed AutoEP's on zero1 / zero2 (autoep_grids); the first reason."""
+    FSDP2 x EP grid's rules (expert_grid) or DeepSpeed AutoEP's on zero1 / zero2 / zero3 (autoep_grids); the first
+    reason."""
     autoep = [] if fixes_another_degree(req) else autoep_strategies(req.strategies)
     problems = []
     if "fsdp2" in req.strategies or not autoep:

@@ -129,15 +129,16 @@ def expert_parallel_fsdp_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardwar
 
 
 def autoep_zero_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardware, pb: int, stage: int, accum: int) -> float:
-    """DeepSpeed AutoEP's ZeRO-1/2 collectives a step (the ZeRO-1/2 terms of toolkit.estimate.timing, per parameter
-    group): the dense gradients reduce-scattered and the updated weights all-gathered over the world, the rank's
-    experts / ep over the expert-data-parallel group (world / ep ranks holding the same experts; they leave the
-    node once the world does). ZeRO-2 reduces every micro-step, ZeRO-1 once a step."""
+    """DeepSpeed AutoEP's ZeRO collectives a step (the ZeRO terms of toolkit.estimate.timing, per parameter group):
+    the dense parameters' over the world, the rank's experts / ep over the expert-data-parallel group (world / ep
+    ranks holding the same experts; they leave the node once the world does). ZeRO-1/2: the gradients reduced (ZeRO-2
+    every micro-step, ZeRO-1 once a step) and the updated weights all-gathered; ZeRO-3: every micro-step an all-gather
+    in forward, another in backward and a reduce-scatter of the gradients, each over its own group."""
     experts = expert_params(spec)
     dp, edp = grid.shard_group, grid.shard_group // grid.expert
-    reduces = accum if stage == 2 else 1
-    dense_s = (reduces + 1) * ring_s((spec.params - experts) * pb, dp, group_bandwidth(hw, dp), 1)
-    expert_s = (reduces + 1) * ring_s(experts / grid.expert * pb, edp, group_bandwidth(hw, grid.world), 1)
+    passes = 3 * accum if stage == 3 else (accum if stage == 2 else 1) + 1
+    dense_s = passes * ring_s((spec.params - experts) * pb, dp, group_bandwidth(hw, dp), 1)
+    expert_s = passes * ring_s(experts / grid.expert * pb, edp, group_bandwidth(hw, grid.world), 1)
     return dense_s + expert_s
 
 

@@ -412,28 +412,37 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
 
 def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
                   factored_elems: int | None = None) -> States:
-    """DeepSpeed AutoEP under ZeRO-1/2 (toolkit.inputs.autoep): a rank holds the P - experts dense parameters whole
-    and experts / `expert` of the routed ones (its AutoEPMoELayers' w1/w2/w3); ZeRO partitions each parameter group
-    over its own data-parallel group (runtime/zero/stage_1_and_2.py, the expert groups over the expert-data-parallel
-    group): the dense group over the `world` ranks, the expert group over world / expert. Both groups' states are
-    summed, except the fp32 gradient partition, which the step creates and frees group by group (the larger one).
-    Adds the token exchange's buffers as transformers' all-to-all holds them (toolkit.inputs.moe
-    .ep_exchange_buffer_bytes)."""
-    from toolkit.inputs.moe import ep_exchange_buffer_bytes, expert_params
+    """DeepSpeed AutoEP (toolkit.inputs.autoep): a rank holds the P - experts dense parameters and experts /
+    `expert` of the routed ones (its AutoEPMoELayers' w1/w2/w3); ZeRO partitions each parameter group over its own
+    data-parallel group (runtime/zero/stage_1_and_2.py, the expert groups over the expert-data-parallel group; under
+    ZeRO-3 each parameter's ds_process_group, measured: 91,008 dense elements / 4 + 98,304 expert / 2 / 2 = 47,328 a
+    rank, docs/ENGINE_FACTS.md): the dense group over the `world` ranks, the expert group over world / expert. Both
+    groups' states are summed, except the fp32 gradient partition, which the step creates and frees group by group
+    (the larger one). ZeRO-3's gathered parameters: one coordinator for both groups (partitioned_param_coordinator.py),
+    so its reuse window and live cap count once, over a layer's dense part gathered from every rank plus its local
+    experts gathered from the expert-data-parallel group. Adds the token exchange's buffers as transformers'
+    all-to-all holds them (toolkit.inputs.moe .ep_exchange_buffer_bytes)."""
+    from toolkit.inputs.moe import ep_exchange_buffer_bytes, expert_layer_params, expert_params
 
     experts, world, expert = expert_params(spec), grid.shard_group, grid.expert
     hidden, largest_layer = spec.hidden, spec.largest_layer_params
     dense_elems = P - experts
     local = experts // expert
+    layer_experts = expert_layer_params(spec)
+    dense_layer = int(largest_layer - layer_experts)
+    local_layer = int(layer_experts / expert)
     dense_fe = None if factored_elems is None else int(factored_elems * dense_elems / P) if P else 0
-    dense = zero_states(dense_elems, job, strategy, dp=world, hidden=hidden, largest_layer=largest_layer,
+    dense = zero_states(dense_elems, job, strategy, dp=world, hidden=hidden, largest_layer=dense_layer,
                         factored_elems=dense_fe)
-    mine = zero_states(local, job, strategy, dp=world // expert, hidden=hidden, largest_layer=largest_layer,
+    mine = zero_states(local, job, strategy, dp=world // expert, hidden=hidden, largest_layer=local_layer,
                        factored_elems=None if dense_fe is None else factored_elems - dense_fe)
     s = States(autocast=False)
     for name in ("parameters", "gradients", "step_gradients", "accumulation_gradients", "master", "optimizer",
-                 "backward_gradients", "gathered", "cpu", "nvme"):
+                 "backward_gradients", "cpu", "nvme"):
         setattr(s, name, getattr(dense, name) + getattr(mine, name))
+    if strategy.zero_stage == 3:
+        s.gathered = min(float(dense_elems + local), 1e9,
+                         0.5e9 + dense_layer + local_layer + 0.9 * hidden * hidden) * _param_bytes(job)
     s.buffers, s.backward_buffers = dense.buffers, dense.backward_buffers  # one reduce bucket serves both groups
     s.step_transient = max(dense.step_transient, mine.step_transient)
     exchange = ep_exchange_buffer_bytes(spec, job.micro_batch * job.seq_len, compute_bytes(job.precision))

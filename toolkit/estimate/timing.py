@@ -343,8 +343,10 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         bw = _group_bandwidth(hw, dp)
         if grid.autoep:
             comm = autoep_zero_comm_s(full_spec, grid, hw, pb, strategy.zero_stage, A)
-            assumptions.append(f"DeepSpeed AutoEP {grid.expert}: ZeRO reduces the dense gradients over {dp} ranks "
-                               f"and the rank's experts' over {dp // grid.expert}")
+            assumptions.append(f"DeepSpeed AutoEP {grid.expert}: ZeRO-{strategy.zero_stage} "
+                               + ("gathers and reduce-scatters" if strategy.zero_stage == 3 else "reduces")
+                               + f" the dense parameters over {dp} ranks and the rank's experts over "
+                               f"{dp // grid.expert}")
         elif strategy.zero_stage in (1, 2):
             # stage_1_and_2.py average_tensor: each gradient bucket is all-reduced over the group and every rank keeps
             # its own slice (use_multi_rank_bucket_allreduce, true by default; reduce_scatter false, as the plan's

@@ -9,11 +9,11 @@ The engine's rules, read in its source:
     `validate_autoep_post_detection`), and tiles the world (auto_ep_folding.py `build_folding_spec`:
     stage_size % (ep x etp) == 0) with no pipeline / tensor / sequence degree here;
   - ZeRO stage 0, 1, 2 and a constrained ZeRO-3 (engine.py `_validate_zero3_moe_compatibility`: no sequence
-    parallelism, zero_quantized_gradients or hpZ, expert_tensor_parallel_size 1). toolkit plans ZeRO-1 and ZeRO-2
-    without offload: those are the stages whose memory and step time it models. ZeRO-3 trains and
-    toolkit.train.autoep_export saves it (measured; a plain HF Trainer cannot: AUTOEP_ZERO3_SAVE), but its two
-    partition groups' memory and gathers are not modelled; the offload paths are not modelled either, and a plain
-    torch DDP plan has no DeepSpeed engine.
+    parallelism, zero_quantized_gradients or hpZ, expert_tensor_parallel_size 1; toolkit's AutoEP grids have none of
+    them). toolkit plans ZeRO-1, ZeRO-2 and ZeRO-3 without offload. Under ZeRO-3 the engine partitions each
+    parameter over its own group (the dense ones over every rank, the experts over world / autoep_size, measured:
+    docs/ENGINE_FACTS.md, the AutoEP entry), and toolkit.train.autoep_export saves it (a plain HF Trainer cannot:
+    AUTOEP_ZERO3_SAVE). The offload paths are not modelled, and a plain torch DDP plan has no DeepSpeed engine.
 Every rank has its own batch: the expert group exchanges routed tokens by all-to-all (auto_ep_layer.py), dense
 parameters are data-parallel over the world, expert parameters over world / autoep_size ranks."""
 
@@ -23,15 +23,16 @@ from typing import Any
 
 from toolkit.inputs.strategy import Engine, Strategy
 
-AUTOEP_STAGES = (1, 2)
-"""ZeRO stages toolkit plans AutoEP on (see the module docstring for why not 0 and 3)."""
+AUTOEP_STAGES = (1, 2, 3)
+"""ZeRO stages toolkit plans AutoEP on (see the module docstring; stage 0 is plain DDP-like data parallelism,
+which toolkit plans as ddp)."""
 
 AUTOEP_ZERO3_SAVE = ("a plain HF Trainer saves a ZeRO-3 model through the engine's 16-bit consolidated state dict, "
                      "which DeepSpeed refuses for AutoEP's expert partitions (NotImplementedError, runtime/engine.py "
                      "_raise_if_autoep_zero3_consolidated_export)")
-"""Why AutoEP under ZeRO-3 is not planned, and what `toolkit check` says of a config that asks for it: measured on 2
-gloo ranks (tiny Qwen3-MoE, autoep_size 2, fp32), 3 steps train to the single-process losses, then the first save
-raises (docs/ENGINE_FACTS.md, the AutoEP entry)."""
+"""What `toolkit check` says of a config asking AutoEP under ZeRO-3 for a plain HF Trainer: measured on 2 gloo ranks
+(tiny Qwen3-MoE, autoep_size 2, fp32), 3 steps train to the single-process losses, then the first save raises
+(docs/ENGINE_FACTS.md, the AutoEP entry). toolkit.train saves through toolkit.train.autoep_export.AutoEPSaves."""
 
 
 def autoep_preset(model_type: str) -> str | None:
@@ -46,16 +47,11 @@ def autoep_strategy_problem(strategy: Strategy) -> str | None:
     if strategy.engine != Engine.DEEPSPEED:
         return None
     if strategy.zero_stage not in AUTOEP_STAGES:
-        if strategy.zero_stage == 3:
-            return (f"DeepSpeed AutoEP on {strategy.name} is not planned: it trains (and toolkit.train.autoep_export "
-                    "saves it for transformers), but the memory and gathers of ZeRO-3 over its two partition groups "
-                    "(dense parameters over every rank, experts over world / autoep_size) are not modelled; use zero1 "
-                    "or zero2 with --expert-parallel, or zero3 without it")
-        return (f"DeepSpeed AutoEP on {strategy.name} is not planned (toolkit plans it on ZeRO-1 and ZeRO-2); use "
-                "zero1 or zero2 with --expert-parallel")
+        return (f"DeepSpeed AutoEP on {strategy.name} is not planned (toolkit plans it on ZeRO-1, ZeRO-2 and ZeRO-3); "
+                "use zero1, zero2 or zero3 with --expert-parallel")
     if strategy.offloads:
         return (f"DeepSpeed AutoEP on {strategy.name} is not planned: optimizer offload with expert parameter groups "
-                "is not modelled; use zero1 or zero2 with --expert-parallel")
+                "is not modelled; use zero1, zero2 or zero3 with --expert-parallel")
     return None
 
 

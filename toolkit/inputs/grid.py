@@ -129,8 +129,8 @@ class ParallelGrid:
                 return cls(**{**grid.__dict__, "expert": expert, "autoep": True})
             if strategy.kind != Kind.FSDP2 or strategy.fsdp_mode == "hybrid":
                 raise UserError(f"expert parallelism is planned on fsdp2 (transformers' DistributedConfig ep_size) "
-                                f"or zero1 / zero2 (DeepSpeed AutoEP), not {strategy.name}; use one of those with "
-                                "--expert-parallel, or zero3 (the MoE block as a leaf module) without it")
+                                f"or zero1 / zero2 / zero3 (DeepSpeed AutoEP), not {strategy.name}; use one of those "
+                                "with --expert-parallel, or zero3 (the MoE block as a leaf module) without it")
             grid = cls.for_strategy(strategy, nodes=nodes, gpus_per_node=gpus_per_node,
                                     pipeline_stages=pipeline_stages, tensor=tensor, context=context,
                                     sequence=sequence)

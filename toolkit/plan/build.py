@@ -24,7 +24,9 @@ def build_plan(*, model: str, model_config: dict[str, Any], model_type: str, lay
     from toolkit.plan.job import job_to_plan_fields
 
     notes = list(notes)
-    if moe_block and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
+    # Not under AutoEP: the engine swaps the MoE blocks for its own layers before it applies leaf modules
+    # (runtime/engine.py: _configure_expert_parallel, then _configure_distributed_model).
+    if moe_block and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3 and not grid.autoep:
         fields["leaf_modules"] = [moe_block]
         notes.append(f"ZeRO-3 leaf module: {moe_block} (the MoE block) is fetched whole, never hooked expert by "
                      "expert (zero_optimization.leaf_module.classes in the DeepSpeed JSON; DeepSpeed's engine calls "
