@@ -182,49 +182,71 @@ def test_a_frozen_tower_trains_on_two_gloo_processes_as_on_one(engine, tower, ru
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("model.vision_tower"))
 
 
+def _tiny_qwen25_vl_class(out: Path) -> Path:
+    """Qwen2.5-VL's whole class (windowed ViT + patch merger + M-RoPE language model), tiny, random weights, a local
+    tokenizer with a chat template (tests/test_image_train.py builds it for the image runs too)."""
+    from tests.test_image_train import _tiny_qwen_vl_with_processor
+
+    return _tiny_qwen_vl_with_processor(out, "2.5")
+
+
+TINY_CLASSES = {"gemma3": (_tiny_gemma3_class, "AutoModelForCausalLM", "Gemma3ForConditionalGeneration"),
+                "qwen2.5-vl": (_tiny_qwen25_vl_class, "AutoModelForImageTextToText",
+                               "Qwen2_5_VLForConditionalGeneration")}
+"""model -> (builder, the auto class a user loads it with as the plan's notes name it, the class that loads)."""
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy, tower", [("ddp", "train"), ("zero3", "freeze")])
-def test_a_copied_text_plan_of_the_class_runs_a_users_trl_sft_script_on_2_processes_as_on_1(strategy, tower,
+@pytest.mark.parametrize("model, strategy, tower", [("gemma3", "ddp", "train"), ("gemma3", "zero3", "freeze"),
+                                                    ("qwen2.5-vl", "fsdp2", "train"),
+                                                    ("qwen2.5-vl", "zero3", "freeze")])
+def test_a_copied_text_plan_of_the_class_runs_a_users_trl_sft_script_on_2_processes_as_on_1(model, strategy, tower,
                                                                                            tmp_path):
-    """A text-only plan of the tiny Gemma-3 class, emitted, copied elsewhere, and launched with a user's own TRL SFT
-    script (tests/story/my_mm_text_sft.py: AutoModelForCausalLM, which loads the whole class, and PLAN.md's freeze
-    snippet; sft_config() the only toolkit call) on chat rows of different lengths, fp32: 2 CPU processes at
-    micro-batch 1 (DDP with the tower trained, ZeRO-3 with it frozen) give the 3 losses of 1 process at micro-batch 2
-    within 1e-3; the trainable parameters are the plan's (the class's, or all but the tower's), the language model
-    moved, and the tower, which text never reaches, did not (compared where the rank holds whole tensors). DDP with
-    the tower trained needs find_unused_parameters (training_args.json says so): without it rank 1 failed at step 2,
-    "Expected to have finished reduction in the prior iteration", the tower's 39 tensors without gradients."""
+    """A text-only plan of a tiny multimodal class (Gemma-3, loaded with AutoModelForCausalLM; Qwen2.5-VL, which
+    AutoModelForCausalLM has no class for, loaded with AutoModelForImageTextToText as the plan's notes say), emitted,
+    copied elsewhere, and launched with a user's own TRL SFT script (tests/story/my_mm_text_sft.py: the auto class,
+    which loads the whole class, and PLAN.md's freeze snippet; sft_config() the only toolkit call) on chat rows of
+    different lengths, fp32: 2 CPU processes at micro-batch 1 (DDP or FSDP2 with the tower trained, ZeRO-3 with it
+    frozen) give the 3 losses of 1 process at micro-batch 2 within 1e-3; the trainable parameters are the plan's (the
+    class's, or all but the tower's), the language model moved, and the tower, which text never reaches, did not
+    (compared where the rank holds whole tensors or FSDP2's gathers them). DDP with the tower trained needs
+    find_unused_parameters (training_args.json says so): without it rank 1 failed at step 2, "Expected to have
+    finished reduction in the prior iteration", the tower's 39 tensors without gradients."""
     import json
     import os
     import shutil
     import subprocess
     import sys
 
+    from toolkit.emit.user_settings import auto_class_name
     from toolkit.run.launcher import emit_plan_files
     from toolkit.run.rehearsal import plan_for_model
     from toolkit.run.tiny import write_chat_corpus
 
-    model_dir = _tiny_gemma3_class(tmp_path / "tiny-gemma3")
+    build, auto_class, class_name = TINY_CLASSES[model]
+    model_dir = build(tmp_path / "tiny")
     chat = write_chat_corpus(tmp_path / "chat", max_chars=20_000) / "train.jsonl"
     shutil.copy(Path(__file__).parent / "story" / "my_mm_text_sft.py", tmp_path)
     seen, plans = {}, {}
     for world, micro in ((1, 2), (2, 1)):
         plans[world] = plan_for_model(model_dir, strategy if world == 2 else "ddp", gpus_per_node=world,
                                       micro_batch=micro, seq_len=96, vision_tower=tower)
+        assert auto_class_name(plans[world]) == auto_class
         emit_plan_files(plans[world], tmp_path / "planned")
         copy = shutil.copytree(tmp_path / "planned", tmp_path / "elsewhere" / f"copy-{world}")
         shutil.rmtree(tmp_path / "planned")
         report = tmp_path / f"report-{world}.json"
         done = subprocess.run(
             [sys.executable, "-m", "toolkit", "launch", str(copy), "--processes", str(world), "--cpu", "--",
-             "my_mm_text_sft.py", str(model_dir), str(chat), str(tmp_path / f"out-{world}"), str(report)],
+             "my_mm_text_sft.py", str(model_dir), str(chat), str(tmp_path / f"out-{world}"), str(report),
+             auto_class],
             cwd=tmp_path, capture_output=True, text=True, timeout=600,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         seen[world] = json.loads(report.read_text())
     one, two = seen[1], seen[2]
     assert (two["world"], two["micro_batch"], two["accumulation"]) == (2, 1, 1) and one["micro_batch"] == 2
-    assert one["class"] == two["class"] == "Gemma3ForConditionalGeneration"
+    assert one["class"] == class_name and two["class"].removeprefix("FSDP") == class_name  # fully_shard renames it
     parts = plans[2].model_parts
     tower_params = parts["vision_params"] + parts["projector_params"]
     assert tower_params > 0 and one["trainable"] == two["trainable"] == parts["language_params"] + (
@@ -232,6 +254,6 @@ def test_a_copied_text_plan_of_the_class_runs_a_users_trl_sft_script_on_2_proces
     assert len(one["losses"]) == len(two["losses"]) == 3
     for step, (ref, got) in enumerate(zip(one["losses"], two["losses"]), 1):
         assert got == pytest.approx(ref, abs=1e-3), (step, one["losses"], two["losses"])
-    for run in (one, two) if strategy == "ddp" else (one,):  # ZeRO-3's rank holds placeholders, not compared
+    for run in (one, two) if strategy != "zero3" else (one,):  # ZeRO-3's rank holds placeholders, not compared
         assert run["tower_moved"][0] == 0 < run["tower_moved"][1]
         assert run["language_moved"][0] > run["language_moved"][1] // 2

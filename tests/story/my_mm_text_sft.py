@@ -1,8 +1,10 @@
-"""A user's TRL SFT script for a multimodal-class checkpoint (Gemma-3 with its vision tower) fine-tuned on text alone:
-the only toolkit import is the documented helper; the tower is frozen as PLAN.md's snippet does when plan.json says
-`vision_tower: freeze`.
+"""A user's TRL SFT script for a multimodal-class checkpoint (Gemma-3 or Qwen2.5-VL with its vision tower) fine-tuned
+on text alone: the only toolkit import is the documented helper; the tower is frozen as PLAN.md's snippet does when
+plan.json says `vision_tower: freeze`. AUTO_CLASS is the transformers auto class the user loads the checkpoint with
+(the class the plan's notes name: AutoModelForCausalLM loads Gemma-3's whole class, and has no class for
+Qwen2.5-VL, which AutoModelForImageTextToText loads).
 
-    toolkit launch PLAN --processes N --cpu -- my_mm_text_sft.py MODEL CHAT.jsonl OUT REPORT
+    toolkit launch PLAN --processes N --cpu -- my_mm_text_sft.py MODEL CHAT.jsonl OUT REPORT [AUTO_CLASS]
 
 The report (rank 0) says what trained: the logged losses, the class loaded, its trainable parameters, and how many
 of the tower's and the language model's tensors moved.
@@ -13,17 +15,19 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 from datasets import load_dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from toolkit.train.own_script import model_kwargs, sft_config
 
 model_dir, data, out, report = sys.argv[1:5]
+auto_class = getattr(transformers, sys.argv[5] if len(sys.argv) > 5 else "AutoModelForCausalLM")
 plan = json.loads((Path(os.environ["TOOLKIT_PLAN_DIR"]) / "plan.json").read_text())
 config = SFTConfig(output_dir=out, max_steps=3, learning_rate=2e-2, logging_steps=1, save_strategy="no",
                    report_to=[], **sft_config())
-model = AutoModelForCausalLM.from_pretrained(model_dir, **model_kwargs())
+model = auto_class.from_pretrained(model_dir, **model_kwargs())
 tower_paths = tuple(plan["model_parts"]["vision_modules"])
 if plan.get("vision_tower") == "freeze":  # plan.json leaves out the default, "train"
     for path in tower_paths:
