@@ -137,9 +137,7 @@ def worker(name: str, model_dir: str, out_path: str) -> None:
         def step() -> float:
             loss = engine(**batch).loss
             if grid.sequence > 1:
-                from deepspeed.utils import groups
-
-                group = groups._get_sequence_parallel_group()
+                group = mpu.get_sequence_parallel_group()  # DeepSpeed's parallel_state_sp, public
                 losses = torch.distributed.nn.functional.all_gather(loss, group=group)
                 tokens = (batch["shift_labels"] != -100).sum()
                 counts = torch.distributed.nn.functional.all_gather(tokens, group=group)

@@ -313,7 +313,8 @@ def test_own_trainer_script_on_zero2_x_sp2_trains_on_one_process_gradient(tmp_pa
     assert norms["sp"] == pytest.approx(norms["one"], rel=1e-3)
     # The same plan folder with a plain accelerate loop (tests/story/my_sp_loop.py), written from PLAN.md's lines
     plan_md = (copy / "PLAN.md").read_text()
-    assert "_get_sequence_parallel_group()" in plan_md and "torch.distributed.nn.functional.all_gather" in plan_md
+    assert "parallel_state_sp.get_sequence_parallel_group()" in plan_md
+    assert "torch.distributed.nn.functional.all_gather" in plan_md
     shutil.copy(STORY / "my_sp_loop.py", tmp_path / "my_sp_loop.py")
     loops = {}
     for name, folder in (("one", tmp_path / "one"), ("sp", copy)):

@@ -39,14 +39,14 @@ sequence_parallel = pc is not None and pc.sp_enabled
 def sp_loss(batch):
     """The mean over the whole sequence: each shard's summed loss and token count, all-gathered over the SP group
     with torch's differentiable all_gather (as transformers' Trainer does under SP)."""
-    from deepspeed.utils import groups
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     shift_labels = batch.pop("shift_labels")
     logits = model(**batch).logits
     summed = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=-100,
                              reduction="sum")
     tokens = (shift_labels != -100).sum()
-    group = groups._get_sequence_parallel_group()
+    group = parallel_state_sp.get_sequence_parallel_group()
     summed_all = torch.distributed.nn.functional.all_gather(summed, group=group)
     tokens_all = torch.distributed.nn.functional.all_gather(tokens, group=group)
     return torch.stack(summed_all).sum() / torch.stack(tokens_all).sum()

@@ -102,21 +102,35 @@ def sequence_parallel_collator(base):
     return collate
 
 
-def sp_gradient_factor(engine) -> float:
+def ulysses_groups(sp: int):
+    """DeepSpeed's Ulysses process groups for a run with `sp` > 1 sequence-parallel ranks, else None: the module
+    deepspeed.runtime.sequence_parallel.parallel_state_sp, whose public get_sequence_parallel_group /
+    _world_size / _rank and get_sequence_data_parallel_world_size read the groups that
+    UlyssesSPAttentionHF.register_with_transformers built (it returns this module as the mpu accelerate hands
+    deepspeed.initialize, and accelerate calls its get_sequence_parallel_group itself; docs/ENGINE_FACTS.md,
+    "DeepSpeed's SP group by its public name"). Its getters assert when no SP group was built, so callers ask only
+    with sp > 1 (the run's ParallelismConfig.sp_size)."""
+    if sp <= 1:
+        return None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp
+
+
+def sp_gradient_factor(engine, sp: int) -> float:
     """What the SP loss's gradient must be multiplied by so that a DeepSpeed engine ends with the single-process
     gradient (docs/ENGINE_FACTS.md, "ZeRO-1/2 x Ulysses SP: the gradient counted sp times"): 1 / sp where the
     engine's config sums the SP ranks (toolkit.emit.deepspeed.sp_gradient_multiple), else 1. transformers' SP loss
     (integrations/deepspeed.py `deepspeed_sp_compute_loss`) all-gathers each rank's loss with torch's differentiable
     all_gather, whose backward sums the SP ranks' incoming gradients, so each rank's gradient of its own tokens comes
     back sp times; the plan's own JSON makes ZeRO-1/2 divide it out (average_over_sp_ranks), a config from elsewhere
-    may not."""
-    from deepspeed.utils import groups
-
+    may not. `sp`: the run's SP degree (ParallelismConfig.sp_size)."""
     from toolkit.emit.deepspeed import sp_gradient_multiple
 
-    sp = groups._get_sequence_parallel_world_size()
-    multiple = sp_gradient_multiple(engine._config._param_dict, sp=sp,
-                                    group_ranks=groups._get_sequence_data_parallel_world_size())
+    if (groups := ulysses_groups(sp)) is None:
+        return 1.0
+    multiple = sp_gradient_multiple(engine._config._param_dict, sp=groups.get_sequence_parallel_world_size(),
+                                    group_ranks=groups.get_sequence_data_parallel_world_size())
     return 1.0 / multiple
 
 
@@ -133,5 +147,6 @@ class SequenceParallelGradient:
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         if not (self.is_deepspeed_enabled and model.training):
             return out
-        factor = sp_gradient_factor(self.model_wrapped)
+        pc = self.accelerator.parallelism_config
+        factor = sp_gradient_factor(self.model_wrapped, pc.sp_size if pc is not None else 1)
         return (scale_gradient(out[0], factor), *out[1:]) if return_outputs else scale_gradient(out, factor)
