@@ -174,3 +174,53 @@ def test_rehearsal_of_a_context_parallel_plan_is_refused_in_one_line(tiny_llama_
     plan = plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=8, micro_batch=1, seq_len=256, context=2)
     with pytest.raises(UserError, match="cannot rehearse on CPU: context parallelism needs a GPU"):
         launch_main(emit_plan_files(plan, tmp_path / "p"), [], rehearse=True)
+
+
+def _blocks_corpus(corpus_dir, tokenizer_dir, out, blocks: int):
+    """A data folder whose train.txt packs into exactly `blocks` blocks of SEQ tokens (its first lines; the same
+    validation.txt), checked with toolkit.train's own packing."""
+    from transformers import AutoTokenizer
+
+    from toolkit.train.data import build_datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    lines, tokens = [], 0
+    for line in (corpus_dir / "train.txt").read_text().splitlines():
+        if tokens >= blocks * SEQ + SEQ // 2:
+            break
+        lines.append(line)
+        if line.strip():
+            tokens += len(tokenizer(line, add_special_tokens=False)["input_ids"]) + 1  # + the EOS packing adds
+    out.mkdir()
+    (out / "train.txt").write_text("\n".join(lines) + "\n")
+    (out / "validation.txt").write_text((corpus_dir / "validation.txt").read_text())
+    train, _ = build_datasets(str(out), tokenizer, SEQ, eval_fraction=0.0, seed=7)
+    assert len(train) == blocks
+    return out
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_epochs_end_in_a_partial_window_as_one_process_does(runs_side_by_side, tiny_llama_dir,
+                                                                             corpus_dir, tmp_path):
+    """Issue 32: the last accumulation window of an epoch under Ulysses SP. 6 blocks; ZeRO-3 x SP 2 (dp 1) at micro
+    1 x accumulation 4: each rank's loader holds 3 blocks, DeepSpeed's adapter hands out 6 micro-batches an epoch
+    (each rank's block, sharded over both ranks), so the windows are 4 and 2 blocks; one process at micro 2 x
+    accumulation 2 sees the same blocks in the same windows. 4 steps = 2 epochs. Without
+    toolkit.train.dimensions.close_each_pass the adapter learns its loader is spent only in the second epoch's
+    first read: that epoch trained nothing (its first window empty, its partial window never stepped), 2 steps in
+    all (measured 2026-12-04)."""
+    data = _blocks_corpus(corpus_dir, tiny_llama_dir, tmp_path / "six", blocks=6)
+    argv = ("--data", str(data), "--max-steps", "4", "--logging-steps", "1", "--save-steps", "4", "--lr", "3e-3",
+            "--lr-scheduler", "constant", "--seed", "7", "--max-eval-blocks", "1", "--no-save-final")
+    runs = runs_side_by_side({
+        "one": (plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=2, grad_accum=2, seq_len=SEQ),
+                "epochs-one", *argv),
+        "sp": (plan_for_model(tiny_llama_dir, "zero3", gpus_per_node=2, micro_batch=1, grad_accum=4, seq_len=SEQ,
+                              sequence=2), "epochs-sp", *argv)}, timeout=600)
+    one, sp = runs["one"].check(), runs["sp"].check()
+    ref = one.losses()
+    assert len(ref) == 4 and one.ranks[0]["global_step"] == 4
+    for rank in range(2):
+        assert sp.ranks[rank]["global_step"] == 4, sp.ranks[rank]["log_history"]
+        assert sp.losses(rank) == pytest.approx(ref, abs=LOSS_TOLERANCE), (rank, sp.losses(rank), ref)
+        assert sp.grad_norms(rank) == pytest.approx(one.grad_norms(), rel=1e-3), rank

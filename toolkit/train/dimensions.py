@@ -102,6 +102,47 @@ def sequence_parallel_collator(base):
     return collate
 
 
+def close_each_pass() -> None:
+    """Make DeepSpeed's Ulysses data-loader adapter start every epoch at the start of the loader it wraps.
+
+    UlyssesSPDataLoaderAdapter (deepspeed 0.19.8 runtime/sequence_parallel/ulysses_sp.py) is its own iterator
+    (`__iter__` returns self) and learns that the wrapped loader is spent only when a `refill` after its last batch
+    meets StopIteration, which it re-raises after taking a fresh iterator. The HF Trainer asks each epoch for exactly
+    `len(loader) x sp` micro-batches (trainer.py `set_initial_training_values`, `_run_epoch`), so the first epoch
+    never makes that extra call: the second epoch's first window gets StopIteration at once and trains nothing, its
+    micro-batches shift one window late, and where the epoch ends in a partial accumulation window (len x sp not a
+    multiple of the accumulation) that window's gradient is carried, unstepped, into the third epoch's first step
+    (docs/ENGINE_FACTS.md, "The last accumulation window of an epoch under Ulysses SP"). Patched: `__iter__` closes
+    a pass whose every batch was served (one more read of the spent iterator, which lets accelerate's DataLoaderShard
+    count its epoch, so the next pass reshuffles as without SP) and starts the next from the loader's start; a pass
+    left part-read is continued, as before. Idempotent."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter as Adapter
+
+    if getattr(Adapter.__iter__, "toolkit_closes_passes", False):
+        return
+    refill = Adapter.refill
+
+    def counted_refill(self):
+        try:
+            refill(self)
+        except StopIteration:  # the adapter took a fresh iterator of the loader itself
+            self.toolkit_served = 0
+            raise
+        self.toolkit_served = getattr(self, "toolkit_served", 0) + 1
+
+    def __iter__(self):
+        if getattr(self, "toolkit_served", 0) >= len(self.dl) and not self.micro_batches:
+            for _ in self.iter:  # a spent iterator: this only runs its end (accelerate's epoch count, end())
+                pass
+            self.iter = iter(self.dl)
+            self.toolkit_served = 0
+        return self
+
+    __iter__.toolkit_closes_passes = True
+    Adapter.refill = counted_refill
+    Adapter.__iter__ = __iter__
+
+
 def ulysses_groups(sp: int):
     """DeepSpeed's Ulysses process groups for a run with `sp` > 1 sequence-parallel ranks, else None: the module
     deepspeed.runtime.sequence_parallel.parallel_state_sp, whose public get_sequence_parallel_group /

@@ -467,7 +467,9 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
                                 callbacks=callbacks, throughput=throughput)
     sequence_parallel = plan.sequence_parallel > 1
     collator = collator or default_data_collator  # an image plan's: toolkit.train.imagedata.image_collator
-    collator = dimensions.sequence_parallel_collator(collator) if sequence_parallel else collator
+    if sequence_parallel:  # Ulysses: position_ids in every batch, each epoch from the loader's start
+        collator = dimensions.sequence_parallel_collator(collator)
+        dimensions.close_each_pass()
     trainer = PlanTrainer(model=model, args=training_args, train_dataset=train_data,
                           eval_dataset=eval_data if eval_data is not None else None,
                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
