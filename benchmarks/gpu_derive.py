@@ -18,6 +18,13 @@ From a --timing run (gpu_timing.json):
                               hidden term, with sequence its attention factor
   engine overhead             each engine's step over DDP's for the same model and batch, minus 1 (world of one)
   pipeline overhead           (pipeline engine - DDP) / M seconds per micro-batch, from the M = 8 pair
+Which rows count (the shared-process rule, benchmarks/data/gpu_day_2026-12-04/README.md): gpu_check.py runs
+every case of a set in one process and the engines do not give their memory back, so in gpu_check.json and
+gpu_timing.json a row measured after the first non-DDP case (ZeRO, FSDP2, pipeline, LoRA) is contaminated: its memory
+carries the earlier engines' and its step can run slower (`pipe ddp ... M1` 0.082 s after the engines against the
+same job's 0.073 s before them). Such a row is replaced by the same label's row of gpu_isolated.json (each case in a
+process of its own) where that file has it, else by a clean row of the same job (engine, width, micro-batch,
+sequence, accumulation, checkpointing, precision), else kept and marked contaminated; the derived files say which.
 From a --memory-edge run (gpu_memory_edge.json), per case and allocator setting:
   slowdown per headroom       median capped step / median uncapped step - 1, beside the allocator's retries per step
   speed headroom              the smallest headroom over the measured tensor peak at which the step, and every step
@@ -34,9 +41,46 @@ import sys
 from pathlib import Path
 
 
-def derive(results: dict) -> dict:
-    rows = [r for r in results["rows"] if "allocated_measured" in r]
-    out: dict = {"meta": results["meta"], "engines": {}, "cases": []}
+SHARED_ENGINES = frozenset({"ddp"})
+"""Engines that leave nothing behind in gpu_check's shared process: DDP here is a plain module with a fused AdamW."""
+JOB_FIELDS = ("strategy", "hidden", "micro_batch", "seq_len", "accum", "checkpointing", "precision", "liger")
+
+
+def _job(row: dict) -> tuple:
+    return tuple(row.get(k, 1 if k == "accum" else None) for k in JOB_FIELDS)
+
+
+def select_rows(results: dict, isolated: dict | None = None, source: str | None = None) -> list[dict]:
+    """The shared-process rule (module docstring): each measured row of `results` in order, marked `clean`, with
+    a contaminated row replaced by `isolated`'s row of the same label (and source file, where the isolated row
+    names one) or by a clean row of the same job. Rows of an isolated file are all clean."""
+    alone = {r["label"]: r for r in (isolated or {}).get("rows", [])
+             if "step_measured_s" in r and r.get("source", source) == source}
+    # A case that failed in the shared process (an error row) still counts when it was measured alone.
+    measured = [r for r in results["rows"]
+                if "step_measured_s" in r or "allocated_measured" in r or r.get("label") in alone]
+    if all(r.get("isolated") for r in measured):
+        return [{**r, "clean": True, "from": "isolated"} for r in measured]
+    out, dirty = [], False
+    for r in measured:
+        out.append({**r, "clean": not dirty and "error" not in r, "from": "shared"})
+        dirty = dirty or r.get("strategy") not in SHARED_ENGINES
+    clean_jobs = {_job(r): r for r in out if r["clean"]}
+    for i, r in enumerate(out):
+        if r["clean"]:
+            continue
+        if r["label"] in alone:
+            out[i] = {**alone[r["label"]], "clean": True, "from": "isolated"}
+        elif _job(r) in clean_jobs:
+            twin = clean_jobs[_job(r)]
+            out[i] = {**twin, "label": r["label"], "clean": True, "from": f"same job: {twin['label']}"}
+    return out
+
+
+def derive(results: dict, isolated: dict | None = None, source: str | None = None) -> dict:
+    chosen = select_rows(results, isolated, source)
+    rows = [r for r in chosen if "allocated_measured" in r and r["clean"]]
+    out: dict = {"meta": results["meta"], "engines": {}, "cases": [], "rows": _row_sources(chosen)}
     if "context_bytes" in results["meta"]:
         out["context_bytes"] = results["meta"]["context_bytes"]
     by_engine: dict[str, list[dict]] = {}
@@ -62,24 +106,55 @@ def derive(results: dict) -> dict:
     return out
 
 
+def _row_sources(chosen: list[dict]) -> list[dict]:
+    return [{"label": r["label"], "clean": r["clean"], "from": r["from"]} for r in chosen]
+
+
+def render_sources(d: dict) -> list[str]:
+    """The prose saying which rows were used and where from (the shared-process rule)."""
+    rows = d.get("rows", [])
+    if not rows:
+        return []
+    replaced = [r for r in rows if r["clean"] and r["from"] != "shared"]
+    dirty = [r["label"] for r in rows if not r["clean"]]
+    if all(r["from"] == "isolated" for r in rows):
+        return ["Every row was measured in a process of its own (gpu_isolated.json): all clean.", ""]
+    out = [f"Rows: {len(rows)}; measured clean in the shared process: "
+           f"{sum(r['from'] == 'shared' and r['clean'] for r in rows)} (before the first non-DDP case, and that "
+           "case itself)."]
+    if replaced:
+        out.append("Replaced because the shared-process row is contaminated (module docstring's rule): "
+                   + "; ".join(f"`{r['label']}` by {'its gpu_isolated.json row' if r['from'] == 'isolated' else r['from']}"
+                               for r in replaced) + ".")
+    if dirty:
+        out.append("Contaminated and not used (no isolated row, no clean row of the same job): "
+                   + ", ".join(f"`{x}`" for x in dirty) + ".")
+    return out + [""]
+
+
 def render(d: dict) -> str:
     m = d["meta"]
     lines = [f"# GPU constants derived from gpu_check ({m.get('device')}, torch {m.get('torch')}, "
              f"CUDA {m.get('cuda', '-')}, {m.get('date')})", ""]
     if "context_bytes" in d:
         lines += [f"CUDA context + cuBLAS workspace outside the allocator: {d['context_bytes'] / 2**30:.2f} GiB", ""]
+    lines += render_sources(d)
     lines += ["| engine | cases | reserved / allocated (median) | worst peak error | measured MFU (median) |",
               "|---|---|---|---|---|"]
     for engine, e in d["engines"].items():
-        lines.append(f"| {engine} | {e['cases']} | {e['reserved_over_allocated_median']:.3f} | "
-                     f"{e.get('peak_error_worst', float('nan')):+.1%} | {e.get('mfu_measured_median', float('nan')):.2f} |")
+        worst = f"{e['peak_error_worst']:+.1%}" if "peak_error_worst" in e else "not predicted"
+        mfu = f"{e['mfu_measured_median']:.2f}" if "mfu_measured_median" in e else "-"
+        lines.append(f"| {engine} | {e['cases']} | {e['reserved_over_allocated_median']:.3f} | {worst} | {mfu} |")
     return "\n".join(lines) + "\n"
 
 
-def derive_timing(results: dict) -> dict:
-    """The step-time model's checks from a --timing run (labels as benchmarks/gpu_check.timing_cases names them)."""
-    rows = {r["label"]: r for r in results["rows"] if "step_measured_s" in r}
-    out: dict = {"meta": results["meta"], "efficiency": [], "engine_overhead": {}, "pipeline": {}}
+def derive_timing(results: dict, isolated: dict | None = None, source: str | None = None) -> dict:
+    """The step-time model's checks from a --timing run (labels as benchmarks/gpu_check.timing_cases names them),
+    from its clean rows (select_rows)."""
+    chosen = select_rows(results, isolated, source)
+    rows = {r["label"]: r for r in chosen if "step_measured_s" in r and r["clean"]}
+    out: dict = {"meta": results["meta"], "efficiency": [], "engine_overhead": {}, "pipeline": {},
+                 "rows": _row_sources(chosen)}
     for label, r in rows.items():
         if label.startswith("eff "):
             out["efficiency"].append({"label": label, "tokens_per_micro_step": r["micro_batch"] * r["seq_len"],
@@ -105,7 +180,7 @@ def derive_timing(results: dict) -> dict:
 def render_timing(d: dict) -> str:
     m = d["meta"]
     lines = [f"# Step-time checks from gpu_check --timing ({m.get('device')}, torch {m.get('torch')}, {m.get('date')})",
-             "", "| case | tokens / micro-step | hidden | predicted / measured |", "|---|---|---|---|"]
+             "", *render_sources(d), "| case | tokens / micro-step | hidden | predicted / measured |", "|---|---|---|---|"]
     for e in sorted(d["efficiency"], key=lambda e: (e["hidden"] or 0, e["tokens_per_micro_step"])):
         lines.append(f"| {e['label']} | {e['tokens_per_micro_step']:,} | {e['hidden']} | {e['step_ratio']:.3f} |")
     lines += ["", "| engine (world of one) | step over DDP's, - 1 |", "|---|---|"]
@@ -205,14 +280,17 @@ def render_memory_edge(d: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     path = Path((argv or sys.argv[1:] or [str(Path(__file__).parent / "results" / "gpu_check.json")])[0])
     results = json.loads(path.read_text())
+    alone = path.parent / "gpu_isolated.json"
+    isolated = json.loads(alone.read_text()) if alone.exists() and alone != path else None
     if path.name == "gpu_timing.json":
-        d, stem = derive_timing(results), "gpu_timing_derived"
+        d, stem = derive_timing(results, isolated, path.name), "gpu_timing_derived"
         text = render_timing(d)
     elif path.name == "gpu_memory_edge.json":
         d, stem = derive_memory_edge(results), "gpu_memory_edge_derived"
         text = render_memory_edge(d)
     else:
-        d, stem = derive(results), "gpu_derived"
+        d = derive(results, isolated, path.name)
+        stem = "gpu_isolated_derived" if path.name == "gpu_isolated.json" else "gpu_derived"
         text = render(d)
     (path.parent / f"{stem}.json").write_text(json.dumps(d, indent=1) + "\n")
     (path.parent / f"{stem}.md").write_text(text)

@@ -69,10 +69,10 @@ def test_derive_reads_allocator_ratio_and_errors():
 
     gib = 2**30
     results = {"meta": {"device": "NVIDIA H200", "context_bytes": int(0.6 * gib)}, "rows": [
-        {"label": "a", "strategy": "fsdp2", "checkpointing": False, "allocated_measured": 40 * gib,
+        {"label": "a", "isolated": True, "strategy": "fsdp2", "checkpointing": False, "allocated_measured": 40 * gib,
          "reserved_measured": 44 * gib, "allocated_predicted": 42 * gib, "reserved_predicted": 44 * gib,
          "step_measured_s": 2.0, "step_predicted_s": 1.0, "mfu_predicted": 0.45},
-        {"label": "b", "strategy": "fsdp2", "checkpointing": True, "allocated_measured": 20 * gib,
+        {"label": "b", "isolated": True, "strategy": "fsdp2", "checkpointing": True, "allocated_measured": 20 * gib,
          "reserved_measured": 24 * gib, "allocated_predicted": 19 * gib, "reserved_predicted": 20 * gib,
          "step_measured_s": 1.0, "step_predicted_s": 1.0, "mfu_predicted": 0.45},
         {"label": "c", "skipped": "peft is not installed"}]}
@@ -104,7 +104,7 @@ def test_derive_timing_reads_efficiency_engine_and_pipeline_overheads():
 
     def row(label, strategy, step, accum=1, predicted=1.0, mb=2, seq=2048):
         return {"label": label, "strategy": strategy, "step_measured_s": step, "step_predicted_s": predicted,
-                "accum": accum, "micro_batch": mb, "seq_len": seq, "hidden": 2048}
+                "accum": accum, "micro_batch": mb, "seq_len": seq, "hidden": 2048, "isolated": True}
 
     d = derive_timing({"meta": {"device": "NVIDIA H200"}, "rows": [
         row("eff ddp llama-1b s2048 mb2", "ddp", 2.0),
@@ -116,6 +116,40 @@ def test_derive_timing_reads_efficiency_engine_and_pipeline_overheads():
     assert abs(d["engine_overhead"]["zero3"] - 0.25) < 1e-9
     assert abs(d["pipeline"]["8"]["per_micro_batch_s"] - 0.1) < 1e-9
     assert abs(d["pipeline"]["8"]["per_micro_batch_fraction"] - 0.2) < 1e-9
+
+
+def test_derive_timing_prefers_isolated_rows_where_the_shared_process_is_contaminated():
+    """Synthetic rows (not a measurement): after the first non-DDP case of a shared process the rows are
+    contaminated; zero3's is replaced by its isolated row, the late DDP row by the clean row of the same job, and
+    a late row with neither is left out and named."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_derive import derive_timing, render_timing
+
+    def row(label, strategy, step, mb=2, accum=1, **extra):
+        return {"label": label, "strategy": strategy, "step_measured_s": step, "step_predicted_s": 1.0,
+                "accum": accum, "micro_batch": mb, "seq_len": 2048, "hidden": 2048, **extra}
+
+    shared = {"meta": {"device": "NVIDIA H200"}, "rows": [
+        row("eff ddp llama-1b s2048 mb1", "ddp", 1.0, mb=1), row("engine ddp llama-1b s2048 mb2", "ddp", 2.0),
+        row("engine zero2 llama-1b s2048 mb2", "zero2", 3.0), row("engine zero3 llama-1b s2048 mb2", "zero3", 9.0),
+        row("pipe ddp llama-1b s2048 mb1 M1", "ddp", 1.5, mb=1), row("pipe ddp llama-1b s2048 mb1 M8", "ddp", 9.0,
+                                                                    mb=1, accum=8),
+        row("pipe pipeline1 llama-1b s2048 mb1 M1", "pipeline1", 1.8, mb=1)]}
+    isolated = {"rows": [row("engine zero3 llama-1b s2048 mb2", "zero3", 6.0, source="gpu_timing.json",
+                             isolated=True),
+                         row("engine zero3 llama-1b s2048 mb2", "zero3", 99.0, source="gpu_check.json",
+                             isolated=True)]}
+    d = derive_timing(shared, isolated, "gpu_timing.json")
+    assert abs(d["engine_overhead"]["zero2"] - 0.5) < 1e-9  # the first non-DDP case is itself clean
+    assert abs(d["engine_overhead"]["zero3"] - 2.0) < 1e-9  # 6.0 alone, not 9.0 shared nor gpu_check's 99.0
+    # M1: the pipeline row (late, no isolated row) is left out; the DDP partner is the clean eff row's 1.0 s.
+    assert d["pipeline"] == {}
+    sources = {r["label"]: r for r in d["rows"]}
+    assert sources["pipe ddp llama-1b s2048 mb1 M1"]["from"] == "same job: eff ddp llama-1b s2048 mb1"
+    assert not sources["pipe ddp llama-1b s2048 mb1 M8"]["clean"]
+    text = render_timing(d)
+    assert "`pipe ddp llama-1b s2048 mb1 M8`, `pipe pipeline1 llama-1b s2048 mb1 M1`" in text
+    assert "zero3" not in derive_timing(shared)["engine_overhead"]  # contaminated and nothing to replace it
 
 
 def test_multi_gpu_runs_list_context_parallelism_and_skip_without_gpus(tmp_path):
