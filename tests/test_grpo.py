@@ -270,6 +270,22 @@ def test_plan_names_the_colocate_window_of_its_first_row():
     assert "no band" in line
 
 
+def test_a_colocate_share_that_leaves_training_too_little_refuses_every_row_with_the_window(tmp_path):
+    """vllm_gpu_memory_utilization 0.95 leaves 5% of each GPU to training, so no strategy fits: the plan lists each
+    one's colocate refusal with the feasible window and writes nothing. The planner does not try tiling for GRPO
+    (GRPOTrainer refuses --tiled), which ended such a plan in an unrelated '--loss trl with --tiled' error."""
+    out = tmp_path / "plan"
+    code, text, err = _cli("plan", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "grpo",
+                           "--max-completion-length", "1024", "--global-batch", "64", "--use-vllm",
+                           "--vllm-gpu-memory-utilization", "0.95", "--strategies", "zero3,zero3-offload", "--out",
+                           str(out))
+    assert (code, err) == (1, "") and not out.exists()
+    refused = [x for x in text.splitlines() if x.startswith(("  zero3:", "  zero3-offload:"))]
+    assert len(refused) == 2
+    assert all("vllm_gpu_memory_utilization 0.95" in x and "feasible vllm_gpu_memory_utilization 0." in x
+               for x in refused)
+
+
 def test_vllm_tensor_parallel_splits_its_weights_and_moves_the_window():
     """vllm_tensor_parallel_size 2: each GPU of a vLLM group holds half the bf16 weights, so vLLM's share may be
     smaller: the window's low end drops by half the weights' share of the GPU."""

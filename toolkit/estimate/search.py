@@ -358,8 +358,8 @@ def auto_tiling(spec: ModelSpec, strategy: Strategy, req: Request) -> bool:
     """Whether the planner tries `strategy` tiled by itself: the request leaves tiling to it (Request.tiled None) and
     the engines and the model take it (the rules --tiled is refused by: toolkit.inputs.job.tiled_problem and
     model_feature_problem)."""
-    if req.tiled is not None or req.loss != "model":  # TRL's chunked NLL replaces the tiled logits + loss
-        return False
+    if req.tiled is not None or req.loss != "model" or req.dpo or req.grpo:  # TRL's chunked heads (NLL, DPO, GRPO)
+        return False  # replace the tiled logits + loss, and dpo_problem / grpo_problem refuse --tiled
     from toolkit.inputs.job import tiled_problem
 
     return tiled_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
