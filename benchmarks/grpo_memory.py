@@ -2,17 +2,18 @@
 
     python benchmarks/grpo_memory.py     # writes benchmarks/results/grpo_memory.{md,json}
 
-In one process, a tiny Llama (random weights, fp32, eager CPU kernels) is trained by TRL's own GRPOTrainer with a
-rule reward, once in fp32 (bf16=False) and once under bf16 autocast (bf16=True, GRPOConfig's own default, fp32
-weights and optimizer; on CPU torch's bf16 autocast), on prompts of unequal lengths (left-padded, as the estimate
-assumes). Its own _prepare_inputs generates and scores the completions; after one unmeasured step (the optimizer's
-states exist), the training phase (TRL's compute_loss on those inputs, backward and the AdamW step) runs under
-torch's MemTracker, then the next generation step (_prepare_inputs: transformers' generate with TRL's sampling
-settings, the rewards) under MemTracker (toolkit.estimate.livebytes.generation_peak_bytes). Completions are sampled
-to the full length (asserted; random weights rarely sample the end token). The prediction is
-toolkit.estimate.memory.estimate_memory for the same job (DDP on one GPU, precision fp32 or bf16, device kind cpu,
-eager attention, GRPO with the measured prompt length): its training-phase peak, and its generation phase (the model
-states held between steps and toolkit.estimate.grpo.generate_peak_bytes).
+In one process, a tiny Llama (random weights, eager CPU kernels) is trained by TRL's own GRPOTrainer with a
+rule reward, once in fp32 (bf16=False), once under bf16 autocast (bf16=True, GRPOConfig's own default, fp32
+weights and optimizer; on CPU torch's bf16 autocast) and once with its weights loaded in bf16 (bf16-pure), on
+prompts of unequal lengths (left-padded, as the estimate assumes). Its own _prepare_inputs generates and scores the
+completions; after one unmeasured step (the optimizer's states exist), the training phase (TRL's compute_loss on
+those inputs, backward and the AdamW step) runs under torch's MemTracker, then the next generation step
+(_prepare_inputs: transformers' generate with TRL's sampling settings, the rewards) under MemTracker
+(toolkit.estimate.livebytes.generation_peak_bytes). Completions are sampled to the full length (asserted; random
+weights rarely sample the end token). The prediction is toolkit.estimate.memory.estimate_memory for the same job
+(DDP on one GPU, the row's precision, device kind cpu, eager attention, GRPO with the measured prompt length): its
+training-phase peak, and its generation phase (the model states held between steps and
+toolkit.estimate.grpo.generate_peak_bytes).
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ CASES = (  # (sequences a micro-batch, generations per prompt, completion tokens
     (8, 4, 32, 6),
     (16, 8, 64, 6),
 )
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "bf16-pure")
 """toolkit's precision and GRPOConfig's bf16 for it: GRPOConfig defaults bf16 to True (trl/trainer/grpo_config.py),
-so an fp32 run must say bf16=False, as toolkit's emitted training_args.json does (toolkit/emit/user_settings.py)."""
+so an fp32 run must say bf16=False, as toolkit's emitted training_args.json does (toolkit/emit/user_settings.py).
+bf16-pure loads the weights in bf16 (WEIGHT_DTYPES), so generate holds bf16 weights and a bf16 cache, as a policy
+held in bf16 (DeepSpeed's bf16, a bf16-loaded model) generates."""
+WEIGHT_DTYPES = {"fp32": "float32", "bf16": "float32", "bf16-pure": "bfloat16"}
+"""The dtype the harness loads the weights in for each precision: mixed bf16 keeps fp32 weights under autocast."""
 
 
 def _length_reward(completions, **kwargs):
@@ -79,14 +84,15 @@ def measure(model_dir: Path, precision: str, sequences: int, generations: int, c
     from toolkit.inputs.strategy import parse_strategy
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, WEIGHT_DTYPES[precision]),
+                                                 attn_implementation="eager")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     prompts = Dataset.from_list([{"prompt": " ".join([f"The number {i} is the one we count"] * sentences)
                                   + " again" * (i % 2)} for i in range(sequences)])
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=sequences, num_generations=generations,
                           max_completion_length=completion,
-                          beta=0.0, loss_type="grpo", use_cpu=True, bf16=precision == "bf16", report_to=[],
+                          beta=0.0, loss_type="grpo", use_cpu=True, bf16=precision != "fp32", report_to=[],
                           save_strategy="no",
                           steps_per_generation=1, logging_steps=1000)
         trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=args, train_dataset=prompts,
@@ -147,12 +153,14 @@ def main() -> None:
     lines = ["# GRPO generation and training phases: predicted vs measured memory on CPU", "",
              measured_line("grpo_memory.py"), "",
              "One process, TRL's own GRPOTrainer on a tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads, "
-             "vocabulary 512, random weights loaded in fp32, eager attention), a rule reward (completion length), "
-             "beta 0 (no reference), TRL's per-sequence loss (loss_type grpo), each case twice: precision fp32 "
-             "(GRPOConfig bf16=False) and bf16 (bf16=True, GRPOConfig's default: torch's CPU bf16 autocast over fp32 "
-             "weights and AdamW states). Prompts of one or six sentences, every other one a word longer (left-padded "
-             "to the longest); completions sampled by TRL's settings (temperature 1, top_p 1, top_k 0) reach the full "
-             "length (asserted). torch's MemTracker measures, after one unmeasured step: the training phase "
+             "vocabulary 512, random weights, eager attention), a rule reward (completion length), "
+             "beta 0 (no reference), TRL's per-sequence loss (loss_type grpo), each case three times: precision fp32 "
+             "(GRPOConfig bf16=False), bf16 (bf16=True, GRPOConfig's default: torch's CPU bf16 autocast over fp32 "
+             "weights and AdamW states) and bf16-pure (the weights loaded in bf16, bf16=True: bf16 weights, "
+             "gradients and AdamW states, and generate on bf16 weights with a bf16 cache); the other two load them "
+             "in fp32. Prompts of one or six sentences, every other one a word longer (left-padded to the longest); "
+             "completions sampled by TRL's settings (temperature 1, top_p 1, top_k 0) reach the full length "
+             "(asserted). torch's MemTracker measures, after one unmeasured step: the training phase "
              "(compute_loss, backward, the AdamW step), model, optimizer states and inputs tracked; then the next "
              "generation step, TRL's _prepare_inputs (transformers' generate and the rewards), model and optimizer "
              "tracked (toolkit.estimate.livebytes.generation_peak_bytes). Predicted: `estimate_memory` of the same "
@@ -173,6 +181,7 @@ def main() -> None:
                      f"{r['generation_earlier_error']:+.2%} |")
     worst = max(abs(r["error"]) for r in rows)
     gen = {p: max(abs(r["generation_error"]) for r in rows if r["precision"] == p) for p in PRECISIONS}
+    worst_pure = max(abs(r["error"]) for r in rows if r["precision"] == "bf16-pure")
     lines += ["", f"Training phase: worst |error| {worst:.2%}. The peak is the backward of TRL's chunked log-prob "
               "head (ChunkedLogProbFunction, trl/kernels/chunked_logprob.py): on a device without Triton it scores "
               "every position (sequences x (prompt + completion - 1) rows) into one tile of min(rows, 4,096) x "
@@ -203,6 +212,11 @@ def main() -> None:
               "rotary tables are fp32, k * cos promotes the bf16 projection), bf16 values and autocast's bf16 "
               "weight copies; neither is modelled yet. DeepSpeed's bf16 holds bf16 weights and generates in bf16, "
               "as counted.", "",
+              f"bf16-pure rows: worst generation |error| {gen['bf16-pure']:.2%}, training {worst_pure:.2%}. The "
+              "weights are loaded in bf16, so generate runs as a policy held in bf16 generates (DeepSpeed's bf16, a "
+              "model loaded in bf16): bf16 weights, a bf16 cache and bf16 attention, the sampling's logits copy and "
+              "probabilities in fp32 (generate's own upcast); generate_peak_bytes counts them with 2-byte elements "
+              "and no other change. This is the generation phase at bf16 that the bf16 rows above cannot show.", "",
               "Not measured here: several processes (tests/test_train_grpo.py compares their losses, not their "
               "bytes), sdpa and flash attention (CPU's sdpa kernels are not CUDA's), GPUs.", ""]
     (OUT / "grpo_memory.md").write_text("\n".join(lines))
