@@ -1,9 +1,11 @@
 """Our estimate beside published GPU measurements, like with like.
 
 Every row of benchmarks/data/published_gpu.json (torchtitan, torchao, torchtune and accelerate benchmark runs, PEFT's
-method comparison and LitGPT's resource tables, each with its source) is re-estimated for the same job: the model from its config (presets catalog or
-benchmarks/data/models), the same GPU count, strategy, precision, sequence, micro-batch, checkpointing and
-optimizer implementation. The published peak is compared with the figure of ours that measures the same thing:
+method comparison and LitGPT's resource tables, and the held-out sources, GRPO runs among them, each with its
+source) is re-estimated for the same job: the model from its config (presets catalog or benchmarks/data/models,
+a GRPO row with its generation settings, grpo_of), the same GPU count, strategy, precision, sequence, micro-batch,
+checkpointing and optimizer implementation. The published peak is compared with the figure of ours that measures the
+same thing:
 
   allocated / active   -> Breakdown.peak_bytes (the highest live tensor total; torchtune's active_bytes peak is
                           allocated plus blocks pending free, the same tensors)
@@ -51,7 +53,13 @@ UNMODELLED = {
                        "loss comes with Liger's other kernels",
     "fsdp1": "FSDP1 (FullyShardedDataParallel's flat parameters, as Lightning Fabric's FSDPStrategy wraps each "
              "block) is not modelled; the estimator's sharded data parallel is FSDP2 (per-parameter DTensor shards)",
+    "trl_whole_logits": "TRL 1.10 or earlier: its GRPOTrainer holds the completion tokens' logits whole "
+                        "(docs/ENGINE_FACTS.md, 'GRPO log-probs before TRL's chunked head'), where the installed "
+                        "TRL 1.16 that the estimator traces chunks them; the run is another engine's job",
 }
+TRL_WHOLE_LOGITS = (1, 10, 0)
+"""The newest TRL read here whose GRPO / DPO trainers still take whole logits (main at f2cd57710, 2026-07-24); TRL's
+pull request #7077 (2026-09-05) moved GRPO onto the chunked head that the installed 1.16 runs."""
 
 
 def load_rows() -> list[dict]:
@@ -96,6 +104,8 @@ def unmodelled(job: dict) -> list[str]:
         out.append("fused_linear_ce")
     if job.get("bitsandbytes") and _version(job["bitsandbytes"]) < (0, 43, 2):
         out.append("old_bitsandbytes")
+    if (job.get("grpo") or job.get("dpo")) and _version(job["trl"]) <= TRL_WHOLE_LOGITS:
+        out.append("trl_whole_logits")
     return out
 
 
@@ -152,6 +162,14 @@ def zero_reduce_bucket(job_in: dict) -> int:
     return zero_default("reduce_bucket_size")
 
 
+def grpo_of(job_in: dict):
+    """The data file's `grpo` object (GRPOConfig's names: num_generations, max_prompt_length,
+    max_completion_length, beta, and the vLLM settings where a run used them) -> Job.grpo; None for other rows."""
+    from toolkit.inputs.grpo import Grpo
+
+    return Grpo(**job_in["grpo"]) if job_in.get("grpo") else None
+
+
 def estimate_row(row: dict) -> dict:
     """Our figures for one published row."""
     from toolkit.inputs.grid import grid_of
@@ -176,7 +194,7 @@ def estimate_row(row: dict) -> dict:
               activation_offloading=job_in["activation_offloading"], liger=job_in.get("liger", False),
               compile=job_in.get("compile", False), chunked_loss=chunked_loss(job_in.get("loss", "full-fp32")),
               allocator_conf=job_in.get("allocator_conf", ""), adapter=adapter_of(job_in, spec, row.get("framework", "")),
-              zero_reduce_bucket=zero_reduce_bucket(job_in))
+              zero_reduce_bucket=zero_reduce_bucket(job_in), grpo=grpo_of(job_in))
     strategy = parse_strategy(job_in["strategy"])
     check_job(spec, job, hw, strategy)  # what `toolkit estimate` refuses for this job is not scored
     grid = grid_of(strategy, hw, context=job_in.get("cp", 1), sequence=job_in.get("sp", 1))
@@ -399,7 +417,7 @@ def _liger_sentence(results: list[dict]) -> str:
 
 def _nvidia_smi_sentence(results: list[dict], said: dict) -> str:
     """What the nvidia-smi column is, and which rows a source's nvidia-smi reading scores."""
-    scored = [r["id"] for r in results if any(m["metric"] == "nvidia_smi" for m in r["metrics"])]
+    scored = [r["id"] for r in results if r["modelled"] and any(m["metric"] == "nvidia_smi" for m in r["metrics"])]
     expandable = said.get("expandable_rows", [])
     return ("The nvidia-smi column is our figure for what nvidia-smi would show: reserved + CUDA context + NCCL "
             "buffers (toolkit.estimate.devicememory; cuBLAS's workspaces are inside reserved), the figure plan "
@@ -505,17 +523,51 @@ def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
             f"{_span(results, 'LITHUB')}. ms-swift's image-captioning example (Qwen2.5-VL-7B, LoRA r8 on all "
             "linear layers of the language model, tower and merger frozen, checkpointing on, one COCO image a "
             "sample; its header's '22GiB' is the run's max_memory_reserved; the GPU is not stated) is "
-            f"{_span(results, 'SWIFTEX')}, estimated at its largest image (640 x 640, 529 image tokens) with 64 "
-            "text tokens. Its multi-GPU examples run one job under four engines (Qwen2.5-7B-Instruct, LoRA r8 on "
-            "all linear layers, one short self-cognition sample a GPU, 2 GPUs, the headers' max_memory_reserved): "
+            f"{_span(results, 'SWIFTEX', '-caption')}, estimated at its largest image (640 x 640, 529 image tokens) "
+            "with 64 text tokens. Its multi-GPU examples run one job under four engines (Qwen2.5-7B-Instruct, LoRA "
+            "r8 on all linear layers, one short self-cognition sample a GPU, 2 GPUs, the headers' "
+            "max_memory_reserved): "
             f"DDP {_span(results, 'SWIFTEX', '-DDP')}, ZeRO-2 {_span(results, 'SWIFTEX', '-ZeRO2')}, ZeRO-3 "
             f"{_span(results, 'SWIFTEX', '-ZeRO3')}, FSDP2 {_span(results, 'SWIFTEX', '-FSDP2')}, and the same LoRA "
-            f"job on one GPU (its streaming example) {_span(results, 'SWIFTEX', '-1xGPU-LoRA')}; its one-GPU full "
-            f"fine-tuning example is {_span(results, 'SWIFTEX', '-1xGPU-full')}. At these short sequences the readings "
-            "are the model states and what the engines and the loading leave reserved, so the gaps are not "
-            "activations; what holds them is not established here. Its long-context example (Qwen2.5-7B full "
-            "fine-tuning, ZeRO-3 on 4 H20s, packed 16,384-token rows, Liger, 43 GiB reserved) is not scored: "
-            "`toolkit estimate` refuses --liger with ZeRO-3, a combination this run shows running.")
+            f"job on one GPU (its streaming example) {_span(results, 'SWIFTEX-Qwen2.5-7B', '-1xGPU-LoRA')}; its "
+            f"one-GPU full fine-tuning example is {_span(results, 'SWIFTEX', '-1xGPU-full')}. At these short "
+            "sequences the readings are the model states and what the engines and the loading leave reserved, so "
+            "the gaps are not activations; what holds them is not established here. Its long-context example "
+            "(Qwen2.5-7B full fine-tuning, ZeRO-3 on 4 H20s, packed 16,384-token rows, Liger, 43 GiB reserved) is "
+            "not scored: `toolkit estimate` refuses --liger with ZeRO-3, a combination this run shows running.")
+
+
+def _rl_paragraph(results: list[dict], rows: list[dict]) -> str:
+    """What the GRPO rows (rows with a job.grpo) show: the sources found, why none is scored like for like, and our
+    figure beside the reading where the estimator runs the job."""
+    from toolkit.inputs.choices import GIB
+
+    by_id = {r["id"]: r for r in rows}
+    scored = [r for r in results if by_id[r["id"]]["job"].get("grpo") and r["metrics"]]
+    parts = []
+    for r in scored:
+        row, m = by_id[r["id"]], r["metrics"][0]
+        grpo = row["job"]["grpo"]
+        logits = row["micro_batch"] * (grpo["max_completion_length"] + 1) * _spec(row["job"]["model"]).vocab * 2
+        parts.append(f"{r['id']}: ours {m['ours_gib'][0]:.1f} GiB against the reading's "
+                     f"{m['published_gib']:.0f} ({m['error'][0]:+.0%}); the whole completion logits its TRL keeps "
+                     f"({row['micro_batch']} x {grpo['max_completion_length'] + 1:,} x "
+                     f"{_spec(row['job']['model']).vocab:,} in bf16: {logits / GIB:.1f} GiB, and as much again "
+                     "for their gradient in backward) are not in ours and explain part of it")
+    refused = sorted({u for r in results if by_id[r["id"]]["job"].get("grpo") for u in r["unmodelled"]
+                      if u.startswith("--method")})
+    return ("GRPO rows (issue 29; held out; none is scored, each listed below with its reason and what its source "
+            "leaves unstated). Every published GRPO / DPO memory reading found whose model, GPUs, lengths, "
+            "generations and engine its source states ran TRL before its chunked log-prob head (TRL's README "
+            "quickstart measured for pull request #5759, 1.5.0.dev0; TRL's GRPO QLoRA notebook, 0.27.0.dev0), so "
+            "none is like for like with the installed TRL 1.16 the estimator traces; the notebook's rows also run "
+            f"Liger's fused GRPO loss, which `toolkit estimate` refuses ({'; '.join(refused) or 'none'}). "
+            + ("; ".join(parts) + ". " if parts else "")
+            + "Not kept: reports that give a memory figure without the job that made it (prompt and completion "
+            "lengths, generations, engine), other engines' RL runs (verl, OpenRLHF, ms-swift, Unsloth, simple_GRPO), "
+            "throughput charts published as images only (TRL's vLLM colocate blog), and DPO reports from TRL "
+            "versions that hold whole logits (issue threads on 0.12-era DPOTrainer with their batch or lengths "
+            "missing).")
 
 
 def source_of(row_id: str, splits: dict[str, str]) -> str:
@@ -646,7 +698,7 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               f"{_liger_sentence(results)} {_nvidia_smi_sentence(results, said)}", ""]
     lines += [_lora_sources_paragraph(results, said), ""]
     if rows:
-        lines += [_held_out_paragraph(results, rows), ""]
+        lines += [_held_out_paragraph(results, rows), "", _rl_paragraph(results, rows), ""]
     if speedups:
         lines += ["## torch.compile speed-up", "",
                   "Published pairs that differ only by compile, tokens/s compiled over eager, against the step-time "
