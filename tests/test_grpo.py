@@ -254,10 +254,12 @@ def test_check_judges_an_edited_grpo_config(grpo_plan, tmp_path, num_generations
     assert code != 0 and says in out + err
 
 
-def test_plan_names_the_colocate_window_of_its_first_row():
+def test_plan_names_the_colocate_window_and_ranks_colocate_against_a_server():
     """The must-show's plan (Qwen2.5-7B, 8 generations, 512-token prompts, 1024-token completions, vLLM colocate on
     8xH100-80GB) prints #1's generation share of the step and the feasible vllm_gpu_memory_utilization window, which
-    holds TRL's default 0.3."""
+    holds TRL's default 0.3, the share the plan sets; and ranks that placement against a trl vllm-serve server on 4 of
+    the 8 GPUs (the fewest that leave a training world the global batch 64 splits over: not 7, 6 or 5), planned
+    alike: colocate trains on twice the GPUs and comes first."""
     import re
 
     code, out, err = _cli("plan", "qwen2.5-7b", "--gpus", "8xH100-80GB", "--method", "grpo",
@@ -268,6 +270,23 @@ def test_plan_names_the_colocate_window_of_its_first_row():
     low, high = map(float, re.search(r"feasible vllm_gpu_memory_utilization ([\d.]+) to ([\d.]+)", line).groups())
     assert low <= 0.3 <= high
     assert "no band" in line
+    lines = out.splitlines()
+    head = lines.index("generation placement on these GPUs (global batch 64), ranked by step time:")
+    first, second = lines[head + 1:head + 3]
+    assert first.startswith("  1. vLLM colocate on all 8 GPUs: ")
+    assert f"sets vllm_gpu_memory_utilization 0.3 (feasible {low:.2f} to {high:.2f}" in first
+    assert second.startswith("  2. vLLM server on 4 GPUs (trl vllm-serve), training on 4: ")
+    colocate, server = (float(re.search(r"([\d.]+) s a step", x).group(1)) for x in (first, second))
+    assert colocate < server
+
+
+def test_a_server_takes_the_fewest_gpus_whose_remainder_splits_the_global_batch():
+    from toolkit.estimate.placement import server_gpus
+
+    assert server_gpus(8, 64) == (4, [7, 6, 5])
+    assert server_gpus(8, 56) == (1, [])
+    assert server_gpus(4, 10) == (2, [3])
+    assert server_gpus(4, 7) == (None, [3, 2])
 
 
 def test_a_colocate_share_that_leaves_training_too_little_refuses_every_row_with_the_window(tmp_path):
@@ -284,6 +303,8 @@ def test_a_colocate_share_that_leaves_training_too_little_refuses_every_row_with
     assert len(refused) == 2
     assert all("vllm_gpu_memory_utilization 0.95" in x and "feasible vllm_gpu_memory_utilization 0." in x
                for x in refused)
+    assert "  1. vLLM server on 4 GPUs (trl vllm-serve), training on 4: zero3" in text
+    assert "  2. vLLM colocate on all 8 GPUs: does not fit: " in text
 
 
 def test_vllm_tensor_parallel_splits_its_weights_and_moves_the_window():

@@ -496,6 +496,10 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
                   + (f"; {chosen.memory.notes[0]}" if req.grpo.generation != "generate" else ""))
         _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
+    from toolkit.estimate.placement import placement_lines, placements
+
+    for line in placement_lines(placements(spec, hw, req, candidates), req.global_batch):
+        print(line)
     refused = [c for c in candidates if not c.feasible]
     if refused:
         print("\nnot possible:")

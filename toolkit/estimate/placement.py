@@ -1,0 +1,95 @@
+"""Where a GRPO job's vLLM generation runs on the GPUs it is given (issue 29, Deliver 4): colocated with training on
+every GPU (TRL's vllm_mode "colocate"), or a `trl vllm-serve` server on some of the node's GPUs with training on the
+rest (vllm_mode "server"). Each placement is planned as any job is (plan_candidates, the same global batch) and the
+placements are ranked by the step time of their best row; a placement with no row that fits (colocate without a
+feasible vllm_gpu_memory_utilization, or training that no longer fits on fewer GPUs) comes last with its reason.
+
+The server takes the fewest GPUs over which the rest still split the global batch (TRL requires whole generation
+groups on every training process); its generation is timed as toolkit.estimate.grpo.grpo_step_time times a server
+(decode-bound at the GPU's HBM bandwidth, the training GPUs waiting for it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from toolkit.errors import UserError
+from toolkit.estimate.search import plan_candidates
+from toolkit.inputs.grpo import COLOCATE, SERVER
+
+if TYPE_CHECKING:
+    from toolkit.estimate.candidate import Candidate
+    from toolkit.estimate.request import Request
+    from toolkit.inputs.hardware import Hardware
+    from toolkit.inputs.modelspec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One way to place generation on the job's GPUs, and the best plan of it."""
+
+    words: str
+    """"vLLM colocate on all 8 GPUs" / "vLLM server on 4 GPUs (trl vllm-serve), training on 4"."""
+    best: "Candidate | None"
+    reason: str | None = None
+    """Why no row of this placement fits (None when `best` is one)."""
+
+
+def server_gpus(world: int, global_batch: int) -> tuple[int | None, list[int]]:
+    """The fewest server GPUs (at most half the node) that leave a training world the global batch splits over, and
+    the training worlds tried before it that do not split it."""
+    skipped = []
+    for k in range(1, world // 2 + 1):
+        if global_batch % (world - k) == 0:
+            return k, skipped
+        skipped.append(world - k)
+    return None, skipped
+
+
+def placements(spec: "ModelSpec", hw: "Hardware", req: "Request", colocated: list["Candidate"]) -> list[Placement]:
+    """vLLM colocate (the plan's own rows, `colocated`) against a server on part of the node, best first; nothing for
+    a job that does not generate with vLLM colocate, spans several nodes or searches its batch."""
+    grpo = req.grpo
+    if grpo is None or grpo.generation != COLOCATE or hw.nodes != 1 or not req.global_batch:
+        return []
+    world = hw.gpus_per_node
+    out = [_best(f"vLLM colocate on all {world} GPUs", colocated)]
+    k, skipped = server_gpus(world, req.global_batch)
+    if k is None:
+        out.append(Placement("vLLM server (trl vllm-serve) on part of the node", None,
+                             f"the global batch {req.global_batch} splits over none of "
+                             f"{', '.join(map(str, skipped))} training processes"))
+    else:
+        words = f"vLLM server on {k} GPU{'s' if k > 1 else ''} (trl vllm-serve), training on {world - k}"
+        try:
+            served = plan_candidates(spec, replace(hw, gpus_per_node=world - k),
+                                     replace(req, grpo=replace(grpo, vllm_mode=SERVER)))
+        except UserError as exc:
+            out.append(Placement(words, None, str(exc)))
+        else:
+            out.append(_best(words, served))
+    return sorted(out, key=lambda p: (p.best is None, p.best.timing.step_time_s if p.best else 0.0))
+
+
+def _best(words: str, candidates: list["Candidate"]) -> Placement:
+    best = next((c for c in candidates if c.feasible), None)
+    return Placement(words, best, None if best else next((c.reason for c in candidates), "no strategy"))
+
+
+def placement_lines(found: list[Placement], global_batch: int) -> list[str]:
+    """The ranking as plan prints it."""
+    if not found:
+        return []
+    lines = [f"generation placement on these GPUs (global batch {global_batch}), ranked by step time:"]
+    for i, p in enumerate(found, 1):
+        if p.best is None:
+            lines.append(f"  {i}. {p.words}: does not fit: {p.reason}")
+            continue
+        t = p.best.timing
+        grpo = p.best.job.grpo
+        window = next((n.split(": ", 1)[-1].replace("vllm_gpu_memory_utilization ", "") for n in p.best.memory.notes
+                       if "vllm_gpu_memory_utilization" in n), "")
+        share = f"; sets vllm_gpu_memory_utilization {grpo.vllm_gpu_memory_utilization:g} ({window})"
+        lines.append(f"  {i}. {p.words}: {p.best.name}, {t.step_time_s:.2f} s a step (generation "
+                     f"{t.generation_s:.2f} s)" + (share if grpo.generation == COLOCATE else ""))
+    return lines
