@@ -110,8 +110,38 @@ def _tiny_gemma3_class(out: Path) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    return _tiny_gemma3_class(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+TOWER_TRAIN = ("--max-steps", "3", "--logging-steps", "1", "--save-steps", "3", "--lr", "2e-2")
+"""3 steps at a learning rate large enough that every language weight moves in fp32."""
+
+
+def _tower_plan(model_dir: Path, name: str):
+    """The plan of a tower run by name: "one-TOWER", 1 process at micro-batch 2 (DDP), or "ENGINE-TOWER", 2
+    processes at micro-batch 1 each; TOWER is freeze or train."""
+    from toolkit.run.rehearsal import plan_for_model
+
+    engine, tower = name.split("-")
+    strategy, world, micro = ("ddp", 1, 2) if engine == "one" else (engine, 2, 1)
+    return plan_for_model(model_dir, strategy, gpus_per_node=world, micro_batch=micro, seq_len=32,
+                          vision_tower=tower)
+
+
+@pytest.fixture(scope="module")
+def tower_runs(runs_by_name, tiny_gemma3, corpus_dir):
+    """The tiny Gemma-3 class's toolkit.train runs by name (_tower_plan), each made once: the one-process run of a
+    tower setting serves every 2-process run of it, and starts beside the DDP one."""
+    def arguments(name):
+        return _tower_plan(tiny_gemma3, name), f"mm-{name}", "--data", str(corpus_dir), *TOWER_TRAIN
+
+    return runs_by_name(arguments, together=[("one-freeze", "ddp-freeze"), ("one-train", "ddp-train")])
+
+
 @pytest.mark.multiprocess
-def test_toolkit_train_freezes_the_planned_tower_and_trains_the_language_model(run_training, corpus_dir, tmp_path):
+def test_toolkit_train_freezes_the_planned_tower_and_trains_the_language_model(tower_runs, tiny_gemma3):
     """A tiny Gemma-3 class planned with --vision-tower freeze (DDP, fp32, 1 process): toolkit.train freezes the
     plan's encoder and projector before the Trainer builds its optimizer, so after 3 steps at a large learning rate
     every tower and projector weight is bit-identical to the checkpoint's while the language model's moved; the
@@ -119,15 +149,11 @@ def test_toolkit_train_freezes_the_planned_tower_and_trains_the_language_model(r
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.run.rehearsal import plan_for_model
-
-    model_dir = _tiny_gemma3_class(tmp_path / "tiny-gemma3")
-    plan = plan_for_model(model_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32, vision_tower="freeze")
+    plan = _tower_plan(tiny_gemma3, "one-freeze")
     assert plan.vision_tower == "freeze"
     assert plan.model_parts["vision_modules"] == ["model.vision_tower", "model.multi_modal_projector"]
-    run = run_training(plan, "mm-freeze", "--data", str(corpus_dir), "--max-steps", "3", "--logging-steps", "1",
-                       "--save-steps", "3", "--lr", "2e-2").check()
-    before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    run = tower_runs("one-freeze")
+    before = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32).state_dict()
     after = AutoModelForCausalLM.from_pretrained(run.output, dtype=torch.float32).state_dict()
     tower = [k for k in before if k.startswith(tuple(plan.model_parts["vision_modules"]))]
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)
@@ -156,7 +182,7 @@ def test_the_plan_says_which_model_the_runner_loads_and_whether_the_language_mod
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine, tower", [("ddp", "freeze"), ("zero3", "freeze"), ("fsdp2", "freeze"),
                                            ("ddp", "train")])
-def test_a_frozen_tower_trains_on_two_gloo_processes_as_on_one(engine, tower, run_training, corpus_dir, tmp_path):
+def test_a_frozen_tower_trains_on_two_gloo_processes_as_on_one(engine, tower, tower_runs, tiny_gemma3):
     """The tiny Gemma-3 class with its tower frozen, fp32: 2 processes over gloo (micro-batch 1 each; DDP, ZeRO-3
     partitioning the frozen tower with the rest, FSDP2 sharding groups that mix frozen and trained parameters) give
     the losses of 1 process with micro-batch 2, within 1e-3, and leave the tower as loaded. Trained (the default),
@@ -164,20 +190,13 @@ def test_a_frozen_tower_trains_on_two_gloo_processes_as_on_one(engine, tower, ru
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.run.rehearsal import plan_for_model
-
-    model_dir = _tiny_gemma3_class(tmp_path / "tiny-gemma3")
-    common = ("--data", str(corpus_dir), "--max-steps", "3", "--logging-steps", "1", "--save-steps", "3",
-              "--lr", "2e-2")
-    one = run_training(plan_for_model(model_dir, "ddp", gpus_per_node=1, micro_batch=2, seq_len=32,
-                                      vision_tower=tower), f"mm-one-{engine}-{tower}", *common).check()
-    two = run_training(plan_for_model(model_dir, engine, gpus_per_node=2, micro_batch=1, seq_len=32,
-                                      vision_tower=tower), f"mm-two-{engine}-{tower}", *common).check()
+    one, two = tower_runs(f"one-{tower}"), tower_runs(f"{engine}-{tower}")
+    assert len(two.ranks) == 2 and len(one.ranks) == 1
     ref, got = one.losses(), two.losses()
     assert got.keys() == ref.keys() and len(ref) == 3
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-3), (engine, step, got, ref)
-    before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    before = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32).state_dict()
     after = AutoModelForCausalLM.from_pretrained(two.output, dtype=torch.float32).state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("model.vision_tower"))
 
@@ -227,7 +246,7 @@ def test_a_copied_text_plan_of_the_class_runs_a_users_trl_sft_script_on_2_proces
     model_dir = build(tmp_path / "tiny")
     chat = write_chat_corpus(tmp_path / "chat", max_chars=20_000) / "train.jsonl"
     shutil.copy(Path(__file__).parent / "story" / "my_mm_text_sft.py", tmp_path)
-    seen, plans = {}, {}
+    launches, plans = {}, {}
     for world, micro in ((1, 2), (2, 1)):
         plans[world] = plan_for_model(model_dir, strategy if world == 2 else "ddp", gpus_per_node=world,
                                       micro_batch=micro, seq_len=96, vision_tower=tower)
@@ -235,15 +254,21 @@ def test_a_copied_text_plan_of_the_class_runs_a_users_trl_sft_script_on_2_proces
         emit_plan_files(plans[world], tmp_path / "planned")
         copy = shutil.copytree(tmp_path / "planned", tmp_path / "elsewhere" / f"copy-{world}")
         shutil.rmtree(tmp_path / "planned")
-        report = tmp_path / f"report-{world}.json"
-        done = subprocess.run(
-            [sys.executable, "-m", "toolkit", "launch", str(copy), "--processes", str(world), "--cpu", "--",
-             "my_mm_text_sft.py", str(model_dir), str(chat), str(tmp_path / f"out-{world}"), str(report),
-             auto_class],
-            cwd=tmp_path, capture_output=True, text=True, timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        seen[world] = json.loads(report.read_text())
+        # Both launches side by side (each launcher rendezvouses on a port of its own): the one process fills the
+        # core the 2 ranks leave idle while they start and meet.
+        with open(tmp_path / f"launch-{world}.log", "w") as log:  # a file: a full pipe would stall a launch
+            launches[world] = subprocess.Popen(
+                [sys.executable, "-m", "toolkit", "launch", str(copy), "--processes", str(world), "--cpu", "--",
+                 "my_mm_text_sft.py", str(model_dir), str(chat), str(tmp_path / f"out-{world}"),
+                 str(tmp_path / f"report-{world}.json"), auto_class],
+                cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    for launch in launches.values():
+        launch.wait(timeout=600)
+    seen = {}
+    for world, launch in launches.items():
+        assert launch.returncode == 0, (tmp_path / f"launch-{world}.log").read_text(errors="replace")[-6000:]
+        seen[world] = json.loads((tmp_path / f"report-{world}.json").read_text())
     one, two = seen[1], seen[2]
     assert (two["world"], two["micro_batch"], two["accumulation"]) == (2, 1, 1) and one["micro_batch"] == 2
     assert one["class"] == class_name and two["class"].removeprefix("FSDP") == class_name  # fully_shard renames it
