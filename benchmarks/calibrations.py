@@ -17,9 +17,11 @@ the page says what the fixed cost changed. A run whose key has no other probe ha
     python benchmarks/calibrations.py --probe         # first probes this machine's CPU (PROBES below) into that
                                                       # folder, one calibration file per probe not there yet
 
-The data here are CPU probes only (`tune --cpu`, 2 processes over gloo on this machine's CPU against the CPU cost
-model, toolkit.inputs.cpudevice): no GPU calibration exists yet. A GPU day adds files to the folder (`tune PLAN_DIR
---export-calibration FILE` on the GPUs) and this script scores them the same way.
+The data: CPU probes (`tune --cpu`, 2 processes over gloo on this machine's CPU against the CPU cost model,
+toolkit.inputs.cpudevice), and the GPU day of 2026-12-04 (gpu-h200-2026-12-04.json: `toolkit tune` of three small
+Llama-style models on one H200, benchmarks/tune_check.py; made again from its gpu_tune.json rows by
+`python benchmarks/tune_check.py benchmarks/results/gpu_tune.json benchmarks/results/gpu_check.json FILE`, since that
+probe stored nothing). Each machine is scored on its own.
 """
 
 from __future__ import annotations
@@ -144,28 +146,9 @@ def page(files: list[dict], rows: list[dict], summ: dict, measured: str) -> str:
                   "processes over gloo against the CPU cost model of this machine, toolkit.inputs.cpudevice). They "
                   "show the path works and how far the CPU cost model is off on this machine; they say nothing of "
                   "any GPU's step time.", ""]
-    if summ["scored"]:
-        lines += [f"Median |error| over {summ['scored']} scored runs: before {summ['median_abs_error_before']:.1%}; "
-                  f"after the held-out calibration {summ['median_abs_error_after']:.1%}; after its compute ratio "
-                  f"alone {summ['median_abs_error_ratio_only']:.1%} (max {summ['max_abs_error_before']:.1%}, "
-                  f"{summ['max_abs_error_after']:.1%}, {summ['max_abs_error_ratio_only']:.1%}). A fixed per-step "
-                  f"cost was fitted for {summ['fixed_cost_fitted']} of the {summ['scored']} (the other probes span two "
-                  "compute sizes); for the rest the calibration is the ratio alone.", ""]
-        ratios = ", ".join(f"{f['file']} {f['calibration'].compute_ratio:.3g}" for f in files)
-        after, before, alone = (summ[f"median_abs_error_{k}"] for k in ("after", "before", "ratio_only"))
-        verdict = (f"The held-out calibration {'reduced' if after < before else 'did not reduce'} the median error "
-                   f"against the uncalibrated prediction, and the fixed per-step cost "
-                   f"{'reduced' if after < alone else 'did not reduce'} it against the ratio alone.")
-        lines += [f"{verdict} Each file's own compute ratio (one probe, one model size: the ratio alone): {ratios}. "
-                  "A ratio multiplies the compute term, so alone it carries from one model to another only as far "
-                  "as their ratios agree; on these tiny models they differ by size, because a fixed per-step cost "
-                  "that the compute term does not hold dominates the small model's step. The fixed cost is fitted "
-                  "beside the ratio (measured = ratio x predicted compute + fixed + predicted rest, least squares of "
-                  "the relative error, toolkit.inputs.calibration.fit_terms) where the runs span two compute sizes.",
-                  ""]
-        lines += _size_order(scored_rows=[r for r in rows if r["error_after"] is not None])
-    else:
-        lines += ["No run has another probe of its device and count to be held out against: nothing scored.", ""]
+    for machine in sorted({r["machine"] for r in rows}):  # each device on its own: a CPU ratio says nothing of a GPU
+        mine = [r for r in rows if r["machine"] == machine]
+        lines += [f"## {machine}", ""] + _scored(mine, [f for f in files if any(r["file"] == f["file"] for r in mine)])
     lines += ["| file | machine | probe | model | candidate | measured s | predicted s | error | held-out ratio "
               "(runs) | fixed ms | calibrated s | error | ratio alone s | error |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -178,9 +161,36 @@ def page(files: list[dict], rows: list[dict], summ: dict, measured: str) -> str:
         lines.append(f"| {r['file']} | {r['machine']} | {r['probe']} | {r['model']} | {r['candidate']} | "
                      f"{r['measured_step_s']:.4f} | {r['predicted_step_s']:.4f} | {r['error_before']:+.1%} | {held} "
                      f"| {fixed} | {after} | {alone} |")
-    lines += ["", "Error: predicted / measured - 1. The measured steps were taken on a machine shared with other "
-              "work; a calibration carries that machine's state on its day, which is what it is for."]
+    lines += ["", "Error: predicted / measured - 1. The CPU steps were taken on a machine shared with other work, the "
+              "GPU steps on a lent machine running nothing else; a calibration carries its machine's state on its "
+              "day, which is what it is for."]
     return "\n".join(lines) + "\n"
+
+
+def _scored(rows: list[dict], files: list[dict]) -> list[str]:
+    """The paragraphs of one machine's runs: medians before and after, the verdict, the models' order."""
+    summ = summary(rows)
+    if not summ["scored"]:
+        return ["No run has another probe of its device and count to be held out against: nothing scored.", ""]
+    lines = [f"Median |error| over {summ['scored']} scored runs: before {summ['median_abs_error_before']:.1%}; "
+             f"after the held-out calibration {summ['median_abs_error_after']:.1%}; after its compute ratio "
+             f"alone {summ['median_abs_error_ratio_only']:.1%} (max {summ['max_abs_error_before']:.1%}, "
+             f"{summ['max_abs_error_after']:.1%}, {summ['max_abs_error_ratio_only']:.1%}). A fixed per-step "
+             f"cost was fitted for {summ['fixed_cost_fitted']} of the {summ['scored']} (the other probes span two "
+             "compute sizes); for the rest the calibration is the ratio alone.", ""]
+    ratios = ", ".join(f"{f['file']} {f['calibration'].compute_ratio:.3g}" for f in files)
+    after, before, alone = (summ[f"median_abs_error_{k}"] for k in ("after", "before", "ratio_only"))
+    verdict = (f"The held-out calibration {'reduced' if after < before else 'did not reduce'} the median error "
+               f"against the uncalibrated prediction, and the fixed per-step cost "
+               f"{'reduced' if after < alone else 'did not reduce'} it against the ratio alone.")
+    lines += [f"{verdict} Each file's own compute ratio (over all its probes): {ratios}. "
+              "A ratio multiplies the compute term, so alone it carries from one model to another only as far "
+              "as their ratios agree; on these small models they differ by size, because a fixed per-step cost "
+              "that the compute term does not hold dominates the small model's step. The fixed cost is fitted "
+              "beside the ratio (measured = ratio x predicted compute + fixed + predicted rest, least squares of "
+              "the relative error, toolkit.inputs.calibration.fit_terms) where the runs span two compute sizes.",
+              ""]
+    return lines + _size_order(scored_rows=[r for r in rows if r["error_after"] is not None])
 
 
 def _size_order(scored_rows: list[dict]) -> list[str]:
@@ -197,7 +207,11 @@ def _size_order(scored_rows: list[dict]) -> list[str]:
     return [f"The measured steps do not grow with the model here (median measured step per model, smallest "
             f"predicted first: {said}), so no compute ratio and no fixed cost fits every model: on this machine "
             "the spread between runs of one model (its candidates, measured one after another on a shared CPU) is "
-            "as large as the difference between models.", ""]
+            "as large as the difference between models.", ""] if scored_rows[0]["machine"].split("x", 1)[1].startswith(
+                "cpu") else [f"The measured steps do not grow with the model here (median measured step per model, "
+                             f"smallest predicted first: {said}): the candidates of one model differ by more than "
+                             "the models do (an offload candidate beside DDP), so one ratio and fixed cost cannot "
+                             "follow every row.", ""]
 
 
 def main(argv: list[str]) -> int:
@@ -209,7 +223,9 @@ def main(argv: list[str]) -> int:
     summ = summary(rows)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "calibrations.json").write_text(json.dumps(
-        {"meta": meta(), "summary": summ, "files": [f["file"] for f in files], "rows": rows}, indent=2) + "\n")
+        {"meta": meta(), "summary": summ,
+         "by_machine": {m: summary([r for r in rows if r["machine"] == m]) for m in sorted({r["machine"] for r in rows})},
+         "files": [f["file"] for f in files], "rows": rows}, indent=2) + "\n")
     text = page(files, rows, summ, measured_line("calibrations.py"))
     (RESULTS / "calibrations.md").write_text(text)
     print(text)

@@ -125,6 +125,40 @@ def _write(out: Path, rows: list[dict], calibration: dict | None, cuda: bool, gp
                                                   indent=1) + "\n")
 
 
+def calibration_from_result(result: dict, versions: dict[str, str]):
+    """The calibration a GPU run of tune_check exports (CALIBRATION_FILE), made again from its gpu_tune.json
+    (`result`): each model's measured candidates folded in the models' order, as each `toolkit tune` folds its probe
+    into the stored calibration (toolkit.inputs.calibration.combine); under the measuring machine's device name
+    (`result`'s meta) and library `versions` (the day's gpu_check meta: torch of the GPU machine's own image, the
+    engines carried), not this machine's. None when no candidate was measured. For the GPU day of 2026-12-04,
+    whose probe stored nothing (toolkit.run.tune.priced_boxes: the boxes then carried no prediction)."""
+    from dataclasses import replace
+
+    from toolkit.inputs import calibration as cal
+    from toolkit.inputs.hardware import find_gpu
+
+    combined = None
+    for row in result["rows"]:
+        if not row.get("candidates"):
+            continue
+        count, gpu_name = row["predicted_on"].split("x", 1)
+        gpu = find_gpu(gpu_name)
+        runs = []
+        for c in row["candidates"]:
+            predicted = {"step_time_s": c["predicted_step_s"], "compute_s": c["predicted_compute_s"]}
+            ratio = cal.compute_ratio(c["measured_step_s"], predicted) if c["status"] == "measured" else None
+            if ratio:
+                runs.append({"model": row["model"], "candidate": c["name"], "predicted_step_s": c["predicted_step_s"],
+                             "predicted_compute_s": c["predicted_compute_s"],
+                             "measured_step_s": c["measured_step_s"], "compute_ratio": ratio})
+        combined = cal.combine(gpu, int(count), [r["compute_ratio"] for r in runs], combined,
+                               today=result["meta"]["date"], measurements=runs)
+    if combined is None:
+        return None
+    keep = {name: versions.get(name) or "none" for name in cal.LIBRARIES}
+    return replace(combined, device_model=result["meta"]["device"], versions=keep)
+
+
 def _tuned(path: Path) -> dict:
     """What one model's tune.json says: each candidate's status, predicted and measured step, ratios."""
     if not path.is_file():
@@ -144,3 +178,18 @@ def _device_name(cuda: bool) -> str:
     import torch
 
     return torch.cuda.get_device_name(0)
+
+
+if __name__ == "__main__":  # python benchmarks/tune_check.py GPU_TUNE_JSON GPU_CHECK_JSON OUT_FILE
+    import sys
+
+    from toolkit.inputs import calibration as _cal
+
+    _tune, _check, _out = (Path(a) for a in sys.argv[1:4])
+    _meta = json.loads(_check.read_text())["meta"]
+    _made = calibration_from_result(json.loads(_tune.read_text()),
+                                    {"torch": _meta["torch"], **_meta.get("versions", {})})
+    if _made is None:
+        raise SystemExit(f"{_tune}: no measured candidate")
+    _cal.export(_made, _out)
+    print(f"wrote {_out}: {_made.terms_words()} over {_made.runs} runs")

@@ -276,3 +276,26 @@ def test_the_tune_probe_runs_its_cpu_dry_path(tmp_path):
 
     with pytest.raises(SystemExit, match="--dry is the CPU path"):  # gpu_check --tune is tune_check's
         main(["--device", "cuda", "--tune", "--dry", "--out", str(tmp_path)])
+
+
+def test_the_gpu_days_calibration_is_made_again_from_its_tune_rows():
+    """The GPU day's probe measured 6 candidates of 3 models and stored nothing (toolkit.run.tune.priced_boxes);
+    tune_check.calibration_from_result folds the same rows as three probes would have been folded, under the H200's
+    own name and library versions: the file in benchmarks/data/calibrations/ is that calibration, and its fixed
+    per-step cost is the ~28 ms the small models' steps showed over their compute."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tune_check import calibration_from_result
+
+    from toolkit.inputs import calibration as cal
+
+    results = ROOT / "benchmarks" / "results"
+    meta = json.loads((results / "gpu_check.json").read_text())["meta"]
+    made = calibration_from_result(json.loads((results / "gpu_tune.json").read_text()),
+                                   {"torch": meta["torch"], **meta["versions"]})
+    assert (made.device, made.device_model, made.count, made.runs) == ("H200-141GB", "NVIDIA H200", 1, 6)
+    assert made.versions == {"torch": "2.11.0+cu130", "deepspeed": "0.19.8", "transformers": "5.24.0"}
+    assert sorted({m["probe"] for m in made.measurements}) == [1, 2, 3]
+    assert 0.020 < made.step_overhead_s < 0.035 and 0.8 < made.compute_ratio < 1.3
+    stored = cal.read_file(ROOT / "benchmarks" / "data" / "calibrations" / "gpu-h200-2026-12-04.json")
+    assert stored.compute_ratio == pytest.approx(made.compute_ratio, rel=1e-12)
+    assert stored.step_overhead_s == pytest.approx(made.step_overhead_s, rel=1e-12)

@@ -229,6 +229,29 @@ def test_measure_order_puts_the_band_of_the_fastest_prediction_first():
     assert "zero1" in [c.name for c in inside] and "pipeline (pp=8 x dp=1)" not in [c.name for c in inside]
 
 
+def test_on_gpus_each_box_carries_the_prediction_its_compute_ratio_is_measured_over():
+    """The GPU day (benchmarks/data/gpu_day_2026-12-04): on one H200 the probe measured every candidate, then stored
+    and exported no calibration, because the box a candidate runs as (toolkit.run.smaller_box) leaves without a
+    prediction and on GPUs nothing priced it again: every compute ratio was None. Each box now carries its own, for
+    the plan's GPU at the probe's process count: Llama-3.1-8B on 2 x H100 probed on those 2 GPUs keeps the plan's
+    step and compute, and on 1 of them (double accumulation) a step about twice as long; the ratio of a measured
+    step follows from it."""
+    from toolkit import api
+    from toolkit.inputs.calibration import compute_ratio
+    from toolkit.run.tune import priced_boxes
+
+    result = api.plan("qwen2.5-0.5b", "2xH100-80GB", seq_len=2048, global_batch=16)
+    plan = result.to_plan(next(c for c in result.feasible if "=" not in c.name))  # no sequence-parallel degree
+    [same] = priced_boxes([plan], processes=2, cpu=False)
+    [half] = priced_boxes([plan], processes=1, cpu=False)
+    assert same.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert same.predicted["compute_s"] == pytest.approx(plan.predicted["compute_s"], rel=1e-9)
+    assert half.grad_accum == 2 * same.grad_accum
+    assert 1.8 < half.predicted["compute_s"] / same.predicted["compute_s"] < 2.2
+    ratio = compute_ratio(2 * same.predicted["step_time_s"], same.predicted)
+    assert ratio is not None and ratio > 2
+
+
 def test_a_candidate_past_the_budget_is_skipped_and_recorded(plan_dir, tmp_path, capsys):
     """Planning alone outlasts a budget of 0.006 s: every candidate is skipped before any process starts."""
     from toolkit.cli import main

@@ -273,6 +273,17 @@ def budget_skip(row: TuneRow, steps: int, earlier: list[TuneRow], *, cpu: bool, 
             f"{budget_min:g} min left{outside}")
 
 
+def priced_boxes(plans: list[Plan], *, processes: int, cpu: bool) -> list[Plan]:
+    """Each candidate's plan as it runs here (toolkit.run.smaller_box: `processes` processes, on CPU when `cpu`),
+    priced as it runs: on CPU by the CPU cost model, on GPUs for the plan's GPU at this process count. The box
+    leaves smaller_box without a prediction, and the calibration's compute ratio is measured over the box's
+    predicted compute (a GPU probe once kept the empty one: every ratio None, nothing stored or exported)."""
+    from toolkit.estimate.search import predict_plan
+    from toolkit.run.smaller_box import box_plan
+
+    return [predict_plan(box_plan(p, processes=processes, cpu=cpu)[0]) for p in plans]
+
+
 def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: int, processes: int, cpu: bool,
           limit_gib: float | None, emit_dir: Path | None = None, planning_s: float | None = None,
           say=print) -> dict[str, Any]:
@@ -282,7 +293,6 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     from toolkit.estimate.search import to_plan
     from toolkit.run.launcher import emit_plan_files, launch_command, processes_phrase, run
     from toolkit.run.rehearsal import rehearsal_data
-    from toolkit.run.smaller_box import box_plan
     from toolkit.train.probe import PROBE_MEMORY_LIMIT_ENV, PROBE_METRICS_ENV
 
     began = time.monotonic() - (planning_s or 0.0)
@@ -291,13 +301,9 @@ def probe(plan: Plan, plan_dir: Path, *, count: int, budget_min: float, steps: i
     order = measure_order(ranked)[:count]
     candidates = [c for c, _ in order]
     plans = [to_plan(c, spec, hw, plan.model) for c in candidates]
-    boxes = [box_plan(p, processes=processes, cpu=cpu)[0] for p in plans]  # refused before any process starts
-    if cpu:  # the CPU cost model prices what runs: the box's plan on this machine's CPU processes
-        from toolkit.estimate.search import predict_plan
-
-        boxes = [predict_plan(b) for b in boxes]
-    rows = [_row(feasible.index(c) + 1, c, b if cpu else p, inside, model_flops_per_token(spec, c))
-            for (c, inside), p, b in zip(order, plans, boxes)]
+    boxes = priced_boxes(plans, processes=processes, cpu=cpu)  # refused before any process starts
+    rows = [_row(feasible.index(c) + 1, c, b, inside, model_flops_per_token(spec, c))
+            for (c, inside), b in zip(order, boxes)]
     peak, mfu_basis = mfu_peak(hw, (boxes[0] if cpu else plan).precision, cpu=cpu, processes=processes)
     where = processes_phrase(processes, cpu=cpu)
     in_band = sum(r.within_band for r in rows)
