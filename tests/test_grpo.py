@@ -289,6 +289,15 @@ def test_a_server_takes_the_fewest_gpus_whose_remainder_splits_the_global_batch(
     assert server_gpus(4, 7) == (None, [3, 2])
 
 
+def test_plan_json_gives_each_placement_with_its_mode_and_server_gpus():
+    from toolkit.estimate.placement import Placement
+
+    refused = Placement("vLLM server on 4 GPUs (trl vllm-serve), training on 4", None, "no strategy fits", 4)
+    assert refused.to_dict() == {"placement": "vLLM server on 4 GPUs (trl vllm-serve), training on 4",
+                                 "vllm_mode": "server", "server_gpus": 4, "fits": False,
+                                 "reason": "no strategy fits"}
+
+
 def test_a_colocate_share_that_leaves_training_too_little_refuses_every_row_with_the_window(tmp_path):
     """vllm_gpu_memory_utilization 0.95 leaves 5% of each GPU to training, so no strategy fits: the plan lists each
     one's colocate refusal with the feasible window and writes nothing. The planner does not try tiling for GRPO

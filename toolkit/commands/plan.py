@@ -166,6 +166,9 @@ def cmd_plan(args) -> int:
         return out
 
     rows = [row(c) for c in candidates]
+    from toolkit.estimate.placement import placements
+
+    placed = placements(spec, hw, req, candidates)
     why = why_first(candidates) if chosen is not None and chosen is (feasible[0] if feasible else None) else None
     if args.json:
         out = {"model": spec.summary(), "params": spec.params,
@@ -180,9 +183,10 @@ def cmd_plan(args) -> int:
                "chosen_because": why or (f"--choose {args.strategy_choice}" if chosen else None),
                "time_error_band": time_band(hw.gpu).to_dict(), "speed_ties": [c.name for c in speed_ties(candidates)],
                **({"chosen_explained": _explained(spec, chosen)} if args.explain and chosen else {}),
+               **({"generation_placements": [p.to_dict() for p in placed]} if placed else {}),
                **calibration_json(args)}
     else:
-        _print_plan_table(spec, hw, req, candidates, args.top, run)
+        _print_plan_table(spec, hw, req, candidates, args.top, run, placed)
         if words := calibration_words(args):
             print(words)
         if args.explain and chosen:
@@ -425,7 +429,7 @@ def _refuse_existing(out, force: bool) -> None:
     refuse_overwrite([out / n for n in EMITTED], force)
 
 
-def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
+def _print_plan_table(spec, hw, req, candidates, top: int, run=None, placed=()) -> None:
     from toolkit.estimate.candidate import resume_problem
     from toolkit.estimate.duration import duration
     from toolkit.estimate.ranking import why_first
@@ -496,9 +500,9 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None) -> None:
                   + (f"; {chosen.memory.notes[0]}" if req.grpo.generation != "generate" else ""))
         _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
-    from toolkit.estimate.placement import placement_lines, placements
+    from toolkit.estimate.placement import placement_lines
 
-    for line in placement_lines(placements(spec, hw, req, candidates), req.global_batch):
+    for line in placement_lines(list(placed), req.global_batch):
         print(line)
     refused = [c for c in candidates if not c.feasible]
     if refused:

@@ -33,6 +33,20 @@ class Placement:
     best: "Candidate | None"
     reason: str | None = None
     """Why no row of this placement fits (None when `best` is one)."""
+    server_gpus: int = 0
+    """GPUs the vLLM server takes from the node (0: colocate)."""
+
+    def to_dict(self) -> dict:
+        """plan --json's entry for it."""
+        out = {"placement": self.words, "vllm_mode": SERVER if self.server_gpus else COLOCATE,
+               "server_gpus": self.server_gpus, "fits": self.best is not None, "reason": self.reason}
+        if self.best is not None:
+            out.update(strategy=self.best.name, step_time_s=round(self.best.timing.step_time_s, 4),
+                       generation_s=round(self.best.timing.generation_s, 4))
+        if self.best is not None and not self.server_gpus:
+            out.update(vllm_gpu_memory_utilization=self.best.job.grpo.vllm_gpu_memory_utilization,
+                       window=_window(self.best))
+        return out
 
 
 def server_gpus(world: int, global_batch: int) -> tuple[int | None, list[int]]:
@@ -58,16 +72,16 @@ def placements(spec: "ModelSpec", hw: "Hardware", req: "Request", colocated: lis
     if k is None:
         out.append(Placement("vLLM server (trl vllm-serve) on part of the node", None,
                              f"the global batch {req.global_batch} splits over none of "
-                             f"{', '.join(map(str, skipped))} training processes"))
+                             f"{', '.join(map(str, skipped))} training processes", server_gpus=1))
     else:
         words = f"vLLM server on {k} GPU{'s' if k > 1 else ''} (trl vllm-serve), training on {world - k}"
         try:
             served = plan_candidates(spec, replace(hw, gpus_per_node=world - k),
                                      replace(req, grpo=replace(grpo, vllm_mode=SERVER)))
         except UserError as exc:
-            out.append(Placement(words, None, str(exc)))
+            out.append(Placement(words, None, str(exc), server_gpus=k))
         else:
-            out.append(_best(words, served))
+            out.append(replace(_best(words, served), server_gpus=k))
     return sorted(out, key=lambda p: (p.best is None, p.best.timing.step_time_s if p.best else 0.0))
 
 
@@ -87,9 +101,13 @@ def placement_lines(found: list[Placement], global_batch: int) -> list[str]:
             continue
         t = p.best.timing
         grpo = p.best.job.grpo
-        window = next((n.split(": ", 1)[-1].replace("vllm_gpu_memory_utilization ", "") for n in p.best.memory.notes
-                       if "vllm_gpu_memory_utilization" in n), "")
-        share = f"; sets vllm_gpu_memory_utilization {grpo.vllm_gpu_memory_utilization:g} ({window})"
+        share = f"; sets vllm_gpu_memory_utilization {grpo.vllm_gpu_memory_utilization:g} ({_window(p.best)})"
         lines.append(f"  {i}. {p.words}: {p.best.name}, {t.step_time_s:.2f} s a step (generation "
                      f"{t.generation_s:.2f} s)" + (share if grpo.generation == COLOCATE else ""))
     return lines
+
+
+def _window(best: "Candidate") -> str:
+    """Its memory's colocate note without the setting's name: 'feasible 0.19 to 0.42 on 79.1 GiB'."""
+    return next((n.split(": ", 1)[-1].replace("vllm_gpu_memory_utilization ", "") for n in best.memory.notes
+                 if "vllm_gpu_memory_utilization" in n), "")
