@@ -27,7 +27,7 @@ def test_the_trace_counts_the_operations_a_real_checkpointed_step_dispatches(nam
 
 
 def test_a_host_bound_moe_step_is_the_hosts_dispatch_and_a_short_count_leaves_the_step_alone():
-    from toolkit.estimate.hosttime import HOST_OP_S
+    from toolkit.estimate.hosttime import EP_EXCHANGE_OPS, HOST_OP_S
     from toolkit.estimate.timing import step_time
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.hardware import parse_hardware
@@ -42,7 +42,11 @@ def test_a_host_bound_moe_step_is_the_hosts_dispatch_and_a_short_count_leaves_th
     device = step_time(spec, strategy, job, hw, grid=grid)
     assert device.host_s == 0.0
     hosted = step_time(spec, strategy, job, hw, grid=grid, host_ops=25_000)
-    assert hosted.host_s == pytest.approx(2 * 25_000 * HOST_OP_S)  # every micro-step dispatches them again
+    # every micro-step dispatches them again, with AllToAllEP's exchange in each of the 48 MoE layers (its forward
+    # recomputed); the fused AdamW step and clipping once (2 param groups x 2 device meshes)
+    forward, backward = EP_EXCHANGE_OPS
+    micro = 25_000 + 48 * (2 * forward + backward)
+    assert hosted.host_s == pytest.approx((2 * micro + 2 * 4 + 2 + 8 * 2) * HOST_OP_S)
     assert hosted.step_time_s == pytest.approx(max(device.step_time_s, hosted.host_s))
     assert hosted.step_time_s > device.step_time_s
     few = step_time(spec, strategy, job, hw, grid=grid, host_ops=100)
@@ -58,3 +62,38 @@ def test_an_moe_estimate_is_host_bound_and_its_speed_is_not_claimed_inside_the_d
     out = capsys.readouterr().out
     assert "host-bound: the step is the host's" in out
     assert "not for a mixture of experts: no published MoE step is scored within it" in out
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_the_expert_exchange_adds_what_alltoallep_dispatches_on_a_real_cpu_layer(name):
+    """Under transformers' expert parallelism each MoE layer also runs AllToAllEP's dispatch and combine; the host
+    term adds EP_EXCHANGE_OPS a layer, which is what the real exchange dispatches around the model's own experts
+    (one-rank gloo group, CPU), whatever the architecture."""
+    from moe_ep import ep_exchange_ops
+
+    from toolkit.estimate.hosttime import EP_EXCHANGE_OPS
+
+    assert ep_exchange_ops(name) == EP_EXCHANGE_OPS
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
+def test_the_optimizer_steps_host_operations_are_a_real_cpu_adamw_steps(impl):
+    """The optimizer step's share of the host term: a real CPU AdamW step (with foreach clipping) over a tiny
+    Qwen3-MoE's parameters in the Trainer's two groups, within 5% of optimizer_host_ops; the per-parameter loop
+    dispatches ~10 operations a tensor, foreach and fused a few a group."""
+    from moe_ep import optimizer_step_ops
+
+    from toolkit.estimate.hosttime import optimizer_host_ops
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import spec_from_config_dict
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec = spec_from_config_dict(tiny_moe_config("qwen3-30b-a3b").to_dict(), name="tiny")
+    job = Job(seq_len=16, micro_batch=1, grad_accum=1, precision="fp32", optimizer="adamw", optimizer_impl=impl)
+    strategy = parse_strategy("fsdp2")
+    grid = ParallelGrid.for_strategy(strategy, nodes=1, gpus_per_node=2)
+    real = optimizer_step_ops("qwen3-30b-a3b", impl)
+    assert optimizer_host_ops(spec, job, grid, strategy) == pytest.approx(real, rel=0.05)
+    if impl == "for-loop":
+        assert real > 10 * 30  # 4 layers of ~10 tensors: the loop is per tensor

@@ -15,6 +15,8 @@ The count comes from the model's own code: the activation tracer's dispatch mode
 
 from __future__ import annotations
 
+import functools
+
 HOST_OP_S = 12e-6
 """Host seconds per dispatched ATen operation of a training step, averaged over forward, checkpointed recompute and
 backward. Measured, not fitted: benchmarks/moe_ep.py runs transformers' own Qwen3-MoE, Mixtral and GPT-OSS
@@ -29,16 +31,87 @@ HOST_OP_BAND = (0.5, 2.0)
 """The host term's band: HOST_OP_S x 0.5 to x 2 (5-25 us an operation on other hosts and drivers)."""
 
 
-def host_step_s(host_ops: int, micro_steps: int) -> float:
-    """Seconds the host spends dispatching one optimizer step's micro-steps, each `host_ops` operations."""
-    return host_ops * micro_steps * HOST_OP_S
+EP_EXCHANGE_OPS = (31, 8)
+"""ATen operations transformers' AllToAllEP adds to one MoE layer when every rank has its own batch, (forward,
+backward): the expert-sorted send order, the split counts, their exchange and read-back, the received rows' local
+expert ids, the inverse permutation and the weighted sum (distributed/expert_parallel.py `_dispatch_tokens`,
+`_combine_tokens`), and their gradients. Measured: benchmarks/moe_ep.py `ep_exchange_ops`, the model's own experts
+module with and without AllToAllEP around it on a one-rank gloo group (31 + 8 for Qwen3-MoE, Mixtral and GPT-OSS
+alike). Not counted: the shared-batch path's DTensor slicing and gather (a tensor-parallel mesh of 2+ ranks)."""
+
+OPTIMIZER_OPS = {"for-loop": (10, 0, 2), "foreach": (2, 10, 2), "fused": (0, 2, 2)}
+"""torch AdamW's step, ATen operations (per parameter tensor, per param group, once): the per-parameter loop runs
+~10 operations a tensor, foreach ~10 list operations a group (plus 2 a tensor), fused one kernel a group.
+Measured: benchmarks/moe_ep.py `optimizer_step_ops` (torch 2.13, CPU)."""
+CLIP_OPS_PER_MESH = 8
+"""clip_grad_norm_ (foreach, torch's default where the gradients allow it): 8 operations for each set of gradients
+on one device mesh (the Trainer clips per mesh under expert parallelism, trainer.py _mixed_mesh_grad_norm).
+Measured with OPTIMIZER_OPS."""
 
 
-def host_assumption(host_ops: int, host_s: float, device_s: float) -> str:
+def micro_step_host_ops(spec, grid, traced_ops: int, checkpointing: bool) -> int:
+    """Operations one micro-step dispatches: the trace's (the single-process model) plus, under transformers' expert
+    parallelism, AllToAllEP's exchange in every MoE layer (its forward again in the recompute)."""
+    from toolkit.inputs.moe import moe_layer_count
+
+    if grid is None or grid.expert <= 1 or grid.autoep:
+        return traced_ops
+    forward, backward = EP_EXCHANGE_OPS
+    return traced_ops + moe_layer_count(spec) * (forward * (2 if checkpointing else 1) + backward)
+
+
+def optimizer_host_ops(spec, job, grid, strategy) -> int:
+    """Operations the optimizer step and gradient clipping dispatch once a step. The HF Trainer's AdamW has two
+    param groups (decay, no decay), split by device mesh under transformers' expert parallelism (trainer.py
+    create_optimizer); a DeepSpeed ZeRO optimizer steps its flat partitions, one tensor a group, AutoEP's expert
+    groups beside the dense ones."""
+    from toolkit.inputs.strategy import Engine
+
+    meshes = 2 if grid is not None and grid.expert > 1 else 1
+    groups = 2 * meshes
+    if strategy.engine == Engine.DEEPSPEED:
+        per_tensor, per_group, once = OPTIMIZER_OPS["fused"]
+        return per_group * groups + once + CLIP_OPS_PER_MESH * meshes
+    per_tensor, per_group, once = OPTIMIZER_OPS[job.optimizer_impl]
+    tensors = param_tensor_count(spec) if per_tensor else 0
+    return per_tensor * tensors + per_group * groups + once + CLIP_OPS_PER_MESH * meshes
+
+
+def param_tensor_count(spec) -> int:
+    """Parameter tensors of the model (its meta-device build), what a per-parameter optimizer loops over."""
+    import json
+
+    return _tensors(json.dumps(spec.hf_config().to_dict(), sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=8)
+def _tensors(config_json: str) -> int:
+    import json
+
+    import torch
+
+    from toolkit.inputs.modelconfig import auto_model_class, config_from_dict
+
+    config = config_from_dict(json.loads(config_json), "tensors")
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    return sum(1 for _ in model.parameters())
+
+
+def host_step_s(host_ops: int, micro_steps: int, step_ops: int = 0) -> float:
+    """Seconds the host spends dispatching one optimizer step: its micro-steps, each `host_ops` operations, and the
+    optimizer step's `step_ops`."""
+    return (host_ops * micro_steps + step_ops) * HOST_OP_S
+
+
+def host_assumption(host_ops: int, host_s: float, device_s: float, step_ops: int = 0,
+                    expert_exchange: bool = False) -> str:
     """What the host term assumed, for --explain."""
     bound = "host-bound: the step is the host's" if host_s > device_s else "the GPU's work is longer: not binding"
-    return (f"host dispatch: {host_ops:,} ATen operations a micro-step (traced, forward + backward + recompute) at "
-            f"{HOST_OP_S * 1e6:.0f} us each (measured on CPU, band x{HOST_OP_BAND[0]:g}-x{HOST_OP_BAND[1]:g}): "
-            f"{host_s:.3f} s against the device's {device_s:.3f} s; {bound} (a host sync per MoE layer under "
-            "expert parallelism keeps the host within a layer of the GPU); expert parallelism's own dispatch "
-            "operations (sort, split sizes, DTensor slicing) are not traced and not counted")
+    exchange = ("expert parallelism's all-to-all dispatch and combine counted (AllToAllEP, measured on CPU); "
+                if expert_exchange else "")
+    return (f"host dispatch: {host_ops:,} ATen operations a micro-step (traced, forward + backward + recompute) and "
+            f"{step_ops:,} for the optimizer step and clipping, at {HOST_OP_S * 1e6:.0f} us each (measured on CPU, "
+            f"band x{HOST_OP_BAND[0]:g}-x{HOST_OP_BAND[1]:g}): {host_s:.3f} s against the device's {device_s:.3f} s; "
+            f"{bound} (a host sync per MoE layer under expert parallelism keeps the host within a layer of the GPU); "
+            f"{exchange}the shared-batch path's DTensor slicing is not traced and not counted")

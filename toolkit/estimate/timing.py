@@ -21,7 +21,7 @@ from toolkit.estimate.efficiency import (COMPUTE, ComputeModel, Recompute, compu
                                           flop_split, matmul_efficiency)
 from toolkit.estimate.experttime import (autoep_zero_comm_s, expert_assumptions, expert_compute, expert_exchange_s,
                                          expert_parallel_fsdp_comm_s)
-from toolkit.estimate.hosttime import host_assumption, host_step_s
+from toolkit.estimate.hosttime import host_assumption, host_step_s, micro_step_host_ops, optimizer_host_ops
 from toolkit.estimate.savers import UNMODELLED_SPEED, exposed_copy_s, speed_unmodelled
 from toolkit.estimate.visiontime import vision_time
 from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
@@ -452,9 +452,13 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         assumptions.append(f"calibrated on this machine: {fixed * 1e3:.3g} ms a step fixed beside the model's terms "
                            "(`toolkit tune`'s runs of two compute sizes)")
     step = compute + bubble + exposed + offload + lora_s + quant_s + tiled_s + fixed
-    host_s = host_step_s(host_ops, A) if host_ops else 0.0
+    host_s = 0.0
     if host_ops:
-        assumptions.append(host_assumption(host_ops, host_s, step))
+        host_ops = micro_step_host_ops(full_spec, grid, host_ops, job.checkpointing)
+        step_ops = optimizer_host_ops(full_spec, job, grid, strategy)
+        host_s = host_step_s(host_ops, A, step_ops)
+        assumptions.append(host_assumption(host_ops, host_s, step, step_ops,
+                                           expert_exchange=grid.expert > 1 and not grid.autoep))
         step = max(step, host_s)
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
