@@ -484,34 +484,24 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
             "established. Nothing was fitted to either row.")
 
 
-def _shortfall_per_shard_param(results: list[dict], rows: list[dict], ids: tuple[str, str]) -> tuple[float, ...]:
-    """(GiB under on each of two rows, bytes under per parameter of each rank's ZeRO-3 shard): whether what a held-out
-    source's readings hold beyond ours scales with the parameters a rank holds."""
-    by_id = {r["id"]: r for r in results}
-    row_of = {r["id"]: r for r in rows}
-    out = []
-    for rid in ids:
-        m = by_id[rid]["metrics"][0]
-        under = m["published_gib"] - m["ours_gib"][0]
-        shard = _spec(row_of[rid]["job"]["model"]).params / row_of[rid]["num_gpus"]
-        out += [under, under * 2**30 / shard]
-    return tuple(out)
-
-
 def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
     """What the held-out sources show, from the results."""
-    one, one_b, four, four_b = _shortfall_per_shard_param(
-        results, rows, ("ULY-Qwen3-4B-1xH100-SP1-8k", "ULY-Qwen3-4B-4xH100-SP4-8k"))
+    uly = [r["reserved_over_peak"] for r in results if r["id"].startswith("ULY") and r.get("reserved_over_peak")]
     return ("Held-out sources (nothing was developed against them; each row's source, below, says what it leaves "
             "out). The Hugging Face blog on Ulysses sequence parallelism (huggingface/blog ulysses-sp.md, March "
-            "2026: Qwen3-4B under TRL's SFTTrainer, DeepSpeed ZeRO-3 with the optimizer on the CPU, gradient "
-            "checkpointing, flash-attn 2, one sequence per rank, H100 80GB) gives a per-rank peak whose instrument is "
-            f"not stated, scored as nvidia-smi: {_span(results, 'ULY', '-8k')} at 8k tokens and "
-            f"{_span(results, 'ULY', '-32k')} at 32k with SP 4. At 8k the reading holds {one:.1f} GiB beyond ours on "
-            f"one GPU and {four:.1f} GiB on four (SP 4, ZeRO-3 sharding over the four): {one_b:.1f} and {four_b:.1f} "
-            "bytes per parameter of the rank's shard, so the missing part scales with the parameters a rank holds "
-            "(as a gradient or master-weight copy kept on the GPU would), not with the tokens; which buffer it is, "
-            "and which counter the post read, is not established. Its 64k and 96k rows run past Qwen3-4B's 40,960 "
+            "2026: Qwen3-4B under TRL's SFTTrainer, DeepSpeed ZeRO-3, gradient checkpointing, flash-attn 2, one "
+            "sequence per rank, H100 80GB) gives a per-rank peak whose instrument is not stated, scored as "
+            f"nvidia-smi: {_span(results, 'ULY', '-8k')} at 8k tokens and {_span(results, 'ULY', '-32k')} at 32k "
+            "with SP 4. The post says its runs offloaded the optimizer to the CPU, but neither accelerate config it "
+            "shows does: its training command's YAML has no offload key, and its offload snippet writes "
+            "`offload_optimizer: device: cpu` under accelerate's deepspeed_config, which accelerate launch drops "
+            "(`toolkit check` warns; docs/ENGINE_FACTS.md), so the rows are estimated with the optimizer on the GPU. "
+            "Estimated with the offload (as at ce07b42), they were 44-56% under at 8k, 10.3-10.6 bytes per parameter of a "
+            "rank's ZeRO-3 shard (a parameter-sized shortfall, not a token-sized one), where the fp32 master, Adam "
+            "states and gradient partition a rank keeps without offload come to 14; which counter the post read is "
+            "still not stated, and the rows now over-estimate it (the allocator replay puts reserved "
+            f"{100 * min(uly):.0f}-{100 * max(uly):.0f}% over our tensor peak on them). "
+            "Its 64k and 96k rows run past Qwen3-4B's 40,960 "
             "positions without RoPE scaling, which `toolkit estimate` refuses, so they are not scored. NeMo "
             "AutoModel's gradient-checkpointing guide (Llama-3.2-1B, bf16 weights and Adam states, 8 x 2048 tokens a "
             "GPU, H100, max_memory_allocated, low confidence: the sequence and the rows' build-up are read from its "
