@@ -56,6 +56,10 @@ UNMODELLED = {
     "trl_whole_logits": "TRL 1.10 or earlier: its GRPOTrainer holds the completion tokens' logits whole "
                         "(docs/ENGINE_FACTS.md, 'GRPO log-probs before TRL's chunked head'), where the installed "
                         "TRL 1.16 that the estimator traces chunks them; the run is another engine's job",
+    "submodule_checkpointing": "activation checkpointing of each decoder layer's attention, MLP and two norms apart "
+                               "(NeMo AutoModel's parallelizer wraps each with checkpoint_wrapper): a layer keeps "
+                               "the inputs of all four, where the estimator's checkpointing (the HF Trainer's, a "
+                               "whole layer) keeps the layer's input alone; not modelled",
 }
 TRL_WHOLE_LOGITS = (1, 10, 0)
 """The newest TRL read here whose GRPO / DPO trainers still take whole logits (main at f2cd57710, 2026-07-24); TRL's
@@ -100,6 +104,8 @@ def unmodelled(job: dict) -> list[str]:
         out.append("rocm")
     if job.get("fsdp1"):
         out.append("fsdp1")
+    if job.get("checkpointing") == "submodule":
+        out.append("submodule_checkpointing")
     if job.get("fused_linear_ce"):
         out.append("fused_linear_ce")
     if job.get("bitsandbytes") and _version(job["bitsandbytes"]) < (0, 43, 2):
@@ -113,8 +119,9 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(".")[:3])
 
 
-CHECKPOINTING = {"full": True, "selective-op": "op", "none": False}
-"""The data file's checkpointing names -> Job.checkpointing."""
+CHECKPOINTING = {"full": True, "selective-op": "op", "none": False, "submodule": True}
+"""The data file's checkpointing names -> Job.checkpointing ("submodule", each layer's submodules checkpointed apart,
+is not modelled: such a row is estimated with whole layers and listed as not modelled)."""
 def chunked_loss(name: str) -> int:
     """The data file's loss name -> Job.chunked_loss: "full-fp32" (the model's own loss) -> 0, "chunked-N" (logits
     and loss in N sequence chunks: torchtune's CEWithChunkedOutputLoss, toolkit.patches.chunkedce) -> N."""
@@ -487,6 +494,10 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
 def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
     """What the held-out sources show, from the results."""
     uly = [r["reserved_over_peak"] for r in results if r["id"].startswith("ULY") and r.get("reserved_over_peak")]
+    nemo = next(r for r in rows if r["id"] == "NEMO-GC-1B-8xH100-fsdp-ac")
+    spec = _spec(nemo["job"]["model"])
+    # Three more bf16 hidden-size tensors a layer (the attention's, the post-attention norm's and the MLP's inputs).
+    nemo_extra = 3 * spec.num_layers * nemo["micro_batch"] * nemo["seq_len"] * spec.hidden * 2 / 2**30
     return ("Held-out sources (nothing was developed against them; each row's source, below, says what it leaves "
             "out). The Hugging Face blog on Ulysses sequence parallelism (huggingface/blog ulysses-sp.md, March "
             "2026: Qwen3-4B under TRL's SFTTrainer, DeepSpeed ZeRO-3, gradient checkpointing, flash-attn 2, one "
@@ -507,7 +518,11 @@ def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
             "GPU, H100, max_memory_allocated, low confidence: the sequence and the rows' build-up are read from its "
             f"notes) is {_span(results, 'NEMO', excludes='-ac')} without checkpointing, where the run's Liger "
             "RMSNorm / RoPE / SwiGLU kernels (patched in by its from_pretrained, not estimated) keep less than ours, "
-            f"and {_span(results, 'NEMO', '-ac', '-lcce')} with it; its cut cross-entropy row is not modelled. "
+            f"and, with it, not modelled: NeMo checkpoints each decoder layer's attention, MLP and two norms apart "
+            "(nemo_automodel/components/distributed/parallelizer.py @b4733bdc1), so a layer keeps four hidden-size "
+            f"tensors where our whole-layer checkpointing keeps one ({nemo_extra:.1f} GiB more here; our whole-layer "
+            f"figure is {_span(results, 'NEMO', '-ac', '-lcce', modelled=False)}); its cut cross-entropy row is not "
+            "modelled either. "
             "LitGPT's config-hub table (one A10G, bf16-true LoRA, 512-token Alpaca2k batches, max_memory_allocated; "
             "the engine of the calibration LIT rows, another table, GPU and models) is "
             f"{_span(results, 'LITHUB')}. ms-swift's image-captioning example (Qwen2.5-VL-7B, LoRA r8 on all "
