@@ -506,7 +506,7 @@ def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
             "with SP 4. The post says its runs offloaded the optimizer to the CPU, but neither accelerate config it "
             "shows does: its training command's YAML has no offload key, and its offload snippet writes "
             "`offload_optimizer: device: cpu` under accelerate's deepspeed_config, which accelerate launch drops "
-            "(`toolkit check` warns; docs/ENGINE_FACTS.md), so the rows are estimated with the optimizer on the GPU. "
+            "(`toolkit check` flags it; docs/ENGINE_FACTS.md), so the rows are estimated with the optimizer on the GPU. "
             "Estimated with the offload (as at ce07b42), they were 44-56% under at 8k, 10.3-10.6 bytes per parameter of a "
             "rank's ZeRO-3 shard (a parameter-sized shortfall, not a token-sized one), where the fp32 master, Adam "
             "states and gradient partition a rank keeps without offload come to 14; which counter the post read is "

@@ -61,7 +61,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     # The Ulysses blog's (huggingface/blog ulysses-sp.md) offload snippet: accelerate drops the JSON-style key
     # (test_accelerate_itself_drops_a_json_style_offload_key).
     "yaml-deepspeed-json-keys-inline.yaml": (
-        "warning", "unknown key deepspeed_config.offload_optimizer: accelerate launch ignores it silently (DeepSpeed "
+        "error", "unknown key deepspeed_config.offload_optimizer: accelerate launch ignores it silently (DeepSpeed "
                    "never sees it and keeps its default); write offload_optimizer_device: cpu instead"),
     "yaml-ds-file-missing.yaml": ("error", "deepspeed_config_file no-such-ds-config.json does not exist"),
     "yaml-ds-file-with-gradient-accumulation.yaml": (
@@ -259,7 +259,8 @@ REFUSED_BY_DEEPSPEED = {
 
 def test_every_error_on_the_real_corpus_is_reproduced_below():
     assert {r["file"] for r in manifest() if r["verdict"] == "error"} == set(REFUSED_BY_DEEPSPEED) | {
-        "transformers/tests/deepspeed/ds_config_zero3_bf16.json", "accelerate/tests/test_configs/invalid_keys.yaml"}
+        "transformers/tests/deepspeed/ds_config_zero3_bf16.json", "accelerate/tests/test_configs/invalid_keys.yaml",
+        "trl/examples/accelerate_configs/alst_ulysses_4gpu.yaml"}  # test_accelerate_itself_drops_a_json_style_..._key
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_BY_DEEPSPEED))
@@ -389,6 +390,10 @@ def test_accelerate_itself_drops_a_json_style_offload_key():
     flat = nested.parent / "clean" / "yaml-deepspeed-offload-optimizer.yaml"
     _, plugin, _ = accelerate_launch_plugins(flat)
     assert plugin.deepspeed_config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    # TRL's ALST YAML: its seq_parallel_communication_data_type never reaches the config, so DeepSpeed's engine
+    # reduces gradients in its fp32 default under SP (runtime/engine.py communication_data_type).
+    _, plugin, _ = accelerate_launch_plugins(REAL / "trl/examples/accelerate_configs/alst_ulysses_4gpu.yaml")
+    assert "seq_parallel_communication_data_type" not in plugin.deepspeed_config
 
 
 def test_parallelism_config_sizes_must_multiply_to_the_processes(tmp_path):

@@ -197,7 +197,7 @@ def deepspeed_config_key_problems(config: dict[str, Any], file: str) -> list[Pro
                                                                                         "deepspeed", "gradient"))], n=1)
         hint = (f"write {', '.join(flat)} instead" if flat else f"did you mean \"{close[0]}\"?" if close
                 else "set it in a deepspeed_config_file JSON instead")
-        out.append(Problem(file, "warning", f"unknown key deepspeed_config.{key}: accelerate launch ignores it "
+        out.append(Problem(file, "error", f"unknown key deepspeed_config.{key}: accelerate launch ignores it "
                            f"silently (DeepSpeed never sees it and keeps its default); {hint}", LAUNCH))
     return out
 
