@@ -4,8 +4,9 @@ Prepared for a session lent one H200: one script, nothing from the network (rand
 here), under 8 minutes. Cases: DDP (1 process), ZeRO-2, ZeRO-3 (DeepSpeed, torch AdamW as the client optimizer so
 no op is compiled), FSDP2 (fully_shard per decoder layer + root, bf16 MixedPrecisionPolicy), LoRA (when peft is
 installed), each with and without activation checkpointing, Liger kernels where liger-kernel is installed, on
-Llama-style shapes of 1B to 8B parameters. All engines run in this one process as a world of one (gloo on CPU, NCCL
-on CUDA), which exercises each engine's own buffers.
+Llama-style shapes of 1B to 8B parameters. Every engine runs as a world of one (gloo on CPU, NCCL on CUDA), which
+exercises each engine's own buffers; on CUDA each case in a process of its own (case_in_child: the engines keep their
+memory after a case), on CPU all in this one.
 
     python benchmarks/gpu_check.py --device cuda --out "$OUT"     # on the GPU machine
     python benchmarks/gpu_check.py --device cuda --timing --out "$OUT"   # the step-time measurements (below)
@@ -231,19 +232,21 @@ def _predict(case: Case, config, kind: str, gpu: str) -> dict:
     from toolkit.inputs.job import Job
     from toolkit.estimate.memory import estimate_memory
     from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.lora import Adapter
     from toolkit.inputs.strategy import parse_strategy
     from toolkit.estimate.timing import step_time
 
     spec = build_spec("llama", config)
+    # The LoRA case is _wrap's: LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), PEFT's own dropout
+    # default (0.0), on a base built in bf16.
+    adapter = Adapter(method="lora", r=16, alpha=32.0, dropout=0.0) if case.strategy == "lora" else Adapter()
     job = Job(seq_len=case.seq_len, micro_batch=case.micro_batch, grad_accum=case.extra.get("accum", 1),
-              precision=case.precision, checkpointing=case.checkpointing, device_kind=kind, liger=case.liger)
+              precision=case.precision, checkpointing=case.checkpointing, device_kind=kind, liger=case.liger,
+              adapter=adapter)
     # One stage of the pipeline engine is DDP's arithmetic at a world of one; the measured difference is the point.
     strategy = parse_strategy("ddp" if case.strategy in ("lora", "pipeline1") else case.strategy)
     hw = parse_hardware(f"1x{gpu}")
     out = {"params": spec.params}
-    if case.strategy == "lora":
-        out["note"] = "not predicted: LoRA (issue 12's model) is not in the memory model yet"
-        return out
     b = estimate_memory(spec, strategy, job, hw)
     t = step_time(spec, strategy, job, hw)
     out.update(allocated_predicted=b.peak_bytes, reserved_predicted=b.reserved_bytes,
@@ -344,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="`toolkit tune` of three small models on this GPU and their calibration "
                          "(benchmarks/tune_check.py)")
     ap.add_argument("--dry", action="store_true", help="with --tune on CPU: plan and skip every candidate")
+    ap.add_argument("--case-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.tune:
         from tune_check import tune_check
@@ -379,10 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         if wanted and case.label not in wanted:
             continue
         start = time.perf_counter()
-        try:
-            row = run_case(case, args.device, args.quick, args.gpu)
-        except Exception as exc:  # one failing case must not cost the whole lease
-            row = {"label": case.label, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        if args.case_child:  # one case, in the process a parent started for it (case_in_child)
+            Path(args.case_child).write_text(json.dumps(_run_guarded(case, args)))
+            return 0
+        row = case_in_child(case, args) if cuda else _run_guarded(case, args)
         row["wall_s"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -393,6 +397,42 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
+
+
+CASE_CHILD_TIMEOUT_S = 240
+"""One case's process on the GPU (an 8B LoRA model built and stepped: ~30 s on an H200)."""
+
+
+def _run_guarded(case: Case, args) -> dict:
+    try:
+        return run_case(case, args.device, args.quick, args.gpu)
+    except Exception as exc:  # one failing case must not cost the whole lease
+        return {"label": case.label, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def case_in_child(case: Case, args) -> dict:
+    """The case run in a process of its own. On the GPU day of 2026-12-04 every case of a set ran in one process,
+    and the engines kept their memory after a case (DeepSpeed's engine, FSDP2's sharded modules stay referenced):
+    every row after the first ZeRO / FSDP2 case read the earlier cases' memory too (fsdp2 llama-3b: 98.6 GiB
+    allocated there, 56.8 GiB alone; benchmarks/data/gpu_day_2026-12-04/README.md)."""
+    import subprocess
+    import tempfile
+
+    from toolkit.run.launcher import free_port
+
+    env = {**os.environ, "MASTER_PORT": str(free_port())}  # the world of one, on a port free now
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / "row.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--gpu", args.gpu,
+                "--only", case.label, "--out", tmp, "--case-child", str(part), *(["--quick"] if args.quick else []),
+                *(["--timing"] if args.timing else [])]
+        try:
+            proc = subprocess.run(argv, env=env, timeout=CASE_CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"label": case.label, "error": f"child process: over {CASE_CHILD_TIMEOUT_S} s"}
+        if proc.returncode or not part.is_file():
+            return {"label": case.label, "error": f"child process: exit code {proc.returncode}"}
+        return {**json.loads(part.read_text()), "own_process": True}
 
 
 # --memory-edge: step time as the caching allocator's room shrinks (docs/ENGINE_FACTS.md, "The caching allocator at

@@ -26,6 +26,9 @@ for name, argv in (("memory_edge", ["--memory-edge"]),  # first: its parent star
         codes[name] = gpu_check.main(["--device", "cpu", "--quick", "--out", out, *argv])
     except Exception:
         codes[name] = traceback.format_exc()
+import argparse  # the GPU's path: one case in a process of its own (case_in_child), here on CPU
+case = next(c for c in gpu_check.cases() if c.label == "ddp llama-1b bf16")
+codes["child"] = gpu_check.case_in_child(case, argparse.Namespace(device="cpu", gpu="H200", quick=True, timing=False))
 print(json.dumps(codes))
 """
 
@@ -55,12 +58,17 @@ def test_gpu_check_rehearses_every_engine_on_cpu(rehearsal):
     assert codes["engines"] == 0, codes["engines"]
     rows = {r["label"]: r for r in json.loads((out / "gpu_check.json").read_text())["rows"]}
     assert set(rows) == set(ENGINES.split(","))
-    for label in ("ddp llama-1b bf16", "zero2 llama-1b bf16 ckpt", "zero3 llama-1b bf16", "fsdp2 llama-3b bf16 ckpt"):
+    for label in ("ddp llama-1b bf16", "zero2 llama-1b bf16 ckpt", "zero3 llama-1b bf16", "fsdp2 llama-3b bf16 ckpt",
+                  "lora llama-8b bf16-pure"):
         r = rows[label]
-        assert "error" not in r, r
+        assert "error" not in r and "predict_error" not in r, r
         assert r["step_measured_s"] > 0 and r["allocated_predicted"] > 0
         assert r["reserved_predicted"] > r["allocated_predicted"]
     assert "Triton" in rows["ddp llama-1b bf16 liger"]["skipped"]
+    child = codes["child"]  # the same case in a process of its own gives the same prediction, and a measured step
+    assert child["own_process"] and "error" not in child, child
+    assert child["allocated_predicted"] == rows["ddp llama-1b bf16"]["allocated_predicted"]
+    assert child["step_measured_s"] > 0
 
 
 def test_derive_reads_allocator_ratio_and_errors():
@@ -299,3 +307,20 @@ def test_the_gpu_days_calibration_is_made_again_from_its_tune_rows():
     stored = cal.read_file(ROOT / "benchmarks" / "data" / "calibrations" / "gpu-h200-2026-12-04.json")
     assert stored.compute_ratio == pytest.approx(made.compute_ratio, rel=1e-12)
     assert stored.step_overhead_s == pytest.approx(made.step_overhead_s, rel=1e-12)
+
+
+def test_the_lora_case_is_predicted_and_matches_the_gpu_day():
+    """gpu_check's LoRA case (PEFT LoRA r=16, alpha 32, all-linear, PEFT's dropout 0, on a Llama-3-8B-shaped base
+    in bf16, fp32 adapters, fused AdamW, micro-batch 1 x 2,048) is predicted like the others now; its one-process
+    measurement on the H200 (gpu_isolated.json): 39,149,938,688 bytes allocated, 41,106,276,352 reserved."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    case = next(c for c in gpu_check.cases() if c.label == "lora llama-8b bf16-pure")
+    got = gpu_check._predict(case, gpu_check._config(gpu_check.SHAPES[case.shape], 128256, case.seq_len), "cuda",
+                             "H200")
+    measured = {r["label"]: r for r in json.loads((ROOT / "benchmarks" / "results" / "gpu_isolated.json")
+                                                   .read_text())["rows"]}[case.label]
+    assert measured["allocated_measured"] == 39_149_938_688
+    assert got["allocated_predicted"] / measured["allocated_measured"] - 1 == pytest.approx(0, abs=0.001)
+    assert got["reserved_predicted"] / measured["reserved_measured"] - 1 == pytest.approx(0, abs=0.02)
