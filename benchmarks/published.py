@@ -86,11 +86,19 @@ def load_splits() -> dict[str, str]:
     return splits
 
 
-def _spec(model: str):
+def _spec(model: str, rope_scaling: dict | None = None):
+    """The row's model; with the job's "rope_scaling" ({"rope_type", "factor"[, "original_positions"]}, what
+    `--rope-scaling` / `--rope-factor` / `--rope-original-positions` give) its config scaled as estimate scales it
+    (toolkit.inputs.rope.scaled_spec: transformers' rules, the positions raised)."""
     from toolkit.inputs.modelspec import resolve_model
 
     local = next((p for p in (MODELS / f"{model}.json", ARCH_CONFIGS / f"{model}.json") if p.is_file()), None)
-    return resolve_model(str(local) if local else model)
+    spec = resolve_model(str(local) if local else model)
+    if rope_scaling is None:
+        return spec
+    from toolkit.inputs.rope import RopeScaling, scaled_spec
+
+    return scaled_spec(spec, RopeScaling.from_dict(rope_scaling))
 
 
 def unmodelled(job: dict) -> list[str]:
@@ -188,7 +196,7 @@ def estimate_row(row: dict) -> dict:
     from toolkit.inputs.images import image_job
 
     job_in = row["job"]
-    spec = _spec(job_in["model"])
+    spec = _spec(job_in["model"], job_in.get("rope_scaling"))
     gpus = row["num_gpus"]
     hw = parse_hardware(f"{gpus // 8}x8x{job_in['gpu']}" if gpus > 8 else f"{gpus}x{job_in['gpu']}")
     ckpt = CHECKPOINTING[job_in["checkpointing"]]
@@ -231,7 +239,7 @@ def _job_hw(row: dict, compile: bool):
               precision=job_in["precision"], optimizer=job_in["optimizer"],
               checkpointing=CHECKPOINTING[job_in["checkpointing"]], attention=job_in["attention"],
               optimizer_impl=job_in["optimizer_impl"], compile=(job_in.get("compile") or True) if compile else False)
-    return _spec(job_in["model"]), job, hw, parse_strategy(job_in["strategy"])
+    return _spec(job_in["model"], job_in.get("rope_scaling")), job, hw, parse_strategy(job_in["strategy"])
 
 
 def _published_ratio(by_id: dict, eager_id: str, compiled_id: str) -> float:
@@ -512,8 +520,10 @@ def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
             "states and gradient partition a rank keeps without offload come to 14; which counter the post read is "
             "still not stated, and the rows now over-estimate it (the allocator replay puts reserved "
             f"{100 * min(uly):.0f}-{100 * max(uly):.0f}% over our tensor peak on them). "
-            "Its 64k and 96k rows run past Qwen3-4B's 40,960 "
-            "positions without RoPE scaling, which `toolkit estimate` refuses, so they are not scored. NeMo "
+            "Its 64k and 96k rows run past Qwen3-4B's 40,960 positions and the post states no RoPE scaling; their "
+            "jobs take Qwen3's own recipe (YaRN x4 over 32,768 positions, `--rope-scaling yarn --rope-factor 4 "
+            "--rope-original-positions 32768`), which changes no memory: "
+            f"{_span(results, 'ULY', '-64k')} at 64k and {_span(results, 'ULY', '-96k')} at 96k. NeMo "
             "AutoModel's gradient-checkpointing guide (Llama-3.2-1B, bf16 weights and Adam states, 8 x 2048 tokens a "
             "GPU, H100, max_memory_allocated, low confidence: the sequence and the rows' build-up are read from its "
             f"notes) is {_span(results, 'NEMO', excludes='-ac')} without checkpointing, where the run's Liger "
