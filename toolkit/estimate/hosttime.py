@@ -10,7 +10,9 @@ host cannot run ahead of the GPU by more than a layer. At TRL's 2048 tokens on 8
 a few milliseconds and the host's dispatch of its ~500 operations (forward, recompute, backward) is as long.
 
 The count comes from the model's own code: the activation tracer's dispatch mode counts what each region dispatches
-(toolkit.estimate.recording, ActivationTrace.host_ops); the seconds per operation are measured (HOST_OP_S).
+(toolkit.estimate.recording, ActivationTrace.host_ops); beside it, counted on real CPU steps, expert parallelism's
+own exchange a MoE layer (EP_EXCHANGE_OPS) and the optimizer step once a step (OPTIMIZER_OPS, CLIP_OPS_PER_MESH);
+the seconds per operation are measured (HOST_OP_S).
 """
 
 from __future__ import annotations
