@@ -37,16 +37,22 @@ def assert_same_losses(two_nodes: list[tuple[int, float]], one_node: list[tuple[
 
 # --- HSDP and hybrid through `toolkit launch DIR --rehearse --nodes 2` ---------------------------------------------
 
-def one_launcher_reference(plan, work: Path) -> list[dict]:
-    """The rehearsal's own small plan, model and data (rebuilt: they are made deterministically), run by ONE
-    launcher invocation of all 4 processes: the single-node run of the same plan and the same process grid."""
+def start_one_launcher_reference(plan, work: Path) -> subprocess.Popen:
+    """The rehearsal's own small plan, model and data (rebuilt: they are made deterministically), started as ONE
+    launcher invocation of all 4 processes: the single-node run of the same plan and the same process grid. Its
+    ranks report into work/ranks (one_launcher_reference)."""
     _, small, _, small_dir, data = small_setup(plan, work, nodes=2)
     config = small_dir / "accelerate_config.yaml"
     config.write_text(config.read_text().replace("num_machines: 2\n", "num_machines: 1\n"))
     env = {**os.environ, **QUIET, "TOOLKIT_RANK_SUMMARY_DIR": str(work / "ranks"), "PYTHONWARNINGS": "ignore"}
     command = quick_launch(launch_command(small_dir, rehearsal_argv(data, work / "out", [])))
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(work / "launcher.log", "w") as log:  # a file: a full pipe would stall the run
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def one_launcher_reference(started: subprocess.Popen, work: Path) -> list[dict]:
+    """What the ranks of start_one_launcher_reference's run reported, once it ends."""
+    assert started.wait(timeout=600) == 0, (work / "launcher.log").read_text(errors="replace")[-4000:]
     return read_rank_summaries(work / "ranks")
 
 
@@ -72,13 +78,16 @@ def test_hsdp_rehearses_as_two_nodes_with_identical_replicas_and_the_losses_of_o
     training that they hold the same parameters and that every rank gives the same logits; here the ranks' own
     reports are read again, and the losses equal the same plan and process grid started on one node."""
     plan = plan_for_model(tiny_llama_dir, "fsdp2-hybrid", num_machines=2, gpus_per_node=4, grad_accum=2)
+    # The one-node reference runs beside the rehearsal (each on a rendezvous port of its own): a world of 4 ranks
+    # alone leaves cores idle while it starts, meets and saves.
+    reference = start_one_launcher_reference(plan, tmp_path / "one-node")
     out, ranks = rehearse(emit_plan_files(plan, tmp_path / "p"), 2, tmp_path / "two-nodes", capfd, monkeypatch)
     assert TWO_NODES in out
     assert [(r["rank"], r["node"]) for r in ranks] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     assert [r["local_param_abs_sum"] for r in ranks[:2]] == [r["local_param_abs_sum"] for r in ranks[2:]]
     assert ranks[0]["local_param_abs_sum"] != ranks[1]["local_param_abs_sum"]  # two different shards
     assert all(r["probe_logits"] == ranks[0]["probe_logits"] for r in ranks)
-    one = one_launcher_reference(plan, tmp_path / "one-node")
+    one = one_launcher_reference(reference, tmp_path / "one-node")
     assert [r["node"] for r in one] == [0, 0, 0, 0]
     assert len(losses(ranks[0])) == 4
     assert_same_losses(losses(ranks[0]), losses(one[0]))
@@ -139,14 +148,18 @@ def test_the_multi_node_scripts_train_one_model_as_two_nodes(two_node_plan, corp
     The DeepSpeed route gets its environment the way DeepSpeed documents for pdsh: a .deepspeed_env file in the
     folder it starts from (the remote shell starts with a login environment only)."""
     shims = cluster_shims.install(tmp_path / "bin")
-    results = {}
-    for name in ROUTES:
+    ports = set()
+    while len(ports) < len(ROUTES):
+        ports.add(free_port())
+    started = {}
+    for name, port in zip(ROUTES, sorted(ports)):  # side by side, each on a rendezvous port of its own: one route's
+        # 2 ranks alone leave a core idle while they start, meet and save
         slug = name.replace("/", "-").replace(" ", "-")
         cwd = two_node_plan if name == "plan folder slurm.sbatch" else tmp_path / slug
         cwd.mkdir(exist_ok=True)
         ranks = tmp_path / "ranks" / slug
         env = {**os.environ, **QUIET, "PATH": f"{shims}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-               "MASTER_PORT": str(free_port()), "TOOLKIT_RANK_SUMMARY_DIR": str(ranks)}
+               "MASTER_PORT": str(port), "TOOLKIT_RANK_SUMMARY_DIR": str(ranks)}
         if "deepspeed" in name:  # TORCH_EXTENSIONS_DIR: the DeepSpeed ops .ci/setup built (tests/conftest.py), else
             # the ranks rebuild the shared-memory collectives in ~/.cache for this venv's paths (47 s in the last CI)
             remote = {**QUIET, "TOOLKIT_RANK_SUMMARY_DIR": str(ranks),
@@ -154,10 +167,17 @@ def test_the_multi_node_scripts_train_one_model_as_two_nodes(two_node_plan, corp
             (cwd / ".deepspeed_env").write_text("".join(f"{k}={v}\n" for k, v in remote.items()))
         train = ["--data", str(corpus_dir), "--output", str(tmp_path / "out" / slug), "--random-init",
                  "--max-steps", "2", "--logging-steps", "1", "--save-steps", "100", "--no-save-final"]
-        proc = subprocess.run(route(name, two_node_plan, train, cwd), cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=600)
+        logs = tmp_path / f"{slug}.out", tmp_path / f"{slug}.err"  # files: a full pipe would stall a route
+        with open(logs[0], "w") as out, open(logs[1], "w") as err:
+            started[name] = (subprocess.Popen(route(name, two_node_plan, train, cwd), cwd=cwd, env=env, stdout=out,
+                                              stderr=err), cwd, ranks, logs)
+    for proc, *_ in started.values():
+        proc.wait(timeout=600)
+    results = {}
+    for name, (proc, cwd, ranks, logs) in started.items():
+        stdout, stderr = (log.read_text(errors="replace") for log in logs)
         job_log = "".join(p.read_text(errors="replace") for p in cwd.glob("slurm-*.out"))
-        assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{job_log[-3000:]}"
+        assert proc.returncode == 0, f"{name}:\n{stdout[-3000:]}\n{stderr[-3000:]}\n{job_log[-3000:]}"
         summaries = read_rank_summaries(ranks)
         assert [(s["rank"], s["world"], s["node"]) for s in summaries] == [(0, 2, 0), (1, 2, 1)], name
         assert summaries[0]["probe_logits"] == summaries[1]["probe_logits"], name
@@ -165,9 +185,9 @@ def test_the_multi_node_scripts_train_one_model_as_two_nodes(two_node_plan, corp
         assert [s["toolkit_plan_dir"] for s in summaries] == [str(two_node_plan)] * 2, name
         results[name] = losses(summaries[0])
         if "deepspeed" in name:  # pdsh ran one node per hostfile line; DeepSpeed read the rendezvous from ssh
-            assert "127.0.0.1: " in proc.stdout and "127.0.0.2: " in proc.stdout
+            assert "127.0.0.1: " in stdout and "127.0.0.2: " in stdout
         else:
-            assert proc.stdout.startswith("Submitted batch job ") and "toolkit.train: zero3" in job_log
+            assert stdout.startswith("Submitted batch job ") and "toolkit.train: zero3" in job_log
     first = results[ROUTES[0]]
     assert len(first) == 2 and all(loss == first for loss in results.values()), results
 
