@@ -34,6 +34,22 @@ def toolkit(*argv: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
                           text=True, timeout=timeout)
 
 
+def toolkit_side_by_side(runs: dict[str, list[str]], *, cwd: Path, timeout: int = 600) -> dict[str, tuple[int, str]]:
+    """`toolkit ARGV` for every name at once (each launch rendezvouses on a port of its own), waited for:
+    {name: (exit code, its output)}. Output goes to files in cwd: a full pipe would stall a launch."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    started = {}
+    for name, argv in runs.items():
+        with open(cwd / f"toolkit-{name}.out", "w") as log:
+            started[name] = subprocess.Popen([sys.executable, "-m", "toolkit", *argv], cwd=cwd, env=env,
+                                             stdout=log, stderr=subprocess.STDOUT)
+    for proc in started.values():
+        proc.wait(timeout=timeout)
+    return {name: (proc.returncode, (cwd / f"toolkit-{name}.out").read_text(errors="replace"))
+            for name, proc in started.items()}
+
+
 @pytest.fixture(scope="module")
 def tiny_phi3(tmp_path_factory) -> Path:
     from toolkit.run import tiny
@@ -300,29 +316,30 @@ def test_own_trainer_script_on_zero2_x_sp2_trains_on_one_process_gradient(tmp_pa
     shutil.rmtree(tmp_path / "planned")
     emit_files(plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1, micro_batch=4, seq_len=seq), tmp_path / "one")
     shutil.copy(STORY / "my_sp_train.py", tmp_path / "my_sp_train.py")
-    norms = {}
-    for name, folder in (("one", tmp_path / "one"), ("sp", copy)):  # 1 process, then the plan's 2
-        report = tmp_path / f"{name}.json"
-        done = toolkit("launch", str(folder), "--cpu", "--", "my_sp_train.py", str(tiny_llama_dir), str(corpus_dir),
-                       str(tmp_path / name), str(report), str(seq), str(steps), cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        seen = json.loads(report.read_text())
-        assert (seen["world"], seen["micro_batch"]) == ((1, 4) if name == "one" else (2, 2))
-        norms[name] = [e["grad_norm"] for e in seen["log_history"] if "grad_norm" in e]
-    assert len(norms["one"]) == steps
-    assert norms["sp"] == pytest.approx(norms["one"], rel=1e-3)
     # The same plan folder with a plain accelerate loop (tests/story/my_sp_loop.py), written from PLAN.md's lines
     plan_md = (copy / "PLAN.md").read_text()
     assert "parallel_state_sp.get_sequence_parallel_group()" in plan_md
     assert "torch.distributed.nn.functional.all_gather" in plan_md
     shutil.copy(STORY / "my_sp_loop.py", tmp_path / "my_sp_loop.py")
-    loops = {}
-    for name, folder in (("one", tmp_path / "one"), ("sp", copy)):
-        report = tmp_path / f"loop-{name}.json"
-        done = toolkit("launch", str(folder), "--cpu", "--", "my_sp_loop.py", str(tiny_llama_dir), str(corpus_dir),
-                       str(report), str(seq), str(steps), cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        loops[name] = json.loads(report.read_text())
+    folders = {"one": tmp_path / "one", "sp": copy}  # 1 process, and the plan's 2
+    # All four launches side by side: the one-process runs fill the core the 2 ranks leave idle while they start.
+    done = toolkit_side_by_side(
+        {**{name: ["launch", str(folder), "--cpu", "--", "my_sp_train.py", str(tiny_llama_dir), str(corpus_dir),
+                   str(tmp_path / name), str(tmp_path / f"{name}.json"), str(seq), str(steps)]
+            for name, folder in folders.items()},
+         **{f"loop-{name}": ["launch", str(folder), "--cpu", "--", "my_sp_loop.py", str(tiny_llama_dir),
+                             str(corpus_dir), str(tmp_path / f"loop-{name}.json"), str(seq), str(steps)]
+            for name, folder in folders.items()}}, cwd=tmp_path)
+    for name, (code, output) in done.items():
+        assert code == 0, (name, output[-6000:])
+    norms = {}
+    for name in folders:
+        seen = json.loads((tmp_path / f"{name}.json").read_text())
+        assert (seen["world"], seen["micro_batch"]) == ((1, 4) if name == "one" else (2, 2))
+        norms[name] = [e["grad_norm"] for e in seen["log_history"] if "grad_norm" in e]
+    assert len(norms["one"]) == steps
+    assert norms["sp"] == pytest.approx(norms["one"], rel=1e-3)
+    loops = {name: json.loads((tmp_path / f"loop-{name}.json").read_text()) for name in folders}
     assert (loops["sp"]["world"], loops["sp"]["sp"], loops["sp"]["micro_batch"]) == (2, True, 2)
     assert len(loops["one"]["grad_norms"]) == steps
     assert loops["sp"]["grad_norms"] == pytest.approx(loops["one"]["grad_norms"], rel=1e-3)
