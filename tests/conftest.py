@@ -5,11 +5,16 @@ No hub access anywhere: models and tokenizers are made locally by toolkit.run.ti
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import hashlib
+import json
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -121,13 +126,66 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> Path:
-    """Llama, 2 layers, hidden 64, 256 positions, random weights, a 512-token BPE tokenizer trained locally."""
+SHARED_MODELS = Path(tempfile.gettempdir()) / f"toolkit-test-models-{os.getuid()}"
+"""Where the session fixtures' tiny models live between sessions and beside the other xdist worker."""
+
+
+def shared_tiny_model(name: str, **options) -> Path:
+    """toolkit.run.tiny.make_tiny_model(name, ..., **options) at one path per (options, the code and libraries that
+    make it) in SHARED_MODELS, made once and read by every later session and xdist worker. The on-disk cache keys a
+    local model's spec and traces by its path as well as its config (toolkit.inputs.modelspec._source_key): a model
+    in a fresh temporary folder made every session and every worker trace again what the last one traced. A folder
+    whose files no longer match the hashes it was made with (a test wrote into it) is made again."""
+    from toolkit import cache
     from toolkit.run import tiny
 
-    model_dir = tiny.make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), layers=2, hidden=64,
-                                     corpus_chars=100_000)
+    versions = [f"{p}={cache.installed_version(p)}" for p in ("tokenizers", "safetensors")]
+    key = hashlib.sha256(json.dumps([name, options, cache.fingerprint(tiny.__name__), versions], sort_keys=True)
+                         .encode()).hexdigest()[:16]
+    folder = SHARED_MODELS / f"{name}-{key}"
+    made = _files_hash(folder)
+    if made is not None and made == _read(folder / _MADE_WITH):
+        return folder
+    SHARED_MODELS.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=SHARED_MODELS))
+    tiny.make_tiny_model(name, building, **options)
+    (building / _MADE_WITH).write_text(_files_hash(building))
+    stale = SHARED_MODELS / f".stale-{key}-{os.getpid()}"
+    with contextlib.suppress(OSError):
+        folder.rename(stale)  # a folder a test wrote into: out of the way, so the new one takes its name
+    shutil.rmtree(stale, ignore_errors=True)
+    try:
+        building.rename(folder)
+    except OSError:  # the other worker made it first: the same bytes
+        shutil.rmtree(building, ignore_errors=True)
+    return folder
+
+
+_MADE_WITH = "made_with.sha256"
+
+
+def _files_hash(folder: Path) -> str | None:
+    if not folder.is_dir():
+        return None
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != _MADE_WITH):
+        h.update(f"{path.relative_to(folder)}\0".encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir() -> Path:
+    """Llama, 2 layers, hidden 64, 256 positions, random weights, a 512-token BPE tokenizer trained locally."""
+    import transformers.models.llama.modeling_llama  # noqa: F401  (in the heap frozen below, as if made here)
+
+    model_dir = shared_tiny_model("llama", layers=2, hidden=64, corpus_chars=100_000)
     _freeze_heap()
     return model_dir
 
@@ -150,11 +208,8 @@ def tiny_reward_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_gpt2_dir(tmp_path_factory) -> Path:
-    from toolkit.run import tiny
-
-    return tiny.make_tiny_model("gpt2", tmp_path_factory.mktemp("tiny-gpt2"), layers=2, hidden=64,
-                                corpus_chars=100_000)
+def tiny_gpt2_dir() -> Path:
+    return shared_tiny_model("gpt2", layers=2, hidden=64, corpus_chars=100_000)
 
 
 @pytest.fixture(scope="session")
