@@ -63,7 +63,7 @@ def predicted(setting: str, events: list[tuple], capacity: int | None) -> dict:
     except OutOfMemory as exc:
         return {"oom": str(exc)}
     return {"reserved_peak": s.peak_reserved, "allocated_peak": s.peak_allocated, "reserved": s.reserved,
-            "segments": s.segments, "retries": s.alloc_retries}
+            "segments": s.segments, "retries": s.alloc_retries}  # cudaMalloc segments, as torch's stat counts
 
 
 def measured(events: list[tuple], capacity: int | None) -> dict:

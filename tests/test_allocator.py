@@ -89,7 +89,7 @@ def test_expandable_segments_map_20_mib_pages_and_grow_into_the_free_tail():
     # the fragmentation case of test_best_fit_reuse...: the second 60 MiB extends the 40 MiB free tail by one page
     s = replay([("malloc", "a", 100 * MiB), ("free", "a"), ("malloc", "b", 60 * MiB), ("malloc", "c", 60 * MiB)],
                settings)
-    assert (s.reserved, s.allocated, s.segments) == (120 * MiB, 120 * MiB, 1)
+    assert (s.reserved, s.allocated, s.expandable_segments, s.segments) == (120 * MiB, 120 * MiB, 1, 0)
     small = replay([("malloc", "a", 100_000)], settings)
     assert small.reserved == 2 * MiB  # the small pool's pages
 
@@ -124,6 +124,35 @@ def test_expandable_segments_take_a_request_beyond_the_default_range_or_refuse_i
     scores passed 1 TiB). With no device size the range now holds the request; with one, it is an out-of-memory."""
     big = (2 << 40) + 3 * MiB
     s = replay([("malloc", "a", big)], AllocatorSettings(expandable_segments=True))
-    assert (s.allocated, s.reserved, s.segments) == (big, 20 * MiB * -(-big // (20 * MiB)), 1)
+    assert (s.allocated, s.reserved, s.expandable_segments) == (big, 20 * MiB * -(-big // (20 * MiB)), 1)
     with pytest.raises(OutOfMemory):
         CachingAllocator(AllocatorSettings(expandable_segments=True, capacity=80 << 30)).malloc(big)
+
+
+def test_expandable_segments_check_a_memory_fraction_against_the_whole_request():
+    """alloc_block checks reserved + the request's segment size against the fraction before try_allocate_expandable_block,
+    so a request that needs 200 MiB more pages but is 800 MiB in all fails the check at 600 MiB mapped: the free pages
+    are unmapped and the request retried (the GPU day: 1 retry on the H200, where mapping the missing pages alone
+    would have fit). Expandable segments are not in torch's `segment` statistic."""
+    events = [("malloc", "a", 600 * MiB), ("free", "a"), ("malloc", "b", 800 * MiB)]
+    s = replay(events, AllocatorSettings(expandable_segments=True, capacity=1000 * MiB))
+    assert (s.peak_reserved, s.reserved, s.alloc_retries, s.segments, s.expandable_segments) == (
+        800 * MiB, 800 * MiB, 1, 0, 1)
+    roomy = replay(events, AllocatorSettings(expandable_segments=True, capacity=1400 * MiB))
+    assert (roomy.reserved, roomy.alloc_retries) == (800 * MiB, 0)  # 600 + 800 fits: the tail grows, no retry
+
+
+def test_the_gpu_days_sequences_as_the_h200_ran_them():
+    """benchmarks/results/gpu_allocator.json (H200, torch 2.11): every sequence under every setting, as the model
+    replays it: reserved and allocated peaks, reserved at the end, cudaMalloc segments and retries all equal."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.allocator_check import SEQUENCES, predicted
+
+    rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/gpu_allocator.json").read_text())["rows"]
+    assert len(rows) == 44
+    for row in rows:
+        name, setting = row["label"].split(" | ")
+        events, capacity = SEQUENCES[name]
+        assert predicted("" if setting == "default" else setting, events, capacity) == row["measured"], row["label"]

@@ -14,9 +14,12 @@ Written from c10/cuda/CUDACachingAllocator.cpp (the rules and their source lines
 - a freed block merges with free neighbours of its segment; a block used on another stream (`record_stream`) is
   only freed once that stream's work is done (`sync`), at the next allocation;
 - on a failed segment allocation (past `capacity`): free oversize cached blocks (with `max_split_size`), then every
-  unsplit cached segment, then retry once; still failing is an out-of-memory;
+  unsplit cached segment, then retry once; still failing is an out-of-memory. `capacity` is checked as
+  `alloc_block` checks a memory fraction: reserved + the request's segment size (`allocation_size`), also with
+  expandable segments, where it is the whole request, not the pages still to map;
 - `expandable_segments`: one segment per pool and stream that maps 2 MiB (small) / 20 MiB (large) pages as it
-  grows, the lowest free address first; reserved memory is the mapped pages;
+  grows, the lowest free address first; reserved memory is the mapped pages; such a segment is not counted in
+  `segments` (torch's `segment` statistic counts cudaMalloc segments only) but in `expandable_segments`;
 - `garbage_collection_threshold` (only with a capacity, as PyTorch applies it only under a memory fraction): before
   a new segment, when reserved memory passes the threshold, free the unsplit cached large segments at least as old
   (in lookups) as their average, until under it.
@@ -46,7 +49,8 @@ class AllocatorSettings:
     roundup_power2_divisions: int = 0
     garbage_collection_threshold: float = 0.0
     capacity: int | None = None
-    """Bytes the process may reserve (the GPU's free memory, or its memory fraction); None: no limit."""
+    """Bytes the process may reserve (torch.cuda.set_per_process_memory_fraction's limit: checked before every new
+    segment or mapping as reserved + the request's segment size); None: no limit."""
 
     @classmethod
     def from_conf(cls, conf: str, *, capacity: int | None = None) -> "AllocatorSettings":
@@ -148,6 +152,9 @@ class AllocatorStats:
     peak_requested: int = 0
     peak_reserved: int = 0
     segments: int = 0
+    """cudaMalloc segments held (torch.cuda.memory_stats' `segment.all.current`, which leaves expandable ones out)."""
+    expandable_segments: int = 0
+    """Expandable segments (address ranges mapped page by page): not in torch's `segment` statistic."""
     device_allocs: int = 0
     alloc_retries: int = 0
     ooms: int = 0
@@ -333,11 +340,13 @@ class CachingAllocator:
         return block
 
     def _new_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
-        if self.settings.expandable_segments:
-            return self._expandable_block(pool, size, stream)
         alloc = self.allocation_size(size)
+        # alloc_block's memory-fraction check, before either kind of segment: the whole request's segment size, even
+        # where an expandable segment maps only the pages it lacks (a retry that unmaps the free pages can follow)
         if self.settings.capacity is not None and self.stats.reserved + alloc > self.settings.capacity:
             return None
+        if self.settings.expandable_segments:
+            return self._expandable_block(pool, size, stream)
         block = _Block(stream, alloc, self._address(alloc), pool)
         self._reserve(alloc)
         self.stats.segments += 1
@@ -405,22 +414,19 @@ class CachingAllocator:
             space = max(space - space % page, page * -(-size // page))
             candidate = _Block(stream, space, self._address(space), pool, mapped=False, expandable=True)
             pool.unmapped[(stream, candidate.ptr)] = candidate
-            self.stats.segments += 1
-        if not candidate.mapped and not self._map(candidate, min(candidate.size, size)):
-            return None
+            self.stats.expandable_segments += 1
+        if not candidate.mapped:
+            self._map(candidate, min(candidate.size, size))
         while candidate.size < size:
             after = candidate.next
-            if not self._map(after, min(size - candidate.size, after.size)):
-                return None
+            self._map(after, min(size - candidate.size, after.size))
             candidate = after
         pool.erase(candidate)
         return candidate
 
-    def _map(self, block: _Block, size: int) -> bool:
+    def _map(self, block: _Block, size: int) -> None:
         page = self._page(block.pool)
         nbytes = min(block.size, page * -(-size // page))
-        if self.settings.capacity is not None and self.stats.reserved + nbytes > self.settings.capacity:
-            return False
         pool = block.pool
         del pool.unmapped[(block.stream, block.ptr)]
         block.mapped = True
@@ -435,7 +441,6 @@ class CachingAllocator:
         self._merge(block, block.next, pool)
         pool.insert(block)
         self._reserve(nbytes)
-        return True
 
     def _unmap(self, block: _Block) -> None:
         """Unmap the whole pages inside a free mapped block (what an out-of-memory retry returns to the device)."""

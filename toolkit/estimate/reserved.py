@@ -167,7 +167,7 @@ def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Repla
         events = emit_step_events(regions, sizes, replayer)
         stats = replayer.allocator.stats
         stored = Replay(peak_allocated=stats.peak_allocated, peak_reserved=stats.peak_reserved, events=events,
-                        segments=stats.segments)
+                        segments=stats.segments + stats.expandable_segments)
         cache.put("reserved", key, vars(stored), code=replayed_reserved)
     _RESULTS[key] = stored
     return stored
