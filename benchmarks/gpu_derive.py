@@ -31,6 +31,9 @@ From a --memory-edge run (gpu_memory_edge.json), per case and allocator setting:
                               with more room, is within the time model's own band (toolkit/estimate/time_error_band.json)
                               and does not run out of memory: the room the planner would keep for speed; also as a
                               share of the predicted peak (toolkit.estimate's allocated_predicted)
+  what the planner keeps      the estimate's reserved prediction with that allocator setting plus the peak error band,
+                              over the predicted tensor peak (what toolkit.estimate.search.short_of_gpu_memory needs
+                              free besides the context), and the measured step at the nearest headroom not above it
 """
 
 from __future__ import annotations
@@ -191,9 +194,10 @@ def render_timing(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def derive_memory_edge(results: dict, band: float | None = None) -> dict:
+def derive_memory_edge(results: dict, band: float | None = None, planner_keeps=None) -> dict:
     """The memory-edge sweep's slowdowns and speed headroom (rows as benchmarks/gpu_check._edge_sweep writes them);
-    `band` defaults to the time model's error band."""
+    `band` defaults to the time model's error band. `planner_keeps(case, allocator)`: the headroom over the tensor
+    peak the planner keeps for that case and setting (kept_by_planner), or None to leave it out."""
     if band is None:
         from toolkit.estimate.errorband import time_band
 
@@ -231,12 +235,44 @@ def derive_memory_edge(results: dict, band: float | None = None) -> dict:
             "retries_from_headroom": first_retry,
             "speed_headroom": keep["headroom"] if keep else None,
             "speed_headroom_over_predicted": keep.get("cap_over_predicted") if keep else None,
-            "within_band_everywhere": keep is points[-1] if points else False})
+            "within_band_everywhere": keep is points[-1] if points else False,
+            **(_planner_point(planner_keeps(case, allocator), points) if planner_keeps else {})})
     for allocator in dict.fromkeys(s["allocator"] for s in out["sweeps"]):
         kept = [s["speed_headroom"] for s in out["sweeps"] if s["allocator"] == allocator]
         # The planner's number: the largest any case needs; None when a case needs more than the largest measured.
         out.setdefault("speed_headroom", {})[allocator] = None if None in kept else max(kept)
     return out
+
+
+def _planner_point(kept: float, points: list[dict]) -> dict:
+    """The measured point at the largest headroom not above what the planner keeps: the step a GPU holding only
+    what the planner asks for would run at least as slowly as."""
+    below = [p for p in points if p["headroom"] <= kept]
+    at = max(below, key=lambda p: p["headroom"]) if below else None
+    return {"planner_keeps": kept, "planner_point": at}
+
+
+def kept_by_planner(case: str, allocator: str) -> float:
+    """What the planner keeps over the predicted tensor peak for an EDGE_CASES case under `allocator` on the H200:
+    (reserved + peak band x peak) / peak - 1 (toolkit.estimate.search.short_of_gpu_memory; the CUDA context and
+    NCCL buffers lie outside the allocator's cap)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_check import EDGE_CASES, SHAPES, _config
+    from toolkit.estimate.errorband import band_for
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+
+    c = next(c for c in EDGE_CASES if c.label == case)
+    hw = parse_hardware("1xH200")
+    spec = build_spec("llama", _config(SHAPES[c.shape], 128256, c.seq_len))
+    job = Job(seq_len=c.seq_len, micro_batch=c.micro_batch, precision=c.precision, checkpointing=c.checkpointing,
+              device_kind="cuda", allocator_conf="" if allocator == "default" else allocator)
+    b = estimate_memory(spec, parse_strategy(c.strategy), job, hw)
+    band = band_for(c.strategy, c.checkpointing, gpu=hw.gpu)
+    return (b.reserved_bytes + band.headroom_bytes(b.peak_bytes)) / b.peak_bytes - 1
 
 
 def render_memory_edge(d: dict) -> str:
@@ -271,9 +307,19 @@ def render_memory_edge(d: dict) -> str:
                    if s["speed_headroom_over_predicted"] is not None else "")
                 + (", the smallest measured" if s["within_band_everywhere"] else ""))
         retries = s["retries_from_headroom"]
-        lines.append(f"- {s['case']}, {s['allocator']}: {said}; uncapped reserved / allocated "
-                     f"{s['reserved_over_allocated_uncapped']:.3f}; retries "
-                     + (f"from {retries:.1%}" if retries is not None else "at no measured headroom"))
+        line = (f"- {s['case']}, {s['allocator']}: {said}; uncapped reserved / allocated "
+                f"{s['reserved_over_allocated_uncapped']:.3f}; retries "
+                + (f"from {retries:.1%}" if retries is not None else "at no measured headroom"))
+        if "planner_keeps" in s:
+            at = s["planner_point"]
+            line += f"; the planner keeps {s['planner_keeps']:.1%}" + (
+                " (more than the largest measured headroom)" if at is None and s["points"] and
+                s["planner_keeps"] > s["points"][0]["headroom"] else
+                "" if at is None else
+                f": at {at['headroom']:.1%} the step " + ("ran out of memory" if at["oom"] else
+                                                         f"ran {at['slowdown']:+.1%}" if "slowdown" in at else "-")
+                + (" (outside the band)" if at.get("oom") or at.get("slowdown", 0) > d["band"] else " (within the band)"))
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -286,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         d, stem = derive_timing(results, isolated, path.name), "gpu_timing_derived"
         text = render_timing(d)
     elif path.name == "gpu_memory_edge.json":
-        d, stem = derive_memory_edge(results), "gpu_memory_edge_derived"
+        measured = any("allocated_peak" in r for r in results["rows"])  # a CPU rehearsal has nothing to set against
+        d, stem = derive_memory_edge(results, planner_keeps=kept_by_planner if measured else None), \
+            "gpu_memory_edge_derived"
         text = render_memory_edge(d)
     else:
         d = derive(results, isolated, path.name)

@@ -240,6 +240,29 @@ def test_derive_memory_edge_keeps_the_smallest_headroom_within_the_time_band():
     assert d["speed_headroom"] == {"default": 0.08, "expandable_segments:True": 0.005}
     assert "out of memory" in render_memory_edge(d)
     assert derive_memory_edge({"meta": {}, "rows": rows})["band"] == time_band().fraction
+    # what the planner keeps, set against the nearest measured headroom not above it
+    kept = derive_memory_edge({"meta": {}, "rows": rows}, band=0.1,
+                              planner_keeps=lambda case, allocator: 0.05 if allocator == "default" else 0.4)
+    at_default, at_expandable = kept["sweeps"]
+    assert at_default["planner_keeps"] == 0.05 and at_default["planner_point"]["headroom"] == 0.04
+    assert at_expandable["planner_point"]["headroom"] == 0.30
+    assert "the planner keeps 5.0%: at 4.0% the step ran +20.0% (outside the band)" in render_memory_edge(kept)
+
+
+def test_what_the_planner_keeps_at_the_h200_memory_edge():
+    """The GPU day's memory edge (gpu_memory_edge.json, H200): with the plan's expandable segments the planner keeps
+    12.1% over FSDP2 + checkpointing's tensor peak, where the device's step ran 37.5% slower at 8% and 34.2% at 15%;
+    with torch's defaults it keeps 25.7%, within the band (+4.6% at 15%). DDP: 12.4% / 13.7%, within the band."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_derive import derive_memory_edge, kept_by_planner
+
+    results = json.loads((ROOT / "benchmarks/results/gpu_memory_edge.json").read_text())
+    d = derive_memory_edge(results, planner_keeps=kept_by_planner)
+    got = {(s["case"].split()[1], s["allocator"]): (round(s["planner_keeps"], 3), s["planner_point"]["headroom"],
+                                                   round(s["planner_point"]["slowdown"], 3)) for s in d["sweeps"]}
+    assert got == {("fsdp2", "default"): (0.257, 0.15, 0.046), ("ddp", "default"): (0.137, 0.08, 0.01),
+                   ("fsdp2", "expandable_segments:True"): (0.121, 0.08, 0.375),
+                   ("ddp", "expandable_segments:True"): (0.124, 0.08, -0.002)}
 
 
 @pytest.mark.multiprocess
