@@ -154,6 +154,20 @@ def test_the_plan_ranks_dpo_rows_and_says_which_fit(llama_8b_params):
     assert all(c.memory.reference_bytes == 0 for c in pre.feasible)
 
 
+def test_the_plan_costs_its_first_row_with_the_reference_kept_and_precomputed(llama_8b_params, capsys):
+    """Issue 29's must-show: plan prints #1 (ZeRO-2 here) with its reference both ways at the same batch; the peaks
+    differ by exactly the kept reference's bf16 weights (a replica under ZeRO-2), and it says which fits."""
+    from toolkit.cli import main
+
+    assert main(["plan", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "dpo", "--seq", "1024", "--global-batch", "64",
+                 "--strategies", "zero2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("reference on #1 (zero2,"))
+    kept, pre, diff, weights = map(float, re.search(r"kept ([\d.]+) GiB peak, fits; precomputed ([\d.]+) GiB, "
+                                                   r"fits; the difference ([\d.]+) GiB is the reference's ([\d.]+)",
+                                                   line).groups())
+    assert diff == weights == round(llama_8b_params * 2 / 2**30, 2) and round(kept - pre, 2) == diff
+
+
 def test_emit_writes_trls_dpo_config_and_plan_md_names_the_method(tmp_path):
     """training_args.json carries DPOConfig's settings (built by TRL's own DPOConfig in the emit validation path),
     no sft_config; PLAN.md says the method; `toolkit check` of the folder finds nothing."""

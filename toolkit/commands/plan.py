@@ -500,9 +500,11 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None, placed=()) 
                   + (f"; {chosen.memory.notes[0]}" if req.grpo.generation != "generate" else ""))
         _note_time_band(hw, candidates, top)
     _note_adapter_ddp(req, [c for c in candidates if c.feasible])
-    from toolkit.estimate.placement import placement_lines
+    from toolkit.estimate.placement import placement_lines, reference_line
 
     for line in placement_lines(list(placed), req.global_batch):
+        print(line)
+    if line := reference_line(spec, hw, next((c for c in candidates if c.feasible), None)):
         print(line)
     refused = [c for c in candidates if not c.feasible]
     if refused:

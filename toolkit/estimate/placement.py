@@ -1,12 +1,17 @@
-"""Where a GRPO job's vLLM generation runs on the GPUs it is given (issue 29, Deliver 4): colocated with training on
-every GPU (TRL's vllm_mode "colocate"), or a `trl vllm-serve` server on some of the node's GPUs with training on the
-rest (vllm_mode "server"). Each placement is planned as any job is (plan_candidates, the same global batch) and the
-placements are ranked by the step time of their best row; a placement with no row that fits (colocate without a
-feasible vllm_gpu_memory_utilization, or training that no longer fits on fewer GPUs) comes last with its reason.
+"""Where a GRPO job's vLLM generation runs on the GPUs it is given, and where a DPO job's reference lives (issue 29,
+Deliver 4). GRPO: colocated with training on every GPU (TRL's vllm_mode "colocate"), or a `trl vllm-serve` server
+on some of the node's GPUs with training on the rest (vllm_mode "server"). Each placement is planned as any job is
+(plan_candidates, the same global batch) and the placements are ranked by the step time of their best row; a
+placement with no row that fits (colocate without a feasible vllm_gpu_memory_utilization, or training that no longer
+fits on fewer GPUs) comes last with its reason.
 
 The server takes the fewest GPUs over which the rest still split the global batch (TRL requires whole generation
 groups on every training process); its generation is timed as toolkit.estimate.grpo.grpo_step_time times a server
-(decode-bound at the GPU's HBM bandwidth, the training GPUs waiting for it)."""
+(decode-bound at the GPU's HBM bandwidth, the training GPUs waiting for it).
+
+DPO: the plan's first row is costed again with the reference the other way (kept beside the policy, or its
+log-probs precomputed before training), same strategy and batch, so the two peaks differ by exactly what the
+reference holds."""
 
 from __future__ import annotations
 
@@ -14,8 +19,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
-from toolkit.estimate.search import plan_candidates
+from toolkit.estimate.search import evaluate, plan_candidates
+from toolkit.inputs.choices import GIB
 from toolkit.inputs.grpo import COLOCATE, SERVER
+from toolkit.inputs.preference import KEPT, PRECOMPUTED
 
 if TYPE_CHECKING:
     from toolkit.estimate.candidate import Candidate
@@ -111,3 +118,24 @@ def _window(best: "Candidate") -> str:
     """Its memory's colocate note without the setting's name: 'feasible 0.19 to 0.42 on 79.1 GiB'."""
     return next((n.split(": ", 1)[-1].replace("vllm_gpu_memory_utilization ", "") for n in best.memory.notes
                  if "vllm_gpu_memory_utilization" in n), "")
+
+
+def reference_line(spec: "ModelSpec", hw: "Hardware", chosen: "Candidate | None") -> str | None:
+    """A DPO plan's first row with its reference kept and precomputed: both peaks, their difference (the reference
+    terms of the memory, toolkit.estimate.preference) and which fits; None for other jobs."""
+    dpo = chosen.job.dpo if chosen is not None else None
+    if dpo is None or dpo.reference not in (KEPT, PRECOMPUTED):
+        return None
+    other = evaluate(spec, hw, chosen.strategy, replace(chosen.job, dpo=replace(
+        dpo, reference=PRECOMPUTED if dpo.reference == KEPT else KEPT)), chosen.grid, chosen.partition, prune=False)
+    kept, pre = (chosen, other) if dpo.reference == KEPT else (other, chosen)
+    held = next(t.bytes for t in kept.memory.terms if t.name == "reference model")
+
+    def fits(c: "Candidate") -> str:
+        return "fits" if c.feasible else f"does not fit ({c.reason})"
+
+    return (f"reference on #1 ({chosen.name}, micro-batch {chosen.job.micro_batch}, accumulation "
+            f"{chosen.job.grad_accum}): kept {kept.memory.peak_bytes / GIB:.2f} GiB peak, {fits(kept)}; precomputed "
+            f"{pre.memory.peak_bytes / GIB:.2f} GiB, {fits(pre)}; the difference "
+            f"{(kept.memory.peak_bytes - pre.memory.peak_bytes) / GIB:.2f} GiB is the reference's "
+            f"{held / GIB:.2f} GiB of weights")
