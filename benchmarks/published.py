@@ -574,8 +574,9 @@ def _rl_paragraph(results: list[dict], rows: list[dict]) -> str:
     return ("GRPO rows (issue 29; held out; none is scored, each listed below with its reason and what its source "
             "leaves unstated). Every published GRPO / DPO memory reading found whose model, GPUs, lengths, "
             "generations and engine its source states ran TRL before its chunked log-prob head (TRL's README "
-            "quickstart measured for pull request #5759, 1.5.0.dev0; TRL's GRPO QLoRA notebook, 0.27.0.dev0), so "
-            "none is like for like with the installed TRL 1.16 the estimator traces; the notebook's rows also run "
+            "quickstart measured for pull request #5759, 1.5.0.dev0; TRL's GRPO QLoRA notebook, 0.27.0.dev0, whose "
+            "Qwen2-7B run on a T4 printed its max_memory_reserved and runtime), so none is like for like with the "
+            "installed TRL 1.16 the estimator traces; the notebook's rows also run "
             f"Liger's fused GRPO loss, which `toolkit estimate` refuses ({'; '.join(refused) or 'none'}). "
             + ("; ".join(parts) + ". " if parts else "")
             + "Not kept: reports that give a memory figure without the job that made it (prompt and completion "
