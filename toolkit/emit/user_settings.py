@@ -426,9 +426,10 @@ def model_parallel_notes(plan: Plan) -> list[str]:
                    "accelerator.prepare(model, optimizer, dataloader), whose batches hold the rank's shard with "
                    "batch['shift_labels'] (already shifted) and no labels, so model(**batch).loss is None: pop "
                    "shift_labels, take the shard's summed cross-entropy and non-ignored token count, all-gather both "
-                   "over deepspeed.runtime.sequence_parallel.parallel_state_sp.get_sequence_parallel_group() (the "
-                   "groups DeepSpeed's Ulysses registration built) with torch.distributed.nn.functional.all_gather "
-                   "(differentiable) and divide the sums (transformers' deepspeed_sp_compute_loss).")
+                   "over deepspeed.runtime.sequence_parallel.parallel_state_sp.get_sequence_parallel_group() with "
+                   "torch.distributed.nn.functional.all_gather (differentiable) and divide the sums (transformers' "
+                   "deepspeed_sp_compute_loss). Past one epoch of the HF Trainer, DeepSpeed's adapter skips a window "
+                   "and a partial last one: call toolkit.train.dimensions.close_each_pass() before trainer.train().")
         if (note := sp_gradient_note(plan)) is not None:
             out.append(note)
     if g.context > 1:
