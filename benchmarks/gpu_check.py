@@ -235,6 +235,7 @@ def _predict(case: Case, config, kind: str, gpu: str) -> dict:
     from toolkit.inputs.lora import Adapter
     from toolkit.inputs.strategy import parse_strategy
     from toolkit.estimate.timing import step_time
+    from toolkit.estimate.traces import priced_step_time
 
     spec = build_spec("llama", config)
     # The LoRA case is _wrap's: LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), PEFT's own dropout
@@ -248,7 +249,7 @@ def _predict(case: Case, config, kind: str, gpu: str) -> dict:
     hw = parse_hardware(f"1x{gpu}")
     out = {"params": spec.params}
     b = estimate_memory(spec, strategy, job, hw)
-    t = step_time(spec, strategy, job, hw)
+    t = priced_step_time(step_time, spec, strategy, job, hw)  # with the host's dispatch where it may bind
     out.update(allocated_predicted=b.peak_bytes, reserved_predicted=b.reserved_bytes,
                peak_phase=b.peak_phase, step_predicted_s=t.step_time_s, mfu_predicted=t.mfu)
     return out

@@ -215,9 +215,12 @@ def ours_tokens_per_gpu(prep, compute_model=None, overlap=None) -> tuple[float, 
     from toolkit.estimate.efficiency import COMPUTE
     from toolkit.estimate.timing import step_time
 
+    from toolkit.estimate.traces import priced_step_time
+
     spec, strategy, job, hw, recompute, grid = prep
-    t = step_time(spec, strategy, job, hw, grid=grid, recompute=recompute, compute_model=compute_model or COMPUTE,
-                  overlap=overlap)
+    # With the host's dispatch where it could bind, as the planner prices it (toolkit.estimate.search.evaluate).
+    t = priced_step_time(step_time, spec, strategy, job, hw, grid=grid, recompute=recompute,
+                         compute_model=compute_model or COMPUTE, overlap=overlap)
     return t.tokens_per_s / hw.world_size, t.to_dict()
 
 

@@ -97,3 +97,38 @@ def test_the_optimizer_steps_host_operations_are_a_real_cpu_adamw_steps(impl):
     assert optimizer_host_ops(spec, job, grid, strategy) == pytest.approx(real, rel=0.05)
     if impl == "for-loop":
         assert real > 10 * 30  # 4 layers of ~10 tensors: the loop is per tensor
+
+
+def _gpu_day_rows() -> dict:
+    results = Path(__file__).parents[1] / "benchmarks" / "results"
+    return {r["label"]: r for r in json.loads((results / "gpu_timing.json").read_text())["rows"]}
+
+
+@pytest.mark.parametrize("label", ["eff ddp llama-1b s512 mb1", "eff ddp llama-1b s1024 mb1"])
+def test_a_small_dense_gpu_step_is_the_hosts_dispatch_as_the_gpu_day_measured(label):
+    """The GPU day's 1.5B DDP step at 512 and 1024 tokens (58 ms both, H200) against gpu_check's own prediction:
+    without the host's dispatch the model said 16 and 25 ms; the traced 4,493 operations at HOST_OP_S give 54 ms."""
+    from gpu_check import SHAPES, _config, _predict, timing_cases
+
+    case = next(c for c in timing_cases() if c.label == label)
+    predicted = _predict(case, _config(SHAPES[case.shape], 128256, case.seq_len), "cuda", "H200")["step_predicted_s"]
+    measured = _gpu_day_rows()[label]["step_measured_s"]
+    assert predicted / measured - 1 == pytest.approx(-0.07, abs=0.03)
+
+
+def test_the_host_floor_leaves_a_long_dense_step_and_a_cpu_job_untraced():
+    """A step whose GPU work is longer than any dense host dispatch could be takes no trace (and is unchanged);
+    neither does a CPU job, whose kernels run on the host thread the compute term already prices."""
+    from gpu_check import SHAPES, _config
+
+    from toolkit.estimate.traces import step_time_terms
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+
+    spec = build_spec("llama", _config(SHAPES["llama-1b"], 128256, 2048))
+    ddp = parse_strategy("ddp")
+    # 16 layers + embedding + head, at most 1000 operations each, at 2 x 12 us: 0.432 s at most.
+    assert step_time_terms(spec, Job(seq_len=2048, micro_batch=16), ddp, device_s=0.58) == {}
+    assert step_time_terms(spec, Job(seq_len=512, micro_batch=1, device_kind="cpu"), ddp, device_s=0.001) == {}
+    assert step_time_terms(spec, Job(seq_len=512, micro_batch=1), ddp, device_s=0.016)["host_ops"] == 4493

@@ -288,7 +288,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
              "dispatch at its slow end, so the expert-parallel speed and its terms are unverified"
              if c.grid is not None and c.grid.expert > 1 else
              "; not for a mixture of experts: no published MoE step is scored within it (its host dispatch is "
-             "measured on CPU only), so its speed is unverified" if t.host_s else "")
+             "measured on CPU only), so its speed is unverified" if t.host_s and t.moe else "")
           + ("; GRPO generation and scoring: no band (no published GRPO step is scored)" if t.generation_s else "")
           + (f"; {vision_band_words(t.vision_s)}" if t.vision_s else ""))
     from toolkit.estimate.savers import UNMODELLED_SPEED

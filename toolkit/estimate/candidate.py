@@ -46,7 +46,8 @@ class Candidate:
         .time_band); a tensor / context / sequence dimension has none yet, nor has a mixture of experts (its one
         scored row, benchmarks/results/moe_ep.md, lies outside the band; its host dispatch is priced: Timing.host_s)."""
         gpus = self.pipeline_stages * self.data_parallel
-        expert = self.grid is not None and self.grid.expert > 1 or bool(self.timing and self.timing.host_s)
+        moe_host = bool(self.timing and self.timing.host_s and self.timing.moe)
+        expert = self.grid is not None and self.grid.expert > 1 or moe_host
         return self.dimension is None and not expert and self.time_band.covers(self.strategy.name, gpus)
 
     @property

@@ -45,7 +45,7 @@ from toolkit.inputs.hardware import Hardware
 from toolkit.inputs.grid import ParallelGrid, stage_options
 from toolkit.inputs.job import Job, job_problem, model_feature_problem
 from toolkit.estimate.memory import Breakdown, estimate_memory, states_floor_bytes
-from toolkit.estimate.traces import step_time_terms
+from toolkit.estimate.traces import priced_step_time
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.preference import MODEL_PARALLEL_DPO_PROBLEM
 from toolkit.estimate.preference import dpo_step_time
@@ -106,9 +106,8 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                          grid=grid, gpu=hw.gpu, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} "
                                            "per GPU for model states alone")
     memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
-    timing = (grpo_step_time if job.grpo else dpo_step_time if job.dpo else step_time)(
-        spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid,
-        **step_time_terms(spec, job, strategy))
+    timing = priced_step_time(grpo_step_time if job.grpo else dpo_step_time if job.dpo else step_time,
+                              spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
     reason = (batch_problem(job.grpo, job.micro_batch, dp, job.grad_accum) if job.grpo else None) \
         or memory.refusal or None
     if reason:

@@ -156,8 +156,10 @@ class Timing:
     fixed_s: float = 0.0
     """The fixed per-step cost a calibration of this machine fitted (toolkit.inputs.calibration step_overhead_s)."""
     host_s: float = 0.0
-    """Mixture-of-experts jobs: the host's dispatch of the step's operations (toolkit.estimate.hosttime); the step
-    is at least this long."""
+    """The host's dispatch of the step's operations (toolkit.estimate.hosttime): every mixture-of-experts job, and a
+    dense one on a GPU whose work is short enough for it to bind; the step is at least this long."""
+    moe: bool = False
+    """A mixture of experts: its host term (host_s) is unverified on GPUs (the dense one is measured)."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s,
@@ -458,7 +460,8 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
         step_ops = optimizer_host_ops(full_spec, job, grid, strategy)
         host_s = host_step_s(host_ops, A, step_ops)
         assumptions.append(host_assumption(host_ops, host_s, step, step_ops,
-                                           expert_exchange=grid.expert > 1 and not grid.autoep))
+                                           expert_exchange=grid.expert > 1 and not grid.autoep,
+                                           moe=bool(spec.moe_experts)))
         step = max(step, host_s)
     unmodelled = speed_unmodelled(job)
     assumptions += [UNMODELLED_SPEED[k] for k in unmodelled]
@@ -470,7 +473,8 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
                   compile_saved_s=compile_saved, lora_overhead_s=lora_s, dequant_s=quant_s,
                   tiled_recompute_s=tiled_s, unmodelled=unmodelled,
                   experts_s=expert_part.experts_s if expert_part is not None else 0.0,
-                  vision_s=vision.seconds if vision is not None else 0.0, fixed_s=fixed, host_s=host_s)
+                  vision_s=vision.seconds if vision is not None else 0.0, fixed_s=fixed, host_s=host_s,
+                  moe=bool(spec.moe_experts))
 
 
 def compile_saving_parts(traffic: tuple, hw: Hardware) -> tuple[float, float]:

@@ -130,14 +130,29 @@ def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch:
     return _seq_anchored(spec, job, strategy, b) or _exact_trace(spec, job, strategy, b)
 
 
-def step_time_terms(spec: ModelSpec, job: Job, strategy: Strategy) -> dict:
+def step_time_terms(spec: ModelSpec, job: Job, strategy: Strategy, device_s: float | None = None) -> dict:
     """What the step-time model (toolkit.estimate.timing.step_time) reads from the trace, as its keyword arguments:
-    torch.compile's fused traffic, and an MoE model's host dispatch (ActivationTrace.host_ops,
-    toolkit.estimate.hosttime); {} where neither applies, without tracing."""
-    if not (job.compile or spec.moe_experts):
+    torch.compile's fused traffic, and the host's dispatch (ActivationTrace.host_ops, toolkit.estimate.hosttime):
+    an MoE model's always; a dense model's on a GPU where its step without it, `device_s`, is short enough for the
+    host to bind (hosttime.host_could_bind); {} where none applies, without tracing."""
+    from toolkit.estimate.hosttime import host_could_bind
+
+    # torch.compile replaces the eager operations the trace counts with fused kernels: no dense floor from them.
+    dense_host = (device_s is not None and job.device_kind != "cpu" and not job.compile
+                  and host_could_bind(spec.num_layers, job.grad_accum, device_s))
+    if not (job.compile or spec.moe_experts or dense_host):
         return {}
     trace = activation_trace(spec, job, strategy, 1)
-    return {"compile_traffic": trace.compile_traffic, "host_ops": trace.host_ops if spec.moe_experts else 0}
+    return {"compile_traffic": trace.compile_traffic,
+            "host_ops": trace.host_ops if spec.moe_experts or dense_host else 0}
+
+
+def priced_step_time(timer, spec: ModelSpec, strategy: Strategy, job: Job, hw, **where):
+    """`timer` (toolkit.estimate.timing.step_time or a trainer's own) for the job, with the terms read from the trace
+    (step_time_terms) where they apply: the step without them decides whether the host's dispatch could bind."""
+    timing = timer(spec, strategy, job, hw, **where)
+    terms = step_time_terms(spec, job, strategy, device_s=timing.step_time_s)
+    return timer(spec, strategy, job, hw, **where, **terms) if terms else timing
 
 
 def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
