@@ -51,6 +51,9 @@ UNMODELLED = {
     "fused_linear_ce": "a fused linear cross-entropy outside Liger (NeMo AutoModel's FusedLinearCrossEntropy, cut "
                        "cross-entropy: the loss from the hidden states, no logits) is not modelled; --liger's fused "
                        "loss comes with Liger's other kernels",
+    "lora_full_tower": "LoRA on the language model with the vision tower and projector trained in full (ms-swift's "
+                       "lora_llm) is not modelled: toolkit's LoRA and QLoRA freeze the whole base, tower included, "
+                       "so the estimate leaves out the tower's gradients and optimizer states",
     "fsdp1": "FSDP1 (FullyShardedDataParallel's flat parameters, as Lightning Fabric's FSDPStrategy wraps each "
              "block) is not modelled; the estimator's sharded data parallel is FSDP2 (per-parameter DTensor shards)",
     "trl_whole_logits": "TRL 1.10 or earlier: its GRPOTrainer holds the completion tokens' logits whole "
@@ -114,6 +117,8 @@ def unmodelled(job: dict) -> list[str]:
         out.append("fsdp1")
     if job.get("checkpointing") == "submodule":
         out.append("submodule_checkpointing")
+    if job.get("lora_full_tower"):
+        out.append("lora_full_tower")
     if job.get("fused_linear_ce"):
         out.append("fused_linear_ce")
     if job.get("bitsandbytes") and _version(job["bitsandbytes"]) < (0, 43, 2):
@@ -290,9 +295,34 @@ def exact_compile_fit(rows: list[dict]) -> dict:
     return {"efficiency": 1 / inverse_efficiency if inverse_efficiency else float("inf"), "kernel_s": kernel_s}
 
 
+IMAGE_SIZE_PROBES = {"SWIFTEX-Qwen2.5-VL-7B-1xGPU-LoRA-ocr": ("224x112", "896x448")}
+"""Image-text rows whose source gives no image size: re-estimated at a smaller and a larger size than the one taken,
+so the reading says how much of the gap the unknown size could hold."""
+
+
+def image_size_probes(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
+    """Each IMAGE_SIZE_PROBES row's reserved estimate (GiB) at its probe sizes and the size it is scored at, smallest
+    image first."""
+    import copy
+
+    from toolkit.inputs.choices import GIB
+
+    out = {}
+    for row in rows:
+        if row["id"] not in IMAGE_SIZE_PROBES:
+            continue
+        found = []
+        for size in (*IMAGE_SIZE_PROBES[row["id"]], row["job"]["images"]["size"]):
+            probe = copy.deepcopy(row)
+            probe["job"]["images"]["size"] = size
+            found.append((size, estimate_row(probe)["reserved_bytes"] / GIB))
+        out[row["id"]] = sorted(found, key=lambda t: t[1])
+    return out
+
+
 def prose_numbers(rows: list[dict], results: list[dict]) -> dict:
     """Numbers the reading cites that are not in the tables: the torchao runs' reserved peaks and our worst error
-    on them, the fp32 logits of torchtune's 3B row, the exact two-constant compile fit."""
+    on them, the fp32 logits of torchtune's 3B row, the exact two-constant compile fit, the image-size probes."""
     from toolkit.inputs.choices import GIB
 
     torchao = [(by["job"]["gpu"].split("-")[0], r) for r in results for by in rows
@@ -313,7 +343,7 @@ def prose_numbers(rows: list[dict], results: list[dict]) -> dict:
             "torchao_reserved_gib": [r["metrics"][0]["published_gib"] for _, r in torchao],
             "torchao_worst": [worst[0], worst[1]["metrics"][0]["error"][0]],
             "tu_logits": [tu["micro_batch"], tu["seq_len"], vocab, tu["micro_batch"] * tu["seq_len"] * vocab * 4 / GIB],
-            "exact_fit": exact_compile_fit(rows)}
+            "exact_fit": exact_compile_fit(rows), "image_size_probes": image_size_probes(rows)}
 
 
 def old_bnb_saved_bytes(row: dict) -> float:
@@ -499,7 +529,7 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
             "established. Nothing was fitted to either row.")
 
 
-def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
+def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> str:
     """What the held-out sources show, from the results."""
     uly = [r["reserved_over_peak"] for r in results if r["id"].startswith("ULY") and r.get("reserved_over_peak")]
     nemo = next(r for r in rows if r["id"] == "NEMO-GC-1B-8xH100-fsdp-ac")
@@ -535,13 +565,17 @@ def _held_out_paragraph(results: list[dict], rows: list[dict]) -> str:
             "modelled either. "
             "LitGPT's config-hub table (one A10G, bf16-true LoRA, 512-token Alpaca2k batches, max_memory_allocated; "
             "the engine of the calibration LIT rows, another table, GPU and models) is "
-            f"{_span(results, 'LITHUB')}. ms-swift's image-captioning example (Qwen2.5-VL-7B, LoRA r8 on all "
-            "linear layers of the language model, tower and merger frozen, checkpointing on, one COCO image a "
-            "sample; its header's '22GiB' is the run's max_memory_reserved; the GPU is not stated) is "
-            f"{_span(results, 'SWIFTEX', '-caption')}, estimated at its largest image (640 x 640, 529 image tokens) "
-            "with 64 text tokens. Its multi-GPU examples run one job under four engines (Qwen2.5-7B-Instruct, LoRA "
-            "r8 on all linear layers, one short self-cognition sample a GPU, 2 GPUs, the headers' "
-            "max_memory_reserved): "
+            f"{_span(results, 'LITHUB')}. ms-swift's one-GPU image examples on Qwen2.5-VL-7B (LoRA r8 on all "
+            "linear layers of the language model, tower and merger frozen, checkpointing on, one image a sample; "
+            "the headers' max_memory_reserved; the GPU is not stated): captioning, estimated at COCO's largest "
+            f"image (640 x 640, 529 image tokens) with 64 text tokens, is {_span(results, 'SWIFTEX', '-caption')}; "
+            "handwritten-formula OCR, whose image sizes are not published, taken as 448 x 224 (128 image tokens) "
+            f"with 128 text tokens, is {_span(results, 'SWIFTEX', '-ocr')}. {_probe_sentence(results, said)} Its "
+            "example with LoRA on the language model and the tower and merger trained in full (lora_llm, ZeRO-2 on 4 "
+            "GPUs, COCO, '4 * 22GiB') is not modelled: toolkit's LoRA freezes the tower (our lower bound "
+            f"{_span(results, 'SWIFTEX', '-full-ViT', modelled=False)}). Its multi-GPU examples run one job under "
+            "four engines (Qwen2.5-7B-Instruct, LoRA r8 on all linear layers, one short self-cognition sample a GPU, "
+            "2 GPUs, the headers' max_memory_reserved): "
             f"DDP {_span(results, 'SWIFTEX', '-DDP')}, ZeRO-2 {_span(results, 'SWIFTEX', '-ZeRO2')}, ZeRO-3 "
             f"{_span(results, 'SWIFTEX', '-ZeRO3')}, FSDP2 {_span(results, 'SWIFTEX', '-FSDP2')}, and the same LoRA "
             f"job on one GPU (its streaming example) {_span(results, 'SWIFTEX-Qwen2.5-7B', '-1xGPU-LoRA')}; its "
@@ -584,6 +618,18 @@ def _rl_paragraph(results: list[dict], rows: list[dict]) -> str:
             "throughput charts published as images only (TRL's vLLM colocate blog), and DPO reports from TRL "
             "versions that hold whole logits (issue threads on 0.12-era DPOTrainer with their batch or lengths "
             "missing).")
+
+
+def _probe_sentence(results: list[dict], said: dict) -> str:
+    """How far the unknown image size moves each probed row's estimate (image_size_probes), beside its reading."""
+    words = []
+    for row_id, found in said["image_size_probes"].items():
+        (small, low), (large, high) = found[0], found[-1]
+        published = next(m["published_gib"] for r in results if r["id"] == row_id for m in r["metrics"])
+        words.append(f"{row_id.split('-')[-1]}'s estimate moves from {low:.1f} GiB at {small} to {high:.1f} GiB at "
+                     f"{large}, {abs(published - high):.1f} GiB {'under' if high < published else 'over'} its "
+                     f"{published:.0f} GiB reading at the larger size")
+    return f"Over the image sizes tried, {_listed(words)}." if words else ""
 
 
 def source_of(row_id: str, splits: dict[str, str]) -> str:
@@ -714,7 +760,7 @@ def render(results: list[dict], summ: dict, speedups: list[dict] = (), efficienc
               f"{_liger_sentence(results)} {_nvidia_smi_sentence(results, said)}", ""]
     lines += [_lora_sources_paragraph(results, said), ""]
     if rows:
-        lines += [_held_out_paragraph(results, rows), "", _rl_paragraph(results, rows), ""]
+        lines += [_held_out_paragraph(results, rows, said), "", _rl_paragraph(results, rows), ""]
     if speedups:
         lines += ["## torch.compile speed-up", "",
                   "Published pairs that differ only by compile, tokens/s compiled over eager, against the step-time "
