@@ -86,12 +86,11 @@ def _is_parameter_copy(t) -> bool:
 
 
 def _decoder_layer_list(model):
-    import torch
+    """The language model's decoder layers (an image-text class's too, not its vision encoder's blocks)."""
+    from toolkit.inputs.decoder_parts import decoder_layers
+    from toolkit.inputs.modelconfig import layer_count
 
-    n = model.config.num_hidden_layers
-    lists = [(name.count("."), name, m) for name, m in model.named_modules()
-             if isinstance(m, torch.nn.ModuleList) and len(m) == n]
-    return min(lists, key=lambda x: x[:2])[2]
+    return decoder_layers(model, layer_count(model.config))
 
 
 def _storage_key(t) -> tuple[int, int]:

@@ -13,7 +13,7 @@ bytes seen by torch's MemTracker (torch.distributed._tools.mem_tracker), which c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from toolkit.inputs.modelconfig import text_config
@@ -40,9 +40,10 @@ def _dtype(precision: str):
 
 
 def build_model(config, precision: str, attention: str, checkpointing: bool, device: str, seed: int = 0,
-                adapter=None):
+                adapter=None, images: bool = False, vision_tower: str = "train"):
     """The model as the DDP path trains it; with a LoRA `adapter` (toolkit.inputs.lora.Adapter), the base in the compute
-    dtype wrapped by PEFT (adapters in fp32 under autocast), as toolkit.train does."""
+    dtype wrapped by PEFT (adapters in fp32 under autocast), as toolkit.train does; `images`: the class that runs
+    images (auto_model_class), its vision encoder and projector frozen where `vision_tower` is "freeze"."""
     import torch
     from toolkit.inputs.modelconfig import auto_model_class
 
@@ -58,8 +59,13 @@ def build_model(config, precision: str, attention: str, checkpointing: bool, dev
         dtype = getattr(torch, base_dtype_name(precision, adapter.base_dtype))
     else:
         dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
-    model = auto_model_class(config).from_config(config, dtype=dtype).to(device)
+    model = auto_model_class(config, images=images).from_config(config, dtype=dtype).to(device)
     model.train()
+    if vision_tower == "freeze":
+        from toolkit.inputs.decoder_parts import vision_parts
+
+        for path, *_ in sum(vision_parts(model, config), ()):
+            model.get_submodule(path).requires_grad_(False)
     if checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
@@ -82,6 +88,38 @@ def _batch(config, micro_batch: int, seq_len: int, device: str, seed: int = 0) -
     vocab = text_config(config).vocab_size
     ids = torch.randint(0, vocab, (micro_batch, seq_len), generator=g).to(device)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def image_batch(config, *, micro_batch: int, text_tokens: int, images: int, image_size: str, device: str = "cpu",
+                seed: int = 0) -> dict:
+    """Samples of `text_tokens` text tokens and `images` images of `image_size` each, laid out as a Qwen-VL processor
+    writes them (per image: text, vision start, the image's tokens, vision end), with the pixel values (random) and
+    patch grid the model's own image processor gives at that size (toolkit.inputs.images.image_tokens); the labels
+    are the ids, as in the text batch."""
+    import torch
+
+    from toolkit.inputs.images import image_tokens, parse_image_size
+
+    found = image_tokens(config, *parse_image_size(image_size))
+    if found.grid is None:
+        raise NotImplementedError(f"{config.model_type}: a batch without a patch grid (a fixed count an image) is not "
+                                  "built here")
+    g = torch.Generator().manual_seed(seed)
+    image, start, end = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
+    text_id_bound = min(image, start, end, getattr(config, "video_token_id", image))
+    rows = []
+    for _ in range(micro_batch):
+        row: list[int] = []
+        for _ in range(images):
+            row += torch.randint(0, text_id_bound, (text_tokens // images - 2,), generator=g).tolist()
+            row += [start] + [image] * found.tokens + [end]
+        rows.append(row)
+    ids = torch.tensor(rows, device=device)
+    count = micro_batch * images
+    return {"input_ids": ids, "labels": ids.clone(),
+            "pixel_values": torch.randn(count * found.pixel_shape[0], *found.pixel_shape[1:], generator=g).to(device),
+            "image_grid_thw": torch.tensor([list(found.grid)] * count, device=device),
+            "mm_token_type_ids": (ids == image).long()}
 
 
 def make_optimizer(params, optimizer: str = "adamw", impl: str = "fused"):
@@ -109,14 +147,18 @@ def make_optimizer(params, optimizer: str = "adamw", impl: str = "fused"):
 
 def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
                  checkpointing: bool = False, device: str = "cpu", steps: int = 3, adapter=None,
-                 optimizer: str = "adamw", optimizer_impl: str = "fused", liger: bool = False) -> Measured:
-    """Peak memory of a steady-state step and the mean time of `steps` steps, in this process."""
+                 optimizer: str = "adamw", optimizer_impl: str = "fused", liger: bool = False, images: int = 0,
+                 image_size: str = "", vision_tower: str = "train") -> Measured:
+    """Peak memory of a steady-state step and the mean time of `steps` steps, in this process. `images` of
+    `image_size` a sample (an image-text class): `seq_len` is the text tokens, the images add theirs (image_batch)."""
     import contextlib
 
     import torch
 
-    model = build_model(config, precision, attention, checkpointing, device, adapter=adapter)
-    batch = _batch(config, micro_batch, seq_len, device)
+    model = build_model(config, precision, attention, checkpointing, device, adapter=adapter, images=bool(images),
+                        vision_tower=vision_tower)
+    batch = (image_batch(config, micro_batch=micro_batch, text_tokens=seq_len, images=images, image_size=image_size,
+                         device=device) if images else _batch(config, micro_batch, seq_len, device))
     amp = _dtype(precision)
     autocast = (lambda: torch.autocast(device_type=device.split(":")[0], dtype=amp)) if amp \
         else contextlib.nullcontext
@@ -128,7 +170,12 @@ def measure_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp
         patched = liger_applied(model.get_base_model() if hasattr(model, "get_base_model") else model)
     optimizer = make_optimizer((p for p in model.parameters() if p.requires_grad), optimizer, optimizer_impl)
     with patched:
-        return _measure(model, optimizer, batch, amp, autocast, device, steps, micro_batch * seq_len)
+        measured = _measure(model, optimizer, batch, amp, autocast, device, steps, batch["input_ids"].numel())
+    if images:  # the batch's pixel values, alive before the forward, are resident for the whole step: the estimate
+        # counts them with the activations (toolkit.estimate.visiontower, TowerTrace.pixel_bytes)
+        pixels = batch["pixel_values"].untyped_storage().nbytes()
+        measured = replace(measured, activations_bytes=measured.activations_bytes + pixels)
+    return measured
 
 
 def _measure(model, optimizer, batch, amp, autocast, device: str, steps: int, tokens: int) -> Measured:
@@ -177,19 +224,23 @@ def _measure(model, optimizer, batch, amp, autocast, device: str, steps: int, to
 def predict_step(config, *, seq_len: int, micro_batch: int, precision: str = "fp32", attention: str = "sdpa",
                  checkpointing: bool = False, device_kind: str = "cpu", adapter=None, optimizer: str = "adamw",
                  optimizer_impl: str = "fused", liger: bool = False,
-                 activation_offloading: bool = False, loss: str = "model", tiled: bool = False) -> dict[str, Any]:
-    """The estimator's prediction for the same single-device step (DDP engine, one process)."""
+                 activation_offloading: bool = False, loss: str = "model", tiled: bool = False, images: int = 0,
+                 image_size: str = "", vision_tower: str = "train") -> dict[str, Any]:
+    """The estimator's prediction for the same single-device step (DDP engine, one process); `seq_len` and the
+    images as measure_step takes them."""
     from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.images import image_job
     from toolkit.inputs.job import Job
     from toolkit.estimate.memory import estimate_memory
     from toolkit.inputs.modelspec import build_spec
     from toolkit.inputs.strategy import parse_strategy
 
-    spec = build_spec(getattr(config, "model_type", "model"), config)
+    spec = build_spec(getattr(config, "model_type", "model"), config, images=bool(images))
+    seq_len, image_fields = image_job(spec, images, image_size, seq_len)
     job = Job(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
               checkpointing=checkpointing, device_kind=device_kind, optimizer=optimizer, optimizer_impl=optimizer_impl,
               liger=liger, activation_offloading=activation_offloading, loss=loss, tiled=tiled,
-              **({"adapter": adapter} if adapter else {}))
+              vision_tower=vision_tower, **image_fields, **({"adapter": adapter} if adapter else {}))
     b = estimate_memory(spec, parse_strategy("ddp"), job, parse_hardware("1xH200"))
     return {"peak_bytes": b.peak_bytes, "activations_bytes": b.activations_bytes, "peak_phase": b.peak_phase,
             "params": spec.params, "host_bytes": b.cpu_bytes_per_node}
