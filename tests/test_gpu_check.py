@@ -160,6 +160,25 @@ def test_derive_timing_prefers_isolated_rows_where_the_shared_process_is_contami
     assert "zero3" not in derive_timing(shared)["engine_overhead"]  # contaminated and nothing to replace it
 
 
+def test_derive_timing_scores_the_model_now_per_engine_as_the_published_rows_are_scored():
+    """Synthetic rows (not a measurement): with a predictor, each clean row's error is measured / predicted - 1 (our
+    tokens/s over the measured), stats per engine; a row standing in for a contaminated one counts once."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_derive import derive_timing
+
+    def row(label, strategy, step, mb=2):
+        return {"label": label, "strategy": strategy, "step_measured_s": step, "step_predicted_s": 1.0,
+                "accum": 1, "micro_batch": mb, "seq_len": 2048, "hidden": 2048}
+
+    shared = {"meta": {}, "rows": [row("eff ddp a", "ddp", 1.2, mb=1), row("eff ddp b", "ddp", 0.9),
+                                   row("engine fsdp2", "fsdp2", 3.0), row("pipe ddp M1", "ddp", 5.0, mb=1)]}
+    d = derive_timing(shared, predict=lambda r: 1.0)
+    assert [e["label"] for e in d["model_now"]["rows"]] == ["eff ddp a", "eff ddp b", "engine fsdp2"]
+    ddp = d["model_now"]["engines"]["ddp"]
+    assert ddp["rows"] == 2 and abs(ddp["worst_abs_error"] - 0.2) < 1e-9 and abs(ddp["mean_error"] - 0.05) < 1e-9
+    assert abs(d["model_now"]["engines"]["fsdp2"]["p90_abs_error"] - 2.0) < 1e-9
+
+
 def test_multi_gpu_runs_list_context_parallelism_and_skip_without_gpus(tmp_path):
     """CP needs CUDA (docs/ENGINE_FACTS.md): it is on the GPU run list, with what to measure; without GPUs every
     run is recorded as skipped, saying how many GPUs it needs (in this process: with no GPU nothing is started)."""
