@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SCRIPTS = ("1_data_parallel.sh", "2_model_parallel.sh", "3_hybrid.sh",
+           "4_accumulation_mixed_precision_checkpointing.sh", "5_elastic_restart.sh")
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +22,28 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("examples")
 
 
-def run_example(script: str, work: Path) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def examples(work):
+    """Every example script started at once, each into its own folder of work, once common.sh has made the tiny
+    model and corpus they share (made here first, so that no script races another to make them): one script's
+    ranks alone leave a core idle while they start, meet and save. example(script) waits for that script and gives
+    its exit code and its output (stdout and stderr, in a file: a full pipe would stall a script)."""
     env = {**os.environ, "WORK": str(work), "PYTHON": sys.executable}
-    return subprocess.run(["bash", str(EXAMPLES / script)], env=env, capture_output=True, text=True, timeout=600)
+    subprocess.run(["bash", "-c", f"source {shlex.quote(str(EXAMPLES / 'common.sh'))}"], env=env, check=True,
+                   timeout=600)
+    started = {}
+    for script in SCRIPTS:
+        with open(work / f"{script}.log", "w") as log:
+            started[script] = subprocess.Popen(["bash", str(EXAMPLES / script)], env=env, stdout=log,
+                                               stderr=subprocess.STDOUT)
+
+    def example(script: str) -> tuple[int, str]:
+        code = started[script].wait(timeout=900)
+        return code, (work / f"{script}.log").read_text(errors="replace")
+
+    yield example
+    for proc in started.values():  # a test that failed early leaves no script waited for
+        proc.wait(timeout=900)
 
 
 def reloads(out: Path) -> int:
@@ -36,18 +58,18 @@ def reloads(out: Path) -> int:
     ("2_model_parallel.sh", "model_parallel", "pipeline"),
     ("3_hybrid.sh", "hybrid", "hybrid"),
 ])
-def test_seed_parallel_pattern_trains_and_saves(work, script, name, strategy):
-    proc = run_example(script, work)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_seed_parallel_pattern_trains_and_saves(examples, work, script, name, strategy):
+    code, output = examples(script)
+    assert code == 0, output[-6000:]
     plan = json.loads((work / name / "plan" / "plan.json").read_text())
     assert plan["strategy"] == strategy
     assert reloads(work / name / "out") == plan["params"]
 
 
 @pytest.mark.multiprocess
-def test_seed_accumulation_mixed_precision_and_resume(work):
-    proc = run_example("4_accumulation_mixed_precision_checkpointing.sh", work)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_seed_accumulation_mixed_precision_and_resume(examples, work):
+    code, output = examples("4_accumulation_mixed_precision_checkpointing.sh")
+    assert code == 0, output[-6000:]
     plan = json.loads((work / "accum" / "plan" / "plan.json").read_text())
     assert (plan["micro_batch"], plan["grad_accum"], plan["precision"], plan["checkpointing"]) == (2, 2, "bf16", True)
     state = json.loads((work / "accum" / "out" / "checkpoint-8" / "trainer_state.json").read_text())
@@ -56,10 +78,10 @@ def test_seed_accumulation_mixed_precision_and_resume(work):
 
 
 @pytest.mark.multiprocess
-def test_seed_fault_tolerance_a_killed_worker_is_restarted_and_the_run_finishes(work):
-    proc = run_example("5_elastic_restart.sh", work)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "killed worker" in proc.stdout
+def test_seed_fault_tolerance_a_killed_worker_is_restarted_and_the_run_finishes(examples, work):
+    code, output = examples("5_elastic_restart.sh")
+    assert code == 0, output[-6000:]
+    assert "killed worker" in output
     log = (work / "elastic" / "out" / "toolkit-launch.log").read_text(errors="replace")
     assert "toolkit.train: restart 1 after a worker died" in log
     state = json.loads((work / "elastic" / "out" / "checkpoint-12" / "trainer_state.json").read_text())
