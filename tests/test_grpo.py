@@ -298,22 +298,52 @@ def test_plan_json_gives_each_placement_with_its_mode_and_server_gpus():
                                  "reason": "no strategy fits"}
 
 
-def test_a_colocate_share_that_leaves_training_too_little_refuses_every_row_with_the_window(tmp_path):
-    """vllm_gpu_memory_utilization 0.95 leaves 5% of each GPU to training, so no strategy fits: the plan lists each
-    one's colocate refusal with the feasible window and writes nothing. The planner does not try tiling for GRPO
-    (GRPOTrainer refuses --tiled), which ended such a plan in an unrelated '--loss trl with --tiled' error."""
+def test_a_colocate_share_outside_every_rows_window_is_one_line_exit_2_naming_the_window(tmp_path):
+    """vllm_gpu_memory_utilization 0.95 leaves 5% of each GPU to training, outside the window of every row (issue 29,
+    Must show: bad input): one line naming the widest window (zero3-offload at micro-batch 1 leaves vLLM up to 0.92)
+    and the fix, exit 2, nothing printed or written. The planner does not try tiling for GRPO (GRPOTrainer refuses
+    --tiled), which ended such a plan in an unrelated '--loss trl with --tiled' error."""
     out = tmp_path / "plan"
     code, text, err = _cli("plan", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "grpo",
                            "--max-completion-length", "1024", "--global-batch", "64", "--use-vllm",
                            "--vllm-gpu-memory-utilization", "0.95", "--strategies", "zero3,zero3-offload", "--out",
                            str(out))
-    assert (code, err) == (1, "") and not out.exists()
-    refused = [x for x in text.splitlines() if x.startswith(("  zero3:", "  zero3-offload:"))]
-    assert len(refused) == 2
-    assert all("vllm_gpu_memory_utilization 0.95" in x and "feasible vllm_gpu_memory_utilization 0." in x
-               for x in refused)
-    assert "  1. vLLM server on 4 GPUs (trl vllm-serve), training on 4: zero3" in text
-    assert "  2. vLLM colocate on all 8 GPUs: does not fit: " in text
+    assert (code, text) == (2, "") and not out.exists()
+    assert len(err.strip().splitlines()) == 1
+    assert ("vllm_gpu_memory_utilization 0.95 lies outside vLLM colocate's window on 8xH100-SXM-80GB for every row: "
+            "the widest feasible vllm_gpu_memory_utilization 0.21 to 0.92 (zero3-offload, micro-batch 1 x "
+            "accumulation 8); give --vllm-gpu-memory-utilization within it, or generate on a separate vLLM server "
+            "(--vllm-mode server)") in err
+
+
+def test_colocate_with_no_window_on_these_gpus_is_one_line_exit_2_saying_what_to_change(tmp_path):
+    """On 24 GiB L4s vLLM needs 0.75 of each GPU for Llama-3.1-8B's bf16 weights and one batch's KV cache, and even
+    zero3-offload's training 0.26: no share works for any row, so the line says none exists and what to change."""
+    out = tmp_path / "plan"
+    code, text, err = _cli("plan", LLAMA_8B, "--gpus", "8xL4-24GB", "--method", "grpo", "--max-completion-length",
+                           "1024", "--global-batch", "64", "--use-vllm", "--strategies", "zero3,zero3-offload",
+                           "--out", str(out))
+    assert (code, text) == (2, "") and not out.exists() and len(err.strip().splitlines()) == 1
+    assert ("no feasible vllm_gpu_memory_utilization on 8xL4 for any row: vLLM needs at least 0.75 of each GPU (its "
+            "weights and one batch's KV cache) and training at least 0.26 (zero3-offload); use fewer "
+            "--num-generations, a shorter --max-completion-length, more GPUs, or a separate vLLM server "
+            "(--vllm-mode server)") in err
+
+
+def test_estimate_of_a_colocate_row_outside_its_window_is_one_line_exit_2():
+    """The row refused above (zero3, micro-batch 4 x 2 at TRL's default 0.3) from estimate: its window 0.21 to 0.26
+    in one line, exit 2; at 0.25, inside it, the estimate prints and fits."""
+    code, text, err = _cli("estimate", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "grpo",
+                           "--max-completion-length", "1024", "--micro-batch", "4", "--accumulation", "2",
+                           "--strategy", "zero3", "--use-vllm", "--require-fit")
+    assert (code, text) == (2, "") and len(err.strip().splitlines()) == 1
+    assert ("vllm_gpu_memory_utilization 0.3 lies outside vLLM colocate's window on 8xH100-SXM-80GB for this row: "
+            "the feasible vllm_gpu_memory_utilization 0.21 to 0.26 (zero3, micro-batch 4 x accumulation 2)") in err
+    code, text, err = _cli("estimate", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "grpo",
+                           "--max-completion-length", "1024", "--micro-batch", "4", "--accumulation", "2",
+                           "--strategy", "zero3", "--use-vllm", "--vllm-gpu-memory-utilization", "0.25",
+                           "--require-fit")
+    assert code == 0 and "fits" in text and not err
 
 
 def test_vllm_tensor_parallel_splits_its_weights_and_moves_the_window():

@@ -122,6 +122,10 @@ def cmd_estimate(args) -> int:
     if searched:
         return _estimate_most_images(args, spec, hw, strategy, grid, job, searched)
     c = evaluate(spec, hw, strategy, job, grid, prune=False)
+    from toolkit.estimate.placement import window_problem
+
+    if problem := window_problem([c], hw.spec):
+        raise UserError(problem)
     b, t, partition = c.memory, c.timing, c.partition
     world = None
     if args.trace_world:

@@ -155,6 +155,10 @@ def cmd_plan(args) -> int:
 
     with status("planning: every strategy, batch split and checkpointing choice"):
         candidates = plan_candidates(spec, hw, req)
+    from toolkit.estimate.placement import placements, window_problem
+
+    if problem := window_problem(candidates, hw.spec):  # bad input, before anything is printed or written
+        raise UserError(problem)
     feasible = [c for c in candidates if c.feasible]
     chosen = feasible[0] if feasible else None
     if args.strategy_choice:
@@ -166,8 +170,6 @@ def cmd_plan(args) -> int:
         return out
 
     rows = [row(c) for c in candidates]
-    from toolkit.estimate.placement import placements
-
     placed = placements(spec, hw, req, candidates)
     why = why_first(candidates) if chosen is not None and chosen is (feasible[0] if feasible else None) else None
     if args.json:

@@ -93,6 +93,9 @@ class Breakdown:
     refusal: str = ""
     """Why the job does not fit although required_bytes might (GRPO vLLM colocate: a share for vLLM too small for
     its weights, or training over the rest; toolkit.estimate.grpo), or empty."""
+    vllm_window: tuple[float, float] | None = None
+    """GRPO vLLM colocate: the vllm_gpu_memory_utilization (low, high) that holds vLLM's weights and one batch's KV
+    cache and leaves training what it needs (low > high: no window on this GPU); None for any other job."""
 
     @property
     def fits(self) -> bool:

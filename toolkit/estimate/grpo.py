@@ -245,8 +245,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     held = b.between_steps_bytes + b.reward_bytes + b.context_bytes  # the step's gradients are freed by then
     beside = held if sleeping else b.required_bytes
     low, high = vllm_needs / cap, 1 - beside / cap
-    window = (f"feasible vllm_gpu_memory_utilization {low:.2f} to {high:.2f}" if low <= high else
-              f"no feasible vllm_gpu_memory_utilization: vLLM needs {low:.2f} of the GPU, training {1 - high:.2f}")
+    window = window_words(low, high)
     terms = list(b.terms) + [Term("vLLM colocate reserve", reserve,
                                   f"vllm_gpu_memory_utilization {u:g} x {cap / GIB:.1f} GiB: its weights "
                                   f"({vllm_weights / tp / GIB:.2f} GiB{f', 1/{tp} each' if tp > 1 else ''}) and "
@@ -260,6 +259,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
         refusal = (f"{what}: {beside / GIB:.1f} GiB, more than the {1 - u:.0%} of "
                    f"{cap / GIB:.1f} GiB vLLM colocate leaves (vllm_gpu_memory_utilization {u:g}); {window}")
     notes.insert(0, f"GRPO vLLM colocate{' with sleep mode' if sleeping else ''}: {window} on {cap / GIB:.1f} GiB")
+    b = replace(b, vllm_window=(low, high))
     if sleeping:
         generating = held + reserve
         if generating <= b.required_bytes:
@@ -269,6 +269,12 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
                        refusal=refusal)
     return replace(b, required_bytes=b.required_bytes + reserve, terms=tuple(terms), notes=tuple(notes),
                    refusal=refusal)
+
+
+def window_words(low: float, high: float) -> str:
+    """vLLM colocate's window of vllm_gpu_memory_utilization as the notes and refusals say it."""
+    return (f"feasible vllm_gpu_memory_utilization {low:.2f} to {high:.2f}" if low <= high else
+            f"no feasible vllm_gpu_memory_utilization: vLLM needs {low:.2f} of the GPU, training {1 - high:.2f}")
 
 
 def grpo_step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw, *, grid: ParallelGrid, **kwargs):

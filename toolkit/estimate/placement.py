@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserError
+from toolkit.estimate.grpo import window_words
 from toolkit.estimate.search import evaluate, plan_candidates
 from toolkit.inputs.choices import GIB
 from toolkit.inputs.grpo import COLOCATE, SERVER
@@ -95,6 +96,32 @@ def placements(spec: "ModelSpec", hw: "Hardware", req: "Request", colocated: lis
 def _best(words: str, candidates: list["Candidate"]) -> Placement:
     best = next((c for c in candidates if c.feasible), None)
     return Placement(words, best, None if best else next((c.reason for c in candidates), "no strategy"))
+
+
+def window_problem(candidates: list["Candidate"], gpus: str) -> str | None:
+    """One line for a vLLM colocate job none of whose rows fits because its vllm_gpu_memory_utilization lies outside
+    every costed row's window (toolkit.estimate.grpo; or no row has a window on these GPUs): the problem and the fix.
+    None when a row fits, the job does not colocate, or no row was costed with a window."""
+    windows = [(c, c.memory.vllm_window) for c in candidates if c.memory is not None and c.memory.vllm_window]
+    if not windows or any(c.feasible for c in candidates):
+        return None
+    u = windows[0][0].job.grpo.vllm_gpu_memory_utilization
+    if any(low <= u <= high for _, (low, high) in windows):
+        return None  # refused for another reason than the share
+    server = "a separate vLLM server (--vllm-mode server)"
+    rows = "this row" if len(candidates) == 1 else "every row"
+    open_ = [(c, w) for c, w in windows if w[0] <= w[1]]
+    if open_:
+        c, (low, high) = max(open_, key=lambda x: x[1][1] - x[1][0])
+        return (f"vllm_gpu_memory_utilization {u:g} lies outside vLLM colocate's window on {gpus} for {rows}: the "
+                f"{'widest ' if len(open_) > 1 else ''}{window_words(low, high)} ({c.name}, micro-batch "
+                f"{c.job.micro_batch} x accumulation {c.job.grad_accum}); give --vllm-gpu-memory-utilization within "
+                f"it, or generate on {server}")
+    vllm = min(w[0] for _, w in windows)
+    c, (_, high) = max(windows, key=lambda x: x[1][1])
+    return (f"no feasible vllm_gpu_memory_utilization on {gpus} for {rows.replace('every', 'any')}: vLLM needs at "
+            f"least {vllm:.2f} of each GPU (its weights and one batch's KV cache) and training at least {1 - high:.2f} ({c.name}); use fewer "
+            f"--num-generations, a shorter --max-completion-length, more GPUs, or {server}")
 
 
 def placement_lines(found: list[Placement], global_batch: int) -> list[str]:
