@@ -135,3 +135,22 @@ def test_plan_json_and_plan_md_say_the_band_is_unknown_off_the_map(tmp_path, cap
     assert "peak error band: peak +-" in notes and "widened: no published memory case on V100-32GB" in notes
     md = (tmp_path / "p" / "PLAN.md").read_text()
     assert "step time band unknown: no published run on V100-32GB (Volta)" in md
+
+
+def test_a_one_gpu_hopper_job_takes_the_band_of_the_gpu_days_measured_steps_of_its_engine():
+    """Issue 28 Deliver 4: the evidence nearest a one-GPU Hopper DDP job is the GPU day's 11 clean DDP steps on an
+    H200 (toolkit/estimate/measured_time_band.json, gpu_derive.py): p90 34.7%, wider than the published corpus's
+    Hopper band (9.3%), so the band widens to it and says why; other GPU counts and generations keep theirs."""
+    from toolkit.estimate.errorband import time_band
+    from toolkit.inputs.hardware import parse_hardware
+
+    h100, a100 = parse_hardware("1xH100-80GB").gpu, parse_hardware("1xA100-80GB").gpu
+    ddp = time_band(h100, strategy="ddp", gpus=1)
+    assert ddp.fraction == pytest.approx(0.3465, abs=0.001)
+    assert time_band(h100).fraction == pytest.approx(0.093, abs=0.001)
+    assert "widened: 11 steps of ddp measured on 1 H200-141GB (2026-12-04" in ddp.text()
+    assert ddp.covers("ddp", 1)
+    zero3 = time_band(h100, strategy="zero3", gpus=1)
+    assert zero3.fraction == pytest.approx(3.318, abs=0.001) and not zero3.covers("zero3", 1)
+    assert time_band(h100, strategy="ddp", gpus=8) == time_band(h100)
+    assert time_band(a100, strategy="ddp", gpus=1) == time_band(a100)

@@ -54,7 +54,7 @@ def cmd_estimate(args) -> int:
     from toolkit.inputs.job import Job, check_job
     from toolkit.estimate.duration import duration
     from toolkit.estimate.search import evaluate
-    from toolkit.estimate.errorband import band_for, time_band
+    from toolkit.estimate.errorband import band_for
     from toolkit.inputs.hardware import power_json
     from toolkit.inputs.strategy import parse_strategy
 
@@ -158,8 +158,8 @@ def cmd_estimate(args) -> int:
                "per_gpu": b.to_dict(), "host_ram_bytes_per_node": hw.cpu_ram_bytes_per_node, "fits": b.fits,
                "timing": t.to_dict(),
                "error_band": band.to_dict(),
-               "time_error_band": {**time_band(hw.gpu).to_dict(),
-                                   "evidenced_here": time_band(hw.gpu).covers(strategy.name, hw.world_size)},
+               "time_error_band": {**c.time_band.to_dict(),
+                                   "evidenced_here": c.time_band.covers(strategy.name, hw.world_size)},
                "terms": [x.to_dict() for x in b.terms],
                **({"vision_share": vision_share(spec, b, c)} if spec.multimodal else {}),
                **({"fake_world": world.to_dict()} if world else {}), **calibration_json(args),
@@ -198,7 +198,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
     """The estimate of one candidate as text: the header, every memory term (with its source under `explain`), the
     peak, the error bands, host RAM and the step time (plan --explain prints its chosen row through this too).
     `b`: the candidate's memory, or the fake world's terms in its place (estimate --trace-world)."""
-    from toolkit.estimate.errorband import band_for, time_band
+    from toolkit.estimate.errorband import band_for
     from toolkit.inputs.grpo import generation_batch, grpo_words
     from toolkit.inputs.preference import reference_words
     from toolkit.inputs.hardware import power_words
@@ -280,7 +280,7 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
         print(f"NVMe per node: {gib(b.nvme_bytes_per_node)} GiB")
     print(f"\npredicted step {t.step_time_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%} "
           f"({step_terms_words(t)})")
-    tband = time_band(hw.gpu)
+    tband = c.time_band
     from toolkit.estimate.visiontime import vision_band_words
 
     print(f"time band: {tband.text()}"

@@ -53,7 +53,8 @@ class Candidate:
     @property
     def time_band(self):
         """The step-time band of this candidate's GPU generation (errorband.time_band)."""
-        return time_band(self.gpu)
+        gpus = self.grid.world if self.grid is not None else self.pipeline_stages * self.data_parallel
+        return time_band(self.gpu, strategy=self.strategy.name, gpus=gpus)
 
     @property
     def peak_band(self):

@@ -91,7 +91,7 @@ def step_time_band(candidate) -> float | None:
     engine at its scale on its GPU generation, else None (unverified, or no published run on the generation)."""
     from toolkit.estimate.errorband import time_band
 
-    band = time_band(getattr(candidate, "gpu", None))
+    band = candidate.time_band if hasattr(candidate, "time_band") else time_band(getattr(candidate, "gpu", None))
     return band.fraction if candidate.speed_evidenced and band.rows and band.known else None
 
 

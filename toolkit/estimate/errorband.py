@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -164,9 +164,36 @@ def _evidenced(entries: list[dict]) -> tuple[tuple[str, int], ...]:
     return tuple((e["strategy"], int(e["max_gpus"])) for e in entries)
 
 
-def time_band(gpu=None, data: dict | None = None) -> TimeBand:
+MEASURED_TIME_BAND_FILE = Path(__file__).parent / "measured_time_band.json"
+"""Steps measured on our own GPU day, per engine at its GPU count (benchmarks/gpu_derive.py writes it from
+benchmarks/results/gpu_timing.json): the evidence nearest a job of that generation, engine and GPU count."""
+
+
+@lru_cache(maxsize=1)
+def _measured_data() -> dict:
+    return json.loads(MEASURED_TIME_BAND_FILE.read_text()) if MEASURED_TIME_BAND_FILE.is_file() else {}
+
+
+def time_band(gpu=None, data: dict | None = None, *, strategy: str | None = None, gpus: int | None = None,
+              measured: dict | None = None) -> TimeBand:
     """The step-time band of a job on `gpu` (module docstring: its generation's held-out runs, widened with few,
-    unknown with none); without a GPU, the whole corpus's band."""
+    unknown with none); without a GPU, the whole corpus's band. With the job's `strategy` and `gpus`: widened to
+    the p90 error of our own measured steps of that engine at that GPU count on that generation, where they are
+    wider (MEASURED_TIME_BAND_FILE)."""
+    band = _published_time_band(gpu, data)
+    m = _measured_data() if measured is None else measured
+    entry = m.get("engines", {}).get(strategy) if m else None
+    if (entry is None or gpu is None or not band.known or gpus != m["gpus"]
+            or gpu.architecture != m["generation"] or entry["p90_abs_error"] <= band.fraction):
+        return band
+    said = (f"{entry['rows']} step{'s' if entry['rows'] != 1 else ''} of {strategy} measured on {m['gpus']} "
+            f"{m['gpu']} ({m['date']}, benchmarks/results/gpu_timing_derived.md) off by up to "
+            f"{entry['p90_abs_error']:.0%} (p90)")
+    return replace(band, fraction=float(entry["p90_abs_error"]),
+                   reason=f"{band.reason}; {said}" if band.reason else said)
+
+
+def _published_time_band(gpu=None, data: dict | None = None) -> TimeBand:
     d = _time_data() if data is None else data
     if not d:
         return TimeBand(0.0, 0, ())
