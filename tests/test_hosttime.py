@@ -132,3 +132,16 @@ def test_the_host_floor_leaves_a_long_dense_step_and_a_cpu_job_untraced():
     assert step_time_terms(spec, Job(seq_len=2048, micro_batch=16), ddp, device_s=0.58) == {}
     assert step_time_terms(spec, Job(seq_len=512, micro_batch=1, device_kind="cpu"), ddp, device_s=0.001) == {}
     assert step_time_terms(spec, Job(seq_len=512, micro_batch=1), ddp, device_s=0.016)["host_ops"] == 4493
+
+
+def test_a_host_bound_dense_estimate_says_its_step_is_the_hosts_dispatch(capsys):
+    """Qwen2.5-0.5B at 512 tokens on one H100: 0.010 s of compute, and the host's dispatch of its 24 layers'
+    operations is the step; the printed terms say so instead of not adding up."""
+    from toolkit.cli import main
+
+    assert main(["estimate", "qwen2.5-0.5b", "--strategy", "ddp", "--gpus", "1xH100-80GB", "--seq", "512",
+                 "--micro-batch", "1"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted step"))
+    step = float(line.split()[2])
+    assert f"host-bound: the host's dispatch, {step:.3f} s, is the step" in line
+    assert float(line.split("(compute ")[1].split()[0]) < step / 4

@@ -365,7 +365,10 @@ def step_terms_words(t) -> str:
              ("GRPO scoring forwards" if t.generation_s else "DPO reference forward", t.reference_s),
              ("GRPO generation", t.generation_s), ("GRPO reward model", t.reward_s),
              ("calibrated fixed cost", t.fixed_s)]
-    return ", ".join(f"{name} {value:.3f} s" for i, (name, value) in enumerate(terms) if i < 4 or value)
+    words = ", ".join(f"{name} {value:.3f} s" for i, (name, value) in enumerate(terms) if i < 4 or value)
+    # The host's dispatch is a floor, not a term: where it binds, the step is it (toolkit.estimate.hosttime).
+    bound = t.host_s and t.host_s >= t.step_time_s
+    return words + (f"; host-bound: the host's dispatch, {t.host_s:.3f} s, is the step" if bound else "")
 
 
 def _estimate_seq_max(args, spec, hw, strategy, degrees) -> int:
