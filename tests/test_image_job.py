@@ -321,8 +321,11 @@ def test_estimate_and_plan_carry_the_images_and_their_tokens(tiny_vl_dir, capsys
     assert "activations_bytes" not in text["vision_share"]
     # the tower's compute is part of the step's, in --json and on the --explain line of the vision encoder
     assert imaged["timing"]["vision_s"] > 0 and "vision_s" not in text["timing"]
-    assert imaged["timing"]["step_time_s"] - text["timing"]["step_time_s"] == pytest.approx(
-        imaged["timing"]["vision_s"], rel=1e-6)
+    ti, tt = imaged["timing"], text["timing"]
+    if ti.get("host_s", 0) >= ti["step_time_s"]:  # the tiny model's step on a GPU is the host's dispatch (a floor)
+        assert ti["step_time_s"] == pytest.approx(ti["host_s"]) and tt["step_time_s"] == pytest.approx(tt["host_s"])
+    else:
+        assert ti["step_time_s"] - tt["step_time_s"] == pytest.approx(ti["vision_s"], rel=1e-6)
     code, out, _ = _run(capsys, "estimate", str(tiny_vl_dir), *common, "--strategy", "ddp", "--explain")
     share = next(line for line in out.splitlines() if "vision encoder's share" in line)
     assert f"its compute {imaged['timing']['vision_s']:.3f} s of the step's" in share

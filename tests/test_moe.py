@@ -244,7 +244,7 @@ def test_emit_refuses_an_edited_expert_degree_the_model_cannot_take_in_one_line(
 
 @pytest.mark.parametrize("extra, fragment", [
     (["--expert-parallel", "3"], "does not fit fsdp 2"),
-    (["--expert-parallel", "2", "--strategies", "zero3"], "which --strategies leaves out"),
+    (["--expert-parallel", "2", "--strategies", "ddp"], "which --strategies leaves out"),
     (["--expert-parallel", "2", "--tensor-parallel", "2", "--gpus", "4xH100-80GB"], "not modelled yet"),
     (["--expert-parallel", "2", "--dense"], "is dense"),
 ])
@@ -266,14 +266,14 @@ def test_plan_refuses_expert_parallel_it_cannot_run_in_one_line(extra, fragment,
 
 def test_seq_max_with_a_fixed_expert_degree_searches_that_row_alone(tiny_moe_dir, capsys):
     """`plan --seq max --expert-parallel 2`: the rows at that degree alone (FSDP2 x EP, and DeepSpeed AutoEP on
-    zero1 / zero2 for a model with an AutoEP preset), each with its longest sequence and curve (the same search
-    --seq max runs on the ep rows the planner tries by itself)."""
+    zero1 / zero2 / zero3 for a model with an AutoEP preset, zero3 planned since dfb3551), each with its longest
+    sequence and curve (the same search --seq max runs on the ep rows the planner tries by itself)."""
     capsys.readouterr()
     assert main(["plan", str(tiny_moe_dir), "--gpus", "2xH100-80GB", "--seq", "max", "--expert-parallel", "2"]) == 0
     out = capsys.readouterr().out
     rows = [line.strip() for line in out.splitlines() if ": longest sequence" in line or ": no sequence fits" in line]
     assert sorted(row.split(":")[0] for row in rows) == ["fsdp2 (dp=2 x ep=2)", "zero1 (dp=2 x autoep=2)",
-                                                         "zero2 (dp=2 x autoep=2)"], out
+                                                         "zero2 (dp=2 x autoep=2)", "zero3 (dp=2 x autoep=2)"], out
     assert all(": longest sequence" in row for row in rows), out
 
 

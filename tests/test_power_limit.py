@@ -56,8 +56,9 @@ def test_estimate_at_500_w_is_the_step_time_the_corpus_scores_for_torchtitans_h1
 
 def test_a_plan_folder_keeps_its_power_limit_through_plan_json(tmp_path, capsys):
     out = tmp_path / "p"
-    argv = ["plan", "gpt2", "--gpus", "8xH100-SXM-96GB", "--seq", "512", "--global-batch", "32", "--strategies",
-            "zero3", "--checkpointing", "off"]
+    # A job the device bounds (a power limit slows the GPU, not the host's dispatch: timing.py's floor).
+    argv = ["plan", "llama-3.1-8b", "--gpus", "8xH100-SXM-96GB", "--seq", "2048", "--global-batch", "32",
+            "--strategies", "zero3", "--checkpointing", "off"]
     assert main(argv + ["--power-limit-w", "450", "--out", str(out)]) == 0
     assert "(89.4 GiB each, 450 W power limit: 861 TFLOP/s dense bf16 peak" in capsys.readouterr().out
     plan = load_plan(out)
