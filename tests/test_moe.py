@@ -759,6 +759,43 @@ def test_check_finds_autoep_asked_of_a_model_it_cannot_split(name, section, frag
         assert len(lines) == 1 and "error" in lines[0] and fragment in lines[0], lines
 
 
+def test_check_fits_a_deepspeed_autoep_json_at_its_expert_degree(tmp_path, capsys):
+    """`check ds.json --model M` of a ZeRO-2 JSON with DeepSpeed AutoEP on (autoep_size 8, the qwen3_moe preset) fits
+    the AutoEP grid the section describes (16 of 128 experts a rank), the memory `estimate --strategy zero2
+    --expert-parallel 8` gives. Before, the fit ignored expert_parallel and priced plain ZeRO-2, every expert on
+    every rank: Qwen3-30B-A3B on 2x8xH100-80GB 'needs 97.0 GiB' (error) where the AutoEP run needs 49.5 and fits."""
+    from toolkit.check.fit import Pins, fit_findings
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.inputs.choices import GIB
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.hardware import parse_hardware
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.modelspec import resolve_model
+    from toolkit.inputs.strategy import Strategy
+
+    model = str(ARCH / "qwen3-30b-a3b.json")
+    ds = tmp_path / "ds.json"
+    section = {"enabled": True, "autoep_size": 8, "preset_model": "qwen3_moe"}
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 2}, "expert_parallel": section}))
+    found = fit_findings(str(ds), model=model, gpus="2x8xH100-80GB", seq_len=2048, pins=Pins(checkpointing=True))
+    fit = [f for f in found if "per GPU" in f.message]
+    assert len(fit) == 1 and fit[0].severity == "note" and ": fits, " in fit[0].message, fit
+    assert any("expert parallelism: dp=16 x autoep=8 (16 of 128 experts a rank)" in f.message for f in found)
+    hw = parse_hardware("2x8xH100-80GB")
+    strategy = Strategy("zero2")
+    grid = ParallelGrid.for_strategy(strategy, nodes=2, gpus_per_node=8, expert=8)
+    job = Job(seq_len=2048, micro_batch=1, precision="bf16", checkpointing=True, zero_reduce_bucket=int(5e8))
+    want = estimate_memory(resolve_model(model), strategy, job, hw, grid=grid).required_bytes / GIB
+    assert f"fits, {want:.1f} GiB of 79.1 per GPU" in fit[0].message
+    assert want < 79.1 < estimate_memory(resolve_model(model), strategy, job, hw).required_bytes / GIB
+    section["enabled"] = False  # AutoEP off: plain ZeRO-2, which does not fit
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 2}, "expert_parallel": section}))
+    found = fit_findings(str(ds), model=model, gpus="2x8xH100-80GB", seq_len=2048, pins=Pins(checkpointing=True))
+    assert [f.severity for f in found if "per GPU" in f.message] == ["error"]
+
+
 QUANTIZED_FIX = {"gpt-oss-20b": "quantization_config=Mxfp4Config(dequantize=True)",
                  "deepseek-v3": "quantization_config=FineGrainedFP8Config(dequantize=True)"}
 

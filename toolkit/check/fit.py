@@ -127,7 +127,21 @@ def _from_deepspeed(ds: dict[str, Any], pins: Pins, source: str, *, yaml_precisi
     bucket = block.get("reduce_bucket_size", zero_default("reduce_bucket_size"))
     size = int(bucket) if isinstance(bucket, (int, float)) and not isinstance(bucket, bool) else 0
     options = (("zero_reduce_bucket", size),) if stage >= 2 and size else ()
-    return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes), job_options=options)
+    return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes), job_options=options,
+                       sizes=_autoep_sizes(ds))
+
+
+def _autoep_sizes(ds: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """(("expert", autoep_size),) when the JSON turns DeepSpeed AutoEP on at a size above 1, as DeepSpeed reads the
+    section (toolkit.check.deepspeed); the fit is then the AutoEP grid's (experts / autoep_size a rank)."""
+    from deepspeed.runtime.config import get_expert_parallel_config
+
+    from toolkit.check.deepspeed import _autoep_enabled
+
+    if not _autoep_enabled(ds):
+        return ()
+    size = get_expert_parallel_config(ds).autoep_size
+    return (("expert", size),) if isinstance(size, int) and size > 1 else ()
 
 
 def _checkpointing(pins: Pins, said: bool | None, source: str, notes: list[str]) -> bool:
@@ -184,8 +198,8 @@ def _from_yaml(path: Path, config: dict[str, Any], pins: Pins) -> FitSettings:
             for key in ("bf16", "fp16"):
                 ds[key] = raw.get(key, {"enabled": "auto"})
             yaml_precision = None
-        return replace(_from_deepspeed(ds, pins, source, yaml_precision=yaml_precision, assumptions=tuple(notes)),
-                       sizes=_env_sizes(env))
+        settings = _from_deepspeed(ds, pins, source, yaml_precision=yaml_precision, assumptions=tuple(notes))
+        return replace(settings, sizes=_env_sizes(env) + settings.sizes)
     precision = pins.precision or yaml_precision or "fp32"
     micro = pins.micro_batch or 1
     if pins.micro_batch is None:
@@ -219,7 +233,7 @@ def _env_sizes(env: dict[str, str]) -> tuple[tuple[str, int], ...]:
 def _plan_sizes(plan) -> tuple[tuple[str, int], ...]:
     g = plan.grid
     if g.model_parallel == 1:
-        return ()
+        return (("expert", g.expert),) if g.expert > 1 and not g.expert_shared_batch else ()
     return (("dp_replicate", g.dp_replicate), ("dp_shard", g.dp_shard), ("tp", g.tensor), ("cp", g.context),
             ("sp", g.sequence))
 
@@ -289,6 +303,19 @@ def fit_findings(path: str, *, model: str, gpus: str | None, seq_len: int | None
                 Problem(path, "error", f"{spec.name}: {exc}", EVERY)]
         notes.append(f"parallelism_config: {grid.describe()} (tensor / context / sequence parallelism modelled "
                      "per rank: toolkit.estimate.dimensions)")
+    elif sizes.get("expert", 1) > 1:
+        # Expert parallelism (DeepSpeed AutoEP's autoep_size, or a plan's FSDP2 x EP): experts / degree a rank.
+        try:
+            grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                                             expert=sizes["expert"])
+            grid.check_model(spec)
+        except UserError as exc:  # the AutoEP findings above say it for a JSON; the fit has no grid to cost
+            said = any(p.severity == "error" for p in moe)
+            return moe + [Problem(path, "note", f"fit check assumption: {n}", EVERY) for n in notes] + [
+                Problem(path, "note" if said else "error", f"{'fit check skipped: ' if said else ''}{spec.name}: "
+                        f"{exc}", EVERY)]
+        notes.append(f"expert parallelism: {grid.describe()} ({spec.moe_experts // sizes['expert']} of "
+                     f"{spec.moe_experts} experts a rank)")
     elif s.shard_group and s.shard_group < hw.world_size and hw.world_size % s.shard_group == 0:
         # The estimator's hybrid FSDP shards within a "node"; a node of dp_shard x cp GPUs is that group.
         strategy = replace(strategy, fsdp_mode="hybrid")
