@@ -59,6 +59,10 @@ UNMODELLED = {
     "trl_whole_logits": "TRL 1.10 or earlier: its GRPOTrainer holds the completion tokens' logits whole "
                         "(docs/ENGINE_FACTS.md, 'GRPO log-probs before TRL's chunked head'), where the installed "
                         "TRL 1.16 that the estimator traces chunks them; the run is another engine's job",
+    "reading_of_another_model": "the source's reading was made on another model than the one its script names now "
+                                "(the header was kept when the script's model line moved on; the row's source gives "
+                                "both commits), and no config of that model is here; our figure for the named model "
+                                "is shown, not scored",
     "submodule_checkpointing": "activation checkpointing of each decoder layer's attention, MLP and two norms apart "
                                "(NeMo AutoModel's parallelizer wraps each with checkpoint_wrapper): a layer keeps "
                                "the inputs of all four, where the estimator's checkpointing (the HF Trainer's, a "
@@ -119,6 +123,8 @@ def unmodelled(job: dict) -> list[str]:
         out.append("submodule_checkpointing")
     if job.get("lora_full_tower"):
         out.append("lora_full_tower")
+    if job.get("reading_model") and job["reading_model"] != job["model"]:
+        out.append("reading_of_another_model")
     if job.get("fused_linear_ce"):
         out.append("fused_linear_ce")
     if job.get("bitsandbytes") and _version(job["bitsandbytes"]) < (0, 43, 2):
@@ -149,8 +155,8 @@ AdamW states in bf16), estimated with Adapter.adapter_dtype base; PEFT's rows ke
 
 def adapter_of(job_in: dict, spec, framework: str = ""):
     """The data file's `lora` object -> Job.adapter: full fine-tuning when absent; LoRA / QLoRA with the row's rank,
-    targets and dropout (alpha scales the output only; toolkit.inputs.lora.Adapter) and, for QLoRA, its double
-    quantisation and quant storage dtype."""
+    targets and dropout (alpha scales the output only; toolkit.inputs.lora.Adapter), the frozen base's dtype where
+    the row gives one and, for QLoRA, its double quantisation and quant storage dtype."""
     from toolkit.inputs.lora import FULL, Adapter, adapter_for_model
 
     lora = job_in.get("lora")
@@ -159,6 +165,8 @@ def adapter_of(job_in: dict, spec, framework: str = ""):
     targets = lora["targets"]
     fields = {"method": lora.get("method", "lora"), "r": lora["rank"], "dropout": lora["dropout"],
               "targets": targets if isinstance(targets, str) else ",".join(targets)}
+    if lora.get("base_dtype"):  # the frozen base's dtype where the run's engine changed it (--base-dtype)
+        fields["base_dtype"] = lora["base_dtype"]
     if fields["method"] == "qlora":
         fields["double_quant"] = lora.get("double_quant", True)
         fields["quant_storage"] = lora.get("quant_storage", "uint8")
@@ -565,25 +573,43 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             "modelled either. "
             "LitGPT's config-hub table (one A10G, bf16-true LoRA, 512-token Alpaca2k batches, max_memory_allocated; "
             "the engine of the calibration LIT rows, another table, GPU and models) is "
-            f"{_span(results, 'LITHUB')}. ms-swift's one-GPU image examples on Qwen2.5-VL-7B (LoRA r8 on all "
-            "linear layers of the language model, tower and merger frozen, checkpointing on, one image a sample; "
-            "the headers' max_memory_reserved; the GPU is not stated): captioning, estimated at COCO's largest "
-            f"image (640 x 640, 529 image tokens) with 64 text tokens, is {_span(results, 'SWIFTEX', '-caption')}; "
+            f"{_span(results, 'LITHUB')}. ms-swift's examples (the headers' memory(GiB), max_memory_reserved; the GPU "
+            "is not stated) carry the reading of the commit that wrote each header, which later commits kept while "
+            "they changed the job, so each row's job is read at that commit (its source gives it). Its one-GPU image "
+            "examples, now on Qwen2.5-VL-7B (LoRA r8 on all linear layers of the language model, tower and merger "
+            "frozen, checkpointing on, one image a sample), were measured on Qwen2-VL-7B under ms-swift 3.0 "
+            "(caption.sh at 054ae1aac, ocr.sh at c44cb700a, December 2024; 109fcb697 moved their model line in April "
+            "2025): another vision tower (full attention, LayerNorm, a GELU MLP) over the same language model, with no "
+            "config here, so they are listed and not scored; our Qwen2.5-VL figures beside them: captioning at COCO's "
+            f"largest image (640 x 640, 529 image tokens) with 64 text tokens {_span(results, 'SWIFTEX', '-caption', modelled=False)}, "
             "handwritten-formula OCR, whose image sizes are not published, taken as 448 x 224 (128 image tokens) "
-            f"with 128 text tokens, is {_span(results, 'SWIFTEX', '-ocr')}. {_probe_sentence(results, said)} Its "
+            f"with 128 text tokens, {_span(results, 'SWIFTEX', '-ocr', modelled=False)}. {_probe_sentence(results, said)} Its "
             "example with LoRA on the language model and the tower and merger trained in full (lora_llm, ZeRO-2 on 4 "
             "GPUs, COCO, '4 * 22GiB') is not modelled: toolkit's LoRA freezes the tower (our lower bound "
-            f"{_span(results, 'SWIFTEX', '-full-ViT', modelled=False)}). Its multi-GPU examples run one job under "
+            f"{_span(results, 'SWIFTEX', '-full-ViT', modelled=False)}). Its one-GPU full fine-tuning header (76 GiB) was "
+            "written at b40f31df7 (ms-swift 3.0, 2024-12-05) for Qwen2-7B-Instruct (Qwen2.5-7B's shapes) on the short "
+            "self-cognition samples alone, under transformers < 4.48, whose Trainer steps torch's foreach AdamW "
+            "(optim 'adamw_torch'; the fused one is its default only from torch 2.8): one bf16 second-moment-sized "
+            "temporary (14.2 GiB) in the step, which is its peak. Estimated so (128 tokens, --optimizer-impl foreach) it "
+            f"is {_span(results, 'SWIFTEX', '-1xGPU-full')} (-21.1% at 3930eed, with the fused optimizer and 1,024 tokens, the "
+            "alpaca-gpt4 sets 268afeab9 added later). Its multi-GPU examples run one job under "
             "four engines (Qwen2.5-7B-Instruct, LoRA r8 on all linear layers, one short self-cognition sample a GPU, "
-            "2 GPUs, the headers' max_memory_reserved): "
-            f"DDP {_span(results, 'SWIFTEX', '-DDP')}, ZeRO-2 {_span(results, 'SWIFTEX', '-ZeRO2')}, ZeRO-3 "
+            "2 GPUs; DDP, ZeRO-2 and ZeRO-3 measured at a3731f998, ms-swift 3.0, December 2024, FSDP2 at 376640797, "
+            f"November 2025): DDP {_span(results, 'SWIFTEX', '-DDP')}, ZeRO-2 {_span(results, 'SWIFTEX', '-ZeRO2')}, ZeRO-3 "
             f"{_span(results, 'SWIFTEX', '-ZeRO3')}, FSDP2 {_span(results, 'SWIFTEX', '-FSDP2')}, and the same LoRA "
-            f"job on one GPU (its streaming example) {_span(results, 'SWIFTEX-Qwen2.5-7B', '-1xGPU-LoRA')}; its "
-            f"one-GPU full fine-tuning example is {_span(results, 'SWIFTEX', '-1xGPU-full')}. At these short "
-            "sequences the readings are the model states and what the engines and the loading leave reserved, so "
-            "the gaps are not activations; what holds them is not established here. Its long-context example "
-            "(Qwen2.5-7B full fine-tuning, ZeRO-3 on 4 H20s, packed 16,384-token rows, Liger, 43 GiB reserved) is "
-            "not scored: `toolkit estimate` refuses --liger with ZeRO-3, a combination this run shows running.")
+            f"job on one GPU (its streaming example, July 2025) {_span(results, 'SWIFTEX-Qwen2.5-7B', '-1xGPU-LoRA')}. "
+            "The FSDP2 run is estimated with an fp32 base: accelerate's FSDP2 path of its time upcast the whole model "
+            "to fp32 under mixed precision (fsdp2_prepare_model's model.to(torch.float32) until d1c96ba9, 2025-11-26, "
+            "which upcasts only trainable parameters, as the installed accelerate does), so each rank keeps fp32 "
+            "shards (14.2 GiB of the reading's 14.7; -28.3% at 3930eed, with bf16 shards). "
+            "At these short sequences the LoRA readings are the base's bf16 weights (14.2 GiB whole, 7.1 GiB a rank "
+            "sharded) and what the engines and the loading leave reserved, so the gaps are not activations; what "
+            "holds them is not established here (the DDP reading is 9.5 GiB over the ZeRO-2 one for the same states; "
+            "ms-swift 3.0 logged the sum over the process's visible devices, swift/trainers/mixin.py "
+            "get_max_cuda_memory @a3731f998, which is one device's unless a rank allocates on the other). Its "
+            "long-context example (Qwen2.5-7B full fine-tuning, ZeRO-3 on 4 H20s, packed 16,384-token rows, Liger, "
+            "43 GiB reserved) is not scored: `toolkit estimate` refuses --liger with ZeRO-3, a combination this run "
+            "shows running.")
 
 
 def _rl_paragraph(results: list[dict], rows: list[dict]) -> str:
