@@ -190,6 +190,56 @@ def optimizer_step_ops(name: str, impl: str) -> int:
     return count[0]
 
 
+def default_path(name: str = "qwen3-30b-a3b", tokens: int = HOST_TOKENS) -> dict:
+    """What the row's job runs where nobody sets anything, read from the code that runs it (transformers 5.24; TRL
+    1.16 sets neither): the experts implementation a model of the architecture resolves when built
+    (config._experts_implementation), DistributedConfig's default ep_implementation, and which of AutoEP's routes
+    each call of a real checkpointed training step takes (transformers' own activation checkpointing, non-reentrant
+    unless told: gradients stay on in forward), every MoE layer's experts under AutoEP on a one-rank gloo group whose
+    EP group is its TP group (a shared batch, as in the row). Beside it, the same model's forward without gradients."""
+    from collections import Counter
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.expert_parallel import AutoEP
+
+    config = tiny_moe_config(name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    implementation = model.config._experts_implementation
+    model.train()
+    model.activation_checkpointing_enable()
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    routes: Counter = Counter()
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for experts in (m for n, m in model.named_modules() if n.endswith(".experts")):
+            auto = AutoEP(experts, mesh, mesh)
+            for route in ("all_to_all", "all_reduce"):
+                def counted(*args, _call=getattr(auto, route), _route=route):
+                    routes[_route, phase] += 1
+                    return _call(*args)
+                setattr(auto, route, counted)
+            experts.forward = auto
+        ids = torch.randint(0, config.vocab_size, (1, tokens))
+        phase = "training step (forward + recompute)"
+        model(input_ids=ids, labels=ids).loss.backward()
+        phase = "forward without gradients"
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    return {"experts_implementation": implementation, "ep_implementation": DistributedConfig().ep_implementation,
+            "moe_layers": config.num_hidden_layers,
+            "routes": {f"{phase}: {route}": n for (route, phase), n in sorted(routes.items())}}
+
+
 EAGER_TOKENS = 64
 """Tokens of the eager-loop steps: 64 x top-2 routed rows hit every one of 8 or 16 experts."""
 
@@ -295,7 +345,7 @@ def memory_readings(ours: dict) -> list[dict]:
 
 
 def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int], optimizer: dict,
-           eager: dict) -> str:
+           eager: dict, path: dict) -> str:
     from toolkit.estimate.hosttime import HOST_OP_BAND, HOST_OP_S
 
     readings = memory_readings(shared)
@@ -370,23 +420,48 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               "process cannot run), the fused AdamW kernel's own HBM traffic over the rank's 5.2B parameters (about "
               f"14 bytes a parameter: ~{shared['params_per_rank'] * 14 / 3.35e12:.3f} s), TRL's per-step metrics.",
               "",
-              "## If the row ran the eager experts loop", "",
-              "transformers 5.24 runs an MoE layer's experts with torch's grouped_mm by default on Hopper "
-              "(modeling_utils.py get_correct_experts_implementation; the trace counts that path). Its other "
-              "path, experts_implementation=\"eager\" (the modeling file's own Qwen3MoeExperts.forward), loops over "
-              "the hit experts in Python: per expert a where, a row gather, two linears, gating, the routing weight, "
-              "an index_add_, and a comparison of the expert id read back to Python, a host sync each. Counted on "
-              f"real CPU steps ({EAGER_TOKENS} tokens, every expert hit): {eager['per_expert']:.0f} operations per "
-              f"expert per MoE layer (forward, recompute, backward) and {eager['per_layer']:+.0f} a layer besides, "
+              "## Which experts path the row runs, read from the code", "",
+              "Nothing in the guide's job sets an experts implementation or an EP implementation, so the defaults "
+              "decide, and the installed code fixes them. transformers 5.24 resolves experts_implementation to "
+              "grouped_mm unless the model class cannot take one (modeling_utils.py "
+              "get_correct_experts_implementation: the fallback to the eager loop is for a class without "
+              "@use_experts_implementation, never for expert parallelism or the device; Qwen3MoeExperts has it); "
+              "TRL 1.16 passes none (no experts_implementation anywhere in trl/; model_init_kwargs empty by "
+              "default) and loads no hub kernels (use_kernels defaults to False). The same default is in an earlier "
+              "5.x modeling_utils.py (tensor parallelism still in integrations/tensor_parallel.py, where "
+              "GroupedGemmParallel / RouterParallel lived); the transformers TRL's run needed (#48516, unreleased "
+              "then) is not stored here. Built here from the row's architecture, "
+              f"the model reads experts_implementation = {path['experts_implementation']!r}. The dispatch: "
+              f"DistributedConfig's ep_implementation defaults to {path['ep_implementation']!r} (AutoEP), which "
+              "takes AllToAllEP whenever gradients flow into the experts and AllReduceEP (a shared batch) only "
+              "without them (distributed/expert_parallel.py AutoEP.__call__); transformers' checkpointing is "
+              "non-reentrant unless told (modeling_utils.py _activation_checkpointing_enable; TRL 1.16 sets "
+              "use_reentrant only before transformers 5), so the checkpointed forward keeps gradients on. Run on a "
+              f"real checkpointed CPU step of the architecture ({path['moe_layers']} MoE layers, every experts "
+              "module under AutoEP on a one-rank gloo group that shares its batch): "
+              f"{'; '.join(f'{k} {v}' for k, v in path['routes'].items())}. So the row's default path is "
+              "grouped_mm behind AllToAllEP in forward, recompute and backward: the path the estimate traces "
+              "(grouped_mm_experts_forward in the activation trace) and counts beside the trace (AllToAllEP's "
+              "exchange, above). The code leaves one thing open: the guide's exact call, "
+              "DistributedConfig(tp_size=8, enable_expert_parallel=True), does not load in 5.24 (an empty tp_plan "
+              "at tp_size 8; docs/ENGINE_FACTS.md), so which EP plan TRL's unreleased transformers applied (the "
+              "masked ep_router + experts route, or AllToAllEP) is unstated. Both run the experts with grouped_mm; "
+              "the masked route trades the all-to-all for an all-reduce and runs the experts' gather and "
+              "elementwise passes on all 2,048 x 8 routed rows (masked ones included): a few milliseconds either "
+              f"way at this batch, not the {published - shared['step_s']:.2f} s between us and the published "
+              "step.", "",
+              "What the eager loop would cost, were it set (experts_implementation=\"eager\", the modeling file's "
+              "own Qwen3MoeExperts.forward: per hit expert a where, a row gather, two linears, gating, the routing "
+              "weight, an index_add_, and the expert id compared in Python, a host sync each): counted on real CPU "
+              f"steps ({EAGER_TOKENS} tokens, every expert hit), {eager['per_expert']:.0f} operations per expert "
+              f"per MoE layer (forward, recompute, backward) and {eager['per_layer']:+.0f} a layer besides, "
               f"against grouped_mm (steps: {', '.join(f'{k} experts {v:,}' for k, v in eager['counts'].items())}). "
-              f"At the row's 16 local experts a rank, all hit by 2,048 x top-8 routed rows, that is "
-              f"{eager_extra:,.0f} more operations a step, {eager_extra * HOST_OP_S:.2f} s of host time at "
-              f"{HOST_OP_S * 1e6:.0f} us: the host's step would be {eager_host:.3f} s "
-              f"({eager_host / published - 1:+.0%} against the published {published} s), and with a sync every "
-              f"expert the GPU's work would not hide under it ({eager_host + shared['device_s']:.3f} s serialized, "
-              f"{(eager_host + shared['device_s']) / published - 1:+.0%}). Which experts implementation the guide's "
-              "run used, the source does not say (it needed an unreleased transformers); toolkit's own plans run "
-              "5.24's default, so the estimate keeps grouped_mm and this stays a finding, not a term.", "",
+              f"At the row's 16 local experts a rank that is {eager_extra:,.0f} more operations a step, "
+              f"{eager_extra * HOST_OP_S:.2f} s of host time at {HOST_OP_S * 1e6:.0f} us: a host step of "
+              f"{eager_host:.3f} s ({eager_host / published - 1:+.0%} against the published {published} s), "
+              f"{eager_host + shared['device_s']:.3f} s serialized ({(eager_host + shared['device_s']) / published - 1:+.0%}). "
+              "It would close the gap, but only a setting the guide does not show selects it, so the estimate "
+              "does not price it: the defaults are the path.", "",
               "## Peak memory (shared batch, the layout that ran)", "",
               "| reading of '34 GB' | peak | published GiB | ours GiB | error |", "|---|---|---|---|---|"]
     for r in readings:
@@ -460,8 +535,9 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               "expert of 2048 x 768 weights are memory-bound (about 113 FLOPs a byte against the H100's ~295), "
               "their weights read once per pass: about 11 ms a step at HBM peak, below the 42 ms priced. "
               "Expert parallelism's own exchange and the optimizer step are now counted and add little. What is "
-              "left between the host-bound step and the published one is the experts implementation the run used "
-              "(the eager loop would close it, above), the shared-batch path's DTensor work, TRL's per-step work, "
+              "left between the host-bound step and the published one is not the experts path (the defaults run "
+              "grouped_mm, above; only the eager loop, which nothing in the job selects, would close it), but the "
+              "shared-batch path's DTensor work, TRL's per-step work, "
               "or the host's speed itself; no published breakdown of the 0.9 s exists, and fitting a term to this "
               "one row would only move the error. The printed step-time band for this job is the Hopper band of dense runs: it is not honest "
               "for expert parallelism, whose one published row lies outside it, so the expert-parallel speed stays "
@@ -475,11 +551,13 @@ def main() -> int:
     exchange = ep_exchange_ops(HOST_ARCHS[0])
     optimizer = {impl: optimizer_step_ops(HOST_ARCHS[0], impl) for impl in ("fused", "foreach", "for-loop")}
     eager = eager_loop_ops()
+    path = default_path()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moe_ep.md").write_text(render(shared, own, host, exchange, optimizer, eager))
+    (RESULTS / "moe_ep.md").write_text(render(shared, own, host, exchange, optimizer, eager, path))
     (RESULTS / "moe_ep.json").write_text(json.dumps(
         {"meta": meta(), "row": ROW, "shared_batch": shared, "own_batch": own, "host_per_op": host,
          "ep_exchange_ops": exchange, "optimizer_step_ops": optimizer, "eager_loop_ops": eager,
+         "default_path": path,
          "memory_readings": memory_readings(shared),
          "step_error": shared["step_s"] / ROW["published_step_s"] - 1}, indent=1) + "\n")
     print((RESULTS / "moe_ep.md").read_text())
