@@ -76,6 +76,20 @@ def test_the_expert_exchange_adds_what_alltoallep_dispatches_on_a_real_cpu_layer
     assert ep_exchange_ops(name) == EP_EXCHANGE_OPS
 
 
+def test_the_default_experts_path_is_grouped_mm_behind_alltoallep_in_a_checkpointed_training_step():
+    """What the TRL row's job runs where nobody sets a path (benchmarks/moe_ep.py default_path): a Qwen3-MoE built by
+    transformers resolves grouped_mm, and AutoEP on a batch-sharing group takes AllToAllEP in every MoE layer's
+    forward and recompute of a checkpointed training step (gradients on: non-reentrant checkpointing), AllReduceEP
+    only in a forward without gradients: the path hosttime traces (grouped_mm) and counts beside the trace."""
+    from moe_ep import default_path
+
+    path = default_path()
+    layers = path["moe_layers"]
+    assert (path["experts_implementation"], path["ep_implementation"]) == ("grouped_mm", "auto")
+    assert path["routes"] == {"training step (forward + recompute): all_to_all": 2 * layers,
+                              "forward without gradients: all_reduce": layers}
+
+
 @pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
 def test_the_optimizer_steps_host_operations_are_a_real_cpu_adamw_steps(impl):
     """The optimizer step's share of the host term: a real CPU AdamW step (with foreach clipping) over a tiny
