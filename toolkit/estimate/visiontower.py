@@ -30,8 +30,9 @@ from typing import Any
 @dataclass(frozen=True)
 class TowerTrace:
     saved_bytes: int
-    """Bytes the tower and projector keep for backward for one image (parameters and autocast weight copies
-    excluded; storages counted once)."""
+    """Bytes the tower and projector hold from their forward to their backward for one image: the storages their
+    forward made that are alive at its end (saved tensors, the patch embedding's leaf, checkpoint closures'
+    tensors; parameters, autocast weight copies and the output features excluded; storages counted once)."""
     autocast_copy_bytes: int
     """Low-precision copies of the tower's weights autocast saves for backward (DDP's AMP; 0 otherwise)."""
     pixel_shape: tuple[int, ...]
@@ -150,15 +151,16 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
         param_storages = {id(p.untyped_storage()) for p in model.parameters()} | {id(pixels.untyped_storage())}
         seen: set[int] = set()
         held: list = []
-        out = {"saved": 0, "copies": 0}
+        copies: set[int] = set()  # log serials of autocast's weight copies
 
         def pack(t):
             st = t.untyped_storage()
             if id(st) in param_storages or id(st) in seen:
                 return t
             seen.add(id(st))
-            held.append(st)  # keeps the storage (and its id) alive while the trace runs
-            out["copies" if autocast and _is_weight_copy(t) else "saved"] += st.nbytes()
+            held.append(st)  # keeps the storage (and its id) alive while the forward runs
+            if autocast and _is_weight_copy(t):
+                copies.add(log.serial_of(st))
             return t
 
         amp = torch.autocast(device_type="cpu", dtype=compute) if autocast else contextlib.nullcontext()
@@ -169,7 +171,8 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, forward:
                 features = inner.get_image_features(pixels, **kwargs)
             features = torch.cat(list(getattr(features, "pooler_output", features)))
-            held.clear()  # the saved storages die as the backward frees them, as in a real step
+            held.clear()  # what no graph keeps dies here, as in a real step
+            out = _resident(log, log.serial_of(features.untyped_storage()), copies)
             backward_extra = 0
             if features.requires_grad:
                 with backward:
@@ -179,6 +182,26 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
                       forward_flops=forward.total(), backward_flops=backward.total(),
                       attention_flops=forward.attention() + backward.attention(),
                       patches=_patches(traced, found))
+
+
+def _resident(log, output: int | None, copies: set[int]) -> dict[str, int]:
+    """Bytes of the storages the tower's forward made that are still alive at its end, its output (the features
+    the language model takes) left out: what the step holds for the tower until its backward. Not the sum of what
+    autograd's pack hook saw: a frozen tower's checkpointed blocks save their inputs into graphs that die with the
+    forward (nothing downstream requires grad), and the step also holds tensors no pack sees: the patch
+    embedding's output that enable_input_require_grads turns into a leaf requiring grad (its AccumulateGrad node
+    keeps it, and the conv output it views, for backward), and the rotary cos / sin the blocks' checkpoint
+    closures hold. Split into autocast's weight copies and the rest."""
+    import gc
+
+    gc.collect()
+    out = {"saved": 0, "copies": 0}
+    for serial, ref in list(log.alive.values()):
+        storage = ref()
+        if storage is None or serial == output:
+            continue
+        out["copies" if serial in copies else "saved"] += storage.nbytes()
+    return out
 
 
 def _patches(config: Any, found: Any) -> int:
