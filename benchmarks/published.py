@@ -422,6 +422,7 @@ def compare(row: dict, splits: dict[str, str]) -> dict:
         out["metrics"].append(entry)
     out["peak_phase"] = ours[0]["peak_phase"]
     out["nvidia_smi_gib"] = round(ours[0]["nvidia_smi_bytes"] / GIB, 3)
+    out["allocated_gib"] = round(ours[0]["allocated_bytes"] / GIB, 3)
     out["reserved_over_peak"] = round(ours[0]["reserved_bytes"] / ours[0]["allocated_bytes"] - 1, 4)
     return out
 
@@ -482,6 +483,13 @@ def _nvidia_smi_sentence(results: list[dict], said: dict) -> str:
                "script, as each row's memory_metric_text says) and are replayed with it." if expandable else ""))
 
 
+def _peak_span(results: list[dict], prefix: str) -> str:
+    """The span of our tensor peak over the published readings of a source's rows, signed percent."""
+    errors = [r["allocated_gib"] / r["metrics"][0]["published_gib"] - 1 for r in results
+              if r["id"].startswith(prefix) and r.get("allocated_gib")]
+    return f"{100 * min(errors):+.1f}% to {100 * max(errors):+.1f}%"
+
+
 def _span(results: list[dict], prefix: str, contains: str = "", excludes: str = "", modelled: bool = True) -> str:
     """The error range of the modelled rows (every row, modelled=False) whose id starts with `prefix` (and holds
     `contains`, not `excludes`)."""
@@ -540,6 +548,11 @@ def _lora_sources_paragraph(results: list[dict], said: dict) -> str:
 def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> str:
     """What the held-out sources show, from the results."""
     uly = [r["reserved_over_peak"] for r in results if r["id"].startswith("ULY") and r.get("reserved_over_peak")]
+    from toolkit.inputs.hardware import parse_hardware
+
+    one = next(r for r in results if r["id"] == "ULY-Qwen3-4B-1xH100-SP1-8k")
+    one_gpu = {"reserved": one["allocated_gib"] * (1 + one["reserved_over_peak"]),
+               "capacity": parse_hardware("1xH100-SXM-80GB").gpu.memory_bytes / 2**30}
     nemo = next(r for r in rows if r["id"] == "NEMO-GC-1B-8xH100-fsdp-ac")
     spec = _spec(nemo["job"]["model"])
     # Three more bf16 hidden-size tensors a layer (the attention's, the post-attention norm's and the MLP's inputs).
@@ -557,7 +570,12 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             "rank's ZeRO-3 shard (a parameter-sized shortfall, not a token-sized one), where the fp32 master, Adam "
             "states and gradient partition a rank keeps without offload come to 14; which counter the post read is "
             "still not stated, and the rows now over-estimate it (the allocator replay puts reserved "
-            f"{100 * min(uly):.0f}-{100 * max(uly):.0f}% over our tensor peak on them). "
+            f"{100 * min(uly):.0f}-{100 * max(uly):.0f}% over our tensor peak on them, with DeepSpeed's flat Adam "
+            "states and the zero fp32 gradient buffer its initialize_optimizer_states leaves cached, docs/ENGINE_FACTS.md"
+            f"). Our tensor peak alone (what max_memory_allocated would read) is {_peak_span(results, 'ULY')} of the "
+            f"readings. The one-GPU row's replay reserves {one_gpu['reserved']:.1f} GiB on an H100 whose usable "
+            f"{one_gpu['capacity']:.1f} GiB the run stayed within: there the device's allocator frees its cached "
+            "segments and retries, which the replay, run without the device's capacity, does not. "
             "Its 64k and 96k rows run past Qwen3-4B's 40,960 positions and the post states no RoPE scaling; their "
             "jobs take Qwen3's own recipe (YaRN x4 over 32,768 positions, `--rope-scaling yarn --rope-factor 4 "
             "--rope-original-positions 32768`), which changes no memory: "

@@ -249,6 +249,31 @@ def test_reset_peak_keeps_the_segments_and_restarts_the_allocated_peak():
     assert stats.segments == 1
 
 
+def test_deepspeeds_init_gradient_buffer_stays_cached_for_the_activations():
+    """DeepSpeed 0.19.8's initialize_optimizer_states hangs a zero fp32 buffer of the largest sub-group on the flat
+    partitions at engine start and drops it (stage3.py): its segment stays cached. The first step's activations
+    use it, and at the step the first Adam state (one block per flat partition and state, the buffer's size) takes
+    it back, so the fp32 gradient's segment, freed after the step, is what the next step's activations reuse."""
+    from types import SimpleNamespace
+
+    from toolkit.estimate.activations import RegionTrace
+
+    mib = 1 << 20
+    trace = RegionTrace(0, 0, 0, forward_events=(40 * mib,), backward_events=(free_code(0, 0, 0),))
+    regions = [SimpleNamespace(params=1, trace=trace) for _ in range(4)]
+    elements = 40_000_000  # one flat partition: 152.6 MiB fp32, a 154 MiB segment (2 MiB rounding)
+    base = dict(persistent=0, optimizer=8 * elements, gathered=0, reduce_buffers=0, reduce_stream=False,
+                step_gradients=0, backward_gradients=0, step_transient=4 * elements, flat_partitions=(elements,))
+    lazy = allocator.replay(step_events(regions, StepSizes(**base)))
+    cached = allocator.replay(step_events(regions, StepSizes(init_buffers=(4 * elements,), **base)))
+    # no buffer: 4 x 40 MiB activation segments, then two states and the fp32 gradient in 154 MiB segments
+    assert lazy.peak_reserved == (4 * 40 + 3 * 154) * mib
+    # the buffer's segment holds three activations, one more 40 MiB; then states and gradient as above, the second
+    # step's activations in the gradient's freed segment and the 40 MiB one
+    assert cached.peak_reserved == (3 * 154 + 40) * mib
+    assert cached.peak_allocated == lazy.peak_allocated
+
+
 def test_a_quantized_bases_load_leaves_its_warmup_segment_reserved_under_the_step():
     """ZeRO-3 QLoRA: transformers' caching_allocator_warmup block (here 400 MiB) and the base loaded whole, freed
     region by region as the partitions are made, leave one 400 MiB segment that the step's smaller blocks reuse:

@@ -480,7 +480,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
     kept = tuple(i for i, r in enumerate(regions) if strategy.fsdp_mode == "grad_op"
                  or r.name in ("embedding", "head + loss")) if fsdp2 else ()
     if in_flight == 1:
-        sizes = StepSizes(**tensor_sizes(spec, regions, strategy, job),
+        sizes = StepSizes(**tensor_sizes(spec, regions, strategy, job, states),
             gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept,
             persistent=states.parameters + states.master + states.gradients + states.buffers + reference_bytes,
             optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,

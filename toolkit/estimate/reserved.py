@@ -78,6 +78,14 @@ class StepSizes:
     engine's optimizer is torch's, per parameter: its states (zeros_like at the first step) and foreach AdamW's
     temporaries are then one block per parameter, in proportion to these, not one per region. Empty: per region
     (DeepSpeed's flat partitions)."""
+    flat_partitions: tuple[int, ...] = ()
+    """DeepSpeed's flat partitions (toolkit.estimate.states.flat_partitions): where given, the optimizer states are
+    one block per partition and state, and the step's temporaries one per partition, each freed before the next
+    partition's (stage3.py _prepare_fp32_grad_for_sub_group / _release_sub_group), in place of per-region blocks."""
+    init_buffers: tuple[int, ...] = ()
+    """Bytes DeepSpeed's engine allocates and frees once the states exist, before the first step: the zero fp32
+    gradients initialize_optimizer_states hangs on the flat partitions (ZeRO-3 one buffer of the largest
+    sub-group, stage3.py; ZeRO-1/2 one per group, stage_1_and_2.py), then sets to None. Their segments stay cached."""
     tensor_grads: bool = False
     """Backward makes one gradient per parameter (param.grad: DDP and a single process), not one per region."""
     loaded: float = 0.0
@@ -90,13 +98,17 @@ class StepSizes:
     embeddings, final norm and head; every region with reshard_after_forward=False)."""
 
 
-def tensor_sizes(spec, regions, strategy, job) -> dict:
+def tensor_sizes(spec, regions, strategy, job, states=None) -> dict:
     """StepSizes' `tensors` and `tensor_grads` for a job: torch's optimizers (DDP or one process, FSDP2) make their
     states and foreach temporaries per parameter, so each region's parameter tensors (elements) from a meta build
     (toolkit.estimate.layerkinds.region_tensor_numels), and DDP's backward each param.grad apart; DeepSpeed's
     optimizer steps flat partitions, and an adapter's states are small: one block per region (empty)."""
     from toolkit.inputs.strategy import Engine
 
+    if states is not None and states.flat_partitions and not job.adapter.is_adapter:
+        flat = states.flat_partitions
+        init = (4 * max(flat),) if strategy.zero_stage == 3 else tuple(4 * e for e in flat)
+        return {"flat_partitions": flat, "init_buffers": init}
     if spec is None or strategy.engine not in (Engine.DDP, Engine.FSDP2) or job.adapter.is_adapter:
         return {}
     from toolkit.estimate.layerkinds import region_tensor_numels
@@ -274,6 +286,11 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
 
     load()
     blocks("state", sizes.persistent, after=unload)
+    for i, size in enumerate(sizes.init_buffers):  # cached from here on: the step's first tensors reuse them
+        malloc(("init", i), size)
+    for i, _ in enumerate(sizes.init_buffers):
+        free(("init", i))
+    count += 2 * len(sizes.init_buffers)
     if sizes.loaded or sizes.load_warmup:  # the step's peaks, as torch.cuda.reset_peak_memory_stats after loading
         sink.reset_peak()
         count += 1
@@ -357,9 +374,23 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
         if sizes.reduce_buffers and not sizes.reduce_stream:
             free(("reduce", step))
             count += 1
-        if step == 0:
+        flat = sizes.flat_partitions
+        if step == 0 and flat:
+            # torch's Adam: each state a zeros_like of the flat partition (exp_avg, then exp_avg_sq: 4 B each)
+            per_element = sizes.optimizer / sum(flat)
+            states = max(1, round(per_element / 4))
+            for i, elements in enumerate(flat):
+                for k in range(states):
+                    malloc(("optimizer", i, k), int(elements * per_element / states))
+                    count += 1
+        elif step == 0:
             blocks("optimizer", sizes.optimizer, sizes.tensors)
-        if sizes.step_transient > 0:  # foreach: one temporary per parameter, all alive until the step's last op
+        if sizes.step_transient > 0 and flat:  # the fp32 gradient of one partition at a time
+            for i, elements in enumerate(flat):
+                malloc(("step", step, i), int(sizes.step_transient * elements / max(flat)))
+                free(("step", step, i))
+                count += 2
+        elif sizes.step_transient > 0:  # foreach: one temporary per parameter, all alive until the step's last op
             temporaries = [(("step", step, j, t), size) for j, sizes_j in
                            enumerate(_pieces(sizes.step_transient, regions, sizes.tensors))
                            for t, size in enumerate(sizes_j) if size > 0]

@@ -63,6 +63,10 @@ class States:
     """ZeRO-3 / FSDP2 unsharded parameters live at a time during forward/backward."""
     step_transient: float = 0.0
     """Extra bytes only during the optimizer step (DeepSpeed's fp32 gradient partition, foreach temporaries)."""
+    flat_partitions: tuple[int, ...] = ()
+    """DeepSpeed's flat fp32 partitions a rank's optimizer steps one after another (elements; `flat_partitions`):
+    the optimizer states are one tensor per partition and state, the fp32 gradient one per partition at a time.
+    Empty for torch's optimizers (per parameter)."""
     loaded: float = 0.0
     """The frozen base as the model load leaves it on each GPU before the engine partitions it (ZeRO-3 QLoRA), freed
     by the partitioning; cached, not live, during the step (toolkit.estimate.reserved replays it)."""
@@ -212,8 +216,26 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
         s.optimizer = opt
         # fp32 grad partition during the step: stage 1/2 per param group (Trainer: 2 groups, decay/no-decay,
         # the decay one holds almost everything); stage 3 per sub-group of <= 1e9 elements.
-        s.step_transient = min(fp32_grad, 4 * 1e9) if stage == 3 else fp32_grad
+        s.step_transient = min(fp32_grad, 4 * SUB_GROUP_ELEMS) if stage == 3 else fp32_grad
+        s.flat_partitions = flat_partitions(P / N, stage)
     return s
+
+
+SUB_GROUP_ELEMS = int(1e9)
+"""ZeRO-3's sub_group_size default (DeepSpeed 0.19.8 runtime/zero/config.py); toolkit's JSON does not set it."""
+
+
+def flat_partitions(elements: float, stage: int) -> tuple[int, ...]:
+    """The flat fp32 partitions (elements) a rank's DeepSpeed optimizer steps: ZeRO-1/2 one per parameter group
+    (stage_1_and_2.py single_partition_of_fp32_groups; the Trainer's decay group holds almost every element), ZeRO-3
+    sub-groups closed once they reach sub_group_size elements (stage3.py _create_fp16_sub_groups). torch's Adam makes
+    each state with zeros_like of the partition at the first step: one block per partition and state, not one per
+    layer, so the states do not fit the activations' freed blocks as per-layer pieces would."""
+    whole = int(elements)
+    if stage != 3 or whole <= SUB_GROUP_ELEMS:
+        return (whole,) if whole else ()
+    full, rest = divmod(whole, SUB_GROUP_ELEMS)
+    return (SUB_GROUP_ELEMS,) * full + ((rest,) if rest else ())
 
 
 def fsdp2_states(P: int, job: Job, strategy: Strategy, *, shard: int, layer_params: int, root_params: int,
@@ -445,6 +467,7 @@ def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
                          0.5e9 + dense_layer + local_layer + 0.9 * hidden * hidden) * _param_bytes(job)
     s.buffers, s.backward_buffers = dense.buffers, dense.backward_buffers  # one reduce bucket serves both groups
     s.step_transient = max(dense.step_transient, mine.step_transient)
+    s.flat_partitions = dense.flat_partitions + mine.flat_partitions
     exchange = ep_exchange_buffer_bytes(spec, job.micro_batch * job.seq_len, compute_bytes(job.precision))
     s.buffers += exchange
     s.sources = [f"DeepSpeed AutoEP {expert}: {dense_elems + local:,} parameters a rank ({dense_elems:,} dense + "
