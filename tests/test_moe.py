@@ -796,6 +796,23 @@ def test_check_fits_a_deepspeed_autoep_json_at_its_expert_degree(tmp_path, capsy
     assert [f.severity for f in found if "per GPU" in f.message] == ["error"]
 
 
+def test_check_of_an_expert_parallel_plan_folder_fits_what_the_plan_predicted(tmp_path, capsys):
+    """`check FOLDER --model M --gpus G` of the fsdp2 x ep=8 plan of Qwen3-30B-A3B on 2x8xH100-80GB fits the plan's own
+    grid and allocator: the required bytes plan.json predicted (40.8 GiB). Before, the fit priced plain FSDP2 with
+    the default allocator (49.2 GiB), then the expert grid without the plan's expandable segments (45.9 GiB)."""
+    from toolkit.check.fit import fit_findings
+    from toolkit.inputs.choices import GIB
+
+    model, folder = str(ARCH / "qwen3-30b-a3b.json"), tmp_path / "plan"
+    assert main(["plan", model, "--gpus", "2x8xH100-80GB", "--seq", "2048", "--global-batch", "64",
+                 "--expert-parallel", "8", "--strategies", "fsdp2", "--out", str(folder)]) == 0
+    predicted = json.loads((folder / "plan.json").read_text())["predicted"]["required_bytes"] / GIB
+    found = fit_findings(str(folder), model=model, gpus="2x8xH100-80GB")
+    assert any("expert parallelism: dp=16 x ep=8 (16 of 128 experts a rank)" in f.message for f in found)
+    fit = [f.message for f in found if "per GPU" in f.message]
+    assert len(fit) == 1 and f"fits, {predicted:.1f} GiB of 79.1 per GPU" in fit[0], (predicted, fit)
+
+
 QUANTIZED_FIX = {"gpt-oss-20b": "quantization_config=Mxfp4Config(dequantize=True)",
                  "deepseek-v3": "quantization_config=FineGrainedFP8Config(dequantize=True)"}
 

@@ -72,7 +72,7 @@ def fit_settings(path: str, pins: Pins = Pins()) -> FitSettings:
                                         ("compile", plan.compile),
                                         ("tiled", plan.tiled), ("attention", plan.attention),
                                         ("activation_offloading", plan.activation_offloading),
-                                        ("adapter", plan.adapter_spec)),
+                                        ("adapter", plan.adapter_spec), ("allocator_conf", plan.allocator_conf)),
                            sizes=_plan_sizes(plan))
     config = read_config(p)
     if p.suffix == ".json":
