@@ -622,7 +622,7 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             "shards (14.2 GiB of the reading's 14.7; -28.3% at 3930eed, with bf16 shards). "
             "At these short sequences the LoRA readings are the base's bf16 weights (14.2 GiB whole, 7.1 GiB a rank "
             "sharded) and what the engines and the loading leave reserved, so the gaps are not activations; what "
-            "holds them is not established here (the DDP reading is 9.5 GiB over the ZeRO-2 one for the same states; "
+            "holds them is not established here (the DDP reading is 9.5 GiB over the ZeRO-2 one for the same states; ZeRO-2's config of the time set overlap_comm, whose second 0.37 GiB reduce bucket ours leaves out; "
             "ms-swift 3.0 logged the sum over the process's visible devices, swift/trainers/mixin.py "
             "get_max_cuda_memory @a3731f998, which is one device's unless a rank allocates on the other). Its "
             "long-context example (Qwen2.5-7B full fine-tuning, ZeRO-3 on 4 H20s, packed 16,384-token rows, Liger, "
