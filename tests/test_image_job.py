@@ -367,6 +367,30 @@ def test_plan_json_and_plan_md_carry_the_image_fields(tiny_vl_dir):
     check_matches_plan(load_config(str(tiny_vl_dir)), imaged, str(tiny_vl_dir))
 
 
+def test_a_repeated_image_plan_reads_the_towers_trace_from_the_disk_cache(tiny_vl_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    """The tower's trace is kept on disk by the spec's source key, as the language model's are
+    (toolkit.estimate.traces.job_tower): a second plan in a process whose in-memory traces are emptied traces no
+    tower (trace_tower's own per-process cache stays empty) and prints the same plan, its explained vision share
+    included."""
+    from toolkit.estimate import traces, visiontower
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TOOLKIT_NO_CACHE", raising=False)
+    argv = ["plan", str(tiny_vl_dir), "--gpus", "1xH100-80GB", "--seq", "128", "--images-per-sample", "1",
+            "--image-size", SIZE, "--strategies", "ddp", "--micro-batch", "1", "--checkpointing", "on",
+            "--explain", "--json"]
+    plans, traced = [], []
+    for _ in range(2):
+        monkeypatch.setattr(traces, "_TOWER_CACHE", {})
+        monkeypatch.setattr(visiontower, "_CACHE", {})
+        assert main(argv) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+        traced.append(len(visiontower._CACHE))
+    assert traced == [2, 0]  # checkpointed, and plain for the MFU's model FLOPs; then none
+    assert plans[0] == plans[1] and plans[0]["chosen_explained"]["vision_share"]["activations_bytes"] > 0
+
+
 def test_plan_md_tells_a_users_script_to_load_qwen35s_image_text_class(tmp_path):
     """A user's script on a Qwen3.5 image plan must load Qwen3_5ForConditionalGeneration: AutoModelForCausalLM's
     class for qwen3_5 is the language model alone, which takes pixel_values and ignores them (measured: toolkit.train

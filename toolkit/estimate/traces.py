@@ -272,19 +272,36 @@ def _language_trace(spec: ModelSpec, job: Job, strategy: Strategy) -> Activation
                    loss_bytes=t1.loss_bytes)
 
 
+_TOWER_CACHE: dict[tuple, Any] = {}
+"""Per process, the tower traces read from or written to the on-disk cache, keyed as there."""
+
+
 def job_tower(spec: ModelSpec, job: Job, strategy: Strategy, *, checkpointing: bool | None = None):
     """The vision encoder + projector traced for one of the image job's images (toolkit.estimate.visiontower), as
     the job runs it: trained unless --vision-tower freeze or an adapter leaves it frozen, checkpointed with the
-    model (or as `checkpointing` says)."""
-    from toolkit.estimate.visiontower import trace_tower
+    model (or as `checkpointing` says). Kept on disk (toolkit.cache) as the language model's traces are, by the
+    spec's source_key: a repeated plan of an image job traces no tower (a test calling trace_tower itself does)."""
+    from toolkit import cache
+    from toolkit.estimate.visiontower import TowerTrace, trace_tower
     from toolkit.inputs.images import parse_image_size
 
     trained = job.vision_tower == "train" and not job.adapter.is_adapter
     dtype, autocast = _trace_mode(strategy, job)
     width, height = parse_image_size(job.image_size)
     ckpt = bool(job.checkpointing) if checkpointing is None else checkpointing
-    return trace_tower(spec.hf_config(), width, height, dtype=dtype, autocast=autocast,
-                       attention=spec.effective_attention(job.attention), checkpointing=ckpt, trained=trained)
+    attention = spec.effective_attention(job.attention)
+    key = (spec.source_key, width, height, dtype, autocast, attention, ckpt, trained)
+    if spec.source_key and key not in _TOWER_CACHE:
+        _TOWER_CACHE[key] = cache.get("tower", list(key), code=trace_tower, decode=lambda d: TowerTrace(
+            **{**d, "pixel_shape": tuple(d["pixel_shape"])}))
+    if spec.source_key and _TOWER_CACHE[key] is not None:
+        return _TOWER_CACHE[key]
+    tower = trace_tower(spec.hf_config(), width, height, dtype=dtype, autocast=autocast, attention=attention,
+                        checkpointing=ckpt, trained=trained)
+    if spec.source_key:
+        cache.put("tower", list(key), {f.name: getattr(tower, f.name) for f in fields(tower)}, code=trace_tower)
+        _TOWER_CACHE[key] = tower
+    return tower
 
 
 def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: ActivationTrace) -> ActivationTrace:
