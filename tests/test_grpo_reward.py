@@ -82,13 +82,16 @@ def test_the_planners_states_floor_counts_the_reward_model(reward_8b, strategy, 
 def test_the_scoring_forward_is_a_phase_of_its_own_named_when_it_is_the_peak(reward_8b):
     """ZeRO-3 with a reference (beta 0.04), checkpointed layers and generation on a vLLM server: the reward model
     scores the process's 64 x 1,536-token generation batch in one forward, before the policy's forward on 8 of them:
-    the peak is there, and it is the states held, the reward model's shard and that forward's working set."""
+    the peak is there, and it is the states held between steps (ZeRO-3's gathered policy parameters partitioned again
+    by then), the reward model's shard and that forward's working set."""
     e = _grpo("zero3", reward_8b, micro_batch=8, grad_accum=8, checkpointing=True, beta=0.04, use_vllm=True,
               vllm_mode="server")
     m = e.memory
     forward = _term(m, REWARD_PHASE)
     assert m.peak_phase == REWARD_PHASE
-    held = m.parameters_bytes + m.gradients_bytes + m.optimizer_bytes + m.buffers_bytes + m.reference_bytes
+    held = (m.parameters_bytes + m.gradients_bytes + m.optimizer_bytes + m.buffers_bytes - m.gathered_bytes
+            + m.reference_bytes)
+    assert m.gathered_bytes > 0
     assert m.peak_bytes == held + m.reward_bytes + m.workspace_bytes + forward
     assert m.transient_bytes == forward
 

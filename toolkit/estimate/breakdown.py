@@ -88,8 +88,12 @@ class Breakdown:
     """PYTORCH_CUDA_ALLOC_CONF the reserved figure was replayed with ("" = torch's defaults)."""
     between_steps_bytes: int = 0
     """What stays allocated between optimizer steps, beside which a GRPO step generates: parameters, persistent
-    gradient partitions, optimizer states and master weights, persistent engine buffers and gathered parameters, the
-    reference's weights (the step's own gradients are freed by the Trainer's zero_grad, set_to_none)."""
+    gradient partitions, optimizer states and master weights, persistent engine buffers, the reference's weights (the
+    step's own gradients are freed by the Trainer's zero_grad, set_to_none; ZeRO-3's and FSDP2's gathered parameters
+    are partitioned again by the end of backward)."""
+    gathered_bytes: int = 0
+    """ZeRO-3's and FSDP2's parameters gathered during the step (within buffers_bytes): FSDP2's root and the layers it
+    unshards at once, ZeRO-3's kept for reuse; 0 for other engines."""
     refusal: str = ""
     """Why the job does not fit although required_bytes might (GRPO vLLM colocate: a share for vLLM too small for
     its weights, or training over the rest; toolkit.estimate.grpo), or empty."""

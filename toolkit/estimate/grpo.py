@@ -182,14 +182,15 @@ def _kept_words(spec: ModelSpec) -> str:
                      for w, n in sorted(counts.items(), reverse=True))
 
 
-def _gathered_for_generation(spec: ModelSpec, strategy: Strategy, job: Job) -> float:
+def _gathered_for_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job) -> float:
     """ZeRO-3 with ds3_gather_for_generation (TRL's default): GatheredParameters over the whole model, every
     parameter unsharded as ZeRO-3 holds it while generate runs (trl/models/utils.py _unwrap_model_for_generation).
-    FSDP2 gathers one layer at a time in its own hooks (trl/distributed.py summon_full_params: a no-op for FSDP2),
-    already among the step's buffers; other engines hold the whole model."""
+    FSDP2 gathers one layer at a time in its own hooks (trl/distributed.py summon_full_params: a no-op for FSDP2) and
+    keeps the root unsharded after its forward: the step's gathered parameters (b.gathered_bytes), which are not
+    among those held between steps; other engines hold the whole model."""
     if strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
         return sharded_weight_bytes(spec, job)
-    return 0
+    return b.gathered_bytes if strategy.engine == Engine.FSDP2 else 0
 
 
 def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job) -> Breakdown:
@@ -211,7 +212,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
             kv = generate_cache_bytes(spec, seqs, grpo.max_prompt_length, grpo.max_completion_length, cb)
             kv_words += (f"; transformers' DynamicCache keeps {_kept_words(spec)}: "
                          f"{kv / GIB:.2f} GiB at its largest")
-        gathered = _gathered_for_generation(spec, strategy, job)
+        gathered = _gathered_for_generation(b, spec, strategy, job)
         attention = spec.effective_attention(job.attention)
         generating, moment = generate_peak_bytes(spec, seqs, grpo.max_prompt_length, grpo.max_completion_length, cb,
                                                  attention)
@@ -224,7 +225,7 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
                                       f"{GENERATION_PHASE} at its {moment} ({attention} attention): the cache, "
                                       "generate's token ids, its sampling's fp32 logits and probabilities and one "
                                       "layer's attention or the head (toolkit.estimate.grpo.generate_peak_bytes)")]
-        if gathered:
+        if gathered and strategy.engine == Engine.DEEPSPEED:  # FSDP2's are the step's, among its buffers
             terms.append(Term("generation gathered weights", gathered,
                               f"ZeRO-3 ds3_gather_for_generation: {spec.params:,} params unsharded, "
                               f"{gathered / GIB:.2f} GiB"))

@@ -595,5 +595,6 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         reference_bytes=ref_weights,
         nccl_bytes=outside.nccl_bytes,
         workspace_bytes=workspace, allocator_conf=job.allocator_conf,
-        between_steps_bytes=int(states.persistent + ref_weights),
+        # none gathered between steps (benchmarks/results/rl_distributed_memory.md)
+        between_steps_bytes=int(states.persistent - states.gathered + ref_weights), gathered_bytes=int(states.gathered),
     )
