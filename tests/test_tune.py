@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import shared_tiny_model
 from toolkit.inputs.choices import GIB
 
 BASELINE_BYTES = 710 * 10**6
@@ -37,10 +38,11 @@ def planned(tmp_path_factory) -> tuple[Path, float]:
     """The plan folder, and the probe's memory limit in GiB: BASELINE_BYTES + the midpoint of DDP's and the larger
     ZeRO candidate's predicted peak (module docstring)."""
     from toolkit import api
-    from toolkit.run import tiny
 
     base = tmp_path_factory.mktemp("tune")
-    model = tiny.make_tiny_model("llama", base / "llama", layers=8, hidden=1024, corpus_chars=100_000)
+    # At one path per version of the code that makes it (tests/conftest.py): made once on this machine (4.2 CPU-s,
+    # 15 s wall on a loaded box), and its plan's traces found in the on-disk cache by the next session.
+    model = shared_tiny_model("llama", layers=8, hidden=1024, corpus_chars=100_000)
     result = api.plan(str(model), "2xA100-80GB", seq_len=64, global_batch=8, device_kind="cpu")
     assert [c.name for c in result.feasible[:3]] == ["ddp", "zero1", "zero2"]
     api.emit(result, base / "plan")
