@@ -29,7 +29,7 @@ Not modelled: CUDA graph pools, IPC, multiple devices, the free-memory callbacks
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -156,6 +156,11 @@ class AllocatorStats:
     expandable_segments: int = 0
     """Expandable segments (address ranges mapped page by page): not in torch's `segment` statistic."""
     device_allocs: int = 0
+    device_alloc_bytes: int = 0
+    """Bytes taken from the device: cudaMalloc'ed segments, or pages mapped into an expandable segment."""
+    device_frees: int = 0
+    """Calls giving memory back: a cached segment's cudaFree, or one unmapped range of an expandable segment."""
+    device_freed_bytes: int = 0
     alloc_retries: int = 0
     ooms: int = 0
 
@@ -354,7 +359,10 @@ class CachingAllocator:
 
     def _address(self, size: int) -> int:
         ptr = self._next_ptr
-        self._next_ptr += size + (1 << 30)  # segments never touch: a neighbour is always one's own split
+        # segments never touch (a neighbour is always one's own split), and each starts on a 20 MiB page, as
+        # cuMemAddressReserve aligns an expandable segment's range to its page: a retry unmaps every whole free page
+        end = ptr + size + (1 << 30)
+        self._next_ptr = -(-end // LARGE_BUFFER) * LARGE_BUFFER
         return ptr
 
     def _reserve(self, nbytes: int) -> None:
@@ -362,6 +370,7 @@ class CachingAllocator:
         s.reserved += nbytes
         s.peak_reserved = max(s.peak_reserved, s.reserved)
         s.device_allocs += 1
+        s.device_alloc_bytes += nbytes
 
     def _free(self, block: _Block) -> None:
         if block.prev is not None:
@@ -467,7 +476,7 @@ class CachingAllocator:
             block.ptr, block.size = begin, block.size - (begin - block.ptr)
             pool.insert(head)
         block.mapped = False
-        self.stats.reserved -= block.size
+        self._give_back(block.size)
         self._merge(block, block.prev, pool)
         self._merge(block, block.next, pool)
         pool.unmapped[(block.stream, block.ptr)] = block
@@ -476,8 +485,14 @@ class CachingAllocator:
 
     def _release(self, block: _Block) -> None:
         block.pool.erase(block)
-        self.stats.reserved -= block.size
+        self._give_back(block.size)
         self.stats.segments -= 1
+
+    def _give_back(self, nbytes: int) -> None:
+        s = self.stats
+        s.reserved -= nbytes
+        s.device_frees += 1
+        s.device_freed_bytes += nbytes
 
     def _release_oversize(self, pool: _Pool, size: int, stream: int) -> bool:
         limit = self.settings.max_split_size
@@ -536,6 +551,11 @@ class Replayer:
     def __init__(self, settings: AllocatorSettings | None = None) -> None:
         self.allocator = CachingAllocator(settings)
         self.blocks: dict = {}
+        self.step_start = AllocatorStats()
+
+    def step(self) -> None:
+        """A training step begins: the allocator's counters as they stand (toolkit.estimate.retries counts from here)."""
+        self.step_start = replace(self.allocator.stats)
 
     def malloc(self, key, size: int, stream: int = 0) -> None:
         self.blocks[key] = self.allocator.allocate(size, stream)
@@ -555,7 +575,8 @@ class Replayer:
 
 def replay(events, settings: AllocatorSettings | None = None) -> AllocatorStats:
     """Replay `events` through one allocator: ("malloc", key, size[, stream]), ("free", key),
-    ("record_stream", key, stream), ("sync", stream), ("reset_peak",). Keys are the caller's names for its tensors."""
+    ("record_stream", key, stream), ("sync", stream), ("reset_peak",), ("step",) (a step begins). Keys are the caller's
+    names for its tensors."""
     r = Replayer(settings)
     malloc, free, record_stream, sync = r.malloc, r.free, r.record_stream, r.sync
     for event in events:
@@ -570,6 +591,8 @@ def replay(events, settings: AllocatorSettings | None = None) -> AllocatorStats:
             sync(event[1])
         elif kind == "reset_peak":
             r.reset_peak()
+        elif kind == "step":
+            r.step()
         else:
             raise ValueError(f"unknown allocator event {kind!r}")
     return r.allocator.stats

@@ -147,6 +147,21 @@ def replays_left_out():
         _UNREPLAYED.reset(token)
 
 
+_ASKED: ContextVar[list | None] = ContextVar("asked", default=None)
+
+
+@contextmanager
+def replays_asked():
+    """Within: every replay asked of `replayed_reserved` is listed as (regions, sizes, settings), for a caller that
+    replays the same step again at a capacity (toolkit.estimate.retries.retries_at)."""
+    asked: list = []
+    token = _ASKED.set(asked)
+    try:
+        yield asked
+    finally:
+        _ASKED.reset(token)
+
+
 def leaving_replays_out() -> bool:
     """Whether replays are being left out (inside `replays_left_out`)."""
     return _UNREPLAYED.get() is not None
@@ -156,6 +171,8 @@ def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Repla
     """The replay of two steps over `regions` (memory._Region: name, params, trace); None when some region has no
     recorded events (a region traced compiled, an interpolation whose traces differ), where the caller keeps its margin."""
     left_out = _UNREPLAYED.get()
+    if (asked := _ASKED.get()) is not None:
+        asked.append((regions, sizes, settings))
     if not regions or any(not (r.trace.forward_events or r.trace.backward_events) for r in regions):
         if left_out is not None:
             left_out[0] += 1
@@ -239,6 +256,9 @@ class _EventList:
     def reset_peak(self) -> None:
         self.events.append(("reset_peak",))
 
+    def step(self) -> None:
+        self.events.append(("step",))
+
 
 def step_events(regions, sizes: StepSizes, steps: int = 2, step_regions=()) -> list[tuple]:
     """The allocator events of `steps` training steps (toolkit.estimate.allocator.replay's format)."""
@@ -249,7 +269,8 @@ def step_events(regions, sizes: StepSizes, steps: int = 2, step_regions=()) -> l
 
 def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regions=()) -> int:
     """The events of `steps` training steps, in order, to `sink` (its malloc(key, size[, stream]), free(key),
-    record_stream(key, stream), sync(stream) and reset_peak(): an allocator.Replayer, or a list); returns how
+    record_stream(key, stream), sync(stream), reset_peak() and step(), as each step begins: an allocator.Replayer,
+    or a list); returns how
     many. `step_regions`: the regions (the same parameters, each step's own traces) whose events each step runs,
     where the steps' shapes differ (batches padded to their own longest sample); empty: `regions` every step."""
     n = len(regions)
@@ -300,6 +321,7 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
     reduce = [int(sizes.reduce_buffers * r.params / (PREFETCH * largest)) for r in regions]
 
     for step in range(steps):
+        sink.step()
         traced = step_regions[step] if step_regions else regions
         alive: set = set()
         rotating: list = []
