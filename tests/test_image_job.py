@@ -384,6 +384,7 @@ def test_a_repeated_image_plan_reads_the_towers_trace_from_the_disk_cache(tiny_v
     for _ in range(2):
         monkeypatch.setattr(traces, "_TOWER_CACHE", {})
         monkeypatch.setattr(visiontower, "_CACHE", {})
+        monkeypatch.setattr(visiontower, "_BY_PIXELS", {})
         assert main(argv) == 0
         plans.append(json.loads(capsys.readouterr().out))
         traced.append(len(visiontower._CACHE))

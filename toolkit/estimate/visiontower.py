@@ -63,6 +63,8 @@ class TowerTrace:
 
 
 _CACHE: dict[tuple, TowerTrace] = {}
+_BY_PIXELS: dict[tuple, TowerTrace] = {}
+"""The same traces keyed by the pixel values' shape and patch grid the image processor makes of the size."""
 
 
 def _is_weight_copy(t) -> bool:
@@ -111,11 +113,19 @@ def trace_tower(config: Any, width: int, height: int, *, dtype: str = "bfloat16"
     (toolkit.estimate.traces._trace_mode); `trained` False: the tower's parameters require no grad;
     `checkpointing`: the model's activation checkpointing on, as the HF Trainer turns it on for the whole class
     (every GradientCheckpointingLayer, the tower's blocks included): a block keeps its inputs only."""
-    key = (config.to_json_string(), width, height, dtype, autocast, attention, trained, checkpointing,
-           str(config_dir))
+    from toolkit.inputs.images import image_tokens
+
+    text = config.to_json_string()
+    key = (text, width, height, dtype, autocast, attention, trained, checkpointing, str(config_dir))
     if key not in _CACHE:
-        _CACHE[key] = _trace(config, width, height, dtype=dtype, autocast=autocast, attention=attention,
-                             trained=trained, checkpointing=checkpointing, config_dir=config_dir)
+        # two sizes the processor turns into the same pixels (Gemma-3 resizes every image to its tower's square)
+        # are one trace: the traced step sees only the pixel values and their patch grid
+        found = image_tokens(config, width, height, config_dir)
+        same = (text, tuple(found.pixel_shape), found.grid, *key[3:-1])
+        if same not in _BY_PIXELS:
+            _BY_PIXELS[same] = _trace(config, width, height, dtype=dtype, autocast=autocast, attention=attention,
+                                      trained=trained, checkpointing=checkpointing, config_dir=config_dir)
+        _CACHE[key] = _BY_PIXELS[same]
     return _CACHE[key]
 
 
