@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from toolkit.commands import build_parser, execute
+from toolkit.processes import finish_process
 
 __all__ = ["build_parser", "main", "run"]
 
@@ -62,26 +63,6 @@ def run() -> int:
             raise
         code = exc.code or 0
     return finish_process(code)
-
-
-def finish_process(code: int) -> int:
-    """Exit with `code` now (os._exit) after what a normal interpreter exit would do that anyone can see; returns
-    `code` (for SystemExit) only where a step could not be done."""
-    import atexit
-    import os
-    import threading
-
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is None or threading.current_thread() is not threading.main_thread():
-        return code
-    try:
-        shutdown()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:  # a closed pipe, Ctrl-C during the hooks: the interpreter's own exit reports it
-        return code
-    os._exit(code)
 
 
 INTERRUPTED_LINE = "interrupted (Ctrl-C): stopped; nothing half-written was left behind"

@@ -305,16 +305,18 @@ def _gave_up_text(what: str, max_restarts: int, output: Path | None, resume_comm
 
 def _resolve_launcher(command: list[str]) -> list[str]:
     """The `accelerate` of the environment toolkit runs in (a venv used without activating it must not pick up another
-    Python's accelerate from PATH, which would lack DeepSpeed or this toolkit): `accelerate launch` runs as this
-    interpreter's accelerate.commands.launch, the function the `accelerate` script dispatches `launch` to, with the
-    same arguments. It skips the script's import of accelerate's other subcommands (config, estimate, env, ...:
-    transformers among them), about 0.9 s of CPU before any rank starts (measured: a 2-rank launch, 4.0-5.0 s CPU ->
-    2.9-3.6 s on a loaded 2-core box). Another accelerate subcommand: the script beside this interpreter, else
+    Python's accelerate from PATH, which would lack DeepSpeed or this toolkit): `accelerate launch` runs in this
+    interpreter as toolkit.processes.ACCELERATE_LAUNCH, the function the `accelerate` script dispatches `launch` to,
+    with the same arguments. It skips the script's import of accelerate's other subcommands (config, estimate, env,
+    ...: transformers among them), about 0.9 s of CPU before any rank starts (measured: a 2-rank launch, 4.0-5.0 s CPU
+    -> 2.9-3.6 s on a loaded 2-core box). Another accelerate subcommand: the script beside this interpreter, else
     PATH's."""
     import importlib.util
 
+    from toolkit.processes import ACCELERATE_LAUNCH
+
     if command[:2] == ["accelerate", "launch"] and importlib.util.find_spec("accelerate") is not None:
-        return [sys.executable, "-m", "accelerate.commands.launch", *command[2:]]
+        return [*ACCELERATE_LAUNCH, *command[2:]]
     beside = Path(sys.executable).parent / "accelerate"
     if command[:1] == ["accelerate"] and beside.is_file():
         return [str(beside), *command[1:]]

@@ -95,7 +95,9 @@ def leave_out_unused(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    from toolkit.processes import pause_collector
     from toolkit.train.cpu import exit_process
 
+    pause_collector()  # until the runner's start_up_done
     leave_out_unused(sys.argv[1:])
     exit_process(main())

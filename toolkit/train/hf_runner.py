@@ -16,10 +16,10 @@ from pathlib import Path
 from toolkit.emit.user_settings import training_arguments
 from toolkit.errors import UserError
 from toolkit.plan.schema import Plan
-from toolkit.train import checkpoints, cpu, dimensions
+from toolkit.processes import start_up_done
+from toolkit.train import checkpoints, cpu, dimensions, imagedata
 from toolkit.train.args import TrainArgs
 from toolkit.train.data import build_datasets
-from toolkit.train import imagedata
 from toolkit.train.watch import held_state_bytes, param_dtypes, watch_layer_dtype, watch_step_peak
 from toolkit.inputs.choices import TRL_LOSS
 from toolkit.inputs.strategy import Engine
@@ -73,6 +73,7 @@ def train_hf(plan: Plan, args: TrainArgs) -> int:
              else None)
     training_args = _training_arguments(plan, args, output, on_cpu=state is not None)
     _check_world(plan, training_args.world_size)
+    start_up_done()  # torch, transformers, accelerate and the engine are imported (toolkit.processes)
     # Data before the model: bad data fails in seconds, not after a 70B model has loaded.
     if plan.grpo:
         from toolkit.train.grpo import build_prompt_datasets

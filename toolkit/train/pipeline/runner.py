@@ -34,6 +34,7 @@ def train_pipeline(plan, args) -> None:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    from toolkit.processes import start_up_done
     from toolkit.train.pipeline.convert import Source, build_pipeline
     from toolkit.train.pipeline.export import save_hf_model
     from toolkit.train.data import build_datasets
@@ -50,6 +51,7 @@ def train_pipeline(plan, args) -> None:
     boundaries = list(plan.partition)  # the plan checked that it splits its num_layers over its stages
 
     deepspeed.init_distributed()
+    start_up_done()  # torch, transformers and DeepSpeed are imported (toolkit.processes)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != plan.world_size:
         raise UserError(f"the plan is for {plan.world_size} processes ({plan.pipeline_stages} stages x "
