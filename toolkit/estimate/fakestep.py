@@ -71,7 +71,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
                    adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
                    per_layer: tuple[str, ...] | None = None, cast_params: bool = False,
-                   adapter_fp32: bool = False) -> Run:
+                   adapter_fp32: bool = False, inputs_require_grad: bool = False) -> Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -119,6 +119,8 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
             # output requires grad and the checkpointed layers' recompute reaches the adapters.
             enable_checkpointing(model, op_policy=checkpointing == CHECKPOINTING_OP,
                                   on_save=lambda out: [charge(t) for t in tensors_in(out)])
+        elif inputs_require_grad:
+            model.enable_input_require_grads()
         if lora:
             model = _wrap_with_peft(model, adapter, autocast=autocast_dtype is not None, notes=notes,
                                     adapter_fp32=adapter_fp32)

@@ -42,7 +42,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                       autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
                       checkpointing: bool = False, liger: bool = False, adapter=None,
                       tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
-                      adapter_fp32: bool = False) -> ActivationTrace:
+                      adapter_fp32: bool = False, inputs_require_grad: bool = False) -> ActivationTrace:
     """Bytes the model keeps for backward, region by region, for one micro-batch of `micro_batch` x `seq_len`.
 
     `config` is any decoder-only causal-LM config; it is not modified. `adapter` (a toolkit.inputs.lora.Adapter with
@@ -58,6 +58,9 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     `adapter_fp32`: the adapters in fp32 over a `dtype` base without autocast (PEFT's autocast_adapter_dtype where
     no engine casts the model afterwards: DDP or one process with bf16-pure), so each LoRA layer's fp32 copy of its
     input is traced.
+    `inputs_require_grad`: the input embeddings require grad although the base is frozen (an adapter job whose
+    vision tower trains: the image features merged into them carry the tower's graph), traced with the model's own
+    enable_input_require_grads, which checkpointing turns on anyway.
     """
     import torch
 
@@ -87,7 +90,7 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                                      liger=liger, device_kind=device_kind, adapter=adapter, tiled=tiled,
                                      chunked_loss=chunked_loss, loss=loss,
                                      per_layer=per_layer_keys(config, len(full_kinds)), cast_params=cast_params,
-                                     adapter_fp32=adapter_fp32)
+                                     adapter_fp32=adapter_fp32, inputs_require_grad=inputs_require_grad)
             except (DynamicOutputShapeException, DataDependentOutputException) as exc:
                 raise NotImplementedError(
                     f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "

@@ -171,6 +171,10 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         key += ("chunked_loss", job.chunked_loss)
     if job.loss != "model":
         key += ("loss", job.loss)
+    # an adapter job whose vision tower trains: the merged input embeddings carry its graph
+    inputs_grad = adapter is not None and bool(job.images_per_sample) and tower_trains(spec, job)
+    if inputs_grad:
+        key += ("inputs_require_grad",)
     adapter_fp32 = adapter_in_fp32(strategy, job)
     cache_key = key + ("adapter_fp32",) if adapter_fp32 else key
     if cache_key not in _TRACE_CACHE:
@@ -191,6 +195,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             disk_key += ["loss", job.loss, cache.installed_version("trl")]
         if disk_key and adapter_fp32:
             disk_key += ["adapter_fp32"]
+        if disk_key and inputs_grad:
+            disk_key += ["inputs_require_grad"]
         if disk_key:  # every trace tallies what TRL's offloading would move, by TRL's own choice of head (savers)
             disk_key += ["offload", cache.installed_version("trl")]
         traced_by = trace_compiled_activations if job.compile else trace_activations
@@ -211,7 +217,7 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                         traced_config, seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
                         liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss,
-                        loss=job.loss, adapter_fp32=adapter_fp32)
+                        loss=job.loss, adapter_fp32=adapter_fp32, inputs_require_grad=inputs_grad)
             except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
                 raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             except CONFIG_ERRORS as exc:  # the model's own forward fails on a field its config leaves unset
@@ -278,14 +284,14 @@ _TOWER_CACHE: dict[tuple, Any] = {}
 
 def job_tower(spec: ModelSpec, job: Job, strategy: Strategy, *, checkpointing: bool | None = None):
     """The vision encoder + projector traced for one of the image job's images (toolkit.estimate.visiontower), as
-    the job runs it: trained unless --vision-tower freeze or an adapter leaves it frozen, checkpointed with the
-    model (or as `checkpointing` says). Kept on disk (toolkit.cache) as the language model's traces are, by the
+    the job runs it: trained unless --vision-tower freeze or an adapter leaves it frozen (tower_trains),
+    checkpointed with the model (or as `checkpointing` says). Kept on disk (toolkit.cache) as the language model's traces are, by the
     spec's source_key: a repeated plan of an image job traces no tower (a test calling trace_tower itself does)."""
     from toolkit import cache
     from toolkit.estimate.visiontower import TowerTrace, trace_tower
     from toolkit.inputs.images import parse_image_size
 
-    trained = job.vision_tower == "train" and not job.adapter.is_adapter
+    trained = tower_trains(spec, job)
     dtype, autocast = _trace_mode(strategy, job)
     width, height = parse_image_size(job.image_size)
     ckpt = bool(job.checkpointing) if checkpointing is None else checkpointing
@@ -302,6 +308,25 @@ def job_tower(spec: ModelSpec, job: Job, strategy: Strategy, *, checkpointing: b
         cache.put("tower", list(key), {f.name: getattr(tower, f.name) for f in fields(tower)}, code=trace_tower)
         _TOWER_CACHE[key] = tower
     return tower
+
+
+def tower_trains(spec: ModelSpec, job: Job) -> bool:
+    """Whether the job's vision encoder and projector train: unless --vision-tower freeze; under LoRA / QLoRA only
+    where --lora-modules-to-save names every one of the class's vision modules or a module above it (PEFT matches a
+    name as the last part of a module's path and trains a copy of that module whole: --lora-modules-to-save visual
+    on Qwen2.5-VL, whose merger sits inside model.visual)."""
+    if job.vision_tower != "train":
+        return False
+    if not job.adapter.is_adapter:
+        return True
+    saved = job.adapter.save_list()
+
+    def covered(path: str) -> bool:
+        parts = path.split(".")
+        return any(".".join(parts[:k]) == name or ".".join(parts[:k]).endswith("." + name)
+                   for name in saved for k in range(1, len(parts) + 1))
+
+    return bool(spec.vision_modules) and all(covered(path) for path in spec.vision_modules)
 
 
 def with_images(spec: ModelSpec, job: Job, strategy: Strategy, trace: ActivationTrace) -> ActivationTrace:
