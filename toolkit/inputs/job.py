@@ -462,8 +462,11 @@ def tiled_problem(strategy: "Strategy | None", *, activation_offloading: bool = 
     if activation_offloading:
         # tests/test_tiling.py: TRL's pack hook also moves what the tiled MLP and loss save while they recompute in
         # backward, which the tiled trace hides from its saved-tensor hooks (toolkit.patches.tiling tiling_traced).
-        return ("--tiled with --activation-offloading is not modelled: TRL's offloading also moves what the tiled "
-                "MLP and loss save while they recompute in backward, which the trace does not see; drop one of them")
+        return ("--tiled with --activation-offloading is not modelled: TRL's offloading also moves what DeepSpeed's "
+                "TiledMLP and tiled loss save while they recompute in backward (runtime/sequence_parallel/"
+                "ulysses_sp.py), which the trace does not see, and the offload ALST pairs with tiling, DeepSpeed's "
+                "CheckpointHiddenStatesOffload (runtime/activation_checkpointing/offload_activations.py), is not "
+                "emitted; drop one of them")
     for on, what in ((liger, "--liger"), (compile, "--compile"), (adapter.is_adapter, adapter.method)):
         if on:
             return (f"--tiled with {what} is not modelled (both change how the MLP / loss run or what they save); "
