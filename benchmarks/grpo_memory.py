@@ -1,6 +1,7 @@
 """GRPO's generation and training phases on CPU: predicted vs measured memory of real TRL GRPOTrainer steps (issue 29).
 
-    python benchmarks/grpo_memory.py     # writes benchmarks/results/grpo_memory.{md,json}
+    python benchmarks/grpo_memory.py          # writes benchmarks/results/grpo_memory.{md,json}
+    python benchmarks/grpo_memory.py --md     # rewrites the .md from the stored .json
 
 In one process, a tiny Llama (random weights, eager CPU kernels) is trained by TRL's own GRPOTrainer with a
 rule reward, once in fp32 (bf16=False), once under bf16 autocast (bf16=True, GRPOConfig's own default, fp32
@@ -118,6 +119,10 @@ def measure(model_dir: Path, precision: str, sequences: int, generations: int, c
         with tracker:
             step()
         measured = sum(dev["Total"] for dev in tracker.get_tracker_snapshot("peak").values())
+        if WEIGHT_DTYPES[precision] == "float32" and precision != "fp32":
+            # As a real run generates: Trainer's accelerator.prepare wraps the policy's forward in autocast, and TRL's
+            # unwrap_model_for_generation keeps that wrapper (accelerate unwrap_model, keep_fp32_wrapper=True).
+            trainer.accelerator.prepare_model(trainer.model)
         generated = []
         model_bytes = sum(t.numel() * t.element_size() for t in (*trainer.model.parameters(), *trainer.model.buffers()))
         generation = model_bytes + generation_peak_bytes(lambda: generated.append(trainer._prepare_inputs(batch)),
@@ -150,6 +155,10 @@ def main() -> None:
                                          corpus_chars=100_000)
         rows = [measure(model_dir, precision, *case) for precision in PRECISIONS for case in CASES]
     (OUT / "grpo_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
+    write_markdown(rows)
+
+
+def write_markdown(rows: list[dict]) -> None:
     lines = ["# GRPO generation and training phases: predicted vs measured memory on CPU", "",
              measured_line("grpo_memory.py"), "",
              "One process, TRL's own GRPOTrainer on a tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads, "
@@ -203,15 +212,16 @@ def main() -> None:
               "whole cache of this 2-layer model), the sampling tensors and the token ids, and counted gradients "
               "that zero_grad has freed. tests/test_grpo.py checks generate_peak_bytes "
               "against a real generate in each of its three moments.", "",
-              f"bf16 rows: worst generation |error| {gen['bf16']:.2%}, and not what a real run generates. Their "
-              "measured generation bytes equal the fp32 rows' byte for byte: this harness calls TRL's methods on a "
-              "model that never went through accelerator.prepare, whose prepare_model wraps forward in autocast "
-              "(and unwrap_model_for_generation keeps that wrapper, keep_fp32_wrapper=True), so generate ran on the "
-              "fp32 weights without autocast and held an fp32 cache, which the estimate counts in bf16. Under "
-              "autocast (a real Trainer run with fp32 weights: DDP, AMP) a scratch generate held fp32 keys (Llama's "
-              "rotary tables are fp32, k * cos promotes the bf16 projection), bf16 values and autocast's bf16 "
-              "weight copies; neither is modelled yet. DeepSpeed's bf16 holds bf16 weights and generates in bf16, "
-              "as counted.", "",
+              f"bf16 rows: worst generation |error| {gen['bf16']:.2%}. They generate as a real run with fp32 weights "
+              "and bf16 autocast does (DDP's AMP): the harness passes the policy through accelerate's prepare_model, "
+              "which wraps its forward in torch.autocast, as the Trainer's accelerator.prepare does and TRL's "
+              "unwrap_model_for_generation keeps (keep_fp32_wrapper=True). Each forward then holds fp32 keys (Llama's "
+              "rotary tables follow the fp32 hidden states, and k * cos promotes the bf16 projection), bf16 values, "
+              "fp32 softmax and autocast's bf16 copies of the weights; toolkit.estimate.grpo.generate_element_bytes "
+              "counts such a generator at 4 B an element (the 2026-12-04 version of this table "
+              "measured without the wrapper, so fp32 bytes, and the estimate then counted 2 B: 6-32% under; that 2-B "
+              "count was 40-45% under a scratch generate with the wrapper). DeepSpeed's bf16 and FSDP2's "
+              "param_dtype generate on bf16 weights, as the bf16-pure rows do.", "",
               f"bf16-pure rows: worst generation |error| {gen['bf16-pure']:.2%}, training {worst_pure:.2%}. The "
               "weights are loaded in bf16, so generate runs as a policy held in bf16 generates (DeepSpeed's bf16, a "
               "model loaded in bf16): bf16 weights, a bf16 cache and bf16 attention, the sampling's logits copy and "
@@ -224,4 +234,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--md"]:  # rewrite the markdown from the stored json
+        write_markdown(json.loads((OUT / "grpo_memory.json").read_text()))
+    else:
+        main()

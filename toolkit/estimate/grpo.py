@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from toolkit.estimate.collectives import group_bandwidth, ring_s
 from toolkit.estimate.breakdown import Breakdown, Term, reserved_bytes
-from toolkit.inputs.choices import GIB, compute_bytes
+from toolkit.inputs.choices import GIB, compute_bytes, weight_bytes
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.grpo import COLOCATE, GENERATE, SERVER
 from toolkit.inputs.job import Job
@@ -193,6 +193,21 @@ def _gathered_for_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, 
     return b.gathered_bytes if strategy.engine == Engine.FSDP2 else 0
 
 
+def generate_element_bytes(strategy: Strategy, job: Job) -> int:
+    """Bytes per element of what transformers' generate holds (cache, attention, sampling) for a policy generating in
+    the training process: the compute dtype, except a fully trained DDP policy in mixed precision, which holds fp32
+    weights and generates under torch.autocast (accelerate's prepare_model wraps its forward, and TRL's
+    unwrap_model_for_generation keeps the wrapper): Llama-style rotary tables follow the fp32 hidden states, so the
+    keys come out fp32 beside bf16 values, the softmax runs in fp32, and autocast caches bf16 copies of the weights
+    for each forward. Counted at 4 B: TRL's generation step under autocast measured within -2% / +8.3% of that
+    (benchmarks/results/grpo_memory.md, bf16 rows; 6-32% under at 2 B). DeepSpeed and FSDP2 generate on bf16 weights (the engine's bf16
+    copy, FSDP2's param_dtype), an adapter policy on its base as loaded."""
+    if strategy.engine == Engine.DDP and not job.adapter.is_adapter and weight_bytes(job.precision) > \
+            compute_bytes(job.precision):
+        return weight_bytes(job.precision)
+    return compute_bytes(job.precision)
+
+
 def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job) -> Breakdown:
     """The training breakdown `b` of the policy (and reference) with GRPO's generation added as TRL runs it."""
     grpo = job.grpo
@@ -208,6 +223,10 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
                         f"each server GPU holds the weights and a KV cache ({kv_words} per training process)")
         return replace(b, notes=tuple(notes))
     if grpo.generation == GENERATE:
+        if (eb := generate_element_bytes(strategy, job)) != cb:
+            cb, kv = eb, kv_cache_bytes(spec, seqs, tokens, eb)
+            kv_words = (f"2 x ({spec.attention_words()}) x {tokens} tokens x {seqs} sequences x {cb} B = "
+                        f"{kv / GIB:.2f} GiB (fp32 weights under autocast)")
         if spec.layer_cache_windows:
             kv = generate_cache_bytes(spec, seqs, grpo.max_prompt_length, grpo.max_completion_length, cb)
             kv_words += (f"; transformers' DynamicCache keeps {_kept_words(spec)}: "
