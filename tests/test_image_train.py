@@ -451,3 +451,35 @@ def test_the_qwen_classes_on_two_ddp_or_zero3_ranks_give_one_process_losses(imag
     tower with the rest (Qwen2.5-VL, Qwen3-VL with its deepstack features, Qwen3.5's whole image-text class) give one
     process's losses within 1e-3, every rank counting the plan's 4 tokens an image."""
     _falls_and_two_ranks_match(image_runs(f"{run.split('-')[0]}-one"), image_runs(run))
+
+
+def test_lora_with_the_tower_in_modules_to_save_trains_the_tower(tiny_qwen_vl, train_in_process):
+    """LoRA on the language model with the vision tower trained in full, as PEFT does it (--lora-modules-to-save
+    visual: Qwen2.5-VL's tower with its merger inside, a trainable copy beside the frozen original), one process on
+    CPU, fp32, 6 steps: the loss is finite and falls, and the saved adapter holds the tower's trained copy, moved
+    from the base's weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from toolkit.inputs.lora import Adapter
+    from toolkit.plan.job import job_from_plan, job_to_plan_fields
+
+    model_dir, data = tiny_qwen_vl
+    plan = _image_plan(model_dir)
+    job = replace(job_from_plan(plan), adapter=Adapter(method="lora", r=8, targets="all-linear",
+                                                       modules_to_save="visual"))
+    plan = replace(plan, **job_to_plan_fields(job))
+    run = train_in_process(plan, "images-lora-visual", "--data", str(data), *ARGS)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = run.losses()
+    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses.values())
+    assert (losses[5] + losses[6]) / 2 < losses[1] - 0.1, losses
+    saved = load_file(str(Path(run.output) / "adapter_model.safetensors"))
+    tower = {k: v for k, v in saved.items() if ".visual." in k and "lora_" not in k}
+    base = {k: v for f in Path(model_dir).glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    base_tower = {k.split("visual.", 1)[1]: v for k, v in base.items() if k.split(".")[0] in ("model", "visual")
+                  and "visual." in k}
+    assert len(tower) == len(base_tower) > 0, sorted(saved)[:8]
+    moved = [k for k, v in tower.items() if not torch.equal(
+        v.float(), base_tower[k.split(".visual.", 1)[1].replace("modules_to_save.default.", "")].float())]
+    assert len(moved) > len(tower) // 2, (len(moved), len(tower))
