@@ -32,7 +32,7 @@ def die_with_parent(signum: int) -> None:
 
 
 def pause_collector() -> None:
-    """Process entry only (a rank of toolkit.train, a launcher), before its heavy imports: no cyclic garbage
+    """Process entry only (a rank of toolkit.train, a launcher, `toolkit launch`), before its heavy imports: no cyclic garbage
     collection until start_up_done. Importing torch, transformers, accelerate and DeepSpeed makes about 440,000
     objects that live until the process exits, and the collector walks them again and again while they arrive: in a
     rank of a 2-process DDP run of the tiny Llama its 7 full and ~1,000 young collections took 1.0 s of the 4.6-5.4 s

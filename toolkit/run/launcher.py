@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
-from toolkit.processes import die_with_parent, stop_process_tree
+from toolkit.processes import die_with_parent, start_up_done, stop_process_tree
 from toolkit.plan.schema import Plan
 from toolkit.plan.files import ACCELERATE_CONFIG, DS_CONFIG, PLAN_JSON
 
@@ -126,6 +126,7 @@ def run(command: list[str], env: dict[str, str] | None = None, *, output: Path |
             if log_path is not None:
                 log = open(log_path, "ab")
                 run_starts_at = log.tell()
+            start_up_done()  # `toolkit launch` paused the collector for its imports (toolkit.cli.run)
             code, stopped = _run_stoppable(_resolve_launcher(command), full_env, log)
             if stopped:
                 print(_stopped_text(stopped, output, resume_command), file=sys.stderr, flush=True)
@@ -175,6 +176,7 @@ def run_nodes(commands: list[list[str]], env: dict[str, str] | None = None, *, o
     try:
         full_env = {**os.environ, **(env or {})}
         full_env.setdefault("OMP_NUM_THREADS", "1")
+        start_up_done()  # as in run
         for rank, command in enumerate(commands):
             logs.append(open(output / f"node-{rank}.log", "ab"))
             procs.append(subprocess.Popen(_resolve_launcher(command), env=full_env, stderr=logs[-1],
