@@ -51,9 +51,10 @@ UNMODELLED = {
     "fused_linear_ce": "a fused linear cross-entropy outside Liger (NeMo AutoModel's FusedLinearCrossEntropy, cut "
                        "cross-entropy: the loss from the hidden states, no logits) is not modelled; --liger's fused "
                        "loss comes with Liger's other kernels",
-    "lora_full_tower": "LoRA on the language model with the vision tower and projector trained in full (ms-swift's "
-                       "lora_llm) is not modelled: toolkit's LoRA and QLoRA freeze the whole base, tower included, "
-                       "so the estimate leaves out the tower's gradients and optimizer states",
+    "lora_full_tower": "LoRA on the language model with the vision tower and projector trained in full as ms-swift's "
+                       "lora_llm does it (requires_grad set on the tower itself) is not modelled: toolkit trains a "
+                       "tower beside LoRA as PEFT's modules_to_save does (--lora-modules-to-save visual: a trainable "
+                       "copy beside the frozen original, the tower's weights held twice), not like for like",
     "fsdp1": "FSDP1 (FullyShardedDataParallel's flat parameters, as Lightning Fabric's FSDPStrategy wraps each "
              "block) is not modelled; the estimator's sharded data parallel is FSDP2 (per-parameter DTensor shards)",
     "trl_whole_logits": "TRL 1.10 or earlier: its GRPOTrainer holds the completion tokens' logits whole "
