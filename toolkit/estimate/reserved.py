@@ -162,6 +162,16 @@ def replays_asked():
         _ASKED.reset(token)
 
 
+@contextmanager
+def replays_kept():
+    """Within: every replay runs, also inside `replays_left_out` (a question whose answer must not be a bound)."""
+    token = _UNREPLAYED.set(None)
+    try:
+        yield
+    finally:
+        _UNREPLAYED.reset(token)
+
+
 def leaving_replays_out() -> bool:
     """Whether replays are being left out (inside `replays_left_out`)."""
     return _UNREPLAYED.get() is not None

@@ -12,7 +12,7 @@ benchmarks/retry_cost.py derives from the GPU day's memory-edge rows (retry_cost
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from toolkit.estimate.allocator import AllocatorSettings, AllocatorStats, OutOfMemory, Replayer
@@ -34,6 +34,8 @@ class StepRetries:
     alloc_bytes: int = 0
     expandable: bool = False
     oom: bool = False
+    peak_reserved: int = field(default=0, compare=False)
+    """The capped replay's reserved peak (over every step it replayed)."""
 
     @classmethod
     def between(cls, before: AllocatorStats, after: AllocatorStats, *, expandable: bool,
@@ -42,7 +44,8 @@ class StepRetries:
                    device_frees=after.device_frees - before.device_frees,
                    freed_bytes=after.device_freed_bytes - before.device_freed_bytes,
                    device_allocs=after.device_allocs - before.device_allocs,
-                   alloc_bytes=after.device_alloc_bytes - before.device_alloc_bytes, expandable=expandable, oom=oom)
+                   alloc_bytes=after.device_alloc_bytes - before.device_alloc_bytes, expandable=expandable, oom=oom,
+                   peak_reserved=after.peak_reserved)
 
     def seconds(self, cost: dict | None = None) -> float:
         """The step time the retries add. In a steady state every byte a retry gives back the step takes again
@@ -102,3 +105,77 @@ def retries_at(regions, sizes, conf: str, capacity: int, steps: int = 2) -> Step
     except OutOfMemory:
         return last_step(r, oom=True)
     return last_step(r)
+
+
+def capped_retries(memory, asked, strategy, job, gpu) -> StepRetries | None:
+    """The retries of the estimate's replay (`asked`: reserved.replays_asked's list) with the allocator capped at
+    what the GPU leaves the replayed tensors (capacity less the CUDA context, NCCL's buffers and cuBLAS's
+    workspaces), where the plan sits at its capacity
+    as the planner sets it: the replayed reserved within twice the peak's error band of that cap (the band the
+    planner keeps, and as much again for the replay's own error on reserved: the H200 reserved 1.253 of the FSDP2 +
+    checkpointing peak where the replay said 1.040, benchmarks/results/gpu_memory_edge_derived.md). None elsewhere
+    (a second replay only where it can differ), or where no replay ran."""
+    from toolkit.estimate.errorband import band_for
+    from toolkit.estimate.reserved import replayed_reserved
+
+    if not asked or memory.stage_required_bytes:
+        return None
+    regions, sizes, conf = asked[-1]
+    replay = replayed_reserved(regions, sizes, settings=conf)
+    if replay is None or not replay.events:
+        return None
+    cap = memory.capacity_bytes - memory.context_bytes - memory.workspace_bytes  # cuBLAS's: cached all the run
+    band = band_for(strategy.engine, job.checkpointing, gpu=gpu).headroom_bytes(memory.peak_bytes)
+    if replay.peak_reserved + 2 * band <= cap:
+        return None
+    return retries_at(regions, sizes, conf, cap)
+
+
+def at_capacity(memory, timing, asked, spec, strategy, job, hw, **where):
+    """The plan's memory and step time with its allocator retries at the GPU's capacity (capped_retries): where the
+    capped replay runs, its reserved peak is the plan's (a plan the uncapped replay put over the GPU fits, flushing
+    the cache), the retries' price is added to the step (Timing.retry_s) and the notes say it, with the setting that
+    avoids them where one does (the other allocator setting, or one micro-batch less)."""
+    retries = capped_retries(memory, asked, strategy, job, hw.gpu) if timing is not None else None
+    if retries is None or not (retries.retries or retries.oom):
+        return memory, timing
+    notes = [retries.words()]
+    if not retries.oom:
+        regions, sizes, conf = asked[-1]
+        from toolkit.estimate.reserved import replayed_reserved
+
+        saved = max(0, replayed_reserved(regions, sizes, settings=conf).peak_reserved - retries.peak_reserved)
+        terms = tuple(replace(t, bytes=t.bytes - saved, source=f"{t.source}; capped at the GPU's capacity: "
+                              f"{retries.peak_reserved / GIB:.2f} GiB reserved") if t.name.startswith("allocator")
+                      else t for t in memory.terms)
+        memory = replace(memory, margin_bytes=memory.margin_bytes - saved, required_bytes=memory.required_bytes - saved,
+                         terms=terms)
+        extra = retries.seconds()
+        step = timing.step_time_s + extra
+        timing = replace(timing, step_time_s=step, tokens_per_s=timing.tokens_per_s * timing.step_time_s / step,
+                         retry_s=extra)
+    avoid = _avoided_by(spec, strategy, job, hw, where)
+    if avoid:
+        notes.append(f"allocator retries avoided by {avoid}")
+    return replace(memory, notes=memory.notes + tuple(notes)), timing
+
+
+def _avoided_by(spec, strategy, job, hw, where) -> str:
+    """The first of: the other allocator setting, one micro-batch less, whose replay at the same capacity fits
+    and retries never ('' where neither does)."""
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.reserved import replays_asked, replays_kept
+
+    expandable = "expandable_segments:True" in job.allocator_conf.replace(" ", "")
+    other = "" if expandable else "expandable_segments:True"
+    tries = [(replace(job, allocator_conf=other),
+              "torch's default allocator" if expandable else "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")]
+    if job.micro_batch > 1:
+        tries.append((replace(job, micro_batch=job.micro_batch - 1), f"micro-batch {job.micro_batch - 1}"))
+    for changed, words in tries:
+        with replays_kept(), replays_asked() as asked:
+            memory = estimate_memory(spec, strategy, changed, hw, **where)
+            retries = capped_retries(memory, asked, strategy, changed, hw.gpu)
+        if memory.fits and (retries is None or not (retries.retries or retries.oom)):
+            return words
+    return ""

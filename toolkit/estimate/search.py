@@ -34,7 +34,8 @@ from toolkit.estimate.autoeprows import autoep_options, autoep_strategies
 from toolkit.estimate.expertgrids import fixed_expert_grid
 from toolkit.estimate.errorband import band_for, time_band
 from toolkit.estimate.candidate import Candidate
-from toolkit.estimate.reserved import replays_left_out
+from toolkit.estimate.reserved import replays_asked, replays_left_out
+from toolkit.estimate.retries import at_capacity
 from toolkit.estimate.slots import Deferred, Slots, slower
 from toolkit.estimate.ranking import need_bytes, rank
 from toolkit.estimate.request import Request
@@ -85,8 +86,7 @@ def _grids(strategy: Strategy, spec: ModelSpec, hw: Hardware, req: Request) -> l
 
 
 def short_of_gpu_memory(memory: Breakdown, strategy: Strategy, job: Job, gpu=None) -> bool:
-    """Whether the per-GPU memory is over the GPU's capacity once the estimate's error band (of `gpu`'s generation)
-    is kept as headroom."""
+    """Whether the per-GPU memory is over the GPU's capacity once the estimate's error band (`gpu`'s) is kept."""
     band = band_for(strategy.engine, job.checkpointing, gpu=gpu)
     return not memory.fits or memory.required_bytes + band.headroom_bytes(memory.peak_bytes) > memory.capacity_bytes
 
@@ -105,9 +105,12 @@ def evaluate(spec: ModelSpec, hw: Hardware, strategy: Strategy, job: Job, grid: 
                          global_batch=grid.global_batch(job.micro_batch, job.grad_accum), partition=partition,
                          grid=grid, gpu=hw.gpu, reason=f"needs over {floor / GIB:.1f} GiB of {hw.gpu.memory_bytes / GIB:.1f} "
                                            "per GPU for model states alone")
-    memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
+    with replays_asked() as asked:
+        memory = estimate_memory(spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
     timing = priced_step_time(grpo_step_time if job.grpo else dpo_step_time if job.dpo else step_time,
                               spec, strategy, job, hw, pipeline_stages=stages, partition=partition, grid=grid)
+    memory, timing = at_capacity(memory, timing, asked, spec, strategy, job, hw, pipeline_stages=stages,
+                                 partition=partition, grid=grid)
     reason = (batch_problem(job.grpo, job.micro_batch, dp, job.grad_accum) if job.grpo else None) \
         or memory.refusal or None
     if reason:
@@ -409,10 +412,7 @@ def _compile_options(strategy: Strategy, grid: ParallelGrid, req: Request) -> li
 
 
 MODEL_PARALLEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("tp", ("fsdp2", "fsdp2-hybrid")),
-    ("cp", ("fsdp2",)),
-    ("sp", ("zero3", "zero2", "zero1")),
-)
+    ("tp", ("fsdp2", "fsdp2-hybrid")), ("cp", ("fsdp2",)), ("sp", ("zero3", "zero2", "zero1")))
 """Which data-parallel strategies each model-parallel dimension runs under (toolkit.inputs.grid: accelerate's
 ParallelismConfig rules): FSDP2 x TP (HSDP across nodes), FSDP2 x CP, ZeRO x Ulysses SP."""
 

@@ -154,6 +154,8 @@ class Timing:
     """Image-and-text jobs: the vision encoder's and projector's forward, backward and recompute, part of compute_s
     (toolkit.estimate.visiontime)."""
     fixed_s: float = 0.0
+    retry_s: float = 0.0
+    """The caching allocator's retries at the GPU's capacity, part of step_time_s (toolkit.estimate.retries)."""
     """The fixed per-step cost a calibration of this machine fitted (toolkit.inputs.calibration step_overhead_s)."""
     host_s: float = 0.0
     """The host's dispatch of the step's operations (toolkit.estimate.hosttime): every mixture-of-experts job, and a
@@ -175,6 +177,7 @@ class Timing:
                 **({"experts_s": self.experts_s} if self.experts_s else {}),
                 **({"vision_s": self.vision_s} if self.vision_s else {}),
                 **({"fixed_s": self.fixed_s} if self.fixed_s else {}),
+                **({"retry_s": self.retry_s} if self.retry_s else {}),
                 **({"host_s": self.host_s} if self.host_s else {})}
 
 
