@@ -189,7 +189,8 @@ def test_the_runtime_folder_never_feeds_the_grid_and_the_launcher_never_loads_th
 @pytest.mark.one_core
 def test_building_the_parser_imports_no_more_work_than_before_the_move():
     """`toolkit --help` loads the command modules (flags only) and, outside them, the same toolkit modules as before
-    the wings (toolkit, bounds, errors, cli, and choices / job / lora / strategy for the flags' choices); never torch,
+    the wings (toolkit, bounds, errors, cli, and choices / job / lora / strategy for the flags' choices) and
+    toolkit.processes (how a toolkit process starts and ends: the standard library only, since 9110a6a); never torch,
     transformers, pydantic or the engines."""
     import subprocess
     import sys
@@ -201,7 +202,7 @@ def test_building_the_parser_imports_no_more_work_than_before_the_move():
                                 cwd=PACKAGE.parent).stdout.split())
     assert {m for m in loaded if not m.startswith("toolkit.commands")} == {
         "toolkit", "toolkit.bounds", "toolkit.cli", "toolkit.errors", "toolkit.inputs", "toolkit.inputs.choices",
-        "toolkit.inputs.job", "toolkit.inputs.lora", "toolkit.inputs.strategy"}
+        "toolkit.inputs.job", "toolkit.inputs.lora", "toolkit.inputs.strategy", "toolkit.processes"}
 
 
 if __name__ == "__main__":
