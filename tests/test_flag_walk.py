@@ -63,7 +63,7 @@ NEEDS = {
     "--context-parallel": ["--strategies", "fsdp2", "--strategy", "fsdp2"],
     "--sequence-parallel": ["--strategies", "zero3", "--strategy", "zero3"],
     "--tiled": ["--strategy", "zero3"], "--trace-world": ["--strategy", "fsdp2"],
-    "--require-fit": ["--micro-batch", "100000"],
+    "--require-fit": ["--micro-batch", "400000"],
     # check: the fit check's pins act with --model and --gpus; launch: --nodes shapes a rehearsal
     **{flag: ["--model", "{model}", "--gpus", "2xH100-80GB"] for flag in ("--seq", "--micro-batch", "--precision",
                                                                          "--checkpointing")},
