@@ -37,8 +37,8 @@ def test_expert_degree_reuses_the_shard_ranks():
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(expert=3), "--expert-parallel 3 does not fit fsdp 8 x tensor 1 (transformers' DistributedConfig: "
-                     "`ep_size` must divide `fsdp_size * tp_size`); try --expert-parallel 2, 4 or 8"),
-    (dict(expert=16), "try --expert-parallel 2, 4 or 8"),
+                     "`ep_size` must divide `fsdp_size * tp_size`); try --expert-parallel 2, 4, 8"),
+    (dict(expert=16), "try --expert-parallel 2, 4, 8"),
     (dict(expert=2, tensor=4), "`ep_size` must be a multiple of `tp_size`"),
     (dict(expert=4, tensor=2), "--expert-parallel 4 with --tensor-parallel 2 is not modelled yet"),
     (dict(expert=2, strategy="zero3-offload"), "DeepSpeed AutoEP on zero3-offload is not planned"),

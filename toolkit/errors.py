@@ -10,3 +10,12 @@ class UserError(Exception):
 
 
 EXIT_USER_ERROR = 2
+
+
+def options_text(options, *, limit: int = 8, none: str = "degree 1") -> str:
+    """The values a message offers after "try": `2, 4, 8`, cut to `limit` with `, ...`, or `none` when there are none
+    (by default "degree 1"). Every "try ..." list of degrees in a UserError is written by this one function."""
+    words = [str(o) for o in options]
+    if not words:
+        return none
+    return ", ".join(words[:limit]) + (", ..." if len(words) > limit else "")

@@ -36,6 +36,8 @@ class StepRetries:
     oom: bool = False
     peak_reserved: int = field(default=0, compare=False)
     """The capped replay's reserved peak (over every step it replayed)."""
+    saved_bytes: int = field(default=0, compare=False)
+    """What the cap takes off the uncapped replay's reserved peak (capped_retries sets it)."""
 
     @classmethod
     def between(cls, before: AllocatorStats, after: AllocatorStats, *, expandable: bool,
@@ -128,7 +130,8 @@ def capped_retries(memory, asked, strategy, job, gpu) -> StepRetries | None:
     band = band_for(strategy.engine, job.checkpointing, gpu=gpu).headroom_bytes(memory.peak_bytes)
     if replay.peak_reserved + 2 * band <= cap:
         return None
-    return retries_at(regions, sizes, conf, cap)
+    capped = retries_at(regions, sizes, conf, cap)
+    return replace(capped, saved_bytes=max(0, replay.peak_reserved - capped.peak_reserved))
 
 
 def at_capacity(memory, timing, asked, spec, strategy, job, hw, **where):
@@ -141,10 +144,7 @@ def at_capacity(memory, timing, asked, spec, strategy, job, hw, **where):
         return memory, timing
     notes = [retries.words()]
     if not retries.oom:
-        regions, sizes, conf = asked[-1]
-        from toolkit.estimate.reserved import replayed_reserved
-
-        saved = max(0, replayed_reserved(regions, sizes, settings=conf).peak_reserved - retries.peak_reserved)
+        saved = retries.saved_bytes
         terms = tuple(replace(t, bytes=t.bytes - saved, source=f"{t.source}; capped at the GPU's capacity: "
                               f"{retries.peak_reserved / GIB:.2f} GiB reserved") if t.name.startswith("allocator")
                       else t for t in memory.terms)

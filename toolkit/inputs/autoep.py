@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from toolkit.errors import options_text
 from toolkit.inputs.strategy import Engine, Strategy
 
 AUTOEP_STAGES = (1, 2, 3)
@@ -70,7 +71,7 @@ def autoep_problem(spec: Any, expert: int) -> str | None:
     if spec.moe_experts % expert:
         fits = [d for d in range(2, spec.moe_experts + 1) if spec.moe_experts % d == 0]
         return (f"--expert-parallel {expert} does not divide {spec.name}'s {spec.moe_experts} experts (DeepSpeed "
-                f"AutoEP's autoep_size: each rank owns experts / autoep_size); try one of {fits[:6]}")
+                f"AutoEP's autoep_size: each rank owns experts / autoep_size); try {options_text(fits, limit=6)}")
     return None
 
 

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from toolkit.errors import UserError
+from toolkit.errors import UserError, options_text
 from toolkit.inputs.attention import attention_window, context_parallel_problem
 from toolkit.inputs.partition import balanced_partition, check_partition, check_stage_count
 from toolkit.inputs.strategy import Engine, Kind, Strategy
@@ -164,7 +164,7 @@ class ParallelGrid:
         stages = pipeline_stages if pipeline_stages is not None else default_stages(strategy, nodes, gpus_per_node)
         if stages < 1 or world % stages:
             raise UserError(f"--pipeline-stages {stages} does not divide {world} GPUs into whole data-parallel "
-                            f"replicas (try {', '.join(str(s) for s in _divisors(world) if s > 1)})")
+                            f"replicas (try {options_text(_divisors_above(world))})")
         dp = world // stages
         if strategy.kind == Kind.PIPELINE and dp != 1:
             raise UserError(f"pipeline uses every GPU as a stage ({world} stages); for {stages} stages x {dp} "
@@ -206,11 +206,11 @@ class ParallelGrid:
         if tensor > 1 and gpus_per_node % tensor:
             options = [d for d in _divisors(gpus_per_node) if d > 1]
             raise UserError(f"--tensor-parallel {tensor} does not divide the {gpus_per_node} GPUs of a node "
-                            f"(tensor parallelism stays inside a node's fast link; try {_or(options)})")
+                            f"(tensor parallelism stays inside a node's fast link; try {options_text(options)})")
         model = tensor * context * sequence
         if world % model:
             raise UserError(f"tensor {tensor} x context {context} x sequence {sequence} = {model} does not divide "
-                            f"{world} GPUs (try {_or([d for d in _divisors(world) if d > 1])})")
+                            f"{world} GPUs (try {options_text(_divisors_above(world))})")
         if strategy.kind == Kind.FSDP2 and strategy.fsdp_mode == "hybrid":
             if nodes < 2:
                 raise UserError("HSDP (fsdp2-hybrid) shards inside a node and replicates across nodes; it "
@@ -394,10 +394,10 @@ class ParallelGrid:
             for heads, kv_heads in counts:
                 if heads % sp:
                     raise UserError(f"--sequence-parallel {sp} does not divide {spec.name}'s {heads} attention "
-                                    f"heads (Ulysses gives each rank heads / sp; try {_or(fits)})")
+                                    f"heads (Ulysses gives each rank heads / sp; try {options_text(fits)})")
                 if kv_heads % sp and sp % kv_heads:
                     raise UserError(f"--sequence-parallel {sp} and {spec.name}'s {kv_heads} KV heads do not divide "
-                                    f"one another (Ulysses splits or replicates the KV heads; try {_or(fits)})")
+                                    f"one another (Ulysses splits or replicates the KV heads; try {options_text(fits)})")
         if self.pipeline_stages == 1:
             return
         if spec.pipeline_blocker:
@@ -534,10 +534,6 @@ def _divisors(n: int) -> list[int]:
 
 def _divisors_above(n: int) -> list[int]:
     return [d for d in _divisors(n) if d > 1]
-
-
-def _or(options: list[int]) -> str:
-    return ", ".join(str(o) for o in options[:8]) if options else "degree 1"
 
 
 def _round_to(value: int, multiple: int) -> int:

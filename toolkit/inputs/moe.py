@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.errors import options_text
 from toolkit.inputs.modelconfig import text_config
 
 @dataclass(frozen=True)
@@ -114,11 +115,6 @@ def find_moe(model: Any, config: Any = None) -> MoeParts | None:
     return MoeParts(**{**found.__dict__, "moe_layers": moe_layers})
 
 
-def _or(options: list[int]) -> str:
-    words = [str(o) for o in options]
-    return "none fits" if not words else words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
-
-
 def expert_grid_problem(expert: int, *, fsdp: int, tensor: int, replicate: int = 1, context: int = 1,
                         stages: int = 1, shared_batch: bool = False) -> str | None:
     """Why an expert-parallel degree does not compose with the grid's other degrees, or None. The rules are
@@ -147,9 +143,9 @@ def expert_grid_problem(expert: int, *, fsdp: int, tensor: int, replicate: int =
     try:
         DistributedConfig(tp_size=tensor, fsdp_size=fsdp, ep_size=expert)
     except ValueError as exc:
-        fits = [d for d in range(tensor * 2, fsdp * tensor + 1, tensor) if (fsdp * tensor) % d == 0]
+        fits = options_text([d for d in range(tensor * 2, fsdp * tensor + 1, tensor) if (fsdp * tensor) % d == 0])
         return (f"--expert-parallel {expert} does not fit fsdp {fsdp} x tensor {tensor} (transformers' "
-                f"DistributedConfig: {str(exc).rstrip('.')}); try --expert-parallel {_or(fits)}")
+                f"DistributedConfig: {str(exc).rstrip('.')}); try --expert-parallel {fits}")
     if tensor > 1:
         # transformers accepts it; this toolkit's memory and time models do not yet split the experts between the
         # tp_plan's per-rank spec and the ep_plan (they would count the split twice).
@@ -168,7 +164,7 @@ def expert_parallel_problem(spec: Any, expert: int, tensor: int = 1) -> str | No
     if spec.moe_experts % expert:
         fits = [d for d in range(2, spec.moe_experts + 1) if spec.moe_experts % d == 0 and d % tensor == 0]
         return (f"--expert-parallel {expert} does not divide {spec.name}'s {spec.moe_experts} experts (each rank "
-                f"holds experts / ep); try {_or(fits[:6])}")
+                f"holds experts / ep); try {options_text(fits, limit=6)}")
     if not ep_plan_rules(spec):
         return (f"--expert-parallel {expert} needs {spec.model_type}'s ep_plan (transformers' base_model_ep_plan is "
                 "empty for it); use fsdp2 or zero3 without --expert-parallel")

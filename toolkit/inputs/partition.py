@@ -8,7 +8,7 @@ final norm + LM head + loss, so an uneven split is often the balanced one.
 
 from __future__ import annotations
 
-from toolkit.errors import UserError
+from toolkit.errors import UserError, options_text
 
 def balanced_partition(layer_costs: list[float], stages: int, *, first_extra: float = 0.0,
                        last_extra: float = 0.0) -> list[int]:
@@ -65,7 +65,7 @@ def check_stage_count(num_layers: int, stages: int, world: int | None = None) ->
     if ok:
         return
     options = [s for s in stage_counts(num_layers, world) if s > 1] or [1]
-    shown = ", ".join(str(s) for s in options[:12]) + (", ..." if len(options) > 12 else "")
+    shown = options_text(options, limit=12)
     if stages < 1 or stages > num_layers:
         raise UserError(f"model has {num_layers} layers; --pipeline-stages {stages} cannot give each stage a "
                         f"decoder layer (try {shown})")

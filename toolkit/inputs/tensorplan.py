@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from toolkit.errors import options_text
 from toolkit.inputs.modelconfig import text_config
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def tp_plan_problem(spec: "ModelSpec", tensor: int) -> str | None:
             options = [d for d in range(2, count + 1) if all(h % d == 0 and kv % d == 0 for h, kv in counts)]
             some = " in some decoder layers" if len(counts) > 1 else ""
             return (f"--tensor-parallel {tensor} does not divide {spec.name}'s {count} {what}{some} (the tp_plan "
-                    f"splits attention by heads; try {', '.join(map(str, options[:6])) or 'no tensor parallelism'})")
+                    f"splits attention by heads; try {options_text(options, limit=6, none='no tensor parallelism')})")
     return _rank_shape_problem(spec, tensor)
 
 
