@@ -235,3 +235,57 @@ def test_a_config_without_reduce_bucket_size_gets_deepspeeds_5e8_element_buffer(
     assert auto.buffers == 4096 * 4096 * 2
     assert inline.buffers == 500_000_000 * 2
     assert "5e+08-element reduce bucket" in inline.sources[0] and "h^2" in auto.sources[0]
+
+
+def test_zero3_on_one_rank_gathers_nothing(llama7b):
+    """A ZeRO-3 partition world of one: DeepSpeed points each parameter at its own partition instead of gathering
+    (next test), so no gathered bytes; two ranks gather, and so does one rank offloading its parameters (the
+    partition is copied from the CPU)."""
+    P, largest = llama7b.params, llama7b.largest_layer_params
+    one = zero_states(P, Job(seq_len=8), parse_strategy("zero3"), dp=1, hidden=4096, largest_layer=largest)
+    two = zero_states(P, Job(seq_len=8), parse_strategy("zero3"), dp=2, hidden=4096, largest_layer=largest)
+    off = zero_states(P, Job(seq_len=8), parse_strategy("zero3-offload"), dp=1, hidden=4096, largest_layer=largest)
+    assert one.gathered == 0 and "nothing gathered (one rank)" in one.sources[0]
+    # bf16: half a billion elements of reuse window, the largest layer and the prefetch bucket, 2 B each
+    assert two.gathered == off.gathered == (0.5e9 + largest + 0.9 * 4096 * 4096) * 2
+
+
+ONE_RANK_ZERO3 = """
+import json, os, torch, deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+with deepspeed.zero.Init(config_dict_or_path=cfg):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+seen = []
+def hook(module, args):
+    for p in module.parameters(recurse=False):
+        seen.append(p.data.untyped_storage().data_ptr() == p.ds_tensor.untyped_storage().data_ptr())
+for m in engine.module:
+    m.register_forward_pre_hook(hook)
+loss = engine(torch.randn(2, 64, dtype=torch.bfloat16)).float().pow(2).mean()
+engine.backward(loss)
+engine.step()
+print(json.dumps({"shares_partition": seen}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_core
+def test_deepspeed_zero3_on_one_rank_computes_on_the_partition_itself():
+    """DeepSpeed 0.19.8 (runtime/zero/partition_parameters.py all_gather_coalesced -> _no_gather_coalesced,
+    NoGatherHandle): with a partition world of one, every parameter in forward is its partition's own storage, so
+    ZeRO-3 on one GPU allocates no gathered copy (zero_states' rule above)."""
+    import os
+    import subprocess
+    import sys
+
+    from toolkit.run.launcher import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", ONE_RANK_ZERO3], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    seen = json.loads(out.strip().splitlines()[-1])["shares_partition"]
+    assert seen == [True] * 4  # two Linear layers' weight and bias

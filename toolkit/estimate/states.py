@@ -194,11 +194,16 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
         # capped by stage3_max_live_parameters (1e9) and the model (partitioned_param_coordinator.py; measured
         # on CPU: the whole small model stays gathered, benchmarks/results/distributed_memory.md).
         s.gathered = min(float(P), 1e9, 0.5e9 + largest_layer + 0.9 * hidden * hidden) * pb
+        if N == 1 and not off_par:
+            # A partition world of one gathers nothing: all_gather_coalesced hands such parameters to
+            # _no_gather_coalesced, whose NoGatherHandle points param.data at the partition itself (ds_tensor
+            # .to(current device): the same tensor). With offload_param that .to copies the partition to the GPU.
+            s.gathered = 0.0
         # One persistent reduce bucket: the IPG buffer, torch.empty(reduce_bucket_size) in the communication dtype,
         # made at engine start when contiguous_gradients (default True; DeepSpeed 0.19.8 stage3.py __init__).
         s.buffers = bucket * pb
-        s.sources.append(f"ZeRO-3: {pb}P/N params + {pb}P/N grads, gathered params kept for reuse "
-                         f"(up to 1e9), one {bucket_words} reduce bucket")
+        kept = "gathered params kept for reuse (up to 1e9)" if s.gathered else "nothing gathered (one rank)"
+        s.sources.append(f"ZeRO-3: {pb}P/N params + {pb}P/N grads, {kept}, one {bucket_words} reduce bucket")
     if off_opt:
         host = master + opt + fp32_grad
         if off_par:
