@@ -68,7 +68,20 @@ UNMODELLED = {
                                "(NeMo AutoModel's parallelizer wraps each with checkpoint_wrapper): a layer keeps "
                                "the inputs of all four, where the estimator's checkpointing (the HF Trainer's, a "
                                "whole layer) keeps the layer's input alone; not modelled",
+    "nccl_record_stream": "torch before 2.8 recorded NCCL's stream on an asynchronous collective's tensors "
+                          "(ProcessGroupNCCL collective(): record_stream unless TORCH_NCCL_AVOID_RECORD_STREAMS; "
+                          "from 2.8 it holds them until the work is waited on, pytorch#150398). DDP's setup broadcast "
+                          "of the whole model (torch distributed/utils.py _sync_module_states, c10d "
+                          "broadcast_coalesced: flat 250 MiB buckets, two in flight, the host never waiting on the "
+                          "GPU) frees each bucket while its broadcast may still be queued, and the allocator keeps it "
+                          "until NCCL's stream has passed it: up to the model's weights more stay reserved, by a race "
+                          "no source sizes. The installed torch reuses each bucket at once, so the run is another "
+                          "engine's job (what it can come to: the held-out paragraph above)",
 }
+TORCH_STASHES_NCCL = (2, 8)
+"""The first torch whose ProcessGroupNCCL no longer record_streams a collective's tensors: pytorch#150398 (2025-04,
+the reland of #148590, kept out of 2.7) stashes them on the host until the work is waited on, so a buffer freed
+after its collective's wait is reused at once (docs/ENGINE_FACTS.md, 'NCCL's tensors and the caching allocator')."""
 TRL_WHOLE_LOGITS = (1, 10, 0)
 """The newest TRL read here whose GRPO / DPO trainers still take whole logits (main at f2cd57710, 2026-07-24); TRL's
 pull request #7077 (2026-09-05) moved GRPO onto the chunked head that the installed 1.16 runs."""
@@ -109,8 +122,17 @@ def _spec(model: str, rope_scaling: dict | None = None):
     return scaled_spec(spec, RopeScaling.from_dict(rope_scaling))
 
 
-def unmodelled(job: dict) -> list[str]:
-    """Keys of UNMODELLED that apply to a row's job."""
+def setup_broadcast_frees(job: dict, gpus: int) -> bool:
+    """Whether the run's setup broadcasts the model asynchronously through buffers it then frees: DDP's flat buckets,
+    over more than one GPU. DeepSpeed's broadcasts are synchronous (engine.py _broadcast_model in place for ZeRO-1/2,
+    partition_parameters.py _zero_init_param for each whole parameter under zero.Init), and a synchronous collective
+    records no stream: ProcessGroupNCCL stashes its tensor until wait() (torch 2.5's broadcast: avoidRecordStreams =
+    !opts.asyncOp) or runs it on the current stream (2.8 on), so nothing is held past the wait."""
+    return gpus > 1 and job["strategy"] == "ddp"
+
+
+def unmodelled(job: dict, gpus: int = 1) -> list[str]:
+    """Keys of UNMODELLED that apply to a row's job on its `gpus` GPUs."""
     out = []
     if job.get("float8"):
         out.append("float8")
@@ -132,6 +154,8 @@ def unmodelled(job: dict) -> list[str]:
         out.append("old_bitsandbytes")
     if (job.get("grpo") or job.get("dpo")) and _version(job["trl"]) <= TRL_WHOLE_LOGITS:
         out.append("trl_whole_logits")
+    if job.get("torch") and _version(job["torch"]) < TORCH_STASHES_NCCL and setup_broadcast_frees(job, gpus):
+        out.append("nccl_record_stream")
     return out
 
 
@@ -402,7 +426,7 @@ def compare(row: dict, splits: dict[str, str]) -> dict:
 
     from toolkit.errors import UserError
 
-    reasons = unmodelled(row["job"])
+    reasons = unmodelled(row["job"], row["num_gpus"])
     key = source_of(row["id"], splits)
     out = {"id": row["id"], "source": row["source"], "source_key": key, "split": splits[key],
            "confidence": row["confidence"],
@@ -613,22 +637,58 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             f"is {_span(results, 'SWIFTEX', '-1xGPU-full')} (-21.1% at 3930eed, with the fused optimizer and 1,024 tokens, the "
             "alpaca-gpt4 sets 268afeab9 added later). Its multi-GPU examples run one job under "
             "four engines (Qwen2.5-7B-Instruct, LoRA r8 on all linear layers, one short self-cognition sample a GPU, "
-            "2 GPUs; DDP, ZeRO-2 and ZeRO-3 measured at a3731f998, ms-swift 3.0, December 2024, FSDP2 at 376640797, "
-            f"November 2025): DDP {_span(results, 'SWIFTEX', '-DDP')}, ZeRO-2 {_span(results, 'SWIFTEX', '-ZeRO2')}, ZeRO-3 "
-            f"{_span(results, 'SWIFTEX', '-ZeRO3')}, FSDP2 {_span(results, 'SWIFTEX', '-FSDP2')}, and the same LoRA "
-            f"job on one GPU (its streaming example, July 2025) {_span(results, 'SWIFTEX-Qwen2.5-7B', '-1xGPU-LoRA')}. "
+            "2 GPUs). The DDP, ZeRO-2 and ZeRO-3 headers, and that of the same LoRA job on one GPU (its lazy-tokenize "
+            "example), were written at b40f31df7 too, for Qwen2-7B-Instruct (a3731f998 and 11a345d41 only moved "
+            "the files); FSDP2's at 376640797, November 2025. Scored: ZeRO-2 "
+            f"{_span(results, 'SWIFTEX', '-ZeRO2')}, ZeRO-3 {_span(results, 'SWIFTEX', '-ZeRO3')}, FSDP2 "
+            f"{_span(results, 'SWIFTEX', '-FSDP2')}, one GPU "
+            f"{_span(results, 'SWIFTEX-Qwen2.5-7B', '-1xGPU-LoRA')}. {_record_stream_sentence(results, rows)} "
             "The FSDP2 run is estimated with an fp32 base: accelerate's FSDP2 path of its time upcast the whole model "
             "to fp32 under mixed precision (fsdp2_prepare_model's model.to(torch.float32) until d1c96ba9, 2025-11-26, "
             "which upcasts only trainable parameters, as the installed accelerate does), so each rank keeps fp32 "
             "shards (14.2 GiB of the reading's 14.7; -28.3% at 3930eed, with bf16 shards). "
             "At these short sequences the LoRA readings are the base's bf16 weights (14.2 GiB whole, 7.1 GiB a rank "
             "sharded) and what the engines and the loading leave reserved, so the gaps are not activations; what "
-            "holds them is not established here (the DDP reading is 9.5 GiB over the ZeRO-2 one for the same states; ZeRO-2's config of the time set overlap_comm, whose second 0.37 GiB reduce bucket ours leaves out; "
+            "holds the 2-3 GiB the ZeRO-2 and one-GPU readings keep over ours, and the 6.5 GiB of ZeRO-3's, is not "
+            "established here (ZeRO-3's setup broadcasts are synchronous and hold nothing, setup_broadcast_frees; "
+            "ZeRO-2's config of the time set overlap_comm, whose second 0.37 GiB reduce bucket ours leaves out; both ZeRO "
+            "scripts left transformers' default reentrant checkpointing on, where we trace the non-reentrant one, "
+            "and at 128 tokens all our activations come to 0.1 GiB; "
             "ms-swift 3.0 logged the sum over the process's visible devices, swift/trainers/mixin.py "
-            "get_max_cuda_memory @a3731f998, which is one device's unless a rank allocates on the other). Its "
+            "get_max_cuda_memory @b40f31df7, which is one device's unless a rank allocates on the other). Its "
             "long-context example (Qwen2.5-7B full fine-tuning, ZeRO-3 on 4 H20s, packed 16,384-token rows, Liger, "
             "43 GiB reserved) is not scored: `toolkit estimate` refuses --liger with ZeRO-3, a combination this run "
             "shows running.")
+
+
+def _record_stream_sentence(results: list[dict], rows: list[dict]) -> str:
+    """The rows listed for torch's NCCL record_stream (UNMODELLED nccl_record_stream): what the race they ran can
+    hold, bracketed by ours (the installed torch: nothing more) and ours plus the model's bf16 weights (every bucket
+    of the setup's broadcast still cached)."""
+    from toolkit.inputs.choices import GIB
+
+    by_id = {r["id"]: r for r in rows}
+    parts = []
+    for r in results:
+        if UNMODELLED["nccl_record_stream"] not in r["unmodelled"] or not r["metrics"]:
+            continue
+        m = r["metrics"][0]
+        weights = _spec(by_id[r["id"]]["job"]["model"]).params * 2 / GIB  # what the broadcast moves, in bf16
+        parts.append(f"{r['id']} reads {m['published_gib']:.1f} GiB, between ours, {m['ours_gib'][0]:.1f} "
+                     f"({100 * m['error'][0]:+.1f}%), and ours with the {weights:.1f} GiB of weights, "
+                     f"{m['ours_gib'][0] + weights:.1f}")
+    if not parts:
+        return ""
+    return ("Not scored: DDP. The torch of December 2024 (2.5, its newest release; ms-swift 3.0 pins none) "
+            "record_streamed NCCL's stream on an asynchronous collective's tensors, and DDP broadcasts the whole "
+            "model at setup that way (_sync_module_states, in flat 250 MiB buckets, two in flight), freeing each "
+            "bucket while its broadcast may still be queued: the allocator kept every bucket until NCCL's stream had "
+            "passed it while the host, which never waits there, allocated the next, so up to the model's weights "
+            "more stayed reserved, by a race the source does not size; the installed torch (2.8 on) reuses each "
+            "bucket at once (docs/ENGINE_FACTS.md, 'NCCL's tensors and the caching allocator'). The reading lies "
+            f"inside what that allows: {'; '.join(parts)}. The same job's ZeRO-2 run broadcasts each parameter in "
+            "place and synchronously (DeepSpeed engine.py _broadcast_model), the one-GPU run nothing, and the DDP "
+            "reading's 9.5 GiB over ZeRO-2's is within what the race can hold.")
 
 
 def _rl_paragraph(results: list[dict], rows: list[dict]) -> str:

@@ -32,3 +32,52 @@ def test_a_rows_base_dtype_reaches_the_adapter_the_estimate_takes():
     assert published.adapter_of(fsdp2["job"], spec, fsdp2["framework"]).base_dtype == "fp32"
     zero2 = _row("SWIFTEX-Qwen2.5-7B-2xGPU-LoRA-ZeRO2")
     assert published.adapter_of(zero2["job"], spec, zero2["framework"]).base_dtype == "auto"
+
+
+def test_a_ddp_row_run_on_a_torch_that_recorded_nccls_stream_is_listed_not_scored():
+    """ms-swift's DDP header dates from torch 2.5, whose NCCL broadcasts recorded their stream on DDP's setup
+    buckets: listed with the reason. The same job on the installed torch's side of the change, on one GPU (no
+    broadcast), or under DeepSpeed (synchronous broadcasts) is scored."""
+    ddp = _row("SWIFTEX-Qwen2.5-7B-2xGPU-LoRA-DDP")
+    assert ddp["job"]["torch"] == "2.5"
+    assert published.unmodelled(ddp["job"], ddp["num_gpus"]) == ["nccl_record_stream"]
+    assert published.unmodelled(dict(ddp["job"], torch="2.8"), ddp["num_gpus"]) == []
+    assert published.unmodelled(ddp["job"], 1) == []
+    for row_id in ("SWIFTEX-Qwen2.5-7B-2xGPU-LoRA-ZeRO2", "SWIFTEX-Qwen2.5-7B-2xGPU-LoRA-ZeRO3",
+                   "SWIFTEX-Qwen2.5-7B-1xGPU-LoRA"):
+        row = _row(row_id)
+        assert row["job"]["torch"] == "2.5"
+        assert published.unmodelled(row["job"], row["num_gpus"]) == []
+
+
+def _ddp_setup_broadcast(buckets: int, recorded: bool) -> int:
+    """DDP's _sync_module_states through the allocator model: weights of `buckets` x 250 MiB, then c10d's
+    broadcast_coalesced (a flat copy of each 250 MiB bucket, two in flight, the oldest finished and freed before the
+    next is made), its NCCL work on stream 1 never seen complete, as when the host runs ahead of the GPU. Returns the
+    reserved peak above the weights."""
+    from toolkit.estimate.allocator import CachingAllocator
+
+    bucket = 250 * 2**20  # DDP's broadcast_bucket_size (torch nn/parallel/distributed.py)
+    allocator = CachingAllocator()
+    for _ in range(buckets):
+        allocator.malloc(bucket)
+    weights = allocator.stats.reserved
+    in_flight = []
+    for _ in range(buckets):
+        if len(in_flight) == 2:
+            allocator.free(in_flight.pop(0))
+        flat = allocator.malloc(bucket)
+        if recorded:  # ProcessGroupNCCL before torch 2.8: recordStream(input, ncclStream)
+            allocator.record_stream(flat, 1)
+        in_flight.append(flat)
+    for flat in in_flight:
+        allocator.free(flat)
+    return allocator.stats.peak_reserved - weights
+
+
+def test_recorded_nccl_buckets_hold_up_to_the_whole_model_and_stashed_ones_two_buckets():
+    """The bound the published prose gives the DDP row: with the stream recorded and the broadcasts not yet done,
+    every bucket stays cached (the model's weights again); freed after their wait, as the installed torch does, the
+    allocator reuses them and two buckets are the most held."""
+    assert _ddp_setup_broadcast(8, recorded=True) == 8 * 250 * 2**20
+    assert _ddp_setup_broadcast(8, recorded=False) == 2 * 250 * 2**20
