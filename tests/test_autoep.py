@@ -75,7 +75,8 @@ def test_a_rank_holds_the_dense_parameters_and_its_share_of_the_experts():
     assert s.parameters == 2 * (dense + experts // 8)
     assert s.master == pytest.approx(4 * dense / 16 + 4 * experts / 8 / 2)
     assert s.optimizer == pytest.approx(8 * dense / 16 + 8 * experts / 8 / 2)
-    assert s.buffers == 2 * 2048 * 8 * 2048 * 2  # the all-to-all send and receive (ZeRO-1 keeps no bucket)
+    assert s.buffers == 0  # ZeRO-1 keeps no bucket; the exchange lives only while a MoE layer runs:
+    assert s.layer_transient == 2 * 2048 * 8 * 2048 * 2  # the all-to-all send and receive
 
 
 def test_under_zero3_a_rank_holds_its_partition_of_each_group_as_measured():

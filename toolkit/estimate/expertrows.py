@@ -91,3 +91,27 @@ def worst_rank_extra_bytes(spec: Any, job: Any, rows_per_layer: float) -> int:
     dtype = "bfloat16" if compute_bytes(job.precision) == 2 else "float32"
     layers = 1 if job.checkpointing else moe_layer_count(spec)
     return int((EP_WORST_RANK_SHARE - 1) * rows_per_layer * layers * received_row_bytes(spec, dtype))
+
+
+def received_rows(routed: list[list[list[int]]], rank: int, expert: int, local_experts: int) -> int:
+    """Rows expert rank `rank` received in a step: `routed[r]` holds, for each call of an experts module on rank r,
+    the (token, expert) pairs r's tokens sent to each global expert id; the ep group is `expert` contiguous ranks
+    (transformers' DistributedConfig mesh and DeepSpeed's expert-parallel groups alike), and the rank's experts the
+    contiguous block rank % expert."""
+    first = rank // expert * expert
+    mine = slice(rank % expert * local_experts, (rank % expert + 1) * local_experts)
+    return sum(sum(pairs[mine]) for sender in routed[first:first + expert] for pairs in sender)
+
+
+def peak_at_received_rows(peak_bytes: int, spec: Any, job: Any, rows_per_layer: float, received: int) -> int:
+    """A plan's per-rank peak (the busiest expert rank's, EP_WORST_RANK_SHARE x the mean rows) moved to a rank
+    that received `received` routed rows in the step, summed over its MoE layers: back to balanced routing
+    (`rows_per_layer` a MoE layer, toolkit.estimate.experttime.expert_rows_per_rank), then each row above or below
+    the balanced count at what a received row keeps for backward."""
+    from toolkit.inputs.choices import compute_bytes
+    from toolkit.inputs.moe import moe_layer_count
+
+    dtype = "bfloat16" if compute_bytes(job.precision) == 2 else "float32"
+    balanced = rows_per_layer * moe_layer_count(spec)
+    return int(peak_bytes - worst_rank_extra_bytes(spec, job, rows_per_layer)
+               + (received - balanced) * received_row_bytes(spec, dtype))

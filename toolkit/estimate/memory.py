@@ -23,7 +23,8 @@ from toolkit.estimate.reward import reward_weights_bytes, with_reward
 from toolkit.inputs.job import Job, checkpointing_words
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.estimate.savers import offload_layer_activations, optimizer_step_temporary_bytes
-from toolkit.estimate.states import States, adapter_states, ddp_states, fsdp2_states, pipeline_states, zero_states
+from toolkit.estimate.states import (States, adapter_states, ddp_states, expert_parallel_states, fsdp2_states,
+                                     pipeline_states, zero_states)
 from toolkit.estimate.traces import scaled_trace
 from toolkit.inputs.strategy import Engine, Strategy
 
@@ -45,6 +46,10 @@ class _Region:
     name: str
     params: int
     trace: RegionTrace
+
+    @property
+    def is_layer(self) -> bool:
+        return self.name.startswith("layer ")
 
 
 def _regions(spec: ModelSpec, trace: ActivationTrace, first: int, last: int, with_embedding: bool,
@@ -102,7 +107,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     # dtype, which is the dtype the engine computes with), live until their region's backward.
     saved = copies = cache = early = 0.0
     for r in regions:
-        extra = r.trace.forward_extra_bytes
+        extra = r.trace.forward_extra_bytes + (states.layer_transient if r.is_layer else 0.0)
         early += r.trace.forward_grad_bytes
         saved += r.trace.saved_bytes
         copies += r.trace.autocast_copy_bytes if autocast else 0.0
@@ -117,7 +122,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
 
     grads_done, remaining, remaining_copies = 0.0, saved, copies
     for k, r in enumerate(reversed(regions)):
-        extra = r.trace.backward_extra_bytes
+        extra = r.trace.backward_extra_bytes + (states.layer_transient if r.is_layer else 0.0)
         # Engine gradient buffers (ZeRO-2's partition and bucket, FSDP2's unsharded grads) appear once the first
         # region's weight gradients exist: after the loss/logits gradient peak of the head (measured on CPU).
         engine_now = in_backward if k else 0.0
@@ -231,46 +236,11 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
     if strategy.engine == Engine.FSDP2:
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         if grid.expert > 1:
-            return _expert_parallel_states(spec, strategy, job, grid, params=params, factored_elems=fe)
+            return expert_parallel_states(spec, strategy, job, grid, params=params, factored_elems=fe)
         return fsdp2_states(params, job, strategy, shard=grid.shard_group, layer_params=max(spec.layer_params),
                             root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
                             factored_elems=fe, prefetch_layers=2 if job.device_kind == "cuda" else 1)
     return pipeline_states(params, job, dp=dp, factored_elems=fe)
-
-
-def _expert_parallel_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int,
-                            factored_elems: int) -> States:
-    """FSDP2 x EP (transformers' DistributedConfig): a rank holds the dense parameters / shard group and its
-    experts / ep of each MoE layer / efsdp (every rank its own batch: efsdp x ep = fsdp, so the same params / fsdp
-    FSDP2 holds without EP; a shared batch: efsdp = fsdp, so the rank's dense share is ep times larger). FSDP2
-    gathers the dense part of a layer and only the rank's own experts (toolkit.inputs.moe.ep_gathered_layer_params);
-    with one shard (fsdp_size 1) transformers applies no FSDP and nothing is gathered. Adds the token exchange's
-    buffers (toolkit.inputs.moe.ep_exchange_buffer_bytes)."""
-    from toolkit.inputs.moe import ep_exchange_buffer_bytes, ep_gathered_layer_params, ep_token_exchange, expert_params
-
-    experts = expert_params(spec)
-    shard = grid.shard_group
-    per_rank = (params - experts) / shard + experts / (grid.expert * grid.expert_shard_group)
-    fsdp = shard > 1
-    s = fsdp2_states(int(round(per_rank * shard)), job, strategy, shard=shard,
-                     layer_params=ep_gathered_layer_params(spec, grid.expert) if fsdp else 0,
-                     root_params=spec.pre_layer_params + spec.post_layer_params if fsdp else 0, accumulating=False,
-                     factored_elems=int(factored_elems * per_rank * shard / params) if params else 0,
-                     prefetch_layers=2 if job.device_kind == "cuda" else 1)
-    tokens = job.micro_batch * job.seq_len // grid.seq_split
-    route = ep_token_exchange(spec, grid.expert_shared_batch)
-    exchange = ep_exchange_buffer_bytes(spec, tokens, compute_bytes(job.precision), route=route,
-                                        sharers=grid.batch_sharers)
-    s.buffers += exchange
-    sent = tokens // grid.batch_sharers
-    what = (f"all-reduce of {tokens} tokens x hidden {spec.hidden}" if route == "all_reduce" else
-            f"all-to-all send + receive {sent} tokens x top-{spec.moe_top_k} x hidden {spec.hidden}")
-    held = (f"unsharded layer holds {spec.moe_experts // grid.expert} of {spec.moe_experts} experts" if fsdp else
-            f"{spec.moe_experts // grid.expert} of {spec.moe_experts} experts a layer, no FSDP (fsdp_size 1)")
-    shared = (f" sharing one batch ({per_rank / 1e9:.2f}B parameters a rank, the dense modules whole)"
-              if grid.expert_shared_batch else "")
-    s.sources.append(f"expert parallel {grid.expert}{shared}: {held}; {what} = {exchange / GIB:.2f} GiB")
-    return s
 
 
 def _on_the_busiest_expert_rank(b: Breakdown, spec: ModelSpec, job: Job, grid: ParallelGrid) -> Breakdown:

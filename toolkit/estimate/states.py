@@ -63,6 +63,10 @@ class States:
     """ZeRO-3 / FSDP2 unsharded parameters live at a time during forward/backward."""
     step_transient: float = 0.0
     """Extra bytes only during the optimizer step (DeepSpeed's fp32 gradient partition, foreach temporaries)."""
+    layer_transient: float = 0.0
+    """Extra bytes only while a decoder layer runs, forward or backward: expert parallelism's token exchange (the
+    all-to-all's send and receive buffers, freed when the layer's combine returns; nothing of it is alive between
+    steps or in the head's loss: benchmarks/results/moe_distributed_memory.md)."""
     flat_partitions: tuple[int, ...] = ()
     """DeepSpeed's flat fp32 partitions a rank's optimizer steps one after another (elements; `flat_partitions`):
     the optimizer states are one tensor per partition and state, the fp32 gradient one per partition at a time.
@@ -447,8 +451,9 @@ def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
     groups' states are summed, except the fp32 gradient partition, which the step creates and frees group by group
     (the larger one). ZeRO-3's gathered parameters: one coordinator for both groups (partitioned_param_coordinator.py),
     so its reuse window and live cap count once, over a layer's dense part gathered from every rank plus its local
-    experts gathered from the expert-data-parallel group. Adds the token exchange's buffers as transformers'
-    all-to-all holds them (toolkit.inputs.moe .ep_exchange_buffer_bytes)."""
+    experts gathered from the expert-data-parallel group; a group of one rank (autoep_size = world) gathers nothing,
+    as zero_states on one rank (measured: benchmarks/results/moe_distributed_memory.md). Adds the token exchange's buffers as transformers'
+    all-to-all holds them (toolkit.inputs.moe .ep_exchange_buffer_bytes) while a MoE layer runs."""
     from toolkit.inputs.moe import ep_exchange_buffer_bytes, expert_layer_params, expert_params
 
     experts, world, expert = expert_params(spec), grid.shard_group, grid.expert
@@ -468,15 +473,54 @@ def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
                  "backward_gradients", "cpu", "nvme"):
         setattr(s, name, getattr(dense, name) + getattr(mine, name))
     if strategy.zero_stage == 3:
-        s.gathered = min(float(dense_elems + local), 1e9,
-                         0.5e9 + dense_layer + local_layer + 0.9 * hidden * hidden) * _param_bytes(job)
+        # A group of one rank gathers nothing (the parameter's data is its partition: NoGatherHandle, zero_states)
+        copied = strategy.offload_params != "none"  # offload_param's .to copies the partition to the GPU
+        dense_share, local_share = float(copied or world > 1), float(copied or world // expert > 1)
+        s.gathered = min(dense_share * dense_elems + local_share * local, 1e9,
+                         0.5e9 + dense_share * dense_layer + local_share * local_layer + 0.9 * hidden * hidden
+                         ) * _param_bytes(job)
     s.buffers, s.backward_buffers = dense.buffers, dense.backward_buffers  # one reduce bucket serves both groups
     s.step_transient = max(dense.step_transient, mine.step_transient)
     s.flat_partitions = dense.flat_partitions + mine.flat_partitions
     exchange = ep_exchange_buffer_bytes(spec, job.micro_batch * job.seq_len, compute_bytes(job.precision))
-    s.buffers += exchange
+    s.layer_transient += exchange
     s.sources = [f"DeepSpeed AutoEP {expert}: {dense_elems + local:,} parameters a rank ({dense_elems:,} dense + "
                  f"{local:,} of {experts:,} expert ones); ZeRO-{strategy.zero_stage} partitions the dense states over "
                  f"{world} ranks, the experts' over {world // expert}; all-to-all send + receive "
                  f"{exchange / GIB:.2f} GiB", *dense.sources]
+    return s
+
+
+def expert_parallel_states(spec: Any, strategy: Strategy, job: Job, grid: Any, *, params: int,
+                           factored_elems: int) -> States:
+    """FSDP2 x EP (transformers' DistributedConfig): a rank holds the dense parameters / shard group and its
+    experts / ep of each MoE layer / efsdp (every rank its own batch: efsdp x ep = fsdp, so the same params / fsdp
+    FSDP2 holds without EP; a shared batch: efsdp = fsdp, so the rank's dense share is ep times larger). FSDP2
+    gathers the dense part of a layer and only the rank's own experts (toolkit.inputs.moe.ep_gathered_layer_params);
+    with one shard (fsdp_size 1) transformers applies no FSDP and nothing is gathered. The token exchange's buffers
+    (toolkit.inputs.moe.ep_exchange_buffer_bytes) live while a MoE layer runs (States.layer_transient)."""
+    from toolkit.inputs.moe import ep_exchange_buffer_bytes, ep_gathered_layer_params, ep_token_exchange, expert_params
+
+    experts = expert_params(spec)
+    shard = grid.shard_group
+    per_rank = (params - experts) / shard + experts / (grid.expert * grid.expert_shard_group)
+    fsdp = shard > 1
+    s = fsdp2_states(int(round(per_rank * shard)), job, strategy, shard=shard,
+                     layer_params=ep_gathered_layer_params(spec, grid.expert) if fsdp else 0,
+                     root_params=spec.pre_layer_params + spec.post_layer_params if fsdp else 0, accumulating=False,
+                     factored_elems=int(factored_elems * per_rank * shard / params) if params else 0,
+                     prefetch_layers=2 if job.device_kind == "cuda" else 1)
+    tokens = job.micro_batch * job.seq_len // grid.seq_split
+    route = ep_token_exchange(spec, grid.expert_shared_batch)
+    exchange = ep_exchange_buffer_bytes(spec, tokens, compute_bytes(job.precision), route=route,
+                                        sharers=grid.batch_sharers)
+    s.layer_transient += exchange
+    sent = tokens // grid.batch_sharers
+    what = (f"all-reduce of {tokens} tokens x hidden {spec.hidden}" if route == "all_reduce" else
+            f"all-to-all send + receive {sent} tokens x top-{spec.moe_top_k} x hidden {spec.hidden}")
+    held = (f"unsharded layer holds {spec.moe_experts // grid.expert} of {spec.moe_experts} experts" if fsdp else
+            f"{spec.moe_experts // grid.expert} of {spec.moe_experts} experts a layer, no FSDP (fsdp_size 1)")
+    shared = (f" sharing one batch ({per_rank / 1e9:.2f}B parameters a rank, the dense modules whole)"
+              if grid.expert_shared_batch else "")
+    s.sources.append(f"expert parallel {grid.expert}{shared}: {held}; {what} = {exchange / GIB:.2f} GiB")
     return s
