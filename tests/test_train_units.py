@@ -34,19 +34,22 @@ def test_bad_train_args_are_user_errors(argv, message):
         parse_train_args(argv)
 
 
-def test_bitsandbytes_and_deepspeed_are_left_out_of_a_run_that_cannot_use_them(tiny_llama_dir, tmp_path):
+def test_bitsandbytes_deepspeed_and_peft_are_left_out_of_a_run_that_cannot_use_them(tiny_llama_dir, tmp_path):
     """The training process marks bitsandbytes absent for a full fine-tune with AdamW (its import costs ~1.3 s of
     CPU a rank), and keeps it for QLoRA (the plan's method or --qlora) and adamw-8bit; it marks DeepSpeed absent
-    for a DDP or FSDP2 run (~0.5 s a rank) and keeps it for ZeRO, the pipeline, tiling and Ulysses SP."""
+    for a DDP or FSDP2 run (~0.5 s a rank) and keeps it for ZeRO, the pipeline, tiling and Ulysses SP; it marks PEFT
+    absent for a run without an adapter (the plan's method, --lora or --qlora). A run that keeps DeepSpeed imports
+    its Muon module uncompiled unless the DeepSpeed JSON asks for Muon."""
     import importlib.util
     import sys
     from types import SimpleNamespace
 
     from toolkit.inputs.strategy import Engine
-    from toolkit.plan.files import PLAN_JSON
+    from toolkit.plan.files import DS_CONFIG, PLAN_JSON
     from toolkit.run.launcher import emit_plan_files
     from toolkit.run.rehearsal import plan_for_model
-    from toolkit.train.__main__ import bitsandbytes_unused, deepspeed_unused, leave_out_unused
+    from toolkit.train.__main__ import (bitsandbytes_unused, deepspeed_unused, leave_out_unused, muon_unused,
+                                        peft_unused)
 
     plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=1)
     assert bitsandbytes_unused(plan, False)
@@ -54,6 +57,9 @@ def test_bitsandbytes_and_deepspeed_are_left_out_of_a_run_that_cannot_use_them(t
     assert not bitsandbytes_unused(SimpleNamespace(method="qlora", optimizer="adamw"), False)
     assert not bitsandbytes_unused(SimpleNamespace(method="full", optimizer="adamw-8bit"), False)
     assert bitsandbytes_unused(SimpleNamespace(method="lora", optimizer="sgd"), False)
+    assert peft_unused(plan, False) and not peft_unused(plan, True)
+    assert not peft_unused(SimpleNamespace(method="lora"), False)
+    assert not peft_unused(SimpleNamespace(method="qlora"), False)
     assert deepspeed_unused(plan)
     assert deepspeed_unused(plan_for_model(tiny_llama_dir, "fsdp2", gpus_per_node=2))
     zero1 = plan_for_model(tiny_llama_dir, "zero1", gpus_per_node=2)
@@ -62,28 +68,77 @@ def test_bitsandbytes_and_deepspeed_are_left_out_of_a_run_that_cannot_use_them(t
     assert not deepspeed_unused(plan.replace(tiled=True))  # DeepSpeed's TiledMLP
     assert not deepspeed_unused(SimpleNamespace(engine=Engine.FSDP2, tiled=False, sequence_parallel=2))
     plan_json = str(emit_plan_files(plan, tmp_path / "plan") / PLAN_JSON)
-    zero1_json = str(emit_plan_files(zero1, tmp_path / "zero1") / PLAN_JSON)
+    zero1_dir = emit_plan_files(zero1, tmp_path / "zero1")
+    zero1_json = str(zero1_dir / PLAN_JSON)
+    assert muon_unused(zero1_dir / PLAN_JSON) and muon_unused(zero1_dir)
+    muon_dir = emit_plan_files(zero1, tmp_path / "muon")
+    ds_config = json.loads((muon_dir / DS_CONFIG).read_text())
+    (muon_dir / DS_CONFIG).write_text(json.dumps({**ds_config, "optimizer": {"type": "Muon", "params": {}}}))
+    assert not muon_unused(muon_dir)
+    (muon_dir / DS_CONFIG).write_text("{")
+    assert not muon_unused(muon_dir)  # unreadable: left as DeepSpeed has it (the runner reports the JSON)
     absent = object()
-    before = {name: sys.modules.pop(name, absent) for name in ("bitsandbytes", "deepspeed")}
+    before = {name: sys.modules.pop(name, absent) for name in ("bitsandbytes", "deepspeed", "peft")}
+    finders = list(sys.meta_path)
     try:
         assert leave_out_unused(["--plan", str(tmp_path / "missing.json")]) == []
         run = ["--data", "d", "--output", "o"]
         assert leave_out_unused(["--plan", zero1_json, *run, "--qlora"]) == []
-        assert "bitsandbytes" not in sys.modules and "deepspeed" not in sys.modules
-        assert leave_out_unused(["--plan", zero1_json, *run]) == ["bitsandbytes"]
+        assert not {"bitsandbytes", "deepspeed", "peft"} & set(sys.modules)
+        assert leave_out_unused(["--plan", zero1_json, *run, "--lora"]) == ["bitsandbytes"]
+        assert "deepspeed" not in sys.modules and "peft" not in sys.modules
+        assert leave_out_unused(["--plan", zero1_json, *run]) == ["peft"]  # bitsandbytes: already decided
         assert "deepspeed" not in sys.modules
-        assert leave_out_unused(["--plan", plan_json, *run]) == ["deepspeed"]  # bitsandbytes: already decided
-        for name in ("bitsandbytes", "deepspeed"):
+        assert len(sys.meta_path) == len(finders) + 3  # each ZeRO run's hook for DeepSpeed's Muon module
+        assert leave_out_unused(["--plan", plan_json, *run]) == ["deepspeed"]
+        assert len(sys.meta_path) == len(finders) + 3  # DDP: none
+        for name in ("bitsandbytes", "deepspeed", "peft"):
             assert sys.modules[name] is None and importlib.util.find_spec(name) is None
-        from accelerate.utils import is_deepspeed_available
+        from accelerate.utils import is_deepspeed_available, is_peft_available
         from transformers.integrations.deepspeed import is_deepspeed_available as transformers_sees
+        from transformers.utils import is_peft_available as transformers_sees_peft
 
         assert not is_deepspeed_available() and not transformers_sees()
+        # transformers caches its answer (lru_cache): a rank asks first after the entry; here the check it makes
+        assert not is_peft_available() and not transformers_sees_peft.__wrapped__()
     finally:
+        sys.meta_path[:] = finders
         for name, module in before.items():
             sys.modules.pop(name, None)
             if module is not absent:
                 sys.modules[name] = module
+
+
+def test_a_deepspeed_rank_imports_muon_uncompiled_and_leaves_torch_compile_as_it_was():
+    """compile_muon_never: DeepSpeed's Muon module, imported by every ZeRO optimizer's set-up, runs its torch.compile
+    decorators with TORCHDYNAMO_DISABLE=1 (the kernels stay plain functions, no inductor backend resolved), for that
+    import only: the variable is as before afterwards, the hook is gone, and torch.compile still compiles."""
+    import importlib
+    import os
+    import sys
+
+    import torch
+
+    from toolkit.train.__main__ import MUON_MODULE, compile_muon_never
+
+    saved = sys.modules.pop(MUON_MODULE, None)
+    finders = list(sys.meta_path)
+    try:
+        compile_muon_never()
+        assert len(sys.meta_path) == len(finders) + 1
+        muon = importlib.import_module(MUON_MODULE)
+        assert sys.meta_path == finders and "TORCHDYNAMO_DISABLE" not in os.environ
+        for kernel in (muon.zeropower_via_newtonschulz5, muon.zeropower_via_gram_newtonschulz):
+            assert not hasattr(kernel, "_torchdynamo_orig_callable") and kernel.__module__ == MUON_MODULE
+        assert muon.__spec__.origin.endswith("deepspeed/runtime/zero/muon/original_muon.py")
+        compiled = torch.compile(lambda x: x + 1, backend="eager")  # after the import: compiled as before
+        assert hasattr(compiled, "_torchdynamo_orig_callable")
+        assert compiled(torch.ones(2)).tolist() == [2.0, 2.0]
+    finally:
+        sys.meta_path[:] = finders
+        sys.modules.pop(MUON_MODULE, None)
+        if saved is not None:
+            sys.modules[MUON_MODULE] = saved
 
 
 # --- data ------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
 from toolkit.inputs.strategy import Engine
@@ -69,14 +70,23 @@ def deepspeed_unused(plan) -> bool:
     return plan.engine in (Engine.DDP, Engine.FSDP2) and not plan.tiled and plan.sequence_parallel == 1
 
 
+def peft_unused(plan, adapter_flag: bool) -> bool:
+    """True when the run trains no adapter: a full fine-tuning plan (the schema allows adapter settings only with
+    method lora / qlora) without --lora / --qlora. PEFT's uses in toolkit.train are the adapter's (adapters.wrap_model,
+    the merged save, TRL's peft_config)."""
+    return plan.method == "full" and not adapter_flag
+
+
 def leave_out_unused(argv: list[str]) -> list[str]:
     """Process entry only: the installed packages this run cannot use, marked absent (sys.modules[name] = None, so
-    importlib.util.find_spec answers None and every availability check of transformers, accelerate and PEFT says
-    "not installed"); returns their names. bitsandbytes: transformers.trainer_utils imports PEFT whenever it is
+    importlib.util.find_spec answers None and every availability check of transformers, accelerate, PEFT and TRL
+    says "not installed"); returns their names. bitsandbytes: transformers.trainer_utils imports PEFT whenever it is
     installed, PEFT's helpers import bitsandbytes, and bitsandbytes' CPU ops call torch.compile at import, which
     imports inductor: about 1.2 s of CPU at every rank's start here. DeepSpeed: accelerate's unwrap_model imports it
-    whenever it is installed (about 0.3-0.6 s of CPU). docs/ENGINE_FACTS.md says why this is consistent. An
-    unreadable plan changes nothing (main says why)."""
+    whenever it is installed (about 0.3-0.6 s of CPU). PEFT: transformers.trainer_utils imports it whenever it is
+    installed (0.1-0.25 s of CPU). A run that uses DeepSpeed imports its Muon module with the kernels left
+    uncompiled (compile_muon_never). docs/ENGINE_FACTS.md says why this is consistent. An unreadable plan changes
+    nothing (main says why)."""
     if {"-h", "--help"} & set(argv):
         return []
     from toolkit.plan.schema import load_plan
@@ -87,11 +97,76 @@ def leave_out_unused(argv: list[str]) -> list[str]:
         plan = load_plan(ns.plan)
     except (UserError, SystemExit):
         return []
-    unused = {"bitsandbytes": bitsandbytes_unused(plan, bool(ns.qlora)), "deepspeed": deepspeed_unused(plan)}
+    unused = {"bitsandbytes": bitsandbytes_unused(plan, bool(ns.qlora)), "deepspeed": deepspeed_unused(plan),
+              "peft": peft_unused(plan, bool(ns.lora or ns.qlora))}
     left_out = [name for name, left in unused.items() if left and name not in sys.modules]
     for name in left_out:
         sys.modules[name] = None
+    if not unused["deepspeed"] and muon_unused(Path(ns.plan)):
+        compile_muon_never()
     return left_out
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+"""DeepSpeed's Muon optimizer: two Newton-Schulz kernels decorated with torch.compile, imported by every ZeRO
+optimizer's set-up (deepspeed.runtime.zero.utils.is_zero_supported_optimizer, the ZeRO-1/2/3 and bf16 optimizers'
+__init__) whatever the optimizer is."""
+
+
+def muon_unused(plan_path: Path) -> bool:
+    """True when the run's DeepSpeed JSON (ds_config.json beside plan.json) names no Muon optimizer: toolkit.train's
+    optimizer is the Trainer's (toolkit.inputs.choices.OPTIMIZERS holds no Muon) unless that JSON's "optimizer" says
+    otherwise. An unreadable JSON answers False (the runner says what is wrong with it)."""
+    import json
+
+    from toolkit.plan.files import DS_CONFIG
+
+    try:
+        optimizer = json.loads(((plan_path if plan_path.is_dir() else plan_path.parent) / DS_CONFIG).read_text()
+                               ).get("optimizer") or {}
+        return str(optimizer.get("type", "")).lower() != "muon"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def compile_muon_never() -> None:
+    """Process entry only, for a run whose DeepSpeed builds no Muon optimizer (muon_unused): when DeepSpeed imports
+    MUON_MODULE, the module runs with TORCHDYNAMO_DISABLE=1 (torch._dynamo.eval_frame._optimize: torch.compile then
+    returns the function itself), set for that import only. Decorating with torch.compile resolves the inductor
+    backend at once (torch._inductor.compile_fx, torch._dynamo.repro.after_dynamo): about 0.75 s of CPU at every
+    ZeRO rank's optimizer set-up here, for two kernels that only a Muon optimizer calls. docs/ENGINE_FACTS.md."""
+    import importlib.abc
+    import importlib.util
+
+    class EagerLoader(importlib.abc.Loader):
+        def __init__(self, loader):
+            self.loader = loader
+
+        def create_module(self, spec):
+            return self.loader.create_module(spec)
+
+        def exec_module(self, module):
+            before = os.environ.get("TORCHDYNAMO_DISABLE")
+            os.environ["TORCHDYNAMO_DISABLE"] = "1"
+            try:
+                self.loader.exec_module(module)
+            finally:
+                if before is None:
+                    os.environ.pop("TORCHDYNAMO_DISABLE", None)
+                else:
+                    os.environ["TORCHDYNAMO_DISABLE"] = before
+
+    class MuonFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != MUON_MODULE:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is not None and spec.loader is not None:
+                spec.loader = EagerLoader(spec.loader)
+            return spec
+
+    sys.meta_path.insert(0, MuonFinder())
 
 
 if __name__ == "__main__":
