@@ -46,9 +46,23 @@ def prompts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(run_training, tiny_llama_dir, prompts):
-    plan = _plan(tiny_llama_dir, "ddp", world=1, micro=2, accum=2)
-    return run_training(plan, "grpo-one", "--data", str(prompts), "--steps_per_generation", "1", *COMMON).check()
+def length_runs(runs_by_name, tiny_llama_dir, prompts):
+    """The --reward length runs by name, each made once: "one", one process at micro 2 x accumulation 2 with one
+    prompt group generated per micro-step, and "zero2", 2 ranks of micro 2, started side by side (the one process
+    fills the core the 2 ranks leave idle while they start and meet)."""
+    runs = {"one": (dict(strategy="ddp", world=1, micro=2, accum=2), ("--steps_per_generation", "1")),
+            "zero2": (dict(strategy="zero2", world=2, micro=2, accum=1), ())}
+
+    def arguments(name):
+        options, extra = runs[name]
+        return _plan(tiny_llama_dir, **options), f"grpo-{name}", "--data", str(prompts), *extra, *COMMON
+
+    return runs_by_name(arguments, together=[("one", "zero2")])
+
+
+@pytest.fixture(scope="module")
+def single(length_runs):
+    return length_runs("one")
 
 
 def _steps(run, key: str) -> dict[int, float]:
@@ -84,9 +98,8 @@ def test_beta_0_holds_no_reference(run_training, tiny_llama_dir, prompts):
 
 
 @pytest.mark.multiprocess
-def test_zero2_on_two_processes_matches_one_process(run_training, tiny_llama_dir, prompts, single):
-    plan = _plan(tiny_llama_dir, "zero2", world=2, micro=2, accum=1)
-    run = run_training(plan, "grpo-zero2", "--data", str(prompts), *COMMON).check()
+def test_zero2_on_two_processes_matches_one_process(length_runs, single):
+    run = length_runs("zero2")
     assert len(run.ranks) == 2
     # Not compared: kl, reward_std and the completions' min / max, which TRL aggregates over the gathered generation
     # batch in one run and averages over micro-steps in the other (a statistic of the log, not of the training).
@@ -229,12 +242,26 @@ def _reward_means(run, rank: int = 0) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def rewarded_single(run_training, tiny_llama_dir, tiny_reward_dir, prompts):
-    """One process scoring with the plan's reward model, micro 2 x accumulation 2, one prompt group generated per
-    micro-step: the same groups as two ranks of micro 2 (as `single` is for the --reward length runs)."""
-    plan = _rewarded_plan(tiny_llama_dir, tiny_reward_dir, "ddp", world=1, accum=2)
-    return run_training(plan, "grpo-reward-one", "--data", str(prompts), "--steps_per_generation", "1",
-                        *REWARD_MODEL_COMMON).check()
+def reward_runs(runs_by_name, tiny_llama_dir, tiny_reward_dir, prompts):
+    """The runs scoring with the plan's reward model by name, each made once: "one", one process at micro 2 x
+    accumulation 2 with one prompt group generated per micro-step (the same groups as two ranks of micro 2, as
+    `single` is for the --reward length runs), started beside "zero3" (the core the 2 ranks leave idle while they
+    start and meet); "zero3" and "fsdp2", 2 ranks of micro 2."""
+    runs = {"one": (dict(world=1, accum=2), ("--steps_per_generation", "1")),
+            "zero3": (dict(world=2), ()), "fsdp2": (dict(world=2), ())}
+
+    def arguments(name):
+        options, extra = runs[name]
+        strategy = "ddp" if name == "one" else name
+        return (_rewarded_plan(tiny_llama_dir, tiny_reward_dir, strategy, **options), f"grpo-reward-{name}",
+                "--data", str(prompts), *extra, *REWARD_MODEL_COMMON)
+
+    return runs_by_name(arguments, together=[("one", "zero3")], timeout=900)
+
+
+@pytest.fixture(scope="module")
+def rewarded_single(reward_runs):
+    return reward_runs("one")
 
 
 @pytest.mark.multiprocess
@@ -251,15 +278,14 @@ def test_grpo_scores_with_the_plans_reward_model_on_one_process(rewarded_single,
 
 
 @pytest.mark.multiprocess
-def test_zero3_partitions_the_reward_model_and_matches_one_process(run_training, tiny_llama_dir, tiny_reward_dir,
-                                                                   prompts, rewarded_single):
+def test_zero3_partitions_the_reward_model_and_matches_one_process(reward_runs, tiny_llama_dir, tiny_reward_dir,
+                                                                   rewarded_single):
     """ZeRO-3 on 2 gloo ranks: TRL's prepare_deepspeed keeps stage 3 for the reward model, so each rank holds half
     of its 69,888 parameters, the estimate's reward term (fp32: 4 B each); the ranks generate and score the groups
     the one process does, so the losses, grad norms and rewards agree with it step by step."""
     from toolkit import api
 
-    plan = _rewarded_plan(tiny_llama_dir, tiny_reward_dir, "zero3", world=2)
-    run = run_training(plan, "grpo-reward-zero3", "--data", str(prompts), *REWARD_MODEL_COMMON, timeout=900).check()
+    run = reward_runs("zero3")
     grpo = Grpo(num_generations=2, max_prompt_length=16, max_completion_length=8, beta=0.0,
                 reward_model=str(tiny_reward_dir))
     estimate = api.estimate(str(tiny_llama_dir), "2xH100-80GB", strategy="zero3", micro_batch=2, method="grpo",
@@ -276,15 +302,13 @@ def test_zero3_partitions_the_reward_model_and_matches_one_process(run_training,
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_holds_the_whole_reward_model_on_each_of_two_processes(run_training, tiny_llama_dir, tiny_reward_dir,
-                                                                      prompts):
+def test_fsdp2_holds_the_whole_reward_model_on_each_of_two_processes(reward_runs, tiny_reward_dir):
     """FSDP2 on 2 gloo ranks: TRL prepares the reward model with accelerator.prepare_model(evaluation_mode=True),
     which shards nothing, so each rank holds all of it, as the estimate says (FSDP2: a whole replica); every rank
     scores (finite rewards) and every step runs."""
     from toolkit.inputs.reward import reward_model_of
 
-    plan = _rewarded_plan(tiny_llama_dir, tiny_reward_dir, "fsdp2", world=2)
-    run = run_training(plan, "grpo-reward-fsdp2", "--data", str(prompts), *REWARD_MODEL_COMMON).check()
+    run = reward_runs("fsdp2")
     params = reward_model_of(str(tiny_reward_dir)).params
     for rank in (0, 1):
         assert sorted(run.losses(rank)) == list(range(1, STEPS + 1))
