@@ -825,6 +825,20 @@ def test_fit_sizes_zero3s_reduce_bucket_as_deepspeed_will(tmp_path):
     assert dict(fit_settings(str(own)).job_options)["zero_reduce_bucket"] == 200_000_000
 
 
+def test_fit_takes_zero2s_overlap_comm_from_the_config(tmp_path):
+    """ms-swift 3.0's zero2.json sets overlap_comm: the fit estimates DeepSpeed's second IPG buffer; a stage-2 config
+    without the key runs DeepSpeed's default (off below stage 3) and gets one."""
+    from toolkit.check.fit import fit_settings
+
+    swift = tmp_path / "zero2.json"
+    swift.write_text('{"zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_bucket_size": 2e8}, '
+                     '"bf16": {"enabled": true}}')
+    assert dict(fit_settings(str(swift)).job_options) == {"zero_reduce_bucket": 200_000_000, "zero_overlap_comm": True}
+    plain = tmp_path / "plain.json"
+    plain.write_text('{"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}, "bf16": {"enabled": true}}')
+    assert "zero_overlap_comm" not in dict(fit_settings(str(plain)).job_options)
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
 def test_a_zero12_x_sp_folder_without_the_gradient_average_names_the_keys_for_its_world(tmp_path, strategy):
     """The plan's own JSON averages over dp x sp (clean); the same JSON without its two keys, as toolkit wrote it

@@ -237,6 +237,61 @@ def test_a_config_without_reduce_bucket_size_gets_deepspeeds_5e8_element_buffer(
     assert "5e+08-element reduce bucket" in inline.sources[0] and "h^2" in auto.sources[0]
 
 
+def test_zero2_with_overlap_comm_holds_two_reduce_buckets_in_backward(llama7b):
+    """overlap_comm makes DeepSpeed's setup_buckets allocate a second IPG buffer (next test, the engine itself):
+    ms-swift's 2e8-element buckets are 0.37 GiB each in bf16."""
+    strategy = parse_strategy("zero2")
+    one = zero_states(llama7b.params, Job(seq_len=8, zero_reduce_bucket=200_000_000), strategy, dp=2, hidden=4096,
+                      largest_layer=0)
+    two = zero_states(llama7b.params, Job(seq_len=8, zero_reduce_bucket=200_000_000, zero_overlap_comm=True),
+                      strategy, dp=2, hidden=4096, largest_layer=0)
+    assert one.backward_buffers == 200_000_000 * 2
+    assert two.backward_buffers == 2 * 200_000_000 * 2
+    assert "two (overlap_comm) 2e+08-element reduce bucket(s)" in two.sources[0]
+
+
+ONE_RANK_ZERO2_BUCKETS = """
+import json, torch, deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+out = {}
+for overlap in (False, True):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 2, "overlap_comm": overlap, "contiguous_gradients": True,
+                                 "reduce_bucket_size": 4096},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    seen = []
+    setup = engine.optimizer.setup_buckets
+    def recorded():
+        setup()
+        seen.append([b.numel() for bucket in engine.optimizer.ipg_buckets.values() for b in bucket.buffer])
+    engine.optimizer.setup_buckets = recorded
+    engine.backward(engine(torch.randn(2, 64, dtype=torch.bfloat16)).float().pow(2).mean())
+    engine.step()
+    out[str(overlap)] = seen[-1]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_core
+def test_deepspeed_zero2_allocates_a_second_reduce_bucket_under_overlap_comm():
+    """DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py setup_buckets: one IPG buffer of reduce_bucket_size
+    elements for backward, and a second beside it when overlap_comm is on ('double buffers')."""
+    import os
+    import subprocess
+    import sys
+
+    from toolkit.run.launcher import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", ONE_RANK_ZERO2_BUCKETS], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == {"False": [4096], "True": [4096, 4096]}
+
+
 def test_zero3_on_one_rank_gathers_nothing(llama7b):
     """A ZeRO-3 partition world of one: DeepSpeed points each parameter at its own partition instead of gathering
     (next test), so no gathered bytes; two ranks gather, and so does one rank offloading its parameters (the

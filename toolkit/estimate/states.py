@@ -183,12 +183,15 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
         else:
             # grads_in_partition appears at the first bucket reduction in backward (stage_1_and_2.py
             # reduce_independent_p_g_buckets_and_remove_grads) and is freed by step(); the ipg bucket of
-            # reduce_bucket_size elements lives only during backward (setup_buckets; one buffer: the emitted
-            # JSON leaves overlap_comm off for stage 2). Measured on CPU: benchmarks/results/distributed_memory.md.
+            # reduce_bucket_size elements lives only during backward (setup_buckets: one buffer, two under
+            # overlap_comm, which the emitted JSON leaves off for stage 2). Measured on CPU:
+            # benchmarks/results/distributed_memory.md; the second buffer: tests/test_estimate.py.
+            buffers = 2 if job.zero_overlap_comm else 1
             s.backward_gradients = 0.0 if off_opt else P * pb / N
-            s.backward_buffers = bucket * pb
+            s.backward_buffers = buffers * bucket * pb
             s.sources.append(f"ZeRO-2: {pb} B/param weights, {pb}P/N grad partition from backward to the step, "
-                             f"one {bucket_words} reduce bucket in backward")
+                             f"{('one', 'two (overlap_comm)')[buffers - 1]} {bucket_words} reduce bucket(s) in "
+                             "backward")
     else:
         s.parameters = 0.0 if off_par else P * pb / N
         s.gradients = 0.0 if off_opt else P * pb / N

@@ -132,6 +132,10 @@ class Job:
     "auto" fill, hidden x hidden (toolkit.emit.deepspeed.zero_buckets), what the emitted JSON asks for. A config that
     leaves the key out (accelerate's inline deepspeed_config) runs DeepSpeed's default (toolkit.engines.readers
     .zero_default). ZeRO-2's backward bucket and ZeRO-3's IPG buffer are this many elements. Estimate only."""
+    zero_overlap_comm: bool = False
+    """The run's config sets ZeRO-1/2's overlap_comm: DeepSpeed's setup_buckets then allocates a second IPG buffer of
+    reduce_bucket_size beside the first (stage_1_and_2.py, 'double buffers'). toolkit's own JSON leaves it off for
+    stage 1/2, and DeepSpeed's default is off below stage 3. Estimate only."""
     allocator_conf: str = ""
     """PYTORCH_CUDA_ALLOC_CONF the step runs with ("" = torch's defaults): the reserved-memory replay takes it
     (toolkit.estimate.reserved). estimate and plan fill it from toolkit.inputs.allocconf (the user's environment,
@@ -152,6 +156,8 @@ class Job:
                             "(letters, digits, _ . : ,); fix or unset it")
         if not isinstance(self.zero_reduce_bucket, int) or self.zero_reduce_bucket < 0:
             raise UserError(f"reduce_bucket_size must be a non-negative integer, got {self.zero_reduce_bucket!r}")
+        if not isinstance(self.zero_overlap_comm, bool):
+            raise UserError(f"overlap_comm must be true or false, got {self.zero_overlap_comm!r}")
         check_choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         check_choice("--vision-tower", self.vision_tower, VISION_TOWER_MODES)
         if problem := images_problem(self.images_per_sample, self.image_size, self.image_tokens, self.seq_len):

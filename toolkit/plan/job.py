@@ -18,7 +18,7 @@ DPO = "dpo"
 """The Job's Dpo: plan.json holds the dict of its settings under the same name (absent for supervised jobs)."""
 GRPO = "grpo"
 """The Job's Grpo, as DPO."""
-ESTIMATE_ONLY = ("chunked_loss", "zero_reduce_bucket")
+ESTIMATE_ONLY = ("chunked_loss", "zero_reduce_bucket", "zero_overlap_comm")
 """Job fields no runner applies, so a plan never carries them (estimate models them; a Job bound for a plan keeps
 their defaults)."""
 JOB_FIELDS_IN_PLAN = tuple(f.name for f in fields(Job)
