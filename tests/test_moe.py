@@ -130,8 +130,9 @@ def test_a_zero3_plan_of_an_moe_model_names_its_block_as_leaf_module(tiny_moe_di
 @pytest.fixture(scope="module")
 def moe_runs(runs_by_name, tiny_moe_dir, corpus_dir):
     """The tiny Qwen3-MoE's runs by name, fp32, global batch 4: "ref", one process on the whole batch (the others
-    split it over 2 gloo ranks), started beside "zero3" (the MoE block as ZeRO-3 leaf); "ep2" (FSDP2 x EP 2) and
-    "autoep2" (DeepSpeed AutoEP 2 on zero1, 4 steps, a checkpoint at step 2)."""
+    split it over 2 gloo ranks), started beside "zero3" (the MoE block as ZeRO-3 leaf); "ep2" (FSDP2 x EP 2) beside
+    "autoep2" (DeepSpeed AutoEP 2 on zero1, 4 steps, a checkpoint at step 2): one after the other, each world of 2
+    ranks left a core idle while it started, met and saved."""
     plans = {"ref": dict(strategy="ddp", world=1, micro=4), "zero3": dict(strategy="zero3"),
              "ep2": dict(strategy="fsdp2", expert=2), "autoep2": dict(strategy="zero1", expert=2)}
 
@@ -139,7 +140,7 @@ def moe_runs(runs_by_name, tiny_moe_dir, corpus_dir):
         steps = AUTOEP_STEPS if name == "autoep2" else ()
         return _moe_plan(tiny_moe_dir, **plans[name]), f"moe-{name}", "--data", str(corpus_dir), *TRAIN, *steps
 
-    return runs_by_name(arguments, together=[("ref", "zero3")], timeout=600)
+    return runs_by_name(arguments, together=[("ref", "zero3"), ("ep2", "autoep2")], timeout=600)
 
 
 @pytest.mark.multiprocess
