@@ -134,22 +134,34 @@ def capped_retries(memory, asked, strategy, job, gpu) -> StepRetries | None:
     return replace(capped, saved_bytes=max(0, replay.peak_reserved - capped.peak_reserved))
 
 
+def capped_memory(memory, asked, strategy, job, gpu):
+    """The estimate's memory with its allocator capped at the GPU's capacity (capped_retries) -> (memory, retries):
+    where the capped replay runs, its reserved peak is the memory's (a step the uncapped replay put over the GPU runs
+    on it, flushing the cache: a process never reserves more than the GPU leaves it); retries None, without a
+    retry, or out of memory: the memory as it was."""
+    retries = capped_retries(memory, asked, strategy, job, gpu)
+    if retries is None or not retries.retries or retries.oom:
+        return memory, retries
+    saved = retries.saved_bytes
+    terms = tuple(replace(t, bytes=t.bytes - saved, source=f"{t.source}; capped at the GPU's capacity: "
+                          f"{retries.peak_reserved / GIB:.2f} GiB reserved") if t.name.startswith("allocator")
+                  else t for t in memory.terms)
+    return replace(memory, margin_bytes=memory.margin_bytes - saved, required_bytes=memory.required_bytes - saved,
+                   terms=terms), retries
+
+
 def at_capacity(memory, timing, asked, spec, strategy, job, hw, **where):
-    """The plan's memory and step time with its allocator retries at the GPU's capacity (capped_retries): where the
-    capped replay runs, its reserved peak is the plan's (a plan the uncapped replay put over the GPU fits, flushing
-    the cache), the retries' price is added to the step (Timing.retry_s) and the notes say it, with the setting that
-    avoids them where one does (the other allocator setting, or one micro-batch less)."""
-    retries = capped_retries(memory, asked, strategy, job, hw.gpu) if timing is not None else None
+    """The plan's memory and step time with its allocator retries at the GPU's capacity (capped_memory): where the
+    capped replay runs, its reserved peak is the plan's, the retries' price is added to the step (Timing.retry_s)
+    and the notes say it, with the setting that avoids them where one does (the other allocator setting, or one
+    micro-batch less)."""
+    if timing is None:
+        return memory, timing
+    memory, retries = capped_memory(memory, asked, strategy, job, hw.gpu)
     if retries is None or not (retries.retries or retries.oom):
         return memory, timing
     notes = [retries.words()]
     if not retries.oom:
-        saved = retries.saved_bytes
-        terms = tuple(replace(t, bytes=t.bytes - saved, source=f"{t.source}; capped at the GPU's capacity: "
-                              f"{retries.peak_reserved / GIB:.2f} GiB reserved") if t.name.startswith("allocator")
-                      else t for t in memory.terms)
-        memory = replace(memory, margin_bytes=memory.margin_bytes - saved, required_bytes=memory.required_bytes - saved,
-                         terms=terms)
         extra = retries.seconds()
         step = timing.step_time_s + extra
         timing = replace(timing, step_time_s=step, tokens_per_s=timing.tokens_per_s * timing.step_time_s / step,
