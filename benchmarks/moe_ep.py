@@ -129,15 +129,16 @@ def _op_counter():
     return Count, count
 
 
-def ep_exchange_ops(name: str, tokens: int = HOST_TOKENS) -> tuple[int, int]:
-    """(forward, backward) ATen operations transformers' AllToAllEP adds to one MoE layer, every rank its own batch:
-    the model's own experts module called with the router's output, and the same module inside AllToAllEP on a
-    one-rank gloo group (the exchange runs, with one peer); the difference of two real CPU counts."""
+def ep_exchange_ops(name: str, tokens: int = HOST_TOKENS, route: str = "AllToAllEP") -> tuple[int, int]:
+    """(forward, backward) ATen operations one of transformers' EP implementations (`route`: AllToAllEP, every rank
+    its own batch; AllReduceEP, the masked route on a shared batch) adds to one MoE layer: the model's own experts
+    module called with the router's output, and the same module inside the implementation on a one-rank gloo group
+    (the exchange runs, with one peer); the difference of two real CPU counts."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
-    from transformers.distributed.expert_parallel import AllToAllEP
+    from transformers.distributed import expert_parallel
 
     config = tiny_moe_config(name)
     model = AutoModelForCausalLM.from_config(config)
@@ -149,7 +150,7 @@ def ep_exchange_ops(name: str, tokens: int = HOST_TOKENS) -> tuple[int, int]:
     try:
         mesh = init_device_mesh("cpu", (1,))
         counts = []
-        for call in (experts, AllToAllEP(experts, mesh, mesh)):
+        for call in (experts, getattr(expert_parallel, route)(experts, mesh, mesh)):
             torch.manual_seed(0)
             hidden = torch.randn(tokens, config.hidden_size, requires_grad=True)
             index = torch.stack([torch.randperm(experts.num_experts)[:top_k] for _ in range(tokens)])
@@ -318,6 +319,18 @@ def estimate(shared: bool) -> dict:
     traced_ops = terms["host_ops"]
     host_ops = micro_step_host_ops(spec, grid, traced_ops, job.checkpointing)
     t = step_time(spec, strategy, job, hw, grid=grid, **terms)
+    # Before transformers PR #45621 the masked route's sentinel rows (routes to the other ranks' experts) were clamped
+    # onto the last local expert and multiplied (TRL benchmark/report.md, 2026-04-26); 5.24 skips them past
+    # offsets[-1] (integrations/moe.py grouped_mm_experts_forward). Their GEMMs: (ep - 1) x the rank's own rows, as
+    # one expert's GEMM of that many rows.
+    from toolkit.estimate.efficiency import matmul_efficiency
+
+    tokens_per_rank_rows = job.micro_batch * job.seq_len * spec.moe_top_k
+    sentinel_rows = round(tokens_per_rank_rows * (grid.expert - 1) / grid.expert)
+    sentinel_eff, _ = matmul_efficiency(hw.gpu, job.precision, sentinel_rows, spec.hidden)
+    local_eff, _ = matmul_efficiency(hw.gpu, job.precision, max(1, round(
+        tokens_per_rank_rows / spec.moe_experts)), spec.hidden)
+    sentinel_s = t.experts_s * (grid.expert - 1) * local_eff / sentinel_eff if shared else 0.0
     return {"layout": grid.describe(), "tokens_per_step": grid.tokens_per_step(job.micro_batch, job.grad_accum,
                                                                                job.seq_len),
             "params_per_rank": per_rank, "states_floor_gib": per_rank * 8 / GIB,
@@ -328,7 +341,7 @@ def estimate(shared: bool) -> dict:
             "step_slow_s": t.step_time_s + t.experts_s * (1 / GROUPED_MM_EFFICIENCY_BAND[0] - 1), "communication_s": t.communication_s,
             "tokens_per_s": t.tokens_per_s, "host_ops": host_ops, "traced_ops": traced_ops,
             "exchange_ops": host_ops - traced_ops, "step_ops": optimizer_host_ops(spec, job, grid, strategy),
-            "host_s": t.host_s,
+            "host_s": t.host_s, "sentinel_rows": sentinel_rows, "sentinel_eff": sentinel_eff, "sentinel_s": sentinel_s,
             "device_s": t.compute_s + t.communication_s, "assumptions": list(t.assumptions)}
 
 
@@ -345,7 +358,7 @@ def memory_readings(ours: dict) -> list[dict]:
 
 
 def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int], optimizer: dict,
-           eager: dict, path: dict) -> str:
+           eager: dict, path: dict, masked: tuple[int, int]) -> str:
     from toolkit.estimate.hosttime import HOST_OP_BAND, HOST_OP_S
 
     readings = memory_readings(shared)
@@ -354,6 +367,10 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
     local_experts = 128 // 8
     eager_extra = 48 * (local_experts * eager["per_expert"] + eager["per_layer"])
     eager_host = shared["host_s"] + eager_extra * HOST_OP_S
+    published = ROW["published_step_s"]
+    fewer = 48 * ((2 * exchange[0] + exchange[1]) - (2 * masked[0] + masked[1]))
+    masked_host = shared["host_s"] - fewer * HOST_OP_S
+    pre_device = shared["device_s"] + shared["sentinel_s"]
     lines = ["# Expert parallelism against TRL's published Qwen3-30B-A3B ep=8 run", "",
              measured_line("moe_ep.py"), "",
              f"Source: {ROW['source']}. Job: {ROW['model']}; {ROW['layout']}; {ROW['gpus']}, seq {ROW['seq_len']}, "
@@ -371,7 +388,6 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
         lines.append(f"| {name}: {r['layout']} | {r['tokens_per_step']:,} | {r['step_s']:.3f} | "
                      f"{ROW['published_step_s']} | {r['step_s'] / ROW['published_step_s']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | {published_tps:,.0f} |")
-    published = ROW["published_step_s"]
     serial = shared["host_s"] + shared["device_s"]
     high = max(shared["device_s"], shared["host_s"] * HOST_OP_BAND[1])
     lines += ["", f"Shared-batch step time error: {step_err:+.0%} (goal within +-{TIME_BAND:.0%}): "
@@ -445,7 +461,8 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               "exchange, above). The code leaves one thing open: the guide's exact call, "
               "DistributedConfig(tp_size=8, enable_expert_parallel=True), does not load in 5.24 (an empty tp_plan "
               "at tp_size 8; docs/ENGINE_FACTS.md), so which EP plan TRL's unreleased transformers applied (the "
-              "masked ep_router + experts route, or AllToAllEP) is unstated. Both run the experts with grouped_mm; "
+              "masked ep_router + experts route, or AllToAllEP) the code does not say; TRL's benchmark report says "
+              "the masked one (next section). Both run the experts with grouped_mm; "
               "the masked route trades the all-to-all for an all-reduce and runs the experts' gather and "
               "elementwise passes on all 2,048 x 8 routed rows (masked ones included): a few milliseconds either "
               f"way at this batch, not the {published - shared['step_s']:.2f} s between us and the published "
@@ -462,6 +479,44 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               f"{eager_host + shared['device_s']:.3f} s serialized ({(eager_host + shared['device_s']) / published - 1:+.0%}). "
               "It would close the gap, but only a setting the guide does not show selects it, so the estimate "
               "does not price it: the defaults are the path.", "",
+              "## What TRL's benchmark report states", "",
+              "The report behind the guide (github.com/huggingface/trl, branch benchmark-sft-moe, "
+              "benchmark/report.md, April-May 2026, with its scripts beside it) does not hold this row: its "
+              "Qwen3-30B-A3B runs are 16k to 1M tokens packed from THUDM/LongAlign-10k on 1 to 16 nodes, read as "
+              "tokens/s and MFU (cumulative, and over each logging window from step 5-10 on), with no 2,048-token "
+              "run, no per-step breakdown or profile of an expert-parallel step, and nothing on the guide row's "
+              "warm-up, on whether its 0.9 s includes the optimizer step and logging, or on its transformers commit. "
+              "What it states about the path `enable_expert_parallel` ran:", "",
+              "- **The route is the masked one** ('Correction: EP uses all-reduce, NOT all-to-all': RouterParallel "
+              "masks the routes to other ranks' experts, each rank runs its local experts on the whole batch and an "
+              "all-reduce sums the outputs), and an expert group must share one batch (2026-05-02, the DataLoader "
+              "fix; one node at ep=8 shares it as it is). So the stack behind the guide ran the masked route, not "
+              "the AllToAllEP 5.24's 'auto' picks. Counted here on real CPU steps as AllToAllEP's was (AllReduceEP around the "
+              f"model's experts on a one-rank gloo group): {masked[0]} forward + {masked[1]} backward operations a "
+              f"MoE layer against AllToAllEP's {exchange[0]} + {exchange[1]}, {fewer:,} fewer a micro-step with the "
+              f"recompute: a host step of {masked_host:.3f} s ({masked_host / published - 1:+.0%}); the device's "
+              "exchange becomes two all-reduces of tokens x hidden a layer, milliseconds either way. The estimate "
+              "keeps 5.24's route (what `toolkit` emits runs it); the report's route moves the row away from the "
+              "published step, not towards it.",
+              "- **Sentinel rows**: before transformers PR #45621 the masked route's routes to other ranks' "
+              "experts (the 'sentinels') were clamped onto a local expert and multiplied, 7 of every 8 routed rows "
+              "at ep=8 (report, 2026-04-26: the PR's micro-benchmark reads 0.20x the kernel time at ep=8; its 16k "
+              "two-node runs read 27.5% MFU at ep=8 with the PR, 22.5% at ep=16 without it, 24.4% without EP). "
+              "The installed "
+              "5.24 skips them (integrations/moe.py grouped_mm_experts_forward sorts them past offsets[-1]), as the "
+              f"estimate prices (1 / ep of the rows). Had the row run without the PR, each rank would multiply "
+              f"{shared['sentinel_rows']:,} more rows a MoE layer, one expert's GEMM of that many rows at "
+              f"efficiency {shared['sentinel_eff']:.2f}: +{shared['sentinel_s']:.3f} s of GPU work, the device's "
+              f"{pre_device:.3f} s, still under the host's {shared['host_s']:.3f} s, so the step would not change "
+              f"(serialized with the host: {shared['host_s'] + pre_device:.3f} s, "
+              f"{(shared['host_s'] + pre_device) / published - 1:+.0%}). Whether the guide's transformers "
+              "(#48516) held PR #45621 the report does not say.",
+              "- Nothing in it measures per-operation DTensor dispatch, an all-gather of the batch, or the host's "
+              "time: kernel launches appear only as a reason fused kernels help (fused gate_up experts, Liger), "
+              "and its speed findings are MFU at 16k and longer, where the GPU's work dominates.", "",
+              "So the report names no mechanism that closes the gap: the route it documents shortens our step "
+              "slightly, and the sentinel rows, if the row predated the PR, add GPU work that stays under the "
+              "host's. The step time stays outside the goal, unexplained by any published source.", "",
               "## Peak memory (shared batch, the layout that ran)", "",
               "| reading of '34 GB' | peak | published GiB | ours GiB | error |", "|---|---|---|---|---|"]
     for r in readings:
@@ -497,7 +552,7 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               "named (the guide's other rows use tulu-3 chat data, whose samples are mostly shorter). We price a "
               "full 2048-token sample: a shorter one makes our step shorter still, the gap wider.",
               "- **warm-up**: how many steps were averaged (the guide's own advice: 'Measure with >=30 steps — "
-              "short runs understate steady-state throughput by 10-25%').",
+              "short runs understate steady-state throughput by 10-25%'); the benchmark report does not say either.",
               "- **the transformers version**: the guide needs transformers#48516 (unreleased then). At that time "
               "`enable_expert_parallel` replaced the tp_plan by the ep_plan and Qwen3-MoE's ep_plan was the masked "
               "one (ep_router + moe_tp_experts: every rank its experts on the whole batch, an all-reduce of the "
@@ -505,8 +560,8 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               "5.24 refuses to load that call (an empty tp_plan at tp_size 8); its nearest, DistributedConfig("
               "tp_size=8, ep_size=8), also splits attention, embeddings and LM head by the tp_plan, another layout "
               "(docs/ENGINE_FACTS.md, 'What an expert-parallel step runs'). We price the exchange 5.24's plan "
-              "names (all-to-alls on the sliced batch); the masked all-reduce is of the same few milliseconds at "
-              "2048 tokens.",
+              "names (all-to-alls on the sliced batch); TRL's benchmark report says the masked route ran (above: "
+              "fewer host operations, the same few milliseconds on the device).",
               "- **optimizer states dtype**: bf16 (the model loaded in bf16, torch AdamW keeps states in the "
               "parameters' dtype). fp32 states would add 4 bytes a parameter.",
               "- **loss**: TRL's fused LM head computes log-probabilities tile by tile (4096 tokens x 32768 "
@@ -551,12 +606,13 @@ def main() -> int:
     exchange = ep_exchange_ops(HOST_ARCHS[0])
     optimizer = {impl: optimizer_step_ops(HOST_ARCHS[0], impl) for impl in ("fused", "foreach", "for-loop")}
     eager = eager_loop_ops()
+    masked = ep_exchange_ops(HOST_ARCHS[0], route="AllReduceEP")
     path = default_path()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moe_ep.md").write_text(render(shared, own, host, exchange, optimizer, eager, path))
+    (RESULTS / "moe_ep.md").write_text(render(shared, own, host, exchange, optimizer, eager, path, masked))
     (RESULTS / "moe_ep.json").write_text(json.dumps(
         {"meta": meta(), "row": ROW, "shared_batch": shared, "own_batch": own, "host_per_op": host,
-         "ep_exchange_ops": exchange, "optimizer_step_ops": optimizer, "eager_loop_ops": eager,
+         "ep_exchange_ops": exchange, "masked_exchange_ops": masked, "optimizer_step_ops": optimizer, "eager_loop_ops": eager,
          "default_path": path,
          "memory_readings": memory_readings(shared),
          "step_error": shared["step_s"] / ROW["published_step_s"] - 1}, indent=1) + "\n")

@@ -76,6 +76,20 @@ def test_the_expert_exchange_adds_what_alltoallep_dispatches_on_a_real_cpu_layer
     assert ep_exchange_ops(name) == EP_EXCHANGE_OPS
 
 
+def test_the_masked_route_dispatches_fewer_operations_than_alltoallep_on_a_real_cpu_layer():
+    """The masked route TRL's benchmark report says its expert parallelism ran (AllReduceEP in 5.24: a mask, the
+    masked weights and an all-reduce, no sort or split sizes) adds 9 + 3 operations a MoE layer around the model's
+    own experts, fewer than AllToAllEP's EP_EXCHANGE_OPS: the report's route shortens the host step of TRL's row
+    (benchmarks/results/moe_ep.md)."""
+    from moe_ep import ep_exchange_ops
+
+    from toolkit.estimate.hosttime import EP_EXCHANGE_OPS
+
+    masked = ep_exchange_ops("qwen3-30b-a3b", route="AllReduceEP")
+    assert masked == (9, 3)
+    assert sum(masked) < sum(EP_EXCHANGE_OPS)
+
+
 def test_the_default_experts_path_is_grouped_mm_behind_alltoallep_in_a_checkpointed_training_step():
     """What the TRL row's job runs where nobody sets a path (benchmarks/moe_ep.py default_path): a Qwen3-MoE built by
     transformers resolves grouped_mm, and AutoEP on a batch-sharing group takes AllToAllEP in every MoE layer's
