@@ -484,7 +484,9 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               "benchmark/report.md, April-May 2026, with its scripts beside it) does not hold this row: its "
               "Qwen3-30B-A3B runs are 16k to 1M tokens packed from THUDM/LongAlign-10k on 1 to 16 nodes, read as "
               "tokens/s and MFU (cumulative, and over each logging window from step 5-10 on), with no 2,048-token "
-              "run, no per-step breakdown or profile of an expert-parallel step, and nothing on the guide row's "
+              "run, no per-step breakdown or profile of an expert-parallel step (a profiling script beside it, "
+              "benchmark/profile_ep.py, traces one node at ep=8 and 8k packed tokens, but its traces and readings "
+              "are not in the branch), and nothing on the guide row's "
               "warm-up, on whether its 0.9 s includes the optimizer step and logging, or on its transformers commit. "
               "What it states about the path `enable_expert_parallel` ran:", "",
               "- **The route is the masked one** ('Correction: EP uses all-reduce, NOT all-to-all': RouterParallel "
@@ -495,7 +497,9 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               f"model's experts on a one-rank gloo group): {masked[0]} forward + {masked[1]} backward operations a "
               f"MoE layer against AllToAllEP's {exchange[0]} + {exchange[1]}, {fewer:,} fewer a micro-step with the "
               f"recompute: a host step of {masked_host:.3f} s ({masked_host / published - 1:+.0%}); the device's "
-              "exchange becomes two all-reduces of tokens x hidden a layer, milliseconds either way. The estimate "
+              "exchange becomes all-reduces of tokens x hidden, one in forward and one in backward a layer (the "
+              "report's walk-through, benchmark/debug_ep_comm.md, counts 1 + 2, as 5.24's AllReduceEP: the second "
+              "backward one is the routing weights', tokens x top-k), milliseconds either way. The estimate "
               "keeps 5.24's route (what `toolkit` emits runs it); the report's route moves the row away from the "
               "published step, not towards it.",
               "- **Sentinel rows**: before transformers PR #45621 the masked route's routes to other ranks' "
