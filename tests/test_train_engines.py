@@ -48,7 +48,9 @@ def reference(single_process_runs):
 
 @pytest.fixture(scope="module")
 def engine_runs(runs_by_name, tiny_llama_dir, corpus_dir):
-    """Each engine once, at global batch 4 (ZeRO-2 as micro 1 x accumulation 2 x 2 ranks)."""
+    """Each engine once, at global batch 4 (ZeRO-2 as micro 1 x accumulation 2 x 2 ranks), two engines side by side
+    (each world rendezvousing on a port of its own): one after the other, each 2-rank world left a core idle while
+    it started, met and saved."""
     micro_accum = {"ddp": (2, 1), "zero1": (2, 1), "zero2": (1, 2), "zero3": (2, 1), "zero2-offload": (2, 1),
                    "fsdp2": (2, 1), "fsdp2-offload": (2, 1)}
 
@@ -56,7 +58,7 @@ def engine_runs(runs_by_name, tiny_llama_dir, corpus_dir):
         micro, accum = micro_accum[name]
         return _plan(tiny_llama_dir, name, micro=micro, accum=accum), name, *_args(corpus_dir)
 
-    return runs_by_name(arguments)
+    return runs_by_name(arguments, together=[("ddp", "zero1"), ("zero2", "zero3"), ("zero2-offload", "fsdp2")])
 
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "fsdp2", "fsdp2-offload"]
@@ -199,13 +201,14 @@ def test_tensorboard_gets_loss_throughput_and_per_rank_memory(engine_runs):
 @pytest.fixture(scope="module")
 def offloading_runs(runs_by_name, tiny_llama_dir, corpus_dir):
     """ZeRO-3 and FSDP2 with TRL's activation offloading over checkpointed layers (the plan's
-    activation_offloading, run by toolkit.train as SFTTrainer runs it: toolkit.patches.actoffload), 2 ranks."""
+    activation_offloading, run by toolkit.train as SFTTrainer runs it: toolkit.patches.actoffload), 2 ranks each,
+    side by side."""
     def arguments(strategy):
         plan = plan_for_model(tiny_llama_dir, strategy, gpus_per_node=2, micro_batch=2, seq_len=SEQ,
                               precision="fp32", checkpointing=True).replace(activation_offloading=True)
         return plan, f"{strategy}-act-offload", *_args(corpus_dir)
 
-    return runs_by_name(arguments)
+    return runs_by_name(arguments, together=[("zero3", "fsdp2")])
 
 
 @pytest.mark.multiprocess
