@@ -73,16 +73,17 @@ for _name in ("system", "fork", "posix_spawn", "posix_spawnp"):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks (xdist/remote.py)
 def pytest_collection_modifyitems(config, items):
     """`one_core` narrows `multiprocess` (CI runs those tests on the xdist workers beside the unit tests): one without
-    the other would put a process-starting test into the fast loop. A multi-process test (not one_core) that uses a
-    module-scoped fixture joins its module's xdist_group unless it names one, so that CI's second run on two workers
-    (`--dist loadgroup`) makes a module's shared runs once, on one worker."""
+    the other would put a process-starting test into the fast loop. A test that uses a module-scoped fixture joins
+    its module's xdist_group unless it names one, so that a run on two workers (`--dist loadgroup`: both of CI's, and
+    the fast loop) makes a module's shared runs and tiny models once, on one worker, where each worker made its own
+    (a unit or one_core test was grouped only since 2026-12-04: before, only the multi-process tests of CI's second
+    run were)."""
     alone = [item.nodeid for item in items
              if item.get_closest_marker("one_core") and not item.get_closest_marker("multiprocess")]
     if alone:
         raise pytest.UsageError(f"marked one_core but not multiprocess: {', '.join(alone)}")
     for item in items:
-        if (item.get_closest_marker("multiprocess") is None or item.get_closest_marker("one_core")
-                or item.get_closest_marker("xdist_group")):
+        if item.get_closest_marker("xdist_group"):
             continue
         fixtures = getattr(item, "_fixtureinfo", None)
         scopes = {defs[-1].scope for defs in fixtures.name2fixturedefs.values()} if fixtures else set()
