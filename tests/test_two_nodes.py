@@ -103,9 +103,24 @@ def test_a_hybrid_plan_rehearses_on_one_node_and_as_two_nodes_with_the_same_loss
     plan = plan_for_model(tiny_llama_dir, "hybrid", gpus_per_node=8, pipeline_stages=2, micro_batch=4,
                           grad_accum=8, seq_len=128, precision="bf16")
     plan_dir = emit_plan_files(plan, tmp_path / "p")
-    out, one = rehearse(plan_dir, 1, tmp_path / "one-node", capfd, monkeypatch)
-    assert "on 4 CPU processes" in out and "launcher invocations" not in out
-    out, ranks = rehearse(plan_dir, 2, tmp_path / "two-nodes", capfd, monkeypatch)
+    # The one-node rehearsal (`python -m toolkit launch DIR --rehearse`) runs beside the two-node one, each on a
+    # rendezvous port of its own: one after the other, each world of 4 ranks alone left a core idle while it started,
+    # met and saved, and a test of its own is among the last that CI's second run hands out (xdist's loadgroup sends
+    # the groups of several tests first, then single tests in file order: xdist/scheduler/loadscope.py), when the
+    # other worker may have nothing left to run.
+    one_node = tmp_path / "one-node"
+    env = {**os.environ, **QUIET, "TOOLKIT_RANK_SUMMARY_DIR": str(one_node), "PYTHONWARNINGS": "ignore"}
+    with open(tmp_path / "one-node.log", "w") as log:  # a file: a full pipe would stall the run
+        beside = subprocess.Popen([sys.executable, "-m", "toolkit", "launch", str(plan_dir), "--rehearse"], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT)
+    try:
+        out, ranks = rehearse(plan_dir, 2, tmp_path / "two-nodes", capfd, monkeypatch)
+    finally:
+        beside.wait(timeout=600)
+    one_out = (tmp_path / "one-node.log").read_text(errors="replace")
+    assert beside.returncode == 0 and "rehearsal passed" in one_out, one_out[-3000:]
+    assert "on 4 CPU processes" in one_out and "launcher invocations" not in one_out
+    one = read_rank_summaries(one_node)
     assert TWO_NODES in out
     assert [(r["rank"], r["node"], r["stage"], r["data_rank"]) for r in ranks] == [
         (0, 0, 0, 0), (1, 0, 0, 1), (2, 1, 1, 0), (3, 1, 1, 1)]
