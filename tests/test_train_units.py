@@ -89,9 +89,10 @@ def test_bitsandbytes_deepspeed_and_peft_are_left_out_of_a_run_that_cannot_use_t
         assert "deepspeed" not in sys.modules and "peft" not in sys.modules
         assert leave_out_unused(["--plan", zero1_json, *run]) == ["peft"]  # bitsandbytes: already decided
         assert "deepspeed" not in sys.modules
-        assert len(sys.meta_path) == len(finders) + 3  # each ZeRO run's hook for DeepSpeed's Muon module
+        # each ZeRO run's hooks: DeepSpeed's Muon module, py-cpuinfo (unless imported already)
+        assert len(sys.meta_path) == len(finders) + 3 * (2 - ("cpuinfo.cpuinfo" in sys.modules))
         assert leave_out_unused(["--plan", plan_json, *run]) == ["deepspeed"]
-        assert len(sys.meta_path) == len(finders) + 3  # DDP: none
+        assert len(sys.meta_path) == len(finders) + 3 * (2 - ("cpuinfo.cpuinfo" in sys.modules))  # DDP: none
         for name in ("bitsandbytes", "deepspeed", "peft"):
             assert sys.modules[name] is None and importlib.util.find_spec(name) is None
         from accelerate.utils import is_deepspeed_available, is_peft_available
@@ -139,6 +140,45 @@ def test_a_deepspeed_rank_imports_muon_uncompiled_and_leaves_torch_compile_as_it
         sys.modules.pop(MUON_MODULE, None)
         if saved is not None:
             sys.modules[MUON_MODULE] = saved
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_core
+def test_a_deepspeed_rank_asks_py_cpuinfo_once():
+    """ask_cpuinfo_once: py-cpuinfo's get_cpu_info starts an interpreter at every call; after the hook a second call
+    starts none and gives an equal dict of its own. Counted as the processes this one reaps."""
+    import importlib
+    import resource
+    import sys
+
+    from toolkit.train.__main__ import CPUINFO_MODULE, ask_cpuinfo_once
+
+    saved = {name: sys.modules.pop(name) for name in ("cpuinfo", CPUINFO_MODULE) if name in sys.modules}
+    finders = list(sys.meta_path)
+
+    def reaped() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    try:
+        ask_cpuinfo_once()
+        from cpuinfo import get_cpu_info
+
+        assert sys.meta_path == finders
+        before = reaped()
+        first = get_cpu_info()
+        between = reaped()
+        second = get_cpu_info()
+        assert between > before and reaped() == between  # the first call ran `python cpuinfo.py --json`, not the second
+        assert first == second and first is not second and first["arch"]
+        del sys.modules["cpuinfo"], sys.modules[CPUINFO_MODULE]
+        plain = importlib.import_module("cpuinfo")
+        assert not hasattr(plain.cpuinfo.get_cpu_info_json, "cache_info")  # without the hook: as py-cpuinfo has it
+    finally:
+        sys.meta_path[:] = finders
+        for name in ("cpuinfo", CPUINFO_MODULE):
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
 
 
 # --- data ------------------------------------------------------------------------------------------------------

@@ -85,8 +85,8 @@ def leave_out_unused(argv: list[str]) -> list[str]:
     imports inductor: about 1.2 s of CPU at every rank's start here. DeepSpeed: accelerate's unwrap_model imports it
     whenever it is installed (about 0.3-0.6 s of CPU). PEFT: transformers.trainer_utils imports it whenever it is
     installed (0.1-0.25 s of CPU). A run that uses DeepSpeed imports its Muon module with the kernels left
-    uncompiled (compile_muon_never). docs/ENGINE_FACTS.md says why this is consistent. An unreadable plan changes
-    nothing (main says why)."""
+    uncompiled (compile_muon_never) and asks py-cpuinfo once (ask_cpuinfo_once). docs/ENGINE_FACTS.md says why
+    this is consistent. An unreadable plan changes nothing (main says why)."""
     if {"-h", "--help"} & set(argv):
         return []
     from toolkit.plan.schema import load_plan
@@ -102,8 +102,10 @@ def leave_out_unused(argv: list[str]) -> list[str]:
     left_out = [name for name, left in unused.items() if left and name not in sys.modules]
     for name in left_out:
         sys.modules[name] = None
-    if not unused["deepspeed"] and muon_unused(Path(ns.plan)):
-        compile_muon_never()
+    if not unused["deepspeed"]:
+        ask_cpuinfo_once()
+        if muon_unused(Path(ns.plan)):
+            compile_muon_never()
     return left_out
 
 
@@ -135,10 +137,47 @@ def compile_muon_never() -> None:
     returns the function itself), set for that import only. Decorating with torch.compile resolves the inductor
     backend at once (torch._inductor.compile_fx, torch._dynamo.repro.after_dynamo): about 0.75 s of CPU at every
     ZeRO rank's optimizer set-up here, for two kernels that only a Muon optimizer calls. docs/ENGINE_FACTS.md."""
+
+    def uncompiled(run, module) -> None:
+        before = os.environ.get("TORCHDYNAMO_DISABLE")
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        try:
+            run()
+        finally:
+            if before is None:
+                os.environ.pop("TORCHDYNAMO_DISABLE", None)
+            else:
+                os.environ["TORCHDYNAMO_DISABLE"] = before
+
+    on_import(MUON_MODULE, uncompiled)
+
+
+CPUINFO_MODULE = "cpuinfo.cpuinfo"
+"""py-cpuinfo, which DeepSpeed's CPU ops ask for the CPU's architecture and vendor."""
+
+
+def ask_cpuinfo_once() -> None:
+    """Process entry only: py-cpuinfo's answer kept for the process. Its get_cpu_info starts a new interpreter at
+    every call (py-cpuinfo 9.0.0 get_cpu_info_json: `python cpuinfo.py --json`, about 0.4 s of CPU each here), and a
+    DeepSpeed rank with its CPU Adam (ZeRO offload) asks three times: the op builder's cpu_arch and simd_width, then
+    DeepSpeedCPUAdam.__init__. The CPU does not change while the process runs; each call still parses the kept JSON
+    into a dict of its own. docs/ENGINE_FACTS.md."""
+    import functools
+
+    def kept(run, module) -> None:
+        run()
+        module.get_cpu_info_json = functools.lru_cache(maxsize=None)(module.get_cpu_info_json)
+
+    on_import(CPUINFO_MODULE, kept)
+
+
+def on_import(name: str, execute) -> None:
+    """Process entry only: the first import of module `name` runs as execute(run, module), where run() executes the
+    module's code (its own loader's exec_module); a module already imported is left as it is."""
     import importlib.abc
     import importlib.util
 
-    class EagerLoader(importlib.abc.Loader):
+    class Loader(importlib.abc.Loader):
         def __init__(self, loader):
             self.loader = loader
 
@@ -146,27 +185,20 @@ def compile_muon_never() -> None:
             return self.loader.create_module(spec)
 
         def exec_module(self, module):
-            before = os.environ.get("TORCHDYNAMO_DISABLE")
-            os.environ["TORCHDYNAMO_DISABLE"] = "1"
-            try:
-                self.loader.exec_module(module)
-            finally:
-                if before is None:
-                    os.environ.pop("TORCHDYNAMO_DISABLE", None)
-                else:
-                    os.environ["TORCHDYNAMO_DISABLE"] = before
+            execute(lambda: self.loader.exec_module(module), module)
 
-    class MuonFinder(importlib.abc.MetaPathFinder):
+    class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
-            if fullname != MUON_MODULE:
+            if fullname != name:
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(fullname)
             if spec is not None and spec.loader is not None:
-                spec.loader = EagerLoader(spec.loader)
+                spec.loader = Loader(spec.loader)
             return spec
 
-    sys.meta_path.insert(0, MuonFinder())
+    if name not in sys.modules:
+        sys.meta_path.insert(0, Finder())
 
 
 if __name__ == "__main__":
