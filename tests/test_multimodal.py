@@ -133,11 +133,14 @@ def _tower_plan(model_dir: Path, name: str):
 @pytest.fixture(scope="module")
 def tower_runs(runs_by_name, tiny_gemma3, corpus_dir):
     """The tiny Gemma-3 class's toolkit.train runs by name (_tower_plan), each made once: the one-process run of a
-    tower setting serves every 2-process run of it, and starts beside the DDP one."""
+    tower setting serves every 2-process run of it, and starts beside the DDP one; the ZeRO-3 and FSDP2 runs of the
+    frozen tower start side by side (one after the other, each 2-rank world left a core idle while it started, met
+    and saved)."""
     def arguments(name):
         return _tower_plan(tiny_gemma3, name), f"mm-{name}", "--data", str(corpus_dir), *TOWER_TRAIN
 
-    return runs_by_name(arguments, together=[("one-freeze", "ddp-freeze"), ("one-train", "ddp-train")])
+    return runs_by_name(arguments, together=[("one-freeze", "ddp-freeze"), ("one-train", "ddp-train"),
+                                             ("zero3-freeze", "fsdp2-freeze")])
 
 
 @pytest.mark.multiprocess

@@ -53,13 +53,15 @@ def _plan(model_dir, name: str):
 @pytest.fixture(scope="module")
 def dimension_runs(runs_by_name, tiny_llama_dir, corpus_dir):
     """Each run once, by name; the single-process reference ("ref") starts beside ZeRO-3 x SP 2's 2 ranks (alone
-    it left a core idle)."""
+    it left a core idle), and the two offloading SP runs' 2-rank worlds beside each other (one after the other,
+    each left a core idle while it started, met and saved)."""
     def arguments(name):
         plan = _plan(tiny_llama_dir, name)
         assert plan.global_batch == 4
         return plan, "dims-ref" if name == "ref" else name, *_args(corpus_dir)
 
-    return runs_by_name(arguments, together=[("ref", "zero3-sp2-tiled")], timeout=600)
+    return runs_by_name(arguments, together=[("ref", "zero3-sp2-tiled"),
+                                             ("zero3-sp2-offload", "zero2-offload-sp2-tiled")], timeout=600)
 
 
 @pytest.fixture(scope="module")
