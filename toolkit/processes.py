@@ -153,3 +153,34 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
     except OSError:
         return False
+
+
+def on_import(name: str, execute) -> None:
+    """Process entry only: the first import of module `name` runs as execute(run, module), where run() executes the
+    module's code (its own loader's exec_module); a module already imported is left as it is. The one import hook:
+    toolkit.train's rank entry and the guard of a user's script (toolkit.train.own_script_guard) both use it."""
+    import importlib.abc
+    import importlib.util
+
+    class Loader(importlib.abc.Loader):
+        def __init__(self, loader):
+            self.loader = loader
+
+        def create_module(self, spec):
+            return self.loader.create_module(spec)
+
+        def exec_module(self, module):
+            execute(lambda: self.loader.exec_module(module), module)
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is not None and spec.loader is not None:
+                spec.loader = Loader(spec.loader)
+            return spec
+
+    if name not in sys.modules:
+        sys.meta_path.insert(0, Finder())

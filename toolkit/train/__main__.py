@@ -13,6 +13,7 @@ from pathlib import Path
 
 from toolkit.errors import EXIT_USER_ERROR, UserError
 from toolkit.inputs.strategy import Engine
+from toolkit.processes import on_import
 from toolkit.train.failures import rank, report_failure
 
 
@@ -169,36 +170,6 @@ def ask_cpuinfo_once() -> None:
         module.get_cpu_info_json = functools.lru_cache(maxsize=None)(module.get_cpu_info_json)
 
     on_import(CPUINFO_MODULE, kept)
-
-
-def on_import(name: str, execute) -> None:
-    """Process entry only: the first import of module `name` runs as execute(run, module), where run() executes the
-    module's code (its own loader's exec_module); a module already imported is left as it is."""
-    import importlib.abc
-    import importlib.util
-
-    class Loader(importlib.abc.Loader):
-        def __init__(self, loader):
-            self.loader = loader
-
-        def create_module(self, spec):
-            return self.loader.create_module(spec)
-
-        def exec_module(self, module):
-            execute(lambda: self.loader.exec_module(module), module)
-
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is not None and spec.loader is not None:
-                spec.loader = Loader(spec.loader)
-            return spec
-
-    if name not in sys.modules:
-        sys.meta_path.insert(0, Finder())
 
 
 if __name__ == "__main__":

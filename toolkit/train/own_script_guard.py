@@ -161,33 +161,16 @@ def batch_problem(micro: int, accumulation: int, plan_settings: Callable[[], dic
 
 def after_import(name: str, then) -> None:
     """Call then(module) right after module `name` is first imported (at once if it already is)."""
-    import importlib.abc
-    import importlib.util
     import sys
+
+    from toolkit.processes import on_import
 
     if name in sys.modules:
         then(sys.modules[name])
         return
 
-    class Loader(importlib.abc.Loader):
-        def __init__(self, inner):
-            self.inner = inner
+    def run_then(run, module) -> None:
+        run()
+        then(module)
 
-        def create_module(self, spec):
-            return self.inner.create_module(spec)
-
-        def exec_module(self, module):
-            self.inner.exec_module(module)
-            then(module)
-
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is not None and spec.loader is not None:
-                spec.loader = Loader(spec.loader)
-            return spec
-
-    sys.meta_path.insert(0, Finder())
+    on_import(name, run_then)
