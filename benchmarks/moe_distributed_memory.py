@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -144,24 +142,14 @@ def at_received_rows(plan, peak_bytes: int, ranks: list[dict]) -> list[tuple[int
 
 
 def run_one(model_dir: Path, corpus: Path, arch: str, route: tuple, workdir: Path) -> dict:
-    from toolkit.run.launcher import emit_plan_files, launch_command
-
     strategy, world, expert, micro = route
     plan = make_plan(model_dir, strategy, world, expert, micro)
     base = workdir / f"{arch}-{strategy}-{world}-{expert}"
-    plan_dir = emit_plan_files(plan, base / "plan")
-    command = launch_command(plan_dir, ["--output", str(base / "out"), "--data", str(corpus), *TRAIN])
-    entry = command.index("-m")  # `accelerate launch ... -m toolkit.train --plan P ARGS`: this file's worker instead
-    command = [*command[:entry], __file__, "--worker", str(base / "mem"), *command[entry + 2:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
-    start = time.perf_counter()
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+    argv = ["--output", str(base / "out"), "--data", str(corpus), *TRAIN]
+    ranks, started = rl.launch_measured(plan, base, argv, world, script=__file__)
     row = {"arch": arch, "strategy": strategy, "world": world, "expert": expert, "micro_batch": micro,
-           "grid": plan.grid.describe(), "leaf_modules": plan.leaf_modules,
-           "wall_s": round(time.perf_counter() - start, 1)}
-    ranks = [json.loads(p.read_text()) for r in range(world) if (p := Path(f"{base / 'mem'}.rank{r}.json")).exists()]
-    if len(ranks) != world or any("peak_bytes" not in r for r in ranks):
-        row["error"] = (proc.stdout + proc.stderr)[-3000:]
+           "grid": plan.grid.describe(), "leaf_modules": plan.leaf_modules, **started}
+    if ranks is None:
         return row
     for r in ranks:
         routed = Path(f"{base / 'mem'}.rank{r['rank']}.routed.json")
@@ -173,11 +161,7 @@ def run_one(model_dir: Path, corpus: Path, arch: str, route: tuple, workdir: Pat
         for r, (received, balanced, peak) in zip(ranks, at_rows):
             r.update(received_rows=received, balanced_rows=balanced, predicted_peak_bytes=peak,
                      peak_ratio=peak / r["peak_bytes"])
-    row["measured_peak_bytes"] = max(r["peak_bytes"] for r in ranks)
-    row["measured_persistent_bytes"] = max(r["persistent_bytes"] for r in ranks)
-    row["peak_ratio"] = row["predicted"]["peak_bytes"] / row["measured_peak_bytes"]
-    row["persistent_ratio"] = row["predicted"]["persistent_bytes"] / row["measured_persistent_bytes"]
-    return row
+    return rl.with_ratios(row)
 
 
 def make_inputs(scratch: Path) -> tuple[dict, Path]:

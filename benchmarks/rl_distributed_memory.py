@@ -157,32 +157,46 @@ def predict(plan, prompt_tokens: int | None = None) -> dict:
             "terms": {t.name: int(t.bytes) for t in b.terms}}
 
 
-def run_one(model_dir: Path, data: dict, method: str, strategy: str, workdir: Path) -> dict:
+def launch_measured(plan, base: Path, argv: list[str], world: int, script: str = __file__) -> tuple[list | None, dict]:
+    """Launch the plan's toolkit.train as `accelerate launch` would, with `script`'s worker in place of the module
+    (it measures each rank into `base`/mem.rank<r>.json): (the ranks' readings, or None when a rank left none, and
+    the row's start: wall seconds, and the run's output tail where it failed)."""
     from toolkit.run.launcher import emit_plan_files, launch_command
 
-    plan = make_plan(model_dir, method, strategy)
-    base = workdir / f"{method}-{strategy}"
-    plan_dir = emit_plan_files(plan, base / "plan")
-    argv = ["--output", str(base / "out"), "--data", str(data[method]), *COMMON, *METHOD_FLAGS[method]]
-    command = launch_command(plan_dir, argv)
-    entry = command.index("-m")  # `accelerate launch ... -m toolkit.train --plan P ARGS`: this file's worker instead
-    command = [*command[:entry], __file__, "--worker", str(base / "mem"), *command[entry + 2:]]
+    command = launch_command(emit_plan_files(plan, base / "plan"), argv)
+    entry = command.index("-m")  # `accelerate launch ... -m toolkit.train --plan P ARGS`: the worker instead
+    command = [*command[:entry], script, "--worker", str(base / "mem"), *command[entry + 2:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
     start = time.perf_counter()
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
-    row = {"method": method, "strategy": strategy, "wall_s": round(time.perf_counter() - start, 1)}
-    ranks = [json.loads(p.read_text()) for r in range(WORLD) if (p := Path(f"{base / 'mem'}.rank{r}.json")).exists()]
-    if len(ranks) != WORLD or any("peak_bytes" not in r for r in ranks):
+    row: dict = {"wall_s": round(time.perf_counter() - start, 1)}
+    ranks = [json.loads(p.read_text()) for r in range(world) if (p := Path(f"{base / 'mem'}.rank{r}.json")).exists()]
+    if len(ranks) != world or any("peak_bytes" not in r for r in ranks):
         row["error"] = (proc.stdout + proc.stderr)[-3000:]
-        return row
-    row["ranks"] = ranks
-    prompt = ranks[0].get("prompt_tokens")
-    row["predicted"] = predict(plan, prompt)
-    row["measured_peak_bytes"] = max(r["peak_bytes"] for r in ranks)
-    row["measured_persistent_bytes"] = max(r["persistent_bytes"] for r in ranks)
+        return None, row
+    return ranks, row
+
+
+def with_ratios(row: dict) -> dict:
+    """The row's measured peak and between-steps bytes (the busiest rank's) and predicted / measured for each."""
+    row["measured_peak_bytes"] = max(r["peak_bytes"] for r in row["ranks"])
+    row["measured_persistent_bytes"] = max(r["persistent_bytes"] for r in row["ranks"])
     row["peak_ratio"] = row["predicted"]["peak_bytes"] / row["measured_peak_bytes"]
     row["persistent_ratio"] = row["predicted"]["persistent_bytes"] / row["measured_persistent_bytes"]
     return row
+
+
+def run_one(model_dir: Path, data: dict, method: str, strategy: str, workdir: Path) -> dict:
+    plan = make_plan(model_dir, method, strategy)
+    argv = ["--output", str(workdir / f"{method}-{strategy}" / "out"), "--data", str(data[method]), *COMMON,
+            *METHOD_FLAGS[method]]
+    ranks, started = launch_measured(plan, workdir / f"{method}-{strategy}", argv, WORLD)
+    row = {"method": method, "strategy": strategy, **started}
+    if ranks is None:
+        return row
+    row["ranks"] = ranks
+    row["predicted"] = predict(plan, ranks[0].get("prompt_tokens"))
+    return with_ratios(row)
 
 
 def make_inputs(scratch: Path) -> tuple[Path, dict]:

@@ -839,6 +839,27 @@ def test_fit_takes_zero2s_overlap_comm_from_the_config(tmp_path):
     assert "zero_overlap_comm" not in dict(fit_settings(str(plain)).job_options)
 
 
+@pytest.mark.parametrize("spelled, second", [('"true"', True), ('"Yes"', True), ("1", True), ('"false"', False),
+                                             ("false", False)])
+def test_fit_reads_overlap_comm_as_deepspeed_does(tmp_path, spelled, second):
+    """DeepSpeed's config models read booleans in pydantic's lax mode, so "true" / "Yes" / 1 switch overlap_comm on
+    as true does (DeepSpeedZeroConfig itself asked, below): the fit prices the second IPG buffer for each, at stage 1
+    as at stage 2 (stage_1_and_2.py setup_buckets serves both)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from toolkit.check.fit import fit_settings
+    from toolkit.emit.deepspeed import ds_bool
+
+    for stage in (1, 2):
+        block = f'{{"stage": {stage}, "overlap_comm": {spelled}, "reduce_bucket_size": 2e8}}'
+        path = tmp_path / f"zero{stage}.json"
+        path.write_text(f'{{"zero_optimization": {block}, "bf16": {{"enabled": {spelled}}}}}')
+        engine = DeepSpeedZeroConfig(**json.loads(block)).overlap_comm
+        assert engine is second and ds_bool(json.loads(spelled)) is second
+        assert dict(fit_settings(str(path)).job_options).get("zero_overlap_comm", False) is second
+        assert fit_settings(str(path)).precision == ("bf16" if second else "fp32")
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
 def test_a_zero12_x_sp_folder_without_the_gradient_average_names_the_keys_for_its_world(tmp_path, strategy):
     """The plan's own JSON averages over dp x sp (clean); the same JSON without its two keys, as toolkit wrote it

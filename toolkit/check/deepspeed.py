@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from toolkit.emit.deepspeed import auto_keys, is_auto
+from toolkit.emit.deepspeed import auto_keys, ds_bool, is_auto
 from toolkit.check.findings import ACCELERATE, DEEPSPEED, EVERY, HF_RUNNERS, PIPELINE, Problem, Severity, TRAINER
 from toolkit.engines.validate import sequence_parallel_problem
 from toolkit.engines.readers import (_mapping, accelerate_view, concrete_int, deepspeed_reads_all, enabled, trainer_view,
@@ -269,7 +269,7 @@ def _autoep_zero3_problems(config: dict[str, Any], zero: dict[str, Any], f: _Fin
 
     everyone = HF_RUNNERS | {f.readers.direct}
     refused = "DeepSpeed AutoEP with ZeRO-3: deepspeed.initialize refuses"
-    if zero.get("zero_quantized_gradients") is True:
+    if ds_bool(zero.get("zero_quantized_gradients")):
         f.fail(everyone, f"{refused} zero_quantized_gradients (runtime/engine.py _validate_zero3_moe_compatibility); "
                "set it to false, or use ZeRO-1/2 for AutoEP")
     hpz = concrete_int(zero.get("zero_hpz_partition_size"))

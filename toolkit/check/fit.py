@@ -127,7 +127,7 @@ def _from_deepspeed(ds: dict[str, Any], pins: Pins, source: str, *, yaml_precisi
     bucket = block.get("reduce_bucket_size", zero_default("reduce_bucket_size"))
     size = int(bucket) if isinstance(bucket, (int, float)) and not isinstance(bucket, bool) else 0
     options = (("zero_reduce_bucket", size),) if stage >= 2 and size else ()
-    if stage == 2 and block.get("overlap_comm") is True:  # DeepSpeed's default below stage 3 is off
+    if stage in (1, 2) and zero.overlap_comm:  # stage_1_and_2.py setup_buckets: a second IPG buffer
         options += (("zero_overlap_comm", True),)
     return FitSettings(strategy, micro, precision, checkpointing, assumptions=tuple(notes), job_options=options,
                        sizes=_autoep_sizes(ds))

@@ -55,6 +55,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from toolkit.errors import UserError
 from toolkit.plan.schema import Plan
 from toolkit.inputs.autoep import autoep_section
@@ -279,20 +281,28 @@ def sp_gradient_multiple(config: dict[str, Any], *, sp: int, group_ranks: int | 
         return 1
     zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
     stage = zero.get("stage", 0)
-    reduce_scatter = _flag(zero.get("reduce_scatter", True))
+    reduce_scatter = ds_bool(zero.get("reduce_scatter", True))
     if stage == 3:
         return 1 if reduce_scatter else sp
     offload = isinstance(zero.get("offload_optimizer"), dict) and zero["offload_optimizer"].get("device") not in (
         None, "none")
-    averages = (stage in (1, 2) and not reduce_scatter and (_flag(zero.get("contiguous_gradients", True)) or offload)
-                and not _flag(config.get("prescale_gradients", False)) and group_ranks is not None
+    averages = (stage in (1, 2) and not reduce_scatter and (ds_bool(zero.get("contiguous_gradients", True)) or offload)
+                and not ds_bool(config.get("prescale_gradients", False)) and group_ranks is not None
                 and config.get("gradient_predivide_factor") == group_ranks)
     return 1 if averages else sp
 
 
-def _flag(value: Any) -> bool:
-    """A DeepSpeed boolean as its pydantic config reads it (a bool, or the strings "true" / "false")."""
-    return str(value).lower() == "true"
+_BOOL = TypeAdapter(bool)
+
+
+def ds_bool(value: Any) -> bool:
+    """A DeepSpeed boolean as its pydantic config models read it (DeepSpeedConfigModel validates in pydantic's lax
+    mode: True / 1 and the strings "true", "1", "yes", "on", "t", "y" in any case are true); anything pydantic refuses
+    (DeepSpeed's config then refuses the file itself) reads as false here."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return False
 
 
 def adamw_block(*, runner_fills: bool) -> dict[str, Any]:
@@ -331,7 +341,7 @@ def auto_keys(config: Any, prefix: str = "") -> list[str]:
 
 def enabled(block: Any) -> bool:
     """A precision or offload block switched on, as DeepSpeed reads "enabled" (a bool, or the string "true")."""
-    return isinstance(block, dict) and str(block.get("enabled", False)).lower() == "true"
+    return isinstance(block, dict) and ds_bool(block.get("enabled", False))
 
 
 def json_precision(config: dict[str, Any]) -> str:

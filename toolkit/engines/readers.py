@@ -100,6 +100,8 @@ class ZeroSettings:
     offload_optimizer_nvme_path: str | None
     offload_params_nvme_path: str | None
     gather_16bit_on_save: bool
+    overlap_comm: bool
+    """DeepSpeed's reading, its stage default included (on at stage 3, off below)."""
     deprecated: tuple[tuple[str, str], ...]
     """(name in the file, what DeepSpeed says to use instead)."""
 
@@ -143,7 +145,7 @@ def zero_settings(zero: dict[str, Any]) -> ZeroSettings | None:
                         offload_optimizer_nvme_path=nvme(model.offload_optimizer),
                         offload_params_nvme_path=nvme(model.offload_param),
                         gather_16bit_on_save=bool(model.gather_16bit_weights_on_model_save),
-                        deprecated=tuple(deprecated))
+                        overlap_comm=bool(model.overlap_comm), deprecated=tuple(deprecated))
 
 
 class _ReadRecorder(dict):
