@@ -136,6 +136,36 @@ def test_exchange_time_is_the_route_s_collectives_over_the_expert_group():
     assert own == pytest.approx(48 * recompute * 4 * all_to_all_s(2048 * 8 * 2048 * 2, 8, bw), rel=1e-12)
 
 
+def test_a_shared_batch_fsdp_group_strides_over_the_expert_group_and_leaves_the_node():
+    """transformers' dense mesh is (pp, dp_replicate, fsdp, tp), tp innermost: on a shared batch (tp = ep) the fsdp
+    peers of rank r are r + ep, r + 2 ep, ...; at ep 8 x fsdp 2 on 2 nodes of 8 they sit on different nodes, so the
+    dense parameters' gathers and reduce-scatters run on the inter-node link, as the experts' efsdp ones do. Every
+    rank its own batch (fsdp contiguous), the same 2 x 8 grid keeps an fsdp group of 2 inside a node's link."""
+    from toolkit.estimate.collectives import ring_s
+    from toolkit.estimate.experttime import expert_parallel_fsdp_comm_s
+    from toolkit.inputs.hardware import parse_hardware
+
+    spec, hw = _spec(), parse_hardware("8xH100-80GB", nodes=2)
+    assert hw.inter_node_gbps < hw.gpu.intra_node_gbps
+    dense, experts = QWEN3_PARAMS - QWEN3_EXPERTS, QWEN3_EXPERTS
+    shared = _grid(8, shared=True, nodes=2)
+    assert (shared.shard_group, shared.expert_shard_group) == (2, 2)
+    gathers = 2  # forward and backward, then one reduce-scatter of the gradients: 3 collectives each
+    assert expert_parallel_fsdp_comm_s(spec, shared, hw, 2, gathers) == pytest.approx(
+        3 * ring_s(dense * 2, 2, hw.inter_node_gbps, 1) + 3 * ring_s(experts / 8 * 2, 2, hw.inter_node_gbps, 1),
+        rel=1e-12)
+    own = _grid(8, shared=False, nodes=2)  # fsdp 16 contiguous: spans both nodes as well
+    assert expert_parallel_fsdp_comm_s(spec, own, hw, 2, gathers) == pytest.approx(
+        3 * ring_s(dense * 2, 16, hw.inter_node_gbps, 1) + 3 * ring_s(experts / 8 * 2, 2, hw.inter_node_gbps, 1),
+        rel=1e-12)
+    one_node = parse_hardware("8xH100-80GB")
+    inside = ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=1, gpus_per_node=8, expert=4,
+                                       expert_shared_batch=True)  # ep 4 x fsdp 2: one node
+    assert expert_parallel_fsdp_comm_s(spec, inside, one_node, 2, gathers) == pytest.approx(
+        3 * ring_s(dense * 2, 2, one_node.gpu.intra_node_gbps, 1)
+        + 3 * ring_s(experts / 4 * 2, 2, one_node.gpu.intra_node_gbps, 1), rel=1e-12)
+
+
 def test_a_shared_batch_step_prices_one_batch_and_splits_only_the_experts():
     from toolkit.estimate.timing import step_time
     from toolkit.inputs.hardware import parse_hardware

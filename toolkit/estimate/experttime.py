@@ -120,7 +120,11 @@ def expert_parallel_fsdp_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardwar
     experts = expert_params(spec)
     dense = spec.params - experts
     dp = grid.shard_group
-    dense_s = (gathers + 1) * ring_s(dense * pb, dp, group_bandwidth(hw, dp), 1)
+    # transformers' dense mesh is (pp, dp_replicate, fsdp, tp) with tp innermost (distributed/utils.py
+    # initialize_distributed_mesh): on a shared batch (tp = ep) an fsdp group strides over the ep ranks, so its dp
+    # members span ep x dp consecutive ranks and leave the node once those do.
+    span = dp * grid.expert if grid.expert_shared_batch else dp
+    dense_s = (gathers + 1) * ring_s(dense * pb, dp, group_bandwidth(hw, span), 1)
     # efsdp groups stride over the ep groups (rank r and r + ep hold the same experts): they leave the node
     # once the whole grid does.
     expert_s = (gathers + 1) * ring_s(experts / grid.expert * pb, grid.expert_shard_group,

@@ -523,7 +523,7 @@ def expert_parallel_states(spec: Any, strategy: Strategy, job: Job, grid: Any, *
             f"all-to-all send + receive {sent} tokens x top-{spec.moe_top_k} x hidden {spec.hidden}")
     held = (f"unsharded layer holds {spec.moe_experts // grid.expert} of {spec.moe_experts} experts" if fsdp else
             f"{spec.moe_experts // grid.expert} of {spec.moe_experts} experts a layer, no FSDP (fsdp_size 1)")
-    shared = (f" sharing one batch ({per_rank / 1e9:.2f}B parameters a rank, the dense modules whole)"
-              if grid.expert_shared_batch else "")
+    dense = "the dense modules whole" if shard == 1 else f"the dense modules sharded over fsdp {shard} only"
+    shared = f" sharing one batch ({per_rank / 1e9:.2f}B parameters a rank, {dense})" if grid.expert_shared_batch else ""
     s.sources.append(f"expert parallel {grid.expert}{shared}: {held}; {what} = {exchange / GIB:.2f} GiB")
     return s
