@@ -46,23 +46,28 @@ def test_each_lever_pulled_reaches_at_least_the_rung_before(qwen_ladder):
     assert offload.found.candidate.memory.required_bytes <= parse_hardware("2xRTX-4090").gpu.memory_bytes
 
 
-def test_a_lever_the_engines_refuse_with_the_levers_before_it_is_shown_with_the_reason(qwen_ladder):
-    """Tiling takes the chunked loss's place (both replace the logits + loss), so what refuses it is the offloading
-    pulled before it, not the loss."""
+def test_tiling_is_pulled_with_the_offloading_before_it_as_alst_pairs_them(qwen_ladder):
+    """Tiling takes the chunked loss's place (both replace the logits + loss) and keeps the offloading pulled before
+    it, now DeepSpeed's checkpoint offload (toolkit.estimate.savers; TRL's was refused with tiling until 2026-12-05):
+    205,184 tokens, 41,472 more than the offloading rung."""
     _, rungs = qwen_ladder
-    tiled = rungs[4]
-    assert tiled.found is None and tiled.gain == 0
-    assert tiled.skipped.startswith("--tiled with --activation-offloading is not modelled")
+    offload, tiled = rungs[3], rungs[4]
+    job = tiled.found.candidate.job
+    assert job.tiled and job.activation_offloading and job.loss == "model" and not tiled.skipped
+    assert tiled.gain == tiled.seq_len - offload.seq_len > 0
+    assert tiled.found.candidate.memory.required_bytes <= parse_hardware("2xRTX-4090").gpu.memory_bytes
 
 
-def test_the_sequence_split_is_added_to_the_offloading_job(qwen_ladder):
-    """ZeRO-2 x Ulysses SP 2 with the checkpointed activations offloaded: each rank holds and offloads its half of
-    the tokens, so the last rung buys more again (299,904 tokens: 1.8x the offloading rung's 163,712)."""
+def test_the_sequence_split_is_added_to_the_tiled_offloading_job(qwen_ladder):
+    """ZeRO-2 x Ulysses SP 2, tiled, with the checkpointed layers' inputs offloaded: each rank holds and offloads its
+    half of the tokens, so the last rung buys more again."""
     _, rungs = qwen_ladder
-    offload, split = rungs[3], rungs[5]
+    tiled, split = rungs[4], rungs[5]
     c = split.found.candidate
-    assert c.job.activation_offloading and c.grid.sequence == 2 and split.flags == "--sequence-parallel 2"
-    assert split.gain == split.seq_len - offload.seq_len and split.seq_len > 1.5 * offload.seq_len
+    assert c.job.activation_offloading and c.job.tiled and c.grid.sequence == 2
+    assert split.flags == "--sequence-parallel 2"
+    assert split.gain == split.seq_len - tiled.seq_len and split.seq_len > 1.5 * tiled.seq_len, \
+        (split.seq_len, tiled.seq_len)
     assert c.memory.required_bytes <= parse_hardware("2xRTX-4090").gpu.memory_bytes
     assert split.rope_factor == math.ceil(split.seq_len / 40960)
 
@@ -92,7 +97,7 @@ def test_plan_seq_max_json_and_plan_md_carry_the_ladder(tmp_path, capsys):
     assert set(rows[0]) == {"lever", "flags", "pulled", "skipped", "row", "longest_seq", "gain", "rope_factor",
                             "required_bytes", "reason"}
     assert rows[1]["longest_seq"] == 40960 and rows[1]["gain"] == 40960 - rows[0]["longest_seq"]
-    assert rows[4]["pulled"] is False and "--tiled" in rows[4]["skipped"]
+    assert rows[4]["pulled"] is True and rows[4]["gain"] > 0  # tiled, with DeepSpeed's checkpoint offload
     assert rows[5]["pulled"] is True and rows[5]["gain"] > 0
     md = (out / "PLAN.md").read_text()
     assert "## Long-context levers" in md and f"| {CHUNKED} | 40,960 | {rows[1]['gain']:+,} |" in md
@@ -130,6 +135,9 @@ def test_estimate_seq_max_climbs_plans_ladder_for_its_one_strategy(capsys):
     rungs = {r["lever"]: r["longest_seq"] for r in planned["rungs"]}
     assert estimated["longest_seq"] == rungs["your job"] > 2048
     assert rungs[ROPE] == rungs[CHUNKED] > rungs["your job"] and rungs[TILED] == 0
+    # without checkpointing DeepSpeed's checkpoint offload moves nothing: tiling would reach less than TRL's offload
+    tiled = next(r for r in planned["rungs"] if r["lever"] == TILED)
+    assert tiled["skipped"].startswith("reaches ") and "nothing without checkpointing" in tiled["skipped"], tiled
     assert rungs[OFFLOAD] > 10 * rungs[CHUNKED] and rungs[SPLIT] > 1.5 * rungs[OFFLOAD]
     assert main(["estimate", *job[:-1], "--strategy", "zero2"]) == 0
     text = capsys.readouterr().out

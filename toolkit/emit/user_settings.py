@@ -29,6 +29,7 @@ from typing import Any
 
 from toolkit.emit.deepspeed import GRADIENT_CLIPPING, averages_over_sp_ranks, owns_optimizer
 from toolkit.emit.parallelism import sharded_at_load
+from toolkit.patches.actoffload import offload_note
 from toolkit.patches.compiledckpt import DYNAMO_FLAG
 from toolkit.plan.schema import Plan
 from toolkit.inputs.choices import BASE_DTYPE_NAMES, TRL_LOSS
@@ -164,7 +165,7 @@ def sft_config(plan: Plan) -> dict[str, Any]:
     return {**training_arguments(plan), **length,
             "packing": plan.attention == "flash_attention_2",
             **({"loss_type": "nll"} if plan.loss == TRL_LOSS else {}),
-            **({"activation_offloading": True} if plan.activation_offloading else {})}
+            **({"activation_offloading": True} if plan.activation_offloading and not plan.tiled else {})}
 
 
 def dpo_config(plan: Plan) -> dict[str, Any]:
@@ -287,10 +288,7 @@ def notes(plan: Plan) -> list[str]:
                    "select it (optim adamw_torch runs torch's foreach default, which needs more memory at the step); "
                    "a custom loop passes foreach=False, fused=False.")
     if plan.activation_offloading:
-        out.append(f"The plan's memory assumes activation offloading: TRL's {'DPOConfig' if plan.dpo else 'SFTConfig'} "
-                   "carries activation_offloading; toolkit.train runs TRL's offloading context around each training "
-                   "step as SFTTrainer and DPOTrainer do; the plain HF Trainer has no such option (re-plan without "
-                   "--activation-offloading for it).")
+        out.append(offload_note(plan))
     if plan.compile:
         out.append("The plan's memory and speed assume torch.compile (inductor): TrainingArguments carry "
                    "torch_compile and the YAML dynamo_config (backend INDUCTOR); a custom loop gets it from the YAML "

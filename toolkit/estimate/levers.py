@@ -6,8 +6,10 @@ past the trained positions (YaRN), the checkpointed activations offloaded to the
 context parallelism. Each rung is toolkit.estimate.longest's search (the same traces, cached per octave) on the job
 with that lever and every one pulled before it; a lever the job already has, or that the engines (or this planner)
 refuse with the levers before it, is a rung that says why in one line and changes nothing. Tiling's rung takes the
-chunked loss's place (ALST's tiled logits + loss and TRL's chunked NLL both replace the logits + loss); the split
-rung keeps the offloading pulled before it (each context / sequence rank offloads its own tokens' saves).
+chunked loss's place (ALST's tiled logits + loss and TRL's chunked NLL both replace the logits + loss) and swaps
+TRL's offload for DeepSpeed's checkpoint offload (toolkit.estimate.savers), which can move less: a rung that would
+reach fewer tokens than the one before is not pulled and says so. The split rung keeps the offloading pulled before
+it (each context / sequence rank offloads its own tokens' saves).
 
 RoPE scaling changes no memory (toolkit.inputs.rope: the same cos / sin and one inv_freq buffer whatever the
 factor), so from the RoPE rung on the search runs on the model as it is with its positions raised an octave at a
@@ -106,6 +108,13 @@ def lever_ladder(spec: "ModelSpec", hw: "Hardware", req: "Request", strategy: st
             rungs.append(Rung(lever, flags, None, skipped=f"no row of {strategy} on these GPUs runs it"))
             continue
         before = next(r for r in reversed(rungs) if r.found is not None)
+        if found.seq_len < before.seq_len:  # tiling swaps TRL's offload for DeepSpeed's, which may move less
+            rungs.append(Rung(lever, flags, None, skipped=(
+                f"reaches {found.seq_len:,} tokens, fewer than the {before.lever} rung's {before.seq_len:,}"
+                + ("; with --tiled the offload is DeepSpeed's checkpoint offload, which moves only the checkpointed "
+                   "layers' inputs (nothing without checkpointing)" if lever == TILED and req.activation_offloading
+                   else ""))))
+            continue
         req, scaled = new_req, scaled or lever == ROPE
         cap = searched_to
         if wants_split and found.candidate is not None and found.candidate.grid is not None:

@@ -22,7 +22,7 @@ from toolkit.estimate.hostram import host_ram
 from toolkit.estimate.reward import reward_weights_bytes, with_reward
 from toolkit.inputs.job import Job, checkpointing_words
 from toolkit.inputs.modelspec import ModelSpec
-from toolkit.estimate.savers import offload_layer_activations, optimizer_step_temporary_bytes
+from toolkit.estimate.savers import layer_input_bytes, offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.estimate.states import (States, adapter_states, ddp_states, expert_parallel_states, fsdp2_states,
                                      pipeline_states, zero_states)
 from toolkit.estimate.traces import scaled_trace
@@ -323,7 +323,7 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         counts = counts_for_spec(spec, job.adapter)
         states = adapter_job_states(spec, strategy, job, grid)
         trace = scaled_trace(spec, job, strategy)
-        trace, offloaded = offload_layer_activations(trace, job)
+        trace, offloaded = offload_layer_activations(trace, job, layer_input_bytes(spec, job))
         states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
         # Gradients exist only for the trainable parameters: regions carry those counts.
         regions = [_Region("embedding", counts.pre_layer_trainable, trace.embedding),
@@ -332,7 +332,7 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         return _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference, grid=grid)
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
-        trace, offloaded = offload_layer_activations(trace, job)
+        trace, offloaded = offload_layer_activations(trace, job, layer_input_bytes(spec, job))
         states = states_for(spec, strategy, job, grid, params=spec.params)
         if grid.expert > 1 and grid.shard_group > 1 and not grid.autoep:  # transformers' own FSDP2 groups (distributed/fsdp.py)
             from toolkit.inputs.moe import ep_gathered_layer_params
@@ -380,7 +380,8 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
 
     view = rank_view(spec, job, grid)
     trace = apply_to_trace(scaled_trace(view.spec, view.job, strategy), view, job.checkpointing)
-    trace, offloaded = offload_layer_activations(trace, job)  # a rank moves its own tokens' saves (rank_view)
+    # a rank moves its own tokens' saves (rank_view)
+    trace, offloaded = offload_layer_activations(trace, job, layer_input_bytes(view.spec, view.job))
     states = states_for(view.spec, strategy, view.job, grid, params=view.spec.params)
     states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
     if view.fsdp_kept_outside_params is not None and strategy.engine == Engine.FSDP2 \

@@ -364,8 +364,8 @@ def auto_tiling(spec: ModelSpec, strategy: Strategy, req: Request) -> bool:
         return False  # replace the tiled logits + loss, and dpo_problem / grpo_problem refuse --tiled
     from toolkit.inputs.job import tiled_problem
 
-    return tiled_problem(strategy, activation_offloading=req.activation_offloading, liger=req.liger,
-                         adapter=req.adapter) is None and model_feature_problem(spec, tiled=True) is None
+    return tiled_problem(strategy, liger=req.liger, adapter=req.adapter) is None \
+        and model_feature_problem(spec, tiled=True) is None
 
 
 def prefer_untiled(plain: Candidate | None, tiled: Candidate | None) -> Candidate | None:

@@ -90,7 +90,8 @@ class Job:
     """How torch's optimizer runs its step (toolkit.estimate.savers): fused (the HF Trainer's adamw_torch_fused), foreach
     (torch's default on CUDA when fused is not asked for), for-loop (one parameter at a time)."""
     activation_offloading: bool = False
-    """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading)."""
+    """Saved activations of the decoder layers moved to host RAM (TRL's activation_offloading; with --tiled,
+    DeepSpeed's CheckpointHiddenStatesOffload of the checkpointed layers' inputs: toolkit.estimate.savers)."""
     liger: bool = False
     """Liger kernels as the HF Trainer's use_liger_kernel=True applies them (toolkit.patches.liger)."""
     tiled: bool = False
@@ -310,8 +311,7 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
         return ("--liger with ZeRO-3: Liger's fused loss reads lm_head.weight outside the lm_head module, which ZeRO-3 "
                 "leaves partitioned there; use zero2 or fsdp2, or drop --liger")
     if tiled:
-        problem = tiled_problem(strategy, activation_offloading=activation_offloading, liger=liger,
-                                adapter=adapter, compile=compile)
+        problem = tiled_problem(strategy, liger=liger, adapter=adapter, compile=compile)
         if problem:
             return problem
     if compile:
@@ -456,23 +456,16 @@ def compile_problem(strategy: "Strategy | None", *, activation_offloading: bool 
     return None
 
 
-def tiled_problem(strategy: "Strategy | None", *, activation_offloading: bool = False, liger: bool = False,
-                  adapter: Adapter = FULL, compile: bool = False) -> str | None:
-    """Why --tiled cannot be planned with the rest of the job, or None (docs/ENGINE_FACTS.md, "ALST tiling")."""
+def tiled_problem(strategy: "Strategy | None", *, liger: bool = False, adapter: Adapter = FULL,
+                  compile: bool = False) -> str | None:
+    """Why --tiled cannot be planned with the rest of the job, or None (docs/ENGINE_FACTS.md, "ALST tiling"). With
+    --activation-offloading it is planned with DeepSpeed's own checkpoint offload (toolkit.estimate.savers)."""
     if strategy is not None and strategy.engine != Engine.DEEPSPEED:
         # TiledMLP / TiledFusedLogitsLoss back-propagate chunk by chunk and tell only ZeRO to wait for the last
         # chunk before reducing a weight's gradient (param.ds_grad_is_ready; ulysses_sp.py: "XXX: DDP, FSDP will
         # need something similar"); DDP's reducer would see each weight's gradient hook fire once per chunk.
         return (f"--tiled runs under DeepSpeed ZeRO (DeepSpeed's tiled functions hold a weight's gradient until the "
                 f"last chunk only for ZeRO), not {strategy.name}; use zero1, zero2 or zero3, or drop --tiled")
-    if activation_offloading:
-        # tests/test_tiling.py: TRL's pack hook also moves what the tiled MLP and loss save while they recompute in
-        # backward, which the tiled trace hides from its saved-tensor hooks (toolkit.patches.tiling tiling_traced).
-        return ("--tiled with --activation-offloading is not modelled: TRL's offloading also moves what DeepSpeed's "
-                "TiledMLP and tiled loss save while they recompute in backward (runtime/sequence_parallel/"
-                "ulysses_sp.py), which the trace does not see, and the offload ALST pairs with tiling, DeepSpeed's "
-                "CheckpointHiddenStatesOffload (runtime/activation_checkpointing/offload_activations.py), is not "
-                "emitted; drop one of them")
     for on, what in ((liger, "--liger"), (compile, "--compile"), (adapter.is_adapter, adapter.method)):
         if on:
             return (f"--tiled with {what} is not modelled (both change how the MLP / loss run or what they save); "

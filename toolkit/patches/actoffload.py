@@ -85,6 +85,49 @@ def offload_context(model, *, on_cpu: bool):
     return ctx
 
 
+class CheckpointOffload:
+    """DeepSpeed's own checkpoint offload, CheckpointHiddenStatesOffload (DeepSpeed 0.19.8 runtime/
+    activation_checkpointing/offload_activations.py: the checkpointed decoder layers' hidden_states inputs, the newest
+    kept on the device), which ALST pairs with tiling and toolkit.train runs for a --tiled plan that offloads; as a
+    step's context (OffloadedSteps), its stats of the step counted into LAST_OFFLOADED. On a CPU accelerator it
+    moves nothing: `_should_skip` skips every tensor on a synchronized device."""
+
+    def __init__(self, *, on_cpu: bool) -> None:
+        from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+
+        self.engine = CheckpointHiddenStatesOffload(use_pin_memory=not on_cpu, use_streams=not on_cpu)
+
+    def __enter__(self):
+        self.engine.reset()
+        return self.engine.__enter__()
+
+    def __exit__(self, *exc):
+        out = self.engine.__exit__(*exc)
+        LAST_OFFLOADED.update(tensors=self.engine.stats.offloaded_tensors, bytes=self.engine.stats.offloaded_bytes)
+        return out
+
+
+def step_offload(plan, model, *, on_cpu: bool):
+    """The offloading context toolkit.train runs each training step in for an offloading `plan`: DeepSpeed's checkpoint
+    offload with --tiled (ALST's pairing, as toolkit.estimate.savers models it), else TRL's (SFTConfig's
+    activation_offloading, which the emitted SFTConfig then carries)."""
+    return CheckpointOffload(on_cpu=on_cpu) if plan.tiled else offload_context(model, on_cpu=on_cpu)
+
+
+def offload_note(plan) -> str:
+    """What an offloading plan's notes say of the offload its memory assumes (step_offload's choice)."""
+    if plan.tiled:
+        return ("The plan's memory assumes DeepSpeed's checkpoint offload, as ALST pairs it with tiling: toolkit.train "
+                "runs DeepSpeed's CheckpointHiddenStatesOffload (runtime/activation_checkpointing/"
+                "offload_activations.py) around each training step, which moves the checkpointed decoder layers' "
+                "inputs but the last two to pinned host RAM; it moves nothing on CPU processes (its _should_skip "
+                "skips every tensor on a synchronized device), so a rehearsal trains without it.")
+    return (f"The plan's memory assumes activation offloading: TRL's {'DPOConfig' if plan.dpo else 'SFTConfig'} "
+            "carries activation_offloading; toolkit.train runs TRL's offloading context around each training step as "
+            "SFTTrainer and DPOTrainer do; the plain HF Trainer has no such option (re-plan without "
+            "--activation-offloading for it).")
+
+
 def moved_bytes(ctx, tensor_id) -> int:
     """Bytes of the host copy TRL's pack hook made for `tensor_id`, 0 when it kept the tensor where it was."""
     held, moved = ctx.tracker[tensor_id][:2]

@@ -475,10 +475,10 @@ def _make_trainer(plan, args, model, tokenizer, training_args, train_data, eval_
                           eval_dataset=eval_data if eval_data is not None else None,
                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     if plan.activation_offloading:
-        from toolkit.patches.actoffload import offload_context
+        from toolkit.patches.actoffload import step_offload
 
         # As SFTTrainer builds it: after Trainer.__init__ (the model on its device), before accelerate wraps it.
-        trainer.offload = offload_context(trainer.model, on_cpu=cpu.on_cpu())
+        trainer.offload = step_offload(plan, trainer.model, on_cpu=cpu.on_cpu())
     return trainer
 
 
