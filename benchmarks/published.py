@@ -729,24 +729,37 @@ def _rl_paragraph(results: list[dict], rows: list[dict]) -> str:
     for r in scored:
         row, m = by_id[r["id"]], r["metrics"][0]
         grpo = row["job"]["grpo"]
-        logits = row["micro_batch"] * (grpo["max_completion_length"] + 1) * _spec(row["job"]["model"]).vocab * 2
+        fp32 = row["job"]["precision"] == "fp32"  # no autocast: the logits in the weights' fp32
+        logits = (row["micro_batch"] * (grpo["max_completion_length"] + 1) * _spec(row["job"]["model"]).vocab
+                  * (4 if fp32 else 2))
         parts.append(f"{r['id']}: ours {m['ours_gib'][0]:.1f} GiB against the reading's "
                      f"{m['published_gib']:.0f} ({m['error'][0]:+.0%}); the whole completion logits its TRL keeps "
                      f"({row['micro_batch']} x {grpo['max_completion_length'] + 1:,} x "
-                     f"{_spec(row['job']['model']).vocab:,} in bf16: {logits / GIB:.1f} GiB, and as much again "
-                     "for their gradient in backward) are not in ours and explain part of it")
+                     f"{_spec(row['job']['model']).vocab:,} in {'fp32' if fp32 else 'bf16'}: {logits / GIB:.1f} GiB, "
+                     "and as much again for their gradient in backward) are not in ours"
+                     + (" and explain part of it" if m["error"][0] < 0 else
+                        ", and ours is over the reading without them: what the source leaves unstated (its row's "
+                        "missing: precision, checkpointing, generations) moves the figure more than the version"))
     refused = sorted({u for r in results if by_id[r["id"]]["job"].get("grpo") for u in r["unmodelled"]
                       if u.startswith("--method")})
     return ("GRPO rows (issue 29; held out; none is scored, each listed below with its reason and what its source "
             "leaves unstated). Every published GRPO / DPO memory reading found whose model, GPUs, lengths, "
             "generations and engine its source states ran TRL before its chunked log-prob head (TRL's README "
             "quickstart measured for pull request #5759, 1.5.0.dev0; TRL's GRPO QLoRA notebook, 0.27.0.dev0, whose "
-            "Qwen2-7B run on a T4 printed its max_memory_reserved and runtime), so none is like for like with the "
+            "Qwen2-7B run on a T4 printed its max_memory_reserved and runtime; TRL issue #3456's two nvidia-smi "
+            "readings of Qwen3-0.6B and Qwen3-1.7B on one A100 80GB, May 2025, TRL 0.17 by its date, batch and "
+            "lengths stated, generations, precision and checkpointing left to TRL's defaults, read as its row says), "
+            "so none is like for like with the "
             "installed TRL 1.16 the estimator traces; the notebook's rows also run "
             f"Liger's fused GRPO loss, which `toolkit estimate` refuses ({'; '.join(refused) or 'none'}). "
             + ("; ".join(parts) + ". " if parts else "")
             + "Not kept: reports that give a memory figure without the job that made it (prompt and completion "
-            "lengths, generations, engine), other engines' RL runs (verl, OpenRLHF, ms-swift, Unsloth, simple_GRPO), "
+            "lengths, generations, engine), or a figure of a step that is not the run's steady one (TRL issue "
+            "#2972: Qwen-7B GRPO on 4 x H20 at '40GB' in its first step, before the optimizer states exist, then out "
+            "of memory; its engine not stated), secondhand figures whose TRL version and GPU are not stated (a "
+            "Qwen2.5-7B LoRA DPO peak of 19.08 GB, and 31.09 GB with precompute_ref_log_probs, copied into the "
+            "odyn-network/benchmark-finetune-dpo-v1 dataset from superkaiba/explore-persona-space issue #36, which "
+            "is not readable here), other engines' RL runs (verl, OpenRLHF, ms-swift, Unsloth, simple_GRPO), "
             "throughput charts published as images only (TRL's vLLM colocate blog), and DPO reports from TRL "
             "versions that hold whole logits (issue threads on 0.12-era DPOTrainer with their batch or lengths "
             "missing).")

@@ -1,8 +1,11 @@
-"""DPO and GRPO on 2 CPU processes: predicted vs measured per-rank memory of the training phase (issue 29).
+"""DPO and GRPO on 2 CPU processes: predicted vs measured per-rank memory of the training and generation phases
+(issue 29).
 
     python benchmarks/rl_distributed_memory.py             # writes benchmarks/results/rl_distributed_memory.{md,json}
     python benchmarks/rl_distributed_memory.py dpo:zero3    # one row, printed only
     python benchmarks/rl_distributed_memory.py --md         # rewrite the .md from the stored .json
+    python benchmarks/rl_distributed_memory.py --add grpo-long:zero3   # measure rows into the stored table (each
+                                                                     # row keeps the date and commit it ran at)
 
 Each row is a real `toolkit.train` run of a DPO or GRPO plan (toolkit.run.rehearsal.plan_for_model with the plan's
 DPO / GRPO settings, emitted by toolkit.run.launcher.emit_plan_files and started by its `accelerate launch` command,
@@ -14,6 +17,14 @@ ready (for GRPO: after TRL's _prepare_inputs, i.e. after generation, reward and 
 compute_loss, backward and the optimizer step. Predicted: toolkit.estimate.memory.estimate_memory for the plan's job
 (toolkit.plan.job.plan_job; device kind cpu), its training-phase peak per rank; for GRPO with the prompt length the
 run padded to (TRL pads prompts to the batch's longest, not to max_prompt_length).
+
+GRPO's generation phase is measured on every GRPO row: the peak from the moment TRL's _generate_single_turn starts
+(before unwrap_model_for_generation gathers ZeRO-3's parameters) to its return, in the measured step, against
+Breakdown.generation_bytes (what toolkit.estimate.grpo.with_generation puts beside the bytes held between steps).
+The `grpo-long` rows generate 8 completions a prompt of 256 tokens, 16 sequences a rank at once (micro-batch 4 x
+steps_per_generation 4), so generate's own bytes (cache, eager attention's repeated keys and values, sampling)
+outweigh the states it runs beside; their measured step is the first micro-step of the second optimizer step,
+the one that generates.
 """
 
 from __future__ import annotations
@@ -25,27 +36,38 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from distributed_memory import _total  # noqa: E402  (the one measurement of per-rank live bytes)
-from provenance import measured_line  # noqa: E402
+from provenance import toolkit_commit  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 WORLD = 2
 STEPS = 4
 MEASURED = 3  # steps 1-2 make the optimizer states and warm the engines; step 3's training phase is measured
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp2")
-METHODS = ("dpo", "grpo")
+METHODS = ("dpo", "grpo", "grpo-long")
 DPO_SEQ, DPO_MICRO = 64, 2
 GRPO = {"num_generations": 2, "max_prompt_length": 16, "max_completion_length": 24, "beta": 0.1}
 GRPO_MICRO = 4
+# Generation-heavy GRPO: 16 sequences a rank generated at once, 256-token completions.
+GRPO_LONG = {"num_generations": 8, "max_prompt_length": 16, "max_completion_length": 256, "beta": 0.1}
+GRPO_LONG_MICRO, GRPO_LONG_ACCUM = 4, 4
+MEASURED_CALL = {"dpo": MEASURED, "grpo": MEASURED, "grpo-long": GRPO_LONG_ACCUM + 1}
+"""The training_step call measured: step 3 of the one-micro-step rows; the first micro-step of optimizer step 2 (the
+one that generates, after step 1 made the optimizer states) of the grpo-long rows."""
+MEASURED_CALL_ENV = "RL_MEASURED_CALL"
+"""How launch_measured tells each rank's worker the call to measure (MEASURED when unset)."""
 COMMON = ("--max-steps", str(STEPS), "--logging-steps", "100", "--save-steps", "100", "--lr", "1e-3",
           "--lr-scheduler", "constant", "--seed", "7", "--random-init", "--no-save-final")
 METHOD_FLAGS = {"dpo": ("--eval-fraction", "0"),
-                "grpo": ("--reward", "length", "--loss_type", "grpo", "--steps_per_generation", "1")}
+                "grpo": ("--reward", "length", "--loss_type", "grpo", "--steps_per_generation", "1"),
+                "grpo-long": ("--reward", "length", "--loss_type", "grpo", "--steps_per_generation",
+                              str(GRPO_LONG_ACCUM), "--max-steps", "2")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,15 +105,16 @@ def worker(out_path: str, *train_argv: str) -> None:
     result: dict = {"rank": rank}
     original = transformers.Trainer.training_step
     calls = [0]
+    measured_call = int(os.environ.get(MEASURED_CALL_ENV, MEASURED))
 
     def reset_peak() -> None:
         tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker.get_tracker_snapshot("current").items()}
 
     def training_step(self, model, inputs, *args, **kwargs):
         calls[0] += 1
-        if calls[0] == MEASURED + 1:  # the measured step's optimizer step and zero_grad are done
+        if calls[0] == measured_call + 1:  # the measured step's optimizer step and zero_grad are done
             result["peak_bytes"] = _total(tracker, "peak")
-        if calls[0] != MEASURED:
+        if calls[0] != measured_call:
             return original(self, model, inputs, *args, **kwargs)
         gc.collect()
         result["persistent_bytes"] = _total(tracker)
@@ -106,11 +129,24 @@ def worker(out_path: str, *train_argv: str) -> None:
             reset_peak()  # the training phase starts here (GRPO: after generation and scoring)
             return ready
 
+        def generated(*args, **kwargs):  # GRPO's generation phase: gather (ZeRO-3), generate, release
+            result["generation_start_bytes"] = _total(tracker)
+            reset_peak()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                result["generation_peak_bytes"] = max(result.get("generation_peak_bytes", 0), _total(tracker, "peak"))
+
         self._prepare_inputs = prepared
+        generate = getattr(self, "_generate_single_turn", None)
+        if generate is not None:
+            self._generate_single_turn = generated
         try:
             return original(self, model, inputs, *args, **kwargs)
         finally:
             del self._prepare_inputs
+            if generate is not None:
+                del self._generate_single_turn
 
     transformers.Trainer.training_step = training_step
     leave_out_unused(list(train_argv))
@@ -134,9 +170,11 @@ def make_plan(model_dir: Path, method: str, strategy: str):
         plan = plan_for_model(model_dir, strategy, gpus_per_node=WORLD, micro_batch=DPO_MICRO, seq_len=DPO_SEQ,
                               precision="fp32", attention="eager")
         return plan.replace(dpo=Dpo(reference="kept").to_dict())
-    grpo = Grpo(**GRPO)
-    plan = plan_for_model(model_dir, strategy, gpus_per_node=WORLD, micro_batch=GRPO_MICRO, seq_len=grpo.seq_len,
-                          precision="fp32", attention="eager")
+    long = method == "grpo-long"
+    grpo = Grpo(**(GRPO_LONG if long else GRPO))
+    plan = plan_for_model(model_dir, strategy, gpus_per_node=WORLD, micro_batch=GRPO_LONG_MICRO if long else GRPO_MICRO,
+                          grad_accum=GRPO_LONG_ACCUM if long else 1, seq_len=grpo.seq_len, precision="fp32",
+                          attention="eager")
     return plan.replace(grpo=grpo.to_dict())
 
 
@@ -151,22 +189,24 @@ def predict(plan, prompt_tokens: int | None = None) -> dict:
         grpo = replace(job.grpo, max_prompt_length=prompt_tokens)
         job = replace(job, grpo=grpo, seq_len=grpo.seq_len)
     b = estimate_memory(spec, plan.strategy_spec, job, hw)
-    assert b.peak_phase != GENERATION_PHASE, "the training phase must be the peak to be compared"
-    return {"peak_bytes": int(b.peak_bytes), "peak_phase": b.peak_phase,
+    assert b.peak_phase != GENERATION_PHASE, "the training phase must be the step's peak to be compared"
+    return {"peak_bytes": int(b.peak_bytes), "peak_phase": b.peak_phase, "generation_bytes": int(b.generation_bytes),
             "persistent_bytes": int(b.between_steps_bytes), "gathered_bytes": int(b.gathered_bytes),
             "terms": {t.name: int(t.bytes) for t in b.terms}}
 
 
-def launch_measured(plan, base: Path, argv: list[str], world: int, script: str = __file__) -> tuple[list | None, dict]:
+def launch_measured(plan, base: Path, argv: list[str], world: int, script: str = __file__,
+                    measured: int = MEASURED) -> tuple[list | None, dict]:
     """Launch the plan's toolkit.train as `accelerate launch` would, with `script`'s worker in place of the module
-    (it measures each rank into `base`/mem.rank<r>.json): (the ranks' readings, or None when a rank left none, and
-    the row's start: wall seconds, and the run's output tail where it failed)."""
+    (it measures each rank into `base`/mem.rank<r>.json, at training_step call `measured`): (the ranks' readings, or
+    None when a rank left none, and the row's start: wall seconds, and the run's output tail where it failed)."""
     from toolkit.run.launcher import emit_plan_files, launch_command
 
     command = launch_command(emit_plan_files(plan, base / "plan"), argv)
     entry = command.index("-m")  # `accelerate launch ... -m toolkit.train --plan P ARGS`: the worker instead
     command = [*command[:entry], script, "--worker", str(base / "mem"), *command[entry + 2:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
+           MEASURED_CALL_ENV: str(measured)}
     start = time.perf_counter()
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
     row: dict = {"wall_s": round(time.perf_counter() - start, 1)}
@@ -183,6 +223,9 @@ def with_ratios(row: dict) -> dict:
     row["measured_persistent_bytes"] = max(r["persistent_bytes"] for r in row["ranks"])
     row["peak_ratio"] = row["predicted"]["peak_bytes"] / row["measured_peak_bytes"]
     row["persistent_ratio"] = row["predicted"]["persistent_bytes"] / row["measured_persistent_bytes"]
+    if "generation_bytes" in row["predicted"] and all("generation_peak_bytes" in r for r in row["ranks"]):
+        row["measured_generation_bytes"] = max(r["generation_peak_bytes"] for r in row["ranks"])
+        row["generation_ratio"] = row["predicted"]["generation_bytes"] / row["measured_generation_bytes"]
     return row
 
 
@@ -190,7 +233,8 @@ def run_one(model_dir: Path, data: dict, method: str, strategy: str, workdir: Pa
     plan = make_plan(model_dir, method, strategy)
     argv = ["--output", str(workdir / f"{method}-{strategy}" / "out"), "--data", str(data[method]), *COMMON,
             *METHOD_FLAGS[method]]
-    ranks, started = launch_measured(plan, workdir / f"{method}-{strategy}", argv, WORLD)
+    ranks, started = launch_measured(plan, workdir / f"{method}-{strategy}", argv, WORLD,
+                                     measured=MEASURED_CALL[method])
     row = {"method": method, "strategy": strategy, **started}
     if ranks is None:
         return row
@@ -202,11 +246,13 @@ def run_one(model_dir: Path, data: dict, method: str, strategy: str, workdir: Pa
 def make_inputs(scratch: Path) -> tuple[Path, dict]:
     from toolkit.run import tiny
 
-    model_dir = tiny.make_tiny_model("llama", scratch / "llama", layers=2, hidden=64, corpus_chars=100_000)
+    # 512 positions (rotary: no parameters) hold the grpo-long rows' prompt + 256-token completions.
+    model_dir = tiny.make_tiny_model("llama", scratch / "llama", layers=2, hidden=64, corpus_chars=100_000,
+                                     max_positions=512)
     pairs = tiny.write_preference_corpus(scratch / "pairs", pairs=16) / "train.jsonl"
     prompts = scratch / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"The number {i} is"}) + "\n" for i in range(32)))
-    return model_dir, {"dpo": pairs, "grpo": prompts}
+    return model_dir, {"dpo": pairs, "grpo": prompts, "grpo-long": prompts}
 
 
 def main(argv: list[str]) -> int:
@@ -217,6 +263,8 @@ def main(argv: list[str]) -> int:
         rows = json.loads((OUT / "rl_distributed_memory.json").read_text())
         (OUT / "rl_distributed_memory.md").write_text(markdown(rows))
         return 0
+    add = argv[:1] == ["--add"]
+    argv = argv[1:] if add else argv
     pairs = [tuple(a.split(":")) for a in argv] or [(m, s) for m in METHODS for s in STRATEGIES]
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -227,12 +275,22 @@ def main(argv: list[str]) -> int:
             if "error" in row:
                 print(f"{method} {strategy} FAILED ({row['wall_s']} s):\n{row['error']}", flush=True)
                 continue
+            generation = (f"  generation {row['predicted']['generation_bytes']:,} / "
+                          f"{row['measured_generation_bytes']:,} = {row['generation_ratio']:.4f}"
+                          if "generation_ratio" in row else "")
             print(f"{method} {strategy}: peak {row['predicted']['peak_bytes']:,} / {row['measured_peak_bytes']:,} "
                   f"= {row['peak_ratio']:.4f}  persistent {row['predicted']['persistent_bytes']:,} / "
-                  f"{row['measured_persistent_bytes']:,} = {row['persistent_ratio']:.4f}  "
+                  f"{row['measured_persistent_bytes']:,} = {row['persistent_ratio']:.4f}{generation}  "
                   f"({row['predicted']['peak_phase']}; {row['wall_s']} s)", flush=True)
-    if argv:
+    if argv and not add:
         return 0
+    stamp = f"{time.strftime('%Y-%m-%d')}, toolkit {toolkit_commit()}"
+    for row in rows:
+        row["measured_at"] = stamp
+    if add:  # the stored rows stay, each with the date and commit it was measured at; these replace their namesakes
+        stored = json.loads((OUT / "rl_distributed_memory.json").read_text())
+        fresh = {(r["method"], r["strategy"]) for r in rows}
+        rows = [r for r in stored if (r["method"], r["strategy"]) not in fresh] + rows
     (OUT / "rl_distributed_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
     (OUT / "rl_distributed_memory.md").write_text(markdown(rows))
     return 0
@@ -240,8 +298,12 @@ def main(argv: list[str]) -> int:
 
 def markdown(rows: list[dict]) -> str:
     ok = [r for r in rows if "error" not in r]
-    lines = ["# DPO and GRPO on 2 CPU processes: predicted vs measured per-rank memory of the training phase", "",
-             measured_line("rl_distributed_memory.py"), "",
+    lines = ["# DPO and GRPO on 2 CPU processes: predicted vs measured per-rank memory of the training and generation "
+             "phases", "",
+             "; ".join(f"{stamp} ({n} row{'s' if n > 1 else ''})" for stamp, n in
+                       Counter(r.get("measured_at", "unknown") for r in rows).items())
+             + ", `python benchmarks/rl_distributed_memory.py` (`--add METHOD:STRATEGY` measures rows into the table)",
+             "",
              "Each row is a real `toolkit.train` run of a DPO or GRPO plan on 2 processes over gloo (the plan's own "
              "accelerate config and DeepSpeed JSON as the emitter writes them, `accelerate launch`), fp32, a tiny Llama "
              "(2 layers, hidden 64, 4 heads, 2 KV heads, vocabulary 512, untied head: P = 139,584 parameters, random "
@@ -259,7 +321,12 @@ def markdown(rows: list[dict]) -> str:
              "(toolkit.plan.job.plan_job, device kind cpu; GRPO at the prompt length the run padded to): its peak "
              "(the training phase's, named) and the bytes it holds between steps (Breakdown.between_steps_bytes, "
              "beside which GRPO generates). *Earlier rule*: between steps as toolkit counted it before this table "
-             "(with ZeRO-3's / FSDP2's gathered parameters). Ratios are predicted / measured.", "",
+             "(with ZeRO-3's / FSDP2's gathered parameters). Ratios are predicted / measured. The *grpo-long* rows "
+             f"generate {GRPO_LONG['num_generations']} completions a prompt of {GRPO_LONG['max_completion_length']} "
+             f"tokens, {GRPO_LONG_MICRO * GRPO_LONG_ACCUM} sequences a rank at once (micro-batch {GRPO_LONG_MICRO} x "
+             f"steps_per_generation = accumulation {GRPO_LONG_ACCUM}), beta {GRPO_LONG['beta']}, 2 optimizer steps; "
+             "their measured step is the first micro-step of the second optimizer step, the one that generates "
+             "(the model above with 512 positions, rotary: no more parameters).", "",
              "| method | strategy | training phase: predicted | measured | ratio | phase | between steps: predicted "
              "| measured | ratio | earlier rule's ratio | wall |", "|" + "---|" * 11]
     for r in rows:
@@ -290,10 +357,16 @@ def markdown(rows: list[dict]) -> str:
               "ZeRO-3's generation adds the whole policy gathered (ds3_gather_for_generation) once, where it counted "
               "the reuse-kept parameters a second time before; FSDP2's generation adds its step's gathered "
               "parameters (the root kept unsharded after forward and the layer it unshards), as before. What is "
-              "left, the estimate up to 1.1% under between steps (3-15 KB a rank) and GRPO's ZeRO-3 training phase 1.3% over (about 2 B a parameter), is not attributed.", "",
+              "left: GRPO's between steps, TRL's buffered generation batch (below); DPO's, up to 1.1% under (12-15 KB "
+              "a rank), and GRPO's ZeRO-3 training phase 1.3% over (about 2 B a parameter), not attributed.", "",
               "Published rows (issue 29, like for like: TRL 1.11 or later, whose GRPO and DPO score through the "
               "chunked head toolkit traces, with model, GPUs, lengths, generations and a memory figure): none found "
-              "on 2026-12-04 beyond those benchmarks/results/published.md already lists. Read and not like for like: "
+              "on 2026-12-04, nor on 2026-12-05 (pages, issues and docs searched again: TRL's vLLM colocate and "
+              "Liger GRPO blog posts, Unsloth's GRPO pages, OpenRLHF, verl and ms-swift docs and issues, TRL issues "
+              "quoting nvidia-smi). The older-TRL rows found are in benchmarks/data/published_gpu.json, listed and "
+              "scored beside the reading in benchmarks/results/published.md with what their sources leave unstated "
+              "(TRL issue #3456's Qwen3-0.6B and Qwen3-1.7B nvidia-smi readings are rows there since 2026-12-05). "
+              "Read and not like for like: "
               "TRL pull request #5349 (the chunked LM head for AsyncGRPOTrainer: 18.55 GB peak allocated without it, "
               "0.42 GB with 4,096-row chunks) measures the head alone, not a training step, and states no model or "
               "lengths for it; TRL issue #3456 (Qwen3-0.6B / 1.7B GRPO at 49,273 / 81,920 and 78,147 MiB, batch 4, "
@@ -304,11 +377,65 @@ def markdown(rows: list[dict]) -> str:
               "numbers; Unsloth's GRPO table (Llama 3.1 8B at 20K tokens, 'TRL + FA2' 510.8 GB) is arithmetic, not a "
               "run; the oxen.ai GRPO VRAM post ran TRL of early 2025; TRL's vLLM colocate blog publishes throughput "
               "only.", "",
-              "Not measured here: the generation phase of these runs apart from the reference's scoring (on this "
-              "model the scoring forward's head tile is far above generate's cache; benchmarks/grpo_memory.py "
-              "measures generate alone), bf16 (toolkit.train's CPU runs are fp32; distributed_memory.md measures "
-              "bf16 engines on supervised steps), sdpa and flash attention, GPUs.", ""]
+              "Not measured here: the reference's and the policy's no_grad scoring forwards of GRPO as phases of "
+              "their own (inside _prepare_inputs, after generate; beside the training phase's head tile they are "
+              "smaller on these models), bf16 (toolkit.train's CPU runs are fp32; distributed_memory.md measures "
+              "bf16 engines on supervised steps, grpo_memory.md generate under bf16), sdpa and flash attention, "
+              "GPUs.", ""]
+    published = next(i for i, line in enumerate(lines) if line.startswith("Published rows"))
+    lines[published:published] = generation_table(ok)[1:]
     return "\n".join(lines)
+
+
+def buffered_batch_bytes(row: dict) -> int:
+    """What GRPOTrainer keeps between steps of the last generation batch (_prepare_inputs' _buffered_inputs, held
+    until the next generation replaces it): its prompt and completion ids and masks (int64, padded to the batch's
+    longest), the reference's per-token log-probs (fp32, beta != 0) and the advantages (fp32), for the sequences one
+    rank generated (trl/trainer/grpo_trainer.py _generate_and_score_completions' output)."""
+    rank = row["ranks"][0]
+    grpo = GRPO_LONG if row["method"] == "grpo-long" else GRPO
+    seqs = GRPO_LONG_MICRO * GRPO_LONG_ACCUM if row["method"] == "grpo-long" else GRPO_MICRO
+    tokens, completion = rank["prompt_tokens"] + rank["completion_tokens"], rank["completion_tokens"]
+    return seqs * (tokens * 8 * 2 + (completion * 4 if grpo["beta"] else 0) + 4)
+
+
+def generation_table(rows: list[dict]) -> list[str]:
+    """GRPO's generation phase, predicted (Breakdown.generation_bytes) vs measured, and what is left of it."""
+    gen = [r for r in rows if "generation_ratio" in r]
+    if not gen:
+        return []
+    lines = ["", "GRPO's generation phase (the peak from the start of TRL's _generate_single_turn, before ZeRO-3 "
+             "gathers the policy, to its return; predicted: Breakdown.generation_bytes, the bytes held between steps, "
+             "the gathered parameters and generate's cache and temporaries). *Generate's own* is the phase's rise "
+             "over what the rank held when it began (measured: peak - start; predicted: generation_bytes - between "
+             "steps).", "",
+             "| method | strategy | prompt + completion tokens | generation: predicted | measured | ratio | "
+             "generate's own: predicted | measured | ratio | held at the start: predicted | measured | "
+             "TRL's buffered batch |", "|" + "---|" * 12]
+    for r in gen:
+        p, rank = r["predicted"], max(r["ranks"], key=lambda x: x["generation_peak_bytes"])
+        own_p = p["generation_bytes"] - p["persistent_bytes"]
+        own_m = rank["generation_peak_bytes"] - rank["generation_start_bytes"]
+        lines.append(f"| {r['method']} | {r['strategy']} | {rank['prompt_tokens']} + {rank['completion_tokens']} | "
+                     f"{p['generation_bytes']:,} B | {r['measured_generation_bytes']:,} B | "
+                     f"{r['generation_ratio']:.4f} | {own_p:,} B | {own_m:,} B | {own_p / own_m:.4f} | "
+                     f"{p['persistent_bytes']:,} B | {rank['generation_start_bytes']:,} B | "
+                     f"{buffered_batch_bytes(r):,} B |")
+    sharded = [r for r in gen if r["strategy"] in ("zero3", "fsdp2")]
+    worst = max(abs(r["generation_ratio"] - 1) for r in gen)
+    lines += ["", f"Generation phase: worst |ratio - 1| {worst:.2%} over {len(gen)} GRPO runs"
+              + (f", {max(abs(r['generation_ratio'] - 1) for r in sharded):.2%} on the ZeRO-3 / FSDP2 ones"
+                 if sharded else "") + " (goal 5%). ZeRO-3 gathers the whole policy for generate "
+              "(ds3_gather_for_generation: P x 4 B = 558,336 B here, GatheredParameters over every parameter); FSDP2 "
+              "generates with its root unsharded after forward and one layer gathered at a time by its own hooks "
+              "(trl/distributed.py summon_full_params is a no-op for FSDP2); DDP and ZeRO-2 hold the whole policy "
+              "already. What is left is what the rank holds when generation begins: GRPOTrainer keeps the last "
+              "generation batch (_buffered_inputs: prompt and completion ids and masks, the reference's log-probs, "
+              "the advantages) until the next generation replaces it, which the estimate's bytes between steps leave "
+              "out (last column, computed from the run's lengths; on a GPU job a few hundred KB a rank, "
+              "e.g. 8 sequences x 1,536 tokens); it is also 2,512 B of the 2,672-5,237 B the one-micro-step GRPO "
+              "rows' between-steps column misses (4 sequences of 9 + 24 tokens).", ""]
+    return lines
 
 
 if __name__ == "__main__":

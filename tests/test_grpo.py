@@ -52,6 +52,19 @@ def test_the_reference_is_loaded_with_beta_004_and_absent_with_beta_0():
     assert kept.timing.reference_s > 0 and none.timing.reference_s == 0
 
 
+def test_each_phase_has_its_own_total_and_the_largest_is_the_peak():
+    """phase_peaks, what plan prints as '#1 memory by phase': generation first (beside what the step keeps between
+    steps, its cache on top), then the policy's forward, backward and the optimizer step, each at its own highest
+    moment; the largest of them is the step's peak, named as such."""
+    m = _grpo(beta=0.04).memory
+    phases = dict(m.phase_peaks)
+    assert list(phases) == ["generation (transformers generate)", "forward", "backward", "optimizer step"]
+    assert max(phases.values()) == m.peak_bytes == phases[m.peak_phase.split(" (")[0]]
+    assert phases["generation (transformers generate)"] == m.generation_bytes
+    assert m.generation_bytes > m.between_steps_bytes + _term(m, "generation KV cache")
+    assert m.phase_words().count("(peak)") == 1
+
+
 def test_the_kv_cache_is_2_x_layers_x_kv_heads_x_head_dim_x_tokens_x_dtype_bytes():
     """In-process generation holds the KV cache of the process's generation batch: micro-batch 4 x accumulation 2 =
     8 sequences of 512 + 1024 - 1 cached tokens (the last sampled token is never fed back), bf16."""
@@ -270,6 +283,8 @@ def test_plan_names_the_colocate_window_and_ranks_colocate_against_a_server():
     low, high = map(float, re.search(r"feasible vllm_gpu_memory_utilization ([\d.]+) to ([\d.]+)", line).groups())
     assert low <= 0.3 <= high
     assert "no band" in line
+    phases = next(x for x in out.splitlines() if x.startswith("#1 memory by phase (tensors, GiB per GPU): forward "))
+    assert "(peak)" in phases and phases.endswith(" GiB beside every phase (vllm_gpu_memory_utilization 0.3 x 79.1 GiB)")
     lines = out.splitlines()
     head = lines.index("generation placement on these GPUs (global batch 64), ranked by step time:")
     first, second = lines[head + 1:head + 3]

@@ -287,6 +287,27 @@ def test_a_smaller_box_keeps_the_global_batch_or_says_which_process_counts_do(ti
     assert (box.micro_batch, box.grad_accum, box.precision) == (2, 1, "fp16")
 
 
+def test_a_grpo_plans_vllm_generation_runs_in_the_training_process_on_cpu(tiny_llama_dir):
+    """Issue 29's must-show GRPO plan (vLLM colocate) on `--processes 2 --cpu`: TRL's GRPOTrainer refuses use_vllm
+    without the vllm package, so the box's GRPOConfig generates with transformers' generate, said in one line; the
+    generations, lengths and beta stay, and a GPU box keeps vLLM."""
+    from toolkit.emit.user_settings import settings
+    from toolkit.inputs.grpo import Grpo
+    from toolkit.run.rehearsal import plan_for_model
+    from toolkit.run.smaller_box import box_plan
+
+    grpo = Grpo(num_generations=8, max_prompt_length=512, max_completion_length=1024, use_vllm=True, beta=0.04)
+    plan = plan_for_model(tiny_llama_dir, "zero2", gpus_per_node=8, micro_batch=8, grad_accum=1,
+                          seq_len=grpo.seq_len).replace(grpo=grpo.to_dict())
+    box, said = box_plan(plan, processes=2, cpu=True)
+    config = settings(box)["grpo_config"]
+    assert config["use_vllm"] is False and not any(k.startswith("vllm_") for k in config)
+    assert (config["num_generations"], config["max_completion_length"], config["beta"]) == (8, 1024, 0.04)
+    assert "vLLM (colocate) needs a GPU: GRPO generates in the training process (transformers' generate, use_vllm " \
+           "False)" in said
+    assert box_plan(plan, processes=2, cpu=False)[0].grpo_spec.use_vllm
+
+
 def test_a_smaller_box_keeps_the_sequence_parallel_degree_and_counts_only_data_parallel_ranks(tiny_llama_dir):
     """The ranks of one SP group share each sample: a ZeRO-2 x SP 2 plan for 4 GPUs on 2 processes is dp 1 x sp 2,
     its global batch kept by accumulation over the one data-parallel rank (before, the box counted 2 and launched

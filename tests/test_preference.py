@@ -161,11 +161,15 @@ def test_the_plan_costs_its_first_row_with_the_reference_kept_and_precomputed(ll
 
     assert main(["plan", LLAMA_8B, "--gpus", "8xH100-80GB", "--method", "dpo", "--seq", "1024", "--global-batch", "64",
                  "--strategies", "zero2"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("reference on #1 (zero2,"))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("reference on #1 (zero2,"))
     kept, pre, diff, weights = map(float, re.search(r"kept ([\d.]+) GiB peak, fits; precomputed ([\d.]+) GiB, "
                                                    r"fits; the difference ([\d.]+) GiB is the reference's ([\d.]+)",
                                                    line).groups())
     assert diff == weights == round(llama_8b_params * 2 / 2**30, 2) and round(kept - pre, 2) == diff
+    phases = next(x for x in out.splitlines() if x.startswith("#1 memory by phase"))
+    assert phases.startswith("#1 memory by phase (tensors, GiB per GPU): forward ")
+    assert f"backward {kept:.2f} (peak)" in phases and "reference forward (no_grad) " in phases
 
 
 def test_emit_writes_trls_dpo_config_and_plan_md_names_the_method(tmp_path):

@@ -494,6 +494,12 @@ def _print_plan_table(spec, hw, req, candidates, top: int, run=None, placed=()) 
             print(f"#1 {duration(run, chosen, hw.world_size).text()}")
         print(f"allocator: {allocator_of(None, hw, req.grpo, device_kind=req.device_kind).words}; memory predicted "
               "with it")
+        if req.grpo is not None or req.dpo is not None:
+            m = chosen.memory
+            vllm = next((t for t in m.terms if t.name == "vLLM colocate reserve"), None)
+            print(f"#1 memory by phase (tensors, GiB per GPU): {m.phase_words()}"
+                  + (f"; vLLM colocate holds {vllm.bytes / GIB:.2f} GiB beside every phase "
+                     f"({vllm.source.split(':')[0]})" if vllm else ""))
         if req.grpo is not None:  # its memory's first note: vLLM colocate's window, the server's GPUs, or generate
             t = chosen.timing
             print(f"#1 GRPO: generation {t.generation_s:.2f} s + scoring {t.reference_s:.2f} s"

@@ -94,12 +94,25 @@ class Breakdown:
     gathered_bytes: int = 0
     """ZeRO-3's and FSDP2's parameters gathered during the step (within buffers_bytes): FSDP2's root and the layers it
     unshards at once, ZeRO-3's kept for reuse; 0 for other engines."""
+    phase_peaks: tuple[tuple[str, int], ...] = ()
+    """The live tensor total at each phase's own highest moment, in step order (the policy's forward, a reference's
+    no_grad forward, backward, the optimizer step; GRPO's reward scoring and generation where the job has them),
+    cuBLAS workspaces included as in peak_bytes, which is the largest of them."""
+    generation_bytes: int = 0
+    """GRPO generating in the training process (transformers' generate): the live total at generate's own peak, the
+    bytes held between steps, ZeRO-3's / FSDP2's gathered parameters and generate's cache and temporaries
+    (toolkit.estimate.grpo.with_generation), whether or not it is the step's peak; 0 for any other job."""
     refusal: str = ""
     """Why the job does not fit although required_bytes might (GRPO vLLM colocate: a share for vLLM too small for
     its weights, or training over the rest; toolkit.estimate.grpo), or empty."""
     vllm_window: tuple[float, float] | None = None
     """GRPO vLLM colocate: the vllm_gpu_memory_utilization (low, high) that holds vLLM's weights and one batch's KV
     cache and leaves training what it needs (low > high: no window on this GPU); None for any other job."""
+
+    def phase_words(self) -> str:
+        """phase_peaks as plan prints them: 'forward 30.12, backward 32.51 (peak), optimizer step 28.30' GiB."""
+        return ", ".join(f"{name} {b / GIB:.2f}" + (" (peak)" if b == self.peak_bytes else "")
+                         for name, b in self.phase_peaks)
 
     @property
     def fits(self) -> bool:

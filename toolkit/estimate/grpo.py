@@ -248,12 +248,14 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
             terms.append(Term("generation gathered weights", gathered,
                               f"ZeRO-3 ds3_gather_for_generation: {spec.params:,} params unsharded, "
                               f"{gathered / GIB:.2f} GiB"))
+        phases = ((GENERATION_PHASE, int(peak)), *b.phase_peaks)  # generation comes first in the step
         if peak <= b.peak_bytes:
-            return replace(b, terms=tuple(terms), notes=tuple(notes))
+            return replace(b, terms=tuple(terms), notes=tuple(notes), generation_bytes=int(peak), phase_peaks=phases)
         margin = reserved_bytes(peak) - peak
         required = peak + b.context_bytes + margin
         return replace(b, peak_bytes=peak, peak_phase=GENERATION_PHASE, transient_bytes=gathered + generating,
-                       margin_bytes=margin, required_bytes=required, terms=tuple(terms), notes=tuple(notes))
+                       margin_bytes=margin, required_bytes=required, terms=tuple(terms), notes=tuple(notes),
+                       generation_bytes=int(peak), phase_peaks=phases)
     # vLLM colocate: its share is reserved for the whole run, training has the rest; with sleep mode (level 2 after
     # each generation) the share is taken only while generating, beside the model states training keeps.
     u = grpo.vllm_gpu_memory_utilization
@@ -282,11 +284,12 @@ def with_generation(b: Breakdown, spec: ModelSpec, strategy: Strategy, job: Job)
     b = replace(b, vllm_window=(low, high))
     if sleeping:
         generating = held + reserve
+        phases = (("generation (vLLM colocate, awake)", generating - b.context_bytes), *b.phase_peaks)
         if generating <= b.required_bytes:
-            return replace(b, terms=tuple(terms), notes=tuple(notes), refusal=refusal)
+            return replace(b, terms=tuple(terms), notes=tuple(notes), refusal=refusal, phase_peaks=phases)
         return replace(b, peak_bytes=generating - b.context_bytes, peak_phase="generation (vLLM colocate, awake)",
                        margin_bytes=0, required_bytes=generating, terms=tuple(terms), notes=tuple(notes),
-                       refusal=refusal)
+                       refusal=refusal, phase_peaks=phases)
     return replace(b, required_bytes=b.required_bytes + reserve, terms=tuple(terms), notes=tuple(notes),
                    refusal=refusal)
 

@@ -11,7 +11,7 @@ Every term carries where it came from, so `--explain` can show it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
 from toolkit.errors import UserError
@@ -69,8 +69,12 @@ class _Peak:
     bytes: float = 0.0
     phase: str = ""
     transient: float = 0.0
+    by_phase: dict[str, float] = field(default_factory=dict)
+    """Each phase's own highest total ("backward (layer 3)" counts as "backward"), in the order first offered."""
 
     def offer(self, value: float, phase: str, transient: float) -> None:
+        kind = phase.split(" (")[0] if phase.startswith(("forward (", "backward (")) else phase
+        self.by_phase[kind] = max(self.by_phase.get(kind, 0.0), value)
         if value > self.bytes:
             self.bytes, self.phase, self.transient = value, phase, transient
 
@@ -551,6 +555,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         transient_bytes=int(peak.transient),
         peak_bytes=int(peak.bytes) + workspace,
         peak_phase=peak.phase,
+        phase_peaks=tuple((name, int(b) + workspace) for name, b in peak.by_phase.items()),
         context_bytes=context,
         margin_bytes=margin,
         required_bytes=required,

@@ -106,9 +106,11 @@ def with_reward(b: Breakdown, strategy: Strategy, job: Job, grid: ParallelGrid, 
     terms[at:at] = [Term("reward model", w, share.weights_source),
                     Term(REWARD_PHASE, share.forward_bytes, share.forward_source)]
     peak, required = b.peak_bytes + w, b.required_bytes + w
-    out = replace(b, peak_bytes=peak, required_bytes=required, reward_bytes=w, terms=tuple(terms))
     held = b.between_steps_bytes + w  # scoring follows generation, before the step makes its gradients
     scoring = held + b.workspace_bytes + share.forward_bytes
+    phases = ((REWARD_PHASE, scoring), *((name, bytes_ + w) for name, bytes_ in b.phase_peaks))
+    out = replace(b, peak_bytes=peak, required_bytes=required, reward_bytes=w, terms=tuple(terms),
+                  phase_peaks=phases)
     if scoring <= peak:
         return out
     margin = reserved_bytes(scoring) - scoring

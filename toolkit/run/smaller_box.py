@@ -3,7 +3,8 @@
 What stays is how a step runs and what it learns from: the strategy (engine, ZeRO stage, offload, FSDP mode),
 checkpointing, sequence length, optimizer, adapter, and the global batch (kept by accumulation: micro-batch x
 accumulation x data-parallel ranks, toolkit.inputs.grid). What changes is what the box decides: the process count, and on
-a CPU the precision and kernels it can run (fp16 and flash attention need a GPU; bf16 runs on CPU). Every change is
+a CPU the precision and kernels it can run (fp16 and flash attention need a GPU; bf16 runs on CPU; a GRPO plan's vLLM
+generation becomes transformers' generate in the training process, as its rehearsal runs it). Every change is
 said in one line; a global batch that cannot be kept on N processes is refused with the counts that keep it.
 """
 
@@ -53,6 +54,12 @@ def box_plan(plan: Plan, *, processes: int | None, cpu: bool) -> tuple[Plan, lis
         if plan.liger:
             changes["liger"] = False
             said.append("Liger's Triton kernels need a GPU: running without them")
+        if plan.grpo and plan.grpo_spec.use_vllm:  # TRL's GRPOTrainer refuses use_vllm without vllm (and a GPU)
+            from dataclasses import replace
+
+            changes["grpo"] = replace(plan.grpo_spec, use_vllm=False).to_dict()
+            said.append(f"vLLM ({plan.grpo_spec.vllm_mode}) needs a GPU: GRPO generates in the training process "
+                        "(transformers' generate, use_vllm False)")
     return plan.replace(**changes, notes=[*plan.notes, *said]), said
 
 
