@@ -282,10 +282,10 @@ _TOWER_CACHE: dict[tuple, Any] = {}
 """Per process, the tower traces read from or written to the on-disk cache, keyed as there."""
 
 
-def job_tower(spec: ModelSpec, job: Job, strategy: Strategy, *, checkpointing: bool | None = None):
+def job_tower(spec: ModelSpec, job: Job, strategy: Strategy):
     """The vision encoder + projector traced for one of the image job's images (toolkit.estimate.visiontower), as
     the job runs it: trained unless --vision-tower freeze or an adapter leaves it frozen (tower_trains),
-    checkpointed with the model (or as `checkpointing` says). Kept on disk (toolkit.cache) as the language model's traces are, by the
+    checkpointed with the model. Kept on disk (toolkit.cache) as the language model's traces are, by the
     spec's source_key: a repeated plan of an image job traces no tower (a test calling trace_tower itself does)."""
     from toolkit import cache
     from toolkit.estimate.visiontower import TowerTrace, trace_tower
@@ -294,7 +294,7 @@ def job_tower(spec: ModelSpec, job: Job, strategy: Strategy, *, checkpointing: b
     trained = tower_trains(spec, job)
     dtype, autocast = _trace_mode(strategy, job)
     width, height = parse_image_size(job.image_size)
-    ckpt = bool(job.checkpointing) if checkpointing is None else checkpointing
+    ckpt = bool(job.checkpointing)
     attention = spec.effective_attention(job.attention)
     key = (spec.source_key, width, height, dtype, autocast, attention, ckpt, trained)
     if spec.source_key and key not in _TOWER_CACHE:

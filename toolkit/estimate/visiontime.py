@@ -39,10 +39,12 @@ def vision_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, 
     sample."""
     if not job.images_per_sample:
         return None
-    from toolkit.estimate.traces import job_tower
+    from toolkit.estimate.traces import job_tower, tower_trains
 
     tower = job_tower(spec, job, strategy)
-    plain = job_tower(spec, job, strategy, checkpointing=False) if job.checkpointing else tower
+    # model FLOPs: the step without checkpointing, read off the same trace (no second trace without it: a frozen
+    # tower's backward then reaches nothing; a trained one's is its backward without the blocks' recompute)
+    model_backward = tower.backward_flops - tower.recompute_flops if tower_trains(spec, job) else 0
     images = job.images_per_sample
     per_image = tower.forward_flops + tower.backward_flops
     vision = spec.hf_config().vision_config
@@ -61,7 +63,7 @@ def vision_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, 
             f"micro-step and hidden {hidden} (matmul efficiency {eff:.2f}); assumed: the tower's attention on short "
             "patch sequences and its small GEMMs may run at another efficiency (no published VLM step scored)")
     return VisionTime(seconds=seconds, flops_per_sample=per_image * images,
-                      model_flops_per_sample=(plain.forward_flops + plain.backward_flops) * images, note=note)
+                      model_flops_per_sample=(tower.forward_flops + model_backward) * images, note=note)
 
 
 def vision_band_words(vision_s: float) -> str:

@@ -50,6 +50,10 @@ class TowerTrace:
     output require grad), and the checkpointed blocks' recompute; 0 when no backward reaches the tower."""
     attention_flops: int = 0
     """The part of forward_flops + backward_flops in attention kernels (sdpa; bmm under eager attention)."""
+    recompute_flops: int = 0
+    """The part of backward_flops that reruns the checkpointed blocks' forward (0 without checkpointing): what the
+    backward runs with grad mode on (torch.utils.checkpoint recomputes under enable_grad; autograd's engine runs
+    the backward's own kernels with grad mode off, as create_graph False sets it)."""
     patches: int = 0
     """Patches the tower's blocks see for one image (the widths its matmuls run at)."""
 
@@ -191,6 +195,7 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
                       pixel_shape=tuple(found.pixel_shape), backward_extra_bytes=backward_extra,
                       forward_flops=forward.total(), backward_flops=backward.total(),
                       attention_flops=forward.attention() + backward.attention(),
+                      recompute_flops=backward.under_grad,
                       patches=_patches(traced, found))
 
 
@@ -254,13 +259,16 @@ def flop_counter():
         def __init__(self) -> None:
             super().__init__()
             self.counts: collections.Counter = collections.Counter()
+            self.under_grad = 0  # FLOPs counted with grad mode on: in a backward, the checkpointed recompute
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             formula = formulas.get(func._overloadpacket)
             if formula is not None:
-                self.counts[str(func._overloadpacket)] += formula(*args, **kwargs, out_val=out)
+                flops = formula(*args, **kwargs, out_val=out)
+                self.counts[str(func._overloadpacket)] += flops
+                self.under_grad += flops if torch.is_grad_enabled() else 0
             return out
 
         def total(self) -> int:
