@@ -307,6 +307,7 @@ def test_zero3_on_one_rank_gathers_nothing(llama7b):
 
 ONE_RANK_ZERO3 = """
 import json, os, torch, deepspeed
+from torch.profiler import ProfilerActivity, profile
 deepspeed.init_distributed(dist_backend="gloo")
 cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
@@ -319,19 +320,29 @@ def hook(module, args):
         seen.append(p.data.untyped_storage().data_ptr() == p.ds_tensor.untyped_storage().data_ptr())
 for m in engine.module:
     m.register_forward_pre_hook(hook)
+def walk(nodes):
+    for node in nodes:
+        yield node
+        yield from walk(node.children)
+def sizes(prof):
+    return [size for *_, size in sorted(
+        (n.start_time_ns, i, n.extra_fields.alloc_size) for i, n in
+        enumerate(walk(prof.profiler.kineto_results.experimental_event_tree()))
+        if type(n.extra_fields).__name__ == "_ExtraFields_Allocation")]
 loss = engine(torch.randn(2, 64, dtype=torch.bfloat16)).float().pow(2).mean()
-engine.backward(loss)
-engine.step()
-print(json.dumps({"shares_partition": seen}))
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as backward:
+    engine.backward(loss)
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as step:
+    engine.step()
+print(json.dumps({"shares_partition": seen, "backward": sizes(backward), "step": sizes(step)}))
 """
 
 
-@pytest.mark.multiprocess
-@pytest.mark.one_core
-def test_deepspeed_zero3_on_one_rank_computes_on_the_partition_itself():
-    """DeepSpeed 0.19.8 (runtime/zero/partition_parameters.py all_gather_coalesced -> _no_gather_coalesced,
-    NoGatherHandle): with a partition world of one, every parameter in forward is its partition's own storage, so
-    ZeRO-3 on one GPU allocates no gathered copy (zero_states' rule above)."""
+@pytest.fixture(scope="module")
+def one_rank_zero3() -> dict:
+    """DeepSpeed 0.19.8's ZeRO-3 engine on one gloo rank, two Linear layers in bf16, one step (ONE_RANK_ZERO3):
+    whether each parameter computes on its partition, and the CPU allocator's byte sizes (+ made, - freed) during
+    engine.backward and engine.step (torch.profiler's allocation events, in order)."""
     import os
     import subprocess
     import sys
@@ -342,5 +353,46 @@ def test_deepspeed_zero3_on_one_rank_computes_on_the_partition_itself():
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", ONE_RANK_ZERO3], env=env, capture_output=True, text=True,
                          check=True).stdout
-    seen = json.loads(out.strip().splitlines()[-1])["shares_partition"]
-    assert seen == [True] * 4  # two Linear layers' weight and bias
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_core
+def test_deepspeed_zero3_on_one_rank_computes_on_the_partition_itself(one_rank_zero3):
+    """DeepSpeed 0.19.8 (runtime/zero/partition_parameters.py all_gather_coalesced -> _no_gather_coalesced,
+    NoGatherHandle): with a partition world of one, every parameter in forward is its partition's own storage, so
+    ZeRO-3 on one GPU allocates no gathered copy (zero_states' rule above)."""
+    assert one_rank_zero3["shares_partition"] == [True] * 4  # two Linear layers' weight and bias
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_core
+def test_zero3s_backward_and_step_allocate_as_the_replays_rules(one_rank_zero3):
+    """The same run's allocations against toolkit.estimate.engineevents' ZeRO-3 rules. Backward: each parameter's
+    whole bf16 gradient (the second layer's weight, 16,384 elements, and bias, then the first's weight), dropped
+    once copied into the IPG buffer, then one cat buffer of the bucket (33,088 elements) for its reduction. Step:
+    the gradient norms take each partition in fp64 one at a time, in the parameters' order, then the sub-group's
+    bf16 flatten, its fp32 cast, and the flatten freed: the same signed sizes the rules replay."""
+    from types import SimpleNamespace
+
+    from toolkit.estimate.activations import RegionTrace
+    from toolkit.estimate.reserved import StepSizes, step_events
+
+    backward = [size for size in one_rank_zero3["backward"] if abs(size) >= 128]
+    grads = [backward.index(32768), backward.index(128), backward.index(32768, backward.index(128))]
+    assert grads == sorted(grads)
+    cat = backward.index(33088 * 2)
+    assert backward.count(-32768) == 2 and max(i for i, s in enumerate(backward) if s == -32768) < cat
+
+    trace = RegionTrace(0, 0, 0, forward_events=(), backward_events=())
+    regions = [SimpleNamespace(params=n, trace=trace) for n in (16384 + 256, 16384 + 64)]
+    sizes = StepSizes(persistent=0, optimizer=0, gathered=0, reduce_buffers=0, reduce_stream=False,
+                      step_gradients=0, backward_gradients=0, step_transient=4 * 33088, flat_partitions=(33088,),
+                      tensors=((16384, 256), (16384, 64)), engine="zero3", param_bytes=2.0,
+                      bucket_elements=500_000_000)
+    events = step_events(regions, sizes, steps=1)
+    sizes_of = {e[1]: e[2] for e in events if e[0] == "malloc"}
+    start = next(i for i, e in enumerate(events) if e[0] == "malloc" and e[1][0] == "norm")
+    ours = [sizes_of[e[1]] if e[0] == "malloc" else -sizes_of[e[1]] for e in events[start:start + 11]]
+    real = [size for size in one_rank_zero3["step"] if abs(size) >= 512][:11]
+    assert ours == real == [131072, -131072, 2048, -2048, 131072, -131072, 512, -512, 66176, 132352, -66176]

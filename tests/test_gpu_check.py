@@ -270,8 +270,9 @@ def test_derive_memory_edge_keeps_the_smallest_headroom_within_the_time_band():
 
 def test_what_the_planner_keeps_at_the_h200_memory_edge():
     """The GPU day's memory edge (gpu_memory_edge.json, H200): with the plan's expandable segments the planner keeps
-    12.1% over FSDP2 + checkpointing's tensor peak, where the device's step ran 37.5% slower at 8% and 34.2% at 15%;
-    with torch's defaults it keeps 25.7%, within the band (+4.6% at 15%). DDP: 12.4% / 13.7%, within the band."""
+    36.8% over FSDP2 + checkpointing's tensor peak (the step ran +0.4% at 30%; 12.1% before FSDP2's own allocations
+    were replayed, toolkit.estimate.engineevents, where it ran 37.5% slower at 8%); with torch's defaults 40.2%
+    (+0.7% at 30%; 25.7% before). DDP: 12.4% / 13.7%, within the band."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_derive import derive_memory_edge, kept_by_planner
 
@@ -279,8 +280,8 @@ def test_what_the_planner_keeps_at_the_h200_memory_edge():
     d = derive_memory_edge(results, planner_keeps=kept_by_planner)
     got = {(s["case"].split()[1], s["allocator"]): (round(s["planner_keeps"], 3), s["planner_point"]["headroom"],
                                                    round(s["planner_point"]["slowdown"], 3)) for s in d["sweeps"]}
-    assert got == {("fsdp2", "default"): (0.257, 0.15, 0.046), ("ddp", "default"): (0.137, 0.08, 0.01),
-                   ("fsdp2", "expandable_segments:True"): (0.121, 0.08, 0.375),
+    assert got == {("fsdp2", "default"): (0.402, 0.3, 0.007), ("ddp", "default"): (0.137, 0.08, 0.01),
+                   ("fsdp2", "expandable_segments:True"): (0.368, 0.3, 0.004),
                    ("ddp", "expandable_segments:True"): (0.124, 0.08, -0.002)}
 
 

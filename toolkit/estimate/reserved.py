@@ -33,10 +33,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from toolkit.estimate.allocator import AllocatorSettings, Replayer
+from toolkit.estimate.engineevents import COMPUTE, GATHER, REDUCE, engine_rules
 from toolkit.estimate.stepevents import BACKWARD, FORWARD, decode_free
 
-COMPUTE, GATHER, REDUCE = 0, 1, 2
-"""Streams: the default (compute) stream, the all-gather stream, the reduce-scatter stream."""
 PREFETCH = 2
 """Gathered regions alive at once: the one computing and the one prefetched (FSDP2 forward/backward prefetch of
 one group, DeepSpeed ZeRO-3's prefetch bucket); toolkit.estimate.states sizes `gathered` the same way."""
@@ -73,6 +72,8 @@ class StepSizes:
     step_transient: float
     gather_bytes_per_param: float = 0.0
     kept_regions: tuple[int, ...] = ()
+    """Regions whose gathered parameters stay from their forward to the end of backward (FSDP2's root module: the
+    embeddings, final norm and head; every region with reshard_after_forward=False)."""
     tensors: tuple[tuple[int, ...], ...] = ()
     """Each region's parameter tensors (elements; toolkit.estimate.layerkinds.region_tensor_numels) where the
     engine's optimizer is torch's, per parameter: its states (zeros_like at the first step) and foreach AdamW's
@@ -94,8 +95,15 @@ class StepSizes:
     load_warmup: float = 0.0
     """transformers' caching_allocator_warmup before that load: one block of the loaded weights' bytes, allocated
     and freed, whose segment stays reserved for the whole run (nothing empties the cache)."""
-    """Regions whose gathered parameters stay from their forward to the end of backward (FSDP2's root module: the
-    embeddings, final norm and head; every region with reshard_after_forward=False)."""
+    engine: str = ""
+    """Whose backward and step rules the replay follows around the traced events (toolkit.estimate.engineevents):
+    'fsdp2', 'zero3', or '' (the generic rules below)."""
+    world: int = 1
+    """Ranks a parameter is sharded over (FSDP2's shard group, ZeRO-3's partition group)."""
+    param_bytes: float = 2.0
+    """Bytes of a ZeRO-3 parameter's gradient (the module's dtype)."""
+    bucket_elements: int = 0
+    """ZeRO-3's reduce_bucket_size (elements)."""
 
 
 def tensor_sizes(spec, regions, strategy, job, states=None) -> dict:
@@ -108,9 +116,17 @@ def tensor_sizes(spec, regions, strategy, job, states=None) -> dict:
     if states is not None and states.flat_partitions and not job.adapter.is_adapter:
         flat = states.flat_partitions
         init = (4 * max(flat),) if strategy.zero_stage == 3 else tuple(4 * e for e in flat)
-        return {"flat_partitions": flat, "init_buffers": init}
+        out = {"flat_partitions": flat, "init_buffers": init}
+        if strategy.zero_stage == 3 and spec is not None:  # ZeRO-3's rules make a gradient per parameter
+            out.update(_region_tensors(spec, regions))
+        return out
     if spec is None or strategy.engine not in (Engine.DDP, Engine.FSDP2) or job.adapter.is_adapter:
         return {}
+    return {**_region_tensors(spec, regions), "tensor_grads": strategy.engine == Engine.DDP}
+
+
+def _region_tensors(spec, regions) -> dict:
+    """{"tensors": each region's parameter tensors (elements)} from a meta build of `spec`; {} where it fails."""
     from toolkit.estimate.layerkinds import region_tensor_numels
 
     try:
@@ -118,8 +134,8 @@ def tensor_sizes(spec, regions, strategy, job, states=None) -> dict:
     except Exception:  # noqa: BLE001 - a model whose meta build fails keeps one block per region
         return {}
     named = {"embedding": pre, "head + loss": post}
-    tensors = tuple(named[r.name] if r.name in named else layers[int(r.name.split()[-1])] for r in regions)
-    return {"tensors": tensors, "tensor_grads": strategy.engine == Engine.DDP}
+    return {"tensors": tuple(named[r.name] if r.name in named else layers[int(r.name.split()[-1])]
+                             for r in regions)}
 
 
 _RESULTS: dict[str, Replay] = {}
@@ -286,6 +302,8 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
     n = len(regions)
     malloc, free, record_stream, sync = sink.malloc, sink.free, sink.record_stream, sink.sync
     count = 0
+    rules = engine_rules(regions, sizes, sink)
+    gathers = not rules.owns_gathers()
 
     def blocks(name: str, total: float, tensors: tuple[tuple[int, ...], ...] = (), after=None) -> None:
         nonlocal count
@@ -366,35 +384,43 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
             count += 2
 
         for j, r in enumerate(regions):
-            if j in sizes.kept_regions:
+            rules.before_forward(step, j)
+            if gathers and j in sizes.kept_regions:
                 if gather[j] > 0:
                     malloc(("kept", step, j), gather[j], GATHER)
                     record_stream(("kept", step, j), COMPUTE)
                     count += 2
-            else:
+            elif gathers:
                 use(("gather", step, FORWARD, j), gather[j], GATHER)
             run(j, FORWARD, traced[j].trace.forward_events)
+            rules.after_forward(step, j)
+        rules.end_forward(step)
         if sizes.reduce_buffers and not sizes.reduce_stream:
             malloc(("reduce", step), int(sizes.reduce_buffers))
             count += 1
         if sizes.backward_gradients:
             malloc(("partitions", step), int(sizes.backward_gradients))
             count += 1
-        grads = _pieces(sizes.step_gradients, regions, sizes.tensors if sizes.tensor_grads else ())
+        # The engine's rules make their own gradients (FSDP2's sharded ones, ZeRO-3's per parameter)
+        grads = _pieces(0 if not gathers else sizes.step_gradients, regions,
+                        sizes.tensors if sizes.tensor_grads else ())
         for j in reversed(range(n)):
-            if j not in sizes.kept_regions:
+            rules.before_backward(step, j)
+            if gathers and j not in sizes.kept_regions:
                 use(("gather", step, BACKWARD, j), gather[j], GATHER)
             run(j, BACKWARD, traced[j].trace.backward_events)
             for t, size in enumerate(grads[j]):
                 if size > 0:
                     malloc(("grad", step, j, t), size)
                     count += 1
-            if sizes.reduce_stream:
+            rules.after_backward(step, j)
+            if gathers and sizes.reduce_stream:
                 use(("reduce", step, j), reduce[j], REDUCE)
+        rules.end_backward(step)
         for key in rotating:
             free(key)
             count += 1
-        for j in sizes.kept_regions:
+        for j in sizes.kept_regions if gathers else ():
             if gather[j] > 0:
                 free(("kept", step, j))
                 count += 1
@@ -417,7 +443,9 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
                     count += 1
         elif step == 0:
             blocks("optimizer", sizes.optimizer, sizes.tensors)
-        if sizes.step_transient > 0 and flat:  # the fp32 gradient of one partition at a time
+        if rules.step_temporaries(step):
+            pass
+        elif sizes.step_transient > 0 and flat:  # the fp32 gradient of one partition at a time
             for i, elements in enumerate(flat):
                 malloc(("step", step, i), int(sizes.step_transient * elements / max(flat)))
                 free(("step", step, i))
@@ -436,7 +464,8 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
                 if size > 0:
                     free(("grad", step, j, t))
                     count += 1
+        rules.zero_grad(step)
         if sizes.backward_gradients:
             free(("partitions", step))
             count += 1
-    return count
+    return count + rules.emitted

@@ -115,7 +115,8 @@ def capped_retries(memory, asked, strategy, job, gpu) -> StepRetries | None:
     workspaces), where the plan sits at its capacity
     as the planner sets it: the replayed reserved within twice the peak's error band of that cap (the band the
     planner keeps, and as much again for the replay's own error on reserved: the H200 reserved 1.253 of the FSDP2 +
-    checkpointing peak where the replay said 1.040, benchmarks/results/gpu_memory_edge_derived.md). None elsewhere
+    checkpointing peak where the replay said 1.040 before FSDP2's own rules (toolkit.estimate.engineevents) and 1.288
+    after, benchmarks/results/gpu_memory_edge_derived.md). None elsewhere
     (a second replay only where it can differ), or where no replay ran."""
     from toolkit.estimate.errorband import band_for
     from toolkit.estimate.reserved import replayed_reserved

@@ -1,0 +1,85 @@
+"""The engines' own backward and step allocations in the allocator replay (toolkit.estimate.engineevents): FSDP2's
+reduce-scatter buffers and sharded gradients, ZeRO-3's per-parameter gradients and their reduce-stream frees, on
+small synthetic steps whose reserved bytes are worked out by hand."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from toolkit.estimate import allocator
+from toolkit.estimate.activations import RegionTrace
+from toolkit.estimate.engineevents import REDUCE
+from toolkit.estimate.reserved import StepSizes, step_events
+from toolkit.estimate.stepevents import free_code
+
+MIB = 1 << 20
+NOTHING = dict(persistent=0, optimizer=0, gathered=0, reduce_buffers=0, reduce_stream=False, step_gradients=0,
+               backward_gradients=0, step_transient=0)
+
+
+def _fsdp2_step(engine: str, steps: int = 2):
+    """Two layers of 10 Mi parameters sharded over one rank (bf16 compute, fp32 shards and gradients), each saving
+    one 40 MiB activation for its backward."""
+    trace = RegionTrace(0, 0, 0, forward_events=(40 * MIB,), backward_events=(free_code(0, 0, 0),))
+    regions = [SimpleNamespace(params=10 * MIB, trace=trace) for _ in range(2)]
+    sizes = StepSizes(**{**NOTHING, "reduce_stream": True, "step_gradients": 2 * 40 * MIB},
+                      gather_bytes_per_param=2.0, engine=engine)
+    return step_events(regions, sizes, steps=steps)
+
+
+def test_fsdp2s_sharded_gradients_are_made_in_the_reduce_scatter_streams_pool():
+    """foreach_reduce allocates each group's reduce-scatter output inside the reduce-scatter stream's context and
+    keeps it as the sharded .grad until zero_grad: the next step's activations never reuse those segments. Here:
+    compute stream 120 MiB (two 20 MiB blocks for the unsharded layer and its fp32 -> bf16 cast, two 40 MiB
+    activations), reduce-scatter stream 100 MiB (the bf16 output's 20 MiB block, reused by the second layer, and
+    each layer's 40 MiB fp32 gradient), where the generic rules put the gradients among the activations."""
+    generic = allocator.replay(_fsdp2_step(""))
+    rules = allocator.replay(_fsdp2_step("fsdp2"))
+    assert generic.peak_reserved == 120 * MIB
+    assert rules.peak_reserved == 220 * MIB
+
+
+def test_fsdp2s_post_backward_frees_before_it_makes_the_reduce_scatter_buffers():
+    """_fsdp_param_group.py post_backward, one rank: reshard (the unsharded parameter freed), the previous group's
+    reduce-scatter input dropped (reduce_scatter_states), this group's input made on the compute stream, autograd's
+    unsharded gradient freed once copied in, then the output on the reduce-scatter stream, cast to fp32 there."""
+    events = _fsdp2_step("fsdp2", steps=1)
+    first = events.index(("free", ("act", 0, 0, 0)))  # the first layer's backward, the second to run
+    assert events[first + 1:first + 9] == [
+        ("malloc", ("ugrad", 0, 0, 0), 20 * MIB),
+        ("free", ("unsharded", 0, 1, 0, 0)),
+        ("free", ("rs_in", 0, (1,))),
+        ("malloc", ("rs_in", 0, (0,)), 20 * MIB),
+        ("free", ("ugrad", 0, 0, 0)),
+        ("malloc", ("rs_out", 0, (0,)), 20 * MIB, REDUCE),
+        ("malloc", ("grad", 0, (0,)), 40 * MIB, REDUCE),
+        ("free", ("rs_out", 0, (0,))),
+    ]
+
+
+def _zero3_step(bucket_elements: int):
+    """One region of four 6 Mi-parameter tensors, bf16 gradients of 12 MiB, over one rank, no activations."""
+    trace = RegionTrace(0, 0, 0, forward_events=(), backward_events=())
+    sizes = StepSizes(**NOTHING, tensors=((6 * MIB,) * 4,), engine="zero3", param_bytes=2.0,
+                      bucket_elements=bucket_elements)
+    return step_events([SimpleNamespace(params=24 * MIB, trace=trace)], sizes, steps=1)
+
+
+def test_zero3s_gradients_stay_taken_until_the_reduce_stream_passes_them():
+    """A gradient larger than reduce_bucket_size is reduced alone at the next parameter's hook, then
+    record_stream(reduce stream) and dropped; the host waits only for the reduction three back
+    (max_param_reduce_events 2), so the first gradient's block is free again only after the fourth is made: four
+    12 MiB segments. The step's gradient norms then take each 6 Mi-element partition in fp64 (48 MiB), one at a
+    time, a segment of its own."""
+    stats = allocator.replay(_zero3_step(1))
+    assert stats.peak_reserved == 4 * 12 * MIB + 48 * MIB
+    assert stats.peak_allocated == 48 * MIB
+
+
+def test_zero3s_bucketed_gradients_are_catted_on_the_reduce_stream():
+    """Gradients that fit reduce_bucket_size are copied into the IPG buffer and reduced together:
+    reduce_scatter_coalesced cats them into one new buffer on the reduce stream (here two 12 MiB gradients a
+    bucket: one 24 MiB buffer, reused by the second bucket)."""
+    events = _zero3_step(12 * MIB)
+    cats = [e for e in events if e[0] == "malloc" and e[1][0] == "zcat"]
+    assert cats == [("malloc", ("zcat", 0, 0), 24 * MIB, REDUCE), ("malloc", ("zcat", 0, 1), 24 * MIB, REDUCE)]
