@@ -3,6 +3,8 @@
     python benchmarks/moe_distributed_memory.py                    # writes benchmarks/results/moe_distributed_memory.{md,json}
     python benchmarks/moe_distributed_memory.py qwen3_moe:zero1:2:2  # one row (arch:strategy:world:expert), printed only
     python benchmarks/moe_distributed_memory.py --md               # rewrite the .md from the stored .json
+    python benchmarks/moe_distributed_memory.py --replace qwen3_moe:zero2:2:2 ...  # re-run these rows into the
+        stored files (each row keeps the commit it was measured at), every other row re-predicted
 
 Each row is a real `toolkit.train` run of a plan (toolkit.run.rehearsal.plan_for_model, emitted by
 toolkit.run.launcher.emit_plan_files and started by its `accelerate launch` command) of a tiny random-weight MoE model
@@ -26,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import rl_distributed_memory as rl  # noqa: E402  (its worker: the one measurement of a toolkit.train rank)
-from provenance import measured_line  # noqa: E402
+from provenance import measured_line, toolkit_commit  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 SEQ = 32
@@ -180,6 +182,8 @@ def main(argv: list[str]) -> int:
         rows = json.loads((OUT / "moe_distributed_memory.json").read_text())
         (OUT / "moe_distributed_memory.md").write_text(markdown(rows))
         return 0
+    replace = argv[:1] == ["--replace"]
+    argv = argv[1:] if replace else argv
     wanted = [(a, (s, int(w), int(e), 2 if int(w) == 2 else 1)) for a, s, w, e in (x.split(":") for x in argv)]
     wanted = wanted or [(a, r) for a in ARCHS for r in ROUTES]
     rows = []
@@ -187,6 +191,7 @@ def main(argv: list[str]) -> int:
         models, corpus = make_inputs(Path(scratch))
         for arch, route in wanted:
             row = run_one(models[arch], corpus, arch, route, Path(scratch))
+            row["measured_at"] = toolkit_commit()
             rows.append(row)
             if "error" in row:
                 print(f"{arch} {route} FAILED ({row['wall_s']} s):\n{row['error']}", flush=True)
@@ -197,11 +202,42 @@ def main(argv: list[str]) -> int:
                   f"{row['persistent_ratio']:.4f}  ranks {[r['peak_bytes'] for r in row['ranks']]} at rows "
                   f"{[(r.get('received_rows'), round(r.get('peak_ratio', 0), 4)) for r in row['ranks']]} "
                   f"({row['predicted']['peak_phase']}; {row['wall_s']} s)", flush=True)
-    if argv:
+        if replace:
+            rows = merged(rows, models)
+    if argv and not replace:
         return 0
     (OUT / "moe_distributed_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
     (OUT / "moe_distributed_memory.md").write_text(markdown(rows))
     return 0
+
+
+def _key(row: dict) -> tuple:
+    return row["arch"], row["strategy"], row["world"], row["expert"]
+
+
+def merged(fresh: list[dict], models: dict) -> list[dict]:
+    """The stored rows with `fresh` in place of theirs; every other row keeps its measurement (and the commit it
+    was measured at, read from the stored page where the row has none) and is predicted again by this code."""
+    import re
+
+    page = (OUT / "moe_distributed_memory.md").read_text()
+    before = re.search(r"toolkit (\S+),", page)
+    by_key = {_key(r): r for r in fresh}
+    rows = []
+    for old in json.loads((OUT / "moe_distributed_memory.json").read_text()):
+        row = by_key.pop(_key(old), None)
+        if row is None and "error" not in old:
+            row = dict(old, measured_at=old.get("measured_at", before.group(1) if before else "unknown"))
+            plan = make_plan(models[row["arch"]], row["strategy"], row["world"], row["expert"], row["micro_batch"])
+            row["predicted"] = predict(plan)
+            if row["expert"] > 1:
+                at_rows = at_received_rows(plan, row["predicted"]["peak_bytes"], row["ranks"])
+                for r, (_, _, peak) in zip(row["ranks"], at_rows):
+                    r.update(predicted_peak_bytes=peak, peak_ratio=peak / r["peak_bytes"])
+            row["peak_ratio"] = row["predicted"]["peak_bytes"] / row["measured_peak_bytes"]
+            row["persistent_ratio"] = row["predicted"]["persistent_bytes"] / row["measured_persistent_bytes"]
+        rows.append(row or old)
+    return rows + list(by_key.values())
 
 
 ROUTE_NAMES = {"fsdp2": "transformers DistributedConfig (FSDP2 x EP)", "zero1": "DeepSpeed AutoEP, ZeRO-1",
@@ -214,10 +250,22 @@ def _route(row: dict) -> str:
     return ROUTE_NAMES[row["strategy"]]
 
 
+def _measured_at(rows: list[dict]) -> list[str]:
+    """Which commit measured which rows, where they differ (a `--replace` run re-measures some); every row is
+    predicted by the commit of the page's first line."""
+    commits: dict[str, list[str]] = {}
+    for r in rows:
+        commits.setdefault(r.get("measured_at", "?"), []).append(f"{r['arch']} {r['strategy']} x{r['world']}")
+    if len(commits) < 2:
+        return []
+    return ["Measured (the runs) at: " + "; ".join(f"{c}: {', '.join(names)}" for c, names in commits.items())
+            + "; predicted by the commit above.", ""]
+
+
 def markdown(rows: list[dict]) -> str:
     ok = [r for r in rows if "error" not in r]
     lines = ["# Expert-parallel routes on 2 and 4 CPU processes: predicted vs measured per-rank memory", "",
-             measured_line("moe_distributed_memory.py"), "",
+             measured_line("moe_distributed_memory.py"), "", *_measured_at(rows),
              "Each row is a real `toolkit.train` run of a plan (toolkit.run.rehearsal.plan_for_model; its emitted "
              "accelerate config, DeepSpeed JSON and training_args, started by `accelerate launch`) over gloo, fp32, "
              f"sequences of {SEQ} tokens, {rl.STEPS} steps, of a tiny random-weight model of a real MoE architecture "

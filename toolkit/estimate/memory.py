@@ -235,8 +235,12 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
 
             return autoep_states(spec, params, job, strategy, grid=grid, factored_elems=fe)
         # ZeRO partitions over the sequence-data-parallel group: dp, times sp under Ulysses.
+        from toolkit.estimate.zeropartition import zero_gradient_partition
+
         return zero_states(params, job, strategy, dp=grid.shard_group, hidden=spec.hidden,
-                           largest_layer=spec.largest_layer_params, factored_elems=fe)
+                           largest_layer=spec.largest_layer_params, factored_elems=fe,
+                           gradient_partition=zero_gradient_partition(spec, params, grid.shard_group)
+                           if strategy.zero_stage == 2 else None)
     if strategy.engine == Engine.FSDP2:
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         if grid.expert > 1:

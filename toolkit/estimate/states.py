@@ -151,7 +151,7 @@ def ddp_saved_module_states(s: States, P: int, job: Job, *, param_bytes: int, wo
 
 
 def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, largest_layer: int,
-                factored_elems: int | None = None) -> States:
+                factored_elems: int | None = None, gradient_partition: int | None = None) -> States:
     """DeepSpeed ZeRO stage 1/2/3 with the HF Trainer's "auto" bucket sizes (reduce_bucket_size = h*h,
     stage3_prefetch_bucket_size = 0.9*h*h; accelerate/transformers fill formulas), or the config's own
     reduce_bucket_size (job.zero_reduce_bucket).
@@ -159,7 +159,9 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
     Mixed precision: the module is cast to bf16/fp16 (2 B/param), fp32 master partition 4P/N, optimizer states
     /N, and the fp32 gradient partition (stage_1_and_2.py step(): flat_grad_partition.to(fp32), freed per group
     after its step; stage3.py _prepare_fp32_grad_for_sub_group, per sub-group of at most 1e9 elements).
-    Stage 2 keeps a low-precision gradient partition (grads_in_partition, 2P/N); stage 3 its
+    Stage 2 keeps a low-precision gradient partition (grads_in_partition): `gradient_partition` elements, the
+    worst rank's whole parameters touching its partition (toolkit.estimate.zeropartition), P/N where it is None;
+    stage 3 its
     grad_partitions_flat_buffer (2P/N) and the parameter partitions (2P/N). Offload moves master, optimizer and
     fp32 grads to host RAM (pinned) and runs the step there (DeepSpeedCPUAdam).
     """
@@ -186,10 +188,15 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
             # reduce_bucket_size elements lives only during backward (setup_buckets: one buffer, two under
             # overlap_comm, which the emitted JSON leaves off for stage 2). Measured on CPU:
             # benchmarks/results/distributed_memory.md; the second buffer: tests/test_estimate.py.
+            # grads_in_partition counts whole parameters (copy_grads_in_partition sums the numels of
+            # params_in_partition), so the worst rank's is larger than P/N by the tensors straddling its borders.
             buffers = 2 if job.zero_overlap_comm else 1
-            s.backward_gradients = 0.0 if off_opt else P * pb / N
+            whole = P / N if gradient_partition is None else gradient_partition
+            s.backward_gradients = 0.0 if off_opt else whole * pb
             s.backward_buffers = buffers * bucket * pb
-            s.sources.append(f"ZeRO-2: {pb} B/param weights, {pb}P/N grad partition from backward to the step, "
+            held = f"{pb}P/N" if gradient_partition is None else (
+                f"{pb} B x {gradient_partition:,} (the worst rank's whole parameters, {whole / (P / N):.3g}x P/N)")
+            s.sources.append(f"ZeRO-2: {pb} B/param weights, {held} grad partition from backward to the step, "
                              f"{('one', 'two (overlap_comm)')[buffers - 1]} {bucket_words} reduce bucket(s) in "
                              "backward")
     else:
@@ -482,6 +489,12 @@ def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
         s.gathered = min(dense_share * dense_elems + local_share * local, 1e9,
                          0.5e9 + dense_share * dense_layer + local_share * local_layer + 0.9 * hidden * hidden
                          ) * _param_bytes(job)
+    if strategy.zero_stage == 2 and strategy.offload_optimizer == "none":
+        from toolkit.estimate.zeropartition import zero_gradient_partition
+
+        whole = zero_gradient_partition(spec, P, world, expert=expert)
+        if whole is not None:  # one grads_in_partition over both groups, whole parameters each
+            s.backward_gradients = whole * _param_bytes(job)
     s.buffers, s.backward_buffers = dense.buffers, dense.backward_buffers  # one reduce bucket serves both groups
     s.step_transient = max(dense.step_transient, mine.step_transient)
     s.flat_partitions = dense.flat_partitions + mine.flat_partitions

@@ -26,6 +26,12 @@ from toolkit.inputs.modelcode import (CONFIG_ERRORS, missing_package_problem, mo
 from toolkit.inputs.moe import find_moe, is_expert_param
 
 
+PARAM_NO_DECAY, PARAM_EXPERT, PARAM_VISION = 1, 2, 4
+"""ModelSpec.param_kinds bits: in the HF Trainer's no-weight-decay param group (Trainer.get_decay_parameter_names
+leaves it out), a routed expert's tensor (toolkit.inputs.moe.is_expert_param), the vision encoder's or projector's
+(frozen under --vision-tower freeze)."""
+
+
 @dataclass(frozen=True, eq=False)
 class ModelSpec:
     name: str
@@ -102,6 +108,12 @@ class ModelSpec:
     """The projector's parameters (from the encoder's width into the language model's hidden size)."""
     vision_modules: tuple[str, ...] = ()
     """Module paths of the encoder and the projector in the class (what a frozen tower freezes, what LoRA leaves out)."""
+    param_numels: tuple[int, ...] = ()
+    """Elements of each parameter tensor in the model's own order (named_parameters, tied weights once): the order
+    DeepSpeed ZeRO-1/2 flatten them in, which decides the tensors each rank's gradient partition holds whole
+    (toolkit.estimate.zeropartition). () for a spec rescaled from --params or cached before they were recorded."""
+    param_kinds: tuple[int, ...] = ()
+    """Per tensor of `param_numels`, its PARAM_NO_DECAY / PARAM_EXPERT / PARAM_VISION bits."""
     source_key: str | None = None
     """Hash of where the config came from (its config.json text, or the bare numbers): the on-disk cache key of
     this spec and of its activation traces. None (hub ids) caches nothing."""
@@ -384,6 +396,7 @@ def build_spec(name: str, config, *, images: bool = False) -> ModelSpec:
         notes.append(f"mixture of experts: {experts} experts, top-{top_k} per token in {moe.moe_layers} "
                      f"{moe.block_class} blocks{shared}")
     tower, projector = vision_parts(model, config)
+    numels, kinds = parameter_kinds(model, tuple(path for path, *_ in tower + projector))
     if tower or projector:  # a multimodal class: what a text-only run loads beside the language model
         parts = ", ".join(f"{path} ({cls}) {n:,}" for path, cls, n in tower + projector)
         side = sum(n for *_, n in tower + projector)
@@ -434,7 +447,24 @@ def build_spec(name: str, config, *, images: bool = False) -> ModelSpec:
         vision_params=sum(n for *_, n in tower),
         projector_params=sum(n for *_, n in projector),
         vision_modules=tuple(path for path, *_ in tower + projector),
+        param_numels=numels,
+        param_kinds=kinds,
     )
+
+
+def parameter_kinds(model, vision_modules: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(numels, kinds) of the model's parameter tensors in named_parameters order (ModelSpec.param_numels /
+    param_kinds). PARAM_NO_DECAY marks what the HF Trainer's own rule leaves out of weight decay (its
+    get_decay_parameter_names, which reads nothing of the Trainer itself)."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    numels, kinds = [], []
+    for name, p in model.named_parameters():
+        numels.append(p.numel())
+        kinds.append((0 if name in decay else PARAM_NO_DECAY) | (PARAM_EXPERT if is_expert_param(name) else 0)
+                     | (PARAM_VISION if any(name.startswith(f"{path}.") for path in vision_modules) else 0))
+    return tuple(numels), tuple(kinds)
 
 
 def _load_words(config, model_class: str, total: int, whole_class: bool, images: bool = False) -> str:
@@ -532,7 +562,7 @@ def _rescaled(spec: ModelSpec, params: int) -> ModelSpec:
     note = (f"shape guessed from --params {params:,} (Llama-like, {spec.num_layers} layers x {spec.hidden}); "
             "model-state bytes use the given count exactly, activations the guessed shape")
     return replace(spec, params=params, active_params=params, layer_params=layer, pre_layer_params=pre, post_layer_params=post,
-                   notes=spec.notes + (note,))
+                   notes=spec.notes + (note,), param_numels=(), param_kinds=())
 
 
 def spec_from_config_dict(config: dict[str, Any], *, name: str, params: int | None = None,
