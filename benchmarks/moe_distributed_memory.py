@@ -5,6 +5,7 @@
     python benchmarks/moe_distributed_memory.py --md               # rewrite the .md from the stored .json
     python benchmarks/moe_distributed_memory.py --replace qwen3_moe:zero2:2:2 ...  # re-run these rows into the
         stored files (each row keeps the commit it was measured at), every other row re-predicted
+    python benchmarks/moe_distributed_memory.py --repredict        # every stored row predicted again by this code
 
 Each row is a real `toolkit.train` run of a plan (toolkit.run.rehearsal.plan_for_model, emitted by
 toolkit.run.launcher.emit_plan_files and started by its `accelerate launch` command) of a tiny random-weight MoE model
@@ -183,6 +184,12 @@ def main(argv: list[str]) -> int:
         (OUT / "moe_distributed_memory.md").write_text(markdown(rows))
         return 0
     replace = argv[:1] == ["--replace"]
+    if argv[:1] == ["--repredict"]:  # every stored row predicted again by this code, its measurement kept
+        with tempfile.TemporaryDirectory() as scratch:
+            rows = merged([], make_inputs(Path(scratch))[0])
+        (OUT / "moe_distributed_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (OUT / "moe_distributed_memory.md").write_text(markdown(rows))
+        return 0
     argv = argv[1:] if replace else argv
     wanted = [(a, (s, int(w), int(e), 2 if int(w) == 2 else 1)) for a, s, w, e in (x.split(":") for x in argv)]
     wanted = wanted or [(a, r) for a in ARCHS for r in ROUTES]

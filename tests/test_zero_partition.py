@@ -126,3 +126,15 @@ def test_a_spec_whose_tensors_do_not_add_up_keeps_p_over_n(llama):
     assert zero_gradient_partition(llama, llama.params - 1, 4) is None
     s = zero_states(1_000_000, Job(seq_len=8), parse_strategy("zero2"), dp=4, hidden=64, largest_layer=0)
     assert s.backward_gradients == 1_000_000 / 4 * 2
+
+
+def test_zero2_holds_the_heads_whole_gradient_until_the_next_hook_copies_it():
+    """A head above reduce_bucket_size skips the IPG bucket: its gradient stays whole until the next parameter's
+    hook reduces it into the partition (allocated then, beside it); one within the bucket is copied at once."""
+    strategy = parse_strategy("zero2")
+    big = zero_states(1_000_000, Job(seq_len=8), strategy, dp=2, hidden=64, largest_layer=0, head_params=64_000)
+    small = zero_states(1_000_000, Job(seq_len=8, zero_reduce_bucket=100_000), strategy, dp=2, hidden=64,
+                        largest_layer=0, head_params=64_000)
+    off = zero_states(1_000_000, Job(seq_len=8), parse_strategy("zero2-offload"), dp=2, hidden=64, largest_layer=0,
+                      head_params=64_000)
+    assert (big.head_gradient, small.head_gradient, off.head_gradient) == (64_000 * 2, 0.0, 0.0)

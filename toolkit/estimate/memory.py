@@ -144,7 +144,9 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
         grads_done += created
         early -= r.trace.forward_grad_bytes
         after = 0.0 if accumulating else grads_done
-        peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + early + after,
+        # ZeRO-2's head gradient is copied into the partition when the next hook reduces it: both alive at once.
+        held = states.head_gradient if k == 0 and r.name == "head + loss" else 0.0
+        peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + early + after + held,
                    f"backward ({r.name})", 0.0)
         remaining -= r.trace.saved_bytes
         remaining_copies -= r.trace.autocast_copy_bytes if autocast else 0.0
@@ -240,7 +242,7 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
         return zero_states(params, job, strategy, dp=grid.shard_group, hidden=spec.hidden,
                            largest_layer=spec.largest_layer_params, factored_elems=fe,
                            gradient_partition=zero_gradient_partition(spec, params, grid.shard_group)
-                           if strategy.zero_stage == 2 else None)
+                           if strategy.zero_stage == 2 else None, head_params=spec.head_matmul_params)
     if strategy.engine == Engine.FSDP2:
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         if grid.expert > 1:

@@ -59,6 +59,10 @@ class States:
     backward_gradients: float = 0.0
     """Gradient partitions created in backward and freed by the step (ZeRO-2's grads_in_partition); while
     accumulating they persist between micro-steps."""
+    head_gradient: float = 0.0
+    """ZeRO-2: the LM head's whole gradient, alive from the head's backward until the next parameter's hook reduces
+    it and copies it into the gradient partition, which that copy allocates beside it (a tensor above
+    reduce_bucket_size skips the IPG bucket: stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads)."""
     gathered: float = 0.0
     """ZeRO-3 / FSDP2 unsharded parameters live at a time during forward/backward."""
     step_transient: float = 0.0
@@ -151,7 +155,8 @@ def ddp_saved_module_states(s: States, P: int, job: Job, *, param_bytes: int, wo
 
 
 def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, largest_layer: int,
-                factored_elems: int | None = None, gradient_partition: int | None = None) -> States:
+                factored_elems: int | None = None, gradient_partition: int | None = None,
+                head_params: int = 0) -> States:
     """DeepSpeed ZeRO stage 1/2/3 with the HF Trainer's "auto" bucket sizes (reduce_bucket_size = h*h,
     stage3_prefetch_bucket_size = 0.9*h*h; accelerate/transformers fill formulas), or the config's own
     reduce_bucket_size (job.zero_reduce_bucket).
@@ -194,6 +199,7 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
             whole = P / N if gradient_partition is None else gradient_partition
             s.backward_gradients = 0.0 if off_opt else whole * pb
             s.backward_buffers = buffers * bucket * pb
+            s.head_gradient = 0.0 if off_opt or head_params <= bucket else head_params * pb
             held = f"{pb}P/N" if gradient_partition is None else (
                 f"{pb} B x {gradient_partition:,} (the worst rank's whole parameters, {whole / (P / N):.3g}x P/N)")
             s.sources.append(f"ZeRO-2: {pb} B/param weights, {held} grad partition from backward to the step, "
@@ -475,7 +481,7 @@ def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
     local_layer = int(layer_experts / expert)
     dense_fe = None if factored_elems is None else int(factored_elems * dense_elems / P) if P else 0
     dense = zero_states(dense_elems, job, strategy, dp=world, hidden=hidden, largest_layer=dense_layer,
-                        factored_elems=dense_fe)
+                        factored_elems=dense_fe, head_params=spec.head_matmul_params)
     mine = zero_states(local, job, strategy, dp=world // expert, hidden=hidden, largest_layer=local_layer,
                        factored_elems=None if dense_fe is None else factored_elems - dense_fe)
     s = States(autocast=False)
@@ -496,6 +502,7 @@ def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
         if whole is not None:  # one grads_in_partition over both groups, whole parameters each
             s.backward_gradients = whole * _param_bytes(job)
     s.buffers, s.backward_buffers = dense.buffers, dense.backward_buffers  # one reduce bucket serves both groups
+    s.head_gradient = dense.head_gradient
     s.step_transient = max(dense.step_transient, mine.step_transient)
     s.flat_partitions = dense.flat_partitions + mine.flat_partitions
     exchange = ep_exchange_buffer_bytes(spec, job.micro_batch * job.seq_len, compute_bytes(job.precision))
