@@ -470,10 +470,11 @@ for stage 2. The model counts both as backward-to-step terms. The partition hold
 with an element in the rank's range counts whole (get_partition_info), so it is the worst rank's whole tensors
 (toolkit.estimate.zeropartition): here rank 0's, 1,963,008 elements where P/N is 1,897,600, because a 65,536-element
 attention matrix straddles the border (this benchmark's client optimizer is one param group; the HF Trainer's two
-would give 1,897,728). Before that sizing the model counted P/N and the fp32 row was 1.3% under. bf16 is exact;
-fp32 is 0.9% under at the peak, which the table shows one region later than predicted (model.norm's backward, with
-the partition already allocated): the MiB between the two are a region's own full-size gradients before its hook
-copies them into the bucket, which the model places at the region boundary rather than inside it.
+would give 1,897,728). The untied head (512,000 elements, above the 65,536-element bucket) skips the IPG bucket: its
+whole gradient waits for the next hook (model.norm's, where the table's peak is) to reduce it and copy it into the
+partition that copy allocates, both alive at once (States.head_gradient, counted at the end of the head's backward).
+Before these two the model counted P/N and no head gradient, and the fp32 row was 1.3% under (0.9% with the whole
+tensors alone); now 0.4%. bf16 is exact (its peak is the loss's, before any gradient partition).
 
 **ZeRO-3**: persistent = AdamW states 8P/N + fp32 master 4P/N (`fp32_partitioned_groups_flat`) + pb*P/N parameter
 partitions (`fp16_partitioned_groups`) + pb*P/N `grad_partitions_flat_buffer` (stage3.py:791) + one ipg bucket of
