@@ -149,9 +149,10 @@ def test_gemma_4_whose_decoder_layers_differ_in_shape_is_counted_exactly_and_spl
 
 def test_a_vision_language_class_plans_text_only_with_its_tower_counted_and_named(capsys):
     """Gemma-3-4B as its multimodal class (vision tower + projector beside the language model): the trace builds it
-    without running weight init (whose trunc_normal_ branched on fake values), the plan ranks strategies, the spec
-    names the parts beside the language model with counts that add up to the class, and a pipeline request names
-    the vision tower the converter would drop."""
+    without running weight init (whose trunc_normal_ branched on fake values), the plan chooses ZeRO-1 (the whole
+    grid's choice; asked alone beside the pipeline, it traces 2 steps, not the grid's 8), the spec names the parts
+    beside the language model with counts that add up to the class, and a pipeline request names the vision tower
+    the converter would drop."""
     import json
 
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -161,11 +162,12 @@ def test_a_vision_language_class_plans_text_only_with_its_tower_counted_and_name
     from toolkit.inputs.modelspec import build_spec
 
     path = str(MODELS / "gemma-3-4b-it.json")
-    code = main(["plan", path, "--gpus", "8xH100-80GB", "--seq", "1024", "--micro-batch", "1", "--json"])
+    code = main(["plan", path, "--gpus", "8xH100-80GB", "--seq", "1024", "--micro-batch", "1", "--strategies",
+                 "zero1,pipeline", "--json"])
     out = capsys.readouterr()
     assert code == 0 and "Traceback" not in out.err
     plan = json.loads(out.out)
-    assert plan["chosen"] and plan["params"] == 4_300_079_472
+    assert plan["chosen"]["strategy"] == "zero1" and plan["params"] == 4_300_079_472
     pipeline = next(c for c in plan["candidates"] if c["strategy"] == "pipeline")
     assert "part 'model.vision_tower' (SiglipVisionModel) beside the language model" in pipeline["reason"]
 
