@@ -342,16 +342,21 @@ of these tiny models sent 0.95x-1.05x the balanced rows to each rank, so the pla
 to the 1.25x share (Mixtral ep 2: 148,736 B, 4.4%). Moved to the rows each rank received, the prediction is the
 like-for-like one.
 
-**Left: ZeRO-2's gradient partition on the ranks that hold the LM head.** DeepSpeed allocates `grads_in_partition`
-at the first gradient that falls in a rank's partition (`stage_1_and_2.py` `copy_grads_in_partition`), sized as the
-sum of the numels of `params_in_partition`: every parameter with any element in the partition counts whole. toolkit
-counts P/N, appearing after the head's backward. The rank whose dense partition holds the LM head (the last) makes it
-at the head's gradient, the first of backward, and peaks there beside it (2 processes: rank 1 of Qwen3-MoE and
-Mixtral, -5.1% and -5.6% at its rows, where rank 0 is within 1%); at 4 processes the head (32,768 elements) straddles
-the last two dense partitions of 22,752, and both ranks hold it whole: 279,424 and 231,424 B where 189,312 are
-counted (-12.7% and -10.5% at their rows; ranks 0 and 1 -2.4%). The same holds for every ZeRO-2 plan, dense ones
-too (benchmarks/results/distributed_memory.md reads the larger rank: -1.3% on its Llama); fixing it needs the
-parameters' order and sizes in the estimate (which rank's partition a large tensor straddles), not done here.
+**ZeRO-2's gradient partition holds whole parameters, and the head's gradient waits beside it.** DeepSpeed
+allocates `grads_in_partition` at the first gradient a bucket reduction copies into a rank's partition
+(`stage_1_and_2.py` `copy_grads_in_partition`), sized as the sum of the numels of `params_in_partition`: every
+parameter with an element in the partition counts whole. The head (32,768 elements, above the 4,096-element bucket)
+skips the IPG bucket, so its whole gradient waits until the next hook reduces it and copies it in, allocating the
+partition beside it: the head rank's peak (`DM_STORAGES`). toolkit counted P/N from after the head's backward; it
+now counts the worst rank's whole tensors (toolkit.estimate.zeropartition, from the model's own parameters in
+DeepSpeed's order: at 4 processes the head straddles the last two dense partitions of 22,752 elements and both hold
+it whole) and the head's gradient beside it at the end of the head's backward (States.head_gradient). Before ->
+after, the plan's peak against the largest rank: Qwen3-MoE 0.9779 -> 1.0042 (2 processes), 0.8894 -> 0.9902 (4);
+Mixtral 0.9807 -> 0.9996, 0.9185 -> 0.9934; the head ranks at their rows (Qwen3-MoE / Mixtral): at 2 processes
+from -5.1% / -5.6% to -2.5% / -3.7%, at 4 from -12.7%, -10.5% / -10.4%, -9.1% to -2.6%, -0.1% / -2.9%, -1.4%. The plan prices every rank at the worst one (what the planner must judge), so at 4 processes the two
+ranks whose partitions hold no large tensor whole are now over by up to 9.0% (their own grads_in_partition is about
+P/N, allocated later in backward); the ZeRO-2 rows were re-run at this branch's commits (the first line above says
+which; toolkit.train, which the ranks run, is the same in each), the other rows' runs kept and predicted again.
 
 Not measured here: bf16 (toolkit.train's CPU runs are fp32), activation checkpointing, GPT-OSS and DeepSeek-V3
 (GPT-OSS ep 2 x fsdp 4 is measured by tests/test_moe.py), GPUs (NCCL's all-to-all, the DeepEP path).
