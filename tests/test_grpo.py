@@ -58,11 +58,29 @@ def test_each_phase_has_its_own_total_and_the_largest_is_the_peak():
     moment; the largest of them is the step's peak, named as such."""
     m = _grpo(beta=0.04).memory
     phases = dict(m.phase_peaks)
-    assert list(phases) == ["generation (transformers generate)", "forward", "backward", "optimizer step"]
+    assert list(phases) == ["generation (transformers generate)", "reference scoring (no_grad)", "forward", "backward",
+                            "optimizer step"]
     assert max(phases.values()) == m.peak_bytes == phases[m.peak_phase.split(" (")[0]]
     assert phases["generation (transformers generate)"] == m.generation_bytes
     assert m.generation_bytes > m.between_steps_bytes + _term(m, "generation KV cache")
     assert m.phase_words().count("(peak)") == 1
+    assert "reference scoring (no_grad)" not in dict(_grpo(beta=0.0).memory.phase_peaks)  # TRL holds no reference
+
+
+def test_the_references_scoring_pass_is_its_own_phase_beside_what_the_step_holds_between_steps():
+    """beta 0.04: the reference's no_grad pass over the completions (grpo_trainer.py _generate_and_score_completions,
+    after generation, before the policy's forward) holds the model states, the reference's partition, cuBLAS's
+    workspaces and one layer's working set with that layer and the next gathered (ZeRO-3), nothing saved: below the
+    policy's forward, which holds its saved activations too. A LoRA policy's reference is the adapter-disabled base:
+    the same pass, no weights of its own."""
+    from toolkit.inputs.lora import Adapter
+
+    for m in (_grpo(beta=0.04).memory, _grpo(beta=0.04, adapter=Adapter(method="lora", r=16)).memory):
+        phases = dict(m.phase_peaks)
+        scoring = _term(m, "reference scoring (no_grad)")
+        assert phases["reference scoring (no_grad)"] == m.between_steps_bytes + m.workspace_bytes + scoring
+        assert 0 < scoring < m.activations_bytes
+        assert phases["reference scoring (no_grad)"] < phases["forward"]
 
 
 def test_the_kv_cache_is_2_x_layers_x_kv_heads_x_head_dim_x_tokens_x_dtype_bytes():

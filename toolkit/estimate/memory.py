@@ -81,13 +81,15 @@ class _Peak:
 
 def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumulating: bool, autocast: bool,
               traced_grad_bytes_per_param: float, stash_bytes: float = 0.0, reference_bytes: float = 0.0,
-              reference_forward_bytes: float = 0.0) -> tuple[_Peak, float, float]:
+              reference_forward_bytes: float = 0.0, reference_scoring_bytes: float = 0.0
+              ) -> tuple[_Peak, float, float]:
     """Walk one micro-step forward and backward, then the optimizer step; return the peak, the activations
     held at the end of forward, and the autocast copies held.
 
     `in_flight` micro-batches' activations are alive at once (1F1B pipeline stage i: min(P - i, M)); the
     earlier ones add their saved bytes as a constant. A DPO reference's weights (`reference_bytes`) stay the whole
-    step; its no_grad forward (`reference_forward_bytes`) runs once the policy's forward has saved everything.
+    step; its no_grad forward (`reference_forward_bytes`) runs once the policy's forward has saved everything. A GRPO
+    reference's no_grad scoring (`reference_scoring_bytes`) runs first, beside what the step holds between steps.
     """
     persistent = states.persistent + reference_bytes
     step_grads_total = states.step_gradients
@@ -105,6 +107,11 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     grad_bytes_per_param = step_grads_total / region_params if region_params else 0.0
     grad_scale = grad_bytes_per_param / traced_grad_bytes_per_param
     peak = _Peak()
+    if reference_scoring_bytes:
+        from toolkit.estimate.preference import REFERENCE_SCORING_PHASE
+
+        peak.offer(persistent - states.gathered + reference_scoring_bytes, REFERENCE_SCORING_PHASE,
+                   reference_scoring_bytes)
 
     base = persistent + kept_grads + earlier
     # early: gradients made in forward (Liger's fused linear cross-entropy: the LM head's, in the traced parameter
@@ -497,9 +504,13 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     traced_grad = 4.0 if (trace.autocast or trace.dtype == "float32") else 2.0
     ref_weights = reference.weights_bytes if reference else 0
     ref_forward = reference.forward_bytes(trace) if reference else 0
+    ref_scoring = 0
+    if reference is not None and reference.scores_first:  # GRPO; the adapter-disabled policy gathers as it trains
+        ref_scoring = reference.working_bytes(trace) + (0 if reference.weights_bytes else states.gathered)
     peak, activations, copies = _simulate(regions, states, in_flight=in_flight, accumulating=accumulating,
                                           autocast=states.autocast, traced_grad_bytes_per_param=traced_grad,
-                                          reference_bytes=ref_weights, reference_forward_bytes=ref_forward)
+                                          reference_bytes=ref_weights, reference_forward_bytes=ref_forward,
+                                          reference_scoring_bytes=ref_scoring)
     outside = device_terms(hw.gpu, grid if grid is not None else grid_of(strategy, hw))
     context = outside.context_bytes + outside.nccl_bytes
     # cuBLAS's workspaces are allocated through the caching allocator for the whole run: allocated and reserved
@@ -553,7 +564,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     if reference is not None:
         from toolkit.estimate.preference import reference_terms
 
-        terms[3:3] = [Term(*t) for t in reference_terms(reference, ref_forward)]
+        terms[3:3] = [Term(*t) for t in reference_terms(reference, ref_forward, ref_scoring)]
     ranks_per_node = hw.gpus_per_node
     notes = list(trace.notes) + list(spec.notes)
     if stage is not None:

@@ -24,6 +24,9 @@ from toolkit.inputs.preference import MODEL_PARALLEL_DPO_PROBLEM
 from toolkit.inputs.strategy import Engine, Strategy
 
 REFERENCE_FORWARD_PHASE = "reference forward (no_grad)"
+REFERENCE_SCORING_PHASE = "reference scoring (no_grad)"
+"""GRPO's reference pass: its per-token log-probs of the generated completions, after generation and before the
+policy's forward (grpo_trainer.py _generate_and_score_completions)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class Reference:
     forward: bool
     """It runs a forward in every micro-step (reference kept)."""
     source: str
+    scores_first: bool = False
+    """GRPO: its no_grad pass scores the generated completions before the policy's forward, beside what the step
+    holds between steps (REFERENCE_SCORING_PHASE), not on top of saved activations."""
 
     def forward_bytes(self, trace) -> int:
         """Live bytes of its forward beyond what the step already holds: the largest working set under no_grad of
@@ -48,6 +54,10 @@ class Reference:
         statistics; no whole logits."""
         if not self.forward:
             return 0
+        return self.working_bytes(trace)
+
+    def working_bytes(self, trace) -> int:
+        """Its no_grad forward's working set (forward_bytes), whenever that forward runs."""
         working = max((r.saved_bytes + r.forward_extra_bytes for r in (*trace.layers, trace.head)), default=0)
         return int(working + self.gathered_bytes)
 
@@ -66,7 +76,7 @@ def reference_of(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGr
         # TRL: is_peft_model(model) and ref_model None -> self.ref_model = None; the reference forward runs the policy
         # under use_adapter(..., None), the adapters disabled (dpo_trainer.py 908-914, 1328-1336; grpo_trainer.py
         # 983-990, 2710-2730).
-        return Reference(0, 0, after_policy,
+        return Reference(0, 0, after_policy, scores_first=dpo is None, source=
                          f"the adapter-disabled {job.adapter.method} base (PEFT): no weights of its own"
                          + ("; log-probs precomputed before training" if dpo and not dpo.reference_forward else ""))
     if dpo is not None and not dpo.reference_forward:
@@ -104,15 +114,20 @@ def reference_of(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGr
     # next decoder layer prefetched.
     gathered = (spec.largest_layer_params + max(spec.layer_params)) * compute_bytes(job.precision) \
         if sharded and strategy.fsdp_mode != "grad_op" else 0
-    return Reference(weights, gathered, after_policy,
+    return Reference(weights, gathered, after_policy, scores_first=grpo is not None, source=
                      f"{params:,} params x {per_param} B, {how} {shard} ranks = {weights / GIB:.2f} GiB; no gradients "
                      "or optimizer states (frozen, eval mode)"
                      + ("" if dpo else "; GRPO beta != 0, its no_grad scoring runs before the policy's forward"))
 
 
-def reference_terms(ref: Reference, forward_bytes: int) -> list[tuple[str, int, str]]:
+def reference_terms(ref: Reference, forward_bytes: int, scoring_bytes: int = 0) -> list[tuple[str, int, str]]:
     """--explain's lines for the reference."""
     out = [("reference model", ref.weights_bytes, ref.source)]
+    if ref.scores_first:
+        out.append((REFERENCE_SCORING_PHASE, scoring_bytes,
+                    "after generation, before the policy's forward, beside what the step holds between steps: the "
+                    "largest layer's working set of one micro-batch, nothing saved, and the parameters a sharded "
+                    "model gathers (the adapter-disabled policy: what its own forward gathers)"))
     if ref.forward:
         out.append((REFERENCE_FORWARD_PHASE, forward_bytes,
                     "after the policy's forward: the largest layer's working set of the concatenated batch, nothing "

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from toolkit.estimate.breakdown import Breakdown, Term, reserved_bytes
+from toolkit.estimate.preference import REFERENCE_SCORING_PHASE
 from toolkit.inputs.choices import GIB, compute_bytes
 from toolkit.inputs.grid import ParallelGrid
 from toolkit.inputs.job import Job
@@ -108,9 +109,11 @@ def with_reward(b: Breakdown, strategy: Strategy, job: Job, grid: ParallelGrid, 
     peak, required = b.peak_bytes + w, b.required_bytes + w
     held = b.between_steps_bytes + w  # scoring follows generation, before the step makes its gradients
     scoring = held + b.workspace_bytes + share.forward_bytes
-    phases = ((REWARD_PHASE, scoring), *((name, bytes_ + w) for name, bytes_ in b.phase_peaks))
+    phases = [(name, bytes_ + w) for name, bytes_ in b.phase_peaks]
+    at = next((i + 1 for i, (name, _) in enumerate(phases) if name == REFERENCE_SCORING_PHASE), 0)
+    phases[at:at] = [(REWARD_PHASE, scoring)]  # TRL scores with the reference first (_generate_and_score_completions)
     out = replace(b, peak_bytes=peak, required_bytes=required, reward_bytes=w, terms=tuple(terms),
-                  phase_peaks=phases)
+                  phase_peaks=tuple(phases))
     if scoring <= peak:
         return out
     margin = reserved_bytes(scoring) - scoring
