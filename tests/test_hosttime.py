@@ -27,7 +27,7 @@ def test_the_trace_counts_the_operations_a_real_checkpointed_step_dispatches(nam
 
 
 def test_a_host_bound_moe_step_is_the_hosts_dispatch_and_a_short_count_leaves_the_step_alone():
-    from toolkit.estimate.hosttime import EP_EXCHANGE_OPS, HOST_OP_S
+    from toolkit.estimate.hosttime import EP_ROUTE_HOST_OPS, HOST_OP_S
     from toolkit.estimate.timing import step_time
     from toolkit.inputs.grid import ParallelGrid
     from toolkit.inputs.hardware import parse_hardware
@@ -42,15 +42,16 @@ def test_a_host_bound_moe_step_is_the_hosts_dispatch_and_a_short_count_leaves_th
     device = step_time(spec, strategy, job, hw, grid=grid)
     assert device.host_s == 0.0
     hosted = step_time(spec, strategy, job, hw, grid=grid, host_ops=25_000)
-    # every micro-step dispatches them again, with AllToAllEP's exchange in each of the 48 MoE layers (its forward
-    # recomputed); the fused AdamW step and clipping once (2 param groups x 2 device meshes)
-    forward, backward = EP_EXCHANGE_OPS
-    micro = 25_000 + 48 * (2 * forward + backward)
+    # every micro-step dispatches them again, with what the shared-batch AllToAllEP route adds to each of the 48
+    # checkpointed MoE layers; the fused AdamW step and clipping once (2 param groups x 2 device meshes)
+    micro = 25_000 + 48 * EP_ROUTE_HOST_OPS["all_to_all"][0]
     assert hosted.host_s == pytest.approx((2 * micro + 2 * 4 + 2 + 8 * 2) * HOST_OP_S)
     assert hosted.step_time_s == pytest.approx(max(device.step_time_s, hosted.host_s))
     assert hosted.step_time_s > device.step_time_s
-    few = step_time(spec, strategy, job, hw, grid=grid, host_ops=100)
-    assert few.step_time_s == pytest.approx(device.step_time_s)
+    # without expert parallelism (no route to add) a short count leaves the step to the GPU's work
+    plain = step_time(spec, strategy, job, hw)
+    few = step_time(spec, strategy, job, hw, host_ops=100)
+    assert few.host_s > 0 and few.step_time_s == pytest.approx(plain.step_time_s)
 
 
 def test_an_moe_estimate_is_host_bound_and_its_speed_is_not_claimed_inside_the_dense_band(tmp_path, capsys):
@@ -173,3 +174,35 @@ def test_a_host_bound_dense_estimate_says_its_step_is_the_hosts_dispatch(capsys)
     step = float(line.split()[2])
     assert f"host-bound: the host's dispatch, {step:.3f} s, is the step" in line
     assert float(line.split("(compute ")[1].split()[0]) < step / 4
+
+
+def test_the_host_term_adds_what_the_grids_route_costs_each_moe_layer():
+    """micro_step_host_ops adds, on a batch-sharing group, EP_ROUTE_HOST_OPS (measured on the routes themselves,
+    benchmarks/ep_route_host.py) by token exchange: AllToAllEP (5.24's default plan) or the masked all-reduce (a
+    plan with ep_router + moe_tp_experts), a layer checkpointed or not; with every rank its own batch AllToAllEP's
+    exchange operations (EP_EXCHANGE_OPS); nothing without expert parallelism. Each measured route costs the host
+    more than ten times its exchange's own operations: the experts' DTensor parameters' Python is most of it."""
+    from toolkit.estimate.hosttime import EP_EXCHANGE_OPS, EP_ROUTE_HOST_OPS, micro_step_host_ops
+    from toolkit.inputs.grid import ParallelGrid
+    from toolkit.inputs.modelspec import spec_from_config_dict
+    from toolkit.inputs.strategy import parse_strategy
+
+    config = json.loads((ARCH / "qwen3-30b-a3b.json").read_text())
+    spec = spec_from_config_dict(config, name="qwen3-30b-a3b")
+    masked = spec_from_config_dict({**config, "base_model_ep_plan": {
+        "layers.*.mlp.gate": "ep_router", "layers.*.mlp.experts": "moe_tp_experts"}}, name="qwen3-30b-a3b")
+
+    def grid(expert, shared=False):
+        return ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=1, gpus_per_node=8, expert=expert,
+                                         expert_shared_batch=shared)
+
+    assert micro_step_host_ops(spec, grid(1), 1000, True) == 1000
+    assert micro_step_host_ops(spec, None, 1000, True) == 1000
+    for model, key in ((spec, "all_to_all"), (masked, "all_reduce")):
+        with_recompute, without = EP_ROUTE_HOST_OPS[key]
+        assert micro_step_host_ops(model, grid(8, True), 1000, True) == 1000 + 48 * with_recompute
+        assert micro_step_host_ops(model, grid(8, True), 1000, False) == 1000 + 48 * without
+        assert min(with_recompute, without) > 10 * (2 * EP_EXCHANGE_OPS[0] + EP_EXCHANGE_OPS[1])
+    forward, backward = EP_EXCHANGE_OPS
+    assert micro_step_host_ops(spec, grid(8), 1000, True) == 1000 + 48 * (2 * forward + backward)
+    assert micro_step_host_ops(spec, grid(8), 1000, False) == 1000 + 48 * (forward + backward)

@@ -287,9 +287,10 @@ def print_estimate(spec, hw, c, b, *, explain: bool = False, world=None) -> None
           + ("" if tband.covers(strategy.name, hw.world_size) or not tband.known else
              f"; no published {strategy.name} run on {hw.world_size} GPU(s) on {hw.gpu.architecture.capitalize()} in "
              "the corpus: this engine's terms are unverified")
-          + ("; not for expert parallelism: the one published expert-parallel run scored (TRL's, "
-             "benchmarks/results/moe_ep.md) is about 3x slower than this model, outside this band even with the host's "
-             "dispatch at its slow end, so the expert-parallel speed and its terms are unverified"
+          + ("; not for expert parallelism: one published expert-parallel step is scored (TRL's Qwen3-30B-A3B "
+             "ep=8, benchmarks/results/moe_ep.md: within 35% on the route it ran, its host's dispatch of the route "
+             "measured on CPU; its 8-node row about 3x slower than this model), so the expert-parallel "
+             "speed and its terms are unverified"
              if c.grid is not None and c.grid.expert > 1 else
              "; not for a mixture of experts: no published MoE step is scored within it (its host dispatch is "
              "measured on CPU only), so its speed is unverified" if t.host_s and t.moe else "")

@@ -170,6 +170,7 @@ def expert_assumptions(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardwa
                     f"{' (1 / ep of the shared batch each, plus its all-gathers)' if grid.expert_shared_batch else ''}"
                     f" on the {link} link, balanced routing ({exchange_s:.3f} s/step); one host sync per MoE layer "
                     "(split sizes read back) not priced")
-    said.append("*expert-parallel speed unverified: the one published expert-parallel step (TRL PR#6869, "
-                "benchmarks/results/moe_ep.md) is about 3x slower than this model, host dispatch counted")
+    said.append("*expert-parallel speed unverified: of the published expert-parallel steps (TRL PR#6869, "
+                "benchmarks/results/moe_ep.md) the one-node row is within 35% on the route it ran, the 8-node row "
+                "about 3x slower than this model")
     return said

@@ -45,7 +45,25 @@ backward): the expert-sorted send order, the split counts, their exchange and re
 expert ids, the inverse permutation and the weighted sum (distributed/expert_parallel.py `_dispatch_tokens`,
 `_combine_tokens`), and their gradients. Measured: benchmarks/moe_ep.py `ep_exchange_ops`, the model's own experts
 module with and without AllToAllEP around it on a one-rank gloo group (31 + 8 for Qwen3-MoE, Mixtral and GPT-OSS
-alike). Not counted: the shared-batch path's DTensor slicing and gather (a tensor-parallel mesh of 2+ ranks)."""
+alike). On a batch-sharing group the host term prices the whole route instead (EP_ROUTE_HOST_OPS), of which these
+are a small part."""
+
+EP_ROUTE_HOST_OPS = {"all_to_all": (1652, 1626), "all_reduce": (1212, 1068)}
+"""What transformers 5.24's expert-parallel route adds to the host's work a MoE layer when the expert group shares
+one batch (TRL's layout), in the plain model's own operations (checkpointed layer, layer without checkpointing), by
+token exchange (toolkit.inputs.moe.ep_token_exchange). It holds the exchange's own
+operations (EP_EXCHANGE_OPS) and, far more, the Python around the experts' DTensor parameters (grouped_gemm's
+MoEParamShard): DTensor.from_local / to_local, redistribute and sharding propagation in forward, recompute and
+backward (torch.distributed.tensor's own functions take most of a profiled step's extra CPU time; the c10d calls
+little), and with every rank its own batch FSDP2's hooks. Measured, not fitted: benchmarks/ep_route_host.py loads
+the tiny Qwen3-MoE by each route (DistributedConfig on 2 gloo ranks; the shared batch with a tp_plan naming only
+the experts, so the dense modules stay whole as in TRL's layout) and the plain model beside it, times a training
+step on the main thread's CPU clock at 4 and 8 MoE layers, and divides the route's growth per layer beyond the
+plain model's by the plain step's seconds per operation (benchmarks/results/moe_ep.md: MEASURED). Its runs scatter
+by about +-20% on the shared box. Every rank its own batch (DistributedConfig(fsdp_size=2, ep_size=2)) read 783 and
+989 the same way, but that figure holds FSDP2's per-module hooks, which the plain FSDP2 rows it is ranked against
+pay too and the host term does not count for them: applied to the expert-parallel rows alone it would bias the
+plan's ranking, so that layout still adds only its exchange's operations (EP_EXCHANGE_OPS)."""
 
 OPTIMIZER_OPS = {"for-loop": (10, 0, 2), "foreach": (2, 10, 2), "fused": (0, 2, 2)}
 """torch AdamW's step, ATen operations (per parameter tensor, per param group, once): the per-parameter loop runs
@@ -58,14 +76,21 @@ Measured with OPTIMIZER_OPS."""
 
 
 def micro_step_host_ops(spec, grid, traced_ops: int, checkpointing: bool) -> int:
-    """Operations one micro-step dispatches: the trace's (the single-process model) plus, under transformers' expert
-    parallelism, AllToAllEP's exchange in every MoE layer (its forward again in the recompute)."""
-    from toolkit.inputs.moe import moe_layer_count
+    """Operations one micro-step dispatches, in the plain model's operations: the trace's (the single-process model)
+    plus, under transformers' expert parallelism, what its route adds to every MoE layer: the whole route measured
+    (EP_ROUTE_HOST_OPS) on a batch-sharing group, the exchange's operations (EP_EXCHANGE_OPS, its forward again in
+    the recompute) with every rank its own batch."""
+    from toolkit.inputs.moe import ep_token_exchange, moe_layer_count
 
     if grid is None or grid.expert <= 1 or grid.autoep:
         return traced_ops
-    forward, backward = EP_EXCHANGE_OPS
-    return traced_ops + moe_layer_count(spec) * (forward * (2 if checkpointing else 1) + backward)
+    if grid.expert_shared_batch:
+        with_recompute, without = EP_ROUTE_HOST_OPS[ep_token_exchange(spec, True)]
+        per_layer = with_recompute if checkpointing else without
+    else:
+        forward, backward = EP_EXCHANGE_OPS
+        per_layer = forward * (2 if checkpointing else 1) + backward
+    return traced_ops + moe_layer_count(spec) * per_layer
 
 
 def optimizer_host_ops(spec, job, grid, strategy) -> int:
@@ -134,10 +159,13 @@ def host_assumption(host_ops: int, host_s: float, device_s: float, step_ops: int
                 f"optimizer step and clipping, at {HOST_OP_S * 1e6:.0f} us each (measured on CPU, band "
                 f"x{HOST_OP_BAND[0]:g}-x{HOST_OP_BAND[1]:g}): {host_s:.3f} s against the device's {device_s:.3f} s; "
                 f"{bound} (a 1.5B DDP step on an H200 measured 58 ms at 512 and 1024 tokens, 54 ms by this term)")
-    exchange = ("expert parallelism's all-to-all dispatch and combine counted (AllToAllEP, measured on CPU); "
-                if expert_exchange else "")
-    return (f"host dispatch: {host_ops:,} ATen operations a micro-step (traced, forward + backward + recompute) and "
+    said = (f"host dispatch: {host_ops:,} ATen operations a micro-step (traced, forward + backward + recompute) and "
             f"{step_ops:,} for the optimizer step and clipping, at {HOST_OP_S * 1e6:.0f} us each (measured on CPU, "
             f"band x{HOST_OP_BAND[0]:g}-x{HOST_OP_BAND[1]:g}): {host_s:.3f} s against the device's {device_s:.3f} s; "
-            f"{bound} (a host sync per MoE layer under expert parallelism keeps the host within a layer of the GPU); "
-            f"{exchange}the shared-batch path's DTensor slicing is not traced and not counted")
+            f"{bound} (a host sync per MoE layer under expert parallelism keeps the host within a layer of the GPU)")
+    if not expert_exchange:
+        return said
+    return (f"{said}; the count holds what transformers' expert-parallel route adds to each MoE layer, in the plain "
+            "model's operations: on a batch-sharing group the whole route (its exchange and the DTensor dispatch "
+            "around the experts' parameters, measured on 2 gloo ranks: hosttime.EP_ROUTE_HOST_OPS), with every "
+            "rank its own batch AllToAllEP's exchange operations (its DTensor dispatch not counted)")
