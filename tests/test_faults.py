@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import toolkit_here
 from tests.quick_launch import quick_launch
 from tests.test_hostile import _snapshot, run_cli
 from toolkit.run.launcher import emit_plan_files
@@ -113,13 +114,12 @@ def _steps(corpus_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_llama_dir, corpus_dir, tmp_path_factory):
     """(plan folder, output) of a DDP run of 12 steps that nothing interrupts: what every interrupted run of the
-    same plan and flags must end with."""
+    same plan and flags must end with. Its `toolkit launch` runs in this process (toolkit_here), as the resume of
+    the killed run does below: nothing signals them."""
     root = tmp_path_factory.mktemp("whole")
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=32), root / "p")
-    whole = subprocess.run([sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--",
-                            *_steps(corpus_dir), "--output", str(root / "whole")], env=ENV, capture_output=True,
-                           text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    code, _, err = toolkit_here(["launch", str(plan_dir), "--", *_steps(corpus_dir), "--output", str(root / "whole")])
+    assert code == 0, err[-3000:]
     return plan_dir, root / "whole"
 
 
@@ -173,9 +173,8 @@ def test_launcher_killed_stops_every_rank_refuses_a_second_run_and_resumes_exact
     assert not (killed / "model.safetensors").exists()  # the run did not go on to write its final model
     assert not (killed / ".toolkit-run.lock").exists()
 
-    resume = subprocess.run([*toolkit, *steps, "--output", str(killed), "--resume"], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert resume.returncode == 0, resume.stderr[-3000:]
+    code, _, err = toolkit_here(["launch", str(plan_dir), "--", *steps, "--output", str(killed), "--resume"])
+    assert code == 0, err[-3000:]
     _same_end(killed, whole, int(last.name.split("-")[1]))
 
 

@@ -94,15 +94,18 @@ def test_launch_refuses_a_clipping_value_the_deepspeed_config_contradicts(tiny_l
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_rehearsal_reports_a_failing_run_with_its_exit_code(tiny_llama_dir, tmp_path, capfd):
-    """A plan whose DeepSpeed JSON was edited by hand into nonsense fails in the rehearsal, not on the GPUs."""
+    """A plan whose DeepSpeed JSON was edited by hand into nonsense fails in the rehearsal, not on the GPUs. The
+    real file is checked at the plan's world size whatever the rehearsal runs on (rehearsal._validate_real_configs),
+    so one CPU process shows it (--processes 1) as two do."""
     import json
 
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
     ds = json.loads((plan_dir / "ds_config.json").read_text())
     ds["zero_optimization"]["stage"] = 7
     (plan_dir / "ds_config.json").write_text(json.dumps(ds))
-    code = launch_main(plan_dir, [], rehearse=True)
+    code = launch_main(plan_dir, [], rehearse=True, processes=1)
     out = capfd.readouterr().out
     assert code != 0
     assert "rehearsal problem: DeepSpeed refuses" in out and "rehearsal FAILED" in out

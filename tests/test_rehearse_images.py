@@ -167,6 +167,7 @@ def test_the_rehearsal_of_a_qwen25_vl_image_plan_trains_the_images_on_two_fsdp2_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_the_rehearsal_of_a_gemma3_image_plan_on_one_process_trains_the_images(tmp_path, capfd):
     """A 2-GPU DDP plan of Gemma-3-4B for 2 x 896x896 images (256 tokens each) rehearsed on one CPU process
     (--processes 1: a data-parallel plan): the process counted the tiny processor's 4 tokens an image, most of the
@@ -176,6 +177,7 @@ def test_the_rehearsal_of_a_gemma3_image_plan_on_one_process_trains_the_images(t
 
 
 @pytest.mark.multiprocess
+@pytest.mark.one_core
 def test_a_users_trl_vlm_script_rehearses_a_copied_gemma3_image_plan_on_the_tiny_processor_and_images(
         tmp_path, capfd, monkeypatch):
     """`toolkit launch COPY --rehearse -- my_vlm_sft.py '$TOOLKIT_REHEARSAL_MODEL' '$TOOLKIT_REHEARSAL_DATA' ...` of a

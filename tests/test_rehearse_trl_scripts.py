@@ -181,20 +181,15 @@ text = load_dataset("text", data_files=os.path.join(os.environ["TOOLKIT_REHEARSA
 '''
 
 
-def _rehearse(plan, tmp_path: Path, script: str, *extra: str):
-    import os
-    import subprocess
-    import sys
-
+def _rehearse(toolkit_in_process, plan, tmp_path: Path, script: str, *extra: str):
+    """`toolkit launch PLAN --rehearse EXTRA -- my_train.py OUT REPORT` from tmp_path, in this process
+    (tests/conftest.py toolkit_here: its own interpreter took 3.7 CPU-s before the script ran, 0.3 here)."""
     from toolkit.emit import emit_files
 
     emit_files(plan, tmp_path / "plan")
     (tmp_path / "my_train.py").write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return subprocess.run([sys.executable, "-m", "toolkit", "launch", str(tmp_path / "plan"), "--rehearse", *extra,
-                           "--", "my_train.py", str(tmp_path / "out"), str(tmp_path / "report.json")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return toolkit_in_process("launch", str(tmp_path / "plan"), "--rehearse", *extra, "--", "my_train.py",
+                              str(tmp_path / "out"), str(tmp_path / "report.json"), cwd=tmp_path)
 
 
 def _losses(tmp_path: Path) -> dict[int, float]:
@@ -204,13 +199,14 @@ def _losses(tmp_path: Path) -> dict[int, float]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy,processes", [("zero2", None),
                                                 pytest.param("ddp", "1", marks=pytest.mark.one_core)])
-def test_a_users_trl_dpo_script_rehearses_from_ln2(tiny_llama_dir, tmp_path, strategy, processes):
+def test_a_users_trl_dpo_script_rehearses_from_ln2(tiny_llama_dir, tmp_path, strategy, processes,
+                                                   toolkit_in_process):
     """At step 1 the policy is the reference: every pair's log-ratio is 0 and the sigmoid loss is ln 2."""
     import math
 
     plan = plan_for_model(tiny_llama_dir, strategy, gpus_per_node=4, micro_batch=2, seq_len=64).replace(
         dpo=Dpo().to_dict())
-    done = _rehearse(plan, tmp_path, DPO_SCRIPT, *(("--processes", processes) if processes else ()))
+    done = _rehearse(toolkit_in_process, plan, tmp_path, DPO_SCRIPT, *(("--processes", processes) if processes else ()))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert ("on 1 CPU process over gloo" if processes == "1" else "on 2 CPU processes over gloo") in done.stdout
     assert "rehearsal passed: your script with" in done.stdout
@@ -221,13 +217,14 @@ def test_a_users_trl_dpo_script_rehearses_from_ln2(tiny_llama_dir, tmp_path, str
 
 @pytest.mark.multiprocess
 @pytest.mark.one_core
-def test_a_users_trl_grpo_script_with_its_own_reward_rehearses_generating_in_process(tiny_llama_dir, tmp_path):
+def test_a_users_trl_grpo_script_with_its_own_reward_rehearses_generating_in_process(tiny_llama_dir, tmp_path,
+                                                                                      toolkit_in_process):
     import math
 
     grpo = Grpo(num_generations=8, max_prompt_length=256, max_completion_length=512, use_vllm=True)
     plan = plan_for_model(tiny_llama_dir, "ddp", gpus_per_node=8, micro_batch=4,
                           seq_len=grpo.seq_len).replace(grpo=grpo.to_dict())
-    done = _rehearse(plan, tmp_path, GRPO_SCRIPT, "--processes", "1")
+    done = _rehearse(toolkit_in_process, plan, tmp_path, GRPO_SCRIPT, "--processes", "1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "note: vLLM (colocate) needs a GPU" in done.stdout
     history = json.loads((tmp_path / "report.json").read_text())
@@ -238,9 +235,10 @@ def test_a_users_trl_grpo_script_with_its_own_reward_rehearses_generating_in_pro
 
 @pytest.mark.multiprocess
 @pytest.mark.one_core
-def test_a_script_expecting_text_in_a_dpo_rehearsal_fails_with_its_own_error_in_one_line(tiny_llama_dir, tmp_path):
+def test_a_script_expecting_text_in_a_dpo_rehearsal_fails_with_its_own_error_in_one_line(tiny_llama_dir, tmp_path,
+                                                                                          toolkit_in_process):
     plan = plan_for_model(tiny_llama_dir, "ddp", micro_batch=2, seq_len=64).replace(dpo=Dpo().to_dict())
-    done = _rehearse(plan, tmp_path, TEXT_SCRIPT, "--processes", "1")
+    done = _rehearse(toolkit_in_process, plan, tmp_path, TEXT_SCRIPT, "--processes", "1")
     assert done.returncode == 1
     errors = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(errors) == 1, done.stderr

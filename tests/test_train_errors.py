@@ -65,22 +65,16 @@ def test_existing_checkpoints_without_resume(train_in_process, one_process_plan,
 
 
 @pytest.mark.multiprocess
-def test_two_processes_only_rank0_reports_and_launch_exits_2(tiny_llama_dir, tmp_path):
+def test_two_processes_only_rank0_reports_and_launch_exits_2(tiny_llama_dir, tmp_path, toolkit_in_process):
     """A refusal only the workers can make (a hub dataset: the preflight does not reach for the network, and offline
     the ranks cannot load it); torchrun reports the failed workers as its own exit 1 with a summary block, and
-    `toolkit launch` turns that back into exit 2."""
-    import os
-    import subprocess
-    import sys
-
+    `toolkit launch` (run in this process: toolkit_in_process) turns that back into exit 2."""
     from toolkit.run.launcher import emit_plan_files
 
     plan_dir = emit_plan_files(plan_for_model(tiny_llama_dir, "zero2", micro_batch=2, seq_len=32), tmp_path / "p")
-    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "launch", str(plan_dir), "--", "--data",
-                           "nobody/no-such-dataset",
-                           "--output", str(tmp_path / "out"), "--max-steps", "1"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    proc = toolkit_in_process("launch", str(plan_dir), "--", "--data", "nobody/no-such-dataset", "--output",
+                              str(tmp_path / "out"), "--max-steps", "1", cwd=tmp_path, HF_DATASETS_OFFLINE="1",
+                              HF_HUB_OFFLINE="1")
     assert proc.returncode == 2, proc.stderr[-4000:]
     errors = proc.stderr.strip().splitlines()  # no launcher traceback: every rank's stderr is in the log
     assert len(errors) == 1 and errors[0].startswith("error: ") and "as a hub dataset failed" in errors[0]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import shared_tiny_model
+from tests.conftest import shared_tiny_model, toolkit_here
 from toolkit.inputs.choices import GIB
 
 BASELINE_BYTES = 710 * 10**6
@@ -69,14 +69,23 @@ def cache(plan_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def tuned(plan_dir, limit_gib, cache) -> tuple[subprocess.CompletedProcess, dict, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOOLKIT_CACHE_DIR": str(cache),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, "-m", "toolkit", "tune", str(plan_dir), "--cpu", "--processes", "2",
-                           "--steps", "1", "--candidates", "3", "--memory-limit-gib", str(limit_gib),
-                           "--emit", str(plan_dir.parent / "winner"),
-                           "--export-calibration", str(plan_dir.parent / "calibration.json")],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """`toolkit tune PLAN --cpu --processes 2` of 3 candidates, run in this process (toolkit_here: its probes are
+    launches of their own), its calibration stored in `cache`. The CPU's matmul rate it measures here is at one
+    torch thread, the ranks' (OMP_NUM_THREADS=1), as an interpreter of its own started with that measured it."""
+    import torch
+
+    argv = ["tune", str(plan_dir), "--cpu", "--processes", "2", "--steps", "1", "--candidates", "3",
+            "--memory-limit-gib", str(limit_gib), "--emit", str(plan_dir.parent / "winner"),
+            "--export-calibration", str(plan_dir.parent / "calibration.json")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code, out, err = toolkit_here(argv, TOOLKIT_CACHE_DIR=str(cache),
+                                      PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err[-3000:]
+    done = subprocess.CompletedProcess(["toolkit", *argv], code, out, err)
     return done, json.loads((plan_dir / "tune.json").read_text()), (plan_dir / "PLAN.md").read_text()
 
 
