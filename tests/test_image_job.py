@@ -204,6 +204,22 @@ def test_gemma_3s_siglip_tower_traced_alone_saves_what_a_real_forward_saves():
         assert traced.saved_bytes == saved > 0, attention
 
 
+@pytest.mark.parametrize("arch", ["qwen2.5-vl", "gemma-3"])
+def test_a_flash_attention_tower_is_traced_through_the_kernels_stand_in(arch):
+    """--attention flash_attention_2 on an image job: transformers sets a from_pretrained string on every
+    sub-model, so the tower runs flash-attention too; its trace takes the flash kernel's stand-in, as the language
+    model's does (the flash-attn package is not installed here: the tower's build raised ImportError before, a
+    traceback out of estimate and plan). The stand-in keeps what sdpa's fused CPU kernel keeps (q, k, v, out, an
+    fp32 logsumexp), so the saved bytes are sdpa's."""
+    from toolkit.estimate.visiontower import trace_tower
+
+    config = _tiny_config() if arch == "qwen2.5-vl" else _gemma3_config()
+    sdpa = trace_tower(config, 448, 280, dtype="bfloat16", attention="sdpa")
+    flash = trace_tower(config, 448, 280, dtype="bfloat16", attention="flash_attention_2")
+    assert flash.saved_bytes == sdpa.saved_bytes > 0
+    assert flash.backward_extra_bytes == sdpa.backward_extra_bytes
+
+
 def _gemma3_config():
     from transformers import Gemma3Config
 

@@ -140,6 +140,7 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
 
     from toolkit.estimate.fakestep import enable_checkpointing, weights_uninitialised
     from toolkit.estimate.recording import StorageLog, make_recorder
+    from toolkit.estimate.standins import trace_environment
     from toolkit.inputs.images import image_tokens
     from toolkit.inputs.modelconfig import auto_model_class
 
@@ -147,7 +148,11 @@ def _trace(config, width, height, *, dtype, autocast, attention, trained, checkp
     compute = getattr(torch, dtype)
     param_dtype = torch.float32 if autocast else compute
     traced = _tower_config(config)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    # flash-attention (set on every sub-model, as a user's from_pretrained string sets it) through the stand-in of
+    # its kernel's footprint, as the language model's trace takes it: the flash-attn package need not be here
+    flash = trace_environment(attention, "cpu", []) if attention == "flash_attention_2" \
+        else contextlib.nullcontext(attention)
+    with flash as attention, FakeTensorMode(allow_non_fake_inputs=True) as mode:
         with weights_uninitialised():
             model = auto_model_class(traced, images=True).from_config(traced, dtype=param_dtype,
                                                                       attn_implementation=attention)
