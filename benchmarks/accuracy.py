@@ -62,21 +62,38 @@ IMAGE_CONFIGS = [
     ("qwen2.5-vl-7b-instruct", 2, True, 96, 2, "448x280", "freeze"),
     ("qwen3.5-27b", 4, False, 96, 2, "448x280", "train"),
     ("qwen3.5-27b", 4, True, 96, 2, "448x280", "freeze"),
+    ("gemma-3-4b-it", 2, False, 96, 2, "448x280", "train"),
+    ("gemma-3-4b-it", 2, True, 96, 2, "448x280", "freeze"),
 ]
 ARCH_CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "arch_configs"
 
 
 def tiny_image_config(name: str, layers: int):
     """The checkpoint's image-text config shrunk (toolkit.run.tiny.shrink_config, its vision tower too), with its
-    image, vision start / end and video token ids inside the tiny vocabulary (500-503 of 512)."""
+    image, vision start / end and video token ids (Gemma-3: image, begin and end of image) inside the tiny
+    vocabulary (500-503 of 512)."""
     from toolkit.inputs.modelconfig import load_config
     from toolkit.run.tiny import shrink_config
 
     config = shrink_config(load_config(str(ARCH_CONFIGS / f"{name}.json")), layers=layers, max_positions=1024,
                            images=True)
+    if getattr(config, "mm_tokens_per_image", None):  # Gemma-3: begin / end of image around its fixed count
+        config.image_token_id, config.boi_token_id, config.eoi_token_id = 500, 501, 502
+        return config
     config.image_token_id, config.vision_start_token_id, config.vision_end_token_id = 500, 501, 502
     config.video_token_id = 503
     return config
+
+
+def _gemma_gap(image_rows: list[dict]) -> str:
+    """What the Gemma-3 rows show of the attention mask the estimate leaves out (their ratios, when off by 3%)."""
+    gemma = [r for r in image_rows if r["arch"] == "gemma3"]
+    off = [r for r in gemma if abs(r["act_ratio"] - 1) > 0.03 or abs(r["peak_ratio"] - 1) > 0.03]
+    if not off:
+        return ""
+    ratios = ", ".join(f"{r['act_ratio']:.4f} / {r['peak_ratio']:.4f} ({r['vision_tower']})" for r in gemma)
+    return (f" Its activations / peak: {ratios}, outside the 3% goal: not modelled yet (the same trained step "
+            "without token_type_ids, causal as the estimate traces it, came within 0.1% when this was written).")
 
 
 def _scored(row: dict, config, **kwargs) -> dict:
@@ -145,7 +162,11 @@ def main() -> int:
               "Qwen-VL processor lays them out, random pixel values in the shape and patch grid the model's own image "
               "processor gives at that size. Measured activations add the batch's float32 pixel values, alive "
               "before the forward and resident for the step, which the estimate counts with the activations; with "
-              "checkpointing the peak is in the tower's backward (its blocks recomputed).", "",
+              "checkpointing the peak is in the tower's backward (its blocks recomputed). Gemma-3's batch is its "
+              "processor's: each image a square of pixels, its fixed count of tokens between begin- and end-of-image, "
+              "and token_type_ids marking them, with which Gemma3Model attends each image's tokens both ways "
+              "(get_block_sequence_ids_for_mask); the estimate traces the language model on the ids alone, causal, "
+              "so the masked attention's extra saved bytes are not in it." + _gemma_gap(image_rows), "",
               "| arch | tower | ckpt | text + images | params | activations MiB (pred / meas) | ratio | "
               "peak MiB (pred / meas) | ratio | peak phase |", "|" + "---|" * 10]
     for r in image_rows:

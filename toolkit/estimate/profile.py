@@ -93,19 +93,20 @@ def _batch(config, micro_batch: int, seq_len: int, device: str, seed: int = 0) -
 def image_batch(config, *, micro_batch: int, text_tokens: int, images: int, image_size: str, device: str = "cpu",
                 seed: int = 0) -> dict:
     """Samples of `text_tokens` text tokens and `images` images of `image_size` each, laid out as a Qwen-VL processor
-    writes them (per image: text, vision start, the image's tokens, vision end), with the pixel values (random) and
-    patch grid the model's own image processor gives at that size (toolkit.inputs.images.image_tokens); the labels
-    are the ids, as in the text batch."""
+    writes them (per image: text, vision start, the image's tokens, vision end; Gemma-3's begin / end of image and
+    its fixed count), with the pixel values (random) and patch grid the model's own image processor gives at that
+    size (toolkit.inputs.images.image_tokens; Gemma-3: one square an image, token_type_ids marking its tokens); the
+    labels are the ids, as in the text batch."""
     import torch
 
     from toolkit.inputs.images import image_tokens, parse_image_size
 
     found = image_tokens(config, *parse_image_size(image_size))
-    if found.grid is None:
-        raise NotImplementedError(f"{config.model_type}: a batch without a patch grid (a fixed count an image) is not "
-                                  "built here")
     g = torch.Generator().manual_seed(seed)
-    image, start, end = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
+    fixed = found.grid is None  # Gemma-3: a fixed count an image, wrapped in its begin / end-of-image tokens
+    image = config.image_token_id
+    start, end = (config.boi_token_id, config.eoi_token_id) if fixed else (config.vision_start_token_id,
+                                                                           config.vision_end_token_id)
     text_id_bound = min(image, start, end, getattr(config, "video_token_id", image))
     rows = []
     for _ in range(micro_batch):
@@ -116,6 +117,10 @@ def image_batch(config, *, micro_batch: int, text_tokens: int, images: int, imag
         rows.append(row)
     ids = torch.tensor(rows, device=device)
     count = micro_batch * images
+    if fixed:  # Gemma3Processor's batch: one square of pixels an image, token_type_ids 1 on the image's tokens
+        return {"input_ids": ids, "labels": ids.clone(),
+                "pixel_values": torch.randn(count, *found.pixel_shape[-3:], generator=g).to(device),
+                "token_type_ids": (ids == image).long()}
     return {"input_ids": ids, "labels": ids.clone(),
             "pixel_values": torch.randn(count * found.pixel_shape[0], *found.pixel_shape[1:], generator=g).to(device),
             "image_grid_thw": torch.tensor([list(found.grid)] * count, device=device),
