@@ -81,3 +81,22 @@ def test_recorded_nccl_buckets_hold_up_to_the_whole_model_and_stashed_ones_two_b
     allocator reuses them and two buckets are the most held."""
     assert _ddp_setup_broadcast(8, recorded=True) == 8 * 250 * 2**20
     assert _ddp_setup_broadcast(8, recorded=False) == 2 * 250 * 2**20
+
+
+def test_the_image_rows_written_for_qwen25_vl_itself_are_scored_and_the_packed_rows_probes_keep_its_length():
+    """ms-swift's grounding notebook, predict_with_generate and packing examples were written for Qwen2.5-VL-7B
+    (no reading of another model): scored. The packed row's make-up is unknown, so it is probed at smaller and
+    larger images; each probe, and the make-up scored, fills the same 8,192-token row (the processor's own tokens
+    per image)."""
+    from toolkit.inputs.images import image_job
+
+    for suffix in ("grounding", "predict-with-generate", "packing-ZeRO2"):
+        row = _row(f"SWIFTEX-Qwen2.5-VL-7B-{'4' if 'packing' in suffix else '1'}xGPU-LoRA-{suffix}")
+        assert "reading_model" not in row["job"] and published.unmodelled(row["job"], row["num_gpus"]) == []
+    packed = _row("SWIFTEX-Qwen2.5-VL-7B-4xGPU-LoRA-packing-ZeRO2")
+    spec = published._spec(packed["job"]["model"])
+    images = packed["job"]["images"]
+    for probe in (*published.IMAGE_PROBES[packed["id"]], {}):
+        seq, fields = image_job(spec, probe.get("per_sample", images["per_sample"]), probe.get("size", images["size"]),
+                                probe.get("text", packed["seq_len"]))
+        assert seq == 8192, (probe, fields)
