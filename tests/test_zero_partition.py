@@ -5,6 +5,7 @@ whole by every rank it touches. Checked against the engine's own buffers, and th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,27 @@ def test_zero2_holds_the_heads_whole_gradient_until_the_next_hook_copies_it():
     off = zero_states(1_000_000, Job(seq_len=8), parse_strategy("zero2-offload"), dp=2, hidden=64, largest_layer=0,
                       head_params=64_000)
     assert (big.head_gradient, small.head_gradient, off.head_gradient) == (64_000 * 2, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "falcon-rw-1b.json", "qwen3-0.6b.json", "olmo-2-1124-7b.json"])
+def test_the_decay_rule_read_from_source_is_the_trainers_own(arch):
+    """toolkit.inputs.decay reads Trainer.get_decay_parameter_names' two lists from the installed trainer.py instead
+    of importing the Trainer (~2.9 CPU-s): the names it gives are the Trainer's own on models whose norms are
+    nn.LayerNorm (gpt2's ln_1, Falcon's) or caught only by name (Qwen3's and OLMo-2's RMSNorm, q_norm / k_norm)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+
+    from toolkit.inputs.decay import _trainer_rule, decay_parameter_names
+
+    if arch.endswith(".json"):
+        data = json.loads((Path(__file__).parent / "arch_configs" / arch).read_text())
+        config = AutoConfig.for_model(**{**data, "num_hidden_layers": 2})
+    else:
+        config = AutoConfig.for_model(arch, n_layer=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert _trainer_rule() is not None  # read from the source, not the fallback
+    ours = decay_parameter_names(model)
+    assert ours == set(Trainer.get_decay_parameter_names(None, model))
+    names = [n for n, _ in model.named_parameters()]
+    assert 0 < len(ours) < len(names)  # both groups non-empty: norms and biases left out, weights in

@@ -11,7 +11,7 @@ Every term carries where it came from, so `--explain` can show it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
 from toolkit.errors import UserError
@@ -265,8 +265,6 @@ def _on_the_busiest_expert_rank(b: Breakdown, spec: ModelSpec, job: Job, grid: P
     and the busiest expert rank keeps more received rows for backward (toolkit.estimate.expertrows
     .worst_rank_extra_bytes, all of them live at the backward's start, the activation peak). Added to the peak
     and the required bytes the fit and the ranking use, as its own term beside the balanced activations."""
-    from dataclasses import replace
-
     from toolkit.estimate.experttime import expert_rows_per_rank
     from toolkit.estimate.expertrows import EP_WORST_RANK_SHARE, worst_rank_extra_bytes
 
@@ -382,8 +380,6 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         breakdowns.append(_compose(spec, strategy, job, hw, trace, regions, states, in_flight=in_flight,
                                    stage=i, grid=grid))
     worst = max(breakdowns, key=lambda b: b.required_bytes)
-    from dataclasses import replace
-
     return replace(worst, stage_required_bytes=tuple(b.required_bytes for b in breakdowns))
 
 
@@ -391,8 +387,6 @@ def _model_parallel_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Ha
                            grid: ParallelGrid) -> Breakdown:
     """One rank of a tensor / context / sequence-parallel grid: the trace and the states at the per-rank shapes
     (toolkit.estimate.dimensions), with the communication buffers tracing cannot see."""
-    from dataclasses import replace
-
     from toolkit.estimate.dimensions import apply_to_trace, rank_view
 
     view = rank_view(spec, job, grid)
@@ -431,8 +425,6 @@ def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, t
     group being computed, the head's included. Moves those bytes from the constant `gathered` into the regions.
     `kept_outside_params`: one rank's keep_full_weight parameters outside the layers; `layer_params`: what each
     layer unshards (under expert parallelism its dense part and the rank's own experts, their own group on efsdp)."""
-    from dataclasses import replace
-
     per_param = compute_bytes(job.precision)  # unsharded in the compute dtype, as fsdp2_states
     prefetch = 2 if job.device_kind == "cuda" else 1
     kept = kept_outside_params * per_param

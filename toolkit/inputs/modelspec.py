@@ -455,10 +455,10 @@ def build_spec(name: str, config, *, images: bool = False) -> ModelSpec:
 def parameter_kinds(model, vision_modules: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(numels, kinds) of the model's parameter tensors in named_parameters order (ModelSpec.param_numels /
     param_kinds). PARAM_NO_DECAY marks what the HF Trainer's own rule leaves out of weight decay (its
-    get_decay_parameter_names, which reads nothing of the Trainer itself)."""
-    from transformers import Trainer
+    get_decay_parameter_names, read by toolkit.inputs.decay without importing the Trainer)."""
+    from toolkit.inputs.decay import decay_parameter_names
 
-    decay = set(Trainer.get_decay_parameter_names(None, model))
+    decay = decay_parameter_names(model)
     numels, kinds = [], []
     for name, p in model.named_parameters():
         numels.append(p.numel())
