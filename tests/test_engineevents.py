@@ -67,13 +67,37 @@ def _zero3_step(bucket_elements: int):
 
 def test_zero3s_gradients_stay_taken_until_the_reduce_stream_passes_them():
     """A gradient larger than reduce_bucket_size is reduced alone at the next parameter's hook, then
-    record_stream(reduce stream) and dropped; the host waits only for the reduction three back
-    (max_param_reduce_events 2), so the first gradient's block is free again only after the fourth is made: four
-    12 MiB segments. The step's gradient norms then take each 6 Mi-element partition in fp64 (48 MiB), one at a
-    time, a segment of its own."""
+    record_stream(reduce stream) and dropped. Over one rank the reduction is a local copy, done by the next
+    gradient's malloc (where the caching allocator processes its events), so each gradient's block serves the one
+    after next: two 12 MiB segments, not the four the engine's own wait (the reduction three back) would allow. The
+    step's gradient norms then take each 6 Mi-element partition in fp64 (48 MiB), one at a time, a segment of its
+    own."""
     stats = allocator.replay(_zero3_step(1))
-    assert stats.peak_reserved == 4 * 12 * MIB + 48 * MIB
+    assert stats.peak_reserved == 2 * 12 * MIB + 48 * MIB
     assert stats.peak_allocated == 48 * MIB
+
+
+def _zero3_timed_step(backward_s: float, reduce_s: float):
+    """Four regions of one 6 Mi-parameter tensor each (12 MiB bf16 gradients) over two ranks, each gradient reduced
+    alone; `backward_s` a micro-step's backward (a second a region at 4.0), `reduce_s` one reduce-scatter's seconds."""
+    trace = RegionTrace(0, 0, 0, forward_events=(), backward_events=())
+    sizes = StepSizes(**NOTHING, tensors=((6 * MIB,),) * 4, engine="zero3", param_bytes=2.0, bucket_elements=1,
+                      world=2, backward_s=backward_s, reduce_s_per_byte=reduce_s / (12 * MIB))
+    return step_events([SimpleNamespace(params=6 * MIB, trace=trace) for _ in range(4)], sizes, steps=1)
+
+
+def test_zero3s_gradients_free_when_the_time_model_says_the_reduction_ends():
+    """Over two ranks a reduction takes the reduce-scatter's time on a stream that runs them one after another;
+    a gradient is released at the first hook whose backward clock has passed its reduction's end. A reduction
+    shorter than a region's backward (0.5 s against 1 s): each gradient's block serves the one after next, two
+    12 MiB segments; longer (1.5 s): the first reduction ends at 3.5 s, so the fourth gradient (at 4 s) takes the
+    first's block, three segments; the time model not asked: the engine's own wait alone, four. The fp64 norms of
+    the 3 Mi-element partitions: one 24 MiB segment."""
+    fast, slow = (allocator.replay(_zero3_timed_step(4.0, s)) for s in (0.5, 1.5))
+    unknown = allocator.replay(_zero3_timed_step(0.0, 0.5))
+    assert fast.peak_reserved == 2 * 12 * MIB + 24 * MIB
+    assert slow.peak_reserved == 3 * 12 * MIB + 24 * MIB
+    assert unknown.peak_reserved == 4 * 12 * MIB + 24 * MIB
 
 
 def test_zero3s_bucketed_gradients_are_catted_on_the_reduce_stream():

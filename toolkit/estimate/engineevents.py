@@ -30,9 +30,14 @@ ZeRO-3 (DeepSpeed 0.19.8 runtime/zero/stage3.py, contiguous_gradients and overla
 - __reduce_and_partition_ipg_grads, on the reduce stream: reduce_scatter_coalesced cats the bucket's gradients
   (padded to the world) into one new buffer (not for a lone gradient the world divides), partition_grads copies
   each partition into grad_partitions_flat_buffer, record_stream(reduce stream) and drops the gradients left as
-  they were. Before a reduction the host waits for the one three back (max_param_reduce_events 2): the replay
-  takes the reduce stream's work as done exactly there, the latest the engine lets it finish (what a device that
-  keeps up with the host frees sooner). The epilogue reduces the rest and synchronizes the stream.
+  they were. Before a reduction the host waits for the one three back (max_param_reduce_events 2): the latest the
+  engine lets it finish. The caching allocator frees a block recorded on another stream once that stream's event
+  has completed, checked at the next malloc (CUDACachingAllocator.cpp process_events), so a gradient is released at
+  the first hook after its reduction ends: the reduce stream runs the buckets one after another, each for its
+  reduce-scatter's time (toolkit.estimate.collectives ring_s over the partition group), while backward's clock
+  advances by each region's share of the time model's backward compute (by parameters). Over one rank the
+  reduction is a local copy: released at the next gradient's malloc. Where the time model was not asked
+  (StepSizes.backward_s 0) the engine's wait alone releases them. The epilogue reduces the rest and synchronizes.
 - step: _get_norm_groups turns each gradient partition to fp64 for its norm (get_grad_norm_direct,
   get_norm_dtype()), one at a time; each sub-group's fp32 gradient is made by flattening the bf16 partitions
   (_prepare_fp32_grad_for_sub_group: flatten(...).to(fp32)), the flat copy freed after the cast.
@@ -257,17 +262,35 @@ class Zero3Rules(EngineRules):
         self.items: list = []
         self.elements = 0
         self.reductions = 0
+        total = sum(r.params for r in regions) or 1
+        self.region_s = [sizes.backward_s * r.params / total for r in regions]
+        self.timed = self.world == 1 or sizes.backward_s > 0
+        self.clock, self.ends, self.synced = 0.0, [], set()
+
+    def _sync(self, step: int, k: int) -> None:
+        if k not in self.synced:
+            self.synced.add(k)
+            self.out.sync(_USES + step * (1 << 16) + k)
+
+    def _release_done(self, step: int) -> None:
+        """Reductions the reduce stream has finished by backward's clock: their gradients free at this malloc."""
+        if self.timed:
+            for k, end in enumerate(self.ends):
+                if end <= self.clock:
+                    self._sync(step, k)
 
     def _use(self, step: int) -> int:
         return _USES + step * (1 << 16) + self.reductions
 
     def after_backward(self, step: int, j: int) -> None:
         out, pb = self.out, self.sizes.param_bytes
+        self.clock += self.region_s[j]
         for t in reversed(range(len(self.numels[j]))):
             numel = self.numels[j][t]
             if numel <= 0:
                 continue
             key = ("zgrad", step, j, t)
+            self._release_done(step)
             out.malloc(key, int(numel * pb))
             if self.elements + numel > self.bucket and self.elements > 0:
                 self._reduce(step)
@@ -282,10 +305,13 @@ class Zero3Rules(EngineRules):
         out, pb, world = self.out, self.sizes.param_bytes, self.world
         k = self.reductions
         if k > REDUCE_EVENTS:  # the host waits for the reduction three back
-            out.sync(_USES + step * (1 << 16) + k - REDUCE_EVENTS - 1)
+            self._sync(step, k - REDUCE_EVENTS - 1)
         padded = sum(ceil(n / world) * world for _, n, _ in self.items)
         cat = len(self.items) > 1 or any(n % world for _, n, _ in self.items)
+        start = max(self.clock, self.ends[-1] if self.ends else 0.0)
+        self.ends.append(start + padded * pb * self.sizes.reduce_s_per_byte)
         if cat:
+            self._release_done(step)
             out.malloc(("zcat", step, k), int(padded * pb), REDUCE)
         for key, _, copied in self.items:
             if not copied:
@@ -300,8 +326,9 @@ class Zero3Rules(EngineRules):
         if self.items:
             self._reduce(step)
         for k in range(self.reductions):  # reduce_and_partition_stream.synchronize()
-            self.out.sync(_USES + step * (1 << 16) + k)
+            self._sync(step, k)
         self.reductions = 0
+        self.clock, self.ends, self.synced = 0.0, [], set()
 
     def step_temporaries(self, step: int) -> bool:
         out, sizes, world = self.out, self.sizes, self.world
@@ -319,6 +346,21 @@ class Zero3Rules(EngineRules):
             out.free(("flatten", step, i))
             out.free(("step", step, i))
         return True
+
+
+def zero3_release_timing(spec, strategy, job, hw, grid) -> dict:
+    """StepSizes' backward_s and reduce_s_per_byte for a ZeRO-3 step from the time model: one micro-step's backward
+    compute (toolkit.estimate.timing step_time's compute, two thirds of it backward, as its overlap term takes it)
+    and the reduce-scatter's seconds per byte over the partition group's link; {} where the time model cannot say."""
+    from toolkit.estimate.collectives import group_bandwidth, ring_s
+    from toolkit.estimate.timing import step_time
+
+    if spec is None or hw is None or grid is None:
+        return {}
+    compute = step_time(spec, strategy, job, hw, grid=grid).compute_s
+    group = grid.shard_group
+    return {"backward_s": compute * 2 / 3 / max(1, job.grad_accum),
+            "reduce_s_per_byte": ring_s(1.0, group, group_bandwidth(hw, group), 1)}
 
 
 def engine_rules(regions, sizes, sink) -> EngineRules:

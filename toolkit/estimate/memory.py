@@ -444,7 +444,7 @@ def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, t
 
 def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy, job: Job, peak: int, *,
                       in_flight: int, reference_bytes: int = 0, spec: ModelSpec | None = None,
-                      capacity_bytes: int = 0, grid: ParallelGrid | None = None) -> tuple[int, Term]:
+                      hw: Hardware | None = None, grid: ParallelGrid | None = None) -> tuple[int, Term]:
     """Reserved over the tensor peak: the step's events replayed through the caching-allocator model, or the
     assumed margin where the events are not recorded."""
     from toolkit.estimate.allocator import modelled_conf
@@ -465,7 +465,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
     engine = "fsdp2" if fsdp2 and plain else \
         "zero3" if strategy.zero_stage == 3 and states.flat_partitions and plain else ""
     if in_flight == 1:
-        sizes = StepSizes(**tensor_sizes(spec, regions, strategy, job, states), engine=engine,
+        sizes = StepSizes(**tensor_sizes(spec, regions, strategy, job, states, hw, grid, engine), engine=engine,
             world=grid.shard_group if grid is not None else 1, param_bytes=compute_bytes(job.precision),
             bucket_elements=int(job.zero_reduce_bucket or (spec.hidden * spec.hidden if spec else 0)),
             gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept,
@@ -473,7 +473,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
             optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,
             reduce_stream=strategy.engine == Engine.FSDP2, step_gradients=states.step_gradients,
             backward_gradients=states.backward_gradients, step_transient=states.step_transient, loaded=states.loaded,
-            load_warmup=min(states.load_warmup, max(0, capacity_bytes - 1.2 * GIB)))  # transformers' own cap
+            load_warmup=min(states.load_warmup, max(0, hw.gpu.memory_bytes - 1.2 * GIB)))  # transformers' own cap
         result = replayed_reserved(regions, sizes, settings=conf)
     if result is None:
         margin = reserved_bytes(peak) - peak
@@ -509,7 +509,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
     # alike (each is its own large-pool segment, a multiple of 2 MiB, so the replay's overhead is unchanged).
     workspace = outside.workspace_bytes if job.device_kind == "cuda" else 0
     margin, margin_term = _allocator_margin(regions, states, strategy, job, int(peak.bytes), in_flight=in_flight,
-                                            reference_bytes=ref_weights, spec=spec, capacity_bytes=hw.gpu.memory_bytes,
+                                            reference_bytes=ref_weights, spec=spec, hw=hw,
                                             grid=grid if grid is not None else grid_of(strategy, hw))
     head_saved = sum(r.trace.saved_bytes for r in regions if r.name == "head + loss")
     required = int(peak.bytes) + workspace + context + margin
