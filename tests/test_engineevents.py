@@ -107,3 +107,21 @@ def test_zero3s_bucketed_gradients_are_catted_on_the_reduce_stream():
     events = _zero3_step(12 * MIB)
     cats = [e for e in events if e[0] == "malloc" and e[1][0] == "zcat"]
     assert cats == [("malloc", ("zcat", 0, 0), 24 * MIB, REDUCE), ("malloc", ("zcat", 0, 1), 24 * MIB, REDUCE)]
+
+
+def test_fsdp2_grad_op_keeps_each_group_unsharded_to_its_own_post_backward():
+    """reshard_after_forward=False (fsdp2-grad-op): each layer group keeps its unsharded parameters from its forward
+    to its own post_backward (no unshard in backward), and is still reduce-scattered group by group; only the root
+    group (embeddings, norm, head) waits for the end of backward. By hand, the two layers of _fsdp2_step: forward
+    120 MiB (two 20 MiB unsharded layers, two 40 MiB activations); the second layer's post_backward makes its 20 MiB
+    input, 20 MiB bf16 output and 40 MiB fp32 gradient while the first layer is still unsharded: 140 MiB. Taking
+    every group as the root (what the replay did) kept both layers' unsharded gradients to the end: 160 MiB."""
+    trace = RegionTrace(0, 0, 0, forward_events=(40 * MIB,), backward_events=(free_code(0, 0, 0),))
+    regions = [SimpleNamespace(params=10 * MIB, trace=trace, name=f"layer {i}") for i in range(2)]
+    sizes = StepSizes(**{**NOTHING, "reduce_stream": True, "step_gradients": 2 * 40 * MIB},
+                      gather_bytes_per_param=2.0, engine="fsdp2", kept_regions=(0, 1))
+    events = step_events(regions, sizes, steps=1)
+    assert not any(e[0] == "malloc" and e[1][0] == "unsharded" and e[1][2] == 1 for e in events)  # no backward unshard
+    assert events.index(("free", ("ugrad", 0, 1, 0))) < events.index(("malloc", ("ugrad", 0, 0, 0), 20 * MIB))
+    assert events.index(("free", ("unsharded", 0, 0, 1, 0))) < events.index(("malloc", ("ugrad", 0, 0, 0), 20 * MIB))
+    assert allocator.replay(events).peak_allocated == 140 * MIB

@@ -11,7 +11,8 @@ FSDP2 (torch 2.13 distributed/fsdp/_fully_shard):
   forward, freed after the next group's copy-out (all_gather_state); in backward after its own copy-out, while the
   next group is prefetched (_backward_prefetch). Event waits, not record_stream: a freed block is reusable at once.
 - reshard after forward frees the unsharded tensors (the root group, embeddings + final norm + head, stays until
-  its post_backward at the end of backward).
+  its post_backward at the end of backward). Without it (reshard_after_forward=False, fsdp2-grad-op) a group keeps
+  its unsharded tensors from its forward until its own post_backward reshards them; no unshard in backward.
 - post_backward: autograd's unsharded gradients (param_dtype, one per parameter, compute stream) are copied into
   the reduce-scatter input (foreach_reduce: reduce_scatter_comm.allocate on the current, compute, stream; the
   reduce dtype, accelerate's MixedPrecisionPolicy reduce_dtype = param_dtype) and freed; the input is kept until
@@ -47,6 +48,8 @@ from __future__ import annotations
 
 from math import ceil
 
+ROOT_REGIONS = ("embedding", "head + loss")
+"""The traced regions FSDP2's root group holds (fully_shard on the model itself: what no layer group owns)."""
 COMPUTE, GATHER, REDUCE = 0, 1, 2
 """Streams: the default (compute) stream, the all-gather (copy-in) stream, the reduce(-scatter) stream."""
 _USES = 1 << 20
@@ -140,7 +143,11 @@ class Fsdp2Rules(EngineRules):
                           for j, r in enumerate(regions)]
         whole = sum(r.params for r in regions) or 1
         self.sharded_grad = [int(sizes.step_gradients * r.params / whole) for r in regions]
-        self.root = tuple(sizes.kept_regions)
+        # The root group (embeddings, final norm, head) stays unsharded from its forward to the end of backward;
+        # without reshard_after_forward (grad_op) every other group keeps its unsharded parameters from its forward
+        # to its own post_backward, and is still reduce-scattered group by group.
+        self.root = tuple(j for j in sizes.kept_regions if regions[j].name in ROOT_REGIONS)
+        self.no_reshard = frozenset(sizes.kept_regions) - frozenset(self.root)
         self.world = max(1, sizes.world)
         self.gather_pending: list = []
         self.reduce_input = None
@@ -187,7 +194,7 @@ class Fsdp2Rules(EngineRules):
             self._unshard(step, 0, j)
 
     def after_forward(self, step: int, j: int) -> None:
-        if j not in self.root:
+        if j not in self.root and j not in self.no_reshard:
             self._reshard(step, 0, j)
 
     def end_forward(self, step: int) -> None:
@@ -195,9 +202,9 @@ class Fsdp2Rules(EngineRules):
             self.out.free(self.gather_pending.pop(0))
 
     def before_backward(self, step: int, j: int) -> None:
-        if j not in self.root:
+        if j not in self.root and j not in self.no_reshard:
             self._unshard(step, 1, j)
-            following = [k for k in range(j - 1, -1, -1) if k not in self.root][:1]
+            following = [k for k in range(j - 1, -1, -1) if k not in self.root and k not in self.no_reshard][:1]
             if self.world > 1 and following:  # the next group's all-gather, prefetched
                 k = following[0]
                 key = ("ag", step, 1, (k,))
@@ -211,7 +218,7 @@ class Fsdp2Rules(EngineRules):
                 out.malloc(("ugrad", step, j, t), size)
                 self.grads.setdefault(self._group(j), []).append(("ugrad", step, j, t))
         if j not in self.root:
-            self._reshard(step, 1, j)
+            self._reshard(step, 0 if j in self.no_reshard else 1, j)
             self._post_backward(step, (j,))
 
     def _post_backward(self, step: int, group: tuple[int, ...]) -> None:

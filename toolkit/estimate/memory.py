@@ -448,6 +448,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
     """Reserved over the tensor peak: the step's events replayed through the caching-allocator model, or the
     assumed margin where the events are not recorded."""
     from toolkit.estimate.allocator import modelled_conf
+    from toolkit.estimate.engineevents import ROOT_REGIONS
     from toolkit.estimate.reserved import StepSizes, replayed_reserved, tensor_sizes
 
     conf, ignored = modelled_conf(job.allocator_conf)
@@ -458,7 +459,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
     # FSDP2 as fsdp2_states sizes it: each group unsharded in the compute dtype, the root (embeddings, final norm,
     # head) kept from its forward on; every group kept without reshard_after_forward (grad_op).
     kept = tuple(i for i, r in enumerate(regions) if strategy.fsdp_mode == "grad_op"
-                 or r.name in ("embedding", "head + loss")) if fsdp2 else ()
+                 or r.name in ROOT_REGIONS) if fsdp2 else ()
     # The engine's own backward and step allocations (toolkit.estimate.engineevents), where its rules are written:
     # FSDP2 and ZeRO-3 of a full model, states on the GPU, one expert group
     plain = not job.adapter.is_adapter and not strategy.offloads and (grid is None or grid.expert <= 1)
