@@ -355,21 +355,6 @@ class Zero3Rules(EngineRules):
         return True
 
 
-def zero3_release_timing(spec, strategy, job, hw, grid) -> dict:
-    """StepSizes' backward_s and reduce_s_per_byte for a ZeRO-3 step from the time model: one micro-step's backward
-    compute (toolkit.estimate.timing step_time's compute, two thirds of it backward, as its overlap term takes it)
-    and the reduce-scatter's seconds per byte over the partition group's link; {} where the time model cannot say."""
-    from toolkit.estimate.collectives import group_bandwidth, ring_s
-    from toolkit.estimate.timing import step_time
-
-    if spec is None or hw is None or grid is None:
-        return {}
-    compute = step_time(spec, strategy, job, hw, grid=grid).compute_s
-    group = grid.shard_group
-    return {"backward_s": compute * 2 / 3 / max(1, job.grad_accum),
-            "reduce_s_per_byte": ring_s(1.0, group, group_bandwidth(hw, group), 1)}
-
-
 def engine_rules(regions, sizes, sink) -> EngineRules:
     """The rules of `sizes.engine` ('fsdp2', 'zero3'; '' for none) over `regions`, emitting to `sink`."""
     return {"fsdp2": Fsdp2Rules, "zero3": Zero3Rules}.get(sizes.engine, EngineRules)(regions, sizes, sink)

@@ -450,6 +450,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
     from toolkit.estimate.allocator import modelled_conf
     from toolkit.estimate.engineevents import ROOT_REGIONS
     from toolkit.estimate.reserved import StepSizes, replayed_reserved, tensor_sizes
+    from toolkit.estimate.timing import zero3_release_timing
 
     conf, ignored = modelled_conf(job.allocator_conf)
     setting = (f" with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else " with torch's default settings") + (
@@ -466,7 +467,8 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
     engine = "fsdp2" if fsdp2 and plain else \
         "zero3" if strategy.zero_stage == 3 and states.flat_partitions and plain else ""
     if in_flight == 1:
-        sizes = StepSizes(**tensor_sizes(spec, regions, strategy, job, states, hw, grid, engine), engine=engine,
+        release = zero3_release_timing(spec, strategy, job, hw, grid) if engine == "zero3" else {}
+        sizes = StepSizes(**tensor_sizes(spec, regions, strategy, job, states), **release, engine=engine,
             world=grid.shard_group if grid is not None else 1, param_bytes=compute_bytes(job.precision),
             bucket_elements=int(job.zero_reduce_bucket or (spec.hidden * spec.hidden if spec else 0)),
             gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept,

@@ -111,12 +111,12 @@ class StepSizes:
     """Seconds the reduce stream takes per byte of a ZeRO-3 bucket's reduce-scatter (0 over one rank: a local copy)."""
 
 
-def tensor_sizes(spec, regions, strategy, job, states=None, hw=None, grid=None, engine="") -> dict:
+def tensor_sizes(spec, regions, strategy, job, states=None) -> dict:
     """StepSizes' `tensors` and `tensor_grads` for a job: torch's optimizers (DDP or one process, FSDP2) make their
     states and foreach temporaries per parameter, so each region's parameter tensors (elements) from a meta build
     (toolkit.estimate.layerkinds.region_tensor_numels), and DDP's backward each param.grad apart; DeepSpeed's
-    optimizer steps flat partitions, and an adapter's states are small: one block per region (empty). `engine`
-    'zero3' adds when its reductions end (StepSizes.backward_s, reduce_s_per_byte: the time model on `hw`, `grid`)."""
+    optimizer steps flat partitions, and an adapter's states are small: one block per region (empty). When ZeRO-3's
+    reductions end (StepSizes.backward_s, reduce_s_per_byte) comes from the time model, timing.zero3_release_timing."""
     from toolkit.inputs.strategy import Engine
 
     if states is not None and states.flat_partitions and not job.adapter.is_adapter:
@@ -125,10 +125,6 @@ def tensor_sizes(spec, regions, strategy, job, states=None, hw=None, grid=None, 
         out = {"flat_partitions": flat, "init_buffers": init}
         if strategy.zero_stage == 3 and spec is not None:  # ZeRO-3's rules make a gradient per parameter
             out.update(_region_tensors(spec, regions))
-        if engine == "zero3":  # when the reduce stream finishes each bucket (toolkit.estimate.engineevents)
-            from toolkit.estimate.engineevents import zero3_release_timing
-
-            out.update(zero3_release_timing(spec, strategy, job, hw, grid))
         return out
     if spec is None or strategy.engine not in (Engine.DDP, Engine.FSDP2) or job.adapter.is_adapter:
         return {}

@@ -580,3 +580,15 @@ def model_parallel_comm_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Har
         said.append(f"context parallel {grid.context}: k/v exchange hidden behind attention, {cp:.3f} s/step "
                     "exposed")
     return tp + sp + cp, said
+
+
+def zero3_release_timing(spec, strategy, job, hw, grid) -> dict:
+    """StepSizes' backward_s and reduce_s_per_byte for a ZeRO-3 step from the time model: one micro-step's backward
+    compute (step_time's compute, two thirds of it backward, as its overlap term takes it)
+    and the reduce-scatter's seconds per byte over the partition group's link; {} where the time model cannot say."""
+    if spec is None or hw is None or grid is None:
+        return {}
+    compute = step_time(spec, strategy, job, hw, grid=grid).compute_s
+    group = grid.shard_group
+    return {"backward_s": compute * 2 / 3 / max(1, job.grad_accum),
+            "reduce_s_per_byte": _ring(1.0, group, _group_bandwidth(hw, group), 1)}
