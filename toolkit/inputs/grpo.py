@@ -14,7 +14,7 @@ Nothing here imports beyond the standard library and toolkit's ground.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import UserError
@@ -90,6 +90,15 @@ class Grpo:
     def reference_kept(self) -> bool:
         """TRL's rule (GRPOTrainer.__init__): beta 0.0 loads no reference model and computes no KL term."""
         return self.beta != 0.0
+
+    def generating_in_process(self) -> tuple[Grpo, str | None]:
+        """These settings on a box without a GPU, where vLLM cannot run (TRL's GRPOTrainer refuses use_vllm without
+        the vllm package): generation in the training process (transformers' generate), and the one line that says
+        so (None when they already generate there)."""
+        if not self.use_vllm:
+            return self, None
+        return replace(self, use_vllm=False), (f"vLLM ({self.vllm_mode}) needs a GPU: GRPO generates in the training "
+                                               "process (transformers' generate, use_vllm False)")
 
     def grpo_config_kwargs(self) -> dict[str, Any]:
         """TRL GRPOConfig keyword arguments of these settings (JSON-safe). vllm_max_model_length is set to prompt +

@@ -184,17 +184,16 @@ def _rehearsal_grpo(plan: Plan, generation_batch: int, said: list[str]) -> "Grpo
     from dataclasses import replace
 
     grpo = plan.grpo_spec
+    in_process, line = grpo.generating_in_process()
     completion = min(grpo.max_completion_length, REHEARSAL_COMPLETION)
     groups = [n for n in range(2, min(grpo.num_generations, generation_batch) + 1) if generation_batch % n == 0]
-    small = replace(grpo, use_vllm=False, max_completion_length=completion,
-                    max_prompt_length=REHEARSAL_SEQ_LEN - completion,
+    small = replace(in_process, max_completion_length=completion, max_prompt_length=REHEARSAL_SEQ_LEN - completion,
                     num_generations=groups[-1] if groups else 2, reward_model=None)
     if grpo.reward_model:
         said.append(f"the reward model {grpo.reward_model} is the real run's size: the GRPO rehearsal scores with the "
                     "run's --reward functions or the built-in length reward instead")
-    if grpo.use_vllm:
-        said.append(f"vLLM ({grpo.vllm_mode}) needs a GPU: rehearsing GRPO with generation in the training process "
-                    "(transformers' generate); the vLLM settings are checked by TRL's GRPOConfig, not run")
+    if line:
+        said.append(line)
     if small.num_generations != grpo.num_generations:
         said.append(f"GRPO rehearses {small.num_generations} generations per prompt (the plan: "
                     f"{grpo.num_generations}), so that whole groups fill the rehearsal's generation batch of "

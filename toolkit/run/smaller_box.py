@@ -54,12 +54,11 @@ def box_plan(plan: Plan, *, processes: int | None, cpu: bool) -> tuple[Plan, lis
         if plan.liger:
             changes["liger"] = False
             said.append("Liger's Triton kernels need a GPU: running without them")
-        if plan.grpo and plan.grpo_spec.use_vllm:  # TRL's GRPOTrainer refuses use_vllm without vllm (and a GPU)
-            from dataclasses import replace
-
-            changes["grpo"] = replace(plan.grpo_spec, use_vllm=False).to_dict()
-            said.append(f"vLLM ({plan.grpo_spec.vllm_mode}) needs a GPU: GRPO generates in the training process "
-                        "(transformers' generate, use_vllm False)")
+        if plan.grpo:
+            grpo, line = plan.grpo_spec.generating_in_process()
+            if line:
+                changes["grpo"] = grpo.to_dict()
+                said.append(line)
     return plan.replace(**changes, notes=[*plan.notes, *said]), said
 
 
