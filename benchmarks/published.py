@@ -621,6 +621,8 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
     read = [r["metrics"][0]["published_gib"] for r in sp4]
     ours = [r["allocated_gib"] for r in sp4]
     gaps = [a - b for a, b in zip(read, ours)]
+    # what our nvidia-smi figure adds beyond reserved: the CUDA context and NCCL's buffers
+    outside = min(r["nvidia_smi_gib"] - r["allocated_gib"] * (1 + r["reserved_over_peak"]) for r in sp4)
     steps = {k: " / ".join(f"+{b - a:.2f}" for a, b in zip(v, v[1:])) for k, v in (("read", read), ("ours", ours))}
     nemo = next(r for r in rows if r["id"] == "NEMO-GC-1B-8xH100-fsdp-ac")
     spec = _spec(nemo["job"]["model"])
@@ -644,8 +646,18 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             f"is, is still not stated. At SP 4 every reading sits {min(gaps):.2f}-{max(gaps):.2f} GiB over our "
             "tensor peak, while the allocator replay puts reserved "
             f"{100 * min(uly):.0f}-{100 * max(uly):.0f}% over it (docs/ENGINE_FACTS.md, 'The HF Ulysses blog's "
-            f"readings'). Our tensor peak alone (what max_memory_allocated would read) is {_peak_span(results, 'ULY')} "
-            "of the readings. The one-GPU row is scored, as estimate and plan report it, with its replay capped at "
+            "readings'). Under SP DeepSpeed reduces the gradients in fp32: its engine takes "
+            "seq_parallel_communication_data_type as its communication dtype, fp32 unless the config names it "
+            "(the post's YAML sets it to bf16 under accelerate's deepspeed_config, a key accelerate launch drops; "
+            "toolkit.inputs.spreduce, checked on 2 CPU ranks), so ZeRO-3's reduce bucket, 5e8 elements as the "
+            "inline config leaves it, is 1.86 GiB in our tensor peak, not 0.93, and every bucket's cat on the reduce "
+            f"stream is fp32 too. Our CUDA context and NCCL buffers alone come to {outside:.2f} GiB, "
+            + ("more than the readings leave over our tensor peak, before any cached segment: with the engine's code "
+               "and the config the post shows, a reading this low is not the device's used memory (a smaller reduce "
+               "bucket, such as the HF Trainer's 'auto' h*h fill of a DeepSpeed JSON, would lower our figure too). "
+               if max(gaps) < outside else "within what the readings leave over our tensor peak. ")
+            + "Our tensor peak alone (what "
+            f"max_memory_allocated would read) is {_peak_span(results, 'ULY')} of the readings. The one-GPU row is scored, as estimate and plan report it, with its replay capped at "
             f"what the H100's {one_gpu['capacity']:.1f} GiB leave the allocator ({one.get('allocator_retries', 0)} "
             "retries a step; uncapped it reserved more than the card has, and the run fit). "
             "Its 64k and 96k rows run past Qwen3-4B's 40,960 positions and the post states no RoPE scaling; their "

@@ -42,6 +42,31 @@ def test_zero_under_ulysses_partitions_over_dp_times_sp():
     assert (g.data_parallel, g.shard_group, g.seq_split) == (1, 8, 8)
 
 
+def test_zero3_under_ulysses_keeps_its_reduce_bucket_in_deepspeeds_fp32_sp_dtype():
+    """DeepSpeed's engine reduces in seq_parallel_communication_data_type once SP is above one (engine.py
+    _configure_distributed_model), and ZeRO-3 allocates its IPG bucket in it: fp32 by the installed DeepSpeed's own
+    default (toolkit.inputs.spreduce reads constants.py without importing it; DeepSpeedConfig reads the same), which
+    toolkit's JSON leaves in place. Qwen3-4B on 4 GPUs, accelerate's inline config (reduce_bucket_size 5e8):
+    the bucket is 2.0 GB at SP 4, 1.0 GB in bf16 without SP."""
+    import torch
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from toolkit.estimate.memory import states_for
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.spreduce import sp_default_dtype, zero_reduce_bytes
+
+    config = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                              "zero_optimization": {"stage": 3}}, mpu=None)
+    assert config.seq_parallel_communication_data_type == torch.float32 and sp_default_dtype() == "fp32"
+    assert (zero_reduce_bytes("bf16", 4), zero_reduce_bytes("bf16", 1)) == (4, 2)
+    spec = resolve_model(str(ROOT / "benchmarks" / "data" / "models" / "qwen3-4b.json"))
+    job = Job(seq_len=8192, precision="bf16", checkpointing=True, zero_reduce_bucket=500_000_000)
+    zero3 = parse_strategy("zero3")
+    buckets = [states_for(spec, zero3, job, _grid("zero3", gpus=4, **degrees), params=spec.params).buffers
+               for degrees in ({"sequence": 4}, {})]
+    assert buckets == [2e9, 1e9]
+
+
 @pytest.mark.parametrize("strategy, degrees, fragment", [
     ("zero3", {"tensor": 2}, "tensor parallelism runs under FSDP2"),
     ("zero2", {"context": 2}, "context parallelism runs under FSDP2"),
@@ -715,7 +740,9 @@ def test_check_warns_that_a_yamls_own_zero2_config_under_ulysses_sums_the_sp_ran
 def test_zero12_price_their_gradient_reduction_as_deepspeeds_bucket_all_reduce():
     """DeepSpeed's ZeRO-1/2 all-reduce each gradient bucket (use_multi_rank_bucket_allreduce, its default; and with
     reduce_scatter false, as the plan's JSON sets under Ulysses SP): 2 (N - 1) / N of the gradient bytes a reduction,
-    once a step for ZeRO-1, every micro-step for ZeRO-2, then the updated partitions' all-gather."""
+    once a step for ZeRO-1, every micro-step for ZeRO-2, then the updated partitions' all-gather. Under SP the
+    engine reduces in fp32 (seq_parallel_communication_data_type's default; gradient_reduction_w_predivide casts the
+    bucket to it): twice the bf16 bytes."""
     from toolkit.estimate.collectives import group_bandwidth, ring_s
     from toolkit.estimate.timing import step_time, ulysses_comm_s
     from toolkit.inputs.hardware import parse_hardware
@@ -733,4 +760,5 @@ def test_zero12_price_their_gradient_reduction_as_deepspeeds_bucket_all_reduce()
         assert plain.communication_s == pytest.approx(expected)
         sp = _grid(f"zero{stage}", sequence=2)
         with_sp = step_time(spec, strategy, job, hw, grid=sp, overlap=0.0)
-        assert with_sp.communication_s == pytest.approx(expected + ulysses_comm_s(spec, job, sp, hw))
+        fp32 = reduces * ring_s(2 * grad, 8, bw, 2) + ring_s(grad, 8, bw, 1)
+        assert with_sp.communication_s == pytest.approx(fp32 + ulysses_comm_s(spec, job, sp, hw))

@@ -125,3 +125,31 @@ def test_fsdp2_grad_op_keeps_each_group_unsharded_to_its_own_post_backward():
     assert events.index(("free", ("ugrad", 0, 1, 0))) < events.index(("malloc", ("ugrad", 0, 0, 0), 20 * MIB))
     assert events.index(("free", ("unsharded", 0, 0, 1, 0))) < events.index(("malloc", ("ugrad", 0, 0, 0), 20 * MIB))
     assert allocator.replay(events).peak_allocated == 140 * MIB
+
+
+def _zero3_sp_step(bucket_elements: int):
+    """Four 6 Mi-parameter tensors in one region over two ranks (bf16 gradients of 12 MiB), reduced in fp32 as
+    DeepSpeed does under Ulysses SP."""
+    trace = RegionTrace(0, 0, 0, forward_events=(), backward_events=())
+    sizes = StepSizes(**NOTHING, tensors=((6 * MIB,) * 4,), engine="zero3", param_bytes=2.0, world=2,
+                      bucket_elements=bucket_elements, reduce_bytes=4.0)
+    return step_events([SimpleNamespace(params=24 * MIB, trace=trace)], sizes, steps=1)
+
+
+def test_zero3_under_ulysses_sp_reduces_its_buckets_in_fp32():
+    """Under Ulysses SP DeepSpeed's engine reduces in seq_parallel_communication_data_type, fp32 unless the config
+    names it (toolkit.inputs.spreduce): a bucket of two 6 Mi-element bf16 gradients is catted in fp32, 48 MiB where
+    bf16 made 24, and a rank's reduced partitions are cast back to bf16 beside it (3 Mi elements each over two
+    ranks: 12 MiB); a gradient the bucket cannot take is cast to fp32 alone (24 MiB), a lone tensor the world divides
+    needs no cat, and its partition comes back as 6 MiB."""
+    def made(events, name):
+        return [e[2] for e in events if e[0] == "malloc" and e[1][0] == name]
+
+    bucketed = _zero3_sp_step(12 * MIB)
+    assert made(bucketed, "zcat") == [48 * MIB, 48 * MIB]
+    assert made(bucketed, "zback") == [12 * MIB, 12 * MIB]
+    assert made(bucketed, "zcast") == []
+    alone = _zero3_sp_step(1)
+    assert made(alone, "zcast") == [24 * MIB] * 4
+    assert made(alone, "zcat") == []
+    assert made(alone, "zback") == [6 * MIB] * 4

@@ -31,8 +31,11 @@ ZeRO-3 (DeepSpeed 0.19.8 runtime/zero/stage3.py, contiguous_gradients and overla
 - __reduce_and_partition_ipg_grads, on the reduce stream: reduce_scatter_coalesced cats the bucket's gradients
   (padded to the world) into one new buffer (not for a lone gradient the world divides), partition_grads copies
   each partition into grad_partitions_flat_buffer, record_stream(reduce stream) and drops the gradients left as
-  they were. Before a reduction the host waits for the one three back (max_param_reduce_events 2): the latest the
-  engine lets it finish. The caching allocator frees a block recorded on another stream once that stream's event
+  they were. Under Ulysses SP the bucket is in the engine's fp32 communication dtype (toolkit.inputs.spreduce): a
+  gradient is cast as it is copied in, the cat is fp32, a gradient the bucket did not take is cast to fp32 first
+  (`__avg_scatter_grads`: g.to(communication_data_type)), and the reduced partitions are cast back to the
+  gradients' dtype (.to(gradient_accumulation_dtype)) before partition_grads copies them. Before a reduction the
+  host waits for the one three back (max_param_reduce_events 2): the latest the engine lets it finish. The caching allocator frees a block recorded on another stream once that stream's event
   has completed, checked at the next malloc (CUDACachingAllocator.cpp process_events), so a gradient is released at
   the first hook after its reduction ends: the reduce stream runs the buckets one after another, each for its
   reduce-scatter's time (toolkit.estimate.collectives ring_s over the partition group), while backward's clock
@@ -310,22 +313,33 @@ class Zero3Rules(EngineRules):
 
     def _reduce(self, step: int) -> None:
         out, pb, world = self.out, self.sizes.param_bytes, self.world
+        rb = self.sizes.reduce_bytes or pb
         k = self.reductions
         if k > REDUCE_EVENTS:  # the host waits for the reduction three back
             self._sync(step, k - REDUCE_EVENTS - 1)
         padded = sum(ceil(n / world) * world for _, n, _ in self.items)
         cat = len(self.items) > 1 or any(n % world for _, n, _ in self.items)
         start = max(self.clock, self.ends[-1] if self.ends else 0.0)
-        self.ends.append(start + padded * pb * self.sizes.reduce_s_per_byte)
-        if cat:
+        self.ends.append(start + padded * rb * self.sizes.reduce_s_per_byte)
+        if cat or rb != pb:
             self._release_done(step)
-            out.malloc(("zcat", step, k), int(padded * pb), REDUCE)
+        cast = [(("zcast", step, k, i), n) for i, (_, n, copied) in enumerate(self.items) if rb != pb and not copied]
+        for key, n in cast:  # a gradient the bucket did not take, cast to the reduction's dtype
+            out.malloc(key, int(n * rb), REDUCE)
+        if cat:
+            out.malloc(("zcat", step, k), int(padded * rb), REDUCE)
+        if rb != pb:  # each rank's reduced partitions cast back to the gradients' dtype
+            out.malloc(("zback", step, k), int(padded / world * pb), REDUCE)
         for key, _, copied in self.items:
             if not copied:
                 out.record_stream(key, self._use(step))
                 out.free(key)
+        for key, _ in cast:
+            out.free(key)
         if cat:
             out.free(("zcat", step, k))
+        if rb != pb:
+            out.free(("zback", step, k))
         self.items, self.elements = [], 0
         self.reductions += 1
 

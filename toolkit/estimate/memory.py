@@ -22,6 +22,7 @@ from toolkit.estimate.hostram import host_ram
 from toolkit.estimate.reward import reward_weights_bytes, with_reward
 from toolkit.inputs.job import Job, checkpointing_words
 from toolkit.inputs.modelspec import ModelSpec
+from toolkit.inputs.spreduce import zero_reduce_bytes
 from toolkit.estimate.savers import layer_input_bytes, offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.estimate.states import (States, adapter_states, ddp_states, expert_parallel_states, fsdp2_states,
                                      pipeline_states, zero_states)
@@ -249,7 +250,8 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
         return zero_states(params, job, strategy, dp=grid.shard_group, hidden=spec.hidden,
                            largest_layer=spec.largest_layer_params, factored_elems=fe,
                            gradient_partition=zero_gradient_partition(spec, params, grid.shard_group)
-                           if strategy.zero_stage == 2 else None, head_params=spec.head_matmul_params)
+                           if strategy.zero_stage == 2 else None, head_params=spec.head_matmul_params,
+                           reduce_bytes=zero_reduce_bytes(job.precision, grid.sequence))
     if strategy.engine == Engine.FSDP2:
         # toolkit.train syncs every micro-batch under FSDP2 (sync_each_batch): no unsharded accumulation grads.
         if grid.expert > 1:
@@ -470,6 +472,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
         release = zero3_release_timing(spec, strategy, job, hw, grid) if engine == "zero3" else {}
         sizes = StepSizes(**tensor_sizes(spec, regions, strategy, job, states), **release, engine=engine,
             world=grid.shard_group if grid is not None else 1, param_bytes=compute_bytes(job.precision),
+            reduce_bytes=zero_reduce_bytes(job.precision, grid.sequence if grid is not None else 1),
             bucket_elements=int(job.zero_reduce_bucket or (spec.hidden * spec.hidden if spec else 0)),
             gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept,
             persistent=states.parameters + states.master + states.gradients + states.buffers + reference_bytes,

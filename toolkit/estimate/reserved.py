@@ -104,6 +104,9 @@ class StepSizes:
     """Bytes of a ZeRO-3 parameter's gradient (the module's dtype)."""
     bucket_elements: int = 0
     """ZeRO-3's reduce_bucket_size (elements)."""
+    reduce_bytes: float = 0.0
+    """Bytes of an element ZeRO-3 reduces in, its communication dtype (fp32 under Ulysses SP:
+    toolkit.inputs.spreduce); 0: param_bytes."""
     backward_s: float = 0.0
     """Seconds of one micro-step's backward compute (toolkit.estimate.timing), spread over the regions by their
     parameters; 0: not known (ZeRO-3's gradients are then released at the latest the engine allows)."""

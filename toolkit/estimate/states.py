@@ -156,7 +156,7 @@ def ddp_saved_module_states(s: States, P: int, job: Job, *, param_bytes: int, wo
 
 def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, largest_layer: int,
                 factored_elems: int | None = None, gradient_partition: int | None = None,
-                head_params: int = 0) -> States:
+                head_params: int = 0, reduce_bytes: int | None = None) -> States:
     """DeepSpeed ZeRO stage 1/2/3 with the HF Trainer's "auto" bucket sizes (reduce_bucket_size = h*h,
     stage3_prefetch_bucket_size = 0.9*h*h; accelerate/transformers fill formulas), or the config's own
     reduce_bucket_size (job.zero_reduce_bucket).
@@ -168,7 +168,9 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
     worst rank's whole parameters touching its partition (toolkit.estimate.zeropartition), P/N where it is None;
     stage 3 its
     grad_partitions_flat_buffer (2P/N) and the parameter partitions (2P/N). Offload moves master, optimizer and
-    fp32 grads to host RAM (pinned) and runs the step there (DeepSpeedCPUAdam).
+    fp32 grads to host RAM (pinned) and runs the step there (DeepSpeedCPUAdam). `reduce_bytes`: bytes of an element
+    of ZeRO-3's reduce bucket, its communication dtype (fp32 under Ulysses SP: toolkit.inputs.spreduce); None: the
+    gradients' own.
     """
     N = dp
     stage = strategy.zero_stage
@@ -221,9 +223,12 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
             s.gathered = 0.0
         # One persistent reduce bucket: the IPG buffer, torch.empty(reduce_bucket_size) in the communication dtype,
         # made at engine start when contiguous_gradients (default True; DeepSpeed 0.19.8 stage3.py __init__).
-        s.buffers = bucket * pb
+        rb = reduce_bytes or pb
+        s.buffers = bucket * rb
         kept = "gathered params kept for reuse (up to 1e9)" if s.gathered else "nothing gathered (one rank)"
-        s.sources.append(f"ZeRO-3: {pb}P/N params + {pb}P/N grads, {kept}, one {bucket_words} reduce bucket")
+        in_dtype = f" in {'fp32' if rb == 4 else '16-bit'} (Ulysses SP's reduction dtype)" if rb != pb else ""
+        s.sources.append(f"ZeRO-3: {pb}P/N params + {pb}P/N grads, {kept}, one {bucket_words} reduce bucket"
+                         f"{in_dtype}")
     if off_opt:
         host = master + opt + fp32_grad
         if off_par:

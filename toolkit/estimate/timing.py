@@ -30,6 +30,7 @@ from toolkit.inputs.grid import ParallelGrid, grid_of
 from toolkit.inputs.job import Job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import Engine, Strategy
+from toolkit.inputs.spreduce import zero_reduce_bytes
 
 OVERLAP = {Engine.FSDP2: 0.47, Engine.DDP: 0.7, Engine.DEEPSPEED: 0.7}
 """Fraction of the data-parallel communication (up to the backward's length) hidden behind compute, per engine.
@@ -346,6 +347,7 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
     elif strategy.engine == Engine.DEEPSPEED:
         dp = grid.shard_group  # ZeRO's partition group: dp, times sp under Ulysses
         bw = _group_bandwidth(hw, dp)
+        rb = zero_reduce_bytes(job.precision, grid.sequence)  # gradients reduce in fp32 under Ulysses SP
         if grid.autoep:
             comm = autoep_zero_comm_s(full_spec, grid, hw, pb, strategy.zero_stage, A)
             assumptions.append(f"DeepSpeed AutoEP {grid.expert}: ZeRO-{strategy.zero_stage} "
@@ -357,12 +359,12 @@ def step_time(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pi
             # its own slice (use_multi_rank_bucket_allreduce, true by default; reduce_scatter false, as the plan's
             # JSON sets under Ulysses SP, all-reduces too); then the updated partitions are all-gathered.
             reduces = A if strategy.zero_stage == 2 else 1
-            comm = reduces * _ring(P_grad * pb, dp, bw, 2) + _ring(P_grad * pb, dp, bw, 1)
+            comm = reduces * _ring(P_grad * rb, dp, bw, 2) + _ring(P_grad * pb, dp, bw, 1)
             assumptions.append(f"ZeRO-{strategy.zero_stage} all-reduces each gradient bucket (DeepSpeed's multi-rank "
                                "bucket all-reduce) " + ("every micro-step" if strategy.zero_stage == 2
                                                          else "once a step"))
         else:
-            comm = A * (2 * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * pb, dp, bw, 1))
+            comm = A * (2 * _ring(gather_bytes, dp, bw, 1) + _ring(P_grad * rb, dp, bw, 1))
             assumptions.append("ZeRO-3: all-gather forward + all-gather backward + reduce-scatter, every micro-step")
         if strategy.offload_optimizer != "none":
             host_link = hw.gpu.pcie_gbps * 1e9
