@@ -17,8 +17,9 @@ segments, as every later step does):
   kept from its forward to the end of backward; ZeRO-3: each region's share of the gathered bytes), two regions
   alive at a time (the prefetch), used on the compute stream (record_stream) and freed two regions on;
   FSDP2's reduce-scatter inputs the same way on a third stream in backward; other backward buffers (ZeRO-2's
-  bucket and partition, DDP's) for the backward; the gradients backward creates (param.grad) per region after its
-  backward events, freed by the step (set_to_none); the optimizer step's temporaries at the step.
+  bucket and partition) from the first region's gradients on (the bucket to the end of backward, the partition to
+  the step); the gradients backward creates (param.grad) per region after its backward events, freed by the step
+  (set_to_none); the optimizer step's temporaries at the step.
 The result is the replay's reserved peak over its allocated peak (what fragmentation, segment rounding and the
 per-stream pools cost), added to the memory model's tensor peak. Results are kept per process and on disk
 (toolkit.cache) under a key made of the events' hashes and the sizes, so a repeated plan replays nothing.
@@ -295,6 +296,21 @@ class _EventList:
         self.events.append(("step",))
 
 
+def _backward_buffers(sizes: StepSizes, step: int, malloc) -> int:
+    """The buffers an engine makes at the first gradient hook of backward and keeps to the step (ZeRO-2:
+    stage_1_and_2.py copy_grads_in_partition allocates grads_in_partition at the first bucket reduction, the
+    reduce bucket with it; toolkit.estimate.memory._simulate counts them from the first region's gradients on, as
+    measured on CPU); returns how many events."""
+    count = 0
+    if sizes.reduce_buffers and not sizes.reduce_stream:
+        malloc(("reduce", step), int(sizes.reduce_buffers))
+        count += 1
+    if sizes.backward_gradients:
+        malloc(("partitions", step), int(sizes.backward_gradients))
+        count += 1
+    return count
+
+
 def step_events(regions, sizes: StepSizes, steps: int = 2, step_regions=()) -> list[tuple]:
     """The allocator events of `steps` training steps (toolkit.estimate.allocator.replay's format)."""
     out = _EventList()
@@ -404,12 +420,6 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
             run(j, FORWARD, traced[j].trace.forward_events)
             rules.after_forward(step, j)
         rules.end_forward(step)
-        if sizes.reduce_buffers and not sizes.reduce_stream:
-            malloc(("reduce", step), int(sizes.reduce_buffers))
-            count += 1
-        if sizes.backward_gradients:
-            malloc(("partitions", step), int(sizes.backward_gradients))
-            count += 1
         # The engine's rules make their own gradients (FSDP2's sharded ones, ZeRO-3's per parameter)
         grads = _pieces(0 if not gathers else sizes.step_gradients, regions,
                         sizes.tensors if sizes.tensor_grads else ())
@@ -425,6 +435,8 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
             rules.after_backward(step, j)
             if gathers and sizes.reduce_stream:
                 use(("reduce", step, j), reduce[j], REDUCE)
+            if j == n - 1:  # the first gradients exist: the engine's backward buffers appear at their first hook
+                count += _backward_buffers(sizes, step, malloc)
         rules.end_backward(step)
         for key in rotating:
             free(key)
