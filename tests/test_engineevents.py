@@ -153,3 +153,28 @@ def test_zero3_under_ulysses_sp_reduces_its_buckets_in_fp32():
     assert made(alone, "zcast") == [24 * MIB] * 4
     assert made(alone, "zcat") == []
     assert made(alone, "zback") == [6 * MIB] * 4
+
+
+def test_fsdp2_under_tp_reshards_the_kept_tail_at_its_own_post_backward():
+    """Under TP transformers wraps the model from its fsdp_plan: no root group, the keep_full_weight tail (final norm
+    + LM head) is a group of its own, unsharded from its forward to its own post_backward (StepSizes.fsdp_root
+    False). The tail's reduce-scatter input is then made right after the tail's backward, before the layer below is
+    unsharded for its backward, where the root group's waits for the end of backward. By hand (one rank, bf16
+    compute, fp32 shards): at the layer's backward unshard the tail group holds its 20 MiB input and its 40 MiB fp32
+    sharded gradient beside the layer's 40 MiB activation, the layer's unsharded 20 MiB and its cast 20: 140 MiB; as
+    the root, the tail's unsharded parameters and gradient (20 + 20) wait there instead, and its fp32 gradient comes
+    at the end of backward, after the layer's activation is gone: 120 MiB."""
+    trace = RegionTrace(0, 0, 0, forward_events=(40 * MIB,), backward_events=(free_code(0, 0, 0),))
+    regions = [SimpleNamespace(params=10 * MIB, trace=trace, name=name) for name in ("layer 0", "head + loss")]
+
+    def events(root: bool):
+        sizes = StepSizes(**{**NOTHING, "reduce_stream": True, "step_gradients": 2 * 40 * MIB},
+                          gather_bytes_per_param=2.0, engine="fsdp2", kept_regions=(1,), fsdp_root=root)
+        return step_events(regions, sizes, steps=1)
+
+    tail, root = events(False), events(True)
+    layer_unshard = ("malloc", ("unsharded", 0, 1, 0, 0), 20 * MIB)
+    tail_input = ("malloc", ("rs_in", 0, (1,)), 20 * MIB)
+    assert tail.index(tail_input) < tail.index(layer_unshard)
+    assert root.index(tail_input) > root.index(layer_unshard)
+    assert (allocator.replay(tail).peak_allocated, allocator.replay(root).peak_allocated) == (140 * MIB, 120 * MIB)

@@ -12,7 +12,11 @@ FSDP2 (torch 2.13 distributed/fsdp/_fully_shard):
   next group is prefetched (_backward_prefetch). Event waits, not record_stream: a freed block is reusable at once.
 - reshard after forward frees the unsharded tensors (the root group, embeddings + final norm + head, stays until
   its post_backward at the end of backward). Without it (reshard_after_forward=False, fsdp2-grad-op) a group keeps
-  its unsharded tensors from its forward until its own post_backward reshards them; no unshard in backward.
+  its unsharded tensors from its forward until its own post_backward reshards them; no unshard in backward. Under
+  TP, transformers wraps the model from its fsdp_plan (distributed/fsdp.py apply_fully_sharded_data_parallelism): no
+  root group, the keep_full_weight tail (final norm + LM head) is one group kept from its forward to its own
+  post_backward, the embedding and every layer their own, each of the rank's 1/tp of the parameters, all-gathered
+  over the shard group (StepSizes.fsdp_root False).
 - post_backward: autograd's unsharded gradients (param_dtype, one per parameter, compute stream) are copied into
   the reduce-scatter input (foreach_reduce: reduce_scatter_comm.allocate on the current, compute, stream; the
   reduce dtype, accelerate's MixedPrecisionPolicy reduce_dtype = param_dtype) and freed; the input is kept until
@@ -149,7 +153,7 @@ class Fsdp2Rules(EngineRules):
         # The root group (embeddings, final norm, head) stays unsharded from its forward to the end of backward;
         # without reshard_after_forward (grad_op) every other group keeps its unsharded parameters from its forward
         # to its own post_backward, and is still reduce-scattered group by group.
-        self.root = tuple(j for j in sizes.kept_regions if regions[j].name in ROOT_REGIONS)
+        self.root = tuple(j for j in sizes.kept_regions if regions[j].name in ROOT_REGIONS) if sizes.fsdp_root else ()
         self.no_reshard = frozenset(sizes.kept_regions) - frozenset(self.root)
         self.world = max(1, sizes.world)
         self.gather_pending: list = []

@@ -432,6 +432,7 @@ def _fsdp_plan_groups(spec: ModelSpec, kept_outside_params: int, layer_params, t
     kept = kept_outside_params * per_param
     embedding = max(0, spec.pre_layer_params + spec.post_layer_params - kept_outside_params) * per_param
     states.gathered = 0.0  # every group, the tail too, is resharded after its backward (FSDP2's post_backward)
+    states.fsdp_plan_groups = True
     states.sources[:] = [x.replace("layer(s) + root", "layer(s) while it computes + the fsdp_plan's "
                                    "keep_full_weight modules (transformers' FSDP2 groups)") for x in states.sources]
 
@@ -458,14 +459,14 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
     setting = (f" with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else " with torch's default settings") + (
         f" ({', '.join(ignored)} not modelled)" if ignored else "")
     result = None
-    fsdp2 = strategy.engine == Engine.FSDP2 and states.gathered > 0 and not job.adapter.is_adapter
-    # FSDP2 as fsdp2_states sizes it: each group unsharded in the compute dtype, the root (embeddings, final norm,
-    # head) kept from its forward on; every group kept without reshard_after_forward (grad_op).
-    kept = tuple(i for i, r in enumerate(regions) if strategy.fsdp_mode == "grad_op"
-                 or r.name in ROOT_REGIONS) if fsdp2 else ()
-    # The engine's own backward and step allocations (toolkit.estimate.engineevents), where its rules are written:
-    # FSDP2 and ZeRO-3 of a full model, states on the GPU, one expert group
+    # The engine's own allocations (toolkit.estimate.engineevents) for FSDP2 and ZeRO-3 of a full model, states on the
+    # GPU, one expert group; FSDP2's groups unsharded in the compute dtype, kept from their forward on: the root, every
+    # group under grad_op; under TP's fsdp_plan groups (no root) the head's, to its own post_backward.
     plain = not job.adapter.is_adapter and not strategy.offloads and (grid is None or grid.expert <= 1)
+    plan_groups = states.fsdp_plan_groups and plain
+    fsdp2 = strategy.engine == Engine.FSDP2 and (states.gathered > 0 or plan_groups) and not job.adapter.is_adapter
+    kept = () if not fsdp2 else (len(regions) - 1,) if plan_groups else \
+        tuple(i for i, r in enumerate(regions) if strategy.fsdp_mode == "grad_op" or r.name in ROOT_REGIONS)
     engine = "fsdp2" if fsdp2 and plain else \
         "zero3" if strategy.zero_stage == 3 and states.flat_partitions and plain else ""
     if in_flight == 1:
@@ -474,7 +475,7 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
             world=grid.shard_group if grid is not None else 1, param_bytes=compute_bytes(job.precision),
             reduce_bytes=zero_reduce_bytes(job.precision, grid.sequence if grid is not None else 1),
             bucket_elements=int(job.zero_reduce_bucket or (spec.hidden * spec.hidden if spec else 0)),
-            gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept,
+            gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept, fsdp_root=not plan_groups,
             persistent=states.parameters + states.master + states.gradients + states.buffers + reference_bytes,
             optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,
             reduce_stream=strategy.engine == Engine.FSDP2, step_gradients=states.step_gradients,

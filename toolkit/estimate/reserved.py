@@ -75,6 +75,9 @@ class StepSizes:
     kept_regions: tuple[int, ...] = ()
     """Regions whose gathered parameters stay from their forward to the end of backward (FSDP2's root module: the
     embeddings, final norm and head; every region with reshard_after_forward=False)."""
+    fsdp_root: bool = True
+    """FSDP2's root group holds the kept regions named engineevents.ROOT_REGIONS (fully_shard on the model itself);
+    False: transformers' fsdp_plan groups under TP, every region its own group (a kept one to its own post_backward)."""
     tensors: tuple[tuple[int, ...], ...] = ()
     """Each region's parameter tensors (elements; toolkit.estimate.layerkinds.region_tensor_numels) where the
     engine's optimizer is torch's, per parameter: its states (zeros_like at the first step) and foreach AdamW's

@@ -87,6 +87,9 @@ class States:
     """NVMe bytes per rank (ZeRO-Infinity)."""
     autocast: bool = False
     """Whether activations are traced with fp32 weights under torch.autocast (AMP) rather than low-precision weights."""
+    fsdp_plan_groups: bool = False
+    """FSDP2 groups as transformers wraps a tensor-parallel model (toolkit.estimate.memory._fsdp_plan_groups): every
+    region its own group, no root; the unsharded bytes are in the regions' traces, not in `gathered`."""
     sources: list[str] = field(default_factory=list)
 
     @property
