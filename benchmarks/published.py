@@ -291,7 +291,8 @@ def _job_hw(row: dict, compile: bool):
     job = Job(seq_len=row["seq_len"], micro_batch=row["micro_batch"], grad_accum=row["grad_accum"],
               precision=job_in["precision"], optimizer=job_in["optimizer"],
               checkpointing=CHECKPOINTING[job_in["checkpointing"]], attention=job_in["attention"],
-              optimizer_impl=job_in["optimizer_impl"], compile=(job_in.get("compile") or True) if compile else False)
+              optimizer_impl=job_in["optimizer_impl"], compile=(job_in.get("compile") or True) if compile else False,
+              zero_reduce_bucket=zero_reduce_bucket(job_in))
     return _spec(job_in["model"], job_in.get("rope_scaling")), job, hw, parse_strategy(job_in["strategy"])
 
 
@@ -439,7 +440,8 @@ def _tokens_per_s(row: dict, compile: bool) -> float:
     from toolkit.inputs.grid import grid_of
 
     spec, job, hw, strategy = _job_hw(row, compile)
-    return evaluate(spec, hw, strategy, job, grid_of(strategy, hw), prune=False).timing.tokens_per_s
+    grid = grid_of(strategy, hw, sequence=row["job"].get("sp", 1))
+    return evaluate(spec, hw, strategy, job, grid, prune=False).timing.tokens_per_s
 
 
 def compile_speedups(rows: list[dict]) -> list[dict]:
@@ -660,6 +662,7 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             f"max_memory_allocated would read) is {_peak_span(results, 'ULY')} of the readings. The one-GPU row is scored, as estimate and plan report it, with its replay capped at "
             f"what the H100's {one_gpu['capacity']:.1f} GiB leave the allocator ({one.get('allocator_retries', 0)} "
             "retries a step; uncapped it reserved more than the card has, and the run fit). "
+            f"{_uly_speed_sentence(rows)} "
             "Its 64k and 96k rows run past Qwen3-4B's 40,960 positions and the post states no RoPE scaling; their "
             "jobs take Qwen3's own recipe (YaRN x4 over 32,768 positions, `--rope-scaling yarn --rope-factor 4 "
             "--rope-original-positions 32768`), which changes no memory: "
@@ -738,6 +741,30 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             "long-context example (Qwen2.5-7B full fine-tuning, ZeRO-3 on 4 H20s, packed 16,384-token rows, Liger, "
             "43 GiB reserved) is not scored: `toolkit estimate` refuses --liger with ZeRO-3, a combination this run "
             "shows running.")
+
+
+ULY_OTHER_THROUGHPUT = {"ULY-Qwen3-4B-1xH100-SP1-8k": 2436, "ULY-Qwen3-4B-4xH100-SP4-8k": 2315,
+                        "ULY-Qwen3-4B-4xH100-SP4-32k": 7872, "ULY-Qwen3-4B-4xH100-SP4-64k": 13396}
+"""The Throughput table of another stored version of the post (huggingface/blog ulysses-sp.md @ 01d33d5c4), beside
+the same memory table as the rows' 5feb994."""
+
+
+def _uly_speed_sentence(rows: list[dict]) -> str:
+    """The HF Ulysses post's tokens/s against the time model's, and why they are not scored."""
+    uly = [r for r in rows if r["id"].startswith("ULY") and r["throughput_text"][0].isdigit()]
+    published = [int(r["throughput_text"].split()[0].replace(",", "")) for r in uly]
+    ours = [_tokens_per_s(r, compile=False) for r in uly]
+
+    def listed(values) -> str:
+        return f"{values[0]:,.0f} and " + " / ".join(f"{v:,.0f}" for v in values[1:])
+
+    return ("Its step times are not scored: its Throughput table gives " + listed(published) + " tokens/s (one GPU "
+            "at 8k, then SP 4 at 8k / 32k / 64k, all ranks), rising with the length, where the time model's "
+            f"({listed(ours)}) falls as attention's work grows ("
+            + " / ".join(f"{p / o - 1:+.0%}" for p, o in zip(published, ours)) + " as published over ours); the "
+            "post states neither what its tokens/s counts nor its step time, and another stored version of it "
+            "(01d33d5c4) prints " + listed([ULY_OTHER_THROUGHPUT[r["id"]] for r in uly]) + " for the same runs "
+            "beside the same memory table.")
 
 
 def _record_stream_sentence(results: list[dict], rows: list[dict]) -> str:
