@@ -206,6 +206,15 @@ def leaving_replays_out() -> bool:
     return _UNREPLAYED.get() is not None
 
 
+def replay_key(regions, sizes: StepSizes, settings: str) -> str:
+    """One short digest of a replay's inputs (the regions' events and parameters, the step's sizes, the allocator
+    settings): it keys a replay's result in this process and on disk (toolkit.cache)."""
+    # Ints only: their hashes are the same in every process (str hashes are salted per process).
+    key_parts = (tuple((hash(r.trace.forward_events), hash(r.trace.backward_events), r.params) for r in regions),
+                 tuple(round(v * 16) if isinstance(v, float) else v for v in vars(sizes).values()), settings)
+    return hashlib.sha256(repr(key_parts).encode()).hexdigest()[:32]
+
+
 def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Replay | None:
     """The replay of two steps over `regions` (memory._Region: name, params, trace); None when some region has no
     recorded events (a region traced compiled, an interpolation whose traces differ), where the caller keeps its margin."""
@@ -217,11 +226,7 @@ def replayed_reserved(regions, sizes: StepSizes, *, settings: str = "") -> Repla
             left_out[0] += 1
             return _NO_OVERHEAD
         return None
-    # Ints only: their hashes are the same in every process (str hashes are salted per process).
-    key_parts = (tuple((hash(r.trace.forward_events), hash(r.trace.backward_events), r.params) for r in regions),
-                 tuple(round(v * 16) if isinstance(v, float) else v for v in vars(sizes).values()), settings)
-    # One short digest keys the result in this process and on disk (the disk key was the parts' whole str()).
-    key = hashlib.sha256(repr(key_parts).encode()).hexdigest()[:32]
+    key = replay_key(regions, sizes, settings)
     if key in _RESULTS:
         return _RESULTS[key]
     from toolkit import cache

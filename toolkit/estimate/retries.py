@@ -12,7 +12,7 @@ benchmarks/retry_cost.py derives from the GPU day's memory-edge rows (retry_cost
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from toolkit.estimate.allocator import AllocatorSettings, AllocatorStats, OutOfMemory, Replayer
@@ -96,17 +96,32 @@ def replay_retries(events, settings: AllocatorSettings) -> StepRetries:
     return last_step(r)
 
 
+_RESULTS: dict[tuple, StepRetries] = {}
+"""Per process, the capped replays run or read from disk, keyed as there."""
+
+
 def retries_at(regions, sizes, conf: str, capacity: int, steps: int = 2) -> StepRetries:
     """The estimate's step events (toolkit.estimate.reserved.emit_step_events) replayed with the allocator capped at
-    `capacity` bytes (what the process may reserve): the last of `steps` steps' retries."""
-    from toolkit.estimate.reserved import emit_step_events
+    `capacity` bytes (what the process may reserve): the last of `steps` steps' retries. Kept in this process and
+    on disk (toolkit.cache) as the uncapped replay is (reserved.replayed_reserved): a repeated plan replays
+    nothing."""
+    from toolkit import cache
+    from toolkit.estimate.reserved import emit_step_events, replay_key
 
-    r = Replayer(AllocatorSettings.from_conf(conf, capacity=capacity))
-    try:
-        emit_step_events(regions, sizes, r, steps)
-    except OutOfMemory:
-        return last_step(r, oom=True)
-    return last_step(r)
+    key = (replay_key(regions, sizes, conf), capacity, steps)
+    if key in _RESULTS:
+        return _RESULTS[key]
+    retries = cache.get("retries", key, code=retries_at, decode=lambda d: StepRetries(**d))
+    if retries is None:
+        r = Replayer(AllocatorSettings.from_conf(conf, capacity=capacity))
+        try:
+            emit_step_events(regions, sizes, r, steps)
+            retries = last_step(r)
+        except OutOfMemory:
+            retries = last_step(r, oom=True)
+        cache.put("retries", key, asdict(retries), code=retries_at)
+    _RESULTS[key] = retries
+    return retries
 
 
 def capped_retries(memory, asked, strategy, job, gpu) -> StepRetries | None:
