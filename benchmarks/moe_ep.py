@@ -50,6 +50,20 @@ ROW = {
     "published_step_s": 0.9,
     "published_memory": 34.0,
     "published_memory_unit": "GB (unstated: 1e9 or 2^30 bytes)",
+    "layout_sources": [
+        "the guide (docs/source/distributing_training.md): DistributedConfig(tp_size=E, fsdp_size=D, "
+        "enable_expert_parallel=True) 'places the experts across E GPUs and shards everything else - dense trunk, "
+        "and optimizer state for both - across D'; this row is ep=8 on 8 GPUs, so D = 1",
+        "transformers PR#48516, which the guide needs ('Enable FSDP2 + expert parallelism via a 2-D (fsdp, tp) "
+        "device mesh'): 'Expert parallelism shards only the experts. Everything else and its optimizer state is "
+        "replicated on every EP rank, so the model size you can train is bounded by what one rank can hold of the "
+        "dense part plus its Adam state'",
+        "the guide's GLM-4.5-Air example (examples/sft_glm_4_5_air_full_finetune/): 'shards the experts across 32 "
+        "GPUs and everything else across 2'",
+        "installed transformers 5.24 distributed/fsdp.py apply_fully_sharded_data_parallelism: the dense modules "
+        "fully_shard on the fsdp mesh, the dispatched experts on efsdp; nothing over tp / ep, so fsdp 1 shards "
+        "nothing",
+    ],
 }
 GLM_ROW = {
     "id": "TRL-GLM-4.5-Air-ep32-fsdp2",
@@ -63,8 +77,17 @@ GLM_ROW = {
     "gpus": "8x8xH100-80GB",
     "expert": 32,
     "published_step_s": 3.0,
+    "published_step_note": "the guide's table and the example's docstring say 3.0 s; the PR's description "
+                           "(2026-08-22) had 3.7 s",
     "published_memory": 41.0,
+    "inter_node_gbps": 400.0,
+    "fabric": "AWS p5.48xlarge, 3,200 Gb/s EFA a node = 400 GB/s (the TRL team's H100 cluster: trl issue #5713, "
+              "'p5.48xlarge nodes (H100 SXM5, 989.5 TFLOPS bf16 peak)'; benchmark/report.md, 'AWS EFA ... 32 EFA "
+              "NICs per node'); the guide says only 'H100 nodes'",
 }
+FABRIC_BAND = (100.0, 50.0)
+"""Other per-node networks the GLM-4.5-Air row's step is shown at: a quarter of the cluster's line rate, and
+toolkit's default (hardware.DEFAULT_INTER_NODE_GBPS)."""
 GLM_AIR_SHAPE = {"head_dim": 128, "partial_rotary_factor": 0.5, "attention_bias": True}
 MASKED_EP_PLAN = {"layers.*.mlp.gate": "ep_router", "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
                   "layers.*.mlp.experts.down_proj": "grouped_gemm", "layers.*.mlp.experts": "moe_tp_experts"}
@@ -332,8 +355,10 @@ def masked_folder(folder: Path) -> Path:
     return folder
 
 
-def estimate(shared: bool, model: Path = MODEL, gpus: str = ROW["gpus"], expert: int = 8) -> dict:
-    """Our memory and step time for a row's job on the shared-batch or the own-batch layout."""
+def estimate(shared: bool, model: Path = MODEL, gpus: str = ROW["gpus"], expert: int = 8,
+             inter_node_gbps: float | None = None) -> dict:
+    """Our memory and step time for a row's job on the shared-batch or the own-batch layout (`inter_node_gbps`:
+    the nodes' network, GB/s a node; None: toolkit's default)."""
     from toolkit.estimate.experttime import GROUPED_MM_EFFICIENCY_BAND
     from toolkit.estimate.memory import BUSIEST_EXPERT_RANK, estimate_memory
     from toolkit.estimate.timing import step_time
@@ -343,7 +368,7 @@ def estimate(shared: bool, model: Path = MODEL, gpus: str = ROW["gpus"], expert:
     from toolkit.inputs.strategy import parse_strategy
 
     spec = resolve_model(str(model))
-    hw = parse_hardware(gpus)
+    hw = parse_hardware(gpus, inter_node_gbps=inter_node_gbps)
     strategy = parse_strategy("fsdp2")
     grid = ParallelGrid.for_strategy(strategy, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node, expert=expert,
                                      expert_shared_batch=shared)
@@ -358,6 +383,11 @@ def estimate(shared: bool, model: Path = MODEL, gpus: str = ROW["gpus"], expert:
 
     from toolkit.estimate.hosttime import micro_step_host_ops, optimizer_host_ops
 
+    from toolkit.estimate.collectives import group_bandwidth
+    from toolkit.estimate.experttime import expert_exchange_s
+
+    links = {dim: group_bandwidth(hw, size, grid.mesh_stride(dim)) for dim, size in (
+        ("ep", grid.expert), ("fsdp", grid.shard_group), ("efsdp", grid.expert_shard_group))}
     terms = step_time_terms(spec, job, strategy)
     traced_ops = terms["host_ops"]
     host_ops = micro_step_host_ops(spec, grid, traced_ops, job.checkpointing)
@@ -380,6 +410,7 @@ def estimate(shared: bool, model: Path = MODEL, gpus: str = ROW["gpus"], expert:
             "allocated_gib": b.peak_bytes / GIB, "reserved_gib": b.reserved_bytes / GIB,
             "required_gib": b.required_bytes / GIB, "peak_phase": b.peak_phase,
             "busiest_rank_extra_gib": next(t.bytes for t in b.terms if t.name == BUSIEST_EXPERT_RANK) / GIB,
+            "links_gbps": links, "exchange_s": expert_exchange_s(spec, job, grid, hw),
             "step_s": t.step_time_s, "compute_s": t.compute_s, "experts_s": t.experts_s,
             "step_slow_s": t.step_time_s + t.experts_s * (1 / GROUPED_MM_EFFICIENCY_BAND[0] - 1), "communication_s": t.communication_s,
             "tokens_per_s": t.tokens_per_s, "host_ops": host_ops, "traced_ops": traced_ops,
@@ -656,6 +687,19 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               "or its reading came before the first optimizer step; the source does not say which, and we do not "
               "guess it. The second row of the same table (below) is consistent with its layout, and there our "
               "figure is within the band.", "",
+              "The layout the run had, as every source that states it says (searched again for this row: the "
+              "guide, its examples, the transformers PR it needs, the installed code): the trunk is sharded by "
+              "FSDP over the fsdp dimension only, which is 1 here, so it is whole on each of the 8 ranks:", ""]
+    lines += [f"- {source}" for source in ROW["layout_sources"]]
+    lines += ["", "The one shared-batch layout on record that splits the trunk over the expert group is 5.24's "
+              "DistributedConfig(tp_size=8, ep_size=8), which also applies the model's tp_plan (attention, "
+              "embeddings and head split, docs/ENGINE_FACTS.md); the guide's stack replaced the tp_plan by the "
+              "ep_plan, and toolkit does not model tensor x expert yet (it refuses --tensor-parallel with "
+              "--expert-parallel). The layout that shards the trunk over all 8 ranks beside expert parallelism on "
+              "one node, DistributedConfig(fsdp_size=8, ep_size=8), is what toolkit's plans offer (the own-batch "
+              f"row above: {own['allocated_gib']:.2f} GiB allocated, {own['states_floor_gib']:.2f} GiB of states "
+              f"for {own['params_per_rank'] / 1e9:.2f}B parameters a rank); it is another job (every rank its own "
+              f"sample: {own['tokens_per_step']:,} tokens a step, not 2,048), so the row is not scored with it.", "",
               "TRL's auxiliary loss (SFTTrainer sets output_router_logits whenever the config has a "
               "router_aux_loss_coef; Qwen3-MoE 0.001) does not move this peak: the recorded router logits "
               "(48 x 2048 x 128) and load_balancing_loss_func's fp32 softmax and one-hot mask live from the end "
@@ -665,7 +709,8 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               f"Source: {GLM_ROW['source']}. Model: {GLM_ROW['model']}. Published: {GLM_ROW['published_step_s']} s "
               f"a step, {GLM_ROW['published_memory']:g} GB peak per GPU. Ours, the same job and estimator: "
               f"{glm['layout']}, {glm['params_per_rank'] / 1e9:.2f}B parameters a rank (the dense modules over "
-              "fsdp 2, the experts over ep 32 x efsdp 2).", "",
+              f"fsdp 2, the experts over ep 32 x efsdp 2), on the cluster's network: {GLM_ROW['fabric']}. "
+              f"({GLM_ROW['published_step_note']}.)", "",
               "| reading of '41 GB' | peak | published GiB | ours GiB | error |", "|---|---|---|---|---|"]
     glm_readings = memory_readings(glm, GLM_ROW)
     for r in glm_readings:
@@ -677,17 +722,31 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               f"the benchmark scripts use (device used, GiB) {glm_readings[5]['error']:+.1%}. Its states "
               f"({glm['states_floor_gib']:.2f} GiB) sit under 41 GiB and over 41e9 B "
               f"({41e9 / GIB:.2f} GiB): read as 1e9 B, this row too would be below its own states, so its "
-              "'GB' is GiB, as the scripts print it. Step: ours "
+              "'GB' is GiB, as the scripts print it.", "",
+              "Step: every collective is priced on the link its group spans in transformers' meshes "
+              "(ParallelGrid.mesh_stride: dense (fsdp, tp) and experts (efsdp, ep), innermost last; on a shared "
+              "batch tp is the expert group), a group that leaves its node sharing the node's network with the "
+              "other groups of its dimension (collectives.group_bandwidth). Here the expert group is 32 "
+              f"consecutive ranks on 4 nodes ({glm['links_gbps']['ep']:g} GB/s: one ring through each node's "
+              "network); the fsdp and efsdp pairs are 32 ranks apart, on different nodes, one member a node, so a "
+              f"node's 8 pairs split its network ({glm['links_gbps']['fsdp']:g} GB/s each). Ours "
               f"{glm['step_s']:.3f} s against {GLM_ROW['published_step_s']} s ({glm_err:+.0%}): GPU work "
               f"{glm['device_s']:.3f} s (compute {glm['compute_s']:.3f} s, exposed communication "
-              f"{glm['communication_s']:.3f} s: the dense trunk's FSDP2 gathers over fsdp 2 cross nodes, its peers "
-              "32 ranks apart on the (fsdp, tp) mesh), host "
-              f"{glm['host_s']:.3f} s. The guide's step includes the cross-node exchanges of a 32-rank expert "
-              "group over EFA, whose speed at its sizes (a few MB a layer) nothing published states (the report's "
-              "1 GB collectives, benchmark/report.md: all_to_all bus bandwidth 335 GB/s in one node, 37 GB/s across "
-              "two; all-gather 35 / 15 GB/s); a 20-step run whose "
-              "first steps are slow (the guide: 'short runs understate steady-state throughput by 10-25%') is "
-              "another unstated part of its 3.0 s.", "",
+              f"{glm['communication_s']:.3f} s, of it the masked route's cross-node all-reduces "
+              f"{glm['exchange_s']:.3f} s and the rest the FSDP2 gathers and reduce-scatters of the pairs), host "
+              f"{glm['host_s']:.3f} s: the "
+              + ("host's" if glm["host_s"] >= glm["device_s"] else "GPU's") + " step. "
+              "So the expert group's exchange across nodes is priced, and it is not what is missing: at the "
+              "cluster's line rate it is milliseconds (2 all-reduces of 2,048 x 4,096 bf16 a MoE layer). The "
+              "step moves with what the network delivers to the pairs, which nothing published measures at "
+              "these sizes (the report's only cross-node figures are 1 GB collectives, benchmark/report.md: "
+              "all_to_all bus bandwidth 335 GB/s in one node, 37 GB/s across two; all-gather 35 / 15 GB/s, both "
+              "far under the line rate even inside a node); the same estimate on a slower network a node: "
+              + "; ".join(f"{float(bw):g} GB/s {step:.3f} s ({step / GLM_ROW['published_step_s'] - 1:+.0%})"
+                          for bw, step in glm["fabric_steps"].items())
+              + " (toolkit's default network is 50 GB/s a node). A 20-step run whose first steps are slow (the "
+              "guide: 'short runs understate steady-state throughput by 10-25%') is another unstated part of its "
+              "3.0 s.", "",
               "## Our terms (shared batch)", ""]
     lines += [f"- {a}" for a in shared["assumptions"]
               if "expert" in a or "matmul efficiency" in a or a.startswith("host dispatch")]
@@ -792,7 +851,10 @@ def main() -> int:
     from ep_route_host import measure
 
     with tempfile.TemporaryDirectory() as folder:
-        glm = estimate(True, glm_air_folder(Path(folder) / "glm"), GLM_ROW["gpus"], GLM_ROW["expert"])
+        glm_model = glm_air_folder(Path(folder) / "glm")
+        glm = estimate(True, glm_model, GLM_ROW["gpus"], GLM_ROW["expert"], GLM_ROW["inter_node_gbps"])
+        glm["fabric_steps"] = {str(bw): estimate(True, glm_model, GLM_ROW["gpus"], GLM_ROW["expert"], bw)["step_s"]
+                               for bw in FABRIC_BAND}
         default, shared = shared, estimate(True, masked_folder(Path(folder) / "masked"))
     route = measure()
     RESULTS.mkdir(exist_ok=True)

@@ -138,9 +138,10 @@ def test_exchange_time_is_the_route_s_collectives_over_the_expert_group():
 
 def test_a_shared_batch_fsdp_group_strides_over_the_expert_group_and_leaves_the_node():
     """transformers' dense mesh is (pp, dp_replicate, fsdp, tp), tp innermost: on a shared batch (tp = ep) the fsdp
-    peers of rank r are r + ep, r + 2 ep, ...; at ep 8 x fsdp 2 on 2 nodes of 8 they sit on different nodes, so the
-    dense parameters' gathers and reduce-scatters run on the inter-node link, as the experts' efsdp ones do. Every
-    rank its own batch (fsdp contiguous), the same 2 x 8 grid keeps an fsdp group of 2 inside a node's link."""
+    peers of rank r are r + ep, r + 2 ep, ...; at ep 8 x fsdp 2 on 2 nodes of 8 they sit on different nodes, one
+    member a node, so the 8 pairs of a node split its network: each gathers and reduce-scatters at an eighth of it,
+    as the experts' efsdp pairs (r, r + 8) do. Every rank its own batch, the dense group is 16 consecutive ranks (one
+    ring through each node's network: all of it) and the efsdp pairs again an eighth. On one node, NVLink."""
     from toolkit.estimate.collectives import ring_s
     from toolkit.estimate.experttime import expert_parallel_fsdp_comm_s
     from toolkit.inputs.hardware import parse_hardware
@@ -150,20 +151,35 @@ def test_a_shared_batch_fsdp_group_strides_over_the_expert_group_and_leaves_the_
     dense, experts = QWEN3_PARAMS - QWEN3_EXPERTS, QWEN3_EXPERTS
     shared = _grid(8, shared=True, nodes=2)
     assert (shared.shard_group, shared.expert_shard_group) == (2, 2)
+    assert (shared.mesh_stride("fsdp"), shared.mesh_stride("efsdp"), shared.mesh_stride("ep")) == (8, 8, 1)
+    pair = hw.inter_node_gbps / 8
     gathers = 2  # forward and backward, then one reduce-scatter of the gradients: 3 collectives each
     assert expert_parallel_fsdp_comm_s(spec, shared, hw, 2, gathers) == pytest.approx(
-        3 * ring_s(dense * 2, 2, hw.inter_node_gbps, 1) + 3 * ring_s(experts / 8 * 2, 2, hw.inter_node_gbps, 1),
-        rel=1e-12)
-    own = _grid(8, shared=False, nodes=2)  # fsdp 16 contiguous: spans both nodes as well
+        3 * ring_s(dense * 2, 2, pair, 1) + 3 * ring_s(experts / 8 * 2, 2, pair, 1), rel=1e-12)
+    own = _grid(8, shared=False, nodes=2)  # fsdp 16 consecutive ranks: spans both nodes, the whole network
+    assert (own.mesh_stride("fsdp"), own.mesh_stride("efsdp")) == (1, 8)
     assert expert_parallel_fsdp_comm_s(spec, own, hw, 2, gathers) == pytest.approx(
-        3 * ring_s(dense * 2, 16, hw.inter_node_gbps, 1) + 3 * ring_s(experts / 8 * 2, 2, hw.inter_node_gbps, 1),
-        rel=1e-12)
+        3 * ring_s(dense * 2, 16, hw.inter_node_gbps, 1) + 3 * ring_s(experts / 8 * 2, 2, pair, 1), rel=1e-12)
     one_node = parse_hardware("8xH100-80GB")
     inside = ParallelGrid.for_strategy(parse_strategy("fsdp2"), nodes=1, gpus_per_node=8, expert=4,
                                        expert_shared_batch=True)  # ep 4 x fsdp 2: one node
     assert expert_parallel_fsdp_comm_s(spec, inside, one_node, 2, gathers) == pytest.approx(
         3 * ring_s(dense * 2, 2, one_node.gpu.intra_node_gbps, 1)
         + 3 * ring_s(experts / 4 * 2, 2, one_node.gpu.intra_node_gbps, 1), rel=1e-12)
+
+
+def test_a_group_leaving_its_node_shares_the_node_s_network_with_its_dimension_s_other_groups():
+    """collectives.group_bandwidth from a group's size and stride: NVLink inside a node; across nodes each node's
+    network split between the groups crossing it, by the members a node holds of each."""
+    from toolkit.estimate.collectives import group_bandwidth
+    from toolkit.inputs.hardware import parse_hardware
+
+    hw = parse_hardware("8xH100-80GB", nodes=8, inter_node_gbps=400)
+    nvlink = hw.gpu.intra_node_gbps
+    assert group_bandwidth(hw, 8) == group_bandwidth(hw, 4, 2) == nvlink  # inside one node
+    assert group_bandwidth(hw, 32) == min(nvlink, 400)  # 32 consecutive ranks: 8 a node, one ring a node
+    assert group_bandwidth(hw, 2, 32) == 400 / 8  # GLM-4.5-Air's fsdp pairs: one member a node, 8 pairs a node
+    assert group_bandwidth(hw, 4, 4) == 400 * 2 / 8  # members 4 apart: 2 a node, 4 groups a node
 
 
 def test_a_shared_batch_step_prices_one_batch_and_splits_only_the_experts():

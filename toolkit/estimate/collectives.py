@@ -15,12 +15,18 @@ def ring_s(bytes_: float, n: int, gbps: float, factor: float) -> float:
     return factor * (n - 1) / n * bytes_ / (gbps * 1e9)
 
 
-def group_bandwidth(hw: Hardware, group: int) -> float:
-    """Bus bandwidth of a collective over `group` ranks: NVLink inside a node; the node's network once the
-    group spans nodes (hierarchical rings leave each node once per ring)."""
-    if group <= hw.gpus_per_node:
+def group_bandwidth(hw: Hardware, group: int, stride: int = 1) -> float:
+    """Bus bandwidth of a collective over one group of a mesh dimension: `group` ranks, `stride` ranks apart (the
+    dimension's place in a row-major mesh: 1 innermost; ParallelGrid.mesh_stride). NVLink while the group stays in
+    a node. Once it leaves the node, every group of the dimension runs its collective at the same time, and the
+    node's network (Hardware.inter_node_gbps, per node) is shared by the groups that cross it: a node holds
+    min(group, gpus_per_node / stride) members of each (one ring enters and leaves the node once), so each group
+    gets that share of gpus_per_node. Consecutive ranks filling whole nodes get the whole network; pairs 32 ranks
+    apart, one member a node, an eighth of an 8-GPU node's."""
+    if (group - 1) * stride < hw.gpus_per_node:
         return hw.gpu.intra_node_gbps
-    return min(hw.gpu.intra_node_gbps, hw.inter_node_gbps)
+    per_node = max(1, min(group, hw.gpus_per_node // stride))
+    return min(hw.gpu.intra_node_gbps, hw.inter_node_gbps * per_node / hw.gpus_per_node)
 
 
 def all_to_all_s(bytes_per_rank: float, n: int, gbps: float) -> float:

@@ -89,8 +89,9 @@ def expert_compute(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware, 
 
 
 def expert_exchange_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardware) -> float:
-    """Blocking token exchanges of expert parallelism per step, over the expert group (contiguous ranks: the node's
-    link while ep fits in a node), forward and backward, checkpointed layers exchanging again in recompute:
+    """Blocking token exchanges of expert parallelism per step, over the expert group (consecutive ranks, the
+    innermost mesh dimension: the node's link while ep fits in a node, the node's network once it spans nodes,
+    collectives.group_bandwidth), forward and backward, checkpointed layers exchanging again in recompute:
 
     - every rank its own batch (AllToAllEP): EP_ALL_TO_ALLS_PER_LAYER all-to-alls of tokens x top_k x hidden;
     - a shared batch through AllToAllEP: each rank dispatches its 1 / ep slice of the batch (the same four
@@ -102,7 +103,7 @@ def expert_exchange_s(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardwar
         return 0.0
     pb = compute_bytes(job.precision)
     tokens = tokens_per_rank(job, grid)
-    bw = group_bandwidth(hw, grid.expert)
+    bw = group_bandwidth(hw, grid.expert, grid.mesh_stride("ep"))
     if ep_token_exchange(spec, grid.expert_shared_batch) == "all_reduce":
         per = EP_ALL_REDUCES_PER_LAYER * ring_s(tokens * spec.hidden * pb, grid.expert, bw, 2)
     else:
@@ -120,29 +121,28 @@ def expert_parallel_fsdp_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardwar
     experts = expert_params(spec)
     dense = spec.params - experts
     dp = grid.shard_group
-    # transformers' dense mesh is (pp, dp_replicate, fsdp, tp) with tp innermost (distributed/utils.py
-    # initialize_distributed_mesh): on a shared batch (tp = ep) an fsdp group strides over the ep ranks, so its dp
-    # members span ep x dp consecutive ranks and leave the node once those do.
-    span = dp * grid.expert if grid.expert_shared_batch else dp
-    dense_s = (gathers + 1) * ring_s(dense * pb, dp, group_bandwidth(hw, span), 1)
-    # efsdp groups stride over the ep groups (rank r and r + ep hold the same experts): they leave the node
-    # once the whole grid does.
-    expert_s = (gathers + 1) * ring_s(experts / grid.expert * pb, grid.expert_shard_group,
-                                      group_bandwidth(hw, grid.world), 1)
+    # Each group on the link its members span in transformers' meshes (ParallelGrid.mesh_stride): on a shared batch
+    # (tp = ep, innermost) an fsdp group's members are ep ranks apart; efsdp groups are ep ranks apart always.
+    dense_s = (gathers + 1) * ring_s(dense * pb, dp, group_bandwidth(hw, dp, grid.mesh_stride("fsdp")), 1)
+    efsdp = grid.expert_shard_group
+    expert_s = (gathers + 1) * ring_s(experts / grid.expert * pb, efsdp,
+                                      group_bandwidth(hw, efsdp, grid.mesh_stride("efsdp")), 1)
     return dense_s + expert_s
 
 
 def autoep_zero_comm_s(spec: ModelSpec, grid: ParallelGrid, hw: Hardware, pb: int, stage: int, accum: int) -> float:
     """DeepSpeed AutoEP's ZeRO collectives a step (the ZeRO terms of toolkit.estimate.timing, per parameter group):
     the dense parameters' over the world, the rank's experts / ep over the expert-data-parallel group (world / ep
-    ranks holding the same experts; they leave the node once the world does). ZeRO-1/2: the gradients reduced (ZeRO-2
+    ranks holding the same experts, every ep-th rank: ParallelGrid.mesh_stride, collectives.group_bandwidth). ZeRO-1/2: the gradients reduced (ZeRO-2
     every micro-step, ZeRO-1 once a step) and the updated weights all-gathered; ZeRO-3: every micro-step an all-gather
     in forward, another in backward and a reduce-scatter of the gradients, each over its own group."""
     experts = expert_params(spec)
     dp, edp = grid.shard_group, grid.shard_group // grid.expert
     passes = 3 * accum if stage == 3 else (accum if stage == 2 else 1) + 1
-    dense_s = passes * ring_s((spec.params - experts) * pb, dp, group_bandwidth(hw, dp), 1)
-    expert_s = passes * ring_s(experts / grid.expert * pb, edp, group_bandwidth(hw, grid.world), 1)
+    dense_bw = group_bandwidth(hw, dp, grid.mesh_stride("fsdp"))
+    expert_bw = group_bandwidth(hw, edp, grid.mesh_stride("efsdp"))
+    dense_s = passes * ring_s((spec.params - experts) * pb, dp, dense_bw, 1)
+    expert_s = passes * ring_s(experts / grid.expert * pb, edp, expert_bw, 1)
     return dense_s + expert_s
 
 
@@ -150,7 +150,8 @@ def expert_assumptions(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardwa
                        exchange_s: float) -> list[str]:
     """What the expert-parallel terms assumed, for the step's assumptions (--explain)."""
     route = ep_token_exchange(spec, grid.expert_shared_batch)
-    link = "node" if grid.expert <= hw.gpus_per_node else "inter-node"
+    bw = group_bandwidth(hw, grid.expert, grid.mesh_stride("ep"))
+    link = f"{'node' if grid.expert <= hw.gpus_per_node else 'inter-node'} link at {bw:g} GB/s"
     batch = (f"the {grid.expert} ranks share one batch of {tokens_per_rank(job, grid):,} tokens (dense modules "
              f"computed whole on each, {part.dense_s:.3f} s)" if grid.expert_shared_batch
              else f"every rank its own {tokens_per_rank(job, grid):,} tokens (dense {part.dense_s:.3f} s)")
@@ -163,12 +164,12 @@ def expert_assumptions(spec: ModelSpec, job: Job, grid: ParallelGrid, hw: Hardwa
             "for at the combine"]
     if route == "all_reduce":
         said.append(f"expert parallel {grid.expert}: masked route, {EP_ALL_REDUCES_PER_LAYER} blocking all-reduces "
-                    f"per MoE layer of tokens x hidden on the {link} link ({exchange_s:.3f} s/step)")
+                    f"per MoE layer of tokens x hidden on the {link} ({exchange_s:.3f} s/step)")
     else:
         said.append(f"expert parallel {grid.expert}: {EP_ALL_TO_ALLS_PER_LAYER} blocking all-to-alls per MoE layer "
                     f"(dispatch + combine, forward and backward) of tokens x top-{spec.moe_top_k} x hidden"
                     f"{' (1 / ep of the shared batch each, plus its all-gathers)' if grid.expert_shared_batch else ''}"
-                    f" on the {link} link, balanced routing ({exchange_s:.3f} s/step); one host sync per MoE layer "
+                    f" on the {link}, balanced routing ({exchange_s:.3f} s/step); one host sync per MoE layer "
                     "(split sizes read back) not priced")
     said.append("*expert-parallel speed unverified: of the published expert-parallel steps (TRL PR#6869, "
                 "benchmarks/results/moe_ep.md) the one-node row is within 35% on the route it ran, the 8-node row "

@@ -256,6 +256,17 @@ class ParallelGrid:
         on a shared batch)."""
         return self.dp_shard if self.expert_shared_batch else self.dp_shard * self.tensor // self.expert
 
+    def mesh_stride(self, dim: str) -> int:
+        """Rank distance between neighbouring members of one group of `dim`: "fsdp" (the dense modules' shard
+        group), "ep" (the expert group) or "efsdp" (the ranks holding the same experts). transformers builds its
+        meshes row-major, innermost dimension last (distributed/utils.py initialize_distributed_mesh: dense
+        (pp, dp_replicate, fsdp, tp), experts (pp, dp_replicate, efsdp, ep)); on a shared batch tp is the expert
+        group. DeepSpeed's expert groups lie alike (utils/groups.py _create_expert_and_data_parallel: an expert
+        group is ep consecutive ranks, an expert-data-parallel group every ep-th rank; the dense ZeRO group is the
+        world, consecutive)."""
+        strides = {"ep": 1, "efsdp": self.expert, "fsdp": self.tensor * self.batch_sharers}
+        return strides[dim]
+
     @property
     def resumable(self) -> bool:
         """Whether a run on this grid can resume from its checkpoints (resume_problem() is None)."""
