@@ -503,7 +503,10 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
     lines += ["", f"toolkit.estimate.hosttime.HOST_OP_S is {HOST_OP_S * 1e6:.0f} us, set from this script's runs "
               "(the fastest steps of the runs made while writing it read 9.5-20 us an operation, "
               "by the load of this shared 2-core box; 12 us sits near the low readings, since contention only "
-              "adds to a thread's CPU time), not from the TRL row. A GPU host adds the kernel launch and drops the CPU kernels, and its CPU differs from "
+              "adds to a thread's CPU time), not from the TRL row; this run reads "
+              f"{min(h['us_per_op'] for h in host):.1f}-{max(h['us_per_op'] for h in host):.1f} us at load "
+              f"{host[0]['load1']:.0f}, {min(h['us_per_op'] for h in host) / (HOST_OP_S * 1e6):.2f}-"
+              f"{max(h['us_per_op'] for h in host) / (HOST_OP_S * 1e6):.2f}x the constant. A GPU host adds the kernel launch and drops the CPU kernels, and its CPU differs from "
               f"this one: the band x{HOST_OP_BAND[0]:g}-x{HOST_OP_BAND[1]:g} covers the 5-25 us an operation that "
               "published walk-throughs of the path from Python to cudaLaunchKernel give.", "",
               "### What the expert-parallel route adds", "",
@@ -740,8 +743,8 @@ def render(shared: dict, own: dict, host: list[dict], exchange: tuple[int, int],
               "cluster's line rate it is milliseconds (2 all-reduces of 2,048 x 4,096 bf16 a MoE layer). The "
               "step moves with what the network delivers to the pairs, which nothing published measures at "
               "these sizes (the report's only cross-node figures are 1 GB collectives, benchmark/report.md: "
-              "all_to_all bus bandwidth 335 GB/s in one node, 37 GB/s across two; all-gather 35 / 15 GB/s, both "
-              "far under the line rate even inside a node); the same estimate on a slower network a node: "
+              "all_to_all bus bandwidth 335 GB/s in one node, 37 GB/s across two; all-gather 35 / 15 GB/s, the "
+              "all-gather's far under NVLink's even inside a node); the same estimate on a slower network a node: "
               + "; ".join(f"{float(bw):g} GB/s {step:.3f} s ({step / GLM_ROW['published_step_s'] - 1:+.0%})"
                           for bw, step in glm["fabric_steps"].items())
               + " (toolkit's default network is 50 GB/s a node). A 20-step run whose first steps are slow (the "
