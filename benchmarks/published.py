@@ -716,7 +716,7 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             "2 GPUs). The DDP, ZeRO-2 and ZeRO-3 headers, and that of the same LoRA job on one GPU (its lazy-tokenize "
             "example), were written at b40f31df7 too, for Qwen2-7B-Instruct (a3731f998 and 11a345d41 only moved "
             "the files); FSDP2's at 376640797, November 2025. Scored: ZeRO-2 "
-            f"{_span(results, 'SWIFTEX-Qwen2.5-7B', '-ZeRO2')}, ZeRO-3 {_span(results, 'SWIFTEX-Qwen2.5-7B', '-ZeRO3')}, FSDP2 "
+            f"{_span(results, 'SWIFTEX-Qwen2.5-7B', '-ZeRO2')}, ZeRO-3 {_span(results, 'SWIFTEX-Qwen2.5-7B', '-ZeRO3', '-16k')}, FSDP2 "
             f"{_span(results, 'SWIFTEX', '-FSDP2')}, one GPU "
             f"{_span(results, 'SWIFTEX-Qwen2.5-7B', '-1xGPU-LoRA')}. {_record_stream_sentence(results, rows)} "
             "The FSDP2 run is estimated with an fp32 base: accelerate's FSDP2 path of its time upcast the whole model "
@@ -738,9 +738,12 @@ def _held_out_paragraph(results: list[dict], rows: list[dict], said: dict) -> st
             "and at 128 tokens all our activations come to 0.1 GiB; "
             "ms-swift 3.0 logged the sum over the process's visible devices, swift/trainers/mixin.py "
             "get_max_cuda_memory @b40f31df7, which is one device's unless a rank allocates on the other). Its "
-            "long-context example (Qwen2.5-7B full fine-tuning, ZeRO-3 on 4 H20s, packed 16,384-token rows, Liger, "
-            "43 GiB reserved) is not scored: `toolkit estimate` refuses --liger with ZeRO-3, a combination this run "
-            "shows running.")
+            "long-context example (Qwen2.5-7B full fine-tuning, ZeRO-3 on 4 H20s, estimated on the H100-SXM-96GB, "
+            "packed 16,384-token rows taken as full, Liger, checkpointing, expandable segments, 43 GiB reserved) is "
+            f"{_span(results, 'SWIFTEX', '-16k')}: estimated with --liger under ZeRO-3, whose fused loss reads the "
+            "LM head's weight outside its module; the installed DeepSpeed gathers it on that read and keeps it "
+            "whole from the start of forward to the end of backward, which the replay holds (docs/ENGINE_FACTS.md, "
+            "'Liger + ZeRO-3 is planned'; the estimate refused the combination until 2026-12-05).")
 
 
 ULY_OTHER_THROUGHPUT = {"ULY-Qwen3-4B-1xH100-SP1-8k": 2436, "ULY-Qwen3-4B-4xH100-SP4-8k": 2315,

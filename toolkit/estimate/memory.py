@@ -25,7 +25,7 @@ from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.spreduce import zero_reduce_bytes
 from toolkit.estimate.savers import layer_input_bytes, offload_layer_activations, optimizer_step_temporary_bytes
 from toolkit.estimate.states import (States, adapter_states, ddp_states, expert_parallel_states, fsdp2_states,
-                                     pipeline_states, zero_states)
+                                     liger_head_gathered, pipeline_states, zero_states)
 from toolkit.estimate.traces import scaled_trace
 from toolkit.inputs.strategy import Engine, Strategy
 
@@ -477,7 +477,8 @@ def _allocator_margin(regions: list[_Region], states: States, strategy: Strategy
             bucket_elements=int(job.zero_reduce_bucket or (spec.hidden * spec.hidden if spec else 0)),
             gather_bytes_per_param=compute_bytes(job.precision) if fsdp2 else 0.0, kept_regions=kept, fsdp_root=not plan_groups,
             persistent=states.parameters + states.master + states.gradients + states.buffers + reference_bytes,
-            optimizer=states.optimizer, gathered=states.gathered, reduce_buffers=states.backward_buffers,
+            optimizer=states.optimizer, gathered=states.gathered, held_gathered=states.held_gathered,
+            reduce_buffers=states.backward_buffers,
             reduce_stream=strategy.engine == Engine.FSDP2, step_gradients=states.step_gradients,
             backward_gradients=states.backward_gradients, step_transient=states.step_transient, loaded=states.loaded,
             load_warmup=min(states.load_warmup, max(0, hw.gpu.memory_bytes - 1.2 * GIB)))  # transformers' own cap
@@ -501,6 +502,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
              reference=None, grid: ParallelGrid | None = None) -> Breakdown:
     accumulating = job.grad_accum > 1  # micro-steps after the first add into gradients that already exist
     traced_grad = 4.0 if (trace.autocast or trace.dtype == "float32") else 2.0
+    liger_head_gathered(states, spec, strategy, job)
     ref_weights = reference.weights_bytes if reference else 0
     ref_forward = reference.forward_bytes(trace) if reference else 0
     ref_scoring = 0
@@ -580,10 +582,7 @@ def _compose(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, trace:
         peak_bytes=int(peak.bytes) + workspace,
         peak_phase=peak.phase,
         phase_peaks=tuple((name, int(b) + workspace) for name, b in peak.by_phase.items()),
-        context_bytes=context,
-        margin_bytes=margin,
-        required_bytes=required,
-        capacity_bytes=hw.gpu.memory_bytes,
+        context_bytes=context, margin_bytes=margin, required_bytes=required, capacity_bytes=hw.gpu.memory_bytes,
         cpu_bytes_per_node=int(states.cpu * ranks_per_node),
         nvme_bytes_per_node=int(states.nvme * ranks_per_node),
         host=host_ram(params=spec.params, largest_layer_params=spec.largest_layer_params, strategy=strategy, job=job,

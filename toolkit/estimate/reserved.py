@@ -78,6 +78,10 @@ class StepSizes:
     fsdp_root: bool = True
     """FSDP2's root group holds the kept regions named engineevents.ROOT_REGIONS (fully_shard on the model itself);
     False: transformers' fsdp_plan groups under TP, every region its own group (a kept one to its own post_backward)."""
+    held_gathered: float = 0.0
+    """Unsharded bytes gathered before the first region's forward and kept to the end of backward (ZeRO-3 with
+    Liger: the LM head's weight, toolkit.estimate.states.liger_head_gathered); taken out of the parameters the
+    region holding them gathers itself (the head's, or the embedding's where they are tied)."""
     tensors: tuple[tuple[int, ...], ...] = ()
     """Each region's parameter tensors (elements; toolkit.estimate.layerkinds.region_tensor_numels) where the
     engine's optimizer is torch's, per parameter: its states (zeros_like at the first step) and foreach AdamW's
@@ -319,6 +323,20 @@ def _backward_buffers(sizes: StepSizes, step: int, malloc) -> int:
     return count
 
 
+def _held_taken_out(regions, sizes: StepSizes) -> list[int]:
+    """Each region's parameters that its own gathers make: all of them, less `held_gathered`'s from the head's
+    region, then from the embedding's (a tied head is the embedding's matrix)."""
+    own = [r.params for r in regions]
+    if not sizes.held_gathered:
+        return own
+    left = int(sizes.held_gathered / sizes.param_bytes)
+    where = {r.name: j for j, r in enumerate(regions)}
+    for j in (where[name] for name in ("head + loss", "embedding") if name in where):
+        taken = min(own[j], left)
+        own[j], left = own[j] - taken, left - taken
+    return own
+
+
 def step_events(regions, sizes: StepSizes, steps: int = 2, step_regions=()) -> list[tuple]:
     """The allocator events of `steps` training steps (toolkit.estimate.allocator.replay's format)."""
     out = _EventList()
@@ -377,8 +395,9 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
         sink.reset_peak()
         count += 1
     largest = max(r.params for r in regions) or 1
+    gathered_params = _held_taken_out(regions, sizes)
     gather = [int(r.params * sizes.gather_bytes_per_param) if sizes.gather_bytes_per_param
-              else int(sizes.gathered * r.params / (PREFETCH * largest)) for r in regions]
+              else int(sizes.gathered * own / (PREFETCH * largest)) for r, own in zip(regions, gathered_params)]
     reduce = [int(sizes.reduce_buffers * r.params / (PREFETCH * largest)) for r in regions]
 
     for step in range(steps):
@@ -386,6 +405,10 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
         traced = step_regions[step] if step_regions else regions
         alive: set = set()
         rotating: list = []
+        if sizes.held_gathered > 0:
+            malloc(("held", step), int(sizes.held_gathered), GATHER)
+            record_stream(("held", step), COMPUTE)
+            count += 2
 
         def run(j: int, phase: int, window: tuple[int, ...]) -> None:
             nonlocal count
@@ -453,6 +476,9 @@ def emit_step_events(regions, sizes: StepSizes, sink, steps: int = 2, step_regio
             if gather[j] > 0:
                 free(("kept", step, j))
                 count += 1
+        if sizes.held_gathered > 0:
+            free(("held", step))
+            count += 1
         sync(COMPUTE)
         count += 1
         for key in sorted(alive, key=repr):

@@ -331,8 +331,8 @@ SAVER_SLOT = " +savers"
 def auto_savers(spec: ModelSpec, hw: Hardware, strategy: Strategy, req: Request) -> list[dict[str, bool]]:
     """The memory savers the planner tries by itself for `strategy`, least intrusive first, as Job changes: Liger
     kernels, activation offloading, both; each only where the request leaves it off and the engines and the model
-    take it (job_problem, model_feature_problem: not pipeline stages, Liger not under ZeRO-3 nor on model types it
-    is not modelled for). Not with --tiled (tiling is modelled without either). Per-op selective checkpointing is
+    take it (job_problem, model_feature_problem: not pipeline stages, Liger not on model types it is not modelled
+    for). Not with --tiled (tiling is modelled without either). Per-op selective checkpointing is
     not tried: no runner applies it (toolkit.inputs.job.OP_CHECKPOINTING_PROBLEM)."""
     if req.tiled or not req.savers:
         return []

@@ -65,6 +65,9 @@ class States:
     reduce_bucket_size skips the IPG bucket: stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads)."""
     gathered: float = 0.0
     """ZeRO-3 / FSDP2 unsharded parameters live at a time during forward/backward."""
+    held_gathered: float = 0.0
+    """ZeRO-3 with Liger's fused loss: the LM head's whole weight, gathered from the start of forward to the end of
+    backward (`liger_head_gathered`); within `gathered`."""
     step_transient: float = 0.0
     """Extra bytes only during the optimizer step (DeepSpeed's fp32 gradient partition, foreach temporaries)."""
     layer_transient: float = 0.0
@@ -252,6 +255,28 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
         s.step_transient = min(fp32_grad, 4 * SUB_GROUP_ELEMS) if stage == 3 else fp32_grad
         s.flat_partitions = flat_partitions(P / N, stage)
     return s
+
+
+def liger_head_gathered(s: States, spec: Any, strategy: Strategy, job: Job) -> None:
+    """ZeRO-3 under Liger's fused linear cross-entropy, as DeepSpeed 0.19.8 runs it (read in runtime/engine.py,
+    runtime/zero/parameter_offload.py and partitioned_param_coordinator.py; run on 2 CPU ranks,
+    tests/test_liger.py): lce_forward reads lm_head.weight outside the lm_head module, and ZeROOrderedDict's getter
+    gathers it there (the engine's _forward_prologue marks every module in forward) and registers it as an external
+    parameter of the module then in forward, the CausalLM root. From the second step on (the coordinator's recorded
+    trace) the root's own fetch gathers it at the start of forward; the root's post-forward release keeps it (its
+    backward fetch is next in the trace, within stage3_max_reuse_distance), and nothing frees it until the ZeRO-3
+    optimizer's backward_epilogue (release_backward_leftovers: the root's post-backward hook never fires, its inputs
+    need no gradient). So every rank holds the head's whole weight in the compute dtype from the start of forward
+    to the end of backward, beside the layer computing and the prefetch bucket; none at the step. One gather a
+    micro-step, as without Liger. Nothing is gathered over a partition world of one."""
+    if not (job.liger and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3 and s.gathered):
+        return
+    pb = compute_bytes(job.precision)
+    s.held_gathered = spec.head_matmul_params * pb
+    beside = min(spec.params, spec.head_matmul_params + max(spec.layer_params) + 0.9 * spec.hidden * spec.hidden)
+    s.gathered = max(s.gathered, beside * pb)
+    s.sources.append(f"Liger under ZeRO-3: the LM head's weight read outside its module, gathered whole "
+                     f"({s.held_gathered / GIB:.2f} GiB) from the start of forward to the end of backward")
 
 
 SUB_GROUP_ELEMS = int(1e9)

@@ -304,12 +304,6 @@ def job_problem(precision: str, gpu: "Gpu", strategy: "Strategy | None" = None, 
     if strategy is not None and strategy.is_pipeline and loss == TRL_LOSS:
         return ("TRL's chunked NLL patches the Hugging Face model the Trainer runs (ZeRO / FSDP2 / DDP), not pipeline "
                 "stages")
-    if strategy is not None and liger and strategy.engine == Engine.DEEPSPEED and strategy.zero_stage == 3:
-        # Liger's lce_forward reads lm_head.weight without calling the lm_head module, and ZeRO-3 gathers a
-        # parameter only in its module's forward hook: the fused loss gets an empty shard (liger-kernel 0.8.2 has no
-        # ZeRO-3 path; linkedin/Liger-Kernel issue 1048).
-        return ("--liger with ZeRO-3: Liger's fused loss reads lm_head.weight outside the lm_head module, which ZeRO-3 "
-                "leaves partitioned there; use zero2 or fsdp2, or drop --liger")
     if tiled:
         problem = tiled_problem(strategy, liger=liger, adapter=adapter, compile=compile)
         if problem:
