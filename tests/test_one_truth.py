@@ -458,6 +458,40 @@ def test_every_job_choice_survives_parser_job_plan_files_and_load(tiny_llama_dir
         assert all(getattr(plan, flag[2:].replace("-", "_")) is True for flag in switch), switch
 
 
+def test_every_objective_and_adapter_choice_survives_parser_job_plan_files_and_load(tiny_llama_dir, tmp_path,
+                                                                                    capsys):
+    """The closed sets of the preference, GRPO and adapter flags (toolkit.inputs.choices: every DPO loss type and
+    reference a loss runs with, vLLM modes, base and modules-to-save dtypes, LM-head losses, every joined --method),
+    given to `toolkit plan --out`, are written to plan.json and read back by load_plan unchanged. One strategy, one
+    micro-batch, no checkpointing: the search is not what is tried here."""
+    from toolkit.inputs import choices
+
+    common = ["plan", str(tiny_llama_dir), "--global-batch", "16", "--gpus", "2xH100-80GB", "--micro-batch", "2",
+              "--checkpointing", "off"]
+    base = [*common, "--seq", "64"]
+    methods = [f"{o}{choices.METHOD_JOIN}{m}" if m != "full" else o for o in choices.OBJECTIVES for m in choices.METHODS]
+    dpo = _cycled({"--dpo-loss": choices.DPO_LOSS_TYPES, "--reference": choices.REFERENCES[:2],
+                   "--method": tuple(m for m in methods if m.startswith("dpo"))})
+    grpo = _cycled({"--vllm-mode": choices.VLLM_MODES,
+                    "--method": tuple(m for m in methods if m.startswith("grpo") and "qlora" not in m)})
+    lora = _cycled({"--base-dtype": choices.BASE_DTYPES, "--modules-to-save-dtype": choices.BASE_DTYPES})
+    runs = [([*base, "--strategies", "zero2", *sum(map(list, g.items()), [])], g) for g in dpo]
+    runs += [([*common, "--strategies", "zero2", "--max-prompt-length", "32", "--max-completion-length", "32",
+               "--use-vllm", *sum(map(list, g.items()), [])], g) for g in grpo]
+    runs += [([*base, "--strategies", "ddp", "--method", "lora", "--lora-modules-to-save", "lm_head", "--precision",
+               "fp16" if g["--base-dtype"] == "fp16" else "bf16", *sum(map(list, g.items()), [])], g) for g in lora]
+    runs += [([*base, "--strategies", "zero2", "--loss", name], {"--loss": name}) for name in choices.LOSSES]
+    for i, (argv, given) in enumerate(runs):
+        plan = _plan_folder(argv, tmp_path / str(i), capsys)
+        read = {"--dpo-loss": (plan.dpo or {}).get("loss_type"), "--reference": (plan.dpo or {}).get("reference"),
+                "--vllm-mode": (plan.grpo or {}).get("vllm_mode"), "--base-dtype": plan.adapter_spec.base_dtype,
+                "--modules-to-save-dtype": plan.adapter_spec.saved_dtype, "--loss": plan.loss,
+                "--method": "".join(("dpo" if plan.dpo else "grpo" if plan.grpo else "",
+                                     "" if plan.method == "full" else choices.METHOD_JOIN + plan.method))}
+        for flag, name in given.items():
+            assert read[flag] == name, (argv, flag, read[flag])
+
+
 def _unusual_job():
     """A Job whose every field a plan carries is off its default (the estimate-only ones excepted)."""
     from dataclasses import MISSING, fields
