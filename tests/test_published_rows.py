@@ -100,3 +100,20 @@ def test_the_image_rows_written_for_qwen25_vl_itself_are_scored_and_the_packed_r
         seq, fields = image_job(spec, probe.get("per_sample", images["per_sample"]), probe.get("size", images["size"]),
                                 probe.get("text", packed["seq_len"]))
         assert seq == 8192, (probe, fields)
+
+
+def test_torchtunes_rows_train_bf16_adapters_and_its_nf4_qlora_is_listed_not_scored():
+    """torchtune builds its LoRALinear under the recipe's bf16 default dtype: its rows' adapters are estimated in
+    the base's dtype, as LitGPT's are, where a PEFT row keeps PEFT's fp32 adapters. Its QLoRA quantises with
+    torchao's NF4, not bitsandbytes': listed with that reason; the same job with bitsandbytes would be scored."""
+    lora = _row("TUDOC-Llama-2-7B-1xGPU-LoRA-qv-r8")
+    spec = published._spec(lora["job"]["model"])
+    assert published.adapter_of(lora["job"], spec, lora["framework"]).adapter_dtype == "base"
+    peft = _row("PEFT-MMQA-3B-L40S-LoRA-r32-qv")
+    peft_spec = published._spec(peft["job"]["model"])
+    assert published.adapter_of(peft["job"], peft_spec, peft["framework"]).adapter_dtype == "auto"
+    qlora = _row("TUDOC-Llama-2-7B-1xGPU-QLoRA-r8")
+    assert published.unmodelled(qlora["job"]) == ["torchao_nf4"]
+    assert published.unmodelled({k: v for k, v in qlora["job"].items() if k != "quantizer"}) == []
+    assert published.source_of(qlora["id"], published.load_splits()) == "TUDOC"
+    assert published.load_splits()["TUDOC"] == published.load_splits()["TRLSFT"] == "held-out"
