@@ -85,17 +85,6 @@ def tiny_image_config(name: str, layers: int):
     return config
 
 
-def _gemma_gap(image_rows: list[dict]) -> str:
-    """What the Gemma-3 rows show of the attention mask the estimate leaves out (their ratios, when off by 3%)."""
-    gemma = [r for r in image_rows if r["arch"] == "gemma3"]
-    off = [r for r in gemma if abs(r["act_ratio"] - 1) > 0.03 or abs(r["peak_ratio"] - 1) > 0.03]
-    if not off:
-        return ""
-    ratios = ", ".join(f"{r['act_ratio']:.4f} / {r['peak_ratio']:.4f} ({r['vision_tower']})" for r in gemma)
-    return (f" Its activations / peak: {ratios}, outside the 3% goal: not modelled yet (the same trained step "
-            "without token_type_ids, causal as the estimate traces it, came within 0.1% when this was written).")
-
-
 def _scored(row: dict, config, **kwargs) -> dict:
     """`row` with the measured and predicted activations and peak of one step of `config` (measure_step /
     predict_step's keywords) and their ratios; printed with the seconds both took."""
@@ -164,9 +153,11 @@ def main() -> int:
               "before the forward and resident for the step, which the estimate counts with the activations; with "
               "checkpointing the peak is in the tower's backward (its blocks recomputed). Gemma-3's batch is its "
               "processor's: each image a square of pixels, its fixed count of tokens between begin- and end-of-image, "
-              "and token_type_ids marking them, with which Gemma3Model attends each image's tokens both ways "
-              "(get_block_sequence_ids_for_mask); the estimate traces the language model on the ids alone, causal, "
-              "so the masked attention's extra saved bytes are not in it." + _gemma_gap(image_rows), "",
+              "and token_type_ids marking them, from which Gemma3Model builds an explicit mask in which each image's "
+              "tokens attend each other both ways (get_block_sequence_ids_for_mask), kept by SDPA in every layer as "
+              "an additive float32 bias; the estimate traces the language model with the marks its processor gives "
+              "(toolkit.inputs.images.image_marks_keyword: the processor's return_mm_token_type_ids and the "
+              "keyword the forward takes them under).", "",
               "| arch | tower | ckpt | text + images | params | activations MiB (pred / meas) | ratio | "
               "peak MiB (pred / meas) | ratio | peak phase |", "|" + "---|" * 10]
     for r in image_rows:

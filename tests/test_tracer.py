@@ -227,6 +227,25 @@ def test_cuda_sdpa_keeps_no_seq_by_seq_tensor_even_with_dropout():
     assert cpu_long > 2 * cpu_short  # CPU's math fallback keeps seq x seq tensors
 
 
+def test_cuda_sdpa_with_a_mask_keeps_the_efficient_kernels_bias_in_every_layer():
+    """A masked SDPA call (Mistral's sliding window shorter than the sequence) runs CUDA's memory-efficient kernel,
+    which saves the boolean mask made additive in the query's dtype, a new tensor each call, its last dimension
+    padded to a multiple of 8 (PyTorch attention.cpp convert_boolean_attn_mask, preprocess_mask): b x L x ceil8(L)
+    x 2 bytes more in each layer than the unmasked call; CPU's flash kernel keeps the same bias unpadded."""
+    def layer_bytes(window, seq_len, device_kind):
+        config = tiny_config("mistral", layers=2, hidden=64, heads=4, kv_heads=4, sliding_window=window,
+                             max_positions=512)
+        trace = _trace(config, dtype="bfloat16", autocast=False, attention="sdpa", checkpointing=False,
+                       micro_batch=2, seq_len=seq_len, device_kind=device_kind)
+        return trace.layers[1].saved_bytes, trace.notes
+
+    for seq_len, padded in ((64, 64), (60, 64)):
+        (masked, notes), (causal, _) = layer_bytes(32, seq_len, "cuda"), layer_bytes(None, seq_len, "cuda")
+        assert masked - causal == 2 * seq_len * padded * 2
+        assert any(n.startswith("sdpa with an explicit mask: CUDA") for n in notes)
+        assert layer_bytes(32, seq_len, "cpu")[0] - causal == 2 * seq_len * seq_len * 2
+
+
 def test_cuda_dropout_masks_take_one_byte_per_element():
     config = tiny_config("gpt2", layers=2, hidden=64, attn_pdrop=0.0, embd_pdrop=0.0)  # dropout after MLP only
     kw = dict(dtype="float32", autocast=False, attention="eager", checkpointing=False, micro_batch=1, seq_len=64)

@@ -71,7 +71,8 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                    checkpointing: bool, notes: list[str], liger: bool = False, device_kind: str = "cuda",
                    adapter=None, tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
                    per_layer: tuple[str, ...] | None = None, cast_params: bool = False,
-                   adapter_fp32: bool = False, inputs_require_grad: bool = False) -> Run:
+                   adapter_fp32: bool = False, inputs_require_grad: bool = False,
+                   image_marks: str | None = None) -> Run:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -126,6 +127,9 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
                                     adapter_fp32=adapter_fp32)
             model.train()
         input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        # The processor's marks of the image tokens, as its batch carries them beside the ids (int64, the ids' shape);
+        # no operation reads their values under FakeTensorMode, so the mask they make has its shape whatever they mark
+        marks = {image_marks: torch.zeros_like(input_ids)} if image_marks else {}
 
         log = StorageLog()
         param_ids = {id(p.untyped_storage()) for p in model.parameters()}
@@ -207,7 +211,7 @@ def run_fake_step(config, attn_impl: str, param_dtype, autocast_dtype, micro_bat
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             log.mark("f:embedding")
             with amp:
-                output = model(input_ids=input_ids, labels=input_ids)
+                output = model(input_ids=input_ids, labels=input_ids, **marks)
                 if autocast_dtype is not None:
                     alive = {entry[0] for entry in log.alive.values()}
                     for serial, (name, nbytes) in autocast_copies.items():

@@ -121,15 +121,39 @@ def _autocast_inputs(*tensors):
 
 
 def _cuda_sdpa_standin(original, notes: list[str]):
+    import torch
+
     kernel = _attention_kernel_function()
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                      scale=None, enable_gqa=False):
-        notes.append("sdpa: CUDA kernel footprint (q, k, v, out, fp32 logsumexp; no seq x seq) instead of CPU's")
         query, key, value = _autocast_inputs(query, key, value)
-        return kernel.apply(query, key, value, attn_mask, True)
+        if isinstance(attn_mask, torch.Tensor):
+            notes.append("sdpa with an explicit mask: CUDA memory-efficient kernel footprint (q, k, v, out, fp32 "
+                         "logsumexp and the mask as an additive bias in the query's dtype, one per call)")
+            return kernel.apply(query, key, value, _efficient_attention_bias(attn_mask, query.dtype), True)
+        notes.append("sdpa: CUDA kernel footprint (q, k, v, out, fp32 logsumexp; no seq x seq) instead of CPU's")
+        return kernel.apply(query, key, value, None, True)
 
     return scaled_dot_product_attention
+
+
+def _efficient_attention_bias(mask, dtype):
+    """The bias CUDA's SDPA hands the memory-efficient kernel for `mask` (the flash kernel takes none, so a masked
+    call runs there), which that kernel saves for backward: a boolean mask becomes an additive one in the query's
+    dtype, a new tensor each call, and a bias whose strides are not multiples of 8 is padded on its last dimension
+    and sliced back (PyTorch aten/src/ATen/native/transformers/attention.cpp scaled_dot_product_attention,
+    convert_boolean_attn_mask, preprocess_mask / pad_bias)."""
+    import torch
+
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype)
+    elif mask.is_floating_point() and torch.is_autocast_enabled("cpu"):
+        mask = mask.to(dtype)  # autocast casts every floating input of sdpa
+    if mask.stride(-1) != 1 or any(stride % 8 for stride in mask.stride()[:-1]):
+        last = mask.shape[-1]
+        mask = torch.nn.functional.pad(mask, (0, 8 - last % 8))[..., :last]
+    return mask
 
 
 def _register_flash_standin(notes: list[str]) -> str:

@@ -42,7 +42,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                       autocast: bool = False, attention: str = "sdpa", device_kind: str = "cuda",
                       checkpointing: bool = False, liger: bool = False, adapter=None,
                       tiled: bool = False, chunked_loss: int = 0, loss: str = "model",
-                      adapter_fp32: bool = False, inputs_require_grad: bool = False) -> ActivationTrace:
+                      adapter_fp32: bool = False, inputs_require_grad: bool = False,
+                      image_marks: str | None = None) -> ActivationTrace:
     """Bytes the model keeps for backward, region by region, for one micro-batch of `micro_batch` x `seq_len`.
 
     `config` is any decoder-only causal-LM config; it is not modified. `adapter` (a toolkit.inputs.lora.Adapter with
@@ -61,6 +62,9 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
     `inputs_require_grad`: the input embeddings require grad although the base is frozen (an adapter job whose
     vision tower trains: the image features merged into them carry the tower's graph), traced with the model's own
     enable_input_require_grads, which checkpointing turns on anyway.
+    `image_marks`: the keyword under which the forward takes the processor's marks of an image job's image tokens
+    (toolkit.inputs.images.image_marks_keyword), fed with the ids: Gemma-3 builds its bidirectional image mask from
+    them, an explicit (b, 1, s, s) mask where the ids alone run causal without one.
     """
     import torch
 
@@ -90,7 +94,8 @@ def trace_activations(config, *, seq_len: int, micro_batch: int = 1, dtype: str 
                                      liger=liger, device_kind=device_kind, adapter=adapter, tiled=tiled,
                                      chunked_loss=chunked_loss, loss=loss,
                                      per_layer=per_layer_keys(config, len(full_kinds)), cast_params=cast_params,
-                                     adapter_fp32=adapter_fp32, inputs_require_grad=inputs_require_grad)
+                                     adapter_fp32=adapter_fp32, inputs_require_grad=inputs_require_grad,
+                                     image_marks=image_marks)
             except (DynamicOutputShapeException, DataDependentOutputException) as exc:
                 raise NotImplementedError(
                     f"{type(config).__name__}: the model's forward has shapes that depend on the data ({exc}), e.g. "

@@ -11,6 +11,7 @@ from toolkit.errors import UserError
 from toolkit.estimate.activations import ActivationTrace, RegionTrace
 from toolkit.estimate.reserved import leaving_replays_out
 from toolkit.estimate.stepevents import lerp_events
+from toolkit.inputs.images import image_marks_keyword
 from toolkit.inputs.job import COMPILE_BLOCKS, TRL_LOSS, Job
 from toolkit.inputs.modelspec import ModelSpec
 from toolkit.inputs.strategy import Engine, Strategy
@@ -100,7 +101,8 @@ def _trl_head_bends(job: Job, low: tuple[int, int], high: tuple[int, int]) -> bo
     return low[0] * (low[1] - 1) < TOKEN_CHUNK_SIZE < high[0] * (high[1] - 1)
 
 
-def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> ActivationTrace | None:
+def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int,
+                  image_marks: str | None = None) -> ActivationTrace | None:
     L = job.seq_len
     if not _SEQ_ANCHORED or L < SEQ_ANCHOR_MIN or L & (L - 1) == 0:
         return None
@@ -110,10 +112,10 @@ def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> Acti
 
     a = 1 << (L.bit_length() - 1)
     # the language model's trace is of text tokens alone (with_images adds the tower): the anchors drop the images,
-    # whose tokens may not fit beside an anchor's length
+    # whose tokens may not fit beside an anchor's length, and keep the processor's marks of them (image_marks)
     text = replace(job, images_per_sample=0, image_size="", image_tokens=0)
-    t1 = _exact_trace(spec, replace(text, seq_len=a), strategy, b)
-    t2 = _exact_trace(spec, replace(text, seq_len=2 * a), strategy, b)
+    t1 = _exact_trace(spec, replace(text, seq_len=a), strategy, b, image_marks)
+    t2 = _exact_trace(spec, replace(text, seq_len=2 * a), strategy, b, image_marks)
     f = (L - a) / a
 
     def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
@@ -127,7 +129,8 @@ def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int) -> Acti
 
 def activation_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
     b = micro_batch or job.micro_batch
-    return _seq_anchored(spec, job, strategy, b) or _exact_trace(spec, job, strategy, b)
+    marks = image_marks_keyword(spec.hf_config()) if job.images_per_sample else None
+    return _seq_anchored(spec, job, strategy, b, marks) or _exact_trace(spec, job, strategy, b, marks)
 
 
 def step_time_terms(spec: ModelSpec, job: Job, strategy: Strategy, device_s: float | None = None) -> dict:
@@ -155,7 +158,10 @@ def priced_step_time(timer, spec: ModelSpec, strategy: Strategy, job: Job, hw, *
     return timer(spec, strategy, job, hw, **where, **terms) if terms else timing
 
 
-def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None) -> ActivationTrace:
+def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None,
+                 image_marks: str | None = None) -> ActivationTrace:
+    """`image_marks`: an image job's language model takes its processor's marks of the image tokens under this
+    keyword (toolkit.inputs.images.image_marks_keyword), fed to the trace with the ids."""
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)
@@ -171,6 +177,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         key += ("chunked_loss", job.chunked_loss)
     if job.loss != "model":
         key += ("loss", job.loss)
+    if image_marks:
+        key += ("image_marks", image_marks)
     # an adapter job whose vision tower trains: the merged input embeddings carry its graph
     inputs_grad = adapter is not None and bool(job.images_per_sample) and tower_trains(spec, job)
     if inputs_grad:
@@ -195,6 +203,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
             disk_key += ["loss", job.loss, cache.installed_version("trl")]
         if disk_key and adapter_fp32:
             disk_key += ["adapter_fp32"]
+        if disk_key and image_marks:
+            disk_key += ["image_marks", image_marks]
         if disk_key and inputs_grad:
             disk_key += ["inputs_require_grad"]
         if disk_key:  # every trace tallies what TRL's offloading would move, by TRL's own choice of head (savers)
@@ -217,7 +227,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
                         traced_config, seq_len=job.seq_len, micro_batch=b, dtype=dtype, autocast=autocast,
                         attention=attention, device_kind=job.device_kind, checkpointing=job.checkpointing,
                         liger=job.liger, adapter=adapter, tiled=job.tiled, chunked_loss=job.chunked_loss,
-                        loss=job.loss, adapter_fp32=adapter_fp32, inputs_require_grad=inputs_grad)
+                        loss=job.loss, adapter_fp32=adapter_fp32, inputs_require_grad=inputs_grad,
+                        image_marks=image_marks)
             except NotImplementedError as exc:  # a forward the fake-tensor trace cannot follow (Gemma-3's VLM)
                 raise UserError(f"cannot estimate the activation memory of {spec.name}: {exc}") from None
             except CONFIG_ERRORS as exc:  # the model's own forward fails on a field its config leaves unset

@@ -135,6 +135,38 @@ def image_job(spec: Any, images_per_sample: int | None, image_size: str | None, 
         "images_per_sample": images_per_sample, "image_size": f"{width}x{height}", "image_tokens": found.tokens}
 
 
+_MARKS_KEYWORDS = ("mm_token_type_ids", "token_type_ids")
+"""The names a processor's marks of the image tokens reach a forward under: ProcessorMixin's own, and the one
+Gemma3Processor renames them to (processing_gemma3.py __call__)."""
+
+
+def image_marks_keyword(config: Any) -> str | None:
+    """The keyword under which the model a trace builds for `config` (toolkit.inputs.modelconfig.auto_model_class)
+    takes its processor's marks of the image tokens, or None where the processor marks none or the forward takes
+    none. The processor class transformers maps the config to marks them where it sets `return_mm_token_type_ids`
+    (ProcessorMixin.create_mm_token_type_ids: 1 on each image's tokens) and TRL's VLM collator passes on whatever
+    the processor returns; the forward takes them as `mm_token_type_ids` or `token_type_ids`. Gemma-3 builds its
+    attention mask from them (an image's tokens attend each other both ways), Qwen-VL places its M-RoPE positions
+    with them. No per-architecture table: the processor class's flag and the forward's signature."""
+    import inspect
+
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+
+    from toolkit.inputs.modelconfig import auto_model_class
+
+    name = PROCESSOR_MAPPING_NAMES.get(getattr(config, "model_type", ""))
+    try:
+        marks = bool(name and getattr(processor_class_from_name(name), "return_mm_token_type_ids", False))
+    except ImportError:  # a processor class whose module needs torchvision: not importable here
+        return None
+    mapping = getattr(auto_model_class(config), "_model_mapping", {})
+    try:
+        forward = inspect.signature(mapping[type(config)].forward).parameters
+    except (KeyError, ValueError):
+        return None
+    return next((key for key in _MARKS_KEYWORDS if key in forward), None) if marks else None
+
+
 def check_image_model(spec: Any) -> None:
     """Images apply to a multimodal class only (a spec built for images: toolkit.inputs.modelspec.build_spec): one
     UserError line for a text model, or a checkpoint with a vision config whose tower no class builds."""
