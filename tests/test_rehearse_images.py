@@ -105,8 +105,9 @@ def test_a_gemma3_image_plan_rehearses_a_fixed_count_pooled_from_a_tiny_square(t
     """Gemma-3's processor gives every image a fixed 256 tokens (mm_tokens_per_image) pooled from its tower's 896 x 896
     square; its tiny image model pools 4 x 4 patches of 14 px (image_size 56) to 4 tokens, Gemma3Processor saved with
     image_seq_length 4: the small plan carries 2 x 40x40 images at 4 tokens each, the collator puts 4 tokens an image
-    in the 72, and in two optimizer steps in process every tower tensor gets a gradient by the second (the
-    projector's weight starts at zero, Gemma3PreTrainedModel._init_weights, so none reaches the tower at the first)."""
+    in the 72, marked in the batch's token_type_ids (from which Gemma3Model builds its bidirectional image mask),
+    and in two optimizer steps in process every tower tensor gets a gradient by the second (the projector's weight
+    starts at zero, Gemma3PreTrainedModel._init_weights, so none reaches the tower at the first)."""
     import torch
 
     from toolkit.inputs.modelconfig import load_pretrained
@@ -125,6 +126,8 @@ def test_a_gemma3_image_plan_rehearses_a_fixed_count_pooled_from_a_tiny_square(t
     assert type(processor).__name__ == "Gemma3Processor" and config.eos_token_id == 0
     train, _ = build_image_datasets(str(data), small, eval_fraction=0, seed=0)
     collate, _ = image_collator(processor, config, small)
+    marks = collate([train[0], train[1]])  # the processor's marks of the image tokens reach the model
+    assert marks["token_type_ids"].tolist() == (marks["input_ids"] == config.image_token_id).long().tolist()
     model = load_pretrained(model_dir, images=True, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
