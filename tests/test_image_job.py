@@ -687,3 +687,31 @@ def test_gemma_3s_image_step_is_traced_with_its_bidirectional_image_mask(tower, 
     predicted = predict_step(config, **kw)
     assert predicted["activations_bytes"] == pytest.approx(measured.activations_bytes, rel=0.005)
     assert predicted["peak_bytes"] == pytest.approx(measured.peak_bytes, rel=0.03)
+
+
+def test_an_anchored_trace_keeps_the_trained_towers_input_gradient():
+    """A length between two powers of two is traced at both and interpolated (traces._seq_anchored), on text jobs
+    that drop the images: the input embeddings' gradient of a LoRA job whose tower trains (modules_to_save visual)
+    is read from the job with its images, so the anchored trace equals the exact one (it lost the embedding's
+    880,648 backward bytes and its host op before)."""
+    import dataclasses
+
+    from toolkit.estimate.traces import activation_trace, traces_linear_in_seq
+    from toolkit.inputs.images import image_job
+    from toolkit.inputs.job import Job
+    from toolkit.inputs.lora import Adapter
+    from toolkit.inputs.modelspec import build_spec
+    from toolkit.inputs.strategy import parse_strategy
+
+    config = TINY["qwen2.5-vl"]()
+    getattr(config, "text_config", config).max_position_embeddings = 8192  # room for the 2048-token anchor
+    spec = build_spec("qwen2.5-vl", config, images=True)
+    seq, fields = image_job(spec, IMAGES, SIZE, 1400)
+    job = Job(seq_len=seq, micro_batch=1, precision="fp32", device_kind="cpu",
+              adapter=Adapter(method="lora", r=8, targets="all-linear", modules_to_save="visual"), **fields)
+    strategy = parse_strategy("ddp")
+    exact = activation_trace(spec, job, strategy, 1)
+    with traces_linear_in_seq():
+        anchored = activation_trace(spec, job, strategy, 1)
+    assert seq == 1720 and exact.embedding.backward_extra_bytes > 0
+    assert dataclasses.asdict(anchored) == dataclasses.asdict(exact)

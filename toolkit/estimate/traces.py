@@ -112,10 +112,12 @@ def _seq_anchored(spec: ModelSpec, job: Job, strategy: Strategy, b: int,
 
     a = 1 << (L.bit_length() - 1)
     # the language model's trace is of text tokens alone (with_images adds the tower): the anchors drop the images,
-    # whose tokens may not fit beside an anchor's length, and keep the processor's marks of them (image_marks)
+    # whose tokens may not fit beside an anchor's length, and keep the processor's marks of them (image_marks) and
+    # whether the merged input embeddings carry the tower's graph (inputs_grad, read from the job with its images)
     text = replace(job, images_per_sample=0, image_size="", image_tokens=0)
-    t1 = _exact_trace(spec, replace(text, seq_len=a), strategy, b, image_marks)
-    t2 = _exact_trace(spec, replace(text, seq_len=2 * a), strategy, b, image_marks)
+    grad = _inputs_grad(spec, job)
+    t1 = _exact_trace(spec, replace(text, seq_len=a), strategy, b, image_marks, grad)
+    t2 = _exact_trace(spec, replace(text, seq_len=2 * a), strategy, b, image_marks, grad)
     f = (L - a) / a
 
     def lerp(r1: RegionTrace, r2: RegionTrace) -> RegionTrace:
@@ -158,10 +160,16 @@ def priced_step_time(timer, spec: ModelSpec, strategy: Strategy, job: Job, hw, *
     return timer(spec, strategy, job, hw, **where, **terms) if terms else timing
 
 
+def _inputs_grad(spec: ModelSpec, job: Job) -> bool:
+    """An adapter job whose vision tower trains: the merged input embeddings carry the tower's graph."""
+    return job.adapter.is_adapter and bool(job.images_per_sample) and tower_trains(spec, job)
+
+
 def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int | None = None,
-                 image_marks: str | None = None) -> ActivationTrace:
+                 image_marks: str | None = None, inputs_grad: bool | None = None) -> ActivationTrace:
     """`image_marks`: an image job's language model takes its processor's marks of the image tokens under this
-    keyword (toolkit.inputs.images.image_marks_keyword), fed to the trace with the ids."""
+    keyword (toolkit.inputs.images.image_marks_keyword), fed to the trace with the ids. `inputs_grad`: whether the
+    input embeddings require grad (_inputs_grad of the job; given by the anchors, whose text jobs lose the images)."""
     dtype, autocast = _trace_mode(strategy, job)
     b = micro_batch or job.micro_batch
     attention = spec.effective_attention(job.attention)
@@ -179,8 +187,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         key += ("loss", job.loss)
     if image_marks:
         key += ("image_marks", image_marks)
-    # an adapter job whose vision tower trains: the merged input embeddings carry its graph
-    inputs_grad = adapter is not None and bool(job.images_per_sample) and tower_trains(spec, job)
+    if inputs_grad is None:
+        inputs_grad = _inputs_grad(spec, job)
     if inputs_grad:
         key += ("inputs_require_grad",)
     adapter_fp32 = adapter_in_fp32(strategy, job)
@@ -190,7 +198,8 @@ def _exact_trace(spec: ModelSpec, job: Job, strategy: Strategy, micro_batch: int
         from toolkit.estimate.compiled import trace_compiled_activations
         from toolkit.estimate.tracer import trace_activations
 
-        disk_key = [spec.source_key, *key[1:-1]] if spec.source_key else None
+        # the key's fields up to the checkpointing mode; the adapter, Liger and the rest are added by name below
+        disk_key = [spec.source_key, *key[1:8]] + (["liger"] if job.liger else []) if spec.source_key else None
         if disk_key and job.compile:
             disk_key += ["compile", cache.installed_version("torch")] + ([] if job.compile is True else [job.compile])
         if disk_key and adapter is not None:
