@@ -27,14 +27,16 @@ def test_a_free_code_names_its_birth_back():
 
 
 def test_region_events_cut_the_log_by_window_and_point_deaths_to_their_births():
-    # embedding makes serial 0; layer 0 makes 1 and 2, frees 0; the head frees 1; layer 0's backward frees 2.
-    log = [(0, 100), (1, 200), (0, -100), (2, 300), (1, -200), (2, -300)]
-    marks = {"f:embedding": 0, "f:layer0": 1, "e:layer0": 4, "f:end": 5, "b:begin": 5, "b:layer0": 5,
-             "be:layer0": 6, "b:end": 6}
+    # embedding makes serial 0; layer 0 makes 1, 2 and 4, frees 0; as the layer returns, before the head allocates,
+    # serial 1 dies: the layer's own (at depth that is where a layer's input dies, before the next layer's mark);
+    # the head makes and frees 3, then frees 2, the layer's; layer 0's backward frees 4.
+    log = [(0, 100), (1, 200), (0, -100), (2, 300), (4, 10), (1, -200), (3, 50), (3, -50), (2, -300), (4, -10)]
+    marks = {"f:embedding": 0, "f:layer0": 1, "e:layer0": 5, "f:end": 9, "b:begin": 9, "b:layer0": 9,
+             "be:layer0": 10, "b:end": 10}
     emb, layer, head = region_events(log, marks, 1, excluded=set())
     assert emb == ((100,), ())
-    assert layer == ((200, free_code(-1, 0, 0), 300), (free_code(0, 0, 1),))
-    assert head == ((free_code(-1, 0, 0),), ())
+    assert layer == ((200, free_code(-1, 0, 0), 300, 10, free_code(0, 0, 0)), (free_code(0, 0, 2),))
+    assert head == ((50, free_code(0, 0, 0), free_code(-1, 0, 1)), ())
 
 
 def test_the_estimate_reports_the_replayed_reserved_not_the_five_percent_margin(tiny):

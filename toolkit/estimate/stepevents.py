@@ -64,18 +64,27 @@ def region_events(events: list[tuple[int, int]], marks: dict[str, int], n: int,
     births: dict[int, tuple[int, int, int]] = {}
     ordinals: dict[tuple[int, int], int] = {}
     window, w = None, 0
+    head = (n + 1, FORWARD)
+    between = False  # the last layer has returned and the head has allocated nothing yet
     for k, (serial, delta) in enumerate(events):
         while w < len(opened) and opened[w][0] <= k:
             window, w = opened[w][2], w + 1
+            between = window == head
         if window is None or window[0] < 0 or serial in excluded:
             continue
         region, phase = window
         if delta > 0:
+            between = False
             ordinal = ordinals.get(window, 0)
             ordinals[window] = ordinal + 1
             births[serial] = (region, phase, ordinal)
             out[region][phase].append(delta)
         elif serial in births:
+            if between:
+                # What dies as the last layer returns (the decoder loop rebinding hidden_states frees the layer's
+                # input) is the last layer's, as a shallower layer's dies in its own window before the next layer's
+                # mark: so a copy of the last traced layer frees its own input, as it would at depth.
+                region = n
             born_region, born_phase, ordinal = births.pop(serial)
             if abs(born_region - region) < _OFFSET:
                 out[region][phase].append(free_code(born_region - region, born_phase, ordinal))
