@@ -114,19 +114,22 @@ def make_plan(model_dir: Path, strategy: str, world: int, expert: int, micro: in
                           precision="fp32", expert=expert)
 
 
-def predict(plan) -> dict:
+def predict(plan, rank: int | None = None) -> dict:
+    """The plan's estimate: the worst rank's (rank None), or `rank`'s own where ranks differ (ZeRO-2's gradient
+    partition: toolkit.estimate.zeropartition)."""
     from toolkit.estimate.memory import estimate_memory
     from toolkit.plan.job import plan_job
 
     on_cpu = plan.replace(gpu="H100-SXM-80GB", device_kind="cpu")
     spec, hw, job = plan_job(on_cpu, check=False)
-    b = estimate_memory(spec, on_cpu.strategy_spec, job, hw, grid=on_cpu.grid)
+    b = estimate_memory(spec, on_cpu.strategy_spec, job, hw, grid=on_cpu.grid, rank=rank)
     return {"peak_bytes": int(b.peak_bytes), "peak_phase": b.peak_phase,
             "persistent_bytes": int(b.between_steps_bytes), "terms": {t.name: int(t.bytes) for t in b.terms}}
 
 
-def at_received_rows(plan, peak_bytes: int, ranks: list[dict]) -> list[tuple[int, float, int]]:
-    """Each rank's received routed rows, the balanced count, and the plan's peak moved to those rows."""
+def at_received_rows(plan, ranks: list[dict]) -> list[tuple[int, float, int]]:
+    """Each rank's received routed rows, the balanced count, and that rank's predicted peak (predict(plan, rank))
+    moved to those rows."""
     from toolkit.estimate.experttime import expert_rows_per_rank
     from toolkit.estimate.expertrows import peak_at_received_rows, received_rows
     from toolkit.inputs.moe import moe_layer_count
@@ -140,7 +143,8 @@ def at_received_rows(plan, peak_bytes: int, ranks: list[dict]) -> list[tuple[int
     out = []
     for r in ranks:
         received = received_rows(routed, r["rank"], plan.expert_parallel, spec.moe_experts // plan.expert_parallel)
-        out.append((received, balanced, peak_at_received_rows(peak_bytes, spec, job, rows, received)))
+        peak = predict(plan, r["rank"])["peak_bytes"]
+        out.append((received, balanced, peak_at_received_rows(peak, spec, job, rows, received)))
     return out
 
 
@@ -160,7 +164,7 @@ def run_one(model_dir: Path, corpus: Path, arch: str, route: tuple, workdir: Pat
     row["ranks"] = ranks
     row["predicted"] = predict(plan)
     if expert > 1:  # the plan's peak is the busiest expert rank's: each rank's at the rows it received
-        at_rows = at_received_rows(plan, row["predicted"]["peak_bytes"], ranks)
+        at_rows = at_received_rows(plan, ranks)
         for r, (received, balanced, peak) in zip(ranks, at_rows):
             r.update(received_rows=received, balanced_rows=balanced, predicted_peak_bytes=peak,
                      peak_ratio=peak / r["peak_bytes"])
@@ -238,7 +242,7 @@ def merged(fresh: list[dict], models: dict) -> list[dict]:
             plan = make_plan(models[row["arch"]], row["strategy"], row["world"], row["expert"], row["micro_batch"])
             row["predicted"] = predict(plan)
             if row["expert"] > 1:
-                at_rows = at_received_rows(plan, row["predicted"]["peak_bytes"], row["ranks"])
+                at_rows = at_received_rows(plan, row["ranks"])
                 for r, (_, _, peak) in zip(row["ranks"], at_rows):
                     r.update(predicted_peak_bytes=peak, peak_ratio=peak / r["peak_bytes"])
             row["peak_ratio"] = row["predicted"]["peak_bytes"] / row["measured_peak_bytes"]
@@ -288,10 +292,11 @@ def markdown(rows: list[dict]) -> str:
              f"{rl.MEASURED} from its inputs to the optimizer step. Predicted: `estimate_memory` of the plan's job "
              "and grid (toolkit.plan.job.plan_job, device kind cpu): Breakdown.between_steps_bytes, and the peak, "
              "which is the busiest expert rank's (it assumes 1.25x the mean routed rows, "
-             "toolkit.estimate.expertrows.EP_WORST_RANK_SHARE). *At its rows*: that peak moved to the rows each "
-             "rank really received in the measured step (toolkit.estimate.expertrows.peak_at_received_rows; the "
-             "rows read from transformers' experts modules' top_k_index and AutoEP's router counts), the like-for-"
-             "like comparison; the range over the ranks. Ratios are predicted / measured; off by more than 5% in "
+             "toolkit.estimate.expertrows.EP_WORST_RANK_SHARE). *At its rows*: each rank's own peak (estimate_memory "
+             "of that rank: under ZeRO-2 its own gradient partition, toolkit.estimate.zeropartition; the plan's "
+             "figure on the other routes) moved to the rows it really received in the measured step "
+             "(toolkit.estimate.expertrows.peak_at_received_rows; the rows read from transformers' experts modules' "
+             "top_k_index and AutoEP's router counts), the like-for-like comparison; the range over the ranks. Ratios are predicted / measured; off by more than 5% in "
              "bold.", "",
              "| model | route | grid | processes | between steps: predicted | measured | ratio | peak: predicted "
              "(busiest rank) | measured (largest rank) | ratio | at its rows, each rank | received / balanced rows "
@@ -353,10 +358,29 @@ DeepSpeed's order: at 4 processes the head straddles the last two dense partitio
 it whole) and the head's gradient beside it at the end of the head's backward (States.head_gradient). Before ->
 after, the plan's peak against the largest rank: Qwen3-MoE 0.9779 -> 1.0042 (2 processes), 0.8894 -> 0.9902 (4);
 Mixtral 0.9807 -> 0.9996, 0.9185 -> 0.9934; the head ranks at their rows (Qwen3-MoE / Mixtral): at 2 processes
-from -5.1% / -5.6% to -2.5% / -3.7%, at 4 from -12.7%, -10.5% / -10.4%, -9.1% to -2.6%, -0.1% / -2.9%, -1.4%. The plan prices every rank at the worst one (what the planner must judge), so at 4 processes the two
-ranks whose partitions hold no large tensor whole are now over by up to 9.0% (their own grads_in_partition is about
-P/N, allocated later in backward); the ZeRO-2 rows were re-run at this branch's commits (the first line above says
-which; toolkit.train, which the ranks run, is the same in each), the other rows' runs kept and predicted again.
+from -5.1% / -5.6% to -2.5% / -3.7%, at 4 from -12.7%, -10.5% / -10.4%, -9.1% to -2.6%, -0.1% / -2.9%, -1.4%.
+The ZeRO-2 rows were re-run at this branch's commits (the first line above says which; toolkit.train, which the
+ranks run, is the same in each), the other rows' runs kept and predicted again.
+
+**Each rank its own gradient partition, allocated by its own first tensor.** The plan prices every rank at the worst
+one (what the planner must judge: the worst rank's whole tensors from the head's backward on), which put the
+4-process ranks whose partitions hold no large tensor up to 9.0% over at their rows (`DM_STORAGES`: ranks 0 and 1
+peak in lm_head's backward holding its 131,072 B gradient and no partition). DeepSpeed allocates a rank's
+grads_in_partition at the first reduction that copies one of its own tensors in (`copy_grads_in_partition`; a
+gradient outside the partition is only cleared), and AutoEP's experts are partitioned over the
+expert-data-parallel group, in which rank r is r // autoep_size (`utils/groups.py` `_get_expert_parallel_ranks`:
+ranks 0, 2 and 1, 3 here). `estimate_memory(..., rank=r)` now prices rank r with its own partition
+(toolkit.estimate.zeropartition.rank_gradient_partitions: its elements, and the backward region of its first
+reduced tensor, from whose backward peak it is counted) and with the head's gradient at the head's backward peak
+where the trace has the weight gradient there (micro-batch 1 here); the plan's figure is unchanged. Each rank at its
+rows, before -> after: Qwen3-MoE 4 processes 0.9736..1.0903 -> 0.9655..1.0362, 2 processes 0.9754..1.0181 ->
+0.9702..0.9962; Mixtral 0.9706..1.0896 -> 0.9608..1.0413, 0.9632..1.0200 -> 0.9595..1.0040 (Mixtral's rank 0 at 2
+processes, whose partition holds both layers' local experts, re-run with `DM_STORAGES`: its peak is in layer 1's
+experts' backward beside its 590,336 B partition). Left: a partition is counted from its region's backward peak,
+so rank 1 at 4 processes, whose first tensor is layer 1's q_proj (that layer's last gradient), is over by 3.6% /
+4.1%; and AutoEP moves the replaced routers to the end of the dense group (`runtime/engine.py`
+`_remap_param_groups_after_module_replacement`) where toolkit keeps the model's order (256 elements a router: ranks
+2 and 3 measured 69,856 / 57,856 elements against 70,112 / 57,344 predicted).
 
 Not measured here: bf16 (toolkit.train's CPU runs are fp32), activation checkpointing, GPT-OSS and DeepSeek-V3
 (GPT-OSS ep 2 x fsdp 4 is measured by tests/test_moe.py), GPUs (NCCL's all-to-all, the DeepEP path).

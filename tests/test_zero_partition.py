@@ -115,11 +115,11 @@ def test_zero2_counts_the_worst_ranks_whole_parameters(llama):
     assert llama.params == 202_048
     assert gradient_elements_per_rank(llama.param_numels, 4) == [64000, 105088, 101056, 64000]
     worst = zero_gradient_partition(llama, llama.params, 4)
-    assert worst == 105_088
+    assert worst == (105_088, 0)  # the plan's: allocated from the head's region on (the earliest, an upper bound)
     s = zero_states(llama.params, Job(seq_len=8), parse_strategy("zero2"), dp=4, hidden=64, largest_layer=0,
                     gradient_partition=worst)
-    assert s.backward_gradients == worst * 2
-    assert "2 B x 105,088 (the worst rank's whole parameters, 2.08x P/N)" in s.sources[-1]
+    assert s.backward_gradients == 105_088 * 2 and s.partition_region == 0
+    assert "2 B x 105,088 (the rank's whole parameters, 2.08x P/N)" in s.sources[-1]
 
 
 def test_a_spec_whose_tensors_do_not_add_up_keeps_p_over_n(llama):

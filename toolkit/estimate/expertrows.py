@@ -115,3 +115,27 @@ def peak_at_received_rows(peak_bytes: int, spec: Any, job: Any, rows_per_layer: 
     balanced = rows_per_layer * moe_layer_count(spec)
     return int(peak_bytes - worst_rank_extra_bytes(spec, job, rows_per_layer)
                + (received - balanced) * received_row_bytes(spec, dtype))
+
+
+BUSIEST_EXPERT_RANK = "busiest expert rank (routing)"  # the Term of its extra received rows
+
+
+def on_the_busiest_expert_rank(b: Any, spec: Any, job: Any, rows: float) -> Any:
+    """An expert-parallel row's memory on the rank that runs out first: the trace is priced at balanced routing,
+    and the busiest expert rank keeps more received rows for backward (worst_rank_extra_bytes, all of them live at
+    the backward's start, the activation peak). Added to the peak and the required bytes the fit and the ranking use,
+    as its own term beside the balanced activations (toolkit.estimate.memory's expert-parallel rows). `rows`: the
+    balanced received rows a MoE layer (toolkit.estimate.experttime.expert_rows_per_rank)."""
+    from dataclasses import replace
+
+    from toolkit.estimate.breakdown import Term
+
+    extra = worst_rank_extra_bytes(spec, job, rows)
+    terms = list(b.terms)
+    where = next(i for i, t in enumerate(terms) if t.name == "activations")
+    terms.insert(where + 1, Term(BUSIEST_EXPERT_RANK, extra,
+                                 f"activations are priced at balanced routing ({rows:,.0f} received rows a MoE layer, "
+                                 f"the all-to-all is dropless); the busiest expert rank at {EP_WORST_RANK_SHARE:g}x "
+                                 f"the mean rows (assumed) keeps this much more for backward: "
+                                 f"{'the one layer recomputed' if job.checkpointing else 'every MoE layer'}"))
+    return replace(b, terms=tuple(terms), peak_bytes=b.peak_bytes + extra, required_bytes=b.required_bytes + extra)

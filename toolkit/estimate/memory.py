@@ -32,6 +32,7 @@ from toolkit.inputs.strategy import Engine, Strategy
 from toolkit.estimate.breakdown import (  # noqa: F401  (the memory model's names, spelled once in breakdown)
     ALLOCATOR_MARGIN, CUDA_CONTEXT_BYTES, Breakdown, Term, reserved_bytes)
 from toolkit.estimate.devicememory import device_terms
+from toolkit.estimate.expertrows import BUSIEST_EXPERT_RANK, on_the_busiest_expert_rank  # noqa: F401  (its Term's name)
 
 
 VISION_ACTIVATIONS = "  of which vision encoder"
@@ -97,7 +98,7 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
     kept_grads = (step_grads_total + states.accumulation_gradients + states.backward_gradients) if accumulating \
         else 0.0
     # Alive only once backward has started (and, for the gradient partitions, until the step).
-    in_backward = states.backward_buffers + (0.0 if accumulating else states.backward_gradients)
+    partition = 0.0 if accumulating else states.backward_gradients  # from its region's reduction (partition_region)
     saved_total = sum(r.trace.saved_bytes for r in regions)
     copies_total = sum(r.trace.autocast_copy_bytes for r in regions) if autocast else 0.0
     earlier = saved_total * (in_flight - 1) + stash_bytes
@@ -137,7 +138,8 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
         extra = r.trace.backward_extra_bytes + (states.layer_transient if r.is_layer else 0.0)
         # Engine gradient buffers (ZeRO-2's partition and bucket, FSDP2's unsharded grads) appear once the first
         # region's weight gradients exist: after the loss/logits gradient peak of the head (measured on CPU).
-        engine_now = in_backward if k else 0.0
+        engine_now = states.backward_buffers + (partition if k >= states.partition_region else 0.0) if k else 0.0
+        in_backward = states.backward_buffers + (partition if k >= states.partition_region else 0.0)
         # The region's weight gradients that exist at its backward peak, and all it creates, as traced (a tied
         # head creates the embedding matrix's gradient), scaled from the traced parameter dtype to the bytes of
         # gradient this engine creates per parameter.
@@ -146,14 +148,15 @@ def _simulate(regions: list[_Region], states: States, *, in_flight: int, accumul
             created = (r.trace.grad_bytes + r.trace.forward_grad_bytes) * grad_scale
         else:
             at_peak, created = 0.0, r.params * grad_bytes_per_param
-        before = 0.0 if accumulating else grads_done + at_peak
+        # ZeRO-2's head gradient (whole, above the bucket) lives until the next hook copies it into the partition,
+        # beside it; at the head's backward peak too where the trace has its weight gradient there (grad_scale is 0).
+        held = states.head_gradient if k == 0 and r.name == "head + loss" else 0.0
+        before = 0.0 if accumulating else grads_done + at_peak + (held if r.trace.backward_grad_bytes else 0.0)
         peak.offer(base + engine_now + remaining + remaining_copies + early + before + extra,
                    f"backward ({r.name})", extra)
         grads_done += created
         early -= r.trace.forward_grad_bytes
         after = 0.0 if accumulating else grads_done
-        # ZeRO-2's head gradient is copied into the partition when the next hook reduces it: both alive at once.
-        held = states.head_gradient if k == 0 and r.name == "head + loss" else 0.0
         peak.offer(base + in_backward + remaining - r.trace.saved_bytes + remaining_copies + early + after + held,
                    f"backward ({r.name})", 0.0)
         remaining -= r.trace.saved_bytes
@@ -195,12 +198,13 @@ def adapter_job_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Para
         load_warmup_bytes=counts.quantized_packed_bytes + counts.unquantized_frozen_params * storage)
 
 
-def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
+def states_for(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int,
+               rank: int | None = None) -> States:
     if job.adapter.is_adapter:
         return adapter_job_states(spec, strategy, job, grid)
     frozen = frozen_params(spec, job)
     params -= frozen
-    s = _engine_states(spec, strategy, job, grid, params=params)
+    s = _engine_states(spec, strategy, job, grid, params=params, rank=rank)
     if frozen:
         from toolkit.estimate.states import frozen_weight_bytes
 
@@ -234,7 +238,8 @@ def frozen_params(spec: ModelSpec, job: Job) -> int:
     return spec.vision_params + spec.projector_params
 
 
-def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int) -> States:
+def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: ParallelGrid, *, params: int,
+                   rank: int | None = None) -> States:
     fe = int(params * spec.factored_state_fraction)
     dp = grid.data_parallel
     if strategy.engine == Engine.DDP:
@@ -243,13 +248,13 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
         if grid.autoep:
             from toolkit.estimate.states import autoep_states
 
-            return autoep_states(spec, params, job, strategy, grid=grid, factored_elems=fe)
+            return autoep_states(spec, params, job, strategy, grid=grid, factored_elems=fe, rank=rank)
         # ZeRO partitions over the sequence-data-parallel group: dp, times sp under Ulysses.
         from toolkit.estimate.zeropartition import zero_gradient_partition
 
         return zero_states(params, job, strategy, dp=grid.shard_group, hidden=spec.hidden,
                            largest_layer=spec.largest_layer_params, factored_elems=fe,
-                           gradient_partition=zero_gradient_partition(spec, params, grid.shard_group)
+                           gradient_partition=zero_gradient_partition(spec, params, grid.shard_group, rank=rank)
                            if strategy.zero_stage == 2 else None, head_params=spec.head_matmul_params,
                            reduce_bytes=zero_reduce_bytes(job.precision, grid.sequence))
     if strategy.engine == Engine.FSDP2:
@@ -260,29 +265,6 @@ def _engine_states(spec: ModelSpec, strategy: Strategy, job: Job, grid: Parallel
                             root_params=spec.pre_layer_params + spec.post_layer_params, accumulating=False,
                             factored_elems=fe, prefetch_layers=2 if job.device_kind == "cuda" else 1)
     return pipeline_states(params, job, dp=dp, factored_elems=fe)
-
-
-def _on_the_busiest_expert_rank(b: Breakdown, spec: ModelSpec, job: Job, grid: ParallelGrid) -> Breakdown:
-    """An expert-parallel row's memory on the rank that runs out first: the trace is priced at balanced routing,
-    and the busiest expert rank keeps more received rows for backward (toolkit.estimate.expertrows
-    .worst_rank_extra_bytes, all of them live at the backward's start, the activation peak). Added to the peak
-    and the required bytes the fit and the ranking use, as its own term beside the balanced activations."""
-    from toolkit.estimate.experttime import expert_rows_per_rank
-    from toolkit.estimate.expertrows import EP_WORST_RANK_SHARE, worst_rank_extra_bytes
-
-    rows = expert_rows_per_rank(spec, job, grid)
-    extra = worst_rank_extra_bytes(spec, job, rows)
-    terms = list(b.terms)
-    where = next(i for i, t in enumerate(terms) if t.name == "activations")
-    terms.insert(where + 1, Term(BUSIEST_EXPERT_RANK, extra,
-                                 f"activations are priced at balanced routing ({rows:,.0f} received rows a MoE layer, "
-                                 f"the all-to-all is dropless); the busiest expert rank at {EP_WORST_RANK_SHARE:g}x "
-                                 f"the mean rows (assumed) keeps this much more for backward: "
-                                 f"{'the one layer recomputed' if job.checkpointing else 'every MoE layer'}"))
-    return replace(b, terms=tuple(terms), peak_bytes=b.peak_bytes + extra, required_bytes=b.required_bytes + extra)
-
-
-BUSIEST_EXPERT_RANK = "busiest expert rank (routing)"  # the Term of its extra received rows
 
 
 def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
@@ -309,12 +291,15 @@ def states_floor_bytes(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardwa
 
 
 def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int = 1,
-                    partition: list[int] | None = None, grid: ParallelGrid | None = None) -> Breakdown:
+                    partition: list[int] | None = None, grid: ParallelGrid | None = None,
+                    rank: int | None = None) -> Breakdown:
     """Per-GPU memory of `strategy` running `job` on `hw`. For pipeline plans every stage is computed and the
     breakdown of the stage that needs the most is returned (partition None: the grid's balanced one). `grid`:
-    the grid to use, with its tensor / context / sequence degrees (default: the strategy's plain grid on hw)."""
+    the grid to use, with its tensor / context / sequence degrees (default: the strategy's plain grid on hw).
+    `rank`: that rank's own ZeRO-2 gradient partition (toolkit.estimate.zeropartition); None: the worst rank's."""
     grid = grid or grid_of(strategy, hw, pipeline_stages)
-    b = _training_memory(spec, strategy, job, hw, pipeline_stages=pipeline_stages, partition=partition, grid=grid)
+    b = _training_memory(spec, strategy, job, hw, pipeline_stages=pipeline_stages, partition=partition, grid=grid,
+                         rank=rank)
     if job.grpo is None:
         return b
     from toolkit.estimate.grpo import generation_sequences, with_generation
@@ -323,7 +308,7 @@ def estimate_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware,
 
 
 def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware, *, pipeline_stages: int,
-                     partition: list[int] | None, grid: ParallelGrid) -> Breakdown:
+                     partition: list[int] | None, grid: ParallelGrid, rank: int | None = None) -> Breakdown:
     """estimate_memory's training step (GRPO's generation is added by its caller)."""
     reference = None
     if job.dpo is not None or job.grpo is not None:  # the policy's step (DPO: the concatenated batch), the reference
@@ -350,7 +335,7 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
     trace = scaled_trace(spec, job, strategy)
     if not strategy.is_pipeline:
         trace, offloaded = offload_layer_activations(trace, job, layer_input_bytes(spec, job))
-        states = states_for(spec, strategy, job, grid, params=spec.params)
+        states = states_for(spec, strategy, job, grid, params=spec.params, rank=rank)
         if grid.expert > 1 and grid.shard_group > 1 and not grid.autoep:  # transformers' own FSDP2 groups (distributed/fsdp.py)
             from toolkit.inputs.moe import ep_gathered_layer_params
             from toolkit.inputs.tensorplan import tensor_split
@@ -362,7 +347,11 @@ def _training_memory(spec: ModelSpec, strategy: Strategy, job: Job, hw: Hardware
         regions = _regions(spec, trace, 0, spec.num_layers, True, True)
         states.cpu += offloaded  # pinned host buffers per rank, one micro-batch at a time
         out = _compose(spec, strategy, job, hw, trace, regions, states, in_flight=1, reference=reference, grid=grid)
-        return _on_the_busiest_expert_rank(out, spec, job, grid) if grid.expert > 1 else out
+        if grid.expert <= 1:
+            return out
+        from toolkit.estimate.experttime import expert_rows_per_rank
+
+        return on_the_busiest_expert_rank(out, spec, job, expert_rows_per_rank(spec, job, grid))
     if job.activation_offloading:
         raise UserError("activation offloading is not available with the pipeline engine; use a ZeRO or FSDP2 "
                         "strategy, or drop --activation-offloading")

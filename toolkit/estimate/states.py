@@ -59,6 +59,10 @@ class States:
     backward_gradients: float = 0.0
     """Gradient partitions created in backward and freed by the step (ZeRO-2's grads_in_partition); while
     accumulating they persist between micro-steps."""
+    partition_region: int = 0
+    """ZeRO-2: the backward region (0: the head's, 1: the last layer's, ...) whose reduction first copies one of the
+    rank's tensors into its partition, which allocates `backward_gradients` (toolkit.estimate.zeropartition); 0 on
+    the rank that holds the head, and for the plan's worst rank."""
     head_gradient: float = 0.0
     """ZeRO-2: the LM head's whole gradient, alive from the head's backward until the next parameter's hook reduces
     it and copies it into the gradient partition, which that copy allocates beside it (a tensor above
@@ -161,7 +165,7 @@ def ddp_saved_module_states(s: States, P: int, job: Job, *, param_bytes: int, wo
 
 
 def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, largest_layer: int,
-                factored_elems: int | None = None, gradient_partition: int | None = None,
+                factored_elems: int | None = None, gradient_partition: tuple[int, int] | None = None,
                 head_params: int = 0, reduce_bytes: int | None = None) -> States:
     """DeepSpeed ZeRO stage 1/2/3 with the HF Trainer's "auto" bucket sizes (reduce_bucket_size = h*h,
     stage3_prefetch_bucket_size = 0.9*h*h; accelerate/transformers fill formulas), or the config's own
@@ -170,9 +174,9 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
     Mixed precision: the module is cast to bf16/fp16 (2 B/param), fp32 master partition 4P/N, optimizer states
     /N, and the fp32 gradient partition (stage_1_and_2.py step(): flat_grad_partition.to(fp32), freed per group
     after its step; stage3.py _prepare_fp32_grad_for_sub_group, per sub-group of at most 1e9 elements).
-    Stage 2 keeps a low-precision gradient partition (grads_in_partition): `gradient_partition` elements, the
-    worst rank's whole parameters touching its partition (toolkit.estimate.zeropartition), P/N where it is None;
-    stage 3 its
+    Stage 2 keeps a low-precision gradient partition (grads_in_partition): `gradient_partition` (elements, the
+    backward region that allocates it), the rank's whole parameters touching its partition
+    (toolkit.estimate.zeropartition), P/N from the head's region where it is None; stage 3 its
     grad_partitions_flat_buffer (2P/N) and the parameter partitions (2P/N). Offload moves master, optimizer and
     fp32 grads to host RAM (pinned) and runs the step there (DeepSpeedCPUAdam). `reduce_bytes`: bytes of an element
     of ZeRO-3's reduce bucket, its communication dtype (fp32 under Ulysses SP: toolkit.inputs.spreduce); None: the
@@ -204,12 +208,12 @@ def zero_states(P: int, job: Job, strategy: Strategy, *, dp: int, hidden: int, l
             # grads_in_partition counts whole parameters (copy_grads_in_partition sums the numels of
             # params_in_partition), so the worst rank's is larger than P/N by the tensors straddling its borders.
             buffers = 2 if job.zero_overlap_comm else 1
-            whole = P / N if gradient_partition is None else gradient_partition
+            whole, s.partition_region = (P / N, 0) if gradient_partition is None else gradient_partition
             s.backward_gradients = 0.0 if off_opt else whole * pb
             s.backward_buffers = buffers * bucket * pb
             s.head_gradient = 0.0 if off_opt or head_params <= bucket else head_params * pb
             held = f"{pb}P/N" if gradient_partition is None else (
-                f"{pb} B x {gradient_partition:,} (the worst rank's whole parameters, {whole / (P / N):.3g}x P/N)")
+                f"{pb} B x {whole:,} (the rank's whole parameters, {whole / (P / N):.3g}x P/N)")
             s.sources.append(f"ZeRO-2: {pb} B/param weights, {held} grad partition from backward to the step, "
                              f"{('one', 'two (overlap_comm)')[buffers - 1]} {bucket_words} reduce bucket(s) in "
                              "backward")
@@ -491,7 +495,7 @@ def adapter_states(trainable: int, base_bytes: float, job: Job, strategy: Strate
 
 
 def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
-                  factored_elems: int | None = None) -> States:
+                  factored_elems: int | None = None, rank: int | None = None) -> States:
     """DeepSpeed AutoEP (toolkit.inputs.autoep): a rank holds the P - experts dense parameters and experts /
     `expert` of the routed ones (its AutoEPMoELayers' w1/w2/w3); ZeRO partitions each parameter group over its own
     data-parallel group (runtime/zero/stage_1_and_2.py, the expert groups over the expert-data-parallel group; under
@@ -501,8 +505,9 @@ def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
     (the larger one). ZeRO-3's gathered parameters: one coordinator for both groups (partitioned_param_coordinator.py),
     so its reuse window and live cap count once, over a layer's dense part gathered from every rank plus its local
     experts gathered from the expert-data-parallel group; a group of one rank (autoep_size = world) gathers nothing,
-    as zero_states on one rank (measured: benchmarks/results/moe_distributed_memory.md). Adds the token exchange's buffers as transformers'
-    all-to-all holds them (toolkit.inputs.moe .ep_exchange_buffer_bytes) while a MoE layer runs."""
+    as zero_states on one rank (measured: benchmarks/results/moe_distributed_memory.md). Adds the token exchange's
+    buffers as transformers' all-to-all holds them (toolkit.inputs.moe .ep_exchange_buffer_bytes) while a MoE layer
+    runs. `rank`: ZeRO-2's gradient partition of that rank (zeropartition.zero_gradient_partition); None: the worst."""
     from toolkit.inputs.moe import ep_exchange_buffer_bytes, expert_layer_params, expert_params
 
     experts, world, expert = expert_params(spec), grid.shard_group, grid.expert
@@ -531,9 +536,9 @@ def autoep_states(spec: Any, P: int, job: Job, strategy: Strategy, *, grid: Any,
     if strategy.zero_stage == 2 and strategy.offload_optimizer == "none":
         from toolkit.estimate.zeropartition import zero_gradient_partition
 
-        whole = zero_gradient_partition(spec, P, world, expert=expert)
+        whole = zero_gradient_partition(spec, P, world, expert=expert, rank=rank)
         if whole is not None:  # one grads_in_partition over both groups, whole parameters each
-            s.backward_gradients = whole * _param_bytes(job)
+            s.backward_gradients, s.partition_region = whole[0] * _param_bytes(job), whole[1]
     s.buffers, s.backward_buffers = dense.buffers, dense.backward_buffers  # one reduce bucket serves both groups
     s.head_gradient = dense.head_gradient
     s.step_transient = max(dense.step_transient, mine.step_transient)

@@ -33,12 +33,12 @@ def partition_size(numels: Sequence[int], world: int) -> int:
     return math.ceil(sum(numels) / alignment) * alignment // world
 
 
-def gradient_elements_per_rank(numels: Sequence[int], world: int) -> list[int]:
-    """For one param group, each rank's whole-parameter gradient elements: the numels of every parameter whose
-    range meets the rank's partition (stage_1_and_2.py get_partition_info: starting inside it, or straddling its
-    first element)."""
+def partition_tensors(numels: Sequence[int], world: int) -> list[range]:
+    """For one param group, the indices of the tensors each rank's `params_in_partition` holds: every parameter
+    whose range meets the rank's partition (stage_1_and_2.py get_partition_info: starting inside it, or straddling
+    its first element)."""
     if not numels:
-        return [0] * world
+        return [range(0)] * world
     size = partition_size(numels, world)
     starts = [0]
     for n in numels:
@@ -48,11 +48,17 @@ def gradient_elements_per_rank(numels: Sequence[int], world: int) -> list[int]:
         lo, hi = rank * size, (rank + 1) * size
         first = bisect.bisect_left(starts, lo, hi=len(numels))  # first parameter starting at or after lo
         last = bisect.bisect_left(starts, hi, hi=len(numels))  # first parameter starting at or after hi
-        total = starts[last] - starts[first]
         if first > 0 and starts[first - 1] < lo < starts[first]:  # the one straddling the partition's start
-            total += numels[first - 1]
-        out.append(total)
+            first -= 1
+        out.append(range(first, last))
     return out
+
+
+def gradient_elements_per_rank(numels: Sequence[int], world: int) -> list[int]:
+    """For one param group, each rank's whole-parameter gradient elements (partition_tensors' numels summed)."""
+    if not numels:
+        return [0] * world
+    return [sum(numels[i] for i in held) for held in partition_tensors(numels, world)]
 
 
 def worst_gradient_partition(groups: Sequence[Sequence[int]], world: int) -> int:
@@ -70,30 +76,78 @@ def route_groups(tensors: Sequence[tuple[int, int]]) -> tuple[tuple[tuple[int, .
     order: the HF Trainer's optimizer (toolkit.train, a user's Trainer script: Trainer.create_optimizer, the decay
     parameters, then the rest, each in the model's order), and one group of every trainable parameter in the
     model's order (an "optimizer" block in the DeepSpeed JSON: transformers' DummyOptim, DeepSpeed's launcher)."""
-    decay = tuple(n for n, k in tensors if not k & PARAM_NO_DECAY)
-    return (decay, tuple(n for n, k in tensors if k & PARAM_NO_DECAY)), (tuple(n for n, _ in tensors),)
+    return tuple(tuple(tuple(tensors[i][0] for i in group) for group in route)
+                 for route in _route_indices([k for _, k in tensors]))
 
 
-def zero_gradient_partition(spec: Any, params: int, world: int, *, expert: int = 1) -> int | None:
-    """The worst rank's ZeRO-2 gradient partition (elements) for `params` trainable parameters of `spec` over
-    `world` ranks: the larger of the two routes' groupings (route_groups). None where the spec's tensors do not add
-    up to `params` (a spec rescaled from --params, a tensor-parallel rank's, one cached before the tensors were
-    recorded, adapters): the caller keeps P/N there. `params` may leave out a frozen vision tower. `expert` > 1
-    (DeepSpeed AutoEP): the dense tensors over `world` ranks plus the rank's local experts (each expert tensor /
-    `expert`) over world / expert, each group's worst rank added (an upper bound: which dense rank shares an
-    expert group is not modelled)."""
+def _route_indices(kinds: Sequence[int]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """route_groups as indices into `kinds`."""
+    decay = tuple(i for i, k in enumerate(kinds) if not k & PARAM_NO_DECAY)
+    return (decay, tuple(i for i, k in enumerate(kinds) if k & PARAM_NO_DECAY)), (tuple(range(len(kinds))),)
+
+
+def backward_regions(spec: Any) -> tuple[int, ...] | None:
+    """Each tensor of `spec.param_numels`, the memory model's region it belongs to counted back from the head's
+    (0: final norm and head, 1: the last decoder layer, ..., layers + 1: the embedding), the order backward reduces
+    their gradients in; None where the tensors do not add up region by region in the model's order."""
+    bounds, total = [], 0
+    for n in (spec.pre_layer_params, *spec.layer_params, spec.post_layer_params):
+        total += n
+        bounds.append(total)
+    out, seen = [], 0
+    for n in spec.param_numels:
+        seen += n
+        out.append(len(bounds) - 1 - bisect.bisect_left(bounds, seen))
+    return tuple(out) if total == seen and min(out, default=0) >= 0 else None
+
+
+def rank_gradient_partitions(spec: Any, params: int, world: int, *, expert: int = 1) -> list[tuple[int, int]] | None:
+    """Each rank's ZeRO-2 gradient partition for `params` trainable parameters of `spec` over `world` ranks:
+    (elements, the backward region whose reduction first copies one of its tensors in, which allocates it:
+    copy_grads_in_partition; see backward_regions), on the route grouping whose worst rank holds the most
+    (route_groups). None where the spec's tensors do not add up to `params` (a spec rescaled from --params, a
+    tensor-parallel rank's, one cached before the tensors were recorded, adapters): the caller keeps P/N there.
+    `params` may leave out a frozen vision tower. `expert` > 1 (DeepSpeed AutoEP): the dense tensors over `world`
+    ranks plus the rank's local experts (each expert tensor / `expert`) over its expert-data-parallel group of
+    world / expert ranks, in which rank r is r // expert (deepspeed/utils/groups.py _get_expert_parallel_ranks: the
+    expert-parallel groups are consecutive ranks, the expert-data-parallel ones strided by `expert`)."""
     numels, kinds = getattr(spec, "param_numels", ()), getattr(spec, "param_kinds", ())
     if not numels or len(numels) != len(kinds):
         return None
+    regions = backward_regions(spec) or (0,) * len(numels)  # unknown: allocated at the head's, the earliest
     for frozen in (0, PARAM_VISION):
-        trained = [(n, k) for n, k in zip(numels, kinds) if not k & frozen]
-        if sum(n for n, _ in trained) == params:
+        trained = [(n, k, r) for n, k, r in zip(numels, kinds, regions) if not k & frozen]
+        if sum(n for n, *_ in trained) == params:
             break
     else:
         return None
-    dense = [(n, k) for n, k in trained if not (expert > 1 and k & PARAM_EXPERT)]
-    worst = max(worst_gradient_partition(groups, world) for groups in route_groups(dense))
-    if expert > 1:
-        local = tuple(n // expert for n, k in trained if k & PARAM_EXPERT)
-        worst += worst_gradient_partition((local,), max(world // expert, 1))
-    return worst
+    dense = [t for t in trained if not (expert > 1 and t[1] & PARAM_EXPERT)]
+    local = [(n // expert, k, r) for n, k, r in trained if expert > 1 and k & PARAM_EXPERT]
+    edp = max(world // expert, 1)
+
+    def held(tensors: list, route: tuple, ranks: int) -> list[list[tuple[int, int]]]:  # each rank's (numel, region)
+        out: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
+        for group in route:
+            for rank, indices in enumerate(partition_tensors([tensors[i][0] for i in group], ranks)):
+                out[rank] += [(tensors[group[i]][0], tensors[group[i]][2]) for i in indices]
+        return out
+
+    mine = held(local, (tuple(range(len(local))),), edp)
+    best: list[tuple[int, int]] = []
+    for route in _route_indices([k for _, k, _ in dense]):
+        ranks = [d + mine[r // expert] if expert > 1 else d for r, d in enumerate(held(dense, route, world))]
+        each = [(sum(n for n, _ in t), min((r for _, r in t), default=0)) for t in ranks]
+        if not best or max(each)[0] > max(best)[0]:
+            best = each
+    return best
+
+
+def zero_gradient_partition(spec: Any, params: int, world: int, *, expert: int = 1,
+                            rank: int | None = None) -> tuple[int, int] | None:
+    """(elements, the backward region whose reduction allocates it) of `rank`'s ZeRO-2 gradient partition
+    (rank_gradient_partitions); rank None: the worst rank's elements, allocated at the head's region (the earliest:
+    what the plan prices, an upper bound over the ranks). None where rank_gradient_partitions is."""
+    each = rank_gradient_partitions(spec, params, world, expert=expert)
+    if each is None:
+        return None
+    return each[rank] if rank is not None else (max(n for n, _ in each), 0)
