@@ -109,15 +109,16 @@ def test_tiled_plan_tells_the_users_script_how(tiny_llama_dir):
 
 
 def test_the_planner_tiles_only_what_fits_tiled_alone(tmp_path, capsys):
-    """Llama-3.1-8B at 131072 tokens on 8 x A100-40GB, ZeRO-3 x SP 4: untiled it needs more than the GPU
-    (--tiled off: nothing fits); the default plan (--tiled auto) chooses it tiled, under capacity, and writes the
+    """Llama-3.1-8B at 131072 tokens on 8 x A100-40GB, ZeRO-3 x SP 4, no savers: untiled it needs more than the GPU
+    (--tiled off: nothing fits; the savers would fit it with Liger); the default plan (--tiled auto) chooses it tiled, under capacity, and writes the
     folder --tiled writes for that grid, byte for byte."""
     import json
 
     from toolkit.cli import main
 
+    # --savers off: since 0021a70 Liger is planned with ZeRO-3, and the savers would fit it untiled as +liger
     argv = ["plan", "llama-3.1-8b", "--gpus", "8xA100-40GB", "--seq", "131072", "--micro-batch", "1",
-            "--strategies", "zero3", "--sequence-parallel", "4", "--json"]
+            "--strategies", "zero3", "--sequence-parallel", "4", "--savers", "off", "--json"]
     assert main(argv + ["--tiled", "off"]) == 1
     off = json.loads(capsys.readouterr().out)
     plain = off["candidates"][0]
